@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The test command: builds lily (and its CUDA code when nvcc is present), runs every CPU test
+# (GoogleTest units and goldens, Node black-box tests), then repeats the C++ tests under
+# AddressSanitizer + UndefinedBehaviorSanitizer. GPU tests (label `gpu`) run on an H200 via
+# scripts/gpu-check.sh, not here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JOBS=$(nproc)
+
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j "$JOBS"
+ctest --test-dir build -LE gpu --output-on-failure -j "$JOBS" --timeout 900
+
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLILY_SANITIZE=ON -DLILY_CUDA=OFF >/dev/null
+cmake --build build-asan -j "$JOBS"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan -L unit --output-on-failure -j "$JOBS" --timeout 1800

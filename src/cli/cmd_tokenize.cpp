@@ -1,0 +1,16 @@
+// `lily tokenize` — placeholder until its issue lands; exits with an error saying so.
+#include "base/error.h"
+#include "cli/commands.h"
+
+namespace lily::cli {
+
+void register_tokenize(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand("tokenize", "(not available in this build yet)");
+  cmd->allow_extras();
+  cmd->callback([&exit_code] {
+    (void)exit_code;
+    throw Error("lily tokenize is not available in this build yet");
+  });
+}
+
+}  // namespace lily::cli

@@ -1,0 +1,35 @@
+// `lily`: serve | generate | bench | synth | inspect | tokenize. Every user-caused failure
+// (lily::Error) is printed as one line "lily: error: …" and exits with status 1.
+#include <cstdio>
+#include <exception>
+
+#include <CLI/CLI.hpp>
+
+#include "base/error.h"
+#include "base/log.h"
+#include "cli/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"lily: an inference server for Qwen3.6-35B-A3B (qwen3_5_moe, MLX 4-bit)"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("lily ") + LILY_GIT_COMMIT);
+  int exit_code = 0;
+  lily::cli::register_serve(app, exit_code);
+  lily::cli::register_generate(app, exit_code);
+  lily::cli::register_bench(app, exit_code);
+  lily::cli::register_synth(app, exit_code);
+  lily::cli::register_inspect(app, exit_code);
+  lily::cli::register_tokenize(app, exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const lily::Error& e) {
+    lily::log_error(e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    lily::log_error(std::string("internal error: ") + e.what());
+    return 2;
+  }
+  return exit_code;
+}

@@ -1,0 +1,86 @@
+// ModelConfig: the qwen3_5_moe text-model hyper-parameters, parsed from a checkpoint's
+// config.json and validated family-strictly (reference/model.md §1). Dimension names follow
+// one glossary: hidden, vocab, n_layers, n_heads / n_kv_heads / head_dim (gated attention),
+// gdn_* (Gated DeltaNet), n_experts / n_experts_per_tok / moe_ffn_dim / shared_ffn_dim (MoE).
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace lily {
+
+/// Mixer kind of one decoder layer.
+enum class LayerType { kLinearAttention, kFullAttention };
+
+/// MLX affine quantization settings declared in config.json's `quantization` block.
+struct QuantizationConfig {
+  int bits = 4;         ///< default bit width (must be 4)
+  int group_size = 64;  ///< elements per (scale, bias) group along the input dim (must be 64)
+  /// Module paths overridden to 8 bits (must end in `mlp.gate` or `mlp.shared_expert_gate`).
+  std::vector<std::string> eight_bit_modules;
+};
+
+/// Hyper-parameters of a qwen3_5_moe text model (model.md §1.1, §1.3).
+struct ModelConfig {
+  int vocab = 0;     ///< rows of embed_tokens / lm_head
+  int hidden = 0;    ///< residual width H
+  int n_layers = 0;  ///< decoder layers
+  std::vector<LayerType> layer_types;  ///< [n_layers]
+  int full_attention_interval = 4;     ///< every interval-th layer (i % interval == interval-1) is full attention
+
+  // Gated full attention.
+  int n_heads = 0;        ///< query heads
+  int n_kv_heads = 0;     ///< key/value heads (GQA)
+  int head_dim = 0;       ///< per-head dim D
+  int rotary_dim = 0;     ///< leading dims of each head rotated by RoPE = trunc(head_dim * partial_rotary_factor)
+  double rope_theta = 0;  ///< RoPE base θ
+
+  // Gated DeltaNet (linear attention).
+  int gdn_n_key_heads = 0;    ///< Hk
+  int gdn_n_value_heads = 0;  ///< Hv (a multiple of Hk)
+  int gdn_key_head_dim = 0;   ///< Dk
+  int gdn_value_head_dim = 0; ///< Dv
+  int gdn_conv_kernel = 0;    ///< causal depthwise conv width K
+
+  // Mixture of experts.
+  int n_experts = 0;          ///< E
+  int n_experts_per_tok = 0;  ///< top-k
+  int moe_ffn_dim = 0;        ///< expert intermediate size I
+  int shared_ffn_dim = 0;     ///< shared expert intermediate size
+  bool norm_topk_prob = true; ///< renormalise the top-k routing weights (must be true)
+
+  float rms_norm_eps = 1e-6f;
+  int max_position_embeddings = 0;  ///< 0 = unspecified
+  std::vector<int32_t> eos_token_ids;  ///< top-level eos_token_id overrides text_config's
+  QuantizationConfig quantization;
+
+  // Derived sizes.
+  int gdn_key_dim() const { return gdn_n_key_heads * gdn_key_head_dim; }
+  int gdn_value_dim() const { return gdn_n_value_heads * gdn_value_head_dim; }
+  /// Conv channels C = 2·key_dim + value_dim (q ‖ k ‖ v).
+  int gdn_conv_channels() const { return 2 * gdn_key_dim() + gdn_value_dim(); }
+  int n_full_attention_layers() const;
+  int n_linear_attention_layers() const;
+  bool is_full_attention(int layer) const { return layer_types[layer] == LayerType::kFullAttention; }
+
+  /// True for exactly the Qwen3.6-35B-A3B shape (H 2048, 40 layers, 256 experts, …).
+  bool is_qwen36_35b_a3b() const;
+  /// "Qwen3.6-35B-A3B" when recognised, else a descriptive name such as "qwen3_5_moe (H=256, L=8, E=16)".
+  std::string shape_name() const;
+  /// Total parameter count (logical, unquantized), counting embeddings and lm_head.
+  int64_t parameter_count() const;
+};
+
+/// Parses and validates a config.json document (a `qwen3_5_moe` wrapper with `text_config`,
+/// or a text-only `qwen3_5_moe_text` config). `source` names the file in error messages.
+/// Throws CheckpointError with one line saying what was found (other model_type, other
+/// quantization method, missing/inconsistent fields, group size ≠ 64, …).
+ModelConfig parse_model_config(const nlohmann::json& doc, const std::string& source);
+
+/// Reads `dir/config.json` and calls parse_model_config. Throws CheckpointError.
+ModelConfig load_model_config(const std::filesystem::path& dir);
+
+}  // namespace lily

@@ -1,0 +1,53 @@
+#include "support/test_support.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <random>
+#include <stdexcept>
+
+namespace lily::test {
+
+std::filesystem::path source_dir() { return LILY_SOURCE_DIR; }
+std::filesystem::path binary_dir() { return LILY_BINARY_DIR; }
+std::filesystem::path demo_model_dir() { return source_dir() / "models" / "demo"; }
+
+TempDir::TempDir() {
+  std::random_device rd;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    auto candidate = std::filesystem::temp_directory_path() /
+                     ("lily-test-" + std::to_string(rd()) + std::to_string(attempt));
+    if (std::filesystem::create_directory(candidate)) {
+      path_ = candidate;
+      return;
+    }
+  }
+  throw std::runtime_error("could not create a temporary directory");
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+double max_relative_error(std::span<const float> a, std::span<const float> b, double floor) {
+  if (a.size() != b.size()) throw std::invalid_argument("max_relative_error: length mismatch");
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    double denom = std::max(std::fabs(double(b[i])), floor);
+    worst = std::max(worst, std::fabs(double(a[i]) - double(b[i])) / denom);
+  }
+  return worst;
+}
+
+double cosine_similarity(std::span<const float> a, std::span<const float> b) {
+  if (a.size() != b.size()) throw std::invalid_argument("cosine_similarity: length mismatch");
+  double dot = 0, na = 0, nb = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    dot += double(a[i]) * b[i];
+    na += double(a[i]) * a[i];
+    nb += double(b[i]) * b[i];
+  }
+  return dot / (std::sqrt(na) * std::sqrt(nb) + 1e-30);
+}
+
+}  // namespace lily::test

@@ -1,0 +1,29 @@
+// Shared helpers for the GoogleTest suites: repository paths, temporary directories, closeness.
+#pragma once
+#include <filesystem>
+#include <span>
+#include <string>
+
+namespace lily::test {
+
+/// Repository root (compile-time LILY_SOURCE_DIR).
+std::filesystem::path source_dir();
+/// Build directory (compile-time LILY_BINARY_DIR); holds the `lily` executable.
+std::filesystem::path binary_dir();
+/// The committed demo model (models/demo).
+std::filesystem::path demo_model_dir();
+/// A fresh empty directory under the system temp dir, removed when the object dies.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::filesystem::path& path() const { return path_; }
+ private:
+  std::filesystem::path path_;
+};
+/// Max |a-b| / max(|b|, floor) over the two spans (same length required).
+double max_relative_error(std::span<const float> a, std::span<const float> b, double floor = 1e-6);
+/// Cosine similarity of two equal-length vectors.
+double cosine_similarity(std::span<const float> a, std::span<const float> b);
+
+}  // namespace lily::test
