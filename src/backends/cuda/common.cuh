@@ -1,0 +1,70 @@
+// Device-side helpers shared by every CUDA kernel of lily (nvcc only): bf16 <-> fp32,
+// activation functions, warp and block reductions. Host-side checking lives in cuda_check.h
+// (included here), so a .cu file needs only this header.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backends/cuda/cuda_check.h"
+
+namespace lily::cuda {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kWarp = 32;
+/// MLX affine quantization group size (reference/model.md §2.2); every kernel assumes it.
+constexpr int kGroup = 64;
+
+/// bf16 -> fp32 (exact).
+__device__ __forceinline__ float to_f32(bf16 v) { return __bfloat162float(v); }
+/// fp32 -> bf16, round to nearest even (what `bf16(x)` means in model.md).
+__device__ __forceinline__ bf16 to_bf16(float v) { return __float2bfloat16_rn(v); }
+/// Rounds an fp32 value through bf16 and back.
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+/// Raw bf16 bits (as stored in checkpoints) -> fp32.
+__device__ __forceinline__ float bits_to_f32(uint16_t bits) {
+  return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+}
+
+/// silu(x) = x / (1 + e^-x), fp32.
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+/// sigmoid(x) = 1 / (1 + e^-x), fp32.
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+/// Sum over the 32 lanes of a warp (every lane gets the result).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+/// Sum over aligned groups of `width` lanes (width a power of two ≤ 32).
+__device__ __forceinline__ float group_sum(float v, int width) {
+  for (int o = width >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+/// Max over the 32 lanes of a warp (every lane gets the result).
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+/// Sum over all threads of a block (blockDim.x a multiple of 32, ≤ 1024). `scratch` holds
+/// ≥ 32 floats of shared memory. Every thread gets the result. Contains __syncthreads().
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int n_warps = blockDim.x / kWarp;
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < n_warps ? scratch[lane] : 0.0f;
+  return warp_sum(t);
+}
+
+/// Ceil-div for launch sizes.
+__host__ __device__ constexpr inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace lily::cuda

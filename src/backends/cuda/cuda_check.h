@@ -1,0 +1,27 @@
+// Host-side CUDA error checking, usable from .cpp (g++) and .cu (nvcc) files alike.
+// Every CUDA runtime call in the backend goes through CUDA_CHECK; every kernel launch is
+// followed by LILY_CUDA_CHECK_LAUNCH(). Failures become lily::Error (never abort).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "base/error.h"
+
+namespace lily::cuda {
+
+/// Throws lily::Error "CUDA error at FILE:LINE: EXPR: <cudaGetErrorString>" when `status` is
+/// not cudaSuccess.
+inline void check_cuda(cudaError_t status, const char* expr, const char* file, int line) {
+  if (status == cudaSuccess) return;
+  throw ::lily::Error(std::string("CUDA error at ") + file + ":" + std::to_string(line) + ": " +
+                      expr + ": " + cudaGetErrorName(status) + " (" +
+                      cudaGetErrorString(status) + ")");
+}
+
+}  // namespace lily::cuda
+
+/// Checks a CUDA runtime call; throws lily::Error with file:line and the CUDA error string.
+#define CUDA_CHECK(expr) ::lily::cuda::check_cuda((expr), #expr, __FILE__, __LINE__)
+/// Checks the last kernel launch (configuration errors; asynchronous faults surface later).
+#define LILY_CUDA_CHECK_LAUNCH() CUDA_CHECK(cudaGetLastError())
