@@ -1,0 +1,48 @@
+// parse_backend_kind and make_backend (engine/backend.h): the one place that knows which
+// backends this build contains. Without LILY_HAVE_CUDA only the CPU backend exists.
+#include <memory>
+#include <string>
+
+#include "backends/cpu/cpu_backend.h"
+#include "base/error.h"
+#include "base/log.h"
+#include "engine/backend.h"
+#ifdef LILY_HAVE_CUDA
+#include "backends/cuda/cuda_backend.h"
+#endif
+
+namespace lily {
+
+BackendKind parse_backend_kind(std::string_view text) {
+  if (text == "cpu") return BackendKind::kCpu;
+  if (text == "cuda") return BackendKind::kCuda;
+  if (text == "auto") return BackendKind::kAuto;
+  throw Error("unknown backend '" + std::string(text) + "'; expected cpu, cuda or auto");
+}
+
+std::unique_ptr<Backend> make_backend(BackendKind kind, std::shared_ptr<const ModelWeights> weights,
+                                      int threads) {
+  if (!weights) throw Error("make_backend: no model weights");
+  switch (kind) {
+    case BackendKind::kCpu:
+      return std::make_unique<cpu::CpuBackend>(std::move(weights), threads);
+    case BackendKind::kCuda:
+#ifdef LILY_HAVE_CUDA
+      return make_cuda_backend(std::move(weights));
+#else
+      throw Error("--backend cuda: this build has no CUDA support");
+#endif
+    case BackendKind::kAuto:
+#ifdef LILY_HAVE_CUDA
+      try {
+        return make_cuda_backend(weights);
+      } catch (const std::exception& e) {
+        log_info(std::string("CUDA backend unavailable (") + e.what() + "); using the CPU backend");
+      }
+#endif
+      return std::make_unique<cpu::CpuBackend>(std::move(weights), threads);
+  }
+  throw Error("make_backend: unknown backend kind");
+}
+
+}  // namespace lily

@@ -1,0 +1,373 @@
+// CpuBackend: the forward pass of reference/model.md §3, one op per line (ops.h), fp32.
+// Prompt tokens go through in chunks of m tokens: every projection is one batched matmul per
+// chunk (each weight row dequantized once), while the recurrent parts (causal conv, delta rule,
+// KV-cache appends) run token by token inside the chunk. Every value is computed by the same
+// fp32 operations whatever m is, so prefill equals token-by-token decode bit for bit.
+#include "backends/cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "backends/cpu/ops.h"
+#include "base/error.h"
+
+namespace lily::cpu {
+
+namespace {
+constexpr float kL2NormEps = 1e-6f;  // HF's l2norm inside the GDN kernel (model.md §8.1)
+
+float* row(std::vector<float>& v, int64_t t, int64_t width) { return v.data() + t * width; }
+}  // namespace
+
+// ---- state -------------------------------------------------------------------------------------
+
+CpuSequenceState::CpuSequenceState(const ModelConfig& c, int64_t max_seq) : max_seq_(max_seq) {
+  layers.resize(c.n_layers);
+  for (int i = 0; i < c.n_layers; ++i) {
+    if (c.is_full_attention(i)) continue;  // the KV cache starts empty and grows
+    layers[i].conv_window.assign(int64_t{c.gdn_conv_channels()} * (c.gdn_conv_kernel - 1), 0.0f);
+    layers[i].recurrent.assign(
+        int64_t{c.gdn_n_value_heads} * c.gdn_key_head_dim * c.gdn_value_head_dim, 0.0f);
+  }
+}
+
+int64_t CpuSequenceState::bytes() const {
+  int64_t floats = 0;
+  for (const auto& l : layers)
+    floats += l.keys.capacity() + l.values.capacity() + l.conv_window.capacity() +
+              l.recurrent.capacity();
+  return floats * static_cast<int64_t>(sizeof(float));
+}
+
+// ---- activation buffers ------------------------------------------------------------------------
+
+/// Activations of one chunk of m tokens, row-major [m, width]; reused across calls so that the
+/// hot loop allocates nothing once the buffers have reached the chunk size.
+struct CpuBackend::Scratch {
+  std::vector<float> x, normed, branch;               // [m, hidden]: residual, norm output, mixer/MoE output
+  std::vector<float> qkv, conv, z, a, b, core;        // GDN: [m, C], [m, C], [m, Vd], [m, Hv]×2, [m, Vd]
+  std::vector<float> qg, k, v, attn;                  // attention: [m, nq·2D], [m, nkv·D]×2, [m, nq·D]
+  std::vector<float> router_logits, route_weights;    // [m, E], [m, top-k]
+  std::vector<int> route_ids;                         // [m, top-k]
+  std::vector<int> slot_order, expert_begin, expert_next;  // pairs sorted by expert; [E+1]; [E]
+  std::vector<float> rope_cos, rope_sin;              // [rotary_dim/2]
+  std::vector<float> expert_in, expert_gate, expert_up, expert_down;  // [n, H], [n, I]×2, [n, H]
+  std::vector<float> slot_out;                        // [m·top-k, hidden] expert outputs per slot
+  std::vector<float> shared_gate, shared_up, shared_down, shared_gate_logit;  // [m, Is]×2, [m, H], [m]
+  std::vector<float> final_normed, logits;            // [hidden], [vocab]
+
+  void ensure(const ModelConfig& c, int64_t m) {
+    const int64_t H = c.hidden, E = c.n_experts, pairs = m * c.n_experts_per_tok;
+    grow(x, m * H), grow(normed, m * H), grow(branch, m * H);
+    grow(qkv, m * c.gdn_conv_channels()), grow(conv, m * c.gdn_conv_channels());
+    grow(z, m * c.gdn_value_dim()), grow(core, m * c.gdn_value_dim());
+    grow(a, m * c.gdn_n_value_heads), grow(b, m * c.gdn_n_value_heads);
+    grow(qg, m * c.n_heads * 2 * c.head_dim), grow(attn, m * c.n_heads * c.head_dim);
+    grow(k, m * c.n_kv_heads * c.head_dim), grow(v, m * c.n_kv_heads * c.head_dim);
+    grow(router_logits, m * E), grow(route_weights, pairs);
+    grow(route_ids, pairs), grow(slot_order, pairs);
+    grow(expert_begin, E + 1), grow(expert_next, E);
+    grow(rope_cos, c.rotary_dim / 2), grow(rope_sin, c.rotary_dim / 2);
+    grow(expert_in, pairs * H), grow(expert_down, pairs * H), grow(slot_out, pairs * H);
+    grow(expert_gate, pairs * c.moe_ffn_dim), grow(expert_up, pairs * c.moe_ffn_dim);
+    grow(shared_gate, m * c.shared_ffn_dim), grow(shared_up, m * c.shared_ffn_dim);
+    grow(shared_down, m * H), grow(shared_gate_logit, m);
+    grow(final_normed, H), grow(logits, c.vocab);
+  }
+  template <typename T>
+  static void grow(std::vector<T>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  }
+};
+
+// ---- construction and states ---------------------------------------------------------------------
+
+CpuBackend::CpuBackend(std::shared_ptr<const ModelWeights> weights, int threads)
+    : weights_(std::move(weights)), pool_(threads), scratch_(std::make_unique<Scratch>()) {
+  if (!weights_) throw Error("cpu backend: no model weights");
+  const ModelConfig& c = weights_->config;
+  LILY_CHECK(static_cast<int>(weights_->layers.size()) == c.n_layers);
+  LILY_CHECK(c.gdn_n_key_heads > 0 && c.gdn_n_value_heads % c.gdn_n_key_heads == 0);
+  LILY_CHECK(c.n_kv_heads > 0 && c.n_heads % c.n_kv_heads == 0);
+  LILY_CHECK(c.rotary_dim % 2 == 0 && c.rotary_dim <= c.head_dim);
+  LILY_CHECK(c.n_experts_per_tok >= 1 && c.n_experts_per_tok <= c.n_experts);
+}
+
+CpuBackend::~CpuBackend() = default;
+
+void CpuBackend::set_prefill_chunk(int64_t tokens) {
+  if (tokens < 1) throw Error("cpu backend: prefill chunk must be at least 1 token");
+  prefill_chunk_ = tokens;
+}
+
+std::unique_ptr<SequenceState> CpuBackend::new_state(int64_t max_seq) {
+  if (max_seq < 1 || max_seq > kMaxSeq)
+    throw Error("max_seq " + std::to_string(max_seq) + " is outside [1, " +
+                std::to_string(kMaxSeq) + "]");
+  return std::make_unique<CpuSequenceState>(config(), max_seq);
+}
+
+std::unique_ptr<SequenceState> CpuBackend::clone_state(const SequenceState& state) {
+  const auto* cpu_state = dynamic_cast<const CpuSequenceState*>(&state);
+  if (!cpu_state || static_cast<int>(cpu_state->layers.size()) != config().n_layers)
+    throw Error("cpu backend: the state was not created by this backend");
+  return std::make_unique<CpuSequenceState>(*cpu_state);
+}
+
+CpuSequenceState& CpuBackend::checked_state(SequenceState& state) const {
+  auto* cpu_state = dynamic_cast<CpuSequenceState*>(&state);
+  if (!cpu_state || static_cast<int>(cpu_state->layers.size()) != config().n_layers)
+    throw Error("cpu backend: the state was not created by this backend");
+  return *cpu_state;
+}
+
+// ---- entry points --------------------------------------------------------------------------------
+
+int32_t CpuBackend::prefill(SequenceState& state_in, std::span<const int32_t> tokens,
+                            std::vector<float>* logits) {
+  CpuSequenceState& state = checked_state(state_in);
+  if (tokens.empty()) throw Error("prefill: no tokens");
+  for (int32_t token : tokens)
+    if (token < 0 || token >= config().vocab)
+      throw Error("token id " + std::to_string(token) + " is outside the vocabulary [0, " +
+                  std::to_string(config().vocab) + ")");
+  const int64_t end = state.position_ + static_cast<int64_t>(tokens.size());
+  if (end > state.max_seq_)
+    throw Error("sequence of " + std::to_string(end) + " tokens exceeds max_seq " +
+                std::to_string(state.max_seq_));
+  int64_t last_m = 0;
+  for (size_t first = 0; first < tokens.size(); first += prefill_chunk_) {
+    auto chunk = tokens.subspan(first, std::min<size_t>(prefill_chunk_, tokens.size() - first));
+    forward_chunk(state, chunk);
+    last_m = static_cast<int64_t>(chunk.size());
+  }
+  const float* last_hidden = row(scratch_->x, last_m - 1, config().hidden);
+  return lm_head(last_hidden, state.position_ - 1, logits);
+}
+
+int32_t CpuBackend::decode(SequenceState& state, int32_t token, std::vector<float>* logits) {
+  return prefill(state, std::span<const int32_t>(&token, 1), logits);
+}
+
+// ---- forward (model.md §3) -----------------------------------------------------------------------
+
+void CpuBackend::forward_chunk(CpuSequenceState& state, std::span<const int32_t> tokens) {
+  const ModelConfig& c = config();
+  const int64_t m = static_cast<int64_t>(tokens.size());
+  const int64_t first_pos = state.position_;
+  Scratch& s = *scratch_;
+  s.ensure(c, m);
+  for (int64_t t = 0; t < m; ++t) dequantize_row(weights_->embed_tokens, tokens[t], row(s.x, t, c.hidden));
+  probe("embed", -1, first_pos, s.x.data(), m, c.hidden);
+  for (int i = 0; i < c.n_layers; ++i) decoder_layer(i, state.layers[i], first_pos, m);
+  state.position_ += m;
+}
+
+/// h = x + Mixer(RMSNorm(x)); x = h + MoE(RMSNorm(h)) for the m tokens of the chunk (model.md §3).
+void CpuBackend::decoder_layer(int i, CpuSequenceState::LayerState& state, int64_t first_pos,
+                               int64_t m) {
+  const ModelConfig& c = config();
+  const LayerWeights& w = weights_->layers[i];
+  Scratch& s = *scratch_;
+  const int64_t H = c.hidden;
+  for (int64_t t = 0; t < m; ++t)
+    rms_norm(row(s.x, t, H), w.input_layernorm.data(), H, c.rms_norm_eps, row(s.normed, t, H));
+  probe("attn_norm", i, first_pos, s.normed.data(), m, H);
+  if (w.type == LayerType::kFullAttention)
+    attention_mixer(w.attention, state, first_pos, m, s.branch.data());
+  else
+    gdn_mixer(w.gdn, state, m, s.branch.data());
+  probe("mixer_out", i, first_pos, s.branch.data(), m, H);
+  add_inplace(s.x.data(), s.branch.data(), m * H);
+  for (int64_t t = 0; t < m; ++t)
+    rms_norm(row(s.x, t, H), w.post_attention_layernorm.data(), H, c.rms_norm_eps, row(s.normed, t, H));
+  probe("ffn_norm", i, first_pos, s.normed.data(), m, H);
+  moe_block(w.moe, i, first_pos, m, s.branch.data());
+  probe("ffn_out", i, first_pos, s.branch.data(), m, H);
+  add_inplace(s.x.data(), s.branch.data(), m * H);
+  probe("layer_out", i, first_pos, s.x.data(), m, H);
+}
+
+/// Gated DeltaNet (model.md §3.3, HF fp32 variants): input s.normed [m, H], output out [m, H].
+void CpuBackend::gdn_mixer(const GdnWeights& w, CpuSequenceState::LayerState& state, int64_t m,
+                           float* out) {
+  const ModelConfig& c = config();
+  Scratch& s = *scratch_;
+  const int64_t C = c.gdn_conv_channels(), key_dim = c.gdn_key_dim(), value_dim = c.gdn_value_dim();
+  const int Hk = c.gdn_n_key_heads, Hv = c.gdn_n_value_heads;
+  const int Dk = c.gdn_key_head_dim, Dv = c.gdn_value_head_dim;
+  const float q_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Dk)));
+  quant_matmul(w.in_proj_qkv, s.normed.data(), m, s.qkv.data(), &pool_);
+  quant_matmul(w.in_proj_z, s.normed.data(), m, s.z.data(), &pool_);
+  quant_matmul(w.in_proj_a, s.normed.data(), m, s.a.data(), &pool_);
+  quant_matmul(w.in_proj_b, s.normed.data(), m, s.b.data(), &pool_);
+  for (int64_t t = 0; t < m; ++t) {
+    float* conv = row(s.conv, t, C);
+    causal_conv_step(w.conv1d.data(), state.conv_window.data(), row(s.qkv, t, C), C, c.gdn_conv_kernel, conv);
+    silu_inplace(conv, C);
+    float* q = conv;                 // [Hk, Dk]
+    float* k = conv + key_dim;       // [Hk, Dk]
+    const float* v = conv + 2 * key_dim;  // [Hv, Dv]
+    for (int h = 0; h < Hk; ++h) {
+      l2_normalize(q + h * Dk, Dk, kL2NormEps);
+      for (int d = 0; d < Dk; ++d) q[h * Dk + d] *= q_scale;
+      l2_normalize(k + h * Dk, Dk, kL2NormEps);
+    }
+    const float* a = row(s.a, t, Hv);
+    const float* b = row(s.b, t, Hv);
+    float* core = row(s.core, t, value_dim);
+    const float* z = row(s.z, t, value_dim);
+    auto value_heads = [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t kh = j / (Hv / Hk);  // value heads share key heads (repeat_interleave)
+        const float g = -std::exp(w.A_log[j]) * softplus(a[j] + w.dt_bias[j]);
+        const float alpha = std::exp(g);
+        const float beta = sigmoid(b[j]);
+        float* S = state.recurrent.data() + j * Dk * Dv;
+        delta_rule_step(S, q + kh * Dk, k + kh * Dk, v + j * Dv, alpha, beta, Dk, Dv, core + j * Dv);
+        gated_rms_norm(core + j * Dv, z + j * Dv, w.norm.data(), Dv, c.rms_norm_eps, core + j * Dv);
+      }
+    };
+    pool_.parallel_for(Hv, std::max<int64_t>(1, 16384 / (int64_t{Dk} * Dv)), value_heads);
+  }
+  quant_matmul(w.out_proj, s.core.data(), m, out, &pool_);
+}
+
+/// Gated full attention (model.md §3.4): input s.normed [m, H], output out [m, H].
+void CpuBackend::attention_mixer(const AttentionWeights& w, CpuSequenceState::LayerState& state,
+                                 int64_t first_pos, int64_t m, float* out) {
+  const ModelConfig& c = config();
+  Scratch& s = *scratch_;
+  const int D = c.head_dim, nq = c.n_heads, nkv = c.n_kv_heads;
+  const int64_t qg_width = int64_t{nq} * 2 * D, kv_width = int64_t{nkv} * D;
+  quant_matmul(w.q_proj, s.normed.data(), m, s.qg.data(), &pool_);
+  quant_matmul(w.k_proj, s.normed.data(), m, s.k.data(), &pool_);
+  quant_matmul(w.v_proj, s.normed.data(), m, s.v.data(), &pool_);
+  for (int64_t t = 0; t < m; ++t) {
+    rope_cos_sin(first_pos + t, c.rotary_dim, c.rope_theta, s.rope_cos.data(), s.rope_sin.data());
+    for (int h = 0; h < nq; ++h) {
+      float* q = row(s.qg, t, qg_width) + h * 2 * D;  // query half; the gate half follows
+      rms_norm(q, w.q_norm.data(), D, c.rms_norm_eps, q);
+      apply_rope(q, c.rotary_dim, s.rope_cos.data(), s.rope_sin.data());
+    }
+    for (int h = 0; h < nkv; ++h) {
+      float* k = row(s.k, t, kv_width) + h * D;
+      rms_norm(k, w.k_norm.data(), D, c.rms_norm_eps, k);
+      apply_rope(k, c.rotary_dim, s.rope_cos.data(), s.rope_sin.data());
+    }
+  }
+  state.keys.insert(state.keys.end(), s.k.begin(), s.k.begin() + m * kv_width);
+  state.values.insert(state.values.end(), s.v.begin(), s.v.begin() + m * kv_width);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  auto heads = [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores;
+    for (int64_t th = begin; th < end; ++th) {
+      const int64_t t = th / nq, h = th % nq, kv = h / (nq / nkv);
+      const int64_t len = first_pos + t + 1;  // causal: positions 0 … first_pos + t
+      if (static_cast<int64_t>(scores.size()) < len) scores.resize(len);
+      const float* q = row(s.qg, t, qg_width) + h * 2 * D;
+      const float* gate = q + D;
+      float* o = row(s.attn, t, int64_t{nq} * D) + h * D;
+      attention_head(q, state.keys.data() + kv * D, state.values.data() + kv * D, len, kv_width,
+                     D, scale, scores.data(), o);
+      for (int d = 0; d < D; ++d) o[d] *= sigmoid(gate[d]);
+    }
+  };
+  pool_.parallel_for(m * nq, 1, heads);
+  quant_matmul(w.o_proj, s.attn.data(), m, out, &pool_);
+}
+
+/// Sparse MoE block (model.md §3.5): routed top-k SwiGLU experts + gated shared expert.
+/// Input s.normed [m, H], output out [m, H].
+void CpuBackend::moe_block(const MoeWeights& w, int layer, int64_t first_pos, int64_t m, float* out) {
+  const ModelConfig& c = config();
+  Scratch& s = *scratch_;
+  const int E = c.n_experts, k = c.n_experts_per_tok;
+  quant_matmul(w.router, s.normed.data(), m, s.router_logits.data(), &pool_);
+  probe("router_logits", layer, first_pos, s.router_logits.data(), m, E);
+  for (int64_t t = 0; t < m; ++t)
+    route_top_k(row(s.router_logits, t, E), E, k, c.norm_topk_prob, s.route_ids.data() + t * k,
+                row(s.route_weights, t, k));
+  routed_experts(w, m, out);
+  shared_expert(w, m, s.shared_down.data());
+  quant_matmul(w.shared_expert_gate, s.normed.data(), m, s.shared_gate_logit.data(), &pool_);
+  const int64_t H = c.hidden;
+  for (int64_t t = 0; t < m; ++t) {
+    const float gamma = sigmoid(s.shared_gate_logit[t]);
+    const float* shared = row(s.shared_down, t, H);
+    float* o = out + t * H;
+    for (int64_t d = 0; d < H; ++d) o[d] += gamma * shared[d];
+  }
+}
+
+/// out[t] = Σ_slot w[t, slot]·Expert_{id[t, slot]}(u_t), summed in slot (descending weight)
+/// order. The (token, slot) pairs are grouped by expert so that each expert's weights are read
+/// once per chunk.
+void CpuBackend::routed_experts(const MoeWeights& w, int64_t m, float* out) {
+  const ModelConfig& c = config();
+  Scratch& s = *scratch_;
+  const int E = c.n_experts, k = c.n_experts_per_tok;
+  const int64_t H = c.hidden, I = c.moe_ffn_dim, pairs = m * k;
+  // Counting sort of the (token, slot) pairs by expert id.
+  std::fill(s.expert_begin.begin(), s.expert_begin.end(), 0);
+  for (int64_t p = 0; p < pairs; ++p) ++s.expert_begin[s.route_ids[p] + 1];
+  for (int e = 0; e < E; ++e) s.expert_begin[e + 1] += s.expert_begin[e];
+  std::copy_n(s.expert_begin.begin(), E, s.expert_next.begin());
+  for (int64_t p = 0; p < pairs; ++p) s.slot_order[s.expert_next[s.route_ids[p]]++] = static_cast<int>(p);
+  for (int e = 0; e < E; ++e) {
+    const int64_t begin = s.expert_begin[e], n = s.expert_begin[e + 1] - begin;
+    if (n == 0) continue;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t t = s.slot_order[begin + r] / k;
+      std::copy_n(row(s.normed, t, H), H, row(s.expert_in, r, H));
+    }
+    quant_matmul(w.experts_gate_proj.row_block(e * I, I), s.expert_in.data(), n, s.expert_gate.data(), &pool_);
+    quant_matmul(w.experts_up_proj.row_block(e * I, I), s.expert_in.data(), n, s.expert_up.data(), &pool_);
+    for (int64_t i = 0; i < n * I; ++i) s.expert_gate[i] = silu(s.expert_gate[i]) * s.expert_up[i];
+    quant_matmul(w.experts_down_proj.row_block(e * H, H), s.expert_gate.data(), n, s.expert_down.data(), &pool_);
+    for (int64_t r = 0; r < n; ++r)
+      std::copy_n(row(s.expert_down, r, H), H, row(s.slot_out, s.slot_order[begin + r], H));
+  }
+  for (int64_t t = 0; t < m; ++t) {
+    float* o = out + t * H;
+    std::fill(o, o + H, 0.0f);
+    for (int slot = 0; slot < k; ++slot) {
+      const float weight = s.route_weights[t * k + slot];
+      const float* d = row(s.slot_out, t * k + slot, H);
+      for (int64_t j = 0; j < H; ++j) o[j] += weight * d[j];
+    }
+  }
+}
+
+/// Shared SwiGLU expert (model.md §3.5 step 4), before its sigmoid gate: out [m, H].
+void CpuBackend::shared_expert(const MoeWeights& w, int64_t m, float* out) {
+  Scratch& s = *scratch_;
+  const int64_t I = config().shared_ffn_dim;
+  quant_matmul(w.shared_gate_proj, s.normed.data(), m, s.shared_gate.data(), &pool_);
+  quant_matmul(w.shared_up_proj, s.normed.data(), m, s.shared_up.data(), &pool_);
+  for (int64_t i = 0; i < m * I; ++i) s.shared_gate[i] = silu(s.shared_gate[i]) * s.shared_up[i];
+  quant_matmul(w.shared_down_proj, s.shared_gate.data(), m, out, &pool_);
+}
+
+/// Final norm, fp32 LM head and greedy argmax of one token (model.md §3.6).
+int32_t CpuBackend::lm_head(const float* hidden, int64_t pos, std::vector<float>* logits) {
+  const ModelConfig& c = config();
+  Scratch& s = *scratch_;
+  rms_norm(hidden, weights_->final_norm.data(), c.hidden, c.rms_norm_eps, s.final_normed.data());
+  probe("final_norm", -1, pos, s.final_normed.data(), 1, c.hidden);
+  quant_matvec(weights_->lm_head, s.final_normed.data(), s.logits.data(), &pool_);
+  probe("logits", -1, pos, s.logits.data(), 1, c.vocab);
+  if (logits) logits->assign(s.logits.begin(), s.logits.begin() + c.vocab);
+  return argmax(s.logits.data(), c.vocab);
+}
+
+void CpuBackend::probe(const char* name, int layer, int64_t first_pos, const float* data,
+                       int64_t m, int64_t width) const {
+  if (!probe_sink_) return;
+  for (int64_t t = 0; t < m; ++t)
+    probe_sink_(name, layer, first_pos + t,
+                std::span<const float>(data + t * width, static_cast<size_t>(width)));
+}
+
+}  // namespace lily::cpu

@@ -1,0 +1,102 @@
+// The CPU reference backend: the forward pass of reference/model.md §3 in fp32 with exactly
+// dequantized weights (the HF-float32 variants of §8.1), multi-threaded over matmul rows,
+// attention heads and GDN heads. It is the oracle the CUDA backend is diffed against through the
+// probe points of engine/backend.h, and it runs the demo model end to end on any machine.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "backends/cpu/thread_pool.h"
+#include "engine/backend.h"
+
+namespace lily::cpu {
+
+/// Per-sequence state of the CPU backend. Memory grows with the sequence: the KV cache of a
+/// full-attention layer holds exactly position() tokens (std::vector growth), the GDN states are
+/// fixed-size. All fp32.
+class CpuSequenceState final : public SequenceState {
+ public:
+  /// State of one decoder layer; only the members of its LayerType are non-empty.
+  struct LayerState {
+    std::vector<float> keys;         ///< full attention: [position, n_kv_heads, head_dim], post norm+RoPE
+    std::vector<float> values;       ///< full attention: [position, n_kv_heads, head_dim]
+    std::vector<float> conv_window;  ///< GDN: [conv_channels, conv_kernel−1] raw inputs, oldest first
+    std::vector<float> recurrent;    ///< GDN: [Hv, Dk, Dv] delta-rule state S[i][m]
+  };
+
+  /// Zero state at position 0 for `config`, for sequences of at most max_seq tokens.
+  CpuSequenceState(const ModelConfig& config, int64_t max_seq);
+
+  int64_t position() const override { return position_; }
+  /// Bytes of fp32 storage held (vector capacities), KV cache + GDN states.
+  int64_t bytes() const override;
+  int64_t max_seq() const { return max_seq_; }
+
+  std::vector<LayerState> layers;  ///< [n_layers]
+
+ private:
+  friend class CpuBackend;
+  int64_t position_ = 0;
+  int64_t max_seq_ = 0;
+};
+
+/// fp32 reference backend over loaded weights (see file comment). Not thread-safe: one engine
+/// thread owns it (it reuses activation buffers between calls).
+class CpuBackend final : public Backend {
+ public:
+  /// Longest sequence a state may be created for (the model's 262,144-token context).
+  static constexpr int64_t kMaxSeq = 262144;
+  /// Default number of prompt tokens per prefill chunk (weights are read once per chunk).
+  static constexpr int64_t kDefaultPrefillChunk = 128;
+
+  /// `threads` <= 0 means all hardware threads. Throws lily::Error if `weights` is null.
+  explicit CpuBackend(std::shared_ptr<const ModelWeights> weights, int threads = 0);
+  ~CpuBackend() override;
+
+  std::string name() const override { return "cpu"; }
+  const ModelConfig& config() const override { return weights_->config; }
+  /// Throws lily::Error unless 1 <= max_seq <= kMaxSeq.
+  std::unique_ptr<SequenceState> new_state(int64_t max_seq) override;
+  /// Deep copy. Throws lily::Error if `state` is not a CpuSequenceState of this model.
+  std::unique_ptr<SequenceState> clone_state(const SequenceState& state) override;
+  /// Runs `tokens` in chunks of prefill_chunk() (results equal token-by-token decode bit for
+  /// bit). Throws lily::Error for an empty span, a token id outside [0, vocab), a foreign
+  /// state, or position() + tokens.size() > max_seq (the state is then left unchanged).
+  int32_t prefill(SequenceState& state, std::span<const int32_t> tokens,
+                  std::vector<float>* logits = nullptr) override;
+  /// One token; same errors as prefill.
+  int32_t decode(SequenceState& state, int32_t token, std::vector<float>* logits = nullptr) override;
+
+  /// Threads used by parallel ops.
+  int threads() const { return pool_.size(); }
+  int64_t prefill_chunk() const { return prefill_chunk_; }
+  /// Sets the prefill chunk length (>= 1; throws lily::Error otherwise).
+  void set_prefill_chunk(int64_t tokens);
+
+ private:
+  struct Scratch;  // activation buffers, defined in cpu_backend.cpp
+
+  CpuSequenceState& checked_state(SequenceState& state) const;
+  void forward_chunk(CpuSequenceState& state, std::span<const int32_t> tokens);
+  void decoder_layer(int layer, CpuSequenceState::LayerState& state, int64_t first_pos, int64_t m);
+  void gdn_mixer(const GdnWeights& w, CpuSequenceState::LayerState& state, int64_t m, float* out);
+  void attention_mixer(const AttentionWeights& w, CpuSequenceState::LayerState& state,
+                       int64_t first_pos, int64_t m, float* out);
+  void moe_block(const MoeWeights& w, int layer, int64_t first_pos, int64_t m, float* out);
+  void routed_experts(const MoeWeights& w, int64_t m, float* out);
+  void shared_expert(const MoeWeights& w, int64_t m, float* out);
+  int32_t lm_head(const float* hidden, int64_t pos, std::vector<float>* logits);
+  /// Emits rows [first_pos, first_pos + m) of a [m, width] activation to the probe sink.
+  void probe(const char* name, int layer, int64_t first_pos, const float* data, int64_t m,
+             int64_t width) const;
+
+  std::shared_ptr<const ModelWeights> weights_;
+  mutable ThreadPool pool_;
+  std::unique_ptr<Scratch> scratch_;
+  int64_t prefill_chunk_ = kDefaultPrefillChunk;
+};
+
+}  // namespace lily::cpu
