@@ -1,0 +1,405 @@
+// Gated full-attention kernels (reference/model.md §3.4, numerics §4.3/§4.4): q/k RMSNorm +
+// partial RoPE + KV append, split-K decode attention with a combine kernel, causal prefill
+// attention; the sigmoid output gate is fused into the final write. Launchers are declared in
+// mixer_kernels.h.
+//
+// Attention core: a block of 8 warps serves one kv head and all G = nq/nkv query heads of its
+// group, so each K/V row is read once for G queries. Warp w takes keys start+w, start+w+8, …;
+// a lane holds 8 of the 256 dims. Each warp keeps, per query head, an online-softmax state
+// (running max m, sum l, unnormalised accumulator) in fp32, in the log2 domain (scores are
+// pre-multiplied by scale·log2 e, so exp2 replaces exp); the 8 warp states are merged in shared
+// memory at the end.
+#include <cmath>
+#include <type_traits>
+#include <string>
+
+#include "backends/cuda/common.cuh"
+#include "backends/cuda/mixer_kernels.h"
+
+namespace lily::cuda {
+namespace {
+
+constexpr int kD = 256;                 // head dim the kernels are written for
+constexpr int kThreads = 256;           // 8 warps
+constexpr int kWarps = kThreads / kWarp;
+constexpr int kDimsPerLane = kD / kWarp;  // 8
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kMaxRotaryHalf = kD / 2;
+
+/// Inverse RoPE frequencies, computed on the host exactly as the CPU reference does.
+struct RopeFreqs {
+  float inv[kMaxRotaryHalf];
+};
+
+// ---- q/k norm + RoPE + cache append ----------------------------------------------------------
+
+/// Block (token t, head hh): hh < nq is query head hh, else kv head hh − nq. Thread d = dim.
+__global__ void __launch_bounds__(kD)
+prepare_kernel(int nq, int nkv, int rotary_dim, float eps, RopeFreqs freqs,
+               const bf16* __restrict__ qg, int64_t qg_stride, const bf16* __restrict__ k,
+               const bf16* __restrict__ v, int64_t kv_stride, const float* __restrict__ q_norm,
+               const float* __restrict__ k_norm, int64_t pos0_host,
+               const int32_t* __restrict__ pos_device, bf16* __restrict__ k_cache,
+               bf16* __restrict__ v_cache, int64_t capacity, bf16* __restrict__ q_out) {
+  __shared__ float y_s[kD];
+  __shared__ float scratch[32];
+  const int t = blockIdx.x, hh = blockIdx.y, d = threadIdx.x;
+  const bool is_q = hh < nq;
+  const int kh = hh - nq;
+  const int64_t pos = (pos_device ? int64_t(*pos_device) : pos0_host) + t;
+
+  const float x = is_q ? to_f32(qg[t * qg_stride + int64_t(hh) * 2 * kD + d])
+                       : to_f32(k[t * kv_stride + int64_t(kh) * kD + d]);
+  const float ss = block_sum(x * x, scratch);
+  const float r = 1.0f / sqrtf(ss / float(kD) + eps);
+  const float y = round_bf16((x * r) * (is_q ? q_norm[d] : k_norm[d]));
+  y_s[d] = y;
+  __syncthreads();
+
+  float out = y;
+  const int half = rotary_dim / 2;
+  if (d < rotary_dim) {
+    const int j = d < half ? d : d - half;
+    const float angle = float(pos) * freqs.inv[j];
+    const float c = float(cos(double(angle))), s = float(sin(double(angle)));
+    out = d < half ? y_s[d] * c - y_s[d + half] * s : y_s[d] * c + y_s[d - half] * s;
+  }
+  if (is_q) {
+    q_out[(int64_t(t) * nq + hh) * kD + d] = to_bf16(out);
+  } else {
+    const int64_t slot = (int64_t(kh) * capacity + pos) * kD + d;
+    k_cache[slot] = to_bf16(out);
+    v_cache[slot] = v[t * kv_stride + int64_t(kh) * kD + d];
+  }
+}
+
+// ---- attention core ----------------------------------------------------------------------------
+
+/// Loads 8 consecutive bf16 (16 bytes, aligned) as fp32.
+__device__ __forceinline__ void load8(const bf16* p, float (&x)[kDimsPerLane]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = __bfloat1622float2(h[e]);
+    x[2 * e] = f.x;
+    x[2 * e + 1] = f.y;
+  }
+}
+
+/// Per-warp online-softmax state of G query heads (log2 domain).
+template <int G>
+struct WarpState {
+  float m[G], l[G], acc[G][kDimsPerLane];
+};
+
+/// Loads the G query vectors of kv head `kvh` (row pointer q_row = [nq, D]) pre-scaled by
+/// scale·log2 e.
+template <int G>
+__device__ __forceinline__ void load_queries(const bf16* q_row, int kvh, float scale,
+                                             float (&qr)[G][kDimsPerLane]) {
+  const int lane = threadIdx.x % kWarp;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    load8(q_row + int64_t(kvh * G + g) * kD + lane * kDimsPerLane, qr[g]);
+#pragma unroll
+    for (int e = 0; e < kDimsPerLane; ++e) qr[g][e] *= scale * kLog2e;
+  }
+}
+
+/// Runs this warp's keys of [start, end) (every kWarps-th key) through the online softmax.
+template <int G>
+__device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], const bf16* K,
+                                            const bf16* V, int64_t start, int64_t end,
+                                            WarpState<G>& st) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    st.m[g] = -INFINITY;
+    st.l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kDimsPerLane; ++e) st.acc[g][e] = 0.0f;
+  }
+  for (int64_t t = start + warp; t < end; t += kWarps) {
+    float kx[kDimsPerLane], vx[kDimsPerLane];
+    load8(K + t * kD + lane * kDimsPerLane, kx);
+    load8(V + t * kD + lane * kDimsPerLane, vx);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float s = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kDimsPerLane; ++e) s += qr[g][e] * kx[e];
+      s = warp_sum(s);
+      const float m_new = fmaxf(st.m[g], s);
+      const float corr = exp2f(st.m[g] - m_new);  // 0 on the first key (m = −inf)
+      const float p = exp2f(s - m_new);
+      st.l[g] = st.l[g] * corr + p;
+      st.m[g] = m_new;
+#pragma unroll
+      for (int e = 0; e < kDimsPerLane; ++e) st.acc[g][e] = st.acc[g][e] * corr + p * vx[e];
+    }
+  }
+}
+
+struct MergeSmem {
+  float m[kWarps][8];
+  float l[kWarps][8];
+  float acc[kWarps][kD];
+};
+
+/// Merges the 8 warps' states of query head g; thread d (< 256) gets Σ_w acc·2^{m_w−M} for
+/// dim d, and (M, L) for the head. All threads must call it (it synchronises).
+template <int G>
+__device__ __forceinline__ void merge_head(const WarpState<G>& st, int g, MergeSmem& sm,
+                                           float& acc_d, float& M, float& L) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  M = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm.m[w][g]);
+  const float f = st.m[g] == -INFINITY ? 0.0f : exp2f(st.m[g] - M);
+#pragma unroll
+  for (int e = 0; e < kDimsPerLane; ++e) sm.acc[warp][lane * kDimsPerLane + e] = st.acc[g][e] * f;
+  __syncthreads();
+  acc_d = 0.0f;
+  L = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    acc_d += sm.acc[w][threadIdx.x];
+    const float mw = sm.m[w][g];
+    L += mw == -INFINITY ? 0.0f : sm.l[w][g] * exp2f(mw - M);
+  }
+  __syncthreads();  // sm.acc is reused for the next head
+}
+
+/// Publishes every warp's (m, l) to shared memory.
+template <int G>
+__device__ __forceinline__ void publish_stats(const WarpState<G>& st, MergeSmem& sm) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      sm.m[warp][g] = st.m[g];
+      sm.l[warp][g] = st.l[g];
+    }
+  }
+  __syncthreads();
+}
+
+/// o·sigmoid(gate) rounded to bf16 (gate may be null: no gate).
+__device__ __forceinline__ bf16 gated_output(float o, const bf16* gate) {
+  if (gate) o *= 1.0f / (1.0f + expf(-to_f32(*gate)));
+  return to_bf16(o);
+}
+
+// ---- decode: split-K + combine -------------------------------------------------------------------
+
+/// Block (kv head, split): partial softmax state of keys [s·chunk, min(len, (s+1)·chunk)) for
+/// the G query heads; ws_o [nq, n_splits, D], ws_ml [nq, n_splits, 2] = (m, l) log2 domain.
+template <int G>
+__global__ void __launch_bounds__(kThreads)
+decode_split_kernel(int n_splits, float scale, int64_t len_host, const int32_t* __restrict__ len_device,
+                    const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                    const bf16* __restrict__ v_cache, int64_t capacity, float* __restrict__ ws_o,
+                    float* __restrict__ ws_ml) {
+  __shared__ MergeSmem sm;
+  const int kvh = blockIdx.x, s = blockIdx.y;
+  const int64_t len = len_device ? int64_t(*len_device) : len_host;
+  const int64_t chunk = (len + n_splits - 1) / n_splits;
+  const int64_t start = min(len, s * chunk), end = min(len, start + chunk);
+  float qr[G][kDimsPerLane];
+  load_queries<G>(q, kvh, scale, qr);
+  WarpState<G> st;
+  const int64_t head_off = int64_t(kvh) * capacity * kD;
+  attend_keys<G>(qr, k_cache + head_off, v_cache + head_off, start, end, st);
+  publish_stats<G>(st, sm);
+  for (int g = 0; g < G; ++g) {
+    float acc_d, M, L;
+    merge_head<G>(st, g, sm, acc_d, M, L);
+    const int64_t slot = int64_t(kvh * G + g) * n_splits + s;
+    ws_o[slot * kD + threadIdx.x] = acc_d;
+    if (threadIdx.x == 0) {
+      ws_ml[2 * slot] = M;
+      ws_ml[2 * slot + 1] = L;
+    }
+  }
+}
+
+/// Block per query head, thread per dim: merges the splits, divides by the total sum, applies
+/// the sigmoid gate, writes bf16.
+__global__ void __launch_bounds__(kD)
+decode_combine_kernel(int n_splits, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
+                      const bf16* __restrict__ gate, bf16* __restrict__ out) {
+  const int h = blockIdx.x, d = threadIdx.x;
+  const float* ml = ws_ml + int64_t(h) * n_splits * 2;
+  float M = -INFINITY;
+  for (int s = 0; s < n_splits; ++s) M = fmaxf(M, ml[2 * s]);
+  float acc = 0.0f, L = 0.0f;
+  for (int s = 0; s < n_splits; ++s) {
+    const float m = ml[2 * s];
+    if (m == -INFINITY) continue;
+    const float f = exp2f(m - M);
+    L += ml[2 * s + 1] * f;
+    acc += ws_o[(int64_t(h) * n_splits + s) * kD + d] * f;
+  }
+  const bf16* g = gate ? gate + int64_t(h) * 2 * kD + kD + d : nullptr;
+  out[int64_t(h) * kD + d] = gated_output(acc / L, g);
+}
+
+// ---- prefill -------------------------------------------------------------------------------------
+
+/// Block (row r, kv head): causal attention of row r (keys [0, base + r]) for the G query heads
+/// of the group, written normalised and gated.
+template <int G>
+__global__ void __launch_bounds__(kThreads)
+prefill_row_kernel(int nq, float scale, int64_t base, const bf16* __restrict__ q,
+                   const bf16* __restrict__ gate, int64_t gate_stride,
+                   const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                   int64_t capacity, bf16* __restrict__ out) {
+  __shared__ MergeSmem sm;
+  const int r = blockIdx.x, kvh = blockIdx.y;
+  float qr[G][kDimsPerLane];
+  load_queries<G>(q + int64_t(r) * nq * kD, kvh, scale, qr);
+  WarpState<G> st;
+  const int64_t head_off = int64_t(kvh) * capacity * kD;
+  attend_keys<G>(qr, k_cache + head_off, v_cache + head_off, 0, base + r + 1, st);
+  publish_stats<G>(st, sm);
+  for (int g = 0; g < G; ++g) {
+    float acc_d, M, L;
+    merge_head<G>(st, g, sm, acc_d, M, L);
+    const int h = kvh * G + g;
+    const bf16* gp = gate ? gate + int64_t(r) * gate_stride + int64_t(h) * 2 * kD + kD + threadIdx.x
+                          : nullptr;
+    out[(int64_t(r) * nq + h) * kD + threadIdx.x] = gated_output(acc_d / L, gp);
+  }
+}
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw Error("attention kernels: " + what);
+}
+
+void check_dims(const AttnDims& d) {
+  require(d.head_dim == kD, "head_dim " + std::to_string(d.head_dim) +
+                                " unsupported (kernels are compiled for 256)");
+  require(d.rotary_dim >= 0 && d.rotary_dim <= kD && d.rotary_dim % 2 == 0,
+          "rotary_dim " + std::to_string(d.rotary_dim) + " must be even and in [0, 256]");
+  require(d.n_kv_heads > 0 && d.n_heads > 0 && d.n_heads % d.n_kv_heads == 0,
+          "query heads (" + std::to_string(d.n_heads) + ") must be a positive multiple of kv heads (" +
+              std::to_string(d.n_kv_heads) + ")");
+  const int G = d.n_heads / d.n_kv_heads;
+  require(G == 1 || G == 2 || G == 4 || G == 8,
+          "GQA group " + std::to_string(G) + " unsupported (1, 2, 4 or 8)");
+}
+
+void check_cache(const KvCacheView& c) {
+  require(c.k && c.v && c.capacity > 0, "KV cache view is empty");
+}
+
+/// Calls f(std::integral_constant<int, G>{}) for the runtime group size G.
+template <typename F>
+void dispatch_group(int G, F&& f) {
+  switch (G) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: require(false, "GQA group " + std::to_string(G) + " unsupported");
+  }
+}
+
+}  // namespace
+
+float AttnDims::scale() const { return 1.0f / std::sqrt(float(head_dim)); }
+
+AttnDims attn_dims(const ModelConfig& config) {
+  AttnDims d;
+  d.n_heads = config.n_heads;
+  d.n_kv_heads = config.n_kv_heads;
+  d.head_dim = config.head_dim;
+  d.rotary_dim = config.rotary_dim;
+  d.rope_theta = float(config.rope_theta);
+  d.norm_eps = config.rms_norm_eps;
+  check_dims(d);
+  return d;
+}
+
+void attention_prepare(const AttnDims& dims, int T, const bf16* qg, int64_t qg_stride,
+                       const bf16* k, const bf16* v, int64_t kv_stride, const float* q_norm,
+                       const float* k_norm, int64_t pos0_host, const int32_t* pos_device,
+                       const KvCacheView& cache, bf16* q_out, cudaStream_t stream) {
+  check_dims(dims);
+  check_cache(cache);
+  require(T >= 1 && T <= 65535, "attention_prepare: T=" + std::to_string(T) + " outside [1, 65535]");
+  require(qg && k && v && q_norm && k_norm && q_out, "attention_prepare: null buffer");
+  require(qg_stride >= int64_t(dims.n_heads) * 2 * kD, "attention_prepare: qg row stride too small");
+  require(kv_stride >= int64_t(dims.n_kv_heads) * kD, "attention_prepare: k/v row stride too small");
+  require(pos0_host >= 0 && pos0_host + T <= cache.capacity,
+          "attention_prepare: positions [" + std::to_string(pos0_host) + ", " +
+              std::to_string(pos0_host + T) + ") exceed the KV cache capacity " +
+              std::to_string(cache.capacity));
+  RopeFreqs freqs{};
+  const float base = dims.rope_theta;
+  for (int j = 0; j < dims.rotary_dim / 2; ++j)  // as cpu::rope_cos_sin
+    freqs.inv[j] = 1.0f / std::pow(base, float(2 * j) / float(dims.rotary_dim));
+  prepare_kernel<<<dim3(T, dims.n_heads + dims.n_kv_heads), kD, 0, stream>>>(
+      dims.n_heads, dims.n_kv_heads, dims.rotary_dim, dims.norm_eps, freqs, qg, qg_stride, k, v,
+      kv_stride, q_norm, k_norm, pos0_host, pos_device, cache.k, cache.v, cache.capacity, q_out);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+int attention_decode_splits(int64_t len) {
+  if (len <= 256) return 1;
+  return int(std::min<int64_t>(128, (len + 255) / 256));
+}
+
+size_t attention_decode_workspace_bytes(const AttnDims& dims, int n_splits) {
+  return size_t(dims.n_heads) * size_t(n_splits) * (kD + 2) * sizeof(float);
+}
+
+void attention_decode(const AttnDims& dims, const bf16* q, const bf16* gate,
+                      const KvCacheView& cache, int64_t len_host, const int32_t* len_device,
+                      int n_splits, float* workspace, size_t workspace_bytes, bf16* out,
+                      cudaStream_t stream) {
+  check_dims(dims);
+  check_cache(cache);
+  require(q && out && workspace, "attention_decode: null buffer");
+  require(n_splits >= 1 && n_splits <= kMaxDecodeSplits,
+          "attention_decode: n_splits " + std::to_string(n_splits) + " outside [1, 256]");
+  require(workspace_bytes >= attention_decode_workspace_bytes(dims, n_splits),
+          "attention_decode: workspace of " + std::to_string(workspace_bytes) + " bytes < " +
+              std::to_string(attention_decode_workspace_bytes(dims, n_splits)));
+  require(len_device || (len_host >= 1 && len_host <= cache.capacity),
+          "attention_decode: length " + std::to_string(len_host) + " outside [1, capacity " +
+              std::to_string(cache.capacity) + "]");
+  float* ws_o = workspace;
+  float* ws_ml = workspace + size_t(dims.n_heads) * n_splits * kD;
+  const int G = dims.n_heads / dims.n_kv_heads;
+  dispatch_group(G, [&](auto g) {
+    decode_split_kernel<decltype(g)::value><<<dim3(dims.n_kv_heads, n_splits), kThreads, 0, stream>>>(
+        n_splits, dims.scale(), len_host, len_device, q, cache.k, cache.v, cache.capacity, ws_o, ws_ml);
+  });
+  LILY_CUDA_CHECK_LAUNCH();
+  decode_combine_kernel<<<dims.n_heads, kD, 0, stream>>>(n_splits, ws_o, ws_ml, gate, out);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+void attention_prefill(const AttnDims& dims, int T, int64_t base, const bf16* q, const bf16* gate,
+                       int64_t gate_stride, const KvCacheView& cache, bf16* out,
+                       cudaStream_t stream) {
+  check_dims(dims);
+  check_cache(cache);
+  require(T >= 1 && T <= 65535, "attention_prefill: T=" + std::to_string(T) + " outside [1, 65535]");
+  require(q && out, "attention_prefill: null buffer");
+  require(base >= 0 && base + T <= cache.capacity,
+          "attention_prefill: keys [0, " + std::to_string(base + T) +
+              ") exceed the KV cache capacity " + std::to_string(cache.capacity));
+  require(!gate || gate_stride >= int64_t(dims.n_heads) * 2 * kD,
+          "attention_prefill: gate row stride too small");
+  const int G = dims.n_heads / dims.n_kv_heads;
+  dispatch_group(G, [&](auto g) {
+    prefill_row_kernel<decltype(g)::value><<<dim3(T, dims.n_kv_heads), kThreads, 0, stream>>>(
+        dims.n_heads, dims.scale(), base, q, gate, gate_stride, cache.k, cache.v, cache.capacity, out);
+  });
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace lily::cuda

@@ -1,0 +1,481 @@
+// Gated DeltaNet kernels (reference/model.md §3.3, numerics §4.3/§4.4): causal conv (decode
+// step and prefill), the fused per-value-head decode step, the chunked (UT/WY) prefill of the
+// delta rule, and the gated RMSNorm. Launchers are declared in mixer_kernels.h.
+#include <string>
+
+#include "backends/cuda/common.cuh"
+#include "backends/cuda/mixer_kernels.h"
+
+namespace lily::cuda {
+namespace {
+
+constexpr int kDk = 128;       // key head dim the kernels are written for
+constexpr int kDv = 128;       // value head dim
+constexpr int kConvK = 4;      // conv kernel width
+constexpr int kHist = kConvK - 1;
+constexpr float kL2Eps = 1e-6f;  // HF l2norm epsilon: x·rsqrt(Σx² + 1e-6)
+
+// ---- scalar gate math (model.md §3.3 step 4) -------------------------------------------------
+
+/// softplus with torch's threshold of 20.
+__device__ __forceinline__ float softplus20(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/// log α = −exp(A_log)·softplus(a + dt_bias): the log of the decay, fp32.
+__device__ __forceinline__ float log_decay(float a, float A_log, float dt_bias) {
+  return -expf(A_log) * softplus20(a + dt_bias);
+}
+
+/// β = sigmoid(b), fp32 with the precise exp.
+__device__ __forceinline__ float beta_gate(float b) { return 1.0f / (1.0f + expf(-b)); }
+
+/// silu with the precise exp (matches the CPU reference's std::exp to an ulp).
+__device__ __forceinline__ float silu_precise(float x) { return x / (1.0f + expf(-x)); }
+
+// ---- causal conv -----------------------------------------------------------------------------
+
+/// One conv step per channel: out[c] = bf16(silu(Σ_t win[c][t]·w[c][t] + x[c]·w[c][K−1])),
+/// then window[c] ← (win1, win2, x).
+__global__ void conv_decode_kernel(int C, const float* __restrict__ conv_w,
+                                   const bf16* __restrict__ qkv, bf16* __restrict__ window,
+                                   bf16* __restrict__ out) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  bf16* win = window + int64_t(c) * kHist;
+  const float* w = conv_w + int64_t(c) * kConvK;
+  const bf16 x = qkv[c];
+  const bf16 w0 = win[0], w1 = win[1], w2 = win[2];
+  float acc = to_f32(w0) * w[0];
+  acc += to_f32(w1) * w[1];
+  acc += to_f32(w2) * w[2];
+  acc += to_f32(x) * w[3];
+  out[c] = to_bf16(silu_precise(acc));
+  win[0] = w1;
+  win[1] = w2;
+  win[2] = x;
+}
+
+/// Raw conv input of channel c at token u (u may be negative: then it comes from the window,
+/// whose slot K−1+u holds token u relative to the chunk start).
+__device__ __forceinline__ bf16 conv_input(const bf16* qkv, int64_t stride, const bf16* window,
+                                           int c, int u) {
+  return u >= 0 ? qkv[int64_t(u) * stride + c] : window[int64_t(c) * kHist + (kHist + u)];
+}
+
+/// Conv over T tokens: thread per (token, channel). Reads the old window; does not write it.
+__global__ void conv_prefill_kernel(int C, int T, const float* __restrict__ conv_w,
+                                    const bf16* __restrict__ qkv, int64_t stride,
+                                    const bf16* __restrict__ window, bf16* __restrict__ out) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int t = blockIdx.y;
+  if (c >= C || t >= T) return;
+  const float* w = conv_w + int64_t(c) * kConvK;
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kConvK; ++j) acc += to_f32(conv_input(qkv, stride, window, c, t - kHist + j)) * w[j];
+  out[int64_t(t) * C + c] = to_bf16(silu_precise(acc));
+}
+
+/// New window after T tokens: the last K−1 raw inputs (mixing in the old window if T < K−1).
+__global__ void conv_window_update_kernel(int C, int T, const bf16* __restrict__ qkv,
+                                          int64_t stride, bf16* __restrict__ window) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  bf16 next[kHist];
+#pragma unroll
+  for (int i = 0; i < kHist; ++i) next[i] = conv_input(qkv, stride, window, c, T - kHist + i);
+#pragma unroll
+  for (int i = 0; i < kHist; ++i) window[int64_t(c) * kHist + i] = next[i];
+}
+
+// ---- fused decode step -------------------------------------------------------------------------
+
+constexpr int kDecodeParts = 4;                      // key-dim slices per value column
+constexpr int kDecodeThreads = kDv * kDecodeParts;   // 512
+constexpr int kRowsPerPart = kDk / kDecodeParts;     // 32
+
+/// Gated RMSNorm of one value head, called by threads m < Dv of the block (all threads must
+/// call it: it synchronises). `o` is the already bf16-rounded output. Returns y[m] for m < Dv.
+__device__ __forceinline__ float gated_norm_value(float o, float z, float gain, float eps,
+                                                  float* scratch) {
+  const bool active = threadIdx.x < kDv;
+  const float sq = block_sum(active ? o * o : 0.0f, scratch);
+  const float r = 1.0f / sqrtf(sq / float(kDv) + eps);
+  return (gain * (o * r)) * silu_precise(z);
+}
+
+/// One block per value head j: q̂/k̂ L2 norms, gates, delta-rule step on S_j (fp32, in place),
+/// bf16 output, gated RMSNorm. Thread (part, m): value column m, key rows [32·part, +32).
+__global__ void __launch_bounds__(kDecodeThreads)
+gdn_decode_kernel(int Hk, int Hv, float eps, const float* __restrict__ A_log,
+                  const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
+                  const bf16* __restrict__ conv_out, const bf16* __restrict__ z,
+                  const bf16* __restrict__ a, const bf16* __restrict__ b,
+                  float* __restrict__ state, bf16* __restrict__ out) {
+  __shared__ float q_s[kDk], k_s[kDk], part_s[kDecodeParts][kDv], scratch[32], gates[2];
+  const int j = blockIdx.x, kh = j / (Hv / Hk), tid = threadIdx.x;
+  const int m = tid % kDv, part = tid / kDv;
+  const int key_dim = Hk * kDk;
+
+  // q (threads 0..127) and k (threads 128..255) of key head kh, L2-normalised in fp32.
+  float x = 0.0f;
+  if (tid < 2 * kDk) {
+    const int base = (tid < kDk ? 0 : key_dim) + kh * kDk;
+    x = to_f32(conv_out[base + tid % kDk]);
+  }
+  float sq = warp_sum(x * x);
+  if (tid % kWarp == 0 && tid < 2 * kDk) scratch[tid / kWarp] = sq;
+  if (tid == 0) {
+    gates[0] = expf(log_decay(to_f32(a[j]), A_log[j], dt_bias[j]));
+    gates[1] = beta_gate(to_f32(b[j]));
+  }
+  __syncthreads();
+  if (tid < 2 * kDk) {
+    const int w0 = tid < kDk ? 0 : 4;
+    const float ss = scratch[w0] + scratch[w0 + 1] + scratch[w0 + 2] + scratch[w0 + 3];
+    const float r = 1.0f / sqrtf(ss + kL2Eps);
+    if (tid < kDk) q_s[tid] = x * r * rsqrtf(float(kDk));
+    else k_s[tid - kDk] = x * r;
+  }
+  __syncthreads();
+  const float alpha = gates[0], beta = gates[1];
+
+  // Decay and predict: pred[m] = Σ_i k̂_i·α·S[i][m].
+  float* S = state + int64_t(j) * kDk * kDv;
+  float s[kRowsPerPart];
+  float pred = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kRowsPerPart; ++r) {
+    const int i = part * kRowsPerPart + r;
+    s[r] = alpha * S[i * kDv + m];
+    pred += k_s[i] * s[r];
+  }
+  part_s[part][m] = pred;
+  __syncthreads();
+  pred = part_s[0][m] + part_s[1][m] + part_s[2][m] + part_s[3][m];
+  const float v = to_f32(conv_out[2 * key_dim + j * kDv + m]);
+  const float delta = (v - pred) * beta;
+  __syncthreads();  // everyone has read part_s
+
+  // Rank-1 update and output with the updated state.
+  float o = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kRowsPerPart; ++r) {
+    const int i = part * kRowsPerPart + r;
+    s[r] += k_s[i] * delta;
+    S[i * kDv + m] = s[r];
+    o += q_s[i] * s[r];
+  }
+  part_s[part][m] = o;
+  __syncthreads();
+  o = round_bf16(part_s[0][m] + part_s[1][m] + part_s[2][m] + part_s[3][m]);
+
+  const float zj = tid < kDv ? to_f32(z[j * kDv + m]) : 0.0f;
+  const float y = gated_norm_value(o, zj, norm_w[m], eps, scratch);
+  if (tid < kDv) out[j * kDv + m] = to_bf16(y);
+}
+
+// ---- chunked prefill (UT/WY form) -------------------------------------------------------------
+//
+// Per chunk of L ≤ 64 tokens with start state S0, γ_t = Π_{s≤t} α_s = exp(g_t) (g = cumulative
+// log decay inside the chunk), the sequential recurrence S_t = α_t(I − β_t k_t k_tᵀ)S_{t−1}
+// + β_t k_t v_tᵀ is equivalent to
+//   (I + A) Δ = R,  A[t][s] = β_t·e^{g_t−g_s}·(k_t·k_s) (s < t),  R_t = β_t(v_t − γ_t S0ᵀk_t)
+//   o_t   = γ_t S0ᵀq_t + Σ_{s≤t} e^{g_t−g_s}(q_t·k_s) Δ_s
+//   S_L   = γ_L S0 + Σ_s e^{g_L−g_s} k_s Δ_sᵀ
+// (Δ_t is the delta δ_t of the sequential form). Value columns evolve independently, so each
+// block owns one value head and a slice of kBV value columns; the 64×64 matrices are formed
+// redundantly by the Dv/kBV blocks of a head. Everything is fp32.
+
+constexpr int kChunk = 64;
+constexpr int kBV = 32;                 // value columns per block
+constexpr int kPrefillThreads = 256;    // 8 warps
+constexpr int kPrefillWarps = kPrefillThreads / kWarp;
+constexpr int kKPad = kDk + 4;          // row stride of the q/k tiles (float4-conflict-free)
+
+struct PrefillSmem {
+  float q[kChunk][kKPad];     // q̂ (scaled) of the chunk, zero rows past L
+  float k[kChunk][kKPad];     // k̂
+  float S[kDk][kBV];          // state slice
+  float A[kChunk][kChunk];    // β_t e^{g_t−g_s} k_t·k_s, s < t
+  float P[kChunk][kChunk];    // e^{g_t−g_s} q_t·k_s, s ≤ t
+  float R[kChunk][kBV];       // right-hand side, then Δ
+  float QS[kChunk][kBV];      // γ_t S0ᵀq_t
+  float D[kChunk][kBV];       // e^{g_L−g_s} Δ_s
+  float g[kChunk];            // cumulative log decay
+  float beta[kChunk];
+  float scratch[kPrefillWarps];
+};
+
+/// Loads q̂/k̂ rows (L2-normalised, q scaled) and the gates of chunk tokens [t0, t0+L).
+__device__ void load_chunk(PrefillSmem& sm, int t0, int L, int j, int kh, int key_dim,
+                           int64_t C, const bf16* conv_out, const bf16* a, const bf16* b,
+                           int64_t zab_stride, float A_log_j, float dt_bias_j) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  for (int row = warp; row < 2 * kChunk; row += kPrefillWarps) {
+    const int t = row % kChunk;
+    const bool is_q = row < kChunk;
+    float* dst = is_q ? sm.q[t] : sm.k[t];
+    float x[kDk / kWarp];
+    float ss = 0.0f;
+    const bf16* src = conv_out + int64_t(t0 + t) * C + (is_q ? 0 : key_dim) + kh * kDk;
+#pragma unroll
+    for (int e = 0; e < kDk / kWarp; ++e) {
+      x[e] = t < L ? to_f32(src[lane + e * kWarp]) : 0.0f;
+      ss += x[e] * x[e];
+    }
+    ss = warp_sum(ss);
+    const float r = (1.0f / sqrtf(ss + kL2Eps)) * (is_q ? rsqrtf(float(kDk)) : 1.0f);
+#pragma unroll
+    for (int e = 0; e < kDk / kWarp; ++e) dst[lane + e * kWarp] = x[e] * r;
+  }
+  if (threadIdx.x < kChunk) {
+    const int t = threadIdx.x;
+    const bool valid = t < L;
+    const int64_t row = int64_t(t0 + t) * zab_stride;
+    sm.g[t] = valid ? log_decay(to_f32(a[row + j]), A_log_j, dt_bias_j) : 0.0f;
+    sm.beta[t] = valid ? beta_gate(to_f32(b[row + j])) : 0.0f;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // inclusive cumulative sum, in token order
+    float acc = 0.0f;
+    for (int t = 0; t < kChunk; ++t) sm.g[t] = (acc += sm.g[t]);
+  }
+  __syncthreads();
+}
+
+/// A and P: thread (ty, tx) computes rows 4·ty … 4·ty+3, columns tx + 16·c (c < 4).
+__device__ void form_kk_qk(PrefillSmem& sm) {
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+  float kk[4][4] = {}, qk[4][4] = {};
+  for (int i = 0; i < kDk; i += 4) {
+    float4 kt[4], qt[4], ks[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      kt[r] = *reinterpret_cast<const float4*>(&sm.k[4 * ty + r][i]);
+      qt[r] = *reinterpret_cast<const float4*>(&sm.q[4 * ty + r][i]);
+      ks[r] = *reinterpret_cast<const float4*>(&sm.k[tx + 16 * r][i]);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        kk[r][c] += kt[r].x * ks[c].x + kt[r].y * ks[c].y + kt[r].z * ks[c].z + kt[r].w * ks[c].w;
+        qk[r][c] += qt[r].x * ks[c].x + qt[r].y * ks[c].y + qt[r].z * ks[c].z + qt[r].w * ks[c].w;
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int t = 4 * ty + r, s = tx + 16 * c;
+      const float decay = s <= t ? expf(sm.g[t] - sm.g[s]) : 0.0f;
+      sm.A[t][s] = s < t ? sm.beta[t] * decay * kk[r][c] : 0.0f;
+      sm.P[t][s] = s <= t ? decay * qk[r][c] : 0.0f;
+    }
+}
+
+/// R_t = β_t(v_t − γ_t·S0ᵀk_t) and QS_t = γ_t·S0ᵀq_t; warp w rows t ≡ w (mod 8), lane = column.
+__device__ void form_rhs(PrefillSmem& sm, int t0, int L, int64_t C, int v_offset,
+                         const bf16* conv_out) {
+  const int warp = threadIdx.x / kWarp, m = threadIdx.x % kWarp;
+  for (int t = warp; t < kChunk; t += kPrefillWarps) {
+    float ks = 0.0f, qs = 0.0f;
+#pragma unroll 8
+    for (int i = 0; i < kDk; ++i) {
+      ks += sm.k[t][i] * sm.S[i][m];
+      qs += sm.q[t][i] * sm.S[i][m];
+    }
+    const float gamma = expf(sm.g[t]);
+    const float v = t < L ? to_f32(conv_out[int64_t(t0 + t) * C + v_offset + m]) : 0.0f;
+    sm.R[t][m] = sm.beta[t] * (v - gamma * ks);
+    sm.QS[t][m] = gamma * qs;
+  }
+}
+
+/// Solves (I + A)Δ = R in place in sm.R by blocked forward substitution: for each block of 8
+/// rows, the 8 warps first subtract the earlier blocks' terms in parallel (one row each), then
+/// warp 0 finishes the block sequentially.
+__device__ void solve_unit_lower(PrefillSmem& sm) {
+  const int warp = threadIdx.x / kWarp, m = threadIdx.x % kWarp;
+  for (int b0 = 0; b0 < kChunk; b0 += kPrefillWarps) {
+    const int t = b0 + warp;
+    float acc = sm.R[t][m];
+    for (int s = 0; s < b0; ++s) acc -= sm.A[t][s] * sm.R[s][m];
+    sm.R[t][m] = acc;
+    __syncthreads();
+    if (warp == 0) {
+      for (int r = 1; r < kPrefillWarps; ++r) {
+        const int tr = b0 + r;
+        float x = sm.R[tr][m];
+        for (int s = b0; s < tr; ++s) x -= sm.A[tr][s] * sm.R[s][m];
+        sm.R[tr][m] = x;
+      }
+    }
+    __syncthreads();
+  }
+}
+
+/// Outputs o_t = QS_t + Σ_{s≤t} P[t][s]Δ_s (bf16, pre-norm) and the scaled deltas for the
+/// state update.
+__device__ void chunk_output(PrefillSmem& sm, int t0, int L, bf16* out, int64_t out_stride,
+                             int o_offset) {
+  const int warp = threadIdx.x / kWarp, m = threadIdx.x % kWarp;
+  const float g_last = sm.g[L - 1];
+  for (int t = warp; t < kChunk; t += kPrefillWarps) {
+    float o = sm.QS[t][m];
+    for (int s = 0; s <= t; ++s) o += sm.P[t][s] * sm.R[s][m];
+    if (t < L) out[int64_t(t0 + t) * out_stride + o_offset + m] = to_bf16(o);
+    sm.D[t][m] = t < L ? expf(g_last - sm.g[t]) * sm.R[t][m] : 0.0f;
+  }
+}
+
+/// S ← γ_L S + Σ_s k_s D_sᵀ; warp w rows i ≡ w (mod 8), lane = column.
+__device__ void update_state(PrefillSmem& sm, int L) {
+  const int warp = threadIdx.x / kWarp, m = threadIdx.x % kWarp;
+  const float gamma_last = expf(sm.g[L - 1]);
+  for (int i = warp; i < kDk; i += kPrefillWarps) {
+    float acc = gamma_last * sm.S[i][m];
+    for (int s = 0; s < L; ++s) acc += sm.k[s][i] * sm.D[s][m];
+    sm.S[i][m] = acc;
+  }
+}
+
+/// Block (value head j, column slice): the whole sequence, chunk after chunk.
+__global__ void __launch_bounds__(kPrefillThreads)
+gdn_prefill_chunked_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log,
+                           const float* __restrict__ dt_bias, const bf16* __restrict__ conv_out,
+                           const bf16* __restrict__ a, const bf16* __restrict__ b,
+                           int64_t zab_stride, float* __restrict__ state,
+                           bf16* __restrict__ out) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  PrefillSmem& sm = *reinterpret_cast<PrefillSmem*>(smem_raw);
+  const int j = blockIdx.x, m0 = blockIdx.y * kBV, kh = j / (Hv / Hk);
+  const int key_dim = Hk * kDk;
+  const int64_t C = 2 * key_dim + int64_t(Hv) * kDv;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  float* S = state + int64_t(j) * kDk * kDv;
+  for (int i = warp; i < kDk; i += kPrefillWarps) sm.S[i][lane] = S[i * kDv + m0 + lane];
+  const float A_log_j = A_log[j], dt_bias_j = dt_bias[j];
+
+  for (int t0 = 0; t0 < T; t0 += kChunk) {
+    const int L = min(kChunk, T - t0);
+    load_chunk(sm, t0, L, j, kh, key_dim, C, conv_out, a, b, zab_stride, A_log_j, dt_bias_j);
+    form_kk_qk(sm);
+    form_rhs(sm, t0, L, C, 2 * key_dim + j * kDv + m0, conv_out);
+    __syncthreads();
+    solve_unit_lower(sm);
+    chunk_output(sm, t0, L, out, int64_t(Hv) * kDv, j * kDv + m0);
+    __syncthreads();
+    update_state(sm, L);
+    __syncthreads();
+  }
+  for (int i = warp; i < kDk; i += kPrefillWarps) S[i * kDv + m0 + lane] = sm.S[i][lane];
+}
+
+/// Gated RMSNorm in place over rows of bf16 pre-norm outputs: block (token, value head).
+__global__ void __launch_bounds__(kDv)
+gated_norm_kernel(int Hv, float eps, const float* __restrict__ norm_w,
+                  const bf16* __restrict__ z, int64_t z_stride, bf16* __restrict__ io) {
+  __shared__ float scratch[32];
+  const int t = blockIdx.x, j = blockIdx.y, m = threadIdx.x;
+  bf16* row = io + int64_t(t) * Hv * kDv + j * kDv;
+  const float o = to_f32(row[m]);
+  const float y = gated_norm_value(o, to_f32(z[int64_t(t) * z_stride + j * kDv + m]), norm_w[m],
+                                   eps, scratch);
+  row[m] = to_bf16(y);
+}
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw Error("GDN kernels: " + what);
+}
+
+void check_dims(const GdnDims& d) {
+  require(d.key_head_dim == kDk && d.value_head_dim == kDv,
+          "head dims Dk=" + std::to_string(d.key_head_dim) + " Dv=" +
+              std::to_string(d.value_head_dim) + " unsupported (kernels are compiled for 128)");
+  require(d.conv_kernel == kConvK,
+          "conv kernel " + std::to_string(d.conv_kernel) + " unsupported (compiled for 4)");
+  require(d.n_key_heads > 0 && d.n_value_heads > 0 && d.n_value_heads % d.n_key_heads == 0,
+          "value heads (" + std::to_string(d.n_value_heads) + ") must be a positive multiple of key heads (" +
+              std::to_string(d.n_key_heads) + ")");
+}
+
+void check_params(const GdnParams& p) {
+  require(p.conv_w && p.A_log && p.dt_bias && p.norm_w, "a GdnParams pointer is null");
+}
+
+}  // namespace
+
+GdnDims gdn_dims(const ModelConfig& config) {
+  GdnDims d;
+  d.n_key_heads = config.gdn_n_key_heads;
+  d.n_value_heads = config.gdn_n_value_heads;
+  d.key_head_dim = config.gdn_key_head_dim;
+  d.value_head_dim = config.gdn_value_head_dim;
+  d.conv_kernel = config.gdn_conv_kernel;
+  d.norm_eps = config.rms_norm_eps;
+  check_dims(d);
+  return d;
+}
+
+void gdn_conv_decode(const GdnDims& dims, const GdnParams& params, const bf16* qkv, bf16* window,
+                     bf16* out, cudaStream_t stream) {
+  check_dims(dims);
+  check_params(params);
+  require(qkv && window && out, "gdn_conv_decode: null buffer");
+  require(qkv != out, "gdn_conv_decode: out must not alias qkv");
+  const int C = dims.conv_channels();
+  conv_decode_kernel<<<ceil_div(C, 256), 256, 0, stream>>>(C, params.conv_w, qkv, window, out);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+void gdn_decode(const GdnDims& dims, const GdnParams& params, const bf16* conv_out, const bf16* z,
+                const bf16* a, const bf16* b, float* state, bf16* out, cudaStream_t stream) {
+  check_dims(dims);
+  check_params(params);
+  require(conv_out && z && a && b && state && out, "gdn_decode: null buffer");
+  gdn_decode_kernel<<<dims.n_value_heads, kDecodeThreads, 0, stream>>>(
+      dims.n_key_heads, dims.n_value_heads, dims.norm_eps, params.A_log, params.dt_bias,
+      params.norm_w, conv_out, z, a, b, state, out);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+void gdn_conv_prefill(const GdnDims& dims, const GdnParams& params, int T, const bf16* qkv,
+                      int64_t qkv_stride, bf16* window, bf16* out, cudaStream_t stream) {
+  check_dims(dims);
+  check_params(params);
+  const int C = dims.conv_channels();
+  require(T >= 1 && T <= 65535, "gdn_conv_prefill: T=" + std::to_string(T) + " outside [1, 65535]");
+  require(qkv_stride >= C, "gdn_conv_prefill: qkv row stride " + std::to_string(qkv_stride) +
+                               " < conv channels " + std::to_string(C));
+  require(qkv && window && out, "gdn_conv_prefill: null buffer");
+  conv_prefill_kernel<<<dim3(ceil_div(C, 256), T), 256, 0, stream>>>(C, T, params.conv_w, qkv,
+                                                                      qkv_stride, window, out);
+  LILY_CUDA_CHECK_LAUNCH();
+  conv_window_update_kernel<<<ceil_div(C, 256), 256, 0, stream>>>(C, T, qkv, qkv_stride, window);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+void gdn_prefill(const GdnDims& dims, const GdnParams& params, int T, const bf16* conv_out,
+                 const bf16* z, const bf16* a, const bf16* b, int64_t zab_stride, float* state,
+                 bf16* out, cudaStream_t stream) {
+  check_dims(dims);
+  check_params(params);
+  require(T >= 1 && T <= 65535, "gdn_prefill: T=" + std::to_string(T) + " outside [1, 65535]");
+  require(conv_out && z && a && b && state && out, "gdn_prefill: null buffer");
+  require(zab_stride >= dims.n_value_heads,
+          "gdn_prefill: z/a/b row stride " + std::to_string(zab_stride) + " too small");
+  const size_t smem = sizeof(PrefillSmem);
+  CUDA_CHECK(cudaFuncSetAttribute(gdn_prefill_chunked_kernel,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  const dim3 grid(dims.n_value_heads, kDv / kBV);
+  gdn_prefill_chunked_kernel<<<grid, kPrefillThreads, smem, stream>>>(
+      dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b,
+      zab_stride, state, out);
+  LILY_CUDA_CHECK_LAUNCH();
+  gated_norm_kernel<<<dim3(T, dims.n_value_heads), kDv, 0, stream>>>(
+      dims.n_value_heads, dims.norm_eps, params.norm_w, z, zab_stride, out);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace lily::cuda
