@@ -1,15 +1,169 @@
-// `lily generate` — placeholder until its issue lands; exits with an error saying so.
+// `lily generate`: one greedy generation from the command line, streamed to stdout (issue 2
+// item 7). --prompt renders the chat template (thinking disabled) around one user message
+// unless --raw; --messages takes a JSON array of {role, content}; --prompt-ids takes token ids
+// and works without a usable tokenizer (then no text is produced: "text" is "" in --json).
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
 #include "base/error.h"
+#include "base/log.h"
 #include "cli/commands.h"
+#include "engine/generate.h"
+#include "engine/model_paths.h"
+#include "model/loader.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
 
 namespace lily::cli {
 
+namespace {
+
+struct GenerateFlags {
+  std::string model;
+  std::string prompt;
+  std::string prompt_ids;
+  std::string messages;
+  bool raw = false;
+  int64_t max_tokens = 128;
+  int64_t max_seq = 0;
+  bool json = false;
+  std::string backend = "auto";
+  int threads = 0;
+  std::vector<std::string> stop;
+};
+
+std::vector<int32_t> parse_prompt_ids(const std::string& text, int vocab) {
+  std::vector<int32_t> ids;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    size_t used = 0;
+    long long v = -1;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size() || v < 0 || v >= vocab)
+      throw Error("--prompt-ids: '" + item + "' is not a token id in [0, " + std::to_string(vocab) + ")");
+    ids.push_back(static_cast<int32_t>(v));
+  }
+  if (ids.empty()) throw Error("--prompt-ids: no ids given");
+  return ids;
+}
+
+std::vector<ChatMessage> parse_messages_flag(const std::string& text) {
+  auto doc = nlohmann::json::parse(text, nullptr, false);
+  if (doc.is_discarded() || !doc.is_array() || doc.empty())
+    throw Error("--messages: expected a non-empty JSON array of {\"role\",\"content\"} objects");
+  std::vector<ChatMessage> messages;
+  for (const auto& m : doc) {
+    if (!m.is_object() || !m.contains("role") || !m.contains("content") || !m["role"].is_string() ||
+        !m["content"].is_string())
+      throw Error("--messages: every message needs string fields \"role\" and \"content\"");
+    const std::string role = m["role"];
+    ChatRole r = role == "system" ? ChatRole::kSystem : role == "user" ? ChatRole::kUser
+               : role == "assistant" ? ChatRole::kAssistant
+               : throw Error("--messages: role '" + role + "' is not system, user or assistant");
+    messages.push_back({r, m["content"].get<std::string>()});
+  }
+  return messages;
+}
+
+/// Loads tokenizer.json; in --prompt-ids mode a missing or unsupported tokenizer is not fatal.
+std::shared_ptr<const Tokenizer> load_tokenizer(const std::filesystem::path& dir, bool required) {
+  const auto path = dir / "tokenizer.json";
+  if (!required && !std::filesystem::exists(path)) return nullptr;
+  try {
+    return Tokenizer::from_file(path);
+  } catch (const Error& e) {
+    if (required) throw;
+    log_warn(std::string("no text output: ") + e.what());
+    return nullptr;
+  }
+}
+
+std::vector<int32_t> build_prompt(const GenerateFlags& f, const Tokenizer* tok, int vocab) {
+  const int given = !f.prompt.empty() + !f.prompt_ids.empty() + !f.messages.empty();
+  if (given != 1) throw Error("give exactly one of --prompt, --prompt-ids, --messages");
+  if (!f.prompt_ids.empty()) return parse_prompt_ids(f.prompt_ids, vocab);
+  if (!f.messages.empty()) return encode_chat(*tok, parse_messages_flag(f.messages));
+  if (f.raw) return tok->encode(f.prompt, /*allow_special=*/true);
+  const ChatMessage user{ChatRole::kUser, f.prompt};
+  return encode_chat(*tok, std::span<const ChatMessage>(&user, 1));
+}
+
+void print_json(const std::vector<int32_t>& prompt, const GenerationResult& r) {
+  nlohmann::ordered_json doc{{"prompt_ids", prompt},
+                             {"token_ids", r.token_ids},
+                             {"text", r.text},
+                             {"finish_reason", finish_reason_name(r.finish_reason)},
+                             {"prompt_tokens", r.prompt_tokens},
+                             {"completion_tokens", r.token_ids.size()},
+                             {"prefill_tokens_per_s", r.timings.prefill_tokens_per_s()},
+                             {"decode_tokens_per_s", r.timings.decode_tokens_per_s()}};
+  std::cout << doc.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << std::endl;
+}
+
+void run_generate(const GenerateFlags& f) {
+  const auto dir = model_dir_or_default(f.model);
+  if (f.max_tokens < 1) throw Error("--max-tokens must be at least 1");
+  auto weights = load_model(dir, LoadOptions{.show_progress = true});
+  const ModelConfig& config = weights->config;
+  auto tokenizer = load_tokenizer(dir, f.prompt_ids.empty());
+  if (!f.stop.empty() && !tokenizer) throw Error("--stop needs a tokenizer");
+  const std::vector<int32_t> prompt = build_prompt(f, tokenizer.get(), config.vocab);
+  int64_t limit = f.max_seq > 0 ? f.max_seq : (config.max_position_embeddings > 0 ? config.max_position_embeddings : 262144);
+  if (static_cast<int64_t>(prompt.size()) >= limit)
+    throw Error("the prompt has " + std::to_string(prompt.size()) + " tokens; max-seq is " + std::to_string(limit));
+  GenerationParams params;
+  params.max_tokens = std::min<int64_t>(f.max_tokens, limit - static_cast<int64_t>(prompt.size()));
+  params.max_seq = static_cast<int64_t>(prompt.size()) + params.max_tokens;
+  params.stop_ids = stop_token_ids(config, dir, tokenizer.get());
+  params.stop_strings = f.stop;
+  auto backend = make_backend(parse_backend_kind(f.backend), weights, f.threads);
+  auto state = backend->new_state(params.max_seq);
+  TokenCallback stream = [&](int32_t, std::string_view text) {
+    if (!f.json && !text.empty()) {
+      std::fwrite(text.data(), 1, text.size(), stdout);
+      std::fflush(stdout);
+    }
+    return true;
+  };
+  GenerationResult r = generate(*backend, *state, prompt, params, tokenizer.get(), stream);
+  if (f.json) return print_json(prompt, r);
+  std::printf("\n");
+  char line[256];
+  std::snprintf(line, sizeof line, "%s: prompt %lld tok, prefill %.1f tok/s, completion %zu tok, decode %.1f tok/s",
+                std::string(finish_reason_name(r.finish_reason)).c_str(), static_cast<long long>(r.prompt_tokens),
+                r.timings.prefill_tokens_per_s(), r.token_ids.size(), r.timings.decode_tokens_per_s());
+  log_info(line);
+}
+
+}  // namespace
+
 void register_generate(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand("generate", "(not available in this build yet)");
-  cmd->allow_extras();
-  cmd->callback([&exit_code] {
-    (void)exit_code;
-    throw Error("lily generate is not available in this build yet");
+  auto* cmd = app.add_subcommand("generate", "generate greedily from one prompt, streamed to stdout");
+  auto f = std::make_shared<GenerateFlags>();
+  cmd->add_option("--model", f->model, "checkpoint directory (default: the repository's models/demo)");
+  cmd->add_option("--prompt", f->prompt, "user message (chat template applied, thinking disabled)");
+  cmd->add_flag("--raw", f->raw, "encode --prompt as is, without the chat template");
+  cmd->add_option("--prompt-ids", f->prompt_ids, "comma-separated prompt token ids (no tokenizer needed)");
+  cmd->add_option("--messages", f->messages, "JSON array of {\"role\",\"content\"} messages");
+  cmd->add_option("--max-tokens", f->max_tokens, "most tokens to generate")->capture_default_str();
+  cmd->add_option("--max-seq", f->max_seq, "sequence limit (default: max_position_embeddings)");
+  cmd->add_option("--stop", f->stop, "stop string (repeatable)");
+  cmd->add_flag("--json", f->json, "print one JSON object instead of streaming text");
+  cmd->add_option("--backend", f->backend, "cpu | cuda | auto")->capture_default_str();
+  cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores")->capture_default_str();
+  cmd->callback([f, &exit_code] {
+    run_generate(*f);
+    exit_code = 0;
   });
 }
 

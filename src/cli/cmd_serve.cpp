@@ -1,16 +1,79 @@
-// `lily serve` — placeholder until its issue lands; exits with an error saying so.
+// `lily serve`: the OpenAI-compatible chat-completions server (issue 4; server/http_server.h).
+// --model defaults to the repository's models/demo (found next to the executable).
+#include <cstdlib>
+
 #include "base/error.h"
 #include "cli/commands.h"
+#include "engine/model_paths.h"
+#include "server/http_server.h"
 
 namespace lily::cli {
 
+namespace {
+
+struct ServeFlags {
+  std::string model;
+  std::string bind = "127.0.0.1:8000";
+  std::string host;
+  int port = -1;
+  int64_t max_seq = -1;
+  std::string backend = "auto";
+  server::ServerOptions options;
+};
+
+void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
+  auto& o = f.options;
+  cmd->add_option("--model", f.model, "checkpoint directory (default: the repository's models/demo)");
+  cmd->add_option("--bind", f.bind, "listen address HOST:PORT")->capture_default_str();
+  cmd->add_option("--host", f.host, "listen host (overrides the host of --bind)");
+  cmd->add_option("--port", f.port, "listen port (overrides the port of --bind; 0 = any free port)")
+      ->check(CLI::Range(0, 65535));
+  cmd->add_option("--max-seq", f.max_seq, "most tokens per sequence, prompt + completion "
+                  "(default: the checkpoint's max_position_embeddings; at most 262144)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--api-key", o.api_key, "require 'Authorization: Bearer KEY' (default: $LILY_API_KEY)");
+  cmd->add_option("--backend", f.backend, "cpu | cuda | auto")->capture_default_str();
+  cmd->add_option("--served-model-name", o.served_model_name, "model name clients must send "
+                  "(default: Qwen3.6-35B-A3B for that shape, else the directory name)");
+  cmd->add_option("--cache-entries", o.cache_entries, "prefix-cache entries, 0 disables the cache")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  cmd->add_option("--cache-bytes", o.cache_bytes, "prefix-cache memory bound in bytes, 0 = none")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-queue", o.max_queue, "waiting requests before answering 503")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-body", o.max_body, "request body limit in bytes (413 above)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--threads", o.threads, "CPU backend threads, 0 = all cores")->capture_default_str();
+  cmd->add_option("--http-threads", o.http_threads, "HTTP connection threads (concurrent connections)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--read-timeout", o.read_timeout_s, "seconds a client may take to send a request")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--write-timeout", o.write_timeout_s, "seconds a client may take to accept response bytes")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--shutdown-grace", o.shutdown_grace_s, "seconds running work may finish after SIGINT/SIGTERM")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+}
+
+server::ServerOptions resolve(ServeFlags& f) {
+  server::ServerOptions o = f.options;
+  o.model_dir = model_dir_or_default(f.model);
+  server::parse_bind(f.bind, o.host, o.port);
+  if (!f.host.empty()) o.host = f.host;
+  if (f.port >= 0) o.port = f.port;
+  if (f.max_seq >= 0) o.max_seq = f.max_seq;
+  o.backend = parse_backend_kind(f.backend);
+  if (o.api_key.empty()) {
+    if (const char* env = std::getenv("LILY_API_KEY")) o.api_key = env;
+  }
+  return o;
+}
+
+}  // namespace
+
 void register_serve(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand("serve", "(not available in this build yet)");
-  cmd->allow_extras();
-  cmd->callback([&exit_code] {
-    (void)exit_code;
-    throw Error("lily serve is not available in this build yet");
-  });
+  auto* cmd = app.add_subcommand("serve", "serve the model over an OpenAI-compatible HTTP API");
+  auto flags = std::make_shared<ServeFlags>();
+  add_serve_flags(cmd, *flags);
+  cmd->callback([flags, &exit_code] { exit_code = server::run_server(resolve(*flags)); });
 }
 
 }  // namespace lily::cli

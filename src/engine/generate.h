@@ -1,0 +1,86 @@
+// The greedy generation loop (reference/serving.md §5, with our differences): prefill the
+// uncached part of a prompt, then decode one token at a time until a stop token, a stop string,
+// max_tokens, the state's capacity or a cancellation by the per-token callback.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/backend.h"
+#include "text/tokenizer.h"
+
+namespace lily {
+
+/// Why generation ended. kStop: a stop token or stop string; kLength: max_tokens or the
+/// sequence capacity; kCancelled: the token callback returned false.
+enum class FinishReason { kStop, kLength, kCancelled };
+
+/// "stop" | "length" | "cancelled" (the first two are the OpenAI finish_reason values).
+std::string_view finish_reason_name(FinishReason reason);
+
+/// Settings of one generation. Units are tokens.
+struct GenerationParams {
+  int64_t max_tokens = 0;                 ///< > 0: most tokens generated (stop token included)
+  int64_t max_seq = 0;                    ///< > 0: capacity of the state (prompt + fed tokens)
+  std::vector<int32_t> stop_ids;          ///< generation ends after emitting one of these
+  std::vector<std::string> stop_strings;  ///< text stops before the first occurrence (needs a tokenizer)
+};
+
+/// Wall-clock timings of one generation, in seconds.
+struct GenerationTimings {
+  int64_t prefill_tokens = 0;   ///< prompt tokens actually run (uncached part)
+  double prefill_seconds = 0;   ///< start → first generated token on the host (TTFT of the engine)
+  int64_t decode_steps = 0;     ///< decode calls (generated tokens after the first)
+  double decode_seconds = 0;    ///< first generated token → last generated token
+  /// prefill_tokens / prefill_seconds (0 when nothing was measured).
+  double prefill_tokens_per_s() const;
+  /// decode_steps / decode_seconds (0 when nothing was measured).
+  double decode_tokens_per_s() const;
+};
+
+/// Outcome of generate().
+struct GenerationResult {
+  /// Generated ids in order. When a stop token ended generation it is the last id (counted in
+  /// completion tokens, never part of `text`).
+  std::vector<int32_t> token_ids;
+  std::string text;  ///< detokenized output, cut before a stop string; empty without tokenizer
+  FinishReason finish_reason = FinishReason::kLength;
+  int64_t prompt_tokens = 0;  ///< whole prompt
+  int64_t cached_tokens = 0;  ///< prompt tokens already in the state when generation began
+  /// Generated tokens fed into the state: the state holds prompt + token_ids[0, fed_tokens).
+  int64_t fed_tokens = 0;
+  GenerationTimings timings;
+};
+
+/// Called once per generated token, on the generating thread. `text` is the newly releasable
+/// text (possibly empty: partial UTF-8 or a possible stop-string start is held back; the
+/// remainder is result.text minus everything released so far). Return false to cancel: no
+/// further decode step runs.
+using TokenCallback = std::function<bool(int32_t token, std::string_view text)>;
+
+/// Called once when the state holds exactly prompt[0, n-1) (n = prompt length, n ≥ 2), before
+/// the last prompt token is run; the prefix cache snapshots the state there so that an
+/// identical prompt can later resume one token before its end.
+using PromptPrefixHook = std::function<void(const SequenceState& state, int64_t n_tokens)>;
+
+/// Runs greedy generation for `prompt` on `state`, which must already hold prompt[0, p) for
+/// p = state.position() < prompt.size() (p > 0 on a prefix-cache hit). `tokenizer` may be null
+/// (then no text and no stop strings). Throws lily::Error when the prompt does not fit max_seq,
+/// max_tokens ≤ 0, stop strings without tokenizer, or the state is not a prefix position.
+GenerationResult generate(Backend& backend, SequenceState& state, std::span<const int32_t> prompt,
+                          const GenerationParams& params, const Tokenizer* tokenizer,
+                          const TokenCallback& on_token = {},
+                          const PromptPrefixHook& on_prompt_prefix = {});
+
+/// Stop tokens of a checkpoint: config eos_token_ids (top level over text_config) ∪ the id of
+/// tokenizer_config.json's `eos_token` (string or {"content": …}) when `tokenizer` is given and
+/// the file exists. Sorted, de-duplicated. Throws lily::Error on an unreadable
+/// tokenizer_config.json.
+std::vector<int32_t> stop_token_ids(const ModelConfig& config, const std::filesystem::path& model_dir,
+                                    const Tokenizer* tokenizer);
+
+}  // namespace lily

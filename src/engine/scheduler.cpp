@@ -1,0 +1,184 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+
+#include "base/log.h"
+
+namespace lily {
+
+namespace {
+
+JobEvent make_event(JobEvent::Kind kind) {
+  JobEvent e;
+  e.kind = kind;
+  e.at = std::chrono::steady_clock::now();
+  return e;
+}
+
+}  // namespace
+
+std::optional<JobEvent> Job::next_event(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mutex_);
+  if (!cv_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
+  JobEvent e = std::move(events_.front());
+  events_.pop_front();
+  return e;
+}
+
+void Job::post(JobEvent event) {
+  {
+    std::lock_guard lock(mutex_);
+    events_.push_back(std::move(event));
+  }
+  cv_.notify_all();
+}
+
+Scheduler::Scheduler(std::unique_ptr<Backend> backend, std::shared_ptr<const Tokenizer> tokenizer,
+                     EngineOptions options)
+    : backend_(std::move(backend)),
+      tokenizer_(std::move(tokenizer)),
+      options_(std::move(options)),
+      cache_(options_.cache) {
+  if (options_.max_seq < 1) throw Error("max_seq must be at least 1");
+  if (options_.max_queue < 0) throw Error("--max-queue must be ≥ 0");
+  thread_ = std::thread([this] { engine_loop(); });
+}
+
+Scheduler::~Scheduler() { stop(std::chrono::milliseconds(0)); }
+
+std::shared_ptr<Job> Scheduler::submit(JobRequest request) {
+  const int64_t need = static_cast<int64_t>(request.prompt.size()) + request.max_tokens;
+  if (request.prompt.empty() || request.max_tokens < 1 || need > options_.max_seq)
+    throw Error("request needs " + std::to_string(need) + " tokens but max_seq is " +
+                std::to_string(options_.max_seq));
+  auto job = std::make_shared<Job>(std::move(request));
+  {
+    std::lock_guard lock(mutex_);
+    if (stopping_) throw ShuttingDownError("the server is shutting down");
+    const bool idle = running_ == nullptr && queue_.empty();
+    if (!idle && static_cast<int>(queue_.size()) >= options_.max_queue)
+      throw QueueFullError("the request queue is full (" + std::to_string(options_.max_queue) +
+                           " waiting)");
+    queue_.push_back(job);
+  }
+  cv_.notify_all();
+  return job;
+}
+
+void Scheduler::cancel(const std::shared_ptr<Job>& job) {
+  job->cancel();
+  bool removed = false;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = std::find(queue_.begin(), queue_.end(), job);
+    if (it != queue_.end()) {
+      queue_.erase(it);
+      removed = true;
+    }
+  }
+  if (removed) {
+    JobEvent e = make_event(JobEvent::Kind::kDone);
+    e.result.finish_reason = FinishReason::kCancelled;
+    e.result.prompt_tokens = static_cast<int64_t>(job->request().prompt.size());
+    job->post(std::move(e));
+  }
+}
+
+void Scheduler::stop(std::chrono::milliseconds grace) {
+  std::lock_guard stop_lock(stop_mutex_);
+  std::deque<std::shared_ptr<Job>> dropped;
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+    dropped.swap(queue_);
+  }
+  cv_.notify_all();
+  for (auto& job : dropped) {
+    JobEvent e = make_event(JobEvent::Kind::kFailed);
+    e.text = "the server is shutting down";
+    job->post(std::move(e));
+  }
+  if (!thread_.joinable()) return;
+  {
+    std::unique_lock lock(mutex_);
+    cv_.wait_for(lock, grace, [&] { return running_ == nullptr; });
+    if (running_) running_->cancel();
+  }
+  thread_.join();
+}
+
+int Scheduler::queue_depth() const {
+  std::lock_guard lock(mutex_);
+  return static_cast<int>(queue_.size());
+}
+
+int Scheduler::running() const {
+  std::lock_guard lock(mutex_);
+  return running_ ? 1 : 0;
+}
+
+void Scheduler::engine_loop() {
+  while (true) {
+    std::shared_ptr<Job> job;
+    {
+      std::unique_lock lock(mutex_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping
+      job = queue_.front();
+      queue_.pop_front();
+      running_ = job;
+    }
+    run_job(*job);
+    {
+      std::lock_guard lock(mutex_);
+      running_.reset();
+    }
+    cv_.notify_all();
+  }
+}
+
+void Scheduler::run_job(Job& job) {
+  const JobRequest& req = job.request();
+  try {
+    CacheLookup hit = cache_.acquire(*backend_, req.prompt, req.cache_key);
+    std::unique_ptr<SequenceState> state =
+        hit.state ? std::move(hit.state) : backend_->new_state(options_.max_seq);
+    std::vector<ResumePoint> points;
+    PromptPrefixHook snapshot;
+    if (cache_.enabled()) {
+      snapshot = [&](const SequenceState& s, int64_t n) {
+        points.push_back({std::vector<int32_t>(req.prompt.begin(), req.prompt.begin() + n),
+                          backend_->clone_state(s)});
+      };
+    }
+    TokenCallback on_token = [&](int32_t token, std::string_view text) {
+      JobEvent e = make_event(JobEvent::Kind::kToken);
+      e.token = token;
+      e.text = std::string(text);
+      job.post(std::move(e));
+      return !job.cancelled();
+    };
+    GenerationParams params;
+    params.max_tokens = req.max_tokens;
+    params.max_seq = options_.max_seq;
+    params.stop_ids = options_.stop_ids;
+    params.stop_strings = req.stop_strings;
+    GenerationResult result =
+        generate(*backend_, *state, req.prompt, params, tokenizer_.get(), on_token, snapshot);
+    if (cache_.enabled()) {
+      std::vector<int32_t> fed(req.prompt.begin(), req.prompt.end());
+      fed.insert(fed.end(), result.token_ids.begin(), result.token_ids.begin() + result.fed_tokens);
+      points.push_back({std::move(fed), std::move(state)});
+      cache_.store(std::move(points), req.cache_key);
+    }
+    JobEvent done = make_event(JobEvent::Kind::kDone);
+    done.result = std::move(result);
+    job.post(std::move(done));
+  } catch (const std::exception& e) {
+    JobEvent failed = make_event(JobEvent::Kind::kFailed);
+    failed.text = e.what();
+    job.post(std::move(failed));
+  }
+}
+
+}  // namespace lily

@@ -1,0 +1,134 @@
+// The engine thread and its bounded FIFO queue (issue 4 item 7). HTTP threads submit jobs
+// (token ids + settings) and read back events; the one engine thread owns the Backend and the
+// session cache and runs jobs one after another. A job is a unit of work with its own event
+// channel, so the loop can later interleave several jobs' decode steps (continuous batching)
+// without changing the interface.
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "base/error.h"
+#include "engine/backend.h"
+#include "engine/generate.h"
+#include "engine/session_cache.h"
+#include "text/tokenizer.h"
+
+namespace lily {
+
+/// Thrown by Scheduler::submit when the queue already holds max_queue waiting jobs.
+class QueueFullError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Thrown by Scheduler::submit after stop() began.
+class ShuttingDownError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// What the engine needs to run one request: only token ids and settings.
+struct JobRequest {
+  std::vector<int32_t> prompt;             ///< whole prompt (template applied)
+  int64_t max_tokens = 0;                  ///< ≥ 1; prompt + max_tokens ≤ max_seq
+  std::vector<std::string> stop_strings;   ///< OpenAI `stop`
+  std::optional<std::string> cache_key;    ///< OpenAI `prompt_cache_key`
+};
+
+/// One event from the engine to the submitting thread.
+struct JobEvent {
+  enum class Kind { kToken, kDone, kFailed };
+  Kind kind = Kind::kToken;
+  int32_t token = -1;      ///< kToken: the generated id
+  std::string text;        ///< kToken: newly released text; kFailed: the internal error
+  GenerationResult result; ///< kDone
+  std::chrono::steady_clock::time_point at;  ///< when the engine produced it
+};
+
+/// A submitted job: an event channel (engine → HTTP thread) and a cancellation flag
+/// (HTTP thread → engine). Thread-safe.
+class Job {
+ public:
+  explicit Job(JobRequest request) : request_(std::move(request)) {}
+  const JobRequest& request() const { return request_; }
+
+  /// Next event, waiting at most `timeout`; nullopt on time-out.
+  std::optional<JobEvent> next_event(std::chrono::milliseconds timeout);
+  /// Asks the engine to stop this job (takes effect before its next decode step).
+  void cancel() { cancelled_.store(true); }
+  bool cancelled() const { return cancelled_.load(); }
+
+  /// Engine side: posts an event.
+  void post(JobEvent event);
+
+ private:
+  JobRequest request_;
+  std::atomic<bool> cancelled_{false};
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<JobEvent> events_;
+};
+
+/// Engine settings fixed at start-up.
+struct EngineOptions {
+  int64_t max_seq = 0;             ///< capacity of every sequence (tokens)
+  int max_queue = 16;              ///< waiting jobs allowed (not counting the running one)
+  std::vector<int32_t> stop_ids;   ///< stop tokens
+  SessionCacheOptions cache;
+};
+
+/// Owns the engine thread, the Backend and the session cache.
+class Scheduler {
+ public:
+  /// Starts the engine thread. `tokenizer` may be null (no text, no stop strings).
+  Scheduler(std::unique_ptr<Backend> backend, std::shared_ptr<const Tokenizer> tokenizer,
+            EngineOptions options);
+  /// Calls stop(0).
+  ~Scheduler();
+
+  /// Queues a job (FIFO). Throws QueueFullError when max_queue jobs are waiting,
+  /// ShuttingDownError after stop(), lily::Error for a request that cannot fit max_seq.
+  std::shared_ptr<Job> submit(JobRequest request);
+  /// Removes a queued job (it gets a kDone event with FinishReason::kCancelled and no tokens)
+  /// or, when running, cancels it; returns at once.
+  void cancel(const std::shared_ptr<Job>& job);
+
+  /// Stops accepting jobs, fails the queued ones, lets the running job finish for at most
+  /// `grace`, then cancels it, and joins the engine thread. Idempotent.
+  void stop(std::chrono::milliseconds grace);
+
+  /// Jobs waiting (not counting the running one).
+  int queue_depth() const;
+  /// 1 while a job runs, else 0.
+  int running() const;
+  SessionCacheStats cache_stats() const { return cache_.stats(); }
+  const EngineOptions& options() const { return options_; }
+  const Backend& backend() const { return *backend_; }
+
+ private:
+  void engine_loop();
+  void run_job(Job& job);
+
+  std::unique_ptr<Backend> backend_;
+  std::shared_ptr<const Tokenizer> tokenizer_;
+  EngineOptions options_;
+  SessionCache cache_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Job>> queue_;
+  std::shared_ptr<Job> running_;
+  bool stopping_ = false;
+  std::thread thread_;
+  std::mutex stop_mutex_;
+};
+
+}  // namespace lily

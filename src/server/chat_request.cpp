@@ -1,0 +1,260 @@
+#include "server/chat_request.h"
+
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "server/api_error.h"
+
+namespace lily::server {
+
+namespace {
+
+using nlohmann::json;
+
+/// Fields that OpenAI defines but lily cannot honour, with the reason given to the client.
+const std::map<std::string, std::string, std::less<>>& unsupported_fields() {
+  static const std::map<std::string, std::string, std::less<>> fields = {
+      {"tools", "tool calling is not supported"},
+      {"tool_choice", "tool calling is not supported"},
+      {"parallel_tool_calls", "tool calling is not supported"},
+      {"functions", "function calling is not supported"},
+      {"function_call", "function calling is not supported"},
+      {"response_format", "structured output (response_format) is not supported"},
+      {"top_logprobs", "logprobs are not supported"},
+      {"logit_bias", "logit_bias is not supported: decoding is greedy"},
+      {"modalities", "only text output is supported"},
+      {"audio", "audio output is not supported"},
+      {"prediction", "predicted outputs are not supported"},
+      {"reasoning_effort", "reasoning is disabled on this server"},
+      {"web_search_options", "web search is not supported"},
+      {"top_k", "sampling is not supported: decoding is greedy"},
+      {"min_p", "sampling is not supported: decoding is greedy"},
+      {"repetition_penalty", "sampling is not supported: decoding is greedy"},
+      {"best_of", "sampling is not supported: decoding is greedy"},
+  };
+  return fields;
+}
+
+std::string type_name(const json& v) {
+  if (v.is_number_integer()) return "integer";
+  if (v.is_number_float()) return "number";
+  return v.type_name();
+}
+
+ApiError wrong_type(const std::string& param, const std::string& expected, const json& got) {
+  return invalid_request("'" + param + "' must be " + expected + ", got " + type_name(got), param,
+                         "invalid_type");
+}
+
+std::string require_string(const json& v, const std::string& param) {
+  if (!v.is_string()) throw wrong_type(param, "a string", v);
+  return v.get<std::string>();
+}
+
+int64_t require_integer(const json& v, const std::string& param) {
+  if (!v.is_number_integer()) throw wrong_type(param, "an integer", v);
+  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+    throw invalid_request("'" + param + "' is too large", param);
+  return v.get<int64_t>();
+}
+
+double require_number(const json& v, const std::string& param) {
+  if (!v.is_number()) throw wrong_type(param, "a number", v);
+  return v.get<double>();
+}
+
+/// A greedy-equivalent sampling field: accepted only at the value that means "greedy".
+void require_greedy_value(const json& v, const std::string& param, double greedy) {
+  if (require_number(v, param) != greedy)
+    throw invalid_request("'" + param + "' must be " + json(greedy).dump() +
+                              " (or omitted): this server decodes greedily",
+                          param, "unsupported_value");
+}
+
+ChatRole parse_role(const json& v, const std::string& param) {
+  const std::string role = require_string(v, param);
+  if (role == "system") return ChatRole::kSystem;
+  if (role == "user") return ChatRole::kUser;
+  if (role == "assistant") return ChatRole::kAssistant;
+  if (role == "tool" || role == "function" || role == "developer")
+    throw invalid_request("role '" + role + "' is not supported: use system, user or assistant", param,
+                          "unsupported_value");
+  throw invalid_request("invalid role '" + role + "': expected system, user or assistant", param);
+}
+
+std::string parse_content_part(const json& part, const std::string& param) {
+  if (!part.is_object()) throw wrong_type(param, "an object", part);
+  if (!part.contains("type")) throw invalid_request("missing required parameter '" + param + ".type'",
+                                                    param + ".type", "missing_required_parameter");
+  const std::string type = require_string(part["type"], param + ".type");
+  if (type != "text")
+    throw invalid_request("content part type '" + type + "' is not supported: the model reads text only",
+                          param + ".type", "unsupported_value");
+  for (const auto& [key, value] : part.items())
+    if (key != "type" && key != "text")
+      throw invalid_request("unrecognized field '" + key + "' in a text content part", param + "." + key,
+                            "unknown_parameter");
+  if (!part.contains("text")) throw invalid_request("missing required parameter '" + param + ".text'",
+                                                    param + ".text", "missing_required_parameter");
+  return require_string(part["text"], param + ".text");
+}
+
+std::string parse_content(const json& v, const std::string& param) {
+  if (v.is_string()) return v.get<std::string>();
+  if (!v.is_array()) throw wrong_type(param, "a string or an array of text parts", v);
+  if (v.empty()) throw invalid_request("'" + param + "' must not be an empty array", param);
+  std::string text;
+  for (size_t j = 0; j < v.size(); ++j) {
+    if (j > 0) text += "\n";
+    text += parse_content_part(v[j], param + "[" + std::to_string(j) + "]");
+  }
+  return text;
+}
+
+ChatMessage parse_message(const json& m, const std::string& param) {
+  if (!m.is_object()) throw wrong_type(param, "an object", m);
+  for (const auto& [key, value] : m.items())
+    if (key != "role" && key != "content")
+      throw invalid_request("unrecognized field '" + key + "' in " + param +
+                                ": messages take only 'role' and 'content'",
+                            param + "." + key, "unknown_parameter");
+  if (!m.contains("role"))
+    throw invalid_request("missing required parameter '" + param + ".role'", param + ".role",
+                          "missing_required_parameter");
+  if (!m.contains("content"))
+    throw invalid_request("missing required parameter '" + param + ".content'", param + ".content",
+                          "missing_required_parameter");
+  ChatMessage msg;
+  msg.role = parse_role(m["role"], param + ".role");
+  msg.content = parse_content(m["content"], param + ".content");
+  return msg;
+}
+
+void parse_messages(const json& v, ChatRequest& req) {
+  if (!v.is_array()) throw wrong_type("messages", "an array", v);
+  if (v.empty()) throw invalid_request("'messages' must contain at least one message", "messages");
+  for (size_t i = 0; i < v.size(); ++i)
+    req.messages.push_back(parse_message(v[i], "messages[" + std::to_string(i) + "]"));
+  if (req.messages.back().role != ChatRole::kUser)
+    throw invalid_request("the last message must have role 'user'",
+                          "messages[" + std::to_string(v.size() - 1) + "].role");
+}
+
+void parse_stop(const json& v, ChatRequest& req) {
+  if (v.is_string()) {
+    req.stop.push_back(v.get<std::string>());
+  } else if (v.is_array()) {
+    if (v.size() > kMaxStopStrings)
+      throw invalid_request("'stop' takes at most 4 strings, got " + std::to_string(v.size()), "stop");
+    for (size_t i = 0; i < v.size(); ++i) req.stop.push_back(require_string(v[i], "stop[" + std::to_string(i) + "]"));
+  } else {
+    throw wrong_type("stop", "a string or an array of strings", v);
+  }
+  for (const auto& s : req.stop)
+    if (s.empty()) throw invalid_request("stop strings must not be empty", "stop");
+}
+
+void parse_stream_options(const json& v, ChatRequest& req) {
+  if (!v.is_object()) throw wrong_type("stream_options", "an object", v);
+  for (const auto& [key, value] : v.items()) {
+    if (key != "include_usage")
+      throw invalid_request("unrecognized field '" + key + "' in stream_options", "stream_options." + key,
+                            "unknown_parameter");
+    if (value.is_null()) continue;
+    if (!value.is_boolean()) throw wrong_type("stream_options.include_usage", "a boolean", value);
+    req.include_usage = value.get<bool>();
+  }
+}
+
+std::optional<int64_t> parse_max_tokens(const json& v, const std::string& param) {
+  const int64_t n = require_integer(v, param);
+  if (n < 1) throw invalid_request("'" + param + "' must be at least 1, got " + std::to_string(n), param);
+  return n;
+}
+
+/// Handles one optional top-level field (value not null).
+void parse_optional_field(const std::string& key, const json& value, ChatRequest& req,
+                          std::optional<int64_t>& max_completion_tokens, bool& stream_options_set) {
+  if (key == "max_tokens") {
+    req.max_tokens = parse_max_tokens(value, key);
+  } else if (key == "max_completion_tokens") {
+    max_completion_tokens = parse_max_tokens(value, key);
+  } else if (key == "stream") {
+    if (!value.is_boolean()) throw wrong_type(key, "a boolean", value);
+    req.stream = value.get<bool>();
+  } else if (key == "stream_options") {
+    parse_stream_options(value, req);
+    stream_options_set = true;
+  } else if (key == "stop") {
+    parse_stop(value, req);
+  } else if (key == "prompt_cache_key") {
+    req.prompt_cache_key = require_string(value, key);
+  } else if (key == "user") {
+    require_string(value, key);
+  } else if (key == "n") {
+    if (require_integer(value, key) != 1)
+      throw invalid_request("'n' must be 1: this server returns one choice", key, "unsupported_value");
+  } else if (key == "temperature" || key == "presence_penalty" || key == "frequency_penalty") {
+    require_greedy_value(value, key, 0.0);
+  } else if (key == "top_p") {
+    require_greedy_value(value, key, 1.0);
+  } else if (key == "seed") {
+    require_integer(value, key);
+  } else if (key == "logprobs") {
+    if (!value.is_boolean()) throw wrong_type(key, "a boolean", value);
+    if (value.get<bool>())
+      throw invalid_request("logprobs are not supported", key, "unsupported_parameter");
+  } else if (auto it = unsupported_fields().find(key); it != unsupported_fields().end()) {
+    throw invalid_request("unsupported parameter '" + key + "': " + it->second, key, "unsupported_parameter");
+  } else {
+    throw invalid_request("unrecognized request argument supplied: '" + key + "'", key, "unknown_parameter");
+  }
+}
+
+}  // namespace
+
+ChatRequest parse_chat_request(std::string_view body) {
+  json doc;
+  try {
+    doc = json::parse(body);
+  } catch (const json::parse_error& e) {
+    throw invalid_request(std::string("the request body is not valid JSON: ") + e.what(), std::nullopt,
+                          "invalid_json");
+  }
+  if (!doc.is_object())
+    throw invalid_request("the request body must be a JSON object, got " + type_name(doc), std::nullopt,
+                          "invalid_json");
+  ChatRequest req;
+  std::optional<int64_t> max_completion_tokens;
+  bool stream_options_set = false;
+  for (const auto& [key, value] : doc.items()) {
+    if (key == "model" || key == "messages") continue;
+    if (value.is_null()) {
+      if (unsupported_fields().count(key) == 0 && key != "max_tokens" && key != "max_completion_tokens" &&
+          key != "stream" && key != "stream_options" && key != "stop" && key != "prompt_cache_key" &&
+          key != "user" && key != "n" && key != "temperature" && key != "top_p" && key != "seed" &&
+          key != "presence_penalty" && key != "frequency_penalty" && key != "logprobs")
+        throw invalid_request("unrecognized request argument supplied: '" + key + "'", key, "unknown_parameter");
+      continue;
+    }
+    parse_optional_field(key, value, req, max_completion_tokens, stream_options_set);
+  }
+  if (!doc.contains("model"))
+    throw invalid_request("missing required parameter 'model'", "model", "missing_required_parameter");
+  req.model = require_string(doc["model"], "model");
+  if (!doc.contains("messages"))
+    throw invalid_request("missing required parameter 'messages'", "messages", "missing_required_parameter");
+  parse_messages(doc["messages"], req);
+  if (max_completion_tokens) {
+    if (req.max_tokens && *req.max_tokens != *max_completion_tokens)
+      throw invalid_request("'max_tokens' and 'max_completion_tokens' differ; send one of them",
+                            "max_completion_tokens");
+    req.max_tokens = max_completion_tokens;
+  }
+  if (stream_options_set && !req.stream)
+    throw invalid_request("'stream_options' is only allowed when 'stream' is true", "stream_options");
+  return req;
+}
+
+}  // namespace lily::server

@@ -1,0 +1,78 @@
+// `lily serve`: the OpenAI-compatible HTTP server (issue 4). HTTP threads parse, validate,
+// tokenize and serialize; one engine thread (engine/scheduler.h) generates. /health, /v1/models
+// and /metrics never wait for the engine.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "engine/backend.h"
+#include "model/config.h"
+
+namespace lily::server {
+
+/// Hard limit of the attention kernels on sequence length (tokens).
+inline constexpr int64_t kKernelMaxSeq = 262144;
+
+/// Everything `lily serve` is configured with.
+struct ServerOptions {
+  std::filesystem::path model_dir;
+  std::string host = "127.0.0.1";
+  int port = 8000;                       ///< 0 picks a free port (printed in the startup line)
+  std::optional<int64_t> max_seq;        ///< default: the checkpoint's max_position_embeddings
+  std::string api_key;                   ///< empty: no authentication
+  BackendKind backend = BackendKind::kAuto;
+  int threads = 0;                       ///< CPU backend threads (0 = all cores)
+  std::string served_model_name;         ///< empty: derived (see served_model_name())
+  int cache_entries = 2;                 ///< prefix cache entries (0 disables the cache)
+  int64_t cache_bytes = 0;               ///< prefix cache byte bound (0 = none)
+  int max_queue = 16;                    ///< waiting requests before 503
+  int64_t max_body = 1 << 20;            ///< request body limit in bytes (413 above)
+  int http_threads = 32;                 ///< connection threads (max concurrent connections)
+  int read_timeout_s = 30;               ///< a client must send its request within this
+  int write_timeout_s = 30;              ///< a client must accept response bytes within this
+  int keep_alive_s = 5;                  ///< idle keep-alive connections are closed after this
+  int shutdown_grace_s = 10;             ///< SIGINT/SIGTERM: running work may finish within this
+};
+
+/// Runs the server until SIGINT/SIGTERM; returns the process exit code (0 after a graceful
+/// shutdown). Throws lily::Error for bad options, an unusable checkpoint or an address that
+/// cannot be bound.
+int run_server(const ServerOptions& options);
+
+/// The effective max_seq (serving.md §1.2, our rules): the requested value or, by default, the
+/// checkpoint's max_position_embeddings (or the kernel limit when it declares none), clamped
+/// to the declared value. Throws lily::Error when the result is < 2 or a request exceeds 262,144.
+int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared);
+
+/// `--served-model-name` when given; "Qwen3.6-35B-A3B" for that exact shape; else the
+/// checkpoint directory's name.
+std::string served_model_name(const ModelConfig& config, const std::filesystem::path& model_dir,
+                              const std::string& override_name);
+
+/// Compares two secrets in time independent of where they differ.
+bool constant_time_equal(std::string_view a, std::string_view b);
+
+/// Parses "HOST:PORT", "[V6]:PORT" or "HOST" (port unchanged) into host/port. Throws lily::Error.
+void parse_bind(std::string_view bind, std::string& host, int& port);
+
+/// True for 127.0.0.0/8, ::1 and "localhost".
+bool is_loopback_host(std::string_view host);
+
+/// Methods allowed on a known route ("GET, HEAD" / "POST"); nullopt for an unknown path.
+std::optional<std::string> allowed_methods(std::string_view path);
+
+/// Token part of a request log line.
+struct LogTokens {
+  int64_t prompt = 0, cached = 0, completion = 0;
+  double tokens_per_s = 0;
+};
+
+/// One request log line: `<METHOD> <path> <status> <ms>ms[ prompt=… cached=… completion=…
+/// tok/s=…][ error="…"]`.
+std::string request_log_line(std::string_view method, std::string_view path, int status, int64_t ms,
+                             const std::optional<LogTokens>& tokens, std::string_view error);
+
+}  // namespace lily::server

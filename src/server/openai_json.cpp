@@ -1,0 +1,70 @@
+#include "server/openai_json.h"
+
+namespace lily::server {
+
+using nlohmann::ordered_json;
+
+namespace {
+
+ordered_json header(const CompletionMeta& meta, const char* object) {
+  return ordered_json{{"id", meta.id},
+                      {"object", object},
+                      {"created", meta.created},
+                      {"model", meta.model},
+                      {"system_fingerprint", meta.system_fingerprint}};
+}
+
+}  // namespace
+
+ordered_json usage_json(const Usage& u) {
+  return ordered_json{{"prompt_tokens", u.prompt_tokens},
+                      {"completion_tokens", u.completion_tokens},
+                      {"total_tokens", u.prompt_tokens + u.completion_tokens},
+                      {"prompt_tokens_details", ordered_json{{"cached_tokens", u.cached_tokens}}}};
+}
+
+ordered_json completion_json(const CompletionMeta& meta, const std::string& content,
+                             const std::string& finish_reason, const Usage& usage) {
+  ordered_json doc = header(meta, "chat.completion");
+  ordered_json choice{{"index", 0},
+                      {"message", ordered_json{{"role", "assistant"}, {"content", content}}},
+                      {"logprobs", nullptr},
+                      {"finish_reason", finish_reason}};
+  doc["choices"] = ordered_json::array({choice});
+  doc["usage"] = usage_json(usage);
+  return doc;
+}
+
+ordered_json chunk_json(const CompletionMeta& meta, const ordered_json& delta,
+                        const std::optional<std::string>& finish_reason, bool with_usage_field) {
+  ordered_json doc = header(meta, "chat.completion.chunk");
+  ordered_json choice{{"index", 0}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+  if (finish_reason) choice["finish_reason"] = *finish_reason;
+  doc["choices"] = ordered_json::array({choice});
+  if (with_usage_field) doc["usage"] = nullptr;
+  return doc;
+}
+
+ordered_json usage_chunk_json(const CompletionMeta& meta, const Usage& usage) {
+  ordered_json doc = header(meta, "chat.completion.chunk");
+  doc["choices"] = ordered_json::array();
+  doc["usage"] = usage_json(usage);
+  return doc;
+}
+
+ordered_json models_json(const std::string& model, int64_t created) {
+  ordered_json entry{{"id", model}, {"object", "model"}, {"created", created}, {"owned_by", "lily"}};
+  return ordered_json{{"object", "list"}, {"data", ordered_json::array({entry})}};
+}
+
+std::string dump(const ordered_json& doc) {
+  return doc.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
+}
+
+std::string dump(const nlohmann::json& doc) {
+  return doc.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+std::string sse_event(const std::string& data) { return "data: " + data + "\n\n"; }
+
+}  // namespace lily::server

@@ -1,0 +1,53 @@
+// JSON documents of the OpenAI chat-completions API as this server writes them (issue 4
+// item 4): the completion object, streaming chunks and the model list. Keys keep OpenAI's order.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace lily::server {
+
+/// Fields shared by a completion and all its chunks.
+struct CompletionMeta {
+  std::string id;                  ///< "chatcmpl-…"
+  int64_t created = 0;             ///< Unix seconds
+  std::string model;               ///< served model name
+  std::string system_fingerprint;  ///< build id
+};
+
+/// Token counts of one request.
+struct Usage {
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+  int64_t cached_tokens = 0;
+};
+
+/// {"prompt_tokens","completion_tokens","total_tokens","prompt_tokens_details":{"cached_tokens"}}.
+nlohmann::ordered_json usage_json(const Usage& usage);
+
+/// A whole non-streaming chat.completion object with one choice.
+nlohmann::ordered_json completion_json(const CompletionMeta& meta, const std::string& content,
+                                       const std::string& finish_reason, const Usage& usage);
+
+/// One chat.completion.chunk with one choice whose delta is `delta`; finish_reason null unless
+/// given; "usage": null is added when `with_usage_field` (include_usage streams).
+nlohmann::ordered_json chunk_json(const CompletionMeta& meta, const nlohmann::ordered_json& delta,
+                                  const std::optional<std::string>& finish_reason, bool with_usage_field);
+
+/// The final usage chunk of an include_usage stream: empty choices and the usage.
+nlohmann::ordered_json usage_chunk_json(const CompletionMeta& meta, const Usage& usage);
+
+/// {"object":"list","data":[{"id","object":"model","created","owned_by":"lily"}]}.
+nlohmann::ordered_json models_json(const std::string& model, int64_t created);
+
+/// Serializes compactly; invalid UTF-8 is replaced by U+FFFD instead of throwing.
+std::string dump(const nlohmann::ordered_json& doc);
+/// The same for the unordered json type.
+std::string dump(const nlohmann::json& doc);
+
+/// One server-sent event: "data: <json>\n\n".
+std::string sse_event(const std::string& data);
+
+}  // namespace lily::server
