@@ -1,15 +1,37 @@
-// `lily synth` — placeholder until its issue lands; exits with an error saying so.
+// `lily synth --preset tiny|realdims|long|35b-a3b --seed N --out DIR [--tokenizer FILE]
+// [--shard-mb N] [--threads N]`: writes a random-weight checkpoint in the MLX layout
+// (model/synth.h) and prints one summary line.
+#include <cstdio>
+#include <memory>
+#include <string>
+
 #include "base/error.h"
 #include "cli/commands.h"
+#include "model/synth.h"
 
 namespace lily::cli {
 
 void register_synth(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand("synth", "(not available in this build yet)");
-  cmd->allow_extras();
-  cmd->callback([&exit_code] {
-    (void)exit_code;
-    throw Error("lily synth is not available in this build yet");
+  auto options = std::make_shared<SynthOptions>();
+  auto* cmd = app.add_subcommand("synth", "Write a random-weight qwen3_5_moe checkpoint in the MLX 4-bit layout");
+  std::string presets;
+  for (const auto& name : synth_preset_names()) presets += (presets.empty() ? "" : "|") + name;
+  cmd->add_option("--preset", options->preset, "Shape: " + presets)->capture_default_str();
+  cmd->add_option("--seed", options->seed, "Random seed (the output is a pure function of preset and seed)")
+      ->capture_default_str();
+  cmd->add_option("--out", options->out, "Output directory (created if missing)")->required();
+  cmd->add_option("--tokenizer", options->tokenizer,
+                  "tokenizer.json to copy into the checkpoint (its ids must fit the preset's vocabulary)");
+  cmd->add_option("--shard-mb", options->shard_mb,
+                  "Maximum shard size in MB (10^6 bytes); 0 = one model.safetensors; default: the preset's");
+  cmd->add_option("--threads", options->threads, "Generation threads (default: all cores)");
+  cmd->callback([options, &exit_code] {
+    const SynthResult r = write_synthetic_checkpoint(*options);
+    std::printf("wrote %s: %s, seed %llu, %zu file(s), %.3f GB in %.1f s (%d threads)\n",
+                options->out.string().c_str(), r.config.shape_name().c_str(),
+                static_cast<unsigned long long>(options->seed), r.files.size(), r.total_bytes / 1e9, r.seconds,
+                r.threads);
+    exit_code = 0;
   });
 }
 
