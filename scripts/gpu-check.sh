@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Runs ON the GPU machine (the device tool's `run`, Ubuntu 24.04, nvcc 13.0, CMake, gcc 13):
+# configures with the CUDA backend, builds with -j16, runs every CTest test labelled `gpu`
+# (kernels vs CPU reference, CUDA vs CPU end to end), then `lily generate --backend cuda` on a
+# synthetic real-dims checkpoint and on the demo model. Every log goes to $OUT (or ./gpu-logs).
+#
+# Usage (from the device tool, repository root, carry: ["carry/deps"]):
+#   bash scripts/gpu-check.sh            # build + ctest -L gpu + generate
+#   LILY_GPU_BENCH=1 bash scripts/gpu-check.sh   # also a first `lily bench` on a synthetic model
+# The PCRE2/utf8proc/httplib headers come from carry/deps (scripts/make-carry.sh packs them).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-logs}"
+mkdir -p "$OUT"
+LOG="$OUT/gpu-check.log"
+exec > >(tee -a "$LOG") 2>&1
+export PKG_CONFIG_PATH="$PWD/carry/deps/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+BUILD="${LILY_GPU_BUILD:-build-gpu}"
+status=0
+
+echo "== gpu-check $(date -u +%FT%TZ) commit $(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
+nvcc --version | tail -1
+
+echo "== configure"
+t0=$(date +%s)
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON \
+  -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 \
+  >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; echo "configure FAILED"; exit 1; }
+echo "== build (-j16)"
+cmake --build "$BUILD" -j16 >"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -40; echo "build FAILED"; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+
+echo "== ctest -L gpu"
+ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 400 2>&1 | tee "$OUT/ctest-gpu.log" || status=1
+
+echo "== lily generate --backend cuda"
+SYN=$(mktemp -d)
+"$BUILD/lily" synth --preset realdims --seed 7 --out "$SYN/realdims" >/dev/null || status=1
+IDS=1,2,3,4,5,6,7,8
+for backend in cpu cuda; do
+  echo "-- realdims, $backend"
+  "$BUILD/lily" generate --backend "$backend" --model "$SYN/realdims" --prompt-ids "$IDS" --max-tokens 16 --json \
+    2>&1 | tee "$OUT/generate-realdims-$backend.txt" || status=1
+done
+echo "-- demo, cuda"
+"$BUILD/lily" generate --backend cuda --model models/demo --prompt-ids 100,200,300,400,500 --max-tokens 16 --json \
+  2>&1 | tee "$OUT/generate-demo-cuda.txt" || echo "(demo on cuda failed; see above)"
+
+if [[ "${LILY_GPU_BENCH:-0}" == 1 ]]; then
+  echo "== lily bench (synthetic)"
+  "$BUILD/lily" bench --backend cuda --model "$SYN/realdims" --prompt-len 256 --decode-steps 64 \
+    --json-out "$OUT/bench-realdims.json" 2>&1 | tee "$OUT/bench.txt" || status=1
+fi
+rm -rf "$SYN"
+echo "== gpu-check done, status $status"
+exit $status

@@ -1,0 +1,447 @@
+// CudaBackend: the qwen3_5_moe forward pass (reference/model.md §3, numerics §4.3) on one
+// Hopper GPU. See cuda_backend.h for the decode-graph scheme and device_model.h for the weight
+// layout.
+//
+// Memory: weights, activation scratch and per-state GDN buffers are allocated once; the KV
+// cache of a state starts at min(max_seq, 1024) positions and doubles (up to max_seq) when a
+// step needs more room. Growth happens between steps, outside any graph, and invalidates the
+// state's captured graph (re-captured on the next step: ~log2(max_seq/1024) captures over a
+// whole sequence). Trade-off: memory follows the sequence as DESIGN.md asks, at the price of
+// an occasional copy of the cache and a graph re-capture, instead of reserving 20 KiB per
+// position up to max_seq for every state held by the prefix cache.
+#include "backends/cuda/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/device_buffer.h"
+#include "backends/cuda/device_model.h"
+#include "backends/cuda/kernels.h"
+#include "backends/cuda/mixer_kernels.h"
+#include "base/bf16.h"
+#include "base/error.h"
+
+namespace lily {
+namespace cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int64_t kMaxSeq = 262144;
+constexpr int64_t kInitialKvCapacity = 1024;
+
+/// Per-token host<->device exchange, in pinned memory: the graph copies the first three fields
+/// in and next_id out.
+struct StepIo {
+  int32_t token = 0;
+  int32_t pos = 0;      ///< position of `token`
+  int32_t len = 0;      ///< pos + 1 (attention length)
+  int32_t next_id = 0;  ///< greedy next token (written back by the graph)
+};
+
+/// Sequence state on the device (model.md §4.1): per GDN layer a bf16 conv window [C, K−1] and
+/// an fp32 recurrent state [Hv, Dk, Dv]; per attention layer bf16 K and V caches
+/// [n_kv_heads, capacity, head_dim].
+class CudaState final : public SequenceState {
+ public:
+  CudaState(const void* owner, const GdnDims& g, const AttnDims& a, int n_gdn, int n_attn, int64_t max_seq)
+      : owner(owner), max_seq(max_seq), gdn(g), attn(a), n_gdn(n_gdn), n_attn(n_attn) {
+    window_elems = g.window_elems();
+    state_elems = g.state_elems();
+    if (n_gdn > 0) {
+      windows = DeviceBuffer(n_gdn * window_elems * sizeof(bf16));
+      states = DeviceBuffer(n_gdn * state_elems * sizeof(float));
+      windows.fill_bytes(0);
+      states.fill_bytes(0);
+    }
+    allocate_kv(std::min(max_seq, kInitialKvCapacity));
+  }
+  ~CudaState() override { drop_graph(); }
+
+  int64_t position() const override { return pos; }
+  int64_t bytes() const override {
+    int64_t b = static_cast<int64_t>(windows.bytes() + states.bytes());
+    for (const DeviceBuffer& k : keys) b += k.bytes();
+    for (const DeviceBuffer& v : values) b += v.bytes();
+    return b;
+  }
+
+  bf16* window(int gdn_index) const { return windows.as<bf16>() + gdn_index * window_elems; }
+  float* state(int gdn_index) const { return states.as<float>() + gdn_index * state_elems; }
+  KvCacheView kv(int attn_index) const {
+    return KvCacheView{keys[attn_index].as<bf16>(), values[attn_index].as<bf16>(), capacity};
+  }
+
+  /// Makes room for `needed` positions (doubling), keeping the first `pos` positions.
+  void reserve(int64_t needed) {
+    if (needed <= capacity) return;
+    int64_t cap = capacity;
+    while (cap < needed) cap *= 2;
+    cap = std::min(cap, max_seq);
+    std::vector<DeviceBuffer> old_k = std::move(keys), old_v = std::move(values);
+    const int64_t old_cap = capacity;
+    allocate_kv(cap);
+    const size_t row = static_cast<size_t>(attn.head_dim) * sizeof(bf16);
+    for (int i = 0; i < n_attn; ++i) {
+      CUDA_CHECK(cudaMemcpy2D(keys[i].data(), cap * row, old_k[i].data(), old_cap * row, pos * row, attn.n_kv_heads,
+                              cudaMemcpyDeviceToDevice));
+      CUDA_CHECK(cudaMemcpy2D(values[i].data(), cap * row, old_v[i].data(), old_cap * row, pos * row,
+                              attn.n_kv_heads, cudaMemcpyDeviceToDevice));
+    }
+    drop_graph();
+  }
+
+  void drop_graph() {
+    if (graph) cudaGraphExecDestroy(graph);
+    graph = nullptr;
+  }
+
+  /// Deep copy of the device buffers (no graph).
+  std::unique_ptr<CudaState> clone() const {
+    auto c = std::make_unique<CudaState>(owner, gdn, attn, n_gdn, n_attn, max_seq);
+    c->reserve(capacity);
+    if (n_gdn > 0) {
+      CUDA_CHECK(cudaMemcpy(c->windows.data(), windows.data(), windows.bytes(), cudaMemcpyDeviceToDevice));
+      CUDA_CHECK(cudaMemcpy(c->states.data(), states.data(), states.bytes(), cudaMemcpyDeviceToDevice));
+    }
+    for (int i = 0; i < n_attn; ++i) {
+      CUDA_CHECK(cudaMemcpy(c->keys[i].data(), keys[i].data(), keys[i].bytes(), cudaMemcpyDeviceToDevice));
+      CUDA_CHECK(cudaMemcpy(c->values[i].data(), values[i].data(), values[i].bytes(), cudaMemcpyDeviceToDevice));
+    }
+    c->pos = pos;
+    return c;
+  }
+
+  const void* owner;
+  int64_t max_seq;
+  int64_t pos = 0;
+  int64_t capacity = 0;
+  cudaGraphExec_t graph = nullptr;
+
+ private:
+  void allocate_kv(int64_t cap) {
+    keys.clear();
+    values.clear();
+    const size_t bytes = static_cast<size_t>(attn.n_kv_heads) * cap * attn.head_dim * sizeof(bf16);
+    for (int i = 0; i < n_attn; ++i) {
+      keys.emplace_back(bytes);
+      values.emplace_back(bytes);
+    }
+    capacity = cap;
+  }
+
+  GdnDims gdn;
+  AttnDims attn;
+  int n_gdn, n_attn;
+  int64_t window_elems = 0, state_elems = 0;
+  DeviceBuffer windows, states;
+  std::vector<DeviceBuffer> keys, values;
+};
+
+/// Pinned host memory for StepIo.
+class PinnedIo {
+ public:
+  PinnedIo() { CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&io_), sizeof(StepIo))); }
+  ~PinnedIo() { cudaFreeHost(io_); }
+  PinnedIo(const PinnedIo&) = delete;
+  PinnedIo& operator=(const PinnedIo&) = delete;
+  StepIo* get() const { return io_; }
+
+ private:
+  StepIo* io_ = nullptr;
+};
+
+void check_device() {
+  int count = 0;
+  const cudaError_t st = cudaGetDeviceCount(&count);
+  if (st != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    throw ::lily::Error(std::string("CUDA backend: no usable CUDA device (") +
+                        (st != cudaSuccess ? cudaGetErrorString(st) : "no device found") + ")");
+  }
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major < 9)
+    throw ::lily::Error("CUDA backend: needs compute capability 9.0 or newer (Hopper, sm_90a); device 0 '" +
+                        std::string(prop.name) + "' is " + std::to_string(prop.major) + "." +
+                        std::to_string(prop.minor));
+}
+
+void check_shapes(const ModelConfig& c) {
+  auto bad = [&](const std::string& what) {
+    throw ::lily::Error("CUDA backend: the kernels were not written for this model shape (" + c.shape_name() +
+                        "): " + what);
+  };
+  if (c.hidden % 64 != 0 || c.hidden > 8192) bad("hidden " + std::to_string(c.hidden) + " (need a multiple of 64, ≤ 8192)");
+  if (c.moe_ffn_dim % 64 != 0 || c.moe_ffn_dim > 8192) bad("moe_intermediate_size " + std::to_string(c.moe_ffn_dim));
+  if (c.n_experts > 1024 || c.n_experts_per_tok > 32) bad("more than 1024 experts or top-k above 32");
+  if ((c.n_experts_per_tok + 1) * c.moe_ffn_dim / 64 * 69 * 4 > 48 * 1024) bad("top-k × moe_intermediate_size too large");
+}
+
+}  // namespace
+
+/// The CUDA backend (see file comment).
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(std::shared_ptr<const ModelWeights> weights) : weights_(std::move(weights)) {
+    if (!weights_) throw ::lily::Error("CUDA backend: no model weights");
+    check_device();
+    const ModelConfig& c = weights_->config;
+    check_shapes(c);
+    io_ = std::make_unique<PinnedIo>();
+    gdn_ = gdn_dims(c);
+    attn_ = attn_dims(c);
+    gdn_.norm_eps = c.rms_norm_eps;
+    attn_.norm_eps = c.rms_norm_eps;
+    for (int i = 0; i < c.n_layers; ++i) {
+      layer_slot_.push_back(c.is_full_attention(i) ? n_attn_++ : n_gdn_++);
+    }
+    model_ = std::make_unique<DeviceModel>(*weights_);
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    allocate_scratch();
+  }
+  ~CudaBackend() override {
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return "cuda"; }
+  const ModelConfig& config() const override { return weights_->config; }
+
+  std::unique_ptr<SequenceState> new_state(int64_t max_seq) override {
+    if (max_seq < 1 || max_seq > kMaxSeq)
+      throw ::lily::Error("max_seq " + std::to_string(max_seq) + " is outside [1, " + std::to_string(kMaxSeq) + "]");
+    return std::make_unique<CudaState>(this, gdn_, attn_, n_gdn_, n_attn_, max_seq);
+  }
+
+  std::unique_ptr<SequenceState> clone_state(const SequenceState& state) override {
+    return checked(const_cast<SequenceState&>(state)).clone();
+  }
+
+  int32_t prefill(SequenceState& state, std::span<const int32_t> tokens, std::vector<float>* logits) override {
+    CudaState& s = checked(state);
+    validate(s, tokens);
+    int32_t next = 0;
+    for (size_t i = 0; i < tokens.size(); ++i)
+      next = step(s, tokens[i], i + 1 == tokens.size() ? logits : nullptr);
+    return next;
+  }
+
+  int32_t decode(SequenceState& state, int32_t token, std::vector<float>* logits) override {
+    CudaState& s = checked(state);
+    validate(s, std::span<const int32_t>(&token, 1));
+    return step(s, token, logits);
+  }
+
+ private:
+  CudaState& checked(SequenceState& state) const {
+    auto* s = dynamic_cast<CudaState*>(&state);
+    if (!s || s->owner != this) throw ::lily::Error("CUDA backend: the sequence state belongs to another backend");
+    return *s;
+  }
+
+  void validate(const CudaState& s, std::span<const int32_t> tokens) const {
+    if (tokens.empty()) throw ::lily::Error("prefill: no tokens");
+    for (int32_t t : tokens)
+      if (t < 0 || t >= config().vocab)
+        throw ::lily::Error("token id " + std::to_string(t) + " is outside [0, " + std::to_string(config().vocab) + ")");
+    if (s.pos + static_cast<int64_t>(tokens.size()) > s.max_seq)
+      throw ::lily::Error("sequence of " + std::to_string(s.pos + tokens.size()) + " tokens exceeds max_seq " +
+                          std::to_string(s.max_seq));
+  }
+
+  void allocate_scratch() {
+    const ModelConfig& c = config();
+    int64_t proj_rows = 0;
+    for (const DeviceLayer& l : model_->layers)
+      proj_rows = std::max<int64_t>(proj_rows, l.type == LayerType::kLinearAttention ? l.gdn_in.rows : l.attn_in.rows);
+    const int64_t mix = std::max<int64_t>(n_gdn_ ? gdn_.value_dim() : 0, int64_t(attn_.n_heads) * attn_.head_dim);
+    auto bf = [](int64_t n) { return DeviceBuffer(std::max<int64_t>(n, 1) * sizeof(bf16)); };
+    x_ = bf(c.hidden);
+    normed_ = bf(c.hidden);
+    mixer_out_ = bf(c.hidden);
+    moe_out_ = bf(c.hidden);
+    proj_ = bf(proj_rows);
+    conv_out_ = bf(n_gdn_ ? gdn_.conv_channels() : 1);
+    mix_tmp_ = bf(mix);
+    q_out_ = bf(int64_t(attn_.n_heads) * attn_.head_dim);
+    act_ = bf(int64_t(c.n_experts_per_tok + 1) * c.moe_ffn_dim);
+    router_logits_ = DeviceBuffer((c.n_experts + 1) * sizeof(float));
+    expert_ids_ = DeviceBuffer((c.n_experts_per_tok + 1) * sizeof(int32_t));
+    expert_w_ = DeviceBuffer((c.n_experts_per_tok + 1) * sizeof(float));
+    logits_ = DeviceBuffer(static_cast<size_t>(c.vocab) * sizeof(float));
+    const int slots = argmax_scratch_slots(c.vocab);
+    argmax_v_ = DeviceBuffer(slots * sizeof(float));
+    argmax_i_ = DeviceBuffer(slots * sizeof(int32_t));
+    io_dev_ = DeviceBuffer(sizeof(StepIo));
+    attn_ws_bytes_ = attention_decode_workspace_bytes(attn_, kMaxDecodeSplits);
+    attn_ws_ = DeviceBuffer(std::max<size_t>(attn_ws_bytes_, 4));
+  }
+
+  /// One token through the whole model; advances the state.
+  int32_t step(CudaState& s, int32_t token, std::vector<float>* logits) {
+    s.reserve(s.pos + 1);
+    StepIo* io = io_->get();
+    io->token = token;
+    io->pos = static_cast<int32_t>(s.pos);
+    io->len = static_cast<int32_t>(s.pos + 1);
+    if (probe_sink_) {
+      copy_io_in();
+      enqueue_forward(s, true);
+      copy_io_out();
+    } else {
+      if (!s.graph) capture(s);
+      CUDA_CHECK(cudaGraphLaunch(s.graph, stream_));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (logits) {
+      logits->resize(config().vocab);
+      download(logits->data(), logits_.as<float>(), logits->size());
+    }
+    ++s.pos;
+    return io->next_id;
+  }
+
+  void copy_io_in() {
+    CUDA_CHECK(cudaMemcpyAsync(io_dev_.data(), io_->get(), 3 * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  }
+  void copy_io_out() {
+    CUDA_CHECK(cudaMemcpyAsync(&io_->get()->next_id, io_dev_.as<int32_t>() + 3, sizeof(int32_t),
+                               cudaMemcpyDeviceToHost, stream_));
+  }
+
+  void capture(CudaState& s) {
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      copy_io_in();
+      enqueue_forward(s, false);
+      copy_io_out();
+    } catch (...) {
+      cudaStreamEndCapture(stream_, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    const cudaError_t st = cudaGraphInstantiate(&s.graph, graph, 0);
+    cudaGraphDestroy(graph);
+    CUDA_CHECK(st);
+  }
+
+  // ---- the forward pass of one token (model.md §3, §4.3) ----------------------------------
+
+  void enqueue_forward(CudaState& s, bool probing) {
+    const ModelConfig& c = config();
+    const int32_t* d_io = io_dev_.as<int32_t>();
+    const int32_t* d_token = d_io + 0;
+    const int32_t* d_pos = d_io + 1;
+    const int32_t* d_len = d_io + 2;
+    const int64_t pos = s.pos;
+    launch_embed(model_->embed, d_token, 1, x_.as<bf16>(), stream_);
+    if (probing) emit("embed", -1, pos, x_.as<bf16>(), c.hidden);
+    for (int l = 0; l < c.n_layers; ++l) {
+      const DeviceLayer& L = model_->layers[l];
+      launch_add_rmsnorm(x_.as<bf16>(), l == 0 ? nullptr : moe_out_.as<bf16>(), L.input_norm, normed_.as<bf16>(), 1,
+                         c.hidden, c.rms_norm_eps, stream_);
+      if (probing) {
+        if (l > 0) emit("layer_out", l - 1, pos, x_.as<bf16>(), c.hidden);
+        emit("attn_norm", l, pos, normed_.as<bf16>(), c.hidden);
+      }
+      if (L.type == LayerType::kLinearAttention) gdn_mixer(L, s, layer_slot_[l]);
+      else attention_mixer(L, s, layer_slot_[l], d_pos, d_len);
+      if (probing) emit("mixer_out", l, pos, mixer_out_.as<bf16>(), c.hidden);
+      launch_add_rmsnorm(x_.as<bf16>(), mixer_out_.as<bf16>(), L.post_norm, normed_.as<bf16>(), 1, c.hidden,
+                         c.rms_norm_eps, stream_);
+      if (probing) emit("ffn_norm", l, pos, normed_.as<bf16>(), c.hidden);
+      moe_block(L);
+      if (probing) {
+        emit_f32("router_logits", l, pos, router_logits_.as<float>(), c.n_experts);
+        emit("ffn_out", l, pos, moe_out_.as<bf16>(), c.hidden);
+      }
+    }
+    launch_add_rmsnorm(x_.as<bf16>(), moe_out_.as<bf16>(), model_->final_norm, normed_.as<bf16>(), 1, c.hidden,
+                       c.rms_norm_eps, stream_);
+    if (probing) {
+      emit("layer_out", c.n_layers - 1, pos, x_.as<bf16>(), c.hidden);
+      emit("final_norm", -1, pos, normed_.as<bf16>(), c.hidden);
+    }
+    launch_quant_gemv(model_->lm_head, normed_.as<bf16>(), nullptr, logits_.as<float>(), stream_);
+    launch_argmax(logits_.as<float>(), c.vocab, argmax_v_.as<float>(), argmax_i_.as<int32_t>(),
+                  io_dev_.as<int32_t>() + 3, stream_);
+    if (probing) emit_f32("logits", -1, pos, logits_.as<float>(), c.vocab);
+  }
+
+  void gdn_mixer(const DeviceLayer& L, CudaState& s, int slot) {
+    bf16* proj = proj_.as<bf16>();
+    const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
+    launch_quant_gemv(L.gdn_in, normed_.as<bf16>(), proj, nullptr, stream_);
+    gdn_conv_decode(gdn_, L.gdn, proj, s.window(slot), conv_out_.as<bf16>(), stream_);
+    gdn_decode(gdn_, L.gdn, conv_out_.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, s.state(slot),
+               mix_tmp_.as<bf16>(), stream_);
+    launch_quant_gemv(L.gdn_out, mix_tmp_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
+  }
+
+  void attention_mixer(const DeviceLayer& L, CudaState& s, int slot, const int32_t* d_pos, const int32_t* d_len) {
+    bf16* proj = proj_.as<bf16>();
+    const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim, kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
+    launch_quant_gemv(L.attn_in, normed_.as<bf16>(), proj, nullptr, stream_);
+    const KvCacheView kv = s.kv(slot);
+    attention_prepare(attn_, 1, proj, L.attn_in.rows, proj + qg, proj + qg + kvw, L.attn_in.rows, L.q_norm, L.k_norm,
+                      0, d_pos, kv, q_out_.as<bf16>(), stream_);
+    const int splits = attention_decode_splits(s.capacity);
+    attention_decode(attn_, q_out_.as<bf16>(), proj, kv, 1, d_len, splits, attn_ws_.as<float>(), attn_ws_bytes_,
+                     mix_tmp_.as<bf16>(), stream_);
+    launch_quant_gemv(L.attn_out, mix_tmp_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
+  }
+
+  void moe_block(const DeviceLayer& L) {
+    const ModelConfig& c = config();
+    const int k = c.n_experts_per_tok;
+    launch_quant_gemv(L.router, normed_.as<bf16>(), nullptr, router_logits_.as<float>(), stream_);
+    launch_router_topk(router_logits_.as<float>(), 1, c.n_experts, k, expert_ids_.as<int32_t>(), expert_w_.as<float>(),
+                       stream_);
+    launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, expert_ids_.as<int32_t>(), k + 1, normed_.as<bf16>(), 1,
+                          act_.as<bf16>(), stream_);
+    launch_expert_down_combine(L.down, c.hidden, expert_ids_.as<int32_t>(), expert_w_.as<float>(), k + 1,
+                               act_.as<bf16>(), 1, moe_out_.as<bf16>(), stream_);
+  }
+
+  // ---- probes --------------------------------------------------------------------------------
+
+  void emit(const char* name, int layer, int64_t token, const bf16* d, int64_t n) {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<uint16_t> raw(n);
+    download(raw.data(), reinterpret_cast<const uint16_t*>(d), n);
+    std::vector<float> v(n);
+    for (int64_t i = 0; i < n; ++i) v[i] = bf16_to_float(raw[i]);
+    probe_sink_(name, layer, token, v);
+  }
+  void emit_f32(const char* name, int layer, int64_t token, const float* d, int64_t n) {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<float> v(n);
+    download(v.data(), d, n);
+    probe_sink_(name, layer, token, v);
+  }
+
+  std::shared_ptr<const ModelWeights> weights_;
+  GdnDims gdn_;
+  AttnDims attn_;
+  int n_gdn_ = 0, n_attn_ = 0;
+  std::vector<int> layer_slot_;  ///< per layer: index among GDN layers or among attention layers
+  std::unique_ptr<DeviceModel> model_;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<PinnedIo> io_;  ///< created after the device check
+  DeviceBuffer x_, normed_, mixer_out_, moe_out_, proj_, conv_out_, mix_tmp_, q_out_, act_;
+  DeviceBuffer router_logits_, expert_ids_, expert_w_, logits_, argmax_v_, argmax_i_, io_dev_, attn_ws_;
+  size_t attn_ws_bytes_ = 0;
+};
+
+}  // namespace cuda
+
+std::unique_ptr<Backend> make_cuda_backend(std::shared_ptr<const ModelWeights> weights) {
+  return std::make_unique<cuda::CudaBackend>(std::move(weights));
+}
+
+}  // namespace lily

@@ -1,0 +1,67 @@
+// The model's weights in device memory (uploaded once at backend creation).
+//
+// Layout decision: the MLX checkpoint layout is kept as is (U32 codes row-major, bf16 scales
+// and biases per 64-group), not repacked. Reasons: (1) a decode GEMV reads each row's codes
+// contiguously, which is already the coalesced order (a lane reads one 64-group = 32 bytes of
+// 4-bit codes); (2) the bytes on the device are the checkpoint's bytes, so the CPU reference
+// (which reads the same layout) and the GPU share one definition of the format; (3) upload is a
+// plain copy, no transform to get wrong or to time. What IS done at load is row concatenation:
+// fused projections become one matrix each (GDN qkv|z|a|b, attention q|k|v, router|shared
+// gate), and the shared expert is appended to the expert stacks as expert n_experts, so one
+// launch covers all 8 routed experts plus the shared one.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "backends/cuda/device_buffer.h"
+#include "backends/cuda/kernels.h"
+#include "backends/cuda/mixer_kernels.h"
+#include "model/weights.h"
+
+namespace lily::cuda {
+
+/// Device-side weights of one decoder layer (views into DeviceModel's buffers).
+struct DeviceLayer {
+  LayerType type = LayerType::kLinearAttention;
+  const float* input_norm = nullptr;  ///< fp32 [hidden]
+  const float* post_norm = nullptr;   ///< fp32 [hidden]
+  // Gated DeltaNet
+  DeviceQuant gdn_in;   ///< in_proj_qkv | in_proj_z | in_proj_a | in_proj_b: [C + Vd + 2·Hv, hidden]
+  DeviceQuant gdn_out;  ///< out_proj [hidden, Vd]
+  GdnParams gdn;        ///< conv taps, A_log, dt_bias, gated-norm gain (fp32)
+  // Gated attention
+  DeviceQuant attn_in;   ///< q_proj | k_proj | v_proj: [nq·2D + 2·nkv·D, hidden]
+  DeviceQuant attn_out;  ///< o_proj [hidden, nq·D]
+  const float* q_norm = nullptr;  ///< fp32 [D]
+  const float* k_norm = nullptr;  ///< fp32 [D]
+  // MoE (shared expert appended as expert n_experts)
+  DeviceQuant router;  ///< 8-bit mlp.gate | shared_expert_gate: [E + 1, hidden]
+  DeviceQuant gate;    ///< [(E + 1)·I, hidden]
+  DeviceQuant up;      ///< [(E + 1)·I, hidden]
+  DeviceQuant down;    ///< [(E + 1)·hidden, I]
+};
+
+/// All weights on the device. Not copyable.
+class DeviceModel {
+ public:
+  /// Checks the shapes the kernels support and the free device memory, then uploads.
+  /// Throws lily::Error naming the unsupported shape, or "needs X GiB, Y GiB free".
+  explicit DeviceModel(const ModelWeights& weights);
+
+  /// Bytes of device memory `weights` need in this layout.
+  static int64_t required_bytes(const ModelWeights& weights);
+
+  DeviceQuant embed;
+  DeviceQuant lm_head;
+  const float* final_norm = nullptr;
+  std::vector<DeviceLayer> layers;
+  int64_t bytes = 0;  ///< device bytes held
+
+ private:
+  DeviceQuant upload_concat(const std::vector<const QuantMatrix*>& parts);
+  const float* upload_floats(const std::vector<float>& v);
+  std::vector<DeviceBuffer> buffers_;
+};
+
+}  // namespace lily::cuda

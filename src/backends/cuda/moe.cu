@@ -1,0 +1,171 @@
+// MoE block kernels (reference/model.md §3.5, §4.3 item 5): router top-k with renormalised
+// softmax weights, fused gate/up + SwiGLU over the selected experts (the shared expert rides
+// along as expert n_experts), and the down projection fused with the weighted combine.
+#include <cfloat>
+#include <climits>
+
+#include "backends/cuda/quant_dot.cuh"
+
+namespace lily::cuda {
+namespace {
+
+constexpr int kMaxExperts = 1024;
+constexpr int kMaxTopK = 32;
+
+/// One warp per token row. logits [m, E+1]; ids/weights [m, k+1].
+__global__ void router_topk_kernel(const float* __restrict__ logits, int E, int k, int32_t* __restrict__ ids,
+                                   float* __restrict__ weights) {
+  __shared__ float sl[kMaxExperts];
+  __shared__ unsigned char taken[kMaxExperts];
+  __shared__ int sel[kMaxTopK];
+  const int t = blockIdx.x, lane = threadIdx.x;
+  const float* row = logits + static_cast<int64_t>(t) * (E + 1);
+  for (int e = lane; e < E; e += kWarp) { sl[e] = row[e]; taken[e] = 0; }
+  __syncwarp();
+  for (int s = 0; s < k; ++s) {
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (int e = lane; e < E; e += kWarp) {
+      const float v = sl[e];
+      if (!taken[e] && (v > bv || (v == bv && e < bi))) { bv = v; bi = e; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    if (bi == INT_MAX) {  // only NaN left: lowest id not yet taken
+      bi = E;
+      for (int e = 0; e < E; ++e)
+        if (!taken[e]) { bi = e; break; }
+    }
+    if (lane == 0) { sel[s] = bi; taken[bi] = 1; }
+    __syncwarp();
+  }
+  if (lane == 0) {
+    const float top = sl[sel[0]];
+    float denom = 0.0f;
+    for (int s = 0; s < k; ++s) denom += expf(sl[sel[s]] - top);
+    for (int s = 0; s < k; ++s) {
+      ids[static_cast<int64_t>(t) * (k + 1) + s] = sel[s];
+      weights[static_cast<int64_t>(t) * (k + 1) + s] = expf(sl[sel[s]] - top) / denom;
+    }
+    ids[static_cast<int64_t>(t) * (k + 1) + k] = E;
+    weights[static_cast<int64_t>(t) * (k + 1) + k] = 1.0f / (1.0f + expf(-row[E]));
+  }
+}
+
+constexpr int kMoeThreads = 256;
+constexpr int kMoeWarps = kMoeThreads / kWarp;
+
+/// grid (row blocks, n_sel, m): rows i of expert ids[t, k]; writes act[t, k, i].
+template <int BITS>
+__global__ void __launch_bounds__(kMoeThreads) expert_gate_up_kernel(DeviceQuant gate, DeviceQuant up, int ffn,
+                                                                     const int32_t* __restrict__ ids, int n_sel,
+                                                                     const bf16* __restrict__ x, bf16* __restrict__ act) {
+  extern __shared__ float smem[];
+  const int groups = gate.cols / kGroup;
+  float* xs = smem;
+  float* xsum = smem + groups * kGroupStride;
+  const int t = blockIdx.z, slot = blockIdx.y;
+  stage_row(x + static_cast<int64_t>(t) * gate.cols, gate.cols, xs, xsum);
+  const int64_t e = ids[static_cast<int64_t>(t) * n_sel + slot];
+  const int L = lanes_per_row(groups), RW = kWarp / L;
+  const int lane = threadIdx.x % kWarp, lane_row = lane / L, lane_in = lane % L;
+  const int rows_per_block = kMoeWarps * RW;
+  const int i = blockIdx.x * rows_per_block + (threadIdx.x / kWarp) * RW + lane_row;
+  const bool valid = i < ffn;
+  const int64_t r[1] = {valid ? e * ffn + i : -1};
+  float g[1], u[1];
+  rows_partial<BITS, 1>(gate, r, xs, xsum, lane_in, L, g);
+  rows_partial<BITS, 1>(up, r, xs, xsum, lane_in, L, u);
+  const float gv = round_bf16(group_sum(g[0], L));
+  const float uv = round_bf16(group_sum(u[0], L));
+  if (valid && lane_in == 0)
+    act[(static_cast<int64_t>(t) * n_sel + slot) * ffn + i] = to_bf16(silu(gv) * uv);
+}
+
+/// grid (row blocks, m): output rows r of token t; loops over the n_sel slots in order.
+template <int BITS>
+__global__ void __launch_bounds__(kMoeThreads) expert_down_combine_kernel(DeviceQuant down, int hidden,
+                                                                          const int32_t* __restrict__ ids,
+                                                                          const float* __restrict__ weights, int n_sel,
+                                                                          const bf16* __restrict__ act,
+                                                                          bf16* __restrict__ out) {
+  extern __shared__ float smem[];
+  const int ffn = down.cols, groups = ffn / kGroup;
+  const int t = blockIdx.y;
+  // Stage every slot's activation row: slot s at smem + s·groups·(stride+1).
+  const int per_slot = groups * (kGroupStride + 1);
+  for (int s = 0; s < n_sel; ++s)
+    stage_row(act + (static_cast<int64_t>(t) * n_sel + s) * ffn, ffn, smem + s * per_slot,
+              smem + s * per_slot + groups * kGroupStride);
+  const int L = lanes_per_row(groups), RW = kWarp / L;
+  const int lane = threadIdx.x % kWarp, lane_row = lane / L, lane_in = lane % L;
+  const int r = blockIdx.x * (kMoeWarps * RW) + (threadIdx.x / kWarp) * RW + lane_row;
+  const bool valid = r < hidden;
+  float acc = 0.0f;
+  for (int s = 0; s < n_sel; ++s) {
+    const int64_t e = ids[static_cast<int64_t>(t) * n_sel + s];
+    const int64_t row[1] = {valid ? e * hidden + r : -1};
+    float d[1];
+    const float* xs = smem + s * per_slot;
+    rows_partial<BITS, 1>(down, row, xs, xs + groups * kGroupStride, lane_in, L, d);
+    const float dv = round_bf16(group_sum(d[0], L));
+    acc += weights[static_cast<int64_t>(t) * n_sel + s] * dv;
+  }
+  if (valid && lane_in == 0) out[static_cast<int64_t>(t) * hidden + r] = to_bf16(acc);
+}
+
+void check_expert_matrix(const DeviceQuant& w, const char* what) {
+  if ((w.bits != 4 && w.bits != 8) || w.cols % kGroup != 0 || w.cols <= 0 || w.cols > 8192)
+    throw ::lily::Error(std::string(what) + ": unsupported expert matrix (bits " + std::to_string(w.bits) +
+                        ", cols " + std::to_string(w.cols) + ")");
+}
+
+}  // namespace
+
+void launch_router_topk(const float* logits, int m, int n_experts, int top_k, int32_t* ids, float* weights,
+                        cudaStream_t stream) {
+  if (n_experts < 1 || n_experts > kMaxExperts || top_k < 1 || top_k > kMaxTopK || top_k > n_experts || m <= 0)
+    throw ::lily::Error("MoE router: CUDA kernel supports ≤ " + std::to_string(kMaxExperts) + " experts and top-k ≤ " +
+                        std::to_string(kMaxTopK) + "; got " + std::to_string(n_experts) + " experts, top-k " +
+                        std::to_string(top_k));
+  router_topk_kernel<<<m, kWarp, 0, stream>>>(logits, n_experts, top_k, ids, weights);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+void launch_expert_gate_up(const DeviceQuant& gate, const DeviceQuant& up, int ffn, const int32_t* ids, int n_sel,
+                           const bf16* x, int m, bf16* act, cudaStream_t stream) {
+  check_expert_matrix(gate, "expert gate_proj");
+  check_expert_matrix(up, "expert up_proj");
+  if (gate.bits != up.bits || gate.cols != up.cols || m <= 0 || n_sel <= 0 || ffn <= 0)
+    throw ::lily::InternalError("launch_expert_gate_up: mismatched gate/up matrices or empty launch");
+  const int L = lanes_per_row(gate.groups_per_row());
+  const int rows_per_block = kMoeWarps * (kWarp / L);
+  const dim3 grid(static_cast<unsigned>(ceil_div(ffn, rows_per_block)), n_sel, m);
+  const size_t smem = staged_row_bytes(gate.cols);
+  if (gate.bits == 4) expert_gate_up_kernel<4><<<grid, kMoeThreads, smem, stream>>>(gate, up, ffn, ids, n_sel, x, act);
+  else expert_gate_up_kernel<8><<<grid, kMoeThreads, smem, stream>>>(gate, up, ffn, ids, n_sel, x, act);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+void launch_expert_down_combine(const DeviceQuant& down, int hidden, const int32_t* ids, const float* weights,
+                                int n_sel, const bf16* act, int m, bf16* out, cudaStream_t stream) {
+  check_expert_matrix(down, "expert down_proj");
+  const size_t smem = staged_row_bytes(down.cols) * n_sel;
+  if (smem > 48 * 1024 || m <= 0 || n_sel <= 0 || hidden <= 0)
+    throw ::lily::Error("expert down_proj: " + std::to_string(n_sel) + " experts × ffn " + std::to_string(down.cols) +
+                        " exceed the kernel's shared-memory staging");
+  const int L = lanes_per_row(down.groups_per_row());
+  const int rows_per_block = kMoeWarps * (kWarp / L);
+  const dim3 grid(static_cast<unsigned>(ceil_div(hidden, rows_per_block)), m);
+  if (down.bits == 4)
+    expert_down_combine_kernel<4><<<grid, kMoeThreads, smem, stream>>>(down, hidden, ids, weights, n_sel, act, out);
+  else
+    expert_down_combine_kernel<8><<<grid, kMoeThreads, smem, stream>>>(down, hidden, ids, weights, n_sel, act, out);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace lily::cuda

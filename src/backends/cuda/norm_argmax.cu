@@ -1,0 +1,111 @@
+// Residual add + RMSNorm (reference/model.md §3.2, §4.3 item 2) and the greedy argmax over the
+// fp32 lm_head logits (model.md §3.6), two stages: per-block best, then one block over those.
+#include <cfloat>
+#include <climits>
+
+#include "backends/cuda/common.cuh"
+#include "backends/cuda/kernels.h"
+
+namespace lily::cuda {
+namespace {
+
+constexpr int kNormThreads = 256;
+
+__global__ void __launch_bounds__(kNormThreads) add_rmsnorm_kernel(bf16* __restrict__ x, const bf16* __restrict__ branch,
+                                                                   const float* __restrict__ gain, bf16* __restrict__ y,
+                                                                   int n, float eps) {
+  __shared__ float scratch[32];
+  const int64_t off = static_cast<int64_t>(blockIdx.x) * n;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    float v = to_f32(x[off + i]);
+    if (branch) {
+      const bf16 h = to_bf16(v + to_f32(branch[off + i]));
+      x[off + i] = h;
+      v = to_f32(h);
+    }
+    ss += v * v;
+  }
+  const float total = block_sum(ss, scratch);
+  const float r = 1.0f / sqrtf(total / static_cast<float>(n) + eps);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) y[off + i] = to_bf16(to_f32(x[off + i]) * r * gain[i]);
+}
+
+constexpr int kArgmaxThreads = 256;
+constexpr int kArgmaxMaxBlocks = 1024;
+
+/// (v, i) beats (bv, bi): larger value, or equal value and lower index. NaN never beats.
+__device__ __forceinline__ bool beats(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
+__device__ __forceinline__ void block_argmax(float& v, int& i) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (beats(ov, oi, v, i)) { v = ov; i = oi; }
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) { sv[warp] = v; si[warp] = i; }
+  __syncthreads();
+  if (warp == 0) {
+    const int n_warps = blockDim.x / 32;
+    v = lane < n_warps ? sv[lane] : -INFINITY;
+    i = lane < n_warps ? si[lane] : INT_MAX;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+      if (beats(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+  }
+}
+
+__global__ void argmax_partial_kernel(const float* __restrict__ logits, int64_t n, float* part_v, int32_t* part_i) {
+  float v = -INFINITY;
+  int i = INT_MAX;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float x = logits[k];
+    if (beats(x, static_cast<int>(k), v, i)) { v = x; i = static_cast<int>(k); }
+  }
+  block_argmax(v, i);
+  if (threadIdx.x == 0) { part_v[blockIdx.x] = v; part_i[blockIdx.x] = i; }
+}
+
+__global__ void argmax_final_kernel(const float* part_v, const int32_t* part_i, int parts, int32_t* out_id) {
+  float v = -INFINITY;
+  int i = INT_MAX;
+  for (int k = threadIdx.x; k < parts; k += blockDim.x)
+    if (beats(part_v[k], part_i[k], v, i)) { v = part_v[k]; i = part_i[k]; }
+  block_argmax(v, i);
+  if (threadIdx.x == 0) *out_id = (i == INT_MAX) ? 0 : i;  // all NaN: id 0
+}
+
+int argmax_blocks(int64_t n) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kArgmaxMaxBlocks, ceil_div(n, kArgmaxThreads * 16))));
+}
+
+}  // namespace
+
+void launch_add_rmsnorm(bf16* x, const bf16* branch, const float* gain, bf16* y, int m, int n, float eps,
+                        cudaStream_t stream) {
+  if (m <= 0 || n <= 0) throw ::lily::InternalError("launch_add_rmsnorm: empty input");
+  add_rmsnorm_kernel<<<m, kNormThreads, 0, stream>>>(x, branch, gain, y, n, eps);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+int argmax_scratch_slots(int64_t n) { return argmax_blocks(n); }
+
+void launch_argmax(const float* logits, int64_t n, float* scratch_val, int32_t* scratch_idx, int32_t* out_id,
+                   cudaStream_t stream) {
+  if (n <= 0 || n > INT_MAX) throw ::lily::InternalError("launch_argmax: bad length");
+  const int blocks = argmax_blocks(n);
+  argmax_partial_kernel<<<blocks, kArgmaxThreads, 0, stream>>>(logits, n, scratch_val, scratch_idx);
+  LILY_CUDA_CHECK_LAUNCH();
+  argmax_final_kernel<<<1, kArgmaxMaxBlocks, 0, stream>>>(scratch_val, scratch_idx, blocks, out_id);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace lily::cuda

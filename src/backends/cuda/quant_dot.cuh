@@ -1,0 +1,95 @@
+// Device building blocks of every MLX-affine matrix-vector product (nvcc only): staging an
+// activation row into shared memory (fp32, padded per 64-group, with per-group sums) and the
+// per-group dot product s·Σ(q·x) + b·Σx (reference/model.md §4.2, GEMV row).
+#pragma once
+#include "backends/cuda/common.cuh"
+#include "backends/cuda/kernels.h"
+
+namespace lily::cuda {
+
+/// Floats per staged 64-group in shared memory: 64 + 4 padding, so that 16-byte reads of eight
+/// consecutive lanes (one per group) hit distinct banks.
+constexpr int kGroupStride = 68;
+
+/// Shared-memory bytes to stage an activation row of `cols` values (plus its group sums).
+inline size_t staged_row_bytes(int cols) {
+  const int groups = cols / kGroup;
+  return static_cast<size_t>(groups) * (kGroupStride + 1) * sizeof(float);
+}
+
+/// Stages bf16 x [cols] into xs (fp32, group g at xs[g·68]) and xsum[g] = Σ x over group g.
+/// All threads of the block take part; ends with __syncthreads().
+__device__ __forceinline__ void stage_row(const bf16* __restrict__ x, int cols, float* xs, float* xsum) {
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) xs[(c / kGroup) * kGroupStride + c % kGroup] = to_f32(x[c]);
+  __syncthreads();
+  const int groups = cols / kGroup;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
+  for (int g = warp; g < groups; g += n_warps) {
+    const float* xg = xs + g * kGroupStride;
+    float s = warp_sum(xg[lane] + xg[lane + 32]);
+    if (lane == 0) xsum[g] = s;
+  }
+  __syncthreads();
+}
+
+/// Lanes per matrix row for a row of `groups` 64-groups: the largest power of two ≤ min(32, groups).
+__host__ __device__ inline int lanes_per_row(int groups) {
+  int l = 1;
+  while (l * 2 <= groups && l * 2 <= 32) l *= 2;
+  return l;
+}
+
+/// Σ_i q_i·x_i over one 64-group: `gw` the group's 64·BITS/32 code words (16-byte aligned),
+/// `xg` the staged fp32 activations of that group.
+template <int BITS>
+__device__ __forceinline__ float group_qdot(const uint4* __restrict__ gw, const float* __restrict__ xg) {
+  constexpr int kVecs = 64 * BITS / 32 / 4;  // uint4 loads per group: 2 (4-bit) or 4 (8-bit)
+  constexpr int kPer = 32 / BITS;            // elements per word
+  constexpr uint32_t kMask = (1u << BITS) - 1u;
+  uint4 q[kVecs];
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) q[v] = __ldg(gw + v);
+  float acc = 0.0f;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const uint32_t words[4] = {q[v].x, q[v].y, q[v].z, q[v].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float4* xv = reinterpret_cast<const float4*>(xg + (v * 4 + j) * kPer);
+#pragma unroll
+      for (int e4 = 0; e4 < kPer / 4; ++e4) {
+        const float4 xx = xv[e4];
+        const uint32_t w = words[j] >> (BITS * 4 * e4);
+        acc = fmaf(static_cast<float>(w & kMask), xx.x, acc);
+        acc = fmaf(static_cast<float>((w >> BITS) & kMask), xx.y, acc);
+        acc = fmaf(static_cast<float>((w >> (2 * BITS)) & kMask), xx.z, acc);
+        acc = fmaf(static_cast<float>((w >> (3 * BITS)) & kMask), xx.w, acc);
+      }
+    }
+  }
+  return acc;
+}
+
+/// This lane's share of the dot products of U matrix rows with the staged x: lanes of one
+/// row-group (L lanes, lane_in ∈ [0, L)) stride over the row's groups. row[j] < 0 means "no row"
+/// (contributes 0). Caller reduces acc[j] with group_sum(·, L).
+template <int BITS, int U>
+__device__ __forceinline__ void rows_partial(const DeviceQuant& w, const int64_t (&row)[U], const float* xs,
+                                             const float* xsum, int lane_in, int L, float (&acc)[U]) {
+  const int groups = w.cols / kGroup;
+  const int wpr = w.cols * BITS / 32;
+#pragma unroll
+  for (int j = 0; j < U; ++j) acc[j] = 0.0f;
+  for (int g = lane_in; g < groups; g += L) {
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      if (row[j] < 0) continue;
+      const uint4* gw = reinterpret_cast<const uint4*>(w.codes + row[j] * wpr + g * (64 * BITS / 32));
+      const int64_t sb = row[j] * groups + g;
+      const float s = to_f32(w.scales[sb]), b = to_f32(w.biases[sb]);
+      acc[j] += s * group_qdot<BITS>(gw, xs + g * kGroupStride) + b * xsum[g];
+    }
+  }
+}
+
+}  // namespace lily::cuda

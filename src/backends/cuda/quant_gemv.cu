@@ -1,0 +1,132 @@
+// MLX-affine GEMV (4- and 8-bit) and the embedding gather (reference/model.md §3.1, §4.2).
+// Layout: the checkpoint's own (codes U32 row-major, bf16 scales/biases per 64-group), so
+// fused projections are plain row concatenations. One warp covers 32/L rows at a time (L lanes
+// per row, each lane one 64-group per step); each lane issues the loads of 4 rows before using
+// them, for memory-level parallelism.
+#include <algorithm>
+#include <string>
+
+#include "backends/cuda/quant_dot.cuh"
+
+namespace lily::cuda {
+namespace {
+
+constexpr int kGemvThreads = 256;
+constexpr int kRowsUnroll = 4;
+constexpr int kMaxCols = 8192;
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
+template <class OutT>
+__device__ __forceinline__ void store_out(OutT* y, int64_t i, float v);
+template <>
+__device__ __forceinline__ void store_out<float>(float* y, int64_t i, float v) { y[i] = v; }
+template <>
+__device__ __forceinline__ void store_out<bf16>(bf16* y, int64_t i, float v) { y[i] = to_bf16(v); }
+
+/// grid (blocks, m); x [m, cols]; y [m, rows].
+template <int BITS, class OutT>
+__global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x,
+                                                                  OutT* __restrict__ y) {
+  extern __shared__ float smem[];
+  const int groups = w.cols / kGroup;
+  float* xs = smem;
+  float* xsum = smem + groups * kGroupStride;
+  const int t = blockIdx.y;
+  stage_row(x + static_cast<int64_t>(t) * w.cols, w.cols, xs, xsum);
+
+  const int L = lanes_per_row(groups), RW = kWarp / L;
+  const int lane = threadIdx.x % kWarp, lane_row = lane / L, lane_in = lane % L;
+  const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * (kGemvThreads / kWarp) + threadIdx.x / kWarp;
+  const int64_t n_warps = static_cast<int64_t>(gridDim.x) * (kGemvThreads / kWarp);
+  const int64_t step = n_warps * RW * kRowsUnroll;
+  for (int64_t base = warp_id * RW * kRowsUnroll; base < w.rows; base += step) {
+    int64_t row[kRowsUnroll];
+#pragma unroll
+    for (int j = 0; j < kRowsUnroll; ++j) {
+      const int64_t r = base + j * RW + lane_row;
+      row[j] = r < w.rows ? r : -1;
+    }
+    float acc[kRowsUnroll];
+    rows_partial<BITS, kRowsUnroll>(w, row, xs, xsum, lane_in, L, acc);
+#pragma unroll
+    for (int j = 0; j < kRowsUnroll; ++j) {
+      const float v = group_sum(acc[j], L);
+      if (row[j] >= 0 && lane_in == 0) store_out(y, static_cast<int64_t>(t) * w.rows + row[j], v);
+    }
+  }
+}
+
+template <int BITS, class OutT>
+void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream) {
+  const int groups = w.cols / kGroup;
+  const int L = lanes_per_row(groups), RW = kWarp / L;
+  const int64_t warps_needed = ceil_div(w.rows, static_cast<int64_t>(RW) * kRowsUnroll);
+  const int64_t blocks_needed = ceil_div(warps_needed, kGemvThreads / kWarp);
+  const int blocks = static_cast<int>(std::min<int64_t>(blocks_needed, static_cast<int64_t>(sm_count()) * 4));
+  const size_t smem = staged_row_bytes(w.cols);
+  quant_gemv_kernel<BITS, OutT><<<dim3(blocks, m), kGemvThreads, smem, stream>>>(w, x, y);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+void check_quant(const DeviceQuant& w, const char* what) {
+  if ((w.bits != 4 && w.bits != 8) || w.cols <= 0 || w.cols % kGroup != 0 || w.cols > kMaxCols || w.rows <= 0)
+    throw ::lily::Error(std::string(what) + ": CUDA kernels support 4/8-bit matrices with cols a multiple of 64 and ≤ " +
+                        std::to_string(kMaxCols) + "; got bits=" + std::to_string(w.bits) +
+                        " rows=" + std::to_string(w.rows) + " cols=" + std::to_string(w.cols));
+}
+
+template <int BITS>
+__global__ void embed_kernel(DeviceQuant table, const int32_t* __restrict__ tokens, bf16* __restrict__ out) {
+  constexpr int kPer = 32 / BITS;
+  constexpr uint32_t kMask = (1u << BITS) - 1u;
+  const int t = blockIdx.x;
+  int64_t id = tokens[t];
+  id = id < 0 ? 0 : (id >= table.rows ? table.rows - 1 : id);
+  const int wpr = table.cols / kPer, groups = table.cols / kGroup;
+  const uint32_t* codes = table.codes + id * wpr;
+  for (int wi = threadIdx.x; wi < wpr; wi += blockDim.x) {
+    const uint32_t word = codes[wi];
+    const int c0 = wi * kPer, g = c0 / kGroup;
+    const float s = to_f32(table.scales[id * groups + g]), b = to_f32(table.biases[id * groups + g]);
+#pragma unroll
+    for (int e = 0; e < kPer; ++e)
+      out[static_cast<int64_t>(t) * table.cols + c0 + e] = to_bf16(s * static_cast<float>((word >> (BITS * e)) & kMask) + b);
+  }
+}
+
+}  // namespace
+
+void launch_quant_gemv_batched(const DeviceQuant& w, const bf16* x, int m, bf16* y_bf16, float* y_f32,
+                               cudaStream_t stream) {
+  check_quant(w, "quant_gemv");
+  if ((y_bf16 == nullptr) == (y_f32 == nullptr) || m <= 0 || m > 65535)
+    throw ::lily::InternalError("launch_quant_gemv: exactly one output and 0 < m ≤ 65535 required");
+  if (w.bits == 4) {
+    if (y_f32) gemv_dispatch<4>(w, x, m, y_f32, stream); else gemv_dispatch<4>(w, x, m, y_bf16, stream);
+  } else {
+    if (y_f32) gemv_dispatch<8>(w, x, m, y_f32, stream); else gemv_dispatch<8>(w, x, m, y_bf16, stream);
+  }
+}
+
+void launch_quant_gemv(const DeviceQuant& w, const bf16* x, bf16* y_bf16, float* y_f32, cudaStream_t stream) {
+  launch_quant_gemv_batched(w, x, 1, y_bf16, y_f32, stream);
+}
+
+void launch_embed(const DeviceQuant& table, const int32_t* tokens, int m, bf16* out, cudaStream_t stream) {
+  check_quant(table, "embed_tokens");
+  if (m <= 0) throw ::lily::InternalError("launch_embed: m must be positive");
+  if (table.bits == 4) embed_kernel<4><<<m, 256, 0, stream>>>(table, tokens, out);
+  else embed_kernel<8><<<m, 256, 0, stream>>>(table, tokens, out);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace lily::cuda

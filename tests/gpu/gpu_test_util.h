@@ -1,0 +1,134 @@
+// Helpers for the CUDA kernel tests: random MLX-affine matrices on host and device, bf16
+// buffers, and exact fp32 reference products (plain loops over the dequantized weights,
+// reference/model.md §2.2).
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "backends/cuda/device_buffer.h"
+#include "backends/cuda/kernels.h"
+#include "base/bf16.h"
+
+namespace lily::test {
+
+/// A random MLX-affine matrix in host memory plus its device copy.
+struct RandomQuant {
+  int64_t rows = 0;
+  int cols = 0, bits = 4;
+  std::vector<uint32_t> codes;
+  std::vector<uint16_t> scales, biases;  // bf16 bits
+  cuda::DeviceBuffer d_codes, d_scales, d_biases;
+
+  RandomQuant(int64_t rows_, int cols_, int bits_, std::mt19937_64& rng) : rows(rows_), cols(cols_), bits(bits_) {
+    const int64_t wpr = int64_t(cols) * bits / 32, gpr = cols / 64;
+    codes.resize(rows * wpr);
+    for (auto& w : codes) w = static_cast<uint32_t>(rng());
+    scales.resize(rows * gpr);
+    biases.resize(rows * gpr);
+    std::normal_distribution<float> n01(0.0f, 1.0f);
+    const float levels = float((1 << bits) - 1);
+    for (int64_t i = 0; i < rows * gpr; ++i) {
+      const float s = 0.02f * n01(rng) / levels * 15.0f;  // negative scales occur, as in real files
+      scales[i] = float_to_bf16(s);
+      biases[i] = float_to_bf16(-0.5f * levels * s + 0.01f * n01(rng));
+    }
+    d_codes = cuda::DeviceBuffer(codes.size() * 4);
+    d_scales = cuda::DeviceBuffer(scales.size() * 2);
+    d_biases = cuda::DeviceBuffer(biases.size() * 2);
+    cuda::upload(d_codes.as<uint32_t>(), codes.data(), codes.size());
+    cuda::upload(d_scales.as<uint16_t>(), scales.data(), scales.size());
+    cuda::upload(d_biases.as<uint16_t>(), biases.data(), biases.size());
+  }
+
+  cuda::DeviceQuant view() const {
+    cuda::DeviceQuant q;
+    q.codes = d_codes.as<uint32_t>();
+    q.scales = d_scales.as<__nv_bfloat16>();
+    q.biases = d_biases.as<__nv_bfloat16>();
+    q.rows = rows;
+    q.cols = cols;
+    q.bits = bits;
+    return q;
+  }
+
+  /// Exact fp32 weight w[r, c].
+  float weight(int64_t r, int c) const {
+    const int per = 32 / bits;
+    const uint32_t word = codes[r * (int64_t(cols) / per) + c / per];
+    const uint32_t q = (word >> (bits * (c % per))) & ((1u << bits) - 1u);
+    const int64_t g = r * (cols / 64) + c / 64;
+    return bf16_to_float(scales[g]) * float(q) + bf16_to_float(biases[g]);
+  }
+  /// Σ_c w[r, c]·x[c] in double (the exact product the kernels approximate in fp32).
+  double dot(int64_t r, const float* x) const {
+    double acc = 0;
+    for (int c = 0; c < cols; ++c) acc += double(weight(r, c)) * x[c];
+    return acc;
+  }
+};
+
+/// n random bf16 values ~ N(0, sigma), returned as their fp32 values (exactly representable).
+inline std::vector<float> random_bf16_values(int64_t n, std::mt19937_64& rng, float sigma = 1.0f) {
+  std::normal_distribution<float> d(0.0f, sigma);
+  std::vector<float> v(n);
+  for (auto& x : v) x = round_bf16(d(rng));
+  return v;
+}
+
+/// Device bf16 copy of fp32 values (rounded).
+inline cuda::DeviceBuffer to_device_bf16(const std::vector<float>& v) {
+  std::vector<uint16_t> bits(v.size());
+  for (size_t i = 0; i < v.size(); ++i) bits[i] = float_to_bf16(v[i]);
+  cuda::DeviceBuffer d(bits.size() * 2);
+  cuda::upload(d.as<uint16_t>(), bits.data(), bits.size());
+  return d;
+}
+inline cuda::DeviceBuffer to_device_f32(const std::vector<float>& v) {
+  cuda::DeviceBuffer d(v.size() * 4);
+  cuda::upload(d.as<float>(), v.data(), v.size());
+  return d;
+}
+/// Host fp32 values of a device bf16 buffer of n elements.
+inline std::vector<float> from_device_bf16(const cuda::DeviceBuffer& d, int64_t n) {
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<uint16_t> bits(n);
+  cuda::download(bits.data(), d.as<uint16_t>(), n);
+  std::vector<float> v(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = bf16_to_float(bits[i]);
+  return v;
+}
+inline std::vector<float> from_device_f32(const cuda::DeviceBuffer& d, int64_t n) {
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> v(n);
+  cuda::download(v.data(), d.as<float>(), n);
+  return v;
+}
+/// A device buffer poisoned with 0xFF bytes (bf16 NaN / fp32 NaN / int −1), so unwritten
+/// outputs fail the comparisons.
+inline cuda::DeviceBuffer poisoned(size_t bytes) {
+  cuda::DeviceBuffer d(bytes);
+  d.fill_bytes(0xFF);
+  return d;
+}
+
+/// Max over i of |out − ref| / (|ref| + floor); NaN counts as infinite error.
+inline double worst_rel(const std::vector<float>& out, const std::vector<double>& ref, double floor) {
+  double worst = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    const double e = std::fabs(double(out[i]) - ref[i]) / (std::fabs(ref[i]) + floor);
+    if (!(e <= worst)) worst = std::isnan(e) ? INFINITY : e;
+  }
+  return worst;
+}
+/// Root mean square of ref.
+inline double rms(const std::vector<double>& ref) {
+  double s = 0;
+  for (double r : ref) s += r * r;
+  return std::sqrt(s / double(ref.size()));
+}
+
+}  // namespace lily::test

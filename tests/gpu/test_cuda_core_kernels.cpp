@@ -1,0 +1,282 @@
+// CUDA-CORE kernels against exact reference loops, on random inputs of the real
+// Qwen3.6-35B-A3B shapes (hidden 2048, 256 experts, I 512, vocab 248320) and of the small
+// synthetic shapes (hidden 256/128). Tolerances: bf16 outputs within 1e-2 relative (floor: 1 %
+// of the output RMS), fp32 outputs within 1e-3 (model.md §4.3, DESIGN.md "Numerics").
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <numeric>
+
+#include "backends/cpu/ops.h"
+#include "gpu_test_util.h"
+
+namespace lily::test {
+namespace {
+
+using cuda::DeviceBuffer;
+
+constexpr int kHidden = 2048, kExperts = 256, kTopK = 8, kFfn = 512, kVocab = 248320;
+
+/// GEMV of a random rows×cols matrix, m activation rows, bf16 or fp32 output, vs double loops.
+void check_gemv(int64_t rows, int cols, int bits, bool f32_out, int m, uint64_t seed, int check_rows = 4096) {
+  std::mt19937_64 rng(seed);
+  RandomQuant w(rows, cols, bits, rng);
+  const std::vector<float> x = random_bf16_values(int64_t(m) * cols, rng);
+  DeviceBuffer dx = to_device_bf16(x);
+  DeviceBuffer dy = poisoned(size_t(m) * rows * 4);
+  cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>(), m, f32_out ? nullptr : dy.as<__nv_bfloat16>(),
+                                  f32_out ? dy.as<float>() : nullptr, nullptr);
+  const std::vector<float> all = f32_out ? from_device_f32(dy, int64_t(m) * rows) : from_device_bf16(dy, int64_t(m) * rows);
+  // Every row is checked for having been written; a spread subset is checked numerically.
+  for (float v : all) ASSERT_FALSE(std::isnan(v)) << "unwritten output";
+  const int64_t stride = std::max<int64_t>(1, rows / check_rows);
+  for (int t = 0; t < m; ++t) {
+    std::vector<float> out;
+    std::vector<double> ref;
+    for (int64_t r = 0; r < rows; r += stride) {
+      out.push_back(all[t * rows + r]);
+      ref.push_back(w.dot(r, x.data() + int64_t(t) * cols));
+    }
+    out.push_back(all[t * rows + rows - 1]);
+    ref.push_back(w.dot(rows - 1, x.data() + int64_t(t) * cols));
+    const double err = worst_rel(out, ref, 0.01 * rms(ref));
+    EXPECT_LT(err, f32_out ? 1e-3 : 1e-2) << rows << "x" << cols << " " << bits << "-bit row " << t;
+  }
+}
+
+TEST(CudaGemv, Gdn4BitFusedInProjection) { check_gemv(8192 + 4096 + 32 + 32, kHidden, 4, false, 1, 1); }
+TEST(CudaGemv, OutProjection4096Cols) { check_gemv(kHidden, 4096, 4, false, 1, 2); }
+TEST(CudaGemv, ExpertDownShape512Cols) { check_gemv(kHidden, kFfn, 4, false, 1, 3); }
+TEST(CudaGemv, SmallWidths) {
+  check_gemv(1000, 256, 4, false, 1, 4);
+  check_gemv(777, 128, 4, false, 1, 5);
+  check_gemv(333, 64, 4, false, 1, 6);
+  check_gemv(129, 3072, 4, false, 1, 7);  // 48 groups: not a power of two
+}
+TEST(CudaGemv, Router8BitFp32Logits) { check_gemv(kExperts + 1, kHidden, 8, true, 1, 8); }
+TEST(CudaGemv, Batched) { check_gemv(1500, kHidden, 4, false, 3, 9); }
+TEST(CudaGemv, EightBitSmallWidth) { check_gemv(257, 256, 8, true, 2, 10); }
+
+TEST(CudaGemv, RejectsUnsupportedShapes) {
+  cuda::DeviceQuant q;
+  q.rows = 4;
+  q.cols = 100;
+  q.bits = 4;
+  EXPECT_THROW(cuda::launch_quant_gemv(q, nullptr, nullptr, reinterpret_cast<float*>(16), nullptr), Error);
+  q.cols = 128;
+  q.bits = 3;
+  EXPECT_THROW(cuda::launch_quant_gemv(q, nullptr, nullptr, reinterpret_cast<float*>(16), nullptr), Error);
+}
+
+TEST(CudaLmHead, GemvFp32AndArgmaxOnRealVocab) {
+  std::mt19937_64 rng(11);
+  RandomQuant w(kVocab, kHidden, 4, rng);
+  const std::vector<float> x = random_bf16_values(kHidden, rng);
+  DeviceBuffer dx = to_device_bf16(x), logits = poisoned(size_t(kVocab) * 4);
+  const int slots = cuda::argmax_scratch_slots(kVocab);
+  DeviceBuffer sv(slots * 4), si(slots * 4), id = poisoned(4);
+  cuda::launch_quant_gemv(w.view(), dx.as<__nv_bfloat16>(), nullptr, logits.as<float>(), nullptr);
+  cuda::launch_argmax(logits.as<float>(), kVocab, sv.as<float>(), si.as<int32_t>(), id.as<int32_t>(), nullptr);
+  const std::vector<float> out = from_device_f32(logits, kVocab);
+  int32_t got = -1;
+  cuda::download(&got, id.as<int32_t>(), 1);
+  EXPECT_EQ(got, cpu::argmax(out.data(), kVocab));
+  std::vector<float> sub;
+  std::vector<double> ref;
+  for (int64_t r = 0; r < kVocab; r += 61) {
+    sub.push_back(out[r]);
+    ref.push_back(w.dot(r, x.data()));
+  }
+  EXPECT_LT(worst_rel(sub, ref, 0.01 * rms(ref)), 1e-3);
+  // The GPU argmax must be the true argmax of the exact logits unless the top two are within
+  // fp32 accumulation noise.
+  for (float v : out) ASSERT_FALSE(std::isnan(v));
+}
+
+int32_t gpu_argmax(const std::vector<float>& v) {
+  DeviceBuffer d = to_device_f32(v);
+  const int slots = cuda::argmax_scratch_slots(int64_t(v.size()));
+  DeviceBuffer sv(slots * 4), si(slots * 4), id = poisoned(4);
+  cuda::launch_argmax(d.as<float>(), int64_t(v.size()), sv.as<float>(), si.as<int32_t>(), id.as<int32_t>(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  int32_t got = -1;
+  cuda::download(&got, id.as<int32_t>(), 1);
+  return got;
+}
+
+TEST(CudaArgmax, TiesGoToLowestIndexAndNanNeverWins) {
+  std::mt19937_64 rng(12);
+  std::vector<float> v = random_bf16_values(kVocab, rng);
+  v[200000] = 50.0f;
+  v[100001] = 50.0f;
+  v[7] = NAN;
+  v[kVocab - 1] = NAN;
+  EXPECT_EQ(gpu_argmax(v), 100001);
+  v[3] = 50.0f;
+  EXPECT_EQ(gpu_argmax(v), 3);
+  std::vector<float> nan(1000, NAN);
+  EXPECT_EQ(gpu_argmax(nan), 0);
+  nan[999] = -INFINITY;
+  EXPECT_EQ(gpu_argmax(nan), 999);
+  for (int trial = 0; trial < 3; ++trial) {
+    std::vector<float> r = random_bf16_values(kVocab, rng);
+    EXPECT_EQ(gpu_argmax(r), cpu::argmax(r.data(), kVocab));
+  }
+}
+
+TEST(CudaEmbed, GathersAndDequantizesRows) {
+  std::mt19937_64 rng(13);
+  RandomQuant table(kVocab, kHidden, 4, rng);
+  const std::vector<int32_t> ids = {0, 248319, 123457, 5};
+  DeviceBuffer dids(ids.size() * 4), out = poisoned(ids.size() * kHidden * 2);
+  cuda::upload(dids.as<int32_t>(), ids.data(), ids.size());
+  cuda::launch_embed(table.view(), dids.as<int32_t>(), int(ids.size()), out.as<__nv_bfloat16>(), nullptr);
+  const std::vector<float> got = from_device_bf16(out, int64_t(ids.size()) * kHidden);
+  for (size_t t = 0; t < ids.size(); ++t)
+    for (int c = 0; c < kHidden; ++c)
+      ASSERT_EQ(got[t * kHidden + c], round_bf16(table.weight(ids[t], c))) << "token " << ids[t] << " col " << c;
+}
+
+TEST(CudaRmsNorm, FusedResidualAddMatchesReference) {
+  std::mt19937_64 rng(14);
+  for (int n : {kHidden, 256, 128}) {
+    const int m = 3;
+    const std::vector<float> x = random_bf16_values(int64_t(m) * n, rng, 2.0f);
+    const std::vector<float> br = random_bf16_values(int64_t(m) * n, rng, 0.5f);
+    std::vector<float> gain = random_bf16_values(n, rng, 0.3f);
+    for (auto& g : gain) g += 1.0f;
+    for (bool with_branch : {false, true}) {
+      DeviceBuffer dx = to_device_bf16(x), db = to_device_bf16(br), dg = to_device_f32(gain);
+      DeviceBuffer dy = poisoned(size_t(m) * n * 2);
+      cuda::launch_add_rmsnorm(dx.as<__nv_bfloat16>(), with_branch ? db.as<__nv_bfloat16>() : nullptr, dg.as<float>(),
+                               dy.as<__nv_bfloat16>(), m, n, 1e-6f, nullptr);
+      const std::vector<float> gx = from_device_bf16(dx, int64_t(m) * n), gy = from_device_bf16(dy, int64_t(m) * n);
+      for (int t = 0; t < m; ++t) {
+        std::vector<float> h(n), y(n);
+        for (int i = 0; i < n; ++i) h[i] = with_branch ? round_bf16(x[t * n + i] + br[t * n + i]) : x[t * n + i];
+        cpu::rms_norm(h.data(), gain.data(), n, 1e-6f, y.data());
+        std::vector<double> ref(y.begin(), y.end());
+        std::vector<float> out(gy.begin() + t * n, gy.begin() + (t + 1) * n);
+        for (int i = 0; i < n; ++i) ASSERT_EQ(gx[t * n + i], h[i]) << "residual not bf16(x + branch)";
+        EXPECT_LT(worst_rel(out, ref, 1e-3), 8e-3) << "n=" << n;
+      }
+    }
+  }
+}
+
+/// Reference routing (model.md §3.5): top-k logits, ties to the lowest id, softmax over them.
+void reference_topk(const float* logits, int E, int k, std::vector<int>& ids, std::vector<double>& w) {
+  std::vector<int> order(E);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+  ids.assign(order.begin(), order.begin() + k);
+  w.assign(k, 0);
+  double denom = 0;
+  for (int s = 0; s < k; ++s) denom += std::exp(double(logits[ids[s]]) - logits[ids[0]]);
+  for (int s = 0; s < k; ++s) w[s] = std::exp(double(logits[ids[s]]) - logits[ids[0]]) / denom;
+}
+
+void check_router(int E, int k, int m, uint64_t seed, bool with_ties) {
+  std::mt19937_64 rng(seed);
+  std::vector<float> logits = random_bf16_values(int64_t(m) * (E + 1), rng, 2.0f);
+  if (with_ties)
+    for (int t = 0; t < m; ++t) {
+      float* row = logits.data() + int64_t(t) * (E + 1);
+      row[E - 1] = row[3] = row[E / 2] = 9.0f;  // a three-way tie at the top
+      row[1] = row[E - 2] = 7.5f;
+    }
+  DeviceBuffer dl = to_device_f32(logits), ids = poisoned(size_t(m) * (k + 1) * 4), w = poisoned(size_t(m) * (k + 1) * 4);
+  cuda::launch_router_topk(dl.as<float>(), m, E, k, ids.as<int32_t>(), w.as<float>(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<int32_t> gid(size_t(m) * (k + 1));
+  std::vector<float> gw(size_t(m) * (k + 1));
+  cuda::download(gid.data(), ids.as<int32_t>(), gid.size());
+  cuda::download(gw.data(), w.as<float>(), gw.size());
+  for (int t = 0; t < m; ++t) {
+    const float* row = logits.data() + int64_t(t) * (E + 1);
+    std::vector<int> rid;
+    std::vector<double> rw;
+    reference_topk(row, E, k, rid, rw);
+    for (int s = 0; s < k; ++s) {
+      EXPECT_EQ(gid[t * (k + 1) + s], rid[s]) << "token " << t << " slot " << s;
+      EXPECT_NEAR(gw[t * (k + 1) + s], rw[s], 1e-6);
+    }
+    EXPECT_EQ(gid[t * (k + 1) + k], E);
+    EXPECT_NEAR(gw[t * (k + 1) + k], 1.0 / (1.0 + std::exp(-double(row[E]))), 1e-6);
+    // Same selection as the CPU reference op (full softmax, then top-k, renormalised).
+    std::vector<int> cid(k);
+    std::vector<float> cw(k);
+    cpu::route_top_k(row, E, k, true, cid.data(), cw.data());
+    for (int s = 0; s < k; ++s) {
+      EXPECT_EQ(gid[t * (k + 1) + s], cid[s]);
+      EXPECT_NEAR(gw[t * (k + 1) + s], cw[s], 1e-5);
+    }
+  }
+}
+
+TEST(CudaRouter, TopKRealShape) { check_router(kExperts, kTopK, 4, 15, false); }
+TEST(CudaRouter, TiesGoToLowestExpertId) { check_router(kExperts, kTopK, 2, 16, true); }
+TEST(CudaRouter, SmallShapes) {
+  check_router(16, 4, 3, 17, true);
+  check_router(8, 2, 1, 18, false);
+}
+
+/// The MoE expert path: gate/up + SwiGLU over 8 routed experts + the shared one, then the
+/// down projection with the weighted combine, against model.md §4.3's rounding sequence.
+void check_experts(int E, int k, int hidden, int ffn, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  RandomQuant gate((E + 1) * int64_t(ffn), hidden, 4, rng), up((E + 1) * int64_t(ffn), hidden, 4, rng);
+  RandomQuant down((E + 1) * int64_t(hidden), ffn, 4, rng);
+  const int n_sel = k + 1;
+  std::vector<int32_t> ids(n_sel);
+  std::vector<float> w(n_sel);
+  std::vector<int> perm(E);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (int s = 0; s < k; ++s) ids[s] = perm[s];
+  ids[k] = E;
+  std::uniform_real_distribution<float> u01(0.01f, 1.0f);
+  for (auto& v : w) v = u01(rng);
+  const std::vector<float> x = random_bf16_values(hidden, rng);
+
+  DeviceBuffer dx = to_device_bf16(x), did(n_sel * 4), dw = to_device_f32(w);
+  cuda::upload(did.as<int32_t>(), ids.data(), ids.size());
+  DeviceBuffer act = poisoned(size_t(n_sel) * ffn * 2), out = poisoned(size_t(hidden) * 2);
+  cuda::launch_expert_gate_up(gate.view(), up.view(), ffn, did.as<int32_t>(), n_sel, dx.as<__nv_bfloat16>(), 1,
+                              act.as<__nv_bfloat16>(), nullptr);
+  const std::vector<float> gact = from_device_bf16(act, int64_t(n_sel) * ffn);
+  std::vector<double> ract(size_t(n_sel) * ffn);
+  for (int s = 0; s < n_sel; ++s)
+    for (int i = 0; i < ffn; ++i) {
+      const int64_t r = int64_t(ids[s]) * ffn + i;
+      const float g = round_bf16(float(gate.dot(r, x.data()))), uu = round_bf16(float(up.dot(r, x.data())));
+      ract[size_t(s) * ffn + i] = round_bf16(cpu::silu(g) * uu);
+    }
+  EXPECT_LT(worst_rel(gact, ract, 0.01 * rms(ract)), 2e-2) << "gate/up + SwiGLU";
+
+  // Down + combine from the GPU's own activations (isolates this kernel's error).
+  cuda::launch_expert_down_combine(down.view(), hidden, did.as<int32_t>(), dw.as<float>(), n_sel,
+                                   act.as<__nv_bfloat16>(), 1, out.as<__nv_bfloat16>(), nullptr);
+  const std::vector<float> gout = from_device_bf16(out, hidden);
+  std::vector<double> rout(hidden, 0.0);
+  for (int r = 0; r < hidden; ++r) {
+    float acc = 0.0f;
+    for (int s = 0; s < n_sel; ++s) {
+      const float d = round_bf16(float(down.dot(int64_t(ids[s]) * hidden + r, gact.data() + size_t(s) * ffn)));
+      acc += w[s] * d;
+    }
+    rout[r] = acc;
+  }
+  EXPECT_LT(worst_rel(gout, rout, 0.01 * rms(rout)), 2e-2) << "down + combine";
+}
+
+TEST(CudaMoe, ExpertsRealShape) { check_experts(kExperts, kTopK, kHidden, kFfn, 19); }
+TEST(CudaMoe, ExpertsSmallShapes) {
+  check_experts(16, 4, 256, 128, 20);
+  check_experts(32, 8, 512, 128, 21);
+}
+
+}  // namespace
+}  // namespace lily::test
