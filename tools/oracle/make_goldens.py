@@ -8,7 +8,7 @@ section 2.2), maps the names back to the Hugging Face layout (section 2.3: norm 
 1 + w_hf, conv1d [C, K, 1] -> [C, 1, K], switch_mlp gate/up -> halves of experts.gate_up_proj),
 loads them with strict checks, greedy-decodes from the given prompt ids and writes JSON:
 
-  {name, preset, seed, shard_mb, synth_command, prompt_ids, greedy_ids,
+  {name, preset, seed, shard_mb, synth_command, checkpoint_fnv1a64, prompt_ids, greedy_ids,
    steps: [{top_k: [[id, logit], ...], margin}], recompute_max_abs_diff,
    transformers_version, torch_version}
 
@@ -223,6 +223,7 @@ def run_golden(job, out_dir):
         "seed": job["seed"],
         "shard_mb": job.get("shard_mb", -1),
         "synth_command": job["synth_command"],
+        "checkpoint_fnv1a64": job.get("checkpoint_fnv1a64"),
         "prompt_ids": job["prompt_ids"],
         "greedy_ids": ids,
         "steps": steps,

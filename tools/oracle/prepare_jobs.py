@@ -29,6 +29,16 @@ def prompt_ids(n, vocab, salt):
     return [((i + 1 + 1000 * salt) * 2654435761 % 2**32) % (vocab - 8) for i in range(n)]
 
 
+def checkpoint_digest(d):
+    """FNV-1a 64 over the bytes of the checkpoint's safetensors files in name order (hex)."""
+    h = 0xcbf29ce484222325
+    for fn in sorted(f for f in os.listdir(d) if f.endswith(".safetensors")):
+        with open(os.path.join(d, fn), "rb") as f:
+            for byte in f.read():
+                h = ((h ^ byte) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return "%016x" % h
+
+
 def synth_command(preset, seed, shard_mb, out):
     cmd = ["lily", "synth", "--preset", preset, "--seed", str(seed)]
     if shard_mb:
@@ -44,6 +54,7 @@ def main():
     args = ap.parse_args()
     jobs = []
     made = {}
+    digests = {}
     for name, preset, seed, shard_mb, n, salt, steps in GOLDENS:
         key = (preset, seed, shard_mb)
         if key not in made:
@@ -51,6 +62,7 @@ def main():
             cmd = synth_command(preset, seed, shard_mb, d)
             subprocess.run([args.lily] + cmd[1:], check=True)
             made[key] = d
+            digests[d] = checkpoint_digest(d)
         d = made[key]
         with open(os.path.join(d, "config.json")) as f:
             vocab = json.load(f)["text_config"]["vocab_size"]
@@ -58,6 +70,7 @@ def main():
             "name": name, "model_dir": d, "preset": preset, "seed": seed, "shard_mb": shard_mb,
             "synth_command": " ".join(synth_command(preset, seed, shard_mb, "DIR")),
             "prompt_ids": prompt_ids(n, vocab, salt), "steps": steps,
+            "checkpoint_fnv1a64": digests[d],
         })
     if args.demo:
         jobs.insert(0, {"name": "demo_check", "demo_dir": "models/demo",
