@@ -9,7 +9,8 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
 PACKAGES=(build-essential cmake ninja-build pkg-config git
   nlohmann-json3-dev libcpp-httplib-dev libpcre2-dev libutf8proc-dev libcli11-dev
-  libgtest-dev libgmock-dev libbenchmark-dev nodejs npm curl)
+  libgtest-dev libgmock-dev libbenchmark-dev nodejs npm curl
+  clang libclang-rt-14-dev)  # clang + libFuzzer runtime: scripts/fuzz.sh
 missing=()
 for p in "${PACKAGES[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 # Node may come from elsewhere (e.g. nodesource); only install Debian's if none is on PATH.

@@ -15,3 +15,7 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLILY_SANIT
 cmake --build build-asan -j "$JOBS"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan -L unit --output-on-failure -j "$JOBS" --timeout 1800
+
+# Fuzzing (issue 7): every libFuzzer target of tests/fuzz for FUZZ_SECONDS (default 60) each,
+# built with clang + ASan/UBSan in build-fuzz; fails on any crash, leak or time-out.
+bash scripts/fuzz.sh

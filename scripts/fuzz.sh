@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Fuzzing (issue 7 item 2): builds the libFuzzer targets of tests/fuzz with clang
+# (ASan + UBSan + libFuzzer coverage, build dir build-fuzz, CPU only) and runs each for a bounded
+# time, starting from the committed seeds (tests/fuzz/corpus/<target>) and replaying every past
+# crash (tests/fuzz/regressions/<target>). Fails on any crash, sanitizer report, leak, time-out
+# (> 10 s for one input) or out-of-memory. New corpus entries stay in build-fuzz/ (not in git).
+#
+#   FUZZ_SECONDS   seconds per target (default 60)
+#   FUZZ_TARGETS   space-separated subset (default: all five)
+#   FUZZ_BUILD     build directory (default build-fuzz)
+# A crash leaves its input at build-fuzz/fuzz-out/<target>/crash-*; reproduce with
+#   build-fuzz/tests/fuzz/<target> <that file>
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECONDS_PER_TARGET=${FUZZ_SECONDS:-60}
+TARGETS=${FUZZ_TARGETS:-"fuzz_safetensors fuzz_config fuzz_tokenizer fuzz_chat_template fuzz_request"}
+BUILD=${FUZZ_BUILD:-build-fuzz}
+
+for tool in clang clang++; do
+  command -v "$tool" >/dev/null || { echo "fuzz: $tool not found (apt-get install clang libclang-rt-14-dev)" >&2; exit 1; }
+done
+
+CC=clang CXX=clang++ cmake -S . -B "$BUILD" -G Ninja -DLILY_FUZZ=ON -DLILY_CUDA=OFF -DBUILD_TESTING=OFF \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+# shellcheck disable=SC2086
+cmake --build "$BUILD" -j "$(nproc)" --target $TARGETS
+
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+failed=()
+for target in $TARGETS; do
+  out="$BUILD/fuzz-out/$target"
+  mkdir -p "$out/corpus"
+  rm -f "$out"/crash-* "$out"/leak-* "$out"/timeout-* "$out"/oom-* "$out"/slow-unit-*
+  seeds=(tests/fuzz/corpus/"$target")
+  [ -d tests/fuzz/regressions/"$target" ] && seeds+=(tests/fuzz/regressions/"$target")
+  echo "fuzz: $target for ${SECONDS_PER_TARGET}s"
+  # The first corpus directory receives new inputs; the committed ones are only read.
+  if "$BUILD/tests/fuzz/$target" -max_total_time="$SECONDS_PER_TARGET" -timeout=10 -rss_limit_mb=2048 \
+      -print_final_stats=1 -artifact_prefix="$out/" \
+      "$out/corpus" "${seeds[@]}" >"$out/log.txt" 2>&1; then
+    grep -E '^#[0-9]+ +DONE' "$out/log.txt" | tail -1 | sed "s/^/fuzz: $target: /"
+  else
+    echo "fuzz: $target FAILED; log $out/log.txt, inputs: $(ls "$out"/{crash,leak,timeout,oom}-* 2>/dev/null | tr '\n' ' ')" >&2
+    grep -E 'ERROR|runtime error|INVARIANT|SUMMARY|Test unit written' "$out/log.txt" | head -20 >&2 || true
+    failed+=("$target")
+  fi
+done
+
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "fuzz: FAILED: ${failed[*]}" >&2
+  exit 1
+fi
+echo "fuzz: all targets clean (${SECONDS_PER_TARGET}s each)"
