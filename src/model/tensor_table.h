@@ -13,8 +13,8 @@ namespace lily {
 /// Storage kind of one table entry.
 enum class TensorKind {
   kQuantized,  ///< an MLX affine triple <base>.weight (U32) / .scales / .biases (BF16)
-  kBf16,       ///< a plain BF16 tensor (norm gains, conv1d, dt_bias)
-  kFloat,      ///< F32 expected, BF16 also accepted (A_log, linear_attn.norm.weight)
+  kBf16,       ///< a plain BF16 tensor (norm gains, conv1d, dt_bias; linear_attn.norm.weight may also be F32)
+  kFloat,      ///< F32 expected, BF16 also accepted (A_log)
 };
 
 /// One logical tensor. For kQuantized, `name` is the base name (without .weight) and `shape` is
