@@ -30,8 +30,8 @@ class ApiError : public std::runtime_error {
   }
 
   /// The JSON body {"error":{"message","type","param","code"}} (null for absent param/code).
-  nlohmann::json body() const {
-    nlohmann::json e = {{"message", what()}, {"type", type_}, {"param", nullptr}, {"code", nullptr}};
+  nlohmann::ordered_json body() const {
+    nlohmann::ordered_json e = {{"message", what()}, {"type", type_}, {"param", nullptr}, {"code", nullptr}};
     if (param_) e["param"] = *param_;
     if (code_) e["code"] = *code_;
     return {{"error", e}};

@@ -67,7 +67,7 @@ double require_number(const json& v, const std::string& param) {
 /// A greedy-equivalent sampling field: accepted only at the value that means "greedy".
 void require_greedy_value(const json& v, const std::string& param, double greedy) {
   if (require_number(v, param) != greedy)
-    throw invalid_request("'" + param + "' must be " + json(greedy).dump() +
+    throw invalid_request("'" + param + "' must be " + std::to_string(static_cast<int>(greedy)) +
                               " (or omitted): this server decodes greedily",
                           param, "unsupported_value");
 }
@@ -219,8 +219,9 @@ ChatRequest parse_chat_request(std::string_view body) {
   try {
     doc = json::parse(body);
   } catch (const json::parse_error& e) {
-    throw invalid_request(std::string("the request body is not valid JSON: ") + e.what(), std::nullopt,
-                          "invalid_json");
+    std::string detail = e.what();  // "[json.exception.parse_error.101] parse error at …"
+    if (const size_t cut = detail.find("] "); cut != std::string::npos) detail.erase(0, cut + 2);
+    throw invalid_request("the request body is not valid JSON: " + detail, std::nullopt, "invalid_json");
   }
   if (!doc.is_object())
     throw invalid_request("the request body must be a JSON object, got " + type_name(doc), std::nullopt,

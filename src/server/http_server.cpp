@@ -439,6 +439,11 @@ void LilyServer::handle_chat(const httplib::Request& req, httplib::Response& res
   call->request_id = "req_" + random_hex(16);
   res.set_header("X-Request-Id", call->request_id);
   try {
+    // httplib enforces the limit on Content-Length bodies only; chunked bodies are checked here.
+    if (static_cast<int64_t>(req.body.size()) > options_.max_body)
+      throw ApiError(413, "invalid_request_error",
+                     "request body exceeds the limit of " + std::to_string(options_.max_body) + " bytes",
+                     std::nullopt, "request_too_large");
     call->request = parse_chat_request(req.body);
     if (call->request.model != model_name_)
       throw ApiError(404, "invalid_request_error",
@@ -523,7 +528,9 @@ void LilyServer::respond_stream(std::shared_ptr<ChatCall> call, const httplib::R
   res.set_chunked_content_provider(
       "text/event-stream",
       [this, call, watch](size_t, httplib::DataSink& sink) {
-        if (stream_events(*call, sink, *watch)) sink.done();
+        // One call streams the whole answer; false (client gone) makes httplib drop the connection.
+        if (!stream_events(*call, sink, *watch)) return false;
+        sink.done();
         return true;
       },
       [this, call](bool) {

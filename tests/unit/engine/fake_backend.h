@@ -1,0 +1,101 @@
+// A deterministic stand-in Backend for unit tests of the engine's own logic (generation loop,
+// prefix cache, scheduler). The next token is a pure function of the whole token history, so a
+// state that resumed from a cache snapshot produces exactly what a fresh one would, and a state
+// that was wrongly shared or rewound produces something else. End-to-end tests with the real
+// CPU backend live in tests/node/server.test.mjs.
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <thread>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+
+#include "base/error.h"
+#include "engine/backend.h"
+
+namespace lily::test {
+
+class FakeState final : public SequenceState {
+ public:
+  explicit FakeState(int64_t max_seq) : max_seq(max_seq) {}
+  int64_t position() const override { return static_cast<int64_t>(history.size()); }
+  int64_t bytes() const override { return 1000 + 4 * static_cast<int64_t>(history.size()); }
+  std::vector<int32_t> history;
+  int64_t max_seq;
+};
+
+class FakeBackend final : public Backend {
+ public:
+  explicit FakeBackend(int32_t vocab = 1000) : vocab_(vocab) {}
+  std::string name() const override { return "fake"; }
+  const ModelConfig& config() const override { return config_; }
+  std::unique_ptr<SequenceState> new_state(int64_t max_seq) override {
+    ++states_created;
+    return std::make_unique<FakeState>(max_seq);
+  }
+  std::unique_ptr<SequenceState> clone_state(const SequenceState& s) override {
+    ++clones;
+    return std::make_unique<FakeState>(static_cast<const FakeState&>(s));
+  }
+  int32_t prefill(SequenceState& s, std::span<const int32_t> tokens, std::vector<float>* = nullptr) override {
+    wait_gate();
+    ++prefill_calls;
+    prefilled_tokens += static_cast<int64_t>(tokens.size());
+    auto& st = static_cast<FakeState&>(s);
+    for (int32_t t : tokens) feed(st, t);
+    return next_token(st.history);
+  }
+  int32_t decode(SequenceState& s, int32_t token, std::vector<float>* = nullptr) override {
+    wait_gate();
+    ++decode_calls;
+    auto& st = static_cast<FakeState&>(s);
+    feed(st, token);
+    if (decode_delay.count() > 0) std::this_thread::sleep_for(decode_delay);
+    return next_token(st.history);
+  }
+  /// Deterministic function of the history: a rolling hash mod vocab.
+  int32_t next_token(const std::vector<int32_t>& history) const {
+    if (script) return script(history);
+    uint64_t h = 1469598103934665603ull;
+    for (int32_t t : history) h = (h ^ static_cast<uint64_t>(t)) * 1099511628211ull;
+    return static_cast<int32_t>(h % static_cast<uint64_t>(vocab_));
+  }
+  /// Blocks prefill/decode until open_gate() (for scheduler tests).
+  void close_gate() {
+    std::lock_guard l(m_);
+    gate_open_ = false;
+  }
+  void open_gate() {
+    {
+      std::lock_guard l(m_);
+      gate_open_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  std::function<int32_t(const std::vector<int32_t>&)> script;  ///< overrides next_token when set
+  std::chrono::milliseconds decode_delay{0};
+  int prefill_calls = 0, decode_calls = 0, clones = 0, states_created = 0;
+  int64_t prefilled_tokens = 0;
+
+ private:
+  void feed(FakeState& st, int32_t t) {
+    if (st.position() >= st.max_seq) throw Error("sequence full");
+    st.history.push_back(t);
+  }
+  void wait_gate() {
+    std::unique_lock l(m_);
+    cv_.wait(l, [&] { return gate_open_; });
+  }
+  int32_t vocab_;
+  ModelConfig config_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool gate_open_ = true;
+};
+
+}  // namespace lily::test

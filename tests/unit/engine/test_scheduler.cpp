@@ -1,0 +1,149 @@
+// The engine thread and its bounded FIFO queue over a gated fake backend.
+#include <gtest/gtest.h>
+
+#include <chrono>
+
+#include "engine/scheduler.h"
+#include "fake_backend.h"
+
+using namespace lily;
+using namespace std::chrono_literals;
+using lily::test::FakeBackend;
+
+namespace {
+
+JobRequest job(std::vector<int32_t> prompt, int64_t max_tokens) {
+  JobRequest r;
+  r.prompt = std::move(prompt);
+  r.max_tokens = max_tokens;
+  return r;
+}
+
+/// Drains events until kDone/kFailed; returns it and the number of token events seen.
+std::pair<JobEvent, int> finish(Job& j) {
+  int tokens = 0;
+  while (true) {
+    auto e = j.next_event(5000ms);
+    if (!e) throw std::runtime_error("timed out waiting for the engine");
+    if (e->kind == JobEvent::Kind::kToken) {
+      ++tokens;
+      continue;
+    }
+    return {std::move(*e), tokens};
+  }
+}
+
+struct Harness {
+  FakeBackend* backend;
+  std::unique_ptr<Scheduler> scheduler;
+  explicit Harness(int max_queue, int cache_entries = 2) {
+    auto b = std::make_unique<FakeBackend>();
+    backend = b.get();
+    EngineOptions o;
+    o.max_seq = 64;
+    o.max_queue = max_queue;
+    o.cache = {cache_entries, 0};
+    scheduler = std::make_unique<Scheduler>(std::move(b), nullptr, o);
+  }
+};
+
+void wait_until_running(Scheduler& s) {
+  for (int i = 0; i < 500 && s.running() == 0; ++i) std::this_thread::sleep_for(2ms);
+}
+
+}  // namespace
+
+TEST(Scheduler, RunsAJobAndStreamsEveryToken) {
+  Harness h(4);
+  auto j = h.scheduler->submit(job({1, 2, 3}, 5));
+  auto [done, tokens] = finish(*j);
+  ASSERT_EQ(done.kind, JobEvent::Kind::kDone);
+  EXPECT_EQ(tokens, 5);
+  EXPECT_EQ(done.result.token_ids.size(), 5u);
+}
+
+TEST(Scheduler, QueueFullIsRejectedAndFifoOrderKept) {
+  Harness h(1);
+  h.backend->close_gate();
+  auto running = h.scheduler->submit(job({1}, 2));
+  wait_until_running(*h.scheduler);
+  auto queued = h.scheduler->submit(job({2}, 2));
+  EXPECT_EQ(h.scheduler->queue_depth(), 1);
+  EXPECT_THROW(h.scheduler->submit(job({3}, 2)), QueueFullError);
+  h.backend->open_gate();
+  EXPECT_EQ(finish(*running).first.kind, JobEvent::Kind::kDone);
+  EXPECT_EQ(finish(*queued).first.kind, JobEvent::Kind::kDone);
+  EXPECT_EQ(h.scheduler->queue_depth(), 0);
+  // Room again once the queue drained.
+  EXPECT_EQ(finish(*h.scheduler->submit(job({4}, 1))).first.kind, JobEvent::Kind::kDone);
+}
+
+TEST(Scheduler, ZeroQueueStillAcceptsWhenIdle) {
+  Harness h(0);
+  h.backend->close_gate();
+  auto first = h.scheduler->submit(job({1}, 2));
+  wait_until_running(*h.scheduler);
+  EXPECT_THROW(h.scheduler->submit(job({2}, 2)), QueueFullError);
+  h.backend->open_gate();
+  EXPECT_EQ(finish(*first).first.kind, JobEvent::Kind::kDone);
+}
+
+TEST(Scheduler, CancellingARunningJobStopsItWithinOneStep) {
+  Harness h(4);
+  h.backend->decode_delay = 2ms;
+  auto j = h.scheduler->submit(job({1, 2}, 60));
+  auto first = j->next_event(5000ms);
+  ASSERT_TRUE(first && first->kind == JobEvent::Kind::kToken);
+  h.scheduler->cancel(j);
+  auto [done, tokens] = finish(*j);
+  ASSERT_EQ(done.kind, JobEvent::Kind::kDone);
+  EXPECT_EQ(done.result.finish_reason, FinishReason::kCancelled);
+  EXPECT_LT(done.result.token_ids.size(), 60u);
+}
+
+TEST(Scheduler, CancellingAQueuedJobRemovesIt) {
+  Harness h(2);
+  h.backend->close_gate();
+  auto running = h.scheduler->submit(job({1}, 2));
+  wait_until_running(*h.scheduler);
+  auto queued = h.scheduler->submit(job({2}, 2));
+  h.scheduler->cancel(queued);
+  EXPECT_EQ(h.scheduler->queue_depth(), 0);
+  auto [done, tokens] = finish(*queued);
+  EXPECT_EQ(done.result.finish_reason, FinishReason::kCancelled);
+  EXPECT_EQ(tokens, 0);
+  h.backend->open_gate();
+  finish(*running);
+}
+
+TEST(Scheduler, RejectsRequestsThatDoNotFitMaxSeq) {
+  Harness h(2);
+  EXPECT_THROW(h.scheduler->submit(job(std::vector<int32_t>(60, 1), 5)), Error);
+}
+
+TEST(Scheduler, StopFailsQueuedJobsAndRefusesNewOnes) {
+  Harness h(2);
+  h.backend->close_gate();
+  auto running = h.scheduler->submit(job({1}, 3));
+  wait_until_running(*h.scheduler);
+  auto queued = h.scheduler->submit(job({2}, 3));
+  std::thread opener([&] {
+    std::this_thread::sleep_for(20ms);
+    h.backend->open_gate();
+  });
+  h.scheduler->stop(2000ms);
+  opener.join();
+  EXPECT_EQ(finish(*queued).first.kind, JobEvent::Kind::kFailed);
+  EXPECT_EQ(finish(*running).first.kind, JobEvent::Kind::kDone);
+  EXPECT_THROW(h.scheduler->submit(job({3}, 1)), ShuttingDownError);
+}
+
+TEST(Scheduler, SecondIdenticalRequestHitsTheCache) {
+  Harness h(2);
+  auto a = finish(*h.scheduler->submit(job({1, 2, 3, 4}, 3))).first;
+  auto b = finish(*h.scheduler->submit(job({1, 2, 3, 4}, 3))).first;
+  EXPECT_EQ(a.result.cached_tokens, 0);
+  EXPECT_EQ(b.result.cached_tokens, 3);
+  EXPECT_EQ(a.result.token_ids, b.result.token_ids);
+  EXPECT_EQ(h.scheduler->cache_stats().hits, 1);
+}

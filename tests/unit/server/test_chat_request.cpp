@@ -1,0 +1,235 @@
+// Request validation of POST /v1/chat/completions: every accepted field and every rejection,
+// with the status, param and code a client sees.
+#include <gtest/gtest.h>
+
+#include "server/api_error.h"
+#include "server/chat_request.h"
+
+using namespace lily;
+using namespace lily::server;
+using nlohmann::json;
+
+namespace {
+
+json base() {
+  return json{{"model", "demo"}, {"messages", json::array({{{"role", "user"}, {"content", "hi"}}})}};
+}
+
+ChatRequest parse(const json& j) { return parse_chat_request(j.dump()); }
+
+/// Parses `body` expecting a 400; returns the error.
+ApiError rejected(const std::string& body) {
+  try {
+    parse_chat_request(body);
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status(), 400);
+    EXPECT_EQ(e.type(), "invalid_request_error");
+    return e;
+  }
+  ADD_FAILURE() << "accepted: " << body;
+  return ApiError(0, "", "");
+}
+
+std::string param_of(const json& j) { return rejected(j.dump()).param().value_or("<none>"); }
+
+json with(const std::string& key, const json& value) {
+  json j = base();
+  j[key] = value;
+  return j;
+}
+
+}  // namespace
+
+TEST(ChatRequest, MinimalRequestParses) {
+  auto r = parse(base());
+  EXPECT_EQ(r.model, "demo");
+  ASSERT_EQ(r.messages.size(), 1u);
+  EXPECT_EQ(r.messages[0].role, ChatRole::kUser);
+  EXPECT_EQ(r.messages[0].content, "hi");
+  EXPECT_FALSE(r.max_tokens.has_value());
+  EXPECT_FALSE(r.stream);
+  EXPECT_FALSE(r.include_usage);
+  EXPECT_TRUE(r.stop.empty());
+}
+
+TEST(ChatRequest, AcceptsEveryListedField) {
+  json j = base();
+  j["messages"] = json::array({{{"role", "system"}, {"content", "be brief"}},
+                               {{"role", "user"}, {"content", "a"}},
+                               {{"role", "assistant"}, {"content", "b"}},
+                               {{"role", "user"}, {"content", json::array({{{"type", "text"}, {"text", "x"}},
+                                                                          {{"type", "text"}, {"text", "y"}}})}}});
+  j["max_tokens"] = 12;
+  j["stream"] = true;
+  j["stream_options"] = {{"include_usage", true}};
+  j["stop"] = json::array({"a", "b", "c", "d"});
+  j["prompt_cache_key"] = "conv-1";
+  j["user"] = "someone";
+  j["n"] = 1;
+  j["temperature"] = 0;
+  j["top_p"] = 1;
+  j["presence_penalty"] = 0;
+  j["frequency_penalty"] = 0.0;
+  j["seed"] = 1234;
+  j["logprobs"] = false;
+  auto r = parse(j);
+  EXPECT_EQ(r.messages.size(), 4u);
+  EXPECT_EQ(r.messages[3].content, "x\ny");
+  EXPECT_EQ(r.max_tokens, 12);
+  EXPECT_TRUE(r.stream);
+  EXPECT_TRUE(r.include_usage);
+  EXPECT_EQ(r.stop.size(), 4u);
+  EXPECT_EQ(r.prompt_cache_key, "conv-1");
+}
+
+TEST(ChatRequest, MaxCompletionTokensIsAnAlias) {
+  EXPECT_EQ(parse(with("max_completion_tokens", 7)).max_tokens, 7);
+  json both = with("max_tokens", 7);
+  both["max_completion_tokens"] = 7;
+  EXPECT_EQ(parse(both).max_tokens, 7);
+  both["max_completion_tokens"] = 8;
+  EXPECT_EQ(param_of(both), "max_completion_tokens");
+}
+
+TEST(ChatRequest, StopAsSingleString) {
+  EXPECT_EQ(parse(with("stop", "END")).stop, (std::vector<std::string>{"END"}));
+}
+
+TEST(ChatRequest, NullMeansAbsentForOptionalFields) {
+  json j = base();
+  for (const char* k : {"max_tokens", "stream", "stream_options", "stop", "prompt_cache_key", "user", "n",
+                        "temperature", "top_p", "seed", "tools", "logprobs"})
+    j[k] = nullptr;
+  auto r = parse(j);
+  EXPECT_FALSE(r.stream);
+  EXPECT_FALSE(r.max_tokens.has_value());
+}
+
+TEST(ChatRequest, MalformedJsonAndNonObjects) {
+  EXPECT_EQ(rejected("{\"model\": ").code(), "invalid_json");
+  EXPECT_EQ(rejected("").code(), "invalid_json");
+  EXPECT_EQ(rejected("[1,2]").code(), "invalid_json");
+  EXPECT_EQ(rejected("\"text\"").code(), "invalid_json");
+}
+
+TEST(ChatRequest, InvalidUtf8IsRejected) {
+  const std::string body = "{\"model\":\"demo\",\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}";
+  EXPECT_EQ(rejected(body).code(), "invalid_json");
+}
+
+TEST(ChatRequest, MissingRequiredFields) {
+  json j = base();
+  j.erase("model");
+  auto e = rejected(j.dump());
+  EXPECT_EQ(e.param(), "model");
+  EXPECT_EQ(e.code(), "missing_required_parameter");
+  j = base();
+  j.erase("messages");
+  EXPECT_EQ(param_of(j), "messages");
+}
+
+TEST(ChatRequest, WrongTypes) {
+  EXPECT_EQ(param_of(with("model", 3)), "model");
+  EXPECT_EQ(param_of(with("messages", "hi")), "messages");
+  EXPECT_EQ(param_of(with("max_tokens", "10")), "max_tokens");
+  EXPECT_EQ(param_of(with("max_tokens", 10.5)), "max_tokens");
+  EXPECT_EQ(param_of(with("stream", "yes")), "stream");
+  EXPECT_EQ(param_of(with("stop", 5)), "stop");
+  EXPECT_EQ(param_of(with("stop", json::array({"a", 1}))), "stop[1]");
+  EXPECT_EQ(param_of(with("prompt_cache_key", 5)), "prompt_cache_key");
+  EXPECT_EQ(param_of(with("user", json::object())), "user");
+  EXPECT_EQ(param_of(with("seed", 1.5)), "seed");
+  EXPECT_EQ(param_of(with("temperature", "0")), "temperature");
+  EXPECT_EQ(rejected(with("stream", 1).dump()).code(), "invalid_type");
+}
+
+TEST(ChatRequest, MessageRules) {
+  EXPECT_EQ(param_of(with("messages", json::array())), "messages");
+  EXPECT_EQ(param_of(with("messages", json::array({"hi"}))), "messages[0]");
+  EXPECT_EQ(param_of(with("messages", json::array({{{"content", "hi"}}}))), "messages[0].role");
+  EXPECT_EQ(param_of(with("messages", json::array({{{"role", "user"}}}))), "messages[0].content");
+  for (const char* role : {"tool", "function", "developer", "User", "bot"})
+    EXPECT_EQ(param_of(with("messages", json::array({{{"role", role}, {"content", "x"}}}))), "messages[0].role") << role;
+  EXPECT_EQ(param_of(with("messages", json::array({{{"role", "user"}, {"content", nullptr}}}))), "messages[0].content");
+  EXPECT_EQ(param_of(with("messages", json::array({{{"role", "user"}, {"content", 5}}}))), "messages[0].content");
+  EXPECT_EQ(param_of(with("messages", json::array({{{"role", "user"}, {"content", json::array()}}}))),
+            "messages[0].content");
+  EXPECT_EQ(param_of(with("messages", json::array({{{"role", "user"}, {"content", "x"}, {"name", "bob"}}}))),
+            "messages[0].name");
+  EXPECT_EQ(param_of(with("messages", json::array({{{"role", "user"}, {"content", "x"}, {"tool_calls", json::array()}}}))),
+            "messages[0].tool_calls");
+}
+
+TEST(ChatRequest, LastMessageMustBeFromTheUser) {
+  auto j = with("messages", json::array({{{"role", "user"}, {"content", "a"}}, {{"role", "assistant"}, {"content", "b"}}}));
+  EXPECT_EQ(param_of(j), "messages[1].role");
+  EXPECT_EQ(param_of(with("messages", json::array({{{"role", "system"}, {"content", "a"}}}))), "messages[0].role");
+}
+
+TEST(ChatRequest, NonTextContentPartsAreRejected) {
+  auto part = [](json p) { return with("messages", json::array({{{"role", "user"}, {"content", json::array({p})}}})); };
+  EXPECT_EQ(param_of(part({{"type", "image_url"}, {"image_url", {{"url", "http://x"}}}})), "messages[0].content[0].type");
+  EXPECT_EQ(param_of(part({{"type", "input_audio"}, {"input_audio", json::object()}})), "messages[0].content[0].type");
+  EXPECT_EQ(param_of(part({{"text", "x"}})), "messages[0].content[0].type");
+  EXPECT_EQ(param_of(part({{"type", "text"}})), "messages[0].content[0].text");
+  EXPECT_EQ(param_of(part({{"type", "text"}, {"text", 3}})), "messages[0].content[0].text");
+  EXPECT_EQ(param_of(part({{"type", "text"}, {"text", "x"}, {"extra", 1}})), "messages[0].content[0].extra");
+  EXPECT_EQ(param_of(part("just a string")), "messages[0].content[0]");
+}
+
+TEST(ChatRequest, MaxTokensMustBePositive) {
+  EXPECT_EQ(param_of(with("max_tokens", 0)), "max_tokens");
+  EXPECT_EQ(param_of(with("max_tokens", -3)), "max_tokens");
+  EXPECT_EQ(param_of(with("max_completion_tokens", 0)), "max_completion_tokens");
+  EXPECT_EQ(param_of(with("max_tokens", 18446744073709551615ull)), "max_tokens");
+}
+
+TEST(ChatRequest, OnlyGreedyEquivalentSamplingValues) {
+  EXPECT_EQ(param_of(with("temperature", 0.7)), "temperature");
+  EXPECT_EQ(param_of(with("top_p", 0.9)), "top_p");
+  EXPECT_EQ(param_of(with("n", 2)), "n");
+  EXPECT_EQ(param_of(with("presence_penalty", 0.5)), "presence_penalty");
+  EXPECT_EQ(param_of(with("frequency_penalty", -1)), "frequency_penalty");
+  EXPECT_EQ(param_of(with("logprobs", true)), "logprobs");
+  EXPECT_EQ(rejected(with("temperature", 1).dump()).code(), "unsupported_value");
+}
+
+TEST(ChatRequest, UnsupportedAndUnknownParameters) {
+  for (const char* k : {"tools", "tool_choice", "response_format", "top_logprobs", "logit_bias", "functions",
+                        "parallel_tool_calls", "top_k"}) {
+    auto e = rejected(with(k, json::array()).dump());
+    EXPECT_EQ(e.param(), k);
+    EXPECT_EQ(e.code(), "unsupported_parameter") << k;
+  }
+  auto e = rejected(with("speculative_decoding", true).dump());
+  EXPECT_EQ(e.param(), "speculative_decoding");
+  EXPECT_EQ(e.code(), "unknown_parameter");
+}
+
+TEST(ChatRequest, StopRules) {
+  EXPECT_EQ(param_of(with("stop", json::array({"a", "b", "c", "d", "e"}))), "stop");
+  EXPECT_EQ(param_of(with("stop", "")), "stop");
+  EXPECT_EQ(param_of(with("stop", json::array({"a", ""}))), "stop");
+}
+
+TEST(ChatRequest, StreamOptionsRules) {
+  EXPECT_EQ(param_of(with("stream_options", {{"include_usage", true}})), "stream_options");  // without stream
+  json j = with("stream", true);
+  j["stream_options"] = {{"include_usage", "yes"}};
+  EXPECT_EQ(param_of(j), "stream_options.include_usage");
+  j["stream_options"] = {{"other", true}};
+  EXPECT_EQ(param_of(j), "stream_options.other");
+  j["stream_options"] = 5;
+  EXPECT_EQ(param_of(j), "stream_options");
+}
+
+TEST(ApiErrorShape, HasMessageTypeParamAndCode) {
+  auto body = invalid_request("bad", "max_tokens").body();
+  EXPECT_EQ(body["error"]["message"], "bad");
+  EXPECT_EQ(body["error"]["type"], "invalid_request_error");
+  EXPECT_EQ(body["error"]["param"], "max_tokens");
+  EXPECT_EQ(body["error"]["code"], "invalid_value");
+  auto plain = ApiError(500, "server_error", "internal").body();
+  EXPECT_TRUE(plain["error"]["param"].is_null());
+  EXPECT_TRUE(plain["error"]["code"].is_null());
+}

@@ -1,0 +1,140 @@
+// Pure helpers of the server: --max-seq rules, model name, key comparison, --bind parsing,
+// routes, the log line, response JSON and the Prometheus text.
+#include <gtest/gtest.h>
+
+#include "base/error.h"
+#include "server/http_server.h"
+#include "server/metrics.h"
+#include "server/openai_json.h"
+
+using namespace lily;
+using namespace lily::server;
+
+TEST(MaxSeq, DefaultsToTheCheckpointAndClamps) {
+  EXPECT_EQ(resolve_max_seq(std::nullopt, 4096), 4096);
+  EXPECT_EQ(resolve_max_seq(1024, 4096), 1024);
+  EXPECT_EQ(resolve_max_seq(8192, 4096), 4096);
+  EXPECT_EQ(resolve_max_seq(std::nullopt, 0), kKernelMaxSeq);
+  EXPECT_EQ(resolve_max_seq(std::nullopt, 1000000), kKernelMaxSeq);
+  EXPECT_THROW(resolve_max_seq(262145, 0), Error);
+  EXPECT_THROW(resolve_max_seq(1, 4096), Error);
+  EXPECT_THROW(resolve_max_seq(0, 4096), Error);
+}
+
+TEST(ModelName, OverrideThenShapeThenDirectory) {
+  ModelConfig c;
+  EXPECT_EQ(served_model_name(c, "/x/models/demo", "mine"), "mine");
+  EXPECT_EQ(served_model_name(c, "/x/models/demo", ""), "demo");
+  EXPECT_EQ(served_model_name(c, "/x/models/demo/", ""), "demo");
+}
+
+TEST(ApiKey, ConstantTimeEqual) {
+  EXPECT_TRUE(constant_time_equal("secret", "secret"));
+  EXPECT_FALSE(constant_time_equal("secret", "secreT"));
+  EXPECT_FALSE(constant_time_equal("secret", "secret2"));
+  EXPECT_FALSE(constant_time_equal("", "x"));
+  EXPECT_TRUE(constant_time_equal("", ""));
+}
+
+TEST(Bind, HostPortForms) {
+  std::string host;
+  int port = 1;
+  parse_bind("127.0.0.1:8000", host, port);
+  EXPECT_EQ(host, "127.0.0.1");
+  EXPECT_EQ(port, 8000);
+  parse_bind("[::1]:9000", host, port);
+  EXPECT_EQ(host, "::1");
+  EXPECT_EQ(port, 9000);
+  parse_bind("0.0.0.0", host, port);
+  EXPECT_EQ(host, "0.0.0.0");
+  EXPECT_EQ(port, 9000);
+  EXPECT_THROW(parse_bind("host:99999", host, port), Error);
+  EXPECT_THROW(parse_bind("host:12a", host, port), Error);
+  EXPECT_THROW(parse_bind(":80", host, port), Error);
+  EXPECT_THROW(parse_bind("[::1", host, port), Error);
+}
+
+TEST(Bind, Loopback) {
+  EXPECT_TRUE(is_loopback_host("127.0.0.1"));
+  EXPECT_TRUE(is_loopback_host("::1"));
+  EXPECT_TRUE(is_loopback_host("localhost"));
+  EXPECT_FALSE(is_loopback_host("0.0.0.0"));
+  EXPECT_FALSE(is_loopback_host("::"));
+}
+
+TEST(Routes, AllowedMethods) {
+  EXPECT_EQ(allowed_methods("/v1/chat/completions"), "POST");
+  EXPECT_EQ(allowed_methods("/health"), "GET, HEAD");
+  EXPECT_EQ(allowed_methods("/v1/models"), "GET, HEAD");
+  EXPECT_EQ(allowed_methods("/metrics"), "GET, HEAD");
+  EXPECT_FALSE(allowed_methods("/v1/completions").has_value());
+  EXPECT_FALSE(allowed_methods("/health/").has_value());
+}
+
+TEST(LogLine, TokensAndErrors) {
+  EXPECT_EQ(request_log_line("POST", "/v1/chat/completions", 200, 5560, LogTokens{27, 5, 160, 28.77}, ""),
+            "POST /v1/chat/completions 200 5560ms prompt=27 cached=5 completion=160 tok/s=28.8");
+  EXPECT_EQ(request_log_line("POST", "/v1/chat/completions", 400, 3, std::nullopt, "bad \"request\""),
+            "POST /v1/chat/completions 400 3ms error=\"bad \\\"request\\\"\"");
+}
+
+TEST(OpenAiJson, CompletionShape) {
+  CompletionMeta meta{"chatcmpl-1", 42, "demo", "lily-abc"};
+  auto doc = completion_json(meta, "hello", "stop", Usage{10, 3, 4});
+  EXPECT_EQ(dump(doc),
+            R"({"id":"chatcmpl-1","object":"chat.completion","created":42,"model":"demo","system_fingerprint":"lily-abc",)"
+            R"("choices":[{"index":0,"message":{"role":"assistant","content":"hello"},"logprobs":null,"finish_reason":"stop"}],)"
+            R"("usage":{"prompt_tokens":10,"completion_tokens":3,"total_tokens":13,"prompt_tokens_details":{"cached_tokens":4}}})");
+}
+
+TEST(OpenAiJson, ChunksAndUsageChunk) {
+  CompletionMeta meta{"c", 1, "m", "f"};
+  auto chunk = chunk_json(meta, {{"content", "x"}}, std::nullopt, true);
+  EXPECT_EQ(chunk["object"], "chat.completion.chunk");
+  EXPECT_TRUE(chunk["choices"][0]["finish_reason"].is_null());
+  EXPECT_TRUE(chunk.contains("usage") && chunk["usage"].is_null());
+  EXPECT_FALSE(chunk_json(meta, {{"content", "x"}}, std::nullopt, false).contains("usage"));
+  auto last = chunk_json(meta, nlohmann::ordered_json::object(), std::string("length"), false);
+  EXPECT_EQ(last["choices"][0]["finish_reason"], "length");
+  auto usage = usage_chunk_json(meta, Usage{5, 2, 0});
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["total_tokens"], 7);
+  EXPECT_EQ(sse_event("{}"), "data: {}\n\n");
+}
+
+TEST(OpenAiJson, InvalidUtf8IsReplacedNotThrown) {
+  nlohmann::ordered_json doc{{"content", std::string("a\xff")}};
+  EXPECT_EQ(dump(doc), "{\"content\":\"a\xEF\xBF\xBD\"}");
+}
+
+TEST(OpenAiJson, Models) {
+  EXPECT_EQ(dump(models_json("demo", 7)),
+            R"({"object":"list","data":[{"id":"demo","object":"model","created":7,"owned_by":"lily"}]})");
+}
+
+TEST(MetricsText, CountersHistogramsAndGauges) {
+  Metrics m;
+  m.record_request("/health", 200);
+  m.record_request("/health", 200);
+  m.record_request("/v1/chat/completions", 400);
+  m.record_tokens(10, 4, 3);
+  m.observe_ttft(0.03);
+  m.observe_inter_token(0.002);
+  EngineGauges g;
+  g.queue_depth = 2;
+  g.cache.hits = 5;
+  g.cache.bytes = 1234;
+  const std::string text = m.render(g);
+  EXPECT_NE(text.find("lily_http_requests_total{route=\"/health\",status=\"200\"} 2\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_http_requests_total{route=\"/v1/chat/completions\",status=\"400\"} 1\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_prompt_tokens_total 10\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_cached_prompt_tokens_total 4\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_completion_tokens_total 3\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_time_to_first_token_seconds_bucket{le=\"0.025\"} 0\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_time_to_first_token_seconds_bucket{le=\"0.05\"} 1\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_time_to_first_token_seconds_count 1\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_inter_token_latency_seconds_bucket{le=\"+Inf\"} 1\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_queue_depth 2\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_cache_hits_total 5\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_cache_bytes 1234\n"), std::string::npos);
+}
