@@ -1,0 +1,352 @@
+// GPU tests of the Gated DeltaNet kernels (src/backends/cuda/gdn.cu) against fp32 references
+// built from the CPU backend's ops (reference/model.md §3.3), at the real shapes: Hk 16, Hv 32,
+// Dk = Dv 128, conv channels 8192. Inputs are random; outputs are poisoned (NaN) before launch.
+// Tolerances: bf16 outputs within 1e-2 relative, fp32 states within 1e-4 (relative to the
+// state's largest magnitude, at least 1).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "backends/cpu/ops.h"
+#include "backends/cuda/device_buffer.h"
+#include "backends/cuda/mixer_kernels.h"
+#include "base/bf16.h"
+
+namespace lily {
+namespace {
+
+using cuda::DeviceBuffer;
+
+// ---- small host/device helpers ------------------------------------------------------------------
+
+std::vector<float> normal(int64_t n, std::mt19937_64& rng, float mean, float sigma) {
+  std::normal_distribution<float> d(mean, sigma);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+std::vector<float> uniform(int64_t n, std::mt19937_64& rng, float lo, float hi) {
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+/// Rounds every value to bf16 (so host references see exactly what the device sees).
+std::vector<float> bf16_values(std::vector<float> v) {
+  for (auto& x : v) x = round_bf16(x);
+  return v;
+}
+DeviceBuffer upload_f32(const std::vector<float>& v) {
+  DeviceBuffer d(v.size() * 4);
+  CUDA_CHECK(cudaMemcpy(d.data(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+  return d;
+}
+DeviceBuffer upload_bf16(const std::vector<float>& v) {
+  std::vector<uint16_t> bits(v.size());
+  for (size_t i = 0; i < v.size(); ++i) bits[i] = float_to_bf16(v[i]);
+  DeviceBuffer d(bits.size() * 2);
+  CUDA_CHECK(cudaMemcpy(d.data(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+std::vector<float> download_f32(const DeviceBuffer& d, int64_t n) {
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> v(n);
+  CUDA_CHECK(cudaMemcpy(v.data(), d.data(), n * 4, cudaMemcpyDeviceToHost));
+  return v;
+}
+std::vector<float> download_bf16(const DeviceBuffer& d, int64_t n) {
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<uint16_t> bits(n);
+  CUDA_CHECK(cudaMemcpy(bits.data(), d.data(), n * 2, cudaMemcpyDeviceToHost));
+  std::vector<float> v(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = bf16_to_float(bits[i]);
+  return v;
+}
+DeviceBuffer poisoned(size_t bytes) {
+  DeviceBuffer d(bytes);
+  d.fill_bytes(0xFF);  // NaN in bf16 and fp32
+  return d;
+}
+
+/// max_i |out_i − ref_i| / (|ref_i| + floor); NaN → infinity.
+double max_rel(const std::vector<float>& out, const std::vector<float>& ref, double floor) {
+  EXPECT_EQ(out.size(), ref.size());
+  double worst = 0;
+  for (size_t i = 0; i < out.size() && i < ref.size(); ++i) {
+    const double e = std::fabs(double(out[i]) - ref[i]) / (std::fabs(double(ref[i])) + floor);
+    if (!(e <= worst)) worst = std::isnan(e) ? INFINITY : e;
+  }
+  return worst;
+}
+/// max_i |out_i − ref_i| / max(1, max_i |ref_i|); NaN → infinity.
+double max_abs_scaled(const std::vector<float>& out, const std::vector<float>& ref) {
+  double scale = 1, worst = 0;
+  for (float r : ref) scale = std::max(scale, double(std::fabs(r)));
+  for (size_t i = 0; i < out.size() && i < ref.size(); ++i) {
+    const double e = std::fabs(double(out[i]) - ref[i]) / scale;
+    if (!(e <= worst)) worst = std::isnan(e) ? INFINITY : e;
+  }
+  return worst;
+}
+
+constexpr double kBf16Tol = 1e-2;
+constexpr double kStateTol = 1e-4;
+constexpr double kFloor = 1e-3;
+
+// ---- GDN fixture: weights and the fp32 reference --------------------------------------------
+
+struct GdnFixture {
+  cuda::GdnDims dims;  // real shape by default
+  int C = dims.conv_channels();
+  std::vector<float> conv_w, A_log, dt_bias, norm_w;
+  DeviceBuffer d_conv_w, d_A_log, d_dt_bias, d_norm_w;
+
+  GdnFixture(std::mt19937_64& rng, float A_log_lo, float A_log_hi) {
+    conv_w = normal(int64_t(C) * dims.conv_kernel, rng, 0.0f, 0.5f);
+    A_log = uniform(dims.n_value_heads, rng, A_log_lo, A_log_hi);
+    dt_bias = normal(dims.n_value_heads, rng, 0.0f, 0.5f);
+    norm_w = uniform(dims.value_head_dim, rng, 0.5f, 1.5f);
+    d_conv_w = upload_f32(conv_w);
+    d_A_log = upload_f32(A_log);
+    d_dt_bias = upload_f32(dt_bias);
+    d_norm_w = upload_f32(norm_w);
+  }
+  cuda::GdnParams params() const {
+    return {d_conv_w.as<float>(), d_A_log.as<float>(), d_dt_bias.as<float>(), d_norm_w.as<float>()};
+  }
+
+  /// The sequential reference of one token (model.md §3.3 steps 3-6) on conv output `x` [C]:
+  /// updates `state` [Hv, Dk, Dv] and writes y [Hv·Dv] (fp32 values of the bf16 outputs).
+  void reference_token(const float* x, const float* z, const float* a, const float* b,
+                       std::vector<float>& state, float* y) const {
+    const int Dk = dims.key_head_dim, Dv = dims.value_head_dim;
+    const int group = dims.n_value_heads / dims.n_key_heads;
+    std::vector<float> q(Dk), k(Dk), o(Dv), yo(Dv);
+    for (int j = 0; j < dims.n_value_heads; ++j) {
+      const int kh = j / group;
+      std::copy(x + kh * Dk, x + (kh + 1) * Dk, q.begin());
+      std::copy(x + dims.key_dim() + kh * Dk, x + dims.key_dim() + (kh + 1) * Dk, k.begin());
+      cpu::l2_normalize(q.data(), Dk, 1e-6f);
+      cpu::l2_normalize(k.data(), Dk, 1e-6f);
+      for (auto& e : q) e *= 1.0f / std::sqrt(float(Dk));
+      const float alpha = std::exp(-std::exp(A_log[j]) * cpu::softplus(a[j] + dt_bias[j]));
+      const float beta = cpu::sigmoid(b[j]);
+      const float* v = x + 2 * dims.key_dim() + j * Dv;
+      cpu::delta_rule_step(state.data() + int64_t(j) * Dk * Dv, q.data(), k.data(), v, alpha, beta,
+                           Dk, Dv, o.data());
+      for (auto& e : o) e = round_bf16(e);
+      cpu::gated_rms_norm(o.data(), z + j * Dv, norm_w.data(), Dv, dims.norm_eps, yo.data());
+      for (int m = 0; m < Dv; ++m) y[j * Dv + m] = yo[m];
+    }
+  }
+};
+
+// ---- conv -----------------------------------------------------------------------------------
+
+TEST(GdnConv, DecodeStepMatchesReferenceAndShiftsWindow) {
+  std::mt19937_64 rng(11);
+  GdnFixture fx(rng, -2.0f, 1.0f);
+  const int C = fx.C, K = fx.dims.conv_kernel;
+  std::vector<float> window = bf16_values(normal(int64_t(C) * (K - 1), rng, 0.0f, 1.0f));
+  DeviceBuffer d_window = upload_bf16(window);
+  for (int step = 0; step < 4; ++step) {
+    const std::vector<float> x = bf16_values(normal(C, rng, 0.0f, 1.0f));
+    DeviceBuffer d_x = upload_bf16(x), d_out = poisoned(size_t(C) * 2);
+    cuda::gdn_conv_decode(fx.dims, fx.params(), d_x.as<__nv_bfloat16>(),
+                          d_window.as<__nv_bfloat16>(), d_out.as<__nv_bfloat16>(), nullptr);
+    std::vector<float> ref(C);
+    cpu::causal_conv_step(fx.conv_w.data(), window.data(), x.data(), C, K, ref.data());
+    for (auto& e : ref) e = cpu::silu(e);
+    const double err = max_rel(download_bf16(d_out, C), ref, kFloor);
+    EXPECT_LT(err, kBf16Tol) << "step " << step;
+    EXPECT_EQ(download_bf16(d_window, window.size()), window) << "window after step " << step;
+  }
+}
+
+/// Prefill conv over T tokens equals T decode steps bit for bit (outputs and final window).
+void expect_conv_prefill_equals_decode(int T) {
+  std::mt19937_64 rng(100 + T);
+  GdnFixture fx(rng, -2.0f, 1.0f);
+  const int C = fx.C, K = fx.dims.conv_kernel;
+  const int64_t stride = C + 4160;  // the qkv|z|a|b row: extra columns hold other data
+  const std::vector<float> rows = bf16_values(normal(T * stride, rng, 0.0f, 1.0f));
+  const std::vector<float> window = bf16_values(normal(int64_t(C) * (K - 1), rng, 0.0f, 1.0f));
+  DeviceBuffer d_rows = upload_bf16(rows);
+  DeviceBuffer d_win_prefill = upload_bf16(window), d_win_decode = upload_bf16(window);
+  DeviceBuffer d_out = poisoned(size_t(T) * C * 2), d_step = poisoned(size_t(C) * 2);
+  cuda::gdn_conv_prefill(fx.dims, fx.params(), T, d_rows.as<__nv_bfloat16>(), stride,
+                         d_win_prefill.as<__nv_bfloat16>(), d_out.as<__nv_bfloat16>(), nullptr);
+  const std::vector<float> out = download_bf16(d_out, int64_t(T) * C);
+  for (int t = 0; t < T; ++t) {
+    cuda::gdn_conv_decode(fx.dims, fx.params(), d_rows.as<__nv_bfloat16>() + t * stride,
+                          d_win_decode.as<__nv_bfloat16>(), d_step.as<__nv_bfloat16>(), nullptr);
+    const std::vector<float> step = download_bf16(d_step, C);
+    const std::vector<float> got(out.begin() + int64_t(t) * C, out.begin() + int64_t(t + 1) * C);
+    ASSERT_EQ(got, step) << "token " << t << " of " << T;
+  }
+  EXPECT_EQ(download_bf16(d_win_prefill, window.size()), download_bf16(d_win_decode, window.size()));
+}
+
+TEST(GdnConv, PrefillEqualsDecodeStepsShortChunk) { expect_conv_prefill_equals_decode(2); }
+TEST(GdnConv, PrefillEqualsDecodeStepsLongChunk) { expect_conv_prefill_equals_decode(257); }
+
+// ---- decode step ------------------------------------------------------------------------------
+
+TEST(GdnDecode, FusedStepMatchesSequentialReference) {
+  std::mt19937_64 rng(21);
+  GdnFixture fx(rng, -2.0f, 1.0f);
+  const auto& d = fx.dims;
+  const int C = fx.C, V = d.value_dim(), Hv = d.n_value_heads;
+  std::vector<float> state = normal(d.state_elems(), rng, 0.0f, 0.3f);
+  DeviceBuffer d_state = upload_f32(state);
+  for (int step = 0; step < 3; ++step) {
+    const auto x = bf16_values(normal(C, rng, 0.0f, 1.0f));
+    const auto z = bf16_values(normal(V, rng, 0.0f, 1.0f));
+    const auto a = bf16_values(normal(Hv, rng, 0.0f, 1.5f));
+    const auto b = bf16_values(normal(Hv, rng, 0.0f, 1.5f));
+    DeviceBuffer d_x = upload_bf16(x), d_z = upload_bf16(z), d_a = upload_bf16(a), d_b = upload_bf16(b);
+    DeviceBuffer d_out = poisoned(size_t(V) * 2);
+    cuda::gdn_decode(d, fx.params(), d_x.as<__nv_bfloat16>(), d_z.as<__nv_bfloat16>(),
+                     d_a.as<__nv_bfloat16>(), d_b.as<__nv_bfloat16>(), d_state.as<float>(),
+                     d_out.as<__nv_bfloat16>(), nullptr);
+    std::vector<float> ref(V);
+    fx.reference_token(x.data(), z.data(), a.data(), b.data(), state, ref.data());
+    const double out_err = max_rel(download_bf16(d_out, V), ref, kFloor);
+    const double state_err = max_abs_scaled(download_f32(d_state, d.state_elems()), state);
+    std::printf("[gdn decode] step %d: output max rel err %.3g, state max err %.3g\n", step, out_err, state_err);
+    EXPECT_LT(out_err, kBf16Tol) << "step " << step;
+    EXPECT_LT(state_err, kStateTol) << "step " << step;
+  }
+}
+
+// ---- chunked prefill ------------------------------------------------------------------------------
+
+/// Chunked prefill of T tokens (z/a/b inside fused rows) against the sequential reference:
+/// outputs per token and the final state.
+void expect_chunked_prefill_matches(int T, float A_log_lo, float A_log_hi, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  GdnFixture fx(rng, A_log_lo, A_log_hi);
+  const auto& d = fx.dims;
+  const int C = fx.C, V = d.value_dim(), Hv = d.n_value_heads;
+  const int64_t zab_stride = V + 2 * Hv + 40;  // z | a | b | unused
+  const auto x = bf16_values(normal(int64_t(T) * C, rng, 0.0f, 1.0f));
+  auto zab = bf16_values(normal(T * zab_stride, rng, 0.0f, 1.0f));
+  for (int t = 0; t < T; ++t)  // a, b with a wider spread (decays from ~0 to ~1)
+    for (int j = 0; j < 2 * Hv; ++j) zab[t * zab_stride + V + j] *= 1.5f;
+  std::vector<float> state = normal(d.state_elems(), rng, 0.0f, 0.3f);
+  DeviceBuffer d_x = upload_bf16(x), d_zab = upload_bf16(zab), d_state = upload_f32(state);
+  DeviceBuffer d_out = poisoned(size_t(T) * V * 2);
+  const __nv_bfloat16* zp = d_zab.as<__nv_bfloat16>();
+  cuda::gdn_prefill(d, fx.params(), T, d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv,
+                    zab_stride, d_state.as<float>(), d_out.as<__nv_bfloat16>(), nullptr);
+  std::vector<float> ref(int64_t(T) * V);
+  for (int t = 0; t < T; ++t) {
+    const float* row = zab.data() + t * zab_stride;
+    fx.reference_token(x.data() + int64_t(t) * C, row, row + V, row + V + Hv, state,
+                       ref.data() + int64_t(t) * V);
+  }
+  const double out_err = max_rel(download_bf16(d_out, int64_t(T) * V), ref, kFloor);
+  const double state_err = max_abs_scaled(download_f32(d_state, d.state_elems()), state);
+  std::printf("[gdn chunked prefill] T=%d A_log in [%g, %g]: output max rel err %.3g, final state max err %.3g\n",
+              T, A_log_lo, A_log_hi, out_err, state_err);
+  EXPECT_LT(out_err, kBf16Tol);
+  EXPECT_LT(state_err, kStateTol);
+}
+
+TEST(GdnPrefill, ChunkedEqualsSequentialOneToken) { expect_chunked_prefill_matches(1, -2.0f, 1.0f, 31); }
+TEST(GdnPrefill, ChunkedEqualsSequentialOneFullChunk) { expect_chunked_prefill_matches(64, -2.0f, 1.0f, 32); }
+TEST(GdnPrefill, ChunkedEqualsSequentialPartialLastChunk) { expect_chunked_prefill_matches(257, -2.0f, 1.0f, 33); }
+TEST(GdnPrefill, ChunkedEqualsSequentialStrongDecay) { expect_chunked_prefill_matches(130, 1.0f, 3.0f, 34); }
+TEST(GdnPrefill, ChunkedEqualsSequentialWeakDecay) { expect_chunked_prefill_matches(200, -6.0f, -3.0f, 35); }
+
+/// Prefill of a sequence in two pieces equals one piece (the state carries over).
+TEST(GdnPrefill, SplitSequenceEqualsOnePass) {
+  std::mt19937_64 rng(41);
+  GdnFixture fx(rng, -2.0f, 1.0f);
+  const auto& d = fx.dims;
+  const int C = fx.C, V = d.value_dim(), Hv = d.n_value_heads, T = 150, T1 = 70;
+  const int64_t zab_stride = V + 2 * Hv;
+  const auto x = bf16_values(normal(int64_t(T) * C, rng, 0.0f, 1.0f));
+  const auto zab = bf16_values(normal(T * zab_stride, rng, 0.0f, 1.0f));
+  const auto state0 = normal(d.state_elems(), rng, 0.0f, 0.3f);
+  DeviceBuffer d_x = upload_bf16(x), d_zab = upload_bf16(zab);
+  DeviceBuffer d_s1 = upload_f32(state0), d_s2 = upload_f32(state0);
+  DeviceBuffer d_o1 = poisoned(size_t(T) * V * 2), d_o2 = poisoned(size_t(T) * V * 2);
+  const __nv_bfloat16* xp = d_x.as<__nv_bfloat16>();
+  const __nv_bfloat16* zp = d_zab.as<__nv_bfloat16>();
+  __nv_bfloat16* o2 = d_o2.as<__nv_bfloat16>();
+  cuda::gdn_prefill(d, fx.params(), T, xp, zp, zp + V, zp + V + Hv, zab_stride, d_s1.as<float>(),
+                    d_o1.as<__nv_bfloat16>(), nullptr);
+  cuda::gdn_prefill(d, fx.params(), T1, xp, zp, zp + V, zp + V + Hv, zab_stride, d_s2.as<float>(),
+                    o2, nullptr);
+  const int64_t off = int64_t(T1) * zab_stride;
+  cuda::gdn_prefill(d, fx.params(), T - T1, xp + int64_t(T1) * C, zp + off, zp + off + V,
+                    zp + off + V + Hv, zab_stride, d_s2.as<float>(), o2 + int64_t(T1) * V, nullptr);
+  const auto s1 = download_f32(d_s1, d.state_elems());
+  EXPECT_LT(max_abs_scaled(download_f32(d_s2, d.state_elems()), s1), kStateTol);
+  EXPECT_LT(max_rel(download_bf16(d_o2, int64_t(T) * V), download_bf16(d_o1, int64_t(T) * V), kFloor),
+            kBf16Tol);
+}
+
+TEST(GdnDims, RejectsShapesTheKernelsWereNotWrittenFor) {
+  ModelConfig cfg;
+  cfg.gdn_n_key_heads = 16;
+  cfg.gdn_n_value_heads = 32;
+  cfg.gdn_key_head_dim = 64;
+  cfg.gdn_value_head_dim = 128;
+  cfg.gdn_conv_kernel = 4;
+  EXPECT_THROW(cuda::gdn_dims(cfg), Error);
+  cfg.gdn_key_head_dim = 128;
+  EXPECT_EQ(cuda::gdn_dims(cfg).conv_channels(), 8192);
+  cfg.gdn_n_value_heads = 24;
+  cfg.gdn_n_key_heads = 16;
+  EXPECT_THROW(cuda::gdn_dims(cfg), Error);
+}
+
+/// Timing printout (timings are never assertions) of a 4096-token chunked prefill and a decode
+/// step, after which outputs and the state must still be finite.
+TEST(GdnTiming, PrintsKernelTimes) {
+  std::mt19937_64 rng(51);
+  GdnFixture fx(rng, -2.0f, 1.0f);
+  const auto& d = fx.dims;
+  const int C = fx.C, V = d.value_dim(), Hv = d.n_value_heads, T = 4096;
+  const int64_t zab_stride = V + 2 * Hv;
+  DeviceBuffer d_x = upload_bf16(normal(int64_t(T) * C, rng, 0.0f, 1.0f));
+  DeviceBuffer d_zab = upload_bf16(normal(T * zab_stride, rng, 0.0f, 1.0f));
+  DeviceBuffer d_state = upload_f32(normal(d.state_elems(), rng, 0.0f, 0.3f));
+  DeviceBuffer d_out(size_t(T) * V * 2);
+  const __nv_bfloat16* zp = d_zab.as<__nv_bfloat16>();
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  auto time_ms = [&](auto&& fn, int reps) {
+    fn();
+    CUDA_CHECK(cudaEventRecord(e0));
+    for (int i = 0; i < reps; ++i) fn();
+    CUDA_CHECK(cudaEventRecord(e1));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    return ms / reps;
+  };
+  const float prefill_ms = time_ms([&] {
+    cuda::gdn_prefill(d, fx.params(), T, d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv, zab_stride,
+                      d_state.as<float>(), d_out.as<__nv_bfloat16>(), nullptr);
+  }, 5);
+  const float decode_us = 1000 * time_ms([&] {
+    cuda::gdn_decode(d, fx.params(), d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv,
+                     d_state.as<float>(), d_out.as<__nv_bfloat16>(), nullptr);
+  }, 100);
+  std::printf("[gdn timing] chunked prefill T=%d: %.3f ms/layer; decode step: %.2f us/layer\n", T,
+              prefill_ms, decode_us);
+  for (float v : download_bf16(d_out, V)) ASSERT_TRUE(std::isfinite(v));
+  for (float v : download_f32(d_state, d.state_elems())) ASSERT_TRUE(std::isfinite(v));
+  CUDA_CHECK(cudaEventDestroy(e0));
+  CUDA_CHECK(cudaEventDestroy(e1));
+}
+
+}  // namespace
+}  // namespace lily
