@@ -153,7 +153,8 @@ void register_generate(CLI::App& app, int& exit_code) {
   cmd->add_option("--model", f->model, "checkpoint directory (default: the repository's models/demo)");
   cmd->add_option("--prompt", f->prompt, "user message (chat template applied, thinking disabled)");
   cmd->add_flag("--raw", f->raw, "encode --prompt as is, without the chat template");
-  cmd->add_option("--prompt-ids", f->prompt_ids, "comma-separated prompt token ids (no tokenizer needed)");
+  cmd->add_option("--prompt-ids", f->prompt_ids, "comma-separated prompt token ids; works without a usable tokenizer.json "
+                  "(then no text is printed and --json has \"text\":\"\")");
   cmd->add_option("--messages", f->messages, "JSON array of {\"role\",\"content\"} messages");
   cmd->add_option("--max-tokens", f->max_tokens, "most tokens to generate")->capture_default_str();
   cmd->add_option("--max-seq", f->max_seq, "sequence limit (default: max_position_embeddings)");

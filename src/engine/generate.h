@@ -36,6 +36,8 @@ struct GenerationTimings {
   double prefill_seconds = 0;   ///< start → first generated token on the host (TTFT of the engine)
   int64_t decode_steps = 0;     ///< decode calls (generated tokens after the first)
   double decode_seconds = 0;    ///< first generated token → last generated token
+  /// Time to first token inside the engine (= prefill_seconds; queueing not included).
+  double ttft_seconds() const { return prefill_seconds; }
   /// prefill_tokens / prefill_seconds (0 when nothing was measured).
   double prefill_tokens_per_s() const;
   /// decode_steps / decode_seconds (0 when nothing was measured).

@@ -139,8 +139,9 @@ TEST(SessionCache, ByteBoundEvictsAndRefusesOversizedEntries) {
   EXPECT_EQ(c.stats().entries, 2);
   EXPECT_EQ(c.acquire(b, Tokens{1, 1, 5}, std::nullopt).state, nullptr);
   EXPECT_LE(c.stats().bytes, 2100);
-  store(c, b, {{4, 4}, {4, 4, 4}});  // 2016 + 1012 > 2100 alone: not stored
-  EXPECT_EQ(c.acquire(b, Tokens{4, 4, 4, 4}, std::nullopt).state, nullptr);
+  store(c, b, {{4, 4}, Tokens(30, 4)});  // 1008 + 1120 > 2100 alone: not stored
+  EXPECT_EQ(c.acquire(b, Tokens(31, 4), std::nullopt).state, nullptr);
+  EXPECT_EQ(c.stats().entries, 2);
 }
 
 TEST(SessionCache, DisabledCacheNeverHitsOrStores) {
@@ -194,7 +195,11 @@ TEST(SessionCacheFlow, TwoBranchesOfOneConversationBothHit) {
   auto branch1 = request(c, b, concat(concat(turn1, a.tokens), {100}), 3);
   auto branch2 = request(c, b, concat(concat(turn1, a.tokens), {200}), 3);
   EXPECT_EQ(branch1.cached, reuse);
-  EXPECT_EQ(branch2.cached, reuse);
+  // Branch 1's prompt snapshot (turn 1 + answer, without its new user token) is even longer.
+  EXPECT_GE(branch2.cached, reuse);
+  // And the first turn's entry still serves a third branch.
+  auto branch3 = request(c, b, concat(concat(turn1, a.tokens), {300}), 3);
+  EXPECT_GE(branch3.cached, reuse);
 }
 
 TEST(SessionCacheFlow, OutputsAreIdenticalWithAndWithoutCache) {
