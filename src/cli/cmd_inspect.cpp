@@ -1,15 +1,153 @@
-// `lily inspect` — placeholder until its issue lands; exits with an error saying so.
+// `lily inspect DIR [--json]`: loads and validates a checkpoint (model/loader.h) and prints its
+// summary: shape name, layers by type, experts, bits per tensor kind, parameters, bytes on disk,
+// skipped tensors. A checkpoint that fails validation exits 1 with the loader's one-line error.
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
 #include "base/error.h"
 #include "cli/commands.h"
+#include "io/checkpoint.h"
+#include "model/loader.h"
+#include "model/tensor_table.h"
 
 namespace lily::cli {
+namespace {
+
+/// Tensor kind = table name without its "language_model.model.layers.{i}." prefix.
+std::string kind_of(const TensorSpec& spec) {
+  const std::string prefix = "language_model.model.layers.";
+  if (spec.layer < 0 || spec.name.rfind(prefix, 0) != 0) return spec.name;
+  const auto dot = spec.name.find('.', prefix.size());
+  return spec.name.substr(dot + 1);
+}
+
+struct KindSummary {
+  std::string storage;  ///< "q4", "q8", "BF16", "F32"
+  int count = 0;
+};
+
+/// Storage of every tensor kind as found in the (validated) checkpoint, in table order.
+std::vector<std::pair<std::string, KindSummary>> summarize_kinds(const ModelWeights& w) {
+  std::vector<std::pair<std::string, KindSummary>> kinds;
+  std::map<std::string, size_t> index;
+  for (const auto& spec : tensor_table(w.config)) {
+    std::string storage = spec.kind == TensorKind::kQuantized
+                              ? "q" + std::to_string(spec.bits)
+                              : dtype_name(w.storage->get(spec.name).dtype);
+    const std::string kind = kind_of(spec);
+    auto [it, inserted] = index.emplace(kind, kinds.size());
+    if (inserted) kinds.push_back({kind, {storage, 0}});
+    auto& entry = kinds[it->second].second;
+    if (entry.storage != storage && entry.storage.find(storage) == std::string::npos)
+      entry.storage += "/" + storage;
+    ++entry.count;
+  }
+  return kinds;
+}
+
+nlohmann::json summary_json(const std::string& dir, const ModelWeights& w) {
+  const ModelConfig& c = w.config;
+  nlohmann::json kinds = nlohmann::json::array();
+  for (const auto& [kind, s] : summarize_kinds(w))
+    kinds.push_back({{"kind", kind}, {"storage", s.storage}, {"count", s.count}});
+  return {
+      {"path", dir},
+      {"shape_name", c.shape_name()},
+      {"is_qwen36_35b_a3b", c.is_qwen36_35b_a3b()},
+      {"hidden", c.hidden},
+      {"vocab", c.vocab},
+      {"layers",
+       {{"total", c.n_layers},
+        {"linear_attention", c.n_linear_attention_layers()},
+        {"full_attention", c.n_full_attention_layers()},
+        {"full_attention_interval", c.full_attention_interval}}},
+      {"attention",
+       {{"heads", c.n_heads}, {"kv_heads", c.n_kv_heads}, {"head_dim", c.head_dim},
+        {"rotary_dim", c.rotary_dim}, {"rope_theta", c.rope_theta}}},
+      {"gdn",
+       {{"key_heads", c.gdn_n_key_heads}, {"value_heads", c.gdn_n_value_heads},
+        {"key_head_dim", c.gdn_key_head_dim}, {"value_head_dim", c.gdn_value_head_dim},
+        {"conv_kernel", c.gdn_conv_kernel}}},
+      {"experts",
+       {{"count", c.n_experts}, {"top_k", c.n_experts_per_tok}, {"moe_ffn_dim", c.moe_ffn_dim},
+        {"shared_ffn_dim", c.shared_ffn_dim}}},
+      {"quantization", {{"mode", "affine"}, {"bits", c.quantization.bits}, {"group_size", c.quantization.group_size}}},
+      {"tensor_kinds", kinds},
+      {"parameters", c.parameter_count()},
+      {"max_position_embeddings", c.max_position_embeddings},
+      {"eos_token_ids", c.eos_token_ids},
+      {"files", w.storage->files().size()},
+      {"tensors", w.storage->tensor_count()},
+      {"bytes_on_disk", w.storage->bytes_on_disk()},
+      {"skipped_tensors", w.skipped_tensors},
+  };
+}
+
+std::string human(double v, const char* const units[], int n_units, double base) {
+  int u = 0;
+  while (v >= base && u + 1 < n_units) v /= base, ++u;
+  char buf[48];
+  std::snprintf(buf, sizeof buf, u ? "%.2f %s" : "%.0f%s", v, units[u]);
+  return buf;
+}
+
+void print_text(const nlohmann::json& j) {
+  static const char* const kCount[] = {"", "K", "M", "B"};
+  static const char* const kBytes[] = {" B", "KB", "MB", "GB", "TB"};
+  const auto& L = j["layers"];
+  const auto& A = j["attention"];
+  const auto& G = j["gdn"];
+  const auto& E = j["experts"];
+  std::printf("checkpoint   %s\n", j["path"].get<std::string>().c_str());
+  std::printf("shape        %s\n", j["shape_name"].get<std::string>().c_str());
+  std::printf("layers       %d: %d Gated DeltaNet (linear attention) + %d gated full attention (every %d)\n",
+              L["total"].get<int>(), L["linear_attention"].get<int>(), L["full_attention"].get<int>(),
+              L["full_attention_interval"].get<int>());
+  std::printf("hidden       %d, vocab %d, context %d\n", j["hidden"].get<int>(), j["vocab"].get<int>(),
+              j["max_position_embeddings"].get<int>());
+  std::printf("attention    %d query heads, %d kv heads, head_dim %d, rotary %d, theta %g\n",
+              A["heads"].get<int>(), A["kv_heads"].get<int>(), A["head_dim"].get<int>(),
+              A["rotary_dim"].get<int>(), A["rope_theta"].get<double>());
+  std::printf("gdn          %d key heads, %d value heads, Dk %d, Dv %d, conv %d\n", G["key_heads"].get<int>(),
+              G["value_heads"].get<int>(), G["key_head_dim"].get<int>(), G["value_head_dim"].get<int>(),
+              G["conv_kernel"].get<int>());
+  std::printf("experts      %d routed, top-%d, expert I %d, + 1 shared expert (I %d)\n", E["count"].get<int>(),
+              E["top_k"].get<int>(), E["moe_ffn_dim"].get<int>(), E["shared_ffn_dim"].get<int>());
+  std::printf("quantization MLX affine, group size %d (q4 = 4-bit, q8 = 8-bit)\n",
+              j["quantization"]["group_size"].get<int>());
+  for (const auto& k : j["tensor_kinds"])
+    std::printf("  %-36s %-8s x%d\n", k["kind"].get<std::string>().c_str(), k["storage"].get<std::string>().c_str(),
+                k["count"].get<int>());
+  std::printf("parameters   %s\n", human(j["parameters"].get<double>(), kCount, 4, 1000).c_str());
+  std::printf("on disk      %s in %zu file(s), %zu tensors\n",
+              human(j["bytes_on_disk"].get<double>(), kBytes, 5, 1024).c_str(), j["files"].get<size_t>(),
+              j["tensors"].get<size_t>());
+  std::printf("skipped      %lld tensors (vision_tower.*, mtp.*)\n", j["skipped_tensors"].get<long long>());
+  std::string eos;
+  for (const auto& id : j["eos_token_ids"]) eos += (eos.empty() ? "" : ", ") + std::to_string(id.get<int>());
+  std::printf("eos ids      %s\n", eos.c_str());
+}
+
+}  // namespace
 
 void register_inspect(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand("inspect", "(not available in this build yet)");
-  cmd->allow_extras();
-  cmd->callback([&exit_code] {
-    (void)exit_code;
-    throw Error("lily inspect is not available in this build yet");
+  auto dir = std::make_shared<std::string>();
+  auto as_json = std::make_shared<bool>(false);
+  auto* cmd = app.add_subcommand("inspect", "Validate a checkpoint directory and print its summary");
+  cmd->add_option("dir", *dir, "Checkpoint directory (config.json + safetensors)")->required();
+  cmd->add_flag("--json", *as_json, "Print the summary as one JSON object");
+  cmd->callback([dir, as_json, &exit_code] {
+    LoadOptions options;
+    options.show_progress = true;
+    auto weights = load_model(*dir, options);
+    const auto summary = summary_json(*dir, *weights);
+    if (*as_json) std::printf("%s\n", summary.dump().c_str());
+    else print_text(summary);
+    exit_code = 0;
   });
 }
 
