@@ -1,15 +1,182 @@
-// `lily bench` — placeholder until its issue lands; exits with an error saying so.
+// `lily bench`: the measurement contract of reference/serving.md §6 on any checkpoint and
+// backend. Prompt token i = ((i·2654435761) mod 2^32) mod vocab; per round: a warm-up on its own
+// state at the exact shape (prefill + 2 decode steps), then a fresh state, one timed prefill
+// until the first generated token is on the host (TTFT), and `--decode-steps` timed decode steps.
+// The 64-bit FNV-1a digest of the decoded ids (the prefill token excluded; each u32 id XORed
+// whole) must repeat across rounds; a mismatch is an error. Medians over rounds are printed and,
+// with --json-out, written with per-step times, the device and the command line.
+// Note: decode here is synchronous per step (no one-step look-ahead yet), so the numbers include
+// the host round trip of every token.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
 #include "base/error.h"
 #include "cli/commands.h"
+#include "engine/backend.h"
+#include "model/loader.h"
 
 namespace lily::cli {
+namespace {
+
+struct BenchFlags {
+  std::string model = "models/demo";
+  int64_t prompt_len = 256;
+  int decode_steps = 64;
+  int rounds = 3;
+  std::string backend = "auto";
+  int threads = 0;
+  std::string json_out;
+};
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+/// The contract's synthetic prompt (serving.md §6.1).
+std::vector<int32_t> synthetic_prompt(int64_t n, int vocab) {
+  std::vector<int32_t> ids(n);
+  for (int64_t i = 0; i < n; ++i)
+    ids[i] = static_cast<int32_t>((static_cast<uint64_t>(i) * 2654435761ull % 4294967296ull) % static_cast<uint64_t>(vocab));
+  return ids;
+}
+
+/// 64-bit FNV-1a over whole u32 ids (serving.md §6.2 item 5).
+uint64_t fnv1a(const std::vector<int32_t>& ids) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (int32_t id : ids) {
+    h ^= static_cast<uint32_t>(id);
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string device_description(const std::string& backend) {
+  if (backend != "cuda") return "cpu";
+  std::string out;
+  if (FILE* p = popen("nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null", "r")) {
+    char buf[256];
+    while (fgets(buf, sizeof buf, p)) out += buf;
+    pclose(p);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+  return out.empty() ? "cuda (nvidia-smi unavailable)" : out;
+}
+
+struct Round {
+  double prefill_s = 0;
+  double decode_s = 0;
+  std::vector<double> step_s;
+  uint64_t digest = 0;
+  int32_t first_token = 0;
+};
+
+Round run_round(Backend& backend, const std::vector<int32_t>& prompt, int steps) {
+  {  // warm-up at the exact shape, on its own state
+    auto warm = backend.new_state(static_cast<int64_t>(prompt.size()) + 3);
+    int32_t t = backend.prefill(*warm, prompt);
+    t = backend.decode(*warm, t);
+    backend.decode(*warm, t);
+  }
+  auto state = backend.new_state(static_cast<int64_t>(prompt.size()) + steps + 1);
+  Round r;
+  const auto t0 = Clock::now();
+  int32_t tok = backend.prefill(*state, prompt);
+  r.prefill_s = seconds_since(t0);
+  r.first_token = tok;
+  std::vector<int32_t> decoded;
+  const auto t1 = Clock::now();
+  auto last = t1;
+  for (int i = 0; i < steps; ++i) {
+    tok = backend.decode(*state, tok);
+    const auto now = Clock::now();
+    r.step_s.push_back(std::chrono::duration<double>(now - last).count());
+    last = now;
+    decoded.push_back(tok);
+  }
+  r.decode_s = seconds_since(t1);
+  r.digest = fnv1a(decoded);
+  return r;
+}
+
+void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
+  if (f.prompt_len < 1) throw Error("--prompt-len must be at least 1");
+  if (f.decode_steps < 1) throw Error("--decode-steps must be at least 1");
+  if (f.rounds < 1) throw Error("--rounds must be at least 1");
+  auto weights = load_model(f.model);
+  auto backend = make_backend(parse_backend_kind(f.backend), weights, f.threads);
+  const auto prompt = synthetic_prompt(f.prompt_len, weights->config.vocab);
+  std::vector<Round> rounds;
+  for (int i = 0; i < f.rounds; ++i) {
+    rounds.push_back(run_round(*backend, prompt, f.decode_steps));
+    const Round& r = rounds.back();
+    std::printf("round %d: prefill %.4f s (%.1f tok/s), decode %.1f tok/s, digest %016llx\n", i, r.prefill_s,
+                double(f.prompt_len) / r.prefill_s, f.decode_steps / r.decode_s, (unsigned long long)r.digest);
+    if (r.digest != rounds.front().digest)
+      throw Error("lily bench: decode digest changed between rounds (" + std::to_string(rounds.front().digest) +
+                  " vs " + std::to_string(r.digest) + "): the backend is not deterministic");
+  }
+  std::vector<double> pre, dec;
+  for (const Round& r : rounds) {
+    pre.push_back(double(f.prompt_len) / r.prefill_s);
+    dec.push_back(f.decode_steps / r.decode_s);
+  }
+  const std::string device = device_description(backend->name());
+  std::printf("%s | %s | prompt %lld | prefill %.1f tok/s (median of %d) | decode %.1f tok/s | digest %016llx\n",
+              backend->name().c_str(), device.c_str(), (long long)f.prompt_len, median(pre), f.rounds, median(dec),
+              (unsigned long long)rounds.front().digest);
+  if (!f.json_out.empty()) {
+    nlohmann::json j;
+    std::string cmd;
+    for (const auto& a : argv) cmd += (cmd.empty() ? "" : " ") + a;
+    j["schema_version"] = 1;
+    j["meta"] = {{"engine", "lily.cpp"}, {"commit", LILY_GIT_COMMIT}, {"backend", backend->name()},
+                 {"device", device}, {"command", cmd}, {"model", f.model}, {"shape", weights->config.shape_name()}};
+    j["workload"] = {{"prompt_len", f.prompt_len}, {"prompt_kind", "u32_golden_ratio_hash_mod_vocab"},
+                     {"decode_steps", f.decode_steps}, {"decode_mode", "synchronous_per_step"}, {"rounds", f.rounds}};
+    nlohmann::json rs = nlohmann::json::array();
+    for (const Round& r : rounds)
+      rs.push_back({{"prefill_secs", r.prefill_s}, {"prefill_tok_s", double(f.prompt_len) / r.prefill_s},
+                    {"first_token_id", r.first_token}, {"decode_secs", r.decode_s},
+                    {"decode_tok_s", f.decode_steps / r.decode_s}, {"step_secs", r.step_s},
+                    {"digest", [&] { char b[17]; std::snprintf(b, sizeof b, "%016llx", (unsigned long long)r.digest); return std::string(b); }()}});
+    j["rounds"] = rs;
+    j["results"] = {{"prefill_tok_s_median", median(pre)}, {"decode_tok_s_median", median(dec)}};
+    std::ofstream out(f.json_out);
+    if (!out) throw Error("--json-out: cannot write " + f.json_out);
+    out << j.dump(2) << "\n";
+  }
+}
+
+}  // namespace
 
 void register_bench(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand("bench", "(not available in this build yet)");
-  cmd->allow_extras();
-  cmd->callback([&exit_code] {
-    (void)exit_code;
-    throw Error("lily bench is not available in this build yet");
+  auto f = std::make_shared<BenchFlags>();
+  auto* cmd = app.add_subcommand("bench", "Measure prefill (TTFT) and decode tok/s with the serving.md §6 contract");
+  cmd->add_option("--model", f->model, "checkpoint directory")->capture_default_str();
+  cmd->add_option("--prompt-len", f->prompt_len, "synthetic prompt tokens")->capture_default_str();
+  cmd->add_option("--decode-steps", f->decode_steps, "measured decode steps")->capture_default_str();
+  cmd->add_option("--rounds", f->rounds, "measured rounds (median reported)")->capture_default_str();
+  cmd->add_option("--backend", f->backend, "cpu | cuda | auto")->capture_default_str();
+  cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores")->capture_default_str();
+  cmd->add_option("--json-out", f->json_out, "write the JSON report here");
+  cmd->callback([f, &exit_code] {
+    const std::vector<std::string> argv = {"lily bench --model", f->model, "--prompt-len", std::to_string(f->prompt_len),
+                                           "--decode-steps", std::to_string(f->decode_steps), "--rounds",
+                                           std::to_string(f->rounds), "--backend", f->backend};
+    run_bench(*f, argv);
+    exit_code = 0;
   });
 }
 

@@ -85,7 +85,7 @@ class CudaState final : public SequenceState {
     const int64_t old_cap = capacity;
     allocate_kv(cap);
     const size_t row = static_cast<size_t>(attn.head_dim) * sizeof(bf16);
-    for (int i = 0; i < n_attn; ++i) {
+    for (int i = 0; i < n_attn && pos > 0; ++i) {
       CUDA_CHECK(cudaMemcpy2D(keys[i].data(), cap * row, old_k[i].data(), old_cap * row, pos * row, attn.n_kv_heads,
                               cudaMemcpyDeviceToDevice));
       CUDA_CHECK(cudaMemcpy2D(values[i].data(), cap * row, old_v[i].data(), old_cap * row, pos * row,
@@ -192,8 +192,13 @@ class CudaBackend final : public Backend {
     const ModelConfig& c = weights_->config;
     check_shapes(c);
     io_ = std::make_unique<PinnedIo>();
-    gdn_ = gdn_dims(c);
-    attn_ = attn_dims(c);
+    try {
+      gdn_ = gdn_dims(c);
+      attn_ = attn_dims(c);
+    } catch (const ::lily::Error& e) {
+      throw ::lily::Error("CUDA backend: the kernels were not written for this model shape (" + c.shape_name() +
+                          "): " + e.what());
+    }
     gdn_.norm_eps = c.rms_norm_eps;
     attn_.norm_eps = c.rms_norm_eps;
     for (int i = 0; i < c.n_layers; ++i) {
