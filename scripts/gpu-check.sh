@@ -24,6 +24,7 @@ nvcc --version | tail -1
 
 echo "== configure"
 t0=$(date +%s)
+rm -f "$BUILD/CMakeCache.txt"  # pick up changed carried .pc files
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON \
   -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 \
   >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; echo "configure FAILED"; exit 1; }
@@ -51,9 +52,18 @@ echo "-- demo, cuda"
   2>&1 | tee "$OUT/generate-demo-cuda.txt" || echo "(demo on cuda failed; see above)"
 
 if [[ "${LILY_GPU_BENCH:-0}" == 1 ]]; then
-  echo "== lily bench (synthetic)"
+  echo "== lily bench (synthetic realdims)"
   "$BUILD/lily" bench --backend cuda --model "$SYN/realdims" --prompt-len 256 --decode-steps 64 \
     --json-out "$OUT/bench-realdims.json" 2>&1 | tee "$OUT/bench.txt" || status=1
+  echo "== lily synth --preset 35b-a3b"
+  t1=$(date +%s)
+  timeout 240 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$SYN/35b" 2>&1 | tail -3 || status=1
+  echo "synth: $(( $(date +%s) - t1 )) s"
+  echo "== lily bench (synthetic 35b-a3b)"
+  "$BUILD/lily" bench --backend cuda --model "$SYN/35b" --prompt-len 256 --decode-steps 64 \
+    --json-out "$OUT/bench-35b.json" 2>&1 | tee -a "$OUT/bench.txt" || status=1
+  echo "== 35b-a3b: CUDA vs CPU reference"
+  LILY_GPU_BIG_MODEL="$SYN/35b" "$BUILD/tests/test_cuda_e2e" --gtest_filter='*Full35b*' 2>&1 | tee "$OUT/e2e-35b.txt" || status=1
 fi
 rm -rf "$SYN"
 echo "== gpu-check done, status $status"

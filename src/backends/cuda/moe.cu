@@ -56,6 +56,10 @@ __global__ void router_topk_kernel(const float* __restrict__ logits, int E, int 
   }
 }
 
+/// Floats per staged activation row in the down kernel, rounded up to 16 bytes so that every
+/// slot's float4 reads stay aligned.
+__host__ __device__ inline int slot_stride_floats(int ffn) { return ((ffn / kGroup) * (kGroupStride + 1) + 3) & ~3; }
+
 constexpr int kMoeThreads = 256;
 constexpr int kMoeWarps = kMoeThreads / kWarp;
 
@@ -97,7 +101,7 @@ __global__ void __launch_bounds__(kMoeThreads) expert_down_combine_kernel(Device
   const int ffn = down.cols, groups = ffn / kGroup;
   const int t = blockIdx.y;
   // Stage every slot's activation row: slot s at smem + s·groups·(stride+1).
-  const int per_slot = groups * (kGroupStride + 1);
+  const int per_slot = slot_stride_floats(ffn);
   for (int s = 0; s < n_sel; ++s)
     stage_row(act + (static_cast<int64_t>(t) * n_sel + s) * ffn, ffn, smem + s * per_slot,
               smem + s * per_slot + groups * kGroupStride);
@@ -154,7 +158,7 @@ void launch_expert_gate_up(const DeviceQuant& gate, const DeviceQuant& up, int f
 void launch_expert_down_combine(const DeviceQuant& down, int hidden, const int32_t* ids, const float* weights,
                                 int n_sel, const bf16* act, int m, bf16* out, cudaStream_t stream) {
   check_expert_matrix(down, "expert down_proj");
-  const size_t smem = staged_row_bytes(down.cols) * n_sel;
+  const size_t smem = static_cast<size_t>(slot_stride_floats(down.cols)) * sizeof(float) * n_sel;
   if (smem > 48 * 1024 || m <= 0 || n_sel <= 0 || hidden <= 0)
     throw ::lily::Error("expert down_proj: " + std::to_string(n_sel) + " experts × ffn " + std::to_string(down.cols) +
                         " exceed the kernel's shared-memory staging");
