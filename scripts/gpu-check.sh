@@ -63,7 +63,7 @@ if [[ "${LILY_GPU_BENCH:-0}" == 1 ]]; then
   "$BUILD/lily" bench --backend cuda --model "$SYN/35b" --prompt-len 256 --decode-steps 64 \
     --json-out "$OUT/bench-35b.json" 2>&1 | tee -a "$OUT/bench.txt" || status=1
   echo "== 35b-a3b: CUDA vs CPU reference"
-  LILY_GPU_BIG_MODEL="$SYN/35b" "$BUILD/tests/test_cuda_e2e" --gtest_filter='*Full35b*' 2>&1 | tee "$OUT/e2e-35b.txt" || status=1
+  LILY_GPU_BIG_MODEL="$SYN/35b" timeout 150 "$BUILD/tests/test_cuda_e2e" --gtest_filter='*Full35b*' 2>&1 | tee "$OUT/e2e-35b.txt" || status=1
 fi
 rm -rf "$SYN"
 echo "== gpu-check done, status $status"
