@@ -278,5 +278,81 @@ TEST(CudaMoe, ExpertsSmallShapes) {
   check_experts(32, 8, 512, 128, 21);
 }
 
+/// Mean time of `launch` over `reps` back-to-back launches on the default stream (µs).
+template <class F>
+double time_us(F&& launch, int reps = 200) {
+  for (int i = 0; i < 5; ++i) launch();
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  CUDA_CHECK(cudaEventRecord(a));
+  for (int i = 0; i < reps; ++i) launch();
+  CUDA_CHECK(cudaEventRecord(b));
+  CUDA_CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return 1000.0 * ms / reps;
+}
+
+int64_t quant_bytes(const RandomQuant& w) { return w.rows * (int64_t(w.cols) * w.bits / 8 + w.cols / 64 * 4); }
+
+// Per-kernel decode times at the 35B-A3B shapes, printed for docs/performance (never asserted).
+// Weights larger than L2 (50 MB) stream from HBM; smaller ones (router) may stay in L2.
+TEST(CudaTiming, PrintsKernelTimes) {
+  std::mt19937_64 rng(99);
+  const std::vector<float> x = random_bf16_values(4096, rng);
+  DeviceBuffer dx = to_device_bf16(x), y(size_t(kVocab) * 4);
+  auto gemv = [&](const char* name, int64_t rows, int cols, int bits, bool f32) {
+    RandomQuant w(rows, cols, bits, rng);
+    const cuda::DeviceQuant v = w.view();
+    const double us = time_us([&] {
+      cuda::launch_quant_gemv(v, dx.as<__nv_bfloat16>(), f32 ? nullptr : y.as<__nv_bfloat16>(), f32 ? y.as<float>() : nullptr,
+                              nullptr);
+    });
+    std::printf("[timing] %-28s %8.2f us  %7.2f MB  %7.1f GB/s\n", name, us, quant_bytes(w) / 1e6, quant_bytes(w) / us / 1e3);
+  };
+  gemv("gemv gdn qkv|z|a|b 12352x2048", 12352, kHidden, 4, false);
+  gemv("gemv gdn out_proj 2048x4096", kHidden, 4096, 4, false);
+  gemv("gemv attn q|k|v 9216x2048", 9216, kHidden, 4, false);
+  gemv("gemv router+gate 257x2048 q8", kExperts + 1, kHidden, 8, true);
+  gemv("gemv lm_head 248320x2048 f32", kVocab, kHidden, 4, true);
+
+  // MoE experts (8 routed + shared) at the real shape.
+  RandomQuant gate((kExperts + 1) * int64_t(kFfn), kHidden, 4, rng), up((kExperts + 1) * int64_t(kFfn), kHidden, 4, rng);
+  RandomQuant down((kExperts + 1) * int64_t(kHidden), kFfn, 4, rng);
+  std::vector<int32_t> ids = {3, 77, 140, 9, 201, 255, 18, 100, kExperts};
+  std::vector<float> w(9, 0.1f);
+  DeviceBuffer did(9 * 4), dw = to_device_f32(w), act(9 * kFfn * 2), out(kHidden * 2);
+  cuda::upload(did.as<int32_t>(), ids.data(), ids.size());
+  const double gu = time_us([&] {
+    cuda::launch_expert_gate_up(gate.view(), up.view(), kFfn, did.as<int32_t>(), 9, dx.as<__nv_bfloat16>(), 1,
+                                act.as<__nv_bfloat16>(), nullptr);
+  });
+  const double gu_mb = 2.0 * 9 * kFfn * (kHidden / 2 + kHidden / 64 * 4) / 1e6;
+  std::printf("[timing] %-28s %8.2f us  %7.2f MB  %7.1f GB/s\n", "experts gate/up+SwiGLU x9", gu, gu_mb, gu_mb / gu * 1e3);
+  const double dn = time_us([&] {
+    cuda::launch_expert_down_combine(down.view(), kHidden, did.as<int32_t>(), dw.as<float>(), 9, act.as<__nv_bfloat16>(),
+                                     1, out.as<__nv_bfloat16>(), nullptr);
+  });
+  const double dn_mb = 9.0 * kHidden * (kFfn / 2 + kFfn / 64 * 4) / 1e6;
+  std::printf("[timing] %-28s %8.2f us  %7.2f MB  %7.1f GB/s\n", "experts down+combine x9", dn, dn_mb, dn_mb / dn * 1e3);
+
+  std::vector<float> logits = random_bf16_values(kExperts + 1, rng);
+  DeviceBuffer dl = to_device_f32(logits), tid(9 * 4), tw(9 * 4);
+  std::printf("[timing] %-28s %8.2f us\n", "router top-k",
+              time_us([&] { cuda::launch_router_topk(dl.as<float>(), 1, kExperts, kTopK, tid.as<int32_t>(), tw.as<float>(), nullptr); }));
+  std::vector<float> g(kHidden, 1.0f);
+  DeviceBuffer res = to_device_bf16(x), dg = to_device_f32(g), nrm(kHidden * 2);
+  std::printf("[timing] %-28s %8.2f us\n", "add+rmsnorm 2048",
+              time_us([&] { cuda::launch_add_rmsnorm(res.as<__nv_bfloat16>(), dx.as<__nv_bfloat16>(), dg.as<float>(),
+                                                     nrm.as<__nv_bfloat16>(), 1, kHidden, 1e-6f, nullptr); }));
+  const int slots = cuda::argmax_scratch_slots(kVocab);
+  DeviceBuffer sv(slots * 4), si(slots * 4), id(4);
+  std::printf("[timing] %-28s %8.2f us\n", "argmax 248320",
+              time_us([&] { cuda::launch_argmax(y.as<float>(), kVocab, sv.as<float>(), si.as<int32_t>(), id.as<int32_t>(), nullptr); }));
+}
+
 }  // namespace
 }  // namespace lily::test

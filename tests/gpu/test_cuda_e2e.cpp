@@ -61,9 +61,21 @@ void compare_greedy(Backend& cpu, Backend& gpu, const std::vector<int32_t>& prom
   }
 }
 
+/// Indices of the k largest values, sorted ascending (ties to the lower index).
+std::vector<int> top_k_set(const std::vector<float>& v, int k) {
+  std::vector<int> idx(v.size());
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = int(i);
+  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return v[a] > v[b]; });
+  idx.resize(k);
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+
 /// Layer-by-layer probe diff of one prompt; prints the cosine of every probe of the last token
-/// and fails on the first probe below `min_cos`.
+/// (for router logits also whether the two backends select the same top-k experts) and fails on
+/// the first probe below `min_cos`.
 void probe_diff(Backend& cpu, Backend& gpu, const std::vector<int32_t>& prompt, double min_cos) {
+  const int top_k = cpu.config().n_experts_per_tok;
   using Key = std::tuple<int64_t, int, std::string>;
   std::map<Key, std::vector<float>> got_c, got_g;
   cpu.set_probe_sink([&](std::string_view n, int l, int64_t t, std::span<const float> v) {
@@ -87,9 +99,12 @@ void probe_diff(Backend& cpu, Backend& gpu, const std::vector<int32_t>& prompt, 
     ASSERT_NE(it, got_c.end()) << "CPU emitted no probe " << std::get<2>(key) << " layer " << std::get<1>(key);
     ASSERT_EQ(it->second.size(), g.size()) << std::get<2>(key);
     const double cos = cosine_similarity(g, it->second);
-    if (std::get<0>(key) == int64_t(prompt.size()) - 1 || cos < min_cos)
-      std::printf("probe t=%lld layer %2d %-14s cosine %.6f\n", (long long)std::get<0>(key), std::get<1>(key),
-                  std::get<2>(key).c_str(), cos);
+    std::string note;
+    if (std::get<2>(key) == "router_logits" && top_k_set(g, top_k) != top_k_set(it->second, top_k))
+      note = "  (top-k expert set differs)";
+    if (std::get<0>(key) == int64_t(prompt.size()) - 1 || cos < min_cos || !note.empty())
+      std::printf("probe t=%lld layer %2d %-14s cosine %.6f%s\n", (long long)std::get<0>(key), std::get<1>(key),
+                  std::get<2>(key).c_str(), cos, note.c_str());
     if (cos < min_cos && !failed) {
       failed = true;
       ADD_FAILURE() << "first diverging probe: token " << std::get<0>(key) << " layer " << std::get<1>(key) << " "
@@ -175,6 +190,7 @@ TEST_F(CudaE2e, Full35bShapeMatchesCpu) {
   ASSERT_TRUE(w->config.is_qwen36_35b_a3b());
   auto gpu = make_cuda_backend(w);
   cpu::CpuBackend cpu(w);
+  probe_diff(cpu, *gpu, prompt_ids(3, w->config.vocab, 7), 0.9);
   compare_greedy(cpu, *gpu, prompt_ids(16, w->config.vocab, 6), 2, "35b-a3b");
 }
 

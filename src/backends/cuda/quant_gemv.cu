@@ -12,7 +12,7 @@ namespace lily::cuda {
 namespace {
 
 constexpr int kGemvThreads = 256;
-constexpr int kRowsUnroll = 4;
+constexpr int kRowsUnroll = 4;  // rows per lane-group per step when there are many rows
 constexpr int kMaxCols = 8192;
 
 int sm_count() {
@@ -33,7 +33,7 @@ template <>
 __device__ __forceinline__ void store_out<bf16>(bf16* y, int64_t i, float v) { y[i] = to_bf16(v); }
 
 /// grid (blocks, m); x [m, cols]; y [m, rows].
-template <int BITS, class OutT>
+template <int BITS, int U, class OutT>
 __global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x,
                                                                   OutT* __restrict__ y) {
   extern __shared__ float smem[];
@@ -47,18 +47,18 @@ __global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w,
   const int lane = threadIdx.x % kWarp, lane_row = lane / L, lane_in = lane % L;
   const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * (kGemvThreads / kWarp) + threadIdx.x / kWarp;
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * (kGemvThreads / kWarp);
-  const int64_t step = n_warps * RW * kRowsUnroll;
-  for (int64_t base = warp_id * RW * kRowsUnroll; base < w.rows; base += step) {
-    int64_t row[kRowsUnroll];
+  const int64_t step = n_warps * RW * U;
+  for (int64_t base = warp_id * RW * U; base < w.rows; base += step) {
+    int64_t row[U];
 #pragma unroll
-    for (int j = 0; j < kRowsUnroll; ++j) {
+    for (int j = 0; j < U; ++j) {
       const int64_t r = base + j * RW + lane_row;
       row[j] = r < w.rows ? r : -1;
     }
-    float acc[kRowsUnroll];
-    rows_partial<BITS, kRowsUnroll>(w, row, xs, xsum, lane_in, L, acc);
+    float acc[U];
+    rows_partial<BITS, U>(w, row, xs, xsum, lane_in, L, acc);
 #pragma unroll
-    for (int j = 0; j < kRowsUnroll; ++j) {
+    for (int j = 0; j < U; ++j) {
       const float v = group_sum(acc[j], L);
       if (row[j] >= 0 && lane_in == 0) store_out(y, static_cast<int64_t>(t) * w.rows + row[j], v);
     }
@@ -69,11 +69,17 @@ template <int BITS, class OutT>
 void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream) {
   const int groups = w.cols / kGroup;
   const int L = lanes_per_row(groups), RW = kWarp / L;
-  const int64_t warps_needed = ceil_div(w.rows, static_cast<int64_t>(RW) * kRowsUnroll);
+  // Few rows (router, small projections): one row per lane-group, for more warps in flight.
+  // Many rows: 4 rows per lane-group step, for more loads in flight per warp. Same arithmetic.
+  const int64_t warps_u4 = ceil_div(w.rows, static_cast<int64_t>(RW) * kRowsUnroll);
+  const bool few_rows = ceil_div(warps_u4, kGemvThreads / kWarp) < 2 * sm_count();
+  const int U = few_rows ? 1 : kRowsUnroll;
+  const int64_t warps_needed = ceil_div(w.rows, static_cast<int64_t>(RW) * U);
   const int64_t blocks_needed = ceil_div(warps_needed, kGemvThreads / kWarp);
   const int blocks = static_cast<int>(std::min<int64_t>(blocks_needed, static_cast<int64_t>(sm_count()) * 4));
   const size_t smem = staged_row_bytes(w.cols);
-  quant_gemv_kernel<BITS, OutT><<<dim3(blocks, m), kGemvThreads, smem, stream>>>(w, x, y);
+  if (few_rows) quant_gemv_kernel<BITS, 1, OutT><<<dim3(blocks, m), kGemvThreads, smem, stream>>>(w, x, y);
+  else quant_gemv_kernel<BITS, kRowsUnroll, OutT><<<dim3(blocks, m), kGemvThreads, smem, stream>>>(w, x, y);
   LILY_CUDA_CHECK_LAUNCH();
 }
 
