@@ -81,6 +81,16 @@ double max_rel(const std::vector<float>& out, const std::vector<float>& ref, dou
   }
   return worst;
 }
+/// rms(out − ref) / rms(ref); NaN → infinity.
+double rms_rel(const std::vector<float>& out, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < out.size() && i < ref.size(); ++i) {
+    num += (double(out[i]) - ref[i]) * (double(out[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  const double e = std::sqrt(num / std::max(den, 1e-30));
+  return std::isnan(e) ? INFINITY : e;
+}
 /// max_i |out_i − ref_i| / max(1, max_i |ref_i|); NaN → infinity.
 double max_abs_scaled(const std::vector<float>& out, const std::vector<float>& ref) {
   double scale = 1, worst = 0;
@@ -95,6 +105,12 @@ double max_abs_scaled(const std::vector<float>& out, const std::vector<float>& r
 constexpr double kBf16Tol = 1e-2;
 constexpr double kStateTol = 1e-4;
 constexpr double kFloor = 1e-3;
+/// Chunked prefill vs the sequential reference: the two fp32 pre-norm outputs differ in their
+/// last bits, so o' = bf16(o) may round to neighbouring bf16 values (up to 2^-7 relative) before
+/// the output's own rounding (2^-8): the elementwise bound is two bf16 ulps, and the rms error
+/// must stay far below one ulp.
+constexpr double kPrefillElemTol = 1.6e-2;
+constexpr double kPrefillRmsTol = 2e-3;
 
 // ---- GDN fixture: weights and the fp32 reference --------------------------------------------
 
@@ -184,8 +200,10 @@ void expect_conv_prefill_equals_decode(int T) {
     cuda::gdn_conv_decode(fx.dims, fx.params(), d_rows.as<__nv_bfloat16>() + t * stride,
                           d_win_decode.as<__nv_bfloat16>(), d_step.as<__nv_bfloat16>(), nullptr);
     const std::vector<float> step = download_bf16(d_step, C);
-    const std::vector<float> got(out.begin() + int64_t(t) * C, out.begin() + int64_t(t + 1) * C);
-    ASSERT_EQ(got, step) << "token " << t << " of " << T;
+    for (int c = 0; c < C; ++c)
+      ASSERT_EQ(float_to_bf16(out[int64_t(t) * C + c]), float_to_bf16(step[c]))
+          << "token " << t << " of " << T << ", channel " << c << ": prefill " << out[int64_t(t) * C + c]
+          << " vs decode " << step[c];
   }
   EXPECT_EQ(download_bf16(d_win_prefill, window.size()), download_bf16(d_win_decode, window.size()));
 }
@@ -234,8 +252,8 @@ void expect_chunked_prefill_matches(int T, float A_log_lo, float A_log_hi, uint6
   const int64_t zab_stride = V + 2 * Hv + 40;  // z | a | b | unused
   const auto x = bf16_values(normal(int64_t(T) * C, rng, 0.0f, 1.0f));
   auto zab = bf16_values(normal(T * zab_stride, rng, 0.0f, 1.0f));
-  for (int t = 0; t < T; ++t)  // a, b with a wider spread (decays from ~0 to ~1)
-    for (int j = 0; j < 2 * Hv; ++j) zab[t * zab_stride + V + j] *= 1.5f;
+  for (int t = 0; t < T; ++t)  // a, b with a wider spread (decays from ~0 to ~1), still bf16
+    for (int j = 0; j < 2 * Hv; ++j) zab[t * zab_stride + V + j] = round_bf16(1.5f * zab[t * zab_stride + V + j]);
   std::vector<float> state = normal(d.state_elems(), rng, 0.0f, 0.3f);
   DeviceBuffer d_x = upload_bf16(x), d_zab = upload_bf16(zab), d_state = upload_f32(state);
   DeviceBuffer d_out = poisoned(size_t(T) * V * 2);
@@ -248,11 +266,13 @@ void expect_chunked_prefill_matches(int T, float A_log_lo, float A_log_hi, uint6
     fx.reference_token(x.data() + int64_t(t) * C, row, row + V, row + V + Hv, state,
                        ref.data() + int64_t(t) * V);
   }
-  const double out_err = max_rel(download_bf16(d_out, int64_t(T) * V), ref, kFloor);
+  const auto out = download_bf16(d_out, int64_t(T) * V);
+  const double out_err = max_rel(out, ref, kFloor), out_rms = rms_rel(out, ref);
   const double state_err = max_abs_scaled(download_f32(d_state, d.state_elems()), state);
-  std::printf("[gdn chunked prefill] T=%d A_log in [%g, %g]: output max rel err %.3g, final state max err %.3g\n",
-              T, A_log_lo, A_log_hi, out_err, state_err);
-  EXPECT_LT(out_err, kBf16Tol);
+  std::printf("[gdn chunked prefill] T=%d A_log in [%g, %g]: output max rel err %.3g, rms rel err %.3g, "
+              "final state max err %.3g\n", T, A_log_lo, A_log_hi, out_err, out_rms, state_err);
+  EXPECT_LT(out_err, kPrefillElemTol);
+  EXPECT_LT(out_rms, kPrefillRmsTol);
   EXPECT_LT(state_err, kStateTol);
 }
 
@@ -288,7 +308,7 @@ TEST(GdnPrefill, SplitSequenceEqualsOnePass) {
   const auto s1 = download_f32(d_s1, d.state_elems());
   EXPECT_LT(max_abs_scaled(download_f32(d_s2, d.state_elems()), s1), kStateTol);
   EXPECT_LT(max_rel(download_bf16(d_o2, int64_t(T) * V), download_bf16(d_o1, int64_t(T) * V), kFloor),
-            kBf16Tol);
+            kPrefillElemTol);
 }
 
 TEST(GdnDims, RejectsShapesTheKernelsWereNotWrittenFor) {

@@ -6,8 +6,12 @@
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/mixer_kernels.h"
 
+#include <cooperative_groups.h>
+
 namespace lily::cuda {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kDk = 128;       // key head dim the kernels are written for
 constexpr int kDv = 128;       // value head dim
@@ -33,6 +37,15 @@ __device__ __forceinline__ float silu_precise(float x) { return x / (1.0f + expf
 
 // ---- causal conv -----------------------------------------------------------------------------
 
+/// Σ_t x_t·w[t] in tap order (oldest first) with explicit roundings, so that the decode and
+/// prefill kernels give bit-identical results whatever the compiler contracts.
+__device__ __forceinline__ float conv_dot(float x0, float x1, float x2, float x3, const float* w) {
+  float acc = __fmul_rn(x0, w[0]);
+  acc = __fmaf_rn(x1, w[1], acc);
+  acc = __fmaf_rn(x2, w[2], acc);
+  return __fmaf_rn(x3, w[3], acc);
+}
+
 /// One conv step per channel: out[c] = bf16(silu(Σ_t win[c][t]·w[c][t] + x[c]·w[c][K−1])),
 /// then window[c] ← (win1, win2, x).
 __global__ void conv_decode_kernel(int C, const float* __restrict__ conv_w,
@@ -44,11 +57,7 @@ __global__ void conv_decode_kernel(int C, const float* __restrict__ conv_w,
   const float* w = conv_w + int64_t(c) * kConvK;
   const bf16 x = qkv[c];
   const bf16 w0 = win[0], w1 = win[1], w2 = win[2];
-  float acc = to_f32(w0) * w[0];
-  acc += to_f32(w1) * w[1];
-  acc += to_f32(w2) * w[2];
-  acc += to_f32(x) * w[3];
-  out[c] = to_bf16(silu_precise(acc));
+  out[c] = to_bf16(silu_precise(conv_dot(to_f32(w0), to_f32(w1), to_f32(w2), to_f32(x), w)));
   win[0] = w1;
   win[1] = w2;
   win[2] = x;
@@ -69,10 +78,10 @@ __global__ void conv_prefill_kernel(int C, int T, const float* __restrict__ conv
   const int t = blockIdx.y;
   if (c >= C || t >= T) return;
   const float* w = conv_w + int64_t(c) * kConvK;
-  float acc = 0.0f;
+  float x[kConvK];
 #pragma unroll
-  for (int j = 0; j < kConvK; ++j) acc += to_f32(conv_input(qkv, stride, window, c, t - kHist + j)) * w[j];
-  out[int64_t(t) * C + c] = to_bf16(silu_precise(acc));
+  for (int j = 0; j < kConvK; ++j) x[j] = to_f32(conv_input(qkv, stride, window, c, t - kHist + j));
+  out[int64_t(t) * C + c] = to_bf16(silu_precise(conv_dot(x[0], x[1], x[2], x[3], w)));
 }
 
 /// New window after T tokens: the last K−1 raw inputs (mixing in the old window if T < K−1).
@@ -89,10 +98,6 @@ __global__ void conv_window_update_kernel(int C, int T, const bf16* __restrict__
 
 // ---- fused decode step -------------------------------------------------------------------------
 
-constexpr int kDecodeParts = 4;                      // key-dim slices per value column
-constexpr int kDecodeThreads = kDv * kDecodeParts;   // 512
-constexpr int kRowsPerPart = kDk / kDecodeParts;     // 32
-
 /// Gated RMSNorm of one value head, called by threads m < Dv of the block (all threads must
 /// call it: it synchronises). `o` is the already bf16-rounded output. Returns y[m] for m < Dv.
 __device__ __forceinline__ float gated_norm_value(float o, float z, float gain, float eps,
@@ -103,33 +108,41 @@ __device__ __forceinline__ float gated_norm_value(float o, float z, float gain, 
   return (gain * (o * r)) * silu_precise(z);
 }
 
-/// One block per value head j: q̂/k̂ L2 norms, gates, delta-rule step on S_j (fp32, in place),
-/// bf16 output, gated RMSNorm. Thread (part, m): value column m, key rows [32·part, +32).
-__global__ void __launch_bounds__(kDecodeThreads)
+constexpr int kDecodeSlices = 4;                    // CTAs (one cluster) per value head
+constexpr int kSliceCols = kDv / kDecodeSlices;     // 32 value columns per CTA
+constexpr int kDecodeThreads = 256;                 // 8 warps
+constexpr int kDecodeParts = kDecodeThreads / kSliceCols;  // 8 key-row slices
+constexpr int kRowsPerPart = kDk / kDecodeParts;    // 16
+
+/// A cluster of 4 CTAs per value head j; CTA y owns value columns [32y, 32y+32). Each CTA:
+/// q̂/k̂ L2 norms and gates (redundantly), the delta-rule step on its 128×32 slice of S_j (fp32,
+/// in place), bf16 output; the gated RMSNorm's Σo² is summed over the cluster through
+/// distributed shared memory. Thread (part, m): column m of the slice, key rows [16·part, +16).
+__global__ void __cluster_dims__(1, kDecodeSlices, 1) __launch_bounds__(kDecodeThreads)
 gdn_decode_kernel(int Hk, int Hv, float eps, const float* __restrict__ A_log,
                   const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
                   const bf16* __restrict__ conv_out, const bf16* __restrict__ z,
                   const bf16* __restrict__ a, const bf16* __restrict__ b,
                   float* __restrict__ state, bf16* __restrict__ out) {
-  __shared__ float q_s[kDk], k_s[kDk], part_s[kDecodeParts][kDv], scratch[32], gates[2];
+  __shared__ float q_s[kDk], k_s[kDk], part_s[kDecodeParts][kSliceCols], scratch[8], gates[2];
+  __shared__ float slice_sq;  // Σ o'² over this CTA's columns, read by the whole cluster
+  cg::cluster_group cluster = cg::this_cluster();
   const int j = blockIdx.x, kh = j / (Hv / Hk), tid = threadIdx.x;
-  const int m = tid % kDv, part = tid / kDv;
+  const int m = tid % kSliceCols, part = tid / kSliceCols;
+  const int col = blockIdx.y * kSliceCols + m;  // value column in the head
   const int key_dim = Hk * kDk;
 
   // q (threads 0..127) and k (threads 128..255) of key head kh, L2-normalised in fp32.
-  float x = 0.0f;
-  if (tid < 2 * kDk) {
-    const int base = (tid < kDk ? 0 : key_dim) + kh * kDk;
-    x = to_f32(conv_out[base + tid % kDk]);
-  }
-  float sq = warp_sum(x * x);
-  if (tid % kWarp == 0 && tid < 2 * kDk) scratch[tid / kWarp] = sq;
+  const int base = (tid < kDk ? 0 : key_dim) + kh * kDk;
+  const float x = to_f32(conv_out[base + tid % kDk]);
+  const float sq = warp_sum(x * x);
+  if (tid % kWarp == 0) scratch[tid / kWarp] = sq;
   if (tid == 0) {
     gates[0] = expf(log_decay(to_f32(a[j]), A_log[j], dt_bias[j]));
     gates[1] = beta_gate(to_f32(b[j]));
   }
   __syncthreads();
-  if (tid < 2 * kDk) {
+  {
     const int w0 = tid < kDk ? 0 : 4;
     const float ss = scratch[w0] + scratch[w0 + 1] + scratch[w0 + 2] + scratch[w0 + 3];
     const float r = 1.0f / sqrtf(ss + kL2Eps);
@@ -146,13 +159,15 @@ gdn_decode_kernel(int Hk, int Hv, float eps, const float* __restrict__ A_log,
 #pragma unroll
   for (int r = 0; r < kRowsPerPart; ++r) {
     const int i = part * kRowsPerPart + r;
-    s[r] = alpha * S[i * kDv + m];
+    s[r] = alpha * S[i * kDv + col];
     pred += k_s[i] * s[r];
   }
   part_s[part][m] = pred;
   __syncthreads();
-  pred = part_s[0][m] + part_s[1][m] + part_s[2][m] + part_s[3][m];
-  const float v = to_f32(conv_out[2 * key_dim + j * kDv + m]);
+  pred = 0.0f;
+#pragma unroll
+  for (int p = 0; p < kDecodeParts; ++p) pred += part_s[p][m];
+  const float v = to_f32(conv_out[2 * key_dim + j * kDv + col]);
   const float delta = (v - pred) * beta;
   __syncthreads();  // everyone has read part_s
 
@@ -162,16 +177,31 @@ gdn_decode_kernel(int Hk, int Hv, float eps, const float* __restrict__ A_log,
   for (int r = 0; r < kRowsPerPart; ++r) {
     const int i = part * kRowsPerPart + r;
     s[r] += k_s[i] * delta;
-    S[i * kDv + m] = s[r];
+    S[i * kDv + col] = s[r];
     o += q_s[i] * s[r];
   }
   part_s[part][m] = o;
   __syncthreads();
-  o = round_bf16(part_s[0][m] + part_s[1][m] + part_s[2][m] + part_s[3][m]);
+  o = 0.0f;
+#pragma unroll
+  for (int p = 0; p < kDecodeParts; ++p) o += part_s[p][m];
+  o = round_bf16(o);
 
-  const float zj = tid < kDv ? to_f32(z[j * kDv + m]) : 0.0f;
-  const float y = gated_norm_value(o, zj, norm_w[m], eps, scratch);
-  if (tid < kDv) out[j * kDv + m] = to_bf16(y);
+  // Gated RMSNorm: Σo'² of the head = the 4 slices' sums, added in rank order everywhere.
+  if (tid < kWarp) {
+    const float slice = warp_sum(o * o);
+    if (tid == 0) slice_sq = slice;
+  }
+  cluster.sync();
+  float head_sq = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kDecodeSlices; ++r) head_sq += *cluster.map_shared_rank(&slice_sq, r);
+  cluster.sync();  // no CTA leaves while another still reads its slice_sq
+  if (tid < kWarp) {
+    const float rr = 1.0f / sqrtf(head_sq / float(kDv) + eps);
+    const float y = (norm_w[col] * (o * rr)) * silu_precise(to_f32(z[j * kDv + col]));
+    out[j * kDv + col] = to_bf16(y);
+  }
 }
 
 // ---- chunked prefill (UT/WY form) -------------------------------------------------------------
@@ -434,7 +464,7 @@ void gdn_decode(const GdnDims& dims, const GdnParams& params, const bf16* conv_o
   check_dims(dims);
   check_params(params);
   require(conv_out && z && a && b && state && out, "gdn_decode: null buffer");
-  gdn_decode_kernel<<<dims.n_value_heads, kDecodeThreads, 0, stream>>>(
+  gdn_decode_kernel<<<dim3(dims.n_value_heads, kDecodeSlices), kDecodeThreads, 0, stream>>>(
       dims.n_key_heads, dims.n_value_heads, dims.norm_eps, params.A_log, params.dt_bias,
       params.norm_w, conv_out, z, a, b, state, out);
   LILY_CUDA_CHECK_LAUNCH();

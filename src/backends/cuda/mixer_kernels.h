@@ -67,7 +67,8 @@ struct GdnParams {
 void gdn_conv_decode(const GdnDims& dims, const GdnParams& params, const __nv_bfloat16* qkv,
                      __nv_bfloat16* window, __nv_bfloat16* out, cudaStream_t stream);
 
-/// GDN decode, step 2: one fused kernel per value head (model.md §3.3 steps 3-6, §4.3):
+/// GDN decode, step 2: one fused kernel, a cluster of 4 CTAs per value head, each owning 32
+/// value columns of the state (model.md §3.3 steps 3-6, §4.3):
 /// L2-normalise q, k (HF form x·rsqrt(Σx²+1e-6), fp32, not rounded), q scale 1/√Dk,
 /// α = exp(−exp(A_log)·softplus(a+dt_bias)) (softplus threshold 20), β = sigmoid(b),
 /// delta-rule update of the fp32 state (decay, predict, delta, rank-1 update), output with the
@@ -153,7 +154,8 @@ void attention_prepare(const AttnDims& dims, int T, const __nv_bfloat16* qg, int
 /// Maximum number of key splits of attention_decode.
 constexpr int kMaxDecodeSplits = 256;
 /// A good split count for a context of `len` keys (1 for ≤ 256 keys, then ~256-key splits,
-/// at most 128). For a captured graph, use the count of the largest length it will serve.
+/// at most 128). For a captured graph, use the count of the largest length it will serve
+/// (any count is correct for any length).
 int attention_decode_splits(int64_t len);
 /// Workspace bytes attention_decode needs for `n_splits` (fp32 partial outputs and stats).
 size_t attention_decode_workspace_bytes(const AttnDims& dims, int n_splits);
