@@ -45,6 +45,9 @@ class CpuSequenceState final : public SequenceState {
 
 /// fp32 reference backend over loaded weights (see file comment). Not thread-safe: one engine
 /// thread owns it (it reuses activation buffers between calls).
+/// Probes (engine/backend.h): embed, then per layer attn_norm, mixer_out, ffn_norm,
+/// router_logits, ffn_out, layer_out for every token fed; final_norm and logits only for the
+/// last token of each prefill/decode call (the only one whose logits are computed).
 class CpuBackend final : public Backend {
  public:
   /// Longest sequence a state may be created for (the model's 262,144-token context).
