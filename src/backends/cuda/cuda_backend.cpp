@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -207,6 +208,8 @@ class CudaBackend final : public Backend {
     model_ = std::make_unique<DeviceModel>(*weights_);
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     allocate_scratch();
+    const char* mode = std::getenv("LILY_CUDA_PREFILL");
+    batched_prefill_ = mode && std::string(mode) == "batched";
   }
   ~CudaBackend() override {
     if (stream_) cudaStreamDestroy(stream_);
@@ -228,6 +231,7 @@ class CudaBackend final : public Backend {
   int32_t prefill(SequenceState& state, std::span<const int32_t> tokens, std::vector<float>* logits) override {
     CudaState& s = checked(state);
     validate(s, tokens);
+    if (batched_prefill_ && !probe_sink_) return prefill_batched(s, tokens, logits);
     int32_t next = 0;
     for (size_t i = 0; i < tokens.size(); ++i)
       next = step(s, tokens[i], i + 1 == tokens.size() ? logits : nullptr);
@@ -413,6 +417,110 @@ class CudaBackend final : public Backend {
                                act_.as<bf16>(), 1, moe_out_.as<bf16>(), stream_);
   }
 
+  // ---- batched prefill (opt-in: LILY_CUDA_PREFILL=batched) ------------------------------------
+  // Chunks of up to kPrefillChunk tokens; every layer runs over all rows of a chunk: batched
+  // GEMVs, the mixer's chunked GDN prefill and causal flash attention, per-row MoE. Only the
+  // last prompt row goes through the final norm, lm_head and argmax (model.md §4.4).
+  // Status: written and compiled, not yet run on a GPU (tests/gpu/test_cuda_e2e.cpp
+  // BatchedPrefillMatchesCpu checks it); the per-token path stays the default until it passes.
+
+  static constexpr int kPrefillChunk = 256;
+
+  struct PrefillScratch {
+    DeviceBuffer tokens, x, normed, branch, moe, proj, conv, mix, q, router, ids, weights, act;
+  };
+
+  void allocate_prefill_scratch() {
+    if (pre_) return;
+    const ModelConfig& c = config();
+    const int64_t T = kPrefillChunk;
+    auto bf = [](int64_t n) { return DeviceBuffer(std::max<int64_t>(n, 1) * sizeof(bf16)); };
+    pre_ = std::make_unique<PrefillScratch>();
+    pre_->tokens = DeviceBuffer(T * sizeof(int32_t));
+    pre_->x = bf(T * c.hidden);
+    pre_->normed = bf(T * c.hidden);
+    pre_->branch = bf(T * c.hidden);
+    pre_->moe = bf(T * c.hidden);
+    pre_->proj = bf(T * static_cast<int64_t>(proj_.bytes() / sizeof(bf16)));
+    pre_->conv = bf(T * (n_gdn_ ? gdn_.conv_channels() : 1));
+    pre_->mix = bf(T * static_cast<int64_t>(mix_tmp_.bytes() / sizeof(bf16)));
+    pre_->q = bf(T * int64_t(attn_.n_heads) * attn_.head_dim);
+    pre_->router = DeviceBuffer(T * (c.n_experts + 1) * sizeof(float));
+    pre_->ids = DeviceBuffer(T * (c.n_experts_per_tok + 1) * sizeof(int32_t));
+    pre_->weights = DeviceBuffer(T * (c.n_experts_per_tok + 1) * sizeof(float));
+    pre_->act = bf(T * int64_t(c.n_experts_per_tok + 1) * c.moe_ffn_dim);
+  }
+
+  int32_t prefill_batched(CudaState& s, std::span<const int32_t> tokens, std::vector<float>* logits) {
+    allocate_prefill_scratch();
+    const ModelConfig& c = config();
+    s.reserve(s.pos + static_cast<int64_t>(tokens.size()));
+    int T = 0;
+    for (size_t first = 0; first < tokens.size(); first += kPrefillChunk) {
+      T = static_cast<int>(std::min<size_t>(kPrefillChunk, tokens.size() - first));
+      CUDA_CHECK(cudaMemcpyAsync(pre_->tokens.data(), tokens.data() + first, T * sizeof(int32_t),
+                                 cudaMemcpyHostToDevice, stream_));
+      prefill_chunk(s, T);
+      CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host token buffer may go away
+      s.pos += T;
+    }
+    // Head on the last row only, with decode numerics.
+    const int64_t last = static_cast<int64_t>(T - 1) * c.hidden;
+    launch_add_rmsnorm(pre_->x.as<bf16>() + last, pre_->moe.as<bf16>() + last, model_->final_norm, normed_.as<bf16>(),
+                       1, c.hidden, c.rms_norm_eps, stream_);
+    launch_quant_gemv(model_->lm_head, normed_.as<bf16>(), nullptr, logits_.as<float>(), stream_);
+    launch_argmax(logits_.as<float>(), c.vocab, argmax_v_.as<float>(), argmax_i_.as<int32_t>(),
+                  io_dev_.as<int32_t>() + 3, stream_);
+    int32_t next = 0;
+    CUDA_CHECK(cudaMemcpyAsync(&next, io_dev_.as<int32_t>() + 3, sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (logits) {
+      logits->resize(c.vocab);
+      download(logits->data(), logits_.as<float>(), logits->size());
+    }
+    return next;
+  }
+
+  void prefill_chunk(CudaState& s, int T) {
+    const ModelConfig& c = config();
+    PrefillScratch& p = *pre_;
+    const int k = c.n_experts_per_tok;
+    launch_embed(model_->embed, p.tokens.as<int32_t>(), T, p.x.as<bf16>(), stream_);
+    for (int l = 0; l < c.n_layers; ++l) {
+      const DeviceLayer& L = model_->layers[l];
+      launch_add_rmsnorm(p.x.as<bf16>(), l == 0 ? nullptr : p.moe.as<bf16>(), L.input_norm, p.normed.as<bf16>(), T,
+                         c.hidden, c.rms_norm_eps, stream_);
+      bf16* proj = p.proj.as<bf16>();
+      if (L.type == LayerType::kLinearAttention) {
+        const int slot = layer_slot_[l];
+        const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
+        const int64_t R = L.gdn_in.rows;
+        launch_quant_gemv_batched(L.gdn_in, p.normed.as<bf16>(), T, proj, nullptr, stream_);
+        gdn_conv_prefill(gdn_, L.gdn, T, proj, R, s.window(slot), p.conv.as<bf16>(), stream_);
+        gdn_prefill(gdn_, L.gdn, T, p.conv.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, R, s.state(slot),
+                    p.mix.as<bf16>(), stream_);
+        launch_quant_gemv_batched(L.gdn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>(), nullptr, stream_);
+      } else {
+        const int64_t R = L.attn_in.rows;
+        const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim, kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
+        const KvCacheView kv = s.kv(layer_slot_[l]);
+        launch_quant_gemv_batched(L.attn_in, p.normed.as<bf16>(), T, proj, nullptr, stream_);
+        attention_prepare(attn_, T, proj, R, proj + qg, proj + qg + kvw, R, L.q_norm, L.k_norm, s.pos, nullptr, kv,
+                          p.q.as<bf16>(), stream_);
+        attention_prefill(attn_, T, s.pos, p.q.as<bf16>(), proj, R, kv, p.mix.as<bf16>(), stream_);
+        launch_quant_gemv_batched(L.attn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>(), nullptr, stream_);
+      }
+      launch_add_rmsnorm(p.x.as<bf16>(), p.branch.as<bf16>(), L.post_norm, p.normed.as<bf16>(), T, c.hidden,
+                         c.rms_norm_eps, stream_);
+      launch_quant_gemv_batched(L.router, p.normed.as<bf16>(), T, nullptr, p.router.as<float>(), stream_);
+      launch_router_topk(p.router.as<float>(), T, c.n_experts, k, p.ids.as<int32_t>(), p.weights.as<float>(), stream_);
+      launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, p.ids.as<int32_t>(), k + 1, p.normed.as<bf16>(), T,
+                            p.act.as<bf16>(), stream_);
+      launch_expert_down_combine(L.down, c.hidden, p.ids.as<int32_t>(), p.weights.as<float>(), k + 1, p.act.as<bf16>(),
+                                 T, p.moe.as<bf16>(), stream_);
+    }
+  }
+
   // ---- probes --------------------------------------------------------------------------------
 
   void emit(const char* name, int layer, int64_t token, const bf16* d, int64_t n) {
@@ -441,6 +549,8 @@ class CudaBackend final : public Backend {
   DeviceBuffer x_, normed_, mixer_out_, moe_out_, proj_, conv_out_, mix_tmp_, q_out_, act_;
   DeviceBuffer router_logits_, expert_ids_, expert_w_, logits_, argmax_v_, argmax_i_, io_dev_, attn_ws_;
   size_t attn_ws_bytes_ = 0;
+  bool batched_prefill_ = false;           ///< LILY_CUDA_PREFILL=batched (see prefill_batched)
+  std::unique_ptr<PrefillScratch> pre_;    ///< allocated at the first batched prefill
 };
 
 }  // namespace cuda
