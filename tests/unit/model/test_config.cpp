@@ -1,0 +1,315 @@
+// config.json parsing and family-strict validation (model.md §1): the demo config parses to the
+// documented values; every other family member, quantization method or inconsistency is named.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "base/error.h"
+#include "model/config.h"
+#include "model/tensor_table.h"
+#include "support/test_support.h"
+
+namespace lily {
+namespace {
+
+using nlohmann::json;
+
+json demo_config() {
+  std::ifstream in(test::demo_model_dir() / "config.json");
+  return json::parse(in);
+}
+
+/// The 35B-A3B text config of model.md §1.1 in the MLX wrapper.
+json real_config() {
+  json text = {{"model_type", "qwen3_5_moe_text"}, {"hidden_size", 2048}, {"num_hidden_layers", 40},
+               {"vocab_size", 248320}, {"num_attention_heads", 16}, {"num_key_value_heads", 2},
+               {"head_dim", 256}, {"attn_output_gate", true}, {"linear_num_key_heads", 16},
+               {"linear_num_value_heads", 32}, {"linear_key_head_dim", 128}, {"linear_value_head_dim", 128},
+               {"linear_conv_kernel_dim", 4}, {"num_experts", 256}, {"num_experts_per_tok", 8},
+               {"moe_intermediate_size", 512}, {"shared_expert_intermediate_size", 512},
+               {"rms_norm_eps", 1e-6}, {"max_position_embeddings", 262144}, {"tie_word_embeddings", false},
+               {"eos_token_id", 248044}, {"full_attention_interval", 4},
+               {"rope_parameters", {{"rope_theta", 10000000}, {"partial_rotary_factor", 0.25},
+                                    {"mrope_section", {11, 11, 10}}}}};
+  json types = json::array();
+  for (int i = 0; i < 40; ++i) types.push_back(i % 4 == 3 ? "full_attention" : "linear_attention");
+  text["layer_types"] = types;
+  json q = {{"group_size", 64}, {"bits", 4}, {"mode", "affine"}};
+  for (int i = 0; i < 40; ++i) {
+    q["language_model.model.layers." + std::to_string(i) + ".mlp.gate"] = {{"group_size", 64}, {"bits", 8}};
+    q["language_model.model.layers." + std::to_string(i) + ".mlp.shared_expert_gate"] = {{"group_size", 64}, {"bits", 8}};
+  }
+  return {{"model_type", "qwen3_5_moe"}, {"text_config", text}, {"quantization", q}, {"quantization_config", q},
+          {"tie_word_embeddings", false}, {"eos_token_id", {248046, 248044}}, {"vision_config", {{"depth", 27}}}};
+}
+
+/// parse_model_config(doc) throws CheckpointError containing every part.
+void expect_rejected(const json& doc, std::initializer_list<std::string> parts) {
+  try {
+    parse_model_config(doc, "cfg.json");
+    FAIL() << "accepted; expected an error mentioning " << *parts.begin();
+  } catch (const CheckpointError& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("cfg.json: ", 0), 0u) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "missing '" << p << "' in: " << msg;
+  }
+}
+
+TEST(Config, ParsesDemoConfig) {
+  ModelConfig c = load_model_config(test::demo_model_dir());
+  EXPECT_EQ(c.vocab, 8192);
+  EXPECT_EQ(c.hidden, 256);
+  EXPECT_EQ(c.n_layers, 8);
+  EXPECT_EQ(c.n_full_attention_layers(), 2);
+  EXPECT_EQ(c.n_linear_attention_layers(), 6);
+  EXPECT_TRUE(c.is_full_attention(3));
+  EXPECT_FALSE(c.is_full_attention(4));
+  EXPECT_EQ(c.n_heads, 4);
+  EXPECT_EQ(c.n_kv_heads, 2);
+  EXPECT_EQ(c.head_dim, 64);
+  EXPECT_EQ(c.rotary_dim, 16);  // trunc(64 × 0.25)
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e7);
+  EXPECT_EQ(c.gdn_conv_channels(), 2 * 2 * 64 + 4 * 64);
+  EXPECT_EQ(c.n_experts, 16);
+  EXPECT_EQ(c.n_experts_per_tok, 4);
+  EXPECT_EQ(c.moe_ffn_dim, 128);
+  EXPECT_FLOAT_EQ(c.rms_norm_eps, 1e-6f);
+  EXPECT_EQ(c.max_position_embeddings, 4096);
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int32_t>{8189, 8187}));  // top level replaces text_config's
+  EXPECT_EQ(c.quantization.eight_bit_modules.size(), 16u);
+  EXPECT_FALSE(c.is_qwen36_35b_a3b());
+  EXPECT_EQ(c.shape_name(), "qwen3_5_moe (H=256, L=8, E=16)");
+}
+
+TEST(Config, RecognisesQwen36Shape) {
+  ModelConfig c = parse_model_config(real_config(), "cfg.json");
+  EXPECT_TRUE(c.is_qwen36_35b_a3b());
+  EXPECT_EQ(c.shape_name(), "Qwen3.6-35B-A3B");
+  EXPECT_EQ(c.rotary_dim, 64);
+  EXPECT_EQ(c.gdn_conv_channels(), 8192);
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int32_t>{248046, 248044}));
+  // About 35B parameters (model.md §1): the table counts embeddings, lm_head and all experts.
+  EXPECT_GT(c.parameter_count(), 34'000'000'000);
+  EXPECT_LT(c.parameter_count(), 36'000'000'000);
+}
+
+TEST(Config, EosFromTextConfigWhenNoTopLevel) {
+  json doc = real_config();
+  doc.erase("eos_token_id");
+  EXPECT_EQ(parse_model_config(doc, "cfg.json").eos_token_ids, (std::vector<int32_t>{248044}));
+  doc["text_config"]["eos_token_id"] = {1, 2, 3};
+  EXPECT_EQ(parse_model_config(doc, "cfg.json").eos_token_ids, (std::vector<int32_t>{1, 2, 3}));
+}
+
+TEST(Config, AcceptsTextOnlyConfig) {
+  json doc = real_config()["text_config"];
+  doc["quantization"] = real_config()["quantization"];
+  ModelConfig c = parse_model_config(doc, "cfg.json");
+  EXPECT_TRUE(c.is_qwen36_35b_a3b());
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int32_t>{248044}));
+}
+
+TEST(Config, RotaryDimFallsBackToFlatField) {
+  json doc = demo_config();
+  doc["text_config"].erase("rope_parameters");
+  doc["text_config"]["rope_theta"] = 5000.0;
+  doc["text_config"]["partial_rotary_factor"] = 0.5;
+  ModelConfig c = parse_model_config(doc, "cfg.json");
+  EXPECT_EQ(c.rotary_dim, 32);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 5000.0);
+}
+
+TEST(Config, RejectsOtherModelTypes) {
+  for (const char* type : {"qwen3_moe", "qwen3_next", "qwen3_5", "qwen3", "llama"}) {
+    json doc = demo_config();
+    doc["model_type"] = type;
+    expect_rejected(doc, {std::string("model_type ") + type, "not supported"});
+  }
+  json doc = demo_config();
+  doc.erase("model_type");
+  expect_rejected(doc, {"no model_type"});
+  doc = demo_config();
+  doc["text_config"]["model_type"] = "qwen3_next";
+  expect_rejected(doc, {"qwen3_next"});
+  doc = demo_config();
+  doc.erase("text_config");
+  expect_rejected(doc, {"text_config"});
+}
+
+TEST(Config, RejectsForeignQuantizationMethods) {
+  for (const char* method : {"awq", "gptq", "fp8", "bitsandbytes", "compressed-tensors"}) {
+    json doc = demo_config();
+    doc["quantization_config"] = {{"quant_method", method}, {"bits", 4}};
+    std::string upper = method;
+    for (char& ch : upper) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+    expect_rejected(doc, {upper + " checkpoint is not supported", method});
+  }
+  json doc = demo_config();
+  doc.erase("quantization");
+  doc["quantization_config"] = {{"quant_method", "gptq"}};
+  expect_rejected(doc, {"GPTQ checkpoint"});
+}
+
+TEST(Config, RejectsUnquantized) {
+  json doc = demo_config();
+  doc.erase("quantization");
+  doc.erase("quantization_config");
+  expect_rejected(doc, {"unquantized checkpoint"});
+}
+
+TEST(Config, RejectsEightBitEverywhere) {
+  json doc = demo_config();
+  doc["quantization"]["bits"] = 8;
+  expect_rejected(doc, {"8-bit checkpoint"});
+}
+
+TEST(Config, RejectsOtherBitsModesAndGroupSizes) {
+  for (int g : {32, 128}) {
+    json doc = demo_config();
+    doc["quantization"]["group_size"] = g;
+    expect_rejected(doc, {"group size " + std::to_string(g), "expected 64"});
+  }
+  json doc = demo_config();
+  doc["quantization"]["bits"] = 3;
+  expect_rejected(doc, {"bits = 3"});
+  doc = demo_config();
+  doc["quantization"]["mode"] = "mxfp4";
+  expect_rejected(doc, {"mode", "mxfp4"});
+}
+
+TEST(Config, RejectsOverridesOtherThanRouterAndSharedGate) {
+  json doc = demo_config();
+  doc["quantization"]["language_model.model.layers.0.mlp.switch_mlp.down_proj"] = {{"group_size", 64}, {"bits", 8}};
+  expect_rejected(doc, {"switch_mlp.down_proj", "override"});
+  doc = demo_config();
+  doc["quantization"]["language_model.model.layers.0.mlp.gate"] = {{"group_size", 32}, {"bits", 8}};
+  expect_rejected(doc, {"layers.0.mlp.gate"});
+  doc = demo_config();
+  doc["quantization"]["language_model.model.layers.0.mlp.gate"] = {{"group_size", 64}, {"bits", 4}};
+  expect_rejected(doc, {"layers.0.mlp.gate"});
+  doc = demo_config();
+  doc["quantization"]["language_model.model.layers.0.xmlp.gate"] = {{"group_size", 64}, {"bits", 8}};
+  expect_rejected(doc, {"xmlp.gate"});
+}
+
+TEST(Config, RejectsInconsistentLayerTypes) {
+  json doc = demo_config();
+  doc["text_config"]["layer_types"][2] = "full_attention";
+  expect_rejected(doc, {"layer_types[2]", "full_attention_interval 4"});
+  doc = demo_config();
+  doc["text_config"]["layer_types"].erase(7);
+  expect_rejected(doc, {"layer_types has 7 entries for 8 layers"});
+  doc = demo_config();
+  doc["text_config"]["layer_types"][0] = "sliding_attention";
+  expect_rejected(doc, {"sliding_attention"});
+  doc = demo_config();
+  doc["text_config"]["full_attention_interval"] = 2;
+  expect_rejected(doc, {"full_attention_interval 2"});
+}
+
+TEST(Config, AcceptsOtherInterval) {
+  json doc = demo_config();
+  doc["text_config"]["full_attention_interval"] = 2;
+  for (int i = 0; i < 8; ++i) doc["text_config"]["layer_types"][i] = i % 2 == 1 ? "full_attention" : "linear_attention";
+  ModelConfig c = parse_model_config(doc, "cfg.json");
+  EXPECT_EQ(c.n_full_attention_layers(), 4);
+}
+
+TEST(Config, RejectsArchitectureFlags) {
+  json doc = demo_config();
+  doc["text_config"]["attn_output_gate"] = false;
+  expect_rejected(doc, {"attn_output_gate must be true"});
+  doc = demo_config();
+  doc["text_config"]["tie_word_embeddings"] = true;
+  expect_rejected(doc, {"tie_word_embeddings must be false"});
+  doc = demo_config();
+  doc["tie_word_embeddings"] = true;
+  expect_rejected(doc, {"tie_word_embeddings must be false"});
+  doc = demo_config();
+  doc["text_config"]["norm_topk_prob"] = false;
+  expect_rejected(doc, {"norm_topk_prob must be true"});
+  doc = demo_config();
+  doc["text_config"]["hidden_act"] = "gelu";
+  expect_rejected(doc, {"hidden_act", "gelu"});
+}
+
+TEST(Config, RejectsInconsistentDims) {
+  json doc = demo_config();
+  doc["text_config"]["linear_num_value_heads"] = 3;  // not a multiple of 2 key heads
+  expect_rejected(doc, {"linear_num_value_heads must be a multiple"});
+  doc = demo_config();
+  doc["text_config"]["num_key_value_heads"] = 3;
+  expect_rejected(doc, {"num_key_value_heads"});
+  doc = demo_config();
+  doc["text_config"]["num_experts_per_tok"] = 17;
+  expect_rejected(doc, {"num_experts_per_tok"});
+  doc = demo_config();
+  doc["text_config"]["hidden_size"] = 200;
+  expect_rejected(doc, {"hidden_size = 200", "64"});
+  doc = demo_config();
+  doc["eos_token_id"] = 9000;
+  expect_rejected(doc, {"eos_token_id"});
+}
+
+TEST(Config, RejectsMissingOrMistypedFields) {
+  for (const char* field : {"hidden_size", "vocab_size", "num_experts", "head_dim", "linear_conv_kernel_dim",
+                            "rms_norm_eps", "layer_types", "tie_word_embeddings"}) {
+    json doc = demo_config();
+    doc["text_config"].erase(field);
+    expect_rejected(doc, {field});
+  }
+  json doc = demo_config();
+  doc["text_config"]["hidden_size"] = "256";
+  expect_rejected(doc, {"hidden_size must be an integer"});
+  doc = demo_config();
+  doc["text_config"]["num_experts"] = -16;
+  expect_rejected(doc, {"num_experts"});
+  doc = demo_config();
+  doc["text_config"]["rope_parameters"].erase("partial_rotary_factor");
+  doc["text_config"].erase("partial_rotary_factor");
+  expect_rejected(doc, {"partial_rotary_factor"});
+}
+
+TEST(Config, LoadRejectsMissingAndInvalidFiles) {
+  test::TempDir dir;
+  EXPECT_THROW(load_model_config(dir.path()), CheckpointError);
+  std::ofstream(dir.path() / "config.json") << "{not json";
+  try {
+    load_model_config(dir.path());
+    FAIL();
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("config.json"), std::string::npos);
+  }
+}
+
+TEST(TensorTable, DemoTableShapes) {
+  ModelConfig c = load_model_config(test::demo_model_dir());
+  auto table = tensor_table(c);
+  ASSERT_FALSE(table.empty());
+  EXPECT_EQ(table.front().name, "language_model.model.embed_tokens");
+  EXPECT_EQ(table.back().name, "language_model.lm_head");
+  // 6 GDN layers × (9 + 2 + 8) + 2 attention layers × (6 + 2 + 8) + embed, norm, lm_head.
+  EXPECT_EQ(table.size(), size_t(6 * 19 + 2 * 16 + 3));
+  for (const auto& spec : table) {
+    if (spec.name == "language_model.model.layers.0.mlp.switch_mlp.down_proj") {
+      EXPECT_EQ(spec.shape, (std::vector<int64_t>{16, 256, 128}));
+      EXPECT_EQ(packed_codes_shape(spec), (std::vector<int64_t>{16, 256, 16}));
+      EXPECT_EQ(group_params_shape(spec), (std::vector<int64_t>{16, 256, 2}));
+      EXPECT_EQ(stored_bytes(spec), 16 * 256 * 16 * 4 + 2 * 16 * 256 * 2 * 2);
+    }
+    if (spec.name == "language_model.model.layers.5.mlp.gate") {
+      EXPECT_EQ(spec.bits, 8);
+      EXPECT_EQ(packed_codes_shape(spec), (std::vector<int64_t>{16, 64}));
+    }
+    if (spec.name == "language_model.model.layers.3.self_attn.q_proj")
+      EXPECT_EQ(spec.shape, (std::vector<int64_t>{4 * 2 * 64, 256}));
+    if (spec.name.ends_with("A_log")) EXPECT_EQ(spec.kind, TensorKind::kFloat);
+    if (spec.kind == TensorKind::kQuantized && !spec.name.ends_with("mlp.gate") &&
+        !spec.name.ends_with("shared_expert_gate"))
+      EXPECT_EQ(spec.bits, 4) << spec.name;
+  }
+}
+
+}  // namespace
+}  // namespace lily
