@@ -273,25 +273,30 @@ prefill_row_kernel(int nq, float scale, int64_t base, const bf16* __restrict__ q
   }
 }
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw Error("attention kernels: " + what);
-}
+[[noreturn]] void fail(const std::string& what) { throw Error("attention kernels: " + what); }
+
+/// Throws lily::Error with the message (the rest of the arguments) when `ok` is false; the
+/// message is only built on failure, so checks cost nothing on the launch path.
+#define MIXER_REQUIRE(ok, ...) \
+  do {                          \
+    if (!(ok)) fail(__VA_ARGS__); \
+  } while (0)
 
 void check_dims(const AttnDims& d) {
-  require(d.head_dim == kD, "head_dim " + std::to_string(d.head_dim) +
+  MIXER_REQUIRE(d.head_dim == kD, "head_dim " + std::to_string(d.head_dim) +
                                 " unsupported (kernels are compiled for 256)");
-  require(d.rotary_dim >= 0 && d.rotary_dim <= kD && d.rotary_dim % 2 == 0,
+  MIXER_REQUIRE(d.rotary_dim >= 0 && d.rotary_dim <= kD && d.rotary_dim % 2 == 0,
           "rotary_dim " + std::to_string(d.rotary_dim) + " must be even and in [0, 256]");
-  require(d.n_kv_heads > 0 && d.n_heads > 0 && d.n_heads % d.n_kv_heads == 0,
+  MIXER_REQUIRE(d.n_kv_heads > 0 && d.n_heads > 0 && d.n_heads % d.n_kv_heads == 0,
           "query heads (" + std::to_string(d.n_heads) + ") must be a positive multiple of kv heads (" +
               std::to_string(d.n_kv_heads) + ")");
   const int G = d.n_heads / d.n_kv_heads;
-  require(G == 1 || G == 2 || G == 4 || G == 8,
+  MIXER_REQUIRE(G == 1 || G == 2 || G == 4 || G == 8,
           "GQA group " + std::to_string(G) + " unsupported (1, 2, 4 or 8)");
 }
 
 void check_cache(const KvCacheView& c) {
-  require(c.k && c.v && c.capacity > 0, "KV cache view is empty");
+  MIXER_REQUIRE(c.k && c.v && c.capacity > 0, "KV cache view is empty");
 }
 
 /// Calls f(std::integral_constant<int, G>{}) for the runtime group size G.
@@ -302,7 +307,7 @@ void dispatch_group(int G, F&& f) {
     case 2: f(std::integral_constant<int, 2>{}); break;
     case 4: f(std::integral_constant<int, 4>{}); break;
     case 8: f(std::integral_constant<int, 8>{}); break;
-    default: require(false, "GQA group " + std::to_string(G) + " unsupported");
+    default: MIXER_REQUIRE(false, "GQA group " + std::to_string(G) + " unsupported");
   }
 }
 
@@ -328,11 +333,11 @@ void attention_prepare(const AttnDims& dims, int T, const bf16* qg, int64_t qg_s
                        const KvCacheView& cache, bf16* q_out, cudaStream_t stream) {
   check_dims(dims);
   check_cache(cache);
-  require(T >= 1 && T <= 65535, "attention_prepare: T=" + std::to_string(T) + " outside [1, 65535]");
-  require(qg && k && v && q_norm && k_norm && q_out, "attention_prepare: null buffer");
-  require(qg_stride >= int64_t(dims.n_heads) * 2 * kD, "attention_prepare: qg row stride too small");
-  require(kv_stride >= int64_t(dims.n_kv_heads) * kD, "attention_prepare: k/v row stride too small");
-  require(pos0_host >= 0 && pos0_host + T <= cache.capacity,
+  MIXER_REQUIRE(T >= 1 && T <= 65535, "attention_prepare: T=" + std::to_string(T) + " outside [1, 65535]");
+  MIXER_REQUIRE(qg && k && v && q_norm && k_norm && q_out, "attention_prepare: null buffer");
+  MIXER_REQUIRE(qg_stride >= int64_t(dims.n_heads) * 2 * kD, "attention_prepare: qg row stride too small");
+  MIXER_REQUIRE(kv_stride >= int64_t(dims.n_kv_heads) * kD, "attention_prepare: k/v row stride too small");
+  MIXER_REQUIRE(pos0_host >= 0 && pos0_host + T <= cache.capacity,
           "attention_prepare: positions [" + std::to_string(pos0_host) + ", " +
               std::to_string(pos0_host + T) + ") exceed the KV cache capacity " +
               std::to_string(cache.capacity));
@@ -361,13 +366,13 @@ void attention_decode(const AttnDims& dims, const bf16* q, const bf16* gate,
                       cudaStream_t stream) {
   check_dims(dims);
   check_cache(cache);
-  require(q && out && workspace, "attention_decode: null buffer");
-  require(n_splits >= 1 && n_splits <= kMaxDecodeSplits,
+  MIXER_REQUIRE(q && out && workspace, "attention_decode: null buffer");
+  MIXER_REQUIRE(n_splits >= 1 && n_splits <= kMaxDecodeSplits,
           "attention_decode: n_splits " + std::to_string(n_splits) + " outside [1, 256]");
-  require(workspace_bytes >= attention_decode_workspace_bytes(dims, n_splits),
+  MIXER_REQUIRE(workspace_bytes >= attention_decode_workspace_bytes(dims, n_splits),
           "attention_decode: workspace of " + std::to_string(workspace_bytes) + " bytes < " +
               std::to_string(attention_decode_workspace_bytes(dims, n_splits)));
-  require(len_device || (len_host >= 1 && len_host <= cache.capacity),
+  MIXER_REQUIRE(len_device || (len_host >= 1 && len_host <= cache.capacity),
           "attention_decode: length " + std::to_string(len_host) + " outside [1, capacity " +
               std::to_string(cache.capacity) + "]");
   float* ws_o = workspace;
@@ -387,12 +392,12 @@ void attention_prefill(const AttnDims& dims, int T, int64_t base, const bf16* q,
                        cudaStream_t stream) {
   check_dims(dims);
   check_cache(cache);
-  require(T >= 1 && T <= 65535, "attention_prefill: T=" + std::to_string(T) + " outside [1, 65535]");
-  require(q && out, "attention_prefill: null buffer");
-  require(base >= 0 && base + T <= cache.capacity,
+  MIXER_REQUIRE(T >= 1 && T <= 65535, "attention_prefill: T=" + std::to_string(T) + " outside [1, 65535]");
+  MIXER_REQUIRE(q && out, "attention_prefill: null buffer");
+  MIXER_REQUIRE(base >= 0 && base + T <= cache.capacity,
           "attention_prefill: keys [0, " + std::to_string(base + T) +
               ") exceed the KV cache capacity " + std::to_string(cache.capacity));
-  require(!gate || gate_stride >= int64_t(dims.n_heads) * 2 * kD,
+  MIXER_REQUIRE(!gate || gate_stride >= int64_t(dims.n_heads) * 2 * kD,
           "attention_prefill: gate row stride too small");
   const int G = dims.n_heads / dims.n_kv_heads;
   dispatch_group(G, [&](auto g) {

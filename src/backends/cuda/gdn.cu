@@ -415,23 +415,28 @@ gated_norm_kernel(int Hv, float eps, const float* __restrict__ norm_w,
   row[m] = to_bf16(y);
 }
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw Error("GDN kernels: " + what);
-}
+[[noreturn]] void fail(const std::string& what) { throw Error("GDN kernels: " + what); }
+
+/// Throws lily::Error with the message (the rest of the arguments) when `ok` is false; the
+/// message is only built on failure, so checks cost nothing on the launch path.
+#define MIXER_REQUIRE(ok, ...) \
+  do {                          \
+    if (!(ok)) fail(__VA_ARGS__); \
+  } while (0)
 
 void check_dims(const GdnDims& d) {
-  require(d.key_head_dim == kDk && d.value_head_dim == kDv,
+  MIXER_REQUIRE(d.key_head_dim == kDk && d.value_head_dim == kDv,
           "head dims Dk=" + std::to_string(d.key_head_dim) + " Dv=" +
               std::to_string(d.value_head_dim) + " unsupported (kernels are compiled for 128)");
-  require(d.conv_kernel == kConvK,
+  MIXER_REQUIRE(d.conv_kernel == kConvK,
           "conv kernel " + std::to_string(d.conv_kernel) + " unsupported (compiled for 4)");
-  require(d.n_key_heads > 0 && d.n_value_heads > 0 && d.n_value_heads % d.n_key_heads == 0,
+  MIXER_REQUIRE(d.n_key_heads > 0 && d.n_value_heads > 0 && d.n_value_heads % d.n_key_heads == 0,
           "value heads (" + std::to_string(d.n_value_heads) + ") must be a positive multiple of key heads (" +
               std::to_string(d.n_key_heads) + ")");
 }
 
 void check_params(const GdnParams& p) {
-  require(p.conv_w && p.A_log && p.dt_bias && p.norm_w, "a GdnParams pointer is null");
+  MIXER_REQUIRE(p.conv_w && p.A_log && p.dt_bias && p.norm_w, "a GdnParams pointer is null");
 }
 
 }  // namespace
@@ -452,8 +457,8 @@ void gdn_conv_decode(const GdnDims& dims, const GdnParams& params, const bf16* q
                      bf16* out, cudaStream_t stream) {
   check_dims(dims);
   check_params(params);
-  require(qkv && window && out, "gdn_conv_decode: null buffer");
-  require(qkv != out, "gdn_conv_decode: out must not alias qkv");
+  MIXER_REQUIRE(qkv && window && out, "gdn_conv_decode: null buffer");
+  MIXER_REQUIRE(qkv != out, "gdn_conv_decode: out must not alias qkv");
   const int C = dims.conv_channels();
   conv_decode_kernel<<<ceil_div(C, 256), 256, 0, stream>>>(C, params.conv_w, qkv, window, out);
   LILY_CUDA_CHECK_LAUNCH();
@@ -463,7 +468,7 @@ void gdn_decode(const GdnDims& dims, const GdnParams& params, const bf16* conv_o
                 const bf16* a, const bf16* b, float* state, bf16* out, cudaStream_t stream) {
   check_dims(dims);
   check_params(params);
-  require(conv_out && z && a && b && state && out, "gdn_decode: null buffer");
+  MIXER_REQUIRE(conv_out && z && a && b && state && out, "gdn_decode: null buffer");
   gdn_decode_kernel<<<dim3(dims.n_value_heads, kDecodeSlices), kDecodeThreads, 0, stream>>>(
       dims.n_key_heads, dims.n_value_heads, dims.norm_eps, params.A_log, params.dt_bias,
       params.norm_w, conv_out, z, a, b, state, out);
@@ -475,10 +480,10 @@ void gdn_conv_prefill(const GdnDims& dims, const GdnParams& params, int T, const
   check_dims(dims);
   check_params(params);
   const int C = dims.conv_channels();
-  require(T >= 1 && T <= 65535, "gdn_conv_prefill: T=" + std::to_string(T) + " outside [1, 65535]");
-  require(qkv_stride >= C, "gdn_conv_prefill: qkv row stride " + std::to_string(qkv_stride) +
+  MIXER_REQUIRE(T >= 1 && T <= 65535, "gdn_conv_prefill: T=" + std::to_string(T) + " outside [1, 65535]");
+  MIXER_REQUIRE(qkv_stride >= C, "gdn_conv_prefill: qkv row stride " + std::to_string(qkv_stride) +
                                " < conv channels " + std::to_string(C));
-  require(qkv && window && out, "gdn_conv_prefill: null buffer");
+  MIXER_REQUIRE(qkv && window && out, "gdn_conv_prefill: null buffer");
   conv_prefill_kernel<<<dim3(ceil_div(C, 256), T), 256, 0, stream>>>(C, T, params.conv_w, qkv,
                                                                       qkv_stride, window, out);
   LILY_CUDA_CHECK_LAUNCH();
@@ -491,9 +496,9 @@ void gdn_prefill(const GdnDims& dims, const GdnParams& params, int T, const bf16
                  bf16* out, cudaStream_t stream) {
   check_dims(dims);
   check_params(params);
-  require(T >= 1 && T <= 65535, "gdn_prefill: T=" + std::to_string(T) + " outside [1, 65535]");
-  require(conv_out && z && a && b && state && out, "gdn_prefill: null buffer");
-  require(zab_stride >= dims.n_value_heads,
+  MIXER_REQUIRE(T >= 1 && T <= 65535, "gdn_prefill: T=" + std::to_string(T) + " outside [1, 65535]");
+  MIXER_REQUIRE(conv_out && z && a && b && state && out, "gdn_prefill: null buffer");
+  MIXER_REQUIRE(zab_stride >= dims.n_value_heads,
           "gdn_prefill: z/a/b row stride " + std::to_string(zab_stride) + " too small");
   const size_t smem = sizeof(PrefillSmem);
   CUDA_CHECK(cudaFuncSetAttribute(gdn_prefill_chunked_kernel,
