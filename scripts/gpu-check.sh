@@ -38,6 +38,9 @@ echo "build: $(( $(date +%s) - t0 )) s"
 echo "== ctest -L gpu"
 ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 400 2>&1 | tee "$OUT/ctest-gpu.log" || status=1
 
+echo "== test_cuda_e2e again with the batched prefill for every test (LILY_CUDA_PREFILL=batched)"
+LILY_CUDA_PREFILL=batched "$BUILD/tests/test_cuda_e2e" 2>&1 | tee "$OUT/e2e-batched-prefill.txt" | grep -E "OK|FAILED|PASSED|SKIPPED" || status=1
+
 echo "== lily generate --backend cuda"
 SYN=$(mktemp -d)
 "$BUILD/lily" synth --preset realdims --seed 7 --out "$SYN/realdims" >/dev/null || status=1
@@ -62,6 +65,8 @@ if [[ "${LILY_GPU_BENCH:-0}" == 1 ]]; then
   echo "== lily bench (synthetic 35b-a3b)"
   "$BUILD/lily" bench --backend cuda --model "$SYN/35b" --prompt-len 256 --decode-steps 64 \
     --json-out "$OUT/bench-35b.json" 2>&1 | tee -a "$OUT/bench.txt" || status=1
+  LILY_CUDA_PREFILL=batched "$BUILD/lily" bench --backend cuda --model "$SYN/35b" --prompt-len 2048 --decode-steps 64 \
+    --json-out "$OUT/bench-35b-batched.json" 2>&1 | tee -a "$OUT/bench.txt" || status=1
   echo "== 35b-a3b: CUDA vs CPU reference"
   LILY_GPU_BIG_MODEL="$SYN/35b" timeout 150 "$BUILD/tests/test_cuda_e2e" --gtest_filter='*Full35b*' 2>&1 | tee "$OUT/e2e-35b.txt" || status=1
 fi
