@@ -2,7 +2,8 @@
 // Weights are uploaded once (device_model.h); decode is one CUDA graph per sequence state,
 // captured on the state's first decode step and replayed for every token (the token id and
 // position travel in a 12-byte pinned-memory copy inside the graph; only the argmax id comes
-// back, plus the logits when asked). Prefill currently runs the decode step per token.
+// back, plus the logits when asked). Prefill runs the decode graph per prompt token, or, with
+// LILY_CUDA_PREFILL=batched, chunks of 256 tokens through batched kernels (docs/cuda.md).
 #pragma once
 #include <memory>
 
