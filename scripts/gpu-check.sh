@@ -8,6 +8,8 @@
 #   bash scripts/gpu-check.sh            # build + ctest -L gpu + generate
 #   LILY_GPU_BENCH=1 bash scripts/gpu-check.sh   # also a first `lily bench` on a synthetic model
 # The PCRE2/utf8proc/httplib headers come from carry/deps (scripts/make-carry.sh packs them).
+# Files under $OUT (the device tool returns at most 8): gpu-check.log (everything), build.log,
+# ctest-gpu.log, e2e-batched-prefill.txt and, with LILY_GPU_BENCH=1, three bench JSON reports.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-logs}"
@@ -27,12 +29,12 @@ t0=$(date +%s)
 rm -f "$BUILD/CMakeCache.txt"  # pick up changed carried .pc files
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON \
   -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 \
-  >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; echo "configure FAILED"; exit 1; }
+  >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "configure FAILED"; exit 1; }
 # Only what the checks need: the lily executable and every tests/gpu test binary.
 targets=(lily)
 for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
 echo "== build (-j16): ${targets[*]}"
-cmake --build "$BUILD" -j16 --target "${targets[@]}" >"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -40; echo "build FAILED"; exit 1; }
+cmake --build "$BUILD" -j16 --target "${targets[@]}" >>"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -40; echo "build FAILED"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 
 echo "== ctest -L gpu"
@@ -48,27 +50,27 @@ IDS=1,2,3,4,5,6,7,8
 for backend in cpu cuda; do
   echo "-- realdims, $backend"
   "$BUILD/lily" generate --backend "$backend" --model "$SYN/realdims" --prompt-ids "$IDS" --max-tokens 16 --json \
-    2>&1 | tee "$OUT/generate-realdims-$backend.txt" || status=1
+    2>&1 || status=1
 done
 echo "-- demo, cuda"
 "$BUILD/lily" generate --backend cuda --model models/demo --prompt-ids 100,200,300,400,500 --max-tokens 16 --json \
-  2>&1 | tee "$OUT/generate-demo-cuda.txt" || echo "(demo on cuda failed; see above)"
+  2>&1 || echo "(demo on cuda failed; see above)"
 
 if [[ "${LILY_GPU_BENCH:-0}" == 1 ]]; then
   echo "== lily bench (synthetic realdims)"
   "$BUILD/lily" bench --backend cuda --model "$SYN/realdims" --prompt-len 256 --decode-steps 64 \
-    --json-out "$OUT/bench-realdims.json" 2>&1 | tee "$OUT/bench.txt" || status=1
+    --json-out "$OUT/bench-realdims.json" 2>&1 || status=1
   echo "== lily synth --preset 35b-a3b"
   t1=$(date +%s)
   timeout 240 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$SYN/35b" 2>&1 | tail -3 || status=1
   echo "synth: $(( $(date +%s) - t1 )) s"
   echo "== lily bench (synthetic 35b-a3b)"
   "$BUILD/lily" bench --backend cuda --model "$SYN/35b" --prompt-len 256 --decode-steps 64 \
-    --json-out "$OUT/bench-35b.json" 2>&1 | tee -a "$OUT/bench.txt" || status=1
+    --json-out "$OUT/bench-35b.json" 2>&1 || status=1
   LILY_CUDA_PREFILL=batched "$BUILD/lily" bench --backend cuda --model "$SYN/35b" --prompt-len 2048 --decode-steps 64 \
-    --json-out "$OUT/bench-35b-batched.json" 2>&1 | tee -a "$OUT/bench.txt" || status=1
+    --json-out "$OUT/bench-35b-batched.json" 2>&1 || status=1
   echo "== 35b-a3b: CUDA vs CPU reference"
-  LILY_GPU_BIG_MODEL="$SYN/35b" timeout 150 "$BUILD/tests/test_cuda_e2e" --gtest_filter='*Full35b*' 2>&1 | tee "$OUT/e2e-35b.txt" || status=1
+  LILY_GPU_BIG_MODEL="$SYN/35b" timeout 150 "$BUILD/tests/test_cuda_e2e" --gtest_filter='*Full35b*' 2>&1 || status=1
 fi
 rm -rf "$SYN"
 echo "== gpu-check done, status $status"
