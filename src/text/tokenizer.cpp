@@ -172,8 +172,9 @@ void check_decoder_and_rest(const json& root) {
 }
 
 // Hugging Face tokenizers ignores the ids written for added tokens: it gives each one, in file
-// order, its id in model.vocab if the content is there, else the next id after the vocabulary
-// (or after the largest added id). lily refuses files where the written ids disagree.
+// order, its id in model.vocab if the content is there, else the next id after the number of
+// vocabulary entries (or after the largest id given so far to an added token outside the
+// vocabulary). lily refuses files where the written ids disagree.
 void check_added_token_ids(const TokenizerSpec& spec) {
   const auto vocab_count = static_cast<int64_t>(spec.vocab.size());
   int64_t max_id = -1;
@@ -184,7 +185,7 @@ void check_added_token_ids(const TokenizerSpec& spec) {
       reject("added token '" + t.content + "'",
              "has id " + std::to_string(t.id) + " but Hugging Face tokenizers would give it id " +
                  std::to_string(expected) + " (added tokens must follow the vocabulary in file order, or be in it)");
-    max_id = std::max(max_id, expected);
+    if (in_vocab == spec.vocab.end()) max_id = std::max(max_id, expected);
   }
 }
 
