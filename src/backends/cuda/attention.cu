@@ -8,7 +8,8 @@
 // a lane holds 8 of the 256 dims. Each warp keeps, per query head, an online-softmax state
 // (running max m, sum l, unnormalised accumulator) in fp32, in the log2 domain (scores are
 // pre-multiplied by scale·log2 e, so exp2 replaces exp); the 8 warp states are merged in shared
-// memory at the end.
+// memory at the end. The head dim D ∈ {64, 128, 256} is a template parameter (a lane holds
+// D/32 dims); the launchers dispatch on the runtime head_dim (dispatch_head_dim).
 #include <cmath>
 #include <type_traits>
 #include <string>
@@ -19,12 +20,11 @@
 namespace lily::cuda {
 namespace {
 
-constexpr int kD = 256;                 // head dim the kernels are written for
-constexpr int kThreads = 256;           // 8 warps
+constexpr int kMaxD = 256;              // largest head dim the kernels are compiled for
+constexpr int kThreads = 256;           // 8 warps (attention core, any D)
 constexpr int kWarps = kThreads / kWarp;
-constexpr int kDimsPerLane = kD / kWarp;  // 8
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kMaxRotaryHalf = kD / 2;
+constexpr int kMaxRotaryHalf = kMaxD / 2;
 
 /// Inverse RoPE frequencies, computed on the host exactly as the CPU reference does.
 struct RopeFreqs {
@@ -33,7 +33,9 @@ struct RopeFreqs {
 
 // ---- q/k norm + RoPE + cache append ----------------------------------------------------------
 
-/// Block (token t, head hh): hh < nq is query head hh, else kv head hh − nq. Thread d = dim.
+/// Block (token t, head hh): hh < nq is query head hh, else kv head hh − nq. Thread d = dim
+/// (kD threads).
+template <int kD>
 __global__ void __launch_bounds__(kD)
 prepare_kernel(int nq, int nkv, int rotary_dim, float eps, RopeFreqs freqs,
                const bf16* __restrict__ qg, int64_t qg_stride, const bf16* __restrict__ k,
@@ -75,27 +77,35 @@ prepare_kernel(int nq, int nkv, int rotary_dim, float eps, RopeFreqs freqs,
 
 // ---- attention core ----------------------------------------------------------------------------
 
-/// Loads 8 consecutive bf16 (16 bytes, aligned) as fp32.
-__device__ __forceinline__ void load8(const bf16* p, float (&x)[kDimsPerLane]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+/// Raw vector type of N consecutive bf16 (N = 8: 16 bytes, 4: 8 bytes, 2: 4 bytes).
+template <int N> struct BfVec;
+template <> struct BfVec<8> { using type = uint4; };
+template <> struct BfVec<4> { using type = uint2; };
+template <> struct BfVec<2> { using type = unsigned int; };
+
+/// Loads N (= D/32: 8, 4 or 2) consecutive bf16 (one aligned vector load) as fp32.
+template <int N>
+__device__ __forceinline__ void load8(const bf16* p, float (&x)[N]) {
+  const typename BfVec<N>::type raw = *reinterpret_cast<const typename BfVec<N>::type*>(p);
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
+  for (int e = 0; e < N / 2; ++e) {
     const float2 f = __bfloat1622float2(h[e]);
     x[2 * e] = f.x;
     x[2 * e + 1] = f.y;
   }
 }
 
-/// Per-warp online-softmax state of G query heads (log2 domain).
-template <int G>
+/// Per-warp online-softmax state of G query heads (log2 domain), head dim kD.
+template <int G, int kD>
 struct WarpState {
+  static constexpr int kDimsPerLane = kD / kWarp;
   float m[G], l[G], acc[G][kDimsPerLane];
 };
 
 /// Loads the G query vectors of kv head `kvh` (row pointer q_row = [nq, D]) pre-scaled by
 /// scale·log2 e.
-template <int G>
+template <int G, int kD, int kDimsPerLane = kD / kWarp>
 __device__ __forceinline__ void load_queries(const bf16* q_row, int kvh, float scale,
                                              float (&qr)[G][kDimsPerLane]) {
   const int lane = threadIdx.x % kWarp;
@@ -108,10 +118,10 @@ __device__ __forceinline__ void load_queries(const bf16* q_row, int kvh, float s
 }
 
 /// Runs this warp's keys of [start, end) (every kWarps-th key) through the online softmax.
-template <int G>
+template <int G, int kD, int kDimsPerLane = kD / kWarp>
 __device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], const bf16* K,
                                             const bf16* V, int64_t start, int64_t end,
-                                            WarpState<G>& st) {
+                                            WarpState<G, kD>& st) {
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -141,17 +151,21 @@ __device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], 
   }
 }
 
+/// Shared memory of the warp-state merge, head dim kD.
+template <int kD>
 struct MergeSmem {
   float m[kWarps][8];
   float l[kWarps][8];
   float acc[kWarps][kD];
 };
 
-/// Merges the 8 warps' states of query head g; thread d (< 256) gets Σ_w acc·2^{m_w−M} for
-/// dim d, and (M, L) for the head. All threads must call it (it synchronises).
-template <int G>
-__device__ __forceinline__ void merge_head(const WarpState<G>& st, int g, MergeSmem& sm,
+/// Merges the 8 warps' states of query head g; thread d < kD gets Σ_w acc·2^{m_w−M} for
+/// dim d (threads ≥ kD get 0), and (M, L) for the head. All threads must call it (it
+/// synchronises).
+template <int G, int kD>
+__device__ __forceinline__ void merge_head(const WarpState<G, kD>& st, int g, MergeSmem<kD>& sm,
                                            float& acc_d, float& M, float& L) {
+  constexpr int kDimsPerLane = kD / kWarp;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   M = -INFINITY;
 #pragma unroll
@@ -164,7 +178,7 @@ __device__ __forceinline__ void merge_head(const WarpState<G>& st, int g, MergeS
   L = 0.0f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) {
-    acc_d += sm.acc[w][threadIdx.x];
+    if (kD == kThreads || threadIdx.x < kD) acc_d += sm.acc[w][threadIdx.x];
     const float mw = sm.m[w][g];
     L += mw == -INFINITY ? 0.0f : sm.l[w][g] * exp2f(mw - M);
   }
@@ -172,8 +186,8 @@ __device__ __forceinline__ void merge_head(const WarpState<G>& st, int g, MergeS
 }
 
 /// Publishes every warp's (m, l) to shared memory.
-template <int G>
-__device__ __forceinline__ void publish_stats(const WarpState<G>& st, MergeSmem& sm) {
+template <int G, int kD>
+__device__ __forceinline__ void publish_stats(const WarpState<G, kD>& st, MergeSmem<kD>& sm) {
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   if (lane == 0) {
 #pragma unroll
@@ -195,28 +209,29 @@ __device__ __forceinline__ bf16 gated_output(float o, const bf16* gate) {
 
 /// Block (kv head, split): partial softmax state of keys [s·chunk, min(len, (s+1)·chunk)) for
 /// the G query heads; ws_o [nq, n_splits, D], ws_ml [nq, n_splits, 2] = (m, l) log2 domain.
-template <int G>
+template <int G, int kD>
 __global__ void __launch_bounds__(kThreads)
 decode_split_kernel(int n_splits, float scale, int64_t len_host, const int32_t* __restrict__ len_device,
                     const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                     const bf16* __restrict__ v_cache, int64_t capacity, float* __restrict__ ws_o,
                     float* __restrict__ ws_ml) {
-  __shared__ MergeSmem sm;
+  constexpr int kDimsPerLane = kD / kWarp;
+  __shared__ MergeSmem<kD> sm;
   const int kvh = blockIdx.x, s = blockIdx.y;
   const int64_t len = len_device ? int64_t(*len_device) : len_host;
   const int64_t chunk = (len + n_splits - 1) / n_splits;
   const int64_t start = min(len, s * chunk), end = min(len, start + chunk);
   float qr[G][kDimsPerLane];
-  load_queries<G>(q, kvh, scale, qr);
-  WarpState<G> st;
+  load_queries<G, kD>(q, kvh, scale, qr);
+  WarpState<G, kD> st;
   const int64_t head_off = int64_t(kvh) * capacity * kD;
-  attend_keys<G>(qr, k_cache + head_off, v_cache + head_off, start, end, st);
-  publish_stats<G>(st, sm);
+  attend_keys<G, kD>(qr, k_cache + head_off, v_cache + head_off, start, end, st);
+  publish_stats<G, kD>(st, sm);
   for (int g = 0; g < G; ++g) {
     float acc_d, M, L;
-    merge_head<G>(st, g, sm, acc_d, M, L);
+    merge_head<G, kD>(st, g, sm, acc_d, M, L);
     const int64_t slot = int64_t(kvh * G + g) * n_splits + s;
-    ws_o[slot * kD + threadIdx.x] = acc_d;
+    if (kD == kThreads || threadIdx.x < kD) ws_o[slot * kD + threadIdx.x] = acc_d;
     if (threadIdx.x == 0) {
       ws_ml[2 * slot] = M;
       ws_ml[2 * slot + 1] = L;
@@ -225,7 +240,8 @@ decode_split_kernel(int n_splits, float scale, int64_t len_host, const int32_t* 
 }
 
 /// Block per query head, thread per dim: merges the splits, divides by the total sum, applies
-/// the sigmoid gate, writes bf16.
+/// the sigmoid gate, writes bf16 (kD threads).
+template <int kD>
 __global__ void __launch_bounds__(kD)
 decode_combine_kernel(int n_splits, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
                       const bf16* __restrict__ gate, bf16* __restrict__ out) {
@@ -249,23 +265,25 @@ decode_combine_kernel(int n_splits, const float* __restrict__ ws_o, const float*
 
 /// Block (row r, kv head): causal attention of row r (keys [0, base + r]) for the G query heads
 /// of the group, written normalised and gated.
-template <int G>
+template <int G, int kD>
 __global__ void __launch_bounds__(kThreads)
 prefill_row_kernel(int nq, float scale, int64_t base, const bf16* __restrict__ q,
                    const bf16* __restrict__ gate, int64_t gate_stride,
                    const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
                    int64_t capacity, bf16* __restrict__ out) {
-  __shared__ MergeSmem sm;
+  constexpr int kDimsPerLane = kD / kWarp;
+  __shared__ MergeSmem<kD> sm;
   const int r = blockIdx.x, kvh = blockIdx.y;
   float qr[G][kDimsPerLane];
-  load_queries<G>(q + int64_t(r) * nq * kD, kvh, scale, qr);
-  WarpState<G> st;
+  load_queries<G, kD>(q + int64_t(r) * nq * kD, kvh, scale, qr);
+  WarpState<G, kD> st;
   const int64_t head_off = int64_t(kvh) * capacity * kD;
-  attend_keys<G>(qr, k_cache + head_off, v_cache + head_off, 0, base + r + 1, st);
-  publish_stats<G>(st, sm);
+  attend_keys<G, kD>(qr, k_cache + head_off, v_cache + head_off, 0, base + r + 1, st);
+  publish_stats<G, kD>(st, sm);
   for (int g = 0; g < G; ++g) {
     float acc_d, M, L;
-    merge_head<G>(st, g, sm, acc_d, M, L);
+    merge_head<G, kD>(st, g, sm, acc_d, M, L);
+    if (kD != kThreads && threadIdx.x >= kD) continue;  // uniform per warp (kD multiple of 32)
     const int h = kvh * G + g;
     const bf16* gp = gate ? gate + int64_t(r) * gate_stride + int64_t(h) * 2 * kD + kD + threadIdx.x
                           : nullptr;
@@ -283,10 +301,11 @@ prefill_row_kernel(int nq, float scale, int64_t base, const bf16* __restrict__ q
   } while (0)
 
 void check_dims(const AttnDims& d) {
-  MIXER_REQUIRE(d.head_dim == kD, "head_dim " + std::to_string(d.head_dim) +
-                                " unsupported (kernels are compiled for 256)");
-  MIXER_REQUIRE(d.rotary_dim >= 0 && d.rotary_dim <= kD && d.rotary_dim % 2 == 0,
-          "rotary_dim " + std::to_string(d.rotary_dim) + " must be even and in [0, 256]");
+  MIXER_REQUIRE(d.head_dim == 64 || d.head_dim == 128 || d.head_dim == 256,
+          "head_dim " + std::to_string(d.head_dim) + " unsupported (kernels are compiled for 64, 128, 256)");
+  MIXER_REQUIRE(d.rotary_dim >= 0 && d.rotary_dim <= d.head_dim && d.rotary_dim % 2 == 0,
+          "rotary_dim " + std::to_string(d.rotary_dim) + " must be even and in [0, head_dim " +
+              std::to_string(d.head_dim) + "]");
   MIXER_REQUIRE(d.n_kv_heads > 0 && d.n_heads > 0 && d.n_heads % d.n_kv_heads == 0,
           "query heads (" + std::to_string(d.n_heads) + ") must be a positive multiple of kv heads (" +
               std::to_string(d.n_kv_heads) + ")");
@@ -308,6 +327,18 @@ void dispatch_group(int G, F&& f) {
     case 4: f(std::integral_constant<int, 4>{}); break;
     case 8: f(std::integral_constant<int, 8>{}); break;
     default: MIXER_REQUIRE(false, "GQA group " + std::to_string(G) + " unsupported");
+  }
+}
+
+/// Calls f(std::integral_constant<int, D>{}) for the runtime head dim D (checked by
+/// check_dims first).
+template <typename F>
+void dispatch_head_dim(int D, F&& f) {
+  switch (D) {
+    case 256: f(std::integral_constant<int, 256>{}); break;
+    case 128: f(std::integral_constant<int, 128>{}); break;
+    case 64: f(std::integral_constant<int, 64>{}); break;
+    default: MIXER_REQUIRE(false, "head_dim " + std::to_string(D) + " unsupported");
   }
 }
 
@@ -335,8 +366,9 @@ void attention_prepare(const AttnDims& dims, int T, const bf16* qg, int64_t qg_s
   check_cache(cache);
   MIXER_REQUIRE(T >= 1 && T <= 65535, "attention_prepare: T=" + std::to_string(T) + " outside [1, 65535]");
   MIXER_REQUIRE(qg && k && v && q_norm && k_norm && q_out, "attention_prepare: null buffer");
-  MIXER_REQUIRE(qg_stride >= int64_t(dims.n_heads) * 2 * kD, "attention_prepare: qg row stride too small");
-  MIXER_REQUIRE(kv_stride >= int64_t(dims.n_kv_heads) * kD, "attention_prepare: k/v row stride too small");
+  const int D = dims.head_dim;
+  MIXER_REQUIRE(qg_stride >= int64_t(dims.n_heads) * 2 * D, "attention_prepare: qg row stride too small");
+  MIXER_REQUIRE(kv_stride >= int64_t(dims.n_kv_heads) * D, "attention_prepare: k/v row stride too small");
   MIXER_REQUIRE(pos0_host >= 0 && pos0_host + T <= cache.capacity,
           "attention_prepare: positions [" + std::to_string(pos0_host) + ", " +
               std::to_string(pos0_host + T) + ") exceed the KV cache capacity " +
@@ -345,9 +377,13 @@ void attention_prepare(const AttnDims& dims, int T, const bf16* qg, int64_t qg_s
   const float base = dims.rope_theta;
   for (int j = 0; j < dims.rotary_dim / 2; ++j)  // as cpu::rope_cos_sin
     freqs.inv[j] = 1.0f / std::pow(base, float(2 * j) / float(dims.rotary_dim));
-  prepare_kernel<<<dim3(T, dims.n_heads + dims.n_kv_heads), kD, 0, stream>>>(
-      dims.n_heads, dims.n_kv_heads, dims.rotary_dim, dims.norm_eps, freqs, qg, qg_stride, k, v,
-      kv_stride, q_norm, k_norm, pos0_host, pos_device, cache.k, cache.v, cache.capacity, q_out);
+  dispatch_head_dim(D, [&](auto d) {
+    constexpr int kD = decltype(d)::value;
+    prepare_kernel<kD><<<dim3(T, dims.n_heads + dims.n_kv_heads), kD, 0, stream>>>(
+        dims.n_heads, dims.n_kv_heads, dims.rotary_dim, dims.norm_eps, freqs, qg, qg_stride, k,
+        v, kv_stride, q_norm, k_norm, pos0_host, pos_device, cache.k, cache.v, cache.capacity,
+        q_out);
+  });
   LILY_CUDA_CHECK_LAUNCH();
 }
 
@@ -357,7 +393,7 @@ int attention_decode_splits(int64_t len) {
 }
 
 size_t attention_decode_workspace_bytes(const AttnDims& dims, int n_splits) {
-  return size_t(dims.n_heads) * size_t(n_splits) * (kD + 2) * sizeof(float);
+  return size_t(dims.n_heads) * size_t(n_splits) * (size_t(dims.head_dim) + 2) * sizeof(float);
 }
 
 void attention_decode(const AttnDims& dims, const bf16* q, const bf16* gate,
@@ -376,15 +412,20 @@ void attention_decode(const AttnDims& dims, const bf16* q, const bf16* gate,
           "attention_decode: length " + std::to_string(len_host) + " outside [1, capacity " +
               std::to_string(cache.capacity) + "]");
   float* ws_o = workspace;
-  float* ws_ml = workspace + size_t(dims.n_heads) * n_splits * kD;
+  float* ws_ml = workspace + size_t(dims.n_heads) * n_splits * dims.head_dim;
   const int G = dims.n_heads / dims.n_kv_heads;
-  dispatch_group(G, [&](auto g) {
-    decode_split_kernel<decltype(g)::value><<<dim3(dims.n_kv_heads, n_splits), kThreads, 0, stream>>>(
-        n_splits, dims.scale(), len_host, len_device, q, cache.k, cache.v, cache.capacity, ws_o, ws_ml);
+  dispatch_head_dim(dims.head_dim, [&](auto d) {
+    constexpr int kD = decltype(d)::value;
+    dispatch_group(G, [&](auto g) {
+      decode_split_kernel<decltype(g)::value, kD>
+          <<<dim3(dims.n_kv_heads, n_splits), kThreads, 0, stream>>>(
+              n_splits, dims.scale(), len_host, len_device, q, cache.k, cache.v, cache.capacity,
+              ws_o, ws_ml);
+    });
+    LILY_CUDA_CHECK_LAUNCH();
+    decode_combine_kernel<kD><<<dims.n_heads, kD, 0, stream>>>(n_splits, ws_o, ws_ml, gate, out);
+    LILY_CUDA_CHECK_LAUNCH();
   });
-  LILY_CUDA_CHECK_LAUNCH();
-  decode_combine_kernel<<<dims.n_heads, kD, 0, stream>>>(n_splits, ws_o, ws_ml, gate, out);
-  LILY_CUDA_CHECK_LAUNCH();
 }
 
 void attention_prefill(const AttnDims& dims, int T, int64_t base, const bf16* q, const bf16* gate,
@@ -397,12 +438,16 @@ void attention_prefill(const AttnDims& dims, int T, int64_t base, const bf16* q,
   MIXER_REQUIRE(base >= 0 && base + T <= cache.capacity,
           "attention_prefill: keys [0, " + std::to_string(base + T) +
               ") exceed the KV cache capacity " + std::to_string(cache.capacity));
-  MIXER_REQUIRE(!gate || gate_stride >= int64_t(dims.n_heads) * 2 * kD,
+  MIXER_REQUIRE(!gate || gate_stride >= int64_t(dims.n_heads) * 2 * dims.head_dim,
           "attention_prefill: gate row stride too small");
   const int G = dims.n_heads / dims.n_kv_heads;
-  dispatch_group(G, [&](auto g) {
-    prefill_row_kernel<decltype(g)::value><<<dim3(T, dims.n_kv_heads), kThreads, 0, stream>>>(
-        dims.n_heads, dims.scale(), base, q, gate, gate_stride, cache.k, cache.v, cache.capacity, out);
+  dispatch_head_dim(dims.head_dim, [&](auto d) {
+    constexpr int kD = decltype(d)::value;
+    dispatch_group(G, [&](auto g) {
+      prefill_row_kernel<decltype(g)::value, kD><<<dim3(T, dims.n_kv_heads), kThreads, 0, stream>>>(
+          dims.n_heads, dims.scale(), base, q, gate, gate_stride, cache.k, cache.v,
+          cache.capacity, out);
+    });
   });
   LILY_CUDA_CHECK_LAUNCH();
 }

@@ -2,6 +2,7 @@
 // step and prefill), the fused per-value-head decode step, the chunked (UT/WY) prefill of the
 // delta rule, and the gated RMSNorm. Launchers are declared in mixer_kernels.h.
 #include <string>
+#include <type_traits>
 
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/mixer_kernels.h"
@@ -13,8 +14,8 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kDk = 128;       // key head dim the kernels are written for
-constexpr int kDv = 128;       // value head dim
+// Key and value head dims are equal (Dk = Dv = D) and a template parameter D ∈ {64, 128}; the
+// launchers dispatch on the runtime dims (dispatch_head_dim below).
 constexpr int kConvK = 4;      // conv kernel width
 constexpr int kHist = kConvK - 1;
 constexpr float kL2Eps = 1e-6f;  // HF l2norm epsilon: x·rsqrt(Σx² + 1e-6)
@@ -100,6 +101,7 @@ __global__ void conv_window_update_kernel(int C, int T, const bf16* __restrict__
 
 /// Gated RMSNorm of one value head, called by threads m < Dv of the block (all threads must
 /// call it: it synchronises). `o` is the already bf16-rounded output. Returns y[m] for m < Dv.
+template <int kDv>
 __device__ __forceinline__ float gated_norm_value(float o, float z, float gain, float eps,
                                                   float* scratch) {
   const bool active = threadIdx.x < kDv;
@@ -108,23 +110,38 @@ __device__ __forceinline__ float gated_norm_value(float o, float z, float gain, 
   return (gain * (o * r)) * silu_precise(z);
 }
 
-constexpr int kDecodeSlices = 4;                    // CTAs (one cluster) per value head
-constexpr int kSliceCols = kDv / kDecodeSlices;     // 32 value columns per CTA
-constexpr int kDecodeThreads = 256;                 // 8 warps
-constexpr int kDecodeParts = kDecodeThreads / kSliceCols;  // 8 key-row slices
-constexpr int kRowsPerPart = kDk / kDecodeParts;    // 16
+/// Launch geometry of the fused decode step for head dim D (= Dk = Dv): a cluster of D/32
+/// CTAs per value head, each owning 32 value columns, 2·D threads (threads [0, D) load q,
+/// [D, 2D) load k), so D/16 key-row parts of 16 rows each. D = 128: 4 CTAs × 256 threads,
+/// 8 parts; D = 64: 2 CTAs × 128 threads, 4 parts.
+template <int D>
+struct DecodeGeom {
+  static constexpr int kSliceCols = kWarp;                      // 32 value columns per CTA
+  static constexpr int kSlices = D / kSliceCols;                // CTAs (one cluster) per head
+  static constexpr int kThreads = 2 * D;
+  static constexpr int kParts = kThreads / kSliceCols;          // key-row parts
+  static constexpr int kRowsPerPart = D / kParts;               // 16
+  static constexpr int kWarpsPerVec = D / kWarp;                // warps holding q (or k)
+  static_assert(kRowsPerPart * kParts == D && kSlices * kSliceCols == D, "bad decode geometry");
+};
 
-/// A cluster of 4 CTAs per value head j; CTA y owns value columns [32y, 32y+32). Each CTA:
-/// q̂/k̂ L2 norms and gates (redundantly), the delta-rule step on its 128×32 slice of S_j (fp32,
-/// in place), bf16 output; the gated RMSNorm's Σo² is summed over the cluster through
-/// distributed shared memory. Thread (part, m): column m of the slice, key rows [16·part, +16).
-__global__ void __cluster_dims__(1, kDecodeSlices, 1) __launch_bounds__(kDecodeThreads)
-gdn_decode_kernel(int Hk, int Hv, float eps, const float* __restrict__ A_log,
+/// A cluster of D/32 CTAs per value head j (compile-time cluster dims); CTA y owns value
+/// columns [32y, 32y+32). Each CTA: q̂/k̂ L2 norms and gates (redundantly), the delta-rule step
+/// on its D×32 slice of S_j (fp32, in place), bf16 output; the gated RMSNorm's Σo² is summed
+/// over the cluster through distributed shared memory. Thread (part, m): column m of the
+/// slice, key rows [16·part, +16).
+template <int D>
+__global__ void __cluster_dims__(1, DecodeGeom<D>::kSlices, 1)
+__launch_bounds__(DecodeGeom<D>::kThreads) gdn_decode_kernel(int Hk, int Hv, float eps, const float* __restrict__ A_log,
                   const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
                   const bf16* __restrict__ conv_out, const bf16* __restrict__ z,
                   const bf16* __restrict__ a, const bf16* __restrict__ b,
                   float* __restrict__ state, bf16* __restrict__ out) {
-  __shared__ float q_s[kDk], k_s[kDk], part_s[kDecodeParts][kSliceCols], scratch[8], gates[2];
+  using Geom = DecodeGeom<D>;
+  constexpr int kDk = D, kDv = D, kSliceCols = Geom::kSliceCols, kDecodeSlices = Geom::kSlices;
+  constexpr int kDecodeParts = Geom::kParts, kRowsPerPart = Geom::kRowsPerPart;
+  __shared__ float q_s[kDk], k_s[kDk], part_s[kDecodeParts][kSliceCols];
+  __shared__ float scratch[Geom::kThreads / kWarp], gates[2];
   __shared__ float slice_sq;  // Σ o'² over this CTA's columns, read by the whole cluster
   cg::cluster_group cluster = cg::this_cluster();
   const int j = blockIdx.x, kh = j / (Hv / Hk), tid = threadIdx.x;
@@ -143,8 +160,10 @@ gdn_decode_kernel(int Hk, int Hv, float eps, const float* __restrict__ A_log,
   }
   __syncthreads();
   {
-    const int w0 = tid < kDk ? 0 : 4;
-    const float ss = scratch[w0] + scratch[w0 + 1] + scratch[w0 + 2] + scratch[w0 + 3];
+    const int w0 = tid < kDk ? 0 : Geom::kWarpsPerVec;
+    float ss = scratch[w0];
+#pragma unroll
+    for (int w = 1; w < Geom::kWarpsPerVec; ++w) ss += scratch[w0 + w];
     const float r = 1.0f / sqrtf(ss + kL2Eps);
     if (tid < kDk) q_s[tid] = x * r * rsqrtf(float(kDk));
     else k_s[tid - kDk] = x * r;
@@ -187,7 +206,7 @@ gdn_decode_kernel(int Hk, int Hv, float eps, const float* __restrict__ A_log,
   for (int p = 0; p < kDecodeParts; ++p) o += part_s[p][m];
   o = round_bf16(o);
 
-  // Gated RMSNorm: Σo'² of the head = the 4 slices' sums, added in rank order everywhere.
+  // Gated RMSNorm: Σo'² of the head = the D/32 slices' sums, added in rank order everywhere.
   if (tid < kWarp) {
     const float slice = warp_sum(o * o);
     if (tid == 0) slice_sq = slice;
@@ -220,9 +239,11 @@ constexpr int kChunk = 64;
 constexpr int kBV = 32;                 // value columns per block
 constexpr int kPrefillThreads = 256;    // 8 warps
 constexpr int kPrefillWarps = kPrefillThreads / kWarp;
-constexpr int kKPad = kDk + 4;          // row stride of the q/k tiles (float4-conflict-free)
 
+/// Shared memory of the chunked prefill for head dim kDk (= Dv).
+template <int kDk>
 struct PrefillSmem {
+  static constexpr int kKPad = kDk + 4;  // row stride of the q/k tiles (float4-conflict-free)
   float q[kChunk][kKPad];     // q̂ (scaled) of the chunk, zero rows past L
   float k[kChunk][kKPad];     // k̂
   float S[kDk][kBV];          // state slice
@@ -237,7 +258,8 @@ struct PrefillSmem {
 };
 
 /// Loads q̂/k̂ rows (L2-normalised, q scaled) and the gates of chunk tokens [t0, t0+L).
-__device__ void load_chunk(PrefillSmem& sm, int t0, int L, int j, int kh, int key_dim,
+template <int kDk>
+__device__ void load_chunk(PrefillSmem<kDk>& sm, int t0, int L, int j, int kh, int key_dim,
                            int64_t C, const bf16* conv_out, const bf16* a, const bf16* b,
                            int64_t zab_stride, float A_log_j, float dt_bias_j) {
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
@@ -274,7 +296,8 @@ __device__ void load_chunk(PrefillSmem& sm, int t0, int L, int j, int kh, int ke
 }
 
 /// A and P: thread (ty, tx) computes rows 4·ty … 4·ty+3, columns tx + 16·c (c < 4).
-__device__ void form_kk_qk(PrefillSmem& sm) {
+template <int kDk>
+__device__ void form_kk_qk(PrefillSmem<kDk>& sm) {
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
   float kk[4][4] = {}, qk[4][4] = {};
   for (int i = 0; i < kDk; i += 4) {
@@ -305,7 +328,8 @@ __device__ void form_kk_qk(PrefillSmem& sm) {
 }
 
 /// R_t = β_t(v_t − γ_t·S0ᵀk_t) and QS_t = γ_t·S0ᵀq_t; warp w rows t ≡ w (mod 8), lane = column.
-__device__ void form_rhs(PrefillSmem& sm, int t0, int L, int64_t C, int v_offset,
+template <int kDk>
+__device__ void form_rhs(PrefillSmem<kDk>& sm, int t0, int L, int64_t C, int v_offset,
                          const bf16* conv_out) {
   const int warp = threadIdx.x / kWarp, m = threadIdx.x % kWarp;
   for (int t = warp; t < kChunk; t += kPrefillWarps) {
@@ -325,7 +349,8 @@ __device__ void form_rhs(PrefillSmem& sm, int t0, int L, int64_t C, int v_offset
 /// Solves (I + A)Δ = R in place in sm.R by blocked forward substitution: for each block of 8
 /// rows, the 8 warps first subtract the earlier blocks' terms in parallel (one row each), then
 /// warp 0 finishes the block sequentially.
-__device__ void solve_unit_lower(PrefillSmem& sm) {
+template <int kDk>
+__device__ void solve_unit_lower(PrefillSmem<kDk>& sm) {
   const int warp = threadIdx.x / kWarp, m = threadIdx.x % kWarp;
   for (int b0 = 0; b0 < kChunk; b0 += kPrefillWarps) {
     const int t = b0 + warp;
@@ -347,7 +372,8 @@ __device__ void solve_unit_lower(PrefillSmem& sm) {
 
 /// Outputs o_t = QS_t + Σ_{s≤t} P[t][s]Δ_s (bf16, pre-norm) and the scaled deltas for the
 /// state update.
-__device__ void chunk_output(PrefillSmem& sm, int t0, int L, bf16* out, int64_t out_stride,
+template <int kDk>
+__device__ void chunk_output(PrefillSmem<kDk>& sm, int t0, int L, bf16* out, int64_t out_stride,
                              int o_offset) {
   const int warp = threadIdx.x / kWarp, m = threadIdx.x % kWarp;
   const float g_last = sm.g[L - 1];
@@ -360,7 +386,8 @@ __device__ void chunk_output(PrefillSmem& sm, int t0, int L, bf16* out, int64_t 
 }
 
 /// S ← γ_L S + Σ_s k_s D_sᵀ; warp w rows i ≡ w (mod 8), lane = column.
-__device__ void update_state(PrefillSmem& sm, int L) {
+template <int kDk>
+__device__ void update_state(PrefillSmem<kDk>& sm, int L) {
   const int warp = threadIdx.x / kWarp, m = threadIdx.x % kWarp;
   const float gamma_last = expf(sm.g[L - 1]);
   for (int i = warp; i < kDk; i += kPrefillWarps) {
@@ -370,7 +397,8 @@ __device__ void update_state(PrefillSmem& sm, int L) {
   }
 }
 
-/// Block (value head j, column slice): the whole sequence, chunk after chunk.
+/// Block (value head j, column slice): the whole sequence, chunk after chunk. kDk = Dk = Dv.
+template <int kDk>
 __global__ void __launch_bounds__(kPrefillThreads)
 gdn_prefill_chunked_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log,
                            const float* __restrict__ dt_bias, const bf16* __restrict__ conv_out,
@@ -378,7 +406,8 @@ gdn_prefill_chunked_kernel(int Hk, int Hv, int T, const float* __restrict__ A_lo
                            int64_t zab_stride, float* __restrict__ state,
                            bf16* __restrict__ out) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  PrefillSmem& sm = *reinterpret_cast<PrefillSmem*>(smem_raw);
+  constexpr int kDv = kDk;
+  PrefillSmem<kDk>& sm = *reinterpret_cast<PrefillSmem<kDk>*>(smem_raw);
   const int j = blockIdx.x, m0 = blockIdx.y * kBV, kh = j / (Hv / Hk);
   const int key_dim = Hk * kDk;
   const int64_t C = 2 * key_dim + int64_t(Hv) * kDv;
@@ -402,7 +431,9 @@ gdn_prefill_chunked_kernel(int Hk, int Hv, int T, const float* __restrict__ A_lo
   for (int i = warp; i < kDk; i += kPrefillWarps) S[i * kDv + m0 + lane] = sm.S[i][lane];
 }
 
-/// Gated RMSNorm in place over rows of bf16 pre-norm outputs: block (token, value head).
+/// Gated RMSNorm in place over rows of bf16 pre-norm outputs: block (token, value head),
+/// thread per value dim (kDv threads).
+template <int kDv>
 __global__ void __launch_bounds__(kDv)
 gated_norm_kernel(int Hv, float eps, const float* __restrict__ norm_w,
                   const bf16* __restrict__ z, int64_t z_stride, bf16* __restrict__ io) {
@@ -410,7 +441,7 @@ gated_norm_kernel(int Hv, float eps, const float* __restrict__ norm_w,
   const int t = blockIdx.x, j = blockIdx.y, m = threadIdx.x;
   bf16* row = io + int64_t(t) * Hv * kDv + j * kDv;
   const float o = to_f32(row[m]);
-  const float y = gated_norm_value(o, to_f32(z[int64_t(t) * z_stride + j * kDv + m]), norm_w[m],
+  const float y = gated_norm_value<kDv>(o, to_f32(z[int64_t(t) * z_stride + j * kDv + m]), norm_w[m],
                                    eps, scratch);
   row[m] = to_bf16(y);
 }
@@ -425,14 +456,54 @@ gated_norm_kernel(int Hv, float eps, const float* __restrict__ norm_w,
   } while (0)
 
 void check_dims(const GdnDims& d) {
-  MIXER_REQUIRE(d.key_head_dim == kDk && d.value_head_dim == kDv,
+  MIXER_REQUIRE(d.key_head_dim == d.value_head_dim && (d.key_head_dim == 64 || d.key_head_dim == 128),
           "head dims Dk=" + std::to_string(d.key_head_dim) + " Dv=" +
-              std::to_string(d.value_head_dim) + " unsupported (kernels are compiled for 128)");
+              std::to_string(d.value_head_dim) + " unsupported (kernels are compiled for Dk = Dv = 64 or 128)");
   MIXER_REQUIRE(d.conv_kernel == kConvK,
           "conv kernel " + std::to_string(d.conv_kernel) + " unsupported (compiled for 4)");
   MIXER_REQUIRE(d.n_key_heads > 0 && d.n_value_heads > 0 && d.n_value_heads % d.n_key_heads == 0,
           "value heads (" + std::to_string(d.n_value_heads) + ") must be a positive multiple of key heads (" +
               std::to_string(d.n_key_heads) + ")");
+}
+
+/// Calls f(std::integral_constant<int, D>{}) for the runtime head dim D = Dk = Dv (checked by
+/// check_dims first).
+template <typename F>
+void dispatch_head_dim(const GdnDims& d, F&& f) {
+  switch (d.key_head_dim) {
+    case 128: f(std::integral_constant<int, 128>{}); break;
+    case 64: f(std::integral_constant<int, 64>{}); break;
+    default: MIXER_REQUIRE(false, "head dim " + std::to_string(d.key_head_dim) + " unsupported");
+  }
+}
+
+/// Launches the fused decode step for head dim D: grid (Hv, D/32), clusters of (1, D/32, 1).
+template <int D>
+void launch_decode(const GdnDims& dims, const GdnParams& params, const bf16* conv_out,
+                   const bf16* z, const bf16* a, const bf16* b, float* state, bf16* out,
+                   cudaStream_t stream) {
+  using Geom = DecodeGeom<D>;
+  gdn_decode_kernel<D><<<dim3(dims.n_value_heads, Geom::kSlices), Geom::kThreads, 0, stream>>>(
+      dims.n_key_heads, dims.n_value_heads, dims.norm_eps, params.A_log, params.dt_bias,
+      params.norm_w, conv_out, z, a, b, state, out);
+}
+
+/// Launches the chunked prefill and the gated norm for head dim D.
+template <int D>
+void launch_prefill(const GdnDims& dims, const GdnParams& params, int T, const bf16* conv_out,
+                    const bf16* z, const bf16* a, const bf16* b, int64_t zab_stride, float* state,
+                    bf16* out, cudaStream_t stream) {
+  const size_t smem = sizeof(PrefillSmem<D>);
+  CUDA_CHECK(cudaFuncSetAttribute(gdn_prefill_chunked_kernel<D>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  const dim3 grid(dims.n_value_heads, D / kBV);
+  gdn_prefill_chunked_kernel<D><<<grid, kPrefillThreads, smem, stream>>>(
+      dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b,
+      zab_stride, state, out);
+  LILY_CUDA_CHECK_LAUNCH();
+  gated_norm_kernel<D><<<dim3(T, dims.n_value_heads), D, 0, stream>>>(
+      dims.n_value_heads, dims.norm_eps, params.norm_w, z, zab_stride, out);
+  LILY_CUDA_CHECK_LAUNCH();
 }
 
 void check_params(const GdnParams& p) {
@@ -469,9 +540,9 @@ void gdn_decode(const GdnDims& dims, const GdnParams& params, const bf16* conv_o
   check_dims(dims);
   check_params(params);
   MIXER_REQUIRE(conv_out && z && a && b && state && out, "gdn_decode: null buffer");
-  gdn_decode_kernel<<<dim3(dims.n_value_heads, kDecodeSlices), kDecodeThreads, 0, stream>>>(
-      dims.n_key_heads, dims.n_value_heads, dims.norm_eps, params.A_log, params.dt_bias,
-      params.norm_w, conv_out, z, a, b, state, out);
+  dispatch_head_dim(dims, [&](auto d) {
+    launch_decode<decltype(d)::value>(dims, params, conv_out, z, a, b, state, out, stream);
+  });
   LILY_CUDA_CHECK_LAUNCH();
 }
 
@@ -500,17 +571,10 @@ void gdn_prefill(const GdnDims& dims, const GdnParams& params, int T, const bf16
   MIXER_REQUIRE(conv_out && z && a && b && state && out, "gdn_prefill: null buffer");
   MIXER_REQUIRE(zab_stride >= dims.n_value_heads,
           "gdn_prefill: z/a/b row stride " + std::to_string(zab_stride) + " too small");
-  const size_t smem = sizeof(PrefillSmem);
-  CUDA_CHECK(cudaFuncSetAttribute(gdn_prefill_chunked_kernel,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  const dim3 grid(dims.n_value_heads, kDv / kBV);
-  gdn_prefill_chunked_kernel<<<grid, kPrefillThreads, smem, stream>>>(
-      dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b,
-      zab_stride, state, out);
-  LILY_CUDA_CHECK_LAUNCH();
-  gated_norm_kernel<<<dim3(T, dims.n_value_heads), kDv, 0, stream>>>(
-      dims.n_value_heads, dims.norm_eps, params.norm_w, z, zab_stride, out);
-  LILY_CUDA_CHECK_LAUNCH();
+  dispatch_head_dim(dims, [&](auto d) {
+    launch_prefill<decltype(d)::value>(dims, params, T, conv_out, z, a, b, zab_stride, state,
+                                       out, stream);
+  });
 }
 
 }  // namespace lily::cuda

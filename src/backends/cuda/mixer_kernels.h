@@ -26,13 +26,13 @@ namespace lily::cuda {
 // Gated DeltaNet (model.md §3.3)
 // =============================================================================================
 
-/// GDN dimensions. The kernels are compiled for Dk = Dv = 128 and conv kernel K = 4 (the
-/// Qwen3.6 family); Hk, Hv (a multiple of Hk) are runtime values.
+/// GDN dimensions. The kernels are compiled for Dk = Dv ∈ {64, 128} (128: the Qwen3.6 family;
+/// 64: the demo model) and conv kernel K = 4; Hk, Hv (a multiple of Hk) are runtime values.
 struct GdnDims {
   int n_key_heads = 16;     ///< Hk
   int n_value_heads = 32;   ///< Hv; value head j uses key head j / (Hv/Hk)
-  int key_head_dim = 128;   ///< Dk (must be 128)
-  int value_head_dim = 128; ///< Dv (must be 128)
+  int key_head_dim = 128;   ///< Dk (64 or 128)
+  int value_head_dim = 128; ///< Dv (must equal Dk)
   int conv_kernel = 4;      ///< K (must be 4)
   float norm_eps = 1e-6f;   ///< gated RMSNorm epsilon
 
@@ -47,7 +47,7 @@ struct GdnDims {
 };
 
 /// The GDN dims of a model config. Throws lily::Error if the kernels were not written for it
-/// (Dk or Dv ≠ 128, K ≠ 4, Hv not a multiple of Hk).
+/// (Dk ≠ Dv, Dk ∉ {64, 128}, K ≠ 4, Hv not a multiple of Hk).
 GdnDims gdn_dims(const ModelConfig& config);
 
 /// Per-layer GDN parameters in device memory (fp32 copies of GdnWeights' vectors).
@@ -67,8 +67,8 @@ struct GdnParams {
 void gdn_conv_decode(const GdnDims& dims, const GdnParams& params, const __nv_bfloat16* qkv,
                      __nv_bfloat16* window, __nv_bfloat16* out, cudaStream_t stream);
 
-/// GDN decode, step 2: one fused kernel, a cluster of 4 CTAs per value head, each owning 32
-/// value columns of the state (model.md §3.3 steps 3-6, §4.3):
+/// GDN decode, step 2: one fused kernel, a cluster of Dv/32 CTAs per value head (4 at Dv = 128,
+/// 2 at Dv = 64), each owning 32 value columns of the state (model.md §3.3 steps 3-6, §4.3):
 /// L2-normalise q, k (HF form x·rsqrt(Σx²+1e-6), fp32, not rounded), q scale 1/√Dk,
 /// α = exp(−exp(A_log)·softplus(a+dt_bias)) (softplus threshold 20), β = sigmoid(b),
 /// delta-rule update of the fp32 state (decay, predict, delta, rank-1 update), output with the
@@ -110,11 +110,12 @@ void gdn_prefill(const GdnDims& dims, const GdnParams& params, int T,
 // Gated full attention (model.md §3.4)
 // =============================================================================================
 
-/// Attention dimensions. Kernels are compiled for head_dim 256 and rotary_dim ≤ head_dim, even.
+/// Attention dimensions. Kernels are compiled for head_dim ∈ {64, 128, 256}, GQA group
+/// nq/nkv ∈ {1, 2, 4, 8} and rotary_dim ≤ head_dim, even.
 struct AttnDims {
   int n_heads = 16;       ///< query heads nq
   int n_kv_heads = 2;     ///< kv heads (nq a multiple of it; group nq/nkv)
-  int head_dim = 256;     ///< D (must be 256)
+  int head_dim = 256;     ///< D (64, 128 or 256)
   int rotary_dim = 64;    ///< leading dims rotated, NeoX half-split
   float rope_theta = 1.0e7f;
   float norm_eps = 1e-6f; ///< q/k RMSNorm epsilon
@@ -122,7 +123,8 @@ struct AttnDims {
 };
 
 /// The attention dims of a model config. Throws lily::Error if the kernels were not written
-/// for it (head_dim ≠ 256, odd or too large rotary dim, n_heads not a multiple of n_kv_heads).
+/// for it (head_dim ∉ {64, 128, 256}, odd or too large rotary dim, n_heads not a multiple of
+/// n_kv_heads, group not 1, 2, 4 or 8).
 AttnDims attn_dims(const ModelConfig& config);
 
 /// One attention layer's KV cache in device memory: K and V, each bf16
