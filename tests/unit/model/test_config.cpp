@@ -302,12 +302,16 @@ TEST(TensorTable, DemoTableShapes) {
       EXPECT_EQ(spec.bits, 8);
       EXPECT_EQ(packed_codes_shape(spec), (std::vector<int64_t>{16, 64}));
     }
-    if (spec.name == "language_model.model.layers.3.self_attn.q_proj")
+    if (spec.name == "language_model.model.layers.3.self_attn.q_proj") {
       EXPECT_EQ(spec.shape, (std::vector<int64_t>{4 * 2 * 64, 256}));
-    if (spec.name.ends_with("A_log")) EXPECT_EQ(spec.kind, TensorKind::kFloat);
+    }
+    if (spec.name.ends_with("A_log")) {
+      EXPECT_EQ(spec.kind, TensorKind::kFloat);
+    }
     if (spec.kind == TensorKind::kQuantized && !spec.name.ends_with("mlp.gate") &&
-        !spec.name.ends_with("shared_expert_gate"))
+        !spec.name.ends_with("shared_expert_gate")) {
       EXPECT_EQ(spec.bits, 4) << spec.name;
+    }
   }
 }
 
