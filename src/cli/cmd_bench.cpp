@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "base/build_info.h"
 #include "base/error.h"
 #include "cli/commands.h"
 #include "engine/backend.h"
@@ -141,7 +142,7 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
     std::string cmd;
     for (const auto& a : argv) cmd += (cmd.empty() ? "" : " ") + a;
     j["schema_version"] = 1;
-    j["meta"] = {{"engine", "lily.cpp"}, {"commit", LILY_GIT_COMMIT}, {"backend", backend->name()},
+    j["meta"] = {{"engine", "lily.cpp"}, {"commit", lily::build_commit()}, {"backend", backend->name()},
                  {"device", device}, {"command", cmd}, {"model", f.model}, {"shape", weights->config.shape_name()}};
     j["workload"] = {{"prompt_len", f.prompt_len}, {"prompt_kind", "u32_golden_ratio_hash_mod_vocab"},
                      {"decode_steps", f.decode_steps}, {"decode_mode", "synchronous_per_step"}, {"rounds", f.rounds}};

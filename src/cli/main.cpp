@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "base/build_info.h"
 #include "base/error.h"
 #include "base/log.h"
 #include "cli/commands.h"
@@ -12,7 +13,7 @@
 int main(int argc, char** argv) {
   CLI::App app{"lily: an inference server for Qwen3.6-35B-A3B (qwen3_5_moe, MLX 4-bit)"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", std::string("lily ") + LILY_GIT_COMMIT);
+  app.set_version_flag("--version", std::string("lily ") + lily::build_commit());
   int exit_code = 0;
   lily::cli::register_serve(app, exit_code);
   lily::cli::register_generate(app, exit_code);

@@ -13,6 +13,7 @@
 
 #include <httplib.h>
 
+#include "base/build_info.h"
 #include "base/error.h"
 #include "base/log.h"
 #include "engine/generate.h"
@@ -461,7 +462,7 @@ void LilyServer::handle_chat(const httplib::Request& req, httplib::Response& res
     call->meta = CompletionMeta{"chatcmpl-" + random_hex(24),
                                 std::chrono::duration_cast<std::chrono::seconds>(
                                     std::chrono::system_clock::now().time_since_epoch()).count(),
-                                model_name_, std::string("lily-") + LILY_GIT_COMMIT};
+                                model_name_, std::string("lily-") + lily::build_commit()};
     if (call->request.stream) return respond_stream(call, req, res);
     respond_whole(*call, req, res);
   } catch (const ApiError& e) {
