@@ -57,8 +57,15 @@ SafetensorsWriter::SafetensorsWriter(const std::filesystem::path& path, std::vec
   uint64_t n = header.size();
   std::byte prefix[8];
   for (int i = 0; i < 8; ++i) prefix[i] = static_cast<std::byte>((n >> (8 * i)) & 0xff);
-  pwrite_all(fd_, prefix, 8, 0, path_);
-  pwrite_all(fd_, reinterpret_cast<const std::byte*>(header.data()), n, 8, path_);
+  try {
+    pwrite_all(fd_, prefix, 8, 0, path_);
+    pwrite_all(fd_, reinterpret_cast<const std::byte*>(header.data()), n, 8, path_);
+  } catch (...) {  // the destructor does not run for a throwing constructor
+    ::close(fd_);
+    std::error_code ec;
+    std::filesystem::remove(path_, ec);
+    throw;
+  }
   data_start_ = 8 + n;
 }
 
