@@ -1,7 +1,8 @@
 // GPU tests of the gated-attention kernels (src/backends/cuda/attention.cu) against fp32
 // references built from the CPU backend's ops (reference/model.md §3.4), at the real shape:
 // 16 query heads, 2 kv heads, head_dim 256, rotary 64, θ 1e7; contexts 1, 257, 4096, 40000
-// (split-K boundaries). Inputs are random; outputs are poisoned (NaN) before launch.
+// (split-K boundaries); plus the demo model's shape (4 / 2 / 64, rotary 16) and head_dim 128.
+// Inputs are random; outputs are poisoned (NaN) before launch.
 // Tolerance: bf16 outputs within 1e-2 relative (|out − ref| / (|ref| + 1e-2·rms(ref))).
 #include <gtest/gtest.h>
 
@@ -80,6 +81,24 @@ constexpr double kBf16Tol = 1e-2;
 
 cuda::AttnDims real_dims() { return cuda::AttnDims{}; }  // 16 / 2 / 256, rotary 64, θ 1e7
 
+/// The demo model's shape (models/demo): 4 query heads, 2 kv heads, head_dim 64, rotary 16.
+cuda::AttnDims demo_dims() {
+  cuda::AttnDims d;
+  d.n_heads = 4;
+  d.n_kv_heads = 2;
+  d.head_dim = 64;
+  d.rotary_dim = 16;
+  return d;
+}
+
+/// A head_dim-128 shape with a GQA group of 8 (16 / 2) and rotary 32.
+cuda::AttnDims dims_128() {
+  cuda::AttnDims d;
+  d.head_dim = 128;
+  d.rotary_dim = 32;
+  return d;
+}
+
 /// A KV cache [nkv, capacity, D] with random bf16 content in positions [0, filled) (host copy
 /// kept as fp32) and poison beyond.
 struct Cache {
@@ -118,9 +137,9 @@ std::vector<float> reference_head(const cuda::AttnDims& dims, const Cache& cache
 
 // ---- prepare: q/k norm + RoPE + append ---------------------------------------------------------
 
-void expect_prepare_matches(int T, int64_t pos0, bool device_pos) {
+void expect_prepare_matches(int T, int64_t pos0, bool device_pos,
+                            const cuda::AttnDims& dims = real_dims()) {
   std::mt19937_64 rng(7 + T);
-  const auto dims = real_dims();
   const int nq = dims.n_heads, nkv = dims.n_kv_heads, D = dims.head_dim;
   const int64_t qg_stride = int64_t(nq) * 2 * D + 1024 + 8, kv_stride = int64_t(nkv) * D + 8;
   const auto qg = normal_bf16(T * qg_stride, rng, 1.0f);
@@ -168,7 +187,7 @@ void expect_prepare_matches(int T, int64_t pos0, bool device_pos) {
     }
   }
   const double err = max_rel(got, ref);
-  std::printf("[attn prepare] T=%d pos0=%lld: q/k max rel err %.3g\n", T, (long long)pos0, err);
+  std::printf("[attn prepare] D=%d T=%d pos0=%lld: q/k max rel err %.3g\n", D, T, (long long)pos0, err);
   EXPECT_LT(err, kBf16Tol);
   // Positions before pos0 and after pos0+T are untouched.
   for (int h = 0; h < nkv; ++h) {
@@ -187,12 +206,15 @@ void expect_prepare_matches(int T, int64_t pos0, bool device_pos) {
 TEST(AttentionPrepare, NormRopeAppendAtStart) { expect_prepare_matches(3, 0, false); }
 TEST(AttentionPrepare, NormRopeAppendAtLongPosition) { expect_prepare_matches(5, 39995, false); }
 TEST(AttentionPrepare, DevicePositionForDecodeGraphs) { expect_prepare_matches(1, 4095, true); }
+TEST(AttentionPrepare, DemoDims) { expect_prepare_matches(7, 300, false, demo_dims()); }
+TEST(AttentionPrepare, DemoDimsDevicePosition) { expect_prepare_matches(1, 40, true, demo_dims()); }
+TEST(AttentionPrepare, HeadDim128) { expect_prepare_matches(3, 1000, false, dims_128()); }
 
 // ---- decode --------------------------------------------------------------------------------------
 
-void expect_decode_matches(int64_t len, int n_splits, bool device_len) {
+void expect_decode_matches(int64_t len, int n_splits, bool device_len,
+                           const cuda::AttnDims& dims = real_dims()) {
   std::mt19937_64 rng(1000 + len + n_splits);
-  const auto dims = real_dims();
   const int nq = dims.n_heads, D = dims.head_dim;
   Cache cache(dims, len + 5, len, rng);
   const auto q = normal_bf16(int64_t(nq) * D, rng, 1.0f);
@@ -214,7 +236,7 @@ void expect_decode_matches(int64_t len, int n_splits, bool device_len) {
     ref.insert(ref.end(), o.begin(), o.end());
   }
   const double err = max_rel(download_bf16(d_out.as<bf16_t>(), int64_t(nq) * D), ref);
-  std::printf("[attn decode] len=%lld splits=%d%s: max rel err %.3g\n", (long long)len, n_splits,
+  std::printf("[attn decode] D=%d len=%lld splits=%d%s: max rel err %.3g\n", D, (long long)len, n_splits,
               device_len ? " (device len)" : "", err);
   EXPECT_LT(err, kBf16Tol);
 }
@@ -226,6 +248,18 @@ TEST(AttentionDecode, Context40000) { expect_decode_matches(40000, cuda::attenti
 TEST(AttentionDecode, OddSplitCountWithEmptySplits) { expect_decode_matches(5, 7, false); }
 TEST(AttentionDecode, SingleSplitLongContext) { expect_decode_matches(4096, 1, false); }
 TEST(AttentionDecode, DeviceLengthWithGraphSplitCount) { expect_decode_matches(300, 128, true); }
+TEST(AttentionDecode, DemoDimsContext1) { expect_decode_matches(1, 1, false, demo_dims()); }
+TEST(AttentionDecode, DemoDimsContext257) {
+  expect_decode_matches(257, cuda::attention_decode_splits(257), false, demo_dims());
+}
+TEST(AttentionDecode, DemoDimsContext4096) {
+  expect_decode_matches(4096, cuda::attention_decode_splits(4096), false, demo_dims());
+}
+TEST(AttentionDecode, DemoDimsEmptySplits) { expect_decode_matches(5, 7, false, demo_dims()); }
+TEST(AttentionDecode, DemoDimsDeviceLength) { expect_decode_matches(300, 128, true, demo_dims()); }
+TEST(AttentionDecode, HeadDim128Context4096) {
+  expect_decode_matches(4096, cuda::attention_decode_splits(4096), false, dims_128());
+}
 
 TEST(AttentionDecode, RejectsTooSmallWorkspace) {
   const auto dims = real_dims();
@@ -239,9 +273,8 @@ TEST(AttentionDecode, RejectsTooSmallWorkspace) {
 
 // ---- prefill -------------------------------------------------------------------------------------
 
-void expect_prefill_matches(int T, int64_t base) {
+void expect_prefill_matches(int T, int64_t base, const cuda::AttnDims& dims = real_dims()) {
   std::mt19937_64 rng(2000 + T + base);
-  const auto dims = real_dims();
   const int nq = dims.n_heads, D = dims.head_dim;
   const int64_t gate_stride = int64_t(nq) * 2 * D + 64;
   Cache cache(dims, base + T + 9, base + T, rng);
@@ -259,22 +292,33 @@ void expect_prefill_matches(int T, int64_t base) {
       ref.insert(ref.end(), o.begin(), o.end());
     }
   const double err = max_rel(download_bf16(d_out.as<bf16_t>(), int64_t(T) * nq * D), ref);
-  std::printf("[attn prefill] T=%d base=%lld: max rel err %.3g\n", T, (long long)base, err);
+  std::printf("[attn prefill] D=%d T=%d base=%lld: max rel err %.3g\n", D, T, (long long)base, err);
   EXPECT_LT(err, kBf16Tol);
 }
 
 TEST(AttentionPrefill, CausalFromStart) { expect_prefill_matches(257, 0); }
 TEST(AttentionPrefill, ContinuesAfterCachedPrefix) { expect_prefill_matches(64, 4000); }
 TEST(AttentionPrefill, SingleRowAfterLongPrefix) { expect_prefill_matches(1, 40000); }
+TEST(AttentionPrefill, DemoDimsCausalFromStart) { expect_prefill_matches(257, 0, demo_dims()); }
+TEST(AttentionPrefill, DemoDimsContinuesAfterCachedPrefix) { expect_prefill_matches(64, 4000, demo_dims()); }
+TEST(AttentionPrefill, HeadDim128CausalFromStart) { expect_prefill_matches(130, 0, dims_128()); }
 
 TEST(AttentionDims, RejectsShapesTheKernelsWereNotWrittenFor) {
   ModelConfig cfg;
   cfg.n_heads = 16;
   cfg.n_kv_heads = 2;
-  cfg.head_dim = 128;
+  cfg.head_dim = 96;  // no kernel for it
   cfg.rotary_dim = 32;
   cfg.rope_theta = 1e7;
   EXPECT_THROW(cuda::attn_dims(cfg), Error);
+  cfg.head_dim = 64;
+  cfg.rotary_dim = 80;  // rotary dim larger than the head
+  EXPECT_THROW(cuda::attn_dims(cfg), Error);
+  cfg.rotary_dim = 16;  // the demo model's shape
+  EXPECT_EQ(cuda::attn_dims(cfg).head_dim, 64);
+  cfg.head_dim = 128;
+  EXPECT_EQ(cuda::attn_dims(cfg).head_dim, 128);
+  cfg.rotary_dim = 32;
   cfg.head_dim = 256;
   EXPECT_EQ(cuda::attn_dims(cfg).rotary_dim, 32);
   cfg.n_kv_heads = 3;

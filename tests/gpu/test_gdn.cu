@@ -112,6 +112,16 @@ constexpr double kFloor = 1e-3;
 constexpr double kPrefillElemTol = 1.6e-2;
 constexpr double kPrefillRmsTol = 2e-3;
 
+/// The demo model's GDN shape (models/demo): Hk 2, Hv 4, Dk = Dv = 64, K 4.
+cuda::GdnDims demo_dims() {
+  cuda::GdnDims d;
+  d.n_key_heads = 2;
+  d.n_value_heads = 4;
+  d.key_head_dim = 64;
+  d.value_head_dim = 64;
+  return d;
+}
+
 // ---- GDN fixture: weights and the fp32 reference --------------------------------------------
 
 struct GdnFixture {
@@ -120,7 +130,8 @@ struct GdnFixture {
   std::vector<float> conv_w, A_log, dt_bias, norm_w;
   DeviceBuffer d_conv_w, d_A_log, d_dt_bias, d_norm_w;
 
-  GdnFixture(std::mt19937_64& rng, float A_log_lo, float A_log_hi) {
+  GdnFixture(std::mt19937_64& rng, float A_log_lo, float A_log_hi, const cuda::GdnDims& shape = {})
+      : dims(shape) {
     conv_w = normal(int64_t(C) * dims.conv_kernel, rng, 0.0f, 0.5f);
     A_log = uniform(dims.n_value_heads, rng, A_log_lo, A_log_hi);
     dt_bias = normal(dims.n_value_heads, rng, 0.0f, 0.5f);
@@ -183,9 +194,9 @@ TEST(GdnConv, DecodeStepMatchesReferenceAndShiftsWindow) {
 }
 
 /// Prefill conv over T tokens equals T decode steps bit for bit (outputs and final window).
-void expect_conv_prefill_equals_decode(int T) {
+void expect_conv_prefill_equals_decode(int T, const cuda::GdnDims& shape = {}) {
   std::mt19937_64 rng(100 + T);
-  GdnFixture fx(rng, -2.0f, 1.0f);
+  GdnFixture fx(rng, -2.0f, 1.0f, shape);
   const int C = fx.C, K = fx.dims.conv_kernel;
   const int64_t stride = C + 4160;  // the qkv|z|a|b row: extra columns hold other data
   const std::vector<float> rows = bf16_values(normal(T * stride, rng, 0.0f, 1.0f));
@@ -210,12 +221,14 @@ void expect_conv_prefill_equals_decode(int T) {
 
 TEST(GdnConv, PrefillEqualsDecodeStepsShortChunk) { expect_conv_prefill_equals_decode(2); }
 TEST(GdnConv, PrefillEqualsDecodeStepsLongChunk) { expect_conv_prefill_equals_decode(257); }
+TEST(GdnConv, PrefillEqualsDecodeStepsDemoDims) { expect_conv_prefill_equals_decode(70, demo_dims()); }
 
 // ---- decode step ------------------------------------------------------------------------------
 
-TEST(GdnDecode, FusedStepMatchesSequentialReference) {
+/// Three fused decode steps of the given shape against the sequential reference.
+void expect_decode_matches(const cuda::GdnDims& shape) {
   std::mt19937_64 rng(21);
-  GdnFixture fx(rng, -2.0f, 1.0f);
+  GdnFixture fx(rng, -2.0f, 1.0f, shape);
   const auto& d = fx.dims;
   const int C = fx.C, V = d.value_dim(), Hv = d.n_value_heads;
   std::vector<float> state = normal(d.state_elems(), rng, 0.0f, 0.3f);
@@ -234,19 +247,24 @@ TEST(GdnDecode, FusedStepMatchesSequentialReference) {
     fx.reference_token(x.data(), z.data(), a.data(), b.data(), state, ref.data());
     const double out_err = max_rel(download_bf16(d_out, V), ref, kFloor);
     const double state_err = max_abs_scaled(download_f32(d_state, d.state_elems()), state);
-    std::printf("[gdn decode] step %d: output max rel err %.3g, state max err %.3g\n", step, out_err, state_err);
+    std::printf("[gdn decode] D=%d step %d: output max rel err %.3g, state max err %.3g\n",
+                d.key_head_dim, step, out_err, state_err);
     EXPECT_LT(out_err, kBf16Tol) << "step " << step;
     EXPECT_LT(state_err, kStateTol) << "step " << step;
   }
 }
 
+TEST(GdnDecode, FusedStepMatchesSequentialReference) { expect_decode_matches(cuda::GdnDims{}); }
+TEST(GdnDecode, FusedStepMatchesSequentialReferenceDemoDims) { expect_decode_matches(demo_dims()); }
+
 // ---- chunked prefill ------------------------------------------------------------------------------
 
 /// Chunked prefill of T tokens (z/a/b inside fused rows) against the sequential reference:
 /// outputs per token and the final state.
-void expect_chunked_prefill_matches(int T, float A_log_lo, float A_log_hi, uint64_t seed) {
+void expect_chunked_prefill_matches(int T, float A_log_lo, float A_log_hi, uint64_t seed,
+                                    const cuda::GdnDims& shape = {}) {
   std::mt19937_64 rng(seed);
-  GdnFixture fx(rng, A_log_lo, A_log_hi);
+  GdnFixture fx(rng, A_log_lo, A_log_hi, shape);
   const auto& d = fx.dims;
   const int C = fx.C, V = d.value_dim(), Hv = d.n_value_heads;
   const int64_t zab_stride = V + 2 * Hv + 40;  // z | a | b | unused
@@ -269,8 +287,8 @@ void expect_chunked_prefill_matches(int T, float A_log_lo, float A_log_hi, uint6
   const auto out = download_bf16(d_out, int64_t(T) * V);
   const double out_err = max_rel(out, ref, kFloor), out_rms = rms_rel(out, ref);
   const double state_err = max_abs_scaled(download_f32(d_state, d.state_elems()), state);
-  std::printf("[gdn chunked prefill] T=%d A_log in [%g, %g]: output max rel err %.3g, rms rel err %.3g, "
-              "final state max err %.3g\n", T, A_log_lo, A_log_hi, out_err, out_rms, state_err);
+  std::printf("[gdn chunked prefill] D=%d T=%d A_log in [%g, %g]: output max rel err %.3g, rms rel err %.3g, "
+              "final state max err %.3g\n", d.key_head_dim, T, A_log_lo, A_log_hi, out_err, out_rms, state_err);
   EXPECT_LT(out_err, kPrefillElemTol);
   EXPECT_LT(out_rms, kPrefillRmsTol);
   EXPECT_LT(state_err, kStateTol);
@@ -281,6 +299,15 @@ TEST(GdnPrefill, ChunkedEqualsSequentialOneFullChunk) { expect_chunked_prefill_m
 TEST(GdnPrefill, ChunkedEqualsSequentialPartialLastChunk) { expect_chunked_prefill_matches(257, -2.0f, 1.0f, 33); }
 TEST(GdnPrefill, ChunkedEqualsSequentialStrongDecay) { expect_chunked_prefill_matches(130, 1.0f, 3.0f, 34); }
 TEST(GdnPrefill, ChunkedEqualsSequentialWeakDecay) { expect_chunked_prefill_matches(200, -6.0f, -3.0f, 35); }
+TEST(GdnPrefill, ChunkedEqualsSequentialDemoDimsOneToken) {
+  expect_chunked_prefill_matches(1, -2.0f, 1.0f, 36, demo_dims());
+}
+TEST(GdnPrefill, ChunkedEqualsSequentialDemoDimsPartialLastChunk) {
+  expect_chunked_prefill_matches(257, -2.0f, 1.0f, 37, demo_dims());
+}
+TEST(GdnPrefill, ChunkedEqualsSequentialDemoDimsStrongDecay) {
+  expect_chunked_prefill_matches(130, 1.0f, 3.0f, 38, demo_dims());
+}
 
 /// Prefill of a sequence in two pieces equals one piece (the state carries over).
 TEST(GdnPrefill, SplitSequenceEqualsOnePass) {
@@ -321,6 +348,14 @@ TEST(GdnDims, RejectsShapesTheKernelsWereNotWrittenFor) {
   EXPECT_THROW(cuda::gdn_dims(cfg), Error);
   cfg.gdn_key_head_dim = 128;
   EXPECT_EQ(cuda::gdn_dims(cfg).conv_channels(), 8192);
+  cfg.gdn_key_head_dim = 64;  // the demo model: Dk = Dv = 64
+  cfg.gdn_value_head_dim = 64;
+  EXPECT_EQ(cuda::gdn_dims(cfg).conv_channels(), 4096);
+  cfg.gdn_key_head_dim = 96;  // no kernel for other equal dims
+  cfg.gdn_value_head_dim = 96;
+  EXPECT_THROW(cuda::gdn_dims(cfg), Error);
+  cfg.gdn_key_head_dim = 128;
+  cfg.gdn_value_head_dim = 128;
   cfg.gdn_n_value_heads = 24;
   cfg.gdn_n_key_heads = 16;
   EXPECT_THROW(cuda::gdn_dims(cfg), Error);
