@@ -39,7 +39,7 @@ for target in $TARGETS; do
   if "$BUILD/tests/fuzz/$target" -max_total_time="$SECONDS_PER_TARGET" -timeout=10 -rss_limit_mb=2048 \
       -print_final_stats=1 -artifact_prefix="$out/" \
       "$out/corpus" "${seeds[@]}" >"$out/log.txt" 2>&1; then
-    grep -E '^#[0-9]+ +DONE' "$out/log.txt" | tail -1 | sed "s/^/fuzz: $target: /"
+    { grep -E '^#[0-9]+[[:space:]]+DONE' "$out/log.txt" || true; } | tail -1 | sed "s/^/fuzz: $target: /"
   else
     echo "fuzz: $target FAILED; log $out/log.txt, inputs: $(ls "$out"/{crash,leak,timeout,oom}-* 2>/dev/null | tr '\n' ' ')" >&2
     grep -E 'ERROR|runtime error|INVARIANT|SUMMARY|Test unit written' "$out/log.txt" | head -20 >&2 || true

@@ -210,6 +210,14 @@ void check_dims(const Ctx& ctx, const ModelConfig& c) {
   auto multiple_of_group = [&](int64_t v, const std::string& what) {
     need(v % 64 == 0, what + " = " + std::to_string(v) + " is not a multiple of the quantization group size 64");
   };
+  // Products of two fields (each ≤ 2^30) must fit the int-typed derived sizes, conv channels
+  // 2·key_dim + value_dim included (found by tests/fuzz/fuzz_config: signed overflow).
+  auto fits = [&](int64_t v, const std::string& what) {
+    need(v <= (int64_t(1) << 28), what + " = " + std::to_string(v) + " is out of range");
+  };
+  fits(int64_t(c.n_heads) * c.head_dim, "num_attention_heads × head_dim");
+  fits(int64_t(c.gdn_n_key_heads) * c.gdn_key_head_dim, "linear_num_key_heads × linear_key_head_dim");
+  fits(int64_t(c.gdn_n_value_heads) * c.gdn_value_head_dim, "linear_num_value_heads × linear_value_head_dim");
   need(c.n_heads % c.n_kv_heads == 0, "num_attention_heads must be a multiple of num_key_value_heads");
   need(c.gdn_n_value_heads % c.gdn_n_key_heads == 0,
        "linear_num_value_heads must be a multiple of linear_num_key_heads");
