@@ -8,6 +8,8 @@
 #   FUZZ_SECONDS   seconds per target (default 60)
 #   FUZZ_TARGETS   space-separated subset (default: all five)
 #   FUZZ_BUILD     build directory (default build-fuzz)
+#   FUZZ_RUNS      if set: run exactly this many inputs per target from seed FUZZ_SEED (default 1)
+#                  instead of a time budget, so the run is reproducible (scripts/test.sh, CI)
 # A crash leaves its input at build-fuzz/fuzz-out/<target>/crash-*; reproduce with
 #   build-fuzz/tests/fuzz/<target> <that file>
 set -euo pipefail
@@ -15,6 +17,13 @@ cd "$(dirname "$0")/.."
 SECONDS_PER_TARGET=${FUZZ_SECONDS:-60}
 TARGETS=${FUZZ_TARGETS:-"fuzz_safetensors fuzz_config fuzz_tokenizer fuzz_chat_template fuzz_request"}
 BUILD=${FUZZ_BUILD:-build-fuzz}
+if [ -n "${FUZZ_RUNS:-}" ]; then
+  BUDGET=(-runs="$FUZZ_RUNS" -seed="${FUZZ_SEED:-1}")
+  BUDGET_TEXT="$FUZZ_RUNS runs, seed ${FUZZ_SEED:-1}"
+else
+  BUDGET=(-max_total_time="$SECONDS_PER_TARGET")
+  BUDGET_TEXT="${SECONDS_PER_TARGET}s"
+fi
 
 for tool in clang clang++; do
   command -v "$tool" >/dev/null || { echo "fuzz: $tool not found (apt-get install clang libclang-rt-14-dev)" >&2; exit 1; }
@@ -32,11 +41,13 @@ for target in $TARGETS; do
   out="$BUILD/fuzz-out/$target"
   mkdir -p "$out/corpus"
   rm -f "$out"/crash-* "$out"/leak-* "$out"/timeout-* "$out"/oom-* "$out"/slow-unit-*
+  # A fixed run count starts from the committed seeds only, as on a fresh clone: same verdict here and in CI.
+  [ -n "${FUZZ_RUNS:-}" ] && rm -rf "$out/corpus" && mkdir -p "$out/corpus"
   seeds=(tests/fuzz/corpus/"$target")
   [ -d tests/fuzz/regressions/"$target" ] && seeds+=(tests/fuzz/regressions/"$target")
-  echo "fuzz: $target for ${SECONDS_PER_TARGET}s"
+  echo "fuzz: $target for $BUDGET_TEXT"
   # The first corpus directory receives new inputs; the committed ones are only read.
-  if "$BUILD/tests/fuzz/$target" -max_total_time="$SECONDS_PER_TARGET" -timeout=10 -rss_limit_mb=2048 \
+  if "$BUILD/tests/fuzz/$target" "${BUDGET[@]}" -timeout=10 -rss_limit_mb=2048 \
       -print_final_stats=1 -artifact_prefix="$out/" \
       "$out/corpus" "${seeds[@]}" >"$out/log.txt" 2>&1; then
     { grep -E '^#[0-9]+[[:space:]]+DONE' "$out/log.txt" || true; } | tail -1 | sed "s/^/fuzz: $target: /"
@@ -51,4 +62,4 @@ if [ "${#failed[@]}" -gt 0 ]; then
   echo "fuzz: FAILED: ${failed[*]}" >&2
   exit 1
 fi
-echo "fuzz: all targets clean (${SECONDS_PER_TARGET}s each)"
+echo "fuzz: all targets clean ($BUDGET_TEXT each)"

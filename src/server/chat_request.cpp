@@ -218,7 +218,9 @@ ChatRequest parse_chat_request(std::string_view body) {
   json doc;
   try {
     doc = json::parse(body);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
+    // parse_error for malformed text; out_of_range.406 for a number past double's range
+    // ("-1e99999"). Both are the client's mistake, so both are 400.
     std::string detail = e.what();  // "[json.exception.parse_error.101] parse error at …"
     if (const size_t cut = detail.find("] "); cut != std::string::npos) detail.erase(0, cut + 2);
     throw invalid_request("the request body is not valid JSON: " + detail, std::nullopt, "invalid_json");

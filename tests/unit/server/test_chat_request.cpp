@@ -110,6 +110,8 @@ TEST(ChatRequest, MalformedJsonAndNonObjects) {
   EXPECT_EQ(rejected("").code(), "invalid_json");
   EXPECT_EQ(rejected("[1,2]").code(), "invalid_json");
   EXPECT_EQ(rejected("\"text\"").code(), "invalid_json");
+  // A number past double's range makes nlohmann throw out_of_range, not parse_error (found by fuzz_request).
+  EXPECT_EQ(rejected("{\"messages\":[],\"max_tokens\":-9e99999}").code(), "invalid_json");
 }
 
 TEST(ChatRequest, InvalidUtf8IsRejected) {
