@@ -5,6 +5,8 @@
 // fp32 operations whatever m is, so prefill equals token-by-token decode bit for bit.
 #include "backends/cpu/cpu_backend.h"
 
+#include "base/bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -159,6 +161,7 @@ void CpuBackend::forward_chunk(CpuSequenceState& state, std::span<const int32_t>
   Scratch& s = *scratch_;
   s.ensure(c, m);
   for (int64_t t = 0; t < m; ++t) dequantize_row(weights_->embed_tokens, tokens[t], row(s.x, t, c.hidden));
+  round_activations(s.x.data(), m * c.hidden);
   probe("embed", -1, first_pos, s.x.data(), m, c.hidden);
   for (int i = 0; i < c.n_layers; ++i) decoder_layer(i, state.layers[i], first_pos, m);
   state.position_ += m;
@@ -173,6 +176,7 @@ void CpuBackend::decoder_layer(int i, CpuSequenceState::LayerState& state, int64
   const int64_t H = c.hidden;
   for (int64_t t = 0; t < m; ++t)
     rms_norm(row(s.x, t, H), w.input_layernorm.data(), H, c.rms_norm_eps, row(s.normed, t, H));
+  round_activations(s.normed.data(), m * H);
   probe("attn_norm", i, first_pos, s.normed.data(), m, H);
   if (w.type == LayerType::kFullAttention)
     attention_mixer(w.attention, state, first_pos, m, s.branch.data());
@@ -180,12 +184,15 @@ void CpuBackend::decoder_layer(int i, CpuSequenceState::LayerState& state, int64
     gdn_mixer(w.gdn, state, m, s.branch.data());
   probe("mixer_out", i, first_pos, s.branch.data(), m, H);
   add_inplace(s.x.data(), s.branch.data(), m * H);
+  round_activations(s.x.data(), m * H);
   for (int64_t t = 0; t < m; ++t)
     rms_norm(row(s.x, t, H), w.post_attention_layernorm.data(), H, c.rms_norm_eps, row(s.normed, t, H));
+  round_activations(s.normed.data(), m * H);
   probe("ffn_norm", i, first_pos, s.normed.data(), m, H);
   moe_block(w.moe, i, first_pos, m, s.branch.data());
   probe("ffn_out", i, first_pos, s.branch.data(), m, H);
   add_inplace(s.x.data(), s.branch.data(), m * H);
+  round_activations(s.x.data(), m * H);
   probe("layer_out", i, first_pos, s.x.data(), m, H);
 }
 
@@ -202,10 +209,15 @@ void CpuBackend::gdn_mixer(const GdnWeights& w, CpuSequenceState::LayerState& st
   quant_matmul(w.in_proj_z, s.normed.data(), m, s.z.data(), &pool_);
   quant_matmul(w.in_proj_a, s.normed.data(), m, s.a.data(), &pool_);
   quant_matmul(w.in_proj_b, s.normed.data(), m, s.b.data(), &pool_);
+  round_activations(s.qkv.data(), m * C);
+  round_activations(s.z.data(), m * value_dim);
+  round_activations(s.a.data(), m * Hv);
+  round_activations(s.b.data(), m * Hv);
   for (int64_t t = 0; t < m; ++t) {
     float* conv = row(s.conv, t, C);
     causal_conv_step(w.conv1d.data(), state.conv_window.data(), row(s.qkv, t, C), C, c.gdn_conv_kernel, conv);
     silu_inplace(conv, C);
+    round_activations(conv, C);  // q̂ and k̂ below stay fp32 (model.md §4.3)
     float* q = conv;                 // [Hk, Dk]
     float* k = conv + key_dim;       // [Hk, Dk]
     const float* v = conv + 2 * key_dim;  // [Hv, Dv]
@@ -226,12 +238,15 @@ void CpuBackend::gdn_mixer(const GdnWeights& w, CpuSequenceState::LayerState& st
         const float beta = sigmoid(b[j]);
         float* S = state.recurrent.data() + j * Dk * Dv;
         delta_rule_step(S, q + kh * Dk, k + kh * Dk, v + j * Dv, alpha, beta, Dk, Dv, core + j * Dv);
+        round_activations(core + j * Dv, Dv);
         gated_rms_norm(core + j * Dv, z + j * Dv, w.norm.data(), Dv, c.rms_norm_eps, core + j * Dv);
+        round_activations(core + j * Dv, Dv);
       }
     };
     pool_.parallel_for(Hv, std::max<int64_t>(1, 16384 / (int64_t{Dk} * Dv)), value_heads);
   }
   quant_matmul(w.out_proj, s.core.data(), m, out, &pool_);
+  round_activations(out, m * c.hidden);
 }
 
 /// Gated full attention (model.md §3.4): input s.normed [m, H], output out [m, H].
@@ -244,17 +259,24 @@ void CpuBackend::attention_mixer(const AttentionWeights& w, CpuSequenceState::La
   quant_matmul(w.q_proj, s.normed.data(), m, s.qg.data(), &pool_);
   quant_matmul(w.k_proj, s.normed.data(), m, s.k.data(), &pool_);
   quant_matmul(w.v_proj, s.normed.data(), m, s.v.data(), &pool_);
+  round_activations(s.qg.data(), m * qg_width);
+  round_activations(s.k.data(), m * kv_width);
+  round_activations(s.v.data(), m * kv_width);
   for (int64_t t = 0; t < m; ++t) {
     rope_cos_sin(first_pos + t, c.rotary_dim, c.rope_theta, s.rope_cos.data(), s.rope_sin.data());
     for (int h = 0; h < nq; ++h) {
       float* q = row(s.qg, t, qg_width) + h * 2 * D;  // query half; the gate half follows
       rms_norm(q, w.q_norm.data(), D, c.rms_norm_eps, q);
+      round_activations(q, D);
       apply_rope(q, c.rotary_dim, s.rope_cos.data(), s.rope_sin.data());
+      round_activations(q, D);
     }
     for (int h = 0; h < nkv; ++h) {
       float* k = row(s.k, t, kv_width) + h * D;
       rms_norm(k, w.k_norm.data(), D, c.rms_norm_eps, k);
+      round_activations(k, D);
       apply_rope(k, c.rotary_dim, s.rope_cos.data(), s.rope_sin.data());
+      round_activations(k, D);  // the KV cache holds bf16 keys
     }
   }
   state.keys.insert(state.keys.end(), s.k.begin(), s.k.begin() + m * kv_width);
@@ -272,10 +294,12 @@ void CpuBackend::attention_mixer(const AttentionWeights& w, CpuSequenceState::La
       attention_head(q, state.keys.data() + kv * D, state.values.data() + kv * D, len, kv_width,
                      D, scale, scores.data(), o);
       for (int d = 0; d < D; ++d) o[d] *= sigmoid(gate[d]);
+      round_activations(o, D);
     }
   };
   pool_.parallel_for(m * nq, 1, heads);
   quant_matmul(w.o_proj, s.attn.data(), m, out, &pool_);
+  round_activations(out, m * c.hidden);
 }
 
 /// Sparse MoE block (model.md §3.5): routed top-k SwiGLU experts + gated shared expert.
@@ -299,6 +323,7 @@ void CpuBackend::moe_block(const MoeWeights& w, int layer, int64_t first_pos, in
     float* o = out + t * H;
     for (int64_t d = 0; d < H; ++d) o[d] += gamma * shared[d];
   }
+  round_activations(out, m * H);  // one rounding of routed sum + gated shared expert
 }
 
 /// out[t] = Σ_slot w[t, slot]·Expert_{id[t, slot]}(u_t), summed in slot (descending weight)
@@ -324,8 +349,12 @@ void CpuBackend::routed_experts(const MoeWeights& w, int64_t m, float* out) {
     }
     quant_matmul(w.experts_gate_proj.row_block(e * I, I), s.expert_in.data(), n, s.expert_gate.data(), &pool_);
     quant_matmul(w.experts_up_proj.row_block(e * I, I), s.expert_in.data(), n, s.expert_up.data(), &pool_);
+    round_activations(s.expert_gate.data(), n * I);
+    round_activations(s.expert_up.data(), n * I);
     for (int64_t i = 0; i < n * I; ++i) s.expert_gate[i] = silu(s.expert_gate[i]) * s.expert_up[i];
+    round_activations(s.expert_gate.data(), n * I);
     quant_matmul(w.experts_down_proj.row_block(e * H, H), s.expert_gate.data(), n, s.expert_down.data(), &pool_);
+    round_activations(s.expert_down.data(), n * H);
     for (int64_t r = 0; r < n; ++r)
       std::copy_n(row(s.expert_down, r, H), H, row(s.slot_out, s.slot_order[begin + r], H));
   }
@@ -346,8 +375,12 @@ void CpuBackend::shared_expert(const MoeWeights& w, int64_t m, float* out) {
   const int64_t I = config().shared_ffn_dim;
   quant_matmul(w.shared_gate_proj, s.normed.data(), m, s.shared_gate.data(), &pool_);
   quant_matmul(w.shared_up_proj, s.normed.data(), m, s.shared_up.data(), &pool_);
+  round_activations(s.shared_gate.data(), m * I);
+  round_activations(s.shared_up.data(), m * I);
   for (int64_t i = 0; i < m * I; ++i) s.shared_gate[i] = silu(s.shared_gate[i]) * s.shared_up[i];
+  round_activations(s.shared_gate.data(), m * I);
   quant_matmul(w.shared_down_proj, s.shared_gate.data(), m, out, &pool_);
+  round_activations(out, m * config().hidden);
 }
 
 /// Final norm, fp32 LM head and greedy argmax of one token (model.md §3.6).
@@ -355,11 +388,17 @@ int32_t CpuBackend::lm_head(const float* hidden, int64_t pos, std::vector<float>
   const ModelConfig& c = config();
   Scratch& s = *scratch_;
   rms_norm(hidden, weights_->final_norm.data(), c.hidden, c.rms_norm_eps, s.final_normed.data());
+  round_activations(s.final_normed.data(), c.hidden);
   probe("final_norm", -1, pos, s.final_normed.data(), 1, c.hidden);
   quant_matvec(weights_->lm_head, s.final_normed.data(), s.logits.data(), &pool_);
   probe("logits", -1, pos, s.logits.data(), 1, c.vocab);
   if (logits) logits->assign(s.logits.begin(), s.logits.begin() + c.vocab);
   return argmax(s.logits.data(), c.vocab);
+}
+
+void CpuBackend::round_activations(float* data, int64_t n) const {
+  if (numerics_ != Numerics::kBf16Activations) return;
+  for (int64_t i = 0; i < n; ++i) data[i] = round_bf16(data[i]);
 }
 
 void CpuBackend::probe(const char* name, int layer, int64_t first_pos, const float* data,

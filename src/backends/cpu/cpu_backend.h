@@ -43,6 +43,18 @@ class CpuSequenceState final : public SequenceState {
   int64_t max_seq_ = 0;
 };
 
+/// Where the CPU backend rounds activations.
+///  - kFp32: none; activations, KV cache and states stay fp32 (the HF-float32 forward, model.md
+///    §3 and §8.1; what the transformers goldens check).
+///  - kBf16Activations: every value the CUDA backend stores as bf16 is rounded to bf16 at the
+///    same point (embedding row, norm outputs, residual adds, GEMV outputs other than router /
+///    shared gate / LM head, conv output, delta-rule output, gated norm, RoPE'd q/k = KV cache,
+///    gated attention output, expert g/u/act/down, the MoE sum; model.md §4.1 and §4.3 decode
+///    numerics). Accumulations, GDN states, router and shared-gate logits and the LM head stay
+///    fp32. This is the oracle the CUDA kernels are held to: it separates kernel errors from
+///    the precision policy, whose own effect is measured against kFp32.
+enum class Numerics { kFp32, kBf16Activations };
+
 /// fp32 reference backend over loaded weights (see file comment). Not thread-safe: one engine
 /// thread owns it (it reuses activation buffers between calls).
 /// Probes (engine/backend.h): embed, then per layer attn_norm, mixer_out, ffn_norm,
@@ -78,6 +90,9 @@ class CpuBackend final : public Backend {
   int64_t prefill_chunk() const { return prefill_chunk_; }
   /// Sets the prefill chunk length (>= 1; throws lily::Error otherwise).
   void set_prefill_chunk(int64_t tokens);
+  Numerics numerics() const { return numerics_; }
+  /// Selects where activations are rounded (see Numerics); applies to the next forward call.
+  void set_numerics(Numerics numerics) { numerics_ = numerics; }
 
  private:
   struct Scratch;  // activation buffers, defined in cpu_backend.cpp
@@ -92,6 +107,8 @@ class CpuBackend final : public Backend {
   void routed_experts(const MoeWeights& w, int64_t m, float* out);
   void shared_expert(const MoeWeights& w, int64_t m, float* out);
   int32_t lm_head(const float* hidden, int64_t pos, std::vector<float>* logits);
+  /// Under Numerics::kBf16Activations rounds data[0, n) to bf16 in place; otherwise nothing.
+  void round_activations(float* data, int64_t n) const;
   /// Emits rows [first_pos, first_pos + m) of a [m, width] activation to the probe sink.
   void probe(const char* name, int layer, int64_t first_pos, const float* data, int64_t m,
              int64_t width) const;
@@ -100,6 +117,7 @@ class CpuBackend final : public Backend {
   mutable ThreadPool pool_;
   std::unique_ptr<Scratch> scratch_;
   int64_t prefill_chunk_ = kDefaultPrefillChunk;
+  Numerics numerics_ = Numerics::kFp32;
 };
 
 }  // namespace lily::cpu
