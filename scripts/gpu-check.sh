@@ -9,7 +9,8 @@
 #   LILY_GPU_BENCH=1 bash scripts/gpu-check.sh   # also a first `lily bench` on a synthetic model
 # The PCRE2/utf8proc/httplib headers come from carry/deps (scripts/make-carry.sh packs them).
 # Files under $OUT (the device tool returns at most 8): gpu-check.log (everything), build.log,
-# ctest-gpu.log, e2e-batched-prefill.txt and, with LILY_GPU_BENCH=1, three bench JSON reports.
+# ctest-gpu.log, e2e-per-token-prefill.txt, serve-check.txt and, with LILY_GPU_BENCH=1, bench JSON
+# reports (the device tool returns the files under $OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-logs}"
@@ -40,8 +41,8 @@ echo "build: $(( $(date +%s) - t0 )) s"
 echo "== ctest -L gpu"
 ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 400 2>&1 | tee "$OUT/ctest-gpu.log" || status=1
 
-echo "== test_cuda_e2e again with the batched prefill for every test (LILY_CUDA_PREFILL=batched)"
-LILY_CUDA_PREFILL=batched "$BUILD/tests/test_cuda_e2e" 2>&1 | tee "$OUT/e2e-batched-prefill.txt" | grep -E "OK|FAILED|PASSED|SKIPPED" || status=1
+echo "== test_cuda_e2e again with the per-token prefill for every test (LILY_CUDA_PREFILL=per-token)"
+LILY_CUDA_PREFILL=per-token "$BUILD/tests/test_cuda_e2e" 2>&1 | tee "$OUT/e2e-per-token-prefill.txt" | grep -E "OK|FAILED|PASSED|SKIPPED" || status=1
 
 echo "== lily generate --backend cuda"
 SYN=$(mktemp -d)
@@ -56,6 +57,9 @@ echo "-- demo, cuda"
 "$BUILD/lily" generate --backend cuda --model models/demo --prompt-ids 100,200,300,400,500 --max-tokens 16 --json \
   2>&1 || echo "(demo on cuda failed; see above)"
 
+echo "== lily serve --backend cuda (scripts/gpu-serve-check.py)"
+python3 scripts/gpu-serve-check.py "$BUILD/lily" models/demo 2>&1 | tee "$OUT/serve-check.txt" || status=1
+
 if [[ "${LILY_GPU_BENCH:-0}" == 1 ]]; then
   echo "== lily bench (synthetic realdims)"
   "$BUILD/lily" bench --backend cuda --model "$SYN/realdims" --prompt-len 256 --decode-steps 64 \
@@ -65,12 +69,12 @@ if [[ "${LILY_GPU_BENCH:-0}" == 1 ]]; then
   timeout 240 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$SYN/35b" 2>&1 | tail -3 || status=1
   echo "synth: $(( $(date +%s) - t1 )) s"
   echo "== lily bench (synthetic 35b-a3b)"
-  "$BUILD/lily" bench --backend cuda --model "$SYN/35b" --prompt-len 256 --decode-steps 64 \
-    --json-out "$OUT/bench-35b.json" 2>&1 || status=1
-  LILY_CUDA_PREFILL=batched "$BUILD/lily" bench --backend cuda --model "$SYN/35b" --prompt-len 2048 --decode-steps 64 \
-    --json-out "$OUT/bench-35b-batched.json" 2>&1 || status=1
+  for len in 256 2048 8192; do
+    "$BUILD/lily" bench --backend cuda --model "$SYN/35b" --prompt-len $len --decode-steps 64 \
+      --json-out "$OUT/bench-35b-$len.json" 2>&1 || status=1
+  done
   echo "== 35b-a3b: CUDA vs CPU reference"
-  LILY_GPU_BIG_MODEL="$SYN/35b" timeout 150 "$BUILD/tests/test_cuda_e2e" --gtest_filter='*Full35b*' 2>&1 || status=1
+  LILY_GPU_BIG_MODEL="$SYN/35b" timeout 240 "$BUILD/tests/test_cuda_e2e" --gtest_filter='*Full35b*' 2>&1 || status=1
 fi
 rm -rf "$SYN"
 echo "== gpu-check done, status $status"

@@ -208,8 +208,7 @@ class CudaBackend final : public Backend {
     model_ = std::make_unique<DeviceModel>(*weights_);
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     allocate_scratch();
-    const char* mode = std::getenv("LILY_CUDA_PREFILL");
-    batched_prefill_ = mode && std::string(mode) == "batched";
+    batched_prefill_ = batched_prefill_from_env();
   }
   ~CudaBackend() override {
     if (stream_) cudaStreamDestroy(stream_);
@@ -417,7 +416,17 @@ class CudaBackend final : public Backend {
                                act_.as<bf16>(), 1, moe_out_.as<bf16>(), stream_);
   }
 
-  // ---- batched prefill (opt-in: LILY_CUDA_PREFILL=batched) ------------------------------------
+  // ---- batched prefill (default; LILY_CUDA_PREFILL=per-token replays the decode graph) ---------
+
+  /// LILY_CUDA_PREFILL: unset or "batched" → batched prefill; "per-token" → the decode graph
+  /// per prompt token (the reference path, also taken whenever a probe sink is installed).
+  /// Throws lily::Error for any other value.
+  static bool batched_prefill_from_env() {
+    const char* mode = std::getenv("LILY_CUDA_PREFILL");
+    if (!mode || !*mode || std::string(mode) == "batched") return true;
+    if (std::string(mode) == "per-token") return false;
+    throw ::lily::Error(std::string("LILY_CUDA_PREFILL must be 'batched' or 'per-token', got '") + mode + "'");
+  }
   // Chunks of up to kPrefillChunk tokens; every layer runs over all rows of a chunk: batched
   // GEMVs, the mixer's chunked GDN prefill and causal flash attention, per-row MoE. Only the
   // last prompt row goes through the final norm, lm_head and argmax (model.md §4.4).
@@ -549,7 +558,7 @@ class CudaBackend final : public Backend {
   DeviceBuffer x_, normed_, mixer_out_, moe_out_, proj_, conv_out_, mix_tmp_, q_out_, act_;
   DeviceBuffer router_logits_, expert_ids_, expert_w_, logits_, argmax_v_, argmax_i_, io_dev_, attn_ws_;
   size_t attn_ws_bytes_ = 0;
-  bool batched_prefill_ = false;           ///< LILY_CUDA_PREFILL=batched (see prefill_batched)
+  bool batched_prefill_ = true;            ///< false with LILY_CUDA_PREFILL=per-token (see prefill_batched)
   std::unique_ptr<PrefillScratch> pre_;    ///< allocated at the first batched prefill
 };
 
