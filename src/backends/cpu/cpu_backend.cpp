@@ -310,9 +310,14 @@ void CpuBackend::moe_block(const MoeWeights& w, int layer, int64_t first_pos, in
   const int E = c.n_experts, k = c.n_experts_per_tok;
   quant_matmul(w.router, s.normed.data(), m, s.router_logits.data(), &pool_);
   probe("router_logits", layer, first_pos, s.router_logits.data(), m, E);
-  for (int64_t t = 0; t < m; ++t)
-    route_top_k(row(s.router_logits, t, E), E, k, c.norm_topk_prob, s.route_ids.data() + t * k,
-                row(s.route_weights, t, k));
+  for (int64_t t = 0; t < m; ++t) {
+    const float* logits = row(s.router_logits, t, E);
+    int* ids = s.route_ids.data() + t * k;
+    route_top_k(logits, E, k, c.norm_topk_prob, ids, row(s.route_weights, t, k));
+    if (route_override_ && route_override_(layer, first_pos + t, std::span<const float>(logits, E),
+                                           std::span<int>(ids, static_cast<size_t>(k))))
+      route_weights(logits, E, ids, k, c.norm_topk_prob, row(s.route_weights, t, k));
+  }
   routed_experts(w, m, out);
   shared_expert(w, m, s.shared_down.data());
   quant_matmul(w.shared_expert_gate, s.normed.data(), m, s.shared_gate_logit.data(), &pool_);

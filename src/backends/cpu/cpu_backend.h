@@ -4,6 +4,7 @@
 // probe points of engine/backend.h, and it runs the demo model end to end on any machine.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -55,6 +56,14 @@ class CpuSequenceState final : public SequenceState {
 ///    the precision policy, whose own effect is measured against kFp32.
 enum class Numerics { kFp32, kBf16Activations };
 
+/// Test hook: may replace the router's top-k choice of one token at one layer. Called with the
+/// layer, the token's position, the router logits [n_experts] (fp32) and the k ids the backend
+/// chose (descending weight); returns true after writing other ids into `ids` (the weights are
+/// then recomputed from these logits, ops.h route_weights). Used to hold two backends to the
+/// same routing where a near-tie lets rounding noise pick either expert (tests/gpu).
+using RouteOverride =
+    std::function<bool(int layer, int64_t position, std::span<const float> logits, std::span<int> ids)>;
+
 /// fp32 reference backend over loaded weights (see file comment). Not thread-safe: one engine
 /// thread owns it (it reuses activation buffers between calls).
 /// Probes (engine/backend.h): embed, then per layer attn_norm, mixer_out, ffn_norm,
@@ -93,6 +102,8 @@ class CpuBackend final : public Backend {
   Numerics numerics() const { return numerics_; }
   /// Selects where activations are rounded (see Numerics); applies to the next forward call.
   void set_numerics(Numerics numerics) { numerics_ = numerics; }
+  /// Installs (or with nullptr removes) the routing test hook.
+  void set_route_override(RouteOverride hook) { route_override_ = std::move(hook); }
 
  private:
   struct Scratch;  // activation buffers, defined in cpu_backend.cpp
@@ -118,6 +129,7 @@ class CpuBackend final : public Backend {
   std::unique_ptr<Scratch> scratch_;
   int64_t prefill_chunk_ = kDefaultPrefillChunk;
   Numerics numerics_ = Numerics::kFp32;
+  RouteOverride route_override_;
 };
 
 }  // namespace lily::cpu

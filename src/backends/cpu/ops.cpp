@@ -212,6 +212,23 @@ void attention_head(const float* q, const float* k_cache, const float* v_cache, 
 
 // ---- MoE routing and selection -------------------------------------------------------------------
 
+void route_weights(const float* logits, int n_experts, const int* ids, int k, bool renormalize,
+                   float* weights) {
+  float max_logit = -std::numeric_limits<float>::infinity();
+  for (int e = 0; e < n_experts; ++e)
+    if (logits[e] > max_logit) max_logit = logits[e];
+  float sum = 0.0f;
+  for (int e = 0; e < n_experts; ++e) sum += std::exp(logits[e] - max_logit);
+  float selected_sum = 0.0f;
+  for (int slot = 0; slot < k; ++slot) {
+    LILY_CHECK(ids[slot] >= 0 && ids[slot] < n_experts);
+    weights[slot] = std::exp(logits[ids[slot]] - max_logit) / sum;
+    selected_sum += weights[slot];
+  }
+  if (renormalize)
+    for (int slot = 0; slot < k; ++slot) weights[slot] /= selected_sum;
+}
+
 void route_top_k(const float* logits, int n_experts, int k, bool renormalize, int* ids,
                  float* weights) {
   LILY_CHECK(k >= 1 && k <= n_experts);

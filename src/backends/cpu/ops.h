@@ -116,6 +116,12 @@ void attention_head(const float* q, const float* k_cache, const float* v_cache, 
 void route_top_k(const float* logits, int n_experts, int k, bool renormalize, int* ids,
                  float* weights);
 
+/// The routing weights route_top_k gives a chosen expert set: weights[i] = p[ids[i]]
+/// (/ Σ_i p[ids[i]] when `renormalize`), p = softmax(logits) in fp32. logits: [n_experts];
+/// ids (each in [0, n_experts)), weights: [k].
+void route_weights(const float* logits, int n_experts, const int* ids, int k, bool renormalize,
+                   float* weights);
+
 /// Index of the largest value (greedy selection, model.md §3.6): ties go to the lowest index,
 /// NaN never wins, an all-NaN (or empty) input returns 0.
 int32_t argmax(const float* x, int64_t n);

@@ -312,6 +312,22 @@ TEST(CpuOps, RouterPicksLargestInDescendingOrderAndRenormalises) {
   EXPECT_NEAR(weights[0], std::exp(3.0) / all, 1e-6);
 }
 
+TEST(CpuOps, RouteWeightsOfAChosenSetMatchTopK) {
+  const std::vector<float> logits = {0.1f, 2.0f, -1.0f, 3.0f, 2.5f, 0.0f};
+  int ids[3];
+  float expected[3], weights[3];
+  for (bool renormalize : {true, false}) {
+    route_top_k(logits.data(), 6, 3, renormalize, ids, expected);
+    route_weights(logits.data(), 6, ids, 3, renormalize, weights);
+    for (int i = 0; i < 3; ++i) EXPECT_NEAR(weights[i], expected[i], 1e-7) << i;
+  }
+  // Another set (e.g. adopted from another backend at a near-tie): softmax restricted to it.
+  const int other[2] = {0, 5};
+  route_weights(logits.data(), 6, other, 2, true, weights);
+  EXPECT_NEAR(weights[0], std::exp(0.1) / (std::exp(0.1) + std::exp(0.0)), 1e-6);
+  EXPECT_NEAR(weights[1], std::exp(0.0) / (std::exp(0.1) + std::exp(0.0)), 1e-6);
+}
+
 TEST(CpuOps, RouterTiesGoToLowestIds) {
   std::vector<float> logits(16, 0.5f);
   int ids[4];
