@@ -21,7 +21,9 @@ export PKG_CONFIG_PATH="$PWD/carry/deps/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CO
 BUILD="${LILY_GPU_BUILD:-build-gpu}"
 status=0
 
-echo "== gpu-check $(date -u +%FT%TZ) commit $(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
+# The device tool copies the working tree without .git: pass LILY_COMMIT=<hash> to label the
+# build (CMakeLists.txt reads it) and the bench reports.
+echo "== gpu-check $(date -u +%FT%TZ) commit ${LILY_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
 nvcc --version | tail -1
 
