@@ -1,7 +1,8 @@
 // `lily bench`: the measurement contract of reference/serving.md §6 on any checkpoint and
-// backend. Prompt token i = ((i·2654435761) mod 2^32) mod vocab; per round: a warm-up on its own
-// state at the exact shape (prefill + 2 decode steps), then a fresh state, one timed prefill
-// until the first generated token is on the host (TTFT), and `--decode-steps` timed decode steps.
+// backend. Prompt token i = ((i·2654435761) mod 2^32) mod vocab. Once per run, a warm-up on its
+// own state at the exact shape (prefill + 2 decode steps: allocates scratch, captures graphs, as
+// Lily's lily-bench step 1); then per round a fresh state, one timed prefill until the first
+// generated token is on the host (TTFT), and `--decode-steps` timed decode steps.
 // The 64-bit FNV-1a digest of the decoded ids (the prefill token excluded; each u32 id XORed
 // whole) must repeat across rounds; a mismatch is an error. Medians over rounds are printed and,
 // with --json-out, written with per-step times, the device and the command line.
@@ -83,13 +84,15 @@ struct Round {
   int32_t first_token = 0;
 };
 
+/// Prefill + 2 decode steps at the exact shape on a state of its own (untimed).
+void warm_up(Backend& backend, const std::vector<int32_t>& prompt) {
+  auto warm = backend.new_state(static_cast<int64_t>(prompt.size()) + 3);
+  int32_t t = backend.prefill(*warm, prompt);
+  t = backend.decode(*warm, t);
+  backend.decode(*warm, t);
+}
+
 Round run_round(Backend& backend, const std::vector<int32_t>& prompt, int steps) {
-  {  // warm-up at the exact shape, on its own state
-    auto warm = backend.new_state(static_cast<int64_t>(prompt.size()) + 3);
-    int32_t t = backend.prefill(*warm, prompt);
-    t = backend.decode(*warm, t);
-    backend.decode(*warm, t);
-  }
   auto state = backend.new_state(static_cast<int64_t>(prompt.size()) + steps + 1);
   Round r;
   const auto t0 = Clock::now();
@@ -119,6 +122,7 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
   auto backend = make_backend(parse_backend_kind(f.backend), weights, f.threads);
   const auto prompt = synthetic_prompt(f.prompt_len, weights->config.vocab);
   std::vector<Round> rounds;
+  warm_up(*backend, prompt);
   for (int i = 0; i < f.rounds; ++i) {
     rounds.push_back(run_round(*backend, prompt, f.decode_steps));
     const Round& r = rounds.back();
@@ -145,7 +149,8 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
     j["meta"] = {{"engine", "lily.cpp"}, {"commit", lily::build_commit()}, {"backend", backend->name()},
                  {"device", device}, {"command", cmd}, {"model", f.model}, {"shape", weights->config.shape_name()}};
     j["workload"] = {{"prompt_len", f.prompt_len}, {"prompt_kind", "u32_golden_ratio_hash_mod_vocab"},
-                     {"decode_steps", f.decode_steps}, {"decode_mode", "synchronous_per_step"}, {"rounds", f.rounds}};
+                     {"decode_steps", f.decode_steps}, {"decode_mode", "synchronous_per_step"}, {"rounds", f.rounds},
+                     {"warm_up", "once per run, prefill + 2 decode steps at the exact shape"}};
     nlohmann::json rs = nlohmann::json::array();
     for (const Round& r : rounds)
       rs.push_back({{"prefill_secs", r.prefill_s}, {"prefill_tok_s", double(f.prompt_len) / r.prefill_s},

@@ -1,6 +1,10 @@
 #include "support/test_support.h"
 
+#include <sys/wait.h>
+
+#include <array>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <stdexcept>
@@ -10,6 +14,19 @@ namespace lily::test {
 std::filesystem::path source_dir() { return LILY_SOURCE_DIR; }
 std::filesystem::path binary_dir() { return LILY_BINARY_DIR; }
 std::filesystem::path demo_model_dir() { return source_dir() / "models" / "demo"; }
+
+CliRun run_lily(const std::string& args, bool merge_stderr) {
+  const std::string cmd = (binary_dir() / "lily").string() + " " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
+  CliRun r;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int status = ::pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
 
 TempDir::TempDir() {
   std::random_device rd;

@@ -21,6 +21,14 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+/// Result of running the built `lily` executable.
+struct CliRun {
+  int exit_code = -1;   ///< -1 if it could not be started or did not exit normally
+  std::string output;   ///< stdout, or stdout + stderr when merged
+};
+/// Runs `<build>/lily <args>` through the shell (args are pasted verbatim: quote paths);
+/// stderr is merged into the output or discarded.
+CliRun run_lily(const std::string& args, bool merge_stderr);
 /// Max |a-b| / max(|b|, floor) over the two spans (same length required).
 double max_relative_error(std::span<const float> a, std::span<const float> b, double floor = 1e-6);
 /// Cosine similarity of two equal-length vectors.

@@ -1,8 +1,6 @@
 // `lily inspect` end to end: the built binary on models/demo and on a corrupted copy.
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
-
 #include <array>
 #include <cstdio>
 
@@ -14,23 +12,8 @@
 namespace lily {
 namespace {
 
-struct CliRun {
-  int exit_code = -1;
-  std::string output;  // stdout, or stdout + stderr when merged
-};
-
-CliRun run_lily(const std::string& args, bool merge_stderr) {
-  const std::string cmd = (test::binary_dir() / "lily").string() + " " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
-  CliRun r;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  int status = ::pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using test::CliRun;
+using test::run_lily;
 
 std::string quoted(const std::filesystem::path& p) { return "'" + p.string() + "'"; }
 

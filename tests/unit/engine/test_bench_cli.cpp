@@ -1,0 +1,91 @@
+// `lily bench` end to end on the demo model (CPU): the serving.md §6 contract's report — rounds,
+// per-step times, a digest that repeats across rounds and equals the FNV-1a of the ids that
+// `lily generate` produces for the same synthetic prompt — and its option errors.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "support/test_support.h"
+
+namespace lily {
+namespace {
+
+std::string quoted(const std::filesystem::path& p) { return "'" + p.string() + "'"; }
+
+/// serving.md §6.1 prompt ids.
+std::vector<int32_t> contract_prompt(int n, int vocab) {
+  std::vector<int32_t> ids(n);
+  for (int i = 0; i < n; ++i) ids[i] = int32_t((uint64_t(i) * 2654435761ull % 4294967296ull) % uint64_t(vocab));
+  return ids;
+}
+
+/// 64-bit FNV-1a over whole u32 ids, as 16 hex digits (serving.md §6.2 item 5).
+std::string fnv1a_hex(const std::vector<int32_t>& ids) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (int32_t id : ids) {
+    h ^= uint32_t(id);
+    h *= 0x100000001b3ull;
+  }
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)h);
+  return buf;
+}
+
+TEST(BenchCli, ReportFollowsTheContractAndMatchesGenerate) {
+  test::TempDir dir;
+  const auto report_path = dir.path() / "bench.json";
+  const int prompt_len = 24, steps = 6;
+  const test::CliRun bench =
+      test::run_lily("bench --backend cpu --threads 2 --model " + quoted(test::demo_model_dir()) + " --prompt-len " +
+                         std::to_string(prompt_len) + " --decode-steps " + std::to_string(steps) +
+                         " --rounds 2 --json-out " + quoted(report_path),
+                     true);
+  ASSERT_EQ(bench.exit_code, 0) << bench.output;
+  std::ifstream in(report_path);
+  ASSERT_TRUE(in) << "no report written";
+  const auto report = nlohmann::json::parse(in);
+  EXPECT_EQ(report["schema_version"], 1);
+  EXPECT_EQ(report["meta"]["backend"], "cpu");
+  EXPECT_FALSE(report["meta"]["commit"].get<std::string>().empty());
+  EXPECT_EQ(report["workload"]["prompt_len"], prompt_len);
+  EXPECT_EQ(report["workload"]["prompt_kind"], "u32_golden_ratio_hash_mod_vocab");
+  ASSERT_EQ(report["rounds"].size(), 2u);
+  for (const auto& round : report["rounds"]) {
+    EXPECT_EQ(round["step_secs"].size(), size_t(steps));
+    EXPECT_GT(round["prefill_secs"].get<double>(), 0.0);
+    EXPECT_EQ(round["digest"], report["rounds"][0]["digest"]);
+  }
+  EXPECT_GT(report["results"]["decode_tok_s_median"].get<double>(), 0.0);
+
+  // The same greedy trajectory through `lily generate`: first token = bench's prefill token,
+  // the next `steps` ids hash to the digest.
+  const auto config = nlohmann::json::parse(std::ifstream(test::demo_model_dir() / "config.json"));
+  const int vocab = config["text_config"]["vocab_size"];
+  std::string ids;
+  for (int32_t id : contract_prompt(prompt_len, vocab)) ids += (ids.empty() ? "" : ",") + std::to_string(id);
+  const test::CliRun gen = test::run_lily("generate --backend cpu --threads 2 --json --model " +
+                                              quoted(test::demo_model_dir()) + " --prompt-ids " + ids +
+                                              " --max-tokens " + std::to_string(steps + 1),
+                                          false);
+  ASSERT_EQ(gen.exit_code, 0) << gen.output;
+  const auto generated = nlohmann::json::parse(gen.output)["token_ids"].get<std::vector<int32_t>>();
+  ASSERT_EQ(generated.size(), size_t(steps + 1)) << "generate stopped early: " << gen.output;
+  EXPECT_EQ(report["rounds"][0]["first_token_id"], generated[0]);
+  EXPECT_EQ(report["rounds"][0]["digest"], fnv1a_hex({generated.begin() + 1, generated.end()}));
+}
+
+TEST(BenchCli, BadOptionsAreRefused) {
+  for (const std::string args : {"--backend cpu --prompt-len 0", "--backend cpu --decode-steps 0",
+                                 "--backend cpu --rounds 0", "--backend metal"}) {
+    const test::CliRun r = test::run_lily("bench --model " + quoted(test::demo_model_dir()) + " " + args, true);
+    EXPECT_NE(r.exit_code, 0) << args;
+    EXPECT_FALSE(r.output.empty()) << args;
+  }
+}
+
+}  // namespace
+}  // namespace lily
