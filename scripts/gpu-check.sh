@@ -5,12 +5,13 @@
 # synthetic real-dims checkpoint and on the demo model. Every log goes to $OUT (or ./gpu-logs).
 #
 # Usage (from the device tool, repository root, carry: ["carry/deps"]):
-#   bash scripts/gpu-check.sh            # build + ctest -L gpu + generate
-#   LILY_GPU_BENCH=1 bash scripts/gpu-check.sh   # also a first `lily bench` on a synthetic model
+#   bash scripts/gpu-check.sh            # build + ctest -L gpu + generate + serve
+#   LILY_GPU_BENCH=1 bash scripts/gpu-check.sh   # also the 35b-a3b synth, the bench matrix
+#       (scripts/bench-matrix, LILY_GPU_MATRIX_BUDGET seconds, default 300) and CUDA vs CPU on it
 # The PCRE2/utf8proc/httplib headers come from carry/deps (scripts/make-carry.sh packs them).
 # Files under $OUT (the device tool returns at most 8): gpu-check.log (everything), build.log,
-# ctest-gpu.log, e2e-per-token-prefill.txt, serve-check.txt and, with LILY_GPU_BENCH=1, bench JSON
-# reports (the device tool returns the files under $OUT).
+# ctest-gpu.log, e2e-per-token-prefill.txt, serve-check.txt and, with LILY_GPU_BENCH=1,
+# bench-realdims.json, bench-matrix.md and bench-json.tar.gz (the device tool returns ≤ 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-logs}"
@@ -34,7 +35,7 @@ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON \
   -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 \
   >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "configure FAILED"; exit 1; }
 # Only what the checks need: the lily executable and every tests/gpu test binary.
-targets=(lily)
+targets=(lily bench_device_peaks)
 for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
 echo "== build (-j16): ${targets[*]}"
 cmake --build "$BUILD" -j16 --target "${targets[@]}" >>"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -40; echo "build FAILED"; exit 1; }
@@ -70,13 +71,14 @@ if [[ "${LILY_GPU_BENCH:-0}" == 1 ]]; then
   t1=$(date +%s)
   timeout 240 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$SYN/35b" 2>&1 | tail -3 || status=1
   echo "synth: $(( $(date +%s) - t1 )) s"
-  echo "== lily bench (synthetic 35b-a3b)"
-  for len in 256 2048 8192; do
-    "$BUILD/lily" bench --backend cuda --model "$SYN/35b" --prompt-len $len --decode-steps 64 \
-      --json-out "$OUT/bench-35b-$len.json" 2>&1 || status=1
-  done
   echo "== 35b-a3b: CUDA vs CPU reference"
   LILY_GPU_BIG_MODEL="$SYN/35b" timeout 240 "$BUILD/tests/test_cuda_e2e" --gtest_filter='*Full35b*' 2>&1 || status=1
+  echo "== bench matrix (scripts/bench-matrix, budget ${LILY_GPU_MATRIX_BUDGET:-300} s)"
+  mkdir -p "$SYN/bench"
+  python3 scripts/bench-matrix --lily "$BUILD/lily" --model "$SYN/35b" --peaks "$BUILD/bench_device_peaks" \
+    --budget-s "${LILY_GPU_MATRIX_BUDGET:-300}" --out "$OUT/bench-matrix.md" --json-dir "$SYN/bench" 2>&1 || status=1
+  # The device tool returns at most 8 files: the per-context JSON reports travel as one archive.
+  tar -czf "$OUT/bench-json.tar.gz" -C "$SYN" bench
 fi
 rm -rf "$SYN"
 echo "== gpu-check done, status $status"
