@@ -1,0 +1,621 @@
+// Tensor-core W4A16 / W8A16 GEMM for prefill on MLX affine weights (reference/model.md §2.2,
+// §4.2 "prefill dense projection" and "prefill MoE experts"): dense projections and grouped
+// expert GEMMs. Unverified on a GPU until the H200 run (docs/cuda.md).
+//
+// One kernel template, three modes:
+//   kDense  — y[m, N] = x[m, K]·bf16(W)ᵀ, token rows in grid.x, weight-row tiles in grid.y;
+//   kGateUp — per expert row tile: gate and up rows interleaved in the weight tile, SwiGLU epilogue;
+//   kDown   — per expert row tile: down rows, per-slot bf16 outputs (combined in slot order later).
+//
+// Block = 8 warps (2 along token rows × 4 along weight rows); CTA tile BM × BN × BK with BK = 64
+// = one quantization group, so each weight row has exactly one (scale, bias) per k-tile.
+// Per k-tile:
+//   1. cp.async (16-byte, zero-fill for masked rows) stages the activation tile [BM, 64] bf16 and
+//      the raw code tile [BN, 64·bits/32] u32 into the other half of a double buffer while the
+//      current tile is computed; scales/biases of the next tile are prefetched into registers.
+//   2. The block dequantizes the code tile once into a bf16 tile [BN, 64] in shared memory:
+//      w = bf16(fmaf(s, q, b)) — s·q is exact in fp32 (8 + 8 significant bits), so this is the
+//      CPU's fp32 s·q + b rounded once to bf16.
+//   3. Each warp runs mma.sync.m16n8k16 (bf16 in, fp32 accumulate) over its (BM/2) × (BN/4)
+//      sub-tile, loading fragments with plain 32-bit shared loads in the PTX fragment layout.
+// Shared rows are padded to 72 bf16 (144 B): fragment loads of a warp (8 rows × 4 words) then
+// hit 32 distinct banks, and 16-byte dequant stores stay aligned.
+//
+// Tile choice (m = tokens per prefill chunk, ≤ 256 today; N = weight rows, 512 … 248320):
+//   * BK = 64: one group per k-tile (above); K = 2048 / 4096 / 512 → 32 / 64 / 8 k-tiles.
+//   * BN = 128 weight rows: a 4-bit code tile is 4 KiB, the dequantized tile 18 KiB; BN = 64 only
+//     when 128 would leave SMs idle (e.g. out_proj N = 2048 at m = 256: 2 × 16 = 32 CTAs with
+//     BM = 128, BN = 128, but 4 × 32 = 128 with BM = 64, BN = 64).
+//   * BM = 128 tokens when the grid still covers the 132 SMs (m = 256 and N ≥ 8448: qkv|z|a|b
+//     12352 → 194 CTAs, attention q|k|v 9216 → 144), else 64; m ≤ 32 → 32 (less MMA padding
+//     for small tails). Each weight tile is dequantized once per CTA and re-read ceil(m/BM) times
+//     from L2 (every projection matrix, ≤ 14 MB, fits the 50 MB L2).
+//   * Shared memory: 2·BM·144 + BN·144 + 2·BN·32·(bits/4) bytes: 63 KiB at (128, 128, 4-bit),
+//     so up to 3 CTAs per SM by shared memory; 2 by registers (64 fp32 accumulators per thread).
+//   * Grouped experts: BN = 128 (gate/up: 64 gate + 64 up rows → 64 act columns per CTA; down:
+//     128 hidden columns), BM = 32 when an expert gets < 48 rows on average (m = 256, top-8 of
+//     256: ≈ 8 rows per expert), else 64.
+#include <algorithm>
+#include <string>
+
+#include "backends/cuda/common.cuh"
+#include "backends/cuda/quant_gemm.h"
+
+namespace lily::cuda {
+namespace {
+
+constexpr int kGemmThreads = 256;  // 8 warps: 2 along M (token rows) × 4 along N (weight rows)
+constexpr int kBK = 64;            // one quantization group per k-tile
+constexpr int kLd = kBK + 8;       // padded shared row: 72 bf16 = 144 B
+constexpr int kMaxGroups = 2048;   // grouping scan: 1024 threads × 2 experts
+
+enum class Mode { kDense, kGateUp, kDown };
+
+/// Kernel arguments (by value). Grouped modes read `grouping` (quant_gemm.h layout).
+struct GemmParams {
+  DeviceQuant w0;            ///< dense: W; gate/up: gate stack; down: down stack
+  DeviceQuant w1;            ///< gate/up: up stack (unused otherwise)
+  const bf16* a = nullptr;   ///< dense / gate-up: x [m, K]; down: act [m·n_sel, K]
+  int m = 0;                 ///< token rows
+  int K = 0;                 ///< input features (w0.cols)
+  int64_t n = 0;             ///< output width: dense: w0.rows; gate/up: ffn; down: hidden
+  bf16* y_bf16 = nullptr;    ///< dense (bf16) / act (gate-up) / slot_out (down)
+  float* y_f32 = nullptr;    ///< dense fp32 output
+  const int32_t* grouping = nullptr;
+  int n_groups = 0;
+  int n_sel = 1;
+};
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
+// ---- PTX wrappers --------------------------------------------------------------------------------
+
+/// 16-byte global → shared async copy; src_bytes = 0 writes 16 zero bytes (masked rows).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+/// D = A·B + D for one m16n8k16 tile: bf16 inputs, fp32 accumulators (PTX ISA fragment layout:
+/// a[0] = (row g, k 2t..2t+1), a[1] = (g+8, 2t), a[2] = (g, 2t+8), a[3] = (g+8, 2t+8);
+/// b[0] = (k 2t..2t+1, col g), b[1] = (k 2t+8.., g); d[0..1] = (g, 2t..2t+1), d[2..3] = (g+8, ..),
+/// with g = lane/4, t = lane%4; the lower k/col index in the lower 16 bits).
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t lds32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+/// Two fp32 → packed bf16x2 (each rounded to nearest even; `lo` in the low half).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+/// Exact fp32 value of a small unsigned code (q < 2^23) without an int→float instruction.
+__device__ __forceinline__ float code_to_f32(uint32_t q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
+
+template <int BITS, int BM, int BN>
+constexpr size_t gemm_smem_bytes() {
+  return size_t(2) * BM * kLd * sizeof(bf16) + size_t(BN) * kLd * sizeof(bf16) +
+         size_t(2) * BN * (kBK * BITS / 32) * sizeof(uint32_t);
+}
+
+template <class OutT>
+__device__ __forceinline__ void store1(OutT* y, int64_t i, float v);
+template <>
+__device__ __forceinline__ void store1<float>(float* y, int64_t i, float v) { y[i] = v; }
+template <>
+__device__ __forceinline__ void store1<bf16>(bf16* y, int64_t i, float v) { y[i] = to_bf16(v); }
+
+/// Stores output columns col, col+1 of one row (masked at n; paired when aligned).
+template <class OutT>
+__device__ __forceinline__ void store_pair(OutT* row, int64_t col, int64_t n, float v0, float v1) {
+  if (col + 1 < n && (n % 2) == 0) {
+    if constexpr (sizeof(OutT) == 4) *reinterpret_cast<float2*>(row + col) = make_float2(v0, v1);
+    else *reinterpret_cast<__nv_bfloat162*>(row + col) = __floats2bfloat162_rn(v0, v1);
+  } else {
+    if (col < n) store1(row, col, v0);
+    if (col + 1 < n) store1(row, col + 1, v1);
+  }
+}
+
+// ---- the GEMM kernel -------------------------------------------------------------------------------
+
+/// grid: dense (ceil(m/BM), ceil(N/BN)); grouped (max row tiles, column tiles). See file comment.
+template <int BITS, int BM, int BN, Mode MODE, class OutT>
+__global__ void __launch_bounds__(kGemmThreads, 2) quant_gemm_kernel(const GemmParams p) {
+  constexpr int WPG = kBK * BITS / 32;           // code words per weight row per k-tile (8 / 16)
+  constexpr int PER = 32 / BITS;                 // codes per word (8 / 4)
+  constexpr int CPR = WPG / 4;                   // 16-byte code chunks per row per k-tile
+  constexpr int WM = BM / 2, WN = BN / 4;        // warp sub-tile
+  constexpr int MT = WM / 16, NT = WN / 8;       // m16 / n8 fragments per warp
+  constexpr int AJ = BM * (kBK / 8) / kGemmThreads;           // activation chunks per thread
+  constexpr int BJ = (BN * CPR + kGemmThreads - 1) / kGemmThreads;  // code chunks per thread (max)
+  constexpr int DQ = BN * WPG / kGemmThreads;    // code words dequantized per thread
+  static_assert(BM % 32 == 0 && BN % 64 == 0, "tile shape");
+  static_assert(AJ >= 1 && BM * (kBK / 8) % kGemmThreads == 0, "activation chunks per thread");
+  static_assert(DQ >= 1 && BN * WPG % kGemmThreads == 0, "dequant words per thread");
+  static_assert(MODE != Mode::kGateUp || NT % 2 == 0, "gate/up fragments come in pairs");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* xs = reinterpret_cast<bf16*>(smem_raw);               // [2][BM][kLd] activations
+  bf16* ws = xs + 2 * BM * kLd;                                // [BN][kLd] dequantized weights
+  uint32_t* cs = reinterpret_cast<uint32_t*>(ws + BN * kLd);  // [2][BN][WPG] raw codes
+
+  const int tid = threadIdx.x;
+  const int groups = p.K / kBK;
+  const int k_tiles = groups;
+  const int wpr = p.K * BITS / 32;
+
+  // Token rows of this block: positions [row_begin, row_begin + row_count) of the token index
+  // (dense) or of the expert-sorted assignment order (grouped); weight rows from w_base.
+  int row_begin = 0, row_count = 0;
+  int64_t w_base = 0;
+  const int32_t* order = nullptr;
+  if constexpr (MODE == Mode::kDense) {
+    row_begin = blockIdx.x * BM;
+    row_count = min(BM, p.m - row_begin);
+  } else {
+    const int32_t* offsets = p.grouping;
+    const int32_t* tiles = p.grouping + p.n_groups + 1;
+    order = p.grouping + 2 * (p.n_groups + 1);
+    const int tile = blockIdx.x;
+    if (tile >= tiles[p.n_groups]) return;  // whole block exits: more tiles launched than exist
+    int lo = 0, hi = p.n_groups - 1;        // the largest e with tiles[e] ≤ tile has tile in range
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tiles[mid] <= tile) lo = mid;
+      else hi = mid - 1;
+    }
+    row_begin = offsets[lo] + (tile - tiles[lo]) * BM;
+    row_count = min(BM, offsets[lo + 1] - row_begin);
+    w_base = static_cast<int64_t>(lo) * p.n;
+  }
+  // Output columns of this block: dense/down n0…n0+BN−1; gate/up act columns n0…n0+BN/2−1.
+  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * (MODE == Mode::kGateUp ? BN / 2 : BN);
+
+  // Weight row behind shared tile row r (−1 if masked); `up` selects w1 (gate/up mode: tile rows
+  // 16j…16j+7 are gate rows n0+8j…, rows 16j+8…16j+15 the up rows of the same columns).
+  auto weight_row = [&](int r, bool& up) -> int64_t {
+    up = false;
+    if constexpr (MODE == Mode::kGateUp) {
+      const int64_t i = n0 + (r / 16) * 8 + r % 8;
+      up = ((r / 8) & 1) != 0;
+      return i < p.n ? w_base + i : -1;
+    } else {
+      return n0 + r < p.n ? w_base + n0 + r : -1;
+    }
+  };
+
+  // Per-thread sources, fixed for the whole K loop.
+  const bf16* a_src[AJ];
+#pragma unroll
+  for (int j = 0; j < AJ; ++j) {
+    const int c = tid + j * kGemmThreads, r = c / (kBK / 8), ch = c % (kBK / 8);
+    a_src[j] = nullptr;
+    if (r < row_count) {
+      int64_t arow;
+      if constexpr (MODE == Mode::kDense) arow = row_begin + r;
+      else if constexpr (MODE == Mode::kGateUp) arow = order[row_begin + r] / p.n_sel;
+      else arow = order[row_begin + r];
+      a_src[j] = p.a + arow * p.K + ch * 8;
+    }
+  }
+  const uint32_t* b_src[BJ];
+#pragma unroll
+  for (int j = 0; j < BJ; ++j) {
+    const int c = tid + j * kGemmThreads, r = c / CPR, ch = c % CPR;
+    b_src[j] = nullptr;
+    if (c < BN * CPR) {
+      bool up;
+      const int64_t wr = weight_row(r, up);
+      if (wr >= 0) b_src[j] = (up ? p.w1.codes : p.w0.codes) + wr * wpr + ch * 4;
+    }
+  }
+  auto load_tile = [&](int kt, int stage) {
+    bf16* xst = xs + stage * BM * kLd;
+#pragma unroll
+    for (int j = 0; j < AJ; ++j) {
+      const int c = tid + j * kGemmThreads, r = c / (kBK / 8), ch = c % (kBK / 8);
+      cp_async16(xst + r * kLd + ch * 8, a_src[j] ? a_src[j] + kt * kBK : p.a, a_src[j] ? 16 : 0);
+    }
+    uint32_t* cst = cs + stage * BN * WPG;
+#pragma unroll
+    for (int j = 0; j < BJ; ++j) {
+      const int c = tid + j * kGemmThreads;
+      if (c < BN * CPR)
+        cp_async16(cst + c * 4, b_src[j] ? b_src[j] + kt * WPG : p.w0.codes, b_src[j] ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  // Scale and bias of tile row r's weight row for k-tile kt, as raw bf16 bits packed
+  // (scale low, bias high); 0 (w = 0) for masked rows. Recomputed per k-tile to save registers.
+  auto load_scales = [&](int kt, uint32_t (&sb)[DQ]) {
+#pragma unroll
+    for (int j = 0; j < DQ; ++j) {
+      bool up;
+      const int64_t wr = weight_row((tid + j * kGemmThreads) / WPG, up);
+      sb[j] = 0;
+      if (wr >= 0) {
+        const int64_t idx = wr * groups + kt;
+        const bf16 s = (up ? p.w1.scales : p.w0.scales)[idx], b = (up ? p.w1.biases : p.w0.biases)[idx];
+        sb[j] = static_cast<uint32_t>(__bfloat16_as_ushort(s)) | (static_cast<uint32_t>(__bfloat16_as_ushort(b)) << 16);
+      }
+    }
+  };
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.0f;
+
+  const int warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t4 = lane % 4;
+  const int wm0 = (warp / 4) * WM, wn0 = (warp % 4) * WN;
+
+  uint32_t sb_cur[DQ];
+  load_tile(0, 0);
+  load_scales(0, sb_cur);
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const int stage = kt & 1;
+    cp_async_wait_all();
+    __syncthreads();  // tile kt visible to all; every warp is done with tile kt−1 (ws, other stage)
+    uint32_t sb_nxt[DQ];
+    if (kt + 1 < k_tiles) {
+      load_tile(kt + 1, stage ^ 1);
+      load_scales(kt + 1, sb_nxt);  // consumed next iteration: latency hidden by this tile's work
+    }
+    // Dequantize the code tile: word i of the tile = row i / WPG, codes (i % WPG)·PER ….
+    const uint32_t* cst = cs + stage * BN * WPG;
+#pragma unroll
+    for (int j = 0; j < DQ; ++j) {
+      const int i = tid + j * kGemmThreads, r = i / WPG, wi = i % WPG;
+      const uint32_t word = cst[i];
+      const float sc = __uint_as_float(sb_cur[j] << 16), bi = __uint_as_float(sb_cur[j] & 0xFFFF0000u);
+      uint32_t packed[PER / 2];
+#pragma unroll
+      for (int e = 0; e < PER; e += 2) {
+        const uint32_t q0 = (word >> (BITS * e)) & ((1u << BITS) - 1u);
+        const uint32_t q1 = (word >> (BITS * (e + 1))) & ((1u << BITS) - 1u);
+        packed[e / 2] = pack_bf16x2(fmaf(sc, code_to_f32(q0), bi), fmaf(sc, code_to_f32(q1), bi));
+      }
+      bf16* dst = ws + r * kLd + wi * PER;
+      if constexpr (PER == 8) *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      else *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+    }
+    __syncthreads();  // dequantized tile complete
+    const bf16* xst = xs + stage * BM * kLd;
+#pragma unroll
+    for (int ks = 0; ks < kBK / 16; ++ks) {
+      const int k0 = ks * 16 + 2 * t4;
+      uint32_t bfr[NT][2];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const bf16* base = ws + (wn0 + nt * 8 + g) * kLd + k0;
+        bfr[nt][0] = lds32(base);
+        bfr[nt][1] = lds32(base + 8);
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const bf16* base = xst + (wm0 + mt * 16 + g) * kLd + k0;
+        const uint32_t af[4] = {lds32(base), lds32(base + 8 * kLd), lds32(base + 8), lds32(base + 8 * kLd + 8)};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_bf16_16816(acc[mt][nt], af, bfr[nt]);
+      }
+    }
+    if (kt + 1 < k_tiles) {
+#pragma unroll
+      for (int j = 0; j < DQ; ++j) sb_cur[j] = sb_nxt[j];
+    }
+  }
+
+  // Epilogue. Fragment (mt, nt) element v: tile row wm0 + mt·16 + g + 8·(v/2), tile column
+  // wn0 + nt·8 + 2·t4 + v%2.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = wm0 + mt * 16 + g + 8 * h;
+      if (r >= row_count) continue;
+      if constexpr (MODE == Mode::kDense) {
+        OutT* y;
+        if constexpr (sizeof(OutT) == 4) y = reinterpret_cast<OutT*>(p.y_f32);
+        else y = reinterpret_cast<OutT*>(p.y_bf16);
+        OutT* row = y + static_cast<int64_t>(row_begin + r) * p.n;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          store_pair(row, n0 + wn0 + nt * 8 + 2 * t4, p.n, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+      } else if constexpr (MODE == Mode::kGateUp) {
+        const int64_t a = order[row_begin + r];
+        bf16* row = p.y_bf16 + a * p.n;
+#pragma unroll
+        for (int q = 0; q < NT / 2; ++q) {
+          const int64_t i = n0 + wn0 / 2 + q * 8 + 2 * t4;
+          float v[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float gv = round_bf16(acc[mt][2 * q][2 * h + e]);
+            const float uv = round_bf16(acc[mt][2 * q + 1][2 * h + e]);
+            v[e] = silu(gv) * uv;
+          }
+          store_pair(row, i, p.n, v[0], v[1]);
+        }
+      } else {
+        const int64_t a = order[row_begin + r];
+        bf16* row = p.y_bf16 + a * p.n;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          store_pair(row, n0 + wn0 + nt * 8 + 2 * t4, p.n, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+      }
+    }
+}
+
+template <int BITS, int BM, int BN, Mode MODE, class OutT>
+void launch_tile(const GemmParams& p, dim3 grid, cudaStream_t stream) {
+  constexpr size_t smem = gemm_smem_bytes<BITS, BM, BN>();
+  static const bool attr_set = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(quant_gemm_kernel<BITS, BM, BN, MODE, OutT>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    return true;
+  }();
+  (void)attr_set;
+  quant_gemm_kernel<BITS, BM, BN, MODE, OutT><<<grid, kGemmThreads, smem, stream>>>(p);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+void check_gemm_weights(const DeviceQuant& w, const char* what) {
+  if ((w.bits != 4 && w.bits != 8) || w.cols <= 0 || w.cols % kBK != 0 || w.rows <= 0)
+    throw ::lily::Error(std::string(what) + ": the tensor-core GEMM supports 4/8-bit matrices with cols a positive "
+                        "multiple of 64; got bits=" + std::to_string(w.bits) + " rows=" + std::to_string(w.rows) +
+                        " cols=" + std::to_string(w.cols));
+}
+
+void check_grid_y(int64_t tiles, const char* what) {
+  if (tiles > 65535) throw ::lily::Error(std::string(what) + ": output too wide for the GEMM grid");
+}
+
+template <int BITS, class OutT>
+void dense_dispatch(const GemmParams& p, cudaStream_t stream) {
+  const int sms = sm_count();
+  const int64_t n = p.n;
+  int bm = p.m <= 32 ? 32 : (p.m <= 64 ? 64 : 128);
+  if (bm == 128 && ceil_div(p.m, 128) * ceil_div(n, 128) < sms) bm = 64;
+  const int bn = ceil_div(p.m, bm) * ceil_div(n, 128) >= sms ? 128 : 64;
+  check_grid_y(ceil_div(n, bn), "quant_gemm");
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.m, bm)), static_cast<unsigned>(ceil_div(n, bn)));
+  if (bm == 128) launch_tile<BITS, 128, 128, Mode::kDense, OutT>(p, grid, stream);
+  else if (bm == 64 && bn == 128) launch_tile<BITS, 64, 128, Mode::kDense, OutT>(p, grid, stream);
+  else if (bm == 64) launch_tile<BITS, 64, 64, Mode::kDense, OutT>(p, grid, stream);
+  else if (bn == 128) launch_tile<BITS, 32, 128, Mode::kDense, OutT>(p, grid, stream);
+  else launch_tile<BITS, 32, 64, Mode::kDense, OutT>(p, grid, stream);
+}
+
+/// Row-tile height of the grouped GEMMs (and of the grouping's tile offsets).
+int grouped_tile_rows(int m, int n_sel, int n_groups) {
+  return static_cast<int64_t>(m) * n_sel >= 48LL * n_groups ? 64 : 32;
+}
+/// Upper bound of the number of row tiles: Σ_e ceil(n_e / BM) < Σ n_e / BM + n_groups.
+int64_t grouped_max_tiles(int m, int n_sel, int n_groups) {
+  return ceil_div(static_cast<int64_t>(m) * n_sel, grouped_tile_rows(m, n_sel, n_groups)) + n_groups;
+}
+
+template <Mode MODE>
+void grouped_dispatch(const GemmParams& p, int64_t col_tiles, cudaStream_t stream) {
+  const int bm = grouped_tile_rows(p.m, p.n_sel, p.n_groups);
+  check_grid_y(col_tiles, "grouped expert GEMM");
+  const dim3 grid(static_cast<unsigned>(grouped_max_tiles(p.m, p.n_sel, p.n_groups)), static_cast<unsigned>(col_tiles));
+  if (p.w0.bits == 4) {
+    if (bm == 64) launch_tile<4, 64, 128, MODE, bf16>(p, grid, stream);
+    else launch_tile<4, 32, 128, MODE, bf16>(p, grid, stream);
+  } else {
+    if (bm == 64) launch_tile<8, 64, 128, MODE, bf16>(p, grid, stream);
+    else launch_tile<8, 32, 128, MODE, bf16>(p, grid, stream);
+  }
+}
+
+// ---- grouping (counting sort of the assignments by expert) ------------------------------------------
+
+constexpr int kScanThreads = 1024;
+
+/// Inclusive prefix sum over the 1024 threads of the block; `warp_tot` ≥ 32 ints of shared memory.
+__device__ int block_inclusive_scan(int v, int* warp_tot) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+#pragma unroll
+  for (int o = 1; o < kWarp; o <<= 1) {
+    const int u = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += u;
+  }
+  __syncthreads();  // warp_tot may still be read by a previous call
+  if (lane == kWarp - 1) warp_tot[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    int w = warp_tot[lane];
+#pragma unroll
+    for (int o = 1; o < kWarp; o <<= 1) {
+      const int u = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += u;
+    }
+    warp_tot[lane] = w;
+  }
+  __syncthreads();
+  return v + (warp > 0 ? warp_tot[warp - 1] : 0);
+}
+
+__device__ __forceinline__ int clamp_group(int32_t id, int n_groups) { return id < 0 ? 0 : (id >= n_groups ? n_groups - 1 : id); }
+
+/// One block of 1024 threads: per-expert counts, then offsets and tile offsets (exclusive scans).
+__global__ void __launch_bounds__(kScanThreads) grouping_count_kernel(const int32_t* __restrict__ ids, int n_assign,
+                                                                      int n_groups, int tile_rows,
+                                                                      int32_t* __restrict__ grouping) {
+  __shared__ int cnt[kMaxGroups];
+  __shared__ int warp_tot[kWarp];
+  for (int e = threadIdx.x; e < kMaxGroups; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  for (int a = threadIdx.x; a < n_assign; a += blockDim.x) atomicAdd(&cnt[clamp_group(ids[a], n_groups)], 1);
+  __syncthreads();
+  const int e0 = 2 * threadIdx.x, e1 = e0 + 1;
+  const int c0 = cnt[e0], c1 = cnt[e1];  // entries ≥ n_groups are 0
+  const int t0 = (c0 + tile_rows - 1) / tile_rows, t1 = (c1 + tile_rows - 1) / tile_rows;
+  const int rows_incl = block_inclusive_scan(c0 + c1, warp_tot);
+  const int tiles_incl = block_inclusive_scan(t0 + t1, warp_tot);
+  int32_t* offsets = grouping;
+  int32_t* tiles = grouping + n_groups + 1;
+  // Entry e's inclusive prefix is the exclusive offset of e + 1.
+  if (e0 < n_groups) { offsets[e0 + 1] = rows_incl - c1; tiles[e0 + 1] = tiles_incl - t1; }
+  if (e1 < n_groups) { offsets[e1 + 1] = rows_incl; tiles[e1 + 1] = tiles_incl; }
+  if (threadIdx.x == 0) { offsets[0] = 0; tiles[0] = 0; }
+}
+
+constexpr int kFillThreads = 256;
+
+/// Block e: writes expert e's assignment indices, ascending, at order[offsets[e] …].
+__global__ void __launch_bounds__(kFillThreads) grouping_fill_kernel(const int32_t* __restrict__ ids, int n_assign,
+                                                                     int n_groups, int32_t* __restrict__ grouping) {
+  __shared__ int warp_cnt[kFillThreads / kWarp];
+  const int e = blockIdx.x;
+  const int32_t* offsets = grouping;
+  int32_t* order = grouping + 2 * (n_groups + 1);
+  int base = offsets[e];
+  if (offsets[e + 1] == base) return;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  for (int a0 = 0; a0 < n_assign; a0 += kFillThreads) {
+    const int a = a0 + threadIdx.x;
+    const bool mine = a < n_assign && clamp_group(ids[a], n_groups) == e;
+    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+    if (lane == 0) warp_cnt[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, total = 0;
+#pragma unroll
+    for (int w = 0; w < kFillThreads / kWarp; ++w) {
+      before += w < warp ? warp_cnt[w] : 0;
+      total += warp_cnt[w];
+    }
+    if (mine) order[base + before + __popc(ballot & ((1u << lane) - 1u))] = a;
+    base += total;
+    __syncthreads();  // warp_cnt is rewritten by the next round
+  }
+}
+
+__global__ void expert_combine_kernel(const bf16* __restrict__ slot_out, const float* __restrict__ weights, int n_sel,
+                                      int hidden, bf16* __restrict__ out) {
+  const int t = blockIdx.y;
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= hidden) return;
+  float acc = 0.0f;
+  for (int s = 0; s < n_sel; ++s) {
+    const int64_t a = static_cast<int64_t>(t) * n_sel + s;
+    acc += weights[a] * to_f32(slot_out[a * hidden + r]);
+  }
+  out[static_cast<int64_t>(t) * hidden + r] = to_bf16(acc);
+}
+
+void check_grouped(int m, int n_sel, int n_groups, const int32_t* grouping, const char* what) {
+  if (m <= 0 || n_sel <= 0 || n_groups <= 0 || n_groups > kMaxGroups || grouping == nullptr)
+    throw ::lily::InternalError(std::string(what) + ": need m > 0, n_sel > 0, 0 < n_groups ≤ " +
+                                std::to_string(kMaxGroups) + " and a grouping buffer");
+}
+
+}  // namespace
+
+void launch_quant_gemm(const DeviceQuant& w, const bf16* x, int m, bf16* y_bf16, float* y_f32, cudaStream_t stream) {
+  check_gemm_weights(w, "quant_gemm");
+  if ((y_bf16 == nullptr) == (y_f32 == nullptr) || m <= 0)
+    throw ::lily::InternalError("launch_quant_gemm: exactly one output and m > 0 required");
+  GemmParams p;
+  p.w0 = w;
+  p.a = x;
+  p.m = m;
+  p.K = w.cols;
+  p.n = w.rows;
+  p.y_bf16 = y_bf16;
+  p.y_f32 = y_f32;
+  if (w.bits == 4) {
+    if (y_f32) dense_dispatch<4, float>(p, stream); else dense_dispatch<4, bf16>(p, stream);
+  } else {
+    if (y_f32) dense_dispatch<8, float>(p, stream); else dense_dispatch<8, bf16>(p, stream);
+  }
+}
+
+int64_t expert_grouping_ints(int n_groups, int m, int n_sel) {
+  return 2 * (static_cast<int64_t>(n_groups) + 1) + static_cast<int64_t>(m) * n_sel;
+}
+
+void launch_expert_grouping(const int32_t* ids, int m, int n_sel, int n_groups, int32_t* grouping,
+                            cudaStream_t stream) {
+  check_grouped(m, n_sel, n_groups, grouping, "launch_expert_grouping");
+  const int n_assign = m * n_sel;
+  grouping_count_kernel<<<1, kScanThreads, 0, stream>>>(ids, n_assign, n_groups, grouped_tile_rows(m, n_sel, n_groups),
+                                                        grouping);
+  LILY_CUDA_CHECK_LAUNCH();
+  grouping_fill_kernel<<<n_groups, kFillThreads, 0, stream>>>(ids, n_assign, n_groups, grouping);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+void launch_quant_gemm_grouped_gate_up(const DeviceQuant& gate, const DeviceQuant& up, int ffn, const int32_t* grouping,
+                                       int n_groups, const bf16* x, int m, int n_sel, bf16* act, cudaStream_t stream) {
+  check_gemm_weights(gate, "expert gate_proj");
+  check_gemm_weights(up, "expert up_proj");
+  check_grouped(m, n_sel, n_groups, grouping, "launch_quant_gemm_grouped_gate_up");
+  if (gate.bits != up.bits || gate.cols != up.cols || ffn <= 0 || gate.rows < int64_t(n_groups) * ffn ||
+      up.rows < int64_t(n_groups) * ffn)
+    throw ::lily::InternalError("launch_quant_gemm_grouped_gate_up: gate/up stacks do not match n_groups × ffn");
+  GemmParams p;
+  p.w0 = gate;
+  p.w1 = up;
+  p.a = x;
+  p.m = m;
+  p.K = gate.cols;
+  p.n = ffn;
+  p.y_bf16 = act;
+  p.grouping = grouping;
+  p.n_groups = n_groups;
+  p.n_sel = n_sel;
+  grouped_dispatch<Mode::kGateUp>(p, ceil_div(ffn, 64), stream);
+}
+
+void launch_quant_gemm_grouped_down(const DeviceQuant& down, int hidden, const int32_t* grouping, int n_groups,
+                                    const bf16* act, int m, int n_sel, bf16* slot_out, cudaStream_t stream) {
+  check_gemm_weights(down, "expert down_proj");
+  check_grouped(m, n_sel, n_groups, grouping, "launch_quant_gemm_grouped_down");
+  if (hidden <= 0 || down.rows < int64_t(n_groups) * hidden)
+    throw ::lily::InternalError("launch_quant_gemm_grouped_down: down stack does not match n_groups × hidden");
+  GemmParams p;
+  p.w0 = down;
+  p.a = act;
+  p.m = m;
+  p.K = down.cols;
+  p.n = hidden;
+  p.y_bf16 = slot_out;
+  p.grouping = grouping;
+  p.n_groups = n_groups;
+  p.n_sel = n_sel;
+  grouped_dispatch<Mode::kDown>(p, ceil_div(hidden, 128), stream);
+}
+
+void launch_expert_combine(const bf16* slot_out, const float* weights, int m, int n_sel, int hidden, bf16* out,
+                           cudaStream_t stream) {
+  if (m <= 0 || n_sel <= 0 || hidden <= 0 || m > 65535)
+    throw ::lily::InternalError("launch_expert_combine: need 0 < m ≤ 65535, n_sel > 0, hidden > 0");
+  const dim3 grid(static_cast<unsigned>(ceil_div(hidden, 256)), static_cast<unsigned>(m));
+  expert_combine_kernel<<<grid, 256, 0, stream>>>(slot_out, weights, n_sel, hidden, out);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace lily::cuda
