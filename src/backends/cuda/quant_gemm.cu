@@ -527,9 +527,11 @@ __global__ void expert_combine_kernel(const bf16* __restrict__ slot_out, const f
 }
 
 void check_grouped(int m, int n_sel, int n_groups, const int32_t* grouping, const char* what) {
-  if (m <= 0 || n_sel <= 0 || n_groups <= 0 || n_groups > kMaxGroups || grouping == nullptr)
-    throw ::lily::InternalError(std::string(what) + ": need m > 0, n_sel > 0, 0 < n_groups ≤ " +
-                                std::to_string(kMaxGroups) + " and a grouping buffer");
+  if (n_groups > kMaxGroups)
+    throw ::lily::Error(std::string(what) + ": the grouped expert GEMM supports at most " + std::to_string(kMaxGroups) +
+                        " experts (routed + shared); got " + std::to_string(n_groups));
+  if (m <= 0 || n_sel <= 0 || n_groups <= 0 || grouping == nullptr)
+    throw ::lily::InternalError(std::string(what) + ": need m > 0, n_sel > 0, n_groups > 0 and a grouping buffer");
 }
 
 }  // namespace

@@ -34,7 +34,7 @@ int64_t expert_grouping_ints(int n_groups, int m, int n_sel);
 /// outside are clamped) by expert into `grouping` (layout above; deterministic: a counting sort,
 /// ascending assignment index inside each expert). The row-tile height used for `tiles` is
 /// fixed by (m, n_sel, n_groups), so the grouped GEMMs below must be called with the same
-/// three values. Requires n_groups ≤ 2048.
+/// three values. Throws lily::Error for n_groups > 2048, lily::InternalError for m, n_sel ≤ 0.
 void launch_expert_grouping(const int32_t* ids, int m, int n_sel, int n_groups, int32_t* grouping,
                             cudaStream_t stream);
 

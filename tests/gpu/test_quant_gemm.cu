@@ -1,0 +1,427 @@
+// The tensor-core prefill GEMMs (src/backends/cuda/quant_gemm.cu) against the CPU reference on
+// random MLX-affine weights of the real Qwen3.6-35B-A3B shapes: GDN qkv|z|a|b 12352×2048,
+// out_proj 2048×4096, attention q|k|v 9216×2048, 256 experts (+ the shared one) × 512×2048
+// gate/up and 2048×512 down; m ∈ {1, 7, 64, 100, 200, 256, 300} token rows (every tile shape and
+// masked tails), plus 8-bit, odd widths and small (demo-like) expert shapes.
+//
+// Oracles and tolerances (model.md §4.2: prefill GEMMs round each dequantized weight to bf16,
+// accumulate in fp32, round the output once):
+//  * "bf16-weight reference": fp64 sums of bf16(w)·x — the kernel's exact target, so only fp32
+//    accumulation order and the output rounding differ: bf16 outputs within 1e-2 relative,
+//    fp32 outputs within 1e-3, relative error |out − ref| / (|ref| + 1 % of the output RMS);
+//  * the CPU backend's cpu::quant_matmul (exact fp32 weights, the CPU oracle of the project): the
+//    bf16 weight rounding adds ≈ 0.1–0.3 % relative, so within 1e-2 for both output types;
+//  * expert activations act = bf16(silu(bf16 g)·bf16 u): within 2e-2 (two intermediate bf16
+//    roundings can each flip by one ulp, as in test_cuda_core_kernels' expert test);
+//  * the grouping (counting sort by expert) is checked exactly, the slot-order combine to one
+//    bf16 ulp, and the whole grouped MoE against the per-row CUDA expert kernels and a CPU
+//    quant_matmul MoE of the same tokens within 2e-2.
+// Outputs are poisoned (NaN) before each launch, so any element the kernels skip fails.
+// CudaQuantGemmTiming prints times and TFLOP/s (CUDA events after warm-up; never asserted).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <vector>
+
+#include "backends/cpu/ops.h"
+#include "backends/cuda/quant_gemm.h"
+#include "gpu_test_util.h"
+
+namespace lily::test {
+namespace {
+
+using cuda::DeviceBuffer;
+using bf16_t = __nv_bfloat16;
+
+constexpr int kHidden = 2048, kExperts = 256, kTopK = 8, kFfn = 512;
+
+/// Host QuantMatrix view of a RandomQuant (the layout the CPU backend reads).
+QuantMatrix host_view(const RandomQuant& w) {
+  QuantMatrix q;
+  q.codes = w.codes.data();
+  q.scales = w.scales.data();
+  q.biases = w.biases.data();
+  q.rows = w.rows;
+  q.cols = w.cols;
+  q.bits = w.bits;
+  return q;
+}
+
+/// Row r of W dequantized exactly and rounded to bf16 (what the tensor-core kernels multiply).
+std::vector<float> bf16_weight_row(const RandomQuant& w, int64_t r) {
+  std::vector<float> v(w.cols);
+  for (int c = 0; c < w.cols; ++c) v[c] = round_bf16(w.weight(r, c));
+  return v;
+}
+
+double dot_f64(const float* a, const float* b, int n) {
+  double s = 0;
+  for (int i = 0; i < n; ++i) s += double(a[i]) * b[i];
+  return s;
+}
+
+/// Weight rows checked numerically: both ends, every tile edge of the first 256, a spread.
+std::vector<int64_t> rows_to_check(int64_t rows) {
+  std::vector<int64_t> v;
+  for (int64_t r : {0, 1, 31, 32, 63, 64, 65, 127, 128, 129, 255, 256})
+    if (r < rows) v.push_back(r);
+  const int64_t stride = std::max<int64_t>(1, rows / 200);
+  for (int64_t r = 7; r < rows; r += stride) v.push_back(r);
+  for (int64_t r = std::max<int64_t>(0, rows - 3); r < rows; ++r) v.push_back(r);
+  std::sort(v.begin(), v.end());
+  v.erase(std::unique(v.begin(), v.end()), v.end());
+  return v;
+}
+
+/// Dense GEMM of one random rows×cols matrix for each m, against both oracles.
+void check_gemm(int64_t rows, int cols, int bits, bool f32_out, std::vector<int> ms, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  RandomQuant w(rows, cols, bits, rng);
+  const std::vector<int64_t> check = rows_to_check(rows);
+  std::vector<std::vector<float>> wrows;
+  for (int64_t r : check) wrows.push_back(bf16_weight_row(w, r));
+  const QuantMatrix hq = host_view(w);
+  for (int m : ms) {
+    SCOPED_TRACE(testing::Message() << rows << "x" << cols << " " << bits << "-bit m=" << m << (f32_out ? " fp32" : " bf16"));
+    const std::vector<float> x = random_bf16_values(int64_t(m) * cols, rng);
+    DeviceBuffer dx = to_device_bf16(x);
+    DeviceBuffer dy = poisoned(size_t(m) * rows * 4);
+    cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, f32_out ? nullptr : dy.as<bf16_t>(),
+                            f32_out ? dy.as<float>() : nullptr, nullptr);
+    const int64_t n_out = int64_t(m) * rows;
+    const std::vector<float> all = f32_out ? from_device_f32(dy, n_out) : from_device_bf16(dy, n_out);
+    for (int64_t i = 0; i < n_out; ++i) ASSERT_FALSE(std::isnan(all[i])) << "unwritten output at " << i;
+
+    // (a) the bf16-weight reference on the checked rows, every token row.
+    std::vector<float> out;
+    std::vector<double> ref;
+    for (int t = 0; t < m; ++t)
+      for (size_t j = 0; j < check.size(); ++j) {
+        out.push_back(all[int64_t(t) * rows + check[j]]);
+        ref.push_back(dot_f64(wrows[j].data(), x.data() + int64_t(t) * cols, cols));
+      }
+    EXPECT_LT(worst_rel(out, ref, 0.01 * rms(ref)), f32_out ? 1e-3 : 1e-2) << "vs bf16-weight reference";
+
+    // (b) cpu::quant_matmul (exact weights) on the first and the last 128 weight rows.
+    const int64_t block = std::min<int64_t>(128, rows);
+    for (int64_t first : {int64_t(0), rows - block}) {
+      std::vector<float> y(size_t(m) * block);
+      cpu::quant_matmul(hq.row_block(first, block), x.data(), m, y.data(), nullptr);
+      std::vector<float> o;
+      std::vector<double> r;
+      for (int t = 0; t < m; ++t)
+        for (int64_t i = 0; i < block; ++i) {
+          o.push_back(all[int64_t(t) * rows + first + i]);
+          r.push_back(y[size_t(t) * block + i]);
+        }
+      EXPECT_LT(worst_rel(o, r, 0.01 * rms(r)), 1e-2) << "vs cpu::quant_matmul, rows " << first << "+" << block;
+    }
+  }
+}
+
+const std::vector<int> kMs = {1, 7, 64, 100, 200, 256, 300};
+
+TEST(CudaQuantGemm, GdnInProjection12352x2048) { check_gemm(8192 + 4096 + 32 + 32, kHidden, 4, false, kMs, 1); }
+TEST(CudaQuantGemm, GdnOutProjection2048x4096) { check_gemm(kHidden, 4096, 4, false, kMs, 2); }
+TEST(CudaQuantGemm, AttentionInProjection9216x2048) { check_gemm(9216, kHidden, 4, false, kMs, 3); }
+TEST(CudaQuantGemm, WideOddRowsSmallCols) {
+  // 20037 rows: odd width (unpaired stores) and ≥ 132 column tiles of 128 at m ≤ 64.
+  check_gemm(20037, 256, 4, false, {7, 40}, 4);
+  check_gemm(333, 64, 4, false, {1, 65}, 5);  // one k-tile only
+}
+TEST(CudaQuantGemm, Fp32OutputAnd8Bit) {
+  check_gemm(kExperts + 1, kHidden, 8, true, {1, 64, 256}, 6);  // router | shared gate shape
+  check_gemm(1024, 512, 8, false, {33, 256}, 7);
+  check_gemm(4096, kHidden, 4, true, {200}, 8);
+}
+
+TEST(CudaQuantGemm, RejectsUnsupportedShapes) {
+  cuda::DeviceQuant q;
+  q.rows = 4;
+  q.cols = 100;
+  q.bits = 4;
+  EXPECT_THROW(cuda::launch_quant_gemm(q, nullptr, 1, nullptr, reinterpret_cast<float*>(16), nullptr), Error);
+  q.cols = 128;
+  q.bits = 3;
+  EXPECT_THROW(cuda::launch_quant_gemm(q, nullptr, 1, nullptr, reinterpret_cast<float*>(16), nullptr), Error);
+  q.bits = 4;
+  EXPECT_THROW(cuda::launch_quant_gemm(q, nullptr, 0, nullptr, reinterpret_cast<float*>(16), nullptr), Error);
+}
+
+// ---- grouped experts -------------------------------------------------------------------------------
+
+/// Random routing of m tokens: k distinct experts per token (from the first `pool` experts), then
+/// the shared expert E in slot k; weights in (0.01, 1).
+void random_routing(int E, int k, int m, int pool, std::mt19937_64& rng, std::vector<int32_t>& ids,
+                    std::vector<float>& weights) {
+  ids.assign(size_t(m) * (k + 1), 0);
+  weights.assign(ids.size(), 0.0f);
+  std::vector<int> perm(pool);
+  std::uniform_real_distribution<float> u01(0.01f, 1.0f);
+  for (int t = 0; t < m; ++t) {
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int s = 0; s < k; ++s) ids[size_t(t) * (k + 1) + s] = perm[s];
+    ids[size_t(t) * (k + 1) + k] = E;
+    for (int s = 0; s <= k; ++s) weights[size_t(t) * (k + 1) + s] = u01(rng);
+  }
+}
+
+struct ExpertWeights {
+  RandomQuant gate, up, down;
+  ExpertWeights(int E, int hidden, int ffn, std::mt19937_64& rng)
+      : gate((E + 1) * int64_t(ffn), hidden, 4, rng),
+        up((E + 1) * int64_t(ffn), hidden, 4, rng),
+        down((E + 1) * int64_t(hidden), ffn, 4, rng) {}
+};
+
+/// Checks the grouping scratch exactly against a host counting sort.
+void check_grouping(const DeviceBuffer& grouping, const std::vector<int32_t>& ids, int n_groups, int m, int n_sel) {
+  const int64_t n = cuda::expert_grouping_ints(n_groups, m, n_sel);
+  ASSERT_EQ(n, 2 * (n_groups + 1) + int64_t(m) * n_sel);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<int32_t> got(n);
+  cuda::download(got.data(), grouping.as<int32_t>(), n);
+  std::vector<int32_t> count(n_groups, 0);
+  for (int32_t e : ids) ++count[e];
+  std::vector<int32_t> offsets(n_groups + 1, 0), order;
+  for (int e = 0; e < n_groups; ++e) offsets[e + 1] = offsets[e] + count[e];
+  for (int e = 0; e < n_groups; ++e)
+    for (size_t a = 0; a < ids.size(); ++a)
+      if (ids[a] == e) order.push_back(int32_t(a));
+  for (int e = 0; e <= n_groups; ++e) ASSERT_EQ(got[e], offsets[e]) << "offsets[" << e << "]";
+  for (size_t i = 0; i < order.size(); ++i) ASSERT_EQ(got[2 * (n_groups + 1) + i], order[i]) << "order[" << i << "]";
+  // Tile offsets: ceil(count / BM) per expert for one row-tile height BM ∈ {32, 64}.
+  bool some_bm = false;
+  for (int bm : {32, 64}) {
+    bool ok = got[n_groups + 1] == 0;
+    for (int e = 0; e < n_groups && ok; ++e)
+      ok = got[n_groups + 1 + e + 1] - got[n_groups + 1 + e] == (count[e] + bm - 1) / bm;
+    some_bm = some_bm || ok;
+  }
+  EXPECT_TRUE(some_bm) << "tile offsets are not ceil(count / BM) for BM 32 or 64";
+}
+
+/// The grouped MoE path: grouping, gate/up + SwiGLU, down, combine — each stage against its
+/// own reference from the GPU's previous stage, then the whole against the per-row CUDA expert
+/// kernels and against a CPU quant_matmul MoE.
+void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << "E=" << E << " k=" << k << " hidden=" << hidden << " ffn=" << ffn << " m=" << m
+                                  << " pool=" << pool);
+  std::mt19937_64 rng(seed);
+  ExpertWeights W(E, hidden, ffn, rng);
+  const int n_sel = k + 1, n_groups = E + 1;
+  const int64_t A = int64_t(m) * n_sel;
+  std::vector<int32_t> ids;
+  std::vector<float> wts;
+  random_routing(E, k, m, pool, rng, ids, wts);
+  const std::vector<float> x = random_bf16_values(int64_t(m) * hidden, rng);
+
+  DeviceBuffer dx = to_device_bf16(x), dw = to_device_f32(wts), did(ids.size() * 4);
+  cuda::upload(did.as<int32_t>(), ids.data(), ids.size());
+  DeviceBuffer grouping = poisoned(size_t(cuda::expert_grouping_ints(n_groups, m, n_sel)) * 4);
+  DeviceBuffer act = poisoned(size_t(A) * ffn * 2), slot = poisoned(size_t(A) * hidden * 2);
+  DeviceBuffer out = poisoned(size_t(m) * hidden * 2);
+  cuda::launch_expert_grouping(did.as<int32_t>(), m, n_sel, n_groups, grouping.as<int32_t>(), nullptr);
+  cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), ffn, grouping.as<int32_t>(), n_groups,
+                                          dx.as<bf16_t>(), m, n_sel, act.as<bf16_t>(), nullptr);
+  cuda::launch_quant_gemm_grouped_down(W.down.view(), hidden, grouping.as<int32_t>(), n_groups, act.as<bf16_t>(), m,
+                                       n_sel, slot.as<bf16_t>(), nullptr);
+  cuda::launch_expert_combine(slot.as<bf16_t>(), dw.as<float>(), m, n_sel, hidden, out.as<bf16_t>(), nullptr);
+
+  check_grouping(grouping, ids, n_groups, m, n_sel);
+  const std::vector<float> gact = from_device_bf16(act, A * ffn);
+  const std::vector<float> gslot = from_device_bf16(slot, A * hidden);
+  const std::vector<float> gout = from_device_bf16(out, int64_t(m) * hidden);
+  for (float v : gact) ASSERT_FALSE(std::isnan(v)) << "unwritten activation";
+  for (float v : gslot) ASSERT_FALSE(std::isnan(v)) << "unwritten expert output";
+  for (float v : gout) ASSERT_FALSE(std::isnan(v)) << "unwritten MoE output";
+
+  // Assignments of each expert (to dequantize each checked weight row once).
+  std::vector<std::vector<int64_t>> by_expert(n_groups);
+  for (int64_t a = 0; a < A; ++a) by_expert[ids[a]].push_back(a);
+
+  // gate/up + SwiGLU on a spread of activation columns, every assignment.
+  {
+    std::vector<float> o;
+    std::vector<double> r;
+    for (int e = 0; e < n_groups; ++e) {
+      if (by_expert[e].empty()) continue;
+      for (int i = 0; i < ffn; i += std::max(1, ffn / 24)) {
+        const std::vector<float> wg = bf16_weight_row(W.gate, int64_t(e) * ffn + i);
+        const std::vector<float> wu = bf16_weight_row(W.up, int64_t(e) * ffn + i);
+        for (int64_t a : by_expert[e]) {
+          const float* xt = x.data() + (a / n_sel) * hidden;
+          const float g = round_bf16(float(dot_f64(wg.data(), xt, hidden)));
+          const float u = round_bf16(float(dot_f64(wu.data(), xt, hidden)));
+          o.push_back(gact[a * ffn + i]);
+          r.push_back(round_bf16(cpu::silu(g) * u));
+        }
+      }
+    }
+    EXPECT_LT(worst_rel(o, r, 0.01 * rms(r)), 2e-2) << "grouped gate/up + SwiGLU";
+  }
+  // down on a spread of output columns, every assignment, from the GPU's activations.
+  {
+    std::vector<float> o;
+    std::vector<double> r;
+    for (int e = 0; e < n_groups; ++e) {
+      if (by_expert[e].empty()) continue;
+      for (int c = 0; c < hidden; c += std::max(1, hidden / 24)) {
+        const std::vector<float> wd = bf16_weight_row(W.down, int64_t(e) * hidden + c);
+        for (int64_t a : by_expert[e]) {
+          o.push_back(gslot[a * hidden + c]);
+          r.push_back(dot_f64(wd.data(), gact.data() + a * ffn, ffn));
+        }
+      }
+    }
+    EXPECT_LT(worst_rel(o, r, 0.01 * rms(r)), 1e-2) << "grouped down";
+  }
+  // combine: fp32 slot-order sum of the GPU's slot outputs, one bf16 rounding (≤ 1 ulp apart).
+  {
+    std::vector<double> r(size_t(m) * hidden);
+    for (int t = 0; t < m; ++t)
+      for (int c = 0; c < hidden; ++c) {
+        float acc = 0.0f;
+        for (int s = 0; s < n_sel; ++s) {
+          const int64_t a = int64_t(t) * n_sel + s;
+          acc += wts[a] * gslot[a * hidden + c];
+        }
+        r[size_t(t) * hidden + c] = acc;
+      }
+    EXPECT_LT(worst_rel(gout, r, 1e-3 * rms(r)), 8e-3) << "slot-order combine";
+  }
+  // The whole MoE vs the per-row CUDA expert kernels (exact-weight GEMVs, model.md §4.3).
+  {
+    DeviceBuffer act2 = poisoned(size_t(A) * ffn * 2), out2 = poisoned(size_t(m) * hidden * 2);
+    cuda::launch_expert_gate_up(W.gate.view(), W.up.view(), ffn, did.as<int32_t>(), n_sel, dx.as<bf16_t>(), m,
+                                act2.as<bf16_t>(), nullptr);
+    cuda::launch_expert_down_combine(W.down.view(), hidden, did.as<int32_t>(), dw.as<float>(), n_sel,
+                                     act2.as<bf16_t>(), m, out2.as<bf16_t>(), nullptr);
+    const std::vector<float> rowwise = from_device_bf16(out2, int64_t(m) * hidden);
+    std::vector<double> r(rowwise.begin(), rowwise.end());
+    EXPECT_LT(worst_rel(gout, r, 0.01 * rms(r)), 2e-2) << "grouped vs per-row CUDA experts";
+  }
+  // The whole MoE vs a CPU quant_matmul MoE (exact weights, §4.3 roundings) for a few tokens.
+  {
+    const QuantMatrix hg = host_view(W.gate), hu = host_view(W.up), hd = host_view(W.down);
+    std::vector<float> o;
+    std::vector<double> r;
+    for (int t : {0, m / 2, m - 1}) {
+      std::vector<float> acc(hidden, 0.0f), g(ffn), u(ffn), a(ffn), d(hidden);
+      for (int s = 0; s < n_sel; ++s) {
+        const int e = ids[size_t(t) * n_sel + s];
+        cpu::quant_matmul(hg.row_block(int64_t(e) * ffn, ffn), x.data() + int64_t(t) * hidden, 1, g.data(), nullptr);
+        cpu::quant_matmul(hu.row_block(int64_t(e) * ffn, ffn), x.data() + int64_t(t) * hidden, 1, u.data(), nullptr);
+        for (int i = 0; i < ffn; ++i) a[i] = round_bf16(cpu::silu(round_bf16(g[i])) * round_bf16(u[i]));
+        cpu::quant_matmul(hd.row_block(int64_t(e) * hidden, hidden), a.data(), 1, d.data(), nullptr);
+        for (int c = 0; c < hidden; ++c) acc[c] += wts[size_t(t) * n_sel + s] * round_bf16(d[c]);
+      }
+      for (int c = 0; c < hidden; ++c) {
+        o.push_back(gout[size_t(t) * hidden + c]);
+        r.push_back(acc[c]);
+      }
+    }
+    EXPECT_LT(worst_rel(o, r, 0.01 * rms(r)), 2e-2) << "grouped vs CPU quant_matmul MoE";
+  }
+}
+
+TEST(CudaGroupedExperts, RealShapeUniformRouting) {
+  std::mt19937_64 seeds(40);
+  for (int m : {1, 7, 64, 200, 256}) check_grouped(kExperts, kTopK, kHidden, kFfn, m, kExperts, seeds());
+}
+TEST(CudaGroupedExperts, RealShapeSkewedRouting) {
+  // 256 tokens over 12 experts: ~170 rows per expert, several row tiles each with a masked tail.
+  check_grouped(kExperts, kTopK, kHidden, kFfn, 256, 12, 41);
+}
+TEST(CudaGroupedExperts, SmallShapesBothTileHeights) {
+  check_grouped(16, 4, 256, 128, 7, 16, 42);    // row tile 32
+  check_grouped(16, 4, 256, 128, 200, 16, 43);  // 1000 assignments over 17 experts → row tile 64
+  check_grouped(32, 8, 512, 128, 130, 32, 44);
+}
+
+TEST(CudaGroupedExperts, RejectsBadArguments) {
+  cuda::DeviceQuant q;
+  q.rows = 4;
+  q.cols = 96;
+  q.bits = 4;
+  DeviceBuffer g(64);
+  EXPECT_THROW(cuda::launch_quant_gemm_grouped_down(q, 4, g.as<int32_t>(), 1, nullptr, 1, 1, nullptr, nullptr), Error);
+  EXPECT_THROW(cuda::launch_expert_grouping(nullptr, 1, 1, 5000, g.as<int32_t>(), nullptr), Error);
+}
+
+// ---- timing (printed, never asserted) -----------------------------------------------------------
+
+template <class F>
+double time_us(F&& launch, int reps = 50) {
+  for (int i = 0; i < 5; ++i) launch();
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  CUDA_CHECK(cudaEventRecord(a));
+  for (int i = 0; i < reps; ++i) launch();
+  CUDA_CHECK(cudaEventRecord(b));
+  CUDA_CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return 1000.0 * ms / reps;
+}
+
+TEST(CudaQuantGemmTiming, PrintsTimes) {
+  std::mt19937_64 rng(99);
+  const int max_m = 2048;
+  const std::vector<float> x = random_bf16_values(int64_t(max_m) * 4096, rng);
+  DeviceBuffer dx = to_device_bf16(x), y(size_t(max_m) * 12352 * 2);
+  struct Shape { const char* name; int64_t rows; int cols; };
+  for (const Shape& s : {Shape{"gdn qkv|z|a|b 12352x2048", 12352, kHidden}, Shape{"gdn out_proj 2048x4096", kHidden, 4096},
+                         Shape{"attn q|k|v 9216x2048", 9216, kHidden}}) {
+    RandomQuant w(s.rows, s.cols, 4, rng);
+    for (int m : {256, 2048}) {
+      const double tc = time_us([&] { cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, y.as<bf16_t>(), nullptr, nullptr); });
+      const double gv = time_us([&] { cuda::launch_quant_gemv_batched(w.view(), dx.as<bf16_t>(), std::min(m, 256), y.as<bf16_t>(), nullptr, nullptr); }, 10);
+      const double flop = 2.0 * m * s.rows * s.cols;
+      std::printf("[timing] %-26s m=%4d  tensor-core %9.1f us %6.1f TFLOP/s | batched GEMV (m=%d) %9.1f us\n", s.name, m,
+                  tc, flop / tc / 1e6, std::min(m, 256), gv);
+    }
+  }
+  // Grouped MoE (256 experts top-8 + shared, uniform routing) at m = 256 and 2048 tokens.
+  ExpertWeights W(kExperts, kHidden, kFfn, rng);
+  for (int m : {256, 2048}) {
+    const int n_sel = kTopK + 1, n_groups = kExperts + 1;
+    std::vector<int32_t> ids;
+    std::vector<float> wts;
+    random_routing(kExperts, kTopK, m, kExperts, rng, ids, wts);
+    DeviceBuffer did(ids.size() * 4), dw = to_device_f32(wts);
+    cuda::upload(did.as<int32_t>(), ids.data(), ids.size());
+    DeviceBuffer grouping(size_t(cuda::expert_grouping_ints(n_groups, m, n_sel)) * 4);
+    DeviceBuffer act(size_t(m) * n_sel * kFfn * 2), slot(size_t(m) * n_sel * kHidden * 2), out(size_t(m) * kHidden * 2);
+    const double grp = time_us([&] { cuda::launch_expert_grouping(did.as<int32_t>(), m, n_sel, n_groups, grouping.as<int32_t>(), nullptr); });
+    const double gu = time_us([&] {
+      cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), kFfn, grouping.as<int32_t>(), n_groups,
+                                              dx.as<bf16_t>(), m, n_sel, act.as<bf16_t>(), nullptr);
+    });
+    const double dn = time_us([&] {
+      cuda::launch_quant_gemm_grouped_down(W.down.view(), kHidden, grouping.as<int32_t>(), n_groups, act.as<bf16_t>(), m,
+                                           n_sel, slot.as<bf16_t>(), nullptr);
+    });
+    const double cb = time_us([&] { cuda::launch_expert_combine(slot.as<bf16_t>(), dw.as<float>(), m, n_sel, kHidden, out.as<bf16_t>(), nullptr); });
+    const double rowwise = time_us([&] {
+      cuda::launch_expert_gate_up(W.gate.view(), W.up.view(), kFfn, did.as<int32_t>(), n_sel, dx.as<bf16_t>(), m,
+                                  act.as<bf16_t>(), nullptr);
+      cuda::launch_expert_down_combine(W.down.view(), kHidden, did.as<int32_t>(), dw.as<float>(), n_sel, act.as<bf16_t>(),
+                                       m, out.as<bf16_t>(), nullptr);
+    }, 5);
+    const double flop = 2.0 * m * n_sel * 3.0 * kFfn * kHidden;
+    std::printf("[timing] grouped MoE m=%4d: grouping %.1f us, gate/up %.1f us, down %.1f us, combine %.1f us = %.1f us "
+                "(%.1f TFLOP/s) | per-row kernels %.1f us\n",
+                m, grp, gu, dn, cb, grp + gu + dn + cb, flop / (grp + gu + dn + cb) / 1e6, rowwise);
+  }
+}
+
+}  // namespace
+}  // namespace lily::test
