@@ -11,8 +11,8 @@
 // = one quantization group, so each weight row has exactly one (scale, bias) per k-tile.
 // Per k-tile:
 //   1. cp.async (16-byte, zero-fill for masked rows) stages the activation tile [BM, 64] bf16 and
-//      the raw code tile [BN, 64·bits/32] u32 into the other half of a double buffer while the
-//      current tile is computed; scales/biases of the next tile are prefetched into registers.
+//      the raw code tile [BN, 64·bits/32] u32 into a 3-stage ring (two tiles in flight while
+//      one is computed); scales/biases of the next tile are prefetched into registers.
 //   2. The block dequantizes the code tile once into a bf16 tile [BN, 64] in shared memory:
 //      w = bf16(fmaf(s, q, b)) — s·q is exact in fp32 (8 + 8 significant bits), so this is the
 //      CPU's fp32 s·q + b rounded once to bf16.
@@ -30,8 +30,8 @@
 //     12352 → 194 CTAs, attention q|k|v 9216 → 144), else 64; m ≤ 32 → 32 (less MMA padding
 //     for small tails). Each weight tile is dequantized once per CTA and re-read ceil(m/BM) times
 //     from L2 (every projection matrix, ≤ 14 MB, fits the 50 MB L2).
-//   * Shared memory: 2·BM·144 + BN·144 + 2·BN·32·(bits/4) bytes: 63 KiB at (128, 128, 4-bit),
-//     so up to 3 CTAs per SM by shared memory; 2 by registers (64 fp32 accumulators per thread).
+//   * Shared memory: 3·BM·144 + BN·144 + 3·BN·32·(bits/4) bytes: 84 KiB at (128, 128, 4-bit),
+//     so 2 CTAs per SM (also the register limit: 64 fp32 accumulators per thread).
 //   * Grouped experts: BN = 128 (gate/up: 64 gate + 64 up rows → 64 act columns per CTA; down:
 //     128 hidden columns), BM = 32 when an expert gets < 48 rows on average (m = 256, top-8 of
 //     256: ≈ 8 rows per expert), else 64.
@@ -47,6 +47,7 @@ namespace {
 constexpr int kGemmThreads = 256;  // 8 warps: 2 along M (token rows) × 4 along N (weight rows)
 constexpr int kBK = 64;            // one quantization group per k-tile
 constexpr int kLd = kBK + 8;       // padded shared row: 72 bf16 = 144 B
+constexpr int kStages = 3;         // cp.async pipeline depth (tiles in flight: kStages − 1)
 constexpr int kMaxGroups = 2048;   // grouping scan: 1024 threads × 2 experts
 
 enum class Mode { kDense, kGateUp, kDown };
@@ -84,7 +85,9 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+/// Waits until at most N of this thread's committed cp.async groups are still pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 /// D = A·B + D for one m16n8k16 tile: bf16 inputs, fp32 accumulators (PTX ISA fragment layout:
 /// a[0] = (row g, k 2t..2t+1), a[1] = (g+8, 2t), a[2] = (g, 2t+8), a[3] = (g+8, 2t+8);
@@ -111,8 +114,8 @@ __device__ __forceinline__ float code_to_f32(uint32_t q) { return __uint_as_floa
 
 template <int BITS, int BM, int BN>
 constexpr size_t gemm_smem_bytes() {
-  return size_t(2) * BM * kLd * sizeof(bf16) + size_t(BN) * kLd * sizeof(bf16) +
-         size_t(2) * BN * (kBK * BITS / 32) * sizeof(uint32_t);
+  return size_t(kStages) * BM * kLd * sizeof(bf16) + size_t(BN) * kLd * sizeof(bf16) +
+         size_t(kStages) * BN * (kBK * BITS / 32) * sizeof(uint32_t);
 }
 
 template <class OutT>
@@ -153,9 +156,9 @@ __global__ void __launch_bounds__(kGemmThreads, 2) quant_gemm_kernel(const GemmP
   static_assert(MODE != Mode::kGateUp || NT % 2 == 0, "gate/up fragments come in pairs");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* xs = reinterpret_cast<bf16*>(smem_raw);               // [2][BM][kLd] activations
-  bf16* ws = xs + 2 * BM * kLd;                                // [BN][kLd] dequantized weights
-  uint32_t* cs = reinterpret_cast<uint32_t*>(ws + BN * kLd);  // [2][BN][WPG] raw codes
+  bf16* xs = reinterpret_cast<bf16*>(smem_raw);               // [kStages][BM][kLd] activations
+  bf16* ws = xs + kStages * BM * kLd;                          // [BN][kLd] dequantized weights
+  uint32_t* cs = reinterpret_cast<uint32_t*>(ws + BN * kLd);  // [kStages][BN][WPG] raw codes
 
   const int tid = threadIdx.x;
   const int groups = p.K / kBK;
@@ -241,7 +244,6 @@ __global__ void __launch_bounds__(kGemmThreads, 2) quant_gemm_kernel(const GemmP
       if (c < BN * CPR)
         cp_async16(cst + c * 4, b_src[j] ? b_src[j] + kt * WPG : p.w0.codes, b_src[j] ? 16 : 0);
     }
-    cp_async_commit();
   };
   // Scale and bias of tile row r's weight row for k-tile kt, as raw bf16 bits packed
   // (scale low, bias high); 0 (w = 0) for masked rows. Recomputed per k-tile to save registers.
@@ -270,18 +272,23 @@ __global__ void __launch_bounds__(kGemmThreads, 2) quant_gemm_kernel(const GemmP
   const int warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t4 = lane % 4;
   const int wm0 = (warp / 4) * WM, wn0 = (warp % 4) * WN;
 
+  // Pipeline: cp.async group i holds k-tile i (empty groups past the end keep the count
+  // uniform), in stage i % kStages; kStages − 1 tiles are in flight while one is computed.
   uint32_t sb_cur[DQ];
-  load_tile(0, 0);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load_tile(s, s);
+    cp_async_commit();
+  }
   load_scales(0, sb_cur);
   for (int kt = 0; kt < k_tiles; ++kt) {
-    const int stage = kt & 1;
-    cp_async_wait_all();
-    __syncthreads();  // tile kt visible to all; every warp is done with tile kt−1 (ws, other stage)
+    const int stage = kt % kStages;
+    cp_async_wait<kStages - 2>();  // groups 0…kt complete: tile kt has landed (for this thread)
+    __syncthreads();  // tile kt visible to all; every warp is done with tile kt−1 (ws, its stage)
+    if (kt + kStages - 1 < k_tiles) load_tile(kt + kStages - 1, (kt + kStages - 1) % kStages);
+    cp_async_commit();
     uint32_t sb_nxt[DQ];
-    if (kt + 1 < k_tiles) {
-      load_tile(kt + 1, stage ^ 1);
-      load_scales(kt + 1, sb_nxt);  // consumed next iteration: latency hidden by this tile's work
-    }
+    if (kt + 1 < k_tiles) load_scales(kt + 1, sb_nxt);  // consumed next iteration
     // Dequantize the code tile: word i of the tile = row i / WPG, codes (i % WPG)·PER ….
     const uint32_t* cst = cs + stage * BN * WPG;
 #pragma unroll
