@@ -31,6 +31,8 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
   cmd->add_option("--max-seq", f.max_seq, "most tokens per sequence, prompt + completion "
                   "(default: the checkpoint's max_position_embeddings; at most 262144)")->check(CLI::NonNegativeNumber);
   cmd->add_option("--api-key", o.api_key, "require 'Authorization: Bearer KEY' (default: $LILY_API_KEY)");
+  cmd->add_flag("--health-requires-key", o.health_requires_key, "with an API key, /health needs it too "
+               "(default: /health stays open)");
   cmd->add_option("--backend", f.backend, "cpu | cuda | auto")->capture_default_str();
   cmd->add_option("--served-model-name", o.served_model_name, "model name clients must send "
                   "(default: Qwen3.6-35B-A3B for that shape, else the directory name)");
@@ -43,11 +45,16 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
   cmd->add_option("--max-body", o.max_body, "request body limit in bytes (413 above)")
       ->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--threads", o.threads, "CPU backend threads, 0 = all cores")->capture_default_str();
-  cmd->add_option("--http-threads", o.http_threads, "HTTP connection threads (concurrent connections)")
+  cmd->add_option("--max-connections,--http-threads", o.max_connections,
+                  "open connections served at once, each on its own thread; more get 503 and are closed")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--send-buffer", o.send_buffer, "kernel send buffer per connection in bytes, 0 = auto-tuned "
+                  "(a small one makes a client that stops reading hit --write-timeout sooner)")
+      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   cmd->add_option("--read-timeout", o.read_timeout_s, "seconds a client may take to send a request")
       ->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--write-timeout", o.write_timeout_s, "seconds a client may take to accept response bytes")
+  cmd->add_option("--write-timeout", o.write_timeout_s, "seconds a client may take to accept response bytes "
+                  "(a stream whose client stops reading is cancelled after this)")
       ->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--shutdown-grace", o.shutdown_grace_s, "seconds running work may finish after SIGINT/SIGTERM")
       ->capture_default_str()->check(CLI::NonNegativeNumber);

@@ -69,4 +69,8 @@ bool ConnectionWatch::closed() const {
   return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
 }
 
+void ConnectionWatch::shut_down() const {
+  if (fd_ >= 0) shutdown(fd_, SHUT_RDWR);
+}
+
 }  // namespace lily::server

@@ -16,6 +16,9 @@ class ConnectionWatch {
   bool closed() const;
   /// True when the socket was found.
   bool valid() const { return fd_ >= 0; }
+  /// Shuts the connection down in both directions (what was written is still delivered, then a
+  /// FIN): the server's next read on it ends, so the connection is closed. No-op when not found.
+  void shut_down() const;
 
  private:
   int fd_ = -1;

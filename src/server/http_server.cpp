@@ -2,6 +2,7 @@
 
 #include <csignal>
 #include <pthread.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -101,10 +102,22 @@ bool is_loopback_host(std::string_view host) {
   return host == "localhost" || host == "::1" || host.substr(0, 4) == "127.";
 }
 
+namespace {
+constexpr std::string_view kModelPrefix = "/v1/models/";
+bool is_model_lookup(std::string_view path) {
+  return path.size() > kModelPrefix.size() && path.substr(0, kModelPrefix.size()) == kModelPrefix;
+}
+}  // namespace
+
 std::optional<std::string> allowed_methods(std::string_view path) {
   if (path == "/v1/chat/completions") return "POST";
-  if (path == "/health" || path == "/metrics" || path == "/v1/models") return "GET, HEAD";
+  if (path == "/health" || path == "/metrics" || path == "/v1/models" || is_model_lookup(path)) return "GET, HEAD";
   return std::nullopt;
+}
+
+std::string route_label(std::string_view path) {
+  if (is_model_lookup(path)) return "/v1/models/{id}";
+  return allowed_methods(path) ? std::string(path) : "other";
 }
 
 std::string request_log_line(std::string_view method, std::string_view path, int status, int64_t ms,
@@ -131,6 +144,48 @@ struct RequestInfo {
   std::string error;
 };
 thread_local RequestInfo t_request;
+
+/// True on a thread that serves a connection beyond --max-connections: every request on it is
+/// answered 503 and the connection is closed.
+thread_local bool t_over_capacity = false;
+
+/// The task queue httplib hands each accepted connection to. At most `limit` connections are
+/// open at a time, each on its own thread at once (no connection waits for a busy thread); a
+/// connection beyond the limit goes to a small separate pool that answers 503 and closes it, so
+/// it neither queues behind the admitted ones nor takes their threads.
+class ConnectionGate : public httplib::TaskQueue {
+ public:
+  ConnectionGate(int limit, int reject_threads)
+      : limit_(limit), admitted_(static_cast<size_t>(limit)), rejecting_(static_cast<size_t>(reject_threads)) {}
+
+  /// Called by httplib's accept loop (one thread) with the job that serves one connection.
+  void enqueue(std::function<void()> fn) override {
+    if (open_.load() < limit_) {
+      ++open_;
+      admitted_.enqueue([this, fn = std::move(fn)] {
+        fn();
+        --open_;
+      });
+      return;
+    }
+    rejecting_.enqueue([fn = std::move(fn)] {
+      t_over_capacity = true;
+      fn();
+      t_over_capacity = false;
+    });
+  }
+
+  void shutdown() override {
+    admitted_.shutdown();
+    rejecting_.shutdown();
+  }
+
+ private:
+  const int limit_;
+  std::atomic<int> open_{0};
+  httplib::ThreadPool admitted_;
+  httplib::ThreadPool rejecting_;
+};
 
 std::string random_hex(size_t n) {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
@@ -174,6 +229,7 @@ class LilyServer {
   // Start-up.
   void configure_http();
   void bind();
+  std::string url() const;
   void load_engine();
   // Routing, auth, errors, logging.
   httplib::Server::HandlerResponse pre_route(const httplib::Request& req, httplib::Response& res);
@@ -183,6 +239,7 @@ class LilyServer {
   // Endpoints.
   void handle_health(httplib::Response& res);
   void handle_models(httplib::Response& res);
+  void handle_model(const httplib::Request& req, httplib::Response& res);
   void handle_metrics(httplib::Response& res);
   void handle_chat(const httplib::Request& req, httplib::Response& res);
   // Chat steps.
@@ -227,6 +284,8 @@ int LilyServer::run() {
   configure_http();
   bind();
   listener_ = std::thread([this] { http_.listen_after_bind(); });
+  // Requests are answered from here on: /health and chat say 503 "loading" until the model is in.
+  log_info("listening on " + url() + "; loading " + options_.model_dir.string());
   std::thread loader([this] {
     try {
       load_engine();
@@ -253,8 +312,16 @@ int LilyServer::run() {
 }
 
 void LilyServer::configure_http() {
-  const int threads = std::max(options_.http_threads, options_.max_queue + 8);
-  http_.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+  const int limit = options_.max_connections;
+  http_.new_task_queue = [limit] { return new ConnectionGate(limit, 2); };
+  if (options_.send_buffer > 0) {
+    // Set on the listening socket; Linux copies it to every accepted connection.
+    const int bytes = static_cast<int>(options_.send_buffer);
+    http_.set_socket_options([bytes](socket_t sock) {
+      httplib::default_socket_options(sock);
+      setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
+    });
+  }
   http_.set_read_timeout(options_.read_timeout_s, 0);
   http_.set_write_timeout(options_.write_timeout_s, 0);
   http_.set_keep_alive_timeout(options_.keep_alive_s);
@@ -265,6 +332,7 @@ void LilyServer::configure_http() {
   http_.set_logger([this](const auto& req, const auto& res) { on_logged(req, res); });
   http_.Get("/health", [this](const auto&, auto& res) { handle_health(res); });
   http_.Get("/v1/models", [this](const auto&, auto& res) { handle_models(res); });
+  http_.Get("/v1/models/(.+)", [this](const auto& req, auto& res) { handle_model(req, res); });
   http_.Get("/metrics", [this](const auto&, auto& res) { handle_metrics(res); });
   http_.Post("/v1/chat/completions", [this](const auto& req, auto& res) { handle_chat(req, res); });
 }
@@ -281,8 +349,23 @@ void LilyServer::bind() {
   }
 }
 
+std::string LilyServer::url() const {
+  const std::string host = options_.host.find(':') != std::string::npos ? "[" + options_.host + "]" : options_.host;
+  return "http://" + host + ":" + std::to_string(port_);
+}
+
+/// Test hook: LILY_TEST_LOAD_DELAY_MS holds the loader back that long (in steps, so a signal
+/// still stops the server), which makes the "loading" state observable on the small demo model.
+void test_load_delay(const std::atomic<bool>& shutting_down) {
+  const char* env = std::getenv("LILY_TEST_LOAD_DELAY_MS");
+  if (env == nullptr) return;
+  const auto until = Clock::now() + std::chrono::milliseconds(std::atoll(env));
+  while (Clock::now() < until && !shutting_down) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+}
+
 void LilyServer::load_engine() {
   const auto t0 = Clock::now();
+  test_load_delay(shutting_down_);
   auto weights = load_model(options_.model_dir, LoadOptions{.show_progress = true});
   if (shutting_down_) return;
   tokenizer_ = Tokenizer::from_file(options_.model_dir / "tokenizer.json");
@@ -295,15 +378,25 @@ void LilyServer::load_engine() {
   const std::string backend_name = backend->name();
   scheduler_ = std::make_unique<Scheduler>(std::move(backend), tokenizer_, engine);
   ready_ = true;
-  const std::string host = options_.host.find(':') != std::string::npos ? "[" + options_.host + "]" : options_.host;
   char load_s[32];
   std::snprintf(load_s, sizeof load_s, "%.1f", seconds(Clock::now() - t0));
-  log_info("serving " + model_name_ + " on http://" + host + ":" + std::to_string(port_) + " (backend " +
+  log_info("serving " + model_name_ + " on " + url() + " (backend " +
            backend_name + ", max-seq " + std::to_string(max_seq_) + ", loaded in " + load_s + " s)");
 }
 
 httplib::Server::HandlerResponse LilyServer::pre_route(const httplib::Request& req, httplib::Response& res) {
   t_request = RequestInfo{};
+  if (t_over_capacity) {
+    // httplib adds the header itself when the client asked for close; otherwise on_logged
+    // shuts the connection down once this answer is written.
+    if (req.get_header_value("Connection") != "close") res.set_header("Connection", "close");
+    send_error(res, ApiError(503, "server_error",
+                             "too many open connections (--max-connections " +
+                                 std::to_string(options_.max_connections) + "); retry later",
+                             std::nullopt, "too_many_connections")
+                        .with_header("Retry-After", "1"));
+    return httplib::Server::HandlerResponse::Handled;
+  }
   const auto allowed = allowed_methods(req.path);
   if (!allowed) {
     send_error(res, ApiError(404, "invalid_request_error", "unknown route: " + req.method + " " + req.path,
@@ -317,7 +410,7 @@ httplib::Server::HandlerResponse LilyServer::pre_route(const httplib::Request& r
                         .with_header("Allow", *allowed));
     return httplib::Server::HandlerResponse::Handled;
   }
-  if (!options_.api_key.empty() && req.path != "/health") {
+  if (!options_.api_key.empty() && (req.path != "/health" || options_.health_requires_key)) {
     const std::string auth = req.get_header_value("Authorization");
     const std::string prefix = "Bearer ";
     const bool ok = auth.size() > prefix.size() && auth.compare(0, prefix.size(), prefix) == 0 &&
@@ -362,9 +455,11 @@ void LilyServer::on_exception(const httplib::Request&, httplib::Response& res, s
 }
 
 void LilyServer::on_logged(const httplib::Request& req, const httplib::Response& res) {
+  // httplib calls the logger after writing the response. A connection over --max-connections
+  // must not stay for keep-alive (httplib only honours the client's "Connection: close").
+  if (t_over_capacity) ConnectionWatch(req.remote_addr, req.remote_port, req.local_port).shut_down();
   const int64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t_request.start).count();
-  const std::string route = allowed_methods(req.path) ? req.path : "other";
-  metrics_.record_request(route, res.status);
+  metrics_.record_request(route_label(req.path), res.status);
   if (req.path == "/health" || req.path == "/metrics") {
     log_debug(request_log_line(req.method, req.path, res.status, ms, std::nullopt, t_request.error));
     return;
@@ -382,6 +477,15 @@ void LilyServer::handle_health(httplib::Response& res) {
 }
 
 void LilyServer::handle_models(httplib::Response& res) { set_json(res, 200, dump(models_json(model_name_, created_))); }
+
+void LilyServer::handle_model(const httplib::Request& req, httplib::Response& res) {
+  const std::string id = req.matches[1];
+  if (id != model_name_)
+    return send_error(res, ApiError(404, "invalid_request_error",
+                                    "the model '" + id + "' does not exist; this server serves '" + model_name_ + "'",
+                                    "model", "model_not_found"));
+  set_json(res, 200, dump(model_json(model_name_, created_)));
+}
 
 void LilyServer::handle_metrics(httplib::Response& res) {
   EngineGauges g;
@@ -600,7 +704,9 @@ void LilyServer::wait_for_signal() {
 
 int run_server(const ServerOptions& options) {
   if (options.max_body < 1) throw Error("--max-body must be at least 1 byte");
-  if (options.http_threads < 1) throw Error("--http-threads must be at least 1");
+  if (options.max_connections < 1) throw Error("--max-connections must be at least 1");
+  if (options.send_buffer < 0 || options.send_buffer > (1 << 30))
+    throw Error("--send-buffer must be between 0 and 2^30 bytes");
   // SIGINT/SIGTERM are taken by sigwait in the main thread; every thread started from here on
   // inherits the blocked mask. SIGPIPE from a vanished client must not kill the process.
   sigset_t set;

@@ -30,7 +30,11 @@ struct ServerOptions {
   int64_t cache_bytes = 0;               ///< prefix cache byte bound (0 = none)
   int max_queue = 16;                    ///< waiting requests before 503
   int64_t max_body = 1 << 20;            ///< request body limit in bytes (413 above)
-  int http_threads = 32;                 ///< connection threads (max concurrent connections)
+  int max_connections = 64;              ///< open connections served at once, each on its own
+                                         ///< thread; more get 503 + `Connection: close` at once
+  int64_t send_buffer = 0;               ///< kernel send buffer per connection in bytes (SO_SNDBUF;
+                                         ///< 0 = the kernel's auto-tuned default)
+  bool health_requires_key = false;      ///< with an API key: /health needs it too
   int read_timeout_s = 30;               ///< a client must send its request within this
   int write_timeout_s = 30;              ///< a client must accept response bytes within this
   int keep_alive_s = 5;                  ///< idle keep-alive connections are closed after this
@@ -62,7 +66,12 @@ void parse_bind(std::string_view bind, std::string& host, int& port);
 bool is_loopback_host(std::string_view host);
 
 /// Methods allowed on a known route ("GET, HEAD" / "POST"); nullopt for an unknown path.
+/// "/v1/models/{id}" (any non-empty id) is a known route.
 std::optional<std::string> allowed_methods(std::string_view path);
+
+/// The route a path is counted under in /metrics: the path itself for a fixed route,
+/// "/v1/models/{id}" for a model lookup, "other" for an unknown path (bounded label values).
+std::string route_label(std::string_view path);
 
 /// Token part of a request log line.
 struct LogTokens {

@@ -52,9 +52,12 @@ ordered_json usage_chunk_json(const CompletionMeta& meta, const Usage& usage) {
   return doc;
 }
 
+ordered_json model_json(const std::string& model, int64_t created) {
+  return ordered_json{{"id", model}, {"object", "model"}, {"created", created}, {"owned_by", "lily"}};
+}
+
 ordered_json models_json(const std::string& model, int64_t created) {
-  ordered_json entry{{"id", model}, {"object", "model"}, {"created", created}, {"owned_by", "lily"}};
-  return ordered_json{{"object", "list"}, {"data", ordered_json::array({entry})}};
+  return ordered_json{{"object", "list"}, {"data", ordered_json::array({model_json(model, created)})}};
 }
 
 std::string dump(const ordered_json& doc) {

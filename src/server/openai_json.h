@@ -42,6 +42,9 @@ nlohmann::ordered_json usage_chunk_json(const CompletionMeta& meta, const Usage&
 /// {"object":"list","data":[{"id","object":"model","created","owned_by":"lily"}]}.
 nlohmann::ordered_json models_json(const std::string& model, int64_t created);
 
+/// One model object {"id","object":"model","created","owned_by":"lily"} (GET /v1/models/{id}).
+nlohmann::ordered_json model_json(const std::string& model, int64_t created);
+
 /// Serializes compactly; invalid UTF-8 is replaced by U+FFFD instead of throwing.
 std::string dump(const nlohmann::ordered_json& doc);
 /// The same for the unordered json type.

@@ -5,28 +5,12 @@
 import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import net from 'node:net';
-import { MODEL, chat, rawRequest, startServer, stopServer } from './server_harness.mjs';
+import { MODEL, chat, parseSse, rawRequest, startServer, stopServer } from './server_harness.mjs';
 
 const MAX_SEQ = 48;
 const user = (content) => ({ role: 'user', content });
 /** A user message of `n` repeated words (one token each after the first in the demo vocabulary). */
 const words = (n) => Array.from({ length: n }, () => 'build').join(' ');
-
-/** Parses an SSE body into {text, finish, usage}. */
-function parseSse(body) {
-  let text = '';
-  let finish = null;
-  let usage = null;
-  for (const event of body.split('\n\n')) {
-    const data = event.trim().replace(/^data: /, '');
-    if (!data || data === '[DONE]') continue;
-    const c = JSON.parse(data);
-    if (c.usage) usage = c.usage;
-    text += c.choices?.[0]?.delta?.content ?? '';
-    finish = c.choices?.[0]?.finish_reason ?? finish;
-  }
-  return { text, finish, usage };
-}
 
 describe(`context limit at exactly --max-seq ${MAX_SEQ}`, () => {
   let server;
@@ -72,6 +56,7 @@ describe(`context limit at exactly --max-seq ${MAX_SEQ}`, () => {
     assert.equal(sse.text, res.json.choices[0].message.content);
     assert.equal(sse.finish, res.json.choices[0].finish_reason);
     assert.equal(sse.usage.completion_tokens, res.json.usage.completion_tokens);
+    assert.ok(sse.done, 'the stream ends with [DONE]');
   });
 
   it('one token past the limit is a 400 naming max_tokens; the server keeps serving', async () => {
@@ -95,17 +80,21 @@ describe(`context limit at exactly --max-seq ${MAX_SEQ}`, () => {
       }
     }
     assert.ok(full, 'some prompt length is rejected');
+    // Each extra word is one more token, so the first rejected prompt has exactly MAX_SEQ tokens,
+    // and the message says so.
     const noMax = await chat(server, { model: MODEL, messages: [user(full)] });
     assert.equal(noMax.status, 400, noMax.body);
     assert.equal(noMax.json.error.code, 'context_length_exceeded');
-    if (oneLess) {
-      const res = await chat(server, { model: MODEL, messages: [user(oneLess)] });
-      assert.equal(res.status, 200, res.body);
-      assert.equal(res.json.usage.total_tokens, res.json.usage.prompt_tokens + res.json.usage.completion_tokens);
-      assert.ok(res.json.usage.total_tokens <= MAX_SEQ);
-      assert.equal(res.json.usage.completion_tokens, 1);
-      assert.equal(res.json.choices[0].finish_reason, 'length');
-    }
+    assert.equal(noMax.json.error.type, 'invalid_request_error');
+    assert.equal(noMax.json.error.param, 'messages');
+    assert.match(noMax.json.error.message, new RegExp(`the prompt has ${MAX_SEQ} tokens but --max-seq is ${MAX_SEQ}`));
+    assert.ok(oneLess, `some prompt has exactly ${MAX_SEQ - 1} tokens`);
+    const res = await chat(server, { model: MODEL, messages: [user(oneLess)] });
+    assert.equal(res.status, 200, res.body);
+    assert.equal(res.json.usage.prompt_tokens, MAX_SEQ - 1);
+    assert.equal(res.json.usage.completion_tokens, 1);
+    assert.equal(res.json.usage.total_tokens, MAX_SEQ);
+    assert.equal(res.json.choices[0].finish_reason, 'length');
   });
 });
 

@@ -45,6 +45,29 @@ describe('lily serve (default settings)', () => {
     assert.match(m.body, /# TYPE lily_time_to_first_token_seconds histogram/);
   });
 
+  it('GET /v1/models/{id} answers the model object, or 404 model_not_found', async () => {
+    const list = JSON.parse((await rawRequest(server, 'GET', '/v1/models')).body);
+    const one = await rawRequest(server, 'GET', `/v1/models/${MODEL}`);
+    assert.equal(one.status, 200);
+    assert.match(one.headers['content-type'], /^application\/json/);
+    assert.deepEqual(JSON.parse(one.body), list.data[0]);
+    const viaClient = await openai.models.retrieve(MODEL);
+    assert.equal(viaClient.id, MODEL);
+    assert.equal(viaClient.object, 'model');
+    assert.equal(viaClient.owned_by, 'lily');
+    const missing = await rawRequest(server, 'GET', '/v1/models/gpt-4o');
+    assert.equal(missing.status, 404);
+    assert.deepEqual(Object.keys(JSON.parse(missing.body).error), ['message', 'type', 'param', 'code']);
+    assert.equal(JSON.parse(missing.body).error.code, 'model_not_found');
+    assert.equal(JSON.parse(missing.body).error.param, 'model');
+    await assert.rejects(openai.models.retrieve('gpt-4o'), (e) => e instanceof OpenAI.NotFoundError && e.status === 404);
+    const post = await rawRequest(server, 'POST', `/v1/models/${MODEL}`);
+    assert.equal(post.status, 405);
+    assert.equal(post.headers.allow, 'GET, HEAD');
+    const m = await metrics(server);
+    assert.equal(m.get('lily_http_requests_total{route="/v1/models/{id}",status="404"}'), 2);
+  });
+
   it('non-streaming completion reproduces the transformers goldens', async () => {
     for (const g of golden.goldens.slice(0, 2)) {
       const res = await openai.chat.completions.create({ model: MODEL, messages: g.messages, max_tokens: 64 });
@@ -434,15 +457,18 @@ describe('limits and lifecycle', () => {
       .catch((e) => ({ error: e }));
     await sleep(300);
     server.proc.kill('SIGTERM');
-    const exit = await server.exit;
-    assert.deepEqual(exit, { code: 0, signal: null });
+    const { code, signal } = await server.exit;
+    assert.deepEqual({ code, signal }, { code: 0, signal: null });
     await streamDone;
     assert.match(server.log, /shutting down/);
+    await stopServer(server);  // no sanitizer report either
   });
 
   it('SIGINT on an idle server exits 0', async () => {
     const server = await startServer();
     server.proc.kill('SIGINT');
-    assert.deepEqual(await server.exit, { code: 0, signal: null });
+    const { code, signal } = await server.exit;
+    assert.deepEqual({ code, signal }, { code: 0, signal: null });
+    await stopServer(server);  // no sanitizer report either
   });
 });

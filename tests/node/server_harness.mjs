@@ -1,5 +1,6 @@
-// Starts and stops real `lily serve` processes for the black-box server tests.
-// LILY_BIN: the lily executable; LILY_SOURCE_DIR: the repository (for models/demo).
+// Starts and stops real `lily serve` processes for the black-box server tests and the soak test.
+// LILY_BIN: the lily executable (a sanitizer build works: see stopServer); LILY_SOURCE_DIR: the
+// repository (for models/demo).
 import { spawn } from 'node:child_process';
 import http from 'node:http';
 import path from 'node:path';
@@ -11,20 +12,39 @@ export const LILY_BIN = process.env.LILY_BIN ?? path.join(SOURCE_DIR, 'build', '
 export const MODEL_DIR = process.env.LILY_TEST_MODEL_DIR ?? path.join(SOURCE_DIR, 'models', 'demo');
 export const MODEL = path.basename(MODEL_DIR);
 
-/** Starts `lily serve` on a free loopback port; resolves once it printed its URL. */
-export async function startServer(extraArgs = [], env = {}) {
+/** Lines by which AddressSanitizer, LeakSanitizer and UBSan report a finding. */
+export const SANITIZER_REPORT = /ERROR: (AddressSanitizer|LeakSanitizer)|runtime error: |SUMMARY: (Address|Undefined|Leak)/;
+
+// A sanitizer report must end the server with a non-zero status even when the caller did not
+// set these (the CTest run sets its own; ours only fill in what is missing).
+const SANITIZER_ENV = {
+  ASAN_OPTIONS: process.env.ASAN_OPTIONS ?? 'abort_on_error=1:detect_leaks=1',
+  UBSAN_OPTIONS: process.env.UBSAN_OPTIONS ?? 'print_stacktrace=1:halt_on_error=1',
+};
+
+/**
+ * Starts `lily serve --bind 127.0.0.1:0 --backend cpu` on the test model plus `extraArgs`.
+ * Resolves once it printed its URL: by default the "serving NAME on URL" line (model loaded);
+ * with `{ until: 'listening' }` already the earlier "listening on URL" line (model may be loading).
+ * The server object: {proc, pid, args, log (stderr so far; its tail past 4 MB), url, exited, exit}.
+ */
+export async function startServer(extraArgs = [], env = {}, { until = 'serving', timeoutMs = 120000 } = {}) {
   const args = ['serve', '--model', MODEL_DIR, '--bind', '127.0.0.1:0', '--backend', 'cpu', ...extraArgs];
-  const proc = spawn(LILY_BIN, args, { stdio: ['ignore', 'ignore', 'pipe'], env: { ...process.env, ...env } });
-  const server = { proc, log: '', url: null, exited: null };
+  const proc = spawn(LILY_BIN, args, {
+    stdio: ['ignore', 'ignore', 'pipe'], env: { ...process.env, ...SANITIZER_ENV, ...env },
+  });
+  const server = { proc, pid: proc.pid, args, log: '', url: null, exited: null };
   server.exit = new Promise((resolve) => proc.on('exit', (code, signal) => {
-    server.exited = { code, signal };
+    server.exited = { code, signal, at: Date.now() };
     resolve(server.exited);
   }));
+  const pattern = until === 'listening' ? /listening on (http:\/\/[^\s;]+)/ : /serving \S+ on (http:\/\/[^\s]+)/;
   await new Promise((resolve, reject) => {
-    const timer = setTimeout(() => reject(new Error(`lily serve did not start:\n${server.log}`)), 60000);
+    const timer = setTimeout(() => reject(new Error(`lily serve did not start:\n${server.log}`)), timeoutMs);
     proc.stderr.on('data', (chunk) => {
       server.log += chunk.toString();
-      const m = server.log.match(/serving \S+ on (http:\/\/[^\s]+)/);
+      if (server.log.length > 4e6) server.log = server.log.slice(-1e6);  // keep the tail only
+      const m = server.log.match(pattern);
       if (m && !server.url) {
         server.url = m[1];
         clearTimeout(timer);
@@ -39,42 +59,101 @@ export async function startServer(extraArgs = [], env = {}) {
   return server;
 }
 
-/** Sends SIGTERM and waits for the exit; returns {code, signal}. */
-export async function stopServer(server) {
-  if (!server || server.exited) return server?.exited;
-  server.proc.kill('SIGTERM');
-  return server.exit;
+/**
+ * Throws unless the server exited with status 0 and its stderr holds no sanitizer report (under
+ * ASan/UBSan a finding aborts the process or leaves a report; both fail the test here).
+ */
+export function assertCleanExit(server) {
+  const report = server.log.match(SANITIZER_REPORT);
+  if (report) {
+    const at = server.log.indexOf(report[0]);
+    throw new Error(`sanitizer report from lily serve:\n${server.log.slice(Math.max(0, at - 200), at + 4000)}`);
+  }
+  const { code, signal } = server.exited ?? {};
+  if (code !== 0) throw new Error(`lily serve exited with ${JSON.stringify({ code, signal })}:\n${server.log.slice(-4000)}`);
 }
 
-/** One raw HTTP request; resolves {status, headers, body (string), raw (Buffer)}. */
-export function rawRequest(server, method, urlPath, { body, headers = {} } = {}) {
+/** Sends SIGTERM and waits for the exit; throws unless it was clean (assertCleanExit). */
+export async function stopServer(server) {
+  if (!server) return undefined;
+  if (!server.exited) {
+    server.proc.kill('SIGTERM');
+    await server.exit;
+  }
+  await new Promise((r) => setImmediate(r));  // let the last stderr chunks arrive
+  assertCleanExit(server);
+  return server.exited;
+}
+
+/**
+ * One raw HTTP request (a fresh connection); resolves {status, headers, body (string), raw (Buffer)}.
+ * `timeoutMs`: reject with code 'hang' when no full answer came by then. `onData(chunk, req)`:
+ * returning 'abort' closes the connection and resolves {status, headers, aborted: true}.
+ */
+export function rawRequest(server, method, urlPath, { body, headers = {}, timeoutMs = 0, onData } = {}) {
   return new Promise((resolve, reject) => {
     const url = new URL(urlPath, server.url);
-    const req = http.request(url, { method, headers, agent: false }, (res) => {
+    const req = http.request(url, { method, headers, agent: false });
+    const timer = timeoutMs > 0 ? setTimeout(() => {
+      req.destroy();
+      reject(Object.assign(new Error(`no answer within ${timeoutMs} ms`), { code: 'hang' }));
+    }, timeoutMs) : null;
+    const finish = (fn, value) => { clearTimeout(timer); fn(value); };
+    req.on('response', (res) => {
       const parts = [];
-      res.on('data', (c) => parts.push(c));
+      res.on('data', (c) => {
+        parts.push(c);
+        if (onData && onData(c, req) === 'abort') {
+          req.destroy();
+          finish(resolve, { status: res.statusCode, headers: res.headers, aborted: true });
+        }
+      });
       res.on('end', () => {
         const raw = Buffer.concat(parts);
-        resolve({ status: res.statusCode, headers: res.headers, raw, body: raw.toString('utf8') });
+        finish(resolve, { status: res.statusCode, headers: res.headers, raw, body: raw.toString('utf8') });
       });
-      res.on('error', reject);
+      res.on('error', (e) => finish(reject, e));
     });
-    req.on('error', reject);
+    req.on('error', (e) => finish(reject, e));
     if (body !== undefined) req.write(body);
     req.end();
   });
 }
 
 /** POST /v1/chat/completions with a JSON (or raw string/Buffer) body; parses a JSON answer. */
-export async function chat(server, body, headers = {}) {
+export async function chat(server, body, headers = {}, options = {}) {
   const payload = typeof body === 'string' || Buffer.isBuffer(body) ? body : JSON.stringify(body);
   const res = await rawRequest(server, 'POST', '/v1/chat/completions', {
+    ...options,
     body: payload,
     headers: { 'Content-Type': 'application/json', 'Content-Length': Buffer.byteLength(payload), ...headers },
   });
   let json = null;
   try { json = JSON.parse(res.body); } catch { /* streams and empty bodies */ }
   return { ...res, json };
+}
+
+/** Parses an SSE body into {text, finish, usage, done ([DONE] seen), chunks}; throws on a non-data line. */
+export function parseSse(body) {
+  let text = '';
+  let finish = null;
+  let usage = null;
+  let done = false;
+  let chunks = 0;
+  for (const event of body.split('\n\n')) {
+    const line = event.trim();
+    if (!line) continue;
+    if (!line.startsWith('data: ')) throw new Error(`not an SSE data line: ${line.slice(0, 80)}`);
+    const data = line.slice(6);
+    if (data === '[DONE]') { done = true; continue; }
+    const c = JSON.parse(data);
+    chunks++;
+    if (c.usage) usage = c.usage;
+    const choice = c.choices?.[0];
+    if (choice?.delta?.content) text += choice.delta.content;
+    if (choice?.finish_reason) finish = choice.finish_reason;
+  }
+  return { text, finish, usage, done, chunks };
 }
 
 /** Reads /metrics and returns a map from series (name + labels) to value. */
@@ -87,6 +166,17 @@ export async function metrics(server, headers = {}) {
     out.set(line.slice(0, i), Number(line.slice(i + 1)));
   }
   return out;
+}
+
+/** Polls /metrics until `predicate(map)` holds; returns that map, or the last one after `timeoutMs`. */
+export async function waitForMetrics(server, predicate, timeoutMs = 60000) {
+  const deadline = Date.now() + timeoutMs;
+  let m = await metrics(server);
+  while (!predicate(m) && Date.now() < deadline) {
+    await sleep(50);
+    m = await metrics(server);
+  }
+  return m;
 }
 
 /** A user prompt of about `words` words, distinct per `seed` (defeats the prefix cache). */

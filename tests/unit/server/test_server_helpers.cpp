@@ -69,6 +69,18 @@ TEST(Routes, AllowedMethods) {
   EXPECT_EQ(allowed_methods("/metrics"), "GET, HEAD");
   EXPECT_FALSE(allowed_methods("/v1/completions").has_value());
   EXPECT_FALSE(allowed_methods("/health/").has_value());
+  EXPECT_EQ(allowed_methods("/v1/models/demo"), "GET, HEAD");
+  EXPECT_EQ(allowed_methods("/v1/models/org/name"), "GET, HEAD");
+  EXPECT_FALSE(allowed_methods("/v1/models/").has_value());
+}
+
+TEST(Routes, MetricsLabelsAreBounded) {
+  EXPECT_EQ(route_label("/v1/chat/completions"), "/v1/chat/completions");
+  EXPECT_EQ(route_label("/v1/models"), "/v1/models");
+  EXPECT_EQ(route_label("/v1/models/demo"), "/v1/models/{id}");
+  EXPECT_EQ(route_label("/v1/models/anything-a-client-sends"), "/v1/models/{id}");
+  EXPECT_EQ(route_label("/v1/models/"), "other");
+  EXPECT_EQ(route_label("/admin"), "other");
 }
 
 TEST(LogLine, TokensAndErrors) {
@@ -110,6 +122,10 @@ TEST(OpenAiJson, InvalidUtf8IsReplacedNotThrown) {
 TEST(OpenAiJson, Models) {
   EXPECT_EQ(dump(models_json("demo", 7)),
             R"({"object":"list","data":[{"id":"demo","object":"model","created":7,"owned_by":"lily"}]})");
+}
+
+TEST(OpenAiJson, OneModel) {
+  EXPECT_EQ(dump(model_json("demo", 7)), R"({"id":"demo","object":"model","created":7,"owned_by":"lily"})");
 }
 
 TEST(MetricsText, CountersHistogramsAndGauges) {

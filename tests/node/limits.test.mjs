@@ -1,0 +1,215 @@
+// Connection-level limits and start-up states of `lily serve` (issue 7 item 5, issue 4): a client
+// that stops reading (--write-timeout), the connection cap (--max-connections), /health with an
+// API key (--health-requires-key), the warning for a non-loopback bind without a key, and the
+// answers while the model is still loading.
+// Run: LILY_BIN=build/lily node --test tests/node/limits.test.mjs
+import { describe, it } from 'node:test';
+import assert from 'node:assert/strict';
+import net from 'node:net';
+import {
+  MODEL, chat, longPrompt, metrics, rawRequest, sleep, startServer, stopServer, waitForMetrics,
+} from './server_harness.mjs';
+
+const user = (content) => ({ role: 'user', content });
+const NON_LOOPBACK_WARNING = /lily: warning: binding to \S+ without an API key/;
+
+/** Opens a raw connection to the server; resolves the connected socket. */
+function connect(server) {
+  const u = new URL(server.url);
+  return new Promise((resolve, reject) => {
+    const sock = net.connect(Number(u.port), u.hostname, () => resolve(sock));
+    sock.once('error', reject);
+  });
+}
+
+/** Resolves once `sock` is closed; rejects after `ms` (a hang). */
+function closed(sock, ms) {
+  return new Promise((resolve, reject) => {
+    if (sock.destroyed) return resolve();
+    const timer = setTimeout(() => reject(new Error(`the connection is still open after ${ms} ms`)), ms);
+    sock.on('close', () => { clearTimeout(timer); resolve(); });
+  });
+}
+
+/**
+ * Sends `text` over `sock` and resolves everything received until the server closes; rejects
+ * when the socket is closed already or stays open for `ms`.
+ */
+function exchange(sock, text, ms = 30000) {
+  return new Promise((resolve, reject) => {
+    if (sock.destroyed) return reject(new Error('the connection was closed before the request'));
+    let received = '';
+    const timer = setTimeout(() => reject(new Error(`the connection is still open after ${ms} ms:\n${received}`)), ms);
+    sock.on('data', (c) => { received += c.toString('latin1'); });
+    sock.on('error', () => {});
+    sock.on('close', () => { clearTimeout(timer); resolve(received); });
+    sock.write(text);
+  });
+}
+
+describe('--write-timeout: a client that stops reading', () => {
+  it('is cut off: its generation is cancelled and the connection closed, the server keeps serving', async () => {
+    // A small kernel send buffer (--send-buffer) lets the stream fill it within a few hundred
+    // tokens; the default auto-tuned buffers hold megabytes, more than the demo model writes.
+    const server = await startServer(['--write-timeout', '2', '--send-buffer', '4096']);
+    try {
+      const before = await metrics(server);
+      assert.equal(before.get('lily_generations_cancelled_total'), 0);
+      const sock = await connect(server);
+      sock.on('error', () => {});
+      // Greedy decoding of this prompt on the demo model runs for over 1,300 tokens (≈ 280 KB of
+      // SSE), more than the send buffer plus the client's receive buffer.
+      const body = JSON.stringify({ model: MODEL, messages: [user(longPrompt(5, 50))], max_tokens: 3000, stream: true });
+      sock.write(`POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n` +
+                 `Content-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`);
+      sock.pause();  // never read: the server's writes block once the buffers are full
+      const m = await waitForMetrics(server, (x) => x.get('lily_generations_cancelled_total') >= 1, 300000);
+      assert.equal(m.get('lily_generations_cancelled_total'), 1,
+        'the stalled stream was never given up (or the answer was too short to fill the buffers)');
+      assert.ok(m.get('lily_completion_tokens_total') < 3000);
+      const idle = await waitForMetrics(server, (x) => x.get('lily_requests_running') === 0, 30000);
+      assert.equal(idle.get('lily_requests_running'), 0);
+      assert.match(server.log, /POST \/v1\/chat\/completions 200 \d+ms .*error="cancelled"/);
+      // The server closed that connection: once we drain what was buffered we see the end.
+      sock.resume();
+      await closed(sock, 30000);
+      // Other clients are served normally.
+      assert.equal((await rawRequest(server, 'GET', '/health')).status, 200);
+      const ok = await chat(server, { model: MODEL, messages: [user('hi')], max_tokens: 2 });
+      assert.equal(ok.status, 200, ok.body);
+    } finally {
+      await stopServer(server);
+    }
+  });
+});
+
+describe('--max-connections', () => {
+  it('answers a connection beyond the cap with 503 at once; admitted ones keep working', async () => {
+    const server = await startServer(['--max-connections', '2']);
+    try {
+      // Two admitted connections, each in the middle of a request head (so that the keep-alive
+      // wait for a first request does not close them): a third is refused right away, not
+      // queued until one of them leaves.
+      const holders = [await connect(server), await connect(server)];
+      for (const h of holders) {
+        h.on('error', () => {});
+        h.write('GET /health HTTP/1.1\r\n');
+      }
+      await sleep(200);
+      const refused = await rawRequest(server, 'GET', '/health', { timeoutMs: 20000 });
+      assert.equal(refused.status, 503, refused.body);
+      assert.equal(refused.headers['retry-after'], '1');
+      assert.match(refused.headers.connection ?? '', /close/);
+      const err = JSON.parse(refused.body).error;
+      assert.equal(err.code, 'too_many_connections');
+      assert.equal(err.type, 'server_error');
+      // A refused keep-alive client is answered 503 and closed too.
+      const keepAlive = await connect(server);
+      const text = await exchange(keepAlive, 'GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n');
+      assert.match(text, /^HTTP\/1\.1 503 /);
+      assert.match(text, /too_many_connections/);
+      // An admitted connection is served.
+      const served = await exchange(holders[0], 'Host: x\r\nConnection: close\r\n\r\n');
+      assert.match(served, /^HTTP\/1\.1 200 /);
+      // Once it has left, a new connection is admitted (the server notices the close promptly).
+      let status = 503;
+      for (let i = 0; i < 100 && status === 503; i++) {
+        status = (await rawRequest(server, 'GET', '/health')).status;
+        if (status === 503) await sleep(50);
+      }
+      assert.equal(status, 200);
+      holders[1].destroy();
+    } finally {
+      await stopServer(server);
+    }
+  });
+});
+
+describe('/health with an API key', () => {
+  it('is open by default and needs the key with --health-requires-key', async () => {
+    const [open, closedHealth, noKey] = await Promise.all([
+      startServer(['--api-key', 'sesame']),
+      startServer(['--api-key', 'sesame', '--health-requires-key']),
+      startServer(['--health-requires-key']),
+    ]);
+    try {
+      const auth = { Authorization: 'Bearer sesame' };
+      assert.equal((await rawRequest(open, 'GET', '/health')).status, 200);
+      assert.equal((await rawRequest(open, 'GET', '/v1/models')).status, 401);
+
+      const denied = await rawRequest(closedHealth, 'GET', '/health');
+      assert.equal(denied.status, 401);
+      assert.equal(JSON.parse(denied.body).error.code, 'invalid_api_key');
+      assert.equal(denied.headers['www-authenticate'], 'Bearer');
+      const wrong = await rawRequest(closedHealth, 'GET', '/health', { headers: { Authorization: 'Bearer sesame2' } });
+      assert.equal(wrong.status, 401);
+      const ok = await rawRequest(closedHealth, 'GET', '/health', { headers: auth });
+      assert.equal(ok.status, 200);
+      assert.deepEqual(JSON.parse(ok.body), { status: 'ok' });
+
+      // Without a key there is nothing to require.
+      assert.equal((await rawRequest(noKey, 'GET', '/health')).status, 200);
+    } finally {
+      await Promise.all([stopServer(open), stopServer(closedHealth), stopServer(noKey)]);
+    }
+  });
+});
+
+describe('warning for a non-loopback bind', () => {
+  it('is logged for 0.0.0.0 without a key, not with a key and not on loopback', async () => {
+    const [exposed, keyed, loopback] = await Promise.all([
+      startServer(['--host', '0.0.0.0']),
+      startServer(['--host', '0.0.0.0', '--api-key', 'sesame']),
+      startServer([]),
+    ]);
+    try {
+      assert.match(exposed.url, /^http:\/\/0\.0\.0\.0:\d+$/);
+      assert.match(exposed.log, NON_LOOPBACK_WARNING);
+      assert.match(exposed.log, /binding to 0\.0\.0\.0 without an API key/);
+      assert.doesNotMatch(keyed.log, NON_LOOPBACK_WARNING);
+      assert.doesNotMatch(loopback.log, NON_LOOPBACK_WARNING);
+      // The exposed server really serves (here reached through loopback).
+      const port = new URL(exposed.url).port;
+      const res = await rawRequest({ url: `http://127.0.0.1:${port}` }, 'GET', '/health');
+      assert.equal(res.status, 200);
+    } finally {
+      await Promise.all([stopServer(exposed), stopServer(keyed), stopServer(loopback)]);
+    }
+  });
+});
+
+describe('while the model is loading', () => {
+  it('answers /health and chat with 503 "loading", then serves', async () => {
+    // LILY_TEST_LOAD_DELAY_MS holds the loader back; the server listens before it loads.
+    const server = await startServer([], { LILY_TEST_LOAD_DELAY_MS: '5000' }, { until: 'listening' });
+    try {
+      assert.doesNotMatch(server.log, /serving /);
+      const health = await rawRequest(server, 'GET', '/health');
+      assert.equal(health.status, 503);
+      assert.deepEqual(JSON.parse(health.body), { status: 'loading' });
+      assert.equal(health.headers['retry-after'], '1');
+      const res = await chat(server, { model: MODEL, messages: [user('hi')], max_tokens: 1 });
+      assert.equal(res.status, 503, res.body);
+      assert.equal(res.json.error.code, 'server_not_ready');
+      assert.equal(res.headers['retry-after'], '1');
+      assert.equal((await metrics(server)).get('lily_model_ready'), 0);
+      assert.equal((await rawRequest(server, 'GET', '/v1/models')).status, 200);
+
+      for (let i = 0; i < 1200 && !/serving /.test(server.log); i++) await sleep(50);
+      assert.match(server.log, /serving \S+ on http:/);
+      assert.equal((await rawRequest(server, 'GET', '/health')).status, 200);
+      assert.equal((await metrics(server)).get('lily_model_ready'), 1);
+      const ok = await chat(server, { model: MODEL, messages: [user('hi')], max_tokens: 1 });
+      assert.equal(ok.status, 200, ok.body);
+    } finally {
+      await stopServer(server);
+    }
+  });
+
+  it('SIGTERM during loading exits 0', async () => {
+    const server = await startServer([], { LILY_TEST_LOAD_DELAY_MS: '60000' }, { until: 'listening' });
+    assert.equal((await rawRequest(server, 'GET', '/health')).status, 503);
+    await stopServer(server);  // throws unless the exit is clean
+    assert.doesNotMatch(server.log, /serving /);
+  });
+});
