@@ -223,6 +223,257 @@ TEST(CudaRouter, SmallShapes) {
   check_router(8, 2, 1, 18, false);
 }
 
+// ---- fused router GEMV + top-k (launch_router_fused) -------------------------------------------
+
+/// Copies row `from` of w over row `to` (codes, scales, biases; host and device), so that both
+/// rows give bit-identical GEMV outputs on the GPU and on the CPU: an exact tie.
+void copy_row(RandomQuant& w, int64_t from, int64_t to) {
+  const int64_t wpr = int64_t(w.cols) * w.bits / 32, gpr = w.cols / 64;
+  std::copy_n(w.codes.begin() + from * wpr, wpr, w.codes.begin() + to * wpr);
+  std::copy_n(w.scales.begin() + from * gpr, gpr, w.scales.begin() + to * gpr);
+  std::copy_n(w.biases.begin() + from * gpr, gpr, w.biases.begin() + to * gpr);
+  cuda::upload(w.d_codes.as<uint32_t>(), w.codes.data(), w.codes.size());
+  cuda::upload(w.d_scales.as<uint16_t>(), w.scales.data(), w.scales.size());
+  cuda::upload(w.d_biases.as<uint16_t>(), w.biases.data(), w.biases.size());
+}
+
+/// CPU router logits of one token: float(Σ w·x) over all rows (double loops).
+std::vector<float> cpu_router_logits(const RandomQuant& w, const float* x) {
+  std::vector<float> l(w.rows);
+  for (int64_t r = 0; r < w.rows; ++r) l[r] = float(w.dot(r, x));
+  return l;
+}
+
+/// Expert ids of the first E logits by descending value, ties to the lowest id.
+std::vector<int> ranking(const std::vector<float>& logits, int E) {
+  std::vector<int> order(E);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+  return order;
+}
+
+enum class RouterTies { kNone, kThreeWayTop, kAtTheCut };
+
+/// Fused router vs (a) the unfused launch_quant_gemv + launch_router_topk pair and (b) the CPU
+/// reference (cpu::route_top_k on CPU-computed logits). Ties are made exact by duplicating
+/// matrix rows, chosen from token 0's CPU ranking.
+void check_router_fused(int E, int k, int hidden, int bits, int m, uint64_t seed, RouterTies ties) {
+  std::mt19937_64 rng(seed);
+  RandomQuant w(E + 1, hidden, bits, rng);
+  const std::vector<float> x = random_bf16_values(int64_t(m) * hidden, rng);
+  std::vector<int> tied;  // expert ids that must tie exactly (token 0)
+  if (ties != RouterTies::kNone) {
+    const std::vector<int> order = ranking(cpu_router_logits(w, x.data()), E);
+    if (ties == RouterTies::kThreeWayTop) {
+      const int top = order[0], a = top == 0 ? 1 : 0, b = top == E - 1 ? E - 2 : E - 1;
+      copy_row(w, top, a);
+      copy_row(w, top, b);
+      tied = {a, top, b};
+    } else {  // the last selected expert ties with the lowest id outside the top k
+      const int cut = order[k - 1];
+      int u = 0;
+      while (std::find(order.begin(), order.begin() + k, u) != order.begin() + k) ++u;
+      copy_row(w, cut, u);
+      tied = {cut, u};
+    }
+  }
+  DeviceBuffer dx = to_device_bf16(x);
+  const size_t n_log = size_t(m) * (E + 1), n_sel = size_t(m) * (k + 1);
+  DeviceBuffer f_log = poisoned(n_log * 4), f_ids = poisoned(n_sel * 4), f_w = poisoned(n_sel * 4);
+  DeviceBuffer u_log = poisoned(n_log * 4), u_ids = poisoned(n_sel * 4), u_w = poisoned(n_sel * 4);
+  DeviceBuffer done(size_t(m) * 4);
+  done.fill_bytes(0);
+  cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>(), m, nullptr, u_log.as<float>(), nullptr);
+  cuda::launch_router_topk(u_log.as<float>(), m, E, k, u_ids.as<int32_t>(), u_w.as<float>(), nullptr);
+
+  auto download_i32 = [](const DeviceBuffer& d, size_t n) {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<int32_t> v(n);
+    cuda::download(v.data(), d.as<int32_t>(), n);
+    return v;
+  };
+  const std::vector<float> ul = from_device_f32(u_log, n_log), uw = from_device_f32(u_w, n_sel);
+  const std::vector<int32_t> uid = download_i32(u_ids, n_sel);
+  // Twice: the second launch checks that the block counters were reset (graph replay).
+  for (int launch = 0; launch < 2; ++launch) {
+    cuda::launch_router_fused(w.view(), dx.as<__nv_bfloat16>(), m, E, k, f_log.as<float>(), f_ids.as<int32_t>(),
+                              f_w.as<float>(), done.as<uint32_t>(), nullptr);
+    const std::vector<float> fl = from_device_f32(f_log, n_log), fw = from_device_f32(f_w, n_sel);
+    const std::vector<int32_t> fid = download_i32(f_ids, n_sel), cnt = download_i32(done, size_t(m));
+    for (int t = 0; t < m; ++t) {
+      SCOPED_TRACE("E=" + std::to_string(E) + " k=" + std::to_string(k) + " hidden=" + std::to_string(hidden) +
+                   " bits=" + std::to_string(bits) + " token " + std::to_string(t) + " launch " + std::to_string(launch));
+      EXPECT_EQ(cnt[t], 0) << "block counter not reset";
+      const float* frow = fl.data() + size_t(t) * (E + 1);
+      const float* urow = ul.data() + size_t(t) * (E + 1);
+      std::vector<double> uref(urow, urow + E + 1);
+      const double floor = rms(uref);
+      for (int e = 0; e <= E; ++e) ASSERT_NEAR(frow[e], urow[e], 1e-6 * (std::fabs(urow[e]) + floor)) << "logit " << e;
+      if (t == 0) {
+        for (int id : tied) EXPECT_EQ(frow[id], frow[tied[0]]) << "duplicated rows must tie exactly";
+      }
+      // (a) the unfused pair: identical ids, weights within 1e-6.
+      for (int s = 0; s <= k; ++s) {
+        EXPECT_EQ(fid[t * (k + 1) + s], uid[t * (k + 1) + s]) << "slot " << s;
+        EXPECT_NEAR(fw[t * (k + 1) + s], uw[t * (k + 1) + s], 1e-6) << "slot " << s;
+      }
+      // (b) the CPU reference on CPU logits.
+      const std::vector<float> cl = cpu_router_logits(w, x.data() + size_t(t) * hidden);
+      std::vector<int> cid(k);
+      std::vector<float> cw(k);
+      cpu::route_top_k(cl.data(), E, k, true, cid.data(), cw.data());
+      for (int s = 0; s < k; ++s) {
+        EXPECT_EQ(fid[t * (k + 1) + s], cid[s]) << "slot " << s;
+        EXPECT_NEAR(fw[t * (k + 1) + s], cw[s], 1e-5) << "slot " << s;
+      }
+      EXPECT_EQ(fid[t * (k + 1) + k], E);
+      EXPECT_NEAR(fw[t * (k + 1) + k], 1.0 / (1.0 + std::exp(-double(cl[E]))), 1e-5);
+      if (t == 0 && ties == RouterTies::kThreeWayTop) {
+        std::vector<int> want = tied;
+        std::sort(want.begin(), want.end());
+        for (int s = 0; s < std::min<int>(k, 3); ++s) EXPECT_EQ(fid[s], want[s]) << "tie order, slot " << s;
+      }
+      if (t == 0 && ties == RouterTies::kAtTheCut) {
+        const int lo = std::min(tied[0], tied[1]), hi = std::max(tied[0], tied[1]);
+        const int32_t* sel = fid.data();
+        EXPECT_NE(std::find(sel, sel + k, lo), sel + k) << "the lower id of a tie at the cut is selected";
+        EXPECT_EQ(std::find(sel, sel + k, hi), sel + k) << "the higher id of a tie at the cut is dropped";
+      }
+    }
+  }
+}
+
+TEST(CudaRouterFused, RealShape256x2048Q8Top8) { check_router_fused(kExperts, kTopK, kHidden, 8, 1, 31, RouterTies::kNone); }
+TEST(CudaRouterFused, RealShapeSeveralTokens) { check_router_fused(kExperts, kTopK, kHidden, 8, 3, 32, RouterTies::kNone); }
+TEST(CudaRouterFused, RealShapeTies) {
+  check_router_fused(kExperts, kTopK, kHidden, 8, 1, 33, RouterTies::kThreeWayTop);
+  check_router_fused(kExperts, kTopK, kHidden, 8, 2, 34, RouterTies::kAtTheCut);
+}
+TEST(CudaRouterFused, DemoShapes) {  // demo model: hidden 256, 16 experts, top-4
+  check_router_fused(16, 4, 256, 8, 1, 35, RouterTies::kNone);
+  check_router_fused(16, 4, 256, 8, 2, 36, RouterTies::kThreeWayTop);
+  check_router_fused(16, 4, 256, 8, 1, 37, RouterTies::kAtTheCut);
+  check_router_fused(16, 4, 256, 4, 1, 38, RouterTies::kNone);  // a 4-bit router
+  check_router_fused(8, 2, 128, 8, 1, 39, RouterTies::kThreeWayTop);
+}
+TEST(CudaRouterFused, RejectsBadShapes) {
+  std::mt19937_64 rng(40);
+  RandomQuant w(17, 256, 8, rng);
+  EXPECT_THROW(cuda::launch_router_fused(w.view(), nullptr, 1, 15, 4, nullptr, nullptr, nullptr, nullptr, nullptr), Error);
+  EXPECT_THROW(cuda::launch_router_fused(w.view(), nullptr, 1, 16, 33, nullptr, nullptr, nullptr, nullptr, nullptr), Error);
+}
+
+// ---- programmatic dependent launch ---------------------------------------------------------------
+
+/// A stack of MoE decode blocks (add + RMSNorm → fused router → gate/up + SwiGLU → down +
+/// combine, the decode step's MoE half) that reuse one set of random weights; every block reads
+/// the previous block's output, so a missing dependency changes the result.
+struct MoeChain {
+  int E, k, hidden, ffn;
+  RandomQuant router, gate, up, down;
+  DeviceBuffer x, moe, normed, gain, logits, ids, weights, act, done;
+  std::vector<float> x0;
+
+  MoeChain(int E_, int k_, int hidden_, int ffn_, std::mt19937_64& rng)
+      : E(E_), k(k_), hidden(hidden_), ffn(ffn_), router(E_ + 1, hidden_, 8, rng),
+        gate((E_ + 1) * int64_t(ffn_), hidden_, 4, rng), up((E_ + 1) * int64_t(ffn_), hidden_, 4, rng),
+        down((E_ + 1) * int64_t(hidden_), ffn_, 4, rng) {
+    x0 = random_bf16_values(hidden, rng, 2.0f);
+    std::vector<float> g = random_bf16_values(hidden, rng, 0.3f);
+    for (auto& v : g) v += 1.0f;
+    gain = to_device_f32(g);
+    moe = DeviceBuffer(size_t(hidden) * 2);
+    normed = DeviceBuffer(size_t(hidden) * 2);
+    logits = DeviceBuffer(size_t(E + 1) * 4);
+    ids = DeviceBuffer(size_t(k + 1) * 4);
+    weights = DeviceBuffer(size_t(k + 1) * 4);
+    act = DeviceBuffer(size_t(k + 1) * ffn * 2);
+    done = DeviceBuffer(4);
+    done.fill_bytes(0);
+    x = DeviceBuffer(size_t(hidden) * 2);
+    reset();
+  }
+  /// Restores the initial residual stream (x = x0, no pending branch) in place (a captured graph
+  /// keeps the buffer addresses) and waits for the device.
+  void reset() {
+    std::vector<uint16_t> bits(x0.size());
+    for (size_t i = 0; i < x0.size(); ++i) bits[i] = float_to_bf16(x0[i]);
+    cuda::upload(x.as<uint16_t>(), bits.data(), bits.size());
+    moe.fill_bytes(0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  void enqueue(int blocks, cudaStream_t stream) {
+    for (int b = 0; b < blocks; ++b) {
+      cuda::launch_add_rmsnorm(x.as<__nv_bfloat16>(), b == 0 ? nullptr : moe.as<__nv_bfloat16>(), gain.as<float>(),
+                               normed.as<__nv_bfloat16>(), 1, hidden, 1e-6f, stream);
+      cuda::launch_router_fused(router.view(), normed.as<__nv_bfloat16>(), 1, E, k, logits.as<float>(), ids.as<int32_t>(),
+                                weights.as<float>(), done.as<uint32_t>(), stream);
+      cuda::launch_expert_gate_up(gate.view(), up.view(), ffn, ids.as<int32_t>(), k + 1, normed.as<__nv_bfloat16>(), 1,
+                                  act.as<__nv_bfloat16>(), stream);
+      cuda::launch_expert_down_combine(down.view(), hidden, ids.as<int32_t>(), weights.as<float>(), k + 1,
+                                       act.as<__nv_bfloat16>(), 1, moe.as<__nv_bfloat16>(), stream);
+    }
+  }
+  /// The residual stream and the last block's output, as raw bf16 bits.
+  std::vector<uint16_t> result() const {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<uint16_t> r(size_t(2) * hidden);
+    cuda::download(r.data(), x.as<uint16_t>(), hidden);
+    cuda::download(r.data() + hidden, moe.as<uint16_t>(), hidden);
+    return r;
+  }
+};
+
+/// Captures `chain.enqueue(blocks)` into a graph on `stream` (current PDL setting).
+cudaGraphExec_t capture_chain(MoeChain& chain, int blocks, cudaStream_t stream) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  chain.enqueue(blocks, stream);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  return exec;
+}
+
+/// Restores the PDL setting of the process when a test ends.
+struct PdlSetting {
+  bool saved = cuda::pdl_enabled();
+  ~PdlSetting() { cuda::set_pdl_enabled(saved); }
+};
+
+// PDL on (eager and under a CUDA graph, replayed) must give bit-identical results to plain
+// launches: the kernels are deterministic, so any difference is a broken dependency.
+void check_pdl_chain(int E, int k, int hidden, int ffn, uint64_t seed) {
+  PdlSetting keep;
+  std::mt19937_64 rng(seed);
+  MoeChain chain(E, k, hidden, ffn, rng);
+  constexpr int kBlocks = 12;
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cuda::set_pdl_enabled(false);
+  chain.enqueue(kBlocks, stream);
+  const std::vector<uint16_t> want = chain.result();
+  for (uint16_t b : want) ASSERT_FALSE((b & 0x7F80) == 0x7F80 && (b & 0x7F)) << "NaN in the reference chain";
+
+  cuda::set_pdl_enabled(true);
+  chain.reset();
+  chain.enqueue(kBlocks, stream);
+  EXPECT_EQ(chain.result(), want) << "eager PDL launches differ from plain launches";
+  cudaGraphExec_t exec = capture_chain(chain, kBlocks, stream);
+  for (int replay = 0; replay < 3; ++replay) {
+    chain.reset();
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(chain.result(), want) << "graph replay " << replay << " with PDL differs from plain launches";
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(CudaPdl, MoeChainMatchesPlainLaunchesRealShape) { check_pdl_chain(kExperts, kTopK, kHidden, kFfn, 41); }
+TEST(CudaPdl, MoeChainMatchesPlainLaunchesDemoShape) { check_pdl_chain(16, 4, 256, 128, 42); }
+
 /// The MoE expert path: gate/up + SwiGLU over 8 routed experts + the shared one, then the
 /// down projection with the weighted combine, against model.md §4.3's rounding sequence.
 void check_experts(int E, int k, int hidden, int ffn, uint64_t seed) {
@@ -343,6 +594,14 @@ TEST(CudaTiming, PrintsKernelTimes) {
   DeviceBuffer dl = to_device_f32(logits), tid(9 * 4), tw(9 * 4);
   std::printf("[timing] %-28s %8.2f us\n", "router top-k",
               time_us([&] { cuda::launch_router_topk(dl.as<float>(), 1, kExperts, kTopK, tid.as<int32_t>(), tw.as<float>(), nullptr); }));
+  {
+    RandomQuant rw(kExperts + 1, kHidden, 8, rng);
+    DeviceBuffer fl(size_t(kExperts + 1) * 4), done(4);
+    done.fill_bytes(0);
+    std::printf("[timing] %-28s %8.2f us\n", "router gemv+top-k fused q8",
+                time_us([&] { cuda::launch_router_fused(rw.view(), dx.as<__nv_bfloat16>(), 1, kExperts, kTopK, fl.as<float>(),
+                                                        tid.as<int32_t>(), tw.as<float>(), done.as<uint32_t>(), nullptr); }));
+  }
   std::vector<float> g(kHidden, 1.0f);
   DeviceBuffer res = to_device_bf16(x), dg = to_device_f32(g), nrm(kHidden * 2);
   std::printf("[timing] %-28s %8.2f us\n", "add+rmsnorm 2048",
@@ -352,6 +611,38 @@ TEST(CudaTiming, PrintsKernelTimes) {
   DeviceBuffer sv(slots * 4), si(slots * 4), id(4);
   std::printf("[timing] %-28s %8.2f us\n", "argmax 248320",
               time_us([&] { cuda::launch_argmax(y.as<float>(), kVocab, sv.as<float>(), si.as<int32_t>(), id.as<int32_t>(), nullptr); }));
+}
+
+// The MoE half of 40 decode layers (160 kernels) as one CUDA graph, PDL off vs on: the per-kernel
+// figure is what one launch costs inside the decode graph (printed, never asserted).
+TEST(CudaTiming, PrintsGraphChainTimesWithAndWithoutPdl) {
+  PdlSetting keep;
+  std::mt19937_64 rng(98);
+  MoeChain chain(kExperts, kTopK, kHidden, kFfn, rng);
+  constexpr int kBlocks = 40, kReps = 50;
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (bool pdl : {false, true}) {
+    cuda::set_pdl_enabled(pdl);
+    cudaGraphExec_t exec = capture_chain(chain, kBlocks, stream);
+    for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    cudaEvent_t a, b;
+    CUDA_CHECK(cudaEventCreate(&a));
+    CUDA_CHECK(cudaEventCreate(&b));
+    CUDA_CHECK(cudaEventRecord(a, stream));
+    for (int i = 0; i < kReps; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaEventRecord(b, stream));
+    CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    const double us = 1000.0 * ms / kReps;
+    std::printf("[timing] moe chain x%d graph, PDL %-3s %8.2f us/graph  %6.2f us/kernel\n", kBlocks, pdl ? "on" : "off", us,
+                us / (4 * kBlocks));
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+  }
+  CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "backends/cuda/common.cuh"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/mixer_kernels.h"
 
 namespace lily::cuda {
@@ -43,6 +44,7 @@ prepare_kernel(int nq, int nkv, int rotary_dim, float eps, RopeFreqs freqs,
                const float* __restrict__ k_norm, int64_t pos0_host,
                const int32_t* __restrict__ pos_device, bf16* __restrict__ k_cache,
                bf16* __restrict__ v_cache, int64_t capacity, bf16* __restrict__ q_out) {
+  pdl_prologue();
   __shared__ float y_s[kD];
   __shared__ float scratch[32];
   const int t = blockIdx.x, hh = blockIdx.y, d = threadIdx.x;
@@ -215,6 +217,7 @@ decode_split_kernel(int n_splits, float scale, int64_t len_host, const int32_t* 
                     const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                     const bf16* __restrict__ v_cache, int64_t capacity, float* __restrict__ ws_o,
                     float* __restrict__ ws_ml) {
+  pdl_prologue();
   constexpr int kDimsPerLane = kD / kWarp;
   __shared__ MergeSmem<kD> sm;
   const int kvh = blockIdx.x, s = blockIdx.y;
@@ -245,6 +248,7 @@ template <int kD>
 __global__ void __launch_bounds__(kD)
 decode_combine_kernel(int n_splits, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
                       const bf16* __restrict__ gate, bf16* __restrict__ out) {
+  pdl_prologue();
   const int h = blockIdx.x, d = threadIdx.x;
   const float* ml = ws_ml + int64_t(h) * n_splits * 2;
   float M = -INFINITY;
@@ -379,7 +383,7 @@ void attention_prepare(const AttnDims& dims, int T, const bf16* qg, int64_t qg_s
     freqs.inv[j] = 1.0f / std::pow(base, float(2 * j) / float(dims.rotary_dim));
   dispatch_head_dim(D, [&](auto d) {
     constexpr int kD = decltype(d)::value;
-    prepare_kernel<kD><<<dim3(T, dims.n_heads + dims.n_kv_heads), kD, 0, stream>>>(
+    launch_pdl(prepare_kernel<kD>, dim3(T, dims.n_heads + dims.n_kv_heads), dim3(kD), 0, stream,
         dims.n_heads, dims.n_kv_heads, dims.rotary_dim, dims.norm_eps, freqs, qg, qg_stride, k,
         v, kv_stride, q_norm, k_norm, pos0_host, pos_device, cache.k, cache.v, cache.capacity,
         q_out);
@@ -417,14 +421,12 @@ void attention_decode(const AttnDims& dims, const bf16* q, const bf16* gate,
   dispatch_head_dim(dims.head_dim, [&](auto d) {
     constexpr int kD = decltype(d)::value;
     dispatch_group(G, [&](auto g) {
-      decode_split_kernel<decltype(g)::value, kD>
-          <<<dim3(dims.n_kv_heads, n_splits), kThreads, 0, stream>>>(
+      launch_pdl(decode_split_kernel<decltype(g)::value, kD>, dim3(dims.n_kv_heads, n_splits), dim3(kThreads), 0, stream,
               n_splits, dims.scale(), len_host, len_device, q, cache.k, cache.v, cache.capacity,
               ws_o, ws_ml);
     });
     LILY_CUDA_CHECK_LAUNCH();
-    decode_combine_kernel<kD><<<dims.n_heads, kD, 0, stream>>>(n_splits, ws_o, ws_ml, gate, out);
-    LILY_CUDA_CHECK_LAUNCH();
+    launch_pdl(decode_combine_kernel<kD>, dim3(dims.n_heads), dim3(kD), 0, stream, n_splits, ws_o, ws_ml, gate, out);
   });
 }
 

@@ -209,6 +209,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     allocate_scratch();
     batched_prefill_ = batched_prefill_from_env();
+    (void)pdl_enabled();  // a bad LILY_CUDA_PDL value fails here, not inside the first graph capture
   }
   ~CudaBackend() override {
     if (stream_) cudaStreamDestroy(stream_);
@@ -279,6 +280,8 @@ class CudaBackend final : public Backend {
     router_logits_ = DeviceBuffer((c.n_experts + 1) * sizeof(float));
     expert_ids_ = DeviceBuffer((c.n_experts_per_tok + 1) * sizeof(int32_t));
     expert_w_ = DeviceBuffer((c.n_experts_per_tok + 1) * sizeof(float));
+    router_done_ = DeviceBuffer(sizeof(uint32_t));
+    router_done_.fill_bytes(0);  // launch_router_fused leaves it zero after every launch
     logits_ = DeviceBuffer(static_cast<size_t>(c.vocab) * sizeof(float));
     const int slots = argmax_scratch_slots(c.vocab);
     argmax_v_ = DeviceBuffer(slots * sizeof(float));
@@ -407,9 +410,9 @@ class CudaBackend final : public Backend {
   void moe_block(const DeviceLayer& L) {
     const ModelConfig& c = config();
     const int k = c.n_experts_per_tok;
-    launch_quant_gemv(L.router, normed_.as<bf16>(), nullptr, router_logits_.as<float>(), stream_);
-    launch_router_topk(router_logits_.as<float>(), 1, c.n_experts, k, expert_ids_.as<int32_t>(), expert_w_.as<float>(),
-                       stream_);
+    // Router GEMV + top-k in one launch (the logits are still written, for the probes).
+    launch_router_fused(L.router, normed_.as<bf16>(), 1, c.n_experts, k, router_logits_.as<float>(),
+                        expert_ids_.as<int32_t>(), expert_w_.as<float>(), router_done_.as<uint32_t>(), stream_);
     launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, expert_ids_.as<int32_t>(), k + 1, normed_.as<bf16>(), 1,
                           act_.as<bf16>(), stream_);
     launch_expert_down_combine(L.down, c.hidden, expert_ids_.as<int32_t>(), expert_w_.as<float>(), k + 1,
@@ -556,6 +559,7 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<PinnedIo> io_;  ///< created after the device check
   DeviceBuffer x_, normed_, mixer_out_, moe_out_, proj_, conv_out_, mix_tmp_, q_out_, act_;
+  DeviceBuffer router_done_;  ///< launch_router_fused's block counter (uint32, kept zero between launches)
   DeviceBuffer router_logits_, expert_ids_, expert_w_, logits_, argmax_v_, argmax_i_, io_dev_, attn_ws_;
   size_t attn_ws_bytes_ = 0;
   bool batched_prefill_ = true;            ///< false with LILY_CUDA_PREFILL=per-token (see prefill_batched)

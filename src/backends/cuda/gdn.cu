@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "backends/cuda/common.cuh"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/mixer_kernels.h"
 
 #include <cooperative_groups.h>
@@ -52,6 +53,7 @@ __device__ __forceinline__ float conv_dot(float x0, float x1, float x2, float x3
 __global__ void conv_decode_kernel(int C, const float* __restrict__ conv_w,
                                    const bf16* __restrict__ qkv, bf16* __restrict__ window,
                                    bf16* __restrict__ out) {
+  pdl_prologue();  // before the early return (launch.cuh contract)
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   bf16* win = window + int64_t(c) * kHist;
@@ -137,6 +139,7 @@ __launch_bounds__(DecodeGeom<D>::kThreads) gdn_decode_kernel(int Hk, int Hv, flo
                   const bf16* __restrict__ conv_out, const bf16* __restrict__ z,
                   const bf16* __restrict__ a, const bf16* __restrict__ b,
                   float* __restrict__ state, bf16* __restrict__ out) {
+  pdl_prologue();
   using Geom = DecodeGeom<D>;
   constexpr int kDk = D, kDv = D, kSliceCols = Geom::kSliceCols, kDecodeSlices = Geom::kSlices;
   constexpr int kDecodeParts = Geom::kParts, kRowsPerPart = Geom::kRowsPerPart;
@@ -483,7 +486,8 @@ void launch_decode(const GdnDims& dims, const GdnParams& params, const bf16* con
                    const bf16* z, const bf16* a, const bf16* b, float* state, bf16* out,
                    cudaStream_t stream) {
   using Geom = DecodeGeom<D>;
-  gdn_decode_kernel<D><<<dim3(dims.n_value_heads, Geom::kSlices), Geom::kThreads, 0, stream>>>(
+  // Compile-time cluster dims (__cluster_dims__) carry over to cudaLaunchKernelEx.
+  launch_pdl(gdn_decode_kernel<D>, dim3(dims.n_value_heads, Geom::kSlices), dim3(Geom::kThreads), 0, stream,
       dims.n_key_heads, dims.n_value_heads, dims.norm_eps, params.A_log, params.dt_bias,
       params.norm_w, conv_out, z, a, b, state, out);
 }
@@ -531,8 +535,8 @@ void gdn_conv_decode(const GdnDims& dims, const GdnParams& params, const bf16* q
   MIXER_REQUIRE(qkv && window && out, "gdn_conv_decode: null buffer");
   MIXER_REQUIRE(qkv != out, "gdn_conv_decode: out must not alias qkv");
   const int C = dims.conv_channels();
-  conv_decode_kernel<<<ceil_div(C, 256), 256, 0, stream>>>(C, params.conv_w, qkv, window, out);
-  LILY_CUDA_CHECK_LAUNCH();
+  launch_pdl(conv_decode_kernel, dim3(static_cast<unsigned>(ceil_div(C, 256))), dim3(256), 0, stream, C, params.conv_w,
+             qkv, window, out);
 }
 
 void gdn_decode(const GdnDims& dims, const GdnParams& params, const bf16* conv_out, const bf16* z,

@@ -59,6 +59,24 @@ void launch_add_rmsnorm(__nv_bfloat16* x, const __nv_bfloat16* branch, const flo
 void launch_router_topk(const float* logits, int m, int n_experts, int top_k, int32_t* ids, float* weights,
                         cudaStream_t stream);
 
+/// Router GEMV fused with routing, for decode (performance.md §3 "fused top-k routing"): one
+/// launch computes logits[t] = W x[t] (fp32, exactly launch_quant_gemv's per-row arithmetic; W the
+/// 4/8-bit [n_experts + 1, cols] router ‖ shared-expert-gate matrix) and, in the last block to
+/// finish a row (atomic counter), the routing of launch_router_topk (same ids, same weights).
+/// logits fp32 [m, n_experts + 1] (also written, for probes); ids, weights [m, top_k + 1];
+/// `done` uint32 [m], zero before the first launch; the kernel leaves it zero again (so a
+/// captured graph can be replayed). Throws lily::Error for an unsupported matrix, rows ≠
+/// n_experts + 1, n_experts > 1024 or top_k > 32.
+void launch_router_fused(const DeviceQuant& w, const __nv_bfloat16* x, int m, int n_experts, int top_k,
+                         float* logits, int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream);
+
+/// Whether decode-path kernels launch with programmatic dependent launch (launch.cuh). Read once
+/// from the environment: LILY_CUDA_PDL unset or "1" → on, "0" → off; any other value throws
+/// lily::Error (at the first launch, or at backend creation).
+bool pdl_enabled();
+/// Overrides LILY_CUDA_PDL for the rest of the process (tests and benchmarks comparing both).
+void set_pdl_enabled(bool on);
+
 /// Fused gate/up + SwiGLU for the selected experts (model.md §4.3 item 5): for each slot
 /// k < n_sel of token row t, expert e = ids[t·n_sel + k]: g = bf16(W_gate[e] x), u = bf16(W_up[e] x),
 /// act[t, k, i] = bf16(silu(g_i)·u_i). gate/up: stacks of (n_experts + 1)·ffn rows (shared expert

@@ -4,56 +4,23 @@
 #include <cfloat>
 #include <climits>
 
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/quant_dot.cuh"
+#include "backends/cuda/router_topk.cuh"
 
 namespace lily::cuda {
 namespace {
 
-constexpr int kMaxExperts = 1024;
-constexpr int kMaxTopK = 32;
-
 /// One warp per token row. logits [m, E+1]; ids/weights [m, k+1].
 __global__ void router_topk_kernel(const float* __restrict__ logits, int E, int k, int32_t* __restrict__ ids,
                                    float* __restrict__ weights) {
-  __shared__ float sl[kMaxExperts];
-  __shared__ unsigned char taken[kMaxExperts];
-  __shared__ int sel[kMaxTopK];
-  const int t = blockIdx.x, lane = threadIdx.x;
+  pdl_prologue();
+  __shared__ RouteScratch rs;
+  const int t = blockIdx.x;
   const float* row = logits + static_cast<int64_t>(t) * (E + 1);
-  for (int e = lane; e < E; e += kWarp) { sl[e] = row[e]; taken[e] = 0; }
+  for (int e = threadIdx.x; e <= E; e += kWarp) rs.logits[e] = row[e];
   __syncwarp();
-  for (int s = 0; s < k; ++s) {
-    float bv = -INFINITY;
-    int bi = INT_MAX;
-    for (int e = lane; e < E; e += kWarp) {
-      const float v = sl[e];
-      if (!taken[e] && (v > bv || (v == bv && e < bi))) { bv = v; bi = e; }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-    }
-    if (bi == INT_MAX) {  // only NaN left: lowest id not yet taken
-      bi = E;
-      for (int e = 0; e < E; ++e)
-        if (!taken[e]) { bi = e; break; }
-    }
-    if (lane == 0) { sel[s] = bi; taken[bi] = 1; }
-    __syncwarp();
-  }
-  if (lane == 0) {
-    const float top = sl[sel[0]];
-    float denom = 0.0f;
-    for (int s = 0; s < k; ++s) denom += expf(sl[sel[s]] - top);
-    for (int s = 0; s < k; ++s) {
-      ids[static_cast<int64_t>(t) * (k + 1) + s] = sel[s];
-      weights[static_cast<int64_t>(t) * (k + 1) + s] = expf(sl[sel[s]] - top) / denom;
-    }
-    ids[static_cast<int64_t>(t) * (k + 1) + k] = E;
-    weights[static_cast<int64_t>(t) * (k + 1) + k] = 1.0f / (1.0f + expf(-row[E]));
-  }
+  route_token_warp(rs, E, k, ids + static_cast<int64_t>(t) * (k + 1), weights + static_cast<int64_t>(t) * (k + 1));
 }
 
 /// Floats per staged activation row in the down kernel, rounded up to 16 bytes so that every
@@ -68,6 +35,7 @@ template <int BITS>
 __global__ void __launch_bounds__(kMoeThreads) expert_gate_up_kernel(DeviceQuant gate, DeviceQuant up, int ffn,
                                                                      const int32_t* __restrict__ ids, int n_sel,
                                                                      const bf16* __restrict__ x, bf16* __restrict__ act) {
+  pdl_prologue();
   extern __shared__ float smem[];
   const int groups = gate.cols / kGroup;
   float* xs = smem;
@@ -97,6 +65,7 @@ __global__ void __launch_bounds__(kMoeThreads) expert_down_combine_kernel(Device
                                                                           const float* __restrict__ weights, int n_sel,
                                                                           const bf16* __restrict__ act,
                                                                           bf16* __restrict__ out) {
+  pdl_prologue();
   extern __shared__ float smem[];
   const int ffn = down.cols, groups = ffn / kGroup;
   const int t = blockIdx.y;
@@ -136,8 +105,7 @@ void launch_router_topk(const float* logits, int m, int n_experts, int top_k, in
     throw ::lily::Error("MoE router: CUDA kernel supports ≤ " + std::to_string(kMaxExperts) + " experts and top-k ≤ " +
                         std::to_string(kMaxTopK) + "; got " + std::to_string(n_experts) + " experts, top-k " +
                         std::to_string(top_k));
-  router_topk_kernel<<<m, kWarp, 0, stream>>>(logits, n_experts, top_k, ids, weights);
-  LILY_CUDA_CHECK_LAUNCH();
+  launch_pdl(router_topk_kernel, dim3(m), dim3(kWarp), 0, stream, logits, n_experts, top_k, ids, weights);
 }
 
 void launch_expert_gate_up(const DeviceQuant& gate, const DeviceQuant& up, int ffn, const int32_t* ids, int n_sel,
@@ -150,9 +118,8 @@ void launch_expert_gate_up(const DeviceQuant& gate, const DeviceQuant& up, int f
   const int rows_per_block = kMoeWarps * (kWarp / L);
   const dim3 grid(static_cast<unsigned>(ceil_div(ffn, rows_per_block)), n_sel, m);
   const size_t smem = staged_row_bytes(gate.cols);
-  if (gate.bits == 4) expert_gate_up_kernel<4><<<grid, kMoeThreads, smem, stream>>>(gate, up, ffn, ids, n_sel, x, act);
-  else expert_gate_up_kernel<8><<<grid, kMoeThreads, smem, stream>>>(gate, up, ffn, ids, n_sel, x, act);
-  LILY_CUDA_CHECK_LAUNCH();
+  launch_pdl(gate.bits == 4 ? expert_gate_up_kernel<4> : expert_gate_up_kernel<8>, grid, dim3(kMoeThreads), smem, stream,
+             gate, up, ffn, ids, n_sel, x, act);
 }
 
 void launch_expert_down_combine(const DeviceQuant& down, int hidden, const int32_t* ids, const float* weights,
@@ -165,11 +132,8 @@ void launch_expert_down_combine(const DeviceQuant& down, int hidden, const int32
   const int L = lanes_per_row(down.groups_per_row());
   const int rows_per_block = kMoeWarps * (kWarp / L);
   const dim3 grid(static_cast<unsigned>(ceil_div(hidden, rows_per_block)), m);
-  if (down.bits == 4)
-    expert_down_combine_kernel<4><<<grid, kMoeThreads, smem, stream>>>(down, hidden, ids, weights, n_sel, act, out);
-  else
-    expert_down_combine_kernel<8><<<grid, kMoeThreads, smem, stream>>>(down, hidden, ids, weights, n_sel, act, out);
-  LILY_CUDA_CHECK_LAUNCH();
+  launch_pdl(down.bits == 4 ? expert_down_combine_kernel<4> : expert_down_combine_kernel<8>, grid, dim3(kMoeThreads),
+             smem, stream, down, hidden, ids, weights, n_sel, act, out);
 }
 
 }  // namespace lily::cuda

@@ -4,6 +4,7 @@
 #include <climits>
 
 #include "backends/cuda/common.cuh"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/kernels.h"
 
 namespace lily::cuda {
@@ -14,6 +15,7 @@ constexpr int kNormThreads = 256;
 __global__ void __launch_bounds__(kNormThreads) add_rmsnorm_kernel(bf16* __restrict__ x, const bf16* __restrict__ branch,
                                                                    const float* __restrict__ gain, bf16* __restrict__ y,
                                                                    int n, float eps) {
+  pdl_prologue();
   __shared__ float scratch[32];
   const int64_t off = static_cast<int64_t>(blockIdx.x) * n;
   float ss = 0.0f;
@@ -63,6 +65,7 @@ __device__ __forceinline__ void block_argmax(float& v, int& i) {
 }
 
 __global__ void argmax_partial_kernel(const float* __restrict__ logits, int64_t n, float* part_v, int32_t* part_i) {
+  pdl_prologue();
   float v = -INFINITY;
   int i = INT_MAX;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
@@ -75,6 +78,7 @@ __global__ void argmax_partial_kernel(const float* __restrict__ logits, int64_t 
 }
 
 __global__ void argmax_final_kernel(const float* part_v, const int32_t* part_i, int parts, int32_t* out_id) {
+  pdl_prologue();
   float v = -INFINITY;
   int i = INT_MAX;
   for (int k = threadIdx.x; k < parts; k += blockDim.x)
@@ -92,8 +96,7 @@ int argmax_blocks(int64_t n) {
 void launch_add_rmsnorm(bf16* x, const bf16* branch, const float* gain, bf16* y, int m, int n, float eps,
                         cudaStream_t stream) {
   if (m <= 0 || n <= 0) throw ::lily::InternalError("launch_add_rmsnorm: empty input");
-  add_rmsnorm_kernel<<<m, kNormThreads, 0, stream>>>(x, branch, gain, y, n, eps);
-  LILY_CUDA_CHECK_LAUNCH();
+  launch_pdl(add_rmsnorm_kernel, dim3(m), dim3(kNormThreads), 0, stream, x, branch, gain, y, n, eps);
 }
 
 int argmax_scratch_slots(int64_t n) { return argmax_blocks(n); }
@@ -102,10 +105,8 @@ void launch_argmax(const float* logits, int64_t n, float* scratch_val, int32_t* 
                    cudaStream_t stream) {
   if (n <= 0 || n > INT_MAX) throw ::lily::InternalError("launch_argmax: bad length");
   const int blocks = argmax_blocks(n);
-  argmax_partial_kernel<<<blocks, kArgmaxThreads, 0, stream>>>(logits, n, scratch_val, scratch_idx);
-  LILY_CUDA_CHECK_LAUNCH();
-  argmax_final_kernel<<<1, kArgmaxMaxBlocks, 0, stream>>>(scratch_val, scratch_idx, blocks, out_id);
-  LILY_CUDA_CHECK_LAUNCH();
+  launch_pdl(argmax_partial_kernel, dim3(blocks), dim3(kArgmaxThreads), 0, stream, logits, n, scratch_val, scratch_idx);
+  launch_pdl(argmax_final_kernel, dim3(1), dim3(kArgmaxMaxBlocks), 0, stream, scratch_val, scratch_idx, blocks, out_id);
 }
 
 }  // namespace lily::cuda

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/quant_dot.cuh"
 
 namespace lily::cuda {
@@ -36,6 +37,7 @@ __device__ __forceinline__ void store_out<bf16>(bf16* y, int64_t i, float v) { y
 template <int BITS, int U, class OutT>
 __global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x,
                                                                   OutT* __restrict__ y) {
+  pdl_prologue();
   extern __shared__ float smem[];
   const int groups = w.cols / kGroup;
   float* xs = smem;
@@ -78,9 +80,8 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
   const int64_t blocks_needed = ceil_div(warps_needed, kGemvThreads / kWarp);
   const int blocks = static_cast<int>(std::min<int64_t>(blocks_needed, static_cast<int64_t>(sm_count()) * 4));
   const size_t smem = staged_row_bytes(w.cols);
-  if (few_rows) quant_gemv_kernel<BITS, 1, OutT><<<dim3(blocks, m), kGemvThreads, smem, stream>>>(w, x, y);
-  else quant_gemv_kernel<BITS, kRowsUnroll, OutT><<<dim3(blocks, m), kGemvThreads, smem, stream>>>(w, x, y);
-  LILY_CUDA_CHECK_LAUNCH();
+  launch_pdl(few_rows ? quant_gemv_kernel<BITS, 1, OutT> : quant_gemv_kernel<BITS, kRowsUnroll, OutT>, dim3(blocks, m),
+             dim3(kGemvThreads), smem, stream, w, x, y);
 }
 
 void check_quant(const DeviceQuant& w, const char* what) {

@@ -1,0 +1,58 @@
+// Programmatic dependent launch (PDL, Hopper): the one place where decode-path kernels are
+// launched (nvcc only). A kernel launched with launch_pdl may be scheduled while its predecessor
+// in the stream is still running, so its launch latency and block set-up overlap the
+// predecessor's tail; it must not touch global memory before pdl_prologue() returns.
+//
+// The contract, which keeps every launch correct by construction:
+//  1. Every kernel launched through launch_pdl calls pdl_prologue() as its FIRST statement, in
+//     every thread, before any global load or store and before any early return.
+//  2. pdl_prologue() = griddepcontrol.wait (returns once every predecessor grid has COMPLETED and
+//     its memory is visible) followed by griddepcontrol.launch_dependents (lets the next grid be
+//     scheduled now). Because each grid waits for its predecessor before it can complete,
+//     completion is transitive: when the wait of kernel n returns, kernels 0 … n−1 have all
+//     completed, so a kernel may read the output of any earlier kernel, not only the last one.
+//     At most one dependent grid is resident and waiting at a time.
+//  3. Kernels launched without the attribute (plain <<<>>>) are unaffected; the wait is a no-op
+//     for them. So PDL can be switched off (LILY_CUDA_PDL=0) without touching any kernel.
+// Works in stream capture: the captured graph gets programmatic edges between kernel nodes.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/kernels.h"
+
+namespace lily::cuda {
+
+/// Device side of PDL; run first in every kernel launched with launch_pdl (see file comment).
+/// A no-op when the kernel was launched without the PDL attribute.
+__device__ __forceinline__ void pdl_prologue() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/// Launches kernel<<<grid, block, smem, stream>>>(args...) through cudaLaunchKernelEx, with
+/// cudaLaunchAttributeProgrammaticStreamSerialization when pdl_enabled() and `stream` is an
+/// explicitly created stream (the legacy default stream, used by some tests, gets a plain launch).
+/// The kernel must start with pdl_prologue(). Throws lily::Error on a launch error.
+template <class... KernelArgs, class... Args>
+void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  const bool legacy = stream == nullptr || stream == cudaStreamLegacy;
+  config.attrs = attr;
+  config.numAttrs = (pdl_enabled() && !legacy) ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace lily::cuda

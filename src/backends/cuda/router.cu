@@ -1,0 +1,102 @@
+// The decode router: MLX-affine router GEMV (router ‖ shared-expert gate rows, fp32 logits) fused
+// with the top-k routing (reference/model.md §3.5; performance.md §3 "fused top-k routing").
+// Every block computes a share of the logit rows with exactly the per-row arithmetic of
+// quant_gemv.cu (rows_partial over L lanes, group_sum), stores them, and counts itself done on a
+// per-token atomic counter; the last block to finish a token row reads that row back and routes
+// it with the warp routine the stand-alone top-k kernel uses (router_topk.cuh). One launch instead
+// of two, and no second launch latency on the decode critical path.
+#include <algorithm>
+#include <string>
+
+#include "backends/cuda/launch.cuh"
+#include "backends/cuda/quant_dot.cuh"
+#include "backends/cuda/router_topk.cuh"
+
+namespace lily::cuda {
+namespace {
+
+constexpr int kRouterThreads = 256;
+constexpr int kRouterWarps = kRouterThreads / kWarp;
+
+/// grid (blocks, m). w: [E + 1, cols]; x [m, cols]; logits [m, E + 1]; ids, weights [m, k + 1];
+/// done [m] counters (zero on entry, zero again on exit).
+template <int BITS>
+__global__ void __launch_bounds__(kRouterThreads)
+    router_fused_kernel(DeviceQuant w, const bf16* __restrict__ x, int E, int k, float* __restrict__ logits,
+                        int32_t* __restrict__ ids, float* __restrict__ weights, uint32_t* __restrict__ done) {
+  pdl_prologue();
+  extern __shared__ float smem[];
+  __shared__ RouteScratch rs;
+  __shared__ bool last;
+  const int groups = w.cols / kGroup;
+  const int t = blockIdx.y;
+  float* xs = smem;
+  float* xsum = smem + groups * kGroupStride;
+  stage_row(x + static_cast<int64_t>(t) * w.cols, w.cols, xs, xsum);
+
+  // GEMV share of this block: one row per lane-group, rows strided over the grid's warps.
+  const int L = lanes_per_row(groups), RW = kWarp / L;
+  const int lane = threadIdx.x % kWarp, lane_row = lane / L, lane_in = lane % L;
+  const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kRouterWarps * RW;
+  float* out = logits + static_cast<int64_t>(t) * w.rows;
+  for (int64_t base = warp_id * RW; base < w.rows; base += step) {
+    const int64_t r = base + lane_row;
+    const int64_t row[1] = {r < w.rows ? r : -1};
+    float acc[1];
+    rows_partial<BITS, 1>(w, row, xs, xsum, lane_in, L, acc);
+    const float v = group_sum(acc[0], L);
+    if (row[0] >= 0 && lane_in == 0) out[r] = v;
+  }
+
+  // Last-block-done: publish this block's logits, count it, and let the last block route.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t prev = atomicAdd(&done[t], 1u);
+    last = prev == gridDim.x - 1;
+    if (last) done[t] = 0;  // every block of this row has counted: reset for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (threadIdx.x >= kWarp) return;
+  for (int e = threadIdx.x; e <= E; e += kWarp) rs.logits[e] = __ldcg(out + e);  // L2, not a stale L1 line
+  __syncwarp();
+  route_token_warp(rs, E, k, ids + static_cast<int64_t>(t) * (k + 1), weights + static_cast<int64_t>(t) * (k + 1));
+}
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
+}  // namespace
+
+void launch_router_fused(const DeviceQuant& w, const bf16* x, int m, int n_experts, int top_k, float* logits,
+                         int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream) {
+  if ((w.bits != 4 && w.bits != 8) || w.cols <= 0 || w.cols % kGroup != 0 || w.cols > 8192)
+    throw ::lily::Error("MoE router: the fused CUDA router supports 4/8-bit matrices with cols a multiple of 64 and "
+                        "≤ 8192; got bits=" + std::to_string(w.bits) + " cols=" + std::to_string(w.cols));
+  if (n_experts < 1 || n_experts > kMaxExperts || top_k < 1 || top_k > kMaxTopK || top_k > n_experts)
+    throw ::lily::Error("MoE router: CUDA kernel supports ≤ " + std::to_string(kMaxExperts) + " experts and top-k ≤ " +
+                        std::to_string(kMaxTopK) + "; got " + std::to_string(n_experts) + " experts, top-k " +
+                        std::to_string(top_k));
+  if (w.rows != n_experts + 1)
+    throw ::lily::Error("MoE router: the router matrix has " + std::to_string(w.rows) + " rows, expected n_experts + 1 = " +
+                        std::to_string(n_experts + 1) + " (router rows then the shared-expert gate row)");
+  if (m <= 0 || m > 65535) throw ::lily::InternalError("launch_router_fused: need 0 < m ≤ 65535");
+  const int L = lanes_per_row(w.cols / kGroup);
+  const int64_t rows_per_block = static_cast<int64_t>(kRouterWarps) * (kWarp / L);
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(w.rows, rows_per_block), 4LL * sm_count()));
+  const size_t smem = staged_row_bytes(w.cols);
+  launch_pdl(w.bits == 4 ? router_fused_kernel<4> : router_fused_kernel<8>, dim3(blocks, m), dim3(kRouterThreads), smem,
+             stream, w, x, n_experts, top_k, logits, ids, weights, done);
+}
+
+}  // namespace lily::cuda
