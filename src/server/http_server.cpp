@@ -149,6 +149,9 @@ thread_local RequestInfo t_request;
 /// answered 503 and the connection is closed.
 thread_local bool t_over_capacity = false;
 
+/// Connections the kernel may hold before the accept loop takes them (listen(2) backlog).
+constexpr int kListenBacklog = 512;
+
 /// The task queue httplib hands each accepted connection to. At most `limit` connections are
 /// open at a time, each on its own thread at once (no connection waits for a busy thread); a
 /// connection beyond the limit goes to a small separate pool that answers 503 and closes it, so
@@ -218,6 +221,16 @@ struct ChatCall {
   int64_t prompt_tokens = 0;
 };
 
+/// httplib's server with a deeper accept queue: the library listens with a backlog of 5, so a
+/// burst of connections waited for SYN retransmissions (1 s, 3 s, …) before it was even accepted.
+class HttpServer : public httplib::Server {
+ public:
+  /// Re-listens on the bound socket with `backlog` (Linux caps it at net.core.somaxconn).
+  void deepen_backlog(int backlog) {
+    if (svr_sock_ != INVALID_SOCKET) ::listen(svr_sock_, backlog);
+  }
+};
+
 // --- the server --------------------------------------------------------------------------------
 
 class LilyServer {
@@ -258,7 +271,7 @@ class LilyServer {
   void wait_for_signal();
 
   ServerOptions options_;
-  httplib::Server http_;
+  HttpServer http_;
   Metrics metrics_;
   std::thread listener_;
   std::atomic<bool> ready_{false};
@@ -347,6 +360,7 @@ void LilyServer::bind() {
                   " (address in use, or not an address of this machine)");
     port_ = options_.port;
   }
+  http_.deepen_backlog(kListenBacklog);
 }
 
 std::string LilyServer::url() const {

@@ -55,14 +55,17 @@ describe('--write-timeout: a client that stops reading', () => {
     try {
       const before = await metrics(server);
       assert.equal(before.get('lily_generations_cancelled_total'), 0);
-      const sock = await connect(server);
+      // Paused before it connects, Node never reads from this socket, so the kernel's receive
+      // buffer stays at its initial size (reading would let it grow to hundreds of KB).
+      const u = new URL(server.url);
+      const sock = net.connect(Number(u.port), u.hostname);
+      sock.pause();
       sock.on('error', () => {});
       // Greedy decoding of this prompt on the demo model runs for over 1,300 tokens (≈ 280 KB of
-      // SSE), more than the send buffer plus the client's receive buffer.
+      // SSE), more than the send buffer plus the client's receive buffer (≈ 150 KB).
       const body = JSON.stringify({ model: MODEL, messages: [user(longPrompt(5, 50))], max_tokens: 3000, stream: true });
       sock.write(`POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n` +
                  `Content-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`);
-      sock.pause();  // never read: the server's writes block once the buffers are full
       const m = await waitForMetrics(server, (x) => x.get('lily_generations_cancelled_total') >= 1, 300000);
       assert.equal(m.get('lily_generations_cancelled_total'), 1,
         'the stalled stream was never given up (or the answer was too short to fill the buffers)');

@@ -19,21 +19,18 @@
 // Environment: LILY_BIN (default <repo>/build/lily), LILY_SOURCE_DIR (default: this repo),
 // SOAK_SECONDS, SOAK_CLIENTS, SOAK_SEED, SOAK_REPORT (write the JSON summary there),
 // SOAK_SERVER_ARGS (extra `lily serve` flags, space-separated), SOAK_RSS_CHECK=0 (skip the
-// memory criterion: for sanitizer builds, whose quarantine grows RSS by design).
+// memory criterion: for sanitizer builds, whose quarantine grows RSS by design). A sanitizer
+// report in the server's stderr fails the run.
 // Run: node tests/soak/soak.mjs   (or scripts/soak.sh)
-import { spawn } from 'node:child_process';
+// Server start/stop, HTTP requests and SSE parsing come from tests/node/server_harness.mjs
+// (Node built-ins only, like this file).
 import fs from 'node:fs';
-import http from 'node:http';
 import net from 'node:net';
 import os from 'node:os';
-import path from 'node:path';
-import { fileURLToPath } from 'node:url';
+import {
+  MODEL, assertCleanExit, parseSse, rawRequest, sleep, startServer as startLily,
+} from '../node/server_harness.mjs';
 
-const here = path.dirname(fileURLToPath(import.meta.url));
-const SOURCE_DIR = process.env.LILY_SOURCE_DIR ?? path.resolve(here, '..', '..');
-const LILY_BIN = process.env.LILY_BIN ?? path.join(SOURCE_DIR, 'build', 'lily');
-const MODEL_DIR = path.join(SOURCE_DIR, 'models', 'demo');
-const MODEL = 'demo';
 const SECONDS = Number(process.env.SOAK_SECONDS ?? 180);
 const CLIENTS = Number(process.env.SOAK_CLIENTS ?? 32);
 const SEED = Number(process.env.SOAK_SEED ?? 1);
@@ -42,8 +39,6 @@ const MAX_BODY = 65536;       // --max-body for the soak server
 const READ_TIMEOUT_S = 5;     // --read-timeout: stalled clients are cut after this
 const KEEP_ALIVE_S = 5;       // the server's keep-alive idle time-out (default)
 const RSS_TOLERANCE = { ratio: 0.10, bytes: 16 * 1024 * 1024 };
-
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 /** Deterministic PRNG (mulberry32) so that a run can be repeated. */
 function rng(seed) {
@@ -99,64 +94,12 @@ const INVALID = [
 
 // --- HTTP helpers ----------------------------------------------------------------------------
 
-/** One HTTP request; resolves {status, headers, body, raw} or rejects ({code:'hang'} on deadline). */
+/** One HTTP request to the server at `url` (a JSON body by default); resolves {status, headers,
+ *  body, raw}, or {aborted: true} when `onData` says 'abort'; rejects ({code: 'hang'}) on deadline. */
 function request(url, { method = 'POST', path: p = '/v1/chat/completions', body, headers = {}, onData } = {}) {
-  return new Promise((resolve, reject) => {
-    const u = new URL(p, url);
-    const hdrs = { ...headers };
-    if (body !== undefined) {
-      hdrs['Content-Type'] ??= 'application/json';
-      hdrs['Content-Length'] = Buffer.byteLength(body);
-    }
-    const req = http.request(u, { method, headers: hdrs, agent: false });
-    const timer = setTimeout(() => {
-      req.destroy();
-      reject(Object.assign(new Error(`no answer within ${REQUEST_TIMEOUT_MS} ms`), { code: 'hang' }));
-    }, REQUEST_TIMEOUT_MS);
-    req.on('response', (res) => {
-      const parts = [];
-      res.on('data', (c) => {
-        parts.push(c);
-        if (onData && onData(c, req) === 'abort') {
-          clearTimeout(timer);
-          req.destroy();
-          resolve({ status: res.statusCode, headers: res.headers, aborted: true });
-        }
-      });
-      res.on('end', () => {
-        clearTimeout(timer);
-        const raw = Buffer.concat(parts);
-        resolve({ status: res.statusCode, headers: res.headers, raw, body: raw.toString('utf8') });
-      });
-      res.on('error', (e) => { clearTimeout(timer); reject(e); });
-    });
-    req.on('error', (e) => { clearTimeout(timer); reject(e); });
-    if (body !== undefined) req.write(body);
-    req.end();
-  });
-}
-
-/** Parses an SSE body into {text, finish, usage, done, chunks}. */
-function parseSse(body) {
-  let text = '';
-  let finish = null;
-  let usage = null;
-  let done = false;
-  let chunks = 0;
-  for (const event of body.split('\n\n')) {
-    const line = event.trim();
-    if (!line) continue;
-    if (!line.startsWith('data: ')) throw new Error(`not an SSE data line: ${line.slice(0, 80)}`);
-    const data = line.slice(6);
-    if (data === '[DONE]') { done = true; continue; }
-    const c = JSON.parse(data);
-    chunks++;
-    if (c.usage) usage = c.usage;
-    const choice = c.choices?.[0];
-    if (choice?.delta?.content) text += choice.delta.content;
-    if (choice?.finish_reason) finish = choice.finish_reason;
-  }
-  return { text, finish, usage, done, chunks };
+  const hdrs = body === undefined ? headers
+    : { 'Content-Type': 'application/json', ...headers, 'Content-Length': Buffer.byteLength(body) };
+  return rawRequest({ url }, method, p, { body, headers: hdrs, timeoutMs: REQUEST_TIMEOUT_MS, onData });
 }
 
 /** Decodes an HTTP/1.1 response read from a raw socket (Content-Length, chunked or until close). */
@@ -245,35 +188,9 @@ function busyOk(res) {
 
 // --- the server ----------------------------------------------------------------------------------
 
-async function startServer() {
+function startServer() {
   const extra = (process.env.SOAK_SERVER_ARGS ?? '').split(' ').filter(Boolean);
-  const args = ['serve', '--model', MODEL_DIR, '--bind', '127.0.0.1:0', '--backend', 'cpu',
-    '--max-body', String(MAX_BODY), '--read-timeout', String(READ_TIMEOUT_S),
-    ...extra];
-  const proc = spawn(LILY_BIN, args, { stdio: ['ignore', 'ignore', 'pipe'] });
-  const server = { proc, pid: proc.pid, log: '', url: null, exited: null, args };
-  server.exit = new Promise((resolve) => proc.on('exit', (code, signal) => {
-    server.exited = { code, signal, at: Date.now() };
-    resolve(server.exited);
-  }));
-  await new Promise((resolve, reject) => {
-    const timer = setTimeout(() => reject(new Error(`lily serve did not start:\n${server.log}`)), 120000);
-    proc.stderr.on('data', (chunk) => {
-      server.log += chunk.toString();
-      if (server.log.length > 4e6) server.log = server.log.slice(-1e6);  // keep the tail only
-      const m = server.log.match(/serving \S+ on (http:\/\/[^\s]+)/);
-      if (m && !server.url) {
-        server.url = m[1];
-        clearTimeout(timer);
-        resolve();
-      }
-    });
-    proc.on('exit', () => {
-      clearTimeout(timer);
-      if (!server.url) reject(new Error(`lily serve exited early:\n${server.log}`));
-    });
-  });
-  return server;
+  return startLily(['--max-body', String(MAX_BODY), '--read-timeout', String(READ_TIMEOUT_S), ...extra]);
 }
 
 /** {rss (bytes), fds, threads} of a live process, from /proc. */
@@ -564,9 +481,14 @@ async function main() {
     if (!server.exited) {
       server.proc.kill('SIGTERM');
       const killer = setTimeout(() => server.proc.kill('SIGKILL'), 30000);
-      const exit = await server.exit;
+      await server.exit;
       clearTimeout(killer);
-      if (exit.code !== 0) problems.push(`lily serve exited with ${JSON.stringify(exit)} after SIGTERM`);
+    }
+    await sleep(50);  // the last stderr chunks
+    try {
+      assertCleanExit(server);  // exit status 0 and no sanitizer report
+    } catch (e) {
+      problems.push(e.message.slice(0, 6000));
     }
   }
   if (problems.length) {
