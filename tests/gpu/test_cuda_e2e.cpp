@@ -28,6 +28,7 @@
 
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/kernels.h"
 #include "base/error.h"
 #include "model/loader.h"
 #include "model/synth.h"
@@ -314,6 +315,43 @@ TEST_F(CudaE2e, CloneAndKvGrowth) {
   auto small = gpu->new_state(2);
   EXPECT_THROW(gpu->prefill(*small, prompt_ids(3, w->config.vocab, 5)), Error);
   EXPECT_THROW(gpu->new_state(0), Error);
+}
+
+/// Prefill + greedy decode of `steps` tokens on a fresh state; returns every step's fp32 logits.
+std::vector<std::vector<float>> decode_logits(Backend& gpu, const std::vector<int32_t>& prompt, int steps) {
+  auto st = gpu.new_state(1024);
+  std::vector<std::vector<float>> out(steps + 1);
+  int32_t id = gpu.prefill(*st, prompt, &out[0]);
+  for (int i = 1; i <= steps; ++i) id = gpu.decode(*st, id, &out[i]);
+  return out;
+}
+
+/// Programmatic dependent launch (launch.cuh) must not change a single bit: every kernel is
+/// deterministic, so PDL on (the default) and off (LILY_CUDA_PDL=0) give identical logits for the
+/// prefill and every decode step (captured graphs included). A missing dependency shows up here.
+void check_pdl_bit_identical(Backend& gpu, int vocab) {
+  const bool saved = cuda::pdl_enabled();
+  const auto prompt = prompt_ids(40, vocab, 11);
+  cuda::set_pdl_enabled(false);
+  const auto off = decode_logits(gpu, prompt, 8);
+  cuda::set_pdl_enabled(true);
+  const auto on = decode_logits(gpu, prompt, 8);
+  const auto again = decode_logits(gpu, prompt, 8);
+  cuda::set_pdl_enabled(saved);
+  for (size_t i = 0; i < off.size(); ++i) {
+    EXPECT_EQ(on[i], off[i]) << "step " << i << ": PDL on differs from PDL off";
+    EXPECT_EQ(again[i], off[i]) << "step " << i << ": second PDL run differs";
+  }
+}
+
+TEST_F(CudaE2e, PdlDoesNotChangeResults) {
+  TempDir dir;
+  auto w = synth("realdims", dir.path());
+  auto gpu = make_cuda_backend(w);
+  check_pdl_bit_identical(*gpu, w->config.vocab);
+  auto demo = load_model(demo_model_dir());
+  auto gdemo = make_cuda_backend(demo);  // head dims 64: the 2-CTA GDN cluster, head_dim-64 attention
+  check_pdl_bit_identical(*gdemo, demo->config.vocab);
 }
 
 // The full Qwen3.6-35B-A3B shape (issue 5 (c)): opt-in, since it needs a `lily synth --preset
