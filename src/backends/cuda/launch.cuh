@@ -4,8 +4,10 @@
 // predecessor's tail; it must not touch global memory before pdl_prologue() returns.
 //
 // The contract, which keeps every launch correct by construction:
-//  1. Every kernel launched through launch_pdl calls pdl_prologue() as its FIRST statement, in
-//     every thread, before any global load or store and before any early return.
+//  1. Every kernel launched through launch_pdl calls pdl_prologue() in every thread before any
+//     global load or store of data that a kernel writes, and before any early return. Only
+//     index arithmetic and L2 prefetches of read-only weights (prefetch_row_l2, a hint that
+//     cannot change a result) may come before it.
 //  2. pdl_prologue() = griddepcontrol.wait (returns once every predecessor grid has COMPLETED and
 //     its memory is visible) followed by griddepcontrol.launch_dependents (lets the next grid be
 //     scheduled now). Because each grid waits for its predecessor before it can complete,
@@ -25,7 +27,7 @@
 
 namespace lily::cuda {
 
-/// Device side of PDL; run first in every kernel launched with launch_pdl (see file comment).
+/// Device side of PDL; run at the top of every kernel launched with launch_pdl (see file comment).
 /// A no-op when the kernel was launched without the PDL attribute.
 __device__ __forceinline__ void pdl_prologue() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

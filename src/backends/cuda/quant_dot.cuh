@@ -70,6 +70,26 @@ __device__ __forceinline__ float group_qdot(const uint4* __restrict__ gw, const 
   return acc;
 }
 
+/// Prefetches into L2 what this lane reads of matrix row `row` (its 64-groups g = lane_in,
+/// lane_in + L, …: code words, scale, bias). A hint only (no effect on results). Weights are
+/// read-only, so a kernel may call this BEFORE pdl_prologue() (launch.cuh): the weight stream
+/// of a GEMV then starts while its predecessor in the stream is still running.
+template <int BITS>
+__device__ __forceinline__ void prefetch_row_l2(const DeviceQuant& w, int64_t row, int lane_in, int L) {
+#if defined(__CUDA_ARCH__)
+  const int groups = w.cols / kGroup;
+  const int wpr = w.cols * BITS / 32;
+  for (int g = lane_in; g < groups; g += L) {
+    const uint32_t* gw = w.codes + row * wpr + g * (64 * BITS / 32);
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(gw));
+    if (BITS == 8) asm volatile("prefetch.global.L2 [%0];" ::"l"(gw + 8));  // 64 bytes per 8-bit group
+    const int64_t sb = row * groups + g;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(w.scales + sb));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(w.biases + sb));
+  }
+#endif
+}
+
 /// This lane's share of the dot products of U matrix rows with the staged x: lanes of one
 /// row-group (L lanes, lane_in ∈ [0, L)) stride over the row's groups. row[j] < 0 means "no row"
 /// (contributes 0). Caller reduces acc[j] with group_sum(·, L).

@@ -37,19 +37,26 @@ __device__ __forceinline__ void store_out<bf16>(bf16* y, int64_t i, float v) { y
 template <int BITS, int U, class OutT>
 __global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x,
                                                                   OutT* __restrict__ y) {
-  pdl_prologue();
   extern __shared__ float smem[];
   const int groups = w.cols / kGroup;
-  float* xs = smem;
-  float* xsum = smem + groups * kGroupStride;
-  const int t = blockIdx.y;
-  stage_row(x + static_cast<int64_t>(t) * w.cols, w.cols, xs, xsum);
-
   const int L = lanes_per_row(groups), RW = kWarp / L;
   const int lane = threadIdx.x % kWarp, lane_row = lane / L, lane_in = lane % L;
   const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * (kGemvThreads / kWarp) + threadIdx.x / kWarp;
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * (kGemvThreads / kWarp);
   const int64_t step = n_warps * RW * U;
+  // Read-only weights of this lane's first rows: prefetched before waiting for the predecessor.
+  if (blockIdx.y == 0) {
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int64_t r = warp_id * RW * U + j * RW + lane_row;
+      if (r < w.rows) prefetch_row_l2<BITS>(w, r, lane_in, L);
+    }
+  }
+  pdl_prologue();
+  float* xs = smem;
+  float* xsum = smem + groups * kGroupStride;
+  const int t = blockIdx.y;
+  stage_row(x + static_cast<int64_t>(t) * w.cols, w.cols, xs, xsum);
   for (int64_t base = warp_id * RW * U; base < w.rows; base += step) {
     int64_t row[U];
 #pragma unroll

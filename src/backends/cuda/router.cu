@@ -24,21 +24,22 @@ template <int BITS>
 __global__ void __launch_bounds__(kRouterThreads)
     router_fused_kernel(DeviceQuant w, const bf16* __restrict__ x, int E, int k, float* __restrict__ logits,
                         int32_t* __restrict__ ids, float* __restrict__ weights, uint32_t* __restrict__ done) {
-  pdl_prologue();
   extern __shared__ float smem[];
   __shared__ RouteScratch rs;
   __shared__ bool last;
   const int groups = w.cols / kGroup;
   const int t = blockIdx.y;
-  float* xs = smem;
-  float* xsum = smem + groups * kGroupStride;
-  stage_row(x + static_cast<int64_t>(t) * w.cols, w.cols, xs, xsum);
-
   // GEMV share of this block: one row per lane-group, rows strided over the grid's warps.
   const int L = lanes_per_row(groups), RW = kWarp / L;
   const int lane = threadIdx.x % kWarp, lane_row = lane / L, lane_in = lane % L;
   const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
   const int64_t step = static_cast<int64_t>(gridDim.x) * kRouterWarps * RW;
+  // Read-only router weights: prefetched before waiting for the predecessor (launch.cuh).
+  if (t == 0 && warp_id * RW + lane_row < w.rows) prefetch_row_l2<BITS>(w, warp_id * RW + lane_row, lane_in, L);
+  pdl_prologue();
+  float* xs = smem;
+  float* xsum = smem + groups * kGroupStride;
+  stage_row(x + static_cast<int64_t>(t) * w.cols, w.cols, xs, xsum);
   float* out = logits + static_cast<int64_t>(t) * w.rows;
   for (int64_t base = warp_id * RW; base < w.rows; base += step) {
     const int64_t r = base + lane_row;
