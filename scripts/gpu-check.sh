@@ -71,6 +71,10 @@ if [[ "${LILY_GPU_BENCH:-0}" == 1 ]]; then
   t1=$(date +%s)
   timeout 240 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$SYN/35b" 2>&1 | tail -3 || status=1
   echo "synth: $(( $(date +%s) - t1 )) s"
+  echo "== start-up on the 35b-a3b shape: lily generate --backend cuda, 1 token (load + upload + prefill)"
+  t2=$(date +%s.%N)
+  "$BUILD/lily" generate --backend cuda --model "$SYN/35b" --prompt-ids 1,2,3 --max-tokens 1 --json 2>&1 | tail -2 || status=1
+  echo "start-up + 1 token: $(python3 -c "import time; print(f'{time.time() - $t2:.2f}')") s"
   echo "== 35b-a3b: CUDA vs CPU reference"
   LILY_GPU_BIG_MODEL="$SYN/35b" timeout 240 "$BUILD/tests/test_cuda_e2e" --gtest_filter='*Full35b*' 2>&1 || status=1
   echo "== bench matrix (scripts/bench-matrix, budget ${LILY_GPU_MATRIX_BUDGET:-300} s)"

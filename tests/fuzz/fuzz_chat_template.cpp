@@ -21,6 +21,7 @@
 
 #include "base/error.h"
 #include "fuzz_support.h"
+#include "fuzz_utf8.h"
 #include "text/chat_template.h"
 
 namespace {
@@ -44,15 +45,6 @@ std::vector<lily::ChatMessage> decode_messages(std::string_view in) {
   return messages;
 }
 
-bool well_formed_nfc(std::string_view s) {
-  utf8proc_uint8_t* out = nullptr;
-  utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                                    static_cast<utf8proc_ssize_t>(s.size()), &out,
-                                    static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
-  bool same = n >= 0 && static_cast<size_t>(n) == s.size() && std::memcmp(out, s.data(), s.size()) == 0;
-  std::free(out);
-  return same;
-}
 
 /// An answer a model could have produced: some visible text, no think block of its own (the
 /// template moves a client-supplied think block, so such answers legitimately re-tokenize).
@@ -72,7 +64,7 @@ void check_prompt(const lily::Tokenizer& tok, const std::vector<lily::ChatMessag
   const std::string_view suffix = "<|im_start|>assistant\n<think>\n\n</think>\n\n";
   FUZZ_ASSERT(text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0,
               lily::fuzz::printable(text));
-  if (well_formed_nfc(text)) {
+  if (lily::fuzz::utf8_is_nfc(text)) {
     const std::string back = tok.decode(ids, /*skip_special=*/false);
     FUZZ_ASSERT(back == text, "rendered '" + lily::fuzz::printable(text) + "' decoded '" + lily::fuzz::printable(back) + "'");
   }

@@ -16,39 +16,17 @@
 #include <string_view>
 #include <vector>
 
-#include <utf8proc.h>
-
 #include "fuzz_support.h"
+#include "fuzz_utf8.h"
 #include "text/tokenizer.h"
 
 namespace {
 
-/// Well-formed UTF-8 check, independent of src/text (utf8proc's decoder; rejects surrogates).
-bool well_formed(std::string_view s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    utf8proc_int32_t cp = 0;
-    utf8proc_ssize_t n = utf8proc_iterate(reinterpret_cast<const utf8proc_uint8_t*>(s.data() + i),
-                                          static_cast<utf8proc_ssize_t>(s.size() - i), &cp);
-    if (n <= 0 || cp < 0) return false;
-    i += static_cast<size_t>(n);
-  }
-  return true;
-}
-
-/// True when well-formed `s` is already in NFC (utf8proc, as the tokenizer's normalizer).
-bool is_nfc(std::string_view s) {
-  utf8proc_uint8_t* out = nullptr;
-  utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                                    static_cast<utf8proc_ssize_t>(s.size()), &out,
-                                    static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
-  bool same = n >= 0 && static_cast<size_t>(n) == s.size() && std::memcmp(out, s.data(), s.size()) == 0;
-  std::free(out);
-  return same;
-}
+using lily::fuzz::utf8_is_nfc;
+using lily::fuzz::utf8_well_formed;
 
 void check_encode(const lily::Tokenizer& tok, std::string_view text) {
-  const bool round_trips = well_formed(text) && is_nfc(text);
+  const bool round_trips = utf8_well_formed(text) && utf8_is_nfc(text);
   for (bool allow_special : {false, true}) {
     const std::vector<int32_t> ids = tok.encode(text, allow_special);
     for (int32_t id : ids) {
@@ -59,7 +37,7 @@ void check_encode(const lily::Tokenizer& tok, std::string_view text) {
     }
     FUZZ_ASSERT(text.empty() == ids.empty(), lily::fuzz::printable(text));
     const std::string back = tok.decode(ids, /*skip_special=*/false);
-    FUZZ_ASSERT(well_formed(back), lily::fuzz::printable(back));
+    FUZZ_ASSERT(utf8_well_formed(back), lily::fuzz::printable(back));
     if (round_trips)
       FUZZ_ASSERT(back == text, "'" + lily::fuzz::printable(text) + "' decoded as '" + lily::fuzz::printable(back) + "'");
   }
@@ -68,16 +46,16 @@ void check_encode(const lily::Tokenizer& tok, std::string_view text) {
 void check_decode(const std::shared_ptr<const lily::Tokenizer>& tok, const std::vector<int32_t>& ids) {
   for (bool skip_special : {true, false}) {
     const std::string whole = tok->decode(ids, skip_special);
-    FUZZ_ASSERT(well_formed(whole), lily::fuzz::printable(whole));
+    FUZZ_ASSERT(utf8_well_formed(whole), lily::fuzz::printable(whole));
     lily::IncrementalDecoder stream(tok, skip_special);
     std::string streamed;
     for (int32_t id : ids) {
       std::string piece = stream.push(id);
-      FUZZ_ASSERT(well_formed(piece), lily::fuzz::printable(piece));
+      FUZZ_ASSERT(utf8_well_formed(piece), lily::fuzz::printable(piece));
       streamed += piece;
     }
     std::string rest = stream.flush();
-    FUZZ_ASSERT(well_formed(rest), lily::fuzz::printable(rest));
+    FUZZ_ASSERT(utf8_well_formed(rest), lily::fuzz::printable(rest));
     streamed += rest;
     FUZZ_ASSERT(streamed == whole, "streamed '" + lily::fuzz::printable(streamed) + "' vs decoded '" +
                                        lily::fuzz::printable(whole) + "'");

@@ -13,6 +13,7 @@
 
 #include "backends/cpu/ops.h"
 #include "backends/cuda/device_buffer.h"
+#include "device_io.h"
 #include "backends/cuda/mixer_kernels.h"
 #include "base/bf16.h"
 
@@ -22,60 +23,13 @@ namespace {
 using cuda::DeviceBuffer;
 using bf16_t = __nv_bfloat16;
 
-// ---- small host/device helpers ------------------------------------------------------------------
-
-/// n random bf16-exact values ~ N(0, sigma).
-std::vector<float> normal_bf16(int64_t n, std::mt19937_64& rng, float sigma) {
-  std::normal_distribution<float> d(0.0f, sigma);
-  std::vector<float> v(n);
-  for (auto& x : v) x = round_bf16(d(rng));
-  return v;
-}
-std::vector<float> uniform(int64_t n, std::mt19937_64& rng, float lo, float hi) {
-  std::uniform_real_distribution<float> d(lo, hi);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-DeviceBuffer upload_f32(const std::vector<float>& v) {
-  DeviceBuffer d(v.size() * 4);
-  CUDA_CHECK(cudaMemcpy(d.data(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
-  return d;
-}
-DeviceBuffer upload_bf16(const std::vector<float>& v) {
-  std::vector<uint16_t> bits(v.size());
-  for (size_t i = 0; i < v.size(); ++i) bits[i] = float_to_bf16(v[i]);
-  DeviceBuffer d(bits.size() * 2);
-  CUDA_CHECK(cudaMemcpy(d.data(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
-  return d;
-}
-std::vector<float> download_bf16(const bf16_t* p, int64_t n) {
-  CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<uint16_t> bits(n);
-  CUDA_CHECK(cudaMemcpy(bits.data(), p, n * 2, cudaMemcpyDeviceToHost));
-  std::vector<float> v(n);
-  for (int64_t i = 0; i < n; ++i) v[i] = bf16_to_float(bits[i]);
-  return v;
-}
-DeviceBuffer poisoned(size_t bytes) {
-  DeviceBuffer d(bytes);
-  d.fill_bytes(0xFF);  // NaN in bf16
-  return d;
-}
-
-/// max_i |out_i − ref_i| / (|ref_i| + 1e-2·rms(ref)); NaN → infinity.
-double max_rel(const std::vector<float>& out, const std::vector<float>& ref) {
-  EXPECT_EQ(out.size(), ref.size());
-  double ss = 0;
-  for (float r : ref) ss += double(r) * r;
-  const double floor = 1e-2 * std::sqrt(ss / double(std::max<size_t>(1, ref.size()))) + 1e-30;
-  double worst = 0;
-  for (size_t i = 0; i < out.size() && i < ref.size(); ++i) {
-    const double e = std::fabs(double(out[i]) - ref[i]) / (std::fabs(double(ref[i])) + floor);
-    if (!(e <= worst)) worst = std::isnan(e) ? INFINITY : e;
-  }
-  return worst;
-}
+using test::download_bf16;
+using test::max_rel;
+using test::normal_bf16;
+using test::poisoned;
+using test::uniform;
+using test::upload_bf16;
+using test::upload_f32;
 
 constexpr double kBf16Tol = 1e-2;
 

@@ -12,6 +12,7 @@
 
 #include "backends/cpu/ops.h"
 #include "backends/cuda/device_buffer.h"
+#include "device_io.h"
 #include "backends/cuda/mixer_kernels.h"
 #include "base/bf16.h"
 
@@ -20,67 +21,16 @@ namespace {
 
 using cuda::DeviceBuffer;
 
-// ---- small host/device helpers ------------------------------------------------------------------
+using test::bf16_values;
+using test::download_bf16;
+using test::download_f32;
+using test::max_rel;
+using test::normal;
+using test::poisoned;
+using test::uniform;
+using test::upload_bf16;
+using test::upload_f32;
 
-std::vector<float> normal(int64_t n, std::mt19937_64& rng, float mean, float sigma) {
-  std::normal_distribution<float> d(mean, sigma);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-std::vector<float> uniform(int64_t n, std::mt19937_64& rng, float lo, float hi) {
-  std::uniform_real_distribution<float> d(lo, hi);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-/// Rounds every value to bf16 (so host references see exactly what the device sees).
-std::vector<float> bf16_values(std::vector<float> v) {
-  for (auto& x : v) x = round_bf16(x);
-  return v;
-}
-DeviceBuffer upload_f32(const std::vector<float>& v) {
-  DeviceBuffer d(v.size() * 4);
-  CUDA_CHECK(cudaMemcpy(d.data(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
-  return d;
-}
-DeviceBuffer upload_bf16(const std::vector<float>& v) {
-  std::vector<uint16_t> bits(v.size());
-  for (size_t i = 0; i < v.size(); ++i) bits[i] = float_to_bf16(v[i]);
-  DeviceBuffer d(bits.size() * 2);
-  CUDA_CHECK(cudaMemcpy(d.data(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
-  return d;
-}
-std::vector<float> download_f32(const DeviceBuffer& d, int64_t n) {
-  CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<float> v(n);
-  CUDA_CHECK(cudaMemcpy(v.data(), d.data(), n * 4, cudaMemcpyDeviceToHost));
-  return v;
-}
-std::vector<float> download_bf16(const DeviceBuffer& d, int64_t n) {
-  CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<uint16_t> bits(n);
-  CUDA_CHECK(cudaMemcpy(bits.data(), d.data(), n * 2, cudaMemcpyDeviceToHost));
-  std::vector<float> v(n);
-  for (int64_t i = 0; i < n; ++i) v[i] = bf16_to_float(bits[i]);
-  return v;
-}
-DeviceBuffer poisoned(size_t bytes) {
-  DeviceBuffer d(bytes);
-  d.fill_bytes(0xFF);  // NaN in bf16 and fp32
-  return d;
-}
-
-/// max_i |out_i − ref_i| / (|ref_i| + floor); NaN → infinity.
-double max_rel(const std::vector<float>& out, const std::vector<float>& ref, double floor) {
-  EXPECT_EQ(out.size(), ref.size());
-  double worst = 0;
-  for (size_t i = 0; i < out.size() && i < ref.size(); ++i) {
-    const double e = std::fabs(double(out[i]) - ref[i]) / (std::fabs(double(ref[i])) + floor);
-    if (!(e <= worst)) worst = std::isnan(e) ? INFINITY : e;
-  }
-  return worst;
-}
 /// rms(out − ref) / rms(ref); NaN → infinity.
 double rms_rel(const std::vector<float>& out, const std::vector<float>& ref) {
   double num = 0, den = 0;

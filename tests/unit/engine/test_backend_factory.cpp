@@ -34,7 +34,22 @@ TEST(BackendFactory, CpuAndAutoWithoutCuda) {
   EXPECT_EQ(cpu->name(), "cpu");
   EXPECT_EQ(cpu->config().vocab, weights->config.vocab);
 #ifdef LILY_HAVE_CUDA
-  GTEST_SKIP() << "this build has CUDA; the no-CUDA messages do not apply";
+  // A CUDA build: on a machine without a usable GPU (CI), --backend cuda is a clear error and
+  // auto falls back to the CPU; on the H200 both give the CUDA backend.
+  std::unique_ptr<Backend> cuda;
+  try {
+    cuda = make_backend(BackendKind::kCuda, weights);
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_TRUE(what.find("no usable CUDA device") != std::string::npos ||
+                what.find("compute capability") != std::string::npos)
+        << what;
+    EXPECT_EQ(make_backend(BackendKind::kAuto, weights)->name(), "cpu");
+    return;
+  }
+  EXPECT_EQ(cuda->name(), "cuda");
+  cuda.reset();
+  EXPECT_EQ(make_backend(BackendKind::kAuto, weights)->name(), "cuda");
 #else
   try {
     make_backend(BackendKind::kCuda, weights);

@@ -51,6 +51,15 @@ void wait_until_running(Scheduler& s) {
   for (int i = 0; i < 500 && s.running() == 0; ++i) std::this_thread::sleep_for(2ms);
 }
 
+/// Closes the fake backend's gate and starts a job of `max_tokens` that blocks the engine
+/// thread until the gate opens; returns that running job.
+auto occupy_engine(Harness& h, int max_tokens = 2) {
+  h.backend->close_gate();
+  auto running = h.scheduler->submit(job({1}, max_tokens));
+  wait_until_running(*h.scheduler);
+  return running;
+}
+
 }  // namespace
 
 TEST(Scheduler, RunsAJobAndStreamsEveryToken) {
@@ -64,9 +73,7 @@ TEST(Scheduler, RunsAJobAndStreamsEveryToken) {
 
 TEST(Scheduler, QueueFullIsRejectedAndFifoOrderKept) {
   Harness h(1);
-  h.backend->close_gate();
-  auto running = h.scheduler->submit(job({1}, 2));
-  wait_until_running(*h.scheduler);
+  auto running = occupy_engine(h);
   auto queued = h.scheduler->submit(job({2}, 2));
   EXPECT_EQ(h.scheduler->queue_depth(), 1);
   EXPECT_THROW(h.scheduler->submit(job({3}, 2)), QueueFullError);
@@ -80,9 +87,7 @@ TEST(Scheduler, QueueFullIsRejectedAndFifoOrderKept) {
 
 TEST(Scheduler, ZeroQueueStillAcceptsWhenIdle) {
   Harness h(0);
-  h.backend->close_gate();
-  auto first = h.scheduler->submit(job({1}, 2));
-  wait_until_running(*h.scheduler);
+  auto first = occupy_engine(h);
   EXPECT_THROW(h.scheduler->submit(job({2}, 2)), QueueFullError);
   h.backend->open_gate();
   EXPECT_EQ(finish(*first).first.kind, JobEvent::Kind::kDone);
@@ -103,9 +108,7 @@ TEST(Scheduler, CancellingARunningJobStopsItWithinOneStep) {
 
 TEST(Scheduler, CancellingAQueuedJobRemovesIt) {
   Harness h(2);
-  h.backend->close_gate();
-  auto running = h.scheduler->submit(job({1}, 2));
-  wait_until_running(*h.scheduler);
+  auto running = occupy_engine(h);
   auto queued = h.scheduler->submit(job({2}, 2));
   h.scheduler->cancel(queued);
   EXPECT_EQ(h.scheduler->queue_depth(), 0);
@@ -123,9 +126,7 @@ TEST(Scheduler, RejectsRequestsThatDoNotFitMaxSeq) {
 
 TEST(Scheduler, StopFailsQueuedJobsAndRefusesNewOnes) {
   Harness h(2);
-  h.backend->close_gate();
-  auto running = h.scheduler->submit(job({1}, 3));
-  wait_until_running(*h.scheduler);
+  auto running = occupy_engine(h, 3);
   auto queued = h.scheduler->submit(job({2}, 3));
   std::thread opener([&] {
     std::this_thread::sleep_for(20ms);

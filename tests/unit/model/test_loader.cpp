@@ -149,22 +149,24 @@ TEST(LoaderRejects, MisShapedPlainTensorNamed) {
   d.expect_rejected({"language_model.model.layers.1.linear_attn.norm.weight", "[32]", "expected [64]"});
 }
 
-TEST(LoaderRejects, MisShapedQuantizedTensorNamed) {
+/// Gives tensor `name` of a demo copy the 2-D shape {rows, cols} (bytes resized to match) and
+/// expects the load to be refused with a message naming it, the shape found and the one expected.
+void expect_reshaped_rejected(const std::string& name, int64_t rows, int64_t cols, size_t element_bytes,
+                              const std::string& expected) {
   DemoCopy d;
-  auto* t = d.st.find(P0 + "linear_attn.in_proj_z.weight");
-  ASSERT_NE(t, nullptr);
-  t->shape = {128, 32};
-  t->bytes.resize(128 * 32 * 4);
-  d.expect_rejected({P0 + "linear_attn.in_proj_z.weight", "[128, 32]", "expected [256, 32]"});
+  auto* t = d.st.find(name);
+  ASSERT_NE(t, nullptr) << name;
+  t->shape = {rows, cols};
+  t->bytes.resize(rows * cols * element_bytes);
+  d.expect_rejected({name, "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]", expected});
+}
+
+TEST(LoaderRejects, MisShapedQuantizedTensorNamed) {
+  expect_reshaped_rejected(P0 + "linear_attn.in_proj_z.weight", 128, 32, 4, "expected [256, 32]");
 }
 
 TEST(LoaderRejects, MisShapedScalesNamed) {
-  DemoCopy d;
-  auto* t = d.st.find(P3 + "self_attn.k_proj.biases");
-  ASSERT_NE(t, nullptr);
-  t->shape = {64, 4};
-  t->bytes.resize(64 * 4 * 2);
-  d.expect_rejected({P3 + "self_attn.k_proj.biases", "[64, 4]", "expected [128, 4]"});
+  expect_reshaped_rejected(P3 + "self_attn.k_proj.biases", 64, 4, 2, "expected [128, 4]");
 }
 
 TEST(LoaderRejects, WrongDtype) {

@@ -246,12 +246,20 @@ TEST(Checkpoint, OpensShardedIndex) {
   EXPECT_GT(ckpt.bytes_on_disk(), 0u);
 }
 
-TEST(Checkpoint, RejectsMissingShard) {
+/// Writes the two-shard checkpoint's index after `edit` changed its weight map, and expects the
+/// checkpoint to be refused with a message holding every needle.
+template <typename Edit>
+void expect_index_rejected(Edit edit, std::initializer_list<std::string> needles) {
   Shards s;
   auto m = s.map();
-  m["t3"] = "model-00003-of-00002.safetensors";
+  edit(m);
   write_index(s.dir.path(), m);
-  expect_checkpoint_rejected(s.dir.path(), {"model-00003-of-00002.safetensors", "does not exist"});
+  expect_checkpoint_rejected(s.dir.path(), needles);
+}
+
+TEST(Checkpoint, RejectsMissingShard) {
+  expect_index_rejected([](auto& m) { m["t3"] = "model-00003-of-00002.safetensors"; },
+                        {"model-00003-of-00002.safetensors", "does not exist"});
 }
 
 TEST(Checkpoint, RejectsTensorInTwoShards) {
@@ -265,19 +273,11 @@ TEST(Checkpoint, RejectsTensorInTwoShards) {
 }
 
 TEST(Checkpoint, RejectsTensorListedButAbsent) {
-  Shards s;
-  auto m = s.map();
-  m["t9"] = "model-00002-of-00002.safetensors";
-  write_index(s.dir.path(), m);
-  expect_checkpoint_rejected(s.dir.path(), {"t9", "does not contain"});
+  expect_index_rejected([](auto& m) { m["t9"] = "model-00002-of-00002.safetensors"; }, {"t9", "does not contain"});
 }
 
 TEST(Checkpoint, RejectsTensorPresentButNotListed) {
-  Shards s;
-  auto m = s.map();
-  m.erase("t2");
-  write_index(s.dir.path(), m);
-  expect_checkpoint_rejected(s.dir.path(), {"t2", "not listed"});
+  expect_index_rejected([](auto& m) { m.erase("t2"); }, {"t2", "not listed"});
 }
 
 TEST(Checkpoint, RejectsShardPathOutsideTheDirectory) {
