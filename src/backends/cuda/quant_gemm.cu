@@ -11,8 +11,9 @@
 // = one quantization group, so each weight row has exactly one (scale, bias) per k-tile.
 // Per k-tile:
 //   1. cp.async (16-byte, zero-fill for masked rows) stages the activation tile [BM, 64] bf16 and
-//      the raw code tile [BN, 64·bits/32] u32 into a 3-stage ring (two tiles in flight while
-//      one is computed); scales/biases of the next tile are prefetched into registers.
+//      the raw code tile [BN, 64·bits/32] u32 into a ring of 3 (BM 128), 4 (BM 64) or 6 (BM 32)
+//      stages, so 2–5 tiles are in flight while one is computed; scales/biases of the next tile
+//      are prefetched into registers.
 //   2. The block dequantizes the code tile once into a bf16 tile [BN, 64] in shared memory:
 //      w = bf16(fmaf(s, q, b)) — s·q is exact in fp32 (8 + 8 significant bits), so this is the
 //      CPU's fp32 s·q + b rounded once to bf16.
@@ -30,8 +31,9 @@
 //     12352 → 194 CTAs, attention q|k|v 9216 → 144), else 64; m ≤ 32 → 32 (less MMA padding
 //     for small tails). Each weight tile is dequantized once per CTA and re-read ceil(m/BM) times
 //     from L2 (every projection matrix, ≤ 14 MB, fits the 50 MB L2).
-//   * Shared memory: 3·BM·144 + BN·144 + 3·BN·32·(bits/4) bytes: 84 KiB at (128, 128, 4-bit),
-//     so 2 CTAs per SM (also the register limit: 64 fp32 accumulators per thread).
+//   * Shared memory: stages·(BM·144 + BN·32·bits/4) + BN·144 bytes: 84 KiB at (128, 128, 4-bit),
+//     70 KiB at (32, 128, 4-bit, 6 stages), ≤ 96 KiB for 8-bit: 2 CTAs per SM (also the
+//     register limit at BM = 128: 64 fp32 accumulators per thread).
 //   * Grouped experts: BN = 128 (gate/up: 64 gate + 64 up rows → 64 act columns per CTA; down:
 //     128 hidden columns), BM = 32 when an expert gets < 48 rows on average (m = 256, top-8 of
 //     256: ≈ 8 rows per expert), else 64.
@@ -47,7 +49,10 @@ namespace {
 constexpr int kGemmThreads = 256;  // 8 warps: 2 along M (token rows) × 4 along N (weight rows)
 constexpr int kBK = 64;            // one quantization group per k-tile
 constexpr int kLd = kBK + 8;       // padded shared row: 72 bf16 = 144 B
-constexpr int kStages = 3;         // cp.async pipeline depth (tiles in flight: kStages − 1)
+/// cp.async pipeline depth for a row-tile height (tiles in flight: stages − 1). Small BM means
+/// little arithmetic per weight byte (m ≤ 32, or experts with a few rows each at m = 256): deeper
+/// pipelines keep more weight bytes in flight per SM for the bandwidth-bound cases.
+constexpr int stages_for(int bm) { return bm >= 128 ? 3 : (bm >= 64 ? 4 : 6); }
 constexpr int kMaxGroups = 2048;   // grouping scan: 1024 threads × 2 experts
 
 enum class Mode { kDense, kGateUp, kDown };
@@ -114,6 +119,7 @@ __device__ __forceinline__ float code_to_f32(uint32_t q) { return __uint_as_floa
 
 template <int BITS, int BM, int BN>
 constexpr size_t gemm_smem_bytes() {
+  constexpr int kStages = stages_for(BM);
   return size_t(kStages) * BM * kLd * sizeof(bf16) + size_t(BN) * kLd * sizeof(bf16) +
          size_t(kStages) * BN * (kBK * BITS / 32) * sizeof(uint32_t);
 }
@@ -150,6 +156,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) quant_gemm_kernel(const GemmP
   constexpr int AJ = BM * (kBK / 8) / kGemmThreads;           // activation chunks per thread
   constexpr int BJ = (BN * CPR + kGemmThreads - 1) / kGemmThreads;  // code chunks per thread (max)
   constexpr int DQ = BN * WPG / kGemmThreads;    // code words dequantized per thread
+  constexpr int kStages = stages_for(BM);
   static_assert(BM % 32 == 0 && BN % 64 == 0, "tile shape");
   static_assert(AJ >= 1 && BM * (kBK / 8) % kGemmThreads == 0, "activation chunks per thread");
   static_assert(DQ >= 1 && BN * WPG % kGemmThreads == 0, "dequant words per thread");
