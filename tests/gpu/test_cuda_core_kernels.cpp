@@ -363,6 +363,121 @@ TEST(CudaRouterFused, RejectsBadShapes) {
   EXPECT_THROW(cuda::launch_router_fused(w.view(), nullptr, 1, 16, 33, nullptr, nullptr, nullptr, nullptr, nullptr), Error);
 }
 
+// ---- add + RMSNorm folded into the next GEMV (FusedNorm) ----------------------------------------
+
+/// Inputs of a FusedNorm test: residual x, branch, gain (host and device) and output buffers.
+struct NormInputs {
+  std::vector<float> x, branch, gain;
+  DeviceBuffer dx, dbranch, dgain, x_out, normed;
+  NormInputs(int cols, std::mt19937_64& rng) {
+    x = random_bf16_values(cols, rng, 2.0f);
+    branch = random_bf16_values(cols, rng, 0.5f);
+    gain = random_bf16_values(cols, rng, 0.3f);
+    for (auto& g : gain) g += 1.0f;
+    dx = to_device_bf16(x);
+    dbranch = to_device_bf16(branch);
+    dgain = to_device_f32(gain);
+    x_out = poisoned(size_t(cols) * 2);
+    normed = poisoned(size_t(cols) * 2);
+  }
+  cuda::FusedNorm norm(bool with_branch) const {
+    cuda::FusedNorm n;
+    n.branch = with_branch ? dbranch.as<__nv_bfloat16>() : nullptr;
+    n.gain = dgain.as<float>();
+    n.eps = 1e-6f;
+    n.x_out = x_out.as<__nv_bfloat16>();
+    n.normed_out = normed.as<__nv_bfloat16>();
+    return n;
+  }
+  /// Checks x_out (exactly h = bf16(x + branch)) and normed (vs launch_add_rmsnorm within one
+  /// bf16 rounding, and vs cpu::rms_norm) after a fused launch.
+  void check_norm_outputs(bool with_branch) const {
+    const int n = int(x.size());
+    std::vector<float> h(n), y(n);
+    for (int i = 0; i < n; ++i) h[i] = with_branch ? round_bf16(x[i] + branch[i]) : x[i];
+    EXPECT_EQ(from_device_bf16(x_out, n), h) << "x_out must be bf16(x + branch)";
+    DeviceBuffer ux = to_device_bf16(x), uy = poisoned(size_t(n) * 2);
+    cuda::launch_add_rmsnorm(ux.as<__nv_bfloat16>(), with_branch ? dbranch.as<__nv_bfloat16>() : nullptr,
+                             dgain.as<float>(), uy.as<__nv_bfloat16>(), 1, n, 1e-6f, nullptr);
+    const std::vector<float> got = from_device_bf16(normed, n), unfused = from_device_bf16(uy, n);
+    EXPECT_LT(worst_rel(got, std::vector<double>(unfused.begin(), unfused.end()), 1e-3), 8e-3) << "vs launch_add_rmsnorm";
+    cpu::rms_norm(h.data(), gain.data(), n, 1e-6f, y.data());
+    EXPECT_LT(worst_rel(got, std::vector<double>(y.begin(), y.end()), 1e-3), 8e-3) << "vs cpu::rms_norm";
+  }
+};
+
+/// launch_add_rmsnorm_gemv: norm outputs as above; the GEMV output is bit-identical to
+/// launch_quant_gemv of the stored normed row (the kernel multiplies exactly what it stores).
+void check_norm_gemv(int64_t rows, int cols, int bits, bool f32_out, bool with_branch, uint64_t seed) {
+  SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " " + std::to_string(bits) + "-bit" +
+               (f32_out ? " f32" : " bf16") + (with_branch ? " +branch" : ""));
+  std::mt19937_64 rng(seed);
+  RandomQuant w(rows, cols, bits, rng);
+  NormInputs in(cols, rng);
+  DeviceBuffer y = poisoned(size_t(rows) * 4), ref = poisoned(size_t(rows) * 4);
+  cuda::launch_add_rmsnorm_gemv(in.norm(with_branch), in.dx.as<__nv_bfloat16>(), w.view(),
+                                f32_out ? nullptr : y.as<__nv_bfloat16>(), f32_out ? y.as<float>() : nullptr, nullptr);
+  cuda::launch_quant_gemv(w.view(), in.normed.as<__nv_bfloat16>(), f32_out ? nullptr : ref.as<__nv_bfloat16>(),
+                          f32_out ? ref.as<float>() : nullptr, nullptr);
+  in.check_norm_outputs(with_branch);
+  if (f32_out) EXPECT_EQ(from_device_f32(y, rows), from_device_f32(ref, rows));
+  else EXPECT_EQ(from_device_bf16(y, rows), from_device_bf16(ref, rows));
+  const std::vector<float> x_in = from_device_bf16(in.dx, cols);
+  EXPECT_EQ(x_in, in.x) << "the input residual must not be modified";
+}
+
+TEST(CudaFusedNorm, GemvRealShapes) {
+  check_norm_gemv(8192 + 4096 + 32 + 32, kHidden, 4, false, true, 51);  // GDN in-projection
+  check_norm_gemv(9216, kHidden, 4, false, false, 52);                  // attention q|k|v, layer 0 (no branch)
+  check_norm_gemv(20000, kHidden, 4, true, true, 53);                   // lm_head-like, fp32 out
+}
+TEST(CudaFusedNorm, GemvDemoShapes) {
+  check_norm_gemv(1000, 256, 4, false, true, 54);
+  check_norm_gemv(8192, 256, 4, true, true, 55);
+  check_norm_gemv(300, 128, 4, false, false, 56);
+}
+
+/// launch_add_rmsnorm_router_fused vs launch_router_fused on the stored normed row: identical
+/// logits, ids and weights.
+void check_norm_router(int E, int k, int hidden, uint64_t seed) {
+  SCOPED_TRACE("E=" + std::to_string(E) + " hidden=" + std::to_string(hidden));
+  std::mt19937_64 rng(seed);
+  RandomQuant w(E + 1, hidden, 8, rng);
+  NormInputs in(hidden, rng);
+  DeviceBuffer fl = poisoned(size_t(E + 1) * 4), fid = poisoned(size_t(k + 1) * 4), fw = poisoned(size_t(k + 1) * 4);
+  DeviceBuffer ul = poisoned(size_t(E + 1) * 4), uid = poisoned(size_t(k + 1) * 4), uw = poisoned(size_t(k + 1) * 4);
+  DeviceBuffer done(4);
+  done.fill_bytes(0);
+  cuda::launch_add_rmsnorm_router_fused(in.norm(true), in.dx.as<__nv_bfloat16>(), w.view(), E, k, fl.as<float>(),
+                                        fid.as<int32_t>(), fw.as<float>(), done.as<uint32_t>(), nullptr);
+  cuda::launch_router_fused(w.view(), in.normed.as<__nv_bfloat16>(), 1, E, k, ul.as<float>(), uid.as<int32_t>(),
+                            uw.as<float>(), done.as<uint32_t>(), nullptr);
+  in.check_norm_outputs(true);
+  EXPECT_EQ(from_device_f32(fl, E + 1), from_device_f32(ul, E + 1));
+  EXPECT_EQ(from_device_f32(fw, k + 1), from_device_f32(uw, k + 1));
+  std::vector<int32_t> a(k + 1), b(k + 1);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  cuda::download(a.data(), fid.as<int32_t>(), a.size());
+  cuda::download(b.data(), uid.as<int32_t>(), b.size());
+  EXPECT_EQ(a, b);
+}
+
+TEST(CudaFusedNorm, RouterShapes) {
+  check_norm_router(kExperts, kTopK, kHidden, 57);
+  check_norm_router(16, 4, 256, 58);
+}
+
+TEST(CudaFusedNorm, RejectsAliasedResidual) {
+  std::mt19937_64 rng(59);
+  RandomQuant w(64, 256, 4, rng);
+  NormInputs in(256, rng);
+  cuda::FusedNorm n = in.norm(true);
+  n.x_out = const_cast<__nv_bfloat16*>(in.dx.as<__nv_bfloat16>());
+  DeviceBuffer y(64 * 2);
+  EXPECT_THROW(cuda::launch_add_rmsnorm_gemv(n, in.dx.as<__nv_bfloat16>(), w.view(), y.as<__nv_bfloat16>(), nullptr, nullptr),
+               InternalError);
+}
+
 // ---- programmatic dependent launch ---------------------------------------------------------------
 
 /// A stack of MoE decode blocks (add + RMSNorm → fused router → gate/up + SwiGLU → down +
@@ -601,6 +716,15 @@ TEST(CudaTiming, PrintsKernelTimes) {
     std::printf("[timing] %-28s %8.2f us\n", "router gemv+top-k fused q8",
                 time_us([&] { cuda::launch_router_fused(rw.view(), dx.as<__nv_bfloat16>(), 1, kExperts, kTopK, fl.as<float>(),
                                                         tid.as<int32_t>(), tw.as<float>(), done.as<uint32_t>(), nullptr); }));
+    NormInputs in(kHidden, rng);
+    std::printf("[timing] %-28s %8.2f us\n", "add+norm+router+top-k fused",
+                time_us([&] { cuda::launch_add_rmsnorm_router_fused(in.norm(true), in.dx.as<__nv_bfloat16>(), rw.view(), kExperts,
+                                                                    kTopK, fl.as<float>(), tid.as<int32_t>(), tw.as<float>(),
+                                                                    done.as<uint32_t>(), nullptr); }));
+    RandomQuant gw(12352, kHidden, 4, rng);
+    std::printf("[timing] %-28s %8.2f us\n", "add+norm+gemv gdn in fused",
+                time_us([&] { cuda::launch_add_rmsnorm_gemv(in.norm(true), in.dx.as<__nv_bfloat16>(), gw.view(),
+                                                            y.as<__nv_bfloat16>(), nullptr, nullptr); }));
   }
   std::vector<float> g(kHidden, 1.0f);
   DeviceBuffer res = to_device_bf16(x), dg = to_device_f32(g), nrm(kHidden * 2);

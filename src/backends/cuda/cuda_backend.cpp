@@ -22,7 +22,6 @@
 #include "backends/cuda/device_model.h"
 #include "backends/cuda/kernels.h"
 #include "backends/cuda/mixer_kernels.h"
-#include "backends/cuda/quant_gemm.h"
 #include "base/bf16.h"
 #include "base/error.h"
 
@@ -270,6 +269,7 @@ class CudaBackend final : public Backend {
     const int64_t mix = std::max<int64_t>(n_gdn_ ? gdn_.value_dim() : 0, int64_t(attn_.n_heads) * attn_.head_dim);
     auto bf = [](int64_t n) { return DeviceBuffer(std::max<int64_t>(n, 1) * sizeof(bf16)); };
     x_ = bf(c.hidden);
+    x2_ = bf(c.hidden);
     normed_ = bf(c.hidden);
     mixer_out_ = bf(c.hidden);
     moe_out_ = bf(c.hidden);
@@ -353,52 +353,63 @@ class CudaBackend final : public Backend {
     const int64_t pos = s.pos;
     launch_embed(model_->embed, d_token, 1, x_.as<bf16>(), stream_);
     if (probing) emit("embed", -1, pos, x_.as<bf16>(), c.hidden);
+    // Every add + RMSNorm is folded into the GEMV that consumes it (FusedNorm): the residual
+    // stream ping-pongs x_ → x2_ (input norm, in the mixer's first GEMV) → x_ (post norm, in the
+    // router); normed_ holds the latest normed row (the expert kernels read it).
     for (int l = 0; l < c.n_layers; ++l) {
       const DeviceLayer& L = model_->layers[l];
-      launch_add_rmsnorm(x_.as<bf16>(), l == 0 ? nullptr : moe_out_.as<bf16>(), L.input_norm, normed_.as<bf16>(), 1,
-                         c.hidden, c.rms_norm_eps, stream_);
+      const FusedNorm in_norm = fused_norm(l == 0 ? nullptr : moe_out_.as<bf16>(), L.input_norm, x2_);
+      if (L.type == LayerType::kLinearAttention) gdn_mixer(L, s, layer_slot_[l], in_norm);
+      else attention_mixer(L, s, layer_slot_[l], d_pos, d_len, in_norm);
       if (probing) {
-        if (l > 0) emit("layer_out", l - 1, pos, x_.as<bf16>(), c.hidden);
+        if (l > 0) emit("layer_out", l - 1, pos, x2_.as<bf16>(), c.hidden);
         emit("attn_norm", l, pos, normed_.as<bf16>(), c.hidden);
+        emit("mixer_out", l, pos, mixer_out_.as<bf16>(), c.hidden);
       }
-      if (L.type == LayerType::kLinearAttention) gdn_mixer(L, s, layer_slot_[l]);
-      else attention_mixer(L, s, layer_slot_[l], d_pos, d_len);
-      if (probing) emit("mixer_out", l, pos, mixer_out_.as<bf16>(), c.hidden);
-      launch_add_rmsnorm(x_.as<bf16>(), mixer_out_.as<bf16>(), L.post_norm, normed_.as<bf16>(), 1, c.hidden,
-                         c.rms_norm_eps, stream_);
-      if (probing) emit("ffn_norm", l, pos, normed_.as<bf16>(), c.hidden);
       moe_block(L);
       if (probing) {
+        emit("ffn_norm", l, pos, normed_.as<bf16>(), c.hidden);
         emit_f32("router_logits", l, pos, router_logits_.as<float>(), c.n_experts);
         emit("ffn_out", l, pos, moe_out_.as<bf16>(), c.hidden);
       }
     }
-    launch_add_rmsnorm(x_.as<bf16>(), moe_out_.as<bf16>(), model_->final_norm, normed_.as<bf16>(), 1, c.hidden,
-                       c.rms_norm_eps, stream_);
+    launch_add_rmsnorm_gemv(fused_norm(moe_out_.as<bf16>(), model_->final_norm, x2_), x_.as<bf16>(), model_->lm_head,
+                            nullptr, logits_.as<float>(), stream_);
     if (probing) {
-      emit("layer_out", c.n_layers - 1, pos, x_.as<bf16>(), c.hidden);
+      emit("layer_out", c.n_layers - 1, pos, x2_.as<bf16>(), c.hidden);
       emit("final_norm", -1, pos, normed_.as<bf16>(), c.hidden);
     }
-    launch_quant_gemv(model_->lm_head, normed_.as<bf16>(), nullptr, logits_.as<float>(), stream_);
     launch_argmax(logits_.as<float>(), c.vocab, argmax_v_.as<float>(), argmax_i_.as<int32_t>(),
                   io_dev_.as<int32_t>() + 3, stream_);
     if (probing) emit_f32("logits", -1, pos, logits_.as<float>(), c.vocab);
   }
 
-  void gdn_mixer(const DeviceLayer& L, CudaState& s, int slot) {
+  /// The FusedNorm of a decode step: x ← (x + branch) into x_out, normed into normed_.
+  FusedNorm fused_norm(const bf16* branch, const float* gain, DeviceBuffer& x_out) {
+    FusedNorm n;
+    n.branch = branch;
+    n.gain = gain;
+    n.eps = config().rms_norm_eps;
+    n.x_out = x_out.as<bf16>();
+    n.normed_out = normed_.as<bf16>();
+    return n;
+  }
+
+  void gdn_mixer(const DeviceLayer& L, CudaState& s, int slot, const FusedNorm& in_norm) {
     bf16* proj = proj_.as<bf16>();
     const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
-    launch_quant_gemv(L.gdn_in, normed_.as<bf16>(), proj, nullptr, stream_);
+    launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.gdn_in, proj, nullptr, stream_);
     gdn_conv_decode(gdn_, L.gdn, proj, s.window(slot), conv_out_.as<bf16>(), stream_);
     gdn_decode(gdn_, L.gdn, conv_out_.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, s.state(slot),
                mix_tmp_.as<bf16>(), stream_);
     launch_quant_gemv(L.gdn_out, mix_tmp_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
   }
 
-  void attention_mixer(const DeviceLayer& L, CudaState& s, int slot, const int32_t* d_pos, const int32_t* d_len) {
+  void attention_mixer(const DeviceLayer& L, CudaState& s, int slot, const int32_t* d_pos, const int32_t* d_len,
+                       const FusedNorm& in_norm) {
     bf16* proj = proj_.as<bf16>();
     const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim, kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
-    launch_quant_gemv(L.attn_in, normed_.as<bf16>(), proj, nullptr, stream_);
+    launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.attn_in, proj, nullptr, stream_);
     const KvCacheView kv = s.kv(slot);
     attention_prepare(attn_, 1, proj, L.attn_in.rows, proj + qg, proj + qg + kvw, L.attn_in.rows, L.q_norm, L.k_norm,
                       0, d_pos, kv, q_out_.as<bf16>(), stream_);
@@ -411,9 +422,11 @@ class CudaBackend final : public Backend {
   void moe_block(const DeviceLayer& L) {
     const ModelConfig& c = config();
     const int k = c.n_experts_per_tok;
-    // Router GEMV + top-k in one launch (the logits are still written, for the probes).
-    launch_router_fused(L.router, normed_.as<bf16>(), 1, c.n_experts, k, router_logits_.as<float>(),
-                        expert_ids_.as<int32_t>(), expert_w_.as<float>(), router_done_.as<uint32_t>(), stream_);
+    // Post norm (x2_ + mixer_out_ → x_, normed_) + router GEMV + top-k in one launch (the logits
+    // are still written, for the probes).
+    launch_add_rmsnorm_router_fused(fused_norm(mixer_out_.as<bf16>(), L.post_norm, x_), x2_.as<bf16>(), L.router,
+                                    c.n_experts, k, router_logits_.as<float>(), expert_ids_.as<int32_t>(),
+                                    expert_w_.as<float>(), router_done_.as<uint32_t>(), stream_);
     launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, expert_ids_.as<int32_t>(), k + 1, normed_.as<bf16>(), 1,
                           act_.as<bf16>(), stream_);
     launch_expert_down_combine(L.down, c.hidden, expert_ids_.as<int32_t>(), expert_w_.as<float>(), k + 1,
@@ -439,49 +452,8 @@ class CudaBackend final : public Backend {
 
   static constexpr int kPrefillChunk = 256;
 
-  /// LILY_CUDA_GEMM: unset or "gemv" → batched GEMVs and per-row experts; "tensor-core" → the
-  /// tensor-core GEMM for the mixer projections and the grouped expert GEMMs (quant_gemm.h;
-  /// bf16-rounded dequantized weights, model.md §4.2 prefill rows). Opt-in until verified on the
-  /// H200 (tests/gpu/test_quant_gemm.cu). Throws lily::Error for any other value.
-  static bool tensor_core_gemm_from_env() {
-    const char* mode = std::getenv("LILY_CUDA_GEMM");
-    if (!mode || !*mode || std::string(mode) == "gemv") return false;
-    if (std::string(mode) == "tensor-core") return true;
-    throw ::lily::Error(std::string("LILY_CUDA_GEMM must be 'gemv' or 'tensor-core', got '") + mode + "'");
-  }
-
-  /// Prefill projection y[T, w.rows] = x[T, w.cols]·Wᵀ (bf16 out) on the selected path.
-  void prefill_project(const DeviceQuant& w, const bf16* x, int T, bf16* y) {
-    if (tensor_core_gemm_) launch_quant_gemm(w, x, T, y, nullptr, stream_);
-    else launch_quant_gemv_batched(w, x, T, y, nullptr, stream_);
-  }
-
-  /// Routed + shared experts of a chunk (ids/weights from the router already in p): per-row
-  /// kernels, or with the tensor-core path: group the assignments by expert, grouped gate/up +
-  /// SwiGLU, grouped down into per-slot rows, slot-order fp32 combine (deterministic).
-  void prefill_experts(const DeviceLayer& L, int T) {
-    const ModelConfig& c = config();
-    PrefillScratch& p = *pre_;
-    const int n_sel = c.n_experts_per_tok + 1, n_groups = c.n_experts + 1;
-    if (!tensor_core_gemm_) {
-      launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, p.ids.as<int32_t>(), n_sel, p.normed.as<bf16>(), T,
-                            p.act.as<bf16>(), stream_);
-      launch_expert_down_combine(L.down, c.hidden, p.ids.as<int32_t>(), p.weights.as<float>(), n_sel,
-                                 p.act.as<bf16>(), T, p.moe.as<bf16>(), stream_);
-      return;
-    }
-    int32_t* grouping = p.grouping.as<int32_t>();
-    launch_expert_grouping(p.ids.as<int32_t>(), T, n_sel, n_groups, grouping, stream_);
-    launch_quant_gemm_grouped_gate_up(L.gate, L.up, c.moe_ffn_dim, grouping, n_groups, p.normed.as<bf16>(), T, n_sel,
-                                      p.act.as<bf16>(), stream_);
-    launch_quant_gemm_grouped_down(L.down, c.hidden, grouping, n_groups, p.act.as<bf16>(), T, n_sel,
-                                   p.slot_out.as<bf16>(), stream_);
-    launch_expert_combine(p.slot_out.as<bf16>(), p.weights.as<float>(), T, n_sel, c.hidden, p.moe.as<bf16>(), stream_);
-  }
-
   struct PrefillScratch {
     DeviceBuffer tokens, x, normed, branch, moe, proj, conv, mix, q, router, ids, weights, act;
-    DeviceBuffer grouping, slot_out;  ///< tensor-core MoE only: expert grouping, per-slot down outputs
   };
 
   void allocate_prefill_scratch() {
@@ -503,11 +475,6 @@ class CudaBackend final : public Backend {
     pre_->ids = DeviceBuffer(T * (c.n_experts_per_tok + 1) * sizeof(int32_t));
     pre_->weights = DeviceBuffer(T * (c.n_experts_per_tok + 1) * sizeof(float));
     pre_->act = bf(T * int64_t(c.n_experts_per_tok + 1) * c.moe_ffn_dim);
-    if (tensor_core_gemm_) {
-      const int n_sel = c.n_experts_per_tok + 1;
-      pre_->grouping = DeviceBuffer(expert_grouping_ints(c.n_experts + 1, kPrefillChunk, n_sel) * sizeof(int32_t));
-      pre_->slot_out = bf(T * int64_t(n_sel) * c.hidden);
-    }
   }
 
   int32_t prefill_batched(CudaState& s, std::span<const int32_t> tokens, std::vector<float>* logits) {
@@ -554,28 +521,29 @@ class CudaBackend final : public Backend {
         const int slot = layer_slot_[l];
         const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
         const int64_t R = L.gdn_in.rows;
-        prefill_project(L.gdn_in, p.normed.as<bf16>(), T, proj);
+        launch_quant_gemv_batched(L.gdn_in, p.normed.as<bf16>(), T, proj, nullptr, stream_);
         gdn_conv_prefill(gdn_, L.gdn, T, proj, R, s.window(slot), p.conv.as<bf16>(), stream_);
         gdn_prefill(gdn_, L.gdn, T, p.conv.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, R, s.state(slot),
                     p.mix.as<bf16>(), stream_);
-        prefill_project(L.gdn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>());
+        launch_quant_gemv_batched(L.gdn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>(), nullptr, stream_);
       } else {
         const int64_t R = L.attn_in.rows;
         const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim, kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
         const KvCacheView kv = s.kv(layer_slot_[l]);
-        prefill_project(L.attn_in, p.normed.as<bf16>(), T, proj);
+        launch_quant_gemv_batched(L.attn_in, p.normed.as<bf16>(), T, proj, nullptr, stream_);
         attention_prepare(attn_, T, proj, R, proj + qg, proj + qg + kvw, R, L.q_norm, L.k_norm, s.pos, nullptr, kv,
                           p.q.as<bf16>(), stream_);
         attention_prefill(attn_, T, s.pos, p.q.as<bf16>(), proj, R, kv, p.mix.as<bf16>(), stream_);
-        prefill_project(L.attn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>());
+        launch_quant_gemv_batched(L.attn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>(), nullptr, stream_);
       }
       launch_add_rmsnorm(p.x.as<bf16>(), p.branch.as<bf16>(), L.post_norm, p.normed.as<bf16>(), T, c.hidden,
                          c.rms_norm_eps, stream_);
-      // The router stays an fp32-logit GEMV on both paths (8-bit, 257 rows: small; exact logits
-      // keep near-tied top-k choices as in decode).
       launch_quant_gemv_batched(L.router, p.normed.as<bf16>(), T, nullptr, p.router.as<float>(), stream_);
       launch_router_topk(p.router.as<float>(), T, c.n_experts, k, p.ids.as<int32_t>(), p.weights.as<float>(), stream_);
-      prefill_experts(L, T);
+      launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, p.ids.as<int32_t>(), k + 1, p.normed.as<bf16>(), T,
+                            p.act.as<bf16>(), stream_);
+      launch_expert_down_combine(L.down, c.hidden, p.ids.as<int32_t>(), p.weights.as<float>(), k + 1, p.act.as<bf16>(),
+                                 T, p.moe.as<bf16>(), stream_);
     }
   }
 
@@ -604,13 +572,13 @@ class CudaBackend final : public Backend {
   std::unique_ptr<DeviceModel> model_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<PinnedIo> io_;  ///< created after the device check
+  DeviceBuffer x2_;  ///< the decode step's second residual buffer (FusedNorm ping-pong with x_)
   DeviceBuffer x_, normed_, mixer_out_, moe_out_, proj_, conv_out_, mix_tmp_, q_out_, act_;
   DeviceBuffer router_done_;  ///< launch_router_fused's block counter (uint32, kept zero between launches)
   DeviceBuffer router_logits_, expert_ids_, expert_w_, logits_, argmax_v_, argmax_i_, io_dev_, attn_ws_;
   size_t attn_ws_bytes_ = 0;
   bool batched_prefill_ = true;            ///< false with LILY_CUDA_PREFILL=per-token (see prefill_batched)
   std::unique_ptr<PrefillScratch> pre_;    ///< allocated at the first batched prefill
-  bool tensor_core_gemm_ = tensor_core_gemm_from_env();  ///< LILY_CUDA_GEMM=tensor-core (see prefill_project)
 };
 
 }  // namespace cuda

@@ -59,6 +59,26 @@ void launch_add_rmsnorm(__nv_bfloat16* x, const __nv_bfloat16* branch, const flo
 void launch_router_topk(const float* logits, int m, int n_experts, int top_k, int32_t* ids, float* weights,
                         cudaStream_t stream);
 
+/// An add + RMSNorm folded into the input staging of a decode GEMV (one token; model.md §3.2,
+/// §4.3 item 2), with exactly launch_add_rmsnorm's numerics: h = bf16(x + branch) (h = x when
+/// branch is null), y = bf16(h · r · gain) with r = 1/sqrt(mean(h²) + eps) in fp32; the GEMV then
+/// multiplies y. Every block computes the (4 KB) norm itself; block 0 also stores h into x_out
+/// and y into normed_out (bf16 [cols]) for later kernels. x_out must not alias x or branch (other
+/// blocks are still reading them): the decode step ping-pongs two residual buffers.
+struct FusedNorm {
+  const __nv_bfloat16* branch = nullptr;  ///< bf16 [cols] or null
+  const float* gain = nullptr;            ///< fp32 [cols]; required
+  float eps = 1e-6f;
+  __nv_bfloat16* x_out = nullptr;         ///< bf16 [cols]: h
+  __nv_bfloat16* normed_out = nullptr;    ///< bf16 [cols]: y
+};
+
+/// launch_add_rmsnorm(x, branch, gain, …) then launch_quant_gemv(w, y, …) in one launch (decode,
+/// m = 1; see FusedNorm). x: bf16 [w.cols]. Throws lily::Error as launch_quant_gemv does, and for
+/// a null gain / x_out / normed_out or an x_out aliasing x or branch.
+void launch_add_rmsnorm_gemv(const FusedNorm& norm, const __nv_bfloat16* x, const DeviceQuant& w,
+                             __nv_bfloat16* y_bf16, float* y_f32, cudaStream_t stream);
+
 /// Router GEMV fused with routing, for decode (performance.md §3 "fused top-k routing"): one
 /// launch computes logits[t] = W x[t] (fp32, exactly launch_quant_gemv's per-row arithmetic; W the
 /// 4/8-bit [n_experts + 1, cols] router ‖ shared-expert-gate matrix) and, in the last block to
@@ -69,6 +89,11 @@ void launch_router_topk(const float* logits, int m, int n_experts, int top_k, in
 /// n_experts + 1, n_experts > 1024 or top_k > 32.
 void launch_router_fused(const DeviceQuant& w, const __nv_bfloat16* x, int m, int n_experts, int top_k,
                          float* logits, int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream);
+/// launch_add_rmsnorm + launch_router_fused in one launch (decode, m = 1; see FusedNorm): the
+/// routed input is the normed y, also stored to norm.normed_out for the expert kernels.
+void launch_add_rmsnorm_router_fused(const FusedNorm& norm, const __nv_bfloat16* x, const DeviceQuant& w,
+                                     int n_experts, int top_k, float* logits, int32_t* ids, float* weights,
+                                     uint32_t* done, cudaStream_t stream);
 
 /// Whether decode-path kernels launch with programmatic dependent launch (launch.cuh). Read once
 /// from the environment: LILY_CUDA_PDL unset or "1" → on, "0" → off; any other value throws

@@ -2,6 +2,8 @@
 // activation row into shared memory (fp32, padded per 64-group, with per-group sums) and the
 // per-group dot product s·Σ(q·x) + b·Σx (reference/model.md §4.2, GEMV row).
 #pragma once
+#include <string>
+
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/kernels.h"
 
@@ -21,6 +23,52 @@ inline size_t staged_row_bytes(int cols) {
 /// All threads of the block take part; ends with __syncthreads().
 __device__ __forceinline__ void stage_row(const bf16* __restrict__ x, int cols, float* xs, float* xsum) {
   for (int c = threadIdx.x; c < cols; c += blockDim.x) xs[(c / kGroup) * kGroupStride + c % kGroup] = to_f32(x[c]);
+  __syncthreads();
+  const int groups = cols / kGroup;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
+  for (int g = warp; g < groups; g += n_warps) {
+    const float* xg = xs + g * kGroupStride;
+    float s = warp_sum(xg[lane] + xg[lane + 32]);
+    if (lane == 0) xsum[g] = s;
+  }
+  __syncthreads();
+}
+
+/// Host check of a FusedNorm launch: throws lily::InternalError (a caller bug) for missing
+/// buffers or an x_out aliasing x or branch.
+inline void check_fused_norm(const FusedNorm& norm, const bf16* x, const char* what) {
+  if (!norm.gain || !norm.x_out || !norm.normed_out || !x)
+    throw ::lily::InternalError(std::string(what) + ": FusedNorm needs x, gain, x_out and normed_out");
+  if (norm.x_out == x || norm.x_out == norm.branch)
+    throw ::lily::InternalError(std::string(what) + ": FusedNorm x_out must not alias x or branch");
+}
+
+/// stage_row with an add + RMSNorm in front (kernels.h FusedNorm; launch_add_rmsnorm's exact
+/// arithmetic, same element-to-thread mapping for blockDim.x = 256): stages y = bf16(h·r·gain)
+/// of h = bf16(x + branch) as fp32 and its group sums; when `store`, also writes h to
+/// norm.x_out and y to norm.normed_out. All threads of the block; ends with __syncthreads().
+__device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const FusedNorm& norm, int cols,
+                                               bool store, float* xs, float* xsum) {
+  __shared__ float scratch[32];
+  float ss = 0.0f;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    float v = to_f32(x[c]);
+    if (norm.branch) v = round_bf16(v + to_f32(norm.branch[c]));
+    xs[(c / kGroup) * kGroupStride + c % kGroup] = v;
+    ss += v * v;
+  }
+  const float total = block_sum(ss, scratch);
+  const float r = 1.0f / sqrtf(total / static_cast<float>(cols) + norm.eps);
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {  // each thread revisits its own elements
+    float* p = xs + (c / kGroup) * kGroupStride + c % kGroup;
+    const float h = *p;
+    const bf16 y = to_bf16(h * r * norm.gain[c]);
+    *p = to_f32(y);
+    if (store) {
+      norm.x_out[c] = to_bf16(h);
+      norm.normed_out[c] = y;
+    }
+  }
   __syncthreads();
   const int groups = cols / kGroup;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;

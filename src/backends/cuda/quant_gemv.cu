@@ -33,10 +33,11 @@ __device__ __forceinline__ void store_out<float>(float* y, int64_t i, float v) {
 template <>
 __device__ __forceinline__ void store_out<bf16>(bf16* y, int64_t i, float v) { y[i] = to_bf16(v); }
 
-/// grid (blocks, m); x [m, cols]; y [m, rows].
+/// grid (blocks, m); x [m, cols]; y [m, rows]. With norm.gain non-null (m = 1), x goes through
+/// the add + RMSNorm of `norm` first (stage_norm_row).
 template <int BITS, int U, class OutT>
 __global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x,
-                                                                  OutT* __restrict__ y) {
+                                                                  OutT* __restrict__ y, FusedNorm norm) {
   extern __shared__ float smem[];
   const int groups = w.cols / kGroup;
   const int L = lanes_per_row(groups), RW = kWarp / L;
@@ -56,7 +57,8 @@ __global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w,
   float* xs = smem;
   float* xsum = smem + groups * kGroupStride;
   const int t = blockIdx.y;
-  stage_row(x + static_cast<int64_t>(t) * w.cols, w.cols, xs, xsum);
+  if (norm.gain) stage_norm_row(x, norm, w.cols, blockIdx.x == 0, xs, xsum);
+  else stage_row(x + static_cast<int64_t>(t) * w.cols, w.cols, xs, xsum);
   for (int64_t base = warp_id * RW * U; base < w.rows; base += step) {
     int64_t row[U];
 #pragma unroll
@@ -75,7 +77,8 @@ __global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w,
 }
 
 template <int BITS, class OutT>
-void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream) {
+void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream,
+                   const FusedNorm& norm = FusedNorm{}) {
   const int groups = w.cols / kGroup;
   const int L = lanes_per_row(groups), RW = kWarp / L;
   // Few rows (router, small projections): one row per lane-group, for more warps in flight.
@@ -88,7 +91,7 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
   const int blocks = static_cast<int>(std::min<int64_t>(blocks_needed, static_cast<int64_t>(sm_count()) * 4));
   const size_t smem = staged_row_bytes(w.cols);
   launch_pdl(few_rows ? quant_gemv_kernel<BITS, 1, OutT> : quant_gemv_kernel<BITS, kRowsUnroll, OutT>, dim3(blocks, m),
-             dim3(kGemvThreads), smem, stream, w, x, y);
+             dim3(kGemvThreads), smem, stream, w, x, y, norm);
 }
 
 void check_quant(const DeviceQuant& w, const char* what) {
@@ -133,6 +136,19 @@ void launch_quant_gemv_batched(const DeviceQuant& w, const bf16* x, int m, bf16*
 
 void launch_quant_gemv(const DeviceQuant& w, const bf16* x, bf16* y_bf16, float* y_f32, cudaStream_t stream) {
   launch_quant_gemv_batched(w, x, 1, y_bf16, y_f32, stream);
+}
+
+void launch_add_rmsnorm_gemv(const FusedNorm& norm, const bf16* x, const DeviceQuant& w, bf16* y_bf16, float* y_f32,
+                             cudaStream_t stream) {
+  check_quant(w, "quant_gemv");
+  check_fused_norm(norm, x, "launch_add_rmsnorm_gemv");
+  if ((y_bf16 == nullptr) == (y_f32 == nullptr))
+    throw ::lily::InternalError("launch_add_rmsnorm_gemv: exactly one output required");
+  if (w.bits == 4) {
+    if (y_f32) gemv_dispatch<4>(w, x, 1, y_f32, stream, norm); else gemv_dispatch<4>(w, x, 1, y_bf16, stream, norm);
+  } else {
+    if (y_f32) gemv_dispatch<8>(w, x, 1, y_f32, stream, norm); else gemv_dispatch<8>(w, x, 1, y_bf16, stream, norm);
+  }
 }
 
 void launch_embed(const DeviceQuant& table, const int32_t* tokens, int m, bf16* out, cudaStream_t stream) {

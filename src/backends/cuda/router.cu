@@ -23,7 +23,8 @@ constexpr int kRouterWarps = kRouterThreads / kWarp;
 template <int BITS>
 __global__ void __launch_bounds__(kRouterThreads)
     router_fused_kernel(DeviceQuant w, const bf16* __restrict__ x, int E, int k, float* __restrict__ logits,
-                        int32_t* __restrict__ ids, float* __restrict__ weights, uint32_t* __restrict__ done) {
+                        int32_t* __restrict__ ids, float* __restrict__ weights, uint32_t* __restrict__ done,
+                        FusedNorm norm) {
   extern __shared__ float smem[];
   __shared__ RouteScratch rs;
   __shared__ bool last;
@@ -39,7 +40,8 @@ __global__ void __launch_bounds__(kRouterThreads)
   pdl_prologue();
   float* xs = smem;
   float* xsum = smem + groups * kGroupStride;
-  stage_row(x + static_cast<int64_t>(t) * w.cols, w.cols, xs, xsum);
+  if (norm.gain) stage_norm_row(x, norm, w.cols, blockIdx.x == 0, xs, xsum);  // m = 1
+  else stage_row(x + static_cast<int64_t>(t) * w.cols, w.cols, xs, xsum);
   float* out = logits + static_cast<int64_t>(t) * w.rows;
   for (int64_t base = warp_id * RW; base < w.rows; base += step) {
     const int64_t r = base + lane_row;
@@ -77,10 +79,8 @@ int sm_count() {
   return n;
 }
 
-}  // namespace
-
-void launch_router_fused(const DeviceQuant& w, const bf16* x, int m, int n_experts, int top_k, float* logits,
-                         int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream) {
+void router_dispatch(const DeviceQuant& w, const bf16* x, int m, int n_experts, int top_k, float* logits,
+                     int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream, const FusedNorm& norm) {
   if ((w.bits != 4 && w.bits != 8) || w.cols <= 0 || w.cols % kGroup != 0 || w.cols > 8192)
     throw ::lily::Error("MoE router: the fused CUDA router supports 4/8-bit matrices with cols a multiple of 64 and "
                         "≤ 8192; got bits=" + std::to_string(w.bits) + " cols=" + std::to_string(w.cols));
@@ -97,7 +97,21 @@ void launch_router_fused(const DeviceQuant& w, const bf16* x, int m, int n_exper
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(w.rows, rows_per_block), 4LL * sm_count()));
   const size_t smem = staged_row_bytes(w.cols);
   launch_pdl(w.bits == 4 ? router_fused_kernel<4> : router_fused_kernel<8>, dim3(blocks, m), dim3(kRouterThreads), smem,
-             stream, w, x, n_experts, top_k, logits, ids, weights, done);
+             stream, w, x, n_experts, top_k, logits, ids, weights, done, norm);
+}
+
+}  // namespace
+
+void launch_router_fused(const DeviceQuant& w, const bf16* x, int m, int n_experts, int top_k, float* logits,
+                         int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream) {
+  router_dispatch(w, x, m, n_experts, top_k, logits, ids, weights, done, stream, FusedNorm{});
+}
+
+void launch_add_rmsnorm_router_fused(const FusedNorm& norm, const bf16* x, const DeviceQuant& w, int n_experts,
+                                     int top_k, float* logits, int32_t* ids, float* weights, uint32_t* done,
+                                     cudaStream_t stream) {
+  check_fused_norm(norm, x, "launch_add_rmsnorm_router_fused");
+  router_dispatch(w, x, 1, n_experts, top_k, logits, ids, weights, done, stream, norm);
 }
 
 }  // namespace lily::cuda
