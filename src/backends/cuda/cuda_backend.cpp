@@ -22,6 +22,7 @@
 #include "backends/cuda/device_model.h"
 #include "backends/cuda/kernels.h"
 #include "backends/cuda/mixer_kernels.h"
+#include "backends/cuda/quant_gemm.h"
 #include "base/bf16.h"
 #include "base/error.h"
 
@@ -452,8 +453,49 @@ class CudaBackend final : public Backend {
 
   static constexpr int kPrefillChunk = 256;
 
+  /// LILY_CUDA_GEMM: unset or "gemv" → batched GEMVs and per-row experts; "tensor-core" → the
+  /// tensor-core GEMM for the mixer projections and the grouped expert GEMMs (quant_gemm.h;
+  /// bf16-rounded dequantized weights, model.md §4.2 prefill rows). Opt-in until verified on the
+  /// H200 (tests/gpu/test_quant_gemm.cu). Throws lily::Error for any other value.
+  static bool tensor_core_gemm_from_env() {
+    const char* mode = std::getenv("LILY_CUDA_GEMM");
+    if (!mode || !*mode || std::string(mode) == "gemv") return false;
+    if (std::string(mode) == "tensor-core") return true;
+    throw ::lily::Error(std::string("LILY_CUDA_GEMM must be 'gemv' or 'tensor-core', got '") + mode + "'");
+  }
+
+  /// Prefill projection y[T, w.rows] = x[T, w.cols]·Wᵀ (bf16 out) on the selected path.
+  void prefill_project(const DeviceQuant& w, const bf16* x, int T, bf16* y) {
+    if (tensor_core_gemm_) launch_quant_gemm(w, x, T, y, nullptr, stream_);
+    else launch_quant_gemv_batched(w, x, T, y, nullptr, stream_);
+  }
+
+  /// Routed + shared experts of a chunk (ids/weights from the router already in p): per-row
+  /// kernels, or with the tensor-core path: group the assignments by expert, grouped gate/up +
+  /// SwiGLU, grouped down into per-slot rows, slot-order fp32 combine (deterministic).
+  void prefill_experts(const DeviceLayer& L, int T) {
+    const ModelConfig& c = config();
+    PrefillScratch& p = *pre_;
+    const int n_sel = c.n_experts_per_tok + 1, n_groups = c.n_experts + 1;
+    if (!tensor_core_gemm_) {
+      launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, p.ids.as<int32_t>(), n_sel, p.normed.as<bf16>(), T,
+                            p.act.as<bf16>(), stream_);
+      launch_expert_down_combine(L.down, c.hidden, p.ids.as<int32_t>(), p.weights.as<float>(), n_sel,
+                                 p.act.as<bf16>(), T, p.moe.as<bf16>(), stream_);
+      return;
+    }
+    int32_t* grouping = p.grouping.as<int32_t>();
+    launch_expert_grouping(p.ids.as<int32_t>(), T, n_sel, n_groups, grouping, stream_);
+    launch_quant_gemm_grouped_gate_up(L.gate, L.up, c.moe_ffn_dim, grouping, n_groups, p.normed.as<bf16>(), T, n_sel,
+                                      p.act.as<bf16>(), stream_);
+    launch_quant_gemm_grouped_down(L.down, c.hidden, grouping, n_groups, p.act.as<bf16>(), T, n_sel,
+                                   p.slot_out.as<bf16>(), stream_);
+    launch_expert_combine(p.slot_out.as<bf16>(), p.weights.as<float>(), T, n_sel, c.hidden, p.moe.as<bf16>(), stream_);
+  }
+
   struct PrefillScratch {
     DeviceBuffer tokens, x, normed, branch, moe, proj, conv, mix, q, router, ids, weights, act;
+    DeviceBuffer grouping, slot_out;  ///< tensor-core MoE only: expert grouping, per-slot down outputs
   };
 
   void allocate_prefill_scratch() {
@@ -475,6 +517,11 @@ class CudaBackend final : public Backend {
     pre_->ids = DeviceBuffer(T * (c.n_experts_per_tok + 1) * sizeof(int32_t));
     pre_->weights = DeviceBuffer(T * (c.n_experts_per_tok + 1) * sizeof(float));
     pre_->act = bf(T * int64_t(c.n_experts_per_tok + 1) * c.moe_ffn_dim);
+    if (tensor_core_gemm_) {
+      const int n_sel = c.n_experts_per_tok + 1;
+      pre_->grouping = DeviceBuffer(expert_grouping_ints(c.n_experts + 1, kPrefillChunk, n_sel) * sizeof(int32_t));
+      pre_->slot_out = bf(T * int64_t(n_sel) * c.hidden);
+    }
   }
 
   int32_t prefill_batched(CudaState& s, std::span<const int32_t> tokens, std::vector<float>* logits) {
@@ -521,29 +568,28 @@ class CudaBackend final : public Backend {
         const int slot = layer_slot_[l];
         const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
         const int64_t R = L.gdn_in.rows;
-        launch_quant_gemv_batched(L.gdn_in, p.normed.as<bf16>(), T, proj, nullptr, stream_);
+        prefill_project(L.gdn_in, p.normed.as<bf16>(), T, proj);
         gdn_conv_prefill(gdn_, L.gdn, T, proj, R, s.window(slot), p.conv.as<bf16>(), stream_);
         gdn_prefill(gdn_, L.gdn, T, p.conv.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, R, s.state(slot),
                     p.mix.as<bf16>(), stream_);
-        launch_quant_gemv_batched(L.gdn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>(), nullptr, stream_);
+        prefill_project(L.gdn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>());
       } else {
         const int64_t R = L.attn_in.rows;
         const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim, kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
         const KvCacheView kv = s.kv(layer_slot_[l]);
-        launch_quant_gemv_batched(L.attn_in, p.normed.as<bf16>(), T, proj, nullptr, stream_);
+        prefill_project(L.attn_in, p.normed.as<bf16>(), T, proj);
         attention_prepare(attn_, T, proj, R, proj + qg, proj + qg + kvw, R, L.q_norm, L.k_norm, s.pos, nullptr, kv,
                           p.q.as<bf16>(), stream_);
         attention_prefill(attn_, T, s.pos, p.q.as<bf16>(), proj, R, kv, p.mix.as<bf16>(), stream_);
-        launch_quant_gemv_batched(L.attn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>(), nullptr, stream_);
+        prefill_project(L.attn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>());
       }
       launch_add_rmsnorm(p.x.as<bf16>(), p.branch.as<bf16>(), L.post_norm, p.normed.as<bf16>(), T, c.hidden,
                          c.rms_norm_eps, stream_);
+      // The router stays an fp32-logit GEMV on both paths (8-bit, 257 rows: small; exact logits
+      // keep near-tied top-k choices as in decode).
       launch_quant_gemv_batched(L.router, p.normed.as<bf16>(), T, nullptr, p.router.as<float>(), stream_);
       launch_router_topk(p.router.as<float>(), T, c.n_experts, k, p.ids.as<int32_t>(), p.weights.as<float>(), stream_);
-      launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, p.ids.as<int32_t>(), k + 1, p.normed.as<bf16>(), T,
-                            p.act.as<bf16>(), stream_);
-      launch_expert_down_combine(L.down, c.hidden, p.ids.as<int32_t>(), p.weights.as<float>(), k + 1, p.act.as<bf16>(),
-                                 T, p.moe.as<bf16>(), stream_);
+      prefill_experts(L, T);
     }
   }
 
@@ -579,6 +625,7 @@ class CudaBackend final : public Backend {
   size_t attn_ws_bytes_ = 0;
   bool batched_prefill_ = true;            ///< false with LILY_CUDA_PREFILL=per-token (see prefill_batched)
   std::unique_ptr<PrefillScratch> pre_;    ///< allocated at the first batched prefill
+  bool tensor_core_gemm_ = tensor_core_gemm_from_env();  ///< LILY_CUDA_GEMM=tensor-core (see prefill_project)
 };
 
 }  // namespace cuda
