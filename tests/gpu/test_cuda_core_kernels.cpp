@@ -591,10 +591,10 @@ TEST(CudaPdl, MoeChainMatchesPlainLaunchesDemoShape) { check_pdl_chain(16, 4, 25
 
 /// The MoE expert path: gate/up + SwiGLU over 8 routed experts + the shared one, then the
 /// down projection with the weighted combine, against model.md §4.3's rounding sequence.
-void check_experts(int E, int k, int hidden, int ffn, uint64_t seed) {
+void check_experts(int E, int k, int hidden, int ffn, uint64_t seed, int bits = 4) {
   std::mt19937_64 rng(seed);
-  RandomQuant gate((E + 1) * int64_t(ffn), hidden, 4, rng), up((E + 1) * int64_t(ffn), hidden, 4, rng);
-  RandomQuant down((E + 1) * int64_t(hidden), ffn, 4, rng);
+  RandomQuant gate((E + 1) * int64_t(ffn), hidden, bits, rng), up((E + 1) * int64_t(ffn), hidden, bits, rng);
+  RandomQuant down((E + 1) * int64_t(hidden), ffn, bits, rng);
   const int n_sel = k + 1;
   std::vector<int32_t> ids(n_sel);
   std::vector<float> w(n_sel);
@@ -642,6 +642,8 @@ TEST(CudaMoe, ExpertsRealShape) { check_experts(kExperts, kTopK, kHidden, kFfn, 
 TEST(CudaMoe, ExpertsSmallShapes) {
   check_experts(16, 4, 256, 128, 20);
   check_experts(32, 8, 512, 128, 21);
+  check_experts(16, 4, 256, 128, 22, 8);  // 8-bit experts: the down kernel's 4-slot chunks (5 slots)
+  check_experts(64, 12, 256, 192, 23);    // 13 slots: two 8-slot chunks; 3 groups per row
 }
 
 /// Mean time of `launch` over `reps` back-to-back launches on the default stream (µs).

@@ -58,35 +58,84 @@ __global__ void __launch_bounds__(kMoeThreads) expert_gate_up_kernel(DeviceQuant
     act[(static_cast<int64_t>(t) * n_sel + slot) * ffn + i] = to_bf16(silu(gv) * uv);
 }
 
-/// grid (row blocks, m): output rows r of token t; loops over the n_sel slots in order.
+constexpr int kDownThreads = 128;  // half of kMoeThreads: twice the blocks (128 at hidden 2048)
+constexpr int kDownWarps = kDownThreads / kWarp;
+
+/// grid (row blocks, m): output rows r of token t. All slots' activation rows are staged in one
+/// pass; then the slots are visited in chunks whose weight loads (up to 8 slots at 4-bit, 4 at
+/// 8-bit) are all issued before the first is used, and combined in slot order (the shared
+/// expert, slot n_sel − 1, last): out = bf16(Σ_s w_s · bf16(W_down[e_s] act_s)), fp32.
 template <int BITS>
-__global__ void __launch_bounds__(kMoeThreads) expert_down_combine_kernel(DeviceQuant down, int hidden,
-                                                                          const int32_t* __restrict__ ids,
-                                                                          const float* __restrict__ weights, int n_sel,
-                                                                          const bf16* __restrict__ act,
-                                                                          bf16* __restrict__ out) {
+__global__ void __launch_bounds__(kDownThreads) expert_down_combine_kernel(DeviceQuant down, int hidden,
+                                                                           const int32_t* __restrict__ ids,
+                                                                           const float* __restrict__ weights, int n_sel,
+                                                                           const bf16* __restrict__ act,
+                                                                           bf16* __restrict__ out) {
+  constexpr int kInFlight = BITS == 4 ? 8 : 4;
+  constexpr int kVecs = kGroupVecs<BITS>;
   pdl_prologue();
   extern __shared__ float smem[];
   const int ffn = down.cols, groups = ffn / kGroup;
   const int t = blockIdx.y;
-  // Stage every slot's activation row: slot s at smem + s·groups·(stride+1).
+  // Slot s: staged fp32 row at smem + s·per_slot (group g at g·kGroupStride), group sums after it.
   const int per_slot = slot_stride_floats(ffn);
-  for (int s = 0; s < n_sel; ++s)
-    stage_row(act + (static_cast<int64_t>(t) * n_sel + s) * ffn, ffn, smem + s * per_slot,
-              smem + s * per_slot + groups * kGroupStride);
+  const bf16* a = act + static_cast<int64_t>(t) * n_sel * ffn;
+  for (int i = threadIdx.x; i < n_sel * ffn; i += blockDim.x) {
+    const int s = i / ffn, c = i % ffn;
+    smem[s * per_slot + (c / kGroup) * kGroupStride + c % kGroup] = to_f32(a[i]);
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  for (int sg = warp; sg < n_sel * groups; sg += kDownWarps) {
+    const int s = sg / groups, g = sg % groups;
+    const float* xg = smem + s * per_slot + g * kGroupStride;
+    const float v = warp_sum(xg[lane] + xg[lane + 32]);
+    if (lane == 0) smem[s * per_slot + groups * kGroupStride + g] = v;
+  }
+  __syncthreads();
+
   const int L = lanes_per_row(groups), RW = kWarp / L;
-  const int lane = threadIdx.x % kWarp, lane_row = lane / L, lane_in = lane % L;
-  const int r = blockIdx.x * (kMoeWarps * RW) + (threadIdx.x / kWarp) * RW + lane_row;
+  const int lane_row = lane / L, lane_in = lane % L;
+  const int r = blockIdx.x * (kDownWarps * RW) + warp * RW + lane_row;
   const bool valid = r < hidden;
+  const int wpr = ffn * BITS / 32;
+  const int32_t* tok_ids = ids + static_cast<int64_t>(t) * n_sel;
+  const float* tok_w = weights + static_cast<int64_t>(t) * n_sel;
   float acc = 0.0f;
-  for (int s = 0; s < n_sel; ++s) {
-    const int64_t e = ids[static_cast<int64_t>(t) * n_sel + s];
-    const int64_t row[1] = {valid ? e * hidden + r : -1};
-    float d[1];
-    const float* xs = smem + s * per_slot;
-    rows_partial<BITS, 1>(down, row, xs, xs + groups * kGroupStride, lane_in, L, d);
-    const float dv = round_bf16(group_sum(d[0], L));
-    acc += weights[static_cast<int64_t>(t) * n_sel + s] * dv;
+  for (int s0 = 0; s0 < n_sel; s0 += kInFlight) {
+    int64_t row[kInFlight];
+    float d[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      row[j] = (valid && s0 + j < n_sel) ? static_cast<int64_t>(tok_ids[s0 + j]) * hidden + r : -1;
+      d[j] = 0.0f;
+    }
+    for (int g = lane_in; g < groups; g += L) {
+      uint4 q[kInFlight][kVecs];
+      float sc[kInFlight], bi[kInFlight];
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j) {  // every load of the chunk first ...
+        if (row[j] < 0) continue;
+        const uint4* gw = reinterpret_cast<const uint4*>(down.codes + row[j] * wpr + g * (64 * BITS / 32));
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) q[j][v] = __ldg(gw + v);
+        const int64_t sb = row[j] * groups + g;
+        sc[j] = to_f32(down.scales[sb]);
+        bi[j] = to_f32(down.biases[sb]);
+      }
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j) {  // ... then the arithmetic (as rows_partial)
+        if (row[j] < 0) continue;
+        const float* xs = smem + (s0 + j) * per_slot;
+        d[j] += sc[j] * group_qdot_regs<BITS>(q[j], xs + g * kGroupStride) + bi[j] * xs[groups * kGroupStride + g];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      if (s0 + j >= n_sel) break;  // uniform over the block
+      const float dv = round_bf16(group_sum(d[j], L));
+      acc += tok_w[s0 + j] * dv;
+    }
   }
   if (valid && lane_in == 0) out[static_cast<int64_t>(t) * hidden + r] = to_bf16(acc);
 }
@@ -130,9 +179,9 @@ void launch_expert_down_combine(const DeviceQuant& down, int hidden, const int32
     throw ::lily::Error("expert down_proj: " + std::to_string(n_sel) + " experts × ffn " + std::to_string(down.cols) +
                         " exceed the kernel's shared-memory staging");
   const int L = lanes_per_row(down.groups_per_row());
-  const int rows_per_block = kMoeWarps * (kWarp / L);
+  const int rows_per_block = kDownWarps * (kWarp / L);
   const dim3 grid(static_cast<unsigned>(ceil_div(hidden, rows_per_block)), m);
-  launch_pdl(down.bits == 4 ? expert_down_combine_kernel<4> : expert_down_combine_kernel<8>, grid, dim3(kMoeThreads),
+  launch_pdl(down.bits == 4 ? expert_down_combine_kernel<4> : expert_down_combine_kernel<8>, grid, dim3(kDownThreads),
              smem, stream, down, hidden, ids, weights, n_sel, act, out);
 }
 

@@ -87,16 +87,17 @@ __host__ __device__ inline int lanes_per_row(int groups) {
   return l;
 }
 
-/// Σ_i q_i·x_i over one 64-group: `gw` the group's 64·BITS/32 code words (16-byte aligned),
-/// `xg` the staged fp32 activations of that group.
+/// uint4 loads per 64-group: 2 (4-bit) or 4 (8-bit).
 template <int BITS>
-__device__ __forceinline__ float group_qdot(const uint4* __restrict__ gw, const float* __restrict__ xg) {
-  constexpr int kVecs = 64 * BITS / 32 / 4;  // uint4 loads per group: 2 (4-bit) or 4 (8-bit)
+constexpr int kGroupVecs = 64 * BITS / 32 / 4;
+
+/// Σ_i q_i·x_i over one 64-group whose code words are already in registers (`q`, loaded from
+/// the group's 16-byte aligned words), `xg` the staged fp32 activations of that group.
+template <int BITS>
+__device__ __forceinline__ float group_qdot_regs(const uint4 (&q)[kGroupVecs<BITS>], const float* __restrict__ xg) {
+  constexpr int kVecs = kGroupVecs<BITS>;
   constexpr int kPer = 32 / BITS;            // elements per word
   constexpr uint32_t kMask = (1u << BITS) - 1u;
-  uint4 q[kVecs];
-#pragma unroll
-  for (int v = 0; v < kVecs; ++v) q[v] = __ldg(gw + v);
   float acc = 0.0f;
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
@@ -116,6 +117,16 @@ __device__ __forceinline__ float group_qdot(const uint4* __restrict__ gw, const 
     }
   }
   return acc;
+}
+
+/// Σ_i q_i·x_i over one 64-group: `gw` the group's 64·BITS/32 code words (16-byte aligned),
+/// `xg` the staged fp32 activations of that group.
+template <int BITS>
+__device__ __forceinline__ float group_qdot(const uint4* __restrict__ gw, const float* __restrict__ xg) {
+  uint4 q[kGroupVecs<BITS>];
+#pragma unroll
+  for (int v = 0; v < kGroupVecs<BITS>; ++v) q[v] = __ldg(gw + v);
+  return group_qdot_regs<BITS>(q, xg);
 }
 
 /// Prefetches into L2 what this lane reads of matrix row `row` (its 64-groups g = lane_in,
