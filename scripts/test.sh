@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command: builds lily (and its CUDA code when nvcc is present), runs every CPU test
-# (GoogleTest units and goldens, Node black-box tests), then repeats the C++ tests under
-# AddressSanitizer + UndefinedBehaviorSanitizer. GPU tests (label `gpu`) run on an H200 via
-# scripts/gpu-check.sh, not here.
+# (GoogleTest units and goldens, Node black-box tests), then repeats the C++ tests and the
+# server's Node tests under AddressSanitizer + UndefinedBehaviorSanitizer. GPU tests (label
+# `gpu`) run on an H200 via scripts/gpu-check.sh, not here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=$(nproc)
@@ -13,8 +13,11 @@ ctest --test-dir build -LE gpu --output-on-failure -j "$JOBS" --timeout 900
 
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLILY_SANITIZE=ON -DLILY_CUDA=OFF >/dev/null
 cmake --build build-asan -j "$JOBS"
+# Unit tests, plus the Node tests that start `lily serve` (label `server`: black-box server
+# tests and the short soak) against this build's lily; a sanitizer report aborts the process
+# (abort_on_error / halt_on_error) and the test harness fails on it and on any unclean exit.
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan -L unit --output-on-failure -j "$JOBS" --timeout 1800
+  ctest --test-dir build-asan -L 'unit|server' --output-on-failure -j "$JOBS" --timeout 1800
 
 # Fuzzing (issue 7): every libFuzzer target of tests/fuzz, built with clang + ASan/UBSan in
 # build-fuzz; fails on any crash, leak or time-out. Here a fixed number of inputs from a fixed

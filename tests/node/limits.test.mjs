@@ -1,13 +1,14 @@
-// Connection-level limits and start-up states of `lily serve` (issue 7 item 5, issue 4): a client
-// that stops reading (--write-timeout), the connection cap (--max-connections), /health with an
-// API key (--health-requires-key), the warning for a non-loopback bind without a key, and the
-// answers while the model is still loading.
+// Connection-level limits and start-up states of `lily serve` (issue 7 item 5, issue 4): the
+// connection cap (--max-connections), /health with an API key (--health-requires-key), the
+// warning for a non-loopback bind without a key, and the answers while the model is still
+// loading. A client that stops reading (--write-timeout) is tested in C++
+// (tests/unit/server/test_serve_slow_reader.cpp): it needs a small SO_RCVBUF, which Node cannot set.
 // Run: LILY_BIN=build/lily node --test tests/node/limits.test.mjs
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import net from 'node:net';
 import {
-  MODEL, chat, longPrompt, metrics, rawRequest, sleep, startServer, stopServer, waitForMetrics,
+  MODEL, chat, metrics, rawRequest, sleep, startServer, stopServer,
 } from './server_harness.mjs';
 
 const user = (content) => ({ role: 'user', content });
@@ -19,15 +20,6 @@ function connect(server) {
   return new Promise((resolve, reject) => {
     const sock = net.connect(Number(u.port), u.hostname, () => resolve(sock));
     sock.once('error', reject);
-  });
-}
-
-/** Resolves once `sock` is closed; rejects after `ms` (a hang). */
-function closed(sock, ms) {
-  return new Promise((resolve, reject) => {
-    if (sock.destroyed) return resolve();
-    const timer = setTimeout(() => reject(new Error(`the connection is still open after ${ms} ms`)), ms);
-    sock.on('close', () => { clearTimeout(timer); resolve(); });
   });
 }
 
@@ -46,45 +38,6 @@ function exchange(sock, text, ms = 30000) {
     sock.write(text);
   });
 }
-
-describe('--write-timeout: a client that stops reading', () => {
-  it('is cut off: its generation is cancelled and the connection closed, the server keeps serving', async () => {
-    // A small kernel send buffer (--send-buffer) lets the stream fill it within a few hundred
-    // tokens; the default auto-tuned buffers hold megabytes, more than the demo model writes.
-    const server = await startServer(['--write-timeout', '2', '--send-buffer', '4096']);
-    try {
-      const before = await metrics(server);
-      assert.equal(before.get('lily_generations_cancelled_total'), 0);
-      // Paused before it connects, Node never reads from this socket, so the kernel's receive
-      // buffer stays at its initial size (reading would let it grow to hundreds of KB).
-      const u = new URL(server.url);
-      const sock = net.connect(Number(u.port), u.hostname);
-      sock.pause();
-      sock.on('error', () => {});
-      // Greedy decoding of this prompt on the demo model runs for over 1,300 tokens (≈ 280 KB of
-      // SSE), more than the send buffer plus the client's receive buffer (≈ 150 KB).
-      const body = JSON.stringify({ model: MODEL, messages: [user(longPrompt(5, 50))], max_tokens: 3000, stream: true });
-      sock.write(`POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n` +
-                 `Content-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`);
-      const m = await waitForMetrics(server, (x) => x.get('lily_generations_cancelled_total') >= 1, 300000);
-      assert.equal(m.get('lily_generations_cancelled_total'), 1,
-        'the stalled stream was never given up (or the answer was too short to fill the buffers)');
-      assert.ok(m.get('lily_completion_tokens_total') < 3000);
-      const idle = await waitForMetrics(server, (x) => x.get('lily_requests_running') === 0, 30000);
-      assert.equal(idle.get('lily_requests_running'), 0);
-      assert.match(server.log, /POST \/v1\/chat\/completions 200 \d+ms .*error="cancelled"/);
-      // The server closed that connection: once we drain what was buffered we see the end.
-      sock.resume();
-      await closed(sock, 30000);
-      // Other clients are served normally.
-      assert.equal((await rawRequest(server, 'GET', '/health')).status, 200);
-      const ok = await chat(server, { model: MODEL, messages: [user('hi')], max_tokens: 2 });
-      assert.equal(ok.status, 200, ok.body);
-    } finally {
-      await stopServer(server);
-    }
-  });
-});
 
 describe('--max-connections', () => {
   it('answers a connection beyond the cap with 503 at once; admitted ones keep working', async () => {
