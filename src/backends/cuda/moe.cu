@@ -30,30 +30,61 @@ __host__ __device__ inline int slot_stride_floats(int ffn) { return ((ffn / kGro
 constexpr int kMoeThreads = 256;
 constexpr int kMoeWarps = kMoeThreads / kWarp;
 
-/// grid (row blocks, n_sel, m): rows i of expert ids[t, k]; writes act[t, k, i].
+/// Loads (code words, scale, bias) of 64-group g of matrix row `row` into registers; row < 0
+/// loads nothing.
+template <int BITS>
+__device__ __forceinline__ void load_group(const DeviceQuant& w, int64_t row, int g, uint4 (&q)[kGroupVecs<BITS>],
+                                           float& scale, float& bias) {
+  if (row < 0) return;
+  const int groups = w.cols / kGroup, wpr = w.cols * BITS / 32;
+  const uint4* gw = reinterpret_cast<const uint4*>(w.codes + row * wpr + g * (64 * BITS / 32));
+#pragma unroll
+  for (int v = 0; v < kGroupVecs<BITS>; ++v) q[v] = __ldg(gw + v);
+  const int64_t sb = row * groups + g;
+  scale = to_f32(w.scales[sb]);
+  bias = to_f32(w.biases[sb]);
+}
+
+/// grid (row blocks, n_sel, m): rows i of expert ids[t, k]; writes act[t, k, i]. The expert id
+/// and the lane's first gate/up groups are loaded before the activation row is staged, so the
+/// weight fetch overlaps the staging. Per row: rows_partial's arithmetic (groups g = lane_in,
+/// lane_in + L, … accumulated in order from 0).
 template <int BITS>
 __global__ void __launch_bounds__(kMoeThreads) expert_gate_up_kernel(DeviceQuant gate, DeviceQuant up, int ffn,
                                                                      const int32_t* __restrict__ ids, int n_sel,
                                                                      const bf16* __restrict__ x, bf16* __restrict__ act) {
+  constexpr int kVecs = kGroupVecs<BITS>;
   pdl_prologue();
   extern __shared__ float smem[];
   const int groups = gate.cols / kGroup;
   float* xs = smem;
   float* xsum = smem + groups * kGroupStride;
   const int t = blockIdx.z, slot = blockIdx.y;
-  stage_row(x + static_cast<int64_t>(t) * gate.cols, gate.cols, xs, xsum);
   const int64_t e = ids[static_cast<int64_t>(t) * n_sel + slot];
   const int L = lanes_per_row(groups), RW = kWarp / L;
   const int lane = threadIdx.x % kWarp, lane_row = lane / L, lane_in = lane % L;
   const int rows_per_block = kMoeWarps * RW;
   const int i = blockIdx.x * rows_per_block + (threadIdx.x / kWarp) * RW + lane_row;
   const bool valid = i < ffn;
-  const int64_t r[1] = {valid ? e * ffn + i : -1};
-  float g[1], u[1];
-  rows_partial<BITS, 1>(gate, r, xs, xsum, lane_in, L, g);
-  rows_partial<BITS, 1>(up, r, xs, xsum, lane_in, L, u);
-  const float gv = round_bf16(group_sum(g[0], L));
-  const float uv = round_bf16(group_sum(u[0], L));
+  const int64_t r = valid && lane_in < groups ? e * ffn + i : -1;
+  uint4 qg[kVecs], qu[kVecs];
+  float sg = 0.0f, bg = 0.0f, su = 0.0f, bu = 0.0f;
+  load_group<BITS>(gate, r, lane_in, qg, sg, bg);
+  load_group<BITS>(up, r, lane_in, qu, su, bu);
+  stage_row(x + static_cast<int64_t>(t) * gate.cols, gate.cols, xs, xsum);
+  float ga = 0.0f, ua = 0.0f;
+  if (r >= 0) {
+    ga += sg * group_qdot_regs<BITS>(qg, xs + lane_in * kGroupStride) + bg * xsum[lane_in];
+    ua += su * group_qdot_regs<BITS>(qu, xs + lane_in * kGroupStride) + bu * xsum[lane_in];
+    for (int g = lane_in + L; g < groups; g += L) {
+      load_group<BITS>(gate, r, g, qg, sg, bg);
+      load_group<BITS>(up, r, g, qu, su, bu);
+      ga += sg * group_qdot_regs<BITS>(qg, xs + g * kGroupStride) + bg * xsum[g];
+      ua += su * group_qdot_regs<BITS>(qu, xs + g * kGroupStride) + bu * xsum[g];
+    }
+  }
+  const float gv = round_bf16(group_sum(ga, L));
+  const float uv = round_bf16(group_sum(ua, L));
   if (valid && lane_in == 0)
     act[(static_cast<int64_t>(t) * n_sel + slot) * ffn + i] = to_bf16(silu(gv) * uv);
 }
@@ -62,21 +93,38 @@ constexpr int kDownThreads = 128;  // half of kMoeThreads: twice the blocks (128
 constexpr int kDownWarps = kDownThreads / kWarp;
 
 /// grid (row blocks, m): output rows r of token t. All slots' activation rows are staged in one
-/// pass; then the slots are visited in chunks whose weight loads (up to 8 slots at 4-bit, 4 at
-/// 8-bit) are all issued before the first is used, and combined in slot order (the shared
-/// expert, slot n_sel − 1, last): out = bf16(Σ_s w_s · bf16(W_down[e_s] act_s)), fp32.
+/// pass; then the slots are visited in chunks whose weight loads (up to 9 slots at 4-bit, 4 at
+/// 8-bit) are all issued before the first is used (the first chunk's before the staging), and
+/// combined in slot order (the shared expert, slot n_sel − 1, last):
+/// out = bf16(Σ_s w_s · bf16(W_down[e_s] act_s)), fp32.
 template <int BITS>
 __global__ void __launch_bounds__(kDownThreads) expert_down_combine_kernel(DeviceQuant down, int hidden,
                                                                            const int32_t* __restrict__ ids,
                                                                            const float* __restrict__ weights, int n_sel,
                                                                            const bf16* __restrict__ act,
                                                                            bf16* __restrict__ out) {
-  constexpr int kInFlight = BITS == 4 ? 8 : 4;
+  constexpr int kInFlight = BITS == 4 ? 9 : 4;  // 9 = top-8 + the shared expert in one chunk
   constexpr int kVecs = kGroupVecs<BITS>;
   pdl_prologue();
   extern __shared__ float smem[];
   const int ffn = down.cols, groups = ffn / kGroup;
   const int t = blockIdx.y;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int L = lanes_per_row(groups), RW = kWarp / L;
+  const int lane_row = lane / L, lane_in = lane % L;
+  const int r = blockIdx.x * (kDownWarps * RW) + warp * RW + lane_row;
+  const bool valid = r < hidden;
+  const int32_t* tok_ids = ids + static_cast<int64_t>(t) * n_sel;
+  const float* tok_w = weights + static_cast<int64_t>(t) * n_sel;
+  // The first chunk's rows and this lane's first group of each, fetched before the staging.
+  int64_t row[kInFlight];
+  uint4 q[kInFlight][kVecs];
+  float sc[kInFlight], bi[kInFlight];
+#pragma unroll
+  for (int j = 0; j < kInFlight; ++j) {
+    row[j] = (valid && j < n_sel && lane_in < groups) ? static_cast<int64_t>(tok_ids[j]) * hidden + r : -1;
+    load_group<BITS>(down, row[j], lane_in, q[j], sc[j], bi[j]);
+  }
   // Slot s: staged fp32 row at smem + s·per_slot (group g at g·kGroupStride), group sums after it.
   const int per_slot = slot_stride_floats(ffn);
   const bf16* a = act + static_cast<int64_t>(t) * n_sel * ffn;
@@ -85,7 +133,6 @@ __global__ void __launch_bounds__(kDownThreads) expert_down_combine_kernel(Devic
     smem[s * per_slot + (c / kGroup) * kGroupStride + c % kGroup] = to_f32(a[i]);
   }
   __syncthreads();
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   for (int sg = warp; sg < n_sel * groups; sg += kDownWarps) {
     const int s = sg / groups, g = sg % groups;
     const float* xg = smem + s * per_slot + g * kGroupStride;
@@ -94,34 +141,19 @@ __global__ void __launch_bounds__(kDownThreads) expert_down_combine_kernel(Devic
   }
   __syncthreads();
 
-  const int L = lanes_per_row(groups), RW = kWarp / L;
-  const int lane_row = lane / L, lane_in = lane % L;
-  const int r = blockIdx.x * (kDownWarps * RW) + warp * RW + lane_row;
-  const bool valid = r < hidden;
-  const int wpr = ffn * BITS / 32;
-  const int32_t* tok_ids = ids + static_cast<int64_t>(t) * n_sel;
-  const float* tok_w = weights + static_cast<int64_t>(t) * n_sel;
   float acc = 0.0f;
   for (int s0 = 0; s0 < n_sel; s0 += kInFlight) {
-    int64_t row[kInFlight];
     float d[kInFlight];
 #pragma unroll
     for (int j = 0; j < kInFlight; ++j) {
-      row[j] = (valid && s0 + j < n_sel) ? static_cast<int64_t>(tok_ids[s0 + j]) * hidden + r : -1;
+      if (s0 > 0)
+        row[j] = (valid && s0 + j < n_sel && lane_in < groups) ? static_cast<int64_t>(tok_ids[s0 + j]) * hidden + r : -1;
       d[j] = 0.0f;
     }
     for (int g = lane_in; g < groups; g += L) {
-      uint4 q[kInFlight][kVecs];
-      float sc[kInFlight], bi[kInFlight];
+      if (s0 > 0 || g != lane_in) {  // chunk 0's first group is already in registers
 #pragma unroll
-      for (int j = 0; j < kInFlight; ++j) {  // every load of the chunk first ...
-        if (row[j] < 0) continue;
-        const uint4* gw = reinterpret_cast<const uint4*>(down.codes + row[j] * wpr + g * (64 * BITS / 32));
-#pragma unroll
-        for (int v = 0; v < kVecs; ++v) q[j][v] = __ldg(gw + v);
-        const int64_t sb = row[j] * groups + g;
-        sc[j] = to_f32(down.scales[sb]);
-        bi[j] = to_f32(down.biases[sb]);
+        for (int j = 0; j < kInFlight; ++j) load_group<BITS>(down, row[j], g, q[j], sc[j], bi[j]);  // all loads first ...
       }
 #pragma unroll
       for (int j = 0; j < kInFlight; ++j) {  // ... then the arithmetic (as rows_partial)
