@@ -18,7 +18,8 @@ namespace lily::cuda {
 /// y[m, w.rows] = x[m, w.cols] · bf16(W)ᵀ on tensor cores (mma.sync m16n8k16 bf16, fp32
 /// accumulation). x: bf16 row-major [m, cols]; exactly one of y_bf16 / y_f32 ([m, rows],
 /// row-major) is non-null (bf16 rounded once; fp32 not rounded). Any m ≥ 1 (tail rows masked),
-/// any rows ≥ 1 (tail columns masked). Throws lily::Error for bits ∉ {4, 8} or cols not a
+/// any rows ≥ 1 (tail columns masked). x and w.codes must be 16-byte aligned (cp.async), as
+/// device allocations are; y 8-byte aligned. Throws lily::Error for bits ∉ {4, 8} or cols not a
 /// positive multiple of 64; lily::InternalError for m ≤ 0 or a wrong output choice.
 void launch_quant_gemm(const DeviceQuant& w, const __nv_bfloat16* x, int m, __nv_bfloat16* y_bf16, float* y_f32,
                        cudaStream_t stream);
