@@ -252,7 +252,7 @@ std::vector<int> ranking(const std::vector<float>& logits, int E) {
   return order;
 }
 
-enum class RouterTies { kNone, kThreeWayTop, kAtTheCut };
+enum class RouterTies { kNone, kThreeWayTop, kAtTheCut, kNanLogits };
 
 /// Fused router vs (a) the unfused launch_quant_gemv + launch_router_topk pair and (b) the CPU
 /// reference (cpu::route_top_k on CPU-computed logits). Ties are made exact by duplicating
@@ -262,7 +262,12 @@ void check_router_fused(int E, int k, int hidden, int bits, int m, uint64_t seed
   RandomQuant w(E + 1, hidden, bits, rng);
   const std::vector<float> x = random_bf16_values(int64_t(m) * hidden, rng);
   std::vector<int> tied;  // expert ids that must tie exactly (token 0)
-  if (ties != RouterTies::kNone) {
+  if (ties == RouterTies::kNanLogits) {  // NaN scales: NaN logits for experts 2 and E − 3
+    for (int row : {2, E - 3}) {
+      for (int g = 0; g < hidden / 64; ++g) w.scales[size_t(row) * (hidden / 64) + g] = 0x7FC0;
+    }
+    cuda::upload(w.d_scales.as<uint16_t>(), w.scales.data(), w.scales.size());
+  } else if (ties != RouterTies::kNone) {
     const std::vector<int> order = ranking(cpu_router_logits(w, x.data()), E);
     if (ties == RouterTies::kThreeWayTop) {
       const int top = order[0], a = top == 0 ? 1 : 0, b = top == E - 1 ? E - 2 : E - 1;
@@ -306,9 +311,17 @@ void check_router_fused(int E, int k, int hidden, int bits, int m, uint64_t seed
       EXPECT_EQ(cnt[t], 0) << "block counter not reset";
       const float* frow = fl.data() + size_t(t) * (E + 1);
       const float* urow = ul.data() + size_t(t) * (E + 1);
-      std::vector<double> uref(urow, urow + E + 1);
+      std::vector<double> uref;
+      for (int e = 0; e <= E; ++e)
+        if (!std::isnan(urow[e])) uref.push_back(urow[e]);
       const double floor = rms(uref);
-      for (int e = 0; e <= E; ++e) ASSERT_NEAR(frow[e], urow[e], 1e-6 * (std::fabs(urow[e]) + floor)) << "logit " << e;
+      for (int e = 0; e <= E; ++e) {
+        if (std::isnan(urow[e])) {
+          ASSERT_TRUE(std::isnan(frow[e])) << "logit " << e;
+          continue;
+        }
+        ASSERT_NEAR(frow[e], urow[e], 1e-6 * (std::fabs(urow[e]) + floor)) << "logit " << e;
+      }
       if (t == 0) {
         for (int id : tied) EXPECT_EQ(frow[id], frow[tied[0]]) << "duplicated rows must tie exactly";
       }
@@ -316,6 +329,10 @@ void check_router_fused(int E, int k, int hidden, int bits, int m, uint64_t seed
       for (int s = 0; s <= k; ++s) {
         EXPECT_EQ(fid[t * (k + 1) + s], uid[t * (k + 1) + s]) << "slot " << s;
         EXPECT_NEAR(fw[t * (k + 1) + s], uw[t * (k + 1) + s], 1e-6) << "slot " << s;
+      }
+      if (ties == RouterTies::kNanLogits) {  // NaN never wins
+        for (int s = 0; s < k; ++s) EXPECT_TRUE(fid[t * (k + 1) + s] != 2 && fid[t * (k + 1) + s] != E - 3);
+        continue;  // with NaN logits the unfused warp routine (a) is the reference
       }
       // (b) the CPU reference on CPU logits.
       const std::vector<float> cl = cpu_router_logits(w, x.data() + size_t(t) * hidden);
@@ -348,6 +365,10 @@ TEST(CudaRouterFused, RealShapeSeveralTokens) { check_router_fused(kExperts, kTo
 TEST(CudaRouterFused, RealShapeTies) {
   check_router_fused(kExperts, kTopK, kHidden, 8, 1, 33, RouterTies::kThreeWayTop);
   check_router_fused(kExperts, kTopK, kHidden, 8, 2, 34, RouterTies::kAtTheCut);
+}
+TEST(CudaRouterFused, NanLogitsNeverWin) {  // the block routine's fallback to the warp routine
+  check_router_fused(kExperts, kTopK, kHidden, 8, 1, 43, RouterTies::kNanLogits);
+  check_router_fused(16, 4, 256, 8, 2, 44, RouterTies::kNanLogits);
 }
 TEST(CudaRouterFused, DemoShapes) {  // demo model: hidden 256, 16 experts, top-4
   check_router_fused(16, 4, 256, 8, 1, 35, RouterTies::kNone);

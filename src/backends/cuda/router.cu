@@ -3,8 +3,9 @@
 // Every block computes a share of the logit rows with exactly the per-row arithmetic of
 // quant_gemv.cu (rows_partial over L lanes, group_sum), stores them, and counts itself done on a
 // per-token atomic counter; the last block to finish a token row reads that row back and routes
-// it with the warp routine the stand-alone top-k kernel uses (router_topk.cuh). One launch instead
-// of two, and no second launch latency on the decode critical path.
+// it with the whole block (route_token_block: parallel ranks, bit-identical to the warp routine
+// of the stand-alone top-k kernel, which it falls back to when a logit is NaN; router_topk.cuh).
+// One launch instead of two, and no second launch latency on the decode critical path.
 #include <algorithm>
 #include <string>
 
@@ -63,10 +64,9 @@ __global__ void __launch_bounds__(kRouterThreads)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  if (threadIdx.x >= kWarp) return;
-  for (int e = threadIdx.x; e <= E; e += kWarp) rs.logits[e] = __ldcg(out + e);  // L2, not a stale L1 line
-  __syncwarp();
-  route_token_warp(rs, E, k, ids + static_cast<int64_t>(t) * (k + 1), weights + static_cast<int64_t>(t) * (k + 1));
+  for (int e = threadIdx.x; e <= E; e += blockDim.x) rs.logits[e] = __ldcg(out + e);  // L2, not a stale L1 line
+  __syncthreads();
+  route_token_block(rs, E, k, ids + static_cast<int64_t>(t) * (k + 1), weights + static_cast<int64_t>(t) * (k + 1));
 }
 
 int sm_count() {

@@ -17,6 +17,8 @@ struct RouteScratch {
   float logits[kMaxExperts + 1];  ///< the token's logits: E router logits, then the shared gate
   unsigned char taken[kMaxExperts];
   int sel[kMaxTopK];
+  float ex[kMaxTopK];  ///< exp(l_s − l_0) of the selected (route_token_block)
+  float denom;
 };
 
 /// Called by all 32 lanes of one warp after `rs.logits[0 … E]` holds the token's logits (and a
@@ -61,6 +63,50 @@ __device__ __forceinline__ void route_token_warp(RouteScratch& rs, int E, int k,
     }
     ids[k] = E;
     weights[k] = 1.0f / (1.0f + expf(-sl[E]));
+  }
+}
+
+/// The same routing (bit-identical ids and weights) by a whole block (blockDim.x ≥ 32, all
+/// threads call it after `rs.logits[0 … E]` holds the token's logits and a __syncthreads()):
+/// without NaN, (value descending, id ascending) is a strict total order, so every expert
+/// counts the experts that beat it in parallel and the k with rank < k go to slot = rank — the
+/// order route_token_warp's k passes produce; the weights use the same expf values summed in the
+/// same order. If any router logit is NaN, warp 0 runs route_token_warp (its NaN rule).
+__device__ __forceinline__ void route_token_block(RouteScratch& rs, int E, int k, int32_t* __restrict__ ids,
+                                                  float* __restrict__ weights) {
+  bool nan = false;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) nan |= isnan(rs.logits[e]);
+  if (__syncthreads_or(nan)) {
+    if (threadIdx.x < kWarp) route_token_warp(rs, E, k, ids, weights);
+    return;
+  }
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const float v = rs.logits[e];
+    int rank = 0;
+#pragma unroll 8
+    for (int j = 0; j < E; ++j) {
+      const float u = rs.logits[j];
+      rank += (u > v || (u == v && j < e)) ? 1 : 0;
+    }
+    if (rank < k) rs.sel[rank] = e;
+  }
+  __syncthreads();
+  const float top = rs.logits[rs.sel[0]];
+  if (threadIdx.x < k) rs.ex[threadIdx.x] = expf(rs.logits[rs.sel[threadIdx.x]] - top);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float denom = 0.0f;
+    for (int s = 0; s < k; ++s) denom += rs.ex[s];
+    rs.denom = denom;
+  }
+  __syncthreads();
+  if (threadIdx.x < k) {
+    ids[threadIdx.x] = rs.sel[threadIdx.x];
+    weights[threadIdx.x] = rs.ex[threadIdx.x] / rs.denom;
+  }
+  if (threadIdx.x == 0) {
+    ids[k] = E;
+    weights[k] = 1.0f / (1.0f + expf(-rs.logits[E]));
   }
 }
 
