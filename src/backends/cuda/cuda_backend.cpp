@@ -445,13 +445,29 @@ class CudaBackend final : public Backend {
     if (std::string(mode) == "per-token") return false;
     throw ::lily::Error(std::string("LILY_CUDA_PREFILL must be 'batched' or 'per-token', got '") + mode + "'");
   }
-  // Chunks of up to kPrefillChunk tokens; every layer runs over all rows of a chunk: batched
+  // Chunks of up to prefill_chunk_ tokens; every layer runs over all rows of a chunk: batched
   // GEMVs, the mixer's chunked GDN prefill and causal flash attention, per-row MoE. Only the
   // last prompt row goes through the final norm, lm_head and argmax (model.md §4.4).
   // Status: the whole tests/gpu/test_cuda_e2e.cpp suite passes with it on an H200 except where a
   // test installs a probe sink (which selects the per-token path); see docs/cuda.md.
 
-  static constexpr int kPrefillChunk = 256;
+  static constexpr int kPrefillChunk = 256;  ///< default tokens per chunk
+  static constexpr int kMaxPrefillChunk = 8192;
+
+  /// LILY_CUDA_PREFILL_CHUNK: tokens per prefill chunk, 1 … 8192 (unset: kPrefillChunk). With
+  /// 256 experts nearly every expert's weights are read once per layer per chunk, so larger
+  /// chunks (1–2K) amortize them; a knob for measuring the tensor-core path. Throws lily::Error
+  /// for anything but an integer in range.
+  static int prefill_chunk_from_env() {
+    const char* v = std::getenv("LILY_CUDA_PREFILL_CHUNK");
+    if (!v || !*v) return kPrefillChunk;
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (*end != '\0' || n < 1 || n > kMaxPrefillChunk)
+      throw ::lily::Error(std::string("LILY_CUDA_PREFILL_CHUNK must be an integer in 1…") +
+                          std::to_string(kMaxPrefillChunk) + ", got '" + v + "'");
+    return static_cast<int>(n);
+  }
 
   /// LILY_CUDA_GEMM: unset or "gemv" → batched GEMVs and per-row experts; "tensor-core" → the
   /// tensor-core GEMM for the mixer projections and the grouped expert GEMMs (quant_gemm.h;
@@ -501,7 +517,7 @@ class CudaBackend final : public Backend {
   void allocate_prefill_scratch() {
     if (pre_) return;
     const ModelConfig& c = config();
-    const int64_t T = kPrefillChunk;
+    const int64_t T = prefill_chunk_;
     auto bf = [](int64_t n) { return DeviceBuffer(std::max<int64_t>(n, 1) * sizeof(bf16)); };
     pre_ = std::make_unique<PrefillScratch>();
     pre_->tokens = DeviceBuffer(T * sizeof(int32_t));
@@ -519,7 +535,7 @@ class CudaBackend final : public Backend {
     pre_->act = bf(T * int64_t(c.n_experts_per_tok + 1) * c.moe_ffn_dim);
     if (tensor_core_gemm_) {
       const int n_sel = c.n_experts_per_tok + 1;
-      pre_->grouping = DeviceBuffer(expert_grouping_ints(c.n_experts + 1, kPrefillChunk, n_sel) * sizeof(int32_t));
+      pre_->grouping = DeviceBuffer(expert_grouping_ints(c.n_experts + 1, prefill_chunk_, n_sel) * sizeof(int32_t));
       pre_->slot_out = bf(T * int64_t(n_sel) * c.hidden);
     }
   }
@@ -529,8 +545,8 @@ class CudaBackend final : public Backend {
     const ModelConfig& c = config();
     s.reserve(s.pos + static_cast<int64_t>(tokens.size()));
     int T = 0;
-    for (size_t first = 0; first < tokens.size(); first += kPrefillChunk) {
-      T = static_cast<int>(std::min<size_t>(kPrefillChunk, tokens.size() - first));
+    for (size_t first = 0; first < tokens.size(); first += prefill_chunk_) {
+      T = static_cast<int>(std::min<size_t>(prefill_chunk_, tokens.size() - first));
       CUDA_CHECK(cudaMemcpyAsync(pre_->tokens.data(), tokens.data() + first, T * sizeof(int32_t),
                                  cudaMemcpyHostToDevice, stream_));
       prefill_chunk(s, T);
@@ -626,6 +642,7 @@ class CudaBackend final : public Backend {
   bool batched_prefill_ = true;            ///< false with LILY_CUDA_PREFILL=per-token (see prefill_batched)
   std::unique_ptr<PrefillScratch> pre_;    ///< allocated at the first batched prefill
   bool tensor_core_gemm_ = tensor_core_gemm_from_env();  ///< LILY_CUDA_GEMM=tensor-core (see prefill_project)
+  int prefill_chunk_ = prefill_chunk_from_env();         ///< tokens per prefill chunk (LILY_CUDA_PREFILL_CHUNK)
 };
 
 }  // namespace cuda
