@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Verifies the tensor-core prefill GEMM (src/backends/cuda/quant_gemm.cu, docs/cuda.md) on a GPU
+# machine: builds lily + test_quant_gemm + test_cuda_e2e, runs test_quant_gemm (kernels vs the
+# CPU reference, timing lines), test_cuda_e2e with LILY_CUDA_GEMM=tensor-core (end-to-end vs the
+# CPU backend), then, with LILY_GPU_BENCH=1, lily bench on the 35b-a3b synth at an 8K prompt:
+# the default GEMV prefill, and the tensor-core path at chunks of 256 and 2048 tokens.
+#
+# Usage (device tool, repository root, carry: ["carry/deps"]):
+#   bash scripts/gpu-check-gemm.sh                    # build + both tests (≈ 5 min)
+#   LILY_GPU_BENCH=1 bash scripts/gpu-check-gemm.sh   # + the three benches (≈ 4 more min)
+# Logs go to $OUT (or ./gpu-logs): gemm-check.log, test_quant_gemm.log, e2e-tensor-core.log, bench-*.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-logs}"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gemm-check.log") 2>&1
+export PKG_CONFIG_PATH="$PWD/carry/deps/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+BUILD="${LILY_GPU_BUILD:-build-gpu}"
+status=0
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv || true
+echo "== configure + build (-j16)"
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON \
+  -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 \
+  >"$OUT/gemm-build.log" 2>&1 || { tail -30 "$OUT/gemm-build.log"; echo "configure FAILED"; exit 1; }
+cmake --build "$BUILD" -j16 --target lily test_quant_gemm test_cuda_e2e >>"$OUT/gemm-build.log" 2>&1 ||
+  { grep -E "error|FAILED" "$OUT/gemm-build.log" | head -40; echo "build FAILED"; exit 1; }
+
+echo "== test_quant_gemm"
+timeout 400 "$BUILD/tests/test_quant_gemm" 2>&1 | tee "$OUT/test_quant_gemm.log" | grep -E "^\[ *(OK|FAILED|PASSED) |timing|Failure|error|Expected|Which is" || true
+grep -q "^\[  PASSED  \]" "$OUT/test_quant_gemm.log" && ! grep -q "^\[  FAILED  \]" "$OUT/test_quant_gemm.log" || status=1
+
+echo "== test_cuda_e2e with LILY_CUDA_GEMM=tensor-core"
+LILY_CUDA_GEMM=tensor-core timeout 400 "$BUILD/tests/test_cuda_e2e" 2>&1 | tee "$OUT/e2e-tensor-core.log" |
+  grep -E "^\[ *(OK|FAILED|PASSED|SKIPPED) |Failure" || true
+grep -q "^\[  PASSED  \]" "$OUT/e2e-tensor-core.log" && ! grep -q "^\[  FAILED  \]" "$OUT/e2e-tensor-core.log" || status=1
+
+if [[ "${LILY_GPU_BENCH:-0}" == 1 ]]; then
+  SYN="$(mktemp -d)"
+  echo "== lily synth --preset 35b-a3b"
+  timeout 240 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$SYN/35b" 2>&1 | tail -1 || status=1
+  bench() {  # name, then environment assignments
+    local name="$1"; shift
+    echo "== bench $name (8192-token prompt): $*"
+    env "$@" timeout 300 "$BUILD/lily" bench --backend cuda --model "$SYN/35b" --prompt-len 8192 --decode-steps 16 \
+      --rounds 3 --json-out "$OUT/bench-$name.json" 2>&1 | tail -4 || status=1
+  }
+  bench gemv LILY_CUDA_GEMM=gemv
+  bench tc256 LILY_CUDA_GEMM=tensor-core LILY_CUDA_PREFILL_CHUNK=256
+  bench tc2048 LILY_CUDA_GEMM=tensor-core LILY_CUDA_PREFILL_CHUNK=2048
+  rm -rf "$SYN"
+fi
+echo "== gpu-check-gemm done, status $status"
+exit $status
