@@ -10,6 +10,7 @@
 #include <numeric>
 
 #include "backends/cpu/ops.h"
+#include "backends/cuda/mixer_kernels.h"
 #include "gpu_test_util.h"
 
 namespace lily::test {
@@ -486,6 +487,51 @@ void check_norm_router(int E, int k, int hidden, uint64_t seed) {
 TEST(CudaFusedNorm, RouterShapes) {
   check_norm_router(kExperts, kTopK, kHidden, 57);
   check_norm_router(16, 4, 256, 58);
+}
+
+/// The GDN in-projection with the conv step in its epilogue (FusedConv) against the in-projection
+/// alone followed by gdn_conv_decode: projection, conv output and shifted window bit-identical,
+/// over three consecutive tokens (the window carries state).
+void check_norm_gemv_conv(int n_key_heads, int n_value_heads, int head_dim, int hidden, uint64_t seed) {
+  cuda::GdnDims dims;
+  dims.n_key_heads = n_key_heads;
+  dims.n_value_heads = n_value_heads;
+  dims.key_head_dim = dims.value_head_dim = head_dim;
+  const int C = dims.conv_channels();
+  const int64_t rows = int64_t(C) + dims.value_dim() + 2 * n_value_heads;
+  SCOPED_TRACE("C=" + std::to_string(C) + " rows=" + std::to_string(rows));
+  std::mt19937_64 rng(seed);
+  RandomQuant w(rows, hidden, 4, rng);
+  const std::vector<float> taps = random_bf16_values(int64_t(C) * 4, rng, 0.5f);
+  const std::vector<float> window0 = random_bf16_values(int64_t(C) * 3, rng);
+  DeviceBuffer dtaps = to_device_f32(taps);
+  DeviceBuffer win_a = to_device_bf16(window0), win_b = to_device_bf16(window0);
+  DeviceBuffer proj_a = poisoned(size_t(rows) * 2), proj_b = poisoned(size_t(rows) * 2);
+  DeviceBuffer out_a = poisoned(size_t(C) * 2), out_b = poisoned(size_t(C) * 2);
+  cuda::GdnParams params;
+  params.conv_w = params.A_log = params.dt_bias = params.norm_w = dtaps.as<float>();  // only conv_w is read
+  for (int step = 0; step < 3; ++step) {
+    NormInputs in(hidden, rng);
+    cuda::FusedConv conv;
+    conv.channels = C;
+    conv.taps = dtaps.as<float>();
+    conv.window = win_a.as<__nv_bfloat16>();
+    conv.out = out_a.as<__nv_bfloat16>();
+    cuda::launch_add_rmsnorm_gemv(in.norm(true), in.dx.as<__nv_bfloat16>(), w.view(), proj_a.as<__nv_bfloat16>(), nullptr,
+                                  nullptr, conv);
+    cuda::launch_add_rmsnorm_gemv(in.norm(true), in.dx.as<__nv_bfloat16>(), w.view(), proj_b.as<__nv_bfloat16>(), nullptr,
+                                  nullptr);
+    cuda::gdn_conv_decode(dims, params, proj_b.as<__nv_bfloat16>(), win_b.as<__nv_bfloat16>(), out_b.as<__nv_bfloat16>(),
+                          nullptr);
+    EXPECT_EQ(from_device_bf16(proj_a, rows), from_device_bf16(proj_b, rows)) << "step " << step;
+    EXPECT_EQ(from_device_bf16(out_a, C), from_device_bf16(out_b, C)) << "step " << step;
+    EXPECT_EQ(from_device_bf16(win_a, int64_t(C) * 3), from_device_bf16(win_b, int64_t(C) * 3)) << "step " << step;
+  }
+}
+
+TEST(CudaFusedConv, GdnInProjectionWithConvMatchesConvDecode) {
+  check_norm_gemv_conv(16, 32, 128, kHidden, 60);  // Qwen3.6: C 8192, rows 12352
+  check_norm_gemv_conv(2, 4, 64, 256, 61);         // demo: C 512, rows 776
 }
 
 TEST(CudaFusedNorm, RejectsAliasedResidual) {

@@ -399,8 +399,13 @@ class CudaBackend final : public Backend {
   void gdn_mixer(const DeviceLayer& L, CudaState& s, int slot, const FusedNorm& in_norm) {
     bf16* proj = proj_.as<bf16>();
     const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
-    launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.gdn_in, proj, nullptr, stream_);
-    gdn_conv_decode(gdn_, L.gdn, proj, s.window(slot), conv_out_.as<bf16>(), stream_);
+    // Input norm + in-projection + causal conv step (on the q|k|v rows) in one launch.
+    FusedConv conv;
+    conv.channels = C;
+    conv.taps = L.gdn.conv_w;
+    conv.window = s.window(slot);
+    conv.out = conv_out_.as<bf16>();
+    launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.gdn_in, proj, nullptr, stream_, conv);
     gdn_decode(gdn_, L.gdn, conv_out_.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, s.state(slot),
                mix_tmp_.as<bf16>(), stream_);
     launch_quant_gemv(L.gdn_out, mix_tmp_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);

@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "backends/cuda/common.cuh"
+#include "backends/cuda/gdn_conv.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/mixer_kernels.h"
 
@@ -34,19 +35,11 @@ __device__ __forceinline__ float log_decay(float a, float A_log, float dt_bias) 
 /// β = sigmoid(b), fp32 with the precise exp.
 __device__ __forceinline__ float beta_gate(float b) { return 1.0f / (1.0f + expf(-b)); }
 
-/// silu with the precise exp (matches the CPU reference's std::exp to an ulp).
-__device__ __forceinline__ float silu_precise(float x) { return x / (1.0f + expf(-x)); }
 
 // ---- causal conv -----------------------------------------------------------------------------
 
-/// Σ_t x_t·w[t] in tap order (oldest first) with explicit roundings, so that the decode and
-/// prefill kernels give bit-identical results whatever the compiler contracts.
-__device__ __forceinline__ float conv_dot(float x0, float x1, float x2, float x3, const float* w) {
-  float acc = __fmul_rn(x0, w[0]);
-  acc = __fmaf_rn(x1, w[1], acc);
-  acc = __fmaf_rn(x2, w[2], acc);
-  return __fmaf_rn(x3, w[3], acc);
-}
+// silu_precise, conv_dot and conv_decode_value live in gdn_conv.cuh (shared with the GEMV's
+// conv epilogue, quant_gemv.cu).
 
 /// One conv step per channel: out[c] = bf16(silu(Σ_t win[c][t]·w[c][t] + x[c]·w[c][K−1])),
 /// then window[c] ← (win1, win2, x).
@@ -60,7 +53,7 @@ __global__ void conv_decode_kernel(int C, const float* __restrict__ conv_w,
   const float* w = conv_w + int64_t(c) * kConvK;
   const bf16 x = qkv[c];
   const bf16 w0 = win[0], w1 = win[1], w2 = win[2];
-  out[c] = to_bf16(silu_precise(conv_dot(to_f32(w0), to_f32(w1), to_f32(w2), to_f32(x), w)));
+  out[c] = conv_decode_value(w0, w1, w2, x, w);
   win[0] = w1;
   win[1] = w2;
   win[2] = x;

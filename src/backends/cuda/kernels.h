@@ -73,11 +73,25 @@ struct FusedNorm {
   __nv_bfloat16* normed_out = nullptr;    ///< bf16 [cols]: y
 };
 
+/// The GDN causal-conv decode step (gdn_conv_decode, model.md §3.3 step 2) folded into the
+/// epilogue of the GDN in-projection GEMV, with gdn_conv_decode's exact arithmetic: for each
+/// output row r < channels (the q ‖ k ‖ v rows), x = bf16(y[r]) (y[r] is still stored):
+/// out[r] = bf16(silu(Σ_t window[r][t]·taps[r][t] + x·taps[r][3])), window[r] ← (w1, w2, x).
+struct FusedConv {
+  int channels = 0;                  ///< C (0: no conv); ≤ the GEMV's rows
+  const float* taps = nullptr;       ///< fp32 [C, 4], channel-major (GdnParams::conv_w)
+  __nv_bfloat16* window = nullptr;   ///< bf16 [C, 3], oldest first; shifted in place
+  __nv_bfloat16* out = nullptr;      ///< bf16 [C]; must not alias y
+};
+
 /// launch_add_rmsnorm(x, branch, gain, …) then launch_quant_gemv(w, y, …) in one launch (decode,
-/// m = 1; see FusedNorm). x: bf16 [w.cols]. Throws lily::Error as launch_quant_gemv does, and for
-/// a null gain / x_out / normed_out or an x_out aliasing x or branch.
+/// m = 1; see FusedNorm), optionally followed by the GDN conv step on the first rows (FusedConv,
+/// bf16 output only). x: bf16 [w.cols]. Throws lily::Error as launch_quant_gemv does, and
+/// lily::InternalError for a null gain / x_out / normed_out, an x_out aliasing x or branch, or a
+/// bad FusedConv (null buffers, channels > rows, fp32 output, out aliasing y).
 void launch_add_rmsnorm_gemv(const FusedNorm& norm, const __nv_bfloat16* x, const DeviceQuant& w,
-                             __nv_bfloat16* y_bf16, float* y_f32, cudaStream_t stream);
+                             __nv_bfloat16* y_bf16, float* y_f32, cudaStream_t stream,
+                             const FusedConv& conv = FusedConv{});
 
 /// Router GEMV fused with routing, for decode (performance.md §3 "fused top-k routing"): one
 /// launch computes logits[t] = W x[t] (fp32, exactly launch_quant_gemv's per-row arithmetic; W the

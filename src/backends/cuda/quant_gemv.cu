@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 
+#include "backends/cuda/gdn_conv.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/quant_dot.cuh"
 
@@ -34,10 +35,12 @@ template <>
 __device__ __forceinline__ void store_out<bf16>(bf16* y, int64_t i, float v) { y[i] = to_bf16(v); }
 
 /// grid (blocks, m); x [m, cols]; y [m, rows]. With norm.gain non-null (m = 1), x goes through
-/// the add + RMSNorm of `norm` first (stage_norm_row).
+/// the add + RMSNorm of `norm` first (stage_norm_row); with conv.channels > 0 (m = 1), rows below
+/// it also run the GDN conv step (FusedConv), whose window and taps are loaded before the dot.
 template <int BITS, int U, class OutT>
 __global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x,
-                                                                  OutT* __restrict__ y, FusedNorm norm) {
+                                                                  OutT* __restrict__ y, FusedNorm norm,
+                                                                  FusedConv conv) {
   extern __shared__ float smem[];
   const int groups = w.cols / kGroup;
   const int L = lanes_per_row(groups), RW = kWarp / L;
@@ -66,19 +69,41 @@ __global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w,
       const int64_t r = base + j * RW + lane_row;
       row[j] = r < w.rows ? r : -1;
     }
+    bf16 win[U][3];
+    float taps[U][kGdnConvK];
+    if (conv.channels > 0 && lane_in == 0) {  // conv inputs do not depend on the dot: load them first
+#pragma unroll
+      for (int j = 0; j < U; ++j) {
+        if (row[j] < 0 || row[j] >= conv.channels) continue;
+#pragma unroll
+        for (int i = 0; i < 3; ++i) win[j][i] = conv.window[row[j] * 3 + i];
+#pragma unroll
+        for (int i = 0; i < kGdnConvK; ++i) taps[j][i] = conv.taps[row[j] * kGdnConvK + i];
+      }
+    }
     float acc[U];
     rows_partial<BITS, U>(w, row, xs, xsum, lane_in, L, acc);
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const float v = group_sum(acc[j], L);
-      if (row[j] >= 0 && lane_in == 0) store_out(y, static_cast<int64_t>(t) * w.rows + row[j], v);
+      if (row[j] >= 0 && lane_in == 0) {
+        store_out(y, static_cast<int64_t>(t) * w.rows + row[j], v);
+        if (row[j] < conv.channels) {  // x = the stored bf16 value, as gdn_conv_decode reads it
+          const bf16 xb = to_bf16(v);
+          bf16* wr = conv.window + row[j] * 3;
+          conv.out[row[j]] = conv_decode_value(win[j][0], win[j][1], win[j][2], xb, taps[j]);
+          wr[0] = win[j][1];
+          wr[1] = win[j][2];
+          wr[2] = xb;
+        }
+      }
     }
   }
 }
 
 template <int BITS, class OutT>
 void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream,
-                   const FusedNorm& norm = FusedNorm{}) {
+                   const FusedNorm& norm = FusedNorm{}, const FusedConv& conv = FusedConv{}) {
   const int groups = w.cols / kGroup;
   const int L = lanes_per_row(groups), RW = kWarp / L;
   // Few rows (router, small projections): one row per lane-group, for more warps in flight.
@@ -91,7 +116,7 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
   const int blocks = static_cast<int>(std::min<int64_t>(blocks_needed, static_cast<int64_t>(sm_count()) * 4));
   const size_t smem = staged_row_bytes(w.cols);
   launch_pdl(few_rows ? quant_gemv_kernel<BITS, 1, OutT> : quant_gemv_kernel<BITS, kRowsUnroll, OutT>, dim3(blocks, m),
-             dim3(kGemvThreads), smem, stream, w, x, y, norm);
+             dim3(kGemvThreads), smem, stream, w, x, y, norm, conv);
 }
 
 void check_quant(const DeviceQuant& w, const char* what) {
@@ -139,15 +164,22 @@ void launch_quant_gemv(const DeviceQuant& w, const bf16* x, bf16* y_bf16, float*
 }
 
 void launch_add_rmsnorm_gemv(const FusedNorm& norm, const bf16* x, const DeviceQuant& w, bf16* y_bf16, float* y_f32,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, const FusedConv& conv) {
   check_quant(w, "quant_gemv");
   check_fused_norm(norm, x, "launch_add_rmsnorm_gemv");
   if ((y_bf16 == nullptr) == (y_f32 == nullptr))
     throw ::lily::InternalError("launch_add_rmsnorm_gemv: exactly one output required");
+  if (conv.channels != 0 &&
+      (conv.channels < 0 || conv.channels > w.rows || !conv.taps || !conv.window || !conv.out || !y_bf16 ||
+       conv.out == y_bf16))
+    throw ::lily::InternalError("launch_add_rmsnorm_gemv: bad FusedConv (channels " + std::to_string(conv.channels) +
+                                ", rows " + std::to_string(w.rows) + "; needs taps, window, out ≠ y, bf16 output)");
   if (w.bits == 4) {
-    if (y_f32) gemv_dispatch<4>(w, x, 1, y_f32, stream, norm); else gemv_dispatch<4>(w, x, 1, y_bf16, stream, norm);
+    if (y_f32) gemv_dispatch<4>(w, x, 1, y_f32, stream, norm, conv);
+    else gemv_dispatch<4>(w, x, 1, y_bf16, stream, norm, conv);
   } else {
-    if (y_f32) gemv_dispatch<8>(w, x, 1, y_f32, stream, norm); else gemv_dispatch<8>(w, x, 1, y_bf16, stream, norm);
+    if (y_f32) gemv_dispatch<8>(w, x, 1, y_f32, stream, norm, conv);
+    else gemv_dispatch<8>(w, x, 1, y_bf16, stream, norm, conv);
   }
 }
 
