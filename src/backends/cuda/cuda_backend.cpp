@@ -210,6 +210,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     allocate_scratch();
     batched_prefill_ = batched_prefill_from_env();
+    fuse_decode_ = fuse_decode_from_env();
     (void)pdl_enabled();  // a bad LILY_CUDA_PDL value fails here, not inside the first graph capture
   }
   ~CudaBackend() override {
@@ -357,13 +358,16 @@ class CudaBackend final : public Backend {
     // Every add + RMSNorm is folded into the GEMV that consumes it (FusedNorm): the residual
     // stream ping-pongs x_ → x2_ (input norm, in the mixer's first GEMV) → x_ (post norm, in the
     // router); normed_ holds the latest normed row (the expert kernels read it).
+    // With LILY_CUDA_FUSE=0 the residual stays in x_ and the norms are separate kernels.
+    const DeviceBuffer& resid = fuse_decode_ ? x2_ : x_;  // the residual right after an input/final norm's add
     for (int l = 0; l < c.n_layers; ++l) {
       const DeviceLayer& L = model_->layers[l];
       const FusedNorm in_norm = fused_norm(l == 0 ? nullptr : moe_out_.as<bf16>(), L.input_norm, x2_);
+      if (!fuse_decode_) separate_norm(in_norm);
       if (L.type == LayerType::kLinearAttention) gdn_mixer(L, s, layer_slot_[l], in_norm);
       else attention_mixer(L, s, layer_slot_[l], d_pos, d_len, in_norm);
       if (probing) {
-        if (l > 0) emit("layer_out", l - 1, pos, x2_.as<bf16>(), c.hidden);
+        if (l > 0) emit("layer_out", l - 1, pos, resid.as<bf16>(), c.hidden);
         emit("attn_norm", l, pos, normed_.as<bf16>(), c.hidden);
         emit("mixer_out", l, pos, mixer_out_.as<bf16>(), c.hidden);
       }
@@ -374,15 +378,36 @@ class CudaBackend final : public Backend {
         emit("ffn_out", l, pos, moe_out_.as<bf16>(), c.hidden);
       }
     }
-    launch_add_rmsnorm_gemv(fused_norm(moe_out_.as<bf16>(), model_->final_norm, x2_), x_.as<bf16>(), model_->lm_head,
-                            nullptr, logits_.as<float>(), stream_);
+    const FusedNorm final_norm = fused_norm(moe_out_.as<bf16>(), model_->final_norm, x2_);
+    if (fuse_decode_) {
+      launch_add_rmsnorm_gemv(final_norm, x_.as<bf16>(), model_->lm_head, nullptr, logits_.as<float>(), stream_);
+    } else {
+      separate_norm(final_norm);
+      launch_quant_gemv(model_->lm_head, normed_.as<bf16>(), nullptr, logits_.as<float>(), stream_);
+    }
     if (probing) {
-      emit("layer_out", c.n_layers - 1, pos, x2_.as<bf16>(), c.hidden);
+      emit("layer_out", c.n_layers - 1, pos, resid.as<bf16>(), c.hidden);
       emit("final_norm", -1, pos, normed_.as<bf16>(), c.hidden);
     }
     launch_argmax(logits_.as<float>(), c.vocab, argmax_v_.as<float>(), argmax_i_.as<int32_t>(),
                   io_dev_.as<int32_t>() + 3, stream_);
     if (probing) emit_f32("logits", -1, pos, logits_.as<float>(), c.vocab);
+  }
+
+  /// LILY_CUDA_FUSE: unset or "1" → the decode step folds every add + RMSNorm and the GDN conv
+  /// step into the GEMVs that consume them (FusedNorm, FusedConv); "0" → the earlier separate
+  /// kernels (add_rmsnorm, GEMV, gdn_conv_decode, router GEMV + top-k), kept to measure the
+  /// fusions and to bisect. Throws lily::Error for any other value.
+  static bool fuse_decode_from_env() {
+    const char* v = std::getenv("LILY_CUDA_FUSE");
+    if (!v || !*v || std::string(v) == "1") return true;
+    if (std::string(v) == "0") return false;
+    throw ::lily::Error(std::string("LILY_CUDA_FUSE must be '0' or '1', got '") + v + "'");
+  }
+
+  /// The unfused form of a FusedNorm (LILY_CUDA_FUSE=0): add + RMSNorm in place on x_.
+  void separate_norm(const FusedNorm& n) {
+    launch_add_rmsnorm(x_.as<bf16>(), n.branch, n.gain, normed_.as<bf16>(), 1, config().hidden, n.eps, stream_);
   }
 
   /// The FusedNorm of a decode step: x ← (x + branch) into x_out, normed into normed_.
@@ -405,7 +430,12 @@ class CudaBackend final : public Backend {
     conv.taps = L.gdn.conv_w;
     conv.window = s.window(slot);
     conv.out = conv_out_.as<bf16>();
-    launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.gdn_in, proj, nullptr, stream_, conv);
+    if (fuse_decode_) {
+      launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.gdn_in, proj, nullptr, stream_, conv);
+    } else {
+      launch_quant_gemv(L.gdn_in, normed_.as<bf16>(), proj, nullptr, stream_);
+      gdn_conv_decode(gdn_, L.gdn, proj, s.window(slot), conv_out_.as<bf16>(), stream_);
+    }
     gdn_decode(gdn_, L.gdn, conv_out_.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, s.state(slot),
                mix_tmp_.as<bf16>(), stream_);
     launch_quant_gemv(L.gdn_out, mix_tmp_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
@@ -415,7 +445,8 @@ class CudaBackend final : public Backend {
                        const FusedNorm& in_norm) {
     bf16* proj = proj_.as<bf16>();
     const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim, kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
-    launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.attn_in, proj, nullptr, stream_);
+    if (fuse_decode_) launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.attn_in, proj, nullptr, stream_);
+    else launch_quant_gemv(L.attn_in, normed_.as<bf16>(), proj, nullptr, stream_);
     const KvCacheView kv = s.kv(slot);
     attention_prepare(attn_, 1, proj, L.attn_in.rows, proj + qg, proj + qg + kvw, L.attn_in.rows, L.q_norm, L.k_norm,
                       0, d_pos, kv, q_out_.as<bf16>(), stream_);
@@ -430,9 +461,16 @@ class CudaBackend final : public Backend {
     const int k = c.n_experts_per_tok;
     // Post norm (x2_ + mixer_out_ → x_, normed_) + router GEMV + top-k in one launch (the logits
     // are still written, for the probes).
-    launch_add_rmsnorm_router_fused(fused_norm(mixer_out_.as<bf16>(), L.post_norm, x_), x2_.as<bf16>(), L.router,
-                                    c.n_experts, k, router_logits_.as<float>(), expert_ids_.as<int32_t>(),
-                                    expert_w_.as<float>(), router_done_.as<uint32_t>(), stream_);
+    if (fuse_decode_) {
+      launch_add_rmsnorm_router_fused(fused_norm(mixer_out_.as<bf16>(), L.post_norm, x_), x2_.as<bf16>(), L.router,
+                                      c.n_experts, k, router_logits_.as<float>(), expert_ids_.as<int32_t>(),
+                                      expert_w_.as<float>(), router_done_.as<uint32_t>(), stream_);
+    } else {
+      separate_norm(fused_norm(mixer_out_.as<bf16>(), L.post_norm, x_));
+      launch_quant_gemv(L.router, normed_.as<bf16>(), nullptr, router_logits_.as<float>(), stream_);
+      launch_router_topk(router_logits_.as<float>(), 1, c.n_experts, k, expert_ids_.as<int32_t>(),
+                         expert_w_.as<float>(), stream_);
+    }
     launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, expert_ids_.as<int32_t>(), k + 1, normed_.as<bf16>(), 1,
                           act_.as<bf16>(), stream_);
     launch_expert_down_combine(L.down, c.hidden, expert_ids_.as<int32_t>(), expert_w_.as<float>(), k + 1,
@@ -645,6 +683,7 @@ class CudaBackend final : public Backend {
   DeviceBuffer router_logits_, expert_ids_, expert_w_, logits_, argmax_v_, argmax_i_, io_dev_, attn_ws_;
   size_t attn_ws_bytes_ = 0;
   bool batched_prefill_ = true;            ///< false with LILY_CUDA_PREFILL=per-token (see prefill_batched)
+  bool fuse_decode_ = true;                ///< false with LILY_CUDA_FUSE=0 (see fuse_decode_from_env)
   std::unique_ptr<PrefillScratch> pre_;    ///< allocated at the first batched prefill
   bool tensor_core_gemm_ = tensor_core_gemm_from_env();  ///< LILY_CUDA_GEMM=tensor-core (see prefill_project)
   int prefill_chunk_ = prefill_chunk_from_env();         ///< tokens per prefill chunk (LILY_CUDA_PREFILL_CHUNK)
