@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Verifies and measures the decode latency work (docs/cuda.md "Decode latency work": programmatic
+# dependent launch, fused router + top-k, norms and the GDN conv folded into GEMVs, expert kernel
+# changes) on a GPU machine: builds lily + test_cuda_core_kernels + test_cuda_e2e, runs both test
+# binaries (kernels vs the CPU reference and vs the unfused kernels, PDL chains under graphs,
+# end-to-end vs the CPU backend, PDL on/off and fused/separate bit-identity, timing lines), then,
+# with LILY_GPU_BENCH=1, lily bench on the 35b-a3b synth (256-token prompt, 64 decode steps) in
+# the four combinations LILY_CUDA_PDL=0/1 × LILY_CUDA_FUSE=0/1.
+#
+# Usage (device tool, repository root, carry: ["carry/deps"]):
+#   bash scripts/gpu-check-decode.sh                    # build + both tests
+#   LILY_GPU_BENCH=1 bash scripts/gpu-check-decode.sh   # + synth (≈ 30 s) + the four benches
+# Logs go to $OUT (or ./gpu-logs): decode-check.log, decode-build.log, core-kernels.log, e2e.log,
+# bench-pdl<0|1>-fuse<0|1>.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-logs}"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/decode-check.log") 2>&1
+export PKG_CONFIG_PATH="$PWD/carry/deps/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+BUILD="${LILY_GPU_BUILD:-build-gpu}"
+status=0
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv || true
+echo "== configure + build (-j16)"
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON \
+  -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 \
+  >"$OUT/decode-build.log" 2>&1 || { tail -30 "$OUT/decode-build.log"; echo "configure FAILED"; exit 1; }
+cmake --build "$BUILD" -j16 --target lily test_cuda_core_kernels test_cuda_e2e >>"$OUT/decode-build.log" 2>&1 ||
+  { grep -E "error|FAILED" "$OUT/decode-build.log" | head -40; echo "build FAILED"; exit 1; }
+
+run_test() {  # binary, log name
+  echo "== $1"
+  timeout 500 "$BUILD/tests/$1" 2>&1 | tee "$OUT/$2" |
+    grep -E "^\[ *(OK|FAILED|PASSED|SKIPPED) |\[timing\]|bit-identical|Failure|Expected|Which is" || true
+  grep -q "^\[  PASSED  \]" "$OUT/$2" && ! grep -q "^\[  FAILED  \]" "$OUT/$2" || status=1
+}
+run_test test_cuda_core_kernels core-kernels.log
+run_test test_cuda_e2e e2e.log
+
+if [[ "${LILY_GPU_BENCH:-0}" == 1 ]]; then
+  SYN="$(mktemp -d)"
+  echo "== lily synth --preset 35b-a3b"
+  timeout 240 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$SYN/35b" 2>&1 | tail -1 || status=1
+  for pdl in 0 1; do
+    for fuse in 0 1; do
+      echo "== bench LILY_CUDA_PDL=$pdl LILY_CUDA_FUSE=$fuse (256-token prompt, 64 decode steps)"
+      LILY_CUDA_PDL=$pdl LILY_CUDA_FUSE=$fuse timeout 300 "$BUILD/lily" bench --backend cuda --model "$SYN/35b" \
+        --prompt-len 256 --decode-steps 64 --rounds 3 --json-out "$OUT/bench-pdl$pdl-fuse$fuse.json" 2>&1 | tail -4 ||
+        status=1
+    done
+  done
+  rm -rf "$SYN"
+fi
+echo "== gpu-check-decode done, status $status"
+exit $status
