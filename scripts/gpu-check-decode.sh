@@ -13,21 +13,12 @@
 # Logs go to $OUT (or ./gpu-logs): decode-check.log, decode-build.log, core-kernels.log, e2e.log,
 # bench-pdl<0|1>-fuse<0|1>.json.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu-logs}"
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu-common.sh"
 exec > >(tee -a "$OUT/decode-check.log") 2>&1
-export PKG_CONFIG_PATH="$PWD/carry/deps/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
-BUILD="${LILY_GPU_BUILD:-build-gpu}"
 status=0
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv || true
-echo "== configure + build (-j16)"
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON \
-  -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 \
-  >"$OUT/decode-build.log" 2>&1 || { tail -30 "$OUT/decode-build.log"; echo "configure FAILED"; exit 1; }
-cmake --build "$BUILD" -j16 --target lily test_cuda_core_kernels test_cuda_e2e >>"$OUT/decode-build.log" 2>&1 ||
-  { grep -E "error|FAILED" "$OUT/decode-build.log" | head -40; echo "build FAILED"; exit 1; }
+gpu_build decode-build.log lily test_cuda_core_kernels test_cuda_e2e
 
 run_test() {  # binary, log name
   echo "== $1"

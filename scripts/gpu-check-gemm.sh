@@ -10,21 +10,12 @@
 #   LILY_GPU_BENCH=1 bash scripts/gpu-check-gemm.sh   # + the three benches (≈ 4 more min)
 # Logs go to $OUT (or ./gpu-logs): gemm-check.log, test_quant_gemm.log, e2e-tensor-core.log, bench-*.json.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu-logs}"
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu-common.sh"
 exec > >(tee -a "$OUT/gemm-check.log") 2>&1
-export PKG_CONFIG_PATH="$PWD/carry/deps/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
-BUILD="${LILY_GPU_BUILD:-build-gpu}"
 status=0
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv || true
-echo "== configure + build (-j16)"
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON \
-  -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 \
-  >"$OUT/gemm-build.log" 2>&1 || { tail -30 "$OUT/gemm-build.log"; echo "configure FAILED"; exit 1; }
-cmake --build "$BUILD" -j16 --target lily test_quant_gemm test_cuda_e2e >>"$OUT/gemm-build.log" 2>&1 ||
-  { grep -E "error|FAILED" "$OUT/gemm-build.log" | head -40; echo "build FAILED"; exit 1; }
+gpu_build gemm-build.log lily test_quant_gemm test_cuda_e2e
 
 echo "== test_quant_gemm"
 timeout 400 "$BUILD/tests/test_quant_gemm" 2>&1 | tee "$OUT/test_quant_gemm.log" | grep -E "^\[ *(OK|FAILED|PASSED) |timing|Failure|error|Expected|Which is" || true

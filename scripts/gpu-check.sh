@@ -13,13 +13,9 @@
 # ctest-gpu.log, e2e-per-token-prefill.txt, serve-check.txt and, with LILY_GPU_BENCH=1,
 # bench-realdims.json, bench-matrix.md and bench-json.tar.gz (the device tool returns ≤ 8 files).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu-logs}"
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu-common.sh"
 LOG="$OUT/gpu-check.log"
 exec > >(tee -a "$LOG") 2>&1
-export PKG_CONFIG_PATH="$PWD/carry/deps/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
-BUILD="${LILY_GPU_BUILD:-build-gpu}"
 status=0
 
 # The device tool copies the working tree without .git: pass LILY_COMMIT=<hash> to label the
@@ -28,18 +24,10 @@ echo "== gpu-check $(date -u +%FT%TZ) commit ${LILY_COMMIT:-$(git rev-parse --sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
 nvcc --version | tail -1
 
-echo "== configure"
-t0=$(date +%s)
-rm -f "$BUILD/CMakeCache.txt"  # pick up changed carried .pc files
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON \
-  -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 \
-  >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; echo "configure FAILED"; exit 1; }
-# Only what the checks need: the lily executable and every tests/gpu test binary.
+# Only what the checks need: the lily executable, the device peaks and every tests/gpu binary.
 targets=(lily bench_device_peaks)
 for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
-echo "== build (-j16): ${targets[*]}"
-cmake --build "$BUILD" -j16 --target "${targets[@]}" >>"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -40; echo "build FAILED"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
+gpu_build build.log "${targets[@]}"
 
 echo "== ctest -L gpu"
 ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 400 2>&1 | tee "$OUT/ctest-gpu.log" || status=1
