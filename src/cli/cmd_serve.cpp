@@ -40,6 +40,11 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   cmd->add_option("--cache-bytes", o.cache_bytes, "prefix-cache memory bound in bytes, 0 = none")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-tokens", o.max_tokens_cap,
+                  "most completion tokens per request, and the default when a request omits "
+                  "max_tokens; 0 = bounded by --max-seq only")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--max-queue", o.max_queue, "waiting requests before answering 503")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   cmd->add_option("--max-body", o.max_body, "request body limit in bytes (413 above)")

@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -528,7 +529,12 @@ int64_t LilyServer::checked_max_tokens(const ChatRequest& request, int64_t promp
     throw invalid_request("the prompt has " + std::to_string(prompt_tokens) + " tokens but --max-seq is " +
                               std::to_string(max_seq_) + ", which leaves no room for a completion",
                           "messages", "context_length_exceeded");
-  if (!request.max_tokens) return room;
+  const int64_t cap = options_.max_tokens_cap;
+  if (!request.max_tokens) return cap > 0 ? std::min(room, cap) : room;
+  if (cap > 0 && *request.max_tokens > cap)
+    throw invalid_request("max_tokens (" + std::to_string(*request.max_tokens) + ") exceeds this server's cap of " +
+                              std::to_string(cap) + " (--max-tokens)",
+                          "max_tokens", "max_tokens_exceeded");
   if (*request.max_tokens > room)
     throw invalid_request("prompt (" + std::to_string(prompt_tokens) + " tokens) + max_tokens (" +
                               std::to_string(*request.max_tokens) + ") exceeds --max-seq " +

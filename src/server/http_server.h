@@ -29,6 +29,8 @@ struct ServerOptions {
   int cache_entries = 2;                 ///< prefix cache entries (0 disables the cache)
   int64_t cache_bytes = 0;               ///< prefix cache byte bound (0 = none)
   int max_queue = 16;                    ///< waiting requests before 503
+  int64_t max_tokens_cap = 0;            ///< most completion tokens per request (0 = only the
+                                         ///< context bounds it); also the default max_tokens
   int64_t max_body = 1 << 20;            ///< request body limit in bytes (413 above)
   int max_connections = 64;              ///< open connections served at once, each on its own
                                          ///< thread; more get 503 + `Connection: close` at once

@@ -169,3 +169,33 @@ describe('while the model is loading', () => {
     assert.doesNotMatch(server.log, /serving /);
   });
 });
+
+describe('--max-tokens (the per-request completion cap)', () => {
+  it('is the default max_tokens, and a larger request is a 400 naming max_tokens', async () => {
+    const server = await startServer(['--max-tokens', '5']);
+    try {
+      // No max_tokens: at most 5 tokens (the demo model does not stop that early on this prompt).
+      const omitted = await chat(server, { model: MODEL, messages: [user('Explain CMake presets in detail.')] });
+      assert.equal(omitted.status, 200);
+      assert.equal(omitted.json.usage.completion_tokens, 5);
+      assert.equal(omitted.json.choices[0].finish_reason, 'length');
+      // At the cap: served.
+      const atCap = await chat(server, { model: MODEL, messages: [user('Hello')], max_tokens: 5 });
+      assert.equal(atCap.status, 200);
+      assert.ok(atCap.json.usage.completion_tokens <= 5);
+      // Above it: refused before any work, in OpenAI's error shape.
+      const over = await chat(server, { model: MODEL, messages: [user('Hello')], max_tokens: 6 });
+      assert.equal(over.status, 400);
+      assert.equal(over.json.error.type, 'invalid_request_error');
+      assert.equal(over.json.error.param, 'max_tokens');
+      assert.equal(over.json.error.code, 'max_tokens_exceeded');
+      assert.match(over.json.error.message, /max_tokens \(6\) exceeds this server's cap of 5/);
+    } finally {
+      await stopServer(server);
+    }
+  });
+
+  it('rejects a negative cap on the command line', async () => {
+    await assert.rejects(startServer(['--max-tokens', '-1'], {}, { timeoutMs: 20000 }));
+  });
+});
