@@ -710,7 +710,7 @@ TEST(CudaMoe, ExpertsSmallShapes) {
   check_experts(16, 4, 256, 128, 20);
   check_experts(32, 8, 512, 128, 21);
   check_experts(16, 4, 256, 128, 22, 8);  // 8-bit experts: the down kernel's 4-slot chunks (5 slots)
-  check_experts(64, 12, 256, 192, 23);    // 13 slots: two 8-slot chunks; 3 groups per row
+  check_experts(64, 12, 256, 192, 23);    // 13 slots: chunks of 9 + 4 at 4-bit; 3 groups per row
 }
 
 /// Mean time of `launch` over `reps` back-to-back launches on the default stream (µs).

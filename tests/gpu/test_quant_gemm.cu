@@ -160,6 +160,7 @@ TEST(CudaQuantGemm, AttentionInProjection9216x2048) { check_gemm(9216, kHidden, 
 TEST(CudaQuantGemm, WideOddRowsSmallCols) {
   // 20037 rows: odd width (unpaired stores) and ≥ 132 column tiles of 128 at m ≤ 64.
   check_gemm(20037, 256, 4, false, {7, 40}, 4);
+  check_gemm(20037, 256, 8, false, {7, 40}, 9);  // the 8-bit tiles of width 128
   check_gemm(333, 64, 4, false, {1, 65}, 5);  // one k-tile only
 }
 TEST(CudaQuantGemm, Fp32OutputAnd8Bit) {
@@ -179,6 +180,14 @@ TEST(CudaQuantGemm, RejectsUnsupportedShapes) {
   EXPECT_THROW(cuda::launch_quant_gemm(q, nullptr, 1, nullptr, reinterpret_cast<float*>(16), nullptr), Error);
   q.bits = 4;
   EXPECT_THROW(cuda::launch_quant_gemm(q, nullptr, 0, nullptr, reinterpret_cast<float*>(16), nullptr), InternalError);
+  // Misaligned activations / codes / outputs are refused before any launch.
+  q.codes = reinterpret_cast<const uint32_t*>(64);
+  const auto* x_off = reinterpret_cast<const __nv_bfloat16*>(66);
+  EXPECT_THROW(cuda::launch_quant_gemm(q, x_off, 1, nullptr, reinterpret_cast<float*>(16), nullptr), InternalError);
+  q.codes = reinterpret_cast<const uint32_t*>(68);
+  EXPECT_THROW(cuda::launch_quant_gemm(q, reinterpret_cast<const __nv_bfloat16*>(64), 1, nullptr,
+                                       reinterpret_cast<float*>(16), nullptr),
+               InternalError);
 }
 
 // ---- grouped experts -------------------------------------------------------------------------------
@@ -367,6 +376,10 @@ TEST(CudaGroupedExperts, RealShapeUniformRouting) {
 TEST(CudaGroupedExperts, RealShapeSkewedRouting) {
   // 256 tokens over 12 experts: ~170 rows per expert, several row tiles each with a masked tail.
   check_grouped(kExperts, kTopK, kHidden, kFfn, 256, 12, 41);
+}
+TEST(CudaGroupedExperts, RealShapeRowTile64) {
+  // 1400 tokens × 9 slots = 12,600 assignments ≥ 48 × 257 groups: the row tile of 64.
+  check_grouped(kExperts, kTopK, kHidden, kFfn, 1400, kExperts, 43);
 }
 TEST(CudaGroupedExperts, SmallShapesBothTileHeights) {
   check_grouped(16, 4, 256, 128, 7, 16, 42);    // row tile 32

@@ -113,6 +113,9 @@ class CudaState final : public SequenceState {
       CUDA_CHECK(cudaMemcpy(c->keys[i].data(), keys[i].data(), keys[i].bytes(), cudaMemcpyDeviceToDevice));
       CUDA_CHECK(cudaMemcpy(c->values[i].data(), values[i].data(), values[i].bytes(), cudaMemcpyDeviceToDevice));
     }
+    // Device-to-device cudaMemcpy may return before the copy is done, and it runs on the legacy
+    // stream, which the backend's non-blocking stream is not ordered after: wait here.
+    CUDA_CHECK(cudaDeviceSynchronize());
     c->pos = pos;
     return c;
   }

@@ -38,9 +38,13 @@ class DeviceBuffer {
   size_t bytes() const { return bytes_; }
   bool empty() const { return ptr_ == nullptr; }
 
-  /// Fills the buffer with byte `value` (synchronous).
+  /// Fills the buffer with byte `value` and waits for the device, so that work on any stream
+  /// (also a non-blocking one, which is not ordered after the legacy stream cudaMemset uses)
+  /// sees the bytes. For set-up, not for hot paths.
   void fill_bytes(int value) {
-    if (ptr_) CUDA_CHECK(cudaMemset(ptr_, value, bytes_));
+    if (!ptr_) return;
+    CUDA_CHECK(cudaMemset(ptr_, value, bytes_));
+    CUDA_CHECK(cudaDeviceSynchronize());
   }
 
  private:

@@ -35,12 +35,15 @@ __device__ __forceinline__ void stage_row(const bf16* __restrict__ x, int cols, 
 }
 
 /// Host check of a FusedNorm launch: throws lily::InternalError (a caller bug) for missing
-/// buffers or an x_out aliasing x or branch.
+/// buffers, or for x_out / normed_out aliasing an input or each other (block 0 writes them while
+/// the other blocks still read x and branch).
 inline void check_fused_norm(const FusedNorm& norm, const bf16* x, const char* what) {
   if (!norm.gain || !norm.x_out || !norm.normed_out || !x)
     throw ::lily::InternalError(std::string(what) + ": FusedNorm needs x, gain, x_out and normed_out");
   if (norm.x_out == x || norm.x_out == norm.branch)
     throw ::lily::InternalError(std::string(what) + ": FusedNorm x_out must not alias x or branch");
+  if (norm.normed_out == x || norm.normed_out == norm.branch || norm.normed_out == norm.x_out)
+    throw ::lily::InternalError(std::string(what) + ": FusedNorm normed_out must not alias x, branch or x_out");
 }
 
 /// stage_row with an add + RMSNorm in front (kernels.h FusedNorm; launch_add_rmsnorm's exact

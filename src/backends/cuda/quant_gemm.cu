@@ -548,6 +548,17 @@ void check_grouped(int m, int n_sel, int n_groups, const int32_t* grouping, cons
     throw ::lily::InternalError(std::string(what) + ": need m > 0, n_sel > 0, n_groups > 0 and a grouping buffer");
 }
 
+/// The kernels stage activations and codes with 16-byte cp.async and store output pairs: throws
+/// lily::InternalError (a caller bug) for a pointer that breaks that alignment, rather than
+/// letting the launch fail asynchronously with "misaligned address" (which poisons the context).
+void check_alignment(const GemmParams& p, const char* what) {
+  auto misaligned = [](const void* ptr, uintptr_t a) { return ptr && reinterpret_cast<uintptr_t>(ptr) % a != 0; };
+  if (misaligned(p.a, 16) || misaligned(p.w0.codes, 16) || misaligned(p.w1.codes, 16) || misaligned(p.y_f32, 8) ||
+      misaligned(p.y_bf16, 4))
+    throw ::lily::InternalError(std::string(what) +
+                                ": activations and codes must be 16-byte aligned, outputs 8 (fp32) or 4 (bf16)");
+}
+
 }  // namespace
 
 void launch_quant_gemm(const DeviceQuant& w, const bf16* x, int m, bf16* y_bf16, float* y_f32, cudaStream_t stream) {
@@ -562,6 +573,7 @@ void launch_quant_gemm(const DeviceQuant& w, const bf16* x, int m, bf16* y_bf16,
   p.n = w.rows;
   p.y_bf16 = y_bf16;
   p.y_f32 = y_f32;
+  check_alignment(p, "launch_quant_gemm");
   if (w.bits == 4) {
     if (y_f32) dense_dispatch<4, float>(p, stream); else dense_dispatch<4, bf16>(p, stream);
   } else {
@@ -603,6 +615,7 @@ void launch_quant_gemm_grouped_gate_up(const DeviceQuant& gate, const DeviceQuan
   p.grouping = grouping;
   p.n_groups = n_groups;
   p.n_sel = n_sel;
+  check_alignment(p, "launch_quant_gemm_grouped_gate_up");
   grouped_dispatch<Mode::kGateUp>(p, ceil_div(ffn, 64), stream);
 }
 
@@ -622,6 +635,7 @@ void launch_quant_gemm_grouped_down(const DeviceQuant& down, int hidden, const i
   p.grouping = grouping;
   p.n_groups = n_groups;
   p.n_sel = n_sel;
+  check_alignment(p, "launch_quant_gemm_grouped_down");
   grouped_dispatch<Mode::kDown>(p, ceil_div(hidden, 128), stream);
 }
 
