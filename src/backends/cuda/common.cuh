@@ -67,4 +67,15 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 /// Ceil-div for launch sizes.
 __host__ __device__ constexpr inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/// Streaming multiprocessors of the current device (queried once per process; host only).
+inline int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
 }  // namespace lily::cuda

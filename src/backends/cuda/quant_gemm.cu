@@ -72,16 +72,6 @@ struct GemmParams {
   int n_sel = 1;
 };
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return n;
-}
-
 // ---- PTX wrappers --------------------------------------------------------------------------------
 
 /// 16-byte global → shared async copy; src_bytes = 0 writes 16 zero bytes (masked rows).

@@ -17,16 +17,6 @@ constexpr int kGemvThreads = 256;
 constexpr int kRowsUnroll = 4;  // rows per lane-group per step when there are many rows
 constexpr int kMaxCols = 8192;
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return n;
-}
-
 template <class OutT>
 __device__ __forceinline__ void store_out(OutT* y, int64_t i, float v);
 template <>

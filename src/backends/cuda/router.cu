@@ -69,16 +69,6 @@ __global__ void __launch_bounds__(kRouterThreads)
   route_token_block(rs, E, k, ids + static_cast<int64_t>(t) * (k + 1), weights + static_cast<int64_t>(t) * (k + 1));
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return n;
-}
-
 void router_dispatch(const DeviceQuant& w, const bf16* x, int m, int n_experts, int top_k, float* logits,
                      int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream, const FusedNorm& norm) {
   if ((w.bits != 4 && w.bits != 8) || w.cols <= 0 || w.cols % kGroup != 0 || w.cols > 8192)
