@@ -27,6 +27,7 @@
 import fs from 'node:fs';
 import net from 'node:net';
 import os from 'node:os';
+import { rng } from '../node/prng.mjs';
 import {
   MODEL, assertCleanExit, parseSse, rawRequest, sleep, startServer as startLily,
 } from '../node/server_harness.mjs';
@@ -40,17 +41,6 @@ const READ_TIMEOUT_S = 5;     // --read-timeout: stalled clients are cut after t
 const KEEP_ALIVE_S = 5;       // the server's keep-alive idle time-out (default)
 const RSS_TOLERANCE = { ratio: 0.10, bytes: 16 * 1024 * 1024 };
 
-/** Deterministic PRNG (mulberry32) so that a run can be repeated. */
-function rng(seed) {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
 
 // --- the valid requests: each has a serial reference answer ----------------------------------
 
