@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "backends/cuda/cuda_check.h"
 #include "backends/cuda/device_buffer.h"
 #include "backends/cuda/kernels.h"
 #include "base/bf16.h"
@@ -129,6 +130,24 @@ inline double rms(const std::vector<double>& ref) {
   double s = 0;
   for (double r : ref) s += r * r;
   return std::sqrt(s / double(ref.size()));
+}
+
+/// Mean time of `launch` over `reps` back-to-back launches on the default stream (µs).
+template <class F>
+double time_us(F&& launch, int reps = 200) {
+  for (int i = 0; i < 5; ++i) launch();
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  CUDA_CHECK(cudaEventRecord(a));
+  for (int i = 0; i < reps; ++i) launch();
+  CUDA_CHECK(cudaEventRecord(b));
+  CUDA_CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return 1000.0 * ms / reps;
 }
 
 }  // namespace lily::test

@@ -713,23 +713,6 @@ TEST(CudaMoe, ExpertsSmallShapes) {
   check_experts(64, 12, 256, 192, 23);    // 13 slots: chunks of 9 + 4 at 4-bit; 3 groups per row
 }
 
-/// Mean time of `launch` over `reps` back-to-back launches on the default stream (µs).
-template <class F>
-double time_us(F&& launch, int reps = 200) {
-  for (int i = 0; i < 5; ++i) launch();
-  cudaEvent_t a, b;
-  CUDA_CHECK(cudaEventCreate(&a));
-  CUDA_CHECK(cudaEventCreate(&b));
-  CUDA_CHECK(cudaEventRecord(a));
-  for (int i = 0; i < reps; ++i) launch();
-  CUDA_CHECK(cudaEventRecord(b));
-  CUDA_CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return 1000.0 * ms / reps;
-}
 
 int64_t quant_bytes(const RandomQuant& w) { return w.rows * (int64_t(w.cols) * w.bits / 8 + w.cols / 64 * 4); }
 
