@@ -31,7 +31,7 @@ void ThreadPool::run_blocks() {
     int64_t block;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (next_block_ >= n_blocks_ || error_) break;
+      if (next_block_ >= n_blocks_ || error_ || body_ == nullptr) break;
       block = next_block_++;
     }
     int64_t begin = block * block_;
@@ -93,7 +93,11 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain,
     std::unique_lock<std::mutex> lock(mutex_);
     // Workers that have not woken yet would find no blocks left; wait only for those inside.
     work_done_.wait(lock, [&] { return busy_ == 0 && (next_block_ >= n_blocks_ || error_); });
+    // A worker may still wake for this generation after we return. Leave no blocks to hand
+    // out: after an error some were never taken, and clearing error_ alone would let that
+    // late worker call the body we are about to drop.
     body_ = nullptr;
+    next_block_ = n_blocks_ = 0;
     error = error_;
     error_ = nullptr;
   }

@@ -404,5 +404,22 @@ TEST(CpuThreadPool, RethrowsAndRunsNestedCallsInline) {
   EXPECT_EQ(count.load(), 64);
 }
 
+// Regression (CI segfault): after a job ended by an exception, a worker that woke late for it
+// found blocks left and called the dropped body. Many short throwing jobs make late wake-ups
+// likely; every job after them must still see each index exactly once.
+TEST(CpuThreadPool, LateWorkersNeverRunAFinishedJob) {
+  ThreadPool pool(4);
+  for (int round = 0; round < 3000; ++round) {
+    EXPECT_THROW(pool.parallel_for(64, 1,
+                                   [](int64_t b, int64_t) {
+                                     if (b == 0) throw std::runtime_error("first block fails");
+                                   }),
+                 std::runtime_error);
+    std::atomic<int64_t> covered{0};
+    pool.parallel_for(16, 1, [&](int64_t b, int64_t e) { covered += e - b; });
+    ASSERT_EQ(covered.load(), 16) << "round " << round;
+  }
+}
+
 }  // namespace
 }  // namespace lily::cpu
