@@ -244,8 +244,9 @@ void route_top_k(const float* logits, int n_experts, int k, bool renormalize, in
     probs[e] = std::exp(logits[e] - max_logit);
     sum += probs[e];
   }
+  // Select on the probabilities (not the logits): logits whose exp underflows to the same p
+  // tie, and ties go to the lowest id, as in HF.
   for (int e = 0; e < n_experts; ++e) probs[e] /= sum;
-  float selected_sum = 0.0f;
   for (int slot = 0; slot < k; ++slot) {
     int best = -1;
     for (int e = 0; e < n_experts; ++e) {
@@ -255,11 +256,9 @@ void route_top_k(const float* logits, int n_experts, int k, bool renormalize, in
     }
     taken[best] = 1;
     ids[slot] = best;
-    weights[slot] = probs[best];
-    selected_sum += probs[best];
   }
-  if (renormalize)
-    for (int slot = 0; slot < k; ++slot) weights[slot] /= selected_sum;
+  // The same exp(l − max) / Σ per chosen expert as probs[], so the weights are bit-identical.
+  route_weights(logits, n_experts, ids, k, renormalize, weights);
 }
 
 int32_t argmax(const float* x, int64_t n) {
