@@ -47,8 +47,11 @@ struct Harness {
   }
 };
 
+/// Waits (up to 30 s: sanitizer builds on busy CI machines are slow) until the engine thread
+/// has taken a job; fails the test if it never does.
 void wait_until_running(Scheduler& s) {
-  for (int i = 0; i < 500 && s.running() == 0; ++i) std::this_thread::sleep_for(2ms);
+  for (int i = 0; i < 15000 && s.running() == 0; ++i) std::this_thread::sleep_for(2ms);
+  ASSERT_GT(s.running(), 0) << "the engine thread never started the job";
 }
 
 /// Closes the fake backend's gate and starts a job of `max_tokens` that blocks the engine
