@@ -595,12 +595,15 @@ void LilyServer::handle_chat(const httplib::Request& req, httplib::Response& res
 }
 
 std::optional<JobEvent> LilyServer::next_event(ChatCall& call, const ConnectionWatch& watch, bool& client_gone) {
+  // The connection is checked before every wait, not only when a wait times out: a decode faster
+  // than the wait (tokens every few ms) would otherwise never look, and a whole (non-streamed)
+  // answer whose client left ran to its end.
   while (true) {
-    if (auto e = call.job->next_event(std::chrono::milliseconds(20))) return e;
     if (!client_gone && watch.closed()) {
       client_gone = true;
       scheduler_->cancel(call.job);
     }
+    if (auto e = call.job->next_event(std::chrono::milliseconds(20))) return e;
   }
 }
 

@@ -404,6 +404,41 @@ describe('limits and lifecycle', () => {
     }
   });
 
+  it('a non-streamed request whose client leaves while it decodes stops its generation', async () => {
+    // Tokens come faster than the server's 20 ms event wait: it used to look at the connection
+    // only when a wait timed out, so a whole answer ran to its end after the client had gone.
+    // This prompt decodes 827 tokens before its stop token (several seconds here). One engine
+    // thread and slow polling leave the decode unhindered, so its tokens keep coming quickly.
+    const server = await startServer(['--threads', '1']);
+    try {
+      const before = await metrics(server);
+      const req = http.request(new URL('/v1/chat/completions', server.url), {
+        method: 'POST', headers: { 'Content-Type': 'application/json' }, agent: false,
+      });
+      req.on('error', () => {});
+      req.end(JSON.stringify({ model: MODEL, messages: [user(longPrompt(3, 200))], max_tokens: 2000 }));
+      let decoding = false;
+      for (let i = 0; i < 3000 && !decoding; i++) {
+        const m = await metrics(server);
+        decoding = m.get('lily_inter_token_latency_seconds_count') > before.get('lily_inter_token_latency_seconds_count');
+        if (!decoding) await sleep(5);
+      }
+      assert.ok(decoding, 'the request never started decoding');
+      req.destroy();
+      let m;
+      for (let i = 0; i < 600; i++) {
+        m = await metrics(server);
+        if (m.get('lily_requests_running') === 0) break;
+        await sleep(100);
+      }
+      assert.equal(m.get('lily_requests_running'), 0);
+      assert.equal(m.get('lily_generations_cancelled_total'), before.get('lily_generations_cancelled_total') + 1);
+      assert.ok(m.get('lily_completion_tokens_total') - before.get('lily_completion_tokens_total') < 827);
+    } finally {
+      await stopServer(server);
+    }
+  });
+
   it('answers 503 with Retry-After when the queue is full', async () => {
     const server = await startServer(['--max-queue', '1']);
     try {
