@@ -22,13 +22,14 @@
 #include "base/error.h"
 #include "cli/commands.h"
 #include "engine/backend.h"
+#include "engine/model_paths.h"
 #include "model/loader.h"
 
 namespace lily::cli {
 namespace {
 
 struct BenchFlags {
-  std::string model = "models/demo";
+  std::string model;  ///< empty: the repository's models/demo (as serve and generate)
   int64_t prompt_len = 256;
   int decode_steps = 64;
   int rounds = 3;
@@ -170,7 +171,7 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
 void register_bench(CLI::App& app, int& exit_code) {
   auto f = std::make_shared<BenchFlags>();
   auto* cmd = app.add_subcommand("bench", "Measure prefill (TTFT) and decode tok/s with the serving.md §6 contract");
-  cmd->add_option("--model", f->model, "checkpoint directory")->capture_default_str();
+  cmd->add_option("--model", f->model, "checkpoint directory (default: the repository's models/demo)");
   cmd->add_option("--prompt-len", f->prompt_len, "synthetic prompt tokens")->capture_default_str();
   cmd->add_option("--decode-steps", f->decode_steps, "measured decode steps")->capture_default_str();
   cmd->add_option("--rounds", f->rounds, "measured rounds (median reported)")->capture_default_str();
@@ -178,6 +179,7 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores")->capture_default_str();
   cmd->add_option("--json-out", f->json_out, "write the JSON report here");
   cmd->callback([f, &exit_code] {
+    f->model = model_dir_or_default(f->model).string();
     const std::vector<std::string> argv = {"lily bench --model", f->model, "--prompt-len", std::to_string(f->prompt_len),
                                            "--decode-steps", std::to_string(f->decode_steps), "--rounds",
                                            std::to_string(f->rounds), "--backend", f->backend};

@@ -2,7 +2,10 @@
 // per-step times, a digest that repeats across rounds and equals the FNV-1a of the ids that
 // `lily generate` produces for the same synthetic prompt — and its option errors.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -76,6 +79,32 @@ TEST(BenchCli, ReportFollowsTheContractAndMatchesGenerate) {
   ASSERT_EQ(generated.size(), size_t(steps + 1)) << "generate stopped early: " << gen.output;
   EXPECT_EQ(report["rounds"][0]["first_token_id"], generated[0]);
   EXPECT_EQ(report["rounds"][0]["digest"], fnv1a_hex({generated.begin() + 1, generated.end()}));
+}
+
+// Without --model, bench finds the repository's models/demo next to its executable, as serve and
+// generate do, whatever the working directory (it used to open ./models/demo and fail with
+// "models/demo: not a checkpoint directory" anywhere but the repository root). A copy of the
+// executable beside a models/demo link stands for a build inside the repository.
+TEST(BenchCli, WithoutModelUsesTheDemoModelNextToTheExecutable) {
+  test::TempDir dir;
+  std::filesystem::copy_file(test::binary_dir() / "lily", dir.path() / "lily");
+  std::filesystem::create_directory(dir.path() / "models");
+  std::filesystem::create_directory_symlink(test::demo_model_dir(), dir.path() / "models" / "demo");
+  std::filesystem::create_directory(dir.path() / "elsewhere");
+  const auto report_path = dir.path() / "bench.json";
+  const std::string cmd = "cd " + quoted(dir.path() / "elsewhere") + " && " + quoted(dir.path() / "lily") +
+                          " bench --backend cpu --threads 2 --prompt-len 4 --decode-steps 2 --rounds 1 --json-out " +
+                          quoted(report_path) + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string output;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) output.append(buf, n);
+  const int status = ::pclose(p);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
+  const auto report = nlohmann::json::parse(std::ifstream(report_path));
+  EXPECT_EQ(std::filesystem::path(report["meta"]["model"].get<std::string>()), dir.path() / "models" / "demo");
 }
 
 TEST(BenchCli, BadOptionsAreRefused) {
