@@ -9,6 +9,7 @@
 #include <exception>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -408,10 +409,15 @@ void remove_old_weights(const std::filesystem::path& dir) {
   }
 }
 
-/// Checks `--tokenizer` against the preset's vocabulary, copies it (and the tokenizer_config.json
-/// / chat_template.jinja beside it, if any) into `out`, and points the config's eos ids at its
-/// <|im_end|> / <|endoftext|> tokens when it has them.
-void install_tokenizer(const std::filesystem::path& file, const std::filesystem::path& out, ordered_json& config) {
+/// The stop-token ids a `--tokenizer` file names (-1: absent).
+struct TokenizerStopIds {
+  int64_t im_end = -1;     ///< id of <|im_end|>
+  int64_t endoftext = -1;  ///< id of <|endoftext|>
+};
+
+/// Reads `--tokenizer` and checks its ids against the preset's vocabulary. Writes nothing, so a
+/// bad file is refused before the output directory is created or its old weights are removed.
+TokenizerStopIds check_tokenizer(const std::filesystem::path& file, const ordered_json& config) {
   std::ifstream in(file, std::ios::binary);
   if (!in || !std::filesystem::is_regular_file(file)) throw Error("--tokenizer " + file.string() + ": no such file");
   nlohmann::json tok;
@@ -438,6 +444,15 @@ void install_tokenizer(const std::filesystem::path& file, const std::filesystem:
   if (max_id >= vocab)
     throw Error("--tokenizer " + file.string() + " has token id " + std::to_string(max_id) +
                 ", outside this preset's vocabulary of " + std::to_string(vocab));
+  return {im_end, endoftext};
+}
+
+/// Copies a checked `--tokenizer` (and the tokenizer_config.json / chat_template.jinja beside it,
+/// if any) into `out`, and points the config's eos ids at its <|im_end|> / <|endoftext|> tokens
+/// when it has them.
+void install_tokenizer(const std::filesystem::path& file, const TokenizerStopIds& ids,
+                       const std::filesystem::path& out, ordered_json& config) {
+  const int64_t im_end = ids.im_end, endoftext = ids.endoftext;
   ordered_json eos = ordered_json::array();
   if (im_end >= 0) eos.push_back(im_end);
   if (endoftext >= 0) eos.push_back(endoftext);
@@ -520,10 +535,12 @@ SynthResult write_synthetic_checkpoint(const SynthOptions& options) {
   std::error_code ec;
   if (std::filesystem::exists(options.out, ec) && !std::filesystem::is_directory(options.out, ec))
     throw Error("--out " + options.out.string() + " exists and is not a directory");
+  std::optional<TokenizerStopIds> tokenizer_ids;
+  if (!options.tokenizer.empty()) tokenizer_ids = check_tokenizer(options.tokenizer, preset.config);
   std::filesystem::create_directories(options.out, ec);
   if (ec) throw Error("cannot create " + options.out.string() + ": " + ec.message());
   remove_old_weights(options.out);
-  if (!options.tokenizer.empty()) install_tokenizer(options.tokenizer, options.out, preset.config);
+  if (tokenizer_ids) install_tokenizer(options.tokenizer, *tokenizer_ids, options.out, preset.config);
 
   SynthResult result;
   result.config = parse_model_config(nlohmann::json::parse(preset.config.dump()), "synth preset " + preset.name);

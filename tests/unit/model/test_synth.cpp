@@ -381,6 +381,37 @@ TEST(Synth, TokenizerIsCopiedAndSetsTheStopIds) {
   EXPECT_THROW(write_synthetic_checkpoint(o), Error);
 }
 
+// A bad --tokenizer is refused before anything is written: an existing checkpoint in --out keeps
+// its weights (they used to be removed first, then the tokenizer check failed), and a missing
+// --out is not created.
+TEST(Synth, BadTokenizerChangesNothing) {
+  test::TempDir dir;
+  SynthOptions o;
+  o.preset = "tiny";
+  o.seed = 3;
+  o.out = dir.path() / "out";
+  write_synthetic_checkpoint(o);
+  const std::string weights = read_file(o.out / "model.safetensors");
+  const std::string config = read_file(o.out / "config.json");
+  ASSERT_FALSE(weights.empty());
+
+  std::ofstream(dir.path() / "not_json.json") << "{\"model\":";
+  nlohmann::json too_big = {{"model", {{"type", "BPE"}, {"vocab", {{"a", 0}, {"b", 5000}}}}}};
+  std::ofstream(dir.path() / "too_big.json") << too_big.dump();
+  for (const char* bad : {"missing.json", "not_json.json", "too_big.json"}) {
+    o.tokenizer = dir.path() / bad;
+    o.seed = 4;
+    o.out = dir.path() / "out";
+    EXPECT_THROW(write_synthetic_checkpoint(o), Error) << bad;
+    EXPECT_EQ(read_file(o.out / "model.safetensors"), weights) << bad;
+    EXPECT_EQ(read_file(o.out / "config.json"), config) << bad;
+    EXPECT_FALSE(fs::exists(o.out / "tokenizer.json")) << bad;
+    o.out = dir.path() / "new";
+    EXPECT_THROW(write_synthetic_checkpoint(o), Error) << bad;
+    EXPECT_FALSE(fs::exists(o.out)) << bad;
+  }
+}
+
 TEST(Synth, BadOptionsAreErrors) {
   test::TempDir dir;
   SynthOptions o;
