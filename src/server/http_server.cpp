@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -427,9 +428,12 @@ httplib::Server::HandlerResponse LilyServer::pre_route(const httplib::Request& r
   }
   if (!options_.api_key.empty() && (req.path != "/health" || options_.health_requires_key)) {
     const std::string auth = req.get_header_value("Authorization");
-    const std::string prefix = "Bearer ";
-    const bool ok = auth.size() > prefix.size() && auth.compare(0, prefix.size(), prefix) == 0 &&
-                    constant_time_equal(std::string_view(auth).substr(prefix.size()), options_.api_key);
+    // The scheme is case-insensitive (RFC 9110 §11.1): "bearer KEY" is as good as "Bearer KEY".
+    const std::string prefix = "bearer ";
+    bool scheme_ok = auth.size() > prefix.size();
+    for (size_t i = 0; scheme_ok && i < prefix.size(); ++i)
+      scheme_ok = std::tolower(static_cast<unsigned char>(auth[i])) == prefix[i];
+    const bool ok = scheme_ok && constant_time_equal(std::string_view(auth).substr(prefix.size()), options_.api_key);
     if (!ok) {
       send_error(res, ApiError(401, "invalid_request_error",
                                auth.empty() ? "missing API key: send 'Authorization: Bearer <key>'"

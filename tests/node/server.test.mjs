@@ -481,6 +481,13 @@ describe('limits and lifecycle', () => {
       assert.equal((await rawRequest(server, 'GET', '/v1/models')).status, 401);
       const ok = await rawRequest(server, 'GET', '/v1/models', { headers: { Authorization: 'Bearer from-env' } });
       assert.equal(ok.status, 200);
+      // The auth scheme is case-insensitive (RFC 9110 §11.1); the key is not.
+      for (const scheme of ['bearer', 'BEARER']) {
+        const r = await rawRequest(server, 'GET', '/v1/models', { headers: { Authorization: `${scheme} from-env` } });
+        assert.equal(r.status, 200, scheme);
+      }
+      const wrongCase = await rawRequest(server, 'GET', '/v1/models', { headers: { Authorization: 'Bearer FROM-ENV' } });
+      assert.equal(wrongCase.status, 401);
     } finally {
       await stopServer(server);
     }
