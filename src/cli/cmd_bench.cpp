@@ -176,7 +176,9 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_option("--decode-steps", f->decode_steps, "measured decode steps")->capture_default_str();
   cmd->add_option("--rounds", f->rounds, "measured rounds (median reported)")->capture_default_str();
   cmd->add_option("--backend", f->backend, "cpu | cuda | auto")->capture_default_str();
-  cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores")->capture_default_str();
+  cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores")
+      ->capture_default_str()
+      ->check(integer_at_least(0));
   cmd->add_option("--json-out", f->json_out, "write the JSON report here");
   cmd->callback([f, &exit_code] {
     f->model = model_dir_or_default(f->model).string();

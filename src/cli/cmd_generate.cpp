@@ -161,7 +161,9 @@ void register_generate(CLI::App& app, int& exit_code) {
   cmd->add_option("--stop", f->stop, "stop string (repeatable)");
   cmd->add_flag("--json", f->json, "print one JSON object instead of streaming text");
   cmd->add_option("--backend", f->backend, "cpu | cuda | auto")->capture_default_str();
-  cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores")->capture_default_str();
+  cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores")
+      ->capture_default_str()
+      ->check(integer_at_least(0));
   cmd->callback([f, &exit_code] {
     run_generate(*f);
     exit_code = 0;

@@ -29,7 +29,7 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
   cmd->add_option("--port", f.port, "listen port (overrides the port of --bind; 0 = any free port)")
       ->check(CLI::Range(0, 65535));
   cmd->add_option("--max-seq", f.max_seq, "most tokens per sequence, prompt + completion "
-                  "(default: the checkpoint's max_position_embeddings; at most 262144)")->check(CLI::NonNegativeNumber);
+                  "(default: the checkpoint's max_position_embeddings; at most 262144)")->check(integer_at_least(0));
   cmd->add_option("--api-key", o.api_key, "require 'Authorization: Bearer KEY' (default: $LILY_API_KEY)");
   cmd->add_flag("--health-requires-key", o.health_requires_key, "with an API key, /health needs it too "
                "(default: /health stays open)");
@@ -37,32 +37,33 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
   cmd->add_option("--served-model-name", o.served_model_name, "model name clients must send "
                   "(default: Qwen3.6-35B-A3B for that shape, else the directory name)");
   cmd->add_option("--cache-entries", o.cache_entries, "prefix-cache entries, 0 disables the cache")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(integer_at_least(0));
   cmd->add_option("--cache-bytes", o.cache_bytes, "prefix-cache memory bound in bytes, 0 = none")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(integer_at_least(0));
   cmd->add_option("--max-tokens", o.max_tokens_cap,
                   "most completion tokens per request, and the default when a request omits "
                   "max_tokens; 0 = bounded by --max-seq only")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(integer_at_least(0));
   cmd->add_option("--max-queue", o.max_queue, "waiting requests before answering 503")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(integer_at_least(0));
   cmd->add_option("--max-body", o.max_body, "request body limit in bytes (413 above)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--threads", o.threads, "CPU backend threads, 0 = all cores")->capture_default_str();
+      ->capture_default_str()->check(integer_at_least(1));
+  cmd->add_option("--threads", o.threads, "CPU backend threads, 0 = all cores")
+      ->capture_default_str()->check(integer_at_least(0));
   cmd->add_option("--max-connections,--http-threads", o.max_connections,
                   "open connections served at once, each on its own thread; more get 503 and are closed")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(integer_at_least(1));
   cmd->add_option("--send-buffer", o.send_buffer, "kernel send buffer per connection in bytes, 0 = auto-tuned "
                   "(a small one makes a client that stops reading hit --write-timeout sooner)")
       ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   cmd->add_option("--read-timeout", o.read_timeout_s, "seconds a client may take to send a request")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(integer_at_least(1));
   cmd->add_option("--write-timeout", o.write_timeout_s, "seconds a client may take to accept response bytes "
                   "(a stream whose client stops reading is cancelled after this)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(integer_at_least(1));
   cmd->add_option("--shutdown-grace", o.shutdown_grace_s, "seconds running work may finish after SIGINT/SIGTERM")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(integer_at_least(0));
 }
 
 server::ServerOptions resolve(ServeFlags& f) {

@@ -1,9 +1,16 @@
 // Subcommands of the single `lily` executable. Each register_* adds its CLI11 subcommand;
 // its callback runs the command and stores the process exit code in `exit_code`.
 #pragma once
+#include <string>
+
 #include <CLI/CLI.hpp>
 
 namespace lily::cli {
+
+/// CLI11 check for an integer option that must be at least `min`: "--threads: must be an integer
+/// >= 0, got '-2'". (CLI11 2.1's NonNegativeNumber / PositiveNumber print a range up to DBL_MAX
+/// written out in 300 digits, and call 0 "not in range 0 to ..." for PositiveNumber.)
+CLI::Validator integer_at_least(long long min);
 
 void register_generate(CLI::App& app, int& exit_code);
 void register_synth(CLI::App& app, int& exit_code);
