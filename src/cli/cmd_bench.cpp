@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -119,6 +120,15 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
   if (f.prompt_len < 1) throw Error("--prompt-len must be at least 1");
   if (f.decode_steps < 1) throw Error("--decode-steps must be at least 1");
   if (f.rounds < 1) throw Error("--rounds must be at least 1");
+  if (!f.json_out.empty()) {
+    // Refused before the (possibly long) run, not after it.
+    const auto parent = std::filesystem::absolute(f.json_out).parent_path();
+    std::error_code ec;
+    if (!std::filesystem::is_directory(parent, ec))
+      throw Error("--json-out " + f.json_out + ": directory " + parent.string() + " does not exist");
+    if (std::filesystem::is_directory(f.json_out, ec))
+      throw Error("--json-out " + f.json_out + " is a directory");
+  }
   auto weights = load_model(f.model);
   auto backend = make_backend(parse_backend_kind(f.backend), weights, f.threads);
   const auto prompt = synthetic_prompt(f.prompt_len, weights->config.vocab);

@@ -114,6 +114,17 @@ TEST(BenchCli, BadOptionsAreRefused) {
     EXPECT_NE(r.exit_code, 0) << args;
     EXPECT_FALSE(r.output.empty()) << args;
   }
+  // An unwritable report path is refused before the run (it used to fail only after every round).
+  test::TempDir dir;
+  for (const std::filesystem::path& out : {dir.path() / "missing" / "bench.json", dir.path()}) {
+    const test::CliRun r = test::run_lily("bench --backend cpu --threads 2 --prompt-len 4 --decode-steps 1 "
+                                          "--rounds 1 --model " + quoted(test::demo_model_dir()) +
+                                              " --json-out " + quoted(out),
+                                          true);
+    EXPECT_NE(r.exit_code, 0) << out;
+    EXPECT_NE(r.output.find("--json-out"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("round 0"), std::string::npos) << "the benchmark ran first:\n" << r.output;
+  }
 }
 
 }  // namespace
