@@ -23,6 +23,15 @@ const char* level_name(LogLevel l) {
 void set_log_level(LogLevel level) { g_level = level; }
 LogLevel log_level() { return g_level; }
 
+std::optional<LogLevel> parse_log_level(std::string_view name) {
+  if (name == "debug") return LogLevel::kDebug;
+  if (name == "info") return LogLevel::kInfo;
+  if (name == "warning" || name == "warn") return LogLevel::kWarn;
+  if (name == "error") return LogLevel::kError;
+  if (name == "quiet") return LogLevel::kQuiet;
+  return std::nullopt;
+}
+
 void log_line(LogLevel level, std::string_view message) {
   if (level < g_level.load()) return;
   std::string line = std::string("lily: ") + level_name(level) + ": " + std::string(message) + "\n";

@@ -1,6 +1,8 @@
 // `lily`: serve | generate | bench | synth | inspect | tokenize. Every user-caused failure
-// (lily::Error) is printed as one line "lily: error: …" and exits with status 1.
+// (lily::Error) is printed as one line "lily: error: …" and exits with status 1. LILY_LOG sets
+// the log level.
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 
 #include <CLI/CLI.hpp>
@@ -11,6 +13,15 @@
 #include "cli/commands.h"
 
 int main(int argc, char** argv) {
+  // LILY_LOG=debug|info|warning|error|quiet: the least severe level printed (default info).
+  if (const char* env = std::getenv("LILY_LOG"); env != nullptr && *env != '\0') {
+    const auto level = lily::parse_log_level(env);
+    if (!level) {
+      lily::log_error(std::string("LILY_LOG must be debug, info, warning, error or quiet; got '") + env + "'");
+      return 1;
+    }
+    lily::set_log_level(*level);
+  }
   CLI::App app{"lily: an inference server for Qwen3.6-35B-A3B (qwen3_5_moe, MLX 4-bit)"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("lily ") + lily::build_commit());

@@ -493,6 +493,20 @@ describe('limits and lifecycle', () => {
     }
   });
 
+  it('LILY_LOG=debug logs /health and /metrics too; a bad LILY_LOG is refused', async () => {
+    const server = await startServer([], { LILY_LOG: 'debug' });
+    try {
+      assert.equal((await rawRequest(server, 'GET', '/health')).status, 200);
+      assert.equal((await rawRequest(server, 'GET', '/metrics')).status, 200);
+      for (let i = 0; i < 100 && !/GET \/metrics 200/.test(server.log); i++) await sleep(20);
+      assert.match(server.log, /lily: debug: GET \/health 200 \d+ms/);
+      assert.match(server.log, /lily: debug: GET \/metrics 200 \d+ms/);
+    } finally {
+      await stopServer(server);
+    }
+    await assert.rejects(startServer([], { LILY_LOG: 'verbose' }), /LILY_LOG must be debug, info, warning, error or quiet; got 'verbose'/);
+  });
+
   it('SIGTERM during a stream shuts down gracefully with exit code 0', async () => {
     const server = await startServer(['--shutdown-grace', '1']);
     const streamDone = chat(server, { model: MODEL, messages: [user(longPrompt(3))], max_tokens: 2000, stream: true })
