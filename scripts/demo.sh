@@ -38,9 +38,18 @@ until curl -fsS "$URL/health" >/dev/null 2>&1; do sleep 0.1; done
 echo "demo: $(grep -m 1 'serving ' "$LOG" | sed 's/^lily: info: //')"
 
 MODEL=$(curl -fsS "$URL/v1/models" | sed 's/.*"id":"\([^"]*\)".*/\1/')
-BODY=$(printf '{"model":"%s","messages":[{"role":"user","content":"%s"}],"max_tokens":64}' "$MODEL" "$QUESTION")
+# The question as the inside of a JSON string: \ " and tabs escaped, lines joined with \n.
+json_escape() {
+  printf '%s' "$1" | sed -e 's/\\/\\\\/g' -e 's/"/\\"/g' -e 's/\t/\\t/g' -e 's/\r/\\r/g' |
+    awk 'BEGIN { ORS = "" } NR > 1 { print "\\n" } { print }'
+}
+BODY=$(printf '{"model":"%s","messages":[{"role":"user","content":"%s"}],"max_tokens":64}' "$MODEL" "$(json_escape "$QUESTION")")
 echo "demo: POST $URL/v1/chat/completions  (user: $QUESTION)"
-RESPONSE=$(curl -fsS "$URL/v1/chat/completions" -H 'Content-Type: application/json' -d "$BODY")
+# --fail-with-body: a refused request prints the server's error, not just "error: 400".
+if ! RESPONSE=$(curl -sS --fail-with-body "$URL/v1/chat/completions" -H 'Content-Type: application/json' -d "$BODY"); then
+  echo "demo: the server refused the request: $RESPONSE" >&2
+  exit 1
+fi
 echo "demo: answer:"
 if ! command -v node >/dev/null; then echo "$RESPONSE"; exit 0; fi
 node -e 'const r = JSON.parse(process.argv[1]); console.log(r.choices[0].message.content);
