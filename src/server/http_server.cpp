@@ -287,6 +287,13 @@ class LilyServer {
   std::unique_ptr<Scheduler> scheduler_;
 };
 
+/// Test hook: LILY_TEST_LISTEN_DELAY_MS holds the listener thread back that long before it
+/// starts listening, which makes a signal that arrives before then reproducible.
+void test_listen_delay() {
+  if (const char* env = std::getenv("LILY_TEST_LISTEN_DELAY_MS"))
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoll(env)));
+}
+
 int LilyServer::run() {
   config_ = load_model_config(options_.model_dir);
   max_seq_ = resolve_max_seq(options_.max_seq, config_.max_position_embeddings);
@@ -298,7 +305,13 @@ int LilyServer::run() {
              "(set --api-key or LILY_API_KEY)");
   configure_http();
   bind();
-  listener_ = std::thread([this] { http_.listen_after_bind(); });
+  listener_ = std::thread([this] {
+    test_listen_delay();
+    http_.listen_after_bind();
+  });
+  // httplib's stop() does nothing until listen_after_bind() has begun: a signal (or a failed
+  // load) before then would be lost and shutdown would hang until the deadline below.
+  while (!http_.is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   // Requests are answered from here on: /health and chat say 503 "loading" until the model is in.
   log_info("listening on " + url() + "; loading " + options_.model_dir.string());
   std::thread loader([this] {

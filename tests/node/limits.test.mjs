@@ -168,6 +168,17 @@ describe('while the model is loading', () => {
     await stopServer(server);  // throws unless the exit is clean
     assert.doesNotMatch(server.log, /serving /);
   });
+
+  it('SIGTERM before the listener thread runs is not lost', async () => {
+    // Regression: httplib's stop() does nothing until listen_after_bind() has begun, so a
+    // signal (or a failed load) that came earlier was lost, and shutdown hung until the
+    // watchdog's deadline. LILY_TEST_LISTEN_DELAY_MS holds the listener thread back.
+    const server = await startServer(['--shutdown-grace', '1'],
+      { LILY_TEST_LISTEN_DELAY_MS: '1000', LILY_TEST_LOAD_DELAY_MS: '60000' }, { until: 'listening' });
+    await stopServer(server);  // throws unless the exit is clean
+    assert.doesNotMatch(server.log, /shutdown deadline passed/);
+    assert.match(server.log, /shutting down/);
+  });
 });
 
 describe('--max-tokens (the per-request completion cap)', () => {
