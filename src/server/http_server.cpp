@@ -305,13 +305,20 @@ int LilyServer::run() {
              "(set --api-key or LILY_API_KEY)");
   configure_http();
   bind();
-  listener_ = std::thread([this] {
+  std::atomic<bool> listener_returned{false};
+  listener_ = std::thread([this, &listener_returned] {
     test_listen_delay();
     http_.listen_after_bind();
+    listener_returned = true;
   });
   // httplib's stop() does nothing until listen_after_bind() has begun: a signal (or a failed
-  // load) before then would be lost and shutdown would hang until the deadline below.
-  while (!http_.is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // load) before then would be lost and shutdown would hang until the deadline below. A listener
+  // that returned at once (its socket failed) must not leave us waiting forever either.
+  while (!http_.is_running() && !listener_returned) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (listener_returned) {
+    listener_.join();
+    throw Error("the HTTP listener on " + url() + " stopped before it started serving");
+  }
   // Requests are answered from here on: /health and chat say 503 "loading" until the model is in.
   log_info("listening on " + url() + "; loading " + options_.model_dir.string());
   std::thread loader([this] {
@@ -326,10 +333,10 @@ int LilyServer::run() {
   wait_for_signal();
   const bool failed = shutting_down_.exchange(true) && !ready_;
   log_info("shutting down");
-  std::thread([grace = options_.shutdown_grace_s] {
+  std::thread([grace = options_.shutdown_grace_s, failed] {
     std::this_thread::sleep_for(std::chrono::seconds(grace + 5));
     log_warn("shutdown deadline passed; exiting now");
-    std::_Exit(0);
+    std::_Exit(failed ? 1 : 0);  // a failed load is a failure even when shutdown hangs
   }).detach();
   http_.stop();
   loader.join();
