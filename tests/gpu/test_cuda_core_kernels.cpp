@@ -300,10 +300,18 @@ void check_router_fused(int E, int k, int hidden, int bits, int m, uint64_t seed
   };
   const std::vector<float> ul = from_device_f32(u_log, n_log), uw = from_device_f32(u_w, n_sel);
   const std::vector<int32_t> uid = download_i32(u_ids, n_sel);
-  // Twice: the second launch checks that the block counters were reset (graph replay).
+  // Expert stacks (small ffn) for the second launch's L2 prefetch, which must change nothing.
+  constexpr int kPrefetchFfn = 64;
+  std::mt19937_64 rng_pf(seed + 1000);
+  RandomQuant pf_gate((E + 1) * int64_t(kPrefetchFfn), hidden, 4, rng_pf);
+  RandomQuant pf_down((E + 1) * int64_t(hidden), kPrefetchFfn, 4, rng_pf);
+  const cuda::ExpertPrefetch prefetch{pf_gate.view(), pf_gate.view(), pf_down.view(), kPrefetchFfn, hidden};
+  // Twice: the second launch checks that the block counters were reset (graph replay), and
+  // that asking L2 for the chosen experts' weights (ExpertPrefetch) leaves every output as is.
   for (int launch = 0; launch < 2; ++launch) {
     cuda::launch_router_fused(w.view(), dx.as<__nv_bfloat16>(), m, E, k, f_log.as<float>(), f_ids.as<int32_t>(),
-                              f_w.as<float>(), done.as<uint32_t>(), nullptr);
+                              f_w.as<float>(), done.as<uint32_t>(), nullptr,
+                              launch == 1 ? prefetch : cuda::ExpertPrefetch{});
     const std::vector<float> fl = from_device_f32(f_log, n_log), fw = from_device_f32(f_w, n_sel);
     const std::vector<int32_t> fid = download_i32(f_ids, n_sel), cnt = download_i32(done, size_t(m));
     for (int t = 0; t < m; ++t) {

@@ -2,7 +2,9 @@
 // Layout: the checkpoint's own (codes U32 row-major, bf16 scales/biases per 64-group), so
 // fused projections are plain row concatenations. One warp covers 32/L rows at a time (L lanes
 // per row, each lane one 64-group per step); each lane issues the loads of 4 rows before using
-// them, for memory-level parallelism.
+// them, for memory-level parallelism. The grid is one wave of resident blocks; each warp walks
+// chunks of contiguous rows and asks for the chunk two steps ahead in L2 (bulk prefetch), the
+// first two before it waits for its predecessor.
 #include <algorithm>
 #include <string>
 
@@ -28,7 +30,7 @@ __device__ __forceinline__ void store_out<bf16>(bf16* y, int64_t i, float v) { y
 /// the add + RMSNorm of `norm` first (stage_norm_row); with conv.channels > 0 (m = 1), rows below
 /// it also run the GDN conv step (FusedConv), whose window and taps are loaded before the dot.
 template <int BITS, int U, class OutT>
-__global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x,
+__global__ void __launch_bounds__(kGemvThreads, 3) quant_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x,
                                                                   OutT* __restrict__ y, FusedNorm norm,
                                                                   FusedConv conv) {
   extern __shared__ float smem[];
@@ -38,13 +40,13 @@ __global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w,
   const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * (kGemvThreads / kWarp) + threadIdx.x / kWarp;
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * (kGemvThreads / kWarp);
   const int64_t step = n_warps * RW * U;
-  // Read-only weights of this lane's first rows: prefetched before waiting for the predecessor.
-  if (blockIdx.y == 0) {
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      const int64_t r = warp_id * RW * U + j * RW + lane_row;
-      if (r < w.rows) prefetch_row_l2<BITS>(w, r, lane_in, L);
-    }
+  // Read-only weights: each warp's first two row chunks (RW·U contiguous rows each) go to L2
+  // before waiting for the predecessor, so the weight stream overlaps its tail (launch.cuh);
+  // inside the loop, the chunk two steps ahead.
+  const int64_t chunk = static_cast<int64_t>(RW) * U;
+  if (blockIdx.y == 0 && lane == 0) {
+    prefetch_rows_l2(w, warp_id * chunk, chunk);
+    prefetch_rows_l2(w, warp_id * chunk + step, chunk);
   }
   pdl_prologue();
   float* xs = smem;
@@ -52,7 +54,8 @@ __global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w,
   const int t = blockIdx.y;
   if (norm.gain) stage_norm_row(x, norm, w.cols, blockIdx.x == 0, xs, xsum);
   else stage_row(x + static_cast<int64_t>(t) * w.cols, w.cols, xs, xsum);
-  for (int64_t base = warp_id * RW * U; base < w.rows; base += step) {
+  for (int64_t base = warp_id * chunk; base < w.rows; base += step) {
+    if (blockIdx.y == 0 && lane == 0) prefetch_rows_l2(w, base + 2 * step, chunk);
     int64_t row[U];
 #pragma unroll
     for (int j = 0; j < U; ++j) {
@@ -103,10 +106,15 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
   const int U = few_rows ? 1 : kRowsUnroll;
   const int64_t warps_needed = ceil_div(w.rows, static_cast<int64_t>(RW) * U);
   const int64_t blocks_needed = ceil_div(warps_needed, kGemvThreads / kWarp);
-  const int blocks = static_cast<int>(std::min<int64_t>(blocks_needed, static_cast<int64_t>(sm_count()) * 4));
   const size_t smem = staged_row_bytes(w.cols);
-  launch_pdl(few_rows ? quant_gemv_kernel<BITS, 1, OutT> : quant_gemv_kernel<BITS, kRowsUnroll, OutT>, dim3(blocks, m),
-             dim3(kGemvThreads), smem, stream, w, x, y, norm, conv);
+  // One wave: as many blocks as can be resident at once (each warp then loops over row chunks,
+  // prefetching ahead), so no block waits for a second wave to start its weight stream.
+  auto kernel = few_rows ? quant_gemv_kernel<BITS, 1, OutT> : quant_gemv_kernel<BITS, kRowsUnroll, OutT>;
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvThreads, smem));
+  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count();
+  const int blocks = static_cast<int>(std::min(blocks_needed, resident));
+  launch_pdl(kernel, dim3(blocks, m), dim3(kGemvThreads), smem, stream, w, x, y, norm, conv);
 }
 
 void check_quant(const DeviceQuant& w, const char* what) {
