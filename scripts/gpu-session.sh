@@ -6,7 +6,7 @@
 # machine stays warm). Logs under $OUT (at most 8 files come back).
 #
 #   bash scripts/gpu-session.sh                  # everything
-#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: tests, timing, bench, profile
+#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: tests timing bench base profile
 #   LILY_GPU_CONTEXTS="256 4096 32768"           # bench contexts (default below)
 set -uo pipefail
 export LILY_GPU_BUILD="${LILY_GPU_BUILD:-/tmp/lily-build}"
@@ -35,7 +35,7 @@ if has timing; then
   "$BUILD/tests/test_cuda_core_kernels" --gtest_filter='CudaTiming.*' 2>&1 | grep -E "\[timing\]|FAILED" | tee "$OUT/timing.txt"
 fi
 
-if has bench || has profile; then
+if has bench || has profile || has base; then
   if [[ ! -f "$BIG/model.safetensors" ]]; then
     echo "== lily synth --preset 35b-a3b"
     t1=$(date +%s)
@@ -54,13 +54,29 @@ if has bench; then
   tar -czf "$OUT/bench-json.tar.gz" -C /tmp $(cd /tmp && ls bench-*.json 2>/dev/null) 2>/dev/null || true
 fi
 
+# Before/after on the same machine: carry/base.tar (git archive of an earlier commit's
+# CMakeLists.txt src bench tools scripts) is built into /tmp/lily-base and benched the same way.
+if has base && [[ -f carry/base.tar ]]; then
+  echo "== baseline tree (carry/base.tar)"
+  rm -rf /tmp/base-src && mkdir -p /tmp/base-src && tar -xf carry/base.tar -C /tmp/base-src && ln -s "$PWD/models" /tmp/base-src/models
+  (cd /tmp/base-src && cmake -S . -B /tmp/lily-base -G Ninja -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON -DBUILD_TESTING=OFF \
+      -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 >/dev/null &&
+    cmake --build /tmp/lily-base -j16 --target lily >/tmp/base-build.log 2>&1) || { echo "baseline build FAILED"; grep -E "error" /tmp/base-build.log | head; }
+  : >"$OUT/bench-base.txt"
+  for n in $CONTEXTS; do
+    echo "== baseline lily bench --prompt-len $n"
+    timeout 240 /tmp/lily-base/lily bench --backend cuda --model "$BIG" --prompt-len "$n" --decode-steps 64 --rounds 3 \
+      --json-out "/tmp/base-bench-$n.json" 2>&1 | tail -4 | tee -a "$OUT/bench-base.txt"
+  done
+fi
+
 if has profile; then
   echo "== ncu: 3 decode steps after a 64-token prompt"
   IDS=$(python3 -c "print(','.join(str((i * 2654435761) % 2**32 % 248320) for i in range(64)))")
   rm -f /tmp/prof.ncu-rep
   timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum -o /tmp/prof \
-    "$BUILD/lily" generate --backend cuda --model "$BIG" --prompt-ids "$IDS" --max-tokens 4 >"$OUT/ncu-run.log" 2>&1 ||
-    { echo "ncu failed"; tail -5 "$OUT/ncu-run.log"; }
+    "$BUILD/lily" generate --backend cuda --model "$BIG" --prompt-ids "$IDS" --max-tokens 4 >/tmp/ncu-run.log 2>&1 ||
+    { echo "ncu failed"; tail -5 /tmp/ncu-run.log; }
   if [[ -f /tmp/prof.ncu-rep ]]; then
     ncu --import /tmp/prof.ncu-rep --csv --page raw --metrics gpu__time_duration.sum >/tmp/prof.csv 2>/dev/null
     python3 scripts/ncu-decode-table.py /tmp/prof.csv | tee "$OUT/profile.md"
