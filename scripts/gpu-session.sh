@@ -35,7 +35,7 @@ if has timing; then
   "$BUILD/tests/test_cuda_core_kernels" --gtest_filter='CudaTiming.*' 2>&1 | grep -E "\[timing\]|FAILED" | tee "$OUT/timing.txt"
 fi
 
-if has bench || has profile || has base; then
+if has bench || has profile || has base || has ab; then
   if [[ ! -f "$BIG/model.safetensors" ]]; then
     echo "== lily synth --preset 35b-a3b"
     t1=$(date +%s)
@@ -52,6 +52,18 @@ if has bench; then
       --json-out "/tmp/bench-$n.json" 2>&1 | tail -4 | tee -a "$OUT/bench.txt" || status=1
   done
   tar -czf "$OUT/bench-json.tar.gz" -C /tmp $(cd /tmp && ls bench-*.json 2>/dev/null) 2>/dev/null || true
+fi
+
+# A/B of run-time knobs: LILY_GPU_AB="A=0 A=0,B=0 ..." benches each environment (comma-separated
+# assignments; "-" = none) at LILY_GPU_AB_LEN (default 256) tokens, 3 rounds.
+if has ab; then
+  : >"$OUT/ab.txt"
+  for combo in ${LILY_GPU_AB:--}; do
+    envs=(); [[ "$combo" != "-" ]] && IFS=, read -ra envs <<<"$combo"
+    echo "== A/B: ${combo}" | tee -a "$OUT/ab.txt"
+    env "${envs[@]}" timeout 200 "$BUILD/lily" bench --backend cuda --model "$BIG" --prompt-len "${LILY_GPU_AB_LEN:-256}" \
+      --decode-steps 64 --rounds 3 --json-out /tmp/ab.json 2>&1 | tail -1 | tee -a "$OUT/ab.txt"
+  done
 fi
 
 # Before/after on the same machine: carry/base.tar (git archive of an earlier commit's

@@ -464,12 +464,11 @@ class CudaBackend final : public Backend {
     const ModelConfig& c = config();
     const int k = c.n_experts_per_tok;
     // Post norm (x2_ + mixer_out_ → x_, normed_) + router GEMV + top-k in one launch (the logits
-    // are still written, for the probes); once routed, it asks L2 for the chosen experts' weights.
+    // are still written, for the probes).
     if (fuse_decode_) {
       launch_add_rmsnorm_router_fused(fused_norm(mixer_out_.as<bf16>(), L.post_norm, x_), x2_.as<bf16>(), L.router,
                                       c.n_experts, k, router_logits_.as<float>(), expert_ids_.as<int32_t>(),
-                                      expert_w_.as<float>(), router_done_.as<uint32_t>(), stream_,
-                                      ExpertPrefetch{L.gate, L.up, L.down, c.moe_ffn_dim, c.hidden});
+                                      expert_w_.as<float>(), router_done_.as<uint32_t>(), stream_);
     } else {
       separate_norm(fused_norm(mixer_out_.as<bf16>(), L.post_norm, x_));
       launch_quant_gemv(L.router, normed_.as<bf16>(), nullptr, router_logits_.as<float>(), stream_);

@@ -93,17 +93,6 @@ void launch_add_rmsnorm_gemv(const FusedNorm& norm, const __nv_bfloat16* x, cons
                              __nv_bfloat16* y_bf16, float* y_f32, cudaStream_t stream,
                              const FusedConv& conv = FusedConv{});
 
-/// Expert weights that the fused router asks L2 for as soon as it has routed a token (decode):
-/// gate/up rows [e·ffn, (e+1)·ffn) and down rows [e·hidden, (e+1)·hidden) of every selected
-/// expert e, and of the shared expert (id n_experts) before the router even waits for its input.
-/// So the expert kernels that follow find their weights in L2. A hint: it changes no result.
-/// ffn = 0 disables it.
-struct ExpertPrefetch {
-  DeviceQuant gate, up, down;  ///< the stacks launch_expert_gate_up / launch_expert_down_combine read
-  int ffn = 0;                 ///< rows per expert in gate/up
-  int hidden = 0;              ///< rows per expert in down
-};
-
 /// Router GEMV fused with routing, for decode (performance.md §3 "fused top-k routing"): one
 /// launch computes logits[t] = W x[t] (fp32, exactly launch_quant_gemv's per-row arithmetic; W the
 /// 4/8-bit [n_experts + 1, cols] router ‖ shared-expert-gate matrix) and, in the last block to
@@ -112,16 +101,13 @@ struct ExpertPrefetch {
 /// `done` uint32 [m], zero before the first launch; the kernel leaves it zero again (so a
 /// captured graph can be replayed). Throws lily::Error for an unsupported matrix, rows ≠
 /// n_experts + 1, n_experts > 1024 or top_k > 32.
-/// `prefetch` (optional): the expert weights to bring into L2 once routed (ExpertPrefetch).
 void launch_router_fused(const DeviceQuant& w, const __nv_bfloat16* x, int m, int n_experts, int top_k,
-                         float* logits, int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream,
-                         const ExpertPrefetch& prefetch = ExpertPrefetch{});
+                         float* logits, int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream);
 /// launch_add_rmsnorm + launch_router_fused in one launch (decode, m = 1; see FusedNorm): the
 /// routed input is the normed y, also stored to norm.normed_out for the expert kernels.
 void launch_add_rmsnorm_router_fused(const FusedNorm& norm, const __nv_bfloat16* x, const DeviceQuant& w,
                                      int n_experts, int top_k, float* logits, int32_t* ids, float* weights,
-                                     uint32_t* done, cudaStream_t stream,
-                                     const ExpertPrefetch& prefetch = ExpertPrefetch{});
+                                     uint32_t* done, cudaStream_t stream);
 
 /// Whether decode-path kernels launch with programmatic dependent launch (launch.cuh). Read once
 /// from the environment: LILY_CUDA_PDL unset or "1" → on, "0" → off; any other value throws

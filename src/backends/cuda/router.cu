@@ -19,19 +19,13 @@ namespace {
 constexpr int kRouterThreads = 256;
 constexpr int kRouterWarps = kRouterThreads / kWarp;
 
-/// L2 prefetch of expert e's gate (part 0), up (1) or down (2) rows (ExpertPrefetch).
-__device__ __forceinline__ void prefetch_expert(const ExpertPrefetch& pf, int e, int part) {
-  if (part == 2) prefetch_rows_l2(pf.down, static_cast<int64_t>(e) * pf.hidden, pf.hidden);
-  else prefetch_rows_l2(part == 0 ? pf.gate : pf.up, static_cast<int64_t>(e) * pf.ffn, pf.ffn);
-}
-
 /// grid (blocks, m). w: [E + 1, cols]; x [m, cols]; logits [m, E + 1]; ids, weights [m, k + 1];
 /// done [m] counters (zero on entry, zero again on exit).
 template <int BITS>
 __global__ void __launch_bounds__(kRouterThreads)
     router_fused_kernel(DeviceQuant w, const bf16* __restrict__ x, int E, int k, float* __restrict__ logits,
                         int32_t* __restrict__ ids, float* __restrict__ weights, uint32_t* __restrict__ done,
-                        FusedNorm norm, ExpertPrefetch pf) {
+                        FusedNorm norm) {
   extern __shared__ float smem[];
   __shared__ RouteScratch rs;
   __shared__ bool last;
@@ -42,11 +36,8 @@ __global__ void __launch_bounds__(kRouterThreads)
   const int lane = threadIdx.x % kWarp, lane_row = lane / L, lane_in = lane % L;
   const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
   const int64_t step = static_cast<int64_t>(gridDim.x) * kRouterWarps * RW;
-  // Read-only weights, asked of L2 before waiting for the predecessor (launch.cuh): each warp's
-  // first router rows, and (block 0) the shared expert, which every token uses.
-  if (t == 0 && lane == 0) prefetch_rows_l2(w, warp_id * RW, RW);
-  if (t == 0 && blockIdx.x == 0 && pf.ffn > 0 && threadIdx.x < 3 * kWarp && lane == 0)
-    prefetch_expert(pf, E, threadIdx.x / kWarp);
+  // Read-only router weights: prefetched before waiting for the predecessor (launch.cuh).
+  if (t == 0 && warp_id * RW + lane_row < w.rows) prefetch_row_l2<BITS>(w, warp_id * RW + lane_row, lane_in, L);
   pdl_prologue();
   float* xs = smem;
   float* xsum = smem + groups * kGroupStride;
@@ -76,15 +67,10 @@ __global__ void __launch_bounds__(kRouterThreads)
   for (int e = threadIdx.x; e <= E; e += blockDim.x) rs.logits[e] = __ldcg(out + e);  // L2, not a stale L1 line
   __syncthreads();
   route_token_block(rs, E, k, ids + static_cast<int64_t>(t) * (k + 1), weights + static_cast<int64_t>(t) * (k + 1));
-  if (pf.ffn <= 0) return;
-  __syncthreads();
-  const int32_t* routed = ids + static_cast<int64_t>(t) * (k + 1);
-  for (int j = threadIdx.x; j < 3 * k; j += blockDim.x) prefetch_expert(pf, __ldcg(routed + j / 3), j % 3);
 }
 
 void router_dispatch(const DeviceQuant& w, const bf16* x, int m, int n_experts, int top_k, float* logits,
-                     int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream, const FusedNorm& norm,
-                     const ExpertPrefetch& pf) {
+                     int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream, const FusedNorm& norm) {
   if ((w.bits != 4 && w.bits != 8) || w.cols <= 0 || w.cols % kGroup != 0 || w.cols > 8192)
     throw ::lily::Error("MoE router: the fused CUDA router supports 4/8-bit matrices with cols a multiple of 64 and "
                         "≤ 8192; got bits=" + std::to_string(w.bits) + " cols=" + std::to_string(w.cols));
@@ -101,22 +87,21 @@ void router_dispatch(const DeviceQuant& w, const bf16* x, int m, int n_experts, 
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(w.rows, rows_per_block), 4LL * sm_count()));
   const size_t smem = staged_row_bytes(w.cols);
   launch_pdl(w.bits == 4 ? router_fused_kernel<4> : router_fused_kernel<8>, dim3(blocks, m), dim3(kRouterThreads), smem,
-             stream, w, x, n_experts, top_k, logits, ids, weights, done, norm, pf);
+             stream, w, x, n_experts, top_k, logits, ids, weights, done, norm);
 }
 
 }  // namespace
 
 void launch_router_fused(const DeviceQuant& w, const bf16* x, int m, int n_experts, int top_k, float* logits,
-                         int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream,
-                         const ExpertPrefetch& prefetch) {
-  router_dispatch(w, x, m, n_experts, top_k, logits, ids, weights, done, stream, FusedNorm{}, prefetch);
+                         int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream) {
+  router_dispatch(w, x, m, n_experts, top_k, logits, ids, weights, done, stream, FusedNorm{});
 }
 
 void launch_add_rmsnorm_router_fused(const FusedNorm& norm, const bf16* x, const DeviceQuant& w, int n_experts,
                                      int top_k, float* logits, int32_t* ids, float* weights, uint32_t* done,
-                                     cudaStream_t stream, const ExpertPrefetch& prefetch) {
+                                     cudaStream_t stream) {
   check_fused_norm(norm, x, "launch_add_rmsnorm_router_fused");
-  router_dispatch(w, x, 1, n_experts, top_k, logits, ids, weights, done, stream, norm, prefetch);
+  router_dispatch(w, x, 1, n_experts, top_k, logits, ids, weights, done, stream, norm);
 }
 
 }  // namespace lily::cuda
