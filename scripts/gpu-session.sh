@@ -35,7 +35,7 @@ if has timing; then
   "$BUILD/tests/test_cuda_core_kernels" --gtest_filter='CudaTiming.*' 2>&1 | grep -E "\[timing\]|FAILED" | tee "$OUT/timing.txt"
 fi
 
-if has bench || has profile || has base || has ab; then
+if has bench || has profile || has base || has ab || has detail; then
   if [[ ! -f "$BIG/model.safetensors" ]]; then
     echo "== lily synth --preset 35b-a3b"
     t1=$(date +%s)
@@ -80,6 +80,20 @@ if has base && [[ -f carry/base.tar ]]; then
     timeout 240 /tmp/lily-base/lily bench --backend cuda --model "$BIG" --prompt-len "$n" --decode-steps 64 --rounds 3 \
       --json-out "/tmp/base-bench-$n.json" 2>&1 | tail -4 | tee -a "$OUT/bench-base.txt"
   done
+fi
+
+# Nsight Compute detail (occupancy, throughput, warp stalls) of a few decode kernels of one step.
+if has detail; then
+  echo "== ncu detail"
+  IDS=$(python3 -c "print(','.join(str((i * 2654435761) % 2**32 % 248320) for i in range(64)))")
+  timeout 300 ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --kernel-name "regex:${LILY_GPU_DETAIL:-quant_mma_gemv|expert_gate_up|expert_down|router_fused|gdn_decode|decode_split}" \
+    --launch-skip "${LILY_GPU_DETAIL_SKIP:-400}" --launch-count "${LILY_GPU_DETAIL_COUNT:-10}" \
+    "$BUILD/lily" generate --backend cuda --model "$BIG" --prompt-ids "$IDS" --max-tokens 4 >"$OUT/ncu-detail.txt" 2>&1 ||
+    { echo "ncu detail failed"; tail -5 "$OUT/ncu-detail.txt"; }
+  grep -E "^  [a-z_].*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Theoretical Occ|Block Limit" \
+    "$OUT/ncu-detail.txt" | head -120
 fi
 
 if has profile; then

@@ -17,7 +17,7 @@ from collections import OrderedDict
 def load(path):
     """[(kernel name, ns)] in launch order; the units row and non-kernel rows are skipped."""
     rows, scale = [], 1.0
-    units = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9}
+    units = {"nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9, "s": 1e9}
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         for r in reader:

@@ -6,6 +6,7 @@
 // chunks of contiguous rows. (An L2 bulk prefetch of each warp's next chunks was measured and
 // lost 2.5 %: docs/performance/2026-12-01-decode-kernels.md.)
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "backends/cuda/gdn_conv.cuh"
@@ -112,7 +113,6 @@ constexpr int kMmaWarps = kMmaThreads / kWarp;
 constexpr int kMmaTileRows = 16;
 constexpr int kMmaMaxTokens = 8;  // the MMA's N
 constexpr int kMmaBatch = 4;      // groups whose code words a warp has in flight
-constexpr size_t kMmaMaxSmem = 48 * 1024;
 
 /// Warps splitting the 64-groups of one tile (k-split): the largest power of two ≤ 8 that
 /// leaves each warp ≥ 8 groups (1 for rows of < 16 groups). A function of the shape only, so a
@@ -180,7 +180,7 @@ __device__ __forceinline__ void mma_load(const DeviceQuant& w, int64_t row_lo, i
 template <class OutT>
 __global__ void __launch_bounds__(kMmaThreads) quant_mma_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x, int m,
                                                                      OutT* __restrict__ y, FusedNorm norm,
-                                                                     FusedConv conv) {
+                                                                     FusedConv conv, int prefetch_tiles) {
   extern __shared__ float smem[];
   const int cols = w.cols, groups = cols / kGroup;
   const int ks = mma_ksplit(groups), tiles_per_block = kMmaWarps / ks;
@@ -190,8 +190,16 @@ __global__ void __launch_bounds__(kMmaThreads) quant_mma_gemv_kernel(DeviceQuant
   const int64_t tile_step = static_cast<int64_t>(gridDim.x) * tiles_per_block;
   const int batches = static_cast<int>(ceil_div(ceil_div(groups, ks), kMmaBatch));  // per tile, same for all warps
 
-  // The first batch of weights is read before waiting for the predecessor (no kernel writes them).
+  // The first batch of weights is read before waiting for the predecessor (no kernel writes them),
+  // and L2 is asked for this warp's next prefetch_tiles tiles.
   int64_t tile0 = static_cast<int64_t>(blockIdx.x) * tiles_per_block;
+  if (kslice == 0 && lane == 0) {
+    for (int i = 0; i < prefetch_tiles; ++i) {
+      const int64_t tl = tile0 + tile_in_block + i * tile_step;
+      if (tl >= tiles) break;
+      prefetch_rows_l2(w, tl * kMmaTileRows, kMmaTileRows);
+    }
+  }
   MmaBatch cur;
   mma_load(w, (tile0 + tile_in_block) * kMmaTileRows + g, kslice, ks, t, cur);
   pdl_prologue();
@@ -295,10 +303,9 @@ __global__ void __launch_bounds__(kMmaThreads) quant_mma_gemv_kernel(DeviceQuant
   }
 }
 
-/// Whether launch_quant_gemv takes the tensor-core kernel: 4-bit, m ≤ 8, staging within 48 KB.
-bool use_mma_gemv(const DeviceQuant& w, int m) {
-  return w.bits == 4 && m <= kMmaMaxTokens && mma_smem_bytes(w.cols, m) <= kMmaMaxSmem;
-}
+/// Whether launch_quant_gemv takes the tensor-core kernel: 4-bit and m ≤ 8 (its staging then
+/// needs ≤ 171 KB of shared memory at cols ≤ 8192, opted in above 48 KB).
+bool use_mma_gemv(const DeviceQuant& w, int m) { return w.bits == 4 && m <= kMmaMaxTokens; }
 
 template <class OutT>
 void mma_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream, const FusedNorm& norm,
@@ -307,11 +314,24 @@ void mma_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cuda
   const int tiles_per_block = kMmaWarps / mma_ksplit(groups);
   const int64_t blocks_needed = ceil_div(ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows)), tiles_per_block);
   const size_t smem = mma_smem_bytes(w.cols, m);
+  if (smem > 48 * 1024)
+    CUDA_CHECK(cudaFuncSetAttribute(quant_mma_gemv_kernel<OutT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)));
   int per_sm = 0;
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quant_mma_gemv_kernel<OutT>, kMmaThreads, smem));
+  static const int knob_per_sm = [] {  // measurement knobs (temporary)
+    const char* v = std::getenv("LILY_CUDA_GEMV_PER_SM");
+    return v ? std::atoi(v) : 0;
+  }();
+  static const int knob_prefetch = [] {
+    const char* v = std::getenv("LILY_CUDA_GEMV_PREFETCH_TILES");
+    return v ? std::atoi(v) : 0;
+  }();
+  if (knob_per_sm > 0) per_sm = std::min(per_sm, knob_per_sm);
   const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count();
   const int blocks = static_cast<int>(std::min(blocks_needed, resident));
-  launch_pdl(quant_mma_gemv_kernel<OutT>, dim3(blocks), dim3(kMmaThreads), smem, stream, w, x, m, y, norm, conv);
+  launch_pdl(quant_mma_gemv_kernel<OutT>, dim3(blocks), dim3(kMmaThreads), smem, stream, w, x, m, y, norm, conv,
+             knob_prefetch);
 }
 
 template <int BITS, class OutT>
