@@ -86,6 +86,10 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
       const int c = c0 + i * stride;
       v[i] = c < cols ? to_f32(x[c]) : 0.0f;
       b[i] = (c < cols && norm.branch) ? to_f32(norm.branch[c]) : 0.0f;
+#if defined(__CUDA_ARCH__)
+      // The gain is needed only after the block sum: ask for it now, so that read is an L1 hit.
+      if (c < cols) asm volatile("prefetch.global.L1 [%0];" ::"l"(norm.gain + c));
+#endif
     }
 #pragma unroll
     for (int i = 0; i < kStageBatch; ++i) {  // then the arithmetic, in element order
@@ -167,34 +171,6 @@ __device__ __forceinline__ float group_qdot(const uint4* __restrict__ gw, const 
 #pragma unroll
   for (int v = 0; v < kGroupVecs<BITS>; ++v) q[v] = __ldg(gw + v);
   return group_qdot_regs<BITS>(q, xg);
-}
-
-/// Asks the copy engine to bring `bytes` read-only bytes at `p` into L2 (Hopper
-/// cp.async.bulk.prefetch.L2; one instruction per 64 KiB, issued by the calling thread alone).
-/// The range is widened to 16-byte bounds. A hint only: it changes no result, and a kernel may
-/// issue it before pdl_prologue() for weights, which no kernel writes.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, int64_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (bytes <= 0) return;
-  uint64_t a = reinterpret_cast<uint64_t>(p) & ~uint64_t{15};
-  const uint64_t end = (reinterpret_cast<uint64_t>(p) + static_cast<uint64_t>(bytes) + 15) & ~uint64_t{15};
-  constexpr uint64_t kChunk = 64 * 1024;
-  for (; a < end; a += kChunk) {
-    const uint32_t n = static_cast<uint32_t>(end - a < kChunk ? end - a : kChunk);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(n) : "memory");
-  }
-#endif
-}
-
-/// L2 prefetch of rows [r0, r0 + n) of w: their code words, scales and biases (three
-/// contiguous ranges in the MLX layout). Rows past w.rows are dropped. A hint, as prefetch_l2_bulk.
-__device__ __forceinline__ void prefetch_rows_l2(const DeviceQuant& w, int64_t r0, int64_t n) {
-  if (r0 + n > w.rows) n = w.rows - r0;
-  if (r0 < 0 || n <= 0) return;
-  const int64_t wpr = static_cast<int64_t>(w.cols) * w.bits / 32, groups = w.cols / kGroup;
-  prefetch_l2_bulk(w.codes + r0 * wpr, n * wpr * 4);
-  prefetch_l2_bulk(w.scales + r0 * groups, n * groups * 2);
-  prefetch_l2_bulk(w.biases + r0 * groups, n * groups * 2);
 }
 
 /// Prefetches into L2 what this lane reads of matrix row `row` (its 64-groups g = lane_in,

@@ -6,7 +6,6 @@
 // chunks of contiguous rows. (An L2 bulk prefetch of each warp's next chunks was measured and
 // lost 2.5 %: docs/performance/2026-12-01-decode-kernels.md.)
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "backends/cuda/gdn_conv.cuh"
@@ -180,7 +179,7 @@ __device__ __forceinline__ void mma_load(const DeviceQuant& w, int64_t row_lo, i
 template <class OutT>
 __global__ void __launch_bounds__(kMmaThreads) quant_mma_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x, int m,
                                                                      OutT* __restrict__ y, FusedNorm norm,
-                                                                     FusedConv conv, int prefetch_tiles) {
+                                                                     FusedConv conv) {
   extern __shared__ float smem[];
   const int cols = w.cols, groups = cols / kGroup;
   const int ks = mma_ksplit(groups), tiles_per_block = kMmaWarps / ks;
@@ -190,16 +189,11 @@ __global__ void __launch_bounds__(kMmaThreads) quant_mma_gemv_kernel(DeviceQuant
   const int64_t tile_step = static_cast<int64_t>(gridDim.x) * tiles_per_block;
   const int batches = static_cast<int>(ceil_div(ceil_div(groups, ks), kMmaBatch));  // per tile, same for all warps
 
-  // The first batch of weights is read before waiting for the predecessor (no kernel writes them),
-  // and L2 is asked for this warp's next prefetch_tiles tiles.
+  // The first batch of weights is read before waiting for the predecessor (no kernel writes them).
+  // (Blocks limited to one per SM, so that the next kernel's blocks could be resident and load
+  // early, and an L2 prefetch of each warp's next 8 tiles both measured slower: 268 and 286 vs
+  // 293 tok/s, docs/performance/2026-12-01-decode-kernels.md.)
   int64_t tile0 = static_cast<int64_t>(blockIdx.x) * tiles_per_block;
-  if (kslice == 0 && lane == 0) {
-    for (int i = 0; i < prefetch_tiles; ++i) {
-      const int64_t tl = tile0 + tile_in_block + i * tile_step;
-      if (tl >= tiles) break;
-      prefetch_rows_l2(w, tl * kMmaTileRows, kMmaTileRows);
-    }
-  }
   MmaBatch cur;
   mma_load(w, (tile0 + tile_in_block) * kMmaTileRows + g, kslice, ks, t, cur);
   pdl_prologue();
@@ -319,19 +313,9 @@ void mma_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cuda
                                     static_cast<int>(smem)));
   int per_sm = 0;
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quant_mma_gemv_kernel<OutT>, kMmaThreads, smem));
-  static const int knob_per_sm = [] {  // measurement knobs (temporary)
-    const char* v = std::getenv("LILY_CUDA_GEMV_PER_SM");
-    return v ? std::atoi(v) : 0;
-  }();
-  static const int knob_prefetch = [] {
-    const char* v = std::getenv("LILY_CUDA_GEMV_PREFETCH_TILES");
-    return v ? std::atoi(v) : 0;
-  }();
-  if (knob_per_sm > 0) per_sm = std::min(per_sm, knob_per_sm);
   const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count();
   const int blocks = static_cast<int>(std::min(blocks_needed, resident));
-  launch_pdl(quant_mma_gemv_kernel<OutT>, dim3(blocks), dim3(kMmaThreads), smem, stream, w, x, m, y, norm, conv,
-             knob_prefetch);
+  launch_pdl(quant_mma_gemv_kernel<OutT>, dim3(blocks), dim3(kMmaThreads), smem, stream, w, x, m, y, norm, conv);
 }
 
 template <int BITS, class OutT>
