@@ -45,21 +45,15 @@ __device__ __forceinline__ void load_group(const DeviceQuant& w, int64_t row, in
   bias = to_f32(w.biases[sb]);
 }
 
-/// Expert rows one lane-group computes in expert_gate_up_kernel: two, so that the 9 × 512 rows of
-/// a decode step fit in one wave of resident warps (one row per warp needed 1.4 waves).
-constexpr int kGateUpRows = 2;
-
-/// grid (row blocks, n_sel, m): rows i of expert ids[t, k]; writes act[t, k, i]. Each lane-group
-/// computes kGateUpRows rows (i, i + rows_per_block / kGateUpRows); the expert id and the lane's
-/// first gate/up groups of every row are loaded before the activation row is staged, so the
+/// grid (row blocks, n_sel, m): rows i of expert ids[t, k]; writes act[t, k, i]. The expert id
+/// and the lane's first gate/up groups are loaded before the activation row is staged, so the
 /// weight fetch overlaps the staging. Per row: rows_partial's arithmetic (groups g = lane_in,
 /// lane_in + L, … accumulated in order from 0).
 template <int BITS>
-__global__ void __launch_bounds__(kMoeThreads, BITS == 4 ? 3 : 2) expert_gate_up_kernel(DeviceQuant gate, DeviceQuant up, int ffn,
-                                                                        const int32_t* __restrict__ ids, int n_sel,
-                                                                        const bf16* __restrict__ x, bf16* __restrict__ act) {
+__global__ void __launch_bounds__(kMoeThreads, 3) expert_gate_up_kernel(DeviceQuant gate, DeviceQuant up, int ffn,
+                                                                     const int32_t* __restrict__ ids, int n_sel,
+                                                                     const bf16* __restrict__ x, bf16* __restrict__ act) {
   constexpr int kVecs = kGroupVecs<BITS>;
-  constexpr int R = kGateUpRows;
   pdl_prologue();
   extern __shared__ float smem[];
   const int groups = gate.cols / kGroup;
@@ -69,48 +63,30 @@ __global__ void __launch_bounds__(kMoeThreads, BITS == 4 ? 3 : 2) expert_gate_up
   const int64_t e = ids[static_cast<int64_t>(t) * n_sel + slot];
   const int L = lanes_per_row(groups), RW = kWarp / L;
   const int lane = threadIdx.x % kWarp, lane_row = lane / L, lane_in = lane % L;
-  const int rows_per_pass = kMoeWarps * RW;  // rows of the block covered by one row of each lane-group
-  const int i0 = blockIdx.x * rows_per_pass * R + (threadIdx.x / kWarp) * RW + lane_row;
-  int64_t r[R];
-  uint4 qg[R][kVecs], qu[R][kVecs];
-  float sg[R], bg[R], su[R], bu[R];
-#pragma unroll
-  for (int u = 0; u < R; ++u) {
-    const int i = i0 + u * rows_per_pass;
-    r[u] = i < ffn && lane_in < groups ? e * ffn + i : -1;
-    sg[u] = bg[u] = su[u] = bu[u] = 0.0f;
-    load_group<BITS>(gate, r[u], lane_in, qg[u], sg[u], bg[u]);
-    load_group<BITS>(up, r[u], lane_in, qu[u], su[u], bu[u]);
-  }
+  const int rows_per_block = kMoeWarps * RW;
+  const int i = blockIdx.x * rows_per_block + (threadIdx.x / kWarp) * RW + lane_row;
+  const bool valid = i < ffn;
+  const int64_t r = valid && lane_in < groups ? e * ffn + i : -1;
+  uint4 qg[kVecs], qu[kVecs];
+  float sg = 0.0f, bg = 0.0f, su = 0.0f, bu = 0.0f;
+  load_group<BITS>(gate, r, lane_in, qg, sg, bg);
+  load_group<BITS>(up, r, lane_in, qu, su, bu);
   stage_row(x + static_cast<int64_t>(t) * gate.cols, gate.cols, xs, xsum);
-  float ga[R], ua[R];
-#pragma unroll
-  for (int u = 0; u < R; ++u) {
-    ga[u] = ua[u] = 0.0f;
-    if (r[u] < 0) continue;
-    ga[u] += sg[u] * group_qdot_regs<BITS>(qg[u], xs + lane_in * kGroupStride) + bg[u] * xsum[lane_in];
-    ua[u] += su[u] * group_qdot_regs<BITS>(qu[u], xs + lane_in * kGroupStride) + bu[u] * xsum[lane_in];
-  }
-  for (int g = lane_in + L; g < groups; g += L) {
-#pragma unroll
-    for (int u = 0; u < R; ++u) {  // loads of every row first ...
-      load_group<BITS>(gate, r[u], g, qg[u], sg[u], bg[u]);
-      load_group<BITS>(up, r[u], g, qu[u], su[u], bu[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < R; ++u) {  // ... then the arithmetic
-      if (r[u] < 0) continue;
-      ga[u] += sg[u] * group_qdot_regs<BITS>(qg[u], xs + g * kGroupStride) + bg[u] * xsum[g];
-      ua[u] += su[u] * group_qdot_regs<BITS>(qu[u], xs + g * kGroupStride) + bu[u] * xsum[g];
+  float ga = 0.0f, ua = 0.0f;
+  if (r >= 0) {
+    ga += sg * group_qdot_regs<BITS>(qg, xs + lane_in * kGroupStride) + bg * xsum[lane_in];
+    ua += su * group_qdot_regs<BITS>(qu, xs + lane_in * kGroupStride) + bu * xsum[lane_in];
+    for (int g = lane_in + L; g < groups; g += L) {
+      load_group<BITS>(gate, r, g, qg, sg, bg);
+      load_group<BITS>(up, r, g, qu, su, bu);
+      ga += sg * group_qdot_regs<BITS>(qg, xs + g * kGroupStride) + bg * xsum[g];
+      ua += su * group_qdot_regs<BITS>(qu, xs + g * kGroupStride) + bu * xsum[g];
     }
   }
-#pragma unroll
-  for (int u = 0; u < R; ++u) {
-    const float gv = round_bf16(group_sum(ga[u], L));
-    const float uv = round_bf16(group_sum(ua[u], L));
-    const int i = i0 + u * rows_per_pass;
-    if (i < ffn && lane_in == 0) act[(static_cast<int64_t>(t) * n_sel + slot) * ffn + i] = to_bf16(silu(gv) * uv);
-  }
+  const float gv = round_bf16(group_sum(ga, L));
+  const float uv = round_bf16(group_sum(ua, L));
+  if (valid && lane_in == 0)
+    act[(static_cast<int64_t>(t) * n_sel + slot) * ffn + i] = to_bf16(silu(gv) * uv);
 }
 
 /// Four bf16 values (two packed pairs, lower element in the low half) as fp32, exactly.
@@ -119,7 +95,7 @@ __device__ __forceinline__ float4 bf16x4_to_f32(uint32_t lo, uint32_t hi) {
                      __uint_as_float(hi & 0xFFFF0000u));
 }
 
-constexpr int kDownThreads = 64;  // two warps: 256 blocks at hidden 2048, two per SM (128 threads: 6 % occupancy)
+constexpr int kDownThreads = 128;  // half of kMoeThreads: twice the blocks (128 at hidden 2048)
 constexpr int kDownWarps = kDownThreads / kWarp;
 
 /// grid (row blocks, m): output rows r of token t. All slots' activation rows are staged in one
@@ -242,7 +218,7 @@ void launch_expert_gate_up(const DeviceQuant& gate, const DeviceQuant& up, int f
   if (gate.bits != up.bits || gate.cols != up.cols || m <= 0 || n_sel <= 0 || ffn <= 0)
     throw ::lily::InternalError("launch_expert_gate_up: mismatched gate/up matrices or empty launch");
   const int L = lanes_per_row(gate.groups_per_row());
-  const int rows_per_block = kMoeWarps * (kWarp / L) * kGateUpRows;
+  const int rows_per_block = kMoeWarps * (kWarp / L);
   const dim3 grid(static_cast<unsigned>(ceil_div(ffn, rows_per_block)), n_sel, m);
   const size_t smem = staged_row_bytes(gate.cols);
   launch_pdl(gate.bits == 4 ? expert_gate_up_kernel<4> : expert_gate_up_kernel<8>, grid, dim3(kMoeThreads), smem, stream,

@@ -86,10 +86,6 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
       const int c = c0 + i * stride;
       v[i] = c < cols ? to_f32(x[c]) : 0.0f;
       b[i] = (c < cols && norm.branch) ? to_f32(norm.branch[c]) : 0.0f;
-#if defined(__CUDA_ARCH__)
-      // The gain is needed only after the block sum: ask for it now, so that read is an L1 hit.
-      if (c < cols) asm volatile("prefetch.global.L1 [%0];" ::"l"(norm.gain + c));
-#endif
     }
 #pragma unroll
     for (int i = 0; i < kStageBatch; ++i) {  // then the arithmetic, in element order
