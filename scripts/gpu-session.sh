@@ -75,7 +75,7 @@ if has base && [[ -f carry/base.tar ]]; then
       -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 >/dev/null &&
     cmake --build /tmp/lily-base -j16 --target lily >/tmp/base-build.log 2>&1) || { echo "baseline build FAILED"; grep -E "error" /tmp/base-build.log | head; }
   : >"$OUT/bench-base.txt"
-  for n in $CONTEXTS; do
+  for n in ${LILY_GPU_BASE_CONTEXTS:-$CONTEXTS}; do
     echo "== baseline lily bench --prompt-len $n"
     timeout 240 /tmp/lily-base/lily bench --backend cuda --model "$BIG" --prompt-len "$n" --decode-steps 64 --rounds 3 \
       --json-out "/tmp/base-bench-$n.json" 2>&1 | tail -4 | tee -a "$OUT/bench-base.txt"
