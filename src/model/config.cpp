@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "base/error.h"
+#include "base/file_util.h"
 #include "model/tensor_table.h"
 
 namespace lily {
@@ -275,18 +276,20 @@ ModelConfig parse_model_config(const json& doc, const std::string& source) {
 
 ModelConfig load_model_config(const std::filesystem::path& dir) {
   const auto path = dir / "config.json";
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    std::error_code ec;
-    if (!std::filesystem::is_directory(dir, ec))
-      throw CheckpointError(dir.string() + ": not a checkpoint directory");
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec))
+    throw CheckpointError(dir.string() + ": not a checkpoint directory");
+  if (!std::filesystem::exists(std::filesystem::symlink_status(path, ec)))
     throw CheckpointError(path.string() + ": cannot open (no config.json in the checkpoint directory)");
+  std::string text;
+  try {
+    text = read_regular_file(path);  // a FIFO is refused here instead of blocking in open(2)
+  } catch (const Error& e) {
+    throw CheckpointError(e.what());
   }
-  std::stringstream ss;
-  ss << in.rdbuf();
   json doc;
   try {
-    doc = json::parse(ss.str());
+    doc = json::parse(text);
   } catch (const json::exception& e) {
     throw CheckpointError(path.string() + ": not valid JSON: " + e.what());
   }
