@@ -262,8 +262,14 @@ ModelConfig parse_model_config(const json& doc, const std::string& source) {
   double eps = require_number(ctx, text, "rms_norm_eps");
   if (!(eps > 0 && eps < 1)) ctx.fail("rms_norm_eps must be in (0, 1)");
   c.rms_norm_eps = static_cast<float>(eps);
-  if (find_field(text, "max_position_embeddings"))
+  if (find_field(text, "max_position_embeddings")) {
     c.max_position_embeddings = require_int(ctx, text, "max_position_embeddings");
+    // Blamed on the checkpoint here: later a value of 1 surfaced as "--max-seq must be at
+    // least 2" although no --max-seq was given.
+    if (c.max_position_embeddings < 2)
+      ctx.fail("config field max_position_embeddings = " + std::to_string(c.max_position_embeddings) +
+               " is too small: a sequence needs at least 2 positions (a prompt token and one generated token)");
+  }
   parse_rope(ctx, text, c);
   check_flags(ctx, doc, text, c);
   const json* eos = find_field(doc, "eos_token_id");  // top level replaces text_config's
