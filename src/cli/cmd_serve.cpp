@@ -5,6 +5,7 @@
 #include "base/error.h"
 #include "cli/commands.h"
 #include "engine/model_paths.h"
+#include "model/loader.h"
 #include "server/http_server.h"
 
 namespace lily::cli {
@@ -18,6 +19,7 @@ struct ServeFlags {
   int port = -1;
   int64_t max_seq = -1;
   std::string backend = "auto";
+  bool no_mmap = false;  ///< read the weights into memory instead of mapping them
   server::ServerOptions options;
 };
 
@@ -34,6 +36,9 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
   cmd->add_flag("--health-requires-key", o.health_requires_key, "with an API key, /health needs it too "
                "(default: /health stays open)");
   cmd->add_option("--backend", f.backend, "cpu | cuda | auto")->capture_default_str();
+  cmd->add_flag("--no-mmap", f.no_mmap, "read the weights into memory at start-up instead of memory-mapping "
+                "them: resident memory grows by the checkpoint's size, but truncating or rewriting the "
+                "files later cannot crash the server (with mmap such a change makes it refuse requests)");
   cmd->add_option("--served-model-name", o.served_model_name, "model name clients must send "
                   "(default: Qwen3.6-35B-A3B for that shape, else the directory name)");
   cmd->add_option("--cache-entries", o.cache_entries, "prefix-cache entries, 0 disables the cache")
@@ -74,6 +79,8 @@ server::ServerOptions resolve(ServeFlags& f) {
   if (f.port >= 0) o.port = f.port;
   if (f.max_seq >= 0) o.max_seq = f.max_seq;
   o.backend = parse_backend_kind(f.backend);
+  // The server loads the model itself; the process-wide default reaches its load_model call.
+  set_default_weights_mmap(!f.no_mmap);
   if (o.api_key.empty()) {
     if (const char* env = std::getenv("LILY_API_KEY")) o.api_key = env;
   }
