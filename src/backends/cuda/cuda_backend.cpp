@@ -77,8 +77,10 @@ class CudaState final : public SequenceState {
     return KvCacheView{keys[attn_index].as<bf16>(), values[attn_index].as<bf16>(), capacity};
   }
 
-  /// Makes room for `needed` positions (doubling), keeping the first `pos` positions.
-  void reserve(int64_t needed) {
+  /// Makes room for `needed` positions (doubling), keeping the first `pos` positions. The copy
+  /// runs on `stream` (the backend's, which wrote the cache), after the work already queued
+  /// there, and is finished before the old buffers are freed; a state with pos = 0 copies nothing.
+  void reserve(int64_t needed, cudaStream_t stream) {
     if (needed <= capacity) return;
     int64_t cap = capacity;
     while (cap < needed) cap *= 2;
@@ -88,11 +90,12 @@ class CudaState final : public SequenceState {
     allocate_kv(cap);
     const size_t row = static_cast<size_t>(attn.head_dim) * sizeof(bf16);
     for (int i = 0; i < n_attn && pos > 0; ++i) {
-      CUDA_CHECK(cudaMemcpy2D(keys[i].data(), cap * row, old_k[i].data(), old_cap * row, pos * row, attn.n_kv_heads,
-                              cudaMemcpyDeviceToDevice));
-      CUDA_CHECK(cudaMemcpy2D(values[i].data(), cap * row, old_v[i].data(), old_cap * row, pos * row,
-                              attn.n_kv_heads, cudaMemcpyDeviceToDevice));
+      CUDA_CHECK(cudaMemcpy2DAsync(keys[i].data(), cap * row, old_k[i].data(), old_cap * row, pos * row,
+                                   attn.n_kv_heads, cudaMemcpyDeviceToDevice, stream));
+      CUDA_CHECK(cudaMemcpy2DAsync(values[i].data(), cap * row, old_v[i].data(), old_cap * row, pos * row,
+                                   attn.n_kv_heads, cudaMemcpyDeviceToDevice, stream));
     }
+    if (n_attn > 0 && pos > 0) CUDA_CHECK(cudaStreamSynchronize(stream));  // old_k / old_v are freed below
     drop_graph();
   }
 
@@ -104,7 +107,7 @@ class CudaState final : public SequenceState {
   /// Deep copy of the device buffers (no graph).
   std::unique_ptr<CudaState> clone() const {
     auto c = std::make_unique<CudaState>(owner, gdn, attn, n_gdn, n_attn, max_seq);
-    c->reserve(capacity);
+    c->reserve(capacity, nullptr);  // c->pos = 0: allocates, copies nothing
     if (n_gdn > 0) {
       CUDA_CHECK(cudaMemcpy(c->windows.data(), windows.data(), windows.bytes(), cudaMemcpyDeviceToDevice));
       CUDA_CHECK(cudaMemcpy(c->states.data(), states.data(), states.bytes(), cudaMemcpyDeviceToDevice));
@@ -299,7 +302,7 @@ class CudaBackend final : public Backend {
 
   /// One token through the whole model; advances the state.
   int32_t step(CudaState& s, int32_t token, std::vector<float>* logits) {
-    s.reserve(s.pos + 1);
+    s.reserve(s.pos + 1, stream_);
     StepIo* io = io_->get();
     io->token = token;
     io->pos = static_cast<int32_t>(s.pos);
@@ -590,7 +593,7 @@ class CudaBackend final : public Backend {
   int32_t prefill_batched(CudaState& s, std::span<const int32_t> tokens, std::vector<float>* logits) {
     allocate_prefill_scratch();
     const ModelConfig& c = config();
-    s.reserve(s.pos + static_cast<int64_t>(tokens.size()));
+    s.reserve(s.pos + static_cast<int64_t>(tokens.size()), stream_);
     int T = 0;
     for (size_t first = 0; first < tokens.size(); first += prefill_chunk_) {
       T = static_cast<int>(std::min<size_t>(prefill_chunk_, tokens.size() - first));
