@@ -174,6 +174,8 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
     j["schema_version"] = 1;
     j["meta"] = {{"engine", "lily.cpp"}, {"commit", lily::build_commit()}, {"backend", backend->name()},
                  {"device", device}, {"command", cmd}, {"model", f.model}, {"shape", weights->config.shape_name()}};
+    // The CUDA paths this run used (already validated when the backend was made).
+    if (std::string_view(backend->name()) == "cuda") j["meta"]["cuda_options"] = lily::CudaOptions::from_env().describe();
     j["workload"] = {{"prompt_len", f.prompt_len}, {"prompt_kind", "u32_golden_ratio_hash_mod_vocab"},
                      {"decode_steps", f.decode_steps}, {"decode_mode", "synchronous_per_step"}, {"rounds", f.rounds},
                      {"warm_up", "once per run, prefill + 2 decode steps at the exact shape"}};

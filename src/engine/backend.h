@@ -66,15 +66,36 @@ class Backend {
   ProbeSink probe_sink_;
 };
 
+/// How the CUDA backend runs (docs/cuda.md), one field per path choice; the defaults are the
+/// paths verified on an H200. Today filled from the environment (from_env), validated before any
+/// backend is chosen, and written into the bench report.
+struct CudaOptions {
+  bool fuse_decode = true;       ///< LILY_CUDA_FUSE 1|0: add + RMSNorm and the GDN conv folded into GEMVs
+  bool pdl = true;               ///< LILY_CUDA_PDL 1|0: programmatic dependent launch
+  bool batched_prefill = true;   ///< LILY_CUDA_PREFILL batched|per-token
+  bool tensor_core_gemm = true;  ///< LILY_CUDA_GEMM tensor-core|gemv: the prefill projections and experts
+  int prefill_chunk = 2048;      ///< LILY_CUDA_PREFILL_CHUNK 1 … 8192: tokens per prefill chunk
+
+  static constexpr int kMaxPrefillChunk = 8192;
+
+  /// Reads the LILY_CUDA_* variables (unset or empty: the default). Throws lily::Error naming
+  /// the variable, the value and the accepted values for anything else.
+  static CudaOptions from_env();
+  /// "fuse=1 pdl=1 prefill=batched gemm=tensor-core chunk=2048", for logs and reports.
+  std::string describe() const;
+};
+
 /// Which backend to create. kAuto picks CUDA when built with it and a usable GPU is present.
 enum class BackendKind { kCpu, kCuda, kAuto };
 
 /// Parses "cpu" | "cuda" | "auto"; throws lily::Error otherwise.
 BackendKind parse_backend_kind(std::string_view text);
 
-/// Creates a backend over loaded weights. `threads` <= 0 means all cores (CPU backend).
-/// Throws lily::Error (e.g. "--backend cuda: this build has no CUDA support", no GPU, not
-/// enough device memory).
+/// Creates a backend over loaded weights. `threads` <= 0 means all cores (CPU backend). For
+/// kCuda and kAuto the CUDA options are read and validated first (CudaOptions::from_env), so a
+/// bad value is an error even where auto would fall back to the CPU. Throws lily::Error (e.g.
+/// "--backend cuda: this build has no CUDA support", no GPU, not enough device memory, a bad
+/// LILY_CUDA_* value).
 std::unique_ptr<Backend> make_backend(BackendKind kind, std::shared_ptr<const ModelWeights> weights,
                                       int threads = 0);
 

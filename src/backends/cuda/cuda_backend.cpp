@@ -194,7 +194,8 @@ void check_shapes(const ModelConfig& c) {
 /// The CUDA backend (see file comment).
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(std::shared_ptr<const ModelWeights> weights) : weights_(std::move(weights)) {
+  CudaBackend(std::shared_ptr<const ModelWeights> weights, const CudaOptions& options)
+      : weights_(std::move(weights)), options_(options) {
     if (!weights_) throw ::lily::Error("CUDA backend: no model weights");
     check_device();
     const ModelConfig& c = weights_->config;
@@ -215,8 +216,6 @@ class CudaBackend final : public Backend {
     model_ = std::make_unique<DeviceModel>(*weights_);
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     allocate_scratch();
-    batched_prefill_ = batched_prefill_from_env();
-    fuse_decode_ = fuse_decode_from_env();
     (void)pdl_enabled();  // a bad LILY_CUDA_PDL value fails here, not inside the first graph capture
   }
   ~CudaBackend() override {
@@ -400,18 +399,6 @@ class CudaBackend final : public Backend {
     if (probing) emit_f32("logits", -1, pos, logits_.as<float>(), c.vocab);
   }
 
-  /// LILY_CUDA_FUSE: unset or "1" → the decode step folds every add + RMSNorm and the GDN conv
-  /// step into the GEMVs that consume them (FusedNorm, FusedConv; the default since it passed
-  /// every gpu test on an H200); "0" → the separate kernels (add_rmsnorm, GEMV, gdn_conv_decode,
-  /// router GEMV + top-k), kept to measure the fusions and to bisect.
-  /// Throws lily::Error for any other value.
-  static bool fuse_decode_from_env() {
-    const char* v = std::getenv("LILY_CUDA_FUSE");
-    if (!v || !*v || std::string(v) == "1") return true;
-    if (std::string(v) == "0") return false;
-    throw ::lily::Error(std::string("LILY_CUDA_FUSE must be '0' or '1', got '") + v + "'");
-  }
-
   /// The unfused form of a FusedNorm (LILY_CUDA_FUSE=0): add + RMSNorm in place on x_.
   void separate_norm(const FusedNorm& n) {
     launch_add_rmsnorm(x_.as<bf16>(), n.branch, n.gain, normed_.as<bf16>(), 1, config().hidden, n.eps, stream_);
@@ -486,49 +473,11 @@ class CudaBackend final : public Backend {
 
   // ---- batched prefill (default; LILY_CUDA_PREFILL=per-token replays the decode graph) ---------
 
-  /// LILY_CUDA_PREFILL: unset or "batched" → batched prefill; "per-token" → the decode graph
-  /// per prompt token (the reference path, also taken whenever a probe sink is installed).
-  /// Throws lily::Error for any other value.
-  static bool batched_prefill_from_env() {
-    const char* mode = std::getenv("LILY_CUDA_PREFILL");
-    if (!mode || !*mode || std::string(mode) == "batched") return true;
-    if (std::string(mode) == "per-token") return false;
-    throw ::lily::Error(std::string("LILY_CUDA_PREFILL must be 'batched' or 'per-token', got '") + mode + "'");
-  }
   // Chunks of up to prefill_chunk_ tokens; every layer runs over all rows of a chunk: batched
   // GEMVs, the mixer's chunked GDN prefill and causal flash attention, per-row MoE. Only the
   // last prompt row goes through the final norm, lm_head and argmax (model.md §4.4).
   // Status: the whole tests/gpu/test_cuda_e2e.cpp suite passes with it on an H200 except where a
   // test installs a probe sink (which selects the per-token path); see docs/cuda.md.
-
-  static constexpr int kPrefillChunk = 2048;  ///< default tokens per chunk (7.5K tok/s at 8K vs 4.4K with 256)
-  static constexpr int kMaxPrefillChunk = 8192;
-
-  /// LILY_CUDA_PREFILL_CHUNK: tokens per prefill chunk, 1 … 8192 (unset: kPrefillChunk). With
-  /// 256 experts nearly every expert's weights are read once per layer per chunk, so larger
-  /// chunks (1–2K) amortize them; a knob for measuring the tensor-core path. Throws lily::Error
-  /// for anything but an integer in range.
-  static int prefill_chunk_from_env() {
-    const char* v = std::getenv("LILY_CUDA_PREFILL_CHUNK");
-    if (!v || !*v) return kPrefillChunk;
-    char* end = nullptr;
-    const long n = std::strtol(v, &end, 10);
-    if (*end != '\0' || n < 1 || n > kMaxPrefillChunk)
-      throw ::lily::Error(std::string("LILY_CUDA_PREFILL_CHUNK must be an integer in 1…") +
-                          std::to_string(kMaxPrefillChunk) + ", got '" + v + "'");
-    return static_cast<int>(n);
-  }
-
-  /// LILY_CUDA_GEMM: unset or "tensor-core" → the tensor-core GEMM for the mixer projections and
-  /// the grouped expert GEMMs (quant_gemm.h; bf16-rounded dequantized weights, model.md §4.2
-  /// prefill rows; the default since it passed tests/gpu/test_quant_gemm.cu and the e2e suite on
-  /// an H200); "gemv" → batched GEMVs and per-row experts. Throws lily::Error for any other value.
-  static bool tensor_core_gemm_from_env() {
-    const char* mode = std::getenv("LILY_CUDA_GEMM");
-    if (!mode || !*mode || std::string(mode) == "tensor-core") return true;
-    if (std::string(mode) == "gemv") return false;
-    throw ::lily::Error(std::string("LILY_CUDA_GEMM must be 'gemv' or 'tensor-core', got '") + mode + "'");
-  }
 
   /// Prefill projection y[T, w.rows] = x[T, w.cols]·Wᵀ (bf16 out) on the selected path.
   void prefill_project(const DeviceQuant& w, const bf16* x, int T, bf16* y) {
@@ -677,6 +626,7 @@ class CudaBackend final : public Backend {
   }
 
   std::shared_ptr<const ModelWeights> weights_;
+  const CudaOptions options_;  ///< the paths this backend runs (engine/backend.h)
   GdnDims gdn_;
   AttnDims attn_;
   int n_gdn_ = 0, n_attn_ = 0;
@@ -689,17 +639,17 @@ class CudaBackend final : public Backend {
   DeviceBuffer router_done_;  ///< launch_router_fused's block counter (uint32, kept zero between launches)
   DeviceBuffer router_logits_, expert_ids_, expert_w_, logits_, argmax_v_, argmax_i_, io_dev_, attn_ws_;
   size_t attn_ws_bytes_ = 0;
-  bool batched_prefill_ = true;            ///< false with LILY_CUDA_PREFILL=per-token (see prefill_batched)
-  bool fuse_decode_ = true;                ///< false with LILY_CUDA_FUSE=0 (see fuse_decode_from_env)
-  std::unique_ptr<PrefillScratch> pre_;    ///< allocated at the first batched prefill
-  bool tensor_core_gemm_ = tensor_core_gemm_from_env();  ///< LILY_CUDA_GEMM=tensor-core (see prefill_project)
-  int prefill_chunk_ = prefill_chunk_from_env();         ///< tokens per prefill chunk (LILY_CUDA_PREFILL_CHUNK)
+  bool batched_prefill_ = options_.batched_prefill;    ///< false: the decode graph per prompt token
+  bool fuse_decode_ = options_.fuse_decode;            ///< false: separate norm / conv / top-k kernels
+  std::unique_ptr<PrefillScratch> pre_;                ///< allocated at the first batched prefill
+  bool tensor_core_gemm_ = options_.tensor_core_gemm;  ///< prefill projections and experts (prefill_project)
+  int prefill_chunk_ = options_.prefill_chunk;         ///< tokens per prefill chunk
 };
 
 }  // namespace cuda
 
-std::unique_ptr<Backend> make_cuda_backend(std::shared_ptr<const ModelWeights> weights) {
-  return std::make_unique<cuda::CudaBackend>(std::move(weights));
+std::unique_ptr<Backend> make_cuda_backend(std::shared_ptr<const ModelWeights> weights, const CudaOptions& options) {
+  return std::make_unique<cuda::CudaBackend>(std::move(weights), options);
 }
 
 }  // namespace lily

@@ -1,7 +1,10 @@
 // parse_backend_kind and make_backend (engine/backend.h, backends/backend_factory.cpp).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "base/error.h"
 #include "engine/backend.h"
@@ -59,6 +62,68 @@ TEST(BackendFactory, CpuAndAutoWithoutCuda) {
   }
   EXPECT_EQ(make_backend(BackendKind::kAuto, weights)->name(), "cpu");
 #endif
+}
+
+/// Sets environment variables for one scope and restores them.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (old_) setenv(name_, old_->c_str(), 1);
+    else unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
+  for (const char* v : {"LILY_CUDA_FUSE", "LILY_CUDA_PDL", "LILY_CUDA_PREFILL", "LILY_CUDA_GEMM", "LILY_CUDA_PREFILL_CHUNK"})
+    unsetenv(v);
+  const CudaOptions o = CudaOptions::from_env();
+  EXPECT_TRUE(o.fuse_decode);
+  EXPECT_TRUE(o.pdl);
+  EXPECT_TRUE(o.batched_prefill);
+  EXPECT_TRUE(o.tensor_core_gemm);
+  EXPECT_EQ(o.prefill_chunk, 2048);
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 prefill=batched gemm=tensor-core chunk=2048");
+}
+
+TEST(CudaOptions, ReadsEveryVariable) {
+  ScopedEnv a("LILY_CUDA_FUSE", "0"), b("LILY_CUDA_PDL", "0"), c("LILY_CUDA_PREFILL", "per-token"),
+      d("LILY_CUDA_GEMM", "gemv"), e("LILY_CUDA_PREFILL_CHUNK", "256");
+  const CudaOptions o = CudaOptions::from_env();
+  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 prefill=per-token gemm=gemv chunk=256");
+}
+
+TEST(CudaOptions, BadValuesNameTheVariable) {
+  const std::pair<const char*, const char*> bad[] = {{"LILY_CUDA_FUSE", "yes"},          {"LILY_CUDA_PDL", "2"},
+                                                     {"LILY_CUDA_PREFILL", "chunked"},   {"LILY_CUDA_GEMM", "cublas"},
+                                                     {"LILY_CUDA_PREFILL_CHUNK", "0"},   {"LILY_CUDA_PREFILL_CHUNK", "8193"},
+                                                     {"LILY_CUDA_PREFILL_CHUNK", "12x"}, {"LILY_CUDA_PREFILL_CHUNK", "99999999999999999999"}};
+  for (const auto& [name, value] : bad) {
+    ScopedEnv env(name, value);
+    try {
+      CudaOptions::from_env();
+      ADD_FAILURE() << name << "=" << value << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(value), std::string::npos) << e.what();
+    }
+  }
+}
+
+/// --backend auto must not fall back to the CPU over a bad CUDA setting: the user asked for it.
+TEST(CudaOptions, AutoRefusesABadValueInsteadOfFallingBack) {
+  auto weights = load_model(test::demo_model_dir());
+  ScopedEnv env("LILY_CUDA_GEMM", "tensorcore");
+  EXPECT_THROW(make_backend(BackendKind::kAuto, weights, 1), Error);
+  EXPECT_THROW(make_backend(BackendKind::kCuda, weights, 1), Error);
+  EXPECT_EQ(make_backend(BackendKind::kCpu, weights, 1)->name(), "cpu");  // the CPU backend has no CUDA options
 }
 
 }  // namespace
