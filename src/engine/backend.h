@@ -2,7 +2,9 @@
 // backend (backends/cpu, backends/cuda). The engine only sees token ids, logits and opaque
 // per-sequence states; backends know nothing of HTTP, JSON or text.
 #pragma once
+#include <cerrno>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -11,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "base/error.h"
 #include "model/weights.h"
 
 namespace lily {
@@ -84,6 +87,51 @@ struct CudaOptions {
   /// "fuse=1 pdl=1 prefill=batched gemm=tensor-core chunk=2048", for logs and reports.
   std::string describe() const;
 };
+
+namespace cuda_options_detail {
+
+/// The value of environment variable `name`, or "" when unset.
+inline std::string env_value(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::string(v) : std::string();
+}
+
+/// A two-way switch: "" → dflt, `on` → true, `off` → false; anything else throws.
+inline bool env_choice(const char* name, const char* on, const char* off, bool dflt) {
+  const std::string v = env_value(name);
+  if (v.empty()) return dflt;
+  if (v == on) return true;
+  if (v == off) return false;
+  throw Error(std::string(name) + " must be '" + on + "' or '" + off + "', got '" + v + "'");
+}
+
+}  // namespace cuda_options_detail
+
+inline CudaOptions CudaOptions::from_env() {
+  using namespace cuda_options_detail;
+  CudaOptions o;
+  o.fuse_decode = env_choice("LILY_CUDA_FUSE", "1", "0", o.fuse_decode);
+  o.pdl = env_choice("LILY_CUDA_PDL", "1", "0", o.pdl);
+  o.batched_prefill = env_choice("LILY_CUDA_PREFILL", "batched", "per-token", o.batched_prefill);
+  o.tensor_core_gemm = env_choice("LILY_CUDA_GEMM", "tensor-core", "gemv", o.tensor_core_gemm);
+  const std::string chunk = env_value("LILY_CUDA_PREFILL_CHUNK");
+  if (!chunk.empty()) {
+    char* end = nullptr;
+    errno = 0;
+    const long n = std::strtol(chunk.c_str(), &end, 10);
+    if (*end != '\0' || errno != 0 || n < 1 || n > kMaxPrefillChunk)
+      throw Error("LILY_CUDA_PREFILL_CHUNK must be an integer in 1…" + std::to_string(kMaxPrefillChunk) + ", got '" +
+                  chunk + "'");
+    o.prefill_chunk = static_cast<int>(n);
+  }
+  return o;
+}
+
+inline std::string CudaOptions::describe() const {
+  return std::string("fuse=") + (fuse_decode ? "1" : "0") + " pdl=" + (pdl ? "1" : "0") +
+         " prefill=" + (batched_prefill ? "batched" : "per-token") + " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") +
+         " chunk=" + std::to_string(prefill_chunk);
+}
 
 /// Which backend to create. kAuto picks CUDA when built with it and a usable GPU is present.
 enum class BackendKind { kCpu, kCuda, kAuto };
