@@ -66,18 +66,7 @@ std::vector<ChatMessage> parse_messages_flag(const std::string& text) {
   auto doc = nlohmann::json::parse(text, nullptr, false);
   if (doc.is_discarded() || !doc.is_array() || doc.empty())
     throw Error("--messages: expected a non-empty JSON array of {\"role\",\"content\"} objects");
-  std::vector<ChatMessage> messages;
-  for (const auto& m : doc) {
-    if (!m.is_object() || !m.contains("role") || !m.contains("content") || !m["role"].is_string() ||
-        !m["content"].is_string())
-      throw Error("--messages: every message needs string fields \"role\" and \"content\"");
-    const std::string role = m["role"];
-    ChatRole r = role == "system" ? ChatRole::kSystem : role == "user" ? ChatRole::kUser
-               : role == "assistant" ? ChatRole::kAssistant
-               : throw Error("--messages: role '" + role + "' is not system, user or assistant");
-    messages.push_back({r, m["content"].get<std::string>()});
-  }
-  return messages;
+  return parse_message_list(doc, "--messages");
 }
 
 /// Loads tokenizer.json; in --prompt-ids mode a missing or unsupported tokenizer is not fatal.

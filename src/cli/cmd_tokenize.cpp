@@ -62,26 +62,6 @@ std::vector<int32_t> parse_id_list(const std::string& list, int32_t vocab) {
   return ids;
 }
 
-ChatRole parse_role(const json& role, size_t index) {
-  if (role == "system") return ChatRole::kSystem;
-  if (role == "user") return ChatRole::kUser;
-  if (role == "assistant") return ChatRole::kAssistant;
-  throw Error("message " + std::to_string(index) + ": role must be system, user or assistant, got " + role.dump());
-}
-
-std::vector<ChatMessage> parse_messages(const json& list) {
-  if (!list.is_array()) throw Error("messages must be a JSON array of {role, content} objects");
-  std::vector<ChatMessage> messages;
-  for (size_t i = 0; i < list.size(); ++i) {
-    const json& m = list[i];
-    if (!m.is_object() || !m.contains("role")) throw Error("message " + std::to_string(i) + ": needs a role");
-    if (!m.contains("content") || !m["content"].is_string())
-      throw Error("message " + std::to_string(i) + ": content must be a string (only text content is supported)");
-    messages.push_back({parse_role(m["role"], i), m["content"].get<std::string>()});
-  }
-  return messages;
-}
-
 std::vector<int32_t> ids_of(const json& list) {
   if (!list.is_array()) throw Error("expected an array of token ids");
   std::vector<int32_t> ids;
@@ -119,7 +99,7 @@ json run_request(const std::shared_ptr<const Tokenizer>& tok, const json& req) {
     return {{"pieces", pieces}};
   }
   if (req.contains("render")) {
-    std::vector<ChatMessage> messages = parse_messages(req["render"]);
+    std::vector<ChatMessage> messages = parse_message_list(req["render"], "render");
     return {{"text", render_chat(messages)}, {"ids", encode_chat(*tok, messages)}};
   }
   throw Error("unknown request: expected encode, encode_hex, decode, incremental or render");
@@ -159,7 +139,7 @@ void run_single(const TokenizeOptions& o) {
   } else if (!o.messages_json.empty()) {
     json parsed = json::parse(o.messages_json, nullptr, false);
     if (parsed.is_discarded()) throw Error("--render-messages: not valid JSON");
-    std::vector<ChatMessage> messages = parse_messages(parsed);
+    std::vector<ChatMessage> messages = parse_message_list(parsed, "--messages");
     std::string text = render_chat(messages);
     if (o.json_output) {
       std::cout << dump({{"text", text}, {"ids", encode_chat(*tok, messages)}}) << '\n';

@@ -2,8 +2,12 @@
 // its callback runs the command and stores the process exit code in `exit_code`.
 #pragma once
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "text/chat_template.h"
 
 namespace lily::cli {
 
@@ -11,6 +15,11 @@ namespace lily::cli {
 /// >= 0, got '-2'". (CLI11 2.1's NonNegativeNumber / PositiveNumber print a range up to DBL_MAX
 /// written out in 300 digits, and call 0 "not in range 0 to ..." for PositiveNumber.)
 CLI::Validator integer_at_least(long long min);
+
+/// A JSON list of {"role": "system"|"user"|"assistant", "content": string} objects as chat
+/// messages. Throws lily::Error "<what>: message i: …" naming the first bad entry (not an array,
+/// no role, a role name that is not one of the three, content that is not a string).
+std::vector<ChatMessage> parse_message_list(const nlohmann::json& list, const std::string& what);
 
 void register_generate(CLI::App& app, int& exit_code);
 void register_synth(CLI::App& app, int& exit_code);

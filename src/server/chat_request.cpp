@@ -74,9 +74,7 @@ void require_greedy_value(const json& v, const std::string& param, double greedy
 
 ChatRole parse_role(const json& v, const std::string& param) {
   const std::string role = require_string(v, param);
-  if (role == "system") return ChatRole::kSystem;
-  if (role == "user") return ChatRole::kUser;
-  if (role == "assistant") return ChatRole::kAssistant;
+  if (const auto r = chat_role_from_name(role)) return *r;
   if (role == "tool" || role == "function" || role == "developer")
     throw invalid_request("role '" + role + "' is not supported: use system, user or assistant", param,
                           "unsupported_value");

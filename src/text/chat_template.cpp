@@ -200,4 +200,11 @@ std::vector<int32_t> encode_chat(const Tokenizer& tokenizer, std::span<const Cha
   return ids;
 }
 
+std::optional<ChatRole> chat_role_from_name(std::string_view name) {
+  if (name == "system") return ChatRole::kSystem;
+  if (name == "user") return ChatRole::kUser;
+  if (name == "assistant") return ChatRole::kAssistant;
+  return std::nullopt;
+}
+
 }  // namespace lily

@@ -2,8 +2,10 @@
 // natively, and its encoding with control tokens only where the template puts markers.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "text/tokenizer.h"
@@ -11,6 +13,10 @@
 namespace lily {
 
 enum class ChatRole { kSystem, kUser, kAssistant };
+
+/// "system" | "user" | "assistant" → the role; nullopt for any other name. The one place that
+/// maps role names (the server's request parser and the CLI's message lists use it).
+std::optional<ChatRole> chat_role_from_name(std::string_view name);
 
 struct ChatMessage {
   ChatRole role;
