@@ -15,6 +15,12 @@ std::filesystem::path source_dir() { return LILY_SOURCE_DIR; }
 std::filesystem::path binary_dir() { return LILY_BINARY_DIR; }
 std::filesystem::path demo_model_dir() { return source_dir() / "models" / "demo"; }
 
+std::filesystem::path copy_demo_model(const TempDir& tmp) {
+  const std::filesystem::path dir = tmp.path() / "m";
+  std::filesystem::copy(demo_model_dir(), dir, std::filesystem::copy_options::recursive);
+  return dir;
+}
+
 namespace {
 
 CliRun run_command(const std::string& cmd) {

@@ -21,6 +21,8 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+/// A copy of the demo model in `tmp` (at tmp/m), for tests that change or break its files.
+std::filesystem::path copy_demo_model(const TempDir& tmp);
 /// Result of running the built `lily` executable.
 struct CliRun {
   int exit_code = -1;   ///< -1 if it could not be started or did not exit normally

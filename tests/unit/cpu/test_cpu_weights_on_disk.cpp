@@ -16,12 +16,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-fs::path copy_demo(const test::TempDir& tmp) {
-  const fs::path dir = tmp.path() / "m";
-  fs::copy(test::demo_model_dir(), dir, fs::copy_options::recursive);
-  return dir;
-}
-
 std::vector<int32_t> greedy(cpu::CpuBackend& b, int steps) {
   auto state = b.new_state(16);
   std::vector<int32_t> out{b.prefill(*state, std::vector<int32_t>{1, 2, 3})};
@@ -31,7 +25,7 @@ std::vector<int32_t> greedy(cpu::CpuBackend& b, int steps) {
 
 TEST(CpuWeightsOnDisk, MappedBackendReportsATruncatedCheckpoint) {
   test::TempDir tmp;
-  const fs::path dir = copy_demo(tmp);
+  const fs::path dir = test::copy_demo_model(tmp);
   cpu::CpuBackend backend(load_model(dir, LoadOptions{.mmap = true}), 1);
   greedy(backend, 2);
   EXPECT_EQ(backend.weights_changed(), std::nullopt);
@@ -43,7 +37,7 @@ TEST(CpuWeightsOnDisk, MappedBackendReportsATruncatedCheckpoint) {
 
 TEST(CpuWeightsOnDisk, InMemoryBackendKeepsWorkingAfterTruncation) {
   test::TempDir tmp;
-  const fs::path dir = copy_demo(tmp);
+  const fs::path dir = test::copy_demo_model(tmp);
   cpu::CpuBackend backend(load_model(dir, LoadOptions{.mmap = false}), 1);
   const auto before = greedy(backend, 3);
   fs::resize_file(dir / "model.safetensors", 0);

@@ -20,17 +20,11 @@ using test::run_lily_bounded;
 std::string quoted(const fs::path& p) { return "'" + p.string() + "'"; }
 const std::string kDemo = quoted(test::demo_model_dir());
 
-fs::path copy_demo(const test::TempDir& tmp) {
-  const fs::path dir = tmp.path() / "m";
-  fs::copy(test::demo_model_dir(), dir, fs::copy_options::recursive);
-  return dir;
-}
-
 bool has(const CliRun& r, const std::string& text) { return r.output.find(text) != std::string::npos; }
 
 TEST(CliInputs, InspectRefusesAMissingOrGarbageTokenizerAsServeDoes) {
   test::TempDir tmp;
-  const fs::path dir = copy_demo(tmp);
+  const fs::path dir = test::copy_demo_model(tmp);
   fs::remove(dir / "tokenizer.json");
   CliRun r = run_lily_bounded("inspect " + quoted(dir), true);
   EXPECT_EQ(r.exit_code, 1) << r.output;
@@ -60,7 +54,7 @@ TEST(CliInputs, InspectLabelsBinarySizesAsMiB) {
 
 TEST(CliInputs, ContextOfOneIsBlamedOnTheCheckpointField) {
   test::TempDir tmp;
-  const fs::path dir = copy_demo(tmp);
+  const fs::path dir = test::copy_demo_model(tmp);
   nlohmann::json config;
   std::ifstream(dir / "config.json") >> config;
   ASSERT_TRUE(config["text_config"].contains("max_position_embeddings"));
@@ -101,7 +95,7 @@ TEST(CliInputs, TokenizeDefaultsToTheDemoModel) {
 
 TEST(CliInputs, GenerateChecksItsArgumentsBeforeLoadingTheWeights) {
   test::TempDir tmp;
-  const fs::path dir = copy_demo(tmp);
+  const fs::path dir = test::copy_demo_model(tmp);
   fs::resize_file(dir / "model.safetensors", 100);  // loading it would fail
   const std::string model = " --model " + quoted(dir);
   const CliRun load = run_lily_bounded("generate --backend cpu --prompt hi" + model, true);

@@ -23,12 +23,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-fs::path copy_demo(const test::TempDir& tmp) {
-  const fs::path dir = tmp.path() / "m";
-  fs::copy(test::demo_model_dir(), dir, fs::copy_options::recursive);
-  return dir;
-}
-
 std::string file_bytes(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), {}};
@@ -36,7 +30,7 @@ std::string file_bytes(const fs::path& p) {
 
 TEST(WeightsOnDisk, UnchangedFileIsNotReported) {
   test::TempDir tmp;
-  const fs::path dir = copy_demo(tmp);
+  const fs::path dir = test::copy_demo_model(tmp);
   Checkpoint ckpt(dir);
   EXPECT_TRUE(ckpt.mapped());
   EXPECT_EQ(ckpt.changed_on_disk(), std::nullopt);
@@ -44,7 +38,7 @@ TEST(WeightsOnDisk, UnchangedFileIsNotReported) {
 
 TEST(WeightsOnDisk, TruncationIsReportedWithBothSizes) {
   test::TempDir tmp;
-  const fs::path dir = copy_demo(tmp);
+  const fs::path dir = test::copy_demo_model(tmp);
   const fs::path file = dir / "model.safetensors";
   const auto size = fs::file_size(file);
   Checkpoint ckpt(dir);
@@ -56,7 +50,7 @@ TEST(WeightsOnDisk, TruncationIsReportedWithBothSizes) {
 
 TEST(WeightsOnDisk, InPlaceRewriteOfTheSameSizeIsReported) {
   test::TempDir tmp;
-  const fs::path dir = copy_demo(tmp);
+  const fs::path dir = test::copy_demo_model(tmp);
   const fs::path file = dir / "model.safetensors";
   Checkpoint ckpt(dir);
   // Same inode, same size, other bytes (and a later mtime, set explicitly so that a coarse
@@ -75,7 +69,7 @@ TEST(WeightsOnDisk, InPlaceRewriteOfTheSameSizeIsReported) {
 
 TEST(WeightsOnDisk, ReplacementAndRemovalAreReported) {
   test::TempDir tmp;
-  const fs::path dir = copy_demo(tmp);
+  const fs::path dir = test::copy_demo_model(tmp);
   const fs::path file = dir / "model.safetensors";
   Checkpoint ckpt(dir);
   fs::copy_file(file, tmp.path() / "new.safetensors");
@@ -91,7 +85,7 @@ TEST(WeightsOnDisk, ReplacementAndRemovalAreReported) {
 
 TEST(WeightsOnDisk, ReadIntoMemoryIsImmuneToTruncation) {
   test::TempDir tmp;
-  const fs::path dir = copy_demo(tmp);
+  const fs::path dir = test::copy_demo_model(tmp);
   const fs::path file = dir / "model.safetensors";
   const std::string original = file_bytes(file);
   Checkpoint ckpt(dir, /*map=*/false);
@@ -119,7 +113,7 @@ TEST(WeightsOnDisk, LoadOptionsFollowTheProcessDefault) {
   EXPECT_TRUE(LoadOptions{}.mmap);
 
   test::TempDir tmp;
-  const fs::path dir = copy_demo(tmp);
+  const fs::path dir = test::copy_demo_model(tmp);
   auto mapped = load_model(dir);
   auto copied = load_model(dir, LoadOptions{.mmap = false});
   EXPECT_TRUE(mapped->storage->mapped());
