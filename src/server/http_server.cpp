@@ -393,16 +393,25 @@ class LilyServer {
   std::string url() const;
   void load_engine();
   // Connections.
+  /// Accepts connections until stopping_ (the listener thread).
   void accept_loop();
+  /// Admits a connection onto a thread of its own, or one beyond the cap onto a refusing one.
   void start_connection(tcp::socket socket);
+  /// Serves one connection's requests (keep-alive, pipelined) until it closes or times out.
   void serve_connection(int fd, bool over_capacity, Clock::time_point accepted);
+  /// Reads one request within its limits and answers it.
   After serve_request(DeadlineStream& stream, beast::flat_buffer& buffer, Clock::time_point head_deadline,
                       bool over_capacity);
+  /// Answers a request that broke a limit (or came beyond the cap) with `e`; the connection closes.
   After refuse(DeadlineStream& stream, const http::request_parser<http::string_body>& parser, const ApiError& e);
+  /// Counts the answered request in /metrics and logs its line.
   void finish(const Exchange& ex);
   // Routing, auth, errors.
+  /// Routes and answers one request; an exception becomes a 500 with a request id.
   void handle(Exchange& ex, const Request& req);
+  /// 404/405, the API key, then the endpoint.
   void route(Exchange& ex, const Request& req, Reply& res);
+  /// A 500 for an unexpected exception, its detail only in the log.
   void on_exception(Reply& res, std::exception_ptr ep);
   // Endpoints.
   void handle_health(Reply& res);
