@@ -37,7 +37,11 @@ struct BenchFlags {
   std::string backend = "auto";
   int threads = 0;
   std::string json_out;
+  bool no_mmap = false;
 };
+
+/// Longest sequence the kernels support, for a checkpoint that declares no context.
+constexpr int64_t kContextLimit = 262144;
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -129,8 +133,19 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
     if (std::filesystem::is_directory(f.json_out, ec))
       throw Error("--json-out " + f.json_out + " is a directory");
   }
-  auto weights = load_model(f.model);
-  auto backend = make_backend(parse_backend_kind(f.backend), weights, f.threads);
+  const BackendKind backend_kind = parse_backend_kind(f.backend);
+  {
+    // A round fills prompt + decode steps + 1 positions; refused before the load, not after.
+    const ModelConfig config = load_model_config(f.model);
+    const int64_t context = config.max_position_embeddings > 0 ? config.max_position_embeddings : kContextLimit;
+    // prompt + steps + 1 > context, written so that a huge --prompt-len cannot overflow.
+    if (f.prompt_len >= context || f.decode_steps >= context - f.prompt_len)
+      throw Error("--prompt-len " + std::to_string(f.prompt_len) + " + --decode-steps " +
+                  std::to_string(f.decode_steps) + " + 1 positions exceed the checkpoint's context of " +
+                  std::to_string(context) + " tokens (max_position_embeddings)");
+  }
+  auto weights = load_model(f.model, LoadOptions{.mmap = !f.no_mmap});
+  auto backend = make_backend(backend_kind, weights, f.threads);
   const auto prompt = synthetic_prompt(f.prompt_len, weights->config.vocab);
   std::vector<Round> rounds;
   warm_up(*backend, prompt);
@@ -190,6 +205,7 @@ void register_bench(CLI::App& app, int& exit_code) {
       ->capture_default_str()
       ->check(integer_at_least(0));
   cmd->add_option("--json-out", f->json_out, "write the JSON report here");
+  cmd->add_flag("--no-mmap", f->no_mmap, "read the weights into memory instead of memory-mapping them");
   cmd->callback([f, &exit_code] {
     f->model = model_dir_or_default(f->model).string();
     const std::vector<std::string> argv = {"lily bench --model", f->model, "--prompt-len", std::to_string(f->prompt_len),

@@ -23,6 +23,9 @@ namespace lily::cli {
 
 namespace {
 
+/// Longest sequence the kernels support, for a checkpoint that declares no context.
+constexpr int64_t kContextLimit = 262144;
+
 struct GenerateFlags {
   std::string model;
   std::string prompt;
@@ -30,7 +33,9 @@ struct GenerateFlags {
   std::string messages;
   bool raw = false;
   int64_t max_tokens = 128;
+  bool max_tokens_given = false;  ///< --max-tokens was on the command line (else 128, clamped to the context)
   int64_t max_seq = 0;
+  bool no_mmap = false;
   bool json = false;
   std::string backend = "auto";
   int threads = 0;
@@ -110,34 +115,73 @@ void print_json(const std::vector<int32_t>& prompt, const GenerationResult& r) {
   std::cout << doc.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << std::endl;
 }
 
+/// The context a generation may fill: --max-seq when given (at most the checkpoint's context),
+/// else the checkpoint's max_position_embeddings (or the kernel limit when it declares none).
+/// Throws lily::Error for a --max-seq beyond the checkpoint's context.
+int64_t context_limit(const GenerateFlags& f, const ModelConfig& config) {
+  const int64_t declared = config.max_position_embeddings > 0 ? config.max_position_embeddings : kContextLimit;
+  if (f.max_seq > declared)
+    throw Error("--max-seq " + std::to_string(f.max_seq) + " exceeds the checkpoint's context of " +
+                std::to_string(declared) + " tokens (max_position_embeddings in config.json)");
+  return f.max_seq > 0 ? f.max_seq : declared;
+}
+
 void run_generate(const GenerateFlags& f) {
+  // Everything that does not need the weights is checked before they are loaded (a mistyped
+  // flag used to be reported only after a load that may take minutes).
   const auto dir = model_dir_or_default(f.model);
   if (f.max_tokens < 1) throw Error("--max-tokens must be at least 1");
-  auto weights = load_model(dir, LoadOptions{.show_progress = true});
-  const ModelConfig& config = weights->config;
+  if (f.max_seq < 0) throw Error("--max-seq must be at least 0");
+  const int given = !f.prompt.empty() + !f.prompt_ids.empty() + !f.messages.empty();
+  if (given != 1) throw Error("give exactly one of --prompt, --prompt-ids, --messages");
+  if (!f.messages.empty()) parse_messages_flag(f.messages);
+  const BackendKind backend_kind = parse_backend_kind(f.backend);
+  const ModelConfig config = load_model_config(dir);
   auto tokenizer = load_tokenizer(dir, f.prompt_ids.empty());
   if (!f.stop.empty() && !tokenizer) throw Error("--stop needs a tokenizer");
   const std::vector<int32_t> prompt = build_prompt(f, tokenizer.get(), config.vocab);
-  int64_t limit = f.max_seq > 0 ? f.max_seq : (config.max_position_embeddings > 0 ? config.max_position_embeddings : 262144);
-  if (static_cast<int64_t>(prompt.size()) >= limit)
-    throw Error("the prompt has " + std::to_string(prompt.size()) + " tokens; max-seq is " + std::to_string(limit));
+  const int64_t limit = context_limit(f, config);
+  const std::string limit_name = f.max_seq > 0 ? "--max-seq " + std::to_string(limit)
+                                               : "the checkpoint's context of " + std::to_string(limit) +
+                                                     " tokens (max_position_embeddings)";
+  const int64_t prompt_len = static_cast<int64_t>(prompt.size());
+  if (prompt_len >= limit)
+    throw Error("the prompt has " + std::to_string(prompt_len) + " tokens; " + limit_name +
+                " leaves no room for a completion");
+  if (f.max_tokens_given && prompt_len + f.max_tokens > limit)
+    throw Error("--max-tokens " + std::to_string(f.max_tokens) + ": the prompt (" + std::to_string(prompt_len) +
+                " tokens) + " + std::to_string(f.max_tokens) + " exceeds " + limit_name);
   GenerationParams params;
-  params.max_tokens = std::min<int64_t>(f.max_tokens, limit - static_cast<int64_t>(prompt.size()));
-  params.max_seq = static_cast<int64_t>(prompt.size()) + params.max_tokens;
+  params.max_tokens = std::min<int64_t>(f.max_tokens, limit - prompt_len);  // the default 128 is clamped
+  params.max_seq = prompt_len + params.max_tokens;
   params.stop_ids = stop_token_ids(config, dir, tokenizer.get());
   params.stop_strings = f.stop;
-  auto backend = make_backend(parse_backend_kind(f.backend), weights, f.threads);
+
+  auto weights = load_model(dir, LoadOptions{.show_progress = true, .mmap = !f.no_mmap});
+  auto backend = make_backend(backend_kind, weights, f.threads);
   auto state = backend->new_state(params.max_seq);
+  size_t streamed = 0;  // bytes of text written to stdout so far
   TokenCallback stream = [&](int32_t, std::string_view text) {
     if (!f.json && !text.empty()) {
       std::fwrite(text.data(), 1, text.size(), stdout);
       std::fflush(stdout);
+      streamed += text.size();
     }
     return true;
   };
-  GenerationResult r = generate(*backend, *state, prompt, params, tokenizer.get(), stream);
+  GenerationResult r;
+  try {
+    r = generate(*backend, *state, prompt, params, tokenizer.get(), stream);
+  } catch (...) {
+    if (streamed > 0) std::printf("\n");  // the error goes to stderr after a complete line
+    throw;
+  }
   if (f.json) return print_json(prompt, r);
+  // The text generate() released only at the end (held back for a possible stop string or an
+  // incomplete UTF-8 character) was never streamed: write it, then end the line.
+  if (r.text.size() > streamed) std::fwrite(r.text.data() + streamed, 1, r.text.size() - streamed, stdout);
   std::printf("\n");
+  std::fflush(stdout);
   char line[256];
   std::snprintf(line, sizeof line, "%s: prompt %lld tok, prefill %.1f tok/s, completion %zu tok, decode %.1f tok/s",
                 std::string(finish_reason_name(r.finish_reason)).c_str(), static_cast<long long>(r.prompt_tokens),
@@ -156,15 +200,19 @@ void register_generate(CLI::App& app, int& exit_code) {
   cmd->add_option("--prompt-ids", f->prompt_ids, "comma-separated prompt token ids; works without a usable tokenizer.json "
                   "(then no text is printed and --json has \"text\":\"\")");
   cmd->add_option("--messages", f->messages, "JSON array of {\"role\",\"content\"} messages");
-  cmd->add_option("--max-tokens", f->max_tokens, "most tokens to generate")->capture_default_str();
-  cmd->add_option("--max-seq", f->max_seq, "sequence limit (default: max_position_embeddings)");
+  auto* max_tokens = cmd->add_option("--max-tokens", f->max_tokens, "most tokens to generate (the prompt plus these "
+                                     "must fit the context; the default is clamped to it)")->capture_default_str();
+  cmd->add_option("--max-seq", f->max_seq, "sequence limit (default and maximum: max_position_embeddings)")
+      ->check(integer_at_least(0));
+  cmd->add_flag("--no-mmap", f->no_mmap, "read the weights into memory instead of memory-mapping them");
   cmd->add_option("--stop", f->stop, "stop string (repeatable)");
   cmd->add_flag("--json", f->json, "print one JSON object instead of streaming text");
   cmd->add_option("--backend", f->backend, "cpu | cuda | auto")->capture_default_str();
   cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores")
       ->capture_default_str()
       ->check(integer_at_least(0));
-  cmd->callback([f, &exit_code] {
+  cmd->callback([f, max_tokens, &exit_code] {
+    f->max_tokens_given = max_tokens->count() > 0;
     run_generate(*f);
     exit_code = 0;
   });

@@ -1,6 +1,8 @@
 // `lily inspect DIR [--json]`: loads and validates a checkpoint (model/loader.h) and prints its
 // summary: shape name, layers by type, experts, bits per tensor kind, parameters, bytes on disk,
-// skipped tensors. A checkpoint that fails validation exits 1 with the loader's one-line error.
+// skipped tensors. A checkpoint that fails validation exits 1 with the loader's one-line error;
+// so does one whose tokenizer.json (or tokenizer_config.json) `lily serve` would refuse.
+// Sizes are binary (KiB, MiB, GiB: powers of 1024).
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -10,9 +12,11 @@
 
 #include "base/error.h"
 #include "cli/commands.h"
+#include "engine/generate.h"
 #include "io/checkpoint.h"
 #include "model/loader.h"
 #include "model/tensor_table.h"
+#include "text/tokenizer.h"
 
 namespace lily::cli {
 namespace {
@@ -49,7 +53,7 @@ std::vector<std::pair<std::string, KindSummary>> summarize_kinds(const ModelWeig
   return kinds;
 }
 
-nlohmann::json summary_json(const std::string& dir, const ModelWeights& w) {
+nlohmann::json summary_json(const std::string& dir, const ModelWeights& w, const Tokenizer& tok) {
   const ModelConfig& c = w.config;
   nlohmann::json kinds = nlohmann::json::array();
   for (const auto& [kind, s] : summarize_kinds(w))
@@ -84,6 +88,7 @@ nlohmann::json summary_json(const std::string& dir, const ModelWeights& w) {
       {"tensors", w.storage->tensor_count()},
       {"bytes_on_disk", w.storage->bytes_on_disk()},
       {"skipped_tensors", w.skipped_tensors},
+      {"tokenizer_vocab", tok.vocab_size()},
   };
 }
 
@@ -97,7 +102,7 @@ std::string human(double v, const char* const units[], int n_units, double base)
 
 void print_text(const nlohmann::json& j) {
   static const char* const kCount[] = {"", "K", "M", "B"};
-  static const char* const kBytes[] = {" B", "KB", "MB", "GB", "TB"};
+  static const char* const kBytes[] = {" B", "KiB", "MiB", "GiB", "TiB"};  // base 1024
   const auto& L = j["layers"];
   const auto& A = j["attention"];
   const auto& G = j["gdn"];
@@ -130,6 +135,7 @@ void print_text(const nlohmann::json& j) {
   std::string eos;
   for (const auto& id : j["eos_token_ids"]) eos += (eos.empty() ? "" : ", ") + std::to_string(id.get<int>());
   std::printf("eos ids      %s\n", eos.c_str());
+  std::printf("tokenizer    %d ids\n", j["tokenizer_vocab"].get<int>());
 }
 
 }  // namespace
@@ -144,7 +150,11 @@ void register_inspect(CLI::App& app, int& exit_code) {
     LoadOptions options;
     options.show_progress = true;
     auto weights = load_model(*dir, options);
-    const auto summary = summary_json(*dir, *weights);
+    // The same checks `lily serve` makes before it serves: tokenizer.json must load, and
+    // tokenizer_config.json (when present) must be a JSON object.
+    auto tokenizer = Tokenizer::from_file(std::filesystem::path(*dir) / "tokenizer.json");
+    stop_token_ids(weights->config, *dir, tokenizer.get());
+    const auto summary = summary_json(*dir, *weights, *tokenizer);
     if (*as_json) std::printf("%s\n", summary.dump().c_str());
     else print_text(summary);
     exit_code = 0;

@@ -5,6 +5,7 @@
 #include "base/error.h"
 #include "cli/commands.h"
 #include "engine/model_paths.h"
+#include "model/loader.h"
 #include "server/http_server.h"
 
 namespace lily::cli {
@@ -18,6 +19,7 @@ struct ServeFlags {
   int port = -1;
   int64_t max_seq = -1;
   std::string backend = "auto";
+  bool no_mmap = false;  ///< read the weights into memory instead of mapping them
   CLI::Option* api_key = nullptr;  ///< to tell `--api-key ""` from no --api-key
   server::ServerOptions options;
 };
@@ -35,6 +37,9 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
   cmd->add_flag("--health-requires-key", o.health_requires_key, "with an API key, /health needs it too "
                "(default: /health stays open)");
   cmd->add_option("--backend", f.backend, "cpu | cuda | auto")->capture_default_str();
+  cmd->add_flag("--no-mmap", f.no_mmap, "read the weights into memory at start-up instead of memory-mapping "
+                "them: resident memory grows by the checkpoint's size, but truncating or rewriting the "
+                "files later cannot crash the server (with mmap such a change makes it refuse requests)");
   cmd->add_option("--served-model-name", o.served_model_name, "model name clients must send "
                   "(default: Qwen3.6-35B-A3B for that shape, else the directory name)");
   cmd->add_option("--cache-entries", o.cache_entries, "prefix-cache entries, 0 disables the cache")
@@ -91,6 +96,8 @@ server::ServerOptions resolve(ServeFlags& f) {
       o.api_key = env;
     }
   }
+  // The server loads the model itself; the process-wide default reaches its load_model call.
+  set_default_weights_mmap(!f.no_mmap);
   return o;
 }
 

@@ -1,5 +1,6 @@
 // `lily tokenize` — look at the tokenizer and chat template of a checkpoint
 // (reference/model.md §5–6):
+// (--model defaults to the repository's models/demo, as for serve, generate and bench)
 //   lily tokenize --model DIR [--json] [--special] TEXT      ids of TEXT ("1,2,3" or {"ids":[…]})
 //   lily tokenize --model DIR --decode 1,2,3 [--keep-special] the text of ids
 //   lily tokenize --model DIR --render-messages JSON [--json] the chat prompt (text, or text+ids)
@@ -12,6 +13,7 @@
 
 #include "base/error.h"
 #include "cli/commands.h"
+#include "engine/model_paths.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 
@@ -27,6 +29,7 @@ struct TokenizeOptions {
   std::string decode_ids;
   std::string messages_json;
   std::string batch_file;
+  bool text_given = false;  ///< the TEXT argument was on the command line (even if empty)
   bool json_output = false;
   bool special = false;
   bool keep_special = false;
@@ -34,11 +37,11 @@ struct TokenizeOptions {
 
 std::shared_ptr<const Tokenizer> load_tokenizer(const TokenizeOptions& o) {
   if (!o.tokenizer_file.empty()) return Tokenizer::from_file(o.tokenizer_file);
-  if (o.model_dir.empty()) throw Error("lily tokenize needs --model DIR or --tokenizer FILE");
-  return Tokenizer::from_file(std::filesystem::path(o.model_dir) / "tokenizer.json");
+  return Tokenizer::from_file(model_dir_or_default(o.model_dir) / "tokenizer.json");
 }
 
-std::vector<int32_t> parse_id_list(const std::string& list) {
+/// "1,2,3" → ids, each in [0, vocab); throws lily::Error naming the item at fault.
+std::vector<int32_t> parse_id_list(const std::string& list, int32_t vocab) {
   std::vector<int32_t> ids;
   std::stringstream in(list);
   std::string item;
@@ -51,7 +54,11 @@ std::vector<int32_t> parse_id_list(const std::string& list) {
     } catch (const std::logic_error&) {
       throw Error("--decode: '" + item + "' is not a token id (expected e.g. 1,2,3)");
     }
+    if (ids.back() >= vocab)
+      throw Error("--decode: token id " + item + " is outside the vocabulary (ids 0.." + std::to_string(vocab - 1) +
+                  ")");
   }
+  if (ids.empty()) throw Error("--decode: no token ids given (expected e.g. 1,2,3)");
   return ids;
 }
 
@@ -140,9 +147,14 @@ void run_batch(const TokenizeOptions& o) {
 }
 
 void run_single(const TokenizeOptions& o) {
+  const int modes = o.text_given + !o.decode_ids.empty() + !o.messages_json.empty();
+  if (modes == 0)
+    throw Error("lily tokenize: nothing to do: give TEXT to encode, --decode IDS, --render-messages JSON or "
+                "--batch-jsonl FILE");
+  if (modes > 1) throw Error("lily tokenize: give only one of TEXT, --decode and --render-messages");
   auto tok = load_tokenizer(o);
   if (!o.decode_ids.empty()) {
-    std::string text = tok->decode(parse_id_list(o.decode_ids), !o.keep_special);
+    std::string text = tok->decode(parse_id_list(o.decode_ids, tok->vocab_size()), !o.keep_special);
     std::cout << (o.json_output ? dump({{"text", text}}) : text) << '\n';
   } else if (!o.messages_json.empty()) {
     json parsed = json::parse(o.messages_json, nullptr, false);
@@ -170,9 +182,10 @@ void run_single(const TokenizeOptions& o) {
 void register_tokenize(CLI::App& app, int& exit_code) {
   auto opts = std::make_shared<TokenizeOptions>();
   auto* cmd = app.add_subcommand("tokenize", "Encode text, decode ids or render a chat prompt with a checkpoint's tokenizer");
-  cmd->add_option("--model", opts->model_dir, "checkpoint directory (reads DIR/tokenizer.json)");
+  cmd->add_option("--model", opts->model_dir,
+                  "checkpoint directory (reads DIR/tokenizer.json; default: the repository's models/demo)");
   cmd->add_option("--tokenizer", opts->tokenizer_file, "a tokenizer.json file instead of --model");
-  cmd->add_option("text", opts->text, "text to encode");
+  auto* text = cmd->add_option("text", opts->text, "text to encode");
   cmd->add_option("--decode", opts->decode_ids, "comma-separated ids to decode, e.g. 1,2,3");
   cmd->add_option("--render-messages", opts->messages_json,
                   "JSON array of {role, content} messages: print the chat prompt (thinking disabled)");
@@ -180,7 +193,8 @@ void register_tokenize(CLI::App& app, int& exit_code) {
   cmd->add_flag("--json", opts->json_output, "print JSON");
   cmd->add_flag("--special", opts->special, "match added-token strings (e.g. <|im_start|>) as their ids");
   cmd->add_flag("--keep-special", opts->keep_special, "with --decode: keep special tokens in the text");
-  cmd->callback([opts, &exit_code] {
+  cmd->callback([opts, text, &exit_code] {
+    opts->text_given = text->count() > 0;
     if (opts->batch_file.empty()) {
       run_single(*opts);
     } else {

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -52,6 +53,12 @@ class Backend {
                           std::vector<float>* logits = nullptr) = 0;
   /// One decode step: feeds `token` at state.position(), returns the greedy next token.
   virtual int32_t decode(SequenceState& state, int32_t token, std::vector<float>* logits = nullptr) = 0;
+  /// For a backend that still reads the host weights (the CPU backend reads the memory-mapped
+  /// checkpoint on every step): why they can no longer be trusted, e.g. "DIR/model.safetensors
+  /// was truncated from A to B bytes" (reading them could kill the process with SIGBUS); nullopt
+  /// when they are fine or the backend no longer reads them. Cheap (one stat(2) per weights
+  /// file), never touches the weights; may be called from any thread.
+  virtual std::optional<std::string> weights_changed() const { return std::nullopt; }
   /// Installs (or clears, with nullptr) a probe sink; costs nothing when unset.
   virtual void set_probe_sink(ProbeSink sink) { probe_sink_ = std::move(sink); }
 

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/error.h"
+#include "base/file_util.h"
 #include "engine/stop_strings.h"
 
 namespace lily {
@@ -147,8 +148,7 @@ std::vector<int32_t> stop_token_ids(const ModelConfig& config, const std::filesy
   std::vector<int32_t> ids = config.eos_token_ids;
   const auto path = model_dir / "tokenizer_config.json";
   if (tokenizer != nullptr && std::filesystem::exists(path)) {
-    std::ifstream in(path);
-    nlohmann::json doc = nlohmann::json::parse(in, nullptr, false);
+    nlohmann::json doc = nlohmann::json::parse(read_regular_file(path), nullptr, false);
     if (doc.is_discarded() || !doc.is_object())
       throw Error(path.string() + ": not a JSON object");
     const auto it = doc.find("eos_token");

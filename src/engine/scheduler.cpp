@@ -51,6 +51,7 @@ std::shared_ptr<Job> Scheduler::submit(JobRequest request) {
   if (request.prompt.empty() || request.max_tokens < 1 || need > options_.max_seq)
     throw Error("request needs " + std::to_string(need) + " tokens but max_seq is " +
                 std::to_string(options_.max_seq));
+  if (auto why = model_unavailable()) throw ModelUnavailableError(*why);
   auto job = std::make_shared<Job>(std::move(request));
   {
     std::lock_guard lock(mutex_);
@@ -107,6 +108,18 @@ void Scheduler::stop(std::chrono::milliseconds grace) {
   thread_.join();
 }
 
+std::optional<std::string> Scheduler::model_unavailable() {
+  std::lock_guard lock(unavailable_mutex_);
+  if (!unavailable_) {
+    if (auto why = backend_->weights_changed()) {
+      unavailable_ = "the model's weights changed on disk after loading (" + *why +
+                     "); this server refuses all further requests: restart lily serve to load the new weights";
+      log_error(*unavailable_);
+    }
+  }
+  return unavailable_;
+}
+
 int Scheduler::queue_depth() const {
   std::lock_guard lock(mutex_);
   return static_cast<int>(queue_.size());
@@ -140,6 +153,8 @@ void Scheduler::engine_loop() {
 void Scheduler::run_job(Job& job) {
   const JobRequest& req = job.request();
   try {
+    // Checked again here: the job may have waited in the queue while a file changed.
+    if (auto why = model_unavailable()) throw ModelUnavailableError(*why);
     CacheLookup hit = cache_.acquire(*backend_, req.prompt, req.cache_key);
     std::unique_ptr<SequenceState> state =
         hit.state ? std::move(hit.state) : backend_->new_state(options_.max_seq);

@@ -35,6 +35,15 @@ class ShuttingDownError : public Error {
   using Error::Error;
 };
 
+/// Thrown by Scheduler::submit once the backend's weights can no longer be used (a memory-mapped
+/// safetensors file was truncated, rewritten, replaced or removed: Backend::weights_changed).
+/// Permanent until restart. Derives from ShuttingDownError so that a server mapping that to
+/// 503 refuses these requests with a 503 too; a server may catch it first for its own code.
+class ModelUnavailableError : public ShuttingDownError {
+ public:
+  using ShuttingDownError::ShuttingDownError;
+};
+
 /// What the engine needs to run one request: only token ids and settings.
 struct JobRequest {
   std::vector<int32_t> prompt;             ///< whole prompt (template applied)
@@ -95,8 +104,15 @@ class Scheduler {
   ~Scheduler();
 
   /// Queues a job (FIFO). Throws QueueFullError when max_queue jobs are waiting,
-  /// ShuttingDownError after stop(), lily::Error for a request that cannot fit max_seq.
+  /// ShuttingDownError after stop(), lily::Error for a request that cannot fit max_seq, and
+  /// ModelUnavailableError once model_unavailable() is set. A queued job that reaches the
+  /// engine after the weights changed fails (kFailed) with the same message, untouched.
   std::shared_ptr<Job> submit(JobRequest request);
+  /// Checks Backend::weights_changed() (one stat(2) per weights file) and remembers the first
+  /// problem for good, logging it once as an error: "the model's weights changed on disk after
+  /// loading (<why>); this server refuses all further requests: restart lily serve to load the
+  /// new weights". Returns that message, or nullopt. Thread-safe.
+  std::optional<std::string> model_unavailable();
   /// Removes a queued job (it gets a kDone event with FinishReason::kCancelled and no tokens)
   /// or, when running, cancels it; returns at once.
   void cancel(const std::shared_ptr<Job>& job);
@@ -127,6 +143,8 @@ class Scheduler {
   std::deque<std::shared_ptr<Job>> queue_;
   std::shared_ptr<Job> running_;
   bool stopping_ = false;
+  std::mutex unavailable_mutex_;
+  std::optional<std::string> unavailable_;  ///< set once, never cleared
   std::thread thread_;
   std::mutex stop_mutex_;
 };

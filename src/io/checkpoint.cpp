@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/error.h"
+#include "base/file_util.h"
 
 namespace lily {
 namespace {
@@ -17,12 +18,14 @@ constexpr const char* kIndexName = "model.safetensors.index.json";
 constexpr const char* kSingleName = "model.safetensors";
 
 nlohmann::json read_json(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw CheckpointError(path.string() + ": cannot open");
-  std::stringstream ss;
-  ss << in.rdbuf();
+  std::string text;
   try {
-    return nlohmann::json::parse(ss.str());
+    text = read_regular_file(path);
+  } catch (const Error& e) {
+    throw CheckpointError(e.what());
+  }
+  try {
+    return nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     throw CheckpointError(path.string() + ": not valid JSON: " + e.what());
   }
@@ -36,12 +39,13 @@ bool is_plain_file_name(const std::string& name) {
 
 }  // namespace
 
-Checkpoint::Checkpoint(const std::filesystem::path& dir) : dir_(dir) {
+Checkpoint::Checkpoint(const std::filesystem::path& dir, bool map) : dir_(dir), map_(map) {
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec))
     throw CheckpointError(dir.string() + ": not a directory (expected a checkpoint directory)");
-  if (std::filesystem::exists(dir / kIndexName, ec)) open_sharded(dir / kIndexName);
-  else if (std::filesystem::exists(dir / kSingleName, ec)) open_single(dir / kSingleName);
+  // symlink_status: a FIFO or a dangling link still "exists" and is refused by name when opened.
+  if (std::filesystem::exists(std::filesystem::symlink_status(dir / kIndexName, ec))) open_sharded(dir / kIndexName);
+  else if (std::filesystem::exists(std::filesystem::symlink_status(dir / kSingleName, ec))) open_single(dir / kSingleName);
   else fail_no_weights();
 }
 
@@ -62,7 +66,7 @@ void Checkpoint::fail_no_weights() const {
 }
 
 void Checkpoint::open_single(const std::filesystem::path& file) {
-  add_file(std::make_unique<SafetensorsFile>(file));
+  add_file(std::make_unique<SafetensorsFile>(file, map_));
 }
 
 void Checkpoint::open_sharded(const std::filesystem::path& index_path) {
@@ -85,10 +89,10 @@ void Checkpoint::open_sharded(const std::filesystem::path& index_path) {
   // Open every shard first so that a tensor stored twice is reported as such.
   for (const auto& [shard_name, listed] : by_shard) {
     std::error_code ec;
-    if (!std::filesystem::is_regular_file(dir_ / shard_name, ec))
+    if (!std::filesystem::exists(dir_ / shard_name, ec))
       throw CheckpointError(where + ": shard " + shard_name + " (tensor " + *listed.begin() +
                             ", …) does not exist");
-    add_file(std::make_unique<SafetensorsFile>(dir_ / shard_name));
+    add_file(std::make_unique<SafetensorsFile>(dir_ / shard_name, map_));  // refuses a FIFO by name
   }
   for (const auto& file : files_) {
     const auto& listed = by_shard.at(file->path().filename().string());
@@ -130,6 +134,12 @@ std::vector<const TensorInfo*> Checkpoint::tensors() const {
   for (const auto& [name, t] : by_name_) all.push_back(t);
   std::sort(all.begin(), all.end(), [](auto* a, auto* b) { return a->name < b->name; });
   return all;
+}
+
+std::optional<std::string> Checkpoint::changed_on_disk() const {
+  for (const auto& f : files_)
+    if (auto why = f->changed_on_disk()) return why;
+  return std::nullopt;
 }
 
 uint64_t Checkpoint::bytes_on_disk() const {

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -20,8 +21,10 @@ class Checkpoint {
   /// exist (plain file names inside `dir`), each shard must hold exactly the tensors the index
   /// assigns to it, and no tensor may be in two shards. Otherwise `model.safetensors` is used.
   /// Throws CheckpointError naming the file and tensor at fault; when neither file exists the
-  /// message says so and mentions *.gguf or pytorch_model*.bin files found instead.
-  explicit Checkpoint(const std::filesystem::path& dir);
+  /// message says so and mentions *.gguf or pytorch_model*.bin files found instead. A weights
+  /// file that is not a regular file (a FIFO, a directory) is refused at once, never read.
+  /// `map` false reads every safetensors file into memory instead of mapping it (`--no-mmap`).
+  explicit Checkpoint(const std::filesystem::path& dir, bool map = true);
 
   const std::filesystem::path& dir() const { return dir_; }
   /// The tensor called `name` (any shard), or nullptr.
@@ -37,6 +40,14 @@ class Checkpoint {
   uint64_t bytes_on_disk() const;
   /// True when opened from model.safetensors.index.json.
   bool sharded() const { return sharded_; }
+  /// True when the tensors point into memory mappings of the files (false: heap copies).
+  bool mapped() const { return map_; }
+  /// For a mapped checkpoint: the first safetensors file that was truncated, resized, modified,
+  /// replaced or removed since it was opened, as one line ("DIR/model.safetensors was truncated
+  /// from A to B bytes"), after which reading its tensors may fault (SIGBUS) or see other data;
+  /// nullopt while all are unchanged, and always for a checkpoint read into memory. Costs one
+  /// stat(2) per file, never touches the mapped pages; thread-safe.
+  std::optional<std::string> changed_on_disk() const;
 
  private:
   void open_sharded(const std::filesystem::path& index_path);
@@ -46,6 +57,7 @@ class Checkpoint {
 
   std::filesystem::path dir_;
   bool sharded_ = false;
+  bool map_ = true;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::unordered_map<std::string, const TensorInfo*> by_name_;
 };

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -15,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/error.h"
+#include "base/file_util.h"
 
 namespace lily {
 namespace {
@@ -93,16 +95,27 @@ std::string TensorInfo::shape_string() const {
 
 // --- MappedFile ---------------------------------------------------------------------------
 
-MappedFile::MappedFile(const std::filesystem::path& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(path, std::string("cannot open: ") + std::strerror(errno));
+void MappedFile::Free::operator()(std::byte* p) const { std::free(p); }
+
+MappedFile::MappedFile(const std::filesystem::path& path, bool map) : path_(path), mapped_(map) {
+  int fd = -1;
+  try {
+    fd = open_regular_file(path);  // O_NONBLOCK + fstat first: a FIFO must not block here
+  } catch (const Error& e) {
+    throw CheckpointError(e.what());
+  }
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
     ::close(fd);
-    fail(path, "not a regular file");
+    fail(path, std::string("cannot stat: ") + std::strerror(err));
   }
   size_ = static_cast<uint64_t>(st.st_size);
-  if (size_ > 0) {
+  dev_ = static_cast<uint64_t>(st.st_dev);
+  ino_ = static_cast<uint64_t>(st.st_ino);
+  mtime_s_ = static_cast<int64_t>(st.st_mtim.tv_sec);
+  mtime_ns_ = static_cast<int64_t>(st.st_mtim.tv_nsec);
+  if (size_ > 0 && map) {
     void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
     if (p == MAP_FAILED) {
       int err = errno;
@@ -110,23 +123,68 @@ MappedFile::MappedFile(const std::filesystem::path& path) {
       fail(path, std::string("cannot memory-map: ") + std::strerror(err));
     }
     data_ = static_cast<const std::byte*>(p);
+  } else if (size_ > 0) {
+    // Page-aligned like a mapping, so every tensor keeps the alignment it would have there.
+    const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    const uint64_t rounded = (size_ + page - 1) / page * page;
+    owned_.reset(static_cast<std::byte*>(std::aligned_alloc(page, rounded)));
+    if (!owned_) {
+      ::close(fd);
+      fail(path, "cannot allocate " + std::to_string(size_) + " bytes to read the file into memory (--no-mmap)");
+    }
+    uint64_t done = 0;
+    while (done < size_) {
+      const ssize_t n = ::pread(fd, owned_.get() + done, size_ - done, static_cast<off_t>(done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const int err = n < 0 ? errno : 0;
+        ::close(fd);
+        fail(path, n < 0 ? std::string("read failed: ") + std::strerror(err)
+                         : "shrank while being read (" + std::to_string(done) + " of " + std::to_string(size_) +
+                               " bytes)");
+      }
+      done += static_cast<uint64_t>(n);
+    }
+    data_ = owned_.get();
   }
   ::close(fd);
 }
 
 MappedFile::~MappedFile() {
-  if (data_) ::munmap(const_cast<std::byte*>(data_), size_);
+  if (data_ && mapped_) ::munmap(const_cast<std::byte*>(data_), size_);
+}
+
+std::optional<std::string> MappedFile::changed_on_disk() const {
+  if (!mapped_) return std::nullopt;
+  struct stat st {};
+  if (::stat(path_.c_str(), &st) != 0)
+    return path_.string() + " was removed or cannot be read (" + std::strerror(errno) + ")";
+  if (static_cast<uint64_t>(st.st_dev) != dev_ || static_cast<uint64_t>(st.st_ino) != ino_)
+    return path_.string() + " was replaced by another file";
+  if (static_cast<uint64_t>(st.st_size) != size_)
+    return path_.string() + " was " + (static_cast<uint64_t>(st.st_size) < size_ ? "truncated" : "resized") +
+           " from " + std::to_string(size_) + " to " + std::to_string(st.st_size) + " bytes";
+  if (static_cast<int64_t>(st.st_mtim.tv_sec) != mtime_s_ || static_cast<int64_t>(st.st_mtim.tv_nsec) != mtime_ns_)
+    return path_.string() + " was modified (its mtime changed)";
+  return std::nullopt;
 }
 
 // --- SafetensorsFile ----------------------------------------------------------------------
 
 bool is_gguf_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
+  int fd = -1;
+  try {
+    fd = open_regular_file(path);  // never blocks on a FIFO
+  } catch (const Error&) {
+    return false;
+  }
   char magic[4] = {};
-  return in.read(magic, 4) && std::memcmp(magic, "GGUF", 4) == 0;
+  const bool yes = ::read(fd, magic, 4) == 4 && std::memcmp(magic, "GGUF", 4) == 0;
+  ::close(fd);
+  return yes;
 }
 
-SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path), map_(path) {
+SafetensorsFile::SafetensorsFile(const std::filesystem::path& path, bool map) : path_(path), map_(path, map) {
   parse_header();
 }
 

@@ -45,21 +45,44 @@ struct TensorInfo {
   std::string shape_string() const;
 };
 
-/// A read-only memory mapping of a whole file (RAII).
+/// The bytes of a whole file, read-only (RAII): either a memory mapping (the pages come from the
+/// page cache on first touch and are shared with other processes) or, with `map` false, a private
+/// page-aligned heap copy read at open (`--no-mmap`: the whole file resident in anonymous memory,
+/// but a later truncation or rewrite of the file can no longer fault the process with SIGBUS).
 class MappedFile {
  public:
-  /// Maps `path` read-only. Throws CheckpointError naming the file when it cannot be opened.
-  explicit MappedFile(const std::filesystem::path& path);
+  /// Opens `path` (O_NONBLOCK, so a FIFO or device is refused at once instead of blocking) and
+  /// maps it, or reads it whole when `map` is false. Records the file's identity (device, inode,
+  /// size, mtime) for changed_on_disk(). Throws CheckpointError naming the file when it cannot
+  /// be opened, is not a regular file, or cannot be mapped or read.
+  explicit MappedFile(const std::filesystem::path& path, bool map = true);
   ~MappedFile();
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
 
   const std::byte* data() const { return data_; }
   uint64_t size() const { return size_; }
+  /// True for a memory mapping, false for a heap copy.
+  bool mapped() const { return mapped_; }
+
+  /// For a mapping: why the mapped bytes can no longer be trusted (PATH "was truncated from A to
+  /// B bytes", "was modified", "was replaced by another file", "was removed"), found by one
+  /// stat(2) of the path compared with what was recorded at open; nullopt while unchanged.
+  /// Always nullopt for a heap copy (changes on disk cannot affect it). Never touches the mapped
+  /// pages, so it cannot fault. Thread-safe.
+  std::optional<std::string> changed_on_disk() const;
 
  private:
+  struct Free {
+    void operator()(std::byte* p) const;
+  };
+  std::filesystem::path path_;
   const std::byte* data_ = nullptr;
   uint64_t size_ = 0;
+  bool mapped_ = true;
+  std::unique_ptr<std::byte, Free> owned_;  ///< the heap copy when !mapped_
+  uint64_t dev_ = 0, ino_ = 0;
+  int64_t mtime_s_ = 0, mtime_ns_ = 0;
 };
 
 /// One opened, fully validated safetensors file.
@@ -70,7 +93,8 @@ class SafetensorsFile {
   /// byte range, every range inside the data section, no two ranges overlapping; the
   /// `__metadata__` entry is skipped. A file starting with the GGUF magic is reported as such.
   /// Throws CheckpointError naming the file (and the tensor, where one is at fault).
-  explicit SafetensorsFile(const std::filesystem::path& path);
+  /// `map` false reads the file into memory instead of mapping it (see MappedFile).
+  explicit SafetensorsFile(const std::filesystem::path& path, bool map = true);
 
   const std::filesystem::path& path() const { return path_; }
   /// Total file size in bytes.
@@ -79,6 +103,10 @@ class SafetensorsFile {
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   /// The tensor called `name`, or nullptr.
   const TensorInfo* find(std::string_view name) const;
+  /// True when the tensors point into a memory mapping (false: into a heap copy).
+  bool mapped() const { return map_.mapped(); }
+  /// See MappedFile::changed_on_disk.
+  std::optional<std::string> changed_on_disk() const { return map_.changed_on_disk(); }
 
  private:
   void parse_header();

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "base/error.h"
+#include "base/file_util.h"
 #include "model/tensor_table.h"
 
 namespace lily {
@@ -261,8 +262,14 @@ ModelConfig parse_model_config(const json& doc, const std::string& source) {
   double eps = require_number(ctx, text, "rms_norm_eps");
   if (!(eps > 0 && eps < 1)) ctx.fail("rms_norm_eps must be in (0, 1)");
   c.rms_norm_eps = static_cast<float>(eps);
-  if (find_field(text, "max_position_embeddings"))
+  if (find_field(text, "max_position_embeddings")) {
     c.max_position_embeddings = require_int(ctx, text, "max_position_embeddings");
+    // Blamed on the checkpoint here: later a value of 1 surfaced as "--max-seq must be at
+    // least 2" although no --max-seq was given.
+    if (c.max_position_embeddings < 2)
+      ctx.fail("config field max_position_embeddings = " + std::to_string(c.max_position_embeddings) +
+               " is too small: a sequence needs at least 2 positions (a prompt token and one generated token)");
+  }
   parse_rope(ctx, text, c);
   check_flags(ctx, doc, text, c);
   const json* eos = find_field(doc, "eos_token_id");  // top level replaces text_config's
@@ -275,18 +282,20 @@ ModelConfig parse_model_config(const json& doc, const std::string& source) {
 
 ModelConfig load_model_config(const std::filesystem::path& dir) {
   const auto path = dir / "config.json";
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    std::error_code ec;
-    if (!std::filesystem::is_directory(dir, ec))
-      throw CheckpointError(dir.string() + ": not a checkpoint directory");
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec))
+    throw CheckpointError(dir.string() + ": not a checkpoint directory");
+  if (!std::filesystem::exists(std::filesystem::symlink_status(path, ec)))
     throw CheckpointError(path.string() + ": cannot open (no config.json in the checkpoint directory)");
+  std::string text;
+  try {
+    text = read_regular_file(path);  // a FIFO is refused here instead of blocking in open(2)
+  } catch (const Error& e) {
+    throw CheckpointError(e.what());
   }
-  std::stringstream ss;
-  ss << in.rdbuf();
   json doc;
   try {
-    doc = json::parse(ss.str());
+    doc = json::parse(text);
   } catch (const json::exception& e) {
     throw CheckpointError(path.string() + ": not valid JSON: " + e.what());
   }

@@ -53,7 +53,7 @@ struct ModelConfig {
   bool norm_topk_prob = true; ///< renormalise the top-k routing weights (must be true)
 
   float rms_norm_eps = 1e-6f;
-  int max_position_embeddings = 0;  ///< 0 = unspecified
+  int max_position_embeddings = 0;  ///< 0 = unspecified; otherwise at least 2 (parse refuses 1)
   std::vector<int32_t> eos_token_ids;  ///< top-level eos_token_id overrides text_config's
   QuantizationConfig quantization;
 

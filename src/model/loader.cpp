@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -325,12 +326,17 @@ std::string mib(uint64_t bytes) {
   return buf;
 }
 
+std::atomic<bool> g_default_mmap{true};
+
 }  // namespace
+
+void set_default_weights_mmap(bool mmap) { g_default_mmap.store(mmap); }
+bool default_weights_mmap() { return g_default_mmap.load(); }
 
 std::shared_ptr<const ModelWeights> load_model(const std::filesystem::path& dir, const LoadOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   ModelConfig config = load_model_config(dir);
-  auto ckpt = std::make_shared<const Checkpoint>(dir);
+  auto ckpt = std::make_shared<const Checkpoint>(dir, options.mmap);
   Validator v(*ckpt, options);
   check_checkpoint_kind(*ckpt, v);
 
@@ -368,7 +374,7 @@ std::shared_ptr<const ModelWeights> load_model(const std::filesystem::path& dir,
     log_info("skipped " + std::to_string(skipped) + " vision_tower.*/mtp.* tensors (not used by the text model)");
   log_info("loaded " + dir.string() + " (" + config.shape_name() + ", " + std::to_string(v.consumed().size()) +
            " tensors, " + mib(ckpt->bytes_on_disk()) + " on disk) in " + time_buf + ": " +
-           mib(v.mapped_bytes()) + " mapped, " + mib(host_bytes) + " host copies, resident " +
+           mib(v.mapped_bytes()) + (options.mmap ? " mapped, " : " read into memory (--no-mmap), ") + mib(host_bytes) + " host copies, resident " +
            mib(resident_bytes()));
   return weights;
 }

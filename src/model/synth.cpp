@@ -15,6 +15,7 @@
 
 #include "base/bf16.h"
 #include "base/error.h"
+#include "base/file_util.h"
 #include "base/log.h"
 #include "io/safetensors_writer.h"
 #include "model/tensor_table.h"
@@ -418,11 +419,18 @@ struct TokenizerStopIds {
 /// Reads `--tokenizer` and checks its ids against the preset's vocabulary. Writes nothing, so a
 /// bad file is refused before the output directory is created or its old weights are removed.
 TokenizerStopIds check_tokenizer(const std::filesystem::path& file, const ordered_json& config) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in || !std::filesystem::is_regular_file(file)) throw Error("--tokenizer " + file.string() + ": no such file");
+  std::error_code ec;
+  if (!std::filesystem::exists(std::filesystem::symlink_status(file, ec)))
+    throw Error("--tokenizer " + file.string() + ": no such file");
+  std::string text;
+  try {
+    text = read_regular_file(file);  // a FIFO is refused instead of blocking in open(2)
+  } catch (const Error& e) {
+    throw Error(std::string("--tokenizer ") + e.what());
+  }
   nlohmann::json tok;
   try {
-    tok = nlohmann::json::parse(in);
+    tok = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     throw Error("--tokenizer " + file.string() + ": not valid JSON: " + e.what());
   }

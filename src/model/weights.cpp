@@ -3,6 +3,7 @@
 
 #include "base/bf16.h"
 #include "base/error.h"
+#include "io/checkpoint.h"
 
 namespace lily {
 
@@ -26,6 +27,11 @@ uint32_t QuantMatrix::code(int64_t r, int64_t c) const {
 float QuantMatrix::weight(int64_t r, int64_t c) const {
   const int64_t g = r * groups_per_row() + c / group_size;
   return bf16_to_float(scales[g]) * static_cast<float>(code(r, c)) + bf16_to_float(biases[g]);
+}
+
+std::optional<std::string> weights_changed_on_disk(const ModelWeights& weights) {
+  if (!weights.storage) return std::nullopt;
+  return weights.storage->changed_on_disk();
 }
 
 }  // namespace lily

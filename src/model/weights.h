@@ -4,6 +4,8 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "model/config.h"
@@ -91,5 +93,11 @@ struct ModelWeights {
   std::shared_ptr<const Checkpoint> storage;  ///< owner of the memory the QuantMatrix views point into
   int64_t skipped_tensors = 0;     ///< vision_tower.* / mtp.* tensors present and ignored
 };
+
+/// Why the memory-mapped checkpoint behind `weights` can no longer be trusted (a safetensors
+/// file truncated, modified, replaced or removed since the load; see
+/// Checkpoint::changed_on_disk), or nullopt: unchanged, read into memory (--no-mmap), or no
+/// storage. One stat(2) per file; never reads the weights, so it cannot fault. Thread-safe.
+std::optional<std::string> weights_changed_on_disk(const ModelWeights& weights);
 
 }  // namespace lily

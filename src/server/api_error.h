@@ -11,14 +11,18 @@
 namespace lily::server {
 
 /// A request failure with its HTTP status, OpenAI error `type`, offending `param` and `code`,
-/// plus extra response headers (Allow, Retry-After). The message is shown to the client as is.
+/// plus extra response headers (Allow, Retry-After). The message is shown to the client as is, whole:
+/// body() uses message(), not what(), which stops at the first NUL byte (a request's model name
+/// "a\0b" used to come back as "the model 'a").
 class ApiError : public std::runtime_error {
  public:
   ApiError(int status, std::string type, std::string message, std::optional<std::string> param = {},
            std::optional<std::string> code = {})
-      : std::runtime_error(message), status_(status), type_(std::move(type)),
+      : std::runtime_error(message), message_(message), status_(status), type_(std::move(type)),
         param_(std::move(param)), code_(std::move(code)) {}
 
+  /// The whole message, NUL bytes included.
+  const std::string& message() const { return message_; }
   int status() const { return status_; }
   const std::string& type() const { return type_; }
   const std::optional<std::string>& param() const { return param_; }
@@ -31,13 +35,14 @@ class ApiError : public std::runtime_error {
 
   /// The JSON body {"error":{"message","type","param","code"}} (null for absent param/code).
   nlohmann::ordered_json body() const {
-    nlohmann::ordered_json e = {{"message", what()}, {"type", type_}, {"param", nullptr}, {"code", nullptr}};
+    nlohmann::ordered_json e = {{"message", message_}, {"type", type_}, {"param", nullptr}, {"code", nullptr}};
     if (param_) e["param"] = *param_;
     if (code_) e["code"] = *code_;
     return {{"error", e}};
   }
 
  private:
+  std::string message_;
   int status_;
   std::string type_;
   std::optional<std::string> param_;

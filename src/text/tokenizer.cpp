@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/error.h"
+#include "base/file_util.h"
 #include "text/added_tokens.h"
 #include "text/bpe.h"
 #include "text/split_regex.h"
@@ -320,13 +321,18 @@ class TokenizerImpl {
 };
 
 std::shared_ptr<const Tokenizer> Tokenizer::from_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error("cannot open tokenizer file " + path.string());
-  std::stringstream buffer;
-  buffer << in.rdbuf();
+  std::error_code ec;
+  if (!std::filesystem::exists(std::filesystem::symlink_status(path, ec)))
+    throw Error("cannot open tokenizer file " + path.string() + ": no such file");
+  std::string text;
+  try {
+    text = read_regular_file(path);  // a FIFO is refused here instead of blocking in open(2)
+  } catch (const Error& e) {
+    throw Error(std::string("tokenizer file ") + e.what());
+  }
   json root;
   try {
-    root = json::parse(buffer.str());
+    root = json::parse(text);
   } catch (const json::exception& e) {
     throw Error("tokenizer file " + path.string() + " is not valid JSON: " + e.what());
   }

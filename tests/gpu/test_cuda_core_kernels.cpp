@@ -59,6 +59,39 @@ TEST(CudaGemv, SmallWidths) {
 TEST(CudaGemv, Router8BitFp32Logits) { check_gemv(kExperts + 1, kHidden, 8, true, 1, 8); }
 TEST(CudaGemv, Batched) { check_gemv(1500, kHidden, 4, false, 3, 9); }
 TEST(CudaGemv, EightBitSmallWidth) { check_gemv(257, 256, 8, true, 2, 10); }
+TEST(CudaGemv, TensorCoreTokenCountsAndRaggedShapes) {  // the MMA GEMV: m ≤ 8, rows not a multiple of 16
+  check_gemv(1000, kHidden, 4, false, 8, 11);
+  check_gemv(250, 4096, 4, true, 2, 12);
+  check_gemv(100, 192, 4, false, 5, 13);  // 3 groups: one k-slice
+  check_gemv(17, 64, 4, true, 1, 14);
+}
+
+/// Batch invariance (continuous batching relies on it): each token's outputs are bit-identical
+/// whether it is multiplied alone or among m = 2 … 8 tokens.
+TEST(CudaGemv, RowResultsDoNotDependOnTheTokenCount) {
+  for (int cols : {kHidden, 4096}) {
+    std::mt19937_64 rng(15 + cols);
+    const int64_t rows = 777;
+    RandomQuant w(rows, cols, 4, rng);
+    const std::vector<float> x = random_bf16_values(int64_t(8) * cols, rng);
+    DeviceBuffer dx = to_device_bf16(x);
+    std::vector<std::vector<float>> alone(8);
+    for (int t = 0; t < 8; ++t) {
+      DeviceBuffer dy = poisoned(size_t(rows) * 4);
+      cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>() + int64_t(t) * cols, 1, nullptr, dy.as<float>(),
+                                      nullptr);
+      alone[t] = from_device_f32(dy, rows);
+    }
+    for (int m = 2; m <= 8; ++m) {
+      DeviceBuffer dy = poisoned(size_t(m) * rows * 4);
+      cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>(), m, nullptr, dy.as<float>(), nullptr);
+      const std::vector<float> all = from_device_f32(dy, int64_t(m) * rows);
+      for (int t = 0; t < m; ++t)
+        EXPECT_EQ(std::vector<float>(all.begin() + t * rows, all.begin() + (t + 1) * rows), alone[t])
+            << "cols " << cols << ", token " << t << " of " << m;
+    }
+  }
+}
 
 TEST(CudaGemv, RejectsUnsupportedShapes) {
   cuda::DeviceQuant q;

@@ -319,7 +319,7 @@ std::vector<std::vector<float>> decode_logits(Backend& gpu, const std::vector<in
 }
 
 /// Programmatic dependent launch (launch.cuh) must not change a single bit: every kernel is
-/// deterministic, so PDL on (LILY_CUDA_PDL=1) and off (the default) give identical logits for the
+/// deterministic, so PDL on (the default) and off (LILY_CUDA_PDL=0) give identical logits for the
 /// prefill and every decode step (captured graphs included). A missing dependency shows up here.
 void check_pdl_bit_identical(Backend& gpu, int vocab) {
   const bool saved = cuda::pdl_enabled();
@@ -347,7 +347,7 @@ TEST_F(CudaE2e, PdlDoesNotChangeResults) {
 }
 
 /// The fused decode step (norms and the GDN conv folded into GEMVs, router + top-k in one kernel)
-/// (LILY_CUDA_FUSE=1) against the separate kernels (the default): the same arithmetic, so the logits should be
+/// (LILY_CUDA_FUSE=1, the default) against the separate kernels (LILY_CUDA_FUSE=0): the same arithmetic, so the logits should be
 /// bit-identical (printed); asserted: cosine ≥ 0.9999 and equal greedy ids at every step.
 void check_fused_vs_separate(std::shared_ptr<const ModelWeights> w) {
   setenv("LILY_CUDA_FUSE", "1", 1);

@@ -15,8 +15,9 @@ std::filesystem::path source_dir() { return LILY_SOURCE_DIR; }
 std::filesystem::path binary_dir() { return LILY_BINARY_DIR; }
 std::filesystem::path demo_model_dir() { return source_dir() / "models" / "demo"; }
 
-CliRun run_lily(const std::string& args, bool merge_stderr) {
-  const std::string cmd = (binary_dir() / "lily").string() + " " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
+namespace {
+
+CliRun run_command(const std::string& cmd) {
   CliRun r;
   FILE* p = ::popen(cmd.c_str(), "r");
   if (!p) return r;
@@ -26,6 +27,17 @@ CliRun run_lily(const std::string& args, bool merge_stderr) {
   const int status = ::pclose(p);
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+
+}  // namespace
+
+CliRun run_lily(const std::string& args, bool merge_stderr) {
+  return run_command((binary_dir() / "lily").string() + " " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null"));
+}
+
+CliRun run_lily_bounded(const std::string& args, bool merge_stderr, int seconds) {
+  return run_command("timeout -k 5 " + std::to_string(seconds) + " " + (binary_dir() / "lily").string() + " " + args +
+                     (merge_stderr ? " 2>&1" : " 2>/dev/null"));
 }
 
 TempDir::TempDir() {

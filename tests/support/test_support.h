@@ -29,6 +29,9 @@ struct CliRun {
 /// Runs `<build>/lily <args>` through the shell (args are pasted verbatim: quote paths);
 /// stderr is merged into the output or discarded.
 CliRun run_lily(const std::string& args, bool merge_stderr);
+/// As run_lily, under coreutils `timeout`: a run still going after `seconds` is killed and gets
+/// exit code 124 (or 137), so a command that would hang fails the test instead of stalling it.
+CliRun run_lily_bounded(const std::string& args, bool merge_stderr, int seconds = 30);
 /// Max |a-b| / max(|b|, floor) over the two spans (same length required).
 double max_relative_error(std::span<const float> a, std::span<const float> b, double floor = 1e-6);
 /// Cosine similarity of two equal-length vectors.

@@ -82,6 +82,8 @@ class CpuBackend final : public Backend {
 
   std::string name() const override { return "cpu"; }
   const ModelConfig& config() const override { return weights_->config; }
+  /// weights_changed_on_disk() of the weights this backend reads on every step.
+  std::optional<std::string> weights_changed() const override { return weights_changed_on_disk(*weights_); }
   /// Throws lily::Error unless 1 <= max_seq <= kMaxSeq.
   std::unique_ptr<SequenceState> new_state(int64_t max_seq) override;
   /// Deep copy. Throws lily::Error if `state` is not a CpuSequenceState of this model.

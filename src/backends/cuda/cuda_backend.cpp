@@ -77,8 +77,10 @@ class CudaState final : public SequenceState {
     return KvCacheView{keys[attn_index].as<bf16>(), values[attn_index].as<bf16>(), capacity};
   }
 
-  /// Makes room for `needed` positions (doubling), keeping the first `pos` positions.
-  void reserve(int64_t needed) {
+  /// Makes room for `needed` positions (doubling), keeping the first `pos` positions. The copy
+  /// runs on `stream` (the backend's, which wrote the cache), after the work already queued
+  /// there, and is finished before the old buffers are freed; a state with pos = 0 copies nothing.
+  void reserve(int64_t needed, cudaStream_t stream) {
     if (needed <= capacity) return;
     int64_t cap = capacity;
     while (cap < needed) cap *= 2;
@@ -88,11 +90,12 @@ class CudaState final : public SequenceState {
     allocate_kv(cap);
     const size_t row = static_cast<size_t>(attn.head_dim) * sizeof(bf16);
     for (int i = 0; i < n_attn && pos > 0; ++i) {
-      CUDA_CHECK(cudaMemcpy2D(keys[i].data(), cap * row, old_k[i].data(), old_cap * row, pos * row, attn.n_kv_heads,
-                              cudaMemcpyDeviceToDevice));
-      CUDA_CHECK(cudaMemcpy2D(values[i].data(), cap * row, old_v[i].data(), old_cap * row, pos * row,
-                              attn.n_kv_heads, cudaMemcpyDeviceToDevice));
+      CUDA_CHECK(cudaMemcpy2DAsync(keys[i].data(), cap * row, old_k[i].data(), old_cap * row, pos * row,
+                                   attn.n_kv_heads, cudaMemcpyDeviceToDevice, stream));
+      CUDA_CHECK(cudaMemcpy2DAsync(values[i].data(), cap * row, old_v[i].data(), old_cap * row, pos * row,
+                                   attn.n_kv_heads, cudaMemcpyDeviceToDevice, stream));
     }
+    if (n_attn > 0 && pos > 0) CUDA_CHECK(cudaStreamSynchronize(stream));  // old_k / old_v are freed below
     drop_graph();
   }
 
@@ -104,7 +107,7 @@ class CudaState final : public SequenceState {
   /// Deep copy of the device buffers (no graph).
   std::unique_ptr<CudaState> clone() const {
     auto c = std::make_unique<CudaState>(owner, gdn, attn, n_gdn, n_attn, max_seq);
-    c->reserve(capacity);
+    c->reserve(capacity, nullptr);  // c->pos = 0: allocates, copies nothing
     if (n_gdn > 0) {
       CUDA_CHECK(cudaMemcpy(c->windows.data(), windows.data(), windows.bytes(), cudaMemcpyDeviceToDevice));
       CUDA_CHECK(cudaMemcpy(c->states.data(), states.data(), states.bytes(), cudaMemcpyDeviceToDevice));
@@ -299,7 +302,7 @@ class CudaBackend final : public Backend {
 
   /// One token through the whole model; advances the state.
   int32_t step(CudaState& s, int32_t token, std::vector<float>* logits) {
-    s.reserve(s.pos + 1);
+    s.reserve(s.pos + 1, stream_);
     StepIo* io = io_->get();
     io->token = token;
     io->pos = static_cast<int32_t>(s.pos);
@@ -397,15 +400,15 @@ class CudaBackend final : public Backend {
     if (probing) emit_f32("logits", -1, pos, logits_.as<float>(), c.vocab);
   }
 
-  /// LILY_CUDA_FUSE: "1" → the decode step folds every add + RMSNorm and the GDN conv step into
-  /// the GEMVs that consume them (FusedNorm, FusedConv); unset or "0" → the separate kernels
-  /// (add_rmsnorm, GEMV, gdn_conv_decode, router GEMV + top-k), the path verified on an H200.
-  /// Opt-in until the fused path has passed the gpu tests on a GPU (docs/cuda.md).
+  /// LILY_CUDA_FUSE: unset or "1" → the decode step folds every add + RMSNorm and the GDN conv
+  /// step into the GEMVs that consume them (FusedNorm, FusedConv; the default since it passed
+  /// every gpu test on an H200); "0" → the separate kernels (add_rmsnorm, GEMV, gdn_conv_decode,
+  /// router GEMV + top-k), kept to measure the fusions and to bisect.
   /// Throws lily::Error for any other value.
   static bool fuse_decode_from_env() {
     const char* v = std::getenv("LILY_CUDA_FUSE");
-    if (!v || !*v || std::string(v) == "0") return false;
-    if (std::string(v) == "1") return true;
+    if (!v || !*v || std::string(v) == "1") return true;
+    if (std::string(v) == "0") return false;
     throw ::lily::Error(std::string("LILY_CUDA_FUSE must be '0' or '1', got '") + v + "'");
   }
 
@@ -498,7 +501,7 @@ class CudaBackend final : public Backend {
   // Status: the whole tests/gpu/test_cuda_e2e.cpp suite passes with it on an H200 except where a
   // test installs a probe sink (which selects the per-token path); see docs/cuda.md.
 
-  static constexpr int kPrefillChunk = 256;  ///< default tokens per chunk
+  static constexpr int kPrefillChunk = 2048;  ///< default tokens per chunk (7.5K tok/s at 8K vs 4.4K with 256)
   static constexpr int kMaxPrefillChunk = 8192;
 
   /// LILY_CUDA_PREFILL_CHUNK: tokens per prefill chunk, 1 … 8192 (unset: kPrefillChunk). With
@@ -516,14 +519,14 @@ class CudaBackend final : public Backend {
     return static_cast<int>(n);
   }
 
-  /// LILY_CUDA_GEMM: unset or "gemv" → batched GEMVs and per-row experts; "tensor-core" → the
-  /// tensor-core GEMM for the mixer projections and the grouped expert GEMMs (quant_gemm.h;
-  /// bf16-rounded dequantized weights, model.md §4.2 prefill rows). Opt-in until verified on the
-  /// H200 (tests/gpu/test_quant_gemm.cu). Throws lily::Error for any other value.
+  /// LILY_CUDA_GEMM: unset or "tensor-core" → the tensor-core GEMM for the mixer projections and
+  /// the grouped expert GEMMs (quant_gemm.h; bf16-rounded dequantized weights, model.md §4.2
+  /// prefill rows; the default since it passed tests/gpu/test_quant_gemm.cu and the e2e suite on
+  /// an H200); "gemv" → batched GEMVs and per-row experts. Throws lily::Error for any other value.
   static bool tensor_core_gemm_from_env() {
     const char* mode = std::getenv("LILY_CUDA_GEMM");
-    if (!mode || !*mode || std::string(mode) == "gemv") return false;
-    if (std::string(mode) == "tensor-core") return true;
+    if (!mode || !*mode || std::string(mode) == "tensor-core") return true;
+    if (std::string(mode) == "gemv") return false;
     throw ::lily::Error(std::string("LILY_CUDA_GEMM must be 'gemv' or 'tensor-core', got '") + mode + "'");
   }
 
@@ -590,7 +593,7 @@ class CudaBackend final : public Backend {
   int32_t prefill_batched(CudaState& s, std::span<const int32_t> tokens, std::vector<float>* logits) {
     allocate_prefill_scratch();
     const ModelConfig& c = config();
-    s.reserve(s.pos + static_cast<int64_t>(tokens.size()));
+    s.reserve(s.pos + static_cast<int64_t>(tokens.size()), stream_);
     int T = 0;
     for (size_t first = 0; first < tokens.size(); first += prefill_chunk_) {
       T = static_cast<int>(std::min<size_t>(prefill_chunk_, tokens.size() - first));
@@ -687,7 +690,7 @@ class CudaBackend final : public Backend {
   DeviceBuffer router_logits_, expert_ids_, expert_w_, logits_, argmax_v_, argmax_i_, io_dev_, attn_ws_;
   size_t attn_ws_bytes_ = 0;
   bool batched_prefill_ = true;            ///< false with LILY_CUDA_PREFILL=per-token (see prefill_batched)
-  bool fuse_decode_ = false;               ///< true with LILY_CUDA_FUSE=1 (see fuse_decode_from_env)
+  bool fuse_decode_ = true;                ///< false with LILY_CUDA_FUSE=0 (see fuse_decode_from_env)
   std::unique_ptr<PrefillScratch> pre_;    ///< allocated at the first batched prefill
   bool tensor_core_gemm_ = tensor_core_gemm_from_env();  ///< LILY_CUDA_GEMM=tensor-core (see prefill_project)
   int prefill_chunk_ = prefill_chunk_from_env();         ///< tokens per prefill chunk (LILY_CUDA_PREFILL_CHUNK)

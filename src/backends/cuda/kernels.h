@@ -110,7 +110,7 @@ void launch_add_rmsnorm_router_fused(const FusedNorm& norm, const __nv_bfloat16*
                                      uint32_t* done, cudaStream_t stream);
 
 /// Whether decode-path kernels launch with programmatic dependent launch (launch.cuh). Read once
-/// from the environment: LILY_CUDA_PDL "1" → on, unset or "0" → off; any other value throws
+/// from the environment: LILY_CUDA_PDL unset or "1" → on, "0" → off; any other value throws
 /// lily::Error (at the first launch, or at backend creation).
 bool pdl_enabled();
 /// Overrides LILY_CUDA_PDL for the rest of the process (tests and benchmarks comparing both).

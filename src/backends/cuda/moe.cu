@@ -50,7 +50,7 @@ __device__ __forceinline__ void load_group(const DeviceQuant& w, int64_t row, in
 /// weight fetch overlaps the staging. Per row: rows_partial's arithmetic (groups g = lane_in,
 /// lane_in + L, … accumulated in order from 0).
 template <int BITS>
-__global__ void __launch_bounds__(kMoeThreads) expert_gate_up_kernel(DeviceQuant gate, DeviceQuant up, int ffn,
+__global__ void __launch_bounds__(kMoeThreads, 3) expert_gate_up_kernel(DeviceQuant gate, DeviceQuant up, int ffn,
                                                                      const int32_t* __restrict__ ids, int n_sel,
                                                                      const bf16* __restrict__ x, bf16* __restrict__ act) {
   constexpr int kVecs = kGroupVecs<BITS>;
@@ -87,6 +87,12 @@ __global__ void __launch_bounds__(kMoeThreads) expert_gate_up_kernel(DeviceQuant
   const float uv = round_bf16(group_sum(ua, L));
   if (valid && lane_in == 0)
     act[(static_cast<int64_t>(t) * n_sel + slot) * ffn + i] = to_bf16(silu(gv) * uv);
+}
+
+/// Four bf16 values (two packed pairs, lower element in the low half) as fp32, exactly.
+__device__ __forceinline__ float4 bf16x4_to_f32(uint32_t lo, uint32_t hi) {
+  return make_float4(__uint_as_float(lo << 16), __uint_as_float(lo & 0xFFFF0000u), __uint_as_float(hi << 16),
+                     __uint_as_float(hi & 0xFFFF0000u));
 }
 
 constexpr int kDownThreads = 128;  // half of kMoeThreads: twice the blocks (128 at hidden 2048)
@@ -128,16 +134,32 @@ __global__ void __launch_bounds__(kDownThreads) expert_down_combine_kernel(Devic
   // Slot s: staged fp32 row at smem + s·per_slot (group g at g·kGroupStride), group sums after it.
   const int per_slot = slot_stride_floats(ffn);
   const bf16* a = act + static_cast<int64_t>(t) * n_sel * ffn;
-  for (int i = threadIdx.x; i < n_sel * ffn; i += blockDim.x) {
-    const int s = i / ffn, c = i % ffn;
-    smem[s * per_slot + (c / kGroup) * kGroupStride + c % kGroup] = to_f32(a[i]);
-  }
-  __syncthreads();
-  for (int sg = warp; sg < n_sel * groups; sg += kDownWarps) {
-    const int s = sg / groups, g = sg % groups;
-    const float* xg = smem + s * per_slot + g * kGroupStride;
-    const float v = warp_sum(xg[lane] + xg[lane + 32]);
-    if (lane == 0) smem[s * per_slot + groups * kGroupStride + g] = v;
+  // 16-byte loads (8 bf16), kStageBatch of them in flight per thread before any store; the 8
+  // threads holding one 64-group (consecutive chunks, aligned lanes) add its sum by shuffles.
+  const int chunks = n_sel * ffn / 8;  // a multiple of 8: ffn is a multiple of 64
+  const uint4* a8 = reinterpret_cast<const uint4*>(a);
+  for (int i0 = threadIdx.x; i0 - lane < chunks; i0 += kStageBatch * kDownThreads) {  // warp-uniform
+    uint4 v[kStageBatch];
+#pragma unroll
+    for (int i = 0; i < kStageBatch; ++i) {
+      const int idx = i0 + i * kDownThreads;
+      if (idx < chunks) v[i] = a8[idx];
+    }
+#pragma unroll
+    for (int i = 0; i < kStageBatch; ++i) {
+      const int idx = i0 + i * kDownThreads;
+      float part = 0.0f;
+      const int s = idx * 8 / ffn, c = idx * 8 % ffn;
+      if (idx < chunks) {
+        const float4 lo = bf16x4_to_f32(v[i].x, v[i].y), hi = bf16x4_to_f32(v[i].z, v[i].w);
+        float4* dst = reinterpret_cast<float4*>(smem + s * per_slot + (c / kGroup) * kGroupStride + c % kGroup);
+        dst[0] = lo;
+        dst[1] = hi;
+        part = ((lo.x + lo.y) + (lo.z + lo.w)) + ((hi.x + hi.y) + (hi.z + hi.w));
+      }
+      part = group_sum(part, 8);  // every lane takes part (idx ≥ chunks adds 0)
+      if (idx < chunks && lane % 8 == 0) smem[s * per_slot + groups * kGroupStride + c / kGroup] = part;
+    }
   }
   __syncthreads();
 

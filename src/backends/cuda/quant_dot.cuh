@@ -19,11 +19,13 @@ inline size_t staged_row_bytes(int cols) {
   return static_cast<size_t>(groups) * (kGroupStride + 1) * sizeof(float);
 }
 
-/// Stages bf16 x [cols] into xs (fp32, group g at xs[g·68]) and xsum[g] = Σ x over group g.
-/// All threads of the block take part; ends with __syncthreads().
-__device__ __forceinline__ void stage_row(const bf16* __restrict__ x, int cols, float* xs, float* xsum) {
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) xs[(c / kGroup) * kGroupStride + c % kGroup] = to_f32(x[c]);
-  __syncthreads();
+/// Values each thread loads before it stores any (staging): the loads of one batch are all in
+/// flight at once instead of one round trip per element.
+constexpr int kStageBatch = 8;
+
+/// xsum[g] = Σ xs over staged group g, one warp per group (the order every GEMV depends on).
+/// All threads of the block; ends with __syncthreads().
+__device__ __forceinline__ void stage_group_sums(int cols, const float* xs, float* xsum) {
   const int groups = cols / kGroup;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
   for (int g = warp; g < groups; g += n_warps) {
@@ -32,6 +34,28 @@ __device__ __forceinline__ void stage_row(const bf16* __restrict__ x, int cols, 
     if (lane == 0) xsum[g] = s;
   }
   __syncthreads();
+}
+
+/// Stages bf16 x [cols] into xs (fp32, group g at xs[g·68]) and xsum[g] = Σ x over group g.
+/// Thread i stages elements i, i + blockDim.x, …, kStageBatch loads at a time.
+/// All threads of the block take part; ends with __syncthreads().
+__device__ __forceinline__ void stage_row(const bf16* __restrict__ x, int cols, float* xs, float* xsum) {
+  const int stride = blockDim.x;
+  for (int c0 = threadIdx.x; c0 < cols; c0 += kStageBatch * stride) {
+    float v[kStageBatch];
+#pragma unroll
+    for (int i = 0; i < kStageBatch; ++i) {
+      const int c = c0 + i * stride;
+      v[i] = c < cols ? to_f32(x[c]) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kStageBatch; ++i) {
+      const int c = c0 + i * stride;
+      if (c < cols) xs[(c / kGroup) * kGroupStride + c % kGroup] = v[i];
+    }
+  }
+  __syncthreads();
+  stage_group_sums(cols, xs, xsum);
 }
 
 /// Host check of a FusedNorm launch: throws lily::InternalError (a caller bug) for missing
@@ -53,16 +77,28 @@ inline void check_fused_norm(const FusedNorm& norm, const bf16* x, const char* w
 __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const FusedNorm& norm, int cols,
                                                bool store, float* xs, float* xsum) {
   __shared__ float scratch[32];
+  const int stride = blockDim.x;
   float ss = 0.0f;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    float v = to_f32(x[c]);
-    if (norm.branch) v = round_bf16(v + to_f32(norm.branch[c]));
-    xs[(c / kGroup) * kGroupStride + c % kGroup] = v;
-    ss += v * v;
+  for (int c0 = threadIdx.x; c0 < cols; c0 += kStageBatch * stride) {  // loads of a batch first
+    float v[kStageBatch], b[kStageBatch];
+#pragma unroll
+    for (int i = 0; i < kStageBatch; ++i) {
+      const int c = c0 + i * stride;
+      v[i] = c < cols ? to_f32(x[c]) : 0.0f;
+      b[i] = (c < cols && norm.branch) ? to_f32(norm.branch[c]) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kStageBatch; ++i) {  // then the arithmetic, in element order
+      const int c = c0 + i * stride;
+      if (c >= cols) continue;
+      const float h = norm.branch ? round_bf16(v[i] + b[i]) : v[i];
+      xs[(c / kGroup) * kGroupStride + c % kGroup] = h;
+      ss += h * h;
+    }
   }
   const float total = block_sum(ss, scratch);
   const float r = 1.0f / sqrtf(total / static_cast<float>(cols) + norm.eps);
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {  // each thread revisits its own elements
+  for (int c = threadIdx.x; c < cols; c += stride) {  // each thread revisits its own elements
     float* p = xs + (c / kGroup) * kGroupStride + c % kGroup;
     const float h = *p;
     const bf16 y = to_bf16(h * r * norm.gain[c]);
@@ -73,14 +109,7 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
     }
   }
   __syncthreads();
-  const int groups = cols / kGroup;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
-  for (int g = warp; g < groups; g += n_warps) {
-    const float* xg = xs + g * kGroupStride;
-    float s = warp_sum(xg[lane] + xg[lane + 32]);
-    if (lane == 0) xsum[g] = s;
-  }
-  __syncthreads();
+  stage_group_sums(cols, xs, xsum);
 }
 
 /// Lanes per matrix row for a row of `groups` 64-groups: the largest power of two ≤ min(32, groups).
@@ -93,6 +122,14 @@ __host__ __device__ inline int lanes_per_row(int groups) {
 /// uint4 loads per 64-group: 2 (4-bit) or 4 (8-bit).
 template <int BITS>
 constexpr int kGroupVecs = 64 * BITS / 32 / 4;
+
+/// The code in the low bits of `w` (under `mask`, ≤ 8 bits) as an exact fp32 value, without an
+/// integer-to-float convert (a quarter-rate instruction): OR-ing q into the mantissa of 2^23
+/// gives the float 2^23 + q exactly, and subtracting 2^23 leaves q exactly. Same value as
+/// static_cast<float>(w & mask), so every dot product keeps its bits.
+__device__ __forceinline__ float code_f32(uint32_t w, uint32_t mask) {
+  return __uint_as_float((w & mask) | 0x4B000000u) - 8388608.0f;
+}
 
 /// Σ_i q_i·x_i over one 64-group whose code words are already in registers (`q`, loaded from
 /// the group's 16-byte aligned words), `xg` the staged fp32 activations of that group.
@@ -112,10 +149,10 @@ __device__ __forceinline__ float group_qdot_regs(const uint4 (&q)[kGroupVecs<BIT
       for (int e4 = 0; e4 < kPer / 4; ++e4) {
         const float4 xx = xv[e4];
         const uint32_t w = words[j] >> (BITS * 4 * e4);
-        acc = fmaf(static_cast<float>(w & kMask), xx.x, acc);
-        acc = fmaf(static_cast<float>((w >> BITS) & kMask), xx.y, acc);
-        acc = fmaf(static_cast<float>((w >> (2 * BITS)) & kMask), xx.z, acc);
-        acc = fmaf(static_cast<float>((w >> (3 * BITS)) & kMask), xx.w, acc);
+        acc = fmaf(code_f32(w, kMask), xx.x, acc);
+        acc = fmaf(code_f32(w >> BITS, kMask), xx.y, acc);
+        acc = fmaf(code_f32(w >> (2 * BITS), kMask), xx.z, acc);
+        acc = fmaf(code_f32(w >> (3 * BITS), kMask), xx.w, acc);
       }
     }
   }

@@ -2,12 +2,15 @@
 // Layout: the checkpoint's own (codes U32 row-major, bf16 scales/biases per 64-group), so
 // fused projections are plain row concatenations. One warp covers 32/L rows at a time (L lanes
 // per row, each lane one 64-group per step); each lane issues the loads of 4 rows before using
-// them, for memory-level parallelism.
+// them, for memory-level parallelism. The grid is one wave of resident blocks; each warp walks
+// chunks of contiguous rows. (An L2 bulk prefetch of each warp's next chunks was measured and
+// lost 2.5 %: docs/performance/2026-12-01-decode-kernels.md.)
 #include <algorithm>
 #include <string>
 
 #include "backends/cuda/gdn_conv.cuh"
 #include "backends/cuda/launch.cuh"
+#include "backends/cuda/mma.cuh"
 #include "backends/cuda/quant_dot.cuh"
 
 namespace lily::cuda {
@@ -28,7 +31,7 @@ __device__ __forceinline__ void store_out<bf16>(bf16* y, int64_t i, float v) { y
 /// the add + RMSNorm of `norm` first (stage_norm_row); with conv.channels > 0 (m = 1), rows below
 /// it also run the GDN conv step (FusedConv), whose window and taps are loaded before the dot.
 template <int BITS, int U, class OutT>
-__global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x,
+__global__ void __launch_bounds__(kGemvThreads, 3) quant_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x,
                                                                   OutT* __restrict__ y, FusedNorm norm,
                                                                   FusedConv conv) {
   extern __shared__ float smem[];
@@ -38,21 +41,14 @@ __global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w,
   const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * (kGemvThreads / kWarp) + threadIdx.x / kWarp;
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * (kGemvThreads / kWarp);
   const int64_t step = n_warps * RW * U;
-  // Read-only weights of this lane's first rows: prefetched before waiting for the predecessor.
-  if (blockIdx.y == 0) {
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      const int64_t r = warp_id * RW * U + j * RW + lane_row;
-      if (r < w.rows) prefetch_row_l2<BITS>(w, r, lane_in, L);
-    }
-  }
+  const int64_t chunk = static_cast<int64_t>(RW) * U;
   pdl_prologue();
   float* xs = smem;
   float* xsum = smem + groups * kGroupStride;
   const int t = blockIdx.y;
   if (norm.gain) stage_norm_row(x, norm, w.cols, blockIdx.x == 0, xs, xsum);
   else stage_row(x + static_cast<int64_t>(t) * w.cols, w.cols, xs, xsum);
-  for (int64_t base = warp_id * RW * U; base < w.rows; base += step) {
+  for (int64_t base = warp_id * chunk; base < w.rows; base += step) {
     int64_t row[U];
 #pragma unroll
     for (int j = 0; j < U; ++j) {
@@ -91,9 +87,243 @@ __global__ void __launch_bounds__(kGemvThreads) quant_gemv_kernel(DeviceQuant w,
   }
 }
 
+// ---- 4-bit GEMV on tensor cores (decode, m ≤ 8 tokens) -----------------------------------------
+//
+// The CUDA-core kernel above spends about four instructions per weight (unpack, convert, FMA),
+// which at batch 1 costs as much time as streaming the weights. Here a warp computes a tile of
+// 16 weight rows × 8 token columns with mma.sync m16n8k16 (bf16 × bf16 → fp32): the 4-bit codes
+// become exact bf16 values with two instructions per pair (OR into the mantissa of 128, subtract
+// 128), and the tensor core does the multiply-adds. Per 64-group the four MMAs of a group start
+// from zero, so each group's Σ q·x is an fp32 sum of exact products, and the epilogue applies
+// today's formula s·Σ(q·x) + b·Σx in fp32 (model.md §4.2 GEMV row); only the summation order
+// inside a group differs from the CUDA-core kernel. Each token column's result depends on that
+// token's x alone, so a row's output is the same for any m (batch-invariant).
+//
+// Fragments without repacking the checkpoint layout: the k index inside an MMA may be permuted
+// freely as long as A and B use the same permutation. Thread (g = lane/4, t = lane%4) loads the
+// 8 bytes at [8t, 8t+8) of a group's 32 bytes for rows g and g+8: words h = 0, 1 holding nibbles
+// of k = 16t + 8h + i (i = 0…7). Shifting a word by 4s and masking 0x000F000F gives the pair
+// (nibble s, nibble s+4) in one bf16x2; MMA j of the group (h = j/2, s = 2(j%2)) takes pairs s
+// and s+1. The activation row is staged once per block in the same order, so each thread's B
+// registers are two 16-byte shared loads per group.
+
+constexpr int kMmaThreads = 256;
+constexpr int kMmaWarps = kMmaThreads / kWarp;
+constexpr int kMmaTileRows = 16;
+constexpr int kMmaMaxTokens = 8;  // the MMA's N
+constexpr int kMmaBatch = 4;      // groups whose code words a warp has in flight
+
+/// Warps splitting the 64-groups of one tile (k-split): the largest power of two ≤ 8 that
+/// leaves each warp ≥ 8 groups (1 for rows of < 16 groups). A function of the shape only, so a
+/// row's summation order never depends on the launch.
+__host__ __device__ inline int mma_ksplit(int groups) {
+  int ks = 1;
+  while (ks < kMmaWarps && ks * 2 * 8 <= groups) ks *= 2;
+  return ks;
+}
+
+/// Dynamic shared memory of the MMA GEMV: fp32 staging of one row (stage_row), Σx per token
+/// and group, the permuted bf16 rows of m tokens, and the k-split partial sums.
+__host__ __device__ inline int64_t mma_xperm_offset(int groups, int m) {  // floats; 16-byte aligned
+  return (static_cast<int64_t>(groups) * (kGroupStride + 1 + m) + 3) & ~int64_t{3};
+}
+inline size_t mma_smem_bytes(int cols, int m) {
+  return static_cast<size_t>(mma_xperm_offset(cols / kGroup, m)) * sizeof(float) +
+         static_cast<size_t>(m) * cols * sizeof(bf16) + static_cast<size_t>(kMmaThreads) * 4 * sizeof(float);
+}
+
+/// Pair (nibble 0, nibble 4) of `w` (the low four bits of each half) as exact bf16 values.
+__device__ __forceinline__ uint32_t nibble_pair_bf16(uint32_t w) {
+  const uint32_t v = (w & 0x000F000Fu) | 0x43004300u;  // bf16 128 + q in each half
+  const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(128.0f, 128.0f));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+/// Packs two bf16-exact fp32 values (lo in the low half).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+/// Code words (rows g and g+8), scales and biases of kMmaBatch groups of one thread.
+struct MmaBatch {
+  uint2 lo[kMmaBatch], hi[kMmaBatch];
+  bf16 s_lo[kMmaBatch], b_lo[kMmaBatch], s_hi[kMmaBatch], b_hi[kMmaBatch];
+};
+
+/// Loads the thread's share of groups G = first + ks·u (u < kMmaBatch; G ≥ groups or a row
+/// past the matrix loads zeros) of rows row_lo and row_lo + 8.
+__device__ __forceinline__ void mma_load(const DeviceQuant& w, int64_t row_lo, int first, int ks, int t, MmaBatch& b) {
+  const int groups = w.cols / kGroup;
+  const int64_t wpr = w.cols / 8;
+  const bool ok_lo = row_lo < w.rows, ok_hi = row_lo + 8 < w.rows;
+  const uint2* c_lo = reinterpret_cast<const uint2*>(w.codes + (ok_lo ? row_lo : 0) * wpr) + t;
+  const uint2* c_hi = reinterpret_cast<const uint2*>(w.codes + (ok_hi ? row_lo + 8 : 0) * wpr) + t;
+  const bf16 zero = __float2bfloat16_rn(0.0f);
+#pragma unroll
+  for (int u = 0; u < kMmaBatch; ++u) {
+    const int G = first + ks * u;
+    const bool in = G < groups;
+    b.lo[u] = in && ok_lo ? __ldg(c_lo + G * 4) : make_uint2(0, 0);
+    b.hi[u] = in && ok_hi ? __ldg(c_hi + G * 4) : make_uint2(0, 0);
+    b.s_lo[u] = in && ok_lo ? w.scales[row_lo * groups + G] : zero;
+    b.b_lo[u] = in && ok_lo ? w.biases[row_lo * groups + G] : zero;
+    b.s_hi[u] = in && ok_hi ? w.scales[(row_lo + 8) * groups + G] : zero;
+    b.b_hi[u] = in && ok_hi ? w.biases[(row_lo + 8) * groups + G] : zero;
+  }
+}
+
+/// grid (blocks); block = kMmaWarps warps = (8 / ks) tiles × ks k-slices; tiles of 16 rows
+/// strided over the grid. x [m, cols] (m ≤ 8); y [m, rows]. norm / conv as quant_gemv_kernel
+/// (m = 1).
+template <class OutT>
+__global__ void __launch_bounds__(kMmaThreads) quant_mma_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x, int m,
+                                                                     OutT* __restrict__ y, FusedNorm norm,
+                                                                     FusedConv conv) {
+  extern __shared__ float smem[];
+  const int cols = w.cols, groups = cols / kGroup;
+  const int ks = mma_ksplit(groups), tiles_per_block = kMmaWarps / ks;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+  const int kslice = warp % ks, tile_in_block = warp / ks;
+  const int64_t tiles = ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows));
+  const int64_t tile_step = static_cast<int64_t>(gridDim.x) * tiles_per_block;
+  const int batches = static_cast<int>(ceil_div(ceil_div(groups, ks), kMmaBatch));  // per tile, same for all warps
+
+  // The first batch of weights is read before waiting for the predecessor (no kernel writes them).
+  // (Blocks limited to one per SM, so that the next kernel's blocks could be resident and load
+  // early, and an L2 prefetch of each warp's next 8 tiles both measured slower: 268 and 286 vs
+  // 293 tok/s, docs/performance/2026-12-01-decode-kernels.md.)
+  int64_t tile0 = static_cast<int64_t>(blockIdx.x) * tiles_per_block;
+  MmaBatch cur;
+  mma_load(w, (tile0 + tile_in_block) * kMmaTileRows + g, kslice, ks, t, cur);
+  pdl_prologue();
+
+  float* xs = smem;
+  float* xsum_row = smem + groups * kGroupStride;
+  float* xsum = smem + groups * (kGroupStride + 1);      // [m][groups]
+  uint32_t* xperm = reinterpret_cast<uint32_t*>(smem + mma_xperm_offset(groups, m));  // [m][cols / 2] bf16 pairs
+  float* partial = reinterpret_cast<float*>(xperm + static_cast<int64_t>(m) * cols / 2);  // [warp][lane][4]
+  for (int n = 0; n < m; ++n) {
+    if (norm.gain) stage_norm_row(x, norm, cols, blockIdx.x == 0, xs, xsum_row);
+    else stage_row(x + static_cast<int64_t>(n) * cols, cols, xs, xsum_row);
+    for (int i = threadIdx.x; i < cols / 2; i += blockDim.x) {
+      const int G = i / 32, tt = (i % 32) / 8, h = (i % 8) / 4, s = i % 4;
+      const float* xg = xs + G * kGroupStride + 16 * tt + 8 * h + s;
+      xperm[static_cast<int64_t>(n) * cols / 2 + i] = pack_bf16x2(xg[0], xg[4]);
+    }
+    for (int G = threadIdx.x; G < groups; G += blockDim.x) xsum[n * groups + G] = xsum_row[G];
+    __syncthreads();
+  }
+
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (row g, token 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
+  for (int64_t tb = tile0; tb < tiles; tb += tile_step) {  // uniform over the block
+    const int64_t row_lo = (tb + tile_in_block) * kMmaTileRows + g;
+    for (int bi = 0; bi < batches; ++bi) {
+      // Issue the next batch (this tile's or the next tile's first) before using this one.
+      MmaBatch nxt;
+      const bool last_batch = bi + 1 == batches;
+      const int64_t next_row = last_batch ? row_lo + tile_step * kMmaTileRows : row_lo;
+      const int next_first = last_batch ? kslice : kslice + ks * kMmaBatch * (bi + 1);
+      if (!last_batch || tb + tile_step < tiles) mma_load(w, next_row, next_first, ks, t, nxt);
+#pragma unroll
+      for (int u = 0; u < kMmaBatch; ++u) {
+        const int G = kslice + ks * (kMmaBatch * bi + u);
+        if (G >= groups) break;  // uniform over the warp
+        uint4 bw0 = make_uint4(0, 0, 0, 0), bw1 = make_uint4(0, 0, 0, 0);
+        if (g < m) {
+          const uint4* bp = reinterpret_cast<const uint4*>(xperm + static_cast<int64_t>(g) * cols / 2 + G * 32 + t * 8);
+          bw0 = bp[0];
+          bw1 = bp[1];
+        }
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int s = 2 * (j % 2);
+          const uint32_t wl = j < 2 ? cur.lo[u].x : cur.lo[u].y, wh = j < 2 ? cur.hi[u].x : cur.hi[u].y;
+          const uint32_t a[4] = {nibble_pair_bf16(wl >> (4 * s)), nibble_pair_bf16(wh >> (4 * s)),
+                                 nibble_pair_bf16(wl >> (4 * s + 4)), nibble_pair_bf16(wh >> (4 * s + 4))};
+          const uint4& bw = j < 2 ? bw0 : bw1;
+          const uint32_t b[2] = {s == 0 ? bw.x : bw.z, s == 0 ? bw.y : bw.w};
+          mma_bf16_16816(d, a, b);
+        }
+        const float x0 = 2 * t < m ? xsum[(2 * t) * groups + G] : 0.0f;
+        const float x1 = 2 * t + 1 < m ? xsum[(2 * t + 1) * groups + G] : 0.0f;
+        const float sl = to_f32(cur.s_lo[u]), bl = to_f32(cur.b_lo[u]);
+        const float sh = to_f32(cur.s_hi[u]), bh = to_f32(cur.b_hi[u]);
+        acc[0] += sl * d[0] + bl * x0;
+        acc[1] += sl * d[1] + bl * x1;
+        acc[2] += sh * d[2] + bh * x0;
+        acc[3] += sh * d[3] + bh * x1;
+      }
+      cur = nxt;
+    }
+    // k-split: the slices of a tile add up in slice order (fixed by the shape).
+    if (ks > 1) {
+      float* mine = partial + (static_cast<int>(threadIdx.x)) * 4;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) mine[i] = acc[i];
+      __syncthreads();
+      if (kslice == 0) {
+        for (int sl = 1; sl < ks; ++sl) {
+          const float* other = partial + (threadIdx.x + sl * kWarp) * 4;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[i] += other[i];
+        }
+      }
+      __syncthreads();
+    }
+    if (kslice == 0) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t r = row_lo + (i >= 2 ? 8 : 0);
+        const int n = 2 * t + (i % 2);
+        if (r >= w.rows || n >= m) continue;
+        store_out(y, static_cast<int64_t>(n) * w.rows + r, acc[i]);
+        if (r < conv.channels) {  // m = 1: x = the stored bf16 value, as gdn_conv_decode reads it
+          float taps[kGdnConvK];
+#pragma unroll
+          for (int k = 0; k < kGdnConvK; ++k) taps[k] = conv.taps[r * kGdnConvK + k];
+          bf16* wr = conv.window + r * 3;
+          const bf16 w0 = wr[0], w1 = wr[1], w2 = wr[2], xb = to_bf16(acc[i]);
+          conv.out[r] = conv_decode_value(w0, w1, w2, xb, taps);
+          wr[0] = w1;
+          wr[1] = w2;
+          wr[2] = xb;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
+  }
+}
+
+/// Whether launch_quant_gemv takes the tensor-core kernel: 4-bit and m ≤ 8 (its staging then
+/// needs ≤ 171 KB of shared memory at cols ≤ 8192, opted in above 48 KB).
+bool use_mma_gemv(const DeviceQuant& w, int m) { return w.bits == 4 && m <= kMmaMaxTokens; }
+
+template <class OutT>
+void mma_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream, const FusedNorm& norm,
+                       const FusedConv& conv) {
+  const int groups = w.cols / kGroup;
+  const int tiles_per_block = kMmaWarps / mma_ksplit(groups);
+  const int64_t blocks_needed = ceil_div(ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows)), tiles_per_block);
+  const size_t smem = mma_smem_bytes(w.cols, m);
+  if (smem > 48 * 1024)
+    CUDA_CHECK(cudaFuncSetAttribute(quant_mma_gemv_kernel<OutT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)));
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quant_mma_gemv_kernel<OutT>, kMmaThreads, smem));
+  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count();
+  const int blocks = static_cast<int>(std::min(blocks_needed, resident));
+  launch_pdl(quant_mma_gemv_kernel<OutT>, dim3(blocks), dim3(kMmaThreads), smem, stream, w, x, m, y, norm, conv);
+}
+
 template <int BITS, class OutT>
 void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream,
                    const FusedNorm& norm = FusedNorm{}, const FusedConv& conv = FusedConv{}) {
+  if constexpr (BITS == 4) {
+    if (use_mma_gemv(w, m)) return mma_gemv_dispatch(w, x, m, y, stream, norm, conv);
+  }
   const int groups = w.cols / kGroup;
   const int L = lanes_per_row(groups), RW = kWarp / L;
   // Few rows (router, small projections): one row per lane-group, for more warps in flight.
@@ -103,10 +333,15 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
   const int U = few_rows ? 1 : kRowsUnroll;
   const int64_t warps_needed = ceil_div(w.rows, static_cast<int64_t>(RW) * U);
   const int64_t blocks_needed = ceil_div(warps_needed, kGemvThreads / kWarp);
-  const int blocks = static_cast<int>(std::min<int64_t>(blocks_needed, static_cast<int64_t>(sm_count()) * 4));
   const size_t smem = staged_row_bytes(w.cols);
-  launch_pdl(few_rows ? quant_gemv_kernel<BITS, 1, OutT> : quant_gemv_kernel<BITS, kRowsUnroll, OutT>, dim3(blocks, m),
-             dim3(kGemvThreads), smem, stream, w, x, y, norm, conv);
+  // One wave: as many blocks as can be resident at once (each warp then loops over row chunks),
+  // so no block waits for a second wave to start its weight stream.
+  auto kernel = few_rows ? quant_gemv_kernel<BITS, 1, OutT> : quant_gemv_kernel<BITS, kRowsUnroll, OutT>;
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvThreads, smem));
+  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count();
+  const int blocks = static_cast<int>(std::min(blocks_needed, resident));
+  launch_pdl(kernel, dim3(blocks, m), dim3(kGemvThreads), smem, stream, w, x, y, norm, conv);
 }
 
 void check_quant(const DeviceQuant& w, const char* what) {

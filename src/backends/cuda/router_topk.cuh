@@ -66,29 +66,80 @@ __device__ __forceinline__ void route_token_warp(RouteScratch& rs, int E, int k,
   }
 }
 
-/// The same routing (bit-identical ids and weights) by a whole block (blockDim.x ≥ 32, all
-/// threads call it after `rs.logits[0 … E]` holds the token's logits and a __syncthreads()):
-/// without NaN, (value descending, id ascending) is a strict total order, so every expert
-/// counts the experts that beat it in parallel and the k with rank < k go to slot = rank — the
-/// order route_token_warp's k passes produce; the weights use the same expf values summed in the
-/// same order. If any router logit is NaN, warp 0 runs route_token_warp (its NaN rule).
+/// (value descending, id ascending): the order of route_token_warp's selection (NaN excluded).
+__device__ __forceinline__ bool route_beats(float v, int i, float u, int j) { return v > u || (v == u && i < j); }
+
+/// k rounds of a warp arg-max over the candidate ids the lanes hold (N each; INT_MAX = none):
+/// lane 0 writes the k best in order to out[0 … k), or fewer when the warp holds fewer. Called
+/// by all 32 lanes of a warp; no NaN among the candidates' logits.
+template <int N>
+__device__ __forceinline__ void warp_select(const float* logits, const int (&ids)[N], int k, int* out) {
+  unsigned taken = 0;
+  for (int s = 0; s < k; ++s) {
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+#pragma unroll
+    for (int c = 0; c < N; ++c) {  // this lane's best not yet taken
+      if (ids[c] == INT_MAX || (taken >> c) & 1u) continue;
+      const float v = logits[ids[c]];
+      if (bi == INT_MAX || route_beats(v, ids[c], bv, bi)) { bv = v; bi = ids[c]; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (oi != INT_MAX && (bi == INT_MAX || route_beats(ov, oi, bv, bi))) { bv = ov; bi = oi; }
+    }
+    if (bi == INT_MAX) break;  // uniform: every lane saw the same reduction
+#pragma unroll
+    for (int c = 0; c < N; ++c)
+      if (ids[c] == bi) taken |= 1u << c;
+    if (threadIdx.x % kWarp == 0) out[s] = bi;
+  }
+}
+
+/// Experts per lane in route_token_block's first level, and its candidates per lane in the second.
+constexpr int kRoutePerLane = 4, kRoutePicksPerLane = 8;
+
+/// The same routing (bit-identical ids and weights) by a whole block (all threads call it after
+/// `rs.logits[0 … E]` holds the token's logits and a __syncthreads()). Without NaN, (value
+/// descending, id ascending) is a strict total order, so a two-level selection gives
+/// route_token_warp's k picks in its order: each warp picks its top k of the experts it holds
+/// (e = lane + 32·(warp + n_warps·c), c < 4), then warp 0 picks the top k of those ≤ 256 picks:
+/// about 2k warp arg-max rounds instead of an O(E²) rank count. The weights use the same expf
+/// values summed in the same order. If any router logit is NaN, or the block is too small for
+/// E (E > 4·blockDim.x or n_warps·k > 256), warp 0 runs route_token_warp.
 __device__ __forceinline__ void route_token_block(RouteScratch& rs, int E, int k, int32_t* __restrict__ ids,
                                                   float* __restrict__ weights) {
+  __shared__ int picks[kWarp * kRoutePicksPerLane];  // [warp][k]: the second level's candidates
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
   bool nan = false;
   for (int e = threadIdx.x; e < E; e += blockDim.x) nan |= isnan(rs.logits[e]);
-  if (__syncthreads_or(nan)) {
+  const bool too_small = E > kRoutePerLane * static_cast<int>(blockDim.x) || n_warps * k > kWarp * kRoutePicksPerLane;
+  if (__syncthreads_or(nan) || too_small) {
     if (threadIdx.x < kWarp) route_token_warp(rs, E, k, ids, weights);
     return;
   }
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    const float v = rs.logits[e];
-    int rank = 0;
-#pragma unroll 8
-    for (int j = 0; j < E; ++j) {
-      const float u = rs.logits[j];
-      rank += (u > v || (u == v && j < e)) ? 1 : 0;
+  {
+    int mine[kRoutePerLane];
+#pragma unroll
+    for (int c = 0; c < kRoutePerLane; ++c) {
+      const int e = lane + kWarp * (warp + n_warps * c);
+      mine[c] = e < E ? e : INT_MAX;
     }
-    if (rank < k) rs.sel[rank] = e;
+    for (int s = lane; s < k; s += kWarp) picks[warp * k + s] = INT_MAX;
+    __syncwarp();
+    warp_select<kRoutePerLane>(rs.logits, mine, k, picks + warp * k);
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int cand[kRoutePicksPerLane];
+#pragma unroll
+    for (int c = 0; c < kRoutePicksPerLane; ++c) {
+      const int j = lane + kWarp * c;
+      cand[c] = j < n_warps * k ? picks[j] : INT_MAX;
+    }
+    warp_select<kRoutePicksPerLane>(rs.logits, cand, k, rs.sel);
   }
   __syncthreads();
   const float top = rs.logits[rs.sel[0]];

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <span>
 #include <vector>
 
@@ -77,6 +79,16 @@ class FakeBackend final : public Backend {
     cv_.notify_all();
   }
 
+  /// What weights_changed() reports (a stand-in for a truncated checkpoint); thread-safe.
+  void set_weights_problem(std::optional<std::string> problem) {
+    std::lock_guard l(m_);
+    weights_problem_ = std::move(problem);
+  }
+  std::optional<std::string> weights_changed() const override {
+    std::lock_guard l(m_);
+    return weights_problem_;
+  }
+
   std::function<int32_t(const std::vector<int32_t>&)> script;  ///< overrides next_token when set
   std::chrono::milliseconds decode_delay{0};
   int prefill_calls = 0, decode_calls = 0, clones = 0, states_created = 0;
@@ -93,9 +105,10 @@ class FakeBackend final : public Backend {
   }
   int32_t vocab_;
   ModelConfig config_;
-  std::mutex m_;
+  mutable std::mutex m_;
   std::condition_variable cv_;
   bool gate_open_ = true;
+  std::optional<std::string> weights_problem_;
 };
 
 }  // namespace lily::test

@@ -151,3 +151,44 @@ TEST(Scheduler, SecondIdenticalRequestHitsTheCache) {
   EXPECT_EQ(a.result.token_ids, b.result.token_ids);
   EXPECT_EQ(h.scheduler->cache_stats().hits, 1);
 }
+
+// Issue 16 item 1: once the backend reports that its memory-mapped weights changed on disk, the
+// scheduler refuses every further request (ModelUnavailableError, a ShuttingDownError, which the
+// server answers with 503) instead of running the engine over pages that may fault with SIGBUS.
+TEST(Scheduler, ChangedWeightsRefuseNewRequestsForGood) {
+  Harness h(4);
+  EXPECT_EQ(finish(*h.scheduler->submit(job({1}, 1))).first.kind, JobEvent::Kind::kDone);
+  EXPECT_FALSE(h.scheduler->model_unavailable());
+  const int prefills = h.backend->prefill_calls;
+  h.backend->set_weights_problem("/m/model.safetensors was truncated from 100 to 8 bytes");
+  try {
+    h.scheduler->submit(job({2}, 1));
+    FAIL() << "submit accepted a request over changed weights";
+  } catch (const ModelUnavailableError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("/m/model.safetensors was truncated from 100 to 8 bytes"), std::string::npos) << what;
+    EXPECT_NE(what.find("restart lily serve"), std::string::npos) << what;
+  }
+  // A 503-class error: the server maps ShuttingDownError to 503.
+  EXPECT_THROW(h.scheduler->submit(job({2}, 1)), ShuttingDownError);
+  // Sticky: the mapping may already have been read in part, so a restored file does not help.
+  h.backend->set_weights_problem(std::nullopt);
+  EXPECT_THROW(h.scheduler->submit(job({3}, 1)), ModelUnavailableError);
+  EXPECT_TRUE(h.scheduler->model_unavailable());
+  EXPECT_EQ(h.backend->prefill_calls, prefills) << "the engine ran over changed weights";
+}
+
+TEST(Scheduler, AQueuedJobFailsWhenTheWeightsChangedWhileItWaited) {
+  Harness h(4);
+  auto running = occupy_engine(h);
+  auto queued = h.scheduler->submit(job({2}, 1));
+  h.backend->set_weights_problem("/m/model.safetensors was modified (its mtime changed)");
+  h.backend->open_gate();
+  finish(*running);  // the job that already ran its prefill is not interrupted
+  const int prefills = h.backend->prefill_calls;
+  auto [event, tokens] = finish(*queued);
+  EXPECT_EQ(event.kind, JobEvent::Kind::kFailed);
+  EXPECT_EQ(tokens, 0);
+  EXPECT_NE(event.text.find("was modified"), std::string::npos) << event.text;
+  EXPECT_EQ(h.backend->prefill_calls, prefills);
+}

@@ -235,3 +235,13 @@ TEST(ApiErrorShape, HasMessageTypeParamAndCode) {
   EXPECT_TRUE(plain["error"]["param"].is_null());
   EXPECT_TRUE(plain["error"]["code"].is_null());
 }
+
+// Issue 16 item 3: a NUL byte in a request's model name cut the 404 message at the NUL, since
+// body() used what() (a C string). The whole message comes back now.
+TEST(ApiErrorShape, MessageKeepsBytesAfterANul) {
+  const std::string message = std::string("the model 'a") + '\0' + "b' does not exist; this server serves 'demo'";
+  const ApiError e(404, "invalid_request_error", message, "model", "model_not_found");
+  EXPECT_EQ(e.message(), message);
+  EXPECT_EQ(e.body()["error"]["message"].get<std::string>(), message);
+  EXPECT_NE(e.body().dump().find("a\\u0000b' does not exist"), std::string::npos) << e.body().dump();
+}

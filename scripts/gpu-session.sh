@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# One full GPU-machine session in one command (device tool, repository root, carry:
+# ["carry/deps"]): build, every `gpu` test, the per-kernel timing lines, then on the 35b-a3b
+# synth checkpoint the decode/prefill bench at several contexts and a Nsight Compute profile of
+# decode steps. Build outputs and the 19.5 GB checkpoint stay under /tmp (reused while the
+# machine stays warm). Logs under $OUT (at most 8 files come back).
+#
+#   bash scripts/gpu-session.sh                  # everything
+#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: tests timing bench base profile
+#   LILY_GPU_CONTEXTS="256 4096 32768"           # bench contexts (default below)
+set -uo pipefail
+export LILY_GPU_BUILD="${LILY_GPU_BUILD:-/tmp/lily-build}"
+source "$(dirname "$0")/gpu-common.sh"
+exec > >(tee -a "$OUT/session.log") 2>&1
+STEPS="${LILY_GPU_STEPS:-tests timing bench profile}"
+CONTEXTS="${LILY_GPU_CONTEXTS:-256 4096 32768}"
+BIG=/tmp/lily-35b
+status=0
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+echo "== gpu-session $(date -u +%FT%TZ) commit ${LILY_COMMIT:-unknown} steps: $STEPS"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
+targets=(lily)
+for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
+gpu_build build.log "${targets[@]}"
+
+if has tests; then
+  echo "== ctest -L gpu"
+  timeout 420 ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 400 >"$OUT/ctest-gpu.log" 2>&1 || status=1
+  grep -E "tests passed|tests failed|Failed|\*\*\*|FAILED|Expected|Which is|Failure" "$OUT/ctest-gpu.log" | head -60
+fi
+
+if has timing; then
+  echo "== kernel timings (CudaTiming)"
+  "$BUILD/tests/test_cuda_core_kernels" --gtest_filter='CudaTiming.*' 2>&1 | grep -E "\[timing\]|FAILED" | tee "$OUT/timing.txt"
+fi
+
+if has bench || has profile || has base || has ab || has detail; then
+  if [[ ! -f "$BIG/model.safetensors" ]]; then
+    echo "== lily synth --preset 35b-a3b"
+    t1=$(date +%s)
+    timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$BIG" 2>&1 | tail -1 || status=1
+    echo "synth: $(( $(date +%s) - t1 )) s"
+  fi
+fi
+
+if has bench; then
+  : >"$OUT/bench.txt"
+  for n in $CONTEXTS; do
+    echo "== lily bench --prompt-len $n (3 rounds, 64 decode steps)"
+    timeout 240 "$BUILD/lily" bench --backend cuda --model "$BIG" --prompt-len "$n" --decode-steps 64 --rounds 3 \
+      --json-out "/tmp/bench-$n.json" 2>&1 | tail -4 | tee -a "$OUT/bench.txt" || status=1
+  done
+  tar -czf "$OUT/bench-json.tar.gz" -C /tmp $(cd /tmp && ls bench-*.json 2>/dev/null) 2>/dev/null || true
+fi
+
+# A/B of run-time knobs: LILY_GPU_AB="A=0 A=0,B=0 ..." benches each environment (comma-separated
+# assignments; "-" = none) at LILY_GPU_AB_LEN (default 256) tokens, 3 rounds.
+if has ab; then
+  : >"$OUT/ab.txt"
+  for combo in ${LILY_GPU_AB:--}; do
+    envs=(); [[ "$combo" != "-" ]] && IFS=, read -ra envs <<<"$combo"
+    echo "== A/B: ${combo}" | tee -a "$OUT/ab.txt"
+    env "${envs[@]}" timeout 200 "$BUILD/lily" bench --backend cuda --model "$BIG" --prompt-len "${LILY_GPU_AB_LEN:-256}" \
+      --decode-steps 64 --rounds 3 --json-out /tmp/ab.json 2>&1 | tail -1 | tee -a "$OUT/ab.txt"
+  done
+fi
+
+# Before/after on the same machine: carry/base.tar (git archive of an earlier commit's
+# CMakeLists.txt src bench tools scripts) is built into /tmp/lily-base and benched the same way.
+if has base && [[ -f carry/base.tar ]]; then
+  echo "== baseline tree (carry/base.tar)"
+  rm -rf /tmp/base-src && mkdir -p /tmp/base-src && tar -xf carry/base.tar -C /tmp/base-src && ln -s "$PWD/models" /tmp/base-src/models
+  (cd /tmp/base-src && cmake -S . -B /tmp/lily-base -G Ninja -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON -DBUILD_TESTING=OFF \
+      -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 >/dev/null &&
+    cmake --build /tmp/lily-base -j16 --target lily >/tmp/base-build.log 2>&1) || { echo "baseline build FAILED"; grep -E "error" /tmp/base-build.log | head; }
+  : >"$OUT/bench-base.txt"
+  for n in ${LILY_GPU_BASE_CONTEXTS:-$CONTEXTS}; do
+    echo "== baseline lily bench --prompt-len $n"
+    timeout 240 /tmp/lily-base/lily bench --backend cuda --model "$BIG" --prompt-len "$n" --decode-steps 64 --rounds 3 \
+      --json-out "/tmp/base-bench-$n.json" 2>&1 | tail -4 | tee -a "$OUT/bench-base.txt"
+  done
+fi
+
+# Nsight Compute detail (occupancy, throughput, warp stalls) of a few decode kernels of one step.
+if has detail; then
+  echo "== ncu detail"
+  IDS=$(python3 -c "print(','.join(str((i * 2654435761) % 2**32 % 248320) for i in range(64)))")
+  timeout 300 ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --kernel-name "regex:${LILY_GPU_DETAIL:-quant_mma_gemv|expert_gate_up|expert_down|router_fused|gdn_decode|decode_split}" \
+    --launch-skip "${LILY_GPU_DETAIL_SKIP:-400}" --launch-count "${LILY_GPU_DETAIL_COUNT:-10}" \
+    "$BUILD/lily" generate --backend cuda --model "$BIG" --prompt-ids "$IDS" --max-tokens 4 >"$OUT/ncu-detail.txt" 2>&1 ||
+    { echo "ncu detail failed"; tail -5 "$OUT/ncu-detail.txt"; }
+  grep -E "^  [a-z_].*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Theoretical Occ|Block Limit" \
+    "$OUT/ncu-detail.txt" | head -120
+fi
+
+if has profile; then
+  echo "== ncu: 3 decode steps after a 64-token prompt"
+  IDS=$(python3 -c "print(','.join(str((i * 2654435761) % 2**32 % 248320) for i in range(64)))")
+  rm -f /tmp/prof.ncu-rep
+  timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum -o /tmp/prof \
+    "$BUILD/lily" generate --backend cuda --model "$BIG" --prompt-ids "$IDS" --max-tokens 4 >/tmp/ncu-run.log 2>&1 ||
+    { echo "ncu failed"; tail -5 /tmp/ncu-run.log; }
+  if [[ -f /tmp/prof.ncu-rep ]]; then
+    ncu --import /tmp/prof.ncu-rep --csv --page raw --metrics gpu__time_duration.sum >/tmp/prof.csv 2>/dev/null
+    python3 scripts/ncu-decode-table.py /tmp/prof.csv | tee "$OUT/profile.md"
+  fi
+fi
+echo "== gpu-session done, status $status"
+exit $status

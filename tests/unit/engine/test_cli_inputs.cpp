@@ -1,0 +1,173 @@
+// Issue 16 item 3: the smaller command-line faults. Each case runs the built `lily` (bounded by
+// `timeout`, so a run the old code let go on for minutes fails instead of stalling the suite).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "support/test_support.h"
+
+namespace lily {
+namespace {
+
+namespace fs = std::filesystem;
+using test::CliRun;
+using test::run_lily_bounded;
+
+std::string quoted(const fs::path& p) { return "'" + p.string() + "'"; }
+const std::string kDemo = quoted(test::demo_model_dir());
+
+fs::path copy_demo(const test::TempDir& tmp) {
+  const fs::path dir = tmp.path() / "m";
+  fs::copy(test::demo_model_dir(), dir, fs::copy_options::recursive);
+  return dir;
+}
+
+bool has(const CliRun& r, const std::string& text) { return r.output.find(text) != std::string::npos; }
+
+TEST(CliInputs, InspectRefusesAMissingOrGarbageTokenizerAsServeDoes) {
+  test::TempDir tmp;
+  const fs::path dir = copy_demo(tmp);
+  fs::remove(dir / "tokenizer.json");
+  CliRun r = run_lily_bounded("inspect " + quoted(dir), true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "cannot open tokenizer file " + (dir / "tokenizer.json").string())) << r.output;
+  std::ofstream(dir / "tokenizer.json") << "{ not json";
+  r = run_lily_bounded("inspect --json " + quoted(dir), true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, (dir / "tokenizer.json").string() + " is not valid JSON")) << r.output;
+  std::ofstream(dir / "tokenizer.json") << "{\"model\": {\"type\": \"Unigram\"}}";
+  r = run_lily_bounded("inspect " + quoted(dir), true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, (dir / "tokenizer.json").string() + ": ")) << r.output;
+  // serve refuses the same file.
+  r = run_lily_bounded("serve --backend cpu --bind 127.0.0.1:0 --model " + quoted(dir), true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, (dir / "tokenizer.json").string() + ": ")) << r.output;
+}
+
+TEST(CliInputs, InspectLabelsBinarySizesAsMiB) {
+  const CliRun r = run_lily_bounded("inspect " + kDemo, true);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // models/demo is 11,183,368 bytes = 10.67 MiB (11.18 MB).
+  EXPECT_TRUE(has(r, "on disk      10.67 MiB in 1 file(s)")) << r.output;
+  EXPECT_FALSE(has(r, " MB ")) << r.output;
+  EXPECT_TRUE(has(r, "tokenizer    ")) << r.output;
+}
+
+TEST(CliInputs, ContextOfOneIsBlamedOnTheCheckpointField) {
+  test::TempDir tmp;
+  const fs::path dir = copy_demo(tmp);
+  nlohmann::json config;
+  std::ifstream(dir / "config.json") >> config;
+  ASSERT_TRUE(config["text_config"].contains("max_position_embeddings"));
+  config["text_config"]["max_position_embeddings"] = 1;
+  std::ofstream(dir / "config.json") << config.dump(2);
+  for (const std::string& cmd : {"inspect " + quoted(dir), "serve --backend cpu --bind 127.0.0.1:0 --model " + quoted(dir),
+                                "generate --backend cpu --prompt-ids 1 --model " + quoted(dir)}) {
+    const CliRun r = run_lily_bounded(cmd, true);
+    EXPECT_EQ(r.exit_code, 1) << cmd << "\n" << r.output;
+    EXPECT_TRUE(has(r, "config field max_position_embeddings = 1 is too small")) << cmd << "\n" << r.output;
+    EXPECT_FALSE(has(r, "--max-seq")) << cmd << "\n" << r.output;
+  }
+}
+
+TEST(CliInputs, TokenizeDecodeOutsideTheVocabularyIsAnError) {
+  const CliRun r = run_lily_bounded("tokenize --model " + kDemo + " --decode 1,99999", true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "--decode: token id 99999 is outside the vocabulary (ids 0..")) << r.output;
+  const CliRun ok = run_lily_bounded("tokenize --model " + kDemo + " --decode 1,2", true);
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
+
+TEST(CliInputs, TokenizeWithNothingToDoIsAnError) {
+  const CliRun r = run_lily_bounded("tokenize --model " + kDemo, true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "lily tokenize: nothing to do: give TEXT to encode, --decode IDS")) << r.output;
+  EXPECT_NE(r.output, "\n");
+}
+
+TEST(CliInputs, TokenizeDefaultsToTheDemoModel) {
+  const CliRun given = run_lily_bounded("tokenize --model " + kDemo + " 'hello world'", false);
+  const CliRun defaulted = run_lily_bounded("tokenize 'hello world'", false);
+  ASSERT_EQ(given.exit_code, 0) << given.output;
+  EXPECT_EQ(defaulted.exit_code, 0) << defaulted.output;
+  EXPECT_EQ(defaulted.output, given.output);
+  EXPECT_NE(given.output, "\n");
+}
+
+TEST(CliInputs, GenerateChecksItsArgumentsBeforeLoadingTheWeights) {
+  test::TempDir tmp;
+  const fs::path dir = copy_demo(tmp);
+  fs::resize_file(dir / "model.safetensors", 100);  // loading it would fail
+  const std::string model = " --model " + quoted(dir);
+  const CliRun load = run_lily_bounded("generate --backend cpu --prompt hi" + model, true);
+  EXPECT_EQ(load.exit_code, 1);
+  EXPECT_TRUE(has(load, "model.safetensors")) << load.output;  // the load itself is what fails
+  struct Case {
+    std::string args, expected;
+  };
+  for (const Case& c : {Case{"--prompt hi --prompt-ids 1", "give exactly one of --prompt, --prompt-ids, --messages"},
+                        Case{"", "give exactly one of --prompt, --prompt-ids, --messages"},
+                        Case{"--messages '[{\"role\":1}'", "--messages: expected a non-empty JSON array"},
+                        Case{"--prompt hi --backend gpu", "unknown backend 'gpu'"},
+                        Case{"--prompt-ids 1,x", "--prompt-ids: 'x' is not a token id"},
+                        Case{"--prompt hi --max-tokens 0", "--max-tokens must be at least 1"}}) {
+    const CliRun r = run_lily_bounded("generate " + c.args + model, true);
+    EXPECT_EQ(r.exit_code, 1) << c.args << "\n" << r.output;
+    EXPECT_TRUE(has(r, c.expected)) << c.args << "\n" << r.output;
+    EXPECT_FALSE(has(r, "model.safetensors")) << c.args << ": reported after loading\n" << r.output;
+  }
+}
+
+TEST(CliInputs, GenerateRefusesMoreTokensThanTheContextHolds) {
+  // models/demo declares max_position_embeddings 4096.
+  CliRun r = run_lily_bounded("generate --backend cpu --prompt-ids 1,2,3 --max-tokens 5000 --model " + kDemo, true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "--max-tokens 5000: the prompt (3 tokens) + 5000 exceeds the checkpoint's context of 4096 "
+                     "tokens (max_position_embeddings)")) << r.output;
+  r = run_lily_bounded("generate --backend cpu --prompt-ids 1,2,3 --max-tokens 8 --max-seq 6 --model " + kDemo, true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "--max-tokens 8: the prompt (3 tokens) + 8 exceeds --max-seq 6")) << r.output;
+  r = run_lily_bounded("generate --backend cpu --prompt-ids 1,2,3 --max-seq 5000 --model " + kDemo, true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "--max-seq 5000 exceeds the checkpoint's context of 4096 tokens")) << r.output;
+  // Right at the limit is fine.
+  r = run_lily_bounded("generate --backend cpu --prompt-ids 1,2,3 --max-tokens 2 --max-seq 5 --json --model " + kDemo,
+                       false);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+TEST(CliInputs, BenchRefusesAPromptBeyondTheContext) {
+  const CliRun r = run_lily_bounded("bench --backend cpu --prompt-len 5000 --decode-steps 1 --rounds 1 --model " + kDemo,
+                                    true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "--prompt-len 5000 + --decode-steps 1 + 1 positions exceed the checkpoint's context of 4096"))
+      << r.output;
+  EXPECT_FALSE(has(r, "round 0")) << r.output;
+}
+
+TEST(CliInputs, StreamedGenerateEndsWithTheWholeTextAndANewline) {
+  const std::string base = "generate --backend cpu --prompt-ids 1,2,3 --max-tokens 8 --model " + kDemo;
+  const CliRun json = run_lily_bounded(base + " --json", false);
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  const std::string text = nlohmann::json::parse(json.output)["text"];
+  ASSERT_GE(text.size(), 2u);
+  const CliRun plain = run_lily_bounded(base, false);
+  EXPECT_EQ(plain.exit_code, 0);
+  EXPECT_EQ(plain.output, text + "\n");
+  // A stop string that the text's last two bytes begin holds them back until the end; they
+  // used to be dropped from the streamed output.
+  const std::string tail = text.substr(text.size() - 2);
+  ASSERT_EQ(tail.find('\''), std::string::npos);
+  ASSERT_EQ(text.find(tail + "QQQZ"), std::string::npos);
+  const CliRun held = run_lily_bounded(base + " --stop '" + tail + "QQQZ'", false);
+  EXPECT_EQ(held.exit_code, 0);
+  EXPECT_EQ(held.output, text + "\n");
+}
+
+}  // namespace
+}  // namespace lily

@@ -1,0 +1,75 @@
+// Issue 16 item 2: a FIFO (or another non-regular file) given as config.json,
+// model.safetensors, a shard index or tokenizer.json used to hang `lily inspect`, `generate`,
+// `tokenize` and `serve` in open(2) (no writer ever comes). Each must now exit 1 at once with an
+// error naming the file. The runs are bounded by `timeout`, so the old behaviour fails the test
+// (exit 124) instead of stalling it.
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <string>
+
+#include "support/test_support.h"
+
+namespace lily {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string quoted(const fs::path& p) { return "'" + p.string() + "'"; }
+
+/// A copy of models/demo in which `name` is replaced by a FIFO.
+fs::path demo_with_fifo(const test::TempDir& tmp, const std::string& name) {
+  const fs::path dir = tmp.path() / "m";
+  fs::copy(test::demo_model_dir(), dir, fs::copy_options::recursive);
+  fs::remove(dir / name);
+  EXPECT_EQ(::mkfifo((dir / name).c_str(), 0600), 0);
+  return dir;
+}
+
+void expect_refused(const test::CliRun& r, const fs::path& fifo, const std::string& what) {
+  EXPECT_EQ(r.exit_code, 1) << what << " (124 = it hung)\n" << r.output;
+  EXPECT_NE(r.output.find(fifo.string() + ": is a FIFO (named pipe), not a regular file"), std::string::npos)
+      << what << "\n" << r.output;
+}
+
+TEST(SpecialFiles, InspectRefusesAFifoConfig) {
+  test::TempDir tmp;
+  const fs::path dir = demo_with_fifo(tmp, "config.json");
+  expect_refused(test::run_lily_bounded("inspect " + quoted(dir), true), dir / "config.json", "inspect");
+}
+
+TEST(SpecialFiles, InspectRefusesAFifoSafetensors) {
+  test::TempDir tmp;
+  const fs::path dir = demo_with_fifo(tmp, "model.safetensors");
+  expect_refused(test::run_lily_bounded("inspect " + quoted(dir), true), dir / "model.safetensors", "inspect");
+}
+
+TEST(SpecialFiles, InspectRefusesAFifoShardIndex) {
+  test::TempDir tmp;
+  const fs::path dir = demo_with_fifo(tmp, "model.safetensors.index.json");
+  expect_refused(test::run_lily_bounded("inspect " + quoted(dir), true), dir / "model.safetensors.index.json",
+                 "inspect");
+}
+
+TEST(SpecialFiles, TokenizeAndGenerateRefuseAFifoTokenizer) {
+  test::TempDir tmp;
+  const fs::path dir = demo_with_fifo(tmp, "tokenizer.json");
+  expect_refused(test::run_lily_bounded("tokenize --model " + quoted(dir) + " hello", true), dir / "tokenizer.json",
+                 "tokenize");
+  expect_refused(test::run_lily_bounded("generate --backend cpu --max-tokens 1 --prompt hi --model " + quoted(dir), true),
+                 dir / "tokenizer.json", "generate");
+}
+
+TEST(SpecialFiles, ServeRefusesFifoCheckpointFiles) {
+  for (const std::string name : {"config.json", "model.safetensors", "tokenizer.json"}) {
+    test::TempDir tmp;
+    const fs::path dir = demo_with_fifo(tmp, name);
+    expect_refused(test::run_lily_bounded("serve --backend cpu --bind 127.0.0.1:0 --model " + quoted(dir), true),
+                   dir / name, "serve with a FIFO " + name);
+  }
+}
+
+}  // namespace
+}  // namespace lily
