@@ -8,7 +8,7 @@
 #   bash scripts/gpu-check.sh            # build + ctest -L gpu + generate + serve
 #   LILY_GPU_BENCH=1 bash scripts/gpu-check.sh   # also the 35b-a3b synth, the bench matrix
 #       (scripts/bench-matrix, LILY_GPU_MATRIX_BUDGET seconds, default 300) and CUDA vs CPU on it
-# The PCRE2/utf8proc/httplib headers come from carry/deps (scripts/make-carry.sh packs them).
+# The PCRE2/utf8proc/Boost headers come from carry/deps (scripts/make-carry.sh packs them).
 # Files under $OUT (the device tool returns at most 8): gpu-check.log (everything), build.log,
 # ctest-gpu.log, e2e-per-token-prefill.txt, serve-check.txt and, with LILY_GPU_BENCH=1,
 # bench-realdims.json, bench-matrix.md and bench-json.tar.gz (the device tool returns ≤ 8 files).

@@ -1,7 +1,7 @@
 # Sourced by the scripts that run ON the GPU machine (scripts/gpu-check*.sh): repository root,
 # $OUT, the carried headers, the build directory, and one configure + build function.
 # The device tool's machine: Ubuntu 24.04, nvcc 13.0, CMake, gcc 13; no package registry, so the
-# PCRE2/utf8proc/httplib headers come from carry/deps (scripts/make-carry.sh packs them).
+# PCRE2/utf8proc/Boost headers come from carry/deps (scripts/make-carry.sh packs them).
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-$PWD/gpu-logs}"
 mkdir -p "$OUT"

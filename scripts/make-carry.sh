@@ -1,21 +1,32 @@
 #!/usr/bin/env bash
 # Packs the build dependencies that the GPU machine (Ubuntu 24.04, no package registry) lacks:
-# PCRE2, utf8proc and cpp-httplib headers and libraries from this Debian 12 machine, with
-# pkg-config files relative to their own folder. Output: carry/deps (git-ignored); pass
+# PCRE2 and utf8proc headers and libraries, and the Boost headers that the HTTP server
+# (Boost.Beast/Asio, header-only) includes, from this Debian 12 machine, with pkg-config files
+# relative to their own folder. Output: carry/deps (git-ignored); pass
 # `carry/deps` to the device tool and set PKG_CONFIG_PATH=$PWD/carry/deps/lib/pkgconfig there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=carry/deps
 rm -rf "$D" && mkdir -p "$D/include" "$D/lib/pkgconfig"
 LIB=/usr/lib/x86_64-linux-gnu
-cp /usr/include/pcre2.h /usr/include/utf8proc.h /usr/include/httplib.h "$D/include/"
-# httplib.h (built with OpenSSL/zlib/brotli support) includes these headers too.
-cp -r /usr/include/brotli /usr/include/openssl "$D/include/"
-cp /usr/include/x86_64-linux-gnu/openssl/* "$D/include/openssl/"
-cp /usr/include/zlib.h /usr/include/zconf.h "$D/include/" 2>/dev/null || cp /usr/include/zlib.h "$D/include/"
+cp /usr/include/pcre2.h /usr/include/utf8proc.h "$D/include/"
 cp -a $LIB/libpcre2-8.a $LIB/libutf8proc.a "$D/lib/"
-cp -a $LIB/libcpp-httplib.so* "$D/lib/"
-for l in libbrotlicommon libbrotlidec libbrotlienc; do cp -a $LIB/$l.so* "$D/lib/"; done
+# Boost (all of it is 180 MB): the headers src/server includes, found by the preprocessor here,
+# plus the whole of asio, beast, system and config, whose compiler- and platform-dependent
+# branches may pick other files with the GPU machine's gcc 13 (about 10 MB in all).
+BOOST=/usr/include/boost
+test -f $BOOST/version.hpp || { echo "make-carry: no Boost headers (apt-get install libboost1.81-dev)"; exit 1; }
+includes=$(grep -h '^#include <boost/' src/server/*.h src/server/*.cpp | sort -u)
+printf '%s\n' "$includes" | g++ -std=c++20 -DBOOST_ASIO_NO_DEPRECATED -DBOOST_BEAST_USE_STD_STRING_VIEW \
+    -M -x c++ - | tr ' \\' '\n\n' | grep "^$BOOST/" | sort -u | sed "s#^/usr/include/##" |
+  (cd /usr/include && xargs cp --parents -t "$OLDPWD/$D/include")
+for lib in asio beast system config; do cp -r $BOOST/$lib "$D/include/boost/"; done
+cp $BOOST/asio.hpp $BOOST/beast.hpp $BOOST/config.hpp $BOOST/version.hpp "$D/include/boost/"
+# Check: with the carry first on the include path, no header comes from /usr/include/boost.
+if printf '%s\n' "$includes" | g++ -std=c++20 -DBOOST_ASIO_NO_DEPRECATED -DBOOST_BEAST_USE_STD_STRING_VIEW \
+    -I"$D/include" -M -x c++ - | tr ' \\' '\n\n' | grep -q "^$BOOST/"; then
+  echo "make-carry: the carried Boost headers are incomplete"; exit 1
+fi
 pc() {  # name, libs, cflags
   cat > "$D/lib/pkgconfig/$1.pc" <<PC
 prefix=\${pcfiledir}/../..
@@ -28,6 +39,5 @@ PC
 }
 pc libpcre2-8 "-lpcre2-8" ""  # only the .a is carried, so -l links it statically
 pc libutf8proc "-lutf8proc" ""
-pc cpp-httplib "-lcpp-httplib -Wl,-rpath,\${prefix}/lib -Wl,-rpath-link,\${prefix}/lib" \
-  "-DCPPHTTPLIB_OPENSSL_SUPPORT -DCPPHTTPLIB_ZLIB_SUPPORT -DCPPHTTPLIB_BROTLI_SUPPORT"
+pc lily-boost "" ""  # header-only: CMakeLists.txt falls back to it when find_package(Boost) fails
 du -sh "$D"

@@ -8,7 +8,7 @@ SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
 PACKAGES=(build-essential cmake ninja-build pkg-config git
-  nlohmann-json3-dev libcpp-httplib-dev libpcre2-dev libutf8proc-dev libcli11-dev
+  nlohmann-json3-dev libboost1.81-dev libpcre2-dev libutf8proc-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev nodejs npm curl
   clang libclang-rt-14-dev)  # clang + libFuzzer runtime: scripts/fuzz.sh
 missing=()

@@ -20,6 +20,7 @@ struct ServeFlags {
   int64_t max_seq = -1;
   std::string backend = "auto";
   bool no_mmap = false;  ///< read the weights into memory instead of mapping them
+  CLI::Option* api_key = nullptr;  ///< to tell `--api-key ""` from no --api-key
   server::ServerOptions options;
 };
 
@@ -32,7 +33,7 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
       ->check(CLI::Range(0, 65535));
   cmd->add_option("--max-seq", f.max_seq, "most tokens per sequence, prompt + completion "
                   "(default: the checkpoint's max_position_embeddings; at most 262144)")->check(integer_at_least(0));
-  cmd->add_option("--api-key", o.api_key, "require 'Authorization: Bearer KEY' (default: $LILY_API_KEY)");
+  f.api_key = cmd->add_option("--api-key", o.api_key, "require 'Authorization: Bearer KEY' (default: $LILY_API_KEY)");
   cmd->add_flag("--health-requires-key", o.health_requires_key, "with an API key, /health needs it too "
                "(default: /health stays open)");
   cmd->add_option("--backend", f.backend, "cpu | cuda | auto")->capture_default_str();
@@ -54,6 +55,11 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
       ->capture_default_str()->check(integer_at_least(0));
   cmd->add_option("--max-body", o.max_body, "request body limit in bytes (413 above)")
       ->capture_default_str()->check(integer_at_least(1));
+  cmd->add_option("--max-header-bytes", o.max_header_bytes, "request line + header fields limit in bytes "
+                  "(431 above)")
+      ->capture_default_str()->check(CLI::Range(int64_t{256}, int64_t{1} << 24));
+  cmd->add_option("--max-headers", o.max_headers, "header fields per request (431 above)")
+      ->capture_default_str()->check(integer_at_least(1));
   cmd->add_option("--threads", o.threads, "CPU backend threads, 0 = all cores")
       ->capture_default_str()->check(integer_at_least(0));
   cmd->add_option("--max-connections,--http-threads", o.max_connections,
@@ -62,10 +68,13 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
   cmd->add_option("--send-buffer", o.send_buffer, "kernel send buffer per connection in bytes, 0 = auto-tuned "
                   "(a small one makes a client that stops reading hit --write-timeout sooner)")
       ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
-  cmd->add_option("--read-timeout", o.read_timeout_s, "seconds a client may take to send a request")
+  cmd->add_option("--read-timeout", o.read_timeout_s, "seconds a client may take to send a whole request "
+                  "head (408 after), and again its body")
       ->capture_default_str()->check(integer_at_least(1));
   cmd->add_option("--write-timeout", o.write_timeout_s, "seconds a client may take to accept response bytes "
                   "(a stream whose client stops reading is cancelled after this)")
+      ->capture_default_str()->check(integer_at_least(1));
+  cmd->add_option("--keep-alive", o.keep_alive_s, "seconds an idle keep-alive connection is kept open")
       ->capture_default_str()->check(integer_at_least(1));
   cmd->add_option("--shutdown-grace", o.shutdown_grace_s, "seconds running work may finish after SIGINT/SIGTERM")
       ->capture_default_str()->check(integer_at_least(0));
@@ -79,11 +88,16 @@ server::ServerOptions resolve(ServeFlags& f) {
   if (f.port >= 0) o.port = f.port;
   if (f.max_seq >= 0) o.max_seq = f.max_seq;
   o.backend = parse_backend_kind(f.backend);
+  // An empty key would silently mean "no authentication": refuse it instead.
+  if (f.api_key->count() > 0 && o.api_key.empty()) throw Error("--api-key must not be empty");
+  if (o.api_key.empty()) {
+    if (const char* env = std::getenv("LILY_API_KEY")) {
+      if (*env == '\0') throw Error("LILY_API_KEY must not be empty (unset it to serve without a key)");
+      o.api_key = env;
+    }
+  }
   // The server loads the model itself; the process-wide default reaches its load_model call.
   set_default_weights_mmap(!f.no_mmap);
-  if (o.api_key.empty()) {
-    if (const char* env = std::getenv("LILY_API_KEY")) o.api_key = env;
-  }
   return o;
 }
 

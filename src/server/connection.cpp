@@ -1,76 +1,79 @@
 #include "server/connection.h"
 
-#include <arpa/inet.h>
-#include <dirent.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
-#include <cstdlib>
+#include <algorithm>
+#include <cerrno>
 
 namespace lily::server {
 
-namespace {
+DeadlineStream::DeadlineStream(tcp::socket socket, int stop_fd) : socket_(std::move(socket)), stop_fd_(stop_fd) {
+  error_code ec;
+  socket_.non_blocking(true, ec);
+}
 
-/// Port and printable address of a socket address (IPv4 or IPv6).
-bool describe(const sockaddr_storage& ss, std::string& addr, int& port) {
-  char buf[INET6_ADDRSTRLEN] = {0};
-  if (ss.ss_family == AF_INET) {
-    const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
-    inet_ntop(AF_INET, &a->sin_addr, buf, sizeof buf);
-    port = ntohs(a->sin_port);
-  } else if (ss.ss_family == AF_INET6) {
-    const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
-    inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof buf);
-    port = ntohs(a->sin6_port);
-  } else {
-    return false;
+bool DeadlineStream::wait(bool reading, Clock::time_point deadline, error_code& ec) {
+  while (true) {
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      ec = boost::beast::error::timeout;
+      return false;
+    }
+    // Whole milliseconds, rounded up, so a deadline 0.3 ms away does not spin.
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now) + std::chrono::milliseconds(1);
+    const int ms = static_cast<int>(std::min<long long>(left.count(), 60000));
+    pollfd fds[2] = {{socket_.native_handle(), static_cast<short>(reading ? POLLIN : POLLOUT), 0},
+                     {stop_fd_, POLLIN, 0}};
+    const nfds_t n = reading && stop_fd_ >= 0 ? 2 : 1;
+    const int r = ::poll(fds, n, ms);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      ec = error_code(errno, boost::system::system_category());
+      return false;
+    }
+    if (n == 2 && (fds[1].revents & POLLIN)) {
+      ec = net::error::operation_aborted;
+      return false;
+    }
+    if (fds[0].revents != 0) return true;  // ready, or an error the next call reports
   }
-  addr = buf;
-  return true;
 }
 
-bool matches(int fd, const std::string& remote_addr, int remote_port, int local_port) {
-  struct stat st {};
-  if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) return false;
-  sockaddr_storage local{}, peer{};
-  socklen_t len = sizeof local;
-  if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) != 0) return false;
-  len = sizeof peer;
-  if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) != 0) return false;
-  std::string la, pa;
-  int lp = 0, pp = 0;
-  if (!describe(local, la, lp) || !describe(peer, pa, pp)) return false;
-  return lp == local_port && pp == remote_port && (remote_addr.empty() || pa == remote_addr);
+bool DeadlineStream::wait_readable(Clock::time_point t) {
+  error_code ec;
+  return wait(true, t, ec);
 }
 
-}  // namespace
-
-ConnectionWatch::ConnectionWatch(const std::string& remote_addr, int remote_port, int local_port) {
-  DIR* dir = opendir("/proc/self/fd");
-  if (dir == nullptr) return;
-  while (dirent* e = readdir(dir)) {
-    if (e->d_name[0] == '.') continue;
-    const int fd = std::atoi(e->d_name);
-    if (fd != dirfd(dir) && matches(fd, remote_addr, remote_port, local_port)) {
-      fd_ = fd;
-      break;
+void DeadlineStream::close_gracefully(std::chrono::milliseconds linger) {
+  error_code ec;
+  socket_.shutdown(tcp::socket::shutdown_send, ec);
+  if (!ec) {
+    set_read_deadline(Clock::now() + linger);
+    char scratch[65536];
+    while (true) {
+      read_some(net::buffer(scratch), ec);
+      if (ec) break;
     }
   }
-  closedir(dir);
+  close();
 }
 
-bool ConnectionWatch::closed() const {
-  if (fd_ < 0) return false;
+void DeadlineStream::close() {
+  error_code ec;
+  socket_.close(ec);
+}
+
+bool ConnectionWatch::gone() const {
+  pollfd p{fd_, 0, 0};
+  if (::poll(&p, 1, 0) <= 0) return false;
+  return (p.revents & (POLLHUP | POLLERR | POLLNVAL)) != 0;
+}
+
+bool ConnectionWatch::read_closed() const {
   pollfd p{fd_, static_cast<short>(POLLRDHUP), 0};
-  if (poll(&p, 1, 0) <= 0) return false;
+  if (::poll(&p, 1, 0) <= 0) return false;
   return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
-}
-
-void ConnectionWatch::shut_down() const {
-  if (fd_ >= 0) shutdown(fd_, SHUT_RDWR);
 }
 
 }  // namespace lily::server

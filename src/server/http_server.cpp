@@ -1,9 +1,15 @@
 #include "server/http_server.h"
 
-#include <csignal>
+#include <arpa/inet.h>
+#include <poll.h>
 #include <pthread.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <condition_variable>
+#include <csignal>
+#include <mutex>
 
 #include <algorithm>
 #include <atomic>
@@ -11,10 +17,14 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <thread>
 
-#include <httplib.h>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/beast/core/flat_buffer.hpp>
+#include <boost/beast/http.hpp>
 
 #include "base/build_info.h"
 #include "base/error.h"
@@ -101,7 +111,16 @@ void parse_bind(std::string_view bind, std::string& host, int& port) {
 }
 
 bool is_loopback_host(std::string_view host) {
-  return host == "localhost" || host == "::1" || host.substr(0, 4) == "127.";
+  if (host == "localhost") return true;
+  const std::string text(host);
+  unsigned char v4[4];
+  if (inet_pton(AF_INET, text.c_str(), v4) == 1) return v4[0] == 127;
+  unsigned char v6[16];
+  if (inet_pton(AF_INET6, text.c_str(), v6) != 1) return false;
+  static const unsigned char loopback[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+  static const unsigned char mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+  if (std::equal(v6, v6 + 16, loopback)) return true;
+  return std::equal(v6, v6 + 12, mapped) && v6[12] == 127;  // ::ffff:127.x.y.z
 }
 
 namespace {
@@ -115,6 +134,19 @@ std::optional<std::string> allowed_methods(std::string_view path) {
   if (path == "/v1/chat/completions") return "POST";
   if (path == "/health" || path == "/metrics" || path == "/v1/models" || is_model_lookup(path)) return "GET, HEAD";
   return std::nullopt;
+}
+
+bool method_allowed(std::string_view allowed, std::string_view method) {
+  while (!allowed.empty()) {
+    const size_t comma = allowed.find(',');
+    std::string_view item = allowed.substr(0, comma);
+    while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
+    while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
+    if (!item.empty() && item == method) return true;
+    if (comma == std::string_view::npos) break;
+    allowed.remove_prefix(comma + 1);
+  }
+  return false;
 }
 
 std::string route_label(std::string_view path) {
@@ -138,7 +170,11 @@ std::string request_log_line(std::string_view method, std::string_view path, int
 
 namespace {
 
-// --- per-request bookkeeping for the log line (the logger runs on the handler's thread) ------
+namespace beast = boost::beast;
+namespace http = beast::http;
+using Request = http::request<http::string_body>;
+
+// --- per-request bookkeeping for the log line (one connection's requests run on its thread) --
 
 struct RequestInfo {
   Clock::time_point start = Clock::now();
@@ -147,50 +183,15 @@ struct RequestInfo {
 };
 thread_local RequestInfo t_request;
 
-/// True on a thread that serves a connection beyond --max-connections: every request on it is
-/// answered 503 and the connection is closed.
-thread_local bool t_over_capacity = false;
-
 /// Connections the kernel may hold before the accept loop takes them (listen(2) backlog).
 constexpr int kListenBacklog = 512;
-
-/// The task queue httplib hands each accepted connection to. At most `limit` connections are
-/// open at a time, each on its own thread at once (no connection waits for a busy thread); a
-/// connection beyond the limit goes to a small separate pool that answers 503 and closes it, so
-/// it neither queues behind the admitted ones nor takes their threads.
-class ConnectionGate : public httplib::TaskQueue {
- public:
-  ConnectionGate(int limit, int reject_threads)
-      : limit_(limit), admitted_(static_cast<size_t>(limit)), rejecting_(static_cast<size_t>(reject_threads)) {}
-
-  /// Called by httplib's accept loop (one thread) with the job that serves one connection.
-  void enqueue(std::function<void()> fn) override {
-    if (open_.load() < limit_) {
-      ++open_;
-      admitted_.enqueue([this, fn = std::move(fn)] {
-        fn();
-        --open_;
-      });
-      return;
-    }
-    rejecting_.enqueue([fn = std::move(fn)] {
-      t_over_capacity = true;
-      fn();
-      t_over_capacity = false;
-    });
-  }
-
-  void shutdown() override {
-    admitted_.shutdown();
-    rejecting_.shutdown();
-  }
-
- private:
-  const int limit_;
-  std::atomic<int> open_{0};
-  httplib::ThreadPool admitted_;
-  httplib::ThreadPool rejecting_;
-};
+/// Connections beyond --max-connections that are answered 503 at the same time (each on a
+/// short-lived thread of its own); further ones are closed without an answer.
+constexpr int kMaxRejecting = 4;
+/// How long a connection beyond the cap may take to send its request head before its 503.
+constexpr auto kRejectHeadTime = std::chrono::seconds(2);
+/// How long a connection that is closed after its answer is drained (DeadlineStream::close_gracefully).
+constexpr auto kLinger = std::chrono::milliseconds(2000);
 
 std::string random_hex(size_t n) {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
@@ -202,16 +203,143 @@ std::string random_hex(size_t n) {
 
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-void set_json(httplib::Response& res, int status, const std::string& body) {
+/// A whole (not streamed) answer: status, content type, body and extra headers.
+struct Reply {
+  int status = 200;
+  std::string content_type = "application/json";
+  std::string body;
+  std::vector<std::pair<std::string, std::string>> headers;
+  bool close = false;  ///< close the connection after it (the request was not read to its end)
+};
+
+void set_json(Reply& res, int status, std::string body) {
   res.status = status;
-  res.set_content(body, "application/json");
+  res.content_type = "application/json";
+  res.body = std::move(body);
 }
 
-void send_error(httplib::Response& res, const ApiError& e) {
-  for (const auto& [name, value] : e.headers()) res.set_header(name, value);
+void send_error(Reply& res, const ApiError& e) {
+  for (const auto& h : e.headers()) res.headers.push_back(h);
   set_json(res, e.status(), dump(e.body()));
   t_request.error = e.what();
 }
+
+/// How the connection goes on after one request.
+enum class After { kNext, kClose, kAbort };
+
+/// The answer side of one request on a connection: a whole reply, or a stream of chunks.
+class Exchange {
+ public:
+  /// `version`: the request's HTTP version (10 or 11); `keep_alive`: whether the connection
+  /// may serve another request after this one.
+  Exchange(DeadlineStream& stream, std::chrono::seconds write_timeout, std::string method, std::string path,
+           unsigned version, bool keep_alive)
+      : method(std::move(method)), path(std::move(path)), stream_(stream), write_timeout_(write_timeout),
+        version_(version), keep_alive_(keep_alive) {}
+
+  const std::string method;  ///< as sent ("-" when the request line was not read)
+  const std::string path;    ///< the target without its query ("-" when not read)
+
+  /// Writes a whole reply (only its head for HEAD). False when the write failed.
+  bool send(const Reply& r) {
+    http::response<http::string_body> res{static_cast<http::status>(r.status), version_};
+    res.set(http::field::content_type, r.content_type);
+    for (const auto& [name, value] : r.headers) res.set(name, value);
+    res.body() = r.body;
+    if (r.close) keep_alive_ = false;
+    res.keep_alive(keep_alive_);
+    res.prepare_payload();
+    status_ = r.status;
+    started_ = true;
+    stream_.set_write_deadline(DeadlineStream::Clock::now() + write_timeout_);
+    error_code ec;
+    if (method == "HEAD") {
+      http::response_serializer<http::string_body> sr{res};
+      http::write_header(stream_, sr, ec);
+    } else {
+      http::write(stream_, res, ec);
+    }
+    if (ec) broken_ = true;
+    return !ec;
+  }
+
+  /// Writes the head of a streamed 200 answer (chunked; for HTTP/1.0 the body ends with the
+  /// connection).
+  bool begin_stream(const std::string& content_type, const std::vector<std::pair<std::string, std::string>>& headers) {
+    http::response<http::empty_body> res{http::status::ok, version_};
+    res.set(http::field::content_type, content_type);
+    for (const auto& [name, value] : headers) res.set(name, value);
+    chunked_ = version_ >= 11;
+    if (!chunked_) keep_alive_ = false;
+    res.keep_alive(keep_alive_);
+    res.chunked(chunked_);
+    status_ = 200;
+    started_ = streaming_ = true;
+    stream_.set_write_deadline(DeadlineStream::Clock::now() + write_timeout_);
+    error_code ec;
+    http::response_serializer<http::empty_body> sr{res};
+    http::write_header(stream_, sr, ec);
+    if (ec) broken_ = true;
+    return !ec;
+  }
+
+  /// Writes one piece of a streamed body within --write-timeout; false (and the connection is
+  /// given up) once the client is gone or too slow.
+  bool write_chunk(std::string_view data) {
+    if (broken_) return false;
+    stream_.set_write_deadline(DeadlineStream::Clock::now() + write_timeout_);
+    error_code ec;
+    if (chunked_) net::write(stream_, http::make_chunk(net::buffer(data.data(), data.size())), ec);
+    else net::write(stream_, net::buffer(data.data(), data.size()), ec);
+    if (ec) broken_ = true;
+    return !ec;
+  }
+
+  /// Ends a streamed body.
+  bool end_stream() {
+    if (broken_) return false;
+    if (!chunked_) return true;
+    stream_.set_write_deadline(DeadlineStream::Clock::now() + write_timeout_);
+    error_code ec;
+    net::write(stream_, http::make_chunk_last(), ec);
+    if (ec) broken_ = true;
+    return !ec;
+  }
+
+  /// Sends something the client ignores, to learn whether a client that shut down its sending
+  /// side is still there (a client that closed its socket answers it with a reset): an SSE
+  /// comment in a stream, an interim "102 Processing" before a whole HTTP/1.1 answer. False
+  /// when the write failed; nothing is sent (true) to an HTTP/1.0 client before its answer.
+  bool probe() {
+    if (streaming_) return write_chunk(":\n\n");
+    if (started_ || version_ < 11) return !broken_;
+    static constexpr std::string_view interim = "HTTP/1.1 102 Processing\r\n\r\n";
+    stream_.set_write_deadline(DeadlineStream::Clock::now() + write_timeout_);
+    error_code ec;
+    net::write(stream_, net::buffer(interim.data(), interim.size()), ec);
+    if (ec) broken_ = true;
+    return !ec;
+  }
+
+  /// The socket, for ConnectionWatch.
+  int fd() { return stream_.fd(); }
+  bool started() const { return started_; }
+  /// The status sent (0 before an answer).
+  int status() const { return status_; }
+  /// How the connection goes on: a failed write aborts it; a closing answer closes it.
+  After after() const { return broken_ ? After::kAbort : keep_alive_ ? After::kNext : After::kClose; }
+
+ private:
+  DeadlineStream& stream_;
+  std::chrono::seconds write_timeout_;
+  unsigned version_;
+  bool keep_alive_;
+  bool chunked_ = false;
+  bool started_ = false;
+  bool streaming_ = false;
+  bool broken_ = false;
+  int status_ = 0;
+};
 
 /// Everything one chat request carries from validation to the response.
 struct ChatCall {
@@ -221,17 +349,36 @@ struct ChatCall {
   std::string request_id;
   Clock::time_point start;
   int64_t prompt_tokens = 0;
+  bool probed = false;  ///< the half-closed connection was probed once (Exchange::probe)
 };
 
-/// httplib's server with a deeper accept queue: the library listens with a backlog of 5, so a
-/// burst of connections waited for SYN retransmissions (1 s, 3 s, …) before it was even accepted.
-class HttpServer : public httplib::Server {
- public:
-  /// Re-listens on the bound socket with `backlog` (Linux caps it at net.core.somaxconn).
-  void deepen_backlog(int backlog) {
-    if (svr_sock_ != INVALID_SOCKET) ::listen(svr_sock_, backlog);
+/// Whether the header value `value` holds `token` as one of its comma-separated items (any case).
+bool has_token(std::string_view value, std::string_view token) {
+  while (!value.empty()) {
+    const size_t comma = value.find(',');
+    std::string_view item = value.substr(0, comma);
+    while (!item.empty() && (item.front() == ' ' || item.front() == '\t')) item.remove_prefix(1);
+    while (!item.empty() && (item.back() == ' ' || item.back() == '\t')) item.remove_suffix(1);
+    if (item.size() == token.size() &&
+        std::equal(item.begin(), item.end(), token.begin(), [](char a, char b) {
+          return std::tolower(static_cast<unsigned char>(a)) == std::tolower(static_cast<unsigned char>(b));
+        }))
+      return true;
+    if (comma == std::string_view::npos) break;
+    value.remove_prefix(comma + 1);
   }
-};
+  return false;
+}
+
+/// A socket error in the words of "cannot bind HOST:PORT: …".
+std::string describe_bind_error(const error_code& ec) {
+  if (ec == net::error::address_in_use) return "address already in use";
+  if (ec == boost::system::errc::address_not_available) return "not an address of this machine";
+  if (ec == net::error::access_denied) return "permission denied";
+  std::string text = ec.message();
+  if (!text.empty()) text[0] = static_cast<char>(std::tolower(static_cast<unsigned char>(text[0])));
+  return text;
+}
 
 // --- the server --------------------------------------------------------------------------------
 
@@ -242,30 +389,45 @@ class LilyServer {
 
  private:
   // Start-up.
-  void configure_http();
   void bind();
   std::string url() const;
   void load_engine();
-  // Routing, auth, errors, logging.
-  httplib::Server::HandlerResponse pre_route(const httplib::Request& req, httplib::Response& res);
-  void on_error(const httplib::Request& req, httplib::Response& res);
-  void on_exception(const httplib::Request& req, httplib::Response& res, std::exception_ptr ep);
-  void on_logged(const httplib::Request& req, const httplib::Response& res);
+  // Connections.
+  /// Accepts connections until stopping_ (the listener thread).
+  void accept_loop();
+  /// Admits a connection onto a thread of its own, or one beyond the cap onto a refusing one.
+  void start_connection(tcp::socket socket);
+  /// Serves one connection's requests (keep-alive, pipelined) until it closes or times out.
+  void serve_connection(int fd, bool over_capacity, Clock::time_point accepted);
+  /// Reads one request within its limits and answers it.
+  After serve_request(DeadlineStream& stream, beast::flat_buffer& buffer, Clock::time_point head_deadline,
+                      bool over_capacity);
+  /// Answers a request that broke a limit (or came beyond the cap) with `e`; the connection closes.
+  After refuse(DeadlineStream& stream, const http::request_parser<http::string_body>& parser, const ApiError& e);
+  /// Counts the answered request in /metrics and logs its line.
+  void finish(const Exchange& ex);
+  // Routing, auth, errors.
+  /// Routes and answers one request; an exception becomes a 500 with a request id.
+  void handle(Exchange& ex, const Request& req);
+  /// 404/405, the API key, then the endpoint.
+  void route(Exchange& ex, const Request& req, Reply& res);
+  /// A 500 for an unexpected exception, its detail only in the log.
+  void on_exception(Reply& res, std::exception_ptr ep);
   // Endpoints.
-  void handle_health(httplib::Response& res);
-  void handle_models(httplib::Response& res);
-  void handle_model(const httplib::Request& req, httplib::Response& res);
-  void handle_metrics(httplib::Response& res);
-  void handle_chat(const httplib::Request& req, httplib::Response& res);
+  void handle_health(Reply& res);
+  void handle_models(Reply& res);
+  void handle_model(const std::string& id, Reply& res);
+  void handle_metrics(Reply& res);
+  void handle_chat(Exchange& ex, const Request& req, Reply& res);
   // Chat steps.
   std::vector<int32_t> tokenize(const ChatRequest& request) const;
   int64_t checked_max_tokens(const ChatRequest& request, int64_t prompt_tokens) const;
   std::shared_ptr<Job> submit(ChatCall& call, std::vector<int32_t> prompt, int64_t max_tokens);
-  void respond_whole(ChatCall& call, const httplib::Request& req, httplib::Response& res);
-  void respond_stream(std::shared_ptr<ChatCall> call, const httplib::Request& req, httplib::Response& res);
-  bool stream_events(ChatCall& call, httplib::DataSink& sink, const ConnectionWatch& watch);
+  void respond_whole(ChatCall& call, Exchange& ex, Reply& res);
+  void respond_stream(ChatCall& call, Exchange& ex, const Reply& res);
+  bool stream_events(ChatCall& call, Exchange& ex, const ConnectionWatch& watch, bool client_gone);
   /// Waits for the job's next event, cancelling it once the client has gone away.
-  std::optional<JobEvent> next_event(ChatCall& call, const ConnectionWatch& watch, bool& client_gone);
+  std::optional<JobEvent> next_event(ChatCall& call, Exchange& ex, const ConnectionWatch& watch, bool& client_gone);
   void observe_token(ChatCall& call, const JobEvent& e, std::optional<Clock::time_point>& last);
   void record_done(const ChatCall& call, const GenerationResult& result);
   ApiError failure(const ChatCall& call, const std::string& detail);
@@ -273,7 +435,15 @@ class LilyServer {
   void wait_for_signal();
 
   ServerOptions options_;
-  HttpServer http_;
+  net::io_context io_;
+  tcp::acceptor acceptor_{io_};
+  tcp protocol_ = tcp::v4();         ///< of the bound address (accepted sockets share it)
+  int stop_fd_ = -1;                 ///< eventfd, readable once stopping_ is set
+  std::atomic<bool> stopping_{false};
+  std::mutex connections_mutex_;
+  std::condition_variable connections_done_;
+  int open_ = 0;                     ///< admitted connections (at most --max-connections)
+  int rejecting_ = 0;                ///< connections being answered 503 (at most kMaxRejecting)
   Metrics metrics_;
   std::thread listener_;
   std::atomic<bool> ready_{false};
@@ -287,8 +457,8 @@ class LilyServer {
   std::unique_ptr<Scheduler> scheduler_;
 };
 
-/// Test hook: LILY_TEST_LISTEN_DELAY_MS holds the listener thread back that long before it
-/// starts listening, which makes a signal that arrives before then reproducible.
+/// Test hook: LILY_TEST_LISTEN_DELAY_MS holds the accept loop back that long before it takes
+/// its first connection, which makes a signal that arrives before then reproducible.
 void test_listen_delay() {
   if (const char* env = std::getenv("LILY_TEST_LISTEN_DELAY_MS"))
     std::this_thread::sleep_for(std::chrono::milliseconds(std::atoll(env)));
@@ -303,23 +473,12 @@ int LilyServer::run() {
   if (options_.api_key.empty() && !is_loopback_host(options_.host))
     log_warn("binding to " + options_.host + " without an API key: anyone who can reach it can use it "
              "(set --api-key or LILY_API_KEY)");
-  configure_http();
+  stop_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (stop_fd_ < 0) throw Error("cannot create an eventfd for shutdown");
   bind();
-  std::atomic<bool> listener_returned{false};
-  listener_ = std::thread([this, &listener_returned] {
-    test_listen_delay();
-    http_.listen_after_bind();
-    listener_returned = true;
-  });
-  // httplib's stop() does nothing until listen_after_bind() has begun: a signal (or a failed
-  // load) before then would be lost and shutdown would hang until the deadline below. A listener
-  // that returned at once (its socket failed) must not leave us waiting forever either.
-  while (!http_.is_running() && !listener_returned) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  if (listener_returned) {
-    listener_.join();
-    throw Error("the HTTP listener on " + url() + " stopped before it started serving");
-  }
-  // Requests are answered from here on: /health and chat say 503 "loading" until the model is in.
+  listener_ = std::thread([this] { accept_loop(); });
+  // Requests are answered from here on (the kernel queues connections until the accept loop
+  // takes them): /health and chat say 503 "loading" until the model is in.
   log_info("listening on " + url() + "; loading " + options_.model_dir.string());
   std::thread loader([this] {
     try {
@@ -338,51 +497,353 @@ int LilyServer::run() {
     log_warn("shutdown deadline passed; exiting now");
     std::_Exit(failed ? 1 : 0);  // a failed load is a failure even when shutdown hangs
   }).detach();
-  http_.stop();
+  // No new connections; idle ones and ones still sending a request are closed (their reads end
+  // on the eventfd); answers being written go on.
+  stopping_ = true;
+  const uint64_t one = 1;
+  if (::write(stop_fd_, &one, sizeof one) != static_cast<ssize_t>(sizeof one)) log_warn("cannot signal the connections to stop");
+  listener_.join();
+  error_code ec;
+  acceptor_.close(ec);
   loader.join();
   if (scheduler_) scheduler_->stop(std::chrono::seconds(options_.shutdown_grace_s));
-  listener_.join();
+  {
+    std::unique_lock lock(connections_mutex_);
+    connections_done_.wait(lock, [this] { return open_ == 0 && rejecting_ == 0; });
+  }
   scheduler_.reset();
+  ::close(stop_fd_);
   return failed ? 1 : 0;
 }
 
-void LilyServer::configure_http() {
-  const int limit = options_.max_connections;
-  http_.new_task_queue = [limit] { return new ConnectionGate(limit, 2); };
-  if (options_.send_buffer > 0) {
-    // Set on the listening socket; Linux copies it to every accepted connection.
-    const int bytes = static_cast<int>(options_.send_buffer);
-    http_.set_socket_options([bytes](socket_t sock) {
-      httplib::default_socket_options(sock);
-      setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
-    });
-  }
-  http_.set_read_timeout(options_.read_timeout_s, 0);
-  http_.set_write_timeout(options_.write_timeout_s, 0);
-  http_.set_keep_alive_timeout(options_.keep_alive_s);
-  http_.set_payload_max_length(static_cast<size_t>(options_.max_body));
-  http_.set_pre_routing_handler([this](const auto& req, auto& res) { return pre_route(req, res); });
-  http_.set_error_handler([this](const auto& req, auto& res) { on_error(req, res); });
-  http_.set_exception_handler([this](const auto& req, auto& res, std::exception_ptr ep) { on_exception(req, res, ep); });
-  http_.set_logger([this](const auto& req, const auto& res) { on_logged(req, res); });
-  http_.Get("/health", [this](const auto&, auto& res) { handle_health(res); });
-  http_.Get("/v1/models", [this](const auto&, auto& res) { handle_models(res); });
-  http_.Get("/v1/models/(.+)", [this](const auto& req, auto& res) { handle_model(req, res); });
-  http_.Get("/metrics", [this](const auto&, auto& res) { handle_metrics(res); });
-  http_.Post("/v1/chat/completions", [this](const auto& req, auto& res) { handle_chat(req, res); });
+void LilyServer::bind() {
+  const std::string host = options_.host.find(':') != std::string::npos ? "[" + options_.host + "]" : options_.host;
+  const std::string where = host + ":" + std::to_string(options_.port);
+  error_code ec;
+  tcp::resolver resolver(io_);
+  const auto results = resolver.resolve(options_.host, std::to_string(options_.port),
+                                        tcp::resolver::passive | tcp::resolver::numeric_service, ec);
+  if (ec || results.empty())
+    throw Error("cannot bind " + where + ": cannot resolve the host" + (ec ? " (" + ec.message() + ")" : ""));
+  const tcp::endpoint endpoint = results.begin()->endpoint();
+  protocol_ = endpoint.protocol();
+  acceptor_.open(protocol_, ec);
+  if (ec) throw Error("cannot bind " + where + ": " + describe_bind_error(ec));
+  // SO_REUSEADDR lets a restarted server bind while its old connections linger in TIME_WAIT;
+  // on Linux it never lets a second server bind a port that one listens on (SO_REUSEPORT
+  // would, and is deliberately not set).
+  acceptor_.set_option(net::socket_base::reuse_address(true), ec);
+  acceptor_.bind(endpoint, ec);
+  if (!ec) acceptor_.listen(kListenBacklog, ec);
+  if (ec) throw Error("cannot bind " + where + ": " + describe_bind_error(ec));
+  acceptor_.non_blocking(true, ec);
+  port_ = acceptor_.local_endpoint(ec).port();
 }
 
-void LilyServer::bind() {
-  if (options_.port == 0) {
-    port_ = http_.bind_to_any_port(options_.host);
-    if (port_ <= 0) throw Error("cannot bind " + options_.host + " on any port");
-  } else {
-    if (!http_.bind_to_port(options_.host, options_.port))
-      throw Error("cannot bind " + options_.host + ":" + std::to_string(options_.port) +
-                  " (address in use, or not an address of this machine)");
-    port_ = options_.port;
+void LilyServer::accept_loop() {
+  test_listen_delay();
+  while (!stopping_) {
+    pollfd fds[2] = {{acceptor_.native_handle(), POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      log_error(std::string("the accept loop failed: ") + std::strerror(errno));
+      return;
+    }
+    if (fds[1].revents & POLLIN) return;
+    error_code ec;
+    tcp::socket socket = acceptor_.accept(ec);
+    if (ec == net::error::would_block || ec == net::error::try_again || ec == net::error::connection_aborted) continue;
+    if (ec) {
+      // Out of descriptors or memory: back off instead of spinning; the kernel keeps the queue.
+      log_warn("accepting a connection failed: " + ec.message());
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    start_connection(std::move(socket));
   }
-  http_.deepen_backlog(kListenBacklog);
+}
+
+void LilyServer::start_connection(tcp::socket socket) {
+  const auto accepted = Clock::now();
+  error_code ec;
+  socket.set_option(tcp::no_delay(true), ec);  // SSE chunks go out at once
+  if (options_.send_buffer > 0) {
+    const int bytes = static_cast<int>(options_.send_buffer);
+    setsockopt(socket.native_handle(), SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
+  }
+  bool over_capacity = false;
+  {
+    std::lock_guard lock(connections_mutex_);
+    if (open_ < options_.max_connections) {
+      ++open_;
+    } else if (rejecting_ < kMaxRejecting) {
+      ++rejecting_;
+      over_capacity = true;
+    } else {
+      return;  // a flood beyond the cap: closed without an answer (the socket's destructor)
+    }
+  }
+  // The thread owns the descriptor; its asio socket lives (and dies) inside serve_connection.
+  const int fd = socket.release(ec);
+  if (ec) {
+    std::lock_guard lock(connections_mutex_);
+    --(over_capacity ? rejecting_ : open_);
+    connections_done_.notify_all();
+    return;
+  }
+  try {
+    std::thread([this, fd, over_capacity, accepted] {
+      serve_connection(fd, over_capacity, accepted);
+      std::lock_guard lock(connections_mutex_);
+      --(over_capacity ? rejecting_ : open_);
+      connections_done_.notify_all();
+    }).detach();
+  } catch (const std::system_error& e) {
+    log_warn(std::string("cannot start a connection thread: ") + e.what());
+    ::close(fd);
+    std::lock_guard lock(connections_mutex_);
+    --(over_capacity ? rejecting_ : open_);
+    connections_done_.notify_all();
+  }
+}
+
+void LilyServer::serve_connection(int fd, bool over_capacity, Clock::time_point accepted) {
+  error_code ec;
+  tcp::socket socket(io_);
+  socket.assign(protocol_, fd, ec);
+  if (ec) {
+    ::close(fd);
+    return;
+  }
+  DeadlineStream stream(std::move(socket), stop_fd_);
+  // Beast reads at most 64 KiB at a time, and the parser stops at --max-header-bytes: the
+  // buffer never holds much more than one head.
+  beast::flat_buffer buffer(static_cast<size_t>(options_.max_header_bytes) + 65536);
+  const auto read_timeout = std::chrono::seconds(options_.read_timeout_s);
+  // A new connection must send its whole first head within --read-timeout of being accepted.
+  if (over_capacity) {
+    const auto deadline = accepted + std::min<Clock::duration>(read_timeout, kRejectHeadTime);
+    serve_request(stream, buffer, deadline, true);
+    stream.close_gracefully(kLinger);
+    return;
+  }
+  Clock::time_point head_deadline = accepted + read_timeout;
+  bool first = true;
+  while (!stopping_) {
+    if (buffer.size() == 0) {
+      // Nothing of the next request yet: wait for its first byte (a kept-alive connection
+      // within --keep-alive), then the whole head must come within --read-timeout.
+      if (!stream.wait_readable(first ? head_deadline : Clock::now() + std::chrono::seconds(options_.keep_alive_s))) {
+        stream.close();
+        return;
+      }
+      if (!first) head_deadline = Clock::now() + read_timeout;
+    } else if (!first) {
+      head_deadline = Clock::now() + read_timeout;  // a pipelined request is already here
+    }
+    first = false;
+    const After after = serve_request(stream, buffer, head_deadline, false);
+    if (after == After::kAbort) {
+      stream.close();
+      return;
+    }
+    if (after == After::kClose) break;
+  }
+  stream.close_gracefully(kLinger);
+}
+
+After LilyServer::refuse(DeadlineStream& stream, const http::request_parser<http::string_body>& parser,
+                         const ApiError& e) {
+  // What the parser got of the request line names the request in the log, if anything.
+  const auto& partial = parser.get();
+  std::string method(partial.method_string());
+  std::string path(partial.target().substr(0, partial.target().find('?')));
+  Exchange ex(stream, std::chrono::seconds(options_.write_timeout_s), method.empty() ? "-" : method,
+              path.empty() ? "-" : path, 11, false);
+  Reply res;
+  send_error(res, e);
+  res.close = true;
+  ex.send(res);
+  finish(ex);
+  return After::kClose;
+}
+
+After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buffer, Clock::time_point head_deadline,
+                                bool over_capacity) {
+  t_request = RequestInfo{};
+  http::request_parser<http::string_body> parser;
+  parser.header_limit(static_cast<std::uint32_t>(options_.max_header_bytes));
+  parser.body_limit(static_cast<std::uint64_t>(options_.max_body));
+  const std::string body_limit_text = "request body exceeds the limit of " + std::to_string(options_.max_body) + " bytes";
+  stream.set_read_deadline(head_deadline);
+  error_code ec;
+  http::read_header(stream, buffer, parser, ec);
+  if (ec) {
+    if (ec == http::error::header_limit || ec == http::error::buffer_overflow)
+      return refuse(stream, parser, ApiError(431, "invalid_request_error",
+                                             "request head exceeds the limit of " +
+                                                 std::to_string(options_.max_header_bytes) + " bytes (--max-header-bytes)",
+                                             std::nullopt, "request_header_too_large"));
+    if (ec == http::error::body_limit)  // a declared Content-Length above --max-body
+      return refuse(stream, parser, ApiError(413, "invalid_request_error", body_limit_text, std::nullopt, "request_too_large"));
+    if (ec == beast::error::timeout) {
+      if (!parser.got_some() && buffer.size() == 0) return After::kAbort;  // silent: just closed
+      return refuse(stream, parser, ApiError(408, "invalid_request_error",
+                                             "the request head did not arrive within " +
+                                                 std::to_string(options_.read_timeout_s) + " s (--read-timeout)",
+                                             std::nullopt, "request_timeout"));
+    }
+    if (ec == http::error::end_of_stream || ec == http::error::partial_message || ec == net::error::operation_aborted ||
+        ec == net::error::eof || ec == net::error::connection_reset)
+      return After::kAbort;
+    return refuse(stream, parser, ApiError(400, "invalid_request_error", "malformed HTTP request: " + ec.message(),
+                                           std::nullopt, "bad_request"));
+  }
+  const auto& head = parser.get();
+  if (static_cast<int64_t>(std::distance(head.begin(), head.end())) > options_.max_headers)
+    return refuse(stream, parser, ApiError(431, "invalid_request_error",
+                                           "the request has more than " + std::to_string(options_.max_headers) +
+                                               " header fields (--max-headers)",
+                                           std::nullopt, "request_header_too_large"));
+  if (over_capacity)
+    return refuse(stream, parser, ApiError(503, "server_error",
+                                           "too many open connections (--max-connections " +
+                                               std::to_string(options_.max_connections) + "); retry later",
+                                           std::nullopt, "too_many_connections")
+                                      .with_header("Retry-After", "1"));
+  if (!parser.is_done()) {
+    if (head.version() >= 11 && has_token(head[http::field::expect], "100-continue")) {
+      static constexpr std::string_view go_on = "HTTP/1.1 100 Continue\r\n\r\n";
+      stream.set_write_deadline(Clock::now() + std::chrono::seconds(options_.write_timeout_s));
+      net::write(stream, net::buffer(go_on.data(), go_on.size()), ec);
+      if (ec) return After::kAbort;
+    }
+    // The body, too, must come within --read-timeout; --max-body is enforced as it arrives.
+    stream.set_read_deadline(Clock::now() + std::chrono::seconds(options_.read_timeout_s));
+    http::read(stream, buffer, parser, ec);
+    if (ec) {
+      if (ec == http::error::body_limit)
+        return refuse(stream, parser, ApiError(413, "invalid_request_error", body_limit_text, std::nullopt, "request_too_large"));
+      if (ec == beast::error::timeout)
+        return refuse(stream, parser, ApiError(408, "invalid_request_error",
+                                               "the request body did not arrive within " +
+                                                   std::to_string(options_.read_timeout_s) + " s (--read-timeout)",
+                                               std::nullopt, "request_timeout"));
+      if (ec == http::error::end_of_stream || ec == http::error::partial_message || ec == net::error::operation_aborted ||
+          ec == net::error::eof || ec == net::error::connection_reset)
+        return After::kAbort;
+      return refuse(stream, parser, ApiError(400, "invalid_request_error", "malformed HTTP request body: " + ec.message(),
+                                             std::nullopt, "bad_request"));
+    }
+  }
+  const Request req = parser.release();
+  const std::string target(req.target());
+  Exchange ex(stream, std::chrono::seconds(options_.write_timeout_s), std::string(req.method_string()),
+              target.substr(0, target.find('?')), req.version(), req.keep_alive() && !stopping_);
+  handle(ex, req);
+  finish(ex);
+  return ex.after();
+}
+
+void LilyServer::finish(const Exchange& ex) {
+  const int64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t_request.start).count();
+  metrics_.record_request(route_label(ex.path), ex.status());
+  if (ex.path == "/health" || ex.path == "/metrics") {
+    log_debug(request_log_line(ex.method, ex.path, ex.status(), ms, std::nullopt, t_request.error));
+    return;
+  }
+  log_info(request_log_line(ex.method, ex.path, ex.status(), ms, t_request.tokens, t_request.error));
+}
+
+void LilyServer::handle(Exchange& ex, const Request& req) {
+  Reply res;
+  try {
+    route(ex, req, res);
+  } catch (const ApiError& e) {
+    send_error(res, e);
+  } catch (...) {
+    on_exception(res, std::current_exception());
+  }
+  if (!ex.started()) ex.send(res);
+}
+
+void LilyServer::route(Exchange& ex, const Request& req, Reply& res) {
+  const auto allowed = allowed_methods(ex.path);
+  if (!allowed)
+    return send_error(res, ApiError(404, "invalid_request_error", "unknown route: " + ex.method + " " + ex.path,
+                                    std::nullopt, "not_found"));
+  if (!method_allowed(*allowed, ex.method))
+    return send_error(res, ApiError(405, "invalid_request_error",
+                                    "method " + ex.method + " is not allowed on " + ex.path + " (allowed: " + *allowed + ")",
+                                    std::nullopt, "method_not_allowed")
+                               .with_header("Allow", *allowed));
+  if (!options_.api_key.empty() && (ex.path != "/health" || options_.health_requires_key)) {
+    const std::string auth(req[http::field::authorization]);
+    // The scheme is case-insensitive (RFC 9110 §11.1): "bearer KEY" is as good as "Bearer KEY".
+    const std::string prefix = "bearer ";
+    bool scheme_ok = auth.size() > prefix.size();
+    for (size_t i = 0; scheme_ok && i < prefix.size(); ++i)
+      scheme_ok = std::tolower(static_cast<unsigned char>(auth[i])) == prefix[i];
+    const bool ok = scheme_ok && constant_time_equal(std::string_view(auth).substr(prefix.size()), options_.api_key);
+    if (!ok)
+      return send_error(res, ApiError(401, "invalid_request_error",
+                                      auth.empty() ? "missing API key: send 'Authorization: Bearer <key>'"
+                                                   : "invalid API key",
+                                      std::nullopt, "invalid_api_key")
+                                 .with_header("WWW-Authenticate", "Bearer"));
+  }
+  // Range and conditional headers are not looked at: every answer is whole (200, never 206).
+  if (ex.path == "/health") return handle_health(res);
+  if (ex.path == "/v1/models") return handle_models(res);
+  if (ex.path == "/metrics") return handle_metrics(res);
+  if (ex.path == "/v1/chat/completions") return handle_chat(ex, req, res);
+  handle_model(ex.path.substr(std::string_view("/v1/models/").size()), res);
+}
+
+void LilyServer::on_exception(Reply& res, std::exception_ptr ep) {
+  const std::string id = "req_" + random_hex(16);
+  try {
+    if (ep) std::rethrow_exception(ep);
+  } catch (const std::exception& e) {
+    log_error("request failed (" + id + "): " + e.what());
+  } catch (...) {
+    log_error("request failed (" + id + "): unknown exception");
+  }
+  res.headers.clear();
+  res.headers.emplace_back("X-Request-Id", id);
+  send_error(res, ApiError(500, "server_error", "internal server error (request id " + id + ")"));
+}
+
+void LilyServer::handle_health(Reply& res) {
+  if (shutting_down_) return set_json(res, 503, R"({"status":"shutting_down"})");
+  if (!ready_) {
+    res.headers.emplace_back("Retry-After", "1");
+    return set_json(res, 503, R"({"status":"loading"})");
+  }
+  set_json(res, 200, R"({"status":"ok"})");
+}
+
+void LilyServer::handle_models(Reply& res) { set_json(res, 200, dump(models_json(model_name_, created_))); }
+
+void LilyServer::handle_model(const std::string& id, Reply& res) {
+  if (id != model_name_)
+    return send_error(res, ApiError(404, "invalid_request_error",
+                                    "the model '" + id + "' does not exist; this server serves '" + model_name_ + "'",
+                                    "model", "model_not_found"));
+  set_json(res, 200, dump(model_json(model_name_, created_)));
+}
+
+void LilyServer::handle_metrics(Reply& res) {
+  EngineGauges g;
+  g.ready = ready_;
+  if (ready_) {
+    g.queue_depth = scheduler_->queue_depth();
+    g.running = scheduler_->running();
+    g.cache = scheduler_->cache_stats();
+  }
+  res.status = 200;
+  res.content_type = "text/plain; version=0.0.4; charset=utf-8";
+  res.body = metrics_.render(g);
 }
 
 std::string LilyServer::url() const {
@@ -418,124 +879,6 @@ void LilyServer::load_engine() {
   std::snprintf(load_s, sizeof load_s, "%.1f", seconds(Clock::now() - t0));
   log_info("serving " + model_name_ + " on " + url() + " (backend " +
            backend_name + ", max-seq " + std::to_string(max_seq_) + ", loaded in " + load_s + " s)");
-}
-
-httplib::Server::HandlerResponse LilyServer::pre_route(const httplib::Request& req, httplib::Response& res) {
-  t_request = RequestInfo{};
-  if (t_over_capacity) {
-    // httplib adds the header itself when the client asked for close; otherwise on_logged
-    // shuts the connection down once this answer is written.
-    if (req.get_header_value("Connection") != "close") res.set_header("Connection", "close");
-    send_error(res, ApiError(503, "server_error",
-                             "too many open connections (--max-connections " +
-                                 std::to_string(options_.max_connections) + "); retry later",
-                             std::nullopt, "too_many_connections")
-                        .with_header("Retry-After", "1"));
-    return httplib::Server::HandlerResponse::Handled;
-  }
-  const auto allowed = allowed_methods(req.path);
-  if (!allowed) {
-    send_error(res, ApiError(404, "invalid_request_error", "unknown route: " + req.method + " " + req.path,
-                             std::nullopt, "not_found"));
-    return httplib::Server::HandlerResponse::Handled;
-  }
-  if (allowed->find(req.method) == std::string::npos) {
-    send_error(res, ApiError(405, "invalid_request_error",
-                             "method " + req.method + " is not allowed on " + req.path + " (allowed: " + *allowed + ")",
-                             std::nullopt, "method_not_allowed")
-                        .with_header("Allow", *allowed));
-    return httplib::Server::HandlerResponse::Handled;
-  }
-  if (!options_.api_key.empty() && (req.path != "/health" || options_.health_requires_key)) {
-    const std::string auth = req.get_header_value("Authorization");
-    // The scheme is case-insensitive (RFC 9110 §11.1): "bearer KEY" is as good as "Bearer KEY".
-    const std::string prefix = "bearer ";
-    bool scheme_ok = auth.size() > prefix.size();
-    for (size_t i = 0; scheme_ok && i < prefix.size(); ++i)
-      scheme_ok = std::tolower(static_cast<unsigned char>(auth[i])) == prefix[i];
-    const bool ok = scheme_ok && constant_time_equal(std::string_view(auth).substr(prefix.size()), options_.api_key);
-    if (!ok) {
-      send_error(res, ApiError(401, "invalid_request_error",
-                               auth.empty() ? "missing API key: send 'Authorization: Bearer <key>'"
-                                            : "invalid API key",
-                               std::nullopt, "invalid_api_key")
-                          .with_header("WWW-Authenticate", "Bearer"));
-      return httplib::Server::HandlerResponse::Handled;
-    }
-  }
-  return httplib::Server::HandlerResponse::Unhandled;
-}
-
-void LilyServer::on_error(const httplib::Request&, httplib::Response& res) {
-  if (!res.body.empty() || res.is_chunked_content_provider_) return;
-  if (res.status == 413) {
-    send_error(res, ApiError(413, "invalid_request_error",
-                             "request body exceeds the limit of " + std::to_string(options_.max_body) + " bytes",
-                             std::nullopt, "request_too_large"));
-  } else if (res.status == 404) {
-    send_error(res, ApiError(404, "invalid_request_error", "not found", std::nullopt, "not_found"));
-  } else {
-    send_error(res, ApiError(res.status, res.status >= 500 ? "server_error" : "invalid_request_error",
-                             "request failed with HTTP status " + std::to_string(res.status)));
-  }
-}
-
-void LilyServer::on_exception(const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-  const std::string id = "req_" + random_hex(16);
-  try {
-    if (ep) std::rethrow_exception(ep);
-  } catch (const std::exception& e) {
-    log_error("request failed (" + id + "): " + e.what());
-  } catch (...) {
-    log_error("request failed (" + id + "): unknown exception");
-  }
-  res.set_header("X-Request-Id", id);
-  send_error(res, ApiError(500, "server_error", "internal server error (request id " + id + ")"));
-}
-
-void LilyServer::on_logged(const httplib::Request& req, const httplib::Response& res) {
-  // httplib calls the logger after writing the response. A connection over --max-connections
-  // must not stay for keep-alive (httplib only honours the client's "Connection: close").
-  if (t_over_capacity) ConnectionWatch(req.remote_addr, req.remote_port, req.local_port).shut_down();
-  const int64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t_request.start).count();
-  metrics_.record_request(route_label(req.path), res.status);
-  if (req.path == "/health" || req.path == "/metrics") {
-    log_debug(request_log_line(req.method, req.path, res.status, ms, std::nullopt, t_request.error));
-    return;
-  }
-  log_info(request_log_line(req.method, req.path, res.status, ms, t_request.tokens, t_request.error));
-}
-
-void LilyServer::handle_health(httplib::Response& res) {
-  if (shutting_down_) return set_json(res, 503, R"({"status":"shutting_down"})");
-  if (!ready_) {
-    res.set_header("Retry-After", "1");
-    return set_json(res, 503, R"({"status":"loading"})");
-  }
-  set_json(res, 200, R"({"status":"ok"})");
-}
-
-void LilyServer::handle_models(httplib::Response& res) { set_json(res, 200, dump(models_json(model_name_, created_))); }
-
-void LilyServer::handle_model(const httplib::Request& req, httplib::Response& res) {
-  const std::string id = req.matches[1];
-  if (id != model_name_)
-    return send_error(res, ApiError(404, "invalid_request_error",
-                                    "the model '" + id + "' does not exist; this server serves '" + model_name_ + "'",
-                                    "model", "model_not_found"));
-  set_json(res, 200, dump(model_json(model_name_, created_)));
-}
-
-void LilyServer::handle_metrics(httplib::Response& res) {
-  EngineGauges g;
-  g.ready = ready_;
-  if (ready_) {
-    g.queue_depth = scheduler_->queue_depth();
-    g.running = scheduler_->running();
-    g.cache = scheduler_->cache_stats();
-  }
-  res.status = 200;
-  res.set_content(metrics_.render(g), "text/plain; version=0.0.4; charset=utf-8");
 }
 
 std::vector<int32_t> LilyServer::tokenize(const ChatRequest& request) const {
@@ -583,49 +926,58 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
   }
 }
 
-void LilyServer::handle_chat(const httplib::Request& req, httplib::Response& res) {
-  auto call = std::make_shared<ChatCall>();
-  call->start = t_request.start;
-  call->request_id = "req_" + random_hex(16);
-  res.set_header("X-Request-Id", call->request_id);
+
+void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
+  ChatCall call;
+  call.start = t_request.start;
+  call.request_id = "req_" + random_hex(16);
+  res.headers.emplace_back("X-Request-Id", call.request_id);
   try {
-    // httplib enforces the limit on Content-Length bodies only; chunked bodies are checked here.
-    if (static_cast<int64_t>(req.body.size()) > options_.max_body)
-      throw ApiError(413, "invalid_request_error",
-                     "request body exceeds the limit of " + std::to_string(options_.max_body) + " bytes",
-                     std::nullopt, "request_too_large");
-    call->request = parse_chat_request(req.body);
-    if (call->request.model != model_name_)
+    call.request = parse_chat_request(req.body());
+    if (call.request.model != model_name_)
       throw ApiError(404, "invalid_request_error",
-                     "the model '" + call->request.model + "' does not exist; this server serves '" + model_name_ + "'",
+                     "the model '" + call.request.model + "' does not exist; this server serves '" + model_name_ + "'",
                      "model", "model_not_found");
     if (!ready_ || shutting_down_)
       throw ApiError(503, "server_error", shutting_down_ ? "the server is shutting down" : "the model is still loading",
                      std::nullopt, "server_not_ready")
           .with_header("Retry-After", "1");
-    std::vector<int32_t> prompt = tokenize(call->request);
-    call->prompt_tokens = static_cast<int64_t>(prompt.size());
-    const int64_t max_tokens = checked_max_tokens(call->request, call->prompt_tokens);
-    call->job = submit(*call, std::move(prompt), max_tokens);
-    call->meta = CompletionMeta{"chatcmpl-" + random_hex(24),
-                                std::chrono::duration_cast<std::chrono::seconds>(
-                                    std::chrono::system_clock::now().time_since_epoch()).count(),
-                                model_name_, std::string("lily-") + lily::build_commit()};
-    if (call->request.stream) return respond_stream(call, req, res);
-    respond_whole(*call, req, res);
+    std::vector<int32_t> prompt = tokenize(call.request);
+    call.prompt_tokens = static_cast<int64_t>(prompt.size());
+    const int64_t max_tokens = checked_max_tokens(call.request, call.prompt_tokens);
+    call.job = submit(call, std::move(prompt), max_tokens);
+    call.meta = CompletionMeta{"chatcmpl-" + random_hex(24),
+                               std::chrono::duration_cast<std::chrono::seconds>(
+                                   std::chrono::system_clock::now().time_since_epoch()).count(),
+                               model_name_, std::string("lily-") + lily::build_commit()};
   } catch (const ApiError& e) {
-    send_error(res, e);
+    return send_error(res, e);
   }
+  // From here on the job runs: whatever happens to the connection, it must not outlive its request.
+  struct CancelOnExit {
+    Scheduler& scheduler;
+    const std::shared_ptr<Job>& job;
+    ~CancelOnExit() { scheduler.cancel(job); }
+  } cancel_on_exit{*scheduler_, call.job};
+  if (call.request.stream) return respond_stream(call, ex, res);
+  respond_whole(call, ex, res);
 }
 
-std::optional<JobEvent> LilyServer::next_event(ChatCall& call, const ConnectionWatch& watch, bool& client_gone) {
+std::optional<JobEvent> LilyServer::next_event(ChatCall& call, Exchange& ex, const ConnectionWatch& watch,
+                                               bool& client_gone) {
   // The connection is checked before every wait, not only when a wait times out: a decode faster
   // than the wait (tokens every few ms) would otherwise never look, and a whole (non-streamed)
-  // answer whose client left ran to its end.
+  // answer whose client left ran to its end. A client that only shut down its sending side may
+  // still read: it is probed once (a reset then tells that it has closed its socket).
   while (true) {
-    if (!client_gone && watch.closed()) {
-      client_gone = true;
-      scheduler_->cancel(call.job);
+    if (!client_gone) {
+      if (watch.gone()) {
+        client_gone = true;
+      } else if (!call.probed && watch.read_closed()) {
+        call.probed = true;
+        client_gone = !ex.probe();
+      }
+      if (client_gone) scheduler_->cancel(call.job);
     }
     if (auto e = call.job->next_event(std::chrono::milliseconds(20))) return e;
   }
@@ -654,12 +1006,13 @@ ApiError LilyServer::failure(const ChatCall& call, const std::string& detail) {
   return ApiError(500, "server_error", "internal server error (request id " + call.request_id + ")");
 }
 
-void LilyServer::respond_whole(ChatCall& call, const httplib::Request& req, httplib::Response& res) {
-  ConnectionWatch watch(req.remote_addr, req.remote_port, req.local_port);
+
+void LilyServer::respond_whole(ChatCall& call, Exchange& ex, Reply& res) {
+  ConnectionWatch watch(ex.fd());
   bool client_gone = false;
   std::optional<Clock::time_point> last;
   while (true) {
-    JobEvent e = *next_event(call, watch, client_gone);
+    JobEvent e = *next_event(call, ex, watch, client_gone);
     if (e.kind == JobEvent::Kind::kToken) {
       observe_token(call, e, last);
       continue;
@@ -674,36 +1027,27 @@ void LilyServer::respond_whole(ChatCall& call, const httplib::Request& req, http
   }
 }
 
-void LilyServer::respond_stream(std::shared_ptr<ChatCall> call, const httplib::Request& req, httplib::Response& res) {
-  auto watch = std::make_shared<ConnectionWatch>(req.remote_addr, req.remote_port, req.local_port);
-  res.status = 200;
-  res.set_header("Cache-Control", "no-cache");
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      [this, call, watch](size_t, httplib::DataSink& sink) {
-        // One call streams the whole answer; false (client gone) makes httplib drop the connection.
-        if (!stream_events(*call, sink, *watch)) return false;
-        sink.done();
-        return true;
-      },
-      [this, call](bool) {
-        // Whatever happened to the connection, the job must not outlive its request.
-        if (call->job) scheduler_->cancel(call->job);
-      });
+void LilyServer::respond_stream(ChatCall& call, Exchange& ex, const Reply& res) {
+  ConnectionWatch watch(ex.fd());
+  auto headers = res.headers;
+  headers.emplace_back("Cache-Control", "no-cache");
+  bool ok = ex.begin_stream("text/event-stream", headers);
+  if (!ok) scheduler_->cancel(call.job);
+  // A stream whose client went away ends without its last chunk: the connection is dropped.
+  if (stream_events(call, ex, watch, !ok) && ok) ex.end_stream();
 }
 
-bool LilyServer::stream_events(ChatCall& call, httplib::DataSink& sink, const ConnectionWatch& watch) {
+bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWatch& watch, bool client_gone) {
   const bool usage_field = call.request.include_usage;
-  auto send = [&](const ordered_json& doc) {
-    const std::string event = sse_event(dump(doc));
-    return sink.write(event.data(), event.size());
-  };
-  bool client_gone = !send(chunk_json(call.meta, ordered_json{{"role", "assistant"}, {"content", ""}}, std::nullopt, usage_field));
-  if (client_gone) scheduler_->cancel(call.job);
+  auto send = [&](const ordered_json& doc) { return ex.write_chunk(sse_event(dump(doc))); };
+  if (!client_gone) {
+    client_gone = !send(chunk_json(call.meta, ordered_json{{"role", "assistant"}, {"content", ""}}, std::nullopt, usage_field));
+    if (client_gone) scheduler_->cancel(call.job);
+  }
   std::optional<Clock::time_point> last;
   size_t sent = 0;
   while (true) {
-    JobEvent e = *next_event(call, watch, client_gone);
+    JobEvent e = *next_event(call, ex, watch, client_gone);
     if (e.kind == JobEvent::Kind::kToken) {
       observe_token(call, e, last);
       if (e.text.empty() || client_gone) continue;
@@ -722,8 +1066,7 @@ bool LilyServer::stream_events(ChatCall& call, httplib::DataSink& sink, const Co
       const ApiError err = failure(call, e.text);
       t_request.error = err.what();
       send(ordered_json(err.body()));
-      sink.write("data: [DONE]\n\n", 14);
-      return true;
+      return ex.write_chunk("data: [DONE]\n\n");
     }
     const GenerationResult& r = e.result;
     record_done(call, r);
@@ -732,8 +1075,7 @@ bool LilyServer::stream_events(ChatCall& call, httplib::DataSink& sink, const Co
     send(chunk_json(call.meta, ordered_json::object(), reason, usage_field));
     if (usage_field)
       send(usage_chunk_json(call.meta, Usage{r.prompt_tokens, static_cast<int64_t>(r.token_ids.size()), r.cached_tokens}));
-    sink.write("data: [DONE]\n\n", 14);
-    return true;
+    return ex.write_chunk("data: [DONE]\n\n");
   }
 }
 
@@ -752,6 +1094,11 @@ void LilyServer::wait_for_signal() {
 int run_server(const ServerOptions& options) {
   if (options.max_body < 1) throw Error("--max-body must be at least 1 byte");
   if (options.max_connections < 1) throw Error("--max-connections must be at least 1");
+  if (options.max_header_bytes < 256 || options.max_header_bytes > (1 << 24))
+    throw Error("--max-header-bytes must be between 256 and 2^24");
+  if (options.max_headers < 1) throw Error("--max-headers must be at least 1");
+  if (options.read_timeout_s < 1 || options.write_timeout_s < 1 || options.keep_alive_s < 1)
+    throw Error("--read-timeout, --write-timeout and --keep-alive must be at least 1 s");
   if (options.send_buffer < 0 || options.send_buffer > (1 << 30))
     throw Error("--send-buffer must be between 0 and 2^30 bytes");
   // SIGINT/SIGTERM are taken by sigwait in the main thread; every thread started from here on

@@ -1,6 +1,7 @@
-// `lily serve`: the OpenAI-compatible HTTP server (issue 4). HTTP threads parse, validate,
-// tokenize and serialize; one engine thread (engine/scheduler.h) generates. /health, /v1/models
-// and /metrics never wait for the engine.
+// `lily serve`: the OpenAI-compatible HTTP server (issue 4; HTTP/1.1 on Boost.Beast and
+// Boost.Asio since issue 16). One thread per open connection parses, validates, tokenizes and
+// serializes; one engine thread (engine/scheduler.h) generates. /health, /v1/models and
+// /metrics never wait for the engine, and the engine never waits for a socket.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -31,13 +32,17 @@ struct ServerOptions {
   int max_queue = 16;                    ///< waiting requests before 503
   int64_t max_tokens_cap = 0;            ///< most completion tokens per request (0 = only the
                                          ///< context bounds it); also the default max_tokens
-  int64_t max_body = 1 << 20;            ///< request body limit in bytes (413 above)
+  int64_t max_body = 1 << 20;            ///< request body limit in bytes (413 as soon as the
+                                         ///< declared or received length passes it)
+  int64_t max_header_bytes = 16384;      ///< request line + header fields, bytes (431 above)
+  int max_headers = 100;                 ///< header fields per request (431 above)
   int max_connections = 64;              ///< open connections served at once, each on its own
                                          ///< thread; more get 503 + `Connection: close` at once
   int64_t send_buffer = 0;               ///< kernel send buffer per connection in bytes (SO_SNDBUF;
                                          ///< 0 = the kernel's auto-tuned default)
   bool health_requires_key = false;      ///< with an API key: /health needs it too
-  int read_timeout_s = 30;               ///< a client must send its request within this
+  int read_timeout_s = 30;               ///< a client must send a whole request head within
+                                         ///< this (408 after), and then its body within this
   int write_timeout_s = 30;              ///< a client must accept response bytes within this
   int keep_alive_s = 5;                  ///< idle keep-alive connections are closed after this
   int shutdown_grace_s = 10;             ///< SIGINT/SIGTERM: running work may finish within this
@@ -64,12 +69,17 @@ bool constant_time_equal(std::string_view a, std::string_view b);
 /// Parses "HOST:PORT", "[V6]:PORT" or "HOST" (port unchanged) into host/port. Throws lily::Error.
 void parse_bind(std::string_view bind, std::string& host, int& port);
 
-/// True for 127.0.0.0/8, ::1 and "localhost".
+/// True for "localhost", 127.0.0.0/8, ::1 and IPv4-mapped 127.0.0.0/8 (::ffff:127.x.y.z), in
+/// any spelling that inet_pton accepts.
 bool is_loopback_host(std::string_view host);
 
 /// Methods allowed on a known route ("GET, HEAD" / "POST"); nullopt for an unknown path.
 /// "/v1/models/{id}" (any non-empty id) is a known route.
 std::optional<std::string> allowed_methods(std::string_view path);
+
+/// True when `method` is one of the comma-separated methods in `allowed` (exact match:
+/// "GE" is not "GET").
+bool method_allowed(std::string_view allowed, std::string_view method);
 
 /// The route a path is counted under in /metrics: the path itself for a fixed route,
 /// "/v1/models/{id}" for a model lookup, "other" for an unknown path (bounded label values).

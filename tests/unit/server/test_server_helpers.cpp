@@ -60,6 +60,17 @@ TEST(Bind, Loopback) {
   EXPECT_TRUE(is_loopback_host("localhost"));
   EXPECT_FALSE(is_loopback_host("0.0.0.0"));
   EXPECT_FALSE(is_loopback_host("::"));
+  // IPv4-mapped loopback, as "[::ffff:127.0.0.1]:P" in --bind leaves it (issue 16).
+  std::string host;
+  int port = 0;
+  parse_bind("[::ffff:127.0.0.1]:8000", host, port);
+  EXPECT_TRUE(is_loopback_host(host));
+  EXPECT_TRUE(is_loopback_host("::FFFF:127.1.2.3"));
+  EXPECT_TRUE(is_loopback_host("0:0:0:0:0:0:0:1"));
+  EXPECT_TRUE(is_loopback_host("127.255.0.1"));
+  EXPECT_FALSE(is_loopback_host("::ffff:10.0.0.1"));
+  EXPECT_FALSE(is_loopback_host("127.example.com"));  // a name, not an address
+  EXPECT_FALSE(is_loopback_host("::2"));
 }
 
 TEST(Routes, AllowedMethods) {
@@ -72,6 +83,16 @@ TEST(Routes, AllowedMethods) {
   EXPECT_EQ(allowed_methods("/v1/models/demo"), "GET, HEAD");
   EXPECT_EQ(allowed_methods("/v1/models/org/name"), "GET, HEAD");
   EXPECT_FALSE(allowed_methods("/v1/models/").has_value());
+}
+
+TEST(Routes, MethodAllowedIsAnExactMatch) {
+  EXPECT_TRUE(method_allowed("GET, HEAD", "GET"));
+  EXPECT_TRUE(method_allowed("GET, HEAD", "HEAD"));
+  EXPECT_TRUE(method_allowed("POST", "POST"));
+  EXPECT_FALSE(method_allowed("GET, HEAD", "GE"));
+  EXPECT_FALSE(method_allowed("GET, HEAD", "E"));
+  EXPECT_FALSE(method_allowed("GET, HEAD", ""));
+  EXPECT_FALSE(method_allowed("POST", "post"));  // methods are case-sensitive (RFC 9110 §9.1)
 }
 
 TEST(Routes, MetricsLabelsAreBounded) {
