@@ -705,6 +705,14 @@ After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buff
                                            "the request has more than " + std::to_string(options_.max_headers) +
                                                " header fields (--max-headers)",
                                            std::nullopt, "request_header_too_large"));
+  // RFC 9112 §6.3: a request whose Transfer-Encoding does not end in chunked has no knowable
+  // length. Answering it and reading on would let its body pass as the next request (request
+  // smuggling), so it is refused and the connection closed.
+  if (head.count(http::field::transfer_encoding) > 0 && !parser.chunked())
+    return refuse(stream, parser, ApiError(400, "invalid_request_error",
+                                           "Transfer-Encoding must end in 'chunked', got '" +
+                                               std::string(head[http::field::transfer_encoding]) + "'",
+                                           std::nullopt, "bad_request"));
   if (over_capacity)
     return refuse(stream, parser, ApiError(503, "server_error",
                                            "too many open connections (--max-connections " +

@@ -253,6 +253,18 @@ describe('keep-alive, pipelining and half-closed clients', () => {
   before(async () => { server = await startServer(['--keep-alive', '1']); });
   after(async () => stopServer(server));
 
+  it('a Transfer-Encoding that does not end in chunked is refused and the connection closed: no smuggled request', async () => {
+    const sock = await connect(server);
+    const closed = untilClosed(sock);
+    sock.write('POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n' +
+               'GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n');
+    const { text } = await closed;
+    const res = parseResponses(text);
+    assert.equal(res.length, 1, `expected one answer, got:\n${text.slice(0, 600)}`);
+    assert.equal(res[0].status, 400);
+    assert.match(JSON.parse(res[0].body).error.message, /Transfer-Encoding must end in 'chunked'/);
+  });
+
   it('three pipelined GETs in one write are answered in order', async () => {
     const sock = await connect(server);
     const get = (p) => `GET ${p} HTTP/1.1\r\nHost: x\r\n\r\n`;
