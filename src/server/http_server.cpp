@@ -1079,8 +1079,15 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
     const GenerationResult& r = e.result;
     record_done(call, r);
     if (r.text.size() > sent) send(chunk_json(call.meta, ordered_json{{"content", r.text.substr(sent)}}, std::nullopt, usage_field));
-    const std::string reason = r.finish_reason == FinishReason::kCancelled ? "length" : std::string(finish_reason_name(r.finish_reason));
-    send(chunk_json(call.meta, ordered_json::object(), reason, usage_field));
+    if (r.finish_reason == FinishReason::kCancelled) {
+      // Cut by the engine (the end of the shutdown grace), not finished: an error event, as
+      // respond_whole answers the same case with an error status (was finish_reason "length").
+      const ApiError err = failure(call, "generation was cancelled");
+      t_request.error = err.what();
+      send(ordered_json(err.body()));
+      return ex.write_chunk("data: [DONE]\n\n");
+    }
+    send(chunk_json(call.meta, ordered_json::object(), std::string(finish_reason_name(r.finish_reason)), usage_field));
     if (usage_field)
       send(usage_chunk_json(call.meta, Usage{r.prompt_tokens, static_cast<int64_t>(r.token_ids.size()), r.cached_tokens}));
     return ex.write_chunk("data: [DONE]\n\n");

@@ -520,6 +520,28 @@ describe('limits and lifecycle', () => {
     await stopServer(server);  // no sanitizer report either
   });
 
+  it('a stream cut by the end of the shutdown grace ends with an error event, not a finish_reason', async () => {
+    const server = await startServer(['--shutdown-grace', '0']);
+    let signalled = false;
+    // SIGTERM once the first content arrives: the (deterministic, long) answer is mid-way.
+    const res = await chat(server, { model: MODEL, messages: [user(longPrompt(3))], max_tokens: 2000, stream: true }, {}, {
+      onData: (c) => {
+        if (!signalled && c.toString().includes('"content":"') && !c.toString().includes('"content":""')) {
+          signalled = true;
+          server.proc.kill('SIGTERM');
+        }
+      },
+    });
+    const { code } = await server.exit;
+    assert.equal(code, 0);
+    assert.ok(signalled, 'no content arrived');
+    const docs = res.body.split('\n\n').map((l) => l.trim()).filter((l) => l.startsWith('data: {')).map((l) => JSON.parse(l.slice(6)));
+    assert.equal(docs.at(-1).error?.code, 'server_shutting_down', res.body.slice(-400));
+    assert.ok(docs.every((d) => !d.choices?.[0]?.finish_reason), 'no finish_reason in a stream cut by shutdown');
+    assert.match(res.body, /data: \[DONE\]\n\n$/);
+    await stopServer(server);
+  });
+
   it('SIGINT on an idle server exits 0', async () => {
     const server = await startServer();
     server.proc.kill('SIGINT');
