@@ -6,7 +6,7 @@
 # machine stays warm). Logs under $OUT (at most 8 files come back).
 #
 #   bash scripts/gpu-session.sh                  # everything
-#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: tests timing bench base profile
+#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: tests timing bench base ab detail source profile
 #   LILY_GPU_CONTEXTS="256 4096 32768"           # bench contexts (default below)
 set -uo pipefail
 export LILY_GPU_BUILD="${LILY_GPU_BUILD:-/tmp/lily-build}"
@@ -94,6 +94,25 @@ if has detail; then
     { echo "ncu detail failed"; tail -5 "$OUT/ncu-detail.txt"; }
   grep -E "^  [a-z_].*\(|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Theoretical Occ|Block Limit" \
     "$OUT/ncu-detail.txt" | head -120
+fi
+
+# Nsight Compute full sections with per-instruction warp-stall samples (SASS) of a few decode
+# kernels: LILY_GPU_SOURCE (demangled-name regex), LILY_GPU_SOURCE_SKIP / _COUNT. Writes the
+# details page and the source page (CSV, gzipped) under $OUT.
+if has source; then
+  echo "== ncu source-level stalls"
+  IDS=$(python3 -c "print(','.join(str((i * 2654435761) % 2**32 % 248320) for i in range(64)))")
+  rm -f /tmp/src.ncu-rep
+  timeout 400 ncu --clock-control none --set full --import-source no --kernel-name-base demangled \
+    --kernel-name "regex:${LILY_GPU_SOURCE:-router_fused|expert_down|quant_mma_gemv_kernel<float>}" \
+    --launch-skip "${LILY_GPU_SOURCE_SKIP:-0}" --launch-count "${LILY_GPU_SOURCE_COUNT:-3}" -o /tmp/src \
+    "$BUILD/lily" generate --backend cuda --model "$BIG" --prompt-ids "$IDS" --max-tokens 4 >/tmp/ncu-src.log 2>&1 ||
+    { echo "ncu source failed"; tail -5 /tmp/ncu-src.log; }
+  if [[ -f /tmp/src.ncu-rep ]]; then
+    ncu --import /tmp/src.ncu-rep --page details >"$OUT/ncu-full.txt" 2>&1
+    ncu --import /tmp/src.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip >"$OUT/ncu-source.csv.gz"
+    grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per" "$OUT/ncu-full.txt" | head -40
+  fi
 fi
 
 if has profile; then

@@ -286,7 +286,7 @@ std::vector<int> ranking(const std::vector<float>& logits, int E) {
   return order;
 }
 
-enum class RouterTies { kNone, kThreeWayTop, kAtTheCut, kNanLogits };
+enum class RouterTies { kNone, kThreeWayTop, kAtTheCut, kNanLogits, kAllZero };
 
 /// Fused router vs (a) the unfused launch_quant_gemv + launch_router_topk pair and (b) the CPU
 /// reference (cpu::route_top_k on CPU-computed logits). Ties are made exact by duplicating
@@ -301,6 +301,12 @@ void check_router_fused(int E, int k, int hidden, int bits, int m, uint64_t seed
       for (int g = 0; g < hidden / 64; ++g) w.scales[size_t(row) * (hidden / 64) + g] = 0x7FC0;
     }
     cuda::upload(w.d_scales.as<uint16_t>(), w.scales.data(), w.scales.size());
+  } else if (ties == RouterTies::kAllZero) {  // zero scales and biases: every logit is 0, all tie
+    std::fill(w.scales.begin(), w.scales.end(), uint16_t{0});
+    std::fill(w.biases.begin(), w.biases.end(), uint16_t{0});
+    cuda::upload(w.d_scales.as<uint16_t>(), w.scales.data(), w.scales.size());
+    cuda::upload(w.d_biases.as<uint16_t>(), w.biases.data(), w.biases.size());
+    for (int e = 0; e < k; ++e) tied.push_back(e);
   } else if (ties != RouterTies::kNone) {
     const std::vector<int> order = ranking(cpu_router_logits(w, x.data()), E);
     if (ties == RouterTies::kThreeWayTop) {
@@ -400,9 +406,18 @@ TEST(CudaRouterFused, RealShapeTies) {
   check_router_fused(kExperts, kTopK, kHidden, 8, 1, 33, RouterTies::kThreeWayTop);
   check_router_fused(kExperts, kTopK, kHidden, 8, 2, 34, RouterTies::kAtTheCut);
 }
-TEST(CudaRouterFused, NanLogitsNeverWin) {  // the block routine's fallback to the warp routine
+TEST(CudaRouterFused, NanLogitsNeverWin) {  // the key routine vs the stand-alone warp routine
   check_router_fused(kExperts, kTopK, kHidden, 8, 1, 43, RouterTies::kNanLogits);
   check_router_fused(16, 4, 256, 8, 2, 44, RouterTies::kNanLogits);
+}
+TEST(CudaRouterFused, AllLogitsTieAtZero) {  // the lowest ids, in order, weights 1/k
+  check_router_fused(kExperts, kTopK, kHidden, 8, 1, 48, RouterTies::kAllZero);
+  check_router_fused(16, 4, 256, 8, 1, 49, RouterTies::kAllZero);
+}
+TEST(CudaRouterFused, ManyExperts) {  // E > 256: 32 keys per lane
+  check_router_fused(512, 8, 256, 8, 1, 45, RouterTies::kNone);
+  check_router_fused(1000, 32, 128, 8, 1, 46, RouterTies::kAtTheCut);
+  check_router_fused(600, 8, 256, 8, 2, 47, RouterTies::kNanLogits);
 }
 TEST(CudaRouterFused, DemoShapes) {  // demo model: hidden 256, 16 experts, top-4
   check_router_fused(16, 4, 256, 8, 1, 35, RouterTies::kNone);

@@ -6,8 +6,7 @@
 // The contract, which keeps every launch correct by construction:
 //  1. Every kernel launched through launch_pdl calls pdl_prologue() in every thread before any
 //     global load or store of data that a kernel writes, and before any early return. Only
-//     index arithmetic, L2 prefetches of read-only weights (prefetch_row_l2, a hint that cannot
-//     change a result) and loads of weights (which no kernel writes) may come before it.
+//     index arithmetic and loads of weights (which no kernel writes) may come before it.
 //  2. pdl_prologue() = griddepcontrol.wait (returns once every predecessor grid has COMPLETED and
 //     its memory is visible) followed by griddepcontrol.launch_dependents (lets the next grid be
 //     scheduled now). Because each grid waits for its predecessor before it can complete,

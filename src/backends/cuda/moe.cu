@@ -30,21 +30,6 @@ __host__ __device__ inline int slot_stride_floats(int ffn) { return ((ffn / kGro
 constexpr int kMoeThreads = 256;
 constexpr int kMoeWarps = kMoeThreads / kWarp;
 
-/// Loads (code words, scale, bias) of 64-group g of matrix row `row` into registers; row < 0
-/// loads nothing.
-template <int BITS>
-__device__ __forceinline__ void load_group(const DeviceQuant& w, int64_t row, int g, uint4 (&q)[kGroupVecs<BITS>],
-                                           float& scale, float& bias) {
-  if (row < 0) return;
-  const int groups = w.cols / kGroup, wpr = w.cols * BITS / 32;
-  const uint4* gw = reinterpret_cast<const uint4*>(w.codes + row * wpr + g * (64 * BITS / 32));
-#pragma unroll
-  for (int v = 0; v < kGroupVecs<BITS>; ++v) q[v] = __ldg(gw + v);
-  const int64_t sb = row * groups + g;
-  scale = to_f32(w.scales[sb]);
-  bias = to_f32(w.biases[sb]);
-}
-
 /// grid (row blocks, n_sel, m): rows i of expert ids[t, k]; writes act[t, k, i]. The expert id
 /// and the lane's first gate/up groups are loaded before the activation row is staged, so the
 /// weight fetch overlaps the staging. Per row: rows_partial's arithmetic (groups g = lane_in,
@@ -95,44 +80,65 @@ __device__ __forceinline__ float4 bf16x4_to_f32(uint32_t lo, uint32_t hi) {
                      __uint_as_float(hi & 0xFFFF0000u));
 }
 
-constexpr int kDownThreads = 128;  // half of kMoeThreads: twice the blocks (128 at hidden 2048)
-constexpr int kDownWarps = kDownThreads / kWarp;
+/// The down kernel's block: kDownRowWarps warps over output rows (4 rows each at ffn 512) times
+/// kDownSlotWarps warps over the selected experts, so that the 9 slots' weight streams of a row
+/// run in 3 warps at once instead of one after the other in a single warp (which left 4 warps
+/// per SM at 190 registers issuing one dependent instruction every 6–7 cycles).
+constexpr int kDownRowWarps = 4;
+constexpr int kDownSlotWarps = 3;
+constexpr int kDownThreads = kWarp * kDownRowWarps * kDownSlotWarps;  // 384
+
+/// Shared-memory floats of the down kernel: n_sel staged activation rows, then one partial
+/// result per (block row, slot).
+__host__ __device__ inline int64_t down_smem_floats(int ffn, int n_sel, int rows_per_block) {
+  return static_cast<int64_t>(slot_stride_floats(ffn)) * n_sel + static_cast<int64_t>(rows_per_block) * n_sel;
+}
 
 /// grid (row blocks, m): output rows r of token t. All slots' activation rows are staged in one
-/// pass; then the slots are visited in chunks whose weight loads (up to 9 slots at 4-bit, 4 at
-/// 8-bit) are all issued before the first is used (the first chunk's before the staging), and
-/// combined in slot order (the shared expert, slot n_sel − 1, last):
-/// out = bf16(Σ_s w_s · bf16(W_down[e_s] act_s)), fp32.
+/// pass; warp (row warp, slot warp j) computes slots j, j + 3, … of its rows in chunks whose
+/// weight loads are all issued before the first is used (the first chunk's before the staging),
+/// d_s = bf16(W_down[e_s] act_s) per (row, slot), rows_partial's arithmetic; then one thread per
+/// row combines them in slot order (the shared expert, slot n_sel − 1, last):
+/// out = bf16(Σ_s w_s · d_s), fp32, the same operations in the same order as a single warp.
 template <int BITS>
 __global__ void __launch_bounds__(kDownThreads) expert_down_combine_kernel(DeviceQuant down, int hidden,
                                                                            const int32_t* __restrict__ ids,
                                                                            const float* __restrict__ weights, int n_sel,
                                                                            const bf16* __restrict__ act,
                                                                            bf16* __restrict__ out) {
-  constexpr int kInFlight = BITS == 4 ? 9 : 4;  // 9 = top-8 + the shared expert in one chunk
+  constexpr int kInFlight = BITS == 4 ? 3 : 2;  // slots per chunk: 3 chunks of 3 = top-8 + shared
   constexpr int kVecs = kGroupVecs<BITS>;
   pdl_prologue();
   extern __shared__ float smem[];
   const int ffn = down.cols, groups = ffn / kGroup;
   const int t = blockIdx.y;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int row_warp = warp % kDownRowWarps, slot_warp = warp / kDownRowWarps;
   const int L = lanes_per_row(groups), RW = kWarp / L;
   const int lane_row = lane / L, lane_in = lane % L;
-  const int r = blockIdx.x * (kDownWarps * RW) + warp * RW + lane_row;
+  const int rows_per_block = kDownRowWarps * RW;
+  const int r_local = row_warp * RW + lane_row;
+  const int r = blockIdx.x * rows_per_block + r_local;
   const bool valid = r < hidden;
   const int32_t* tok_ids = ids + static_cast<int64_t>(t) * n_sel;
   const float* tok_w = weights + static_cast<int64_t>(t) * n_sel;
+  // Slot of chunk c, entry j for this warp (≥ n_sel: none).
+  auto slot_of = [&](int c, int j) { return slot_warp + kDownSlotWarps * (c * kInFlight + j); };
+  auto row_of = [&](int s) {
+    return (valid && s < n_sel && lane_in < groups) ? static_cast<int64_t>(tok_ids[s]) * hidden + r : int64_t{-1};
+  };
   // The first chunk's rows and this lane's first group of each, fetched before the staging.
   int64_t row[kInFlight];
   uint4 q[kInFlight][kVecs];
   float sc[kInFlight], bi[kInFlight];
 #pragma unroll
   for (int j = 0; j < kInFlight; ++j) {
-    row[j] = (valid && j < n_sel && lane_in < groups) ? static_cast<int64_t>(tok_ids[j]) * hidden + r : -1;
+    row[j] = row_of(slot_of(0, j));
     load_group<BITS>(down, row[j], lane_in, q[j], sc[j], bi[j]);
   }
   // Slot s: staged fp32 row at smem + s·per_slot (group g at g·kGroupStride), group sums after it.
   const int per_slot = slot_stride_floats(ffn);
+  float* partial = smem + static_cast<int64_t>(per_slot) * n_sel;  // [rows_per_block][n_sel]
   const bf16* a = act + static_cast<int64_t>(t) * n_sel * ffn;
   // 16-byte loads (8 bf16), kStageBatch of them in flight per thread before any store; the 8
   // threads holding one 64-group (consecutive chunks, aligned lanes) add its sum by shuffles.
@@ -163,35 +169,39 @@ __global__ void __launch_bounds__(kDownThreads) expert_down_combine_kernel(Devic
   }
   __syncthreads();
 
-  float acc = 0.0f;
-  for (int s0 = 0; s0 < n_sel; s0 += kInFlight) {
+  for (int c = 0; slot_of(c, 0) < n_sel; ++c) {  // warp-uniform
     float d[kInFlight];
 #pragma unroll
     for (int j = 0; j < kInFlight; ++j) {
-      if (s0 > 0)
-        row[j] = (valid && s0 + j < n_sel && lane_in < groups) ? static_cast<int64_t>(tok_ids[s0 + j]) * hidden + r : -1;
+      if (c > 0) row[j] = row_of(slot_of(c, j));
       d[j] = 0.0f;
     }
     for (int g = lane_in; g < groups; g += L) {
-      if (s0 > 0 || g != lane_in) {  // chunk 0's first group is already in registers
+      if (c > 0 || g != lane_in) {  // chunk 0's first group is already in registers
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) load_group<BITS>(down, row[j], g, q[j], sc[j], bi[j]);  // all loads first ...
       }
 #pragma unroll
       for (int j = 0; j < kInFlight; ++j) {  // ... then the arithmetic (as rows_partial)
         if (row[j] < 0) continue;
-        const float* xs = smem + (s0 + j) * per_slot;
+        const float* xs = smem + slot_of(c, j) * per_slot;
         d[j] += sc[j] * group_qdot_regs<BITS>(q[j], xs + g * kGroupStride) + bi[j] * xs[groups * kGroupStride + g];
       }
     }
 #pragma unroll
     for (int j = 0; j < kInFlight; ++j) {
-      if (s0 + j >= n_sel) break;  // uniform over the block
+      const int s = slot_of(c, j);
+      if (s >= n_sel) break;  // uniform over the warp
       const float dv = round_bf16(group_sum(d[j], L));
-      acc += tok_w[s0 + j] * dv;
+      if (lane_in == 0) partial[r_local * n_sel + s] = dv;
     }
   }
-  if (valid && lane_in == 0) out[static_cast<int64_t>(t) * hidden + r] = to_bf16(acc);
+  __syncthreads();
+  if (slot_warp == 0 && lane_in == 0 && valid) {
+    float acc = 0.0f;
+    for (int s = 0; s < n_sel; ++s) acc += tok_w[s] * partial[r_local * n_sel + s];
+    out[static_cast<int64_t>(t) * hidden + r] = to_bf16(acc);
+  }
 }
 
 void check_expert_matrix(const DeviceQuant& w, const char* what) {
@@ -228,12 +238,12 @@ void launch_expert_gate_up(const DeviceQuant& gate, const DeviceQuant& up, int f
 void launch_expert_down_combine(const DeviceQuant& down, int hidden, const int32_t* ids, const float* weights,
                                 int n_sel, const bf16* act, int m, bf16* out, cudaStream_t stream) {
   check_expert_matrix(down, "expert down_proj");
-  const size_t smem = static_cast<size_t>(slot_stride_floats(down.cols)) * sizeof(float) * n_sel;
+  const int L = lanes_per_row(down.groups_per_row());
+  const int rows_per_block = kDownRowWarps * (kWarp / L);
+  const size_t smem = static_cast<size_t>(down_smem_floats(down.cols, n_sel, rows_per_block)) * sizeof(float);
   if (smem > 48 * 1024 || m <= 0 || n_sel <= 0 || hidden <= 0)
     throw ::lily::Error("expert down_proj: " + std::to_string(n_sel) + " experts × ffn " + std::to_string(down.cols) +
                         " exceed the kernel's shared-memory staging");
-  const int L = lanes_per_row(down.groups_per_row());
-  const int rows_per_block = kDownWarps * (kWarp / L);
   const dim3 grid(static_cast<unsigned>(ceil_div(hidden, rows_per_block)), m);
   launch_pdl(down.bits == 4 ? expert_down_combine_kernel<4> : expert_down_combine_kernel<8>, grid, dim3(kDownThreads),
              smem, stream, down, hidden, ids, weights, n_sel, act, out);

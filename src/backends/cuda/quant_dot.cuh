@@ -73,12 +73,44 @@ inline void check_fused_norm(const FusedNorm& norm, const bf16* x, const char* w
 /// stage_row with an add + RMSNorm in front (kernels.h FusedNorm; launch_add_rmsnorm's exact
 /// arithmetic, same element-to-thread mapping for blockDim.x = 256): stages y = bf16(h·r·gain)
 /// of h = bf16(x + branch) as fp32 and its group sums; when `store`, also writes h to
-/// norm.x_out and y to norm.normed_out. All threads of the block; ends with __syncthreads().
+/// norm.x_out and y to norm.normed_out. A row of ≤ kStageBatch·blockDim.x values (hidden 2048
+/// on 256 threads) is held in registers with its gains, so x, branch and gain are fetched in
+/// one round trip; longer rows take a second pass over shared memory. Same values either way.
+/// All threads of the block; ends with __syncthreads().
 __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const FusedNorm& norm, int cols,
                                                bool store, float* xs, float* xsum) {
   __shared__ float scratch[32];
   const int stride = blockDim.x;
   float ss = 0.0f;
+  if (cols <= kStageBatch * stride) {  // one batch: every load in flight at once
+    float h[kStageBatch], gain[kStageBatch];
+#pragma unroll
+    for (int i = 0; i < kStageBatch; ++i) {
+      const int c = threadIdx.x + i * stride;
+      const float v = c < cols ? to_f32(x[c]) : 0.0f;
+      const float b = (c < cols && norm.branch) ? to_f32(norm.branch[c]) : 0.0f;
+      gain[i] = c < cols ? norm.gain[c] : 0.0f;
+      h[i] = norm.branch ? round_bf16(v + b) : v;
+    }
+#pragma unroll
+    for (int i = 0; i < kStageBatch; ++i)
+      if (threadIdx.x + i * stride < cols) ss += h[i] * h[i];  // element order, as below
+    const float r = 1.0f / sqrtf(block_sum(ss, scratch) / static_cast<float>(cols) + norm.eps);
+#pragma unroll
+    for (int i = 0; i < kStageBatch; ++i) {
+      const int c = threadIdx.x + i * stride;
+      if (c >= cols) continue;
+      const bf16 y = to_bf16(h[i] * r * gain[i]);
+      xs[(c / kGroup) * kGroupStride + c % kGroup] = to_f32(y);
+      if (store) {
+        norm.x_out[c] = to_bf16(h[i]);
+        norm.normed_out[c] = y;
+      }
+    }
+    __syncthreads();
+    stage_group_sums(cols, xs, xsum);
+    return;
+  }
   for (int c0 = threadIdx.x; c0 < cols; c0 += kStageBatch * stride) {  // loads of a batch first
     float v[kStageBatch], b[kStageBatch];
 #pragma unroll
@@ -169,24 +201,19 @@ __device__ __forceinline__ float group_qdot(const uint4* __restrict__ gw, const 
   return group_qdot_regs<BITS>(q, xg);
 }
 
-/// Prefetches into L2 what this lane reads of matrix row `row` (its 64-groups g = lane_in,
-/// lane_in + L, …: code words, scale, bias). A hint only (no effect on results). Weights are
-/// read-only, so a kernel may call this BEFORE pdl_prologue() (launch.cuh): the weight stream
-/// of a GEMV then starts while its predecessor in the stream is still running.
+/// Loads (code words, scale, bias) of 64-group g of matrix row `row` into registers; row < 0
+/// loads nothing (the registers keep their values).
 template <int BITS>
-__device__ __forceinline__ void prefetch_row_l2(const DeviceQuant& w, int64_t row, int lane_in, int L) {
-#if defined(__CUDA_ARCH__)
-  const int groups = w.cols / kGroup;
-  const int wpr = w.cols * BITS / 32;
-  for (int g = lane_in; g < groups; g += L) {
-    const uint32_t* gw = w.codes + row * wpr + g * (64 * BITS / 32);
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(gw));
-    if (BITS == 8) asm volatile("prefetch.global.L2 [%0];" ::"l"(gw + 8));  // 64 bytes per 8-bit group
-    const int64_t sb = row * groups + g;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(w.scales + sb));
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(w.biases + sb));
-  }
-#endif
+__device__ __forceinline__ void load_group(const DeviceQuant& w, int64_t row, int g, uint4 (&q)[kGroupVecs<BITS>],
+                                           float& scale, float& bias) {
+  if (row < 0) return;
+  const int groups = w.cols / kGroup, wpr = w.cols * BITS / 32;
+  const uint4* gw = reinterpret_cast<const uint4*>(w.codes + row * wpr + g * (64 * BITS / 32));
+#pragma unroll
+  for (int v = 0; v < kGroupVecs<BITS>; ++v) q[v] = __ldg(gw + v);
+  const int64_t sb = row * groups + g;
+  scale = to_f32(w.scales[sb]);
+  bias = to_f32(w.biases[sb]);
 }
 
 /// This lane's share of the dot products of U matrix rows with the staged x: lanes of one

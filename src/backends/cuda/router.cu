@@ -2,9 +2,10 @@
 // with the top-k routing (reference/model.md §3.5; performance.md §3 "fused top-k routing").
 // Every block computes a share of the logit rows with exactly the per-row arithmetic of
 // quant_gemv.cu (rows_partial over L lanes, group_sum), stores them, and counts itself done on a
-// per-token atomic counter; the last block to finish a token row reads that row back and routes
-// it with the whole block (route_token_block: parallel ranks, bit-identical to the warp routine
-// of the stand-alone top-k kernel, which it falls back to when a logit is NaN; router_topk.cuh).
+// per-token atomic counter; the last block to finish a token row routes it with one warp
+// (route_token_keys: two warp-reduce instructions per pick, bit-identical to the warp routine of
+// the stand-alone top-k kernel, NaN and ties included; router_topk.cuh). Each warp's first
+// weights are read before the PDL wait, so the DRAM round trip overlaps the predecessor.
 // One launch instead of two, and no second launch latency on the decode critical path.
 #include <algorithm>
 #include <string>
@@ -27,7 +28,6 @@ __global__ void __launch_bounds__(kRouterThreads)
                         int32_t* __restrict__ ids, float* __restrict__ weights, uint32_t* __restrict__ done,
                         FusedNorm norm) {
   extern __shared__ float smem[];
-  __shared__ RouteScratch rs;
   __shared__ bool last;
   const int groups = w.cols / kGroup;
   const int t = blockIdx.y;
@@ -36,8 +36,12 @@ __global__ void __launch_bounds__(kRouterThreads)
   const int lane = threadIdx.x % kWarp, lane_row = lane / L, lane_in = lane % L;
   const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
   const int64_t step = static_cast<int64_t>(gridDim.x) * kRouterWarps * RW;
-  // Read-only router weights: prefetched before waiting for the predecessor (launch.cuh).
-  if (t == 0 && warp_id * RW + lane_row < w.rows) prefetch_row_l2<BITS>(w, warp_id * RW + lane_row, lane_in, L);
+  // The first group of this lane's first row: router weights are read-only, so they may be
+  // loaded before waiting for the predecessor (launch.cuh).
+  uint4 q[kGroupVecs<BITS>];
+  float sc = 0.0f, bi = 0.0f;
+  const int64_t first_row = warp_id * RW + lane_row;
+  load_group<BITS>(w, first_row < w.rows ? first_row : -1, lane_in, q, sc, bi);
   pdl_prologue();
   float* xs = smem;
   float* xsum = smem + groups * kGroupStride;
@@ -46,11 +50,15 @@ __global__ void __launch_bounds__(kRouterThreads)
   float* out = logits + static_cast<int64_t>(t) * w.rows;
   for (int64_t base = warp_id * RW; base < w.rows; base += step) {
     const int64_t r = base + lane_row;
-    const int64_t row[1] = {r < w.rows ? r : -1};
-    float acc[1];
-    rows_partial<BITS, 1>(w, row, xs, xsum, lane_in, L, acc);
-    const float v = group_sum(acc[0], L);
-    if (row[0] >= 0 && lane_in == 0) out[r] = v;
+    float acc = 0.0f;  // rows_partial<BITS, 1>'s arithmetic, first group from the registers
+    if (r < w.rows) {
+      for (int g = lane_in; g < groups; g += L) {
+        if (base != warp_id * RW || g != lane_in) load_group<BITS>(w, r, g, q, sc, bi);
+        acc += sc * group_qdot_regs<BITS>(q, xs + g * kGroupStride) + bi * xsum[g];
+      }
+    }
+    const float v = group_sum(acc, L);
+    if (r < w.rows && lane_in == 0) out[r] = v;
   }
 
   // Last-block-done: publish this block's logits, count it, and let the last block route.
@@ -62,11 +70,12 @@ __global__ void __launch_bounds__(kRouterThreads)
     if (last) done[t] = 0;  // every block of this row has counted: reset for the next launch
   }
   __syncthreads();
-  if (!last) return;
+  if (!last || threadIdx.x >= kWarp) return;
   __threadfence();
-  for (int e = threadIdx.x; e <= E; e += blockDim.x) rs.logits[e] = __ldcg(out + e);  // L2, not a stale L1 line
-  __syncthreads();
-  route_token_block(rs, E, k, ids + static_cast<int64_t>(t) * (k + 1), weights + static_cast<int64_t>(t) * (k + 1));
+  int32_t* tok_ids = ids + static_cast<int64_t>(t) * (k + 1);
+  float* tok_w = weights + static_cast<int64_t>(t) * (k + 1);
+  if (E <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall>(out, E, k, tok_ids, tok_w);
+  else route_token_keys<kRouteKeysLarge>(out, E, k, tok_ids, tok_w);
 }
 
 void router_dispatch(const DeviceQuant& w, const bf16* x, int m, int n_experts, int top_k, float* logits,

@@ -66,99 +66,64 @@ __device__ __forceinline__ void route_token_warp(RouteScratch& rs, int E, int k,
   }
 }
 
-/// (value descending, id ascending): the order of route_token_warp's selection (NaN excluded).
-__device__ __forceinline__ bool route_beats(float v, int i, float u, int j) { return v > u || (v == u && i < j); }
+/// Order-preserving key of a router logit for route_token_keys: a larger logit has a larger
+/// key, −0 and +0 get the same key (they compare equal, as in route_token_warp), every NaN gets
+/// 1 (below −inf, so NaN never wins while a number is left), and 0 is left for "taken".
+__device__ __forceinline__ uint32_t route_key(float v) {
+  if (isnan(v)) return 1u;
+  const uint32_t u = __float_as_uint(v == 0.0f ? 0.0f : v);
+  return ((u & 0x80000000u) ? ~u : (u | 0x80000000u)) + 1u;  // −inf → 0x00800000, +inf → 0xFF800001
+}
 
-/// k rounds of a warp arg-max over the candidate ids the lanes hold (N each; INT_MAX = none):
-/// lane 0 writes the k best in order to out[0 … k), or fewer when the warp holds fewer. Called
-/// by all 32 lanes of a warp; no NaN among the candidates' logits.
+/// The same routing as route_token_warp (bit-identical ids and weights, NaN and ties included),
+/// in about k rounds of two warp-reduce instructions instead of k rounds of five shuffle pairs:
+/// lane l holds the keys of experts e = l + 32c (c < N, E ≤ 32·N); each round every lane offers
+/// its best remaining key (ties to the lowest c, hence the lowest id), the warp takes the
+/// largest key and, among the lanes offering it, the lowest id, and the winner marks it taken.
+/// (key descending, id ascending) is route_token_warp's order: a strict order where NaN ties
+/// with NaN and loses to every number, so "only NaN left → the lowest id not taken" follows.
+/// Called by all 32 lanes of one warp; `logits` [E + 1] (global, read through L2 with __ldcg
+/// because another block wrote it, or shared). ids, weights: [k + 1], k ≤ 32.
 template <int N>
-__device__ __forceinline__ void warp_select(const float* logits, const int (&ids)[N], int k, int* out) {
-  unsigned taken = 0;
+__device__ __forceinline__ void route_token_keys(const float* logits, int E, int k, int32_t* __restrict__ ids,
+                                                 float* __restrict__ weights) {
+  const int lane = threadIdx.x % kWarp;
+  uint32_t key[N];
+#pragma unroll
+  for (int c = 0; c < N; ++c) {
+    const int e = lane + kWarp * c;
+    key[c] = e < E ? route_key(__ldcg(logits + e)) : 0u;
+  }
+  int mine = 0;  // lane s keeps the id of pick s
   for (int s = 0; s < k; ++s) {
-    float bv = -INFINITY;
-    int bi = INT_MAX;
-#pragma unroll
-    for (int c = 0; c < N; ++c) {  // this lane's best not yet taken
-      if (ids[c] == INT_MAX || (taken >> c) & 1u) continue;
-      const float v = logits[ids[c]];
-      if (bi == INT_MAX || route_beats(v, ids[c], bv, bi)) { bv = v; bi = ids[c]; }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (oi != INT_MAX && (bi == INT_MAX || route_beats(ov, oi, bv, bi))) { bv = ov; bi = oi; }
-    }
-    if (bi == INT_MAX) break;  // uniform: every lane saw the same reduction
+    uint32_t best = 0u;
+    int best_c = 0;
 #pragma unroll
     for (int c = 0; c < N; ++c)
-      if (ids[c] == bi) taken |= 1u << c;
-    if (threadIdx.x % kWarp == 0) out[s] = bi;
-  }
-}
-
-/// Experts per lane in route_token_block's first level, and its candidates per lane in the second.
-constexpr int kRoutePerLane = 4, kRoutePicksPerLane = 8;
-
-/// The same routing (bit-identical ids and weights) by a whole block (all threads call it after
-/// `rs.logits[0 … E]` holds the token's logits and a __syncthreads()). Without NaN, (value
-/// descending, id ascending) is a strict total order, so a two-level selection gives
-/// route_token_warp's k picks in its order: each warp picks its top k of the experts it holds
-/// (e = lane + 32·(warp + n_warps·c), c < 4), then warp 0 picks the top k of those ≤ 256 picks:
-/// about 2k warp arg-max rounds instead of an O(E²) rank count. The weights use the same expf
-/// values summed in the same order. If any router logit is NaN, or the block is too small for
-/// E (E > 4·blockDim.x or n_warps·k > 256), warp 0 runs route_token_warp.
-__device__ __forceinline__ void route_token_block(RouteScratch& rs, int E, int k, int32_t* __restrict__ ids,
-                                                  float* __restrict__ weights) {
-  __shared__ int picks[kWarp * kRoutePicksPerLane];  // [warp][k]: the second level's candidates
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
-  bool nan = false;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) nan |= isnan(rs.logits[e]);
-  const bool too_small = E > kRoutePerLane * static_cast<int>(blockDim.x) || n_warps * k > kWarp * kRoutePicksPerLane;
-  if (__syncthreads_or(nan) || too_small) {
-    if (threadIdx.x < kWarp) route_token_warp(rs, E, k, ids, weights);
-    return;
-  }
-  {
-    int mine[kRoutePerLane];
+      if (key[c] > best) { best = key[c]; best_c = c; }
+    const uint32_t top = __reduce_max_sync(0xffffffffu, best);  // ≥ 1: k ≤ E, so a key is left
+    const uint32_t id = __reduce_min_sync(0xffffffffu, best == top ? static_cast<uint32_t>(lane + kWarp * best_c) : ~0u);
 #pragma unroll
-    for (int c = 0; c < kRoutePerLane; ++c) {
-      const int e = lane + kWarp * (warp + n_warps * c);
-      mine[c] = e < E ? e : INT_MAX;
-    }
-    for (int s = lane; s < k; s += kWarp) picks[warp * k + s] = INT_MAX;
-    __syncwarp();
-    warp_select<kRoutePerLane>(rs.logits, mine, k, picks + warp * k);
+    for (int c = 0; c < N; ++c)
+      if (static_cast<uint32_t>(lane + kWarp * c) == id) key[c] = 0u;
+    if (lane == s) mine = static_cast<int>(id);
   }
-  __syncthreads();
-  if (warp == 0) {
-    int cand[kRoutePicksPerLane];
-#pragma unroll
-    for (int c = 0; c < kRoutePicksPerLane; ++c) {
-      const int j = lane + kWarp * c;
-      cand[c] = j < n_warps * k ? picks[j] : INT_MAX;
-    }
-    warp_select<kRoutePicksPerLane>(rs.logits, cand, k, rs.sel);
+  // Weights exactly as route_token_warp: expf(l_s − l_0), summed in pick order.
+  const float l0 = __ldcg(logits + __shfl_sync(0xffffffffu, mine, 0));
+  const float ex = lane < k ? expf(__ldcg(logits + mine) - l0) : 0.0f;
+  float denom = 0.0f;
+  for (int s = 0; s < k; ++s) denom += __shfl_sync(0xffffffffu, ex, s);
+  if (lane < k) {
+    ids[lane] = mine;
+    weights[lane] = ex / denom;
   }
-  __syncthreads();
-  const float top = rs.logits[rs.sel[0]];
-  if (threadIdx.x < k) rs.ex[threadIdx.x] = expf(rs.logits[rs.sel[threadIdx.x]] - top);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float denom = 0.0f;
-    for (int s = 0; s < k; ++s) denom += rs.ex[s];
-    rs.denom = denom;
-  }
-  __syncthreads();
-  if (threadIdx.x < k) {
-    ids[threadIdx.x] = rs.sel[threadIdx.x];
-    weights[threadIdx.x] = rs.ex[threadIdx.x] / rs.denom;
-  }
-  if (threadIdx.x == 0) {
+  if (lane == 0) {
     ids[k] = E;
-    weights[k] = 1.0f / (1.0f + expf(-rs.logits[E]));
+    weights[k] = 1.0f / (1.0f + expf(-__ldcg(logits + E)));
   }
 }
+
+/// Experts per lane that route_token_keys is instantiated for: E ≤ 256 (the real model) uses 8.
+constexpr int kRouteKeysSmall = 8, kRouteKeysLarge = kMaxExperts / kWarp;
 
 }  // namespace lily::cuda
