@@ -10,6 +10,7 @@
 // pre-multiplied by scale·log2 e, so exp2 replaces exp); the 8 warp states are merged in shared
 // memory at the end. The head dim D ∈ {64, 128, 256} is a template parameter (a lane holds
 // D/32 dims); the launchers dispatch on the runtime head_dim (dispatch_head_dim).
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <string>
@@ -85,10 +86,9 @@ template <> struct BfVec<8> { using type = uint4; };
 template <> struct BfVec<4> { using type = uint2; };
 template <> struct BfVec<2> { using type = unsigned int; };
 
-/// Loads N (= D/32: 8, 4 or 2) consecutive bf16 (one aligned vector load) as fp32.
+/// N (= D/32: 8, 4 or 2) bf16 of one vector load as fp32.
 template <int N>
-__device__ __forceinline__ void load8(const bf16* p, float (&x)[N]) {
-  const typename BfVec<N>::type raw = *reinterpret_cast<const typename BfVec<N>::type*>(p);
+__device__ __forceinline__ void unpack8(const typename BfVec<N>::type& raw, float (&x)[N]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
   for (int e = 0; e < N / 2; ++e) {
@@ -96,6 +96,18 @@ __device__ __forceinline__ void load8(const bf16* p, float (&x)[N]) {
     x[2 * e] = f.x;
     x[2 * e + 1] = f.y;
   }
+}
+
+/// One aligned vector load of N consecutive bf16, kept raw (unpack8 converts).
+template <int N>
+__device__ __forceinline__ typename BfVec<N>::type load_raw(const bf16* p) {
+  return *reinterpret_cast<const typename BfVec<N>::type*>(p);
+}
+
+/// Loads N (= D/32: 8, 4 or 2) consecutive bf16 (one aligned vector load) as fp32.
+template <int N>
+__device__ __forceinline__ void load8(const bf16* p, float (&x)[N]) {
+  unpack8<N>(load_raw<N>(p), x);
 }
 
 /// Per-warp online-softmax state of G query heads (log2 domain), head dim kD.
@@ -119,11 +131,17 @@ __device__ __forceinline__ void load_queries(const bf16* q_row, int kvh, float s
   }
 }
 
-/// Runs this warp's keys of [start, end) (every kWarps-th key) through the online softmax.
+/// Keys whose K and V rows a warp loads before it uses the first of them: one memory round trip
+/// per kKeyBatch keys instead of one per key (the keys' arithmetic is unchanged).
+constexpr int kKeyBatch = 4;
+
+/// Runs this warp's keys of [start, end) (every kWarps-th key, in increasing order) through the
+/// online softmax; the K/V rows of kKeyBatch keys are loaded before the first is used.
 template <int G, int kD, int kDimsPerLane = kD / kWarp>
 __device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], const bf16* K,
                                             const bf16* V, int64_t start, int64_t end,
                                             WarpState<G, kD>& st) {
+  using Raw = typename BfVec<kDimsPerLane>::type;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -132,23 +150,36 @@ __device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], 
 #pragma unroll
     for (int e = 0; e < kDimsPerLane; ++e) st.acc[g][e] = 0.0f;
   }
-  for (int64_t t = start + warp; t < end; t += kWarps) {
-    float kx[kDimsPerLane], vx[kDimsPerLane];
-    load8(K + t * kD + lane * kDimsPerLane, kx);
-    load8(V + t * kD + lane * kDimsPerLane, vx);
+  for (int64_t t0 = start + warp; t0 < end; t0 += int64_t(kWarps) * kKeyBatch) {
+    Raw kr[kKeyBatch], vr[kKeyBatch];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float s = 0.0f;
+    for (int b = 0; b < kKeyBatch; ++b) {
+      const int64_t t = t0 + int64_t(b) * kWarps;
+      if (t < end) {
+        kr[b] = load_raw<kDimsPerLane>(K + t * kD + lane * kDimsPerLane);
+        vr[b] = load_raw<kDimsPerLane>(V + t * kD + lane * kDimsPerLane);
+      }
+    }
 #pragma unroll
-      for (int e = 0; e < kDimsPerLane; ++e) s += qr[g][e] * kx[e];
-      s = warp_sum(s);
-      const float m_new = fmaxf(st.m[g], s);
-      const float corr = exp2f(st.m[g] - m_new);  // 0 on the first key (m = −inf)
-      const float p = exp2f(s - m_new);
-      st.l[g] = st.l[g] * corr + p;
-      st.m[g] = m_new;
+    for (int b = 0; b < kKeyBatch; ++b) {
+      if (t0 + int64_t(b) * kWarps >= end) break;  // uniform over the warp
+      float kx[kDimsPerLane], vx[kDimsPerLane];
+      unpack8<kDimsPerLane>(kr[b], kx);
+      unpack8<kDimsPerLane>(vr[b], vx);
 #pragma unroll
-      for (int e = 0; e < kDimsPerLane; ++e) st.acc[g][e] = st.acc[g][e] * corr + p * vx[e];
+      for (int g = 0; g < G; ++g) {
+        float s = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kDimsPerLane; ++e) s += qr[g][e] * kx[e];
+        s = warp_sum(s);
+        const float m_new = fmaxf(st.m[g], s);
+        const float corr = exp2f(st.m[g] - m_new);  // 0 on the first key (m = −inf)
+        const float p = exp2f(s - m_new);
+        st.l[g] = st.l[g] * corr + p;
+        st.m[g] = m_new;
+#pragma unroll
+        for (int e = 0; e < kDimsPerLane; ++e) st.acc[g][e] = st.acc[g][e] * corr + p * vx[e];
+      }
     }
   }
 }
@@ -392,6 +423,7 @@ void attention_prepare(const AttnDims& dims, int T, const bf16* qg, int64_t qg_s
 }
 
 int attention_decode_splits(int64_t len) {
+  // 256 keys per split (64 measured 2 % slower at 4K: docs/performance/2026-12-01-decode-kernels-2.md).
   if (len <= 256) return 1;
   return int(std::min<int64_t>(128, (len + 255) / 256));
 }
