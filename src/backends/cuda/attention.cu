@@ -280,17 +280,23 @@ __global__ void __launch_bounds__(kD)
 decode_combine_kernel(int n_splits, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
                       const bf16* __restrict__ gate, bf16* __restrict__ out) {
   pdl_prologue();
+  __shared__ float ml_s[2 * kMaxDecodeSplits];
   const int h = blockIdx.x, d = threadIdx.x;
   const float* ml = ws_ml + int64_t(h) * n_splits * 2;
+  for (int i = d; i < 2 * n_splits; i += kD) ml_s[i] = ml[i];  // every split's (m, l) in one round trip
+  __syncthreads();
   float M = -INFINITY;
-  for (int s = 0; s < n_splits; ++s) M = fmaxf(M, ml[2 * s]);
+  for (int s = 0; s < n_splits; ++s) M = fmaxf(M, ml_s[2 * s]);
   float acc = 0.0f, L = 0.0f;
-  for (int s = 0; s < n_splits; ++s) {
-    const float m = ml[2 * s];
+  const float* o = ws_o + int64_t(h) * n_splits * kD + d;
+#pragma unroll 8
+  for (int s = 0; s < n_splits; ++s) {  // unrolled: 8 splits' ws_o loads in flight, summed in order
+    const float m = ml_s[2 * s];
+    const float v = o[int64_t(s) * kD];
     if (m == -INFINITY) continue;
     const float f = exp2f(m - M);
-    L += ml[2 * s + 1] * f;
-    acc += ws_o[(int64_t(h) * n_splits + s) * kD + d] * f;
+    L += ml_s[2 * s + 1] * f;
+    acc += v * f;
   }
   const bf16* g = gate ? gate + int64_t(h) * 2 * kD + kD + d : nullptr;
   out[int64_t(h) * kD + d] = gated_output(acc / L, g);
@@ -423,9 +429,11 @@ void attention_prepare(const AttnDims& dims, int T, const bf16* qg, int64_t qg_s
 }
 
 int attention_decode_splits(int64_t len) {
-  // 256 keys per split (64 measured 2 % slower at 4K: docs/performance/2026-12-01-decode-kernels-2.md).
-  if (len <= 256) return 1;
-  return int(std::min<int64_t>(128, (len + 255) / 256));
+  // 64 keys per split, at most 128 splits (measured against 256 keys per split:
+  // docs/performance/2026-12-01-decode-kernels-2.md): short caches still spread over several SMs.
+  constexpr int64_t kKeysPerSplit = 64;
+  if (len <= kKeysPerSplit) return 1;
+  return int(std::min<int64_t>(128, (len + kKeysPerSplit - 1) / kKeysPerSplit));
 }
 
 size_t attention_decode_workspace_bytes(const AttnDims& dims, int n_splits) {

@@ -155,7 +155,7 @@ void attention_prepare(const AttnDims& dims, int T, const __nv_bfloat16* qg, int
 
 /// Maximum number of key splits of attention_decode.
 constexpr int kMaxDecodeSplits = 256;
-/// A good split count for a context of `len` keys (1 for ≤ 256 keys, then ~256-key splits,
+/// A good split count for a context of `len` keys (1 for ≤ 64 keys, then ~64-key splits,
 /// at most 128). For a captured graph, use the count of the largest length it will serve
 /// (any count is correct for any length).
 int attention_decode_splits(int64_t len);
