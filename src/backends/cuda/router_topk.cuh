@@ -1,6 +1,6 @@
-// MoE routing of one token by one warp (reference/model.md §3.5, norm_topk_prob = true), shared
-// by the stand-alone top-k kernel (moe.cu) and the fused router GEMV + top-k (router.cu), so both
-// give bit-identical ids and weights (nvcc only).
+// MoE routing of one token by one warp (reference/model.md §3.5, norm_topk_prob = true): the
+// stand-alone top-k kernel (moe.cu) uses route_token_warp, the fused router GEMV + top-k
+// (router.cu) route_token_keys; both give bit-identical ids and weights (nvcc only).
 #pragma once
 #include <cfloat>
 #include <climits>
@@ -17,8 +17,6 @@ struct RouteScratch {
   float logits[kMaxExperts + 1];  ///< the token's logits: E router logits, then the shared gate
   unsigned char taken[kMaxExperts];
   int sel[kMaxTopK];
-  float ex[kMaxTopK];  ///< exp(l_s − l_0) of the selected (route_token_block)
-  float denom;
 };
 
 /// Called by all 32 lanes of one warp after `rs.logits[0 … E]` holds the token's logits (and a
