@@ -403,6 +403,10 @@ describe('limits and lifecycle', () => {
         await sleep(20);
       }
       assert.equal(m.get('lily_generations_cancelled_total'), 2);
+      for (let i = 0; i < 500 && m.get('lily_requests_running') !== 0; i++) {
+        await sleep(10);
+        m = await metrics(server);
+      }
       assert.equal(m.get('lily_requests_running'), 0);
     } finally {
       await stopServer(server);
