@@ -70,7 +70,7 @@ std::vector<std::string> parse_allowed_origins(std::string_view list) {
   while (true) {
     const size_t comma = list.find(',');
     std::string_view item = trim(list.substr(0, comma));
-    if (!item.empty() && item != "*" && item.back() == '/') item.remove_suffix(1);
+    if (item.size() > 1 && item.back() == '/' && !item.ends_with("://")) item.remove_suffix(1);
     if (!item.empty()) {
       if (item != "*" && !is_origin(item))
         throw Error("--allowed-origins: '" + std::string(item) +
