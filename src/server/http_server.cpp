@@ -452,10 +452,15 @@ class LilyServer {
   void handle_models(Reply& res);
   void handle_model(const std::string& id, Reply& res);
   void handle_metrics(Reply& res);
+  /// GET /version: the build (as lily_build_info).
   void handle_version(Reply& res);
+  /// POST /v1/chat/completions.
   void handle_chat(Exchange& ex, const Request& req, Reply& res);
+  /// POST /v1/completions: the legacy text completion, on the chat endpoint's engine path.
   void handle_completion(Exchange& ex, const Request& req, Reply& res);
+  /// POST /tokenize (vLLM's shape): a prompt's or chat messages' token ids.
   void handle_tokenize(const Request& req, Reply& res);
+  /// POST /detokenize (vLLM's shape): the text of token ids, special tokens kept.
   void handle_detokenize(const Request& req, Reply& res);
   // Generation steps (chat and legacy completions share them).
   /// 404 model_not_found unless `model` is the served name.
