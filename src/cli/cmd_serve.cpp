@@ -7,6 +7,7 @@
 #include "engine/model_paths.h"
 #include "model/loader.h"
 #include "server/http_server.h"
+#include "server/http_util.h"
 
 namespace lily::cli {
 
@@ -18,6 +19,7 @@ struct ServeFlags {
   std::string host;
   int port = -1;
   int64_t max_seq = -1;
+  std::string allowed_origins;  ///< --allowed-origins, parsed by server::parse_allowed_origins
   std::string backend = "auto";
   bool no_mmap = false;  ///< read the weights into memory instead of mapping them
   CLI::Option* api_key = nullptr;  ///< to tell `--api-key ""` from no --api-key
@@ -30,7 +32,7 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
   cmd->add_option("--bind", f.bind, "listen address HOST:PORT")->capture_default_str();
   cmd->add_option("--host", f.host, "listen host (overrides the host of --bind)");
   cmd->add_option("--port", f.port, "listen port (overrides the port of --bind; 0 = any free port)")
-      ->check(CLI::Range(0, 65535));
+      ->check(integer_in_range(0, 65535));
   cmd->add_option("--max-seq", f.max_seq, "most tokens per sequence, prompt + completion "
                   "(default: the checkpoint's max_position_embeddings; at most 262144)")->check(integer_at_least(0));
   f.api_key = cmd->add_option("--api-key", o.api_key, "require 'Authorization: Bearer KEY' (default: $LILY_API_KEY)");
@@ -76,12 +78,15 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
       ->capture_default_str()->check(integer_at_least(1));
   cmd->add_option("--keep-alive", o.keep_alive_s, "seconds an idle keep-alive connection is kept open")
       ->capture_default_str()->check(integer_at_least(1));
+  cmd->add_option("--allowed-origins", f.allowed_origins, "CORS: comma-separated origins browsers may call "
+                  "the API from (e.g. http://localhost:3000), or * for any (default: none, CORS off)");
   cmd->add_option("--shutdown-grace", o.shutdown_grace_s, "seconds running work may finish after SIGINT/SIGTERM")
       ->capture_default_str()->check(integer_at_least(0));
 }
 
 server::ServerOptions resolve(ServeFlags& f) {
   server::ServerOptions o = f.options;
+  o.allowed_origins = server::parse_allowed_origins(f.allowed_origins);
   o.model_dir = model_dir_or_default(f.model);
   server::parse_bind(f.bind, o.host, o.port);
   if (!f.host.empty()) o.host = f.host;

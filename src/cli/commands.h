@@ -15,6 +15,9 @@ namespace lily::cli {
 /// >= 0, got '-2'". (CLI11 2.1's NonNegativeNumber / PositiveNumber print a range up to DBL_MAX
 /// written out in 300 digits, and call 0 "not in range 0 to ..." for PositiveNumber.)
 CLI::Validator integer_at_least(long long min);
+/// Accepts only a whole decimal integer in [min, max]; the message names what was given
+/// ("must be an integer from 0 to 65535, got 'abc'").
+CLI::Validator integer_in_range(long long min, long long max);
 
 /// A JSON list of {"role": "system"|"user"|"assistant", "content": string} objects as chat
 /// messages. Throws lily::Error "<what>: message i: …" naming the first bad entry (not an array,

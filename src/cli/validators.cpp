@@ -8,6 +8,24 @@
 
 namespace lily::cli {
 
+CLI::Validator integer_in_range(long long min, long long max) {
+  const std::string expected = "an integer from " + std::to_string(min) + " to " + std::to_string(max);
+  return CLI::Validator(
+      [min, max, expected](std::string& text) -> std::string {
+        size_t used = 0;
+        long long value = 0;
+        try {
+          value = std::stoll(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != text.size() || value < min || value > max)
+          return "must be " + expected + ", got '" + text + "'";
+        return {};
+      },
+      "INT in [" + std::to_string(min) + " - " + std::to_string(max) + "]");
+}
+
 CLI::Validator integer_at_least(long long min) {
   const std::string expected = "an integer >= " + std::to_string(min);
   return CLI::Validator(

@@ -141,6 +141,7 @@ void Scheduler::engine_loop() {
       queue_.pop_front();
       running_ = job;
     }
+    job->mark_started();
     run_job(*job);
     {
       std::lock_guard lock(mutex_);

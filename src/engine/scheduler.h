@@ -7,7 +7,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <atomic>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -74,13 +76,24 @@ class Job {
   /// Asks the engine to stop this job (takes effect before its next decode step).
   void cancel() { cancelled_.store(true); }
   bool cancelled() const { return cancelled_.load(); }
+  /// When the engine took the job from the queue; nullopt while it waits (or when it was
+  /// cancelled in the queue). The time queued and the time running are measured from it.
+  std::optional<std::chrono::steady_clock::time_point> started_at() const {
+    const auto ticks = started_.load();
+    if (ticks == kNotStarted) return std::nullopt;
+    return std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(ticks));
+  }
 
   /// Engine side: posts an event.
   void post(JobEvent event);
+  /// Engine side: records that the job leaves the queue now.
+  void mark_started() { started_.store(std::chrono::steady_clock::now().time_since_epoch().count()); }
 
  private:
+  static constexpr std::chrono::steady_clock::rep kNotStarted = std::numeric_limits<std::chrono::steady_clock::rep>::min();
   JobRequest request_;
   std::atomic<bool> cancelled_{false};
+  std::atomic<std::chrono::steady_clock::rep> started_{kNotStarted};
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<JobEvent> events_;

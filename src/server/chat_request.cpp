@@ -1,6 +1,9 @@
 #include "server/chat_request.h"
 
+#include <algorithm>
+#include <initializer_list>
 #include <map>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -129,17 +132,22 @@ ChatMessage parse_message(const json& m, const std::string& param) {
   return msg;
 }
 
-void parse_messages(const json& v, ChatRequest& req) {
+/// A message list; the last message must be from the user unless `last_may_be_assistant`.
+std::vector<ChatMessage> parse_messages(const json& v, bool last_may_be_assistant = false) {
   if (!v.is_array()) throw wrong_type("messages", "an array", v);
   if (v.empty()) throw invalid_request("'messages' must contain at least one message", "messages");
+  std::vector<ChatMessage> messages;
   for (size_t i = 0; i < v.size(); ++i)
-    req.messages.push_back(parse_message(v[i], "messages[" + std::to_string(i) + "]"));
-  if (req.messages.back().role != ChatRole::kUser)
-    throw invalid_request("the last message must have role 'user'",
+    messages.push_back(parse_message(v[i], "messages[" + std::to_string(i) + "]"));
+  const ChatRole last = messages.back().role;
+  if (last != ChatRole::kUser && !(last_may_be_assistant && last == ChatRole::kAssistant))
+    throw invalid_request(last_may_be_assistant ? "the last message must have role 'user' or 'assistant'"
+                                                : "the last message must have role 'user'",
                           "messages[" + std::to_string(v.size() - 1) + "].role");
+  return messages;
 }
 
-void parse_stop(const json& v, ChatRequest& req) {
+void parse_stop(const json& v, GenerationFields& req) {
   if (v.is_string()) {
     req.stop.push_back(v.get<std::string>());
   } else if (v.is_array()) {
@@ -153,7 +161,7 @@ void parse_stop(const json& v, ChatRequest& req) {
     if (s.empty()) throw invalid_request("stop strings must not be empty", "stop");
 }
 
-void parse_stream_options(const json& v, ChatRequest& req) {
+void parse_stream_options(const json& v, GenerationFields& req) {
   if (!v.is_object()) throw wrong_type("stream_options", "an object", v);
   for (const auto& [key, value] : v.items()) {
     if (key != "include_usage")
@@ -171,8 +179,16 @@ std::optional<int64_t> parse_max_tokens(const json& v, const std::string& param)
   return n;
 }
 
+/// Optional top-level fields of the chat endpoint; `null` stands for absent for each of them.
+bool is_known_chat_field(const std::string& key) {
+  static const std::set<std::string, std::less<>> known = {
+      "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop", "prompt_cache_key", "user", "n",
+      "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logprobs"};
+  return known.count(key) > 0 || unsupported_fields().count(key) > 0;
+}
+
 /// Handles one optional top-level field (value not null).
-void parse_optional_field(const std::string& key, const json& value, ChatRequest& req,
+void parse_optional_field(const std::string& key, const json& value, GenerationFields& req,
                           std::optional<int64_t>& max_completion_tokens, bool& stream_options_set) {
   if (key == "max_tokens") {
     req.max_tokens = parse_max_tokens(value, key);
@@ -210,9 +226,8 @@ void parse_optional_field(const std::string& key, const json& value, ChatRequest
   }
 }
 
-}  // namespace
-
-ChatRequest parse_chat_request(std::string_view body) {
+/// Parses a request body that must be one JSON object.
+json parse_object(std::string_view body) {
   json doc;
   try {
     doc = json::parse(body);
@@ -226,16 +241,84 @@ ChatRequest parse_chat_request(std::string_view body) {
   if (!doc.is_object())
     throw invalid_request("the request body must be a JSON object, got " + type_name(doc), std::nullopt,
                           "invalid_json");
+  return doc;
+}
+
+/// A token id list: integers in [0, 2^31). `param` names the list ("prompt", "tokens").
+std::vector<int64_t> parse_token_ids(const json& v, const std::string& param) {
+  if (!v.is_array()) throw wrong_type(param, "an array of token ids", v);
+  std::vector<int64_t> ids;
+  ids.reserve(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const std::string at = param + "[" + std::to_string(i) + "]";
+    const int64_t id = require_integer(v[i], at);
+    if (id < 0 || id > INT32_MAX)
+      throw invalid_request("'" + at + "' is not a token id: " + std::to_string(id), at);
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+/// The `prompt` of a legacy completion: one string or one token-id list, either bare or as the
+/// only element of an array.
+void parse_prompt(const json& v, CompletionRequest& req) {
+  const std::string expected = "a string or an array of token ids";
+  if (v.is_string()) {
+    req.prompt_text = v.get<std::string>();
+    if (req.prompt_text->empty()) throw invalid_request("'prompt' must not be empty", "prompt");
+    return;
+  }
+  if (!v.is_array()) throw wrong_type("prompt", expected, v);
+  if (v.empty()) throw invalid_request("'prompt' must not be empty", "prompt");
+  if (v[0].is_string() || v[0].is_array()) {  // a batch: an array of prompts
+    if (v.size() > 1)
+      throw invalid_request("'prompt' holds " + std::to_string(v.size()) +
+                                " prompts; this server takes one prompt per request",
+                            "prompt", "unsupported_value");
+    if (v[0].is_string()) {
+      req.prompt_text = v[0].get<std::string>();
+      if (req.prompt_text->empty()) throw invalid_request("'prompt[0]' must not be empty", "prompt[0]");
+      return;
+    }
+    req.prompt_param = "prompt[0]";
+    req.prompt_ids = parse_token_ids(v[0], "prompt[0]");
+    if (req.prompt_ids.empty()) throw invalid_request("'prompt[0]' must not be empty", "prompt[0]");
+    return;
+  }
+  req.prompt_ids = parse_token_ids(v, "prompt");
+}
+
+/// A boolean field, `null` meaning absent (the default stays).
+void optional_bool(const json& doc, const std::string& key, bool& out) {
+  if (!doc.contains(key) || doc[key].is_null()) return;
+  if (!doc[key].is_boolean()) throw wrong_type(key, "a boolean", doc[key]);
+  out = doc[key].get<bool>();
+}
+
+/// The optional `model` of /tokenize and /detokenize.
+std::optional<std::string> optional_model(const json& doc) {
+  if (!doc.contains("model") || doc["model"].is_null()) return std::nullopt;
+  return require_string(doc["model"], "model");
+}
+
+/// Rejects any top-level field not in `allowed`.
+void only_fields(const json& doc, std::initializer_list<std::string_view> allowed) {
+  for (const auto& [key, value] : doc.items())
+    if (std::find(allowed.begin(), allowed.end(), key) == allowed.end())
+      throw invalid_request("unrecognized request argument supplied: '" + key + "'", key, "unknown_parameter");
+}
+
+}  // namespace
+
+ChatRequest parse_chat_request(std::string_view body) {
+  const json doc = parse_object(body);
   ChatRequest req;
   std::optional<int64_t> max_completion_tokens;
   bool stream_options_set = false;
   for (const auto& [key, value] : doc.items()) {
     if (key == "model" || key == "messages") continue;
     if (value.is_null()) {
-      if (unsupported_fields().count(key) == 0 && key != "max_tokens" && key != "max_completion_tokens" &&
-          key != "stream" && key != "stream_options" && key != "stop" && key != "prompt_cache_key" &&
-          key != "user" && key != "n" && key != "temperature" && key != "top_p" && key != "seed" &&
-          key != "presence_penalty" && key != "frequency_penalty" && key != "logprobs")
+      if (!is_known_chat_field(key))
         throw invalid_request("unrecognized request argument supplied: '" + key + "'", key, "unknown_parameter");
       continue;
     }
@@ -246,7 +329,7 @@ ChatRequest parse_chat_request(std::string_view body) {
   req.model = require_string(doc["model"], "model");
   if (!doc.contains("messages"))
     throw invalid_request("missing required parameter 'messages'", "messages", "missing_required_parameter");
-  parse_messages(doc["messages"], req);
+  req.messages = parse_messages(doc["messages"]);
   if (max_completion_tokens) {
     if (req.max_tokens && *req.max_tokens != *max_completion_tokens)
       throw invalid_request("'max_tokens' and 'max_completion_tokens' differ; send one of them",
@@ -255,6 +338,88 @@ ChatRequest parse_chat_request(std::string_view body) {
   }
   if (stream_options_set && !req.stream)
     throw invalid_request("'stream_options' is only allowed when 'stream' is true", "stream_options");
+  return req;
+}
+
+CompletionRequest parse_completion_request(std::string_view body) {
+  const json doc = parse_object(body);
+  CompletionRequest req;
+  std::optional<int64_t> unused_max_completion_tokens;
+  bool stream_options_set = false;
+  for (const auto& [key, value] : doc.items()) {
+    if (key == "model" || key == "prompt") continue;
+    // Fields of the legacy endpoint only, or with another meaning there.
+    if (key == "max_completion_tokens") {
+      throw invalid_request("unrecognized request argument supplied: 'max_completion_tokens' (the completions "
+                            "endpoint takes max_tokens)",
+                            key, "unknown_parameter");
+    } else if (key == "echo") {
+      if (value.is_null()) continue;
+      if (!value.is_boolean()) throw wrong_type(key, "a boolean", value);
+      if (value.get<bool>())
+        throw invalid_request("'echo' must be false: echoing the prompt is not supported", key, "unsupported_value");
+    } else if (key == "best_of") {
+      if (value.is_null()) continue;
+      if (require_integer(value, key) != 1)
+        throw invalid_request("'best_of' must be 1: decoding is greedy", key, "unsupported_value");
+    } else if (key == "logprobs") {
+      if (value.is_null()) continue;
+      if (require_integer(value, key) != 0)
+        throw invalid_request("logprobs are not supported", key, "unsupported_parameter");
+    } else if (key == "suffix") {
+      if (value.is_null()) continue;
+      require_string(value, key);
+      throw invalid_request("unsupported parameter 'suffix': insertion is not supported", key,
+                            "unsupported_parameter");
+    } else if (value.is_null()) {
+      if (!is_known_chat_field(key))
+        throw invalid_request("unrecognized request argument supplied: '" + key + "'", key, "unknown_parameter");
+    } else {
+      parse_optional_field(key, value, req, unused_max_completion_tokens, stream_options_set);
+    }
+  }
+  if (!doc.contains("model"))
+    throw invalid_request("missing required parameter 'model'", "model", "missing_required_parameter");
+  req.model = require_string(doc["model"], "model");
+  if (!doc.contains("prompt") || doc["prompt"].is_null())
+    throw invalid_request("missing required parameter 'prompt'", "prompt", "missing_required_parameter");
+  parse_prompt(doc["prompt"], req);
+  if (stream_options_set && !req.stream)
+    throw invalid_request("'stream_options' is only allowed when 'stream' is true", "stream_options");
+  return req;
+}
+
+TokenizeRequest parse_tokenize_request(std::string_view body) {
+  const json doc = parse_object(body);
+  TokenizeRequest req;
+  req.model = optional_model(doc);
+  const bool has_prompt = doc.contains("prompt") && !doc["prompt"].is_null();
+  const bool has_messages = doc.contains("messages") && !doc["messages"].is_null();
+  if (has_prompt && has_messages)
+    throw invalid_request("send either 'prompt' or 'messages', not both", "messages");
+  if (!has_prompt && !has_messages)
+    throw invalid_request("missing required parameter 'prompt' (or 'messages')", "prompt",
+                          "missing_required_parameter");
+  if (has_prompt) {
+    only_fields(doc, {"model", "prompt", "add_special_tokens", "messages"});
+    req.prompt = require_string(doc["prompt"], "prompt");
+    optional_bool(doc, "add_special_tokens", req.add_special_tokens);
+    return req;
+  }
+  only_fields(doc, {"model", "messages", "add_generation_prompt", "prompt"});
+  optional_bool(doc, "add_generation_prompt", req.add_generation_prompt);
+  req.messages = parse_messages(doc["messages"], !req.add_generation_prompt);
+  return req;
+}
+
+DetokenizeRequest parse_detokenize_request(std::string_view body) {
+  const json doc = parse_object(body);
+  only_fields(doc, {"model", "tokens"});
+  DetokenizeRequest req;
+  req.model = optional_model(doc);
+  if (!doc.contains("tokens") || doc["tokens"].is_null())
+    throw invalid_request("missing required parameter 'tokens'", "tokens", "missing_required_parameter");
+  req.tokens = parse_token_ids(doc["tokens"], "tokens");
   return req;
 }
 

@@ -1,6 +1,7 @@
-// The request surface of POST /v1/chat/completions (issue 4 item 2): strict parsing of the
-// OpenAI JSON body into native types. Everything not listed here is rejected with a 400 that
-// names the parameter and says why.
+// The request surfaces of the generating and tokenizing endpoints (issue 4 item 2, issue 16):
+// strict parsing of the OpenAI JSON bodies of POST /v1/chat/completions and POST
+// /v1/completions, and of vLLM's POST /tokenize and POST /detokenize, into native types.
+// Everything not listed here is rejected with a 400 that names the parameter and says why.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -12,15 +13,45 @@
 
 namespace lily::server {
 
-/// A validated chat-completions request.
-struct ChatRequest {
-  std::string model;                        ///< must equal the served name (checked by the caller: 404)
-  std::vector<ChatMessage> messages;        ///< non-empty, last one from the user
+/// The generation settings the chat and the legacy completions endpoints share.
+struct GenerationFields {
   std::optional<int64_t> max_tokens;        ///< ≥ 1 when set (max_tokens or max_completion_tokens)
   bool stream = false;
   bool include_usage = false;               ///< stream_options.include_usage
   std::vector<std::string> stop;            ///< 0…4 non-empty stop strings
   std::optional<std::string> prompt_cache_key;
+};
+
+/// A validated chat-completions request.
+struct ChatRequest : GenerationFields {
+  std::string model;                        ///< must equal the served name (checked by the caller: 404)
+  std::vector<ChatMessage> messages;        ///< non-empty, last one from the user
+};
+
+/// A validated legacy completions request (POST /v1/completions): one prompt, given as text or
+/// as token ids.
+struct CompletionRequest : GenerationFields {
+  std::string model;                        ///< must equal the served name (checked by the caller: 404)
+  std::optional<std::string> prompt_text;   ///< the prompt as text (set, or prompt_ids is)
+  std::vector<int64_t> prompt_ids;          ///< the prompt as token ids (≥ 0; the vocabulary is
+                                            ///< checked by the caller, param "prompt[i]")
+  std::string prompt_param = "prompt";      ///< where the ids were: "prompt" or "prompt[0]"
+};
+
+/// A validated POST /tokenize request: a text prompt, or chat messages rendered with the chat
+/// template.
+struct TokenizeRequest {
+  std::optional<std::string> model;         ///< when given, must equal the served name
+  std::optional<std::string> prompt;        ///< set, or messages is non-empty
+  std::vector<ChatMessage> messages;
+  bool add_special_tokens = true;           ///< prompt form only (this tokenizer adds none)
+  bool add_generation_prompt = true;        ///< messages form only
+};
+
+/// A validated POST /detokenize request.
+struct DetokenizeRequest {
+  std::optional<std::string> model;         ///< when given, must equal the served name
+  std::vector<int64_t> tokens;              ///< ≥ 0; the vocabulary is checked by the caller
 };
 
 /// Most stop strings accepted (OpenAI's limit).
@@ -35,5 +66,22 @@ inline constexpr size_t kMaxStopStrings = 4;
 /// counts as absent for optional fields. Throws ApiError (400 invalid_request_error) naming the
 /// parameter, e.g. param "messages[1].content[0].type".
 ChatRequest parse_chat_request(std::string_view body);
+
+/// Parses a legacy completions body. `prompt` is required: a string, an array of token ids, or
+/// an array holding exactly one of these (a batch of several prompts is a 400 naming "prompt").
+/// The generation fields are those of parse_chat_request (no max_completion_tokens), plus
+/// echo = false, best_of = 1, logprobs = null or 0, and suffix = null; echo true, other values
+/// and unknown fields are a 400 naming the parameter.
+CompletionRequest parse_completion_request(std::string_view body);
+
+/// Parses a /tokenize body: {"prompt": string, "add_special_tokens": bool} or {"messages": […],
+/// "add_generation_prompt": bool} (messages as in chat, but the last one may be from the
+/// assistant when add_generation_prompt is false), each with an optional "model". Exactly one of
+/// prompt and messages. Throws ApiError 400 naming the parameter.
+TokenizeRequest parse_tokenize_request(std::string_view body);
+
+/// Parses a /detokenize body: {"tokens": [ids ≥ 0], "model"?: string}. Throws ApiError 400
+/// naming the parameter ("tokens[2]").
+DetokenizeRequest parse_detokenize_request(std::string_view body);
 
 }  // namespace lily::server

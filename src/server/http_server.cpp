@@ -35,6 +35,7 @@
 #include "server/api_error.h"
 #include "server/chat_request.h"
 #include "server/connection.h"
+#include "server/http_util.h"
 #include "server/metrics.h"
 #include "server/openai_json.h"
 #include "text/chat_template.h"
@@ -131,8 +132,10 @@ bool is_model_lookup(std::string_view path) {
 }  // namespace
 
 std::optional<std::string> allowed_methods(std::string_view path) {
-  if (path == "/v1/chat/completions") return "POST";
-  if (path == "/health" || path == "/metrics" || path == "/v1/models" || is_model_lookup(path)) return "GET, HEAD";
+  if (path == "/v1/chat/completions" || path == "/v1/completions" || path == "/tokenize" || path == "/detokenize")
+    return "POST";
+  if (path == "/health" || path == "/metrics" || path == "/v1/models" || path == "/version" || is_model_lookup(path))
+    return "GET, HEAD";
   return std::nullopt;
 }
 
@@ -155,7 +158,8 @@ std::string route_label(std::string_view path) {
 }
 
 std::string request_log_line(std::string_view method, std::string_view path, int status, int64_t ms,
-                             const std::optional<LogTokens>& tokens, std::string_view error) {
+                             const std::optional<LogTokens>& tokens, std::string_view error,
+                             std::string_view request_id) {
   std::string line = std::string(method) + " " + std::string(path) + " " + std::to_string(status) + " " +
                      std::to_string(ms) + "ms";
   if (tokens) {
@@ -165,6 +169,7 @@ std::string request_log_line(std::string_view method, std::string_view path, int
             " completion=" + std::to_string(tokens->completion) + " tok/s=" + rate;
   }
   if (!error.empty()) line += " error=" + json(std::string(error)).dump(-1, ' ', false, json::error_handler_t::replace);
+  if (!request_id.empty()) line += " id=" + std::string(request_id);
   return line;
 }
 
@@ -180,6 +185,8 @@ struct RequestInfo {
   Clock::time_point start = Clock::now();
   std::optional<LogTokens> tokens;
   std::string error;
+  std::string id;           ///< X-Request-Id: the client's well-formed one, else generated
+  bool generation = false;  ///< a job was submitted (its duration goes to the latency histogram)
 };
 thread_local RequestInfo t_request;
 
@@ -206,7 +213,7 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 /// A whole (not streamed) answer: status, content type, body and extra headers.
 struct Reply {
   int status = 200;
-  std::string content_type = "application/json";
+  std::string content_type = "application/json";  ///< empty: no Content-Type (a 204)
   std::string body;
   std::vector<std::pair<std::string, std::string>> headers;
   bool close = false;  ///< close the connection after it (the request was not read to its end)
@@ -240,15 +247,20 @@ class Exchange {
   const std::string method;  ///< as sent ("-" when the request line was not read)
   const std::string path;    ///< the target without its query ("-" when not read)
 
+  /// Adds a header to every answer this exchange sends (the request id, CORS headers).
+  void add_header(std::string name, std::string value) { common_.emplace_back(std::move(name), std::move(value)); }
+
   /// Writes a whole reply (only its head for HEAD). False when the write failed.
   bool send(const Reply& r) {
     http::response<http::string_body> res{static_cast<http::status>(r.status), version_};
-    res.set(http::field::content_type, r.content_type);
+    if (!r.content_type.empty()) res.set(http::field::content_type, r.content_type);
+    set_common(res);
     for (const auto& [name, value] : r.headers) res.set(name, value);
     res.body() = r.body;
     if (r.close) keep_alive_ = false;
     res.keep_alive(keep_alive_);
     res.prepare_payload();
+    if (r.status == 204) res.erase(http::field::content_length);  // RFC 9110 §8.6: none on a 204
     status_ = r.status;
     started_ = true;
     stream_.set_write_deadline(DeadlineStream::Clock::now() + write_timeout_);
@@ -268,6 +280,7 @@ class Exchange {
   bool begin_stream(const std::string& content_type, const std::vector<std::pair<std::string, std::string>>& headers) {
     http::response<http::empty_body> res{http::status::ok, version_};
     res.set(http::field::content_type, content_type);
+    set_common(res);
     for (const auto& [name, value] : headers) res.set(name, value);
     chunked_ = version_ >= 11;
     if (!chunked_) keep_alive_ = false;
@@ -330,7 +343,15 @@ class Exchange {
   After after() const { return broken_ ? After::kAbort : keep_alive_ ? After::kNext : After::kClose; }
 
  private:
+  /// The headers of every answer: Date, then those of add_header.
+  template <class Message>
+  void set_common(Message& res) const {
+    res.set(http::field::date, http_date(std::chrono::system_clock::now()));
+    for (const auto& [name, value] : common_) res.set(name, value);
+  }
+
   DeadlineStream& stream_;
+  std::vector<std::pair<std::string, std::string>> common_;
   std::chrono::seconds write_timeout_;
   unsigned version_;
   bool keep_alive_;
@@ -341,13 +362,17 @@ class Exchange {
   int status_ = 0;
 };
 
-/// Everything one chat request carries from validation to the response.
+/// Everything one generating request (chat, or a legacy completion) carries from validation
+/// to the response.
 struct ChatCall {
-  ChatRequest request;
+  GenerationFields request;     ///< max_tokens, stream, include_usage, stop, prompt_cache_key
+  bool text_completion = false; ///< POST /v1/completions: text_completion objects, no role chunk
+  std::string prompt_param = "messages";  ///< the field a too-long prompt is blamed on
   std::shared_ptr<Job> job;
   CompletionMeta meta;
   std::string request_id;
   Clock::time_point start;
+  Clock::time_point submitted;  ///< when the job was queued (time queued = engine start − this)
   int64_t prompt_tokens = 0;
   bool probed = false;  ///< the half-closed connection was probed once (Exchange::probe)
 };
@@ -406,11 +431,20 @@ class LilyServer {
   After refuse(DeadlineStream& stream, const http::request_parser<http::string_body>& parser, const ApiError& e);
   /// Counts the answered request in /metrics and logs its line.
   void finish(const Exchange& ex);
+  /// The headers of every answer to this request: X-Request-Id, and the CORS ones for an
+  /// allowed Origin (`Vary: Origin` whenever the allowed list is not just `*`).
+  void add_common_headers(Exchange& ex, const http::fields& head) const;
   // Routing, auth, errors.
   /// Routes and answers one request; an exception becomes a 500 with a request id.
   void handle(Exchange& ex, const Request& req);
-  /// 404/405, the API key, then the endpoint.
+  /// 404/405, a CORS preflight, the API key, then the endpoint.
   void route(Exchange& ex, const Request& req, Reply& res);
+  /// The error a request gets before its endpoint runs (404 unknown route, 405 method, 401
+  /// key), or nullopt. OPTIONS on a known route passes without a key (browsers send none on a
+  /// preflight).
+  std::optional<ApiError> gate(std::string_view method, std::string_view path, const http::fields& head) const;
+  /// OPTIONS on a known route: 204 with Allow, and the CORS preflight headers for an allowed origin.
+  void handle_options(Exchange& ex, const Request& req, Reply& res);
   /// A 500 for an unexpected exception, its detail only in the log.
   void on_exception(Reply& res, std::exception_ptr ep);
   // Endpoints.
@@ -418,10 +452,27 @@ class LilyServer {
   void handle_models(Reply& res);
   void handle_model(const std::string& id, Reply& res);
   void handle_metrics(Reply& res);
+  /// GET /version: the build (as lily_build_info).
+  void handle_version(Reply& res);
+  /// POST /v1/chat/completions.
   void handle_chat(Exchange& ex, const Request& req, Reply& res);
-  // Chat steps.
+  /// POST /v1/completions: the legacy text completion, on the chat endpoint's engine path.
+  void handle_completion(Exchange& ex, const Request& req, Reply& res);
+  /// POST /tokenize (vLLM's shape): a prompt's or chat messages' token ids.
+  void handle_tokenize(const Request& req, Reply& res);
+  /// POST /detokenize (vLLM's shape): the text of token ids, special tokens kept.
+  void handle_detokenize(const Request& req, Reply& res);
+  // Generation steps (chat and legacy completions share them).
+  /// 404 model_not_found unless `model` is the served name.
+  void check_model(const std::string& model) const;
+  /// 503 server_not_ready while the model loads or the server shuts down.
+  void check_ready() const;
+  /// Checks every id against the vocabulary: 400 naming `param`[i] otherwise.
+  std::vector<int32_t> checked_ids(const std::vector<int64_t>& ids, const std::string& param) const;
   std::vector<int32_t> tokenize(const ChatRequest& request) const;
-  int64_t checked_max_tokens(const ChatRequest& request, int64_t prompt_tokens) const;
+  int64_t checked_max_tokens(const ChatCall& call, int64_t prompt_tokens) const;
+  /// Queues the prompt and answers the request (whole or streamed) from the job's events.
+  void generate_and_respond(ChatCall& call, std::vector<int32_t> prompt, Exchange& ex, Reply& res);
   std::shared_ptr<Job> submit(ChatCall& call, std::vector<int32_t> prompt, int64_t max_tokens);
   void respond_whole(ChatCall& call, Exchange& ex, Reply& res);
   void respond_stream(ChatCall& call, Exchange& ex, const Reply& res);
@@ -429,7 +480,7 @@ class LilyServer {
   /// Waits for the job's next event, cancelling it once the client has gone away.
   std::optional<JobEvent> next_event(ChatCall& call, Exchange& ex, const ConnectionWatch& watch, bool& client_gone);
   void observe_token(ChatCall& call, const JobEvent& e, std::optional<Clock::time_point>& last);
-  void record_done(const ChatCall& call, const GenerationResult& result);
+  void record_done(const ChatCall& call, const GenerationResult& result, Clock::time_point done_at);
   ApiError failure(const ChatCall& call, const std::string& detail);
   // Shutdown.
   void wait_for_signal();
@@ -657,9 +708,11 @@ After LilyServer::refuse(DeadlineStream& stream, const http::request_parser<http
   // What the parser got of the request line names the request in the log, if anything.
   const auto& partial = parser.get();
   std::string method(partial.method_string());
-  std::string path(partial.target().substr(0, partial.target().find('?')));
+  std::string path = request_path(partial.target());
   Exchange ex(stream, std::chrono::seconds(options_.write_timeout_s), method.empty() ? "-" : method,
               path.empty() ? "-" : path, 11, false);
+  if (t_request.id.empty()) t_request.id = "req_" + random_hex(16);
+  add_common_headers(ex, partial);
   Reply res;
   send_error(res, e);
   res.close = true;
@@ -696,10 +749,19 @@ After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buff
     if (ec == http::error::end_of_stream || ec == http::error::partial_message || ec == net::error::operation_aborted ||
         ec == net::error::eof || ec == net::error::connection_reset)
       return After::kAbort;
+    // The parser refuses every version but 1.0 and 1.1; a well-formed other one is a 505.
+    if (ec == http::error::bad_version &&
+        has_unsupported_http_version(std::string_view(static_cast<const char*>(buffer.data().data()), buffer.size())))
+      return refuse(stream, parser, ApiError(505, "invalid_request_error",
+                                             "HTTP version not supported: this server speaks HTTP/1.0 and HTTP/1.1",
+                                             std::nullopt, "http_version_not_supported"));
     return refuse(stream, parser, ApiError(400, "invalid_request_error", "malformed HTTP request: " + ec.message(),
                                            std::nullopt, "bad_request"));
   }
   const auto& head = parser.get();
+  // The request id is known from here on: every answer and log line about the request has it.
+  const std::string client_id(head["X-Request-Id"]);
+  t_request.id = is_valid_request_id(client_id) ? client_id : "req_" + random_hex(16);
   if (static_cast<int64_t>(std::distance(head.begin(), head.end())) > options_.max_headers)
     return refuse(stream, parser, ApiError(431, "invalid_request_error",
                                            "the request has more than " + std::to_string(options_.max_headers) +
@@ -719,8 +781,18 @@ After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buff
                                                std::to_string(options_.max_connections) + "); retry later",
                                            std::nullopt, "too_many_connections")
                                       .with_header("Retry-After", "1"));
+  // Expect: only 100-continue is known (RFC 9110 §10.1.1: 417 for anything else). "100
+  // Continue" goes out only once the request would be served (route, method and API key are
+  // right); otherwise the error is the answer and the body is never read.
+  const bool expects = head.count(http::field::expect) > 0;
+  if (expects && !has_token(head[http::field::expect], "100-continue"))
+    return refuse(stream, parser, ApiError(417, "invalid_request_error",
+                                           "unsupported Expect header '" + std::string(head[http::field::expect]) +
+                                               "' (only 100-continue is supported)",
+                                           std::nullopt, "expectation_failed"));
   if (!parser.is_done()) {
-    if (head.version() >= 11 && has_token(head[http::field::expect], "100-continue")) {
+    if (expects && head.version() >= 11) {
+      if (auto e = gate(head.method_string(), request_path(head.target()), head)) return refuse(stream, parser, *e);
       static constexpr std::string_view go_on = "HTTP/1.1 100 Continue\r\n\r\n";
       stream.set_write_deadline(Clock::now() + std::chrono::seconds(options_.write_timeout_s));
       net::write(stream, net::buffer(go_on.data(), go_on.size()), ec);
@@ -745,22 +817,36 @@ After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buff
     }
   }
   const Request req = parser.release();
-  const std::string target(req.target());
   Exchange ex(stream, std::chrono::seconds(options_.write_timeout_s), std::string(req.method_string()),
-              target.substr(0, target.find('?')), req.version(), req.keep_alive() && !stopping_);
+              request_path(req.target()), req.version(), req.keep_alive() && !stopping_);
+  add_common_headers(ex, req);
   handle(ex, req);
   finish(ex);
   return ex.after();
 }
 
 void LilyServer::finish(const Exchange& ex) {
-  const int64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t_request.start).count();
+  const auto elapsed = Clock::now() - t_request.start;
+  const int64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(elapsed).count();
   metrics_.record_request(route_label(ex.path), ex.status());
+  if (t_request.generation) metrics_.observe_request_duration(seconds(elapsed));
   if (ex.path == "/health" || ex.path == "/metrics") {
-    log_debug(request_log_line(ex.method, ex.path, ex.status(), ms, std::nullopt, t_request.error));
+    log_debug(request_log_line(ex.method, ex.path, ex.status(), ms, std::nullopt, t_request.error, t_request.id));
     return;
   }
-  log_info(request_log_line(ex.method, ex.path, ex.status(), ms, t_request.tokens, t_request.error));
+  log_info(request_log_line(ex.method, ex.path, ex.status(), ms, t_request.tokens, t_request.error, t_request.id));
+}
+
+void LilyServer::add_common_headers(Exchange& ex, const http::fields& head) const {
+  ex.add_header("X-Request-Id", t_request.id);
+  if (options_.allowed_origins.empty()) return;
+  const auto& allowed = options_.allowed_origins;
+  const bool any = std::find(allowed.begin(), allowed.end(), "*") != allowed.end();
+  if (!any) ex.add_header("Vary", "Origin");  // the answer depends on Origin (caches must know)
+  if (const auto origin = cors_allow_origin(options_.allowed_origins, head[http::field::origin])) {
+    ex.add_header("Access-Control-Allow-Origin", *origin);
+    ex.add_header("Access-Control-Expose-Headers", "X-Request-Id, Retry-After");
+  }
 }
 
 void LilyServer::handle(Exchange& ex, const Request& req) {
@@ -775,18 +861,20 @@ void LilyServer::handle(Exchange& ex, const Request& req) {
   if (!ex.started()) ex.send(res);
 }
 
-void LilyServer::route(Exchange& ex, const Request& req, Reply& res) {
-  const auto allowed = allowed_methods(ex.path);
+std::optional<ApiError> LilyServer::gate(std::string_view method_sv, std::string_view path_sv,
+                                         const http::fields& head) const {
+  const std::string method(method_sv), path(path_sv);
+  const auto allowed = allowed_methods(path);
   if (!allowed)
-    return send_error(res, ApiError(404, "invalid_request_error", "unknown route: " + ex.method + " " + ex.path,
-                                    std::nullopt, "not_found"));
-  if (!method_allowed(*allowed, ex.method))
-    return send_error(res, ApiError(405, "invalid_request_error",
-                                    "method " + ex.method + " is not allowed on " + ex.path + " (allowed: " + *allowed + ")",
-                                    std::nullopt, "method_not_allowed")
-                               .with_header("Allow", *allowed));
-  if (!options_.api_key.empty() && (ex.path != "/health" || options_.health_requires_key)) {
-    const std::string auth(req[http::field::authorization]);
+    return ApiError(404, "invalid_request_error", "unknown route: " + method + " " + path, std::nullopt, "not_found");
+  if (method == "OPTIONS") return std::nullopt;  // answered before the key: a preflight carries none
+  if (!method_allowed(*allowed, method))
+    return ApiError(405, "invalid_request_error",
+                    "method " + method + " is not allowed on " + path + " (allowed: " + *allowed + ")", std::nullopt,
+                    "method_not_allowed")
+        .with_header("Allow", *allowed);
+  if (!options_.api_key.empty() && (path != "/health" || options_.health_requires_key)) {
+    const std::string auth(head[http::field::authorization]);
     // The scheme is case-insensitive (RFC 9110 §11.1): "bearer KEY" is as good as "Bearer KEY".
     const std::string prefix = "bearer ";
     bool scheme_ok = auth.size() > prefix.size();
@@ -794,22 +882,47 @@ void LilyServer::route(Exchange& ex, const Request& req, Reply& res) {
       scheme_ok = std::tolower(static_cast<unsigned char>(auth[i])) == prefix[i];
     const bool ok = scheme_ok && constant_time_equal(std::string_view(auth).substr(prefix.size()), options_.api_key);
     if (!ok)
-      return send_error(res, ApiError(401, "invalid_request_error",
-                                      auth.empty() ? "missing API key: send 'Authorization: Bearer <key>'"
-                                                   : "invalid API key",
-                                      std::nullopt, "invalid_api_key")
-                                 .with_header("WWW-Authenticate", "Bearer"));
+      return ApiError(401, "invalid_request_error",
+                      auth.empty() ? "missing API key: send 'Authorization: Bearer <key>'" : "invalid API key",
+                      std::nullopt, "invalid_api_key")
+          .with_header("WWW-Authenticate", "Bearer");
   }
+  return std::nullopt;
+}
+
+void LilyServer::route(Exchange& ex, const Request& req, Reply& res) {
+  if (auto e = gate(ex.method, ex.path, req)) return send_error(res, *e);
+  if (ex.method == "OPTIONS") return handle_options(ex, req, res);
   // Range and conditional headers are not looked at: every answer is whole (200, never 206).
   if (ex.path == "/health") return handle_health(res);
   if (ex.path == "/v1/models") return handle_models(res);
   if (ex.path == "/metrics") return handle_metrics(res);
+  if (ex.path == "/version") return handle_version(res);
   if (ex.path == "/v1/chat/completions") return handle_chat(ex, req, res);
+  if (ex.path == "/v1/completions") return handle_completion(ex, req, res);
+  if (ex.path == "/tokenize") return handle_tokenize(req, res);
+  if (ex.path == "/detokenize") return handle_detokenize(req, res);
   handle_model(ex.path.substr(std::string_view("/v1/models/").size()), res);
 }
 
+void LilyServer::handle_options(Exchange& ex, const Request& req, Reply& res) {
+  const std::string allowed = *allowed_methods(ex.path) + ", OPTIONS";
+  res.status = 204;
+  res.content_type.clear();
+  res.headers.emplace_back("Allow", allowed);
+  // A preflight (Origin + Access-Control-Request-Method) from an allowed origin; any other
+  // origin gets no CORS headers, which the browser takes as a refusal.
+  if (req.count(http::field::access_control_request_method) == 0 ||
+      !cors_allow_origin(options_.allowed_origins, req[http::field::origin]))
+    return;
+  res.headers.emplace_back("Access-Control-Allow-Methods", allowed);
+  res.headers.emplace_back("Access-Control-Allow-Headers",
+                           cors_allow_headers(req[http::field::access_control_request_headers]));
+  res.headers.emplace_back("Access-Control-Max-Age", "600");
+}
+
 void LilyServer::on_exception(Reply& res, std::exception_ptr ep) {
-  const std::string id = "req_" + random_hex(16);
+  const std::string id = t_request.id;
   try {
     if (ep) std::rethrow_exception(ep);
   } catch (const std::exception& e) {
@@ -818,7 +931,6 @@ void LilyServer::on_exception(Reply& res, std::exception_ptr ep) {
     log_error("request failed (" + id + "): unknown exception");
   }
   res.headers.clear();
-  res.headers.emplace_back("X-Request-Id", id);
   send_error(res, ApiError(500, "server_error", "internal server error (request id " + id + ")"));
 }
 
@@ -898,12 +1010,13 @@ std::vector<int32_t> LilyServer::tokenize(const ChatRequest& request) const {
   }
 }
 
-int64_t LilyServer::checked_max_tokens(const ChatRequest& request, int64_t prompt_tokens) const {
+int64_t LilyServer::checked_max_tokens(const ChatCall& call, int64_t prompt_tokens) const {
+  const GenerationFields& request = call.request;
   const int64_t room = max_seq_ - prompt_tokens;
   if (room < 1)
     throw invalid_request("the prompt has " + std::to_string(prompt_tokens) + " tokens but --max-seq is " +
                               std::to_string(max_seq_) + ", which leaves no room for a completion",
-                          "messages", "context_length_exceeded");
+                          call.prompt_param, "context_length_exceeded");
   const int64_t cap = options_.max_tokens_cap;
   if (!request.max_tokens) return cap > 0 ? std::min(room, cap) : room;
   if (cap > 0 && *request.max_tokens > cap)
@@ -935,26 +1048,83 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
 }
 
 
+void LilyServer::check_model(const std::string& model) const {
+  if (model != model_name_)
+    throw ApiError(404, "invalid_request_error",
+                   "the model '" + model + "' does not exist; this server serves '" + model_name_ + "'", "model",
+                   "model_not_found");
+}
+
+void LilyServer::check_ready() const {
+  if (!ready_ || shutting_down_)
+    throw ApiError(503, "server_error", shutting_down_ ? "the server is shutting down" : "the model is still loading",
+                   std::nullopt, "server_not_ready")
+        .with_header("Retry-After", "1");
+}
+
+std::vector<int32_t> LilyServer::checked_ids(const std::vector<int64_t>& ids, const std::string& param) const {
+  // An id must have an embedding row and a tokenizer entry (or the text would lose it).
+  const int64_t vocab = std::min<int64_t>(config_.vocab, tokenizer_->vocab_size());
+  std::vector<int32_t> out;
+  out.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] >= vocab) {
+      const std::string at = param + "[" + std::to_string(i) + "]";
+      throw invalid_request("token id " + std::to_string(ids[i]) + " in '" + at + "' is outside the vocabulary (ids 0.." +
+                                std::to_string(vocab - 1) + ")",
+                            at);
+    }
+    out.push_back(static_cast<int32_t>(ids[i]));
+  }
+  return out;
+}
+
 void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
   ChatCall call;
-  call.start = t_request.start;
-  call.request_id = "req_" + random_hex(16);
-  res.headers.emplace_back("X-Request-Id", call.request_id);
+  std::vector<int32_t> prompt;
   try {
-    call.request = parse_chat_request(req.body());
-    if (call.request.model != model_name_)
-      throw ApiError(404, "invalid_request_error",
-                     "the model '" + call.request.model + "' does not exist; this server serves '" + model_name_ + "'",
-                     "model", "model_not_found");
-    if (!ready_ || shutting_down_)
-      throw ApiError(503, "server_error", shutting_down_ ? "the server is shutting down" : "the model is still loading",
-                     std::nullopt, "server_not_ready")
-          .with_header("Retry-After", "1");
-    std::vector<int32_t> prompt = tokenize(call.request);
+    ChatRequest request = parse_chat_request(req.body());
+    check_model(request.model);
+    check_ready();
+    prompt = tokenize(request);
+    call.request = std::move(request);
+  } catch (const ApiError& e) {
+    return send_error(res, e);
+  }
+  generate_and_respond(call, std::move(prompt), ex, res);
+}
+
+void LilyServer::handle_completion(Exchange& ex, const Request& req, Reply& res) {
+  ChatCall call;
+  call.text_completion = true;
+  call.prompt_param = "prompt";
+  std::vector<int32_t> prompt;
+  try {
+    CompletionRequest request = parse_completion_request(req.body());
+    check_model(request.model);
+    check_ready();
+    // Text is encoded as the model sees it: special-token strings (<|im_start|>) become their
+    // control tokens, as a raw prompt of `lily generate --raw`.
+    prompt = request.prompt_text ? tokenizer_->encode(*request.prompt_text, /*allow_special=*/true)
+                                 : checked_ids(request.prompt_ids, request.prompt_param);
+    if (prompt.empty()) throw invalid_request("'prompt' encodes to no tokens", "prompt");
+    call.request = std::move(request);
+  } catch (const ApiError& e) {
+    return send_error(res, e);
+  }
+  generate_and_respond(call, std::move(prompt), ex, res);
+}
+
+void LilyServer::generate_and_respond(ChatCall& call, std::vector<int32_t> prompt, Exchange& ex, Reply& res) {
+  call.start = t_request.start;
+  call.request_id = t_request.id;
+  try {
     call.prompt_tokens = static_cast<int64_t>(prompt.size());
-    const int64_t max_tokens = checked_max_tokens(call.request, call.prompt_tokens);
+    const int64_t max_tokens = checked_max_tokens(call, call.prompt_tokens);
+    call.submitted = Clock::now();
     call.job = submit(call, std::move(prompt), max_tokens);
-    call.meta = CompletionMeta{"chatcmpl-" + random_hex(24),
+    t_request.generation = true;
+    call.meta = CompletionMeta{(call.text_completion ? "cmpl-" : "chatcmpl-") + random_hex(24),
                                std::chrono::duration_cast<std::chrono::seconds>(
                                    std::chrono::system_clock::now().time_since_epoch()).count(),
                                model_name_, std::string("lily-") + lily::build_commit()};
@@ -969,6 +1139,43 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
   } cancel_on_exit{*scheduler_, call.job};
   if (call.request.stream) return respond_stream(call, ex, res);
   respond_whole(call, ex, res);
+}
+
+void LilyServer::handle_tokenize(const Request& req, Reply& res) {
+  const TokenizeRequest request = parse_tokenize_request(req.body());
+  if (request.model) check_model(*request.model);
+  check_ready();
+  std::vector<int32_t> ids;
+  if (request.prompt) {
+    // This tokenizer adds no BOS/EOS, so add_special_tokens changes nothing.
+    ids = tokenizer_->encode(*request.prompt, /*allow_special=*/true);
+  } else {
+    try {
+      ids = encode_chat(*tokenizer_, request.messages, request.add_generation_prompt);
+    } catch (const Error& e) {
+      throw invalid_request(std::string("messages cannot be rendered with the chat template: ") + e.what(),
+                            "messages");
+    }
+  }
+  ordered_json doc{{"count", ids.size()}, {"max_model_len", max_seq_}, {"tokens", ids}};
+  set_json(res, 200, dump(doc));
+}
+
+void LilyServer::handle_detokenize(const Request& req, Reply& res) {
+  const DetokenizeRequest request = parse_detokenize_request(req.body());
+  if (request.model) check_model(*request.model);
+  check_ready();
+  const std::vector<int32_t> ids = checked_ids(request.tokens, "tokens");
+  set_json(res, 200, dump(ordered_json{{"prompt", tokenizer_->decode(ids, /*skip_special=*/false)}}));
+}
+
+void LilyServer::handle_version(Reply& res) {
+  set_json(res, 200,
+           dump(ordered_json{{"version", build_version()},
+                             {"commit", build_commit()},
+                             {"build_type", build_type()},
+                             {"compiler", build_compiler()},
+                             {"cuda", build_has_cuda()}}));
 }
 
 std::optional<JobEvent> LilyServer::next_event(ChatCall& call, Exchange& ex, const ConnectionWatch& watch,
@@ -997,7 +1204,11 @@ void LilyServer::observe_token(ChatCall& call, const JobEvent& e, std::optional<
   last = e.at;
 }
 
-void LilyServer::record_done(const ChatCall& call, const GenerationResult& r) {
+void LilyServer::record_done(const ChatCall& call, const GenerationResult& r, Clock::time_point done_at) {
+  if (const auto started = call.job->started_at()) {
+    metrics_.observe_queue_time(seconds(*started - call.submitted));
+    metrics_.observe_running_time(seconds(done_at - *started));
+  }
   if (r.finish_reason == FinishReason::kCancelled) metrics_.record_cancelled();
   const int64_t completion = static_cast<int64_t>(r.token_ids.size());
   metrics_.record_tokens(r.prompt_tokens, r.cached_tokens, completion);
@@ -1027,10 +1238,12 @@ void LilyServer::respond_whole(ChatCall& call, Exchange& ex, Reply& res) {
     }
     if (e.kind == JobEvent::Kind::kFailed) throw failure(call, e.text);
     const GenerationResult& r = e.result;
-    record_done(call, r);
+    record_done(call, r, e.at);
     if (r.finish_reason == FinishReason::kCancelled && !client_gone) throw failure(call, "generation was cancelled");
     const Usage usage{r.prompt_tokens, static_cast<int64_t>(r.token_ids.size()), r.cached_tokens};
-    set_json(res, 200, dump(completion_json(call.meta, r.text, std::string(finish_reason_name(r.finish_reason)), usage)));
+    const std::string finish(finish_reason_name(r.finish_reason));
+    set_json(res, 200, dump(call.text_completion ? text_completion_json(call.meta, r.text, finish, usage)
+                                                 : completion_json(call.meta, r.text, finish, usage)));
     return;
   }
 }
@@ -1048,7 +1261,16 @@ void LilyServer::respond_stream(ChatCall& call, Exchange& ex, const Reply& res) 
 bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWatch& watch, bool client_gone) {
   const bool usage_field = call.request.include_usage;
   auto send = [&](const ordered_json& doc) { return ex.write_chunk(sse_event(dump(doc))); };
-  if (!client_gone) {
+  // A piece of text, or the last chunk with the finish reason, in the endpoint's shape.
+  auto text_chunk = [&](const std::string& text) {
+    return call.text_completion ? text_chunk_json(call.meta, text, std::nullopt, usage_field)
+                                : chunk_json(call.meta, ordered_json{{"content", text}}, std::nullopt, usage_field);
+  };
+  auto finish_chunk = [&](const std::string& reason) {
+    return call.text_completion ? text_chunk_json(call.meta, "", reason, usage_field)
+                                : chunk_json(call.meta, ordered_json::object(), reason, usage_field);
+  };
+  if (!client_gone && !call.text_completion) {  // chat streams open with the assistant's role
     client_gone = !send(chunk_json(call.meta, ordered_json{{"role", "assistant"}, {"content", ""}}, std::nullopt, usage_field));
     if (client_gone) scheduler_->cancel(call.job);
   }
@@ -1060,14 +1282,14 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       observe_token(call, e, last);
       if (e.text.empty() || client_gone) continue;
       sent += e.text.size();
-      if (!send(chunk_json(call.meta, ordered_json{{"content", e.text}}, std::nullopt, usage_field))) {
+      if (!send(text_chunk(e.text))) {
         client_gone = true;
         scheduler_->cancel(call.job);
       }
       continue;
     }
     if (client_gone) {
-      if (e.kind == JobEvent::Kind::kDone) record_done(call, e.result);
+      if (e.kind == JobEvent::Kind::kDone) record_done(call, e.result, e.at);
       return false;
     }
     if (e.kind == JobEvent::Kind::kFailed) {
@@ -1077,8 +1299,8 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       return ex.write_chunk("data: [DONE]\n\n");
     }
     const GenerationResult& r = e.result;
-    record_done(call, r);
-    if (r.text.size() > sent) send(chunk_json(call.meta, ordered_json{{"content", r.text.substr(sent)}}, std::nullopt, usage_field));
+    record_done(call, r, e.at);
+    if (r.text.size() > sent) send(text_chunk(r.text.substr(sent)));
     if (r.finish_reason == FinishReason::kCancelled) {
       // Cut by the engine (the end of the shutdown grace), not finished: an error event, as
       // respond_whole answers the same case with an error status (was finish_reason "length").
@@ -1087,9 +1309,10 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       send(ordered_json(err.body()));
       return ex.write_chunk("data: [DONE]\n\n");
     }
-    send(chunk_json(call.meta, ordered_json::object(), std::string(finish_reason_name(r.finish_reason)), usage_field));
+    send(finish_chunk(std::string(finish_reason_name(r.finish_reason))));
     if (usage_field)
-      send(usage_chunk_json(call.meta, Usage{r.prompt_tokens, static_cast<int64_t>(r.token_ids.size()), r.cached_tokens}));
+      send(usage_chunk_json(call.meta, Usage{r.prompt_tokens, static_cast<int64_t>(r.token_ids.size()), r.cached_tokens},
+                            call.text_completion ? "text_completion" : "chat.completion.chunk"));
     return ex.write_chunk("data: [DONE]\n\n");
   }
 }

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "engine/backend.h"
 #include "model/config.h"
@@ -46,6 +47,8 @@ struct ServerOptions {
   int write_timeout_s = 30;              ///< a client must accept response bytes within this
   int keep_alive_s = 5;                  ///< idle keep-alive connections are closed after this
   int shutdown_grace_s = 10;             ///< SIGINT/SIGTERM: running work may finish within this
+  std::vector<std::string> allowed_origins;  ///< CORS: origins (or "*") browsers may call from
+                                         ///< (parse_allowed_origins); empty = CORS off
 };
 
 /// Runs the server until SIGINT/SIGTERM; returns the process exit code (0 after a graceful
@@ -92,8 +95,9 @@ struct LogTokens {
 };
 
 /// One request log line: `<METHOD> <path> <status> <ms>ms[ prompt=… cached=… completion=…
-/// tok/s=…][ error="…"]`.
+/// tok/s=…][ error="…"][ id=<request id>]`.
 std::string request_log_line(std::string_view method, std::string_view path, int status, int64_t ms,
-                             const std::optional<LogTokens>& tokens, std::string_view error);
+                             const std::optional<LogTokens>& tokens, std::string_view error,
+                             std::string_view request_id = {});
 
 }  // namespace lily::server

@@ -1,6 +1,15 @@
 #include "server/metrics.h"
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <system_error>
+
+#include "base/build_info.h"
 
 namespace lily::server {
 
@@ -23,6 +32,57 @@ void scalar(std::string& out, const std::string& name, const std::string& type, 
 }
 
 }  // namespace
+
+bool parse_proc_stat(std::string_view line, double ticks_per_second, int64_t page_bytes, ProcessStats& out) {
+  // "pid (comm) state ppid …": the name may hold anything, so fields are counted after the
+  // last ')'. After it, field 3 (state) comes first; utime is field 14, stime 15,
+  // num_threads 20, vsize 23, rss 24 (proc(5)).
+  const size_t close = line.rfind(')');
+  if (close == std::string_view::npos) return false;
+  std::istringstream in{std::string(line.substr(close + 1))};
+  std::vector<std::string> fields;
+  for (std::string f; in >> f;) fields.push_back(f);
+  auto field = [&](int n) { return fields[static_cast<size_t>(n - 3)]; };
+  if (fields.size() < 22) return false;
+  try {
+    out.cpu_seconds = (std::stod(field(14)) + std::stod(field(15))) / ticks_per_second;
+    out.threads = std::stoll(field(20));
+    out.virtual_bytes = std::stoll(field(23));
+    out.resident_bytes = std::stoll(field(24)) * page_bytes;
+  } catch (const std::exception&) {
+    return false;
+  }
+  return true;
+}
+
+ProcessStats read_process_stats() {
+  ProcessStats s;
+  std::ifstream stat("/proc/self/stat");
+  std::string line;
+  if (std::getline(stat, line)) {
+    const long ticks = sysconf(_SC_CLK_TCK);
+    const long page = sysconf(_SC_PAGESIZE);
+    parse_proc_stat(line, ticks > 0 ? static_cast<double>(ticks) : 100.0, page > 0 ? page : 4096, s);
+  }
+  std::error_code ec;
+  int64_t fds = 0;
+  for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end; !ec && it != end; it.increment(ec)) ++fds;
+  s.open_fds = ec ? -1 : fds - 1;  // minus the descriptor of the listing itself
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) == 0) s.max_fds = static_cast<int64_t>(limit.rlim_cur);
+  return s;
+}
+
+std::string escape_label_value(std::string_view value) {
+  std::string out;
+  for (char c : value) {
+    if (c == '\\') out += "\\\\";
+    else if (c == '"') out += "\\\"";
+    else if (c == '\n') out += "\\n";
+    else out += c;
+  }
+  return out;
+}
 
 Histogram::Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
 
@@ -48,7 +108,10 @@ void Histogram::render(const std::string& name, std::string& out) const {
 
 Metrics::Metrics()
     : ttft_({0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}),
-      inter_token_({0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}) {}
+      inter_token_({0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}),
+      request_duration_({0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300}),
+      queue_time_({0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}),
+      running_time_({0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300}) {}
 
 void Metrics::record_request(const std::string& route, int status) {
   std::lock_guard lock(mutex_);
@@ -70,6 +133,21 @@ void Metrics::observe_ttft(double seconds) {
 void Metrics::observe_inter_token(double seconds) {
   std::lock_guard lock(mutex_);
   inter_token_.observe(seconds);
+}
+
+void Metrics::observe_request_duration(double seconds) {
+  std::lock_guard lock(mutex_);
+  request_duration_.observe(seconds);
+}
+
+void Metrics::observe_queue_time(double seconds) {
+  std::lock_guard lock(mutex_);
+  queue_time_.observe(seconds);
+}
+
+void Metrics::observe_running_time(double seconds) {
+  std::lock_guard lock(mutex_);
+  running_time_.observe(seconds);
 }
 
 void Metrics::record_cancelled() {
@@ -95,6 +173,13 @@ std::string Metrics::render(const EngineGauges& g) const {
   ttft_.render("lily_time_to_first_token_seconds", out);
   header(out, "lily_inter_token_latency_seconds", "histogram", "Time between consecutive generated tokens.");
   inter_token_.render("lily_inter_token_latency_seconds", out);
+  header(out, "lily_request_duration_seconds", "histogram",
+         "Generating requests (chat and completions), arrival to the end of the answer.");
+  request_duration_.render("lily_request_duration_seconds", out);
+  header(out, "lily_request_queue_seconds", "histogram", "Time a generation waited in the engine's queue.");
+  queue_time_.render("lily_request_queue_seconds", out);
+  header(out, "lily_request_running_seconds", "histogram", "Time a generation ran in the engine.");
+  running_time_.render("lily_request_running_seconds", out);
   scalar(out, "lily_model_ready", "gauge", "1 once the model is loaded.", g.ready ? 1 : 0);
   scalar(out, "lily_queue_depth", "gauge", "Requests waiting for the engine.", g.queue_depth);
   scalar(out, "lily_requests_running", "gauge", "Requests the engine is running.", g.running);
@@ -105,6 +190,21 @@ std::string Metrics::render(const EngineGauges& g) const {
   scalar(out, "lily_cache_entries", "gauge", "Prefix cache entries held.", static_cast<double>(g.cache.entries));
   scalar(out, "lily_cache_bytes", "gauge", "Bytes of decode state held by the prefix cache.",
          static_cast<double>(g.cache.bytes));
+  const ProcessStats p = read_process_stats();
+  scalar(out, "process_cpu_seconds_total", "counter", "User and system CPU time of the process.", p.cpu_seconds);
+  scalar(out, "process_resident_memory_bytes", "gauge", "Resident memory of the process.",
+         static_cast<double>(p.resident_bytes));
+  scalar(out, "process_virtual_memory_bytes", "gauge", "Virtual memory of the process.",
+         static_cast<double>(p.virtual_bytes));
+  scalar(out, "process_open_fds", "gauge", "Open file descriptors of the process.", static_cast<double>(p.open_fds));
+  scalar(out, "process_max_fds", "gauge", "Most file descriptors the process may open.",
+         static_cast<double>(p.max_fds));
+  scalar(out, "process_threads", "gauge", "Threads of the process.", static_cast<double>(p.threads));
+  header(out, "lily_build_info", "gauge", "The build of this server (always 1; the labels tell).");
+  out += std::string("lily_build_info{version=\"") + escape_label_value(build_version()) + "\",commit=\"" +
+         escape_label_value(build_commit()) + "\",build_type=\"" + escape_label_value(build_type()) +
+         "\",compiler=\"" + escape_label_value(build_compiler()) + "\",cuda=\"" +
+         (build_has_cuda() ? "true" : "false") + "\"} 1\n";
   return out;
 }
 

@@ -1,11 +1,13 @@
 // Server metrics in the Prometheus text exposition format (GET /metrics): request counts by
-// route and status, token counters, time-to-first-token and inter-token latency histograms,
-// cancelled generations; gauges (queue depth, cache) are passed in at render time.
+// route and status, token counters, latency histograms (end to end, queued, running, time to
+// first token, between tokens), cancelled generations, the process's own resources (from
+// /proc/self) and the build; gauges (queue depth, cache) are passed in at render time.
 #pragma once
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -36,6 +38,27 @@ struct EngineGauges {
   bool ready = false;
 };
 
+/// The process's own resources, as /proc/self reports them.
+struct ProcessStats {
+  double cpu_seconds = 0;       ///< user + system CPU time
+  int64_t virtual_bytes = 0;
+  int64_t resident_bytes = 0;
+  int64_t threads = 0;
+  int64_t open_fds = 0;         ///< -1 when /proc/self/fd cannot be read
+  int64_t max_fds = 0;          ///< RLIMIT_NOFILE (soft)
+};
+
+/// Reads one line of /proc/<pid>/stat into `out` (cpu_seconds, virtual_bytes, resident_bytes,
+/// threads); `ticks_per_second` and `page_bytes` convert its units. The command name in
+/// parentheses may hold spaces and parentheses itself. False when the line has too few fields.
+bool parse_proc_stat(std::string_view line, double ticks_per_second, int64_t page_bytes, ProcessStats& out);
+
+/// This process's stats now (fields that cannot be read stay 0, open_fds -1).
+ProcessStats read_process_stats();
+
+/// Escapes a Prometheus label value (backslash, double quote and newline).
+std::string escape_label_value(std::string_view value);
+
 /// All counters of one server. Thread-safe.
 class Metrics {
  public:
@@ -46,6 +69,12 @@ class Metrics {
   void record_tokens(int64_t prompt, int64_t cached, int64_t completion);
   void observe_ttft(double seconds);
   void observe_inter_token(double seconds);
+  /// One generating request from its arrival to the end of its answer.
+  void observe_request_duration(double seconds);
+  /// One job's time in the engine's queue (submitted → taken by the engine).
+  void observe_queue_time(double seconds);
+  /// One job's time in the engine (taken → finished).
+  void observe_running_time(double seconds);
   void record_cancelled();
   /// The whole exposition text.
   std::string render(const EngineGauges& gauges) const;
@@ -56,6 +85,9 @@ class Metrics {
   int64_t prompt_tokens_ = 0, cached_tokens_ = 0, completion_tokens_ = 0, cancelled_ = 0;
   Histogram ttft_;
   Histogram inter_token_;
+  Histogram request_duration_;
+  Histogram queue_time_;
+  Histogram running_time_;
 };
 
 }  // namespace lily::server

@@ -45,10 +45,29 @@ ordered_json chunk_json(const CompletionMeta& meta, const ordered_json& delta,
   return doc;
 }
 
-ordered_json usage_chunk_json(const CompletionMeta& meta, const Usage& usage) {
-  ordered_json doc = header(meta, "chat.completion.chunk");
+ordered_json usage_chunk_json(const CompletionMeta& meta, const Usage& usage, const char* object) {
+  ordered_json doc = header(meta, object);
   doc["choices"] = ordered_json::array();
   doc["usage"] = usage_json(usage);
+  return doc;
+}
+
+ordered_json text_completion_json(const CompletionMeta& meta, const std::string& text,
+                                  const std::string& finish_reason, const Usage& usage) {
+  ordered_json doc = header(meta, "text_completion");
+  ordered_json choice{{"text", text}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
+  doc["choices"] = ordered_json::array({choice});
+  doc["usage"] = usage_json(usage);
+  return doc;
+}
+
+ordered_json text_chunk_json(const CompletionMeta& meta, const std::string& text,
+                             const std::optional<std::string>& finish_reason, bool with_usage_field) {
+  ordered_json doc = header(meta, "text_completion");
+  ordered_json choice{{"text", text}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+  if (finish_reason) choice["finish_reason"] = *finish_reason;
+  doc["choices"] = ordered_json::array({choice});
+  if (with_usage_field) doc["usage"] = nullptr;
   return doc;
 }
 

@@ -1,5 +1,6 @@
-// JSON documents of the OpenAI chat-completions API as this server writes them (issue 4
-// item 4): the completion object, streaming chunks and the model list. Keys keep OpenAI's order.
+// JSON documents of the OpenAI API as this server writes them (issue 4 item 4, issue 16): the
+// chat completion object and its streaming chunks, the legacy text_completion object and its
+// chunks, and the model list. Keys keep OpenAI's order.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -36,8 +37,20 @@ nlohmann::ordered_json completion_json(const CompletionMeta& meta, const std::st
 nlohmann::ordered_json chunk_json(const CompletionMeta& meta, const nlohmann::ordered_json& delta,
                                   const std::optional<std::string>& finish_reason, bool with_usage_field);
 
-/// The final usage chunk of an include_usage stream: empty choices and the usage.
-nlohmann::ordered_json usage_chunk_json(const CompletionMeta& meta, const Usage& usage);
+/// The final usage chunk of an include_usage stream: empty choices and the usage. `object` is
+/// "chat.completion.chunk" or, for a legacy completions stream, "text_completion".
+nlohmann::ordered_json usage_chunk_json(const CompletionMeta& meta, const Usage& usage,
+                                        const char* object = "chat.completion.chunk");
+
+/// A whole legacy completion (POST /v1/completions): object "text_completion", one choice
+/// {"text","index":0,"logprobs":null,"finish_reason"} and the usage.
+nlohmann::ordered_json text_completion_json(const CompletionMeta& meta, const std::string& text,
+                                            const std::string& finish_reason, const Usage& usage);
+
+/// One chunk of a legacy completions stream: the same object with `text` as the choice's text;
+/// finish_reason null unless given; "usage": null is added when `with_usage_field`.
+nlohmann::ordered_json text_chunk_json(const CompletionMeta& meta, const std::string& text,
+                                       const std::optional<std::string>& finish_reason, bool with_usage_field);
 
 /// {"object":"list","data":[{"id","object":"model","created","owned_by":"lily"}]}.
 nlohmann::ordered_json models_json(const std::string& model, int64_t created);

@@ -98,11 +98,12 @@ size_t last_query_index(std::span<const ChatMessage> messages) {
   throw Error("No user query found in messages.");
 }
 
-void validate(std::span<const ChatMessage> messages) {
+void validate(std::span<const ChatMessage> messages, bool add_generation_prompt) {
   last_query_index(messages);
   for (size_t i = 1; i < messages.size(); ++i)
     if (messages[i].role == ChatRole::kSystem) throw Error("System message must be at the beginning.");
-  if (messages.back().role != ChatRole::kUser) throw Error("the last message must be from the user");
+  if (add_generation_prompt && messages.back().role != ChatRole::kUser)
+    throw Error("the last message must be from the user");
 }
 
 // `<think>\n\n</think>\n\n…` with the block as markers; `text` starts with the empty block,
@@ -147,8 +148,8 @@ void emit_native_answer(PartList& out, const std::string& content) {
   out.content(c);
 }
 
-std::vector<Part> render_parts(std::span<const ChatMessage> messages) {
-  validate(messages);
+std::vector<Part> render_parts(std::span<const ChatMessage> messages, bool add_generation_prompt) {
+  validate(messages, add_generation_prompt);
   size_t last_query = last_query_index(messages);
   PartList out;
   for (size_t i = 0; i < messages.size(); ++i) {
@@ -168,6 +169,7 @@ std::vector<Part> render_parts(std::span<const ChatMessage> messages) {
     out.marker(kImEnd);
     out.literal("\n");
   }
+  if (!add_generation_prompt) return out.parts();
   out.marker(kImStart);
   out.literal("assistant\n");
   out.marker(kThink);
@@ -179,15 +181,16 @@ std::vector<Part> render_parts(std::span<const ChatMessage> messages) {
 
 }  // namespace
 
-std::string render_chat(std::span<const ChatMessage> messages) {
+std::string render_chat(std::span<const ChatMessage> messages, bool add_generation_prompt) {
   std::string text;
-  for (const Part& p : render_parts(messages)) text += p.text;
+  for (const Part& p : render_parts(messages, add_generation_prompt)) text += p.text;
   return text;
 }
 
-std::vector<int32_t> encode_chat(const Tokenizer& tokenizer, std::span<const ChatMessage> messages) {
+std::vector<int32_t> encode_chat(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
+                                 bool add_generation_prompt) {
   std::vector<int32_t> ids;
-  for (const Part& p : render_parts(messages)) {
+  for (const Part& p : render_parts(messages, add_generation_prompt)) {
     if (p.kind == PartKind::kMarker) {
       std::optional<int32_t> id = tokenizer.token_id(p.text);
       if (!id) throw Error("the tokenizer has no token for the chat-template marker " + p.text);

@@ -27,12 +27,15 @@ struct ChatMessage {
 /// assistant turns rewritten with an empty think block so each prompt is a token-exact prefix
 /// of the next turn's; generation suffix `<|im_start|>assistant\n<think>\n\n</think>\n\n`).
 /// Throws lily::Error: "System message must be at the beginning.", "No user query found in
-/// messages.", "the last message must be from the user".
-std::string render_chat(std::span<const ChatMessage> messages);
+/// messages.", "the last message must be from the user". Without `add_generation_prompt` the
+/// generation suffix is left out and the last message may also be from the assistant (what a
+/// client counting a whole conversation's tokens asks for).
+std::string render_chat(std::span<const ChatMessage> messages, bool add_generation_prompt = true);
 
 /// Renders and encodes: template markers become control tokens, message content is encoded
 /// with special tokens disabled (so `<|im_start|>` typed by a user stays plain text).
 /// Throws lily::Error as render_chat, or if the tokenizer lacks a marker token.
-std::vector<int32_t> encode_chat(const Tokenizer& tokenizer, std::span<const ChatMessage> messages);
+std::vector<int32_t> encode_chat(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
+                                 bool add_generation_prompt = true);
 
 }  // namespace lily

@@ -1,11 +1,15 @@
-// libFuzzer target: the chat-completion request parser and validator (src/server/chat_request.h)
-// on arbitrary bodies, followed by what the server does next with a request: render the chat
-// template, or serialize the error response. Allowed: server::ApiError from the parser (its
-// JSON body must then serialize: the server sends it), lily::Error from the template.
-// Invariants for accepted requests (the documented contract): messages non-empty and the last
-// from the user, max_tokens ≥ 1 when set, at most 4 non-empty stop strings, include_usage only
-// with stream.
+// libFuzzer target: the request parsers and validators (src/server/chat_request.h) of chat,
+// legacy completions, /tokenize and /detokenize on arbitrary bodies, followed by what the server
+// does next with a request: render the chat template, or serialize the error response. Allowed:
+// server::ApiError from a parser (its JSON body must then serialize: the server sends it),
+// lily::Error from the template. Invariants for accepted requests (the documented contract):
+// chat messages non-empty and the last from the user, max_tokens ≥ 1 when set, at most 4
+// non-empty stop strings, include_usage only with stream; a completion has exactly one
+// non-empty prompt (text or ids in [0, 2^31)); a tokenize request has a prompt or messages
+// (the last from the user, or also the assistant without the generation prompt); detokenize
+// ids lie in [0, 2^31).
 #include <cstdint>
+#include <vector>
 #include <string>
 #include <string_view>
 
@@ -32,6 +36,39 @@ void check_accepted(const lily::server::ChatRequest& req) {
   }
 }
 
+void check_generation_fields(const lily::server::GenerationFields& req) {
+  FUZZ_ASSERT(!req.max_tokens || *req.max_tokens >= 1, "");
+  FUZZ_ASSERT(req.stop.size() <= lily::server::kMaxStopStrings, "");
+  for (const std::string& s : req.stop) FUZZ_ASSERT(!s.empty(), "");
+  FUZZ_ASSERT(!req.include_usage || req.stream, "");
+}
+
+void check_ids(const std::vector<int64_t>& ids) {
+  for (int64_t id : ids) FUZZ_ASSERT(id >= 0 && id <= INT32_MAX, std::to_string(id));
+}
+
+void check_accepted(const lily::server::CompletionRequest& req) {
+  check_generation_fields(req);
+  FUZZ_ASSERT(req.prompt_text.has_value() != !req.prompt_ids.empty(), "exactly one prompt form");
+  FUZZ_ASSERT(!req.prompt_text || !req.prompt_text->empty(), "");
+  FUZZ_ASSERT(req.prompt_param == "prompt" || req.prompt_param == "prompt[0]", req.prompt_param);
+  check_ids(req.prompt_ids);
+}
+
+void check_accepted(const lily::server::TokenizeRequest& req) {
+  FUZZ_ASSERT(req.prompt.has_value() != !req.messages.empty(), "exactly one of prompt and messages");
+  if (req.prompt) return;
+  const lily::ChatRole last = req.messages.back().role;
+  FUZZ_ASSERT(last == lily::ChatRole::kUser || (!req.add_generation_prompt && last == lily::ChatRole::kAssistant), "");
+  try {
+    (void)lily::render_chat(req.messages, req.add_generation_prompt);
+  } catch (const lily::Error&) {
+    // e.g. a system message after the first: the server answers 400 with this message.
+  }
+}
+
+void check_accepted(const lily::server::DetokenizeRequest& req) { check_ids(req.tokens); }
+
 void check_rejected(const lily::server::ApiError& e) {
   FUZZ_ASSERT(e.status() == 400, std::to_string(e.status()));
   FUZZ_ASSERT(std::string_view(e.what()).size() > 0, "");
@@ -40,12 +77,11 @@ void check_rejected(const lily::server::ApiError& e) {
   FUZZ_ASSERT(body.find("\"invalid_request_error\"") != std::string::npos, body);
 }
 
-}  // namespace
-
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const std::string_view body(reinterpret_cast<const char*>(data), size);
+/// Runs one parser on `body` and checks what it accepts or how it refuses.
+template <class Parse>
+void run(Parse parse, std::string_view body) {
   try {
-    check_accepted(lily::server::parse_chat_request(body));
+    check_accepted(parse(body));
   } catch (const lily::server::ApiError& e) {
     try {
       check_rejected(e);
@@ -56,5 +92,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } catch (const std::exception& e) {
     lily::fuzz::unexpected_exception(e);
   }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string_view body(reinterpret_cast<const char*>(data), size);
+  run(lily::server::parse_chat_request, body);
+  run(lily::server::parse_completion_request, body);
+  run(lily::server::parse_tokenize_request, body);
+  run(lily::server::parse_detokenize_request, body);
   return 0;
 }

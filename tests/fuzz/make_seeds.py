@@ -151,6 +151,17 @@ def seeds_request():
     put("fuzz_request", "not_object.json", "[1,2,3]")
     put("fuzz_request", "truncated.json", '{"model":"demo","messages":[{"role":"user","content":"\\ud83d')
     put("fuzz_request", "invalid_utf8.json", b'{"model":"demo","messages":[{"role":"user","content":"\xff\xfe"}]}')
+    # The legacy completions, /tokenize and /detokenize bodies (the same target runs their parsers).
+    put("fuzz_request", "completion_text.json", json.dumps({"model": "demo", "prompt": "Once", "max_tokens": 4,
+                                                            "stream": True, "stream_options": {"include_usage": True},
+                                                            "echo": False, "best_of": 1, "logprobs": None}))
+    put("fuzz_request", "completion_ids.json", json.dumps({"model": "demo", "prompt": [[1, 2, 3]], "stop": "x"}))
+    put("fuzz_request", "completion_batch.json", json.dumps({"model": "demo", "prompt": ["a", "b"], "echo": True}))
+    put("fuzz_request", "tokenize_prompt.json", json.dumps({"prompt": "hi <|im_start|>", "add_special_tokens": False}))
+    put("fuzz_request", "tokenize_messages.json", json.dumps({"model": "demo", "add_generation_prompt": False,
+                                                              "messages": [{"role": "user", "content": "q"},
+                                                                           {"role": "assistant", "content": "a"}]}))
+    put("fuzz_request", "detokenize.json", json.dumps({"tokens": [0, 8191, 2147483647, -1]}))
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ describe('lily serve (default settings)', () => {
     });
     assert.equal(chunked.status, 413);
     assert.equal(JSON.parse(chunked.body).error.code, 'request_too_large');
-    const nf = await rawRequest(server, 'GET', '/v1/completions');
+    const nf = await rawRequest(server, 'GET', '/v1/embeddings');
     assert.equal(nf.status, 404);
     assert.equal(JSON.parse(nf.body).error.type, 'invalid_request_error');
     const wrong = await rawRequest(server, 'GET', '/v1/chat/completions');

@@ -77,7 +77,7 @@ const INVALID = [
   { name: 'last not user', body: json({ model: MODEL, messages: [user('hi'), { role: 'assistant', content: 'x' }] }), status: 400 },
   { name: 'only tool_response', body: json({ model: MODEL, messages: [user('<tool_response>x</tool_response>')] }), status: 400 },
   { name: 'wrong model', body: json({ model: 'gpt-4', messages: [user('hi')] }), status: 404 },
-  { name: 'unknown route', method: 'POST', path: '/v1/completions', body: '{}', status: 404 },
+  { name: 'unknown route', method: 'POST', path: '/v1/embeddings', body: '{}', status: 404 },
   { name: 'wrong method', method: 'GET', path: '/v1/chat/completions', status: 405 },
   { name: 'delete health', method: 'DELETE', path: '/health', status: 405 },
 ];

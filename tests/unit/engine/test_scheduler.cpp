@@ -122,6 +122,26 @@ TEST(Scheduler, CancellingAQueuedJobRemovesIt) {
   finish(*running);
 }
 
+TEST(Scheduler, StartTimeIsSetWhenTheEngineTakesAJob) {
+  Harness h(2);
+  auto running = occupy_engine(h);
+  ASSERT_TRUE(running->started_at().has_value());
+  const auto submitted = std::chrono::steady_clock::now();
+  auto queued = h.scheduler->submit(job({2}, 2));
+  auto cancelled = h.scheduler->submit(job({3}, 2));
+  EXPECT_FALSE(queued->started_at().has_value());  // still waiting
+  h.scheduler->cancel(cancelled);
+  std::this_thread::sleep_for(5ms);
+  h.backend->open_gate();
+  finish(*running);
+  const auto [done, tokens] = finish(*queued);
+  ASSERT_TRUE(queued->started_at().has_value());
+  EXPECT_GE(*queued->started_at() - submitted, 5ms);  // it waited behind the gated job
+  EXPECT_LE(*queued->started_at(), done.at);
+  EXPECT_EQ(finish(*cancelled).first.result.finish_reason, FinishReason::kCancelled);
+  EXPECT_FALSE(cancelled->started_at().has_value());  // never left the queue for the engine
+}
+
 TEST(Scheduler, RejectsRequestsThatDoNotFitMaxSeq) {
   Harness h(2);
   EXPECT_THROW(h.scheduler->submit(job(std::vector<int32_t>(60, 1), 5)), Error);

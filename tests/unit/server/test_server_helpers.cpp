@@ -78,7 +78,11 @@ TEST(Routes, AllowedMethods) {
   EXPECT_EQ(allowed_methods("/health"), "GET, HEAD");
   EXPECT_EQ(allowed_methods("/v1/models"), "GET, HEAD");
   EXPECT_EQ(allowed_methods("/metrics"), "GET, HEAD");
-  EXPECT_FALSE(allowed_methods("/v1/completions").has_value());
+  EXPECT_EQ(allowed_methods("/v1/completions"), "POST");
+  EXPECT_EQ(allowed_methods("/tokenize"), "POST");
+  EXPECT_EQ(allowed_methods("/detokenize"), "POST");
+  EXPECT_EQ(allowed_methods("/version"), "GET, HEAD");
+  EXPECT_FALSE(allowed_methods("/v1/tokenize").has_value());
   EXPECT_FALSE(allowed_methods("/health/").has_value());
   EXPECT_EQ(allowed_methods("/v1/models/demo"), "GET, HEAD");
   EXPECT_EQ(allowed_methods("/v1/models/org/name"), "GET, HEAD");
@@ -109,6 +113,77 @@ TEST(LogLine, TokensAndErrors) {
             "POST /v1/chat/completions 200 5560ms prompt=27 cached=5 completion=160 tok/s=28.8");
   EXPECT_EQ(request_log_line("POST", "/v1/chat/completions", 400, 3, std::nullopt, "bad \"request\""),
             "POST /v1/chat/completions 400 3ms error=\"bad \\\"request\\\"\"");
+  EXPECT_EQ(request_log_line("GET", "/v1/models", 200, 1, std::nullopt, "", "req_0123"), "GET /v1/models 200 1ms id=req_0123");
+  EXPECT_EQ(request_log_line("POST", "/tokenize", 400, 0, std::nullopt, "no", "abc"),
+            "POST /tokenize 400 0ms error=\"no\" id=abc");
+}
+
+TEST(OpenAiJson, TextCompletionShapes) {
+  const CompletionMeta meta{"cmpl-1", 7, "demo", "lily-x"};
+  const auto whole = text_completion_json(meta, "hi", "stop", Usage{3, 2, 1});
+  EXPECT_EQ(whole.dump(),
+            R"({"id":"cmpl-1","object":"text_completion","created":7,"model":"demo","system_fingerprint":"lily-x",)"
+            R"("choices":[{"text":"hi","index":0,"logprobs":null,"finish_reason":"stop"}],)"
+            R"("usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":1}}})");
+  const auto chunk = text_chunk_json(meta, "a", std::nullopt, true);
+  EXPECT_EQ(chunk["object"], "text_completion");
+  EXPECT_EQ(chunk["choices"][0]["text"], "a");
+  EXPECT_TRUE(chunk["choices"][0]["finish_reason"].is_null());
+  EXPECT_TRUE(chunk.contains("usage") && chunk["usage"].is_null());
+  const auto last = text_chunk_json(meta, "", std::string("length"), false);
+  EXPECT_EQ(last["choices"][0]["finish_reason"], "length");
+  EXPECT_FALSE(last.contains("usage"));
+  const auto usage = usage_chunk_json(meta, Usage{1, 1, 0}, "text_completion");
+  EXPECT_EQ(usage["object"], "text_completion");
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["total_tokens"], 2);
+}
+
+TEST(ProcStat, ParsesFieldsAfterTheCommandName) {
+  // A command name with spaces and parentheses must not shift the fields.
+  const std::string line =
+      "4242 (lily (a) b) S 1 4242 4242 0 -1 4194560 500 0 0 0 250 50 0 0 20 0 7 0 12345 123456789 2000 "
+      "18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 3 0 0 0 0 0";
+  ProcessStats p;
+  ASSERT_TRUE(parse_proc_stat(line, 100.0, 4096, p));
+  EXPECT_DOUBLE_EQ(p.cpu_seconds, 3.0);  // (250 + 50) ticks / 100
+  EXPECT_EQ(p.threads, 7);
+  EXPECT_EQ(p.virtual_bytes, 123456789);
+  EXPECT_EQ(p.resident_bytes, 2000 * 4096);
+  EXPECT_FALSE(parse_proc_stat("4242 (x) S 1 2", 100.0, 4096, p));
+  EXPECT_FALSE(parse_proc_stat("no parenthesis", 100.0, 4096, p));
+}
+
+TEST(ProcStat, ReadsThisProcess) {
+  const ProcessStats p = read_process_stats();
+  EXPECT_GT(p.resident_bytes, 0);
+  EXPECT_GE(p.threads, 1);
+  EXPECT_GE(p.open_fds, 3);  // stdin, stdout, stderr
+  EXPECT_GE(p.max_fds, p.open_fds);
+}
+
+TEST(MetricsText, LabelValuesAreEscaped) {
+  EXPECT_EQ(escape_label_value("plain 1.0"), "plain 1.0");
+  EXPECT_EQ(escape_label_value("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+}
+
+TEST(MetricsText, LatencyProcessAndBuildFamilies) {
+  Metrics m;
+  m.observe_request_duration(0.2);
+  m.observe_queue_time(0.003);
+  m.observe_running_time(0.15);
+  const std::string text = m.render(EngineGauges{});
+  EXPECT_NE(text.find("# TYPE lily_request_duration_seconds histogram\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_request_duration_seconds_bucket{le=\"0.25\"} 1\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_request_duration_seconds_bucket{le=\"0.1\"} 0\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_request_queue_seconds_bucket{le=\"0.005\"} 1\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_request_running_seconds_count 1\n"), std::string::npos);
+  EXPECT_NE(text.find("# TYPE process_resident_memory_bytes gauge\n"), std::string::npos);
+  EXPECT_NE(text.find("# TYPE process_open_fds gauge\n"), std::string::npos);
+  EXPECT_NE(text.find("# TYPE process_threads gauge\n"), std::string::npos);
+  EXPECT_NE(text.find("# TYPE process_cpu_seconds_total counter\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_build_info{version=\""), std::string::npos);
+  EXPECT_NE(text.find("\"} 1\n"), std::string::npos);
 }
 
 TEST(OpenAiJson, CompletionShape) {

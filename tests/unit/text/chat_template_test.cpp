@@ -57,6 +57,23 @@ TEST(RenderChat, ErrorsNameTheProblem) {
   EXPECT_EQ(message_of({user("q"), asst("a")}), "the last message must be from the user");
 }
 
+TEST(RenderChat, WithoutTheGenerationPrompt) {
+  std::vector<ChatMessage> one = {user("Hi")};
+  EXPECT_EQ(render_chat(one, /*add_generation_prompt=*/false), "<|im_start|>user\nHi<|im_end|>\n");
+  // A conversation may then end with the assistant: its answer is rendered as the template's
+  // native path renders an answer after the last query.
+  std::vector<ChatMessage> conversation = {user("q"), asst("A")};
+  EXPECT_EQ(render_chat(conversation, false),
+            "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nA<|im_end|>\n");
+  EXPECT_THROW(render_chat(conversation, true), Error);
+  EXPECT_THROW(render_chat(std::vector<ChatMessage>{asst("a")}, false), Error);  // no user query
+  // The ids without the suffix are a prefix of the ids with it.
+  const auto with = encode_chat(*demo(), one);
+  const auto without = encode_chat(*demo(), one, false);
+  ASSERT_LT(without.size(), with.size());
+  EXPECT_TRUE(std::equal(without.begin(), without.end(), with.begin()));
+}
+
 TEST(EncodeChat, UserTextNeverBecomesControlTokens) {
   auto tok = small_fixture();
   std::vector<ChatMessage> messages = {
