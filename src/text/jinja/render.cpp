@@ -375,7 +375,7 @@ class Interpreter {
         if (i >= 0 && i + 1 < static_cast<int64_t>(offs.size()))
           return obj.str().substr(offs[static_cast<size_t>(i)], offs[static_cast<size_t>(i) + 1] - offs[static_cast<size_t>(i)]);
       }
-      return Value::undefined("'" + obj.type_name() + " object' has no element " + std::to_string(raw));
+      return Value::undefined(obj.type_name() + " object has no element " + std::to_string(raw));
     }
     if (key.is_string()) return get_attr(obj, key.str(), line);
     return Value::undefined("'" + obj.type_name() + " object' has no element " + to_repr(key));

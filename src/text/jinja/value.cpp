@@ -169,7 +169,8 @@ void json_value(std::string& out, const Value& v, const JsonOptions& o, int dept
     out += '}';
     return;
   }
-  throw TemplateRenderError("Object of type " + v.type_name() + " is not JSON serializable");
+  throw TemplateRenderError("Object of type " + (v.is_undefined() ? std::string("Undefined") : v.type_name()) +
+                            " is not JSON serializable");
 }
 
 }  // namespace
@@ -292,6 +293,7 @@ std::string float_repr(double d) {
 }
 
 std::string to_repr(const Value& v) {
+  if (v.is_undefined()) return "Undefined";
   if (v.is_string()) return repr_string(v.str());
   if (v.is_list()) {
     const ListData& l = v.list_data();
