@@ -444,7 +444,7 @@ class Parser {
         ExprPtr e = node(Expr::Kind::kLiteral, line);
         std::string s;
         while (peek().kind == K::kString) s += next().text;  // adjacent literals concatenate
-        e->literal = std::move(s);
+        e->literal = trusted_string(std::move(s));
         return e;
       }
       case K::kInt: {

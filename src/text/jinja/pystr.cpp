@@ -78,7 +78,8 @@ bool is_space(uint32_t cp) {
          cp == 0x205F || cp == 0x3000;
 }
 
-std::string strip(std::string_view s, const std::optional<std::string>& chars, bool left, bool right) {
+std::pair<size_t, size_t> strip_range(std::string_view s, const std::optional<std::string>& chars, bool left,
+                                      bool right) {
   std::vector<uint32_t> set;
   if (chars) set = code_points(*chars);
   auto strippable = [&](uint32_t cp) {
@@ -92,21 +93,27 @@ std::string strip(std::string_view s, const std::optional<std::string>& chars, b
   size_t len = 0;
   while (left && b < e && strippable(decode_at(s, offs[b], len))) ++b;
   while (right && e > b && strippable(decode_at(s, offs[e - 1], len))) --e;
-  return std::string(s.substr(offs[b], offs[e] - offs[b]));
+  return {offs[b], offs[e]};
 }
 
-std::vector<std::string> split(std::string_view s, const std::optional<std::string>& sep, int64_t maxsplit) {
-  std::vector<std::string> out;
+std::string strip(std::string_view s, const std::optional<std::string>& chars, bool left, bool right) {
+  auto [b, e] = strip_range(s, chars, left, right);
+  return std::string(s.substr(b, e - b));
+}
+
+std::vector<std::pair<size_t, size_t>> split_ranges(std::string_view s, const std::optional<std::string>& sep,
+                                                    int64_t maxsplit) {
+  std::vector<std::pair<size_t, size_t>> out;
   if (sep) {
     if (sep->empty()) throw Error("empty separator");
     size_t pos = 0;
     while (maxsplit < 0 || static_cast<int64_t>(out.size()) < maxsplit) {
       size_t hit = s.find(*sep, pos);
       if (hit == std::string_view::npos) break;
-      out.emplace_back(s.substr(pos, hit - pos));
+      out.emplace_back(pos, hit);
       pos = hit + sep->size();
     }
-    out.emplace_back(s.substr(pos));
+    out.emplace_back(pos, s.size());
     return out;
   }
   size_t i = 0, len = 0;
@@ -116,14 +123,20 @@ std::vector<std::string> split(std::string_view s, const std::optional<std::stri
   skip_space();
   while (i < s.size()) {
     if (maxsplit >= 0 && static_cast<int64_t>(out.size()) == maxsplit) {
-      out.emplace_back(s.substr(i));  // the rest, unsplit (as Python)
+      out.emplace_back(i, s.size());  // the rest, unsplit (as Python)
       return out;
     }
     size_t start = i;
     while (i < s.size() && !is_space(decode_at(s, i, len))) i += len;
-    out.emplace_back(s.substr(start, i - start));
+    out.emplace_back(start, i);
     skip_space();
   }
+  return out;
+}
+
+std::vector<std::string> split(std::string_view s, const std::optional<std::string>& sep, int64_t maxsplit) {
+  std::vector<std::string> out;
+  for (auto [b, e] : split_ranges(s, sep, maxsplit)) out.emplace_back(s.substr(b, e - b));
   return out;
 }
 

@@ -16,9 +16,17 @@ std::vector<size_t> code_point_offsets(std::string_view s);
 size_t length(std::string_view s);
 /// Python str.isspace for one code point.
 bool is_space(uint32_t cp);
-/// str.strip/lstrip/rstrip; `chars` nullopt = whitespace, else the set of code points in it.
+/// Byte range [first, second) that str.strip/lstrip/rstrip keeps; `chars` nullopt = whitespace,
+/// else the set of code points in it.
+std::pair<size_t, size_t> strip_range(std::string_view s, const std::optional<std::string>& chars, bool left,
+                                      bool right);
+/// str.strip/lstrip/rstrip (the text of strip_range).
 std::string strip(std::string_view s, const std::optional<std::string>& chars, bool left, bool right);
-/// str.split(sep, maxsplit); nullopt sep = runs of whitespace. Throws lily::Error on an empty sep.
+/// Byte ranges of the parts of str.split(sep, maxsplit); nullopt sep = runs of whitespace.
+/// Throws lily::Error on an empty sep.
+std::vector<std::pair<size_t, size_t>> split_ranges(std::string_view s, const std::optional<std::string>& sep,
+                                                    int64_t maxsplit);
+/// str.split (the texts of split_ranges).
 std::vector<std::string> split(std::string_view s, const std::optional<std::string>& sep, int64_t maxsplit);
 /// str.replace(old, new, count); count < 0 = all.
 std::string replace(std::string_view s, std::string_view old, std::string_view repl, int64_t count);

@@ -51,7 +51,7 @@ class Interpreter {
   }
 
   /// Renders a body into `out`.
-  void run(const Body& body, std::string& out) {
+  void run(const Body& body, MarkedText& out) {
     if (exec(body, out, root_) != Flow::kNormal) fail(0, "'break' or 'continue' outside of a loop");
   }
 
@@ -100,7 +100,7 @@ class Interpreter {
 
   // --- statements ---------------------------------------------------------------------------
 
-  Flow exec(const Body& body, std::string& out, Scope& scope) {
+  Flow exec(const Body& body, MarkedText& out, Scope& scope) {
     for (const StmtPtr& s : body) {
       Flow f = exec(*s, out, scope);
       if (f != Flow::kNormal) return f;
@@ -108,15 +108,15 @@ class Interpreter {
     return Flow::kNormal;
   }
 
-  Flow exec(const Stmt& s, std::string& out, Scope& scope) {
+  Flow exec(const Stmt& s, MarkedText& out, Scope& scope) {
     step(s.line);
     switch (s.kind) {
       case Stmt::Kind::kText:
-        out += s.text;
+        out.append(s.text, /*trusted=*/true);
         check_size(out.size(), s.line);
         return Flow::kNormal;
       case Stmt::Kind::kOutput:
-        out += to_str(eval(*s.expr, scope));
+        out.append(eval(*s.expr, scope));
         check_size(out.size(), s.line);
         return Flow::kNormal;
       case Stmt::Kind::kIf:
@@ -144,7 +144,7 @@ class Interpreter {
       std::vector<Value> chars;
       const std::string& s = v.str();
       std::vector<size_t> offs = pystr::code_point_offsets(s);
-      for (size_t i = 0; i + 1 < offs.size(); ++i) chars.emplace_back(s.substr(offs[i], offs[i + 1] - offs[i]));
+      for (size_t i = 0; i + 1 < offs.size(); ++i) chars.push_back(substring(v, offs[i], offs[i + 1]));
       return chars;
     }
     if (v.is_undefined()) return {};
@@ -163,7 +163,7 @@ class Interpreter {
     for (size_t i = 0; i < targets.size(); ++i) scope.vars[targets[i]] = items[i];
   }
 
-  void exec_for(const Stmt& s, std::string& out, Scope& scope) {
+  void exec_for(const Stmt& s, MarkedText& out, Scope& scope) {
     std::vector<Value> items = iterate(eval(*s.expr, scope), s.line);
     if (s.cond) {  // `for x in xs if cond`: the filter sees the loop variables, not `loop`
       std::vector<Value> kept;
@@ -210,11 +210,11 @@ class Interpreter {
     if (s.expr) {
       v = eval(*s.expr, scope);
     } else {
-      std::string body;
+      MarkedText body;
       Scope inner;
       inner.parent = &scope;
       exec(s.bodies[0], body, inner);
-      v = std::move(body);
+      v = body.take();
     }
     if (!s.target_object.empty()) {
       Value ns = lookup(scope, s.target_object);
@@ -257,9 +257,9 @@ class Interpreter {
           m.defaults[i] ? eval(*m.defaults[i], scope)
                         : Value::undefined("parameter '" + m.targets[i] + "' was not provided");
     }
-    std::string out;
+    MarkedText out;
     exec(m.bodies[0], out, scope);
-    return out;
+    return out.take();
   }
 
   // --- expressions --------------------------------------------------------------------------
@@ -373,7 +373,7 @@ class Interpreter {
         std::vector<size_t> offs = pystr::code_point_offsets(obj.str());
         int64_t i = normalize_index(raw, offs.size() - 1);
         if (i >= 0 && i + 1 < static_cast<int64_t>(offs.size()))
-          return obj.str().substr(offs[static_cast<size_t>(i)], offs[static_cast<size_t>(i) + 1] - offs[static_cast<size_t>(i)]);
+          return substring(obj, offs[static_cast<size_t>(i)], offs[static_cast<size_t>(i) + 1]);
       }
       return Value::undefined(obj.type_name() + " object has no element " + std::to_string(raw));
     }
@@ -425,9 +425,9 @@ class Interpreter {
     if (obj.is_string()) {
       const std::string& s = obj.str();
       std::vector<size_t> offs = pystr::code_point_offsets(s);
-      std::string out;
-      for (size_t i : slice_indices(offs.size() - 1, start, stop, step.value_or(1))) out += s.substr(offs[i], offs[i + 1] - offs[i]);
-      return out;
+      MarkedText out;
+      for (size_t i : slice_indices(offs.size() - 1, start, stop, step.value_or(1))) out.append_range(obj, offs[i], offs[i + 1]);
+      return out.take();
     }
     fail(e.line, "'" + obj.type_name() + "' object is not subscriptable");
   }
@@ -493,13 +493,15 @@ class Interpreter {
         }
         return test(*p);
       }
-      if (name == "strip" || name == "lstrip" || name == "rstrip")
-        return pystr::strip(s, optional_string(a, 0, "chars"), name != "rstrip", name != "lstrip");
+      if (name == "strip" || name == "lstrip" || name == "rstrip") {
+        auto [b, e] = pystr::strip_range(s, optional_string(a, 0, "chars"), name != "rstrip", name != "lstrip");
+        return substring(obj, b, e);
+      }
       if (name == "split") {
         std::vector<Value> parts;
         try {
-          for (auto& p : pystr::split(s, optional_string(a, 0, "sep"), int_arg(a, 1, "maxsplit", -1, line)))
-            parts.emplace_back(std::move(p));
+          for (auto [b, e] : pystr::split_ranges(s, optional_string(a, 0, "sep"), int_arg(a, 1, "maxsplit", -1, line)))
+            parts.push_back(substring(obj, b, e));
         } catch (const Error& err) {
           fail(line, err.what());
         }
@@ -509,9 +511,12 @@ class Interpreter {
       if (name == "lower") return pystr::lower(s);
       if (name == "title") return pystr::title(s);
       if (name == "capitalize") return pystr::capitalize(s);
-      if (name == "replace")
-        return pystr::replace(s, string_arg(a, 0, "old", "replace", line), string_arg(a, 1, "new", "replace", line),
-                              int_arg(a, 2, "count", -1, line));
+      if (name == "replace") {
+        string_arg(a, 0, "old", "replace", line);
+        string_arg(a, 1, "new", "replace", line);
+        return replace(obj, a.positional.size() > 0 ? a.positional[0] : *a.kw("old"),
+                       a.positional.size() > 1 ? a.positional[1] : *a.kw("new"), int_arg(a, 2, "count", -1, line), line);
+      }
       if (name == "find") {
         size_t at = s.find(string_arg(a, 0, "sub", "find", line));
         return at == std::string::npos ? int64_t{-1} : static_cast<int64_t>(pystr::length(s.substr(0, at)));
@@ -519,16 +524,16 @@ class Interpreter {
       if (name == "join") {
         const Value* it = arg(a, 0, "iterable");
         if (!it) fail(line, "join() takes exactly one argument");
-        std::string out;
+        MarkedText out;
         bool first = true;
         for (const Value& x : iterate(*it, line)) {
           if (!x.is_string()) fail(line, "sequence item: expected str instance, " + x.type_name() + " found");
-          if (!first) out += s;
+          if (!first) out.append(obj);
           first = false;
-          out += x.str();
+          out.append(x);
           check_size(out.size(), line);
         }
-        return out;
+        return out.take();
       }
     }
     if (obj.is_dict()) {
@@ -554,6 +559,38 @@ class Interpreter {
       }
     }
     fail(line, "'" + obj.type_name() + " object' has no method '" + name + "'");
+  }
+
+  // str.replace keeping provenance: unchanged parts keep theirs, inserted parts `repl`'s.
+  Value replace(const Value& s, const Value& old, const Value& repl, int64_t count, int line) {
+    const std::string& text = s.str();
+    const std::string& o = old.str();
+    MarkedText out;
+    int64_t done = 0;
+    if (o.empty()) {
+      std::vector<size_t> offs = pystr::code_point_offsets(text);
+      for (size_t k = 0; k < offs.size(); ++k) {
+        if (count < 0 || done < count) {
+          out.append(repl);
+          ++done;
+        }
+        if (k + 1 < offs.size()) out.append_range(s, offs[k], offs[k + 1]);
+        check_size(out.size(), line);
+      }
+      return out.take();
+    }
+    size_t pos = 0;
+    while (count < 0 || done < count) {
+      size_t hit = text.find(o, pos);
+      if (hit == std::string::npos) break;
+      out.append_range(s, pos, hit);
+      out.append(repl);
+      check_size(out.size(), line);
+      pos = hit + o.size();
+      ++done;
+    }
+    out.append_range(s, pos, text.size());
+    return out.take();
   }
 
   static Value items_of(const Value& dict) {
@@ -593,9 +630,11 @@ class Interpreter {
     if (op == "in") return contains(r, l, e.line);
     if (op == "not in") return !contains(r, l, e.line);
     if (op == "~") {
-      std::string s = to_str(l) + to_str(r);
-      check_size(s.size(), e.line);
-      return s;
+      MarkedText m;
+      m.append(l);
+      m.append(r);
+      check_size(m.size(), e.line);
+      return m.take();
     }
     if (l.is_undefined()) undefined_error(l, e.line);
     if (r.is_undefined()) undefined_error(r, e.line);
@@ -617,7 +656,10 @@ class Interpreter {
     if (op == "+") {
       if (l.is_string() && r.is_string()) {
         check_size(l.str().size() + r.str().size(), e.line);
-        return l.str() + r.str();
+        MarkedText m;
+        m.append(l);
+        m.append(r);
+        return m.take();
       }
       if (l.is_list() && r.is_list()) {
         std::vector<Value> items = l.list_data().items;
@@ -711,8 +753,12 @@ class Interpreter {
         fail(line, err.what());
       }
     }
-    if (name == "string") return to_str(v);
-    if (name == "trim") return pystr::strip(to_str(v), optional_string(a, 0, "chars"), true, true);
+    if (name == "string") return v.is_string() ? v : Value(to_str(v));
+    if (name == "trim") {
+      Value str = v.is_string() ? v : Value(to_str(v));
+      auto [b, e] = pystr::strip_range(str.str(), optional_string(a, 0, "chars"), true, true);
+      return substring(str, b, e);
+    }
     if (name == "upper") return pystr::upper(to_str(v));
     if (name == "lower") return pystr::lower(to_str(v));
     if (name == "capitalize") return pystr::capitalize(to_str(v));
@@ -721,7 +767,8 @@ class Interpreter {
       const Value* old_v = arg(a, 0, "old");
       const Value* new_v = arg(a, 1, "new");
       if (!old_v || !new_v) fail(line, "replace filter needs old and new strings");
-      return pystr::replace(to_str(v), to_str(*old_v), to_str(*new_v), int_arg(a, 2, "count", -1, line));
+      auto as_string = [](const Value& x) { return x.is_string() ? x : Value(to_str(x)); };
+      return replace(as_string(v), as_string(*old_v), as_string(*new_v), int_arg(a, 2, "count", -1, line), line);
     }
     if (name == "default" || name == "d") {
       const Value* def = arg(a, 0, "default_value");
@@ -750,26 +797,27 @@ class Interpreter {
     if (name == "reverse") {
       if (v.is_string()) {
         std::vector<Value> chars = iterate(v, line);
-        std::string out;
-        for (auto it = chars.rbegin(); it != chars.rend(); ++it) out += it->str();
-        return out;
+        MarkedText out;
+        for (auto it = chars.rbegin(); it != chars.rend(); ++it) out.append(*it);
+        return out.take();
       }
       std::vector<Value> items = iterate(v, line);
       std::reverse(items.begin(), items.end());
       return Value::list(std::move(items));
     }
     if (name == "join") {
-      std::string sep = optional_string(a, 0, "d").value_or("");
+      const Value* sep_arg = arg(a, 0, "d");
+      const Value sep = sep_arg && sep_arg->is_string() ? *sep_arg : Value(sep_arg ? to_str(*sep_arg) : std::string());
       const Value* attribute = arg(a, 1, "attribute");
-      std::string out;
+      MarkedText out;
       bool first = true;
       for (const Value& x : iterate(v, line)) {
-        if (!first) out += sep;
+        if (!first) out.append(sep);
         first = false;
-        out += to_str(attribute && !attribute->is_none() ? attribute_path(x, to_str(*attribute), line) : x);
+        out.append(attribute && !attribute->is_none() ? attribute_path(x, to_str(*attribute), line) : x);
         check_size(out.size(), line);
       }
-      return out;
+      return out.take();
     }
     if (name == "int") {
       if (v.is_int()) return v;
@@ -988,13 +1036,15 @@ Template::~Template() = default;
 Template::Template(Template&&) noexcept = default;
 Template& Template::operator=(Template&&) noexcept = default;
 
-std::string Template::render(const Value& context) const {
+RenderedText Template::render_marked(const Value& context) const {
   if (!context.is_dict()) throw TemplateRenderError("line 0: the template context must be a dict");
   Interpreter in(context);
-  std::string out;
+  MarkedText out;
   in.run(program_->body, out);
-  return out;
+  return {out.text(), out.trusted()};
 }
+
+std::string Template::render(const Value& context) const { return render_marked(context).text; }
 
 std::string Template::render(const nlohmann::ordered_json& context) const { return render(from_json(context)); }
 

@@ -22,6 +22,12 @@ namespace lily::jinja {
 
 struct Program;
 
+/// Rendered text with the byte ranges that came from the template's own text (see TrustSpans).
+struct RenderedText {
+  std::string text;
+  TrustSpans trusted;
+};
+
 /// A parsed template. Immutable; render() may be called from several threads at once.
 class Template {
  public:
@@ -37,6 +43,9 @@ class Template {
   std::string render(const Value& context) const;
   /// As above with a JSON object (member order kept).
   std::string render(const nlohmann::ordered_json& context) const;
+  /// As render(), with the provenance of every byte: what the template wrote itself (its
+  /// literals, kept through concatenation, trim, slicing, ...) versus what came from `context`.
+  RenderedText render_marked(const Value& context) const;
 
  private:
   std::unique_ptr<const Program> program_;

@@ -406,6 +406,63 @@ int compare(const Value& a, const Value& b) {
   throw TemplateRenderError("'<' not supported between instances of '" + a.type_name() + "' and '" + b.type_name() + "'");
 }
 
+Value trusted_string(std::string s) {
+  Value v(std::move(s));
+  if (!v.str().empty()) v.trust = std::make_shared<const TrustSpans>(TrustSpans{{0, v.str().size()}});
+  return v;
+}
+
+void MarkedText::add_span(size_t begin, size_t end) {
+  if (begin >= end) return;
+  if (!trusted_.empty() && trusted_.back().second == begin) {
+    trusted_.back().second = end;
+  } else {
+    trusted_.emplace_back(begin, end);
+  }
+}
+
+void MarkedText::append(std::string_view s, bool trusted) {
+  const size_t at = text_.size();
+  text_ += s;
+  if (trusted) add_span(at, text_.size());
+}
+
+void MarkedText::append(const Value& v) {
+  if (!v.is_string()) {
+    append(to_str(v), false);
+    return;
+  }
+  append_range(v, 0, v.str().size());
+}
+
+void MarkedText::append_range(const Value& v, size_t begin, size_t end) {
+  const std::string& s = v.str();
+  end = std::min(end, s.size());
+  if (begin >= end) return;
+  const size_t at = text_.size();
+  text_.append(s, begin, end - begin);
+  if (!v.trust) return;
+  for (const auto& [b, e] : *v.trust) {
+    const size_t lo = std::max(b, begin), hi = std::min(e, end);
+    if (lo < hi) add_span(at + lo - begin, at + hi - begin);
+  }
+}
+
+Value MarkedText::take() {
+  Value v(std::move(text_));
+  if (!trusted_.empty()) v.trust = std::make_shared<const TrustSpans>(std::move(trusted_));
+  text_.clear();
+  trusted_.clear();
+  return v;
+}
+
+Value substring(const Value& v, size_t begin, size_t end) {
+  if (!v.trust) return Value(v.str().substr(begin, end > begin ? end - begin : 0));
+  MarkedText m;
+  m.append_range(v, begin, end);
+  return m.take();
+}
+
 Value from_json(const nlohmann::ordered_json& j) { return from_json_impl(j); }
 Value from_json(const nlohmann::json& j) { return from_json_impl(j); }
 

@@ -65,12 +65,21 @@ struct Undefined {
 struct ListData;
 struct DictData;
 
+/// Byte ranges [begin, end) of a string value that came from the template's own text (its
+/// literals), sorted, disjoint and not adjacent. Everything else in a string came from the
+/// context (message content, tools, ...): chat_template.cpp encodes only the template's own
+/// text with control tokens. Propagated by concatenation, output, macros, block set,
+/// trim/strip, slicing, split, replace, join and pass-through filters; any other operation
+/// yields context text (the safe side: its markers stay plain text).
+using TrustSpans = std::vector<std::pair<size_t, size_t>>;
+
 /// One template value. Copies share lists, dicts and namespaces.
 struct Value {
   using Storage = std::variant<Undefined, std::nullptr_t, bool, int64_t, double, std::string,
                                std::shared_ptr<ListData>, std::shared_ptr<DictData>,
                                std::shared_ptr<const Function>>;
   Storage v;
+  std::shared_ptr<const TrustSpans> trust;  ///< strings only; nullptr: no template text
 
   Value() : v(Undefined{}) {}
   Value(std::nullptr_t) : v(nullptr) {}
@@ -140,6 +149,33 @@ struct DictData {
   /// Sets `key` (replaces in place, else appends).
   void set(const std::string& key, Value value);
 };
+
+/// A string value whose bytes all came from the template's own text.
+Value trusted_string(std::string s);
+
+/// A string being built from pieces of known provenance (the renderer's output, concatenations).
+class MarkedText {
+ public:
+  /// Appends a value: a string with its trust spans, anything else as to_str() (context text).
+  void append(const Value& v);
+  /// Appends raw text, all template text or all context text.
+  void append(std::string_view s, bool trusted);
+  /// Appends bytes [begin, end) of string value `v` with their trust spans.
+  void append_range(const Value& v, size_t begin, size_t end);
+  const std::string& text() const { return text_; }
+  const TrustSpans& trusted() const { return trusted_; }
+  size_t size() const { return text_.size(); }
+  /// The string value built so far (the builder is left empty).
+  Value take();
+
+ private:
+  void add_span(size_t begin, size_t end);
+  std::string text_;
+  TrustSpans trusted_;
+};
+
+/// Bytes [begin, end) of string value `v`, keeping their trust spans.
+Value substring(const Value& v, size_t begin, size_t end);
 
 /// Python str(value): "None", "True", repr of lists and dicts; Undefined is "".
 std::string to_str(const Value& v);
