@@ -10,12 +10,15 @@ import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import fs from 'node:fs';
 import path from 'node:path';
+import os from 'node:os';
 import { test } from 'node:test';
 import { Template } from '@huggingface/jinja';
+import { Tokenizer } from 'tokenizers';
 
 const SOURCE_DIR = process.env.LILY_SOURCE_DIR ?? path.resolve(import.meta.dirname, '../..');
 const BUILD_DIR = process.env.LILY_BUILD_DIR ?? path.dirname(process.env.LILY_BIN ?? path.join(SOURCE_DIR, 'build/lily'));
 const RENDER_BIN = path.join(BUILD_DIR, 'tests/jinja_render');
+const LILY_BIN = process.env.LILY_BIN ?? path.join(BUILD_DIR, 'lily');
 const fixture = (name) => path.join(SOURCE_DIR, name);
 
 /** Renders each {template|source, context} with lily; returns the replies in order. */
@@ -192,4 +195,67 @@ test('whitespace control: trim_blocks, lstrip_blocks, - modifiers, comments, tra
     assert.equal(replies[i].error, undefined, `${JSON.stringify(source)}: ${replies[i].error}`);
     assert.equal(replies[i].text, hfRender(null, source, { x: 'X' }).text, JSON.stringify(source));
   });
+});
+
+// `lily tokenize --model DIR --render-messages`: the prompt of the checkpoint's own template.
+function lilyPrompt(modelDir, messages) {
+  const res = spawnSync(LILY_BIN, ['tokenize', '--model', modelDir, '--render-messages', JSON.stringify(messages), '--json'],
+    { encoding: 'utf8' });
+  if (res.status !== 0) return { error: res.stderr.trim() };
+  return JSON.parse(res.stdout);
+}
+
+const THINK_BLOCK = '<think>\n\n</think>\n\n';
+// What lily passes for earlier assistant turns when a template drops their think block
+// (src/text/chat_template.h): the empty block the generation prompt ended with.
+function nothinkRewrite(messages) {
+  let lastQuery = -1;
+  for (let i = messages.length - 1; i >= 0 && lastQuery < 0; i--) {
+    const c = messages[i].content.trim();
+    if (messages[i].role === 'user' && !(c.startsWith('<tool_response>') && c.endsWith('</tool_response>'))) lastQuery = i;
+  }
+  return messages.map((m, i) => (m.role !== 'assistant' || i > lastQuery ? m
+    : { ...m, content: m.content.startsWith(THINK_BLOCK) ? m.content : THINK_BLOCK + m.content, reasoning_content: '' }));
+}
+
+const PROMPT_LISTS = [
+  [user('What is the capital of France?')],
+  [sys('You are terse.'), user('Hi'), asst('Hello! How can I help?'), user('Tell me a joke.')],
+  [user('q'), asst('<think>\nplan\n</think>\n\nanswer'), user('q2')],
+  [sys(SPECIALS), user(UNICODE), asst('ok'), user('<tool_response>\n42\n</tool_response>')],
+];
+
+test('lily tokenize renders the checkpoint\'s chat_template.jinja (demo model), ids as Hugging Face encodes the text', async () => {
+  const demoDir = fixture('models/demo');
+  const hf = Tokenizer.fromFile(path.join(demoDir, 'tokenizer.json'));
+  for (const messages of PROMPT_LISTS) {
+    const got = lilyPrompt(demoDir, messages);
+    const want = hfRender(path.join(demoDir, 'chat_template.jinja'), null, { messages, add_generation_prompt: true, enable_thinking: false });
+    assert.equal(got.error, undefined, got.error);
+    assert.equal(got.text, want.text, JSON.stringify(messages));
+    if (!messages.some((m) => /<[|/]?[a-z_]+\|?>/.test(m.content)))
+      assert.deepEqual(got.ids, (await hf.encode(got.text, null, { addSpecialTokens: false })).getIds(), 'ids');
+  }
+});
+
+test('a checkpoint with another template (Qwen3.5/3.6 style) is rendered with it, history think blocks restored', () => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'lily-jinja-'));
+  try {
+    for (const f of ['config.json', 'tokenizer.json', 'tokenizer_config.json', 'model.safetensors'])
+      fs.symlinkSync(path.join(SOURCE_DIR, 'models/demo', f), path.join(dir, f));
+    const file = fixture('tests/fixtures/jinja/qwen3_6_tools.jinja');
+    fs.copyFileSync(file, path.join(dir, 'chat_template.jinja'));
+    for (const messages of PROMPT_LISTS) {
+      const got = lilyPrompt(dir, messages);
+      const want = hfRender(file, null, { messages: nothinkRewrite(messages), add_generation_prompt: true, enable_thinking: false });
+      assert.equal(got.error, undefined, got.error);
+      assert.equal(got.text, want.text, JSON.stringify(messages));
+    }
+    // An unsupported construct is refused with the file and line.
+    fs.writeFileSync(path.join(dir, 'chat_template.jinja'), 'ok\n{% include "x" %}\n');
+    const refused = lilyPrompt(dir, [user('hi')]);
+    assert.match(refused.error, /chat_template\.jinja: line 2: unsupported tag 'include'/);
+  } finally {
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
 });
