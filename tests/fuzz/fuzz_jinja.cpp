@@ -1,9 +1,10 @@
 // libFuzzer target: the chat-template engine (src/text/jinja). The input is a template source
-// (arbitrary bytes); when it parses, it is rendered twice with a fixed chat context (messages
-// with tool calls, tools, the thinking switches). Allowed: TemplateSyntaxError from parsing,
-// TemplateRenderError or TemplateRaisedError from rendering (all lily::Error). Invariants:
-// rendering is deterministic (both renders agree, unless the template reads the clock), and
-// the parse / render limits hold (no stack overflow, time-out or out-of-memory on any input).
+// (arbitrary bytes); when it parses, it is rendered with a fixed chat context (messages with
+// tool calls, tools, the thinking switches). Allowed: TemplateSyntaxError from parsing,
+// TemplateRenderError or TemplateRaisedError from rendering (all lily::Error). Invariants: the
+// parse and render limits hold (no stack overflow, time-out or out-of-memory on any input), and
+// the rendered text's template-text spans (what chat_template.cpp encodes with control tokens)
+// are sorted, disjoint, non-empty, not adjacent and inside the text.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -35,6 +36,7 @@ const nlohmann::ordered_json& context() {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const lily::jinja::Value ctx = lily::jinja::from_json(context());
   const std::string_view source(reinterpret_cast<const char*>(data), size);
   std::optional<lily::jinja::Template> tmpl;
   try {
@@ -44,25 +46,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } catch (const std::exception& e) {
     lily::fuzz::unexpected_exception(e);
   }
-  std::string first, second;
-  bool failed_first = false, failed_second = false;
+  lily::jinja::RenderedText out;
   try {
-    first = tmpl->render(context());
+    out = tmpl->render_marked(ctx);
   } catch (const lily::Error&) {
-    failed_first = true;
+    return 0;
   } catch (const std::exception& e) {
     lily::fuzz::unexpected_exception(e);
   }
-  try {
-    second = tmpl->render(context());
-  } catch (const lily::Error&) {
-    failed_second = true;
-  } catch (const std::exception& e) {
-    lily::fuzz::unexpected_exception(e);
-  }
-  if (source.find("strftime_now") == std::string_view::npos) {
-    FUZZ_ASSERT(failed_first == failed_second, "one render failed, the other did not");
-    FUZZ_ASSERT(first == second, "two renders of one template differ");
+  size_t previous_end = 0;
+  for (size_t i = 0; i < out.trusted.size(); ++i) {
+    const auto [begin, end] = out.trusted[i];
+    FUZZ_ASSERT(begin < end && end <= out.text.size(), std::to_string(begin) + ".." + std::to_string(end));
+    FUZZ_ASSERT(i == 0 || begin > previous_end, "spans overlap or touch at " + std::to_string(begin));
+    previous_end = end;
   }
   return 0;
 }

@@ -177,7 +177,7 @@ class Parser {
     s->targets = parse_targets("for");
     if (!is_name("in")) fail(peek().line, "expected 'in' in 'for' tag, found " + describe(peek()));
     next();
-    s->expr = parse_tuple(false, /*allow_if_filter=*/false);
+    s->expr = parse_tuple(false);
     if (is_name("if")) {
       next();
       s->cond = parse_expression(true);
@@ -267,8 +267,7 @@ class Parser {
   }
 
   // `a, b, c` (a tuple) or one expression.
-  ExprPtr parse_tuple(bool allow_cond, bool allow_if_filter = true) {
-    (void)allow_if_filter;
+  ExprPtr parse_tuple(bool allow_cond) {
     const int line = peek().line;
     ExprPtr first = parse_expression(allow_cond);
     if (!is_op(",")) return first;
@@ -348,7 +347,6 @@ class Parser {
   ExprPtr parse_compare() {
     ExprPtr l = parse_math1();
     ExprPtr result;
-    ExprPtr prev_right_copy;
     for (;;) {
       std::string op;
       const int line = peek().line;

@@ -56,7 +56,7 @@ std::string repr_string(std::string_view s) {
       std::snprintf(buf, sizeof buf, "\\x%02x", c);
       out += buf;
     } else if (c == 0xC2 && i + 1 < s.size() && static_cast<unsigned char>(s[i + 1]) >= 0x80 &&
-               static_cast<unsigned char>(s[i + 1]) <= 0xA0 && static_cast<unsigned char>(s[i + 1]) != 0xA0) {
+               static_cast<unsigned char>(s[i + 1]) <= 0x9F) {
       char buf[8];  // C1 controls U+0080..U+009F are not printable
       std::snprintf(buf, sizeof buf, "\\x%02x", static_cast<unsigned char>(s[i + 1]) & 0xFF);
       out += buf;
@@ -102,7 +102,6 @@ void json_string(std::string& out, std::string_view s, bool ensure_ascii) {
       continue;
     }
     std::string_view seq = s.substr(i, len);
-    std::vector<size_t> unused;
     uint32_t cp = 0;
     auto b = [&](size_t k) { return static_cast<uint32_t>(static_cast<uint8_t>(seq[k])); };
     if (len == 2) cp = ((b(0) & 0x1F) << 6) | (b(1) & 0x3F);
