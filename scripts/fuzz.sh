@@ -6,7 +6,7 @@
 # (> 10 s for one input) or out-of-memory. New corpus entries stay in build-fuzz/ (not in git).
 #
 #   FUZZ_SECONDS   seconds per target (default 60)
-#   FUZZ_TARGETS   space-separated subset (default: all five)
+#   FUZZ_TARGETS   space-separated subset (default: all six)
 #   FUZZ_BUILD     build directory (default build-fuzz)
 #   FUZZ_RUNS      if set: run exactly this many inputs per target from seed FUZZ_SEED (default 1)
 #                  instead of a time budget, so the run is reproducible (scripts/test.sh, CI)
@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_PER_TARGET=${FUZZ_SECONDS:-60}
-TARGETS=${FUZZ_TARGETS:-"fuzz_safetensors fuzz_config fuzz_tokenizer fuzz_chat_template fuzz_request"}
+TARGETS=${FUZZ_TARGETS:-"fuzz_safetensors fuzz_config fuzz_tokenizer fuzz_chat_template fuzz_request fuzz_jinja"}
 BUILD=${FUZZ_BUILD:-build-fuzz}
 if [ -n "${FUZZ_RUNS:-}" ]; then
   BUDGET=(-runs="$FUZZ_RUNS" -seed="${FUZZ_SEED:-1}")

@@ -82,14 +82,15 @@ std::shared_ptr<const Tokenizer> load_tokenizer(const std::filesystem::path& dir
   }
 }
 
-std::vector<int32_t> build_prompt(const GenerateFlags& f, const Tokenizer* tok, int vocab) {
+std::vector<int32_t> build_prompt(const GenerateFlags& f, const Tokenizer* tok, const std::filesystem::path& dir,
+                                  int vocab) {
   const int given = !f.prompt.empty() + !f.prompt_ids.empty() + !f.messages.empty();
   if (given != 1) throw Error("give exactly one of --prompt, --prompt-ids, --messages");
   if (!f.prompt_ids.empty()) return parse_prompt_ids(f.prompt_ids, vocab);
-  if (!f.messages.empty()) return encode_chat(*tok, parse_messages_flag(f.messages));
+  if (!f.messages.empty()) return ChatTemplate::for_model(dir)->encode(*tok, parse_messages_flag(f.messages));
   if (f.raw) return tok->encode(f.prompt, /*allow_special=*/true);
   const ChatMessage user{ChatRole::kUser, f.prompt};
-  return encode_chat(*tok, std::span<const ChatMessage>(&user, 1));
+  return ChatTemplate::for_model(dir)->encode(*tok, std::span<const ChatMessage>(&user, 1));  // the checkpoint's template
 }
 
 void print_json(const std::vector<int32_t>& prompt, const GenerationResult& r) {
@@ -128,7 +129,7 @@ void run_generate(const GenerateFlags& f) {
   const ModelConfig config = load_model_config(dir);
   auto tokenizer = load_tokenizer(dir, f.prompt_ids.empty());
   if (!f.stop.empty() && !tokenizer) throw Error("--stop needs a tokenizer");
-  const std::vector<int32_t> prompt = build_prompt(f, tokenizer.get(), config.vocab);
+  const std::vector<int32_t> prompt = build_prompt(f, tokenizer.get(), dir, config.vocab);
   const int64_t limit = context_limit(f, config);
   const std::string limit_name = f.max_seq > 0 ? "--max-seq " + std::to_string(limit)
                                                : "the checkpoint's context of " + std::to_string(limit) +

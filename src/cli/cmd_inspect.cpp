@@ -1,7 +1,8 @@
 // `lily inspect DIR [--json]`: loads and validates a checkpoint (model/loader.h) and prints its
 // summary: shape name, layers by type, experts, bits per tensor kind, parameters, bytes on disk,
 // skipped tensors. A checkpoint that fails validation exits 1 with the loader's one-line error;
-// so does one whose tokenizer.json (or tokenizer_config.json) `lily serve` would refuse.
+// so does one whose tokenizer.json, tokenizer_config.json or chat template `lily serve` would
+// refuse.
 // Sizes are binary (KiB, MiB, GiB: powers of 1024).
 #include <cstdio>
 #include <map>
@@ -16,6 +17,7 @@
 #include "io/checkpoint.h"
 #include "model/loader.h"
 #include "model/tensor_table.h"
+#include "text/chat_template.h"
 #include "text/tokenizer.h"
 
 namespace lily::cli {
@@ -150,9 +152,10 @@ void register_inspect(CLI::App& app, int& exit_code) {
     LoadOptions options;
     options.show_progress = true;
     auto weights = load_model(*dir, options);
-    // The same checks `lily serve` makes before it serves: tokenizer.json must load, and
-    // tokenizer_config.json (when present) must be a JSON object.
+    // The same checks `lily serve` makes before it serves: tokenizer.json must load,
+    // tokenizer_config.json (when present) must be a JSON object, and the chat template must parse.
     auto tokenizer = Tokenizer::from_file(std::filesystem::path(*dir) / "tokenizer.json");
+    ChatTemplate::for_model(*dir);
     stop_token_ids(weights->config, *dir, tokenizer.get());
     const auto summary = summary_json(*dir, *weights, *tokenizer);
     if (*as_json) std::printf("%s\n", summary.dump().c_str());

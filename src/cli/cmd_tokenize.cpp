@@ -3,8 +3,10 @@
 // (--model defaults to the repository's models/demo, as for serve, generate and bench)
 //   lily tokenize --model DIR [--json] [--special] TEXT      ids of TEXT ("1,2,3" or {"ids":[…]})
 //   lily tokenize --model DIR --decode 1,2,3 [--keep-special] the text of ids
-//   lily tokenize --model DIR --render-messages JSON [--json] the chat prompt (text, or text+ids)
-//   lily tokenize --tokenizer FILE --batch-jsonl FILE|-       one JSON request per line (tests)
+//   lily tokenize --model DIR --render-messages JSON [--json] the chat prompt (text, or text+ids),
+//                                                            rendered with the checkpoint's template
+//   lily tokenize --tokenizer FILE --batch-jsonl FILE|-       one JSON request per line (tests);
+//                      with --tokenizer, prompts use lily's built-in template
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -34,6 +36,13 @@ struct TokenizeOptions {
   bool special = false;
   bool keep_special = false;
 };
+
+/// The checkpoint's chat template with --model (or the default model), the built-in one with
+/// --tokenizer.
+std::shared_ptr<const ChatTemplate> load_chat_template(const TokenizeOptions& o) {
+  if (!o.tokenizer_file.empty()) return ChatTemplate::builtin();
+  return ChatTemplate::for_model(model_dir_or_default(o.model_dir));
+}
 
 std::shared_ptr<const Tokenizer> load_tokenizer(const TokenizeOptions& o) {
   if (!o.tokenizer_file.empty()) return Tokenizer::from_file(o.tokenizer_file);
@@ -82,7 +91,7 @@ std::string bytes_of_hex(const std::string& hex) {
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 // One batch request (see the file comment of tests/node/tokenizer.test.mjs for the protocol).
-json run_request(const std::shared_ptr<const Tokenizer>& tok, const json& req) {
+json run_request(const std::shared_ptr<const Tokenizer>& tok, const ChatTemplate& chat, const json& req) {
   bool skip = req.value("skip_special", true);
   if (req.contains("encode")) return {{"ids", tok->encode(req["encode"].get<std::string>(), req.value("special", false))}};
   if (req.contains("encode_hex"))
@@ -100,13 +109,14 @@ json run_request(const std::shared_ptr<const Tokenizer>& tok, const json& req) {
   }
   if (req.contains("render")) {
     std::vector<ChatMessage> messages = parse_message_list(req["render"], "render");
-    return {{"text", render_chat(messages)}, {"ids", encode_chat(*tok, messages)}};
+    return {{"text", chat.render(messages)}, {"ids", chat.encode(*tok, messages)}};
   }
   throw Error("unknown request: expected encode, encode_hex, decode, incremental or render");
 }
 
 void run_batch(const TokenizeOptions& o) {
   auto tok = load_tokenizer(o);
+  const auto chat = load_chat_template(o);
   std::ifstream file;
   if (o.batch_file != "-") {
     file.open(o.batch_file, std::ios::binary);
@@ -118,7 +128,7 @@ void run_batch(const TokenizeOptions& o) {
     if (line.empty()) continue;
     json reply;
     try {
-      reply = run_request(tok, json::parse(line));
+      reply = run_request(tok, *chat, json::parse(line));
     } catch (const std::exception& e) {  // lily::Error or a malformed JSON line
       reply = {{"error", e.what()}};
     }
@@ -140,9 +150,10 @@ void run_single(const TokenizeOptions& o) {
     json parsed = json::parse(o.messages_json, nullptr, false);
     if (parsed.is_discarded()) throw Error("--render-messages: not valid JSON");
     std::vector<ChatMessage> messages = parse_message_list(parsed, "--messages");
-    std::string text = render_chat(messages);
+    const auto chat = load_chat_template(o);
+    std::string text = chat->render(messages);
     if (o.json_output) {
-      std::cout << dump({{"text", text}, {"ids", encode_chat(*tok, messages)}}) << '\n';
+      std::cout << dump({{"text", text}, {"ids", chat->encode(*tok, messages)}}) << '\n';
     } else {
       std::cout << text;
     }

@@ -505,6 +505,7 @@ class LilyServer {
   int port_ = 0;
   int64_t created_ = 0;
   std::shared_ptr<const Tokenizer> tokenizer_;
+  std::shared_ptr<const ChatTemplate> chat_template_;  ///< the checkpoint's (or the built-in) template
   std::unique_ptr<Scheduler> scheduler_;
 };
 
@@ -983,6 +984,9 @@ void test_load_delay(const std::atomic<bool>& shutting_down) {
 void LilyServer::load_engine() {
   const auto t0 = Clock::now();
   test_load_delay(shutting_down_);
+  // Parsed before the weights load: a template the engine refuses fails the start at once.
+  chat_template_ = ChatTemplate::for_model(options_.model_dir);
+  log_info("chat template: " + chat_template_->origin());
   auto weights = load_model(options_.model_dir, LoadOptions{.show_progress = true});
   if (shutting_down_) return;
   tokenizer_ = Tokenizer::from_file(options_.model_dir / "tokenizer.json");
@@ -1003,7 +1007,7 @@ void LilyServer::load_engine() {
 
 std::vector<int32_t> LilyServer::tokenize(const ChatRequest& request) const {
   try {
-    return encode_chat(*tokenizer_, request.messages);
+    return chat_template_->encode(*tokenizer_, request.messages);
   } catch (const Error& e) {
     throw invalid_request(std::string("messages cannot be rendered with the chat template: ") + e.what(),
                           "messages");
@@ -1151,7 +1155,7 @@ void LilyServer::handle_tokenize(const Request& req, Reply& res) {
     ids = tokenizer_->encode(*request.prompt, /*allow_special=*/true);
   } else {
     try {
-      ids = encode_chat(*tokenizer_, request.messages, request.add_generation_prompt);
+      ids = chat_template_->encode(*tokenizer_, request.messages, request.add_generation_prompt);
     } catch (const Error& e) {
       throw invalid_request(std::string("messages cannot be rendered with the chat template: ") + e.what(),
                             "messages");

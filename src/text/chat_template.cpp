@@ -1,206 +1,240 @@
-// Native rendering of the Qwen3.5/3.6 ChatML template with thinking disabled
-// (reference/model.md §6.1), as a list of parts so that encoding can keep template markers
-// (control tokens) apart from message content (always plain text).
+// Chat prompts rendered with the checkpoint's Jinja template (see chat_template.h), encoded so
+// that only the template's own text can become control tokens.
 #include "text/chat_template.h"
 
-#include <utf8proc.h>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
 
 #include "base/error.h"
-#include "text/utf8.h"
+#include "base/log.h"
+#include "text/jinja/pystr.h"
 
 namespace lily {
 namespace {
 
-constexpr std::string_view kImStart = "<|im_start|>";
-constexpr std::string_view kImEnd = "<|im_end|>";
-constexpr std::string_view kThink = "<think>";
-constexpr std::string_view kEndThink = "</think>";
+// lily's built-in template: byte for byte tests/fixtures/qwen3_6_chat_template.jinja (a unit
+// test checks it).
+constexpr std::string_view kBuiltinSource = R"lily({#- Text-only ChatML template of the Qwen3.5/3.6 family, written for lily's tests from the
+    description in reference/model.md §6.1 (not a copy of the published file): contents trimmed,
+    system only first, last_query_index skips <tool_response> blocks, reasoning split at
+    </think>, turns after the last query wrapped in a think block, generation prompt with an
+    empty think block when enable_thinking is false. lily's nothink rewrite of earlier turns is
+    applied to the messages before rendering (tests/node/template.test.mjs). -#}
+{%- set ns = namespace(last_query_index=-1) -%}
+{%- for m in messages|reverse -%}
+  {%- if ns.last_query_index < 0 and m.role == 'user' -%}
+    {%- set q = m.content|trim -%}
+    {%- if not (q.startswith('<tool_response>') and q.endswith('</tool_response>')) -%}
+      {%- set ns.last_query_index = (messages|length) - 1 - loop.index0 -%}
+    {%- endif -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- if ns.last_query_index < 0 -%}
+  {{- raise_exception('No user query found in messages.') -}}
+{%- endif -%}
+{%- for m in messages -%}
+  {%- set content = m.content|trim -%}
+  {%- if m.role == 'system' -%}
+    {%- if not loop.first -%}
+      {{- raise_exception('System message must be at the beginning.') -}}
+    {%- endif -%}
+    {{- '<|im_start|>system\n' + content + '<|im_end|>\n' -}}
+  {%- elif m.role == 'user' -%}
+    {{- '<|im_start|>user\n' + content + '<|im_end|>\n' -}}
+  {%- elif m.role == 'assistant' -%}
+    {%- set reasoning = '' -%}
+    {%- if m.reasoning_content is string -%}
+      {%- set reasoning = m.reasoning_content -%}
+    {%- elif '</think>' in content -%}
+      {%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') -%}
+      {%- set content = content.split('</think>')[-1].lstrip('\n') -%}
+    {%- endif -%}
+    {%- if loop.index0 > ns.last_query_index -%}
+      {{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content + '<|im_end|>\n' -}}
+    {%- else -%}
+      {{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' -}}
+    {%- endif -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant\n' -}}
+  {%- if enable_thinking is defined and enable_thinking is false -%}
+    {{- '<think>\n\n</think>\n\n' -}}
+  {%- else -%}
+    {{- '<think>\n' -}}
+  {%- endif -%}
+{%- endif -%}
+)lily";
+
 constexpr std::string_view kEmptyThinkBlock = "<think>\n\n</think>\n\n";
+// The ChatML markers a template for this model family writes; encode() refuses a tokenizer
+// that lacks one the template used (it would silently become plain text).
+constexpr std::string_view kMarkers[] = {"<|im_start|>", "<|im_end|>", "<think>", "</think>"};
 
-enum class PartKind { kMarker, kLiteral, kContent };
-
-struct Part {
-  PartKind kind;
-  std::string text;
-};
-
-// Unicode White_Space, the set Jinja's `trim` strips in minijinja (Rust str::trim).
-bool is_white_space(int32_t cp) {
-  return (cp >= 0x9 && cp <= 0xD) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
-         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
-         cp == 0x205F || cp == 0x3000;
-}
-
-// Decodes the code point at s[i] (s is well-formed UTF-8); sets len to its byte length.
-int32_t code_point_at(std::string_view s, size_t i, size_t& len) {
-  utf8proc_int32_t cp = 0;
-  auto n = utf8proc_iterate(reinterpret_cast<const utf8proc_uint8_t*>(s.data() + i),
-                            static_cast<utf8proc_ssize_t>(s.size() - i), &cp);
-  len = n > 0 ? static_cast<size_t>(n) : 1;
-  return cp;
-}
-
-// Length of the UTF-8 code point that ends at s[end - 1].
-size_t last_code_point_length(std::string_view s, size_t end) {
-  size_t start = end - 1;
-  while (start > 0 && (static_cast<uint8_t>(s[start]) & 0xC0) == 0x80) --start;
-  return end - start;
-}
-
-std::string trim(std::string_view input) {
-  std::string valid = utf8::to_valid_lossy(input);
-  std::string_view s = valid;
-  size_t begin = 0, end = s.size(), len = 0;
-  while (begin < end && is_white_space(code_point_at(s, begin, len))) begin += len;
-  while (end > begin) {
-    size_t n = last_code_point_length(s, end);
-    if (!is_white_space(code_point_at(s, end - n, len))) break;
-    end -= n;
+const char* role_name(ChatRole role) {
+  switch (role) {
+    case ChatRole::kSystem: return "system";
+    case ChatRole::kUser: return "user";
+    case ChatRole::kAssistant: return "assistant";
   }
-  return std::string(s.substr(begin, end - begin));
+  return "user";
 }
 
-std::string strip_newlines(std::string_view s, bool left, bool right) {
-  size_t b = 0, e = s.size();
-  while (left && b < e && s[b] == '\n') ++b;
-  while (right && e > b && s[e - 1] == '\n') --e;
-  return std::string(s.substr(b, e - b));
+bool is_tool_response(std::string_view content) {
+  std::string trimmed = jinja::pystr::strip(content, std::nullopt, true, true);
+  return std::string_view(trimmed).starts_with("<tool_response>") && std::string_view(trimmed).ends_with("</tool_response>");
 }
 
-class PartList {
- public:
-  void marker(std::string_view m) { parts_.push_back({PartKind::kMarker, std::string(m)}); }
-  void literal(std::string_view text) {
-    if (text.empty()) return;
-    if (!parts_.empty() && parts_.back().kind == PartKind::kLiteral) {
-      parts_.back().text += text;  // adjacent literals encode as one string
-    } else {
-      parts_.push_back({PartKind::kLiteral, std::string(text)});
-    }
-  }
-  void content(std::string_view text) {
-    if (!text.empty()) parts_.push_back({PartKind::kContent, std::string(text)});
-  }
-  const std::vector<Part>& parts() const { return parts_; }
-
- private:
-  std::vector<Part> parts_;
-};
-
-bool is_tool_response(std::string_view trimmed) {
-  return trimmed.starts_with("<tool_response>") && trimmed.ends_with("</tool_response>");
-}
-
-// Index of the last user message that is not a <tool_response> block (model.md §6.1).
-size_t last_query_index(std::span<const ChatMessage> messages) {
+// Index of the last user message that is not a <tool_response> block, or -1.
+long last_query_index(std::span<const ChatMessage> messages) {
   for (size_t i = messages.size(); i-- > 0;)
-    if (messages[i].role == ChatRole::kUser && !is_tool_response(trim(messages[i].content))) return i;
-  throw Error("No user query found in messages.");
+    if (messages[i].role == ChatRole::kUser && !is_tool_response(messages[i].content)) return static_cast<long>(i);
+  return -1;
 }
 
-void validate(std::span<const ChatMessage> messages, bool add_generation_prompt) {
-  last_query_index(messages);
-  for (size_t i = 1; i < messages.size(); ++i)
-    if (messages[i].role == ChatRole::kSystem) throw Error("System message must be at the beginning.");
-  if (add_generation_prompt && messages.back().role != ChatRole::kUser)
-    throw Error("the last message must be from the user");
+// An earlier assistant turn's content: the empty think block (template text) + the answer.
+jinja::Value history_content(const std::string& content) {
+  jinja::MarkedText m;
+  m.append(kEmptyThinkBlock, /*trusted=*/true);
+  m.append(std::string_view(content).starts_with(kEmptyThinkBlock) ? std::string_view(content).substr(kEmptyThinkBlock.size())
+                                                                  : std::string_view(content),
+           /*trusted=*/false);
+  return m.take();
 }
 
-// `<think>\n\n</think>\n\n…` with the block as markers; `text` starts with the empty block,
-// or is exactly "<think>\n\n</think>" when the trimmed answer was empty.
-void emit_rewritten_answer(PartList& out, std::string_view text) {
-  out.marker(kThink);
-  out.literal("\n\n");
-  out.marker(kEndThink);
-  std::string_view rest = text.substr(std::min(text.size(), kEmptyThinkBlock.size() - 2));
-  if (rest.starts_with("\n\n")) {
-    out.literal("\n\n");
-    rest.remove_prefix(2);
-  }
-  out.content(rest);
-}
-
-// An assistant turn at or before the last query: lily's nothink rewrite (model.md §6.1).
-void emit_history_answer(PartList& out, const std::string& content) {
-  std::string with_block =
-      std::string_view(content).starts_with(kEmptyThinkBlock) ? content : std::string(kEmptyThinkBlock) + content;
-  emit_rewritten_answer(out, trim(with_block));
-}
-
-// An assistant turn after the last query: the template's native path, reasoning split out
-// of the content at `</think>` (Qwen3-family string operations).
-void emit_native_answer(PartList& out, const std::string& content) {
-  std::string c = trim(content);
-  std::string reasoning;
-  size_t close = c.find(kEndThink);
-  if (close != std::string::npos) {
-    std::string before = strip_newlines(std::string_view(c).substr(0, close), false, true);
-    size_t open = before.rfind(kThink);
-    reasoning = strip_newlines(open == std::string::npos ? before : before.substr(open + kThink.size()), true, false);
-    c = strip_newlines(std::string_view(c).substr(c.rfind(kEndThink) + kEndThink.size()), true, false);
-  }
-  out.marker(kThink);
-  out.literal("\n");
-  out.content(strip_newlines(reasoning, true, true));
-  out.literal("\n");
-  out.marker(kEndThink);
-  out.literal("\n\n");
-  out.content(c);
-}
-
-std::vector<Part> render_parts(std::span<const ChatMessage> messages, bool add_generation_prompt) {
-  validate(messages, add_generation_prompt);
-  size_t last_query = last_query_index(messages);
-  PartList out;
-  for (size_t i = 0; i < messages.size(); ++i) {
-    const ChatMessage& m = messages[i];
-    out.marker(kImStart);
-    if (m.role == ChatRole::kAssistant) {
-      out.literal("assistant\n");
-      if (i <= last_query) {
-        emit_history_answer(out, m.content);
-      } else {
-        emit_native_answer(out, m.content);
-      }
-    } else {
-      out.literal(m.role == ChatRole::kSystem ? "system\n" : "user\n");
-      out.content(trim(m.content));
-    }
-    out.marker(kImEnd);
-    out.literal("\n");
-  }
-  if (!add_generation_prompt) return out.parts();
-  out.marker(kImStart);
-  out.literal("assistant\n");
-  out.marker(kThink);
-  out.literal("\n\n");
-  out.marker(kEndThink);
-  out.literal("\n\n");
-  return out.parts();
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error("cannot read " + path.string());
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
 }  // namespace
 
+ChatTemplate::ChatTemplate(std::string_view source, std::string origin) : template_([&] {
+  try {
+    return jinja::Template(source);
+  } catch (const jinja::TemplateSyntaxError& e) {
+    throw Error(origin + ": " + e.what());
+  }
+}()), origin_(std::move(origin)) {
+  rewrite_history_ = !keeps_prefix(false) && keeps_prefix(true);
+  if (!rewrite_history_ && !keeps_prefix(false))
+    log_warn("chat template " + origin_ +
+             ": a prompt is not a prefix of the next turn's prompt (the session cache will miss on history)");
+}
+
+std::shared_ptr<const ChatTemplate> ChatTemplate::builtin() {
+  static const auto builtin = std::make_shared<const ChatTemplate>(kBuiltinSource, "built-in");
+  return builtin;
+}
+
+std::string_view ChatTemplate::builtin_source() { return kBuiltinSource; }
+
+std::shared_ptr<const ChatTemplate> ChatTemplate::for_model(const std::filesystem::path& dir) {
+  const auto file = dir / "chat_template.jinja";
+  if (std::filesystem::is_regular_file(file)) return std::make_shared<const ChatTemplate>(read_file(file), file.string());
+  const auto config = dir / "tokenizer_config.json";
+  if (std::filesystem::is_regular_file(config)) {
+    auto doc = nlohmann::json::parse(read_file(config), nullptr, false);
+    if (doc.is_object() && doc.contains("chat_template")) {
+      const auto& t = doc["chat_template"];
+      const std::string origin = config.string() + " (chat_template)";
+      if (t.is_string()) return std::make_shared<const ChatTemplate>(t.get<std::string>(), origin);
+      if (t.is_array())
+        for (const auto& entry : t)
+          if (entry.is_object() && entry.value("name", "") == "default" && entry.contains("template") &&
+              entry["template"].is_string())
+            return std::make_shared<const ChatTemplate>(entry["template"].get<std::string>(), origin);
+      if (!t.is_null()) throw Error(origin + ": expected a string or a list with a \"default\" template");
+    }
+  }
+  return builtin();
+}
+
+jinja::RenderedText ChatTemplate::render_marked(std::span<const ChatMessage> messages, bool rewrite,
+                                               bool add_generation_prompt) const {
+  const long last_query = rewrite ? last_query_index(messages) : -1;
+  jinja::Value list = jinja::Value::list();
+  for (size_t i = 0; i < messages.size(); ++i) {
+    jinja::Value m = jinja::Value::dict();
+    m.dict_data().set("role", jinja::Value(role_name(messages[i].role)));
+    if (messages[i].role == ChatRole::kAssistant && static_cast<long>(i) <= last_query) {
+      m.dict_data().set("content", history_content(messages[i].content));
+      m.dict_data().set("reasoning_content", jinja::Value(""));
+    } else {
+      m.dict_data().set("content", jinja::Value(messages[i].content));
+    }
+    list.list_data().items.push_back(std::move(m));
+  }
+  jinja::Value context = jinja::Value::dict();
+  context.dict_data().set("messages", std::move(list));
+  context.dict_data().set("add_generation_prompt", jinja::Value(add_generation_prompt));
+  context.dict_data().set("enable_thinking", jinja::Value(false));
+  jinja::RenderedText out = template_.render_marked(context);
+  if (add_generation_prompt && (messages.empty() || messages.back().role != ChatRole::kUser))
+    throw Error("the last message must be from the user");
+  return out;
+}
+
+// True if, rendered this way, a one-question prompt followed by an answer is a prefix of the
+// next turn's prompt, with the same bytes counted as template text.
+bool ChatTemplate::keeps_prefix(bool rewrite) const {
+  try {
+    const std::vector<ChatMessage> first = {{ChatRole::kUser, "Q"}};
+    const std::vector<ChatMessage> next = {{ChatRole::kUser, "Q"}, {ChatRole::kAssistant, "A"}, {ChatRole::kUser, "R"}};
+    jinja::RenderedText a = render_marked(first, rewrite, true), b = render_marked(next, rewrite, true);
+    if (!b.text.starts_with(a.text + "A")) return false;
+    jinja::TrustSpans clipped;
+    for (auto [lo, hi] : b.trusted) {
+      if (lo >= a.text.size() + 1) break;
+      clipped.emplace_back(lo, std::min(hi, a.text.size()));
+    }
+    while (!clipped.empty() && clipped.back().first >= clipped.back().second) clipped.pop_back();
+    return clipped == a.trusted;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+std::string ChatTemplate::render(std::span<const ChatMessage> messages, bool add_generation_prompt) const {
+  return render_marked(messages, rewrite_history_, add_generation_prompt).text;
+}
+
+std::vector<int32_t> ChatTemplate::encode(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
+                                          bool add_generation_prompt) const {
+  const jinja::RenderedText r = render_marked(messages, rewrite_history_, add_generation_prompt);
+  std::vector<int32_t> ids;
+  auto add = [&](std::string_view text, bool trusted) {
+    if (text.empty()) return;
+    if (trusted)
+      for (std::string_view marker : kMarkers)
+        if (text.find(marker) != std::string_view::npos && !tokenizer.token_id(marker))
+          throw Error("the tokenizer has no token for the chat-template marker " + std::string(marker));
+    std::vector<int32_t> piece = tokenizer.encode(text, /*allow_special=*/trusted);
+    ids.insert(ids.end(), piece.begin(), piece.end());
+  };
+  const std::string_view text = r.text;
+  size_t at = 0;
+  for (const auto& [begin, end] : r.trusted) {
+    add(text.substr(at, begin - at), false);
+    add(text.substr(begin, end - begin), true);
+    at = end;
+  }
+  add(text.substr(at), false);
+  return ids;
+}
+
 std::string render_chat(std::span<const ChatMessage> messages, bool add_generation_prompt) {
-  std::string text;
-  for (const Part& p : render_parts(messages, add_generation_prompt)) text += p.text;
-  return text;
+  return ChatTemplate::builtin()->render(messages, add_generation_prompt);
 }
 
 std::vector<int32_t> encode_chat(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
                                  bool add_generation_prompt) {
-  std::vector<int32_t> ids;
-  for (const Part& p : render_parts(messages, add_generation_prompt)) {
-    if (p.kind == PartKind::kMarker) {
-      std::optional<int32_t> id = tokenizer.token_id(p.text);
-      if (!id) throw Error("the tokenizer has no token for the chat-template marker " + p.text);
-      ids.push_back(*id);
-    } else {
-      std::vector<int32_t> piece = tokenizer.encode(p.text, /*allow_special=*/false);
-      ids.insert(ids.end(), piece.begin(), piece.end());
-    }
-  }
-  return ids;
+  return ChatTemplate::builtin()->encode(tokenizer, messages, add_generation_prompt);
 }
 
 std::optional<ChatRole> chat_role_from_name(std::string_view name) {

@@ -1,13 +1,19 @@
-// The Qwen3.5/3.6 ChatML template with thinking disabled (reference/model.md §6.1), rendered
-// natively, and its encoding with control tokens only where the template puts markers.
+// Chat prompts: a checkpoint's Jinja chat template (chat_template.jinja, or `chat_template` in
+// tokenizer_config.json) rendered with lily's engine (text/jinja), thinking disabled, and its
+// encoding with control tokens only where the template itself writes markers. Checkpoints
+// without a template, and the tokenizer-only tools, use lily's built-in Qwen3.5/3.6 ChatML text
+// template (reference/model.md §6.1).
 #pragma once
 #include <cstdint>
+#include <filesystem>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "text/jinja/template.h"
 #include "text/tokenizer.h"
 
 namespace lily {
@@ -23,18 +29,62 @@ struct ChatMessage {
   std::string content;  ///< plain text (never parsed for special tokens)
 };
 
-/// Renders messages to the template's exact text (content trimmed; system only first; earlier
-/// assistant turns rewritten with an empty think block so each prompt is a token-exact prefix
-/// of the next turn's; generation suffix `<|im_start|>assistant\n<think>\n\n</think>\n\n`).
-/// Throws lily::Error: "System message must be at the beginning.", "No user query found in
-/// messages.", "the last message must be from the user". Without `add_generation_prompt` the
-/// generation suffix is left out and the last message may also be from the assistant (what a
-/// client counting a whole conversation's tokens asks for).
+/// A parsed chat template. Immutable; thread-safe.
+///
+/// Rendering passes `messages` (role, content), `add_generation_prompt: true` and
+/// `enable_thinking: false`. Message content is context text: whatever it contains, only the
+/// bytes the template writes itself (its literals) are encoded with control tokens. So that each
+/// prompt is a token-exact prefix of the next turn's (the session cache relies on it), earlier
+/// assistant turns are rendered with the empty think block the generation prompt ended with:
+/// when the template drops it from history (as Qwen3.5/3.6's does), lily passes those turns as
+/// `<think>\n\n</think>\n\n` + content with `reasoning_content: ""`, the block counted as template
+/// text; a load-time probe decides whether the template needs this (the demo template does not).
+class ChatTemplate {
+ public:
+  /// Parses `source`. Throws lily::Error "ORIGIN: line N: ..." for a syntax error or a construct
+  /// the engine does not support.
+  ChatTemplate(std::string_view source, std::string origin);
+
+  /// lily's built-in Qwen3.5/3.6 ChatML text template (reference/model.md §6.1; the same text
+  /// as tests/fixtures/qwen3_6_chat_template.jinja).
+  static std::shared_ptr<const ChatTemplate> builtin();
+  /// The source of the built-in template.
+  static std::string_view builtin_source();
+  /// The template of checkpoint directory `dir`: chat_template.jinja, else tokenizer_config.json's
+  /// `chat_template` (a string, or the entry named "default" of a list), else builtin().
+  /// Throws lily::Error for an unreadable file or a template the engine refuses.
+  static std::shared_ptr<const ChatTemplate> for_model(const std::filesystem::path& dir);
+
+  /// Where the template came from (a file name, or "built-in").
+  const std::string& origin() const { return origin_; }
+  /// True if earlier assistant turns get the empty think block (see the class comment).
+  bool rewrites_history() const { return rewrite_history_; }
+
+  /// The prompt text. Throws lily::Error: the template's own errors (raise_exception, e.g.
+  /// "System message must be at the beginning.", "No user query found in messages.") and
+  /// "the last message must be from the user". Without `add_generation_prompt` (the template
+  /// variable of that name is false) the last message may also be from the assistant: what a
+  /// client counting a whole conversation's tokens asks for.
+  std::string render(std::span<const ChatMessage> messages, bool add_generation_prompt = true) const;
+  /// The prompt's token ids: the template's text encoded with special tokens, context text
+  /// without (a `<|im_start|>` typed by a user stays plain text). Throws lily::Error as render,
+  /// or if the tokenizer lacks one of the ChatML markers the template writes.
+  std::vector<int32_t> encode(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
+                              bool add_generation_prompt = true) const;
+
+ private:
+  jinja::RenderedText render_marked(std::span<const ChatMessage> messages, bool rewrite, bool add_generation_prompt) const;
+  bool keeps_prefix(bool rewrite) const;
+
+  jinja::Template template_;
+  std::string origin_;
+  bool rewrite_history_ = false;
+};
+
+/// builtin()->render(messages, add_generation_prompt).
 std::string render_chat(std::span<const ChatMessage> messages, bool add_generation_prompt = true);
 
-/// Renders and encodes: template markers become control tokens, message content is encoded
-/// with special tokens disabled (so `<|im_start|>` typed by a user stays plain text).
-/// Throws lily::Error as render_chat, or if the tokenizer lacks a marker token.
+/// builtin()->encode(tokenizer, messages, add_generation_prompt).
 std::vector<int32_t> encode_chat(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
                                  bool add_generation_prompt = true);
 

@@ -164,9 +164,23 @@ def seeds_request():
     put("fuzz_request", "detokenize.json", json.dumps({"tokens": [0, 8191, 2147483647, -1]}))
 
 
+def seeds_jinja():
+    for name, rel in [("demo.jinja", "models/demo/chat_template.jinja"),
+                      ("qwen3_6_text.jinja", "tests/fixtures/qwen3_6_chat_template.jinja"),
+                      ("qwen3_6_tools.jinja", "tests/fixtures/jinja/qwen3_6_tools.jinja"),
+                      ("constructs.jinja", "tests/fixtures/jinja/constructs.jinja")]:
+        with open(os.path.join(ROOT, rel), "rb") as f:
+            put("fuzz_jinja", name, f.read())
+    put("fuzz_jinja", "whitespace.jinja", "a\n  {%- if x -%}\n  b {{- y -}} \n{%+ endif +%}\n{# c #}")
+    put("fuzz_jinja", "loops.jinja", "{% for k, v in d|items if v %}{{ loop.index }}{% break %}{% else %}e{% endfor %}")
+    put("fuzz_jinja", "macro.jinja", "{% macro m(a, b=[1, (2,), {'k': a}]) %}{{ a ~ b|tojson }}{% endmacro %}{{ m('x')[::-1] }}")
+    put("fuzz_jinja", "unterminated.jinja", "{% if messages %}{{ messages[0].content | trim")
+
+
 if __name__ == "__main__":
     seeds_safetensors()
     seeds_config()
     seeds_tokenizer()
     seeds_chat_template()
     seeds_request()
+    seeds_jinja()

@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cstdio>
+#include <fstream>
 
 #include <nlohmann/json.hpp>
 
@@ -70,6 +71,15 @@ TEST(Inspect, CorruptedCheckpointFailsWithOneLine) {
   // Exactly one line of output.
   ASSERT_FALSE(r.output.empty());
   EXPECT_EQ(r.output.find('\n'), r.output.size() - 1) << r.output;
+}
+
+TEST(Inspect, UnsupportedChatTemplateFailsWithItsLine) {
+  test::TempDir dir;
+  test::copy_dir(test::demo_model_dir(), dir.path());
+  std::ofstream(dir.path() / "chat_template.jinja") << "{{ messages | length }}\n{% for m in messages %}{{ m | xmlattr }}{% endfor %}\n";
+  CliRun r = run_lily("inspect " + quoted(dir.path()), true);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("chat_template.jinja: line 2: unsupported filter 'xmlattr'"), std::string::npos) << r.output;
 }
 
 TEST(Inspect, MissingDirectoryFails) {

@@ -1,0 +1,468 @@
+// Template values: Python str/repr/json.dumps/== semantics (see value.h).
+#include "text/jinja/value.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+
+#include "text/jinja/pystr.h"
+#include "text/utf8.h"
+
+namespace lily::jinja {
+namespace {
+
+template <typename Json>
+Value from_json_impl(const Json& j) {
+  switch (j.type()) {
+    case nlohmann::json::value_t::null: return nullptr;
+    case nlohmann::json::value_t::boolean: return j.template get<bool>();
+    case nlohmann::json::value_t::number_integer: return j.template get<int64_t>();
+    case nlohmann::json::value_t::number_unsigned: {
+      auto u = j.template get<uint64_t>();
+      if (u <= static_cast<uint64_t>(INT64_MAX)) return static_cast<int64_t>(u);
+      return static_cast<double>(u);
+    }
+    case nlohmann::json::value_t::number_float: return j.template get<double>();
+    case nlohmann::json::value_t::string: return j.template get<std::string>();
+    case nlohmann::json::value_t::array: {
+      std::vector<Value> items;
+      items.reserve(j.size());
+      for (const auto& e : j) items.push_back(from_json_impl(e));
+      return Value::list(std::move(items));
+    }
+    case nlohmann::json::value_t::object: {
+      Value d = Value::dict();
+      for (auto it = j.begin(); it != j.end(); ++it) d.dict_data().items.emplace_back(it.key(), from_json_impl(it.value()));
+      return d;
+    }
+    default: return Value();  // binary / discarded: not produced by parsing JSON text
+  }
+}
+
+// Python repr of a str: single quotes unless the text has ' and no ".
+std::string repr_string(std::string_view s) {
+  const char quote = (s.find('\'') != std::string_view::npos && s.find('"') == std::string_view::npos) ? '"' : '\'';
+  std::string out(1, quote);
+  for (size_t i = 0; i < s.size(); ++i) {
+    unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c == '\\') out += "\\\\";
+    else if (c == static_cast<unsigned char>(quote)) out += std::string("\\") + quote;
+    else if (c == '\n') out += "\\n";
+    else if (c == '\r') out += "\\r";
+    else if (c == '\t') out += "\\t";
+    else if (c < 0x20 || c == 0x7F) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    } else if (c == 0xC2 && i + 1 < s.size() && static_cast<unsigned char>(s[i + 1]) >= 0x80 &&
+               static_cast<unsigned char>(s[i + 1]) <= 0x9F) {
+      char buf[8];  // C1 controls U+0080..U+009F are not printable
+      std::snprintf(buf, sizeof buf, "\\x%02x", static_cast<unsigned char>(s[i + 1]) & 0xFF);
+      out += buf;
+      ++i;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  out += quote;
+  return out;
+}
+
+void json_string(std::string& out, std::string_view s, bool ensure_ascii) {
+  out += '"';
+  for (size_t i = 0; i < s.size();) {
+    unsigned char c = static_cast<unsigned char>(s[i]);
+    switch (c) {
+      case '"': out += "\\\""; ++i; continue;
+      case '\\': out += "\\\\"; ++i; continue;
+      case '\n': out += "\\n"; ++i; continue;
+      case '\r': out += "\\r"; ++i; continue;
+      case '\t': out += "\\t"; ++i; continue;
+      case '\b': out += "\\b"; ++i; continue;
+      case '\f': out += "\\f"; ++i; continue;
+      default: break;
+    }
+    char buf[16];
+    if (c < 0x20) {
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+      ++i;
+      continue;
+    }
+    if (c < 0x80 || !ensure_ascii) {
+      out += static_cast<char>(c);
+      ++i;
+      continue;
+    }
+    size_t len = utf8::valid_sequence_length(s.substr(i));
+    if (len == 0) {  // an invalid byte: not representable in JSON; U+FFFD as Python's 'replace'
+      out += "\\ufffd";
+      ++i;
+      continue;
+    }
+    std::string_view seq = s.substr(i, len);
+    uint32_t cp = 0;
+    auto b = [&](size_t k) { return static_cast<uint32_t>(static_cast<uint8_t>(seq[k])); };
+    if (len == 2) cp = ((b(0) & 0x1F) << 6) | (b(1) & 0x3F);
+    else if (len == 3) cp = ((b(0) & 0x0F) << 12) | ((b(1) & 0x3F) << 6) | (b(2) & 0x3F);
+    else cp = ((b(0) & 0x07) << 18) | ((b(1) & 0x3F) << 12) | ((b(2) & 0x3F) << 6) | (b(3) & 0x3F);
+    if (cp >= 0x10000) {
+      uint32_t v = cp - 0x10000;
+      std::snprintf(buf, sizeof buf, "\\u%04x\\u%04x", 0xD800 + (v >> 10), 0xDC00 + (v & 0x3FF));
+    } else {
+      std::snprintf(buf, sizeof buf, "\\u%04x", cp);
+    }
+    out += buf;
+    i += len;
+  }
+  out += '"';
+}
+
+void json_value(std::string& out, const Value& v, const JsonOptions& o, int depth) {
+  if (v.is_none()) { out += "null"; return; }
+  if (v.is_bool()) { out += std::get<bool>(v.v) ? "true" : "false"; return; }
+  if (v.is_int()) { out += std::to_string(std::get<int64_t>(v.v)); return; }
+  if (v.is_float()) {
+    double d = std::get<double>(v.v);
+    if (std::isnan(d)) out += "NaN";
+    else if (std::isinf(d)) out += d > 0 ? "Infinity" : "-Infinity";
+    else out += float_repr(d);
+    return;
+  }
+  if (v.is_string()) { json_string(out, v.str(), o.ensure_ascii); return; }
+  const std::string item_sep = !o.item_separator.empty() ? o.item_separator : (o.indent >= 0 ? "," : ", ");
+  const std::string key_sep = !o.key_separator.empty() ? o.key_separator : ": ";
+  auto newline = [&](int level) {
+    if (o.indent < 0) return;
+    out += '\n';
+    out.append(static_cast<size_t>(o.indent) * static_cast<size_t>(level), ' ');
+  };
+  if (v.is_list()) {
+    const auto& items = v.list_data().items;
+    if (items.empty()) { out += "[]"; return; }
+    out += '[';
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (i) out += item_sep;
+      newline(depth + 1);
+      json_value(out, items[i], o, depth + 1);
+    }
+    newline(depth);
+    out += ']';
+    return;
+  }
+  if (v.is_dict()) {
+    std::vector<const std::pair<std::string, Value>*> entries;
+    for (const auto& e : v.dict_data().items) entries.push_back(&e);
+    if (o.sort_keys) std::stable_sort(entries.begin(), entries.end(), [](auto* a, auto* b) { return a->first < b->first; });
+    if (entries.empty()) { out += "{}"; return; }
+    out += '{';
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (i) out += item_sep;
+      newline(depth + 1);
+      json_string(out, entries[i]->first, o.ensure_ascii);
+      out += key_sep;
+      json_value(out, entries[i]->second, o, depth + 1);
+    }
+    newline(depth);
+    out += '}';
+    return;
+  }
+  throw TemplateRenderError("Object of type " + (v.is_undefined() ? std::string("Undefined") : v.type_name()) +
+                            " is not JSON serializable");
+}
+
+}  // namespace
+
+const Value* CallArgs::kw(std::string_view name) const {
+  for (const auto& [k, v] : keyword)
+    if (k == name) return &v;
+  return nullptr;
+}
+
+Value Value::list(std::vector<Value> items, bool tuple) {
+  auto d = std::make_shared<ListData>();
+  d->items = std::move(items);
+  d->tuple = tuple;
+  return Value(std::move(d));
+}
+
+Value Value::dict() { return Value(std::make_shared<DictData>()); }
+
+Value Value::make_namespace(std::vector<std::pair<std::string, Value>> attrs) {
+  auto d = std::make_shared<DictData>();
+  d->is_namespace = true;
+  for (auto& [k, v] : attrs) d->set(k, std::move(v));
+  return Value(std::move(d));
+}
+
+bool Value::is_dict() const {
+  auto* p = std::get_if<std::shared_ptr<DictData>>(&v);
+  return p && !(*p)->is_namespace;
+}
+
+bool Value::is_namespace() const {
+  auto* p = std::get_if<std::shared_ptr<DictData>>(&v);
+  return p && (*p)->is_namespace;
+}
+
+double Value::as_double() const {
+  if (is_int()) return static_cast<double>(std::get<int64_t>(v));
+  if (is_float()) return std::get<double>(v);
+  if (is_bool()) return std::get<bool>(v) ? 1.0 : 0.0;
+  return 0.0;
+}
+
+bool Value::truthy() const {
+  return std::visit(
+      [](const auto& x) -> bool {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, Undefined> || std::is_same_v<T, std::nullptr_t>) return false;
+        else if constexpr (std::is_same_v<T, bool>) return x;
+        else if constexpr (std::is_same_v<T, int64_t>) return x != 0;
+        else if constexpr (std::is_same_v<T, double>) return x != 0.0;
+        else if constexpr (std::is_same_v<T, std::string>) return !x.empty();
+        else if constexpr (std::is_same_v<T, std::shared_ptr<ListData>>) return !x->items.empty();
+        else if constexpr (std::is_same_v<T, std::shared_ptr<DictData>>) return x->is_namespace || !x->items.empty();
+        else return true;
+      },
+      v);
+}
+
+std::string Value::type_name() const {
+  if (is_undefined()) return "undefined";
+  if (is_none()) return "NoneType";
+  if (is_bool()) return "bool";
+  if (is_int()) return "int";
+  if (is_float()) return "float";
+  if (is_string()) return "str";
+  if (is_list()) return list_data().tuple ? "tuple" : "list";
+  if (is_dict()) return "dict";
+  if (is_namespace()) return "Namespace";
+  return "function";
+}
+
+Value* DictData::find(std::string_view key) {
+  for (auto& [k, v] : items)
+    if (k == key) return &v;
+  return nullptr;
+}
+
+void DictData::set(const std::string& key, Value value) {
+  if (Value* slot = find(key)) {
+    *slot = std::move(value);
+  } else {
+    items.emplace_back(key, std::move(value));
+  }
+}
+
+std::string float_repr(double d) {
+  if (std::isnan(d)) return "nan";
+  if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
+  if (d == 0) return std::signbit(d) ? "-0.0" : "0.0";
+  char buf[64];
+  auto res = std::to_chars(buf, buf + sizeof buf, d, std::chars_format::scientific);
+  std::string sci(buf, res.ptr);
+  std::string sign;
+  if (sci[0] == '-') {
+    sign = "-";
+    sci.erase(0, 1);
+  }
+  size_t e_pos = sci.find('e');
+  std::string digits = sci.substr(0, e_pos);
+  digits.erase(std::remove(digits.begin(), digits.end(), '.'), digits.end());
+  int exp = std::stoi(sci.substr(e_pos + 1));
+  if (exp >= -4 && exp < 16) {
+    std::string out;
+    if (exp >= 0) {
+      std::string int_part = digits.substr(0, std::min(digits.size(), static_cast<size_t>(exp + 1)));
+      while (int_part.size() < static_cast<size_t>(exp + 1)) int_part += '0';
+      std::string frac = digits.size() > static_cast<size_t>(exp + 1) ? digits.substr(exp + 1) : "0";
+      out = int_part + "." + frac;
+    } else {
+      out = "0." + std::string(static_cast<size_t>(-exp - 1), '0') + digits;
+    }
+    return sign + out;
+  }
+  std::string mantissa = digits.substr(0, 1);
+  if (digits.size() > 1) mantissa += "." + digits.substr(1);
+  char ebuf[16];
+  std::snprintf(ebuf, sizeof ebuf, "e%c%02d", exp < 0 ? '-' : '+', exp < 0 ? -exp : exp);
+  return sign + mantissa + ebuf;
+}
+
+std::string to_repr(const Value& v) {
+  if (v.is_undefined()) return "Undefined";
+  if (v.is_string()) return repr_string(v.str());
+  if (v.is_list()) {
+    const ListData& l = v.list_data();
+    std::string out = l.tuple ? "(" : "[";
+    for (size_t i = 0; i < l.items.size(); ++i) {
+      if (i) out += ", ";
+      out += to_repr(l.items[i]);
+    }
+    if (l.tuple && l.items.size() == 1) out += ",";
+    out += l.tuple ? ")" : "]";
+    return out;
+  }
+  if (v.is_dict()) {
+    std::string out = "{";
+    bool first = true;
+    for (const auto& [k, e] : v.dict_data().items) {
+      if (!first) out += ", ";
+      first = false;
+      out += repr_string(k) + ": " + to_repr(e);
+    }
+    return out + "}";
+  }
+  if (v.is_namespace()) {
+    std::string out = "<Namespace {";
+    bool first = true;
+    for (const auto& [k, e] : v.dict_data().items) {
+      if (!first) out += ", ";
+      first = false;
+      out += repr_string(k) + ": " + to_repr(e);
+    }
+    return out + "}>";
+  }
+  return to_str(v);
+}
+
+std::string to_str(const Value& v) {
+  if (v.is_undefined()) return "";
+  if (v.is_none()) return "None";
+  if (v.is_bool()) return std::get<bool>(v.v) ? "True" : "False";
+  if (v.is_int()) return std::to_string(std::get<int64_t>(v.v));
+  if (v.is_float()) return float_repr(std::get<double>(v.v));
+  if (v.is_string()) return v.str();
+  if (v.is_callable()) return "<function " + v.function().name + ">";
+  return to_repr(v);
+}
+
+std::string to_json(const Value& v, const JsonOptions& options) {
+  std::string out;
+  json_value(out, v, options, 0);
+  return out;
+}
+
+bool equal(const Value& a, const Value& b) {
+  if (a.is_undefined() || b.is_undefined()) return a.is_undefined() && b.is_undefined();
+  const bool a_num = a.is_number() || a.is_bool(), b_num = b.is_number() || b.is_bool();
+  if (a_num || b_num) {
+    if (!(a_num && b_num)) return false;
+    if (!a.is_float() && !b.is_float()) {
+      auto as_int = [](const Value& x) { return x.is_bool() ? int64_t{std::get<bool>(x.v)} : std::get<int64_t>(x.v); };
+      return as_int(a) == as_int(b);
+    }
+    return a.as_double() == b.as_double();
+  }
+  if (a.is_none() || b.is_none()) return a.is_none() && b.is_none();
+  if (a.is_string() || b.is_string()) return a.is_string() && b.is_string() && a.str() == b.str();
+  if (a.is_list() || b.is_list()) {
+    if (!(a.is_list() && b.is_list())) return false;
+    const auto &x = a.list_data(), &y = b.list_data();
+    if (x.tuple != y.tuple || x.items.size() != y.items.size()) return false;
+    for (size_t i = 0; i < x.items.size(); ++i)
+      if (!equal(x.items[i], y.items[i])) return false;
+    return true;
+  }
+  if (a.is_dict() && b.is_dict()) {
+    auto &x = a.dict_data(), &y = b.dict_data();
+    if (x.items.size() != y.items.size()) return false;
+    for (const auto& [k, e] : x.items) {
+      const Value* other = y.find(k);
+      if (!other || !equal(e, *other)) return false;
+    }
+    return true;
+  }
+  // Namespaces and functions: identity.
+  if (a.v.index() != b.v.index()) return false;
+  if (a.is_callable()) return &a.function() == &b.function();
+  return &a.dict_data() == &b.dict_data();
+}
+
+int compare(const Value& a, const Value& b) {
+  if ((a.is_number() || a.is_bool()) && (b.is_number() || b.is_bool())) {
+    if (!a.is_float() && !b.is_float() && a.is_int() && b.is_int()) {
+      int64_t x = std::get<int64_t>(a.v), y = std::get<int64_t>(b.v);
+      return x < y ? -1 : (x > y ? 1 : 0);
+    }
+    double x = a.as_double(), y = b.as_double();
+    return x < y ? -1 : (x > y ? 1 : 0);
+  }
+  if (a.is_string() && b.is_string()) {
+    int c = a.str().compare(b.str());  // UTF-8 byte order is code point order
+    return c < 0 ? -1 : (c > 0 ? 1 : 0);
+  }
+  if (a.is_list() && b.is_list()) {
+    const auto &x = a.list_data().items, &y = b.list_data().items;
+    for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
+      if (equal(x[i], y[i])) continue;
+      return compare(x[i], y[i]);
+    }
+    return x.size() < y.size() ? -1 : (x.size() > y.size() ? 1 : 0);
+  }
+  throw TemplateRenderError("'<' not supported between instances of '" + a.type_name() + "' and '" + b.type_name() + "'");
+}
+
+Value trusted_string(std::string s) {
+  Value v(std::move(s));
+  if (!v.str().empty()) v.trust = std::make_shared<const TrustSpans>(TrustSpans{{0, v.str().size()}});
+  return v;
+}
+
+void MarkedText::add_span(size_t begin, size_t end) {
+  if (begin >= end) return;
+  if (!trusted_.empty() && trusted_.back().second == begin) {
+    trusted_.back().second = end;
+  } else {
+    trusted_.emplace_back(begin, end);
+  }
+}
+
+void MarkedText::append(std::string_view s, bool trusted) {
+  const size_t at = text_.size();
+  text_ += s;
+  if (trusted) add_span(at, text_.size());
+}
+
+void MarkedText::append(const Value& v) {
+  if (!v.is_string()) {
+    append(to_str(v), false);
+    return;
+  }
+  append_range(v, 0, v.str().size());
+}
+
+void MarkedText::append_range(const Value& v, size_t begin, size_t end) {
+  const std::string& s = v.str();
+  end = std::min(end, s.size());
+  if (begin >= end) return;
+  const size_t at = text_.size();
+  text_.append(s, begin, end - begin);
+  if (!v.trust) return;
+  for (const auto& [b, e] : *v.trust) {
+    const size_t lo = std::max(b, begin), hi = std::min(e, end);
+    if (lo < hi) add_span(at + lo - begin, at + hi - begin);
+  }
+}
+
+Value MarkedText::take() {
+  Value v(std::move(text_));
+  if (!trusted_.empty()) v.trust = std::make_shared<const TrustSpans>(std::move(trusted_));
+  text_.clear();
+  trusted_.clear();
+  return v;
+}
+
+Value substring(const Value& v, size_t begin, size_t end) {
+  if (!v.trust) return Value(v.str().substr(begin, end > begin ? end - begin : 0));
+  MarkedText m;
+  m.append_range(v, begin, end);
+  return m.take();
+}
+
+Value from_json(const nlohmann::ordered_json& j) { return from_json_impl(j); }
+Value from_json(const nlohmann::json& j) { return from_json_impl(j); }
+
+}  // namespace lily::jinja
