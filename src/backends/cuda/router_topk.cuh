@@ -1,4 +1,4 @@
-// MoE routing of one token by one warp (reference/model.md §3.5, norm_topk_prob = true): the
+// MoE routing of one token by one warp (top-k logits, softmax renormalised over them): the
 // stand-alone top-k kernel (moe.cu) uses route_token_warp, the fused router GEMV + top-k
 // (router.cu) route_token_keys; both give bit-identical ids and weights (nvcc only).
 #pragma once
