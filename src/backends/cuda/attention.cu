@@ -135,13 +135,44 @@ __device__ __forceinline__ void load_queries(const bf16* q_row, int kvh, float s
 /// per kKeyBatch keys instead of one per key (the keys' arithmetic is unchanged).
 constexpr int kKeyBatch = 4;
 
+/// Warp reduce-scatter of N (a power of two ≤ 32) values per lane, active count `n` (template
+/// recursion over the butterfly offsets 16, 8, …, 1): afterwards lane l holds, in v[0], the warp
+/// sum of value l / (32 / N). Each value is summed over the same butterfly as warp_sum, with the
+/// same operands in the same order at every step (own value + partner's), so the result equals
+/// warp_sum of that value bit for bit — with N − 1 shuffles for all N values instead of 5·N.
+template <int N, int n, int O>
+__device__ __forceinline__ void reduce_scatter_step(float (&v)[N], int lane) {
+  if constexpr (O > 0) {
+    if constexpr (n > 1) {
+      constexpr int h = n / 2;
+      const bool low = (lane & O) == 0;  // keeps values [0, h), sends [h, n)
+#pragma unroll
+      for (int i = 0; i < h; ++i) {
+        const float send = low ? v[i + h] : v[i];
+        const float keep = low ? v[i] : v[i + h];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+      }
+      reduce_scatter_step<N, h, O / 2>(v, lane);
+    } else {
+      v[0] = v[0] + __shfl_xor_sync(0xffffffffu, v[0], O);
+      reduce_scatter_step<N, 1, O / 2>(v, lane);
+    }
+  }
+}
+
 /// Runs this warp's keys of [start, end) (every kWarps-th key, in increasing order) through the
-/// online softmax; the K/V rows of kKeyBatch keys are loaded before the first is used.
+/// online softmax. Per batch of kKeyBatch keys: the K/V rows are loaded before the first is used;
+/// the kKeyBatch·G partial scores are reduced together (reduce_scatter_step: each score equals
+/// warp_sum of its partial) and broadcast back key by key, so every key's update is the same
+/// arithmetic, in the same order, as one key at a time.
 template <int G, int kD, int kDimsPerLane = kD / kWarp>
 __device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], const bf16* K,
                                             const bf16* V, int64_t start, int64_t end,
                                             WarpState<G, kD>& st) {
   using Raw = typename BfVec<kDimsPerLane>::type;
+  constexpr int kScores = kKeyBatch * G;  // a power of two ≤ 32 (G ≤ 8)
+  static_assert(kScores <= kWarp && (kScores & (kScores - 1)) == 0, "attend_keys: kKeyBatch·G must be 2^k ≤ 32");
+  constexpr int kSpread = kWarp / kScores;  // lanes holding each score after the reduce-scatter
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -155,23 +186,35 @@ __device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], 
 #pragma unroll
     for (int b = 0; b < kKeyBatch; ++b) {
       const int64_t t = t0 + int64_t(b) * kWarps;
+      kr[b] = vr[b] = Raw{};
       if (t < end) {
         kr[b] = load_raw<kDimsPerLane>(K + t * kD + lane * kDimsPerLane);
         vr[b] = load_raw<kDimsPerLane>(V + t * kD + lane * kDimsPerLane);
       }
     }
+    float part[kScores];  // this lane's share of score (key b, head g) at b·G + g
 #pragma unroll
     for (int b = 0; b < kKeyBatch; ++b) {
-      if (t0 + int64_t(b) * kWarps >= end) break;  // uniform over the warp
-      float kx[kDimsPerLane], vx[kDimsPerLane];
+      float kx[kDimsPerLane];
       unpack8<kDimsPerLane>(kr[b], kx);
-      unpack8<kDimsPerLane>(vr[b], vx);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float s = 0.0f;
 #pragma unroll
         for (int e = 0; e < kDimsPerLane; ++e) s += qr[g][e] * kx[e];
-        s = warp_sum(s);
+        part[b * G + g] = s;
+      }
+    }
+    reduce_scatter_step<kScores, kScores, kWarp / 2>(part, lane);
+    const float mine = part[0];
+#pragma unroll
+    for (int b = 0; b < kKeyBatch; ++b) {
+      if (t0 + int64_t(b) * kWarps >= end) break;  // uniform over the warp
+      float vx[kDimsPerLane];
+      unpack8<kDimsPerLane>(vr[b], vx);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float s = __shfl_sync(0xffffffffu, mine, (b * G + g) * kSpread);
         const float m_new = fmaxf(st.m[g], s);
         const float corr = exp2f(st.m[g] - m_new);  // 0 on the first key (m = −inf)
         const float p = exp2f(s - m_new);
