@@ -59,6 +59,24 @@ int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared) {
   return max_seq;
 }
 
+SamplingParams resolve_sampling_defaults(const SamplingFlags& flags, const std::filesystem::path& model_dir) {
+  SamplingParams p = flags.generation_config ? generation_config_sampling(model_dir) : SamplingParams{};
+  auto check = [](const char* flag, double v, double lo, double hi, bool open_lo = false) {
+    if (v < lo || v > hi || (open_lo && v == lo))
+      throw Error(std::string(flag) + " must be in " + (open_lo ? "(" : "[") + json(lo).dump() + ", " +
+                  json(hi).dump() + "], got " + json(v).dump());
+    return v;
+  };
+  if (flags.temperature) p.temperature = static_cast<float>(check("--temperature", *flags.temperature, 0, 2));
+  if (flags.top_p) p.top_p = static_cast<float>(check("--top-p", *flags.top_p, 0, 1, true));
+  if (flags.top_k) {
+    if (*flags.top_k < -1) throw Error("--top-k must be -1, 0 (off) or a positive integer");
+    p.top_k = static_cast<int32_t>(std::clamp<int64_t>(*flags.top_k, 0, INT32_MAX));
+  }
+  if (flags.min_p) p.min_p = static_cast<float>(check("--min-p", *flags.min_p, 0, 1));
+  return p;
+}
+
 std::string served_model_name(const ModelConfig& config, const std::filesystem::path& model_dir,
                               const std::string& override_name) {
   if (!override_name.empty()) return override_name;
@@ -350,6 +368,7 @@ struct ChatCall {
   Clock::time_point start;
   int64_t prompt_tokens = 0;
   bool probed = false;  ///< the half-closed connection was probed once (Exchange::probe)
+  uint64_t seed = 0;    ///< the seed of choice 0 (choice i: choice_seed(seed, i))
 };
 
 /// Whether the header value `value` holds `token` as one of its comma-separated items (any case).
@@ -429,7 +448,14 @@ class LilyServer {
   /// Waits for the job's next event, cancelling it once the client has gone away.
   std::optional<JobEvent> next_event(ChatCall& call, Exchange& ex, const ConnectionWatch& watch, bool& client_gone);
   void observe_token(ChatCall& call, const JobEvent& e, std::optional<Clock::time_point>& last);
-  void record_done(const ChatCall& call, const GenerationResult& result);
+  /// Counts a finished request (all its choices) in /metrics and its log line.
+  void record_done(const ChatCall& call, const std::vector<GenerationResult>& results);
+  /// The request's sampling parameters over the server's defaults; checks logit_bias ids.
+  SamplingParams request_sampling(ChatCall& call) const;
+  /// A token's log-probabilities in the response's shape (token text from the tokenizer).
+  LogprobEntry logprob_entry(const TokenLogprobs& lp) const;
+  /// choice.logprobs of a whole answer or a chunk: null unless the request asked for them.
+  ordered_json logprobs_field(const ChatCall& call, const std::vector<TokenLogprobs>& lps) const;
   ApiError failure(const ChatCall& call, const std::string& detail);
   // Shutdown.
   void wait_for_signal();
@@ -451,6 +477,7 @@ class LilyServer {
   ModelConfig config_;
   std::string model_name_;
   int64_t max_seq_ = 0;
+  SamplingParams sampling_defaults_;  ///< generation_config.json + --temperature … (resolve_sampling_defaults)
   int port_ = 0;
   int64_t created_ = 0;
   std::shared_ptr<const Tokenizer> tokenizer_;
@@ -467,6 +494,7 @@ void test_listen_delay() {
 int LilyServer::run() {
   config_ = load_model_config(options_.model_dir);
   max_seq_ = resolve_max_seq(options_.max_seq, config_.max_position_embeddings);
+  sampling_defaults_ = resolve_sampling_defaults(options_.sampling, options_.model_dir);
   model_name_ = served_model_name(config_, options_.model_dir, options_.served_model_name);
   created_ = std::chrono::duration_cast<std::chrono::seconds>(
                  std::chrono::system_clock::now().time_since_epoch()).count();
@@ -924,6 +952,9 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
   job.max_tokens = max_tokens;
   job.stop_strings = call.request.stop;
   job.cache_key = call.request.prompt_cache_key;
+  job.sampling = request_sampling(call);
+  job.n = call.request.n;
+  job.logprobs = call.request.logprobs ? call.request.top_logprobs : -1;
   try {
     return scheduler_->submit(std::move(job));
   } catch (const QueueFullError& e) {
@@ -934,6 +965,43 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
   }
 }
 
+
+SamplingParams LilyServer::request_sampling(ChatCall& call) const {
+  const RequestSampling& r = call.request.sampling;
+  SamplingParams p = sampling_defaults_;
+  if (r.temperature) p.temperature = static_cast<float>(*r.temperature);
+  if (r.top_p) p.top_p = static_cast<float>(*r.top_p);
+  if (r.top_k) p.top_k = static_cast<int32_t>(std::clamp<int64_t>(*r.top_k, 0, INT32_MAX));
+  if (r.min_p) p.min_p = static_cast<float>(*r.min_p);
+  if (r.presence_penalty) p.presence_penalty = static_cast<float>(*r.presence_penalty);
+  if (r.frequency_penalty) p.frequency_penalty = static_cast<float>(*r.frequency_penalty);
+  if (r.repetition_penalty) p.repetition_penalty = static_cast<float>(*r.repetition_penalty);
+  for (const auto& [id, bias] : r.logit_bias) {
+    if (id >= config_.vocab)
+      throw invalid_request("'logit_bias' token id " + std::to_string(id) + " is not in the vocabulary (ids 0 … " +
+                                std::to_string(config_.vocab - 1) + ")",
+                            "logit_bias", "invalid_value");
+    p.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(bias));
+  }
+  if (r.seed) call.seed = static_cast<uint64_t>(*r.seed);
+  else if (options_.sampling.seed) call.seed = static_cast<uint64_t>(*options_.sampling.seed);
+  else call.seed = fresh_seed();
+  p.seed = call.seed;
+  return p;
+}
+
+LogprobEntry LilyServer::logprob_entry(const TokenLogprobs& lp) const {
+  LogprobEntry e{tokenizer_->token_bytes(lp.token), lp.logprob, {}};
+  for (const auto& t : lp.top) e.top.push_back(LogprobEntry{tokenizer_->token_bytes(t.token), t.logprob, {}});
+  return e;
+}
+
+ordered_json LilyServer::logprobs_field(const ChatCall& call, const std::vector<TokenLogprobs>& lps) const {
+  if (!call.request.logprobs) return nullptr;
+  std::vector<LogprobEntry> entries;
+  for (const auto& lp : lps) entries.push_back(logprob_entry(lp));
+  return logprobs_json(entries);
+}
 
 void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
   ChatCall call;
@@ -997,13 +1065,25 @@ void LilyServer::observe_token(ChatCall& call, const JobEvent& e, std::optional<
   last = e.at;
 }
 
-void LilyServer::record_done(const ChatCall& call, const GenerationResult& r) {
-  if (r.finish_reason == FinishReason::kCancelled) metrics_.record_cancelled();
-  const int64_t completion = static_cast<int64_t>(r.token_ids.size());
-  metrics_.record_tokens(r.prompt_tokens, r.cached_tokens, completion);
+/// Token counts of a request's choices: the prompt and its cached part once (from the first
+/// choice), the completion tokens of all choices together.
+Usage usage_of(const std::vector<GenerationResult>& results) {
+  Usage u;
+  if (results.empty()) return u;
+  u.prompt_tokens = results.front().prompt_tokens;
+  u.cached_tokens = results.front().cached_tokens;
+  for (const auto& r : results) u.completion_tokens += static_cast<int64_t>(r.token_ids.size());
+  return u;
+}
+
+void LilyServer::record_done(const ChatCall& call, const std::vector<GenerationResult>& results) {
+  const bool cancelled = !results.empty() && results.back().finish_reason == FinishReason::kCancelled;
+  if (cancelled) metrics_.record_cancelled();
+  const Usage u = usage_of(results);
+  metrics_.record_tokens(u.prompt_tokens, u.cached_tokens, u.completion_tokens);
   const double elapsed = std::max(seconds(Clock::now() - call.start), 1e-3);
-  t_request.tokens = LogTokens{r.prompt_tokens, r.cached_tokens, completion, completion / elapsed};
-  if (r.finish_reason == FinishReason::kCancelled) t_request.error = "cancelled";
+  t_request.tokens = LogTokens{u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.completion_tokens / elapsed};
+  if (cancelled) t_request.error = "cancelled";
 }
 
 ApiError LilyServer::failure(const ChatCall& call, const std::string& detail) {
@@ -1019,6 +1099,7 @@ void LilyServer::respond_whole(ChatCall& call, Exchange& ex, Reply& res) {
   ConnectionWatch watch(ex.fd());
   bool client_gone = false;
   std::optional<Clock::time_point> last;
+  std::vector<GenerationResult> results;
   while (true) {
     JobEvent e = *next_event(call, ex, watch, client_gone);
     if (e.kind == JobEvent::Kind::kToken) {
@@ -1026,11 +1107,19 @@ void LilyServer::respond_whole(ChatCall& call, Exchange& ex, Reply& res) {
       continue;
     }
     if (e.kind == JobEvent::Kind::kFailed) throw failure(call, e.text);
-    const GenerationResult& r = e.result;
-    record_done(call, r);
-    if (r.finish_reason == FinishReason::kCancelled && !client_gone) throw failure(call, "generation was cancelled");
-    const Usage usage{r.prompt_tokens, static_cast<int64_t>(r.token_ids.size()), r.cached_tokens};
-    set_json(res, 200, dump(completion_json(call.meta, r.text, std::string(finish_reason_name(r.finish_reason)), usage)));
+    const bool cancelled = e.result.finish_reason == FinishReason::kCancelled;
+    results.push_back(std::move(e.result));
+    if (!cancelled && e.choice + 1 < call.request.n) continue;
+    record_done(call, results);
+    if (cancelled && !client_gone) throw failure(call, "generation was cancelled");
+    ordered_json choices = ordered_json::array();
+    for (size_t i = 0; i < results.size(); ++i) {
+      const GenerationResult& r = results[i];
+      choices.push_back(choice_json(static_cast<int>(i), r.text, std::string(finish_reason_name(r.finish_reason)),
+                                    logprobs_field(call, r.logprobs),
+                                    static_cast<int64_t>(choice_seed(call.seed, static_cast<int>(i)))));
+    }
+    set_json(res, 200, dump(completion_json(call.meta, choices, usage_of(results))));
     return;
   }
 }
@@ -1048,27 +1137,40 @@ void LilyServer::respond_stream(ChatCall& call, Exchange& ex, const Reply& res) 
 bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWatch& watch, bool client_gone) {
   const bool usage_field = call.request.include_usage;
   auto send = [&](const ordered_json& doc) { return ex.write_chunk(sse_event(dump(doc))); };
-  if (!client_gone) {
-    client_gone = !send(chunk_json(call.meta, ordered_json{{"role", "assistant"}, {"content", ""}}, std::nullopt, usage_field));
+  // The role chunk of choice `i`, which also carries the seed it runs with.
+  auto begin_choice = [&](int i) {
+    if (client_gone) return;
+    client_gone = !send(chunk_json(call.meta, i, ordered_json{{"role", "assistant"}, {"content", ""}}, nullptr,
+                                   std::nullopt, usage_field, static_cast<int64_t>(choice_seed(call.seed, i))));
     if (client_gone) scheduler_->cancel(call.job);
-  }
+  };
+  begin_choice(0);
   std::optional<Clock::time_point> last;
-  size_t sent = 0;
+  std::vector<GenerationResult> results;
+  size_t sent = 0;                    // text bytes of the current choice sent so far
+  std::vector<TokenLogprobs> pending;  // log-probabilities of tokens whose text is still held back
   while (true) {
     JobEvent e = *next_event(call, ex, watch, client_gone);
     if (e.kind == JobEvent::Kind::kToken) {
       observe_token(call, e, last);
+      if (e.logprobs) pending.push_back(std::move(*e.logprobs));
       if (e.text.empty() || client_gone) continue;
       sent += e.text.size();
-      if (!send(chunk_json(call.meta, ordered_json{{"content", e.text}}, std::nullopt, usage_field))) {
+      if (!send(chunk_json(call.meta, e.choice, ordered_json{{"content", e.text}}, logprobs_field(call, pending),
+                           std::nullopt, usage_field))) {
         client_gone = true;
         scheduler_->cancel(call.job);
       }
+      pending.clear();
       continue;
     }
+    if (e.kind == JobEvent::Kind::kDone) results.push_back(e.result);
+    const bool last_choice = e.kind != JobEvent::Kind::kDone ||
+                             e.result.finish_reason == FinishReason::kCancelled || e.choice + 1 >= call.request.n;
     if (client_gone) {
-      if (e.kind == JobEvent::Kind::kDone) record_done(call, e.result);
-      return false;
+      if (e.kind == JobEvent::Kind::kDone && last_choice) record_done(call, results);
+      if (last_choice) return false;
+      continue;
     }
     if (e.kind == JobEvent::Kind::kFailed) {
       const ApiError err = failure(call, e.text);
@@ -1077,8 +1179,12 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       return ex.write_chunk("data: [DONE]\n\n");
     }
     const GenerationResult& r = e.result;
-    record_done(call, r);
-    if (r.text.size() > sent) send(chunk_json(call.meta, ordered_json{{"content", r.text.substr(sent)}}, std::nullopt, usage_field));
+    if (last_choice) record_done(call, results);
+    if (r.text.size() > sent || !pending.empty())
+      send(chunk_json(call.meta, e.choice, ordered_json{{"content", r.text.substr(std::min(sent, r.text.size()))}},
+                      logprobs_field(call, pending), std::nullopt, usage_field));
+    pending.clear();
+    sent = 0;
     if (r.finish_reason == FinishReason::kCancelled) {
       // Cut by the engine (the end of the shutdown grace), not finished: an error event, as
       // respond_whole answers the same case with an error status (was finish_reason "length").
@@ -1087,9 +1193,13 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       send(ordered_json(err.body()));
       return ex.write_chunk("data: [DONE]\n\n");
     }
-    send(chunk_json(call.meta, ordered_json::object(), std::string(finish_reason_name(r.finish_reason)), usage_field));
-    if (usage_field)
-      send(usage_chunk_json(call.meta, Usage{r.prompt_tokens, static_cast<int64_t>(r.token_ids.size()), r.cached_tokens}));
+    send(chunk_json(call.meta, e.choice, ordered_json::object(), nullptr,
+                    std::string(finish_reason_name(r.finish_reason)), usage_field));
+    if (!last_choice) {
+      begin_choice(e.choice + 1);
+      continue;
+    }
+    if (usage_field) send(usage_chunk_json(call.meta, usage_of(results)));
     return ex.write_chunk("data: [DONE]\n\n");
   }
 }
