@@ -130,6 +130,24 @@ describe('sampling on lily serve (demo model)', () => {
     assert.deepEqual(streamed.choices[0].logprobs, entries);
   });
 
+  it('stop strings, streaming and max_tokens work with sampling', async () => {
+    const free = await ask({ temperature: 1.2, seed: 21, max_tokens: 40 });
+    const text = free.choices[0].message.content;
+    const stop = text.slice(6, 8);  // two characters from inside the free answer
+    assert.equal(stop.length, 2);
+    const cut = await ask({ temperature: 1.2, seed: 21, max_tokens: 40, stop, logprobs: true });
+    assert.equal(cut.choices[0].finish_reason, 'stop');
+    assert.equal(cut.choices[0].message.content, text.slice(0, text.indexOf(stop)));
+    const streamed = await collect(await ask({ temperature: 1.2, seed: 21, max_tokens: 40, stop, stream: true,
+      logprobs: true }));
+    assert.equal(streamed.choices[0].text, cut.choices[0].message.content);
+    assert.equal(streamed.choices[0].finish, 'stop');
+    assert.deepEqual(streamed.choices[0].logprobs, cut.choices[0].logprobs.content);
+    const short = await ask({ temperature: 1.2, seed: 21, max_tokens: 3 });
+    assert.equal(short.usage.completion_tokens, 3);
+    assert.ok(text.startsWith(short.choices[0].message.content));
+  });
+
   it('greedy answers are unchanged, with or without logprobs; greedy picks the top entry', async () => {
     for (const g of golden.goldens.slice(0, 2)) {
       const plain = await openai.chat.completions.create({ model: MODEL, messages: g.messages, max_tokens: 64 });

@@ -6,10 +6,12 @@
 
 #include <chrono>
 #include <cmath>
+#include <fstream>
 
 #include "engine/generate.h"
 #include "engine/scheduler.h"
 #include "fake_backend.h"
+#include "support/test_support.h"
 
 using namespace lily;
 using namespace std::chrono_literals;
@@ -192,4 +194,37 @@ TEST(SchedulerSampling, TokenEventsCarryTheirChoiceAndLogprobs) {
     if (e->kind == JobEvent::Kind::kDone && e->choice == 1) break;
   }
   EXPECT_EQ(choices, (std::vector<int>{0, 0, 0, 1, 1, 1}));
+}
+
+namespace {
+
+/// generation_config_sampling of a directory holding only `text` as generation_config.json.
+SamplingParams from_config(const std::string& text) {
+  lily::test::TempDir dir;
+  std::ofstream(dir.path() / "generation_config.json") << text;
+  return generation_config_sampling(dir.path());
+}
+
+}  // namespace
+
+TEST(GenerationConfig, ReadAsTransformersDoes) {
+  lily::test::TempDir empty;
+  EXPECT_TRUE(generation_config_sampling(empty.path()).plain_greedy());  // no file: greedy
+  // Without do_sample the temperature is ignored (greedy), the repetition penalty is not.
+  const auto greedy = from_config(R"({"temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1})");
+  EXPECT_TRUE(greedy.greedy());
+  EXPECT_FLOAT_EQ(greedy.repetition_penalty, 1.1f);
+  // do_sample: the given values, transformers' defaults for the rest (temperature 1, top_k 50).
+  const auto qwen = from_config(R"({"do_sample": true, "temperature": 0.6, "top_p": 0.95, "top_k": 20})");
+  EXPECT_FLOAT_EQ(qwen.temperature, 0.6f);
+  EXPECT_FLOAT_EQ(qwen.top_p, 0.95f);
+  EXPECT_EQ(qwen.top_k, 20);
+  EXPECT_FLOAT_EQ(qwen.min_p, 0.0f);
+  const auto bare = from_config(R"({"do_sample": true})");
+  EXPECT_FLOAT_EQ(bare.temperature, 1.0f);
+  EXPECT_EQ(bare.top_k, 50);
+  EXPECT_FLOAT_EQ(bare.top_p, 1.0f);
+  EXPECT_THROW(from_config("[1]"), Error);
+  EXPECT_THROW(from_config(R"({"do_sample": "yes"})"), Error);
+  EXPECT_THROW(from_config(R"({"do_sample": true, "top_p": 3})"), Error);
 }
