@@ -23,11 +23,34 @@ float max_of(std::span<const float> x) {
   return m;
 }
 
-/// The ids of the `k` largest entries of x among `ids` (moved to the front and kept, in no order).
-void keep_top(std::vector<int32_t>& ids, size_t k, std::span<const float> x) {
-  if (k >= ids.size()) return;
-  std::nth_element(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(k), ids.end(), ByLogitDesc{x});
-  ids.resize(k);
+/// The ids of the `k` (≤ x.size()) largest entries of x in ByLogitDesc order. One pass with a
+/// bounded heap for small k (the usual top-k of 20 … 100 costs little more than reading the
+/// row), partial selection (nth_element) for large k.
+std::vector<int32_t> top_ids(std::span<const float> x, size_t k) {
+  const ByLogitDesc better{x};
+  std::vector<int32_t> ids;
+  if (k == 0) return ids;
+  if (k <= 4096 && k * 16 <= x.size()) {
+    // Max-heap under `better`: its front is the worst id kept so far.
+    ids.reserve(k);
+    for (size_t i = 0; i < k; ++i) ids.push_back(static_cast<int32_t>(i));
+    std::make_heap(ids.begin(), ids.end(), better);
+    for (size_t i = k; i < x.size(); ++i) {
+      const auto id = static_cast<int32_t>(i);
+      if (!better(id, ids.front())) continue;
+      std::pop_heap(ids.begin(), ids.end(), better);
+      ids.back() = id;
+      std::push_heap(ids.begin(), ids.end(), better);
+    }
+  } else {
+    ids.resize(x.size());
+    for (size_t i = 0; i < x.size(); ++i) ids[i] = static_cast<int32_t>(i);
+    if (k < ids.size())
+      std::nth_element(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(k), ids.end(), better);
+    ids.resize(k);
+  }
+  std::sort(ids.begin(), ids.end(), better);
+  return ids;
 }
 
 }  // namespace
@@ -146,65 +169,72 @@ std::vector<int32_t> surviving_tokens(std::span<const float> x, const SamplingPa
   const bool use_min_p = p.min_p > 0.0f;
   if (!use_k && !use_p && !use_min_p) return {};
   const float m = max_of(x);
+  // p_i ≥ min_p · p_max ⇔ x_i ≥ x_max + log(min_p); the max always passes.
+  const double floor = use_min_p ? static_cast<double>(m) + std::log(static_cast<double>(p.min_p))
+                                 : -std::numeric_limits<double>::infinity();
+  auto weight = [&](int32_t id) { return static_cast<double>(std::exp(x[id] - m)); };
 
-  std::vector<int32_t> ids(static_cast<size_t>(vocab));
-  for (int64_t i = 0; i < vocab; ++i) ids[i] = static_cast<int32_t>(i);
-  if (use_k) keep_top(ids, static_cast<size_t>(p.top_k), x);
-
-  if (use_p) {
-    // The mass of the top-k set, then the shortest most-likely-first prefix reaching top_p of
-    // it. Candidates are sorted in growing blocks (64, 256, …) instead of all at once: a peaked
-    // distribution reaches top_p within the first block.
-    double total = 0;
-    for (int32_t id : ids) total += std::exp(static_cast<double>(x[id]) - m);
-    const double target = static_cast<double>(p.top_p) * total;
-    size_t block = std::min<size_t>(64, ids.size());
-    while (true) {
-      std::vector<int32_t> head = ids;
-      keep_top(head, block, x);
-      std::sort(head.begin(), head.end(), ByLogitDesc{x});
-      double cum = 0;
-      size_t keep = 0;
-      while (keep < head.size() && cum < target) cum += std::exp(static_cast<double>(x[head[keep++]]) - m);
-      if (cum >= target || head.size() == ids.size()) {
-        head.resize(std::max<size_t>(keep, 1));
-        ids = std::move(head);
-        break;
-      }
-      block = std::min(block * 4, ids.size());
-    }
-  } else {
-    std::sort(ids.begin(), ids.end(), ByLogitDesc{x});
-  }
-
-  if (use_min_p) {
-    // p_i ≥ min_p · p_max ⇔ x_i ≥ x_max + log(min_p); the max is always in the set.
-    const double floor = static_cast<double>(m) + std::log(static_cast<double>(p.min_p));
+  std::vector<int32_t> ids;  // candidates, most likely first once sorted
+  double total = 0;          // probability mass (unnormalized) of the top-k set, for top-p
+  if (use_k) {
+    ids = top_ids(x, static_cast<size_t>(p.top_k));
+    if (use_p)
+      for (int32_t id : ids) total += weight(id);
+    // Both filters below keep a most-likely-first prefix of this sorted list.
     size_t keep = 1;
     while (keep < ids.size() && static_cast<double>(x[ids[keep]]) >= floor) ++keep;
     ids.resize(keep);
+  } else {
+    // Every id is a candidate; only those passing min-p matter for the walk below, but the
+    // top-p mass counts them all.
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (use_p) total += weight(static_cast<int32_t>(i));
+      if (static_cast<double>(x[i]) >= floor) ids.push_back(static_cast<int32_t>(i));
+    }
   }
+  if (use_p) {
+    // The shortest most-likely-first prefix whose mass reaches top_p of the top-k set. The
+    // candidates are ordered in growing blocks (64, 256, …) instead of all at once: a peaked
+    // distribution reaches top_p within the first block.
+    const double target = static_cast<double>(p.top_p) * total;
+    const ByLogitDesc better{x};
+    size_t block = std::min<size_t>(use_k ? ids.size() : 64, ids.size());
+    size_t sorted = use_k ? ids.size() : 0;  // the top-k list is already sorted
+    double cum = 0;
+    size_t keep = 0;
+    while (true) {
+      if (sorted < block) {
+        if (block < ids.size())
+          std::nth_element(ids.begin() + static_cast<std::ptrdiff_t>(sorted),
+                           ids.begin() + static_cast<std::ptrdiff_t>(block), ids.end(), better);
+        std::sort(ids.begin() + static_cast<std::ptrdiff_t>(sorted), ids.begin() + static_cast<std::ptrdiff_t>(block),
+                  better);
+        sorted = block;
+      }
+      while (keep < block && cum < target) cum += weight(ids[keep++]);
+      if (cum >= target || block == ids.size()) break;
+      block = std::min(block * 4, ids.size());
+    }
+    ids.resize(std::max<size_t>(keep, 1));
+  }
+  if (!std::is_sorted(ids.begin(), ids.end())) std::sort(ids.begin(), ids.end());
   return ids;
 }
 
 int32_t draw_token(std::span<const float> x, std::span<const int32_t> survivors, double u) {
-  const float m = survivors.empty() ? max_of(x) : x[*std::max_element(survivors.begin(), survivors.end(),
-                                                                     [&](int32_t a, int32_t b) { return x[a] < x[b]; })];
-  std::vector<int32_t> order(survivors.begin(), survivors.end());
-  std::sort(order.begin(), order.end());
-  auto weight = [&](int32_t id) { return std::exp(static_cast<double>(x[id]) - m); };
+  const bool all = survivors.empty();
+  const size_t n = all ? x.size() : survivors.size();
+  auto id_at = [&](size_t i) { return all ? static_cast<int32_t>(i) : survivors[i]; };
+  float m = -std::numeric_limits<float>::infinity();
+  for (size_t i = 0; i < n; ++i) m = std::max(m, x[id_at(i)]);
+  auto weight = [&](int32_t id) { return static_cast<double>(std::exp(x[id] - m)); };
   double total = 0;
-  if (order.empty()) {
-    for (size_t i = 0; i < x.size(); ++i) total += weight(static_cast<int32_t>(i));
-  } else {
-    for (int32_t id : order) total += weight(id);
-  }
+  for (size_t i = 0; i < n; ++i) total += weight(id_at(i));
   const double target = u * total;
   double cum = 0;
   int32_t last = -1;
-  const size_t n = order.empty() ? x.size() : order.size();
   for (size_t i = 0; i < n; ++i) {
-    const int32_t id = order.empty() ? static_cast<int32_t>(i) : order[i];
+    const int32_t id = id_at(i);
     const double w = weight(id);
     if (w <= 0) continue;  // exp underflow or -inf: never drawn
     cum += w;
@@ -218,21 +248,16 @@ int32_t draw_token(std::span<const float> x, std::span<const int32_t> survivors,
 TokenLogprobs token_logprobs(std::span<const float> logits, int32_t chosen, int top_n) {
   const auto vocab = static_cast<int64_t>(logits.size());
   if (chosen < 0 || chosen >= vocab) throw InternalError("token_logprobs: chosen id out of range");
-  const double m = max_of(logits);
+  const float m = max_of(logits);
   double sum = 0;
-  for (float v : logits) sum += std::exp(static_cast<double>(v) - m);
-  const double log_z = m + std::log(sum);
+  for (float v : logits) sum += static_cast<double>(std::exp(v - m));
+  const double log_z = static_cast<double>(m) + std::log(sum);
+  auto logprob = [&](int32_t id) { return static_cast<float>(std::min(0.0, static_cast<double>(logits[id]) - log_z)); };
   TokenLogprobs out;
   out.token = chosen;
-  out.logprob = static_cast<float>(std::min(0.0, static_cast<double>(logits[chosen]) - log_z));
-  const auto n = static_cast<size_t>(std::clamp<int64_t>(top_n, 0, vocab));
-  if (n == 0) return out;
-  std::vector<int32_t> ids(static_cast<size_t>(vocab));
-  for (int64_t i = 0; i < vocab; ++i) ids[i] = static_cast<int32_t>(i);
-  keep_top(ids, n, logits);
-  std::sort(ids.begin(), ids.end(), ByLogitDesc{logits});
-  for (int32_t id : ids)
-    out.top.push_back({id, static_cast<float>(std::min(0.0, static_cast<double>(logits[id]) - log_z))});
+  out.logprob = logprob(chosen);
+  for (int32_t id : top_ids(logits, static_cast<size_t>(std::clamp<int64_t>(top_n, 0, vocab))))
+    out.top.push_back({id, logprob(id)});
   return out;
 }
 

@@ -90,16 +90,19 @@ void apply_penalties(std::span<float> logits, const SamplingParams& params, cons
 int32_t argmax_token(std::span<const float> logits);
 
 /// Step 3 on logits already divided by the temperature: the ids that survive top-k, then top-p
-/// (on the distribution renormalized over the top-k set), then min-p, in descending logit order
-/// (ties: lower id first). top-k keeps exactly k ids; top-p keeps the shortest such prefix whose
-/// probability reaches top_p (the token that crosses it included); min-p keeps ids with
-/// p ≥ min_p · p_max. At least one id survives. Returns an empty vector when no filter is active
-/// (every id survives). Uses partial selection: never a full sort unless top-p needs nearly all
-/// of a flat distribution.
+/// (on the distribution renormalized over the top-k set), then min-p, in ascending id order.
+/// Each filter keeps a prefix of the ids in descending logit order (ties: lower id first):
+/// top-k exactly k ids; top-p the shortest prefix whose probability reaches top_p (the token
+/// that crosses it included); min-p the ids with p ≥ min_p · p_max. At least one id survives.
+/// Returns an empty vector when no filter is active (every id survives). Never sorts the whole
+/// row: top-k keeps a bounded heap (or partial selection for a large k), top-p orders growing
+/// blocks of the most likely candidates (the whole row only for a nearly flat distribution).
 std::vector<int32_t> surviving_tokens(std::span<const float> scaled, const SamplingParams& params);
 
 /// Step 4: inverts the cumulative distribution of softmax(scaled) restricted to `survivors`
-/// (all ids when empty), walking ids in ascending order, at `u` ∈ [0, 1). Sums in fp64.
+/// (ascending ids as surviving_tokens returns them; all ids when empty), walking them in that
+/// order, at `u` ∈ [0, 1): the first id whose cumulative weight exceeds u · total. Weights are
+/// exp(x − max) in fp32, summed in fp64.
 int32_t draw_token(std::span<const float> scaled, std::span<const int32_t> survivors, double u);
 
 /// One alternative in a top-log-probability list.
@@ -116,8 +119,9 @@ struct TokenLogprobs {
   std::vector<TopLogprob> top;  ///< most likely first (ties: lower id first), size top_n
 };
 
-/// Log-softmax of `logits` ([vocab] fp32, computed in fp64) at `chosen`, plus the `top_n`
-/// (0 … vocab) most likely ids, found by partial selection.
+/// Log-softmax of `logits` ([vocab] fp32; exp in fp32, the normalizer summed in fp64) at
+/// `chosen`, plus the `top_n` (0 … vocab) most likely ids (ties: lower id first), found by a
+/// bounded heap.
 TokenLogprobs token_logprobs(std::span<const float> logits, int32_t chosen, int top_n);
 
 /// Chooses one token for one row. Reuses its scratch buffers between calls; one per sequence

@@ -231,9 +231,14 @@ TEST(Sampler, DrawInvertsTheCdfInIdOrder) {
   EXPECT_EQ(draw_token(x, {}, 0.24), 0);
   EXPECT_EQ(draw_token(x, {}, 0.26), 1);
   EXPECT_EQ(draw_token(x, {}, 0.99), 3);
-  const std::vector<int32_t> survivors{3, 1};  // renormalized: 0.5 each, id order 1 then 3
+  const std::vector<int32_t> survivors{1, 3};  // renormalized: 0.5 each, walked 1 then 3
   EXPECT_EQ(draw_token(x, survivors, 0.49), 1);
   EXPECT_EQ(draw_token(x, survivors, 0.51), 3);
+  // Survivors come in ascending id order from surviving_tokens.
+  SamplingParams p = at_temperature(1.0f);
+  p.top_k = 3;
+  const std::vector<float> y{0.5f, 3.0f, -1.0f, 2.0f, 1.0f};
+  EXPECT_EQ(surviving_tokens(y, p), (std::vector<int32_t>{1, 3, 4}));
 }
 
 TEST(Penalties, FormulasOnTheLogits) {
@@ -330,4 +335,61 @@ TEST(ChoiceSeed, IndexZeroIsTheSeedOthersAreDistinct53BitValues) {
   }
   EXPECT_NE(choice_seed(42, 1), choice_seed(43, 1));
   EXPECT_LT(fresh_seed(), uint64_t{1} << 53);
+}
+
+namespace {
+
+/// surviving_tokens by the book: a full sort, then top-k, top-p over the renormalized top-k
+/// set, min-p; ascending ids. Slow and obvious, the reference for the fast selection.
+std::vector<int32_t> survivors_by_full_sort(const std::vector<float>& x, const SamplingParams& p) {
+  std::vector<int32_t> order(x.size());
+  for (size_t i = 0; i < x.size(); ++i) order[i] = static_cast<int32_t>(i);
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
+  if (p.top_k > 0 && static_cast<size_t>(p.top_k) < order.size()) order.resize(p.top_k);
+  const float m = x[order[0]];
+  if (p.top_p < 1.0f) {
+    double total = 0, cum = 0;
+    for (int32_t id : order) total += std::exp(x[id] - m);
+    size_t keep = 0;
+    while (keep < order.size() && cum < p.top_p * total) cum += std::exp(x[order[keep++]] - m);
+    order.resize(std::max<size_t>(keep, 1));
+  }
+  if (p.min_p > 0.0f) {
+    size_t keep = 1;
+    while (keep < order.size() && x[order[keep]] >= m + std::log(static_cast<double>(p.min_p))) ++keep;
+    order.resize(keep);
+  }
+  std::sort(order.begin(), order.end());
+  return order;
+}
+
+}  // namespace
+
+TEST(Sampler, FastSelectionEqualsAFullSort) {
+  // Random rows (with ties: values on a coarse grid) and random filters, small and large k
+  // (the heap and the partial-selection paths), peaked and flat rows (one or many top-p blocks).
+  uint64_t state = 2463534242ull;
+  auto next = [&] {
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    return state;
+  };
+  for (int round = 0; round < 60; ++round) {
+    const int vocab = round % 3 == 0 ? 5000 : 700;
+    const double spread = round % 2 == 0 ? 8.0 : 0.5;
+    std::vector<float> x(vocab);
+    for (float& v : x) v = static_cast<float>(std::round((next() % 10000) / 10000.0 * spread * 20) / 20);
+    SamplingParams p = at_temperature(1.0f);
+    const int k_choice = static_cast<int>(next() % 4);
+    p.top_k = k_choice == 0 ? 0 : k_choice == 1 ? 5 : k_choice == 2 ? 100 : 600;
+    p.top_p = next() % 3 == 0 ? 1.0f : static_cast<float>(0.05 + (next() % 95) / 100.0);
+    p.min_p = next() % 3 == 0 ? static_cast<float>((next() % 50) / 100.0) : 0.0f;
+    const auto fast = surviving_tokens(x, p);
+    const bool no_filter = (p.top_k == 0 || p.top_k >= vocab) && p.top_p >= 1.0f && p.min_p <= 0.0f;
+    if (no_filter) {
+      EXPECT_TRUE(fast.empty());
+      continue;
+    }
+    EXPECT_EQ(fast, survivors_by_full_sort(x, p))
+        << "round " << round << " k=" << p.top_k << " p=" << p.top_p << " min_p=" << p.min_p;
+  }
 }
