@@ -495,6 +495,15 @@ int LilyServer::run() {
   config_ = load_model_config(options_.model_dir);
   max_seq_ = resolve_max_seq(options_.max_seq, config_.max_position_embeddings);
   sampling_defaults_ = resolve_sampling_defaults(options_.sampling, options_.model_dir);
+  if (!sampling_defaults_.plain_greedy()) {
+    const SamplingParams& d = sampling_defaults_;
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "sampling defaults (flags over generation_config.json): temperature %g, top_p %g, top_k %d, "
+                  "min_p %g, repetition_penalty %g; requests may override them",
+                  d.temperature, d.top_p, d.top_k, d.min_p, d.repetition_penalty);
+    log_info(line);
+  }
   model_name_ = served_model_name(config_, options_.model_dir, options_.served_model_name);
   created_ = std::chrono::duration_cast<std::chrono::seconds>(
                  std::chrono::system_clock::now().time_since_epoch()).count();
