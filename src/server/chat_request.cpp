@@ -95,6 +95,11 @@ void parse_logit_bias(const json& v, ChatRequest& req) {
     req.sampling.logit_bias.emplace_back(std::stoll(key), bias);
   }
   std::sort(req.sampling.logit_bias.begin(), req.sampling.logit_bias.end());
+  const auto& bias = req.sampling.logit_bias;
+  for (size_t i = 1; i < bias.size(); ++i)
+    if (bias[i].first == bias[i - 1].first)
+      throw invalid_request("'logit_bias' names token id " + std::to_string(bias[i].first) + " twice", param,
+                            "invalid_value");
 }
 
 /// The optional fields this parser knows (a null value for one of them means "absent").

@@ -242,7 +242,8 @@ TEST(ChatRequest, OutOfRangeSamplingValuesNameTheField) {
            {"frequency_penalty", -3}, {"repetition_penalty", 0}, {"repetition_penalty", 2.5}, {"n", 0},
            {"n", 9}, {"n", 1.5}, {"seed", 1.5}, {"seed", "7"}, {"logprobs", 1}, {"top_logprobs", 21},
            {"top_logprobs", -1}, {"logit_bias", json::array()}, {"logit_bias", json{{"x", 1}}},
-           {"logit_bias", json{{"-1", 1}}}, {"logit_bias", json{{"5", 101}}}, {"logit_bias", json{{"5", "1"}}}}) {
+           {"logit_bias", json{{"-1", 1}}}, {"logit_bias", json{{"5", 101}}}, {"logit_bias", json{{"5", "1"}}},
+           {"logit_bias", json{{"5", 1}, {"05", 2}}}, {"logit_bias", json{{"99999999999", 1}}}}) {
     const auto e = rejected(with(key, value).dump());
     EXPECT_EQ(e.param(), key) << key << "=" << value;
   }
