@@ -1,5 +1,5 @@
-// `lily generate`: one greedy generation from the command line, streamed to stdout (issue 2
-// item 7). --prompt renders the chat template (thinking disabled) around one user message
+// `lily generate`: one generation from the command line, streamed to stdout (issue 2 item 7),
+// greedy unless --temperature > 0 (issue 13). --prompt renders the chat template (thinking disabled) around one user message
 // unless --raw; --messages takes a JSON array of {role, content}; --prompt-ids takes token ids
 // and works without a usable tokenizer (then no text is produced: "text" is "" in --json).
 #include <cstdio>
@@ -40,6 +40,11 @@ struct GenerateFlags {
   std::string backend = "auto";
   int threads = 0;
   std::vector<std::string> stop;
+  double temperature = 0, top_p = 1, min_p = 0;
+  int top_k = 0;
+  uint64_t seed = 0;
+  bool seed_given = false;
+  int logprobs = -1;  ///< --logprobs N (0 … 20) adds log-probabilities to --json
 };
 
 std::vector<int32_t> parse_prompt_ids(const std::string& text, int vocab) {
@@ -93,7 +98,8 @@ std::vector<int32_t> build_prompt(const GenerateFlags& f, const Tokenizer* tok, 
   return ChatTemplate::for_model(dir)->encode(*tok, std::span<const ChatMessage>(&user, 1));  // the checkpoint's template
 }
 
-void print_json(const std::vector<int32_t>& prompt, const GenerationResult& r) {
+void print_json(const std::vector<int32_t>& prompt, const GenerationResult& r, const GenerationParams& p,
+                const Tokenizer* tok) {
   nlohmann::ordered_json doc{{"prompt_ids", prompt},
                              {"token_ids", r.token_ids},
                              {"text", r.text},
@@ -102,6 +108,17 @@ void print_json(const std::vector<int32_t>& prompt, const GenerationResult& r) {
                              {"completion_tokens", r.token_ids.size()},
                              {"prefill_tokens_per_s", r.timings.prefill_tokens_per_s()},
                              {"decode_tokens_per_s", r.timings.decode_tokens_per_s()}};
+  if (!p.sampling.greedy()) doc["seed"] = p.sampling.seed;
+  if (p.logprobs >= 0) {
+    auto text_of = [&](int32_t id) { return tok ? tok->token_bytes(id) : std::string(); };
+    nlohmann::ordered_json list = nlohmann::ordered_json::array();
+    for (const auto& lp : r.logprobs) {
+      nlohmann::ordered_json top = nlohmann::ordered_json::array();
+      for (const auto& t : lp.top) top.push_back({{"id", t.token}, {"token", text_of(t.token)}, {"logprob", t.logprob}});
+      list.push_back({{"id", lp.token}, {"token", text_of(lp.token)}, {"logprob", lp.logprob}, {"top_logprobs", top}});
+    }
+    doc["logprobs"] = list;
+  }
   std::cout << doc.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << std::endl;
 }
 
@@ -129,6 +146,12 @@ void run_generate(const GenerateFlags& f) {
   const ModelConfig config = load_model_config(dir);
   auto tokenizer = load_tokenizer(dir, f.prompt_ids.empty());
   if (!f.stop.empty() && !tokenizer) throw Error("--stop needs a tokenizer");
+  if (f.temperature < 0 || f.temperature > 2) throw Error("--temperature must be in [0, 2]");
+  if (!(f.top_p > 0 && f.top_p <= 1)) throw Error("--top-p must be in (0, 1]");
+  if (f.top_k < -1) throw Error("--top-k must be -1, 0 (off) or a positive integer");
+  if (f.min_p < 0 || f.min_p > 1) throw Error("--min-p must be in [0, 1]");
+  if (f.logprobs > 20) throw Error("--logprobs must be in [0, 20]");
+  if (f.logprobs >= 0 && !f.json) throw Error("--logprobs needs --json");
   const std::vector<int32_t> prompt = build_prompt(f, tokenizer.get(), dir, config.vocab);
   const int64_t limit = context_limit(f, config);
   const std::string limit_name = f.max_seq > 0 ? "--max-seq " + std::to_string(limit)
@@ -146,6 +169,12 @@ void run_generate(const GenerateFlags& f) {
   params.max_seq = prompt_len + params.max_tokens;
   params.stop_ids = stop_token_ids(config, dir, tokenizer.get());
   params.stop_strings = f.stop;
+  params.sampling.temperature = static_cast<float>(f.temperature);
+  params.sampling.top_p = static_cast<float>(f.top_p);
+  params.sampling.top_k = std::max(f.top_k, 0);
+  params.sampling.min_p = static_cast<float>(f.min_p);
+  params.sampling.seed = f.seed_given ? f.seed : fresh_seed();
+  params.logprobs = f.logprobs;
 
   auto weights = load_model(dir, LoadOptions{.show_progress = true, .mmap = !f.no_mmap});
   auto backend = make_backend(backend_kind, weights, f.threads);
@@ -166,7 +195,7 @@ void run_generate(const GenerateFlags& f) {
     if (streamed > 0) std::printf("\n");  // the error goes to stderr after a complete line
     throw;
   }
-  if (f.json) return print_json(prompt, r);
+  if (f.json) return print_json(prompt, r, params, tokenizer.get());
   // The text generate() released only at the end (held back for a possible stop string or an
   // incomplete UTF-8 character) was never streamed: write it, then end the line.
   if (r.text.size() > streamed) std::fwrite(r.text.data() + streamed, 1, r.text.size() - streamed, stdout);
@@ -182,7 +211,7 @@ void run_generate(const GenerateFlags& f) {
 }  // namespace
 
 void register_generate(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand("generate", "generate greedily from one prompt, streamed to stdout");
+  auto* cmd = app.add_subcommand("generate", "generate from one prompt (greedy unless --temperature), streamed to stdout");
   auto f = std::make_shared<GenerateFlags>();
   cmd->add_option("--model", f->model, "checkpoint directory (default: the repository's models/demo)");
   cmd->add_option("--prompt", f->prompt, "user message (chat template applied, thinking disabled)");
@@ -197,12 +226,20 @@ void register_generate(CLI::App& app, int& exit_code) {
   cmd->add_flag("--no-mmap", f->no_mmap, "read the weights into memory instead of memory-mapping them");
   cmd->add_option("--stop", f->stop, "stop string (repeatable)");
   cmd->add_flag("--json", f->json, "print one JSON object instead of streaming text");
+  cmd->add_option("--temperature", f->temperature, "sampling temperature, 0 … 2 (0 = greedy)")->capture_default_str();
+  cmd->add_option("--top-p", f->top_p, "top-p, (0, 1] (1 = off)")->capture_default_str();
+  cmd->add_option("--top-k", f->top_k, "top-k (0 or -1 = off)")->capture_default_str();
+  cmd->add_option("--min-p", f->min_p, "min-p, 0 … 1 (0 = off)")->capture_default_str();
+  auto* seed = cmd->add_option("--seed", f->seed, "sampling seed (default: a fresh one, printed by --json)");
+  cmd->add_option("--logprobs", f->logprobs, "with --json: each token's log-probability and N alternatives (0 … 20)")
+      ->check(integer_at_least(0));
   cmd->add_option("--backend", f->backend, "cpu | cuda | auto")->capture_default_str();
   cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores")
       ->capture_default_str()
       ->check(integer_at_least(0));
-  cmd->callback([f, max_tokens, &exit_code] {
+  cmd->callback([f, max_tokens, seed, &exit_code] {
     f->max_tokens_given = max_tokens->count() > 0;
+    f->seed_given = seed->count() > 0;
     run_generate(*f);
     exit_code = 0;
   });

@@ -24,6 +24,12 @@ struct ServeFlags {
   bool no_mmap = false;  ///< read the weights into memory instead of mapping them
   CLI::Option* api_key = nullptr;  ///< to tell `--api-key ""` from no --api-key
   server::ServerOptions options;
+  // Sampling defaults: each counts only when given (else generation_config.json, else greedy).
+  double temperature = 0, top_p = 1, min_p = 0;
+  int64_t top_k = 0, seed = 0;
+  CLI::Option *temperature_opt = nullptr, *top_p_opt = nullptr, *top_k_opt = nullptr, *min_p_opt = nullptr,
+              *seed_opt = nullptr;
+  bool no_generation_config = false;
 };
 
 void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
@@ -80,6 +86,15 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
       ->capture_default_str()->check(integer_at_least(1));
   cmd->add_option("--allowed-origins", f.allowed_origins, "CORS: comma-separated origins browsers may call "
                   "the API from (e.g. http://localhost:3000), or * for any (default: none, CORS off)");
+  f.temperature_opt = cmd->add_option("--temperature", f.temperature, "default sampling temperature, 0 … 2 "
+                                      "(0 = greedy; default: generation_config.json, else 0)");
+  f.top_p_opt = cmd->add_option("--top-p", f.top_p, "default top-p, (0, 1] (default: generation_config.json, else 1)");
+  f.top_k_opt = cmd->add_option("--top-k", f.top_k, "default top-k, 0 or -1 = off (default: generation_config.json, "
+                                "else off)");
+  f.min_p_opt = cmd->add_option("--min-p", f.min_p, "default min-p, 0 … 1 (default: generation_config.json, else 0)");
+  f.seed_opt = cmd->add_option("--seed", f.seed, "seed of requests that send none (default: a fresh one per request)");
+  cmd->add_flag("--no-generation-config", f.no_generation_config, "ignore the checkpoint's generation_config.json "
+                "(its sampling defaults)");
   cmd->add_option("--shutdown-grace", o.shutdown_grace_s, "seconds running work may finish after SIGINT/SIGTERM")
       ->capture_default_str()->check(integer_at_least(0));
 }
@@ -101,6 +116,12 @@ server::ServerOptions resolve(ServeFlags& f) {
       o.api_key = env;
     }
   }
+  if (f.temperature_opt->count() > 0) o.sampling.temperature = f.temperature;
+  if (f.top_p_opt->count() > 0) o.sampling.top_p = f.top_p;
+  if (f.top_k_opt->count() > 0) o.sampling.top_k = f.top_k;
+  if (f.min_p_opt->count() > 0) o.sampling.min_p = f.min_p;
+  if (f.seed_opt->count() > 0) o.sampling.seed = f.seed;
+  o.sampling.generation_config = !f.no_generation_config;
   // The server loads the model itself; the process-wide default reaches its load_model call.
   set_default_weights_mmap(!f.no_mmap);
   return o;

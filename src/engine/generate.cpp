@@ -94,7 +94,8 @@ double GenerationTimings::decode_tokens_per_s() const {
 
 GenerationResult generate(Backend& backend, SequenceState& state, std::span<const int32_t> prompt,
                           const GenerationParams& params, const Tokenizer* tokenizer,
-                          const TokenCallback& on_token, const PromptPrefixHook& on_prompt_prefix) {
+                          const TokenCallback& on_token, const PromptPrefixHook& on_prompt_prefix,
+                          const LogprobsCallback& on_logprobs) {
   check_generation_inputs(state, prompt, params, tokenizer);
   const int64_t n = static_cast<int64_t>(prompt.size());
   GenerationResult result;
@@ -102,19 +103,44 @@ GenerationResult generate(Backend& backend, SequenceState& state, std::span<cons
   result.cached_tokens = state.position();
   result.timings.prefill_tokens = n - state.position();
 
+  // Plain greedy takes the backend's argmax as is (bit-exact, no logits copied); sampling,
+  // penalties, bias and log-probabilities need the logits row of every step on the host.
+  const SamplingParams& sp = params.sampling;
+  const bool want_logprobs = params.logprobs >= 0;
+  const bool need_logits = !sp.plain_greedy() || want_logprobs;
+  std::vector<float> logits;
+  std::vector<float>* logits_out = need_logits ? &logits : nullptr;
+  TokenHistory history(backend.config().vocab);
+  const bool track_history = sp.modifies_logits();
+  if (track_history && sp.repetition_penalty != 1.0f) history.add_prompt(prompt);
+  Sampler sampler;
+  auto is_stop_id = [&](int32_t id) {
+    return std::find(params.stop_ids.begin(), params.stop_ids.end(), id) != params.stop_ids.end();
+  };
+  // The token after a backend step: its argmax, or the sampler's choice from its logits.
+  auto choose = [&](int32_t argmax) {
+    if (!need_logits) return argmax;
+    if (logits.empty()) throw InternalError("generate: the " + backend.name() + " backend returned no logits");
+    const auto step = static_cast<uint64_t>(result.token_ids.size());
+    const int32_t token = sp.plain_greedy() ? argmax : sampler.sample(logits, sp, history, step);
+    if (track_history) history.add_generated(token);
+    if (want_logprobs && !is_stop_id(token)) {
+      result.logprobs.push_back(token_logprobs(logits, token, params.logprobs));
+      if (on_logprobs) on_logprobs(result.logprobs.back());
+    }
+    return token;
+  };
+
   // Prefill: everything but the last prompt token, a snapshot point, then the last token.
   // The split is the same with or without a cache, so outputs never depend on the cache.
   const auto t0 = Clock::now();
   if (state.position() < n - 1) backend.prefill(state, prompt.subspan(state.position(), n - 1 - state.position()));
   if (n >= 2 && on_prompt_prefix) on_prompt_prefix(state, n - 1);
-  int32_t next = backend.prefill(state, prompt.subspan(n - 1, 1));
+  int32_t next = choose(backend.prefill(state, prompt.subspan(n - 1, 1), logits_out));
   result.timings.prefill_seconds = seconds_since(t0);
 
   TextStream text(tokenizer, params.stop_strings);
   const auto t1 = Clock::now();
-  auto is_stop_id = [&](int32_t id) {
-    return std::find(params.stop_ids.begin(), params.stop_ids.end(), id) != params.stop_ids.end();
-  };
   while (true) {
     result.token_ids.push_back(next);
     const bool stop_token = is_stop_id(next);
@@ -133,7 +159,8 @@ GenerationResult generate(Backend& backend, SequenceState& state, std::span<cons
       result.finish_reason = FinishReason::kLength;
       break;
     }
-    next = backend.decode(state, next);
+    logits.clear();
+    next = choose(backend.decode(state, next, logits_out));
     ++result.timings.decode_steps;
   }
   result.timings.decode_seconds = result.timings.decode_steps > 0 ? seconds_since(t1) : 0.0;
@@ -163,6 +190,34 @@ std::vector<int32_t> stop_token_ids(const ModelConfig& config, const std::filesy
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   return ids;
+}
+
+SamplingParams generation_config_sampling(const std::filesystem::path& model_dir) {
+  SamplingParams p;
+  const auto path = model_dir / "generation_config.json";
+  if (!std::filesystem::exists(path)) return p;
+  nlohmann::json doc = nlohmann::json::parse(read_regular_file(path), nullptr, false);
+  if (doc.is_discarded() || !doc.is_object()) throw Error(path.string() + ": not a JSON object");
+  auto number = [&](const char* key, double dflt, double lo, double hi) {
+    const auto it = doc.find(key);
+    if (it == doc.end() || it->is_null()) return dflt;
+    if (!it->is_number() || it->get<double>() < lo || it->get<double>() > hi)
+      throw Error(path.string() + ": '" + key + "' must be a number in [" + std::to_string(lo) + ", " +
+                  std::to_string(hi) + "]");
+    return it->get<double>();
+  };
+  const auto sample = doc.find("do_sample");
+  if (sample != doc.end() && !sample->is_null() && !sample->is_boolean())
+    throw Error(path.string() + ": 'do_sample' must be a boolean");
+  const bool do_sample = sample != doc.end() && sample->is_boolean() && sample->get<bool>();
+  p.repetition_penalty = static_cast<float>(number("repetition_penalty", 1.0, 1e-6, 1e6));
+  if (!do_sample) return p;
+  p.temperature = static_cast<float>(number("temperature", 1.0, 0.0, 100.0));
+  p.top_p = static_cast<float>(number("top_p", 1.0, 0.0, 1.0));
+  p.top_k = static_cast<int32_t>(number("top_k", 50, 0, 1e9));
+  p.min_p = static_cast<float>(number("min_p", 0.0, 0.0, 1.0));
+  if (p.top_p <= 0.0f) p.top_p = 1.0f;
+  return p;
 }
 
 }  // namespace lily

@@ -1,6 +1,8 @@
-// The greedy generation loop (reference/serving.md §5, with our differences): prefill the
-// uncached part of a prompt, then decode one token at a time until a stop token, a stop string,
-// max_tokens, the state's capacity or a cancellation by the per-token callback.
+// The generation loop (reference/serving.md §5, with our differences): prefill the uncached
+// part of a prompt, then decode one token at a time until a stop token, a stop string,
+// max_tokens, the state's capacity or a cancellation by the per-token callback. Each token is
+// the backend's greedy argmax or, with sampling parameters, chosen by the CPU sampler
+// (engine/sampler.h) from the logits row the backend copies back.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "engine/backend.h"
+#include "engine/sampler.h"
 #include "text/tokenizer.h"
 
 namespace lily {
@@ -28,6 +31,12 @@ struct GenerationParams {
   int64_t max_seq = 0;                    ///< > 0: capacity of the state (prompt + fed tokens)
   std::vector<int32_t> stop_ids;          ///< generation ends after emitting one of these
   std::vector<std::string> stop_strings;  ///< text stops before the first occurrence (needs a tokenizer)
+  /// How tokens are chosen. The default (plain greedy) takes the backend's argmax and never
+  /// copies logits; anything else copies the [vocab] fp32 row of every step to the host.
+  SamplingParams sampling;
+  /// < 0: no log-probabilities; 0 … 20: each generated token's log-probability plus this many
+  /// most likely alternatives (GenerationResult::logprobs).
+  int logprobs = -1;
 };
 
 /// Wall-clock timings of one generation, in seconds.
@@ -55,6 +64,9 @@ struct GenerationResult {
   int64_t cached_tokens = 0;  ///< prompt tokens already in the state when generation began
   /// Generated tokens fed into the state: the state holds prompt + token_ids[0, fed_tokens).
   int64_t fed_tokens = 0;
+  /// With GenerationParams::logprobs ≥ 0: one entry per generated token except a final stop
+  /// token, in order (raw-logit log-softmax, engine/sampler.h token_logprobs).
+  std::vector<TokenLogprobs> logprobs;
   GenerationTimings timings;
 };
 
@@ -69,14 +81,22 @@ using TokenCallback = std::function<bool(int32_t token, std::string_view text)>;
 /// identical prompt can later resume one token before its end.
 using PromptPrefixHook = std::function<void(const SequenceState& state, int64_t n_tokens)>;
 
-/// Runs greedy generation for `prompt` on `state`, which must already hold prompt[0, p) for
+/// Called with a token's log-probabilities (GenerationParams::logprobs ≥ 0) just before the
+/// TokenCallback of that token; never for a stop token.
+using LogprobsCallback = std::function<void(const TokenLogprobs& logprobs)>;
+
+/// Runs generation for `prompt` on `state`, which must already hold prompt[0, p) for
 /// p = state.position() < prompt.size() (p > 0 on a prefix-cache hit). `tokenizer` may be null
-/// (then no text and no stop strings). Throws lily::Error when the prompt does not fit max_seq,
-/// max_tokens ≤ 0, stop strings without tokenizer, or the state is not a prefix position.
+/// (then no text and no stop strings). Generated token number s (0 = the first) is drawn with
+/// sample_uniform(params.sampling.seed, s): the same seed gives the same tokens whatever part of
+/// the prompt came from a cache. Throws lily::Error when the prompt does not fit max_seq,
+/// max_tokens ≤ 0, stop strings without tokenizer, or the state is not a prefix position;
+/// InternalError when sampling needs logits and the backend returned none.
 GenerationResult generate(Backend& backend, SequenceState& state, std::span<const int32_t> prompt,
                           const GenerationParams& params, const Tokenizer* tokenizer,
                           const TokenCallback& on_token = {},
-                          const PromptPrefixHook& on_prompt_prefix = {});
+                          const PromptPrefixHook& on_prompt_prefix = {},
+                          const LogprobsCallback& on_logprobs = {});
 
 /// Stop tokens of a checkpoint: config eos_token_ids (top level over text_config) ∪ the id of
 /// tokenizer_config.json's `eos_token` (string or {"content": …}) when `tokenizer` is given and
@@ -84,5 +104,12 @@ GenerationResult generate(Backend& backend, SequenceState& state, std::span<cons
 /// tokenizer_config.json.
 std::vector<int32_t> stop_token_ids(const ModelConfig& config, const std::filesystem::path& model_dir,
                                     const Tokenizer* tokenizer);
+
+/// The sampling defaults a checkpoint's generation_config.json gives, as transformers reads
+/// it: with "do_sample": true, temperature (default 1.0), top_p (1.0), top_k (50) and min_p
+/// (none); without it, greedy. repetition_penalty (default 1.0) applies either way, as the
+/// transformers logits processor does. No file: greedy, nothing applied. Throws lily::Error for
+/// a file that is not a JSON object or holds a value of the wrong type or range.
+SamplingParams generation_config_sampling(const std::filesystem::path& model_dir);
 
 }  // namespace lily

@@ -156,40 +156,66 @@ void Scheduler::run_job(Job& job) {
   try {
     // Checked again here: the job may have waited in the queue while a file changed.
     if (auto why = model_unavailable()) throw ModelUnavailableError(*why);
-    CacheLookup hit = cache_.acquire(*backend_, req.prompt, req.cache_key);
-    std::unique_ptr<SequenceState> state =
-        hit.state ? std::move(hit.state) : backend_->new_state(options_.max_seq);
-    std::vector<ResumePoint> points;
-    PromptPrefixHook snapshot;
-    if (cache_.enabled()) {
-      snapshot = [&](const SequenceState& s, int64_t n) {
-        points.push_back({std::vector<int32_t>(req.prompt.begin(), req.prompt.begin() + n),
-                          backend_->clone_state(s)});
+    for (int choice = 0; choice < std::max(req.n, 1); ++choice) {
+      const uint64_t seed = choice_seed(req.sampling.seed, choice);
+      if (job.cancelled()) {
+        JobEvent done = make_event(JobEvent::Kind::kDone);
+        done.choice = choice;
+        done.seed = seed;
+        done.result.finish_reason = FinishReason::kCancelled;
+        done.result.prompt_tokens = static_cast<int64_t>(req.prompt.size());
+        job.post(std::move(done));
+        return;
+      }
+      // Every choice looks the prompt up again: the ones after the first hit the entry the
+      // first one stored, which changes nothing in what they generate.
+      CacheLookup hit = cache_.acquire(*backend_, req.prompt, req.cache_key);
+      std::unique_ptr<SequenceState> state =
+          hit.state ? std::move(hit.state) : backend_->new_state(options_.max_seq);
+      std::vector<ResumePoint> points;
+      PromptPrefixHook snapshot;
+      if (cache_.enabled()) {
+        snapshot = [&](const SequenceState& s, int64_t n) {
+          points.push_back({std::vector<int32_t>(req.prompt.begin(), req.prompt.begin() + n),
+                            backend_->clone_state(s)});
+        };
+      }
+      std::optional<TokenLogprobs> pending_logprobs;
+      LogprobsCallback on_logprobs = [&](const TokenLogprobs& lp) { pending_logprobs = lp; };
+      TokenCallback on_token = [&](int32_t token, std::string_view text) {
+        JobEvent e = make_event(JobEvent::Kind::kToken);
+        e.choice = choice;
+        e.token = token;
+        e.text = std::string(text);
+        e.logprobs = std::move(pending_logprobs);
+        pending_logprobs.reset();
+        job.post(std::move(e));
+        return !job.cancelled();
       };
+      GenerationParams params;
+      params.max_tokens = req.max_tokens;
+      params.max_seq = options_.max_seq;
+      params.stop_ids = options_.stop_ids;
+      params.stop_strings = req.stop_strings;
+      params.sampling = req.sampling;
+      params.sampling.seed = seed;
+      params.logprobs = req.logprobs;
+      GenerationResult result = generate(*backend_, *state, req.prompt, params, tokenizer_.get(), on_token,
+                                         snapshot, on_logprobs);
+      if (cache_.enabled()) {
+        std::vector<int32_t> fed(req.prompt.begin(), req.prompt.end());
+        fed.insert(fed.end(), result.token_ids.begin(), result.token_ids.begin() + result.fed_tokens);
+        points.push_back({std::move(fed), std::move(state)});
+        cache_.store(std::move(points), req.cache_key);
+      }
+      const bool cancelled = result.finish_reason == FinishReason::kCancelled;
+      JobEvent done = make_event(JobEvent::Kind::kDone);
+      done.choice = choice;
+      done.seed = seed;
+      done.result = std::move(result);
+      job.post(std::move(done));
+      if (cancelled) return;
     }
-    TokenCallback on_token = [&](int32_t token, std::string_view text) {
-      JobEvent e = make_event(JobEvent::Kind::kToken);
-      e.token = token;
-      e.text = std::string(text);
-      job.post(std::move(e));
-      return !job.cancelled();
-    };
-    GenerationParams params;
-    params.max_tokens = req.max_tokens;
-    params.max_seq = options_.max_seq;
-    params.stop_ids = options_.stop_ids;
-    params.stop_strings = req.stop_strings;
-    GenerationResult result =
-        generate(*backend_, *state, req.prompt, params, tokenizer_.get(), on_token, snapshot);
-    if (cache_.enabled()) {
-      std::vector<int32_t> fed(req.prompt.begin(), req.prompt.end());
-      fed.insert(fed.end(), result.token_ids.begin(), result.token_ids.begin() + result.fed_tokens);
-      points.push_back({std::move(fed), std::move(state)});
-      cache_.store(std::move(points), req.cache_key);
-    }
-    JobEvent done = make_event(JobEvent::Kind::kDone);
-    done.result = std::move(result);
-    job.post(std::move(done));
   } catch (const std::exception& e) {
     JobEvent failed = make_event(JobEvent::Kind::kFailed);
     failed.text = e.what();

@@ -52,15 +52,25 @@ struct JobRequest {
   int64_t max_tokens = 0;                  ///< ≥ 1; prompt + max_tokens ≤ max_seq
   std::vector<std::string> stop_strings;   ///< OpenAI `stop`
   std::optional<std::string> cache_key;    ///< OpenAI `prompt_cache_key`
+  /// How tokens are chosen; `sampling.seed` is the seed of choice 0, choice i runs with
+  /// choice_seed(sampling.seed, i) (engine/sampler.h).
+  SamplingParams sampling;
+  int n = 1;                               ///< choices (1 … 8), generated one after another
+  int logprobs = -1;                       ///< GenerationParams::logprobs
 };
 
 /// One event from the engine to the submitting thread.
 struct JobEvent {
   enum class Kind { kToken, kDone, kFailed };
   Kind kind = Kind::kToken;
+  int choice = 0;          ///< kToken, kDone: which of the request's n choices
   int32_t token = -1;      ///< kToken: the generated id
   std::string text;        ///< kToken: newly released text; kFailed: the internal error
-  GenerationResult result; ///< kDone
+  std::optional<TokenLogprobs> logprobs;  ///< kToken with logprobs asked (never for a stop token)
+  /// kDone: one choice's outcome. A job ends after the kDone of choice n − 1, after a kDone
+  /// whose finish_reason is kCancelled (the remaining choices are not run), or after kFailed.
+  GenerationResult result;
+  uint64_t seed = 0;       ///< kDone: the seed this choice ran with
   std::chrono::steady_clock::time_point at;  ///< when the engine produced it
 };
 

@@ -24,17 +24,12 @@ const std::map<std::string, std::string, std::less<>>& unsupported_fields() {
       {"functions", "function calling is not supported"},
       {"function_call", "function calling is not supported"},
       {"response_format", "structured output (response_format) is not supported"},
-      {"top_logprobs", "logprobs are not supported"},
-      {"logit_bias", "logit_bias is not supported: decoding is greedy"},
       {"modalities", "only text output is supported"},
       {"audio", "audio output is not supported"},
       {"prediction", "predicted outputs are not supported"},
       {"reasoning_effort", "reasoning is disabled on this server"},
       {"web_search_options", "web search is not supported"},
-      {"top_k", "sampling is not supported: decoding is greedy"},
-      {"min_p", "sampling is not supported: decoding is greedy"},
-      {"repetition_penalty", "sampling is not supported: decoding is greedy"},
-      {"best_of", "sampling is not supported: decoding is greedy"},
+      {"best_of", "best_of is not supported: use n"},
   };
   return fields;
 }
@@ -67,12 +62,45 @@ double require_number(const json& v, const std::string& param) {
   return v.get<double>();
 }
 
-/// A greedy-equivalent sampling field: accepted only at the value that means "greedy".
-void require_greedy_value(const json& v, const std::string& param, double greedy) {
-  if (require_number(v, param) != greedy)
-    throw invalid_request("'" + param + "' must be " + std::to_string(static_cast<int>(greedy)) +
-                              " (or omitted): this server decodes greedily",
-                          param, "unsupported_value");
+/// A number in [lo, hi] (`open_lo`: lo itself excluded); a 400 naming `param` otherwise.
+double require_range(const json& v, const std::string& param, double lo, double hi, bool open_lo = false) {
+  const double x = require_number(v, param);
+  if (x < lo || x > hi || (open_lo && x == lo)) {
+    std::string range = (open_lo ? "(" : "[") + json(lo).dump() + ", " + json(hi).dump() + "]";
+    throw invalid_request("'" + param + "' must be in " + range + ", got " + v.dump(), param, "invalid_value");
+  }
+  return x;
+}
+
+/// logit_bias: {"<token id>": bias, …}, at most 300 entries, biases in [-100, 100].
+void parse_logit_bias(const json& v, GenerationFields& req) {
+  const std::string param = "logit_bias";
+  if (!v.is_object()) throw wrong_type(param, "an object mapping token ids to biases", v);
+  if (v.size() > kMaxLogitBias)
+    throw invalid_request("'logit_bias' takes at most " + std::to_string(kMaxLogitBias) + " entries, got " +
+                              std::to_string(v.size()),
+                          param, "invalid_value");
+  for (const auto& [key, value] : v.items()) {
+    const bool digits = !key.empty() && key.size() <= 10 &&
+                        key.find_first_not_of("0123456789") == std::string::npos;
+    if (!digits)
+      throw invalid_request("'logit_bias' keys must be token ids (decimal integers), got '" + key + "'", param,
+                            "invalid_value");
+    if (!value.is_number())
+      throw invalid_request("'logit_bias' values must be numbers, got " + type_name(value) + " for '" + key + "'",
+                            param, "invalid_type");
+    const double bias = value.get<double>();
+    if (bias < -100 || bias > 100)
+      throw invalid_request("'logit_bias' values must be in [-100, 100], got " + value.dump() + " for '" + key + "'",
+                            param, "invalid_value");
+    req.sampling.logit_bias.emplace_back(std::stoll(key), bias);
+  }
+  std::sort(req.sampling.logit_bias.begin(), req.sampling.logit_bias.end());
+  const auto& bias = req.sampling.logit_bias;
+  for (size_t i = 1; i < bias.size(); ++i)
+    if (bias[i].first == bias[i - 1].first)
+      throw invalid_request("'logit_bias' names token id " + std::to_string(bias[i].first) + " twice", param,
+                            "invalid_value");
 }
 
 ChatRole parse_role(const json& v, const std::string& param) {
@@ -182,14 +210,16 @@ std::optional<int64_t> parse_max_tokens(const json& v, const std::string& param)
 /// Optional top-level fields of the chat endpoint; `null` stands for absent for each of them.
 bool is_known_chat_field(const std::string& key) {
   static const std::set<std::string, std::less<>> known = {
-      "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop", "prompt_cache_key", "user", "n",
-      "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logprobs"};
+      "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop", "prompt_cache_key", "user",
+      "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+      "repetition_penalty", "logit_bias", "seed", "logprobs", "top_logprobs"};
   return known.count(key) > 0 || unsupported_fields().count(key) > 0;
 }
 
 /// Handles one optional top-level field (value not null).
 void parse_optional_field(const std::string& key, const json& value, GenerationFields& req,
-                          std::optional<int64_t>& max_completion_tokens, bool& stream_options_set) {
+                          std::optional<int64_t>& max_completion_tokens, bool& stream_options_set,
+                          bool& top_logprobs_set) {
   if (key == "max_tokens") {
     req.max_tokens = parse_max_tokens(value, key);
   } else if (key == "max_completion_tokens") {
@@ -207,18 +237,43 @@ void parse_optional_field(const std::string& key, const json& value, GenerationF
   } else if (key == "user") {
     require_string(value, key);
   } else if (key == "n") {
-    if (require_integer(value, key) != 1)
-      throw invalid_request("'n' must be 1: this server returns one choice", key, "unsupported_value");
-  } else if (key == "temperature" || key == "presence_penalty" || key == "frequency_penalty") {
-    require_greedy_value(value, key, 0.0);
+    const int64_t n = require_integer(value, key);
+    if (n < 1 || n > kMaxChoices)
+      throw invalid_request("'n' must be in [1, " + std::to_string(kMaxChoices) + "], got " + std::to_string(n), key,
+                            "invalid_value");
+    req.n = static_cast<int>(n);
+  } else if (key == "temperature") {
+    req.sampling.temperature = require_range(value, key, 0, 2);
   } else if (key == "top_p") {
-    require_greedy_value(value, key, 1.0);
+    req.sampling.top_p = require_range(value, key, 0, 1, /*open_lo=*/true);
+  } else if (key == "top_k") {
+    const int64_t k = require_integer(value, key);
+    if (k < -1) throw invalid_request("'top_k' must be -1, 0 (off) or a positive integer, got " + std::to_string(k),
+                                      key, "invalid_value");
+    req.sampling.top_k = k;
+  } else if (key == "min_p") {
+    req.sampling.min_p = require_range(value, key, 0, 1);
+  } else if (key == "presence_penalty") {
+    req.sampling.presence_penalty = require_range(value, key, -2, 2);
+  } else if (key == "frequency_penalty") {
+    req.sampling.frequency_penalty = require_range(value, key, -2, 2);
+  } else if (key == "repetition_penalty") {
+    req.sampling.repetition_penalty = require_range(value, key, 0, 2, /*open_lo=*/true);
+  } else if (key == "logit_bias") {
+    parse_logit_bias(value, req);
   } else if (key == "seed") {
-    require_integer(value, key);
+    req.sampling.seed = require_integer(value, key);
   } else if (key == "logprobs") {
     if (!value.is_boolean()) throw wrong_type(key, "a boolean", value);
-    if (value.get<bool>())
-      throw invalid_request("logprobs are not supported", key, "unsupported_parameter");
+    req.logprobs = value.get<bool>();
+  } else if (key == "top_logprobs") {
+    const int64_t n = require_integer(value, key);
+    if (n < 0 || n > kMaxTopLogprobs)
+      throw invalid_request("'top_logprobs' must be in [0, " + std::to_string(kMaxTopLogprobs) + "], got " +
+                                std::to_string(n),
+                            key, "invalid_value");
+    req.top_logprobs = static_cast<int>(n);
+    top_logprobs_set = true;
   } else if (auto it = unsupported_fields().find(key); it != unsupported_fields().end()) {
     throw invalid_request("unsupported parameter '" + key + "': " + it->second, key, "unsupported_parameter");
   } else {
@@ -315,6 +370,7 @@ ChatRequest parse_chat_request(std::string_view body) {
   ChatRequest req;
   std::optional<int64_t> max_completion_tokens;
   bool stream_options_set = false;
+  bool top_logprobs_set = false;
   for (const auto& [key, value] : doc.items()) {
     if (key == "model" || key == "messages") continue;
     if (value.is_null()) {
@@ -322,7 +378,7 @@ ChatRequest parse_chat_request(std::string_view body) {
         throw invalid_request("unrecognized request argument supplied: '" + key + "'", key, "unknown_parameter");
       continue;
     }
-    parse_optional_field(key, value, req, max_completion_tokens, stream_options_set);
+    parse_optional_field(key, value, req, max_completion_tokens, stream_options_set, top_logprobs_set);
   }
   if (!doc.contains("model"))
     throw invalid_request("missing required parameter 'model'", "model", "missing_required_parameter");
@@ -338,6 +394,8 @@ ChatRequest parse_chat_request(std::string_view body) {
   }
   if (stream_options_set && !req.stream)
     throw invalid_request("'stream_options' is only allowed when 'stream' is true", "stream_options");
+  if (top_logprobs_set && !req.logprobs)
+    throw invalid_request("'top_logprobs' needs 'logprobs': true", "top_logprobs");
   return req;
 }
 
@@ -361,7 +419,7 @@ CompletionRequest parse_completion_request(std::string_view body) {
     } else if (key == "best_of") {
       if (value.is_null()) continue;
       if (require_integer(value, key) != 1)
-        throw invalid_request("'best_of' must be 1: decoding is greedy", key, "unsupported_value");
+        throw invalid_request("'best_of' must be 1: one sample per completion", key, "unsupported_value");
     } else if (key == "logprobs") {
       if (value.is_null()) continue;
       if (require_integer(value, key) != 0)
@@ -371,11 +429,19 @@ CompletionRequest parse_completion_request(std::string_view body) {
       require_string(value, key);
       throw invalid_request("unsupported parameter 'suffix': insertion is not supported", key,
                             "unsupported_parameter");
+    } else if (key == "top_logprobs") {
+      throw invalid_request("unrecognized request argument supplied: 'top_logprobs' (chat only)", key,
+                            "unknown_parameter");
+    } else if (key == "n") {
+      if (value.is_null()) continue;
+      if (require_integer(value, key) != 1)
+        throw invalid_request("'n' must be 1 on this endpoint: one choice per completion", key, "unsupported_value");
     } else if (value.is_null()) {
       if (!is_known_chat_field(key))
         throw invalid_request("unrecognized request argument supplied: '" + key + "'", key, "unknown_parameter");
     } else {
-      parse_optional_field(key, value, req, unused_max_completion_tokens, stream_options_set);
+      bool unused_top_logprobs = false;
+      parse_optional_field(key, value, req, unused_max_completion_tokens, stream_options_set, unused_top_logprobs);
     }
   }
   if (!doc.contains("model"))

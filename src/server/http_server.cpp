@@ -60,6 +60,24 @@ int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared) {
   return max_seq;
 }
 
+SamplingParams resolve_sampling_defaults(const SamplingFlags& flags, const std::filesystem::path& model_dir) {
+  SamplingParams p = flags.generation_config ? generation_config_sampling(model_dir) : SamplingParams{};
+  auto check = [](const char* flag, double v, double lo, double hi, bool open_lo = false) {
+    if (v < lo || v > hi || (open_lo && v == lo))
+      throw Error(std::string(flag) + " must be in " + (open_lo ? "(" : "[") + json(lo).dump() + ", " +
+                  json(hi).dump() + "], got " + json(v).dump());
+    return v;
+  };
+  if (flags.temperature) p.temperature = static_cast<float>(check("--temperature", *flags.temperature, 0, 2));
+  if (flags.top_p) p.top_p = static_cast<float>(check("--top-p", *flags.top_p, 0, 1, true));
+  if (flags.top_k) {
+    if (*flags.top_k < -1) throw Error("--top-k must be -1, 0 (off) or a positive integer");
+    p.top_k = static_cast<int32_t>(std::clamp<int64_t>(*flags.top_k, 0, INT32_MAX));
+  }
+  if (flags.min_p) p.min_p = static_cast<float>(check("--min-p", *flags.min_p, 0, 1));
+  return p;
+}
+
 std::string served_model_name(const ModelConfig& config, const std::filesystem::path& model_dir,
                               const std::string& override_name) {
   if (!override_name.empty()) return override_name;
@@ -375,6 +393,7 @@ struct ChatCall {
   Clock::time_point submitted;  ///< when the job was queued (time queued = engine start − this)
   int64_t prompt_tokens = 0;
   bool probed = false;  ///< the half-closed connection was probed once (Exchange::probe)
+  uint64_t seed = 0;    ///< the seed of choice 0 (choice i: choice_seed(seed, i))
 };
 
 /// Whether the header value `value` holds `token` as one of its comma-separated items (any case).
@@ -480,7 +499,15 @@ class LilyServer {
   /// Waits for the job's next event, cancelling it once the client has gone away.
   std::optional<JobEvent> next_event(ChatCall& call, Exchange& ex, const ConnectionWatch& watch, bool& client_gone);
   void observe_token(ChatCall& call, const JobEvent& e, std::optional<Clock::time_point>& last);
-  void record_done(const ChatCall& call, const GenerationResult& result, Clock::time_point done_at);
+  /// Counts a finished request (all its choices) in /metrics and its log line; `done_at` is
+  /// when the engine finished it (time running = done_at − start).
+  void record_done(const ChatCall& call, const std::vector<GenerationResult>& results, Clock::time_point done_at);
+  /// The request's sampling parameters over the server's defaults; checks logit_bias ids.
+  SamplingParams request_sampling(ChatCall& call) const;
+  /// A token's log-probabilities in the response's shape (token text from the tokenizer).
+  LogprobEntry logprob_entry(const TokenLogprobs& lp) const;
+  /// choice.logprobs of a whole answer or a chunk: null unless the request asked for them.
+  ordered_json logprobs_field(const ChatCall& call, const std::vector<TokenLogprobs>& lps) const;
   ApiError failure(const ChatCall& call, const std::string& detail);
   // Shutdown.
   void wait_for_signal();
@@ -502,6 +529,7 @@ class LilyServer {
   ModelConfig config_;
   std::string model_name_;
   int64_t max_seq_ = 0;
+  SamplingParams sampling_defaults_;  ///< generation_config.json + --temperature … (resolve_sampling_defaults)
   int port_ = 0;
   int64_t created_ = 0;
   std::shared_ptr<const Tokenizer> tokenizer_;
@@ -519,6 +547,16 @@ void test_listen_delay() {
 int LilyServer::run() {
   config_ = load_model_config(options_.model_dir);
   max_seq_ = resolve_max_seq(options_.max_seq, config_.max_position_embeddings);
+  sampling_defaults_ = resolve_sampling_defaults(options_.sampling, options_.model_dir);
+  if (!sampling_defaults_.plain_greedy()) {
+    const SamplingParams& d = sampling_defaults_;
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "sampling defaults (flags over generation_config.json): temperature %g, top_p %g, top_k %d, "
+                  "min_p %g, repetition_penalty %g; requests may override them",
+                  d.temperature, d.top_p, d.top_k, d.min_p, d.repetition_penalty);
+    log_info(line);
+  }
   model_name_ = served_model_name(config_, options_.model_dir, options_.served_model_name);
   created_ = std::chrono::duration_cast<std::chrono::seconds>(
                  std::chrono::system_clock::now().time_since_epoch()).count();
@@ -1041,6 +1079,9 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
   job.max_tokens = max_tokens;
   job.stop_strings = call.request.stop;
   job.cache_key = call.request.prompt_cache_key;
+  job.sampling = request_sampling(call);
+  job.n = call.request.n;
+  job.logprobs = call.request.logprobs ? call.request.top_logprobs : -1;
   try {
     return scheduler_->submit(std::move(job));
   } catch (const QueueFullError& e) {
@@ -1081,6 +1122,43 @@ std::vector<int32_t> LilyServer::checked_ids(const std::vector<int64_t>& ids, co
     out.push_back(static_cast<int32_t>(ids[i]));
   }
   return out;
+}
+
+SamplingParams LilyServer::request_sampling(ChatCall& call) const {
+  const RequestSampling& r = call.request.sampling;
+  SamplingParams p = sampling_defaults_;
+  if (r.temperature) p.temperature = static_cast<float>(*r.temperature);
+  if (r.top_p) p.top_p = static_cast<float>(*r.top_p);
+  if (r.top_k) p.top_k = static_cast<int32_t>(std::clamp<int64_t>(*r.top_k, 0, INT32_MAX));
+  if (r.min_p) p.min_p = static_cast<float>(*r.min_p);
+  if (r.presence_penalty) p.presence_penalty = static_cast<float>(*r.presence_penalty);
+  if (r.frequency_penalty) p.frequency_penalty = static_cast<float>(*r.frequency_penalty);
+  if (r.repetition_penalty) p.repetition_penalty = static_cast<float>(*r.repetition_penalty);
+  for (const auto& [id, bias] : r.logit_bias) {
+    if (id >= config_.vocab)
+      throw invalid_request("'logit_bias' token id " + std::to_string(id) + " is not in the vocabulary (ids 0 … " +
+                                std::to_string(config_.vocab - 1) + ")",
+                            "logit_bias", "invalid_value");
+    p.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(bias));
+  }
+  if (r.seed) call.seed = static_cast<uint64_t>(*r.seed);
+  else if (options_.sampling.seed) call.seed = static_cast<uint64_t>(*options_.sampling.seed);
+  else call.seed = fresh_seed();
+  p.seed = call.seed;
+  return p;
+}
+
+LogprobEntry LilyServer::logprob_entry(const TokenLogprobs& lp) const {
+  LogprobEntry e{tokenizer_->token_bytes(lp.token), lp.logprob, {}};
+  for (const auto& t : lp.top) e.top.push_back(LogprobEntry{tokenizer_->token_bytes(t.token), t.logprob, {}});
+  return e;
+}
+
+ordered_json LilyServer::logprobs_field(const ChatCall& call, const std::vector<TokenLogprobs>& lps) const {
+  if (!call.request.logprobs) return nullptr;
+  std::vector<LogprobEntry> entries;
+  for (const auto& lp : lps) entries.push_back(logprob_entry(lp));
+  return logprobs_json(entries);
 }
 
 void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
@@ -1208,17 +1286,30 @@ void LilyServer::observe_token(ChatCall& call, const JobEvent& e, std::optional<
   last = e.at;
 }
 
-void LilyServer::record_done(const ChatCall& call, const GenerationResult& r, Clock::time_point done_at) {
+/// Token counts of a request's choices: the prompt and its cached part once (from the first
+/// choice), the completion tokens of all choices together.
+Usage usage_of(const std::vector<GenerationResult>& results) {
+  Usage u;
+  if (results.empty()) return u;
+  u.prompt_tokens = results.front().prompt_tokens;
+  u.cached_tokens = results.front().cached_tokens;
+  for (const auto& r : results) u.completion_tokens += static_cast<int64_t>(r.token_ids.size());
+  return u;
+}
+
+void LilyServer::record_done(const ChatCall& call, const std::vector<GenerationResult>& results,
+                             Clock::time_point done_at) {
   if (const auto started = call.job->started_at()) {
     metrics_.observe_queue_time(seconds(*started - call.submitted));
     metrics_.observe_running_time(seconds(done_at - *started));
   }
-  if (r.finish_reason == FinishReason::kCancelled) metrics_.record_cancelled();
-  const int64_t completion = static_cast<int64_t>(r.token_ids.size());
-  metrics_.record_tokens(r.prompt_tokens, r.cached_tokens, completion);
+  const bool cancelled = !results.empty() && results.back().finish_reason == FinishReason::kCancelled;
+  if (cancelled) metrics_.record_cancelled();
+  const Usage u = usage_of(results);
+  metrics_.record_tokens(u.prompt_tokens, u.cached_tokens, u.completion_tokens);
   const double elapsed = std::max(seconds(Clock::now() - call.start), 1e-3);
-  t_request.tokens = LogTokens{r.prompt_tokens, r.cached_tokens, completion, completion / elapsed};
-  if (r.finish_reason == FinishReason::kCancelled) t_request.error = "cancelled";
+  t_request.tokens = LogTokens{u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.completion_tokens / elapsed};
+  if (cancelled) t_request.error = "cancelled";
 }
 
 ApiError LilyServer::failure(const ChatCall& call, const std::string& detail) {
@@ -1234,6 +1325,7 @@ void LilyServer::respond_whole(ChatCall& call, Exchange& ex, Reply& res) {
   ConnectionWatch watch(ex.fd());
   bool client_gone = false;
   std::optional<Clock::time_point> last;
+  std::vector<GenerationResult> results;
   while (true) {
     JobEvent e = *next_event(call, ex, watch, client_gone);
     if (e.kind == JobEvent::Kind::kToken) {
@@ -1241,13 +1333,26 @@ void LilyServer::respond_whole(ChatCall& call, Exchange& ex, Reply& res) {
       continue;
     }
     if (e.kind == JobEvent::Kind::kFailed) throw failure(call, e.text);
-    const GenerationResult& r = e.result;
-    record_done(call, r, e.at);
-    if (r.finish_reason == FinishReason::kCancelled && !client_gone) throw failure(call, "generation was cancelled");
-    const Usage usage{r.prompt_tokens, static_cast<int64_t>(r.token_ids.size()), r.cached_tokens};
-    const std::string finish(finish_reason_name(r.finish_reason));
-    set_json(res, 200, dump(call.text_completion ? text_completion_json(call.meta, r.text, finish, usage)
-                                                 : completion_json(call.meta, r.text, finish, usage)));
+    const bool cancelled = e.result.finish_reason == FinishReason::kCancelled;
+    const Clock::time_point done_at = e.at;
+    results.push_back(std::move(e.result));
+    if (!cancelled && e.choice + 1 < call.request.n) continue;
+    record_done(call, results, done_at);
+    if (cancelled && !client_gone) throw failure(call, "generation was cancelled");
+    if (call.text_completion) {  // legacy completions: one choice, no logprobs
+      const GenerationResult& r = results.front();
+      set_json(res, 200, dump(text_completion_json(call.meta, r.text, std::string(finish_reason_name(r.finish_reason)),
+                                                   usage_of(results))));
+      return;
+    }
+    ordered_json choices = ordered_json::array();
+    for (size_t i = 0; i < results.size(); ++i) {
+      const GenerationResult& r = results[i];
+      choices.push_back(choice_json(static_cast<int>(i), r.text, std::string(finish_reason_name(r.finish_reason)),
+                                    logprobs_field(call, r.logprobs),
+                                    static_cast<int64_t>(choice_seed(call.seed, static_cast<int>(i)))));
+    }
+    set_json(res, 200, dump(completion_json(call.meta, choices, usage_of(results))));
     return;
   }
 }
@@ -1265,36 +1370,50 @@ void LilyServer::respond_stream(ChatCall& call, Exchange& ex, const Reply& res) 
 bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWatch& watch, bool client_gone) {
   const bool usage_field = call.request.include_usage;
   auto send = [&](const ordered_json& doc) { return ex.write_chunk(sse_event(dump(doc))); };
-  // A piece of text, or the last chunk with the finish reason, in the endpoint's shape.
-  auto text_chunk = [&](const std::string& text) {
-    return call.text_completion ? text_chunk_json(call.meta, text, std::nullopt, usage_field)
-                                : chunk_json(call.meta, ordered_json{{"content", text}}, std::nullopt, usage_field);
+  // A piece of text of choice `i`, or its last chunk with the finish reason, in the endpoint's shape.
+  auto text_chunk = [&](int i, const std::string& text, const ordered_json& logprobs) {
+    return call.text_completion
+               ? text_chunk_json(call.meta, text, std::nullopt, usage_field)
+               : chunk_json(call.meta, i, ordered_json{{"content", text}}, logprobs, std::nullopt, usage_field);
   };
-  auto finish_chunk = [&](const std::string& reason) {
+  auto finish_chunk = [&](int i, const std::string& reason) {
     return call.text_completion ? text_chunk_json(call.meta, "", reason, usage_field)
-                                : chunk_json(call.meta, ordered_json::object(), reason, usage_field);
+                                : chunk_json(call.meta, i, ordered_json::object(), nullptr, reason, usage_field);
   };
-  if (!client_gone && !call.text_completion) {  // chat streams open with the assistant's role
-    client_gone = !send(chunk_json(call.meta, ordered_json{{"role", "assistant"}, {"content", ""}}, std::nullopt, usage_field));
+  // Chat streams open each choice with the assistant's role, which also carries the seed it runs
+  // with; legacy completions streams have no role chunk.
+  auto begin_choice = [&](int i) {
+    if (client_gone || call.text_completion) return;
+    client_gone = !send(chunk_json(call.meta, i, ordered_json{{"role", "assistant"}, {"content", ""}}, nullptr,
+                                   std::nullopt, usage_field, static_cast<int64_t>(choice_seed(call.seed, i))));
     if (client_gone) scheduler_->cancel(call.job);
-  }
+  };
+  begin_choice(0);
   std::optional<Clock::time_point> last;
-  size_t sent = 0;
+  std::vector<GenerationResult> results;
+  size_t sent = 0;                    // text bytes of the current choice sent so far
+  std::vector<TokenLogprobs> pending;  // log-probabilities of tokens whose text is still held back
   while (true) {
     JobEvent e = *next_event(call, ex, watch, client_gone);
     if (e.kind == JobEvent::Kind::kToken) {
       observe_token(call, e, last);
+      if (e.logprobs) pending.push_back(std::move(*e.logprobs));
       if (e.text.empty() || client_gone) continue;
       sent += e.text.size();
-      if (!send(text_chunk(e.text))) {
+      if (!send(text_chunk(e.choice, e.text, logprobs_field(call, pending)))) {
         client_gone = true;
         scheduler_->cancel(call.job);
       }
+      pending.clear();
       continue;
     }
+    if (e.kind == JobEvent::Kind::kDone) results.push_back(e.result);
+    const bool last_choice = e.kind != JobEvent::Kind::kDone ||
+                             e.result.finish_reason == FinishReason::kCancelled || e.choice + 1 >= call.request.n;
     if (client_gone) {
-      if (e.kind == JobEvent::Kind::kDone) record_done(call, e.result, e.at);
-      return false;
+      if (e.kind == JobEvent::Kind::kDone && last_choice) record_done(call, results, e.at);
+      if (last_choice) return false;
+      continue;
     }
     if (e.kind == JobEvent::Kind::kFailed) {
       const ApiError err = failure(call, e.text);
@@ -1303,8 +1422,11 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       return ex.write_chunk("data: [DONE]\n\n");
     }
     const GenerationResult& r = e.result;
-    record_done(call, r, e.at);
-    if (r.text.size() > sent) send(text_chunk(r.text.substr(sent)));
+    if (last_choice) record_done(call, results, e.at);
+    if (r.text.size() > sent || !pending.empty())
+      send(text_chunk(e.choice, r.text.substr(std::min(sent, r.text.size())), logprobs_field(call, pending)));
+    pending.clear();
+    sent = 0;
     if (r.finish_reason == FinishReason::kCancelled) {
       // Cut by the engine (the end of the shutdown grace), not finished: an error event, as
       // respond_whole answers the same case with an error status (was finish_reason "length").
@@ -1313,10 +1435,13 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       send(ordered_json(err.body()));
       return ex.write_chunk("data: [DONE]\n\n");
     }
-    send(finish_chunk(std::string(finish_reason_name(r.finish_reason))));
+    send(finish_chunk(e.choice, std::string(finish_reason_name(r.finish_reason))));
+    if (!last_choice) {
+      begin_choice(e.choice + 1);
+      continue;
+    }
     if (usage_field)
-      send(usage_chunk_json(call.meta, Usage{r.prompt_tokens, static_cast<int64_t>(r.token_ids.size()), r.cached_tokens},
-                            call.text_completion ? "text_completion" : "chat.completion.chunk"));
+      send(usage_chunk_json(call.meta, usage_of(results), call.text_completion ? "text_completion" : "chat.completion.chunk"));
     return ex.write_chunk("data: [DONE]\n\n");
   }
 }

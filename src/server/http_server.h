@@ -11,12 +11,29 @@
 #include <vector>
 
 #include "engine/backend.h"
+#include "engine/sampler.h"
 #include "model/config.h"
 
 namespace lily::server {
 
 /// Hard limit of the attention kernels on sequence length (tokens).
 inline constexpr int64_t kKernelMaxSeq = 262144;
+
+/// Server-wide sampling defaults from the command line; each unset one comes from the
+/// checkpoint's generation_config.json (when used), else greedy. Request fields override them.
+struct SamplingFlags {
+  std::optional<double> temperature;  ///< --temperature, 0 … 2
+  std::optional<double> top_p;        ///< --top-p, (0, 1]
+  std::optional<int64_t> top_k;       ///< --top-k, ≥ -1 (-1 and 0: off)
+  std::optional<double> min_p;        ///< --min-p, 0 … 1
+  std::optional<int64_t> seed;        ///< --seed: the seed of requests without one (else a fresh one each)
+  bool generation_config = true;      ///< read generation_config.json (--no-generation-config: no)
+};
+
+/// The sampling defaults of a server: generation_config.json of `model_dir` when
+/// `flags.generation_config` (generation_config_sampling), then each flag that is set. Throws
+/// lily::Error naming the flag for an out-of-range value, or for an unreadable file.
+SamplingParams resolve_sampling_defaults(const SamplingFlags& flags, const std::filesystem::path& model_dir);
 
 /// Everything `lily serve` is configured with.
 struct ServerOptions {
@@ -49,6 +66,7 @@ struct ServerOptions {
   int shutdown_grace_s = 10;             ///< SIGINT/SIGTERM: running work may finish within this
   std::vector<std::string> allowed_origins;  ///< CORS: origins (or "*") browsers may call from
                                          ///< (parse_allowed_origins); empty = CORS off
+  SamplingFlags sampling;                ///< sampling defaults (docs/server.md)
 };
 
 /// Runs the server until SIGINT/SIGTERM; returns the process exit code (0 after a graceful

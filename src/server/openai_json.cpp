@@ -45,6 +45,57 @@ ordered_json chunk_json(const CompletionMeta& meta, const ordered_json& delta,
   return doc;
 }
 
+ordered_json choice_json(int index, const std::string& content, const std::string& finish_reason,
+                         const ordered_json& logprobs, std::optional<int64_t> seed) {
+  ordered_json choice{{"index", index},
+                      {"message", ordered_json{{"role", "assistant"}, {"content", content}}},
+                      {"logprobs", logprobs},
+                      {"finish_reason", finish_reason}};
+  if (seed) choice["seed"] = *seed;
+  return choice;
+}
+
+ordered_json completion_json(const CompletionMeta& meta, const ordered_json& choices, const Usage& usage) {
+  ordered_json doc = header(meta, "chat.completion");
+  doc["choices"] = choices;
+  doc["usage"] = usage_json(usage);
+  return doc;
+}
+
+ordered_json chunk_json(const CompletionMeta& meta, int index, const ordered_json& delta, const ordered_json& logprobs,
+                        const std::optional<std::string>& finish_reason, bool with_usage_field,
+                        std::optional<int64_t> seed) {
+  ordered_json doc = header(meta, "chat.completion.chunk");
+  ordered_json choice{{"index", index}, {"delta", delta}, {"logprobs", logprobs}, {"finish_reason", nullptr}};
+  if (finish_reason) choice["finish_reason"] = *finish_reason;
+  if (seed) choice["seed"] = *seed;
+  doc["choices"] = ordered_json::array({choice});
+  if (with_usage_field) doc["usage"] = nullptr;
+  return doc;
+}
+
+namespace {
+
+ordered_json bytes_of(const std::string& token) {
+  ordered_json bytes = ordered_json::array();
+  for (unsigned char c : token) bytes.push_back(static_cast<int>(c));
+  return bytes;
+}
+
+}  // namespace
+
+ordered_json logprobs_json(const std::vector<LogprobEntry>& entries) {
+  ordered_json content = ordered_json::array();
+  for (const auto& e : entries) {
+    ordered_json top = ordered_json::array();
+    for (const auto& t : e.top)
+      top.push_back(ordered_json{{"token", t.token}, {"logprob", t.logprob}, {"bytes", bytes_of(t.token)}});
+    content.push_back(
+        ordered_json{{"token", e.token}, {"logprob", e.logprob}, {"bytes", bytes_of(e.token)}, {"top_logprobs", top}});
+  }
+  return ordered_json{{"content", content}, {"refusal", nullptr}};
+}
+
 ordered_json usage_chunk_json(const CompletionMeta& meta, const Usage& usage, const char* object) {
   ordered_json doc = header(meta, object);
   doc["choices"] = ordered_json::array();

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -51,6 +52,35 @@ nlohmann::ordered_json text_completion_json(const CompletionMeta& meta, const st
 /// finish_reason null unless given; "usage": null is added when `with_usage_field`.
 nlohmann::ordered_json text_chunk_json(const CompletionMeta& meta, const std::string& text,
                                        const std::optional<std::string>& finish_reason, bool with_usage_field);
+
+/// One choice of a whole completion: {"index","message":{"role","content"},"logprobs",
+/// "finish_reason"} plus "seed" (the seed the choice ran with, lily's own field) when given.
+/// `logprobs` is null or {"content":[…],"refusal":null} (logprobs_json).
+nlohmann::ordered_json choice_json(int index, const std::string& content, const std::string& finish_reason,
+                                   const nlohmann::ordered_json& logprobs, std::optional<int64_t> seed);
+
+/// A whole chat.completion object with the given choices (choice_json).
+nlohmann::ordered_json completion_json(const CompletionMeta& meta, const nlohmann::ordered_json& choices,
+                                       const Usage& usage);
+
+/// A chat.completion.chunk for choice `index`: delta, logprobs (null or logprobs_json),
+/// finish_reason (null unless given), "seed" in the choice when given, "usage": null when
+/// `with_usage_field`.
+nlohmann::ordered_json chunk_json(const CompletionMeta& meta, int index, const nlohmann::ordered_json& delta,
+                                  const nlohmann::ordered_json& logprobs,
+                                  const std::optional<std::string>& finish_reason, bool with_usage_field,
+                                  std::optional<int64_t> seed = std::nullopt);
+
+/// One logprobs.content entry (and the same shape, without top_logprobs, for its alternatives).
+struct LogprobEntry {
+  std::string token;           ///< the token's bytes (invalid UTF-8 becomes U+FFFD when serialized)
+  double logprob = 0;          ///< natural log, ≤ 0
+  std::vector<LogprobEntry> top;  ///< most likely first
+};
+
+/// {"content":[{"token","logprob","bytes":[…],"top_logprobs":[{"token","logprob","bytes"}…]}…],
+/// "refusal":null}: OpenAI's choice.logprobs.
+nlohmann::ordered_json logprobs_json(const std::vector<LogprobEntry>& entries);
 
 /// {"object":"list","data":[{"id","object":"model","created","owned_by":"lily"}]}.
 nlohmann::ordered_json models_json(const std::string& model, int64_t created);

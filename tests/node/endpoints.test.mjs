@@ -149,7 +149,13 @@ describe('issue 16 endpoints (--api-key, --allowed-origins)', () => {
     assertError(await post(server, '/v1/completions', { model: MODEL }), 400, 'prompt', 'missing_required_parameter');
     assertError(await post(server, '/v1/completions', { ...base, max_tokens: 0 }), 400, 'max_tokens');
     assertError(await post(server, '/v1/completions', { ...base, max_tokens: 100000 }), 400, 'max_tokens', 'context_length_exceeded');
-    assertError(await post(server, '/v1/completions', { ...base, temperature: 0.7 }), 400, 'temperature', 'unsupported_value');
+    assertError(await post(server, '/v1/completions', { ...base, temperature: 2.5 }), 400, 'temperature', 'invalid_value');
+    assertError(await post(server, '/v1/completions', { ...base, n: 2 }), 400, 'n', 'unsupported_value');
+    // Sampling fields work as in chat: the same seed gives the same text.
+    const s1 = await post(server, '/v1/completions', { ...base, temperature: 1, seed: 7 });
+    const s2 = await post(server, '/v1/completions', { ...base, temperature: 1, seed: 7 });
+    assert.equal(s1.status, 200, s1.body);
+    assert.equal(JSON.parse(s1.body).choices[0].text, JSON.parse(s2.body).choices[0].text);
     assertError(await post(server, '/v1/completions', { ...base, suffix: 'x' }), 400, 'suffix', 'unsupported_parameter');
     assertError(await post(server, '/v1/completions', { ...base, frobnicate: 1 }), 400, 'frobnicate', 'unknown_parameter');
     assertError(await post(server, '/v1/completions', { ...base, model: 'gpt-3.5-turbo-instruct' }), 404, 'model', 'model_not_found');

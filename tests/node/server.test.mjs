@@ -132,7 +132,7 @@ describe('lily serve (default settings)', () => {
   it('surfaces errors as OpenAI API errors with the right status', async () => {
     await assert.rejects(openai.chat.completions.create({ model: 'gpt-4o', messages: [user('hi')] }),
       (e) => e instanceof OpenAI.NotFoundError && e.status === 404 && e.code === 'model_not_found' && e.param === 'model');
-    await assert.rejects(openai.chat.completions.create({ model: MODEL, messages: [user('hi')], temperature: 0.7 }),
+    await assert.rejects(openai.chat.completions.create({ model: MODEL, messages: [user('hi')], temperature: 3 }),
       (e) => e instanceof OpenAI.BadRequestError && e.status === 400 && e.param === 'temperature');
     await assert.rejects(openai.chat.completions.create({ model: MODEL, messages: [user('hi')], tools: [] }),
       (e) => e instanceof OpenAI.BadRequestError && e.param === 'tools');
@@ -160,16 +160,16 @@ describe('lily serve (default settings)', () => {
       [{ ...base, stream_options: { include_usage: true } }, 'stream_options'],
       [{ ...base, stop: ['a', 'b', 'c', 'd', 'e'] }, 'stop'],
       [{ ...base, stop: 7 }, 'stop'],
-      [{ ...base, temperature: 1 }, 'temperature'],
-      [{ ...base, top_p: 0.5 }, 'top_p'],
-      [{ ...base, n: 2 }, 'n'],
-      [{ ...base, presence_penalty: 1 }, 'presence_penalty'],
-      [{ ...base, frequency_penalty: 1 }, 'frequency_penalty'],
-      [{ ...base, logprobs: true }, 'logprobs'],
+      [{ ...base, temperature: 2.5 }, 'temperature'],
+      [{ ...base, top_p: 0 }, 'top_p'],
+      [{ ...base, n: 9 }, 'n'],
+      [{ ...base, presence_penalty: 3 }, 'presence_penalty'],
+      [{ ...base, frequency_penalty: -3 }, 'frequency_penalty'],
+      [{ ...base, logprobs: 'yes' }, 'logprobs'],
       [{ ...base, top_logprobs: 2 }, 'top_logprobs'],
       [{ ...base, tool_choice: 'auto' }, 'tool_choice'],
       [{ ...base, response_format: { type: 'json_object' } }, 'response_format'],
-      [{ ...base, logit_bias: {} }, 'logit_bias'],
+      [{ ...base, logit_bias: [] }, 'logit_bias'],
       [{ ...base, mystery: 1 }, 'mystery'],
       [{ messages: [user('hi')] }, 'model'],
       [{ model: 7, messages: [user('hi')] }, 'model'],

@@ -26,11 +26,11 @@ const SANITIZER_ENV = {
  * Starts `lily serve --bind 127.0.0.1:0 --backend cpu` on the test model plus `extraArgs`.
  * Resolves once it printed its URL: by default the "serving NAME on URL" line (model loaded);
  * with `{ until: 'listening' }` already the earlier "listening on URL" line (model may be loading).
- * `bin` replaces LILY_BIN (the harness's own test uses a stand-in).
+ * `bin` replaces LILY_BIN (the harness's own test uses a stand-in); `model` the checkpoint directory.
  * The server object: {proc, pid, args, log (stderr so far; its tail past 4 MB), url, exited, exit}.
  */
-export async function startServer(extraArgs = [], env = {}, { until = 'serving', timeoutMs = 120000, bin = LILY_BIN } = {}) {
-  const args = ['serve', '--model', MODEL_DIR, '--bind', '127.0.0.1:0', '--backend', 'cpu', ...extraArgs];
+export async function startServer(extraArgs = [], env = {}, { until = 'serving', timeoutMs = 120000, bin = LILY_BIN, model = MODEL_DIR } = {}) {
+  const args = ['serve', '--model', model, '--bind', '127.0.0.1:0', '--backend', 'cpu', ...extraArgs];
   const proc = spawn(bin, args, {
     stdio: ['ignore', 'ignore', 'pipe'], env: { ...process.env, ...SANITIZER_ENV, ...env },
   });

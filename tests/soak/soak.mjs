@@ -70,7 +70,7 @@ const INVALID = [
   { name: 'invalid utf-8', body: Buffer.concat([Buffer.from('{"model":"demo","messages":[{"role":"user","content":"'), Buffer.from([0xff, 0xfe]), Buffer.from('"}]}')]), status: 400 },
   { name: 'no messages', body: json({ model: MODEL, messages: [] }), status: 400 },
   { name: 'bad role', body: json({ model: MODEL, messages: [{ role: 'tool', content: 'x' }] }), status: 400 },
-  { name: 'sampling', body: json({ model: MODEL, messages: [user('hi')], temperature: 0.7 }), status: 400 },
+  { name: 'bad temperature', body: json({ model: MODEL, messages: [user('hi')], temperature: 7 }), status: 400 },
   { name: 'unknown field', body: json({ model: MODEL, messages: [user('hi')], tools: [] }), status: 400 },
   { name: 'max_tokens 0', body: json({ model: MODEL, messages: [user('hi')], max_tokens: 0 }), status: 400 },
   { name: 'max_tokens huge', body: json({ model: MODEL, messages: [user('hi')], max_tokens: 1e15 }), status: 400 },

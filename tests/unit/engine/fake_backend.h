@@ -32,7 +32,7 @@ class FakeState final : public SequenceState {
 
 class FakeBackend final : public Backend {
  public:
-  explicit FakeBackend(int32_t vocab = 1000) : vocab_(vocab) {}
+  explicit FakeBackend(int32_t vocab = 1000) : vocab_(vocab) { config_.vocab = vocab; }
   std::string name() const override { return "fake"; }
   const ModelConfig& config() const override { return config_; }
   std::unique_ptr<SequenceState> new_state(int64_t max_seq) override {
@@ -43,21 +43,37 @@ class FakeBackend final : public Backend {
     ++clones;
     return std::make_unique<FakeState>(static_cast<const FakeState&>(s));
   }
-  int32_t prefill(SequenceState& s, std::span<const int32_t> tokens, std::vector<float>* = nullptr) override {
+  int32_t prefill(SequenceState& s, std::span<const int32_t> tokens, std::vector<float>* logits = nullptr) override {
     wait_gate();
     ++prefill_calls;
     prefilled_tokens += static_cast<int64_t>(tokens.size());
     auto& st = static_cast<FakeState&>(s);
     for (int32_t t : tokens) feed(st, t);
+    fill_logits(st.history, logits);
     return next_token(st.history);
   }
-  int32_t decode(SequenceState& s, int32_t token, std::vector<float>* = nullptr) override {
+  int32_t decode(SequenceState& s, int32_t token, std::vector<float>* logits = nullptr) override {
     wait_gate();
     ++decode_calls;
     auto& st = static_cast<FakeState&>(s);
     feed(st, token);
     if (decode_delay.count() > 0) std::this_thread::sleep_for(decode_delay);
+    fill_logits(st.history, logits);
     return next_token(st.history);
+  }
+  /// Logits [vocab] that are a function of the history too: values in [0, 2) from a hash, plus
+  /// 3 at next_token (so their argmax is the greedy answer). Counted in logits_calls.
+  void fill_logits(const std::vector<int32_t>& history, std::vector<float>* logits) {
+    if (logits == nullptr) return;
+    ++logits_calls;
+    logits->resize(static_cast<size_t>(vocab_));
+    uint64_t h = 88172645463325252ull;
+    for (int32_t t : history) h = (h ^ static_cast<uint64_t>(t)) * 1099511628211ull;
+    for (int32_t i = 0; i < vocab_; ++i) {
+      h ^= h << 13, h ^= h >> 7, h ^= h << 17;  // xorshift64
+      (*logits)[i] = static_cast<float>(h % 2000) / 1000.0f;
+    }
+    (*logits)[next_token(history)] += 3.0f;
   }
   /// Deterministic function of the history: a rolling hash mod vocab.
   int32_t next_token(const std::vector<int32_t>& history) const {
@@ -91,7 +107,7 @@ class FakeBackend final : public Backend {
 
   std::function<int32_t(const std::vector<int32_t>&)> script;  ///< overrides next_token when set
   std::chrono::milliseconds decode_delay{0};
-  int prefill_calls = 0, decode_calls = 0, clones = 0, states_created = 0;
+  int prefill_calls = 0, decode_calls = 0, clones = 0, states_created = 0, logits_calls = 0;
   int64_t prefilled_tokens = 0;
 
  private:

@@ -98,7 +98,8 @@ TEST(ChatRequest, StopAsSingleString) {
 TEST(ChatRequest, NullMeansAbsentForOptionalFields) {
   json j = base();
   for (const char* k : {"max_tokens", "stream", "stream_options", "stop", "prompt_cache_key", "user", "n",
-                        "temperature", "top_p", "seed", "tools", "logprobs"})
+                        "temperature", "top_p", "seed", "tools", "logprobs", "top_logprobs", "top_k", "min_p",
+                        "logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty"})
     j[k] = nullptr;
   auto r = parse(j);
   EXPECT_FALSE(r.stream);
@@ -186,19 +187,78 @@ TEST(ChatRequest, MaxTokensMustBePositive) {
   EXPECT_EQ(param_of(with("max_tokens", 18446744073709551615ull)), "max_tokens");
 }
 
-TEST(ChatRequest, OnlyGreedyEquivalentSamplingValues) {
-  EXPECT_EQ(param_of(with("temperature", 0.7)), "temperature");
-  EXPECT_EQ(param_of(with("top_p", 0.9)), "top_p");
-  EXPECT_EQ(param_of(with("n", 2)), "n");
-  EXPECT_EQ(param_of(with("presence_penalty", 0.5)), "presence_penalty");
-  EXPECT_EQ(param_of(with("frequency_penalty", -1)), "frequency_penalty");
-  EXPECT_EQ(param_of(with("logprobs", true)), "logprobs");
-  EXPECT_EQ(rejected(with("temperature", 1).dump()).code(), "unsupported_value");
+TEST(ChatRequest, SamplingFieldsParse) {
+  json j = base();
+  j["temperature"] = 0.7;
+  j["top_p"] = 0.8;
+  j["top_k"] = 20;
+  j["min_p"] = 0.05;
+  j["presence_penalty"] = 1.5;
+  j["frequency_penalty"] = -0.5;
+  j["repetition_penalty"] = 1.1;
+  j["seed"] = -3;
+  j["n"] = 3;
+  j["logprobs"] = true;
+  j["top_logprobs"] = 5;
+  j["logit_bias"] = {{"17", -100}, {"3", 2.5}};
+  const auto r = parse(j);
+  EXPECT_DOUBLE_EQ(*r.sampling.temperature, 0.7);
+  EXPECT_DOUBLE_EQ(*r.sampling.top_p, 0.8);
+  EXPECT_EQ(*r.sampling.top_k, 20);
+  EXPECT_DOUBLE_EQ(*r.sampling.min_p, 0.05);
+  EXPECT_DOUBLE_EQ(*r.sampling.presence_penalty, 1.5);
+  EXPECT_DOUBLE_EQ(*r.sampling.frequency_penalty, -0.5);
+  EXPECT_DOUBLE_EQ(*r.sampling.repetition_penalty, 1.1);
+  EXPECT_EQ(*r.sampling.seed, -3);
+  EXPECT_EQ(r.n, 3);
+  EXPECT_TRUE(r.logprobs);
+  EXPECT_EQ(r.top_logprobs, 5);
+  EXPECT_EQ(r.sampling.logit_bias, (std::vector<std::pair<int64_t, double>>{{3, 2.5}, {17, -100}}));
+  // Absent fields stay unset (the server's defaults fill them in).
+  const auto d = parse(base());
+  EXPECT_FALSE(d.sampling.temperature || d.sampling.top_p || d.sampling.top_k || d.sampling.seed);
+  EXPECT_EQ(d.n, 1);
+  EXPECT_FALSE(d.logprobs);
+}
+
+TEST(ChatRequest, SamplingRangeEdgesAreAccepted) {
+  for (const auto& [key, value] : std::vector<std::pair<std::string, json>>{
+           {"temperature", 0}, {"temperature", 2}, {"top_p", 1}, {"top_p", 1e-6}, {"top_k", -1}, {"top_k", 0},
+           {"min_p", 0}, {"min_p", 1}, {"presence_penalty", -2}, {"frequency_penalty", 2},
+           {"repetition_penalty", 2}, {"n", 1}, {"n", 8}})
+    EXPECT_NO_THROW(parse(with(key, value))) << key << "=" << value;
+  json j = with("logprobs", true);
+  j["top_logprobs"] = 20;
+  EXPECT_EQ(parse(j).top_logprobs, 20);
+  json bias = json::object();
+  for (int i = 0; i < 300; ++i) bias[std::to_string(i)] = 100;
+  EXPECT_EQ(parse(with("logit_bias", bias)).sampling.logit_bias.size(), 300u);
+}
+
+TEST(ChatRequest, OutOfRangeSamplingValuesNameTheField) {
+  for (const auto& [key, value] : std::vector<std::pair<std::string, json>>{
+           {"temperature", -0.1}, {"temperature", 2.01}, {"temperature", "0.7"}, {"top_p", 0}, {"top_p", 1.5},
+           {"top_k", -2}, {"top_k", 2.5}, {"min_p", -0.1}, {"min_p", 1.1}, {"presence_penalty", 2.5},
+           {"frequency_penalty", -3}, {"repetition_penalty", 0}, {"repetition_penalty", 2.5}, {"n", 0},
+           {"n", 9}, {"n", 1.5}, {"seed", 1.5}, {"seed", "7"}, {"logprobs", 1}, {"top_logprobs", 21},
+           {"top_logprobs", -1}, {"logit_bias", json::array()}, {"logit_bias", json{{"x", 1}}},
+           {"logit_bias", json{{"-1", 1}}}, {"logit_bias", json{{"5", 101}}}, {"logit_bias", json{{"5", "1"}}},
+           {"logit_bias", json{{"5", 1}, {"05", 2}}}, {"logit_bias", json{{"99999999999", 1}}}}) {
+    const auto e = rejected(with(key, value).dump());
+    EXPECT_EQ(e.param(), key) << key << "=" << value;
+  }
+  json bias = json::object();
+  for (int i = 0; i < 301; ++i) bias[std::to_string(i)] = 1;
+  EXPECT_EQ(param_of(with("logit_bias", bias)), "logit_bias");
+  // top_logprobs needs logprobs: true.
+  EXPECT_EQ(param_of(with("top_logprobs", 2)), "top_logprobs");
+  json off = with("top_logprobs", 2);
+  off["logprobs"] = false;
+  EXPECT_EQ(param_of(off), "top_logprobs");
 }
 
 TEST(ChatRequest, UnsupportedAndUnknownParameters) {
-  for (const char* k : {"tools", "tool_choice", "response_format", "top_logprobs", "logit_bias", "functions",
-                        "parallel_tool_calls", "top_k"}) {
+  for (const char* k : {"tools", "tool_choice", "response_format", "functions", "parallel_tool_calls", "best_of"}) {
     auto e = rejected(with(k, json::array()).dump());
     EXPECT_EQ(e.param(), k);
     EXPECT_EQ(e.code(), "unsupported_parameter") << k;

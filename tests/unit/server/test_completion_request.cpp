@@ -36,6 +36,14 @@ std::string completion_rejection(const json& body) { return rejection(parse_comp
 
 }  // namespace
 
+TEST(CompletionRequest, SamplingFieldsAsInChat) {
+  const auto r = parse_completion_request(with(with(base(), "temperature", 0.5), "seed", 3).dump());
+  ASSERT_TRUE(r.sampling.temperature.has_value());
+  EXPECT_EQ(*r.sampling.temperature, 0.5);
+  EXPECT_EQ(r.sampling.seed, 3);
+  EXPECT_EQ(r.n, 1);
+}
+
 TEST(CompletionRequest, TextPrompt) {
   const auto r = parse_completion_request(base().dump());
   EXPECT_EQ(r.model, "demo");
@@ -101,7 +109,9 @@ TEST(CompletionRequest, RejectionsNameTheField) {
   EXPECT_EQ(completion_rejection(with(base(), "best_of", 2)), "best_of|unsupported_value");
   EXPECT_EQ(completion_rejection(with(base(), "logprobs", 2)), "logprobs|unsupported_parameter");
   EXPECT_EQ(completion_rejection(with(base(), "suffix", "x")), "suffix|unsupported_parameter");
-  EXPECT_EQ(completion_rejection(with(base(), "temperature", 0.5)), "temperature|unsupported_value");
+  EXPECT_EQ(completion_rejection(with(base(), "temperature", 2.5)), "temperature|invalid_value");
+  EXPECT_EQ(completion_rejection(with(base(), "n", 2)), "n|unsupported_value");
+  EXPECT_EQ(completion_rejection(with(base(), "top_logprobs", 2)), "top_logprobs|unknown_parameter");
   EXPECT_EQ(completion_rejection(with(base(), "stop", json::array({"a", "b", "c", "d", "e"}))), "stop|invalid_value");
   EXPECT_EQ(completion_rejection(with(base(), "stream_options", {{"include_usage", true}})), "stream_options|invalid_value");
   EXPECT_EQ(completion_rejection(with(base(), "messages", json::array())), "messages|unknown_parameter");
