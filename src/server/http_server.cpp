@@ -38,6 +38,7 @@
 #include "server/http_util.h"
 #include "server/metrics.h"
 #include "server/openai_json.h"
+#include "server/tool_calls.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 
@@ -375,6 +376,7 @@ struct ChatCall {
   Clock::time_point submitted;  ///< when the job was queued (time queued = engine start − this)
   int64_t prompt_tokens = 0;
   bool probed = false;  ///< the half-closed connection was probed once (Exchange::probe)
+  AnswerFormat answer;  ///< chat: how the generated text becomes reasoning, content and tool calls
 };
 
 /// Whether the header value `value` holds `token` as one of its comma-separated items (any case).
@@ -1007,7 +1009,7 @@ void LilyServer::load_engine() {
 
 std::vector<int32_t> LilyServer::tokenize(const ChatRequest& request) const {
   try {
-    return chat_template_->encode(*tokenizer_, request.messages);
+    return chat_template_->encode(*tokenizer_, request.messages, template_options(request.agent, options_.reasoning));
   } catch (const Error& e) {
     throw invalid_request(std::string("messages cannot be rendered with the chat template: ") + e.what(),
                           "messages");
@@ -1091,6 +1093,8 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
     check_model(request.model);
     check_ready();
     prompt = tokenize(request);
+    call.answer.thinking = thinking_enabled(request.agent, options_.reasoning);
+    if (request.agent.tools_active()) call.answer.tools.emplace(request.agent.tools);
     call.request = std::move(request);
   } catch (const ApiError& e) {
     return send_error(res, e);
@@ -1155,7 +1159,8 @@ void LilyServer::handle_tokenize(const Request& req, Reply& res) {
     ids = tokenizer_->encode(*request.prompt, /*allow_special=*/true);
   } else {
     try {
-      ids = chat_template_->encode(*tokenizer_, request.messages, request.add_generation_prompt);
+      ids = chat_template_->encode(*tokenizer_, request.messages,
+                                   template_options(request.agent, options_.reasoning, request.add_generation_prompt));
     } catch (const Error& e) {
       throw invalid_request(std::string("messages cannot be rendered with the chat template: ") + e.what(),
                             "messages");
@@ -1246,8 +1251,11 @@ void LilyServer::respond_whole(ChatCall& call, Exchange& ex, Reply& res) {
     if (r.finish_reason == FinishReason::kCancelled && !client_gone) throw failure(call, "generation was cancelled");
     const Usage usage{r.prompt_tokens, static_cast<int64_t>(r.token_ids.size()), r.cached_tokens};
     const std::string finish(finish_reason_name(r.finish_reason));
-    set_json(res, 200, dump(call.text_completion ? text_completion_json(call.meta, r.text, finish, usage)
-                                                 : completion_json(call.meta, r.text, finish, usage)));
+    if (call.text_completion) return set_json(res, 200, dump(text_completion_json(call.meta, r.text, finish, usage)));
+    const AssistantMessage message = parse_answer(r.text, call.answer);
+    ordered_json doc = completion_json(call.meta, message.content, answer_finish_reason(finish, message.tool_calls.size()), usage);
+    doc["choices"][0]["message"] = assistant_message_json(message);
+    set_json(res, 200, dump(doc));
     return;
   }
 }
@@ -1278,6 +1286,17 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
     client_gone = !send(chunk_json(call.meta, ordered_json{{"role", "assistant"}, {"content", ""}}, std::nullopt, usage_field));
     if (client_gone) scheduler_->cancel(call.job);
   }
+  // Chat text goes through the answer parser (reasoning, content, tool calls); legacy text as is.
+  AnswerParser parser(call.answer);
+  auto send_text = [&](std::vector<AnswerDelta> deltas) {
+    for (const AnswerDelta& d : deltas)
+      for (const ordered_json& delta : delta_json(d))
+        if (!send(chunk_json(call.meta, delta, std::nullopt, usage_field))) return false;
+    return true;
+  };
+  auto send_piece = [&](const std::string& text) {
+    return call.text_completion ? send(text_chunk(text)) : send_text(parser.push(text));
+  };
   std::optional<Clock::time_point> last;
   size_t sent = 0;
   while (true) {
@@ -1286,7 +1305,7 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       observe_token(call, e, last);
       if (e.text.empty() || client_gone) continue;
       sent += e.text.size();
-      if (!send(text_chunk(e.text))) {
+      if (!send_piece(e.text)) {
         client_gone = true;
         scheduler_->cancel(call.job);
       }
@@ -1304,7 +1323,8 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
     }
     const GenerationResult& r = e.result;
     record_done(call, r, e.at);
-    if (r.text.size() > sent) send(text_chunk(r.text.substr(sent)));
+    if (r.text.size() > sent) send_piece(r.text.substr(sent));
+    if (!call.text_completion) send_text(parser.finish());
     if (r.finish_reason == FinishReason::kCancelled) {
       // Cut by the engine (the end of the shutdown grace), not finished: an error event, as
       // respond_whole answers the same case with an error status (was finish_reason "length").
@@ -1313,7 +1333,7 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       send(ordered_json(err.body()));
       return ex.write_chunk("data: [DONE]\n\n");
     }
-    send(finish_chunk(std::string(finish_reason_name(r.finish_reason))));
+    send(finish_chunk(answer_finish_reason(std::string(finish_reason_name(r.finish_reason)), parser.tool_calls())));
     if (usage_field)
       send(usage_chunk_json(call.meta, Usage{r.prompt_tokens, static_cast<int64_t>(r.token_ids.size()), r.cached_tokens},
                             call.text_completion ? "text_completion" : "chat.completion.chunk"));
