@@ -11,6 +11,7 @@ import assert from 'node:assert/strict';
 import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
+import { spawnSync } from 'node:child_process';
 import OpenAI from 'openai';
 
 const source = process.env.LILY_SOURCE_DIR ?? path.resolve(import.meta.dirname, '..', '..');
@@ -19,7 +20,7 @@ const modelDir = path.join(tmp, 'demo');
 fs.cpSync(path.join(source, 'models', 'demo'), modelDir, { recursive: true });
 fs.copyFileSync(path.join(source, 'tests/fixtures/jinja/qwen3_6_tools.jinja'), path.join(modelDir, 'chat_template.jinja'));
 process.env.LILY_TEST_MODEL_DIR = modelDir;
-const { MODEL, rawRequest, startServer, stopServer } = await import('./server_harness.mjs');
+const { LILY_BIN, MODEL, rawRequest, startServer, stopServer } = await import('./server_harness.mjs');
 
 after(() => fs.rmSync(tmp, { recursive: true, force: true }));
 
@@ -151,5 +152,28 @@ describe('tools and thinking', () => {
         return true;
       });
     }
+  });
+});
+
+describe('lily tokenize --render-messages --chat-options', () => {
+  const messages = [{ role: 'user', content: 'q' },
+    { role: 'assistant', content: null, tool_calls: [{ id: 'c', type: 'function', function: { name: 'get_weather', arguments: '{"city":"Rome"}' } }] },
+    { role: 'tool', tool_call_id: 'c', content: 'rain' }];
+  const run = (options) => spawnSync(LILY_BIN, ['tokenize', '--model', modelDir, '--render-messages', JSON.stringify(messages),
+    '--chat-options', JSON.stringify(options)], { encoding: 'utf8' });
+
+  it('renders tools, tool calls, tool results and thinking as the server does', () => {
+    const r = run({ tools, chat_template_kwargs: { enable_thinking: true } });
+    assert.equal(r.status, 0, r.stderr);
+    assert.ok(r.stdout.includes('"name": "get_weather"'), r.stdout);
+    assert.ok(r.stdout.includes('<function=get_weather>\n<parameter=city>\nRome\n</parameter>'), r.stdout);
+    assert.ok(r.stdout.includes('<tool_response>\nrain\n</tool_response>'), r.stdout);
+    assert.ok(r.stdout.endsWith('<|im_start|>assistant\n<think>\n'), r.stdout);
+  });
+
+  it('refuses invalid options naming the field', () => {
+    const r = run({ tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'array' } } }] });
+    assert.equal(r.status, 1);
+    assert.match(r.stderr, /--chat-options: 'tools\[0\]\.function\.parameters\.type' must be "object"/);
   });
 });
