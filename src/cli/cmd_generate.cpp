@@ -31,6 +31,7 @@ struct GenerateFlags {
   std::string prompt;
   std::string prompt_ids;
   std::string messages;
+  std::string chat_options;  ///< --chat-options JSON (tools, thinking) for --messages / --prompt
   bool raw = false;
   int64_t max_tokens = 128;
   bool max_tokens_given = false;  ///< --max-tokens was on the command line (else 128, clamped to the context)
@@ -92,10 +93,13 @@ std::vector<int32_t> build_prompt(const GenerateFlags& f, const Tokenizer* tok, 
   const int given = !f.prompt.empty() + !f.prompt_ids.empty() + !f.messages.empty();
   if (given != 1) throw Error("give exactly one of --prompt, --prompt-ids, --messages");
   if (!f.prompt_ids.empty()) return parse_prompt_ids(f.prompt_ids, vocab);
-  if (!f.messages.empty()) return ChatTemplate::for_model(dir)->encode(*tok, parse_messages_flag(f.messages));
+  if (!f.messages.empty())
+    return ChatTemplate::for_model(dir)->encode(*tok, parse_messages_flag(f.messages),
+                                                parse_chat_options(f.chat_options, "--chat-options"));
   if (f.raw) return tok->encode(f.prompt, /*allow_special=*/true);
   const ChatMessage user{ChatRole::kUser, f.prompt};
-  return ChatTemplate::for_model(dir)->encode(*tok, std::span<const ChatMessage>(&user, 1));  // the checkpoint's template
+  return ChatTemplate::for_model(dir)->encode(*tok, std::span<const ChatMessage>(&user, 1),  // the checkpoint's template
+                                              parse_chat_options(f.chat_options, "--chat-options"));
 }
 
 void print_json(const std::vector<int32_t>& prompt, const GenerationResult& r, const GenerationParams& p,
@@ -142,6 +146,7 @@ void run_generate(const GenerateFlags& f) {
   const int given = !f.prompt.empty() + !f.prompt_ids.empty() + !f.messages.empty();
   if (given != 1) throw Error("give exactly one of --prompt, --prompt-ids, --messages");
   if (!f.messages.empty()) parse_messages_flag(f.messages);
+  parse_chat_options(f.chat_options, "--chat-options");
   const BackendKind backend_kind = parse_backend_kind(f.backend);
   const ModelConfig config = load_model_config(dir);
   auto tokenizer = load_tokenizer(dir, f.prompt_ids.empty());
@@ -219,6 +224,8 @@ void register_generate(CLI::App& app, int& exit_code) {
   cmd->add_option("--prompt-ids", f->prompt_ids, "comma-separated prompt token ids; works without a usable tokenizer.json "
                   "(then no text is printed and --json has \"text\":\"\")");
   cmd->add_option("--messages", f->messages, "JSON array of {\"role\",\"content\"} messages");
+  cmd->add_option("--chat-options", f->chat_options, "JSON object of a chat request's tools, tool_choice, "
+                  "reasoning_effort and chat_template_kwargs, passed to the chat template");
   auto* max_tokens = cmd->add_option("--max-tokens", f->max_tokens, "most tokens to generate (the prompt plus these "
                                      "must fit the context; the default is clamped to it)")->capture_default_str();
   cmd->add_option("--max-seq", f->max_seq, "sequence limit (default and maximum: max_position_embeddings)")

@@ -21,6 +21,7 @@ struct ServeFlags {
   int64_t max_seq = -1;
   std::string allowed_origins;  ///< --allowed-origins, parsed by server::parse_allowed_origins
   std::string backend = "auto";
+  std::string reasoning = "off";  ///< --reasoning on|off
   bool no_mmap = false;  ///< read the weights into memory instead of mapping them
   CLI::Option* api_key = nullptr;  ///< to tell `--api-key ""` from no --api-key
   server::ServerOptions options;
@@ -95,6 +96,9 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
   f.seed_opt = cmd->add_option("--seed", f.seed, "seed of requests that send none (default: a fresh one per request)");
   cmd->add_flag("--no-generation-config", f.no_generation_config, "ignore the checkpoint's generation_config.json "
                 "(its sampling defaults)");
+  cmd->add_option("--reasoning", f.reasoning, "on: chat answers think (<think> text goes to reasoning_content) "
+                  "unless a request's reasoning_effort or chat_template_kwargs.enable_thinking says otherwise")
+      ->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   cmd->add_option("--shutdown-grace", o.shutdown_grace_s, "seconds running work may finish after SIGINT/SIGTERM")
       ->capture_default_str()->check(integer_at_least(0));
 }
@@ -108,6 +112,7 @@ server::ServerOptions resolve(ServeFlags& f) {
   if (f.port >= 0) o.port = f.port;
   if (f.max_seq >= 0) o.max_seq = f.max_seq;
   o.backend = parse_backend_kind(f.backend);
+  o.reasoning = f.reasoning == "on";
   // An empty key would silently mean "no authentication": refuse it instead.
   if (f.api_key->count() > 0 && o.api_key.empty()) throw Error("--api-key must not be empty");
   if (o.api_key.empty()) {

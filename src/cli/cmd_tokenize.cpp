@@ -30,6 +30,7 @@ struct TokenizeOptions {
   std::string text;
   std::string decode_ids;
   std::string messages_json;
+  std::string chat_options;  ///< --chat-options JSON (tools, thinking) for --render-messages
   std::string batch_file;
   bool text_given = false;  ///< the TEXT argument was on the command line (even if empty)
   bool json_output = false;
@@ -151,9 +152,10 @@ void run_single(const TokenizeOptions& o) {
     if (parsed.is_discarded()) throw Error("--render-messages: not valid JSON");
     std::vector<ChatMessage> messages = parse_message_list(parsed, "--messages");
     const auto chat = load_chat_template(o);
-    std::string text = chat->render(messages);
+    const ChatTemplateOptions options = parse_chat_options(o.chat_options, "--chat-options");
+    std::string text = chat->render(messages, options);
     if (o.json_output) {
-      std::cout << dump({{"text", text}, {"ids", chat->encode(*tok, messages)}}) << '\n';
+      std::cout << dump({{"text", text}, {"ids", chat->encode(*tok, messages, options)}}) << '\n';
     } else {
       std::cout << text;
     }
@@ -180,6 +182,8 @@ void register_tokenize(CLI::App& app, int& exit_code) {
   cmd->add_option("--decode", opts->decode_ids, "comma-separated ids to decode, e.g. 1,2,3");
   cmd->add_option("--render-messages", opts->messages_json,
                   "JSON array of {role, content} messages: print the chat prompt (thinking disabled)");
+  cmd->add_option("--chat-options", opts->chat_options, "with --render-messages: JSON object of a chat request's "
+                  "tools, tool_choice, reasoning_effort and chat_template_kwargs, passed to the chat template");
   cmd->add_option("--batch-jsonl", opts->batch_file, "read one JSON request per line from FILE ('-': stdin)");
   cmd->add_flag("--json", opts->json_output, "print JSON");
   cmd->add_flag("--special", opts->special, "match added-token strings (e.g. <|im_start|>) as their ids");

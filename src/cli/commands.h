@@ -22,7 +22,17 @@ CLI::Validator integer_in_range(long long min, long long max);
 /// A JSON list of {"role": "system"|"user"|"assistant", "content": string} objects as chat
 /// messages. Throws lily::Error "<what>: message i: …" naming the first bad entry (not an array,
 /// no role, a role name that is not one of the three, content that is not a string).
+/// Messages may also carry what a chat request's do: `name`, `reasoning_content`, `tool_calls`
+/// (assistant; content may then be null) and `tool_call_id` (role "tool", required); "developer"
+/// is a system message.
 std::vector<ChatMessage> parse_message_list(const nlohmann::json& list, const std::string& what);
+
+/// The template variables of `--chat-options JSON`: an object with a chat request's agent
+/// fields (tools, tool_choice, parallel_tool_calls, reasoning_effort, chat_template_kwargs),
+/// validated as the server does; "" gives the defaults (no tools, thinking off). Throws
+/// lily::Error "<what>: …".
+ChatTemplateOptions parse_chat_options(const std::string& text, const std::string& what,
+                                       bool add_generation_prompt = true);
 
 void register_generate(CLI::App& app, int& exit_code);
 void register_synth(CLI::App& app, int& exit_code);

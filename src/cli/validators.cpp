@@ -5,6 +5,8 @@
 
 #include "cli/commands.h"
 #include "base/error.h"
+#include "server/api_error.h"
+#include "server/chat_agent.h"
 
 namespace lily::cli {
 
@@ -51,12 +53,50 @@ std::vector<ChatMessage> parse_message_list(const nlohmann::json& list, const st
     const std::string at = what + ": message " + std::to_string(i);
     if (!m.is_object() || !m.contains("role")) throw Error(at + ": needs a role");
     const auto role = m["role"].is_string() ? chat_role_from_name(m["role"].get<std::string>()) : std::nullopt;
-    if (!role) throw Error(at + ": role must be system, user or assistant, got " + m["role"].dump());
-    if (!m.contains("content") || !m["content"].is_string())
+    if (!role) throw Error(at + ": role must be system, developer, user, assistant or tool, got " + m["role"].dump());
+    const bool no_content = !m.contains("content") || m["content"].is_null();
+    if (!(no_content && *role == ChatRole::kAssistant) && (no_content || !m["content"].is_string()))
       throw Error(at + ": content must be a string (only text content is supported)");
-    messages.push_back({*role, m["content"].get<std::string>()});
+    ChatMessage message{*role, no_content ? std::string() : m["content"].get<std::string>()};
+    auto text_field = [&](const char* key) -> std::optional<std::string> {
+      if (!m.contains(key) || m[key].is_null()) return std::nullopt;
+      if (!m[key].is_string()) throw Error(at + ": " + key + " must be a string");
+      return m[key].get<std::string>();
+    };
+    message.name = text_field("name").value_or("");
+    message.reasoning_content = text_field("reasoning_content");
+    message.tool_call_id = text_field("tool_call_id").value_or("");
+    if (*role == ChatRole::kTool && !m.contains("tool_call_id")) throw Error(at + ": a tool message needs tool_call_id");
+    if (m.contains("tool_calls") && !m["tool_calls"].is_null()) {
+      try {
+        message.tool_calls = server::parse_message_tool_calls(m["tool_calls"], "tool_calls");
+      } catch (const server::ApiError& e) {
+        throw Error(at + ": " + e.message());
+      }
+    }
+    messages.push_back(std::move(message));
   }
   return messages;
+}
+
+ChatTemplateOptions parse_chat_options(const std::string& text, const std::string& what, bool add_generation_prompt) {
+  if (text.empty()) {
+    ChatTemplateOptions options;
+    options.add_generation_prompt = add_generation_prompt;
+    return options;
+  }
+  const nlohmann::json doc = nlohmann::json::parse(text, nullptr, false);
+  if (doc.is_discarded() || !doc.is_object()) throw Error(what + ": expected a JSON object");
+  for (const auto& [key, value] : doc.items())
+    if (!server::is_agent_field(key))
+      throw Error(what + ": unknown field '" + key +
+                  "' (expected tools, tool_choice, parallel_tool_calls, reasoning_effort, chat_template_kwargs)");
+  try {
+    return server::template_options(server::parse_agent_fields(doc, text), /*server_default=*/false,
+                                    add_generation_prompt);
+  } catch (const server::ApiError& e) {
+    throw Error(what + ": " + e.message());
+  }
 }
 
 }  // namespace lily::cli

@@ -18,16 +18,12 @@ using nlohmann::json;
 /// Fields that OpenAI defines but lily cannot honour, with the reason given to the client.
 const std::map<std::string, std::string, std::less<>>& unsupported_fields() {
   static const std::map<std::string, std::string, std::less<>> fields = {
-      {"tools", "tool calling is not supported"},
-      {"tool_choice", "tool calling is not supported"},
-      {"parallel_tool_calls", "tool calling is not supported"},
-      {"functions", "function calling is not supported"},
-      {"function_call", "function calling is not supported"},
+      {"functions", "the legacy function-calling API is not supported: use tools"},
+      {"function_call", "the legacy function-calling API is not supported: use tool_choice"},
       {"response_format", "structured output (response_format) is not supported"},
       {"modalities", "only text output is supported"},
       {"audio", "audio output is not supported"},
       {"prediction", "predicted outputs are not supported"},
-      {"reasoning_effort", "reasoning is disabled on this server"},
       {"web_search_options", "web search is not supported"},
       {"best_of", "best_of is not supported: use n"},
   };
@@ -106,10 +102,9 @@ void parse_logit_bias(const json& v, GenerationFields& req) {
 ChatRole parse_role(const json& v, const std::string& param) {
   const std::string role = require_string(v, param);
   if (const auto r = chat_role_from_name(role)) return *r;
-  if (role == "tool" || role == "function" || role == "developer")
-    throw invalid_request("role '" + role + "' is not supported: use system, user or assistant", param,
-                          "unsupported_value");
-  throw invalid_request("invalid role '" + role + "': expected system, user or assistant", param);
+  if (role == "function")
+    throw invalid_request("role 'function' is not supported: use tool", param, "unsupported_value");
+  throw invalid_request("invalid role '" + role + "': expected system, developer, user, assistant or tool", param);
 }
 
 std::string parse_content_part(const json& part, const std::string& param) {
@@ -141,26 +136,46 @@ std::string parse_content(const json& v, const std::string& param) {
   return text;
 }
 
+/// The fields a message of `role` may carry besides role and content.
+bool message_field_allowed(ChatRole role, const std::string& key) {
+  if (key == "name") return true;
+  if (role == ChatRole::kAssistant) return key == "tool_calls" || key == "reasoning_content";
+  if (role == ChatRole::kTool) return key == "tool_call_id";
+  return false;
+}
+
 ChatMessage parse_message(const json& m, const std::string& param) {
   if (!m.is_object()) throw wrong_type(param, "an object", m);
-  for (const auto& [key, value] : m.items())
-    if (key != "role" && key != "content")
-      throw invalid_request("unrecognized field '" + key + "' in " + param +
-                                ": messages take only 'role' and 'content'",
-                            param + "." + key, "unknown_parameter");
   if (!m.contains("role"))
     throw invalid_request("missing required parameter '" + param + ".role'", param + ".role",
                           "missing_required_parameter");
-  if (!m.contains("content"))
-    throw invalid_request("missing required parameter '" + param + ".content'", param + ".content",
-                          "missing_required_parameter");
   ChatMessage msg;
   msg.role = parse_role(m["role"], param + ".role");
-  msg.content = parse_content(m["content"], param + ".content");
+  for (const auto& [key, value] : m.items())
+    if (key != "role" && key != "content" && !message_field_allowed(msg.role, key))
+      throw invalid_request("unrecognized field '" + key + "' in " + param + " (a '" +
+                                m["role"].get<std::string>() + "' message)",
+                            param + "." + key, "unknown_parameter");
+  auto given = [&](const char* key) { return m.contains(key) && !m[key].is_null(); };
+  // An assistant turn may have no content (one that only calls tools).
+  if (!given("content") && msg.role != ChatRole::kAssistant)
+    throw invalid_request("missing required parameter '" + param + ".content'", param + ".content",
+                          "missing_required_parameter");
+  if (given("content")) msg.content = parse_content(m["content"], param + ".content");
+  if (given("name")) msg.name = require_string(m["name"], param + ".name");
+  if (given("reasoning_content")) msg.reasoning_content = require_string(m["reasoning_content"], param + ".reasoning_content");
+  if (given("tool_calls")) msg.tool_calls = parse_message_tool_calls(m["tool_calls"], param + ".tool_calls");
+  if (msg.role == ChatRole::kTool) {
+    if (!given("tool_call_id"))
+      throw invalid_request("missing required parameter '" + param + ".tool_call_id'", param + ".tool_call_id",
+                            "missing_required_parameter");
+    msg.tool_call_id = require_string(m["tool_call_id"], param + ".tool_call_id");
+  }
   return msg;
 }
 
-/// A message list; the last message must be from the user unless `last_may_be_assistant`.
+/// A message list; the last message must be from the user (or a tool result) unless
+/// `last_may_be_assistant`.
 std::vector<ChatMessage> parse_messages(const json& v, bool last_may_be_assistant = false) {
   if (!v.is_array()) throw wrong_type("messages", "an array", v);
   if (v.empty()) throw invalid_request("'messages' must contain at least one message", "messages");
@@ -168,9 +183,9 @@ std::vector<ChatMessage> parse_messages(const json& v, bool last_may_be_assistan
   for (size_t i = 0; i < v.size(); ++i)
     messages.push_back(parse_message(v[i], "messages[" + std::to_string(i) + "]"));
   const ChatRole last = messages.back().role;
-  if (last != ChatRole::kUser && !(last_may_be_assistant && last == ChatRole::kAssistant))
-    throw invalid_request(last_may_be_assistant ? "the last message must have role 'user' or 'assistant'"
-                                                : "the last message must have role 'user'",
+  if (last != ChatRole::kUser && last != ChatRole::kTool && !(last_may_be_assistant && last == ChatRole::kAssistant))
+    throw invalid_request(last_may_be_assistant ? "the last message must have role 'user', 'tool' or 'assistant'"
+                                                : "the last message must have role 'user' or 'tool'",
                           "messages[" + std::to_string(v.size() - 1) + "].role");
   return messages;
 }
@@ -372,7 +387,7 @@ ChatRequest parse_chat_request(std::string_view body) {
   bool stream_options_set = false;
   bool top_logprobs_set = false;
   for (const auto& [key, value] : doc.items()) {
-    if (key == "model" || key == "messages") continue;
+    if (key == "model" || key == "messages" || is_agent_field(key)) continue;
     if (value.is_null()) {
       if (!is_known_chat_field(key))
         throw invalid_request("unrecognized request argument supplied: '" + key + "'", key, "unknown_parameter");
@@ -386,6 +401,7 @@ ChatRequest parse_chat_request(std::string_view body) {
   if (!doc.contains("messages"))
     throw invalid_request("missing required parameter 'messages'", "messages", "missing_required_parameter");
   req.messages = parse_messages(doc["messages"]);
+  req.agent = parse_agent_fields(doc, body);
   if (max_completion_tokens) {
     if (req.max_tokens && *req.max_tokens != *max_completion_tokens)
       throw invalid_request("'max_tokens' and 'max_completion_tokens' differ; send one of them",
@@ -472,9 +488,11 @@ TokenizeRequest parse_tokenize_request(std::string_view body) {
     optional_bool(doc, "add_special_tokens", req.add_special_tokens);
     return req;
   }
-  only_fields(doc, {"model", "messages", "add_generation_prompt", "prompt"});
+  only_fields(doc, {"model", "messages", "add_generation_prompt", "prompt", "tools", "tool_choice",
+                    "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs"});
   optional_bool(doc, "add_generation_prompt", req.add_generation_prompt);
   req.messages = parse_messages(doc["messages"], !req.add_generation_prompt);
+  req.agent = parse_agent_fields(doc, body);
   return req;
 }
 

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "server/chat_agent.h"
 #include "text/chat_template.h"
 
 namespace lily::server {
@@ -53,7 +54,8 @@ inline constexpr size_t kMaxLogitBias = 300;
 /// A validated chat-completions request.
 struct ChatRequest : GenerationFields {
   std::string model;                        ///< must equal the served name (checked by the caller: 404)
-  std::vector<ChatMessage> messages;        ///< non-empty, last one from the user
+  std::vector<ChatMessage> messages;        ///< non-empty, last one from the user (or a tool result)
+  ChatAgentFields agent;                    ///< tools, tool_choice, thinking (server/chat_agent.h)
 };
 
 /// A validated legacy completions request (POST /v1/completions): one prompt, given as text or
@@ -74,6 +76,7 @@ struct TokenizeRequest {
   std::vector<ChatMessage> messages;
   bool add_special_tokens = true;           ///< prompt form only (this tokenizer adds none)
   bool add_generation_prompt = true;        ///< messages form only
+  ChatAgentFields agent;                    ///< messages form only: tools and thinking, as in chat
 };
 
 /// A validated POST /detokenize request.
@@ -85,8 +88,10 @@ struct DetokenizeRequest {
 /// Most stop strings accepted (OpenAI's limit).
 inline constexpr size_t kMaxStopStrings = 4;
 
-/// Parses and validates a request body. Accepted: model, messages (roles system/user/assistant;
-/// content a string or an array of {"type":"text","text":…} parts, joined with "\n"),
+/// Parses and validates a request body. Accepted: model, messages (roles system, developer (as
+/// system), user, assistant, tool; content a string or an array of {"type":"text","text":…}
+/// parts, joined with "\n"; `name`; assistant `tool_calls` and `reasoning_content`, content then
+/// optional; tool `tool_call_id`, required), the agent fields of server/chat_agent.h,
 /// max_tokens / max_completion_tokens (integers ≥ 1; equal when both), stream,
 /// stream_options.include_usage (only with stream), stop (string or ≤ 4 strings), prompt_cache_key,
 /// user (ignored), the sampling fields of RequestSampling, n (1 … 8), logprobs (boolean) and
@@ -102,8 +107,8 @@ ChatRequest parse_chat_request(std::string_view body);
 CompletionRequest parse_completion_request(std::string_view body);
 
 /// Parses a /tokenize body: {"prompt": string, "add_special_tokens": bool} or {"messages": […],
-/// "add_generation_prompt": bool} (messages as in chat, but the last one may be from the
-/// assistant when add_generation_prompt is false), each with an optional "model". Exactly one of
+/// "add_generation_prompt": bool} (messages and agent fields as in chat, but the last message
+/// may be from the assistant when add_generation_prompt is false), each with an optional "model". Exactly one of
 /// prompt and messages. Throws ApiError 400 naming the parameter.
 TokenizeRequest parse_tokenize_request(std::string_view body);
 

@@ -38,6 +38,7 @@
 #include "server/http_util.h"
 #include "server/metrics.h"
 #include "server/openai_json.h"
+#include "server/tool_calls.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 
@@ -394,6 +395,7 @@ struct ChatCall {
   int64_t prompt_tokens = 0;
   bool probed = false;  ///< the half-closed connection was probed once (Exchange::probe)
   uint64_t seed = 0;    ///< the seed of choice 0 (choice i: choice_seed(seed, i))
+  AnswerFormat answer;  ///< chat: how the generated text becomes reasoning, content and tool calls
 };
 
 /// Whether the header value `value` holds `token` as one of its comma-separated items (any case).
@@ -1045,7 +1047,7 @@ void LilyServer::load_engine() {
 
 std::vector<int32_t> LilyServer::tokenize(const ChatRequest& request) const {
   try {
-    return chat_template_->encode(*tokenizer_, request.messages);
+    return chat_template_->encode(*tokenizer_, request.messages, template_options(request.agent, options_.reasoning));
   } catch (const Error& e) {
     throw invalid_request(std::string("messages cannot be rendered with the chat template: ") + e.what(),
                           "messages");
@@ -1169,6 +1171,8 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
     check_model(request.model);
     check_ready();
     prompt = tokenize(request);
+    call.answer.thinking = thinking_enabled(request.agent, options_.reasoning);
+    if (request.agent.tools_active()) call.answer.tools.emplace(request.agent.tools);
     call.request = std::move(request);
   } catch (const ApiError& e) {
     return send_error(res, e);
@@ -1233,7 +1237,8 @@ void LilyServer::handle_tokenize(const Request& req, Reply& res) {
     ids = tokenizer_->encode(*request.prompt, /*allow_special=*/true);
   } else {
     try {
-      ids = chat_template_->encode(*tokenizer_, request.messages, request.add_generation_prompt);
+      ids = chat_template_->encode(*tokenizer_, request.messages,
+                                   template_options(request.agent, options_.reasoning, request.add_generation_prompt));
     } catch (const Error& e) {
       throw invalid_request(std::string("messages cannot be rendered with the chat template: ") + e.what(),
                             "messages");
@@ -1348,9 +1353,13 @@ void LilyServer::respond_whole(ChatCall& call, Exchange& ex, Reply& res) {
     ordered_json choices = ordered_json::array();
     for (size_t i = 0; i < results.size(); ++i) {
       const GenerationResult& r = results[i];
-      choices.push_back(choice_json(static_cast<int>(i), r.text, std::string(finish_reason_name(r.finish_reason)),
-                                    logprobs_field(call, r.logprobs),
-                                    static_cast<int64_t>(choice_seed(call.seed, static_cast<int>(i)))));
+      const AssistantMessage message = parse_answer(r.text, call.answer);  // reasoning, content, tool calls
+      const std::string finish =
+          answer_finish_reason(std::string(finish_reason_name(r.finish_reason)), message.tool_calls.size());
+      ordered_json choice = choice_json(static_cast<int>(i), message.content, finish, logprobs_field(call, r.logprobs),
+                                        static_cast<int64_t>(choice_seed(call.seed, static_cast<int>(i))));
+      choice["message"] = assistant_message_json(message);
+      choices.push_back(std::move(choice));
     }
     set_json(res, 200, dump(completion_json(call.meta, choices, usage_of(results))));
     return;
@@ -1389,10 +1398,28 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
     if (client_gone) scheduler_->cancel(call.job);
   };
   begin_choice(0);
+  // Chat text goes through the answer parser of the current choice (reasoning, content, tool
+  // calls); legacy text is sent as is. Pending log-probabilities ride on the next chunk sent.
+  std::vector<TokenLogprobs> pending;  // log-probabilities of tokens whose text is still held back
+  std::optional<AnswerParser> parser;
+  parser.emplace(call.answer);
+  auto send_deltas = [&](int i, const std::vector<AnswerDelta>& deltas) {
+    for (const AnswerDelta& d : deltas)
+      for (const ordered_json& delta : delta_json(d)) {
+        if (!send(chunk_json(call.meta, i, delta, logprobs_field(call, pending), std::nullopt, usage_field)))
+          return false;
+        pending.clear();
+      }
+    return true;
+  };
+  auto send_piece = [&](int i, const std::string& text) {
+    if (!call.text_completion) return send_deltas(i, parser->push(text));
+    pending.clear();
+    return send(text_chunk(i, text, nullptr));
+  };
   std::optional<Clock::time_point> last;
   std::vector<GenerationResult> results;
-  size_t sent = 0;                    // text bytes of the current choice sent so far
-  std::vector<TokenLogprobs> pending;  // log-probabilities of tokens whose text is still held back
+  size_t sent = 0;  // text bytes of the current choice sent so far
   while (true) {
     JobEvent e = *next_event(call, ex, watch, client_gone);
     if (e.kind == JobEvent::Kind::kToken) {
@@ -1400,11 +1427,10 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       if (e.logprobs) pending.push_back(std::move(*e.logprobs));
       if (e.text.empty() || client_gone) continue;
       sent += e.text.size();
-      if (!send(text_chunk(e.choice, e.text, logprobs_field(call, pending)))) {
+      if (!send_piece(e.choice, e.text)) {
         client_gone = true;
         scheduler_->cancel(call.job);
       }
-      pending.clear();
       continue;
     }
     if (e.kind == JobEvent::Kind::kDone) results.push_back(e.result);
@@ -1423,8 +1449,11 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
     }
     const GenerationResult& r = e.result;
     if (last_choice) record_done(call, results, e.at);
-    if (r.text.size() > sent || !pending.empty())
-      send(text_chunk(e.choice, r.text.substr(std::min(sent, r.text.size())), logprobs_field(call, pending)));
+    if (r.text.size() > sent) send_piece(e.choice, r.text.substr(sent));
+    if (!call.text_completion) send_deltas(e.choice, parser->finish());
+    if (!pending.empty() && call.request.logprobs)  // tokens whose text was held back to the end
+      send(chunk_json(call.meta, e.choice, ordered_json{{"content", ""}}, logprobs_field(call, pending), std::nullopt,
+                      usage_field));
     pending.clear();
     sent = 0;
     if (r.finish_reason == FinishReason::kCancelled) {
@@ -1435,9 +1464,11 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       send(ordered_json(err.body()));
       return ex.write_chunk("data: [DONE]\n\n");
     }
-    send(finish_chunk(e.choice, std::string(finish_reason_name(r.finish_reason))));
+    const std::string reason(finish_reason_name(r.finish_reason));
+    send(finish_chunk(e.choice, call.text_completion ? reason : answer_finish_reason(reason, parser->tool_calls())));
     if (!last_choice) {
       begin_choice(e.choice + 1);
+      parser.emplace(call.answer);
       continue;
     }
     if (usage_field)

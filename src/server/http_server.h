@@ -64,6 +64,8 @@ struct ServerOptions {
   int write_timeout_s = 30;              ///< a client must accept response bytes within this
   int keep_alive_s = 5;                  ///< idle keep-alive connections are closed after this
   int shutdown_grace_s = 10;             ///< SIGINT/SIGTERM: running work may finish within this
+  bool reasoning = false;                ///< --reasoning on: chat answers think unless a request
+                                         ///< says otherwise (reasoning_effort, chat_template_kwargs)
   std::vector<std::string> allowed_origins;  ///< CORS: origins (or "*") browsers may call from
                                          ///< (parse_allowed_origins); empty = CORS off
   SamplingFlags sampling;                ///< sampling defaults (docs/server.md)

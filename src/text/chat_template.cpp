@@ -78,6 +78,7 @@ const char* role_name(ChatRole role) {
     case ChatRole::kSystem: return "system";
     case ChatRole::kUser: return "user";
     case ChatRole::kAssistant: return "assistant";
+    case ChatRole::kTool: return "tool";
   }
   return "user";
 }
@@ -155,27 +156,63 @@ std::shared_ptr<const ChatTemplate> ChatTemplate::for_model(const std::filesyste
   return builtin();
 }
 
+namespace {
+
+// One message as the template reads it (the shape transformers passes).
+jinja::Value message_value(const ChatMessage& message, bool history_rewrite) {
+  jinja::Value m = jinja::Value::dict();
+  auto& d = m.dict_data();
+  d.set("role", jinja::Value(role_name(message.role)));
+  if (history_rewrite) {
+    d.set("content", history_content(message.content));
+    d.set("reasoning_content", jinja::Value(""));
+  } else {
+    d.set("content", jinja::Value(message.content));
+    if (message.reasoning_content) d.set("reasoning_content", jinja::Value(*message.reasoning_content));
+  }
+  if (!message.name.empty()) d.set("name", jinja::Value(message.name));
+  if (message.role == ChatRole::kTool) d.set("tool_call_id", jinja::Value(message.tool_call_id));
+  if (!message.tool_calls.empty()) {
+    jinja::Value calls = jinja::Value::list();
+    for (const ChatToolCall& call : message.tool_calls) {
+      jinja::Value c = jinja::Value::dict();
+      if (!call.id.empty()) c.dict_data().set("id", jinja::Value(call.id));
+      c.dict_data().set("type", jinja::Value("function"));
+      jinja::Value f = jinja::Value::dict();
+      f.dict_data().set("name", jinja::Value(call.name));
+      f.dict_data().set("arguments", jinja::from_json(call.arguments));
+      c.dict_data().set("function", std::move(f));
+      calls.list_data().items.push_back(std::move(c));
+    }
+    d.set("tool_calls", std::move(calls));
+  }
+  return m;
+}
+
+}  // namespace
+
 jinja::RenderedText ChatTemplate::render_marked(std::span<const ChatMessage> messages, bool rewrite,
-                                               bool add_generation_prompt) const {
+                                               const ChatTemplateOptions& options) const {
+  // preserve_thinking renders every turn's think block itself; a turn that brings its own
+  // reasoning was not generated after an empty think block.
+  if (options.preserve_thinking.value_or(false)) rewrite = false;
   const long last_query = rewrite ? last_query_index(messages) : -1;
   jinja::Value list = jinja::Value::list();
   for (size_t i = 0; i < messages.size(); ++i) {
-    jinja::Value m = jinja::Value::dict();
-    m.dict_data().set("role", jinja::Value(role_name(messages[i].role)));
-    if (messages[i].role == ChatRole::kAssistant && static_cast<long>(i) <= last_query) {
-      m.dict_data().set("content", history_content(messages[i].content));
-      m.dict_data().set("reasoning_content", jinja::Value(""));
-    } else {
-      m.dict_data().set("content", jinja::Value(messages[i].content));
-    }
-    list.list_data().items.push_back(std::move(m));
+    const ChatMessage& message = messages[i];
+    const bool history = message.role == ChatRole::kAssistant && static_cast<long>(i) <= last_query &&
+                         (!message.reasoning_content || message.reasoning_content->empty());
+    list.list_data().items.push_back(message_value(message, history));
   }
   jinja::Value context = jinja::Value::dict();
   context.dict_data().set("messages", std::move(list));
-  context.dict_data().set("add_generation_prompt", jinja::Value(add_generation_prompt));
-  context.dict_data().set("enable_thinking", jinja::Value(false));
+  if (options.tools.is_array()) context.dict_data().set("tools", jinja::from_json(options.tools));
+  context.dict_data().set("add_generation_prompt", jinja::Value(options.add_generation_prompt));
+  context.dict_data().set("enable_thinking", jinja::Value(options.enable_thinking));
+  if (options.preserve_thinking) context.dict_data().set("preserve_thinking", jinja::Value(*options.preserve_thinking));
   jinja::RenderedText out = template_.render_marked(context);
-  if (add_generation_prompt && (messages.empty() || messages.back().role != ChatRole::kUser))
+  if (options.add_generation_prompt &&
+      (messages.empty() || (messages.back().role != ChatRole::kUser && messages.back().role != ChatRole::kTool)))
     throw Error("the last message must be from the user");
   return out;
 }
@@ -186,7 +223,8 @@ bool ChatTemplate::keeps_prefix(bool rewrite) const {
   try {
     const std::vector<ChatMessage> first = {{ChatRole::kUser, "Q"}};
     const std::vector<ChatMessage> next = {{ChatRole::kUser, "Q"}, {ChatRole::kAssistant, "A"}, {ChatRole::kUser, "R"}};
-    jinja::RenderedText a = render_marked(first, rewrite, true), b = render_marked(next, rewrite, true);
+    const ChatTemplateOptions options;
+    jinja::RenderedText a = render_marked(first, rewrite, options), b = render_marked(next, rewrite, options);
     if (!b.text.starts_with(a.text + "A")) return false;
     jinja::TrustSpans clipped;
     for (auto [lo, hi] : b.trusted) {
@@ -201,12 +239,25 @@ bool ChatTemplate::keeps_prefix(bool rewrite) const {
 }
 
 std::string ChatTemplate::render(std::span<const ChatMessage> messages, bool add_generation_prompt) const {
-  return render_marked(messages, rewrite_history_, add_generation_prompt).text;
+  ChatTemplateOptions options;
+  options.add_generation_prompt = add_generation_prompt;
+  return render(messages, options);
+}
+
+std::string ChatTemplate::render(std::span<const ChatMessage> messages, const ChatTemplateOptions& options) const {
+  return render_marked(messages, rewrite_history_, options).text;
 }
 
 std::vector<int32_t> ChatTemplate::encode(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
                                           bool add_generation_prompt) const {
-  const jinja::RenderedText r = render_marked(messages, rewrite_history_, add_generation_prompt);
+  ChatTemplateOptions options;
+  options.add_generation_prompt = add_generation_prompt;
+  return encode(tokenizer, messages, options);
+}
+
+std::vector<int32_t> ChatTemplate::encode(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
+                                          const ChatTemplateOptions& options) const {
+  const jinja::RenderedText r = render_marked(messages, rewrite_history_, options);
   std::vector<int32_t> ids;
   auto add = [&](std::string_view text, bool trusted) {
     if (text.empty()) return;
@@ -238,9 +289,10 @@ std::vector<int32_t> encode_chat(const Tokenizer& tokenizer, std::span<const Cha
 }
 
 std::optional<ChatRole> chat_role_from_name(std::string_view name) {
-  if (name == "system") return ChatRole::kSystem;
+  if (name == "system" || name == "developer") return ChatRole::kSystem;
   if (name == "user") return ChatRole::kUser;
   if (name == "assistant") return ChatRole::kAssistant;
+  if (name == "tool") return ChatRole::kTool;
   return std::nullopt;
 }
 

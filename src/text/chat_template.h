@@ -13,26 +13,50 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "text/jinja/template.h"
 #include "text/tokenizer.h"
 
 namespace lily {
 
-enum class ChatRole { kSystem, kUser, kAssistant };
+enum class ChatRole { kSystem, kUser, kAssistant, kTool };
 
-/// "system" | "user" | "assistant" → the role; nullopt for any other name. The one place that
-/// maps role names (the server's request parser and the CLI's message lists use it).
+/// "system" | "developer" (a system message) | "user" | "assistant" | "tool" → the role; nullopt
+/// for any other name. The one place that maps role names (the server's request parser and the
+/// CLI's message lists use it).
 std::optional<ChatRole> chat_role_from_name(std::string_view name);
+
+/// A tool call of an earlier assistant turn, as the template reads it.
+struct ChatToolCall {
+  std::string id;                     ///< "call_…" (may be empty)
+  std::string name;                   ///< the function's name
+  nlohmann::ordered_json arguments = nlohmann::ordered_json::object();  ///< the arguments as a dict
+};
 
 struct ChatMessage {
   ChatRole role;
   std::string content;  ///< plain text (never parsed for special tokens)
+  std::vector<ChatToolCall> tool_calls = {};          ///< assistant turns only
+  std::string tool_call_id = {};                      ///< tool messages: the call answered
+  std::optional<std::string> reasoning_content = {};  ///< assistant turns: their thinking
+  std::string name = {};                              ///< the optional participant name
+};
+
+/// The template variables besides `messages`.
+struct ChatTemplateOptions {
+  bool add_generation_prompt = true;      ///< the template variable of that name
+  bool enable_thinking = false;           ///< the template variable of that name
+  std::optional<bool> preserve_thinking;  ///< passed only when set
+  nlohmann::ordered_json tools;           ///< null (absent) or the request's list of tools
 };
 
 /// A parsed chat template. Immutable; thread-safe.
 ///
-/// Rendering passes `messages` (role, content), `add_generation_prompt: true` and
-/// `enable_thinking: false`. Message content is context text: whatever it contains, only the
+/// Rendering passes `messages` (role, content, and when set name, tool_call_id,
+/// reasoning_content and tool_calls as {id, type: "function", function: {name, arguments}}),
+/// `add_generation_prompt`, `enable_thinking` (false unless asked), `preserve_thinking` and
+/// `tools` when given. Message content is context text: whatever it contains, only the
 /// bytes the template writes itself (its literals) are encoded with control tokens. So that each
 /// prompt is a token-exact prefix of the next turn's (the session cache relies on it), earlier
 /// assistant turns are rendered with the empty think block the generation prompt ended with:
@@ -62,18 +86,25 @@ class ChatTemplate {
 
   /// The prompt text. Throws lily::Error: the template's own errors (raise_exception, e.g.
   /// "System message must be at the beginning.", "No user query found in messages.") and
-  /// "the last message must be from the user". Without `add_generation_prompt` (the template
-  /// variable of that name is false) the last message may also be from the assistant: what a
+  /// "the last message must be from the user" (a tool result may be last too). Without
+  /// `add_generation_prompt` (the template variable of that name is false) the last message may
+  /// also be from the assistant: what a
   /// client counting a whole conversation's tokens asks for.
   std::string render(std::span<const ChatMessage> messages, bool add_generation_prompt = true) const;
+  /// The same with every template variable given (tools, thinking).
+  std::string render(std::span<const ChatMessage> messages, const ChatTemplateOptions& options) const;
   /// The prompt's token ids: the template's text encoded with special tokens, context text
   /// without (a `<|im_start|>` typed by a user stays plain text). Throws lily::Error as render,
   /// or if the tokenizer lacks one of the ChatML markers the template writes.
   std::vector<int32_t> encode(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
                               bool add_generation_prompt = true) const;
+  /// The same with every template variable given (tools, thinking).
+  std::vector<int32_t> encode(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
+                              const ChatTemplateOptions& options) const;
 
  private:
-  jinja::RenderedText render_marked(std::span<const ChatMessage> messages, bool rewrite, bool add_generation_prompt) const;
+  jinja::RenderedText render_marked(std::span<const ChatMessage> messages, bool rewrite,
+                                    const ChatTemplateOptions& options) const;
   bool keeps_prefix(bool rewrite) const;
 
   jinja::Template template_;

@@ -18,13 +18,14 @@
 #include "server/api_error.h"
 #include "server/chat_request.h"
 #include "server/openai_json.h"
+#include "server/tool_calls.h"
 #include "text/chat_template.h"
 
 namespace {
 
 void check_accepted(const lily::server::ChatRequest& req) {
   FUZZ_ASSERT(!req.messages.empty(), "");
-  FUZZ_ASSERT(req.messages.back().role == lily::ChatRole::kUser, "");
+  FUZZ_ASSERT(req.messages.back().role == lily::ChatRole::kUser || req.messages.back().role == lily::ChatRole::kTool, "");
   FUZZ_ASSERT(!req.max_tokens || *req.max_tokens >= 1, "");
   FUZZ_ASSERT(req.stop.size() <= lily::server::kMaxStopStrings, "");
   for (const std::string& s : req.stop) FUZZ_ASSERT(!s.empty(), "");
@@ -59,7 +60,8 @@ void check_accepted(const lily::server::TokenizeRequest& req) {
   FUZZ_ASSERT(req.prompt.has_value() != !req.messages.empty(), "exactly one of prompt and messages");
   if (req.prompt) return;
   const lily::ChatRole last = req.messages.back().role;
-  FUZZ_ASSERT(last == lily::ChatRole::kUser || (!req.add_generation_prompt && last == lily::ChatRole::kAssistant), "");
+  FUZZ_ASSERT(last == lily::ChatRole::kUser || last == lily::ChatRole::kTool ||
+                  (!req.add_generation_prompt && last == lily::ChatRole::kAssistant), "");
   try {
     (void)lily::render_chat(req.messages, req.add_generation_prompt);
   } catch (const lily::Error&) {
@@ -102,5 +104,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   run(lily::server::parse_completion_request, body);
   run(lily::server::parse_tokenize_request, body);
   run(lily::server::parse_detokenize_request, body);
+  // The same bytes as a model's answer: the answer parser never throws, for any text.
+  try {
+    lily::server::AnswerFormat format;
+    format.thinking = size % 2 == 1;
+    format.tools.emplace(nlohmann::ordered_json::parse(
+        R"([{"type":"function","function":{"name":"f","parameters":{"properties":{"n":{"type":"integer"}}}}}])"));
+    const auto message = lily::server::parse_answer(body, format);
+    (void)lily::server::dump(lily::server::assistant_message_json(message));
+  } catch (const std::exception& e) {
+    lily::fuzz::unexpected_exception(e);
+  }
   return 0;
 }

@@ -134,8 +134,8 @@ describe('lily serve (default settings)', () => {
       (e) => e instanceof OpenAI.NotFoundError && e.status === 404 && e.code === 'model_not_found' && e.param === 'model');
     await assert.rejects(openai.chat.completions.create({ model: MODEL, messages: [user('hi')], temperature: 3 }),
       (e) => e instanceof OpenAI.BadRequestError && e.status === 400 && e.param === 'temperature');
-    await assert.rejects(openai.chat.completions.create({ model: MODEL, messages: [user('hi')], tools: [] }),
-      (e) => e instanceof OpenAI.BadRequestError && e.param === 'tools');
+    await assert.rejects(openai.chat.completions.create({ model: MODEL, messages: [user('hi')], tools: [{ type: 'function' }] }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === 'tools[0].function');
   });
 
   it('rejects every invalid request with 400 and the offending param', async () => {
@@ -143,13 +143,14 @@ describe('lily serve (default settings)', () => {
     const cases = [
       [{ ...base, messages: [] }, 'messages'],
       [{ ...base, messages: 'hi' }, 'messages'],
-      [{ ...base, messages: [{ role: 'tool', content: 'x' }] }, 'messages[0].role'],
+      [{ ...base, messages: [{ role: 'tool', content: 'x' }] }, 'messages[0].tool_call_id'],
+      [{ ...base, messages: [{ role: 'function', content: 'x' }] }, 'messages[0].role'],
       [{ ...base, messages: [{ role: 'developer', content: 'x' }] }, 'messages[0].role'],
       [{ ...base, messages: [{ role: 'user', content: null }] }, 'messages[0].content'],
       [{ ...base, messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'http://x/y.png' } }] }] }, 'messages[0].content[0].type'],
       [{ ...base, messages: [{ role: 'user', content: [{ type: 'input_audio', input_audio: {} }] }] }, 'messages[0].content[0].type'],
       [{ ...base, messages: [user('a'), { role: 'assistant', content: 'b' }] }, 'messages[1].role'],
-      [{ ...base, messages: [{ role: 'user', content: 'a', name: 'x' }] }, 'messages[0].name'],
+      [{ ...base, messages: [{ role: 'user', content: 'a', name: 5 }] }, 'messages[0].name'],
       [{ ...base, max_tokens: 0 }, 'max_tokens'],
       [{ ...base, max_tokens: -1 }, 'max_tokens'],
       [{ ...base, max_tokens: '5' }, 'max_tokens'],
@@ -167,7 +168,7 @@ describe('lily serve (default settings)', () => {
       [{ ...base, frequency_penalty: -3 }, 'frequency_penalty'],
       [{ ...base, logprobs: 'yes' }, 'logprobs'],
       [{ ...base, top_logprobs: 2 }, 'top_logprobs'],
-      [{ ...base, tool_choice: 'auto' }, 'tool_choice'],
+      [{ ...base, tool_choice: 'required' }, 'tool_choice'],
       [{ ...base, response_format: { type: 'json_object' } }, 'response_format'],
       [{ ...base, logit_bias: [] }, 'logit_bias'],
       [{ ...base, mystery: 1 }, 'mystery'],

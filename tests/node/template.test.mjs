@@ -85,11 +85,11 @@ test('lily-only request errors: last message not from the user, non-text content
   const replies = lilyBatch(smallTokenizer, [
     { render: [user('q'), asst('a')] },
     { render: [{ role: 'user', content: [{ type: 'text', text: 'hi' }] }] },
-    { render: [{ role: 'tool', content: 'x' }, user('q')] },
+    { render: [{ role: 'function', content: 'x' }, user('q')] },
   ]);
   assert.equal(replies[0].error, 'the last message must be from the user');
   assert.match(replies[1].error, /content must be a string/);
-  assert.match(replies[2].error, /role must be system, user or assistant/);
+  assert.match(replies[2].error, /role must be system, developer, user, assistant or tool/);
 });
 
 test('encode_chat on the real Qwen3 tokenizer: HF ids of the rendered text, markers only from the template', async () => {

@@ -160,7 +160,12 @@ TEST(TokenizeRequest, Rejections) {
                                                             {{"role", "assistant"}, {"content", "b"}}})}}),
             "messages[1].role|invalid_value");
   EXPECT_EQ(rejection(parse, json{{"messages", json::array({{{"role", "tool"}, {"content", "a"}}})}}),
+            "messages[0].tool_call_id|missing_required_parameter");
+  EXPECT_EQ(rejection(parse, json{{"messages", json::array({{{"role", "function"}, {"content", "a"}}})}}),
             "messages[0].role|unsupported_value");
+  EXPECT_EQ(rejection(parse, json{{"messages", json::array({{{"role", "user"}, {"content", "a"}}})},
+                                  {"tools", json::array({{{"type", "function"}}})}}),
+            "tools[0].function|missing_required_parameter");
   EXPECT_EQ(rejection(parse, json{{"messages", "x"}}), "messages|invalid_type");
 }
 

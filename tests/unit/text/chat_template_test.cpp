@@ -231,3 +231,61 @@ TEST(ChatTemplate, CheckpointTemplateKeepsTypedMarkersPlainAndPromptsPrefixes) {
 
 }  // namespace
 }  // namespace lily
+
+namespace lily {
+namespace {
+
+// The agent fields of a message reach the template in the shape transformers passes: tool calls
+// with their arguments as a dict, tool results with their call id, reasoning, tools, thinking.
+const ChatTemplate& tools_template() {
+  static const ChatTemplate t = [] {
+    std::ifstream in(test::source_dir() / "tests/fixtures/jinja/qwen3_6_tools.jinja");
+    return ChatTemplate(std::string(std::istreambuf_iterator<char>(in), {}), "qwen3_6_tools.jinja");
+  }();
+  return t;
+}
+
+TEST(ChatTemplateAgent, ToolsToolCallsAndToolResults) {
+  ChatMessage call{ChatRole::kAssistant, ""};
+  call.tool_calls.push_back({"call_1", "get_weather", nlohmann::ordered_json::parse(R"({"city":"Paris","days":2,"opts":{"a":1}})")});
+  ChatMessage result{ChatRole::kTool, "sunny"};
+  result.tool_call_id = "call_1";
+  const std::vector<ChatMessage> messages = {user("Weather?"), call, result};
+  ChatTemplateOptions options;
+  options.tools = nlohmann::ordered_json::parse(R"([{"type":"function","function":{"name":"get_weather"}}])");
+  const std::string text = tools_template().render(messages, options);
+  EXPECT_NE(text.find("<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}\n</tools>"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n<function=get_weather>\n"
+                      "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
+                      "<parameter=opts>\n{\"a\": 1}\n</parameter>\n</function>\n</tool_call><|im_end|>\n"
+                      "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"
+                      "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+            std::string::npos)
+      << text;
+  // Without tools the system turn is not written.
+  EXPECT_EQ(tools_template().render(messages, ChatTemplateOptions{}).find("<tools>"), std::string::npos);
+}
+
+TEST(ChatTemplateAgent, ThinkingAndReasoning) {
+  ChatTemplateOptions thinking;
+  thinking.enable_thinking = true;
+  const std::vector<ChatMessage> q = {user("Q")};
+  EXPECT_TRUE(tools_template().render(q, thinking).ends_with("<|im_start|>assistant\n<think>\n"));
+  ChatMessage answer{ChatRole::kAssistant, "A"};
+  answer.reasoning_content = "R";
+  // After the last query the turn's reasoning is rendered; the prompt extends the first one.
+  const std::vector<ChatMessage> after = {user("Q"), answer, {ChatRole::kTool, "T"}};
+  EXPECT_NE(tools_template().render(after, thinking).find("<|im_start|>assistant\n<think>\nR\n</think>\n\nA<|im_end|>"),
+            std::string::npos);
+  // preserve_thinking renders earlier turns' think blocks once (lily adds none of its own).
+  ChatTemplateOptions preserve;
+  preserve.preserve_thinking = true;
+  const std::vector<ChatMessage> later = {user("Q"), asst("A"), user("Q2")};
+  const std::string text = tools_template().render(later, preserve);
+  EXPECT_NE(text.find("<|im_start|>assistant\n<think>\n\n</think>\n\nA<|im_end|>"), std::string::npos) << text;
+  EXPECT_EQ(text.find("</think>\n\n<think>"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace lily

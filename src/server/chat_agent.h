@@ -1,0 +1,57 @@
+// The agent fields of a chat request (issue 14): tools, tool_choice, parallel_tool_calls,
+// reasoning_effort and chat_template_kwargs, and the message fields of tool-calling
+// conversations (tool_calls on assistant turns, tool_call_id on tool results). Kept apart from
+// chat_request.cpp, which calls in here for these keys.
+#pragma once
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "text/chat_template.h"
+
+namespace lily::server {
+
+/// `tool_choice`.
+enum class ToolChoice { kAuto, kNone, kRequired, kNamed };
+
+/// The validated agent fields of a chat (or /tokenize messages) request.
+struct ChatAgentFields {
+  nlohmann::ordered_json tools;               ///< null, or the declared tools in the client's key order
+  ToolChoice tool_choice = ToolChoice::kAuto;
+  std::string tool_choice_name;               ///< kNamed: the function (a declared tool)
+  std::optional<bool> parallel_tool_calls;    ///< accepted; lily does not constrain the count
+  std::optional<std::string> reasoning_effort;  ///< "none" disables thinking, anything else enables it
+  std::optional<bool> enable_thinking;        ///< chat_template_kwargs.enable_thinking
+  std::optional<bool> preserve_thinking;      ///< chat_template_kwargs.preserve_thinking
+
+  /// True when tools are declared and tool_choice is not "none": they reach the template and
+  /// the answer is parsed for tool calls.
+  bool tools_active() const { return tools.is_array() && !tools.empty() && tool_choice != ToolChoice::kNone; }
+};
+
+/// True for the top-level keys parse_agent_fields handles.
+bool is_agent_field(std::string_view key);
+
+/// Parses and validates the agent fields of request `doc` (`body` is its text, re-read to keep
+/// the client's key order in `tools`). Throws ApiError 400 naming the field: "tools[0].type",
+/// "tools[1].function.parameters", "tool_choice" (an unknown function, or "required"/named
+/// without tools), "chat_template_kwargs.enable_thinking", ...
+ChatAgentFields parse_agent_fields(const nlohmann::json& doc, std::string_view body);
+
+/// The tool calls of an assistant history message (`v` is its "tool_calls"; `param` names it,
+/// "messages[2].tool_calls"). Arguments are a JSON string holding an object (as OpenAI sends
+/// them; an object is accepted too), parsed into a dict for the template.
+std::vector<ChatToolCall> parse_message_tool_calls(const nlohmann::json& v, const std::string& param);
+
+/// Whether the answer thinks: chat_template_kwargs.enable_thinking, else reasoning_effort
+/// (anything but "none" enables), else the server's default (`lily serve --reasoning`).
+bool thinking_enabled(const ChatAgentFields& fields, bool server_default);
+
+/// The template variables of a request: tools when active, thinking, preserve_thinking.
+ChatTemplateOptions template_options(const ChatAgentFields& fields, bool server_default,
+                                     bool add_generation_prompt = true);
+
+}  // namespace lily::server

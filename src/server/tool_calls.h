@@ -1,0 +1,113 @@
+// The assistant's answer in OpenAI's shape (issue 14): generated `<think>…</think>` text split
+// off as reasoning_content when thinking is on, and the model's tool-call blocks
+//   <tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n</function>\n</tool_call>
+// parsed into tool_calls. One incremental parser serves streams and whole answers alike, so that
+// the deltas a client assembles equal the whole message. Text that may still become a marker is
+// held back (as stop strings are); a malformed block, or one left unfinished, is content.
+#pragma once
+#include <cstddef>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace lily::server {
+
+/// The declared tools as the parser needs them: which functions exist, and which parameters
+/// keep their raw text (JSON-schema type "string", or no type known).
+class ToolSchemas {
+ public:
+  /// `tools`: the request's validated tools array.
+  explicit ToolSchemas(const nlohmann::ordered_json& tools);
+  /// True if a function of this name is declared.
+  bool declared(const std::string& function) const { return raw_.count(function) > 0; }
+  /// True if the parameter's value stays a string (schema type "string" or one including it,
+  /// a parameter without a type, or one the schema does not list); false: parsed as JSON.
+  bool raw_string(const std::string& function, const std::string& parameter) const;
+
+ private:
+  std::map<std::string, std::map<std::string, bool>> raw_;  ///< function → parameter → raw
+};
+
+/// How an answer is read: with thinking, it starts inside the think block; with tools, tool
+/// calls are parsed (tool_choice "none" and no tools: never).
+struct AnswerFormat {
+  bool thinking = false;
+  std::optional<ToolSchemas> tools;
+};
+
+/// One parsed tool call.
+struct ParsedToolCall {
+  std::string id;         ///< "call_" + 24 hex digits
+  std::string name;       ///< a declared function
+  std::string arguments;  ///< a JSON object as compact text, parameters in the model's order
+};
+
+/// A piece of the answer, in order.
+struct AnswerDelta {
+  enum class Kind { kReasoning, kContent, kToolCall };
+  Kind kind = Kind::kContent;
+  std::string text;     ///< kReasoning, kContent
+  ParsedToolCall call;  ///< kToolCall
+  size_t index = 0;     ///< kToolCall: its place among the answer's calls (0, 1, …)
+};
+
+/// Parses one tool-call block (from "<tool_call>" through "</tool_call>", surrounding
+/// whitespace allowed inside). nullopt when it is malformed or calls an undeclared function.
+/// Values are typed by `tools`: raw strings keep their text (one leading and one trailing
+/// newline dropped), others are parsed as JSON, falling back to the string.
+std::optional<ParsedToolCall> parse_tool_call_block(std::string_view block, const ToolSchemas& tools);
+
+/// The incremental answer parser. Feed it the generated text piece by piece; each call returns
+/// the deltas that are now certain. Reasoning excludes the newlines next to its markers, and
+/// content drops the newlines that follow "</think>"; with tools, trailing whitespace of content
+/// is held until more content comes (it is dropped before a tool call).
+class AnswerParser {
+ public:
+  explicit AnswerParser(AnswerFormat format);
+  /// Appends generated text; returns the deltas it completes.
+  std::vector<AnswerDelta> push(std::string_view piece);
+  /// End of the answer: returns what was held back (an unfinished tool-call block as content).
+  std::vector<AnswerDelta> finish();
+  /// Tool calls returned so far.
+  size_t tool_calls() const { return calls_; }
+
+ private:
+  enum class Mode { kReasoning, kContent, kToolCall };
+  std::vector<AnswerDelta> drain(bool final);
+
+  AnswerFormat format_;
+  Mode mode_;
+  std::string buf_;
+  bool strip_newlines_ = false;  ///< drop newlines at the start of what comes next
+  size_t calls_ = 0;
+};
+
+/// A whole answer.
+struct AssistantMessage {
+  std::string content;
+  std::optional<std::string> reasoning;  ///< set when thinking is on
+  std::vector<ParsedToolCall> tool_calls;
+};
+
+/// Runs AnswerParser over a whole generated text and joins its deltas.
+AssistantMessage parse_answer(std::string_view text, const AnswerFormat& format);
+
+/// {"role":"assistant","content":…,"reasoning_content"?:…,"tool_calls"?:[{"id","type":"function",
+/// "function":{"name","arguments"}}]}; content is null when the answer is only tool calls.
+nlohmann::ordered_json assistant_message_json(const AssistantMessage& message);
+
+/// The streamed `delta` objects of one AnswerDelta, in order: {"reasoning_content": text},
+/// {"content": text}, or for a tool call first {"tool_calls":[{"index","id","type":"function",
+/// "function":{"name","arguments":""}}]} and then argument fragments
+/// {"tool_calls":[{"index","function":{"arguments": piece}}]} (one per parameter, "{" and "}"
+/// included) whose concatenation is the arguments text.
+std::vector<nlohmann::ordered_json> delta_json(const AnswerDelta& delta);
+
+/// "tool_calls" when the answer called tools and stopped on its own ("stop"); else `finish`.
+std::string answer_finish_reason(const std::string& finish, size_t tool_calls);
+
+}  // namespace lily::server

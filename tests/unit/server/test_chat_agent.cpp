@@ -1,0 +1,193 @@
+// The agent fields of a chat request (server/chat_agent.h): tools, tool_choice,
+// parallel_tool_calls, reasoning_effort, chat_template_kwargs, and the tool-calling message
+// fields. Every invalid combination is a 400 naming the field.
+#include <gtest/gtest.h>
+
+#include "server/api_error.h"
+#include "server/chat_request.h"
+
+using namespace lily;
+using namespace lily::server;
+using nlohmann::json;
+
+namespace {
+
+json weather_tool() {
+  return json{{"type", "function"},
+              {"function",
+               {{"name", "get_weather"},
+                {"description", "Weather of a city"},
+                {"parameters",
+                 {{"type", "object"},
+                  {"properties", {{"city", {{"type", "string"}}}, {"days", {{"type", "integer"}}}}},
+                  {"required", json::array({"city"})}}}}}};
+}
+
+json base() {
+  return json{{"model", "demo"},
+              {"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},
+              {"tools", json::array({weather_tool()})}};
+}
+
+json with(const std::string& key, const json& value) {
+  json j = base();
+  j[key] = value;
+  return j;
+}
+
+/// "param|code" of the 400 the body gets, or "accepted".
+std::string rejection(const json& body) {
+  try {
+    parse_chat_request(body.dump());
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status(), 400);
+    return e.param().value_or("<none>") + "|" + e.code().value_or("<none>");
+  }
+  return "accepted";
+}
+
+json tool_with(const std::string& pointer, const json& value) {
+  json t = weather_tool();
+  t[json::json_pointer(pointer)] = value;
+  return with("tools", json::array({t}));
+}
+
+json conversation(json messages) { return with("messages", std::move(messages)); }
+
+json call_message(const json& arguments) {
+  return json{{"role", "assistant"},
+              {"content", nullptr},
+              {"tool_calls", json::array({{{"id", "call_1"},
+                                           {"type", "function"},
+                                           {"function", {{"name", "get_weather"}, {"arguments", arguments}}}}})}};
+}
+
+}  // namespace
+
+TEST(ChatAgent, AcceptsAToolConversation) {
+  json body = conversation(json::array({{{"role", "developer"}, {"content", "be brief"}},
+                                        {{"role", "user"}, {"content", "weather?"}, {"name", "ann"}},
+                                        call_message(R"({"city": "Paris", "days": 2})"),
+                                        {{"role", "tool"}, {"tool_call_id", "call_1"}, {"content", "sunny"}}}));
+  body["tool_choice"] = "auto";
+  body["parallel_tool_calls"] = false;
+  const ChatRequest r = parse_chat_request(body.dump());
+  ASSERT_EQ(r.messages.size(), 4u);
+  EXPECT_EQ(r.messages[0].role, ChatRole::kSystem);  // developer is a system message
+  EXPECT_EQ(r.messages[1].name, "ann");
+  ASSERT_EQ(r.messages[2].tool_calls.size(), 1u);
+  EXPECT_EQ(r.messages[2].content, "");
+  EXPECT_EQ(r.messages[2].tool_calls[0].id, "call_1");
+  EXPECT_EQ(r.messages[2].tool_calls[0].name, "get_weather");
+  EXPECT_EQ(r.messages[2].tool_calls[0].arguments.dump(), R"({"city":"Paris","days":2})");  // the client's order
+  EXPECT_EQ(r.messages[3].role, ChatRole::kTool);
+  EXPECT_EQ(r.messages[3].tool_call_id, "call_1");
+  EXPECT_TRUE(r.agent.tools_active());
+  EXPECT_EQ(r.agent.parallel_tool_calls, false);
+}
+
+TEST(ChatAgent, ToolsKeepTheClientsKeyOrder) {
+  // The template prints them with tojson: the prompt shows them as the client wrote them.
+  const ChatRequest r = parse_chat_request(
+      R"({"model":"demo","messages":[{"role":"user","content":"q"}],)"
+      R"("tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"z":{},"a":{}}}}}]})");
+  EXPECT_EQ(r.agent.tools.dump(),
+            R"([{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"z":{},"a":{}}}}}])");
+}
+
+TEST(ChatAgent, ToolChoiceForms) {
+  EXPECT_EQ(parse_chat_request(with("tool_choice", "none").dump()).agent.tool_choice, ToolChoice::kNone);
+  EXPECT_FALSE(parse_chat_request(with("tool_choice", "none").dump()).agent.tools_active());
+  EXPECT_EQ(parse_chat_request(with("tool_choice", "required").dump()).agent.tool_choice, ToolChoice::kRequired);
+  const auto named = parse_chat_request(
+      with("tool_choice", {{"type", "function"}, {"function", {{"name", "get_weather"}}}}).dump());
+  EXPECT_EQ(named.agent.tool_choice, ToolChoice::kNamed);
+  EXPECT_EQ(named.agent.tool_choice_name, "get_weather");
+}
+
+TEST(ChatAgent, InvalidToolsNameTheField) {
+  EXPECT_EQ(rejection(with("tools", json::object())), "tools|invalid_type");
+  EXPECT_EQ(rejection(with("tools", json::array({"x"}))), "tools[0]|invalid_type");
+  EXPECT_EQ(rejection(tool_with("/type", "retrieval")), "tools[0].type|unsupported_value");
+  EXPECT_EQ(rejection(tool_with("/extra", 1)), "tools[0].extra|unknown_parameter");
+  EXPECT_EQ(rejection(with("tools", json::array({{{"type", "function"}}}))), "tools[0].function|missing_required_parameter");
+  EXPECT_EQ(rejection(tool_with("/function/name", 3)), "tools[0].function.name|invalid_type");
+  EXPECT_EQ(rejection(tool_with("/function/name", "get weather")), "tools[0].function.name|invalid_value");
+  EXPECT_EQ(rejection(tool_with("/function/description", 3)), "tools[0].function.description|invalid_type");
+  EXPECT_EQ(rejection(tool_with("/function/parameters", "object")), "tools[0].function.parameters|invalid_type");
+  EXPECT_EQ(rejection(tool_with("/function/parameters/type", "array")), "tools[0].function.parameters.type|invalid_value");
+  EXPECT_EQ(rejection(tool_with("/function/parameters/properties", json::array())),
+            "tools[0].function.parameters.properties|invalid_type");
+  EXPECT_EQ(rejection(tool_with("/function/parameters/properties/city", 1)),
+            "tools[0].function.parameters.properties.city|invalid_type");
+  EXPECT_EQ(rejection(tool_with("/function/strict", "yes")), "tools[0].function.strict|invalid_type");
+  EXPECT_EQ(rejection(tool_with("/function/returns", 1)), "tools[0].function.returns|unknown_parameter");
+  EXPECT_EQ(rejection(with("tools", json::array({weather_tool(), weather_tool()}))), "tools[1].function.name|invalid_value");
+}
+
+TEST(ChatAgent, InvalidToolChoiceNamesTheField) {
+  EXPECT_EQ(rejection(with("tool_choice", "sometimes")), "tool_choice|invalid_value");
+  EXPECT_EQ(rejection(with("tool_choice", 1)), "tool_choice|invalid_type");
+  EXPECT_EQ(rejection(with("tool_choice", {{"type", "function"}, {"function", {{"name", "get_time"}}}})),
+            "tool_choice.function.name|invalid_value");
+  EXPECT_EQ(rejection(with("tool_choice", {{"type", "function"}})), "tool_choice.function|missing_required_parameter");
+  EXPECT_EQ(rejection(with("tool_choice", {{"type", "other"}, {"function", {{"name", "get_weather"}}}})),
+            "tool_choice.type|unsupported_value");
+  json no_tools = base();
+  no_tools.erase("tools");
+  no_tools["tool_choice"] = "required";
+  EXPECT_EQ(rejection(no_tools), "tool_choice|invalid_value");
+  no_tools["tool_choice"] = {{"type", "function"}, {"function", {{"name", "get_weather"}}}};
+  EXPECT_EQ(rejection(no_tools), "tool_choice.function.name|invalid_value");
+  EXPECT_EQ(rejection(with("parallel_tool_calls", "yes")), "parallel_tool_calls|invalid_type");
+}
+
+TEST(ChatAgent, InvalidMessagesNameTheField) {
+  EXPECT_EQ(rejection(conversation(json::array({{{"role", "user"}, {"content", "q"}}, {{"role", "tool"}, {"content", "r"}}}))),
+            "messages[1].tool_call_id|missing_required_parameter");
+  EXPECT_EQ(rejection(conversation(json::array(
+                {{{"role", "user"}, {"content", "q"}}, {{"role", "tool"}, {"content", "r"}, {"tool_call_id", 1}}}))),
+            "messages[1].tool_call_id|invalid_type");
+  EXPECT_EQ(rejection(conversation(json::array({{{"role", "user"}, {"content", "q"}}, call_message("{not json"),
+                                                {{"role", "user"}, {"content", "q"}}}))),
+            "messages[1].tool_calls[0].function.arguments|invalid_value");
+  EXPECT_EQ(rejection(conversation(json::array({{{"role", "user"}, {"content", "q"}}, call_message("[1]"),
+                                                {{"role", "user"}, {"content", "q"}}}))),
+            "messages[1].tool_calls[0].function.arguments|invalid_value");
+  json no_name = call_message("{}");
+  no_name["tool_calls"][0]["function"].erase("name");
+  EXPECT_EQ(rejection(conversation(json::array({{{"role", "user"}, {"content", "q"}}, no_name, {{"role", "user"}, {"content", "q"}}}))),
+            "messages[1].tool_calls[0].function.name|missing_required_parameter");
+  EXPECT_EQ(rejection(conversation(json::array({{{"role", "user"}, {"content", "q"}, {"reasoning_content", "r"}}}))),
+            "messages[0].reasoning_content|unknown_parameter");
+  EXPECT_EQ(rejection(conversation(json::array({{{"role", "user"}, {"content", "q"}},
+                                                {{"role", "assistant"}, {"content", "a"}, {"reasoning_content", 1}},
+                                                {{"role", "user"}, {"content", "q"}}}))),
+            "messages[1].reasoning_content|invalid_type");
+  // The last message may be a tool result, but not an assistant turn.
+  EXPECT_EQ(rejection(conversation(json::array({{{"role", "user"}, {"content", "q"}}, call_message("{}")}))),
+            "messages[1].role|invalid_value");
+}
+
+TEST(ChatAgent, ThinkingSwitches) {
+  auto fields = [](json extra) {
+    json j = base();
+    for (auto& [k, v] : extra.items()) j[k] = v;
+    return parse_chat_request(j.dump()).agent;
+  };
+  EXPECT_FALSE(thinking_enabled(fields(json::object()), false));
+  EXPECT_TRUE(thinking_enabled(fields(json::object()), true));
+  EXPECT_TRUE(thinking_enabled(fields({{"reasoning_effort", "low"}}), false));
+  EXPECT_FALSE(thinking_enabled(fields({{"reasoning_effort", "none"}}), true));
+  EXPECT_FALSE(thinking_enabled(fields({{"reasoning_effort", "high"}, {"chat_template_kwargs", {{"enable_thinking", false}}}}), true));
+  EXPECT_TRUE(thinking_enabled(fields({{"chat_template_kwargs", {{"enable_thinking", true}}}}), false));
+  const auto options = template_options(fields({{"chat_template_kwargs", {{"preserve_thinking", true}}}}), false);
+  EXPECT_EQ(options.preserve_thinking, true);
+  EXPECT_TRUE(options.tools.is_array());
+  EXPECT_TRUE(template_options(fields({{"tool_choice", "none"}}), false).tools.is_null());
+  EXPECT_EQ(rejection(with("reasoning_effort", 3)), "reasoning_effort|invalid_type");
+  EXPECT_EQ(rejection(with("chat_template_kwargs", "x")), "chat_template_kwargs|invalid_type");
+  EXPECT_EQ(rejection(with("chat_template_kwargs", {{"enable_thinking", "yes"}})),
+            "chat_template_kwargs.enable_thinking|invalid_type");
+  EXPECT_EQ(rejection(with("chat_template_kwargs", {{"custom", 1}})), "chat_template_kwargs.custom|unknown_parameter");
+}
