@@ -93,6 +93,24 @@ TEST(CudaGemv, RowResultsDoNotDependOnTheTokenCount) {
   }
 }
 
+/// The bulk-copy streaming GEMV (default for cols % 512 == 0) and the register-load MMA GEMV
+/// (its fallback) each against the reference, on the decode shapes, ragged row counts, blocks
+/// with fewer tiles than stages, and rings that wrap many times (the lm_head-like 20000 rows).
+TEST(CudaGemv, StreamingAndRegisterPathsBothMatchTheReference) {
+  for (bool streaming : {true, false}) {
+    SCOPED_TRACE(streaming ? "streaming" : "register loads");
+    cuda::set_stream_gemv_enabled(streaming);
+    check_gemv(8192 + 4096 + 32 + 32, kHidden, 4, false, 1, 71);  // GDN in-projection
+    check_gemv(kHidden, 4096, 4, false, 1, 72);                  // out_proj
+    check_gemv(277, kHidden, 4, true, 1, 73);                    // 18 tiles, the last of 5 rows
+    check_gemv(20000, kHidden, 4, true, 1, 74);                  // ~150 tiles per block
+    check_gemv(1000, kHidden, 4, false, 8, 75);                  // m = 8
+    check_gemv(777, 512, 4, false, 3, 76);                       // one group per warp
+    check_gemv(129, 3072, 4, true, 2, 77);                       // 48 groups
+  }
+  cuda::set_stream_gemv_enabled(true);
+}
+
 TEST(CudaGemv, RejectsUnsupportedShapes) {
   cuda::DeviceQuant q;
   q.rows = 4;

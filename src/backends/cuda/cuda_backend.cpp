@@ -217,6 +217,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     allocate_scratch();
     (void)pdl_enabled();  // a bad LILY_CUDA_PDL value fails here, not inside the first graph capture
+    (void)stream_gemv_enabled();
   }
   ~CudaBackend() override {
     if (stream_) cudaStreamDestroy(stream_);

@@ -116,6 +116,13 @@ bool pdl_enabled();
 /// Overrides LILY_CUDA_PDL for the rest of the process (tests and benchmarks comparing both).
 void set_pdl_enabled(bool on);
 
+/// Whether 4-bit GEMVs with cols % 512 == 0 and m ≤ 8 stream their weights by bulk copies
+/// (quant_gemv.cu) instead of register loads. LILY_CUDA_STREAM_GEMV unset or "1" → on, "0" →
+/// off; any other value throws lily::Error at the first GEMV.
+bool stream_gemv_enabled();
+/// Overrides LILY_CUDA_STREAM_GEMV for the rest of the process (tests comparing both paths).
+void set_stream_gemv_enabled(bool on);
+
 /// Fused gate/up + SwiGLU for the selected experts (model.md §4.3 item 5): for each slot
 /// k < n_sel of token row t, expert e = ids[t·n_sel + k]: g = bf16(W_gate[e] x), u = bf16(W_up[e] x),
 /// act[t, k, i] = bf16(silu(g_i)·u_i). gate/up: stacks of (n_experts + 1)·ffn rows (shared expert

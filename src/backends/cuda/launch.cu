@@ -1,4 +1,6 @@
-// The run-time switch of programmatic dependent launch (launch.cuh): environment LILY_CUDA_PDL.
+// Run-time switches of the decode kernels, read once from the environment: programmatic dependent
+// launch (launch.cuh, LILY_CUDA_PDL) and the bulk-copy streaming GEMV (quant_gemv.cu,
+// LILY_CUDA_STREAM_GEMV). Both default on; "0" turns one off for a same-machine comparison.
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -11,26 +13,32 @@ namespace {
 
 /// -1: not read yet; 0: off; 1: on.
 std::atomic<int> g_pdl{-1};
+std::atomic<int> g_stream_gemv{-1};
 
-int pdl_from_env() {
-  const char* v = std::getenv("LILY_CUDA_PDL");
-  if (!v || !*v || std::string(v) == "1") return 1;  // default on: verified on an H200 (docs/cuda.md)
+/// 1 for unset, empty or "1", 0 for "0"; throws lily::Error naming the variable otherwise.
+int switch_from_env(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v || std::string(v) == "1") return 1;
   if (std::string(v) == "0") return 0;
-  throw ::lily::Error(std::string("LILY_CUDA_PDL must be '0' (off) or '1' (on), got '") + v + "'");
+  throw ::lily::Error(std::string(name) + " must be '0' (off) or '1' (on), got '" + v + "'");
 }
 
-}  // namespace
-
-bool pdl_enabled() {
-  int s = g_pdl.load(std::memory_order_relaxed);
+bool read_switch(std::atomic<int>& state, const char* name) {
+  int s = state.load(std::memory_order_relaxed);
   if (s < 0) {
-    s = pdl_from_env();
+    s = switch_from_env(name);
     int expected = -1;
-    if (!g_pdl.compare_exchange_strong(expected, s)) s = expected;
+    if (!state.compare_exchange_strong(expected, s)) s = expected;
   }
   return s == 1;
 }
 
+}  // namespace
+
+bool pdl_enabled() { return read_switch(g_pdl, "LILY_CUDA_PDL"); }
 void set_pdl_enabled(bool on) { g_pdl.store(on ? 1 : 0); }
+
+bool stream_gemv_enabled() { return read_switch(g_stream_gemv, "LILY_CUDA_STREAM_GEMV"); }
+void set_stream_gemv_enabled(bool on) { g_stream_gemv.store(on ? 1 : 0); }
 
 }  // namespace lily::cuda

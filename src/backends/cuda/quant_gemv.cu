@@ -1,13 +1,18 @@
 // MLX-affine GEMV (4- and 8-bit) and the embedding gather (reference/model.md §3.1, §4.2).
 // Layout: the checkpoint's own (codes U32 row-major, bf16 scales/biases per 64-group), so
-// fused projections are plain row concatenations. One warp covers 32/L rows at a time (L lanes
-// per row, each lane one 64-group per step); each lane issues the loads of 4 rows before using
-// them, for memory-level parallelism. The grid is one wave of resident blocks; each warp walks
-// chunks of contiguous rows. (An L2 bulk prefetch of each warp's next chunks was measured and
-// lost 2.5 %: docs/performance/2026-12-01-decode-kernels.md.)
+// fused projections are plain row concatenations. Three kernels, chosen by shape:
+//  - quant_stream_gemv_kernel (4-bit, m ≤ 8, cols % 512 == 0: every decode projection of the
+//    real model): tensor cores, weights streamed into shared memory by bulk copies;
+//  - quant_mma_gemv_kernel (other 4-bit shapes with m ≤ 8): tensor cores, register loads;
+//  - quant_gemv_kernel (8-bit, or m > 8): CUDA cores. One warp covers 32/L rows at a time (L
+//    lanes per row, each lane one 64-group per step); each lane issues the loads of 4 rows
+//    before using them. The grid is one wave of resident blocks; each warp walks chunks of
+//    contiguous rows. (An L2 bulk prefetch of each warp's next chunks was measured and lost
+//    2.5 %: docs/performance/2026-12-01-decode-kernels.md.)
 #include <algorithm>
 #include <string>
 
+#include "backends/cuda/bulk_copy.cuh"
 #include "backends/cuda/gdn_conv.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/mma.cuh"
@@ -145,6 +150,23 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
+/// D = Σ q·x of one 64-group for a 16-row × 8-token tile: `lo` / `hi` the thread's code words of
+/// rows g and g+8, bw0 / bw1 its staged bf16 activation pairs (file comment); four MMAs from zero.
+__device__ __forceinline__ void group_mma(const uint2& lo, const uint2& hi, const uint4& bw0, const uint4& bw1,
+                                          float (&d)[4]) {
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int s = 2 * (j % 2);
+    const uint32_t wl = j < 2 ? lo.x : lo.y, wh = j < 2 ? hi.x : hi.y;
+    const uint32_t a[4] = {nibble_pair_bf16(wl >> (4 * s)), nibble_pair_bf16(wh >> (4 * s)),
+                           nibble_pair_bf16(wl >> (4 * s + 4)), nibble_pair_bf16(wh >> (4 * s + 4))};
+    const uint4& bw = j < 2 ? bw0 : bw1;
+    const uint32_t b[2] = {s == 0 ? bw.x : bw.z, s == 0 ? bw.y : bw.w};
+    mma_bf16_16816(d, a, b);
+  }
+}
+
 /// Code words (rows g and g+8), scales and biases of kMmaBatch groups of one thread.
 struct MmaBatch {
   uint2 lo[kMmaBatch], hi[kMmaBatch];
@@ -170,6 +192,52 @@ __device__ __forceinline__ void mma_load(const DeviceQuant& w, int64_t row_lo, i
     b.b_lo[u] = in && ok_lo ? w.biases[row_lo * groups + G] : zero;
     b.s_hi[u] = in && ok_hi ? w.scales[(row_lo + 8) * groups + G] : zero;
     b.b_hi[u] = in && ok_hi ? w.biases[(row_lo + 8) * groups + G] : zero;
+  }
+}
+
+/// Stages the m activation rows (x [m, cols], or the add + RMSNorm of `norm` for m = 1) for the
+/// MMA kernels: xsum [m][groups] the per-group sums and xperm [m][cols / 2] the bf16 pairs in
+/// fragment order (file comment); xs / xsum_row are scratch (stage_row's layout). All threads of
+/// the block; ends with __syncthreads().
+__device__ __forceinline__ void stage_mma_rows(const bf16* __restrict__ x, int m, int cols, const FusedNorm& norm,
+                                               float* xs, float* xsum_row, float* xsum, uint32_t* xperm) {
+  const int groups = cols / kGroup;
+  for (int n = 0; n < m; ++n) {
+    if (norm.gain) stage_norm_row(x, norm, cols, blockIdx.x == 0, xs, xsum_row);
+    else stage_row(x + static_cast<int64_t>(n) * cols, cols, xs, xsum_row);
+    for (int i = threadIdx.x; i < cols / 2; i += blockDim.x) {
+      const int G = i / 32, tt = (i % 32) / 8, h = (i % 8) / 4, s = i % 4;
+      const float* xg = xs + G * kGroupStride + 16 * tt + 8 * h + s;
+      xperm[static_cast<int64_t>(n) * cols / 2 + i] = pack_bf16x2(xg[0], xg[4]);
+    }
+    for (int G = threadIdx.x; G < groups; G += blockDim.x) xsum[n * groups + G] = xsum_row[G];
+    __syncthreads();
+  }
+}
+
+/// Stores one thread's four results of a 16-row tile (acc as the MMA's D fragment: (slot g, token
+/// 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1); row_a / row_b the matrix rows of slots g and g+8) into y [m, rows],
+/// with the GDN conv step of `conv` on rows below conv.channels (m = 1).
+template <class OutT>
+__device__ __forceinline__ void store_mma_tile(const float (&acc)[4], int64_t row_a, int64_t row_b, int t, int m,
+                                               int64_t rows, OutT* __restrict__ y, const FusedConv& conv) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t r = i < 2 ? row_a : row_b;
+    const int n = 2 * t + (i % 2);
+    if (r >= rows || n >= m) continue;
+    store_out(y, static_cast<int64_t>(n) * rows + r, acc[i]);
+    if (r < conv.channels) {  // m = 1: x = the stored bf16 value, as gdn_conv_decode reads it
+      float taps[kGdnConvK];
+#pragma unroll
+      for (int k = 0; k < kGdnConvK; ++k) taps[k] = conv.taps[r * kGdnConvK + k];
+      bf16* wr = conv.window + r * 3;
+      const bf16 w0 = wr[0], w1 = wr[1], w2 = wr[2], xb = to_bf16(acc[i]);
+      conv.out[r] = conv_decode_value(w0, w1, w2, xb, taps);
+      wr[0] = w1;
+      wr[1] = w2;
+      wr[2] = xb;
+    }
   }
 }
 
@@ -203,17 +271,7 @@ __global__ void __launch_bounds__(kMmaThreads) quant_mma_gemv_kernel(DeviceQuant
   float* xsum = smem + groups * (kGroupStride + 1);      // [m][groups]
   uint32_t* xperm = reinterpret_cast<uint32_t*>(smem + mma_xperm_offset(groups, m));  // [m][cols / 2] bf16 pairs
   float* partial = reinterpret_cast<float*>(xperm + static_cast<int64_t>(m) * cols / 2);  // [warp][lane][4]
-  for (int n = 0; n < m; ++n) {
-    if (norm.gain) stage_norm_row(x, norm, cols, blockIdx.x == 0, xs, xsum_row);
-    else stage_row(x + static_cast<int64_t>(n) * cols, cols, xs, xsum_row);
-    for (int i = threadIdx.x; i < cols / 2; i += blockDim.x) {
-      const int G = i / 32, tt = (i % 32) / 8, h = (i % 8) / 4, s = i % 4;
-      const float* xg = xs + G * kGroupStride + 16 * tt + 8 * h + s;
-      xperm[static_cast<int64_t>(n) * cols / 2 + i] = pack_bf16x2(xg[0], xg[4]);
-    }
-    for (int G = threadIdx.x; G < groups; G += blockDim.x) xsum[n * groups + G] = xsum_row[G];
-    __syncthreads();
-  }
+  stage_mma_rows(x, m, cols, norm, xs, xsum_row, xsum, xperm);
 
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (row g, token 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
   for (int64_t tb = tile0; tb < tiles; tb += tile_step) {  // uniform over the block
@@ -235,17 +293,8 @@ __global__ void __launch_bounds__(kMmaThreads) quant_mma_gemv_kernel(DeviceQuant
           bw0 = bp[0];
           bw1 = bp[1];
         }
-        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int s = 2 * (j % 2);
-          const uint32_t wl = j < 2 ? cur.lo[u].x : cur.lo[u].y, wh = j < 2 ? cur.hi[u].x : cur.hi[u].y;
-          const uint32_t a[4] = {nibble_pair_bf16(wl >> (4 * s)), nibble_pair_bf16(wh >> (4 * s)),
-                                 nibble_pair_bf16(wl >> (4 * s + 4)), nibble_pair_bf16(wh >> (4 * s + 4))};
-          const uint4& bw = j < 2 ? bw0 : bw1;
-          const uint32_t b[2] = {s == 0 ? bw.x : bw.z, s == 0 ? bw.y : bw.w};
-          mma_bf16_16816(d, a, b);
-        }
+        float d[4];
+        group_mma(cur.lo[u], cur.hi[u], bw0, bw1, d);
         const float x0 = 2 * t < m ? xsum[(2 * t) * groups + G] : 0.0f;
         const float x1 = 2 * t + 1 < m ? xsum[(2 * t + 1) * groups + G] : 0.0f;
         const float sl = to_f32(cur.s_lo[u]), bl = to_f32(cur.b_lo[u]);
@@ -272,29 +321,305 @@ __global__ void __launch_bounds__(kMmaThreads) quant_mma_gemv_kernel(DeviceQuant
       }
       __syncthreads();
     }
-    if (kslice == 0) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int64_t r = row_lo + (i >= 2 ? 8 : 0);
-        const int n = 2 * t + (i % 2);
-        if (r >= w.rows || n >= m) continue;
-        store_out(y, static_cast<int64_t>(n) * w.rows + r, acc[i]);
-        if (r < conv.channels) {  // m = 1: x = the stored bf16 value, as gdn_conv_decode reads it
-          float taps[kGdnConvK];
-#pragma unroll
-          for (int k = 0; k < kGdnConvK; ++k) taps[k] = conv.taps[r * kGdnConvK + k];
-          bf16* wr = conv.window + r * 3;
-          const bf16 w0 = wr[0], w1 = wr[1], w2 = wr[2], xb = to_bf16(acc[i]);
-          conv.out[r] = conv_decode_value(w0, w1, w2, xb, taps);
-          wr[0] = w1;
-          wr[1] = w2;
-          wr[2] = xb;
-        }
-      }
-    }
+    if (kslice == 0) store_mma_tile(acc, row_lo, row_lo + 8, t, m, w.rows, y, conv);
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
   }
+}
+
+// ---- 4-bit GEMV on tensor cores, weights streamed by bulk copies (decode, m ≤ 8 tokens) --------
+//
+// The kernel above keeps its weight bytes in flight with registers: each warp loads one batch of
+// code words while it multiplies the previous one, so the bytes an SM has in flight are bounded by
+// its warps × registers, and the GEMVs of a decode step stay far below the memory bandwidth.
+// Here the weights travel by bulk copies into a ring of shared-memory stages (bulk_copy.cuh):
+// one stage is one 16-row tile (its code rows, scales and biases, contiguous in the checkpoint
+// layout), and warp 0 of each block keeps `stages` tiles in flight. The first stages are
+// requested before the PDL wait (weights are never written), so a small matrix is often on chip
+// when the predecessor finishes. Several small blocks per SM (not one big one) keep enough warps
+// resident to hide the latency of the per-tile arithmetic.
+//
+// Arithmetic: the MMA kernel's fragments, with two changes that cut the instructions per weight.
+// (1) Codes become bf16 values 128 + q (OR into the mantissa of 128, exact) without subtracting
+// 128; the per-group epilogue folds it into the bias: s·Σ(q + 128)·x + (b − 128·s)·Σx. Products
+// and per-group sums of at most 64 terms stay exact-ish in fp32 (each term < 2^16·|x|), so the
+// result keeps the tolerance of the other kernels. (2) The 8 warps split a tile's groups into
+// contiguous ranges (warp w: [w·G/8, (w+1)·G/8)), so scales, biases and Σx come two groups per
+// shared load. Warp 0 adds the slices in slice order and stores. Both orders depend on the shape
+// alone, so each token's result is the same for any m. No block-wide barrier per tile: mbarriers
+// hand over stages (`full`, byte counted), slice partials (`ready`) and the two partial buffers
+// (`freed`), so warps 1–7 may run a tile ahead of warp 0.
+//
+// Bank conflicts: code rows are cols/2 ≡ 0 (mod 128) bytes long, so the four rows an 8-byte
+// fragment load of a half-warp touches must come from different 32-byte bank offsets. A tile is
+// copied as 4 chunks of 4 consecutive rows, chunk c at c·(4·cols/2 + 32) bytes, and MMA row slot
+// g holds matrix row 4·(g mod 4) + g/4: slots 0–3 (one half-warp) are rows 0, 4, 8, 12, one per
+// chunk.
+
+constexpr int kStreamWarps = 8;  // k-slices of a tile
+constexpr int kStreamThreads = kStreamWarps * kWarp;
+constexpr int kStreamChunkPad = 32;
+constexpr int kStreamMaxStages = 8;
+/// Blocks per SM the grid is sized for: enough warps to hide the arithmetic's latency (lm_head
+/// alone: 264, 159, 127 µs with 1, 2, 4 blocks per SM; decode in the graph 339, 352, 390 tok/s).
+constexpr int kStreamBlocksPerSm = 4;
+/// Shared memory of one SM that the streaming blocks share; the rest stays free for blocks of the
+/// next kernels, which then start their own loads early under PDL. Measured in the decode graph
+/// (4 blocks per SM): 220 KB 387.0, 160 KB 386.8, 112 KB 389.5 tok/s. At 112 KB a 2048-column
+/// tile (18.9 KB) gets one stage per block, four per SM.
+constexpr int64_t kStreamSmemPerSm = 112 * 1024;
+constexpr int64_t kStreamSmemMax = 227 * 1024;
+
+/// Byte offsets of the streaming GEMV's shared memory (host and device compute the same).
+struct StreamLayout {
+  int row_bytes = 0;        ///< cols / 2
+  int chunk_pitch = 0;      ///< bytes from one 4-row chunk of a stage to the next
+  int64_t stage_bytes = 0;  ///< one tile: 4 chunks of code rows, then 16 × groups scales, then biases
+  int64_t ring = 0;         ///< first stage
+  int64_t xperm = 0;        ///< uint32 [m][cols / 2]
+  int64_t xsum = 0;         ///< float [m][groups]
+  int64_t scratch = 0;      ///< staging (float [groups × 69]), later the partials float4 [2][8][32]
+  int64_t total = 0;
+};
+
+__host__ __device__ inline int64_t align16(int64_t v) { return (v + 15) & ~int64_t{15}; }
+
+__host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stages, int pad) {
+  const int groups = cols / kGroup;
+  StreamLayout l;
+  l.row_bytes = cols / 2;
+  l.chunk_pitch = 4 * l.row_bytes + pad;
+  l.stage_bytes = int64_t{4} * l.chunk_pitch + int64_t{2} * kMmaTileRows * groups * 2;
+  l.ring = align16(int64_t{kStreamMaxStages + 4} * 8);  // mbarriers: full[stages], ready[2], freed[2]
+  l.xperm = l.ring + stages * l.stage_bytes;
+  l.xsum = l.xperm + align16(int64_t{m} * cols * 2);
+  l.scratch = l.xsum + align16(int64_t{m} * groups * 4);
+  const int64_t staging = int64_t{groups} * (kGroupStride + 1) * 4;
+  const int64_t partials = int64_t{2} * kStreamWarps * kWarp * 16;
+  l.total = l.scratch + align16(staging > partials ? staging : partials);
+  return l;
+}
+
+/// Warp 0: requests local tile `j` of this block (global tile blockIdx.x + j·gridDim.x) into
+/// `stage`, completing on `full`. Lane 0 announces the bytes; lanes 0–3 copy one 4-row chunk
+/// each (one copy of all rows when the chunks are not padded), lanes 4 and 5 the tile's scales
+/// and biases. Rows past the matrix are not copied.
+__device__ __forceinline__ void stream_request_tile(const DeviceQuant& w, int64_t j, unsigned char* stage,
+                                                    const StreamLayout& l, uint64_t* full) {
+  const int lane = threadIdx.x % kWarp, groups = w.cols / kGroup;
+  const int64_t row0 = (blockIdx.x + j * gridDim.x) * int64_t{kMmaTileRows};
+  const int valid = static_cast<int>(w.rows - row0 < kMmaTileRows ? w.rows - row0 : kMmaTileRows);
+  const uint32_t sb_bytes = static_cast<uint32_t>(valid) * groups * 2;
+  if (lane == 0) mbarrier_arrive_expect_tx(full, valid * l.row_bytes + 2 * sb_bytes);
+  __syncwarp();
+  fence_proxy_async_shared();
+  const unsigned char* codes = reinterpret_cast<const unsigned char*>(w.codes) + row0 * l.row_bytes;
+  const bool padded = l.chunk_pitch != 4 * l.row_bytes;
+  if (lane < 4) {
+    const int first = 4 * lane, rows = valid - first < 4 ? valid - first : 4;
+    if (padded && rows > 0)
+      bulk_copy_to_shared(stage + lane * l.chunk_pitch, codes + first * l.row_bytes, rows * l.row_bytes, full);
+    else if (!padded && lane == 0)
+      bulk_copy_to_shared(stage, codes, valid * l.row_bytes, full);
+  } else if (lane == 4 || lane == 5) {
+    const bf16* src = (lane == 4 ? w.scales : w.biases) + row0 * groups;
+    bulk_copy_to_shared(stage + 4 * l.chunk_pitch + (lane - 4) * kMmaTileRows * groups * 2, src, sb_bytes, full);
+  }
+}
+
+/// (128 + nibble 0, 128 + nibble 4) of `w` (the low four bits of each half) as exact bf16 values.
+__device__ __forceinline__ uint32_t nibble_pair_bf16_biased(uint32_t w) { return (w & 0x000F000Fu) | 0x43004300u; }
+
+/// group_mma with codes taken as 128 + q (see the section comment): D = Σ (q + 128)·x.
+__device__ __forceinline__ void group_mma_biased(const uint2& lo, const uint2& hi, const uint4& bw0, const uint4& bw1,
+                                                 float (&d)[4]) {
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int s = 2 * (j % 2);
+    const uint32_t wl = j < 2 ? lo.x : lo.y, wh = j < 2 ? hi.x : hi.y;
+    const uint32_t a[4] = {nibble_pair_bf16_biased(wl >> (4 * s)), nibble_pair_bf16_biased(wh >> (4 * s)),
+                           nibble_pair_bf16_biased(wl >> (4 * s + 4)), nibble_pair_bf16_biased(wh >> (4 * s + 4))};
+    const uint4& bw = j < 2 ? bw0 : bw1;
+    const uint32_t b[2] = {s == 0 ? bw.x : bw.z, s == 0 ? bw.y : bw.w};
+    mma_bf16_16816(d, a, b);
+  }
+}
+
+/// One thread's view of a stage for its fragment rows (slot g → row 4·(g mod 4) + g/4, slot
+/// g + 8 → that row + 2).
+struct StreamTileView {
+  const unsigned char* code_lo;  ///< this thread's 8 bytes of group 0, row of slot g
+  const unsigned char* code_hi;  ///< same, row of slot g + 8
+  const bf16* s_lo;              ///< scales of the slot-g row [groups]
+  const bf16* s_hi;
+  const bf16* b_lo;              ///< biases of the slot-g row [groups]
+  const bf16* b_hi;
+};
+
+__device__ __forceinline__ StreamTileView stream_tile_view(const unsigned char* stage, const StreamLayout& l, int groups,
+                                                           int g, int t) {
+  const int r_lo = 4 * (g % 4) + g / 4;
+  StreamTileView v;
+  v.code_lo = stage + (g % 4) * l.chunk_pitch + (g / 4) * l.row_bytes + 8 * t;
+  v.code_hi = v.code_lo + 2 * l.row_bytes;
+  const bf16* sc = reinterpret_cast<const bf16*>(stage + 4 * l.chunk_pitch);
+  const bf16* bi = sc + kMmaTileRows * groups;
+  v.s_lo = sc + r_lo * groups;
+  v.s_hi = sc + (r_lo + 2) * groups;
+  v.b_lo = bi + r_lo * groups;
+  v.b_hi = bi + (r_lo + 2) * groups;
+  return v;
+}
+
+/// Adds group G's contribution to acc (rows of slots g, g+8 × tokens 2t, 2t+1).
+__device__ __forceinline__ void stream_group(const StreamTileView& v, const uint32_t* xperm, int cols, int m, int g,
+                                             int t, int G, float sl, float bl, float sh, float bh, float x0, float x1,
+                                             float (&acc)[4]) {
+  uint4 bw0 = make_uint4(0, 0, 0, 0), bw1 = make_uint4(0, 0, 0, 0);
+  if (g < m) {
+    const uint4* bp = reinterpret_cast<const uint4*>(xperm + g * (cols / 2) + G * 32 + t * 8);
+    bw0 = bp[0];
+    bw1 = bp[1];
+  }
+  float d[4];
+  group_mma_biased(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32),
+                   bw0, bw1, d);
+  const float cl = fmaf(-128.0f, sl, bl), ch = fmaf(-128.0f, sh, bh);
+  acc[0] += sl * d[0] + cl * x0;
+  acc[1] += sl * d[1] + cl * x1;
+  acc[2] += sh * d[2] + ch * x0;
+  acc[3] += sh * d[3] + ch * x1;
+}
+
+/// grid (about kStreamBlocksPerSm blocks per SM), block kStreamThreads; x [m, cols] (m ≤ 8),
+/// y [m, rows]; tiles of 16 rows strided over the grid, `stages` in flight per block; `pad` the
+/// chunk padding (kStreamChunkPad, or 0 for one unpadded copy). norm / conv as quant_gemv_kernel
+/// (m = 1). Requires cols % 512 == 0 and 16-byte aligned codes / scales / biases (stream_gemv_stages).
+template <class OutT>
+__global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm) quant_stream_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x,
+                                                                           int m, OutT* __restrict__ y, FusedNorm norm,
+                                                                           FusedConv conv, int stages, int pad) {
+  extern __shared__ __align__(16) unsigned char sm[];
+  const int cols = w.cols, groups = cols / kGroup, per_warp = groups / kStreamWarps;
+  const StreamLayout l = stream_layout(cols, m, stages, pad);
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm);
+  uint64_t* ready = full + kStreamMaxStages;
+  uint64_t* freed = ready + 2;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+  const int64_t tiles = ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows));
+  const int64_t my_tiles = blockIdx.x < tiles ? ceil_div(tiles - blockIdx.x, gridDim.x) : 0;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) mbarrier_init(full + s, 1);
+    for (int p = 0; p < 2; ++p) {
+      mbarrier_init(ready + p, kStreamWarps - 1);
+      mbarrier_init(freed + p, 1);
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+  if (warp == 0)
+    for (int64_t j = 0; j < stages && j < my_tiles; ++j) stream_request_tile(w, j, sm + l.ring + j * l.stage_bytes, l, full + j);
+  pdl_prologue();
+
+  uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);
+  float* xsum = reinterpret_cast<float*>(sm + l.xsum);
+  float* scratch = reinterpret_cast<float*>(sm + l.scratch);
+  stage_mma_rows(x, m, cols, norm, scratch, scratch + groups * kGroupStride, xsum, xperm);
+  const float* xs0 = xsum + (2 * t) * groups;      // Σx of token 2t (read only when 2t < m)
+  const float* xs1 = xsum + (2 * t + 1) * groups;  // token 2t + 1
+  const bool has0 = 2 * t < m, has1 = 2 * t + 1 < m;
+  const int g_begin = warp * per_warp, g_end = g_begin + per_warp;
+
+  for (int64_t i = 0; i < my_tiles; ++i) {
+    const int s = static_cast<int>(i % stages);
+    const unsigned char* stage = sm + l.ring + s * l.stage_bytes;
+    mbarrier_wait(full + s, static_cast<uint32_t>(i / stages) & 1u);
+    const StreamTileView v = stream_tile_view(stage, l, groups, g, t);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int G = g_begin;
+#pragma unroll 2
+    for (; G + 2 <= g_end; G += 2) {  // two groups per load of scales, biases and Σx
+      const __nv_bfloat162 sl = *reinterpret_cast<const __nv_bfloat162*>(v.s_lo + G);
+      const __nv_bfloat162 bl = *reinterpret_cast<const __nv_bfloat162*>(v.b_lo + G);
+      const __nv_bfloat162 sh = *reinterpret_cast<const __nv_bfloat162*>(v.s_hi + G);
+      const __nv_bfloat162 bh = *reinterpret_cast<const __nv_bfloat162*>(v.b_hi + G);
+      const float2 x0 = has0 ? *reinterpret_cast<const float2*>(xs0 + G) : make_float2(0.0f, 0.0f);
+      const float2 x1 = has1 ? *reinterpret_cast<const float2*>(xs1 + G) : make_float2(0.0f, 0.0f);
+      stream_group(v, xperm, cols, m, g, t, G, __low2float(sl), __low2float(bl), __low2float(sh), __low2float(bh), x0.x,
+                   x1.x, acc);
+      stream_group(v, xperm, cols, m, g, t, G + 1, __high2float(sl), __high2float(bl), __high2float(sh),
+                   __high2float(bh), x0.y, x1.y, acc);
+    }
+    if (G < g_end)  // an odd group count per warp
+      stream_group(v, xperm, cols, m, g, t, G, to_f32(v.s_lo[G]), to_f32(v.b_lo[G]), to_f32(v.s_hi[G]),
+                   to_f32(v.b_hi[G]), has0 ? xs0[G] : 0.0f, has1 ? xs1[G] : 0.0f, acc);
+
+    const int p = static_cast<int>(i & 1);
+    const uint32_t round = static_cast<uint32_t>(i >> 1);
+    float4* partial = reinterpret_cast<float4*>(scratch) + p * kStreamWarps * kWarp;
+    if (warp != 0) {
+      if (i >= 2) mbarrier_wait(freed + p, (round - 1) & 1u);
+      partial[warp * kWarp + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(ready + p);
+      continue;
+    }
+    mbarrier_wait(ready + p, round & 1u);  // every warp is done with this stage and its slice
+    if (i + stages < my_tiles) stream_request_tile(w, i + stages, sm + l.ring + s * l.stage_bytes, l, full + s);
+    for (int sl = 1; sl < kStreamWarps; ++sl) {
+      const float4 o = partial[sl * kWarp + lane];
+      acc[0] += o.x;
+      acc[1] += o.y;
+      acc[2] += o.z;
+      acc[3] += o.w;
+    }
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(freed + p);
+    const int64_t row_a = (blockIdx.x + i * gridDim.x) * int64_t{kMmaTileRows} + 4 * (g % 4) + g / 4;
+    store_mma_tile(acc, row_a, row_a + 2, t, m, w.rows, y, conv);
+  }
+}
+
+struct StreamPlan {
+  int stages = 0;  ///< 0: the streaming kernel does not apply
+  int pad = 0;
+  int blocks = 0;
+  size_t smem = 0;
+};
+
+/// The streaming kernel's launch for a GEMV: 4-bit, m ≤ 8, cols % 512 == 0 (scale rows of whole
+/// 16-byte runs, an even split of the groups over 8 warps), 16-byte aligned arrays, and at least
+/// one stage within the shared memory of an SM; otherwise stages = 0.
+StreamPlan stream_gemv_plan(const DeviceQuant& w, int m) {
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  StreamPlan plan;
+  if (w.bits != 4 || m > kMmaMaxTokens || w.cols % 512 != 0 || !aligned(w.codes) || !aligned(w.scales) ||
+      !aligned(w.biases))
+    return plan;
+  plan.pad = kStreamChunkPad;
+  const int64_t tiles = ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows));
+  const int per_sm = kStreamBlocksPerSm;
+  plan.blocks = static_cast<int>(std::min<int64_t>(tiles, int64_t{sm_count()} * per_sm));
+  const int64_t per_block = ceil_div(tiles, plan.blocks);
+  const StreamLayout none = stream_layout(w.cols, m, 0, plan.pad);
+  int64_t fit = (kStreamSmemPerSm / per_sm - none.total) / none.stage_bytes;
+  fit = std::max<int64_t>(1, std::min<int64_t>({fit, kStreamMaxStages, per_block}));
+  const StreamLayout l = stream_layout(w.cols, m, static_cast<int>(fit), plan.pad);
+  if (l.total > kStreamSmemMax) return plan;
+  plan.stages = static_cast<int>(fit);
+  plan.smem = static_cast<size_t>(l.total);
+  return plan;
+}
+
+template <class OutT>
+void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, const StreamPlan& plan,
+                          cudaStream_t stream, const FusedNorm& norm, const FusedConv& conv) {
+  CUDA_CHECK(cudaFuncSetAttribute(quant_stream_gemv_kernel<OutT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(plan.smem)));
+  launch_pdl(quant_stream_gemv_kernel<OutT>, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y,
+             norm, conv, plan.stages, plan.pad);
 }
 
 /// Whether launch_quant_gemv takes the tensor-core kernel: 4-bit and m ≤ 8 (its staging then
@@ -322,6 +647,9 @@ template <int BITS, class OutT>
 void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream,
                    const FusedNorm& norm = FusedNorm{}, const FusedConv& conv = FusedConv{}) {
   if constexpr (BITS == 4) {
+    if (stream_gemv_enabled())
+      if (const StreamPlan plan = stream_gemv_plan(w, m); plan.stages > 0)
+        return stream_gemv_dispatch(w, x, m, y, plan, stream, norm, conv);
     if (use_mma_gemv(w, m)) return mma_gemv_dispatch(w, x, m, y, stream, norm, conv);
   }
   const int groups = w.cols / kGroup;
