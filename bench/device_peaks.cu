@@ -1,5 +1,5 @@
 // bench_device_peaks: the two ceilings the bench matrix (scripts/bench-matrix) compares against,
-// measured on the machine at hand rather than taken from a data sheet (issue 6):
+// measured on the machine at hand rather than taken from a data sheet (docs/benchmark.md §2):
 //   copy_bytes_per_s   device-to-device cudaMemcpyAsync of a 2 GiB buffer, counting bytes read
 //                      + bytes written (what a decode step's weight stream is limited by);
 //   bf16_flop_per_s    cuBLAS GEMM, bf16 inputs and output, fp32 accumulation, 8192³

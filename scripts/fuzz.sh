@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fuzzing (issue 7 item 2): builds the libFuzzer targets of tests/fuzz with clang
+# Fuzzing (docs/robustness.md): builds the libFuzzer targets of tests/fuzz with clang
 # (ASan + UBSan + libFuzzer coverage, build dir build-fuzz, CPU only) and runs each for a bounded
 # time, starting from the committed seeds (tests/fuzz/corpus/<target>) and replaying every past
 # crash (tests/fuzz/regressions/<target>). Fails on any crash, sanitizer report, leak, time-out

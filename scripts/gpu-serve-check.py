@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 5 (d) on the GPU machine: `lily serve --backend cuda` answers chat completions.
+"""On the GPU machine: `lily serve --backend cuda` answers chat completions.
 
 Starts `lily serve` on the demo model twice (--backend cpu, then --backend cuda) on a free
 loopback port, sends the same requests to each (plain and streamed), and checks that every

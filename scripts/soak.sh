@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Soak test (issue 7 item 4): builds `lily` and runs tests/soak/soak.mjs against it — 32
+# Soak test (docs/robustness.md): builds `lily` and runs tests/soak/soak.mjs against it — 32
 # concurrent loopback clients for SOAK_SECONDS (default 180) mixing valid, streaming, invalid,
 # oversized, slow and stalled requests and mid-stream disconnects. Stops by itself; exits 1 if
 # the server crashed, answered wrongly, hung, or leaked memory or file descriptors.

@@ -1,4 +1,4 @@
-// `lily bench`: the measurement contract of reference/serving.md §6 on any checkpoint and
+// `lily bench`: the measurement contract of docs/benchmark.md §1 on any checkpoint and
 // backend. Prompt token i = ((i·2654435761) mod 2^32) mod vocab. Once per run, a warm-up on its
 // own state at the exact shape (prefill + 2 decode steps: allocates scratch, captures graphs, as
 // Lily's lily-bench step 1); then per round a fresh state, one timed prefill until the first
@@ -46,7 +46,7 @@ constexpr int64_t kContextLimit = 262144;
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-/// The contract's synthetic prompt (serving.md §6.1).
+/// The contract's synthetic prompt (docs/benchmark.md §1.1).
 std::vector<int32_t> synthetic_prompt(int64_t n, int vocab) {
   std::vector<int32_t> ids(n);
   for (int64_t i = 0; i < n; ++i)
@@ -54,7 +54,7 @@ std::vector<int32_t> synthetic_prompt(int64_t n, int vocab) {
   return ids;
 }
 
-/// 64-bit FNV-1a over whole u32 ids (serving.md §6.2 item 5).
+/// 64-bit FNV-1a over whole u32 ids (docs/benchmark.md §1.3 item 4).
 uint64_t fnv1a(const std::vector<int32_t>& ids) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (int32_t id : ids) {

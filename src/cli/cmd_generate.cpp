@@ -1,5 +1,5 @@
-// `lily generate`: one generation from the command line, streamed to stdout (issue 2 item 7),
-// greedy unless --temperature > 0 (issue 13). --prompt renders the chat template (thinking disabled) around one user message
+// `lily generate`: one generation from the command line, streamed to stdout,
+// greedy unless --temperature > 0. --prompt renders the chat template (thinking disabled) around one user message
 // unless --raw; --messages takes a JSON array of {role, content}; --prompt-ids takes token ids
 // and works without a usable tokenizer (then no text is produced: "text" is "" in --json).
 #include <cstdio>

@@ -1,4 +1,4 @@
-// `lily serve`: the OpenAI-compatible chat-completions server (issue 4; server/http_server.h).
+// `lily serve`: the OpenAI-compatible chat-completions server (server/http_server.h, docs/server.md).
 // --model defaults to the repository's models/demo (found next to the executable).
 #include <cstdlib>
 

@@ -1,5 +1,5 @@
 // `lily tokenize` — look at the tokenizer and chat template of a checkpoint
-// (reference/model.md §5–6):
+// (docs/model.md §5–6):
 // (--model defaults to the repository's models/demo, as for serve, generate and bench)
 //   lily tokenize --model DIR [--json] [--special] TEXT      ids of TEXT ("1,2,3" or {"ids":[…]})
 //   lily tokenize --model DIR --decode 1,2,3 [--keep-special] the text of ids

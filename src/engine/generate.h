@@ -1,4 +1,4 @@
-// The generation loop (reference/serving.md §5, with our differences): prefill the uncached
+// The generation loop: prefill the uncached
 // part of a prompt, then decode one token at a time until a stop token, a stop string,
 // max_tokens, the state's capacity or a cancellation by the per-token callback. Each token is
 // the backend's greedy argmax or, with sampling parameters, chosen by the CPU sampler

@@ -1,5 +1,5 @@
 // Sampling of the next token from one row of logits, and the log-probabilities reported to
-// clients (issue 13). Everything here works on one row ([vocab] fp32 logits of one sequence), so
+// clients. Everything here works on one row ([vocab] fp32 logits of one sequence), so
 // a batched decode step samples each row on its own and a device sampler can replace this one
 // row for row: the definitions below (order of the steps, tie rules, the draw) are the contract.
 //

@@ -1,4 +1,4 @@
-// A checkpoint directory's tensors (reference/model.md §2.1): either a sharded
+// A checkpoint directory's tensors (docs/model.md §2.1): either a sharded
 // `model.safetensors.index.json` + shards, or a single `model.safetensors`; all memory-mapped
 // and validated when opened. Lookup by tensor name across shards.
 #pragma once

@@ -1,4 +1,4 @@
-// Memory-mapped reader of one safetensors file (reference/model.md §2.1): an 8-byte
+// Memory-mapped reader of one safetensors file (docs/model.md §2.1): an 8-byte
 // little-endian header length N, N bytes of UTF-8 JSON mapping tensor name →
 // {dtype, shape, data_offsets:[start, end]} (offsets relative to the data section at 8 + N),
 // then the data section. The header is validated completely when the file is opened.

@@ -1,4 +1,4 @@
-// Writer of safetensors files (reference/model.md §2.1) whose tensor list is known up front:
+// Writer of safetensors files (docs/model.md §2.1) whose tensor list is known up front:
 // the header is written first, then tensor data is streamed in pieces (positional writes, any
 // order, any thread), so a tensor never has to be in memory as a whole. CheckpointWriter adds
 // sharding: several files plus model.safetensors.index.json (weight_map, metadata.total_size).

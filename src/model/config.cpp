@@ -1,4 +1,4 @@
-// config.json parsing and family-strict validation (reference/model.md §1.1–1.2).
+// config.json parsing and family-strict validation (docs/model.md §1.1–1.2).
 #include "model/config.h"
 
 #include <algorithm>
@@ -311,7 +311,7 @@ int ModelConfig::n_linear_attention_layers() const {
 }
 
 bool ModelConfig::is_qwen36_35b_a3b() const {
-  // The "must be" values of model.md §1.1.
+  // The "must be" values of docs/model.md §1.1.
   return hidden == 2048 && n_layers == 40 && full_attention_interval == 4 && vocab == 248320 &&
          n_heads == 16 && n_kv_heads == 2 && head_dim == 256 && gdn_n_key_heads == 16 &&
          gdn_n_value_heads == 32 && gdn_key_head_dim == 128 && gdn_value_head_dim == 128 &&

@@ -1,5 +1,5 @@
 // ModelConfig: the qwen3_5_moe text-model hyper-parameters, parsed from a checkpoint's
-// config.json and validated family-strictly (reference/model.md §1). Dimension names follow
+// config.json and validated family-strictly (docs/model.md §1). Dimension names follow
 // one glossary: hidden, vocab, n_layers, n_heads / n_kv_heads / head_dim (gated attention),
 // gdn_* (Gated DeltaNet), n_experts / n_experts_per_tok / moe_ffn_dim / shared_ffn_dim (MoE).
 #pragma once
@@ -23,7 +23,7 @@ struct QuantizationConfig {
   std::vector<std::string> eight_bit_modules;
 };
 
-/// Hyper-parameters of a qwen3_5_moe text model (model.md §1.1, §1.3).
+/// Hyper-parameters of a qwen3_5_moe text model (docs/model.md §1.1, §1.3).
 struct ModelConfig {
   int vocab = 0;     ///< rows of embed_tokens / lm_head
   int hidden = 0;    ///< residual width H

@@ -1,5 +1,5 @@
 // load_model: config → checkpoint → validation against the tensor table → ModelWeights
-// (reference/model.md §2). Everything is built in locals and returned only when complete.
+// (docs/model.md §2). Everything is built in locals and returned only when complete.
 #include "model/loader.h"
 
 #include <unistd.h>
@@ -26,7 +26,7 @@ constexpr int kGroupSize = 64;
 
 bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
 
-/// Tensors a text-only engine ignores (model.md §2.3, §2.6): vision tower and MTP head.
+/// Tensors a text-only engine ignores (docs/model.md §2.4): vision tower and MTP head.
 bool is_skipped_tensor(const std::string& name) {
   return starts_with(name, "vision_tower.") || starts_with(name, "mtp.");
 }
@@ -99,7 +99,7 @@ class Validator {
       fail("tensor " + t.name + " is " + t.shape_string() + ", expected " + shape_str(want) + note);
   }
 
-  /// Rejects NaN/Inf in a BF16 or F32 tensor (model.md §2: scales, biases, norms, conv, gates).
+  /// Rejects NaN/Inf in a BF16 or F32 tensor (docs/model.md §2: scales, biases, norms, conv, gates).
   void check_finite(const TensorInfo& t) const {
     if (!options_.check_finite) return;
     int64_t bad = -1;

@@ -1,4 +1,4 @@
-// Loads and validates a checkpoint directory into ModelWeights (reference/model.md §2):
+// Loads and validates a checkpoint directory into ModelWeights (docs/model.md §2):
 // config.json, model.safetensors or model.safetensors.index.json + shards, memory-mapped.
 #pragma once
 #include <filesystem>

@@ -1,5 +1,5 @@
 // Synthetic checkpoints (`lily synth`): random-weight qwen3_5_moe models written in exactly the
-// MLX layout of the real Qwen3.6-35B-A3B checkpoint (reference/model.md §1.1, §2): config.json
+// MLX layout of the real Qwen3.6-35B-A3B checkpoint (docs/model.md §1.1, §2): config.json
 // with text_config, top-level eos_token_id list and quantization block (8-bit overrides for every
 // mlp.gate and mlp.shared_expert_gate, duplicated as quantization_config); the tensors of
 // tensor_table(config), random floats quantized with the MLX affine rule (§2.2); single file or
@@ -63,7 +63,7 @@ struct SynthResult {
 /// safetensors file behind.
 SynthResult write_synthetic_checkpoint(const SynthOptions& options);
 
-/// MLX affine quantization of one group of 64 fp32 weights (model.md §2.2, the rule of the demo
+/// MLX affine quantization of one group of 64 fp32 weights (docs/model.md §2.2, the rule of the demo
 /// recipe's mlx_format.py): scale = (max − min)/(2^bits − 1) (1e-8 when max == min),
 /// bias = min, both rounded to bf16; q = clip(round_half_even((w − bias)/scale), 0, 2^bits − 1)
 /// with the rounded scale/bias; packed 32/bits codes per u32, lowest element in the lowest bits.

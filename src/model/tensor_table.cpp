@@ -1,4 +1,4 @@
-// The tensor table of reference/model.md §2.3.
+// The tensor table of docs/model.md §2.3.
 #include "model/tensor_table.h"
 
 #include "base/error.h"

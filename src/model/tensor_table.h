@@ -1,5 +1,5 @@
 // The tensor table: the single list of tensors a ModelConfig implies, in the MLX layout
-// (reference/model.md §2.3). The loader validates a checkpoint against it, `lily synth` writes
+// (docs/model.md §2.3). The loader validates a checkpoint against it, `lily synth` writes
 // it, `lily inspect` and byte accounting iterate it.
 #pragma once
 #include <cstdint>

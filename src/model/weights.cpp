@@ -1,4 +1,4 @@
-// QuantMatrix accessors: MLX affine dequantization (reference/model.md §2.2).
+// QuantMatrix accessors: MLX affine dequantization (docs/model.md §2.2).
 #include "model/weights.h"
 
 #include "base/bf16.h"

@@ -14,7 +14,7 @@ namespace lily {
 
 class Checkpoint;  // io/checkpoint.h
 
-/// An MLX affine-quantized matrix W[rows, cols] (reference/model.md §2.2):
+/// An MLX affine-quantized matrix W[rows, cols] (docs/model.md §2.2):
 /// codes U32 [rows, cols·bits/32] (element c of a row at bits (c mod (32/bits))·bits of word
 /// c/(32/bits), lowest element in the lowest bits); scales and biases BF16 [rows, cols/64];
 /// w[r,c] = scale[r, c/64]·q[r,c] + bias[r, c/64] in fp32. Stacked experts are flattened:
@@ -38,7 +38,7 @@ struct QuantMatrix {
   float weight(int64_t r, int64_t c) const;
 };
 
-/// Gated DeltaNet mixer weights (model.md §3.3, §2.3).
+/// Gated DeltaNet mixer weights (docs/model.md §3.3, §2.3).
 struct GdnWeights {
   QuantMatrix in_proj_qkv;  ///< [conv_channels, hidden]
   QuantMatrix in_proj_z;    ///< [value_dim, hidden]
@@ -51,7 +51,7 @@ struct GdnWeights {
   std::vector<float> norm;     ///< [Dv] plain gain of the gated RMSNorm
 };
 
-/// Gated full-attention mixer weights (model.md §3.4).
+/// Gated full-attention mixer weights (docs/model.md §3.4).
 struct AttentionWeights {
   QuantMatrix q_proj;  ///< [n_heads·2·head_dim, hidden]; per head: query then gate
   QuantMatrix k_proj;  ///< [n_kv_heads·head_dim, hidden]
@@ -61,7 +61,7 @@ struct AttentionWeights {
   std::vector<float> k_norm;  ///< [head_dim]
 };
 
-/// Sparse MoE block weights (model.md §3.5).
+/// Sparse MoE block weights (docs/model.md §3.5).
 struct MoeWeights {
   QuantMatrix router;              ///< mlp.gate, 8-bit [E, hidden]
   QuantMatrix experts_gate_proj;   ///< switch_mlp.gate_proj [E·I, hidden]

@@ -1,4 +1,4 @@
-// The agent fields of a chat request (issue 14): tools, tool_choice, parallel_tool_calls,
+// The agent fields of a chat request: tools, tool_choice, parallel_tool_calls,
 // reasoning_effort and chat_template_kwargs, and the message fields of tool-calling
 // conversations (tool_calls on assistant turns, tool_call_id on tool results). Kept apart from
 // chat_request.cpp, which calls in here for these keys.

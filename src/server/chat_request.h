@@ -1,4 +1,4 @@
-// The request surfaces of the generating and tokenizing endpoints (issue 4 item 2, issue 16):
+// The request surfaces of the generating and tokenizing endpoints:
 // strict parsing of the OpenAI JSON bodies of POST /v1/chat/completions and POST
 // /v1/completions, and of vLLM's POST /tokenize and POST /detokenize, into native types.
 // Everything not listed here is rejected with a 400 that names the parameter and says why.

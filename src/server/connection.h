@@ -1,4 +1,4 @@
-// One accepted TCP connection of `lily serve` (issue 16): a Boost.Asio socket in non-blocking
+// One accepted TCP connection of `lily serve`: a Boost.Asio socket in non-blocking
 // mode whose every read and write ends at a deadline, so that Boost.Beast's synchronous parser
 // and serializer run on it without a client being able to hold a thread past the limits
 // (--read-timeout for a whole request head or body, --write-timeout for each write, --keep-alive

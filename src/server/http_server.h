@@ -1,5 +1,5 @@
-// `lily serve`: the OpenAI-compatible HTTP server (issue 4; HTTP/1.1 on Boost.Beast and
-// Boost.Asio since issue 16). One thread per open connection parses, validates, tokenizes and
+// `lily serve`: the OpenAI-compatible HTTP server (HTTP/1.1 on Boost.Beast and
+// Boost.Asio; docs/server.md). One thread per open connection parses, validates, tokenizes and
 // serializes; one engine thread (engine/scheduler.h) generates. /health, /v1/models and
 // /metrics never wait for the engine, and the engine never waits for a socket.
 #pragma once
@@ -76,7 +76,7 @@ struct ServerOptions {
 /// cannot be bound.
 int run_server(const ServerOptions& options);
 
-/// The effective max_seq (serving.md §1.2, our rules): the requested value or, by default, the
+/// The effective max_seq (docs/server.md, `--max-seq`): the requested value or, by default, the
 /// checkpoint's max_position_embeddings (or the kernel limit when it declares none), clamped
 /// to the declared value. Throws lily::Error when the result is < 2 or a request exceeds 262,144.
 int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared);

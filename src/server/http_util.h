@@ -1,4 +1,4 @@
-// Small pure pieces of the HTTP layer of `lily serve` (issue 16): CORS origin lists and their
+// Small pure pieces of the HTTP layer of `lily serve`: CORS origin lists and their
 // answer headers, request ids, the Date header and request targets. Kept apart from the server
 // so that they are unit-tested on their own.
 #pragma once

@@ -1,4 +1,4 @@
-// JSON documents of the OpenAI API as this server writes them (issue 4 item 4, issue 16): the
+// JSON documents of the OpenAI API as this server writes them: the
 // chat completion object and its streaming chunks, the legacy text_completion object and its
 // chunks, and the model list. Keys keep OpenAI's order.
 #pragma once

@@ -1,4 +1,4 @@
-// The assistant's answer in OpenAI's shape (issue 14): generated `<think>…</think>` text split
+// The assistant's answer in OpenAI's shape: generated `<think>…</think>` text split
 // off as reasoning_content when thinking is on, and the model's tool-call blocks
 //   <tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n</function>\n</tool_call>
 // parsed into tool_calls. One incremental parser serves streams and whole answers alike, so that

@@ -1,4 +1,4 @@
-// Added tokens of tokenizer.json (reference/model.md §5.2): matched in the text before
+// Added tokens of tokenizer.json (docs/model.md §5.2): matched in the text before
 // normalisation and pre-tokenization, leftmost-longest, as Hugging Face tokenizers does.
 #pragma once
 #include <array>

@@ -1,4 +1,4 @@
-// Byte-level BPE model (reference/model.md §5.2): the vocabulary, the merge ranks and the merge
+// Byte-level BPE model (docs/model.md §5.2): the vocabulary, the merge ranks and the merge
 // loop that turns one pre-tokenized piece (raw bytes) into token ids, with a word cache.
 #pragma once
 #include <array>

@@ -2,7 +2,7 @@
 // tokenizer_config.json) rendered with lily's engine (text/jinja), thinking disabled, and its
 // encoding with control tokens only where the template itself writes markers. Checkpoints
 // without a template, and the tokenizer-only tools, use lily's built-in Qwen3.5/3.6 ChatML text
-// template (reference/model.md §6.1).
+// template (docs/model.md §6.1).
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -69,7 +69,7 @@ class ChatTemplate {
   /// the engine does not support.
   ChatTemplate(std::string_view source, std::string origin);
 
-  /// lily's built-in Qwen3.5/3.6 ChatML text template (reference/model.md §6.1; the same text
+  /// lily's built-in Qwen3.5/3.6 ChatML text template (docs/model.md §6.1; the same text
   /// as tests/fixtures/qwen3_6_chat_template.jinja).
   static std::shared_ptr<const ChatTemplate> builtin();
   /// The source of the built-in template.

@@ -1,4 +1,4 @@
-// The Split pre-tokenizer of tokenizer.json (reference/model.md §5.2), run by PCRE2 (UTF, UCP,
+// The Split pre-tokenizer of tokenizer.json (docs/model.md §5.2), run by PCRE2 (UTF, UCP,
 // JIT). The Hugging Face tokenizers library runs these patterns with Oniguruma; translate_pattern
 // rewrites the two constructs whose meaning differs between the engines so that PCRE2 splits
 // exactly as Oniguruma does.

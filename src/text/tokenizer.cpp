@@ -1,5 +1,5 @@
 // Tokenizer: tokenizer.json loading and validation, encode/decode, incremental decoding
-// (reference/model.md §5). Semantics follow Hugging Face tokenizers (the test oracle).
+// (docs/model.md §5). Semantics follow Hugging Face tokenizers (the test oracle).
 #include "text/tokenizer.h"
 
 #include <fstream>

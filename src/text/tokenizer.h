@@ -1,4 +1,4 @@
-// Byte-level BPE tokenizer loaded from a Hugging Face tokenizer.json (reference/model.md §5):
+// Byte-level BPE tokenizer loaded from a Hugging Face tokenizer.json (docs/model.md §5):
 // NFC normalizer, Split(regex, Isolated) + ByteLevel pre-tokenizer, BPE merges by rank,
 // added tokens matched first, ByteLevel decoder. Anything else in the file is rejected.
 #pragma once

@@ -1,4 +1,4 @@
-// UTF-8 helpers for the tokenizer (reference/model.md §5): lossy validation with U+FFFD, the
+// UTF-8 helpers for the tokenizer (docs/model.md §5): lossy validation with U+FFFD, the
 // incomplete tail of a byte string, NFC normalisation (utf8proc) and the GPT-2 byte-level
 // alphabet that maps every byte to one printable code point.
 #pragma once

@@ -1,4 +1,4 @@
-// Shared helpers of the libFuzzer targets (issue 7 item 2). A target may let lily::Error
+// Shared helpers of the libFuzzer targets (docs/robustness.md). A target may let lily::Error
 // (or server::ApiError) escape its code under test only where the API documents it; anything
 // else — another exception, a sanitizer report, a broken invariant checked with FUZZ_ASSERT —
 // is a finding: the process aborts and libFuzzer saves the input as crash-<sha1>.

@@ -1,6 +1,6 @@
 // Helpers for the CUDA kernel tests: random MLX-affine matrices on host and device, bf16
 // buffers, and exact fp32 reference products (plain loops over the dequantized weights,
-// reference/model.md §2.2).
+// docs/model.md §2.2).
 #pragma once
 #include <cuda_bf16.h>
 

@@ -1,5 +1,5 @@
 // GPU tests of the gated-attention kernels (src/backends/cuda/attention.cu) against fp32
-// references built from the CPU backend's ops (reference/model.md §3.4), at the real shape:
+// references built from the CPU backend's ops (docs/model.md §3.4), at the real shape:
 // 16 query heads, 2 kv heads, head_dim 256, rotary 64, θ 1e7; contexts 1, 257, 4096, 40000
 // (split-K boundaries); plus the demo model's shape (4 / 2 / 64, rotary 16) and head_dim 128.
 // Inputs are random; outputs are poisoned (NaN) before launch.

@@ -1,7 +1,7 @@
 // CUDA-CORE kernels against exact reference loops, on random inputs of the real
 // Qwen3.6-35B-A3B shapes (hidden 2048, 256 experts, I 512, vocab 248320) and of the small
 // synthetic shapes (hidden 256/128). Tolerances: bf16 outputs within 1e-2 relative (floor: 1 %
-// of the output RMS), fp32 outputs within 1e-3 (model.md §4.3, DESIGN.md "Numerics").
+// of the output RMS), fp32 outputs within 1e-3 (docs/model.md §4.3 and §4.5).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -218,7 +218,7 @@ TEST(CudaRmsNorm, FusedResidualAddMatchesReference) {
   }
 }
 
-/// Reference routing (model.md §3.5): top-k logits, ties to the lowest id, softmax over them.
+/// Reference routing (docs/model.md §3.5): top-k logits, ties to the lowest id, softmax over them.
 void reference_topk(const float* logits, int E, int k, std::vector<int>& ids, std::vector<double>& w) {
   std::vector<int> order(E);
   std::iota(order.begin(), order.end(), 0);
@@ -723,7 +723,7 @@ TEST(CudaPdl, MoeChainMatchesPlainLaunchesRealShape) { check_pdl_chain(kExperts,
 TEST(CudaPdl, MoeChainMatchesPlainLaunchesDemoShape) { check_pdl_chain(16, 4, 256, 128, 42); }
 
 /// The MoE expert path: gate/up + SwiGLU over 8 routed experts + the shared one, then the
-/// down projection with the weighted combine, against model.md §4.3's rounding sequence.
+/// down projection with the weighted combine, against docs/model.md §4.3's rounding sequence.
 void check_experts(int E, int k, int hidden, int ffn, uint64_t seed, int bits = 4) {
   std::mt19937_64 rng(seed);
   RandomQuant gate((E + 1) * int64_t(ffn), hidden, bits, rng), up((E + 1) * int64_t(ffn), hidden, bits, rng);

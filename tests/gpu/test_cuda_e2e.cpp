@@ -1,4 +1,4 @@
-// End to end: the CUDA backend against the CPU reference backend (DESIGN.md acceptance):
+// End to end: the CUDA backend against the CPU reference backend (acceptance: docs/model.md §4.5):
 // identical greedy ids up to the first step where the CPU's top-2 margin is below 0.5, logits
 // cosine ≥ 0.999 at every step; a layer-by-layer probe diff (printed, for diagnosis); state
 // clones; KV-cache growth past its first allocation; the error for a foreign state.
@@ -374,7 +374,7 @@ TEST_F(CudaE2e, FusedDecodeMatchesSeparateKernels) {
   check_fused_vs_separate(load_model(demo_model_dir()));
 }
 
-// The full Qwen3.6-35B-A3B shape (issue 5 (c)): opt-in, since it needs a `lily synth --preset
+// The full Qwen3.6-35B-A3B shape: opt-in, since it needs a `lily synth --preset
 // 35b-a3b` checkpoint (19.5 GB) at $LILY_GPU_BIG_MODEL; scripts/gpu-check.sh sets it with
 // LILY_GPU_BENCH=1. CPU reference and CUDA on a 64-token prompt and 8 decode steps.
 TEST_F(CudaE2e, Full35bShapeMatchesCpu) {

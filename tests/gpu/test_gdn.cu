@@ -1,5 +1,5 @@
 // GPU tests of the Gated DeltaNet kernels (src/backends/cuda/gdn.cu) against fp32 references
-// built from the CPU backend's ops (reference/model.md §3.3), at the real shapes: Hk 16, Hv 32,
+// built from the CPU backend's ops (docs/model.md §3.3), at the real shapes: Hk 16, Hv 32,
 // Dk = Dv 128, conv channels 8192. Inputs are random; outputs are poisoned (NaN) before launch.
 // Tolerances: bf16 outputs within 1e-2 relative, fp32 states within 1e-4 (relative to the
 // state's largest magnitude, at least 1).
@@ -95,7 +95,7 @@ struct GdnFixture {
     return {d_conv_w.as<float>(), d_A_log.as<float>(), d_dt_bias.as<float>(), d_norm_w.as<float>()};
   }
 
-  /// The sequential reference of one token (model.md §3.3 steps 3-6) on conv output `x` [C]:
+  /// The sequential reference of one token (docs/model.md §3.3 steps 3-6) on conv output `x` [C]:
   /// updates `state` [Hv, Dk, Dv] and writes y [Hv·Dv] (fp32 values of the bf16 outputs).
   void reference_token(const float* x, const float* z, const float* a, const float* b,
                        std::vector<float>& state, float* y) const {

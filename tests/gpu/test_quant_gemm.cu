@@ -4,7 +4,7 @@
 // gate/up and 2048×512 down; m ∈ {1, 7, 64, 100, 200, 256, 300} token rows (every tile shape and
 // masked tails), plus 8-bit, odd widths and small (demo-like) expert shapes.
 //
-// Oracles and tolerances (model.md §4.2: prefill GEMMs round each dequantized weight to bf16,
+// Oracles and tolerances (docs/model.md §4.2: prefill GEMMs round each dequantized weight to bf16,
 // accumulate in fp32, round the output once):
 //  * "bf16-weight reference": fp64 sums of bf16(w)·x — the kernel's exact target, so only fp32
 //    accumulation order and the output rounding differ: bf16 outputs within 1e-2 relative,
@@ -334,7 +334,7 @@ void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t 
     // One bf16 ulp is at most 2^-7 ≈ 0.78 % of the value (the host sum may skip the GPU's FMA).
     EXPECT_LT(worst_rel(gout, r, 1e-3 * rms(r)), 1e-2) << "slot-order combine";
   }
-  // The whole MoE vs the per-row CUDA expert kernels (exact-weight GEMVs, model.md §4.3).
+  // The whole MoE vs the per-row CUDA expert kernels (exact-weight GEMVs, docs/model.md §4.3).
   {
     DeviceBuffer act2 = poisoned(size_t(A) * ffn * 2), out2 = poisoned(size_t(m) * hidden * 2);
     cuda::launch_expert_gate_up(W.gate.view(), W.up.view(), ffn, did.as<int32_t>(), n_sel, dx.as<bf16_t>(), m,

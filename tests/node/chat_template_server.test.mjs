@@ -1,4 +1,4 @@
-// `lily serve` renders the checkpoint's own chat template (issue 14 item 1): a copy of the demo
+// `lily serve` renders the checkpoint's own chat template: a copy of the demo
 // model whose chat_template.jinja is the Qwen3.5/3.6-style test template (it drops think blocks
 // from history and raises on a conversation without a user query). The template's error is a 400
 // with its message, the next turn's prompt extends the previous one (the prefix cache hits, which

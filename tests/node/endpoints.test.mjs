@@ -1,4 +1,4 @@
-// Black-box tests of the endpoints and HTTP features of issue 16 on the demo model: the legacy
+// Black-box tests of the endpoints and HTTP features on the demo model: the legacy
 // POST /v1/completions (OpenAI client), POST /tokenize and /detokenize (vLLM's shapes) against
 // the Hugging Face tokenizer and chat template, GET /version, CORS (--allowed-origins), request
 // ids, the new /metrics series, and the small HTTP findings (505, Date, absolute-form targets,

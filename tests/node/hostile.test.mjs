@@ -1,4 +1,4 @@
-// Hostile and unusual HTTP clients against `lily serve` (issue 16): a second server on a taken
+// Hostile and unusual HTTP clients against `lily serve`: a second server on a taken
 // port, oversized and over-long request heads, bodies over --max-body (declared or chunked),
 // slow-loris clients that trickle a head, idle keep-alive connections, Range headers,
 // pipelining, half-closed clients, the 503 beyond --max-connections, an empty --api-key and an

@@ -1,4 +1,4 @@
-// Connection-level limits and start-up states of `lily serve` (issue 7 item 5, issue 4): the
+// Connection-level limits and start-up states of `lily serve`: the
 // connection cap (--max-connections), /health with an API key (--health-requires-key), the
 // warning for a non-loopback bind without a key, and the answers while the model is still
 // loading. A client that stops reading (--write-timeout) is tested in C++

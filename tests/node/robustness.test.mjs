@@ -1,6 +1,6 @@
-// Robustness checks of `lily serve` that the other black-box tests leave out (issue 7 items 5
-// and 6): the context limit at exactly --max-seq, stalled clients (slow-loris) cut off by
-// --read-timeout, oversized request heads, and the warning for a non-loopback bind without a key.
+// Robustness checks of `lily serve` that the other black-box tests leave out: the context limit
+// at exactly --max-seq, stalled clients (slow-loris) cut off by --read-timeout, oversized request
+// heads, and the warning for a non-loopback bind without a key.
 // Run: LILY_BIN=build/lily node --test tests/node/robustness.test.mjs
 import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';

@@ -1,5 +1,5 @@
 // Sampling, seeds, n and logprobs through the official OpenAI client against `lily serve` on
-// the demo model (issue 13). Run: LILY_BIN=build/lily node --test tests/node/sampling.test.mjs
+// the demo model. Run: LILY_BIN=build/lily node --test tests/node/sampling.test.mjs
 import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';

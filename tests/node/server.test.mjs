@@ -1,5 +1,5 @@
 // Black-box tests of `lily serve` on the demo model: the official OpenAI client and raw HTTP
-// against real server processes (issue 4). Run: LILY_BIN=build/lily node --test tests/node/server.test.mjs
+// against real server processes. Run: LILY_BIN=build/lily node --test tests/node/server.test.mjs
 import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import fs from 'node:fs';

@@ -1,4 +1,4 @@
-// Chat-template goldens: lily's native rendering (thinking disabled, reference/model.md §6.1)
+// Chat-template goldens: lily's native rendering (thinking disabled, docs/model.md §6.1)
 // against a real Jinja engine (npm @huggingface/jinja) running
 // tests/fixtures/qwen3_6_chat_template.jinja (with lily's nothink rewrite of earlier assistant
 // turns applied to the messages first) and models/demo/chat_template.jinja (for the cases it
@@ -46,7 +46,7 @@ const ERROR_CASES = [
   ['empty list', [], 'No user query found in messages.'],
 ];
 
-// lily's deliberate deviation (model.md §6.1): earlier assistant turns get an empty think block.
+// lily's deliberate deviation (docs/model.md §6.1): earlier assistant turns get an empty think block.
 function nothinkRewrite(messages) {
   let lastQuery = -1;
   for (let i = messages.length - 1; i >= 0 && lastQuery < 0; i--) {

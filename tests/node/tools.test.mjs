@@ -1,4 +1,4 @@
-// Tool calling and the thinking switch through the official `openai` client (issue 14): a copy
+// Tool calling and the thinking switch through the official `openai` client: a copy
 // of the demo model whose chat_template.jinja is the Qwen3.5/3.6-style test template (it renders
 // tools, tool calls and tool results). The tools reach the prompt, a tool result goes back in a
 // `tool` message, the next turn's prompt extends the previous one token for token (the prefix

@@ -1,4 +1,4 @@
-// Issue 16 item 1: `lily serve --backend cpu` memory-maps model.safetensors; truncating that file
+// `lily serve --backend cpu` memory-maps model.safetensors; truncating that file
 // while the server ran used to kill it with SIGBUS on the next request. Now the server refuses
 // every request after such a change with a 503 that says what happened (and logs it once), keeps
 // answering /health, and exits cleanly; with --no-mmap the weights are in memory and the same

@@ -1,4 +1,4 @@
-// Bounded soak test of `lily serve` (issue 7 item 4). Starts the server on the demo model on a
+// Bounded soak test of `lily serve` (docs/robustness.md). Starts the server on the demo model on a
 // random loopback port, runs SOAK_CLIENTS (32) concurrent clients for SOAK_SECONDS (180) that mix
 // valid, streaming, invalid, oversized, slow and stalled requests and mid-stream disconnects,
 // then stops everything by itself. Node built-ins only.

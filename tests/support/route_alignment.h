@@ -26,7 +26,7 @@
 namespace lily::test {
 
 /// Expert ids of the k largest logits, in descending order (ties to the lowest id, as the
-/// router top-k of model.md §3.5).
+/// router top-k of docs/model.md §3.5).
 inline std::vector<int> top_k_ids(std::span<const float> logits, int k) {
   std::vector<int> ids(logits.size());
   std::iota(ids.begin(), ids.end(), 0);

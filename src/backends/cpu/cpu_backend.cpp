@@ -1,4 +1,4 @@
-// CpuBackend: the forward pass of reference/model.md §3, one op per line (ops.h), fp32.
+// CpuBackend: the forward pass of docs/model.md §3, one op per line (ops.h), fp32.
 // Prompt tokens go through in chunks of m tokens: every projection is one batched matmul per
 // chunk (each weight row dequantized once), while the recurrent parts (causal conv, delta rule,
 // KV-cache appends) run token by token inside the chunk. Every value is computed by the same
@@ -17,7 +17,7 @@
 namespace lily::cpu {
 
 namespace {
-constexpr float kL2NormEps = 1e-6f;  // HF's l2norm inside the GDN kernel (model.md §8.1)
+constexpr float kL2NormEps = 1e-6f;  // HF's l2norm inside the GDN kernel (docs/model.md §4.5)
 
 float* row(std::vector<float>& v, int64_t t, int64_t width) { return v.data() + t * width; }
 }  // namespace
@@ -152,7 +152,7 @@ int32_t CpuBackend::decode(SequenceState& state, int32_t token, std::vector<floa
   return prefill(state, std::span<const int32_t>(&token, 1), logits);
 }
 
-// ---- forward (model.md §3) -----------------------------------------------------------------------
+// ---- forward (docs/model.md §3) -----------------------------------------------------------------------
 
 void CpuBackend::forward_chunk(CpuSequenceState& state, std::span<const int32_t> tokens) {
   const ModelConfig& c = config();
@@ -167,7 +167,7 @@ void CpuBackend::forward_chunk(CpuSequenceState& state, std::span<const int32_t>
   state.position_ += m;
 }
 
-/// h = x + Mixer(RMSNorm(x)); x = h + MoE(RMSNorm(h)) for the m tokens of the chunk (model.md §3).
+/// h = x + Mixer(RMSNorm(x)); x = h + MoE(RMSNorm(h)) for the m tokens of the chunk (docs/model.md §3).
 void CpuBackend::decoder_layer(int i, CpuSequenceState::LayerState& state, int64_t first_pos,
                                int64_t m) {
   const ModelConfig& c = config();
@@ -196,7 +196,7 @@ void CpuBackend::decoder_layer(int i, CpuSequenceState::LayerState& state, int64
   probe("layer_out", i, first_pos, s.x.data(), m, H);
 }
 
-/// Gated DeltaNet (model.md §3.3, HF fp32 variants): input s.normed [m, H], output out [m, H].
+/// Gated DeltaNet (docs/model.md §3.3, HF fp32 variants): input s.normed [m, H], output out [m, H].
 void CpuBackend::gdn_mixer(const GdnWeights& w, CpuSequenceState::LayerState& state, int64_t m,
                            float* out) {
   const ModelConfig& c = config();
@@ -217,7 +217,7 @@ void CpuBackend::gdn_mixer(const GdnWeights& w, CpuSequenceState::LayerState& st
     float* conv = row(s.conv, t, C);
     causal_conv_step(w.conv1d.data(), state.conv_window.data(), row(s.qkv, t, C), C, c.gdn_conv_kernel, conv);
     silu_inplace(conv, C);
-    round_activations(conv, C);  // q̂ and k̂ below stay fp32 (model.md §4.3)
+    round_activations(conv, C);  // q̂ and k̂ below stay fp32 (docs/model.md §4.3)
     float* q = conv;                 // [Hk, Dk]
     float* k = conv + key_dim;       // [Hk, Dk]
     const float* v = conv + 2 * key_dim;  // [Hv, Dv]
@@ -249,7 +249,7 @@ void CpuBackend::gdn_mixer(const GdnWeights& w, CpuSequenceState::LayerState& st
   round_activations(out, m * c.hidden);
 }
 
-/// Gated full attention (model.md §3.4): input s.normed [m, H], output out [m, H].
+/// Gated full attention (docs/model.md §3.4): input s.normed [m, H], output out [m, H].
 void CpuBackend::attention_mixer(const AttentionWeights& w, CpuSequenceState::LayerState& state,
                                  int64_t first_pos, int64_t m, float* out) {
   const ModelConfig& c = config();
@@ -302,7 +302,7 @@ void CpuBackend::attention_mixer(const AttentionWeights& w, CpuSequenceState::La
   round_activations(out, m * c.hidden);
 }
 
-/// Sparse MoE block (model.md §3.5): routed top-k SwiGLU experts + gated shared expert.
+/// Sparse MoE block (docs/model.md §3.5): routed top-k SwiGLU experts + gated shared expert.
 /// Input s.normed [m, H], output out [m, H].
 void CpuBackend::moe_block(const MoeWeights& w, int layer, int64_t first_pos, int64_t m, float* out) {
   const ModelConfig& c = config();
@@ -374,7 +374,7 @@ void CpuBackend::routed_experts(const MoeWeights& w, int64_t m, float* out) {
   }
 }
 
-/// Shared SwiGLU expert (model.md §3.5 step 4), before its sigmoid gate: out [m, H].
+/// Shared SwiGLU expert (docs/model.md §3.5 step 4), before its sigmoid gate: out [m, H].
 void CpuBackend::shared_expert(const MoeWeights& w, int64_t m, float* out) {
   Scratch& s = *scratch_;
   const int64_t I = config().shared_ffn_dim;
@@ -388,7 +388,7 @@ void CpuBackend::shared_expert(const MoeWeights& w, int64_t m, float* out) {
   round_activations(out, m * config().hidden);
 }
 
-/// Final norm, fp32 LM head and greedy argmax of one token (model.md §3.6).
+/// Final norm, fp32 LM head and greedy argmax of one token (docs/model.md §3.6).
 int32_t CpuBackend::lm_head(const float* hidden, int64_t pos, std::vector<float>* logits) {
   const ModelConfig& c = config();
   Scratch& s = *scratch_;

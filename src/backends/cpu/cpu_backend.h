@@ -1,5 +1,5 @@
-// The CPU reference backend: the forward pass of reference/model.md §3 in fp32 with exactly
-// dequantized weights (the HF-float32 variants of §8.1), multi-threaded over matmul rows,
+// The CPU reference backend: the forward pass of docs/model.md §3 in fp32 with exactly
+// dequantized weights (the HF-float32 variants of docs/model.md §4.5), multi-threaded over matmul rows,
 // attention heads and GDN heads. It is the oracle the CUDA backend is diffed against through the
 // probe points of engine/backend.h, and it runs the demo model end to end on any machine.
 #pragma once
@@ -45,12 +45,12 @@ class CpuSequenceState final : public SequenceState {
 };
 
 /// Where the CPU backend rounds activations.
-///  - kFp32: none; activations, KV cache and states stay fp32 (the HF-float32 forward, model.md
-///    §3 and §8.1; what the transformers goldens check).
+///  - kFp32: none; activations, KV cache and states stay fp32 (the HF-float32 forward, docs/model.md
+///    §3 and §4.5; what the transformers goldens check).
 ///  - kBf16Activations: every value the CUDA backend stores as bf16 is rounded to bf16 at the
 ///    same point (embedding row, norm outputs, residual adds, GEMV outputs other than router /
 ///    shared gate / LM head, conv output, delta-rule output, gated norm, RoPE'd q/k = KV cache,
-///    gated attention output, expert g/u/act/down, the MoE sum; model.md §4.1 and §4.3 decode
+///    gated attention output, expert g/u/act/down, the MoE sum; docs/model.md §4.1 and §4.3 decode
 ///    numerics). Accumulations, GDN states, router and shared-gate logits and the LM head stay
 ///    fp32. This is the oracle the CUDA kernels are held to: it separates kernel errors from
 ///    the precision policy, whose own effect is measured against kFp32.

@@ -1,7 +1,7 @@
 // fp32 reference ops of the CPU backend, one per function, written as plain loops that read
-// like the formulas of reference/model.md §3 (the HF-float32 variants of §8.1 where lily and
+// like the formulas of docs/model.md §3 (the HF-float32 variants of §4.5 where lily and
 // transformers differ). Activations are fp32 throughout; quantized weights are dequantized
-// exactly (w = scale·q + bias per group of 64, model.md §2.2). These ops are the oracle the
+// exactly (w = scale·q + bias per group of 64, docs/model.md §2.2). These ops are the oracle the
 // CUDA kernels are checked against, so clarity comes before speed; the only concessions to
 // speed are multi-threading over output rows and dequantizing each weight row once per batch.
 //
@@ -18,7 +18,7 @@ namespace lily::cpu {
 
 // ---- quantized linear algebra ------------------------------------------------------------------
 
-/// Exact fp32 dequantization of row `row` of `w` into out[w.cols] (model.md §2.2):
+/// Exact fp32 dequantization of row `row` of `w` into out[w.cols] (docs/model.md §2.2):
 /// out[c] = scale[row, c/64]·q[row, c] + bias[row, c/64], q read from the packed U32 codes
 /// (4-bit: nibble c mod 8 of word c/8; 8-bit: byte c mod 4 of word c/4). Requires bits ∈ {4, 8}.
 void dequantize_row(const QuantMatrix& w, int64_t row, float* out);
@@ -51,17 +51,17 @@ void add_inplace(float* y, const float* x, int64_t n);
 
 // ---- normalisation -----------------------------------------------------------------------------
 
-/// RMSNorm (model.md §3.2): y[j] = (x[j]·r)·gain[j] with r = 1/sqrt(Σx²/n + eps).
+/// RMSNorm (docs/model.md §3.2): y[j] = (x[j]·r)·gain[j] with r = 1/sqrt(Σx²/n + eps).
 /// `gain` is the stored MLX weight (= 1 + w_hf). x, y: [n]; y may alias x.
 void rms_norm(const float* x, const float* gain, int64_t n, float eps, float* y);
 
-/// Gated RMSNorm of a GDN value head (model.md §3.3 step 6, HF Qwen3_5MoeRMSNormGated):
+/// Gated RMSNorm of a GDN value head (docs/model.md §3.3 step 6, HF Qwen3_5MoeRMSNormGated):
 /// y[j] = gain[j]·(o[j]·r)·silu(z[j]) with r = 1/sqrt(Σo²/n + eps); `gain` is the plain gain.
 /// o, z, y: [n]; y may alias o.
 void gated_rms_norm(const float* o, const float* z, const float* gain, int64_t n, float eps,
                     float* y);
 
-/// In-place L2 normalisation as in HF's GDN (model.md §8.1): x ← x·(1/sqrt(Σx² + eps)),
+/// In-place L2 normalisation as in HF's GDN (docs/model.md §4.5): x ← x·(1/sqrt(Σx² + eps)),
 /// eps = 1e-6 in the model.
 void l2_normalize(float* x, int64_t n, float eps);
 
@@ -72,7 +72,7 @@ void l2_normalize(float* x, int64_t n, float eps);
 /// φ_j = fp32(pos·inv_freq_j); cos[j] = cos φ_j, sin[j] = sin φ_j for j < rotary_dim/2.
 void rope_cos_sin(int64_t pos, int rotary_dim, double theta, float* cos, float* sin);
 
-/// Rotates the first rotary_dim dims of one head in place (model.md §3.4 step 3), half-split:
+/// Rotates the first rotary_dim dims of one head in place (docs/model.md §3.4 step 3), half-split:
 /// for j < rotary_dim/2, with h = rotary_dim/2:
 ///   x'[j] = x[j]·cos[j] − x[j+h]·sin[j],   x'[j+h] = x[j+h]·cos[j] + x[j]·sin[j].
 /// Dims ≥ rotary_dim are untouched.
@@ -80,7 +80,7 @@ void apply_rope(float* x, int rotary_dim, const float* cos, const float* sin);
 
 // ---- Gated DeltaNet ----------------------------------------------------------------------------
 
-/// One step of the causal depthwise conv (model.md §3.3 step 2), before the SiLU.
+/// One step of the causal depthwise conv (docs/model.md §3.3 step 2), before the SiLU.
 /// taps: [channels, kernel] channel-major, tap kernel−1 multiplies the current input;
 /// window: [channels, kernel−1], the previous raw inputs, oldest first (zeros at the start);
 /// x: [channels] current raw input; y: [channels] output
@@ -89,7 +89,7 @@ void apply_rope(float* x, int rotary_dim, const float* cos, const float* sin);
 void causal_conv_step(const float* taps, float* window, const float* x, int64_t channels,
                       int kernel, float* y);
 
-/// One delta-rule step of one value head (model.md §3.3 step 5), fp32 state S [dk, dv]
+/// One delta-rule step of one value head (docs/model.md §3.3 step 5), fp32 state S [dk, dv]
 /// (S[i][m], i = key dim, m = value dim), in this order:
 ///   S ← α·S;  pred[m] = Σ_i k[i]·S[i][m];  δ[m] = (v[m] − pred[m])·β;
 ///   S[i][m] ← S[i][m] + k[i]·δ[m];  out[m] = Σ_i q[i]·S[i][m].
@@ -100,7 +100,7 @@ void delta_rule_step(float* state, const float* q, const float* k, const float* 
 
 // ---- attention -----------------------------------------------------------------------------------
 
-/// Causal softmax attention of one query head over `len` cached positions (model.md §3.4 step 5):
+/// Causal softmax attention of one query head over `len` cached positions (docs/model.md §3.4 step 5):
 /// s_t = (q·k_t)·scale, a = softmax(s) (max-subtracted, fp32), out = Σ_t a_t·v_t.
 /// k_cache / v_cache point at position 0 of this head's key / value; consecutive positions are
 /// `stride` floats apart. q, out: [head_dim]; scores: scratch of at least `len` floats.
@@ -109,7 +109,7 @@ void attention_head(const float* q, const float* k_cache, const float* v_cache, 
 
 // ---- MoE routing and selection -------------------------------------------------------------------
 
-/// Router top-k (model.md §3.5, HF): p = softmax(logits) over all n_experts in fp32, pick the k
+/// Router top-k (docs/model.md §3.5, HF): p = softmax(logits) over all n_experts in fp32, pick the k
 /// largest p in descending order (ties go to the lowest expert id; NaN never wins), then
 /// weights[i] = p[ids[i]] / Σ_selected p when `renormalize`, else p[ids[i]].
 /// logits: [n_experts]; ids, weights: [k]. Requires 1 ≤ k ≤ n_experts.
@@ -122,7 +122,7 @@ void route_top_k(const float* logits, int n_experts, int k, bool renormalize, in
 void route_weights(const float* logits, int n_experts, const int* ids, int k, bool renormalize,
                    float* weights);
 
-/// Index of the largest value (greedy selection, model.md §3.6): ties go to the lowest index,
+/// Index of the largest value (greedy selection, docs/model.md §3.6): ties go to the lowest index,
 /// NaN never wins, an all-NaN (or empty) input returns 0.
 int32_t argmax(const float* x, int64_t n);
 

@@ -1,4 +1,4 @@
-// Gated full-attention kernels (reference/model.md §3.4, numerics §4.3/§4.4): q/k RMSNorm +
+// Gated full-attention kernels (docs/model.md §3.4, numerics §4.3/§4.4): q/k RMSNorm +
 // partial RoPE + KV append, split-K decode attention with a combine kernel, causal prefill
 // attention; the sigmoid output gate is fused into the final write. Launchers are declared in
 // mixer_kernels.h.

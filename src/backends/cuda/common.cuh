@@ -14,12 +14,12 @@ namespace lily::cuda {
 using bf16 = __nv_bfloat16;
 
 constexpr int kWarp = 32;
-/// MLX affine quantization group size (reference/model.md §2.2); every kernel assumes it.
+/// MLX affine quantization group size (docs/model.md §2.2); every kernel assumes it.
 constexpr int kGroup = 64;
 
 /// bf16 -> fp32 (exact).
 __device__ __forceinline__ float to_f32(bf16 v) { return __bfloat162float(v); }
-/// fp32 -> bf16, round to nearest even (what `bf16(x)` means in model.md).
+/// fp32 -> bf16, round to nearest even (what `bf16(x)` means in docs/model.md).
 __device__ __forceinline__ bf16 to_bf16(float v) { return __float2bfloat16_rn(v); }
 /// Rounds an fp32 value through bf16 and back.
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }

@@ -1,4 +1,4 @@
-// CudaBackend: the qwen3_5_moe forward pass (reference/model.md §3, numerics §4.3) on one
+// CudaBackend: the qwen3_5_moe forward pass (docs/model.md §3, numerics §4.3) on one
 // Hopper GPU. See cuda_backend.h for the decode-graph scheme and device_model.h for the weight
 // layout.
 //
@@ -6,7 +6,7 @@
 // cache of a state starts at min(max_seq, 1024) positions and doubles (up to max_seq) when a
 // step needs more room. Growth happens between steps, outside any graph, and invalidates the
 // state's captured graph (re-captured on the next step: ~log2(max_seq/1024) captures over a
-// whole sequence). Trade-off: memory follows the sequence as DESIGN.md asks, at the price of
+// whole sequence). Trade-off: memory follows the sequence, at the price of
 // an occasional copy of the cache and a graph re-capture, instead of reserving 20 KiB per
 // position up to max_seq for every state held by the prefix cache.
 #include "backends/cuda/cuda_backend.h"
@@ -44,7 +44,7 @@ struct StepIo {
   int32_t next_id = 0;  ///< greedy next token (written back by the graph)
 };
 
-/// Sequence state on the device (model.md §4.1): per GDN layer a bf16 conv window [C, K−1] and
+/// Sequence state on the device (docs/model.md §4.1): per GDN layer a bf16 conv window [C, K−1] and
 /// an fp32 recurrent state [Hv, Dk, Dv]; per attention layer bf16 K and V caches
 /// [n_kv_heads, capacity, head_dim].
 class CudaState final : public SequenceState {
@@ -350,7 +350,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(st);
   }
 
-  // ---- the forward pass of one token (model.md §3, §4.3) ----------------------------------
+  // ---- the forward pass of one token (docs/model.md §3, §4.3) ----------------------------------
 
   void enqueue_forward(CudaState& s, bool probing) {
     const ModelConfig& c = config();
@@ -476,7 +476,7 @@ class CudaBackend final : public Backend {
 
   // Chunks of up to prefill_chunk_ tokens; every layer runs over all rows of a chunk: batched
   // GEMVs, the mixer's chunked GDN prefill and causal flash attention, per-row MoE. Only the
-  // last prompt row goes through the final norm, lm_head and argmax (model.md §4.4).
+  // last prompt row goes through the final norm, lm_head and argmax (docs/model.md §4.4).
   // Status: the whole tests/gpu/test_cuda_e2e.cpp suite passes with it on an H200 except where a
   // test installs a probe sink (which selects the per-token path); see docs/cuda.md.
 

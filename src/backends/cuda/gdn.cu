@@ -1,4 +1,4 @@
-// Gated DeltaNet kernels (reference/model.md §3.3, numerics §4.3/§4.4): causal conv (decode
+// Gated DeltaNet kernels (docs/model.md §3.3, numerics §4.3/§4.4): causal conv (decode
 // step and prefill), the fused per-value-head decode step, the chunked (UT/WY) prefill of the
 // delta rule, and the gated RMSNorm. Launchers are declared in mixer_kernels.h.
 #include <string>
@@ -22,7 +22,7 @@ constexpr int kConvK = 4;      // conv kernel width
 constexpr int kHist = kConvK - 1;
 constexpr float kL2Eps = 1e-6f;  // HF l2norm epsilon: x·rsqrt(Σx² + 1e-6)
 
-// ---- scalar gate math (model.md §3.3 step 4) -------------------------------------------------
+// ---- scalar gate math (docs/model.md §3.3 step 4) -------------------------------------------------
 
 /// softplus with torch's threshold of 20.
 __device__ __forceinline__ float softplus20(float x) { return x > 20.0f ? x : log1pf(expf(x)); }

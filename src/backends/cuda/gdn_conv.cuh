@@ -1,4 +1,4 @@
-// The GDN causal-conv decode step of one channel (reference/model.md §3.3 step 2), shared by the
+// The GDN causal-conv decode step of one channel (docs/model.md §3.3 step 2), shared by the
 // stand-alone conv kernels (gdn.cu) and the in-projection GEMV's conv epilogue (quant_gemv.cu),
 // so that both give bit-identical results (nvcc only).
 #pragma once
@@ -6,7 +6,7 @@
 
 namespace lily::cuda {
 
-/// GDN conv kernel width K (model.md §3.3; gdn_dims() rejects any other).
+/// GDN conv kernel width K (docs/model.md §3.3; gdn_dims() rejects any other).
 constexpr int kGdnConvK = 4;
 
 /// silu with the precise exp (matches the CPU reference's std::exp to an ulp).

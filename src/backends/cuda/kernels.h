@@ -3,7 +3,7 @@
 // routing / experts, argmax. Host-visible (plain C++), so cuda_backend.cpp compiles with g++.
 // All launchers are asynchronous on `stream`, allocate nothing and are safe to capture into a
 // CUDA graph; scalars that change per token (token id, position) are read from device memory.
-// Numerics follow reference/model.md §4.3 (bf16 activations, fp32 accumulation).
+// Numerics follow docs/model.md §4.3 (bf16 activations, fp32 accumulation).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -12,7 +12,7 @@
 
 namespace lily::cuda {
 
-/// Device view of an MLX affine-quantized matrix W[rows, cols] (model.md §2.2), stored on the
+/// Device view of an MLX affine-quantized matrix W[rows, cols] (docs/model.md §2.2), stored on the
 /// device exactly in the checkpoint layout: codes U32 [rows, cols·bits/32] (lowest element in
 /// the lowest bits), scales and biases bf16 [rows, cols/64]; w = scale·q + bias in fp32.
 /// Stacked/fused matrices are row concatenations of such matrices.
@@ -28,7 +28,7 @@ struct DeviceQuant {
   int groups_per_row() const { return cols / 64; }
 };
 
-/// y[r] = Σ_c w[r,c]·x[c] for all rows r, per 64-group as s·Σ(q·x) + b·Σx in fp32 (model.md
+/// y[r] = Σ_c w[r,c]·x[c] for all rows r, per 64-group as s·Σ(q·x) + b·Σx in fp32 (docs/model.md
 /// §4.2 GEMV). x: bf16 [cols]. Exactly one of y_bf16 / y_f32 ([rows]) is non-null: bf16 output
 /// is rounded once; fp32 output (router, shared-expert gate, lm_head) is not rounded.
 /// Throws lily::Error for bits ∉ {4, 8}, cols not a multiple of 64, or cols > 16384.
@@ -39,19 +39,19 @@ void launch_quant_gemv(const DeviceQuant& w, const __nv_bfloat16* x, __nv_bfloat
 void launch_quant_gemv_batched(const DeviceQuant& w, const __nv_bfloat16* x, int m, __nv_bfloat16* y_bf16,
                                float* y_f32, cudaStream_t stream);
 
-/// Embedding gather (model.md §3.1): out[c] = bf16(s·q + b) of row tokens[t] of the 4-bit
+/// Embedding gather (docs/model.md §3.1): out[c] = bf16(s·q + b) of row tokens[t] of the 4-bit
 /// table, for t < m; out [m, cols]. Ids outside [0, rows) are clamped (the host validates ids).
 void launch_embed(const DeviceQuant& table, const int32_t* tokens, int m, __nv_bfloat16* out,
                   cudaStream_t stream);
 
-/// Residual add fused with RMSNorm (model.md §3.2, §4.3 item 2), over m rows of n values:
+/// Residual add fused with RMSNorm (docs/model.md §3.2, §4.3 item 2), over m rows of n values:
 /// if `branch` is non-null, x ← bf16(x + branch) (stored back into x); then
 /// y = bf16(x · r · gain) with r = 1/sqrt(mean(x²) + eps), fp32. x, branch, y: bf16 [m, n];
 /// gain: fp32 [n].
 void launch_add_rmsnorm(__nv_bfloat16* x, const __nv_bfloat16* branch, const float* gain, __nv_bfloat16* y,
                         int m, int n, float eps, cudaStream_t stream);
 
-/// MoE routing (model.md §3.5, norm_topk_prob = true): logits fp32 [m, n_experts + 1] = router
+/// MoE routing (docs/model.md §3.5, norm_topk_prob = true): logits fp32 [m, n_experts + 1] = router
 /// logits then the shared-expert gate logit. Picks the top_k largest logits (descending; ties to
 /// the lowest id; NaN never wins), weights w_k = softmax over the selected k (fp32). Writes
 /// ids [m, top_k + 1] and weights [m, top_k + 1]; slot top_k is the shared expert (id =
@@ -59,7 +59,7 @@ void launch_add_rmsnorm(__nv_bfloat16* x, const __nv_bfloat16* branch, const flo
 void launch_router_topk(const float* logits, int m, int n_experts, int top_k, int32_t* ids, float* weights,
                         cudaStream_t stream);
 
-/// An add + RMSNorm folded into the input staging of a decode GEMV (one token; model.md §3.2,
+/// An add + RMSNorm folded into the input staging of a decode GEMV (one token; docs/model.md §3.2,
 /// §4.3 item 2), with exactly launch_add_rmsnorm's numerics: h = bf16(x + branch) (h = x when
 /// branch is null), y = bf16(h · r · gain) with r = 1/sqrt(mean(h²) + eps) in fp32; the GEMV then
 /// multiplies y. Every block computes the (4 KB) norm itself; block 0 also stores h into x_out
@@ -73,7 +73,7 @@ struct FusedNorm {
   __nv_bfloat16* normed_out = nullptr;    ///< bf16 [cols]: y
 };
 
-/// The GDN causal-conv decode step (gdn_conv_decode, model.md §3.3 step 2) folded into the
+/// The GDN causal-conv decode step (gdn_conv_decode, docs/model.md §3.3 step 2) folded into the
 /// epilogue of the GDN in-projection GEMV, with gdn_conv_decode's exact arithmetic: for each
 /// output row r < channels (the q ‖ k ‖ v rows), x = bf16(y[r]) (y[r] is still stored):
 /// out[r] = bf16(silu(Σ_t window[r][t]·taps[r][t] + x·taps[r][3])), window[r] ← (w1, w2, x).
@@ -93,7 +93,7 @@ void launch_add_rmsnorm_gemv(const FusedNorm& norm, const __nv_bfloat16* x, cons
                              __nv_bfloat16* y_bf16, float* y_f32, cudaStream_t stream,
                              const FusedConv& conv = FusedConv{});
 
-/// Router GEMV fused with routing, for decode (performance.md §3 "fused top-k routing"): one
+/// Router GEMV fused with routing, for decode (at batch 1 the stand-alone top-k is pure launch latency): one
 /// launch computes logits[t] = W x[t] (fp32, exactly launch_quant_gemv's per-row arithmetic; W the
 /// 4/8-bit [n_experts + 1, cols] router ‖ shared-expert-gate matrix) and, in the last block to
 /// finish a row (atomic counter), the routing of launch_router_topk (same ids, same weights).
@@ -123,14 +123,14 @@ bool stream_gemv_enabled();
 /// Overrides LILY_CUDA_STREAM_GEMV for the rest of the process (tests comparing both paths).
 void set_stream_gemv_enabled(bool on);
 
-/// Fused gate/up + SwiGLU for the selected experts (model.md §4.3 item 5): for each slot
+/// Fused gate/up + SwiGLU for the selected experts (docs/model.md §4.3 item 5): for each slot
 /// k < n_sel of token row t, expert e = ids[t·n_sel + k]: g = bf16(W_gate[e] x), u = bf16(W_up[e] x),
 /// act[t, k, i] = bf16(silu(g_i)·u_i). gate/up: stacks of (n_experts + 1)·ffn rows (shared expert
 /// last). x bf16 [m, hidden]; act bf16 [m, n_sel, ffn].
 void launch_expert_gate_up(const DeviceQuant& gate, const DeviceQuant& up, int ffn, const int32_t* ids, int n_sel,
                            const __nv_bfloat16* x, int m, __nv_bfloat16* act, cudaStream_t stream);
 
-/// Down projection fused with the weighted combine (model.md §4.3 item 5): out[t, r] =
+/// Down projection fused with the weighted combine (docs/model.md §4.3 item 5): out[t, r] =
 /// bf16( Σ_k weights[t,k] · bf16(W_down[e_k] act[t,k])[r] ), accumulated in fp32 in slot order
 /// (the shared expert, slot n_sel−1, last). down: stack of (n_experts + 1)·hidden rows × ffn.
 void launch_expert_down_combine(const DeviceQuant& down, int hidden, const int32_t* ids, const float* weights,
@@ -139,7 +139,7 @@ void launch_expert_down_combine(const DeviceQuant& down, int hidden, const int32
 
 /// Number of fp32 + int32 scratch slots launch_argmax needs for n values.
 int argmax_scratch_slots(int64_t n);
-/// Greedy pick (model.md §3.6): out_id[0] = argmax of logits fp32 [n], ties to the lowest index,
+/// Greedy pick (docs/model.md §3.6): out_id[0] = argmax of logits fp32 [n], ties to the lowest index,
 /// NaN never wins, an all-NaN row gives 0. scratch_val / scratch_idx: argmax_scratch_slots(n).
 void launch_argmax(const float* logits, int64_t n, float* scratch_val, int32_t* scratch_idx, int32_t* out_id,
                    cudaStream_t stream);

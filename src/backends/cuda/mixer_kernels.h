@@ -1,5 +1,5 @@
-// CUDA mixer kernels of the two token mixers: Gated DeltaNet (reference/model.md §3.3) and
-// gated full attention (model.md §3.4), decode and prefill. Every function here is a host-side
+// CUDA mixer kernels of the two token mixers: Gated DeltaNet (docs/model.md §3.3) and
+// gated full attention (docs/model.md §3.4), decode and prefill. Every function here is a host-side
 // launcher: it validates its shapes (throwing lily::Error naming what was wrong), enqueues one
 // or more kernels on `stream` and returns at once (no synchronisation, no allocation, so all
 // of them can be captured into a CUDA graph). Launch failures throw lily::InternalError.
@@ -8,7 +8,7 @@
 //  - bf16 = __nv_bfloat16 in device memory; fp32 = float. "Row" = one token.
 //  - Row strides are given in elements, so callers can pass slices of fused projection
 //    outputs (e.g. the qkv|z|a|b GEMV row) without copying.
-//  - Numerics follow model.md §4.3/§4.4: fp32 arithmetic, one bf16 rounding per output.
+//  - Numerics follow docs/model.md §4.3/§4.4: fp32 arithmetic, one bf16 rounding per output.
 //  - Decode kernels that depend on the position can read it from device memory (pointer
 //    argument non-null) so that a captured decode graph can be replayed at every position.
 #pragma once
@@ -23,7 +23,7 @@
 namespace lily::cuda {
 
 // =============================================================================================
-// Gated DeltaNet (model.md §3.3)
+// Gated DeltaNet (docs/model.md §3.3)
 // =============================================================================================
 
 /// GDN dimensions. The kernels are compiled for Dk = Dv ∈ {64, 128} (128: the Qwen3.6 family;
@@ -58,7 +58,7 @@ struct GdnParams {
   const float* norm_w = nullptr;   ///< [Dv] plain gain of the gated RMSNorm
 };
 
-/// GDN decode, step 1: causal depthwise conv of one token + SiLU (model.md §3.3 step 2).
+/// GDN decode, step 1: causal depthwise conv of one token + SiLU (docs/model.md §3.3 step 2).
 ///   qkv    bf16 [C]          raw projection output (q ‖ k ‖ v) of the current token
 ///   window bf16 [C, K-1]     channel-major, oldest first; the previous K-1 RAW inputs of each
 ///                            channel (zero at sequence start); shifted in place
@@ -68,7 +68,7 @@ void gdn_conv_decode(const GdnDims& dims, const GdnParams& params, const __nv_bf
                      __nv_bfloat16* window, __nv_bfloat16* out, cudaStream_t stream);
 
 /// GDN decode, step 2: one fused kernel, a cluster of Dv/32 CTAs per value head (4 at Dv = 128,
-/// 2 at Dv = 64), each owning 32 value columns of the state (model.md §3.3 steps 3-6, §4.3):
+/// 2 at Dv = 64), each owning 32 value columns of the state (docs/model.md §3.3 steps 3-6, §4.3):
 /// L2-normalise q, k (HF form x·rsqrt(Σx²+1e-6), fp32, not rounded), q scale 1/√Dk,
 /// α = exp(−exp(A_log)·softplus(a+dt_bias)) (softplus threshold 20), β = sigmoid(b),
 /// delta-rule update of the fp32 state (decay, predict, delta, rank-1 update), output with the
@@ -107,7 +107,7 @@ void gdn_prefill(const GdnDims& dims, const GdnParams& params, int T,
                  float* state, __nv_bfloat16* out, cudaStream_t stream);
 
 // =============================================================================================
-// Gated full attention (model.md §3.4)
+// Gated full attention (docs/model.md §3.4)
 // =============================================================================================
 
 /// Attention dimensions. Kernels are compiled for head_dim ∈ {64, 128, 256}, GQA group
@@ -136,7 +136,7 @@ struct KvCacheView {
   int64_t capacity = 0;  ///< positions per head (row stride of a head = capacity·head_dim)
 };
 
-/// q/k preparation for T tokens at positions pos0 … pos0+T−1 (model.md §3.4 steps 1-4):
+/// q/k preparation for T tokens at positions pos0 … pos0+T−1 (docs/model.md §3.4 steps 1-4):
 /// per-head RMSNorm (stored gain, eps) → bf16 → partial half-split RoPE on the first
 /// rotary_dim dims in fp32 (f_j = θ^(−2j/rotary_dim), φ = p·f_j) → bf16. Writes q into `q_out`
 /// and appends K (normed+roped) and V (raw copy) to the cache at positions pos.
@@ -162,7 +162,7 @@ int attention_decode_splits(int64_t len);
 /// Workspace bytes attention_decode needs for `n_splits` (fp32 partial outputs and stats).
 size_t attention_decode_workspace_bytes(const AttnDims& dims, int n_splits);
 
-/// Decode attention for one token (model.md §3.4 steps 5-6) with split-K over the keys:
+/// Decode attention for one token (docs/model.md §3.4 steps 5-6) with split-K over the keys:
 /// grid (kv head, split); each CTA scores its key range for all nq/nkv query heads of the
 /// group, keeps fp32 running max/sum, writes partials to `workspace`; a combine kernel merges
 /// the splits and applies the sigmoid output gate.
@@ -179,7 +179,7 @@ void attention_decode(const AttnDims& dims, const __nv_bfloat16* q, const __nv_b
                       __nv_bfloat16* out, cudaStream_t stream);
 
 /// Causal flash attention for a prefill chunk of T query rows at positions base … base+T−1
-/// (model.md §4.4), GQA, online fp32 softmax; key t is visible to row r iff t ≤ base + r.
+/// (docs/model.md §4.4), GQA, online fp32 softmax; key t is visible to row r iff t ≤ base + r.
 /// The chunk's K/V must already be in the cache (attention_prepare).
 ///   q      bf16 [T, nq, D]    contiguous (attention_prepare's q_out)
 ///   gate   bf16 [T, nq, 2·D]  row stride `gate_stride` (the qg rows); nullptr = no gate

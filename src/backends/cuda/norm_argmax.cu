@@ -1,5 +1,5 @@
-// Residual add + RMSNorm (reference/model.md §3.2, §4.3 item 2) and the greedy argmax over the
-// fp32 lm_head logits (model.md §3.6), two stages: per-block best, then one block over those.
+// Residual add + RMSNorm (docs/model.md §3.2, §4.3 item 2) and the greedy argmax over the
+// fp32 lm_head logits (docs/model.md §3.6), two stages: per-block best, then one block over those.
 #include <cfloat>
 #include <climits>
 

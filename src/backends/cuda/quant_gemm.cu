@@ -1,6 +1,7 @@
-// Tensor-core W4A16 / W8A16 GEMM for prefill on MLX affine weights (reference/model.md §2.2,
-// §4.2 "prefill dense projection" and "prefill MoE experts"): dense projections and grouped
-// expert GEMMs. Unverified on a GPU until the H200 run (docs/cuda.md).
+// Tensor-core W4A16 / W8A16 GEMM for prefill on MLX affine weights (docs/model.md §2.2,
+// §4.2, tensor-core GEMM row): dense projections and grouped
+// expert GEMMs; the default prefill path (CudaOptions::tensor_core_gemm). Tests:
+// tests/gpu/test_quant_gemm.cu (docs/cuda.md).
 //
 // One kernel template, three modes:
 //   kDense  — y[m, N] = x[m, K]·bf16(W)ᵀ, token rows in grid.x, weight-row tiles in grid.y;
@@ -22,7 +23,7 @@
 // Shared rows are padded to 72 bf16 (144 B): fragment loads of a warp (8 rows × 4 words) then
 // hit 32 distinct banks, and 16-byte dequant stores stay aligned.
 //
-// Tile choice (m = tokens per prefill chunk, ≤ 256 today; N = weight rows, 512 … 248320):
+// Tile choice (m = tokens per prefill chunk, up to CudaOptions::prefill_chunk, 2,048 by default; N = weight rows, 512 … 248320):
 //   * BK = 64: one group per k-tile (above); K = 2048 / 4096 / 512 → 32 / 64 / 8 k-tiles.
 //   * BN = 128 weight rows: a 4-bit code tile is 4 KiB, the dequantized tile 18 KiB; BN = 64 only
 //     when 128 would leave SMs idle (e.g. out_proj N = 2048 at m = 256: 2 × 16 = 32 CTAs with

@@ -1,7 +1,7 @@
 // Launchers for the tensor-core prefill GEMMs on MLX affine 4/8-bit weights (W4A16 / W8A16):
 // a dense GEMM for the projections and a grouped GEMM for the MoE experts, whose token rows are
 // grouped by expert on the device. Host-visible (plain C++), like kernels.h. Numerics: the
-// prefill-GEMM row of reference/model.md §4.2 — each dequantized weight w = s·q + b (fp32) is
+// tensor-core GEMM row of docs/model.md §4.2 — each dequantized weight w = s·q + b (fp32) is
 // rounded once to bf16, products of bf16 × bf16 are accumulated in fp32, the output is rounded
 // once (bf16 outputs). Asynchronous on `stream`; they allocate nothing. See docs/cuda.md
 // ("Tensor-core prefill GEMM") for tiles and status.
@@ -39,7 +39,7 @@ int64_t expert_grouping_ints(int n_groups, int m, int n_sel);
 void launch_expert_grouping(const int32_t* ids, int m, int n_sel, int n_groups, int32_t* grouping,
                             cudaStream_t stream);
 
-/// Grouped expert gate/up with the SwiGLU epilogue (model.md §4.3 item 5 with §4.2's bf16
+/// Grouped expert gate/up with the SwiGLU epilogue (docs/model.md §4.3 item 5 with §4.2's bf16
 /// weights): for each assignment a = t·n_sel + slot with expert e,
 ///   g = bf16(bf16(W_gate[e]) x[t]), u = bf16(bf16(W_up[e]) x[t]), act[a, i] = bf16(silu(g_i)·u_i).
 /// gate/up: stacks of n_groups·ffn rows × hidden (expert e at rows e·ffn…). x bf16 [m, hidden];
@@ -56,7 +56,7 @@ void launch_quant_gemm_grouped_down(const DeviceQuant& down, int hidden, const i
                                     const __nv_bfloat16* act, int m, int n_sel, __nv_bfloat16* slot_out,
                                     cudaStream_t stream);
 
-/// Weighted combine of the per-slot expert outputs (model.md §4.3 item 5, same numerics as
+/// Weighted combine of the per-slot expert outputs (docs/model.md §4.3 item 5, same numerics as
 /// launch_expert_down_combine): out[t, r] = bf16(Σ_s weights[t, s]·slot_out[t·n_sel + s, r]),
 /// summed in fp32 in slot order (deterministic). out bf16 [m, hidden].
 void launch_expert_combine(const __nv_bfloat16* slot_out, const float* weights, int m, int n_sel, int hidden,

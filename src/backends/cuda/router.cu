@@ -1,5 +1,5 @@
 // The decode router: MLX-affine router GEMV (router ‖ shared-expert gate rows, fp32 logits) fused
-// with the top-k routing (reference/model.md §3.5; performance.md §3 "fused top-k routing").
+// with the top-k routing (docs/model.md §3.5; one launch instead of two, docs/benchmark.md §3.3).
 // Every block computes a share of the logit rows with exactly the per-row arithmetic of
 // quant_gemv.cu (rows_partial over L lanes, group_sum), stores them, and counts itself done on a
 // per-token atomic counter; the last block to finish a token row routes it with one warp

@@ -36,7 +36,7 @@ class CpuBackendDemo : public ::testing::Test {
       if (s == id) return true;
     return false;
   }
-  /// A deterministic in-vocabulary prompt of n ids (the serving.md §6 pattern).
+  /// A deterministic in-vocabulary prompt of n ids (the docs/benchmark.md §1.1 pattern).
   static std::vector<int32_t> synthetic_prompt(int n) {
     std::vector<int32_t> ids(n);
     for (int i = 0; i < n; ++i)
@@ -97,7 +97,7 @@ TEST_F(CpuBackendDemo, ReproducesTransformersGreedyGoldens) {
 
 TEST_F(CpuBackendDemo, Bf16NumericsKeepsTheGoldenIdsWhileTheMarginIsLarge) {
   // The bf16-activation policy (what the CUDA backend computes) must not change a greedy choice
-  // that transformers made with a top-2 margin ≥ 0.5 (issue 5's end-to-end criterion).
+  // that transformers made with a top-2 margin ≥ 0.5 (the end-to-end criterion of docs/model.md §4.5).
   std::ifstream in(test::source_dir() / "tests" / "fixtures" / "demo.golden.json");
   ASSERT_TRUE(in) << "missing tests/fixtures/demo.golden.json";
   const auto golden = nlohmann::json::parse(in);
@@ -255,7 +255,7 @@ TEST_F(CpuBackendDemo, Bf16NumericsRoundsEveryStoredActivation) {
   backend.prefill(*state, synthetic_prompt(5));
   int checked = 0;
   backend.set_probe_sink([&](std::string_view name, int layer, int64_t, std::span<const float> values) {
-    if (name == "router_logits" || name == "logits") return;  // fp32 by design (model.md §4.1)
+    if (name == "router_logits" || name == "logits") return;  // fp32 by design (docs/model.md §4.1)
     for (float v : values) {
       ASSERT_EQ(v, round_bf16(v)) << name << " layer " << layer << " is not bf16-representable";
     }

@@ -48,7 +48,7 @@ std::vector<float> random_vector(int64_t n, uint32_t seed, float stddev = 1.0f) 
 // ---- dequantization and matmul -------------------------------------------------------------------
 
 TEST(CpuOps, DequantizesTheMlxFixtureWord) {
-  // model.md §2.2: the word 0x22111100 decodes to codes 0,0,1,1,1,1,2,2 (lowest nibble first).
+  // docs/model.md §2.2: the word 0x22111100 decodes to codes 0,0,1,1,1,1,2,2 (lowest nibble first).
   std::vector<uint32_t> codes(8, 0);
   codes[0] = 0x22111100u;
   codes[7] = 0xF0000000u;  // code 15 at column 63

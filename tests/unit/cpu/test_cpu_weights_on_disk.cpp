@@ -1,4 +1,4 @@
-// Issue 16 item 1, backend side: the CPU backend reads the memory-mapped checkpoint on every
+// Weights changed on disk, backend side: the CPU backend reads the memory-mapped checkpoint on every
 // step, so it reports a truncated file (Backend::weights_changed) before anything reads it; with
 // the weights read into memory (--no-mmap) the same truncation changes nothing and generation
 // still gives the tokens it gave before.

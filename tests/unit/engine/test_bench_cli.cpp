@@ -1,4 +1,4 @@
-// `lily bench` end to end on the demo model (CPU): the serving.md §6 contract's report — rounds,
+// `lily bench` end to end on the demo model (CPU): the docs/benchmark.md §1 contract's report — rounds,
 // per-step times, a digest that repeats across rounds and equals the FNV-1a of the ids that
 // `lily generate` produces for the same synthetic prompt — and its option errors.
 #include <gtest/gtest.h>
@@ -19,14 +19,14 @@ namespace {
 
 std::string quoted(const std::filesystem::path& p) { return "'" + p.string() + "'"; }
 
-/// serving.md §6.1 prompt ids.
+/// docs/benchmark.md §1.1 prompt ids.
 std::vector<int32_t> contract_prompt(int n, int vocab) {
   std::vector<int32_t> ids(n);
   for (int i = 0; i < n; ++i) ids[i] = int32_t((uint64_t(i) * 2654435761ull % 4294967296ull) % uint64_t(vocab));
   return ids;
 }
 
-/// 64-bit FNV-1a over whole u32 ids, as 16 hex digits (serving.md §6.2 item 5).
+/// 64-bit FNV-1a over whole u32 ids, as 16 hex digits (docs/benchmark.md §1.3 item 4).
 std::string fnv1a_hex(const std::vector<int32_t>& ids) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (int32_t id : ids) {

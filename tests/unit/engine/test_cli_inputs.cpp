@@ -1,4 +1,4 @@
-// Issue 16 item 3: the smaller command-line faults. Each case runs the built `lily` (bounded by
+// The smaller command-line faults. Each case runs the built `lily` (bounded by
 // `timeout`, so a run the old code let go on for minutes fails instead of stalling the suite).
 #include <gtest/gtest.h>
 

@@ -172,7 +172,7 @@ TEST(Scheduler, SecondIdenticalRequestHitsTheCache) {
   EXPECT_EQ(h.scheduler->cache_stats().hits, 1);
 }
 
-// Issue 16 item 1: once the backend reports that its memory-mapped weights changed on disk, the
+// Once the backend reports that its memory-mapped weights changed on disk, the
 // scheduler refuses every further request (ModelUnavailableError, a ShuttingDownError, which the
 // server answers with 503) instead of running the engine over pages that may fault with SIGBUS.
 TEST(Scheduler, ChangedWeightsRefuseNewRequestsForGood) {

@@ -1,4 +1,4 @@
-// config.json parsing and family-strict validation (model.md §1): the demo config parses to the
+// config.json parsing and family-strict validation (docs/model.md §1): the demo config parses to the
 // documented values; every other family member, quantization method or inconsistency is named.
 #include <gtest/gtest.h>
 
@@ -19,7 +19,7 @@ json demo_config() {
   return json::parse(in);
 }
 
-/// The 35B-A3B text config of model.md §1.1 in the MLX wrapper.
+/// The 35B-A3B text config of docs/model.md §1.1 in the MLX wrapper.
 json real_config() {
   json text = {{"model_type", "qwen3_5_moe_text"}, {"hidden_size", 2048}, {"num_hidden_layers", 40},
                {"vocab_size", 248320}, {"num_attention_heads", 16}, {"num_key_value_heads", 2},
@@ -89,7 +89,7 @@ TEST(Config, RecognisesQwen36Shape) {
   EXPECT_EQ(c.rotary_dim, 64);
   EXPECT_EQ(c.gdn_conv_channels(), 8192);
   EXPECT_EQ(c.eos_token_ids, (std::vector<int32_t>{248046, 248044}));
-  // About 35B parameters (model.md §1): the table counts embeddings, lm_head and all experts.
+  // About 35B parameters (docs/model.md §1): the table counts embeddings, lm_head and all experts.
   EXPECT_GT(c.parameter_count(), 34'000'000'000);
   EXPECT_LT(c.parameter_count(), 36'000'000'000);
 }

@@ -1,5 +1,5 @@
-// Regression tests for findings of the fuzz targets on src/io and src/model (issue 7 item 2;
-// tests/fuzz/fuzz_safetensors.cpp, fuzz_config.cpp). Each test is the minimized input that
+// Regression tests for findings of the fuzz targets on src/io and src/model
+// (tests/fuzz/fuzz_safetensors.cpp, fuzz_config.cpp). Each test is the minimized input that
 // crashed, with the behaviour now expected.
 #include <gtest/gtest.h>
 

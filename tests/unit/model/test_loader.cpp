@@ -1,4 +1,4 @@
-// load_model on the committed demo model and on hand-corrupted copies of it (model.md §2).
+// load_model on the committed demo model and on hand-corrupted copies of it (docs/model.md §2).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -353,7 +353,7 @@ TEST(QuantMatrix, DecodesEightBitCodes) {
 }
 
 TEST(QuantMatrix, DecodesFourBitCodesLowestNibbleFirst) {
-  // model.md §2.2: word 0x22111100 decodes to codes 0,0,1,1,1,1,2,2.
+  // docs/model.md §2.2: word 0x22111100 decodes to codes 0,0,1,1,1,1,2,2.
   uint32_t codes[8] = {0x22111100u};
   uint16_t scales[1] = {float_to_bf16(-0.25f)};
   uint16_t biases[1] = {float_to_bf16(2.0f)};

@@ -1,4 +1,4 @@
-// The safetensors reader and the checkpoint directory (model.md §2.1) on hand-built files:
+// The safetensors reader and the checkpoint directory (docs/model.md §2.1) on hand-built files:
 // every malformed header is rejected with a message naming the file and the tensor.
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// Issue 16 item 2: a FIFO (or another non-regular file) given as config.json,
+// A FIFO (or another non-regular file) given as config.json,
 // model.safetensors, a shard index or tokenizer.json used to hang `lily inspect`, `generate`,
 // `tokenize` and `serve` in open(2) (no writer ever comes). Each must now exit 1 at once with an
 // error naming the file. The runs are bounded by `timeout`, so the old behaviour fails the test

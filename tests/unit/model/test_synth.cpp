@@ -39,7 +39,7 @@ uint32_t code_at(const uint32_t* packed, int bits, int c) {
   return (packed[c / per] >> (bits * (c % per))) & ((1u << bits) - 1);
 }
 
-// ---- quantize_group_affine (model.md §2.2) ----------------------------------------------------
+// ---- quantize_group_affine (docs/model.md §2.2) ----------------------------------------------------
 
 TEST(SynthQuantize, RampGroupFourBit) {
   float w[64];

@@ -1,4 +1,4 @@
-// Issue 16 item 1, checkpoint side: a memory-mapped safetensors file that is truncated,
+// Weights changed on disk, checkpoint side: a memory-mapped safetensors file that is truncated,
 // rewritten, replaced or removed after loading is reported by Checkpoint::changed_on_disk (one
 // stat(2), never touching the mapped pages), and a checkpoint read with mmap off holds its own
 // copy that such changes cannot affect.

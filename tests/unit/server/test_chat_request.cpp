@@ -298,7 +298,7 @@ TEST(ApiErrorShape, HasMessageTypeParamAndCode) {
   EXPECT_TRUE(plain["error"]["code"].is_null());
 }
 
-// Issue 16 item 3: a NUL byte in a request's model name cut the 404 message at the NUL, since
+// A NUL byte in a request's model name cut the 404 message at the NUL, since
 // body() used what() (a C string). The whole message comes back now.
 TEST(ApiErrorShape, MessageKeepsBytesAfterANul) {
   const std::string message = std::string("the model 'a") + '\0' + "b' does not exist; this server serves 'demo'";

@@ -1,4 +1,4 @@
-// The pure HTTP pieces of lily serve (issue 16): --allowed-origins and the CORS answer headers,
+// The pure HTTP pieces of lily serve: --allowed-origins and the CORS answer headers,
 // client request ids, the Date header, request targets and HTTP versions.
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// `lily serve --write-timeout` against a client that stops reading (issue 7 item 5). Starts the
+// `lily serve --write-timeout` against a client that stops reading. Starts the
 // built `lily serve` on the demo model as a child process and talks raw TCP to it. The stalled
 // client fixes a small receive buffer before it connects (SO_RCVBUF, which also stops the
 // kernel's auto-tuning), and the server a small send buffer (--send-buffer): together they hold

@@ -60,7 +60,7 @@ TEST(Bind, Loopback) {
   EXPECT_TRUE(is_loopback_host("localhost"));
   EXPECT_FALSE(is_loopback_host("0.0.0.0"));
   EXPECT_FALSE(is_loopback_host("::"));
-  // IPv4-mapped loopback, as "[::ffff:127.0.0.1]:P" in --bind leaves it (issue 16).
+  // IPv4-mapped loopback, as "[::ffff:127.0.0.1]:P" in --bind leaves it.
   std::string host;
   int port = 0;
   parse_bind("[::ffff:127.0.0.1]:8000", host, port);

@@ -1,5 +1,5 @@
 // Unit tests of chat prompts (text/chat_template): lily's built-in Qwen3.5/3.6 template with
-// thinking disabled (reference/model.md §6.1) — exact text, errors, special-token injection and
+// thinking disabled (docs/model.md §6.1) — exact text, errors, special-token injection and
 // the multi-turn token-prefix property the session cache relies on — and checkpoint templates
 // (chat_template.jinja, tokenizer_config.json) rendered with the Jinja engine. Byte-for-byte
 // goldens against a Jinja engine live in tests/node/template.test.mjs and jinja.test.mjs.

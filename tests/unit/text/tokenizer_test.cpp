@@ -1,4 +1,4 @@
-// Unit tests of the byte-level BPE tokenizer (reference/model.md §5) on tiny hand-made
+// Unit tests of the byte-level BPE tokenizer (docs/model.md §5) on tiny hand-made
 // tokenizer.json files and on the demo model's tokenizer. The goldens against Hugging Face
 // tokenizers live in tests/node/tokenizer.test.mjs.
 #include <gtest/gtest.h>
