@@ -1,4 +1,4 @@
-// MoE block kernels (reference/model.md §3.5, §4.3 item 5): router top-k with renormalised
+// MoE block kernels (docs/model.md §3.5, §4.3 item 5): router top-k with renormalised
 // softmax weights, fused gate/up + SwiGLU over the selected experts (the shared expert rides
 // along as expert n_experts), and the down projection fused with the weighted combine.
 #include <cfloat>

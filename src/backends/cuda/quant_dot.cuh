@@ -1,6 +1,6 @@
 // Device building blocks of every MLX-affine matrix-vector product (nvcc only): staging an
 // activation row into shared memory (fp32, padded per 64-group, with per-group sums) and the
-// per-group dot product s·Σ(q·x) + b·Σx (reference/model.md §4.2, GEMV row).
+// per-group dot product s·Σ(q·x) + b·Σx (docs/model.md §4.2).
 #pragma once
 #include <string>
 

@@ -1,4 +1,4 @@
-// MLX-affine GEMV (4- and 8-bit) and the embedding gather (reference/model.md §3.1, §4.2).
+// MLX-affine GEMV (4- and 8-bit) and the embedding gather (docs/model.md §3.1, §4.2).
 // Layout: the checkpoint's own (codes U32 row-major, bf16 scales/biases per 64-group), so
 // fused projections are plain row concatenations. Three kernels, chosen by shape:
 //  - quant_stream_gemv_kernel (4-bit, m ≤ 8, cols % 512 == 0: every decode projection of the
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kGemvThreads, 3) quant_gemv_kernel(DeviceQuant
 // become exact bf16 values with two instructions per pair (OR into the mantissa of 128, subtract
 // 128), and the tensor core does the multiply-adds. Per 64-group the four MMAs of a group start
 // from zero, so each group's Σ q·x is an fp32 sum of exact products, and the epilogue applies
-// today's formula s·Σ(q·x) + b·Σx in fp32 (model.md §4.2 GEMV row); only the summation order
+// today's formula s·Σ(q·x) + b·Σx in fp32 (docs/model.md §4.2); only the summation order
 // inside a group differs from the CUDA-core kernel. Each token column's result depends on that
 // token's x alone, so a row's output is the same for any m (batch-invariant).
 //
