@@ -36,13 +36,13 @@ std::pair<JobEvent, int> finish(Job& j) {
 struct Harness {
   FakeBackend* backend;
   std::unique_ptr<Scheduler> scheduler;
-  explicit Harness(int max_queue, int cache_entries = 2) {
+  explicit Harness(int max_queue, int64_t cache_bytes = 1 << 20) {
     auto b = std::make_unique<FakeBackend>();
     backend = b.get();
     EngineOptions o;
     o.max_seq = 64;
     o.max_queue = max_queue;
-    o.cache = {cache_entries, 0};
+    o.cache = {cache_bytes, 0};
     scheduler = std::make_unique<Scheduler>(std::move(b), nullptr, o);
   }
 };
