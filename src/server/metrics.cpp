@@ -190,7 +190,8 @@ std::string Metrics::render(const EngineGauges& g) const {
          static_cast<double>(g.cache.tokens_saved));
   auto per_tier = [&](const char* name, const char* type, const char* help, auto field) {
     header(out, name, type, help);
-    for (const auto& [tier, stats] : {std::pair{"device", &g.cache.device}, std::pair{"host", &g.cache.host}})
+    for (const auto& [tier, stats] : {std::pair{cache_tier_name(CacheTier::kDevice), &g.cache.device},
+                                      std::pair{cache_tier_name(CacheTier::kHost), &g.cache.host}})
       out += std::string(name) + "{tier=\"" + tier + "\"} " + std::to_string(stats->*field) + "\n";
   };
   per_tier("lily_cache_evictions_total", "counter",
