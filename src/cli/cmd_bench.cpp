@@ -197,7 +197,7 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
 
 void register_bench(CLI::App& app, int& exit_code) {
   auto f = std::make_shared<BenchFlags>();
-  auto* cmd = app.add_subcommand("bench", "Measure prefill (TTFT) and decode tok/s with the serving.md §6 contract");
+  auto* cmd = app.add_subcommand("bench", "Measure prefill (TTFT) and decode tok/s as docs/benchmark.md §1 defines them");
   cmd->add_option("--model", f->model, "checkpoint directory (default: the repository's models/demo)");
   cmd->add_option("--prompt-len", f->prompt_len, "synthetic prompt tokens")->capture_default_str();
   cmd->add_option("--decode-steps", f->decode_steps, "measured decode steps")->capture_default_str();

@@ -2,6 +2,7 @@
 // --model defaults to the repository's models/demo (found next to the executable).
 #include <cstdlib>
 
+#include "base/byte_size.h"
 #include "base/error.h"
 #include "cli/commands.h"
 #include "engine/model_paths.h"
@@ -31,6 +32,7 @@ struct ServeFlags {
   CLI::Option *temperature_opt = nullptr, *top_p_opt = nullptr, *top_k_opt = nullptr, *min_p_opt = nullptr,
               *seed_opt = nullptr;
   bool no_generation_config = false;
+  std::string cache_memory, cache_host_memory;  ///< byte counts (parse_byte_size); empty: default
 };
 
 void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
@@ -51,10 +53,13 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
                 "files later cannot crash the server (with mmap such a change makes it refuse requests)");
   cmd->add_option("--served-model-name", o.served_model_name, "model name clients must send "
                   "(default: Qwen3.6-35B-A3B for that shape, else the directory name)");
-  cmd->add_option("--cache-entries", o.cache_entries, "prefix-cache entries, 0 disables the cache")
-      ->capture_default_str()->check(integer_at_least(0));
-  cmd->add_option("--cache-bytes", o.cache_bytes, "prefix-cache memory bound in bytes, 0 = none")
-      ->capture_default_str()->check(integer_at_least(0));
+  cmd->add_option("--cache-memory", f.cache_memory, "prefix-cache snapshots in the backend's memory (device memory "
+                  "for CUDA), bytes or 512MiB, 4GiB …; 0 with --cache-host-memory 0 disables the cache "
+                  "(default: half the free device memory after loading; CPU: a quarter of the available memory)")
+      ->check(byte_size());
+  cmd->add_option("--cache-host-memory", f.cache_host_memory, "prefix-cache second tier in host memory (pinned "
+                  "for CUDA), bytes or 512MiB, 4GiB … (default: CUDA a quarter of the available memory, CPU 0)")
+      ->check(byte_size());
   cmd->add_option("--max-tokens", o.max_tokens_cap,
                   "most completion tokens per request, and the default when a request omits "
                   "max_tokens; 0 = bounded by --max-seq only")
@@ -113,6 +118,14 @@ server::ServerOptions resolve(ServeFlags& f) {
   if (f.max_seq >= 0) o.max_seq = f.max_seq;
   o.backend = parse_backend_kind(f.backend);
   o.reasoning = f.reasoning == "on";
+  if (!f.cache_memory.empty()) o.cache_memory = parse_byte_size(f.cache_memory);
+  if (!f.cache_host_memory.empty()) {
+    o.cache_host_memory = parse_byte_size(f.cache_host_memory);
+    const HostMemory host = read_host_memory();
+    if (host.total > 0 && *o.cache_host_memory > host.total)
+      throw Error("--cache-host-memory " + format_bytes(*o.cache_host_memory) + " is more than this machine's memory (" +
+                  format_bytes(host.total) + ")");
+  }
   // An empty key would silently mean "no authentication": refuse it instead.
   if (f.api_key->count() > 0 && o.api_key.empty()) throw Error("--api-key must not be empty");
   if (o.api_key.empty()) {

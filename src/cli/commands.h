@@ -18,6 +18,10 @@ CLI::Validator integer_at_least(long long min);
 /// Accepts only a whole decimal integer in [min, max]; the message names what was given
 /// ("must be an integer from 0 to 65535, got 'abc'").
 CLI::Validator integer_in_range(long long min, long long max);
+/// Accepts a byte count as parse_byte_size reads it ("0", "1073741824", "512MiB", "4G"); the
+/// message names what was given ("must be a byte count such as 1073741824, 512MiB or 4GiB, got
+/// '4 GB'").
+CLI::Validator byte_size();
 
 /// A JSON list of {"role": "system"|"user"|"assistant", "content": string} objects as chat
 /// messages. Throws lily::Error "<what>: message i: …" naming the first bad entry (not an array,

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "cli/commands.h"
+#include "base/byte_size.h"
 #include "base/error.h"
 #include "server/api_error.h"
 #include "server/chat_agent.h"
@@ -43,6 +44,16 @@ CLI::Validator integer_at_least(long long min) {
         return {};
       },
       "INT>=" + std::to_string(min));
+}
+
+CLI::Validator byte_size() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        if (!parse_byte_size(text))
+          return "must be a byte count such as 1073741824, 512MiB or 4GiB, got '" + text + "'";
+        return {};
+      },
+      "BYTES");
 }
 
 std::vector<ChatMessage> parse_message_list(const nlohmann::json& list, const std::string& what) {

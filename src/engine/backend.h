@@ -47,8 +47,19 @@ class Backend {
   /// A fresh state (position 0) for sequences of at most max_seq tokens.
   /// Throws lily::Error if max_seq exceeds what the backend supports.
   virtual std::unique_ptr<SequenceState> new_state(int64_t max_seq) = 0;
-  /// A deep copy of `state` (used by the prefix cache so that a hit never consumes an entry).
+  /// A deep copy of `state` (used by the prefix cache so that a hit never consumes an entry),
+  /// holding only what `state` has consumed (no spare capacity). `state` may also be a host copy
+  /// made by copy_to_host; the result is always a state prefill and decode accept. Throws
+  /// lily::Error for a state of another backend, or when memory runs out.
   virtual std::unique_ptr<SequenceState> clone_state(const SequenceState& state) = 0;
+  /// A copy of `state` in host memory, for the prefix cache's second tier: not runnable itself,
+  /// but clone_state turns it back into a runnable state. The default is clone_state, for
+  /// backends whose own memory is host memory (CPU). Throws as clone_state.
+  virtual std::unique_ptr<SequenceState> copy_to_host(const SequenceState& state) { return clone_state(state); }
+  /// Bytes of the backend's own memory still free (CUDA: device memory after the weights and
+  /// buffers), which bounds the prefix cache's default device budget; nullopt for a backend that
+  /// uses host memory (CPU).
+  virtual std::optional<int64_t> free_memory() const { return std::nullopt; }
   /// Runs `tokens` (non-empty) at positions state.position()… and advances the state.
   /// Returns the greedy next token after the last one (argmax, ties to the lowest id);
   /// fills `logits` ([vocab] fp32) of the last token when non-null.

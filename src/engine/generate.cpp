@@ -31,6 +31,12 @@ void check_generation_inputs(const SequenceState& state, std::span<const int32_t
                 " tokens but max_seq is " + std::to_string(params.max_seq));
   if (!params.stop_strings.empty() && tokenizer == nullptr)
     throw Error("generate: stop strings need a tokenizer");
+  for (size_t i = 0; i < params.prompt_splits.size(); ++i) {
+    const int64_t split = params.prompt_splits[i];
+    if (split < 1 || split >= static_cast<int64_t>(prompt.size()) || (i > 0 && split <= params.prompt_splits[i - 1]))
+      throw Error("generate: prompt_splits must be strictly increasing positions in [1, " +
+                  std::to_string(prompt.size()) + "), got " + std::to_string(split) + " at index " + std::to_string(i));
+  }
   if (state.position() >= static_cast<int64_t>(prompt.size()))
     throw InternalError("generate: the state already holds the whole prompt (position " +
                         std::to_string(state.position()) + ")");
@@ -131,9 +137,15 @@ GenerationResult generate(Backend& backend, SequenceState& state, std::span<cons
     return token;
   };
 
-  // Prefill: everything but the last prompt token, a snapshot point, then the last token.
-  // The split is the same with or without a cache, so outputs never depend on the cache.
+  // Prefill: up to each split point (message boundaries, each a snapshot point), then everything
+  // but the last prompt token, a snapshot point, then the last token. The splits are the same
+  // with or without a cache, so outputs never depend on the cache.
   const auto t0 = Clock::now();
+  for (int64_t split : params.prompt_splits) {
+    if (split <= state.position() || split >= n - 1) continue;
+    backend.prefill(state, prompt.subspan(state.position(), split - state.position()));
+    if (on_prompt_prefix) on_prompt_prefix(state, split);
+  }
   if (state.position() < n - 1) backend.prefill(state, prompt.subspan(state.position(), n - 1 - state.position()));
   if (n >= 2 && on_prompt_prefix) on_prompt_prefix(state, n - 1);
   int32_t next = choose(backend.prefill(state, prompt.subspan(n - 1, 1), logits_out));

@@ -37,6 +37,11 @@ struct GenerationParams {
   /// < 0: no log-probabilities; 0 … 20: each generated token's log-probability plus this many
   /// most likely alternatives (GenerationResult::logprobs).
   int logprobs = -1;
+  /// Prompt positions where the prefill stops for a snapshot (the PromptPrefixHook): strictly
+  /// increasing, each in [1, prompt length) (message boundaries of a chat prompt; lily::Error otherwise). The
+  /// prefill is split at every one of them beyond the cached part, hook or not, so that the work
+  /// done does not depend on what was cached.
+  std::vector<int64_t> prompt_splits;
 };
 
 /// Wall-clock timings of one generation, in seconds.
@@ -76,9 +81,10 @@ struct GenerationResult {
 /// further decode step runs.
 using TokenCallback = std::function<bool(int32_t token, std::string_view text)>;
 
-/// Called once when the state holds exactly prompt[0, n-1) (n = prompt length, n ≥ 2), before
-/// the last prompt token is run; the prefix cache snapshots the state there so that an
-/// identical prompt can later resume one token before its end.
+/// Called when the state holds exactly prompt[0, n_tokens): at each GenerationParams::prompt_splits
+/// position beyond the cached part (n_tokens ascending), then once at prompt length − 1 (when
+/// that is ≥ 1), before the last prompt token is run. The prefix cache snapshots the state there,
+/// so that a prompt sharing those messages, or the identical prompt, can later resume there.
 using PromptPrefixHook = std::function<void(const SequenceState& state, int64_t n_tokens)>;
 
 /// Called with a token's log-probabilities (GenerationParams::logprobs ≥ 0) just before the
@@ -90,7 +96,7 @@ using LogprobsCallback = std::function<void(const TokenLogprobs& logprobs)>;
 /// (then no text and no stop strings). Generated token number s (0 = the first) is drawn with
 /// sample_uniform(params.sampling.seed, s): the same seed gives the same tokens whatever part of
 /// the prompt came from a cache. Throws lily::Error when the prompt does not fit max_seq,
-/// max_tokens ≤ 0, stop strings without tokenizer, or the state is not a prefix position;
+/// max_tokens ≤ 0, stop strings without tokenizer, bad prompt_splits, or the state is not a prefix position;
 /// InternalError when sampling needs logits and the backend returned none.
 GenerationResult generate(Backend& backend, SequenceState& state, std::span<const int32_t> prompt,
                           const GenerationParams& params, const Tokenizer* tokenizer,

@@ -17,6 +17,16 @@ JobEvent make_event(JobEvent::Kind kind) {
 
 }  // namespace
 
+std::vector<int64_t> message_snapshots(const JobRequest& request, int64_t cached_tokens) {
+  std::vector<int64_t> beyond;
+  for (int64_t start : request.message_starts)
+    if (start > cached_tokens && start < static_cast<int64_t>(request.prompt.size()) - 1) beyond.push_back(start);
+  if (static_cast<int>(beyond.size()) <= kMessageSnapshots) return beyond;
+  std::vector<int64_t> out = {beyond.front()};
+  out.insert(out.end(), beyond.end() - (kMessageSnapshots - 1), beyond.end());
+  return out;
+}
+
 std::optional<JobEvent> Job::next_event(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mutex_);
   if (!cv_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
@@ -51,6 +61,13 @@ std::shared_ptr<Job> Scheduler::submit(JobRequest request) {
   if (request.prompt.empty() || request.max_tokens < 1 || need > options_.max_seq)
     throw Error("request needs " + std::to_string(need) + " tokens but max_seq is " +
                 std::to_string(options_.max_seq));
+  const auto& starts = request.message_starts;
+  for (size_t i = 0; i < starts.size(); ++i)
+    if (starts[i] < 1 || starts[i] >= static_cast<int64_t>(request.prompt.size()) ||
+        (i > 0 && starts[i] <= starts[i - 1]))
+      throw Error("message_starts must be strictly increasing positions in [1, " +
+                  std::to_string(request.prompt.size()) + "), got " + std::to_string(starts[i]) + " at index " +
+                  std::to_string(i));
   if (auto why = model_unavailable()) throw ModelUnavailableError(*why);
   auto job = std::make_shared<Job>(std::move(request));
   {
@@ -175,7 +192,10 @@ void Scheduler::run_job(Job& job) {
       std::vector<ResumePoint> points;
       PromptPrefixHook snapshot;
       if (cache_.enabled()) {
-        snapshot = [&](const SequenceState& s, int64_t n) {
+        const std::vector<int64_t> wanted = message_snapshots(req, hit.cached_tokens);
+        const int64_t last_prefix = static_cast<int64_t>(req.prompt.size()) - 1;
+        snapshot = [&, wanted, last_prefix](const SequenceState& s, int64_t n) {
+          if (n != last_prefix && !std::binary_search(wanted.begin(), wanted.end(), n)) return;
           points.push_back({std::vector<int32_t>(req.prompt.begin(), req.prompt.begin() + n),
                             backend_->clone_state(s)});
         };
@@ -200,13 +220,14 @@ void Scheduler::run_job(Job& job) {
       params.sampling = req.sampling;
       params.sampling.seed = seed;
       params.logprobs = req.logprobs;
+      params.prompt_splits = req.message_starts;
       GenerationResult result = generate(*backend_, *state, req.prompt, params, tokenizer_.get(), on_token,
                                          snapshot, on_logprobs);
       if (cache_.enabled()) {
         std::vector<int32_t> fed(req.prompt.begin(), req.prompt.end());
         fed.insert(fed.end(), result.token_ids.begin(), result.token_ids.begin() + result.fed_tokens);
         points.push_back({std::move(fed), std::move(state)});
-        cache_.store(std::move(points), req.cache_key);
+        cache_.store(*backend_, std::move(points), req.cache_key);
       }
       const bool cancelled = result.finish_reason == FinishReason::kCancelled;
       JobEvent done = make_event(JobEvent::Kind::kDone);

@@ -1,4 +1,4 @@
-// The engine thread and its bounded FIFO queue (issue 4 item 7). HTTP threads submit jobs
+// The engine thread and its bounded FIFO queue. HTTP threads submit jobs
 // (token ids + settings) and read back events; the one engine thread owns the Backend and the
 // session cache and runs jobs one after another. A job is a unit of work with its own event
 // channel, so the loop can later interleave several jobs' decode steps (continuous batching)
@@ -52,6 +52,12 @@ struct JobRequest {
   int64_t max_tokens = 0;                  ///< ≥ 1; prompt + max_tokens ≤ max_seq
   std::vector<std::string> stop_strings;   ///< OpenAI `stop`
   std::optional<std::string> cache_key;    ///< OpenAI `prompt_cache_key`
+  /// Where the prompt's messages begin (chat prompts: the token positions of each message start
+  /// but the first; empty for a plain prompt): strictly increasing, each in [1, prompt size).
+  /// The prefill stops at each of them and the prefix cache snapshots some of them (the first,
+  /// and the last kMessageSnapshots − 1 beyond the cached part), so that conversations sharing a
+  /// system prompt or earlier turns resume there.
+  std::vector<int64_t> message_starts;
   /// How tokens are chosen; `sampling.seed` is the seed of choice 0, choice i runs with
   /// choice_seed(sampling.seed, i) (engine/sampler.h).
   SamplingParams sampling;
@@ -109,6 +115,14 @@ class Job {
   std::deque<JobEvent> events_;
 };
 
+/// Most message-boundary snapshots one request stores (JobRequest::message_starts).
+inline constexpr int kMessageSnapshots = 8;
+
+/// The message starts of `request` the prefix cache snapshots when `cached_tokens` came from the
+/// cache: those beyond it and before the prompt's last token, at most kMessageSnapshots (the
+/// first of them and the last kMessageSnapshots − 1), ascending.
+std::vector<int64_t> message_snapshots(const JobRequest& request, int64_t cached_tokens);
+
 /// Engine settings fixed at start-up.
 struct EngineOptions {
   int64_t max_seq = 0;             ///< capacity of every sequence (tokens)
@@ -127,7 +141,8 @@ class Scheduler {
   ~Scheduler();
 
   /// Queues a job (FIFO). Throws QueueFullError when max_queue jobs are waiting,
-  /// ShuttingDownError after stop(), lily::Error for a request that cannot fit max_seq, and
+  /// ShuttingDownError after stop(), lily::Error for a request that cannot fit max_seq or has
+  /// message_starts out of order or outside the prompt, and
   /// ModelUnavailableError once model_unavailable() is set. A queued job that reaches the
   /// engine after the weights changed fails (kFailed) with the same message, untouched.
   std::shared_ptr<Job> submit(JobRequest request);

@@ -2,126 +2,300 @@
 
 #include <algorithm>
 
+#include "base/byte_size.h"
 #include "base/error.h"
+#include "base/log.h"
 
 namespace lily {
+
+/// A snapshot held by a node of the tree.
+struct SessionCache::Snapshot {
+  std::unique_ptr<SequenceState> state;
+  CacheTier tier = CacheTier::kDevice;
+  std::optional<std::string> key;
+  int64_t bytes = 0;
+  std::list<Node*>::iterator lru_it;  ///< its place in lru(tier)
+};
+
+/// A node of the radix tree: the tokens from its parent (`edge`, non-empty except at the root)
+/// and, optionally, the snapshot of the state after the tokens of the path root → here. A node
+/// other than the root has a snapshot or at least two children (pruned and merged otherwise).
+struct SessionCache::Node {
+  std::vector<int32_t> edge;
+  Node* parent = nullptr;
+  int64_t depth = 0;  ///< tokens from the root to the end of `edge`
+  std::map<int32_t, std::unique_ptr<Node>> children;  ///< by the first token of their edge
+  std::unique_ptr<Snapshot> snap;
+};
+
+namespace {
+
+std::vector<int32_t> path_tokens(const auto* node) {
+  std::vector<const std::vector<int32_t>*> edges;
+  for (; node != nullptr; node = node->parent) edges.push_back(&node->edge);
+  std::vector<int32_t> out;
+  for (auto it = edges.rbegin(); it != edges.rend(); ++it) out.insert(out.end(), (*it)->begin(), (*it)->end());
+  return out;
+}
+
+}  // namespace
+
+const char* cache_tier_name(CacheTier tier) { return tier == CacheTier::kDevice ? "device" : "host"; }
 
 bool is_strict_prefix(std::span<const int32_t> prefix, std::span<const int32_t> tokens) {
   return prefix.size() < tokens.size() && std::equal(prefix.begin(), prefix.end(), tokens.begin());
 }
 
-SessionCache::SessionCache(SessionCacheOptions options) : options_(options) {
-  if (options_.max_entries < 0) throw Error("--cache-entries must be ≥ 0");
-  if (options_.max_bytes < 0) throw Error("--cache-bytes must be ≥ 0");
+SessionCache::SessionCache(SessionCacheOptions options) : options_(options), root_(std::make_unique<Node>()) {
+  if (options_.device_bytes < 0) throw Error("--cache-memory must be ≥ 0 bytes");
+  if (options_.host_bytes < 0) throw Error("--cache-host-memory must be ≥ 0 bytes");
+  stats_.device.budget = options_.device_bytes;
+  stats_.host.budget = options_.host_bytes;
 }
+
+SessionCache::~SessionCache() = default;
 
 CacheLookup SessionCache::acquire(Backend& backend, std::span<const int32_t> prompt,
                                   const std::optional<std::string>& key) {
   std::lock_guard lock(mutex_);
-  Entry* best_entry = nullptr;
-  const ResumePoint* best_point = nullptr;
-  auto score = [&](const Entry& e, const ResumePoint& p) {
-    return std::tuple(key.has_value() && e.key == key, p.tokens.size(), e.last_used);
-  };
-  for (auto& entry : entries_) {
-    for (const auto& point : entry.points) {
-      if (!is_strict_prefix(point.tokens, prompt)) continue;
-      if (best_point == nullptr || score(entry, point) > score(*best_entry, *best_point)) {
-        best_entry = &entry;
-        best_point = &point;
+  // One walk down the prompt's path; every snapshot on it is a prefix. The best is the longest,
+  // except that one stored under the request's key beats any without it.
+  Node* best = nullptr;
+  bool best_keyed = false;
+  Node* node = root_.get();
+  size_t at = 0;
+  while (true) {
+    if (node->snap && static_cast<size_t>(node->depth) < prompt.size()) {
+      const bool keyed = key.has_value() && node->snap->key == key;
+      if (best == nullptr || keyed || !best_keyed) {
+        best = node;
+        best_keyed = keyed;
       }
     }
+    if (at >= prompt.size()) break;
+    auto it = node->children.find(prompt[at]);
+    if (it == node->children.end()) break;
+    Node* child = it->second.get();
+    if (child->edge.size() > prompt.size() - at ||
+        !std::equal(child->edge.begin(), child->edge.end(), prompt.begin() + static_cast<std::ptrdiff_t>(at)))
+      break;
+    at += child->edge.size();
+    node = child;
   }
   CacheLookup out;
-  if (best_point == nullptr) {
+  if (best == nullptr) {
     ++stats_.misses;
     return out;
   }
-  ++stats_.hits;
-  best_entry->last_used = ++clock_;
-  out.state = backend.clone_state(*best_point->state);
-  out.cached_tokens = static_cast<int64_t>(best_point->tokens.size());
+  Snapshot& snap = *best->snap;
+  out.state = backend.clone_state(*snap.state);
+  out.cached_tokens = best->depth;
   LILY_CHECK(out.state->position() == out.cached_tokens);
+  ++stats_.hits;
+  stats_.tokens_saved += out.cached_tokens;
+  auto& list = lru(snap.tier);
+  list.splice(list.begin(), list, snap.lru_it);
   return out;
 }
 
-void SessionCache::store(std::vector<ResumePoint> points, const std::optional<std::string>& key) {
+void SessionCache::store(Backend& backend, std::vector<ResumePoint> points, const std::optional<std::string>& key) {
   std::lock_guard lock(mutex_);
   if (!enabled()) return;
-  std::erase_if(points, [](const ResumePoint& p) {
-    return p.state == nullptr || p.tokens.empty() ||
-           p.state->position() != static_cast<int64_t>(p.tokens.size());
-  });
-  if (points.empty()) return;
-  remove_duplicate_points(points);
-  Entry entry;
-  entry.key = key;
-  entry.last_used = ++clock_;
-  for (const auto& p : points) entry.bytes += p.state->bytes();
-  entry.points = std::move(points);
-  if (options_.max_bytes > 0 && entry.bytes > options_.max_bytes) {
-    ++stats_.evictions;
+  for (ResumePoint& p : points) {
+    if (p.state == nullptr || p.tokens.empty() || p.state->position() != static_cast<int64_t>(p.tokens.size()))
+      continue;
+    insert(backend, std::move(p), key);
+  }
+  enforce_budgets(backend);
+}
+
+void SessionCache::insert(Backend& backend, ResumePoint point, const std::optional<std::string>& key) {
+  // The tier is chosen before the tree changes, so that a snapshot that fits nowhere leaves the
+  // one it would have replaced in place.
+  auto snap = std::make_unique<Snapshot>();
+  snap->key = key;
+  snap->bytes = point.state->bytes();
+  if (snap->bytes <= options_.device_bytes) {
+    snap->tier = CacheTier::kDevice;
+    snap->state = std::move(point.state);
+  } else if (snap->bytes <= options_.host_bytes) {
+    try {
+      snap->state = backend.copy_to_host(*point.state);
+    } catch (const Error& e) {
+      log_warn(std::string("prefix cache: cannot copy a snapshot to host memory: ") + e.what());
+      ++stats_.device.evictions;
+      return;
+    }
+    snap->tier = CacheTier::kHost;
+    snap->bytes = snap->state->bytes();
+  } else {
+    ++stats_.device.evictions;
     return;
   }
-  entries_.push_back(std::move(entry));
-  evict_to_fit(entries_.back().last_used);
-}
 
-void SessionCache::remove_duplicate_points(const std::vector<ResumePoint>& points) {
-  for (auto& entry : entries_) {
-    std::erase_if(entry.points, [&](const ResumePoint& old) {
-      return std::any_of(points.begin(), points.end(),
-                         [&](const ResumePoint& p) { return p.tokens == old.tokens; });
-    });
-    entry.bytes = 0;
-    for (const auto& p : entry.points) entry.bytes += p.state->bytes();
-  }
-  std::erase_if(entries_, [](const Entry& e) { return e.points.empty(); });
-}
-
-void SessionCache::evict_to_fit(uint64_t keep_stamp) {
-  auto over = [&] {
-    return static_cast<int64_t>(entries_.size()) > options_.max_entries ||
-           (options_.max_bytes > 0 && total_bytes() > options_.max_bytes);
-  };
-  while (over()) {
-    auto victim = entries_.end();
-    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
-      if (it->last_used == keep_stamp) continue;
-      if (victim == entries_.end() || it->last_used < victim->last_used) victim = it;
+  const std::vector<int32_t>& tokens = point.tokens;
+  Node* node = root_.get();
+  size_t at = 0;
+  while (at < tokens.size()) {
+    auto it = node->children.find(tokens[at]);
+    if (it == node->children.end()) {
+      auto leaf = std::make_unique<Node>();
+      leaf->edge.assign(tokens.begin() + static_cast<std::ptrdiff_t>(at), tokens.end());
+      leaf->parent = node;
+      leaf->depth = static_cast<int64_t>(tokens.size());
+      Node* raw = leaf.get();
+      node->children.emplace(tokens[at], std::move(leaf));
+      node = raw;
+      break;
     }
-    if (victim == entries_.end()) break;
-    entries_.erase(victim);
-    ++stats_.evictions;
+    Node* child = it->second.get();
+    const auto mismatch = std::mismatch(child->edge.begin(), child->edge.end(),
+                                        tokens.begin() + static_cast<std::ptrdiff_t>(at), tokens.end());
+    const size_t common = static_cast<size_t>(mismatch.first - child->edge.begin());
+    if (common == child->edge.size()) {
+      node = child;
+      at += common;
+      continue;
+    }
+    // Split the child's edge after `common` tokens (≥ 1: children are keyed by their first).
+    auto mid = std::make_unique<Node>();
+    mid->edge.assign(child->edge.begin(), child->edge.begin() + static_cast<std::ptrdiff_t>(common));
+    mid->parent = node;
+    mid->depth = node->depth + static_cast<int64_t>(common);
+    std::unique_ptr<Node> lower = std::move(it->second);
+    lower->edge.erase(lower->edge.begin(), lower->edge.begin() + static_cast<std::ptrdiff_t>(common));
+    lower->parent = mid.get();
+    mid->children.emplace(lower->edge.front(), std::move(lower));
+    Node* raw = mid.get();
+    it->second = std::move(mid);
+    node = raw;
+    at += common;
+  }
+  LILY_CHECK(node->depth == static_cast<int64_t>(tokens.size()));
+  if (node->snap) {
+    CacheTierStats& old = tier_stats(node->snap->tier);
+    old.bytes -= node->snap->bytes;
+    --old.snapshots;
+    lru(node->snap->tier).erase(node->snap->lru_it);
+  }
+  CacheTierStats& t = tier_stats(snap->tier);
+  t.bytes += snap->bytes;
+  ++t.snapshots;
+  auto& list = lru(snap->tier);
+  list.push_front(node);
+  snap->lru_it = list.begin();
+  node->snap = std::move(snap);
+}
+
+void SessionCache::enforce_budgets(Backend& backend) {
+  while (stats_.device.bytes > options_.device_bytes && !lru(CacheTier::kDevice).empty()) {
+    Node* victim = lru(CacheTier::kDevice).back();
+    ++stats_.device.evictions;
+    if (victim->snap->bytes <= options_.host_bytes)
+      move_to_host(backend, victim);
+    else
+      drop(victim);
+  }
+  while (stats_.host.bytes > options_.host_bytes && !lru(CacheTier::kHost).empty()) {
+    ++stats_.host.evictions;
+    drop(lru(CacheTier::kHost).back());
   }
 }
 
-int64_t SessionCache::total_bytes() const {
-  int64_t total = 0;
-  for (const auto& e : entries_) total += e.bytes;
-  return total;
+void SessionCache::move_to_host(Backend& backend, Node* node) {
+  Snapshot& snap = *node->snap;
+  std::unique_ptr<SequenceState> host;
+  try {
+    host = backend.copy_to_host(*snap.state);
+  } catch (const Error& e) {
+    log_warn(std::string("prefix cache: cannot copy a snapshot to host memory: ") + e.what());
+    drop(node);
+    return;
+  }
+  stats_.device.bytes -= snap.bytes;
+  --stats_.device.snapshots;
+  lru(CacheTier::kDevice).erase(snap.lru_it);
+  snap.state = std::move(host);
+  snap.tier = CacheTier::kHost;
+  snap.bytes = snap.state->bytes();
+  ++stats_.host.snapshots;
+  stats_.host.bytes += snap.bytes;
+  auto& list = lru(CacheTier::kHost);
+  list.push_front(node);
+  snap.lru_it = list.begin();
+}
+
+void SessionCache::drop(Node* node) {
+  Snapshot& snap = *node->snap;
+  CacheTierStats& t = tier_stats(snap.tier);
+  t.bytes -= snap.bytes;
+  --t.snapshots;
+  lru(snap.tier).erase(snap.lru_it);
+  node->snap.reset();
+  prune(node);
+}
+
+void SessionCache::prune(Node* node) {
+  while (node != root_.get() && !node->snap) {
+    if (node->children.empty()) {
+      Node* parent = node->parent;
+      parent->children.erase(node->edge.front());  // frees `node`
+      node = parent;
+      continue;
+    }
+    if (node->children.size() == 1) {  // merge the only child into this node
+      std::unique_ptr<Node> child = std::move(node->children.begin()->second);
+      node->children.clear();
+      node->edge.insert(node->edge.end(), child->edge.begin(), child->edge.end());
+      node->depth = child->depth;
+      node->children = std::move(child->children);
+      for (auto& [first, grandchild] : node->children) grandchild->parent = node;
+      node->snap = std::move(child->snap);
+      if (node->snap) *node->snap->lru_it = node;
+    }
+    return;
+  }
 }
 
 SessionCacheStats SessionCache::stats() const {
   std::lock_guard lock(mutex_);
-  SessionCacheStats s = stats_;
-  s.entries = static_cast<int64_t>(entries_.size());
-  s.bytes = total_bytes();
-  return s;
+  return stats_;
 }
 
-std::vector<std::vector<int64_t>> SessionCache::describe() const {
+std::vector<SnapshotInfo> SessionCache::describe() const {
   std::lock_guard lock(mutex_);
-  std::vector<const Entry*> order;
-  for (const auto& e : entries_) order.push_back(&e);
-  std::sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->last_used > b->last_used; });
-  std::vector<std::vector<int64_t>> out;
-  for (const auto* e : order) {
-    std::vector<int64_t> lens;
-    for (const auto& p : e->points) lens.push_back(static_cast<int64_t>(p.tokens.size()));
-    out.push_back(lens);
-  }
+  std::vector<SnapshotInfo> out;
+  for (const auto& list : lru_)
+    for (const Node* node : list)
+      out.push_back({path_tokens(node), node->snap->tier, node->snap->key, node->snap->bytes});
   return out;
+}
+
+SessionCacheOptions resolve_cache_budgets(const Backend& backend, std::optional<int64_t> device,
+                                          std::optional<int64_t> host, int64_t host_available,
+                                          int64_t host_total) {
+  const std::optional<int64_t> free = backend.free_memory();
+  auto check = [](const char* flag, int64_t value, int64_t limit, const char* what) {
+    if (value < 0) throw Error(std::string(flag) + " must be ≥ 0 bytes, got " + std::to_string(value));
+    if (value > limit)
+      throw Error(std::string(flag) + " " + format_bytes(value) + " is more than " + what + " (" +
+                  format_bytes(limit) + ")");
+  };
+  SessionCacheOptions o;
+  if (device) {
+    check("--cache-memory", *device, free ? *free : host_total,
+          free ? "the backend's free memory" : "this machine's memory");
+    o.device_bytes = *device;
+  } else {
+    o.device_bytes = free ? *free / 2 : std::max<int64_t>(host_available, 0) / 4;
+  }
+  if (host) {
+    check("--cache-host-memory", *host, host_total, "this machine's memory");
+    o.host_bytes = *host;
+  } else {
+    o.host_bytes = free ? std::max<int64_t>(host_available, 0) / 4 : 0;
+  }
+  return o;
 }
 
 }  // namespace lily

@@ -1,14 +1,25 @@
-// Session prefix cache (issue 4 item 6; reference/serving.md §3 is Lily's version, which this
-// improves on). Entries hold decode states ("resume points") together with the exact tokens
-// fed into them. A new prompt reuses the longest resume point whose tokens are a strict prefix
-// of it (a matching prompt_cache_key is preferred, but never bypasses token equality). A hit
-// clones the state (Backend::clone_state), so the entry stays: branches and regenerations of
-// one conversation all hit. Each request stores one entry with up to two resume points: the
-// prompt minus its last token (so that the very same request hits again) and the final state
-// (prompt + fed generated tokens, so that the next turn hits). Bounded by entry count and by
-// bytes; least recently used entries are evicted first.
+// Session prefix cache. It holds decode states ("snapshots", or resume points) keyed by the exact
+// tokens fed into them, in a radix tree over token sequences. A new prompt resumes from the
+// longest snapshot whose tokens are a strict prefix of it (a snapshot last stored under the
+// request's prompt_cache_key is preferred, but never bypasses token equality); a lookup walks
+// the prompt once, whatever the number of snapshots. A hit copies the state
+// (Backend::clone_state), so the snapshot stays: branches and regenerations of a conversation,
+// and every conversation that shares a system prompt, all hit.
+//
+// A request stores several snapshots: at message boundaries of its prompt (the end of the system
+// message, the end of each earlier turn), at the prompt minus its last token (so that the very
+// same request hits again) and at its final state (prompt + fed generated tokens, so that the
+// next turn hits).
+//
+// Memory is bounded in bytes, in two tiers: the backend's own memory (device memory for the CUDA
+// backend) and host memory (Backend::copy_to_host). Least recently used snapshots of the first
+// tier move to the second when it is full, and are dropped from the second when that is full.
+// The design keeps snapshots per sequence state, so a batched scheduler can take them for each
+// of its rows.
 #pragma once
 #include <cstdint>
+#include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -20,19 +31,36 @@
 
 namespace lily {
 
-/// Limits of the cache. max_entries 0 disables it; max_bytes 0 means no byte bound.
+/// Byte budgets of the two tiers. Both 0 disables the cache. device_bytes 0 with host_bytes > 0
+/// keeps every snapshot in host memory only. (A server sizes them with resolve_cache_budgets.)
 struct SessionCacheOptions {
-  int max_entries = 2;
-  int64_t max_bytes = 0;
+  int64_t device_bytes = int64_t{256} << 20;  ///< snapshots in the backend's memory (CUDA: device memory), bytes
+  int64_t host_bytes = 0;    ///< snapshots in host memory (CUDA: pinned), bytes
 };
 
-/// Counters for /metrics (cumulative since start, except entries/bytes).
+/// The tiers, in the order a snapshot moves through them.
+enum class CacheTier { kDevice = 0, kHost = 1 };
+
+/// "device" | "host" (the /metrics label values).
+const char* cache_tier_name(CacheTier tier);
+
+/// Counters and contents of one tier.
+struct CacheTierStats {
+  int64_t budget = 0;     ///< the byte budget (SessionCacheOptions)
+  int64_t bytes = 0;      ///< state bytes now held
+  int64_t snapshots = 0;  ///< snapshots now held
+  /// Snapshots that left this tier for want of room, cumulative: for the device tier moved to the
+  /// host tier or dropped (also a snapshot too large to store at all), for the host tier dropped.
+  int64_t evictions = 0;
+};
+
+/// Counters for /metrics (cumulative since start, except the tiers' bytes and snapshots).
 struct SessionCacheStats {
   int64_t hits = 0;
   int64_t misses = 0;
-  int64_t evictions = 0;  ///< entries dropped for the count or byte bound
-  int64_t entries = 0;    ///< entries now held
-  int64_t bytes = 0;      ///< state bytes now held
+  int64_t tokens_saved = 0;  ///< prompt tokens resumed from snapshots instead of being prefilled
+  CacheTierStats device;
+  CacheTierStats host;
 };
 
 /// One decode state and the tokens it has consumed (state->position() == tokens.size()).
@@ -48,50 +76,77 @@ struct CacheLookup {
   int64_t cached_tokens = 0;
 };
 
+/// What describe() reports of one snapshot.
+struct SnapshotInfo {
+  std::vector<int32_t> tokens;
+  CacheTier tier = CacheTier::kDevice;
+  std::optional<std::string> key;
+  int64_t bytes = 0;
+};
+
 /// True when `prefix` is strictly shorter than `tokens` and equals its beginning.
 bool is_strict_prefix(std::span<const int32_t> prefix, std::span<const int32_t> tokens);
 
-/// The prefix cache. Thread-safe (one mutex); states are only touched on the caller's thread.
+/// The prefix cache. Thread-safe (one mutex); the backend is only called on the caller's thread
+/// (the engine thread, which owns it).
 class SessionCache {
  public:
+  /// Throws lily::Error for a negative budget.
   explicit SessionCache(SessionCacheOptions options);
+  ~SessionCache();
+  SessionCache(const SessionCache&) = delete;
+  SessionCache& operator=(const SessionCache&) = delete;
 
-  /// False when max_entries is 0 (then acquire always misses and store drops).
-  bool enabled() const { return options_.max_entries > 0; }
+  /// False when both budgets are 0 (then acquire always misses and store drops).
+  bool enabled() const { return options_.device_bytes > 0 || options_.host_bytes > 0; }
+  const SessionCacheOptions& options() const { return options_; }
 
-  /// Finds the best resume point for `prompt` (see the file comment) and returns a deep copy
-  /// of its state made with `backend`; the entry stays cached and becomes most recently used.
-  /// Counts a hit or a miss.
+  /// Finds the best snapshot for `prompt` (see the file comment) and returns a runnable deep copy
+  /// of its state made with `backend` (from either tier); the snapshot stays cached and becomes
+  /// the most recently used of its tier. Counts a hit (and its tokens) or a miss.
   CacheLookup acquire(Backend& backend, std::span<const int32_t> prompt,
                       const std::optional<std::string>& key);
 
-  /// Stores one entry made of `points` (each: state position == tokens.size(), tokens
-  /// non-empty; others are dropped) under `key`. Resume points of older entries with exactly
-  /// the same tokens are replaced. Evicts least recently used entries to fit the bounds; an
-  /// entry larger than max_bytes alone is not stored.
-  void store(std::vector<ResumePoint> points, const std::optional<std::string>& key);
+  /// Stores each of `points` (state position == tokens.size(), tokens non-empty; others are
+  /// dropped) under `key`, in the device tier (the host tier when the device budget is 0 or the
+  /// snapshot is larger than it). A snapshot with exactly the same tokens is replaced. Then moves
+  /// or drops least recently used snapshots until both tiers fit their budgets; the snapshots
+  /// just stored go last. `backend` (the one that made the states) copies states to the host
+  /// tier. A snapshot larger than both budgets is not stored.
+  void store(Backend& backend, std::vector<ResumePoint> points, const std::optional<std::string>& key);
 
   SessionCacheStats stats() const;
-  /// Token lengths of each entry's resume points, most recently used entry first (for tests
+  /// Every snapshot, the device tier's first, each tier's most recently used first (for tests
   /// and debugging).
-  std::vector<std::vector<int64_t>> describe() const;
+  std::vector<SnapshotInfo> describe() const;
 
  private:
-  struct Entry {
-    std::vector<ResumePoint> points;
-    std::optional<std::string> key;
-    uint64_t last_used = 0;
-    int64_t bytes = 0;
-  };
-  void remove_duplicate_points(const std::vector<ResumePoint>& points);
-  void evict_to_fit(uint64_t keep_stamp);
-  int64_t total_bytes() const;
+  struct Node;
+  struct Snapshot;
+  void insert(Backend& backend, ResumePoint point, const std::optional<std::string>& key);
+  void enforce_budgets(Backend& backend);
+  void move_to_host(Backend& backend, Node* node);
+  void drop(Node* node);
+  void prune(Node* node);
+  CacheTierStats& tier_stats(CacheTier tier) { return tier == CacheTier::kDevice ? stats_.device : stats_.host; }
+  std::list<Node*>& lru(CacheTier tier) { return lru_[static_cast<int>(tier)]; }
 
   SessionCacheOptions options_;
   mutable std::mutex mutex_;
-  std::vector<Entry> entries_;
-  uint64_t clock_ = 0;
+  std::unique_ptr<Node> root_;
+  std::list<Node*> lru_[2];  ///< per tier: nodes holding a snapshot, most recently used first
   SessionCacheStats stats_;
 };
+
+/// The budgets a server runs with: `device` and `host` when given (bytes, ≥ 0), else defaults:
+/// for a backend that reports its free memory (CUDA), half of it for the device tier and a
+/// quarter of the host's available memory for the host tier; for one that does not (the CPU
+/// backend, whose memory is host memory), a quarter of the host's available memory for the
+/// device tier and no host tier. `host_available` is the host's available memory in bytes.
+/// Throws lily::Error naming the flag when a given budget is negative or exceeds what there is
+/// (--cache-memory: the backend's free memory when known; --cache-host-memory: `host_total`).
+SessionCacheOptions resolve_cache_budgets(const Backend& backend, std::optional<int64_t> device,
+                                          std::optional<int64_t> host, int64_t host_available,
+                                          int64_t host_total);
 
 }  // namespace lily

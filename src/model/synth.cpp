@@ -242,7 +242,7 @@ const std::vector<PresetDef>& preset_defs() {
        {2048, 512, 4, 4, 2, 256, 2, 4, 128, 128, 32, 8, 128, 128, 8192, false}, 0},
       {"long", "for long prompts: H=128, 8 layers (2 attention), head_dim 64, 16 experts top-4, vocab 1024, 32K positions",
        {1024, 128, 8, 4, 2, 64, 2, 4, 64, 64, 16, 4, 64, 64, 32768, false}, 0},
-      {"35b-a3b", "the exact Qwen3.6-35B-A3B shape (model.md §1.1), about 19.5 GB in 5 GB shards",
+      {"35b-a3b", "the exact Qwen3.6-35B-A3B shape (docs/model.md §1.1), about 19.5 GB in 5 GB shards",
        {248320, 2048, 40, 16, 2, 256, 16, 32, 128, 128, 256, 8, 512, 512, 262144, true}, 5'000'000'000ull},
   };
   return defs;

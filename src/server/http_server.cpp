@@ -26,6 +26,7 @@
 #include <boost/beast/core/flat_buffer.hpp>
 #include <boost/beast/http.hpp>
 
+#include "base/byte_size.h"
 #include "base/build_info.h"
 #include "base/error.h"
 #include "base/log.h"
@@ -393,6 +394,7 @@ struct ChatCall {
   Clock::time_point start;
   Clock::time_point submitted;  ///< when the job was queued (time queued = engine start − this)
   int64_t prompt_tokens = 0;
+  std::vector<int64_t> message_starts;  ///< chat: where each message but the first begins (cache resume points)
   bool probed = false;  ///< the half-closed connection was probed once (Exchange::probe)
   uint64_t seed = 0;    ///< the seed of choice 0 (choice i: choice_seed(seed, i))
   AnswerFormat answer;  ///< chat: how the generated text becomes reasoning, content and tool calls
@@ -490,7 +492,9 @@ class LilyServer {
   void check_ready() const;
   /// Checks every id against the vocabulary: 400 naming `param`[i] otherwise.
   std::vector<int32_t> checked_ids(const std::vector<int64_t>& ids, const std::string& param) const;
-  std::vector<int32_t> tokenize(const ChatRequest& request) const;
+  /// The chat prompt's tokens; with `message_starts`, also where its messages begin
+  /// (ChatTemplate::encode). Throws ApiError 400 when the template refuses the messages.
+  std::vector<int32_t> tokenize(const ChatRequest& request, std::vector<int64_t>* message_starts = nullptr) const;
   int64_t checked_max_tokens(const ChatCall& call, int64_t prompt_tokens) const;
   /// Queues the prompt and answers the request (whole or streamed) from the job's events.
   void generate_and_respond(ChatCall& call, std::vector<int32_t> prompt, Exchange& ex, Reply& res);
@@ -1035,7 +1039,11 @@ void LilyServer::load_engine() {
   engine.max_seq = max_seq_;
   engine.max_queue = options_.max_queue;
   engine.stop_ids = stop_token_ids(config_, options_.model_dir, tokenizer_.get());
-  engine.cache = SessionCacheOptions{options_.cache_entries, options_.cache_bytes};
+  const HostMemory host = read_host_memory();
+  engine.cache = resolve_cache_budgets(*backend, options_.cache_memory, options_.cache_host_memory, host.available,
+                                       host.total);
+  log_info("prefix cache: " + format_bytes(engine.cache.device_bytes) + " of " + backend->name() + " memory, " +
+           format_bytes(engine.cache.host_bytes) + " of host memory");
   const std::string backend_name = backend->name();
   scheduler_ = std::make_unique<Scheduler>(std::move(backend), tokenizer_, engine);
   ready_ = true;
@@ -1045,9 +1053,10 @@ void LilyServer::load_engine() {
            backend_name + ", max-seq " + std::to_string(max_seq_) + ", loaded in " + load_s + " s)");
 }
 
-std::vector<int32_t> LilyServer::tokenize(const ChatRequest& request) const {
+std::vector<int32_t> LilyServer::tokenize(const ChatRequest& request, std::vector<int64_t>* message_starts) const {
   try {
-    return chat_template_->encode(*tokenizer_, request.messages, template_options(request.agent, options_.reasoning));
+    return chat_template_->encode(*tokenizer_, request.messages, template_options(request.agent, options_.reasoning),
+                                  message_starts);
   } catch (const Error& e) {
     throw invalid_request(std::string("messages cannot be rendered with the chat template: ") + e.what(),
                           "messages");
@@ -1081,6 +1090,7 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
   job.max_tokens = max_tokens;
   job.stop_strings = call.request.stop;
   job.cache_key = call.request.prompt_cache_key;
+  job.message_starts = call.message_starts;
   job.sampling = request_sampling(call);
   job.n = call.request.n;
   job.logprobs = call.request.logprobs ? call.request.top_logprobs : -1;
@@ -1170,7 +1180,7 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
     ChatRequest request = parse_chat_request(req.body());
     check_model(request.model);
     check_ready();
-    prompt = tokenize(request);
+    prompt = tokenize(request, &call.message_starts);
     call.answer.thinking = thinking_enabled(request.agent, options_.reasoning);
     if (request.agent.tools_active()) call.answer.tools.emplace(request.agent.tools);
     call.request = std::move(request);

@@ -45,8 +45,10 @@ struct ServerOptions {
   BackendKind backend = BackendKind::kAuto;
   int threads = 0;                       ///< CPU backend threads (0 = all cores)
   std::string served_model_name;         ///< empty: derived (see served_model_name())
-  int cache_entries = 2;                 ///< prefix cache entries (0 disables the cache)
-  int64_t cache_bytes = 0;               ///< prefix cache byte bound (0 = none)
+  std::optional<int64_t> cache_memory;   ///< prefix cache, backend-memory tier, bytes (default:
+                                         ///< resolve_cache_budgets; 0 with cache_host_memory 0 disables)
+  std::optional<int64_t> cache_host_memory;  ///< prefix cache, host-memory tier, bytes (default:
+                                         ///< resolve_cache_budgets)
   int max_queue = 16;                    ///< waiting requests before 503
   int64_t max_tokens_cap = 0;            ///< most completion tokens per request (0 = only the
                                          ///< context bounds it); also the default max_tokens

@@ -185,11 +185,22 @@ std::string Metrics::render(const EngineGauges& g) const {
   scalar(out, "lily_requests_running", "gauge", "Requests the engine is running.", g.running);
   scalar(out, "lily_cache_hits_total", "counter", "Prefix cache hits.", static_cast<double>(g.cache.hits));
   scalar(out, "lily_cache_misses_total", "counter", "Prefix cache misses.", static_cast<double>(g.cache.misses));
-  scalar(out, "lily_cache_evictions_total", "counter", "Prefix cache entries evicted.",
-         static_cast<double>(g.cache.evictions));
-  scalar(out, "lily_cache_entries", "gauge", "Prefix cache entries held.", static_cast<double>(g.cache.entries));
-  scalar(out, "lily_cache_bytes", "gauge", "Bytes of decode state held by the prefix cache.",
-         static_cast<double>(g.cache.bytes));
+  scalar(out, "lily_cache_tokens_saved_total", "counter",
+         "Prompt tokens resumed from prefix-cache snapshots instead of being prefilled.",
+         static_cast<double>(g.cache.tokens_saved));
+  auto per_tier = [&](const char* name, const char* type, const char* help, auto field) {
+    header(out, name, type, help);
+    for (const auto& [tier, stats] : {std::pair{cache_tier_name(CacheTier::kDevice), &g.cache.device},
+                                      std::pair{cache_tier_name(CacheTier::kHost), &g.cache.host}})
+      out += std::string(name) + "{tier=\"" + tier + "\"} " + std::to_string(stats->*field) + "\n";
+  };
+  per_tier("lily_cache_evictions_total", "counter",
+           "Prefix-cache snapshots that left a tier for want of room (device: moved to host or dropped).",
+           &CacheTierStats::evictions);
+  per_tier("lily_cache_snapshots", "gauge", "Prefix-cache snapshots held, per tier.", &CacheTierStats::snapshots);
+  per_tier("lily_cache_bytes", "gauge", "Bytes of decode state held by the prefix cache, per tier.",
+           &CacheTierStats::bytes);
+  per_tier("lily_cache_budget_bytes", "gauge", "Byte budget of each prefix-cache tier.", &CacheTierStats::budget);
   const ProcessStats p = read_process_stats();
   scalar(out, "process_cpu_seconds_total", "counter", "User and system CPU time of the process.", p.cpu_seconds);
   scalar(out, "process_resident_memory_bytes", "gauge", "Resident memory of the process.",

@@ -17,7 +17,7 @@ namespace {
 // lily's built-in template: byte for byte tests/fixtures/qwen3_6_chat_template.jinja (a unit
 // test checks it).
 constexpr std::string_view kBuiltinSource = R"lily({#- Text-only ChatML template of the Qwen3.5/3.6 family, written for lily's tests from the
-    description in reference/model.md §6.1 (not a copy of the published file): contents trimmed,
+    description in docs/model.md §6.1 (not a copy of the published file): contents trimmed,
     system only first, last_query_index skips <tool_response> blocks, reasoning split at
     </think>, turns after the last query wrapped in a think block, generation prompt with an
     empty think block when enable_thinking is false. lily's nothink rewrite of earlier turns is
@@ -256,9 +256,12 @@ std::vector<int32_t> ChatTemplate::encode(const Tokenizer& tokenizer, std::span<
 }
 
 std::vector<int32_t> ChatTemplate::encode(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
-                                          const ChatTemplateOptions& options) const {
+                                          const ChatTemplateOptions& options,
+                                          std::vector<int64_t>* message_starts) const {
   const jinja::RenderedText r = render_marked(messages, rewrite_history_, options);
   std::vector<int32_t> ids;
+  const std::optional<int32_t> im_start = message_starts ? tokenizer.token_id("<|im_start|>") : std::nullopt;
+  if (message_starts) message_starts->clear();
   auto add = [&](std::string_view text, bool trusted) {
     if (text.empty()) return;
     if (trusted)
@@ -266,6 +269,9 @@ std::vector<int32_t> ChatTemplate::encode(const Tokenizer& tokenizer, std::span<
         if (text.find(marker) != std::string_view::npos && !tokenizer.token_id(marker))
           throw Error("the tokenizer has no token for the chat-template marker " + std::string(marker));
     std::vector<int32_t> piece = tokenizer.encode(text, /*allow_special=*/trusted);
+    if (trusted && im_start)
+      for (size_t i = 0; i < piece.size(); ++i)
+        if (piece[i] == *im_start && ids.size() + i > 0) message_starts->push_back(static_cast<int64_t>(ids.size() + i));
     ids.insert(ids.end(), piece.begin(), piece.end());
   };
   const std::string_view text = r.text;

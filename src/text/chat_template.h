@@ -98,9 +98,14 @@ class ChatTemplate {
   /// or if the tokenizer lacks one of the ChatML markers the template writes.
   std::vector<int32_t> encode(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
                               bool add_generation_prompt = true) const;
-  /// The same with every template variable given (tools, thinking).
+  /// The same with every template variable given (tools, thinking). With `message_starts`, also
+  /// fills in where each message but the first begins: the token position of every
+  /// `<|im_start|>` the template writes itself (not one inside message content), except at 0,
+  /// ascending. These are the resume points the prefix cache snapshots: the prompt up to such a
+  /// position is a token-exact prefix of every prompt that repeats the messages before it.
   std::vector<int32_t> encode(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
-                              const ChatTemplateOptions& options) const;
+                              const ChatTemplateOptions& options,
+                              std::vector<int64_t>* message_starts = nullptr) const;
 
  private:
   jinja::RenderedText render_marked(std::span<const ChatMessage> messages, bool rewrite,

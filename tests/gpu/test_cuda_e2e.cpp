@@ -295,12 +295,26 @@ TEST_F(CudaE2e, CloneAndKvGrowth) {
   EXPECT_EQ(sg->position(), 1100);
   EXPECT_GE(cosine_similarity(lg, lc), 0.999);
   EXPECT_GT(sg->bytes(), 0);
-  // A clone continues exactly like the original (same kernels, same inputs: bit-identical).
+  // A clone continues exactly like the original (same kernels, same inputs: bit-identical), and
+  // so does a state restored from a pinned host copy (the prefix cache's host tier). Both hold
+  // no spare KV capacity, so their first decode grows the cache.
   auto copy = gpu->clone_state(*sg);
-  std::vector<float> a, b;
-  const int32_t na = gpu->decode(*sg, ig, &a), nb = gpu->decode(*copy, ig, &b);
+  auto host = gpu->copy_to_host(*sg);
+  auto restored = gpu->clone_state(*host);
+  EXPECT_EQ(copy->position(), 1100);
+  EXPECT_EQ(host->position(), 1100);
+  EXPECT_EQ(restored->position(), 1100);
+  EXPECT_LT(copy->bytes(), sg->bytes());
+  EXPECT_EQ(host->bytes(), copy->bytes());
+  EXPECT_THROW(gpu->decode(*host, ig, nullptr), Error);  // a host copy is not runnable
+  std::vector<float> a, b, c;
+  const int32_t na = gpu->decode(*sg, ig, &a), nb = gpu->decode(*copy, ig, &b), nc = gpu->decode(*restored, ig, &c);
   EXPECT_EQ(na, nb);
   EXPECT_EQ(a, b);
+  EXPECT_EQ(na, nc);
+  EXPECT_EQ(a, c);
+  ASSERT_TRUE(gpu->free_memory().has_value());
+  EXPECT_GT(*gpu->free_memory(), 0);
   // Errors: bad token id, foreign state, overflow of max_seq.
   EXPECT_THROW(gpu->decode(*sg, w->config.vocab, nullptr), Error);
   EXPECT_THROW(gpu->decode(*sc, 1, nullptr), Error);

@@ -60,7 +60,7 @@ function rawExchange(server, text, { timeoutMs = 5000, endAfterWrite = false } =
   });
 }
 
-describe('issue 16 endpoints (--api-key, --allowed-origins)', () => {
+describe('completions, tokenize, version, CORS and API keys (--api-key, --allowed-origins)', () => {
   let server;
   let openai;
   before(async () => {

@@ -273,7 +273,7 @@ describe('prefix cache', () => {
   let cached;
   let uncached;
   before(async () => {
-    [cached, uncached] = await Promise.all([startServer(['--cache-entries', '2']), startServer(['--cache-entries', '0'])]);
+    [cached, uncached] = await Promise.all([startServer(), startServer(['--cache-memory', '0', '--cache-host-memory', '0'])]);
   });
   after(async () => Promise.all([stopServer(cached), stopServer(uncached)]));
 
@@ -312,7 +312,7 @@ describe('prefix cache', () => {
     assert.equal(one.text, uone.text);
     const m = await metrics(cached);
     assert.ok(m.get('lily_cache_hits_total') >= 4);
-    assert.ok(m.get('lily_cache_bytes') > 0);
+    assert.ok(m.get('lily_cache_bytes{tier="device"}') > 0);
   });
 
   it('streamed answers hit the cache too and match', async () => {
@@ -337,20 +337,6 @@ describe('prefix cache', () => {
     const unkeyed = await ask(cached, h2);
     assert.ok(unkeyed.usage.prompt_tokens_details.cached_tokens > r1Final);
     assert.equal(unkeyed.text, keyed.text);
-  });
-
-  it('evicts the least recently used entry first', async () => {
-    const A = [user('What is a CMake generator expression?')];
-    const B = [user('Explain json.dumps.')];
-    const C = [user('Explain os.path.join.')];
-    await ask(cached, A);
-    await ask(cached, B);
-    assert.ok((await ask(cached, A)).usage.prompt_tokens_details.cached_tokens > 0);  // A is now the newest
-    await ask(cached, C);                                                              // evicts B
-    const before = (await metrics(cached)).get('lily_cache_evictions_total');
-    assert.ok(before >= 1);
-    assert.equal((await ask(cached, B)).usage.prompt_tokens_details.cached_tokens, 0);
-    assert.ok((await ask(cached, C)).usage.prompt_tokens_details.cached_tokens > 0);
   });
 });
 

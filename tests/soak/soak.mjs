@@ -40,6 +40,9 @@ const MAX_BODY = 65536;       // --max-body for the soak server
 const READ_TIMEOUT_S = 5;     // --read-timeout: stalled clients are cut after this
 const KEEP_ALIVE_S = 5;       // the server's keep-alive idle time-out (default)
 const RSS_TOLERANCE = { ratio: 0.10, bytes: 16 * 1024 * 1024 };
+// --cache-memory: the prefix cache fills its byte budget as it goes (by default a share of the
+// machine's memory), so it is kept small here; full within the warm-up, it cannot pass for a leak.
+const CACHE_MEMORY = '4MiB';
 
 
 // --- the valid requests: each has a serial reference answer ----------------------------------
@@ -181,7 +184,8 @@ function busyOk(res) {
 
 function startServer() {
   const extra = (process.env.SOAK_SERVER_ARGS ?? '').split(' ').filter(Boolean);
-  return startLily(['--max-body', String(MAX_BODY), '--read-timeout', String(READ_TIMEOUT_S), ...extra]);
+  return startLily(['--max-body', String(MAX_BODY), '--read-timeout', String(READ_TIMEOUT_S),
+    '--cache-memory', CACHE_MEMORY, ...extra]);
 }
 
 /** {rss (bytes), fds, threads} of a live process, from /proc. */

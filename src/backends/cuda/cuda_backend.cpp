@@ -15,7 +15,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backends/cuda/device_buffer.h"
@@ -44,22 +46,83 @@ struct StepIo {
   int32_t next_id = 0;  ///< greedy next token (written back by the graph)
 };
 
+/// Owning pinned (page-locked) host allocation of `bytes` bytes (cudaMallocHost / cudaFreeHost),
+/// so that copies to and from the device run at full speed on a stream. Move-only. Throws
+/// lily::Error naming the size when the allocation fails.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(size_t bytes) : bytes_(bytes) {
+    if (bytes == 0) return;
+    const cudaError_t st = cudaMallocHost(&ptr_, bytes);
+    if (st != cudaSuccess) {
+      (void)cudaGetLastError();
+      ptr_ = nullptr;
+      throw ::lily::Error("CUDA: cannot allocate " + std::to_string(bytes) + " bytes of pinned host memory (" +
+                          cudaGetErrorString(st) + ")");
+    }
+  }
+  ~PinnedBuffer() {
+    if (ptr_) cudaFreeHost(ptr_);
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  PinnedBuffer(PinnedBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  PinnedBuffer& operator=(PinnedBuffer&&) = delete;
+  char* data() const { return static_cast<char*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+/// A host copy of a CudaState (the prefix cache's second tier, Backend::copy_to_host): one pinned
+/// buffer holding the GDN conv windows, the GDN recurrent states, then K and V of each attention
+/// layer compacted to [n_kv_heads, position, head_dim]. Not runnable; the backend's clone_state
+/// copies it back into a device state.
+class CudaHostState final : public SequenceState {
+ public:
+  CudaHostState(const void* owner, int64_t max_seq, int64_t pos, size_t window_bytes, size_t state_bytes,
+                size_t kv_bytes, int n_attn)
+      : owner(owner), max_seq(max_seq), pos(pos), window_bytes(window_bytes), state_bytes(state_bytes),
+        kv_bytes(kv_bytes), buffer(window_bytes + state_bytes + 2 * kv_bytes * static_cast<size_t>(n_attn)) {}
+  int64_t position() const override { return pos; }
+  int64_t bytes() const override { return static_cast<int64_t>(buffer.bytes()); }
+  char* windows() const { return buffer.data(); }
+  char* states() const { return buffer.data() + window_bytes; }
+  char* keys(int i) const { return buffer.data() + window_bytes + state_bytes + 2 * kv_bytes * static_cast<size_t>(i); }
+  char* values(int i) const { return keys(i) + kv_bytes; }
+
+  const void* owner;
+  int64_t max_seq;
+  int64_t pos;
+  size_t window_bytes, state_bytes, kv_bytes;  ///< all GDN windows, all GDN states, one layer's K (or V)
+  PinnedBuffer buffer;
+};
+
 /// Sequence state on the device (docs/model.md §4.1): per GDN layer a bf16 conv window [C, K−1] and
 /// an fp32 recurrent state [Hv, Dk, Dv]; per attention layer bf16 K and V caches
 /// [n_kv_heads, capacity, head_dim].
 class CudaState final : public SequenceState {
  public:
+  /// A zero state at position 0 with room for min(max_seq, kInitialKvCapacity) positions.
   CudaState(const void* owner, const GdnDims& g, const AttnDims& a, int n_gdn, int n_attn, int64_t max_seq)
+      : CudaState(owner, g, a, n_gdn, n_attn, max_seq, std::min(max_seq, kInitialKvCapacity)) {
+    windows.fill_bytes(0);
+    states.fill_bytes(0);
+  }
+  /// Uninitialised buffers with room for `kv_capacity` (≥ 1) positions, at position 0: for copies.
+  CudaState(const void* owner, const GdnDims& g, const AttnDims& a, int n_gdn, int n_attn, int64_t max_seq,
+            int64_t kv_capacity)
       : owner(owner), max_seq(max_seq), gdn(g), attn(a), n_gdn(n_gdn), n_attn(n_attn) {
     window_elems = g.window_elems();
     state_elems = g.state_elems();
     if (n_gdn > 0) {
       windows = DeviceBuffer(n_gdn * window_elems * sizeof(bf16));
       states = DeviceBuffer(n_gdn * state_elems * sizeof(float));
-      windows.fill_bytes(0);
-      states.fill_bytes(0);
     }
-    allocate_kv(std::min(max_seq, kInitialKvCapacity));
+    allocate_kv(std::max<int64_t>(kv_capacity, 1));
   }
   ~CudaState() override { drop_graph(); }
 
@@ -104,22 +167,66 @@ class CudaState final : public SequenceState {
     graph = nullptr;
   }
 
-  /// Deep copy of the device buffers (no graph).
-  std::unique_ptr<CudaState> clone() const {
-    auto c = std::make_unique<CudaState>(owner, gdn, attn, n_gdn, n_attn, max_seq);
-    c->reserve(capacity, nullptr);  // c->pos = 0: allocates, copies nothing
+  /// Deep copy (no graph) with room for exactly `pos` positions (at least 1): a prefix-cache
+  /// snapshot holds no spare capacity, and a resumed state grows on its next step. The copies
+  /// run on `stream` (the backend's, which wrote this state) and are finished on return.
+  std::unique_ptr<CudaState> clone(cudaStream_t stream) const {
+    auto c = std::make_unique<CudaState>(owner, gdn, attn, n_gdn, n_attn, max_seq, pos);
     if (n_gdn > 0) {
-      CUDA_CHECK(cudaMemcpy(c->windows.data(), windows.data(), windows.bytes(), cudaMemcpyDeviceToDevice));
-      CUDA_CHECK(cudaMemcpy(c->states.data(), states.data(), states.bytes(), cudaMemcpyDeviceToDevice));
+      CUDA_CHECK(cudaMemcpyAsync(c->windows.data(), windows.data(), windows.bytes(), cudaMemcpyDeviceToDevice, stream));
+      CUDA_CHECK(cudaMemcpyAsync(c->states.data(), states.data(), states.bytes(), cudaMemcpyDeviceToDevice, stream));
     }
-    for (int i = 0; i < n_attn; ++i) {
-      CUDA_CHECK(cudaMemcpy(c->keys[i].data(), keys[i].data(), keys[i].bytes(), cudaMemcpyDeviceToDevice));
-      CUDA_CHECK(cudaMemcpy(c->values[i].data(), values[i].data(), values[i].bytes(), cudaMemcpyDeviceToDevice));
+    const size_t row = static_cast<size_t>(attn.head_dim) * sizeof(bf16);
+    for (int i = 0; i < n_attn && pos > 0; ++i) {
+      CUDA_CHECK(cudaMemcpy2DAsync(c->keys[i].data(), c->capacity * row, keys[i].data(), capacity * row, pos * row,
+                                   attn.n_kv_heads, cudaMemcpyDeviceToDevice, stream));
+      CUDA_CHECK(cudaMemcpy2DAsync(c->values[i].data(), c->capacity * row, values[i].data(), capacity * row,
+                                   pos * row, attn.n_kv_heads, cudaMemcpyDeviceToDevice, stream));
     }
-    // Device-to-device cudaMemcpy may return before the copy is done, and it runs on the legacy
-    // stream, which the backend's non-blocking stream is not ordered after: wait here.
-    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaStreamSynchronize(stream));
     c->pos = pos;
+    return c;
+  }
+
+  /// A pinned host copy (see CudaHostState), copied on `stream` and finished on return.
+  std::unique_ptr<CudaHostState> to_host(cudaStream_t stream) const {
+    const size_t row = static_cast<size_t>(attn.head_dim) * sizeof(bf16);
+    const size_t kv_bytes = static_cast<size_t>(attn.n_kv_heads) * static_cast<size_t>(pos) * row;
+    auto h = std::make_unique<CudaHostState>(owner, max_seq, pos, windows.bytes(), states.bytes(), kv_bytes, n_attn);
+    if (n_gdn > 0) {
+      CUDA_CHECK(cudaMemcpyAsync(h->windows(), windows.data(), windows.bytes(), cudaMemcpyDeviceToHost, stream));
+      CUDA_CHECK(cudaMemcpyAsync(h->states(), states.data(), states.bytes(), cudaMemcpyDeviceToHost, stream));
+    }
+    for (int i = 0; i < n_attn && pos > 0; ++i) {
+      CUDA_CHECK(cudaMemcpy2DAsync(h->keys(i), pos * row, keys[i].data(), capacity * row, pos * row, attn.n_kv_heads,
+                                   cudaMemcpyDeviceToHost, stream));
+      CUDA_CHECK(cudaMemcpy2DAsync(h->values(i), pos * row, values[i].data(), capacity * row, pos * row,
+                                   attn.n_kv_heads, cudaMemcpyDeviceToHost, stream));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    return h;
+  }
+
+  /// A device state made from host copy `h` (of a state with these dimensions), with room for
+  /// exactly its positions; copied on `stream` and finished on return.
+  static std::unique_ptr<CudaState> from_host(const CudaHostState& h, const GdnDims& g, const AttnDims& a, int n_gdn,
+                                              int n_attn, cudaStream_t stream) {
+    auto c = std::make_unique<CudaState>(h.owner, g, a, n_gdn, n_attn, h.max_seq, h.pos);
+    if (c->windows.bytes() != h.window_bytes || c->states.bytes() != h.state_bytes)
+      throw ::lily::Error("CUDA backend: the host state does not match this model's dimensions");
+    if (n_gdn > 0) {
+      CUDA_CHECK(cudaMemcpyAsync(c->windows.data(), h.windows(), h.window_bytes, cudaMemcpyHostToDevice, stream));
+      CUDA_CHECK(cudaMemcpyAsync(c->states.data(), h.states(), h.state_bytes, cudaMemcpyHostToDevice, stream));
+    }
+    const size_t row = static_cast<size_t>(a.head_dim) * sizeof(bf16);
+    for (int i = 0; i < n_attn && h.pos > 0; ++i) {
+      CUDA_CHECK(cudaMemcpy2DAsync(c->keys[i].data(), c->capacity * row, h.keys(i), h.pos * row, h.pos * row,
+                                   a.n_kv_heads, cudaMemcpyHostToDevice, stream));
+      CUDA_CHECK(cudaMemcpy2DAsync(c->values[i].data(), c->capacity * row, h.values(i), h.pos * row, h.pos * row,
+                                   a.n_kv_heads, cudaMemcpyHostToDevice, stream));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    c->pos = h.pos;
     return c;
   }
 
@@ -232,8 +339,30 @@ class CudaBackend final : public Backend {
     return std::make_unique<CudaState>(this, gdn_, attn_, n_gdn_, n_attn_, max_seq);
   }
 
+  /// Compact device copy of a device state, or a device state made from a copy_to_host copy; the
+  /// copies run on the backend's stream.
   std::unique_ptr<SequenceState> clone_state(const SequenceState& state) override {
-    return checked(const_cast<SequenceState&>(state)).clone();
+    if (const auto* h = dynamic_cast<const CudaHostState*>(&state)) {
+      if (h->owner != this) throw ::lily::Error("CUDA backend: the sequence state belongs to another backend");
+      return CudaState::from_host(*h, gdn_, attn_, n_gdn_, n_attn_, stream_);
+    }
+    return checked(const_cast<SequenceState&>(state)).clone(stream_);
+  }
+
+  /// Pinned host copy (CudaHostState), copied on the backend's stream.
+  std::unique_ptr<SequenceState> copy_to_host(const SequenceState& state) override {
+    if (const auto* h = dynamic_cast<const CudaHostState*>(&state)) {
+      if (h->owner != this) throw ::lily::Error("CUDA backend: the sequence state belongs to another backend");
+      return CudaState::from_host(*h, gdn_, attn_, n_gdn_, n_attn_, stream_)->to_host(stream_);
+    }
+    return checked(const_cast<SequenceState&>(state)).to_host(stream_);
+  }
+
+  /// Free device memory now (cudaMemGetInfo).
+  std::optional<int64_t> free_memory() const override {
+    size_t free = 0, total = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return static_cast<int64_t>(free);
   }
 
   int32_t prefill(SequenceState& state, std::span<const int32_t> tokens, std::vector<float>* logits) override {

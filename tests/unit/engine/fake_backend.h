@@ -28,6 +28,7 @@ class FakeState final : public SequenceState {
   int64_t bytes() const override { return 1000 + 4 * static_cast<int64_t>(history.size()); }
   std::vector<int32_t> history;
   int64_t max_seq;
+  bool host = false;  ///< a copy_to_host copy: prefill and decode refuse it
 };
 
 class FakeBackend final : public Backend {
@@ -41,12 +42,22 @@ class FakeBackend final : public Backend {
   }
   std::unique_ptr<SequenceState> clone_state(const SequenceState& s) override {
     ++clones;
-    return std::make_unique<FakeState>(static_cast<const FakeState&>(s));
+    if (static_cast<const FakeState&>(s).host) ++host_restores;
+    auto copy = std::make_unique<FakeState>(static_cast<const FakeState&>(s));
+    copy->host = false;
+    return copy;
+  }
+  std::unique_ptr<SequenceState> copy_to_host(const SequenceState& s) override {
+    ++host_copies;
+    auto copy = std::make_unique<FakeState>(static_cast<const FakeState&>(s));
+    copy->host = true;
+    return copy;
   }
   int32_t prefill(SequenceState& s, std::span<const int32_t> tokens, std::vector<float>* logits = nullptr) override {
     wait_gate();
     ++prefill_calls;
     prefilled_tokens += static_cast<int64_t>(tokens.size());
+    prefill_sizes.push_back(static_cast<int64_t>(tokens.size()));
     auto& st = static_cast<FakeState&>(s);
     for (int32_t t : tokens) feed(st, t);
     fill_logits(st.history, logits);
@@ -108,10 +119,13 @@ class FakeBackend final : public Backend {
   std::function<int32_t(const std::vector<int32_t>&)> script;  ///< overrides next_token when set
   std::chrono::milliseconds decode_delay{0};
   int prefill_calls = 0, decode_calls = 0, clones = 0, states_created = 0, logits_calls = 0;
+  int host_copies = 0, host_restores = 0;  ///< copy_to_host calls; clone_state calls on host copies
+  std::vector<int64_t> prefill_sizes;      ///< tokens of each prefill call, in order
   int64_t prefilled_tokens = 0;
 
  private:
   void feed(FakeState& st, int32_t t) {
+    if (st.host) throw Error("fake backend: a host copy is not runnable");
     if (st.position() >= st.max_seq) throw Error("sequence full");
     st.history.push_back(t);
   }

@@ -43,6 +43,25 @@ TEST(CliOptions, BadIntegersAreRefusedWithAClearMessage) {
   EXPECT_FALSE(std::filesystem::exists(dir.path() / "synth")) << "a refused synth must write nothing";
 }
 
+TEST(CliOptions, BadCacheSizesAreRefusedWithAClearMessage) {
+  const std::string model = " --model " + quoted(test::demo_model_dir());
+  const std::string rule = "must be a byte count such as 1073741824, 512MiB or 4GiB, got ";
+  const std::vector<BadOption> cases = {
+      {"serve --cache-memory 4XB" + model, "--cache-memory: " + rule + "'4XB'"},
+      {"serve --cache-memory ''" + model, "--cache-memory: " + rule + "''"},
+      {"serve --cache-host-memory 1.5.2G" + model, "--cache-host-memory: " + rule + "'1.5.2G'"},
+      {"serve --cache-host-memory '4 GiB'" + model, "--cache-host-memory: " + rule + "'4 GiB'"},
+      {"serve --cache-host-memory 1000TiB" + model, "--cache-host-memory 1000.00 TiB is more than this machine's memory"},
+  };
+  for (const BadOption& c : cases) {
+    // Bounded: a value wrongly accepted would start the server instead of failing.
+    const test::CliRun r = test::run_lily_bounded(c.args + " --port 0", true, 30);
+    EXPECT_NE(r.exit_code, 0) << c.args;
+    EXPECT_NE(r.exit_code, 124) << c.args << ": the server started";
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\n" << r.output;
+  }
+}
+
 TEST(CliOptions, ValidThreadCountsStillWork) {
   const test::CliRun r = test::run_lily(
       "generate --backend cpu --threads 1 --prompt-ids 1,2 --max-tokens 1 --json --model " +

@@ -36,13 +36,13 @@ std::pair<JobEvent, int> finish(Job& j) {
 struct Harness {
   FakeBackend* backend;
   std::unique_ptr<Scheduler> scheduler;
-  explicit Harness(int max_queue, int cache_entries = 2) {
+  explicit Harness(int max_queue, int64_t cache_bytes = 1 << 20) {
     auto b = std::make_unique<FakeBackend>();
     backend = b.get();
     EngineOptions o;
     o.max_seq = 64;
     o.max_queue = max_queue;
-    o.cache = {cache_entries, 0};
+    o.cache = {cache_bytes, 0};
     scheduler = std::make_unique<Scheduler>(std::move(b), nullptr, o);
   }
 };
@@ -170,6 +170,41 @@ TEST(Scheduler, SecondIdenticalRequestHitsTheCache) {
   EXPECT_EQ(b.result.cached_tokens, 3);
   EXPECT_EQ(a.result.token_ids, b.result.token_ids);
   EXPECT_EQ(h.scheduler->cache_stats().hits, 1);
+}
+
+TEST(Scheduler, MessageStartsSplitThePrefillAndBecomeResumePoints) {
+  Harness h(2);
+  JobRequest a = job({1, 2, 3, 4, 5, 6, 7, 8}, 2);
+  a.message_starts = {3, 6};
+  EXPECT_EQ(finish(*h.scheduler->submit(a)).first.result.cached_tokens, 0);
+  EXPECT_EQ(h.backend->prefill_sizes, (std::vector<int64_t>{3, 3, 1, 1}));
+  // Another conversation that shares the first three tokens (its "system message") resumes there.
+  JobRequest b = job({1, 2, 3, 9, 9, 9, 9}, 2);
+  b.message_starts = {3};
+  EXPECT_EQ(finish(*h.scheduler->submit(b)).first.result.cached_tokens, 3);
+  // Out of order or outside the prompt: refused with the reason.
+  for (std::vector<int64_t> bad : {std::vector<int64_t>{0}, {5, 5}, {6, 3}, {8}}) {
+    JobRequest r = job({1, 2, 3, 4, 5, 6, 7, 8}, 1);
+    r.message_starts = bad;
+    try {
+      h.scheduler->submit(r);
+      ADD_FAILURE() << "accepted " << bad.front();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("message_starts must be strictly increasing positions in [1, 8)"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+TEST(Scheduler, AtMostEightMessageSnapshotsBeyondTheCachedPart) {
+  JobRequest r;
+  r.prompt.assign(100, 1);
+  for (int64_t p = 5; p <= 99; p += 5) r.message_starts.push_back(p);  // 5, 10, …, 95 (and not 99)
+  EXPECT_EQ(message_snapshots(r, 0), (std::vector<int64_t>{5, 65, 70, 75, 80, 85, 90, 95}));
+  EXPECT_EQ(message_snapshots(r, 70), (std::vector<int64_t>{75, 80, 85, 90, 95}));
+  r.message_starts = {10, 99};  // 99 = prompt − 1: the usual resume point, not taken twice
+  EXPECT_EQ(message_snapshots(r, 0), (std::vector<int64_t>{10}));
 }
 
 // Once the backend reports that its memory-mapped weights changed on disk, the

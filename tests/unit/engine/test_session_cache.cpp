@@ -1,6 +1,7 @@
 // The prefix cache's logic over a fake backend: strict prefixes, key preference, non-consuming
-// hits, identical retries, branches, LRU eviction, byte bound, and output equality with and
-// without the cache through the real generation loop.
+// hits, the radix tree's splits and merges with thousands of snapshots, identical retries,
+// branches, message-boundary resume points, LRU eviction by bytes through the device and host
+// tiers, and output equality with and without the cache through the real generation loop.
 #include <gtest/gtest.h>
 
 #include "engine/generate.h"
@@ -25,7 +26,7 @@ void store(SessionCache& c, FakeBackend& b, std::vector<Tokens> point_tokens,
            std::optional<std::string> key = std::nullopt) {
   std::vector<ResumePoint> points;
   for (auto& t : point_tokens) points.push_back(point(b, t));
-  c.store(std::move(points), key);
+  c.store(b, std::move(points), key);
 }
 
 /// One request through cache + generate, as the scheduler does it.
@@ -34,21 +35,32 @@ struct Outcome {
   int64_t cached = 0;
 };
 Outcome request(SessionCache& c, FakeBackend& b, const Tokens& prompt, int64_t max_tokens,
-                std::optional<std::string> key = std::nullopt) {
+                std::optional<std::string> key = std::nullopt, std::vector<int64_t> splits = {}) {
   auto hit = c.acquire(b, prompt, key);
   auto state = hit.state ? std::move(hit.state) : b.new_state(1000);
   std::vector<ResumePoint> points;
   GenerationParams p;
   p.max_tokens = max_tokens;
   p.max_seq = 1000;
+  p.prompt_splits = std::move(splits);
   auto r = generate(b, *state, prompt, p, nullptr, {}, [&](const SequenceState& s, int64_t n) {
     points.push_back({Tokens(prompt.begin(), prompt.begin() + n), b.clone_state(s)});
   });
   Tokens fed(prompt);
   fed.insert(fed.end(), r.token_ids.begin(), r.token_ids.begin() + r.fed_tokens);
   points.push_back({fed, std::move(state)});
-  c.store(std::move(points), key);
+  c.store(b, std::move(points), key);
   return {r.token_ids, r.cached_tokens};
+}
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+/// Token lengths of the snapshots of one tier, most recently used first.
+std::vector<size_t> lengths(const SessionCache& c, CacheTier tier) {
+  std::vector<size_t> out;
+  for (const auto& info : c.describe())
+    if (info.tier == tier) out.push_back(info.tokens.size());
+  return out;
 }
 
 Tokens concat(Tokens a, const Tokens& b) {
@@ -67,7 +79,7 @@ TEST(StrictPrefix, OnlyShorterEqualBeginnings) {
 
 TEST(SessionCache, MissOnEmptyCacheAndHitOnLongestPrefix) {
   FakeBackend b;
-  SessionCache c({4, 0});
+  SessionCache c({kMiB, 0});
   EXPECT_EQ(c.acquire(b, Tokens{1, 2, 3}, std::nullopt).state, nullptr);
   store(c, b, {{1, 2}});
   store(c, b, {{1, 2, 3, 4}});
@@ -76,22 +88,27 @@ TEST(SessionCache, MissOnEmptyCacheAndHitOnLongestPrefix) {
   ASSERT_NE(hit.state, nullptr);
   EXPECT_EQ(hit.cached_tokens, 4);
   EXPECT_EQ(static_cast<FakeState&>(*hit.state).history, (Tokens{1, 2, 3, 4}));
+  EXPECT_EQ(c.acquire(b, Tokens{1, 2, 3}, std::nullopt).cached_tokens, 2);
+  EXPECT_EQ(c.acquire(b, Tokens{1, 7, 7, 7}, std::nullopt).cached_tokens, 3);
+  EXPECT_EQ(c.acquire(b, Tokens{1, 7}, std::nullopt).state, nullptr);
   auto st = c.stats();
-  EXPECT_EQ(st.hits, 1);
-  EXPECT_EQ(st.misses, 1);
-  EXPECT_EQ(st.entries, 3);
+  EXPECT_EQ(st.hits, 3);
+  EXPECT_EQ(st.misses, 2);
+  EXPECT_EQ(st.tokens_saved, 4 + 2 + 3);
+  EXPECT_EQ(st.device.snapshots, 3);
+  EXPECT_EQ(st.device.bytes, (1000 + 8) + (1000 + 16) + (1000 + 12));
 }
 
 TEST(SessionCache, EqualLengthIsNotAHit) {
   FakeBackend b;
-  SessionCache c({2, 0});
+  SessionCache c({kMiB, 0});
   store(c, b, {{1, 2, 3}});
   EXPECT_EQ(c.acquire(b, Tokens{1, 2, 3}, std::nullopt).state, nullptr);
 }
 
 TEST(SessionCache, HitDoesNotConsumeTheEntry) {
   FakeBackend b;
-  SessionCache c({2, 0});
+  SessionCache c({kMiB, 0});
   store(c, b, {{1, 2}});
   auto first = c.acquire(b, Tokens{1, 2, 3}, std::nullopt);
   ASSERT_NE(first.state, nullptr);
@@ -103,7 +120,7 @@ TEST(SessionCache, HitDoesNotConsumeTheEntry) {
 
 TEST(SessionCache, KeyPrefersItsEntryOverALongerOneButNeverBypassesTokens) {
   FakeBackend b;
-  SessionCache c({4, 0});
+  SessionCache c({kMiB, 0});
   store(c, b, {{1, 2}}, "conv-a");
   store(c, b, {{1, 2, 3}}, "conv-b");
   store(c, b, {{9, 9}}, "conv-c");
@@ -112,36 +129,144 @@ TEST(SessionCache, KeyPrefersItsEntryOverALongerOneButNeverBypassesTokens) {
   EXPECT_EQ(c.acquire(b, Tokens{1, 2, 3, 4}, std::string("other")).cached_tokens, 3);
   // conv-c's tokens do not match: the key does not force a hit.
   EXPECT_EQ(c.acquire(b, Tokens{1, 2, 3, 4}, std::string("conv-c")).cached_tokens, 3);
+  EXPECT_EQ(c.acquire(b, Tokens{9, 8}, std::string("conv-c")).state, nullptr);
 }
 
-TEST(SessionCache, EvictsLeastRecentlyUsedFirst) {
+TEST(SessionCache, SameTokensReplaceTheSnapshotAndItsKey) {
   FakeBackend b;
-  SessionCache c({2, 0});
+  SessionCache c({kMiB, 0});
+  store(c, b, {{1, 2}}, "a");
+  store(c, b, {{1, 2}}, "b");
+  const auto all = c.describe();
+  ASSERT_EQ(all.size(), 1u);
+  EXPECT_EQ(all[0].key, std::optional<std::string>("b"));
+  EXPECT_EQ(c.stats().device.bytes, 1008);
+}
+
+TEST(SessionCache, TreeSplitsEdgesAndMergesThemBackWhenSnapshotsGo) {
+  FakeBackend b;
+  // Room for three of the small states below; the fourth store evicts the least recent.
+  SessionCache c({3 * 1020, 0});
+  store(c, b, {{1, 2, 3, 4}});  // one edge
+  store(c, b, {{1, 2, 5, 6}});  // splits it after {1, 2}
+  store(c, b, {{1, 2}});        // a snapshot on the split node
+  EXPECT_EQ(c.acquire(b, Tokens{1, 2, 3, 4, 9}, std::nullopt).cached_tokens, 4);
+  EXPECT_EQ(c.acquire(b, Tokens{1, 2, 5, 6, 9}, std::nullopt).cached_tokens, 4);
+  EXPECT_EQ(c.acquire(b, Tokens{1, 2, 7}, std::nullopt).cached_tokens, 2);
+  EXPECT_EQ(c.acquire(b, Tokens{1, 2, 3}, std::nullopt).cached_tokens, 2);  // ends inside an edge
+  EXPECT_EQ(c.acquire(b, Tokens{1, 3}, std::nullopt).state, nullptr);
+  // LRU now: {1,2} (last hit), {1,2,5,6}, {1,2,3,4}. A fourth snapshot evicts {1,2,3,4}.
+  store(c, b, {{1, 2, 3, 7}});
+  EXPECT_EQ(c.acquire(b, Tokens{1, 2, 3, 4, 9}, std::nullopt).cached_tokens, 2);
+  EXPECT_EQ(c.acquire(b, Tokens{1, 2, 3, 7, 9}, std::nullopt).cached_tokens, 4);
+  EXPECT_EQ(c.stats().device.evictions, 1);
+  // Two more stores evict {1,2,5,6} and then {1,2}: the nodes left without a snapshot are merged
+  // away, and the tree must still route to what remains.
+  store(c, b, {{8}});
+  store(c, b, {{8, 8}});
+  EXPECT_EQ(c.stats().device.evictions, 3);
+  EXPECT_EQ(c.acquire(b, Tokens{1, 2, 3, 7, 9}, std::nullopt).cached_tokens, 4);
+  EXPECT_EQ(c.acquire(b, Tokens{1, 2, 9}, std::nullopt).state, nullptr);
+  EXPECT_EQ(c.acquire(b, Tokens{8, 8, 8}, std::nullopt).cached_tokens, 2);
+  std::vector<std::vector<int32_t>> held;
+  for (const auto& info : c.describe()) held.push_back(info.tokens);
+  EXPECT_EQ(held, (std::vector<std::vector<int32_t>>{{8, 8}, {1, 2, 3, 7}, {8}}));
+}
+
+TEST(SessionCache, ThousandsOfSnapshotsEachFoundByItsOwnTokens) {
+  FakeBackend b;
+  SessionCache c({int64_t{64} << 20, 0});
+  const Tokens system(40, 7);
+  constexpr int kConversations = 3000;
+  for (int i = 0; i < kConversations; ++i)
+    store(c, b, {concat(system, {i % 1000, i / 1000, 5})});
+  store(c, b, {system});
+  EXPECT_EQ(c.stats().device.snapshots, kConversations + 1);
+  for (int i = 0; i < kConversations; i += 7) {
+    const Tokens own = concat(system, {i % 1000, i / 1000, 5});
+    auto hit = c.acquire(b, concat(own, {1}), std::nullopt);
+    ASSERT_NE(hit.state, nullptr);
+    ASSERT_EQ(static_cast<FakeState&>(*hit.state).history, own) << i;
+  }
+  // A new conversation with the shared system prompt resumes after it.
+  EXPECT_EQ(c.acquire(b, concat(system, {999, 9, 9}), std::nullopt).cached_tokens, 40);
+}
+
+TEST(SessionCache, DeviceTierMovesLeastRecentlyUsedToHostAndHitsComeBackRunnable) {
+  FakeBackend b;
+  // FakeState bytes = 1000 + 4·tokens: two 2-token states fit a 2100-byte tier, three do not.
+  SessionCache c({2100, 2100});
+  store(c, b, {{1, 1}});
+  store(c, b, {{2, 2}});
+  EXPECT_EQ(b.host_copies, 0);
+  store(c, b, {{3, 3}});  // {1,1} moves to the host tier
+  EXPECT_EQ(b.host_copies, 1);
+  EXPECT_EQ(lengths(c, CacheTier::kDevice).size(), 2u);
+  ASSERT_EQ(c.describe().back().tokens, (Tokens{1, 1}));
+  EXPECT_EQ(c.describe().back().tier, CacheTier::kHost);
+  auto hit = c.acquire(b, Tokens{1, 1, 5}, std::nullopt);  // from the host tier
+  ASSERT_NE(hit.state, nullptr);
+  EXPECT_EQ(b.host_restores, 1);
+  EXPECT_EQ(b.prefill(*hit.state, Tokens{5}), b.next_token({1, 1, 5}));  // runnable
+  auto st = c.stats();
+  EXPECT_EQ(st.device.evictions, 1);
+  EXPECT_EQ(st.host.evictions, 0);
+  EXPECT_EQ(st.device.bytes, 2 * 1008);
+  EXPECT_EQ(st.host.bytes, 1008);
+  EXPECT_EQ(st.host.snapshots, 1);
+}
+
+TEST(SessionCache, HostTierDropsLeastRecentlyUsedByBytes) {
+  FakeBackend b;
+  SessionCache c({1010, 2100});  // one 2-token state on the device, two on the host
+  for (int32_t t : {1, 2, 3, 4}) store(c, b, {{t, t}});
+  // Device: {4,4}; host: {3,3}, {2,2}; {1,1} dropped.
+  EXPECT_EQ(c.acquire(b, Tokens{1, 1, 9}, std::nullopt).state, nullptr);
+  for (int32_t t : {4, 3, 2}) EXPECT_EQ(c.acquire(b, Tokens{t, t, 9}, std::nullopt).cached_tokens, 2);
+  auto st = c.stats();
+  EXPECT_EQ(st.device.evictions, 3);
+  EXPECT_EQ(st.host.evictions, 1);
+  EXPECT_EQ(st.device.bytes, 1008);
+  EXPECT_EQ(st.host.bytes, 2016);
+  EXPECT_LE(st.host.bytes, st.host.budget);
+  // The hit made {2,2} the host tier's most recent: the next drop is {3,3}.
+  store(c, b, {{5, 5}});
+  EXPECT_EQ(c.acquire(b, Tokens{3, 3, 9}, std::nullopt).state, nullptr);
+  EXPECT_EQ(c.acquire(b, Tokens{2, 2, 9}, std::nullopt).cached_tokens, 2);
+  EXPECT_EQ(c.stats().host.evictions, 2);
+}
+
+TEST(SessionCache, WithoutHostTierDeviceEvictionsDrop) {
+  FakeBackend b;
+  SessionCache c({2100, 0});
   store(c, b, {{1, 1}});
   store(c, b, {{2, 2}});
   ASSERT_NE(c.acquire(b, Tokens{1, 1, 5}, std::nullopt).state, nullptr);  // {1,1} is now newer
-  store(c, b, {{3, 3}});                                                  // evicts {2,2}
+  store(c, b, {{3, 3}});                                                  // drops {2,2}
   EXPECT_EQ(c.acquire(b, Tokens{2, 2, 5}, std::nullopt).state, nullptr);
   EXPECT_NE(c.acquire(b, Tokens{1, 1, 5}, std::nullopt).state, nullptr);
   EXPECT_NE(c.acquire(b, Tokens{3, 3, 5}, std::nullopt).state, nullptr);
-  EXPECT_EQ(c.stats().evictions, 1);
-  EXPECT_EQ(c.stats().entries, 2);
+  EXPECT_EQ(b.host_copies, 0);
+  EXPECT_EQ(c.stats().device.evictions, 1);
+  EXPECT_EQ(c.stats().device.snapshots, 2);
+  EXPECT_EQ(c.stats().host.snapshots, 0);
 }
 
-TEST(SessionCache, ByteBoundEvictsAndRefusesOversizedEntries) {
+TEST(SessionCache, OversizedSnapshotsGoToTheHostTierOrAreRefused) {
   FakeBackend b;
-  // FakeState bytes = 1000 + 4·tokens: two 2-token states fit in 2100, three do not.
-  SessionCache c({10, 2100});
-  store(c, b, {{1, 1}});
-  store(c, b, {{2, 2}});
-  EXPECT_EQ(c.stats().entries, 2);
-  store(c, b, {{3, 3}});
-  EXPECT_EQ(c.stats().entries, 2);
-  EXPECT_EQ(c.acquire(b, Tokens{1, 1, 5}, std::nullopt).state, nullptr);
-  EXPECT_LE(c.stats().bytes, 2100);
-  store(c, b, {{4, 4}, Tokens(30, 4)});  // 1008 + 1120 > 2100 alone: not stored
-  EXPECT_EQ(c.acquire(b, Tokens(31, 4), std::nullopt).state, nullptr);
-  EXPECT_EQ(c.stats().entries, 2);
+  SessionCache c({1100, 2000});
+  store(c, b, {Tokens(30, 4)});  // 1120 bytes: more than the device tier, fits the host tier
+  EXPECT_EQ(lengths(c, CacheTier::kHost), std::vector<size_t>{30});
+  EXPECT_EQ(c.acquire(b, Tokens(31, 4), std::nullopt).cached_tokens, 30);
+  store(c, b, {Tokens(300, 4)});  // 2200 bytes: fits nowhere, not stored, nothing else lost
+  EXPECT_EQ(c.acquire(b, Tokens(301, 4), std::nullopt).cached_tokens, 30);
+  EXPECT_EQ(c.stats().device.evictions, 1);
+  // Host only: a device budget of 0 sends every snapshot to host memory.
+  SessionCache host_only({0, 5000});
+  EXPECT_TRUE(host_only.enabled());
+  store(host_only, b, {{1, 2}});
+  EXPECT_EQ(lengths(host_only, CacheTier::kHost), std::vector<size_t>{2});
+  EXPECT_EQ(host_only.acquire(b, Tokens{1, 2, 3}, std::nullopt).cached_tokens, 2);
 }
 
 TEST(SessionCache, DisabledCacheNeverHitsOrStores) {
@@ -150,22 +275,47 @@ TEST(SessionCache, DisabledCacheNeverHitsOrStores) {
   EXPECT_FALSE(c.enabled());
   store(c, b, {{1, 2}});
   EXPECT_EQ(c.acquire(b, Tokens{1, 2, 3}, std::nullopt).state, nullptr);
-  EXPECT_EQ(c.stats().entries, 0);
+  EXPECT_EQ(c.stats().device.snapshots, 0);
+  EXPECT_EQ(c.stats().host.snapshots, 0);
+}
+
+TEST(SessionCache, NegativeBudgetsAreRefused) {
+  EXPECT_THROW(SessionCache({-1, 0}), Error);
+  EXPECT_THROW(SessionCache({0, -1}), Error);
 }
 
 TEST(SessionCache, InconsistentPointsAreDropped) {
   FakeBackend b;
-  SessionCache c({2, 0});
+  SessionCache c({kMiB, 0});
   std::vector<ResumePoint> points;
   points.push_back(point(b, {1, 2, 3}));
   points[0].tokens = {1, 2};  // state position 3 ≠ 2 tokens
-  c.store(std::move(points), std::nullopt);
-  EXPECT_EQ(c.stats().entries, 0);
+  c.store(b, std::move(points), std::nullopt);
+  EXPECT_EQ(c.stats().device.snapshots, 0);
+}
+
+TEST(SessionCacheBudgets, DefaultsAndLimits) {
+  FakeBackend b;  // reports no free memory of its own, as the CPU backend
+  const int64_t avail = 8 * kMiB, total = 16 * kMiB;
+  auto o = resolve_cache_budgets(b, std::nullopt, std::nullopt, avail, total);
+  EXPECT_EQ(o.device_bytes, 2 * kMiB);
+  EXPECT_EQ(o.host_bytes, 0);
+  o = resolve_cache_budgets(b, 3 * kMiB, 5 * kMiB, avail, total);
+  EXPECT_EQ(o.device_bytes, 3 * kMiB);
+  EXPECT_EQ(o.host_bytes, 5 * kMiB);
+  try {
+    resolve_cache_budgets(b, std::nullopt, 17 * kMiB, avail, total);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "--cache-host-memory 17.0 MiB is more than this machine's memory (16.0 MiB)");
+  }
+  EXPECT_THROW(resolve_cache_budgets(b, 17 * kMiB, std::nullopt, avail, total), Error);
+  EXPECT_THROW(resolve_cache_budgets(b, -1, std::nullopt, avail, total), Error);
 }
 
 TEST(SessionCacheFlow, IdenticalRetryHitsAndGivesTheSameOutput) {
   FakeBackend b;
-  SessionCache c({2, 0});
+  SessionCache c({kMiB, 0});
   const Tokens prompt{5, 6, 7, 8, 9};
   auto first = request(c, b, prompt, 6);
   auto retry = request(c, b, prompt, 6);
@@ -173,12 +323,12 @@ TEST(SessionCacheFlow, IdenticalRetryHitsAndGivesTheSameOutput) {
   EXPECT_EQ(retry.cached, 4);  // resumes one token before the end of the prompt
   EXPECT_EQ(first.tokens, retry.tokens);
   // The retry replaced the first request's resume points instead of piling up copies.
-  EXPECT_EQ(c.stats().entries, 1);
+  EXPECT_EQ(c.stats().device.snapshots, 2);
 }
 
 TEST(SessionCacheFlow, NextTurnHitsTheFinalState) {
   FakeBackend b;
-  SessionCache c({2, 0});
+  SessionCache c({kMiB, 0});
   const Tokens turn1{5, 6, 7};
   auto a = request(c, b, turn1, 4);
   const Tokens turn2 = concat(concat(turn1, a.tokens), {42, 43});
@@ -188,7 +338,7 @@ TEST(SessionCacheFlow, NextTurnHitsTheFinalState) {
 
 TEST(SessionCacheFlow, TwoBranchesOfOneConversationBothHit) {
   FakeBackend b;
-  SessionCache c({2, 0});
+  SessionCache c({kMiB, 0});
   const Tokens turn1{5, 6, 7};
   auto a = request(c, b, turn1, 4);
   const int64_t reuse = static_cast<int64_t>(turn1.size() + a.tokens.size() - 1);
@@ -202,18 +352,42 @@ TEST(SessionCacheFlow, TwoBranchesOfOneConversationBothHit) {
   EXPECT_GE(branch3.cached, reuse);
 }
 
+TEST(SessionCacheFlow, SharedSystemPromptResumesAtItsMessageBoundary) {
+  FakeBackend b;
+  SessionCache c({kMiB, 0});
+  const Tokens system(300, 3);
+  const Tokens q1 = concat(system, {10, 11, 12}), q2 = concat(system, {20, 21}), q3 = concat(system, {30, 31, 32});
+  const int64_t boundary = static_cast<int64_t>(system.size());
+  auto a = request(c, b, q1, 3, std::nullopt, {boundary});
+  b.prefill_sizes.clear();
+  auto r2 = request(c, b, q2, 3, std::nullopt, {boundary});
+  auto r3 = request(c, b, q3, 3, std::nullopt, {boundary});
+  EXPECT_EQ(a.cached, 0);
+  EXPECT_EQ(r2.cached, boundary);
+  EXPECT_EQ(r3.cached, boundary);
+  // Only the new messages were prefilled.
+  EXPECT_EQ(b.prefill_sizes, (std::vector<int64_t>{1, 1, 2, 1}));
+  // Identical to a run without cache, where the prefill is split at the same boundary.
+  FakeBackend cold_backend;
+  SessionCache cold({0, 0});
+  EXPECT_EQ(request(cold, cold_backend, q2, 3, std::nullopt, {boundary}).tokens, r2.tokens);
+  EXPECT_EQ(cold_backend.prefill_sizes, (std::vector<int64_t>{300, 1, 1}));
+}
+
 TEST(SessionCacheFlow, OutputsAreIdenticalWithAndWithoutCache) {
   FakeBackend warm_backend, cold_backend;
-  SessionCache warm({4, 0}), cold({0, 0});
+  SessionCache warm({kMiB, 0}), cold({0, 0});
   Tokens convo{1, 2, 3};
+  std::vector<int64_t> starts;
   for (int turn = 0; turn < 4; ++turn) {
-    auto w = request(warm, warm_backend, convo, 5);
-    auto k = request(cold, cold_backend, convo, 5);
+    auto w = request(warm, warm_backend, convo, 5, std::nullopt, starts);
+    auto k = request(cold, cold_backend, convo, 5, std::nullopt, starts);
     EXPECT_EQ(w.tokens, k.tokens) << "turn " << turn;
     EXPECT_EQ(k.cached, 0);
     if (turn > 0) {
       EXPECT_GT(w.cached, 0) << "turn " << turn;
     }
+    starts.push_back(static_cast<int64_t>(convo.size()));
     convo = concat(concat(convo, w.tokens), {static_cast<int32_t>(50 + turn)});
   }
   // A hit followed by exactly one new token.

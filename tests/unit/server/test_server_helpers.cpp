@@ -235,7 +235,9 @@ TEST(MetricsText, CountersHistogramsAndGauges) {
   EngineGauges g;
   g.queue_depth = 2;
   g.cache.hits = 5;
-  g.cache.bytes = 1234;
+  g.cache.tokens_saved = 77;
+  g.cache.device.bytes = 1234;
+  g.cache.host.evictions = 3;
   const std::string text = m.render(g);
   EXPECT_NE(text.find("lily_http_requests_total{route=\"/health\",status=\"200\"} 2\n"), std::string::npos);
   EXPECT_NE(text.find("lily_http_requests_total{route=\"/v1/chat/completions\",status=\"400\"} 1\n"), std::string::npos);
@@ -248,5 +250,9 @@ TEST(MetricsText, CountersHistogramsAndGauges) {
   EXPECT_NE(text.find("lily_inter_token_latency_seconds_bucket{le=\"+Inf\"} 1\n"), std::string::npos);
   EXPECT_NE(text.find("lily_queue_depth 2\n"), std::string::npos);
   EXPECT_NE(text.find("lily_cache_hits_total 5\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_cache_bytes 1234\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_cache_tokens_saved_total 77\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_cache_bytes{tier=\"device\"} 1234\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_cache_bytes{tier=\"host\"} 0\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_cache_evictions_total{tier=\"host\"} 3\n"), std::string::npos);
+  EXPECT_NE(text.find("# TYPE lily_cache_snapshots gauge\n"), std::string::npos);
 }

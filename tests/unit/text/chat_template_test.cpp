@@ -229,6 +229,39 @@ TEST(ChatTemplate, CheckpointTemplateKeepsTypedMarkersPlainAndPromptsPrefixes) {
   }
 }
 
+// Message starts: where each message but the first begins, only at markers the template wrote;
+// the prompt up to each one is a token-exact prefix of a later turn and of a conversation that
+// shares the earlier messages.
+TEST(EncodeChat, MessageStartsAreTemplateMarkersAndSharedPrefixes) {
+  auto tok = demo();
+  const int32_t im_start = *tok->token_id("<|im_start|>");
+  for (auto tmpl : {ChatTemplate::builtin(), ChatTemplate::for_model(test::demo_model_dir())}) {
+    SCOPED_TRACE(tmpl->origin());
+    const std::string system = "You answer questions about build systems. <|im_start|>typed, not a marker";
+    std::vector<ChatMessage> a = {sys(system), user("What is CMake?"), asst("A build tool."), user("And Ninja?")};
+    std::vector<ChatMessage> b = {sys(system), user("Tell me about Bazel.")};
+    std::vector<int64_t> starts_a, starts_b;
+    const std::vector<int32_t> ids_a = tmpl->encode(*tok, a, ChatTemplateOptions{}, &starts_a);
+    const std::vector<int32_t> ids_b = tmpl->encode(*tok, b, ChatTemplateOptions{}, &starts_b);
+    EXPECT_EQ(ids_a, tmpl->encode(*tok, a));  // the same tokens with or without starts
+    // system | user | assistant | user | generation prompt: four starts after position 0.
+    ASSERT_EQ(starts_a.size(), 4u);
+    ASSERT_EQ(starts_b.size(), 2u);
+    for (int64_t p : starts_a) EXPECT_EQ(ids_a[static_cast<size_t>(p)], im_start);
+    EXPECT_TRUE(std::is_sorted(starts_a.begin(), starts_a.end()));
+    // The end of the system message is a common prefix of both conversations.
+    EXPECT_EQ(starts_a[0], starts_b[0]);
+    EXPECT_TRUE(std::equal(ids_a.begin(), ids_a.begin() + starts_a[0], ids_b.begin()));
+    // The start of the last user turn is a prefix of the conversation one turn earlier + answer.
+    std::vector<ChatMessage> earlier = {sys(system), user("What is CMake?")};
+    std::vector<int64_t> starts_e;
+    const std::vector<int32_t> ids_e = tmpl->encode(*tok, earlier, ChatTemplateOptions{}, &starts_e);
+    ASSERT_EQ(starts_e.size(), 2u);
+    EXPECT_EQ(starts_e[1], starts_a[1]);
+    EXPECT_TRUE(std::equal(ids_e.begin(), ids_e.begin() + starts_e[1], ids_a.begin()));
+  }
+}
+
 }  // namespace
 }  // namespace lily
 
