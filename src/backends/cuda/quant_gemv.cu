@@ -150,17 +150,23 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-/// D = Σ q·x of one 64-group for a 16-row × 8-token tile: `lo` / `hi` the thread's code words of
-/// rows g and g+8, bw0 / bw1 its staged bf16 activation pairs (file comment); four MMAs from zero.
+/// (128 + nibble 0, 128 + nibble 4) of `w` (the low four bits of each half) as exact bf16 values:
+/// nibble_pair_bf16 without the subtraction (the streaming kernel folds 128 into the bias).
+__device__ __forceinline__ uint32_t nibble_pair_bf16_plus128(uint32_t w) { return (w & 0x000F000Fu) | 0x43004300u; }
+
+/// D = Σ q·x (kPlus128: Σ (q + 128)·x) of one 64-group for a 16-row × 8-token tile: `lo` / `hi`
+/// the thread's code words of rows g and g+8, bw0 / bw1 its staged bf16 activation pairs (file
+/// comment); four MMAs from zero.
+template <bool kPlus128 = false>
 __device__ __forceinline__ void group_mma(const uint2& lo, const uint2& hi, const uint4& bw0, const uint4& bw1,
                                           float (&d)[4]) {
+  auto pair = [](uint32_t w) { return kPlus128 ? nibble_pair_bf16_plus128(w) : nibble_pair_bf16(w); };
   d[0] = d[1] = d[2] = d[3] = 0.0f;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int s = 2 * (j % 2);
     const uint32_t wl = j < 2 ? lo.x : lo.y, wh = j < 2 ? hi.x : hi.y;
-    const uint32_t a[4] = {nibble_pair_bf16(wl >> (4 * s)), nibble_pair_bf16(wh >> (4 * s)),
-                           nibble_pair_bf16(wl >> (4 * s + 4)), nibble_pair_bf16(wh >> (4 * s + 4))};
+    const uint32_t a[4] = {pair(wl >> (4 * s)), pair(wh >> (4 * s)), pair(wl >> (4 * s + 4)), pair(wh >> (4 * s + 4))};
     const uint4& bw = j < 2 ? bw0 : bw1;
     const uint32_t b[2] = {s == 0 ? bw.x : bw.z, s == 0 ? bw.y : bw.w};
     mma_bf16_16816(d, a, b);
@@ -430,22 +436,6 @@ __device__ __forceinline__ void stream_request_tile(const DeviceQuant& w, int64_
 /// (128 + nibble 0, 128 + nibble 4) of `w` (the low four bits of each half) as exact bf16 values.
 __device__ __forceinline__ uint32_t nibble_pair_bf16_biased(uint32_t w) { return (w & 0x000F000Fu) | 0x43004300u; }
 
-/// group_mma with codes taken as 128 + q (see the section comment): D = Σ (q + 128)·x.
-__device__ __forceinline__ void group_mma_biased(const uint2& lo, const uint2& hi, const uint4& bw0, const uint4& bw1,
-                                                 float (&d)[4]) {
-  d[0] = d[1] = d[2] = d[3] = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int s = 2 * (j % 2);
-    const uint32_t wl = j < 2 ? lo.x : lo.y, wh = j < 2 ? hi.x : hi.y;
-    const uint32_t a[4] = {nibble_pair_bf16_biased(wl >> (4 * s)), nibble_pair_bf16_biased(wh >> (4 * s)),
-                           nibble_pair_bf16_biased(wl >> (4 * s + 4)), nibble_pair_bf16_biased(wh >> (4 * s + 4))};
-    const uint4& bw = j < 2 ? bw0 : bw1;
-    const uint32_t b[2] = {s == 0 ? bw.x : bw.z, s == 0 ? bw.y : bw.w};
-    mma_bf16_16816(d, a, b);
-  }
-}
-
 /// One thread's view of a stage for its fragment rows (slot g → row 4·(g mod 4) + g/4, slot
 /// g + 8 → that row + 2).
 struct StreamTileView {
@@ -483,7 +473,7 @@ __device__ __forceinline__ void stream_group(const StreamTileView& v, const uint
     bw1 = bp[1];
   }
   float d[4];
-  group_mma_biased(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32),
+  group_mma<true>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32),
                    bw0, bw1, d);
   const float cl = fmaf(-128.0f, sl, bl), ch = fmaf(-128.0f, sh, bh);
   acc[0] += sl * d[0] + cl * x0;
