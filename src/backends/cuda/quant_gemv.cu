@@ -433,9 +433,6 @@ __device__ __forceinline__ void stream_request_tile(const DeviceQuant& w, int64_
   }
 }
 
-/// (128 + nibble 0, 128 + nibble 4) of `w` (the low four bits of each half) as exact bf16 values.
-__device__ __forceinline__ uint32_t nibble_pair_bf16_biased(uint32_t w) { return (w & 0x000F000Fu) | 0x43004300u; }
-
 /// One thread's view of a stage for its fragment rows (slot g → row 4·(g mod 4) + g/4, slot
 /// g + 8 → that row + 2).
 struct StreamTileView {
