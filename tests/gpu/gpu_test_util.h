@@ -1,6 +1,7 @@
-// Helpers for the CUDA kernel tests: random MLX-affine matrices on host and device, bf16
-// buffers, and exact fp32 reference products (plain loops over the dequantized weights,
-// docs/model.md §2.2).
+// Helpers for the CUDA kernel tests: random MLX-affine matrices on host and device and their
+// exact reference products (plain loops over the dequantized weights, docs/model.md §2.2), the
+// relative-error measure against double references, and event timing. Uploads, downloads,
+// random vectors and poisoned buffers come from device_io.h.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -13,6 +14,7 @@
 #include "backends/cuda/device_buffer.h"
 #include "backends/cuda/kernels.h"
 #include "base/bf16.h"
+#include "device_io.h"
 
 namespace lily::test {
 
@@ -71,50 +73,6 @@ struct RandomQuant {
     return acc;
   }
 };
-
-/// n random bf16 values ~ N(0, sigma), returned as their fp32 values (exactly representable).
-inline std::vector<float> random_bf16_values(int64_t n, std::mt19937_64& rng, float sigma = 1.0f) {
-  std::normal_distribution<float> d(0.0f, sigma);
-  std::vector<float> v(n);
-  for (auto& x : v) x = round_bf16(d(rng));
-  return v;
-}
-
-/// Device bf16 copy of fp32 values (rounded).
-inline cuda::DeviceBuffer to_device_bf16(const std::vector<float>& v) {
-  std::vector<uint16_t> bits(v.size());
-  for (size_t i = 0; i < v.size(); ++i) bits[i] = float_to_bf16(v[i]);
-  cuda::DeviceBuffer d(bits.size() * 2);
-  cuda::upload(d.as<uint16_t>(), bits.data(), bits.size());
-  return d;
-}
-inline cuda::DeviceBuffer to_device_f32(const std::vector<float>& v) {
-  cuda::DeviceBuffer d(v.size() * 4);
-  cuda::upload(d.as<float>(), v.data(), v.size());
-  return d;
-}
-/// Host fp32 values of a device bf16 buffer of n elements.
-inline std::vector<float> from_device_bf16(const cuda::DeviceBuffer& d, int64_t n) {
-  CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<uint16_t> bits(n);
-  cuda::download(bits.data(), d.as<uint16_t>(), n);
-  std::vector<float> v(n);
-  for (int64_t i = 0; i < n; ++i) v[i] = bf16_to_float(bits[i]);
-  return v;
-}
-inline std::vector<float> from_device_f32(const cuda::DeviceBuffer& d, int64_t n) {
-  CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<float> v(n);
-  cuda::download(v.data(), d.as<float>(), n);
-  return v;
-}
-/// A device buffer poisoned with 0xFF bytes (bf16 NaN / fp32 NaN / int −1), so unwritten
-/// outputs fail the comparisons.
-inline cuda::DeviceBuffer poisoned(size_t bytes) {
-  cuda::DeviceBuffer d(bytes);
-  d.fill_bytes(0xFF);
-  return d;
-}
 
 /// Max over i of |out − ref| / (|ref| + floor); NaN counts as infinite error.
 inline double worst_rel(const std::vector<float>& out, const std::vector<double>& ref, double floor) {

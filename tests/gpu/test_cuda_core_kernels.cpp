@@ -24,12 +24,12 @@ constexpr int kHidden = 2048, kExperts = 256, kTopK = 8, kFfn = 512, kVocab = 24
 void check_gemv(int64_t rows, int cols, int bits, bool f32_out, int m, uint64_t seed, int check_rows = 4096) {
   std::mt19937_64 rng(seed);
   RandomQuant w(rows, cols, bits, rng);
-  const std::vector<float> x = random_bf16_values(int64_t(m) * cols, rng);
-  DeviceBuffer dx = to_device_bf16(x);
+  const std::vector<float> x = normal_bf16(int64_t(m) * cols, rng, 1.0f);
+  DeviceBuffer dx = upload_bf16(x);
   DeviceBuffer dy = poisoned(size_t(m) * rows * 4);
   cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>(), m, f32_out ? nullptr : dy.as<__nv_bfloat16>(),
                                   f32_out ? dy.as<float>() : nullptr, nullptr);
-  const std::vector<float> all = f32_out ? from_device_f32(dy, int64_t(m) * rows) : from_device_bf16(dy, int64_t(m) * rows);
+  const std::vector<float> all = f32_out ? download_f32(dy, int64_t(m) * rows) : download_bf16(dy, int64_t(m) * rows);
   // Every row is checked for having been written; a spread subset is checked numerically.
   for (float v : all) ASSERT_FALSE(std::isnan(v)) << "unwritten output";
   const int64_t stride = std::max<int64_t>(1, rows / check_rows);
@@ -73,19 +73,19 @@ TEST(CudaGemv, RowResultsDoNotDependOnTheTokenCount) {
     std::mt19937_64 rng(15 + cols);
     const int64_t rows = 777;
     RandomQuant w(rows, cols, 4, rng);
-    const std::vector<float> x = random_bf16_values(int64_t(8) * cols, rng);
-    DeviceBuffer dx = to_device_bf16(x);
+    const std::vector<float> x = normal_bf16(int64_t(8) * cols, rng, 1.0f);
+    DeviceBuffer dx = upload_bf16(x);
     std::vector<std::vector<float>> alone(8);
     for (int t = 0; t < 8; ++t) {
       DeviceBuffer dy = poisoned(size_t(rows) * 4);
       cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>() + int64_t(t) * cols, 1, nullptr, dy.as<float>(),
                                       nullptr);
-      alone[t] = from_device_f32(dy, rows);
+      alone[t] = download_f32(dy, rows);
     }
     for (int m = 2; m <= 8; ++m) {
       DeviceBuffer dy = poisoned(size_t(m) * rows * 4);
       cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>(), m, nullptr, dy.as<float>(), nullptr);
-      const std::vector<float> all = from_device_f32(dy, int64_t(m) * rows);
+      const std::vector<float> all = download_f32(dy, int64_t(m) * rows);
       for (int t = 0; t < m; ++t)
         EXPECT_EQ(std::vector<float>(all.begin() + t * rows, all.begin() + (t + 1) * rows), alone[t])
             << "cols " << cols << ", token " << t << " of " << m;
@@ -125,13 +125,13 @@ TEST(CudaGemv, RejectsUnsupportedShapes) {
 TEST(CudaLmHead, GemvFp32AndArgmaxOnRealVocab) {
   std::mt19937_64 rng(11);
   RandomQuant w(kVocab, kHidden, 4, rng);
-  const std::vector<float> x = random_bf16_values(kHidden, rng);
-  DeviceBuffer dx = to_device_bf16(x), logits = poisoned(size_t(kVocab) * 4);
+  const std::vector<float> x = normal_bf16(kHidden, rng, 1.0f);
+  DeviceBuffer dx = upload_bf16(x), logits = poisoned(size_t(kVocab) * 4);
   const int slots = cuda::argmax_scratch_slots(kVocab);
   DeviceBuffer sv(slots * 4), si(slots * 4), id = poisoned(4);
   cuda::launch_quant_gemv(w.view(), dx.as<__nv_bfloat16>(), nullptr, logits.as<float>(), nullptr);
   cuda::launch_argmax(logits.as<float>(), kVocab, sv.as<float>(), si.as<int32_t>(), id.as<int32_t>(), nullptr);
-  const std::vector<float> out = from_device_f32(logits, kVocab);
+  const std::vector<float> out = download_f32(logits, kVocab);
   int32_t got = -1;
   cuda::download(&got, id.as<int32_t>(), 1);
   EXPECT_EQ(got, cpu::argmax(out.data(), kVocab));
@@ -148,7 +148,7 @@ TEST(CudaLmHead, GemvFp32AndArgmaxOnRealVocab) {
 }
 
 int32_t gpu_argmax(const std::vector<float>& v) {
-  DeviceBuffer d = to_device_f32(v);
+  DeviceBuffer d = upload_f32(v);
   const int slots = cuda::argmax_scratch_slots(int64_t(v.size()));
   DeviceBuffer sv(slots * 4), si(slots * 4), id = poisoned(4);
   cuda::launch_argmax(d.as<float>(), int64_t(v.size()), sv.as<float>(), si.as<int32_t>(), id.as<int32_t>(), nullptr);
@@ -160,7 +160,7 @@ int32_t gpu_argmax(const std::vector<float>& v) {
 
 TEST(CudaArgmax, TiesGoToLowestIndexAndNanNeverWins) {
   std::mt19937_64 rng(12);
-  std::vector<float> v = random_bf16_values(kVocab, rng);
+  std::vector<float> v = normal_bf16(kVocab, rng, 1.0f);
   v[200000] = 50.0f;
   v[100001] = 50.0f;
   v[7] = NAN;
@@ -173,7 +173,7 @@ TEST(CudaArgmax, TiesGoToLowestIndexAndNanNeverWins) {
   nan[999] = -INFINITY;
   EXPECT_EQ(gpu_argmax(nan), 999);
   for (int trial = 0; trial < 3; ++trial) {
-    std::vector<float> r = random_bf16_values(kVocab, rng);
+    std::vector<float> r = normal_bf16(kVocab, rng, 1.0f);
     EXPECT_EQ(gpu_argmax(r), cpu::argmax(r.data(), kVocab));
   }
 }
@@ -185,7 +185,7 @@ TEST(CudaEmbed, GathersAndDequantizesRows) {
   DeviceBuffer dids(ids.size() * 4), out = poisoned(ids.size() * kHidden * 2);
   cuda::upload(dids.as<int32_t>(), ids.data(), ids.size());
   cuda::launch_embed(table.view(), dids.as<int32_t>(), int(ids.size()), out.as<__nv_bfloat16>(), nullptr);
-  const std::vector<float> got = from_device_bf16(out, int64_t(ids.size()) * kHidden);
+  const std::vector<float> got = download_bf16(out, int64_t(ids.size()) * kHidden);
   for (size_t t = 0; t < ids.size(); ++t)
     for (int c = 0; c < kHidden; ++c)
       ASSERT_EQ(got[t * kHidden + c], round_bf16(table.weight(ids[t], c))) << "token " << ids[t] << " col " << c;
@@ -195,16 +195,16 @@ TEST(CudaRmsNorm, FusedResidualAddMatchesReference) {
   std::mt19937_64 rng(14);
   for (int n : {kHidden, 256, 128}) {
     const int m = 3;
-    const std::vector<float> x = random_bf16_values(int64_t(m) * n, rng, 2.0f);
-    const std::vector<float> br = random_bf16_values(int64_t(m) * n, rng, 0.5f);
-    std::vector<float> gain = random_bf16_values(n, rng, 0.3f);
+    const std::vector<float> x = normal_bf16(int64_t(m) * n, rng, 2.0f);
+    const std::vector<float> br = normal_bf16(int64_t(m) * n, rng, 0.5f);
+    std::vector<float> gain = normal_bf16(n, rng, 0.3f);
     for (auto& g : gain) g += 1.0f;
     for (bool with_branch : {false, true}) {
-      DeviceBuffer dx = to_device_bf16(x), db = to_device_bf16(br), dg = to_device_f32(gain);
+      DeviceBuffer dx = upload_bf16(x), db = upload_bf16(br), dg = upload_f32(gain);
       DeviceBuffer dy = poisoned(size_t(m) * n * 2);
       cuda::launch_add_rmsnorm(dx.as<__nv_bfloat16>(), with_branch ? db.as<__nv_bfloat16>() : nullptr, dg.as<float>(),
                                dy.as<__nv_bfloat16>(), m, n, 1e-6f, nullptr);
-      const std::vector<float> gx = from_device_bf16(dx, int64_t(m) * n), gy = from_device_bf16(dy, int64_t(m) * n);
+      const std::vector<float> gx = download_bf16(dx, int64_t(m) * n), gy = download_bf16(dy, int64_t(m) * n);
       for (int t = 0; t < m; ++t) {
         std::vector<float> h(n), y(n);
         for (int i = 0; i < n; ++i) h[i] = with_branch ? round_bf16(x[t * n + i] + br[t * n + i]) : x[t * n + i];
@@ -232,14 +232,14 @@ void reference_topk(const float* logits, int E, int k, std::vector<int>& ids, st
 
 void check_router(int E, int k, int m, uint64_t seed, bool with_ties) {
   std::mt19937_64 rng(seed);
-  std::vector<float> logits = random_bf16_values(int64_t(m) * (E + 1), rng, 2.0f);
+  std::vector<float> logits = normal_bf16(int64_t(m) * (E + 1), rng, 2.0f);
   if (with_ties)
     for (int t = 0; t < m; ++t) {
       float* row = logits.data() + int64_t(t) * (E + 1);
       row[E - 1] = row[3] = row[E / 2] = 9.0f;  // a three-way tie at the top
       row[1] = row[E - 2] = 7.5f;
     }
-  DeviceBuffer dl = to_device_f32(logits), ids = poisoned(size_t(m) * (k + 1) * 4), w = poisoned(size_t(m) * (k + 1) * 4);
+  DeviceBuffer dl = upload_f32(logits), ids = poisoned(size_t(m) * (k + 1) * 4), w = poisoned(size_t(m) * (k + 1) * 4);
   cuda::launch_router_topk(dl.as<float>(), m, E, k, ids.as<int32_t>(), w.as<float>(), nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<int32_t> gid(size_t(m) * (k + 1));
@@ -312,7 +312,7 @@ enum class RouterTies { kNone, kThreeWayTop, kAtTheCut, kNanLogits, kAllZero };
 void check_router_fused(int E, int k, int hidden, int bits, int m, uint64_t seed, RouterTies ties) {
   std::mt19937_64 rng(seed);
   RandomQuant w(E + 1, hidden, bits, rng);
-  const std::vector<float> x = random_bf16_values(int64_t(m) * hidden, rng);
+  const std::vector<float> x = normal_bf16(int64_t(m) * hidden, rng, 1.0f);
   std::vector<int> tied;  // expert ids that must tie exactly (token 0)
   if (ties == RouterTies::kNanLogits) {  // NaN scales: NaN logits for experts 2 and E − 3
     for (int row : {2, E - 3}) {
@@ -340,7 +340,7 @@ void check_router_fused(int E, int k, int hidden, int bits, int m, uint64_t seed
       tied = {cut, u};
     }
   }
-  DeviceBuffer dx = to_device_bf16(x);
+  DeviceBuffer dx = upload_bf16(x);
   const size_t n_log = size_t(m) * (E + 1), n_sel = size_t(m) * (k + 1);
   DeviceBuffer f_log = poisoned(n_log * 4), f_ids = poisoned(n_sel * 4), f_w = poisoned(n_sel * 4);
   DeviceBuffer u_log = poisoned(n_log * 4), u_ids = poisoned(n_sel * 4), u_w = poisoned(n_sel * 4);
@@ -355,13 +355,13 @@ void check_router_fused(int E, int k, int hidden, int bits, int m, uint64_t seed
     cuda::download(v.data(), d.as<int32_t>(), n);
     return v;
   };
-  const std::vector<float> ul = from_device_f32(u_log, n_log), uw = from_device_f32(u_w, n_sel);
+  const std::vector<float> ul = download_f32(u_log, n_log), uw = download_f32(u_w, n_sel);
   const std::vector<int32_t> uid = download_i32(u_ids, n_sel);
   // Twice: the second launch checks that the block counters were reset (graph replay).
   for (int launch = 0; launch < 2; ++launch) {
     cuda::launch_router_fused(w.view(), dx.as<__nv_bfloat16>(), m, E, k, f_log.as<float>(), f_ids.as<int32_t>(),
                               f_w.as<float>(), done.as<uint32_t>(), nullptr);
-    const std::vector<float> fl = from_device_f32(f_log, n_log), fw = from_device_f32(f_w, n_sel);
+    const std::vector<float> fl = download_f32(f_log, n_log), fw = download_f32(f_w, n_sel);
     const std::vector<int32_t> fid = download_i32(f_ids, n_sel), cnt = download_i32(done, size_t(m));
     for (int t = 0; t < m; ++t) {
       SCOPED_TRACE("E=" + std::to_string(E) + " k=" + std::to_string(k) + " hidden=" + std::to_string(hidden) +
@@ -458,13 +458,13 @@ struct NormInputs {
   std::vector<float> x, branch, gain;
   DeviceBuffer dx, dbranch, dgain, x_out, normed;
   NormInputs(int cols, std::mt19937_64& rng) {
-    x = random_bf16_values(cols, rng, 2.0f);
-    branch = random_bf16_values(cols, rng, 0.5f);
-    gain = random_bf16_values(cols, rng, 0.3f);
+    x = normal_bf16(cols, rng, 2.0f);
+    branch = normal_bf16(cols, rng, 0.5f);
+    gain = normal_bf16(cols, rng, 0.3f);
     for (auto& g : gain) g += 1.0f;
-    dx = to_device_bf16(x);
-    dbranch = to_device_bf16(branch);
-    dgain = to_device_f32(gain);
+    dx = upload_bf16(x);
+    dbranch = upload_bf16(branch);
+    dgain = upload_f32(gain);
     x_out = poisoned(size_t(cols) * 2);
     normed = poisoned(size_t(cols) * 2);
   }
@@ -483,11 +483,11 @@ struct NormInputs {
     const int n = int(x.size());
     std::vector<float> h(n), y(n);
     for (int i = 0; i < n; ++i) h[i] = with_branch ? round_bf16(x[i] + branch[i]) : x[i];
-    EXPECT_EQ(from_device_bf16(x_out, n), h) << "x_out must be bf16(x + branch)";
-    DeviceBuffer ux = to_device_bf16(x), uy = poisoned(size_t(n) * 2);
+    EXPECT_EQ(download_bf16(x_out, n), h) << "x_out must be bf16(x + branch)";
+    DeviceBuffer ux = upload_bf16(x), uy = poisoned(size_t(n) * 2);
     cuda::launch_add_rmsnorm(ux.as<__nv_bfloat16>(), with_branch ? dbranch.as<__nv_bfloat16>() : nullptr,
                              dgain.as<float>(), uy.as<__nv_bfloat16>(), 1, n, 1e-6f, nullptr);
-    const std::vector<float> got = from_device_bf16(normed, n), unfused = from_device_bf16(uy, n);
+    const std::vector<float> got = download_bf16(normed, n), unfused = download_bf16(uy, n);
     EXPECT_LT(worst_rel(got, std::vector<double>(unfused.begin(), unfused.end()), 1e-3), 8e-3) << "vs launch_add_rmsnorm";
     cpu::rms_norm(h.data(), gain.data(), n, 1e-6f, y.data());
     EXPECT_LT(worst_rel(got, std::vector<double>(y.begin(), y.end()), 1e-3), 8e-3) << "vs cpu::rms_norm";
@@ -508,9 +508,9 @@ void check_norm_gemv(int64_t rows, int cols, int bits, bool f32_out, bool with_b
   cuda::launch_quant_gemv(w.view(), in.normed.as<__nv_bfloat16>(), f32_out ? nullptr : ref.as<__nv_bfloat16>(),
                           f32_out ? ref.as<float>() : nullptr, nullptr);
   in.check_norm_outputs(with_branch);
-  if (f32_out) EXPECT_EQ(from_device_f32(y, rows), from_device_f32(ref, rows));
-  else EXPECT_EQ(from_device_bf16(y, rows), from_device_bf16(ref, rows));
-  const std::vector<float> x_in = from_device_bf16(in.dx, cols);
+  if (f32_out) EXPECT_EQ(download_f32(y, rows), download_f32(ref, rows));
+  else EXPECT_EQ(download_bf16(y, rows), download_bf16(ref, rows));
+  const std::vector<float> x_in = download_bf16(in.dx, cols);
   EXPECT_EQ(x_in, in.x) << "the input residual must not be modified";
 }
 
@@ -541,8 +541,8 @@ void check_norm_router(int E, int k, int hidden, uint64_t seed) {
   cuda::launch_router_fused(w.view(), in.normed.as<__nv_bfloat16>(), 1, E, k, ul.as<float>(), uid.as<int32_t>(),
                             uw.as<float>(), done.as<uint32_t>(), nullptr);
   in.check_norm_outputs(true);
-  EXPECT_EQ(from_device_f32(fl, E + 1), from_device_f32(ul, E + 1));
-  EXPECT_EQ(from_device_f32(fw, k + 1), from_device_f32(uw, k + 1));
+  EXPECT_EQ(download_f32(fl, E + 1), download_f32(ul, E + 1));
+  EXPECT_EQ(download_f32(fw, k + 1), download_f32(uw, k + 1));
   std::vector<int32_t> a(k + 1), b(k + 1);
   CUDA_CHECK(cudaDeviceSynchronize());
   cuda::download(a.data(), fid.as<int32_t>(), a.size());
@@ -568,10 +568,10 @@ void check_norm_gemv_conv(int n_key_heads, int n_value_heads, int head_dim, int 
   SCOPED_TRACE("C=" + std::to_string(C) + " rows=" + std::to_string(rows));
   std::mt19937_64 rng(seed);
   RandomQuant w(rows, hidden, 4, rng);
-  const std::vector<float> taps = random_bf16_values(int64_t(C) * 4, rng, 0.5f);
-  const std::vector<float> window0 = random_bf16_values(int64_t(C) * 3, rng);
-  DeviceBuffer dtaps = to_device_f32(taps);
-  DeviceBuffer win_a = to_device_bf16(window0), win_b = to_device_bf16(window0);
+  const std::vector<float> taps = normal_bf16(int64_t(C) * 4, rng, 0.5f);
+  const std::vector<float> window0 = normal_bf16(int64_t(C) * 3, rng, 1.0f);
+  DeviceBuffer dtaps = upload_f32(taps);
+  DeviceBuffer win_a = upload_bf16(window0), win_b = upload_bf16(window0);
   DeviceBuffer proj_a = poisoned(size_t(rows) * 2), proj_b = poisoned(size_t(rows) * 2);
   DeviceBuffer out_a = poisoned(size_t(C) * 2), out_b = poisoned(size_t(C) * 2);
   cuda::GdnParams params;
@@ -589,9 +589,9 @@ void check_norm_gemv_conv(int n_key_heads, int n_value_heads, int head_dim, int 
                                   nullptr);
     cuda::gdn_conv_decode(dims, params, proj_b.as<__nv_bfloat16>(), win_b.as<__nv_bfloat16>(), out_b.as<__nv_bfloat16>(),
                           nullptr);
-    EXPECT_EQ(from_device_bf16(proj_a, rows), from_device_bf16(proj_b, rows)) << "step " << step;
-    EXPECT_EQ(from_device_bf16(out_a, C), from_device_bf16(out_b, C)) << "step " << step;
-    EXPECT_EQ(from_device_bf16(win_a, int64_t(C) * 3), from_device_bf16(win_b, int64_t(C) * 3)) << "step " << step;
+    EXPECT_EQ(download_bf16(proj_a, rows), download_bf16(proj_b, rows)) << "step " << step;
+    EXPECT_EQ(download_bf16(out_a, C), download_bf16(out_b, C)) << "step " << step;
+    EXPECT_EQ(download_bf16(win_a, int64_t(C) * 3), download_bf16(win_b, int64_t(C) * 3)) << "step " << step;
   }
 }
 
@@ -626,10 +626,10 @@ struct MoeChain {
       : E(E_), k(k_), hidden(hidden_), ffn(ffn_), router(E_ + 1, hidden_, 8, rng),
         gate((E_ + 1) * int64_t(ffn_), hidden_, 4, rng), up((E_ + 1) * int64_t(ffn_), hidden_, 4, rng),
         down((E_ + 1) * int64_t(hidden_), ffn_, 4, rng) {
-    x0 = random_bf16_values(hidden, rng, 2.0f);
-    std::vector<float> g = random_bf16_values(hidden, rng, 0.3f);
+    x0 = normal_bf16(hidden, rng, 2.0f);
+    std::vector<float> g = normal_bf16(hidden, rng, 0.3f);
     for (auto& v : g) v += 1.0f;
-    gain = to_device_f32(g);
+    gain = upload_f32(g);
     moe = DeviceBuffer(size_t(hidden) * 2);
     normed = DeviceBuffer(size_t(hidden) * 2);
     logits = DeviceBuffer(size_t(E + 1) * 4);
@@ -738,14 +738,14 @@ void check_experts(int E, int k, int hidden, int ffn, uint64_t seed, int bits = 
   ids[k] = E;
   std::uniform_real_distribution<float> u01(0.01f, 1.0f);
   for (auto& v : w) v = u01(rng);
-  const std::vector<float> x = random_bf16_values(hidden, rng);
+  const std::vector<float> x = normal_bf16(hidden, rng, 1.0f);
 
-  DeviceBuffer dx = to_device_bf16(x), did(n_sel * 4), dw = to_device_f32(w);
+  DeviceBuffer dx = upload_bf16(x), did(n_sel * 4), dw = upload_f32(w);
   cuda::upload(did.as<int32_t>(), ids.data(), ids.size());
   DeviceBuffer act = poisoned(size_t(n_sel) * ffn * 2), out = poisoned(size_t(hidden) * 2);
   cuda::launch_expert_gate_up(gate.view(), up.view(), ffn, did.as<int32_t>(), n_sel, dx.as<__nv_bfloat16>(), 1,
                               act.as<__nv_bfloat16>(), nullptr);
-  const std::vector<float> gact = from_device_bf16(act, int64_t(n_sel) * ffn);
+  const std::vector<float> gact = download_bf16(act, int64_t(n_sel) * ffn);
   std::vector<double> ract(size_t(n_sel) * ffn);
   for (int s = 0; s < n_sel; ++s)
     for (int i = 0; i < ffn; ++i) {
@@ -758,7 +758,7 @@ void check_experts(int E, int k, int hidden, int ffn, uint64_t seed, int bits = 
   // Down + combine from the GPU's own activations (isolates this kernel's error).
   cuda::launch_expert_down_combine(down.view(), hidden, did.as<int32_t>(), dw.as<float>(), n_sel,
                                    act.as<__nv_bfloat16>(), 1, out.as<__nv_bfloat16>(), nullptr);
-  const std::vector<float> gout = from_device_bf16(out, hidden);
+  const std::vector<float> gout = download_bf16(out, hidden);
   std::vector<double> rout(hidden, 0.0);
   for (int r = 0; r < hidden; ++r) {
     float acc = 0.0f;
@@ -786,8 +786,8 @@ int64_t quant_bytes(const RandomQuant& w) { return w.rows * (int64_t(w.cols) * w
 // Weights larger than L2 (50 MB) stream from HBM; smaller ones (router) may stay in L2.
 TEST(CudaTiming, PrintsKernelTimes) {
   std::mt19937_64 rng(99);
-  const std::vector<float> x = random_bf16_values(4096, rng);
-  DeviceBuffer dx = to_device_bf16(x), y(size_t(kVocab) * 4);
+  const std::vector<float> x = normal_bf16(4096, rng, 1.0f);
+  DeviceBuffer dx = upload_bf16(x), y(size_t(kVocab) * 4);
   auto gemv = [&](const char* name, int64_t rows, int cols, int bits, bool f32) {
     RandomQuant w(rows, cols, bits, rng);
     const cuda::DeviceQuant v = w.view();
@@ -808,7 +808,7 @@ TEST(CudaTiming, PrintsKernelTimes) {
   RandomQuant down((kExperts + 1) * int64_t(kHidden), kFfn, 4, rng);
   std::vector<int32_t> ids = {3, 77, 140, 9, 201, 255, 18, 100, kExperts};
   std::vector<float> w(9, 0.1f);
-  DeviceBuffer did(9 * 4), dw = to_device_f32(w), act(9 * kFfn * 2), out(kHidden * 2);
+  DeviceBuffer did(9 * 4), dw = upload_f32(w), act(9 * kFfn * 2), out(kHidden * 2);
   cuda::upload(did.as<int32_t>(), ids.data(), ids.size());
   const double gu = time_us([&] {
     cuda::launch_expert_gate_up(gate.view(), up.view(), kFfn, did.as<int32_t>(), 9, dx.as<__nv_bfloat16>(), 1,
@@ -823,8 +823,8 @@ TEST(CudaTiming, PrintsKernelTimes) {
   const double dn_mb = 9.0 * kHidden * (kFfn / 2 + kFfn / 64 * 4) / 1e6;
   std::printf("[timing] %-28s %8.2f us  %7.2f MB  %7.1f GB/s\n", "experts down+combine x9", dn, dn_mb, dn_mb / dn * 1e3);
 
-  std::vector<float> logits = random_bf16_values(kExperts + 1, rng);
-  DeviceBuffer dl = to_device_f32(logits), tid(9 * 4), tw(9 * 4);
+  std::vector<float> logits = normal_bf16(kExperts + 1, rng, 1.0f);
+  DeviceBuffer dl = upload_f32(logits), tid(9 * 4), tw(9 * 4);
   std::printf("[timing] %-28s %8.2f us\n", "router top-k",
               time_us([&] { cuda::launch_router_topk(dl.as<float>(), 1, kExperts, kTopK, tid.as<int32_t>(), tw.as<float>(), nullptr); }));
   {
@@ -845,7 +845,7 @@ TEST(CudaTiming, PrintsKernelTimes) {
                                                             y.as<__nv_bfloat16>(), nullptr, nullptr); }));
   }
   std::vector<float> g(kHidden, 1.0f);
-  DeviceBuffer res = to_device_bf16(x), dg = to_device_f32(g), nrm(kHidden * 2);
+  DeviceBuffer res = upload_bf16(x), dg = upload_f32(g), nrm(kHidden * 2);
   std::printf("[timing] %-28s %8.2f us\n", "add+rmsnorm 2048",
               time_us([&] { cuda::launch_add_rmsnorm(res.as<__nv_bfloat16>(), dx.as<__nv_bfloat16>(), dg.as<float>(),
                                                      nrm.as<__nv_bfloat16>(), 1, kHidden, 1e-6f, nullptr); }));

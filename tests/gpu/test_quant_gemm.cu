@@ -115,13 +115,13 @@ void check_gemm(int64_t rows, int cols, int bits, bool f32_out, std::vector<int>
   const QuantMatrix hq = host_view(w);
   for (int m : ms) {
     SCOPED_TRACE(testing::Message() << rows << "x" << cols << " " << bits << "-bit m=" << m << (f32_out ? " fp32" : " bf16"));
-    const std::vector<float> x = random_bf16_values(int64_t(m) * cols, rng);
-    DeviceBuffer dx = to_device_bf16(x);
+    const std::vector<float> x = normal_bf16(int64_t(m) * cols, rng, 1.0f);
+    DeviceBuffer dx = upload_bf16(x);
     DeviceBuffer dy = poisoned(size_t(m) * rows * 4);
     cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, f32_out ? nullptr : dy.as<bf16_t>(),
                             f32_out ? dy.as<float>() : nullptr, nullptr);
     const int64_t n_out = int64_t(m) * rows;
-    const std::vector<float> all = f32_out ? from_device_f32(dy, n_out) : from_device_bf16(dy, n_out);
+    const std::vector<float> all = f32_out ? download_f32(dy, n_out) : download_bf16(dy, n_out);
     for (int64_t i = 0; i < n_out; ++i) ASSERT_FALSE(std::isnan(all[i])) << "unwritten output at " << i;
 
     // (a) the bf16-weight reference on the checked rows, every token row.
@@ -257,9 +257,9 @@ void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t 
   std::vector<int32_t> ids;
   std::vector<float> wts;
   random_routing(E, k, m, pool, rng, ids, wts);
-  const std::vector<float> x = random_bf16_values(int64_t(m) * hidden, rng);
+  const std::vector<float> x = normal_bf16(int64_t(m) * hidden, rng, 1.0f);
 
-  DeviceBuffer dx = to_device_bf16(x), dw = to_device_f32(wts), did(ids.size() * 4);
+  DeviceBuffer dx = upload_bf16(x), dw = upload_f32(wts), did(ids.size() * 4);
   cuda::upload(did.as<int32_t>(), ids.data(), ids.size());
   DeviceBuffer grouping = poisoned(size_t(cuda::expert_grouping_ints(n_groups, m, n_sel)) * 4);
   DeviceBuffer act = poisoned(size_t(A) * ffn * 2), slot = poisoned(size_t(A) * hidden * 2);
@@ -272,9 +272,9 @@ void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t 
   cuda::launch_expert_combine(slot.as<bf16_t>(), dw.as<float>(), m, n_sel, hidden, out.as<bf16_t>(), nullptr);
 
   check_grouping(grouping, ids, n_groups, m, n_sel);
-  const std::vector<float> gact = from_device_bf16(act, A * ffn);
-  const std::vector<float> gslot = from_device_bf16(slot, A * hidden);
-  const std::vector<float> gout = from_device_bf16(out, int64_t(m) * hidden);
+  const std::vector<float> gact = download_bf16(act, A * ffn);
+  const std::vector<float> gslot = download_bf16(slot, A * hidden);
+  const std::vector<float> gout = download_bf16(out, int64_t(m) * hidden);
   for (float v : gact) ASSERT_FALSE(std::isnan(v)) << "unwritten activation";
   for (float v : gslot) ASSERT_FALSE(std::isnan(v)) << "unwritten expert output";
   for (float v : gout) ASSERT_FALSE(std::isnan(v)) << "unwritten MoE output";
@@ -341,7 +341,7 @@ void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t 
                                 act2.as<bf16_t>(), nullptr);
     cuda::launch_expert_down_combine(W.down.view(), hidden, did.as<int32_t>(), dw.as<float>(), n_sel,
                                      act2.as<bf16_t>(), m, out2.as<bf16_t>(), nullptr);
-    const std::vector<float> rowwise = from_device_bf16(out2, int64_t(m) * hidden);
+    const std::vector<float> rowwise = download_bf16(out2, int64_t(m) * hidden);
     std::vector<double> r(rowwise.begin(), rowwise.end());
     expect_close_to_exact_weights(gout, r, 1.5e-2, 8e-2, "grouped vs per-row CUDA experts");
   }
@@ -405,8 +405,8 @@ constexpr int kTimingReps = 50;  // fewer than the core kernels' 200: these laun
 TEST(CudaQuantGemmTiming, PrintsTimes) {
   std::mt19937_64 rng(99);
   const int max_m = 2048;
-  const std::vector<float> x = random_bf16_values(int64_t(max_m) * 4096, rng);
-  DeviceBuffer dx = to_device_bf16(x), y(size_t(max_m) * 12352 * 2);
+  const std::vector<float> x = normal_bf16(int64_t(max_m) * 4096, rng, 1.0f);
+  DeviceBuffer dx = upload_bf16(x), y(size_t(max_m) * 12352 * 2);
   struct Shape { const char* name; int64_t rows; int cols; };
   for (const Shape& s : {Shape{"gdn qkv|z|a|b 12352x2048", 12352, kHidden}, Shape{"gdn out_proj 2048x4096", kHidden, 4096},
                          Shape{"attn q|k|v 9216x2048", 9216, kHidden}}) {
@@ -426,7 +426,7 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
     std::vector<int32_t> ids;
     std::vector<float> wts;
     random_routing(kExperts, kTopK, m, kExperts, rng, ids, wts);
-    DeviceBuffer did(ids.size() * 4), dw = to_device_f32(wts);
+    DeviceBuffer did(ids.size() * 4), dw = upload_f32(wts);
     cuda::upload(did.as<int32_t>(), ids.data(), ids.size());
     DeviceBuffer grouping(size_t(cuda::expert_grouping_ints(n_groups, m, n_sel)) * 4);
     DeviceBuffer act(size_t(m) * n_sel * kFfn * 2), slot(size_t(m) * n_sel * kHidden * 2), out(size_t(m) * kHidden * 2);

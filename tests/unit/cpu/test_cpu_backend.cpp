@@ -237,17 +237,6 @@ TEST_F(CpuBackendDemo, ProbesCoverEveryLayerAndMatchTheResult) {
   EXPECT_TRUE(counts.empty());
 }
 
-/// Cosine similarity of two equal-length vectors, in double.
-double cosine(const std::vector<float>& a, const std::vector<float>& b) {
-  double ab = 0, aa = 0, bb = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    ab += double(a[i]) * b[i];
-    aa += double(a[i]) * a[i];
-    bb += double(b[i]) * b[i];
-  }
-  return ab / std::sqrt(aa * bb);
-}
-
 TEST_F(CpuBackendDemo, Bf16NumericsRoundsEveryStoredActivation) {
   CpuBackend backend(weights_, 2);
   backend.set_numerics(Numerics::kBf16Activations);
@@ -275,7 +264,7 @@ TEST_F(CpuBackendDemo, Bf16NumericsChangesLogitsSlightlyAndKeepsPrefillEqualToDe
   bf16.prefill(*s16, prompt, &l16);
   EXPECT_NE(l32, l16);  // the roundings are applied
   // Measured ≈ 0.9999 on the demo model; bf16 activations are a small perturbation.
-  EXPECT_GT(cosine(l32, l16), 0.99);
+  EXPECT_GT(test::cosine_similarity(l32, l16), 0.99);
 
   auto stepped = bf16.new_state(256);
   std::vector<float> stepped_logits;
@@ -307,7 +296,7 @@ TEST_F(CpuBackendDemo, Bf16NumericsDiffersFromFp32OnlyThroughNearTiedRouting) {
     fp32.prefill(*s32, prompt, &l32);  // the recorded run goes first at every step
     bf16.prefill(*s16, prompt, &l16);
     for (size_t step = 0; step < ids.size(); ++step) {
-      EXPECT_GE(cosine(l32, l16), 0.999) << "golden " << index << " step " << step;
+      EXPECT_GE(test::cosine_similarity(l32, l16), 0.999) << "golden " << index << " step " << step;
       if (step + 1 == ids.size()) break;
       fp32.decode(*s32, ids[step], &l32);
       bf16.decode(*s16, ids[step], &l16);

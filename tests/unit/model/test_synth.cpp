@@ -20,6 +20,7 @@
 #include "model/loader.h"
 #include "model/synth.h"
 #include "model/tensor_table.h"
+#include "support/safetensors_builder.h"
 #include "support/test_support.h"
 
 namespace lily {
@@ -27,12 +28,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using test::read_file;
 
 uint32_t code_at(const uint32_t* packed, int bits, int c) {
   const int per = 32 / bits;
