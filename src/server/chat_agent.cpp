@@ -216,6 +216,22 @@ bool thinking_enabled(const ChatAgentFields& fields, bool server_default) {
   return server_default;
 }
 
+std::string forced_answer_prefix(const ChatAgentFields& fields, bool thinking) {
+  if (!fields.tools_active()) return "";
+  std::string name;
+  if (fields.tool_choice == ToolChoice::kNamed) {
+    name = fields.tool_choice_name;
+  } else if (fields.tool_choice == ToolChoice::kRequired) {
+    if (fields.tools.size() == 1) name = fields.tools[0]["function"]["name"].get<std::string>();
+  } else {
+    return "";
+  }
+  std::string prefix = thinking ? "\n</think>\n\n" : "";
+  prefix += "<tool_call>\n<function=";
+  if (!name.empty()) prefix += name + ">\n";
+  return prefix;
+}
+
 ChatTemplateOptions template_options(const ChatAgentFields& fields, bool server_default, bool add_generation_prompt) {
   ChatTemplateOptions options;
   options.add_generation_prompt = add_generation_prompt;

@@ -50,6 +50,16 @@ std::vector<ChatToolCall> parse_message_tool_calls(const nlohmann::json& v, cons
 /// (anything but "none" enables), else the server's default (`lily serve --reasoning`).
 bool thinking_enabled(const ChatAgentFields& fields, bool server_default);
 
+/// The opening the server writes into the answer on the model's behalf so that tool_choice
+/// "required" or a named function yields a call (empty for "auto", "none" and no tools). The
+/// text is the start of the model's own tool-call format (server/tool_calls.h):
+///   named, or "required" with one tool declared: "<tool_call>\n<function=NAME>\n"
+///   "required" with several tools:                "<tool_call>\n<function="  (the model names one)
+/// With thinking on, the answer starts inside the think block, so the opening first closes it
+/// as a turn without thinking would read ("\n</think>\n\n"): a forced call skips the reasoning.
+/// The server appends its tokens to the prompt and the answer parser reads it as answer text.
+std::string forced_answer_prefix(const ChatAgentFields& fields, bool thinking);
+
 /// The template variables of a request: tools when active, thinking, preserve_thinking.
 ChatTemplateOptions template_options(const ChatAgentFields& fields, bool server_default,
                                      bool add_generation_prompt = true);

@@ -1183,6 +1183,14 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
     prompt = tokenize(request, &call.message_starts);
     call.answer.thinking = thinking_enabled(request.agent, options_.reasoning);
     if (request.agent.tools_active()) call.answer.tools.emplace(request.agent.tools);
+    // tool_choice "required" or a named function: the answer's opening is forced, as prompt
+    // tokens (the markers become the control tokens the model would write), and the parser
+    // reads it as the start of the answer.
+    call.answer.prefix = forced_answer_prefix(request.agent, call.answer.thinking);
+    if (!call.answer.prefix.empty()) {
+      const std::vector<int32_t> forced = tokenizer_->encode(call.answer.prefix, /*allow_special=*/true);
+      prompt.insert(prompt.end(), forced.begin(), forced.end());
+    }
     call.request = std::move(request);
   } catch (const ApiError& e) {
     return send_error(res, e);

@@ -131,7 +131,7 @@ std::optional<ParsedToolCall> parse_tool_call_block(std::string_view block, cons
 
 AnswerParser::AnswerParser(AnswerFormat format)
     : format_(std::move(format)), mode_(format_.thinking ? Mode::kReasoning : Mode::kContent),
-      strip_newlines_(format_.thinking) {}
+      buf_(format_.prefix), strip_newlines_(format_.thinking) {}
 
 std::vector<AnswerDelta> AnswerParser::push(std::string_view piece) {
   buf_.append(piece);

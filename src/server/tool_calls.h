@@ -37,6 +37,10 @@ class ToolSchemas {
 struct AnswerFormat {
   bool thinking = false;
   std::optional<ToolSchemas> tools;
+  /// Text the server wrote at the start of the answer on the model's behalf (the forced opening
+  /// of a tool call, forced_answer_prefix in server/chat_agent.h): the parser reads it before
+  /// the generated text, as if the model had written it.
+  std::string prefix;
 };
 
 /// One parsed tool call.
@@ -67,6 +71,7 @@ std::optional<ParsedToolCall> parse_tool_call_block(std::string_view block, cons
 /// is held until more content comes (it is dropped before a tool call).
 class AnswerParser {
  public:
+  /// A parser at the start of an answer; `format.prefix` is read before the first piece.
   explicit AnswerParser(AnswerFormat format);
   /// Appends generated text; returns the deltas it completes.
   std::vector<AnswerDelta> push(std::string_view piece);

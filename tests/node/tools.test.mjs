@@ -3,8 +3,9 @@
 // tools, tool calls and tool results). The tools reach the prompt, a tool result goes back in a
 // `tool` message, the next turn's prompt extends the previous one token for token (the prefix
 // cache hits), invalid agent fields are 400s naming the field, and streamed deltas assemble to
-// the whole answer. (The demo model writes nonsense, never a tool call: the parsing of model
-// output is covered by tests/unit/server/test_tool_calls.cpp.)
+// the whole answer. (The demo model writes nonsense, never a tool call: calls parsed from model
+// output are tested on a scripted model in tool_choice.test.mjs, and the parser itself in
+// tests/unit/server/test_tool_calls.cpp.)
 // Run: LILY_BIN=build/lily node --test tests/node/tools.test.mjs
 import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';

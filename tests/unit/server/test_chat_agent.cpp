@@ -191,3 +191,28 @@ TEST(ChatAgent, ThinkingSwitches) {
             "chat_template_kwargs.enable_thinking|invalid_type");
   EXPECT_EQ(rejection(with("chat_template_kwargs", {{"custom", 1}})), "chat_template_kwargs.custom|unknown_parameter");
 }
+
+TEST(ChatAgent, ForcedAnswerPrefix) {
+  auto fields = [](const json& extra) {
+    json j = base();
+    for (auto& [k, v] : extra.items()) j[k] = v;
+    return parse_chat_request(j.dump()).agent;
+  };
+  const json named = {{"type", "function"}, {"function", {{"name", "get_weather"}}}};
+  // auto, none and no tools leave the answer to the model.
+  EXPECT_EQ(forced_answer_prefix(fields(json::object()), false), "");
+  EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", "auto"}}), false), "");
+  EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", "none"}}), false), "");
+  // A named function: its opening, name included.
+  EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", named}}), false), "<tool_call>\n<function=get_weather>\n");
+  // "required" with one tool declared is that tool; with several, the model picks the name.
+  EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", "required"}}), false), "<tool_call>\n<function=get_weather>\n");
+  json time_tool = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
+  const json two = json::array({weather_tool(), time_tool});
+  EXPECT_EQ(forced_answer_prefix(fields({{"tools", two}, {"tool_choice", "required"}}), false), "<tool_call>\n<function=");
+  EXPECT_EQ(forced_answer_prefix(fields({{"tools", two}, {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_time"}}}}}}), false),
+            "<tool_call>\n<function=get_time>\n");
+  // With thinking on, the think block is closed first.
+  EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", named}}), true),
+            "\n</think>\n\n<tool_call>\n<function=get_weather>\n");
+}

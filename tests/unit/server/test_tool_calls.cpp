@@ -213,3 +213,38 @@ TEST(ToolCalls, MessageAndDeltaJson) {
   EXPECT_EQ(delta_json(AnswerDelta{AnswerDelta::Kind::kReasoning, "x", {}, 0})[0].dump(), R"({"reasoning_content":"x"})");
   EXPECT_EQ(delta_json(AnswerDelta{AnswerDelta::Kind::kContent, "x", {}, 0})[0].dump(), R"({"content":"x"})");
 }
+
+TEST(ToolCalls, AForcedPrefixIsReadAsTheAnswersStart) {
+  // The server forced "<tool_call>\n<function=" and the model wrote the rest.
+  AnswerFormat f = format(false);
+  f.prefix = "<tool_call>\n<function=";
+  const std::string rest = kCall.substr(f.prefix.size());
+  const AssistantMessage whole = parse_answer(rest, f);
+  ASSERT_EQ(whole.tool_calls.size(), 1u);
+  EXPECT_EQ(whole.tool_calls[0].name, "get_weather");
+  EXPECT_EQ(whole.tool_calls[0].arguments, R"({"city":"Paris","days":3})");
+  EXPECT_EQ(whole.content, "");
+  for (size_t cut = 0; cut <= rest.size(); ++cut) expect_same(streamed(rest, f, {cut}), whole, "cut " + std::to_string(cut));
+  // With thinking, the forced opening closes the think block: the reasoning is empty.
+  AnswerFormat t = format(true);
+  t.prefix = "\n</think>\n\n<tool_call>\n<function=get_weather>\n";
+  const AssistantMessage thought = parse_answer(kCall.substr(std::string("<tool_call>\n<function=get_weather>\n").size()), t);
+  ASSERT_EQ(thought.tool_calls.size(), 1u);
+  EXPECT_EQ(thought.reasoning, "");
+  EXPECT_EQ(thought.content, "");
+  // Nothing generated at all (a cancelled answer): the prefix alone is an unfinished block.
+  EXPECT_EQ(parse_answer("", f).content, f.prefix);
+}
+
+TEST(ToolCalls, AnUnparsableForcedCallIsContent) {
+  AnswerFormat f = format(false);
+  f.prefix = "<tool_call>\n<function=";
+  // An undeclared function, and a block cut off before its end.
+  const AssistantMessage undeclared = parse_answer("get_time>\n</function>\n</tool_call>", f);
+  EXPECT_TRUE(undeclared.tool_calls.empty());
+  EXPECT_EQ(undeclared.content, "<tool_call>\n<function=get_time>\n</function>\n</tool_call>");
+  EXPECT_EQ(answer_finish_reason("stop", undeclared.tool_calls.size()), "stop");
+  const AssistantMessage cut = parse_answer("get_weather>\n<parameter=city>\nPar", f);
+  EXPECT_TRUE(cut.tool_calls.empty());
+  EXPECT_EQ(cut.content, "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar");
+}
