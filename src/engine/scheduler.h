@@ -93,7 +93,7 @@ class Job {
 
   /// Next event, waiting at most `timeout`; nullopt on time-out.
   std::optional<JobEvent> next_event(std::chrono::milliseconds timeout);
-  /// Asks the engine to stop this job (takes effect before its next decode step).
+  /// Asks the engine to stop this job: it leaves the batch before the next step.
   void cancel() { cancelled_.store(true); }
   bool cancelled() const { return cancelled_.load(); }
   /// When the engine took the job from the queue; nullopt while it waits (or when it was
