@@ -30,6 +30,21 @@ class SequenceState {
   virtual int64_t bytes() const = 0;
 };
 
+/// One row of a batched step (Backend::step): a run of tokens of one sequence.
+struct StepRow {
+  SequenceState* state = nullptr;    ///< the sequence's slot; at most one row per state in a step
+  std::span<const int32_t> tokens;   ///< ≥ 1 token ids, fed at positions position … position + size − 1
+  int64_t position = 0;              ///< where the tokens go: must equal state->position()
+  /// A generated token (decode) rather than prompt tokens (a prefill chunk). The CPU backend runs
+  /// both alike; a backend may run them through different kernels (the CUDA backend does).
+  bool decode = false;
+  /// Run the LM head on the row's last token: its argmax comes back (false for a prefill chunk
+  /// that does not end the prompt, whose logits nobody reads).
+  bool want_logits = true;
+  /// With want_logits: where the [vocab] fp32 logits of the last token go (nullptr: not copied).
+  std::vector<float>* logits = nullptr;
+};
+
 /// Named intermediate tensor emitted by a forward pass, for layer-by-layer backend diffs.
 /// `name` is one of: embed, attn_norm, mixer_out, ffn_norm, router_logits, ffn_out, layer_out,
 /// final_norm, logits; `layer` is -1 outside layers; `token` is the absolute position.
@@ -60,13 +75,31 @@ class Backend {
   /// buffers), which bounds the prefix cache's default device budget; nullopt for a backend that
   /// uses host memory (CPU).
   virtual std::optional<int64_t> free_memory() const { return std::nullopt; }
-  /// Runs `tokens` (non-empty) at positions state.position()… and advances the state.
-  /// Returns the greedy next token after the last one (argmax, ties to the lowest id);
-  /// fills `logits` ([vocab] fp32) of the last token when non-null.
-  virtual int32_t prefill(SequenceState& state, std::span<const int32_t> tokens,
-                          std::vector<float>* logits = nullptr) = 0;
-  /// One decode step: feeds `token` at state.position(), returns the greedy next token.
-  virtual int32_t decode(SequenceState& state, int32_t token, std::vector<float>* logits = nullptr) = 0;
+  /// Most rows one step() may hold (sequences advanced together). 1 for a backend whose batched
+  /// kernels are not verified yet: the scheduler then runs one sequence at a time.
+  virtual int max_batch() const { return 1; }
+  /// One batched step: runs every row's tokens, rows of different sequences side by side (decode
+  /// rows of many sequences and prefill chunks of others), and advances each row's state.
+  /// Batch invariance: each row's outputs are bit-identical to running that row alone (the same
+  /// arithmetic in the same order, whatever the other rows). Returns [rows.size()]: per row with
+  /// want_logits, the greedy next token after its last token (argmax, ties to the lowest id), and
+  /// its logits in *row.logits when set; −1 for a row without want_logits. Throws lily::Error
+  /// before any state changes for: no rows, more than max_batch() rows, a row without tokens, a
+  /// token id outside [0, vocab), a state of another backend or twice in one step, a position
+  /// other than state->position(), or a sequence that would exceed its max_seq.
+  virtual std::vector<int32_t> step(std::span<const StepRow> rows) = 0;
+  /// step() over one prefill row: runs `tokens` (non-empty) at positions state.position()… and
+  /// returns the greedy next token after the last one; fills `logits` ([vocab] fp32) of the last
+  /// token when non-null. Same errors as step().
+  int32_t prefill(SequenceState& state, std::span<const int32_t> tokens, std::vector<float>* logits = nullptr) {
+    const StepRow row{&state, tokens, state.position(), false, true, logits};
+    return step(std::span<const StepRow>(&row, 1)).front();
+  }
+  /// step() over one decode row: feeds `token` at state.position(), returns the greedy next token.
+  int32_t decode(SequenceState& state, int32_t token, std::vector<float>* logits = nullptr) {
+    const StepRow row{&state, std::span<const int32_t>(&token, 1), state.position(), true, true, logits};
+    return step(std::span<const StepRow>(&row, 1)).front();
+  }
   /// For a backend that still reads the host weights (the CPU backend reads the memory-mapped
   /// checkpoint on every step): why they can no longer be trusted, e.g. "DIR/model.safetensors
   /// was truncated from A to B bytes" (reading them could kill the process with SIGBUS); nullopt

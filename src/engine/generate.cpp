@@ -98,88 +98,167 @@ double GenerationTimings::decode_tokens_per_s() const {
   return decode_seconds > 0 ? static_cast<double>(decode_steps) / decode_seconds : 0.0;
 }
 
+struct Generation::Impl {
+  Impl(const Tokenizer* tokenizer, const std::vector<std::string>& stops, int32_t vocab)
+      : text(tokenizer, stops), history(vocab) {}
+  TextStream text;
+  TokenHistory history;
+  Sampler sampler;
+  Clock::time_point t0;  ///< first step
+  Clock::time_point t1;  ///< first generated token
+};
+
+Generation::Generation(const Backend& backend, SequenceState& state, std::span<const int32_t> prompt,
+                       const GenerationParams& params, const Tokenizer* tokenizer, TokenCallback on_token,
+                       PromptPrefixHook on_prompt_prefix, LogprobsCallback on_logprobs)
+    : backend_(backend),
+      state_(state),
+      prompt_(prompt),
+      params_(params),
+      tokenizer_(tokenizer),
+      on_token_(std::move(on_token)),
+      on_prompt_prefix_(std::move(on_prompt_prefix)),
+      on_logprobs_(std::move(on_logprobs)) {
+  check_generation_inputs(state, prompt, params, tokenizer);
+  if (params.prefill_chunk < 0) throw Error("generate: prefill_chunk must be ≥ 0");
+  impl_ = std::make_unique<Impl>(tokenizer, params.stop_strings, backend.config().vocab);
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  result_.prompt_tokens = n;
+  result_.cached_tokens = state.position();
+  result_.timings.prefill_tokens = n - state.position();
+  const SamplingParams& sp = params_.sampling;
+  if (sp.modifies_logits() && sp.repetition_penalty != 1.0f) impl_->history.add_prompt(prompt);
+}
+
+Generation::~Generation() = default;
+
+bool Generation::prefilling() const { return !done_ && state_.position() < static_cast<int64_t>(prompt_.size()); }
+
+// The prefill stops at each split point (message boundaries, each a snapshot point), before the
+// last prompt token (a snapshot point) and, with a prefill chunk, at its multiples. The cuts
+// are the same with or without a cache, so outputs never depend on the cache.
+int64_t Generation::next_cut() const {
+  const int64_t n = static_cast<int64_t>(prompt_.size()), pos = state_.position();
+  if (pos >= n - 1) return n;
+  int64_t cut = n - 1;
+  for (int64_t split : params_.prompt_splits)
+    if (split > pos) {
+      cut = std::min(cut, split);
+      break;
+    }
+  if (params_.prefill_chunk > 0) cut = std::min(cut, (pos / params_.prefill_chunk + 1) * params_.prefill_chunk);
+  return cut;
+}
+
+int64_t Generation::next_row_tokens() const { return prefilling() ? next_cut() - state_.position() : 1; }
+
+StepRow Generation::next_row() {
+  if (done_) throw InternalError("generate: next_row after the generation ended");
+  const int64_t n = static_cast<int64_t>(prompt_.size());
+  if (!started_) {
+    started_ = true;
+    impl_->t0 = Clock::now();
+    // A state that resumes right before the last prompt token is at that snapshot point already.
+    if (on_prompt_prefix_ && n >= 2 && state_.position() == n - 1) on_prompt_prefix_(state_, n - 1);
+  }
+  const SamplingParams& sp = params_.sampling;
+  const bool need_logits = !sp.plain_greedy() || params_.logprobs >= 0;
+  StepRow row;
+  row.state = &state_;
+  row.position = state_.position();
+  if (prefilling()) {
+    const int64_t cut = next_cut();
+    row.tokens = prompt_.subspan(row.position, cut - row.position);
+    row.want_logits = cut == n;
+  } else {
+    row.tokens = std::span<const int32_t>(&pending_, 1);
+    row.decode = true;
+  }
+  if (row.want_logits && need_logits) {
+    logits_.clear();
+    row.logits = &logits_;
+  }
+  return row;
+}
+
+// The token after a backend step: its argmax, or the sampler's choice from its logits. Plain
+// greedy takes the backend's argmax as is (bit-exact, no logits copied); sampling, penalties,
+// bias and log-probabilities need the logits row of every step on the host.
+int32_t Generation::choose(int32_t argmax) {
+  const SamplingParams& sp = params_.sampling;
+  const bool want_logprobs = params_.logprobs >= 0;
+  if (sp.plain_greedy() && !want_logprobs) return argmax;
+  if (logits_.empty()) throw InternalError("generate: the " + backend_.name() + " backend returned no logits");
+  const auto step = static_cast<uint64_t>(result_.token_ids.size());
+  const int32_t token = sp.plain_greedy() ? argmax : impl_->sampler.sample(logits_, sp, impl_->history, step);
+  if (sp.modifies_logits()) impl_->history.add_generated(token);
+  const bool stop = std::find(params_.stop_ids.begin(), params_.stop_ids.end(), token) != params_.stop_ids.end();
+  if (want_logprobs && !stop) {
+    result_.logprobs.push_back(token_logprobs(logits_, token, params_.logprobs));
+    if (on_logprobs_) on_logprobs_(result_.logprobs.back());
+  }
+  return token;
+}
+
+void Generation::advance(int32_t next) {
+  if (done_) throw InternalError("generate: advance after the generation ended");
+  const int64_t n = static_cast<int64_t>(prompt_.size());
+  if (result_.token_ids.empty()) {
+    const int64_t pos = state_.position();
+    if (pos < n) {  // a prefill chunk that does not end the prompt
+      const bool split = std::binary_search(params_.prompt_splits.begin(), params_.prompt_splits.end(), pos);
+      if (on_prompt_prefix_ && (split || pos == n - 1)) on_prompt_prefix_(state_, pos);
+      return;
+    }
+    const int32_t token = choose(next);
+    result_.timings.prefill_seconds = seconds_since(impl_->t0);
+    impl_->t1 = Clock::now();
+    emit(token);
+    return;
+  }
+  const int32_t token = choose(next);
+  ++result_.timings.decode_steps;
+  emit(token);
+}
+
+void Generation::emit(int32_t token) {
+  result_.token_ids.push_back(token);
+  const bool stop_token =
+      std::find(params_.stop_ids.begin(), params_.stop_ids.end(), token) != params_.stop_ids.end();
+  std::string piece = stop_token ? std::string() : impl_->text.push(token);
+  const bool go_on = !on_token_ || on_token_(token, piece);
+  if (stop_token || impl_->text.stopped()) return finish(FinishReason::kStop);
+  if (!go_on) return finish(FinishReason::kCancelled);
+  if (static_cast<int64_t>(result_.token_ids.size()) >= params_.max_tokens || state_.position() >= params_.max_seq)
+    return finish(FinishReason::kLength);
+  pending_ = token;
+}
+
+void Generation::cancel() {
+  if (done_) return;
+  if (result_.token_ids.empty() && started_) result_.timings.prefill_seconds = seconds_since(impl_->t0);
+  finish(FinishReason::kCancelled);
+}
+
+void Generation::finish(FinishReason reason) {
+  result_.finish_reason = reason;
+  result_.timings.decode_seconds = result_.timings.decode_steps > 0 ? seconds_since(impl_->t1) : 0.0;
+  impl_->text.finish();
+  result_.text = impl_->text.text();
+  result_.fed_tokens = std::max<int64_t>(0, static_cast<int64_t>(result_.token_ids.size()) - 1);
+  done_ = true;
+}
+
 GenerationResult generate(Backend& backend, SequenceState& state, std::span<const int32_t> prompt,
                           const GenerationParams& params, const Tokenizer* tokenizer,
                           const TokenCallback& on_token, const PromptPrefixHook& on_prompt_prefix,
                           const LogprobsCallback& on_logprobs) {
-  check_generation_inputs(state, prompt, params, tokenizer);
-  const int64_t n = static_cast<int64_t>(prompt.size());
-  GenerationResult result;
-  result.prompt_tokens = n;
-  result.cached_tokens = state.position();
-  result.timings.prefill_tokens = n - state.position();
-
-  // Plain greedy takes the backend's argmax as is (bit-exact, no logits copied); sampling,
-  // penalties, bias and log-probabilities need the logits row of every step on the host.
-  const SamplingParams& sp = params.sampling;
-  const bool want_logprobs = params.logprobs >= 0;
-  const bool need_logits = !sp.plain_greedy() || want_logprobs;
-  std::vector<float> logits;
-  std::vector<float>* logits_out = need_logits ? &logits : nullptr;
-  TokenHistory history(backend.config().vocab);
-  const bool track_history = sp.modifies_logits();
-  if (track_history && sp.repetition_penalty != 1.0f) history.add_prompt(prompt);
-  Sampler sampler;
-  auto is_stop_id = [&](int32_t id) {
-    return std::find(params.stop_ids.begin(), params.stop_ids.end(), id) != params.stop_ids.end();
-  };
-  // The token after a backend step: its argmax, or the sampler's choice from its logits.
-  auto choose = [&](int32_t argmax) {
-    if (!need_logits) return argmax;
-    if (logits.empty()) throw InternalError("generate: the " + backend.name() + " backend returned no logits");
-    const auto step = static_cast<uint64_t>(result.token_ids.size());
-    const int32_t token = sp.plain_greedy() ? argmax : sampler.sample(logits, sp, history, step);
-    if (track_history) history.add_generated(token);
-    if (want_logprobs && !is_stop_id(token)) {
-      result.logprobs.push_back(token_logprobs(logits, token, params.logprobs));
-      if (on_logprobs) on_logprobs(result.logprobs.back());
-    }
-    return token;
-  };
-
-  // Prefill: up to each split point (message boundaries, each a snapshot point), then everything
-  // but the last prompt token, a snapshot point, then the last token. The splits are the same
-  // with or without a cache, so outputs never depend on the cache.
-  const auto t0 = Clock::now();
-  for (int64_t split : params.prompt_splits) {
-    if (split <= state.position() || split >= n - 1) continue;
-    backend.prefill(state, prompt.subspan(state.position(), split - state.position()));
-    if (on_prompt_prefix) on_prompt_prefix(state, split);
+  Generation g(backend, state, prompt, params, tokenizer, on_token, on_prompt_prefix, on_logprobs);
+  while (!g.done()) {
+    const StepRow row = g.next_row();
+    g.advance(backend.step(std::span<const StepRow>(&row, 1)).front());
   }
-  if (state.position() < n - 1) backend.prefill(state, prompt.subspan(state.position(), n - 1 - state.position()));
-  if (n >= 2 && on_prompt_prefix) on_prompt_prefix(state, n - 1);
-  int32_t next = choose(backend.prefill(state, prompt.subspan(n - 1, 1), logits_out));
-  result.timings.prefill_seconds = seconds_since(t0);
-
-  TextStream text(tokenizer, params.stop_strings);
-  const auto t1 = Clock::now();
-  while (true) {
-    result.token_ids.push_back(next);
-    const bool stop_token = is_stop_id(next);
-    std::string piece = stop_token ? std::string() : text.push(next);
-    const bool go_on = !on_token || on_token(next, piece);
-    if (stop_token || text.stopped()) {
-      result.finish_reason = FinishReason::kStop;
-      break;
-    }
-    if (!go_on) {
-      result.finish_reason = FinishReason::kCancelled;
-      break;
-    }
-    if (static_cast<int64_t>(result.token_ids.size()) >= params.max_tokens ||
-        state.position() >= params.max_seq) {
-      result.finish_reason = FinishReason::kLength;
-      break;
-    }
-    logits.clear();
-    next = choose(backend.decode(state, next, logits_out));
-    ++result.timings.decode_steps;
-  }
-  result.timings.decode_seconds = result.timings.decode_steps > 0 ? seconds_since(t1) : 0.0;
-  text.finish();
-  result.text = text.text();
-  result.fed_tokens = static_cast<int64_t>(result.token_ids.size()) - 1;
-  return result;
+  return g.take_result();
 }
 
 std::vector<int32_t> stop_token_ids(const ModelConfig& config, const std::filesystem::path& model_dir,

@@ -42,6 +42,11 @@ struct GenerationParams {
   /// prefill is split at every one of them beyond the cached part, hook or not, so that the work
   /// done does not depend on what was cached.
   std::vector<int64_t> prompt_splits;
+  /// > 0: the prefill is also cut at every absolute position that is a multiple of this (chunked
+  /// prefill: a long prompt then shares steps with sequences that decode); 0: only at
+  /// prompt_splits and before the last prompt token. The cuts depend on nothing but the prompt
+  /// and this value, never on other sequences.
+  int64_t prefill_chunk = 0;
 };
 
 /// Wall-clock timings of one generation, in seconds.
@@ -90,6 +95,67 @@ using PromptPrefixHook = std::function<void(const SequenceState& state, int64_t 
 /// Called with a token's log-probabilities (GenerationParams::logprobs ≥ 0) just before the
 /// TokenCallback of that token; never for a stop token.
 using LogprobsCallback = std::function<void(const TokenLogprobs& logprobs)>;
+
+/// One generation as a state machine over batched steps (Backend::step), so that a scheduler
+/// can advance many of them in one step: next_row() gives the row this sequence feeds next (a
+/// prefill chunk of the prompt, then one decode token per step), advance() takes that row's
+/// output. The arithmetic, the splits, the sampler's draws and the callbacks are exactly those of
+/// generate() (which runs one Generation alone), so an answer does not depend on what else
+/// shares its steps. Callbacks run inside advance(). `state`, `prompt`, `tokenizer` and the
+/// callbacks must outlive the Generation.
+class Generation {
+ public:
+  /// Checks the inputs as generate() does (same errors).
+  Generation(const Backend& backend, SequenceState& state, std::span<const int32_t> prompt,
+             const GenerationParams& params, const Tokenizer* tokenizer, TokenCallback on_token = {},
+             PromptPrefixHook on_prompt_prefix = {}, LogprobsCallback on_logprobs = {});
+  ~Generation();
+  Generation(const Generation&) = delete;
+  Generation& operator=(const Generation&) = delete;
+
+  /// True once generation ended (result() is final).
+  bool done() const { return done_; }
+  /// True while prompt tokens remain to be fed.
+  bool prefilling() const;
+  /// Tokens next_row() would feed (prefill: the chunk up to the next cut; decode: 1).
+  int64_t next_row_tokens() const;
+  /// The row to feed into the next step. Its token span points into the prompt or into this
+  /// object and stays valid until advance(). Throws InternalError once done().
+  StepRow next_row();
+  /// Takes the step's output for the row next_row() returned (−1 for a row without
+  /// want_logits): runs the prompt-prefix hook at snapshot points, chooses and emits a token
+  /// (callbacks) when the row produced one, and ends the generation on a stop token, a stop
+  /// string, max_tokens, the state's capacity or a callback asking to cancel. Throws
+  /// InternalError when sampling needs logits and the backend returned none.
+  void advance(int32_t next);
+  /// Ends the generation now with FinishReason::kCancelled (nothing more is fed); no-op once done.
+  void cancel();
+  /// The outcome so far; final once done().
+  const GenerationResult& result() const { return result_; }
+  GenerationResult take_result() { return std::move(result_); }
+
+ private:
+  void emit(int32_t token);
+  void finish(FinishReason reason);
+  int64_t next_cut() const;
+  int32_t choose(int32_t argmax);
+
+  const Backend& backend_;
+  SequenceState& state_;
+  std::span<const int32_t> prompt_;
+  GenerationParams params_;
+  const Tokenizer* tokenizer_;
+  TokenCallback on_token_;
+  PromptPrefixHook on_prompt_prefix_;
+  LogprobsCallback on_logprobs_;
+  struct Impl;  // sampler, history, text stream, timers
+  std::unique_ptr<Impl> impl_;
+  std::vector<float> logits_;
+  int32_t pending_ = -1;  ///< decode: the token fed next
+  bool started_ = false;
+  bool done_ = false;
+  GenerationResult result_;
+};
 
 /// Runs generation for `prompt` on `state`, which must already hold prompt[0, p) for
 /// p = state.position() < prompt.size() (p > 0 on a prefix-cache hit). `tokenizer` may be null

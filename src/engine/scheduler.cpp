@@ -51,6 +51,16 @@ Scheduler::Scheduler(std::unique_ptr<Backend> backend, std::shared_ptr<const Tok
       cache_(options_.cache) {
   if (options_.max_seq < 1) throw Error("max_seq must be at least 1");
   if (options_.max_queue < 0) throw Error("--max-queue must be ≥ 0");
+  if (options_.step_tokens < 1)
+    throw Error("--step-tokens must be at least 1, got " + std::to_string(options_.step_tokens));
+  const int limit = std::max(1, backend_->max_batch());
+  if (options_.max_batch < 0 || options_.max_batch > limit)
+    throw Error("--max-batch " + std::to_string(options_.max_batch) + " is outside [1, " + std::to_string(limit) +
+                "]: the " + backend_->name() + " backend runs at most " + std::to_string(limit) +
+                (limit == 1 ? " sequence" : " sequences") + " per step");
+  max_batch_ = options_.max_batch == 0 ? std::min(kDefaultMaxBatch, limit) : options_.max_batch;
+  // A lone sequence shares its steps with nothing: its prompt is only cut where it always is.
+  prefill_chunk_ = max_batch_ > 1 ? options_.step_tokens : 0;
   thread_ = std::thread([this] { engine_loop(); });
 }
 
@@ -68,13 +78,19 @@ std::shared_ptr<Job> Scheduler::submit(JobRequest request) {
       throw Error("message_starts must be strictly increasing positions in [1, " +
                   std::to_string(request.prompt.size()) + "), got " + std::to_string(starts[i]) + " at index " +
                   std::to_string(i));
+  const int32_t vocab = backend_->config().vocab;
+  for (size_t i = 0; i < request.prompt.size(); ++i)
+    if (request.prompt[i] < 0 || request.prompt[i] >= vocab)
+      throw Error("prompt token " + std::to_string(i) + " is " + std::to_string(request.prompt[i]) +
+                  ", outside the vocabulary [0, " + std::to_string(vocab) + ")");
   if (auto why = model_unavailable()) throw ModelUnavailableError(*why);
   auto job = std::make_shared<Job>(std::move(request));
   {
     std::lock_guard lock(mutex_);
     if (stopping_) throw ShuttingDownError("the server is shutting down");
-    const bool idle = running_ == nullptr && queue_.empty();
-    if (!idle && static_cast<int>(queue_.size()) >= options_.max_queue)
+    // Jobs beyond the free batch slots wait; max_queue of them may.
+    const int free_slots = std::max(0, max_batch_ - static_cast<int>(running_.size()));
+    if (static_cast<int>(queue_.size()) >= options_.max_queue + free_slots)
       throw QueueFullError("the request queue is full (" + std::to_string(options_.max_queue) +
                            " waiting)");
     queue_.push_back(job);
@@ -119,8 +135,8 @@ void Scheduler::stop(std::chrono::milliseconds grace) {
   if (!thread_.joinable()) return;
   {
     std::unique_lock lock(mutex_);
-    cv_.wait_for(lock, grace, [&] { return running_ == nullptr; });
-    if (running_) running_->cancel();
+    cv_.wait_for(lock, grace, [&] { return running_.empty(); });
+    for (auto& job : running_) job->cancel();
   }
   thread_.join();
 }
@@ -144,104 +160,217 @@ int Scheduler::queue_depth() const {
 
 int Scheduler::running() const {
   std::lock_guard lock(mutex_);
-  return running_ ? 1 : 0;
+  return static_cast<int>(running_.size());
 }
+
+int Scheduler::batch_size() const {
+  std::lock_guard lock(mutex_);
+  return batch_size_;
+}
+
+struct Scheduler::Running {
+  std::shared_ptr<Job> job;
+  int choice = 0;
+  uint64_t seed = 0;
+  std::unique_ptr<SequenceState> state;
+  std::vector<ResumePoint> points;  ///< prefix-cache snapshots taken during the prefill
+  std::optional<TokenLogprobs> pending_logprobs;
+  std::unique_ptr<Generation> gen;  ///< null once the job is over
+};
 
 void Scheduler::engine_loop() {
   while (true) {
-    std::shared_ptr<Job> job;
+    std::vector<std::shared_ptr<Job>> admitted;
     {
       std::unique_lock lock(mutex_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping
-      job = queue_.front();
-      queue_.pop_front();
-      running_ = job;
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !batch_.empty(); });
+      if (batch_.empty() && queue_.empty()) return;  // stopping
+      // Admission between steps, oldest first, up to max_batch running jobs.
+      while (static_cast<int>(batch_.size() + admitted.size()) < max_batch_ && !queue_.empty()) {
+        admitted.push_back(queue_.front());
+        running_.push_back(queue_.front());
+        queue_.pop_front();
+      }
     }
-    job->mark_started();
-    run_job(*job);
+    for (auto& job : admitted) {
+      job->mark_started();
+      auto r = std::make_unique<Running>();
+      r->job = job;
+      if (start_choice(*r, 0)) batch_.push_back(std::move(r));
+    }
+    // A cancelled job leaves the batch before the step.
+    for (auto& r : batch_)
+      if (r->gen && r->job->cancelled()) {
+        r->gen->cancel();
+        if (!finish_choice(*r)) r->gen.reset();
+      }
+    std::erase_if(batch_, [](const std::unique_ptr<Running>& r) { return r->gen == nullptr; });
+    if (!batch_.empty()) run_step();
     {
       std::lock_guard lock(mutex_);
-      running_.reset();
+      std::erase_if(running_, [&](const std::shared_ptr<Job>& job) {
+        return std::none_of(batch_.begin(), batch_.end(), [&](const auto& r) { return r->job == job; });
+      });
+      if (batch_.empty()) batch_size_ = 0;
     }
     cv_.notify_all();
   }
 }
 
-void Scheduler::run_job(Job& job) {
-  const JobRequest& req = job.request();
+void Scheduler::fail(Running& r, const std::string& why) {
+  JobEvent failed = make_event(JobEvent::Kind::kFailed);
+  failed.text = why;
+  r.job->post(std::move(failed));
+  r.gen.reset();
+  r.state.reset();
+}
+
+bool Scheduler::start_choice(Running& r, int choice) {
+  const JobRequest& req = r.job->request();
   try {
     // Checked again here: the job may have waited in the queue while a file changed.
-    if (auto why = model_unavailable()) throw ModelUnavailableError(*why);
-    for (int choice = 0; choice < std::max(req.n, 1); ++choice) {
-      const uint64_t seed = choice_seed(req.sampling.seed, choice);
-      if (job.cancelled()) {
-        JobEvent done = make_event(JobEvent::Kind::kDone);
-        done.choice = choice;
-        done.seed = seed;
-        done.result.finish_reason = FinishReason::kCancelled;
-        done.result.prompt_tokens = static_cast<int64_t>(req.prompt.size());
-        job.post(std::move(done));
-        return;
-      }
-      // Every choice looks the prompt up again: the ones after the first hit the entry the
-      // first one stored, which changes nothing in what they generate.
-      CacheLookup hit = cache_.acquire(*backend_, req.prompt, req.cache_key);
-      std::unique_ptr<SequenceState> state =
-          hit.state ? std::move(hit.state) : backend_->new_state(options_.max_seq);
-      std::vector<ResumePoint> points;
-      PromptPrefixHook snapshot;
-      if (cache_.enabled()) {
-        const std::vector<int64_t> wanted = message_snapshots(req, hit.cached_tokens);
-        const int64_t last_prefix = static_cast<int64_t>(req.prompt.size()) - 1;
-        snapshot = [&, wanted, last_prefix](const SequenceState& s, int64_t n) {
-          if (n != last_prefix && !std::binary_search(wanted.begin(), wanted.end(), n)) return;
-          points.push_back({std::vector<int32_t>(req.prompt.begin(), req.prompt.begin() + n),
-                            backend_->clone_state(s)});
-        };
-      }
-      std::optional<TokenLogprobs> pending_logprobs;
-      LogprobsCallback on_logprobs = [&](const TokenLogprobs& lp) { pending_logprobs = lp; };
-      TokenCallback on_token = [&](int32_t token, std::string_view text) {
-        JobEvent e = make_event(JobEvent::Kind::kToken);
-        e.choice = choice;
-        e.token = token;
-        e.text = std::string(text);
-        e.logprobs = std::move(pending_logprobs);
-        pending_logprobs.reset();
-        job.post(std::move(e));
-        return !job.cancelled();
-      };
-      GenerationParams params;
-      params.max_tokens = req.max_tokens;
-      params.max_seq = options_.max_seq;
-      params.stop_ids = options_.stop_ids;
-      params.stop_strings = req.stop_strings;
-      params.sampling = req.sampling;
-      params.sampling.seed = seed;
-      params.logprobs = req.logprobs;
-      params.prompt_splits = req.message_starts;
-      GenerationResult result = generate(*backend_, *state, req.prompt, params, tokenizer_.get(), on_token,
-                                         snapshot, on_logprobs);
-      if (cache_.enabled()) {
-        std::vector<int32_t> fed(req.prompt.begin(), req.prompt.end());
-        fed.insert(fed.end(), result.token_ids.begin(), result.token_ids.begin() + result.fed_tokens);
-        points.push_back({std::move(fed), std::move(state)});
-        cache_.store(*backend_, std::move(points), req.cache_key);
-      }
-      const bool cancelled = result.finish_reason == FinishReason::kCancelled;
+    if (choice == 0)
+      if (auto why = model_unavailable()) throw ModelUnavailableError(*why);
+    r.choice = choice;
+    r.seed = choice_seed(req.sampling.seed, choice);
+    if (r.job->cancelled()) {
       JobEvent done = make_event(JobEvent::Kind::kDone);
       done.choice = choice;
-      done.seed = seed;
-      done.result = std::move(result);
-      job.post(std::move(done));
-      if (cancelled) return;
+      done.seed = r.seed;
+      done.result.finish_reason = FinishReason::kCancelled;
+      done.result.prompt_tokens = static_cast<int64_t>(req.prompt.size());
+      r.job->post(std::move(done));
+      return false;
+    }
+    // Every choice looks the prompt up again: the ones after the first hit the entry the
+    // first one stored, which changes nothing in what they generate.
+    CacheLookup hit = cache_.acquire(*backend_, req.prompt, req.cache_key);
+    r.state = hit.state ? std::move(hit.state) : backend_->new_state(options_.max_seq);
+    r.points.clear();
+    r.pending_logprobs.reset();
+    PromptPrefixHook snapshot;
+    if (cache_.enabled()) {
+      const std::vector<int64_t> wanted = message_snapshots(req, hit.cached_tokens);
+      const int64_t last_prefix = static_cast<int64_t>(req.prompt.size()) - 1;
+      snapshot = [this, &r, wanted, last_prefix](const SequenceState& s, int64_t n) {
+        if (n != last_prefix && !std::binary_search(wanted.begin(), wanted.end(), n)) return;
+        const JobRequest& q = r.job->request();
+        r.points.push_back({std::vector<int32_t>(q.prompt.begin(), q.prompt.begin() + n), backend_->clone_state(s)});
+      };
+    }
+    LogprobsCallback on_logprobs = [&r](const TokenLogprobs& lp) { r.pending_logprobs = lp; };
+    TokenCallback on_token = [&r, choice](int32_t token, std::string_view text) {
+      JobEvent e = make_event(JobEvent::Kind::kToken);
+      e.choice = choice;
+      e.token = token;
+      e.text = std::string(text);
+      e.logprobs = std::move(r.pending_logprobs);
+      r.pending_logprobs.reset();
+      r.job->post(std::move(e));
+      return !r.job->cancelled();
+    };
+    GenerationParams params;
+    params.max_tokens = req.max_tokens;
+    params.max_seq = options_.max_seq;
+    params.stop_ids = options_.stop_ids;
+    params.stop_strings = req.stop_strings;
+    params.sampling = req.sampling;
+    params.sampling.seed = r.seed;
+    params.logprobs = req.logprobs;
+    params.prompt_splits = req.message_starts;
+    params.prefill_chunk = prefill_chunk_;
+    r.gen = std::make_unique<Generation>(*backend_, *r.state, req.prompt, params, tokenizer_.get(), on_token,
+                                         snapshot, on_logprobs);
+    return true;
+  } catch (const std::exception& e) {
+    fail(r, e.what());
+    return false;
+  }
+}
+
+bool Scheduler::finish_choice(Running& r) {
+  const JobRequest& req = r.job->request();
+  GenerationResult result = r.gen->take_result();
+  r.gen.reset();
+  try {
+    if (cache_.enabled()) {
+      // The state holds the first position() tokens of prompt + generated tokens (a job
+      // cancelled in its prefill holds part of the prompt only).
+      std::vector<int32_t> fed(req.prompt.begin(), req.prompt.end());
+      fed.insert(fed.end(), result.token_ids.begin(), result.token_ids.end());
+      fed.resize(static_cast<size_t>(std::min<int64_t>(r.state->position(), static_cast<int64_t>(fed.size()))));
+      r.points.push_back({std::move(fed), std::move(r.state)});
+      cache_.store(*backend_, std::move(r.points), req.cache_key);
+      r.points.clear();
     }
   } catch (const std::exception& e) {
-    JobEvent failed = make_event(JobEvent::Kind::kFailed);
-    failed.text = e.what();
-    job.post(std::move(failed));
+    fail(r, e.what());
+    return false;
   }
+  r.state.reset();
+  const bool cancelled = result.finish_reason == FinishReason::kCancelled;
+  JobEvent done = make_event(JobEvent::Kind::kDone);
+  done.choice = r.choice;
+  done.seed = r.seed;
+  done.result = std::move(result);
+  r.job->post(std::move(done));
+  if (cancelled || r.choice + 1 >= std::max(req.n, 1)) return false;
+  return start_choice(r, r.choice + 1);
+}
+
+void Scheduler::run_step() {
+  // Every decoding job's token first, then prefill chunks oldest job first while the step stays
+  // within its token budget; the oldest prefilling job always gets its chunk.
+  std::vector<StepRow> rows;
+  std::vector<Running*> owners;
+  int64_t tokens = 0;
+  StepStats stats;
+  for (auto& r : batch_)
+    if (!r->gen->prefilling()) {
+      rows.push_back(r->gen->next_row());
+      owners.push_back(r.get());
+      ++tokens;
+      ++stats.decode_rows;
+    }
+  bool any_prefill = false;
+  for (auto& r : batch_) {
+    if (!r->gen->prefilling()) continue;
+    const int64_t chunk = r->gen->next_row_tokens();
+    if (any_prefill && tokens + chunk > options_.step_tokens) break;
+    rows.push_back(r->gen->next_row());
+    owners.push_back(r.get());
+    tokens += chunk;
+    stats.prefill_tokens += chunk;
+    any_prefill = true;
+  }
+  stats.rows = static_cast<int>(rows.size());
+  {
+    std::lock_guard lock(mutex_);
+    batch_size_ = stats.rows;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<int32_t> next;
+  try {
+    next = backend_->step(rows);
+  } catch (const std::exception& e) {
+    // The rows' states may be half advanced: every job of the step fails.
+    for (Running* r : owners) fail(*r, e.what());
+    std::erase_if(batch_, [](const std::unique_ptr<Running>& r) { return r->gen == nullptr; });
+    return;
+  }
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (options_.on_step) options_.on_step(stats);
+  for (size_t i = 0; i < owners.size(); ++i) {
+    Running& r = *owners[i];
+    try {
+      r.gen->advance(next[i]);
+    } catch (const std::exception& e) {
+      fail(r, e.what());
+      continue;
+    }
+    if (r.gen->done() && !finish_choice(r)) r.gen.reset();
+  }
+  std::erase_if(batch_, [](const std::unique_ptr<Running>& r) { return r->gen == nullptr; });
 }
 
 }  // namespace lily

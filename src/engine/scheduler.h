@@ -1,14 +1,18 @@
 // The engine thread and its bounded FIFO queue. HTTP threads submit jobs
 // (token ids + settings) and read back events; the one engine thread owns the Backend and the
-// session cache and runs jobs one after another. A job is a unit of work with its own event
-// channel, so the loop can later interleave several jobs' decode steps (continuous batching)
-// without changing the interface.
+// session cache and runs continuous batching: between two steps it admits waiting jobs (oldest
+// first) up to max_batch running ones, and every step (Backend::step) advances each running job
+// by one row: one decode token, or the next prefill chunk of its prompt while the step's token
+// budget lasts. A job leaves the batch when it finishes or, cancelled, at the next step. Every
+// answer is token for token what the same request gives alone (the backend's batch invariance,
+// and prefill cuts that depend only on the request).
 #pragma once
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <atomic>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -89,7 +93,7 @@ class Job {
 
   /// Next event, waiting at most `timeout`; nullopt on time-out.
   std::optional<JobEvent> next_event(std::chrono::milliseconds timeout);
-  /// Asks the engine to stop this job (takes effect before its next decode step).
+  /// Asks the engine to stop this job: it leaves the batch before the next step.
   void cancel() { cancelled_.store(true); }
   bool cancelled() const { return cancelled_.load(); }
   /// When the engine took the job from the queue; nullopt while it waits (or when it was
@@ -123,26 +127,51 @@ inline constexpr int kMessageSnapshots = 8;
 /// first of them and the last kMessageSnapshots − 1), ascending.
 std::vector<int64_t> message_snapshots(const JobRequest& request, int64_t cached_tokens);
 
+/// What one engine step did, for metrics (EngineOptions::on_step).
+struct StepStats {
+  int rows = 0;                ///< sequences in the step (the batch size)
+  int decode_rows = 0;         ///< of which decode rows (one generated token each)
+  int64_t prefill_tokens = 0;  ///< prompt tokens the step's prefill chunks ran
+  double seconds = 0;          ///< wall time of Backend::step
+};
+
+/// Running jobs per step when EngineOptions::max_batch is 0 (and the backend allows as many).
+inline constexpr int kDefaultMaxBatch = 8;
+/// Default token budget of one step (EngineOptions::step_tokens).
+inline constexpr int64_t kDefaultStepTokens = 256;
+
 /// Engine settings fixed at start-up.
 struct EngineOptions {
   int64_t max_seq = 0;             ///< capacity of every sequence (tokens)
-  int max_queue = 16;              ///< waiting jobs allowed (not counting the running one)
+  int max_queue = 16;              ///< waiting jobs allowed (not counting the running ones)
+  /// Most jobs running at once (rows of one step), 1 … Backend::max_batch(); 0 = the default,
+  /// min(kDefaultMaxBatch, Backend::max_batch()).
+  int max_batch = 0;
+  /// Token budget of one step (≥ 1): every decode row, then prefill chunks oldest job first
+  /// while the step stays within it (the oldest prefilling job's chunk always goes in). With
+  /// max_batch > 1 prompts are also cut at multiples of it (GenerationParams::prefill_chunk).
+  int64_t step_tokens = kDefaultStepTokens;
   std::vector<int32_t> stop_ids;   ///< stop tokens
   SessionCacheOptions cache;
+  /// Called on the engine thread after every step (may be empty); must be quick and not throw.
+  std::function<void(const StepStats&)> on_step;
 };
 
 /// Owns the engine thread, the Backend and the session cache.
 class Scheduler {
  public:
-  /// Starts the engine thread. `tokenizer` may be null (no text, no stop strings).
+  /// Starts the engine thread. `tokenizer` may be null (no text, no stop strings). Throws
+  /// lily::Error for max_seq < 1, max_queue < 0, step_tokens < 1, or max_batch outside
+  /// [0, backend->max_batch()] (naming --max-batch and the backend's limit).
   Scheduler(std::unique_ptr<Backend> backend, std::shared_ptr<const Tokenizer> tokenizer,
             EngineOptions options);
   /// Calls stop(0).
   ~Scheduler();
 
-  /// Queues a job (FIFO). Throws QueueFullError when max_queue jobs are waiting,
+  /// Queues a job (FIFO). Throws QueueFullError when max_queue jobs are waiting beyond the free
+  /// batch slots,
   /// ShuttingDownError after stop(), lily::Error for a request that cannot fit max_seq or has
-  /// message_starts out of order or outside the prompt, and
+  /// message_starts out of order or outside the prompt or a token id outside the vocabulary, and
   /// ModelUnavailableError once model_unavailable() is set. A queued job that reaches the
   /// engine after the weights changed fails (kFailed) with the same message, untouched.
   std::shared_ptr<Job> submit(JobRequest request);
@@ -155,31 +184,48 @@ class Scheduler {
   /// or, when running, cancels it; returns at once.
   void cancel(const std::shared_ptr<Job>& job);
 
-  /// Stops accepting jobs, fails the queued ones, lets the running job finish for at most
-  /// `grace`, then cancels it, and joins the engine thread. Idempotent.
+  /// Stops accepting jobs, fails the queued ones, lets the running jobs finish for at most
+  /// `grace`, then cancels them, and joins the engine thread. Idempotent.
   void stop(std::chrono::milliseconds grace);
 
-  /// Jobs waiting (not counting the running one).
+  /// Jobs waiting (not counting the running ones).
   int queue_depth() const;
-  /// 1 while a job runs, else 0.
+  /// Jobs running (admitted into the batch and not finished).
   int running() const;
+  /// Rows of the step running now or last run; 0 when no job runs.
+  int batch_size() const;
+  /// The resolved EngineOptions::max_batch.
+  int max_batch() const { return max_batch_; }
   SessionCacheStats cache_stats() const { return cache_.stats(); }
   const EngineOptions& options() const { return options_; }
   const Backend& backend() const { return *backend_; }
 
  private:
+  struct Running;  // one admitted job: its state, its Generation, its snapshots
   void engine_loop();
-  void run_job(Job& job);
+  /// Starts choice `choice` of r's job (cache lookup, state, Generation); false when the job
+  /// ended instead (cancelled before it, or failed: its events are posted).
+  bool start_choice(Running& r, int choice);
+  /// Stores the finished choice's snapshots and posts its kDone; then starts the next choice.
+  /// False when the job is over.
+  bool finish_choice(Running& r);
+  /// Builds and runs one step over the batch, advances every row and drops finished jobs.
+  void run_step();
+  void fail(Running& r, const std::string& why);
 
   std::unique_ptr<Backend> backend_;
   std::shared_ptr<const Tokenizer> tokenizer_;
   EngineOptions options_;
+  int max_batch_ = 1;
+  int64_t prefill_chunk_ = 0;  ///< GenerationParams::prefill_chunk of every job
   SessionCache cache_;
 
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Job>> queue_;
-  std::shared_ptr<Job> running_;
+  std::vector<std::shared_ptr<Job>> running_;  ///< the batch's jobs (mutex_)
+  int batch_size_ = 0;                         ///< rows of the current or last step (mutex_)
+  std::vector<std::unique_ptr<Running>> batch_;  ///< engine thread only, admission order
   bool stopping_ = false;
   std::mutex unavailable_mutex_;
   std::optional<std::string> unavailable_;  ///< set once, never cleared

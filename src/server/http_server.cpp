@@ -1004,6 +1004,8 @@ void LilyServer::handle_metrics(Reply& res) {
   if (ready_) {
     g.queue_depth = scheduler_->queue_depth();
     g.running = scheduler_->running();
+    g.batch_size = scheduler_->batch_size();
+    g.max_batch = scheduler_->max_batch();
     g.cache = scheduler_->cache_stats();
   }
   res.status = 200;
@@ -1038,6 +1040,9 @@ void LilyServer::load_engine() {
   EngineOptions engine;
   engine.max_seq = max_seq_;
   engine.max_queue = options_.max_queue;
+  engine.max_batch = options_.max_batch;
+  engine.step_tokens = options_.step_tokens;
+  engine.on_step = [this](const StepStats& s) { metrics_.observe_step(s.rows, s.seconds); };
   engine.stop_ids = stop_token_ids(config_, options_.model_dir, tokenizer_.get());
   const HostMemory host = read_host_memory();
   engine.cache = resolve_cache_budgets(*backend, options_.cache_memory, options_.cache_host_memory, host.available,
@@ -1046,6 +1051,8 @@ void LilyServer::load_engine() {
            format_bytes(engine.cache.host_bytes) + " of host memory");
   const std::string backend_name = backend->name();
   scheduler_ = std::make_unique<Scheduler>(std::move(backend), tokenizer_, engine);
+  log_info("continuous batching: at most " + std::to_string(scheduler_->max_batch()) + " requests per step, " +
+           std::to_string(engine.step_tokens) + " tokens per step");
   ready_ = true;
   char load_s[32];
   std::snprintf(load_s, sizeof load_s, "%.1f", seconds(Clock::now() - t0));
@@ -1330,8 +1337,15 @@ void LilyServer::record_done(const ChatCall& call, const std::vector<GenerationR
   if (cancelled) metrics_.record_cancelled();
   const Usage u = usage_of(results);
   metrics_.record_tokens(u.prompt_tokens, u.cached_tokens, u.completion_tokens);
-  const double elapsed = std::max(seconds(Clock::now() - call.start), 1e-3);
-  t_request.tokens = LogTokens{u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.completion_tokens / elapsed};
+  // The rate counts decode time only: neither the time queued nor the prefill.
+  int64_t decode_steps = 0;
+  double decode_seconds = 0;
+  for (const auto& r : results) {
+    decode_steps += r.timings.decode_steps;
+    decode_seconds += r.timings.decode_seconds;
+  }
+  t_request.tokens = LogTokens{u.prompt_tokens, u.cached_tokens, u.completion_tokens,
+                               decode_seconds > 0 ? static_cast<double>(decode_steps) / decode_seconds : 0.0};
   if (cancelled) t_request.error = "cancelled";
 }
 

@@ -12,6 +12,7 @@
 
 #include "engine/backend.h"
 #include "engine/sampler.h"
+#include "engine/scheduler.h"
 #include "model/config.h"
 
 namespace lily::server {
@@ -50,6 +51,9 @@ struct ServerOptions {
   std::optional<int64_t> cache_host_memory;  ///< prefix cache, host-memory tier, bytes (default:
                                          ///< resolve_cache_budgets)
   int max_queue = 16;                    ///< waiting requests before 503
+  int max_batch = 0;                     ///< requests decoded together in one step (continuous
+                                         ///< batching); 0 = the backend's default (CPU 8, CUDA 1)
+  int64_t step_tokens = kDefaultStepTokens;  ///< token budget of one engine step (prefill chunks)
   int64_t max_tokens_cap = 0;            ///< most completion tokens per request (0 = only the
                                          ///< context bounds it); also the default max_tokens
   int64_t max_body = 1 << 20;            ///< request body limit in bytes (413 as soon as the
@@ -113,7 +117,7 @@ std::string route_label(std::string_view path);
 /// Token part of a request log line.
 struct LogTokens {
   int64_t prompt = 0, cached = 0, completion = 0;
-  double tokens_per_s = 0;
+  double tokens_per_s = 0;  ///< decode rate: tokens after the first per second of decoding (no queueing, no prefill)
 };
 
 /// One request log line: `<METHOD> <path> <status> <ms>ms[ prompt=… cached=… completion=…

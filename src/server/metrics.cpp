@@ -111,7 +111,9 @@ Metrics::Metrics()
       inter_token_({0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}),
       request_duration_({0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300}),
       queue_time_({0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}),
-      running_time_({0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300}) {}
+      running_time_({0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300}),
+      step_time_({0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5}),
+      step_rows_({1, 2, 4, 8, 16, 32, 64}) {}
 
 void Metrics::record_request(const std::string& route, int status) {
   std::lock_guard lock(mutex_);
@@ -150,6 +152,12 @@ void Metrics::observe_running_time(double seconds) {
   running_time_.observe(seconds);
 }
 
+void Metrics::observe_step(int rows, double seconds) {
+  std::lock_guard lock(mutex_);
+  step_time_.observe(seconds);
+  step_rows_.observe(rows);
+}
+
 void Metrics::record_cancelled() {
   std::lock_guard lock(mutex_);
   ++cancelled_;
@@ -180,9 +188,18 @@ std::string Metrics::render(const EngineGauges& g) const {
   queue_time_.render("lily_request_queue_seconds", out);
   header(out, "lily_request_running_seconds", "histogram", "Time a generation ran in the engine.");
   running_time_.render("lily_request_running_seconds", out);
+  header(out, "lily_step_seconds", "histogram", "Wall time of one engine step (one batched forward pass).");
+  step_time_.render("lily_step_seconds", out);
+  header(out, "lily_step_batch_size", "histogram", "Sequences advanced together in one engine step.");
+  step_rows_.render("lily_step_batch_size", out);
   scalar(out, "lily_model_ready", "gauge", "1 once the model is loaded.", g.ready ? 1 : 0);
-  scalar(out, "lily_queue_depth", "gauge", "Requests waiting for the engine.", g.queue_depth);
-  scalar(out, "lily_requests_running", "gauge", "Requests the engine is running.", g.running);
+  scalar(out, "lily_queue_depth", "gauge", "Requests waiting for the engine (= lily_requests_waiting).",
+         g.queue_depth);
+  scalar(out, "lily_requests_waiting", "gauge", "Requests waiting for a batch slot.", g.queue_depth);
+  scalar(out, "lily_requests_running", "gauge", "Requests in the engine's batch.", g.running);
+  scalar(out, "lily_batch_size", "gauge", "Sequences in the engine step running now or last run (0 when idle).",
+         g.batch_size);
+  scalar(out, "lily_max_batch", "gauge", "Most requests one engine step holds (--max-batch).", g.max_batch);
   scalar(out, "lily_cache_hits_total", "counter", "Prefix cache hits.", static_cast<double>(g.cache.hits));
   scalar(out, "lily_cache_misses_total", "counter", "Prefix cache misses.", static_cast<double>(g.cache.misses));
   scalar(out, "lily_cache_tokens_saved_total", "counter",

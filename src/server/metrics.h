@@ -32,8 +32,10 @@ class Histogram {
 
 /// Point-in-time values read from the engine when /metrics is scraped.
 struct EngineGauges {
-  int queue_depth = 0;
-  int running = 0;
+  int queue_depth = 0;  ///< requests waiting for a batch slot
+  int running = 0;      ///< requests in the batch
+  int batch_size = 0;   ///< rows of the engine step running now or last run (0 when idle)
+  int max_batch = 0;    ///< the engine's --max-batch
   SessionCacheStats cache;
   bool ready = false;
 };
@@ -76,6 +78,8 @@ class Metrics {
   /// One job's time in the engine (taken → finished).
   void observe_running_time(double seconds);
   void record_cancelled();
+  /// One engine step: its rows (sequences advanced together) and its wall time.
+  void observe_step(int rows, double seconds);
   /// The whole exposition text.
   std::string render(const EngineGauges& gauges) const;
 
@@ -88,6 +92,8 @@ class Metrics {
   Histogram request_duration_;
   Histogram queue_time_;
   Histogram running_time_;
+  Histogram step_time_;
+  Histogram step_rows_;
 };
 
 }  // namespace lily::server

@@ -436,7 +436,8 @@ describe('limits and lifecycle', () => {
   });
 
   it('answers 503 with Retry-After when the queue is full', async () => {
-    const server = await startServer(['--max-queue', '1']);
+    // One request per step: the queue holds what is beyond the batch.
+    const server = await startServer(['--max-queue', '1', '--max-batch', '1']);
     try {
       const results = await Promise.all([0, 1, 2, 3, 4].map((i) =>
         chat(server, { model: MODEL, messages: [user(longPrompt(10 + i, 600))], max_tokens: 8 })));

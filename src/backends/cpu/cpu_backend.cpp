@@ -1,8 +1,11 @@
 // CpuBackend: the forward pass of docs/model.md §3, one op per line (ops.h), fp32.
-// Prompt tokens go through in chunks of m tokens: every projection is one batched matmul per
-// chunk (each weight row dequantized once), while the recurrent parts (causal conv, delta rule,
-// KV-cache appends) run token by token inside the chunk. Every value is computed by the same
-// fp32 operations whatever m is, so prefill equals token-by-token decode bit for bit.
+// A step's tokens go through in passes of m tokens, which may belong to several sequences (one
+// segment of consecutive tokens per sequence): every projection is one batched matmul per pass
+// (each weight row dequantized once for all m tokens), the experts are grouped by expert across
+// the pass, while the recurrent parts (causal conv, delta rule, KV-cache appends, attention over
+// the cache) run per segment on its own state, token by token. Every value is computed by the
+// same fp32 operations whatever m is and whatever the other segments are, so a row of a batched
+// step equals that row alone, and prefill equals token-by-token decode, bit for bit.
 #include "backends/cpu/cpu_backend.h"
 
 #include "base/bf16.h"
@@ -57,7 +60,9 @@ struct CpuBackend::Scratch {
   std::vector<float> expert_in, expert_gate, expert_up, expert_down;  // [n, H], [n, I]×2, [n, H]
   std::vector<float> slot_out;                        // [m·top-k, hidden] expert outputs per slot
   std::vector<float> shared_gate, shared_up, shared_down, shared_gate_logit;  // [m, Is]×2, [m, H], [m]
-  std::vector<float> final_normed, logits;            // [hidden], [vocab]
+  std::vector<float> final_normed, logits;            // [r, hidden], [r, vocab] (r rows want logits)
+  std::vector<int64_t> row_pos;                       // [m] absolute position of each activation row
+  std::vector<int> row_segment;                       // [m] segment of each activation row
 
   void ensure(const ModelConfig& c, int64_t m) {
     const int64_t H = c.hidden, E = c.n_experts, pairs = m * c.n_experts_per_tok;
@@ -75,7 +80,7 @@ struct CpuBackend::Scratch {
     grow(expert_gate, pairs * c.moe_ffn_dim), grow(expert_up, pairs * c.moe_ffn_dim);
     grow(shared_gate, m * c.shared_ffn_dim), grow(shared_up, m * c.shared_ffn_dim);
     grow(shared_down, m * H), grow(shared_gate_logit, m);
-    grow(final_normed, H), grow(logits, c.vocab);
+    grow(row_pos, m), grow(row_segment, m);
   }
   template <typename T>
   static void grow(std::vector<T>& v, int64_t n) {
@@ -126,50 +131,90 @@ CpuSequenceState& CpuBackend::checked_state(SequenceState& state) const {
 
 // ---- entry points --------------------------------------------------------------------------------
 
-int32_t CpuBackend::prefill(SequenceState& state_in, std::span<const int32_t> tokens,
-                            std::vector<float>* logits) {
-  CpuSequenceState& state = checked_state(state_in);
-  if (tokens.empty()) throw Error("prefill: no tokens");
-  for (int32_t token : tokens)
-    if (token < 0 || token >= config().vocab)
-      throw Error("token id " + std::to_string(token) + " is outside the vocabulary [0, " +
-                  std::to_string(config().vocab) + ")");
-  const int64_t end = state.position_ + static_cast<int64_t>(tokens.size());
-  if (end > state.max_seq_)
-    throw Error("sequence of " + std::to_string(end) + " tokens exceeds max_seq " +
-                std::to_string(state.max_seq_));
-  int64_t last_m = 0;
-  for (size_t first = 0; first < tokens.size(); first += prefill_chunk_) {
-    auto chunk = tokens.subspan(first, std::min<size_t>(prefill_chunk_, tokens.size() - first));
-    forward_chunk(state, chunk);
-    last_m = static_cast<int64_t>(chunk.size());
+std::vector<int32_t> CpuBackend::step(std::span<const StepRow> rows) {
+  if (rows.empty()) throw Error("step: no rows");
+  if (static_cast<int64_t>(rows.size()) > kMaxBatch)
+    throw Error("step: " + std::to_string(rows.size()) + " rows, more than the cpu backend's " +
+                std::to_string(kMaxBatch));
+  std::vector<CpuSequenceState*> states;
+  for (const StepRow& r : rows) {
+    if (r.state == nullptr) throw Error("step: a row without a sequence state");
+    CpuSequenceState& state = checked_state(*r.state);
+    if (std::find(states.begin(), states.end(), &state) != states.end())
+      throw Error("step: one sequence state in two rows");
+    states.push_back(&state);
+    if (r.tokens.empty()) throw Error("prefill: no tokens");
+    if (r.position != state.position_)
+      throw Error("step: a row at position " + std::to_string(r.position) + " for a sequence at position " +
+                  std::to_string(state.position_));
+    for (int32_t token : r.tokens)
+      if (token < 0 || token >= config().vocab)
+        throw Error("token id " + std::to_string(token) + " is outside the vocabulary [0, " +
+                    std::to_string(config().vocab) + ")");
+    const int64_t end = state.position_ + static_cast<int64_t>(r.tokens.size());
+    if (end > state.max_seq_)
+      throw Error("sequence of " + std::to_string(end) + " tokens exceeds max_seq " + std::to_string(state.max_seq_));
   }
-  const float* last_hidden = row(scratch_->x, last_m - 1, config().hidden);
-  return lm_head(last_hidden, state.position_ - 1, logits);
-}
-
-int32_t CpuBackend::decode(SequenceState& state, int32_t token, std::vector<float>* logits) {
-  return prefill(state, std::span<const int32_t>(&token, 1), logits);
+  // Passes of at most prefill_chunk_ tokens: each takes the rows' tokens in order, so a row
+  // longer than the room left continues in the next pass.
+  std::vector<int32_t> next(rows.size(), -1);
+  std::vector<Segment> segments;
+  std::vector<int32_t> pass_tokens;
+  std::vector<int64_t> head_rows, head_positions;
+  std::vector<size_t> head_of;  // the step row of each LM-head row
+  size_t r = 0;
+  int64_t done = 0;  // tokens of rows[r] already run
+  while (r < rows.size()) {
+    segments.clear(), pass_tokens.clear(), head_rows.clear(), head_positions.clear(), head_of.clear();
+    int64_t m = 0;
+    while (r < rows.size() && m < prefill_chunk_) {
+      const StepRow& row = rows[r];
+      const int64_t take = std::min<int64_t>(prefill_chunk_ - m, static_cast<int64_t>(row.tokens.size()) - done);
+      segments.push_back({states[r], states[r]->position_, m, take});
+      pass_tokens.insert(pass_tokens.end(), row.tokens.begin() + done, row.tokens.begin() + done + take);
+      m += take;
+      done += take;
+      if (done == static_cast<int64_t>(row.tokens.size())) {
+        if (row.want_logits) {
+          head_rows.push_back(m - 1);
+          head_positions.push_back(states[r]->position_ + take - 1);
+          head_of.push_back(r);
+        }
+        ++r, done = 0;
+      }
+    }
+    forward_pass(segments, pass_tokens);
+    if (head_rows.empty()) continue;
+    std::vector<int32_t> ids(head_rows.size());
+    std::vector<std::vector<float>*> outs(head_rows.size());
+    for (size_t i = 0; i < head_of.size(); ++i) outs[i] = rows[head_of[i]].logits;
+    lm_head(head_rows, head_positions, ids, outs);
+    for (size_t i = 0; i < head_of.size(); ++i) next[head_of[i]] = ids[i];
+  }
+  return next;
 }
 
 // ---- forward (docs/model.md §3) -----------------------------------------------------------------------
 
-void CpuBackend::forward_chunk(CpuSequenceState& state, std::span<const int32_t> tokens) {
+void CpuBackend::forward_pass(std::span<const Segment> segments, std::span<const int32_t> tokens) {
   const ModelConfig& c = config();
   const int64_t m = static_cast<int64_t>(tokens.size());
-  const int64_t first_pos = state.position_;
   Scratch& s = *scratch_;
   s.ensure(c, m);
+  for (size_t g = 0; g < segments.size(); ++g)
+    for (int64_t t = 0; t < segments[g].m; ++t) {
+      s.row_pos[segments[g].offset + t] = segments[g].first_pos + t;
+      s.row_segment[segments[g].offset + t] = static_cast<int>(g);
+    }
   for (int64_t t = 0; t < m; ++t) dequantize_row(weights_->embed_tokens, tokens[t], row(s.x, t, c.hidden));
   round_activations(s.x.data(), m * c.hidden);
-  probe("embed", -1, first_pos, s.x.data(), m, c.hidden);
-  for (int i = 0; i < c.n_layers; ++i) decoder_layer(i, state.layers[i], first_pos, m);
-  state.position_ += m;
+  probe("embed", -1, segments, s.x.data(), c.hidden);
+  for (int i = 0; i < c.n_layers; ++i) decoder_layer(i, segments, m);
+  for (const Segment& g : segments) g.state->position_ += g.m;
 }
 
-/// h = x + Mixer(RMSNorm(x)); x = h + MoE(RMSNorm(h)) for the m tokens of the chunk (docs/model.md §3).
-void CpuBackend::decoder_layer(int i, CpuSequenceState::LayerState& state, int64_t first_pos,
-                               int64_t m) {
+/// h = x + Mixer(RMSNorm(x)); x = h + MoE(RMSNorm(h)) for the m tokens of the pass (docs/model.md §3).
+void CpuBackend::decoder_layer(int i, std::span<const Segment> segments, int64_t m) {
   const ModelConfig& c = config();
   const LayerWeights& w = weights_->layers[i];
   Scratch& s = *scratch_;
@@ -177,27 +222,28 @@ void CpuBackend::decoder_layer(int i, CpuSequenceState::LayerState& state, int64
   for (int64_t t = 0; t < m; ++t)
     rms_norm(row(s.x, t, H), w.input_layernorm.data(), H, c.rms_norm_eps, row(s.normed, t, H));
   round_activations(s.normed.data(), m * H);
-  probe("attn_norm", i, first_pos, s.normed.data(), m, H);
+  probe("attn_norm", i, segments, s.normed.data(), H);
   if (w.type == LayerType::kFullAttention)
-    attention_mixer(w.attention, state, first_pos, m, s.branch.data());
+    attention_mixer(w.attention, i, segments, m, s.branch.data());
   else
-    gdn_mixer(w.gdn, state, m, s.branch.data());
-  probe("mixer_out", i, first_pos, s.branch.data(), m, H);
+    gdn_mixer(w.gdn, i, segments, m, s.branch.data());
+  probe("mixer_out", i, segments, s.branch.data(), H);
   add_inplace(s.x.data(), s.branch.data(), m * H);
   round_activations(s.x.data(), m * H);
   for (int64_t t = 0; t < m; ++t)
     rms_norm(row(s.x, t, H), w.post_attention_layernorm.data(), H, c.rms_norm_eps, row(s.normed, t, H));
   round_activations(s.normed.data(), m * H);
-  probe("ffn_norm", i, first_pos, s.normed.data(), m, H);
-  moe_block(w.moe, i, first_pos, m, s.branch.data());
-  probe("ffn_out", i, first_pos, s.branch.data(), m, H);
+  probe("ffn_norm", i, segments, s.normed.data(), H);
+  moe_block(w.moe, i, segments, m, s.branch.data());
+  probe("ffn_out", i, segments, s.branch.data(), H);
   add_inplace(s.x.data(), s.branch.data(), m * H);
   round_activations(s.x.data(), m * H);
-  probe("layer_out", i, first_pos, s.x.data(), m, H);
+  probe("layer_out", i, segments, s.x.data(), H);
 }
 
 /// Gated DeltaNet (docs/model.md §3.3, HF fp32 variants): input s.normed [m, H], output out [m, H].
-void CpuBackend::gdn_mixer(const GdnWeights& w, CpuSequenceState::LayerState& state, int64_t m,
+/// The conv and the delta rule of a segment run on its own state, its tokens in order.
+void CpuBackend::gdn_mixer(const GdnWeights& w, int layer, std::span<const Segment> segments, int64_t m,
                            float* out) {
   const ModelConfig& c = config();
   Scratch& s = *scratch_;
@@ -213,45 +259,58 @@ void CpuBackend::gdn_mixer(const GdnWeights& w, CpuSequenceState::LayerState& st
   round_activations(s.z.data(), m * value_dim);
   round_activations(s.a.data(), m * Hv);
   round_activations(s.b.data(), m * Hv);
-  for (int64_t t = 0; t < m; ++t) {
-    float* conv = row(s.conv, t, C);
-    causal_conv_step(w.conv1d.data(), state.conv_window.data(), row(s.qkv, t, C), C, c.gdn_conv_kernel, conv);
-    silu_inplace(conv, C);
-    round_activations(conv, C);  // q̂ and k̂ below stay fp32 (docs/model.md §4.3)
-    float* q = conv;                 // [Hk, Dk]
-    float* k = conv + key_dim;       // [Hk, Dk]
-    const float* v = conv + 2 * key_dim;  // [Hv, Dv]
-    for (int h = 0; h < Hk; ++h) {
-      l2_normalize(q + h * Dk, Dk, kL2NormEps);
-      for (int d = 0; d < Dk; ++d) q[h * Dk + d] *= q_scale;
-      l2_normalize(k + h * Dk, Dk, kL2NormEps);
+  // Causal conv + SiLU + q/k normalisation, token by token through each segment's conv window.
+  for (const Segment& g : segments) {
+    float* window = g.state->layers[layer].conv_window.data();
+    for (int64_t t = g.offset; t < g.offset + g.m; ++t) {
+      float* conv = row(s.conv, t, C);
+      causal_conv_step(w.conv1d.data(), window, row(s.qkv, t, C), C, c.gdn_conv_kernel, conv);
+      silu_inplace(conv, C);
+      round_activations(conv, C);  // q̂ and k̂ below stay fp32 (docs/model.md §4.3)
+      float* q = conv;            // [Hk, Dk]
+      float* k = conv + key_dim;  // [Hk, Dk]
+      for (int h = 0; h < Hk; ++h) {
+        l2_normalize(q + h * Dk, Dk, kL2NormEps);
+        for (int d = 0; d < Dk; ++d) q[h * Dk + d] *= q_scale;
+        l2_normalize(k + h * Dk, Dk, kL2NormEps);
+      }
     }
-    const float* a = row(s.a, t, Hv);
-    const float* b = row(s.b, t, Hv);
-    float* core = row(s.core, t, value_dim);
-    const float* z = row(s.z, t, value_dim);
-    auto value_heads = [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t kh = j / (Hv / Hk);  // value heads share key heads (repeat_interleave)
-        const float g = -std::exp(w.A_log[j]) * softplus(a[j] + w.dt_bias[j]);
-        const float alpha = std::exp(g);
+  }
+  // Delta rule + gated norm: each (segment, value head) walks its segment's tokens in order.
+  auto value_heads = [&](int64_t item0, int64_t item1) {
+    for (int64_t item = item0; item < item1; ++item) {
+      const Segment& g = segments[item / Hv];
+      const int64_t j = item % Hv;
+      const int64_t kh = j / (Hv / Hk);  // value heads share key heads (repeat_interleave)
+      float* S = g.state->layers[layer].recurrent.data() + j * Dk * Dv;
+      for (int64_t t = g.offset; t < g.offset + g.m; ++t) {
+        const float* q = row(s.conv, t, C);
+        const float* k = q + key_dim;
+        const float* v = q + 2 * key_dim;  // [Hv, Dv]
+        const float* a = row(s.a, t, Hv);
+        const float* b = row(s.b, t, Hv);
+        float* core = row(s.core, t, value_dim);
+        const float* z = row(s.z, t, value_dim);
+        const float decay = -std::exp(w.A_log[j]) * softplus(a[j] + w.dt_bias[j]);
+        const float alpha = std::exp(decay);
         const float beta = sigmoid(b[j]);
-        float* S = state.recurrent.data() + j * Dk * Dv;
         delta_rule_step(S, q + kh * Dk, k + kh * Dk, v + j * Dv, alpha, beta, Dk, Dv, core + j * Dv);
         round_activations(core + j * Dv, Dv);
         gated_rms_norm(core + j * Dv, z + j * Dv, w.norm.data(), Dv, c.rms_norm_eps, core + j * Dv);
         round_activations(core + j * Dv, Dv);
       }
-    };
-    pool_.parallel_for(Hv, std::max<int64_t>(1, 16384 / (int64_t{Dk} * Dv)), value_heads);
-  }
+    }
+  };
+  pool_.parallel_for(static_cast<int64_t>(segments.size()) * Hv, std::max<int64_t>(1, 16384 / (int64_t{Dk} * Dv)),
+                     value_heads);
   quant_matmul(w.out_proj, s.core.data(), m, out, &pool_);
   round_activations(out, m * c.hidden);
 }
 
-/// Gated full attention (docs/model.md §3.4): input s.normed [m, H], output out [m, H].
-void CpuBackend::attention_mixer(const AttentionWeights& w, CpuSequenceState::LayerState& state,
-                                 int64_t first_pos, int64_t m, float* out) {
+/// Gated full attention (docs/model.md §3.4): input s.normed [m, H], output out [m, H]. Each
+/// segment appends its keys and values to its own KV cache and attends over it (causally).
+void CpuBackend::attention_mixer(const AttentionWeights& w, int layer, std::span<const Segment> segments,
+                                 int64_t m, float* out) {
   const ModelConfig& c = config();
   Scratch& s = *scratch_;
   const int D = c.head_dim, nq = c.n_heads, nkv = c.n_kv_heads;
@@ -263,7 +322,7 @@ void CpuBackend::attention_mixer(const AttentionWeights& w, CpuSequenceState::La
   round_activations(s.k.data(), m * kv_width);
   round_activations(s.v.data(), m * kv_width);
   for (int64_t t = 0; t < m; ++t) {
-    rope_cos_sin(first_pos + t, c.rotary_dim, c.rope_theta, s.rope_cos.data(), s.rope_sin.data());
+    rope_cos_sin(s.row_pos[t], c.rotary_dim, c.rope_theta, s.rope_cos.data(), s.rope_sin.data());
     for (int h = 0; h < nq; ++h) {
       float* q = row(s.qg, t, qg_width) + h * 2 * D;  // query half; the gate half follows
       rms_norm(q, w.q_norm.data(), D, c.rms_norm_eps, q);
@@ -279,14 +338,19 @@ void CpuBackend::attention_mixer(const AttentionWeights& w, CpuSequenceState::La
       round_activations(k, D);  // the KV cache holds bf16 keys
     }
   }
-  state.keys.insert(state.keys.end(), s.k.begin(), s.k.begin() + m * kv_width);
-  state.values.insert(state.values.end(), s.v.begin(), s.v.begin() + m * kv_width);
+  for (const Segment& g : segments) {
+    CpuSequenceState::LayerState& state = g.state->layers[layer];
+    state.keys.insert(state.keys.end(), s.k.begin() + g.offset * kv_width, s.k.begin() + (g.offset + g.m) * kv_width);
+    state.values.insert(state.values.end(), s.v.begin() + g.offset * kv_width,
+                        s.v.begin() + (g.offset + g.m) * kv_width);
+  }
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   auto heads = [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores;
     for (int64_t th = begin; th < end; ++th) {
       const int64_t t = th / nq, h = th % nq, kv = h / (nq / nkv);
-      const int64_t len = first_pos + t + 1;  // causal: positions 0 … first_pos + t
+      const CpuSequenceState::LayerState& state = segments[s.row_segment[t]].state->layers[layer];
+      const int64_t len = s.row_pos[t] + 1;  // causal: positions 0 … row_pos[t]
       if (static_cast<int64_t>(scores.size()) < len) scores.resize(len);
       const float* q = row(s.qg, t, qg_width) + h * 2 * D;
       const float* gate = q + D;
@@ -304,17 +368,18 @@ void CpuBackend::attention_mixer(const AttentionWeights& w, CpuSequenceState::La
 
 /// Sparse MoE block (docs/model.md §3.5): routed top-k SwiGLU experts + gated shared expert.
 /// Input s.normed [m, H], output out [m, H].
-void CpuBackend::moe_block(const MoeWeights& w, int layer, int64_t first_pos, int64_t m, float* out) {
+void CpuBackend::moe_block(const MoeWeights& w, int layer, std::span<const Segment> segments, int64_t m,
+                           float* out) {
   const ModelConfig& c = config();
   Scratch& s = *scratch_;
   const int E = c.n_experts, k = c.n_experts_per_tok;
   quant_matmul(w.router, s.normed.data(), m, s.router_logits.data(), &pool_);
-  probe("router_logits", layer, first_pos, s.router_logits.data(), m, E);
+  probe("router_logits", layer, segments, s.router_logits.data(), E);
   for (int64_t t = 0; t < m; ++t) {
     const float* logits = row(s.router_logits, t, E);
     int* ids = s.route_ids.data() + t * k;
     route_top_k(logits, E, k, c.norm_topk_prob, ids, row(s.route_weights, t, k));
-    if (route_override_ && route_override_(layer, first_pos + t, std::span<const float>(logits, E),
+    if (route_override_ && route_override_(layer, s.row_pos[t], std::span<const float>(logits, E),
                                            std::span<int>(ids, static_cast<size_t>(k))))
       route_weights(logits, E, ids, k, c.norm_topk_prob, row(s.route_weights, t, k));
   }
@@ -333,7 +398,7 @@ void CpuBackend::moe_block(const MoeWeights& w, int layer, int64_t first_pos, in
 
 /// out[t] = Σ_slot w[t, slot]·Expert_{id[t, slot]}(u_t), summed in slot (descending weight)
 /// order. The (token, slot) pairs are grouped by expert so that each expert's weights are read
-/// once per chunk.
+/// once per pass, for the tokens of every sequence in it.
 void CpuBackend::routed_experts(const MoeWeights& w, int64_t m, float* out) {
   const ModelConfig& c = config();
   Scratch& s = *scratch_;
@@ -388,17 +453,29 @@ void CpuBackend::shared_expert(const MoeWeights& w, int64_t m, float* out) {
   round_activations(out, m * config().hidden);
 }
 
-/// Final norm, fp32 LM head and greedy argmax of one token (docs/model.md §3.6).
-int32_t CpuBackend::lm_head(const float* hidden, int64_t pos, std::vector<float>* logits) {
+/// Final norm, fp32 LM head and greedy argmax of the chosen rows (docs/model.md §3.6); the LM
+/// head is one batched matmul over them.
+void CpuBackend::lm_head(std::span<const int64_t> rows, std::span<const int64_t> positions, std::span<int32_t> next,
+                         std::span<std::vector<float>* const> logits_out) {
   const ModelConfig& c = config();
   Scratch& s = *scratch_;
-  rms_norm(hidden, weights_->final_norm.data(), c.hidden, c.rms_norm_eps, s.final_normed.data());
-  round_activations(s.final_normed.data(), c.hidden);
-  probe("final_norm", -1, pos, s.final_normed.data(), 1, c.hidden);
-  quant_matvec(weights_->lm_head, s.final_normed.data(), s.logits.data(), &pool_);
-  probe("logits", -1, pos, s.logits.data(), 1, c.vocab);
-  if (logits) logits->assign(s.logits.begin(), s.logits.begin() + c.vocab);
-  return argmax(s.logits.data(), c.vocab);
+  const int64_t n = static_cast<int64_t>(rows.size()), H = c.hidden, V = c.vocab;
+  Scratch::grow(s.final_normed, n * H), Scratch::grow(s.logits, n * V);
+  for (int64_t i = 0; i < n; ++i) {
+    float* normed = row(s.final_normed, i, H);
+    rms_norm(row(s.x, rows[i], H), weights_->final_norm.data(), H, c.rms_norm_eps, normed);
+    round_activations(normed, H);
+  }
+  quant_matmul(weights_->lm_head, s.final_normed.data(), n, s.logits.data(), &pool_);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* logits = row(s.logits, i, V);
+    if (probe_sink_) {
+      probe_sink_("final_norm", -1, positions[i], std::span<const float>(row(s.final_normed, i, H), H));
+      probe_sink_("logits", -1, positions[i], std::span<const float>(logits, V));
+    }
+    if (logits_out[i]) logits_out[i]->assign(logits, logits + V);
+    next[i] = argmax(logits, V);
+  }
 }
 
 void CpuBackend::round_activations(float* data, int64_t n) const {
@@ -406,12 +483,13 @@ void CpuBackend::round_activations(float* data, int64_t n) const {
   for (int64_t i = 0; i < n; ++i) data[i] = round_bf16(data[i]);
 }
 
-void CpuBackend::probe(const char* name, int layer, int64_t first_pos, const float* data,
-                       int64_t m, int64_t width) const {
+void CpuBackend::probe(const char* name, int layer, std::span<const Segment> segments, const float* data,
+                       int64_t width) const {
   if (!probe_sink_) return;
-  for (int64_t t = 0; t < m; ++t)
-    probe_sink_(name, layer, first_pos + t,
-                std::span<const float>(data + t * width, static_cast<size_t>(width)));
+  for (const Segment& g : segments)
+    for (int64_t t = 0; t < g.m; ++t)
+      probe_sink_(name, layer, g.first_pos + t,
+                  std::span<const float>(data + (g.offset + t) * width, static_cast<size_t>(width)));
 }
 
 }  // namespace lily::cpu

@@ -1,7 +1,8 @@
 // The CPU reference backend: the forward pass of docs/model.md §3 in fp32 with exactly
 // dequantized weights (the HF-float32 variants of docs/model.md §4.5), multi-threaded over matmul rows,
 // attention heads and GDN heads. It is the oracle the CUDA backend is diffed against through the
-// probe points of engine/backend.h, and it runs the demo model end to end on any machine.
+// probe points of engine/backend.h, and it runs the demo model end to end on any machine. A step
+// of several sequences (continuous batching) shares each pass over the weights between them.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -68,13 +69,15 @@ using RouteOverride =
 /// thread owns it (it reuses activation buffers between calls).
 /// Probes (engine/backend.h): embed, then per layer attn_norm, mixer_out, ffn_norm,
 /// router_logits, ffn_out, layer_out for every token fed; final_norm and logits only for the
-/// last token of each prefill/decode call (the only one whose logits are computed).
+/// last token of each step row with want_logits (the only one whose logits are computed).
 class CpuBackend final : public Backend {
  public:
   /// Longest sequence a state may be created for (the model's 262,144-token context).
   static constexpr int64_t kMaxSeq = 262144;
   /// Default number of prompt tokens per prefill chunk (weights are read once per chunk).
   static constexpr int64_t kDefaultPrefillChunk = 128;
+  /// Most rows one step may hold.
+  static constexpr int kMaxBatch = 64;
 
   /// `threads` <= 0 means all hardware threads. Throws lily::Error if `weights` is null.
   explicit CpuBackend(std::shared_ptr<const ModelWeights> weights, int threads = 0);
@@ -88,14 +91,15 @@ class CpuBackend final : public Backend {
   std::unique_ptr<SequenceState> new_state(int64_t max_seq) override;
   /// Deep copy. Throws lily::Error if `state` is not a CpuSequenceState of this model.
   std::unique_ptr<SequenceState> clone_state(const SequenceState& state) override;
-  /// Runs `tokens` in chunks of prefill_chunk() (results equal token-by-token decode bit for
-  /// bit). Throws lily::Error for an empty span, a token id outside [0, vocab), a foreign
-  /// state, or position() + tokens.size() > max_seq (the state is then left unchanged).
-  int32_t prefill(SequenceState& state, std::span<const int32_t> tokens,
-                  std::vector<float>* logits = nullptr) override;
-  /// One token; same errors as prefill.
-  int32_t decode(SequenceState& state, int32_t token, std::vector<float>* logits = nullptr) override;
-
+  /// Most rows per step.
+  int max_batch() const override { return kMaxBatch; }
+  /// Backend::step. The rows' tokens go through in passes of at most prefill_chunk() tokens in
+  /// all (a longer row spans several passes): every projection, the router, the experts (grouped
+  /// by expert across the rows) and the LM head read each weight row once per pass for all its
+  /// rows, while the conv windows, delta-rule states and KV caches advance per row, token by token.
+  /// Every value is computed by the same fp32 operations whatever the other rows, so each row
+  /// equals that row alone, and a prefill equals token-by-token decode, bit for bit.
+  std::vector<int32_t> step(std::span<const StepRow> rows) override;
   /// Threads used by parallel ops.
   int threads() const { return pool_.size(); }
   int64_t prefill_chunk() const { return prefill_chunk_; }
@@ -110,20 +114,35 @@ class CpuBackend final : public Backend {
  private:
   struct Scratch;  // activation buffers, defined in cpu_backend.cpp
 
+  /// The tokens of one row that go through one forward pass: activation rows
+  /// [offset, offset + m) of the pass, at positions first_pos … first_pos + m − 1 of `state`.
+  struct Segment {
+    CpuSequenceState* state = nullptr;
+    int64_t first_pos = 0;
+    int64_t offset = 0;
+    int64_t m = 0;
+  };
+
   CpuSequenceState& checked_state(SequenceState& state) const;
-  void forward_chunk(CpuSequenceState& state, std::span<const int32_t> tokens);
-  void decoder_layer(int layer, CpuSequenceState::LayerState& state, int64_t first_pos, int64_t m);
-  void gdn_mixer(const GdnWeights& w, CpuSequenceState::LayerState& state, int64_t m, float* out);
-  void attention_mixer(const AttentionWeights& w, CpuSequenceState::LayerState& state,
-                       int64_t first_pos, int64_t m, float* out);
-  void moe_block(const MoeWeights& w, int layer, int64_t first_pos, int64_t m, float* out);
+  /// Runs `tokens` ([total m] ids, segment after segment) through the decoder layers; leaves the
+  /// last layer's output in scratch x [m, hidden] and advances every segment's state.
+  void forward_pass(std::span<const Segment> segments, std::span<const int32_t> tokens);
+  void decoder_layer(int layer, std::span<const Segment> segments, int64_t m);
+  void gdn_mixer(const GdnWeights& w, int layer, std::span<const Segment> segments, int64_t m, float* out);
+  void attention_mixer(const AttentionWeights& w, int layer, std::span<const Segment> segments, int64_t m,
+                       float* out);
+  void moe_block(const MoeWeights& w, int layer, std::span<const Segment> segments, int64_t m, float* out);
   void routed_experts(const MoeWeights& w, int64_t m, float* out);
   void shared_expert(const MoeWeights& w, int64_t m, float* out);
-  int32_t lm_head(const float* hidden, int64_t pos, std::vector<float>* logits);
+  /// Final norm, LM head and argmax of the activation rows `rows` of scratch x (one per row that
+  /// wants logits; positions for the probes): next[i] = argmax of rows[i]; logits_out[i], when
+  /// non-null, gets that row's [vocab] logits.
+  void lm_head(std::span<const int64_t> rows, std::span<const int64_t> positions, std::span<int32_t> next,
+               std::span<std::vector<float>* const> logits_out);
   /// Under Numerics::kBf16Activations rounds data[0, n) to bf16 in place; otherwise nothing.
   void round_activations(float* data, int64_t n) const;
-  /// Emits rows [first_pos, first_pos + m) of a [m, width] activation to the probe sink.
-  void probe(const char* name, int layer, int64_t first_pos, const float* data, int64_t m,
+  /// Emits every segment's rows of a [m, width] activation to the probe sink (token = position).
+  void probe(const char* name, int layer, std::span<const Segment> segments, const float* data,
              int64_t width) const;
 
   std::shared_ptr<const ModelWeights> weights_;

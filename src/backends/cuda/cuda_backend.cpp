@@ -365,9 +365,41 @@ class CudaBackend final : public Backend {
     return static_cast<int64_t>(free);
   }
 
-  int32_t prefill(SequenceState& state, std::span<const int32_t> tokens, std::vector<float>* logits) override {
-    CudaState& s = checked(state);
-    validate(s, tokens);
+  /// One sequence per step until batched kernels are verified on a GPU (docs/cuda.md): the
+  /// scheduler then runs requests one at a time, exactly as before the batched interface.
+  int max_batch() const override { return 1; }
+
+  /// Backend::step as a loop over the rows, each through the per-sequence paths (prefill rows:
+  /// the batched prefill; decode rows: the decode step). Validates every row first.
+  std::vector<int32_t> step(std::span<const StepRow> rows) override {
+    if (rows.empty()) throw ::lily::Error("step: no rows");
+    if (static_cast<int>(rows.size()) > max_batch())
+      throw ::lily::Error("step: " + std::to_string(rows.size()) + " rows, more than the cuda backend's " +
+                          std::to_string(max_batch()));
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (rows[i].state == nullptr) throw ::lily::Error("step: a row without a sequence state");
+      const CudaState& s = checked(*rows[i].state);
+      validate(s, rows[i].tokens);
+      if (rows[i].position != s.pos)
+        throw ::lily::Error("step: a row at position " + std::to_string(rows[i].position) +
+                            " for a sequence at position " + std::to_string(s.pos));
+      for (size_t j = 0; j < i; ++j)
+        if (rows[j].state == rows[i].state) throw ::lily::Error("step: one sequence state in two rows");
+    }
+    std::vector<int32_t> next(rows.size(), -1);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const StepRow& r = rows[i];
+      CudaState& s = checked(*r.state);
+      std::vector<float>* logits = r.want_logits ? r.logits : nullptr;
+      const int32_t id = r.decode && r.tokens.size() == 1 ? decode_one(s, r.tokens[0], logits)
+                                                          : prefill_sequence(s, r.tokens, logits);
+      if (r.want_logits) next[i] = id;
+    }
+    return next;
+  }
+
+ private:
+  int32_t prefill_sequence(CudaState& s, std::span<const int32_t> tokens, std::vector<float>* logits) {
     if (batched_prefill_ && !probe_sink_) return prefill_batched(s, tokens, logits);
     int32_t next = 0;
     for (size_t i = 0; i < tokens.size(); ++i)
@@ -375,13 +407,8 @@ class CudaBackend final : public Backend {
     return next;
   }
 
-  int32_t decode(SequenceState& state, int32_t token, std::vector<float>* logits) override {
-    CudaState& s = checked(state);
-    validate(s, std::span<const int32_t>(&token, 1));
-    return step(s, token, logits);
-  }
+  int32_t decode_one(CudaState& s, int32_t token, std::vector<float>* logits) { return step(s, token, logits); }
 
- private:
   CudaState& checked(SequenceState& state) const {
     auto* s = dynamic_cast<CudaState*>(&state);
     if (!s || s->owner != this) throw ::lily::Error("CUDA backend: the sequence state belongs to another backend");

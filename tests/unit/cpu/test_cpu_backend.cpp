@@ -333,5 +333,132 @@ TEST_F(CpuBackendDemo, RejectsBadStatesAndTokens) {
   EXPECT_THROW(backend.clone_state(foreign), Error);
 }
 
+
+// ---- batched steps ------------------------------------------------------------------------------
+
+/// What one sequence produced: the logits of its last prompt token and of every decode step.
+struct SequenceTrace {
+  std::vector<std::vector<float>> logits;
+  std::vector<int32_t> ids;
+};
+
+/// Runs prompt + `steps` greedy decode steps of one sequence alone (prefill, then decode).
+SequenceTrace run_alone(CpuBackend& backend, const std::vector<int32_t>& prompt, int steps) {
+  SequenceTrace trace;
+  auto state = backend.new_state(512);
+  std::vector<float> logits;
+  int32_t next = backend.prefill(*state, prompt, &logits);
+  trace.logits.push_back(logits);
+  trace.ids.push_back(next);
+  for (int i = 0; i < steps; ++i) {
+    next = backend.decode(*state, next, &logits);
+    trace.logits.push_back(logits);
+    trace.ids.push_back(next);
+  }
+  return trace;
+}
+
+// Several sequences share every step: decode rows of some next to prefill chunks of others,
+// prompts cut at different places, rows that need no logits. Every logit of every sequence is
+// bit-identical to that sequence run alone, and so are the threads' counts (1 and 2).
+TEST_F(CpuBackendDemo, BatchedStepsAreBitIdenticalToEachSequenceAlone) {
+  const std::vector<std::vector<int32_t>> prompts = {
+      synthetic_prompt(5), synthetic_prompt(40), synthetic_prompt(1), synthetic_prompt(300), synthetic_prompt(17)};
+  // A decode step after each token; the long prompt (300) spans several passes of 128 tokens.
+  const int steps = 6;
+  for (int threads : {1, 2}) {
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    CpuBackend backend(weights_, threads);
+    std::vector<SequenceTrace> alone;
+    for (const auto& p : prompts) alone.push_back(run_alone(backend, p, steps));
+
+    struct Seq {
+      std::unique_ptr<SequenceState> state;
+      size_t fed = 0;  // prompt tokens fed
+      int32_t next = -1;
+      std::vector<float> logits;
+      SequenceTrace trace;
+    };
+    std::vector<Seq> seqs(prompts.size());
+    for (auto& s : seqs) s.state = backend.new_state(512);
+    // Sequence i starts at step i; prompts go in chunks of 7 + i tokens (the last token alone).
+    for (int t = 0; static_cast<int>(std::count_if(seqs.begin(), seqs.end(), [&](const Seq& s) {
+                      return s.trace.ids.size() == static_cast<size_t>(steps + 1);
+                    })) < static_cast<int>(seqs.size());
+         ++t) {
+      std::vector<StepRow> rows;
+      std::vector<size_t> owner;
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        Seq& s = seqs[i];
+        if (static_cast<int>(i) > t || s.trace.ids.size() == static_cast<size_t>(steps + 1)) continue;
+        StepRow row;
+        row.state = s.state.get();
+        row.position = s.state->position();
+        const size_t n = prompts[i].size();
+        if (s.fed < n) {
+          const size_t take = s.fed + 1 < n ? std::min(n - 1 - s.fed, 7 + i) : 1;
+          row.tokens = std::span<const int32_t>(prompts[i].data() + s.fed, take);
+          row.want_logits = s.fed + take == n;
+          s.fed += take;
+        } else {
+          row.tokens = std::span<const int32_t>(&s.next, 1);
+          row.decode = true;
+        }
+        row.logits = row.want_logits ? &s.logits : nullptr;
+        rows.push_back(row);
+        owner.push_back(i);
+      }
+      const std::vector<int32_t> next = backend.step(rows);
+      ASSERT_EQ(next.size(), rows.size());
+      for (size_t r = 0; r < rows.size(); ++r) {
+        Seq& s = seqs[owner[r]];
+        if (!rows[r].want_logits) {
+          EXPECT_EQ(next[r], -1);
+          continue;
+        }
+        s.trace.ids.push_back(next[r]);
+        s.trace.logits.push_back(s.logits);
+        s.next = next[r];
+      }
+    }
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      EXPECT_EQ(seqs[i].trace.ids, alone[i].ids) << "sequence " << i;
+      ASSERT_EQ(seqs[i].trace.logits.size(), alone[i].logits.size());
+      for (size_t k = 0; k < alone[i].logits.size(); ++k)
+        EXPECT_EQ(seqs[i].trace.logits[k], alone[i].logits[k]) << "sequence " << i << " step " << k;
+    }
+  }
+}
+
+TEST_F(CpuBackendDemo, BadStepsAreRefusedBeforeAnyStateChanges) {
+  CpuBackend backend(weights_, 2);
+  auto a = backend.new_state(64), b = backend.new_state(4);
+  backend.prefill(*a, synthetic_prompt(3));
+  const std::vector<int32_t> one = {5}, five = synthetic_prompt(5), bad = {weights_->config.vocab};
+  auto expect_refused = [&](std::vector<StepRow> rows, const std::string& what) {
+    try {
+      backend.step(rows);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(a->position(), 3);
+    EXPECT_EQ(b->position(), 0);
+  };
+  expect_refused({}, "no rows");
+  expect_refused({{a.get(), one, 3, true}, {a.get(), one, 3, true}}, "one sequence state in two rows");
+  expect_refused({{a.get(), one, 2, true}}, "position 2 for a sequence at position 3");
+  expect_refused({{a.get(), one, 3, true}, {b.get(), five, 0, false}}, "exceeds max_seq 4");
+  expect_refused({{a.get(), one, 3, true}, {b.get(), bad, 0, false}}, "outside the vocabulary");
+  expect_refused({{a.get(), {}, 3, true}}, "no tokens");
+  std::vector<std::unique_ptr<SequenceState>> many;
+  std::vector<StepRow> rows;
+  for (int i = 0; i <= CpuBackend::kMaxBatch; ++i) {
+    many.push_back(backend.new_state(8));
+    rows.push_back({many.back().get(), one, 0, false});
+  }
+  expect_refused(rows, "more than the cpu backend's 64");
+}
+
 }  // namespace
 }  // namespace lily::cpu

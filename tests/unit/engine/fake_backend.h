@@ -53,24 +53,40 @@ class FakeBackend final : public Backend {
     copy->host = true;
     return copy;
   }
-  int32_t prefill(SequenceState& s, std::span<const int32_t> tokens, std::vector<float>* logits = nullptr) override {
+  int max_batch() const override { return max_rows; }
+  /// Each row as a prefill (counted in prefill_calls, prefill_sizes) or a decode (decode_calls);
+  /// waits at the gate once per step and sleeps decode_delay once per step with a decode row.
+  std::vector<int32_t> step(std::span<const StepRow> rows) override {
     wait_gate();
-    ++prefill_calls;
-    prefilled_tokens += static_cast<int64_t>(tokens.size());
-    prefill_sizes.push_back(static_cast<int64_t>(tokens.size()));
-    auto& st = static_cast<FakeState&>(s);
-    for (int32_t t : tokens) feed(st, t);
-    fill_logits(st.history, logits);
-    return next_token(st.history);
-  }
-  int32_t decode(SequenceState& s, int32_t token, std::vector<float>* logits = nullptr) override {
-    wait_gate();
-    ++decode_calls;
-    auto& st = static_cast<FakeState&>(s);
-    feed(st, token);
-    if (decode_delay.count() > 0) std::this_thread::sleep_for(decode_delay);
-    fill_logits(st.history, logits);
-    return next_token(st.history);
+    if (rows.empty() || static_cast<int>(rows.size()) > max_rows) throw Error("fake backend: bad row count");
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (rows[i].tokens.empty()) throw Error("fake backend: a row without tokens");
+      if (rows[i].position != rows[i].state->position()) throw Error("fake backend: wrong position");
+      for (size_t j = 0; j < i; ++j)
+        if (rows[j].state == rows[i].state) throw Error("fake backend: one state twice");
+    }
+    ++steps;
+    step_rows.push_back(static_cast<int>(rows.size()));
+    std::vector<int32_t> next(rows.size(), -1);
+    bool decoded = false;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const StepRow& r = rows[i];
+      auto& st = static_cast<FakeState&>(*r.state);
+      if (r.decode) {
+        ++decode_calls;
+        decoded = true;
+      } else {
+        ++prefill_calls;
+        prefilled_tokens += static_cast<int64_t>(r.tokens.size());
+        prefill_sizes.push_back(static_cast<int64_t>(r.tokens.size()));
+      }
+      for (int32_t t : r.tokens) feed(st, t);
+      if (!r.want_logits) continue;
+      fill_logits(st.history, r.logits);
+      next[i] = next_token(st.history);
+    }
+    if (decoded && decode_delay.count() > 0) std::this_thread::sleep_for(decode_delay);
+    return next;
   }
   /// Logits [vocab] that are a function of the history too: values in [0, 2) from a hash, plus
   /// 3 at next_token (so their argmax is the greedy answer). Counted in logits_calls.
@@ -93,7 +109,7 @@ class FakeBackend final : public Backend {
     for (int32_t t : history) h = (h ^ static_cast<uint64_t>(t)) * 1099511628211ull;
     return static_cast<int32_t>(h % static_cast<uint64_t>(vocab_));
   }
-  /// Blocks prefill/decode until open_gate() (for scheduler tests).
+  /// Blocks step() until open_gate() (for scheduler tests).
   void close_gate() {
     std::lock_guard l(m_);
     gate_open_ = false;
@@ -118,6 +134,9 @@ class FakeBackend final : public Backend {
 
   std::function<int32_t(const std::vector<int32_t>&)> script;  ///< overrides next_token when set
   std::chrono::milliseconds decode_delay{0};
+  int max_rows = 64;  ///< max_batch()
+  int steps = 0;                ///< step() calls
+  std::vector<int> step_rows;   ///< rows of each step, in order
   int prefill_calls = 0, decode_calls = 0, clones = 0, states_created = 0, logits_calls = 0;
   int host_copies = 0, host_restores = 0;  ///< copy_to_host calls; clone_state calls on host copies
   std::vector<int64_t> prefill_sizes;      ///< tokens of each prefill call, in order

@@ -30,6 +30,8 @@ TEST(CliOptions, BadIntegersAreRefusedWithAClearMessage) {
       {"serve --max-seq -1" + model, "--max-seq: must be an integer >= 0, got '-1'"},
       {"serve --read-timeout 0" + model, "--read-timeout: must be an integer >= 1, got '0'"},
       {"serve --threads -3" + model, "--threads: must be an integer >= 0, got '-3'"},
+      {"serve --max-batch 0" + model, "--max-batch: must be an integer from 1 to 4096, got '0'"},
+      {"serve --step-tokens 0" + model, "--step-tokens: must be an integer from 1 to 1048576, got '0'"},
       {"generate --threads -2 --prompt-ids 1" + model, "--threads: must be an integer >= 0, got '-2'"},
       {"bench --threads -1" + model, "--threads: must be an integer >= 0, got '-1'"},
       {"synth --threads -1 --out " + quoted(dir.path() / "synth"), "--threads: must be an integer >= 0, got '-1'"},
@@ -43,7 +45,7 @@ TEST(CliOptions, BadIntegersAreRefusedWithAClearMessage) {
   EXPECT_FALSE(std::filesystem::exists(dir.path() / "synth")) << "a refused synth must write nothing";
 }
 
-TEST(CliOptions, BadCacheSizesAreRefusedWithAClearMessage) {
+TEST(CliOptions, BadCacheSizesAndBatchLimitsAreRefusedWithAClearMessage) {
   const std::string model = " --model " + quoted(test::demo_model_dir());
   const std::string rule = "must be a byte count such as 1073741824, 512MiB or 4GiB, got ";
   const std::vector<BadOption> cases = {
@@ -52,6 +54,8 @@ TEST(CliOptions, BadCacheSizesAreRefusedWithAClearMessage) {
       {"serve --cache-host-memory 1.5.2G" + model, "--cache-host-memory: " + rule + "'1.5.2G'"},
       {"serve --cache-host-memory '4 GiB'" + model, "--cache-host-memory: " + rule + "'4 GiB'"},
       {"serve --cache-host-memory 1000TiB" + model, "--cache-host-memory 1000.00 TiB is more than this machine's memory"},
+      {"serve --backend cpu --max-batch 65" + model,
+       "--max-batch 65 is outside [1, 64]: the cpu backend runs at most 64 sequences per step"},
   };
   for (const BadOption& c : cases) {
     // Bounded: a value wrongly accepted would start the server instead of failing.

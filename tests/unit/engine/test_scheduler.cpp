@@ -36,14 +36,27 @@ std::pair<JobEvent, int> finish(Job& j) {
 struct Harness {
   FakeBackend* backend;
   std::unique_ptr<Scheduler> scheduler;
-  explicit Harness(int max_queue, int64_t cache_bytes = 1 << 20) {
+  std::mutex steps_mutex;
+  std::vector<StepStats> steps;  ///< every step's stats (EngineOptions::on_step)
+  /// max_batch 1 (one job at a time) unless given.
+  explicit Harness(int max_queue, int64_t cache_bytes = 1 << 20, int max_batch = 1, int64_t step_tokens = 256) {
     auto b = std::make_unique<FakeBackend>();
     backend = b.get();
     EngineOptions o;
-    o.max_seq = 64;
+    o.max_seq = 128;
     o.max_queue = max_queue;
+    o.max_batch = max_batch;
+    o.step_tokens = step_tokens;
     o.cache = {cache_bytes, 0};
+    o.on_step = [this](const StepStats& st) {
+      std::lock_guard l(steps_mutex);
+      steps.push_back(st);
+    };
     scheduler = std::make_unique<Scheduler>(std::move(b), nullptr, o);
+  }
+  std::vector<StepStats> step_stats() {
+    std::lock_guard l(steps_mutex);
+    return steps;
   }
 };
 
@@ -144,7 +157,7 @@ TEST(Scheduler, StartTimeIsSetWhenTheEngineTakesAJob) {
 
 TEST(Scheduler, RejectsRequestsThatDoNotFitMaxSeq) {
   Harness h(2);
-  EXPECT_THROW(h.scheduler->submit(job(std::vector<int32_t>(60, 1), 5)), Error);
+  EXPECT_THROW(h.scheduler->submit(job(std::vector<int32_t>(125, 1), 5)), Error);
 }
 
 TEST(Scheduler, StopFailsQueuedJobsAndRefusesNewOnes) {
@@ -246,4 +259,145 @@ TEST(Scheduler, AQueuedJobFailsWhenTheWeightsChangedWhileItWaited) {
   EXPECT_EQ(tokens, 0);
   EXPECT_NE(event.text.find("was modified"), std::string::npos) << event.text;
   EXPECT_EQ(h.backend->prefill_calls, prefills);
+}
+
+// ---- continuous batching ------------------------------------------------------------------------
+
+namespace {
+
+/// The tokens `r` gives alone on a fresh one-job engine.
+std::vector<int32_t> alone(const JobRequest& r) {
+  Harness h(4, 0);
+  auto [done, tokens] = finish(*h.scheduler->submit(r));
+  EXPECT_EQ(done.kind, JobEvent::Kind::kDone);
+  return done.result.token_ids;
+}
+
+std::vector<int32_t> count_up(int n, int32_t from) {
+  std::vector<int32_t> v(n);
+  for (int i = 0; i < n; ++i) v[i] = from + i;
+  return v;
+}
+
+}  // namespace
+
+TEST(SchedulerBatching, JobsWaitingTogetherShareEveryStepAndAnswerAsAlone) {
+  Harness h(8, 1 << 20, 4);
+  auto first = occupy_engine(h, 6);
+  std::vector<JobRequest> reqs = {job({7, 8, 9}, 6), job(count_up(20, 100), 5), job({3}, 7)};
+  std::vector<std::shared_ptr<Job>> jobs;
+  for (const auto& r : reqs) jobs.push_back(h.scheduler->submit(r));
+  h.backend->open_gate();
+  EXPECT_EQ(finish(*first).first.result.token_ids, alone(job({1}, 6)));
+  for (size_t i = 0; i < jobs.size(); ++i) EXPECT_EQ(finish(*jobs[i]).first.result.token_ids, alone(reqs[i])) << i;
+  int widest = 0;
+  for (const StepStats& st : h.step_stats()) widest = std::max(widest, st.rows);
+  EXPECT_EQ(widest, 4);
+  EXPECT_EQ(h.scheduler->running(), 0);
+  EXPECT_EQ(h.scheduler->batch_size(), 0);
+}
+
+TEST(SchedulerBatching, AdmitsOldestFirstAndNeverMoreThanMaxBatch) {
+  Harness h(8, 0, 2);
+  auto first = occupy_engine(h, 3);
+  std::vector<std::shared_ptr<Job>> jobs;
+  for (int32_t i = 0; i < 4; ++i) jobs.push_back(h.scheduler->submit(job({10 + i}, 3 + i)));
+  EXPECT_EQ(h.scheduler->queue_depth(), 4);
+  h.backend->open_gate();
+  finish(*first);
+  for (auto& j : jobs) EXPECT_EQ(finish(*j).first.kind, JobEvent::Kind::kDone);
+  for (size_t i = 1; i < jobs.size(); ++i) EXPECT_LE(*jobs[i - 1]->started_at(), *jobs[i]->started_at()) << i;
+  for (const StepStats& st : h.step_stats()) EXPECT_LE(st.rows, 2);
+}
+
+TEST(SchedulerBatching, FreeBatchSlotsDoNotCountAgainstTheQueue) {
+  Harness h(1, 0, 3);
+  auto first = occupy_engine(h);  // one slot taken, two free: 1 + 2 may wait
+  std::vector<std::shared_ptr<Job>> jobs;
+  for (int i = 0; i < 3; ++i) jobs.push_back(h.scheduler->submit(job({2}, 2)));
+  EXPECT_THROW(h.scheduler->submit(job({3}, 2)), QueueFullError);
+  h.backend->open_gate();
+  finish(*first);
+  for (auto& j : jobs) EXPECT_EQ(finish(*j).first.kind, JobEvent::Kind::kDone);
+}
+
+TEST(SchedulerBatching, ACancelledJobLeavesTheBatchAndTheOthersAnswerAsAlone) {
+  Harness h(8, 1 << 20, 4);
+  h.backend->decode_delay = 1ms;
+  std::vector<JobRequest> reqs = {job({1, 2}, 40), job({5, 6, 7}, 40), job({9}, 40)};
+  std::vector<std::shared_ptr<Job>> jobs;
+  for (const auto& r : reqs) jobs.push_back(h.scheduler->submit(r));
+  auto first = jobs[1]->next_event(5000ms);
+  ASSERT_TRUE(first && first->kind == JobEvent::Kind::kToken);
+  h.scheduler->cancel(jobs[1]);
+  auto [cancelled, seen] = finish(*jobs[1]);
+  EXPECT_EQ(cancelled.result.finish_reason, FinishReason::kCancelled);
+  EXPECT_LT(cancelled.result.token_ids.size(), 40u);
+  for (size_t i : {0u, 2u}) {
+    auto [done, tokens] = finish(*jobs[i]);
+    EXPECT_EQ(done.result.finish_reason, FinishReason::kLength);
+    EXPECT_EQ(done.result.token_ids, alone(reqs[i])) << i;
+  }
+}
+
+TEST(SchedulerBatching, ALongPromptIsPrefilledInChunksWhileOthersDecode) {
+  Harness h(8, 0, 2, 8);
+  h.backend->decode_delay = 1ms;
+  auto decoding = h.scheduler->submit(job({4, 5}, 100));
+  auto e = decoding->next_event(5000ms);
+  ASSERT_TRUE(e && e->kind == JobEvent::Kind::kToken);
+  const JobRequest long_request = job(count_up(61, 200), 3);
+  auto long_job = h.scheduler->submit(long_request);
+  auto [long_done, n] = finish(*long_job);
+  EXPECT_EQ(long_done.result.token_ids, alone(long_request));
+  finish(*decoding);
+  // Cut at multiples of 8 (and before the last token): 8 × 7, then 4, then 1.
+  std::vector<int64_t> sizes(h.backend->prefill_sizes.end() - 9, h.backend->prefill_sizes.end());
+  EXPECT_EQ(sizes, (std::vector<int64_t>{8, 8, 8, 8, 8, 8, 8, 4, 1}));
+  int shared = 0;
+  for (const StepStats& st : h.step_stats()) {
+    if (st.decode_rows == 1 && st.prefill_tokens > 0) ++shared;
+    EXPECT_LE(st.prefill_tokens, 8);
+  }
+  EXPECT_EQ(shared, 9) << "the decoding job did not advance in every step of the long prefill";
+}
+
+TEST(SchedulerBatching, MaxBatchAndStepTokensAreValidated) {
+  for (int bad : {-1, 65}) {
+    EngineOptions o;
+    o.max_seq = 16;
+    o.max_batch = bad;
+    try {
+      Scheduler s(std::make_unique<FakeBackend>(), nullptr, o);
+      ADD_FAILURE() << "accepted --max-batch " << bad;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--max-batch " + std::to_string(bad) + " is outside [1, 64]: the fake "
+                                           "backend runs at most 64 sequences per step"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EngineOptions o;
+  o.max_seq = 16;
+  o.step_tokens = 0;
+  EXPECT_THROW(Scheduler(std::make_unique<FakeBackend>(), nullptr, o), Error);
+  o.step_tokens = 1;
+  Scheduler defaults(std::make_unique<FakeBackend>(), nullptr, o);
+  EXPECT_EQ(defaults.max_batch(), kDefaultMaxBatch);
+  auto one = std::make_unique<FakeBackend>();
+  one->max_rows = 1;
+  Scheduler single(std::move(one), nullptr, o);
+  EXPECT_EQ(single.max_batch(), 1);
+}
+
+TEST(SchedulerBatching, PromptTokensOutsideTheVocabularyAreRefused) {
+  Harness h(2);
+  try {
+    h.scheduler->submit(job({1, 1000}, 1));
+    FAIL() << "accepted token 1000";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("prompt token 1 is 1000, outside the vocabulary [0, 1000)"),
+              std::string::npos)
+        << e.what();
+  }
 }

@@ -256,3 +256,21 @@ TEST(MetricsText, CountersHistogramsAndGauges) {
   EXPECT_NE(text.find("lily_cache_evictions_total{tier=\"host\"} 3\n"), std::string::npos);
   EXPECT_NE(text.find("# TYPE lily_cache_snapshots gauge\n"), std::string::npos);
 }
+
+TEST(Metrics, BatchGaugesAndStepHistograms) {
+  Metrics m;
+  m.observe_step(3, 0.004);
+  m.observe_step(8, 0.02);
+  EngineGauges g;
+  g.queue_depth = 4;
+  g.running = 8;
+  g.batch_size = 8;
+  g.max_batch = 8;
+  const std::string text = m.render(g);
+  for (const char* line : {"lily_requests_waiting 4\n", "lily_requests_running 8\n", "lily_batch_size 8\n",
+                           "lily_max_batch 8\n", "lily_step_seconds_bucket{le=\"0.005\"} 1\n",
+                           "lily_step_seconds_count 2\n", "lily_step_batch_size_bucket{le=\"4\"} 1\n",
+                           "lily_step_batch_size_bucket{le=\"8\"} 2\n", "lily_step_batch_size_sum 11\n",
+                           "# TYPE lily_step_seconds histogram\n"})
+    EXPECT_NE(text.find(line), std::string::npos) << line;
+}
