@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Golden greedy runs of transformers' Qwen3_5MoeForCausalLM (float32, CPU) on lily checkpoints.
 
-An independent oracle for lily's CPU engine (DESIGN.md, Testing 2): it reads an MLX-layout
-checkpoint written by `lily synth` (or the demo model) with its own safetensors parser,
-dequantizes every MLX affine tensor exactly (w = scale * q + bias in fp32, reference/model.md
+An independent oracle for lily's CPU engine (a second implementation that shares none of its
+code): it reads an MLX-layout checkpoint written by `lily synth` (or the demo model) with its own
+safetensors parser,
+dequantizes every MLX affine tensor exactly (w = scale * q + bias in fp32, docs/model.md
 section 2.2), maps the names back to the Hugging Face layout (section 2.3: norm gains stored as
 1 + w_hf, conv1d [C, K, 1] -> [C, 1, K], switch_mlp gate/up -> halves of experts.gate_up_proj),
 loads them with strict checks, greedy-decodes from the given prompt ids and writes JSON:
