@@ -189,3 +189,23 @@ export function longPrompt(seed, words = 600) {
 }
 
 export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+/** Joins a stream's chunks as a client does: content, reasoning_content and tool_calls by index. */
+export async function assembleStream(stream) {
+  const message = { content: '', reasoning_content: '', tool_calls: [] };
+  let finish = null;
+  for await (const chunk of stream) {
+    const choice = chunk.choices[0];
+    if (!choice) continue;
+    const d = choice.delta;
+    if (d.content) message.content += d.content;
+    if (d.reasoning_content) message.reasoning_content += d.reasoning_content;
+    for (const call of d.tool_calls ?? []) {
+      const slot = (message.tool_calls[call.index] ??= { id: call.id, type: call.type, function: { name: '', arguments: '' } });
+      if (call.function?.name) slot.function.name += call.function.name;
+      if (call.function?.arguments) slot.function.arguments += call.function.arguments;
+    }
+    if (choice.finish_reason) finish = choice.finish_reason;
+  }
+  return { message, finish };
+}

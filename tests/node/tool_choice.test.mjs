@@ -18,7 +18,7 @@ const source = process.env.LILY_SOURCE_DIR ?? path.resolve(import.meta.dirname, 
 const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'lily-tool-choice-'));
 const modelDir = path.join(tmp, 'scripted');
 process.env.LILY_TEST_MODEL_DIR = modelDir;
-const { LILY_BIN, MODEL, rawRequest, startServer, stopServer } = await import('./server_harness.mjs');
+const { LILY_BIN, MODEL, assembleStream: assemble, rawRequest, startServer, stopServer } = await import('./server_harness.mjs');
 
 after(() => fs.rmSync(tmp, { recursive: true, force: true }));
 
@@ -54,26 +54,6 @@ async function post(server, route, body) {
     body: payload, headers: { 'Content-Type': 'application/json', 'Content-Length': Buffer.byteLength(payload) },
   });
   return { status: res.status, json: JSON.parse(res.body) };
-}
-
-/** Joins a stream's chunks as a client does: content, reasoning_content and tool_calls by index. */
-async function assemble(stream) {
-  const message = { content: '', reasoning_content: '', tool_calls: [] };
-  let finish = null;
-  for await (const chunk of stream) {
-    const choice = chunk.choices[0];
-    if (!choice) continue;
-    const d = choice.delta;
-    if (d.content) message.content += d.content;
-    if (d.reasoning_content) message.reasoning_content += d.reasoning_content;
-    for (const call of d.tool_calls ?? []) {
-      const slot = (message.tool_calls[call.index] ??= { id: call.id, type: call.type, function: { name: '', arguments: '' } });
-      if (call.function?.name) slot.function.name += call.function.name;
-      if (call.function?.arguments) slot.function.arguments += call.function.arguments;
-    }
-    if (choice.finish_reason) finish = choice.finish_reason;
-  }
-  return { message, finish };
 }
 
 describe('tool_choice on a scripted model', () => {

@@ -21,7 +21,7 @@ const modelDir = path.join(tmp, 'demo');
 fs.cpSync(path.join(source, 'models', 'demo'), modelDir, { recursive: true });
 fs.copyFileSync(path.join(source, 'tests/fixtures/jinja/qwen3_6_tools.jinja'), path.join(modelDir, 'chat_template.jinja'));
 process.env.LILY_TEST_MODEL_DIR = modelDir;
-const { LILY_BIN, MODEL, rawRequest, startServer, stopServer } = await import('./server_harness.mjs');
+const { LILY_BIN, MODEL, assembleStream: assemble, rawRequest, startServer, stopServer } = await import('./server_harness.mjs');
 
 after(() => fs.rmSync(tmp, { recursive: true, force: true }));
 
@@ -47,26 +47,6 @@ async function promptOf(server, body) {
   assert.equal(t.status, 200, JSON.stringify(t.json));
   const d = await post(server, '/detokenize', { tokens: t.json.tokens });
   return { tokens: t.json.tokens, text: d.json.prompt };
-}
-
-/** Joins a stream's chunks as a client does: content, reasoning_content and tool_calls by index. */
-async function assemble(stream) {
-  const message = { content: '', reasoning_content: '', tool_calls: [] };
-  let finish = null;
-  for await (const chunk of stream) {
-    const choice = chunk.choices[0];
-    if (!choice) continue;
-    const d = choice.delta;
-    if (d.content) message.content += d.content;
-    if (d.reasoning_content) message.reasoning_content += d.reasoning_content;
-    for (const call of d.tool_calls ?? []) {
-      const slot = (message.tool_calls[call.index] ??= { id: call.id, type: call.type, function: { name: '', arguments: '' } });
-      if (call.function?.name) slot.function.name += call.function.name;
-      if (call.function?.arguments) slot.function.arguments += call.function.arguments;
-    }
-    if (choice.finish_reason) finish = choice.finish_reason;
-  }
-  return { message, finish };
 }
 
 describe('tools and thinking', () => {
