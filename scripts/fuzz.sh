@@ -31,13 +31,15 @@ done
 
 CC=clang CXX=clang++ cmake -S . -B "$BUILD" -G Ninja -DLILY_FUZZ=ON -DLILY_CUDA=OFF -DBUILD_TESTING=OFF \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+TIMEFORMAT="fuzz: build: %R s wall, %U s user, %S s sys"
 # shellcheck disable=SC2086
-cmake --build "$BUILD" -j "$(nproc)" --target $TARGETS
+time cmake --build "$BUILD" -j "$(nproc)" --target $TARGETS
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 failed=()
-for target in $TARGETS; do
+TIMEFORMAT="fuzz: runs: %R s wall, %U s user, %S s sys"
+time for target in $TARGETS; do
   out="$BUILD/fuzz-out/$target"
   mkdir -p "$out/corpus"
   rm -f "$out"/crash-* "$out"/leak-* "$out"/timeout-* "$out"/oom-* "$out"/slow-unit-*
