@@ -29,8 +29,10 @@ for tool in clang clang++; do
   command -v "$tool" >/dev/null || { echo "fuzz: $tool not found (apt-get install clang libclang-rt-14-dev)" >&2; exit 1; }
 done
 
+# -O2 as RelWithDebInfo, but line tables only (-g1): crash stack traces keep function, file and
+# line, and the build takes less time than with full debug info.
 CC=clang CXX=clang++ cmake -S . -B "$BUILD" -G Ninja -DLILY_FUZZ=ON -DLILY_CUDA=OFF -DBUILD_TESTING=OFF \
-  -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" >/dev/null
 TIMEFORMAT="fuzz: build: %R s wall, %U s user, %S s sys"
 # shellcheck disable=SC2086
 time cmake --build "$BUILD" -j "$(nproc)" --target $TARGETS
