@@ -25,7 +25,7 @@ phase "asan build" cmake --build build-asan -j "$JOBS"
 phase "asan ctest" env ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan -L 'unit|server' --output-on-failure -j "$JOBS" --timeout 1800
 
-# Fuzzing (issue 7): every libFuzzer target of tests/fuzz, built with clang + ASan/UBSan in
+# Fuzzing: every libFuzzer target of tests/fuzz, built with clang + ASan/UBSan in
 # build-fuzz; fails on any crash, leak or time-out. Here a fixed number of inputs from a fixed
 # seed, so the test command gives the same verdict on every run; open-ended time-budgeted
 # exploration is `scripts/fuzz.sh` alone (FUZZ_SECONDS).
