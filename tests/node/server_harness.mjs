@@ -209,3 +209,12 @@ export async function assembleStream(stream) {
   }
   return { message, finish };
 }
+
+/** POSTs `body` as JSON to `route`; resolves {status, json} (the answer parsed as JSON). */
+export async function postJson(server, route, body) {
+  const payload = JSON.stringify(body);
+  const res = await rawRequest(server, 'POST', route, {
+    body: payload, headers: { 'Content-Type': 'application/json', 'Content-Length': Buffer.byteLength(payload) },
+  });
+  return { status: res.status, json: JSON.parse(res.body) };
+}

@@ -18,7 +18,7 @@ const source = process.env.LILY_SOURCE_DIR ?? path.resolve(import.meta.dirname, 
 const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'lily-tool-choice-'));
 const modelDir = path.join(tmp, 'scripted');
 process.env.LILY_TEST_MODEL_DIR = modelDir;
-const { LILY_BIN, MODEL, assembleStream: assemble, rawRequest, startServer, stopServer } = await import('./server_harness.mjs');
+const { LILY_BIN, MODEL, assembleStream: assemble, postJson: post, startServer, stopServer } = await import('./server_harness.mjs');
 
 after(() => fs.rmSync(tmp, { recursive: true, force: true }));
 
@@ -47,14 +47,6 @@ const tools = [
 ];
 const question = [{ role: 'user', content: 'Count my visits.' }];
 const named = (name) => ({ type: 'function', function: { name } });
-
-async function post(server, route, body) {
-  const payload = JSON.stringify(body);
-  const res = await rawRequest(server, 'POST', route, {
-    body: payload, headers: { 'Content-Type': 'application/json', 'Content-Length': Buffer.byteLength(payload) },
-  });
-  return { status: res.status, json: JSON.parse(res.body) };
-}
 
 describe('tool_choice on a scripted model', () => {
   let server;

@@ -21,7 +21,7 @@ const modelDir = path.join(tmp, 'demo');
 fs.cpSync(path.join(source, 'models', 'demo'), modelDir, { recursive: true });
 fs.copyFileSync(path.join(source, 'tests/fixtures/jinja/qwen3_6_tools.jinja'), path.join(modelDir, 'chat_template.jinja'));
 process.env.LILY_TEST_MODEL_DIR = modelDir;
-const { LILY_BIN, MODEL, assembleStream: assemble, rawRequest, startServer, stopServer } = await import('./server_harness.mjs');
+const { LILY_BIN, MODEL, assembleStream: assemble, postJson: post, startServer, stopServer } = await import('./server_harness.mjs');
 
 after(() => fs.rmSync(tmp, { recursive: true, force: true }));
 
@@ -33,14 +33,6 @@ const tools = [{
     parameters: { type: 'object', properties: { city: { type: 'string' }, days: { type: 'integer' } }, required: ['city'] },
   },
 }];
-
-async function post(server, route, body) {
-  const payload = JSON.stringify(body);
-  const res = await rawRequest(server, 'POST', route, {
-    body: payload, headers: { 'Content-Type': 'application/json', 'Content-Length': Buffer.byteLength(payload) },
-  });
-  return { status: res.status, json: JSON.parse(res.body) };
-}
 
 async function promptOf(server, body) {
   const t = await post(server, '/tokenize', body);
