@@ -120,6 +120,7 @@ struct CudaOptions {
   bool fuse_decode = true;       ///< LILY_CUDA_FUSE 1|0: add + RMSNorm and the GDN conv folded into GEMVs
   bool pdl = true;               ///< LILY_CUDA_PDL 1|0: programmatic dependent launch
   bool stream_gemv = true;       ///< LILY_CUDA_STREAM_GEMV 1|0: 4-bit GEMV weights by bulk copies, or register loads
+  bool flash_prefill = true;     ///< LILY_CUDA_FLASH_PREFILL 1|0: prefill attention on tensor cores, or the row kernel
   bool batched_prefill = true;   ///< LILY_CUDA_PREFILL batched|per-token
   bool tensor_core_gemm = true;  ///< LILY_CUDA_GEMM tensor-core|gemv: the prefill projections and experts
   int prefill_chunk = 2048;      ///< LILY_CUDA_PREFILL_CHUNK 1 … 8192: tokens per prefill chunk
@@ -129,7 +130,8 @@ struct CudaOptions {
   /// Reads the LILY_CUDA_* variables (unset or empty: the default). Throws lily::Error naming
   /// the variable, the value and the accepted values for anything else.
   static CudaOptions from_env();
-  /// "fuse=1 pdl=1 stream-gemv=1 prefill=batched gemm=tensor-core chunk=2048", for logs and reports.
+  /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 prefill=batched gemm=tensor-core chunk=2048", for
+  /// logs and reports.
   std::string describe() const;
 };
 
@@ -158,6 +160,7 @@ inline CudaOptions CudaOptions::from_env() {
   o.fuse_decode = env_choice("LILY_CUDA_FUSE", "1", "0", o.fuse_decode);
   o.pdl = env_choice("LILY_CUDA_PDL", "1", "0", o.pdl);
   o.stream_gemv = env_choice("LILY_CUDA_STREAM_GEMV", "1", "0", o.stream_gemv);
+  o.flash_prefill = env_choice("LILY_CUDA_FLASH_PREFILL", "1", "0", o.flash_prefill);
   o.batched_prefill = env_choice("LILY_CUDA_PREFILL", "batched", "per-token", o.batched_prefill);
   o.tensor_core_gemm = env_choice("LILY_CUDA_GEMM", "tensor-core", "gemv", o.tensor_core_gemm);
   const std::string chunk = env_value("LILY_CUDA_PREFILL_CHUNK");
@@ -175,7 +178,7 @@ inline CudaOptions CudaOptions::from_env() {
 
 inline std::string CudaOptions::describe() const {
   return std::string("fuse=") + (fuse_decode ? "1" : "0") + " pdl=" + (pdl ? "1" : "0") +
-         " stream-gemv=" + (stream_gemv ? "1" : "0") +
+         " stream-gemv=" + (stream_gemv ? "1" : "0") + " flash-prefill=" + (flash_prefill ? "1" : "0") +
          " prefill=" + (batched_prefill ? "batched" : "per-token") + " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") +
          " chunk=" + std::to_string(prefill_chunk);
 }

@@ -525,6 +525,10 @@ void attention_prefill(const AttnDims& dims, int T, int64_t base, const bf16* q,
               ") exceed the KV cache capacity " + std::to_string(cache.capacity));
   MIXER_REQUIRE(!gate || gate_stride >= int64_t(dims.n_heads) * 2 * dims.head_dim,
           "attention_prefill: gate row stride too small");
+  if (flash_prefill_enabled()) {
+    attention_prefill_flash(dims, T, base, q, gate, gate_stride, cache, out, stream);
+    return;
+  }
   const int G = dims.n_heads / dims.n_kv_heads;
   dispatch_head_dim(dims.head_dim, [&](auto d) {
     constexpr int kD = decltype(d)::value;

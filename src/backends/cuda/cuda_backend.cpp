@@ -325,6 +325,7 @@ class CudaBackend final : public Backend {
     allocate_scratch();
     (void)pdl_enabled();  // a bad LILY_CUDA_PDL value fails here, not inside the first graph capture
     (void)stream_gemv_enabled();
+    (void)flash_prefill_enabled();
   }
   ~CudaBackend() override {
     if (stream_) cudaStreamDestroy(stream_);

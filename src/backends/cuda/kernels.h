@@ -123,6 +123,13 @@ bool stream_gemv_enabled();
 /// Overrides LILY_CUDA_STREAM_GEMV for the rest of the process (tests comparing both paths).
 void set_stream_gemv_enabled(bool on);
 
+/// Whether prefill attention runs on tensor cores (flash_prefill.cu) instead of the CUDA-core
+/// row kernel (attention.cu). LILY_CUDA_FLASH_PREFILL unset or "1" → on, "0" → off; any other
+/// value throws lily::Error at the first prefill.
+bool flash_prefill_enabled();
+/// Overrides LILY_CUDA_FLASH_PREFILL for the rest of the process (tests comparing both paths).
+void set_flash_prefill_enabled(bool on);
+
 /// Fused gate/up + SwiGLU for the selected experts (docs/model.md §4.3 item 5): for each slot
 /// k < n_sel of token row t, expert e = ids[t·n_sel + k]: g = bf16(W_gate[e] x), u = bf16(W_up[e] x),
 /// act[t, k, i] = bf16(silu(g_i)·u_i). gate/up: stacks of (n_experts + 1)·ffn rows (shared expert

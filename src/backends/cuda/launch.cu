@@ -1,6 +1,7 @@
-// Run-time switches of the decode kernels, read once from the environment: programmatic dependent
-// launch (launch.cuh, LILY_CUDA_PDL) and the bulk-copy streaming GEMV (quant_gemv.cu,
-// LILY_CUDA_STREAM_GEMV). Both default on; "0" turns one off for a same-machine comparison.
+// Run-time kernel switches, read once from the environment: programmatic dependent launch
+// (launch.cuh, LILY_CUDA_PDL), the bulk-copy streaming GEMV (quant_gemv.cu, LILY_CUDA_STREAM_GEMV)
+// and tensor-core prefill attention (flash_prefill.cu, LILY_CUDA_FLASH_PREFILL). All default on;
+// "0" turns one off for a same-machine comparison.
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -14,6 +15,7 @@ namespace {
 /// -1: not read yet; 0: off; 1: on.
 std::atomic<int> g_pdl{-1};
 std::atomic<int> g_stream_gemv{-1};
+std::atomic<int> g_flash_prefill{-1};
 
 /// 1 for unset, empty or "1", 0 for "0"; throws lily::Error naming the variable otherwise.
 int switch_from_env(const char* name) {
@@ -40,5 +42,8 @@ void set_pdl_enabled(bool on) { g_pdl.store(on ? 1 : 0); }
 
 bool stream_gemv_enabled() { return read_switch(g_stream_gemv, "LILY_CUDA_STREAM_GEMV"); }
 void set_stream_gemv_enabled(bool on) { g_stream_gemv.store(on ? 1 : 0); }
+
+bool flash_prefill_enabled() { return read_switch(g_flash_prefill, "LILY_CUDA_FLASH_PREFILL"); }
+void set_flash_prefill_enabled(bool on) { g_flash_prefill.store(on ? 1 : 0); }
 
 }  // namespace lily::cuda

@@ -178,7 +178,7 @@ void attention_decode(const AttnDims& dims, const __nv_bfloat16* q, const __nv_b
                       int n_splits, float* workspace, size_t workspace_bytes,
                       __nv_bfloat16* out, cudaStream_t stream);
 
-/// Causal flash attention for a prefill chunk of T query rows at positions base … base+T−1
+/// Causal attention for a prefill chunk of T query rows at positions base … base+T−1
 /// (docs/model.md §4.4), GQA, online fp32 softmax; key t is visible to row r iff t ≤ base + r.
 /// The chunk's K/V must already be in the cache (attention_prepare).
 ///   q      bf16 [T, nq, D]    contiguous (attention_prepare's q_out)
@@ -187,5 +187,13 @@ void attention_decode(const AttnDims& dims, const __nv_bfloat16* q, const __nv_b
 void attention_prefill(const AttnDims& dims, int T, int64_t base, const __nv_bfloat16* q,
                        const __nv_bfloat16* gate, int64_t gate_stride, const KvCacheView& cache,
                        __nv_bfloat16* out, cudaStream_t stream);
+
+/// The tensor-core path of attention_prefill (flash_prefill.cu, FlashAttention-2 structure): the
+/// same contract, without attention_prefill's argument checks. attention_prefill takes it when
+/// flash_prefill_enabled() (kernels.h); the probabilities multiply V as bf16, so it agrees with
+/// the fp32-probability row kernel to bf16 rounding, not bit for bit.
+void attention_prefill_flash(const AttnDims& dims, int T, int64_t base, const __nv_bfloat16* q,
+                             const __nv_bfloat16* gate, int64_t gate_stride, const KvCacheView& cache,
+                             __nv_bfloat16* out, cudaStream_t stream);
 
 }  // namespace lily::cuda

@@ -1,6 +1,9 @@
-// The tensor-core instruction shared by the prefill GEMM (quant_gemm.cu) and the decode GEMV
-// (quant_gemv.cu): mma.sync m16n8k16, bf16 inputs, fp32 accumulation (nvcc only).
+// The tensor-core and copy instructions shared by the prefill GEMM (quant_gemm.cu), the decode
+// GEMV (quant_gemv.cu) and flash attention (flash_prefill.cu): mma.sync m16n8k16 with bf16
+// inputs and fp32 accumulation, ldmatrix, cp.async (nvcc only).
 #pragma once
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 namespace lily::cuda {
@@ -16,5 +19,38 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+
+/// Two fp32 → packed bf16x2 (each rounded to nearest even; `lo` in the low half, the lower k
+/// index of an mma fragment).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+/// Four 8×8 bf16 matrices from shared memory: lane i gives the address of row i % 8 of matrix
+/// i / 8; r[j] is this lane's fragment of matrix j (row lane/4, columns 2·(lane%4) …+1).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
+}
+/// As ldmatrix_x4, each matrix transposed: r[j] holds (row 2·(lane%4) …+1, column lane/4) of
+/// matrix j (the B fragment of a row-major [k][n] tile).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
+}
+
+/// 16-byte global → shared async copy; src_bytes = 0 writes 16 zero bytes (masked rows).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+}
+/// Closes the group of this thread's cp.async copies issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+/// Waits until at most N of this thread's committed cp.async groups are still pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 }  // namespace lily::cuda

@@ -76,23 +76,7 @@ struct GemmParams {
 
 // ---- PTX wrappers --------------------------------------------------------------------------------
 
-/// 16-byte global → shared async copy; src_bytes = 0 writes 16 zero bytes (masked rows).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-/// Waits until at most N of this thread's committed cp.async groups are still pending.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
 __device__ __forceinline__ uint32_t lds32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
-/// Two fp32 → packed bf16x2 (each rounded to nearest even; `lo` in the low half).
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
 
 /// Exact fp32 value of a small unsigned code (q < 2^23) without an int→float instruction.
 __device__ __forceinline__ float code_to_f32(uint32_t q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }

@@ -144,12 +144,6 @@ __device__ __forceinline__ uint32_t nibble_pair_bf16(uint32_t w) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-/// Packs two bf16-exact fp32 values (lo in the low half).
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-
 /// (128 + nibble 0, 128 + nibble 4) of `w` (the low four bits of each half) as exact bf16 values:
 /// nibble_pair_bf16 without the subtraction (the streaming kernel folds 128 into the bias).
 __device__ __forceinline__ uint32_t nibble_pair_bf16_plus128(uint32_t w) { return (w & 0x000F000Fu) | 0x43004300u; }
