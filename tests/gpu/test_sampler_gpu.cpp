@@ -78,14 +78,15 @@ void run_rows(const std::vector<cuda::SampleRowArgs>& args, int64_t max_vocab) {
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
-/// Random logits of a few shapes: peaked, flat, with exact ties (bf16-rounded), with -inf.
+/// Random logits of a few shapes: peaked, flat, with exact ties (bf16-rounded), with -inf, constant.
 std::vector<float> random_logits(int vocab, int shape, std::mt19937_64& rng) {
   std::vector<float> x;
-  switch (shape % 4) {
+  switch (shape % 5) {
+    case 4: x.assign(static_cast<size_t>(vocab), 1.5f); break;  // all tied: ties to the lower id everywhere
     case 0: x = normal(vocab, rng, 0.0f, 3.0f); break;    // typical LM spread
     case 1: x = normal(vocab, rng, 0.0f, 0.3f); break;    // nearly flat
     case 2: x = bf16_values(normal(vocab, rng, 0.0f, 2.0f)); break;  // many exact ties
-    default: {
+    case 3: {
       x = normal(vocab, rng, -5.0f, 2.0f);
       std::uniform_int_distribution<int> id(0, vocab - 1);
       for (int j = 0; j < 5; ++j) x[id(rng)] = 10.0f + j;  // a few dominant tokens
@@ -244,6 +245,8 @@ TEST(DeviceSampler, TimingOneRowFullVocab) {
   cases[3].p.temperature = 1.0f, cases[3].p.min_p = 0.05f;
   cases[4].name = "T 0.7 top-k 20 top-p 0.8 + penalties";
   cases[4].p = cases[1].p, cases[4].p.repetition_penalty = 1.1f, cases[4].p.presence_penalty = 0.5f;
+  cases.push_back({"T 0.6 top-k 200 top-p 0.95", {}});
+  cases.back().p.temperature = 0.6f, cases.back().p.top_k = 200, cases.back().p.top_p = 0.95f;
   for (const Case& c : cases) {
     const cuda::SampleRowArgs a = row.prepare(x, c.p, h, 7);
     DeviceBuffer d(sizeof(a));

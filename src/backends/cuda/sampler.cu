@@ -27,6 +27,9 @@
 #include <cfloat>
 #include <climits>
 
+#include <cooperative_groups.h>
+#include <cooperative_groups/reduce.h>
+
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/sampler_kernels.h"
 
@@ -39,6 +42,8 @@ constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr int kMaxParts = 128;
 constexpr int kPerThread = 8;          // draw: consecutive ids per thread per tile
 constexpr int kTile = kSelectThreads * kPerThread;
+constexpr int kMaxTiles = 64;  // per-tile sums for rows of up to 64 tiles (524,288 ids)
+constexpr int kCompactMax = kSelectThreads;  // top-k ≤ this: top-p and the draw run on the k ids in shared memory
 constexpr unsigned kFull = 0xffffffffu;
 
 // ---- keys ----------------------------------------------------------------------------------
@@ -289,6 +294,35 @@ struct Hist {
   unsigned long long lo[256], hi[256];
 };
 
+namespace cg = cooperative_groups;
+
+/// Adds every lane's element to bucket d (d = 256: none) of h, with one shared atomic per
+/// distinct bucket and warp: the first radix passes put most of a row into a few buckets, where
+/// one atomic per element would serialise. With `mass`, the bucket's mass grows by f (exact:
+/// 32-bit halves are summed in 64 bits, then added as 128 bits). Every lane of the warp must
+/// call it (the callers' loops have warp-uniform trip counts).
+__device__ __forceinline__ void hist_add(Hist& h, unsigned d, unsigned long long f, bool mass) {
+  if (__all_sync(kFull, d >= 256u)) return;
+  const cg::coalesced_group warp = cg::coalesced_threads();
+  const cg::coalesced_group g = cg::labeled_partition(warp, d);
+  unsigned long long lo = 0ull, hi = 0ull;
+  if (mass) {
+    lo = cg::reduce(g, f & 0xffffffffull, cg::plus<unsigned long long>());
+    hi = cg::reduce(g, f >> 32, cg::plus<unsigned long long>());
+  }
+  if (d < 256u && g.thread_rank() == 0) {
+    atomicAdd(&h.count[d], g.size());
+    if (mass) {
+      const U128 sum = add(U128{hi << 32, hi >> 32}, u128(lo));
+      if (sum.lo) {
+        const unsigned long long old = atomicAdd(&h.lo[d], sum.lo);
+        if (old + sum.lo < old) atomicAdd(&h.hi[d], 1ull);
+      }
+      if (sum.hi) atomicAdd(&h.hi[d], sum.hi);
+    }
+  }
+}
+
 /// Warp 0 finds the bucket (scanning from 255 down) where the running count reaches `need`
 /// (by_mass = false) or where base + running mass reaches `target` (by_mass = true), and
 /// writes it to *bin, the count still needed inside it to *need_out, the mass above it to
@@ -351,6 +385,12 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SampleRowA
   __shared__ int sh_bin;
   __shared__ unsigned sh_need, sh_count;
   __shared__ U128 sh_base;
+  __shared__ unsigned long long t_lo[kMaxTiles], t_hi[kMaxTiles];  // the draw's mass per tile
+  __shared__ int sh_tile;
+  __shared__ int c_n;                        // compacted top-k set (top_k ≤ kCompactMax)
+  __shared__ int c_id[kCompactMax];
+  __shared__ unsigned long long c_key[kCompactMax], c_f[kCompactMax];
+  __shared__ unsigned char c_ok[kCompactMax];  // bit 0: x ≥ floor (min-p); bit 1: weight > 0
 
   const SampleRowArgs a = rows[blockIdx.x];
   if (a.greedy) return;  // weight_kernel wrote the argmax
@@ -366,15 +406,61 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SampleRowA
   // Top-k: the key of the k-th best id (radix select, 8 bits a pass, stops once the bucket is
   // taken whole). Members: key ≥ thr.
   unsigned long long thr = 0ull;
-  if (use_k) {
+  const bool small_k = use_k && a.top_k <= kCompactMax;
+  bool compacted = false;  // c_* hold every id with key ≥ the top-k threshold (and maybe more)
+  if (small_k && a.top_k <= a.n_parts) {
+    // Pre-filter: the k-th largest of the per-block maxima (max_kernel's parts, k distinct ids)
+    // bounds the k-th largest key from below, so {key ≥ it} holds the top-k set and, on real
+    // rows, few more ids. Gather them; if they fit, select the k-th key among them exactly.
+    unsigned long long lk = 0ull;
+    if (static_cast<int>(threadIdx.x) < a.n_parts) {
+      const unsigned long long mine_k = a.part_keys[threadIdx.x];
+      int rank = 0;
+      for (int j = 0; j < a.n_parts; ++j) rank += a.part_keys[j] > mine_k ? 1 : 0;
+      if (rank == a.top_k - 1) lk = mine_k;
+    }
+    const unsigned long long bound = block_max_key(lk, red, kSelectWarps);
+    if (threadIdx.x == 0) c_n = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < V; i += kSelectThreads) {
+      const unsigned long long key = comp_key(x[i], i);
+      if (key < bound) continue;
+      const int slot = atomicAdd(&c_n, 1);
+      if (slot >= kCompactMax) continue;  // too many: the radix select below instead
+      c_id[slot] = i;
+      c_key[slot] = key;
+      c_f[slot] = fixed_weight(w[i]);
+      c_ok[slot] = static_cast<unsigned char>((static_cast<double>(x[i]) >= floor_x ? 1 : 0) | (w[i] > 0.0f ? 2 : 0));
+    }
+    __syncthreads();
+    const int n = c_n;  // ≥ top_k: the k block maxima are in
+    if (n <= kCompactMax) {
+      compacted = true;
+      unsigned long long kth = 0ull;
+      const int t = threadIdx.x;
+      if (t < n) {
+        int rank = 0;
+        for (int j = 0; j < n; ++j) rank += c_key[j] > c_key[t] ? 1 : 0;
+        if (rank == a.top_k - 1) kth = c_key[t];  // keys are distinct (they hold the id)
+      }
+      thr = block_max_key(kth, red, kSelectWarps);
+    }
+    __syncthreads();
+  }
+  if (use_k && !compacted) {
     unsigned long long prefix = 0ull, mask = 0ull;
     unsigned need = static_cast<unsigned>(a.top_k);
     for (int shift = 56; shift >= 0; shift -= 8) {
       for (int b = threadIdx.x; b < 256; b += kSelectThreads) h.count[b] = 0u, h.lo[b] = 0ull, h.hi[b] = 0ull;
       __syncthreads();
-      for (int i = threadIdx.x; i < V; i += kSelectThreads) {
-        const unsigned long long key = comp_key(x[i], i);
-        if ((key & mask) == prefix) atomicAdd(&h.count[(key >> shift) & 255u], 1u);
+      for (int row0 = 0; row0 < V; row0 += kSelectThreads) {  // warp-uniform trip count
+        const int i = row0 + static_cast<int>(threadIdx.x);
+        unsigned d = 256u;
+        if (i < V) {
+          const unsigned long long key = comp_key(x[i], i);
+          if ((key & mask) == prefix) d = static_cast<unsigned>((key >> shift) & 255u);
+        }
+        hist_add(h, d, 0ull, false);
       }
       __syncthreads();
       if (threadIdx.x < 32) find_bucket(h, false, need, u128(0), 0.0, &sh_bin, &sh_need, &sh_base, &sh_count);
@@ -388,6 +474,66 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SampleRowA
       if (in_bin == need) break;  // every id in the bucket is in: keys ≥ prefix
     }
     thr = prefix;
+  }
+
+  if (small_k) {
+    // The ids with key ≥ thr in shared memory (any order: every sum below is exact, every
+    // choice a max / min), then top-p and the draw over them alone, with the same integer sums
+    // and comparisons as the general path below, so both give the same id. Entries with a key
+    // below thr (left by the pre-filter) are skipped.
+    if (!compacted) {
+    if (threadIdx.x == 0) c_n = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < V; i += kSelectThreads) {
+      const unsigned long long key = comp_key(x[i], i);
+      if (key < thr) continue;
+      const int slot = atomicAdd(&c_n, 1);
+      if (slot >= kCompactMax) continue;  // cannot happen: exactly top_k keys are ≥ thr
+      c_id[slot] = i;
+      c_key[slot] = key;
+      c_f[slot] = fixed_weight(w[i]);
+      c_ok[slot] = static_cast<unsigned char>((static_cast<double>(x[i]) >= floor_x ? 1 : 0) | (w[i] > 0.0f ? 2 : 0));
+    }
+    __syncthreads();
+    }
+    const int n = min(c_n, kCompactMax);
+    const int t = threadIdx.x;
+    const bool mine = t < n && c_key[t] >= thr;  // in the top-k set
+    unsigned long long thr_c = thr;
+    if (use_p) {
+      const U128 total = block_sum(u128(mine ? c_f[t] : 0ull), s);
+      const U128 cand = block_sum(u128(mine && (c_ok[t] & 1) ? c_f[t] : 0ull), s);
+      const double target = static_cast<double>(a.top_p) * to_double(total);
+      if (to_double(cand) >= target) {
+        // The crossing id: the largest key whose inclusive most-likely-first mass reaches target.
+        unsigned long long hit = 0ull;
+        if (mine && (c_ok[t] & 1)) {
+          U128 incl = u128(0);
+          for (int j = 0; j < n; ++j)
+            if ((c_ok[j] & 1) && c_key[j] >= c_key[t]) incl = add(incl, u128(c_f[j]));
+          if (to_double(incl) >= target) hit = c_key[t];
+        }
+        thr_c = max(thr_c, block_max_key(hit, red, kSelectWarps));
+      }
+    }
+    const bool surv = mine && c_key[t] >= thr_c && (c_ok[t] & 3) == 3;
+    const U128 total = block_sum(u128(surv ? c_f[t] : 0ull), s);
+    const int last = block_max_int(surv ? c_id[t] : -1, s);
+    const double target = philox_uniform(a.seed, a.step) * to_double(total);
+    int cand = INT_MAX;
+    if (surv) {
+      U128 incl = u128(0);
+      for (int j = 0; j < n; ++j)
+        if (c_key[j] >= thr_c && (c_ok[j] & 3) == 3 && c_id[j] <= c_id[t]) incl = add(incl, u128(c_f[j]));
+      if (to_double(incl) > target) cand = c_id[t];
+    }
+    const int found = block_min_int(cand, s);
+    if (threadIdx.x == 0) {
+      int id = found != INT_MAX ? found : last;
+      if (id < 0) id = best == 0ull ? 0 : key_id(best);
+      *a.out_id = id;
+    }
+    return;
   }
 
   // Top-p over C = {key ≥ thr} ∩ {x ≥ floor}: the shortest most-likely-first prefix whose mass
@@ -410,16 +556,18 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SampleRowA
       for (int shift = 56; shift >= 0; shift -= 8) {
         for (int b = threadIdx.x; b < 256; b += kSelectThreads) h.count[b] = 0u, h.lo[b] = 0ull, h.hi[b] = 0ull;
         __syncthreads();
-        for (int i = threadIdx.x; i < V; i += kSelectThreads) {
-          const unsigned long long key = comp_key(x[i], i);
-          if (key < thr_k || (key & mask) != prefix || !(static_cast<double>(x[i]) >= floor_x)) continue;
-          const unsigned d = static_cast<unsigned>((key >> shift) & 255u);
-          atomicAdd(&h.count[d], 1u);
-          const unsigned long long f = fixed_weight(w[i]);
-          if (f) {
-            const unsigned long long old = atomicAdd(&h.lo[d], f);
-            if (old + f < old) atomicAdd(&h.hi[d], 1ull);
+        for (int row0 = 0; row0 < V; row0 += kSelectThreads) {  // warp-uniform trip count
+          const int i = row0 + static_cast<int>(threadIdx.x);
+          unsigned d = 256u;
+          unsigned long long f = 0ull;
+          if (i < V) {
+            const unsigned long long key = comp_key(x[i], i);
+            if (key >= thr_k && (key & mask) == prefix && static_cast<double>(x[i]) >= floor_x) {
+              d = static_cast<unsigned>((key >> shift) & 255u);
+              f = fixed_weight(w[i]);
+            }
           }
+          hist_add(h, d, f, true);
         }
         __syncthreads();
         if (threadIdx.x < 32) find_bucket(h, true, 0u, base, target, &sh_bin, &sh_need, &sh_base, &sh_count);
@@ -431,6 +579,32 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SampleRowA
         prefix |= static_cast<unsigned long long>(bin) << shift;
         mask |= 255ull << shift;
         if (in_bin <= 1u) break;  // the crossing id is alone in its bucket: keys ≥ prefix
+        if (in_bin <= static_cast<unsigned>(kCompactMax)) {
+          // Few enough ids left in the bucket: gather them and find the crossing one directly,
+          // with the same exact sums (base + the bucket's ids with a key ≥ its own).
+          if (threadIdx.x == 0) c_n = 0;
+          __syncthreads();
+          for (int i = threadIdx.x; i < V; i += kSelectThreads) {
+            const unsigned long long key = comp_key(x[i], i);
+            if (key < thr_k || (key & mask) != prefix || !(static_cast<double>(x[i]) >= floor_x)) continue;
+            const int slot = atomicAdd(&c_n, 1);
+            if (slot >= kCompactMax) continue;  // cannot happen: in_bin ids match
+            c_key[slot] = key;
+            c_f[slot] = fixed_weight(w[i]);
+          }
+          __syncthreads();
+          const int n = min(c_n, kCompactMax);
+          const int t = threadIdx.x;
+          unsigned long long hit = 0ull;
+          if (t < n) {
+            U128 incl = base;
+            for (int j = 0; j < n; ++j)
+              if (c_key[j] >= c_key[t]) incl = add(incl, u128(c_f[j]));
+            if (to_double(incl) >= target) hit = c_key[t];
+          }
+          prefix = block_max_key(hit, red, kSelectWarps);  // the crossing id's key
+          break;
+        }
       }
       thr = max(thr, prefix);
     }
@@ -438,20 +612,57 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SampleRowA
 
   // The draw over S = {key ≥ thr} ∩ {x ≥ floor}, ascending ids: the first with positive weight
   // whose cumulative mass exceeds u · mass(S); the last such id if rounding never gets there.
+  // One coalesced pass sums the mass per tile of kTile ids (exact, so in any order), then only
+  // the tile where the cumulative mass crosses u · total is scanned id by id.
+  const int n_tiles = (V + kTile - 1) / kTile;
+  const bool tiled = n_tiles <= kMaxTiles;
+  for (int b = threadIdx.x; b < kMaxTiles; b += kSelectThreads) t_lo[b] = 0ull, t_hi[b] = 0ull;
+  __syncthreads();
   U128 total = u128(0);
   int last = -1;
-  for (int i = threadIdx.x; i < V; i += kSelectThreads) {
-    if (comp_key(x[i], i) < thr || !(static_cast<double>(x[i]) >= floor_x) || !(w[i] > 0.0f)) continue;
-    total = add(total, u128(fixed_weight(w[i])));
-    last = max(last, i);
+  for (int tile = 0; tile < n_tiles; ++tile) {  // block-uniform trip count
+    U128 tl = u128(0);
+    for (int j = 0; j < kPerThread; ++j) {
+      const int i = tile * kTile + j * kSelectThreads + static_cast<int>(threadIdx.x);
+      if (i >= V || comp_key(x[i], i) < thr || !(static_cast<double>(x[i]) >= floor_x) || !(w[i] > 0.0f)) continue;
+      tl = add(tl, u128(fixed_weight(w[i])));
+      last = max(last, i);
+    }
+    total = add(total, tl);
+    if (tiled) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) tl = add(tl, shfl_xor(tl, o));
+      if (threadIdx.x % 32 == 0 && (tl.lo | tl.hi)) {
+        const unsigned long long old = atomicAdd(&t_lo[tile], tl.lo);
+        atomicAdd(&t_hi[tile], tl.hi + (old + tl.lo < old ? 1ull : 0ull));
+      }
+    }
   }
-  total = block_sum(total, s);
+  total = block_sum(total, s);  // its barriers also publish t_lo / t_hi
   last = block_max_int(last, s);
   const double target = philox_uniform(a.seed, a.step) * to_double(total);
   U128 running = u128(0);
+  int start = 0;
+  if (tiled) {
+    if (threadIdx.x == 0) {
+      U128 r = u128(0);
+      int k = 0;
+      for (; k < n_tiles; ++k) {
+        const U128 next = add(r, U128{t_lo[k], t_hi[k]});
+        if (to_double(next) > target) break;
+        r = next;
+      }
+      sh_tile = k;
+      sh_base = r;
+    }
+    __syncthreads();
+    start = sh_tile;
+    running = sh_base;
+    __syncthreads();
+  }
   int found = INT_MAX;
-  for (int base = 0; base < V; base += kTile) {
-    const int first = base + static_cast<int>(threadIdx.x) * kPerThread;
+  for (int tile0 = start * kTile; tile0 < V; tile0 += kTile) {
+    const int first = tile0 + static_cast<int>(threadIdx.x) * kPerThread;
     U128 local = u128(0);
     for (int j = 0; j < kPerThread; ++j) {
       const int i = first + j;
