@@ -57,7 +57,7 @@ struct StepRow {
   /// With want_logits, on a backend that samples_on_device(): when sampling.params is set, the
   /// step returns the sampled token instead of the argmax (the logits, when asked, are still the
   /// raw ones). Ignored by other backends.
-  RowSampling sampling;
+  RowSampling sampling{};
 };
 
 /// Named intermediate tensor emitted by a forward pass, for layer-by-layer backend diffs.
