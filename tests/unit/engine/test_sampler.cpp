@@ -434,11 +434,15 @@ TEST(PenaltyEdits, EqualApplyPenaltiesBitForBit) {
       const PenaltyEdit& e = edits.edits[j];
       EXPECT_GE(e.id, 0);
       EXPECT_LT(e.id, vocab);
-      if (j > 0) EXPECT_LT(edits.edits[j - 1].id, e.id);
+      if (j > 0) {
+        EXPECT_LT(edits.edits[j - 1].id, e.id);
+      }
       EXPECT_LE(static_cast<size_t>(e.bias_begin + e.bias_count), edits.biases.size());
       EXPECT_EQ(e.count, h.generated_count(e.id));
     }
-    if (!p.modifies_logits()) EXPECT_TRUE(edits.edits.empty());
+    if (!p.modifies_logits()) {
+      EXPECT_TRUE(edits.edits.empty());
+    }
   }
 }
 
