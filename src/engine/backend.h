@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "base/error.h"
+#include "engine/sampler.h"
 #include "model/weights.h"
 
 namespace lily {
@@ -30,6 +31,16 @@ class SequenceState {
   virtual int64_t bytes() const = 0;
 };
 
+/// How a backend that samples on its own device (Backend::samples_on_device) picks a row's
+/// next token: engine/sampler.h's pipeline with `params` for generated token number `step`,
+/// with the step-1 edits of the row's history (penalty_edits). All pointers are the caller's and
+/// stay valid for the step.
+struct RowSampling {
+  const SamplingParams* params = nullptr;  ///< nullptr: the greedy argmax (the default)
+  uint64_t step = 0;                       ///< generated token number: the Philox counter
+  const PenaltyEdits* edits = nullptr;     ///< penalty_edits(params, history, vocab); nullptr: none
+};
+
 /// One row of a batched step (Backend::step): a run of tokens of one sequence.
 struct StepRow {
   SequenceState* state = nullptr;    ///< the sequence's slot; at most one row per state in a step
@@ -43,6 +54,10 @@ struct StepRow {
   bool want_logits = true;
   /// With want_logits: where the [vocab] fp32 logits of the last token go (nullptr: not copied).
   std::vector<float>* logits = nullptr;
+  /// With want_logits, on a backend that samples_on_device(): when sampling.params is set, the
+  /// step returns the sampled token instead of the argmax (the logits, when asked, are still the
+  /// raw ones). Ignored by other backends.
+  RowSampling sampling{};
 };
 
 /// Named intermediate tensor emitted by a forward pass, for layer-by-layer backend diffs.
@@ -75,6 +90,10 @@ class Backend {
   /// buffers), which bounds the prefix cache's default device budget; nullopt for a backend that
   /// uses host memory (CPU).
   virtual std::optional<int64_t> free_memory() const { return std::nullopt; }
+  /// True when step() honours StepRow::sampling: the backend samples on its device and only the
+  /// chosen id comes back (CUDA). False: the engine asks for the logits and runs the host
+  /// Sampler (CPU, where the logits are host memory already).
+  virtual bool samples_on_device() const { return false; }
   /// Most rows one step() may hold (sequences advanced together). 1 for a backend whose batched
   /// kernels are not verified yet: the scheduler then runs one sequence at a time.
   virtual int max_batch() const { return 1; }
@@ -82,7 +101,8 @@ class Backend {
   /// rows of many sequences and prefill chunks of others), and advances each row's state.
   /// Batch invariance: each row's outputs are bit-identical to running that row alone (the same
   /// arithmetic in the same order, whatever the other rows). Returns [rows.size()]: per row with
-  /// want_logits, the greedy next token after its last token (argmax, ties to the lowest id), and
+  /// want_logits, the greedy next token after its last token (argmax, ties to the lowest id; the
+  /// sampled token for a row with sampling.params on a backend that samples_on_device()), and
   /// its logits in *row.logits when set; −1 for a row without want_logits. Throws lily::Error
   /// before any state changes for: no rows, more than max_batch() rows, a row without tokens, a
   /// token id outside [0, vocab), a state of another backend or twice in one step, a position
@@ -92,12 +112,12 @@ class Backend {
   /// returns the greedy next token after the last one; fills `logits` ([vocab] fp32) of the last
   /// token when non-null. Same errors as step().
   int32_t prefill(SequenceState& state, std::span<const int32_t> tokens, std::vector<float>* logits = nullptr) {
-    const StepRow row{&state, tokens, state.position(), false, true, logits};
+    const StepRow row{&state, tokens, state.position(), false, true, logits, {}};
     return step(std::span<const StepRow>(&row, 1)).front();
   }
   /// step() over one decode row: feeds `token` at state.position(), returns the greedy next token.
   int32_t decode(SequenceState& state, int32_t token, std::vector<float>* logits = nullptr) {
-    const StepRow row{&state, std::span<const int32_t>(&token, 1), state.position(), true, true, logits};
+    const StepRow row{&state, std::span<const int32_t>(&token, 1), state.position(), true, true, logits, {}};
     return step(std::span<const StepRow>(&row, 1)).front();
   }
   /// For a backend that still reads the host weights (the CPU backend reads the memory-mapped

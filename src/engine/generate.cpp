@@ -104,6 +104,7 @@ struct Generation::Impl {
   TextStream text;
   TokenHistory history;
   Sampler sampler;
+  PenaltyEdits edits;  ///< the step-1 edits handed to a device sampler (next_row)
   Clock::time_point t0;  ///< first step
   Clock::time_point t1;  ///< first generated token
 };
@@ -162,7 +163,8 @@ StepRow Generation::next_row() {
     if (on_prompt_prefix_ && n >= 2 && state_.position() == n - 1) on_prompt_prefix_(state_, n - 1);
   }
   const SamplingParams& sp = params_.sampling;
-  const bool need_logits = !sp.plain_greedy() || params_.logprobs >= 0;
+  const bool device_sampling = samples_on_device();
+  const bool need_logits = params_.logprobs >= 0 || (!sp.plain_greedy() && !device_sampling);
   StepRow row;
   row.state = &state_;
   row.position = state_.position();
@@ -178,19 +180,36 @@ StepRow Generation::next_row() {
     logits_.clear();
     row.logits = &logits_;
   }
+  if (row.want_logits && device_sampling) {
+    // The backend samples on its device: hand it the parameters, the Philox counter and the
+    // (small) list of logits that bias and penalties change; only the id comes back.
+    impl_->edits = sp.modifies_logits() ? penalty_edits(sp, impl_->history, backend_.config().vocab) : PenaltyEdits{};
+    row.sampling.params = &sp;
+    row.sampling.step = static_cast<uint64_t>(result_.token_ids.size());
+    row.sampling.edits = &impl_->edits;
+  }
   return row;
 }
 
-// The token after a backend step: its argmax, or the sampler's choice from its logits. Plain
-// greedy takes the backend's argmax as is (bit-exact, no logits copied); sampling, penalties,
-// bias and log-probabilities need the logits row of every step on the host.
-int32_t Generation::choose(int32_t argmax) {
+bool Generation::samples_on_device() const {
+  return !params_.sampling.plain_greedy() && backend_.samples_on_device();
+}
+
+// The token after a backend step: its argmax, the backend's own sample (samples_on_device:
+// `next` is already the sampled id), or the host sampler's choice from the logits. Plain greedy
+// takes the backend's argmax as is (bit-exact, no logits copied); host sampling, penalties and
+// bias on a backend without a device sampler, and log-probabilities (always computed on the
+// host) need the logits row of every step on the host.
+int32_t Generation::choose(int32_t next) {
   const SamplingParams& sp = params_.sampling;
   const bool want_logprobs = params_.logprobs >= 0;
-  if (sp.plain_greedy() && !want_logprobs) return argmax;
-  if (logits_.empty()) throw InternalError("generate: the " + backend_.name() + " backend returned no logits");
+  if (sp.plain_greedy() && !want_logprobs) return next;
+  const bool on_device = samples_on_device();
+  if (logits_.empty() && (want_logprobs || !on_device))
+    throw InternalError("generate: the " + backend_.name() + " backend returned no logits");
   const auto step = static_cast<uint64_t>(result_.token_ids.size());
-  const int32_t token = sp.plain_greedy() ? argmax : impl_->sampler.sample(logits_, sp, impl_->history, step);
+  const int32_t token =
+      sp.plain_greedy() || on_device ? next : impl_->sampler.sample(logits_, sp, impl_->history, step);
   if (sp.modifies_logits()) impl_->history.add_generated(token);
   const bool stop = std::find(params_.stop_ids.begin(), params_.stop_ids.end(), token) != params_.stop_ids.end();
   if (want_logprobs && !stop) {

@@ -138,7 +138,10 @@ class Generation {
   void emit(int32_t token);
   void finish(FinishReason reason);
   int64_t next_cut() const;
-  int32_t choose(int32_t argmax);
+  int32_t choose(int32_t next);
+  /// True when the backend samples this generation's tokens on its device (not plain greedy,
+  /// Backend::samples_on_device): the step returns the sampled id, no logits needed for it.
+  bool samples_on_device() const;
 
   const Backend& backend_;
   SequenceState& state_;

@@ -153,6 +153,48 @@ void apply_penalties(std::span<float> logits, const SamplingParams& p, const Tok
   }
 }
 
+PenaltyEdits penalty_edits(const SamplingParams& p, const TokenHistory& history, int32_t vocab) {
+  PenaltyEdits out;
+  const bool penalties = p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f;
+  std::vector<int32_t> ids;
+  for (const auto& [id, bias] : p.logit_bias)
+    if (id >= 0 && id < vocab) ids.push_back(id);
+  std::vector<int32_t> seen;
+  if (penalties) seen = history.seen_ids();  // ascending
+  for (int32_t id : seen)
+    if (id >= 0 && id < vocab) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  out.edits.reserve(ids.size());
+  for (int32_t id : ids) {
+    PenaltyEdit e;
+    e.id = id;
+    e.count = history.generated_count(id);
+    e.seen = penalties && std::binary_search(seen.begin(), seen.end(), id) ? 1 : 0;
+    e.bias_begin = static_cast<int32_t>(out.biases.size());
+    for (const auto& [bid, bias] : p.logit_bias)
+      if (bid == id) out.biases.push_back(bias);
+    e.bias_count = static_cast<int32_t>(out.biases.size()) - e.bias_begin;
+    out.edits.push_back(e);
+  }
+  return out;
+}
+
+float apply_penalty_edit(float raw, const PenaltyEdit& e, std::span<const float> biases, const SamplingParams& p) {
+  float l = raw;
+  for (int32_t j = 0; j < e.bias_count; ++j) l += biases[static_cast<size_t>(e.bias_begin + j)];
+  if (!e.seen) return l;
+  if (p.repetition_penalty != 1.0f) l = l > 0 ? l / p.repetition_penalty : l * p.repetition_penalty;
+  if (e.count > 0) l -= p.frequency_penalty * static_cast<float>(e.count) + p.presence_penalty;
+  return l;
+}
+
+void apply_penalty_edits(std::span<float> logits, const PenaltyEdits& edits, const SamplingParams& p) {
+  for (const PenaltyEdit& e : edits.edits)
+    if (e.id >= 0 && static_cast<size_t>(e.id) < logits.size())
+      logits[static_cast<size_t>(e.id)] = apply_penalty_edit(logits[static_cast<size_t>(e.id)], e, edits.biases, p);
+}
+
 int32_t argmax_token(std::span<const float> logits) {
   if (logits.empty()) throw InternalError("argmax_token: empty logits");
   int32_t best = 0;

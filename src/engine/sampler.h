@@ -86,6 +86,39 @@ double sample_uniform(uint64_t seed, uint64_t step);
 /// `logits` is [vocab] fp32, changed in place; ids outside it are ignored.
 void apply_penalties(std::span<float> logits, const SamplingParams& params, const TokenHistory& history);
 
+/// Step 1 in a flat form that a device sampler applies in parallel: one entry per distinct id
+/// whose logit step 1 may change, ascending ids. An entry's new logit depends only on its own
+/// raw logit: x += biases[bias_begin … bias_begin + bias_count) in logit_bias order; then, when
+/// `seen`, the repetition penalty (when it is not 1) and, when count > 0,
+/// x −= frequency_penalty · count + presence_penalty. Exactly apply_penalties, id by id.
+struct PenaltyEdit {
+  int32_t id = 0;
+  int32_t count = 0;       ///< times the id was generated
+  int32_t seen = 0;        ///< 1: in the prompt or generated, and a penalty is active
+  int32_t bias_begin = 0;  ///< first of its logit_bias values in PenaltyEdits::biases
+  int32_t bias_count = 0;  ///< number of logit_bias entries for this id (in request order)
+};
+
+/// The edits of one step (penalty_edits).
+struct PenaltyEdits {
+  std::vector<PenaltyEdit> edits;  ///< ascending ids, each once
+  std::vector<float> biases;       ///< logit_bias values, grouped per edit
+};
+
+/// The edits apply_penalties(·, params, history) makes on a row of `vocab` logits: the
+/// logit_bias ids plus, when a penalty is active, every id of history.seen_ids(). Ids outside
+/// [0, vocab) are dropped. Cost: O(edits · log edits), independent of the vocabulary.
+PenaltyEdits penalty_edits(const SamplingParams& params, const TokenHistory& history, int32_t vocab);
+
+/// The new logit of one edit (the host form of what the device sampler computes per entry):
+/// `raw` is the entry's logit before step 1.
+float apply_penalty_edit(float raw, const PenaltyEdit& edit, std::span<const float> biases,
+                         const SamplingParams& params);
+
+/// apply_penalties through penalty_edits: every edit's logit replaced by apply_penalty_edit.
+/// Equals apply_penalties bit for bit (tests/unit/engine/test_sampler.cpp checks it).
+void apply_penalty_edits(std::span<float> logits, const PenaltyEdits& edits, const SamplingParams& params);
+
 /// Argmax of `logits` ([vocab] fp32), ties to the lowest id (as the backends' greedy path).
 int32_t argmax_token(std::span<const float> logits);
 

@@ -25,6 +25,7 @@
 #include "backends/cuda/kernels.h"
 #include "backends/cuda/mixer_kernels.h"
 #include "backends/cuda/quant_gemm.h"
+#include "backends/cuda/sampler_kernels.h"
 #include "base/bf16.h"
 #include "base/error.h"
 
@@ -164,7 +165,9 @@ class CudaState final : public SequenceState {
 
   void drop_graph() {
     if (graph) cudaGraphExecDestroy(graph);
+    if (sample_graph) cudaGraphExecDestroy(sample_graph);
     graph = nullptr;
+    sample_graph = nullptr;
   }
 
   /// Deep copy (no graph) with room for exactly `pos` positions (at least 1): a prefix-cache
@@ -234,7 +237,8 @@ class CudaState final : public SequenceState {
   int64_t max_seq;
   int64_t pos = 0;
   int64_t capacity = 0;
-  cudaGraphExec_t graph = nullptr;
+  cudaGraphExec_t graph = nullptr;         ///< the greedy decode step (argmax)
+  cudaGraphExec_t sample_graph = nullptr;  ///< the decode step + the device sampler (captured on first use)
 
  private:
   void allocate_kv(int64_t cap) {
@@ -332,6 +336,9 @@ class CudaBackend final : public Backend {
   }
 
   std::string name() const override { return "cuda"; }
+  /// Sampled rows run the device sampler (sampler_kernels.h) after the LM head: only the id
+  /// comes back.
+  bool samples_on_device() const override { return true; }
   const ModelConfig& config() const override { return weights_->config; }
 
   std::unique_ptr<SequenceState> new_state(int64_t max_seq) override {
@@ -392,23 +399,73 @@ class CudaBackend final : public Backend {
       const StepRow& r = rows[i];
       CudaState& s = checked(*r.state);
       std::vector<float>* logits = r.want_logits ? r.logits : nullptr;
-      const int32_t id = r.decode && r.tokens.size() == 1 ? decode_one(s, r.tokens[0], logits)
-                                                          : prefill_sequence(s, r.tokens, logits);
+      const RowSampling* sampling = r.want_logits && r.sampling.params ? &r.sampling : nullptr;
+      const int32_t id = r.decode && r.tokens.size() == 1 ? decode_one(s, r.tokens[0], logits, sampling)
+                                                          : prefill_sequence(s, r.tokens, logits, sampling);
       if (r.want_logits) next[i] = id;
     }
     return next;
   }
 
  private:
-  int32_t prefill_sequence(CudaState& s, std::span<const int32_t> tokens, std::vector<float>* logits) {
-    if (batched_prefill_ && !probe_sink_) return prefill_batched(s, tokens, logits);
+  int32_t prefill_sequence(CudaState& s, std::span<const int32_t> tokens, std::vector<float>* logits,
+                           const RowSampling* sampling) {
+    if (batched_prefill_ && !probe_sink_) return prefill_batched(s, tokens, logits, sampling);
     int32_t next = 0;
-    for (size_t i = 0; i < tokens.size(); ++i)
-      next = step(s, tokens[i], i + 1 == tokens.size() ? logits : nullptr);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      const bool last = i + 1 == tokens.size();
+      next = step(s, tokens[i], last ? logits : nullptr, last ? sampling : nullptr);
+    }
     return next;
   }
 
-  int32_t decode_one(CudaState& s, int32_t token, std::vector<float>* logits) { return step(s, token, logits); }
+  int32_t decode_one(CudaState& s, int32_t token, std::vector<float>* logits, const RowSampling* sampling) {
+    return step(s, token, logits, sampling);
+  }
+
+  // ---- the device sampler ----------------------------------------------------------------------
+
+  /// Copies the sampler's row arguments (and the row's penalty edits) to the device, on stream_
+  /// before the step's kernels; the sampler then writes its id over the argmax in io_dev_[3].
+  /// Outside any graph: the graph's kernels only read sample_args_, whose address is fixed.
+  void upload_sampling(const RowSampling& r) {
+    const ModelConfig& c = config();
+    const PenaltyEdits* pe = r.edits;
+    const size_t n_edits = pe ? pe->edits.size() : 0, n_biases = pe ? pe->biases.size() : 0;
+    if (n_edits > sample_edits_cap_) {
+      sample_edits_cap_ = std::max(n_edits, 2 * sample_edits_cap_);
+      sample_edits_ = DeviceBuffer(sample_edits_cap_ * sizeof(PenaltyEdit));
+    }
+    if (n_biases > sample_biases_cap_) {
+      sample_biases_cap_ = std::max(n_biases, 2 * sample_biases_cap_);
+      sample_biases_ = DeviceBuffer(sample_biases_cap_ * sizeof(float));
+    }
+    if (n_edits > 0)
+      CUDA_CHECK(cudaMemcpyAsync(sample_edits_.data(), pe->edits.data(), n_edits * sizeof(PenaltyEdit),
+                                 cudaMemcpyHostToDevice, stream_));
+    if (n_biases > 0)
+      CUDA_CHECK(cudaMemcpyAsync(sample_biases_.data(), pe->biases.data(), n_biases * sizeof(float),
+                                 cudaMemcpyHostToDevice, stream_));
+    SampleRowArgs& a = sample_host_;
+    a = SampleRowArgs{};
+    a.logits = logits_.as<float>();
+    a.work = sample_work_.as<float>();
+    a.weight = sample_weight_.as<float>();
+    a.part_keys = sample_parts_.as<unsigned long long>();
+    a.out_id = io_dev_.as<int32_t>() + 3;
+    a.edits = n_edits > 0 ? sample_edits_.as<PenaltyEdit>() : nullptr;
+    a.biases = n_biases > 0 ? sample_biases_.as<float>() : nullptr;
+    a.n_edits = static_cast<int32_t>(n_edits);
+    a.vocab = c.vocab;
+    a.n_parts = sample_partial_slots(c.vocab);
+    fill_sample_params(a, *r.params, r.step);
+    CUDA_CHECK(cudaMemcpyAsync(sample_args_.data(), &a, sizeof(SampleRowArgs), cudaMemcpyHostToDevice, stream_));
+  }
+
+  /// The device sampler over logits_ (one row), after the argmax.
+  void enqueue_sampler() {
+    launch_sample_rows(sample_args_.as<SampleRowArgs>(), 1, config().vocab, stream_);
+  }
 
   CudaState& checked(SequenceState& state) const {
     auto* s = dynamic_cast<CudaState*>(&state);
@@ -453,24 +510,33 @@ class CudaBackend final : public Backend {
     argmax_v_ = DeviceBuffer(slots * sizeof(float));
     argmax_i_ = DeviceBuffer(slots * sizeof(int32_t));
     io_dev_ = DeviceBuffer(sizeof(StepIo));
+    sample_work_ = DeviceBuffer(static_cast<size_t>(c.vocab) * sizeof(float));
+    sample_weight_ = DeviceBuffer(static_cast<size_t>(c.vocab) * sizeof(float));
+    sample_parts_ = DeviceBuffer(static_cast<size_t>(sample_partial_slots(c.vocab)) * sizeof(unsigned long long));
+    sample_args_ = DeviceBuffer(sizeof(SampleRowArgs));
     attn_ws_bytes_ = attention_decode_workspace_bytes(attn_, kMaxDecodeSplits);
     attn_ws_ = DeviceBuffer(std::max<size_t>(attn_ws_bytes_, 4));
   }
 
-  /// One token through the whole model; advances the state.
-  int32_t step(CudaState& s, int32_t token, std::vector<float>* logits) {
+  /// One token through the whole model; advances the state. With `sampling`, the device
+  /// sampler picks the returned token (the sampling graph); else the argmax (the greedy graph,
+  /// unchanged).
+  int32_t step(CudaState& s, int32_t token, std::vector<float>* logits, const RowSampling* sampling = nullptr) {
     s.reserve(s.pos + 1, stream_);
     StepIo* io = io_->get();
     io->token = token;
     io->pos = static_cast<int32_t>(s.pos);
     io->len = static_cast<int32_t>(s.pos + 1);
+    if (sampling) upload_sampling(*sampling);
     if (probe_sink_) {
       copy_io_in();
       enqueue_forward(s, true);
+      if (sampling) enqueue_sampler();
       copy_io_out();
     } else {
-      if (!s.graph) capture(s);
-      CUDA_CHECK(cudaGraphLaunch(s.graph, stream_));
+      cudaGraphExec_t& graph = sampling ? s.sample_graph : s.graph;
+      if (!graph) capture(s, sampling != nullptr, graph);
+      CUDA_CHECK(cudaGraphLaunch(graph, stream_));
     }
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (logits) {
@@ -489,12 +555,15 @@ class CudaBackend final : public Backend {
                                cudaMemcpyDeviceToHost, stream_));
   }
 
-  void capture(CudaState& s) {
+  /// Captures the decode step of `s` into `exec`: with `sampled`, the device sampler follows
+  /// the argmax and overwrites its id.
+  void capture(CudaState& s, bool sampled, cudaGraphExec_t& exec) {
     cudaGraph_t graph = nullptr;
     CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     try {
       copy_io_in();
       enqueue_forward(s, false);
+      if (sampled) enqueue_sampler();
       copy_io_out();
     } catch (...) {
       cudaStreamEndCapture(stream_, &graph);
@@ -502,7 +571,7 @@ class CudaBackend final : public Backend {
       throw;
     }
     CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    const cudaError_t st = cudaGraphInstantiate(&s.graph, graph, 0);
+    const cudaError_t st = cudaGraphInstantiate(&exec, graph, 0);
     cudaGraphDestroy(graph);
     CUDA_CHECK(st);
   }
@@ -697,7 +766,8 @@ class CudaBackend final : public Backend {
     }
   }
 
-  int32_t prefill_batched(CudaState& s, std::span<const int32_t> tokens, std::vector<float>* logits) {
+  int32_t prefill_batched(CudaState& s, std::span<const int32_t> tokens, std::vector<float>* logits,
+                          const RowSampling* sampling) {
     allocate_prefill_scratch();
     const ModelConfig& c = config();
     s.reserve(s.pos + static_cast<int64_t>(tokens.size()), stream_);
@@ -717,6 +787,10 @@ class CudaBackend final : public Backend {
     launch_quant_gemv(model_->lm_head, normed_.as<bf16>(), nullptr, logits_.as<float>(), stream_);
     launch_argmax(logits_.as<float>(), c.vocab, argmax_v_.as<float>(), argmax_i_.as<int32_t>(),
                   io_dev_.as<int32_t>() + 3, stream_);
+    if (sampling) {
+      upload_sampling(*sampling);
+      enqueue_sampler();
+    }
     int32_t next = 0;
     CUDA_CHECK(cudaMemcpyAsync(&next, io_dev_.as<int32_t>() + 3, sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -796,6 +870,11 @@ class CudaBackend final : public Backend {
   DeviceBuffer x_, normed_, mixer_out_, moe_out_, proj_, conv_out_, mix_tmp_, q_out_, act_;
   DeviceBuffer router_done_;  ///< launch_router_fused's block counter (uint32, kept zero between launches)
   DeviceBuffer router_logits_, expert_ids_, expert_w_, logits_, argmax_v_, argmax_i_, io_dev_, attn_ws_;
+  /// The device sampler's scratch (work / weight: [vocab] fp32), its one row of arguments, and
+  /// the row's penalty edits (grown on demand; capacities in elements).
+  DeviceBuffer sample_work_, sample_weight_, sample_parts_, sample_args_, sample_edits_, sample_biases_;
+  size_t sample_edits_cap_ = 0, sample_biases_cap_ = 0;
+  SampleRowArgs sample_host_;
   size_t attn_ws_bytes_ = 0;
   bool batched_prefill_ = options_.batched_prefill;    ///< false: the decode graph per prompt token
   bool fuse_decode_ = options_.fuse_decode;            ///< false: separate norm / conv / top-k kernels

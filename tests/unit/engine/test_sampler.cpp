@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <map>
+#include <random>
 #include <set>
 #include <vector>
 
@@ -392,4 +394,70 @@ TEST(Sampler, FastSelectionEqualsAFullSort) {
     EXPECT_EQ(fast, survivors_by_full_sort(x, p))
         << "round " << round << " k=" << p.top_k << " p=" << p.top_p << " min_p=" << p.min_p;
   }
+}
+
+// penalty_edits + apply_penalty_edits (the flat form a device sampler applies per id) equal
+// apply_penalties bit for bit, including duplicate logit_bias ids, ids outside the vocabulary,
+// greedy parameters and histories with prompt-only, generated-only and both kinds of ids.
+TEST(PenaltyEdits, EqualApplyPenaltiesBitForBit) {
+  std::mt19937_64 rng(77);
+  std::normal_distribution<float> n01(0.0f, 3.0f);
+  std::uniform_real_distribution<float> u01(0.0f, 1.0f);
+  for (int c = 0; c < 200; ++c) {
+    const int vocab = c % 3 == 0 ? 50 : 2000;
+    std::vector<float> x(vocab);
+    for (float& v : x) v = n01(rng);
+    x[static_cast<size_t>(c) % vocab] = 0.0f;
+    SamplingParams p;
+    p.temperature = c % 4 == 0 ? 0.0f : 0.9f;
+    if (c % 2 == 0) p.repetition_penalty = 0.7f + u01(rng);
+    if (c % 3 != 2) p.frequency_penalty = -2.0f + 4.0f * u01(rng);
+    if (c % 5 != 1) p.presence_penalty = -2.0f + 4.0f * u01(rng);
+    const int n_bias = static_cast<int>(rng() % 8);
+    for (int j = 0; j < n_bias; ++j) p.logit_bias.push_back({static_cast<int32_t>(rng() % (vocab + 5)) - 2, -3.0f + 6.0f * u01(rng)});
+    if (n_bias > 1) p.logit_bias.push_back(p.logit_bias.front());  // a duplicate id, applied twice
+    TokenHistory h(vocab);
+    std::vector<int32_t> prompt(static_cast<size_t>(rng() % 40));
+    for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % vocab);
+    h.add_prompt(prompt);
+    const int gen = static_cast<int>(rng() % 30);
+    for (int j = 0; j < gen; ++j) h.add_generated(static_cast<int32_t>(rng() % (j % 2 ? 10 : vocab)));
+
+    std::vector<float> want = x, got = x;
+    apply_penalties(want, p, h);
+    const PenaltyEdits edits = penalty_edits(p, h, vocab);
+    apply_penalty_edits(got, edits, p);
+    for (int i = 0; i < vocab; ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i])) << "case " << c << " id " << i;
+    // Ascending distinct ids inside the vocabulary; bias ranges inside biases.
+    for (size_t j = 0; j < edits.edits.size(); ++j) {
+      const PenaltyEdit& e = edits.edits[j];
+      EXPECT_GE(e.id, 0);
+      EXPECT_LT(e.id, vocab);
+      if (j > 0) {
+        EXPECT_LT(edits.edits[j - 1].id, e.id);
+      }
+      EXPECT_LE(static_cast<size_t>(e.bias_begin + e.bias_count), edits.biases.size());
+      EXPECT_EQ(e.count, h.generated_count(e.id));
+    }
+    if (!p.modifies_logits()) {
+      EXPECT_TRUE(edits.edits.empty());
+    }
+  }
+}
+
+TEST(PenaltyEdits, NothingActiveMeansNoEdits) {
+  TokenHistory h(100);
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  h.add_prompt(prompt);
+  h.add_generated(5);
+  SamplingParams p;
+  p.temperature = 0.7f;
+  EXPECT_TRUE(penalty_edits(p, h, 100).edits.empty());
+  p.logit_bias = {{7, 1.0f}};
+  const PenaltyEdits e = penalty_edits(p, h, 100);
+  ASSERT_EQ(e.edits.size(), 1u);  // the history does not matter without a penalty
+  EXPECT_EQ(e.edits[0].id, 7);
+  EXPECT_EQ(e.edits[0].seen, 0);
+  EXPECT_EQ(e.biases, std::vector<float>({1.0f}));
 }
