@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/kernels.h"
 #include "engine/generate.h"
 #include "model/loader.h"
 #include "model/synth.h"
@@ -67,6 +68,7 @@ TEST(CudaSamplingE2e, DeviceSamplerMatchesHostSamplerOnTheBackendsLogits) {
   o.out = dir.path();
   write_synthetic_checkpoint(o);
   auto w = load_model(dir.path());
+  cuda::set_device_sampler_enabled(true);  // off by default until this test has passed on a GPU
   auto gpu = make_cuda_backend(w);
   ASSERT_TRUE(gpu->samples_on_device());
   const int vocab = w->config.vocab;

@@ -330,15 +330,17 @@ class CudaBackend final : public Backend {
     (void)pdl_enabled();  // a bad LILY_CUDA_PDL value fails here, not inside the first graph capture
     (void)stream_gemv_enabled();
     (void)flash_prefill_enabled();
+    (void)device_sampler_enabled();
   }
   ~CudaBackend() override {
     if (stream_) cudaStreamDestroy(stream_);
   }
 
   std::string name() const override { return "cuda"; }
-  /// Sampled rows run the device sampler (sampler_kernels.h) after the LM head: only the id
-  /// comes back.
-  bool samples_on_device() const override { return true; }
+  /// With LILY_CUDA_DEVICE_SAMPLER=1, sampled rows run the device sampler (sampler_kernels.h)
+  /// after the LM head and only the id comes back; by default (until its end-to-end test has
+  /// run on a GPU) the engine samples the copied logits on the host.
+  bool samples_on_device() const override { return device_sampler_enabled(); }
   const ModelConfig& config() const override { return weights_->config; }
 
   std::unique_ptr<SequenceState> new_state(int64_t max_seq) override {

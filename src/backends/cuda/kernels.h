@@ -130,6 +130,13 @@ bool flash_prefill_enabled();
 /// Overrides LILY_CUDA_FLASH_PREFILL for the rest of the process (tests comparing both paths).
 void set_flash_prefill_enabled(bool on);
 
+/// Whether sampled rows are sampled on the device (sampler.cu) instead of on the host from
+/// copied logits. LILY_CUDA_DEVICE_SAMPLER "1" → on; unset, empty or "0" → off (the default
+/// until the end-to-end sampling test has run on a GPU); any other value throws lily::Error.
+bool device_sampler_enabled();
+/// Overrides LILY_CUDA_DEVICE_SAMPLER for the rest of the process (tests of both paths).
+void set_device_sampler_enabled(bool on);
+
 /// Fused gate/up + SwiGLU for the selected experts (docs/model.md §4.3 item 5): for each slot
 /// k < n_sel of token row t, expert e = ids[t·n_sel + k]: g = bf16(W_gate[e] x), u = bf16(W_up[e] x),
 /// act[t, k, i] = bf16(silu(g_i)·u_i). gate/up: stacks of (n_experts + 1)·ffn rows (shared expert

@@ -1,7 +1,8 @@
 // Run-time kernel switches, read once from the environment: programmatic dependent launch
 // (launch.cuh, LILY_CUDA_PDL), the bulk-copy streaming GEMV (quant_gemv.cu, LILY_CUDA_STREAM_GEMV)
-// and tensor-core prefill attention (flash_prefill.cu, LILY_CUDA_FLASH_PREFILL). All default on;
-// "0" turns one off for a same-machine comparison.
+// tensor-core prefill attention (flash_prefill.cu, LILY_CUDA_FLASH_PREFILL), all on by default
+// ("0" turns one off for a same-machine comparison), and the device sampler (sampler.cu,
+// LILY_CUDA_DEVICE_SAMPLER), off by default until its end-to-end test has run on a GPU.
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -16,19 +17,22 @@ namespace {
 std::atomic<int> g_pdl{-1};
 std::atomic<int> g_stream_gemv{-1};
 std::atomic<int> g_flash_prefill{-1};
+std::atomic<int> g_device_sampler{-1};
 
-/// 1 for unset, empty or "1", 0 for "0"; throws lily::Error naming the variable otherwise.
-int switch_from_env(const char* name) {
+/// `dflt` for unset or empty, 1 for "1", 0 for "0"; throws lily::Error naming the variable
+/// otherwise.
+int switch_from_env(const char* name, int dflt) {
   const char* v = std::getenv(name);
-  if (!v || !*v || std::string(v) == "1") return 1;
+  if (!v || !*v) return dflt;
+  if (std::string(v) == "1") return 1;
   if (std::string(v) == "0") return 0;
   throw ::lily::Error(std::string(name) + " must be '0' (off) or '1' (on), got '" + v + "'");
 }
 
-bool read_switch(std::atomic<int>& state, const char* name) {
+bool read_switch(std::atomic<int>& state, const char* name, int dflt = 1) {
   int s = state.load(std::memory_order_relaxed);
   if (s < 0) {
-    s = switch_from_env(name);
+    s = switch_from_env(name, dflt);
     int expected = -1;
     if (!state.compare_exchange_strong(expected, s)) s = expected;
   }
@@ -45,5 +49,8 @@ void set_stream_gemv_enabled(bool on) { g_stream_gemv.store(on ? 1 : 0); }
 
 bool flash_prefill_enabled() { return read_switch(g_flash_prefill, "LILY_CUDA_FLASH_PREFILL"); }
 void set_flash_prefill_enabled(bool on) { g_flash_prefill.store(on ? 1 : 0); }
+
+bool device_sampler_enabled() { return read_switch(g_device_sampler, "LILY_CUDA_DEVICE_SAMPLER", 0); }
+void set_device_sampler_enabled(bool on) { g_device_sampler.store(on ? 1 : 0); }
 
 }  // namespace lily::cuda
