@@ -142,6 +142,7 @@ struct CudaOptions {
   bool stream_gemv = true;       ///< LILY_CUDA_STREAM_GEMV 1|0: 4-bit GEMV weights by bulk copies, or register loads
   bool flash_prefill = true;     ///< LILY_CUDA_FLASH_PREFILL 1|0: prefill attention on tensor cores, or the row kernel
   bool device_sampler = false;   ///< LILY_CUDA_DEVICE_SAMPLER 1|0: sampled rows sampled on the GPU, or on the host
+  bool gemv_row_tiles = false;   ///< LILY_CUDA_GEMV_ROW_TILES 1|0: batched GEMV weights loaded once per 8 token rows
   bool batched_prefill = true;   ///< LILY_CUDA_PREFILL batched|per-token
   bool tensor_core_gemm = true;  ///< LILY_CUDA_GEMM tensor-core|gemv: the prefill projections and experts
   int prefill_chunk = 2048;      ///< LILY_CUDA_PREFILL_CHUNK 1 … 8192: tokens per prefill chunk
@@ -151,8 +152,8 @@ struct CudaOptions {
   /// Reads the LILY_CUDA_* variables (unset or empty: the default). Throws lily::Error naming
   /// the variable, the value and the accepted values for anything else.
   static CudaOptions from_env();
-  /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=0 prefill=batched gemm=tensor-core
-  /// chunk=2048", for logs and reports.
+  /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=0 gemv-row-tiles=0 prefill=batched
+  /// gemm=tensor-core chunk=2048", for logs and reports.
   std::string describe() const;
 };
 
@@ -183,6 +184,7 @@ inline CudaOptions CudaOptions::from_env() {
   o.stream_gemv = env_choice("LILY_CUDA_STREAM_GEMV", "1", "0", o.stream_gemv);
   o.flash_prefill = env_choice("LILY_CUDA_FLASH_PREFILL", "1", "0", o.flash_prefill);
   o.device_sampler = env_choice("LILY_CUDA_DEVICE_SAMPLER", "1", "0", o.device_sampler);
+  o.gemv_row_tiles = env_choice("LILY_CUDA_GEMV_ROW_TILES", "1", "0", o.gemv_row_tiles);
   o.batched_prefill = env_choice("LILY_CUDA_PREFILL", "batched", "per-token", o.batched_prefill);
   o.tensor_core_gemm = env_choice("LILY_CUDA_GEMM", "tensor-core", "gemv", o.tensor_core_gemm);
   const std::string chunk = env_value("LILY_CUDA_PREFILL_CHUNK");
@@ -201,7 +203,7 @@ inline CudaOptions CudaOptions::from_env() {
 inline std::string CudaOptions::describe() const {
   return std::string("fuse=") + (fuse_decode ? "1" : "0") + " pdl=" + (pdl ? "1" : "0") +
          " stream-gemv=" + (stream_gemv ? "1" : "0") + " flash-prefill=" + (flash_prefill ? "1" : "0") +
-         " device-sampler=" + (device_sampler ? "1" : "0") +
+         " device-sampler=" + (device_sampler ? "1" : "0") + " gemv-row-tiles=" + (gemv_row_tiles ? "1" : "0") +
          " prefill=" + (batched_prefill ? "batched" : "per-token") + " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") +
          " chunk=" + std::to_string(prefill_chunk);
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 #include "backends/cpu/ops.h"
@@ -109,6 +110,39 @@ TEST(CudaGemv, StreamingAndRegisterPathsBothMatchTheReference) {
     check_gemv(129, 3072, 4, true, 2, 77);                       // 48 groups
   }
   cuda::set_stream_gemv_enabled(true);
+}
+
+/// The token-tiled batched GEMV (LILY_CUDA_GEMV_ROW_TILES) against the per-row kernel it
+/// replaces, bit for bit, on the prefill router's shape (8-bit, 257 rows, a whole 2,048-token
+/// chunk and ragged token counts), a 4-bit batched projection and one group per lane; and its
+/// outputs against the reference once.
+TEST(CudaGemv, TokenTiledBatchedGemvIsBitIdenticalToPerRow) {
+  struct Case {
+    int64_t rows;
+    int cols, bits, m;
+  };
+  for (const Case c : {Case{257, kHidden, 8, 2048}, Case{257, kHidden, 8, 13}, Case{257, kHidden, 8, 2},
+                       Case{1500, kHidden, 4, 21}, Case{100, 64, 8, 9}}) {
+    SCOPED_TRACE("rows " + std::to_string(c.rows) + " cols " + std::to_string(c.cols) + " bits " +
+                 std::to_string(c.bits) + " m " + std::to_string(c.m));
+    std::mt19937_64 rng(90 + c.m + c.bits);
+    RandomQuant w(c.rows, c.cols, c.bits, rng);
+    DeviceBuffer dx = upload_bf16(normal_bf16(int64_t(c.m) * c.cols, rng, 1.0f));
+    std::vector<float> out[2];
+    for (int tiled = 0; tiled < 2; ++tiled) {
+      cuda::set_gemv_row_tiles_enabled(tiled == 1);
+      DeviceBuffer dy = poisoned(size_t(c.m) * c.rows * 4);
+      cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>(), c.m, nullptr, dy.as<float>(), nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      out[tiled] = download_f32(dy, int64_t(c.m) * c.rows);
+    }
+    int64_t differ = 0;
+    for (size_t i = 0; i < out[0].size(); ++i) differ += std::memcmp(&out[0][i], &out[1][i], sizeof(float)) != 0;
+    EXPECT_EQ(differ, 0) << "of " << out[0].size();
+  }
+  cuda::set_gemv_row_tiles_enabled(true);
+  check_gemv(257, kHidden, 8, true, 40, 95);  // the tiled kernel against the reference
+  cuda::set_gemv_row_tiles_enabled(false);
 }
 
 TEST(CudaGemv, RejectsUnsupportedShapes) {
@@ -802,6 +836,21 @@ TEST(CudaTiming, PrintsKernelTimes) {
   gemv("gemv attn q|k|v 9216x2048", 9216, kHidden, 4, false);
   gemv("gemv router+gate 257x2048 q8", kExperts + 1, kHidden, 8, true);
   gemv("gemv lm_head 248320x2048 f32", kVocab, kHidden, 4, true);
+
+  // The prefill router: 257x2048 q8 over a 2,048-token chunk, per-row and token-tiled.
+  {
+    RandomQuant router(kExperts + 1, kHidden, 8, rng);
+    constexpr int kChunk = 2048;
+    DeviceBuffer xc = upload_bf16(normal_bf16(int64_t(kChunk) * kHidden, rng, 1.0f)), yc(size_t(kChunk) * (kExperts + 1) * 4);
+    for (bool tiled : {false, true}) {
+      cuda::set_gemv_row_tiles_enabled(tiled);
+      const double us = time_us([&] {
+        cuda::launch_quant_gemv_batched(router.view(), xc.as<__nv_bfloat16>(), kChunk, nullptr, yc.as<float>(), nullptr);
+      });
+      std::printf("[timing] prefill router 2048 rows, %-9s %8.2f us\n", tiled ? "tiled" : "per-row", us);
+    }
+    cuda::set_gemv_row_tiles_enabled(false);
+  }
 
   // MoE experts (8 routed + shared) at the real shape.
   RandomQuant gate((kExperts + 1) * int64_t(kFfn), kHidden, 4, rng), up((kExperts + 1) * int64_t(kFfn), kHidden, 4, rng);

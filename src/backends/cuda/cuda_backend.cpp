@@ -331,6 +331,7 @@ class CudaBackend final : public Backend {
     (void)stream_gemv_enabled();
     (void)flash_prefill_enabled();
     (void)device_sampler_enabled();
+    (void)gemv_row_tiles_enabled();
   }
   ~CudaBackend() override {
     if (stream_) cudaStreamDestroy(stream_);

@@ -137,6 +137,14 @@ bool device_sampler_enabled();
 /// Overrides LILY_CUDA_DEVICE_SAMPLER for the rest of the process (tests of both paths).
 void set_device_sampler_enabled(bool on);
 
+/// Whether the batched CUDA-core GEMV (m > 1: the prefill router, LILY_CUDA_GEMM=gemv) loads each
+/// weight group once per 8 token rows (quant_gemv_tiled_kernel, bit-identical outputs by
+/// construction) instead of once per row. LILY_CUDA_GEMV_ROW_TILES "1" → on; unset, empty or
+/// "0" → off (until its test has run on a GPU); any other value throws lily::Error.
+bool gemv_row_tiles_enabled();
+/// Overrides LILY_CUDA_GEMV_ROW_TILES for the rest of the process (tests of both paths).
+void set_gemv_row_tiles_enabled(bool on);
+
 /// Fused gate/up + SwiGLU for the selected experts (docs/model.md §4.3 item 5): for each slot
 /// k < n_sel of token row t, expert e = ids[t·n_sel + k]: g = bf16(W_gate[e] x), u = bf16(W_up[e] x),
 /// act[t, k, i] = bf16(silu(g_i)·u_i). gate/up: stacks of (n_experts + 1)·ffn rows (shared expert

@@ -1,8 +1,9 @@
 // Run-time kernel switches, read once from the environment: programmatic dependent launch
 // (launch.cuh, LILY_CUDA_PDL), the bulk-copy streaming GEMV (quant_gemv.cu, LILY_CUDA_STREAM_GEMV)
 // tensor-core prefill attention (flash_prefill.cu, LILY_CUDA_FLASH_PREFILL), all on by default
-// ("0" turns one off for a same-machine comparison), and the device sampler (sampler.cu,
-// LILY_CUDA_DEVICE_SAMPLER), off by default until its end-to-end test has run on a GPU.
+// ("0" turns one off for a same-machine comparison); the device sampler (sampler.cu,
+// LILY_CUDA_DEVICE_SAMPLER) and the token-tiled batched GEMV (quant_gemv.cu,
+// LILY_CUDA_GEMV_ROW_TILES), off by default until their tests have run on a GPU.
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -18,6 +19,7 @@ std::atomic<int> g_pdl{-1};
 std::atomic<int> g_stream_gemv{-1};
 std::atomic<int> g_flash_prefill{-1};
 std::atomic<int> g_device_sampler{-1};
+std::atomic<int> g_gemv_row_tiles{-1};
 
 /// `dflt` for unset or empty, 1 for "1", 0 for "0"; throws lily::Error naming the variable
 /// otherwise.
@@ -52,5 +54,8 @@ void set_flash_prefill_enabled(bool on) { g_flash_prefill.store(on ? 1 : 0); }
 
 bool device_sampler_enabled() { return read_switch(g_device_sampler, "LILY_CUDA_DEVICE_SAMPLER", 0); }
 void set_device_sampler_enabled(bool on) { g_device_sampler.store(on ? 1 : 0); }
+
+bool gemv_row_tiles_enabled() { return read_switch(g_gemv_row_tiles, "LILY_CUDA_GEMV_ROW_TILES", 0); }
+void set_gemv_row_tiles_enabled(bool on) { g_gemv_row_tiles.store(on ? 1 : 0); }
 
 }  // namespace lily::cuda

@@ -4,6 +4,8 @@
 //  - quant_stream_gemv_kernel (4-bit, m ≤ 8, cols % 512 == 0: every decode projection of the
 //    real model): tensor cores, weights streamed into shared memory by bulk copies;
 //  - quant_mma_gemv_kernel (other 4-bit shapes with m ≤ 8): tensor cores, register loads;
+//  - quant_gemv_tiled_kernel (m > 1 with LILY_CUDA_GEMV_ROW_TILES=1): quant_gemv_kernel's
+//    arithmetic with each weight group loaded once per 8 token rows (the prefill router);
 //  - quant_gemv_kernel (8-bit, or m > 8): CUDA cores. One warp covers 32/L rows at a time (L
 //    lanes per row, each lane one 64-group per step); each lane issues the loads of 4 rows
 //    before using them. The grid is one wave of resident blocks; each warp walks chunks of
@@ -88,6 +90,58 @@ __global__ void __launch_bounds__(kGemvThreads, 3) quant_gemv_kernel(DeviceQuant
           wr[2] = xb;
         }
       }
+    }
+  }
+}
+
+/// Token rows per block of quant_gemv_tiled_kernel: each weight group loaded once serves them all.
+constexpr int kTiledTokens = 8;
+/// Dynamic shared memory of quant_gemv_tiled_kernel: kTiledTokens staged rows (70.6 KB at 2,048
+/// columns); wider matrices than kMaxTiledSmem allows keep the per-row kernel.
+inline size_t tiled_gemv_smem(int cols) { return kTiledTokens * staged_row_bytes(cols); }
+constexpr size_t kMaxTiledSmem = 112 * 1024;  // two blocks per SM
+
+/// grid (blocks, ceil(m / kTiledTokens)); x [m, cols]; y [m, rows]: the batched CUDA-core GEMV
+/// (prefill router, batched projections) with the weights loaded once per tile of kTiledTokens
+/// token rows instead of once per row. Each (token, row) output is quant_gemv_kernel<BITS, 1>'s
+/// arithmetic exactly: the same lanes over the same groups in the same order
+/// (acc += s·Σq·x + b·Σx, then group_sum), so the outputs are bit-identical to it for any m.
+template <int BITS, class OutT>
+__global__ void __launch_bounds__(kGemvThreads, 2) quant_gemv_tiled_kernel(DeviceQuant w, const bf16* __restrict__ x,
+                                                                         int m, OutT* __restrict__ y) {
+  extern __shared__ float smem[];
+  const int groups = w.cols / kGroup;
+  const int L = lanes_per_row(groups), RW = kWarp / L;
+  const int lane = threadIdx.x % kWarp, lane_row = lane / L, lane_in = lane % L;
+  const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * (kGemvThreads / kWarp) + threadIdx.x / kWarp;
+  const int64_t n_warps = static_cast<int64_t>(gridDim.x) * (kGemvThreads / kWarp);
+  const int t0 = blockIdx.y * kTiledTokens, tokens = min(kTiledTokens, m - t0);
+  const int row_floats = groups * (kGroupStride + 1);  // one staged row (staged_row_bytes)
+  pdl_prologue();
+  for (int i = 0; i < tokens; ++i)
+    stage_row(x + static_cast<int64_t>(t0 + i) * w.cols, w.cols, smem + i * row_floats,
+              smem + i * row_floats + groups * kGroupStride);
+  for (int64_t r = warp_id * RW + lane_row; r - lane_row < w.rows; r += n_warps * RW) {
+    const bool live = r < w.rows;
+    float acc[kTiledTokens];
+#pragma unroll
+    for (int i = 0; i < kTiledTokens; ++i) acc[i] = 0.0f;
+    for (int g = lane_in; g < groups && live; g += L) {
+      uint4 q[kGroupVecs<BITS>];
+      float s = 0.0f, b = 0.0f;
+      load_group<BITS>(w, r, g, q, s, b);
+#pragma unroll
+      for (int i = 0; i < kTiledTokens; ++i) {
+        if (i >= tokens) break;
+        const float* xs = smem + i * row_floats;
+        acc[i] += s * group_qdot_regs<BITS>(q, xs + g * kGroupStride) + b * xs[groups * kGroupStride + g];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kTiledTokens; ++i) {
+      if (i >= tokens) break;  // uniform over the block
+      const float v = group_sum(acc[i], L);
+      if (live && lane_in == 0) store_out(y, static_cast<int64_t>(t0 + i) * w.rows + r, v);
     }
   }
 }
@@ -625,6 +679,19 @@ void mma_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cuda
 }
 
 template <int BITS, class OutT>
+void tiled_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream) {
+  const size_t smem = tiled_gemv_smem(w.cols);
+  if (smem > 48 * 1024)
+    CUDA_CHECK(cudaFuncSetAttribute(quant_gemv_tiled_kernel<BITS, OutT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)));
+  const int L = lanes_per_row(w.cols / kGroup), RW = kWarp / L;
+  const int64_t blocks_needed = ceil_div(ceil_div(w.rows, static_cast<int64_t>(RW)), kGemvThreads / kWarp);
+  const int token_tiles = static_cast<int>(ceil_div(static_cast<int64_t>(m), static_cast<int64_t>(kTiledTokens)));
+  launch_pdl(quant_gemv_tiled_kernel<BITS, OutT>, dim3(static_cast<unsigned>(blocks_needed), token_tiles),
+             dim3(kGemvThreads), smem, stream, w, x, m, y);
+}
+
+template <int BITS, class OutT>
 void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream,
                    const FusedNorm& norm = FusedNorm{}, const FusedConv& conv = FusedConv{}) {
   if constexpr (BITS == 4) {
@@ -633,6 +700,9 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
         return stream_gemv_dispatch(w, x, m, y, plan, stream, norm, conv);
     if (use_mma_gemv(w, m)) return mma_gemv_dispatch(w, x, m, y, stream, norm, conv);
   }
+  if (m > 1 && !norm.gain && conv.channels == 0 && tiled_gemv_smem(w.cols) <= kMaxTiledSmem &&
+      gemv_row_tiles_enabled())
+    return tiled_gemv_dispatch<BITS>(w, x, m, y, stream);
   const int groups = w.cols / kGroup;
   const int L = lanes_per_row(groups), RW = kWarp / L;
   // Few rows (router, small projections): one row per lane-group, for more warps in flight.
