@@ -1037,6 +1037,14 @@ void LilyServer::load_engine() {
   if (shutting_down_) return;
   tokenizer_ = Tokenizer::from_file(options_.model_dir / "tokenizer.json");
   auto backend = make_backend(options_.backend, weights, options_.threads);
+  if (!backend->reads_host_weights()) {
+    // The weights are in the backend's own memory: drop the host copy so that the checkpoint's
+    // files are unmapped (a truncated or rewritten model.safetensors cannot fault the server).
+    const std::weak_ptr<const ModelWeights> host = weights;
+    weights.reset();
+    if (host.expired())
+      log_info("weights: copied to " + backend->name() + " memory; the checkpoint files are no longer mapped");
+  }
   EngineOptions engine;
   engine.max_seq = max_seq_;
   engine.max_queue = options_.max_queue;
