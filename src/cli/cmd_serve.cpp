@@ -4,6 +4,8 @@
 
 #include "base/byte_size.h"
 #include "base/error.h"
+#include "base/log.h"
+#include "base/malloc_arenas.h"
 #include "cli/commands.h"
 #include "engine/model_paths.h"
 #include "model/loader.h"
@@ -13,6 +15,12 @@
 namespace lily::cli {
 
 namespace {
+
+/// glibc gives every thread that allocates an arena of its own (up to 8 per core) and each keeps
+/// what was freed in it: with one thread per connection, concurrent large bodies made the
+/// resident memory step up for good. Four arenas bound that and leave the engine thread, the CPU
+/// backend's workers and the connection threads little contention.
+constexpr int kDefaultMallocArenas = 4;
 
 struct ServeFlags {
   std::string model;
@@ -33,6 +41,8 @@ struct ServeFlags {
               *seed_opt = nullptr;
   bool no_generation_config = false;
   std::string cache_memory, cache_host_memory;  ///< byte counts (parse_byte_size); empty: default
+  int malloc_arenas = kDefaultMallocArenas;       ///< --malloc-arenas; 0 = glibc's default
+  CLI::Option* malloc_arenas_opt = nullptr;
 };
 
 void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
@@ -112,6 +122,10 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
   cmd->add_option("--reasoning", f.reasoning, "on: chat answers think (<think> text goes to reasoning_content) "
                   "unless a request's reasoning_effort or chat_template_kwargs.enable_thinking says otherwise")
       ->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  f.malloc_arenas_opt = cmd->add_option("--malloc-arenas", f.malloc_arenas, "cap on glibc malloc arenas, set at "
+                  "start-up (fewer arenas keep memory freed by one connection's thread usable by the others); "
+                  "0 = glibc's default (8 per core, or $MALLOC_ARENA_MAX)")
+      ->capture_default_str()->check(integer_in_range(0, 1 << 16));
   cmd->add_option("--shutdown-grace", o.shutdown_grace_s, "seconds running work may finish after SIGINT/SIGTERM")
       ->capture_default_str()->check(integer_at_least(0));
 }
@@ -159,7 +173,15 @@ void register_serve(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("serve", "serve the model over an OpenAI-compatible HTTP API");
   auto flags = std::make_shared<ServeFlags>();
   add_serve_flags(cmd, *flags);
-  cmd->callback([flags, &exit_code] { exit_code = server::run_server(resolve(*flags)); });
+  cmd->callback([flags, &exit_code] {
+    // First, before any thread allocates: glibc fixes its arena limit when it first needs one.
+    // $MALLOC_ARENA_MAX (glibc's own setting) is kept unless the flag is given.
+    const int arenas = flags->malloc_arenas;
+    if (arenas > 0 && (flags->malloc_arenas_opt->count() > 0 || std::getenv("MALLOC_ARENA_MAX") == nullptr)) {
+      if (!cap_malloc_arenas(arenas)) log_debug("--malloc-arenas: this allocator ignores the cap");
+    }
+    exit_code = server::run_server(resolve(*flags));
+  });
 }
 
 }  // namespace lily::cli

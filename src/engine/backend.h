@@ -126,6 +126,12 @@ class Backend {
   /// when they are fine or the backend no longer reads them. Cheap (one stat(2) per weights
   /// file), never touches the weights; may be called from any thread.
   virtual std::optional<std::string> weights_changed() const { return std::nullopt; }
+  /// Whether the backend still reads the host ModelWeights it was created from. The CPU backend
+  /// does (it computes from the memory-mapped checkpoint); the CUDA backend copies every weight
+  /// into device memory at creation and drops its reference, so once the caller drops its own
+  /// the checkpoint's files are unmapped and a truncated or rewritten model.safetensors can no
+  /// longer fault the process (SIGBUS).
+  virtual bool reads_host_weights() const { return true; }
   /// Installs (or clears, with nullptr) a probe sink; costs nothing when unset.
   virtual void set_probe_sink(ProbeSink sink) { probe_sink_ = std::move(sink); }
 

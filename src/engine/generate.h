@@ -31,6 +31,11 @@ struct GenerationParams {
   int64_t max_seq = 0;                    ///< > 0: capacity of the state (prompt + fed tokens)
   std::vector<int32_t> stop_ids;          ///< generation ends after emitting one of these
   std::vector<std::string> stop_strings;  ///< text stops before the first occurrence (needs a tokenizer)
+  /// Optional: fed every piece of text as it is released, in order (after stop-string hold-back);
+  /// when it returns true the generation ends after that token with kStop and the text is kept
+  /// whole (unlike a stop string). The server uses it to end an answer at its first complete
+  /// tool call (`parallel_tool_calls: false`). Runs on the thread that advances the generation.
+  std::function<bool(std::string_view released)> stop_after_text;
   /// How tokens are chosen. The default (plain greedy) takes the backend's argmax and never
   /// copies logits; anything else copies the [vocab] fp32 row of every step to the host.
   SamplingParams sampling;

@@ -274,6 +274,7 @@ bool Scheduler::start_choice(Running& r, int choice) {
     params.max_seq = options_.max_seq;
     params.stop_ids = options_.stop_ids;
     params.stop_strings = req.stop_strings;
+    if (req.stop_after_text) params.stop_after_text = req.stop_after_text();
     params.sampling = req.sampling;
     params.sampling.seed = r.seed;
     params.logprobs = req.logprobs;

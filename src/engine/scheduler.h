@@ -55,6 +55,9 @@ struct JobRequest {
   std::vector<int32_t> prompt;             ///< whole prompt (template applied)
   int64_t max_tokens = 0;                  ///< ≥ 1; prompt + max_tokens ≤ max_seq
   std::vector<std::string> stop_strings;   ///< OpenAI `stop`
+  /// Optional: makes each choice's GenerationParams::stop_after_text (called once per choice, on
+  /// the engine thread, so that every choice starts from a fresh state).
+  std::function<std::function<bool(std::string_view)>()> stop_after_text;
   std::optional<std::string> cache_key;    ///< OpenAI `prompt_cache_key`
   /// Where the prompt's messages begin (chat prompts: the token positions of each message start
   /// but the first; empty for a plain prompt): strictly increasing, each in [1, prompt size).

@@ -22,7 +22,7 @@ struct ChatAgentFields {
   nlohmann::ordered_json tools;               ///< null, or the declared tools in the client's key order
   ToolChoice tool_choice = ToolChoice::kAuto;
   std::string tool_choice_name;               ///< kNamed: the function (a declared tool)
-  std::optional<bool> parallel_tool_calls;    ///< accepted; lily does not constrain the count
+  std::optional<bool> parallel_tool_calls;    ///< false: at most one tool call per answer (AnswerFormat::single_call)
   std::optional<std::string> reasoning_effort;  ///< "none" disables thinking, anything else enables it
   std::optional<bool> enable_thinking;        ///< chat_template_kwargs.enable_thinking
   std::optional<bool> preserve_thinking;      ///< chat_template_kwargs.preserve_thinking

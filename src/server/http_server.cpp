@@ -1037,6 +1037,14 @@ void LilyServer::load_engine() {
   if (shutting_down_) return;
   tokenizer_ = Tokenizer::from_file(options_.model_dir / "tokenizer.json");
   auto backend = make_backend(options_.backend, weights, options_.threads);
+  if (!backend->reads_host_weights()) {
+    // The weights are in the backend's own memory: drop the host copy so that the checkpoint's
+    // files are unmapped (a truncated or rewritten model.safetensors cannot fault the server).
+    const std::weak_ptr<const ModelWeights> host = weights;
+    weights.reset();
+    if (host.expired())
+      log_info("weights: copied to " + backend->name() + " memory; the checkpoint files are no longer mapped");
+  }
   EngineOptions engine;
   engine.max_seq = max_seq_;
   engine.max_queue = options_.max_queue;
@@ -1096,6 +1104,8 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
   job.prompt = std::move(prompt);
   job.max_tokens = max_tokens;
   job.stop_strings = call.request.stop;
+  // parallel_tool_calls false: each choice ends with its first complete tool call.
+  if (call.answer.single_call) job.stop_after_text = first_tool_call_stop(call.answer);
   job.cache_key = call.request.prompt_cache_key;
   job.message_starts = call.message_starts;
   job.sampling = request_sampling(call);
@@ -1189,7 +1199,10 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
     check_ready();
     prompt = tokenize(request, &call.message_starts);
     call.answer.thinking = thinking_enabled(request.agent, options_.reasoning);
-    if (request.agent.tools_active()) call.answer.tools.emplace(request.agent.tools);
+    if (request.agent.tools_active()) {
+      call.answer.tools.emplace(request.agent.tools);
+      call.answer.single_call = request.agent.parallel_tool_calls == false;
+    }
     // tool_choice "required" or a named function: the answer's opening is forced, as prompt
     // tokens (the markers become the control tokens the model would write), and the parser
     // reads it as the start of the answer.

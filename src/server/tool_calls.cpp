@@ -1,5 +1,6 @@
 #include "server/tool_calls.h"
 
+#include <memory>
 #include <random>
 
 namespace lily::server {
@@ -148,6 +149,10 @@ std::vector<AnswerDelta> AnswerParser::drain(bool final) {
     else out.push_back(AnswerDelta{kind, std::move(text), {}, 0});
   };
   while (true) {
+    if (mode_ == Mode::kEnded) {  // single_call: nothing after the first call
+      buf_.clear();
+      break;
+    }
     if (strip_newlines_) {
       const size_t n = buf_.find_first_not_of('\n');
       buf_.erase(0, n == std::string::npos ? buf_.size() : n);
@@ -221,6 +226,11 @@ std::vector<AnswerDelta> AnswerParser::drain(bool final) {
     const size_t end = close + kCallClose.size();
     if (auto call = parse_tool_call_block(std::string_view(buf_).substr(0, end), *format_.tools)) {
       out.push_back(AnswerDelta{AnswerDelta::Kind::kToolCall, {}, std::move(*call), calls_++});
+      if (format_.single_call) {
+        buf_.clear();
+        mode_ = Mode::kEnded;
+        break;
+      }
     } else {
       emit(AnswerDelta::Kind::kContent, buf_.substr(0, end));
     }
@@ -228,6 +238,17 @@ std::vector<AnswerDelta> AnswerParser::drain(bool final) {
     mode_ = Mode::kContent;
   }
   return out;
+}
+
+std::function<std::function<bool(std::string_view)>()> first_tool_call_stop(const AnswerFormat& format) {
+  return [format] {
+    auto parser = std::make_shared<AnswerParser>(format);
+    return std::function<bool(std::string_view)>([parser](std::string_view piece) {
+      for (const AnswerDelta& d : parser->push(piece))
+        if (d.kind == AnswerDelta::Kind::kToolCall) return true;
+      return false;
+    });
+  };
 }
 
 AssistantMessage parse_answer(std::string_view text, const AnswerFormat& format) {

@@ -6,6 +6,7 @@
 // held back (as stop strings are); a malformed block, or one left unfinished, is content.
 #pragma once
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -41,6 +42,9 @@ struct AnswerFormat {
   /// of a tool call, forced_answer_prefix in server/chat_agent.h): the parser reads it before
   /// the generated text, as if the model had written it.
   std::string prefix;
+  /// `parallel_tool_calls: false`: the answer ends with its first tool call; whatever follows
+  /// it is dropped (the engine also stops generating there, see first_tool_call_stop).
+  bool single_call = false;
 };
 
 /// One parsed tool call.
@@ -81,7 +85,7 @@ class AnswerParser {
   size_t tool_calls() const { return calls_; }
 
  private:
-  enum class Mode { kReasoning, kContent, kToolCall };
+  enum class Mode { kReasoning, kContent, kToolCall, kEnded };
   std::vector<AnswerDelta> drain(bool final);
 
   AnswerFormat format_;
@@ -90,6 +94,12 @@ class AnswerParser {
   bool strip_newlines_ = false;  ///< drop newlines at the start of what comes next
   size_t calls_ = 0;
 };
+
+/// For GenerationParams::stop_after_text: a predicate fed the generated text piece by piece that
+/// becomes true with the piece completing the answer's first tool call (as AnswerParser reads it
+/// with `format`: calls inside reasoning or malformed blocks do not count). Each call of the
+/// returned factory gives a fresh parser (one per choice).
+std::function<std::function<bool(std::string_view)>()> first_tool_call_stop(const AnswerFormat& format);
 
 /// A whole answer.
 struct AssistantMessage {

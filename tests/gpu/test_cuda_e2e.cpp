@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -401,6 +402,41 @@ TEST_F(CudaE2e, Full35bShapeMatchesCpu) {
   cpu::CpuBackend& cpu = *oracle;
   probe_diff(cpu, *gpu, prompt_ids(3, w->config.vocab, 7), 0.99);
   compare_greedy(cpu, *gpu, prompt_ids(64, w->config.vocab, 6), 8, "35b-a3b");
+}
+
+
+// After the upload the backend keeps no reference to the host weights (reads_host_weights() is
+// false), so the caller's last reference unmaps the checkpoint, as `lily serve` does: a truncated
+// model.safetensors can then no longer fault the process (issue 16), and decoding after the
+// truncation gives the tokens it gave before.
+TEST(CudaHostWeights, ReleasedAfterTheUploadSoATruncationCannotFault) {
+  TempDir tmp;
+  const std::filesystem::path dir = copy_demo_model(tmp);
+  const std::string file = std::filesystem::canonical(dir / "model.safetensors").string();
+  auto mappings = [&] {
+    std::ifstream maps("/proc/self/maps");
+    int n = 0;
+    for (std::string line; std::getline(maps, line);)
+      if (line.size() >= file.size() && line.compare(line.size() - file.size(), std::string::npos, file) == 0) ++n;
+    return n;
+  };
+  auto weights = load_model(dir);
+  ASSERT_GE(mappings(), 1);
+  const std::weak_ptr<const ModelWeights> host = weights;
+  const int vocab = weights->config.vocab;
+  auto gpu = make_cuda_backend(std::move(weights));
+  EXPECT_FALSE(gpu->reads_host_weights());
+  EXPECT_TRUE(host.expired()) << "the CUDA backend still holds the host weights";
+  EXPECT_EQ(mappings(), 0);
+  auto greedy = [&] {
+    auto state = gpu->new_state(64);
+    std::vector<int32_t> out{gpu->prefill(*state, prompt_ids(12, vocab, 3))};
+    for (int i = 0; i < 6; ++i) out.push_back(gpu->decode(*state, out.back()));
+    return out;
+  };
+  const std::vector<int32_t> before = greedy();
+  std::filesystem::resize_file(file, 4096);
+  EXPECT_EQ(greedy(), before);
 }
 
 }  // namespace

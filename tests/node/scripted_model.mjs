@@ -119,9 +119,11 @@ function quantized4(rows, cols, cells) {
  * `template` (a chat_template.jinja). `chains`: [{after, text, then?}]: after a prompt whose
  * text ends with `after` (only its last token counts), the model writes `text` and then the
  * last token of `then` (a chain that continues another one's `after`), or <|im_end|>.
+ * `extraTokens`: more non-special added tokens (after ADDED_TOKENS), for chains that repeat a
+ * marker more often than the vocabulary has distinct spellings of it.
  * Returns {chains: [{from, ids, to}]} with the token ids chosen.
  */
-export function writeScriptedModel({ lilyBin, sourceDir, template, dir, chains }) {
+export function writeScriptedModel({ lilyBin, sourceDir, template, dir, chains, extraTokens = [] }) {
   fs.cpSync(sourceDir, dir, { recursive: true });
   fs.copyFileSync(template, path.join(dir, 'chat_template.jinja'));
   const config = JSON.parse(fs.readFileSync(path.join(dir, 'config.json'), 'utf8'));
@@ -131,7 +133,7 @@ export function writeScriptedModel({ lilyBin, sourceDir, template, dir, chains }
   const tokenizerFile = path.join(dir, 'tokenizer.json');
   const tokenizer = JSON.parse(fs.readFileSync(tokenizerFile, 'utf8'));
   let next = tokenizer.added_tokens.reduce((m, t) => Math.max(m, t.id), 0) + 1;
-  for (const content of ADDED_TOKENS)
+  for (const content of [...ADDED_TOKENS, ...extraTokens])
     tokenizer.added_tokens.push({ id: next++, content, single_word: false, lstrip: false, rstrip: false,
       normalized: false, special: false });
   fs.writeFileSync(tokenizerFile, JSON.stringify(tokenizer));

@@ -4,7 +4,25 @@
 #include <span>
 #include <string>
 
+// LILY_TEST_SANITIZED: 1 when compiled with AddressSanitizer (the -DLILY_SANITIZE=ON build of
+// scripts/test.sh, and the fuzz build), read from the compiler's own macro (gcc) or feature
+// test (clang), else 0.
+#if defined(__SANITIZE_ADDRESS__)
+#define LILY_TEST_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LILY_TEST_SANITIZED 1
+#endif
+#endif
+#ifndef LILY_TEST_SANITIZED
+#define LILY_TEST_SANITIZED 0
+#endif
+
 namespace lily::test {
+
+/// True in a sanitizer build: tests that check one property over many cases run fewer of the
+/// cases there (never none, and the same assertions), and timing printouts are left out.
+inline constexpr bool kSanitized = LILY_TEST_SANITIZED != 0;
 
 /// Repository root (compile-time LILY_SOURCE_DIR).
 std::filesystem::path source_dir();

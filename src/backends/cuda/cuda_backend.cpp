@@ -305,11 +305,11 @@ void check_shapes(const ModelConfig& c) {
 /// The CUDA backend (see file comment).
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(std::shared_ptr<const ModelWeights> weights, const CudaOptions& options)
-      : weights_(std::move(weights)), options_(options) {
-    if (!weights_) throw ::lily::Error("CUDA backend: no model weights");
+  CudaBackend(std::shared_ptr<const ModelWeights> weights, const CudaOptions& options) : options_(options) {
+    if (!weights) throw ::lily::Error("CUDA backend: no model weights");
+    config_ = weights->config;
     check_device();
-    const ModelConfig& c = weights_->config;
+    const ModelConfig& c = config_;
     check_shapes(c);
     io_ = std::make_unique<PinnedIo>();
     try {
@@ -324,7 +324,10 @@ class CudaBackend final : public Backend {
     for (int i = 0; i < c.n_layers; ++i) {
       layer_slot_.push_back(c.is_full_attention(i) ? n_attn_++ : n_gdn_++);
     }
-    model_ = std::make_unique<DeviceModel>(*weights_);
+    // Every weight is copied to the device here (the norms and gains too); nothing keeps a
+    // pointer into the host weights, so `weights` is dropped when the constructor returns and the
+    // checkpoint's mapping goes with the caller's last reference (reads_host_weights()).
+    model_ = std::make_unique<DeviceModel>(*weights);
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     allocate_scratch();
     (void)pdl_enabled();  // a bad LILY_CUDA_PDL value fails here, not inside the first graph capture
@@ -342,7 +345,8 @@ class CudaBackend final : public Backend {
   /// after the LM head and only the id comes back; by default (until its end-to-end test has
   /// run on a GPU) the engine samples the copied logits on the host.
   bool samples_on_device() const override { return device_sampler_enabled(); }
-  const ModelConfig& config() const override { return weights_->config; }
+  const ModelConfig& config() const override { return config_; }
+  bool reads_host_weights() const override { return false; }
 
   std::unique_ptr<SequenceState> new_state(int64_t max_seq) override {
     if (max_seq < 1 || max_seq > kMaxSeq)
@@ -860,7 +864,7 @@ class CudaBackend final : public Backend {
     probe_sink_(name, layer, token, v);
   }
 
-  std::shared_ptr<const ModelWeights> weights_;
+  ModelConfig config_;            ///< a copy: the host weights are not kept after the upload
   const CudaOptions options_;  ///< the paths this backend runs (engine/backend.h)
   GdnDims gdn_;
   AttnDims attn_;

@@ -2,7 +2,8 @@
 // cache produces exactly the tokens of an engine without cache — identical retries, next turns,
 // a hit followed by exactly one new token, prompts ending around prefill chunk boundaries, and
 // chat conversations that share a system prompt (resumed at its message boundary), greedy and
-// seeded, also when the snapshots went through the host tier.
+// seeded, also when the snapshots went through the host tier. Under the sanitizers
+// (lily::test::kSanitized) each test runs fewer of its cases, all of the same kinds.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -73,7 +74,12 @@ TEST(CacheEquivalence, WarmCacheGivesTheTokensOfNoCacheAroundChunkBoundaries) {
   auto weights = load_model(lily::test::demo_model_dir());
   auto warm = engine(weights, int64_t{64} << 20);
   auto cold = engine(weights, 0);
-  for (size_t n : {127u, 128u, 129u, 257u}) {
+  // 127 … 129 sat around the 128-token prefill chunk of the time this test was written; with
+  // today's 256-token chunk (kDefaultStepTokens) 257 is the prompt that crosses one. Sanitizers:
+  // 129 and 257.
+  const std::vector<size_t> lengths =
+      lily::test::kSanitized ? std::vector<size_t>{129, 257} : std::vector<size_t>{127, 128, 129, 257};
+  for (size_t n : lengths) {
     SCOPED_TRACE("prompt length " + std::to_string(n));
     const Tokens prompt = synthetic_prompt(n);
     const Outcome first = run(*warm, prompt, 4);
@@ -111,7 +117,9 @@ TEST(CacheEquivalence, ConversationsSharingASystemPromptResumeAfterItWithIdentic
   auto warm = engine(weights, SessionCacheOptions{int64_t{64} << 20, 0}, tokenizer);
   auto disabled = engine(weights, SessionCacheOptions{0, 0}, tokenizer);
   auto tiered = engine(weights, SessionCacheOptions{int64_t{2} << 20, int64_t{16} << 20}, tokenizer);
-  const std::vector<std::string> questions = {"How do I install it?", "Why is my build slow?", "Can I cache builds?"};
+  // The first conversation misses, the others hit (sanitizers: one other).
+  std::vector<std::string> questions = {"How do I install it?", "Why is my build slow?", "Can I cache builds?"};
+  if (lily::test::kSanitized) questions.pop_back();
   int64_t system_tokens = 0;
   for (bool seeded : {false, true}) {
     SCOPED_TRACE(seeded ? "seeded sampling" : "greedy");

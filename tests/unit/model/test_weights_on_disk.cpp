@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -127,6 +128,36 @@ TEST(WeightsOnDisk, LoadOptionsFollowTheProcessDefault) {
   fs::resize_file(dir / "model.safetensors", 100);
   EXPECT_TRUE(weights_changed_on_disk(*mapped));
   EXPECT_EQ(weights_changed_on_disk(*copied), std::nullopt);
+}
+
+
+/// Lines of /proc/self/maps that map `file`.
+int mappings_of(const fs::path& file) {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);)
+    if (line.size() >= file.string().size() && line.compare(line.size() - file.string().size(), std::string::npos, file.string()) == 0)
+      ++n;
+  return n;
+}
+
+// What `lily serve` relies on to release the mapping after a backend copied the weights into its
+// own memory (Backend::reads_host_weights, the CUDA backend): the mapping lives exactly as long
+// as the last reference to the ModelWeights.
+TEST(WeightsOnDisk, DroppingTheLastReferenceUnmapsTheFiles) {
+  test::TempDir tmp;
+  const fs::path dir = test::copy_demo_model(tmp);
+  const fs::path file = fs::canonical(dir / "model.safetensors");
+  auto weights = load_model(dir, LoadOptions{.mmap = true});
+  EXPECT_GE(mappings_of(file), 1);
+  std::shared_ptr<const ModelWeights> other = weights;
+  weights.reset();
+  EXPECT_GE(mappings_of(file), 1) << "unmapped while still referenced";
+  other.reset();
+  EXPECT_EQ(mappings_of(file), 0);
+  // Nothing left to fault on: truncating the file now is harmless.
+  fs::resize_file(file, 4096);
+  EXPECT_EQ(mappings_of(file), 0);
 }
 
 }  // namespace

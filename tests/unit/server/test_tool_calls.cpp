@@ -248,3 +248,33 @@ TEST(ToolCalls, AnUnparsableForcedCallIsContent) {
   EXPECT_TRUE(cut.tool_calls.empty());
   EXPECT_EQ(cut.content, "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar");
 }
+
+// parallel_tool_calls false: the answer ends with its first valid call, whatever follows (more
+// calls, text); a malformed block or a call inside the reasoning does not count, and
+// first_tool_call_stop (the engine's stop) turns true at exactly the piece that completes it.
+TEST(ToolCalls, SingleCallEndsTheAnswerAtTheFirstValidCall) {
+  AnswerFormat f = format(/*thinking=*/true);
+  f.single_call = true;
+  const std::string bad = "<tool_call>\n<function=unknown>\n</function>\n</tool_call>";
+  const std::string text = "mentions " + kCall + " while thinking\n</think>\n\nSure. " + bad + " " + kCall +
+                           "\n<tool_call>\n<function=noop>\n</function>\n</tool_call> and more";
+  const AssistantMessage m = parse_answer(text, f);
+  ASSERT_EQ(m.tool_calls.size(), 1u);
+  EXPECT_EQ(m.tool_calls[0].name, "get_weather");
+  EXPECT_EQ(m.content, "Sure." + bad);  // whitespace next to a block is dropped
+  EXPECT_EQ(*m.reasoning, "mentions " + kCall + " while thinking");
+  for (size_t cut = 1; cut < text.size(); cut += 7) expect_same(streamed(text, f, {cut}), m, "cut " + std::to_string(cut));
+
+  // The stop predicate, fed one character at a time, fires with the '>' closing that call.
+  const auto stop = first_tool_call_stop(f)();
+  const size_t end = text.rfind(kCall) + kCall.size();
+  for (size_t i = 0; i < text.size(); ++i) {
+    const bool fired = stop(std::string_view(text).substr(i, 1));
+    EXPECT_EQ(fired, i + 1 == end) << "at " << i;
+    if (fired) break;
+  }
+  // Each call of the factory starts fresh; without single_call nothing is cut.
+  EXPECT_TRUE(first_tool_call_stop(f)()(text.substr(0, end)));
+  f.single_call = false;
+  EXPECT_EQ(parse_answer(text, f).tool_calls.size(), 2u);
+}
