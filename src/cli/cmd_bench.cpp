@@ -146,7 +146,8 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
   }
   auto weights = load_model(f.model, LoadOptions{.mmap = !f.no_mmap});
   auto backend = make_backend(backend_kind, weights, f.threads);
-  const auto prompt = synthetic_prompt(f.prompt_len, weights->config.vocab);
+  if (!backend->reads_host_weights()) weights.reset();  // unmaps the checkpoint (as lily serve)
+  const auto prompt = synthetic_prompt(f.prompt_len, backend->config().vocab);
   std::vector<Round> rounds;
   warm_up(*backend, prompt);
   for (int i = 0; i < f.rounds; ++i) {
@@ -173,7 +174,7 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
     for (const auto& a : argv) cmd += (cmd.empty() ? "" : " ") + a;
     j["schema_version"] = 1;
     j["meta"] = {{"engine", "lily.cpp"}, {"commit", lily::build_commit()}, {"backend", backend->name()},
-                 {"device", device}, {"command", cmd}, {"model", f.model}, {"shape", weights->config.shape_name()}};
+                 {"device", device}, {"command", cmd}, {"model", f.model}, {"shape", backend->config().shape_name()}};
     // The CUDA paths this run used (already validated when the backend was made).
     if (std::string_view(backend->name()) == "cuda") j["meta"]["cuda_options"] = lily::CudaOptions::from_env().describe();
     j["workload"] = {{"prompt_len", f.prompt_len}, {"prompt_kind", "u32_golden_ratio_hash_mod_vocab"},

@@ -183,6 +183,7 @@ void run_generate(const GenerateFlags& f) {
 
   auto weights = load_model(dir, LoadOptions{.show_progress = true, .mmap = !f.no_mmap});
   auto backend = make_backend(backend_kind, weights, f.threads);
+  if (!backend->reads_host_weights()) weights.reset();  // unmaps the checkpoint (as lily serve)
   auto state = backend->new_state(params.max_seq);
   size_t streamed = 0;  // bytes of text written to stdout so far
   TokenCallback stream = [&](int32_t, std::string_view text) {
