@@ -1116,6 +1116,9 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
   } catch (const QueueFullError& e) {
     throw ApiError(503, "server_error", std::string(e.what()) + "; retry later", std::nullopt, "server_overloaded")
         .with_header("Retry-After", "1");
+  } catch (const ModelUnavailableError& e) {
+    // The weights changed on disk: retrying this server does not help (no Retry-After).
+    throw ApiError(503, "server_error", e.what(), std::nullopt, "model_unavailable");
   } catch (const ShuttingDownError& e) {
     throw ApiError(503, "server_error", e.what(), std::nullopt, "server_shutting_down").with_header("Retry-After", "5");
   }

@@ -37,6 +37,8 @@ describe('a truncated model.safetensors under a memory-mapped server', () => {
       const res = await chat(server, body);
       assert.equal(res.status, 503, res.body);
       assert.equal(res.json.error.type, 'server_error');
+      assert.equal(res.json.error.code, 'model_unavailable');
+      assert.equal(res.headers['retry-after'], undefined, 'waiting does not bring the weights back');
       assert.match(res.json.error.message, /changed on disk/);
       assert.match(res.json.error.message, /model\.safetensors was truncated from \d+ to 4096 bytes/);
       assert.match(res.json.error.message, /restart lily serve/);
