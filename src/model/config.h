@@ -12,6 +12,10 @@
 
 namespace lily {
 
+/// Longest sequence (tokens) any backend creates a state for: Qwen3.6-35B-A3B's 262,144-token
+/// context. Also the context assumed for a checkpoint that declares no max_position_embeddings.
+inline constexpr int64_t kMaxContext = 262144;
+
 /// Mixer kind of one decoder layer.
 enum class LayerType { kLinearAttention, kFullAttention };
 

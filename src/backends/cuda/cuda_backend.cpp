@@ -35,7 +35,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int64_t kMaxSeq = 262144;
+constexpr int64_t kMaxSeq = ::lily::kMaxContext;  // model/config.h
 constexpr int64_t kInitialKvCapacity = 1024;
 
 /// Per-token host<->device exchange, in pinned memory: the graph copies the first three fields
