@@ -289,15 +289,28 @@ void check_device() {
                         std::to_string(prop.minor));
 }
 
+/// Expert slots per token: the n_experts_per_tok routed experts, then the shared expert in slot
+/// n_experts_per_tok (kernels.h, MoE routing): the length of a token's expert ids, weights and
+/// activation rows.
+int routed_plus_shared_slots(const ModelConfig& c) { return c.n_experts_per_tok + 1; }
+
+/// Expert ids: the n_experts routed experts, then the shared expert as id n_experts; also the rows
+/// of the fused router matrix (router rows, then the shared-expert gate row) and of its logits.
+int routed_plus_shared_experts(const ModelConfig& c) { return c.n_experts + 1; }
+
 void check_shapes(const ModelConfig& c) {
   auto bad = [&](const std::string& what) {
     throw ::lily::Error("CUDA backend: the kernels were not written for this model shape (" + c.shape_name() +
                         "): " + what);
   };
-  if (c.hidden % 64 != 0 || c.hidden > 8192) bad("hidden " + std::to_string(c.hidden) + " (need a multiple of 64, ≤ 8192)");
-  if (c.moe_ffn_dim % 64 != 0 || c.moe_ffn_dim > 8192) bad("moe_intermediate_size " + std::to_string(c.moe_ffn_dim));
+  if (c.hidden % kQuantGroupSize != 0 || c.hidden > 8192) bad("hidden " + std::to_string(c.hidden) + " (need a multiple of 64, ≤ 8192)");
+  if (c.moe_ffn_dim % kQuantGroupSize != 0 || c.moe_ffn_dim > 8192) bad("moe_intermediate_size " + std::to_string(c.moe_ffn_dim));
   if (c.n_experts > 1024 || c.n_experts_per_tok > 32) bad("more than 1024 experts or top-k above 32");
-  if ((c.n_experts_per_tok + 1) * c.moe_ffn_dim / 64 * 69 * 4 > 48 * 1024) bad("top-k × moe_intermediate_size too large");
+  // The expert down kernel stages every slot's activation row (moe_ffn_dim values, staged per
+  // 64-group) in shared memory, within the default limit.
+  if (routed_plus_shared_slots(c) * c.moe_ffn_dim / kQuantGroupSize * kStagedFloatsPerGroup * int(sizeof(float)) >
+      kDefaultSmemBytes)
+    bad("top-k × moe_intermediate_size too large");
 }
 
 }  // namespace
@@ -502,10 +515,10 @@ class CudaBackend final : public Backend {
     conv_out_ = bf(n_gdn_ ? gdn_.conv_channels() : 1);
     mix_tmp_ = bf(mix);
     q_out_ = bf(int64_t(attn_.n_heads) * attn_.head_dim);
-    act_ = bf(int64_t(c.n_experts_per_tok + 1) * c.moe_ffn_dim);
-    router_logits_ = DeviceBuffer((c.n_experts + 1) * sizeof(float));
-    expert_ids_ = DeviceBuffer((c.n_experts_per_tok + 1) * sizeof(int32_t));
-    expert_w_ = DeviceBuffer((c.n_experts_per_tok + 1) * sizeof(float));
+    act_ = bf(int64_t(routed_plus_shared_slots(c)) * c.moe_ffn_dim);
+    router_logits_ = DeviceBuffer(routed_plus_shared_experts(c) * sizeof(float));
+    expert_ids_ = DeviceBuffer(routed_plus_shared_slots(c) * sizeof(int32_t));
+    expert_w_ = DeviceBuffer(routed_plus_shared_slots(c) * sizeof(float));
     router_done_ = DeviceBuffer(sizeof(uint32_t));
     router_done_.fill_bytes(0);  // launch_router_fused leaves it zero after every launch
     logits_ = DeviceBuffer(static_cast<size_t>(c.vocab) * sizeof(float));
@@ -695,9 +708,10 @@ class CudaBackend final : public Backend {
       launch_router_topk(router_logits_.as<float>(), 1, c.n_experts, k, expert_ids_.as<int32_t>(),
                          expert_w_.as<float>(), stream_);
     }
-    launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, expert_ids_.as<int32_t>(), k + 1, normed_.as<bf16>(), 1,
+    const int n_sel = routed_plus_shared_slots(c);
+    launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, expert_ids_.as<int32_t>(), n_sel, normed_.as<bf16>(), 1,
                           act_.as<bf16>(), stream_);
-    launch_expert_down_combine(L.down, c.hidden, expert_ids_.as<int32_t>(), expert_w_.as<float>(), k + 1,
+    launch_expert_down_combine(L.down, c.hidden, expert_ids_.as<int32_t>(), expert_w_.as<float>(), n_sel,
                                act_.as<bf16>(), 1, moe_out_.as<bf16>(), stream_);
   }
 
@@ -721,7 +735,7 @@ class CudaBackend final : public Backend {
   void prefill_experts(const DeviceLayer& L, int T) {
     const ModelConfig& c = config();
     PrefillScratch& p = *pre_;
-    const int n_sel = c.n_experts_per_tok + 1, n_groups = c.n_experts + 1;
+    const int n_sel = routed_plus_shared_slots(c), n_groups = routed_plus_shared_experts(c);
     if (!tensor_core_gemm_) {
       launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, p.ids.as<int32_t>(), n_sel, p.normed.as<bf16>(), T,
                             p.act.as<bf16>(), stream_);
@@ -758,13 +772,14 @@ class CudaBackend final : public Backend {
     pre_->conv = bf(T * (n_gdn_ ? gdn_.conv_channels() : 1));
     pre_->mix = bf(T * static_cast<int64_t>(mix_tmp_.bytes() / sizeof(bf16)));
     pre_->q = bf(T * int64_t(attn_.n_heads) * attn_.head_dim);
-    pre_->router = DeviceBuffer(T * (c.n_experts + 1) * sizeof(float));
-    pre_->ids = DeviceBuffer(T * (c.n_experts_per_tok + 1) * sizeof(int32_t));
-    pre_->weights = DeviceBuffer(T * (c.n_experts_per_tok + 1) * sizeof(float));
-    pre_->act = bf(T * int64_t(c.n_experts_per_tok + 1) * c.moe_ffn_dim);
+    pre_->router = DeviceBuffer(T * routed_plus_shared_experts(c) * sizeof(float));
+    pre_->ids = DeviceBuffer(T * routed_plus_shared_slots(c) * sizeof(int32_t));
+    pre_->weights = DeviceBuffer(T * routed_plus_shared_slots(c) * sizeof(float));
+    pre_->act = bf(T * int64_t(routed_plus_shared_slots(c)) * c.moe_ffn_dim);
     if (tensor_core_gemm_) {
-      const int n_sel = c.n_experts_per_tok + 1;
-      pre_->grouping = DeviceBuffer(expert_grouping_ints(c.n_experts + 1, prefill_chunk_, n_sel) * sizeof(int32_t));
+      const int n_sel = routed_plus_shared_slots(c);
+      pre_->grouping =
+          DeviceBuffer(expert_grouping_ints(routed_plus_shared_experts(c), prefill_chunk_, n_sel) * sizeof(int32_t));
       pre_->slot_out = bf(T * int64_t(n_sel) * c.hidden);
     }
   }
