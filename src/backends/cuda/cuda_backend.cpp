@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -46,6 +47,14 @@ struct StepIo {
   int32_t len = 0;      ///< pos + 1 (attention length)
   int32_t next_id = 0;  ///< greedy next token (written back by the graph)
 };
+
+/// StepIo's fields as int32_t indices into its device copy (io_dev_).
+constexpr int kIoToken = offsetof(StepIo, token) / sizeof(int32_t);
+constexpr int kIoPos = offsetof(StepIo, pos) / sizeof(int32_t);
+constexpr int kIoLen = offsetof(StepIo, len) / sizeof(int32_t);
+constexpr int kIoNextId = offsetof(StepIo, next_id) / sizeof(int32_t);
+/// Bytes copied in before a step: the fields before next_id.
+constexpr size_t kIoInBytes = offsetof(StepIo, next_id);
 
 /// Owning pinned (page-locked) host allocation of `bytes` bytes (cudaMallocHost / cudaFreeHost),
 /// so that copies to and from the device run at full speed on a stream. Move-only. Throws
@@ -442,7 +451,7 @@ class CudaBackend final : public Backend {
   // ---- the device sampler ----------------------------------------------------------------------
 
   /// Copies the sampler's row arguments (and the row's penalty edits) to the device, on stream_
-  /// before the step's kernels; the sampler then writes its id over the argmax in io_dev_[3].
+  /// before the step's kernels; the sampler then writes its id over the argmax in io_dev_[kIoNextId].
   /// Outside any graph: the graph's kernels only read sample_args_, whose address is fixed.
   void upload_sampling(const RowSampling& r) {
     const ModelConfig& c = config();
@@ -468,7 +477,7 @@ class CudaBackend final : public Backend {
     a.work = sample_work_.as<float>();
     a.weight = sample_weight_.as<float>();
     a.part_keys = sample_parts_.as<unsigned long long>();
-    a.out_id = io_dev_.as<int32_t>() + 3;
+    a.out_id = io_dev_.as<int32_t>() + kIoNextId;
     a.edits = n_edits > 0 ? sample_edits_.as<PenaltyEdit>() : nullptr;
     a.biases = n_biases > 0 ? sample_biases_.as<float>() : nullptr;
     a.n_edits = static_cast<int32_t>(n_edits);
@@ -564,10 +573,10 @@ class CudaBackend final : public Backend {
   }
 
   void copy_io_in() {
-    CUDA_CHECK(cudaMemcpyAsync(io_dev_.data(), io_->get(), 3 * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(io_dev_.data(), io_->get(), kIoInBytes, cudaMemcpyHostToDevice, stream_));
   }
   void copy_io_out() {
-    CUDA_CHECK(cudaMemcpyAsync(&io_->get()->next_id, io_dev_.as<int32_t>() + 3, sizeof(int32_t),
+    CUDA_CHECK(cudaMemcpyAsync(&io_->get()->next_id, io_dev_.as<int32_t>() + kIoNextId, sizeof(int32_t),
                                cudaMemcpyDeviceToHost, stream_));
   }
 
@@ -597,9 +606,9 @@ class CudaBackend final : public Backend {
   void enqueue_forward(CudaState& s, bool probing) {
     const ModelConfig& c = config();
     const int32_t* d_io = io_dev_.as<int32_t>();
-    const int32_t* d_token = d_io + 0;
-    const int32_t* d_pos = d_io + 1;
-    const int32_t* d_len = d_io + 2;
+    const int32_t* d_token = d_io + kIoToken;
+    const int32_t* d_pos = d_io + kIoPos;
+    const int32_t* d_len = d_io + kIoLen;
     const int64_t pos = s.pos;
     launch_embed(model_->embed, d_token, 1, x_.as<bf16>(), stream_);
     if (probing) emit("embed", -1, pos, x_.as<bf16>(), c.hidden);
@@ -638,7 +647,7 @@ class CudaBackend final : public Backend {
       emit("final_norm", -1, pos, normed_.as<bf16>(), c.hidden);
     }
     launch_argmax(logits_.as<float>(), c.vocab, argmax_v_.as<float>(), argmax_i_.as<int32_t>(),
-                  io_dev_.as<int32_t>() + 3, stream_);
+                  io_dev_.as<int32_t>() + kIoNextId, stream_);
     if (probing) emit_f32("logits", -1, pos, logits_.as<float>(), c.vocab);
   }
 
@@ -804,13 +813,14 @@ class CudaBackend final : public Backend {
                        1, c.hidden, c.rms_norm_eps, stream_);
     launch_quant_gemv(model_->lm_head, normed_.as<bf16>(), nullptr, logits_.as<float>(), stream_);
     launch_argmax(logits_.as<float>(), c.vocab, argmax_v_.as<float>(), argmax_i_.as<int32_t>(),
-                  io_dev_.as<int32_t>() + 3, stream_);
+                  io_dev_.as<int32_t>() + kIoNextId, stream_);
     if (sampling) {
       upload_sampling(*sampling);
       enqueue_sampler();
     }
     int32_t next = 0;
-    CUDA_CHECK(cudaMemcpyAsync(&next, io_dev_.as<int32_t>() + 3, sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(&next, io_dev_.as<int32_t>() + kIoNextId, sizeof(int32_t), cudaMemcpyDeviceToHost,
+                               stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (logits) {
       logits->resize(c.vocab);
