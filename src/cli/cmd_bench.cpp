@@ -40,9 +40,6 @@ struct BenchFlags {
   bool no_mmap = false;
 };
 
-/// Longest sequence the kernels support, for a checkpoint that declares no context.
-constexpr int64_t kContextLimit = 262144;
-
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -137,7 +134,7 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
   {
     // A round fills prompt + decode steps + 1 positions; refused before the load, not after.
     const ModelConfig config = load_model_config(f.model);
-    const int64_t context = config.max_position_embeddings > 0 ? config.max_position_embeddings : kContextLimit;
+    const int64_t context = config.max_position_embeddings > 0 ? config.max_position_embeddings : kMaxContext;
     // prompt + steps + 1 > context, written so that a huge --prompt-len cannot overflow.
     if (f.prompt_len >= context || f.decode_steps >= context - f.prompt_len)
       throw Error("--prompt-len " + std::to_string(f.prompt_len) + " + --decode-steps " +

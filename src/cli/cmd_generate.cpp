@@ -23,9 +23,6 @@ namespace lily::cli {
 
 namespace {
 
-/// Longest sequence the kernels support, for a checkpoint that declares no context.
-constexpr int64_t kContextLimit = 262144;
-
 struct GenerateFlags {
   std::string model;
   std::string prompt;
@@ -127,10 +124,10 @@ void print_json(const std::vector<int32_t>& prompt, const GenerationResult& r, c
 }
 
 /// The context a generation may fill: --max-seq when given (at most the checkpoint's context),
-/// else the checkpoint's max_position_embeddings (or the kernel limit when it declares none).
+/// else the checkpoint's max_position_embeddings (or kMaxContext, model/config.h, when it declares none).
 /// Throws lily::Error for a --max-seq beyond the checkpoint's context.
 int64_t context_limit(const GenerateFlags& f, const ModelConfig& config) {
-  const int64_t declared = config.max_position_embeddings > 0 ? config.max_position_embeddings : kContextLimit;
+  const int64_t declared = config.max_position_embeddings > 0 ? config.max_position_embeddings : kMaxContext;
   if (f.max_seq > declared)
     throw Error("--max-seq " + std::to_string(f.max_seq) + " exceeds the checkpoint's context of " +
                 std::to_string(declared) + " tokens (max_position_embeddings in config.json)");

@@ -53,7 +53,7 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
   cmd->add_option("--port", f.port, "listen port (overrides the port of --bind; 0 = any free port)")
       ->check(integer_in_range(0, 65535));
   cmd->add_option("--max-seq", f.max_seq, "most tokens per sequence, prompt + completion "
-                  "(default: the checkpoint's max_position_embeddings; at most 262144)")->check(integer_at_least(0));
+                  "(default: the checkpoint's max_position_embeddings; at most " + std::to_string(kMaxContext) + ")")->check(integer_at_least(0));
   f.api_key = cmd->add_option("--api-key", o.api_key, "require 'Authorization: Bearer KEY' (default: $LILY_API_KEY)");
   cmd->add_flag("--health-requires-key", o.health_requires_key, "with an API key, /health needs it too "
                "(default: /health stays open)");

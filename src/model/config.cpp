@@ -132,8 +132,9 @@ QuantizationConfig parse_quantization(const Ctx& ctx, const json& doc) {
     ctx.fail("8-bit checkpoint (quantization.bits = 8 everywhere) is not supported; lily needs MLX affine 4-bit");
   if (bits->get<int64_t>() != 4)
     ctx.fail("quantization.bits = " + bits->dump() + " is not supported; lily needs MLX affine 4-bit");
-  if (group->get<int64_t>() != 64)
-    ctx.fail("quantization group size " + group->dump() + " is not supported; expected 64");
+  if (group->get<int64_t>() != kQuantGroupSize)
+    ctx.fail("quantization group size " + group->dump() + " is not supported; expected " +
+             std::to_string(kQuantGroupSize));
   for (const auto& [key, value] : q->items()) {
     if (key == "mode" || key == "bits" || key == "group_size") continue;
     if (!value.is_object())
@@ -209,7 +210,9 @@ void check_flags(const Ctx& ctx, const json& doc, const json& text, ModelConfig&
 void check_dims(const Ctx& ctx, const ModelConfig& c) {
   auto need = [&](bool ok, const std::string& what) { if (!ok) ctx.fail(what); };
   auto multiple_of_group = [&](int64_t v, const std::string& what) {
-    need(v % 64 == 0, what + " = " + std::to_string(v) + " is not a multiple of the quantization group size 64");
+    need(v % kQuantGroupSize == 0, what + " = " + std::to_string(v) +
+                                       " is not a multiple of the quantization group size " +
+                                       std::to_string(kQuantGroupSize));
   };
   // Products of two fields (each ≤ 2^30) must fit the int-typed derived sizes, conv channels
   // 2·key_dim + value_dim included (found by tests/fuzz/fuzz_config: signed overflow).

@@ -12,13 +12,21 @@
 
 namespace lily {
 
+/// Longest sequence (tokens) any backend creates a state for: Qwen3.6-35B-A3B's 262,144-token
+/// context. Also the context assumed for a checkpoint that declares no max_position_embeddings.
+inline constexpr int64_t kMaxContext = 262144;
+
 /// Mixer kind of one decoder layer.
 enum class LayerType { kLinearAttention, kFullAttention };
 
+/// Elements per MLX affine (scale, bias) group along a quantized weight's input dim: the only
+/// group size lily.cpp reads or writes (docs/model.md §2.2; the CUDA kernels' kGroup).
+inline constexpr int kQuantGroupSize = 64;
+
 /// MLX affine quantization settings declared in config.json's `quantization` block.
 struct QuantizationConfig {
-  int bits = 4;         ///< default bit width (must be 4)
-  int group_size = 64;  ///< elements per (scale, bias) group along the input dim (must be 64)
+  int bits = 4;                       ///< default bit width (must be 4)
+  int group_size = kQuantGroupSize;   ///< elements per (scale, bias) group along the input dim (must be 64)
   /// Module paths overridden to 8 bits (must end in `mlp.gate` or `mlp.shared_expert_gate`).
   std::vector<std::string> eight_bit_modules;
 };

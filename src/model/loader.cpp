@@ -22,8 +22,6 @@
 namespace lily {
 namespace {
 
-constexpr int kGroupSize = 64;
-
 bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
 
 /// Tensors a text-only engine ignores (docs/model.md §2.4): vision tower and MTP head.
@@ -155,11 +153,11 @@ void Validator::check_codes(const TensorSpec& spec, const TensorInfo& w) const {
 }
 
 void Validator::check_groups(const TensorSpec& spec, const TensorInfo& s) const {
-  const auto want = group_params_shape(spec, kGroupSize);
+  const auto want = group_params_shape(spec, kQuantGroupSize);
   const int64_t in = spec.shape.back();
   if (same_leading_dims(s.shape, spec.shape)) {
     const int64_t groups = s.shape.back();
-    if (groups > 0 && groups != in / kGroupSize && in % groups == 0)
+    if (groups > 0 && groups != in / kQuantGroupSize && in % groups == 0)
       fail(spec.name + " has group size " + std::to_string(in / groups) + " (" + s.name + " " + s.shape_string() +
            "); lily supports group size 64 only");
   }
@@ -195,7 +193,7 @@ QuantMatrix Validator::quantized(const TensorSpec& spec) {
   m.rows = 1;
   for (size_t i = 0; i + 1 < spec.shape.size(); ++i) m.rows *= spec.shape[i];
   m.bits = spec.bits;
-  m.group_size = kGroupSize;
+  m.group_size = kQuantGroupSize;
   return m;
 }
 

@@ -146,10 +146,10 @@ struct Shape {
 
 ordered_json quantization_block(int layers) {
   ordered_json q;
-  q["group_size"] = 64;
+  q["group_size"] = kQuantGroupSize;
   q["bits"] = 4;
   q["mode"] = "affine";
-  const ordered_json eight = {{"group_size", 64}, {"bits", 8}};
+  const ordered_json eight = {{"group_size", kQuantGroupSize}, {"bits", 8}};
   for (int i = 0; i < layers; ++i) {
     const std::string p = "language_model.model.layers." + std::to_string(i) + ".mlp.";
     q[p + "gate"] = eight;
@@ -322,14 +322,14 @@ class ItemWriter {
  private:
   void run_quantized(const TensorSpec& spec, const WorkItem& item) {
     const int64_t cols = spec.shape.back();
-    const int64_t words = cols * spec.bits / 32, groups = cols / 64, rows = item.row_end - item.row_begin;
+    const int64_t words = cols * spec.bits / 32, groups = cols / kQuantGroupSize, rows = item.row_end - item.row_begin;
     codes_.resize(static_cast<size_t>(rows * words));
     scales_.resize(static_cast<size_t>(rows * groups));
     biases_.resize(static_cast<size_t>(rows * groups));
     Rng rng(stream_key(seed_, spec.name, item.chunk));
     const Sampler sample(init_rule(spec));
-    const int64_t words_per_group = 64 * spec.bits / 32;
-    float w[64];
+    const int64_t words_per_group = kQuantGroupSize * spec.bits / 32;
+    float w[kQuantGroupSize];
     for (int64_t g = 0; g < rows * groups; ++g) {
       for (float& x : w) x = sample(rng);
       quantize_group_affine(w, spec.bits, &codes_[g * words_per_group], &scales_[g], &biases_[g]);
@@ -498,7 +498,7 @@ void install_tokenizer(const std::filesystem::path& file, const TokenizerStopIds
 void quantize_group_affine(const float* w, int bits, uint32_t* packed, uint16_t* scale_bf16, uint16_t* bias_bf16) {
   LILY_CHECK(bits == 4 || bits == 8);
   float lo = w[0], hi = w[0];
-  for (int i = 1; i < 64; ++i) {
+  for (int i = 1; i < kQuantGroupSize; ++i) {
     lo = std::min(lo, w[i]);
     hi = std::max(hi, w[i]);
   }
@@ -509,7 +509,7 @@ void quantize_group_affine(const float* w, int bits, uint32_t* packed, uint16_t*
   *bias_bf16 = float_to_bf16(lo);
   const float s = bf16_to_float(*scale_bf16), b = bf16_to_float(*bias_bf16);
   const int per_word = 32 / bits;
-  for (int word = 0; word < 64 / per_word; ++word) {
+  for (int word = 0; word < kQuantGroupSize / per_word; ++word) {
     uint32_t packed_word = 0;
     for (int i = 0; i < per_word; ++i) {
       float t = (w[word * per_word + i] - b) / s;

@@ -26,7 +26,7 @@ struct QuantMatrix {
   int64_t rows = 0;                 ///< output features (all experts for a stack)
   int64_t cols = 0;                 ///< input features
   int bits = 4;                     ///< 4 or 8
-  int group_size = 64;
+  int group_size = kQuantGroupSize;
 
   int64_t words_per_row() const { return cols * bits / 32; }
   int64_t groups_per_row() const { return cols / group_size; }

@@ -52,12 +52,12 @@ using nlohmann::ordered_json;
 // --- small pure helpers (unit-tested) ----------------------------------------------------------
 
 int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared) {
-  if (requested && *requested > kKernelMaxSeq)
+  if (requested && *requested > kMaxContext)
     throw Error("--max-seq " + std::to_string(*requested) + " exceeds the kernel limit of " +
-                std::to_string(kKernelMaxSeq) + " tokens");
-  int64_t max_seq = requested.value_or(declared > 0 ? declared : kKernelMaxSeq);
+                std::to_string(kMaxContext) + " tokens");
+  int64_t max_seq = requested.value_or(declared > 0 ? declared : kMaxContext);
   if (declared > 0) max_seq = std::min(max_seq, declared);
-  max_seq = std::min(max_seq, kKernelMaxSeq);
+  max_seq = std::min(max_seq, kMaxContext);
   if (max_seq < 2) throw Error("--max-seq must be at least 2 (got " + std::to_string(max_seq) + ")");
   return max_seq;
 }

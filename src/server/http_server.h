@@ -17,9 +17,6 @@
 
 namespace lily::server {
 
-/// Hard limit of the attention kernels on sequence length (tokens).
-inline constexpr int64_t kKernelMaxSeq = 262144;
-
 /// Server-wide sampling defaults from the command line; each unset one comes from the
 /// checkpoint's generation_config.json (when used), else greedy. Request fields override them.
 struct SamplingFlags {
@@ -83,8 +80,8 @@ struct ServerOptions {
 int run_server(const ServerOptions& options);
 
 /// The effective max_seq (docs/server.md, `--max-seq`): the requested value or, by default, the
-/// checkpoint's max_position_embeddings (or the kernel limit when it declares none), clamped
-/// to the declared value. Throws lily::Error when the result is < 2 or a request exceeds 262,144.
+/// checkpoint's max_position_embeddings (or kMaxContext, model/config.h, when it declares none), clamped
+/// to the declared value. Throws lily::Error when the result is < 2 or a request exceeds kMaxContext.
 int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared);
 
 /// `--served-model-name` when given; "Qwen3.6-35B-A3B" for that exact shape; else the

@@ -72,8 +72,8 @@ using RouteOverride =
 /// last token of each step row with want_logits (the only one whose logits are computed).
 class CpuBackend final : public Backend {
  public:
-  /// Longest sequence a state may be created for (the model's 262,144-token context).
-  static constexpr int64_t kMaxSeq = 262144;
+  /// Longest sequence a state may be created for (the model's context, model/config.h).
+  static constexpr int64_t kMaxSeq = kMaxContext;
   /// Default number of prompt tokens per prefill chunk (weights are read once per chunk).
   static constexpr int64_t kDefaultPrefillChunk = 128;
   /// Most rows one step may hold.

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -35,7 +36,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int64_t kMaxSeq = 262144;
+constexpr int64_t kMaxSeq = ::lily::kMaxContext;  // model/config.h
 constexpr int64_t kInitialKvCapacity = 1024;
 
 /// Per-token host<->device exchange, in pinned memory: the graph copies the first three fields
@@ -46,6 +47,14 @@ struct StepIo {
   int32_t len = 0;      ///< pos + 1 (attention length)
   int32_t next_id = 0;  ///< greedy next token (written back by the graph)
 };
+
+/// StepIo's fields as int32_t indices into its device copy (io_dev_).
+constexpr int kIoToken = offsetof(StepIo, token) / sizeof(int32_t);
+constexpr int kIoPos = offsetof(StepIo, pos) / sizeof(int32_t);
+constexpr int kIoLen = offsetof(StepIo, len) / sizeof(int32_t);
+constexpr int kIoNextId = offsetof(StepIo, next_id) / sizeof(int32_t);
+/// Bytes copied in before a step: the fields before next_id.
+constexpr size_t kIoInBytes = offsetof(StepIo, next_id);
 
 /// Owning pinned (page-locked) host allocation of `bytes` bytes (cudaMallocHost / cudaFreeHost),
 /// so that copies to and from the device run at full speed on a stream. Move-only. Throws
@@ -289,15 +298,28 @@ void check_device() {
                         std::to_string(prop.minor));
 }
 
+/// Expert slots per token: the n_experts_per_tok routed experts, then the shared expert in slot
+/// n_experts_per_tok (kernels.h, MoE routing): the length of a token's expert ids, weights and
+/// activation rows.
+int routed_plus_shared_slots(const ModelConfig& c) { return c.n_experts_per_tok + 1; }
+
+/// Expert ids: the n_experts routed experts, then the shared expert as id n_experts; also the rows
+/// of the fused router matrix (router rows, then the shared-expert gate row) and of its logits.
+int routed_plus_shared_experts(const ModelConfig& c) { return c.n_experts + 1; }
+
 void check_shapes(const ModelConfig& c) {
   auto bad = [&](const std::string& what) {
     throw ::lily::Error("CUDA backend: the kernels were not written for this model shape (" + c.shape_name() +
                         "): " + what);
   };
-  if (c.hidden % 64 != 0 || c.hidden > 8192) bad("hidden " + std::to_string(c.hidden) + " (need a multiple of 64, ≤ 8192)");
-  if (c.moe_ffn_dim % 64 != 0 || c.moe_ffn_dim > 8192) bad("moe_intermediate_size " + std::to_string(c.moe_ffn_dim));
+  if (c.hidden % kQuantGroupSize != 0 || c.hidden > 8192) bad("hidden " + std::to_string(c.hidden) + " (need a multiple of 64, ≤ 8192)");
+  if (c.moe_ffn_dim % kQuantGroupSize != 0 || c.moe_ffn_dim > 8192) bad("moe_intermediate_size " + std::to_string(c.moe_ffn_dim));
   if (c.n_experts > 1024 || c.n_experts_per_tok > 32) bad("more than 1024 experts or top-k above 32");
-  if ((c.n_experts_per_tok + 1) * c.moe_ffn_dim / 64 * 69 * 4 > 48 * 1024) bad("top-k × moe_intermediate_size too large");
+  // The expert down kernel stages every slot's activation row (moe_ffn_dim values, staged per
+  // 64-group) in shared memory, within the default limit.
+  if (routed_plus_shared_slots(c) * c.moe_ffn_dim / kQuantGroupSize * kStagedFloatsPerGroup * int(sizeof(float)) >
+      kDefaultSmemBytes)
+    bad("top-k × moe_intermediate_size too large");
 }
 
 }  // namespace
@@ -433,7 +455,7 @@ class CudaBackend final : public Backend {
   // ---- the device sampler ----------------------------------------------------------------------
 
   /// Copies the sampler's row arguments (and the row's penalty edits) to the device, on stream_
-  /// before the step's kernels; the sampler then writes its id over the argmax in io_dev_[3].
+  /// before the step's kernels; the sampler then writes its id over the argmax in io_dev_[kIoNextId].
   /// Outside any graph: the graph's kernels only read sample_args_, whose address is fixed.
   void upload_sampling(const RowSampling& r) {
     const ModelConfig& c = config();
@@ -459,7 +481,7 @@ class CudaBackend final : public Backend {
     a.work = sample_work_.as<float>();
     a.weight = sample_weight_.as<float>();
     a.part_keys = sample_parts_.as<unsigned long long>();
-    a.out_id = io_dev_.as<int32_t>() + 3;
+    a.out_id = io_dev_.as<int32_t>() + kIoNextId;
     a.edits = n_edits > 0 ? sample_edits_.as<PenaltyEdit>() : nullptr;
     a.biases = n_biases > 0 ? sample_biases_.as<float>() : nullptr;
     a.n_edits = static_cast<int32_t>(n_edits);
@@ -506,10 +528,10 @@ class CudaBackend final : public Backend {
     conv_out_ = bf(n_gdn_ ? gdn_.conv_channels() : 1);
     mix_tmp_ = bf(mix);
     q_out_ = bf(int64_t(attn_.n_heads) * attn_.head_dim);
-    act_ = bf(int64_t(c.n_experts_per_tok + 1) * c.moe_ffn_dim);
-    router_logits_ = DeviceBuffer((c.n_experts + 1) * sizeof(float));
-    expert_ids_ = DeviceBuffer((c.n_experts_per_tok + 1) * sizeof(int32_t));
-    expert_w_ = DeviceBuffer((c.n_experts_per_tok + 1) * sizeof(float));
+    act_ = bf(int64_t(routed_plus_shared_slots(c)) * c.moe_ffn_dim);
+    router_logits_ = DeviceBuffer(routed_plus_shared_experts(c) * sizeof(float));
+    expert_ids_ = DeviceBuffer(routed_plus_shared_slots(c) * sizeof(int32_t));
+    expert_w_ = DeviceBuffer(routed_plus_shared_slots(c) * sizeof(float));
     router_done_ = DeviceBuffer(sizeof(uint32_t));
     router_done_.fill_bytes(0);  // launch_router_fused leaves it zero after every launch
     logits_ = DeviceBuffer(static_cast<size_t>(c.vocab) * sizeof(float));
@@ -555,10 +577,10 @@ class CudaBackend final : public Backend {
   }
 
   void copy_io_in() {
-    CUDA_CHECK(cudaMemcpyAsync(io_dev_.data(), io_->get(), 3 * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(io_dev_.data(), io_->get(), kIoInBytes, cudaMemcpyHostToDevice, stream_));
   }
   void copy_io_out() {
-    CUDA_CHECK(cudaMemcpyAsync(&io_->get()->next_id, io_dev_.as<int32_t>() + 3, sizeof(int32_t),
+    CUDA_CHECK(cudaMemcpyAsync(&io_->get()->next_id, io_dev_.as<int32_t>() + kIoNextId, sizeof(int32_t),
                                cudaMemcpyDeviceToHost, stream_));
   }
 
@@ -588,9 +610,9 @@ class CudaBackend final : public Backend {
   void enqueue_forward(CudaState& s, bool probing) {
     const ModelConfig& c = config();
     const int32_t* d_io = io_dev_.as<int32_t>();
-    const int32_t* d_token = d_io + 0;
-    const int32_t* d_pos = d_io + 1;
-    const int32_t* d_len = d_io + 2;
+    const int32_t* d_token = d_io + kIoToken;
+    const int32_t* d_pos = d_io + kIoPos;
+    const int32_t* d_len = d_io + kIoLen;
     const int64_t pos = s.pos;
     launch_embed(model_->embed, d_token, 1, x_.as<bf16>(), stream_);
     if (probing) emit("embed", -1, pos, x_.as<bf16>(), c.hidden);
@@ -629,7 +651,7 @@ class CudaBackend final : public Backend {
       emit("final_norm", -1, pos, normed_.as<bf16>(), c.hidden);
     }
     launch_argmax(logits_.as<float>(), c.vocab, argmax_v_.as<float>(), argmax_i_.as<int32_t>(),
-                  io_dev_.as<int32_t>() + 3, stream_);
+                  io_dev_.as<int32_t>() + kIoNextId, stream_);
     if (probing) emit_f32("logits", -1, pos, logits_.as<float>(), c.vocab);
   }
 
@@ -699,9 +721,10 @@ class CudaBackend final : public Backend {
       launch_router_topk(router_logits_.as<float>(), 1, c.n_experts, k, expert_ids_.as<int32_t>(),
                          expert_w_.as<float>(), stream_);
     }
-    launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, expert_ids_.as<int32_t>(), k + 1, normed_.as<bf16>(), 1,
+    const int n_sel = routed_plus_shared_slots(c);
+    launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, expert_ids_.as<int32_t>(), n_sel, normed_.as<bf16>(), 1,
                           act_.as<bf16>(), stream_);
-    launch_expert_down_combine(L.down, c.hidden, expert_ids_.as<int32_t>(), expert_w_.as<float>(), k + 1,
+    launch_expert_down_combine(L.down, c.hidden, expert_ids_.as<int32_t>(), expert_w_.as<float>(), n_sel,
                                act_.as<bf16>(), 1, moe_out_.as<bf16>(), stream_);
   }
 
@@ -725,7 +748,7 @@ class CudaBackend final : public Backend {
   void prefill_experts(const DeviceLayer& L, int T) {
     const ModelConfig& c = config();
     PrefillScratch& p = *pre_;
-    const int n_sel = c.n_experts_per_tok + 1, n_groups = c.n_experts + 1;
+    const int n_sel = routed_plus_shared_slots(c), n_groups = routed_plus_shared_experts(c);
     if (!tensor_core_gemm_) {
       launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, p.ids.as<int32_t>(), n_sel, p.normed.as<bf16>(), T,
                             p.act.as<bf16>(), stream_);
@@ -762,13 +785,14 @@ class CudaBackend final : public Backend {
     pre_->conv = bf(T * (n_gdn_ ? gdn_.conv_channels() : 1));
     pre_->mix = bf(T * static_cast<int64_t>(mix_tmp_.bytes() / sizeof(bf16)));
     pre_->q = bf(T * int64_t(attn_.n_heads) * attn_.head_dim);
-    pre_->router = DeviceBuffer(T * (c.n_experts + 1) * sizeof(float));
-    pre_->ids = DeviceBuffer(T * (c.n_experts_per_tok + 1) * sizeof(int32_t));
-    pre_->weights = DeviceBuffer(T * (c.n_experts_per_tok + 1) * sizeof(float));
-    pre_->act = bf(T * int64_t(c.n_experts_per_tok + 1) * c.moe_ffn_dim);
+    pre_->router = DeviceBuffer(T * routed_plus_shared_experts(c) * sizeof(float));
+    pre_->ids = DeviceBuffer(T * routed_plus_shared_slots(c) * sizeof(int32_t));
+    pre_->weights = DeviceBuffer(T * routed_plus_shared_slots(c) * sizeof(float));
+    pre_->act = bf(T * int64_t(routed_plus_shared_slots(c)) * c.moe_ffn_dim);
     if (tensor_core_gemm_) {
-      const int n_sel = c.n_experts_per_tok + 1;
-      pre_->grouping = DeviceBuffer(expert_grouping_ints(c.n_experts + 1, prefill_chunk_, n_sel) * sizeof(int32_t));
+      const int n_sel = routed_plus_shared_slots(c);
+      pre_->grouping =
+          DeviceBuffer(expert_grouping_ints(routed_plus_shared_experts(c), prefill_chunk_, n_sel) * sizeof(int32_t));
       pre_->slot_out = bf(T * int64_t(n_sel) * c.hidden);
     }
   }
@@ -793,13 +817,14 @@ class CudaBackend final : public Backend {
                        1, c.hidden, c.rms_norm_eps, stream_);
     launch_quant_gemv(model_->lm_head, normed_.as<bf16>(), nullptr, logits_.as<float>(), stream_);
     launch_argmax(logits_.as<float>(), c.vocab, argmax_v_.as<float>(), argmax_i_.as<int32_t>(),
-                  io_dev_.as<int32_t>() + 3, stream_);
+                  io_dev_.as<int32_t>() + kIoNextId, stream_);
     if (sampling) {
       upload_sampling(*sampling);
       enqueue_sampler();
     }
     int32_t next = 0;
-    CUDA_CHECK(cudaMemcpyAsync(&next, io_dev_.as<int32_t>() + 3, sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(&next, io_dev_.as<int32_t>() + kIoNextId, sizeof(int32_t), cudaMemcpyDeviceToHost,
+                               stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (logits) {
       logits->resize(c.vocab);

@@ -44,7 +44,7 @@ DeviceQuant DeviceModel::upload_concat(const std::vector<const QuantMatrix*>& pa
   int64_t rows = 0;
   const QuantMatrix& first = *parts.front();
   for (const QuantMatrix* p : parts) {
-    if (p->cols != first.cols || p->bits != first.bits || p->group_size != 64)
+    if (p->cols != first.cols || p->bits != first.bits || p->group_size != ::lily::kQuantGroupSize)
       throw ::lily::Error("CUDA upload: fused projection parts differ in width or bit width (" +
                           std::to_string(p->cols) + " vs " + std::to_string(first.cols) + ")");
     rows += p->rows;

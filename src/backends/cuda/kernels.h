@@ -12,6 +12,14 @@
 
 namespace lily::cuda {
 
+/// Dynamic shared memory (bytes) a kernel may use without opting in to more
+/// (cudaFuncAttributeMaxDynamicSharedMemorySize).
+inline constexpr int kDefaultSmemBytes = 48 * 1024;
+
+/// fp32 values one staged 64-group of an activation row takes in shared memory (quant_dot.cuh):
+/// the 64 values padded to kGroupStride = 68, then the group's sum.
+inline constexpr int kStagedFloatsPerGroup = 69;
+
 /// Device view of an MLX affine-quantized matrix W[rows, cols] (docs/model.md §2.2), stored on the
 /// device exactly in the checkpoint layout: codes U32 [rows, cols·bits/32] (lowest element in
 /// the lowest bits), scales and biases bf16 [rows, cols/64]; w = scale·q + bias in fp32.

@@ -241,7 +241,7 @@ void launch_expert_down_combine(const DeviceQuant& down, int hidden, const int32
   const int L = lanes_per_row(down.groups_per_row());
   const int rows_per_block = kDownRowWarps * (kWarp / L);
   const size_t smem = static_cast<size_t>(down_smem_floats(down.cols, n_sel, rows_per_block)) * sizeof(float);
-  if (smem > 48 * 1024 || m <= 0 || n_sel <= 0 || hidden <= 0)
+  if (smem > kDefaultSmemBytes || m <= 0 || n_sel <= 0 || hidden <= 0)
     throw ::lily::Error("expert down_proj: " + std::to_string(n_sel) + " experts × ffn " + std::to_string(down.cols) +
                         " exceed the kernel's shared-memory staging");
   const dim3 grid(static_cast<unsigned>(ceil_div(hidden, rows_per_block)), m);

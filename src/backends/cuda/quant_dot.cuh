@@ -12,6 +12,7 @@ namespace lily::cuda {
 /// Floats per staged 64-group in shared memory: 64 + 4 padding, so that 16-byte reads of eight
 /// consecutive lanes (one per group) hit distinct banks.
 constexpr int kGroupStride = 68;
+static_assert(kGroupStride + 1 == kStagedFloatsPerGroup, "kernels.h describes this layout to host code");
 
 /// Shared-memory bytes to stage an activation row of `cols` values (plus its group sums).
 inline size_t staged_row_bytes(int cols) {

@@ -668,7 +668,7 @@ void mma_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cuda
   const int tiles_per_block = kMmaWarps / mma_ksplit(groups);
   const int64_t blocks_needed = ceil_div(ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows)), tiles_per_block);
   const size_t smem = mma_smem_bytes(w.cols, m);
-  if (smem > 48 * 1024)
+  if (smem > kDefaultSmemBytes)
     CUDA_CHECK(cudaFuncSetAttribute(quant_mma_gemv_kernel<OutT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
   int per_sm = 0;
@@ -681,7 +681,7 @@ void mma_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cuda
 template <int BITS, class OutT>
 void tiled_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream) {
   const size_t smem = tiled_gemv_smem(w.cols);
-  if (smem > 48 * 1024)
+  if (smem > kDefaultSmemBytes)
     CUDA_CHECK(cudaFuncSetAttribute(quant_gemv_tiled_kernel<BITS, OutT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
   const int L = lanes_per_row(w.cols / kGroup), RW = kWarp / L;

@@ -14,9 +14,9 @@ TEST(MaxSeq, DefaultsToTheCheckpointAndClamps) {
   EXPECT_EQ(resolve_max_seq(std::nullopt, 4096), 4096);
   EXPECT_EQ(resolve_max_seq(1024, 4096), 1024);
   EXPECT_EQ(resolve_max_seq(8192, 4096), 4096);
-  EXPECT_EQ(resolve_max_seq(std::nullopt, 0), kKernelMaxSeq);
-  EXPECT_EQ(resolve_max_seq(std::nullopt, 1000000), kKernelMaxSeq);
-  EXPECT_THROW(resolve_max_seq(262145, 0), Error);
+  EXPECT_EQ(resolve_max_seq(std::nullopt, 0), kMaxContext);
+  EXPECT_EQ(resolve_max_seq(std::nullopt, 1000000), kMaxContext);
+  EXPECT_THROW(resolve_max_seq(kMaxContext + 1, 0), Error);
   EXPECT_THROW(resolve_max_seq(1, 4096), Error);
   EXPECT_THROW(resolve_max_seq(0, 4096), Error);
 }

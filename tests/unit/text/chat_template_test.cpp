@@ -30,6 +30,16 @@ std::shared_ptr<const Tokenizer> demo() {
   return tok;
 }
 
+TEST(ChatRoleFromName, TheFiveNamesAndNothingElse) {
+  EXPECT_EQ(chat_role_from_name("system"), ChatRole::kSystem);
+  EXPECT_EQ(chat_role_from_name("developer"), ChatRole::kSystem);
+  EXPECT_EQ(chat_role_from_name("user"), ChatRole::kUser);
+  EXPECT_EQ(chat_role_from_name("assistant"), ChatRole::kAssistant);
+  EXPECT_EQ(chat_role_from_name("tool"), ChatRole::kTool);
+  for (const char* other : {"function", "User", "SYSTEM", "", " user", "user ", "ipython"})
+    EXPECT_EQ(chat_role_from_name(other), std::nullopt) << other;
+}
+
 TEST(RenderChat, ExactTextFromModelMd) {
   std::vector<ChatMessage> one = {user("  Hi there \n")};
   EXPECT_EQ(render_chat(one), "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
