@@ -98,7 +98,12 @@ __global__ void __launch_bounds__(kGemvThreads, 3) quant_gemv_kernel(DeviceQuant
 constexpr int kTiledTokens = 8;
 /// Dynamic shared memory of quant_gemv_tiled_kernel: kTiledTokens staged rows (70.6 KB at 2,048
 /// columns); wider matrices than kMaxTiledSmem allows keep the per-row kernel.
-inline size_t tiled_gemv_smem(int cols) { return kTiledTokens * staged_row_bytes(cols); }
+/// Floats between two staged rows: staged_row_bytes rounded up to 16 bytes, so each row's
+/// float4 loads stay aligned when the group count is odd (69 floats per group).
+__host__ __device__ inline int tiled_row_floats(int groups) { return (groups * (kGroupStride + 1) + 3) & ~3; }
+inline size_t tiled_gemv_smem(int cols) {
+  return static_cast<size_t>(kTiledTokens) * tiled_row_floats(cols / kGroup) * sizeof(float);
+}
 constexpr size_t kMaxTiledSmem = 112 * 1024;  // two blocks per SM
 
 /// grid (blocks, ceil(m / kTiledTokens)); x [m, cols]; y [m, rows]: the batched CUDA-core GEMV
@@ -116,7 +121,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2) quant_gemv_tiled_kernel(Devic
   const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * (kGemvThreads / kWarp) + threadIdx.x / kWarp;
   const int64_t n_warps = static_cast<int64_t>(gridDim.x) * (kGemvThreads / kWarp);
   const int t0 = blockIdx.y * kTiledTokens, tokens = min(kTiledTokens, m - t0);
-  const int row_floats = groups * (kGroupStride + 1);  // one staged row (staged_row_bytes)
+  const int row_floats = tiled_row_floats(groups);  // one staged row, 16-byte aligned
   pdl_prologue();
   for (int i = 0; i < tokens; ++i)
     stage_row(x + static_cast<int64_t>(t0 + i) * w.cols, w.cols, smem + i * row_floats,
