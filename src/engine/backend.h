@@ -147,7 +147,7 @@ struct CudaOptions {
   bool pdl = true;               ///< LILY_CUDA_PDL 1|0: programmatic dependent launch
   bool stream_gemv = true;       ///< LILY_CUDA_STREAM_GEMV 1|0: 4-bit GEMV weights by bulk copies, or register loads
   bool flash_prefill = true;     ///< LILY_CUDA_FLASH_PREFILL 1|0: prefill attention on tensor cores, or the row kernel
-  bool device_sampler = false;   ///< LILY_CUDA_DEVICE_SAMPLER 1|0: sampled rows sampled on the GPU, or on the host
+  bool device_sampler = true;    ///< LILY_CUDA_DEVICE_SAMPLER 1|0: sampled rows sampled on the GPU, or on the host
   bool gemv_row_tiles = false;   ///< LILY_CUDA_GEMV_ROW_TILES 1|0: batched GEMV weights loaded once per 8 token rows
   bool batched_prefill = true;   ///< LILY_CUDA_PREFILL batched|per-token
   bool tensor_core_gemm = true;  ///< LILY_CUDA_GEMM tensor-core|gemv: the prefill projections and experts

@@ -68,7 +68,7 @@ TEST(CudaSamplingE2e, DeviceSamplerMatchesHostSamplerOnTheBackendsLogits) {
   o.out = dir.path();
   write_synthetic_checkpoint(o);
   auto w = load_model(dir.path());
-  cuda::set_device_sampler_enabled(true);  // off by default until this test has passed on a GPU
+  cuda::set_device_sampler_enabled(true);  // the default; set here so LILY_CUDA_DEVICE_SAMPLER=0 cannot skip it
   auto gpu = make_cuda_backend(w);
   ASSERT_TRUE(gpu->samples_on_device());
   const int vocab = w->config.vocab;

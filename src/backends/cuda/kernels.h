@@ -139,8 +139,9 @@ bool flash_prefill_enabled();
 void set_flash_prefill_enabled(bool on);
 
 /// Whether sampled rows are sampled on the device (sampler.cu) instead of on the host from
-/// copied logits. LILY_CUDA_DEVICE_SAMPLER "1" → on; unset, empty or "0" → off (the default
-/// until the end-to-end sampling test has run on a GPU); any other value throws lily::Error.
+/// copied logits. LILY_CUDA_DEVICE_SAMPLER unset, empty or "1" → on (the default: its kernels and
+/// its end-to-end test agree with the host sampler on an H200); "0" → off; any other value
+/// throws lily::Error.
 bool device_sampler_enabled();
 /// Overrides LILY_CUDA_DEVICE_SAMPLER for the rest of the process (tests of both paths).
 void set_device_sampler_enabled(bool on);

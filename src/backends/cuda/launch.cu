@@ -1,9 +1,9 @@
 // Run-time kernel switches, read once from the environment: programmatic dependent launch
 // (launch.cuh, LILY_CUDA_PDL), the bulk-copy streaming GEMV (quant_gemv.cu, LILY_CUDA_STREAM_GEMV)
-// tensor-core prefill attention (flash_prefill.cu, LILY_CUDA_FLASH_PREFILL), all on by default
-// ("0" turns one off for a same-machine comparison); the device sampler (sampler.cu,
-// LILY_CUDA_DEVICE_SAMPLER) and the token-tiled batched GEMV (quant_gemv.cu,
-// LILY_CUDA_GEMV_ROW_TILES), off by default until their tests have run on a GPU.
+// tensor-core prefill attention (flash_prefill.cu, LILY_CUDA_FLASH_PREFILL) and the device
+// sampler (sampler.cu, LILY_CUDA_DEVICE_SAMPLER), all on by default ("0" turns one off for a
+// same-machine comparison); the token-tiled batched GEMV (quant_gemv.cu,
+// LILY_CUDA_GEMV_ROW_TILES), off by default until its test has passed on a GPU.
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -52,7 +52,7 @@ void set_stream_gemv_enabled(bool on) { g_stream_gemv.store(on ? 1 : 0); }
 bool flash_prefill_enabled() { return read_switch(g_flash_prefill, "LILY_CUDA_FLASH_PREFILL"); }
 void set_flash_prefill_enabled(bool on) { g_flash_prefill.store(on ? 1 : 0); }
 
-bool device_sampler_enabled() { return read_switch(g_device_sampler, "LILY_CUDA_DEVICE_SAMPLER", 0); }
+bool device_sampler_enabled() { return read_switch(g_device_sampler, "LILY_CUDA_DEVICE_SAMPLER", 1); }
 void set_device_sampler_enabled(bool on) { g_device_sampler.store(on ? 1 : 0); }
 
 bool gemv_row_tiles_enabled() { return read_switch(g_gemv_row_tiles, "LILY_CUDA_GEMV_ROW_TILES", 0); }
