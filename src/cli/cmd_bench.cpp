@@ -8,6 +8,10 @@
 // with --json-out, written with per-step times, the device and the command line.
 // Note: decode here is synchronous per step (no one-step look-ahead yet), so the numbers include
 // the host round trip of every token.
+// With --temperature > 0 (and optionally --top-p/--top-k/--min-p, --seed) the rounds run
+// through generate() with those sampling parameters and no stop token, so a sampled decode is
+// measured as the server runs it (on CUDA: the device sampler, or with LILY_CUDA_DEVICE_SAMPLER=0
+// the logits row copied to the host). The seed fixes the draws, so the digest still repeats.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -23,6 +27,7 @@
 #include "base/error.h"
 #include "cli/commands.h"
 #include "engine/backend.h"
+#include "engine/generate.h"
 #include "engine/model_paths.h"
 #include "model/loader.h"
 
@@ -38,6 +43,21 @@ struct BenchFlags {
   int threads = 0;
   std::string json_out;
   bool no_mmap = false;
+  double temperature = 0, top_p = 1, min_p = 0;  ///< sampling; temperature 0 = the greedy contract
+  int top_k = 0;
+  uint64_t seed = 1;
+
+  /// True when the rounds sample (temperature > 0) instead of taking the argmax.
+  bool sampled() const { return temperature > 0; }
+  SamplingParams sampling() const {
+    SamplingParams p;
+    p.temperature = static_cast<float>(temperature);
+    p.top_p = static_cast<float>(top_p);
+    p.top_k = top_k;
+    p.min_p = static_cast<float>(min_p);
+    p.seed = seed;
+    return p;
+  }
 };
 
 using Clock = std::chrono::steady_clock;
@@ -59,6 +79,13 @@ uint64_t fnv1a(const std::vector<int32_t>& ids) {
     h *= 0x100000001b3ull;
   }
   return h;
+}
+
+/// `v` with up to 6 significant digits, no trailing zeros ("0.6", "0.95", "1").
+std::string format_number(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.6g", v);
+  return b;
 }
 
 double median(std::vector<double> v) {
@@ -95,6 +122,32 @@ void warm_up(Backend& backend, const std::vector<int32_t>& prompt) {
   backend.decode(*warm, t);
 }
 
+/// One round through generate() with `sampling`: `steps` + 1 tokens, no stop token. Prefill time
+/// runs to the first token on the host (TTFT); each later token is one decode step.
+Round run_sampled_round(Backend& backend, const std::vector<int32_t>& prompt, int steps, const SamplingParams& sampling) {
+  GenerationParams params;
+  params.max_tokens = steps + 1;
+  params.max_seq = static_cast<int64_t>(prompt.size()) + steps + 1;
+  params.sampling = sampling;
+  auto state = backend.new_state(params.max_seq);
+  Round r;
+  std::vector<Clock::time_point> at;
+  const auto t0 = Clock::now();
+  const GenerationResult g = generate(backend, *state, prompt, params, nullptr, [&](int32_t, std::string_view) {
+    at.push_back(Clock::now());
+    return true;
+  });
+  if (static_cast<int>(g.token_ids.size()) != steps + 1 || at.size() != g.token_ids.size())
+    throw InternalError("lily bench: generate() returned " + std::to_string(g.token_ids.size()) + " tokens, not " +
+                        std::to_string(steps + 1));
+  r.prefill_s = std::chrono::duration<double>(at[0] - t0).count();
+  r.first_token = g.token_ids[0];
+  for (size_t i = 1; i < at.size(); ++i) r.step_s.push_back(std::chrono::duration<double>(at[i] - at[i - 1]).count());
+  r.decode_s = std::chrono::duration<double>(at.back() - at[0]).count();
+  r.digest = fnv1a(std::vector<int32_t>(g.token_ids.begin() + 1, g.token_ids.end()));
+  return r;
+}
+
 Round run_round(Backend& backend, const std::vector<int32_t>& prompt, int steps) {
   auto state = backend.new_state(static_cast<int64_t>(prompt.size()) + steps + 1);
   Round r;
@@ -121,6 +174,12 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
   if (f.prompt_len < 1) throw Error("--prompt-len must be at least 1");
   if (f.decode_steps < 1) throw Error("--decode-steps must be at least 1");
   if (f.rounds < 1) throw Error("--rounds must be at least 1");
+  if (f.temperature < 0 || f.temperature > 2) throw Error("--temperature must be in [0, 2]");
+  if (!(f.top_p > 0 && f.top_p <= 1)) throw Error("--top-p must be in (0, 1]");
+  if (f.top_k < 0) throw Error("--top-k must be 0 (off) or a positive integer");
+  if (f.min_p < 0 || f.min_p > 1) throw Error("--min-p must be in [0, 1]");
+  if (!f.sampled() && (f.top_p != 1 || f.top_k != 0 || f.min_p != 0))
+    throw Error("--top-p, --top-k and --min-p need --temperature > 0 (the default bench is greedy)");
   if (!f.json_out.empty()) {
     // Refused before the (possibly long) run, not after it.
     const auto parent = std::filesystem::absolute(f.json_out).parent_path();
@@ -146,9 +205,13 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
   if (!backend->reads_host_weights()) weights.reset();  // unmaps the checkpoint (as lily serve)
   const auto prompt = synthetic_prompt(f.prompt_len, backend->config().vocab);
   std::vector<Round> rounds;
-  warm_up(*backend, prompt);
+  if (f.sampled())
+    run_sampled_round(*backend, prompt, 2, f.sampling());  // the warm-up, with the sampled path's graphs
+  else
+    warm_up(*backend, prompt);
   for (int i = 0; i < f.rounds; ++i) {
-    rounds.push_back(run_round(*backend, prompt, f.decode_steps));
+    rounds.push_back(f.sampled() ? run_sampled_round(*backend, prompt, f.decode_steps, f.sampling())
+                                 : run_round(*backend, prompt, f.decode_steps));
     const Round& r = rounds.back();
     std::printf("round %d: prefill %.4f s (%.1f tok/s), decode %.1f tok/s, digest %016llx\n", i, r.prefill_s,
                 double(f.prompt_len) / r.prefill_s, f.decode_steps / r.decode_s, (unsigned long long)r.digest);
@@ -162,9 +225,14 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
     dec.push_back(f.decode_steps / r.decode_s);
   }
   const std::string device = device_description(backend->name());
-  std::printf("%s | %s | prompt %lld | prefill %.1f tok/s (median of %d) | decode %.1f tok/s | digest %016llx\n",
+  const std::string sampling_label =
+      f.sampled() ? " | sampled T=" + format_number(f.temperature) + " top-p=" + format_number(f.top_p) +
+                        " top-k=" + std::to_string(f.top_k) + " min-p=" + format_number(f.min_p) +
+                        " seed=" + std::to_string(f.seed)
+                  : "";
+  std::printf("%s | %s | prompt %lld | prefill %.1f tok/s (median of %d) | decode %.1f tok/s | digest %016llx%s\n",
               backend->name().c_str(), device.c_str(), (long long)f.prompt_len, median(pre), f.rounds, median(dec),
-              (unsigned long long)rounds.front().digest);
+              (unsigned long long)rounds.front().digest, sampling_label.c_str());
   if (!f.json_out.empty()) {
     nlohmann::json j;
     std::string cmd;
@@ -176,6 +244,9 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
     if (std::string_view(backend->name()) == "cuda") j["meta"]["cuda_options"] = lily::CudaOptions::from_env().describe();
     j["workload"] = {{"prompt_len", f.prompt_len}, {"prompt_kind", "u32_golden_ratio_hash_mod_vocab"},
                      {"decode_steps", f.decode_steps}, {"decode_mode", "synchronous_per_step"}, {"rounds", f.rounds},
+                     {"sampling", f.sampled() ? nlohmann::json{{"temperature", f.temperature}, {"top_p", f.top_p},
+                                                               {"top_k", f.top_k}, {"min_p", f.min_p}, {"seed", f.seed}}
+                                              : nlohmann::json("greedy")},
                      {"warm_up", "once per run, prefill + 2 decode steps at the exact shape"}};
     nlohmann::json rs = nlohmann::json::array();
     for (const Round& r : rounds)
@@ -206,11 +277,21 @@ void register_bench(CLI::App& app, int& exit_code) {
       ->check(integer_at_least(0));
   cmd->add_option("--json-out", f->json_out, "write the JSON report here");
   cmd->add_flag("--no-mmap", f->no_mmap, "read the weights into memory instead of memory-mapping them");
+  cmd->add_option("--temperature", f->temperature, "sample at this temperature, 0 … 2 (0 = the greedy contract)")
+      ->capture_default_str();
+  cmd->add_option("--top-p", f->top_p, "with --temperature: top-p, (0, 1] (1 = off)")->capture_default_str();
+  cmd->add_option("--top-k", f->top_k, "with --temperature: top-k (0 = off)")->capture_default_str();
+  cmd->add_option("--min-p", f->min_p, "with --temperature: min-p, 0 … 1 (0 = off)")->capture_default_str();
+  cmd->add_option("--seed", f->seed, "with --temperature: the sampling seed")->capture_default_str();
   cmd->callback([f, &exit_code] {
     f->model = model_dir_or_default(f->model).string();
-    const std::vector<std::string> argv = {"lily bench --model", f->model, "--prompt-len", std::to_string(f->prompt_len),
+    std::vector<std::string> argv = {"lily bench --model", f->model, "--prompt-len", std::to_string(f->prompt_len),
                                            "--decode-steps", std::to_string(f->decode_steps), "--rounds",
                                            std::to_string(f->rounds), "--backend", f->backend};
+    if (f->sampled())
+      argv.insert(argv.end(), {"--temperature", format_number(f->temperature), "--top-p", format_number(f->top_p),
+                               "--top-k", std::to_string(f->top_k), "--min-p", format_number(f->min_p), "--seed",
+                               std::to_string(f->seed)});
     run_bench(*f, argv);
     exit_code = 0;
   });

@@ -81,6 +81,52 @@ TEST(BenchCli, ReportFollowsTheContractAndMatchesGenerate) {
   EXPECT_EQ(report["rounds"][0]["digest"], fnv1a_hex({generated.begin() + 1, generated.end()}));
 }
 
+// --temperature: the rounds sample through generate(); the seed fixes the draws, so the digest
+// repeats and equals that of `lily generate` with the same sampling flags and seed.
+TEST(BenchCli, SampledRoundsRepeatAndMatchGenerateWithTheSameSeed) {
+  test::TempDir dir;
+  const auto report_path = dir.path() / "bench.json";
+  const int prompt_len = 16, steps = 8;
+  const std::string sampling = " --temperature 0.9 --top-p 0.9 --top-k 40 --seed 7";
+  const test::CliRun bench =
+      test::run_lily("bench --backend cpu --threads 2 --model " + quoted(test::demo_model_dir()) + " --prompt-len " +
+                         std::to_string(prompt_len) + " --decode-steps " + std::to_string(steps) +
+                         " --rounds 2 --json-out " + quoted(report_path) + sampling,
+                     true);
+  ASSERT_EQ(bench.exit_code, 0) << bench.output;
+  EXPECT_NE(bench.output.find("| sampled T=0.9 top-p=0.9 top-k=40 min-p=0 seed=7"), std::string::npos) << bench.output;
+  const auto report = nlohmann::json::parse(std::ifstream(report_path));
+  EXPECT_EQ(report["workload"]["sampling"]["seed"], 7);
+  ASSERT_EQ(report["rounds"].size(), 2u);
+  EXPECT_EQ(report["rounds"][1]["digest"], report["rounds"][0]["digest"]);
+  EXPECT_EQ(report["rounds"][0]["step_secs"].size(), size_t(steps));
+
+  const auto config = nlohmann::json::parse(std::ifstream(test::demo_model_dir() / "config.json"));
+  std::string ids;
+  for (int32_t id : contract_prompt(prompt_len, config["text_config"]["vocab_size"]))
+    ids += (ids.empty() ? "" : ",") + std::to_string(id);
+  const test::CliRun gen = test::run_lily("generate --backend cpu --threads 2 --json --model " +
+                                              quoted(test::demo_model_dir()) + " --prompt-ids " + ids +
+                                              " --max-tokens " + std::to_string(steps + 1) + sampling,
+                                          false);
+  ASSERT_EQ(gen.exit_code, 0) << gen.output;
+  const auto generated = nlohmann::json::parse(gen.output)["token_ids"].get<std::vector<int32_t>>();
+  if (generated.size() == size_t(steps + 1)) {  // bench has no stop token; generate stops at EOS
+    EXPECT_EQ(report["rounds"][0]["first_token_id"], generated[0]);
+    EXPECT_EQ(report["rounds"][0]["digest"], fnv1a_hex({generated.begin() + 1, generated.end()}));
+  } else {
+    ASSERT_FALSE(generated.empty());
+    EXPECT_EQ(report["rounds"][0]["first_token_id"], generated[0]);
+  }
+  // Without --temperature the bench keeps the greedy contract (no sampling label).
+  const test::CliRun greedy = test::run_lily("bench --backend cpu --threads 2 --model " + quoted(test::demo_model_dir()) +
+                                                 " --prompt-len " + std::to_string(prompt_len) + " --decode-steps " +
+                                                 std::to_string(steps) + " --rounds 1",
+                                             true);
+  ASSERT_EQ(greedy.exit_code, 0) << greedy.output;
+  EXPECT_EQ(greedy.output.find("sampled"), std::string::npos);
+}
+
 // Without --model, bench finds the repository's models/demo next to its executable, as serve and
 // generate do, whatever the working directory (it used to open ./models/demo and fail with
 // "models/demo: not a checkpoint directory" anywhere but the repository root). A copy of the
@@ -109,7 +155,9 @@ TEST(BenchCli, WithoutModelUsesTheDemoModelNextToTheExecutable) {
 
 TEST(BenchCli, BadOptionsAreRefused) {
   for (const std::string args : {"--backend cpu --prompt-len 0", "--backend cpu --decode-steps 0",
-                                 "--backend cpu --rounds 0", "--backend metal"}) {
+                                 "--backend cpu --rounds 0", "--backend metal", "--backend cpu --temperature 3",
+                                 "--backend cpu --top-p 0.9", "--backend cpu --temperature 1 --top-p 0",
+                                 "--backend cpu --temperature 1 --top-k -2", "--backend cpu --temperature 1 --min-p 2"}) {
     const test::CliRun r = test::run_lily("bench --model " + quoted(test::demo_model_dir()) + " " + args, true);
     EXPECT_NE(r.exit_code, 0) << args;
     EXPECT_FALSE(r.output.empty()) << args;
