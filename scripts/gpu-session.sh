@@ -35,7 +35,7 @@ if has timing; then
   "$BUILD/tests/test_cuda_core_kernels" --gtest_filter='CudaTiming.*' 2>&1 | grep -E "\[timing\]|FAILED" | tee "$OUT/timing.txt"
 fi
 
-if has bench || has profile || has base || has ab || has detail; then
+if has bench || has profile || has base || has ab || has detail || has sampled; then
   if [[ ! -f "$BIG/model.safetensors" ]]; then
     echo "== lily synth --preset 35b-a3b"
     t1=$(date +%s)
@@ -63,6 +63,22 @@ if has ab; then
     echo "== A/B: ${combo}" | tee -a "$OUT/ab.txt"
     env "${envs[@]}" timeout 200 "$BUILD/lily" bench --backend cuda --model "$BIG" --prompt-len "${LILY_GPU_AB_LEN:-256}" \
       --decode-steps 64 --rounds 3 --json-out /tmp/ab.json 2>&1 | tail -1 | tee -a "$OUT/ab.txt"
+  done
+fi
+
+# Sampled decode, device sampler vs the host sampler (LILY_CUDA_DEVICE_SAMPLER=0), at
+# LILY_GPU_SAMPLED_LEN (default 4096) tokens: each of LILY_GPU_SAMPLINGS (comma-separated bench
+# flags, ";" between settings) with both samplers; the two digests must agree.
+if has sampled; then
+  : >"$OUT/sampled.txt"
+  IFS=';' read -ra settings <<<"${LILY_GPU_SAMPLINGS:---temperature,0.7,--top-p,0.8,--top-k,20;--temperature,1,--min-p,0.05;--temperature,1,--top-p,0.95;--temperature,1}"
+  for setting in "${settings[@]}"; do
+    IFS=, read -ra flags <<<"$setting"
+    for dev in 1 0; do
+      echo "== sampled ${flags[*]} LILY_CUDA_DEVICE_SAMPLER=$dev" | tee -a "$OUT/sampled.txt"
+      LILY_CUDA_DEVICE_SAMPLER=$dev timeout 200 "$BUILD/lily" bench --backend cuda --model "$BIG" \
+        --prompt-len "${LILY_GPU_SAMPLED_LEN:-4096}" --decode-steps 64 --rounds 3 "${flags[@]}" 2>&1 | tail -1 | tee -a "$OUT/sampled.txt"
+    done
   done
 fi
 
