@@ -520,13 +520,13 @@ class CudaBackend final : public Backend {
     const int64_t mix = std::max<int64_t>(n_gdn_ ? gdn_.value_dim() : 0, int64_t(attn_.n_heads) * attn_.head_dim);
     auto bf = [](int64_t n) { return DeviceBuffer(std::max<int64_t>(n, 1) * sizeof(bf16)); };
     x_ = bf(c.hidden);
-    x2_ = bf(c.hidden);
+    x_alt_ = bf(c.hidden);
     normed_ = bf(c.hidden);
     mixer_out_ = bf(c.hidden);
     moe_out_ = bf(c.hidden);
     proj_ = bf(proj_rows);
     conv_out_ = bf(n_gdn_ ? gdn_.conv_channels() : 1);
-    mix_tmp_ = bf(mix);
+    mixer_core_out_ = bf(mix);
     q_out_ = bf(int64_t(attn_.n_heads) * attn_.head_dim);
     act_ = bf(int64_t(routed_plus_shared_slots(c)) * c.moe_ffn_dim);
     router_logits_ = DeviceBuffer(routed_plus_shared_experts(c) * sizeof(float));
@@ -617,13 +617,13 @@ class CudaBackend final : public Backend {
     launch_embed(model_->embed, d_token, 1, x_.as<bf16>(), stream_);
     if (probing) emit("embed", -1, pos, x_.as<bf16>(), c.hidden);
     // Every add + RMSNorm is folded into the GEMV that consumes it (FusedNorm): the residual
-    // stream ping-pongs x_ → x2_ (input norm, in the mixer's first GEMV) → x_ (post norm, in the
+    // stream ping-pongs x_ → x_alt_ (input norm, in the mixer's first GEMV) → x_ (post norm, in the
     // router); normed_ holds the latest normed row (the expert kernels read it).
     // With LILY_CUDA_FUSE=0 the residual stays in x_ and the norms are separate kernels.
-    const DeviceBuffer& resid = fuse_decode_ ? x2_ : x_;  // the residual right after an input/final norm's add
+    const DeviceBuffer& resid = fuse_decode_ ? x_alt_ : x_;  // the residual right after an input/final norm's add
     for (int l = 0; l < c.n_layers; ++l) {
       const DeviceLayer& L = model_->layers[l];
-      const FusedNorm in_norm = fused_norm(l == 0 ? nullptr : moe_out_.as<bf16>(), L.input_norm, x2_);
+      const FusedNorm in_norm = fused_norm(l == 0 ? nullptr : moe_out_.as<bf16>(), L.input_norm, x_alt_);
       if (!fuse_decode_) separate_norm(in_norm);
       if (L.type == LayerType::kLinearAttention) gdn_mixer(L, s, layer_slot_[l], in_norm);
       else attention_mixer(L, s, layer_slot_[l], d_pos, d_len, in_norm);
@@ -639,7 +639,7 @@ class CudaBackend final : public Backend {
         emit("ffn_out", l, pos, moe_out_.as<bf16>(), c.hidden);
       }
     }
-    const FusedNorm final_norm = fused_norm(moe_out_.as<bf16>(), model_->final_norm, x2_);
+    const FusedNorm final_norm = fused_norm(moe_out_.as<bf16>(), model_->final_norm, x_alt_);
     if (fuse_decode_) {
       launch_add_rmsnorm_gemv(final_norm, x_.as<bf16>(), model_->lm_head, nullptr, logits_.as<float>(), stream_);
     } else {
@@ -687,8 +687,8 @@ class CudaBackend final : public Backend {
       gdn_conv_decode(gdn_, L.gdn, proj, s.window(slot), conv_out_.as<bf16>(), stream_);
     }
     gdn_decode(gdn_, L.gdn, conv_out_.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, s.state(slot),
-               mix_tmp_.as<bf16>(), stream_);
-    launch_quant_gemv(L.gdn_out, mix_tmp_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
+               mixer_core_out_.as<bf16>(), stream_);
+    launch_quant_gemv(L.gdn_out, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
   }
 
   void attention_mixer(const DeviceLayer& L, CudaState& s, int slot, const int32_t* d_pos, const int32_t* d_len,
@@ -702,17 +702,17 @@ class CudaBackend final : public Backend {
                       0, d_pos, kv, q_out_.as<bf16>(), stream_);
     const int splits = attention_decode_splits(s.capacity);
     attention_decode(attn_, q_out_.as<bf16>(), proj, kv, 1, d_len, splits, attn_ws_.as<float>(), attn_ws_bytes_,
-                     mix_tmp_.as<bf16>(), stream_);
-    launch_quant_gemv(L.attn_out, mix_tmp_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
+                     mixer_core_out_.as<bf16>(), stream_);
+    launch_quant_gemv(L.attn_out, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
   }
 
   void moe_block(const DeviceLayer& L) {
     const ModelConfig& c = config();
     const int k = c.n_experts_per_tok;
-    // Post norm (x2_ + mixer_out_ → x_, normed_) + router GEMV + top-k in one launch (the logits
+    // Post norm (x_alt_ + mixer_out_ → x_, normed_) + router GEMV + top-k in one launch (the logits
     // are still written, for the probes).
     if (fuse_decode_) {
-      launch_add_rmsnorm_router_fused(fused_norm(mixer_out_.as<bf16>(), L.post_norm, x_), x2_.as<bf16>(), L.router,
+      launch_add_rmsnorm_router_fused(fused_norm(mixer_out_.as<bf16>(), L.post_norm, x_), x_alt_.as<bf16>(), L.router,
                                       c.n_experts, k, router_logits_.as<float>(), expert_ids_.as<int32_t>(),
                                       expert_w_.as<float>(), router_done_.as<uint32_t>(), stream_);
     } else {
@@ -747,7 +747,7 @@ class CudaBackend final : public Backend {
   /// SwiGLU, grouped down into per-slot rows, slot-order fp32 combine (deterministic).
   void prefill_experts(const DeviceLayer& L, int T) {
     const ModelConfig& c = config();
-    PrefillScratch& p = *pre_;
+    PrefillScratch& p = *prefill_scratch_;
     const int n_sel = routed_plus_shared_slots(c), n_groups = routed_plus_shared_experts(c);
     if (!tensor_core_gemm_) {
       launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, p.ids.as<int32_t>(), n_sel, p.normed.as<bf16>(), T,
@@ -771,29 +771,29 @@ class CudaBackend final : public Backend {
   };
 
   void allocate_prefill_scratch() {
-    if (pre_) return;
+    if (prefill_scratch_) return;
     const ModelConfig& c = config();
     const int64_t T = prefill_chunk_;
     auto bf = [](int64_t n) { return DeviceBuffer(std::max<int64_t>(n, 1) * sizeof(bf16)); };
-    pre_ = std::make_unique<PrefillScratch>();
-    pre_->tokens = DeviceBuffer(T * sizeof(int32_t));
-    pre_->x = bf(T * c.hidden);
-    pre_->normed = bf(T * c.hidden);
-    pre_->branch = bf(T * c.hidden);
-    pre_->moe = bf(T * c.hidden);
-    pre_->proj = bf(T * static_cast<int64_t>(proj_.bytes() / sizeof(bf16)));
-    pre_->conv = bf(T * (n_gdn_ ? gdn_.conv_channels() : 1));
-    pre_->mix = bf(T * static_cast<int64_t>(mix_tmp_.bytes() / sizeof(bf16)));
-    pre_->q = bf(T * int64_t(attn_.n_heads) * attn_.head_dim);
-    pre_->router = DeviceBuffer(T * routed_plus_shared_experts(c) * sizeof(float));
-    pre_->ids = DeviceBuffer(T * routed_plus_shared_slots(c) * sizeof(int32_t));
-    pre_->weights = DeviceBuffer(T * routed_plus_shared_slots(c) * sizeof(float));
-    pre_->act = bf(T * int64_t(routed_plus_shared_slots(c)) * c.moe_ffn_dim);
+    prefill_scratch_ = std::make_unique<PrefillScratch>();
+    prefill_scratch_->tokens = DeviceBuffer(T * sizeof(int32_t));
+    prefill_scratch_->x = bf(T * c.hidden);
+    prefill_scratch_->normed = bf(T * c.hidden);
+    prefill_scratch_->branch = bf(T * c.hidden);
+    prefill_scratch_->moe = bf(T * c.hidden);
+    prefill_scratch_->proj = bf(T * static_cast<int64_t>(proj_.bytes() / sizeof(bf16)));
+    prefill_scratch_->conv = bf(T * (n_gdn_ ? gdn_.conv_channels() : 1));
+    prefill_scratch_->mix = bf(T * static_cast<int64_t>(mixer_core_out_.bytes() / sizeof(bf16)));
+    prefill_scratch_->q = bf(T * int64_t(attn_.n_heads) * attn_.head_dim);
+    prefill_scratch_->router = DeviceBuffer(T * routed_plus_shared_experts(c) * sizeof(float));
+    prefill_scratch_->ids = DeviceBuffer(T * routed_plus_shared_slots(c) * sizeof(int32_t));
+    prefill_scratch_->weights = DeviceBuffer(T * routed_plus_shared_slots(c) * sizeof(float));
+    prefill_scratch_->act = bf(T * int64_t(routed_plus_shared_slots(c)) * c.moe_ffn_dim);
     if (tensor_core_gemm_) {
       const int n_sel = routed_plus_shared_slots(c);
-      pre_->grouping =
+      prefill_scratch_->grouping =
           DeviceBuffer(expert_grouping_ints(routed_plus_shared_experts(c), prefill_chunk_, n_sel) * sizeof(int32_t));
-      pre_->slot_out = bf(T * int64_t(n_sel) * c.hidden);
+      prefill_scratch_->slot_out = bf(T * int64_t(n_sel) * c.hidden);
     }
   }
 
@@ -805,7 +805,7 @@ class CudaBackend final : public Backend {
     int T = 0;
     for (size_t first = 0; first < tokens.size(); first += prefill_chunk_) {
       T = static_cast<int>(std::min<size_t>(prefill_chunk_, tokens.size() - first));
-      CUDA_CHECK(cudaMemcpyAsync(pre_->tokens.data(), tokens.data() + first, T * sizeof(int32_t),
+      CUDA_CHECK(cudaMemcpyAsync(prefill_scratch_->tokens.data(), tokens.data() + first, T * sizeof(int32_t),
                                  cudaMemcpyHostToDevice, stream_));
       prefill_chunk(s, T);
       CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host token buffer may go away
@@ -813,7 +813,7 @@ class CudaBackend final : public Backend {
     }
     // Head on the last row only, with decode numerics.
     const int64_t last = static_cast<int64_t>(T - 1) * c.hidden;
-    launch_add_rmsnorm(pre_->x.as<bf16>() + last, pre_->moe.as<bf16>() + last, model_->final_norm, normed_.as<bf16>(),
+    launch_add_rmsnorm(prefill_scratch_->x.as<bf16>() + last, prefill_scratch_->moe.as<bf16>() + last, model_->final_norm, normed_.as<bf16>(),
                        1, c.hidden, c.rms_norm_eps, stream_);
     launch_quant_gemv(model_->lm_head, normed_.as<bf16>(), nullptr, logits_.as<float>(), stream_);
     launch_argmax(logits_.as<float>(), c.vocab, argmax_v_.as<float>(), argmax_i_.as<int32_t>(),
@@ -835,7 +835,7 @@ class CudaBackend final : public Backend {
 
   void prefill_chunk(CudaState& s, int T) {
     const ModelConfig& c = config();
-    PrefillScratch& p = *pre_;
+    PrefillScratch& p = *prefill_scratch_;
     const int k = c.n_experts_per_tok;
     launch_embed(model_->embed, p.tokens.as<int32_t>(), T, p.x.as<bf16>(), stream_);
     for (int l = 0; l < c.n_layers; ++l) {
@@ -898,8 +898,10 @@ class CudaBackend final : public Backend {
   std::unique_ptr<DeviceModel> model_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<PinnedIo> io_;  ///< created after the device check
-  DeviceBuffer x2_;  ///< the decode step's second residual buffer (FusedNorm ping-pong with x_)
-  DeviceBuffer x_, normed_, mixer_out_, moe_out_, proj_, conv_out_, mix_tmp_, q_out_, act_;
+  DeviceBuffer x_alt_;  ///< the decode step's second residual buffer (FusedNorm ping-pong with x_)
+  /// mixer_core_out_: the mixer's output before its out projection (GDN: gated-normed values
+  /// [value_dim]; attention: gated heads [n_heads · head_dim]).
+  DeviceBuffer x_, normed_, mixer_out_, moe_out_, proj_, conv_out_, mixer_core_out_, q_out_, act_;
   DeviceBuffer router_done_;  ///< launch_router_fused's block counter (uint32, kept zero between launches)
   DeviceBuffer router_logits_, expert_ids_, expert_w_, logits_, argmax_v_, argmax_i_, io_dev_, attn_ws_;
   /// The device sampler's scratch (work / weight: [vocab] fp32), its one row of arguments, and
@@ -910,7 +912,7 @@ class CudaBackend final : public Backend {
   size_t attn_ws_bytes_ = 0;
   bool batched_prefill_ = options_.batched_prefill;    ///< false: the decode graph per prompt token
   bool fuse_decode_ = options_.fuse_decode;            ///< false: separate norm / conv / top-k kernels
-  std::unique_ptr<PrefillScratch> pre_;                ///< allocated at the first batched prefill
+  std::unique_ptr<PrefillScratch> prefill_scratch_;                ///< allocated at the first batched prefill
   bool tensor_core_gemm_ = options_.tensor_core_gemm;  ///< prefill projections and experts (prefill_project)
   int prefill_chunk_ = options_.prefill_chunk;         ///< tokens per prefill chunk
 };
