@@ -149,6 +149,7 @@ struct CudaOptions {
   bool flash_prefill = true;     ///< LILY_CUDA_FLASH_PREFILL 1|0: prefill attention on tensor cores, or the row kernel
   bool device_sampler = true;    ///< LILY_CUDA_DEVICE_SAMPLER 1|0: sampled rows sampled on the GPU, or on the host
   bool gemv_row_tiles = false;   ///< LILY_CUDA_GEMV_ROW_TILES 1|0: batched GEMV weights loaded once per 8 token rows
+  bool gdn_chunk_parallel = false;  ///< LILY_CUDA_GDN_CHUNK_PARALLEL 1|0: GDN prefill's chunk solves all at once, then the walk
   bool batched_prefill = true;   ///< LILY_CUDA_PREFILL batched|per-token
   bool tensor_core_gemm = true;  ///< LILY_CUDA_GEMM tensor-core|gemv: the prefill projections and experts
   int prefill_chunk = 2048;      ///< LILY_CUDA_PREFILL_CHUNK 1 … 8192: tokens per prefill chunk
@@ -158,8 +159,8 @@ struct CudaOptions {
   /// Reads the LILY_CUDA_* variables (unset or empty: the default). Throws lily::Error naming
   /// the variable, the value and the accepted values for anything else.
   static CudaOptions from_env();
-  /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=0 gemv-row-tiles=0 prefill=batched
-  /// gemm=tensor-core chunk=2048", for logs and reports.
+  /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=0
+  /// gdn-chunk-parallel=0 prefill=batched gemm=tensor-core chunk=2048", for logs and reports.
   std::string describe() const;
 };
 
@@ -191,6 +192,7 @@ inline CudaOptions CudaOptions::from_env() {
   o.flash_prefill = env_choice("LILY_CUDA_FLASH_PREFILL", "1", "0", o.flash_prefill);
   o.device_sampler = env_choice("LILY_CUDA_DEVICE_SAMPLER", "1", "0", o.device_sampler);
   o.gemv_row_tiles = env_choice("LILY_CUDA_GEMV_ROW_TILES", "1", "0", o.gemv_row_tiles);
+  o.gdn_chunk_parallel = env_choice("LILY_CUDA_GDN_CHUNK_PARALLEL", "1", "0", o.gdn_chunk_parallel);
   o.batched_prefill = env_choice("LILY_CUDA_PREFILL", "batched", "per-token", o.batched_prefill);
   o.tensor_core_gemm = env_choice("LILY_CUDA_GEMM", "tensor-core", "gemv", o.tensor_core_gemm);
   const std::string chunk = env_value("LILY_CUDA_PREFILL_CHUNK");
@@ -210,7 +212,8 @@ inline std::string CudaOptions::describe() const {
   return std::string("fuse=") + (fuse_decode ? "1" : "0") + " pdl=" + (pdl ? "1" : "0") +
          " stream-gemv=" + (stream_gemv ? "1" : "0") + " flash-prefill=" + (flash_prefill ? "1" : "0") +
          " device-sampler=" + (device_sampler ? "1" : "0") + " gemv-row-tiles=" + (gemv_row_tiles ? "1" : "0") +
-         " prefill=" + (batched_prefill ? "batched" : "per-token") + " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") +
+         " gdn-chunk-parallel=" + (gdn_chunk_parallel ? "1" : "0") + " prefill=" + (batched_prefill ? "batched" : "per-token") +
+         " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") +
          " chunk=" + std::to_string(prefill_chunk);
 }
 

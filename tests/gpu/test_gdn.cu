@@ -13,6 +13,7 @@
 #include "backends/cpu/ops.h"
 #include "backends/cuda/device_buffer.h"
 #include "device_io.h"
+#include "backends/cuda/kernels.h"
 #include "backends/cuda/mixer_kernels.h"
 #include "base/bf16.h"
 
@@ -209,10 +210,28 @@ TEST(GdnDecode, FusedStepMatchesSequentialReferenceDemoDims) { expect_decode_mat
 
 // ---- chunked prefill ------------------------------------------------------------------------------
 
+/// Turns the two-pass GDN prefill on or off for one scope (the process-wide switch is restored).
+struct ScopedTwoPass {
+  explicit ScopedTwoPass(bool on) : was_(cuda::gdn_chunk_parallel_enabled()) { cuda::set_gdn_chunk_parallel_enabled(on); }
+  ~ScopedTwoPass() { cuda::set_gdn_chunk_parallel_enabled(was_); }
+  bool was_;
+};
+
+/// gdn_prefill with a workspace of the size it asks for (so the two-pass form runs when the
+/// switch is on); arguments as gdn_prefill's.
+void prefill_with_workspace(const cuda::GdnDims& d, const cuda::GdnParams& params, int T, const __nv_bfloat16* x,
+                            const __nv_bfloat16* zp, int64_t zab_stride, float* state, __nv_bfloat16* out) {
+  const int V = d.value_dim(), Hv = d.n_value_heads;
+  const size_t bytes = cuda::gdn_prefill_workspace_bytes(d, T);
+  DeviceBuffer ws = poisoned(bytes);
+  cuda::gdn_prefill(d, params, T, x, zp, zp + V, zp + V + Hv, zab_stride, state, out, nullptr, ws.as<float>(), bytes);
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 /// Chunked prefill of T tokens (z/a/b inside fused rows) against the sequential reference:
-/// outputs per token and the final state.
+/// outputs per token and the final state; `two_pass` selects the two-pass form.
 void expect_chunked_prefill_matches(int T, float A_log_lo, float A_log_hi, uint64_t seed,
-                                    const cuda::GdnDims& shape = {}) {
+                                    const cuda::GdnDims& shape = {}, bool two_pass = false) {
   std::mt19937_64 rng(seed);
   GdnFixture fx(rng, A_log_lo, A_log_hi, shape);
   const auto& d = fx.dims;
@@ -226,8 +245,11 @@ void expect_chunked_prefill_matches(int T, float A_log_lo, float A_log_hi, uint6
   DeviceBuffer d_x = upload_bf16(x), d_zab = upload_bf16(zab), d_state = upload_f32(state);
   DeviceBuffer d_out = poisoned(size_t(T) * V * 2);
   const __nv_bfloat16* zp = d_zab.as<__nv_bfloat16>();
-  cuda::gdn_prefill(d, fx.params(), T, d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv,
-                    zab_stride, d_state.as<float>(), d_out.as<__nv_bfloat16>(), nullptr);
+  {
+    ScopedTwoPass mode(two_pass);
+    prefill_with_workspace(d, fx.params(), T, d_x.as<__nv_bfloat16>(), zp, zab_stride, d_state.as<float>(),
+                           d_out.as<__nv_bfloat16>());
+  }
   std::vector<float> ref(int64_t(T) * V);
   for (int t = 0; t < T; ++t) {
     const float* row = zab.data() + t * zab_stride;
@@ -237,8 +259,8 @@ void expect_chunked_prefill_matches(int T, float A_log_lo, float A_log_hi, uint6
   const auto out = download_bf16(d_out, int64_t(T) * V);
   const double out_err = max_rel(out, ref, kFloor), out_rms = rms_rel(out, ref);
   const double state_err = max_abs_scaled(download_f32(d_state, d.state_elems()), state);
-  std::printf("[gdn chunked prefill] D=%d T=%d A_log in [%g, %g]: output max rel err %.3g, rms rel err %.3g, "
-              "final state max err %.3g\n", d.key_head_dim, T, A_log_lo, A_log_hi, out_err, out_rms, state_err);
+  std::printf("[gdn chunked prefill%s] D=%d T=%d A_log in [%g, %g]: output max rel err %.3g, rms rel err %.3g, "
+              "final state max err %.3g\n", two_pass ? ", two passes" : "", d.key_head_dim, T, A_log_lo, A_log_hi, out_err, out_rms, state_err);
   EXPECT_LT(out_err, kPrefillElemTol);
   EXPECT_LT(out_rms, kPrefillRmsTol);
   EXPECT_LT(state_err, kStateTol);
@@ -257,6 +279,60 @@ TEST(GdnPrefill, ChunkedEqualsSequentialDemoDimsPartialLastChunk) {
 }
 TEST(GdnPrefill, ChunkedEqualsSequentialDemoDimsStrongDecay) {
   expect_chunked_prefill_matches(130, 1.0f, 3.0f, 38, demo_dims());
+}
+
+// The two-pass form (LILY_CUDA_GDN_CHUNK_PARALLEL) against the same reference and bounds.
+TEST(GdnPrefill, TwoPassEqualsSequentialOneToken) { expect_chunked_prefill_matches(1, -2.0f, 1.0f, 31, {}, true); }
+TEST(GdnPrefill, TwoPassEqualsSequentialOneFullChunk) { expect_chunked_prefill_matches(64, -2.0f, 1.0f, 32, {}, true); }
+TEST(GdnPrefill, TwoPassEqualsSequentialPartialLastChunk) {
+  expect_chunked_prefill_matches(257, -2.0f, 1.0f, 33, {}, true);
+}
+TEST(GdnPrefill, TwoPassEqualsSequentialStrongDecay) { expect_chunked_prefill_matches(130, 1.0f, 3.0f, 34, {}, true); }
+TEST(GdnPrefill, TwoPassEqualsSequentialWeakDecay) { expect_chunked_prefill_matches(200, -6.0f, -3.0f, 35, {}, true); }
+TEST(GdnPrefill, TwoPassEqualsSequentialDemoDimsPartialLastChunk) {
+  expect_chunked_prefill_matches(257, -2.0f, 1.0f, 37, demo_dims(), true);
+}
+TEST(GdnPrefill, TwoPassEqualsSequentialDemoDimsStrongDecay) {
+  expect_chunked_prefill_matches(130, 1.0f, 3.0f, 38, demo_dims(), true);
+}
+
+/// The two passes against the one-kernel form at 2,048 tokens (the backend's chunk): the same
+/// fp32 arithmetic but for the order of the solve, so much closer than either is to the
+/// sequential reference. A short workspace is refused before anything runs.
+TEST(GdnPrefill, TwoPassMatchesOneKernelAtTheBackendsChunk) {
+  std::mt19937_64 rng(61);
+  GdnFixture fx(rng, -2.0f, 1.0f);
+  const auto& d = fx.dims;
+  const int C = fx.C, V = d.value_dim(), Hv = d.n_value_heads, T = 2048;
+  const int64_t zab_stride = V + 2 * Hv;
+  const auto x = bf16_values(normal(int64_t(T) * C, rng, 0.0f, 1.0f));
+  const auto zab = bf16_values(normal(T * zab_stride, rng, 0.0f, 1.0f));
+  const auto state0 = normal(d.state_elems(), rng, 0.0f, 0.3f);
+  DeviceBuffer d_x = upload_bf16(x), d_zab = upload_bf16(zab);
+  DeviceBuffer d_s1 = upload_f32(state0), d_s2 = upload_f32(state0);
+  DeviceBuffer d_o1 = poisoned(size_t(T) * V * 2), d_o2 = poisoned(size_t(T) * V * 2);
+  const __nv_bfloat16* zp = d_zab.as<__nv_bfloat16>();
+  {
+    ScopedTwoPass mode(false);
+    prefill_with_workspace(d, fx.params(), T, d_x.as<__nv_bfloat16>(), zp, zab_stride, d_s1.as<float>(),
+                           d_o1.as<__nv_bfloat16>());
+  }
+  {
+    ScopedTwoPass mode(true);
+    prefill_with_workspace(d, fx.params(), T, d_x.as<__nv_bfloat16>(), zp, zab_stride, d_s2.as<float>(),
+                           d_o2.as<__nv_bfloat16>());
+    DeviceBuffer small(cuda::gdn_prefill_workspace_bytes(d, T) - 4);
+    EXPECT_THROW(cuda::gdn_prefill(d, fx.params(), T, d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv, zab_stride,
+                                   d_s2.as<float>(), d_o2.as<__nv_bfloat16>(), nullptr, small.as<float>(),
+                                   small.bytes()),
+                 Error);
+  }
+  const auto s1 = download_f32(d_s1, d.state_elems());
+  const double state_err = max_abs_scaled(download_f32(d_s2, d.state_elems()), s1);
+  const double out_err = max_rel(download_bf16(d_o2, int64_t(T) * V), download_bf16(d_o1, int64_t(T) * V), kFloor);
+  std::printf("[gdn two passes vs one kernel] T=%d: output max rel %.3g, state max %.3g\n", T, out_err, state_err);
+  EXPECT_LT(state_err, kStateTol);
+  EXPECT_LT(out_err, kPrefillElemTol);
 }
 
 /// Prefill of a sequence in two pieces equals one piece (the state carries over).
@@ -341,6 +417,17 @@ TEST(GdnTiming, PrintsKernelTimes) {
     cuda::gdn_prefill(d, fx.params(), T, d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv, zab_stride,
                       d_state.as<float>(), d_out.as<__nv_bfloat16>(), nullptr);
   }, 5);
+  float two_pass_ms = 0;
+  {
+    ScopedTwoPass mode(true);
+    const size_t bytes = cuda::gdn_prefill_workspace_bytes(d, T);
+    DeviceBuffer ws(bytes);
+    two_pass_ms = time_ms([&] {
+      cuda::gdn_prefill(d, fx.params(), T, d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv, zab_stride,
+                        d_state.as<float>(), d_out.as<__nv_bfloat16>(), nullptr, ws.as<float>(), bytes);
+    }, 5);
+  }
+  std::printf("[gdn timing] chunked prefill T=%d in two passes: %.3f ms/layer\n", T, two_pass_ms);
   const float decode_us = 1000 * time_ms([&] {
     cuda::gdn_decode(d, fx.params(), d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv,
                      d_state.as<float>(), d_out.as<__nv_bfloat16>(), nullptr);

@@ -357,6 +357,7 @@ class CudaBackend final : public Backend {
     (void)flash_prefill_enabled();
     (void)device_sampler_enabled();
     (void)gemv_row_tiles_enabled();
+    (void)gdn_chunk_parallel_enabled();
   }
   ~CudaBackend() override {
     if (stream_) cudaStreamDestroy(stream_);
@@ -768,6 +769,7 @@ class CudaBackend final : public Backend {
   struct PrefillScratch {
     DeviceBuffer tokens, x, normed, branch, moe, proj, conv, mix, q, router, ids, weights, act;
     DeviceBuffer grouping, slot_out;  ///< tensor-core MoE only: expert grouping, per-slot down outputs
+    DeviceBuffer gdn_ws;              ///< two-pass GDN prefill only (LILY_CUDA_GDN_CHUNK_PARALLEL)
   };
 
   void allocate_prefill_scratch() {
@@ -795,6 +797,8 @@ class CudaBackend final : public Backend {
           DeviceBuffer(expert_grouping_ints(routed_plus_shared_experts(c), prefill_chunk_, n_sel) * sizeof(int32_t));
       prefill_scratch_->slot_out = bf(T * int64_t(n_sel) * c.hidden);
     }
+    if (n_gdn_ && gdn_chunk_parallel_enabled())
+      prefill_scratch_->gdn_ws = DeviceBuffer(gdn_prefill_workspace_bytes(gdn_, static_cast<int>(T)));
   }
 
   int32_t prefill_batched(CudaState& s, std::span<const int32_t> tokens, std::vector<float>* logits,
@@ -850,7 +854,7 @@ class CudaBackend final : public Backend {
         prefill_project(L.gdn_in, p.normed.as<bf16>(), T, proj);
         gdn_conv_prefill(gdn_, L.gdn, T, proj, R, s.window(slot), p.conv.as<bf16>(), stream_);
         gdn_prefill(gdn_, L.gdn, T, p.conv.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, R, s.state(slot),
-                    p.mix.as<bf16>(), stream_);
+                    p.mix.as<bf16>(), stream_, p.gdn_ws.bytes() ? p.gdn_ws.as<float>() : nullptr, p.gdn_ws.bytes());
         prefill_project(L.gdn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>());
       } else {
         const int64_t R = L.attn_in.rows;

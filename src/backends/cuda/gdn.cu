@@ -239,6 +239,7 @@ constexpr int kPrefillWarps = kPrefillThreads / kWarp;
 /// Shared memory of the chunked prefill for head dim kDk (= Dv).
 template <int kDk>
 struct PrefillSmem {
+  static constexpr int kDim = kDk;
   static constexpr int kKPad = kDk + 4;  // row stride of the q/k tiles (float4-conflict-free)
   float q[kChunk][kKPad];     // q̂ (scaled) of the chunk, zero rows past L
   float k[kChunk][kKPad];     // k̂
@@ -253,11 +254,13 @@ struct PrefillSmem {
   float scratch[kPrefillWarps];
 };
 
-/// Loads q̂/k̂ rows (L2-normalised, q scaled) and the gates of chunk tokens [t0, t0+L).
-template <int kDk>
-__device__ void load_chunk(PrefillSmem<kDk>& sm, int t0, int L, int j, int kh, int key_dim,
+/// Loads q̂/k̂ rows (L2-normalised, q scaled) and the gates of chunk tokens [t0, t0+L) into
+/// any of the prefill shared-memory layouts (members q, k, g, beta; kDim = Dk).
+template <class Smem>
+__device__ void load_chunk(Smem& sm, int t0, int L, int j, int kh, int key_dim,
                            int64_t C, const bf16* conv_out, const bf16* a, const bf16* b,
                            int64_t zab_stride, float A_log_j, float dt_bias_j) {
+  constexpr int kDk = Smem::kDim;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   for (int row = warp; row < 2 * kChunk; row += kPrefillWarps) {
     const int t = row % kChunk;
@@ -292,8 +295,9 @@ __device__ void load_chunk(PrefillSmem<kDk>& sm, int t0, int L, int j, int kh, i
 }
 
 /// A and P: thread (ty, tx) computes rows 4·ty … 4·ty+3, columns tx + 16·c (c < 4).
-template <int kDk>
-__device__ void form_kk_qk(PrefillSmem<kDk>& sm) {
+template <class Smem>
+__device__ void form_kk_qk(Smem& sm) {
+  constexpr int kDk = Smem::kDim;
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
   float kk[4][4] = {}, qk[4][4] = {};
   for (int i = 0; i < kDk; i += 4) {
@@ -368,8 +372,8 @@ __device__ void solve_unit_lower(PrefillSmem<kDk>& sm) {
 
 /// Outputs o_t = QS_t + Σ_{s≤t} P[t][s]Δ_s (bf16, pre-norm) and the scaled deltas for the
 /// state update.
-template <int kDk>
-__device__ void chunk_output(PrefillSmem<kDk>& sm, int t0, int L, bf16* out, int64_t out_stride,
+template <class Smem>
+__device__ void chunk_output(Smem& sm, int t0, int L, bf16* out, int64_t out_stride,
                              int o_offset) {
   const int warp = threadIdx.x / kWarp, m = threadIdx.x % kWarp;
   const float g_last = sm.g[L - 1];
@@ -382,8 +386,9 @@ __device__ void chunk_output(PrefillSmem<kDk>& sm, int t0, int L, bf16* out, int
 }
 
 /// S ← γ_L S + Σ_s k_s D_sᵀ; warp w rows i ≡ w (mod 8), lane = column.
-template <int kDk>
-__device__ void update_state(PrefillSmem<kDk>& sm, int L) {
+template <class Smem>
+__device__ void update_state(Smem& sm, int L) {
+  constexpr int kDk = Smem::kDim;
   const int warp = threadIdx.x / kWarp, m = threadIdx.x % kWarp;
   const float gamma_last = expf(sm.g[L - 1]);
   for (int i = warp; i < kDk; i += kPrefillWarps) {
@@ -419,6 +424,179 @@ gdn_prefill_chunked_kernel(int Hk, int Hv, int T, const float* __restrict__ A_lo
     form_rhs(sm, t0, L, C, 2 * key_dim + j * kDv + m0, conv_out);
     __syncthreads();
     solve_unit_lower(sm);
+    chunk_output(sm, t0, L, out, int64_t(Hv) * kDv, j * kDv + m0);
+    __syncthreads();
+    update_state(sm, L);
+    __syncthreads();
+  }
+  for (int i = warp; i < kDk; i += kPrefillWarps) S[i * kDv + m0 + lane] = sm.S[i][lane];
+}
+
+// ---- chunked prefill in two passes (LILY_CUDA_GDN_CHUNK_PARALLEL=1) -----------------------
+//
+// The one-kernel form above forms A, P and solves (I + A)Δ = R inside the walk over the
+// chunks, so 128 blocks do all of it one chunk after the other. But only R depends on the
+// state: with T = (I + A)^{-1} (unit lower triangular),
+//   Δ = T·R = U − W·S0,   U = T·diag(β)·V,   W = T·diag(β·γ)·K̂,
+// and U, W, P depend on the chunk's own tokens alone. So:
+//   pass 1 (block per value head × chunk, all chunks at once): A and P, T by forward
+//          substitution, then U and W; writes U, W, P to the workspace;
+//   pass 2 (block per value head × column slice, chunks in order): Δ = U − W·S, the outputs
+//          o_t = γ_t S0ᵀq_t + Σ_{s≤t} P[t][s]Δ_s and the state update, as before.
+// Same fp32 arithmetic on CUDA cores; only the order of the solve's operations differs (the
+// inverse is formed, then applied), so results agree with the one-kernel form to fp32 rounding.
+
+/// Pass 1's shared memory (kDk = Dv).
+template <int kDk>
+struct LocalSmem {
+  static constexpr int kDim = kDk;
+  static constexpr int kKPad = kDk + 4;
+  float q[kChunk][kKPad];   // q̂, later β·v (the chunk's values of this head)
+  float k[kChunk][kKPad];   // k̂
+  float A[kChunk][kChunk];  // β_t e^{g_t−g_s} k_t·k_s, s < t
+  union {                   // P is written out before the inverse takes its place
+    float P[kChunk][kChunk + 1];   // e^{g_t−g_s} q_t·k_s, s ≤ t
+    float Ti[kChunk][kChunk + 1];  // (I + A)^{-1}
+  };
+  float g[kChunk];
+  float beta[kChunk];
+};
+
+/// Pass 2's shared memory (kDk = Dv; a slice of kBV value columns).
+template <int kDk>
+struct StateSmem {
+  static constexpr int kDim = kDk;
+  static constexpr int kKPad = kDk + 4;
+  float q[kChunk][kKPad];
+  float k[kChunk][kKPad];
+  float W[kChunk][kKPad];
+  float S[kDk][kBV];
+  float P[kChunk][kChunk];
+  float R[kChunk][kBV];  // Δ
+  float QS[kChunk][kBV];
+  float D[kChunk][kBV];
+  float g[kChunk];
+  float beta[kChunk];
+};
+
+/// Floats of the workspace per (value head, chunk): U and W [64][D], P [64][64].
+__host__ __device__ constexpr int64_t local_floats(int D) { return int64_t{kChunk} * (2 * D + kChunk); }
+
+/// sm.Ti = (I + sm.A)^{-1} by forward substitution on the columns: warp w owns columns
+/// 8w … 8w+7, four lanes per column split the inner sum (s ≡ r mod 4) and combine it with
+/// shuffles; rows in order, one __syncwarp each.
+template <class Smem>
+__device__ void invert_unit_lower(Smem& sm) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int c = 8 * warp + lane / 4, r = lane % 4;
+  for (int t = 0; t < kChunk; ++t) {
+    float acc = 0.0f;
+    for (int s = c + r; s < t; s += 4) acc += sm.A[t][s] * sm.Ti[s][c];
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    if (r == 0) sm.Ti[t][c] = t < c ? 0.0f : (t == c ? 1.0f : -acc);
+    __syncwarp();
+  }
+}
+
+/// Block (value head j, chunk c): writes U = T·diag(β)V, W = T·diag(βγ)K̂ and P of the chunk.
+template <int kDk>
+__global__ void __launch_bounds__(kPrefillThreads)
+gdn_chunk_local_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                       const bf16* __restrict__ conv_out, const bf16* __restrict__ a, const bf16* __restrict__ b,
+                       int64_t zab_stride, float* __restrict__ ws) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int kDv = kDk;
+  LocalSmem<kDk>& sm = *reinterpret_cast<LocalSmem<kDk>*>(smem_raw);
+  const int j = blockIdx.x, c = blockIdx.y, kh = j / (Hv / Hk), t0 = c * kChunk;
+  const int L = min(kChunk, T - t0);
+  const int key_dim = Hk * kDk;
+  const int64_t C = 2 * key_dim + int64_t(Hv) * kDv;
+  load_chunk(sm, t0, L, j, kh, key_dim, C, conv_out, a, b, zab_stride, A_log[j], dt_bias[j]);
+  form_kk_qk(sm);
+  __syncthreads();
+  float* U = ws + (int64_t(j) * gridDim.y + c) * local_floats(kDk);
+  float* W = U + kChunk * kDk;
+  float* P = W + kChunk * kDk;
+  for (int i = threadIdx.x; i < kChunk * kChunk; i += kPrefillThreads) P[i] = sm.P[i / kChunk][i % kChunk];
+  // q̂ is no longer needed: its rows take β_t·v_t.
+  for (int i = threadIdx.x; i < kChunk * kDv; i += kPrefillThreads) {
+    const int t = i / kDv, m = i % kDv;
+    sm.q[t][m] = t < L ? sm.beta[t] * to_f32(conv_out[int64_t(t0 + t) * C + 2 * key_dim + j * kDv + m]) : 0.0f;
+  }
+  __syncthreads();  // P is out: the inverse may overwrite it
+  invert_unit_lower(sm);
+  __syncthreads();
+  // U and W: thread (ty, tx) rows 4·ty … 4·ty+3, columns tx + 16·e.
+  constexpr int kCols = kDk / 16;
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+  float u[4][kCols] = {}, w[4][kCols] = {};
+  for (int s = 0; s < kChunk; ++s) {
+    const float bg = sm.beta[s] * expf(sm.g[s]);
+    float ti[4];
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr) ti[rr] = sm.Ti[4 * ty + rr][s];
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) {
+      const float v = sm.q[s][tx + 16 * e], kk = bg * sm.k[s][tx + 16 * e];
+#pragma unroll
+      for (int rr = 0; rr < 4; ++rr) {
+        u[rr][e] += ti[rr] * v;
+        w[rr][e] += ti[rr] * kk;
+      }
+    }
+  }
+#pragma unroll
+  for (int rr = 0; rr < 4; ++rr)
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) {
+      U[(4 * ty + rr) * kDk + tx + 16 * e] = u[rr][e];
+      W[(4 * ty + rr) * kDk + tx + 16 * e] = w[rr][e];
+    }
+}
+
+/// Block (value head j, column slice): the walk over the chunks with Δ = U − W·S from pass 1.
+template <int kDk>
+__global__ void __launch_bounds__(kPrefillThreads)
+gdn_chunk_state_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                       const bf16* __restrict__ conv_out, const bf16* __restrict__ a, const bf16* __restrict__ b,
+                       int64_t zab_stride, const float* __restrict__ ws, float* __restrict__ state,
+                       bf16* __restrict__ out) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int kDv = kDk;
+  StateSmem<kDk>& sm = *reinterpret_cast<StateSmem<kDk>*>(smem_raw);
+  const int j = blockIdx.x, m0 = blockIdx.y * kBV, kh = j / (Hv / Hk);
+  const int key_dim = Hk * kDk, chunks = (T + kChunk - 1) / kChunk;
+  const int64_t C = 2 * key_dim + int64_t(Hv) * kDv;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  float* S = state + int64_t(j) * kDk * kDv;
+  for (int i = warp; i < kDk; i += kPrefillWarps) sm.S[i][lane] = S[i * kDv + m0 + lane];
+  const float A_log_j = A_log[j], dt_bias_j = dt_bias[j];
+
+  for (int c = 0; c < chunks; ++c) {
+    const int t0 = c * kChunk, L = min(kChunk, T - t0);
+    const float* U = ws + (int64_t(j) * chunks + c) * local_floats(kDk);
+    const float* W = U + kChunk * kDk;
+    const float* P = W + kChunk * kDk;
+    load_chunk(sm, t0, L, j, kh, key_dim, C, conv_out, a, b, zab_stride, A_log_j, dt_bias_j);
+    for (int i = threadIdx.x; i < kChunk * kDk / 4; i += kPrefillThreads) {
+      const int t = i / (kDk / 4), e = 4 * (i % (kDk / 4));
+      *reinterpret_cast<float4*>(&sm.W[t][e]) = *reinterpret_cast<const float4*>(W + t * kDk + e);
+    }
+    for (int i = threadIdx.x; i < kChunk * kChunk; i += kPrefillThreads) sm.P[i / kChunk][i % kChunk] = P[i];
+    __syncthreads();
+    // Δ_t = U_t − W_tᵀS and QS_t = γ_t·S0ᵀq_t; warp w rows t ≡ w (mod 8), lane = column.
+    for (int t = warp; t < kChunk; t += kPrefillWarps) {
+      float ws_acc = 0.0f, qs = 0.0f;
+#pragma unroll 8
+      for (int i = 0; i < kDk; ++i) {
+        ws_acc += sm.W[t][i] * sm.S[i][lane];
+        qs += sm.q[t][i] * sm.S[i][lane];
+      }
+      sm.R[t][lane] = U[t * kDk + m0 + lane] - ws_acc;
+      sm.QS[t][lane] = expf(sm.g[t]) * qs;
+    }
+    __syncthreads();
     chunk_output(sm, t0, L, out, int64_t(Hv) * kDv, j * kDv + m0);
     __syncthreads();
     update_state(sm, L);
@@ -485,19 +663,36 @@ void launch_decode(const GdnDims& dims, const GdnParams& params, const bf16* con
       params.norm_w, conv_out, z, a, b, state, out);
 }
 
-/// Launches the chunked prefill and the gated norm for head dim D.
+/// Launches the chunked prefill (two passes when `ws` is given, else one kernel) and the gated
+/// norm for head dim D.
 template <int D>
 void launch_prefill(const GdnDims& dims, const GdnParams& params, int T, const bf16* conv_out,
                     const bf16* z, const bf16* a, const bf16* b, int64_t zab_stride, float* state,
-                    bf16* out, cudaStream_t stream) {
-  const size_t smem = sizeof(PrefillSmem<D>);
-  CUDA_CHECK(cudaFuncSetAttribute(gdn_prefill_chunked_kernel<D>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+                    bf16* out, float* ws, cudaStream_t stream) {
   const dim3 grid(dims.n_value_heads, D / kBV);
-  gdn_prefill_chunked_kernel<D><<<grid, kPrefillThreads, smem, stream>>>(
-      dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b,
-      zab_stride, state, out);
-  LILY_CUDA_CHECK_LAUNCH();
+  if (ws) {
+    const size_t local_smem = sizeof(LocalSmem<D>), state_smem = sizeof(StateSmem<D>);
+    CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_local_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(local_smem)));
+    CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_state_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(state_smem)));
+    const dim3 local_grid(dims.n_value_heads, static_cast<unsigned>(ceil_div(T, kChunk)));
+    gdn_chunk_local_kernel<D><<<local_grid, kPrefillThreads, local_smem, stream>>>(
+        dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b, zab_stride, ws);
+    LILY_CUDA_CHECK_LAUNCH();
+    gdn_chunk_state_kernel<D><<<grid, kPrefillThreads, state_smem, stream>>>(
+        dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b, zab_stride, ws,
+        state, out);
+    LILY_CUDA_CHECK_LAUNCH();
+  } else {
+    const size_t smem = sizeof(PrefillSmem<D>);
+    CUDA_CHECK(cudaFuncSetAttribute(gdn_prefill_chunked_kernel<D>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    gdn_prefill_chunked_kernel<D><<<grid, kPrefillThreads, smem, stream>>>(
+        dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b,
+        zab_stride, state, out);
+    LILY_CUDA_CHECK_LAUNCH();
+  }
   gated_norm_kernel<D><<<dim3(T, dims.n_value_heads), D, 0, stream>>>(
       dims.n_value_heads, dims.norm_eps, params.norm_w, z, zab_stride, out);
   LILY_CUDA_CHECK_LAUNCH();
@@ -559,18 +754,33 @@ void gdn_conv_prefill(const GdnDims& dims, const GdnParams& params, int T, const
   LILY_CUDA_CHECK_LAUNCH();
 }
 
+size_t gdn_prefill_workspace_bytes(const GdnDims& dims, int T) {
+  check_dims(dims);
+  MIXER_REQUIRE(T >= 1 && T <= 65535, "gdn_prefill_workspace_bytes: T=" + std::to_string(T) + " outside [1, 65535]");
+  return static_cast<size_t>(dims.n_value_heads) * static_cast<size_t>(ceil_div(T, kChunk)) *
+         static_cast<size_t>(local_floats(dims.key_head_dim)) * sizeof(float);
+}
+
 void gdn_prefill(const GdnDims& dims, const GdnParams& params, int T, const bf16* conv_out,
                  const bf16* z, const bf16* a, const bf16* b, int64_t zab_stride, float* state,
-                 bf16* out, cudaStream_t stream) {
+                 bf16* out, cudaStream_t stream, float* workspace, size_t workspace_bytes) {
   check_dims(dims);
   check_params(params);
   MIXER_REQUIRE(T >= 1 && T <= 65535, "gdn_prefill: T=" + std::to_string(T) + " outside [1, 65535]");
   MIXER_REQUIRE(conv_out && z && a && b && state && out, "gdn_prefill: null buffer");
   MIXER_REQUIRE(zab_stride >= dims.n_value_heads,
           "gdn_prefill: z/a/b row stride " + std::to_string(zab_stride) + " too small");
+  // The two-pass form when it is switched on and the caller gave it room; else one kernel.
+  float* ws = nullptr;
+  if (workspace && gdn_chunk_parallel_enabled()) {
+    MIXER_REQUIRE(workspace_bytes >= gdn_prefill_workspace_bytes(dims, T),
+                  "gdn_prefill: workspace of " + std::to_string(workspace_bytes) + " bytes, " +
+                      std::to_string(gdn_prefill_workspace_bytes(dims, T)) + " needed for T=" + std::to_string(T));
+    ws = workspace;
+  }
   dispatch_head_dim(dims, [&](auto d) {
     launch_prefill<decltype(d)::value>(dims, params, T, conv_out, z, a, b, zab_stride, state,
-                                       out, stream);
+                                       out, ws, stream);
   });
 }
 

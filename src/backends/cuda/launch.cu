@@ -3,7 +3,8 @@
 // tensor-core prefill attention (flash_prefill.cu, LILY_CUDA_FLASH_PREFILL) and the device
 // sampler (sampler.cu, LILY_CUDA_DEVICE_SAMPLER), all on by default ("0" turns one off for a
 // same-machine comparison); the token-tiled batched GEMV (quant_gemv.cu,
-// LILY_CUDA_GEMV_ROW_TILES), off by default until its test has passed on a GPU.
+// LILY_CUDA_GEMV_ROW_TILES) and the two-pass GDN prefill (gdn.cu, LILY_CUDA_GDN_CHUNK_PARALLEL),
+// off by default until their tests have passed on a GPU.
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -20,6 +21,7 @@ std::atomic<int> g_stream_gemv{-1};
 std::atomic<int> g_flash_prefill{-1};
 std::atomic<int> g_device_sampler{-1};
 std::atomic<int> g_gemv_row_tiles{-1};
+std::atomic<int> g_gdn_chunk_parallel{-1};
 
 /// `dflt` for unset or empty, 1 for "1", 0 for "0"; throws lily::Error naming the variable
 /// otherwise.
@@ -57,5 +59,8 @@ void set_device_sampler_enabled(bool on) { g_device_sampler.store(on ? 1 : 0); }
 
 bool gemv_row_tiles_enabled() { return read_switch(g_gemv_row_tiles, "LILY_CUDA_GEMV_ROW_TILES", 0); }
 void set_gemv_row_tiles_enabled(bool on) { g_gemv_row_tiles.store(on ? 1 : 0); }
+
+bool gdn_chunk_parallel_enabled() { return read_switch(g_gdn_chunk_parallel, "LILY_CUDA_GDN_CHUNK_PARALLEL", 0); }
+void set_gdn_chunk_parallel_enabled(bool on) { g_gdn_chunk_parallel.store(on ? 1 : 0); }
 
 }  // namespace lily::cuda

@@ -100,11 +100,21 @@ void gdn_conv_prefill(const GdnDims& dims, const GdnParams& params, int T,
 ///                               qkv|z|a|b projection rows: stride 12352 for the real model)
 ///   state    fp32 [Hv, Dk, Dv]  the state before the first token; on return, after the last
 ///   out      bf16 [T, Hv·Dv]    contiguous
-/// Uses no workspace. T ≥ 1.
+///   workspace fp32, ≥ gdn_prefill_workspace_bytes(dims, T) bytes, or null
+/// With a workspace and LILY_CUDA_GDN_CHUNK_PARALLEL on (gdn_chunk_parallel_enabled), two
+/// passes: every chunk's state-independent part (the 64×64 solve, as U, W and P) at once, then
+/// the walk over the chunks with Δ = U − W·S; else one kernel walks the chunks doing all of it.
+/// T ≥ 1 (≤ 65535). Throws lily::Error on bad dims, T, null buffers or a short workspace.
 void gdn_prefill(const GdnDims& dims, const GdnParams& params, int T,
                  const __nv_bfloat16* conv_out, const __nv_bfloat16* z,
                  const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t zab_stride,
-                 float* state, __nv_bfloat16* out, cudaStream_t stream);
+                 float* state, __nv_bfloat16* out, cudaStream_t stream, float* workspace = nullptr,
+                 size_t workspace_bytes = 0);
+
+/// Bytes of gdn_prefill's two-pass workspace for T tokens: Hv · ceil(T/64) · 64·(2·D + 64)
+/// floats (U and W [64, D] and P [64, 64] per value head and chunk; 84 MB at T = 2048 for the
+/// 35B shape). Throws lily::Error on bad dims or T outside [1, 65535].
+size_t gdn_prefill_workspace_bytes(const GdnDims& dims, int T);
 
 // =============================================================================================
 // Gated full attention (docs/model.md §3.4)
