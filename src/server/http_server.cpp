@@ -248,7 +248,7 @@ void set_json(Reply& res, int status, std::string body) {
 void send_error(Reply& res, const ApiError& e) {
   for (const auto& h : e.headers()) res.headers.push_back(h);
   set_json(res, e.status(), dump(e.body()));
-  t_request.error = e.what();
+  t_request.error = e.message();  // whole: the log line escapes NULs and control characters
 }
 
 /// How the connection goes on after one request.
@@ -1491,7 +1491,7 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
     }
     if (e.kind == JobEvent::Kind::kFailed) {
       const ApiError err = failure(call, e.text);
-      t_request.error = err.what();
+      t_request.error = err.message();
       send(ordered_json(err.body()));
       return ex.write_chunk("data: [DONE]\n\n");
     }
@@ -1508,7 +1508,7 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       // Cut by the engine (the end of the shutdown grace), not finished: an error event, as
       // respond_whole answers the same case with an error status (was finish_reason "length").
       const ApiError err = failure(call, "generation was cancelled");
-      t_request.error = err.what();
+      t_request.error = err.message();
       send(ordered_json(err.body()));
       return ex.write_chunk("data: [DONE]\n\n");
     }
