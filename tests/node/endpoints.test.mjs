@@ -275,6 +275,7 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
     const ok = await rawRequest(server, 'GET', '/v1/models', { headers: { ...auth, Origin: ORIGIN } });
     assert.equal(ok.headers['access-control-allow-origin'], ORIGIN);
     assert.match(ok.headers['access-control-expose-headers'], /X-Request-Id/i);
+    assert.match(ok.headers['access-control-expose-headers'], /Retry-After/i);
     // An error (no key) is readable by the page too.
     const noKey = await rawRequest(server, 'GET', '/v1/models', { headers: { Origin: ORIGIN } });
     assert.equal(noKey.status, 401);

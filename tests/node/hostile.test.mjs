@@ -393,6 +393,7 @@ describe('slow-loris and --max-connections', () => {
       const [res] = parseResponses(text);
       assert.equal(res?.status, 408, text.slice(0, 300));
       assert.equal(JSON.parse(res.body).error.code, 'request_timeout');
+      assert.match(res.get('x-request-id'), /^req_[0-9a-f]{16}$/);
       assert.ok(ms >= 1500 && ms < 8000, `closed after ${ms} ms`);
       assert.ok(sent < 40, `${sent} body bytes went in before the 408`);
     } finally {
@@ -439,6 +440,7 @@ describe('slow-loris and --max-connections', () => {
       assert.deepEqual(res.headers.filter(([n]) => n === 'connection'), [['connection', 'close']]);
       assert.equal(res.get('keep-alive'), undefined);
       assert.equal(JSON.parse(res.body).error.code, 'too_many_connections');
+      assert.match(res.get('x-request-id'), /^req_[0-9a-f]{16}$/, 'refusals carry a request id too');
       holder.destroy();
       sock.destroy();
     } finally {
