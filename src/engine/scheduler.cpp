@@ -217,9 +217,10 @@ void Scheduler::engine_loop() {
   }
 }
 
-void Scheduler::fail(Running& r, const std::string& why) {
+void Scheduler::fail(Running& r, const std::string& why, bool unavailable) {
   JobEvent failed = make_event(JobEvent::Kind::kFailed);
   failed.text = why;
+  failed.model_unavailable = unavailable;
   r.job->post(std::move(failed));
   r.gen.reset();
   r.state.reset();
@@ -283,6 +284,9 @@ bool Scheduler::start_choice(Running& r, int choice) {
     r.gen = std::make_unique<Generation>(*backend_, *r.state, req.prompt, params, tokenizer_.get(), on_token,
                                          snapshot, on_logprobs);
     return true;
+  } catch (const ModelUnavailableError& e) {
+    fail(r, e.what(), true);
+    return false;
   } catch (const std::exception& e) {
     fail(r, e.what());
     return false;
@@ -320,6 +324,14 @@ bool Scheduler::finish_choice(Running& r) {
 }
 
 void Scheduler::run_step() {
+  // A memory-mapped weights file that changed may fault (SIGBUS) inside the step: the running
+  // jobs fail here instead, between two steps, so a change during a generation is caught at its
+  // next token (one stat(2) per weights file; a change in the middle of a step is not).
+  if (auto why = model_unavailable()) {
+    for (auto& r : batch_) fail(*r, *why, true);
+    batch_.clear();
+    return;
+  }
   // Every decoding job's token first, then prefill chunks oldest job first while the step stays
   // within its token budget; the oldest prefilling job always gets its chunk.
   std::vector<StepRow> rows;

@@ -79,6 +79,9 @@ struct JobEvent {
   int choice = 0;          ///< kToken, kDone: which of the request's n choices
   int32_t token = -1;      ///< kToken: the generated id
   std::string text;        ///< kToken: newly released text; kFailed: the internal error
+  /// kFailed: the job failed because the weights changed on disk (the text is
+  /// Scheduler::model_unavailable()'s message), not because of an internal error.
+  bool model_unavailable = false;
   std::optional<TokenLogprobs> logprobs;  ///< kToken with logprobs asked (never for a stop token)
   /// kDone: one choice's outcome. A job ends after the kDone of choice n − 1, after a kDone
   /// whose finish_reason is kCancelled (the remaining choices are not run), or after kFailed.
@@ -176,7 +179,9 @@ class Scheduler {
   /// ShuttingDownError after stop(), lily::Error for a request that cannot fit max_seq or has
   /// message_starts out of order or outside the prompt or a token id outside the vocabulary, and
   /// ModelUnavailableError once model_unavailable() is set. A queued job that reaches the
-  /// engine after the weights changed fails (kFailed) with the same message, untouched.
+  /// engine after the weights changed fails (kFailed with JobEvent::model_unavailable) with the
+  /// same message, untouched; so does a running job at its next step (model_unavailable() is
+  /// checked before every step, so that a change between two steps never reaches the backend).
   std::shared_ptr<Job> submit(JobRequest request);
   /// Checks Backend::weights_changed() (one stat(2) per weights file) and remembers the first
   /// problem for good, logging it once as an error: "the model's weights changed on disk after
@@ -214,7 +219,9 @@ class Scheduler {
   bool finish_choice(Running& r);
   /// Builds and runs one step over the batch, advances every row and drops finished jobs.
   void run_step();
-  void fail(Running& r, const std::string& why);
+  /// Posts kFailed with `why` (and JobEvent::model_unavailable = `unavailable`) and drops the
+  /// job's generation and state.
+  void fail(Running& r, const std::string& why, bool unavailable = false);
 
   std::unique_ptr<Backend> backend_;
   std::shared_ptr<const Tokenizer> tokenizer_;

@@ -3,6 +3,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -10,24 +11,45 @@
 
 namespace lily::server {
 
+/// `text` with every NUL byte written as the six characters `\u0000`, so that a C string of it
+/// (what(), a log line) shows the whole text instead of stopping at the first NUL.
+inline std::string escape_nul(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    if (c == '\0')
+      out += "\\u0000";
+    else
+      out += c;
+  }
+  return out;
+}
+
 /// A request failure with its HTTP status, OpenAI error `type`, offending `param` and `code`,
 /// plus extra response headers (Allow, Retry-After). The message is shown to the client as is, whole:
-/// body() uses message(), not what(), which stops at the first NUL byte (a request's model name
-/// "a\0b" used to come back as "the model 'a").
+/// body() and the server's log line use message(); what() is the message with NULs escaped
+/// (escape_nul), since a C string stops at the first NUL byte (a request's model name "a\0b"
+/// used to come back, and be logged, as "the model 'a").
 class ApiError : public std::runtime_error {
  public:
   ApiError(int status, std::string type, std::string message, std::optional<std::string> param = {},
            std::optional<std::string> code = {})
-      : std::runtime_error(message), message_(message), status_(status), type_(std::move(type)),
-        param_(std::move(param)), code_(std::move(code)) {}
+      : std::runtime_error(escape_nul(message)), message_(std::move(message)), status_(status),
+        type_(std::move(type)), param_(std::move(param)), code_(std::move(code)) {}
 
   /// The whole message, NUL bytes included.
   const std::string& message() const { return message_; }
+  /// The HTTP status (400, 404, 503, …).
   int status() const { return status_; }
+  /// OpenAI's error `type` (invalid_request_error, server_error, …).
   const std::string& type() const { return type_; }
+  /// The offending request field, if any.
   const std::optional<std::string>& param() const { return param_; }
+  /// The machine-readable `code` (model_not_found, model_unavailable, …), if any.
   const std::optional<std::string>& code() const { return code_; }
+  /// Extra response headers (Allow, Retry-After).
   const std::vector<std::pair<std::string, std::string>>& headers() const { return headers_; }
+  /// Adds a response header; returns *this for chaining.
   ApiError& with_header(std::string name, std::string value) {
     headers_.emplace_back(std::move(name), std::move(value));
     return *this;

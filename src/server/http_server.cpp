@@ -248,7 +248,7 @@ void set_json(Reply& res, int status, std::string body) {
 void send_error(Reply& res, const ApiError& e) {
   for (const auto& h : e.headers()) res.headers.push_back(h);
   set_json(res, e.status(), dump(e.body()));
-  t_request.error = e.what();
+  t_request.error = e.message();  // whole: the log line escapes NULs and control characters
 }
 
 /// How the connection goes on after one request.
@@ -514,7 +514,11 @@ class LilyServer {
   LogprobEntry logprob_entry(const TokenLogprobs& lp) const;
   /// choice.logprobs of a whole answer or a chunk: null unless the request asked for them.
   ordered_json logprobs_field(const ChatCall& call, const std::vector<TokenLogprobs>& lps) const;
-  ApiError failure(const ChatCall& call, const std::string& detail);
+  /// The answer to a job that failed in the engine: 503 model_unavailable when the weights
+  /// changed on disk (`model_unavailable`: JobEvent::model_unavailable), 503
+  /// server_shutting_down during shutdown, else a 500 naming the request id (`detail` goes to
+  /// the log only).
+  ApiError failure(const ChatCall& call, const std::string& detail, bool model_unavailable = false);
   // Shutdown.
   void wait_for_signal();
 
@@ -1365,7 +1369,9 @@ void LilyServer::record_done(const ChatCall& call, const std::vector<GenerationR
   if (cancelled) t_request.error = "cancelled";
 }
 
-ApiError LilyServer::failure(const ChatCall& call, const std::string& detail) {
+ApiError LilyServer::failure(const ChatCall& call, const std::string& detail, bool model_unavailable) {
+  // The weights changed on disk (the engine logged it once): the same 503 as a refused request.
+  if (model_unavailable) return ApiError(503, "server_error", detail, std::nullopt, "model_unavailable");
   if (shutting_down_)
     return ApiError(503, "server_error", "the server is shutting down", std::nullopt, "server_shutting_down")
         .with_header("Retry-After", "5");
@@ -1385,7 +1391,7 @@ void LilyServer::respond_whole(ChatCall& call, Exchange& ex, Reply& res) {
       observe_token(call, e, last);
       continue;
     }
-    if (e.kind == JobEvent::Kind::kFailed) throw failure(call, e.text);
+    if (e.kind == JobEvent::Kind::kFailed) throw failure(call, e.text, e.model_unavailable);
     const bool cancelled = e.result.finish_reason == FinishReason::kCancelled;
     const Clock::time_point done_at = e.at;
     results.push_back(std::move(e.result));
@@ -1490,8 +1496,8 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       continue;
     }
     if (e.kind == JobEvent::Kind::kFailed) {
-      const ApiError err = failure(call, e.text);
-      t_request.error = err.what();
+      const ApiError err = failure(call, e.text, e.model_unavailable);
+      t_request.error = err.message();
       send(ordered_json(err.body()));
       return ex.write_chunk("data: [DONE]\n\n");
     }
@@ -1508,7 +1514,7 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       // Cut by the engine (the end of the shutdown grace), not finished: an error event, as
       // respond_whole answers the same case with an error status (was finish_reason "length").
       const ApiError err = failure(call, "generation was cancelled");
-      t_request.error = err.what();
+      t_request.error = err.message();
       send(ordered_json(err.body()));
       return ex.write_chunk("data: [DONE]\n\n");
     }

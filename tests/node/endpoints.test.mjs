@@ -275,6 +275,7 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
     const ok = await rawRequest(server, 'GET', '/v1/models', { headers: { ...auth, Origin: ORIGIN } });
     assert.equal(ok.headers['access-control-allow-origin'], ORIGIN);
     assert.match(ok.headers['access-control-expose-headers'], /X-Request-Id/i);
+    assert.match(ok.headers['access-control-expose-headers'], /Retry-After/i);
     // An error (no key) is readable by the page too.
     const noKey = await rawRequest(server, 'GET', '/v1/models', { headers: { Origin: ORIGIN } });
     assert.equal(noKey.status, 401);
@@ -306,6 +307,26 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
     await new Promise((r) => setTimeout(r, 50));
     assert.match(server.log, new RegExp(`POST /v1/completions 200 \\d+ms .*id=${id.replace(/\./g, '\\.')}\\n`));
     assert.match(server.log, /POST \/v1\/completions 400 \d+ms error="[^"]*echo[^"]*" id=echo-err-7\n/);
+  });
+
+  it('a NUL byte in the model name is kept in the error body and escaped in the log line', async () => {
+    // The log line and the message used to stop at the NUL ("the model 'a").
+    for (const [route, body] of [
+      ['/v1/chat/completions', { model: 'a\u0000b', messages: [{ role: 'user', content: 'hi' }] }],
+      ['/v1/completions', { model: 'c\u0000d', prompt: 'Hi' }],
+    ]) {
+      const id = `nul-${route.length}`;
+      const res = await post(server, route, body, { 'X-Request-Id': id });
+      assertError(res, 404, 'model', 'model_not_found');
+      assert.ok(res.json.error.message.startsWith(`the model '${body.model}' does not exist`), res.body);
+      assert.match(res.body, /\\u0000/);
+      for (let i = 0; i < 50 && !server.log.includes(`id=${id}\n`); i++) await new Promise((r) => setTimeout(r, 20));
+      const line = server.log.split('\n').find((l) => l.endsWith(`id=${id}`));
+      assert.ok(line, server.log.slice(-2000));
+      assert.ok(!line.includes('\u0000'), 'a raw NUL in the log');
+      const [before_, after_] = body.model.split('\u0000');
+      assert.ok(line.includes(`error="the model '${before_}\\u0000${after_}' does not exist`), line);
+    }
   });
 
   it('/metrics has latency, queue and running histograms, process metrics, and valid text format', async () => {

@@ -1,8 +1,8 @@
 // Hostile and unusual HTTP clients against `lily serve`: a second server on a taken
 // port, oversized and over-long request heads, bodies over --max-body (declared or chunked),
-// slow-loris clients that trickle a head, idle keep-alive connections, Range headers,
-// pipelining, half-closed clients, the 503 beyond --max-connections, an empty --api-key and an
-// IPv4-mapped loopback bind. Loopback only; every loop is bounded in count and time.
+// slow-loris clients that trickle a head or a body, idle connections (new and kept-alive),
+// Range headers, pipelining, half-closed clients, the 503 beyond --max-connections, an empty
+// --api-key and an IPv4-mapped loopback bind. Loopback only; every loop is bounded in count and time.
 // The only timing assertion separates answering from blocked: /health answers within
 // HEALTH_LIMIT_MS (1 s) while 64 slow-loris connections are open; the 50 ms target is printed
 // as a measurement (see the comment there).
@@ -246,6 +246,15 @@ describe('request heads and bodies', () => {
     assert.equal(res.status, 200);
     assert.equal(res.headers['content-range'], undefined);
     assert.equal(JSON.parse(res.body).data[0].id, MODEL);
+    // 2,700 ranges "0-" once made /metrics a 9.9 MB multipart answer: now it is the plain text.
+    const plain = await rawRequest(server, 'GET', '/metrics', { headers: { Authorization: 'Bearer sesame' } });
+    const many = await rawRequest(server, 'GET', '/metrics', {
+      headers: { Range: `bytes=${Array(2700).fill('0-').join(',')}`, Authorization: 'Bearer sesame' },
+    });
+    assert.equal(many.status, 200);
+    assert.equal(many.headers['content-range'], undefined);
+    assert.match(many.headers['content-type'], /^text\/plain/);
+    assert.ok(many.raw.length < 2 * plain.raw.length, `${many.raw.length} bytes against ${plain.raw.length}`);
   });
 });
 
@@ -370,6 +379,55 @@ describe('slow-loris and --max-connections', () => {
     }
   });
 
+  it('a body trickled faster than any per-read time-out still gets 408 after --read-timeout in all', async () => {
+    const server = await startServer(['--read-timeout', '2']);
+    try {
+      const sock = await connect(server);
+      const closed = untilClosed(sock, 15000);
+      sock.write('POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n' +
+        'Content-Length: 100\r\n\r\n');
+      // One byte every 250 ms: 25 s for the whole body, no gap longer than a read time-out.
+      let sent = 0;
+      const timer = setInterval(() => { if (!sock.destroyed && sent < 100) { sock.write('a'); sent++; } }, 250);
+      const { text, ms } = await closed.finally(() => clearInterval(timer));
+      const [res] = parseResponses(text);
+      assert.equal(res?.status, 408, text.slice(0, 300));
+      assert.equal(JSON.parse(res.body).error.code, 'request_timeout');
+      assert.match(res.get('x-request-id'), /^req_[0-9a-f]{16}$/);
+      assert.ok(ms >= 1500 && ms < 8000, `closed after ${ms} ms`);
+      assert.ok(sent < 40, `${sent} body bytes went in before the 408`);
+    } finally {
+      await stopServer(server);
+    }
+  });
+
+  it('200 idle connections do not delay /health, and each is closed after --read-timeout', async () => {
+    // cpp-httplib queued connections for a fixed thread pool: 2,000 idle ones delayed /health
+    // by over 5 s. Here each admitted connection has its own thread; one that sends nothing is
+    // closed without an answer once --read-timeout passes.
+    const server = await startServer(['--read-timeout', '2', '--max-connections', '250']);
+    try {
+      const idle = await Promise.all(Array.from({ length: 200 }, () => connect(server)));
+      const closed = idle.map((sock) => untilClosed(sock, 15000));
+      await sleep(100);
+      const times = [];
+      for (let i = 0; i < 5; i++) {
+        const t0 = performance.now();
+        const res = await rawRequest(server, 'GET', '/health', { timeoutMs: 5000 });
+        times.push(performance.now() - t0);
+        assert.equal(res.status, 200);
+      }
+      console.log(`# /health beside 200 idle connections: max ${Math.max(...times).toFixed(1)} ms`);
+      assert.ok(Math.max(...times) < 1000, `/health took ${times.map((t) => t.toFixed(1)).join(', ')} ms`);
+      for (const { text, ms } of await Promise.all(closed)) {
+        assert.equal(text, '', 'a connection that sent nothing gets no answer');
+        assert.ok(ms >= 1000 && ms < 8000, `closed after ${ms} ms`);
+      }
+    } finally {
+      await stopServer(server);
+    }
+  });
+
   it('the 503 beyond --max-connections has one "Connection: close" and no Keep-Alive header', async () => {
     const server = await startServer(['--max-connections', '1']);
     try {
@@ -382,6 +440,7 @@ describe('slow-loris and --max-connections', () => {
       assert.deepEqual(res.headers.filter(([n]) => n === 'connection'), [['connection', 'close']]);
       assert.equal(res.get('keep-alive'), undefined);
       assert.equal(JSON.parse(res.body).error.code, 'too_many_connections');
+      assert.match(res.get('x-request-id'), /^req_[0-9a-f]{16}$/, 'refusals carry a request id too');
       holder.destroy();
       sock.destroy();
     } finally {

@@ -45,6 +45,18 @@ describe('lily serve (default settings)', () => {
     assert.match(m.body, /# TYPE lily_time_to_first_token_seconds histogram/);
   });
 
+  it('sends no CORS header without --allowed-origins (the default is none)', async () => {
+    const origin = { Origin: 'http://app.example:3000' };
+    const preflight = await rawRequest(server, 'OPTIONS', '/v1/chat/completions', {
+      headers: { ...origin, 'Access-Control-Request-Method': 'POST' },
+    });
+    assert.equal(preflight.status, 204);
+    const get = await rawRequest(server, 'GET', '/v1/models', { headers: origin });
+    assert.equal(get.status, 200);
+    for (const res of [preflight, get])
+      for (const name of Object.keys(res.headers)) assert.ok(!name.startsWith('access-control-'), name);
+  });
+
   it('GET /v1/models/{id} answers the model object, or 404 model_not_found', async () => {
     const list = JSON.parse((await rawRequest(server, 'GET', '/v1/models')).body);
     const one = await rawRequest(server, 'GET', `/v1/models/${MODEL}`);

@@ -114,6 +114,11 @@ class FakeBackend final : public Backend {
     std::lock_guard l(m_);
     gate_open_ = false;
   }
+  /// Waits (up to `timeout`) until a step() is blocked at the closed gate; false on time-out.
+  bool wait_until_at_gate(std::chrono::milliseconds timeout) {
+    std::unique_lock l(m_);
+    return cv_.wait_for(l, timeout, [&] { return at_gate_ > 0; });
+  }
   void open_gate() {
     {
       std::lock_guard l(m_);
@@ -150,13 +155,17 @@ class FakeBackend final : public Backend {
   }
   void wait_gate() {
     std::unique_lock l(m_);
+    ++at_gate_;
+    cv_.notify_all();
     cv_.wait(l, [&] { return gate_open_; });
+    --at_gate_;
   }
   int32_t vocab_;
   ModelConfig config_;
   mutable std::mutex m_;
   std::condition_variable cv_;
   bool gate_open_ = true;
+  int at_gate_ = 0;  ///< step() calls waiting at the gate now
   std::optional<std::string> weights_problem_;
 };
 

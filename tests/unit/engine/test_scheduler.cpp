@@ -252,13 +252,35 @@ TEST(Scheduler, AQueuedJobFailsWhenTheWeightsChangedWhileItWaited) {
   auto queued = h.scheduler->submit(job({2}, 1));
   h.backend->set_weights_problem("/m/model.safetensors was modified (its mtime changed)");
   h.backend->open_gate();
-  finish(*running);  // the job that already ran its prefill is not interrupted
+  finish(*running);  // the running job fails at its next step (below)
   const int prefills = h.backend->prefill_calls;
   auto [event, tokens] = finish(*queued);
   EXPECT_EQ(event.kind, JobEvent::Kind::kFailed);
+  EXPECT_TRUE(event.model_unavailable) << "a changed file is not an internal error";
   EXPECT_EQ(tokens, 0);
   EXPECT_NE(event.text.find("was modified"), std::string::npos) << event.text;
   EXPECT_EQ(h.backend->prefill_calls, prefills);
+}
+
+// A change while a job runs: the step already inside the backend finishes (its first token),
+// then the job fails before the next step instead of running the backend over the changed
+// mapping (where a truncated file faults with SIGBUS). One stat(2) per file between two steps.
+TEST(Scheduler, ARunningJobFailsAtItsNextStepOnceTheWeightsChanged) {
+  Harness h(4);
+  auto running = occupy_engine(h, 50);
+  ASSERT_TRUE(h.backend->wait_until_at_gate(30000ms)) << "the first step (the prefill) never began";
+  h.backend->set_weights_problem("/m/model.safetensors was truncated from 100 to 8 bytes");
+  h.backend->open_gate();
+  auto [event, tokens] = finish(*running);
+  EXPECT_EQ(event.kind, JobEvent::Kind::kFailed);
+  EXPECT_TRUE(event.model_unavailable);
+  EXPECT_NE(event.text.find("was truncated from 100 to 8 bytes"), std::string::npos) << event.text;
+  EXPECT_NE(event.text.find("restart lily serve"), std::string::npos) << event.text;
+  EXPECT_EQ(tokens, 1) << "only the step that was running when the file changed";
+  EXPECT_EQ(h.backend->steps, 1) << "the backend stepped over changed weights";
+  EXPECT_EQ(h.backend->decode_calls, 0);
+  // Later requests are refused at submit.
+  EXPECT_THROW(h.scheduler->submit(job({2}, 1)), ModelUnavailableError);
 }
 
 // ---- continuous batching ------------------------------------------------------------------------

@@ -53,6 +53,13 @@ TEST(SpecialFiles, InspectRefusesAFifoShardIndex) {
                  "inspect");
 }
 
+// inspect loads the tokenizer as serve does (CliInputs.InspectRefusesAMissingOrGarbageTokenizer…).
+TEST(SpecialFiles, InspectRefusesAFifoTokenizer) {
+  test::TempDir tmp;
+  const fs::path dir = demo_with_fifo(tmp, "tokenizer.json");
+  expect_refused(test::run_lily_bounded("inspect " + quoted(dir), true), dir / "tokenizer.json", "inspect");
+}
+
 TEST(SpecialFiles, TokenizeAndGenerateRefuseAFifoTokenizer) {
   test::TempDir tmp;
   const fs::path dir = demo_with_fifo(tmp, "tokenizer.json");

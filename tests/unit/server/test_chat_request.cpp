@@ -306,4 +306,6 @@ TEST(ApiErrorShape, MessageKeepsBytesAfterANul) {
   EXPECT_EQ(e.message(), message);
   EXPECT_EQ(e.body()["error"]["message"].get<std::string>(), message);
   EXPECT_NE(e.body().dump().find("a\\u0000b' does not exist"), std::string::npos) << e.body().dump();
+  // what() (a C string, for code that logs it) shows the NUL instead of stopping there.
+  EXPECT_STREQ(e.what(), "the model 'a\\u0000b' does not exist; this server serves 'demo'");
 }

@@ -118,6 +118,15 @@ TEST(LogLine, TokensAndErrors) {
             "POST /tokenize 400 0ms error=\"no\" id=abc");
 }
 
+// The error of a log line is a JSON string: a NUL or a newline from a request field (the model
+// name) can neither cut the line nor start a forged one.
+TEST(LogLine, ErrorsEscapeNulAndControlCharacters) {
+  const std::string error = std::string("the model 'a") + '\0' + "b\nlily: info: forged' does not exist";
+  EXPECT_EQ(request_log_line("POST", "/v1/chat/completions", 404, 0, std::nullopt, error, "r1"),
+            "POST /v1/chat/completions 404 0ms error=\"the model 'a\\u0000b\\nlily: info: forged' does not exist\" "
+            "id=r1");
+}
+
 TEST(OpenAiJson, TextCompletionShapes) {
   const CompletionMeta meta{"cmpl-1", 7, "demo", "lily-x"};
   const auto whole = text_completion_json(meta, "hi", "stop", Usage{3, 2, 1});
