@@ -270,6 +270,23 @@ TEST_F(CudaE2e, BatchedPrefillMatchesCpu) {
   }
 }
 
+// The same 300-token prompt with the two-pass GDN prefill (LILY_CUDA_GDN_CHUNK_PARALLEL=1;
+// the backend allocates its workspace only when the switch is on at construction).
+TEST_F(CudaE2e, BatchedPrefillWithTwoPassGdnMatchesCpu) {
+  TempDir dir;
+  auto w = synth("realdims", dir.path());
+  auto oracle = bf16_oracle(w);
+  cpu::CpuBackend& cpu = *oracle;
+  setenv("LILY_CUDA_PREFILL", "batched", 1);
+  const bool was = cuda::gdn_chunk_parallel_enabled();
+  cuda::set_gdn_chunk_parallel_enabled(true);
+  auto gpu = make_cuda_backend(w);
+  unsetenv("LILY_CUDA_PREFILL");
+  compare_greedy(cpu, *gpu, prompt_ids(300, w->config.vocab, 8), 4, "realdims batched prefill, two-pass GDN",
+                 /*align=*/false);
+  cuda::set_gdn_chunk_parallel_enabled(was);
+}
+
 TEST_F(CudaE2e, DemoModelMatchesCpu) {
   auto w = load_model(demo_model_dir());
   // The kernels are compiled for the demo's dims (head_dim 64, GDN 64): a refusal is a failure.
