@@ -216,3 +216,25 @@ TEST(ChatAgent, ForcedAnswerPrefix) {
   EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", named}}), true),
             "\n</think>\n\n<tool_call>\n<function=get_weather>\n");
 }
+
+TEST(ChatAgent, ForcedNameChoices) {
+  auto fields = [](const json& extra) {
+    json j = base();
+    for (auto& [k, v] : extra.items()) j[k] = v;
+    return parse_chat_request(j.dump()).agent;
+  };
+  const json time_tool = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
+  const json alarm_tool = {{"type", "function"}, {"function", {{"name", "set-alarm_2"}}}};
+  const json three = json::array({weather_tool(), time_tool, alarm_tool});
+  // "required" with several tools: every declared name, in order, each closed as the model writes it.
+  EXPECT_EQ(forced_name_choices(fields({{"tools", three}, {"tool_choice", "required"}})),
+            (std::vector<std::string>{"get_weather>\n", "get_time>\n", "set-alarm_2>\n"}));
+  // Nothing to constrain when the opening already holds the name, or nothing is forced.
+  EXPECT_TRUE(forced_name_choices(fields({{"tool_choice", "required"}})).empty());  // one tool
+  EXPECT_TRUE(forced_name_choices(fields({{"tools", three},
+                                          {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_time"}}}}}}))
+                  .empty());
+  for (const char* choice : {"auto", "none"})
+    EXPECT_TRUE(forced_name_choices(fields({{"tools", three}, {"tool_choice", choice}})).empty()) << choice;
+  EXPECT_TRUE(forced_name_choices(fields(json::object())).empty());
+}
