@@ -22,7 +22,7 @@ PrefixChoiceConstraint::PrefixChoiceConstraint(std::vector<std::string> choices,
 PrefixChoiceConstraint PrefixChoiceConstraint::over_tokenizer(std::vector<std::string> choices, int32_t vocab,
                                                               const Tokenizer& tokenizer) {
   return PrefixChoiceConstraint(std::move(choices), vocab, [&tokenizer](int32_t id) {
-    return tokenizer.is_special(id) ? std::string() : tokenizer.token_bytes(id);
+    return tokenizer.is_special(id) ? std::string_view() : tokenizer.token_view(id);
   });
 }
 
@@ -82,7 +82,7 @@ size_t PrefixChoiceConstraint::mask(std::span<float> logits) {
 
 void PrefixChoiceConstraint::push(int32_t id) {
   if (!active_) return;
-  const std::string bytes = id >= 0 && id < vocab_ ? token_bytes_(id) : std::string();
+  const std::string_view bytes = id >= 0 && id < vocab_ ? token_bytes_(id) : std::string_view();
   if (!allows_bytes(bytes)) {
     active_ = false;
     return;

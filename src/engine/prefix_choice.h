@@ -24,8 +24,9 @@ namespace lily {
 
 class Tokenizer;
 
-/// The bytes a token adds to the text (empty for a token that adds none), by id.
-using TokenBytesFn = std::function<std::string(int32_t id)>;
+/// The bytes a token adds to the text (empty for a token that adds none), by id. The view must
+/// stay valid while the constraint lives (a view into the vocabulary, not a temporary).
+using TokenBytesFn = std::function<std::string_view(int32_t id)>;
 
 /// The text-prefix constraint over the first generated tokens (see the file comment).
 class PrefixChoiceConstraint {

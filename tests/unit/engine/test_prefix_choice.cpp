@@ -29,7 +29,7 @@ const std::vector<std::string> kTokens = {
 
 PrefixChoiceConstraint table_constraint(std::vector<std::string> choices) {
   return PrefixChoiceConstraint(std::move(choices), static_cast<int32_t>(kTokens.size()),
-                                [](int32_t id) { return kTokens.at(static_cast<size_t>(id)); });
+                                [](int32_t id) { return std::string_view(kTokens.at(static_cast<size_t>(id))); });
 }
 
 int32_t id_of(const std::string& bytes) {
@@ -141,7 +141,7 @@ TEST(PrefixChoice, GivesUpWhenNoTokenCanContinue) {
 }
 
 TEST(PrefixChoice, RefusesEmptyChoices) {
-  auto bytes = [](int32_t) { return std::string("a"); };
+  auto bytes = [](int32_t) { return std::string_view("a"); };
   EXPECT_THROW(PrefixChoiceConstraint({}, 4, bytes), Error);
   EXPECT_THROW(PrefixChoiceConstraint({"a", ""}, 4, bytes), Error);
   EXPECT_THROW(PrefixChoiceConstraint({"a"}, 0, bytes), Error);
