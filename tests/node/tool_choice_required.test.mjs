@@ -86,9 +86,9 @@ describe('tool_choice "required" with several tools', () => {
 
   it('sampled: every call of every choice names a declared tool, streamed too', async () => {
     const names = new Set();
-    for (const seed of [1, 2, 3]) {
-      const whole = await ask({ tool_choice: 'required', temperature: 1, seed, n: 4 });
-      assert.equal(whole.choices.length, 4);
+    for (const seed of [1, 2]) {
+      const whole = await ask({ tool_choice: 'required', temperature: 1, seed, n: 3 });
+      assert.equal(whole.choices.length, 3);
       for (const c of whole.choices) {
         assert.equal(c.finish_reason, 'tool_calls', JSON.stringify(c.message));
         assert.equal(c.message.tool_calls.length, 1);
@@ -97,8 +97,8 @@ describe('tool_choice "required" with several tools', () => {
         names.add(name);
       }
       // The stream of the same request (same seed): the same calls, choice by choice.
-      const stream = await ask({ tool_choice: 'required', temperature: 1, seed, n: 4, stream: true });
-      const streamed = [[], [], [], []];
+      const stream = await ask({ tool_choice: 'required', temperature: 1, seed, n: 3, stream: true });
+      const streamed = [[], [], []];
       const finishes = [];
       for await (const chunk of stream)
         for (const c of chunk.choices) {
@@ -106,7 +106,7 @@ describe('tool_choice "required" with several tools', () => {
           if (c.finish_reason) finishes[c.index] = c.finish_reason;
         }
       assert.deepEqual(streamed, whole.choices.map((c) => [c.message.tool_calls[0].function.name]));
-      assert.deepEqual(finishes, ['tool_calls', 'tool_calls', 'tool_calls', 'tool_calls']);
+      assert.deepEqual(finishes, ['tool_calls', 'tool_calls', 'tool_calls']);
     }
     assert.ok(names.size > 1, `sampling reaches more than one declared name: ${[...names]}`);
   });

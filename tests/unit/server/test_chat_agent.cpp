@@ -205,7 +205,7 @@ TEST(ChatAgent, ForcedAnswerPrefix) {
   EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", "none"}}), false), "");
   // A named function: its opening, name included.
   EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", named}}), false), "<tool_call>\n<function=get_weather>\n");
-  // "required" with one tool declared is that tool; with several, the model picks the name.
+  // "required" with one tool declared is that tool; with several, the model picks the name (held to the declared ones: ForcedNameChoices).
   EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", "required"}}), false), "<tool_call>\n<function=get_weather>\n");
   json time_tool = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
   const json two = json::array({weather_tool(), time_tool});
