@@ -40,9 +40,8 @@ writeScriptedModel({
   ],
 });
 
-const tool = (name, properties = {}) =>
-  ({ type: 'function', function: { name, description: name, parameters: { type: 'object', properties } } });
-const tools = [tool('get_time'), tool('set_counter', { value: { type: 'integer' } }), tool('set_alarm')];
+// Short declarations keep the prompt short (the test also runs under the sanitizers).
+const tools = ['get_time', 'set_counter', 'set_alarm'].map((name) => ({ type: 'function', function: { name } }));
 const declared = new Set(tools.map((t) => t.function.name));
 const question = [{ role: 'user', content: 'What now?' }];
 
@@ -62,8 +61,6 @@ describe('tool_choice "required" with several tools', () => {
     const raw = await post(server, '/v1/completions', { model: MODEL, prompt: OPENING, max_tokens: 32 });
     assert.equal(raw.status, 200, JSON.stringify(raw.json));
     assert.equal(raw.json.choices[0].text, 'lookup_weather>\n</function></tool_call>');
-    const auto = await ask({});
-    assert.equal(auto.choices[0].message.content, 'It is sunny.');
   });
 
   it('greedy: the call names a declared tool, whole and streamed alike', async () => {
@@ -85,29 +82,26 @@ describe('tool_choice "required" with several tools', () => {
   });
 
   it('sampled: every call of every choice names a declared tool, streamed too', async () => {
-    const names = new Set();
-    for (const seed of [1, 2]) {
-      const whole = await ask({ tool_choice: 'required', temperature: 1, seed, n: 3 });
-      assert.equal(whole.choices.length, 3);
-      for (const c of whole.choices) {
-        assert.equal(c.finish_reason, 'tool_calls', JSON.stringify(c.message));
-        assert.equal(c.message.tool_calls.length, 1);
-        const name = c.message.tool_calls[0].function.name;
-        assert.ok(declared.has(name), name);
-        names.add(name);
-      }
-      // The stream of the same request (same seed): the same calls, choice by choice.
-      const stream = await ask({ tool_choice: 'required', temperature: 1, seed, n: 3, stream: true });
-      const streamed = [[], [], []];
-      const finishes = [];
-      for await (const chunk of stream)
-        for (const c of chunk.choices) {
-          for (const t of c.delta.tool_calls ?? []) if (t.function?.name) streamed[c.index].push(t.function.name);
-          if (c.finish_reason) finishes[c.index] = c.finish_reason;
-        }
-      assert.deepEqual(streamed, whole.choices.map((c) => [c.message.tool_calls[0].function.name]));
-      assert.deepEqual(finishes, ['tool_calls', 'tool_calls', 'tool_calls']);
+    const request = { tool_choice: 'required', temperature: 1, seed: 1, n: 3 };
+    const whole = await ask(request);
+    assert.equal(whole.choices.length, 3);
+    for (const c of whole.choices) {
+      assert.equal(c.finish_reason, 'tool_calls', JSON.stringify(c.message));
+      assert.equal(c.message.tool_calls.length, 1);
+      assert.ok(declared.has(c.message.tool_calls[0].function.name), c.message.tool_calls[0].function.name);
     }
-    assert.ok(names.size > 1, `sampling reaches more than one declared name: ${[...names]}`);
+    const names = whole.choices.map((c) => c.message.tool_calls[0].function.name);
+    assert.ok(new Set(names).size > 1, `sampling reaches more than one declared name: ${names}`);
+    // The stream of the same request (same seed): the same calls, choice by choice.
+    const stream = await ask({ ...request, stream: true });
+    const streamed = [[], [], []];
+    const finishes = [];
+    for await (const chunk of stream)
+      for (const c of chunk.choices) {
+        for (const t of c.delta.tool_calls ?? []) if (t.function?.name) streamed[c.index].push(t.function.name);
+        if (c.finish_reason) finishes[c.index] = c.finish_reason;
+      }
+    assert.deepEqual(streamed, names.map((name) => [name]));
+    assert.deepEqual(finishes, ['tool_calls', 'tool_calls', 'tool_calls']);
   });
 });
