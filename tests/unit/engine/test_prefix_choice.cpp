@@ -107,8 +107,11 @@ TEST(PrefixChoice, MaskSetsEveryDisallowedLogitToMinusInfinity) {
   const std::vector<int32_t> allowed = ids_of({"g", "get", "set", "s"});
   for (size_t i = 0; i < row.size(); ++i) {
     const bool ok = std::find(allowed.begin(), allowed.end(), static_cast<int32_t>(i)) != allowed.end();
-    if (ok) EXPECT_EQ(row[i], static_cast<float>(i)) << i;
-    else EXPECT_TRUE(std::isinf(row[i]) && row[i] < 0) << i;
+    if (ok) {
+      EXPECT_EQ(row[i], static_cast<float>(i)) << i;
+    } else {
+      EXPECT_TRUE(std::isinf(row[i]) && row[i] < 0) << i;
+    }
   }
   // Greedy and sampled choices from the masked row are allowed tokens.
   EXPECT_EQ(argmax_token(row), id_of("s"));
