@@ -4,11 +4,13 @@
 #include <chrono>
 #include <fstream>
 #include <memory>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
 #include "base/error.h"
 #include "base/file_util.h"
+#include "engine/prefix_choice.h"
 #include "engine/stop_strings.h"
 
 namespace lily {
@@ -105,6 +107,8 @@ struct Generation::Impl {
   TokenHistory history;
   Sampler sampler;
   PenaltyEdits edits;  ///< the step-1 edits handed to a device sampler (next_row)
+  std::optional<PrefixChoiceConstraint> prefix;  ///< GenerationParams::prefix_choices
+  std::vector<float> masked;  ///< the logits row with the prefix constraint's mask applied
   Clock::time_point t0;  ///< first step
   Clock::time_point t1;  ///< first generated token
 };
@@ -122,7 +126,10 @@ Generation::Generation(const Backend& backend, SequenceState& state, std::span<c
       on_logprobs_(std::move(on_logprobs)) {
   check_generation_inputs(state, prompt, params, tokenizer);
   if (params.prefill_chunk < 0) throw Error("generate: prefill_chunk must be ≥ 0");
+  if (!params.prefix_choices.empty() && tokenizer == nullptr) throw Error("generate: prefix choices need a tokenizer");
   impl_ = std::make_unique<Impl>(tokenizer, params.stop_strings, backend.config().vocab);
+  if (!params.prefix_choices.empty())
+    impl_->prefix.emplace(PrefixChoiceConstraint::over_tokenizer(params.prefix_choices, backend.config().vocab, *tokenizer));
   const int64_t n = static_cast<int64_t>(prompt.size());
   result_.prompt_tokens = n;
   result_.cached_tokens = state.position();
@@ -164,7 +171,7 @@ StepRow Generation::next_row() {
   }
   const SamplingParams& sp = params_.sampling;
   const bool device_sampling = samples_on_device();
-  const bool need_logits = params_.logprobs >= 0 || (!sp.plain_greedy() && !device_sampling);
+  const bool need_logits = params_.logprobs >= 0 || constrained() || (!sp.plain_greedy() && !device_sampling);
   StepRow row;
   row.state = &state_;
   row.position = state_.position();
@@ -192,24 +199,35 @@ StepRow Generation::next_row() {
 }
 
 bool Generation::samples_on_device() const {
-  return !params_.sampling.plain_greedy() && backend_.samples_on_device();
+  return !params_.sampling.plain_greedy() && backend_.samples_on_device() && !constrained();
 }
+
+bool Generation::constrained() const { return impl_->prefix && impl_->prefix->active(); }
 
 // The token after a backend step: its argmax, the backend's own sample (samples_on_device:
 // `next` is already the sampled id), or the host sampler's choice from the logits. Plain greedy
 // takes the backend's argmax as is (bit-exact, no logits copied); host sampling, penalties and
 // bias on a backend without a device sampler, and log-probabilities (always computed on the
-// host) need the logits row of every step on the host.
+// host) need the logits row of every step on the host. While the prefix constraint is active,
+// the host sampler (greedy or not) chooses from the row with the disallowed tokens at −inf.
 int32_t Generation::choose(int32_t next) {
   const SamplingParams& sp = params_.sampling;
   const bool want_logprobs = params_.logprobs >= 0;
-  if (sp.plain_greedy() && !want_logprobs) return next;
+  const bool constrained = this->constrained();
+  if (sp.plain_greedy() && !want_logprobs && !constrained) return next;
   const bool on_device = samples_on_device();
-  if (logits_.empty() && (want_logprobs || !on_device))
+  if (logits_.empty() && (want_logprobs || constrained || !on_device))
     throw InternalError("generate: the " + backend_.name() + " backend returned no logits");
   const auto step = static_cast<uint64_t>(result_.token_ids.size());
-  const int32_t token =
-      sp.plain_greedy() || on_device ? next : impl_->sampler.sample(logits_, sp, impl_->history, step);
+  int32_t token;
+  if (constrained) {
+    impl_->masked.assign(logits_.begin(), logits_.end());
+    impl_->prefix->mask(impl_->masked);
+    token = impl_->sampler.sample(impl_->masked, sp, impl_->history, step);
+    impl_->prefix->push(token);
+  } else {
+    token = sp.plain_greedy() || on_device ? next : impl_->sampler.sample(logits_, sp, impl_->history, step);
+  }
   if (sp.modifies_logits()) impl_->history.add_generated(token);
   const bool stop = std::find(params_.stop_ids.begin(), params_.stop_ids.end(), token) != params_.stop_ids.end();
   if (want_logprobs && !stop) {

@@ -52,6 +52,13 @@ struct GenerationParams {
   /// prompt_splits and before the last prompt token. The cuts depend on nothing but the prompt
   /// and this value, never on other sequences.
   int64_t prefill_chunk = 0;
+  /// When not empty: the generated text must begin with one of these strings (non-empty; needs a
+  /// tokenizer). Until it equals one of them, each step's token is chosen from the logits with
+  /// every token masked out whose bytes would not keep the text a prefix of one
+  /// (engine/prefix_choice.h), greedy or sampled; then generation is free. Those steps copy
+  /// the logits to the host and sample there even on a backend that samples on its device. The
+  /// server uses it so that tool_choice "required" with several tools names a declared tool.
+  std::vector<std::string> prefix_choices;
 };
 
 /// Wall-clock timings of one generation, in seconds.
@@ -145,8 +152,11 @@ class Generation {
   int64_t next_cut() const;
   int32_t choose(int32_t next);
   /// True when the backend samples this generation's tokens on its device (not plain greedy,
-  /// Backend::samples_on_device): the step returns the sampled id, no logits needed for it.
+  /// Backend::samples_on_device, no prefix constraint active): the step returns the sampled id,
+  /// no logits needed for it.
   bool samples_on_device() const;
+  /// True while GenerationParams::prefix_choices still constrains the next token.
+  bool constrained() const;
 
   const Backend& backend_;
   SequenceState& state_;

@@ -281,6 +281,7 @@ bool Scheduler::start_choice(Running& r, int choice) {
     params.logprobs = req.logprobs;
     params.prompt_splits = req.message_starts;
     params.prefill_chunk = prefill_chunk_;
+    params.prefix_choices = req.prefix_choices;
     r.gen = std::make_unique<Generation>(*backend_, *r.state, req.prompt, params, tokenizer_.get(), on_token,
                                          snapshot, on_logprobs);
     return true;

@@ -70,6 +70,8 @@ struct JobRequest {
   SamplingParams sampling;
   int n = 1;                               ///< choices (1 … 8), generated one after another
   int logprobs = -1;                       ///< GenerationParams::logprobs
+  /// GenerationParams::prefix_choices of every choice: the text must begin with one of these.
+  std::vector<std::string> prefix_choices;
 };
 
 /// One event from the engine to the submitting thread.

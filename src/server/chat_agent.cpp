@@ -232,6 +232,13 @@ std::string forced_answer_prefix(const ChatAgentFields& fields, bool thinking) {
   return prefix;
 }
 
+std::vector<std::string> forced_name_choices(const ChatAgentFields& fields) {
+  if (!fields.tools_active() || fields.tool_choice != ToolChoice::kRequired || fields.tools.size() < 2) return {};
+  std::vector<std::string> choices;
+  for (const auto& tool : fields.tools) choices.push_back(tool["function"]["name"].get<std::string>() + ">\n");
+  return choices;
+}
+
 ChatTemplateOptions template_options(const ChatAgentFields& fields, bool server_default, bool add_generation_prompt) {
   ChatTemplateOptions options;
   options.add_generation_prompt = add_generation_prompt;

@@ -54,11 +54,17 @@ bool thinking_enabled(const ChatAgentFields& fields, bool server_default);
 /// "required" or a named function yields a call (empty for "auto", "none" and no tools). The
 /// text is the start of the model's own tool-call format (server/tool_calls.h):
 ///   named, or "required" with one tool declared: "<tool_call>\n<function=NAME>\n"
-///   "required" with several tools:                "<tool_call>\n<function="  (the model names one)
+///   "required" with several tools:                "<tool_call>\n<function="  (the model names one,
+///                                                 held to the declared names: forced_name_choices)
 /// With thinking on, the answer starts inside the think block, so the opening first closes it
 /// as a turn without thinking would read ("\n</think>\n\n"): a forced call skips the reasoning.
 /// The server appends its tokens to the prompt and the answer parser reads it as answer text.
 std::string forced_answer_prefix(const ChatAgentFields& fields, bool thinking);
+
+/// What the model may write right after the forced opening when it ends before the name
+/// ("required" with several tools): every declared name followed by ">\n", in declaration
+/// order, for GenerationParams::prefix_choices; empty otherwise (nothing to constrain).
+std::vector<std::string> forced_name_choices(const ChatAgentFields& fields);
 
 /// The template variables of a request: tools when active, thinking, preserve_thinking.
 ChatTemplateOptions template_options(const ChatAgentFields& fields, bool server_default,

@@ -398,6 +398,9 @@ struct ChatCall {
   bool probed = false;  ///< the half-closed connection was probed once (Exchange::probe)
   uint64_t seed = 0;    ///< the seed of choice 0 (choice i: choice_seed(seed, i))
   AnswerFormat answer;  ///< chat: how the generated text becomes reasoning, content and tool calls
+  /// chat, tool_choice "required" with several tools: the names the answer must go on with
+  /// after the forced opening (forced_name_choices; JobRequest::prefix_choices).
+  std::vector<std::string> prefix_choices;
 };
 
 /// Whether the header value `value` holds `token` as one of its comma-separated items (any case).
@@ -1115,6 +1118,7 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
   job.sampling = request_sampling(call);
   job.n = call.request.n;
   job.logprobs = call.request.logprobs ? call.request.top_logprobs : -1;
+  job.prefix_choices = call.prefix_choices;
   try {
     return scheduler_->submit(std::move(job));
   } catch (const QueueFullError& e) {
@@ -1218,6 +1222,9 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
       const std::vector<int32_t> forced = tokenizer_->encode(call.answer.prefix, /*allow_special=*/true);
       prompt.insert(prompt.end(), forced.begin(), forced.end());
     }
+    // "required" with several tools: the opening stops before the name, and the engine holds
+    // the model to the declared names (a token-level constraint, engine/prefix_choice.h).
+    call.prefix_choices = forced_name_choices(request.agent);
     call.request = std::move(request);
   } catch (const ApiError& e) {
     return send_error(res, e);

@@ -250,7 +250,7 @@ class TokenizerImpl {
     out += bytes_[id];
   }
 
-  std::string token_bytes(int32_t id) const {
+  std::string_view token_view(int32_t id) const {
     if (id < 0 || static_cast<size_t>(id) >= kinds_.size()) return {};
     return bytes_[id];
   }
@@ -355,7 +355,8 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool allow_special
 std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) const {
   return impl_->decode(ids, skip_special);
 }
-std::string Tokenizer::token_bytes(int32_t id) const { return impl_->token_bytes(id); }
+std::string Tokenizer::token_bytes(int32_t id) const { return std::string(impl_->token_view(id)); }
+std::string_view Tokenizer::token_view(int32_t id) const { return impl_->token_view(id); }
 std::optional<int32_t> Tokenizer::token_id(std::string_view token) const { return impl_->token_id(token); }
 bool Tokenizer::is_special(int32_t id) const { return impl_->is_special(id); }
 int32_t Tokenizer::vocab_size() const { return impl_->vocab_size(); }

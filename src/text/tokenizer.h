@@ -31,6 +31,8 @@ class Tokenizer {
   std::string decode(std::span<const int32_t> ids, bool skip_special = true) const;
   /// The raw bytes of one token (byte-level decoded), or the added token's content.
   std::string token_bytes(int32_t id) const;
+  /// token_bytes as a view into the tokenizer (no copy; valid while the tokenizer lives).
+  std::string_view token_view(int32_t id) const;
   /// Id of an exact token string (vocabulary or added token), if any.
   std::optional<int32_t> token_id(std::string_view token) const;
   /// True for added tokens flagged `special`.

@@ -18,6 +18,7 @@
 
 #include "base/error.h"
 #include "engine/backend.h"
+#include "engine/sampler.h"
 
 namespace lily::test {
 
@@ -84,6 +85,7 @@ class FakeBackend final : public Backend {
       if (!r.want_logits) continue;
       fill_logits(st.history, r.logits);
       next[i] = next_token(st.history);
+      if (device_sampling && r.sampling.params != nullptr) next[i] = device_sample(st.history, r.sampling);
     }
     if (decoded && decode_delay.count() > 0) std::this_thread::sleep_for(decode_delay);
     return next;
@@ -102,6 +104,20 @@ class FakeBackend final : public Backend {
     }
     (*logits)[next_token(history)] += 3.0f;
   }
+  /// What a device sampler returns for a row (engine/sampler.h's pipeline on this backend's
+  /// logits with the row's edits and Philox counter). Counted in device_sampled_rows.
+  int32_t device_sample(const std::vector<int32_t>& history, const RowSampling& rs) {
+    ++device_sampled_rows;
+    std::vector<float> x;
+    const int calls = logits_calls;
+    fill_logits(history, &x);
+    logits_calls = calls;
+    if (rs.edits != nullptr) apply_penalty_edits(x, *rs.edits, *rs.params);
+    if (rs.params->greedy()) return argmax_token(x);
+    for (float& v : x) v /= rs.params->temperature;
+    return draw_token(x, surviving_tokens(x, *rs.params), sample_uniform(rs.params->seed, rs.step));
+  }
+  bool samples_on_device() const override { return device_sampling; }
   /// Deterministic function of the history: a rolling hash mod vocab.
   int32_t next_token(const std::vector<int32_t>& history) const {
     if (script) return script(history);
@@ -138,6 +154,8 @@ class FakeBackend final : public Backend {
   }
 
   std::function<int32_t(const std::vector<int32_t>&)> script;  ///< overrides next_token when set
+  bool device_sampling = false;  ///< samples_on_device(): rows with sampling.params get device_sample
+  int device_sampled_rows = 0;   ///< rows sampled "on the device"
   std::chrono::milliseconds decode_delay{0};
   int max_rows = 64;  ///< max_batch()
   int steps = 0;                ///< step() calls

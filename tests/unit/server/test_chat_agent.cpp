@@ -205,7 +205,7 @@ TEST(ChatAgent, ForcedAnswerPrefix) {
   EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", "none"}}), false), "");
   // A named function: its opening, name included.
   EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", named}}), false), "<tool_call>\n<function=get_weather>\n");
-  // "required" with one tool declared is that tool; with several, the model picks the name.
+  // "required" with one tool declared is that tool; with several, the model picks the name (held to the declared ones: ForcedNameChoices).
   EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", "required"}}), false), "<tool_call>\n<function=get_weather>\n");
   json time_tool = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
   const json two = json::array({weather_tool(), time_tool});
@@ -215,4 +215,26 @@ TEST(ChatAgent, ForcedAnswerPrefix) {
   // With thinking on, the think block is closed first.
   EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", named}}), true),
             "\n</think>\n\n<tool_call>\n<function=get_weather>\n");
+}
+
+TEST(ChatAgent, ForcedNameChoices) {
+  auto fields = [](const json& extra) {
+    json j = base();
+    for (auto& [k, v] : extra.items()) j[k] = v;
+    return parse_chat_request(j.dump()).agent;
+  };
+  const json time_tool = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
+  const json alarm_tool = {{"type", "function"}, {"function", {{"name", "set-alarm_2"}}}};
+  const json three = json::array({weather_tool(), time_tool, alarm_tool});
+  // "required" with several tools: every declared name, in order, each closed as the model writes it.
+  EXPECT_EQ(forced_name_choices(fields({{"tools", three}, {"tool_choice", "required"}})),
+            (std::vector<std::string>{"get_weather>\n", "get_time>\n", "set-alarm_2>\n"}));
+  // Nothing to constrain when the opening already holds the name, or nothing is forced.
+  EXPECT_TRUE(forced_name_choices(fields({{"tool_choice", "required"}})).empty());  // one tool
+  EXPECT_TRUE(forced_name_choices(fields({{"tools", three},
+                                          {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_time"}}}}}}))
+                  .empty());
+  for (const char* choice : {"auto", "none"})
+    EXPECT_TRUE(forced_name_choices(fields({{"tools", three}, {"tool_choice", choice}})).empty()) << choice;
+  EXPECT_TRUE(forced_name_choices(fields(json::object())).empty());
 }

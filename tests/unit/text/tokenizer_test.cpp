@@ -132,6 +132,10 @@ TEST_F(TinyTokenizer, DecodeSkipsSpecialAndDropsUnknownIds) {
   EXPECT_EQ(tok->vocab_size(), 248070);
   EXPECT_EQ(tok->token_bytes(' '), " ");  // id 32 is the byte-level symbol of the space
   EXPECT_EQ(tok->token_bytes(248046), "<|im_end|>");
+  EXPECT_EQ(tok->token_view(' '), " ");  // the same bytes, without a copy
+  EXPECT_EQ(tok->token_view(248046), "<|im_end|>");
+  EXPECT_EQ(tok->token_view(1000000), "");
+  EXPECT_EQ(tok->token_view(-3), "");
   // A lone lead byte decodes to U+FFFD.
   EXPECT_EQ(tok->decode(std::vector<int32_t>{0xE4, 'x'}), "\xEF\xBF\xBDx");
 }

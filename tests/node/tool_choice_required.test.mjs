@@ -1,0 +1,107 @@
+// tool_choice "required" with several tools, end to end through the real server and the official
+// `openai` client, on a scripted checkpoint (scripted_model.mjs). After the forced opening
+// "<tool_call>\n<function=" this model, left to itself, names a tool nobody declared
+// (lookup_weather) and closes the call. The server holds it to the declared names, token by token
+// (engine/prefix_choice.h): every call that comes back, greedy or sampled, whole or streamed, for
+// every one of n choices, names one of the declared tools. Once the name is written the model is
+// free again and closes the block by itself.
+// Run: LILY_BIN=build/lily node --test tests/node/tool_choice_required.test.mjs
+import { after, before, describe, it } from 'node:test';
+import assert from 'node:assert/strict';
+import fs from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import OpenAI from 'openai';
+import { writeScriptedModel } from './scripted_model.mjs';
+
+const source = process.env.LILY_SOURCE_DIR ?? path.resolve(import.meta.dirname, '..', '..');
+const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'lily-tool-required-'));
+const modelDir = path.join(tmp, 'scripted');
+process.env.LILY_TEST_MODEL_DIR = modelDir;
+const { MODEL, LILY_BIN, assembleStream: assemble, postJson: post, startServer, stopServer } = await import('./server_harness.mjs');
+
+after(() => fs.rmSync(tmp, { recursive: true, force: true }));
+
+const OPENING = '<tool_call>\n<function=';
+writeScriptedModel({
+  lilyBin: LILY_BIN,
+  sourceDir: path.join(source, 'models', 'demo'),
+  template: path.join(source, 'tests/fixtures/jinja/qwen3_6_tools.jinja'),
+  dir: modelDir,
+  chains: [
+    // The generation prompt (thinking off) ends in "</think>\n\n": plain text.
+    { after: '<|im_start|>assistant\n<think>\n\n</think>\n\n', text: 'It is sunny.' },
+    // After the opening: a name that is not declared, then a newline.
+    { after: OPENING, text: 'lookup_weather>', then: '\n' },
+    // After the newline that ends the name's line (written as "\n" or as part of ">\n"): the
+    // end of the call.
+    { after: '\n', text: '</function></tool_call>' },
+    { after: '>\n', text: '', then: '\n' },
+  ],
+});
+
+// Short declarations keep the prompt short (the test also runs under the sanitizers).
+const tools = ['get_time', 'set_counter', 'set_alarm'].map((name) => ({ type: 'function', function: { name } }));
+const declared = new Set(tools.map((t) => t.function.name));
+const question = [{ role: 'user', content: 'What now?' }];
+
+describe('tool_choice "required" with several tools', () => {
+  let server;
+  let openai;
+  before(async () => {
+    server = await startServer();
+    openai = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: 'unused', maxRetries: 0 });
+  });
+  after(async () => { await stopServer(server); });
+
+  const ask = (extra) => openai.chat.completions.create({ model: MODEL, messages: question, tools, max_tokens: 48, ...extra });
+
+  it('left to itself the model names an undeclared tool', async () => {
+    // The same last token as a forced opening, without the server's constraint: raw text.
+    const raw = await post(server, '/v1/completions', { model: MODEL, prompt: OPENING, max_tokens: 32 });
+    assert.equal(raw.status, 200, JSON.stringify(raw.json));
+    assert.equal(raw.json.choices[0].text, 'lookup_weather>\n</function></tool_call>');
+  });
+
+  it('greedy: the call names a declared tool, whole and streamed alike', async () => {
+    const whole = await ask({ tool_choice: 'required' });
+    const choice = whole.choices[0];
+    assert.equal(choice.finish_reason, 'tool_calls', JSON.stringify(choice.message));
+    assert.equal(choice.message.content, null);
+    assert.equal(choice.message.tool_calls.length, 1);
+    assert.ok(declared.has(choice.message.tool_calls[0].function.name), choice.message.tool_calls[0].function.name);
+    assert.equal(choice.message.tool_calls[0].function.arguments, '{}');
+    const { message, finish } = await assemble(await ask({ tool_choice: 'required', stream: true }));
+    assert.equal(finish, 'tool_calls');
+    assert.deepEqual(message.tool_calls.map((c) => c.function), choice.message.tool_calls.map((c) => c.function));
+    // Thinking on: the think block is closed before the opening, and the name is held all the same.
+    const thinking = await ask({ tool_choice: 'required', chat_template_kwargs: { enable_thinking: true } });
+    assert.equal(thinking.choices[0].finish_reason, 'tool_calls');
+    assert.equal(thinking.choices[0].message.reasoning_content, '');
+    assert.deepEqual(thinking.choices[0].message.tool_calls.map((c) => c.function), choice.message.tool_calls.map((c) => c.function));
+  });
+
+  it('sampled: every call of every choice names a declared tool, streamed too', async () => {
+    const request = { tool_choice: 'required', temperature: 1, seed: 1, n: 3 };
+    const whole = await ask(request);
+    assert.equal(whole.choices.length, 3);
+    for (const c of whole.choices) {
+      assert.equal(c.finish_reason, 'tool_calls', JSON.stringify(c.message));
+      assert.equal(c.message.tool_calls.length, 1);
+      assert.ok(declared.has(c.message.tool_calls[0].function.name), c.message.tool_calls[0].function.name);
+    }
+    const names = whole.choices.map((c) => c.message.tool_calls[0].function.name);
+    assert.ok(new Set(names).size > 1, `sampling reaches more than one declared name: ${names}`);
+    // The stream of the same request (same seed): the same calls, choice by choice.
+    const stream = await ask({ ...request, stream: true });
+    const streamed = [[], [], []];
+    const finishes = [];
+    for await (const chunk of stream)
+      for (const c of chunk.choices) {
+        for (const t of c.delta.tool_calls ?? []) if (t.function?.name) streamed[c.index].push(t.function.name);
+        if (c.finish_reason) finishes[c.index] = c.finish_reason;
+      }
+    assert.deepEqual(streamed, names.map((name) => [name]));
+    assert.deepEqual(finishes, ['tool_calls', 'tool_calls', 'tool_calls']);
+  });
+});
