@@ -18,6 +18,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <list>
+#include <memory>
 #include <random>
 #include <thread>
 
@@ -219,6 +221,22 @@ constexpr int kMaxRejecting = 4;
 constexpr auto kRejectHeadTime = std::chrono::seconds(2);
 /// How long a connection that is closed after its answer is drained (DeadlineStream::close_gracefully).
 constexpr auto kLinger = std::chrono::milliseconds(2000);
+/// At most one eviction log line per this interval (the others are counted into the next line).
+constexpr auto kEvictLogInterval = std::chrono::seconds(1);
+
+/// One admitted connection as the accept loop sees it, to pick a connection to evict when all
+/// --max-connections slots are taken. The accept loop registers it in LilyServer::slots_ when
+/// it admits the connection and the connection thread unregisters it when it ends (both hold it
+/// through a shared_ptr); every field is read and written under LilyServer::connections_mutex_ only. While `evictable` is true, the
+/// connection thread keeps `fd` open (it clears `evictable`, under the mutex, before it closes
+/// the socket), so the accept loop may shut the descriptor down without racing its close.
+struct ConnectionSlot {
+  int fd = -1;                    ///< the connection's socket (owned by its thread)
+  bool evictable = false;         ///< waiting for a request head (fresh, or kept alive between requests)
+  bool evicted = false;           ///< the accept loop shut it down to give its slot away
+  Clock::time_point idle_since;   ///< when it started waiting for the current head
+  std::list<ConnectionSlot*>::iterator at;  ///< its entry in LilyServer::slots_
+};
 
 std::string random_hex(size_t n) {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
@@ -449,10 +467,24 @@ class LilyServer {
   /// Admits a connection onto a thread of its own, or one beyond the cap onto a refusing one.
   void start_connection(tcp::socket socket);
   /// Serves one connection's requests (keep-alive, pipelined) until it closes or times out.
-  void serve_connection(int fd, bool over_capacity, Clock::time_point accepted);
-  /// Reads one request within its limits and answers it.
+  /// `slot` (not for a refusal, `over_capacity`) is registered as evictable while the
+  /// connection waits for a request head.
+  void serve_connection(int fd, bool over_capacity, Clock::time_point accepted, ConnectionSlot* slot);
+  /// Reads one request within its limits and answers it. `slot`: the connection's slot, made
+  /// unevictable once the head has been read (nullptr for a refusal).
   After serve_request(DeadlineStream& stream, beast::flat_buffer& buffer, Clock::time_point head_deadline,
-                      bool over_capacity);
+                      bool over_capacity, ConnectionSlot* slot = nullptr);
+  /// Marks `slot` as waiting for a request head since `since` (evictable).
+  void mark_idle(ConnectionSlot& slot, Clock::time_point since);
+  /// Marks `slot` as busy (not evictable); true when it was evicted before that, in which
+  /// case its socket has been shut down and the connection must just close.
+  bool mark_busy(ConnectionSlot& slot);
+  /// With connections_mutex_ held and every slot taken: shuts down the connection that has
+  /// waited longest for a request head and returns true, or returns false when none waits.
+  bool evict_idle_locked(Clock::time_point now);
+  /// With connections_mutex_ held: a connection thread has ended (or never started); frees its
+  /// slot (unregisters it) or its refusal place.
+  void release_slot_locked(ConnectionSlot& slot, bool over_capacity);
   /// Answers a request that broke a limit (or came beyond the cap) with `e`; the connection closes.
   After refuse(DeadlineStream& stream, const http::request_parser<http::string_body>& parser, const ApiError& e);
   /// Counts the answered request in /metrics and logs its line.
@@ -533,8 +565,14 @@ class LilyServer {
   std::atomic<bool> stopping_{false};
   std::mutex connections_mutex_;
   std::condition_variable connections_done_;
-  int open_ = 0;                     ///< admitted connections (at most --max-connections)
+  int open_ = 0;                     ///< admitted connection threads (at most --max-connections
+                                     ///< plus the evicted ones still closing)
+  int evicted_open_ = 0;             ///< of open_: evicted ones whose thread has not ended yet
+                                     ///< (their slots already belong to new connections)
   int rejecting_ = 0;                ///< connections being answered 503 (at most kMaxRejecting)
+  std::list<ConnectionSlot*> slots_;  ///< the admitted connections' slots (connections_mutex_)
+  Clock::time_point last_evict_log_{};  ///< when an eviction was last logged (connections_mutex_)
+  int64_t evictions_unlogged_ = 0;   ///< evictions since that line (connections_mutex_)
   Metrics metrics_;
   std::thread listener_;
   std::atomic<bool> ready_{false};
@@ -674,51 +712,122 @@ void LilyServer::start_connection(tcp::socket socket) {
     const int bytes = static_cast<int>(options_.send_buffer);
     setsockopt(socket.native_handle(), SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
   }
+  // The thread owns the descriptor; its asio socket lives (and dies) inside serve_connection.
+  const int fd = socket.release(ec);
+  if (ec) return;  // still the socket's: its destructor closes it
+  auto slot = std::make_shared<ConnectionSlot>();
   bool over_capacity = false;
   {
     std::lock_guard lock(connections_mutex_);
-    if (open_ < options_.max_connections) {
+    // A slot is free, or one is freed by evicting the connection idle longest. The evicted
+    // connections still closing are bounded (at most --max-connections of them) so that a
+    // flood cannot pile up threads faster than they end.
+    if (open_ - evicted_open_ < options_.max_connections ||
+        (evicted_open_ < options_.max_connections && evict_idle_locked(accepted))) {
       ++open_;
+      // Evictable from now on: a new connection waits for its first request head.
+      slot->fd = fd;
+      slot->evictable = true;
+      slot->idle_since = accepted;
+      slot->at = slots_.insert(slots_.end(), slot.get());
     } else if (rejecting_ < kMaxRejecting) {
       ++rejecting_;
       over_capacity = true;
     } else {
-      return;  // a flood beyond the cap: closed without an answer (the socket's destructor)
+      slot.reset();  // a flood beyond the cap: closed without an answer
     }
   }
-  // The thread owns the descriptor; its asio socket lives (and dies) inside serve_connection.
-  const int fd = socket.release(ec);
-  if (ec) {
-    std::lock_guard lock(connections_mutex_);
-    --(over_capacity ? rejecting_ : open_);
-    connections_done_.notify_all();
+  if (!slot) {
+    ::close(fd);
     return;
   }
   try {
-    std::thread([this, fd, over_capacity, accepted] {
-      serve_connection(fd, over_capacity, accepted);
+    std::thread([this, fd, over_capacity, accepted, slot] {
+      serve_connection(fd, over_capacity, accepted, over_capacity ? nullptr : slot.get());
       std::lock_guard lock(connections_mutex_);
-      --(over_capacity ? rejecting_ : open_);
-      connections_done_.notify_all();
+      release_slot_locked(*slot, over_capacity);
     }).detach();
   } catch (const std::system_error& e) {
     log_warn(std::string("cannot start a connection thread: ") + e.what());
-    ::close(fd);
-    std::lock_guard lock(connections_mutex_);
-    --(over_capacity ? rejecting_ : open_);
-    connections_done_.notify_all();
+    {
+      std::lock_guard lock(connections_mutex_);
+      release_slot_locked(*slot, over_capacity);
+    }
+    ::close(fd);  // unregistered first: an eviction can no longer reach it
   }
 }
 
-void LilyServer::serve_connection(int fd, bool over_capacity, Clock::time_point accepted) {
+void LilyServer::release_slot_locked(ConnectionSlot& slot, bool over_capacity) {
+  if (over_capacity) {
+    --rejecting_;
+  } else {
+    slot.evictable = false;
+    slots_.erase(slot.at);
+    if (slot.evicted) --evicted_open_;
+    --open_;
+  }
+  connections_done_.notify_all();
+}
+
+void LilyServer::mark_idle(ConnectionSlot& slot, Clock::time_point since) {
+  std::lock_guard lock(connections_mutex_);
+  if (slot.evicted) return;
+  slot.evictable = true;
+  slot.idle_since = since;
+}
+
+bool LilyServer::mark_busy(ConnectionSlot& slot) {
+  std::lock_guard lock(connections_mutex_);
+  slot.evictable = false;
+  return slot.evicted;
+}
+
+bool LilyServer::evict_idle_locked(Clock::time_point now) {
+  ConnectionSlot* oldest = nullptr;
+  for (ConnectionSlot* s : slots_)
+    if (s->evictable && (oldest == nullptr || s->idle_since < oldest->idle_since)) oldest = s;
+  if (oldest == nullptr) return false;
+  // The descriptor is open: its thread clears `evictable` under this mutex before closing it.
+  // Shutting it down (not closing it) ends the thread's blocked poll/read at once; the thread
+  // then closes the socket itself.
+  ::shutdown(oldest->fd, SHUT_RDWR);
+  oldest->evictable = false;
+  oldest->evicted = true;
+  ++evicted_open_;
+  metrics_.record_connection_evicted();
+  ++evictions_unlogged_;
+  if (now - last_evict_log_ >= kEvictLogInterval) {
+    const auto idle_ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - oldest->idle_since).count();
+    std::string line = "closed a connection idle for " + std::to_string(idle_ms) +
+                       " ms (waiting for a request head) to admit a new one (--max-connections " +
+                       std::to_string(options_.max_connections) + " reached)";
+    if (evictions_unlogged_ > 1) line += "; " + std::to_string(evictions_unlogged_ - 1) + " more since the last such line";
+    log_info(line);
+    last_evict_log_ = now;
+    evictions_unlogged_ = 0;
+  }
+  return true;
+}
+
+void LilyServer::serve_connection(int fd, bool over_capacity, Clock::time_point accepted, ConnectionSlot* slot) {
   error_code ec;
   tcp::socket socket(io_);
   socket.assign(protocol_, fd, ec);
   if (ec) {
+    if (slot != nullptr) mark_busy(*slot);  // before the close: an eviction must not reach a reused fd
     ::close(fd);
     return;
   }
   DeadlineStream stream(std::move(socket), stop_fd_);
+  // Declared after the stream, so the slot is busy (no longer evictable) before the stream's
+  // destructor closes the socket, also when an exception unwinds this frame.
+  struct BusyOnExit {
+    LilyServer& server;
+    ConnectionSlot* slot;
+    ~BusyOnExit() {
+      if (slot != nullptr) server.mark_busy(*slot);
+    }
+  } busy_on_exit{*this, slot};
   // Beast reads at most 64 KiB at a time, and the parser stops at --max-header-bytes: the
   // buffer never holds much more than one head.
   beast::flat_buffer buffer(static_cast<size_t>(options_.max_header_bytes) + 65536);
@@ -733,10 +842,14 @@ void LilyServer::serve_connection(int fd, bool over_capacity, Clock::time_point 
   Clock::time_point head_deadline = accepted + read_timeout;
   bool first = true;
   while (!stopping_) {
+    // Until its head has been read, the connection may be evicted for a new one (its socket
+    // shut down, so the wait or the read below ends at once).
+    mark_idle(*slot, first ? accepted : Clock::now());
     if (buffer.size() == 0) {
       // Nothing of the next request yet: wait for its first byte (a kept-alive connection
       // within --keep-alive), then the whole head must come within --read-timeout.
       if (!stream.wait_readable(first ? head_deadline : Clock::now() + std::chrono::seconds(options_.keep_alive_s))) {
+        mark_busy(*slot);
         stream.close();
         return;
       }
@@ -745,12 +858,17 @@ void LilyServer::serve_connection(int fd, bool over_capacity, Clock::time_point 
       head_deadline = Clock::now() + read_timeout;  // a pipelined request is already here
     }
     first = false;
-    const After after = serve_request(stream, buffer, head_deadline, false);
+    const After after = serve_request(stream, buffer, head_deadline, false, slot);
     if (after == After::kAbort) {
+      mark_busy(*slot);
       stream.close();
       return;
     }
     if (after == After::kClose) break;
+  }
+  if (mark_busy(*slot)) {  // evicted while the server stopped: the socket is shut down already
+    stream.close();
+    return;
   }
   stream.close_gracefully(kLinger);
 }
@@ -774,7 +892,7 @@ After LilyServer::refuse(DeadlineStream& stream, const http::request_parser<http
 }
 
 After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buffer, Clock::time_point head_deadline,
-                                bool over_capacity) {
+                                bool over_capacity, ConnectionSlot* slot) {
   t_request = RequestInfo{};
   http::request_parser<http::string_body> parser;
   parser.header_limit(static_cast<std::uint32_t>(options_.max_header_bytes));
@@ -783,6 +901,9 @@ After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buff
   stream.set_read_deadline(head_deadline);
   error_code ec;
   http::read_header(stream, buffer, parser, ec);
+  // From here on the connection is busy with this request (or its refusal) and is not evicted.
+  // One evicted while the head arrived has its socket shut down: nothing can be answered.
+  if (slot != nullptr && mark_busy(*slot)) return After::kAbort;
   if (ec) {
     if (ec == http::error::header_limit || ec == http::error::buffer_overflow)
       return refuse(stream, parser, ApiError(431, "invalid_request_error",

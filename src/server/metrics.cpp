@@ -163,6 +163,11 @@ void Metrics::record_cancelled() {
   ++cancelled_;
 }
 
+void Metrics::record_connection_evicted() {
+  std::lock_guard lock(mutex_);
+  ++evicted_;
+}
+
 std::string Metrics::render(const EngineGauges& g) const {
   std::lock_guard lock(mutex_);
   std::string out;
@@ -177,6 +182,9 @@ std::string Metrics::render(const EngineGauges& g) const {
          completion_tokens_);
   scalar(out, "lily_generations_cancelled_total", "counter",
          "Generations stopped because the client went away or the server shut down.", cancelled_);
+  scalar(out, "lily_http_connections_evicted_total", "counter",
+         "Idle connections (waiting for a request head) closed to admit a new one at --max-connections.",
+         evicted_);
   header(out, "lily_time_to_first_token_seconds", "histogram", "Request arrival to first generated token.");
   ttft_.render("lily_time_to_first_token_seconds", out);
   header(out, "lily_inter_token_latency_seconds", "histogram", "Time between consecutive generated tokens.");

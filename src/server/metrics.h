@@ -78,6 +78,8 @@ class Metrics {
   /// One job's time in the engine (taken → finished).
   void observe_running_time(double seconds);
   void record_cancelled();
+  /// Counts one idle connection closed to give its slot to a new one (--max-connections).
+  void record_connection_evicted();
   /// One engine step: its rows (sequences advanced together) and its wall time.
   void observe_step(int rows, double seconds);
   /// The whole exposition text.
@@ -86,7 +88,7 @@ class Metrics {
  private:
   mutable std::mutex mutex_;
   std::map<std::pair<std::string, int>, int64_t> requests_;
-  int64_t prompt_tokens_ = 0, cached_tokens_ = 0, completion_tokens_ = 0, cancelled_ = 0;
+  int64_t prompt_tokens_ = 0, cached_tokens_ = 0, completion_tokens_ = 0, cancelled_ = 0, evicted_ = 0;
   Histogram ttft_;
   Histogram inter_token_;
   Histogram request_duration_;

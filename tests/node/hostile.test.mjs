@@ -1,9 +1,11 @@
 // Hostile and unusual HTTP clients against `lily serve`: a second server on a taken
 // port, oversized and over-long request heads, bodies over --max-body (declared or chunked),
 // slow-loris clients that trickle a head or a body, idle connections (new and kept-alive),
-// Range headers, pipelining, half-closed clients, the 503 beyond --max-connections, an empty
+// Range headers, pipelining, half-closed clients, idle connections evicted at --max-connections
+// (those mid-request kept), the 503 beyond --max-connections, an empty
 // --api-key and an IPv4-mapped loopback bind. Loopback only; every loop is bounded in count and time.
-// The only timing assertion separates answering from blocked: /health answers within
+// The timing assertions separate answering from blocked (and the eviction test bounds each
+// /health at 2 s). The first: /health answers within
 // HEALTH_LIMIT_MS (1 s) while 64 slow-loris connections are open; the 50 ms target is printed
 // as a measurement (see the comment there).
 // Run: LILY_BIN=build/lily node --test tests/node/hostile.test.mjs
@@ -13,7 +15,7 @@ import { spawn } from 'node:child_process';
 import fs from 'node:fs';
 import net from 'node:net';
 import {
-  LILY_BIN, MODEL, MODEL_DIR, chat, rawRequest, sleep, startServer, stopServer,
+  LILY_BIN, MODEL, MODEL_DIR, chat, metrics, rawRequest, sleep, startServer, stopServer,
 } from './server_harness.mjs';
 
 const user = (content) => ({ role: 'user', content });
@@ -428,11 +430,92 @@ describe('slow-loris and --max-connections', () => {
     }
   });
 
+  it('at --max-connections the longest-idle connection is evicted for a new one; none mid-request is', async () => {
+    // Issue 16: --max-connections idle connections (sending nothing, or kept alive between
+    // requests) used to lock every new client, /health included, out with 503s or resets until
+    // --read-timeout (30 s here) passed. Now a new connection beyond the cap takes the slot of
+    // the connection that has waited longest for a request head; one whose head is complete
+    // (its body still coming) is never evicted.
+    const CAP = 16;
+    // --keep-alive 30: the kept-alive connection below can only be closed early by an eviction.
+    const server = await startServer(['--max-connections', String(CAP), '--keep-alive', '30']);
+    const socks = [];
+    try {
+      // The oldest: a kept-alive connection between requests (evictable), then two connections
+      // in the middle of a request (head complete, body partly sent or not yet sent).
+      const keptAlive = await connect(server);
+      socks.push(keptAlive);
+      const [first] = await exchange(keptAlive, 'GET /health HTTP/1.1\r\nHost: x\r\n\r\n');
+      assert.equal(first.status, 200);
+      const keptAliveClosed = untilClosed(keptAlive, 20000);
+      const body = JSON.stringify({ prompt: 'hello world' });
+      const busy = [];
+      for (const sentFirst of [5, 0]) {
+        const sock = await connect(server);
+        socks.push(sock);
+        sock.on('error', () => {});
+        let text = '';
+        sock.on('data', (c) => { text += c.toString('latin1'); });
+        let closed = false;
+        sock.on('close', () => { closed = true; });
+        sock.write('POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n' +
+          `Content-Length: ${body.length}\r\nConnection: close\r\n\r\n` + body.slice(0, sentFirst));
+        busy.push({ sock, sentFirst, text: () => text, closed: () => closed });
+      }
+      await sleep(100);
+      // CAP + 20 connections that send nothing: every slot taken, 20 (and more) evictions.
+      const idle = [];
+      for (let i = 0; i < CAP + 20; i++) {
+        const sock = await connect(server);
+        socks.push(sock);
+        idle.push(untilClosed(sock, 20000));
+      }
+      await sleep(200);
+      const times = [];
+      for (let i = 0; i < 5; i++) {
+        const t0 = performance.now();
+        const res = await rawRequest(server, 'GET', '/health', { timeoutMs: 5000 });
+        times.push(performance.now() - t0);
+        assert.equal(res.status, 200, res.body);
+      }
+      console.log(`# /health beside ${CAP + 20} idle connections at --max-connections ${CAP}: ` +
+        `${times.map((t) => t.toFixed(1)).join(', ')} ms`);
+      assert.ok(Math.max(...times) < 2000, `/health took ${times.map((t) => t.toFixed(1)).join(', ')} ms`);
+      // The kept-alive connection was the longest idle: closed, without another answer.
+      const ka = await keptAliveClosed;
+      assert.equal(ka.text, '', 'an evicted connection gets no answer');
+      assert.ok(ka.ms < 10000, `the kept-alive connection was closed after ${ka.ms} ms`);
+      // The connections mid-request were not evicted: their requests are served.
+      for (const b of busy) {
+        assert.equal(b.closed(), false, `a connection mid-request (${b.sentFirst} body bytes sent) was closed`);
+        const [res] = await exchange(b.sock, body.slice(b.sentFirst));
+        assert.equal(res?.status, 200, b.text().slice(0, 300));
+        assert.ok(Array.isArray(JSON.parse(res.body).tokens));
+      }
+      // The evicted idle ones were closed at once (not after --read-timeout), without an answer.
+      const evicted = await Promise.race([
+        Promise.all(idle.slice(0, 20)),
+        sleep(5000).then(() => { throw new Error('the 20 oldest idle connections are still open'); }),
+      ]);
+      for (const { text } of evicted) assert.equal(text, '', 'an evicted connection gets no answer');
+      const m = await metrics(server);
+      const count = m.get('lily_http_connections_evicted_total');
+      // At least the kept-alive one and the 20 oldest idle ones (the probes may find a free slot).
+      assert.ok(count >= 21, `lily_http_connections_evicted_total ${count}`);
+      assert.match(server.log, /closed a connection idle for \d+ ms \(waiting for a request head\) to admit a new one/);
+    } finally {
+      for (const s of socks) s.destroy();
+      await stopServer(server);
+    }
+  });
+
   it('the 503 beyond --max-connections has one "Connection: close" and no Keep-Alive header', async () => {
     const server = await startServer(['--max-connections', '1']);
     try {
+      // The holder is mid-request (head complete, body not sent), so it cannot be evicted.
       const holder = await connect(server);
-      holder.write('GET /health HTTP/1.1\r\n');
+      holder.on('error', () => {});
+      holder.write('POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 20\r\n\r\n');
       await sleep(200);
       const sock = await connect(server);
       const [res] = await exchange(sock, 'GET /health HTTP/1.1\r\nHost: x\r\n\r\n');

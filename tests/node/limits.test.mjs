@@ -43,13 +43,16 @@ describe('--max-connections', () => {
   it('answers a connection beyond the cap with 503 at once; admitted ones keep working', async () => {
     const server = await startServer(['--max-connections', '2']);
     try {
-      // Two admitted connections, each in the middle of a request head (so that the keep-alive
-      // wait for a first request does not close them): a third is refused right away, not
-      // queued until one of them leaves.
+      // Two admitted connections, each in the middle of a request (head complete, body not
+      // sent yet), so neither can be evicted for a new connection: a third is refused right
+      // away, not queued until one of them leaves. (Connections still waiting for a head are
+      // evicted instead: hostile.test.mjs.)
+      const body = JSON.stringify({ prompt: 'hello' });
       const holders = [await connect(server), await connect(server)];
       for (const h of holders) {
         h.on('error', () => {});
-        h.write('GET /health HTTP/1.1\r\n');
+        h.write('POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n' +
+          `Content-Length: ${body.length}\r\nConnection: close\r\n\r\n`);
       }
       await sleep(200);
       const refused = await rawRequest(server, 'GET', '/health', { timeoutMs: 20000 });
@@ -65,7 +68,7 @@ describe('--max-connections', () => {
       assert.match(text, /^HTTP\/1\.1 503 /);
       assert.match(text, /too_many_connections/);
       // An admitted connection is served.
-      const served = await exchange(holders[0], 'Host: x\r\nConnection: close\r\n\r\n');
+      const served = await exchange(holders[0], body);
       assert.match(served, /^HTTP\/1\.1 200 /);
       // Once it has left, a new connection is admitted (the server notices the close promptly).
       let status = 503;
