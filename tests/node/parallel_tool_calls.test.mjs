@@ -7,32 +7,18 @@
 // Run: LILY_BIN=build/lily node --test tests/node/parallel_tool_calls.test.mjs
 import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import fs from 'node:fs';
-import os from 'node:os';
-import path from 'node:path';
 import OpenAI from 'openai';
-import { writeScriptedModel } from './scripted_model.mjs';
-
-const source = process.env.LILY_SOURCE_DIR ?? path.resolve(import.meta.dirname, '..', '..');
-const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'lily-parallel-tools-'));
-const modelDir = path.join(tmp, 'scripted');
-process.env.LILY_TEST_MODEL_DIR = modelDir;
-const { LILY_BIN, MODEL, assembleStream: assemble, postJson: post, startServer, stopServer } = await import('./server_harness.mjs');
-
-after(() => fs.rmSync(tmp, { recursive: true, force: true }));
+import { scriptedToolsModel } from './scripted_model.mjs';
 
 const FIRST_CALL = '<tool_call>\n<function=set_counter>\n<parameter=name>visits</parameter></function></tool_call>';
 const ANSWER = `Sure.\n${FIRST_CALL}\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>`;
-const { chains } = writeScriptedModel({
-  lilyBin: LILY_BIN,
-  sourceDir: path.join(source, 'models', 'demo'),
-  template: path.join(source, 'tests/fixtures/jinja/qwen3_6_tools.jinja'),
-  dir: modelDir,
+const { harness, chains } = await scriptedToolsModel('lily-parallel-tools-', {
   // The second call repeats markers the first one spends; these give it spellings of its own.
   extraTokens: ['\n<tool_call>\n<function=', '>\n</function>\n</tool_call>'],
   // The generation prompt (thinking off) ends in "</think>\n\n": two calls after a sentence.
   chains: [{ after: '<|im_start|>assistant\n<think>\n\n</think>\n\n', text: ANSWER }],
 });
+const { MODEL, assembleStream: assemble, postJson: post, startServer, stopServer } = harness;
 
 const tools = [
   { type: 'function', function: { name: 'set_counter', description: 'Sets a counter',

@@ -192,3 +192,30 @@ export function writeScriptedModel({ lilyBin, sourceDir, template, dir, chains, 
   writeSafetensors(file, header.__metadata__, tensors);
   return { chains: planned };
 }
+
+/**
+ * A scripted checkpoint with the Qwen3.5/3.6-style tools template (tests/fixtures/jinja/
+ * qwen3_6_tools.jinja) in a fresh temporary folder named after `prefix`, made the model of
+ * server_harness.mjs (LILY_TEST_MODEL_DIR) and removed after the test file. `chains` and
+ * `extraTokens` as writeScriptedModel. Must run before anything else imports server_harness.mjs.
+ * Returns {harness (the server_harness.mjs module), chains (writeScriptedModel's), modelDir}.
+ */
+export async function scriptedToolsModel(prefix, { chains, extraTokens = [] }) {
+  const os = await import('node:os');
+  const { after } = await import('node:test');
+  const source = process.env.LILY_SOURCE_DIR ?? path.resolve(import.meta.dirname, '..', '..');
+  const tmp = fs.mkdtempSync(path.join(os.tmpdir(), prefix));
+  const modelDir = path.join(tmp, 'scripted');
+  process.env.LILY_TEST_MODEL_DIR = modelDir;
+  const harness = await import('./server_harness.mjs');
+  after(() => fs.rmSync(tmp, { recursive: true, force: true }));
+  const written = writeScriptedModel({
+    lilyBin: harness.LILY_BIN,
+    sourceDir: path.join(source, 'models', 'demo'),
+    template: path.join(source, 'tests/fixtures/jinja/qwen3_6_tools.jinja'),
+    dir: modelDir,
+    chains,
+    extraTokens,
+  });
+  return { harness, chains: written.chains, modelDir };
+}

@@ -8,26 +8,11 @@
 // Run: LILY_BIN=build/lily node --test tests/node/tool_choice.test.mjs
 import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import fs from 'node:fs';
-import os from 'node:os';
-import path from 'node:path';
 import OpenAI from 'openai';
-import { encode, writeScriptedModel } from './scripted_model.mjs';
-
-const source = process.env.LILY_SOURCE_DIR ?? path.resolve(import.meta.dirname, '..', '..');
-const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'lily-tool-choice-'));
-const modelDir = path.join(tmp, 'scripted');
-process.env.LILY_TEST_MODEL_DIR = modelDir;
-const { LILY_BIN, MODEL, assembleStream: assemble, postJson: post, startServer, stopServer } = await import('./server_harness.mjs');
-
-after(() => fs.rmSync(tmp, { recursive: true, force: true }));
+import { encode, scriptedToolsModel } from './scripted_model.mjs';
 
 const NAMED_OPENING = '<tool_call>\n<function=set_counter>\n';
-writeScriptedModel({
-  lilyBin: LILY_BIN,
-  sourceDir: path.join(source, 'models', 'demo'),
-  template: path.join(source, 'tests/fixtures/jinja/qwen3_6_tools.jinja'),
-  dir: modelDir,
+const { harness, modelDir } = await scriptedToolsModel('lily-tool-choice-', {
   chains: [
     // The generation prompt (thinking off) ends in "</think>\n\n": plain text.
     { after: '<|im_start|>assistant\n<think>\n\n</think>\n\n', text: 'It is sunny.' },
@@ -39,6 +24,7 @@ writeScriptedModel({
       text: '<parameter=name>visits</parameter><parameter=value>\n\n42\n</parameter></function></tool_call>' },
   ],
 });
+const { LILY_BIN, MODEL, assembleStream: assemble, postJson: post, startServer, stopServer } = harness;
 
 const tools = [
   { type: 'function', function: { name: 'set_counter', description: 'Sets a counter',

@@ -8,26 +8,11 @@
 // Run: LILY_BIN=build/lily node --test tests/node/tool_choice_required.test.mjs
 import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import fs from 'node:fs';
-import os from 'node:os';
-import path from 'node:path';
 import OpenAI from 'openai';
-import { writeScriptedModel } from './scripted_model.mjs';
-
-const source = process.env.LILY_SOURCE_DIR ?? path.resolve(import.meta.dirname, '..', '..');
-const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'lily-tool-required-'));
-const modelDir = path.join(tmp, 'scripted');
-process.env.LILY_TEST_MODEL_DIR = modelDir;
-const { MODEL, LILY_BIN, assembleStream: assemble, postJson: post, startServer, stopServer } = await import('./server_harness.mjs');
-
-after(() => fs.rmSync(tmp, { recursive: true, force: true }));
+import { scriptedToolsModel } from './scripted_model.mjs';
 
 const OPENING = '<tool_call>\n<function=';
-writeScriptedModel({
-  lilyBin: LILY_BIN,
-  sourceDir: path.join(source, 'models', 'demo'),
-  template: path.join(source, 'tests/fixtures/jinja/qwen3_6_tools.jinja'),
-  dir: modelDir,
+const { harness } = await scriptedToolsModel('lily-tool-required-', {
   chains: [
     // The generation prompt (thinking off) ends in "</think>\n\n": plain text.
     { after: '<|im_start|>assistant\n<think>\n\n</think>\n\n', text: 'It is sunny.' },
@@ -39,6 +24,7 @@ writeScriptedModel({
     { after: '>\n', text: '', then: '\n' },
   ],
 });
+const { MODEL, assembleStream: assemble, postJson: post, startServer, stopServer } = harness;
 
 // Short declarations keep the prompt short (the test also runs under the sanitizers).
 const tools = ['get_time', 'set_counter', 'set_alarm'].map((name) => ({ type: 'function', function: { name } }));
