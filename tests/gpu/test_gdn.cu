@@ -281,6 +281,26 @@ TEST(GdnPrefill, ChunkedEqualsSequentialDemoDimsStrongDecay) {
   expect_chunked_prefill_matches(130, 1.0f, 3.0f, 38, demo_dims());
 }
 
+/// Random inputs of a T-token prefill (z|a|b rows of stride V + 2·Hv), uploaded, with two copies
+/// of the start state and two output buffers on the device: for comparing two ways to run it.
+struct TwoPrefills {
+  TwoPrefills(const GdnFixture& fx, std::mt19937_64& rng, int T)
+      : V(fx.dims.value_dim()), Hv(fx.dims.n_value_heads), zab_stride(V + 2 * Hv),
+        d_x(upload_bf16(bf16_values(normal(int64_t(T) * fx.C, rng, 0.0f, 1.0f)))),
+        d_zab(upload_bf16(bf16_values(normal(T * zab_stride, rng, 0.0f, 1.0f)))) {
+    const auto state0 = normal(fx.dims.state_elems(), rng, 0.0f, 0.3f);
+    d_s1 = upload_f32(state0);
+    d_s2 = upload_f32(state0);
+    d_o1 = poisoned(size_t(T) * V * 2);
+    d_o2 = poisoned(size_t(T) * V * 2);
+  }
+  const __nv_bfloat16* x() const { return d_x.as<__nv_bfloat16>(); }
+  const __nv_bfloat16* zab() const { return d_zab.as<__nv_bfloat16>(); }
+  int V, Hv;
+  int64_t zab_stride;
+  DeviceBuffer d_x, d_zab, d_s1, d_s2, d_o1, d_o2;
+};
+
 // The two-pass form (LILY_CUDA_GDN_CHUNK_PARALLEL) against the same reference and bounds.
 TEST(GdnPrefill, TwoPassEqualsSequentialOneToken) { expect_chunked_prefill_matches(1, -2.0f, 1.0f, 31, {}, true); }
 TEST(GdnPrefill, TwoPassEqualsSequentialOneFullChunk) { expect_chunked_prefill_matches(64, -2.0f, 1.0f, 32, {}, true); }
@@ -303,33 +323,28 @@ TEST(GdnPrefill, TwoPassMatchesOneKernelAtTheBackendsChunk) {
   std::mt19937_64 rng(61);
   GdnFixture fx(rng, -2.0f, 1.0f);
   const auto& d = fx.dims;
-  const int C = fx.C, V = d.value_dim(), Hv = d.n_value_heads, T = 2048;
-  const int64_t zab_stride = V + 2 * Hv;
-  const auto x = bf16_values(normal(int64_t(T) * C, rng, 0.0f, 1.0f));
-  const auto zab = bf16_values(normal(T * zab_stride, rng, 0.0f, 1.0f));
-  const auto state0 = normal(d.state_elems(), rng, 0.0f, 0.3f);
-  DeviceBuffer d_x = upload_bf16(x), d_zab = upload_bf16(zab);
-  DeviceBuffer d_s1 = upload_f32(state0), d_s2 = upload_f32(state0);
-  DeviceBuffer d_o1 = poisoned(size_t(T) * V * 2), d_o2 = poisoned(size_t(T) * V * 2);
-  const __nv_bfloat16* zp = d_zab.as<__nv_bfloat16>();
+  const int T = 2048;
+  TwoPrefills io(fx, rng, T);
+  const __nv_bfloat16* zp = io.zab();
   {
     ScopedTwoPass mode(false);
-    prefill_with_workspace(d, fx.params(), T, d_x.as<__nv_bfloat16>(), zp, zab_stride, d_s1.as<float>(),
-                           d_o1.as<__nv_bfloat16>());
+    prefill_with_workspace(d, fx.params(), T, io.x(), zp, io.zab_stride, io.d_s1.as<float>(),
+                           io.d_o1.as<__nv_bfloat16>());
   }
   {
     ScopedTwoPass mode(true);
-    prefill_with_workspace(d, fx.params(), T, d_x.as<__nv_bfloat16>(), zp, zab_stride, d_s2.as<float>(),
-                           d_o2.as<__nv_bfloat16>());
+    prefill_with_workspace(d, fx.params(), T, io.x(), zp, io.zab_stride, io.d_s2.as<float>(),
+                           io.d_o2.as<__nv_bfloat16>());
     DeviceBuffer small(cuda::gdn_prefill_workspace_bytes(d, T) - 4);
-    EXPECT_THROW(cuda::gdn_prefill(d, fx.params(), T, d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv, zab_stride,
-                                   d_s2.as<float>(), d_o2.as<__nv_bfloat16>(), nullptr, small.as<float>(),
+    EXPECT_THROW(cuda::gdn_prefill(d, fx.params(), T, io.x(), zp, zp + io.V, zp + io.V + io.Hv, io.zab_stride,
+                                   io.d_s2.as<float>(), io.d_o2.as<__nv_bfloat16>(), nullptr, small.as<float>(),
                                    small.bytes()),
                  Error);
   }
-  const auto s1 = download_f32(d_s1, d.state_elems());
-  const double state_err = max_abs_scaled(download_f32(d_s2, d.state_elems()), s1);
-  const double out_err = max_rel(download_bf16(d_o2, int64_t(T) * V), download_bf16(d_o1, int64_t(T) * V), kFloor);
+  const auto s1 = download_f32(io.d_s1, d.state_elems());
+  const double state_err = max_abs_scaled(download_f32(io.d_s2, d.state_elems()), s1);
+  const double out_err =
+      max_rel(download_bf16(io.d_o2, int64_t(T) * io.V), download_bf16(io.d_o1, int64_t(T) * io.V), kFloor);
   std::printf("[gdn two passes vs one kernel] T=%d: output max rel %.3g, state max %.3g\n", T, out_err, state_err);
   EXPECT_LT(state_err, kStateTol);
   EXPECT_LT(out_err, kPrefillElemTol);
@@ -340,16 +355,13 @@ TEST(GdnPrefill, SplitSequenceEqualsOnePass) {
   std::mt19937_64 rng(41);
   GdnFixture fx(rng, -2.0f, 1.0f);
   const auto& d = fx.dims;
-  const int C = fx.C, V = d.value_dim(), Hv = d.n_value_heads, T = 150, T1 = 70;
-  const int64_t zab_stride = V + 2 * Hv;
-  const auto x = bf16_values(normal(int64_t(T) * C, rng, 0.0f, 1.0f));
-  const auto zab = bf16_values(normal(T * zab_stride, rng, 0.0f, 1.0f));
-  const auto state0 = normal(d.state_elems(), rng, 0.0f, 0.3f);
-  DeviceBuffer d_x = upload_bf16(x), d_zab = upload_bf16(zab);
-  DeviceBuffer d_s1 = upload_f32(state0), d_s2 = upload_f32(state0);
-  DeviceBuffer d_o1 = poisoned(size_t(T) * V * 2), d_o2 = poisoned(size_t(T) * V * 2);
-  const __nv_bfloat16* xp = d_x.as<__nv_bfloat16>();
-  const __nv_bfloat16* zp = d_zab.as<__nv_bfloat16>();
+  const int C = fx.C, T = 150, T1 = 70;
+  TwoPrefills io(fx, rng, T);
+  const int V = io.V, Hv = io.Hv;
+  const int64_t zab_stride = io.zab_stride;
+  DeviceBuffer &d_s1 = io.d_s1, &d_s2 = io.d_s2, &d_o1 = io.d_o1, &d_o2 = io.d_o2;
+  const __nv_bfloat16* xp = io.x();
+  const __nv_bfloat16* zp = io.zab();
   __nv_bfloat16* o2 = d_o2.as<__nv_bfloat16>();
   cuda::gdn_prefill(d, fx.params(), T, xp, zp, zp + V, zp + V + Hv, zab_stride, d_s1.as<float>(),
                     d_o1.as<__nv_bfloat16>(), nullptr);
