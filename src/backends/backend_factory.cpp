@@ -1,5 +1,6 @@
 // parse_backend_kind and make_backend (engine/backend.h): the one place that knows which
 // backends this build contains. Without LILY_HAVE_CUDA only the CPU backend exists.
+#include <algorithm>
 #include <memory>
 #include <string>
 
@@ -18,6 +19,17 @@ BackendKind parse_backend_kind(std::string_view text) {
   if (text == "cuda") return BackendKind::kCuda;
   if (text == "auto") return BackendKind::kAuto;
   throw Error("unknown backend '" + std::string(text) + "'; expected cpu, cuda or auto");
+}
+
+int64_t backend_max_sequence(BackendKind kind) {
+  const int64_t cpu_limit = cpu::CpuBackend::kMaxSeq;
+#ifdef LILY_HAVE_CUDA
+  if (kind == BackendKind::kCuda) return cuda_max_sequence();
+  if (kind == BackendKind::kAuto) return std::min(cuda_max_sequence(), cpu_limit);
+#else
+  (void)kind;
+#endif
+  return cpu_limit;
 }
 
 std::unique_ptr<Backend> make_backend(BackendKind kind, std::shared_ptr<const ModelWeights> weights,

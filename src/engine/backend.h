@@ -223,6 +223,13 @@ enum class BackendKind { kCpu, kCuda, kAuto };
 /// Parses "cpu" | "cuda" | "auto"; throws lily::Error otherwise.
 BackendKind parse_backend_kind(std::string_view text);
 
+/// The longest sequence (tokens) a backend of `kind` creates a state for: its kernels' limit,
+/// known before any backend is made (the server resolves --max-seq against it while the model
+/// loads). kAuto: the smaller of the limits of the backends this build may pick. A kind this
+/// build lacks (cuda without CUDA support) reports the CPU backend's limit; make_backend
+/// refuses it anyway.
+int64_t backend_max_sequence(BackendKind kind);
+
 /// Creates a backend over loaded weights. `threads` <= 0 means all cores (CPU backend). For
 /// kCuda and kAuto the CUDA options are read and validated first (CudaOptions::from_env), so a
 /// bad value is an error even where auto would fall back to the CPU. Throws lily::Error (e.g.

@@ -53,13 +53,13 @@ using nlohmann::ordered_json;
 
 // --- small pure helpers (unit-tested) ----------------------------------------------------------
 
-int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared) {
-  if (requested && *requested > kMaxContext)
-    throw Error("--max-seq " + std::to_string(*requested) + " exceeds the kernel limit of " +
-                std::to_string(kMaxContext) + " tokens");
+int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared, int64_t backend_limit) {
+  if (requested && *requested > backend_limit)
+    throw Error("--max-seq " + std::to_string(*requested) + " exceeds the backend's limit of " +
+                std::to_string(backend_limit) + " tokens");
   int64_t max_seq = requested.value_or(declared > 0 ? declared : kMaxContext);
   if (declared > 0) max_seq = std::min(max_seq, declared);
-  max_seq = std::min(max_seq, kMaxContext);
+  max_seq = std::min(max_seq, backend_limit);
   if (max_seq < 2) throw Error("--max-seq must be at least 2 (got " + std::to_string(max_seq) + ")");
   return max_seq;
 }
@@ -597,7 +597,7 @@ void test_listen_delay() {
 
 int LilyServer::run() {
   config_ = load_model_config(options_.model_dir);
-  max_seq_ = resolve_max_seq(options_.max_seq, config_.max_position_embeddings);
+  max_seq_ = resolve_max_seq(options_.max_seq, config_.max_position_embeddings, backend_max_sequence(options_.backend));
   sampling_defaults_ = resolve_sampling_defaults(options_.sampling, options_.model_dir);
   if (!sampling_defaults_.plain_greedy()) {
     const SamplingParams& d = sampling_defaults_;

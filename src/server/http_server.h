@@ -80,9 +80,10 @@ struct ServerOptions {
 int run_server(const ServerOptions& options);
 
 /// The effective max_seq (docs/server.md, `--max-seq`): the requested value or, by default, the
-/// checkpoint's max_position_embeddings (or kMaxContext, model/config.h, when it declares none), clamped
-/// to the declared value. Throws lily::Error when the result is < 2 or a request exceeds kMaxContext.
-int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared);
+/// checkpoint's max_position_embeddings (or kMaxContext, model/config.h, when it declares none),
+/// clamped to the declared value and to `backend_limit` (backend_max_sequence of the chosen
+/// backend). Throws lily::Error when the result is < 2 or a request exceeds backend_limit.
+int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared, int64_t backend_limit = kMaxContext);
 
 /// `--served-model-name` when given; "Qwen3.6-35B-A3B" for that exact shape; else the
 /// checkpoint directory's name.

@@ -36,7 +36,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int64_t kMaxSeq = ::lily::kMaxContext;  // model/config.h
+constexpr int64_t kMaxSeq = ::lily::kMaxContext;  // model/config.h; reported by cuda_max_sequence()
 constexpr int64_t kInitialKvCapacity = 1024;
 
 /// Per-token host<->device exchange, in pinned memory: the graph copies the first three fields
@@ -926,5 +926,7 @@ class CudaBackend final : public Backend {
 std::unique_ptr<Backend> make_cuda_backend(std::shared_ptr<const ModelWeights> weights, const CudaOptions& options) {
   return std::make_unique<cuda::CudaBackend>(std::move(weights), options);
 }
+
+int64_t cuda_max_sequence() { return cuda::kMaxSeq; }
 
 }  // namespace lily

@@ -19,4 +19,8 @@ namespace lily {
 std::unique_ptr<Backend> make_cuda_backend(std::shared_ptr<const ModelWeights> weights,
                                            const CudaOptions& options = CudaOptions::from_env());
 
+/// Longest sequence (tokens) the CUDA backend creates a state for (its KV cache and kernel
+/// limits; new_state refuses more).
+int64_t cuda_max_sequence();
+
 }  // namespace lily

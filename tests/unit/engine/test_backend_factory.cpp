@@ -27,6 +27,17 @@ TEST(BackendFactory, ParsesTheThreeKinds) {
   EXPECT_THROW(parse_backend_kind(""), Error);
 }
 
+// The reported limit is the one a backend's new_state enforces.
+TEST(BackendFactory, ReportsTheLongestSequenceItsBackendCreates) {
+  const int64_t cpu_limit = backend_max_sequence(BackendKind::kCpu);
+  EXPECT_EQ(cpu_limit, kMaxContext);
+  EXPECT_LE(backend_max_sequence(BackendKind::kAuto), cpu_limit);
+  EXPECT_GE(backend_max_sequence(BackendKind::kCuda), 2);
+  auto cpu = make_backend(BackendKind::kCpu, load_model(test::demo_model_dir()), 1);
+  EXPECT_THROW(cpu->new_state(cpu_limit + 1), Error);
+  EXPECT_NO_THROW(cpu->new_state(2));
+}
+
 TEST(BackendFactory, RejectsMissingWeights) {
   EXPECT_THROW(make_backend(BackendKind::kCpu, nullptr), Error);
 }

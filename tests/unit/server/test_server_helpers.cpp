@@ -19,6 +19,16 @@ TEST(MaxSeq, DefaultsToTheCheckpointAndClamps) {
   EXPECT_THROW(resolve_max_seq(kMaxContext + 1, 0), Error);
   EXPECT_THROW(resolve_max_seq(1, 4096), Error);
   EXPECT_THROW(resolve_max_seq(0, 4096), Error);
+  // A backend with a shorter limit: the default is clamped to it, a request beyond it refused.
+  EXPECT_EQ(resolve_max_seq(std::nullopt, 0, 4096), 4096);
+  EXPECT_EQ(resolve_max_seq(std::nullopt, 8192, 4096), 4096);
+  EXPECT_EQ(resolve_max_seq(2048, 8192, 4096), 2048);
+  try {
+    resolve_max_seq(5000, 8192, 4096);
+    FAIL() << "expected lily::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("backend's limit of 4096"), std::string::npos) << e.what();
+  }
 }
 
 TEST(ModelName, OverrideThenShapeThenDirectory) {
