@@ -49,6 +49,7 @@ struct BenchFlags {
 
   /// True when the rounds sample (temperature > 0) instead of taking the argmax.
   bool sampled() const { return temperature > 0; }
+  /// The sampling parameters of the flags (seeded; no penalties, no bias).
   SamplingParams sampling() const {
     SamplingParams p;
     p.temperature = static_cast<float>(temperature);
