@@ -148,8 +148,8 @@ struct CudaOptions {
   bool stream_gemv = true;       ///< LILY_CUDA_STREAM_GEMV 1|0: 4-bit GEMV weights by bulk copies, or register loads
   bool flash_prefill = true;     ///< LILY_CUDA_FLASH_PREFILL 1|0: prefill attention on tensor cores, or the row kernel
   bool device_sampler = true;    ///< LILY_CUDA_DEVICE_SAMPLER 1|0: sampled rows sampled on the GPU, or on the host
-  bool gemv_row_tiles = false;   ///< LILY_CUDA_GEMV_ROW_TILES 1|0: batched GEMV weights loaded once per 8 token rows
-  bool gdn_chunk_parallel = false;  ///< LILY_CUDA_GDN_CHUNK_PARALLEL 1|0: GDN prefill's chunk solves all at once, then the walk
+  bool gemv_row_tiles = true;    ///< LILY_CUDA_GEMV_ROW_TILES 1|0: batched GEMV weights loaded once per 8 token rows
+  bool gdn_chunk_parallel = true;   ///< LILY_CUDA_GDN_CHUNK_PARALLEL 1|0: GDN prefill's chunk solves all at once, then the walk
   bool batched_prefill = true;   ///< LILY_CUDA_PREFILL batched|per-token
   bool tensor_core_gemm = true;  ///< LILY_CUDA_GEMM tensor-core|gemv: the prefill projections and experts
   int prefill_chunk = 2048;      ///< LILY_CUDA_PREFILL_CHUNK 1 … 8192: tokens per prefill chunk

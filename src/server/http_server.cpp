@@ -223,6 +223,8 @@ constexpr auto kRejectHeadTime = std::chrono::seconds(2);
 constexpr auto kLinger = std::chrono::milliseconds(2000);
 /// At most one eviction log line per this interval (the others are counted into the next line).
 constexpr auto kEvictLogInterval = std::chrono::seconds(1);
+/// How long the accept loop waits for evicted connections to finish closing before it refuses.
+constexpr auto kEvictedDrainWait = std::chrono::milliseconds(500);
 
 /// One admitted connection as the accept loop sees it, to pick a connection to evict when all
 /// --max-connections slots are taken. The accept loop registers it in LilyServer::slots_ when
@@ -718,10 +720,15 @@ void LilyServer::start_connection(tcp::socket socket) {
   auto slot = std::make_shared<ConnectionSlot>();
   bool over_capacity = false;
   {
-    std::lock_guard lock(connections_mutex_);
+    std::unique_lock lock(connections_mutex_);
     // A slot is free, or one is freed by evicting the connection idle longest. The evicted
     // connections still closing are bounded (at most --max-connections of them) so that a
-    // flood cannot pile up threads faster than they end.
+    // flood cannot pile up threads faster than they end. When that bound is what stands in the
+    // way, the accept loop waits a moment for those threads (they end as soon as they run)
+    // rather than refusing a client that an eviction would admit.
+    if (open_ - evicted_open_ >= options_.max_connections && evicted_open_ >= options_.max_connections)
+      connections_done_.wait_for(lock, kEvictedDrainWait,
+                                 [this] { return evicted_open_ < options_.max_connections; });
     if (open_ - evicted_open_ < options_.max_connections ||
         (evicted_open_ < options_.max_connections && evict_idle_locked(accepted))) {
       ++open_;

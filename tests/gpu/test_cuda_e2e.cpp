@@ -270,19 +270,19 @@ TEST_F(CudaE2e, BatchedPrefillMatchesCpu) {
   }
 }
 
-// The same 300-token prompt with the two-pass GDN prefill (LILY_CUDA_GDN_CHUNK_PARALLEL=1;
-// the backend allocates its workspace only when the switch is on at construction).
-TEST_F(CudaE2e, BatchedPrefillWithTwoPassGdnMatchesCpu) {
+// The same 300-token prompt with the one-kernel GDN prefill (LILY_CUDA_GDN_CHUNK_PARALLEL=0;
+// the default is two passes, which BatchedPrefillMatchesCpu covers).
+TEST_F(CudaE2e, BatchedPrefillWithOneKernelGdnMatchesCpu) {
   TempDir dir;
   auto w = synth("realdims", dir.path());
   auto oracle = bf16_oracle(w);
   cpu::CpuBackend& cpu = *oracle;
   setenv("LILY_CUDA_PREFILL", "batched", 1);
   const bool was = cuda::gdn_chunk_parallel_enabled();
-  cuda::set_gdn_chunk_parallel_enabled(true);
+  cuda::set_gdn_chunk_parallel_enabled(false);
   auto gpu = make_cuda_backend(w);
   unsetenv("LILY_CUDA_PREFILL");
-  compare_greedy(cpu, *gpu, prompt_ids(300, w->config.vocab, 8), 4, "realdims batched prefill, two-pass GDN",
+  compare_greedy(cpu, *gpu, prompt_ids(300, w->config.vocab, 8), 4, "realdims batched prefill, one-kernel GDN",
                  /*align=*/false);
   cuda::set_gdn_chunk_parallel_enabled(was);
 }

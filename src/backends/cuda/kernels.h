@@ -147,16 +147,16 @@ bool device_sampler_enabled();
 void set_device_sampler_enabled(bool on);
 
 /// Whether gdn_prefill runs in two passes (all chunks' local solves at once, then the walk over
-/// the chunks) when given a workspace. LILY_CUDA_GDN_CHUNK_PARALLEL "1" → on; unset, empty or
-/// "0" → off (until its tests have passed on a GPU); any other value throws lily::Error.
+/// the chunks) when given a workspace. LILY_CUDA_GDN_CHUNK_PARALLEL unset, empty or
+/// "1" → on (verified on an H200); "0" → the one-kernel walk; any other value throws lily::Error.
 bool gdn_chunk_parallel_enabled();
 /// Overrides LILY_CUDA_GDN_CHUNK_PARALLEL for the rest of the process (tests of both paths).
 void set_gdn_chunk_parallel_enabled(bool on);
 
 /// Whether the batched CUDA-core GEMV (m > 1: the prefill router, LILY_CUDA_GEMM=gemv) loads each
 /// weight group once per 8 token rows (quant_gemv_tiled_kernel, bit-identical outputs by
-/// construction) instead of once per row. LILY_CUDA_GEMV_ROW_TILES "1" → on; unset, empty or
-/// "0" → off (until its test has run on a GPU); any other value throws lily::Error.
+/// construction) instead of once per row. LILY_CUDA_GEMV_ROW_TILES unset, empty or "1"
+/// → on (verified on an H200); "0" → once per row; any other value throws lily::Error.
 bool gemv_row_tiles_enabled();
 /// Overrides LILY_CUDA_GEMV_ROW_TILES for the rest of the process (tests of both paths).
 void set_gemv_row_tiles_enabled(bool on);

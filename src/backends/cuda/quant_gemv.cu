@@ -4,7 +4,7 @@
 //  - quant_stream_gemv_kernel (4-bit, m ≤ 8, cols % 512 == 0: every decode projection of the
 //    real model): tensor cores, weights streamed into shared memory by bulk copies;
 //  - quant_mma_gemv_kernel (other 4-bit shapes with m ≤ 8): tensor cores, register loads;
-//  - quant_gemv_tiled_kernel (m > 1 with LILY_CUDA_GEMV_ROW_TILES=1): quant_gemv_kernel's
+//  - quant_gemv_tiled_kernel (m > 1, unless LILY_CUDA_GEMV_ROW_TILES=0): quant_gemv_kernel's
 //    arithmetic with each weight group loaded once per 8 token rows (the prefill router);
 //  - quant_gemv_kernel (8-bit, or m > 8): CUDA cores. One warp covers 32/L rows at a time (L
 //    lanes per row, each lane one 64-group per step); each lane issues the loads of 4 rows

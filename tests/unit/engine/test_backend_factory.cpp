@@ -102,21 +102,21 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_TRUE(o.stream_gemv);
   EXPECT_TRUE(o.flash_prefill);
   EXPECT_TRUE(o.device_sampler);
-  EXPECT_FALSE(o.gemv_row_tiles);
-  EXPECT_FALSE(o.gdn_chunk_parallel);
+  EXPECT_TRUE(o.gemv_row_tiles);
+  EXPECT_TRUE(o.gdn_chunk_parallel);
   EXPECT_TRUE(o.batched_prefill);
   EXPECT_TRUE(o.tensor_core_gemm);
   EXPECT_EQ(o.prefill_chunk, 2048);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=0 gdn-chunk-parallel=0 prefill=batched gemm=tensor-core chunk=2048");
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 prefill=batched gemm=tensor-core chunk=2048");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {
   ScopedEnv a("LILY_CUDA_FUSE", "0"), b("LILY_CUDA_PDL", "0"), c("LILY_CUDA_PREFILL", "per-token"),
       d("LILY_CUDA_GEMM", "gemv"), e("LILY_CUDA_PREFILL_CHUNK", "256"), f("LILY_CUDA_STREAM_GEMV", "0"),
       g("LILY_CUDA_FLASH_PREFILL", "0"), h("LILY_CUDA_DEVICE_SAMPLER", "0"),
-      i("LILY_CUDA_GEMV_ROW_TILES", "1"), j("LILY_CUDA_GDN_CHUNK_PARALLEL", "1");
+      i("LILY_CUDA_GEMV_ROW_TILES", "0"), j("LILY_CUDA_GDN_CHUNK_PARALLEL", "0");
   const CudaOptions o = CudaOptions::from_env();
-  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 flash-prefill=0 device-sampler=0 gemv-row-tiles=1 gdn-chunk-parallel=1 prefill=per-token gemm=gemv chunk=256");
+  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 prefill=per-token gemm=gemv chunk=256");
 }
 
 TEST(CudaOptions, BadValuesNameTheVariable) {
