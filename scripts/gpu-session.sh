@@ -36,7 +36,7 @@ if has timing; then
 fi
 
 if has bench || has profile || has base || has ab || has detail || has sampled; then
-  if [[ ! -f "$BIG/model.safetensors" ]]; then
+  if [[ ! -f "$BIG/model.safetensors" && ! -f "$BIG/model.safetensors.index.json" ]]; then  # one file, or shards
     echo "== lily synth --preset 35b-a3b"
     t1=$(date +%s)
     timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$BIG" 2>&1 | tail -1 || status=1
