@@ -6,7 +6,7 @@
 # machine stays warm). Logs under $OUT (at most 8 files come back).
 #
 #   bash scripts/gpu-session.sh                  # everything
-#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: tests timing bench base ab detail source profile
+#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: tests timing bench base ab sampled sampler detail source profile
 #   LILY_GPU_CONTEXTS="256 4096 32768"           # bench contexts (default below)
 set -uo pipefail
 export LILY_GPU_BUILD="${LILY_GPU_BUILD:-/tmp/lily-build}"
@@ -74,11 +74,25 @@ if has sampled; then
   IFS=';' read -ra settings <<<"${LILY_GPU_SAMPLINGS:---temperature,0.7,--top-p,0.8,--top-k,20;--temperature,1,--min-p,0.05;--temperature,1,--top-p,0.95;--temperature,1}"
   for setting in "${settings[@]}"; do
     IFS=, read -ra flags <<<"$setting"
-    for dev in 1 0; do
+    for dev in ${LILY_GPU_SAMPLED_SAMPLERS:-1 0}; do  # "1": the device sampler alone
       echo "== sampled ${flags[*]} LILY_CUDA_DEVICE_SAMPLER=$dev" | tee -a "$OUT/sampled.txt"
       LILY_CUDA_DEVICE_SAMPLER=$dev timeout 200 "$BUILD/lily" bench --backend cuda --model "$BIG" \
         --prompt-len "${LILY_GPU_SAMPLED_LEN:-4096}" --decode-steps 64 --rounds 3 "${flags[@]}" 2>&1 | tail -1 | tee -a "$OUT/sampled.txt"
     done
+  done
+fi
+
+# The device sampler's own tests with their timing lines, then compute-sanitizer racecheck and
+# memcheck over its small-vocabulary cases.
+if has sampler; then
+  echo "== test_sampler_gpu"
+  timeout 200 "$BUILD/tests/test_sampler_gpu" >"$OUT/sampler-test.txt" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |FAILED|agree|us per row|device [0-9]+, cpu" "$OUT/sampler-test.txt" | head -40
+  for tool in racecheck memcheck; do
+    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/tests/test_sampler_gpu" \
+      --gtest_filter='DeviceSampler.MatchesCpuTinyVocab:DeviceSampler.MatchesCpuSmallVocab:DeviceSampler.BatchedRowsMatchSingleRows' \
+      >"$OUT/sanitizer-$tool.txt" 2>&1
+    echo "compute-sanitizer $tool: rc $?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|Invalid" "$OUT/sanitizer-$tool.txt" | head -5
   done
 fi
 

@@ -33,7 +33,7 @@ struct DeviceRow {
   DeviceBuffer logits, work, weight, parts, out, edits, biases;
   explicit DeviceRow(int v)
       : vocab(v), logits(size_t(v) * 4), work(size_t(v) * 4), weight(size_t(v) * 4),
-        parts(size_t(cuda::sample_partial_slots(v)) * 8), out(4), edits(4), biases(4) {}
+        parts(size_t(cuda::sample_scratch_slots(v)) * 8), out(4), edits(4), biases(4) {}
 
   /// Uploads the logits and the edits of (params, history) and returns the row's arguments.
   cuda::SampleRowArgs prepare(const std::vector<float>& x, const SamplingParams& p, const TokenHistory& history,
@@ -53,7 +53,7 @@ struct DeviceRow {
     a.logits = logits.as<float>();
     a.work = work.as<float>();
     a.weight = weight.as<float>();
-    a.part_keys = parts.as<unsigned long long>();
+    a.scratch = parts.as<unsigned long long>();
     a.out_id = out.as<int32_t>();
     a.edits = edits.as<PenaltyEdit>();
     a.biases = biases.as<float>();

@@ -481,7 +481,7 @@ class CudaBackend final : public Backend {
     a.logits = logits_.as<float>();
     a.work = sample_work_.as<float>();
     a.weight = sample_weight_.as<float>();
-    a.part_keys = sample_parts_.as<unsigned long long>();
+    a.scratch = sample_parts_.as<unsigned long long>();
     a.out_id = io_dev_.as<int32_t>() + kIoNextId;
     a.edits = n_edits > 0 ? sample_edits_.as<PenaltyEdit>() : nullptr;
     a.biases = n_biases > 0 ? sample_biases_.as<float>() : nullptr;
@@ -542,7 +542,7 @@ class CudaBackend final : public Backend {
     io_dev_ = DeviceBuffer(sizeof(StepIo));
     sample_work_ = DeviceBuffer(static_cast<size_t>(c.vocab) * sizeof(float));
     sample_weight_ = DeviceBuffer(static_cast<size_t>(c.vocab) * sizeof(float));
-    sample_parts_ = DeviceBuffer(static_cast<size_t>(sample_partial_slots(c.vocab)) * sizeof(unsigned long long));
+    sample_parts_ = DeviceBuffer(static_cast<size_t>(sample_scratch_slots(c.vocab)) * sizeof(unsigned long long));
     sample_args_ = DeviceBuffer(sizeof(SampleRowArgs));
     attn_ws_bytes_ = attention_decode_workspace_bytes(attn_, kMaxDecodeSplits);
     attn_ws_ = DeviceBuffer(std::max<size_t>(attn_ws_bytes_, 4));

@@ -1,14 +1,25 @@
 // The device sampler (sampler_kernels.h): engine/sampler.h's contract on the device. Per row:
-//   1. scale_kernel   (many blocks): work[i] = logits[i] / T (a copy when greedy);
+//   1. scale_kernel   (many blocks): work[i] = logits[i] / T (a copy when greedy); clears the
+//                                    row's control block and, for top-p, its histogram;
 //   2. edit_kernel    (one block):   work[id] = apply_penalty_edit(logits[id]) / T per edit;
-//   3. max_kernel     (many blocks): per-block max of the composite key (below);
+//   3. max_kernel     (many blocks): per-block and per-warp max of the composite key (below);
 //   4. weight_kernel  (many blocks): m = the max; greedy: out = its id; else weight[i] =
-//                                    fp32 exp(work[i] − m) (exp in fp64, rounded once);
-//   5. select_kernel  (one block of 1024 per row): top-k threshold by a radix select on the
-//      composite key, top-p cutoff by a radix search on exact probability mass, min-p as a
-//      floor, then the draw: the first surviving id (ascending) whose cumulative mass exceeds
-//      u · total, with u = sample_uniform(seed, step) computed here by the same Philox.
-// No sort of the vocabulary anywhere: each radix pass is one histogram of 256 buckets.
+//                                    fp32 exp(work[i] − m) (exp in fp64, rounded once). With
+//                                    top-p and no top-k it also builds a histogram of exact
+//                                    mass over d = m − x (2,048 buckets of 1/64); with a small
+//                                    top-k it gathers the ids above a bound on the k-th key;
+//   5. select_kernel  (one block of 1024 per row): the top-k threshold and, with top-k ≤ 1024,
+//      top-p, min-p and the draw over the gathered ids; with top-p and no top-k, the bucket
+//      where the top-p mass is crossed; otherwise (rare shapes: top-k > 1024, a crossing bucket
+//      of more than 1024 ids) the single-block radix paths: a top-k radix select on the
+//      composite key, a top-p radix search on exact mass, and the draw;
+//   6. gather_kernel  (many blocks): the ids of the crossing bucket;
+//   7. cutoff_kernel  (one block):   the crossing id among them, i.e. the top-p threshold;
+//   8. draw_kernel    (many blocks): exact surviving mass per chunk of 256 ids; the last block
+//      to finish draws: the first surviving id (ascending) whose cumulative mass exceeds
+//      u · total, with u = sample_uniform(seed, step) computed by the same Philox.
+// Every pass over the whole vocabulary runs on many blocks; the single blocks read summaries
+// (part maxima, 2,048 buckets, ≤ 1,024 gathered ids, per-chunk masses). No sort anywhere.
 //
 // Order and ties: the CPU sampler orders candidates by descending logit, ties to the lower id.
 // The composite key (float_key(x) << 32) | (2^32 − 1 − id) is that order as one unsigned
@@ -45,6 +56,84 @@ constexpr int kTile = kSelectThreads * kPerThread;
 constexpr int kMaxTiles = 64;  // per-tile sums for rows of up to 64 tiles (524,288 ids)
 constexpr int kCompactMax = kSelectThreads;  // top-k ≤ this: top-p and the draw run on the k ids in shared memory
 constexpr unsigned kFull = 0xffffffffu;
+constexpr int kWarpsPerPart = kThreads / 32;
+constexpr int kMaxWarpKeys = kMaxParts * kWarpsPerPart;  // per-warp maxima of max_kernel
+constexpr int kBuckets = 2048;            // top-p histogram over d = m − x ...
+constexpr float kBucketsPerUnit = 64.0f;  // ... in steps of 1/64 (d ≥ 32: the last bucket)
+
+/// Per-row state passed between the kernels, at the start of the row's scratch. Cleared by
+/// scale_kernel (list_n, draw_done, pending, bucket); the rest is written before it is read.
+struct Control {
+  unsigned long long thr;               ///< the draw's key threshold (S = {key ≥ thr} ∩ {x ≥ floor})
+  unsigned long long best;              ///< the row's max composite key (argmax fallback)
+  unsigned long long base_lo, base_hi;  ///< top-p: mass above the crossing bucket (128-bit)
+  double floor_x;                       ///< min-p floor (−inf without min-p)
+  double target;                        ///< top-p: top_p · total mass
+  float m;                              ///< the row's max logit after temperature
+  int bucket;                           ///< top-p crossing bucket for gather/cutoff; −1: none
+  int pending;                          ///< 1: the draw is left to draw_kernel
+  unsigned int list_n;                  ///< ids gathered into the list (may exceed kCompactMax)
+  unsigned int draw_done;               ///< draw_kernel blocks finished; the last one draws
+};
+constexpr int kControlSlots = 16;
+static_assert(sizeof(Control) <= kControlSlots * sizeof(unsigned long long));
+
+__host__ __device__ constexpr int chunks_for(int vocab) { return (vocab + kThreads - 1) / kThreads; }
+__host__ __device__ constexpr int64_t scratch_slots_for(int vocab) {
+  return kControlSlots + kMaxParts + kMaxWarpKeys + 2 * kMaxParts + 3 * kBuckets + 3 * kCompactMax +
+         3 * static_cast<int64_t>(chunks_for(vocab));
+}
+
+/// The row's scratch (SampleRowArgs::scratch, scratch_slots_for(vocab) 64-bit slots) carved up.
+struct RowScratch {
+  Control* ctl;
+  unsigned long long* part_keys;  ///< [n_parts] max composite key per block of max_kernel
+  unsigned long long* warp_keys;  ///< [n_parts · 8] max composite key per warp
+  unsigned long long *part_slo, *part_shi;  ///< [n_parts] all ids' mass per block, split sums (below)
+  unsigned long long *hist_cnt, *hist_slo, *hist_shi;  ///< [kBuckets] count and mass of C per bucket
+  unsigned long long *list_key, *list_f, *list_idok;  ///< [kCompactMax] gathered ids: key, mass, id | ok << 32
+  unsigned long long *chunk_slo, *chunk_shi;  ///< [chunks] surviving mass per chunk of 256 ids
+  long long* chunk_last;                      ///< [chunks] last surviving id of the chunk, −1: none
+};
+__device__ __forceinline__ RowScratch scratch_of(const SampleRowArgs& a) {
+  unsigned long long* p = a.scratch;
+  RowScratch r;
+  r.ctl = reinterpret_cast<Control*>(p);
+  r.part_keys = p + kControlSlots;
+  r.warp_keys = r.part_keys + kMaxParts;
+  r.part_slo = r.warp_keys + kMaxWarpKeys;
+  r.part_shi = r.part_slo + kMaxParts;
+  r.hist_cnt = r.part_shi + kMaxParts;  // hist_cnt, hist_slo, hist_shi are contiguous (cleared as one)
+  r.hist_slo = r.hist_cnt + kBuckets;
+  r.hist_shi = r.hist_slo + kBuckets;
+  r.list_key = r.hist_shi + kBuckets;
+  r.list_f = r.list_key + kCompactMax;
+  r.list_idok = r.list_f + kCompactMax;
+  const int nc = chunks_for(a.vocab);
+  r.chunk_slo = r.list_idok + kCompactMax;
+  r.chunk_shi = r.chunk_slo + nc;
+  r.chunk_last = reinterpret_cast<long long*>(r.chunk_shi + nc);
+  return r;
+}
+
+__device__ __forceinline__ bool uses_top_k(const SampleRowArgs& a) { return a.top_k > 0 && a.top_k < a.vocab; }
+/// Top-p without top-k: the histogram path (weight_kernel, select_kernel, gather, cutoff).
+__device__ __forceinline__ bool histogram_path(const SampleRowArgs& a) {
+  return !a.greedy && !uses_top_k(a) && a.top_p < 1.0f;
+}
+/// Top-k ≤ kCompactMax and ≤ the number of per-warp maxima: weight_kernel gathers the ids with
+/// a key ≥ the k-th largest warp maximum (a lower bound of the k-th largest key).
+__device__ __forceinline__ bool prefilter_path(const SampleRowArgs& a) {
+  return !a.greedy && uses_top_k(a) && a.top_k <= kCompactMax && a.top_k <= a.n_parts * kWarpsPerPart;
+}
+/// The histogram bucket of x: floor(64 · (m − x)), the last bucket for d ≥ 32 or NaN. Non-
+/// decreasing as x decreases (fp32 subtraction rounds monotonically), so every bucket is a
+/// contiguous range of the composite-key order and equal logits share a bucket.
+__device__ __forceinline__ int bucket_of(float x, float m) {
+  const float d = __fsub_rn(m, x);
+  if (!(d < static_cast<float>(kBuckets) / kBucketsPerUnit)) return kBuckets - 1;
+  return min(kBuckets - 1, static_cast<int>(__fmul_rn(d, kBucketsPerUnit)));
+}
 
 // ---- keys ----------------------------------------------------------------------------------
 
@@ -88,6 +177,11 @@ __device__ __forceinline__ unsigned long long fixed_weight(float w) {
   if (!(w > 0.0f)) return 0ull;
   return static_cast<unsigned long long>(static_cast<double>(fminf(w, 1.0f)) * 0x1p63);
 }
+/// A mass kept as two 64-bit sums of 32-bit halves (Σ f mod 2^32 pieces and Σ f >> 32): sums
+/// of fewer than 2^31 weights cannot overflow either, and plain 64-bit atomics add them.
+__device__ __forceinline__ U128 from_split(unsigned long long lo_sum, unsigned long long hi_sum) {
+  return add(U128{hi_sum << 32, hi_sum >> 32}, u128(lo_sum));
+}
 __device__ __forceinline__ U128 shfl_xor(U128 v, int o) {
   v.lo = __shfl_xor_sync(kFull, v.lo, o);
   v.hi = __shfl_xor_sync(kFull, v.hi, o);
@@ -101,33 +195,36 @@ __device__ __forceinline__ U128 shfl_up(U128 v, int o) {
 
 // ---- block reductions (every thread of the block must call; all get the result) -----------
 
-/// Shared scratch of the select kernel's reductions.
+/// Shared scratch of the block reductions of a block of W warps.
+template <int W>
 struct Scratch {
-  U128 u[kSelectWarps + 1];
-  unsigned long long k[kSelectWarps + 1];
-  int i[kSelectWarps + 1];
+  U128 u[W + 1];
+  unsigned long long k[W + 1];
+  int i[W + 1];
 };
 
-__device__ U128 block_sum(U128 v, Scratch& s) {
+template <int W>
+__device__ U128 block_sum(U128 v, Scratch<W>& s) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = add(v, shfl_xor(v, o));
   if (lane == 0) s.u[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    U128 t = lane < kSelectWarps ? s.u[lane] : u128(0);
+    U128 t = lane < W ? s.u[lane] : u128(0);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) t = add(t, shfl_xor(t, o));
-    if (lane == 0) s.u[kSelectWarps] = t;
+    if (lane == 0) s.u[W] = t;
   }
   __syncthreads();
-  const U128 r = s.u[kSelectWarps];
+  const U128 r = s.u[W];
   __syncthreads();
   return r;
 }
 
 /// Exclusive prefix sum over the threads in threadIdx order; *total gets the block's sum.
-__device__ U128 block_exclusive_scan(U128 v, Scratch& s, U128* total) {
+template <int W>
+__device__ U128 block_exclusive_scan(U128 v, Scratch<W>& s, U128* total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   U128 incl = v;
 #pragma unroll
@@ -138,7 +235,7 @@ __device__ U128 block_exclusive_scan(U128 v, Scratch& s, U128* total) {
   if (lane == 31) s.u[warp] = incl;
   __syncthreads();
   if (warp == 0) {
-    const U128 t = lane < kSelectWarps ? s.u[lane] : u128(0);
+    const U128 t = lane < W ? s.u[lane] : u128(0);
     U128 ti = t;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -146,20 +243,20 @@ __device__ U128 block_exclusive_scan(U128 v, Scratch& s, U128* total) {
       if (lane >= o) ti = add(ti, up);
     }
     // exclusive = inclusive − own (exact 128-bit subtraction)
-    if (lane < kSelectWarps) {
+    if (lane < W) {
       U128 ex;
       ex.lo = ti.lo - t.lo;
       ex.hi = ti.hi - t.hi - (ti.lo < t.lo ? 1ull : 0ull);
       s.u[lane] = ex;
     }
-    if (lane == 31) s.u[kSelectWarps] = ti;  // lane 31 ≥ kSelectWarps − 1: the block total
+    if (lane == 31) s.u[W] = ti;  // lane 31 ≥ W − 1: the block total
   }
   __syncthreads();
   U128 ex_lane;  // exclusive within the warp
   ex_lane.lo = incl.lo - v.lo;
   ex_lane.hi = incl.hi - v.hi - (incl.lo < v.lo ? 1ull : 0ull);
   const U128 r = add(s.u[warp], ex_lane);
-  *total = s.u[kSelectWarps];
+  *total = s.u[W];
   __syncthreads();
   return r;
 }
@@ -182,25 +279,27 @@ __device__ unsigned long long block_max_key(unsigned long long v, unsigned long 
   return r;
 }
 
-__device__ int block_min_int(int v, Scratch& s) {
+template <int W>
+__device__ int block_min_int(int v, Scratch<W>& s) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(kFull, v, o));
   if (lane == 0) s.i[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    int t = lane < kSelectWarps ? s.i[lane] : INT_MAX;
+    int t = lane < W ? s.i[lane] : INT_MAX;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) t = min(t, __shfl_xor_sync(kFull, t, o));
-    if (lane == 0) s.i[kSelectWarps] = t;
+    if (lane == 0) s.i[W] = t;
   }
   __syncthreads();
-  const int r = s.i[kSelectWarps];
+  const int r = s.i[W];
   __syncthreads();
   return r;
 }
 
-__device__ int block_max_int(int v, Scratch& s) { return -block_min_int(-v, s); }
+template <int W>
+__device__ int block_max_int(int v, Scratch<W>& s) { return -block_min_int(-v, s); }
 
 // ---- Philox (engine/sampler.cpp philox4x32_10, sample_uniform) ------------------------------
 
@@ -232,6 +331,15 @@ __device__ __forceinline__ float scale(float v, const SampleRowArgs& a) {
 __global__ void __launch_bounds__(kThreads) scale_kernel(const SampleRowArgs* rows) {
   const SampleRowArgs a = rows[blockIdx.y];  // a copy: no aliasing with the rows it writes
   if (static_cast<int>(blockIdx.x) >= a.n_parts) return;
+  const RowScratch r = scratch_of(a);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    r.ctl->list_n = 0u;
+    r.ctl->draw_done = 0u;
+    r.ctl->pending = 0;
+    r.ctl->bucket = -1;
+  }
+  if (histogram_path(a))
+    for (int i = blockIdx.x * kThreads + threadIdx.x; i < 3 * kBuckets; i += a.n_parts * kThreads) r.hist_cnt[i] = 0ull;
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < a.vocab; i += a.n_parts * kThreads)
     a.work[i] = scale(a.logits[i], a);
 }
@@ -258,33 +366,135 @@ __global__ void __launch_bounds__(kThreads) max_kernel(const SampleRowArgs* rows
   __shared__ unsigned long long red[33];
   const SampleRowArgs a = rows[blockIdx.y];  // a copy: no aliasing with the rows it writes
   if (static_cast<int>(blockIdx.x) >= a.n_parts) return;  // block-uniform
+  const RowScratch r = scratch_of(a);
   unsigned long long best = 0ull;
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < a.vocab; i += a.n_parts * kThreads)
     best = max(best, comp_key(a.work[i], i));
-  best = block_max_key(best, red, kThreads / 32);
-  if (threadIdx.x == 0) a.part_keys[blockIdx.x] = best;
+  unsigned long long warp_best = best;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) warp_best = max(warp_best, __shfl_xor_sync(kFull, warp_best, o));
+  if (threadIdx.x % 32 == 0) r.warp_keys[blockIdx.x * kWarpsPerPart + threadIdx.x / 32] = warp_best;
+  best = block_max_key(best, red, kWarpsPerPart);
+  if (threadIdx.x == 0) r.part_keys[blockIdx.x] = best;
 }
 
 /// The row's max composite key from the n_parts per-block maxima of max_kernel (blocks past a
 /// row's n_parts do nothing in every kernel; the row's ids are strided over its n_parts blocks).
 __device__ unsigned long long row_max_key(const SampleRowArgs& a, unsigned long long* red, int n_warps) {
+  const RowScratch r = scratch_of(a);
   unsigned long long k = 0ull;
-  for (int j = threadIdx.x; j < a.n_parts; j += n_warps * 32) k = max(k, a.part_keys[j]);
+  for (int j = threadIdx.x; j < a.n_parts; j += n_warps * 32) k = max(k, r.part_keys[j]);
   return block_max_key(k, red, n_warps);
+}
+
+/// Sum over the block of kThreads threads (every thread must call; all get the result).
+__device__ unsigned long long block_sum_u64(unsigned long long v, unsigned long long* red) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    unsigned long long t = lane < kWarpsPerPart ? red[lane] : 0ull;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(kFull, t, o);
+    if (lane == 0) red[32] = t;
+  }
+  __syncthreads();
+  const unsigned long long r = red[32];
+  __syncthreads();
+  return r;
+}
+
+/// Shared memory of weight_kernel: the block's histogram, or the per-warp maxima.
+union WeightShared {
+  struct {
+    unsigned int cnt[kBuckets];
+    unsigned long long slo[kBuckets], shi[kBuckets];
+  } hist;
+  unsigned long long warp_keys[kMaxWarpKeys];
+};
+
+/// weight_kernel, small top-k: every id of this block's part whose key reaches the k-th largest
+/// of the per-warp maxima (k distinct ids reach it, so the top-k set does) goes to the list.
+__device__ void prefilter_part(const SampleRowArgs& a, const RowScratch& r, double floor_x, WeightShared& sh,
+                               unsigned long long* red) {
+  const int n_keys = a.n_parts * kWarpsPerPart;
+  for (int j = threadIdx.x; j < n_keys; j += kThreads) sh.warp_keys[j] = r.warp_keys[j];
+  __syncthreads();
+  unsigned long long kth = 0ull;  // ties (only empty warps' 0 keys) leave it 0: everything gathered
+  for (int t = threadIdx.x; t < n_keys; t += kThreads) {
+    const unsigned long long mine = sh.warp_keys[t];
+    int rank = 0;
+    for (int j = 0; j < n_keys; ++j) rank += sh.warp_keys[j] > mine ? 1 : 0;
+    if (rank == a.top_k - 1) kth = max(kth, mine);
+  }
+  const unsigned long long bound = block_max_key(kth, red, kWarpsPerPart);
+  for (int i = blockIdx.x * kThreads + threadIdx.x; i < a.vocab; i += a.n_parts * kThreads) {
+    const float x = a.work[i];
+    const unsigned long long key = comp_key(x, i);
+    if (key < bound) continue;
+    const unsigned slot = atomicAdd(&r.ctl->list_n, 1u);
+    if (slot >= static_cast<unsigned>(kCompactMax)) continue;  // too many: select_kernel's radix select
+    const float w = a.weight[i];
+    const unsigned long long ok = (static_cast<double>(x) >= floor_x ? 1ull : 0ull) | (w > 0.0f ? 2ull : 0ull);
+    r.list_key[slot] = key;
+    r.list_f[slot] = fixed_weight(w);
+    r.list_idok[slot] = static_cast<unsigned long long>(static_cast<uint32_t>(i)) | (ok << 32);
+  }
 }
 
 __global__ void __launch_bounds__(kThreads) weight_kernel(const SampleRowArgs* rows) {
   __shared__ unsigned long long red[33];
+  __shared__ WeightShared sh;
   const SampleRowArgs a = rows[blockIdx.y];  // a copy: no aliasing with the rows it writes
   if (static_cast<int>(blockIdx.x) >= a.n_parts) return;  // block-uniform
-  const unsigned long long best = row_max_key(a, red, kThreads / 32);
+  const unsigned long long best = row_max_key(a, red, kWarpsPerPart);
   if (a.greedy) {
     if (blockIdx.x == 0 && threadIdx.x == 0) *a.out_id = best == 0ull ? 0 : key_id(best);
     return;
   }
+  const RowScratch r = scratch_of(a);
   const float m = key_float(static_cast<uint32_t>(best >> 32));
-  for (int i = blockIdx.x * kThreads + threadIdx.x; i < a.vocab; i += a.n_parts * kThreads)
-    a.weight[i] = static_cast<float>(exp(static_cast<double>(__fsub_rn(a.work[i], m))));
+  const double floor_x = a.use_min_p ? static_cast<double>(m) + a.log_min_p : -INFINITY;
+  const bool hist = histogram_path(a);  // row-uniform
+  if (hist) {
+    for (int b = threadIdx.x; b < kBuckets; b += kThreads) sh.hist.cnt[b] = 0u, sh.hist.slo[b] = 0ull, sh.hist.shi[b] = 0ull;
+    __syncthreads();
+  }
+  unsigned long long all_lo = 0ull, all_hi = 0ull;  // this part's mass over every id, split
+  for (int i = blockIdx.x * kThreads + threadIdx.x; i < a.vocab; i += a.n_parts * kThreads) {
+    const float x = a.work[i];
+    const float w = static_cast<float>(exp(static_cast<double>(__fsub_rn(x, m))));
+    a.weight[i] = w;
+    if (hist) {
+      const unsigned long long f = fixed_weight(w);
+      all_lo += f & 0xffffffffull;
+      all_hi += f >> 32;
+      if (static_cast<double>(x) >= floor_x) {  // C: the top-p candidates
+        const int b = bucket_of(x, m);
+        atomicAdd(&sh.hist.cnt[b], 1u);
+        if (f) {
+          atomicAdd(&sh.hist.slo[b], f & 0xffffffffull);
+          atomicAdd(&sh.hist.shi[b], f >> 32);
+        }
+      }
+    }
+  }
+  if (hist) {
+    all_lo = block_sum_u64(all_lo, red);  // its barriers also publish the shared histogram
+    all_hi = block_sum_u64(all_hi, red);
+    if (threadIdx.x == 0) r.part_slo[blockIdx.x] = all_lo, r.part_shi[blockIdx.x] = all_hi;
+    for (int b = threadIdx.x; b < kBuckets; b += kThreads) {
+      if (sh.hist.cnt[b] == 0u) continue;
+      atomicAdd(&r.hist_cnt[b], static_cast<unsigned long long>(sh.hist.cnt[b]));
+      if (sh.hist.slo[b]) atomicAdd(&r.hist_slo[b], sh.hist.slo[b]);
+      if (sh.hist.shi[b]) atomicAdd(&r.hist_shi[b], sh.hist.shi[b]);
+    }
+  } else if (prefilter_path(a)) {
+    __syncthreads();  // the weights of this block are written (prefilter reads them back)
+    prefilter_part(a, r, floor_x, sh, red);
+  }
 }
 
 // ---- kernel 5: selection and the draw -------------------------------------------------------
@@ -378,9 +588,52 @@ __device__ void find_bucket(const Hist& h, bool by_mass, unsigned need, U128 bas
   }
 }
 
+static_assert(kBuckets == 2 * kSelectThreads, "top_p_bucket: two buckets per thread");
+
+/// select_kernel, top-p without top-k: from the per-part totals and the histogram of C, the
+/// bucket where C's most-likely-first mass first reaches top_p · total. Returns true when the
+/// rest is left to gather_kernel / cutoff_kernel / draw_kernel: the control block then holds
+/// the bucket, the exact mass above it and the target (or no bucket when C's whole mass stays
+/// below the target: no cut). Returns false when that bucket holds more than kCompactMax ids,
+/// for the caller's single-block radix search. The sums and comparisons are those of the
+/// radix search, so both find the same crossing id.
+__device__ bool top_p_bucket(const SampleRowArgs& a, const RowScratch& r, Scratch<kSelectWarps>& s, U128* sh_base) {
+  unsigned long long lo = 0ull, hi = 0ull;
+  for (int j = threadIdx.x; j < a.n_parts; j += kSelectThreads) lo += r.part_slo[j], hi += r.part_shi[j];
+  const U128 lo_sum = block_sum(u128(lo), s), hi_sum = block_sum(u128(hi), s);  // each < 2^63
+  const U128 total = from_split(lo_sum.lo, hi_sum.lo);
+  const int b0 = 2 * static_cast<int>(threadIdx.x);
+  const U128 m0 = from_split(r.hist_slo[b0], r.hist_shi[b0]);
+  const U128 m1 = from_split(r.hist_slo[b0 + 1], r.hist_shi[b0 + 1]);
+  const U128 pair = add(m0, m1);
+  U128 cand;
+  const U128 above = block_exclusive_scan(pair, s, &cand);
+  const double target = static_cast<double>(a.top_p) * to_double(total);
+  if (!(to_double(cand) >= target)) return true;  // the CPU keeps every candidate
+  int mine = INT_MAX;
+  U128 base = above;
+  if (to_double(add(above, m0)) >= target) {
+    mine = b0;
+  } else if (to_double(add(above, pair)) >= target) {
+    mine = b0 + 1;
+    base = add(above, m0);
+  }
+  const int bucket = block_min_int(mine, s);
+  if (mine != INT_MAX && mine == bucket) *sh_base = base;
+  __syncthreads();
+  if (bucket == INT_MAX || r.hist_cnt[bucket] > static_cast<unsigned long long>(kCompactMax)) return false;
+  if (threadIdx.x == 0) {
+    r.ctl->bucket = bucket;
+    r.ctl->base_lo = sh_base->lo;
+    r.ctl->base_hi = sh_base->hi;
+    r.ctl->target = target;
+  }
+  return true;
+}
+
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SampleRowArgs* rows) {
   __shared__ Hist h;
-  __shared__ Scratch s;
+  __shared__ Scratch<kSelectWarps> s;
   __shared__ unsigned long long red[33];
   __shared__ int sh_bin;
   __shared__ unsigned sh_need, sh_count;
@@ -397,47 +650,53 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SampleRowA
   const int V = a.vocab;
   const float* x = a.work;
   const float* w = a.weight;
+  const RowScratch r = scratch_of(a);
   const unsigned long long best = row_max_key(a, red, kSelectWarps);
   const float m = key_float(static_cast<uint32_t>(best >> 32));
-  const bool use_k = a.top_k > 0 && a.top_k < V;
+  const bool use_k = uses_top_k(a);
   const bool use_p = a.top_p < 1.0f;
   const double floor_x = a.use_min_p ? static_cast<double>(m) + a.log_min_p : -INFINITY;
+
+  // No top-k: the draw (and top-p's crossing bucket, when it holds few enough ids) is left to
+  // the kernels after this one; they read the threshold and the floor from the control block.
+  if (!use_k) {
+    bool leave = !use_p;
+    if (use_p) leave = top_p_bucket(a, r, s, &sh_base);
+    if (leave) {
+      if (threadIdx.x == 0) {
+        r.ctl->thr = 0ull;
+        r.ctl->best = best;
+        r.ctl->floor_x = floor_x;
+        r.ctl->m = m;
+        r.ctl->pending = 1;
+      }
+      return;
+    }
+  }
 
   // Top-k: the key of the k-th best id (radix select, 8 bits a pass, stops once the bucket is
   // taken whole). Members: key ≥ thr.
   unsigned long long thr = 0ull;
   const bool small_k = use_k && a.top_k <= kCompactMax;
   bool compacted = false;  // c_* hold every id with key ≥ the top-k threshold (and maybe more)
-  if (small_k && a.top_k <= a.n_parts) {
-    // Pre-filter: the k-th largest of the per-block maxima (max_kernel's parts, k distinct ids)
-    // bounds the k-th largest key from below, so {key ≥ it} holds the top-k set and, on real
-    // rows, few more ids. Gather them; if they fit, select the k-th key among them exactly.
-    unsigned long long lk = 0ull;
-    if (static_cast<int>(threadIdx.x) < a.n_parts) {
-      const unsigned long long mine_k = a.part_keys[threadIdx.x];
-      int rank = 0;
-      for (int j = 0; j < a.n_parts; ++j) rank += a.part_keys[j] > mine_k ? 1 : 0;
-      if (rank == a.top_k - 1) lk = mine_k;
-    }
-    const unsigned long long bound = block_max_key(lk, red, kSelectWarps);
-    if (threadIdx.x == 0) c_n = 0;
-    __syncthreads();
-    for (int i = threadIdx.x; i < V; i += kSelectThreads) {
-      const unsigned long long key = comp_key(x[i], i);
-      if (key < bound) continue;
-      const int slot = atomicAdd(&c_n, 1);
-      if (slot >= kCompactMax) continue;  // too many: the radix select below instead
-      c_id[slot] = i;
-      c_key[slot] = key;
-      c_f[slot] = fixed_weight(w[i]);
-      c_ok[slot] = static_cast<unsigned char>((static_cast<double>(x[i]) >= floor_x ? 1 : 0) | (w[i] > 0.0f ? 2 : 0));
-    }
-    __syncthreads();
-    const int n = c_n;  // ≥ top_k: the k block maxima are in
+  if (prefilter_path(a)) {
+    // weight_kernel gathered every id whose key reaches the k-th largest per-warp maximum (a
+    // lower bound of the k-th largest key): the top-k set and, on real rows, few more ids. If
+    // they fit, select the k-th key among them exactly.
+    const int n = static_cast<int>(r.ctl->list_n);  // ≥ top_k: the k warp maxima are in
     if (n <= kCompactMax) {
+      const int t = threadIdx.x;
+      if (t < n) {
+        const unsigned long long idok = r.list_idok[t];
+        c_id[t] = static_cast<int>(static_cast<uint32_t>(idok));
+        c_key[t] = r.list_key[t];
+        c_f[t] = r.list_f[t];
+        c_ok[t] = static_cast<unsigned char>(idok >> 32);
+      }
+      if (t == 0) c_n = n;
+      __syncthreads();
       compacted = true;
       unsigned long long kth = 0ull;
-      const int t = threadIdx.x;
       if (t < n) {
         int rank = 0;
         for (int j = 0; j < n; ++j) rank += c_key[j] > c_key[t] ? 1 : 0;
@@ -697,6 +956,185 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SampleRowA
   }
 }
 
+// ---- kernels 6–8: the top-p cutoff and the draw on many blocks ----------------------------
+
+/// The ids of C in the crossing bucket (select_kernel's top_p_bucket), gathered into the list.
+__global__ void __launch_bounds__(kThreads) gather_kernel(const SampleRowArgs* rows) {
+  const SampleRowArgs a = rows[blockIdx.y];
+  if (static_cast<int>(blockIdx.x) >= a.n_parts || a.greedy) return;
+  const RowScratch r = scratch_of(a);
+  if (!r.ctl->pending || r.ctl->bucket < 0) return;  // row-uniform
+  const int bucket = r.ctl->bucket;
+  const float m = r.ctl->m;
+  const double floor_x = r.ctl->floor_x;
+  for (int i = blockIdx.x * kThreads + threadIdx.x; i < a.vocab; i += a.n_parts * kThreads) {
+    const float x = a.work[i];
+    if (!(static_cast<double>(x) >= floor_x) || bucket_of(x, m) != bucket) continue;
+    const unsigned slot = atomicAdd(&r.ctl->list_n, 1u);
+    if (slot >= static_cast<unsigned>(kCompactMax)) continue;  // cannot happen: the bucket's count fits
+    r.list_key[slot] = comp_key(x, i);
+    r.list_f[slot] = fixed_weight(a.weight[i]);
+  }
+}
+
+/// The top-p threshold: the largest key of the gathered bucket whose inclusive most-likely-
+/// first mass (the mass above the bucket plus the bucket's ids with a key ≥ its own) reaches
+/// the target.
+__global__ void __launch_bounds__(kSelectThreads) cutoff_kernel(const SampleRowArgs* rows) {
+  __shared__ unsigned long long c_key[kCompactMax], c_f[kCompactMax];
+  __shared__ unsigned long long red[33];
+  const SampleRowArgs a = rows[blockIdx.x];
+  if (a.greedy) return;
+  const RowScratch r = scratch_of(a);
+  if (!r.ctl->pending || r.ctl->bucket < 0) return;  // block-uniform
+  const int n = min(static_cast<int>(r.ctl->list_n), kCompactMax);
+  const U128 base{r.ctl->base_lo, r.ctl->base_hi};
+  const double target = r.ctl->target;
+  const int t = threadIdx.x;
+  if (t < n) c_key[t] = r.list_key[t], c_f[t] = r.list_f[t];
+  __syncthreads();
+  unsigned long long hit = 0ull;
+  if (t < n) {
+    U128 incl = base;
+    for (int j = 0; j < n; ++j)
+      if (c_key[j] >= c_key[t]) incl = add(incl, u128(c_f[j]));
+    if (to_double(incl) >= target) hit = c_key[t];
+  }
+  const unsigned long long crossing = block_max_key(hit, red, kSelectWarps);
+  if (t == 0) r.ctl->thr = crossing;  // no top-k on this path: the threshold is the crossing key
+}
+
+/// draw_kernel's last block: the draw from the per-chunk masses. The first chunk (ascending)
+/// where the cumulative mass exceeds u · total, then, in it, the first surviving id where it
+/// does, with the same exact sums and comparisons as the single-block draw.
+__device__ void draw_from_chunks(const SampleRowArgs& a, const RowScratch& r, unsigned long long thr, double floor_x,
+                                 Scratch<kWarpsPerPart>& s, U128* sh_base) {
+  const int nc = chunks_for(a.vocab);
+  const int per = (nc + kThreads - 1) / kThreads;
+  const int c0 = static_cast<int>(threadIdx.x) * per;
+  U128 local = u128(0);
+  int last = -1;
+  for (int k = 0; k < per; ++k) {
+    const int c = c0 + k;
+    if (c >= nc) break;
+    local = add(local, from_split(__ldcg(&r.chunk_slo[c]), __ldcg(&r.chunk_shi[c])));
+    last = max(last, static_cast<int>(__ldcg(&r.chunk_last[c])));
+  }
+  U128 total;
+  const U128 before = block_exclusive_scan(local, s, &total);
+  last = block_max_int(last, s);
+  const double target = philox_uniform(a.seed, a.step) * to_double(total);
+  int mine = INT_MAX;
+  U128 run = before;
+  for (int k = 0; k < per; ++k) {
+    const int c = c0 + k;
+    if (c >= nc) break;
+    const U128 next = add(run, from_split(__ldcg(&r.chunk_slo[c]), __ldcg(&r.chunk_shi[c])));
+    if (to_double(next) > target) {
+      mine = c;
+      break;
+    }
+    run = next;
+  }
+  const int chunk = block_min_int(mine, s);
+  if (mine != INT_MAX && mine == chunk) *sh_base = run;
+  __syncthreads();
+  int found = INT_MAX;
+  if (chunk != INT_MAX && threadIdx.x < 32) {
+    // One warp over the chunk's 256 ids, 8 consecutive ids a lane.
+    const int lane = threadIdx.x;
+    const int first = chunk * kThreads + lane * 8;
+    unsigned long long f[8];
+    bool in[8];
+    U128 lane_sum = u128(0);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int i = first + j;
+      in[j] = false;
+      f[j] = 0ull;
+      if (i < a.vocab) {
+        const float x = a.work[i], w = a.weight[i];
+        in[j] = comp_key(x, i) >= thr && static_cast<double>(x) >= floor_x && w > 0.0f;
+        if (in[j]) f[j] = fixed_weight(w);
+      }
+      lane_sum = add(lane_sum, u128(f[j]));
+    }
+    U128 incl = lane_sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const U128 up = shfl_up(incl, o);
+      if (lane >= o) incl = add(incl, up);
+    }
+    U128 c;  // the mass before this lane's ids: base + (inclusive − own)
+    c.lo = incl.lo - lane_sum.lo;
+    c.hi = incl.hi - lane_sum.hi - (incl.lo < lane_sum.lo ? 1ull : 0ull);
+    c = add(*sh_base, c);
+    int cand = INT_MAX;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (in[j] && cand == INT_MAX) {
+        c = add(c, u128(f[j]));
+        if (to_double(c) > target) cand = first + j;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) cand = min(cand, __shfl_xor_sync(kFull, cand, o));
+    found = cand;
+  }
+  if (threadIdx.x == 0) {
+    int id = found != INT_MAX ? found : last;
+    const unsigned long long best = r.ctl->best;
+    if (id < 0) id = best == 0ull ? 0 : key_id(best);  // nothing with weight: the argmax
+    *a.out_id = id;
+  }
+}
+
+/// The draw over S = {key ≥ thr} ∩ {x ≥ floor} ∩ {weight > 0} (thresholds from the control
+/// block): each block sums the exact mass and the last id of S per chunk of 256 consecutive
+/// ids (chunk c belongs to block c mod n_parts, as the ids of every other kernel do), and the
+/// last block to finish draws from the chunk sums.
+__global__ void __launch_bounds__(kThreads) draw_kernel(const SampleRowArgs* rows) {
+  __shared__ Scratch<kWarpsPerPart> s;
+  __shared__ unsigned long long red[33];
+  __shared__ U128 sh_base;
+  __shared__ bool is_last;
+  const SampleRowArgs a = rows[blockIdx.y];
+  if (static_cast<int>(blockIdx.x) >= a.n_parts || a.greedy) return;
+  const RowScratch r = scratch_of(a);
+  if (!r.ctl->pending) return;  // row-uniform: select_kernel drew already
+  const unsigned long long thr = r.ctl->thr;
+  const double floor_x = r.ctl->floor_x;
+  const int nc = chunks_for(a.vocab);
+  for (int c = blockIdx.x; c < nc; c += a.n_parts) {  // block-uniform
+    const int i = c * kThreads + static_cast<int>(threadIdx.x);
+    unsigned long long f = 0ull;
+    int last = -1;
+    if (i < a.vocab) {
+      const float x = a.work[i], w = a.weight[i];
+      if (comp_key(x, i) >= thr && static_cast<double>(x) >= floor_x && w > 0.0f) {
+        f = fixed_weight(w);
+        last = i;
+      }
+    }
+    const unsigned long long lo = block_sum_u64(f & 0xffffffffull, red);
+    const unsigned long long hi = block_sum_u64(f >> 32, red);
+    last = block_max_int(last, s);
+    if (threadIdx.x == 0) {
+      r.chunk_slo[c] = lo;
+      r.chunk_shi[c] = hi;
+      r.chunk_last[c] = last;
+    }
+  }
+  // The last block to get here reads every chunk (threadfence before counting, L2 reads after).
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(&r.ctl->draw_done, 1u) == static_cast<unsigned>(a.n_parts - 1);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  draw_from_chunks(a, r, thr, floor_x, s, &sh_base);
+}
+
 __global__ void uniform_kernel(unsigned long long seed, const unsigned long long* steps, int n, double* out) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) out[i] = philox_uniform(seed, steps[i]);
@@ -710,6 +1148,11 @@ int parts_for(int64_t vocab) {
 }  // namespace
 
 int sample_partial_slots(int64_t vocab) { return parts_for(vocab); }
+
+int64_t sample_scratch_slots(int64_t vocab) {
+  if (vocab <= 0 || vocab > INT_MAX / 2) throw ::lily::InternalError("sample_scratch_slots: bad vocab");
+  return scratch_slots_for(static_cast<int>(vocab));
+}
 
 void launch_sample_rows(const SampleRowArgs* d_rows, int n_rows, int64_t max_vocab, cudaStream_t stream) {
   if (n_rows <= 0 || n_rows > 65535 || max_vocab <= 0 || max_vocab > INT_MAX / 2)
@@ -725,6 +1168,12 @@ void launch_sample_rows(const SampleRowArgs* d_rows, int n_rows, int64_t max_voc
   weight_kernel<<<wide, kThreads, 0, stream>>>(d_rows);
   LILY_CUDA_CHECK_LAUNCH();
   select_kernel<<<n_rows, kSelectThreads, 0, stream>>>(d_rows);
+  LILY_CUDA_CHECK_LAUNCH();
+  gather_kernel<<<wide, kThreads, 0, stream>>>(d_rows);
+  LILY_CUDA_CHECK_LAUNCH();
+  cutoff_kernel<<<n_rows, kSelectThreads, 0, stream>>>(d_rows);
+  LILY_CUDA_CHECK_LAUNCH();
+  draw_kernel<<<wide, kThreads, 0, stream>>>(d_rows);
   LILY_CUDA_CHECK_LAUNCH();
 }
 

@@ -19,7 +19,7 @@ struct SampleRowArgs {
   const float* logits = nullptr;             ///< [vocab] raw logits (not changed)
   float* work = nullptr;                     ///< [vocab] scratch: logits after step 1 and temperature
   float* weight = nullptr;                   ///< [vocab] scratch: exp(x − max) in fp32
-  unsigned long long* part_keys = nullptr;   ///< [sample_partial_slots(vocab)] scratch
+  unsigned long long* scratch = nullptr;     ///< [sample_scratch_slots(vocab)] per-row scratch of the kernels
   int32_t* out_id = nullptr;                 ///< where the chosen id goes
   const PenaltyEdit* edits = nullptr;        ///< [n_edits] (engine/sampler.h penalty_edits)
   const float* biases = nullptr;             ///< PenaltyEdits::biases
@@ -39,8 +39,11 @@ struct SampleRowArgs {
   unsigned long long step = 0;               ///< Philox counter: generated token number
 };
 
-/// Scratch keys per row for launch_sample_rows over a row of `vocab` logits.
+/// Blocks per row (SampleRowArgs::n_parts) for launch_sample_rows over a row of `vocab` logits.
 int sample_partial_slots(int64_t vocab);
+/// 64-bit slots of SampleRowArgs::scratch for a row of `vocab` logits (about 100 KB at vocab
+/// 248,320). Throws lily::InternalError for vocab ≤ 0 or > INT_MAX / 2.
+int64_t sample_scratch_slots(int64_t vocab);
 
 /// Fills the parameter fields of `row` from `params` for generated token number `step` (the
 /// pointers, vocab, n_parts and n_edits are the caller's).
@@ -58,7 +61,7 @@ inline void fill_sample_params(SampleRowArgs& row, const SamplingParams& params,
   row.step = step;
 }
 
-/// Samples `n_rows` rows (d_rows: [n_rows] SampleRowArgs in device memory) on `stream`: five
+/// Samples `n_rows` rows (d_rows: [n_rows] SampleRowArgs in device memory) on `stream`: eight
 /// launches whatever the row count (grid.y or grid.x = row). Each row's chosen id is written to
 /// its out_id; nothing is synchronised. `max_vocab` bounds every row's vocab (the grid size).
 /// Can be captured in a CUDA graph: nothing but the device memory it points at changes between
