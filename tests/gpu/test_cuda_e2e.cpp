@@ -270,21 +270,21 @@ TEST_F(CudaE2e, BatchedPrefillMatchesCpu) {
   }
 }
 
-// The same 300-token prompt with the one-kernel GDN prefill (LILY_CUDA_GDN_CHUNK_PARALLEL=0;
-// the default is two passes, which BatchedPrefillMatchesCpu covers).
+// The same 300-token prompt with the one-kernel GDN prefill (CudaOptions::gdn_chunk_parallel
+// false, as LILY_CUDA_GDN_CHUNK_PARALLEL=0; the default is two passes, which
+// BatchedPrefillMatchesCpu covers).
 TEST_F(CudaE2e, BatchedPrefillWithOneKernelGdnMatchesCpu) {
   TempDir dir;
   auto w = synth("realdims", dir.path());
   auto oracle = bf16_oracle(w);
   cpu::CpuBackend& cpu = *oracle;
-  setenv("LILY_CUDA_PREFILL", "batched", 1);
-  const bool was = cuda::gdn_chunk_parallel_enabled();
-  cuda::set_gdn_chunk_parallel_enabled(false);
-  auto gpu = make_cuda_backend(w);
-  unsetenv("LILY_CUDA_PREFILL");
+  CudaOptions options = CudaOptions::from_env();
+  options.batched_prefill = true;
+  options.gdn_chunk_parallel = false;
+  auto gpu = make_cuda_backend(w, options);
   compare_greedy(cpu, *gpu, prompt_ids(300, w->config.vocab, 8), 4, "realdims batched prefill, one-kernel GDN",
                  /*align=*/false);
-  cuda::set_gdn_chunk_parallel_enabled(was);
+  cuda::set_gdn_chunk_parallel_enabled(CudaOptions::from_env().gdn_chunk_parallel);  // for the tests after this one
 }
 
 TEST_F(CudaE2e, DemoModelMatchesCpu) {

@@ -68,8 +68,9 @@ TEST(CudaSamplingE2e, DeviceSamplerMatchesHostSamplerOnTheBackendsLogits) {
   o.out = dir.path();
   write_synthetic_checkpoint(o);
   auto w = load_model(dir.path());
-  cuda::set_device_sampler_enabled(true);  // the default; set here so LILY_CUDA_DEVICE_SAMPLER=0 cannot skip it
-  auto gpu = make_cuda_backend(w);
+  CudaOptions options = CudaOptions::from_env();
+  options.device_sampler = true;  // the default; set here so LILY_CUDA_DEVICE_SAMPLER=0 cannot skip it
+  auto gpu = make_cuda_backend(w, options);
   ASSERT_TRUE(gpu->samples_on_device());
   const int vocab = w->config.vocab;
   const std::vector<int32_t> prompt = prompt_ids(40, vocab, 5);

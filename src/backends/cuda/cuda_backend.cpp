@@ -352,21 +352,24 @@ class CudaBackend final : public Backend {
     model_ = std::make_unique<DeviceModel>(*weights);
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     allocate_scratch();
-    (void)pdl_enabled();  // a bad LILY_CUDA_PDL value fails here, not inside the first graph capture
-    (void)stream_gemv_enabled();
-    (void)flash_prefill_enabled();
-    (void)device_sampler_enabled();
-    (void)gemv_row_tiles_enabled();
-    (void)gdn_chunk_parallel_enabled();
+    // The kernel layer's switches (kernels.h) are process-wide: set here from this backend's
+    // options, so the environment is read and validated once, by CudaOptions::from_env. The
+    // last backend constructed sets them.
+    set_pdl_enabled(options_.pdl);
+    set_stream_gemv_enabled(options_.stream_gemv);
+    set_flash_prefill_enabled(options_.flash_prefill);
+    set_device_sampler_enabled(options_.device_sampler);
+    set_gemv_row_tiles_enabled(options_.gemv_row_tiles);
+    set_gdn_chunk_parallel_enabled(options_.gdn_chunk_parallel);
   }
   ~CudaBackend() override {
     if (stream_) cudaStreamDestroy(stream_);
   }
 
   std::string name() const override { return "cuda"; }
-  /// With LILY_CUDA_DEVICE_SAMPLER=1, sampled rows run the device sampler (sampler_kernels.h)
-  /// after the LM head and only the id comes back; by default (until its end-to-end test has
-  /// run on a GPU) the engine samples the copied logits on the host.
+  /// By default (CudaOptions::device_sampler) sampled rows run the device sampler
+  /// (sampler_kernels.h) after the LM head and only the id comes back; with
+  /// LILY_CUDA_DEVICE_SAMPLER=0 the engine samples the copied logits on the host.
   bool samples_on_device() const override { return device_sampler_enabled(); }
   const ModelConfig& config() const override { return config_; }
   bool reads_host_weights() const override { return false; }
@@ -797,7 +800,7 @@ class CudaBackend final : public Backend {
           DeviceBuffer(expert_grouping_ints(routed_plus_shared_experts(c), prefill_chunk_, n_sel) * sizeof(int32_t));
       prefill_scratch_->slot_out = bf(T * int64_t(n_sel) * c.hidden);
     }
-    if (n_gdn_ && gdn_chunk_parallel_enabled())
+    if (n_gdn_ && options_.gdn_chunk_parallel)
       prefill_scratch_->gdn_ws = DeviceBuffer(gdn_prefill_workspace_bytes(gdn_, static_cast<int>(T)));
   }
 
