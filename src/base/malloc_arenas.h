@@ -1,6 +1,6 @@
 // glibc malloc arenas: each thread that allocates gets an arena of its own (up to 8 per core), and
 // an arena keeps what was freed in it, so concurrent large request bodies on many connection
-// threads make the resident memory step up and stay up (issue 16). `lily serve` caps them at
+// threads make the resident memory step up and stay up. `lily serve` caps them at
 // start-up (--malloc-arenas, docs/server.md).
 #pragma once
 

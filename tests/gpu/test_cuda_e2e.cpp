@@ -424,7 +424,7 @@ TEST_F(CudaE2e, Full35bShapeMatchesCpu) {
 
 // After the upload the backend keeps no reference to the host weights (reads_host_weights() is
 // false), so the caller's last reference unmaps the checkpoint, as `lily serve` does: a truncated
-// model.safetensors can then no longer fault the process (issue 16), and decoding after the
+// model.safetensors can then no longer fault the process, and decoding after the
 // truncation gives the tokens it gave before.
 TEST(CudaHostWeights, ReleasedAfterTheUploadSoATruncationCannotFault) {
   TempDir tmp;

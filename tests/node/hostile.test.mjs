@@ -431,7 +431,7 @@ describe('slow-loris and --max-connections', () => {
   });
 
   it('at --max-connections the longest-idle connection is evicted for a new one; none mid-request is', async () => {
-    // Issue 16: --max-connections idle connections (sending nothing, or kept alive between
+    // Before the eviction, --max-connections idle connections (sending nothing, or kept alive between
     // requests) used to lock every new client, /health included, out with 503s or resets until
     // --read-timeout (30 s here) passed. Now a new connection beyond the cap takes the slot of
     // the connection that has waited longest for a request head; one whose head is complete
