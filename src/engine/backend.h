@@ -153,14 +153,19 @@ struct CudaOptions {
   bool batched_prefill = true;   ///< LILY_CUDA_PREFILL batched|per-token
   bool tensor_core_gemm = true;  ///< LILY_CUDA_GEMM tensor-core|gemv: the prefill projections and experts
   int prefill_chunk = 2048;      ///< LILY_CUDA_PREFILL_CHUNK 1 … 8192: tokens per prefill chunk
+  /// LILY_CUDA_MAX_BATCH 1 … 64: the most rows (sequences) one step() may hold, each run through
+  /// the per-sequence paths in turn. 1 (one request at a time) until that loop has run on a GPU.
+  int max_batch = 1;
 
   static constexpr int kMaxPrefillChunk = 8192;
+  static constexpr int kMaxBatch = 64;
 
   /// Reads the LILY_CUDA_* variables (unset or empty: the default). Throws lily::Error naming
   /// the variable, the value and the accepted values for anything else.
   static CudaOptions from_env();
-  /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=0
-  /// gdn-chunk-parallel=0 prefill=batched gemm=tensor-core chunk=2048", for logs and reports.
+  /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
+  /// gdn-chunk-parallel=1 prefill=batched gemm=tensor-core chunk=2048 max-batch=1", for logs
+  /// and reports.
   std::string describe() const;
 };
 
@@ -181,6 +186,19 @@ inline bool env_choice(const char* name, const char* on, const char* off, bool d
   throw Error(std::string(name) + " must be '" + on + "' or '" + off + "', got '" + v + "'");
 }
 
+/// An integer in [lo, hi]: "" → dflt; anything else (not a whole number, out of range) throws.
+inline int env_int(const char* name, int lo, int hi, int dflt) {
+  const std::string v = env_value(name);
+  if (v.empty()) return dflt;
+  char* end = nullptr;
+  errno = 0;
+  const long n = std::strtol(v.c_str(), &end, 10);
+  if (*end != '\0' || errno != 0 || n < lo || n > hi)
+    throw Error(std::string(name) + " must be an integer in " + std::to_string(lo) + "…" + std::to_string(hi) +
+                ", got '" + v + "'");
+  return static_cast<int>(n);
+}
+
 }  // namespace cuda_options_detail
 
 inline CudaOptions CudaOptions::from_env() {
@@ -195,16 +213,8 @@ inline CudaOptions CudaOptions::from_env() {
   o.gdn_chunk_parallel = env_choice("LILY_CUDA_GDN_CHUNK_PARALLEL", "1", "0", o.gdn_chunk_parallel);
   o.batched_prefill = env_choice("LILY_CUDA_PREFILL", "batched", "per-token", o.batched_prefill);
   o.tensor_core_gemm = env_choice("LILY_CUDA_GEMM", "tensor-core", "gemv", o.tensor_core_gemm);
-  const std::string chunk = env_value("LILY_CUDA_PREFILL_CHUNK");
-  if (!chunk.empty()) {
-    char* end = nullptr;
-    errno = 0;
-    const long n = std::strtol(chunk.c_str(), &end, 10);
-    if (*end != '\0' || errno != 0 || n < 1 || n > kMaxPrefillChunk)
-      throw Error("LILY_CUDA_PREFILL_CHUNK must be an integer in 1…" + std::to_string(kMaxPrefillChunk) + ", got '" +
-                  chunk + "'");
-    o.prefill_chunk = static_cast<int>(n);
-  }
+  o.prefill_chunk = env_int("LILY_CUDA_PREFILL_CHUNK", 1, kMaxPrefillChunk, o.prefill_chunk);
+  o.max_batch = env_int("LILY_CUDA_MAX_BATCH", 1, kMaxBatch, o.max_batch);
   return o;
 }
 
@@ -214,7 +224,7 @@ inline std::string CudaOptions::describe() const {
          " device-sampler=" + (device_sampler ? "1" : "0") + " gemv-row-tiles=" + (gemv_row_tiles ? "1" : "0") +
          " gdn-chunk-parallel=" + (gdn_chunk_parallel ? "1" : "0") + " prefill=" + (batched_prefill ? "batched" : "per-token") +
          " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") +
-         " chunk=" + std::to_string(prefill_chunk);
+         " chunk=" + std::to_string(prefill_chunk) + " max-batch=" + std::to_string(max_batch);
 }
 
 /// Which backend to create. kAuto picks CUDA when built with it and a usable GPU is present.

@@ -287,6 +287,84 @@ TEST_F(CudaE2e, BatchedPrefillWithOneKernelGdnMatchesCpu) {
   cuda::set_gdn_chunk_parallel_enabled(CudaOptions::from_env().gdn_chunk_parallel);  // for the tests after this one
 }
 
+/// One sequence's logits: of its last prompt token, then of each of `steps` greedy decode steps.
+std::vector<std::vector<float>> trace_alone(Backend& gpu, const std::vector<int32_t>& prompt, int steps) {
+  auto state = gpu.new_state(1024);
+  std::vector<std::vector<float>> out(1);
+  int32_t next = gpu.prefill(*state, prompt, &out.back());
+  for (int i = 0; i < steps; ++i) {
+    out.emplace_back();
+    next = gpu.decode(*state, next, &out.back());
+  }
+  return out;
+}
+
+// Backend::step over several rows (CudaOptions::max_batch 4: the loop over the rows): sequences
+// start at different steps, so prefill rows stand beside decode rows, and every logit of every
+// sequence is bit-identical to the same sequence run alone. This is the check that lets
+// LILY_CUDA_MAX_BATCH's default rise above 1.
+TEST_F(CudaE2e, StepRowsAreBitIdenticalToEachSequenceAlone) {
+  TempDir dir;
+  auto w = synth("realdims", dir.path());
+  CudaOptions options = CudaOptions::from_env();
+  options.max_batch = 4;
+  auto gpu = make_cuda_backend(w, options);
+  ASSERT_EQ(gpu->max_batch(), 4);
+  const int vocab = w->config.vocab, steps = 5;
+  const std::vector<std::vector<int32_t>> prompts = {prompt_ids(37, vocab, 21), prompt_ids(300, vocab, 22),
+                                                     prompt_ids(1, vocab, 23), prompt_ids(90, vocab, 24)};
+  std::vector<std::vector<std::vector<float>>> alone;
+  for (const auto& p : prompts) alone.push_back(trace_alone(*gpu, p, steps));
+
+  struct Seq {
+    std::unique_ptr<SequenceState> state;
+    bool prefilled = false;
+    int32_t next = -1;
+    std::vector<std::vector<float>> logits;
+  };
+  std::vector<Seq> seqs(prompts.size());
+  for (auto& q : seqs) q.state = gpu->new_state(1024);
+  // Sequence i joins at step i with its whole prompt, then decodes.
+  for (int t = 0; t < static_cast<int>(prompts.size()) + steps + 1; ++t) {
+    std::vector<StepRow> rows;
+    std::vector<size_t> owner;
+    std::vector<std::vector<float>> out(prompts.size());
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Seq& q = seqs[i];
+      if (static_cast<int>(i) > t || q.logits.size() == static_cast<size_t>(steps + 1)) continue;
+      StepRow row;
+      row.state = q.state.get();
+      row.position = q.state->position();
+      if (!q.prefilled) {
+        row.tokens = prompts[i];
+        q.prefilled = true;
+      } else {
+        row.tokens = std::span<const int32_t>(&q.next, 1);
+        row.decode = true;
+      }
+      row.logits = &out[i];
+      rows.push_back(row);
+      owner.push_back(i);
+    }
+    if (rows.empty()) break;
+    const std::vector<int32_t> next = gpu->step(rows);
+    ASSERT_EQ(next.size(), rows.size());
+    for (size_t r = 0; r < rows.size(); ++r) {
+      Seq& q = seqs[owner[r]];
+      q.next = next[r];
+      q.logits.push_back(out[owner[r]]);
+    }
+  }
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    ASSERT_EQ(seqs[i].logits.size(), alone[i].size()) << "sequence " << i;
+    for (size_t k = 0; k < alone[i].size(); ++k)
+      EXPECT_EQ(seqs[i].logits[k], alone[i][k]) << "sequence " << i << " step " << k;
+  }
+  // More rows than max_batch, or one state twice, are refused before any work.
+  std::vector<StepRow> too_many(5);
+  EXPECT_THROW(gpu->step(too_many), Error);
+}
+
 TEST_F(CudaE2e, DemoModelMatchesCpu) {
   auto w = load_model(demo_model_dir());
   // The kernels are compiled for the demo's dims (head_dim 64, GDN 64): a refusal is a failure.

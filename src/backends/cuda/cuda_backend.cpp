@@ -406,9 +406,9 @@ class CudaBackend final : public Backend {
     return static_cast<int64_t>(free);
   }
 
-  /// One sequence per step until batched kernels are verified on a GPU (docs/cuda.md): the
-  /// scheduler then runs requests one at a time, exactly as before the batched interface.
-  int max_batch() const override { return 1; }
+  /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH): 1 by default, so the scheduler runs requests
+  /// one at a time until the loop over the rows below has run on a GPU (docs/cuda.md).
+  int max_batch() const override { return options_.max_batch; }
 
   /// Backend::step as a loop over the rows, each through the per-sequence paths (prefill rows:
   /// the batched prefill; decode rows: the decode step). Validates every row first.
