@@ -1,12 +1,16 @@
-// The tensor table: the single list of tensors a ModelConfig implies, in the MLX layout
-// (docs/model.md §2.3). The loader validates a checkpoint against it, `lily synth` writes
-// it, `lily inspect` and byte accounting iterate it.
+// The tensor table: the one description of the tensors a ModelConfig implies, in the MLX layout
+// (docs/model.md §2.3), each with the field of ModelWeights it lands in. for_each_tensor is that
+// description; the loader fills ModelWeights by walking it, and tensor_table (its specs without
+// destinations) is what `lily synth` writes and `lily inspect` and byte accounting iterate.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "model/config.h"
+#include "model/weights.h"
 
 namespace lily {
 
@@ -27,7 +31,26 @@ struct TensorSpec {
   int layer = -1;  ///< decoder layer index, -1 for embed/lm_head/final norm
 };
 
-/// All tensors of the model described by `config`, in a stable order (embed, layers, norm, head).
+/// Where a spec lands in ModelWeights: the QuantMatrix view of a kQuantized spec, or the fp32
+/// vector (row-major, numel(shape) floats) of a kBf16/kFloat spec. Never null.
+using TensorDest = std::variant<QuantMatrix*, std::vector<float>*>;
+
+/// Called once per tensor with its spec and its destination inside the walked ModelWeights.
+using TensorVisitor = std::function<void(const TensorSpec& spec, TensorDest dest)>;
+
+/// The description itself: calls `visit` once for every tensor of the model described by
+/// `config`, in the stable order of tensor_table, with a pointer to the field of `weights` the
+/// tensor fills (a distinct field per spec; kQuantized specs get a QuantMatrix*, the others a
+/// std::vector<float>*). First makes `weights.layers` config.n_layers entries with the types of
+/// config.layer_types (entries already there keep their contents); touches nothing else, in
+/// particular not `weights.config`. Exceptions from `visit` propagate, leaving the fields visited
+/// so far as `visit` left them. Throws InternalError when config.layer_types does not have
+/// config.n_layers entries.
+void for_each_tensor(const ModelConfig& config, ModelWeights& weights, const TensorVisitor& visit);
+
+/// All tensors of the model described by `config`, in a stable order (embed, layers, norm, head):
+/// the specs for_each_tensor visits, without their destinations. Throws InternalError as
+/// for_each_tensor does.
 std::vector<TensorSpec> tensor_table(const ModelConfig& config);
 
 /// Stored shape of the U32 codes of a quantized spec: [.., out, in·bits/32].
