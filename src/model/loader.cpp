@@ -198,19 +198,18 @@ QuantMatrix Validator::quantized(const TensorSpec& spec) {
   return m;
 }
 
-/// Plain tensors: BF16 (F32 also for A_log and the GDN norm), exact shape (conv1d may be
-/// [C, K, 1] or [C, 1, K]), finite; returned as fp32 in row-major order.
+/// Plain tensors: BF16 (F32 also for kFloat and f32_accepted specs), exact shape (or the spec's
+/// alt_shape: conv1d may be [C, K, 1] or [C, 1, K]), finite; returned as fp32 in row-major order.
 std::vector<float> Validator::vector(const TensorSpec& spec) {
   const TensorInfo& t = take(spec.name);
-  const bool f32_ok = spec.kind == TensorKind::kFloat || spec.name.ends_with("linear_attn.norm.weight");
+  const bool f32_ok = spec.kind == TensorKind::kFloat || spec.f32_accepted;
   const bool f32_preferred = spec.kind == TensorKind::kFloat;
   if (!(t.dtype == DType::kBF16 || (f32_ok && t.dtype == DType::kF32)))
     fail("tensor " + t.name + " is " + dtype_name(t.dtype) + "; expected " +
          (f32_preferred ? "F32 (or BF16)" : f32_ok ? "BF16 (or F32)" : "BF16"));
-  if (spec.name.ends_with("conv1d.weight")) {
-    const auto& s = spec.shape;  // [C, K, 1]
-    if (t.shape != s && t.shape != std::vector<int64_t>{s[0], 1, s[1]})
-      expect_shape(t, s, " (or " + shape_str({s[0], 1, s[1]}) + ")");
+  if (!spec.alt_shape.empty()) {
+    if (t.shape != spec.shape && t.shape != spec.alt_shape)
+      expect_shape(t, spec.shape, " (or " + shape_str(spec.alt_shape) + ")");
   } else {
     expect_shape(t, spec.shape);
   }

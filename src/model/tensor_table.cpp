@@ -13,16 +13,31 @@ class TableBuilder {
  public:
   explicit TableBuilder(const TensorVisitor& visit) : visit_(visit) {}
   void quantized(std::string name, std::vector<int64_t> shape, int bits, int layer, QuantMatrix& dest) {
-    visit_({std::move(name), TensorKind::kQuantized, std::move(shape), bits, layer}, &dest);
+    visit_(spec(std::move(name), TensorKind::kQuantized, std::move(shape), bits, layer), &dest);
   }
-  void bf16(std::string name, std::vector<int64_t> shape, int layer, std::vector<float>& dest) {
-    visit_({std::move(name), TensorKind::kBf16, std::move(shape), 0, layer}, &dest);
+  /// A BF16 tensor; `f32_accepted`: F32 is fine too; `alt_shape`: a second accepted layout.
+  void bf16(std::string name, std::vector<int64_t> shape, int layer, std::vector<float>& dest,
+            bool f32_accepted = false, std::vector<int64_t> alt_shape = {}) {
+    TensorSpec s = spec(std::move(name), TensorKind::kBf16, std::move(shape), 0, layer);
+    s.f32_accepted = f32_accepted;
+    s.alt_shape = std::move(alt_shape);
+    visit_(s, &dest);
   }
   void float32(std::string name, std::vector<int64_t> shape, int layer, std::vector<float>& dest) {
-    visit_({std::move(name), TensorKind::kFloat, std::move(shape), 0, layer}, &dest);
+    visit_(spec(std::move(name), TensorKind::kFloat, std::move(shape), 0, layer), &dest);
   }
 
  private:
+  static TensorSpec spec(std::string name, TensorKind kind, std::vector<int64_t> shape, int bits, int layer) {
+    TensorSpec s;
+    s.name = std::move(name);
+    s.kind = kind;
+    s.shape = std::move(shape);
+    s.bits = bits;
+    s.layer = layer;
+    return s;
+  }
+
   const TensorVisitor& visit_;
 };
 
@@ -32,10 +47,11 @@ void add_gdn(TableBuilder& t, const ModelConfig& c, const std::string& p, int i,
   t.quantized(p + "linear_attn.in_proj_z", {c.gdn_value_dim(), H}, 4, i, g.in_proj_z);
   t.quantized(p + "linear_attn.in_proj_a", {hv, H}, 4, i, g.in_proj_a);
   t.quantized(p + "linear_attn.in_proj_b", {hv, H}, 4, i, g.in_proj_b);
-  t.bf16(p + "linear_attn.conv1d.weight", {c.gdn_conv_channels(), c.gdn_conv_kernel, 1}, i, g.conv1d);
+  t.bf16(p + "linear_attn.conv1d.weight", {c.gdn_conv_channels(), c.gdn_conv_kernel, 1}, i, g.conv1d,
+         /*f32_accepted=*/false, /*alt_shape=*/{c.gdn_conv_channels(), 1, c.gdn_conv_kernel});
   t.float32(p + "linear_attn.A_log", {hv}, i, g.A_log);
   t.bf16(p + "linear_attn.dt_bias", {hv}, i, g.dt_bias);
-  t.bf16(p + "linear_attn.norm.weight", {c.gdn_value_head_dim}, i, g.norm);
+  t.bf16(p + "linear_attn.norm.weight", {c.gdn_value_head_dim}, i, g.norm, /*f32_accepted=*/true);
   t.quantized(p + "linear_attn.out_proj", {H, c.gdn_value_dim()}, 4, i, g.out_proj);
 }
 

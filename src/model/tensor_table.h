@@ -17,7 +17,7 @@ namespace lily {
 /// Storage kind of one table entry.
 enum class TensorKind {
   kQuantized,  ///< an MLX affine triple <base>.weight (U32) / .scales / .biases (BF16)
-  kBf16,       ///< a plain BF16 tensor (norm gains, conv1d, dt_bias; linear_attn.norm.weight may also be F32)
+  kBf16,       ///< a plain BF16 tensor (norm gains, conv1d, dt_bias); F32 too where f32_accepted
   kFloat,      ///< F32 expected, BF16 also accepted (A_log)
 };
 
@@ -29,6 +29,10 @@ struct TensorSpec {
   std::vector<int64_t> shape;
   int bits = 0;  ///< 4 or 8 for kQuantized, else 0
   int layer = -1;  ///< decoder layer index, -1 for embed/lm_head/final norm
+  bool f32_accepted = false;  ///< kBf16 only: an F32 tensor is accepted too (linear_attn.norm.weight)
+  /// Plain specs: a second stored shape accepted for the same row-major data, empty if none
+  /// (conv1d.weight: [C, 1, K] besides [C, K, 1]).
+  std::vector<int64_t> alt_shape;
 };
 
 /// Where a spec lands in ModelWeights: the QuantMatrix view of a kQuantized spec, or the fp32

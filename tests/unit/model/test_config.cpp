@@ -311,6 +311,14 @@ TEST(TensorTable, DemoTableShapes) {
     if (spec.name.ends_with("A_log")) {
       EXPECT_EQ(spec.kind, TensorKind::kFloat);
     }
+    // The two plain tensors with a second accepted storage; every other spec has none.
+    EXPECT_EQ(spec.f32_accepted, spec.name.ends_with("linear_attn.norm.weight")) << spec.name;
+    if (spec.name.ends_with("conv1d.weight")) {
+      EXPECT_EQ(spec.shape, (std::vector<int64_t>{c.gdn_conv_channels(), c.gdn_conv_kernel, 1}));
+      EXPECT_EQ(spec.alt_shape, (std::vector<int64_t>{c.gdn_conv_channels(), 1, c.gdn_conv_kernel}));
+    } else {
+      EXPECT_TRUE(spec.alt_shape.empty()) << spec.name;
+    }
     if (spec.kind == TensorKind::kQuantized && !spec.name.ends_with("mlp.gate") &&
         !spec.name.ends_with("shared_expert_gate")) {
       EXPECT_EQ(spec.bits, 4) << spec.name;
