@@ -24,9 +24,9 @@ enum class TensorKind {
 /// One logical tensor. For kQuantized, `name` is the base name (without .weight) and `shape` is
 /// the logical [.., out, in] shape (3-D for stacked experts); the stored shapes follow from `bits`.
 struct TensorSpec {
-  std::string name;
-  TensorKind kind;
-  std::vector<int64_t> shape;
+  std::string name;            ///< safetensors name (the base name for kQuantized)
+  TensorKind kind;             ///< storage kind; decides the TensorDest alternative
+  std::vector<int64_t> shape;  ///< logical shape, e.g. [E, I, hidden] for an expert stack
   int bits = 0;  ///< 4 or 8 for kQuantized, else 0
   int layer = -1;  ///< decoder layer index, -1 for embed/lm_head/final norm
   bool f32_accepted = false;  ///< kBf16 only: an F32 tensor is accepted too (linear_attn.norm.weight)

@@ -374,8 +374,7 @@ TEST(TensorTable, ForEachTensorVisitsEverySpecOnceIntoDistinctFields) {
 }
 
 TEST(TensorTable, LoadedWeightsFillEveryDestination) {
-  auto loaded = load_model(test::demo_model_dir());
-  ModelWeights& w = const_cast<ModelWeights&>(*loaded);  // walked only to read the fields back
+  ModelWeights w = *load_model(test::demo_model_dir());  // a copy: the walk takes a mutable one
   const size_t n_layers = w.layers.size();
   for_each_tensor(w.config, w, [&](const TensorSpec& spec, TensorDest dest) {
     int64_t numel = 1;
