@@ -1,5 +1,6 @@
-// load_model: config → checkpoint → validation against the tensor table → ModelWeights
-// (docs/model.md §2). Everything is built in locals and returned only when complete.
+// load_model: config → checkpoint → one walk of the tensor description (for_each_tensor) that
+// validates each tensor and stores it in its ModelWeights field (docs/model.md §2). Everything is
+// built in locals and returned only when complete.
 #include "model/loader.h"
 
 #include <unistd.h>
@@ -10,8 +11,8 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <unordered_map>
 #include <unordered_set>
+#include <variant>
 
 #include "base/bf16.h"
 #include "base/error.h"
@@ -197,19 +198,18 @@ QuantMatrix Validator::quantized(const TensorSpec& spec) {
   return m;
 }
 
-/// Plain tensors: BF16 (F32 also for A_log and the GDN norm), exact shape (conv1d may be
-/// [C, K, 1] or [C, 1, K]), finite; returned as fp32 in row-major order.
+/// Plain tensors: BF16 (F32 also for kFloat and f32_accepted specs), exact shape (or the spec's
+/// alt_shape: conv1d may be [C, K, 1] or [C, 1, K]), finite; returned as fp32 in row-major order.
 std::vector<float> Validator::vector(const TensorSpec& spec) {
   const TensorInfo& t = take(spec.name);
-  const bool f32_ok = spec.kind == TensorKind::kFloat || spec.name.ends_with("linear_attn.norm.weight");
+  const bool f32_ok = spec.kind == TensorKind::kFloat || spec.f32_accepted;
   const bool f32_preferred = spec.kind == TensorKind::kFloat;
   if (!(t.dtype == DType::kBF16 || (f32_ok && t.dtype == DType::kF32)))
     fail("tensor " + t.name + " is " + dtype_name(t.dtype) + "; expected " +
          (f32_preferred ? "F32 (or BF16)" : f32_ok ? "BF16 (or F32)" : "BF16"));
-  if (spec.name.ends_with("conv1d.weight")) {
-    const auto& s = spec.shape;  // [C, K, 1]
-    if (t.shape != s && t.shape != std::vector<int64_t>{s[0], 1, s[1]})
-      expect_shape(t, s, " (or " + shape_str({s[0], 1, s[1]}) + ")");
+  if (!spec.alt_shape.empty()) {
+    if (t.shape != spec.shape && t.shape != spec.alt_shape)
+      expect_shape(t, spec.shape, " (or " + shape_str(spec.alt_shape) + ")");
   } else {
     expect_shape(t, spec.shape);
   }
@@ -236,59 +236,6 @@ void check_checkpoint_kind(const Checkpoint& ckpt, const Validator& v) {
         v.fail(std::string("unsupported checkpoint layout: found ") + hf +
                " (Hugging Face names); expected the MLX layout (language_model.model.embed_tokens.*)");
   }
-}
-
-struct Loaded {
-  std::unordered_map<std::string, QuantMatrix> quant;
-  std::unordered_map<std::string, std::vector<float>> vec;
-  QuantMatrix q(const std::string& name) const {
-    auto it = quant.find(name);
-    if (it == quant.end()) throw InternalError("tensor table has no quantized entry " + name);
-    return it->second;
-  }
-  std::vector<float> v(const std::string& name) {
-    auto it = vec.find(name);
-    if (it == vec.end()) throw InternalError("tensor table has no vector entry " + name);
-    return std::move(it->second);
-  }
-};
-
-LayerWeights assemble_layer(Loaded& in, const ModelConfig& c, int i) {
-  const std::string p = "language_model.model.layers." + std::to_string(i) + ".";
-  LayerWeights l;
-  l.type = c.layer_types[i];
-  l.input_layernorm = in.v(p + "input_layernorm.weight");
-  l.post_attention_layernorm = in.v(p + "post_attention_layernorm.weight");
-  if (l.type == LayerType::kFullAttention) {
-    auto& a = l.attention;
-    a.q_proj = in.q(p + "self_attn.q_proj");
-    a.k_proj = in.q(p + "self_attn.k_proj");
-    a.v_proj = in.q(p + "self_attn.v_proj");
-    a.o_proj = in.q(p + "self_attn.o_proj");
-    a.q_norm = in.v(p + "self_attn.q_norm.weight");
-    a.k_norm = in.v(p + "self_attn.k_norm.weight");
-  } else {
-    auto& g = l.gdn;
-    g.in_proj_qkv = in.q(p + "linear_attn.in_proj_qkv");
-    g.in_proj_z = in.q(p + "linear_attn.in_proj_z");
-    g.in_proj_a = in.q(p + "linear_attn.in_proj_a");
-    g.in_proj_b = in.q(p + "linear_attn.in_proj_b");
-    g.out_proj = in.q(p + "linear_attn.out_proj");
-    g.conv1d = in.v(p + "linear_attn.conv1d.weight");  // [C, K] either stored layout
-    g.A_log = in.v(p + "linear_attn.A_log");
-    g.dt_bias = in.v(p + "linear_attn.dt_bias");
-    g.norm = in.v(p + "linear_attn.norm.weight");
-  }
-  auto& m = l.moe;
-  m.router = in.q(p + "mlp.gate");
-  m.experts_gate_proj = in.q(p + "mlp.switch_mlp.gate_proj");
-  m.experts_up_proj = in.q(p + "mlp.switch_mlp.up_proj");
-  m.experts_down_proj = in.q(p + "mlp.switch_mlp.down_proj");
-  m.shared_gate_proj = in.q(p + "mlp.shared_expert.gate_proj");
-  m.shared_up_proj = in.q(p + "mlp.shared_expert.up_proj");
-  m.shared_down_proj = in.q(p + "mlp.shared_expert.down_proj");
-  m.shared_expert_gate = in.q(p + "mlp.shared_expert_gate");
-  return l;
 }
 
 /// Tensors neither consumed nor skippable are an error; returns the number skipped.
@@ -338,30 +285,25 @@ std::shared_ptr<const ModelWeights> load_model(const std::filesystem::path& dir,
   Validator v(*ckpt, options);
   check_checkpoint_kind(*ckpt, v);
 
-  const auto table = tensor_table(config);
-  Loaded loaded;
-  uint64_t host_bytes = 0;
-  {
-    Progress progress(options.show_progress, dir.string(), table.size());
-    for (const auto& spec : table) {
-      if (spec.kind == TensorKind::kQuantized) {
-        loaded.quant.emplace(spec.name, v.quantized(spec));
-      } else {
-        auto vec = v.vector(spec);
-        host_bytes += vec.size() * sizeof(float);
-        loaded.vec.emplace(spec.name, std::move(vec));
-      }
-      progress.step();
-    }
-  }
-  const int64_t skipped = check_leftovers(*ckpt, v);
-
+  // One walk of the tensor description: each spec is validated and stored straight into the
+  // field it names. `weights` stays local until complete, so a throw leaves nothing half-loaded.
   auto weights = std::make_shared<ModelWeights>();
   weights->config = config;
-  weights->embed_tokens = loaded.q("language_model.model.embed_tokens");
-  weights->lm_head = loaded.q("language_model.lm_head");
-  weights->final_norm = loaded.v("language_model.model.norm.weight");
-  for (int i = 0; i < config.n_layers; ++i) weights->layers.push_back(assemble_layer(loaded, config, i));
+  uint64_t host_bytes = 0;
+  {
+    Progress progress(options.show_progress, dir.string(), tensor_table(config).size());
+    for_each_tensor(config, *weights, [&](const TensorSpec& spec, TensorDest dest) {
+      if (spec.kind == TensorKind::kQuantized) {
+        *std::get<QuantMatrix*>(dest) = v.quantized(spec);
+      } else {
+        std::vector<float>& vec = *std::get<std::vector<float>*>(dest);
+        vec = v.vector(spec);
+        host_bytes += vec.size() * sizeof(float);
+      }
+      progress.step();
+    });
+  }
+  const int64_t skipped = check_leftovers(*ckpt, v);
   weights->storage = ckpt;
   weights->skipped_tensors = skipped;
 

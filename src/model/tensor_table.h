@@ -1,33 +1,60 @@
-// The tensor table: the single list of tensors a ModelConfig implies, in the MLX layout
-// (docs/model.md §2.3). The loader validates a checkpoint against it, `lily synth` writes
-// it, `lily inspect` and byte accounting iterate it.
+// The tensor table: the one description of the tensors a ModelConfig implies, in the MLX layout
+// (docs/model.md §2.3), each with the field of ModelWeights it lands in. for_each_tensor is that
+// description; the loader fills ModelWeights by walking it, and tensor_table (its specs without
+// destinations) is what `lily synth` writes and `lily inspect` and byte accounting iterate.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "model/config.h"
+#include "model/weights.h"
 
 namespace lily {
 
 /// Storage kind of one table entry.
 enum class TensorKind {
   kQuantized,  ///< an MLX affine triple <base>.weight (U32) / .scales / .biases (BF16)
-  kBf16,       ///< a plain BF16 tensor (norm gains, conv1d, dt_bias; linear_attn.norm.weight may also be F32)
+  kBf16,       ///< a plain BF16 tensor (norm gains, conv1d, dt_bias); F32 too where f32_accepted
   kFloat,      ///< F32 expected, BF16 also accepted (A_log)
 };
 
 /// One logical tensor. For kQuantized, `name` is the base name (without .weight) and `shape` is
 /// the logical [.., out, in] shape (3-D for stacked experts); the stored shapes follow from `bits`.
 struct TensorSpec {
-  std::string name;
-  TensorKind kind;
-  std::vector<int64_t> shape;
+  std::string name;            ///< safetensors name (the base name for kQuantized)
+  TensorKind kind;             ///< storage kind; decides the TensorDest alternative
+  std::vector<int64_t> shape;  ///< logical shape, e.g. [E, I, hidden] for an expert stack
   int bits = 0;  ///< 4 or 8 for kQuantized, else 0
   int layer = -1;  ///< decoder layer index, -1 for embed/lm_head/final norm
+  bool f32_accepted = false;  ///< kBf16 only: an F32 tensor is accepted too (linear_attn.norm.weight)
+  /// Plain specs: a second stored shape accepted for the same row-major data, empty if none
+  /// (conv1d.weight: [C, 1, K] besides [C, K, 1]).
+  std::vector<int64_t> alt_shape;
 };
 
-/// All tensors of the model described by `config`, in a stable order (embed, layers, norm, head).
+/// Where a spec lands in ModelWeights: the QuantMatrix view of a kQuantized spec, or the fp32
+/// vector (row-major, numel(shape) floats) of a kBf16/kFloat spec. Never null.
+using TensorDest = std::variant<QuantMatrix*, std::vector<float>*>;
+
+/// Called once per tensor with its spec and its destination inside the walked ModelWeights.
+using TensorVisitor = std::function<void(const TensorSpec& spec, TensorDest dest)>;
+
+/// The description itself: calls `visit` once for every tensor of the model described by
+/// `config`, in the stable order of tensor_table, with a pointer to the field of `weights` the
+/// tensor fills (a distinct field per spec; kQuantized specs get a QuantMatrix*, the others a
+/// std::vector<float>*). First makes `weights.layers` config.n_layers entries with the types of
+/// config.layer_types (entries already there keep their contents); touches nothing else, in
+/// particular not `weights.config`. Exceptions from `visit` propagate, leaving the fields visited
+/// so far as `visit` left them. Throws InternalError when config.layer_types does not have
+/// config.n_layers entries.
+void for_each_tensor(const ModelConfig& config, ModelWeights& weights, const TensorVisitor& visit);
+
+/// All tensors of the model described by `config`, in a stable order (embed, layers, norm, head):
+/// the specs for_each_tensor visits, without their destinations. Throws InternalError as
+/// for_each_tensor does.
 std::vector<TensorSpec> tensor_table(const ModelConfig& config);
 
 /// Stored shape of the U32 codes of a quantized spec: [.., out, in·bits/32].

@@ -3,9 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <set>
+#include <variant>
 
 #include "base/error.h"
 #include "model/config.h"
+#include "model/loader.h"
 #include "model/tensor_table.h"
 #include "support/test_support.h"
 
@@ -308,11 +311,83 @@ TEST(TensorTable, DemoTableShapes) {
     if (spec.name.ends_with("A_log")) {
       EXPECT_EQ(spec.kind, TensorKind::kFloat);
     }
+    // The two plain tensors with a second accepted storage; every other spec has none.
+    EXPECT_EQ(spec.f32_accepted, spec.name.ends_with("linear_attn.norm.weight")) << spec.name;
+    if (spec.name.ends_with("conv1d.weight")) {
+      EXPECT_EQ(spec.shape, (std::vector<int64_t>{c.gdn_conv_channels(), c.gdn_conv_kernel, 1}));
+      EXPECT_EQ(spec.alt_shape, (std::vector<int64_t>{c.gdn_conv_channels(), 1, c.gdn_conv_kernel}));
+    } else {
+      EXPECT_TRUE(spec.alt_shape.empty()) << spec.name;
+    }
     if (spec.kind == TensorKind::kQuantized && !spec.name.ends_with("mlp.gate") &&
         !spec.name.ends_with("shared_expert_gate")) {
       EXPECT_EQ(spec.bits, 4) << spec.name;
     }
   }
+}
+
+/// Address of the field a destination points at.
+const void* dest_address(const TensorDest& dest) {
+  return std::visit([](auto* field) -> const void* { return field; }, dest);
+}
+
+/// for_each_tensor visits exactly the specs of tensor_table, in its order, each once, with a
+/// destination of the spec's kind that is a distinct field of the walked weights (inside its own
+/// layer for a per-layer spec).
+void expect_one_description(const ModelConfig& c) {
+  const auto table = tensor_table(c);
+  ModelWeights w;
+  std::vector<TensorSpec> visited;
+  std::set<const void*> dests;
+  for_each_tensor(c, w, [&](const TensorSpec& spec, TensorDest dest) {
+    visited.push_back(spec);
+    ASSERT_NE(dest_address(dest), nullptr) << spec.name;
+    EXPECT_TRUE(dests.insert(dest_address(dest)).second) << spec.name << " shares a destination";
+    EXPECT_EQ(std::holds_alternative<QuantMatrix*>(dest), spec.kind == TensorKind::kQuantized) << spec.name;
+    const auto* p = static_cast<const char*>(dest_address(dest));
+    if (spec.layer >= 0) {
+      ASSERT_LT(spec.layer, static_cast<int>(w.layers.size())) << spec.name;
+      const auto* l = reinterpret_cast<const char*>(&w.layers[spec.layer]);
+      EXPECT_TRUE(p >= l && p < l + sizeof(LayerWeights)) << spec.name << " lands outside layer " << spec.layer;
+    } else {
+      const auto* top = reinterpret_cast<const char*>(&w);
+      EXPECT_TRUE(p >= top && p < top + sizeof(ModelWeights)) << spec.name << " lands outside ModelWeights";
+    }
+  });
+  ASSERT_EQ(visited.size(), table.size());
+  std::set<std::string> names;
+  for (size_t i = 0; i < table.size(); ++i) {
+    EXPECT_EQ(visited[i].name, table[i].name);
+    EXPECT_EQ(visited[i].shape, table[i].shape) << table[i].name;
+    EXPECT_EQ(visited[i].kind, table[i].kind) << table[i].name;
+    EXPECT_EQ(visited[i].bits, table[i].bits) << table[i].name;
+    EXPECT_EQ(visited[i].layer, table[i].layer) << table[i].name;
+    EXPECT_TRUE(names.insert(table[i].name).second) << table[i].name << " named twice";
+  }
+  ASSERT_EQ(w.layers.size(), static_cast<size_t>(c.n_layers));
+  for (int i = 0; i < c.n_layers; ++i) EXPECT_EQ(w.layers[i].type, c.layer_types[i]);
+}
+
+TEST(TensorTable, ForEachTensorVisitsEverySpecOnceIntoDistinctFields) {
+  expect_one_description(load_model_config(test::demo_model_dir()));
+  expect_one_description(parse_model_config(real_config(), "cfg.json"));
+}
+
+TEST(TensorTable, LoadedWeightsFillEveryDestination) {
+  ModelWeights w = *load_model(test::demo_model_dir());  // a copy: the walk takes a mutable one
+  const size_t n_layers = w.layers.size();
+  for_each_tensor(w.config, w, [&](const TensorSpec& spec, TensorDest dest) {
+    int64_t numel = 1;
+    for (int64_t d : spec.shape) numel *= d;
+    if (auto* q = std::get_if<QuantMatrix*>(&dest)) {
+      EXPECT_NE((*q)->codes, nullptr) << spec.name;
+      EXPECT_EQ((*q)->rows * (*q)->cols, numel) << spec.name;
+      EXPECT_EQ((*q)->bits, spec.bits) << spec.name;
+    } else {
+      EXPECT_EQ(std::get<std::vector<float>*>(dest)->size(), static_cast<size_t>(numel)) << spec.name;
+    }
+  });
+  EXPECT_EQ(w.layers.size(), n_layers);
 }
 
 }  // namespace

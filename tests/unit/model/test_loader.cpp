@@ -301,6 +301,34 @@ TEST(Loader, AcceptsHfConvLayoutAndBf16ALog) {
   for (int i = 0; i < 4; ++i) EXPECT_EQ(w->layers[0].gdn.A_log[i], round_bf16(a[i]));
 }
 
+// The second storages a spec accepts (F32 for the GDN gated-norm gain, [C, 1, K] for conv1d)
+// are that spec's alone: the same storage elsewhere is refused, naming what is accepted.
+TEST(Loader, AcceptsF32GdnNormOnly) {
+  DemoCopy d;
+  const std::vector<float> gains(64, 1.25f);
+  d.st.add(P0 + "linear_attn.norm.weight", "F32", {64}, test::f32_bytes(gains));
+  d.write();
+  auto w = load_model(d.dir.path());
+  EXPECT_EQ(w->layers[0].gdn.norm, gains);
+
+  DemoCopy e;
+  e.st.add(P0 + "input_layernorm.weight", "F32", {256}, test::f32_bytes(std::vector<float>(256, 1.0f)));
+  e.expect_rejected({P0 + "input_layernorm.weight", "is F32; expected BF16"});
+  DemoCopy f;
+  f.st.add(P0 + "linear_attn.norm.weight", "F16", {64}, test::bf16_bytes(64, 1.0f));
+  f.expect_rejected({P0 + "linear_attn.norm.weight", "is F16; expected BF16 (or F32)"});
+  DemoCopy g;
+  auto* conv = g.st.find(P0 + "linear_attn.conv1d.weight");
+  ASSERT_NE(conv, nullptr);
+  conv->shape = {512, 4};
+  g.expect_rejected({P0 + "linear_attn.conv1d.weight", "expected [512, 4, 1] (or [512, 1, 4])"});
+  DemoCopy h;
+  auto* dt = h.st.find(P0 + "linear_attn.dt_bias");
+  ASSERT_NE(dt, nullptr);
+  dt->shape = {4, 1};
+  h.expect_rejected({P0 + "linear_attn.dt_bias", "expected [4]"});
+}
+
 TEST(Loader, ShardedCopyLoadsTheSameWeights) {
   test::TempDir dir;
   test::copy_dir(test::demo_model_dir(), dir.path());
