@@ -24,7 +24,7 @@ int main(int argc, char** argv) {
   }
   CLI::App app{"lily: an inference server for Qwen3.6-35B-A3B (qwen3_5_moe, MLX 4-bit)"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", std::string("lily ") + lily::build_commit());
+  app.set_version_flag("--version", std::string("lily ") + lily::build_version() + " (" + lily::build_commit() + ")");
   int exit_code = 0;
   lily::cli::register_serve(app, exit_code);
   lily::cli::register_generate(app, exit_code);

@@ -3,6 +3,7 @@
 #include <set>
 
 #include "server/api_error.h"
+#include "server/json_depth.h"
 
 namespace lily::server {
 
@@ -199,7 +200,14 @@ std::vector<ChatToolCall> parse_message_tool_calls(const json& v, const std::str
         call.arguments = ordered_json::parse(a.dump());
       } else {
         const std::string& text = require_string(a, aat);
-        ordered_json parsed = ordered_json::parse(text, nullptr, false);
+        ordered_json parsed;
+        try {
+          parsed = parse_json_bounded<ordered_json>(text);
+        } catch (const JsonTooDeep& e) {
+          throw invalid_request("'" + aat + "' " + e.what(), aat);
+        } catch (const ordered_json::exception&) {
+          parsed = ordered_json(ordered_json::value_t::discarded);
+        }
         if (parsed.is_discarded() || !parsed.is_object())
           throw invalid_request("'" + aat + "' must be a JSON object in a string, got '" + text + "'", aat);
         call.arguments = std::move(parsed);

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "server/api_error.h"
+#include "server/json_depth.h"
 
 namespace lily::server {
 
@@ -49,7 +50,9 @@ std::string require_string(const json& v, const std::string& param) {
 int64_t require_integer(const json& v, const std::string& param) {
   if (!v.is_number_integer()) throw wrong_type(param, "an integer", v);
   if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
-    throw invalid_request("'" + param + "' is too large", param);
+    throw invalid_request("'" + param + "' is too large: at most " + std::to_string(INT64_MAX) +
+                              " (a signed 64-bit integer), got " + v.dump(),
+                          param, "invalid_value");
   return v.get<int64_t>();
 }
 
@@ -80,7 +83,7 @@ void parse_logit_bias(const json& v, GenerationFields& req) {
     const bool digits = !key.empty() && key.size() <= 10 &&
                         key.find_first_not_of("0123456789") == std::string::npos;
     if (!digits)
-      throw invalid_request("'logit_bias' keys must be token ids (decimal integers), got '" + key + "'", param,
+      throw invalid_request("'logit_bias' keys must be token ids (decimal integers below 2^31), got '" + key + "'", param,
                             "invalid_value");
     if (!value.is_number())
       throw invalid_request("'logit_bias' values must be numbers, got " + type_name(value) + " for '" + key + "'",
@@ -116,7 +119,7 @@ std::string parse_content_part(const json& part, const std::string& param) {
     throw invalid_request("content part type '" + type + "' is not supported: the model reads text only",
                           param + ".type", "unsupported_value");
   for (const auto& [key, value] : part.items())
-    if (key != "type" && key != "text")
+    if (key != "type" && key != "text" && key != "cache_control")  // cache_control: a proxy's caching hint, ignored
       throw invalid_request("unrecognized field '" + key + "' in a text content part", param + "." + key,
                             "unknown_parameter");
   if (!part.contains("text")) throw invalid_request("missing required parameter '" + param + ".text'",
@@ -136,10 +139,14 @@ std::string parse_content(const json& v, const std::string& param) {
   return text;
 }
 
-/// The fields a message of `role` may carry besides role and content.
+/// The fields a message of `role` may carry besides role and content. An assistant message may
+/// also carry the fields of OpenAI's own answers that clients send back in the history
+/// (refusal, annotations, and function_call / audio when null; see parse_message).
 bool message_field_allowed(ChatRole role, const std::string& key) {
   if (key == "name") return true;
-  if (role == ChatRole::kAssistant) return key == "tool_calls" || key == "reasoning_content";
+  if (role == ChatRole::kAssistant)
+    return key == "tool_calls" || key == "reasoning_content" || key == "refusal" || key == "annotations" ||
+           key == "function_call" || key == "audio";
   if (role == ChatRole::kTool) return key == "tool_call_id";
   return false;
 }
@@ -162,6 +169,17 @@ ChatMessage parse_message(const json& m, const std::string& param) {
     throw invalid_request("missing required parameter '" + param + ".content'", param + ".content",
                           "missing_required_parameter");
   if (given("content")) msg.content = parse_content(m["content"], param + ".content");
+  if (given("refusal")) {  // a refused turn: its text is what the assistant said
+    const std::string refusal = require_string(m["refusal"], param + ".refusal");
+    if (!given("content")) msg.content = refusal;
+  }
+  if (given("annotations") && !m["annotations"].is_array())
+    throw wrong_type(param + ".annotations", "an array", m["annotations"]);  // ignored (citations)
+  for (const char* key : {"function_call", "audio"})
+    if (given(key))
+      throw invalid_request("'" + param + "." + key + "' is not supported (only null): use tool_calls" +
+                                (std::string(key) == "audio" ? " and text content" : ""),
+                            param + "." + key, "unsupported_parameter");
   if (given("name")) msg.name = require_string(m["name"], param + ".name");
   if (given("reasoning_content")) msg.reasoning_content = require_string(m["reasoning_content"], param + ".reasoning_content");
   if (given("tool_calls")) msg.tool_calls = parse_message_tool_calls(m["tool_calls"], param + ".tool_calls");
@@ -300,7 +318,9 @@ void parse_optional_field(const std::string& key, const json& value, GenerationF
 json parse_object(std::string_view body) {
   json doc;
   try {
-    doc = json::parse(body);
+    doc = parse_json_bounded<json>(body);
+  } catch (const JsonTooDeep& e) {
+    throw invalid_request(std::string("the request body ") + e.what(), std::nullopt, "invalid_json");
   } catch (const json::exception& e) {
     // parse_error for malformed text; out_of_range.406 for a number past double's range
     // ("-1e99999"). Both are the client's mistake, so both are 400.

@@ -3,6 +3,8 @@
 #include <memory>
 #include <random>
 
+#include "server/json_depth.h"
+
 namespace lily::server {
 
 namespace {
@@ -118,7 +120,7 @@ std::optional<ParsedToolCall> parse_tool_call_block(std::string_view block, cons
     if (tools.raw_string(call.name, key)) {
       args[key] = std::string(v);
     } else {
-      ordered_json parsed = ordered_json::parse(v, nullptr, /*allow_exceptions=*/false);
+      ordered_json parsed = parse_json_bounded_or_discarded<ordered_json>(v);  // too deep: kept as text
       args[key] = parsed.is_discarded() ? ordered_json(std::string(v)) : std::move(parsed);
     }
   }
@@ -298,7 +300,7 @@ std::vector<ordered_json> delta_json(const AnswerDelta& delta) {
         {"tool_calls",
          ordered_json::array({ordered_json{{"index", index}, {"function", ordered_json{{"arguments", std::move(text)}}}}})}});
   };
-  const ordered_json args = ordered_json::parse(c.arguments, nullptr, false);
+  const ordered_json args = parse_json_bounded_or_discarded<ordered_json>(c.arguments);
   if (!args.is_object() || args.empty()) {
     fragment(c.arguments);
     return out;

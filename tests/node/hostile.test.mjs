@@ -531,3 +531,41 @@ describe('slow-loris and --max-connections', () => {
     }
   });
 });
+
+describe('deeply nested JSON', () => {
+  let server;
+  before(async () => { server = await startServer(); });
+  after(async () => stopServer(server));
+
+  const post = async (route, text) => {
+    const res = await rawRequest(server, 'POST', route, {
+      body: text, headers: { 'Content-Type': 'application/json', 'Content-Length': Buffer.byteLength(text) },
+    });
+    return { status: res.status, json: JSON.parse(res.body) };
+  };
+  const nested = (n) => '['.repeat(n) + ']'.repeat(n);
+  const toolsBody = (n) => `{"model":"${MODEL}","messages":[{"role":"user","content":"Hi"}],"tools":[{"type":"function",` +
+    `"function":{"name":"a","parameters":{"type":"object","properties":{"x":{"enum":${nested(n)}}}}}}],"max_tokens":2}`;
+
+  it('a tool schema nested 30,000 deep (60 KB) is a 400, on chat and /tokenize, and the server stays up', async () => {
+    // It once overflowed the stack of the thread that rendered the chat template: a segfault.
+    for (const route of ['/v1/chat/completions', '/tokenize']) {
+      const res = await post(route, toolsBody(30000));
+      assert.equal(res.status, 400, route);
+      assert.equal(res.json.error.code, 'invalid_json', route);
+      assert.match(res.json.error.message, /deeper than 128 levels/, route);
+    }
+    const args = '{"a":'.repeat(30000) + '1' + '}'.repeat(30000);
+    const history = { model: MODEL, max_tokens: 2, messages: [
+      { role: 'user', content: 'a' },
+      { role: 'assistant', tool_calls: [{ id: 'c', type: 'function', function: { name: 'f', arguments: args } }] },
+      { role: 'tool', tool_call_id: 'c', content: 'ok' }] };
+    const res = await post('/v1/chat/completions', JSON.stringify(history));
+    assert.equal(res.status, 400);
+    assert.equal(res.json.error.param, 'messages[1].tool_calls[0].function.arguments');
+    // A schema at depth 100 is served.
+    const ok = await post('/v1/chat/completions', toolsBody(100));
+    assert.equal(ok.status, 200, JSON.stringify(ok.json));
+    assert.equal((await rawRequest(server, 'GET', '/health')).status, 200);
+  });
+});

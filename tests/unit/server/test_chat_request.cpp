@@ -309,3 +309,67 @@ TEST(ApiErrorShape, MessageKeepsBytesAfterANul) {
   // what() (a C string, for code that logs it) shows the NUL instead of stopping there.
   EXPECT_STREQ(e.what(), "the model 'a\\u0000b' does not exist; this server serves 'demo'");
 }
+
+// Nesting beyond kMaxJsonDepth (128 levels) is refused with a 400 before anything walks the
+// document recursively (a body nested 30,000 deep once overflowed the stack in the chat
+// template's conversion of the tools); 128 levels are accepted.
+TEST(ChatRequest, NestingDeeperThanTheLimitIsRefused) {
+  auto nested_enum = [](int depth) {
+    return json::parse("{\"model\":\"demo\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"tools\":[{\"type\":"
+                       "\"function\",\"function\":{\"name\":\"a\",\"parameters\":{\"type\":\"object\",\"properties\":"
+                       "{\"x\":{\"enum\":" + std::string(depth, '[') + std::string(depth, ']') + "}}}}}]}",
+                       nullptr, true, false)
+        .dump();
+  };
+  // The tools array sits 7 levels down (body, tools, tool, function, parameters, properties, x).
+  EXPECT_NO_THROW(parse_chat_request(nested_enum(128 - 7)));
+  EXPECT_EQ(rejected(nested_enum(128 - 6)).code(), "invalid_json");
+  const std::string deep = "{\"model\":\"demo\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"tools\":[{"
+                           "\"type\":\"function\",\"function\":{\"name\":\"a\",\"parameters\":{\"enum\":" +
+                           std::string(30000, '[') + std::string(30000, ']') + "}}}]}";
+  const ApiError e = rejected(deep);
+  EXPECT_EQ(e.code(), "invalid_json");
+  EXPECT_NE(std::string(e.what()).find("deeper than 128 levels"), std::string::npos) << e.what();
+
+  // The arguments of an earlier tool call are JSON in a string: the same bound, naming the field.
+  std::string args;
+  for (int i = 0; i < 200; ++i) args += "{\"a\":";
+  args += "1" + std::string(200, '}');
+  json j = base();
+  j["messages"] = json::array({{{"role", "user"}, {"content", "a"}},
+                               {{"role", "assistant"},
+                                {"tool_calls", json::array({{{"id", "c"}, {"type", "function"},
+                                                             {"function", {{"name", "f"}, {"arguments", args}}}}})}},
+                               {{"role", "tool"}, {"tool_call_id", "c"}, {"content", "ok"}}});
+  EXPECT_EQ(param_of(j), "messages[1].tool_calls[0].function.arguments");
+}
+
+// Assistant messages as OpenAI's own answers carry them, sent back in the history: refusal,
+// annotations, and function_call / audio as null are accepted (a refusal's text is the turn's
+// content); function_call or audio with a value are refused, naming the field. A text part may
+// carry a proxy's cache_control hint.
+TEST(ChatRequest, OpenAiAnswerFieldsInTheHistoryAreAccepted) {
+  auto history = [](json assistant) {
+    return with("messages", json::array({{{"role", "user"}, {"content", "a"}}, assistant,
+                                         {{"role", "user"}, {"content", "b"}}}));
+  };
+  const ChatRequest r = parse(history({{"role", "assistant"}, {"content", "ok"}, {"refusal", nullptr},
+                                       {"function_call", nullptr}, {"audio", nullptr}, {"annotations", json::array()}}));
+  ASSERT_EQ(r.messages.size(), 3u);
+  EXPECT_EQ(r.messages[1].content, "ok");
+  const ChatRequest refused = parse(history({{"role", "assistant"}, {"content", nullptr}, {"refusal", "I can't help."}}));
+  EXPECT_EQ(refused.messages[1].content, "I can't help.");
+  EXPECT_EQ(param_of(history({{"role", "assistant"}, {"content", "ok"}, {"function_call", {{"name", "f"}}}})),
+            "messages[1].function_call");
+  EXPECT_EQ(param_of(history({{"role", "assistant"}, {"content", "ok"}, {"audio", {{"id", "x"}}}})), "messages[1].audio");
+  EXPECT_EQ(param_of(history({{"role", "assistant"}, {"content", "ok"}, {"refusal", 3}})), "messages[1].refusal");
+  EXPECT_EQ(param_of(history({{"role", "assistant"}, {"content", "ok"}, {"annotations", "x"}})), "messages[1].annotations");
+  // Only assistant messages: a user message with refusal is still an unknown field.
+  EXPECT_EQ(param_of(with("messages", json::array({{{"role", "user"}, {"content", "a"}, {"refusal", nullptr}}}))),
+            "messages[0].refusal");
+  const ChatRequest cached = parse(with(
+      "messages", json::array({{{"role", "user"},
+                                {"content", json::array({{{"type", "text"}, {"text", "x"},
+                                                          {"cache_control", {{"type", "ephemeral"}}}}})}}})));
+  EXPECT_EQ(cached.messages[0].content, "x");
+}
