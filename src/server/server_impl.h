@@ -266,7 +266,8 @@ struct ChatCall {
 // --- the server --------------------------------------------------------------------------------
 
 /// The running server: a listener thread, a thread per open connection, the engine
-/// (Scheduler) and the counters of /metrics. Its members are defined in http_server.cpp.
+/// (Scheduler) and the counters of /metrics. Its members are defined in http_server.cpp and
+/// server_lifecycle.cpp (start-up, shutdown).
 class LilyServer {
  public:
   explicit LilyServer(const ServerOptions& options) : options_(options) {}
