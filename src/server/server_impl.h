@@ -267,7 +267,7 @@ struct ChatCall {
 
 /// The running server: a listener thread, a thread per open connection, the engine
 /// (Scheduler) and the counters of /metrics. Its members are defined in http_server.cpp and
-/// server_lifecycle.cpp (start-up, shutdown), connections.cpp (accepting, reading requests, eviction, refusals).
+/// server_lifecycle.cpp (start-up, shutdown), connections.cpp (accepting, reading requests, eviction, refusals), routes.cpp (routing, auth, the endpoints that do not generate).
 class LilyServer {
  public:
   explicit LilyServer(const ServerOptions& options) : options_(options) {}
