@@ -266,8 +266,10 @@ struct ChatCall {
 // --- the server --------------------------------------------------------------------------------
 
 /// The running server: a listener thread, a thread per open connection, the engine
-/// (Scheduler) and the counters of /metrics. Its members are defined in http_server.cpp and
-/// server_lifecycle.cpp (start-up, shutdown), connections.cpp (accepting, reading requests, eviction, refusals), routes.cpp (routing, auth, the endpoints that do not generate).
+/// (Scheduler) and the counters of /metrics. Its members are defined by concern:
+/// server_lifecycle.cpp (start-up, shutdown), connections.cpp (accepting, reading requests,
+/// eviction, refusals), routes.cpp (routing, auth, the endpoints that do not generate),
+/// generation.cpp (chat and legacy completions).
 class LilyServer {
  public:
   explicit LilyServer(const ServerOptions& options) : options_(options) {}
