@@ -74,7 +74,7 @@ void check_accepted(const lily::server::DetokenizeRequest& req) { check_ids(req.
 void check_rejected(const lily::server::ApiError& e) {
   FUZZ_ASSERT(e.status() == 400, std::to_string(e.status()));
   FUZZ_ASSERT(std::string_view(e.what()).size() > 0, "");
-  // The server sends this body (serialized as http_server.cpp does, invalid UTF-8 replaced).
+  // The server sends this body (serialized as send_error in server/server_impl.h does, invalid UTF-8 replaced).
   const std::string body = lily::server::dump(e.body());
   FUZZ_ASSERT(body.find("\"invalid_request_error\"") != std::string::npos, body);
 }
