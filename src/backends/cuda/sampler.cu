@@ -588,6 +588,23 @@ __device__ void find_bucket(const Hist& h, bool by_mass, unsigned need, U128 bas
   }
 }
 
+/// Top-p's crossing id among n gathered ids of one bucket (keys and exact masses in shared
+/// memory, any order), for a block of kSelectThreads: the largest key whose inclusive most-
+/// likely-first mass (`base`, the mass above the bucket, plus the ids with a key ≥ its own)
+/// reaches `target`; 0 when none does. Every thread must call; all get the key.
+__device__ unsigned long long crossing_key(const unsigned long long* keys, const unsigned long long* mass, int n,
+                                           U128 base, double target, unsigned long long* red) {
+  const int t = threadIdx.x;
+  unsigned long long hit = 0ull;
+  if (t < n) {
+    U128 incl = base;
+    for (int j = 0; j < n; ++j)
+      if (keys[j] >= keys[t]) incl = add(incl, u128(mass[j]));
+    if (to_double(incl) >= target) hit = keys[t];
+  }
+  return block_max_key(hit, red, kSelectWarps);
+}
+
 static_assert(kBuckets == 2 * kSelectThreads, "top_p_bucket: two buckets per thread");
 
 /// select_kernel, top-p without top-k: from the per-part totals and the histogram of C, the
@@ -852,16 +869,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const SampleRowA
             c_f[slot] = fixed_weight(w[i]);
           }
           __syncthreads();
-          const int n = min(c_n, kCompactMax);
-          const int t = threadIdx.x;
-          unsigned long long hit = 0ull;
-          if (t < n) {
-            U128 incl = base;
-            for (int j = 0; j < n; ++j)
-              if (c_key[j] >= c_key[t]) incl = add(incl, u128(c_f[j]));
-            if (to_double(incl) >= target) hit = c_key[t];
-          }
-          prefix = block_max_key(hit, red, kSelectWarps);  // the crossing id's key
+          prefix = crossing_key(c_key, c_f, min(c_n, kCompactMax), base, target, red);
           break;
         }
       }
@@ -993,14 +1001,7 @@ __global__ void __launch_bounds__(kSelectThreads) cutoff_kernel(const SampleRowA
   const int t = threadIdx.x;
   if (t < n) c_key[t] = r.list_key[t], c_f[t] = r.list_f[t];
   __syncthreads();
-  unsigned long long hit = 0ull;
-  if (t < n) {
-    U128 incl = base;
-    for (int j = 0; j < n; ++j)
-      if (c_key[j] >= c_key[t]) incl = add(incl, u128(c_f[j]));
-    if (to_double(incl) >= target) hit = c_key[t];
-  }
-  const unsigned long long crossing = block_max_key(hit, red, kSelectWarps);
+  const unsigned long long crossing = crossing_key(c_key, c_f, n, base, target, red);
   if (t == 0) r.ctl->thr = crossing;  // no top-k on this path: the threshold is the crossing key
 }
 
