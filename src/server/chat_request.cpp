@@ -244,7 +244,7 @@ std::optional<int64_t> parse_max_tokens(const json& v, const std::string& param)
 bool is_known_chat_field(const std::string& key) {
   static const std::set<std::string, std::less<>> known = {
       "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop", "prompt_cache_key", "user",
-      "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+      "store", "metadata", "service_tier", "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
       "repetition_penalty", "logit_bias", "seed", "logprobs", "top_logprobs"};
   return known.count(key) > 0 || unsupported_fields().count(key) > 0;
 }
@@ -267,8 +267,16 @@ void parse_optional_field(const std::string& key, const json& value, GenerationF
     parse_stop(value, req);
   } else if (key == "prompt_cache_key") {
     req.prompt_cache_key = require_string(value, key);
-  } else if (key == "user") {
-    require_string(value, key);
+  } else if (key == "user" || key == "service_tier") {
+    require_string(value, key);  // ignored: one tier, and no per-user policy
+  } else if (key == "store") {
+    if (!value.is_boolean()) throw wrong_type(key, "a boolean", value);  // ignored: nothing is stored
+  } else if (key == "metadata") {
+    // OpenAI's tags for stored completions (at most 16 string values); checked, then ignored.
+    if (!value.is_object()) throw wrong_type(key, "an object of strings", value);
+    if (value.size() > 16) throw invalid_request("'metadata' takes at most 16 entries, got " + std::to_string(value.size()), key);
+    for (const auto& [k, v] : value.items())
+      if (!v.is_string()) throw wrong_type(key + "." + k, "a string", v);
   } else if (key == "n") {
     const int64_t n = require_integer(value, key);
     if (n < 1 || n > kMaxChoices)

@@ -65,6 +65,9 @@ TEST(ChatRequest, AcceptsEveryListedField) {
   j["stop"] = json::array({"a", "b", "c", "d"});
   j["prompt_cache_key"] = "conv-1";
   j["user"] = "someone";
+  j["store"] = false;
+  j["metadata"] = {{"team", "a"}};
+  j["service_tier"] = "auto";
   j["n"] = 1;
   j["temperature"] = 0;
   j["top_p"] = 1;
@@ -372,4 +375,16 @@ TEST(ChatRequest, OpenAiAnswerFieldsInTheHistoryAreAccepted) {
                                 {"content", json::array({{{"type", "text"}, {"text", "x"},
                                                           {"cache_control", {{"type", "ephemeral"}}}}})}}})));
   EXPECT_EQ(cached.messages[0].content, "x");
+}
+
+// OpenAI's store / metadata / service_tier are accepted and ignored, with their types checked.
+TEST(ChatRequest, StoreMetadataAndServiceTierAreCheckedThenIgnored) {
+  EXPECT_NO_THROW(parse(with("store", true)));
+  EXPECT_EQ(param_of(with("store", "yes")), "store");
+  EXPECT_EQ(param_of(with("metadata", "x")), "metadata");
+  EXPECT_EQ(param_of(with("metadata", {{"a", 1}})), "metadata.a");
+  json many = json::object();
+  for (int i = 0; i < 17; ++i) many["k" + std::to_string(i)] = "v";
+  EXPECT_EQ(param_of(with("metadata", many)), "metadata");
+  EXPECT_EQ(param_of(with("service_tier", 3)), "service_tier");
 }
