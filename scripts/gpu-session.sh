@@ -6,7 +6,7 @@
 # machine stays warm). Logs under $OUT (at most 8 files come back).
 #
 #   bash scripts/gpu-session.sh                  # everything
-#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: tests timing bench base ab sampled sampler detail source profile
+#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: moe tests timing bench base ab sampled sampler detail source profile
 #   LILY_GPU_CONTEXTS="256 4096 32768"           # bench contexts (default below)
 set -uo pipefail
 export LILY_GPU_BUILD="${LILY_GPU_BUILD:-/tmp/lily-build}"
@@ -26,9 +26,26 @@ gpu_build build.log "${targets[@]}"
 
 if has tests; then
   echo "== ctest -L gpu"
-  timeout 420 ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 400 >"$OUT/ctest-gpu.log" 2>&1 || status=1
+  t=${LILY_GPU_TESTS_TIMEOUT:-420}
+  timeout "$t" ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout "$((t - 20))" >"$OUT/ctest-gpu.log" 2>&1 || status=1
+  grep -E "Test +#|Total Test time" "$OUT/ctest-gpu.log" | tail -20
   grep -E "tests passed|tests failed|Failed|\*\*\*|FAILED|Expected|Which is|Failure" "$OUT/ctest-gpu.log" | head -60
 fi
+
+# The fused decode MoE block first, under a time limit (its grid barriers would hang, not fail,
+# if the co-residency they rely on broke): on failure the later steps run with it off.
+if has moe; then
+  echo "== test_moe_block"
+  timeout 240 "$BUILD/tests/test_moe_block" >"$OUT/moe-test.txt" 2>&1
+  rc=$?
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|\[timing\]|Expected|Which is|Failure|error" "$OUT/moe-test.txt" | head -40
+  if [[ $rc -ne 0 ]]; then
+    echo "test_moe_block failed (rc $rc): the next steps (and later runs of this script) use LILY_CUDA_FUSED_MOE=0"
+    touch /tmp/lily-fused-moe-failed
+    status=1
+  fi
+fi
+[[ -f /tmp/lily-fused-moe-failed ]] && export LILY_CUDA_FUSED_MOE=0
 
 if has timing; then
   echo "== kernel timings (CudaTiming)"

@@ -152,6 +152,9 @@ struct CudaOptions {
   bool gdn_chunk_parallel = true;   ///< LILY_CUDA_GDN_CHUNK_PARALLEL 1|0: GDN prefill's chunk solves all at once, then the walk
   bool batched_prefill = true;   ///< LILY_CUDA_PREFILL batched|per-token
   bool tensor_core_gemm = true;  ///< LILY_CUDA_GEMM tensor-core|gemv: the prefill projections and experts
+  /// LILY_CUDA_FUSED_MOE 1|0: the decode MoE block (router, experts, combine) as one launch with
+  /// grid-wide barriers, or as three kernels. Needs fuse=1; shapes it does not support keep three.
+  bool fused_moe = true;
   int prefill_chunk = 2048;      ///< LILY_CUDA_PREFILL_CHUNK 1 … 8192: tokens per prefill chunk
   /// LILY_CUDA_MAX_BATCH 1 … 64: the most rows (sequences) one step() may hold, each run through
   /// the per-sequence paths in turn. 1 (one request at a time) until that loop has run on a GPU.
@@ -164,8 +167,8 @@ struct CudaOptions {
   /// the variable, the value and the accepted values for anything else.
   static CudaOptions from_env();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
-  /// gdn-chunk-parallel=1 prefill=batched gemm=tensor-core chunk=2048 max-batch=1", for logs
-  /// and reports.
+  /// gdn-chunk-parallel=1 prefill=batched gemm=tensor-core fused-moe=1 chunk=2048 max-batch=1",
+  /// for logs and reports.
   std::string describe() const;
 };
 
@@ -213,6 +216,7 @@ inline CudaOptions CudaOptions::from_env() {
   o.gdn_chunk_parallel = env_choice("LILY_CUDA_GDN_CHUNK_PARALLEL", "1", "0", o.gdn_chunk_parallel);
   o.batched_prefill = env_choice("LILY_CUDA_PREFILL", "batched", "per-token", o.batched_prefill);
   o.tensor_core_gemm = env_choice("LILY_CUDA_GEMM", "tensor-core", "gemv", o.tensor_core_gemm);
+  o.fused_moe = env_choice("LILY_CUDA_FUSED_MOE", "1", "0", o.fused_moe);
   o.prefill_chunk = env_int("LILY_CUDA_PREFILL_CHUNK", 1, kMaxPrefillChunk, o.prefill_chunk);
   o.max_batch = env_int("LILY_CUDA_MAX_BATCH", 1, kMaxBatch, o.max_batch);
   return o;
@@ -223,7 +227,7 @@ inline std::string CudaOptions::describe() const {
          " stream-gemv=" + (stream_gemv ? "1" : "0") + " flash-prefill=" + (flash_prefill ? "1" : "0") +
          " device-sampler=" + (device_sampler ? "1" : "0") + " gemv-row-tiles=" + (gemv_row_tiles ? "1" : "0") +
          " gdn-chunk-parallel=" + (gdn_chunk_parallel ? "1" : "0") + " prefill=" + (batched_prefill ? "batched" : "per-token") +
-         " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") +
+         " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " fused-moe=" + (fused_moe ? "1" : "0") +
          " chunk=" + std::to_string(prefill_chunk) + " max-batch=" + std::to_string(max_batch);
 }
 

@@ -29,6 +29,7 @@
 #include "backends/cuda/sampler_kernels.h"
 #include "base/bf16.h"
 #include "base/error.h"
+#include "base/log.h"
 
 namespace lily {
 namespace cuda {
@@ -307,6 +308,9 @@ int routed_plus_shared_slots(const ModelConfig& c) { return c.n_experts_per_tok 
 /// of the fused router matrix (router rows, then the shared-expert gate row) and of its logits.
 int routed_plus_shared_experts(const ModelConfig& c) { return c.n_experts + 1; }
 
+/// Grid barriers of one launch_moe_block_decode (MoeDecodeArgs::barriers).
+constexpr int kMoeBarriersPerLayer = 2;
+
 void check_shapes(const ModelConfig& c) {
   auto bad = [&](const std::string& what) {
     throw ::lily::Error("CUDA backend: the kernels were not written for this model shape (" + c.shape_name() +
@@ -352,6 +356,7 @@ class CudaBackend final : public Backend {
     model_ = std::make_unique<DeviceModel>(*weights);
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     allocate_scratch();
+    fused_moe_ = options_.fused_moe && fuse_decode_ && fused_moe_supported();
     // The kernel layer's switches (kernels.h) are process-wide: set here from this backend's
     // options, so the environment is read and validated once, by CudaOptions::from_env. The
     // last backend constructed sets them.
@@ -538,6 +543,7 @@ class CudaBackend final : public Backend {
     expert_w_ = DeviceBuffer(routed_plus_shared_slots(c) * sizeof(float));
     router_done_ = DeviceBuffer(sizeof(uint32_t));
     router_done_.fill_bytes(0);  // launch_router_fused leaves it zero after every launch
+    moe_barriers_ = DeviceBuffer(static_cast<size_t>(c.n_layers) * kMoeBarriersPerLayer * sizeof(uint32_t));
     logits_ = DeviceBuffer(static_cast<size_t>(c.vocab) * sizeof(float));
     const int slots = argmax_scratch_slots(c.vocab);
     argmax_v_ = DeviceBuffer(slots * sizeof(float));
@@ -618,6 +624,9 @@ class CudaBackend final : public Backend {
     const int32_t* d_pos = d_io + kIoPos;
     const int32_t* d_len = d_io + kIoLen;
     const int64_t pos = s.pos;
+    // The fused MoE block's grid barriers count up from zero in every step (a memset node in
+    // the graph), so a replay never depends on how the last one ended.
+    if (fused_moe_) CUDA_CHECK(cudaMemsetAsync(moe_barriers_.data(), 0, moe_barriers_.bytes(), stream_));
     launch_embed(model_->embed, d_token, 1, x_.as<bf16>(), stream_);
     if (probing) emit("embed", -1, pos, x_.as<bf16>(), c.hidden);
     // Every add + RMSNorm is folded into the GEMV that consumes it (FusedNorm): the residual
@@ -636,7 +645,7 @@ class CudaBackend final : public Backend {
         emit("attn_norm", l, pos, normed_.as<bf16>(), c.hidden);
         emit("mixer_out", l, pos, mixer_out_.as<bf16>(), c.hidden);
       }
-      moe_block(L);
+      moe_block(L, l);
       if (probing) {
         emit("ffn_norm", l, pos, normed_.as<bf16>(), c.hidden);
         emit_f32("router_logits", l, pos, router_logits_.as<float>(), c.n_experts);
@@ -710,9 +719,46 @@ class CudaBackend final : public Backend {
     launch_quant_gemv(L.attn_out, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
   }
 
-  void moe_block(const DeviceLayer& L) {
+  /// The fused MoE block's arguments for layer `layer` (the post norm's add reads x_alt_ and
+  /// mixer_out_, writes x_ and normed_; the output goes to moe_out_).
+  MoeDecodeArgs moe_args(const DeviceLayer& L, int layer) {
+    const ModelConfig& c = config();
+    MoeDecodeArgs a;
+    a.router = L.router;
+    a.gate = L.gate;
+    a.up = L.up;
+    a.down = L.down;
+    a.n_experts = c.n_experts;
+    a.top_k = c.n_experts_per_tok;
+    a.ffn = c.moe_ffn_dim;
+    a.norm = fused_norm(mixer_out_.as<bf16>(), L.post_norm, x_);
+    a.x = x_alt_.as<bf16>();
+    a.logits = router_logits_.as<float>();
+    a.ids = expert_ids_.as<int32_t>();
+    a.weights = expert_w_.as<float>();
+    a.act = act_.as<bf16>();
+    a.out = moe_out_.as<bf16>();
+    a.barriers = moe_barriers_.as<uint32_t>() + static_cast<int64_t>(layer) * kMoeBarriersPerLayer;
+    return a;
+  }
+
+  /// Whether every layer's MoE block fits the fused kernel (moe_block_unsupported); the reason
+  /// of the first that does not goes to the log once.
+  bool fused_moe_supported() {
+    for (int l = 0; l < config().n_layers; ++l) {
+      const std::string why = moe_block_unsupported(moe_args(model_->layers[l], l));
+      if (!why.empty()) {
+        log_info("CUDA backend: decode MoE as three kernels (" + why + ")");
+        return false;
+      }
+    }
+    return true;
+  }
+
+  void moe_block(const DeviceLayer& L, int layer) {
     const ModelConfig& c = config();
     const int k = c.n_experts_per_tok;
+    if (fused_moe_) return launch_moe_block_decode(moe_args(L, layer), stream_);
     // Post norm (x_alt_ + mixer_out_ → x_, normed_) + router GEMV + top-k in one launch (the logits
     // are still written, for the probes).
     if (fuse_decode_) {
@@ -910,6 +956,9 @@ class CudaBackend final : public Backend {
   /// [value_dim]; attention: gated heads [n_heads · head_dim]).
   DeviceBuffer x_, normed_, mixer_out_, moe_out_, proj_, conv_out_, mixer_core_out_, q_out_, act_;
   DeviceBuffer router_done_;  ///< launch_router_fused's block counter (uint32, kept zero between launches)
+  /// launch_moe_block_decode's grid barriers: uint32 [n_layers][kMoeBarriersPerLayer], zeroed at
+  /// the start of every decode step.
+  DeviceBuffer moe_barriers_;
   DeviceBuffer router_logits_, expert_ids_, expert_w_, logits_, argmax_v_, argmax_i_, io_dev_, attn_ws_;
   /// The device sampler's scratch (work / weight: [vocab] fp32), its one row of arguments, and
   /// the row's penalty edits (grown on demand; capacities in elements).
@@ -919,6 +968,7 @@ class CudaBackend final : public Backend {
   size_t attn_ws_bytes_ = 0;
   bool batched_prefill_ = options_.batched_prefill;    ///< false: the decode graph per prompt token
   bool fuse_decode_ = options_.fuse_decode;            ///< false: separate norm / conv / top-k kernels
+  bool fused_moe_ = false;  ///< the decode MoE block in one launch (options_.fused_moe, when supported)
   std::unique_ptr<PrefillScratch> prefill_scratch_;                ///< allocated at the first batched prefill
   bool tensor_core_gemm_ = options_.tensor_core_gemm;  ///< prefill projections and experts (prefill_project)
   int prefill_chunk_ = options_.prefill_chunk;         ///< tokens per prefill chunk

@@ -77,17 +77,20 @@ inline void check_fused_norm(const FusedNorm& norm, const bf16* x, const char* w
 /// norm.x_out and y to norm.normed_out. A row of ≤ kStageBatch·blockDim.x values (hidden 2048
 /// on 256 threads) is held in registers with its gains, so x, branch and gain are fetched in
 /// one round trip; longer rows take a second pass over shared memory. Same values either way.
-/// All threads of the block; ends with __syncthreads().
+/// All threads of the block; ends with __syncthreads(). `threads` (≤ blockDim.x, a multiple of
+/// 32; 0 = blockDim.x) is how many threads hold elements: a larger block with threads = 256 gives
+/// the same values as a 256-thread block (the other warps add zeros to the block sum).
 __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const FusedNorm& norm, int cols,
-                                               bool store, float* xs, float* xsum) {
+                                               bool store, float* xs, float* xsum, int threads = 0) {
   __shared__ float scratch[32];
-  const int stride = blockDim.x;
+  const int stride = threads > 0 ? threads : static_cast<int>(blockDim.x);
+  const bool holds = static_cast<int>(threadIdx.x) < stride;
   float ss = 0.0f;
   if (cols <= kStageBatch * stride) {  // one batch: every load in flight at once
     float h[kStageBatch], gain[kStageBatch];
 #pragma unroll
     for (int i = 0; i < kStageBatch; ++i) {
-      const int c = threadIdx.x + i * stride;
+      const int c = holds ? threadIdx.x + i * stride : cols;
       const float v = c < cols ? to_f32(x[c]) : 0.0f;
       const float b = (c < cols && norm.branch) ? to_f32(norm.branch[c]) : 0.0f;
       gain[i] = c < cols ? norm.gain[c] : 0.0f;
@@ -95,12 +98,12 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
     }
 #pragma unroll
     for (int i = 0; i < kStageBatch; ++i)
-      if (threadIdx.x + i * stride < cols) ss += h[i] * h[i];  // element order, as below
+      if (holds && threadIdx.x + i * stride < cols) ss += h[i] * h[i];  // element order, as below
     const float r = 1.0f / sqrtf(block_sum(ss, scratch) / static_cast<float>(cols) + norm.eps);
 #pragma unroll
     for (int i = 0; i < kStageBatch; ++i) {
       const int c = threadIdx.x + i * stride;
-      if (c >= cols) continue;
+      if (!holds || c >= cols) continue;
       const bf16 y = to_bf16(h[i] * r * gain[i]);
       xs[(c / kGroup) * kGroupStride + c % kGroup] = to_f32(y);
       if (store) {
@@ -112,7 +115,7 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
     stage_group_sums(cols, xs, xsum);
     return;
   }
-  for (int c0 = threadIdx.x; c0 < cols; c0 += kStageBatch * stride) {  // loads of a batch first
+  for (int c0 = holds ? threadIdx.x : cols; c0 < cols; c0 += kStageBatch * stride) {  // loads of a batch first
     float v[kStageBatch], b[kStageBatch];
 #pragma unroll
     for (int i = 0; i < kStageBatch; ++i) {
@@ -131,7 +134,7 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
   }
   const float total = block_sum(ss, scratch);
   const float r = 1.0f / sqrtf(total / static_cast<float>(cols) + norm.eps);
-  for (int c = threadIdx.x; c < cols; c += stride) {  // each thread revisits its own elements
+  for (int c = holds ? threadIdx.x : cols; c < cols; c += stride) {  // each thread revisits its own elements
     float* p = xs + (c / kGroup) * kGroupStride + c % kGroup;
     const float h = *p;
     const bf16 y = to_bf16(h * r * norm.gain[c]);

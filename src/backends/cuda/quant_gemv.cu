@@ -19,6 +19,7 @@
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/mma.cuh"
 #include "backends/cuda/quant_dot.cuh"
+#include "backends/cuda/quant_mma.cuh"
 
 namespace lily::cuda {
 namespace {
@@ -161,15 +162,8 @@ __global__ void __launch_bounds__(kGemvThreads, 2) quant_gemv_tiled_kernel(Devic
 // from zero, so each group's Σ q·x is an fp32 sum of exact products, and the epilogue applies
 // today's formula s·Σ(q·x) + b·Σx in fp32 (docs/model.md §4.2); only the summation order
 // inside a group differs from the CUDA-core kernel. Each token column's result depends on that
-// token's x alone, so a row's output is the same for any m (batch-invariant).
-//
-// Fragments without repacking the checkpoint layout: the k index inside an MMA may be permuted
-// freely as long as A and B use the same permutation. Thread (g = lane/4, t = lane%4) loads the
-// 8 bytes at [8t, 8t+8) of a group's 32 bytes for rows g and g+8: words h = 0, 1 holding nibbles
-// of k = 16t + 8h + i (i = 0…7). Shifting a word by 4s and masking 0x000F000F gives the pair
-// (nibble s, nibble s+4) in one bf16x2; MMA j of the group (h = j/2, s = 2(j%2)) takes pairs s
-// and s+1. The activation row is staged once per block in the same order, so each thread's B
-// registers are two 16-byte shared loads per group.
+// token's x alone, so a row's output is the same for any m (batch-invariant). The fragment
+// layout, read straight from the checkpoint's code words, is quant_mma.cuh's.
 
 constexpr int kMmaThreads = 256;
 constexpr int kMmaWarps = kMmaThreads / kWarp;
@@ -194,36 +188,6 @@ __host__ __device__ inline int64_t mma_xperm_offset(int groups, int m) {  // flo
 inline size_t mma_smem_bytes(int cols, int m) {
   return static_cast<size_t>(mma_xperm_offset(cols / kGroup, m)) * sizeof(float) +
          static_cast<size_t>(m) * cols * sizeof(bf16) + static_cast<size_t>(kMmaThreads) * 4 * sizeof(float);
-}
-
-/// Pair (nibble 0, nibble 4) of `w` (the low four bits of each half) as exact bf16 values.
-__device__ __forceinline__ uint32_t nibble_pair_bf16(uint32_t w) {
-  const uint32_t v = (w & 0x000F000Fu) | 0x43004300u;  // bf16 128 + q in each half
-  const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(128.0f, 128.0f));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-
-/// (128 + nibble 0, 128 + nibble 4) of `w` (the low four bits of each half) as exact bf16 values:
-/// nibble_pair_bf16 without the subtraction (the streaming kernel folds 128 into the bias).
-__device__ __forceinline__ uint32_t nibble_pair_bf16_plus128(uint32_t w) { return (w & 0x000F000Fu) | 0x43004300u; }
-
-/// D = Σ q·x (kPlus128: Σ (q + 128)·x) of one 64-group for a 16-row × 8-token tile: `lo` / `hi`
-/// the thread's code words of rows g and g+8, bw0 / bw1 its staged bf16 activation pairs (file
-/// comment); four MMAs from zero.
-template <bool kPlus128 = false>
-__device__ __forceinline__ void group_mma(const uint2& lo, const uint2& hi, const uint4& bw0, const uint4& bw1,
-                                          float (&d)[4]) {
-  auto pair = [](uint32_t w) { return kPlus128 ? nibble_pair_bf16_plus128(w) : nibble_pair_bf16(w); };
-  d[0] = d[1] = d[2] = d[3] = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int s = 2 * (j % 2);
-    const uint32_t wl = j < 2 ? lo.x : lo.y, wh = j < 2 ? hi.x : hi.y;
-    const uint32_t a[4] = {pair(wl >> (4 * s)), pair(wh >> (4 * s)), pair(wl >> (4 * s + 4)), pair(wh >> (4 * s + 4))};
-    const uint4& bw = j < 2 ? bw0 : bw1;
-    const uint32_t b[2] = {s == 0 ? bw.x : bw.z, s == 0 ? bw.y : bw.w};
-    mma_bf16_16816(d, a, b);
-  }
 }
 
 /// Code words (rows g and g+8), scales and biases of kMmaBatch groups of one thread.
@@ -265,8 +229,8 @@ __device__ __forceinline__ void stage_mma_rows(const bf16* __restrict__ x, int m
     if (norm.gain) stage_norm_row(x, norm, cols, blockIdx.x == 0, xs, xsum_row);
     else stage_row(x + static_cast<int64_t>(n) * cols, cols, xs, xsum_row);
     for (int i = threadIdx.x; i < cols / 2; i += blockDim.x) {
-      const int G = i / 32, tt = (i % 32) / 8, h = (i % 8) / 4, s = i % 4;
-      const float* xg = xs + G * kGroupStride + 16 * tt + 8 * h + s;
+      const int c = fragment_pair_column(i);
+      const float* xg = xs + (c / kGroup) * kGroupStride + c % kGroup;
       xperm[static_cast<int64_t>(n) * cols / 2 + i] = pack_bf16x2(xg[0], xg[4]);
     }
     for (int G = threadIdx.x; G < groups; G += blockDim.x) xsum[n * groups + G] = xsum_row[G];

@@ -1,7 +1,7 @@
 // The decode router: MLX-affine router GEMV (router ‖ shared-expert gate rows, fp32 logits) fused
 // with the top-k routing (docs/model.md §3.5; one launch instead of two, docs/benchmark.md §3.3).
 // Every block computes a share of the logit rows with exactly the per-row arithmetic of
-// quant_gemv.cu (rows_partial over L lanes, group_sum), stores them, and counts itself done on a
+// quant_gemv.cu (router_rows.cuh), stores them, and counts itself done on a
 // per-token atomic counter; the last block to finish a token row routes it with one warp
 // (route_token_keys: two warp-reduce instructions per pick, bit-identical to the warp routine of
 // the stand-alone top-k kernel, NaN and ties included; router_topk.cuh). Each warp's first
@@ -12,6 +12,7 @@
 
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/quant_dot.cuh"
+#include "backends/cuda/router_rows.cuh"
 #include "backends/cuda/router_topk.cuh"
 
 namespace lily::cuda {
@@ -31,35 +32,16 @@ __global__ void __launch_bounds__(kRouterThreads)
   __shared__ bool last;
   const int groups = w.cols / kGroup;
   const int t = blockIdx.y;
-  // GEMV share of this block: one row per lane-group, rows strided over the grid's warps.
-  const int L = lanes_per_row(groups), RW = kWarp / L;
-  const int lane = threadIdx.x % kWarp, lane_row = lane / L, lane_in = lane % L;
-  const int64_t warp_id = static_cast<int64_t>(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kRouterWarps * RW;
-  // The first group of this lane's first row: router weights are read-only, so they may be
-  // loaded before waiting for the predecessor (launch.cuh).
-  uint4 q[kGroupVecs<BITS>];
-  float sc = 0.0f, bi = 0.0f;
-  const int64_t first_row = warp_id * RW + lane_row;
-  load_group<BITS>(w, first_row < w.rows ? first_row : -1, lane_in, q, sc, bi);
+  // GEMV share of this block's warps (router_rows.cuh), first weights before the PDL wait.
+  RouterRows<BITS> rows(w, static_cast<int64_t>(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp,
+                        static_cast<int64_t>(gridDim.x) * kRouterWarps);
   pdl_prologue();
   float* xs = smem;
   float* xsum = smem + groups * kGroupStride;
   if (norm.gain) stage_norm_row(x, norm, w.cols, blockIdx.x == 0, xs, xsum);  // m = 1
   else stage_row(x + static_cast<int64_t>(t) * w.cols, w.cols, xs, xsum);
   float* out = logits + static_cast<int64_t>(t) * w.rows;
-  for (int64_t base = warp_id * RW; base < w.rows; base += step) {
-    const int64_t r = base + lane_row;
-    float acc = 0.0f;  // rows_partial<BITS, 1>'s arithmetic, first group from the registers
-    if (r < w.rows) {
-      for (int g = lane_in; g < groups; g += L) {
-        if (base != warp_id * RW || g != lane_in) load_group<BITS>(w, r, g, q, sc, bi);
-        acc += sc * group_qdot_regs<BITS>(q, xs + g * kGroupStride) + bi * xsum[g];
-      }
-    }
-    const float v = group_sum(acc, L);
-    if (r < w.rows && lane_in == 0) out[r] = v;
-  }
+  rows.compute(w, xs, xsum, out);
 
   // Last-block-done: publish this block's logits, count it, and let the last block route.
   __threadfence();

@@ -1,0 +1,418 @@
+// The decode MoE block of one token in one launch (docs/model.md §3.5, §4.3 item 5): the
+// post-mixer add + RMSNorm, the router GEMV and top-k, the gate/up projections with SwiGLU over
+// the 8 routed experts and the shared one, the down projections and the weighted combine.
+//
+// Why one launch: as three kernels (router, gate/up, down) each decode layer pays two more
+// kernel boundaries, and each kernel's weights can only start streaming once it runs; the expert
+// kernels read their 15 MB per layer at under 1 TB/s. Here every block is resident for the whole
+// block (one block per SM), so the work after a grid-wide dependency waits on a counter instead
+// of a launch, and the weights are requested as early as their addresses are known:
+//  1. before the PDL wait: the router rows of each warp (into registers) and every tile of the
+//     shared expert (gate/up and down), whose address does not depend on the routing;
+//  2. after the router: each block computes the normed row itself (4 KB), a share of the router
+//     logits, then grid barrier 1; every block routes the token itself (one warp,
+//     route_token_keys) and requests its routed gate/up tiles and all its down tiles at once;
+//  3. gate/up on tensor cores (quant_mma.cuh), SwiGLU, act to global memory, grid barrier 2;
+//  4. down + combine from tiles that arrived during steps 2 and 3.
+// Work split: gate/up tiles of 8 expert rows (16 MMA rows: the 8 gate rows and the same 8 up
+// rows, so each thread holds a row's gate and up values) are dealt round-robin over the blocks;
+// down tiles are 16 output rows × every slot, one block each, so the slot-order combine happens
+// in one block. Every tile a block owns gets its own shared-memory stage (no ring): at the real
+// shape a block holds at most 5 gate/up tiles and one down row tile, about 164 KB.
+//
+// Grid barriers are counters in global memory that the caller zeroes before every launch (a
+// memset node at the start of the decode graph), so a replay never depends on the last one.
+// All blocks are resident at once (one per SM, checked with the occupancy API), and a PDL
+// dependent launches only after every block has started, so the spin-waits cannot deadlock.
+//
+// Numerics: the norm is stage_norm_row's with a 256-thread element mapping (bit-identical to
+// launch_add_rmsnorm); the router logits are router_rows.cuh's (bit-identical to
+// launch_router_fused, so the routing is too); the expert products use the tensor-core
+// arithmetic of the streaming GEMV (Σ(q + 128)·x per group, s·D + (b − 128·s)·Σx in fp32, groups
+// summed in ascending order), then the same roundings as the CUDA-core expert kernels:
+// act = bf16(silu(bf16(g))·bf16(u)), out = bf16(Σ_s w_s·bf16(d_s)) in slot order.
+#include <algorithm>
+#include <string>
+
+#include "backends/cuda/bulk_copy.cuh"
+#include "backends/cuda/launch.cuh"
+#include "backends/cuda/quant_dot.cuh"
+#include "backends/cuda/quant_mma.cuh"
+#include "backends/cuda/router_rows.cuh"
+#include "backends/cuda/router_topk.cuh"
+
+namespace lily::cuda {
+namespace {
+
+constexpr int kBlockWarps = 16;
+constexpr int kBlockThreads = kBlockWarps * kWarp;
+constexpr int kTileRows = 16;          // the MMA's M
+constexpr int kExpertRowsPerTile = 8;  // a gate/up tile: 8 gate rows and the same 8 up rows
+constexpr int kChunkPad = 32;          // bytes between the 4-row chunks of a stage (bank offsets)
+constexpr int kNormThreads = 256;      // launch_add_rmsnorm's element-to-thread mapping
+constexpr int64_t kSmemLimit = 226 * 1024;  // dynamic shared memory per block (227 KB less static)
+
+__host__ __device__ inline int64_t align16(int64_t v) { return (v + 15) & ~int64_t{15}; }
+
+/// Shapes and shared-memory offsets (bytes) of the kernel; host and device compute the same.
+struct MoeLayout {
+  int hidden = 0, ffn = 0, n_sel = 0;
+  int groups_h = 0, groups_f = 0;  ///< 64-groups per gate/up row, per down row
+  int gu_per_slot = 0;             ///< gate/up tiles per expert: ffn / 8
+  int gu_row_bytes = 0, gu_pitch = 0, gu_bytes = 0;
+  int dn_row_bytes = 0, dn_pitch = 0, dn_bytes = 0;
+  int64_t gu_stage = 0, dn_stage = 0;  ///< one gate/up tile; one down tile of one slot
+  int gu_max = 0, dn_max = 0;          ///< tiles per block at most
+  int64_t bars = 0, gu_ring = 0, dn_ring = 0, xs = 0, xperm = 0, aperm = 0, asum = 0, gu_part = 0, dn_part = 0;
+  int64_t total = 0;
+};
+
+__host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_sel, int blocks) {
+  MoeLayout l;
+  l.hidden = hidden;
+  l.ffn = ffn;
+  l.n_sel = n_sel;
+  l.groups_h = hidden / kGroup;
+  l.groups_f = ffn / kGroup;
+  l.gu_per_slot = ffn / kExpertRowsPerTile;
+  l.gu_row_bytes = hidden / 2;
+  l.gu_pitch = 4 * l.gu_row_bytes + kChunkPad;
+  l.gu_bytes = kTileRows * l.gu_row_bytes + 2 * kTileRows * l.groups_h * 2;
+  l.gu_stage = int64_t{4} * l.gu_pitch + 2 * kTileRows * l.groups_h * 2;
+  l.dn_row_bytes = ffn / 2;
+  l.dn_pitch = 4 * l.dn_row_bytes + kChunkPad;
+  l.dn_bytes = kTileRows * l.dn_row_bytes + 2 * kTileRows * l.groups_f * 2;
+  l.dn_stage = int64_t{4} * l.dn_pitch + 2 * kTileRows * l.groups_f * 2;
+  l.gu_max = static_cast<int>(ceil_div(int64_t{n_sel} * l.gu_per_slot, blocks));
+  l.dn_max = static_cast<int>(ceil_div(hidden / kTileRows, blocks));
+  int64_t o = 0;
+  l.bars = o;
+  o += align16(int64_t{l.gu_max + l.dn_max} * 8);
+  l.gu_ring = o;
+  o += l.gu_max * l.gu_stage;
+  l.dn_ring = o;
+  o += int64_t{l.dn_max} * n_sel * l.dn_stage;
+  l.xs = o;
+  o += align16(int64_t{l.groups_h} * kStagedFloatsPerGroup * 4);
+  l.xperm = o;
+  o += align16(int64_t{hidden} / 2 * 4);
+  l.aperm = o;
+  o += align16(int64_t{n_sel} * ffn / 2 * 4);
+  l.asum = o;
+  o += align16(int64_t{n_sel} * l.groups_f * 4);
+  l.gu_part = o;
+  o += align16(int64_t{l.gu_max} * kBlockWarps * kTileRows * 4);
+  l.dn_part = o;
+  o += align16(int64_t{n_sel} * kTileRows * 4);
+  l.total = o;
+  return l;
+}
+
+/// Waits until all `blocks` blocks of the grid have arrived at `counter` (zero before the
+/// launch, one counter per barrier). Release/acquire at GPU scope: every block's global writes
+/// before the barrier are visible to every block after it. All threads of the block.
+__device__ __forceinline__ void grid_sync(uint32_t* counter, uint32_t blocks) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+    uint32_t seen = 0;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    } while (seen < blocks);
+  }
+  __syncthreads();
+}
+
+/// Warp 0: requests gate/up tile j (expert rows 8·(j mod gu_per_slot) … + 8 of `expert`) into
+/// `stage`, counted on `bar` (one arrival). Chunk c holds gate rows k0 + 2c, k0 + 2c + 1, then
+/// the same two up rows; scales and biases follow as [16 tile rows][groups] each, tile row
+/// 4c + (0, 1 gate; 2, 3 up), so MMA row slot g is gate row k0 + 2(g mod 4) + g/4 and slot g + 8
+/// the same up row (tile_view). Lanes 0–23 issue one bulk copy each.
+__device__ __forceinline__ void request_gate_up_tile(const MoeDecodeArgs& a, const MoeLayout& l, int j, int expert,
+                                                     unsigned char* stage, uint64_t* bar) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t row0 = int64_t{expert} * l.ffn + (j % l.gu_per_slot) * kExpertRowsPerTile;
+  if (lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(l.gu_bytes));
+  __syncwarp();
+  if (lane >= 24) return;
+  const int c = lane % 4, kind = lane / 4;  // 0, 1: codes; 2, 3: scales; 4, 5: biases; odd: up
+  const bool up = kind % 2 == 1;
+  const DeviceQuant& w = up ? a.up : a.gate;
+  const int64_t r = row0 + 2 * c;
+  if (kind < 2) {
+    bulk_copy_to_shared(stage + c * l.gu_pitch + (up ? 2 * l.gu_row_bytes : 0),
+                        reinterpret_cast<const unsigned char*>(w.codes) + r * l.gu_row_bytes,
+                        static_cast<uint32_t>(2 * l.gu_row_bytes), bar);
+  } else {
+    const bf16* src = (kind < 4 ? w.scales : w.biases) + r * l.groups_h;
+    unsigned char* dst = stage + 4 * l.gu_pitch + (kind >= 4 ? kTileRows * l.groups_h * 2 : 0) +
+                         (4 * c + (up ? 2 : 0)) * l.groups_h * 2;
+    bulk_copy_to_shared(dst, src, static_cast<uint32_t>(2 * l.groups_h * 2), bar);
+  }
+}
+
+/// Warp 0: requests down row tile `rt` (output rows 16·rt … + 16) of slots [s_begin, s_end)
+/// into stages[s] (expert ids[s], or the shared expert when ids is null), counted on `bar`
+/// (one arrival for the whole range). Chunk c holds rows 4c … 4c + 3; scales and biases follow.
+__device__ __forceinline__ void request_down_slots(const MoeDecodeArgs& a, const MoeLayout& l, int rt, int s_begin,
+                                                   int s_end, const int32_t* ids, unsigned char* stages,
+                                                   uint64_t* bar) {
+  const int lane = threadIdx.x % kWarp;
+  if (lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>((s_end - s_begin) * l.dn_bytes));
+  __syncwarp();
+  for (int q = lane; q < (s_end - s_begin) * 6; q += kWarp) {
+    const int s = s_begin + q / 6, kind = q % 6;
+    const int64_t row0 = int64_t{ids ? ids[s] : a.n_experts} * l.hidden + int64_t{rt} * kTileRows;
+    unsigned char* stage = stages + s * l.dn_stage;
+    if (kind < 4) {
+      bulk_copy_to_shared(stage + kind * l.dn_pitch,
+                          reinterpret_cast<const unsigned char*>(a.down.codes) + (row0 + 4 * kind) * l.dn_row_bytes,
+                          static_cast<uint32_t>(4 * l.dn_row_bytes), bar);
+    } else {
+      bulk_copy_to_shared(stage + 4 * l.dn_pitch + (kind - 4) * kTileRows * l.groups_f * 2,
+                          (kind == 4 ? a.down.scales : a.down.biases) + row0 * l.groups_f,
+                          static_cast<uint32_t>(kTileRows * l.groups_f * 2), bar);
+    }
+  }
+}
+
+/// One thread's view of a stage for its MMA row slots g (tile row 4·(g mod 4) + g/4) and g + 8
+/// (that tile row + 2).
+struct TileView {
+  const unsigned char* code_lo;  ///< this thread's 8 bytes of group 0, slot g's row
+  const unsigned char* code_hi;  ///< same, slot g + 8's row
+  const bf16 *s_lo, *s_hi, *b_lo, *b_hi;
+};
+
+__device__ __forceinline__ TileView tile_view(const unsigned char* stage, int pitch, int row_bytes, int groups, int g,
+                                              int t) {
+  const int r_lo = 4 * (g % 4) + g / 4;
+  TileView v;
+  v.code_lo = stage + (g % 4) * pitch + (g / 4) * row_bytes + 8 * t;
+  v.code_hi = v.code_lo + 2 * row_bytes;
+  const bf16* sc = reinterpret_cast<const bf16*>(stage + 4 * pitch);
+  const bf16* bi = sc + kTileRows * groups;
+  v.s_lo = sc + r_lo * groups;
+  v.s_hi = sc + (r_lo + 2) * groups;
+  v.b_lo = bi + r_lo * groups;
+  v.b_hi = bi + (r_lo + 2) * groups;
+  return v;
+}
+
+/// Adds 64-group G of one token to acc_lo (slot g) and acc_hi (slot g + 8): perm the token's
+/// bf16 pairs in fragment order, sums its per-group Σx. Only lanes with t = 0 end up with the
+/// token's values (the MMA's column 0).
+__device__ __forceinline__ void group_one_token(const TileView& v, const uint32_t* perm, const float* sums, int g,
+                                                int t, int G, float& acc_lo, float& acc_hi) {
+  uint4 bw0 = make_uint4(0, 0, 0, 0), bw1 = make_uint4(0, 0, 0, 0);
+  if (g == 0) {
+    const uint4* bp = reinterpret_cast<const uint4*>(perm + G * 32 + t * 8);
+    bw0 = bp[0];
+    bw1 = bp[1];
+  }
+  float d[4];
+  group_mma<true>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32),
+                  bw0, bw1, d);
+  const float x = sums[G];
+  const float sl = to_f32(v.s_lo[G]), sh = to_f32(v.s_hi[G]);
+  acc_lo += sl * d[0] + fmaf(-128.0f, sl, to_f32(v.b_lo[G])) * x;
+  acc_hi += sh * d[2] + fmaf(-128.0f, sh, to_f32(v.b_hi[G])) * x;
+}
+
+/// grid: blocks ≤ one per SM (all resident), block kBlockThreads. See the file comment.
+template <int RBITS>
+__global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeArgs a, MoeLayout l) {
+  extern __shared__ __align__(16) unsigned char sm[];
+  __shared__ int32_t sel_ids[kMaxTopK + 1];
+  __shared__ float sel_w[kMaxTopK + 1];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+  const int G = gridDim.x, b = blockIdx.x;
+  const int shared_slot = a.top_k;
+  const int n_gu = l.n_sel * l.gu_per_slot, n_rt = l.hidden / kTileRows;
+  const int my_gu = b < n_gu ? (n_gu - 1 - b) / G + 1 : 0;  // tiles b, b + G, …
+  const int my_rt = b < n_rt ? (n_rt - 1 - b) / G + 1 : 0;
+  uint64_t* gu_full = reinterpret_cast<uint64_t*>(sm + l.bars);
+  uint64_t* dn_full = gu_full + l.gu_max;
+  unsigned char* gu_ring = sm + l.gu_ring;
+  unsigned char* dn_ring = sm + l.dn_ring;
+  auto dn_stages = [&](int i) { return dn_ring + int64_t{i} * l.n_sel * l.dn_stage; };
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < my_gu; ++i) mbarrier_init(gu_full + i, 1);
+    for (int i = 0; i < my_rt; ++i) mbarrier_init(dn_full + i, 2);  // shared slot, then the routed ones
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  // 1. Weights whose addresses need no routing, before the wait (launch.cuh).
+  RouterRows<RBITS> router(a.router, int64_t{b} * kBlockWarps + warp, int64_t{G} * kBlockWarps);
+  if (warp == 0) {
+    for (int i = 0; i < my_gu; ++i) {
+      const int j = b + i * G;
+      if (j / l.gu_per_slot == shared_slot)
+        request_gate_up_tile(a, l, j, a.n_experts, gu_ring + i * l.gu_stage, gu_full + i);
+    }
+    for (int i = 0; i < my_rt; ++i)
+      request_down_slots(a, l, b + i * G, shared_slot, l.n_sel, nullptr, dn_stages(i), dn_full + i);
+  }
+  pdl_prologue();
+
+  // 2. The normed row (block 0 also stores x_out and normed_out), its fragment-order copy, a
+  // share of the router logits; then every block routes the token.
+  float* xs = reinterpret_cast<float*>(sm + l.xs);
+  float* xsum = xs + l.groups_h * kGroupStride;
+  stage_norm_row(a.x, a.norm, l.hidden, b == 0, xs, xsum, kNormThreads);
+  uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);
+  for (int i = threadIdx.x; i < l.hidden / 2; i += blockDim.x) {
+    const int c = fragment_pair_column(i);
+    const float* xg = xs + (c / kGroup) * kGroupStride + c % kGroup;
+    xperm[i] = pack_bf16x2(xg[0], xg[4]);
+  }
+  router.compute(a.router, xs, xsum, a.logits);
+  grid_sync(a.barriers, G);
+  if (warp == 0) {
+    if (a.n_experts <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall>(a.logits, a.n_experts, a.top_k, sel_ids, sel_w);
+    else route_token_keys<kRouteKeysLarge>(a.logits, a.n_experts, a.top_k, sel_ids, sel_w);
+  }
+  __syncthreads();
+  if (b == 0 && threadIdx.x < l.n_sel) {
+    a.ids[threadIdx.x] = sel_ids[threadIdx.x];
+    a.weights[threadIdx.x] = sel_w[threadIdx.x];
+  }
+  if (warp == 0) {
+    for (int i = 0; i < my_gu; ++i) {
+      const int j = b + i * G, slot = j / l.gu_per_slot;
+      if (slot != shared_slot) request_gate_up_tile(a, l, j, sel_ids[slot], gu_ring + i * l.gu_stage, gu_full + i);
+    }
+    for (int i = 0; i < my_rt; ++i) request_down_slots(a, l, b + i * G, 0, shared_slot, sel_ids, dn_stages(i), dn_full + i);
+  }
+
+  // 3. Gate/up: warp w sums its range of groups of every tile; the ranges add up in warp order.
+  const int per_warp = (l.groups_h + kBlockWarps - 1) / kBlockWarps;
+  const int g_begin = min(l.groups_h, warp * per_warp), g_end = min(l.groups_h, g_begin + per_warp);
+  float* gu_part = reinterpret_cast<float*>(sm + l.gu_part);  // [tile][warp][16 slots]
+  for (int i = 0; i < my_gu; ++i) {
+    mbarrier_wait(gu_full + i, 0);
+    const TileView v = tile_view(gu_ring + i * l.gu_stage, l.gu_pitch, l.gu_row_bytes, l.groups_h, g, t);
+    float gate = 0.0f, up = 0.0f;
+    for (int Gi = g_begin; Gi < g_end; ++Gi) group_one_token(v, xperm, xsum, g, t, Gi, gate, up);
+    if (t == 0) {
+      float* p = gu_part + (i * kBlockWarps + warp) * kTileRows;
+      p[g] = gate;
+      p[g + 8] = up;
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < my_gu * kExpertRowsPerTile; idx += blockDim.x) {
+    const int i = idx / kExpertRowsPerTile, slot8 = idx % kExpertRowsPerTile;
+    const float* p = gu_part + i * kBlockWarps * kTileRows;
+    float gate = 0.0f, up = 0.0f;
+    for (int w = 0; w < kBlockWarps; ++w) {
+      gate += p[w * kTileRows + slot8];
+      up += p[w * kTileRows + 8 + slot8];
+    }
+    const int j = b + i * G, slot = j / l.gu_per_slot;
+    const int row = (j % l.gu_per_slot) * kExpertRowsPerTile + 2 * (slot8 % 4) + slot8 / 4;
+    a.act[int64_t{slot} * l.ffn + row] = to_bf16(silu(round_bf16(gate)) * round_bf16(up));
+  }
+  grid_sync(a.barriers + 1, G);
+
+  // 4. Down + combine: every slot's act in fragment order (written by other blocks: read
+  // through L2), then warp s computes slot s of the block's row tiles.
+  const int half = l.ffn / 2;
+  uint32_t* aperm = reinterpret_cast<uint32_t*>(sm + l.aperm);  // [slot][ffn / 2]
+  float* asum = reinterpret_cast<float*>(sm + l.asum);          // [slot][groups_f]
+  const unsigned short* act_bits = reinterpret_cast<const unsigned short*>(a.act);
+  for (int i = threadIdx.x; i < l.n_sel * half; i += blockDim.x) {
+    const unsigned short* row = act_bits + int64_t{i / half} * l.ffn;
+    const int c = fragment_pair_column(i % half);
+    aperm[i] = static_cast<uint32_t>(__ldcg(row + c)) | (static_cast<uint32_t>(__ldcg(row + c + 4)) << 16);
+  }
+  for (int p = warp; p < l.n_sel * l.groups_f; p += kBlockWarps) {
+    const unsigned short* grp = act_bits + int64_t{p / l.groups_f} * l.ffn + (p % l.groups_f) * kGroup;
+    const float v = warp_sum(bits_to_f32(__ldcg(grp + lane)) + bits_to_f32(__ldcg(grp + lane + 32)));
+    if (lane == 0) asum[p] = v;
+  }
+  __syncthreads();
+  float* dn_part = reinterpret_cast<float*>(sm + l.dn_part);  // [slot][16 rows]
+  for (int i = 0; i < my_rt; ++i) {
+    mbarrier_wait(dn_full + i, 0);
+    const int rt = b + i * G;
+    for (int s = warp; s < l.n_sel; s += kBlockWarps) {
+      const TileView v = tile_view(dn_stages(i) + s * l.dn_stage, l.dn_pitch, l.dn_row_bytes, l.groups_f, g, t);
+      float lo = 0.0f, hi = 0.0f;
+      for (int Gi = 0; Gi < l.groups_f; ++Gi) group_one_token(v, aperm + s * half, asum + s * l.groups_f, g, t, Gi, lo, hi);
+      if (t == 0) {
+        const int r = 4 * (g % 4) + g / 4;
+        dn_part[s * kTileRows + r] = round_bf16(lo);
+        dn_part[s * kTileRows + r + 2] = round_bf16(hi);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < kTileRows) {
+      float o = 0.0f;
+      for (int s = 0; s < l.n_sel; ++s) o += sel_w[s] * dn_part[s * kTileRows + threadIdx.x];
+      a.out[int64_t{rt} * kTileRows + threadIdx.x] = to_bf16(o);
+    }
+    __syncthreads();  // dn_part is reused by the next row tile
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool quant_aligned(const DeviceQuant& w) { return aligned16(w.codes) && aligned16(w.scales) && aligned16(w.biases); }
+
+struct MoePlan {
+  std::string why;  ///< "" when the kernel applies
+  int blocks = 0;
+  MoeLayout layout;
+};
+
+/// The launch of `a`, or why it cannot run (see moe_block_unsupported).
+MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
+  MoePlan p;
+  const int hidden = a.gate.cols, ffn = a.ffn, E = a.n_experts, k = a.top_k;
+  auto no = [&](std::string why) {
+    p.why = "fused MoE block: " + why;
+    return p;
+  };
+  if (a.gate.bits != 4 || a.up.bits != 4 || a.down.bits != 4) return no("the expert matrices are not 4-bit");
+  if (a.router.bits != 4 && a.router.bits != 8) return no("the router is not 4- or 8-bit");
+  if (E < 1 || E > kMaxExperts || k < 1 || k > kMaxTopK || k > E) return no("unsupported expert count or top-k");
+  if (hidden <= 0 || hidden % 256 != 0 || hidden > 8192) return no("hidden " + std::to_string(hidden) + " is not a multiple of 256 (≤ 8192)");
+  if (ffn <= 0 || ffn % kGroup != 0) return no("ffn " + std::to_string(ffn) + " is not a multiple of 64");
+  if (a.up.cols != hidden || a.router.cols != hidden || a.down.cols != ffn || a.router.rows != E + 1 ||
+      a.gate.rows != int64_t{E + 1} * ffn || a.up.rows != a.gate.rows || a.down.rows != int64_t{E + 1} * hidden)
+    return no("the router and expert matrices do not have the stacked shapes");
+  if (!quant_aligned(a.gate) || !quant_aligned(a.up) || !quant_aligned(a.down))
+    return no("the expert arrays are not 16-byte aligned");
+  p.blocks = sm_count();
+  if (max_blocks > 0) p.blocks = std::min(p.blocks, max_blocks);
+  p.layout = moe_layout(hidden, ffn, k + 1, p.blocks);
+  if (p.layout.total > kSmemLimit)
+    return no("a block's expert tiles need " + std::to_string(p.layout.total) + " bytes of shared memory");
+  auto kernel = a.router.bits == 8 ? moe_block_kernel<8> : moe_block_kernel<4>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(p.layout.total)));
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, p.layout.total));
+  if (per_sm < 1) return no("a block does not fit on an SM");
+  return p;
+}
+
+}  // namespace
+
+std::string moe_block_unsupported(const MoeDecodeArgs& args, int max_blocks) { return moe_plan(args, max_blocks).why; }
+
+void launch_moe_block_decode(const MoeDecodeArgs& a, cudaStream_t stream, int max_blocks) {
+  const MoePlan p = moe_plan(a, max_blocks);
+  if (!p.why.empty()) throw ::lily::Error(p.why);
+  check_fused_norm(a.norm, a.x, "launch_moe_block_decode");
+  if (!a.logits || !a.ids || !a.weights || !a.act || !a.out || !a.barriers)
+    throw ::lily::InternalError("launch_moe_block_decode: logits, ids, weights, act, out and barriers are required");
+  if (a.out == a.x || a.out == a.norm.branch || a.out == a.norm.x_out || a.out == a.norm.normed_out)
+    throw ::lily::InternalError("launch_moe_block_decode: out must not alias the norm's buffers");
+  launch_pdl(a.router.bits == 8 ? moe_block_kernel<8> : moe_block_kernel<4>, dim3(p.blocks), dim3(kBlockThreads),
+             static_cast<size_t>(p.layout.total), stream, a, p.layout);
+}
+
+}  // namespace lily::cuda

@@ -1,0 +1,65 @@
+// The 4-bit MLX-affine dot product on tensor cores, shared by the decode GEMVs (quant_gemv.cu)
+// and the fused decode MoE block (moe_block.cu) (nvcc only).
+//
+// A warp computes a tile of 16 weight rows × 8 token columns with mma.sync m16n8k16 (bf16 ×
+// bf16 → fp32). The 4-bit codes are small exact integers, so they become exact bf16 values by
+// OR-ing them into the mantissa of 128. Per 64-group the four MMAs start from zero, so each
+// group's Σ q·x is an fp32 sum of exact products, and the caller applies s·Σ(q·x) + b·Σx in
+// fp32 (docs/model.md §4.2).
+//
+// Fragments without repacking the checkpoint layout: the k index inside an MMA may be permuted
+// freely as long as A and B use the same permutation. Thread (g = lane/4, t = lane%4) loads the
+// 8 bytes at [8t, 8t+8) of a group's 32 bytes for rows g and g+8: words h = 0, 1 holding nibbles
+// of k = 16t + 8h + i (i = 0…7). Shifting a word by 4s and masking 0x000F000F gives the pair
+// (nibble s, nibble s+4) in one bf16x2; MMA j of the group (h = j/2, s = 2(j%2)) takes pairs s
+// and s+1. The activations are staged once in the same order (fragment_pair_column), so each
+// thread's B registers are two 16-byte shared loads per group.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "backends/cuda/mma.cuh"
+
+namespace lily::cuda {
+
+/// Pair (nibble 0, nibble 4) of `w` (the low four bits of each half) as exact bf16 values.
+__device__ __forceinline__ uint32_t nibble_pair_bf16(uint32_t w) {
+  const uint32_t v = (w & 0x000F000Fu) | 0x43004300u;  // bf16 128 + q in each half
+  const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(128.0f, 128.0f));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+/// (128 + nibble 0, 128 + nibble 4) of `w` (the low four bits of each half) as exact bf16 values:
+/// nibble_pair_bf16 without the subtraction (the caller folds 128 into the bias:
+/// s·Σ(q + 128)·x + (b − 128·s)·Σx).
+__device__ __forceinline__ uint32_t nibble_pair_bf16_plus128(uint32_t w) { return (w & 0x000F000Fu) | 0x43004300u; }
+
+/// D = Σ q·x (kPlus128: Σ (q + 128)·x) of one 64-group for a 16-row × 8-token tile: `lo` / `hi`
+/// the thread's code words of rows g and g+8, bw0 / bw1 its staged bf16 activation pairs (file
+/// comment); four MMAs from zero.
+template <bool kPlus128 = false>
+__device__ __forceinline__ void group_mma(const uint2& lo, const uint2& hi, const uint4& bw0, const uint4& bw1,
+                                          float (&d)[4]) {
+  auto pair = [](uint32_t w) { return kPlus128 ? nibble_pair_bf16_plus128(w) : nibble_pair_bf16(w); };
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int s = 2 * (j % 2);
+    const uint32_t wl = j < 2 ? lo.x : lo.y, wh = j < 2 ? hi.x : hi.y;
+    const uint32_t a[4] = {pair(wl >> (4 * s)), pair(wh >> (4 * s)), pair(wl >> (4 * s + 4)), pair(wh >> (4 * s + 4))};
+    const uint4& bw = j < 2 ? bw0 : bw1;
+    const uint32_t b[2] = {s == 0 ? bw.x : bw.z, s == 0 ? bw.y : bw.w};
+    mma_bf16_16816(d, a, b);
+  }
+}
+
+/// Column of the lower element of staged activation pair `i` (i < cols / 2) in fragment order:
+/// pair i holds columns c and c + 4 (file comment). Group G = i / 32 covers pairs [32G, 32G + 32),
+/// and thread t's eight pairs of a group are [32G + 8t, 32G + 8t + 8).
+__host__ __device__ inline int fragment_pair_column(int i) {
+  const int G = i / 32, tt = (i % 32) / 8, h = (i % 8) / 4, s = i % 4;
+  return G * 64 + 16 * tt + 8 * h + s;
+}
+
+}  // namespace lily::cuda

@@ -1,0 +1,58 @@
+// The router GEMV's per-row arithmetic for the decode kernels that compute router logits inside
+// a larger launch (router.cu: router + top-k; moe_block.cu: the whole MoE block) (nvcc only).
+// Rows are spread over every warp of the grid: with L lanes per row (lanes_per_row), warp w
+// takes rows w·RW + lane_row, then steps by n_warps·RW (RW = 32 / L rows per warp pass), and
+// each row is launch_quant_gemv's arithmetic exactly (rows_partial<BITS, 1>: groups lane_in,
+// lane_in + L, … then group_sum), so the logits are bit-identical to the stand-alone GEMV's.
+#pragma once
+#include <cstdint>
+
+#include "backends/cuda/quant_dot.cuh"
+
+namespace lily::cuda {
+
+/// One warp's share of the router rows and the first weight group of its first row, loaded
+/// into registers before the PDL wait (weights are never written, launch.cuh).
+template <int BITS>
+struct RouterRows {
+  int L = 1, RW = 32, lane_row = 0, lane_in = 0;
+  int64_t first = 0;  ///< this warp's first row base (warp_id · RW)
+  int64_t step = 0;   ///< n_warps · RW
+  uint4 q[kGroupVecs<BITS>];
+  float sc = 0.0f, bi = 0.0f;
+
+  /// warp_id / n_warps: this warp's index among the n_warps that share the rows.
+  __device__ __forceinline__ RouterRows(const DeviceQuant& w, int64_t warp_id, int64_t n_warps) {
+    const int groups = w.cols / kGroup;
+    const int lane = threadIdx.x % kWarp;
+    L = lanes_per_row(groups);
+    RW = kWarp / L;
+    lane_row = lane / L;
+    lane_in = lane % L;
+    first = warp_id * RW;
+    step = n_warps * RW;
+    const int64_t r = first + lane_row;
+    load_group<BITS>(w, r < w.rows ? r : -1, lane_in, q, sc, bi);
+  }
+
+  /// out[r] = W x for this warp's rows; xs / xsum the staged activation row (stage_row layout).
+  /// All lanes of the warp.
+  __device__ __forceinline__ void compute(const DeviceQuant& w, const float* xs, const float* xsum,
+                                          float* __restrict__ out) {
+    const int groups = w.cols / kGroup;
+    for (int64_t base = first; base < w.rows; base += step) {
+      const int64_t r = base + lane_row;
+      float acc = 0.0f;  // rows_partial<BITS, 1>'s arithmetic, first group from the registers
+      if (r < w.rows) {
+        for (int g = lane_in; g < groups; g += L) {
+          if (base != first || g != lane_in) load_group<BITS>(w, r, g, q, sc, bi);
+          acc += sc * group_qdot_regs<BITS>(q, xs + g * kGroupStride) + bi * xsum[g];
+        }
+      }
+      const float v = group_sum(acc, L);
+      if (r < w.rows && lane_in == 0) out[r] = v;
+    }
+  }
+};
+
+}  // namespace lily::cuda

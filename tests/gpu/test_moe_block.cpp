@@ -1,0 +1,302 @@
+// The fused decode MoE block (launch_moe_block_decode) against the separate kernels it replaces
+// and against exact reference loops: the norm, the router logits and the routing bit for bit
+// (the same arithmetic as launch_add_rmsnorm_router_fused), the expert activations and the
+// combined output within bf16 rounding of docs/model.md §4.3's sequence; at the real
+// Qwen3.6-35B-A3B shape (hidden 2048, 256 experts top-8, ffn 512) and the demo model's (hidden
+// 256, 16 experts top-4, ffn 128), on every SM and on a few blocks (several tiles per block);
+// eager, with PDL and replayed from a CUDA graph, bit-identical.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "backends/cpu/ops.h"
+#include "gpu_test_util.h"
+
+namespace lily::test {
+namespace {
+
+using cuda::DeviceBuffer;
+
+/// Random weights of one MoE block (8-bit router ‖ shared gate, 4-bit expert stacks with the
+/// shared expert last) and the buffers of one fused launch.
+struct MoeBlock {
+  int E, k, hidden, ffn;
+  RandomQuant router, gate, up, down;
+  DeviceBuffer gain, logits, ids, weights, act, barriers;
+
+  MoeBlock(int E_, int k_, int hidden_, int ffn_, std::mt19937_64& rng)
+      : E(E_), k(k_), hidden(hidden_), ffn(ffn_), router(E_ + 1, hidden_, 8, rng),
+        gate((E_ + 1) * int64_t(ffn_), hidden_, 4, rng), up((E_ + 1) * int64_t(ffn_), hidden_, 4, rng),
+        down((E_ + 1) * int64_t(hidden_), ffn_, 4, rng) {
+    std::vector<float> g = normal_bf16(hidden, rng, 0.3f);
+    for (auto& v : g) v += 1.0f;
+    gain = upload_f32(g);
+    logits = poisoned(size_t(E + 1) * 4);
+    ids = poisoned(size_t(k + 1) * 4);
+    weights = poisoned(size_t(k + 1) * 4);
+    act = poisoned(size_t(k + 1) * ffn * 2);
+    barriers = DeviceBuffer(2 * sizeof(uint32_t));
+  }
+
+  /// The launch's arguments: x (+ branch, when non-null) → x_out, normed; output `out`.
+  cuda::MoeDecodeArgs args(const DeviceBuffer& x, const __nv_bfloat16* branch, DeviceBuffer& x_out, DeviceBuffer& normed,
+                           DeviceBuffer& out, uint32_t* barrier_pair = nullptr) const {
+    cuda::MoeDecodeArgs a;
+    a.router = router.view();
+    a.gate = gate.view();
+    a.up = up.view();
+    a.down = down.view();
+    a.n_experts = E;
+    a.top_k = k;
+    a.ffn = ffn;
+    a.norm.branch = branch;
+    a.norm.gain = gain.as<float>();
+    a.norm.eps = 1e-6f;
+    a.norm.x_out = x_out.as<__nv_bfloat16>();
+    a.norm.normed_out = normed.as<__nv_bfloat16>();
+    a.x = x.as<__nv_bfloat16>();
+    a.logits = logits.as<float>();
+    a.ids = ids.as<int32_t>();
+    a.weights = weights.as<float>();
+    a.act = act.as<__nv_bfloat16>();
+    a.out = out.as<__nv_bfloat16>();
+    a.barriers = barrier_pair ? barrier_pair : barriers.as<uint32_t>();
+    return a;
+  }
+};
+
+std::vector<uint32_t> bits_of(const std::vector<float>& v) {
+  std::vector<uint32_t> b(v.size());
+  std::memcpy(b.data(), v.data(), v.size() * 4);
+  return b;
+}
+
+std::vector<int32_t> download_i32(const DeviceBuffer& d, int n) {
+  std::vector<int32_t> v(n);
+  cuda::download(v.data(), d.as<int32_t>(), v.size());
+  return v;
+}
+
+/// One fused launch on `max_blocks` blocks (0: one per SM) against the fused router kernel on
+/// the same inputs (bit for bit) and the reference loops (within bf16 rounding).
+void check_moe_block(int E, int k, int hidden, int ffn, uint64_t seed, int max_blocks) {
+  std::mt19937_64 rng(seed);
+  MoeBlock m(E, k, hidden, ffn, rng);
+  const std::vector<float> x = normal_bf16(hidden, rng, 2.0f), branch = normal_bf16(hidden, rng, 0.5f);
+  DeviceBuffer dx = upload_bf16(x), dbranch = upload_bf16(branch);
+  DeviceBuffer x_out = poisoned(size_t(hidden) * 2), normed = poisoned(size_t(hidden) * 2);
+  DeviceBuffer out = poisoned(size_t(hidden) * 2);
+  const cuda::MoeDecodeArgs a = m.args(dx, dbranch.as<__nv_bfloat16>(), x_out, normed, out);
+  ASSERT_EQ(cuda::moe_block_unsupported(a, max_blocks), "");
+  m.barriers.fill_bytes(0);
+  cuda::launch_moe_block_decode(a, nullptr, max_blocks);
+  CUDA_CHECK(cudaDeviceSynchronize());
+
+  // The separate fused router on the same inputs: norm, logits and routing bit for bit.
+  DeviceBuffer r_xout = poisoned(size_t(hidden) * 2), r_normed = poisoned(size_t(hidden) * 2);
+  DeviceBuffer r_logits = poisoned(size_t(E + 1) * 4), r_ids = poisoned(size_t(k + 1) * 4), r_w = poisoned(size_t(k + 1) * 4);
+  DeviceBuffer done(4);
+  done.fill_bytes(0);
+  cuda::FusedNorm rn = a.norm;
+  rn.x_out = r_xout.as<__nv_bfloat16>();
+  rn.normed_out = r_normed.as<__nv_bfloat16>();
+  cuda::launch_add_rmsnorm_router_fused(rn, dx.as<__nv_bfloat16>(), m.router.view(), E, k, r_logits.as<float>(),
+                                        r_ids.as<int32_t>(), r_w.as<float>(), done.as<uint32_t>(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(bits_of(download_bf16(x_out, hidden)), bits_of(download_bf16(r_xout, hidden))) << "x_out";
+  const std::vector<float> y = download_bf16(normed, hidden);
+  EXPECT_EQ(bits_of(y), bits_of(download_bf16(r_normed, hidden))) << "normed";
+  EXPECT_EQ(bits_of(download_f32(m.logits, E + 1)), bits_of(download_f32(r_logits, E + 1))) << "router logits";
+  const std::vector<int32_t> ids = download_i32(m.ids, k + 1);
+  EXPECT_EQ(ids, download_i32(r_ids, k + 1)) << "routing";
+  const std::vector<float> w = download_f32(m.weights, k + 1);
+  EXPECT_EQ(bits_of(w), bits_of(download_f32(r_w, k + 1))) << "routing weights";
+  ASSERT_EQ(ids[k], E) << "the shared expert rides in the last slot";
+
+  // act = bf16(silu(bf16(gate·y)) · bf16(up·y)) per slot, against double references.
+  const int n_sel = k + 1;
+  const std::vector<float> gact = download_bf16(m.act, int64_t(n_sel) * ffn);
+  std::vector<double> ract(size_t(n_sel) * ffn);
+  for (int s = 0; s < n_sel; ++s)
+    for (int i = 0; i < ffn; ++i) {
+      const int64_t r = int64_t(ids[s]) * ffn + i;
+      const float g = round_bf16(float(m.gate.dot(r, y.data()))), u = round_bf16(float(m.up.dot(r, y.data())));
+      ract[size_t(s) * ffn + i] = round_bf16(cpu::silu(g) * u);
+    }
+  EXPECT_LT(worst_rel(gact, ract, 0.01 * rms(ract)), 2e-2) << "gate/up + SwiGLU";
+
+  // out = bf16(Σ_s w_s · bf16(down_s · act_s)) from the kernel's own act.
+  const std::vector<float> gout = download_bf16(out, hidden);
+  std::vector<double> rout(hidden);
+  for (int r = 0; r < hidden; ++r) {
+    float acc = 0.0f;
+    for (int s = 0; s < n_sel; ++s)
+      acc += w[s] * round_bf16(float(m.down.dot(int64_t(ids[s]) * hidden + r, gact.data() + size_t(s) * ffn)));
+    rout[r] = acc;
+  }
+  EXPECT_LT(worst_rel(gout, rout, 0.01 * rms(rout)), 2e-2) << "down + combine";
+}
+
+TEST(CudaMoeBlock, RealShapeOnEverySm) { check_moe_block(256, 8, 2048, 512, 61, 0); }
+TEST(CudaMoeBlock, RealShapeOnFewerBlocks) { check_moe_block(256, 8, 2048, 512, 62, 118); }  // 5 gate/up tiles, 2 down tiles on some
+TEST(CudaMoeBlock, DemoShape) {
+  check_moe_block(16, 4, 256, 128, 63, 0);
+  check_moe_block(16, 4, 256, 128, 64, 3);  // 27 gate/up tiles and 6 down row tiles per block
+}
+TEST(CudaMoeBlock, OtherShapes) {
+  check_moe_block(64, 12, 512, 192, 65, 0);  // 13 slots, 3 groups per down row
+  check_moe_block(300, 2, 256, 64, 66, 5);   // E > 256: 32 router keys per lane
+}
+
+TEST(CudaMoeBlock, RefusesWhatItDoesNotSupport) {
+  std::mt19937_64 rng(67);
+  MoeBlock tiny(8, 2, 128, 64, rng);  // hidden 128: not a multiple of 256
+  DeviceBuffer x = upload_bf16(normal_bf16(128, rng, 1.0f)), xo(256), nm(256), out(256);
+  const cuda::MoeDecodeArgs a = tiny.args(x, nullptr, xo, nm, out);
+  EXPECT_NE(cuda::moe_block_unsupported(a).find("hidden 128"), std::string::npos);
+  EXPECT_THROW(cuda::launch_moe_block_decode(a, nullptr), Error);
+}
+
+/// A stack of fused MoE blocks, each reading the last one's output as the branch of its add
+/// (ping-pong buffers), with one barrier pair per block zeroed by a memset in front.
+struct MoeBlockChain {
+  MoeBlock m;
+  std::vector<float> x0;
+  DeviceBuffer xr[2], out[2], normed, barriers;
+  int blocks;
+
+  MoeBlockChain(int E, int k, int hidden, int ffn, int blocks_, std::mt19937_64& rng)
+      : m(E, k, hidden, ffn, rng), blocks(blocks_) {
+    x0 = normal_bf16(hidden, rng, 2.0f);
+    for (auto& b : xr) b = DeviceBuffer(size_t(hidden) * 2);
+    for (auto& b : out) b = DeviceBuffer(size_t(hidden) * 2);
+    normed = DeviceBuffer(size_t(hidden) * 2);
+    barriers = DeviceBuffer(size_t(blocks) * 2 * sizeof(uint32_t));
+    reset();
+  }
+  void reset() {
+    std::vector<uint16_t> bits(x0.size());
+    for (size_t i = 0; i < x0.size(); ++i) bits[i] = float_to_bf16(x0[i]);
+    cuda::upload(xr[0].as<uint16_t>(), bits.data(), bits.size());
+    for (auto& b : out) b.fill_bytes(0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  void enqueue(cudaStream_t stream) {
+    CUDA_CHECK(cudaMemsetAsync(barriers.data(), 0, barriers.bytes(), stream));
+    for (int l = 0; l < blocks; ++l) {
+      const cuda::MoeDecodeArgs a = m.args(xr[l % 2], l == 0 ? nullptr : out[(l + 1) % 2].as<__nv_bfloat16>(),
+                                           xr[(l + 1) % 2], normed, out[l % 2], barriers.as<uint32_t>() + 2 * l);
+      cuda::launch_moe_block_decode(a, stream);
+    }
+  }
+  std::vector<float> result() const {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> r = download_bf16(xr[blocks % 2], m.hidden);
+    const std::vector<float> o = download_bf16(out[(blocks - 1) % 2], m.hidden);
+    r.insert(r.end(), o.begin(), o.end());
+    return r;
+  }
+};
+
+/// Restores the PDL setting of the process when a test ends.
+struct PdlSetting {
+  bool saved = cuda::pdl_enabled();
+  ~PdlSetting() { cuda::set_pdl_enabled(saved); }
+};
+
+void check_chain(int E, int k, int hidden, int ffn, uint64_t seed) {
+  PdlSetting keep;
+  std::mt19937_64 rng(seed);
+  MoeBlockChain chain(E, k, hidden, ffn, 8, rng);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cuda::set_pdl_enabled(false);
+  chain.enqueue(stream);
+  const std::vector<uint32_t> want = bits_of(chain.result());
+  for (float v : chain.result()) ASSERT_FALSE(std::isnan(v)) << "NaN in the plain chain";
+  cuda::set_pdl_enabled(true);
+  chain.reset();
+  chain.enqueue(stream);
+  EXPECT_EQ(bits_of(chain.result()), want) << "eager PDL launches differ from plain launches";
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  chain.enqueue(stream);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  for (int replay = 0; replay < 3; ++replay) {
+    chain.reset();
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(bits_of(chain.result()), want) << "graph replay " << replay;
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(CudaMoeBlock, ChainWithPdlAndGraphReplaysMatchesPlainLaunches) {
+  check_chain(256, 8, 2048, 512, 71);
+  check_chain(16, 4, 256, 128, 72);
+}
+
+// Per-layer time of the decode MoE block, fused vs the three kernels it replaces, as a chain of
+// 40 blocks replayed from a CUDA graph with PDL (printed for docs/performance, never asserted).
+TEST(CudaTiming, PrintsMoeBlockTimes) {
+  PdlSetting keep;
+  cuda::set_pdl_enabled(true);
+  std::mt19937_64 rng(73);
+  constexpr int kLayers = 40, kReps = 20;
+  MoeBlockChain chain(256, 8, 2048, 512, kLayers, rng);
+  DeviceBuffer done(4), ids(9 * 4), w(9 * 4);
+  done.fill_bytes(0);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto separate = [&](cudaStream_t s) {
+    MoeBlock& m = chain.m;
+    for (int l = 0; l < kLayers; ++l) {
+      cuda::FusedNorm n;
+      n.branch = l == 0 ? nullptr : chain.out[(l + 1) % 2].as<__nv_bfloat16>();
+      n.gain = m.gain.as<float>();
+      n.x_out = chain.xr[(l + 1) % 2].as<__nv_bfloat16>();
+      n.normed_out = chain.normed.as<__nv_bfloat16>();
+      cuda::launch_add_rmsnorm_router_fused(n, chain.xr[l % 2].as<__nv_bfloat16>(), m.router.view(), m.E, m.k,
+                                            m.logits.as<float>(), ids.as<int32_t>(), w.as<float>(), done.as<uint32_t>(), s);
+      cuda::launch_expert_gate_up(m.gate.view(), m.up.view(), m.ffn, ids.as<int32_t>(), m.k + 1,
+                                  chain.normed.as<__nv_bfloat16>(), 1, m.act.as<__nv_bfloat16>(), s);
+      cuda::launch_expert_down_combine(m.down.view(), m.hidden, ids.as<int32_t>(), w.as<float>(), m.k + 1,
+                                       m.act.as<__nv_bfloat16>(), 1, chain.out[l % 2].as<__nv_bfloat16>(), s);
+    }
+  };
+  for (bool fused : {false, true}) {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    if (fused) chain.enqueue(stream);
+    else separate(stream);
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    cudaEvent_t a, b;
+    CUDA_CHECK(cudaEventCreate(&a));
+    CUDA_CHECK(cudaEventCreate(&b));
+    CUDA_CHECK(cudaEventRecord(a, stream));
+    for (int i = 0; i < kReps; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaEventRecord(b, stream));
+    CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    std::printf("[timing] moe block x%d graph+PDL, %-14s %8.2f us per layer\n", kLayers,
+                fused ? "fused" : "three kernels", 1000.0 * ms / kReps / kLayers);
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+  }
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+}  // namespace
+}  // namespace lily::test
