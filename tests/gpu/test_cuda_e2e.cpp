@@ -456,26 +456,42 @@ TEST_F(CudaE2e, PdlDoesNotChangeResults) {
   check_pdl_bit_identical(*gdemo, demo->config.vocab);
 }
 
-/// The fused decode step (norms and the GDN conv folded into GEMVs, router + top-k in one kernel)
-/// (LILY_CUDA_FUSE=1, the default) against the separate kernels (LILY_CUDA_FUSE=0): the same arithmetic, so the logits should be
-/// bit-identical (printed); asserted: cosine ≥ 0.9999 and equal greedy ids at every step.
-void check_fused_vs_separate(std::shared_ptr<const ModelWeights> w) {
-  setenv("LILY_CUDA_FUSE", "1", 1);
-  auto fused = make_cuda_backend(w);
-  setenv("LILY_CUDA_FUSE", "0", 1);
-  auto separate = make_cuda_backend(w);
-  unsetenv("LILY_CUDA_FUSE");
+/// Decode logits of backends built with the environment settings `a` and `b` (name=value
+/// pairs), on the same prompt: asserted cosine ≥ min_cosine and equal greedy ids at every step;
+/// the number of bit-identical steps is printed.
+void check_decode_settings(std::shared_ptr<const ModelWeights> w, const std::vector<std::pair<const char*, const char*>>& a,
+                           const std::vector<std::pair<const char*, const char*>>& b, double min_cosine, const char* what) {
+  auto make = [&](const std::vector<std::pair<const char*, const char*>>& env) {
+    for (const auto& [name, value] : env) setenv(name, value, 1);
+    auto backend = make_cuda_backend(w);
+    for (const auto& [name, value] : env) unsetenv(name);
+    return backend;
+  };
+  auto first = make(a), second = make(b);
   const auto prompt = prompt_ids(40, w->config.vocab, 12);
-  const auto a = decode_logits(*fused, prompt, 8), b = decode_logits(*separate, prompt, 8);
+  const auto la = decode_logits(*first, prompt, 8), lb = decode_logits(*second, prompt, 8);
   int identical = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    identical += a[i] == b[i];
-    EXPECT_GE(cosine_similarity(a[i], b[i]), 0.9999) << "step " << i;
-    const auto ia = std::max_element(a[i].begin(), a[i].end()) - a[i].begin();
-    const auto ib = std::max_element(b[i].begin(), b[i].end()) - b[i].begin();
-    EXPECT_EQ(ia, ib) << "step " << i;
+  for (size_t i = 0; i < la.size(); ++i) {
+    identical += la[i] == lb[i];
+    EXPECT_GE(cosine_similarity(la[i], lb[i]), min_cosine) << what << ", step " << i;
+    const auto ia = std::max_element(la[i].begin(), la[i].end()) - la[i].begin();
+    const auto ib = std::max_element(lb[i].begin(), lb[i].end()) - lb[i].begin();
+    EXPECT_EQ(ia, ib) << what << ", step " << i;
   }
-  std::printf("fused vs separate decode kernels: %d of %zu steps bit-identical\n", identical, a.size());
+  std::printf("%s: %d of %zu steps bit-identical\n", what, identical, la.size());
+}
+
+/// The fused decode step (norms and the GDN conv folded into GEMVs, router + top-k in one kernel)
+/// (LILY_CUDA_FUSE=1, the default) against the separate kernels (LILY_CUDA_FUSE=0), with the
+/// experts as three kernels on both sides: the same arithmetic, so the logits should be
+/// bit-identical (printed); asserted: cosine ≥ 0.9999 and equal greedy ids at every step. Then
+/// the fused MoE block (tensor-core expert products, summed in another order) against the three
+/// MoE kernels: within bf16 rounding, cosine ≥ 0.999 and equal ids.
+void check_fused_vs_separate(std::shared_ptr<const ModelWeights> w) {
+  check_decode_settings(w, {{"LILY_CUDA_FUSE", "1"}, {"LILY_CUDA_FUSED_MOE", "0"}}, {{"LILY_CUDA_FUSE", "0"}}, 0.9999,
+                        "fused vs separate decode kernels");
+  check_decode_settings(w, {{"LILY_CUDA_FUSED_MOE", "1"}}, {{"LILY_CUDA_FUSED_MOE", "0"}}, 0.999,
+                        "fused MoE block vs three MoE kernels");
 }
 
 TEST_F(CudaE2e, FusedDecodeMatchesSeparateKernels) {

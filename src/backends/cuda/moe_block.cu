@@ -9,9 +9,10 @@
 // of a launch, and the weights are requested as early as their addresses are known:
 //  1. before the PDL wait: the router rows of each warp (into registers) and every tile of the
 //     shared expert (gate/up and down), whose address does not depend on the routing;
-//  2. after the router: each block computes the normed row itself (4 KB), a share of the router
-//     logits, then grid barrier 1; every block routes the token itself (one warp,
-//     route_token_keys) and requests its routed gate/up tiles and all its down tiles at once;
+//  2. after the wait: each block computes the normed row itself (4 KB) and a share of the router
+//     logits, then grid barrier 1; every block copies the logits into shared memory, routes the
+//     token itself (one warp, route_token_keys) and requests its routed gate/up tiles and all
+//     its down tiles at once;
 //  3. gate/up on tensor cores (quant_mma.cuh), SwiGLU, act to global memory, grid barrier 2;
 //  4. down + combine from tiles that arrived during steps 2 and 3.
 // Work split: gate/up tiles of 8 expert rows (16 MMA rows: the 8 gate rows and the same 8 up
@@ -28,8 +29,8 @@
 // Numerics: the norm is stage_norm_row's with a 256-thread element mapping (bit-identical to
 // launch_add_rmsnorm); the router logits are router_rows.cuh's (bit-identical to
 // launch_router_fused, so the routing is too); the expert products use the tensor-core
-// arithmetic of the streaming GEMV (Σ(q + 128)·x per group, s·D + (b − 128·s)·Σx in fp32, groups
-// summed in ascending order), then the same roundings as the CUDA-core expert kernels:
+// arithmetic of the MMA GEMV (exact bf16 codes, Σ q·x per group on tensor cores, s·D + b·Σx in
+// fp32, groups summed in ascending order), then the same roundings as the CUDA-core expert kernels:
 // act = bf16(silu(bf16(g))·bf16(u)), out = bf16(Σ_s w_s·bf16(d_s)) in slot order.
 #include <algorithm>
 #include <string>
@@ -63,11 +64,12 @@ struct MoeLayout {
   int dn_row_bytes = 0, dn_pitch = 0, dn_bytes = 0;
   int64_t gu_stage = 0, dn_stage = 0;  ///< one gate/up tile; one down tile of one slot
   int gu_max = 0, dn_max = 0;          ///< tiles per block at most
-  int64_t bars = 0, gu_ring = 0, dn_ring = 0, xs = 0, xperm = 0, aperm = 0, asum = 0, gu_part = 0, dn_part = 0;
+  int64_t bars = 0, gu_ring = 0, dn_ring = 0, xs = 0, xperm = 0, logits = 0, araw = 0, aperm = 0, asum = 0;
+  int64_t gu_part = 0, dn_part = 0;
   int64_t total = 0;
 };
 
-__host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_sel, int blocks) {
+__host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_experts, int n_sel, int blocks) {
   MoeLayout l;
   l.hidden = hidden;
   l.ffn = ffn;
@@ -96,6 +98,10 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_sel, 
   o += align16(int64_t{l.groups_h} * kStagedFloatsPerGroup * 4);
   l.xperm = o;
   o += align16(int64_t{hidden} / 2 * 4);
+  l.logits = o;
+  o += align16(int64_t{n_experts + 1} * 4);
+  l.araw = o;
+  o += align16(int64_t{n_sel} * ffn * 2);
   l.aperm = o;
   o += align16(int64_t{n_sel} * ffn / 2 * 4);
   l.asum = o;
@@ -212,12 +218,11 @@ __device__ __forceinline__ void group_one_token(const TileView& v, const uint32_
     bw1 = bp[1];
   }
   float d[4];
-  group_mma<true>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32),
-                  bw0, bw1, d);
+  group_mma(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0,
+            bw1, d);
   const float x = sums[G];
-  const float sl = to_f32(v.s_lo[G]), sh = to_f32(v.s_hi[G]);
-  acc_lo += sl * d[0] + fmaf(-128.0f, sl, to_f32(v.b_lo[G])) * x;
-  acc_hi += sh * d[2] + fmaf(-128.0f, sh, to_f32(v.b_hi[G])) * x;
+  acc_lo += to_f32(v.s_lo[G]) * d[0] + to_f32(v.b_lo[G]) * x;
+  acc_hi += to_f32(v.s_hi[G]) * d[2] + to_f32(v.b_hi[G]) * x;
 }
 
 /// grid: blocks ≤ one per SM (all resident), block kBlockThreads. See the file comment.
@@ -271,9 +276,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   }
   router.compute(a.router, xs, xsum, a.logits);
   grid_sync(a.barriers, G);
+  float* logits = reinterpret_cast<float*>(sm + l.logits);  // one round trip to L2, then shared reads
+  for (int e = threadIdx.x; e <= a.n_experts; e += blockDim.x) logits[e] = __ldcg(a.logits + e);
+  __syncthreads();
   if (warp == 0) {
-    if (a.n_experts <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall>(a.logits, a.n_experts, a.top_k, sel_ids, sel_w);
-    else route_token_keys<kRouteKeysLarge>(a.logits, a.n_experts, a.top_k, sel_ids, sel_w);
+    if (a.n_experts <= kWarp * kRouteKeysSmall)
+      route_token_keys<kRouteKeysSmall, true>(logits, a.n_experts, a.top_k, sel_ids, sel_w);
+    else
+      route_token_keys<kRouteKeysLarge, true>(logits, a.n_experts, a.top_k, sel_ids, sel_w);
   }
   __syncthreads();
   if (b == 0 && threadIdx.x < l.n_sel) {
@@ -318,20 +328,33 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   }
   grid_sync(a.barriers + 1, G);
 
-  // 4. Down + combine: every slot's act in fragment order (written by other blocks: read
-  // through L2), then warp s computes slot s of the block's row tiles.
+  // 4. Down + combine: every slot's act (written by other blocks: read through L2, 16 bytes a
+  // load), put in fragment order, then warp s computes slot s of the block's row tiles.
   const int half = l.ffn / 2;
+  uint4* araw = reinterpret_cast<uint4*>(sm + l.araw);           // [slot][ffn] bf16, as in act
   uint32_t* aperm = reinterpret_cast<uint32_t*>(sm + l.aperm);  // [slot][ffn / 2]
   float* asum = reinterpret_cast<float*>(sm + l.asum);          // [slot][groups_f]
-  const unsigned short* act_bits = reinterpret_cast<const unsigned short*>(a.act);
+  const int n16 = l.n_sel * l.ffn / 8;
+  const uint4* act16 = reinterpret_cast<const uint4*>(a.act);
+  for (int i0 = threadIdx.x; i0 < n16; i0 += kStageBatch * blockDim.x) {  // every load in flight first
+    uint4 v[kStageBatch];
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u)
+      if (i0 + u * static_cast<int>(blockDim.x) < n16) v[u] = __ldcg(act16 + i0 + u * blockDim.x);
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u)
+      if (i0 + u * static_cast<int>(blockDim.x) < n16) araw[i0 + u * blockDim.x] = v[u];
+  }
+  __syncthreads();
+  const unsigned short* act_bits = reinterpret_cast<const unsigned short*>(araw);
   for (int i = threadIdx.x; i < l.n_sel * half; i += blockDim.x) {
-    const unsigned short* row = act_bits + int64_t{i / half} * l.ffn;
+    const unsigned short* row = act_bits + (i / half) * l.ffn;
     const int c = fragment_pair_column(i % half);
-    aperm[i] = static_cast<uint32_t>(__ldcg(row + c)) | (static_cast<uint32_t>(__ldcg(row + c + 4)) << 16);
+    aperm[i] = static_cast<uint32_t>(row[c]) | (static_cast<uint32_t>(row[c + 4]) << 16);
   }
   for (int p = warp; p < l.n_sel * l.groups_f; p += kBlockWarps) {
-    const unsigned short* grp = act_bits + int64_t{p / l.groups_f} * l.ffn + (p % l.groups_f) * kGroup;
-    const float v = warp_sum(bits_to_f32(__ldcg(grp + lane)) + bits_to_f32(__ldcg(grp + lane + 32)));
+    const unsigned short* grp = act_bits + (p / l.groups_f) * l.ffn + (p % l.groups_f) * kGroup;
+    const float v = warp_sum(bits_to_f32(grp[lane]) + bits_to_f32(grp[lane + 32]));
     if (lane == 0) asum[p] = v;
   }
   __syncthreads();
@@ -388,7 +411,7 @@ MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
     return no("the expert arrays are not 16-byte aligned");
   p.blocks = sm_count();
   if (max_blocks > 0) p.blocks = std::min(p.blocks, max_blocks);
-  p.layout = moe_layout(hidden, ffn, k + 1, p.blocks);
+  p.layout = moe_layout(hidden, ffn, E, k + 1, p.blocks);
   if (p.layout.total > kSmemLimit)
     return no("a block's expert tiles need " + std::to_string(p.layout.total) + " bytes of shared memory");
   auto kernel = a.router.bits == 8 ? moe_block_kernel<8> : moe_block_kernel<4>;

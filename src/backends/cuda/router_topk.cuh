@@ -80,17 +80,18 @@ __device__ __forceinline__ uint32_t route_key(float v) {
 /// largest key and, among the lanes offering it, the lowest id, and the winner marks it taken.
 /// (key descending, id ascending) is route_token_warp's order: a strict order where NaN ties
 /// with NaN and loses to every number, so "only NaN left → the lowest id not taken" follows.
-/// Called by all 32 lanes of one warp; `logits` [E + 1] (global, read through L2 with __ldcg
-/// because another block wrote it, or shared). ids, weights: [k + 1], k ≤ 32.
-template <int N>
+/// Called by all 32 lanes of one warp; `logits` [E + 1]: global memory read through L2 with
+/// __ldcg (another block wrote it), or shared memory with kShared. ids, weights: [k + 1], k ≤ 32.
+template <int N, bool kShared = false>
 __device__ __forceinline__ void route_token_keys(const float* logits, int E, int k, int32_t* __restrict__ ids,
                                                  float* __restrict__ weights) {
   const int lane = threadIdx.x % kWarp;
+  auto load = [logits](int e) { return kShared ? logits[e] : __ldcg(logits + e); };
   uint32_t key[N];
 #pragma unroll
   for (int c = 0; c < N; ++c) {
     const int e = lane + kWarp * c;
-    key[c] = e < E ? route_key(__ldcg(logits + e)) : 0u;
+    key[c] = e < E ? route_key(load(e)) : 0u;
   }
   int mine = 0;  // lane s keeps the id of pick s
   for (int s = 0; s < k; ++s) {
@@ -107,8 +108,8 @@ __device__ __forceinline__ void route_token_keys(const float* logits, int E, int
     if (lane == s) mine = static_cast<int>(id);
   }
   // Weights exactly as route_token_warp: expf(l_s − l_0), summed in pick order.
-  const float l0 = __ldcg(logits + __shfl_sync(0xffffffffu, mine, 0));
-  const float ex = lane < k ? expf(__ldcg(logits + mine) - l0) : 0.0f;
+  const float l0 = load(__shfl_sync(0xffffffffu, mine, 0));
+  const float ex = lane < k ? expf(load(mine) - l0) : 0.0f;
   float denom = 0.0f;
   for (int s = 0; s < k; ++s) denom += __shfl_sync(0xffffffffu, ex, s);
   if (lane < k) {
@@ -117,7 +118,7 @@ __device__ __forceinline__ void route_token_keys(const float* logits, int E, int
   }
   if (lane == 0) {
     ids[k] = E;
-    weights[k] = 1.0f / (1.0f + expf(-__ldcg(logits + E)));
+    weights[k] = 1.0f / (1.0f + expf(-load(E)));
   }
 }
 
