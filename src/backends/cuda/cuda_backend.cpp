@@ -4,20 +4,23 @@
 //
 // Memory: weights, activation scratch and per-state GDN buffers are allocated once; the KV
 // cache of a state starts at min(max_seq, 1024) positions and doubles (up to max_seq) when a
-// step needs more room. Growth happens between steps, outside any graph, and invalidates the
-// state's captured graph (re-captured on the next step: ~log2(max_seq/1024) captures over a
-// whole sequence). Trade-off: memory follows the sequence, at the price of
-// an occasional copy of the cache and a graph re-capture, instead of reserving 20 KiB per
-// position up to max_seq for every state held by the prefix cache.
+// step needs more room. Growth happens between steps, outside any graph, and gives the state a
+// new layout id, so its next step is captured again and an exec updated to it (~log2(max_seq/1024)
+// times over a whole sequence). Trade-off: memory follows the sequence, at the price of an
+// occasional copy of the cache and a graph update, instead of reserving 20 KiB per position up
+// to max_seq for every state held by the prefix cache.
 #include "backends/cuda/cuda_backend.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdlib>
+#include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -134,8 +137,6 @@ class CudaState final : public SequenceState {
     }
     allocate_kv(std::max<int64_t>(kv_capacity, 1));
   }
-  ~CudaState() override { drop_graph(); }
-
   int64_t position() const override { return pos; }
   int64_t bytes() const override {
     int64_t b = static_cast<int64_t>(windows.bytes() + states.bytes());
@@ -169,17 +170,9 @@ class CudaState final : public SequenceState {
                                    attn.n_kv_heads, cudaMemcpyDeviceToDevice, stream));
     }
     if (n_attn > 0 && pos > 0) CUDA_CHECK(cudaStreamSynchronize(stream));  // old_k / old_v are freed below
-    drop_graph();
   }
 
-  void drop_graph() {
-    if (graph) cudaGraphExecDestroy(graph);
-    if (sample_graph) cudaGraphExecDestroy(sample_graph);
-    graph = nullptr;
-    sample_graph = nullptr;
-  }
-
-  /// Deep copy (no graph) with room for exactly `pos` positions (at least 1): a prefix-cache
+  /// Deep copy with room for exactly `pos` positions (at least 1): a prefix-cache
   /// snapshot holds no spare capacity, and a resumed state grows on its next step. The copies
   /// run on `stream` (the backend's, which wrote this state) and are finished on return.
   std::unique_ptr<CudaState> clone(cudaStream_t stream) const {
@@ -246,8 +239,11 @@ class CudaState final : public SequenceState {
   int64_t max_seq;
   int64_t pos = 0;
   int64_t capacity = 0;
-  cudaGraphExec_t graph = nullptr;         ///< the greedy decode step (argmax)
-  cudaGraphExec_t sample_graph = nullptr;  ///< the decode step + the device sampler (captured on first use)
+  /// Names this state's device buffers and KV capacity, everything of the state that a captured
+  /// decode step bakes in (DecodeGraphs). Taken from a process-wide counter whenever the KV cache
+  /// is (re)allocated, and never reused, so a decode graph last updated for a state that has
+  /// since grown or been destroyed can never match a live state.
+  uint64_t layout = 0;
 
  private:
   void allocate_kv(int64_t cap) {
@@ -259,7 +255,10 @@ class CudaState final : public SequenceState {
       values.emplace_back(bytes);
     }
     capacity = cap;
+    layout = next_layout_.fetch_add(1, std::memory_order_relaxed);
   }
+
+  static inline std::atomic<uint64_t> next_layout_{1};  ///< 0 means "no state" in DecodeGraphs
 
   GdnDims gdn;
   AttnDims attn;
@@ -280,6 +279,111 @@ class PinnedIo {
 
  private:
   StepIo* io_ = nullptr;
+};
+
+/// Owns a captured cudaGraph_t (destroyed with the handle).
+struct GraphDeleter {
+  void operator()(cudaGraph_t g) const { cudaGraphDestroy(g); }
+};
+using CapturedGraph = std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, GraphDeleter>;
+
+/// The backend's instantiated decode graphs, shared by all of its states (cuda_backend.h
+/// describes the scheme). Each exec remembers the layout (CudaState::layout) of the state whose
+/// parameters it holds; find() hands it out only to that state, and bind() moves an exec to a
+/// new state by cudaGraphExecUpdate from that state's freshly captured graph, instantiating only
+/// when there is no exec to reuse or the update is refused. Used by the backend's one engine
+/// thread; every launch is finished (stream synchronised) before the next find() or bind().
+class DecodeGraphs {
+ public:
+  /// What decides a captured step's node set and launch shapes, apart from the state's buffer
+  /// addresses: the kind of step, the attention split count (the split kernel's grid, from the
+  /// KV capacity) and whether the kernels were captured with programmatic edges.
+  struct Key {
+    bool sampled = false;  ///< the device sampler follows the argmax
+    int splits = 0;        ///< attention_decode_splits(capacity)
+    bool pdl = false;      ///< pdl_enabled() at capture
+    bool operator==(const Key&) const = default;
+  };
+
+  /// At most `per_key` execs of one key (the rows that one step interleaves: each keeps its own)
+  /// and `limit` (≥ per_key) in all.
+  DecodeGraphs(int per_key, int limit) : per_key_(std::max(per_key, 1)), limit_(std::max(limit, per_key_)) {}
+  ~DecodeGraphs() {
+    for (const Entry& e : entries_) cudaGraphExecDestroy(e.exec);
+  }
+  DecodeGraphs(const DecodeGraphs&) = delete;
+  DecodeGraphs& operator=(const DecodeGraphs&) = delete;
+
+  /// The exec that holds the parameters of the state with `layout` for `key`, ready to launch;
+  /// nullptr when none does (then capture the step and call bind).
+  cudaGraphExec_t find(const Key& key, uint64_t layout) {
+    for (Entry& e : entries_) {
+      if (e.layout == layout && e.key == key) {
+        e.used = ++clock_;
+        return e.exec;
+      }
+    }
+    return nullptr;
+  }
+
+  /// Makes an exec hold `graph`, the step just captured for the state with `layout` under `key`,
+  /// and returns it. Reuses the least recently used exec of `key` when there are per_key of them,
+  /// else the least recently used of all when there are `limit`, else instantiates a new one. A
+  /// reused exec is updated in place (cudaGraphExecUpdate); where the update is refused
+  /// (cudaErrorGraphExecUpdateFailure: topology, node type, function or attributes changed), it
+  /// is replaced by a fresh instantiation. Any other CUDA error throws lily::Error, leaving the
+  /// exec bound to no state.
+  cudaGraphExec_t bind(const Key& key, uint64_t layout, cudaGraph_t graph) {
+    Entry* lru_key = nullptr;
+    Entry* lru_all = nullptr;
+    int same_key = 0;
+    for (Entry& e : entries_) {
+      if (!lru_all || e.used < lru_all->used) lru_all = &e;
+      if (e.key == key) {
+        ++same_key;
+        if (!lru_key || e.used < lru_key->used) lru_key = &e;
+      }
+    }
+    Entry* reuse = same_key >= per_key_ ? lru_key : static_cast<int>(entries_.size()) >= limit_ ? lru_all : nullptr;
+    if (!reuse) {
+      entries_.reserve(entries_.size() + 1);  // so that the push cannot throw after the instantiation
+      entries_.push_back(Entry{key, layout, ++clock_, instantiate(graph)});
+      return entries_.back().exec;
+    }
+    reuse->layout = 0;  // holds no state's parameters until the update below has succeeded
+    cudaGraphExecUpdateResultInfo info{};
+    const cudaError_t st = cudaGraphExecUpdate(reuse->exec, graph, &info);
+    if (st == cudaErrorGraphExecUpdateFailure) {
+      (void)cudaGetLastError();  // the refusal is not an error of the next launch
+      cudaGraphExec_t fresh = instantiate(graph);
+      cudaGraphExecDestroy(reuse->exec);
+      reuse->exec = fresh;
+    } else {
+      CUDA_CHECK(st);
+    }
+    reuse->key = key;
+    reuse->layout = layout;
+    reuse->used = ++clock_;
+    return reuse->exec;
+  }
+
+ private:
+  struct Entry {
+    Key key;
+    uint64_t layout = 0;  ///< the state whose parameters the exec holds; 0: none
+    uint64_t used = 0;    ///< clock_ at the last find or bind (least recently used goes first)
+    cudaGraphExec_t exec = nullptr;
+  };
+
+  static cudaGraphExec_t instantiate(cudaGraph_t graph) {
+    cudaGraphExec_t exec = nullptr;
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    return exec;
+  }
+
+  std::vector<Entry> entries_;
+  uint64_t clock_ = 0;
+  int per_key_, limit_;
 };
 
 void check_device() {
@@ -567,9 +671,10 @@ class CudaBackend final : public Backend {
       if (sampling) enqueue_sampler();
       copy_io_out();
     } else {
-      cudaGraphExec_t& graph = sampling ? s.sample_graph : s.graph;
-      if (!graph) capture(s, sampling != nullptr, graph);
-      CUDA_CHECK(cudaGraphLaunch(graph, stream_));
+      const DecodeGraphs::Key key{sampling != nullptr, attention_decode_splits(s.capacity), pdl_enabled()};
+      cudaGraphExec_t exec = graphs_.find(key, s.layout);
+      if (!exec) exec = graphs_.bind(key, s.layout, capture(s, sampling != nullptr).get());
+      CUDA_CHECK(cudaGraphLaunch(exec, stream_));
     }
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (logits) {
@@ -588,9 +693,9 @@ class CudaBackend final : public Backend {
                                cudaMemcpyDeviceToHost, stream_));
   }
 
-  /// Captures the decode step of `s` into `exec`: with `sampled`, the device sampler follows
-  /// the argmax and overwrites its id.
-  void capture(CudaState& s, bool sampled, cudaGraphExec_t& exec) {
+  /// Captures the decode step of `s` (not instantiated): with `sampled`, the device sampler
+  /// follows the argmax and overwrites its id.
+  CapturedGraph capture(CudaState& s, bool sampled) {
     cudaGraph_t graph = nullptr;
     CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     try {
@@ -604,9 +709,7 @@ class CudaBackend final : public Backend {
       throw;
     }
     CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    const cudaError_t st = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);
-    CUDA_CHECK(st);
+    return CapturedGraph(graph);
   }
 
   // ---- the forward pass of one token (docs/model.md §3, §4.3) ----------------------------------
@@ -905,6 +1008,9 @@ class CudaBackend final : public Backend {
   std::unique_ptr<DeviceModel> model_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<PinnedIo> io_;  ///< created after the device check
+  /// The decode graphs of all states: one exec per key per row that a step may hold, and a
+  /// few keys (KV capacity buckets, greedy / sampled) besides.
+  DecodeGraphs graphs_{options_.max_batch, std::max(8, 2 * options_.max_batch)};
   DeviceBuffer x_alt_;  ///< the decode step's second residual buffer (FusedNorm ping-pong with x_)
   /// mixer_core_out_: the mixer's output before its out projection (GDN: gated-normed values
   /// [value_dim]; attention: gated heads [n_heads · head_dim]).
