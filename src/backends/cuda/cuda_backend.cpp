@@ -392,8 +392,9 @@ class DecodeGraphs {
     if (st == cudaErrorGraphExecUpdateFailure) {
       (void)cudaGetLastError();  // the refusal is not an error of the next launch
       cudaGraphExec_t fresh = instantiate(graph);
-      cudaGraphExecDestroy(reuse->exec);
+      const cudaError_t destroyed = cudaGraphExecDestroy(reuse->exec);
       reuse->exec = fresh;
+      CUDA_CHECK(destroyed);
     } else {
       CUDA_CHECK(st);
     }
