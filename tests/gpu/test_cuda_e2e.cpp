@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +27,8 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cuda/cuda_backend.h"
@@ -417,6 +420,255 @@ TEST_F(CudaE2e, CloneAndKvGrowth) {
   auto small = gpu->new_state(2);
   EXPECT_THROW(gpu->prefill(*small, prompt_ids(3, w->config.vocab, 5)), Error);
   EXPECT_THROW(gpu->new_state(0), Error);
+}
+
+// ---- decode graphs shared by the states of one backend (cuda_backend.h) ----------------------
+
+/// A sequence of DecodeGraphsAreSharedAcrossStates: from a prompt, started in round `start`, or a
+/// copy of sequence `parent` taken once the parent has made `at` decode steps (through the host
+/// tier when `via_host`, else clone_state); then `steps` decode steps, sampled with `sampling`
+/// when set (else greedy).
+struct SeqPlan {
+  std::vector<int32_t> prompt;
+  int start = 0;
+  int parent = -1;
+  int at = 0;
+  bool via_host = false;
+  int steps = 0;
+  const SamplingParams* sampling = nullptr;
+};
+
+/// A sequence on one backend: its state, the token it feeds next, the decode steps made, and
+/// what came out: the prefill's id and logits (prompt sequences), then each decode step's.
+struct SeqRun {
+  std::unique_ptr<SequenceState> state;
+  int32_t next = -1;
+  int done = 0;
+  std::vector<int32_t> ids;
+  std::vector<std::vector<float>> logits;
+};
+
+/// Starts plan `p` on `gpu`: a new state and its prefill, or a copy of `parent`'s state.
+SeqRun start_seq(Backend& gpu, const SeqPlan& p, const SeqRun* parent) {
+  SeqRun r;
+  if (p.parent < 0) {
+    r.state = gpu.new_state(4096);
+    r.logits.emplace_back();
+    r.next = gpu.prefill(*r.state, p.prompt, &r.logits.back());
+    r.ids.push_back(r.next);
+  } else {
+    r.state = p.via_host ? gpu.clone_state(*gpu.copy_to_host(*parent->state)) : gpu.clone_state(*parent->state);
+    r.next = parent->next;
+  }
+  return r;
+}
+
+/// One decode step of each of `runs` (plans `plans`), as rows of Backend::step, at most
+/// max_batch() rows per call.
+void decode_rows(Backend& gpu, const std::vector<const SeqPlan*>& plans, const std::vector<SeqRun*>& runs) {
+  for (size_t first = 0; first < runs.size(); first += static_cast<size_t>(gpu.max_batch())) {
+    const size_t n = std::min(runs.size() - first, static_cast<size_t>(gpu.max_batch()));
+    std::vector<StepRow> rows(n);
+    std::vector<std::vector<float>> out(n);
+    for (size_t i = 0; i < n; ++i) {
+      SeqRun& r = *runs[first + i];
+      rows[i].state = r.state.get();
+      rows[i].tokens = std::span<const int32_t>(&r.next, 1);
+      rows[i].position = r.state->position();
+      rows[i].decode = true;
+      rows[i].logits = &out[i];
+      rows[i].sampling = RowSampling{plans[first + i]->sampling, static_cast<uint64_t>(r.done + 1), nullptr};
+    }
+    const std::vector<int32_t> next = gpu.step(rows);
+    ASSERT_EQ(next.size(), n);
+    for (size_t i = 0; i < n; ++i) {
+      SeqRun& r = *runs[first + i];
+      r.next = next[i];
+      r.ids.push_back(next[i]);
+      r.logits.push_back(std::move(out[i]));
+      ++r.done;
+    }
+  }
+}
+
+/// Sequence `i` of `plans` alone on `gpu` (its ancestors replayed up to the copy), after `steps`
+/// decode steps.
+SeqRun replay_alone(Backend& gpu, const std::vector<SeqPlan>& plans, int i, int steps) {
+  const SeqPlan& p = plans[i];
+  SeqRun parent;
+  if (p.parent >= 0) parent = replay_alone(gpu, plans, p.parent, p.at);
+  SeqRun r = start_seq(gpu, p, p.parent >= 0 ? &parent : nullptr);
+  parent.state.reset();
+  for (int k = 0; k < steps; ++k) decode_rows(gpu, {&p}, {&r});
+  return r;
+}
+
+/// The sequences of `plans` interleaved on one backend: each round starts the sequences due
+/// (prompts whose round it is, copies whose parent has made `at` steps), then makes one decode
+/// step of every running sequence; a sequence's state is destroyed as soon as it is done.
+std::vector<SeqRun> run_interleaved(Backend& gpu, const std::vector<SeqPlan>& plans) {
+  std::vector<SeqRun> runs(plans.size());
+  std::vector<bool> started(plans.size(), false), finished(plans.size(), false);
+  for (int round = 0; round < 100 && std::count(finished.begin(), finished.end(), false) > 0; ++round) {
+    for (size_t i = 0; i < plans.size(); ++i) {
+      const SeqPlan& p = plans[i];
+      if (started[i]) continue;
+      const bool due = p.parent < 0 ? p.start == round
+                                    : started[p.parent] && !finished[p.parent] && runs[p.parent].done == p.at;
+      if (!due) continue;
+      runs[i] = start_seq(gpu, p, p.parent >= 0 ? &runs[p.parent] : nullptr);
+      started[i] = true;
+    }
+    std::vector<const SeqPlan*> ps;
+    std::vector<SeqRun*> rs;
+    for (size_t i = 0; i < plans.size(); ++i) {
+      if (!started[i] || finished[i]) continue;
+      ps.push_back(&plans[i]);
+      rs.push_back(&runs[i]);
+    }
+    decode_rows(gpu, ps, rs);
+    for (size_t i = 0; i < plans.size(); ++i) {
+      if (started[i] && !finished[i] && runs[i].done == plans[i].steps) {
+        finished[i] = true;
+        runs[i].state.reset();  // its buffers go back while the others run on
+      }
+    }
+  }
+  return runs;
+}
+
+// The decode graphs are the backend's, shared by its states: a state's first step captures its
+// graph and updates a cached exec (cuda_backend.h). Sequences decoded interleaved on one backend
+// (A, B, C, … each step) must give token ids and logits bit-identical to each sequence run alone
+// on a fresh backend (its own graphs): a sampled one beside greedy ones, one whose KV cache grows
+// mid-way (1024 → 2048: a new layout and a new split count), a clone and a copy of a clone taken
+// mid-way, a copy through the host tier, and a sequence started after another one was destroyed
+// (its buffers and its exec are reused). With max_batch 1 every step of another state updates the
+// one exec of its key; with 2 and 4 the rows share a step() and up to that many states of a key
+// keep an exec each, the others updating the least recently used. A stale exec (a grown or
+// destroyed state's pointers) or a missed update changes the logits here.
+TEST_F(CudaE2e, DecodeGraphsAreSharedAcrossStates) {
+  TempDir dir;
+  auto w = synth("realdims", dir.path());
+  const int vocab = w->config.vocab;
+  SamplingParams sampled;
+  sampled.temperature = 0.8f;
+  sampled.top_k = 40;
+  sampled.seed = 5;
+  std::vector<SeqPlan> plans(7);
+  plans[0] = {prompt_ids(37, vocab, 41), 0, -1, 0, false, 10, nullptr};    // A
+  plans[1] = {prompt_ids(300, vocab, 42), 0, -1, 0, false, 10, &sampled};  // B, sampled
+  plans[2] = {prompt_ids(1020, vocab, 43), 0, -1, 0, false, 8, nullptr};   // C: grows at position 1024
+  plans[3] = {{}, 0, 0, 3, false, 8, nullptr};                             // D: a clone of A after 3 steps
+  plans[4] = {{}, 0, 2, 2, true, 6, nullptr};                              // E: C through the host tier
+  plans[5] = {prompt_ids(37, vocab, 44), 11, -1, 0, false, 6, nullptr};    // F: after A is destroyed
+  plans[6] = {{}, 0, 3, 5, false, 4, nullptr};                             // G: a clone of D
+  // The reference: each sequence (with its ancestors) on a backend of its own, whose exec cache
+  // is big enough that every state gets an exec instantiated for it alone (nothing is updated).
+  CudaOptions own_graphs = CudaOptions::from_env();
+  own_graphs.max_batch = CudaOptions::kMaxBatch;
+  std::vector<SeqRun> alone;
+  for (size_t i = 0; i < plans.size(); ++i) {
+    auto fresh = make_cuda_backend(w, own_graphs);
+    alone.push_back(replay_alone(*fresh, plans, static_cast<int>(i), plans[i].steps));
+    alone.back().state.reset();
+  }
+  for (int max_batch : {1, 2, 4}) {
+    CudaOptions options = CudaOptions::from_env();
+    options.max_batch = max_batch;
+    auto gpu = make_cuda_backend(w, options);
+    const std::vector<SeqRun> together = run_interleaved(*gpu, plans);
+    for (size_t i = 0; i < plans.size(); ++i) {
+      const std::string what = "max_batch " + std::to_string(max_batch) + ", sequence " + std::to_string(i);
+      ASSERT_EQ(together[i].done, plans[i].steps) << what << " did not run to its end";
+      ASSERT_EQ(together[i].ids.size(), alone[i].ids.size()) << what;
+      EXPECT_EQ(together[i].ids, alone[i].ids) << what;
+      for (size_t k = 0; k < alone[i].logits.size(); ++k)
+        EXPECT_EQ(together[i].logits[k], alone[i].logits[k]) << what << ", output " << k;
+    }
+  }
+}
+
+/// Milliseconds since `t0`.
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Prints (asserts nothing) what a decode step costs when its graph is instantiated (a backend's
+// first state), captured and updated into a cached exec (a new state, a resumed snapshot) or only
+// launched (steady; every figure includes the step itself), and what the prefix cache's copies
+// cost, first and again once a buffer of the size has been freed; then a turn 2 as the server
+// runs it: restore a snapshot of the history, prefill 22 new tokens, first decode step. For
+// docs/performance. The Qwen3.6-35B-A3B shape with a 4,000-token history when
+// LILY_GPU_BIG_MODEL names its checkpoint, else realdims with 900 tokens.
+TEST_F(CudaE2e, PrintsDecodeGraphAndPrefixCopyTimes) {
+  TempDir dir;
+  const char* big = std::getenv("LILY_GPU_BIG_MODEL");
+  auto w = big && *big ? load_model(big) : synth("realdims", dir.path());
+  const std::string model = big && *big ? "35b-a3b" : "realdims";
+  // Histories that leave the first 40 decode steps inside the KV capacity (4,096 and 1,024), so
+  // that no growth is timed.
+  const int vocab = w->config.vocab, history = big && *big ? 4000 : 900;
+  auto gpu = make_cuda_backend(w);
+  const auto prompt = prompt_ids(history, vocab, 51), turn2 = prompt_ids(22, vocab, 52);
+  using clock = std::chrono::steady_clock;
+
+  auto a = gpu->new_state(8192);
+  int32_t id = gpu->prefill(*a, prompt);
+  auto t0 = clock::now();
+  id = gpu->decode(*a, id);
+  const double first_instantiate = ms_since(t0);
+  constexpr int kSteady = 32;
+  t0 = clock::now();
+  for (int i = 0; i < kSteady; ++i) id = gpu->decode(*a, id);
+  const double steady = ms_since(t0) / kSteady;
+  auto b = gpu->new_state(8192);
+  const int32_t id_b = gpu->prefill(*b, prompt);
+  t0 = clock::now();
+  gpu->decode(*b, id_b);
+  const double first_update = ms_since(t0);
+  t0 = clock::now();
+  gpu->decode(*a, id);
+  const double back_to_a = ms_since(t0);
+  std::printf("[decode graph timing] %s, %d-token history: first step of the backend's first state "
+              "(capture + instantiate) %.3f ms; first step of a new state (capture + update) %.3f ms; the "
+              "first state again (capture + update) %.3f ms; steady step %.3f ms\n",
+              model.c_str(), history, first_instantiate, first_update, back_to_a, steady);
+
+  auto timed = [&](auto&& f) {
+    const auto start = clock::now();
+    auto out = f();
+    return std::make_pair(std::move(out), ms_since(start));
+  };
+  auto [clone1, t_clone1] = timed([&] { return gpu->clone_state(*b); });
+  clone1.reset();
+  auto [clone2, t_clone2] = timed([&] { return gpu->clone_state(*b); });
+  auto [host1, t_host1] = timed([&] { return gpu->copy_to_host(*b); });
+  host1.reset();
+  auto [host2, t_host2] = timed([&] { return gpu->copy_to_host(*b); });
+  auto [restored1, t_restore1] = timed([&] { return gpu->clone_state(*host2); });
+  restored1.reset();
+  auto [restored2, t_restore2] = timed([&] { return gpu->clone_state(*host2); });
+  restored2.reset();
+  std::printf("[prefix copy timing] %s, %d-token state of %.1f MB: clone_state %.3f ms (again after a free: "
+              "%.3f ms); copy_to_host %.3f ms (again: %.3f ms); restore from host %.3f ms (again: %.3f ms)\n",
+              model.c_str(), history + 1, double(b->bytes()) / 1e6, t_clone1, t_clone2, t_host1, t_host2,
+              t_restore1, t_restore2);
+
+  // Turn 2: the snapshot holds the history (clone2 on the device tier, host2 on the host tier).
+  for (const bool host_tier : {false, true}) {
+    t0 = clock::now();
+    auto s = gpu->clone_state(host_tier ? *host2 : *clone2);
+    const double restore = ms_since(t0);
+    const int32_t first = gpu->prefill(*s, turn2);
+    const double prefill = ms_since(t0) - restore;
+    gpu->decode(*s, first);
+    const double total = ms_since(t0);
+    std::printf("[turn 2 timing] %s, %s tier, %d-token history + %zu new tokens: restore %.3f ms, prefill "
+                "%.3f ms, first decode step %.3f ms; %.3f ms in all\n",
+                model.c_str(), host_tier ? "host" : "device", history + 1, turn2.size(), restore, prefill,
+                total - restore - prefill, total);
+  }
 }
 
 /// Prefill + greedy decode of `steps` tokens on a fresh state; returns every step's fp32 logits.

@@ -2,22 +2,27 @@
 // Hopper GPU. See cuda_backend.h for the decode-graph scheme and device_model.h for the weight
 // layout.
 //
-// Memory: weights, activation scratch and per-state GDN buffers are allocated once; the KV
+// Memory: weights and activation scratch are allocated once; a state's GDN buffers and KV
+// cache come from the backend's device pool (BlockPool: blocks reused by size, so a new state
+// or a prefix-cache copy seldom calls cudaMalloc), its host copies from a pinned pool. The KV
 // cache of a state starts at min(max_seq, 1024) positions and doubles (up to max_seq) when a
-// step needs more room. Growth happens between steps, outside any graph, and invalidates the
-// state's captured graph (re-captured on the next step: ~log2(max_seq/1024) captures over a
-// whole sequence). Trade-off: memory follows the sequence, at the price of
-// an occasional copy of the cache and a graph re-capture, instead of reserving 20 KiB per
-// position up to max_seq for every state held by the prefix cache.
+// step needs more room. Growth happens between steps, outside any graph, and gives the state a
+// new layout id, so its next step is captured again and an exec updated to it (~log2(max_seq/1024)
+// times over a whole sequence). Trade-off: memory follows the sequence, at the price of an
+// occasional copy of the cache and a graph update, instead of reserving 20 KiB per position up
+// to max_seq for every state held by the prefix cache.
 #include "backends/cuda/cuda_backend.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdlib>
+#include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -28,6 +33,7 @@
 #include "backends/cuda/quant_gemm.h"
 #include "backends/cuda/sampler_kernels.h"
 #include "base/bf16.h"
+#include "base/block_pool.h"
 #include "base/error.h"
 #include "base/log.h"
 
@@ -57,174 +63,190 @@ constexpr int kIoNextId = offsetof(StepIo, next_id) / sizeof(int32_t);
 /// Bytes copied in before a step: the fields before next_id.
 constexpr size_t kIoInBytes = offsetof(StepIo, next_id);
 
-/// Owning pinned (page-locked) host allocation of `bytes` bytes (cudaMallocHost / cudaFreeHost),
-/// so that copies to and from the device run at full speed on a stream. Move-only. Throws
-/// lily::Error naming the size when the allocation fails.
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  explicit PinnedBuffer(size_t bytes) : bytes_(bytes) {
-    if (bytes == 0) return;
-    const cudaError_t st = cudaMallocHost(&ptr_, bytes);
-    if (st != cudaSuccess) {
-      (void)cudaGetLastError();
-      ptr_ = nullptr;
-      throw ::lily::Error("CUDA: cannot allocate " + std::to_string(bytes) + " bytes of pinned host memory (" +
-                          cudaGetErrorString(st) + ")");
-    }
-  }
-  ~PinnedBuffer() {
-    if (ptr_) cudaFreeHost(ptr_);
-  }
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  PinnedBuffer(PinnedBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
-  PinnedBuffer& operator=(PinnedBuffer&&) = delete;
-  char* data() const { return static_cast<char*>(ptr_); }
-  size_t bytes() const { return bytes_; }
+/// Idle bytes each of the backend's block pools keeps for reuse: device memory for sequence
+/// states, pinned host memory for their host copies. About seven 35B-A3B states of a 4K-token
+/// history (63 MB of GDN state + 80 MB of KV cache) each; an allocation that fails frees the
+/// idle blocks and tries again, so the bound only limits what stays held between requests.
+constexpr size_t kPoolIdleBytes = size_t{1} << 30;
 
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
+/// The block pool of device memory (cudaMalloc / cudaFree) for sequence states. Throws
+/// lily::Error naming the size when an allocation fails.
+std::shared_ptr<BlockPool> make_device_pool() {
+  return std::make_shared<BlockPool>(
+      [](size_t bytes) {
+        void* p = nullptr;
+        const cudaError_t st = cudaMalloc(&p, bytes);
+        if (st != cudaSuccess) {
+          (void)cudaGetLastError();  // not an error of the next launch
+          throw ::lily::Error("CUDA: cannot allocate " + std::to_string(bytes) + " bytes of device memory (" +
+                              cudaGetErrorString(st) + ")");
+        }
+        return p;
+      },
+      [](void* p) { cudaFree(p); }, kPoolIdleBytes);
+}
 
-/// A host copy of a CudaState (the prefix cache's second tier, Backend::copy_to_host): one pinned
-/// buffer holding the GDN conv windows, the GDN recurrent states, then K and V of each attention
+/// The block pool of pinned (page-locked) host memory (cudaMallocHost / cudaFreeHost) for host
+/// copies of states, so that copies to and from the device run at full speed on a stream.
+/// Throws lily::Error naming the size when an allocation fails.
+std::shared_ptr<BlockPool> make_pinned_pool() {
+  return std::make_shared<BlockPool>(
+      [](size_t bytes) {
+        void* p = nullptr;
+        const cudaError_t st = cudaMallocHost(&p, bytes);
+        if (st != cudaSuccess) {
+          (void)cudaGetLastError();
+          throw ::lily::Error("CUDA: cannot allocate " + std::to_string(bytes) + " bytes of pinned host memory (" +
+                              cudaGetErrorString(st) + ")");
+        }
+        return p;
+      },
+      [](void* p) { cudaFreeHost(p); }, kPoolIdleBytes);
+}
+
+/// A host copy of a CudaState (the prefix cache's second tier, Backend::copy_to_host), in two
+/// pinned blocks: the GDN conv windows then the GDN recurrent states (the same size for every
+/// state of a model, so the block is nearly always a reused one), and K and V of each attention
 /// layer compacted to [n_kv_heads, position, head_dim]. Not runnable; the backend's clone_state
 /// copies it back into a device state.
 class CudaHostState final : public SequenceState {
  public:
-  CudaHostState(const void* owner, int64_t max_seq, int64_t pos, size_t window_bytes, size_t state_bytes,
-                size_t kv_bytes, int n_attn)
+  CudaHostState(const void* owner, const std::shared_ptr<BlockPool>& pinned, int64_t max_seq, int64_t pos,
+                size_t window_bytes, size_t state_bytes, size_t kv_bytes, int n_attn)
       : owner(owner), max_seq(max_seq), pos(pos), window_bytes(window_bytes), state_bytes(state_bytes),
-        kv_bytes(kv_bytes), buffer(window_bytes + state_bytes + 2 * kv_bytes * static_cast<size_t>(n_attn)) {}
+        kv_bytes(kv_bytes), gdn_block(pinned, window_bytes + state_bytes),
+        kv_block(pinned, 2 * kv_bytes * static_cast<size_t>(n_attn)) {}
   int64_t position() const override { return pos; }
-  int64_t bytes() const override { return static_cast<int64_t>(buffer.bytes()); }
-  char* windows() const { return buffer.data(); }
-  char* states() const { return buffer.data() + window_bytes; }
-  char* keys(int i) const { return buffer.data() + window_bytes + state_bytes + 2 * kv_bytes * static_cast<size_t>(i); }
+  int64_t bytes() const override { return static_cast<int64_t>(gdn_block.bytes() + kv_block.bytes()); }
+  char* windows() const { return gdn_block.as<char>(); }
+  char* states() const { return gdn_block.as<char>() + window_bytes; }
+  char* keys(int i) const { return kv_block.as<char>() + 2 * kv_bytes * static_cast<size_t>(i); }
   char* values(int i) const { return keys(i) + kv_bytes; }
 
   const void* owner;
   int64_t max_seq;
   int64_t pos;
   size_t window_bytes, state_bytes, kv_bytes;  ///< all GDN windows, all GDN states, one layer's K (or V)
-  PinnedBuffer buffer;
+  PooledBlock gdn_block, kv_block;
 };
 
 /// Sequence state on the device (docs/model.md §4.1): per GDN layer a bf16 conv window [C, K−1] and
 /// an fp32 recurrent state [Hv, Dk, Dv]; per attention layer bf16 K and V caches
-/// [n_kv_heads, capacity, head_dim].
+/// [n_kv_heads, capacity, head_dim]. Three blocks of the backend's device pool: all windows, all
+/// recurrent states, and all K and V caches (layer i's K, then its V, each at a 256-byte aligned
+/// offset), so a copy allocates at most three times, and the two GDN blocks, whose size is the
+/// same for every state, are nearly always reused ones. Every use of a block, device or pinned,
+/// is work on the backend's stream, so the work of a block's next owner runs after that of its
+/// last one, even where a failed call left work queued (and normally each call has finished its
+/// work before it returns).
 class CudaState final : public SequenceState {
  public:
-  /// A zero state at position 0 with room for min(max_seq, kInitialKvCapacity) positions.
-  CudaState(const void* owner, const GdnDims& g, const AttnDims& a, int n_gdn, int n_attn, int64_t max_seq)
-      : CudaState(owner, g, a, n_gdn, n_attn, max_seq, std::min(max_seq, kInitialKvCapacity)) {
-    windows.fill_bytes(0);
-    states.fill_bytes(0);
+  /// A zero state at position 0 with room for min(max_seq, kInitialKvCapacity) positions, in
+  /// blocks of `pool`; the zeros are written on `stream` (a reused block holds an old state) and
+  /// finished on return.
+  static std::unique_ptr<CudaState> zero(const void* owner, std::shared_ptr<BlockPool> pool, const GdnDims& g,
+                                         const AttnDims& a, int n_gdn, int n_attn, int64_t max_seq,
+                                         cudaStream_t stream) {
+    auto s = std::make_unique<CudaState>(owner, std::move(pool), g, a, n_gdn, n_attn, max_seq,
+                                         std::min(max_seq, kInitialKvCapacity));
+    if (n_gdn > 0) {
+      CUDA_CHECK(cudaMemsetAsync(s->windows.data(), 0, s->windows.bytes(), stream));
+      CUDA_CHECK(cudaMemsetAsync(s->states.data(), 0, s->states.bytes(), stream));
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+    return s;
   }
   /// Uninitialised buffers with room for `kv_capacity` (≥ 1) positions, at position 0: for copies.
-  CudaState(const void* owner, const GdnDims& g, const AttnDims& a, int n_gdn, int n_attn, int64_t max_seq,
-            int64_t kv_capacity)
-      : owner(owner), max_seq(max_seq), gdn(g), attn(a), n_gdn(n_gdn), n_attn(n_attn) {
+  CudaState(const void* owner, std::shared_ptr<BlockPool> pool, const GdnDims& g, const AttnDims& a, int n_gdn,
+            int n_attn, int64_t max_seq, int64_t kv_capacity)
+      : owner(owner), max_seq(max_seq), pool(std::move(pool)), gdn(g), attn(a), n_gdn(n_gdn), n_attn(n_attn) {
     window_elems = g.window_elems();
     state_elems = g.state_elems();
     if (n_gdn > 0) {
-      windows = DeviceBuffer(n_gdn * window_elems * sizeof(bf16));
-      states = DeviceBuffer(n_gdn * state_elems * sizeof(float));
+      windows = PooledBlock(this->pool, n_gdn * window_elems * sizeof(bf16));
+      states = PooledBlock(this->pool, n_gdn * state_elems * sizeof(float));
     }
     allocate_kv(std::max<int64_t>(kv_capacity, 1));
   }
-  ~CudaState() override { drop_graph(); }
-
   int64_t position() const override { return pos; }
+  /// The GDN buffers and n_attn K and V caches of `capacity` positions (the alignment padding
+  /// between caches is not counted).
   int64_t bytes() const override {
-    int64_t b = static_cast<int64_t>(windows.bytes() + states.bytes());
-    for (const DeviceBuffer& k : keys) b += k.bytes();
-    for (const DeviceBuffer& v : values) b += v.bytes();
-    return b;
+    return static_cast<int64_t>(windows.bytes() + states.bytes() + 2 * static_cast<size_t>(n_attn) * layer_bytes(capacity));
   }
 
   bf16* window(int gdn_index) const { return windows.as<bf16>() + gdn_index * window_elems; }
   float* state(int gdn_index) const { return states.as<float>() + gdn_index * state_elems; }
   KvCacheView kv(int attn_index) const {
-    return KvCacheView{keys[attn_index].as<bf16>(), values[attn_index].as<bf16>(), capacity};
+    return KvCacheView{cache(kv_block, capacity, 2 * attn_index), cache(kv_block, capacity, 2 * attn_index + 1),
+                       capacity};
   }
 
   /// Makes room for `needed` positions (doubling), keeping the first `pos` positions. The copy
   /// runs on `stream` (the backend's, which wrote the cache), after the work already queued
-  /// there, and is finished before the old buffers are freed; a state with pos = 0 copies nothing.
+  /// there, and is finished before the old block is given back; a state with pos = 0 copies nothing.
   void reserve(int64_t needed, cudaStream_t stream) {
     if (needed <= capacity) return;
     int64_t cap = capacity;
     while (cap < needed) cap *= 2;
     cap = std::min(cap, max_seq);
-    std::vector<DeviceBuffer> old_k = std::move(keys), old_v = std::move(values);
+    PooledBlock old = std::move(kv_block);
     const int64_t old_cap = capacity;
     allocate_kv(cap);
     const size_t row = static_cast<size_t>(attn.head_dim) * sizeof(bf16);
-    for (int i = 0; i < n_attn && pos > 0; ++i) {
-      CUDA_CHECK(cudaMemcpy2DAsync(keys[i].data(), cap * row, old_k[i].data(), old_cap * row, pos * row,
-                                   attn.n_kv_heads, cudaMemcpyDeviceToDevice, stream));
-      CUDA_CHECK(cudaMemcpy2DAsync(values[i].data(), cap * row, old_v[i].data(), old_cap * row, pos * row,
+    for (int c = 0; c < 2 * n_attn && pos > 0; ++c) {
+      CUDA_CHECK(cudaMemcpy2DAsync(cache(kv_block, cap, c), cap * row, cache(old, old_cap, c), old_cap * row, pos * row,
                                    attn.n_kv_heads, cudaMemcpyDeviceToDevice, stream));
     }
-    if (n_attn > 0 && pos > 0) CUDA_CHECK(cudaStreamSynchronize(stream));  // old_k / old_v are freed below
-    drop_graph();
+    if (n_attn > 0 && pos > 0) CUDA_CHECK(cudaStreamSynchronize(stream));  // `old` is given back below
   }
 
-  void drop_graph() {
-    if (graph) cudaGraphExecDestroy(graph);
-    if (sample_graph) cudaGraphExecDestroy(sample_graph);
-    graph = nullptr;
-    sample_graph = nullptr;
-  }
-
-  /// Deep copy (no graph) with room for exactly `pos` positions (at least 1): a prefix-cache
+  /// Deep copy with room for exactly `pos` positions (at least 1): a prefix-cache
   /// snapshot holds no spare capacity, and a resumed state grows on its next step. The copies
   /// run on `stream` (the backend's, which wrote this state) and are finished on return.
   std::unique_ptr<CudaState> clone(cudaStream_t stream) const {
-    auto c = std::make_unique<CudaState>(owner, gdn, attn, n_gdn, n_attn, max_seq, pos);
+    auto c = std::make_unique<CudaState>(owner, pool, gdn, attn, n_gdn, n_attn, max_seq, pos);
     if (n_gdn > 0) {
       CUDA_CHECK(cudaMemcpyAsync(c->windows.data(), windows.data(), windows.bytes(), cudaMemcpyDeviceToDevice, stream));
       CUDA_CHECK(cudaMemcpyAsync(c->states.data(), states.data(), states.bytes(), cudaMemcpyDeviceToDevice, stream));
     }
     const size_t row = static_cast<size_t>(attn.head_dim) * sizeof(bf16);
-    for (int i = 0; i < n_attn && pos > 0; ++i) {
-      CUDA_CHECK(cudaMemcpy2DAsync(c->keys[i].data(), c->capacity * row, keys[i].data(), capacity * row, pos * row,
-                                   attn.n_kv_heads, cudaMemcpyDeviceToDevice, stream));
-      CUDA_CHECK(cudaMemcpy2DAsync(c->values[i].data(), c->capacity * row, values[i].data(), capacity * row,
-                                   pos * row, attn.n_kv_heads, cudaMemcpyDeviceToDevice, stream));
+    for (int k = 0; k < 2 * n_attn && pos > 0; ++k) {
+      CUDA_CHECK(cudaMemcpy2DAsync(cache(c->kv_block, c->capacity, k), c->capacity * row, cache(kv_block, capacity, k),
+                                   capacity * row, pos * row, attn.n_kv_heads, cudaMemcpyDeviceToDevice, stream));
     }
     CUDA_CHECK(cudaStreamSynchronize(stream));
     c->pos = pos;
     return c;
   }
 
-  /// A pinned host copy (see CudaHostState), copied on `stream` and finished on return.
-  std::unique_ptr<CudaHostState> to_host(cudaStream_t stream) const {
+  /// A host copy (see CudaHostState) in blocks of `pinned`, copied on `stream` and finished on
+  /// return.
+  std::unique_ptr<CudaHostState> to_host(const std::shared_ptr<BlockPool>& pinned, cudaStream_t stream) const {
     const size_t row = static_cast<size_t>(attn.head_dim) * sizeof(bf16);
     const size_t kv_bytes = static_cast<size_t>(attn.n_kv_heads) * static_cast<size_t>(pos) * row;
-    auto h = std::make_unique<CudaHostState>(owner, max_seq, pos, windows.bytes(), states.bytes(), kv_bytes, n_attn);
+    auto h = std::make_unique<CudaHostState>(owner, pinned, max_seq, pos, windows.bytes(), states.bytes(), kv_bytes,
+                                             n_attn);
     if (n_gdn > 0) {
       CUDA_CHECK(cudaMemcpyAsync(h->windows(), windows.data(), windows.bytes(), cudaMemcpyDeviceToHost, stream));
       CUDA_CHECK(cudaMemcpyAsync(h->states(), states.data(), states.bytes(), cudaMemcpyDeviceToHost, stream));
     }
     for (int i = 0; i < n_attn && pos > 0; ++i) {
-      CUDA_CHECK(cudaMemcpy2DAsync(h->keys(i), pos * row, keys[i].data(), capacity * row, pos * row, attn.n_kv_heads,
-                                   cudaMemcpyDeviceToHost, stream));
-      CUDA_CHECK(cudaMemcpy2DAsync(h->values(i), pos * row, values[i].data(), capacity * row, pos * row,
+      CUDA_CHECK(cudaMemcpy2DAsync(h->keys(i), pos * row, cache(kv_block, capacity, 2 * i), capacity * row, pos * row,
                                    attn.n_kv_heads, cudaMemcpyDeviceToHost, stream));
+      CUDA_CHECK(cudaMemcpy2DAsync(h->values(i), pos * row, cache(kv_block, capacity, 2 * i + 1), capacity * row,
+                                   pos * row, attn.n_kv_heads, cudaMemcpyDeviceToHost, stream));
     }
     CUDA_CHECK(cudaStreamSynchronize(stream));
     return h;
   }
 
-  /// A device state made from host copy `h` (of a state with these dimensions), with room for
-  /// exactly its positions; copied on `stream` and finished on return.
-  static std::unique_ptr<CudaState> from_host(const CudaHostState& h, const GdnDims& g, const AttnDims& a, int n_gdn,
-                                              int n_attn, cudaStream_t stream) {
-    auto c = std::make_unique<CudaState>(h.owner, g, a, n_gdn, n_attn, h.max_seq, h.pos);
+  /// A device state in blocks of `pool` made from host copy `h` (of a state with these
+  /// dimensions), with room for exactly its positions; copied on `stream` and finished on return.
+  static std::unique_ptr<CudaState> from_host(const CudaHostState& h, std::shared_ptr<BlockPool> pool,
+                                              const GdnDims& g, const AttnDims& a, int n_gdn, int n_attn,
+                                              cudaStream_t stream) {
+    auto c = std::make_unique<CudaState>(h.owner, std::move(pool), g, a, n_gdn, n_attn, h.max_seq, h.pos);
     if (c->windows.bytes() != h.window_bytes || c->states.bytes() != h.state_bytes)
       throw ::lily::Error("CUDA backend: the host state does not match this model's dimensions");
     if (n_gdn > 0) {
@@ -233,10 +255,10 @@ class CudaState final : public SequenceState {
     }
     const size_t row = static_cast<size_t>(a.head_dim) * sizeof(bf16);
     for (int i = 0; i < n_attn && h.pos > 0; ++i) {
-      CUDA_CHECK(cudaMemcpy2DAsync(c->keys[i].data(), c->capacity * row, h.keys(i), h.pos * row, h.pos * row,
-                                   a.n_kv_heads, cudaMemcpyHostToDevice, stream));
-      CUDA_CHECK(cudaMemcpy2DAsync(c->values[i].data(), c->capacity * row, h.values(i), h.pos * row, h.pos * row,
-                                   a.n_kv_heads, cudaMemcpyHostToDevice, stream));
+      CUDA_CHECK(cudaMemcpy2DAsync(c->cache(c->kv_block, c->capacity, 2 * i), c->capacity * row, h.keys(i), h.pos * row,
+                                   h.pos * row, a.n_kv_heads, cudaMemcpyHostToDevice, stream));
+      CUDA_CHECK(cudaMemcpy2DAsync(c->cache(c->kv_block, c->capacity, 2 * i + 1), c->capacity * row, h.values(i),
+                                   h.pos * row, h.pos * row, a.n_kv_heads, cudaMemcpyHostToDevice, stream));
     }
     CUDA_CHECK(cudaStreamSynchronize(stream));
     c->pos = h.pos;
@@ -247,27 +269,40 @@ class CudaState final : public SequenceState {
   int64_t max_seq;
   int64_t pos = 0;
   int64_t capacity = 0;
-  cudaGraphExec_t graph = nullptr;         ///< the greedy decode step (argmax)
-  cudaGraphExec_t sample_graph = nullptr;  ///< the decode step + the device sampler (captured on first use)
+  /// Names this state's device buffers and KV capacity, everything of the state that a captured
+  /// decode step bakes in (DecodeGraphs). Taken from a process-wide counter whenever the KV cache
+  /// is (re)allocated, and never reused, so a decode graph last updated for a state that has
+  /// since grown or been destroyed can never match a live state, even one whose blocks are the
+  /// same reused addresses.
+  uint64_t layout = 0;
 
  private:
+  /// Bytes of one layer's K (or V) cache for `cap` positions.
+  size_t layer_bytes(int64_t cap) const {
+    return static_cast<size_t>(attn.n_kv_heads) * static_cast<size_t>(cap) * attn.head_dim * sizeof(bf16);
+  }
+  /// Cache `c` (2·i: layer i's K, 2·i + 1: its V) in a KV block of `cap` positions; each cache
+  /// starts on a 256-byte boundary, as a cudaMalloc of its own would.
+  bf16* cache(const PooledBlock& block, int64_t cap, int c) const {
+    const size_t stride = (layer_bytes(cap) + 255) / 256 * 256;
+    return reinterpret_cast<bf16*>(block.as<char>() + stride * static_cast<size_t>(c));
+  }
   void allocate_kv(int64_t cap) {
-    keys.clear();
-    values.clear();
-    const size_t bytes = static_cast<size_t>(attn.n_kv_heads) * cap * attn.head_dim * sizeof(bf16);
-    for (int i = 0; i < n_attn; ++i) {
-      keys.emplace_back(bytes);
-      values.emplace_back(bytes);
-    }
+    kv_block.reset();
+    const size_t stride = (layer_bytes(cap) + 255) / 256 * 256;
+    kv_block = PooledBlock(pool, stride * 2 * static_cast<size_t>(n_attn));
     capacity = cap;
+    layout = next_layout_.fetch_add(1, std::memory_order_relaxed);
   }
 
+  static inline std::atomic<uint64_t> next_layout_{1};  ///< 0 means "no state" in DecodeGraphs
+
+  std::shared_ptr<BlockPool> pool;  ///< the backend's device pool (outlives the backend if need be)
   GdnDims gdn;
   AttnDims attn;
   int n_gdn, n_attn;
   int64_t window_elems = 0, state_elems = 0;
-  DeviceBuffer windows, states;
-  std::vector<DeviceBuffer> keys, values;
+  PooledBlock windows, states, kv_block;
 };
 
 /// Pinned host memory for StepIo.
@@ -281,6 +316,112 @@ class PinnedIo {
 
  private:
   StepIo* io_ = nullptr;
+};
+
+/// Owns a captured cudaGraph_t (destroyed with the handle).
+struct GraphDeleter {
+  void operator()(cudaGraph_t g) const { cudaGraphDestroy(g); }
+};
+using CapturedGraph = std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, GraphDeleter>;
+
+/// The backend's instantiated decode graphs, shared by all of its states (cuda_backend.h
+/// describes the scheme). Each exec remembers the layout (CudaState::layout) of the state whose
+/// parameters it holds; find() hands it out only to that state, and bind() moves an exec to a
+/// new state by cudaGraphExecUpdate from that state's freshly captured graph, instantiating only
+/// when there is no exec to reuse or the update is refused. Used by the backend's one engine
+/// thread; every launch is finished (stream synchronised) before the next find() or bind().
+class DecodeGraphs {
+ public:
+  /// What decides a captured step's node set and launch shapes, apart from the state's buffer
+  /// addresses: the kind of step, the attention split count (the split kernel's grid, from the
+  /// KV capacity) and whether the kernels were captured with programmatic edges.
+  struct Key {
+    bool sampled = false;  ///< the device sampler follows the argmax
+    int splits = 0;        ///< attention_decode_splits(capacity)
+    bool pdl = false;      ///< pdl_enabled() at capture
+    bool operator==(const Key&) const = default;
+  };
+
+  /// At most `per_key` execs of one key (the rows that one step interleaves: each keeps its own)
+  /// and `limit` (≥ per_key) in all.
+  DecodeGraphs(int per_key, int limit) : per_key_(std::max(per_key, 1)), limit_(std::max(limit, per_key_)) {}
+  ~DecodeGraphs() {
+    for (const Entry& e : entries_) cudaGraphExecDestroy(e.exec);
+  }
+  DecodeGraphs(const DecodeGraphs&) = delete;
+  DecodeGraphs& operator=(const DecodeGraphs&) = delete;
+
+  /// The exec that holds the parameters of the state with `layout` for `key`, ready to launch;
+  /// nullptr when none does (then capture the step and call bind).
+  cudaGraphExec_t find(const Key& key, uint64_t layout) {
+    for (Entry& e : entries_) {
+      if (e.layout == layout && e.key == key) {
+        e.used = ++clock_;
+        return e.exec;
+      }
+    }
+    return nullptr;
+  }
+
+  /// Makes an exec hold `graph`, the step just captured for the state with `layout` under `key`,
+  /// and returns it. Reuses the least recently used exec of `key` when there are per_key of them,
+  /// else the least recently used of all when there are `limit`, else instantiates a new one. A
+  /// reused exec is updated in place (cudaGraphExecUpdate); where the update is refused
+  /// (cudaErrorGraphExecUpdateFailure: topology, node type, function or attributes changed), it
+  /// is replaced by a fresh instantiation. Any other CUDA error throws lily::Error, leaving the
+  /// exec bound to no state.
+  cudaGraphExec_t bind(const Key& key, uint64_t layout, cudaGraph_t graph) {
+    Entry* lru_key = nullptr;
+    Entry* lru_all = nullptr;
+    int same_key = 0;
+    for (Entry& e : entries_) {
+      if (!lru_all || e.used < lru_all->used) lru_all = &e;
+      if (e.key == key) {
+        ++same_key;
+        if (!lru_key || e.used < lru_key->used) lru_key = &e;
+      }
+    }
+    Entry* reuse = same_key >= per_key_ ? lru_key : static_cast<int>(entries_.size()) >= limit_ ? lru_all : nullptr;
+    if (!reuse) {
+      entries_.reserve(entries_.size() + 1);  // so that the push cannot throw after the instantiation
+      entries_.push_back(Entry{key, layout, ++clock_, instantiate(graph)});
+      return entries_.back().exec;
+    }
+    reuse->layout = 0;  // holds no state's parameters until the update below has succeeded
+    cudaGraphExecUpdateResultInfo info{};
+    const cudaError_t st = cudaGraphExecUpdate(reuse->exec, graph, &info);
+    if (st == cudaErrorGraphExecUpdateFailure) {
+      (void)cudaGetLastError();  // the refusal is not an error of the next launch
+      cudaGraphExec_t fresh = instantiate(graph);
+      const cudaError_t destroyed = cudaGraphExecDestroy(reuse->exec);
+      reuse->exec = fresh;
+      CUDA_CHECK(destroyed);
+    } else {
+      CUDA_CHECK(st);
+    }
+    reuse->key = key;
+    reuse->layout = layout;
+    reuse->used = ++clock_;
+    return reuse->exec;
+  }
+
+ private:
+  struct Entry {
+    Key key;
+    uint64_t layout = 0;  ///< the state whose parameters the exec holds; 0: none
+    uint64_t used = 0;    ///< clock_ at the last find or bind (least recently used goes first)
+    cudaGraphExec_t exec = nullptr;
+  };
+
+  static cudaGraphExec_t instantiate(cudaGraph_t graph) {
+    cudaGraphExec_t exec = nullptr;
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    return exec;
+  }
+
+  std::vector<Entry> entries_;
+  uint64_t clock_ = 0;
+  int per_key_, limit_;
 };
 
 void check_device() {
@@ -382,7 +523,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<SequenceState> new_state(int64_t max_seq) override {
     if (max_seq < 1 || max_seq > kMaxSeq)
       throw ::lily::Error("max_seq " + std::to_string(max_seq) + " is outside [1, " + std::to_string(kMaxSeq) + "]");
-    return std::make_unique<CudaState>(this, gdn_, attn_, n_gdn_, n_attn_, max_seq);
+    return CudaState::zero(this, device_pool_, gdn_, attn_, n_gdn_, n_attn_, max_seq, stream_);
   }
 
   /// Compact device copy of a device state, or a device state made from a copy_to_host copy; the
@@ -390,7 +531,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<SequenceState> clone_state(const SequenceState& state) override {
     if (const auto* h = dynamic_cast<const CudaHostState*>(&state)) {
       if (h->owner != this) throw ::lily::Error("CUDA backend: the sequence state belongs to another backend");
-      return CudaState::from_host(*h, gdn_, attn_, n_gdn_, n_attn_, stream_);
+      return CudaState::from_host(*h, device_pool_, gdn_, attn_, n_gdn_, n_attn_, stream_);
     }
     return checked(const_cast<SequenceState&>(state)).clone(stream_);
   }
@@ -399,16 +540,17 @@ class CudaBackend final : public Backend {
   std::unique_ptr<SequenceState> copy_to_host(const SequenceState& state) override {
     if (const auto* h = dynamic_cast<const CudaHostState*>(&state)) {
       if (h->owner != this) throw ::lily::Error("CUDA backend: the sequence state belongs to another backend");
-      return CudaState::from_host(*h, gdn_, attn_, n_gdn_, n_attn_, stream_)->to_host(stream_);
+      return CudaState::from_host(*h, device_pool_, gdn_, attn_, n_gdn_, n_attn_, stream_)->to_host(pinned_pool_, stream_);
     }
-    return checked(const_cast<SequenceState&>(state)).to_host(stream_);
+    return checked(const_cast<SequenceState&>(state)).to_host(pinned_pool_, stream_);
   }
 
-  /// Free device memory now (cudaMemGetInfo).
+  /// Free device memory now (cudaMemGetInfo), plus what the state pool holds idle: the pool lets
+  /// that go whenever an allocation would otherwise fail.
   std::optional<int64_t> free_memory() const override {
     size_t free = 0, total = 0;
     CUDA_CHECK(cudaMemGetInfo(&free, &total));
-    return static_cast<int64_t>(free);
+    return static_cast<int64_t>(free + device_pool_->idle_bytes());
   }
 
   /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH): 1 by default, so the scheduler runs requests
@@ -573,9 +715,10 @@ class CudaBackend final : public Backend {
       if (sampling) enqueue_sampler();
       copy_io_out();
     } else {
-      cudaGraphExec_t& graph = sampling ? s.sample_graph : s.graph;
-      if (!graph) capture(s, sampling != nullptr, graph);
-      CUDA_CHECK(cudaGraphLaunch(graph, stream_));
+      const DecodeGraphs::Key key{sampling != nullptr, attention_decode_splits(s.capacity), pdl_enabled()};
+      cudaGraphExec_t exec = graphs_.find(key, s.layout);
+      if (!exec) exec = graphs_.bind(key, s.layout, capture(s, sampling != nullptr).get());
+      CUDA_CHECK(cudaGraphLaunch(exec, stream_));
     }
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (logits) {
@@ -594,9 +737,9 @@ class CudaBackend final : public Backend {
                                cudaMemcpyDeviceToHost, stream_));
   }
 
-  /// Captures the decode step of `s` into `exec`: with `sampled`, the device sampler follows
-  /// the argmax and overwrites its id.
-  void capture(CudaState& s, bool sampled, cudaGraphExec_t& exec) {
+  /// Captures the decode step of `s` (not instantiated): with `sampled`, the device sampler
+  /// follows the argmax and overwrites its id.
+  CapturedGraph capture(CudaState& s, bool sampled) {
     cudaGraph_t graph = nullptr;
     CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     try {
@@ -610,9 +753,7 @@ class CudaBackend final : public Backend {
       throw;
     }
     CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    const cudaError_t st = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);
-    CUDA_CHECK(st);
+    return CapturedGraph(graph);
   }
 
   // ---- the forward pass of one token (docs/model.md §3, §4.3) ----------------------------------
@@ -951,6 +1092,12 @@ class CudaBackend final : public Backend {
   std::unique_ptr<DeviceModel> model_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<PinnedIo> io_;  ///< created after the device check
+  /// Where sequence states (device) and their host copies (pinned) take their memory; shared
+  /// with the states, which may outlive the backend.
+  std::shared_ptr<BlockPool> device_pool_ = make_device_pool(), pinned_pool_ = make_pinned_pool();
+  /// The decode graphs of all states: one exec per key per row that a step may hold, and a
+  /// few keys (KV capacity buckets, greedy / sampled) besides.
+  DecodeGraphs graphs_{options_.max_batch, std::max(8, 2 * options_.max_batch)};
   DeviceBuffer x_alt_;  ///< the decode step's second residual buffer (FusedNorm ping-pong with x_)
   /// mixer_core_out_: the mixer's output before its out projection (GDN: gated-normed values
   /// [value_dim]; attention: gated heads [n_heads · head_dim]).

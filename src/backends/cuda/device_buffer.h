@@ -1,6 +1,6 @@
-// DeviceBuffer: an owning, move-only span of device memory (cudaMalloc / cudaFree). All of the
-// CUDA backend's memory is held in these, allocated at load or state creation, never inside
-// the decode loop.
+// DeviceBuffer: an owning, move-only span of device memory (cudaMalloc / cudaFree). The CUDA
+// backend's weights and scratch are held in these, allocated at load, never inside the decode
+// loop; sequence states take theirs from a block pool instead (cuda_backend.cpp, CudaState).
 #pragma once
 #include <cuda_runtime.h>
 

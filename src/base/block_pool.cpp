@@ -1,0 +1,106 @@
+// BlockPool and PooledBlock (block_pool.h). The free lists are one list in least-recently-given
+// order, searched linearly: the pool holds a few large blocks (tens of megabytes each, bounded in
+// bytes), so a map by size would buy nothing.
+#include "base/block_pool.h"
+
+#include <utility>
+#include <vector>
+
+namespace lily {
+
+BlockPool::BlockPool(Allocate allocate, Free free, size_t max_idle_bytes)
+    : allocate_(std::move(allocate)), free_(std::move(free)), max_idle_bytes_(max_idle_bytes) {}
+
+BlockPool::~BlockPool() { release_idle(); }
+
+void* BlockPool::take(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  {
+    std::lock_guard lock(mutex_);
+    for (auto it = idle_.begin(); it != idle_.end(); ++it) {
+      if (it->bytes != bytes) continue;
+      void* p = it->ptr;
+      idle_bytes_ -= bytes;
+      idle_.erase(it);
+      return p;
+    }
+  }
+  void* p = nullptr;
+  try {
+    p = allocate_(bytes);
+  } catch (...) {
+    if (idle_bytes() == 0) throw;
+    release_idle();
+    p = allocate_(bytes);
+  }
+  std::lock_guard lock(mutex_);
+  ++allocations_;
+  return p;
+}
+
+void BlockPool::give(void* block, size_t bytes) noexcept {
+  if (block == nullptr) return;
+  if (bytes > max_idle_bytes_) {
+    free_(block);
+    return;
+  }
+  std::vector<void*> drop;  // freed outside the lock: a free may take milliseconds
+  {
+    std::lock_guard lock(mutex_);
+    idle_.push_front(Block{block, bytes});
+    idle_bytes_ += bytes;
+    while (idle_bytes_ > max_idle_bytes_) {
+      drop.push_back(idle_.back().ptr);
+      idle_bytes_ -= idle_.back().bytes;
+      idle_.pop_back();
+    }
+  }
+  for (void* p : drop) free_(p);
+}
+
+void BlockPool::release_idle() noexcept {
+  std::list<Block> drop;
+  {
+    std::lock_guard lock(mutex_);
+    drop.swap(idle_);
+    idle_bytes_ = 0;
+  }
+  for (const Block& b : drop) free_(b.ptr);
+}
+
+size_t BlockPool::idle_bytes() const {
+  std::lock_guard lock(mutex_);
+  return idle_bytes_;
+}
+
+size_t BlockPool::allocations() const {
+  std::lock_guard lock(mutex_);
+  return allocations_;
+}
+
+PooledBlock::PooledBlock(std::shared_ptr<BlockPool> pool, size_t bytes) : pool_(std::move(pool)) {
+  ptr_ = pool_->take(bytes);
+  bytes_ = ptr_ ? bytes : 0;
+}
+
+PooledBlock::PooledBlock(PooledBlock&& o) noexcept
+    : pool_(std::move(o.pool_)), ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+
+PooledBlock& PooledBlock::operator=(PooledBlock&& o) noexcept {
+  if (this != &o) {
+    reset();
+    pool_ = std::move(o.pool_);
+    ptr_ = std::exchange(o.ptr_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+  }
+  return *this;
+}
+
+void PooledBlock::reset() noexcept {
+  if (ptr_) pool_->give(ptr_, bytes_);
+  ptr_ = nullptr;
+  bytes_ = 0;
+  pool_.reset();
+}
+
+}  // namespace lily

@@ -1,0 +1,94 @@
+// BlockPool: idle memory blocks kept for reuse by exact size. A caller that allocates and frees
+// the same sizes again and again pays each allocation once; the CUDA backend's sequence states
+// and their host copies come from two of them, because cudaMalloc and cudaMallocHost of tens of
+// megabytes take milliseconds and cudaFree synchronises the device. The pool knows nothing of
+// what the memory is: it is given an allocate and a free function.
+#pragma once
+#include <cstddef>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+
+namespace lily {
+
+/// A cache of idle blocks of one allocator, reused by exact size and bounded by the bytes it
+/// keeps idle. Thread-safe: blocks may be taken and given back from any thread.
+class BlockPool {
+ public:
+  /// Allocates `bytes` (> 0) bytes; throws lily::Error when it cannot.
+  using Allocate = std::function<void*(size_t bytes)>;
+  /// Frees a block that Allocate returned; must not throw.
+  using Free = std::function<void(void* block)>;
+
+  /// A pool over `allocate` and `free` that keeps at most `max_idle_bytes` bytes idle.
+  BlockPool(Allocate allocate, Free free, size_t max_idle_bytes);
+  /// Frees every idle block. Blocks still taken are not the pool's any more (PooledBlock keeps
+  /// its pool alive, so with PooledBlock there are none).
+  ~BlockPool();
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+
+  /// A block of exactly `bytes` bytes: the most recently given idle block of that size, else a
+  /// new allocation. When the allocation fails, every idle block is freed and it is tried once
+  /// more, so memory held idle never makes an allocation fail. nullptr for 0 bytes. Throws what
+  /// Allocate throws.
+  void* take(size_t bytes);
+  /// Gives back a block of `bytes` bytes that take() returned; nothing may use it any more. It
+  /// stays idle for reuse; while more than max_idle_bytes are idle, the least recently given
+  /// blocks are freed (a block larger than the bound is freed at once). nullptr is ignored.
+  void give(void* block, size_t bytes) noexcept;
+  /// Frees every idle block.
+  void release_idle() noexcept;
+  /// Bytes held idle now.
+  size_t idle_bytes() const;
+  /// Blocks allocated so far (takes served from the idle blocks are not counted).
+  size_t allocations() const;
+
+ private:
+  struct Block {
+    void* ptr;
+    size_t bytes;
+  };
+
+  Allocate allocate_;
+  Free free_;
+  const size_t max_idle_bytes_;
+  mutable std::mutex mutex_;
+  std::list<Block> idle_;  ///< most recently given first
+  size_t idle_bytes_ = 0;
+  size_t allocations_ = 0;
+};
+
+/// A block taken from a shared BlockPool and given back to it on destruction. Holds the pool, so
+/// the pool lives as long as any of its blocks is out. Move-only.
+class PooledBlock {
+ public:
+  PooledBlock() = default;
+  /// A block of `bytes` bytes from `pool` (none for 0 bytes). Throws as BlockPool::take.
+  PooledBlock(std::shared_ptr<BlockPool> pool, size_t bytes);
+  ~PooledBlock() { reset(); }
+  PooledBlock(const PooledBlock&) = delete;
+  PooledBlock& operator=(const PooledBlock&) = delete;
+  PooledBlock(PooledBlock&& o) noexcept;
+  PooledBlock& operator=(PooledBlock&& o) noexcept;
+
+  /// Gives the block back now (if any); the handle is empty afterwards.
+  void reset() noexcept;
+  /// The block's memory (nullptr when empty).
+  void* data() const { return ptr_; }
+  /// The block's memory cast to T* (no check of alignment beyond the allocator's).
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  /// Its size in bytes (0 when empty).
+  size_t bytes() const { return bytes_; }
+
+ private:
+  std::shared_ptr<BlockPool> pool_;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+}  // namespace lily
