@@ -7,6 +7,8 @@
 // eager, with PDL and replayed from a CUDA graph, bit-identical.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -166,6 +168,8 @@ struct MoeBlockChain {
   std::vector<float> x0;
   DeviceBuffer xr[2], out[2], normed, barriers;
   int blocks;
+  int traced = -1;             ///< the block whose launch records MoeDecodeArgs::trace
+  uint64_t* trace = nullptr;
 
   MoeBlockChain(int E, int k, int hidden, int ffn, int blocks_, std::mt19937_64& rng)
       : m(E, k, hidden, ffn, rng), blocks(blocks_) {
@@ -186,8 +190,9 @@ struct MoeBlockChain {
   void enqueue(cudaStream_t stream) {
     CUDA_CHECK(cudaMemsetAsync(barriers.data(), 0, barriers.bytes(), stream));
     for (int l = 0; l < blocks; ++l) {
-      const cuda::MoeDecodeArgs a = m.args(xr[l % 2], l == 0 ? nullptr : out[(l + 1) % 2].as<__nv_bfloat16>(),
-                                           xr[(l + 1) % 2], normed, out[l % 2], barriers.as<uint32_t>() + 2 * l);
+      cuda::MoeDecodeArgs a = m.args(xr[l % 2], l == 0 ? nullptr : out[(l + 1) % 2].as<__nv_bfloat16>(),
+                                     xr[(l + 1) % 2], normed, out[l % 2], barriers.as<uint32_t>() + 2 * l);
+      if (l == traced) a.trace = trace;
       cuda::launch_moe_block_decode(a, stream);
     }
   }
@@ -295,6 +300,48 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
     cudaEventDestroy(b);
     CUDA_CHECK(cudaGraphExecDestroy(exec));
   }
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// Where one fused MoE block's time goes: the %globaltimer phase stamps of every block of layer
+// 20 of the 40-layer graph chain, relative to the first block's entry; per phase the earliest,
+// median and latest block (printed, never asserted).
+TEST(CudaTiming, PrintsMoeBlockPhases) {
+  PdlSetting keep;
+  cuda::set_pdl_enabled(true);
+  std::mt19937_64 rng(74);
+  MoeBlockChain chain(256, 8, 2048, 512, 40, rng);
+  int blocks = 0, dev = 0;  // the kernel runs one block per SM
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev));
+  DeviceBuffer trace(size_t(blocks) * cuda::kMoeTracePoints * 8);
+  chain.traced = 20;
+  chain.trace = trace.as<uint64_t>();
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  chain.enqueue(stream);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  for (int i = 0; i < 4; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<uint64_t> t(size_t(blocks) * cuda::kMoeTracePoints);
+  cuda::download(t.data(), trace.as<uint64_t>(), t.size());
+  uint64_t t0 = UINT64_MAX;
+  for (int b = 0; b < blocks; ++b) t0 = std::min(t0, t[size_t(b) * cuda::kMoeTracePoints]);
+  static const char* kPhase[cuda::kMoeTracePoints] = {"entry", "PDL wait", "norm", "router", "barrier 1", "routing",
+                                                     "requests", "gate/up", "SwiGLU", "barrier 2", "act staged", "down"};
+  for (int p = 0; p < cuda::kMoeTracePoints; ++p) {
+    std::vector<double> us;
+    for (int b = 0; b < blocks; ++b) us.push_back((t[size_t(b) * cuda::kMoeTracePoints + p] - t0) / 1000.0);
+    std::sort(us.begin(), us.end());
+    std::printf("[timing] moe block phase %-10s  first %6.2f  median %6.2f  last %6.2f us\n", kPhase[p], us.front(),
+                us[us.size() / 2], us.back());
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
 

@@ -193,7 +193,14 @@ struct MoeDecodeArgs {
   __nv_bfloat16* act = nullptr;        ///< bf16 [top_k + 1, ffn]: scratch between the two grid phases
   __nv_bfloat16* out = nullptr;        ///< bf16 [hidden]: the MoE output
   uint32_t* barriers = nullptr;        ///< uint32 [2], zero before every launch (a memset in the graph)
+  /// Diagnostics, null in production: per block, %globaltimer (ns) at each of the
+  /// kMoeTracePoints phase ends (entry, PDL wait, norm, router, barrier 1, routing, requests,
+  /// gate/up, SwiGLU, barrier 2, act staged, down) → uint64 [blocks][kMoeTracePoints].
+  uint64_t* trace = nullptr;
 };
+
+/// Phase stamps per block of MoeDecodeArgs::trace.
+inline constexpr int kMoeTracePoints = 12;
 
 /// Why launch_moe_block_decode cannot run `args` on this device ("" when it can): it needs 4-bit
 /// experts, hidden a multiple of 256, ffn a multiple of 64, 16-byte aligned expert arrays, top-k

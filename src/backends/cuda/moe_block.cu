@@ -16,7 +16,8 @@
 //  3. gate/up on tensor cores (quant_mma.cuh), SwiGLU, act to global memory, grid barrier 2;
 //  4. down + combine from tiles that arrived during steps 2 and 3.
 // Work split: gate/up tiles of 8 expert rows (16 MMA rows: the 8 gate rows and the same 8 up
-// rows, so each thread holds a row's gate and up values) are dealt round-robin over the blocks;
+// rows, so each thread holds a row's gate and up values; six bulk copies a tile) are dealt
+// round-robin over the blocks;
 // down tiles are 16 output rows × every slot, one block each, so the slot-order combine happens
 // in one block. Every tile a block owns gets its own shared-memory stage (no ring): at the real
 // shape a block holds at most 5 gate/up tiles and one down row tile, about 164 KB.
@@ -49,7 +50,6 @@ constexpr int kBlockWarps = 16;
 constexpr int kBlockThreads = kBlockWarps * kWarp;
 constexpr int kTileRows = 16;          // the MMA's M
 constexpr int kExpertRowsPerTile = 8;  // a gate/up tile: 8 gate rows and the same 8 up rows
-constexpr int kChunkPad = 32;          // bytes between the 4-row chunks of a stage (bank offsets)
 constexpr int kNormThreads = 256;      // launch_add_rmsnorm's element-to-thread mapping
 constexpr int64_t kSmemLimit = 226 * 1024;  // dynamic shared memory per block (227 KB less static)
 
@@ -60,8 +60,8 @@ struct MoeLayout {
   int hidden = 0, ffn = 0, n_sel = 0;
   int groups_h = 0, groups_f = 0;  ///< 64-groups per gate/up row, per down row
   int gu_per_slot = 0;             ///< gate/up tiles per expert: ffn / 8
-  int gu_row_bytes = 0, gu_pitch = 0, gu_bytes = 0;
-  int dn_row_bytes = 0, dn_pitch = 0, dn_bytes = 0;
+  int gu_row_bytes = 0, gu_bytes = 0;
+  int dn_row_bytes = 0, dn_bytes = 0;
   int64_t gu_stage = 0, dn_stage = 0;  ///< one gate/up tile; one down tile of one slot
   int gu_max = 0, dn_max = 0;          ///< tiles per block at most
   int64_t bars = 0, gu_ring = 0, dn_ring = 0, xs = 0, xperm = 0, logits = 0, araw = 0, aperm = 0, asum = 0;
@@ -78,13 +78,11 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
   l.groups_f = ffn / kGroup;
   l.gu_per_slot = ffn / kExpertRowsPerTile;
   l.gu_row_bytes = hidden / 2;
-  l.gu_pitch = 4 * l.gu_row_bytes + kChunkPad;
   l.gu_bytes = kTileRows * l.gu_row_bytes + 2 * kTileRows * l.groups_h * 2;
-  l.gu_stage = int64_t{4} * l.gu_pitch + 2 * kTileRows * l.groups_h * 2;
+  l.gu_stage = l.gu_bytes;
   l.dn_row_bytes = ffn / 2;
-  l.dn_pitch = 4 * l.dn_row_bytes + kChunkPad;
   l.dn_bytes = kTileRows * l.dn_row_bytes + 2 * kTileRows * l.groups_f * 2;
-  l.dn_stage = int64_t{4} * l.dn_pitch + 2 * kTileRows * l.groups_f * 2;
+  l.dn_stage = l.dn_bytes;
   l.gu_max = static_cast<int>(ceil_div(int64_t{n_sel} * l.gu_per_slot, blocks));
   l.dn_max = static_cast<int>(ceil_div(hidden / kTileRows, blocks));
   int64_t o = 0;
@@ -130,79 +128,78 @@ __device__ __forceinline__ void grid_sync(uint32_t* counter, uint32_t blocks) {
   __syncthreads();
 }
 
-/// Warp 0: requests gate/up tile j (expert rows 8·(j mod gu_per_slot) … + 8 of `expert`) into
-/// `stage`, counted on `bar` (one arrival). Chunk c holds gate rows k0 + 2c, k0 + 2c + 1, then
-/// the same two up rows; scales and biases follow as [16 tile rows][groups] each, tile row
-/// 4c + (0, 1 gate; 2, 3 up), so MMA row slot g is gate row k0 + 2(g mod 4) + g/4 and slot g + 8
-/// the same up row (tile_view). Lanes 0–23 issue one bulk copy each.
+/// Warp 0: requests gate/up tile j (expert rows k0 = 8·(j mod gu_per_slot) … k0 + 7 of
+/// `expert`) into `stage`, counted on `bar` (one arrival): the 8 gate code rows, the same 8 up
+/// rows, then scales and biases as [16 tile rows][groups] each (tile rows 0–7 gate, 8–15 up), so
+/// MMA row slot g is gate row k0 + g and slot g + 8 the same up row (tile_view). Six bulk copies,
+/// lanes 0–5: each is one contiguous run of the checkpoint.
 __device__ __forceinline__ void request_gate_up_tile(const MoeDecodeArgs& a, const MoeLayout& l, int j, int expert,
                                                      unsigned char* stage, uint64_t* bar) {
   const int lane = threadIdx.x % kWarp;
   const int64_t row0 = int64_t{expert} * l.ffn + (j % l.gu_per_slot) * kExpertRowsPerTile;
   if (lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(l.gu_bytes));
   __syncwarp();
-  if (lane >= 24) return;
-  const int c = lane % 4, kind = lane / 4;  // 0, 1: codes; 2, 3: scales; 4, 5: biases; odd: up
-  const bool up = kind % 2 == 1;
+  if (lane >= 6) return;
+  const bool up = lane % 2 == 1;
   const DeviceQuant& w = up ? a.up : a.gate;
-  const int64_t r = row0 + 2 * c;
-  if (kind < 2) {
-    bulk_copy_to_shared(stage + c * l.gu_pitch + (up ? 2 * l.gu_row_bytes : 0),
-                        reinterpret_cast<const unsigned char*>(w.codes) + r * l.gu_row_bytes,
-                        static_cast<uint32_t>(2 * l.gu_row_bytes), bar);
+  const int half_rows = kTileRows / 2;
+  if (lane < 2) {
+    bulk_copy_to_shared(stage + (up ? half_rows * l.gu_row_bytes : 0),
+                        reinterpret_cast<const unsigned char*>(w.codes) + row0 * l.gu_row_bytes,
+                        static_cast<uint32_t>(half_rows * l.gu_row_bytes), bar);
   } else {
-    const bf16* src = (kind < 4 ? w.scales : w.biases) + r * l.groups_h;
-    unsigned char* dst = stage + 4 * l.gu_pitch + (kind >= 4 ? kTileRows * l.groups_h * 2 : 0) +
-                         (4 * c + (up ? 2 : 0)) * l.groups_h * 2;
-    bulk_copy_to_shared(dst, src, static_cast<uint32_t>(2 * l.groups_h * 2), bar);
+    const bf16* src = (lane < 4 ? w.scales : w.biases) + row0 * l.groups_h;
+    unsigned char* dst = stage + kTileRows * l.gu_row_bytes + (lane >= 4 ? kTileRows * l.groups_h * 2 : 0) +
+                         (up ? half_rows * l.groups_h * 2 : 0);
+    bulk_copy_to_shared(dst, src, static_cast<uint32_t>(half_rows * l.groups_h * 2), bar);
   }
 }
 
 /// Warp 0: requests down row tile `rt` (output rows 16·rt … + 16) of slots [s_begin, s_end)
 /// into stages[s] (expert ids[s], or the shared expert when ids is null), counted on `bar`
-/// (one arrival for the whole range). Chunk c holds rows 4c … 4c + 3; scales and biases follow.
+/// (one arrival for the whole range): per slot the 16 code rows, then their scales, then their
+/// biases, three bulk copies.
 __device__ __forceinline__ void request_down_slots(const MoeDecodeArgs& a, const MoeLayout& l, int rt, int s_begin,
                                                    int s_end, const int32_t* ids, unsigned char* stages,
                                                    uint64_t* bar) {
   const int lane = threadIdx.x % kWarp;
   if (lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>((s_end - s_begin) * l.dn_bytes));
   __syncwarp();
-  for (int q = lane; q < (s_end - s_begin) * 6; q += kWarp) {
-    const int s = s_begin + q / 6, kind = q % 6;
+  for (int q = lane; q < (s_end - s_begin) * 3; q += kWarp) {
+    const int s = s_begin + q / 3, kind = q % 3;
     const int64_t row0 = int64_t{ids ? ids[s] : a.n_experts} * l.hidden + int64_t{rt} * kTileRows;
     unsigned char* stage = stages + s * l.dn_stage;
-    if (kind < 4) {
-      bulk_copy_to_shared(stage + kind * l.dn_pitch,
-                          reinterpret_cast<const unsigned char*>(a.down.codes) + (row0 + 4 * kind) * l.dn_row_bytes,
-                          static_cast<uint32_t>(4 * l.dn_row_bytes), bar);
+    if (kind == 0) {
+      bulk_copy_to_shared(stage, reinterpret_cast<const unsigned char*>(a.down.codes) + row0 * l.dn_row_bytes,
+                          static_cast<uint32_t>(kTileRows * l.dn_row_bytes), bar);
     } else {
-      bulk_copy_to_shared(stage + 4 * l.dn_pitch + (kind - 4) * kTileRows * l.groups_f * 2,
-                          (kind == 4 ? a.down.scales : a.down.biases) + row0 * l.groups_f,
+      bulk_copy_to_shared(stage + kTileRows * l.dn_row_bytes + (kind - 1) * kTileRows * l.groups_f * 2,
+                          (kind == 1 ? a.down.scales : a.down.biases) + row0 * l.groups_f,
                           static_cast<uint32_t>(kTileRows * l.groups_f * 2), bar);
     }
   }
 }
 
-/// One thread's view of a stage for its MMA row slots g (tile row 4·(g mod 4) + g/4) and g + 8
-/// (that tile row + 2).
+/// One thread's view of a stage (16 code rows, then [16][groups] scales, then biases) for its
+/// MMA row slots g and g + 8 (tile rows g and g + 8). The rows are row_bytes apart, a multiple
+/// of 128, so the eight rows of a fragment load share banks: 8 shared-memory wavefronts instead
+/// of 2, a few cycles per group against the microseconds the tile takes to arrive.
 struct TileView {
   const unsigned char* code_lo;  ///< this thread's 8 bytes of group 0, slot g's row
   const unsigned char* code_hi;  ///< same, slot g + 8's row
   const bf16 *s_lo, *s_hi, *b_lo, *b_hi;
 };
 
-__device__ __forceinline__ TileView tile_view(const unsigned char* stage, int pitch, int row_bytes, int groups, int g,
-                                              int t) {
-  const int r_lo = 4 * (g % 4) + g / 4;
+__device__ __forceinline__ TileView tile_view(const unsigned char* stage, int row_bytes, int groups, int g, int t) {
   TileView v;
-  v.code_lo = stage + (g % 4) * pitch + (g / 4) * row_bytes + 8 * t;
-  v.code_hi = v.code_lo + 2 * row_bytes;
-  const bf16* sc = reinterpret_cast<const bf16*>(stage + 4 * pitch);
+  v.code_lo = stage + g * row_bytes + 8 * t;
+  v.code_hi = v.code_lo + 8 * row_bytes;
+  const bf16* sc = reinterpret_cast<const bf16*>(stage + kTileRows * row_bytes);
   const bf16* bi = sc + kTileRows * groups;
-  v.s_lo = sc + r_lo * groups;
-  v.s_hi = sc + (r_lo + 2) * groups;
-  v.b_lo = bi + r_lo * groups;
-  v.b_hi = bi + (r_lo + 2) * groups;
+  v.s_lo = sc + g * groups;
+  v.s_hi = sc + (g + 8) * groups;
+  v.b_lo = bi + g * groups;
+  v.b_hi = bi + (g + 8) * groups;
   return v;
 }
 
@@ -225,6 +222,15 @@ __device__ __forceinline__ void group_one_token(const TileView& v, const uint32_
   acc_hi += to_f32(v.s_hi[G]) * d[2] + to_f32(v.b_hi[G]) * x;
 }
 
+/// Records phase `point` of this block in a.trace (diagnostics; no-op when a.trace is null).
+__device__ __forceinline__ void trace_point(const MoeDecodeArgs& a, int point) {
+  if (a.trace && threadIdx.x == 0) {
+    uint64_t ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    a.trace[int64_t{blockIdx.x} * kMoeTracePoints + point] = ns;
+  }
+}
+
 /// grid: blocks ≤ one per SM (all resident), block kBlockThreads. See the file comment.
 template <int RBITS>
 __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeArgs a, MoeLayout l) {
@@ -243,6 +249,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   unsigned char* dn_ring = sm + l.dn_ring;
   auto dn_stages = [&](int i) { return dn_ring + int64_t{i} * l.n_sel * l.dn_stage; };
 
+  trace_point(a, 0);
   if (threadIdx.x == 0) {
     for (int i = 0; i < my_gu; ++i) mbarrier_init(gu_full + i, 1);
     for (int i = 0; i < my_rt; ++i) mbarrier_init(dn_full + i, 2);  // shared slot, then the routed ones
@@ -262,12 +269,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
       request_down_slots(a, l, b + i * G, shared_slot, l.n_sel, nullptr, dn_stages(i), dn_full + i);
   }
   pdl_prologue();
+  trace_point(a, 1);
 
   // 2. The normed row (block 0 also stores x_out and normed_out), its fragment-order copy, a
   // share of the router logits; then every block routes the token.
   float* xs = reinterpret_cast<float*>(sm + l.xs);
   float* xsum = xs + l.groups_h * kGroupStride;
   stage_norm_row(a.x, a.norm, l.hidden, b == 0, xs, xsum, kNormThreads);
+  trace_point(a, 2);
   uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);
   for (int i = threadIdx.x; i < l.hidden / 2; i += blockDim.x) {
     const int c = fragment_pair_column(i);
@@ -275,7 +284,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
     xperm[i] = pack_bf16x2(xg[0], xg[4]);
   }
   router.compute(a.router, xs, xsum, a.logits);
+  trace_point(a, 3);
   grid_sync(a.barriers, G);
+  trace_point(a, 4);
   float* logits = reinterpret_cast<float*>(sm + l.logits);  // one round trip to L2, then shared reads
   for (int e = threadIdx.x; e <= a.n_experts; e += blockDim.x) logits[e] = __ldcg(a.logits + e);
   __syncthreads();
@@ -286,6 +297,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
       route_token_keys<kRouteKeysLarge, true>(logits, a.n_experts, a.top_k, sel_ids, sel_w);
   }
   __syncthreads();
+  trace_point(a, 5);
   if (b == 0 && threadIdx.x < l.n_sel) {
     a.ids[threadIdx.x] = sel_ids[threadIdx.x];
     a.weights[threadIdx.x] = sel_w[threadIdx.x];
@@ -297,6 +309,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
     }
     for (int i = 0; i < my_rt; ++i) request_down_slots(a, l, b + i * G, 0, shared_slot, sel_ids, dn_stages(i), dn_full + i);
   }
+  trace_point(a, 6);
 
   // 3. Gate/up: warp w sums its range of groups of every tile; the ranges add up in warp order.
   const int per_warp = (l.groups_h + kBlockWarps - 1) / kBlockWarps;
@@ -304,7 +317,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   float* gu_part = reinterpret_cast<float*>(sm + l.gu_part);  // [tile][warp][16 slots]
   for (int i = 0; i < my_gu; ++i) {
     mbarrier_wait(gu_full + i, 0);
-    const TileView v = tile_view(gu_ring + i * l.gu_stage, l.gu_pitch, l.gu_row_bytes, l.groups_h, g, t);
+    const TileView v = tile_view(gu_ring + i * l.gu_stage, l.gu_row_bytes, l.groups_h, g, t);
     float gate = 0.0f, up = 0.0f;
     for (int Gi = g_begin; Gi < g_end; ++Gi) group_one_token(v, xperm, xsum, g, t, Gi, gate, up);
     if (t == 0) {
@@ -313,6 +326,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
       p[g + 8] = up;
     }
   }
+  trace_point(a, 7);
   __syncthreads();
   for (int idx = threadIdx.x; idx < my_gu * kExpertRowsPerTile; idx += blockDim.x) {
     const int i = idx / kExpertRowsPerTile, slot8 = idx % kExpertRowsPerTile;
@@ -323,10 +337,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
       up += p[w * kTileRows + 8 + slot8];
     }
     const int j = b + i * G, slot = j / l.gu_per_slot;
-    const int row = (j % l.gu_per_slot) * kExpertRowsPerTile + 2 * (slot8 % 4) + slot8 / 4;
+    const int row = (j % l.gu_per_slot) * kExpertRowsPerTile + slot8;
     a.act[int64_t{slot} * l.ffn + row] = to_bf16(silu(round_bf16(gate)) * round_bf16(up));
   }
+  trace_point(a, 8);
   grid_sync(a.barriers + 1, G);
+  trace_point(a, 9);
 
   // 4. Down + combine: every slot's act (written by other blocks: read through L2, 16 bytes a
   // load), put in fragment order, then warp s computes slot s of the block's row tiles.
@@ -358,18 +374,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
     if (lane == 0) asum[p] = v;
   }
   __syncthreads();
+  trace_point(a, 10);
   float* dn_part = reinterpret_cast<float*>(sm + l.dn_part);  // [slot][16 rows]
   for (int i = 0; i < my_rt; ++i) {
     mbarrier_wait(dn_full + i, 0);
     const int rt = b + i * G;
     for (int s = warp; s < l.n_sel; s += kBlockWarps) {
-      const TileView v = tile_view(dn_stages(i) + s * l.dn_stage, l.dn_pitch, l.dn_row_bytes, l.groups_f, g, t);
+      const TileView v = tile_view(dn_stages(i) + s * l.dn_stage, l.dn_row_bytes, l.groups_f, g, t);
       float lo = 0.0f, hi = 0.0f;
       for (int Gi = 0; Gi < l.groups_f; ++Gi) group_one_token(v, aperm + s * half, asum + s * l.groups_f, g, t, Gi, lo, hi);
       if (t == 0) {
-        const int r = 4 * (g % 4) + g / 4;
-        dn_part[s * kTileRows + r] = round_bf16(lo);
-        dn_part[s * kTileRows + r + 2] = round_bf16(hi);
+        dn_part[s * kTileRows + g] = round_bf16(lo);
+        dn_part[s * kTileRows + g + 8] = round_bf16(hi);
       }
     }
     __syncthreads();
@@ -380,6 +396,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
     }
     __syncthreads();  // dn_part is reused by the next row tile
   }
+  trace_point(a, 11);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
