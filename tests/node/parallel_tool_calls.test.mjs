@@ -5,9 +5,8 @@
 // the token that completes it (usage counts the tokens up to there), and whole and streamed
 // answers hold that one call, also for each of n choices.
 // Run: LILY_BIN=build/lily node --test tests/node/parallel_tool_calls.test.mjs
-import { after, before, describe, it } from 'node:test';
+import { before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import OpenAI from 'openai';
 import { scriptedToolsModel } from './scripted_model.mjs';
 
 const FIRST_CALL = '<tool_call>\n<function=set_counter>\n<parameter=name>visits</parameter></function></tool_call>';
@@ -18,7 +17,7 @@ const { harness, chains } = await scriptedToolsModel('lily-parallel-tools-', {
   // The generation prompt (thinking off) ends in "</think>\n\n": two calls after a sentence.
   chains: [{ after: '<|im_start|>assistant\n<think>\n\n</think>\n\n', text: ANSWER }],
 });
-const { MODEL, assembleStream: assemble, postJson: post, startServer, stopServer } = harness;
+const { MODEL, assembleStream: assemble, postJson: post, serverForSuite } = harness;
 
 const tools = [
   { type: 'function', function: { name: 'set_counter', description: 'Sets a counter',
@@ -28,22 +27,18 @@ const tools = [
 const question = [{ role: 'user', content: 'Count my visits, then tell me the time.' }];
 
 describe('parallel_tool_calls on a scripted model', () => {
-  let server;
-  let openai;
+  const suite = serverForSuite();
   let firstCallTokens;  // tokens of the answer up to the one that completes the first call
   before(async () => {
-    server = await startServer();
-    openai = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: 'unused', maxRetries: 0 });
     const ids = chains[0].ids;
     for (let k = 1; k <= ids.length && firstCallTokens === undefined; ++k) {
-      const text = (await post(server, '/detokenize', { tokens: ids.slice(0, k) })).json.prompt;
+      const text = (await post(suite.server, '/detokenize', { tokens: ids.slice(0, k) })).json.prompt;
       if (text.includes('</tool_call>')) firstCallTokens = k;
     }
     assert.ok(firstCallTokens > 0 && firstCallTokens < ids.length, String(firstCallTokens));
   });
-  after(async () => { await stopServer(server); });
 
-  const ask = (extra) => openai.chat.completions.create({ model: MODEL, messages: question, tools, max_tokens: 64, ...extra });
+  const ask = (extra) => suite.openai.chat.completions.create({ model: MODEL, messages: question, tools, max_tokens: 64, ...extra });
   const calls = (message) => message.tool_calls.map((c) => ({ name: c.function.name, arguments: JSON.parse(c.function.arguments) }));
   const bothCalls = [{ name: 'set_counter', arguments: { name: 'visits' } }, { name: 'get_time', arguments: {} }];
 

@@ -4,6 +4,7 @@
 import { spawn } from 'node:child_process';
 import http from 'node:http';
 import path from 'node:path';
+import { after, before } from 'node:test';
 import { fileURLToPath } from 'node:url';
 
 const here = path.dirname(fileURLToPath(import.meta.url));
@@ -58,6 +59,23 @@ export async function startServer(extraArgs = [], env = {}, { until = 'serving',
     });
   });
   return server;
+}
+
+/**
+ * One server for the enclosing describe(): its `before` hook starts it (startServer(extraArgs,
+ * env, options)) with an official `openai` client on it, its `after` hook stops it (stopServer,
+ * so an unclean exit fails the suite). Returns {server, openai}, filled in once the hook ran:
+ * read them in tests and later hooks, not while describe() runs. `apiKey`: the client's key.
+ */
+export function serverForSuite(extraArgs = [], { apiKey = 'unused', env = {}, ...options } = {}) {
+  const suite = { server: null, openai: null };
+  before(async () => {
+    suite.server = await startServer(extraArgs, env, options);
+    const { default: OpenAI } = await import('openai');  // only the suites that use it need the package
+    suite.openai = new OpenAI({ baseURL: `${suite.server.url}/v1`, apiKey, maxRetries: 0 });
+  });
+  after(async () => { await stopServer(suite.server); });
+  return suite;
 }
 
 /**
