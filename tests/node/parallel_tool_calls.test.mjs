@@ -69,22 +69,8 @@ describe('parallel_tool_calls on a scripted model', () => {
 
   it('streams the one call as deltas equal to the whole answer, usage included', async () => {
     const whole = await ask({ parallel_tool_calls: false });
-    const stream = await ask({ parallel_tool_calls: false, stream: true, stream_options: { include_usage: true } });
-    const message = { content: '', tool_calls: [] };
-    let finish = null;
-    let usage = null;
-    for await (const chunk of stream) {
-      if (chunk.usage) usage = chunk.usage;
-      const c = chunk.choices[0];
-      if (!c) continue;
-      if (c.delta.content) message.content += c.delta.content;
-      for (const t of c.delta.tool_calls ?? []) {
-        const slot = (message.tool_calls[t.index] ??= { id: t.id, function: { name: '', arguments: '' } });
-        if (t.function?.name) slot.function.name += t.function.name;
-        if (t.function?.arguments) slot.function.arguments += t.function.arguments;
-      }
-      if (c.finish_reason) finish = c.finish_reason;
-    }
+    const { message, finish, usage } = await assemble(
+      await ask({ parallel_tool_calls: false, stream: true, stream_options: { include_usage: true } }));
     assert.equal(finish, 'tool_calls');
     assert.equal(message.content, whole.choices[0].message.content);
     assert.equal(message.tool_calls.length, 1);
@@ -97,16 +83,9 @@ describe('parallel_tool_calls on a scripted model', () => {
     assert.deepEqual(r.choices.map((c) => c.finish_reason), ['tool_calls', 'tool_calls']);
     assert.deepEqual(r.choices.map((c) => calls(c.message)), [bothCalls.slice(0, 1), bothCalls.slice(0, 1)]);
     assert.equal(r.usage.completion_tokens, 2 * firstCallTokens);
-    const stream = await ask({ parallel_tool_calls: false, n: 2, stream: true });
-    const names = [[], []];
-    const finishes = [];
-    for await (const chunk of stream)
-      for (const c of chunk.choices) {
-        for (const t of c.delta.tool_calls ?? []) if (t.function?.name) names[c.index].push(t.function.name);
-        if (c.finish_reason) finishes[c.index] = c.finish_reason;
-      }
-    assert.deepEqual(names, [['set_counter'], ['set_counter']]);
-    assert.deepEqual(finishes, ['tool_calls', 'tool_calls']);
+    const { choices } = await assemble(await ask({ parallel_tool_calls: false, n: 2, stream: true }));
+    assert.deepEqual(choices.map((c) => c.message.tool_calls.map((t) => t.function.name)), [['set_counter'], ['set_counter']]);
+    assert.deepEqual(choices.map((c) => c.finish), ['tool_calls', 'tool_calls']);
   });
 
   it('is plain text with tool_choice "none", parallel_tool_calls false or not', async () => {

@@ -93,16 +93,9 @@ describe('tool_choice on a scripted model', () => {
     // Every choice of n is forced, streamed or not.
     const several = await ask({ tool_choice: 'required', n: 2 });
     assert.deepEqual(several.choices.map((c) => c.finish_reason), ['tool_calls', 'tool_calls']);
-    const stream = await ask({ tool_choice: 'required', n: 2, stream: true });
-    const calls = [[], []];
-    const finishes = [];
-    for await (const chunk of stream)
-      for (const c of chunk.choices) {
-        for (const t of c.delta.tool_calls ?? []) if (t.function?.name) calls[c.index].push(t.function.name);
-        if (c.finish_reason) finishes[c.index] = c.finish_reason;
-      }
-    assert.deepEqual(calls, [['set_counter'], ['set_counter']]);
-    assert.deepEqual(finishes, ['tool_calls', 'tool_calls']);
+    const { choices } = await assemble(await ask({ tool_choice: 'required', n: 2, stream: true }));
+    assert.deepEqual(choices.map((c) => c.message.tool_calls.map((t) => t.function.name)), [['set_counter'], ['set_counter']]);
+    assert.deepEqual(choices.map((c) => c.finish), ['tool_calls', 'tool_calls']);
   });
 
   it('forces the call after the thinking too: the think block is closed, reasoning empty', async () => {

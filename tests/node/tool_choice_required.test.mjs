@@ -72,15 +72,8 @@ describe('tool_choice "required" with several tools', () => {
     const names = whole.choices.map((c) => c.message.tool_calls[0].function.name);
     assert.ok(new Set(names).size > 1, `sampling reaches more than one declared name: ${names}`);
     // The stream of the same request (same seed): the same calls, choice by choice.
-    const stream = await ask({ ...request, stream: true });
-    const streamed = [[], [], []];
-    const finishes = [];
-    for await (const chunk of stream)
-      for (const c of chunk.choices) {
-        for (const t of c.delta.tool_calls ?? []) if (t.function?.name) streamed[c.index].push(t.function.name);
-        if (c.finish_reason) finishes[c.index] = c.finish_reason;
-      }
-    assert.deepEqual(streamed, names.map((name) => [name]));
-    assert.deepEqual(finishes, ['tool_calls', 'tool_calls', 'tool_calls']);
+    const { choices } = await assemble(await ask({ ...request, stream: true }));
+    assert.deepEqual(choices.map((c) => c.message.tool_calls.map((t) => t.function.name)), names.map((name) => [name]));
+    assert.deepEqual(choices.map((c) => c.finish), ['tool_calls', 'tool_calls', 'tool_calls']);
   });
 });
