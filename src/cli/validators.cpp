@@ -1,6 +1,7 @@
 // Input checks shared by the subcommands (declared in cli/commands.h): CLI11 validators and the
 // chat-message lists of `generate --messages` and `tokenize`.
 #include <exception>
+#include <limits>
 #include <string>
 
 #include "cli/commands.h"
@@ -11,8 +12,12 @@
 
 namespace lily::cli {
 
-CLI::Validator integer_in_range(long long min, long long max) {
-  const std::string expected = "an integer from " + std::to_string(min) + " to " + std::to_string(max);
+namespace {
+
+/// A CLI11 validator that accepts a whole integer (nothing before or after it) in [min, max];
+/// otherwise the message says "must be <expected>, got '<text>'".
+CLI::Validator integer_validator(long long min, long long max, const std::string& expected,
+                                 const std::string& description) {
   return CLI::Validator(
       [min, max, expected](std::string& text) -> std::string {
         size_t used = 0;
@@ -26,24 +31,19 @@ CLI::Validator integer_in_range(long long min, long long max) {
           return "must be " + expected + ", got '" + text + "'";
         return {};
       },
-      "INT in [" + std::to_string(min) + " - " + std::to_string(max) + "]");
+      description);
+}
+
+}  // namespace
+
+CLI::Validator integer_in_range(long long min, long long max) {
+  return integer_validator(min, max, "an integer from " + std::to_string(min) + " to " + std::to_string(max),
+                           "INT in [" + std::to_string(min) + " - " + std::to_string(max) + "]");
 }
 
 CLI::Validator integer_at_least(long long min) {
-  const std::string expected = "an integer >= " + std::to_string(min);
-  return CLI::Validator(
-      [min, expected](std::string& text) -> std::string {
-        size_t used = 0;
-        long long value = 0;
-        try {
-          value = std::stoll(text, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != text.size() || value < min) return "must be " + expected + ", got '" + text + "'";
-        return {};
-      },
-      "INT>=" + std::to_string(min));
+  return integer_validator(min, std::numeric_limits<long long>::max(), "an integer >= " + std::to_string(min),
+                           "INT>=" + std::to_string(min));
 }
 
 CLI::Validator byte_size() {

@@ -107,29 +107,38 @@ class Sampler {
   float normal_mult_ = 0, uniform_mult_ = 0;
 };
 
-bool ends_with(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
-/// Initialisation of each tensor of the table, chosen so that a random model stays finite, has
-/// logits that are far from flat (lm_head std 4/√H) and spread routing (router std 2/√H),
-/// GDN decays across (0, 1) (A_log, dt_bias non-default), and norm gains 1 ± 0.1 (stored MLX
-/// gains = 1 + w_hf; the GDN gated-norm gain is plain).
+/// Initialisation of each tensor of the table, by its role: chosen so that a random model stays
+/// finite, has logits that are far from flat (lm_head std 4/√H) and spread routing (router std
+/// 2/√H), GDN decays across (0, 1) (A_log, dt_bias non-default), and norm gains 1 ± 0.1 (stored
+/// MLX gains = 1 + w_hf; the GDN gated-norm gain is plain). Other projections: std 1/√fan_in.
 InitRule init_rule(const TensorSpec& spec) {
-  const std::string& n = spec.name;
-  if (spec.kind == TensorKind::kQuantized) {
-    const float fan_in = static_cast<float>(spec.shape.back());
-    const float inv = 1.0f / std::sqrt(fan_in);
-    if (ends_with(n, "embed_tokens")) return {true, 0.0f, 1.0f};
-    if (ends_with(n, "lm_head")) return {true, 0.0f, 4.0f * inv};
-    if (ends_with(n, ".mlp.gate")) return {true, 0.0f, 2.0f * inv};
-    return {true, 0.0f, inv};
+  const float inv_sqrt_fan_in = 1.0f / std::sqrt(static_cast<float>(spec.shape.back()));
+  switch (spec.role) {
+    case TensorRole::kEmbedding: return {true, 0.0f, 1.0f};
+    case TensorRole::kOutputHead: return {true, 0.0f, 4.0f * inv_sqrt_fan_in};
+    case TensorRole::kRouter: return {true, 0.0f, 2.0f * inv_sqrt_fan_in};
+    case TensorRole::kGdnInProj:
+    case TensorRole::kGdnOutProj:
+    case TensorRole::kAttnInProj:
+    case TensorRole::kAttnOutProj:
+    case TensorRole::kSharedExpertGate:
+    case TensorRole::kExpertsGateProj:
+    case TensorRole::kExpertsUpProj:
+    case TensorRole::kExpertsDownProj:
+    case TensorRole::kSharedGateProj:
+    case TensorRole::kSharedUpProj:
+    case TensorRole::kSharedDownProj: return {true, 0.0f, inv_sqrt_fan_in};
+    case TensorRole::kGdnConv: return {true, 0.0f, 0.5f};
+    case TensorRole::kGdnALog: return {false, -1.5f, 0.5f};
+    case TensorRole::kGdnDtBias: return {false, -1.0f, 1.0f};
+    case TensorRole::kFinalNorm:
+    case TensorRole::kInputNorm:
+    case TensorRole::kPostAttentionNorm:
+    case TensorRole::kGdnNorm:
+    case TensorRole::kAttnQNorm:
+    case TensorRole::kAttnKNorm: return {false, 0.9f, 1.1f};
   }
-  if (ends_with(n, "conv1d.weight")) return {true, 0.0f, 0.5f};
-  if (ends_with(n, "A_log")) return {false, -1.5f, 0.5f};
-  if (ends_with(n, "dt_bias")) return {false, -1.0f, 1.0f};
-  if (ends_with(n, "norm.weight")) return {false, 0.9f, 1.1f};
-  throw InternalError("synth: no initialisation rule for tensor " + n);
+  throw InternalError("synth: no initialisation rule for tensor " + spec.name);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -404,7 +413,7 @@ void remove_old_weights(const std::filesystem::path& dir) {
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     const std::string name = entry.path().filename().string();
     const bool shard = name.starts_with("model-") && name.find("-of-") != std::string::npos &&
-                       ends_with(name, ".safetensors");
+                       name.ends_with(".safetensors");
     if (shard || name == "model.safetensors" || name == "model.safetensors.index.json")
       std::filesystem::remove(entry.path());
   }

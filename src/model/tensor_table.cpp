@@ -1,6 +1,8 @@
 // The tensor table of docs/model.md §2.3: for_each_tensor names every tensor once, with its
-// shape, storage and destination in ModelWeights.
+// shape, storage, role and destination in ModelWeights.
 #include "model/tensor_table.h"
+
+#include <type_traits>
 
 #include "base/error.h"
 
@@ -8,73 +10,111 @@ namespace lily {
 namespace {
 
 /// Hands each tensor to the visitor: quantized() takes a QuantMatrix destination, bf16() and
-/// float32() an fp32 vector, so a spec's kind and its destination cannot disagree.
+/// float32() an fp32 vector, so a spec's kind and its destination cannot disagree. `Weights` is
+/// ModelWeights (the loader's walk) or const ModelWeights (the read-only walk); the destinations
+/// carry its constness.
+template <class Weights, class Visitor>
 class TableBuilder {
  public:
-  explicit TableBuilder(const TensorVisitor& visit) : visit_(visit) {}
-  void quantized(std::string name, std::vector<int64_t> shape, int bits, int layer, QuantMatrix& dest) {
-    visit_(spec(std::move(name), TensorKind::kQuantized, std::move(shape), bits, layer), &dest);
+  /// T, const when the walked weights are.
+  template <class T>
+  using Field = std::conditional_t<std::is_const_v<Weights>, const T, T>;
+
+  explicit TableBuilder(const Visitor& visit) : visit_(visit) {}
+  void quantized(std::string name, TensorRole role, std::vector<int64_t> shape, int bits, int layer,
+                 Field<QuantMatrix>& dest) {
+    visit_(spec(std::move(name), TensorKind::kQuantized, role, std::move(shape), bits, layer), &dest);
   }
   /// A BF16 tensor; `f32_accepted`: F32 is fine too; `alt_shape`: a second accepted layout.
-  void bf16(std::string name, std::vector<int64_t> shape, int layer, std::vector<float>& dest,
+  void bf16(std::string name, TensorRole role, std::vector<int64_t> shape, int layer, Field<std::vector<float>>& dest,
             bool f32_accepted = false, std::vector<int64_t> alt_shape = {}) {
-    TensorSpec s = spec(std::move(name), TensorKind::kBf16, std::move(shape), 0, layer);
+    TensorSpec s = spec(std::move(name), TensorKind::kBf16, role, std::move(shape), 0, layer);
     s.f32_accepted = f32_accepted;
     s.alt_shape = std::move(alt_shape);
     visit_(s, &dest);
   }
-  void float32(std::string name, std::vector<int64_t> shape, int layer, std::vector<float>& dest) {
-    visit_(spec(std::move(name), TensorKind::kFloat, std::move(shape), 0, layer), &dest);
+  void float32(std::string name, TensorRole role, std::vector<int64_t> shape, int layer,
+               Field<std::vector<float>>& dest) {
+    visit_(spec(std::move(name), TensorKind::kFloat, role, std::move(shape), 0, layer), &dest);
   }
 
  private:
-  static TensorSpec spec(std::string name, TensorKind kind, std::vector<int64_t> shape, int bits, int layer) {
+  static TensorSpec spec(std::string name, TensorKind kind, TensorRole role, std::vector<int64_t> shape, int bits,
+                         int layer) {
     TensorSpec s;
     s.name = std::move(name);
     s.kind = kind;
+    s.role = role;
     s.shape = std::move(shape);
     s.bits = bits;
     s.layer = layer;
     return s;
   }
 
-  const TensorVisitor& visit_;
+  const Visitor& visit_;
 };
 
-void add_gdn(TableBuilder& t, const ModelConfig& c, const std::string& p, int i, GdnWeights& g) {
+using R = TensorRole;
+
+template <class Builder>
+void add_gdn(Builder& t, const ModelConfig& c, const std::string& p, int i,
+             typename Builder::template Field<GdnWeights>& g) {
   const int64_t H = c.hidden, hv = c.gdn_n_value_heads;
-  t.quantized(p + "linear_attn.in_proj_qkv", {c.gdn_conv_channels(), H}, 4, i, g.in_proj_qkv);
-  t.quantized(p + "linear_attn.in_proj_z", {c.gdn_value_dim(), H}, 4, i, g.in_proj_z);
-  t.quantized(p + "linear_attn.in_proj_a", {hv, H}, 4, i, g.in_proj_a);
-  t.quantized(p + "linear_attn.in_proj_b", {hv, H}, 4, i, g.in_proj_b);
-  t.bf16(p + "linear_attn.conv1d.weight", {c.gdn_conv_channels(), c.gdn_conv_kernel, 1}, i, g.conv1d,
+  t.quantized(p + "linear_attn.in_proj_qkv", R::kGdnInProj, {c.gdn_conv_channels(), H}, 4, i, g.in_proj_qkv);
+  t.quantized(p + "linear_attn.in_proj_z", R::kGdnInProj, {c.gdn_value_dim(), H}, 4, i, g.in_proj_z);
+  t.quantized(p + "linear_attn.in_proj_a", R::kGdnInProj, {hv, H}, 4, i, g.in_proj_a);
+  t.quantized(p + "linear_attn.in_proj_b", R::kGdnInProj, {hv, H}, 4, i, g.in_proj_b);
+  t.bf16(p + "linear_attn.conv1d.weight", R::kGdnConv, {c.gdn_conv_channels(), c.gdn_conv_kernel, 1}, i, g.conv1d,
          /*f32_accepted=*/false, /*alt_shape=*/{c.gdn_conv_channels(), 1, c.gdn_conv_kernel});
-  t.float32(p + "linear_attn.A_log", {hv}, i, g.A_log);
-  t.bf16(p + "linear_attn.dt_bias", {hv}, i, g.dt_bias);
-  t.bf16(p + "linear_attn.norm.weight", {c.gdn_value_head_dim}, i, g.norm, /*f32_accepted=*/true);
-  t.quantized(p + "linear_attn.out_proj", {H, c.gdn_value_dim()}, 4, i, g.out_proj);
+  t.float32(p + "linear_attn.A_log", R::kGdnALog, {hv}, i, g.A_log);
+  t.bf16(p + "linear_attn.dt_bias", R::kGdnDtBias, {hv}, i, g.dt_bias);
+  t.bf16(p + "linear_attn.norm.weight", R::kGdnNorm, {c.gdn_value_head_dim}, i, g.norm, /*f32_accepted=*/true);
+  t.quantized(p + "linear_attn.out_proj", R::kGdnOutProj, {H, c.gdn_value_dim()}, 4, i, g.out_proj);
 }
 
-void add_attention(TableBuilder& t, const ModelConfig& c, const std::string& p, int i, AttentionWeights& a) {
+template <class Builder>
+void add_attention(Builder& t, const ModelConfig& c, const std::string& p, int i,
+                   typename Builder::template Field<AttentionWeights>& a) {
   const int64_t H = c.hidden, D = c.head_dim;
-  t.quantized(p + "self_attn.q_proj", {int64_t(c.n_heads) * 2 * D, H}, 4, i, a.q_proj);
-  t.quantized(p + "self_attn.k_proj", {int64_t(c.n_kv_heads) * D, H}, 4, i, a.k_proj);
-  t.quantized(p + "self_attn.v_proj", {int64_t(c.n_kv_heads) * D, H}, 4, i, a.v_proj);
-  t.quantized(p + "self_attn.o_proj", {H, int64_t(c.n_heads) * D}, 4, i, a.o_proj);
-  t.bf16(p + "self_attn.q_norm.weight", {D}, i, a.q_norm);
-  t.bf16(p + "self_attn.k_norm.weight", {D}, i, a.k_norm);
+  t.quantized(p + "self_attn.q_proj", R::kAttnInProj, {int64_t(c.n_heads) * 2 * D, H}, 4, i, a.q_proj);
+  t.quantized(p + "self_attn.k_proj", R::kAttnInProj, {int64_t(c.n_kv_heads) * D, H}, 4, i, a.k_proj);
+  t.quantized(p + "self_attn.v_proj", R::kAttnInProj, {int64_t(c.n_kv_heads) * D, H}, 4, i, a.v_proj);
+  t.quantized(p + "self_attn.o_proj", R::kAttnOutProj, {H, int64_t(c.n_heads) * D}, 4, i, a.o_proj);
+  t.bf16(p + "self_attn.q_norm.weight", R::kAttnQNorm, {D}, i, a.q_norm);
+  t.bf16(p + "self_attn.k_norm.weight", R::kAttnKNorm, {D}, i, a.k_norm);
 }
 
-void add_moe(TableBuilder& t, const ModelConfig& c, const std::string& p, int i, MoeWeights& m) {
+template <class Builder>
+void add_moe(Builder& t, const ModelConfig& c, const std::string& p, int i,
+             typename Builder::template Field<MoeWeights>& m) {
   const int64_t H = c.hidden, E = c.n_experts, I = c.moe_ffn_dim, S = c.shared_ffn_dim;
-  t.quantized(p + "mlp.gate", {E, H}, 8, i, m.router);
-  t.quantized(p + "mlp.switch_mlp.gate_proj", {E, I, H}, 4, i, m.experts_gate_proj);
-  t.quantized(p + "mlp.switch_mlp.up_proj", {E, I, H}, 4, i, m.experts_up_proj);
-  t.quantized(p + "mlp.switch_mlp.down_proj", {E, H, I}, 4, i, m.experts_down_proj);
-  t.quantized(p + "mlp.shared_expert.gate_proj", {S, H}, 4, i, m.shared_gate_proj);
-  t.quantized(p + "mlp.shared_expert.up_proj", {S, H}, 4, i, m.shared_up_proj);
-  t.quantized(p + "mlp.shared_expert.down_proj", {H, S}, 4, i, m.shared_down_proj);
-  t.quantized(p + "mlp.shared_expert_gate", {1, H}, 8, i, m.shared_expert_gate);
+  t.quantized(p + "mlp.gate", R::kRouter, {E, H}, 8, i, m.router);
+  t.quantized(p + "mlp.switch_mlp.gate_proj", R::kExpertsGateProj, {E, I, H}, 4, i, m.experts_gate_proj);
+  t.quantized(p + "mlp.switch_mlp.up_proj", R::kExpertsUpProj, {E, I, H}, 4, i, m.experts_up_proj);
+  t.quantized(p + "mlp.switch_mlp.down_proj", R::kExpertsDownProj, {E, H, I}, 4, i, m.experts_down_proj);
+  t.quantized(p + "mlp.shared_expert.gate_proj", R::kSharedGateProj, {S, H}, 4, i, m.shared_gate_proj);
+  t.quantized(p + "mlp.shared_expert.up_proj", R::kSharedUpProj, {S, H}, 4, i, m.shared_up_proj);
+  t.quantized(p + "mlp.shared_expert.down_proj", R::kSharedDownProj, {H, S}, 4, i, m.shared_down_proj);
+  t.quantized(p + "mlp.shared_expert_gate", R::kSharedExpertGate, {1, H}, 8, i, m.shared_expert_gate);
+}
+
+/// The walk both for_each_tensor overloads share; `weights.layers` already has its entries.
+template <class Weights, class Visitor>
+void walk(const ModelConfig& config, Weights& weights, const Visitor& visit) {
+  TableBuilder<Weights, Visitor> t(visit);
+  const int64_t V = config.vocab, H = config.hidden;
+  t.quantized("language_model.model.embed_tokens", R::kEmbedding, {V, H}, 4, -1, weights.embed_tokens);
+  for (int i = 0; i < config.n_layers; ++i) {
+    const std::string p = "language_model.model.layers." + std::to_string(i) + ".";
+    auto& l = weights.layers[i];
+    t.bf16(p + "input_layernorm.weight", R::kInputNorm, {H}, i, l.input_layernorm);
+    if (config.is_full_attention(i)) add_attention(t, config, p, i, l.attention);
+    else add_gdn(t, config, p, i, l.gdn);
+    t.bf16(p + "post_attention_layernorm.weight", R::kPostAttentionNorm, {H}, i, l.post_attention_layernorm);
+    add_moe(t, config, p, i, l.moe);
+  }
+  t.bf16("language_model.model.norm.weight", R::kFinalNorm, {H}, -1, weights.final_norm);
+  t.quantized("language_model.lm_head", R::kOutputHead, {V, H}, 4, -1, weights.lm_head);
 }
 
 }  // namespace
@@ -83,20 +123,15 @@ void for_each_tensor(const ModelConfig& config, ModelWeights& weights, const Ten
   LILY_CHECK(static_cast<int>(config.layer_types.size()) == config.n_layers);
   weights.layers.resize(static_cast<size_t>(config.n_layers));
   for (int i = 0; i < config.n_layers; ++i) weights.layers[i].type = config.layer_types[i];
-  TableBuilder t(visit);
-  const int64_t V = config.vocab, H = config.hidden;
-  t.quantized("language_model.model.embed_tokens", {V, H}, 4, -1, weights.embed_tokens);
-  for (int i = 0; i < config.n_layers; ++i) {
-    const std::string p = "language_model.model.layers." + std::to_string(i) + ".";
-    LayerWeights& l = weights.layers[i];
-    t.bf16(p + "input_layernorm.weight", {H}, i, l.input_layernorm);
-    if (config.is_full_attention(i)) add_attention(t, config, p, i, l.attention);
-    else add_gdn(t, config, p, i, l.gdn);
-    t.bf16(p + "post_attention_layernorm.weight", {H}, i, l.post_attention_layernorm);
-    add_moe(t, config, p, i, l.moe);
-  }
-  t.bf16("language_model.model.norm.weight", {H}, -1, weights.final_norm);
-  t.quantized("language_model.lm_head", {V, H}, 4, -1, weights.lm_head);
+  walk(config, weights, visit);
+}
+
+void for_each_tensor(const ModelWeights& weights, const ConstTensorVisitor& visit) {
+  const ModelConfig& config = weights.config;
+  LILY_CHECK(static_cast<int>(config.layer_types.size()) == config.n_layers);
+  LILY_CHECK(weights.layers.size() == static_cast<size_t>(config.n_layers));
+  for (int i = 0; i < config.n_layers; ++i) LILY_CHECK(weights.layers[i].type == config.layer_types[i]);
+  walk(config, weights, visit);
 }
 
 std::vector<TensorSpec> tensor_table(const ModelConfig& config) {

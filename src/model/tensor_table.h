@@ -1,6 +1,7 @@
 // The tensor table: the one description of the tensors a ModelConfig implies, in the MLX layout
-// (docs/model.md §2.3), each with the field of ModelWeights it lands in. for_each_tensor is that
-// description; the loader fills ModelWeights by walking it, and tensor_table (its specs without
+// (docs/model.md §2.3), each with its role and the field of ModelWeights it lands in.
+// for_each_tensor is that description; the loader fills ModelWeights by walking it, the CUDA
+// upload walks the loaded weights (the const overload), and tensor_table (its specs without
 // destinations) is what `lily synth` writes and `lily inspect` and byte accounting iterate.
 #pragma once
 #include <cstdint>
@@ -21,11 +22,42 @@ enum class TensorKind {
   kFloat,      ///< F32 expected, BF16 also accepted (A_log)
 };
 
+/// What a tensor is for, whatever its name: consumers that treat tensors alike by purpose (synth's
+/// initialisation, the CUDA upload's fused matrices) decide by role, so a new tensor of an
+/// existing role needs no change outside the table. Where several tensors of a layer share a
+/// role (the parts of a fused projection), the table's order is their order.
+enum class TensorRole {
+  kEmbedding,          ///< embed_tokens
+  kOutputHead,         ///< lm_head
+  kFinalNorm,          ///< the final RMSNorm gain (stored = 1 + w)
+  kInputNorm,          ///< a layer's input RMSNorm gain (stored = 1 + w)
+  kPostAttentionNorm,  ///< a layer's post-mixer RMSNorm gain (stored = 1 + w)
+  kGdnInProj,          ///< a part of the GDN input projection: qkv, z, a, b in table order
+  kGdnConv,            ///< GDN causal conv1d taps
+  kGdnALog,            ///< GDN A_log (log of the decay rate)
+  kGdnDtBias,          ///< GDN dt_bias
+  kGdnNorm,            ///< GDN gated-RMSNorm gain (a plain gain)
+  kGdnOutProj,         ///< GDN out_proj
+  kAttnInProj,         ///< a part of the attention input projection: q (with gate), k, v in table order
+  kAttnQNorm,          ///< attention per-head query RMSNorm gain (stored = 1 + w)
+  kAttnKNorm,          ///< attention per-head key RMSNorm gain (stored = 1 + w)
+  kAttnOutProj,        ///< attention o_proj
+  kRouter,             ///< mlp.gate, the router's logits
+  kSharedExpertGate,   ///< mlp.shared_expert_gate, the shared expert's sigmoid gate
+  kExpertsGateProj,    ///< the routed experts' stacked gate_proj
+  kExpertsUpProj,      ///< the routed experts' stacked up_proj
+  kExpertsDownProj,    ///< the routed experts' stacked down_proj
+  kSharedGateProj,     ///< the shared expert's gate_proj
+  kSharedUpProj,       ///< the shared expert's up_proj
+  kSharedDownProj,     ///< the shared expert's down_proj
+};
+
 /// One logical tensor. For kQuantized, `name` is the base name (without .weight) and `shape` is
 /// the logical [.., out, in] shape (3-D for stacked experts); the stored shapes follow from `bits`.
 struct TensorSpec {
   std::string name;            ///< safetensors name (the base name for kQuantized)
   TensorKind kind;             ///< storage kind; decides the TensorDest alternative
+  TensorRole role;             ///< what the tensor is for
   std::vector<int64_t> shape;  ///< logical shape, e.g. [E, I, hidden] for an expert stack
   int bits = 0;  ///< 4 or 8 for kQuantized, else 0
   int layer = -1;  ///< decoder layer index, -1 for embed/lm_head/final norm
@@ -42,6 +74,12 @@ using TensorDest = std::variant<QuantMatrix*, std::vector<float>*>;
 /// Called once per tensor with its spec and its destination inside the walked ModelWeights.
 using TensorVisitor = std::function<void(const TensorSpec& spec, TensorDest dest)>;
 
+/// TensorDest of a const walk: the field a spec was loaded into, read-only.
+using ConstTensorDest = std::variant<const QuantMatrix*, const std::vector<float>*>;
+
+/// Called once per tensor of a const walk with its spec and the field holding it.
+using ConstTensorVisitor = std::function<void(const TensorSpec& spec, ConstTensorDest dest)>;
+
 /// The description itself: calls `visit` once for every tensor of the model described by
 /// `config`, in the stable order of tensor_table, with a pointer to the field of `weights` the
 /// tensor fills (a distinct field per spec; kQuantized specs get a QuantMatrix*, the others a
@@ -51,6 +89,12 @@ using TensorVisitor = std::function<void(const TensorSpec& spec, TensorDest dest
 /// so far as `visit` left them. Throws InternalError when config.layer_types does not have
 /// config.n_layers entries.
 void for_each_tensor(const ModelConfig& config, ModelWeights& weights, const TensorVisitor& visit);
+
+/// The same description over weights already filled (by the loader): calls `visit` once for
+/// every tensor of the model described by `weights.config`, in the same order and with the same
+/// fields as the walk above, read-only. Throws InternalError when `weights.layers` does not match
+/// config.layer_types (count or types).
+void for_each_tensor(const ModelWeights& weights, const ConstTensorVisitor& visit);
 
 /// All tensors of the model described by `config`, in a stable order (embed, layers, norm, head):
 /// the specs for_each_tensor visits, without their destinations. Throws InternalError as

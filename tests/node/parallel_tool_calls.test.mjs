@@ -5,9 +5,8 @@
 // the token that completes it (usage counts the tokens up to there), and whole and streamed
 // answers hold that one call, also for each of n choices.
 // Run: LILY_BIN=build/lily node --test tests/node/parallel_tool_calls.test.mjs
-import { after, before, describe, it } from 'node:test';
+import { before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import OpenAI from 'openai';
 import { scriptedToolsModel } from './scripted_model.mjs';
 
 const FIRST_CALL = '<tool_call>\n<function=set_counter>\n<parameter=name>visits</parameter></function></tool_call>';
@@ -18,7 +17,7 @@ const { harness, chains } = await scriptedToolsModel('lily-parallel-tools-', {
   // The generation prompt (thinking off) ends in "</think>\n\n": two calls after a sentence.
   chains: [{ after: '<|im_start|>assistant\n<think>\n\n</think>\n\n', text: ANSWER }],
 });
-const { MODEL, assembleStream: assemble, postJson: post, startServer, stopServer } = harness;
+const { MODEL, assembleStream: assemble, postJson: post, serverForSuite } = harness;
 
 const tools = [
   { type: 'function', function: { name: 'set_counter', description: 'Sets a counter',
@@ -28,22 +27,18 @@ const tools = [
 const question = [{ role: 'user', content: 'Count my visits, then tell me the time.' }];
 
 describe('parallel_tool_calls on a scripted model', () => {
-  let server;
-  let openai;
+  const suite = serverForSuite();
   let firstCallTokens;  // tokens of the answer up to the one that completes the first call
   before(async () => {
-    server = await startServer();
-    openai = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: 'unused', maxRetries: 0 });
     const ids = chains[0].ids;
     for (let k = 1; k <= ids.length && firstCallTokens === undefined; ++k) {
-      const text = (await post(server, '/detokenize', { tokens: ids.slice(0, k) })).json.prompt;
+      const text = (await post(suite.server, '/detokenize', { tokens: ids.slice(0, k) })).json.prompt;
       if (text.includes('</tool_call>')) firstCallTokens = k;
     }
     assert.ok(firstCallTokens > 0 && firstCallTokens < ids.length, String(firstCallTokens));
   });
-  after(async () => { await stopServer(server); });
 
-  const ask = (extra) => openai.chat.completions.create({ model: MODEL, messages: question, tools, max_tokens: 64, ...extra });
+  const ask = (extra) => suite.openai.chat.completions.create({ model: MODEL, messages: question, tools, max_tokens: 64, ...extra });
   const calls = (message) => message.tool_calls.map((c) => ({ name: c.function.name, arguments: JSON.parse(c.function.arguments) }));
   const bothCalls = [{ name: 'set_counter', arguments: { name: 'visits' } }, { name: 'get_time', arguments: {} }];
 
@@ -74,22 +69,8 @@ describe('parallel_tool_calls on a scripted model', () => {
 
   it('streams the one call as deltas equal to the whole answer, usage included', async () => {
     const whole = await ask({ parallel_tool_calls: false });
-    const stream = await ask({ parallel_tool_calls: false, stream: true, stream_options: { include_usage: true } });
-    const message = { content: '', tool_calls: [] };
-    let finish = null;
-    let usage = null;
-    for await (const chunk of stream) {
-      if (chunk.usage) usage = chunk.usage;
-      const c = chunk.choices[0];
-      if (!c) continue;
-      if (c.delta.content) message.content += c.delta.content;
-      for (const t of c.delta.tool_calls ?? []) {
-        const slot = (message.tool_calls[t.index] ??= { id: t.id, function: { name: '', arguments: '' } });
-        if (t.function?.name) slot.function.name += t.function.name;
-        if (t.function?.arguments) slot.function.arguments += t.function.arguments;
-      }
-      if (c.finish_reason) finish = c.finish_reason;
-    }
+    const { message, finish, usage } = await assemble(
+      await ask({ parallel_tool_calls: false, stream: true, stream_options: { include_usage: true } }));
     assert.equal(finish, 'tool_calls');
     assert.equal(message.content, whole.choices[0].message.content);
     assert.equal(message.tool_calls.length, 1);
@@ -102,16 +83,9 @@ describe('parallel_tool_calls on a scripted model', () => {
     assert.deepEqual(r.choices.map((c) => c.finish_reason), ['tool_calls', 'tool_calls']);
     assert.deepEqual(r.choices.map((c) => calls(c.message)), [bothCalls.slice(0, 1), bothCalls.slice(0, 1)]);
     assert.equal(r.usage.completion_tokens, 2 * firstCallTokens);
-    const stream = await ask({ parallel_tool_calls: false, n: 2, stream: true });
-    const names = [[], []];
-    const finishes = [];
-    for await (const chunk of stream)
-      for (const c of chunk.choices) {
-        for (const t of c.delta.tool_calls ?? []) if (t.function?.name) names[c.index].push(t.function.name);
-        if (c.finish_reason) finishes[c.index] = c.finish_reason;
-      }
-    assert.deepEqual(names, [['set_counter'], ['set_counter']]);
-    assert.deepEqual(finishes, ['tool_calls', 'tool_calls']);
+    const { choices } = await assemble(await ask({ parallel_tool_calls: false, n: 2, stream: true }));
+    assert.deepEqual(choices.map((c) => c.message.tool_calls.map((t) => t.function.name)), [['set_counter'], ['set_counter']]);
+    assert.deepEqual(choices.map((c) => c.finish), ['tool_calls', 'tool_calls']);
   });
 
   it('is plain text with tool_choice "none", parallel_tool_calls false or not', async () => {

@@ -4,6 +4,7 @@
 import { spawn } from 'node:child_process';
 import http from 'node:http';
 import path from 'node:path';
+import { after, before } from 'node:test';
 import { fileURLToPath } from 'node:url';
 
 const here = path.dirname(fileURLToPath(import.meta.url));
@@ -58,6 +59,23 @@ export async function startServer(extraArgs = [], env = {}, { until = 'serving',
     });
   });
   return server;
+}
+
+/**
+ * One server for the enclosing describe(): its `before` hook starts it (startServer(extraArgs,
+ * env, options)) with an official `openai` client on it, its `after` hook stops it (stopServer,
+ * so an unclean exit fails the suite). Returns {server, openai}, filled in once the hook ran:
+ * read them in tests and later hooks, not while describe() runs. `apiKey`: the client's key.
+ */
+export function serverForSuite(extraArgs = [], { apiKey = 'unused', env = {}, ...options } = {}) {
+  const suite = { server: null, openai: null };
+  before(async () => {
+    suite.server = await startServer(extraArgs, env, options);
+    const { default: OpenAI } = await import('openai');  // only the suites that use it need the package
+    suite.openai = new OpenAI({ baseURL: `${suite.server.url}/v1`, apiKey, maxRetries: 0 });
+  });
+  after(async () => { await stopServer(suite.server); });
+  return suite;
 }
 
 /**
@@ -190,24 +208,32 @@ export function longPrompt(seed, words = 600) {
 
 export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
-/** Joins a stream's chunks as a client does: content, reasoning_content and tool_calls by index. */
+/**
+ * Joins a stream's chunks as a client does, choice by choice (by `index`): content,
+ * reasoning_content and tool_calls (by their index). Resolves {message, finish} of choice 0,
+ * `choices` ([{message, finish}] of every choice) and `usage` (from the usage chunk, or null).
+ */
 export async function assembleStream(stream) {
-  const message = { content: '', reasoning_content: '', tool_calls: [] };
-  let finish = null;
+  const choices = [];
+  let usage = null;
   for await (const chunk of stream) {
-    const choice = chunk.choices[0];
-    if (!choice) continue;
-    const d = choice.delta;
-    if (d.content) message.content += d.content;
-    if (d.reasoning_content) message.reasoning_content += d.reasoning_content;
-    for (const call of d.tool_calls ?? []) {
-      const slot = (message.tool_calls[call.index] ??= { id: call.id, type: call.type, function: { name: '', arguments: '' } });
-      if (call.function?.name) slot.function.name += call.function.name;
-      if (call.function?.arguments) slot.function.arguments += call.function.arguments;
+    if (chunk.usage) usage = chunk.usage;
+    for (const choice of chunk.choices) {
+      const into = (choices[choice.index] ??= { message: { content: '', reasoning_content: '', tool_calls: [] }, finish: null });
+      const { message } = into;
+      const d = choice.delta;
+      if (d.content) message.content += d.content;
+      if (d.reasoning_content) message.reasoning_content += d.reasoning_content;
+      for (const call of d.tool_calls ?? []) {
+        const slot = (message.tool_calls[call.index] ??= { id: call.id, type: call.type, function: { name: '', arguments: '' } });
+        if (call.function?.name) slot.function.name += call.function.name;
+        if (call.function?.arguments) slot.function.arguments += call.function.arguments;
+      }
+      if (choice.finish_reason) into.finish = choice.finish_reason;
     }
-    if (choice.finish_reason) finish = choice.finish_reason;
   }
-  return { message, finish };
+  const first = choices[0] ?? { message: { content: '', reasoning_content: '', tool_calls: [] }, finish: null };
+  return { message: first.message, finish: first.finish, choices, usage };
 }
 
 /** POSTs `body` as JSON to `route`; resolves {status, json} (the answer parsed as JSON). */

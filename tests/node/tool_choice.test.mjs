@@ -6,7 +6,7 @@
 // result sent back in a `tool` message, tool_choice "none" answering text, and a call cut off by
 // max_tokens returned as content with finish_reason "length".
 // Run: LILY_BIN=build/lily node --test tests/node/tool_choice.test.mjs
-import { after, before, describe, it } from 'node:test';
+import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import OpenAI from 'openai';
 import { encode, scriptedToolsModel } from './scripted_model.mjs';
@@ -24,7 +24,7 @@ const { harness, modelDir } = await scriptedToolsModel('lily-tool-choice-', {
       text: '<parameter=name>visits</parameter><parameter=value>\n\n42\n</parameter></function></tool_call>' },
   ],
 });
-const { LILY_BIN, MODEL, assembleStream: assemble, postJson: post, startServer, stopServer } = harness;
+const { LILY_BIN, MODEL, assembleStream: assemble, postJson: post, serverForSuite } = harness;
 
 const tools = [
   { type: 'function', function: { name: 'set_counter', description: 'Sets a counter',
@@ -35,15 +35,9 @@ const question = [{ role: 'user', content: 'Count my visits.' }];
 const named = (name) => ({ type: 'function', function: { name } });
 
 describe('tool_choice on a scripted model', () => {
-  let server;
-  let openai;
-  before(async () => {
-    server = await startServer();
-    openai = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: 'unused', maxRetries: 0 });
-  });
-  after(async () => { await stopServer(server); });
+  const suite = serverForSuite();
 
-  const ask = (extra) => openai.chat.completions.create({ model: MODEL, messages: question, tools, max_tokens: 64, ...extra });
+  const ask = (extra) => suite.openai.chat.completions.create({ model: MODEL, messages: question, tools, max_tokens: 64, ...extra });
 
   it('answers text by itself: tool_choice "auto" and "none" (tools then stay out of the prompt)', async () => {
     for (const tool_choice of [undefined, 'auto', 'none']) {
@@ -52,9 +46,9 @@ describe('tool_choice on a scripted model', () => {
       assert.equal(r.choices[0].message.tool_calls, undefined);
       assert.equal(r.choices[0].finish_reason, 'stop');
     }
-    const withTools = await post(server, '/tokenize', { messages: question, tools });
-    const none = await post(server, '/tokenize', { messages: question, tools, tool_choice: 'none' });
-    const text = async (t) => (await post(server, '/detokenize', { tokens: t.json.tokens })).json.prompt;
+    const withTools = await post(suite.server, '/tokenize', { messages: question, tools });
+    const none = await post(suite.server, '/tokenize', { messages: question, tools, tool_choice: 'none' });
+    const text = async (t) => (await post(suite.server, '/detokenize', { tokens: t.json.tokens })).json.prompt;
     assert.ok((await text(withTools)).includes('"name": "set_counter"'));
     assert.ok(!(await text(none)).includes('set_counter'));
   });
@@ -77,7 +71,7 @@ describe('tool_choice on a scripted model', () => {
     assert.equal(r.choices[0].finish_reason, 'tool_calls');
     assert.equal(r.choices[0].message.tool_calls[0].function.name, 'set_counter');
     assert.deepEqual(JSON.parse(r.choices[0].message.tool_calls[0].function.arguments), { name: 'visits', value: 42 });
-    const prompt = await post(server, '/tokenize', { messages: question, tools });
+    const prompt = await post(suite.server, '/tokenize', { messages: question, tools });
     assert.equal(r.usage.prompt_tokens, prompt.json.count + encode(LILY_BIN, modelDir, NAMED_OPENING).length);
     // The other function, named, is the one called (its schema has no parameters: raw strings).
     const other = await ask({ tool_choice: named('get_time') });
@@ -99,16 +93,9 @@ describe('tool_choice on a scripted model', () => {
     // Every choice of n is forced, streamed or not.
     const several = await ask({ tool_choice: 'required', n: 2 });
     assert.deepEqual(several.choices.map((c) => c.finish_reason), ['tool_calls', 'tool_calls']);
-    const stream = await ask({ tool_choice: 'required', n: 2, stream: true });
-    const calls = [[], []];
-    const finishes = [];
-    for await (const chunk of stream)
-      for (const c of chunk.choices) {
-        for (const t of c.delta.tool_calls ?? []) if (t.function?.name) calls[c.index].push(t.function.name);
-        if (c.finish_reason) finishes[c.index] = c.finish_reason;
-      }
-    assert.deepEqual(calls, [['set_counter'], ['set_counter']]);
-    assert.deepEqual(finishes, ['tool_calls', 'tool_calls']);
+    const { choices } = await assemble(await ask({ tool_choice: 'required', n: 2, stream: true }));
+    assert.deepEqual(choices.map((c) => c.message.tool_calls.map((t) => t.function.name)), [['set_counter'], ['set_counter']]);
+    assert.deepEqual(choices.map((c) => c.finish), ['tool_calls', 'tool_calls']);
   });
 
   it('forces the call after the thinking too: the think block is closed, reasoning empty', async () => {
@@ -122,12 +109,12 @@ describe('tool_choice on a scripted model', () => {
     const first = await ask({ tool_choice: 'required' });
     const call = first.choices[0].message.tool_calls[0];
     const messages = [...question, first.choices[0].message, { role: 'tool', tool_call_id: call.id, content: '{"visits": 42}' }];
-    const prompt = await post(server, '/tokenize', { messages, tools });
+    const prompt = await post(suite.server, '/tokenize', { messages, tools });
     assert.equal(prompt.status, 200, JSON.stringify(prompt.json));
-    const text = (await post(server, '/detokenize', { tokens: prompt.json.tokens })).json.prompt;
+    const text = (await post(suite.server, '/detokenize', { tokens: prompt.json.tokens })).json.prompt;
     assert.ok(text.includes('<tool_call>\n<function=set_counter>\n<parameter=name>\nvisits\n</parameter>\n<parameter=value>\n42\n</parameter>'), text);
     assert.ok(text.includes('<tool_response>\n{"visits": 42}\n</tool_response>'), text);
-    const second = await openai.chat.completions.create({ model: MODEL, messages, tools, max_tokens: 64 });
+    const second = await suite.openai.chat.completions.create({ model: MODEL, messages, tools, max_tokens: 64 });
     assert.equal(second.choices[0].message.content, 'It is sunny.');
     assert.equal(second.choices[0].finish_reason, 'stop');
     assert.equal(second.usage.prompt_tokens, prompt.json.count);

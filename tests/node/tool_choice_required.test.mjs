@@ -6,9 +6,8 @@
 // every one of n choices, names one of the declared tools. Once the name is written the model is
 // free again and closes the block by itself.
 // Run: LILY_BIN=build/lily node --test tests/node/tool_choice_required.test.mjs
-import { after, before, describe, it } from 'node:test';
+import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import OpenAI from 'openai';
 import { scriptedToolsModel } from './scripted_model.mjs';
 
 const OPENING = '<tool_call>\n<function=';
@@ -24,7 +23,7 @@ const { harness } = await scriptedToolsModel('lily-tool-required-', {
     { after: '>\n', text: '', then: '\n' },
   ],
 });
-const { MODEL, assembleStream: assemble, postJson: post, startServer, stopServer } = harness;
+const { MODEL, assembleStream: assemble, postJson: post, serverForSuite } = harness;
 
 // Short declarations keep the prompt short (the test also runs under the sanitizers).
 const tools = ['get_time', 'set_counter', 'set_alarm'].map((name) => ({ type: 'function', function: { name } }));
@@ -32,19 +31,13 @@ const declared = new Set(tools.map((t) => t.function.name));
 const question = [{ role: 'user', content: 'What now?' }];
 
 describe('tool_choice "required" with several tools', () => {
-  let server;
-  let openai;
-  before(async () => {
-    server = await startServer();
-    openai = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: 'unused', maxRetries: 0 });
-  });
-  after(async () => { await stopServer(server); });
+  const suite = serverForSuite();
 
-  const ask = (extra) => openai.chat.completions.create({ model: MODEL, messages: question, tools, max_tokens: 48, ...extra });
+  const ask = (extra) => suite.openai.chat.completions.create({ model: MODEL, messages: question, tools, max_tokens: 48, ...extra });
 
   it('left to itself the model names an undeclared tool', async () => {
     // The same last token as a forced opening, without the server's constraint: raw text.
-    const raw = await post(server, '/v1/completions', { model: MODEL, prompt: OPENING, max_tokens: 32 });
+    const raw = await post(suite.server, '/v1/completions', { model: MODEL, prompt: OPENING, max_tokens: 32 });
     assert.equal(raw.status, 200, JSON.stringify(raw.json));
     assert.equal(raw.json.choices[0].text, 'lookup_weather>\n</function></tool_call>');
   });
@@ -79,15 +72,8 @@ describe('tool_choice "required" with several tools', () => {
     const names = whole.choices.map((c) => c.message.tool_calls[0].function.name);
     assert.ok(new Set(names).size > 1, `sampling reaches more than one declared name: ${names}`);
     // The stream of the same request (same seed): the same calls, choice by choice.
-    const stream = await ask({ ...request, stream: true });
-    const streamed = [[], [], []];
-    const finishes = [];
-    for await (const chunk of stream)
-      for (const c of chunk.choices) {
-        for (const t of c.delta.tool_calls ?? []) if (t.function?.name) streamed[c.index].push(t.function.name);
-        if (c.finish_reason) finishes[c.index] = c.finish_reason;
-      }
-    assert.deepEqual(streamed, names.map((name) => [name]));
-    assert.deepEqual(finishes, ['tool_calls', 'tool_calls', 'tool_calls']);
+    const { choices } = await assemble(await ask({ ...request, stream: true }));
+    assert.deepEqual(choices.map((c) => c.message.tool_calls.map((t) => t.function.name)), names.map((name) => [name]));
+    assert.deepEqual(choices.map((c) => c.finish), ['tool_calls', 'tool_calls', 'tool_calls']);
   });
 });

@@ -7,7 +7,7 @@
 // output are tested on a scripted model in tool_choice.test.mjs, and the parser itself in
 // tests/unit/server/test_tool_calls.cpp.)
 // Run: LILY_BIN=build/lily node --test tests/node/tools.test.mjs
-import { after, before, describe, it } from 'node:test';
+import { after, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
 import os from 'node:os';
@@ -21,7 +21,7 @@ const modelDir = path.join(tmp, 'demo');
 fs.cpSync(path.join(source, 'models', 'demo'), modelDir, { recursive: true });
 fs.copyFileSync(path.join(source, 'tests/fixtures/jinja/qwen3_6_tools.jinja'), path.join(modelDir, 'chat_template.jinja'));
 process.env.LILY_TEST_MODEL_DIR = modelDir;
-const { LILY_BIN, MODEL, assembleStream: assemble, postJson: post, startServer, stopServer } = await import('./server_harness.mjs');
+const { LILY_BIN, MODEL, assembleStream: assemble, postJson: post, serverForSuite } = await import('./server_harness.mjs');
 
 after(() => fs.rmSync(tmp, { recursive: true, force: true }));
 
@@ -42,41 +42,35 @@ async function promptOf(server, body) {
 }
 
 describe('tools and thinking', () => {
-  let server;
-  let openai;
-  before(async () => {
-    server = await startServer();
-    openai = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: 'unused', maxRetries: 0 });
-  });
-  after(async () => { await stopServer(server); });
+  const suite = serverForSuite();
 
   const question = [{ role: 'developer', content: 'Answer briefly.' }, { role: 'user', content: 'Weather in Paris?', name: 'ann' }];
 
   it('renders the declared tools into the prompt (and none with tool_choice "none")', async () => {
-    const { text } = await promptOf(server, { messages: question, tools });
+    const { text } = await promptOf(suite.server, { messages: question, tools });
     assert.match(text, /^<\|im_start\|>system\n# Tools\n/);
     assert.ok(text.includes('<tools>\n{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city", "parameters": {"type": "object"'), text);
     assert.ok(text.includes('\n\nAnswer briefly.<|im_end|>'), text);  // developer = system
     assert.ok(text.endsWith('<|im_start|>assistant\n<think>\n\n</think>\n\n'), text);
-    const none = await promptOf(server, { messages: question, tools, tool_choice: 'none' });
+    const none = await promptOf(suite.server, { messages: question, tools, tool_choice: 'none' });
     assert.ok(!none.text.includes('<tools>'), none.text);
   });
 
   it('answers with tools declared, and takes the tool result back; the next prompt extends the last', async () => {
-    const first = await openai.chat.completions.create({ model: MODEL, messages: question, tools, tool_choice: 'auto', max_tokens: 4 });
+    const first = await suite.openai.chat.completions.create({ model: MODEL, messages: question, tools, tool_choice: 'auto', max_tokens: 4 });
     assert.equal(first.choices[0].message.role, 'assistant');
     assert.ok(['stop', 'length', 'tool_calls'].includes(first.choices[0].finish_reason));
     // The agent ran the tool the model (here: the test) asked for and sends the result back.
     const call = { id: 'call_1', type: 'function', function: { name: 'get_weather', arguments: '{"city": "Paris", "days": 2}' } };
     const next = [...question, { role: 'assistant', content: null, tool_calls: [call] },
       { role: 'tool', tool_call_id: 'call_1', content: '{"sky": "sunny"}' }];
-    const before = await promptOf(server, { messages: question, tools });
-    const after = await promptOf(server, { messages: next, tools });
+    const before = await promptOf(suite.server, { messages: question, tools });
+    const after = await promptOf(suite.server, { messages: next, tools });
     assert.ok(after.text.includes('<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call><|im_end|>\n'), after.text);
     assert.ok(after.text.includes('<|im_start|>user\n<tool_response>\n{"sky": "sunny"}\n</tool_response><|im_end|>\n'), after.text);
     // Token for token, the first prompt (ending in the generation prompt) begins the next one.
     assert.deepEqual(after.tokens.slice(0, before.tokens.length), before.tokens);
-    const second = await openai.chat.completions.create({ model: MODEL, messages: next, tools, max_tokens: 2 });
+    const second = await suite.openai.chat.completions.create({ model: MODEL, messages: next, tools, max_tokens: 2 });
     assert.equal(second.usage.prompt_tokens, after.tokens.length);
     assert.ok(second.usage.prompt_tokens_details.cached_tokens >= before.tokens.length - 1,
       `cached ${second.usage.prompt_tokens_details.cached_tokens} of ${before.tokens.length}`);
@@ -84,26 +78,26 @@ describe('tools and thinking', () => {
 
   it('streams deltas that assemble to the whole answer', async () => {
     const body = { model: MODEL, messages: question, tools, max_tokens: 12 };
-    const whole = await openai.chat.completions.create(body);
-    const { message, finish } = await assemble(await openai.chat.completions.create({ ...body, stream: true }));
+    const whole = await suite.openai.chat.completions.create(body);
+    const { message, finish } = await assemble(await suite.openai.chat.completions.create({ ...body, stream: true }));
     assert.equal(message.content, whole.choices[0].message.content ?? '');
     assert.deepEqual(message.tool_calls.map((c) => c.function), (whole.choices[0].message.tool_calls ?? []).map((c) => c.function));
     assert.equal(finish, whole.choices[0].finish_reason);
   });
 
   it('thinks when asked: reasoning_content, whole and streamed', async () => {
-    const { text } = await promptOf(server, { messages: question, chat_template_kwargs: { enable_thinking: true } });
+    const { text } = await promptOf(suite.server, { messages: question, chat_template_kwargs: { enable_thinking: true } });
     assert.ok(text.endsWith('<|im_start|>assistant\n<think>\n'), text);
     const body = { model: MODEL, messages: question, reasoning_effort: 'high', max_tokens: 12 };
-    const whole = await openai.chat.completions.create(body);
+    const whole = await suite.openai.chat.completions.create(body);
     const m = whole.choices[0].message;
     assert.equal(typeof m.reasoning_content, 'string');
     assert.ok(m.reasoning_content.length + m.content.length > 0);
-    const { message } = await assemble(await openai.chat.completions.create({ ...body, stream: true }));
+    const { message } = await assemble(await suite.openai.chat.completions.create({ ...body, stream: true }));
     assert.equal(message.reasoning_content, m.reasoning_content);
     assert.equal(message.content, m.content);
     // Off by default, and reasoning_effort "none" keeps it off.
-    const plain = await openai.chat.completions.create({ model: MODEL, messages: question, reasoning_effort: 'none', max_tokens: 2 });
+    const plain = await suite.openai.chat.completions.create({ model: MODEL, messages: question, reasoning_effort: 'none', max_tokens: 2 });
     assert.equal(plain.choices[0].message.reasoning_content, undefined);
   });
 
@@ -119,7 +113,7 @@ describe('tools and thinking', () => {
       [{ parallel_tool_calls: 1 }, 'parallel_tool_calls'],
     ];
     for (const [extra, param] of cases) {
-      await assert.rejects(openai.chat.completions.create({ model: MODEL, messages: question, max_tokens: 2, ...extra }), (e) => {
+      await assert.rejects(suite.openai.chat.completions.create({ model: MODEL, messages: question, max_tokens: 2, ...extra }), (e) => {
         assert.ok(e instanceof OpenAI.BadRequestError, String(e));
         assert.equal(e.param, param, JSON.stringify(extra));
         return true;

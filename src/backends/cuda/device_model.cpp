@@ -1,7 +1,14 @@
-// Upload of ModelWeights into the device layout described in device_model.h.
+// Upload of ModelWeights into the device layout described in device_model.h: one read-only walk
+// of the tensor description (for_each_tensor), each tensor placed by its role (slot_of).
 #include "backends/cuda/device_model.h"
 
+#include <algorithm>
 #include <string>
+#include <utility>
+#include <variant>
+
+#include "base/error.h"
+#include "model/tensor_table.h"
 
 namespace lily::cuda {
 namespace {
@@ -16,28 +23,60 @@ std::string gib(int64_t bytes) {
   return buf;
 }
 
+/// Where a tensor goes on the device: a part of a fused matrix (parts concatenated in table
+/// order) for a quantized tensor, or an fp32 vector. Exactly one is set.
+struct DeviceSlot {
+  DeviceQuant* matrix = nullptr;
+  const float** vector = nullptr;
+};
+
+/// The device layout of device_model.h, role by role. `layer` is the tensor's layer (null for
+/// the embedding, the head and the final norm). The fused matrices follow from the table's order:
+/// GDN qkv|z|a|b, attention q|k|v, router then shared-expert gate, and each expert stack then the
+/// shared expert's projection (so the shared expert is expert n_experts).
+DeviceSlot slot_of(TensorRole role, DeviceModel& model, DeviceLayer* layer) {
+  using R = TensorRole;
+  auto per_layer = [&] {
+    LILY_CHECK(layer != nullptr);
+    return layer;
+  };
+  switch (role) {
+    case R::kEmbedding: return {&model.embed, nullptr};
+    case R::kOutputHead: return {&model.lm_head, nullptr};
+    case R::kFinalNorm: return {nullptr, &model.final_norm};
+    case R::kInputNorm: return {nullptr, &per_layer()->input_norm};
+    case R::kPostAttentionNorm: return {nullptr, &per_layer()->post_norm};
+    case R::kGdnInProj: return {&per_layer()->gdn_in, nullptr};
+    case R::kGdnConv: return {nullptr, &per_layer()->gdn.conv_w};
+    case R::kGdnALog: return {nullptr, &per_layer()->gdn.A_log};
+    case R::kGdnDtBias: return {nullptr, &per_layer()->gdn.dt_bias};
+    case R::kGdnNorm: return {nullptr, &per_layer()->gdn.norm_w};
+    case R::kGdnOutProj: return {&per_layer()->gdn_out, nullptr};
+    case R::kAttnInProj: return {&per_layer()->attn_in, nullptr};
+    case R::kAttnQNorm: return {nullptr, &per_layer()->q_norm};
+    case R::kAttnKNorm: return {nullptr, &per_layer()->k_norm};
+    case R::kAttnOutProj: return {&per_layer()->attn_out, nullptr};
+    case R::kRouter:
+    case R::kSharedExpertGate: return {&per_layer()->router, nullptr};
+    case R::kExpertsGateProj:
+    case R::kSharedGateProj: return {&per_layer()->gate, nullptr};
+    case R::kExpertsUpProj:
+    case R::kSharedUpProj: return {&per_layer()->up, nullptr};
+    case R::kExpertsDownProj:
+    case R::kSharedDownProj: return {&per_layer()->down, nullptr};
+  }
+  throw ::lily::InternalError("CUDA upload: no device slot for tensor role " + std::to_string(static_cast<int>(role)));
+}
+
 }  // namespace
 
 int64_t DeviceModel::required_bytes(const ModelWeights& w) {
-  int64_t total = quant_bytes(w.embed_tokens) + quant_bytes(w.lm_head);
-  for (const LayerWeights& l : w.layers) {
-    const MoeWeights& m = l.moe;
-    total += quant_bytes(m.router) + quant_bytes(m.shared_expert_gate) + quant_bytes(m.experts_gate_proj) +
-             quant_bytes(m.experts_up_proj) + quant_bytes(m.experts_down_proj) + quant_bytes(m.shared_gate_proj) +
-             quant_bytes(m.shared_up_proj) + quant_bytes(m.shared_down_proj);
-    if (l.type == LayerType::kLinearAttention) {
-      const GdnWeights& g = l.gdn;
-      total += quant_bytes(g.in_proj_qkv) + quant_bytes(g.in_proj_z) + quant_bytes(g.in_proj_a) +
-               quant_bytes(g.in_proj_b) + quant_bytes(g.out_proj) +
-               4 * int64_t(g.conv1d.size() + g.A_log.size() + g.dt_bias.size() + g.norm.size());
-    } else {
-      const AttentionWeights& a = l.attention;
-      total += quant_bytes(a.q_proj) + quant_bytes(a.k_proj) + quant_bytes(a.v_proj) + quant_bytes(a.o_proj) +
-               4 * int64_t(a.q_norm.size() + a.k_norm.size());
-    }
-    total += 4 * int64_t(l.input_layernorm.size() + l.post_attention_layernorm.size());
-  }
-  return total + 4 * int64_t(w.final_norm.size());
+  int64_t total = 0;
+  for_each_tensor(w, [&](const TensorSpec&, ConstTensorDest src) {
+    if (const auto* q = std::get_if<const QuantMatrix*>(&src)) total += quant_bytes(**q);
+    else total += 4 * static_cast<int64_t>(std::get<const std::vector<float>*>(src)->size());
+  });
+  return total;
 }
 
 DeviceQuant DeviceModel::upload_concat(const std::vector<const QuantMatrix*>& parts) {
@@ -97,37 +136,25 @@ DeviceModel::DeviceModel(const ModelWeights& w) {
                         " working space) but only " + gib(static_cast<int64_t>(free_b)) + " of " +
                         gib(static_cast<int64_t>(total_b)) + " is free");
 
-  embed = upload_concat({&w.embed_tokens});
-  lm_head = upload_concat({&w.lm_head});
-  final_norm = upload_floats(w.final_norm);
   layers.resize(w.layers.size());
-  for (size_t i = 0; i < w.layers.size(); ++i) {
-    const LayerWeights& src = w.layers[i];
-    DeviceLayer& d = layers[i];
-    d.type = src.type;
-    d.input_norm = upload_floats(src.input_layernorm);
-    d.post_norm = upload_floats(src.post_attention_layernorm);
-    if (src.type == LayerType::kLinearAttention) {
-      const GdnWeights& g = src.gdn;
-      d.gdn_in = upload_concat({&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_a, &g.in_proj_b});
-      d.gdn_out = upload_concat({&g.out_proj});
-      d.gdn.conv_w = upload_floats(g.conv1d);
-      d.gdn.A_log = upload_floats(g.A_log);
-      d.gdn.dt_bias = upload_floats(g.dt_bias);
-      d.gdn.norm_w = upload_floats(g.norm);
+  for (size_t i = 0; i < w.layers.size(); ++i) layers[i].type = w.layers[i].type;
+  // Vectors are uploaded as the walk meets them; a fused matrix once all its parts are known,
+  // in the order the walk first meets it.
+  std::vector<std::pair<DeviceQuant*, std::vector<const QuantMatrix*>>> matrices;
+  for_each_tensor(w, [&](const TensorSpec& spec, ConstTensorDest src) {
+    DeviceLayer* layer = spec.layer >= 0 ? &layers[static_cast<size_t>(spec.layer)] : nullptr;
+    const DeviceSlot slot = slot_of(spec.role, *this, layer);
+    if (const auto* q = std::get_if<const QuantMatrix*>(&src)) {
+      LILY_CHECK(slot.matrix != nullptr);
+      auto it = std::find_if(matrices.begin(), matrices.end(), [&](const auto& m) { return m.first == slot.matrix; });
+      if (it == matrices.end()) it = matrices.insert(matrices.end(), {slot.matrix, {}});
+      it->second.push_back(*q);
     } else {
-      const AttentionWeights& a = src.attention;
-      d.attn_in = upload_concat({&a.q_proj, &a.k_proj, &a.v_proj});
-      d.attn_out = upload_concat({&a.o_proj});
-      d.q_norm = upload_floats(a.q_norm);
-      d.k_norm = upload_floats(a.k_norm);
+      LILY_CHECK(slot.vector != nullptr);
+      *slot.vector = upload_floats(*std::get<const std::vector<float>*>(src));
     }
-    const MoeWeights& m = src.moe;
-    d.router = upload_concat({&m.router, &m.shared_expert_gate});
-    d.gate = upload_concat({&m.experts_gate_proj, &m.shared_gate_proj});
-    d.up = upload_concat({&m.experts_up_proj, &m.shared_up_proj});
-    d.down = upload_concat({&m.experts_down_proj, &m.shared_down_proj});
-  }
+  });
+  for (const auto& [matrix, parts] : matrices) *matrix = upload_concat(parts);
 }
 
 }  // namespace lily::cuda

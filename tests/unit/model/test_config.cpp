@@ -4,6 +4,7 @@
 
 #include <fstream>
 #include <set>
+#include <utility>
 #include <variant>
 
 #include "base/error.h"
@@ -286,6 +287,45 @@ TEST(Config, LoadRejectsMissingAndInvalidFiles) {
   }
 }
 
+/// The role a tensor's name implies, worked out from the name alone (the table states it).
+TensorRole role_by_name(const std::string& name) {
+  using R = TensorRole;
+  const std::pair<const char*, R> suffixes[] = {
+      {"embed_tokens", R::kEmbedding},
+      {"lm_head", R::kOutputHead},
+      {"model.norm.weight", R::kFinalNorm},
+      {"input_layernorm.weight", R::kInputNorm},
+      {"post_attention_layernorm.weight", R::kPostAttentionNorm},
+      {"in_proj_qkv", R::kGdnInProj},
+      {"in_proj_z", R::kGdnInProj},
+      {"in_proj_a", R::kGdnInProj},
+      {"in_proj_b", R::kGdnInProj},
+      {"conv1d.weight", R::kGdnConv},
+      {"A_log", R::kGdnALog},
+      {"dt_bias", R::kGdnDtBias},
+      {"linear_attn.norm.weight", R::kGdnNorm},
+      {"linear_attn.out_proj", R::kGdnOutProj},
+      {"q_proj", R::kAttnInProj},
+      {"k_proj", R::kAttnInProj},
+      {"v_proj", R::kAttnInProj},
+      {"q_norm.weight", R::kAttnQNorm},
+      {"k_norm.weight", R::kAttnKNorm},
+      {"o_proj", R::kAttnOutProj},
+      {".mlp.gate", R::kRouter},
+      {"shared_expert_gate", R::kSharedExpertGate},
+      {"switch_mlp.gate_proj", R::kExpertsGateProj},
+      {"switch_mlp.up_proj", R::kExpertsUpProj},
+      {"switch_mlp.down_proj", R::kExpertsDownProj},
+      {"shared_expert.gate_proj", R::kSharedGateProj},
+      {"shared_expert.up_proj", R::kSharedUpProj},
+      {"shared_expert.down_proj", R::kSharedDownProj},
+  };
+  for (const auto& [suffix, role] : suffixes)
+    if (name.ends_with(suffix)) return role;
+  ADD_FAILURE() << "no role known for " << name;
+  return R::kEmbedding;
+}
+
 TEST(TensorTable, DemoTableShapes) {
   ModelConfig c = load_model_config(test::demo_model_dir());
   auto table = tensor_table(c);
@@ -323,6 +363,7 @@ TEST(TensorTable, DemoTableShapes) {
         !spec.name.ends_with("shared_expert_gate")) {
       EXPECT_EQ(spec.bits, 4) << spec.name;
     }
+    EXPECT_EQ(spec.role, role_by_name(spec.name)) << spec.name;
   }
 }
 
@@ -362,6 +403,7 @@ void expect_one_description(const ModelConfig& c) {
     EXPECT_EQ(visited[i].kind, table[i].kind) << table[i].name;
     EXPECT_EQ(visited[i].bits, table[i].bits) << table[i].name;
     EXPECT_EQ(visited[i].layer, table[i].layer) << table[i].name;
+    EXPECT_EQ(visited[i].role, table[i].role) << table[i].name;
     EXPECT_TRUE(names.insert(table[i].name).second) << table[i].name << " named twice";
   }
   ASSERT_EQ(w.layers.size(), static_cast<size_t>(c.n_layers));
@@ -374,20 +416,47 @@ TEST(TensorTable, ForEachTensorVisitsEverySpecOnceIntoDistinctFields) {
 }
 
 TEST(TensorTable, LoadedWeightsFillEveryDestination) {
-  ModelWeights w = *load_model(test::demo_model_dir());  // a copy: the walk takes a mutable one
-  const size_t n_layers = w.layers.size();
-  for_each_tensor(w.config, w, [&](const TensorSpec& spec, TensorDest dest) {
+  const auto w = load_model(test::demo_model_dir());
+  size_t visited = 0;
+  for_each_tensor(*w, [&](const TensorSpec& spec, ConstTensorDest dest) {
+    ++visited;
     int64_t numel = 1;
     for (int64_t d : spec.shape) numel *= d;
-    if (auto* q = std::get_if<QuantMatrix*>(&dest)) {
+    if (auto* q = std::get_if<const QuantMatrix*>(&dest)) {
       EXPECT_NE((*q)->codes, nullptr) << spec.name;
       EXPECT_EQ((*q)->rows * (*q)->cols, numel) << spec.name;
       EXPECT_EQ((*q)->bits, spec.bits) << spec.name;
     } else {
-      EXPECT_EQ(std::get<std::vector<float>*>(dest)->size(), static_cast<size_t>(numel)) << spec.name;
+      EXPECT_EQ(std::get<const std::vector<float>*>(dest)->size(), static_cast<size_t>(numel)) << spec.name;
     }
   });
-  EXPECT_EQ(w.layers.size(), n_layers);
+  EXPECT_EQ(visited, tensor_table(w->config).size());
+}
+
+/// The read-only walk hands out the same fields, in the same order, as the loader's walk.
+TEST(TensorTable, ConstWalkVisitsTheLoadersFields) {
+  ModelWeights w;
+  w.config = load_model_config(test::demo_model_dir());
+  std::vector<const void*> filled;
+  for_each_tensor(w.config, w, [&](const TensorSpec&, TensorDest dest) { filled.push_back(dest_address(dest)); });
+  std::vector<const void*> read;
+  for_each_tensor(std::as_const(w), [&](const TensorSpec& spec, ConstTensorDest dest) {
+    read.push_back(std::visit([](auto* field) -> const void* { return field; }, dest));
+    EXPECT_EQ(std::holds_alternative<const QuantMatrix*>(dest), spec.kind == TensorKind::kQuantized) << spec.name;
+  });
+  EXPECT_EQ(read, filled);
+}
+
+TEST(TensorTable, ConstWalkRefusesLayersThatDisagreeWithTheConfig) {
+  ModelWeights w;
+  w.config = load_model_config(test::demo_model_dir());
+  auto visit = [](const TensorSpec&, ConstTensorDest) {};
+  EXPECT_THROW(for_each_tensor(std::as_const(w), visit), InternalError);  // no layers yet
+  for_each_tensor(w.config, w, [](const TensorSpec&, TensorDest) {});
+  EXPECT_NO_THROW(for_each_tensor(std::as_const(w), visit));
+  w.layers[0].type = w.layers[0].type == LayerType::kFullAttention ? LayerType::kLinearAttention
+                                                                   : LayerType::kFullAttention;
+  EXPECT_THROW(for_each_tensor(std::as_const(w), visit), InternalError);
 }
 
 }  // namespace
