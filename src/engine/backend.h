@@ -157,8 +157,9 @@ struct CudaOptions {
   bool fused_moe = true;
   int prefill_chunk = 2048;      ///< LILY_CUDA_PREFILL_CHUNK 1 … 8192: tokens per prefill chunk
   /// LILY_CUDA_MAX_BATCH 1 … 64: the most rows (sequences) one step() may hold, each run through
-  /// the per-sequence paths in turn. 1 (one request at a time) until that loop has run on a GPU.
-  int max_batch = 1;
+  /// the per-sequence paths in turn (every row bit-identical to the sequence alone, verified on
+  /// an H200), so the server interleaves up to this many requests.
+  int max_batch = 8;
 
   static constexpr int kMaxPrefillChunk = 8192;
   static constexpr int kMaxBatch = 64;
@@ -167,7 +168,7 @@ struct CudaOptions {
   /// the variable, the value and the accepted values for anything else.
   static CudaOptions from_env();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
-  /// gdn-chunk-parallel=1 prefill=batched gemm=tensor-core fused-moe=1 chunk=2048 max-batch=1",
+  /// gdn-chunk-parallel=1 prefill=batched gemm=tensor-core fused-moe=1 chunk=2048 max-batch=8",
   /// for logs and reports.
   std::string describe() const;
 };

@@ -28,6 +28,12 @@ __device__ __forceinline__ float bits_to_f32(uint16_t bits) {
   return __uint_as_float(static_cast<uint32_t>(bits) << 16);
 }
 
+/// Four bf16 values (two packed pairs, lower element in the low half) as fp32, exactly.
+__device__ __forceinline__ float4 bf16x4_to_f32(uint32_t lo, uint32_t hi) {
+  return make_float4(__uint_as_float(lo << 16), __uint_as_float(lo & 0xFFFF0000u), __uint_as_float(hi << 16),
+                     __uint_as_float(hi & 0xFFFF0000u));
+}
+
 /// silu(x) = x / (1 + e^-x), fp32.
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 /// sigmoid(x) = 1 / (1 + e^-x), fp32.

@@ -553,8 +553,8 @@ class CudaBackend final : public Backend {
     return static_cast<int64_t>(free + device_pool_->idle_bytes());
   }
 
-  /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH): 1 by default, so the scheduler runs requests
-  /// one at a time until the loop over the rows below has run on a GPU (docs/cuda.md).
+  /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH, 8 by default): the rows of a step run one after
+  /// another through the per-sequence paths below, each bit-identical to the sequence alone.
   int max_batch() const override { return options_.max_batch; }
 
   /// Backend::step as a loop over the rows, each through the per-sequence paths (prefill rows:

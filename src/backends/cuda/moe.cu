@@ -74,12 +74,6 @@ __global__ void __launch_bounds__(kMoeThreads, 3) expert_gate_up_kernel(DeviceQu
     act[(static_cast<int64_t>(t) * n_sel + slot) * ffn + i] = to_bf16(silu(gv) * uv);
 }
 
-/// Four bf16 values (two packed pairs, lower element in the low half) as fp32, exactly.
-__device__ __forceinline__ float4 bf16x4_to_f32(uint32_t lo, uint32_t hi) {
-  return make_float4(__uint_as_float(lo << 16), __uint_as_float(lo & 0xFFFF0000u), __uint_as_float(hi << 16),
-                     __uint_as_float(hi & 0xFFFF0000u));
-}
-
 /// The down kernel's block: kDownRowWarps warps over output rows (4 rows each at ffn 512) times
 /// kDownSlotWarps warps over the selected experts, so that the 9 slots' weight streams of a row
 /// run in 3 warps at once instead of one after the other in a single warp (which left 4 warps

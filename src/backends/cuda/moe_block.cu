@@ -64,7 +64,7 @@ struct MoeLayout {
   int dn_row_bytes = 0, dn_bytes = 0;
   int64_t gu_stage = 0, dn_stage = 0;  ///< one gate/up tile; one down tile of one slot
   int gu_max = 0, dn_max = 0;          ///< tiles per block at most
-  int64_t bars = 0, gu_ring = 0, dn_ring = 0, xs = 0, xperm = 0, logits = 0, araw = 0, aperm = 0, asum = 0;
+  int64_t bars = 0, gu_ring = 0, dn_ring = 0, xs = 0, xperm = 0, logits = 0, aperm = 0, asum = 0;
   int64_t gu_part = 0, dn_part = 0;
   int64_t total = 0;
 };
@@ -98,8 +98,6 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
   o += align16(int64_t{hidden} / 2 * 4);
   l.logits = o;
   o += align16(int64_t{n_experts + 1} * 4);
-  l.araw = o;
-  o += align16(int64_t{n_sel} * ffn * 2);
   l.aperm = o;
   o += align16(int64_t{n_sel} * ffn / 2 * 4);
   l.asum = o;
@@ -347,31 +345,36 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   // 4. Down + combine: every slot's act (written by other blocks: read through L2, 16 bytes a
   // load), put in fragment order, then warp s computes slot s of the block's row tiles.
   const int half = l.ffn / 2;
-  uint4* araw = reinterpret_cast<uint4*>(sm + l.araw);           // [slot][ffn] bf16, as in act
   uint32_t* aperm = reinterpret_cast<uint32_t*>(sm + l.aperm);  // [slot][ffn / 2]
   float* asum = reinterpret_cast<float*>(sm + l.asum);          // [slot][groups_f]
-  const int n16 = l.n_sel * l.ffn / 8;
+  // 16 bytes (8 columns c0 … c0 + 7, c0 a multiple of 8) are exactly the fragment-order pairs
+  // (c0 + s, c0 + s + 4), s < 4, at pair index c0 / 2 of the slot (fragment_pair_column): each
+  // load is permuted in registers and stored as one 16-byte word. The 8 chunks of a 64-group sit
+  // in 8 consecutive lanes, which add up its Σx.
+  const int chunks_per_slot = l.ffn / 8, n16 = l.n_sel * chunks_per_slot;
   const uint4* act16 = reinterpret_cast<const uint4*>(a.act);
-  for (int i0 = threadIdx.x; i0 < n16; i0 += kStageBatch * blockDim.x) {  // every load in flight first
+  for (int i0 = threadIdx.x; i0 - lane < n16; i0 += kStageBatch * blockDim.x) {  // warp-uniform
     uint4 v[kStageBatch];
 #pragma unroll
-    for (int u = 0; u < kStageBatch; ++u)
+    for (int u = 0; u < kStageBatch; ++u)  // every load in flight first
       if (i0 + u * static_cast<int>(blockDim.x) < n16) v[u] = __ldcg(act16 + i0 + u * blockDim.x);
 #pragma unroll
-    for (int u = 0; u < kStageBatch; ++u)
-      if (i0 + u * static_cast<int>(blockDim.x) < n16) araw[i0 + u * blockDim.x] = v[u];
-  }
-  __syncthreads();
-  const unsigned short* act_bits = reinterpret_cast<const unsigned short*>(araw);
-  for (int i = threadIdx.x; i < l.n_sel * half; i += blockDim.x) {
-    const unsigned short* row = act_bits + (i / half) * l.ffn;
-    const int c = fragment_pair_column(i % half);
-    aperm[i] = static_cast<uint32_t>(row[c]) | (static_cast<uint32_t>(row[c + 4]) << 16);
-  }
-  for (int p = warp; p < l.n_sel * l.groups_f; p += kBlockWarps) {
-    const unsigned short* grp = act_bits + (p / l.groups_f) * l.ffn + (p % l.groups_f) * kGroup;
-    const float v = warp_sum(bits_to_f32(grp[lane]) + bits_to_f32(grp[lane + 32]));
-    if (lane == 0) asum[p] = v;
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int idx = i0 + u * static_cast<int>(blockDim.x);
+      if (idx - lane >= n16) break;  // warp-uniform
+      const int slot = idx / chunks_per_slot, c0 = (idx % chunks_per_slot) * 8;
+      float part = 0.0f;
+      if (idx < n16) {
+        const uint4 w = v[u];
+        *reinterpret_cast<uint4*>(aperm + slot * half + c0 / 2) =
+            make_uint4(__byte_perm(w.x, w.z, 0x5410), __byte_perm(w.x, w.z, 0x7632), __byte_perm(w.y, w.w, 0x5410),
+                       __byte_perm(w.y, w.w, 0x7632));
+        const float4 lo = bf16x4_to_f32(w.x, w.y), hi = bf16x4_to_f32(w.z, w.w);
+        part = ((lo.x + lo.y) + (lo.z + lo.w)) + ((hi.x + hi.y) + (hi.z + hi.w));
+      }
+      part = group_sum(part, 8);
+      if (idx < n16 && lane % 8 == 0) asum[slot * l.groups_f + c0 / kGroup] = part;
+    }
   }
   __syncthreads();
   trace_point(a, 10);

@@ -108,8 +108,8 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_TRUE(o.tensor_core_gemm);
   EXPECT_TRUE(o.fused_moe);
   EXPECT_EQ(o.prefill_chunk, 2048);
-  EXPECT_EQ(o.max_batch, 1);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 prefill=batched gemm=tensor-core fused-moe=1 chunk=2048 max-batch=1");
+  EXPECT_EQ(o.max_batch, 8);
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 prefill=batched gemm=tensor-core fused-moe=1 chunk=2048 max-batch=8");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {

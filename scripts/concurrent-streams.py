@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""N streamed chat completions sent to a running `lily serve` at the same moment.
+
+Prints, per request, the time to its first content token and to its last, and the aggregate
+output tokens per second (all tokens over the wall time of the whole set): the figures the
+continuous-batching work is judged by (the last request's first token, and the aggregate
+against the same requests one after another). Standard library only (the GPU machine has no
+package registry).
+
+Usage: scripts/concurrent-streams.py --url http://127.0.0.1:8080 [--streams 8] [--tokens 256]
+"""
+import argparse
+import http.client
+import json
+import threading
+import time
+import urllib.parse
+
+
+def one_stream(url, prompt, tokens, start, out, index):
+    """Streams one chat completion; stores (first token s, last token s, tokens) in out[index]."""
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    body = json.dumps({"model": "lily", "stream": True, "max_tokens": tokens, "temperature": 0,
+                       "stream_options": {"include_usage": True},
+                       "messages": [{"role": "user", "content": prompt}]})
+    start.wait()
+    t0 = time.time()
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    first = last = None
+    count = 0
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        for choice in chunk.get("choices", []):
+            if choice.get("delta", {}).get("content"):
+                now = time.time() - t0
+                first = now if first is None else first
+                last = now
+        if chunk.get("usage"):
+            count = chunk["usage"]["completion_tokens"]
+    out[index] = (first, last, count, resp.status)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=256)
+    args = ap.parse_args()
+    start = threading.Event()
+    out = [None] * args.streams
+    threads = [threading.Thread(target=one_stream, args=(args.url, f"Request {i}: tell me about GPUs and memory.",
+                                                        args.tokens, start, out, i)) for i in range(args.streams)]
+    for t in threads:
+        t.start()
+    t0 = time.time()
+    start.set()
+    for t in threads:
+        t.join()
+    wall = time.time() - t0
+    total = 0
+    for i, (first, last, count, status) in enumerate(out):
+        total += count
+        print(f"[streams] request {i}: status {status}, first token {first:.3f} s, last {last:.3f} s, {count} tokens")
+    firsts = sorted(o[0] for o in out)
+    print(f"[streams] {args.streams} streams: {total} tokens in {wall:.2f} s = {total / wall:.1f} tok/s aggregate; "
+          f"first token: fastest {firsts[0]:.3f} s, slowest {firsts[-1]:.3f} s")
+
+
+if __name__ == "__main__":
+    main()
