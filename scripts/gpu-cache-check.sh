@@ -3,6 +3,8 @@
 # /tmp/lily-build): serves the 35b-a3b synth (with the demo tokenizer) on CUDA and runs
 # scripts/cache-ttft.py twice: with the default cache (snapshots in device memory) and with a
 # 1 MiB device tier (every snapshot moves to the pinned host tier, so turn 2 restores from host).
+# LILY_CACHE_TOKENS (default 8) answer tokens: with 1 the whole answer is the time to the first
+# token (the random-weight model's tokens are often special, which stream no text to time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-logs}"; mkdir -p "$OUT"
@@ -16,7 +18,8 @@ run_case() {  # LABEL PORT EXTRA-FLAGS...
   "$BUILD/lily" serve --backend cuda --model "$M" --port "$port" --max-seq 8192 "$@" >"$OUT/serve-$label.log" 2>&1 &
   local pid=$!
   for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
-  python3 scripts/cache-ttft.py --url "http://127.0.0.1:$port" --system-words "${LILY_CACHE_WORDS:-3000}" --label "$label"
+  python3 scripts/cache-ttft.py --url "http://127.0.0.1:$port" --system-words "${LILY_CACHE_WORDS:-3000}" --label "$label" \
+    --max-tokens "${LILY_CACHE_TOKENS:-8}"
   curl -s "http://127.0.0.1:$port/metrics" | grep -E "^lily_cache_(hits|misses|tokens_saved|bytes|evictions|snapshots)" 
   kill -INT "$pid"; wait "$pid"
 }

@@ -13,8 +13,18 @@ BlockPool::BlockPool(Allocate allocate, Free free, size_t max_idle_bytes)
 
 BlockPool::~BlockPool() { release_idle(); }
 
-void* BlockPool::take(size_t bytes) {
-  if (bytes == 0) return nullptr;
+size_t BlockPool::size_class(size_t bytes) {
+  constexpr size_t kExactUpTo = size_t{64} << 10;
+  if (bytes <= kExactUpTo) return bytes;
+  size_t top = 1;
+  while (top <= bytes / 2) top *= 2;  // the largest power of two ≤ bytes
+  const size_t granule = top / 8;
+  return (bytes + granule - 1) / granule * granule;
+}
+
+void* BlockPool::take(size_t requested) {
+  if (requested == 0) return nullptr;
+  const size_t bytes = size_class(requested);
   {
     std::lock_guard lock(mutex_);
     for (auto it = idle_.begin(); it != idle_.end(); ++it) {
@@ -38,8 +48,9 @@ void* BlockPool::take(size_t bytes) {
   return p;
 }
 
-void BlockPool::give(void* block, size_t bytes) noexcept {
+void BlockPool::give(void* block, size_t requested) noexcept {
   if (block == nullptr) return;
+  const size_t bytes = size_class(requested);
   if (bytes > max_idle_bytes_) {
     free_(block);
     return;

@@ -12,8 +12,11 @@
 
 namespace lily {
 
-/// A cache of idle blocks of one allocator, reused by exact size and bounded by the bytes it
-/// keeps idle. Thread-safe: blocks may be taken and given back from any thread.
+/// A cache of idle blocks of one allocator, reused by size class and bounded by the bytes it
+/// keeps idle. Sizes up to 64 KiB are their own class; larger ones are rounded up to one of 8
+/// classes per power of two (at most 12.5 % more memory), so that states of similar lengths (a
+/// conversation's turn 1 and turn 2) share blocks. Thread-safe: blocks may be taken and given
+/// back from any thread.
 class BlockPool {
  public:
   /// Allocates `bytes` (> 0) bytes; throws lily::Error when it cannot.
@@ -29,8 +32,8 @@ class BlockPool {
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
 
-  /// A block of exactly `bytes` bytes: the most recently given idle block of that size, else a
-  /// new allocation. When the allocation fails, every idle block is freed and it is tried once
+  /// A block of at least `bytes` bytes (size_class(bytes)): the most recently given idle block of
+  /// that class, else a new allocation. When the allocation fails, every idle block is freed and it is tried once
   /// more, so memory held idle never makes an allocation fail. nullptr for 0 bytes. Throws what
   /// Allocate throws.
   void* take(size_t bytes);
@@ -40,6 +43,9 @@ class BlockPool {
   void give(void* block, size_t bytes) noexcept;
   /// Frees every idle block.
   void release_idle() noexcept;
+  /// The bytes a block taken for `bytes` really has: `bytes` up to 64 KiB, else `bytes` rounded
+  /// up to a multiple of 2^(⌊log2 bytes⌋ − 3).
+  static size_t size_class(size_t bytes);
   /// Bytes held idle now.
   size_t idle_bytes() const;
   /// Blocks allocated so far (takes served from the idle blocks are not counted).

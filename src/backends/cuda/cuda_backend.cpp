@@ -3,7 +3,7 @@
 // layout.
 //
 // Memory: weights and activation scratch are allocated once; a state's GDN buffers and KV
-// cache come from the backend's device pool (BlockPool: blocks reused by size, so a new state
+// cache come from the backend's device pool (BlockPool: blocks reused by size class, so a new state
 // or a prefix-cache copy seldom calls cudaMalloc), its host copies from a pinned pool. The KV
 // cache of a state starts at min(max_seq, 1024) positions and doubles (up to max_seq) when a
 // step needs more room. Growth happens between steps, outside any graph, and gives the state a

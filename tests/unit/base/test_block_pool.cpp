@@ -140,5 +140,31 @@ TEST(BlockPool, PooledBlockGivesBackAndKeepsThePoolAlive) {
   EXPECT_TRUE(fake.live.empty());
 }
 
+TEST(BlockPool, LargeBlocksAreReusedWithinTheirSizeClass) {
+  EXPECT_EQ(BlockPool::size_class(1000), 1000u);  // small sizes are exact
+  EXPECT_EQ(BlockPool::size_class(size_t{64} << 10), size_t{64} << 10);
+  const size_t mib = size_t{1} << 20;
+  EXPECT_EQ(BlockPool::size_class(64 * mib), 64 * mib);
+  EXPECT_EQ(BlockPool::size_class(64 * mib + 1), 72 * mib);  // eighths of the power of two below
+  EXPECT_EQ(BlockPool::size_class(100 * mib), 104 * mib);
+  for (size_t b : {size_t{70000}, 3 * mib + 5, 150 * mib + 77}) {
+    EXPECT_GE(BlockPool::size_class(b), b);
+    EXPECT_LE(BlockPool::size_class(b), b + b / 8);
+  }
+  FakeAllocator fake;
+  auto pool = fake.pool(SIZE_MAX);
+  void* turn1 = pool->take(100 * mib + 4096);  // a state's KV, then a slightly longer one
+  EXPECT_EQ(fake.sizes[turn1], 104 * mib);
+  pool->give(turn1, 100 * mib + 4096);
+  EXPECT_EQ(pool->idle_bytes(), 104 * mib);
+  EXPECT_EQ(pool->take(101 * mib), turn1);  // the same class: no new allocation
+  EXPECT_EQ(fake.allocations, 1);
+  void* other = pool->take(120 * mib);  // another class
+  EXPECT_NE(other, turn1);
+  EXPECT_EQ(fake.allocations, 2);
+  pool->give(turn1, 101 * mib);
+  pool->give(other, 120 * mib);
+}
+
 }  // namespace
 }  // namespace lily
