@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """N streamed chat completions sent to a running `lily serve` at the same moment.
 
-Prints, per request, the time to its first content token and to its last, and the aggregate
-output tokens per second (all tokens over the wall time of the whole set): the figures the
-continuous-batching work is judged by (the last request's first token, and the aggregate
-against the same requests one after another). Standard library only (the GPU machine has no
+Prints, per request, the time to its first text and to the end of its stream, and the
+aggregate output tokens per second (all tokens over the wall time of the whole set). With
+--tokens 1 the end of a stream is its time to first token, which also works where the model's
+tokens stream no text (a random-weight checkpoint's are often special tokens). The figures the
+continuous-batching work is judged by: the last request's first token, and the aggregate
+against the same requests one after another. Standard library only (the GPU machine has no
 package registry).
 
 Usage: scripts/concurrent-streams.py --url http://127.0.0.1:8080 [--streams 8] [--tokens 256]
@@ -15,13 +17,20 @@ import json
 import threading
 import time
 import urllib.parse
+import urllib.request
 
 
-def one_stream(url, prompt, tokens, start, out, index):
+def served_model(url):
+    """The id the server serves (its /v1/models), which requests must name."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
+        return json.load(resp)["data"][0]["id"]
+
+
+def one_stream(url, model, prompt, tokens, start, out, index):
     """Streams one chat completion; stores (first token s, last token s, tokens) in out[index]."""
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    body = json.dumps({"model": "lily", "stream": True, "max_tokens": tokens, "temperature": 0,
+    body = json.dumps({"model": model, "stream": True, "max_tokens": tokens, "temperature": 0,
                        "stream_options": {"include_usage": True},
                        "messages": [{"role": "user", "content": prompt}]})
     start.wait()
@@ -36,12 +45,12 @@ def one_stream(url, prompt, tokens, start, out, index):
             continue
         chunk = json.loads(line[6:])
         for choice in chunk.get("choices", []):
-            if choice.get("delta", {}).get("content"):
+            if (choice.get("delta") or {}).get("content"):
                 now = time.time() - t0
                 first = now if first is None else first
-                last = now
         if chunk.get("usage"):
             count = chunk["usage"]["completion_tokens"]
+    last = time.time() - t0
     out[index] = (first, last, count, resp.status)
 
 
@@ -53,7 +62,8 @@ def main():
     args = ap.parse_args()
     start = threading.Event()
     out = [None] * args.streams
-    threads = [threading.Thread(target=one_stream, args=(args.url, f"Request {i}: tell me about GPUs and memory.",
+    model = served_model(args.url)
+    threads = [threading.Thread(target=one_stream, args=(args.url, model, f"Request {i}: tell me about GPUs and memory.",
                                                         args.tokens, start, out, i)) for i in range(args.streams)]
     for t in threads:
         t.start()
@@ -65,10 +75,11 @@ def main():
     total = 0
     for i, (first, last, count, status) in enumerate(out):
         total += count
-        print(f"[streams] request {i}: status {status}, first token {first:.3f} s, last {last:.3f} s, {count} tokens")
-    firsts = sorted(o[0] for o in out)
-    print(f"[streams] {args.streams} streams: {total} tokens in {wall:.2f} s = {total / wall:.1f} tok/s aggregate; "
-          f"first token: fastest {firsts[0]:.3f} s, slowest {firsts[-1]:.3f} s")
+        print(f"[streams] request {i}: status {status}, first text {first or float('nan'):.3f} s, "
+              f"done {last:.3f} s, {count} tokens")
+    ends = sorted(o[1] for o in out)
+    print(f"[streams] {args.streams} streams of {args.tokens} tokens: {total} tokens in {wall:.2f} s = "
+          f"{total / wall:.1f} tok/s aggregate; done: first {ends[0]:.3f} s, last {ends[-1]:.3f} s")
 
 
 if __name__ == "__main__":

@@ -78,13 +78,12 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
   cmd->add_option("--max-queue", o.max_queue, "waiting requests beyond the batch before answering 503")
       ->capture_default_str()->check(integer_at_least(0));
   cmd->add_option("--max-batch", o.max_batch, "requests decoded together in one step (continuous batching), "
-                  "1 … the backend's limit (CPU 64, CUDA 1 until its batched kernels are verified) "
-                  "(default: CPU 8, CUDA 1)")
+                  "1 … the backend's limit (CPU 64, CUDA LILY_CUDA_MAX_BATCH, 8 by default) (default: 8)")
       ->check(integer_in_range(1, 4096));
   cmd->add_option("--step-tokens", o.step_tokens, "token budget of one engine step: every decoding request's "
                   "token, then prompt chunks (long prompts are cut into chunks of this many tokens so that "
-                  "they never stall the decoding requests)")
-      ->capture_default_str()->check(integer_in_range(1, 1 << 20));
+                  "they never stall the decoding requests) (default: CPU 256, CUDA 2048, its prefill chunk)")
+      ->check(integer_in_range(1, 1 << 20));
   cmd->add_option("--max-body", o.max_body, "request body limit in bytes (413 above)")
       ->capture_default_str()->check(integer_at_least(1));
   cmd->add_option("--max-header-bytes", o.max_header_bytes, "request line + header fields limit in bytes "

@@ -50,7 +50,8 @@ struct ServerOptions {
   int max_queue = 16;                    ///< waiting requests before 503
   int max_batch = 0;                     ///< requests decoded together in one step (continuous
                                          ///< batching); 0 = the backend's default (CPU 8, CUDA 1)
-  int64_t step_tokens = kDefaultStepTokens;  ///< token budget of one engine step (prefill chunks)
+  /// Token budget of one engine step (prefill chunks); 0: the backend's preferred_step_tokens().
+  int64_t step_tokens = 0;
   int64_t max_tokens_cap = 0;            ///< most completion tokens per request (0 = only the
                                          ///< context bounds it); also the default max_tokens
   int64_t max_body = 1 << 20;            ///< request body limit in bytes (413 as soon as the

@@ -161,7 +161,7 @@ void LilyServer::load_engine() {
   engine.max_seq = max_seq_;
   engine.max_queue = options_.max_queue;
   engine.max_batch = options_.max_batch;
-  engine.step_tokens = options_.step_tokens;
+  engine.step_tokens = options_.step_tokens > 0 ? options_.step_tokens : backend->preferred_step_tokens();
   engine.on_step = [this](const StepStats& s) { metrics_.observe_step(s.rows, s.seconds); };
   engine.stop_ids = stop_token_ids(config_, options_.model_dir, tokenizer_.get());
   const HostMemory host = read_host_memory();

@@ -556,6 +556,7 @@ class CudaBackend final : public Backend {
   /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH, 8 by default): the rows of a step run one after
   /// another through the per-sequence paths below, each bit-identical to the sequence alone.
   int max_batch() const override { return options_.max_batch; }
+  int64_t preferred_step_tokens() const override { return options_.prefill_chunk; }
 
   /// Backend::step as a loop over the rows, each through the per-sequence paths (prefill rows:
   /// the batched prefill; decode rows: the decode step). Validates every row first.
