@@ -90,6 +90,26 @@ inline double rms(const std::vector<double>& ref) {
   return std::sqrt(s / double(ref.size()));
 }
 
+/// Restores the process's PDL setting (cuda::set_pdl_enabled) when a test that changes it ends.
+struct PdlSetting {
+  bool saved = cuda::pdl_enabled();
+  ~PdlSetting() { cuda::set_pdl_enabled(saved); }
+};
+
+/// What `enqueue(stream)` launches on `stream`, captured (thread-local mode) and instantiated
+/// as a graph; the caller destroys it with cudaGraphExecDestroy.
+template <class F>
+cudaGraphExec_t capture_graph(cudaStream_t stream, F&& enqueue) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  enqueue(stream);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  return exec;
+}
+
 /// Mean time of `launch` over `reps` back-to-back launches on the default stream (µs).
 template <class F>
 double time_us(F&& launch, int reps = 200) {

@@ -708,21 +708,8 @@ struct MoeChain {
 
 /// Captures `chain.enqueue(blocks)` into a graph on `stream` (current PDL setting).
 cudaGraphExec_t capture_chain(MoeChain& chain, int blocks, cudaStream_t stream) {
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  chain.enqueue(blocks, stream);
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  CUDA_CHECK(cudaGraphDestroy(graph));
-  return exec;
+  return capture_graph(stream, [&](cudaStream_t st) { chain.enqueue(blocks, st); });
 }
-
-/// Restores the PDL setting of the process when a test ends.
-struct PdlSetting {
-  bool saved = cuda::pdl_enabled();
-  ~PdlSetting() { cuda::set_pdl_enabled(saved); }
-};
 
 // PDL on (eager and under a CUDA graph, replayed) must give bit-identical results to plain
 // launches: the kernels are deterministic, so any difference is a broken dependency.

@@ -205,12 +205,6 @@ struct MoeBlockChain {
   }
 };
 
-/// Restores the PDL setting of the process when a test ends.
-struct PdlSetting {
-  bool saved = cuda::pdl_enabled();
-  ~PdlSetting() { cuda::set_pdl_enabled(saved); }
-};
-
 void check_chain(int E, int k, int hidden, int ffn, uint64_t seed) {
   PdlSetting keep;
   std::mt19937_64 rng(seed);
@@ -225,13 +219,7 @@ void check_chain(int E, int k, int hidden, int ffn, uint64_t seed) {
   chain.reset();
   chain.enqueue(stream);
   EXPECT_EQ(bits_of(chain.result()), want) << "eager PDL launches differ from plain launches";
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  chain.enqueue(stream);
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  CUDA_CHECK(cudaGraphDestroy(graph));
+  cudaGraphExec_t exec = capture_graph(stream, [&](cudaStream_t st) { chain.enqueue(st); });
   for (int replay = 0; replay < 3; ++replay) {
     chain.reset();
     CUDA_CHECK(cudaGraphLaunch(exec, stream));
@@ -276,14 +264,10 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
     }
   };
   for (bool fused : {false, true}) {
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    if (fused) chain.enqueue(stream);
-    else separate(stream);
-    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    CUDA_CHECK(cudaGraphDestroy(graph));
+    cudaGraphExec_t exec = capture_graph(stream, [&](cudaStream_t st) {
+      if (fused) chain.enqueue(st);
+      else separate(st);
+    });
     for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
     cudaEvent_t a, b;
     CUDA_CHECK(cudaEventCreate(&a));
@@ -319,13 +303,7 @@ TEST(CudaTiming, PrintsMoeBlockPhases) {
   chain.trace = trace.as<uint64_t>();
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  chain.enqueue(stream);
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  CUDA_CHECK(cudaGraphDestroy(graph));
+  cudaGraphExec_t exec = capture_graph(stream, [&](cudaStream_t st) { chain.enqueue(st); });
   for (int i = 0; i < 4; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));
   std::vector<uint64_t> t(size_t(blocks) * cuda::kMoeTracePoints);
