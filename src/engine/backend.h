@@ -160,6 +160,11 @@ struct CudaOptions {
   /// LILY_CUDA_FUSED_MOE 1|0: the decode MoE block (router, experts, combine) as one launch with
   /// grid-wide barriers, or as three kernels. Needs fuse=1; shapes it does not support keep three.
   bool fused_moe = true;
+  /// LILY_CUDA_BATCHED_DECODE 1|0: every decode step runs through one batched forward over its
+  /// decode rows (groups of ≤ 8, also a single row, so that a row alone and in a batch share one
+  /// arithmetic), reading each weight once per step for all rows; or (0, the default until it has
+  /// passed its GPU tests) each decode row through the per-sequence decode graph in turn.
+  bool batched_decode = false;
   int prefill_chunk = 2048;      ///< LILY_CUDA_PREFILL_CHUNK 1 … 8192: tokens per prefill chunk
   /// LILY_CUDA_MAX_BATCH 1 … 64: the most rows (sequences) one step() may hold, each run through
   /// the per-sequence paths in turn (every row bit-identical to the sequence alone, verified on
@@ -173,8 +178,8 @@ struct CudaOptions {
   /// the variable, the value and the accepted values for anything else.
   static CudaOptions from_env();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
-  /// gdn-chunk-parallel=1 prefill=batched gemm=tensor-core fused-moe=1 chunk=2048 max-batch=8",
-  /// for logs and reports.
+  /// gdn-chunk-parallel=1 prefill=batched gemm=tensor-core fused-moe=1 batched-decode=0 chunk=2048
+  /// max-batch=8", for logs and reports.
   std::string describe() const;
 };
 
@@ -223,6 +228,7 @@ inline CudaOptions CudaOptions::from_env() {
   o.batched_prefill = env_choice("LILY_CUDA_PREFILL", "batched", "per-token", o.batched_prefill);
   o.tensor_core_gemm = env_choice("LILY_CUDA_GEMM", "tensor-core", "gemv", o.tensor_core_gemm);
   o.fused_moe = env_choice("LILY_CUDA_FUSED_MOE", "1", "0", o.fused_moe);
+  o.batched_decode = env_choice("LILY_CUDA_BATCHED_DECODE", "1", "0", o.batched_decode);
   o.prefill_chunk = env_int("LILY_CUDA_PREFILL_CHUNK", 1, kMaxPrefillChunk, o.prefill_chunk);
   o.max_batch = env_int("LILY_CUDA_MAX_BATCH", 1, kMaxBatch, o.max_batch);
   return o;
@@ -234,7 +240,8 @@ inline std::string CudaOptions::describe() const {
          " device-sampler=" + (device_sampler ? "1" : "0") + " gemv-row-tiles=" + (gemv_row_tiles ? "1" : "0") +
          " gdn-chunk-parallel=" + (gdn_chunk_parallel ? "1" : "0") + " prefill=" + (batched_prefill ? "batched" : "per-token") +
          " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " fused-moe=" + (fused_moe ? "1" : "0") +
-         " chunk=" + std::to_string(prefill_chunk) + " max-batch=" + std::to_string(max_batch);
+         " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
+         " max-batch=" + std::to_string(max_batch);
 }
 
 /// Which backend to create. kAuto picks CUDA when built with it and a usable GPU is present.

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -750,6 +751,300 @@ TEST_F(CudaE2e, FusedDecodeMatchesSeparateKernels) {
   TempDir dir;
   check_fused_vs_separate(synth("realdims", dir.path()));
   check_fused_vs_separate(load_model(demo_model_dir()));
+}
+
+// ---- batched decode (CudaOptions::batched_decode, LILY_CUDA_BATCHED_DECODE=1) -----------------
+
+/// The environment's options with the batched decode on and `max_batch` rows per step.
+CudaOptions batched_options(int max_batch = 8) {
+  CudaOptions o = CudaOptions::from_env();
+  o.batched_decode = true;
+  o.max_batch = max_batch;
+  return o;
+}
+
+/// A sequence of a batched-decode schedule (run_rounds): its prompt, the round in which its
+/// prefill row joins a step, its decode steps (after the last it leaves and its state is
+/// destroyed), its max_seq (which sets its KV capacity, hence its attention split count), and
+/// the sampling of its decode rows (nullptr: greedy; penalties get their edits from the
+/// sequence's history).
+struct BatchSeq {
+  std::vector<int32_t> prompt;
+  int start = 0;
+  int steps = 0;
+  int64_t max_seq = 4096;
+  const SamplingParams* sampling = nullptr;
+};
+
+/// What a sequence produced: its prefill row's id and logits, then each decode row's.
+struct BatchTrace {
+  std::vector<int32_t> ids;
+  std::vector<std::vector<float>> logits;
+};
+
+/// Runs the sequences `which` of `seqs` on `gpu` in rounds, one step() per round: every running
+/// sequence makes one decode step, and every sequence whose start is this round joins with its
+/// whole prompt as a prefill row of the same step. Returns every sequence's trace (empty for
+/// those not in `which`). Run with one sequence, this is that sequence alone.
+std::vector<BatchTrace> run_rounds(Backend& gpu, const std::vector<BatchSeq>& seqs, const std::vector<int>& which) {
+  struct Live {
+    std::unique_ptr<SequenceState> state;
+    int32_t next = -1;
+    int done = 0;
+    bool joined = false, left = false;
+    TokenHistory history;
+    PenaltyEdits edits;
+  };
+  const int vocab = gpu.config().vocab;
+  std::vector<Live> live(seqs.size());
+  std::vector<BatchTrace> traces(seqs.size());
+  for (int round = 0; round < 1000; ++round) {
+    std::vector<StepRow> rows;
+    std::vector<int> owner;
+    std::vector<std::vector<float>> out(seqs.size());
+    for (int i : which) {
+      const BatchSeq& q = seqs[i];
+      Live& s = live[i];
+      if (s.left || (!s.joined && q.start != round)) continue;
+      StepRow row;
+      if (!s.joined) {
+        s.state = gpu.new_state(q.max_seq);
+        s.history = TokenHistory(vocab);
+        s.history.add_prompt(q.prompt);
+        row.tokens = q.prompt;
+        s.joined = true;
+      } else {
+        row.tokens = std::span<const int32_t>(&s.next, 1);
+        row.decode = true;
+        if (q.sampling) {
+          const bool edits = q.sampling->modifies_logits();
+          if (edits) s.edits = penalty_edits(*q.sampling, s.history, vocab);
+          row.sampling = RowSampling{q.sampling, static_cast<uint64_t>(s.done + 1), edits ? &s.edits : nullptr};
+        }
+      }
+      row.state = s.state.get();
+      row.position = s.state->position();
+      row.logits = &out[i];
+      rows.push_back(row);
+      owner.push_back(i);
+    }
+    if (rows.empty()) {
+      bool all_left = true;
+      for (int i : which) all_left = all_left && live[i].left;
+      if (all_left) break;
+      continue;  // a round before some sequence's start
+    }
+    const std::vector<int32_t> next = gpu.step(rows);
+    EXPECT_EQ(next.size(), rows.size());
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const int i = owner[r];
+      Live& s = live[i];
+      s.next = next[r];
+      traces[i].ids.push_back(next[r]);
+      traces[i].logits.push_back(std::move(out[i]));
+      if (!rows[r].decode) continue;
+      s.history.add_generated(next[r]);
+      if (++s.done == seqs[i].steps) {
+        s.state.reset();  // its buffers go back while the others run on
+        s.left = true;
+      }
+    }
+  }
+  return traces;
+}
+
+/// Expects `got` to equal `want` bit for bit (ids and every logit), naming the sequence.
+void expect_same_trace(const BatchTrace& got, const BatchTrace& want, const std::string& what) {
+  ASSERT_EQ(got.ids.size(), want.ids.size()) << what;
+  EXPECT_EQ(got.ids, want.ids) << what;
+  for (size_t k = 0; k < want.logits.size(); ++k) {
+    ASSERT_EQ(got.logits[k].size(), want.logits[k].size()) << what << ", output " << k;
+    int differ = 0;
+    for (size_t j = 0; j < want.logits[k].size(); ++j)
+      differ += std::memcmp(&got.logits[k][j], &want.logits[k][j], sizeof(float)) != 0;
+    EXPECT_EQ(differ, 0) << what << ", output " << k << ": logits differ";
+  }
+}
+
+// Batch invariance of the batched decode: B = 1 … 8 sequences of different lengths and KV
+// capacities (max_seq 64: one attention split; a 1,030-token prompt: a 2,048-position cache, 32
+// splits; the others 1,024 positions, 16 splits) prefilled in one step and then decoded together
+// give ids and logits bit-identical to each sequence decoded alone on the same backend (batched
+// too: B = 1).
+TEST_F(CudaE2e, BatchedDecodeRowsAreBitIdenticalToEachSequenceAlone) {
+  TempDir dir;
+  auto w = synth("realdims", dir.path());
+  auto gpu = make_cuda_backend(w, batched_options());
+  const int vocab = w->config.vocab, steps = 6;
+  const std::vector<std::pair<int, int64_t>> shapes = {{37, 4096}, {300, 4096}, {1, 4096}, {1030, 4096},
+                                                       {20, 64},   {90, 4096},  {513, 4096}, {5, 4096}};
+  std::vector<BatchSeq> seqs;
+  for (size_t i = 0; i < shapes.size(); ++i)
+    seqs.push_back({prompt_ids(shapes[i].first, vocab, 61 + i), 0, steps, shapes[i].second, nullptr});
+  std::vector<BatchTrace> alone;
+  for (int i = 0; i < static_cast<int>(seqs.size()); ++i) alone.push_back(run_rounds(*gpu, seqs, {i})[i]);
+  for (int B = 1; B <= 8; ++B) {
+    std::vector<int> which;
+    for (int i = 0; i < B; ++i) which.push_back(i);
+    const std::vector<BatchTrace> together = run_rounds(*gpu, seqs, which);
+    for (int i = 0; i < B; ++i)
+      expect_same_trace(together[i], alone[i], "B " + std::to_string(B) + ", sequence " + std::to_string(i));
+  }
+}
+
+// Sequences join (their prefill rows in the same step as the others' decode rows) and leave
+// (states destroyed) between steps; up to 10 decode rows in a step (groups of 8 and 2); one
+// sampled row and one sampled with penalties (edits uploaded per row) among greedy ones; a KV
+// cache that grows mid-way (1,020-token prompt: 16 → 32 splits, a new graph key). Every
+// sequence's ids and logits are bit-identical to it alone on the same backend.
+TEST_F(CudaE2e, BatchedDecodeRowsJoinLeaveAndSample) {
+  TempDir dir;
+  auto w = synth("realdims", dir.path());
+  auto gpu = make_cuda_backend(w, batched_options(12));
+  const int vocab = w->config.vocab;
+  SamplingParams sampled;
+  sampled.temperature = 0.8f;
+  sampled.top_k = 40;
+  sampled.seed = 5;
+  SamplingParams penalized = sampled;
+  penalized.seed = 9;
+  penalized.top_p = 0.9f;
+  penalized.frequency_penalty = 0.5f;
+  penalized.presence_penalty = 0.3f;
+  const std::vector<BatchSeq> seqs = {
+      {prompt_ids(37, vocab, 71), 0, 12},          {prompt_ids(300, vocab, 72), 0, 5},
+      {prompt_ids(1, vocab, 73), 0, 9, 4096, &sampled},
+      {prompt_ids(1020, vocab, 74), 1, 8},         {prompt_ids(90, vocab, 75), 1, 10},
+      {prompt_ids(12, vocab, 76), 2, 4, 64},       {prompt_ids(64, vocab, 77), 3, 7, 4096, &penalized},
+      {prompt_ids(200, vocab, 78), 3, 6},          {prompt_ids(7, vocab, 79), 4, 9},
+      {prompt_ids(150, vocab, 80), 5, 3}};
+  std::vector<int> all;
+  for (int i = 0; i < static_cast<int>(seqs.size()); ++i) all.push_back(i);
+  const std::vector<BatchTrace> together = run_rounds(*gpu, seqs, all);
+  for (int i : all) {
+    const BatchTrace alone = run_rounds(*gpu, seqs, {i})[i];
+    ASSERT_EQ(alone.ids.size(), static_cast<size_t>(seqs[i].steps + 1)) << "sequence " << i;
+    expect_same_trace(together[i], alone, "sequence " + std::to_string(i));
+  }
+}
+
+// The decode graphs test's schedule (clones, a copy through the host tier, KV growth, a sampled
+// sequence, a sequence started after another was destroyed) with the batched decode: each
+// sequence interleaved with the others (max_batch 1, 2, 4, 8) bit-identical to it alone.
+TEST_F(CudaE2e, BatchedDecodeSharesGraphsAcrossStates) {
+  TempDir dir;
+  auto w = synth("realdims", dir.path());
+  const int vocab = w->config.vocab;
+  SamplingParams sampled;
+  sampled.temperature = 0.8f;
+  sampled.top_k = 40;
+  sampled.seed = 5;
+  std::vector<SeqPlan> plans(7);
+  plans[0] = {prompt_ids(37, vocab, 41), 0, -1, 0, false, 10, nullptr};
+  plans[1] = {prompt_ids(300, vocab, 42), 0, -1, 0, false, 10, &sampled};
+  plans[2] = {prompt_ids(1020, vocab, 43), 0, -1, 0, false, 8, nullptr};
+  plans[3] = {{}, 0, 0, 3, false, 8, nullptr};
+  plans[4] = {{}, 0, 2, 2, true, 6, nullptr};
+  plans[5] = {prompt_ids(37, vocab, 44), 11, -1, 0, false, 6, nullptr};
+  plans[6] = {{}, 0, 3, 5, false, 4, nullptr};
+  std::vector<SeqRun> alone;
+  for (size_t i = 0; i < plans.size(); ++i) {
+    auto fresh = make_cuda_backend(w, batched_options());
+    alone.push_back(replay_alone(*fresh, plans, static_cast<int>(i), plans[i].steps));
+    alone.back().state.reset();
+  }
+  for (int max_batch : {1, 2, 4, 8}) {
+    auto gpu = make_cuda_backend(w, batched_options(max_batch));
+    const std::vector<SeqRun> together = run_interleaved(*gpu, plans);
+    for (size_t i = 0; i < plans.size(); ++i) {
+      const std::string what = "max_batch " + std::to_string(max_batch) + ", sequence " + std::to_string(i);
+      ASSERT_EQ(together[i].done, plans[i].steps) << what << " did not run to its end";
+      EXPECT_EQ(together[i].ids, alone[i].ids) << what;
+      for (size_t k = 0; k < alone[i].logits.size(); ++k)
+        EXPECT_EQ(together[i].logits[k], alone[i].logits[k]) << what << ", output " << k;
+    }
+  }
+}
+
+/// Decode logits of `w` with the batched decode on and off (the rest from the environment), on
+/// the prompt of FusedDecodeMatchesSeparateKernels: cosine ≥ 0.999 and equal greedy ids at every
+/// step (the batched path runs its norms separately and the MoE as three kernels where the
+/// default decode folds the norms into the GEMVs and runs the fused MoE block: within bf16
+/// rounding, the difference that test bounds). The number of bit-identical steps is printed.
+void check_batched_vs_per_sequence(std::shared_ptr<const ModelWeights> w, const char* what) {
+  CudaOptions off = CudaOptions::from_env();
+  off.batched_decode = false;
+  auto on_gpu = make_cuda_backend(w, batched_options());
+  auto off_gpu = make_cuda_backend(w, off);
+  for (uint64_t salt : {12}) {
+    const auto prompt = prompt_ids(40, w->config.vocab, salt);
+    const auto la = decode_logits(*on_gpu, prompt, 8), lb = decode_logits(*off_gpu, prompt, 8);
+    int identical = 0;
+    for (size_t i = 0; i < la.size(); ++i) {
+      identical += la[i] == lb[i];
+      EXPECT_GE(cosine_similarity(la[i], lb[i]), 0.999) << what << ", step " << i;
+      const auto ia = std::max_element(la[i].begin(), la[i].end()) - la[i].begin();
+      const auto ib = std::max_element(lb[i].begin(), lb[i].end()) - lb[i].begin();
+      EXPECT_EQ(ia, ib) << what << ", step " << i;
+    }
+    std::printf("%s, prompt %llu: batched vs per-sequence decode, %d of %zu steps bit-identical\n", what,
+                static_cast<unsigned long long>(salt), identical, la.size());
+  }
+}
+
+TEST_F(CudaE2e, BatchedDecodeMatchesPerSequenceDecode) {
+  TempDir dir;
+  check_batched_vs_per_sequence(synth("realdims", dir.path()), "realdims");
+  check_batched_vs_per_sequence(load_model(demo_model_dir()), "demo");
+}
+
+/// Aggregate decode tok/s of `B` sequences (256-token prompts) decoded together for `steps`
+/// steps after two warm-up steps (graph captures), on `gpu`.
+double decode_tok_s(Backend& gpu, int B, int steps) {
+  const int vocab = gpu.config().vocab;
+  std::vector<std::unique_ptr<SequenceState>> states;
+  std::vector<int32_t> next;
+  for (int i = 0; i < B; ++i) {
+    states.push_back(gpu.new_state(4096));
+    next.push_back(gpu.prefill(*states.back(), prompt_ids(256, vocab, 90 + i)));
+  }
+  auto one_step = [&] {
+    std::vector<StepRow> rows(B);
+    for (int i = 0; i < B; ++i) {
+      rows[i].state = states[i].get();
+      rows[i].tokens = std::span<const int32_t>(&next[i], 1);
+      rows[i].position = states[i]->position();
+      rows[i].decode = true;
+    }
+    next = gpu.step(rows);
+  };
+  for (int i = 0; i < 2; ++i) one_step();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < steps; ++i) one_step();
+  return double(B) * steps / (ms_since(t0) / 1000.0);
+}
+
+// Prints (asserts nothing) the aggregate decode throughput of B = 1, 2, 4, 8 concurrent
+// sequences (256-token prompts, one step() of B decode rows per token) with the batched decode
+// on and off, on realdims and, when LILY_GPU_BIG_MODEL names a 35b-a3b checkpoint, on it.
+TEST_F(CudaE2e, PrintsBatchedDecodeThroughput) {
+  TempDir dir;
+  std::vector<std::pair<std::string, std::shared_ptr<const ModelWeights>>> models;
+  models.emplace_back("realdims", synth("realdims", dir.path()));
+  if (const char* big = std::getenv("LILY_GPU_BIG_MODEL"); big && *big) models.emplace_back("35b-a3b", load_model(big));
+  for (auto& [name, w] : models) {
+    for (const bool batched : {false, true}) {
+      CudaOptions o = batched_options();
+      o.batched_decode = batched;
+      auto gpu = make_cuda_backend(w, o);
+      for (int B : {1, 2, 4, 8}) {
+        const double tps = decode_tok_s(*gpu, B, 32);
+        std::printf("[batched decode timing] %s, batched decode %s, B %d: %.1f tok/s aggregate (%.1f per sequence)\n",
+                    name.c_str(), batched ? "on" : "off", B, tps, tps / B);
+      }
+    }
+    w.reset();  // the big checkpoint's host mapping goes before the next model
+  }
 }
 
 // The full Qwen3.6-35B-A3B shape: opt-in, since it needs a `lily synth --preset

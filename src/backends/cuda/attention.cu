@@ -35,23 +35,22 @@ struct RopeFreqs {
 
 // ---- q/k norm + RoPE + cache append ----------------------------------------------------------
 
-/// Block (token t, head hh): hh < nq is query head hh, else kv head hh − nq. Thread d = dim
-/// (kD threads).
+/// Token t, head hh at position `pos` (the body of prepare_kernel, shared with the batched
+/// prepare_rows_kernel): hh < nq is query head hh, else kv head hh − nq. Thread d = dim (kD
+/// threads). The caller has run pdl_prologue.
 template <int kD>
-__global__ void __launch_bounds__(kD)
-prepare_kernel(int nq, int nkv, int rotary_dim, float eps, RopeFreqs freqs,
-               const bf16* __restrict__ qg, int64_t qg_stride, const bf16* __restrict__ k,
-               const bf16* __restrict__ v, int64_t kv_stride, const float* __restrict__ q_norm,
-               const float* __restrict__ k_norm, int64_t pos0_host,
-               const int32_t* __restrict__ pos_device, bf16* __restrict__ k_cache,
-               bf16* __restrict__ v_cache, int64_t capacity, bf16* __restrict__ q_out) {
-  pdl_prologue();
+__device__ __forceinline__ void prepare_head(int t, int hh, int64_t pos, int nq, int rotary_dim, float eps,
+                                             const RopeFreqs& freqs, const bf16* __restrict__ qg,
+                                             int64_t qg_stride, const bf16* __restrict__ k,
+                                             const bf16* __restrict__ v, int64_t kv_stride,
+                                             const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                                             bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+                                             int64_t capacity, bf16* __restrict__ q_out) {
   __shared__ float y_s[kD];
   __shared__ float scratch[32];
-  const int t = blockIdx.x, hh = blockIdx.y, d = threadIdx.x;
+  const int d = threadIdx.x;
   const bool is_q = hh < nq;
   const int kh = hh - nq;
-  const int64_t pos = (pos_device ? int64_t(*pos_device) : pos0_host) + t;
 
   const float x = is_q ? to_f32(qg[t * qg_stride + int64_t(hh) * 2 * kD + d])
                        : to_f32(k[t * kv_stride + int64_t(kh) * kD + d]);
@@ -76,6 +75,38 @@ prepare_kernel(int nq, int nkv, int rotary_dim, float eps, RopeFreqs freqs,
     k_cache[slot] = to_bf16(out);
     v_cache[slot] = v[t * kv_stride + int64_t(kh) * kD + d];
   }
+}
+
+/// Block (token t, head hh); positions pos0 + t (pos0 = *pos_device when non-null).
+template <int kD>
+__global__ void __launch_bounds__(kD)
+prepare_kernel(int nq, int nkv, int rotary_dim, float eps, RopeFreqs freqs,
+               const bf16* __restrict__ qg, int64_t qg_stride, const bf16* __restrict__ k,
+               const bf16* __restrict__ v, int64_t kv_stride, const float* __restrict__ q_norm,
+               const float* __restrict__ k_norm, int64_t pos0_host,
+               const int32_t* __restrict__ pos_device, bf16* __restrict__ k_cache,
+               bf16* __restrict__ v_cache, int64_t capacity, bf16* __restrict__ q_out) {
+  pdl_prologue();
+  const int t = blockIdx.x, hh = blockIdx.y;
+  const int64_t pos = (pos_device ? int64_t(*pos_device) : pos0_host) + t;
+  prepare_head<kD>(t, hh, pos, nq, rotary_dim, eps, freqs, qg, qg_stride, k, v, kv_stride, q_norm, k_norm, k_cache,
+                   v_cache, capacity, q_out);
+}
+
+/// Batched decode: block (row r, head hh); row r is one token of its own sequence, at position
+/// pos[r], appended to its own cache caches[r]. The per-row arithmetic is prepare_kernel's.
+template <int kD>
+__global__ void __launch_bounds__(kD)
+prepare_rows_kernel(int nq, int rotary_dim, float eps, RopeFreqs freqs, const bf16* __restrict__ qg,
+                    int64_t qg_stride, const bf16* __restrict__ k, const bf16* __restrict__ v, int64_t kv_stride,
+                    const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                    const int32_t* __restrict__ pos, const KvCacheView* __restrict__ caches,
+                    bf16* __restrict__ q_out) {
+  pdl_prologue();  // before reading pos[] and caches[] (written by the step's copy-in)
+  const int r = blockIdx.x, hh = blockIdx.y;
+  const KvCacheView c = caches[r];
+  prepare_head<kD>(r, hh, int64_t(pos[r]), nq, rotary_dim, eps, freqs, qg, qg_stride, k, v, kv_stride, q_norm,
+                   k_norm, c.k, c.v, c.capacity, q_out);
 }
 
 // ---- attention core ----------------------------------------------------------------------------
@@ -283,19 +314,17 @@ __device__ __forceinline__ bf16 gated_output(float o, const bf16* gate) {
 
 // ---- decode: split-K + combine -------------------------------------------------------------------
 
-/// Block (kv head, split): partial softmax state of keys [s·chunk, min(len, (s+1)·chunk)) for
-/// the G query heads; ws_o [nq, n_splits, D], ws_ml [nq, n_splits, 2] = (m, l) log2 domain.
+/// Kv head kvh, split s (the body of decode_split_kernel, shared with the batched
+/// decode_split_rows_kernel): partial softmax state of keys [s·chunk, min(len, (s+1)·chunk)) for
+/// the G query heads; ws_o [nq, n_splits, D], ws_ml [nq, n_splits, 2] = (m, l) log2 domain. The
+/// caller has run pdl_prologue.
 template <int G, int kD>
-__global__ void __launch_bounds__(kThreads)
-decode_split_kernel(int n_splits, float scale, int64_t len_host, const int32_t* __restrict__ len_device,
-                    const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
-                    const bf16* __restrict__ v_cache, int64_t capacity, float* __restrict__ ws_o,
-                    float* __restrict__ ws_ml) {
-  pdl_prologue();
+__device__ __forceinline__ void decode_split(int kvh, int s, int n_splits, float scale, int64_t len,
+                                             const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                                             const bf16* __restrict__ v_cache, int64_t capacity,
+                                             float* __restrict__ ws_o, float* __restrict__ ws_ml) {
   constexpr int kDimsPerLane = kD / kWarp;
   __shared__ MergeSmem<kD> sm;
-  const int kvh = blockIdx.x, s = blockIdx.y;
-  const int64_t len = len_device ? int64_t(*len_device) : len_host;
   const int64_t chunk = (len + n_splits - 1) / n_splits;
   const int64_t start = min(len, s * chunk), end = min(len, start + chunk);
   float qr[G][kDimsPerLane];
@@ -316,15 +345,53 @@ decode_split_kernel(int n_splits, float scale, int64_t len_host, const int32_t* 
   }
 }
 
-/// Block per query head, thread per dim: merges the splits, divides by the total sum, applies
-/// the sigmoid gate, writes bf16 (kD threads).
-template <int kD>
-__global__ void __launch_bounds__(kD)
-decode_combine_kernel(int n_splits, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
-                      const bf16* __restrict__ gate, bf16* __restrict__ out) {
+/// Block (kv head, split): decode_split.
+template <int G, int kD>
+__global__ void __launch_bounds__(kThreads)
+decode_split_kernel(int n_splits, float scale, int64_t len_host, const int32_t* __restrict__ len_device,
+                    const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                    const bf16* __restrict__ v_cache, int64_t capacity, float* __restrict__ ws_o,
+                    float* __restrict__ ws_ml) {
   pdl_prologue();
+  const int64_t len = len_device ? int64_t(*len_device) : len_host;
+  decode_split<G, kD>(blockIdx.x, blockIdx.y, n_splits, scale, len, q, k_cache, v_cache, capacity, ws_o, ws_ml);
+}
+
+/// The splits of row r of a batched decode: splits[r] (its own sequence's count), never more
+/// than the launch's grid holds.
+__device__ __forceinline__ int row_splits(const int32_t* splits, int r, int max_splits) {
+  return min(max(splits[r], 1), max_splits);
+}
+
+/// Batched decode: block (kv head, split, row r); row r is decode_split_kernel over its own
+/// sequence (query q + r·nq·D, cache caches[r], length len[r], row_splits(r) splits, partials in
+/// the row's workspace region ws + r·ws_row_floats, laid out as the one-sequence workspace).
+/// Blocks of splits the row does not have return at once.
+template <int G, int kD>
+__global__ void __launch_bounds__(kThreads)
+decode_split_rows_kernel(int nq, int max_splits, float scale, const int32_t* __restrict__ len,
+                         const int32_t* __restrict__ splits, const bf16* __restrict__ q,
+                         const KvCacheView* __restrict__ caches, float* __restrict__ ws, int64_t ws_row_floats) {
+  pdl_prologue();  // before reading len[], splits[], caches[] and the early return
+  const int r = blockIdx.z, s = blockIdx.y;
+  const int n_splits = row_splits(splits, r, max_splits);
+  if (s >= n_splits) return;  // uniform over the block
+  const KvCacheView c = caches[r];
+  float* ws_o = ws + r * ws_row_floats;
+  float* ws_ml = ws_o + int64_t(nq) * n_splits * kD;
+  decode_split<G, kD>(blockIdx.x, s, n_splits, scale, int64_t(len[r]), q + int64_t(r) * nq * kD, c.k, c.v,
+                      c.capacity, ws_o, ws_ml);
+}
+
+/// Query head h (the body of decode_combine_kernel, shared with decode_combine_rows_kernel),
+/// thread per dim: merges the splits, divides by the total sum, applies the sigmoid gate,
+/// writes bf16 (kD threads). The caller has run pdl_prologue.
+template <int kD>
+__device__ __forceinline__ void decode_combine(int h, int n_splits, const float* __restrict__ ws_o,
+                                               const float* __restrict__ ws_ml, const bf16* __restrict__ gate,
+                                               bf16* __restrict__ out) {
   __shared__ float ml_s[2 * kMaxDecodeSplits];
-  const int h = blockIdx.x, d = threadIdx.x;
+  const int d = threadIdx.x;
   const float* ml = ws_ml + int64_t(h) * n_splits * 2;
   for (int i = d; i < 2 * n_splits; i += kD) ml_s[i] = ml[i];  // every split's (m, l) in one round trip
   __syncthreads();
@@ -343,6 +410,31 @@ decode_combine_kernel(int n_splits, const float* __restrict__ ws_o, const float*
   }
   const bf16* g = gate ? gate + int64_t(h) * 2 * kD + kD + d : nullptr;
   out[int64_t(h) * kD + d] = gated_output(acc / L, g);
+}
+
+/// Block per query head: decode_combine.
+template <int kD>
+__global__ void __launch_bounds__(kD)
+decode_combine_kernel(int n_splits, const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
+                      const bf16* __restrict__ gate, bf16* __restrict__ out) {
+  pdl_prologue();
+  decode_combine<kD>(blockIdx.x, n_splits, ws_o, ws_ml, gate, out);
+}
+
+/// Batched decode: block (query head, row r): decode_combine over row r's workspace region,
+/// gate row gate + r·gate_stride, output out + r·nq·D.
+template <int kD>
+__global__ void __launch_bounds__(kD)
+decode_combine_rows_kernel(int nq, int max_splits, const int32_t* __restrict__ splits, const float* __restrict__ ws,
+                           int64_t ws_row_floats, const bf16* __restrict__ gate, int64_t gate_stride,
+                           bf16* __restrict__ out) {
+  pdl_prologue();  // before reading splits[]
+  const int r = blockIdx.y;
+  const int n_splits = row_splits(splits, r, max_splits);
+  const float* ws_o = ws + r * ws_row_floats;
+  const float* ws_ml = ws_o + int64_t(nq) * n_splits * kD;
+  decode_combine<kD>(blockIdx.x, n_splits, ws_o, ws_ml, gate ? gate + r * gate_stride : nullptr,
+                     out + int64_t(r) * nq * kD);
 }
 
 // ---- prefill -------------------------------------------------------------------------------------
@@ -510,6 +602,63 @@ void attention_decode(const AttnDims& dims, const bf16* q, const bf16* gate,
     });
     LILY_CUDA_CHECK_LAUNCH();
     launch_pdl(decode_combine_kernel<kD>, dim3(dims.n_heads), dim3(kD), 0, stream, n_splits, ws_o, ws_ml, gate, out);
+  });
+}
+
+void attention_prepare_rows(const AttnDims& dims, int rows, const bf16* qg, int64_t qg_stride, const bf16* k,
+                            const bf16* v, int64_t kv_stride, const float* q_norm, const float* k_norm,
+                            const int32_t* pos, const KvCacheView* caches, bf16* q_out, cudaStream_t stream) {
+  check_dims(dims);
+  MIXER_REQUIRE(rows >= 1 && rows <= kMaxDecodeRows,
+                "attention_prepare_rows: rows=" + std::to_string(rows) + " outside [1, 8]");
+  MIXER_REQUIRE(qg && k && v && q_norm && k_norm && pos && caches && q_out, "attention_prepare_rows: null buffer");
+  const int D = dims.head_dim;
+  MIXER_REQUIRE(qg_stride >= int64_t(dims.n_heads) * 2 * D, "attention_prepare_rows: qg row stride too small");
+  MIXER_REQUIRE(kv_stride >= int64_t(dims.n_kv_heads) * D, "attention_prepare_rows: k/v row stride too small");
+  RopeFreqs freqs{};
+  const float base = dims.rope_theta;
+  for (int j = 0; j < dims.rotary_dim / 2; ++j)  // as attention_prepare
+    freqs.inv[j] = 1.0f / std::pow(base, float(2 * j) / float(dims.rotary_dim));
+  dispatch_head_dim(D, [&](auto d) {
+    constexpr int kD = decltype(d)::value;
+    launch_pdl(prepare_rows_kernel<kD>, dim3(rows, dims.n_heads + dims.n_kv_heads), dim3(kD), 0, stream,
+               dims.n_heads, dims.rotary_dim, dims.norm_eps, freqs, qg, qg_stride, k, v, kv_stride, q_norm, k_norm,
+               pos, caches, q_out);
+  });
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+size_t attention_decode_rows_workspace_bytes(const AttnDims& dims, int rows) {
+  return size_t(rows) * attention_decode_workspace_bytes(dims, kMaxDecodeSplits);
+}
+
+void attention_decode_rows(const AttnDims& dims, int rows, const bf16* q, const bf16* gate, int64_t gate_stride,
+                           const KvCacheView* caches, const int32_t* len, const int32_t* splits, int max_splits,
+                           float* workspace, size_t workspace_bytes, bf16* out, cudaStream_t stream) {
+  check_dims(dims);
+  MIXER_REQUIRE(rows >= 1 && rows <= kMaxDecodeRows,
+                "attention_decode_rows: rows=" + std::to_string(rows) + " outside [1, 8]");
+  MIXER_REQUIRE(q && caches && len && splits && workspace && out, "attention_decode_rows: null buffer");
+  MIXER_REQUIRE(max_splits >= 1 && max_splits <= kMaxDecodeSplits,
+                "attention_decode_rows: max_splits " + std::to_string(max_splits) + " outside [1, 256]");
+  MIXER_REQUIRE(workspace_bytes >= attention_decode_rows_workspace_bytes(dims, rows),
+                "attention_decode_rows: workspace of " + std::to_string(workspace_bytes) + " bytes < " +
+                    std::to_string(attention_decode_rows_workspace_bytes(dims, rows)));
+  MIXER_REQUIRE(!gate || gate_stride >= int64_t(dims.n_heads) * 2 * dims.head_dim,
+                "attention_decode_rows: gate row stride too small");
+  // Each row's region holds the partials of kMaxDecodeSplits splits, laid out as attention_decode's.
+  const int64_t ws_row_floats = int64_t(attention_decode_workspace_bytes(dims, kMaxDecodeSplits) / sizeof(float));
+  const int G = dims.n_heads / dims.n_kv_heads;
+  dispatch_head_dim(dims.head_dim, [&](auto d) {
+    constexpr int kD = decltype(d)::value;
+    dispatch_group(G, [&](auto g) {
+      launch_pdl(decode_split_rows_kernel<decltype(g)::value, kD>, dim3(dims.n_kv_heads, max_splits, rows),
+                 dim3(kThreads), 0, stream, dims.n_heads, max_splits, dims.scale(), len, splits, q, caches, workspace,
+                 ws_row_floats);
+    });
+    LILY_CUDA_CHECK_LAUNCH();
+    launch_pdl(decode_combine_rows_kernel<kD>, dim3(dims.n_heads, rows), dim3(kD), 0, stream, dims.n_heads,
+               max_splits, splits, workspace, ws_row_floats, gate, gate_stride, out);
   });
 }
 

@@ -16,9 +16,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -318,6 +320,26 @@ class PinnedIo {
   StepIo* io_ = nullptr;
 };
 
+/// An owned block of pinned host memory (cudaMallocHost), zero-filled: the batched decode's
+/// host side of its per-step exchange with the device.
+class PinnedBytes {
+ public:
+  explicit PinnedBytes(size_t bytes) : bytes_(bytes) {
+    CUDA_CHECK(cudaMallocHost(&ptr_, bytes));
+    std::memset(ptr_, 0, bytes);
+  }
+  ~PinnedBytes() { cudaFreeHost(ptr_); }
+  PinnedBytes(const PinnedBytes&) = delete;
+  PinnedBytes& operator=(const PinnedBytes&) = delete;
+  template <class T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 /// Owns a captured cudaGraph_t (destroyed with the handle).
 struct GraphDeleter {
   void operator()(cudaGraph_t g) const { cudaGraphDestroy(g); }
@@ -337,8 +359,10 @@ class DecodeGraphs {
   /// KV capacity) and whether the kernels were captured with programmatic edges.
   struct Key {
     bool sampled = false;  ///< the device sampler follows the argmax
-    int splits = 0;        ///< attention_decode_splits(capacity)
+    int splits = 0;        ///< attention_decode_splits(capacity); batched: the largest of the rows'
     bool pdl = false;      ///< pdl_enabled() at capture
+    int rows = 0;          ///< batched decode: the rows of the step (0: the one-sequence step)
+    int sampled_rows = 0;  ///< batched decode: how many of them the device sampler draws
     bool operator==(const Key&) const = default;
   };
 
@@ -423,6 +447,32 @@ class DecodeGraphs {
   uint64_t clock_ = 0;
   int per_key_, limit_;
 };
+
+/// Where the batched decode's per-step inputs sit in its exchange block (one pinned host copy,
+/// one device copy, the same offsets): int32 [kMaxDecodeRows] tokens, positions, lengths
+/// (position + 1) and attention split counts, then per attention layer the rows' KvCacheViews
+/// [n_attn][kMaxDecodeRows], per GDN layer the rows' conv windows [n_gdn][kMaxDecodeRows] (bf16*)
+/// and recurrent states [n_gdn][kMaxDecodeRows] (float*). The graph copies the whole block in
+/// at its start, so nothing of the rows' sequences is baked into a captured batched step.
+struct BatchLayout {
+  static constexpr size_t kInts = sizeof(int32_t) * kMaxDecodeRows;
+  size_t token = 0, pos = kInts, len = 2 * kInts, splits = 3 * kInts;
+  size_t kv = 4 * kInts, windows = 0, states = 0, bytes = 0;
+  BatchLayout(int n_attn, int n_gdn) {
+    windows = kv + sizeof(KvCacheView) * kMaxDecodeRows * static_cast<size_t>(n_attn);
+    states = windows + sizeof(bf16*) * kMaxDecodeRows * static_cast<size_t>(n_gdn);
+    bytes = states + sizeof(float*) * kMaxDecodeRows * static_cast<size_t>(n_gdn);
+  }
+  /// Offset of layer `slot`'s KV views (row r at + r · sizeof(KvCacheView)).
+  size_t kv_of(int slot) const { return kv + sizeof(KvCacheView) * kMaxDecodeRows * static_cast<size_t>(slot); }
+  size_t windows_of(int slot) const { return windows + sizeof(bf16*) * kMaxDecodeRows * static_cast<size_t>(slot); }
+  size_t states_of(int slot) const { return states + sizeof(float*) * kMaxDecodeRows * static_cast<size_t>(slot); }
+};
+
+/// The layout value the batched decode's graphs record (DecodeGraphs): they hold no state's
+/// buffers (every row's pointers travel in the exchange block), so one exec per key serves any
+/// rows, and a constant stands for "every state".
+constexpr uint64_t kBatchGraphLayout = 1;
 
 void check_device() {
   int count = 0;
@@ -554,12 +604,15 @@ class CudaBackend final : public Backend {
   }
 
   /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH, 8 by default): the rows of a step run one after
-  /// another through the per-sequence paths below, each bit-identical to the sequence alone.
+  /// another through the per-sequence paths below, each bit-identical to the sequence alone; with
+  /// CudaOptions::batched_decode the decode rows run together instead (decode_batch).
   int max_batch() const override { return options_.max_batch; }
   int64_t preferred_step_tokens() const override { return options_.prefill_chunk; }
 
   /// Backend::step as a loop over the rows, each through the per-sequence paths (prefill rows:
-  /// the batched prefill; decode rows: the decode step). Validates every row first.
+  /// the batched prefill; decode rows: the decode step), or with CudaOptions::batched_decode the
+  /// prefill rows so and the one-token decode rows in batched forwards of ≤ kMaxDecodeRows.
+  /// Validates every row first.
   std::vector<int32_t> step(std::span<const StepRow> rows) override {
     if (rows.empty()) throw ::lily::Error("step: no rows");
     if (static_cast<int>(rows.size()) > max_batch())
@@ -576,14 +629,27 @@ class CudaBackend final : public Backend {
         if (rows[j].state == rows[i].state) throw ::lily::Error("step: one sequence state in two rows");
     }
     std::vector<int32_t> next(rows.size(), -1);
+    // CudaOptions::batched_decode: the one-token decode rows run after the others, through one
+    // batched forward per group of ≤ kMaxDecodeRows (decode_batch); every row touches only its
+    // own state, so the order does not change any result. Probes keep the per-row path.
+    const bool batched = batched_decode_ && !probe_sink_;
+    std::vector<size_t> batch_rows;
     for (size_t i = 0; i < rows.size(); ++i) {
       const StepRow& r = rows[i];
+      if (batched && r.decode && r.tokens.size() == 1) {
+        batch_rows.push_back(i);
+        continue;
+      }
       CudaState& s = checked(*r.state);
       std::vector<float>* logits = r.want_logits ? r.logits : nullptr;
       const RowSampling* sampling = r.want_logits && r.sampling.params ? &r.sampling : nullptr;
       const int32_t id = r.decode && r.tokens.size() == 1 ? decode_one(s, r.tokens[0], logits, sampling)
                                                           : prefill_sequence(s, r.tokens, logits, sampling);
       if (r.want_logits) next[i] = id;
+    }
+    for (size_t first = 0; first < batch_rows.size(); first += kMaxDecodeRows) {
+      const size_t n = std::min<size_t>(kMaxDecodeRows, batch_rows.size() - first);
+      decode_batch(rows, std::span<const size_t>(batch_rows).subspan(first, n), next);
     }
     return next;
   }
@@ -920,6 +986,267 @@ class CudaBackend final : public Backend {
                                act_.as<bf16>(), 1, moe_out_.as<bf16>(), stream_);
   }
 
+  // ---- batched decode (CudaOptions::batched_decode, LILY_CUDA_BATCHED_DECODE=1) ----------------
+  //
+  // One forward over the B ≤ kMaxDecodeRows decode rows of a step, each a token of its own
+  // sequence: every projection reads its weights once for all rows (launch_quant_gemv_rows),
+  // the mixers run one launch over the rows with each row's state, KV cache, position, length
+  // and split count taken from the exchange block (BatchLayout), the MoE runs as the three
+  // kernels over B rows (router + top-k, gate/up + SwiGLU, down + combine; each row's experts
+  // on its own, as for one sequence), then the LM head over B rows and an argmax per row.
+  // Batch invariance: every launch computes a row from that row's inputs alone, with tile shapes,
+  // split counts and summation orders fixed by the weights' shape or by the row's own sequence
+  // (its KV capacity), never by B or by the other rows; and with the switch on every decode step
+  // takes this path, B = 1 included, so a sequence alone and in a batch share one arithmetic.
+  // The add + RMSNorms are separate launches (launch_add_rmsnorm over B rows): the FusedNorm of
+  // the one-sequence GEMVs takes one row. The MoE is the three kernels, not the fused block per
+  // row: three launches per layer whatever B, with grids that grow with B, and no shape
+  // restriction (the fused block's per-row launches would be B grid-barrier kernels per layer).
+
+  /// The batched decode's device buffers and pinned exchange (allocated at its first step).
+  struct BatchScratch {
+    explicit BatchScratch(const BatchLayout& l) : layout(l), in_host(l.bytes), next_host(kMaxDecodeRows * sizeof(int32_t)) {}
+    BatchLayout layout;
+    PinnedBytes in_host;    ///< the exchange block (BatchLayout), written before each launch
+    PinnedBytes next_host;  ///< int32 [kMaxDecodeRows]: each row's next token, copied back by the graph
+    DeviceBuffer in_dev, next_dev;
+    /// Activations of up to kMaxDecodeRows rows: x, normed, mixer_out, moe [rows, hidden]; proj
+    /// [rows, largest in-projection]; conv [rows, C]; mix [rows, mixer core]; q [rows, nq·D];
+    /// router fp32 [rows, E + 1]; ids, weights [rows, k + 1]; act [rows, k + 1, ffn].
+    DeviceBuffer x, normed, mixer_out, moe, proj, conv, mix, q, router, ids, weights, act;
+    DeviceBuffer router_done;  ///< uint32 [kMaxDecodeRows], zero between launches (launch_router_fused)
+    DeviceBuffer logits;       ///< fp32 [kMaxDecodeRows, vocab]
+    DeviceBuffer argmax_v, argmax_i;  ///< [kMaxDecodeRows][argmax_scratch_slots(vocab)]
+    DeviceBuffer attn_ws;
+    size_t attn_ws_bytes = 0;
+    /// The device sampler: per sampled row (in the order of the step's sampled rows) its
+    /// work / weight [vocab] fp32 and scratch; the rows' SampleRowArgs; their penalty edits.
+    DeviceBuffer sample_work, sample_weight, sample_parts, sample_args;
+    std::array<DeviceBuffer, kMaxDecodeRows> edits, biases;
+    std::array<size_t, kMaxDecodeRows> edits_cap{}, biases_cap{};
+    std::vector<SampleRowArgs> sample_host;
+  };
+
+  void allocate_batch_scratch() {
+    if (batch_) return;
+    const ModelConfig& c = config();
+    const int64_t R = kMaxDecodeRows;
+    int64_t proj_rows = 0;
+    for (const DeviceLayer& l : model_->layers)
+      proj_rows = std::max<int64_t>(proj_rows, l.type == LayerType::kLinearAttention ? l.gdn_in.rows : l.attn_in.rows);
+    const int64_t mix = std::max<int64_t>(n_gdn_ ? gdn_.value_dim() : 0, int64_t(attn_.n_heads) * attn_.head_dim);
+    const int64_t n_sel = routed_plus_shared_slots(c);
+    auto bf = [](int64_t n) { return DeviceBuffer(std::max<int64_t>(n, 1) * sizeof(bf16)); };
+    auto b = std::make_unique<BatchScratch>(BatchLayout(n_attn_, n_gdn_));
+    b->in_dev = DeviceBuffer(b->layout.bytes);
+    b->next_dev = DeviceBuffer(R * sizeof(int32_t));
+    b->x = bf(R * c.hidden);
+    b->normed = bf(R * c.hidden);
+    b->mixer_out = bf(R * c.hidden);
+    b->moe = bf(R * c.hidden);
+    b->proj = bf(R * proj_rows);
+    b->conv = bf(R * (n_gdn_ ? gdn_.conv_channels() : 1));
+    b->mix = bf(R * mix);
+    b->q = bf(R * attn_.n_heads * attn_.head_dim);
+    b->router = DeviceBuffer(R * routed_plus_shared_experts(c) * sizeof(float));
+    b->ids = DeviceBuffer(R * n_sel * sizeof(int32_t));
+    b->weights = DeviceBuffer(R * n_sel * sizeof(float));
+    b->act = bf(R * n_sel * c.moe_ffn_dim);
+    b->router_done = DeviceBuffer(R * sizeof(uint32_t));
+    b->router_done.fill_bytes(0);
+    b->logits = DeviceBuffer(R * c.vocab * sizeof(float));
+    const int64_t slots = argmax_scratch_slots(c.vocab);
+    b->argmax_v = DeviceBuffer(R * slots * sizeof(float));
+    b->argmax_i = DeviceBuffer(R * slots * sizeof(int32_t));
+    b->attn_ws_bytes = attention_decode_rows_workspace_bytes(attn_, kMaxDecodeRows);
+    b->attn_ws = DeviceBuffer(b->attn_ws_bytes);
+    b->sample_work = DeviceBuffer(R * c.vocab * sizeof(float));
+    b->sample_weight = DeviceBuffer(R * c.vocab * sizeof(float));
+    b->sample_parts = DeviceBuffer(R * sample_scratch_slots(c.vocab) * sizeof(unsigned long long));
+    b->sample_args = DeviceBuffer(R * sizeof(SampleRowArgs));
+    batch_ = std::move(b);
+  }
+
+  /// Device pointer at byte offset `off` of the exchange block.
+  template <class T>
+  T* batch_dev(size_t off) const { return reinterpret_cast<T*>(batch_->in_dev.as<char>() + off); }
+  /// Host (pinned) pointer at byte offset `off` of the exchange block.
+  template <class T>
+  T* batch_host(size_t off) const { return reinterpret_cast<T*>(batch_->in_host.as<char>() + off); }
+
+  /// One decode step of the rows `which` (indices into `rows`, 1 … kMaxDecodeRows of them, each a
+  /// validated one-token decode row of its own state) as one batched forward; writes each row's
+  /// next token into `next` (rows with want_logits) and its logits where asked, and advances
+  /// every state by one position.
+  void decode_batch(std::span<const StepRow> rows, std::span<const size_t> which, std::vector<int32_t>& next) {
+    allocate_batch_scratch();
+    BatchScratch& b = *batch_;
+    const BatchLayout& lay = b.layout;
+    const ModelConfig& c = config();
+    const int B = static_cast<int>(which.size());
+    std::vector<CudaState*> states(B);
+    int max_splits = 1;
+    for (int r = 0; r < B; ++r) {
+      const StepRow& row = rows[which[r]];
+      CudaState& s = checked(*row.state);
+      s.reserve(s.pos + 1, stream_);  // growth happens here, outside the graph
+      states[r] = &s;
+      const int splits = attention_decode_splits(s.capacity);  // the row's own, as in the one-sequence step
+      max_splits = std::max(max_splits, splits);
+      batch_host<int32_t>(lay.token)[r] = row.tokens[0];
+      batch_host<int32_t>(lay.pos)[r] = static_cast<int32_t>(s.pos);
+      batch_host<int32_t>(lay.len)[r] = static_cast<int32_t>(s.pos + 1);
+      batch_host<int32_t>(lay.splits)[r] = splits;
+      for (int i = 0; i < n_attn_; ++i) batch_host<KvCacheView>(lay.kv_of(i))[r] = s.kv(i);
+      for (int i = 0; i < n_gdn_; ++i) {
+        batch_host<bf16*>(lay.windows_of(i))[r] = s.window(i);
+        batch_host<float*>(lay.states_of(i))[r] = s.state(i);
+      }
+    }
+    // Sampled rows: their SampleRowArgs go up now (outside the graph, whose sampler launch reads
+    // them at fixed addresses), in the order of the rows.
+    b.sample_host.clear();
+    for (int r = 0; r < B; ++r) {
+      const StepRow& row = rows[which[r]];
+      if (row.want_logits && row.sampling.params) add_batch_sampling(row.sampling, r);
+    }
+    const int n_sampled = static_cast<int>(b.sample_host.size());
+    if (n_sampled > 0)
+      CUDA_CHECK(cudaMemcpyAsync(b.sample_args.data(), b.sample_host.data(), n_sampled * sizeof(SampleRowArgs),
+                                 cudaMemcpyHostToDevice, stream_));
+    DecodeGraphs::Key key{n_sampled > 0, max_splits, pdl_enabled(), B, n_sampled};
+    cudaGraphExec_t exec = batch_graphs_.find(key, kBatchGraphLayout);
+    if (!exec) exec = batch_graphs_.bind(key, kBatchGraphLayout, capture_batch(B, max_splits, n_sampled).get());
+    CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (int r = 0; r < B; ++r) {
+      const StepRow& row = rows[which[r]];
+      if (row.want_logits) {
+        next[which[r]] = b.next_host.as<int32_t>()[r];
+        if (row.logits) {
+          row.logits->resize(c.vocab);
+          download(row.logits->data(), b.logits.as<float>() + static_cast<int64_t>(r) * c.vocab, row.logits->size());
+        }
+      }
+      ++states[r]->pos;
+    }
+  }
+
+  /// Appends the SampleRowArgs of batch row `r` (sampled) to the host list, with its scratch
+  /// taken from slot = its index among the step's sampled rows; its penalty edits are copied to
+  /// that slot's device buffers now. The sampler overwrites the row's argmax id.
+  void add_batch_sampling(const RowSampling& rs, int r) {
+    BatchScratch& b = *batch_;
+    const ModelConfig& c = config();
+    const int slot = static_cast<int>(b.sample_host.size());
+    const PenaltyEdits* pe = rs.edits;
+    const size_t n_edits = pe ? pe->edits.size() : 0, n_biases = pe ? pe->biases.size() : 0;
+    if (n_edits > b.edits_cap[slot]) {
+      b.edits_cap[slot] = std::max(n_edits, 2 * b.edits_cap[slot]);
+      b.edits[slot] = DeviceBuffer(b.edits_cap[slot] * sizeof(PenaltyEdit));
+    }
+    if (n_biases > b.biases_cap[slot]) {
+      b.biases_cap[slot] = std::max(n_biases, 2 * b.biases_cap[slot]);
+      b.biases[slot] = DeviceBuffer(b.biases_cap[slot] * sizeof(float));
+    }
+    if (n_edits > 0)
+      CUDA_CHECK(cudaMemcpyAsync(b.edits[slot].data(), pe->edits.data(), n_edits * sizeof(PenaltyEdit),
+                                 cudaMemcpyHostToDevice, stream_));
+    if (n_biases > 0)
+      CUDA_CHECK(cudaMemcpyAsync(b.biases[slot].data(), pe->biases.data(), n_biases * sizeof(float),
+                                 cudaMemcpyHostToDevice, stream_));
+    SampleRowArgs a{};
+    a.logits = b.logits.as<float>() + static_cast<int64_t>(r) * c.vocab;
+    a.work = b.sample_work.as<float>() + static_cast<int64_t>(slot) * c.vocab;
+    a.weight = b.sample_weight.as<float>() + static_cast<int64_t>(slot) * c.vocab;
+    a.scratch = b.sample_parts.as<unsigned long long>() + static_cast<int64_t>(slot) * sample_scratch_slots(c.vocab);
+    a.out_id = b.next_dev.as<int32_t>() + r;
+    a.edits = n_edits > 0 ? b.edits[slot].as<PenaltyEdit>() : nullptr;
+    a.biases = n_biases > 0 ? b.biases[slot].as<float>() : nullptr;
+    a.n_edits = static_cast<int32_t>(n_edits);
+    a.vocab = c.vocab;
+    a.n_parts = sample_partial_slots(c.vocab);
+    fill_sample_params(a, *rs.params, rs.step);
+    b.sample_host.push_back(a);
+  }
+
+  /// Captures the batched step of B rows (not instantiated): the exchange block in, the forward,
+  /// the argmax per row, the sampler over the first n_sampled SampleRowArgs, the ids out.
+  CapturedGraph capture_batch(int B, int max_splits, int n_sampled) {
+    BatchScratch& b = *batch_;
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      CUDA_CHECK(cudaMemcpyAsync(b.in_dev.data(), b.in_host.as<void>(), b.layout.bytes, cudaMemcpyHostToDevice,
+                                 stream_));
+      enqueue_batch_forward(B, max_splits);
+      if (n_sampled > 0) launch_sample_rows(b.sample_args.as<SampleRowArgs>(), n_sampled, config().vocab, stream_);
+      CUDA_CHECK(cudaMemcpyAsync(b.next_host.as<void>(), b.next_dev.data(), B * sizeof(int32_t),
+                                 cudaMemcpyDeviceToHost, stream_));
+    } catch (...) {
+      cudaStreamEndCapture(stream_, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    return CapturedGraph(graph);
+  }
+
+  /// The forward of B rows (batched decode, see above), ending with each row's argmax in
+  /// next_dev[r]. `max_splits`: the largest attention split count of the rows (the grid).
+  void enqueue_batch_forward(int B, int max_splits) {
+    const ModelConfig& c = config();
+    BatchScratch& b = *batch_;
+    const BatchLayout& lay = b.layout;
+    const float eps = c.rms_norm_eps;
+    bf16 *x = b.x.as<bf16>(), *normed = b.normed.as<bf16>(), *mixer_out = b.mixer_out.as<bf16>();
+    bf16 *moe = b.moe.as<bf16>(), *proj = b.proj.as<bf16>(), *mix = b.mix.as<bf16>();
+    launch_embed(model_->embed, batch_dev<int32_t>(lay.token), B, x, stream_);
+    for (int l = 0; l < c.n_layers; ++l) {
+      const DeviceLayer& L = model_->layers[l];
+      const int slot = layer_slot_[l];
+      // x ← x + the previous layer's MoE output; normed = RMSNorm(x) · input gain.
+      launch_add_rmsnorm(x, l == 0 ? nullptr : moe, L.input_norm, normed, B, c.hidden, eps, stream_);
+      if (L.type == LayerType::kLinearAttention) {
+        const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
+        const int64_t R = L.gdn_in.rows;  // proj row stride: q ‖ k ‖ v ‖ z ‖ a ‖ b
+        launch_quant_gemv_rows(L.gdn_in, normed, B, proj, nullptr, stream_);
+        gdn_conv_decode_rows(gdn_, L.gdn, B, proj, R, batch_dev<bf16* const>(lay.windows_of(slot)), b.conv.as<bf16>(),
+                             stream_);
+        gdn_decode_rows(gdn_, L.gdn, B, b.conv.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, R,
+                        batch_dev<float* const>(lay.states_of(slot)), mix, stream_);
+        launch_quant_gemv_rows(L.gdn_out, mix, B, mixer_out, nullptr, stream_);
+      } else {
+        const int64_t R = L.attn_in.rows;  // proj row stride: q|gate ‖ k ‖ v
+        const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim, kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
+        const KvCacheView* caches = batch_dev<const KvCacheView>(lay.kv_of(slot));
+        launch_quant_gemv_rows(L.attn_in, normed, B, proj, nullptr, stream_);
+        attention_prepare_rows(attn_, B, proj, R, proj + qg, proj + qg + kvw, R, L.q_norm, L.k_norm,
+                               batch_dev<const int32_t>(lay.pos), caches, b.q.as<bf16>(), stream_);
+        attention_decode_rows(attn_, B, b.q.as<bf16>(), proj, R, caches, batch_dev<const int32_t>(lay.len),
+                              batch_dev<const int32_t>(lay.splits), max_splits, b.attn_ws.as<float>(), b.attn_ws_bytes,
+                              mix, stream_);
+        launch_quant_gemv_rows(L.attn_out, mix, B, mixer_out, nullptr, stream_);
+      }
+      // MoE: x ← x + mixer output, normed = post norm; router + top-k; experts; combine → moe.
+      const int k = c.n_experts_per_tok, n_sel = routed_plus_shared_slots(c);
+      launch_add_rmsnorm(x, mixer_out, L.post_norm, normed, B, c.hidden, eps, stream_);
+      launch_router_fused(L.router, normed, B, c.n_experts, k, b.router.as<float>(), b.ids.as<int32_t>(),
+                          b.weights.as<float>(), b.router_done.as<uint32_t>(), stream_);
+      launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, b.ids.as<int32_t>(), n_sel, normed, B, b.act.as<bf16>(),
+                            stream_);
+      launch_expert_down_combine(L.down, c.hidden, b.ids.as<int32_t>(), b.weights.as<float>(), n_sel,
+                                 b.act.as<bf16>(), B, moe, stream_);
+    }
+    launch_add_rmsnorm(x, moe, model_->final_norm, normed, B, c.hidden, eps, stream_);
+    float* logits = b.logits.as<float>();
+    launch_quant_gemv_rows(model_->lm_head, normed, B, nullptr, logits, stream_);
+    const int64_t slots = argmax_scratch_slots(c.vocab);
+    for (int r = 0; r < B; ++r)
+      launch_argmax(logits + static_cast<int64_t>(r) * c.vocab, c.vocab, b.argmax_v.as<float>() + r * slots,
+                    b.argmax_i.as<int32_t>() + r * slots, b.next_dev.as<int32_t>() + r, stream_);
+  }
+
   // ---- batched prefill (default; LILY_CUDA_PREFILL=per-token replays the decode graph) ---------
 
   // Chunks of up to prefill_chunk_ tokens; every layer runs over all rows of a chunk: batched
@@ -1120,6 +1447,11 @@ class CudaBackend final : public Backend {
   std::unique_ptr<PrefillScratch> prefill_scratch_;                ///< allocated at the first batched prefill
   bool tensor_core_gemm_ = options_.tensor_core_gemm;  ///< prefill projections and experts (prefill_project)
   int prefill_chunk_ = options_.prefill_chunk;         ///< tokens per prefill chunk
+  bool batched_decode_ = options_.batched_decode;      ///< decode rows through decode_batch
+  std::unique_ptr<BatchScratch> batch_;                ///< allocated at the first batched step
+  /// The batched steps' graphs: one exec per key (rows, sampled rows, largest split count, PDL),
+  /// shared by all rows (kBatchGraphLayout); the least recently used is updated past the bound.
+  DecodeGraphs batch_graphs_{1, 4 * kMaxDecodeRows};
 };
 
 }  // namespace cuda

@@ -25,6 +25,13 @@
 //    step ends with a stream synchronise, so no update or reuse races a launch in flight.
 // With one sequence decoding, a new request's first step costs a capture and an update instead
 // of an instantiation; with several sequences interleaved, each keeps its own exec.
+//
+// Batched decode (CudaOptions::batched_decode, off by default until its GPU tests pass): every
+// decode step's one-token rows run as one forward over B ≤ 8 rows instead (B = 1 included, so a
+// sequence alone and in a batch share one arithmetic). Each row's token, position, length,
+// attention split count and state pointers travel in a pinned exchange block that the graph
+// copies in, so a captured batched step holds nothing of any state: its execs are keyed by B,
+// the number of sampled rows, the largest split count and PDL, and replay for any rows.
 #pragma once
 #include <memory>
 

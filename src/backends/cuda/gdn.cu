@@ -41,14 +41,11 @@ __device__ __forceinline__ float beta_gate(float b) { return 1.0f / (1.0f + expf
 // silu_precise, conv_dot and conv_decode_value live in gdn_conv.cuh (shared with the GEMV's
 // conv epilogue, quant_gemv.cu).
 
-/// One conv step per channel: out[c] = bf16(silu(Σ_t win[c][t]·w[c][t] + x[c]·w[c][K−1])),
-/// then window[c] ← (win1, win2, x).
-__global__ void conv_decode_kernel(int C, const float* __restrict__ conv_w,
-                                   const bf16* __restrict__ qkv, bf16* __restrict__ window,
-                                   bf16* __restrict__ out) {
-  pdl_prologue();  // before the early return (launch.cuh contract)
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
+/// The conv step of channel c: out[c] = bf16(silu(Σ_t win[c][t]·w[c][t] + x[c]·w[c][K−1])),
+/// then window[c] ← (win1, win2, x). Shared by the one-sequence and the batched kernel.
+__device__ __forceinline__ void conv_decode_channel(int c, const float* __restrict__ conv_w,
+                                                    const bf16* __restrict__ qkv, bf16* __restrict__ window,
+                                                    bf16* __restrict__ out) {
   bf16* win = window + int64_t(c) * kHist;
   const float* w = conv_w + int64_t(c) * kConvK;
   const bf16 x = qkv[c];
@@ -57,6 +54,27 @@ __global__ void conv_decode_kernel(int C, const float* __restrict__ conv_w,
   win[0] = w1;
   win[1] = w2;
   win[2] = x;
+}
+
+/// One conv step per channel (conv_decode_channel).
+__global__ void conv_decode_kernel(int C, const float* __restrict__ conv_w,
+                                   const bf16* __restrict__ qkv, bf16* __restrict__ window,
+                                   bf16* __restrict__ out) {
+  pdl_prologue();  // before the early return (launch.cuh contract)
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  conv_decode_channel(c, conv_w, qkv, window, out);
+}
+
+/// Batched decode: grid (channel blocks, row). Row r's conv input is qkv + r·qkv_stride, its
+/// window windows[r] (each sequence its own), its output out + r·C.
+__global__ void conv_decode_rows_kernel(int C, const float* __restrict__ conv_w, const bf16* __restrict__ qkv,
+                                        int64_t qkv_stride, bf16* const* __restrict__ windows,
+                                        bf16* __restrict__ out) {
+  pdl_prologue();  // before reading windows[] (written by the step's copy-in) and the early return
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, r = blockIdx.y;
+  if (c >= C) return;
+  conv_decode_channel(c, conv_w, qkv + int64_t(r) * qkv_stride, windows[r], out + int64_t(r) * C);
 }
 
 /// Raw conv input of channel c at token u (u may be negative: then it comes from the window,
@@ -125,14 +143,14 @@ struct DecodeGeom {
 /// on its D×32 slice of S_j (fp32, in place), bf16 output; the gated RMSNorm's Σo² is summed
 /// over the cluster through distributed shared memory. Thread (part, m): column m of the
 /// slice, key rows [16·part, +16).
+/// The body of gdn_decode_kernel, shared with the batched kernel (gdn_decode_rows_kernel): the
+/// caller has run pdl_prologue and passes one sequence's buffers.
 template <int D>
-__global__ void __cluster_dims__(1, DecodeGeom<D>::kSlices, 1)
-__launch_bounds__(DecodeGeom<D>::kThreads) gdn_decode_kernel(int Hk, int Hv, float eps, const float* __restrict__ A_log,
+__device__ __forceinline__ void gdn_decode_head(int Hk, int Hv, float eps, const float* __restrict__ A_log,
                   const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
                   const bf16* __restrict__ conv_out, const bf16* __restrict__ z,
                   const bf16* __restrict__ a, const bf16* __restrict__ b,
                   float* __restrict__ state, bf16* __restrict__ out) {
-  pdl_prologue();
   using Geom = DecodeGeom<D>;
   constexpr int kDk = D, kDv = D, kSliceCols = Geom::kSliceCols, kDecodeSlices = Geom::kSlices;
   constexpr int kDecodeParts = Geom::kParts, kRowsPerPart = Geom::kRowsPerPart;
@@ -217,6 +235,35 @@ __launch_bounds__(DecodeGeom<D>::kThreads) gdn_decode_kernel(int Hk, int Hv, flo
     const float y = (norm_w[col] * (o * rr)) * silu_precise(to_f32(z[j * kDv + col]));
     out[j * kDv + col] = to_bf16(y);
   }
+}
+
+/// The fused decode step of one sequence: grid (Hv, D/32), gdn_decode_head.
+template <int D>
+__global__ void __cluster_dims__(1, DecodeGeom<D>::kSlices, 1)
+__launch_bounds__(DecodeGeom<D>::kThreads) gdn_decode_kernel(int Hk, int Hv, float eps, const float* __restrict__ A_log,
+                  const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
+                  const bf16* __restrict__ conv_out, const bf16* __restrict__ z,
+                  const bf16* __restrict__ a, const bf16* __restrict__ b,
+                  float* __restrict__ state, bf16* __restrict__ out) {
+  pdl_prologue();
+  gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out, z, a, b, state, out);
+}
+
+/// Batched decode: grid (Hv, D/32, row), the same clusters; row r is gdn_decode_kernel over its
+/// own buffers: conv_out + r·C, z/a/b + r·zab_stride, the state states[r], out + r·Hv·Dv. Each
+/// cluster works on one row only, so a row's arithmetic is that of the sequence alone.
+template <int D>
+__global__ void __cluster_dims__(1, DecodeGeom<D>::kSlices, 1)
+__launch_bounds__(DecodeGeom<D>::kThreads) gdn_decode_rows_kernel(int Hk, int Hv, float eps,
+                  const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                  const float* __restrict__ norm_w, const bf16* __restrict__ conv_out,
+                  const bf16* __restrict__ z, const bf16* __restrict__ a, const bf16* __restrict__ b,
+                  int64_t zab_stride, float* const* __restrict__ states, bf16* __restrict__ out) {
+  pdl_prologue();  // before reading states[] (written by the step's copy-in)
+  const int64_t r = blockIdx.z;
+  const int C = 2 * Hk * D + Hv * D;
+  gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out + r * C, z + r * zab_stride,
+                     a + r * zab_stride, b + r * zab_stride, states[r], out + r * Hv * D);
 }
 
 // ---- chunked prefill (UT/WY form) -------------------------------------------------------------
@@ -663,6 +710,17 @@ void launch_decode(const GdnDims& dims, const GdnParams& params, const bf16* con
       params.norm_w, conv_out, z, a, b, state, out);
 }
 
+/// Launches the batched decode step for head dim D: grid (Hv, D/32, rows), clusters of (1, D/32, 1).
+template <int D>
+void launch_decode_rows(const GdnDims& dims, const GdnParams& params, int rows, const bf16* conv_out,
+                        const bf16* z, const bf16* a, const bf16* b, int64_t zab_stride, float* const* states,
+                        bf16* out, cudaStream_t stream) {
+  using Geom = DecodeGeom<D>;
+  launch_pdl(gdn_decode_rows_kernel<D>, dim3(dims.n_value_heads, Geom::kSlices, rows), dim3(Geom::kThreads), 0,
+             stream, dims.n_key_heads, dims.n_value_heads, dims.norm_eps, params.A_log, params.dt_bias,
+             params.norm_w, conv_out, z, a, b, zab_stride, states, out);
+}
+
 /// Launches the chunked prefill (two passes when `ws` is given, else one kernel) and the gated
 /// norm for head dim D.
 template <int D>
@@ -734,6 +792,36 @@ void gdn_decode(const GdnDims& dims, const GdnParams& params, const bf16* conv_o
   MIXER_REQUIRE(conv_out && z && a && b && state && out, "gdn_decode: null buffer");
   dispatch_head_dim(dims, [&](auto d) {
     launch_decode<decltype(d)::value>(dims, params, conv_out, z, a, b, state, out, stream);
+  });
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+void gdn_conv_decode_rows(const GdnDims& dims, const GdnParams& params, int rows, const bf16* qkv,
+                          int64_t qkv_stride, bf16* const* windows, bf16* out, cudaStream_t stream) {
+  check_dims(dims);
+  check_params(params);
+  const int C = dims.conv_channels();
+  MIXER_REQUIRE(rows >= 1 && rows <= kMaxDecodeRows,
+                "gdn_conv_decode_rows: rows=" + std::to_string(rows) + " outside [1, 8]");
+  MIXER_REQUIRE(qkv && windows && out, "gdn_conv_decode_rows: null buffer");
+  MIXER_REQUIRE(qkv_stride >= C, "gdn_conv_decode_rows: qkv row stride too small");
+  MIXER_REQUIRE(qkv + (rows - 1) * qkv_stride + C <= out || out + int64_t(rows) * C <= qkv,
+                "gdn_conv_decode_rows: out must not overlap qkv");
+  launch_pdl(conv_decode_rows_kernel, dim3(static_cast<unsigned>(ceil_div(C, 256)), rows), dim3(256), 0, stream, C,
+             params.conv_w, qkv, qkv_stride, windows, out);
+}
+
+void gdn_decode_rows(const GdnDims& dims, const GdnParams& params, int rows, const bf16* conv_out, const bf16* z,
+                     const bf16* a, const bf16* b, int64_t zab_stride, float* const* states, bf16* out,
+                     cudaStream_t stream) {
+  check_dims(dims);
+  check_params(params);
+  MIXER_REQUIRE(rows >= 1 && rows <= kMaxDecodeRows,
+                "gdn_decode_rows: rows=" + std::to_string(rows) + " outside [1, 8]");
+  MIXER_REQUIRE(conv_out && z && a && b && states && out, "gdn_decode_rows: null buffer");
+  MIXER_REQUIRE(zab_stride >= dims.value_dim(), "gdn_decode_rows: z/a/b row stride below Hv·Dv");
+  dispatch_head_dim(dims, [&](auto d) {
+    launch_decode_rows<decltype(d)::value>(dims, params, rows, conv_out, z, a, b, zab_stride, states, out, stream);
   });
   LILY_CUDA_CHECK_LAUNCH();
 }

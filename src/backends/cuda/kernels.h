@@ -48,6 +48,21 @@ void launch_quant_gemv(const DeviceQuant& w, const __nv_bfloat16* x, __nv_bfloat
 void launch_quant_gemv_batched(const DeviceQuant& w, const __nv_bfloat16* x, int m, __nv_bfloat16* y_bf16,
                                float* y_f32, cudaStream_t stream);
 
+/// Most token rows one batched decode launch takes (the tensor-core GEMV's MMA N).
+inline constexpr int kMaxDecodeRows = 8;
+
+/// The batched decode's GEMV: x bf16 [m, cols] row-major → y [m, rows] (exactly one of y_bf16 /
+/// y_f32 non-null), 1 ≤ m ≤ kMaxDecodeRows. Batch-invariant: the kernel and every summation
+/// order are chosen from the matrix alone (never from m), so token row t's output is
+/// bit-identical for every m and whatever the other rows hold. 4-bit matrices run on tensor
+/// cores (the streaming kernel where it fits eight rows, else the register-load one), 8-bit on
+/// CUDA cores (the tiled kernel where its staging fits). Results agree with launch_quant_gemv to
+/// its tolerance, not always bit for bit (the m = 1 path may take another kernel). Throws
+/// lily::Error as launch_quant_gemv does, lily::InternalError for m outside [1, 8] or not
+/// exactly one output.
+void launch_quant_gemv_rows(const DeviceQuant& w, const __nv_bfloat16* x, int m, __nv_bfloat16* y_bf16,
+                            float* y_f32, cudaStream_t stream);
+
 /// Embedding gather (docs/model.md §3.1): out[c] = bf16(s·q + b) of row tokens[t] of the 4-bit
 /// table, for t < m; out [m, cols]. Ids outside [0, rows) are clamped (the host validates ids).
 void launch_embed(const DeviceQuant& table, const int32_t* tokens, int m, __nv_bfloat16* out,

@@ -82,6 +82,31 @@ void gdn_decode(const GdnDims& dims, const GdnParams& params, const __nv_bfloat1
                 const __nv_bfloat16* z, const __nv_bfloat16* a, const __nv_bfloat16* b,
                 float* state, __nv_bfloat16* out, cudaStream_t stream);
 
+/// Batched GDN decode, step 1: gdn_conv_decode for `rows` (1 … 8) tokens, each of its own
+/// sequence, in one launch; row r's result is bit-identical to gdn_conv_decode on that row.
+///   qkv     bf16 [rows, C]   row stride `qkv_stride` (≥ C) elements (the in-projection rows)
+///   windows device array [rows] of bf16* [C, K-1]: row r's window (its sequence's, this layer's);
+///           the array itself is read on the device after the launch's PDL wait, so a captured
+///           graph can be replayed with other sequences' windows
+///   out     bf16 [rows, C]   contiguous; must not overlap qkv
+/// Throws lily::Error on bad dims, rows, strides or null buffers.
+void gdn_conv_decode_rows(const GdnDims& dims, const GdnParams& params, int rows, const __nv_bfloat16* qkv,
+                          int64_t qkv_stride, __nv_bfloat16* const* windows, __nv_bfloat16* out,
+                          cudaStream_t stream);
+
+/// Batched GDN decode, step 2: gdn_decode for `rows` (1 … 8) tokens, each of its own sequence,
+/// in one launch (grid: value head × cluster slice × row); row r's arithmetic is gdn_decode's on
+/// that row alone, so its output and new state are bit-identical to it.
+///   conv_out bf16 [rows, C]        gdn_conv_decode_rows's output
+///   z        bf16 [rows, Hv·Dv]    row stride `zab_stride`
+///   a, b     bf16 [rows, Hv]       row stride `zab_stride`
+///   states   device array [rows] of fp32* [Hv, Dk, Dv]: row r's recurrent state, updated in place
+///   out      bf16 [rows, Hv·Dv]    contiguous
+/// Throws lily::Error on bad dims, rows, strides or null buffers.
+void gdn_decode_rows(const GdnDims& dims, const GdnParams& params, int rows, const __nv_bfloat16* conv_out,
+                     const __nv_bfloat16* z, const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t zab_stride,
+                     float* const* states, __nv_bfloat16* out, cudaStream_t stream);
+
 /// GDN prefill, step 1: the causal conv + SiLU over T tokens, continuing from `window`.
 ///   qkv    bf16 [T, C], row stride `qkv_stride` (≥ C) elements
 ///   window bf16 [C, K-1]  as in gdn_conv_decode; on return holds the last K-1 raw inputs
@@ -187,6 +212,45 @@ void attention_decode(const AttnDims& dims, const __nv_bfloat16* q, const __nv_b
                       const KvCacheView& cache, int64_t len_host, const int32_t* len_device,
                       int n_splits, float* workspace, size_t workspace_bytes,
                       __nv_bfloat16* out, cudaStream_t stream);
+
+/// Batched decode, q/k preparation: attention_prepare of one token for each of `rows` (1 … 8)
+/// sequences in one launch; row r's token is at position pos[r] and its K/V go to caches[r]
+/// (row r's arithmetic is attention_prepare's with T = 1 at that position).
+///   qg     bf16 [rows, nq, 2·D]  row stride `qg_stride`
+///   k, v   bf16 [rows, nkv·D]    row stride `kv_stride`
+///   pos    device int32 [rows]   positions (pos[r] < caches[r].capacity: the caller's guarantee)
+///   caches device KvCacheView [rows]: each row's cache of this layer
+///   q_out  bf16 [rows, nq, D]    contiguous
+/// pos and caches are read on the device after the launch's PDL wait (a captured graph replays
+/// with whatever they then hold). Throws lily::Error on bad dims, rows, strides or null buffers.
+void attention_prepare_rows(const AttnDims& dims, int rows, const __nv_bfloat16* qg, int64_t qg_stride,
+                            const __nv_bfloat16* k, const __nv_bfloat16* v, int64_t kv_stride,
+                            const float* q_norm, const float* k_norm, const int32_t* pos,
+                            const KvCacheView* caches, __nv_bfloat16* q_out, cudaStream_t stream);
+
+/// Workspace bytes of attention_decode_rows for `rows` rows: each row's region holds
+/// attention_decode_workspace_bytes(dims, kMaxDecodeSplits).
+size_t attention_decode_rows_workspace_bytes(const AttnDims& dims, int rows);
+
+/// Batched decode attention: attention_decode for one token of each of `rows` (1 … 8)
+/// sequences of different lengths and caches, in one split launch and one combine launch
+/// (grids: kv head × split × row and query head × row). Row r uses its own length len[r], cache
+/// caches[r] and split count min(splits[r], max_splits), with partials in its own workspace
+/// region, so its output is bit-identical to attention_decode with that split count on that
+/// row alone (the backend takes the count from the row's KV capacity, as the one-sequence step
+/// does). Split blocks past a row's count return at once; max_splits (the grid) is the largest
+/// count of the rows.
+///   q       bf16 [rows, nq, D]       attention_prepare_rows's q_out
+///   gate    bf16 [rows, nq, 2·D]     row stride `gate_stride` (the qg rows); nullptr = no gate
+///   caches  device KvCacheView [rows]
+///   len     device int32 [rows]      keys per row (position + 1), in [1, capacity]
+///   splits  device int32 [rows]      in [1, max_splits]
+///   out     bf16 [rows, nq·D]
+/// Throws lily::Error on bad dims, rows, max_splits, a short workspace or null buffers.
+void attention_decode_rows(const AttnDims& dims, int rows, const __nv_bfloat16* q, const __nv_bfloat16* gate,
+                           int64_t gate_stride, const KvCacheView* caches, const int32_t* len,
+                           const int32_t* splits, int max_splits, float* workspace, size_t workspace_bytes,
+                           __nv_bfloat16* out, cudaStream_t stream);
 
 /// Causal attention for a prefill chunk of T query rows at positions base … base+T−1
 /// (docs/model.md §4.4), GQA, online fp32 softmax; key t is visible to row r iff t ≤ base + r.

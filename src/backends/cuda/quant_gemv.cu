@@ -169,6 +169,7 @@ constexpr int kMmaThreads = 256;
 constexpr int kMmaWarps = kMmaThreads / kWarp;
 constexpr int kMmaTileRows = 16;
 constexpr int kMmaMaxTokens = 8;  // the MMA's N
+static_assert(kMmaMaxTokens == kMaxDecodeRows, "the batched decode takes as many rows as the MMA GEMV");
 constexpr int kMmaBatch = 4;      // groups whose code words a warp has in flight
 
 /// Warps splitting the 64-groups of one tile (k-split): the largest power of two ≤ 8 that
@@ -692,6 +693,24 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
   launch_pdl(kernel, dim3(blocks, m), dim3(kGemvThreads), smem, stream, w, x, y, norm, conv);
 }
 
+/// The batched decode's GEMV (launch_quant_gemv_rows): a kernel chosen by the matrix alone, so
+/// that a token row's result never depends on m. 4-bit: the streaming kernel when it applies at
+/// m = kMmaMaxTokens (its shared memory grows with m, so a plan that fits one row may not fit
+/// eight; a smaller m then fits too), else the register-load MMA kernel; both compute each token
+/// column from that token's x alone, in an order fixed by the shape. 8-bit: the tiled CUDA-core
+/// kernel, also at m = 1 (its per-token arithmetic ignores the other tokens of the tile), or
+/// where its staging does not fit, the per-row CUDA-core kernel (grid.y = token) for every m.
+template <class OutT>
+void gemv_rows_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream) {
+  if (w.bits == 4) {
+    if (stream_gemv_enabled() && stream_gemv_plan(w, kMmaMaxTokens).stages > 0)
+      return stream_gemv_dispatch(w, x, m, y, stream_gemv_plan(w, m), stream, FusedNorm{}, FusedConv{});
+    return mma_gemv_dispatch(w, x, m, y, stream, FusedNorm{}, FusedConv{});
+  }
+  if (tiled_gemv_smem(w.cols) <= kMaxTiledSmem) return tiled_gemv_dispatch<8>(w, x, m, y, stream);
+  gemv_dispatch<8>(w, x, m, y, stream);  // the tiled kernel does not fit: quant_gemv_kernel for any m
+}
+
 void check_quant(const DeviceQuant& w, const char* what) {
   if ((w.bits != 4 && w.bits != 8) || w.cols <= 0 || w.cols % kGroup != 0 || w.cols > kMaxCols || w.rows <= 0)
     throw ::lily::Error(std::string(what) + ": CUDA kernels support 4/8-bit matrices with cols a multiple of 64 and ≤ " +
@@ -734,6 +753,15 @@ void launch_quant_gemv_batched(const DeviceQuant& w, const bf16* x, int m, bf16*
 
 void launch_quant_gemv(const DeviceQuant& w, const bf16* x, bf16* y_bf16, float* y_f32, cudaStream_t stream) {
   launch_quant_gemv_batched(w, x, 1, y_bf16, y_f32, stream);
+}
+
+void launch_quant_gemv_rows(const DeviceQuant& w, const bf16* x, int m, bf16* y_bf16, float* y_f32,
+                            cudaStream_t stream) {
+  check_quant(w, "quant_gemv_rows");
+  if ((y_bf16 == nullptr) == (y_f32 == nullptr) || m <= 0 || m > kMmaMaxTokens)
+    throw ::lily::InternalError("launch_quant_gemv_rows: exactly one output and 0 < m ≤ 8 required");
+  if (y_f32) gemv_rows_dispatch(w, x, m, y_f32, stream);
+  else gemv_rows_dispatch(w, x, m, y_bf16, stream);
 }
 
 void launch_add_rmsnorm_gemv(const FusedNorm& norm, const bf16* x, const DeviceQuant& w, bf16* y_bf16, float* y_f32,

@@ -94,7 +94,7 @@ class ScopedEnv {
 
 TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   for (const char* v : {"LILY_CUDA_FUSE", "LILY_CUDA_PDL", "LILY_CUDA_STREAM_GEMV", "LILY_CUDA_FLASH_PREFILL",
-                        "LILY_CUDA_DEVICE_SAMPLER", "LILY_CUDA_GEMV_ROW_TILES", "LILY_CUDA_GDN_CHUNK_PARALLEL", "LILY_CUDA_PREFILL", "LILY_CUDA_GEMM", "LILY_CUDA_FUSED_MOE", "LILY_CUDA_PREFILL_CHUNK", "LILY_CUDA_MAX_BATCH"})
+                        "LILY_CUDA_DEVICE_SAMPLER", "LILY_CUDA_GEMV_ROW_TILES", "LILY_CUDA_GDN_CHUNK_PARALLEL", "LILY_CUDA_PREFILL", "LILY_CUDA_GEMM", "LILY_CUDA_FUSED_MOE", "LILY_CUDA_BATCHED_DECODE", "LILY_CUDA_PREFILL_CHUNK", "LILY_CUDA_MAX_BATCH"})
     unsetenv(v);
   const CudaOptions o = CudaOptions::from_env();
   EXPECT_TRUE(o.fuse_decode);
@@ -107,9 +107,10 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_TRUE(o.batched_prefill);
   EXPECT_TRUE(o.tensor_core_gemm);
   EXPECT_TRUE(o.fused_moe);
+  EXPECT_FALSE(o.batched_decode);  // opt-in until its GPU tests have passed
   EXPECT_EQ(o.prefill_chunk, 2048);
   EXPECT_EQ(o.max_batch, 8);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 prefill=batched gemm=tensor-core fused-moe=1 chunk=2048 max-batch=8");
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 prefill=batched gemm=tensor-core fused-moe=1 batched-decode=0 chunk=2048 max-batch=8");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {
@@ -117,13 +118,13 @@ TEST(CudaOptions, ReadsEveryVariable) {
       d("LILY_CUDA_GEMM", "gemv"), e("LILY_CUDA_PREFILL_CHUNK", "256"), f("LILY_CUDA_STREAM_GEMV", "0"),
       g("LILY_CUDA_FLASH_PREFILL", "0"), h("LILY_CUDA_DEVICE_SAMPLER", "0"),
       i("LILY_CUDA_GEMV_ROW_TILES", "0"), j("LILY_CUDA_GDN_CHUNK_PARALLEL", "0"), k("LILY_CUDA_MAX_BATCH", "16"),
-      l("LILY_CUDA_FUSED_MOE", "0");
+      l("LILY_CUDA_FUSED_MOE", "0"), m("LILY_CUDA_BATCHED_DECODE", "1");
   const CudaOptions o = CudaOptions::from_env();
-  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 prefill=per-token gemm=gemv fused-moe=0 chunk=256 max-batch=16");
+  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 prefill=per-token gemm=gemv fused-moe=0 batched-decode=1 chunk=256 max-batch=16");
 }
 
 TEST(CudaOptions, BadValuesNameTheVariable) {
-  const std::pair<const char*, const char*> bad[] = {{"LILY_CUDA_FUSE", "yes"},          {"LILY_CUDA_PDL", "2"}, {"LILY_CUDA_STREAM_GEMV", "on"}, {"LILY_CUDA_FLASH_PREFILL", "yes"}, {"LILY_CUDA_DEVICE_SAMPLER", "on"}, {"LILY_CUDA_GEMV_ROW_TILES", "2"}, {"LILY_CUDA_GDN_CHUNK_PARALLEL", "yes"}, {"LILY_CUDA_FUSED_MOE", "2"},
+  const std::pair<const char*, const char*> bad[] = {{"LILY_CUDA_FUSE", "yes"},          {"LILY_CUDA_PDL", "2"}, {"LILY_CUDA_STREAM_GEMV", "on"}, {"LILY_CUDA_FLASH_PREFILL", "yes"}, {"LILY_CUDA_DEVICE_SAMPLER", "on"}, {"LILY_CUDA_GEMV_ROW_TILES", "2"}, {"LILY_CUDA_GDN_CHUNK_PARALLEL", "yes"}, {"LILY_CUDA_FUSED_MOE", "2"}, {"LILY_CUDA_BATCHED_DECODE", "on"},
                                                      {"LILY_CUDA_PREFILL", "chunked"},   {"LILY_CUDA_GEMM", "cublas"},
                                                      {"LILY_CUDA_PREFILL_CHUNK", "0"},   {"LILY_CUDA_PREFILL_CHUNK", "8193"},
                                                      {"LILY_CUDA_PREFILL_CHUNK", "12x"}, {"LILY_CUDA_PREFILL_CHUNK", "99999999999999999999"},

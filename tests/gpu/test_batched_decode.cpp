@@ -1,0 +1,239 @@
+// The batched decode's kernels (CudaOptions::batched_decode) against the one-sequence kernels,
+// bit for bit: each row of a launch over `rows` sequences must equal the same row run alone
+// through the one-sequence launcher (the GDN step, attention) or through the same launcher with
+// one row (the GEMV), whatever the other rows hold. These isolate a kernel when the end-to-end
+// batch-invariance tests (test_cuda_e2e, CudaE2e.BatchedDecode*) fail.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "backends/cuda/mixer_kernels.h"
+#include "gpu_test_util.h"
+
+namespace lily::test {
+namespace {
+
+using cuda::DeviceBuffer;
+using bf16 = __nv_bfloat16;
+
+/// Number of elements of `a` and `b` whose bits differ (NaN payloads included).
+int64_t bit_differences(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return -1;
+  int64_t n = 0;
+  for (size_t i = 0; i < a.size(); ++i) n += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+  return n;
+}
+
+/// A device array holding `v` (pointers or PODs), for the batched launchers' per-row arrays.
+template <class T>
+DeviceBuffer upload_array(const std::vector<T>& v) {
+  DeviceBuffer d(v.size() * sizeof(T));
+  CUDA_CHECK(cudaMemcpy(d.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+// ---- GEMV ------------------------------------------------------------------------------------
+
+/// launch_quant_gemv_rows: token t of m rows equals token t alone (m = 1), for m = 1 … 8; with
+/// m = 8 also within the reference tolerance.
+void check_gemv_rows(int64_t rows, int cols, int bits, bool f32_out, uint64_t seed) {
+  SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " " + std::to_string(bits) + "-bit" +
+               (f32_out ? " fp32" : " bf16"));
+  std::mt19937_64 rng(seed);
+  RandomQuant w(rows, cols, bits, rng);
+  const std::vector<float> x = normal_bf16(int64_t(8) * cols, rng, 1.0f);
+  DeviceBuffer dx = upload_bf16(x);
+  auto run = [&](const bf16* xp, int m) {
+    DeviceBuffer dy = poisoned(size_t(m) * rows * 4);
+    cuda::launch_quant_gemv_rows(w.view(), xp, m, f32_out ? nullptr : dy.as<bf16>(), f32_out ? dy.as<float>() : nullptr,
+                                 nullptr);
+    return f32_out ? download_f32(dy, int64_t(m) * rows) : download_bf16(dy, int64_t(m) * rows);
+  };
+  std::vector<std::vector<float>> alone(8);
+  for (int t = 0; t < 8; ++t) alone[t] = run(dx.as<bf16>() + int64_t(t) * cols, 1);
+  for (int m = 1; m <= 8; ++m) {
+    const std::vector<float> all = run(dx.as<bf16>(), m);
+    for (int t = 0; t < m; ++t)
+      EXPECT_EQ(bit_differences(std::vector<float>(all.begin() + t * rows, all.begin() + (t + 1) * rows), alone[t]), 0)
+          << "token " << t << " of " << m;
+  }
+  for (int t = 0; t < 8; t += 7) {  // the first and the last token against the reference
+    std::vector<double> ref(rows);
+    for (int64_t r = 0; r < rows; ++r) ref[r] = w.dot(r, x.data() + int64_t(t) * cols);
+    EXPECT_LT(worst_rel(alone[t], ref, 0.01 * rms(ref)), f32_out ? 1e-3 : 1e-2) << "token " << t;
+  }
+}
+
+TEST(CudaBatchedDecode, GemvRowsAreBitIdenticalForEveryRowCount) {
+  for (bool streaming : {true, false}) {
+    SCOPED_TRACE(streaming ? "streaming enabled" : "streaming disabled");
+    cuda::set_stream_gemv_enabled(streaming);
+    check_gemv_rows(1000, 2048, 4, false, 1);       // the 35B projections' width: streaming kernel
+    check_gemv_rows(777, 4096, 4, false, 2);        // out_proj width
+    check_gemv_rows(2048, 512, 4, true, 3);         // realdims hidden, fp32 (its lm_head)
+    check_gemv_rows(300, 256, 4, false, 4);         // demo hidden: cols % 512 ≠ 0, register-load MMA
+    check_gemv_rows(100, 8192, 4, false, 5);        // wide: streaming fits one row, not eight
+    check_gemv_rows(257, 2048, 8, true, 6);         // the router: 8-bit, tiled CUDA-core kernel
+    check_gemv_rows(17, 256, 8, true, 7);           // demo router
+  }
+  cuda::set_stream_gemv_enabled(true);
+}
+
+// ---- GDN ---------------------------------------------------------------------------------------
+
+/// gdn_conv_decode_rows + gdn_decode_rows over `rows` sequences against gdn_conv_decode +
+/// gdn_decode on each row alone (copies of the same windows and states): outputs, windows and
+/// states bit-identical, over three consecutive steps.
+void check_gdn_rows(const cuda::GdnDims& d, int rows, uint64_t seed) {
+  SCOPED_TRACE("GDN Hk " + std::to_string(d.n_key_heads) + " Hv " + std::to_string(d.n_value_heads) + " D " +
+               std::to_string(d.key_head_dim) + ", rows " + std::to_string(rows));
+  std::mt19937_64 rng(seed);
+  const int C = d.conv_channels(), Vd = d.value_dim(), Hv = d.n_value_heads;
+  const int64_t R = C + Vd + 2 * Hv + 32;  // a projection row with some padding after b
+  DeviceBuffer conv_w = upload_f32(normal(int64_t(C) * 4, rng, 0.0f, 0.5f));
+  DeviceBuffer A_log = upload_f32(uniform(Hv, rng, -2.0f, 1.0f)), dt_bias = upload_f32(normal(Hv, rng, 0.0f, 0.5f));
+  DeviceBuffer norm_w = upload_f32(uniform(d.value_head_dim, rng, 0.5f, 1.5f));
+  const cuda::GdnParams p{conv_w.as<float>(), A_log.as<float>(), dt_bias.as<float>(), norm_w.as<float>()};
+  // Each row's window and state twice: one set for the alone runs, one for the batched.
+  std::vector<DeviceBuffer> win[2], st[2];
+  for (int r = 0; r < rows; ++r) {
+    const std::vector<float> w0 = normal_bf16(d.window_elems(), rng, 1.0f);
+    const std::vector<float> s0 = normal(d.state_elems(), rng, 0.0f, 0.3f);
+    for (int k = 0; k < 2; ++k) {
+      win[k].push_back(upload_bf16(w0));
+      st[k].push_back(upload_f32(s0));
+    }
+  }
+  std::vector<bf16*> win_ptrs;
+  std::vector<float*> st_ptrs;
+  for (int r = 0; r < rows; ++r) {
+    win_ptrs.push_back(win[1][r].as<bf16>());
+    st_ptrs.push_back(st[1][r].as<float>());
+  }
+  DeviceBuffer d_win = upload_array(win_ptrs), d_st = upload_array(st_ptrs);
+  for (int step = 0; step < 3; ++step) {
+    DeviceBuffer proj = upload_bf16(normal(int64_t(rows) * R, rng, 0.0f, 1.0f));
+    const bf16* pr = proj.as<bf16>();
+    DeviceBuffer conv_a = poisoned(size_t(C) * 2), out_a = poisoned(size_t(rows) * Vd * 2);
+    for (int r = 0; r < rows; ++r) {
+      const bf16* row = pr + r * R;
+      cuda::gdn_conv_decode(d, p, row, win[0][r].as<bf16>(), conv_a.as<bf16>(), nullptr);
+      cuda::gdn_decode(d, p, conv_a.as<bf16>(), row + C, row + C + Vd, row + C + Vd + Hv, st[0][r].as<float>(),
+                       out_a.as<bf16>() + int64_t(r) * Vd, nullptr);
+    }
+    DeviceBuffer conv_b = poisoned(size_t(rows) * C * 2), out_b = poisoned(size_t(rows) * Vd * 2);
+    cuda::gdn_conv_decode_rows(d, p, rows, pr, R, d_win.as<bf16* const>(), conv_b.as<bf16>(), nullptr);
+    cuda::gdn_decode_rows(d, p, rows, conv_b.as<bf16>(), pr + C, pr + C + Vd, pr + C + Vd + Hv, R,
+                          d_st.as<float* const>(), out_b.as<bf16>(), nullptr);
+    EXPECT_EQ(bit_differences(download_bf16(out_a, int64_t(rows) * Vd), download_bf16(out_b, int64_t(rows) * Vd)), 0)
+        << "outputs, step " << step;
+    for (int r = 0; r < rows; ++r) {
+      EXPECT_EQ(bit_differences(download_bf16(win[0][r], d.window_elems()), download_bf16(win[1][r], d.window_elems())), 0)
+          << "window of row " << r << ", step " << step;
+      EXPECT_EQ(bit_differences(download_f32(st[0][r], d.state_elems()), download_f32(st[1][r], d.state_elems())), 0)
+          << "state of row " << r << ", step " << step;
+    }
+  }
+}
+
+TEST(CudaBatchedDecode, GdnRowsAreBitIdenticalToEachSequenceAlone) {
+  cuda::GdnDims real;  // 35B-A3B: Hk 16, Hv 32, D 128
+  cuda::GdnDims realdims = real;
+  realdims.n_key_heads = 2;
+  realdims.n_value_heads = 4;
+  cuda::GdnDims demo = realdims;
+  demo.key_head_dim = demo.value_head_dim = 64;
+  for (int rows : {1, 3, 8}) {
+    check_gdn_rows(real, rows, 100 + rows);
+    check_gdn_rows(realdims, rows, 200 + rows);
+    check_gdn_rows(demo, rows, 300 + rows);
+  }
+}
+
+// ---- attention ---------------------------------------------------------------------------------
+
+/// attention_prepare_rows + attention_decode_rows over sequences of different capacities and
+/// lengths against attention_prepare (T = 1) + attention_decode on each alone, with each row's
+/// split count from its capacity (as the backend does): q, the appended K/V, and the gated
+/// outputs bit-identical.
+void check_attention_rows(const cuda::AttnDims& d, const std::vector<std::pair<int64_t, int64_t>>& cap_len,
+                          uint64_t seed) {
+  const int rows = static_cast<int>(cap_len.size());
+  SCOPED_TRACE("attention nq " + std::to_string(d.n_heads) + " nkv " + std::to_string(d.n_kv_heads) + " D " +
+               std::to_string(d.head_dim) + ", rows " + std::to_string(rows));
+  std::mt19937_64 rng(seed);
+  const int D = d.head_dim, nq = d.n_heads;
+  const int64_t qg = int64_t(nq) * 2 * D, kvw = int64_t(d.n_kv_heads) * D, R = qg + 2 * kvw + 16;
+  DeviceBuffer q_norm = upload_f32(uniform(D, rng, 0.5f, 1.5f)), k_norm = upload_f32(uniform(D, rng, 0.5f, 1.5f));
+  DeviceBuffer proj = upload_bf16(normal(int64_t(rows) * R, rng, 0.0f, 1.0f));
+  const bf16* pr = proj.as<bf16>();
+  std::vector<DeviceBuffer> k[2], v[2];
+  std::vector<cuda::KvCacheView> views;
+  std::vector<int32_t> pos, len, splits;
+  int max_splits = 1;
+  for (int r = 0; r < rows; ++r) {
+    const auto [cap, n] = cap_len[r];  // n = the length after this token (position n − 1)
+    const std::vector<float> k0 = normal_bf16(kvw * cap, rng, 1.0f), v0 = normal_bf16(kvw * cap, rng, 1.0f);
+    for (int c = 0; c < 2; ++c) {
+      k[c].push_back(upload_bf16(k0));
+      v[c].push_back(upload_bf16(v0));
+    }
+    views.push_back({k[1][r].as<bf16>(), v[1][r].as<bf16>(), cap});
+    pos.push_back(static_cast<int32_t>(n - 1));
+    len.push_back(static_cast<int32_t>(n));
+    splits.push_back(cuda::attention_decode_splits(cap));
+    max_splits = std::max(max_splits, splits.back());
+  }
+  // Alone: one sequence at a time through the one-sequence launchers.
+  DeviceBuffer ws(cuda::attention_decode_workspace_bytes(d, cuda::kMaxDecodeSplits));
+  DeviceBuffer q_a = poisoned(size_t(rows) * nq * D * 2), out_a = poisoned(size_t(rows) * nq * D * 2);
+  for (int r = 0; r < rows; ++r) {
+    const bf16* row = pr + r * R;
+    const cuda::KvCacheView kv{k[0][r].as<bf16>(), v[0][r].as<bf16>(), cap_len[r].first};
+    bf16* q = q_a.as<bf16>() + int64_t(r) * nq * D;
+    cuda::attention_prepare(d, 1, row, R, row + qg, row + qg + kvw, R, q_norm.as<float>(), k_norm.as<float>(), pos[r],
+                            nullptr, kv, q, nullptr);
+    cuda::attention_decode(d, q, row, kv, len[r], nullptr, splits[r], ws.as<float>(), ws.bytes(),
+                           out_a.as<bf16>() + int64_t(r) * nq * D, nullptr);
+  }
+  // Together.
+  DeviceBuffer d_pos = upload_array(pos), d_len = upload_array(len), d_splits = upload_array(splits);
+  DeviceBuffer d_views = upload_array(views);
+  DeviceBuffer ws_rows(cuda::attention_decode_rows_workspace_bytes(d, rows));
+  DeviceBuffer q_b = poisoned(size_t(rows) * nq * D * 2), out_b = poisoned(size_t(rows) * nq * D * 2);
+  cuda::attention_prepare_rows(d, rows, pr, R, pr + qg, pr + qg + kvw, R, q_norm.as<float>(), k_norm.as<float>(),
+                               d_pos.as<int32_t>(), d_views.as<cuda::KvCacheView>(), q_b.as<bf16>(), nullptr);
+  cuda::attention_decode_rows(d, rows, q_b.as<bf16>(), pr, R, d_views.as<cuda::KvCacheView>(), d_len.as<int32_t>(),
+                              d_splits.as<int32_t>(), max_splits, ws_rows.as<float>(), ws_rows.bytes(), out_b.as<bf16>(),
+                              nullptr);
+  const int64_t n_out = int64_t(rows) * nq * D;
+  EXPECT_EQ(bit_differences(download_bf16(q_a, n_out), download_bf16(q_b, n_out)), 0) << "q";
+  EXPECT_EQ(bit_differences(download_bf16(out_a, n_out), download_bf16(out_b, n_out)), 0) << "outputs";
+  for (int r = 0; r < rows; ++r) {
+    const int64_t n = kvw * cap_len[r].first;
+    EXPECT_EQ(bit_differences(download_bf16(k[0][r], n), download_bf16(k[1][r], n)), 0) << "K cache of row " << r;
+    EXPECT_EQ(bit_differences(download_bf16(v[0][r], n), download_bf16(v[1][r], n)), 0) << "V cache of row " << r;
+  }
+}
+
+TEST(CudaBatchedDecode, AttentionRowsAreBitIdenticalToEachSequenceAlone) {
+  cuda::AttnDims real;  // 35B-A3B: 16 q / 2 kv heads, D 256, rotary 64
+  cuda::AttnDims demo;
+  demo.n_heads = 4;
+  demo.n_kv_heads = 2;
+  demo.head_dim = 64;
+  demo.rotary_dim = 16;
+  // (capacity, length): one split (capacity ≤ 64), 16 and 32 splits, a full cache, a first token.
+  const std::vector<std::pair<int64_t, int64_t>> mixed = {{1024, 37}, {64, 64}, {2048, 1500}, {1024, 1},
+                                                          {100, 70},  {4096, 4000}, {1024, 1024}, {2048, 1025}};
+  for (const cuda::AttnDims& d : {real, demo}) {
+    check_attention_rows(d, {mixed[0]}, 400);
+    check_attention_rows(d, {mixed[2], mixed[1]}, 401);
+    check_attention_rows(d, mixed, 402);
+  }
+}
+
+}  // namespace
+}  // namespace lily::test
