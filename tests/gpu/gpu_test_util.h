@@ -110,6 +110,24 @@ cudaGraphExec_t capture_graph(cudaStream_t stream, F&& enqueue) {
   return exec;
 }
 
+/// Mean time of one replay of `exec` on `stream` over `reps` back-to-back replays after 3
+/// warm-up ones (µs, CUDA events).
+inline double graph_replay_us(cudaGraphExec_t exec, cudaStream_t stream, int reps) {
+  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  CUDA_CHECK(cudaEventRecord(a, stream));
+  for (int i = 0; i < reps; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CUDA_CHECK(cudaEventRecord(b, stream));
+  CUDA_CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return 1000.0 * ms / reps;
+}
+
 /// Mean time of `launch` over `reps` back-to-back launches on the default stream (µs).
 template <class F>
 double time_us(F&& launch, int reps = 200) {

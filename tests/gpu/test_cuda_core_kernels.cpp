@@ -903,21 +903,9 @@ TEST(CudaTiming, PrintsGraphChainTimesWithAndWithoutPdl) {
   for (bool pdl : {false, true}) {
     cuda::set_pdl_enabled(pdl);
     cudaGraphExec_t exec = capture_chain(chain, kBlocks, stream);
-    for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    cudaEvent_t a, b;
-    CUDA_CHECK(cudaEventCreate(&a));
-    CUDA_CHECK(cudaEventCreate(&b));
-    CUDA_CHECK(cudaEventRecord(a, stream));
-    for (int i = 0; i < kReps; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    CUDA_CHECK(cudaEventRecord(b, stream));
-    CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    const double us = 1000.0 * ms / kReps;
+    const double us = graph_replay_us(exec, stream, kReps);
     std::printf("[timing] moe chain x%d graph, PDL %-3s %8.2f us/graph  %6.2f us/kernel\n", kBlocks, pdl ? "on" : "off", us,
                 us / (4 * kBlocks));
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
     CUDA_CHECK(cudaGraphExecDestroy(exec));
   }
   CUDA_CHECK(cudaStreamDestroy(stream));

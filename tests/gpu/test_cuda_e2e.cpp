@@ -23,6 +23,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 #include <optional>
 #include <memory>
@@ -548,36 +549,34 @@ std::vector<SeqRun> run_interleaved(Backend& gpu, const std::vector<SeqPlan>& pl
 // one exec of its key; with 2 and 4 the rows share a step() and up to that many states of a key
 // keep an exec each, the others updating the least recently used. A stale exec (a grown or
 // destroyed state's pointers) or a missed update changes the logits here.
-TEST_F(CudaE2e, DecodeGraphsAreSharedAcrossStates) {
-  TempDir dir;
-  auto w = synth("realdims", dir.path());
-  const int vocab = w->config.vocab;
-  SamplingParams sampled;
-  sampled.temperature = 0.8f;
-  sampled.top_k = 40;
-  sampled.seed = 5;
+/// The schedule of DecodeGraphsAreSharedAcrossStates, over `vocab` ids; `sampled` drives B.
+std::vector<SeqPlan> graph_schedule(int vocab, const SamplingParams* sampled) {
   std::vector<SeqPlan> plans(7);
-  plans[0] = {prompt_ids(37, vocab, 41), 0, -1, 0, false, 10, nullptr};    // A
-  plans[1] = {prompt_ids(300, vocab, 42), 0, -1, 0, false, 10, &sampled};  // B, sampled
-  plans[2] = {prompt_ids(1020, vocab, 43), 0, -1, 0, false, 8, nullptr};   // C: grows at position 1024
-  plans[3] = {{}, 0, 0, 3, false, 8, nullptr};                             // D: a clone of A after 3 steps
-  plans[4] = {{}, 0, 2, 2, true, 6, nullptr};                              // E: C through the host tier
-  plans[5] = {prompt_ids(37, vocab, 44), 11, -1, 0, false, 6, nullptr};    // F: after A is destroyed
-  plans[6] = {{}, 0, 3, 5, false, 4, nullptr};                             // G: a clone of D
-  // The reference: each sequence (with its ancestors) on a backend of its own, whose exec cache
-  // is big enough that every state gets an exec instantiated for it alone (nothing is updated).
-  CudaOptions own_graphs = CudaOptions::from_env();
-  own_graphs.max_batch = CudaOptions::kMaxBatch;
+  plans[0] = {prompt_ids(37, vocab, 41), 0, -1, 0, false, 10, nullptr};   // A
+  plans[1] = {prompt_ids(300, vocab, 42), 0, -1, 0, false, 10, sampled};  // B, sampled
+  plans[2] = {prompt_ids(1020, vocab, 43), 0, -1, 0, false, 8, nullptr};  // C: grows at position 1024
+  plans[3] = {{}, 0, 0, 3, false, 8, nullptr};                            // D: a clone of A after 3 steps
+  plans[4] = {{}, 0, 2, 2, true, 6, nullptr};                             // E: C through the host tier
+  plans[5] = {prompt_ids(37, vocab, 44), 11, -1, 0, false, 6, nullptr};   // F: after A is destroyed
+  plans[6] = {{}, 0, 3, 5, false, 4, nullptr};                            // G: a clone of D
+  return plans;
+}
+
+/// Runs `plans` interleaved on a backend made with `options_for(max_batch)` for each of
+/// `max_batches`, against each sequence run alone (with its ancestors) on a backend of its own
+/// made with `alone_options`: ids and logits bit-identical.
+template <class OptionsFor>
+void expect_interleaved_equals_alone(std::shared_ptr<const ModelWeights> w, const std::vector<SeqPlan>& plans,
+                                     const CudaOptions& alone_options, std::initializer_list<int> max_batches,
+                                     OptionsFor options_for) {
   std::vector<SeqRun> alone;
   for (size_t i = 0; i < plans.size(); ++i) {
-    auto fresh = make_cuda_backend(w, own_graphs);
+    auto fresh = make_cuda_backend(w, alone_options);
     alone.push_back(replay_alone(*fresh, plans, static_cast<int>(i), plans[i].steps));
     alone.back().state.reset();
   }
-  for (int max_batch : {1, 2, 4}) {
-    CudaOptions options = CudaOptions::from_env();
-    options.max_batch = max_batch;
-    auto gpu = make_cuda_backend(w, options);
+  for (int max_batch : max_batches) {
+    auto gpu = make_cuda_backend(w, options_for(max_batch));
     const std::vector<SeqRun> together = run_interleaved(*gpu, plans);
     for (size_t i = 0; i < plans.size(); ++i) {
       const std::string what = "max_batch " + std::to_string(max_batch) + ", sequence " + std::to_string(i);
@@ -588,6 +587,24 @@ TEST_F(CudaE2e, DecodeGraphsAreSharedAcrossStates) {
         EXPECT_EQ(together[i].logits[k], alone[i].logits[k]) << what << ", output " << k;
     }
   }
+}
+
+TEST_F(CudaE2e, DecodeGraphsAreSharedAcrossStates) {
+  TempDir dir;
+  auto w = synth("realdims", dir.path());
+  SamplingParams sampled;
+  sampled.temperature = 0.8f;
+  sampled.top_k = 40;
+  sampled.seed = 5;
+  // The reference: each sequence on a backend whose exec cache is big enough that every state
+  // gets an exec instantiated for it alone (nothing is updated).
+  CudaOptions own_graphs = CudaOptions::from_env();
+  own_graphs.max_batch = CudaOptions::kMaxBatch;
+  expect_interleaved_equals_alone(w, graph_schedule(w->config.vocab, &sampled), own_graphs, {1, 2, 4}, [](int max_batch) {
+    CudaOptions options = CudaOptions::from_env();
+    options.max_batch = max_batch;
+    return options;
+  });
 }
 
 /// Milliseconds since `t0`.
@@ -934,36 +951,12 @@ TEST_F(CudaE2e, BatchedDecodeRowsJoinLeaveAndSample) {
 TEST_F(CudaE2e, BatchedDecodeSharesGraphsAcrossStates) {
   TempDir dir;
   auto w = synth("realdims", dir.path());
-  const int vocab = w->config.vocab;
   SamplingParams sampled;
   sampled.temperature = 0.8f;
   sampled.top_k = 40;
   sampled.seed = 5;
-  std::vector<SeqPlan> plans(7);
-  plans[0] = {prompt_ids(37, vocab, 41), 0, -1, 0, false, 10, nullptr};
-  plans[1] = {prompt_ids(300, vocab, 42), 0, -1, 0, false, 10, &sampled};
-  plans[2] = {prompt_ids(1020, vocab, 43), 0, -1, 0, false, 8, nullptr};
-  plans[3] = {{}, 0, 0, 3, false, 8, nullptr};
-  plans[4] = {{}, 0, 2, 2, true, 6, nullptr};
-  plans[5] = {prompt_ids(37, vocab, 44), 11, -1, 0, false, 6, nullptr};
-  plans[6] = {{}, 0, 3, 5, false, 4, nullptr};
-  std::vector<SeqRun> alone;
-  for (size_t i = 0; i < plans.size(); ++i) {
-    auto fresh = make_cuda_backend(w, batched_options());
-    alone.push_back(replay_alone(*fresh, plans, static_cast<int>(i), plans[i].steps));
-    alone.back().state.reset();
-  }
-  for (int max_batch : {1, 2, 4, 8}) {
-    auto gpu = make_cuda_backend(w, batched_options(max_batch));
-    const std::vector<SeqRun> together = run_interleaved(*gpu, plans);
-    for (size_t i = 0; i < plans.size(); ++i) {
-      const std::string what = "max_batch " + std::to_string(max_batch) + ", sequence " + std::to_string(i);
-      ASSERT_EQ(together[i].done, plans[i].steps) << what << " did not run to its end";
-      EXPECT_EQ(together[i].ids, alone[i].ids) << what;
-      for (size_t k = 0; k < alone[i].logits.size(); ++k)
-        EXPECT_EQ(together[i].logits[k], alone[i].logits[k]) << what << ", output " << k;
-    }
-  }
+  expect_interleaved_equals_alone(w, graph_schedule(w->config.vocab, &sampled), batched_options(), {1, 2, 4, 8},
+                                  [](int max_batch) { return batched_options(max_batch); });
 }
 
 /// Decode logits of `w` with the batched decode on and off (the rest from the environment), on

@@ -807,13 +807,22 @@ class CudaBackend final : public Backend {
   /// Captures the decode step of `s` (not instantiated): with `sampled`, the device sampler
   /// follows the argmax and overwrites its id.
   CapturedGraph capture(CudaState& s, bool sampled) {
-    cudaGraph_t graph = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    try {
+    return capture_on_stream([&] {
       copy_io_in();
       enqueue_forward(s, false);
       if (sampled) enqueue_sampler();
       copy_io_out();
+    });
+  }
+
+  /// What `enqueue()` launches on stream_, captured (thread-local mode; not instantiated). A
+  /// throw from `enqueue` ends the capture and discards the partial graph.
+  template <class F>
+  CapturedGraph capture_on_stream(F&& enqueue) {
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      enqueue();
     } catch (...) {
       cudaStreamEndCapture(stream_, &graph);
       if (graph) cudaGraphDestroy(graph);
@@ -1174,22 +1183,14 @@ class CudaBackend final : public Backend {
   /// the argmax per row, the sampler over the first n_sampled SampleRowArgs, the ids out.
   CapturedGraph capture_batch(int B, int max_splits, int n_sampled) {
     BatchScratch& b = *batch_;
-    cudaGraph_t graph = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    try {
+    return capture_on_stream([&] {
       CUDA_CHECK(cudaMemcpyAsync(b.in_dev.data(), b.in_host.as<void>(), b.layout.bytes, cudaMemcpyHostToDevice,
                                  stream_));
       enqueue_batch_forward(B, max_splits);
       if (n_sampled > 0) launch_sample_rows(b.sample_args.as<SampleRowArgs>(), n_sampled, config().vocab, stream_);
       CUDA_CHECK(cudaMemcpyAsync(b.next_host.as<void>(), b.next_dev.data(), B * sizeof(int32_t),
                                  cudaMemcpyDeviceToHost, stream_));
-    } catch (...) {
-      cudaStreamEndCapture(stream_, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      throw;
-    }
-    CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    return CapturedGraph(graph);
+    });
   }
 
   /// The forward of B rows (batched decode, see above), ending with each row's argmax in
