@@ -110,15 +110,16 @@ cudaGraphExec_t capture_graph(cudaStream_t stream, F&& enqueue) {
   return exec;
 }
 
-/// Mean time of one replay of `exec` on `stream` over `reps` back-to-back replays after 3
-/// warm-up ones (µs, CUDA events).
-inline double graph_replay_us(cudaGraphExec_t exec, cudaStream_t stream, int reps) {
-  for (int i = 0; i < 3; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+/// Mean time of one `launch()` on `stream` over `reps` back-to-back calls after `warmup` ones
+/// (µs, CUDA events on `stream`).
+template <class F>
+double events_us(cudaStream_t stream, int warmup, int reps, F&& launch) {
+  for (int i = 0; i < warmup; ++i) launch();
   cudaEvent_t a, b;
   CUDA_CHECK(cudaEventCreate(&a));
   CUDA_CHECK(cudaEventCreate(&b));
   CUDA_CHECK(cudaEventRecord(a, stream));
-  for (int i = 0; i < reps; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  for (int i = 0; i < reps; ++i) launch();
   CUDA_CHECK(cudaEventRecord(b, stream));
   CUDA_CHECK(cudaEventSynchronize(b));
   float ms = 0;
@@ -128,22 +129,15 @@ inline double graph_replay_us(cudaGraphExec_t exec, cudaStream_t stream, int rep
   return 1000.0 * ms / reps;
 }
 
+/// Mean time of one replay of `exec` on `stream` over `reps` replays after 3 warm-up ones (µs).
+inline double graph_replay_us(cudaGraphExec_t exec, cudaStream_t stream, int reps) {
+  return events_us(stream, 3, reps, [&] { CUDA_CHECK(cudaGraphLaunch(exec, stream)); });
+}
+
 /// Mean time of `launch` over `reps` back-to-back launches on the default stream (µs).
 template <class F>
 double time_us(F&& launch, int reps = 200) {
-  for (int i = 0; i < 5; ++i) launch();
-  cudaEvent_t a, b;
-  CUDA_CHECK(cudaEventCreate(&a));
-  CUDA_CHECK(cudaEventCreate(&b));
-  CUDA_CHECK(cudaEventRecord(a));
-  for (int i = 0; i < reps; ++i) launch();
-  CUDA_CHECK(cudaEventRecord(b));
-  CUDA_CHECK(cudaEventSynchronize(b));
-  float ms = 0;
-  CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return 1000.0 * ms / reps;
+  return events_us(nullptr, 5, reps, launch);
 }
 
 }  // namespace lily::test

@@ -549,6 +549,15 @@ std::vector<SeqRun> run_interleaved(Backend& gpu, const std::vector<SeqPlan>& pl
 // one exec of its key; with 2 and 4 the rows share a step() and up to that many states of a key
 // keep an exec each, the others updating the least recently used. A stale exec (a grown or
 // destroyed state's pointers) or a missed update changes the logits here.
+/// The sampled sequence's settings in graph_schedule.
+SamplingParams graph_schedule_sampling() {
+  SamplingParams sampled;
+  sampled.temperature = 0.8f;
+  sampled.top_k = 40;
+  sampled.seed = 5;
+  return sampled;
+}
+
 /// The schedule of DecodeGraphsAreSharedAcrossStates, over `vocab` ids; `sampled` drives B.
 std::vector<SeqPlan> graph_schedule(int vocab, const SamplingParams* sampled) {
   std::vector<SeqPlan> plans(7);
@@ -592,10 +601,7 @@ void expect_interleaved_equals_alone(std::shared_ptr<const ModelWeights> w, cons
 TEST_F(CudaE2e, DecodeGraphsAreSharedAcrossStates) {
   TempDir dir;
   auto w = synth("realdims", dir.path());
-  SamplingParams sampled;
-  sampled.temperature = 0.8f;
-  sampled.top_k = 40;
-  sampled.seed = 5;
+  const SamplingParams sampled = graph_schedule_sampling();
   // The reference: each sequence on a backend whose exec cache is big enough that every state
   // gets an exec instantiated for it alone (nothing is updated).
   CudaOptions own_graphs = CudaOptions::from_env();
@@ -951,10 +957,7 @@ TEST_F(CudaE2e, BatchedDecodeRowsJoinLeaveAndSample) {
 TEST_F(CudaE2e, BatchedDecodeSharesGraphsAcrossStates) {
   TempDir dir;
   auto w = synth("realdims", dir.path());
-  SamplingParams sampled;
-  sampled.temperature = 0.8f;
-  sampled.top_k = 40;
-  sampled.seed = 5;
+  const SamplingParams sampled = graph_schedule_sampling();
   expect_interleaved_equals_alone(w, graph_schedule(w->config.vocab, &sampled), batched_options(), {1, 2, 4, 8},
                                   [](int max_batch) { return batched_options(max_batch); });
 }
