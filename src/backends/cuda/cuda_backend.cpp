@@ -1040,10 +1040,10 @@ class CudaBackend final : public Backend {
     if (batch_) return;
     const ModelConfig& c = config();
     const int64_t R = kMaxDecodeRows;
-    int64_t proj_rows = 0;
-    for (const DeviceLayer& l : model_->layers)
-      proj_rows = std::max<int64_t>(proj_rows, l.type == LayerType::kLinearAttention ? l.gdn_in.rows : l.attn_in.rows);
-    const int64_t mix = std::max<int64_t>(n_gdn_ ? gdn_.value_dim() : 0, int64_t(attn_.n_heads) * attn_.head_dim);
+    // Per-row widths as the one-token buffers have them (allocate_scratch; the prefill scratch
+    // sizes its rows the same way).
+    const int64_t proj_rows = static_cast<int64_t>(proj_.bytes() / sizeof(bf16));
+    const int64_t mix = static_cast<int64_t>(mixer_core_out_.bytes() / sizeof(bf16));
     const int64_t n_sel = routed_plus_shared_slots(c);
     auto bf = [](int64_t n) { return DeviceBuffer(std::max<int64_t>(n, 1) * sizeof(bf16)); };
     auto b = std::make_unique<BatchScratch>(BatchLayout(n_attn_, n_gdn_));
