@@ -11,7 +11,12 @@
 #   LILY_GPU_STEPS=batched bash scripts/gpu-batched-decode.sh   # build + the batched tests
 #   LILY_GPU_STEPS=off bash scripts/gpu-batched-decode.sh       # the whole suite, switch off
 #   LILY_GPU_STEPS=on bash scripts/gpu-batched-decode.sh        # the whole suite, switch on
+#   LILY_GPU_STEPS=streams bash scripts/gpu-batched-decode.sh   # served streams, switch off/on
 # With LILY_GPU_BIG_MODEL naming a 35b-a3b checkpoint the throughput printout covers it too.
+# The streams step makes the 35b-a3b synth (with the demo tokenizer) under /tmp/lily-35b-tok,
+# serves it with --max-batch LILY_GPU_MAX_BATCH (default 32) and sends LILY_GPU_STREAMS (default
+# "8 32") concurrent streams of LILY_GPU_STREAM_TOKENS (default 128) tokens, batched decode off
+# and on (scripts/concurrent-streams.py).
 set -uo pipefail
 export LILY_GPU_BUILD="${LILY_GPU_BUILD:-/tmp/lily-build}"
 source "$(dirname "$0")/gpu-common.sh"
@@ -20,6 +25,7 @@ status=0
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 targets=()
+has streams && targets+=(lily)
 for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
 gpu_build build.log "${targets[@]}"
 
@@ -41,5 +47,25 @@ for mode in off on; do
   grep -E "Test +#|tests passed|tests failed" "$OUT/ctest-gpu-$mode.log" | tail -14
   grep -E "FAILED|Failure|Expected|Which is" "$OUT/ctest-gpu-$mode.log" | head -30
 done
+if has streams; then
+  M=/tmp/lily-35b-tok
+  if [[ ! -f "$M/config.json" ]]; then
+    timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
+  fi
+  mb="${LILY_GPU_MAX_BATCH:-32}"
+  for mode in 0 1; do
+    port=$((18090 + mode))
+    LILY_CUDA_BATCHED_DECODE=$mode LILY_CUDA_MAX_BATCH=$mb "$BUILD/lily" serve --backend cuda --model "$M" \
+      --port "$port" --max-seq 4096 --max-batch "$mb" >"$OUT/serve-batched-$mode.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
+    for n in ${LILY_GPU_STREAMS:-8 32}; do
+      echo "== served streams: batched decode $mode, $n streams × ${LILY_GPU_STREAM_TOKENS:-128} tokens"
+      timeout 120 python3 scripts/concurrent-streams.py --url "http://127.0.0.1:$port" --streams "$n" \
+        --tokens "${LILY_GPU_STREAM_TOKENS:-128}" 2>&1 | tail -3 || status=1
+    done
+    kill -INT "$pid"; wait "$pid"
+  done
+fi
 echo "== gpu-batched-decode done, status $status"
 exit $status
