@@ -1,5 +1,6 @@
 // The fused decode MoE block (launch_moe_block_decode) against the separate kernels it replaces
-// and against exact reference loops: the norm, the router logits and the routing bit for bit
+// and against exact reference loops, for one row and for the 8 rows of a batched step (each
+// row bit-identical to the row launched alone): the norm, the router logits and the routing bit for bit
 // (the same arithmetic as launch_add_rmsnorm_router_fused), the expert activations and the
 // combined output within bf16 rounding of docs/model.md §4.3's sequence; at the real
 // Qwen3.6-35B-A3B shape (hidden 2048, 256 experts top-8, ffn 512) and the demo model's (hidden
@@ -11,6 +12,7 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "backends/cpu/ops.h"
@@ -35,17 +37,20 @@ struct MoeBlock {
     std::vector<float> g = normal_bf16(hidden, rng, 0.3f);
     for (auto& v : g) v += 1.0f;
     gain = upload_f32(g);
-    logits = poisoned(size_t(E + 1) * 4);
-    ids = poisoned(size_t(k + 1) * 4);
-    weights = poisoned(size_t(k + 1) * 4);
-    act = poisoned(size_t(k + 1) * ffn * 2);
+    constexpr int R = cuda::kMaxDecodeRows;  // room for the most rows a launch takes
+    logits = poisoned(size_t(R) * (E + 1) * 4);
+    ids = poisoned(size_t(R) * (k + 1) * 4);
+    weights = poisoned(size_t(R) * (k + 1) * 4);
+    act = poisoned(size_t(R) * (k + 1) * ffn * 2);
     barriers = DeviceBuffer(2 * sizeof(uint32_t));
   }
 
-  /// The launch's arguments: x (+ branch, when non-null) → x_out, normed; output `out`.
+  /// The launch's arguments for `rows` rows: x (+ branch, when non-null) → x_out, normed;
+  /// output `out` (each [rows, hidden]).
   cuda::MoeDecodeArgs args(const DeviceBuffer& x, const __nv_bfloat16* branch, DeviceBuffer& x_out, DeviceBuffer& normed,
-                           DeviceBuffer& out, uint32_t* barrier_pair = nullptr) const {
+                           DeviceBuffer& out, uint32_t* barrier_pair = nullptr, int rows = 1) const {
     cuda::MoeDecodeArgs a;
+    a.rows = rows;
     a.router = router.view();
     a.gate = gate.view();
     a.up = up.view();
@@ -81,64 +86,79 @@ std::vector<int32_t> download_i32(const DeviceBuffer& d, int n) {
   return v;
 }
 
-/// One fused launch on `max_blocks` blocks (0: one per SM) against the fused router kernel on
-/// the same inputs (bit for bit) and the reference loops (within bf16 rounding).
-void check_moe_block(int E, int k, int hidden, int ffn, uint64_t seed, int max_blocks) {
+/// One fused launch of `rows` rows on `max_blocks` blocks (0: one per SM) against the fused
+/// router kernel on each row's inputs (bit for bit) and the reference loops (within bf16 rounding).
+void check_moe_block(int E, int k, int hidden, int ffn, uint64_t seed, int max_blocks, int rows = 1) {
   std::mt19937_64 rng(seed);
   MoeBlock m(E, k, hidden, ffn, rng);
-  const std::vector<float> x = normal_bf16(hidden, rng, 2.0f), branch = normal_bf16(hidden, rng, 0.5f);
+  const int64_t n = int64_t(rows) * hidden;
+  const std::vector<float> x = normal_bf16(n, rng, 2.0f), branch = normal_bf16(n, rng, 0.5f);
   DeviceBuffer dx = upload_bf16(x), dbranch = upload_bf16(branch);
-  DeviceBuffer x_out = poisoned(size_t(hidden) * 2), normed = poisoned(size_t(hidden) * 2);
-  DeviceBuffer out = poisoned(size_t(hidden) * 2);
-  const cuda::MoeDecodeArgs a = m.args(dx, dbranch.as<__nv_bfloat16>(), x_out, normed, out);
+  DeviceBuffer x_out = poisoned(size_t(n) * 2), normed = poisoned(size_t(n) * 2);
+  DeviceBuffer out = poisoned(size_t(n) * 2);
+  const cuda::MoeDecodeArgs a = m.args(dx, dbranch.as<__nv_bfloat16>(), x_out, normed, out, nullptr, rows);
   ASSERT_EQ(cuda::moe_block_unsupported(a, max_blocks), "");
   m.barriers.fill_bytes(0);
   cuda::launch_moe_block_decode(a, nullptr, max_blocks);
   CUDA_CHECK(cudaDeviceSynchronize());
-
-  // The separate fused router on the same inputs: norm, logits and routing bit for bit.
-  DeviceBuffer r_xout = poisoned(size_t(hidden) * 2), r_normed = poisoned(size_t(hidden) * 2);
-  DeviceBuffer r_logits = poisoned(size_t(E + 1) * 4), r_ids = poisoned(size_t(k + 1) * 4), r_w = poisoned(size_t(k + 1) * 4);
-  DeviceBuffer done(4);
-  done.fill_bytes(0);
-  cuda::FusedNorm rn = a.norm;
-  rn.x_out = r_xout.as<__nv_bfloat16>();
-  rn.normed_out = r_normed.as<__nv_bfloat16>();
-  cuda::launch_add_rmsnorm_router_fused(rn, dx.as<__nv_bfloat16>(), m.router.view(), E, k, r_logits.as<float>(),
-                                        r_ids.as<int32_t>(), r_w.as<float>(), done.as<uint32_t>(), nullptr);
-  CUDA_CHECK(cudaDeviceSynchronize());
-  EXPECT_EQ(bits_of(download_bf16(x_out, hidden)), bits_of(download_bf16(r_xout, hidden))) << "x_out";
-  const std::vector<float> y = download_bf16(normed, hidden);
-  EXPECT_EQ(bits_of(y), bits_of(download_bf16(r_normed, hidden))) << "normed";
-  EXPECT_EQ(bits_of(download_f32(m.logits, E + 1)), bits_of(download_f32(r_logits, E + 1))) << "router logits";
-  const std::vector<int32_t> ids = download_i32(m.ids, k + 1);
-  EXPECT_EQ(ids, download_i32(r_ids, k + 1)) << "routing";
-  const std::vector<float> w = download_f32(m.weights, k + 1);
-  EXPECT_EQ(bits_of(w), bits_of(download_f32(r_w, k + 1))) << "routing weights";
-  ASSERT_EQ(ids[k], E) << "the shared expert rides in the last slot";
-
-  // act = bf16(silu(bf16(gate·y)) · bf16(up·y)) per slot, against double references.
   const int n_sel = k + 1;
-  const std::vector<float> gact = download_bf16(m.act, int64_t(n_sel) * ffn);
-  std::vector<double> ract(size_t(n_sel) * ffn);
-  for (int s = 0; s < n_sel; ++s)
-    for (int i = 0; i < ffn; ++i) {
-      const int64_t r = int64_t(ids[s]) * ffn + i;
-      const float g = round_bf16(float(m.gate.dot(r, y.data()))), u = round_bf16(float(m.up.dot(r, y.data())));
-      ract[size_t(s) * ffn + i] = round_bf16(cpu::silu(g) * u);
-    }
-  EXPECT_LT(worst_rel(gact, ract, 0.01 * rms(ract)), 2e-2) << "gate/up + SwiGLU";
+  const std::vector<float> all_xo = download_bf16(x_out, n), all_y = download_bf16(normed, n);
+  const std::vector<float> all_logits = download_f32(m.logits, int64_t(rows) * (E + 1));
+  const std::vector<int32_t> all_ids = download_i32(m.ids, rows * n_sel);
+  const std::vector<float> all_w = download_f32(m.weights, int64_t(rows) * n_sel);
+  const std::vector<float> all_act = download_bf16(m.act, int64_t(rows) * n_sel * ffn);
+  const std::vector<float> all_out = download_bf16(out, n);
+  auto part = [](const auto& v, int r, int64_t len) {
+    using V = std::decay_t<decltype(v)>;
+    return V(v.begin() + r * len, v.begin() + (r + 1) * len);
+  };
 
-  // out = bf16(Σ_s w_s · bf16(down_s · act_s)) from the kernel's own act.
-  const std::vector<float> gout = download_bf16(out, hidden);
-  std::vector<double> rout(hidden);
-  for (int r = 0; r < hidden; ++r) {
-    float acc = 0.0f;
+  for (int row = 0; row < rows; ++row) {
+    // The separate fused router on the row's inputs: norm, logits and routing bit for bit.
+    DeviceBuffer rx = upload_bf16(part(x, row, hidden)), rb = upload_bf16(part(branch, row, hidden));
+    DeviceBuffer r_xout = poisoned(size_t(hidden) * 2), r_normed = poisoned(size_t(hidden) * 2);
+    DeviceBuffer r_logits = poisoned(size_t(E + 1) * 4), r_ids = poisoned(size_t(k + 1) * 4), r_w = poisoned(size_t(k + 1) * 4);
+    DeviceBuffer done(4);
+    done.fill_bytes(0);
+    cuda::FusedNorm rn = a.norm;
+    rn.branch = rb.as<__nv_bfloat16>();
+    rn.x_out = r_xout.as<__nv_bfloat16>();
+    rn.normed_out = r_normed.as<__nv_bfloat16>();
+    cuda::launch_add_rmsnorm_router_fused(rn, rx.as<__nv_bfloat16>(), m.router.view(), E, k, r_logits.as<float>(),
+                                          r_ids.as<int32_t>(), r_w.as<float>(), done.as<uint32_t>(), nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_EQ(bits_of(part(all_xo, row, hidden)), bits_of(download_bf16(r_xout, hidden))) << "x_out, row " << row;
+    const std::vector<float> y = part(all_y, row, hidden);
+    EXPECT_EQ(bits_of(y), bits_of(download_bf16(r_normed, hidden))) << "normed, row " << row;
+    EXPECT_EQ(bits_of(part(all_logits, row, E + 1)), bits_of(download_f32(r_logits, E + 1))) << "router logits, row " << row;
+    const std::vector<int32_t> ids = part(all_ids, row, n_sel);
+    EXPECT_EQ(ids, download_i32(r_ids, k + 1)) << "routing, row " << row;
+    const std::vector<float> w = part(all_w, row, n_sel);
+    EXPECT_EQ(bits_of(w), bits_of(download_f32(r_w, k + 1))) << "routing weights, row " << row;
+    ASSERT_EQ(ids[k], E) << "the shared expert rides in the last slot";
+
+    // act = bf16(silu(bf16(gate·y)) · bf16(up·y)) per slot, against double references.
+    const std::vector<float> gact = part(all_act, row, int64_t(n_sel) * ffn);
+    std::vector<double> ract(size_t(n_sel) * ffn);
     for (int s = 0; s < n_sel; ++s)
-      acc += w[s] * round_bf16(float(m.down.dot(int64_t(ids[s]) * hidden + r, gact.data() + size_t(s) * ffn)));
-    rout[r] = acc;
+      for (int i = 0; i < ffn; ++i) {
+        const int64_t r = int64_t(ids[s]) * ffn + i;
+        const float g = round_bf16(float(m.gate.dot(r, y.data()))), u = round_bf16(float(m.up.dot(r, y.data())));
+        ract[size_t(s) * ffn + i] = round_bf16(cpu::silu(g) * u);
+      }
+    EXPECT_LT(worst_rel(gact, ract, 0.01 * rms(ract)), 2e-2) << "gate/up + SwiGLU, row " << row;
+
+    // out = bf16(Σ_s w_s · bf16(down_s · act_s)) from the kernel's own act.
+    const std::vector<float> gout = part(all_out, row, hidden);
+    std::vector<double> rout(hidden);
+    for (int r = 0; r < hidden; ++r) {
+      float acc = 0.0f;
+      for (int s = 0; s < n_sel; ++s)
+        acc += w[s] * round_bf16(float(m.down.dot(int64_t(ids[s]) * hidden + r, gact.data() + size_t(s) * ffn)));
+      rout[r] = acc;
+    }
+    EXPECT_LT(worst_rel(gout, rout, 0.01 * rms(rout)), 2e-2) << "down + combine, row " << row;
   }
-  EXPECT_LT(worst_rel(gout, rout, 0.01 * rms(rout)), 2e-2) << "down + combine";
 }
 
 TEST(CudaMoeBlock, RealShapeOnEverySm) { check_moe_block(256, 8, 2048, 512, 61, 0); }
@@ -151,6 +171,86 @@ TEST(CudaMoeBlock, OtherShapes) {
   check_moe_block(64, 12, 512, 192, 65, 0);  // 13 slots, 3 groups per down row
   check_moe_block(300, 2, 256, 64, 66, 5);   // E > 256: 32 router keys per lane
 }
+
+/// What one launch of `rows` rows wrote: per row x_out, normed, logits, ids, weights, act, out
+/// (as raw bits, so rows compare exactly).
+struct MoeRowsResult {
+  std::vector<std::vector<uint32_t>> x_out, normed, logits, weights, act, out;
+  std::vector<std::vector<int32_t>> ids;
+};
+
+/// Launches the block on rows [first, first + rows) of x / branch ([*, hidden] host rows) and
+/// downloads every row's outputs.
+MoeRowsResult run_moe_rows(MoeBlock& m, const std::vector<float>& x, const std::vector<float>& branch, int first,
+                           int rows, int max_blocks) {
+  const int h = m.hidden, n_sel = m.k + 1;
+  auto slice = [&](const std::vector<float>& v) {
+    return std::vector<float>(v.begin() + int64_t(first) * h, v.begin() + int64_t(first + rows) * h);
+  };
+  DeviceBuffer dx = upload_bf16(slice(x)), db = upload_bf16(slice(branch));
+  DeviceBuffer xo = poisoned(size_t(rows) * h * 2), nm = poisoned(size_t(rows) * h * 2), out = poisoned(size_t(rows) * h * 2);
+  const cuda::MoeDecodeArgs a = m.args(dx, db.as<__nv_bfloat16>(), xo, nm, out, nullptr, rows);
+  EXPECT_EQ(cuda::moe_block_unsupported(a, max_blocks), "") << rows << " rows";
+  m.barriers.fill_bytes(0);
+  cuda::launch_moe_block_decode(a, nullptr, max_blocks);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> vx = download_bf16(xo, int64_t(rows) * h), vn = download_bf16(nm, int64_t(rows) * h);
+  const std::vector<float> vo = download_bf16(out, int64_t(rows) * h);
+  const std::vector<float> vl = download_f32(m.logits, int64_t(rows) * (m.E + 1));
+  const std::vector<float> vw = download_f32(m.weights, int64_t(rows) * n_sel);
+  const std::vector<int32_t> vi = download_i32(m.ids, rows * n_sel);
+  const std::vector<float> va = download_bf16(m.act, int64_t(rows) * n_sel * m.ffn);
+  auto row = [](const std::vector<float>& v, int r, int64_t n) {
+    return bits_of(std::vector<float>(v.begin() + r * n, v.begin() + (r + 1) * n));
+  };
+  MoeRowsResult res;
+  for (int r = 0; r < rows; ++r) {
+    res.x_out.push_back(row(vx, r, h));
+    res.normed.push_back(row(vn, r, h));
+    res.out.push_back(row(vo, r, h));
+    res.logits.push_back(row(vl, r, m.E + 1));
+    res.weights.push_back(row(vw, r, n_sel));
+    res.act.push_back(row(va, r, int64_t(n_sel) * m.ffn));
+    res.ids.emplace_back(vi.begin() + r * n_sel, vi.begin() + (r + 1) * n_sel);
+  }
+  return res;
+}
+
+/// Batch invariance: every row of launches of 2 … 8 rows is bit-identical (norm, logits,
+/// routing, act, output) to the same row launched alone. Rows 0 and 1 get the same input, so
+/// some experts are shared between rows; the others differ.
+void check_moe_rows(int E, int k, int hidden, int ffn, uint64_t seed, int max_blocks) {
+  std::mt19937_64 rng(seed);
+  MoeBlock m(E, k, hidden, ffn, rng);
+  constexpr int R = cuda::kMaxDecodeRows;
+  std::vector<float> x = normal_bf16(int64_t(R) * hidden, rng, 2.0f), branch = normal_bf16(int64_t(R) * hidden, rng, 0.5f);
+  std::copy(x.begin(), x.begin() + hidden, x.begin() + hidden);
+  std::copy(branch.begin(), branch.begin() + hidden, branch.begin() + hidden);
+  std::vector<MoeRowsResult> alone;
+  for (int r = 0; r < R; ++r) alone.push_back(run_moe_rows(m, x, branch, r, 1, max_blocks));
+  for (int rows = 2; rows <= R; ++rows) {
+    const MoeRowsResult together = run_moe_rows(m, x, branch, 0, rows, max_blocks);
+    for (int r = 0; r < rows; ++r) {
+      const MoeRowsResult& a = alone[r];
+      EXPECT_EQ(together.x_out[r], a.x_out[0]) << rows << " rows, row " << r << ": x_out";
+      EXPECT_EQ(together.normed[r], a.normed[0]) << rows << " rows, row " << r << ": normed";
+      EXPECT_EQ(together.logits[r], a.logits[0]) << rows << " rows, row " << r << ": logits";
+      EXPECT_EQ(together.ids[r], a.ids[0]) << rows << " rows, row " << r << ": ids";
+      EXPECT_EQ(together.weights[r], a.weights[0]) << rows << " rows, row " << r << ": weights";
+      EXPECT_EQ(together.act[r], a.act[0]) << rows << " rows, row " << r << ": act";
+      EXPECT_EQ(together.out[r], a.out[0]) << rows << " rows, row " << r << ": out";
+    }
+  }
+}
+
+TEST(CudaMoeBlock, RowsAreBitIdenticalToEachRowAlone) {
+  check_moe_rows(256, 8, 2048, 512, 81, 0);   // the real shape on every SM
+  check_moe_rows(256, 8, 2048, 512, 82, 40);  // several gate/up tiles per stage, 4 row tiles per block
+  check_moe_rows(16, 4, 256, 128, 83, 0);     // the demo shape: 8 rows × 4 of 16 experts share most
+  check_moe_rows(64, 12, 512, 192, 84, 7);    // 13 slots
+}
+
+TEST(CudaMoeBlock, EightRowsMatchTheReference) { check_moe_block(256, 8, 2048, 512, 85, 0, 8); }
 
 TEST(CudaMoeBlock, RefusesWhatItDoesNotSupport) {
   std::mt19937_64 rng(67);
@@ -168,15 +268,16 @@ struct MoeBlockChain {
   std::vector<float> x0;
   DeviceBuffer xr[2], out[2], normed, barriers;
   int blocks;
+  int rows;                    ///< tokens per launch
   int traced = -1;             ///< the block whose launch records MoeDecodeArgs::trace
   uint64_t* trace = nullptr;
 
-  MoeBlockChain(int E, int k, int hidden, int ffn, int blocks_, std::mt19937_64& rng)
-      : m(E, k, hidden, ffn, rng), blocks(blocks_) {
-    x0 = normal_bf16(hidden, rng, 2.0f);
-    for (auto& b : xr) b = DeviceBuffer(size_t(hidden) * 2);
-    for (auto& b : out) b = DeviceBuffer(size_t(hidden) * 2);
-    normed = DeviceBuffer(size_t(hidden) * 2);
+  MoeBlockChain(int E, int k, int hidden, int ffn, int blocks_, std::mt19937_64& rng, int rows_ = 1)
+      : m(E, k, hidden, ffn, rng), blocks(blocks_), rows(rows_) {
+    x0 = normal_bf16(int64_t(rows) * hidden, rng, 2.0f);
+    for (auto& b : xr) b = DeviceBuffer(size_t(rows) * hidden * 2);
+    for (auto& b : out) b = DeviceBuffer(size_t(rows) * hidden * 2);
+    normed = DeviceBuffer(size_t(rows) * hidden * 2);
     barriers = DeviceBuffer(size_t(blocks) * 2 * sizeof(uint32_t));
     reset();
   }
@@ -191,24 +292,24 @@ struct MoeBlockChain {
     CUDA_CHECK(cudaMemsetAsync(barriers.data(), 0, barriers.bytes(), stream));
     for (int l = 0; l < blocks; ++l) {
       cuda::MoeDecodeArgs a = m.args(xr[l % 2], l == 0 ? nullptr : out[(l + 1) % 2].as<__nv_bfloat16>(),
-                                     xr[(l + 1) % 2], normed, out[l % 2], barriers.as<uint32_t>() + 2 * l);
+                                     xr[(l + 1) % 2], normed, out[l % 2], barriers.as<uint32_t>() + 2 * l, rows);
       if (l == traced) a.trace = trace;
       cuda::launch_moe_block_decode(a, stream);
     }
   }
   std::vector<float> result() const {
     CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<float> r = download_bf16(xr[blocks % 2], m.hidden);
-    const std::vector<float> o = download_bf16(out[(blocks - 1) % 2], m.hidden);
+    std::vector<float> r = download_bf16(xr[blocks % 2], int64_t(rows) * m.hidden);
+    const std::vector<float> o = download_bf16(out[(blocks - 1) % 2], int64_t(rows) * m.hidden);
     r.insert(r.end(), o.begin(), o.end());
     return r;
   }
 };
 
-void check_chain(int E, int k, int hidden, int ffn, uint64_t seed) {
+void check_chain(int E, int k, int hidden, int ffn, uint64_t seed, int rows = 1) {
   PdlSetting keep;
   std::mt19937_64 rng(seed);
-  MoeBlockChain chain(E, k, hidden, ffn, 8, rng);
+  MoeBlockChain chain(E, k, hidden, ffn, 8, rng, rows);
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cuda::set_pdl_enabled(false);
@@ -233,6 +334,7 @@ void check_chain(int E, int k, int hidden, int ffn, uint64_t seed) {
 TEST(CudaMoeBlock, ChainWithPdlAndGraphReplaysMatchesPlainLaunches) {
   check_chain(256, 8, 2048, 512, 71);
   check_chain(16, 4, 256, 128, 72);
+  check_chain(256, 8, 2048, 512, 75, 8);
 }
 
 // Per-layer time of the decode MoE block, fused vs the three kernels it replaces, as a chain of
@@ -270,6 +372,14 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
     });
     std::printf("[timing] moe block x%d graph+PDL, %-14s %8.2f us per layer\n", kLayers,
                 fused ? "fused" : "three kernels", graph_replay_us(exec, stream, kReps) / kLayers);
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+  }
+  // The fused block over the rows of a batched step.
+  for (int rows : {2, 4, 8}) {
+    MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
+    cudaGraphExec_t exec = capture_graph(stream, [&](cudaStream_t st) { rchain.enqueue(st); });
+    std::printf("[timing] moe block x%d graph+PDL, fused, %d rows %8.2f us per layer\n", kLayers, rows,
+                graph_replay_us(exec, stream, kReps) / kLayers);
     CUDA_CHECK(cudaGraphExecDestroy(exec));
   }
   CUDA_CHECK(cudaStreamDestroy(stream));

@@ -548,6 +548,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     allocate_scratch();
     fused_moe_ = options_.fused_moe && fuse_decode_ && fused_moe_supported();
+    batched_fused_moe_ = fused_moe_ && fused_moe_supported(kMaxDecodeRows);
     // The kernel layer's switches (kernels.h) are process-wide: set here from this backend's
     // options, so the environment is read and validated once, by CudaOptions::from_env. The
     // last backend constructed sets them.
@@ -959,13 +960,16 @@ class CudaBackend final : public Backend {
     return a;
   }
 
-  /// Whether every layer's MoE block fits the fused kernel (moe_block_unsupported); the reason
-  /// of the first that does not goes to the log once.
-  bool fused_moe_supported() {
+  /// Whether every layer's MoE block fits the fused kernel at `rows` rows
+  /// (moe_block_unsupported); the reason of the first that does not goes to the log once.
+  bool fused_moe_supported(int rows = 1) {
     for (int l = 0; l < config().n_layers; ++l) {
-      const std::string why = moe_block_unsupported(moe_args(model_->layers[l], l));
+      MoeDecodeArgs a = moe_args(model_->layers[l], l);
+      a.rows = rows;
+      const std::string why = moe_block_unsupported(a);
       if (!why.empty()) {
-        log_info("CUDA backend: decode MoE as three kernels (" + why + ")");
+        log_info("CUDA backend: " + std::string(rows == 1 ? "decode" : "batched decode") + " MoE as three kernels (" +
+                 why + ")");
         return false;
       }
     }
@@ -1000,17 +1004,17 @@ class CudaBackend final : public Backend {
   // One forward over the B ≤ kMaxDecodeRows decode rows of a step, each a token of its own
   // sequence: every projection reads its weights once for all rows (launch_quant_gemv_rows),
   // the mixers run one launch over the rows with each row's state, KV cache, position, length
-  // and split count taken from the exchange block (BatchLayout), the MoE runs as the three
-  // kernels over B rows (router + top-k, gate/up + SwiGLU, down + combine; each row's experts
-  // on its own, as for one sequence), then the LM head over B rows and an argmax per row.
+  // and split count taken from the exchange block (BatchLayout), the MoE block runs as one
+  // launch over the B rows (launch_moe_block_decode: post norm, router, top-k, each distinct
+  // expert's weights read once for all rows that route to it, combine), then the LM head over B
+  // rows and an argmax per row. Where the fused block does not fit the shape at kMaxDecodeRows
+  // rows, the MoE is the three kernels over B rows (each row's experts on its own).
   // Batch invariance: every launch computes a row from that row's inputs alone, with tile shapes,
   // split counts and summation orders fixed by the weights' shape or by the row's own sequence
   // (its KV capacity), never by B or by the other rows; and with the switch on every decode step
   // takes this path, B = 1 included, so a sequence alone and in a batch share one arithmetic.
-  // The add + RMSNorms are separate launches (launch_add_rmsnorm over B rows): the FusedNorm of
-  // the one-sequence GEMVs takes one row. The MoE is the three kernels, not the fused block per
-  // row: three launches per layer whatever B, with grids that grow with B, and no shape
-  // restriction (the fused block's per-row launches would be B grid-barrier kernels per layer).
+  // The input and final add + RMSNorms are separate launches (launch_add_rmsnorm over B rows):
+  // the FusedNorm of the one-sequence GEMVs takes one row.
 
   /// The batched decode's device buffers and pinned exchange (allocated at its first step).
   struct BatchScratch {
@@ -1023,6 +1027,7 @@ class CudaBackend final : public Backend {
     /// [rows, largest in-projection]; conv [rows, C]; mix [rows, mixer core]; q [rows, nq·D];
     /// router fp32 [rows, E + 1]; ids, weights [rows, k + 1]; act [rows, k + 1, ffn].
     DeviceBuffer x, normed, mixer_out, moe, proj, conv, mix, q, router, ids, weights, act;
+    DeviceBuffer x_alt;        ///< [rows, hidden]: the fused MoE block's residual output (x and x_alt alternate)
     DeviceBuffer router_done;  ///< uint32 [kMaxDecodeRows], zero between launches (launch_router_fused)
     DeviceBuffer logits;       ///< fp32 [kMaxDecodeRows, vocab]
     DeviceBuffer argmax_v, argmax_i;  ///< [kMaxDecodeRows][argmax_scratch_slots(vocab)]
@@ -1050,6 +1055,7 @@ class CudaBackend final : public Backend {
     b->in_dev = DeviceBuffer(b->layout.bytes);
     b->next_dev = DeviceBuffer(R * sizeof(int32_t));
     b->x = bf(R * c.hidden);
+    b->x_alt = bf(R * c.hidden);
     b->normed = bf(R * c.hidden);
     b->mixer_out = bf(R * c.hidden);
     b->moe = bf(R * c.hidden);
@@ -1141,6 +1147,24 @@ class CudaBackend final : public Backend {
     }
   }
 
+  /// The fused MoE block's arguments for layer `layer` of a batched step of B rows: the post
+  /// norm adds the mixer output to x (the residual) into x_out and normed; the output goes to moe.
+  MoeDecodeArgs batch_moe_args(const DeviceLayer& L, int layer, int B, const bf16* x, bf16* x_out) {
+    BatchScratch& b = *batch_;
+    MoeDecodeArgs a = moe_args(L, layer);
+    a.rows = B;
+    a.norm.branch = b.mixer_out.as<bf16>();
+    a.norm.x_out = x_out;
+    a.norm.normed_out = b.normed.as<bf16>();
+    a.x = x;
+    a.logits = b.router.as<float>();
+    a.ids = b.ids.as<int32_t>();
+    a.weights = b.weights.as<float>();
+    a.act = b.act.as<bf16>();
+    a.out = b.moe.as<bf16>();
+    return a;
+  }
+
   /// Appends the SampleRowArgs of batch row `r` (sampled) to the host list, with its scratch
   /// taken from slot = its index among the step's sampled rows; its penalty edits are copied to
   /// that slot's device buffers now. The sampler overwrites the row's argmax id.
@@ -1201,7 +1225,8 @@ class CudaBackend final : public Backend {
     const BatchLayout& lay = b.layout;
     const float eps = c.rms_norm_eps;
     bf16 *x = b.x.as<bf16>(), *normed = b.normed.as<bf16>(), *mixer_out = b.mixer_out.as<bf16>();
-    bf16 *moe = b.moe.as<bf16>(), *proj = b.proj.as<bf16>(), *mix = b.mix.as<bf16>();
+    bf16 *moe = b.moe.as<bf16>(), *proj = b.proj.as<bf16>(), *mix = b.mix.as<bf16>(), *x_alt = b.x_alt.as<bf16>();
+    if (batched_fused_moe_) CUDA_CHECK(cudaMemsetAsync(moe_barriers_.data(), 0, moe_barriers_.bytes(), stream_));
     launch_embed(model_->embed, batch_dev<int32_t>(lay.token), B, x, stream_);
     for (int l = 0; l < c.n_layers; ++l) {
       const DeviceLayer& L = model_->layers[l];
@@ -1230,6 +1255,12 @@ class CudaBackend final : public Backend {
         launch_quant_gemv_rows(L.attn_out, mix, B, mixer_out, nullptr, stream_);
       }
       // MoE: x ← x + mixer output, normed = post norm; router + top-k; experts; combine → moe.
+      // The fused block writes the new residual to the other buffer (its blocks all read x).
+      if (batched_fused_moe_) {
+        launch_moe_block_decode(batch_moe_args(L, l, B, x, x_alt), stream_);
+        std::swap(x, x_alt);
+        continue;
+      }
       const int k = c.n_experts_per_tok, n_sel = routed_plus_shared_slots(c);
       launch_add_rmsnorm(x, mixer_out, L.post_norm, normed, B, c.hidden, eps, stream_);
       launch_router_fused(L.router, normed, B, c.n_experts, k, b.router.as<float>(), b.ids.as<int32_t>(),
@@ -1445,6 +1476,9 @@ class CudaBackend final : public Backend {
   bool batched_prefill_ = options_.batched_prefill;    ///< false: the decode graph per prompt token
   bool fuse_decode_ = options_.fuse_decode;            ///< false: separate norm / conv / top-k kernels
   bool fused_moe_ = false;  ///< the decode MoE block in one launch (options_.fused_moe, when supported)
+  /// The batched decode's MoE block in one launch: fused_moe_ and supported at kMaxDecodeRows rows
+  /// (decided once, so every batch size takes the same arithmetic).
+  bool batched_fused_moe_ = false;
   std::unique_ptr<PrefillScratch> prefill_scratch_;                ///< allocated at the first batched prefill
   bool tensor_core_gemm_ = options_.tensor_core_gemm;  ///< prefill projections and experts (prefill_project)
   int prefill_chunk_ = options_.prefill_chunk;         ///< tokens per prefill chunk

@@ -191,45 +191,50 @@ void launch_expert_down_combine(const DeviceQuant& down, int hidden, const int32
                                 int n_sel, const __nv_bfloat16* act, int m, __nv_bfloat16* out,
                                 cudaStream_t stream);
 
-/// Everything the fused decode MoE block (launch_moe_block_decode) reads and writes, for one
-/// token (m = 1). Weights as for launch_add_rmsnorm_router_fused, launch_expert_gate_up and
-/// launch_expert_down_combine (the shared expert appended as expert n_experts).
+/// Everything the fused decode MoE block (launch_moe_block_decode) reads and writes, for the
+/// `rows` tokens of one decode step (1 … kMaxDecodeRows, one per sequence). Weights as for
+/// launch_add_rmsnorm_router_fused, launch_expert_gate_up and launch_expert_down_combine (the
+/// shared expert appended as expert n_experts). Row-major activations, row r at r·width.
 struct MoeDecodeArgs {
   DeviceQuant router;  ///< 4/8-bit [n_experts + 1, hidden]: router rows, then the shared-expert gate row
   DeviceQuant gate;    ///< 4-bit [(n_experts + 1)·ffn, hidden]
   DeviceQuant up;      ///< 4-bit [(n_experts + 1)·ffn, hidden]
   DeviceQuant down;    ///< 4-bit [(n_experts + 1)·hidden, ffn]
   int n_experts = 0, top_k = 0, ffn = 0;
-  FusedNorm norm;                      ///< the post-mixer add + RMSNorm (branch: the mixer output)
-  const __nv_bfloat16* x = nullptr;    ///< bf16 [hidden]: the residual before the add
-  float* logits = nullptr;             ///< fp32 [n_experts + 1] (written, for probes)
-  int32_t* ids = nullptr;              ///< [top_k + 1] (written, for probes)
-  float* weights = nullptr;            ///< [top_k + 1] (written, for probes)
-  __nv_bfloat16* act = nullptr;        ///< bf16 [top_k + 1, ffn]: scratch between the two grid phases
-  __nv_bfloat16* out = nullptr;        ///< bf16 [hidden]: the MoE output
+  int rows = 1;                        ///< tokens of the step, 1 … kMaxDecodeRows
+  FusedNorm norm;                      ///< the post-mixer add + RMSNorm (branch: the mixer output) [rows, hidden]
+  const __nv_bfloat16* x = nullptr;    ///< bf16 [rows, hidden]: the residual before the add (≠ norm.x_out)
+  float* logits = nullptr;             ///< fp32 [rows, n_experts + 1] (written, for probes)
+  int32_t* ids = nullptr;              ///< [rows, top_k + 1] (written, for probes)
+  float* weights = nullptr;            ///< [rows, top_k + 1] (written, for probes)
+  __nv_bfloat16* act = nullptr;        ///< bf16 [rows, top_k + 1, ffn]: scratch between the two grid phases
+  __nv_bfloat16* out = nullptr;        ///< bf16 [rows, hidden]: the MoE output
   uint32_t* barriers = nullptr;        ///< uint32 [2], zero before every launch (a memset in the graph)
   /// Diagnostics, null in production: per block, %globaltimer (ns) at each of the
-  /// kMoeTracePoints phase ends (entry, PDL wait, norm, router, barrier 1, routing, requests,
-  /// gate/up, SwiGLU, barrier 2, act staged, down) → uint64 [blocks][kMoeTracePoints].
+  /// kMoeTracePoints phase ends (entry, PDL wait, norm + router, (same), barrier 1, routing,
+  /// requests, gate/up + SwiGLU, (same), barrier 2, act staged, down) → uint64 [blocks][kMoeTracePoints].
   uint64_t* trace = nullptr;
 };
 
 /// Phase stamps per block of MoeDecodeArgs::trace.
 inline constexpr int kMoeTracePoints = 12;
 
-/// Why launch_moe_block_decode cannot run `args` on this device ("" when it can): it needs 4-bit
-/// experts, hidden a multiple of 256, ffn a multiple of 64, 16-byte aligned expert arrays, top-k
-/// ≤ 32, and every block's expert tiles within one SM's shared memory with all blocks resident
-/// at once (`max_blocks` > 0 caps the grid, for tests).
+/// Why launch_moe_block_decode cannot run `args` on this device ("" when it can): it needs 1 …
+/// kMaxDecodeRows rows, 4-bit experts, hidden a multiple of 256, ffn a multiple of 64, 16-byte
+/// aligned expert arrays, top-k ≤ 32, and a block's stages within one SM's shared memory with
+/// all blocks resident at once (`max_blocks` > 0 caps the grid, for tests).
 std::string moe_block_unsupported(const MoeDecodeArgs& args, int max_blocks = 0);
 
-/// The whole decode MoE block of one token in one launch, with launch_add_rmsnorm_router_fused +
+/// The whole decode MoE block of 1 … kMaxDecodeRows tokens in one launch, with
+/// launch_add_rmsnorm_router_fused +
 /// launch_expert_gate_up + launch_expert_down_combine's results (docs/model.md §3.5, §4.3 item 5):
 /// x_out = bf16(x + branch), normed = the RMSNorm (both bit-identical to the separate kernels),
 /// router logits and routing bit-identical to launch_router_fused, act = bf16(silu(bf16(W_gate x))
 /// · bf16(W_up x)) and out = bf16(Σ_s w_s·bf16(W_down act_s)) in slot order, the 4-bit products on
 /// tensor cores (quant_mma.cuh; sums in another order than the CUDA-core expert kernels, so
-/// within bf16 rounding of them). One block per SM; two grid-wide barriers on `barriers`
+/// within bf16 rounding of them). Each row's results are bit-identical whatever the other rows
+/// are (each expert's weights are read once for all rows that route to it, a row always the
+/// MMA's column r). One block per SM; two grid-wide barriers on `barriers`
 /// (after the router logits, after act). The expert weights travel by bulk copies into shared
 /// memory: the shared expert's before the PDL wait, the routed ones as soon as the routing is
 /// known, the down projection's during the gate/up phase. Throws lily::Error with

@@ -36,16 +36,17 @@ struct RouterRows {
   }
 
   /// out[r] = W x for this warp's rows; xs / xsum the staged activation row (stage_row layout).
-  /// All lanes of the warp.
+  /// All lanes of the warp. `first_in_regs`: the registers still hold the first group (true for
+  /// the first call only; later calls, for other activation rows, load it again: same values).
   __device__ __forceinline__ void compute(const DeviceQuant& w, const float* xs, const float* xsum,
-                                          float* __restrict__ out) {
+                                          float* __restrict__ out, bool first_in_regs = true) {
     const int groups = w.cols / kGroup;
     for (int64_t base = first; base < w.rows; base += step) {
       const int64_t r = base + lane_row;
       float acc = 0.0f;  // rows_partial<BITS, 1>'s arithmetic, first group from the registers
       if (r < w.rows) {
         for (int g = lane_in; g < groups; g += L) {
-          if (base != first || g != lane_in) load_group<BITS>(w, r, g, q, sc, bi);
+          if (!first_in_regs || base != first || g != lane_in) load_group<BITS>(w, r, g, q, sc, bi);
           acc += sc * group_qdot_regs<BITS>(q, xs + g * kGroupStride) + bi * xsum[g];
         }
       }
