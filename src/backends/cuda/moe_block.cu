@@ -17,14 +17,15 @@
 //     one first, then the routed ones in ascending id) and requests its first tiles;
 //  3. gate/up on tensor cores (quant_mma.cuh): a tile is 8 rows of one expert (16 MMA rows: the
 //     8 gate rows and the same 8 up rows), and the MMA's 8 columns are the step's rows, so each
-//     expert's weights are read once for every row that routed to it; SwiGLU, act to global
-//     memory, grid barrier 2;
+//     expert's weights are read once for every row that routed to it. Four quads of four warps
+//     work on four tiles at once (each warp a quarter of the groups), each quad through its own
+//     ring slots and named barrier; SwiGLU, act to global memory, grid barrier 2;
 //  4. down + combine: a block owns 16 output rows; warp w walks the distinct experts w, w + S,
 //     … through its own shared-memory stage (one bulk-copy ring slot per warp), and the block
 //     combines each row's slots in slot order.
-// Gate/up tiles are dealt round-robin over the blocks and flow through a ring of S_gu stages
-// (six bulk copies a tile); the ring, the down stages and the act staging are sized from the
-// row count at launch (moe_layout).
+// Gate/up tiles are dealt round-robin over the blocks and, within a block, over the quads
+// (six bulk copies a tile); the ring slots, the down stages and the act staging are sized from
+// the row count at launch (moe_layout).
 //
 // Grid barriers are counters in global memory that the caller zeroes before every launch (a
 // memset node at the start of the decode graph), so a replay never depends on the last one.
@@ -35,7 +36,7 @@
 // launch_add_rmsnorm); the router logits are router_rows.cuh's (bit-identical to
 // launch_router_fused, so the routing is too); the expert products use the tensor-core
 // arithmetic of the MMA GEMV (exact bf16 codes, Σ q·x per group on tensor cores, s·D + b·Σx in
-// fp32 with explicit roundings, groups summed in ascending order, warp partials in warp order),
+// fp32 with explicit roundings, groups summed in ascending order, a quad's partials in warp order),
 // then the same roundings as the CUDA-core expert kernels: act = bf16(silu(bf16(g))·bf16(u)),
 // out = bf16(Σ_s w_s·bf16(d_s)) in slot order.
 // Batch invariance: row r is always the MMA's column r, a column's products never depend on
@@ -60,7 +61,9 @@ constexpr int kTileRows = 16;          // the MMA's M
 constexpr int kMmaCols = 8;            // the MMA's N: the step's rows
 constexpr int kExpertRowsPerTile = 8;  // a gate/up tile: 8 gate rows and the same 8 up rows
 constexpr int kNormThreads = 256;      // launch_add_rmsnorm's element-to-thread mapping
-constexpr int kMaxGuStages = 8;
+constexpr int kQuadWarps = 4;                    // a gate/up tile's k-split: 4 warps
+constexpr int kQuads = kBlockWarps / kQuadWarps;  // gate/up tiles in progress per block
+constexpr int kMaxQuadStages = 2;                 // gate/up ring slots per quad
 constexpr int kUsedWords = kMaxExperts / 32;  // the routed-expert bitmap
 constexpr int64_t kSmemLimit = 226 * 1024;    // dynamic shared memory per block (227 KB less static)
 static_assert(kMaxDecodeRows <= kMmaCols, "a step's rows are the MMA's columns");
@@ -76,15 +79,15 @@ struct MoeLayout {
   int gu_row_bytes = 0, gu_bytes = 0;
   int dn_row_bytes = 0, dn_bytes = 0;
   int max_distinct = 0;            ///< distinct experts of a step at most: min(rows·k, E) + 1
-  int gu_stages = 0, dn_stages = 0;
+  int quad_stages = 0, dn_stages = 0;  ///< gate/up ring slots per quad; down stages (one per warp)
   int64_t bars = 0, sel_ids = 0, sel_w = 0, list = 0, slot_of = 0, word_prefix = 0;
   int64_t gu_ring = 0, aperm = 0, asum = 0, dn_ring = 0, xs = 0, xperm = 0, xsums = 0, gu_part = 0, dn_part = 0;
   int64_t total = 0;
 };
 
-/// The layout for `rows` rows with gu_stages / dn_stages ring slots (offsets only; moe_plan
-/// picks the slot counts).
-__host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, int n_experts, int top_k, int gu_stages,
+/// The layout for `rows` rows with quad_stages gate/up ring slots per quad and dn_stages down
+/// stages (offsets only; moe_plan picks the slot counts).
+__host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, int n_experts, int top_k, int quad_stages,
                                                 int dn_stages) {
   MoeLayout l;
   l.rows = rows;
@@ -99,8 +102,9 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   l.dn_row_bytes = ffn / 2;
   l.dn_bytes = kTileRows * l.dn_row_bytes + 2 * kTileRows * l.groups_f * 2;
   l.max_distinct = (rows * top_k < n_experts ? rows * top_k : n_experts) + 1;
-  l.gu_stages = gu_stages;
+  l.quad_stages = quad_stages;
   l.dn_stages = dn_stages;
+  const int gu_stages = kQuads * quad_stages;
   const int pairs = rows * l.n_sel;  // (row, slot)
   int64_t o = 0;
   l.bars = o;
@@ -130,8 +134,8 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   o += align16(int64_t{rows} * hidden / 2 * 4);
   l.xsums = o;
   o += align16(int64_t{rows} * l.groups_h * 4);
-  l.gu_part = o;  // fp32 [2][warps][16 tile rows][rows]
-  o += align16(int64_t{2} * kBlockWarps * kTileRows * rows * 4);
+  l.gu_part = o;  // fp32 [quad][2][warp of the quad][16 tile rows][rows]
+  o += align16(int64_t{kQuads} * 2 * kQuadWarps * kTileRows * rows * 4);
   l.dn_part = o;  // fp32 [(row, slot)][16 tile rows]
   o += align16(int64_t{pairs} * kTileRows * 4);
   l.total = o;
@@ -158,15 +162,16 @@ __device__ __forceinline__ void grid_sync(uint32_t* counter, uint32_t blocks) {
 /// `stage`, counted on `bar` (one arrival): the 8 gate code rows, the same 8 up rows, then
 /// scales and biases as [16 tile rows][groups] each (tile rows 0–7 gate, 8–15 up), so MMA row
 /// slot g is gate row k0 + g and slot g + 8 the same up row (tile_view). Six bulk copies, lanes
-/// 0–5: each is one contiguous run of the checkpoint. The stage's earlier readers must have
-/// passed a barrier before this call (the proxy fence here orders their loads before the copies).
+/// 0–5: each is one contiguous run of the checkpoint. `reuse`: the stage was read before, by
+/// threads that have passed a barrier with this warp (the proxy fence orders their loads before
+/// the copies).
 __device__ __forceinline__ void request_gate_up_tile(const MoeDecodeArgs& a, const MoeLayout& l, int chunk, int expert,
-                                                     unsigned char* stage, uint64_t* bar) {
+                                                     unsigned char* stage, uint64_t* bar, bool reuse = false) {
   const int lane = threadIdx.x % kWarp;
   const int64_t row0 = int64_t{expert} * l.ffn + int64_t{chunk} * kExpertRowsPerTile;
   if (lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(l.gu_bytes));
   __syncwarp();
-  fence_proxy_async_shared();
+  if (reuse) fence_proxy_async_shared();
   if (lane >= 6) return;
   const bool up = lane % 2 == 1;
   const DeviceQuant& w = up ? a.up : a.gate;
@@ -185,13 +190,13 @@ __device__ __forceinline__ void request_gate_up_tile(const MoeDecodeArgs& a, con
 
 /// One warp: requests the down tile of output rows 16·rt … + 16 of `expert` into `stage`,
 /// counted on `bar` (one arrival): the 16 code rows, their scales, their biases, three bulk
-/// copies. The same ordering rule as request_gate_up_tile, within the warp.
+/// copies. `reuse` as for request_gate_up_tile (here the readers are this warp).
 __device__ __forceinline__ void request_down_tile(const MoeDecodeArgs& a, const MoeLayout& l, int rt, int expert,
-                                                  unsigned char* stage, uint64_t* bar) {
+                                                  unsigned char* stage, uint64_t* bar, bool reuse = false) {
   const int lane = threadIdx.x % kWarp;
   if (lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(l.dn_bytes));
   __syncwarp();
-  fence_proxy_async_shared();
+  if (reuse) fence_proxy_async_shared();
   if (lane >= 3) return;
   const int64_t row0 = int64_t{expert} * l.hidden + int64_t{rt} * kTileRows;
   if (lane == 0) {
@@ -255,6 +260,11 @@ __device__ __forceinline__ void group_columns(const TileView& v, const uint32_t*
   acc[3] = affine_add(acc[3], s_hi, d[3], b_hi, sum1);
 }
 
+/// Barrier of the four warps of quad `quad` (named barrier 1 + quad, 128 threads).
+__device__ __forceinline__ void quad_sync(int quad) {
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + quad), "r"(kQuadWarps * kWarp) : "memory");
+}
+
 /// Records phase `point` of this block in a.trace (diagnostics; no-op when a.trace is null).
 __device__ __forceinline__ void trace_point(const MoeDecodeArgs& a, int point) {
   if (a.trace && threadIdx.x == 0) {
@@ -275,7 +285,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   const int n_rt = l.hidden / kTileRows;
   const int my_rt = b < n_rt ? (n_rt - 1 - b) / G + 1 : 0;  // row tiles b, b + G, …
   uint64_t* gu_full = reinterpret_cast<uint64_t*>(sm + l.bars);
-  uint64_t* dn_full = gu_full + l.gu_stages;
+  const int QS = l.quad_stages, gu_stages = kQuads * QS;
+  const int quad = warp / kQuadWarps, wq = warp % kQuadWarps;
+  uint64_t* dn_full = gu_full + gu_stages;
   int32_t* sel_ids = reinterpret_cast<int32_t*>(sm + l.sel_ids);  // [row][slot]
   float* sel_w = reinterpret_cast<float*>(sm + l.sel_w);
   int32_t* list = reinterpret_cast<int32_t*>(sm + l.list);        // distinct expert d → expert id
@@ -287,7 +299,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
 
   trace_point(a, 0);
   if (threadIdx.x == 0) {
-    for (int i = 0; i < l.gu_stages + l.dn_stages; ++i) mbarrier_init(gu_full + i, 1);
+    for (int i = 0; i < gu_stages + l.dn_stages; ++i) mbarrier_init(gu_full + i, 1);
     mbarrier_init_fence();
   }
   for (int i = threadIdx.x; i < l.max_distinct * kMmaCols; i += blockDim.x) slot_of[i] = -1;
@@ -296,14 +308,16 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
 
   // 1. Weights whose addresses need no routing, before the wait (launch.cuh): the shared expert
   // is distinct expert 0, so gate/up tiles j < gu_per_slot and warp 0's first down item are its.
+  // Quad q's n-th gate/up tile is the block's tile i = q + 4n (global j = b + i·G), in its
+  // stage q·QS + n mod QS; the quad's first warp requests its tiles.
   RouterRows<RBITS> router(a.router, int64_t{b} * kBlockWarps + warp, int64_t{G} * kBlockWarps);
-  if (warp == 0) {
-    for (int i = 0; i < l.gu_stages; ++i) {
-      const int j = b + i * G;
-      if (j < l.gu_per_slot) request_gate_up_tile(a, l, j, E, gu_ring + i * l.gu_bytes, gu_full + i);
+  if (wq == 0) {
+    for (int n = 0; n < QS; ++n) {
+      const int j = b + (quad + kQuads * n) * G;
+      if (j < l.gu_per_slot) request_gate_up_tile(a, l, j, E, gu_ring + (quad * QS + n) * l.gu_bytes, gu_full + quad * QS + n);
     }
-    if (my_rt > 0) request_down_tile(a, l, b, E, dn_ring, dn_full);
   }
+  if (warp == 0 && my_rt > 0) request_down_tile(a, l, b, E, dn_ring, dn_full);
   pdl_prologue();
   trace_point(a, 1);
 
@@ -376,25 +390,28 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   const int my_gu = b < n_gu ? (n_gu - 1 - b) / G + 1 : 0;  // gate/up tiles b, b + G, …
   const int dn_items = my_rt * nd;                           // (row tile, distinct expert), flattened
   trace_point(a, 5);
-  if (warp == 0) {
-    for (int i = 0; i < l.gu_stages && i < my_gu; ++i) {
-      const int j = b + i * G;
+  if (wq == 0) {
+    for (int n = 0; n < QS && quad + kQuads * n < my_gu; ++n) {
+      const int j = b + (quad + kQuads * n) * G;
       if (j >= l.gu_per_slot)
-        request_gate_up_tile(a, l, j % l.gu_per_slot, list[j / l.gu_per_slot], gu_ring + i * l.gu_bytes, gu_full + i);
+        request_gate_up_tile(a, l, j % l.gu_per_slot, list[j / l.gu_per_slot], gu_ring + (quad * QS + n) * l.gu_bytes,
+                             gu_full + quad * QS + n);
     }
   }
   if (warp > 0 && warp < l.dn_stages && warp < dn_items)
     request_down_tile(a, l, b + (warp / nd) * G, list[warp % nd], dn_ring + warp * l.dn_bytes, dn_full + warp);
   trace_point(a, 6);
 
-  // 3. Gate/up: warp w sums its range of groups of each tile for every column; the ranges add up
-  // in warp order. Column c of the MMA is row c, or zero when row c did not route to the expert.
-  const int per_warp = (l.groups_h + kBlockWarps - 1) / kBlockWarps;
-  const int g_begin = min(l.groups_h, warp * per_warp), g_end = min(l.groups_h, g_begin + per_warp);
-  float* gu_part = reinterpret_cast<float*>(sm + l.gu_part);  // [2][warp][16][m]
-  for (int i = 0; i < my_gu; ++i) {
-    const int st = i % l.gu_stages, j = b + i * G, d = j / l.gu_per_slot;
-    mbarrier_wait(gu_full + st, (i / l.gu_stages) & 1);
+  // 3. Gate/up: the four quads work on four tiles at once; in a quad, warp w sums its quarter
+  // of the groups for every column, and the quarters add up in warp order. Column c of the MMA
+  // is row c, or zero when row c did not route to the expert.
+  const int per_warp = (l.groups_h + kQuadWarps - 1) / kQuadWarps;
+  const int g_begin = min(l.groups_h, wq * per_warp), g_end = min(l.groups_h, g_begin + per_warp);
+  float* gu_part = reinterpret_cast<float*>(sm + l.gu_part);  // [quad][2][warp of quad][16][m]
+  const int qt = threadIdx.x % (kQuadWarps * kWarp);
+  for (int n = 0, i = quad; i < my_gu; ++n, i += kQuads) {
+    const int st = quad * QS + n % QS, j = b + i * G, d = j / l.gu_per_slot;
+    mbarrier_wait(gu_full + st, (n / QS) & 1);
     const TileView v = tile_view(gu_ring + st * l.gu_bytes, l.gu_row_bytes, l.groups_h, g, t);
     const bool active = g < m && slot_of[d * kMmaCols + g] >= 0;
     const uint32_t* col = active ? xperm + g * half_h : nullptr;
@@ -404,7 +421,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int Gi = g_begin; Gi < g_end; ++Gi)
       group_columns(v, col, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
-    float* p = gu_part + ((i & 1) * kBlockWarps + warp) * kTileRows * m;
+    float* part = gu_part + (quad * 2 + (n & 1)) * kQuadWarps * kTileRows * m;  // this tile's partials
+    float* p = part + wq * kTileRows * m;
     if (c0 < m) {
       p[g * m + c0] = acc[0];
       p[(g + 8) * m + c0] = acc[2];
@@ -413,19 +431,19 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
       p[g * m + c1] = acc[1];
       p[(g + 8) * m + c1] = acc[3];
     }
-    __syncthreads();  // the partials are complete and the stage is free
-    if (warp == 0 && i + l.gu_stages < my_gu) {
-      const int jn = j + l.gu_stages * G;
-      request_gate_up_tile(a, l, jn % l.gu_per_slot, list[jn / l.gu_per_slot], gu_ring + st * l.gu_bytes, gu_full + st);
+    quad_sync(quad);  // the tile's partials are complete and its stage is free
+    if (wq == 0 && i + kQuads * QS < my_gu) {
+      const int jn = j + kQuads * QS * G;
+      request_gate_up_tile(a, l, jn % l.gu_per_slot, list[jn / l.gu_per_slot], gu_ring + st * l.gu_bytes, gu_full + st,
+                           true);
     }
-    if (threadIdx.x < kExpertRowsPerTile * m) {
-      const int row8 = threadIdx.x / m, c = threadIdx.x % m, s = slot_of[d * kMmaCols + c];
+    if (qt < kExpertRowsPerTile * m) {
+      const int row8 = qt / m, c = qt % m, s = slot_of[d * kMmaCols + c];
       if (s >= 0) {
-        const float* q = gu_part + (i & 1) * kBlockWarps * kTileRows * m;
         float gate = 0.0f, up = 0.0f;
-        for (int w = 0; w < kBlockWarps; ++w) {
-          gate = __fadd_rn(gate, q[(w * kTileRows + row8) * m + c]);
-          up = __fadd_rn(up, q[(w * kTileRows + 8 + row8) * m + c]);
+        for (int w = 0; w < kQuadWarps; ++w) {
+          gate = __fadd_rn(gate, part[(w * kTileRows + row8) * m + c]);
+          up = __fadd_rn(up, part[(w * kTileRows + 8 + row8) * m + c]);
         }
         const int row = (j % l.gu_per_slot) * kExpertRowsPerTile + row8;
         a.act[(int64_t{c} * n_sel + s) * l.ffn + row] = to_bf16(__fmul_rn(silu(round_bf16(gate)), round_bf16(up)));
@@ -503,7 +521,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
         __syncwarp();  // every lane is done with the stage
         const int qn = q + l.dn_stages;
         if (qn < dn_items) request_down_tile(a, l, b + (qn / nd) * G, list[qn % nd], dn_ring + warp * l.dn_bytes,
-                                             dn_full + warp);
+                                             dn_full + warp, true);
       }
     }
     __syncthreads();
@@ -528,9 +546,10 @@ struct MoePlan {
   MoeLayout layout;
 };
 
-/// The launch of `a`, or why it cannot run (see moe_block_unsupported). The ring slots: as many
-/// gate/up stages as a block has tiles (≤ kMaxGuStages) and a down stage per warp (≤ the
-/// distinct experts), fewer where shared memory runs out (gate/up first, down to 2 each).
+/// The launch of `a`, or why it cannot run (see moe_block_unsupported). The ring slots: per quad
+/// as many gate/up stages as it has tiles (≤ kMaxQuadStages), and a down stage per warp (≤ the
+/// distinct experts); fewer where shared memory runs out (gate/up first, to 1 per quad, then
+/// down, to 2).
 MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   MoePlan p;
   const int hidden = a.gate.cols, ffn = a.ffn, E = a.n_experts, k = a.top_k;
@@ -554,12 +573,13 @@ MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   if (max_blocks > 0) p.blocks = std::min(p.blocks, max_blocks);
   const int max_distinct = std::min(a.rows * k, E) + 1;
   const int gu_tiles = static_cast<int>(ceil_div(int64_t{max_distinct} * (ffn / kExpertRowsPerTile), p.blocks));
-  int gu = std::min(gu_tiles, kMaxGuStages), dn = std::min(kBlockWarps, max_distinct);
-  p.layout = moe_layout(a.rows, hidden, ffn, E, k, gu, dn);
-  while (p.layout.total > kSmemLimit && (gu > 2 || dn > 2)) {
-    if (gu > 2) --gu;
+  int qs = static_cast<int>(std::min<int64_t>(ceil_div(gu_tiles, kQuads), kMaxQuadStages));
+  int dn = std::min(kBlockWarps, max_distinct);
+  p.layout = moe_layout(a.rows, hidden, ffn, E, k, qs, dn);
+  while (p.layout.total > kSmemLimit && (qs > 1 || dn > 2)) {
+    if (qs > 1) --qs;
     else --dn;
-    p.layout = moe_layout(a.rows, hidden, ffn, E, k, gu, dn);
+    p.layout = moe_layout(a.rows, hidden, ffn, E, k, qs, dn);
   }
   if (p.layout.total > kSmemLimit)
     return no("a block's expert tiles need " + std::to_string(p.layout.total) + " bytes of shared memory");
