@@ -385,14 +385,14 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-// Where one fused MoE block's time goes: the %globaltimer phase stamps of every block of layer
-// 20 of the 40-layer graph chain, relative to the first block's entry; per phase the earliest,
-// median and latest block (printed, never asserted).
-TEST(CudaTiming, PrintsMoeBlockPhases) {
+// Where one fused MoE block's time goes, for 1 and 8 rows: the %globaltimer phase stamps of
+// every block of layer 20 of the 40-layer graph chain, relative to the first block's entry; per
+// phase the earliest, median and latest block (printed, never asserted).
+void print_moe_phases(int rows) {
   PdlSetting keep;
   cuda::set_pdl_enabled(true);
   std::mt19937_64 rng(74);
-  MoeBlockChain chain(256, 8, 2048, 512, 40, rng);
+  MoeBlockChain chain(256, 8, 2048, 512, 40, rng, rows);
   int blocks = 0, dev = 0;  // the kernel runs one block per SM
   CUDA_CHECK(cudaGetDevice(&dev));
   CUDA_CHECK(cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev));
@@ -414,11 +414,16 @@ TEST(CudaTiming, PrintsMoeBlockPhases) {
     std::vector<double> us;
     for (int b = 0; b < blocks; ++b) us.push_back((t[size_t(b) * cuda::kMoeTracePoints + p] - t0) / 1000.0);
     std::sort(us.begin(), us.end());
-    std::printf("[timing] moe block phase %-10s  first %6.2f  median %6.2f  last %6.2f us\n", kPhase[p], us.front(),
-                us[us.size() / 2], us.back());
+    std::printf("[timing] moe block %d rows, phase %-10s  first %6.2f  median %6.2f  last %6.2f us\n", rows, kPhase[p],
+                us.front(), us[us.size() / 2], us.back());
   }
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(CudaTiming, PrintsMoeBlockPhases) {
+  print_moe_phases(1);
+  print_moe_phases(8);
 }
 
 }  // namespace
