@@ -1,6 +1,6 @@
-// The fused decode MoE block (launch_moe_block_decode) against the separate kernels it replaces
-// and against exact reference loops, for one row and for the 8 rows of a batched step (each
-// row bit-identical to the row launched alone): the norm, the router logits and the routing bit for bit
+// The fused decode MoE blocks, one token (launch_moe_block_decode) and the 1 … 8 rows of a
+// batched step (launch_moe_block_rows, each row bit-identical to the row launched alone),
+// against the separate kernels they replace and against exact reference loops: the norm, the router logits and the routing bit for bit
 // (the same arithmetic as launch_add_rmsnorm_router_fused), the expert activations and the
 // combined output within bf16 rounding of docs/model.md §4.3's sequence; at the real
 // Qwen3.6-35B-A3B shape (hidden 2048, 256 experts top-8, ffn 512) and the demo model's (hidden
@@ -74,6 +74,15 @@ struct MoeBlock {
   }
 };
 
+/// Launches the one-token kernel (launch_moe_block_decode) or the rows kernel
+/// (launch_moe_block_rows), after checking that it supports `a`.
+void launch_moe(const cuda::MoeDecodeArgs& a, cudaStream_t stream, int max_blocks, bool rows_kernel) {
+  const std::string why = rows_kernel ? cuda::moe_block_rows_unsupported(a, max_blocks) : cuda::moe_block_unsupported(a, max_blocks);
+  ASSERT_EQ(why, "");
+  if (rows_kernel) cuda::launch_moe_block_rows(a, stream, max_blocks);
+  else cuda::launch_moe_block_decode(a, stream, max_blocks);
+}
+
 std::vector<uint32_t> bits_of(const std::vector<float>& v) {
   std::vector<uint32_t> b(v.size());
   std::memcpy(b.data(), v.data(), v.size() * 4);
@@ -88,7 +97,8 @@ std::vector<int32_t> download_i32(const DeviceBuffer& d, int n) {
 
 /// One fused launch of `rows` rows on `max_blocks` blocks (0: one per SM) against the fused
 /// router kernel on each row's inputs (bit for bit) and the reference loops (within bf16 rounding).
-void check_moe_block(int E, int k, int hidden, int ffn, uint64_t seed, int max_blocks, int rows = 1) {
+void check_moe_block(int E, int k, int hidden, int ffn, uint64_t seed, int max_blocks, int rows = 1,
+                     bool rows_kernel = false) {
   std::mt19937_64 rng(seed);
   MoeBlock m(E, k, hidden, ffn, rng);
   const int64_t n = int64_t(rows) * hidden;
@@ -97,9 +107,8 @@ void check_moe_block(int E, int k, int hidden, int ffn, uint64_t seed, int max_b
   DeviceBuffer x_out = poisoned(size_t(n) * 2), normed = poisoned(size_t(n) * 2);
   DeviceBuffer out = poisoned(size_t(n) * 2);
   const cuda::MoeDecodeArgs a = m.args(dx, dbranch.as<__nv_bfloat16>(), x_out, normed, out, nullptr, rows);
-  ASSERT_EQ(cuda::moe_block_unsupported(a, max_blocks), "");
   m.barriers.fill_bytes(0);
-  cuda::launch_moe_block_decode(a, nullptr, max_blocks);
+  launch_moe(a, nullptr, max_blocks, rows_kernel);
   CUDA_CHECK(cudaDeviceSynchronize());
   const int n_sel = k + 1;
   const std::vector<float> all_xo = download_bf16(x_out, n), all_y = download_bf16(normed, n);
@@ -190,9 +199,8 @@ MoeRowsResult run_moe_rows(MoeBlock& m, const std::vector<float>& x, const std::
   DeviceBuffer dx = upload_bf16(slice(x)), db = upload_bf16(slice(branch));
   DeviceBuffer xo = poisoned(size_t(rows) * h * 2), nm = poisoned(size_t(rows) * h * 2), out = poisoned(size_t(rows) * h * 2);
   const cuda::MoeDecodeArgs a = m.args(dx, db.as<__nv_bfloat16>(), xo, nm, out, nullptr, rows);
-  EXPECT_EQ(cuda::moe_block_unsupported(a, max_blocks), "") << rows << " rows";
   m.barriers.fill_bytes(0);
-  cuda::launch_moe_block_decode(a, nullptr, max_blocks);
+  launch_moe(a, nullptr, max_blocks, true);
   CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<float> vx = download_bf16(xo, int64_t(rows) * h), vn = download_bf16(nm, int64_t(rows) * h);
   const std::vector<float> vo = download_bf16(out, int64_t(rows) * h);
@@ -216,8 +224,8 @@ MoeRowsResult run_moe_rows(MoeBlock& m, const std::vector<float>& x, const std::
   return res;
 }
 
-/// Batch invariance: every row of launches of 2 … 8 rows is bit-identical (norm, logits,
-/// routing, act, output) to the same row launched alone. Rows 0 and 1 get the same input, so
+/// Batch invariance of the rows kernel: every row of launches of 2 … 8 rows is bit-identical
+/// (norm, logits, routing, act, output) to the same row launched alone. Rows 0 and 1 get the same input, so
 /// some experts are shared between rows; the others differ.
 void check_moe_rows(int E, int k, int hidden, int ffn, uint64_t seed, int max_blocks) {
   std::mt19937_64 rng(seed);
@@ -250,7 +258,11 @@ TEST(CudaMoeBlock, RowsAreBitIdenticalToEachRowAlone) {
   check_moe_rows(64, 12, 512, 192, 84, 7);    // 13 slots
 }
 
-TEST(CudaMoeBlock, EightRowsMatchTheReference) { check_moe_block(256, 8, 2048, 512, 85, 0, 8); }
+TEST(CudaMoeBlock, RowsKernelMatchesTheReference) {
+  check_moe_block(256, 8, 2048, 512, 85, 0, 8, true);
+  check_moe_block(256, 8, 2048, 512, 86, 0, 1, true);
+  check_moe_block(16, 4, 256, 128, 87, 3, 5, true);
+}
 
 TEST(CudaMoeBlock, RefusesWhatItDoesNotSupport) {
   std::mt19937_64 rng(67);
@@ -259,6 +271,16 @@ TEST(CudaMoeBlock, RefusesWhatItDoesNotSupport) {
   const cuda::MoeDecodeArgs a = tiny.args(x, nullptr, xo, nm, out);
   EXPECT_NE(cuda::moe_block_unsupported(a).find("hidden 128"), std::string::npos);
   EXPECT_THROW(cuda::launch_moe_block_decode(a, nullptr), Error);
+  EXPECT_NE(cuda::moe_block_rows_unsupported(a).find("hidden 128"), std::string::npos);
+  EXPECT_THROW(cuda::launch_moe_block_rows(a, nullptr), Error);
+  std::mt19937_64 rng2(68);
+  MoeBlock real(16, 4, 256, 128, rng2);
+  DeviceBuffer x2 = upload_bf16(normal_bf16(256 * 9, rng2, 1.0f)), xo2(256 * 9 * 2), nm2(256 * 9 * 2), out2(256 * 9 * 2);
+  cuda::MoeDecodeArgs two = real.args(x2, nullptr, xo2, nm2, out2, nullptr, 2);
+  EXPECT_NE(cuda::moe_block_unsupported(two).find("2 rows"), std::string::npos);  // one token only
+  EXPECT_EQ(cuda::moe_block_rows_unsupported(two), "");
+  cuda::MoeDecodeArgs nine = real.args(x2, nullptr, xo2, nm2, out2, nullptr, 9);
+  EXPECT_NE(cuda::moe_block_rows_unsupported(nine).find("9 rows"), std::string::npos);
 }
 
 /// A stack of fused MoE blocks, each reading the last one's output as the branch of its add
@@ -269,11 +291,12 @@ struct MoeBlockChain {
   DeviceBuffer xr[2], out[2], normed, barriers;
   int blocks;
   int rows;                    ///< tokens per launch
+  bool rows_kernel;            ///< launch_moe_block_rows (else launch_moe_block_decode, one row)
   int traced = -1;             ///< the block whose launch records MoeDecodeArgs::trace
   uint64_t* trace = nullptr;
 
   MoeBlockChain(int E, int k, int hidden, int ffn, int blocks_, std::mt19937_64& rng, int rows_ = 1)
-      : m(E, k, hidden, ffn, rng), blocks(blocks_), rows(rows_) {
+      : m(E, k, hidden, ffn, rng), blocks(blocks_), rows(rows_), rows_kernel(rows_ > 1) {
     x0 = normal_bf16(int64_t(rows) * hidden, rng, 2.0f);
     for (auto& b : xr) b = DeviceBuffer(size_t(rows) * hidden * 2);
     for (auto& b : out) b = DeviceBuffer(size_t(rows) * hidden * 2);
@@ -294,7 +317,8 @@ struct MoeBlockChain {
       cuda::MoeDecodeArgs a = m.args(xr[l % 2], l == 0 ? nullptr : out[(l + 1) % 2].as<__nv_bfloat16>(),
                                      xr[(l + 1) % 2], normed, out[l % 2], barriers.as<uint32_t>() + 2 * l, rows);
       if (l == traced) a.trace = trace;
-      cuda::launch_moe_block_decode(a, stream);
+      if (rows_kernel) cuda::launch_moe_block_rows(a, stream);
+      else cuda::launch_moe_block_decode(a, stream);
     }
   }
   std::vector<float> result() const {
@@ -374,11 +398,12 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
                 fused ? "fused" : "three kernels", graph_replay_us(exec, stream, kReps) / kLayers);
     CUDA_CHECK(cudaGraphExecDestroy(exec));
   }
-  // The fused block over the rows of a batched step.
-  for (int rows : {2, 4, 8}) {
+  // The rows kernel over the rows of a batched step.
+  for (int rows : {1, 2, 4, 8}) {
     MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
+    rchain.rows_kernel = true;
     cudaGraphExec_t exec = capture_graph(stream, [&](cudaStream_t st) { rchain.enqueue(st); });
-    std::printf("[timing] moe block x%d graph+PDL, fused, %d rows %8.2f us per layer\n", kLayers, rows,
+    std::printf("[timing] moe block x%d graph+PDL, rows kernel, %d rows %8.2f us per layer\n", kLayers, rows,
                 graph_replay_us(exec, stream, kReps) / kLayers);
     CUDA_CHECK(cudaGraphExecDestroy(exec));
   }

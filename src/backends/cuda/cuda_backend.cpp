@@ -966,7 +966,7 @@ class CudaBackend final : public Backend {
     for (int l = 0; l < config().n_layers; ++l) {
       MoeDecodeArgs a = moe_args(model_->layers[l], l);
       a.rows = rows;
-      const std::string why = moe_block_unsupported(a);
+      const std::string why = rows == 1 ? moe_block_unsupported(a) : moe_block_rows_unsupported(a);
       if (!why.empty()) {
         log_info("CUDA backend: " + std::string(rows == 1 ? "decode" : "batched decode") + " MoE as three kernels (" +
                  why + ")");
@@ -1005,7 +1005,7 @@ class CudaBackend final : public Backend {
   // sequence: every projection reads its weights once for all rows (launch_quant_gemv_rows),
   // the mixers run one launch over the rows with each row's state, KV cache, position, length
   // and split count taken from the exchange block (BatchLayout), the MoE block runs as one
-  // launch over the B rows (launch_moe_block_decode: post norm, router, top-k, each distinct
+  // launch over the B rows (launch_moe_block_rows: post norm, router, top-k, each distinct
   // expert's weights read once for all rows that route to it, combine), then the LM head over B
   // rows and an argmax per row. Where the fused block does not fit the shape at kMaxDecodeRows
   // rows, the MoE is the three kernels over B rows (each row's experts on its own).
@@ -1257,7 +1257,7 @@ class CudaBackend final : public Backend {
       // MoE: x ← x + mixer output, normed = post norm; router + top-k; experts; combine → moe.
       // The fused block writes the new residual to the other buffer (its blocks all read x).
       if (batched_fused_moe_) {
-        launch_moe_block_decode(batch_moe_args(L, l, B, x, x_alt), stream_);
+        launch_moe_block_rows(batch_moe_args(L, l, B, x, x_alt), stream_);
         std::swap(x, x_alt);
         continue;
       }
@@ -1476,8 +1476,9 @@ class CudaBackend final : public Backend {
   bool batched_prefill_ = options_.batched_prefill;    ///< false: the decode graph per prompt token
   bool fuse_decode_ = options_.fuse_decode;            ///< false: separate norm / conv / top-k kernels
   bool fused_moe_ = false;  ///< the decode MoE block in one launch (options_.fused_moe, when supported)
-  /// The batched decode's MoE block in one launch: fused_moe_ and supported at kMaxDecodeRows rows
-  /// (decided once, so every batch size takes the same arithmetic).
+  /// The batched decode's MoE block in one launch (launch_moe_block_rows): fused_moe_ and
+  /// supported at kMaxDecodeRows rows (decided once, so every batch size, 1 included, takes the
+  /// same arithmetic).
   bool batched_fused_moe_ = false;
   std::unique_ptr<PrefillScratch> prefill_scratch_;                ///< allocated at the first batched prefill
   bool tensor_core_gemm_ = options_.tensor_core_gemm;  ///< prefill projections and experts (prefill_project)

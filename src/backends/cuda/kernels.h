@@ -219,27 +219,38 @@ struct MoeDecodeArgs {
 /// Phase stamps per block of MoeDecodeArgs::trace.
 inline constexpr int kMoeTracePoints = 12;
 
-/// Why launch_moe_block_decode cannot run `args` on this device ("" when it can): it needs 1 …
-/// kMaxDecodeRows rows, 4-bit experts, hidden a multiple of 256, ffn a multiple of 64, 16-byte
-/// aligned expert arrays, top-k ≤ 32, and a block's stages within one SM's shared memory with
+/// Why launch_moe_block_decode cannot run `args` on this device ("" when it can): it needs
+/// rows = 1, 4-bit experts, hidden a multiple of 256, ffn a multiple of 64, 16-byte aligned
+/// expert arrays, top-k ≤ 32, and every block's expert tiles within one SM's shared memory with
 /// all blocks resident at once (`max_blocks` > 0 caps the grid, for tests).
 std::string moe_block_unsupported(const MoeDecodeArgs& args, int max_blocks = 0);
 
-/// The whole decode MoE block of 1 … kMaxDecodeRows tokens in one launch, with
-/// launch_add_rmsnorm_router_fused +
-/// launch_expert_gate_up + launch_expert_down_combine's results (docs/model.md §3.5, §4.3 item 5):
-/// x_out = bf16(x + branch), normed = the RMSNorm (both bit-identical to the separate kernels),
-/// router logits and routing bit-identical to launch_router_fused, act = bf16(silu(bf16(W_gate x))
-/// · bf16(W_up x)) and out = bf16(Σ_s w_s·bf16(W_down act_s)) in slot order, the 4-bit products on
-/// tensor cores (quant_mma.cuh; sums in another order than the CUDA-core expert kernels, so
-/// within bf16 rounding of them). Each row's results are bit-identical whatever the other rows
-/// are (each expert's weights are read once for all rows that route to it, a row always the
-/// MMA's column r). One block per SM; two grid-wide barriers on `barriers`
-/// (after the router logits, after act). The expert weights travel by bulk copies into shared
-/// memory: the shared expert's before the PDL wait, the routed ones as soon as the routing is
-/// known, the down projection's during the gate/up phase. Throws lily::Error with
-/// moe_block_unsupported's reason, lily::InternalError for bad buffers.
+/// The whole decode MoE block of one token (args.rows = 1) in one launch, with
+/// launch_add_rmsnorm_router_fused + launch_expert_gate_up + launch_expert_down_combine's results
+/// (docs/model.md §3.5, §4.3 item 5): x_out = bf16(x + branch), normed = the RMSNorm (both
+/// bit-identical to the separate kernels), router logits and routing bit-identical to
+/// launch_router_fused, act = bf16(silu(bf16(W_gate x)) · bf16(W_up x)) and out =
+/// bf16(Σ_s w_s·bf16(W_down act_s)) in slot order, the 4-bit products on tensor cores
+/// (quant_mma.cuh; sums in another order than the CUDA-core expert kernels, so within bf16
+/// rounding of them). One block per SM; two grid-wide barriers on `barriers` (after the router
+/// logits, after act). The expert weights travel by bulk copies into shared memory: the shared
+/// expert's before the PDL wait, the routed ones as soon as the routing is known, the down
+/// projection's during the gate/up phase. Throws lily::Error with moe_block_unsupported's
+/// reason, lily::InternalError for bad buffers.
 void launch_moe_block_decode(const MoeDecodeArgs& args, cudaStream_t stream, int max_blocks = 0);
+
+/// Why launch_moe_block_rows cannot run `args` ("" when it can): as moe_block_unsupported, with
+/// 1 … kMaxDecodeRows rows, and the stages for that many rows within one SM's shared memory.
+std::string moe_block_rows_unsupported(const MoeDecodeArgs& args, int max_blocks = 0);
+
+/// The decode MoE block of the args.rows (1 … kMaxDecodeRows) rows of a batched decode step in
+/// one launch, with launch_moe_block_decode's results per row to within bf16 rounding (another
+/// k-split of the gate/up sums), and each row's results bit-identical whatever the other rows
+/// are: the step's rows are the MMA's columns (row r always column r), each distinct expert's
+/// weights are read once for all rows routed to it, and every sum runs in an order fixed by the
+/// shape. Same barriers, buffers and errors as launch_moe_block_decode (with
+/// moe_block_rows_unsupported's reason).
+void launch_moe_block_rows(const MoeDecodeArgs& args, cudaStream_t stream, int max_blocks = 0);
 
 /// Number of fp32 + int32 scratch slots launch_argmax needs for n values.
 int argmax_scratch_slots(int64_t n);

@@ -1,31 +1,28 @@
-// The decode MoE block of 1 … 8 tokens in one launch (docs/model.md §3.5, §4.3 item 5): the
+// The decode MoE block of one token in one launch (docs/model.md §3.5, §4.3 item 5): the
 // post-mixer add + RMSNorm, the router GEMV and top-k, the gate/up projections with SwiGLU over
-// the routed experts and the shared one, the down projections and the weighted combine. The
-// tokens are the rows of one decode step (one per sequence); each row's result is bit-identical
-// whatever the other rows are (batch invariance, below).
+// the 8 routed experts and the shared one, the down projections and the weighted combine.
+// (The batched decode's block over several rows, one arithmetic for every row count, is
+// moe_block_rows.cu; the helpers both use are in moe_block.cuh.)
 //
 // Why one launch: as three kernels (router, gate/up, down) each decode layer pays two more
-// kernel boundaries, and each kernel's weights can only start streaming once it runs. Here
-// every block is resident for the whole block (one block per SM), so the work after a
-// grid-wide dependency waits on a counter instead of a launch, and the weights are requested as
-// early as their addresses are known:
-//  1. before the PDL wait: the router rows of each warp (into registers) and the block's first
-//     tiles of the shared expert (gate/up and down), whose address does not depend on the routing;
-//  2. after the wait: each block computes every row's normed activations itself (4 KB a row)
-//     and a share of each row's router logits, then grid barrier 1; warp r routes row r
-//     (route_token_keys), and every block lists the distinct experts of the step (the shared
-//     one first, then the routed ones in ascending id) and requests its first tiles;
-//  3. gate/up on tensor cores (quant_mma.cuh): a tile is 8 rows of one expert (16 MMA rows: the
-//     8 gate rows and the same 8 up rows), and the MMA's 8 columns are the step's rows, so each
-//     expert's weights are read once for every row that routed to it. Four quads of four warps
-//     work on four tiles at once (each warp a quarter of the groups), each quad through its own
-//     ring slots and named barrier; SwiGLU, act to global memory, grid barrier 2;
-//  4. down + combine: a block owns 16 output rows; warp w walks the distinct experts w, w + S,
-//     … through its own shared-memory stage (one bulk-copy ring slot per warp), and the block
-//     combines each row's slots in slot order.
-// Gate/up tiles are dealt round-robin over the blocks and, within a block, over the quads
-// (six bulk copies a tile); the ring slots, the down stages and the act staging are sized from
-// the row count at launch (moe_layout).
+// kernel boundaries, and each kernel's weights can only start streaming once it runs; the expert
+// kernels read their 15 MB per layer at under 1 TB/s. Here every block is resident for the whole
+// block (one block per SM), so the work after a grid-wide dependency waits on a counter instead
+// of a launch, and the weights are requested as early as their addresses are known:
+//  1. before the PDL wait: the router rows of each warp (into registers) and every tile of the
+//     shared expert (gate/up and down), whose address does not depend on the routing;
+//  2. after the wait: each block computes the normed row itself (4 KB) and a share of the router
+//     logits, then grid barrier 1; every block copies the logits into shared memory, routes the
+//     token itself (one warp, route_token_keys) and requests its routed gate/up tiles and all
+//     its down tiles at once;
+//  3. gate/up on tensor cores (quant_mma.cuh), SwiGLU, act to global memory, grid barrier 2;
+//  4. down + combine from tiles that arrived during steps 2 and 3.
+// Work split: gate/up tiles of 8 expert rows (16 MMA rows: the 8 gate rows and the same 8 up
+// rows, so each thread holds a row's gate and up values; six bulk copies a tile) are dealt
+// round-robin over the blocks;
+// down tiles are 16 output rows × every slot, one block each, so the slot-order combine happens
+// in one block. Every tile a block owns gets its own shared-memory stage (no ring): at the real
+// shape a block holds at most 5 gate/up tiles and one down row tile, about 164 KB.
 //
 // Grid barriers are counters in global memory that the caller zeroes before every launch (a
 // memset node at the start of the decode graph), so a replay never depends on the last one.
@@ -36,17 +33,13 @@
 // launch_add_rmsnorm); the router logits are router_rows.cuh's (bit-identical to
 // launch_router_fused, so the routing is too); the expert products use the tensor-core
 // arithmetic of the MMA GEMV (exact bf16 codes, Σ q·x per group on tensor cores, s·D + b·Σx in
-// fp32 with explicit roundings, groups summed in ascending order, a quad's partials in warp order),
-// then the same roundings as the CUDA-core expert kernels: act = bf16(silu(bf16(g))·bf16(u)),
-// out = bf16(Σ_s w_s·bf16(d_s)) in slot order.
-// Batch invariance: row r is always the MMA's column r, a column's products never depend on
-// the other columns, and every sum runs in an order fixed by the shape, never by the row count
-// or the other rows' experts; so a row's outputs are the same bits alone or among 8.
+// fp32, groups summed in ascending order), then the same roundings as the CUDA-core expert kernels:
+// act = bf16(silu(bf16(g))·bf16(u)), out = bf16(Σ_s w_s·bf16(d_s)) in slot order.
 #include <algorithm>
 #include <string>
 
-#include "backends/cuda/bulk_copy.cuh"
 #include "backends/cuda/launch.cuh"
+#include "backends/cuda/moe_block.cuh"
 #include "backends/cuda/quant_dot.cuh"
 #include "backends/cuda/quant_mma.cuh"
 #include "backends/cuda/router_rows.cuh"
@@ -55,416 +48,235 @@
 namespace lily::cuda {
 namespace {
 
-constexpr int kBlockWarps = 16;
-constexpr int kBlockThreads = kBlockWarps * kWarp;
-constexpr int kTileRows = 16;          // the MMA's M
-constexpr int kMmaCols = 8;            // the MMA's N: the step's rows
-constexpr int kExpertRowsPerTile = 8;  // a gate/up tile: 8 gate rows and the same 8 up rows
-constexpr int kNormThreads = 256;      // launch_add_rmsnorm's element-to-thread mapping
-constexpr int kQuadWarps = 4;                    // a gate/up tile's k-split: 4 warps
-constexpr int kQuads = kBlockWarps / kQuadWarps;  // gate/up tiles in progress per block
-constexpr int kMaxQuadStages = 2;                 // gate/up ring slots per quad
-constexpr int kUsedWords = kMaxExperts / 32;  // the routed-expert bitmap
-constexpr int64_t kSmemLimit = 226 * 1024;    // dynamic shared memory per block (227 KB less static)
-static_assert(kMaxDecodeRows <= kMmaCols, "a step's rows are the MMA's columns");
-
-__host__ __device__ inline int64_t align16(int64_t v) { return (v + 15) & ~int64_t{15}; }
+using namespace moe;
 
 /// Shapes and shared-memory offsets (bytes) of the kernel; host and device compute the same.
 struct MoeLayout {
-  int rows = 1;                    ///< the step's rows (tokens), 1 … kMaxDecodeRows
   int hidden = 0, ffn = 0, n_sel = 0;
   int groups_h = 0, groups_f = 0;  ///< 64-groups per gate/up row, per down row
   int gu_per_slot = 0;             ///< gate/up tiles per expert: ffn / 8
   int gu_row_bytes = 0, gu_bytes = 0;
   int dn_row_bytes = 0, dn_bytes = 0;
-  int max_distinct = 0;            ///< distinct experts of a step at most: min(rows·k, E) + 1
-  int quad_stages = 0, dn_stages = 0;  ///< gate/up ring slots per quad; down stages (one per warp)
-  int64_t bars = 0, sel_ids = 0, sel_w = 0, list = 0, slot_of = 0, word_prefix = 0;
-  int64_t gu_ring = 0, aperm = 0, asum = 0, dn_ring = 0, xs = 0, xperm = 0, xsums = 0, gu_part = 0, dn_part = 0;
+  int64_t gu_stage = 0, dn_stage = 0;  ///< one gate/up tile; one down tile of one slot
+  int gu_max = 0, dn_max = 0;          ///< tiles per block at most
+  int64_t bars = 0, gu_ring = 0, dn_ring = 0, xs = 0, xperm = 0, logits = 0, aperm = 0, asum = 0;
+  int64_t gu_part = 0, dn_part = 0;
   int64_t total = 0;
 };
 
-/// The layout for `rows` rows with quad_stages gate/up ring slots per quad and dn_stages down
-/// stages (offsets only; moe_plan picks the slot counts).
-__host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, int n_experts, int top_k, int quad_stages,
-                                                int dn_stages) {
+__host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_experts, int n_sel, int blocks) {
   MoeLayout l;
-  l.rows = rows;
   l.hidden = hidden;
   l.ffn = ffn;
-  l.n_sel = top_k + 1;
+  l.n_sel = n_sel;
   l.groups_h = hidden / kGroup;
   l.groups_f = ffn / kGroup;
   l.gu_per_slot = ffn / kExpertRowsPerTile;
   l.gu_row_bytes = hidden / 2;
   l.gu_bytes = kTileRows * l.gu_row_bytes + 2 * kTileRows * l.groups_h * 2;
+  l.gu_stage = l.gu_bytes;
   l.dn_row_bytes = ffn / 2;
   l.dn_bytes = kTileRows * l.dn_row_bytes + 2 * kTileRows * l.groups_f * 2;
-  l.max_distinct = (rows * top_k < n_experts ? rows * top_k : n_experts) + 1;
-  l.quad_stages = quad_stages;
-  l.dn_stages = dn_stages;
-  const int gu_stages = kQuads * quad_stages;
-  const int pairs = rows * l.n_sel;  // (row, slot)
+  l.dn_stage = l.dn_bytes;
+  l.gu_max = static_cast<int>(ceil_div(int64_t{n_sel} * l.gu_per_slot, blocks));
+  l.dn_max = static_cast<int>(ceil_div(hidden / kTileRows, blocks));
   int64_t o = 0;
   l.bars = o;
-  o += align16(int64_t{gu_stages + dn_stages} * 8);
-  l.sel_ids = o;
-  o += align16(int64_t{pairs} * 4);
-  l.sel_w = o;
-  o += align16(int64_t{pairs} * 4);
-  l.list = o;
-  o += align16(int64_t{l.max_distinct} * 4);
-  l.slot_of = o;  // int8 [max_distinct][kMmaCols]: the slot of distinct expert d in row r, or −1
-  o += align16(int64_t{l.max_distinct} * kMmaCols);
-  l.word_prefix = o;
-  o += align16(int64_t{kUsedWords} * 4);
-  // The gate/up ring (phase 3) and the act staging (phase 4) share memory.
+  o += align16(int64_t{l.gu_max + l.dn_max} * 8);
   l.gu_ring = o;
-  const int64_t ring = int64_t{gu_stages} * l.gu_bytes;
-  l.aperm = o;
-  l.asum = o + align16(int64_t{pairs} * ffn / 2 * 4);
-  const int64_t staging = l.asum - o + align16(int64_t{pairs} * l.groups_f * 4);
-  o += ring > staging ? ring : staging;
+  o += l.gu_max * l.gu_stage;
   l.dn_ring = o;
-  o += int64_t{dn_stages} * l.dn_bytes;
+  o += int64_t{l.dn_max} * n_sel * l.dn_stage;
   l.xs = o;
   o += align16(int64_t{l.groups_h} * kStagedFloatsPerGroup * 4);
   l.xperm = o;
-  o += align16(int64_t{rows} * hidden / 2 * 4);
-  l.xsums = o;
-  o += align16(int64_t{rows} * l.groups_h * 4);
-  l.gu_part = o;  // fp32 [quad][2][warp of the quad][16 tile rows][rows]
-  o += align16(int64_t{kQuads} * 2 * kQuadWarps * kTileRows * rows * 4);
-  l.dn_part = o;  // fp32 [(row, slot)][16 tile rows]
-  o += align16(int64_t{pairs} * kTileRows * 4);
+  o += align16(int64_t{hidden} / 2 * 4);
+  l.logits = o;
+  o += align16(int64_t{n_experts + 1} * 4);
+  l.aperm = o;
+  o += align16(int64_t{n_sel} * ffn / 2 * 4);
+  l.asum = o;
+  o += align16(int64_t{n_sel} * l.groups_f * 4);
+  l.gu_part = o;
+  o += align16(int64_t{l.gu_max} * kBlockWarps * kTileRows * 4);
+  l.dn_part = o;
+  o += align16(int64_t{n_sel} * kTileRows * 4);
   l.total = o;
   return l;
 }
 
-/// Waits until all `blocks` blocks of the grid have arrived at `counter` (zero before the
-/// launch, one counter per barrier). Release/acquire at GPU scope: every block's global writes
-/// before the barrier are visible to every block after it. All threads of the block.
-__device__ __forceinline__ void grid_sync(uint32_t* counter, uint32_t blocks) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(counter, 1u);
-    uint32_t seen = 0;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-    } while (seen < blocks);
-  }
-  __syncthreads();
+/// The first expert row of gate/up tile j (rows 8·(j mod gu_per_slot) … of `expert`).
+__device__ __forceinline__ int64_t gate_up_row0(const MoeLayout& l, int j, int expert) {
+  return int64_t{expert} * l.ffn + (j % l.gu_per_slot) * kExpertRowsPerTile;
 }
 
-/// One warp: requests gate/up tile `chunk` (expert rows k0 = 8·chunk … k0 + 7 of `expert`) into
-/// `stage`, counted on `bar` (one arrival): the 8 gate code rows, the same 8 up rows, then
-/// scales and biases as [16 tile rows][groups] each (tile rows 0–7 gate, 8–15 up), so MMA row
-/// slot g is gate row k0 + g and slot g + 8 the same up row (tile_view). Six bulk copies, lanes
-/// 0–5: each is one contiguous run of the checkpoint. `reuse`: the stage was read before, by
-/// threads that have passed a barrier with this warp (the proxy fence orders their loads before
-/// the copies).
-__device__ __forceinline__ void request_gate_up_tile(const MoeDecodeArgs& a, const MoeLayout& l, int chunk, int expert,
-                                                     unsigned char* stage, uint64_t* bar, bool reuse = false) {
+/// Warp 0: requests down row tile `rt` (output rows 16·rt … + 16) of slots [s_begin, s_end)
+/// into stages[s] (expert ids[s], or the shared expert when ids is null), counted on `bar`
+/// (one arrival for the whole range): per slot the 16 code rows, then their scales, then their
+/// biases, three bulk copies.
+__device__ __forceinline__ void request_down_slots(const MoeDecodeArgs& a, const MoeLayout& l, int rt, int s_begin,
+                                                   int s_end, const int32_t* ids, unsigned char* stages,
+                                                   uint64_t* bar) {
   const int lane = threadIdx.x % kWarp;
-  const int64_t row0 = int64_t{expert} * l.ffn + int64_t{chunk} * kExpertRowsPerTile;
-  if (lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(l.gu_bytes));
+  if (lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>((s_end - s_begin) * l.dn_bytes));
   __syncwarp();
-  if (reuse) fence_proxy_async_shared();
-  if (lane >= 6) return;
-  const bool up = lane % 2 == 1;
-  const DeviceQuant& w = up ? a.up : a.gate;
-  const int half_rows = kTileRows / 2;
-  if (lane < 2) {
-    bulk_copy_to_shared(stage + (up ? half_rows * l.gu_row_bytes : 0),
-                        reinterpret_cast<const unsigned char*>(w.codes) + row0 * l.gu_row_bytes,
-                        static_cast<uint32_t>(half_rows * l.gu_row_bytes), bar);
-  } else {
-    const bf16* src = (lane < 4 ? w.scales : w.biases) + row0 * l.groups_h;
-    unsigned char* dst = stage + kTileRows * l.gu_row_bytes + (lane >= 4 ? kTileRows * l.groups_h * 2 : 0) +
-                         (up ? half_rows * l.groups_h * 2 : 0);
-    bulk_copy_to_shared(dst, src, static_cast<uint32_t>(half_rows * l.groups_h * 2), bar);
+  for (int q = lane; q < (s_end - s_begin) * 3; q += kWarp) {
+    const int s = s_begin + q / 3, kind = q % 3;
+    const int64_t row0 = int64_t{ids ? ids[s] : a.n_experts} * l.hidden + int64_t{rt} * kTileRows;
+    unsigned char* stage = stages + s * l.dn_stage;
+    if (kind == 0) {
+      bulk_copy_to_shared(stage, reinterpret_cast<const unsigned char*>(a.down.codes) + row0 * l.dn_row_bytes,
+                          static_cast<uint32_t>(kTileRows * l.dn_row_bytes), bar);
+    } else {
+      bulk_copy_to_shared(stage + kTileRows * l.dn_row_bytes + (kind - 1) * kTileRows * l.groups_f * 2,
+                          (kind == 1 ? a.down.scales : a.down.biases) + row0 * l.groups_f,
+                          static_cast<uint32_t>(kTileRows * l.groups_f * 2), bar);
+    }
   }
 }
 
-/// One warp: requests the down tile of output rows 16·rt … + 16 of `expert` into `stage`,
-/// counted on `bar` (one arrival): the 16 code rows, their scales, their biases, three bulk
-/// copies. `reuse` as for request_gate_up_tile (here the readers are this warp).
-__device__ __forceinline__ void request_down_tile(const MoeDecodeArgs& a, const MoeLayout& l, int rt, int expert,
-                                                  unsigned char* stage, uint64_t* bar, bool reuse = false) {
-  const int lane = threadIdx.x % kWarp;
-  if (lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(l.dn_bytes));
-  __syncwarp();
-  if (reuse) fence_proxy_async_shared();
-  if (lane >= 3) return;
-  const int64_t row0 = int64_t{expert} * l.hidden + int64_t{rt} * kTileRows;
-  if (lane == 0) {
-    bulk_copy_to_shared(stage, reinterpret_cast<const unsigned char*>(a.down.codes) + row0 * l.dn_row_bytes,
-                        static_cast<uint32_t>(kTileRows * l.dn_row_bytes), bar);
-  } else {
-    bulk_copy_to_shared(stage + kTileRows * l.dn_row_bytes + (lane - 1) * kTileRows * l.groups_f * 2,
-                        (lane == 1 ? a.down.scales : a.down.biases) + row0 * l.groups_f,
-                        static_cast<uint32_t>(kTileRows * l.groups_f * 2), bar);
-  }
-}
-
-/// One thread's view of a stage (16 code rows, then [16][groups] scales, then biases) for its
-/// MMA row slots g and g + 8 (tile rows g and g + 8). The rows are row_bytes apart, a multiple
-/// of 128, so the eight rows of a fragment load share banks: 8 shared-memory wavefronts instead
-/// of 2, a few cycles per group against the microseconds the tile takes to arrive.
-struct TileView {
-  const unsigned char* code_lo;  ///< this thread's 8 bytes of group 0, slot g's row
-  const unsigned char* code_hi;  ///< same, slot g + 8's row
-  const bf16 *s_lo, *s_hi, *b_lo, *b_hi;
-};
-
-__device__ __forceinline__ TileView tile_view(const unsigned char* stage, int row_bytes, int groups, int g, int t) {
-  TileView v;
-  v.code_lo = stage + g * row_bytes + 8 * t;
-  v.code_hi = v.code_lo + 8 * row_bytes;
-  const bf16* sc = reinterpret_cast<const bf16*>(stage + kTileRows * row_bytes);
-  const bf16* bi = sc + kTileRows * groups;
-  v.s_lo = sc + g * groups;
-  v.s_hi = sc + (g + 8) * groups;
-  v.b_lo = bi + g * groups;
-  v.b_hi = bi + (g + 8) * groups;
-  return v;
-}
-
-/// acc + (s·d + b·Σx) with every rounding explicit, so a column's arithmetic is the same
-/// instructions whichever fragment register holds it (batch invariance).
-__device__ __forceinline__ float affine_add(float acc, float s, float d, float b, float x) {
-  return __fadd_rn(acc, __fmaf_rn(s, d, __fmul_rn(b, x)));
-}
-
-/// One 64-group G of a 16-row tile against up to 8 columns: `col` is this thread's B column
-/// (g's activation pairs in fragment order, or null for a zero column), sum0 / sum1 the Σx of
-/// its output columns 2t and 2t + 1 (0 where unused). acc[0], acc[1]: rows g of columns 2t,
-/// 2t + 1; acc[2], acc[3]: rows g + 8.
-__device__ __forceinline__ void group_columns(const TileView& v, const uint32_t* col, int t, int G, float sum0,
-                                              float sum1, float (&acc)[4]) {
+/// Adds 64-group G of one token to acc_lo (slot g) and acc_hi (slot g + 8): perm the token's
+/// bf16 pairs in fragment order, sums its per-group Σx. Only lanes with t = 0 end up with the
+/// token's values (the MMA's column 0).
+__device__ __forceinline__ void group_one_token(const TileView& v, const uint32_t* perm, const float* sums, int g,
+                                                int t, int G, float& acc_lo, float& acc_hi) {
   uint4 bw0 = make_uint4(0, 0, 0, 0), bw1 = make_uint4(0, 0, 0, 0);
-  if (col) {
-    const uint4* bp = reinterpret_cast<const uint4*>(col + G * 32 + t * 8);
+  if (g == 0) {
+    const uint4* bp = reinterpret_cast<const uint4*>(perm + G * 32 + t * 8);
     bw0 = bp[0];
     bw1 = bp[1];
   }
   float d[4];
   group_mma(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0,
             bw1, d);
-  const float s_lo = to_f32(v.s_lo[G]), b_lo = to_f32(v.b_lo[G]), s_hi = to_f32(v.s_hi[G]), b_hi = to_f32(v.b_hi[G]);
-  acc[0] = affine_add(acc[0], s_lo, d[0], b_lo, sum0);
-  acc[1] = affine_add(acc[1], s_lo, d[1], b_lo, sum1);
-  acc[2] = affine_add(acc[2], s_hi, d[2], b_hi, sum0);
-  acc[3] = affine_add(acc[3], s_hi, d[3], b_hi, sum1);
-}
-
-/// Barrier of the four warps of quad `quad` (named barrier 1 + quad, 128 threads).
-__device__ __forceinline__ void quad_sync(int quad) {
-  asm volatile("bar.sync %0, %1;" ::"r"(1 + quad), "r"(kQuadWarps * kWarp) : "memory");
-}
-
-/// Records phase `point` of this block in a.trace (diagnostics; no-op when a.trace is null).
-__device__ __forceinline__ void trace_point(const MoeDecodeArgs& a, int point) {
-  if (a.trace && threadIdx.x == 0) {
-    uint64_t ns;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-    a.trace[int64_t{blockIdx.x} * kMoeTracePoints + point] = ns;
-  }
+  const float x = sums[G];
+  acc_lo += to_f32(v.s_lo[G]) * d[0] + to_f32(v.b_lo[G]) * x;
+  acc_hi += to_f32(v.s_hi[G]) * d[2] + to_f32(v.b_hi[G]) * x;
 }
 
 /// grid: blocks ≤ one per SM (all resident), block kBlockThreads. See the file comment.
 template <int RBITS>
 __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeArgs a, MoeLayout l) {
   extern __shared__ __align__(16) unsigned char sm[];
-  __shared__ uint32_t used[kUsedWords];
-  __shared__ int n_distinct_s;
+  __shared__ int32_t sel_ids[kMaxTopK + 1];
+  __shared__ float sel_w[kMaxTopK + 1];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
-  const int G = gridDim.x, b = blockIdx.x, m = l.rows, k = a.top_k, n_sel = l.n_sel, E = a.n_experts;
-  const int n_rt = l.hidden / kTileRows;
-  const int my_rt = b < n_rt ? (n_rt - 1 - b) / G + 1 : 0;  // row tiles b, b + G, …
+  const int G = gridDim.x, b = blockIdx.x;
+  const int shared_slot = a.top_k;
+  const int n_gu = l.n_sel * l.gu_per_slot, n_rt = l.hidden / kTileRows;
+  const int my_gu = b < n_gu ? (n_gu - 1 - b) / G + 1 : 0;  // tiles b, b + G, …
+  const int my_rt = b < n_rt ? (n_rt - 1 - b) / G + 1 : 0;
   uint64_t* gu_full = reinterpret_cast<uint64_t*>(sm + l.bars);
-  const int QS = l.quad_stages, gu_stages = kQuads * QS;
-  const int quad = warp / kQuadWarps, wq = warp % kQuadWarps;
-  uint64_t* dn_full = gu_full + gu_stages;
-  int32_t* sel_ids = reinterpret_cast<int32_t*>(sm + l.sel_ids);  // [row][slot]
-  float* sel_w = reinterpret_cast<float*>(sm + l.sel_w);
-  int32_t* list = reinterpret_cast<int32_t*>(sm + l.list);        // distinct expert d → expert id
-  int8_t* slot_of = reinterpret_cast<int8_t*>(sm + l.slot_of);    // [d][kMmaCols]
-  int32_t* word_prefix = reinterpret_cast<int32_t*>(sm + l.word_prefix);
+  uint64_t* dn_full = gu_full + l.gu_max;
   unsigned char* gu_ring = sm + l.gu_ring;
   unsigned char* dn_ring = sm + l.dn_ring;
-  const int half_h = l.hidden / 2, half_f = l.ffn / 2;
+  auto dn_stages = [&](int i) { return dn_ring + int64_t{i} * l.n_sel * l.dn_stage; };
 
   trace_point(a, 0);
   if (threadIdx.x == 0) {
-    for (int i = 0; i < gu_stages + l.dn_stages; ++i) mbarrier_init(gu_full + i, 1);
+    for (int i = 0; i < my_gu; ++i) mbarrier_init(gu_full + i, 1);
+    for (int i = 0; i < my_rt; ++i) mbarrier_init(dn_full + i, 2);  // shared slot, then the routed ones
     mbarrier_init_fence();
   }
-  for (int i = threadIdx.x; i < l.max_distinct * kMmaCols; i += blockDim.x) slot_of[i] = -1;
-  for (int i = threadIdx.x; i < kUsedWords; i += blockDim.x) used[i] = 0;
   __syncthreads();
 
-  // 1. Weights whose addresses need no routing, before the wait (launch.cuh): the shared expert
-  // is distinct expert 0, so gate/up tiles j < gu_per_slot and warp 0's first down item are its.
-  // Quad q's n-th gate/up tile is the block's tile i = q + 4n (global j = b + i·G), in its
-  // stage q·QS + n mod QS; the quad's first warp requests its tiles.
+  // 1. Weights whose addresses need no routing, before the wait (launch.cuh).
   RouterRows<RBITS> router(a.router, int64_t{b} * kBlockWarps + warp, int64_t{G} * kBlockWarps);
-  if (wq == 0) {
-    for (int n = 0; n < QS; ++n) {
-      const int j = b + (quad + kQuads * n) * G;
-      if (j < l.gu_per_slot) request_gate_up_tile(a, l, j, E, gu_ring + (quad * QS + n) * l.gu_bytes, gu_full + quad * QS + n);
+  if (warp == 0) {
+    for (int i = 0; i < my_gu; ++i) {
+      const int j = b + i * G;
+      if (j / l.gu_per_slot == shared_slot)
+        request_gate_up_tile(a, gate_up_row0(l, j, a.n_experts), gu_ring + i * l.gu_stage, gu_full + i);
     }
+    for (int i = 0; i < my_rt; ++i)
+      request_down_slots(a, l, b + i * G, shared_slot, l.n_sel, nullptr, dn_stages(i), dn_full + i);
   }
-  if (warp == 0 && my_rt > 0) request_down_tile(a, l, b, E, dn_ring, dn_full);
   pdl_prologue();
   trace_point(a, 1);
 
-  // 2. Each row: the normed row (block 0 also stores x_out and normed_out), its fragment-order
-  // copy and group sums, a share of its router logits. Then every block routes the rows.
+  // 2. The normed row (block 0 also stores x_out and normed_out), its fragment-order copy, a
+  // share of the router logits; then every block routes the token.
   float* xs = reinterpret_cast<float*>(sm + l.xs);
   float* xsum = xs + l.groups_h * kGroupStride;
-  uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);  // [row][hidden / 2]
-  float* xsums = reinterpret_cast<float*>(sm + l.xsums);         // [row][groups_h]
-  for (int r = 0; r < m; ++r) {
-    FusedNorm norm = a.norm;
-    const int64_t off = int64_t{r} * l.hidden;
-    if (norm.branch) norm.branch += off;
-    norm.x_out += off;
-    norm.normed_out += off;
-    stage_norm_row(a.x + off, norm, l.hidden, b == 0, xs, xsum, kNormThreads);
-    for (int i = threadIdx.x; i < half_h; i += blockDim.x) {
-      const int c = fragment_pair_column(i);
-      const float* xg = xs + (c / kGroup) * kGroupStride + c % kGroup;
-      xperm[r * half_h + i] = pack_bf16x2(xg[0], xg[4]);
-    }
-    for (int i = threadIdx.x; i < l.groups_h; i += blockDim.x) xsums[r * l.groups_h + i] = xsum[i];
-    router.compute(a.router, xs, xsum, a.logits + int64_t{r} * (E + 1), r == 0);
-    __syncthreads();  // xs is staged again for the next row
-  }
+  stage_norm_row(a.x, a.norm, l.hidden, b == 0, xs, xsum, kNormThreads);
   trace_point(a, 2);
+  uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);
+  for (int i = threadIdx.x; i < l.hidden / 2; i += blockDim.x) {
+    const int c = fragment_pair_column(i);
+    const float* xg = xs + (c / kGroup) * kGroupStride + c % kGroup;
+    xperm[i] = pack_bf16x2(xg[0], xg[4]);
+  }
+  router.compute(a.router, xs, xsum, a.logits);
   trace_point(a, 3);
   grid_sync(a.barriers, G);
   trace_point(a, 4);
-  if (warp < m) {
-    const float* logits = a.logits + int64_t{warp} * (E + 1);
-    if (E <= kWarp * kRouteKeysSmall)
-      route_token_keys<kRouteKeysSmall>(logits, E, k, sel_ids + warp * n_sel, sel_w + warp * n_sel);
-    else
-      route_token_keys<kRouteKeysLarge>(logits, E, k, sel_ids + warp * n_sel, sel_w + warp * n_sel);
-  }
-  __syncthreads();
-  // The distinct experts: 0 the shared one, then the routed ones in ascending id (a bitmap and
-  // its prefix counts); slot_of[d][r] is the slot of expert d in row r.
-  for (int i = threadIdx.x; i < m * k; i += blockDim.x) {
-    const int e = sel_ids[(i / k) * n_sel + i % k];
-    atomicOr(&used[e / 32], 1u << (e % 32));
-  }
+  float* logits = reinterpret_cast<float*>(sm + l.logits);  // one round trip to L2, then shared reads
+  for (int e = threadIdx.x; e <= a.n_experts; e += blockDim.x) logits[e] = __ldcg(a.logits + e);
   __syncthreads();
   if (warp == 0) {
-    const int c = __popc(used[lane]);
-    int incl = c;
-#pragma unroll
-    for (int o = 1; o < kWarp; o *= 2) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += v;
-    }
-    word_prefix[lane] = incl - c;
-    if (lane == kWarp - 1) n_distinct_s = incl + 1;
+    if (a.n_experts <= kWarp * kRouteKeysSmall)
+      route_token_keys<kRouteKeysSmall, true>(logits, a.n_experts, a.top_k, sel_ids, sel_w);
+    else
+      route_token_keys<kRouteKeysLarge, true>(logits, a.n_experts, a.top_k, sel_ids, sel_w);
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < m * n_sel; i += blockDim.x) {
-    const int r = i / n_sel, s = i % n_sel, e = sel_ids[i];
-    const int d = s == k ? 0 : 1 + word_prefix[e / 32] + __popc(used[e / 32] & ((1u << (e % 32)) - 1u));
-    list[d] = s == k ? E : e;  // rows that share an expert write the same value
-    slot_of[d * kMmaCols + r] = static_cast<int8_t>(s);
-    if (b == 0) {
-      a.ids[i] = e;
-      a.weights[i] = sel_w[i];
-    }
-  }
-  __syncthreads();
-  const int nd = n_distinct_s;
-  const int n_gu = nd * l.gu_per_slot;
-  const int my_gu = b < n_gu ? (n_gu - 1 - b) / G + 1 : 0;  // gate/up tiles b, b + G, …
-  const int dn_items = my_rt * nd;                           // (row tile, distinct expert), flattened
   trace_point(a, 5);
-  if (wq == 0) {
-    for (int n = 0; n < QS && quad + kQuads * n < my_gu; ++n) {
-      const int j = b + (quad + kQuads * n) * G;
-      if (j >= l.gu_per_slot)
-        request_gate_up_tile(a, l, j % l.gu_per_slot, list[j / l.gu_per_slot], gu_ring + (quad * QS + n) * l.gu_bytes,
-                             gu_full + quad * QS + n);
-    }
+  if (b == 0 && threadIdx.x < l.n_sel) {
+    a.ids[threadIdx.x] = sel_ids[threadIdx.x];
+    a.weights[threadIdx.x] = sel_w[threadIdx.x];
   }
-  if (warp > 0 && warp < l.dn_stages && warp < dn_items)
-    request_down_tile(a, l, b + (warp / nd) * G, list[warp % nd], dn_ring + warp * l.dn_bytes, dn_full + warp);
+  if (warp == 0) {
+    for (int i = 0; i < my_gu; ++i) {
+      const int j = b + i * G, slot = j / l.gu_per_slot;
+      if (slot != shared_slot) request_gate_up_tile(a, gate_up_row0(l, j, sel_ids[slot]), gu_ring + i * l.gu_stage, gu_full + i);
+    }
+    for (int i = 0; i < my_rt; ++i) request_down_slots(a, l, b + i * G, 0, shared_slot, sel_ids, dn_stages(i), dn_full + i);
+  }
   trace_point(a, 6);
 
-  // 3. Gate/up: the four quads work on four tiles at once; in a quad, warp w sums its quarter
-  // of the groups for every column, and the quarters add up in warp order. Column c of the MMA
-  // is row c, or zero when row c did not route to the expert.
-  const int per_warp = (l.groups_h + kQuadWarps - 1) / kQuadWarps;
-  const int g_begin = min(l.groups_h, wq * per_warp), g_end = min(l.groups_h, g_begin + per_warp);
-  float* gu_part = reinterpret_cast<float*>(sm + l.gu_part);  // [quad][2][warp of quad][16][m]
-  const int qt = threadIdx.x % (kQuadWarps * kWarp);
-  for (int n = 0, i = quad; i < my_gu; ++n, i += kQuads) {
-    const int st = quad * QS + n % QS, j = b + i * G, d = j / l.gu_per_slot;
-    mbarrier_wait(gu_full + st, (n / QS) & 1);
-    const TileView v = tile_view(gu_ring + st * l.gu_bytes, l.gu_row_bytes, l.groups_h, g, t);
-    const bool active = g < m && slot_of[d * kMmaCols + g] >= 0;
-    const uint32_t* col = active ? xperm + g * half_h : nullptr;
-    const int c0 = 2 * t, c1 = 2 * t + 1;
-    const float* sum0 = c0 < m ? xsums + c0 * l.groups_h : nullptr;
-    const float* sum1 = c1 < m ? xsums + c1 * l.groups_h : nullptr;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int Gi = g_begin; Gi < g_end; ++Gi)
-      group_columns(v, col, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
-    float* part = gu_part + (quad * 2 + (n & 1)) * kQuadWarps * kTileRows * m;  // this tile's partials
-    float* p = part + wq * kTileRows * m;
-    if (c0 < m) {
-      p[g * m + c0] = acc[0];
-      p[(g + 8) * m + c0] = acc[2];
-    }
-    if (c1 < m) {
-      p[g * m + c1] = acc[1];
-      p[(g + 8) * m + c1] = acc[3];
-    }
-    quad_sync(quad);  // the tile's partials are complete and its stage is free
-    if (wq == 0 && i + kQuads * QS < my_gu) {
-      const int jn = j + kQuads * QS * G;
-      request_gate_up_tile(a, l, jn % l.gu_per_slot, list[jn / l.gu_per_slot], gu_ring + st * l.gu_bytes, gu_full + st,
-                           true);
-    }
-    if (qt < kExpertRowsPerTile * m) {
-      const int row8 = qt / m, c = qt % m, s = slot_of[d * kMmaCols + c];
-      if (s >= 0) {
-        float gate = 0.0f, up = 0.0f;
-        for (int w = 0; w < kQuadWarps; ++w) {
-          gate = __fadd_rn(gate, part[(w * kTileRows + row8) * m + c]);
-          up = __fadd_rn(up, part[(w * kTileRows + 8 + row8) * m + c]);
-        }
-        const int row = (j % l.gu_per_slot) * kExpertRowsPerTile + row8;
-        a.act[(int64_t{c} * n_sel + s) * l.ffn + row] = to_bf16(__fmul_rn(silu(round_bf16(gate)), round_bf16(up)));
-      }
+  // 3. Gate/up: warp w sums its range of groups of every tile; the ranges add up in warp order.
+  const int per_warp = (l.groups_h + kBlockWarps - 1) / kBlockWarps;
+  const int g_begin = min(l.groups_h, warp * per_warp), g_end = min(l.groups_h, g_begin + per_warp);
+  float* gu_part = reinterpret_cast<float*>(sm + l.gu_part);  // [tile][warp][16 slots]
+  for (int i = 0; i < my_gu; ++i) {
+    mbarrier_wait(gu_full + i, 0);
+    const TileView v = tile_view(gu_ring + i * l.gu_stage, l.gu_row_bytes, l.groups_h, g, t);
+    float gate = 0.0f, up = 0.0f;
+    for (int Gi = g_begin; Gi < g_end; ++Gi) group_one_token(v, xperm, xsum, g, t, Gi, gate, up);
+    if (t == 0) {
+      float* p = gu_part + (i * kBlockWarps + warp) * kTileRows;
+      p[g] = gate;
+      p[g + 8] = up;
     }
   }
   trace_point(a, 7);
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < my_gu * kExpertRowsPerTile; idx += blockDim.x) {
+    const int i = idx / kExpertRowsPerTile, slot8 = idx % kExpertRowsPerTile;
+    const float* p = gu_part + i * kBlockWarps * kTileRows;
+    float gate = 0.0f, up = 0.0f;
+    for (int w = 0; w < kBlockWarps; ++w) {
+      gate += p[w * kTileRows + slot8];
+      up += p[w * kTileRows + 8 + slot8];
+    }
+    const int j = b + i * G, slot = j / l.gu_per_slot;
+    const int row = (j % l.gu_per_slot) * kExpertRowsPerTile + slot8;
+    a.act[int64_t{slot} * l.ffn + row] = to_bf16(silu(round_bf16(gate)) * round_bf16(up));
+  }
   trace_point(a, 8);
   grid_sync(a.barriers + 1, G);
   trace_point(a, 9);
 
-  // 4. Down + combine: every (row, slot)'s act (written by other blocks: read through L2, 16
-  // bytes a load), put in fragment order with its group sums; then warp w computes the distinct
-  // experts w, w + S, … of each of the block's row tiles from its own stage, refilled as it goes.
-  uint32_t* aperm = reinterpret_cast<uint32_t*>(sm + l.aperm);  // [(row, slot)][ffn / 2]
-  float* asum = reinterpret_cast<float*>(sm + l.asum);          // [(row, slot)][groups_f]
+  // 4. Down + combine: every slot's act (written by other blocks: read through L2, 16 bytes a
+  // load), put in fragment order, then warp s computes slot s of the block's row tiles.
+  const int half = l.ffn / 2;
+  uint32_t* aperm = reinterpret_cast<uint32_t*>(sm + l.aperm);  // [slot][ffn / 2]
+  float* asum = reinterpret_cast<float*>(sm + l.asum);          // [slot][groups_f]
   // 16 bytes (8 columns c0 … c0 + 7, c0 a multiple of 8) are exactly the fragment-order pairs
-  // (c0 + s, c0 + s + 4), s < 4, at pair index c0 / 2 (fragment_pair_column): each load is
-  // permuted in registers and stored as one 16-byte word. The 8 chunks of a 64-group sit in 8
-  // consecutive lanes, which add up its Σx.
-  const int chunks_per_pair = l.ffn / 8, n16 = m * n_sel * chunks_per_pair;
+  // (c0 + s, c0 + s + 4), s < 4, at pair index c0 / 2 of the slot (fragment_pair_column): each
+  // load is permuted in registers and stored as one 16-byte word. The 8 chunks of a 64-group sit
+  // in 8 consecutive lanes, which add up its Σx.
+  const int chunks_per_slot = l.ffn / 8, n16 = l.n_sel * chunks_per_slot;
   const uint4* act16 = reinterpret_cast<const uint4*>(a.act);
   for (int i0 = threadIdx.x; i0 - lane < n16; i0 += kStageBatch * blockDim.x) {  // warp-uniform
     uint4 v[kStageBatch];
@@ -475,70 +287,46 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
     for (int u = 0; u < kStageBatch; ++u) {
       const int idx = i0 + u * static_cast<int>(blockDim.x);
       if (idx - lane >= n16) break;  // warp-uniform
-      const int pair = idx / chunks_per_pair, c0 = (idx % chunks_per_pair) * 8;
+      const int slot = idx / chunks_per_slot, c0 = (idx % chunks_per_slot) * 8;
       float part = 0.0f;
       if (idx < n16) {
         const uint4 w = v[u];
-        *reinterpret_cast<uint4*>(aperm + pair * half_f + c0 / 2) =
+        *reinterpret_cast<uint4*>(aperm + slot * half + c0 / 2) =
             make_uint4(__byte_perm(w.x, w.z, 0x5410), __byte_perm(w.x, w.z, 0x7632), __byte_perm(w.y, w.w, 0x5410),
                        __byte_perm(w.y, w.w, 0x7632));
         const float4 lo = bf16x4_to_f32(w.x, w.y), hi = bf16x4_to_f32(w.z, w.w);
         part = ((lo.x + lo.y) + (lo.z + lo.w)) + ((hi.x + hi.y) + (hi.z + hi.w));
       }
       part = group_sum(part, 8);
-      if (idx < n16 && lane % 8 == 0) asum[pair * l.groups_f + c0 / kGroup] = part;
+      if (idx < n16 && lane % 8 == 0) asum[slot * l.groups_f + c0 / kGroup] = part;
     }
   }
   __syncthreads();
   trace_point(a, 10);
-  float* dn_part = reinterpret_cast<float*>(sm + l.dn_part);  // [(row, slot)][16 rows]
-  int used_items = 0;  // this warp's items so far (its stage's phase parity)
+  float* dn_part = reinterpret_cast<float*>(sm + l.dn_part);  // [slot][16 rows]
   for (int i = 0; i < my_rt; ++i) {
+    mbarrier_wait(dn_full + i, 0);
     const int rt = b + i * G;
-    if (warp < l.dn_stages) {
-      const int first = i * nd, start = first + ((warp - first) % l.dn_stages + l.dn_stages) % l.dn_stages;
-      for (int q = start; q < first + nd; q += l.dn_stages, ++used_items) {
-        const int d = q - first;
-        mbarrier_wait(dn_full + warp, used_items & 1);
-        const TileView v = tile_view(dn_ring + warp * l.dn_bytes, l.dn_row_bytes, l.groups_f, g, t);
-        const int sg = g < m ? slot_of[d * kMmaCols + g] : -1;
-        const uint32_t* col = sg >= 0 ? aperm + (g * n_sel + sg) * half_f : nullptr;
-        const int c0 = 2 * t, c1 = 2 * t + 1;
-        const int s0 = c0 < m ? slot_of[d * kMmaCols + c0] : -1, s1 = c1 < m ? slot_of[d * kMmaCols + c1] : -1;
-        const float* sum0 = s0 >= 0 ? asum + (c0 * n_sel + s0) * l.groups_f : nullptr;
-        const float* sum1 = s1 >= 0 ? asum + (c1 * n_sel + s1) * l.groups_f : nullptr;
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int Gi = 0; Gi < l.groups_f; ++Gi)
-          group_columns(v, col, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
-        if (s0 >= 0) {
-          dn_part[(c0 * n_sel + s0) * kTileRows + g] = round_bf16(acc[0]);
-          dn_part[(c0 * n_sel + s0) * kTileRows + g + 8] = round_bf16(acc[2]);
-        }
-        if (s1 >= 0) {
-          dn_part[(c1 * n_sel + s1) * kTileRows + g] = round_bf16(acc[1]);
-          dn_part[(c1 * n_sel + s1) * kTileRows + g + 8] = round_bf16(acc[3]);
-        }
-        __syncwarp();  // every lane is done with the stage
-        const int qn = q + l.dn_stages;
-        if (qn < dn_items) request_down_tile(a, l, b + (qn / nd) * G, list[qn % nd], dn_ring + warp * l.dn_bytes,
-                                             dn_full + warp, true);
+    for (int s = warp; s < l.n_sel; s += kBlockWarps) {
+      const TileView v = tile_view(dn_stages(i) + s * l.dn_stage, l.dn_row_bytes, l.groups_f, g, t);
+      float lo = 0.0f, hi = 0.0f;
+      for (int Gi = 0; Gi < l.groups_f; ++Gi) group_one_token(v, aperm + s * half, asum + s * l.groups_f, g, t, Gi, lo, hi);
+      if (t == 0) {
+        dn_part[s * kTileRows + g] = round_bf16(lo);
+        dn_part[s * kTileRows + g + 8] = round_bf16(hi);
       }
     }
     __syncthreads();
-    if (threadIdx.x < m * kTileRows) {
-      const int r = threadIdx.x / kTileRows, row = threadIdx.x % kTileRows;
+    if (threadIdx.x < kTileRows) {
       float o = 0.0f;
-      for (int s = 0; s < n_sel; ++s)
-        o = __fmaf_rn(sel_w[r * n_sel + s], dn_part[(r * n_sel + s) * kTileRows + row], o);
-      a.out[int64_t{r} * l.hidden + int64_t{rt} * kTileRows + row] = to_bf16(o);
+      for (int s = 0; s < l.n_sel; ++s) o += sel_w[s] * dn_part[s * kTileRows + threadIdx.x];
+      a.out[int64_t{rt} * kTileRows + threadIdx.x] = to_bf16(o);
     }
     __syncthreads();  // dn_part is reused by the next row tile
   }
   trace_point(a, 11);
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-bool quant_aligned(const DeviceQuant& w) { return aligned16(w.codes) && aligned16(w.scales) && aligned16(w.biases); }
 
 struct MoePlan {
   std::string why;  ///< "" when the kernel applies
@@ -546,10 +334,7 @@ struct MoePlan {
   MoeLayout layout;
 };
 
-/// The launch of `a`, or why it cannot run (see moe_block_unsupported). The ring slots: per quad
-/// as many gate/up stages as it has tiles (≤ kMaxQuadStages), and a down stage per warp (≤ the
-/// distinct experts); fewer where shared memory runs out (gate/up first, to 1 per quad, then
-/// down, to 2).
+/// The launch of `a`, or why it cannot run (see moe_block_unsupported).
 MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   MoePlan p;
   const int hidden = a.gate.cols, ffn = a.ffn, E = a.n_experts, k = a.top_k;
@@ -557,30 +342,11 @@ MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
     p.why = "fused MoE block: " + why;
     return p;
   };
-  if (a.rows < 1 || a.rows > kMaxDecodeRows)
-    return no(std::to_string(a.rows) + " rows (1 … " + std::to_string(kMaxDecodeRows) + " supported)");
-  if (a.gate.bits != 4 || a.up.bits != 4 || a.down.bits != 4) return no("the expert matrices are not 4-bit");
-  if (a.router.bits != 4 && a.router.bits != 8) return no("the router is not 4- or 8-bit");
-  if (E < 1 || E > kMaxExperts || k < 1 || k > kMaxTopK || k > E) return no("unsupported expert count or top-k");
-  if (hidden <= 0 || hidden % 256 != 0 || hidden > 8192) return no("hidden " + std::to_string(hidden) + " is not a multiple of 256 (≤ 8192)");
-  if (ffn <= 0 || ffn % kGroup != 0) return no("ffn " + std::to_string(ffn) + " is not a multiple of 64");
-  if (a.up.cols != hidden || a.router.cols != hidden || a.down.cols != ffn || a.router.rows != E + 1 ||
-      a.gate.rows != int64_t{E + 1} * ffn || a.up.rows != a.gate.rows || a.down.rows != int64_t{E + 1} * hidden)
-    return no("the router and expert matrices do not have the stacked shapes");
-  if (!quant_aligned(a.gate) || !quant_aligned(a.up) || !quant_aligned(a.down))
-    return no("the expert arrays are not 16-byte aligned");
+  if (a.rows != 1) return no(std::to_string(a.rows) + " rows (the one-token block takes 1; launch_moe_block_rows takes more)");
+  if (std::string why = shape_problem(a); !why.empty()) return no(why);
   p.blocks = sm_count();
   if (max_blocks > 0) p.blocks = std::min(p.blocks, max_blocks);
-  const int max_distinct = std::min(a.rows * k, E) + 1;
-  const int gu_tiles = static_cast<int>(ceil_div(int64_t{max_distinct} * (ffn / kExpertRowsPerTile), p.blocks));
-  int qs = static_cast<int>(std::min<int64_t>(ceil_div(gu_tiles, kQuads), kMaxQuadStages));
-  int dn = std::min(kBlockWarps, max_distinct);
-  p.layout = moe_layout(a.rows, hidden, ffn, E, k, qs, dn);
-  while (p.layout.total > kSmemLimit && (qs > 1 || dn > 2)) {
-    if (qs > 1) --qs;
-    else --dn;
-    p.layout = moe_layout(a.rows, hidden, ffn, E, k, qs, dn);
-  }
+  p.layout = moe_layout(hidden, ffn, E, k + 1, p.blocks);
   if (p.layout.total > kSmemLimit)
     return no("a block's expert tiles need " + std::to_string(p.layout.total) + " bytes of shared memory");
   auto kernel = a.router.bits == 8 ? moe_block_kernel<8> : moe_block_kernel<4>;
@@ -598,14 +364,39 @@ std::string moe_block_unsupported(const MoeDecodeArgs& args, int max_blocks) { r
 void launch_moe_block_decode(const MoeDecodeArgs& a, cudaStream_t stream, int max_blocks) {
   const MoePlan p = moe_plan(a, max_blocks);
   if (!p.why.empty()) throw ::lily::Error(p.why);
-  check_fused_norm(a.norm, a.x, "launch_moe_block_decode");
-  if (!a.logits || !a.ids || !a.weights || !a.act || !a.out || !a.barriers)
-    throw ::lily::InternalError("launch_moe_block_decode: logits, ids, weights, act, out and barriers are required");
-  if (a.out == a.x || a.out == a.norm.branch || a.out == a.norm.x_out || a.out == a.norm.normed_out ||
-      a.norm.x_out == a.x)
-    throw ::lily::InternalError("launch_moe_block_decode: out and x_out must not alias the norm's inputs");
+  check_buffers(a, "launch_moe_block_decode");
   launch_pdl(a.router.bits == 8 ? moe_block_kernel<8> : moe_block_kernel<4>, dim3(p.blocks), dim3(kBlockThreads),
              static_cast<size_t>(p.layout.total), stream, a, p.layout);
 }
 
+namespace moe {
+
+namespace {
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool quant_aligned(const DeviceQuant& w) { return aligned16(w.codes) && aligned16(w.scales) && aligned16(w.biases); }
+}  // namespace
+
+std::string shape_problem(const MoeDecodeArgs& a) {
+  const int hidden = a.gate.cols, ffn = a.ffn, E = a.n_experts, k = a.top_k;
+  if (a.gate.bits != 4 || a.up.bits != 4 || a.down.bits != 4) return "the expert matrices are not 4-bit";
+  if (a.router.bits != 4 && a.router.bits != 8) return "the router is not 4- or 8-bit";
+  if (E < 1 || E > kMaxExperts || k < 1 || k > kMaxTopK || k > E) return "unsupported expert count or top-k";
+  if (hidden <= 0 || hidden % 256 != 0 || hidden > 8192) return "hidden " + std::to_string(hidden) + " is not a multiple of 256 (≤ 8192)";
+  if (ffn <= 0 || ffn % kGroup != 0) return "ffn " + std::to_string(ffn) + " is not a multiple of 64";
+  if (a.up.cols != hidden || a.router.cols != hidden || a.down.cols != ffn || a.router.rows != E + 1 ||
+      a.gate.rows != int64_t{E + 1} * ffn || a.up.rows != a.gate.rows || a.down.rows != int64_t{E + 1} * hidden)
+    return "the router and expert matrices do not have the stacked shapes";
+  if (!quant_aligned(a.gate) || !quant_aligned(a.up) || !quant_aligned(a.down)) return "the expert arrays are not 16-byte aligned";
+  return "";
+}
+
+void check_buffers(const MoeDecodeArgs& a, const char* what) {
+  check_fused_norm(a.norm, a.x, what);
+  if (!a.logits || !a.ids || !a.weights || !a.act || !a.out || !a.barriers)
+    throw ::lily::InternalError(std::string(what) + ": logits, ids, weights, act, out and barriers are required");
+  if (a.out == a.x || a.out == a.norm.branch || a.out == a.norm.x_out || a.out == a.norm.normed_out || a.norm.x_out == a.x)
+    throw ::lily::InternalError(std::string(what) + ": out and x_out must not alias the norm's inputs");
+}
+
+}  // namespace moe
 }  // namespace lily::cuda

@@ -1,0 +1,517 @@
+// The decode MoE block of the 1 … 8 rows of a batched decode step in one launch (docs/model.md §3.5, §4.3 item 5): the
+// post-mixer add + RMSNorm, the router GEMV and top-k, the gate/up projections with SwiGLU over
+// the routed experts and the shared one, the down projections and the weighted combine. The
+// tokens are the rows of one decode step (one per sequence); each row's result is bit-identical
+// whatever the other rows are (batch invariance, below).
+//
+// Why one launch: as three kernels (router, gate/up, down) each decode layer pays two more
+// kernel boundaries, and each kernel's weights can only start streaming once it runs. Here
+// every block is resident for the whole block (one block per SM), so the work after a
+// grid-wide dependency waits on a counter instead of a launch, and the weights are requested as
+// early as their addresses are known:
+//  1. before the PDL wait: the router rows of each warp (into registers) and the block's first
+//     tiles of the shared expert (gate/up and down), whose address does not depend on the routing;
+//  2. after the wait: each block computes every row's normed activations itself (4 KB a row)
+//     and a share of each row's router logits, then grid barrier 1; warp r routes row r
+//     (route_token_keys), and every block lists the distinct experts of the step (the shared
+//     one first, then the routed ones in ascending id) and requests its first tiles;
+//  3. gate/up on tensor cores (quant_mma.cuh): a tile is 8 rows of one expert (16 MMA rows: the
+//     8 gate rows and the same 8 up rows), and the MMA's 8 columns are the step's rows, so each
+//     expert's weights are read once for every row that routed to it. Four quads of four warps
+//     work on four tiles at once (each warp a quarter of the groups), each quad through its own
+//     ring slots and named barrier; SwiGLU, act to global memory, grid barrier 2;
+//  4. down + combine: a block owns 16 output rows; warp w walks the distinct experts w, w + S,
+//     … through its own shared-memory stage (one bulk-copy ring slot per warp), and the block
+//     combines each row's slots in slot order.
+// Gate/up tiles are dealt round-robin over the blocks and, within a block, over the quads
+// (six bulk copies a tile); the ring slots, the down stages and the act staging are sized from
+// the row count at launch (moe_layout).
+//
+// Grid barriers are counters in global memory that the caller zeroes before every launch (a
+// memset node at the start of the decode graph), so a replay never depends on the last one.
+// All blocks are resident at once (one per SM, checked with the occupancy API), and a PDL
+// dependent launches only after every block has started, so the spin-waits cannot deadlock.
+//
+// Numerics: the norm is stage_norm_row's with a 256-thread element mapping (bit-identical to
+// launch_add_rmsnorm); the router logits are router_rows.cuh's (bit-identical to
+// launch_router_fused, so the routing is too); the expert products use the tensor-core
+// arithmetic of the MMA GEMV (exact bf16 codes, Σ q·x per group on tensor cores, s·D + b·Σx in
+// fp32 with explicit roundings, groups summed in ascending order, a quad's partials in warp order),
+// then the same roundings as the CUDA-core expert kernels: act = bf16(silu(bf16(g))·bf16(u)),
+// out = bf16(Σ_s w_s·bf16(d_s)) in slot order.
+// Batch invariance: row r is always the MMA's column r, a column's products never depend on
+// the other columns, and every sum runs in an order fixed by the shape, never by the row count
+// or the other rows' experts; so a row's outputs are the same bits alone or among 8.
+#include <algorithm>
+#include <string>
+
+#include "backends/cuda/launch.cuh"
+#include "backends/cuda/moe_block.cuh"
+#include "backends/cuda/quant_dot.cuh"
+#include "backends/cuda/quant_mma.cuh"
+#include "backends/cuda/router_rows.cuh"
+#include "backends/cuda/router_topk.cuh"
+
+namespace lily::cuda {
+namespace {
+
+using namespace moe;
+
+constexpr int kMmaCols = 8;            // the MMA's N: the step's rows
+constexpr int kQuadWarps = 4;                    // a gate/up tile's k-split: 4 warps
+constexpr int kQuads = kBlockWarps / kQuadWarps;  // gate/up tiles in progress per block
+constexpr int kMaxQuadStages = 2;                 // gate/up ring slots per quad
+constexpr int kUsedWords = kMaxExperts / 32;  // the routed-expert bitmap
+static_assert(kMaxDecodeRows <= kMmaCols, "a step's rows are the MMA's columns");
+
+/// Shapes and shared-memory offsets (bytes) of the kernel; host and device compute the same.
+struct MoeLayout {
+  int rows = 1;                    ///< the step's rows (tokens), 1 … kMaxDecodeRows
+  int hidden = 0, ffn = 0, n_sel = 0;
+  int groups_h = 0, groups_f = 0;  ///< 64-groups per gate/up row, per down row
+  int gu_per_slot = 0;             ///< gate/up tiles per expert: ffn / 8
+  int gu_row_bytes = 0, gu_bytes = 0;
+  int dn_row_bytes = 0, dn_bytes = 0;
+  int max_distinct = 0;            ///< distinct experts of a step at most: min(rows·k, E) + 1
+  int quad_stages = 0, dn_stages = 0;  ///< gate/up ring slots per quad; down stages (one per warp)
+  int64_t bars = 0, sel_ids = 0, sel_w = 0, list = 0, slot_of = 0, word_prefix = 0;
+  int64_t gu_ring = 0, aperm = 0, asum = 0, dn_ring = 0, xs = 0, xperm = 0, xsums = 0, gu_part = 0, dn_part = 0;
+  int64_t total = 0;
+};
+
+/// The layout for `rows` rows with quad_stages gate/up ring slots per quad and dn_stages down
+/// stages (offsets only; moe_plan picks the slot counts).
+__host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, int n_experts, int top_k, int quad_stages,
+                                                int dn_stages) {
+  MoeLayout l;
+  l.rows = rows;
+  l.hidden = hidden;
+  l.ffn = ffn;
+  l.n_sel = top_k + 1;
+  l.groups_h = hidden / kGroup;
+  l.groups_f = ffn / kGroup;
+  l.gu_per_slot = ffn / kExpertRowsPerTile;
+  l.gu_row_bytes = hidden / 2;
+  l.gu_bytes = kTileRows * l.gu_row_bytes + 2 * kTileRows * l.groups_h * 2;
+  l.dn_row_bytes = ffn / 2;
+  l.dn_bytes = kTileRows * l.dn_row_bytes + 2 * kTileRows * l.groups_f * 2;
+  l.max_distinct = (rows * top_k < n_experts ? rows * top_k : n_experts) + 1;
+  l.quad_stages = quad_stages;
+  l.dn_stages = dn_stages;
+  const int gu_stages = kQuads * quad_stages;
+  const int pairs = rows * l.n_sel;  // (row, slot)
+  int64_t o = 0;
+  l.bars = o;
+  o += align16(int64_t{gu_stages + dn_stages} * 8);
+  l.sel_ids = o;
+  o += align16(int64_t{pairs} * 4);
+  l.sel_w = o;
+  o += align16(int64_t{pairs} * 4);
+  l.list = o;
+  o += align16(int64_t{l.max_distinct} * 4);
+  l.slot_of = o;  // int8 [max_distinct][kMmaCols]: the slot of distinct expert d in row r, or −1
+  o += align16(int64_t{l.max_distinct} * kMmaCols);
+  l.word_prefix = o;
+  o += align16(int64_t{kUsedWords} * 4);
+  // The gate/up ring (phase 3) and the act staging (phase 4) share memory.
+  l.gu_ring = o;
+  const int64_t ring = int64_t{gu_stages} * l.gu_bytes;
+  l.aperm = o;
+  l.asum = o + align16(int64_t{pairs} * ffn / 2 * 4);
+  const int64_t staging = l.asum - o + align16(int64_t{pairs} * l.groups_f * 4);
+  o += ring > staging ? ring : staging;
+  l.dn_ring = o;
+  o += int64_t{dn_stages} * l.dn_bytes;
+  l.xs = o;
+  o += align16(int64_t{l.groups_h} * kStagedFloatsPerGroup * 4);
+  l.xperm = o;
+  o += align16(int64_t{rows} * hidden / 2 * 4);
+  l.xsums = o;
+  o += align16(int64_t{rows} * l.groups_h * 4);
+  l.gu_part = o;  // fp32 [quad][2][warp of the quad][16 tile rows][rows]
+  o += align16(int64_t{kQuads} * 2 * kQuadWarps * kTileRows * rows * 4);
+  l.dn_part = o;  // fp32 [(row, slot)][16 tile rows]
+  o += align16(int64_t{pairs} * kTileRows * 4);
+  l.total = o;
+  return l;
+}
+
+/// The first expert row of gate/up tile j: rows 8·(j mod gu_per_slot) … of distinct expert
+/// j / gu_per_slot (list: distinct expert → expert id).
+__device__ __forceinline__ int64_t gate_up_row0(const MoeLayout& l, int j, const int32_t* list) {
+  return int64_t{list[j / l.gu_per_slot]} * l.ffn + int64_t{j % l.gu_per_slot} * kExpertRowsPerTile;
+}
+
+/// One warp: requests the down tile of output rows 16·rt … + 16 of `expert` into `stage`,
+/// counted on `bar` (one arrival): the 16 code rows, their scales, their biases, three bulk
+/// copies. `reuse` as for request_gate_up_tile (here the readers are this warp).
+__device__ __forceinline__ void request_down_tile(const MoeDecodeArgs& a, const MoeLayout& l, int rt, int expert,
+                                                  unsigned char* stage, uint64_t* bar, bool reuse = false) {
+  const int lane = threadIdx.x % kWarp;
+  if (lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(l.dn_bytes));
+  __syncwarp();
+  if (reuse) fence_proxy_async_shared();
+  if (lane >= 3) return;
+  const int64_t row0 = int64_t{expert} * l.hidden + int64_t{rt} * kTileRows;
+  if (lane == 0) {
+    bulk_copy_to_shared(stage, reinterpret_cast<const unsigned char*>(a.down.codes) + row0 * l.dn_row_bytes,
+                        static_cast<uint32_t>(kTileRows * l.dn_row_bytes), bar);
+  } else {
+    bulk_copy_to_shared(stage + kTileRows * l.dn_row_bytes + (lane - 1) * kTileRows * l.groups_f * 2,
+                        (lane == 1 ? a.down.scales : a.down.biases) + row0 * l.groups_f,
+                        static_cast<uint32_t>(kTileRows * l.groups_f * 2), bar);
+  }
+}
+
+/// acc + (s·d + b·Σx) with every rounding explicit, so a column's arithmetic is the same
+/// instructions whichever fragment register holds it (batch invariance).
+__device__ __forceinline__ float affine_add(float acc, float s, float d, float b, float x) {
+  return __fadd_rn(acc, __fmaf_rn(s, d, __fmul_rn(b, x)));
+}
+
+/// One 64-group G of a 16-row tile against up to 8 columns: `col` is this thread's B column
+/// (g's activation pairs in fragment order, or null for a zero column), sum0 / sum1 the Σx of
+/// its output columns 2t and 2t + 1 (0 where unused). acc[0], acc[1]: rows g of columns 2t,
+/// 2t + 1; acc[2], acc[3]: rows g + 8.
+__device__ __forceinline__ void group_columns(const TileView& v, const uint32_t* col, int t, int G, float sum0,
+                                              float sum1, float (&acc)[4]) {
+  uint4 bw0 = make_uint4(0, 0, 0, 0), bw1 = make_uint4(0, 0, 0, 0);
+  if (col) {
+    const uint4* bp = reinterpret_cast<const uint4*>(col + G * 32 + t * 8);
+    bw0 = bp[0];
+    bw1 = bp[1];
+  }
+  float d[4];
+  group_mma(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0,
+            bw1, d);
+  const float s_lo = to_f32(v.s_lo[G]), b_lo = to_f32(v.b_lo[G]), s_hi = to_f32(v.s_hi[G]), b_hi = to_f32(v.b_hi[G]);
+  acc[0] = affine_add(acc[0], s_lo, d[0], b_lo, sum0);
+  acc[1] = affine_add(acc[1], s_lo, d[1], b_lo, sum1);
+  acc[2] = affine_add(acc[2], s_hi, d[2], b_hi, sum0);
+  acc[3] = affine_add(acc[3], s_hi, d[3], b_hi, sum1);
+}
+
+/// Barrier of the four warps of quad `quad` (named barrier 1 + quad, 128 threads).
+__device__ __forceinline__ void quad_sync(int quad) {
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + quad), "r"(kQuadWarps * kWarp) : "memory");
+}
+
+/// grid: blocks ≤ one per SM (all resident), block kBlockThreads. See the file comment.
+template <int RBITS>
+__global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArgs a, MoeLayout l) {
+  extern __shared__ __align__(16) unsigned char sm[];
+  __shared__ uint32_t used[kUsedWords];
+  __shared__ int n_distinct_s;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+  const int G = gridDim.x, b = blockIdx.x, m = l.rows, k = a.top_k, n_sel = l.n_sel, E = a.n_experts;
+  const int n_rt = l.hidden / kTileRows;
+  const int my_rt = b < n_rt ? (n_rt - 1 - b) / G + 1 : 0;  // row tiles b, b + G, …
+  uint64_t* gu_full = reinterpret_cast<uint64_t*>(sm + l.bars);
+  const int QS = l.quad_stages, gu_stages = kQuads * QS;
+  const int quad = warp / kQuadWarps, wq = warp % kQuadWarps;
+  uint64_t* dn_full = gu_full + gu_stages;
+  int32_t* sel_ids = reinterpret_cast<int32_t*>(sm + l.sel_ids);  // [row][slot]
+  float* sel_w = reinterpret_cast<float*>(sm + l.sel_w);
+  int32_t* list = reinterpret_cast<int32_t*>(sm + l.list);        // distinct expert d → expert id
+  int8_t* slot_of = reinterpret_cast<int8_t*>(sm + l.slot_of);    // [d][kMmaCols]
+  int32_t* word_prefix = reinterpret_cast<int32_t*>(sm + l.word_prefix);
+  unsigned char* gu_ring = sm + l.gu_ring;
+  unsigned char* dn_ring = sm + l.dn_ring;
+  const int half_h = l.hidden / 2, half_f = l.ffn / 2;
+
+  trace_point(a, 0);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < gu_stages + l.dn_stages; ++i) mbarrier_init(gu_full + i, 1);
+    mbarrier_init_fence();
+  }
+  for (int i = threadIdx.x; i < l.max_distinct * kMmaCols; i += blockDim.x) slot_of[i] = -1;
+  for (int i = threadIdx.x; i < kUsedWords; i += blockDim.x) used[i] = 0;
+  __syncthreads();
+
+  // 1. Weights whose addresses need no routing, before the wait (launch.cuh): the shared expert
+  // is distinct expert 0, so gate/up tiles j < gu_per_slot and warp 0's first down item are its.
+  // Quad q's n-th gate/up tile is the block's tile i = q + 4n (global j = b + i·G), in its
+  // stage q·QS + n mod QS; the quad's first warp requests its tiles.
+  RouterRows<RBITS> router(a.router, int64_t{b} * kBlockWarps + warp, int64_t{G} * kBlockWarps);
+  if (wq == 0) {
+    for (int n = 0; n < QS; ++n) {
+      const int j = b + (quad + kQuads * n) * G;
+      if (j < l.gu_per_slot) request_gate_up_tile(a, int64_t{E} * l.ffn + int64_t{j} * kExpertRowsPerTile, gu_ring + (quad * QS + n) * l.gu_bytes, gu_full + quad * QS + n);
+    }
+  }
+  if (warp == 0 && my_rt > 0) request_down_tile(a, l, b, E, dn_ring, dn_full);
+  pdl_prologue();
+  trace_point(a, 1);
+
+  // 2. Each row: the normed row (block 0 also stores x_out and normed_out), its fragment-order
+  // copy and group sums, a share of its router logits. Then every block routes the rows.
+  float* xs = reinterpret_cast<float*>(sm + l.xs);
+  float* xsum = xs + l.groups_h * kGroupStride;
+  uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);  // [row][hidden / 2]
+  float* xsums = reinterpret_cast<float*>(sm + l.xsums);         // [row][groups_h]
+  for (int r = 0; r < m; ++r) {
+    FusedNorm norm = a.norm;
+    const int64_t off = int64_t{r} * l.hidden;
+    if (norm.branch) norm.branch += off;
+    norm.x_out += off;
+    norm.normed_out += off;
+    stage_norm_row(a.x + off, norm, l.hidden, b == 0, xs, xsum, kNormThreads);
+    for (int i = threadIdx.x; i < half_h; i += blockDim.x) {
+      const int c = fragment_pair_column(i);
+      const float* xg = xs + (c / kGroup) * kGroupStride + c % kGroup;
+      xperm[r * half_h + i] = pack_bf16x2(xg[0], xg[4]);
+    }
+    for (int i = threadIdx.x; i < l.groups_h; i += blockDim.x) xsums[r * l.groups_h + i] = xsum[i];
+    router.compute(a.router, xs, xsum, a.logits + int64_t{r} * (E + 1), r == 0);
+    __syncthreads();  // xs is staged again for the next row
+  }
+  trace_point(a, 2);
+  trace_point(a, 3);
+  grid_sync(a.barriers, G);
+  trace_point(a, 4);
+  if (warp < m) {
+    const float* logits = a.logits + int64_t{warp} * (E + 1);
+    if (E <= kWarp * kRouteKeysSmall)
+      route_token_keys<kRouteKeysSmall>(logits, E, k, sel_ids + warp * n_sel, sel_w + warp * n_sel);
+    else
+      route_token_keys<kRouteKeysLarge>(logits, E, k, sel_ids + warp * n_sel, sel_w + warp * n_sel);
+  }
+  __syncthreads();
+  // The distinct experts: 0 the shared one, then the routed ones in ascending id (a bitmap and
+  // its prefix counts); slot_of[d][r] is the slot of expert d in row r.
+  for (int i = threadIdx.x; i < m * k; i += blockDim.x) {
+    const int e = sel_ids[(i / k) * n_sel + i % k];
+    atomicOr(&used[e / 32], 1u << (e % 32));
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const int c = __popc(used[lane]);
+    int incl = c;
+#pragma unroll
+    for (int o = 1; o < kWarp; o *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    word_prefix[lane] = incl - c;
+    if (lane == kWarp - 1) n_distinct_s = incl + 1;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < m * n_sel; i += blockDim.x) {
+    const int r = i / n_sel, s = i % n_sel, e = sel_ids[i];
+    const int d = s == k ? 0 : 1 + word_prefix[e / 32] + __popc(used[e / 32] & ((1u << (e % 32)) - 1u));
+    list[d] = s == k ? E : e;  // rows that share an expert write the same value
+    slot_of[d * kMmaCols + r] = static_cast<int8_t>(s);
+    if (b == 0) {
+      a.ids[i] = e;
+      a.weights[i] = sel_w[i];
+    }
+  }
+  __syncthreads();
+  const int nd = n_distinct_s;
+  const int n_gu = nd * l.gu_per_slot;
+  const int my_gu = b < n_gu ? (n_gu - 1 - b) / G + 1 : 0;  // gate/up tiles b, b + G, …
+  const int dn_items = my_rt * nd;                           // (row tile, distinct expert), flattened
+  trace_point(a, 5);
+  if (wq == 0) {
+    for (int n = 0; n < QS && quad + kQuads * n < my_gu; ++n) {
+      const int j = b + (quad + kQuads * n) * G;
+      if (j >= l.gu_per_slot)
+        request_gate_up_tile(a, gate_up_row0(l, j, list), gu_ring + (quad * QS + n) * l.gu_bytes, gu_full + quad * QS + n);
+    }
+  }
+  if (warp > 0 && warp < l.dn_stages && warp < dn_items)
+    request_down_tile(a, l, b + (warp / nd) * G, list[warp % nd], dn_ring + warp * l.dn_bytes, dn_full + warp);
+  trace_point(a, 6);
+
+  // 3. Gate/up: the four quads work on four tiles at once; in a quad, warp w sums its quarter
+  // of the groups for every column, and the quarters add up in warp order. Column c of the MMA
+  // is row c, or zero when row c did not route to the expert.
+  const int per_warp = (l.groups_h + kQuadWarps - 1) / kQuadWarps;
+  const int g_begin = min(l.groups_h, wq * per_warp), g_end = min(l.groups_h, g_begin + per_warp);
+  float* gu_part = reinterpret_cast<float*>(sm + l.gu_part);  // [quad][2][warp of quad][16][m]
+  const int qt = threadIdx.x % (kQuadWarps * kWarp);
+  for (int n = 0, i = quad; i < my_gu; ++n, i += kQuads) {
+    const int st = quad * QS + n % QS, j = b + i * G, d = j / l.gu_per_slot;
+    mbarrier_wait(gu_full + st, (n / QS) & 1);
+    const TileView v = tile_view(gu_ring + st * l.gu_bytes, l.gu_row_bytes, l.groups_h, g, t);
+    const bool active = g < m && slot_of[d * kMmaCols + g] >= 0;
+    const uint32_t* col = active ? xperm + g * half_h : nullptr;
+    const int c0 = 2 * t, c1 = 2 * t + 1;
+    const float* sum0 = c0 < m ? xsums + c0 * l.groups_h : nullptr;
+    const float* sum1 = c1 < m ? xsums + c1 * l.groups_h : nullptr;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int Gi = g_begin; Gi < g_end; ++Gi)
+      group_columns(v, col, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
+    float* part = gu_part + (quad * 2 + (n & 1)) * kQuadWarps * kTileRows * m;  // this tile's partials
+    float* p = part + wq * kTileRows * m;
+    if (c0 < m) {
+      p[g * m + c0] = acc[0];
+      p[(g + 8) * m + c0] = acc[2];
+    }
+    if (c1 < m) {
+      p[g * m + c1] = acc[1];
+      p[(g + 8) * m + c1] = acc[3];
+    }
+    quad_sync(quad);  // the tile's partials are complete and its stage is free
+    if (wq == 0 && i + kQuads * QS < my_gu) {
+      const int jn = j + kQuads * QS * G;
+      request_gate_up_tile(a, gate_up_row0(l, jn, list), gu_ring + st * l.gu_bytes, gu_full + st, true);
+    }
+    if (qt < kExpertRowsPerTile * m) {
+      const int row8 = qt / m, c = qt % m, s = slot_of[d * kMmaCols + c];
+      if (s >= 0) {
+        float gate = 0.0f, up = 0.0f;
+        for (int w = 0; w < kQuadWarps; ++w) {
+          gate = __fadd_rn(gate, part[(w * kTileRows + row8) * m + c]);
+          up = __fadd_rn(up, part[(w * kTileRows + 8 + row8) * m + c]);
+        }
+        const int row = (j % l.gu_per_slot) * kExpertRowsPerTile + row8;
+        a.act[(int64_t{c} * n_sel + s) * l.ffn + row] = to_bf16(__fmul_rn(silu(round_bf16(gate)), round_bf16(up)));
+      }
+    }
+  }
+  trace_point(a, 7);
+  trace_point(a, 8);
+  grid_sync(a.barriers + 1, G);
+  trace_point(a, 9);
+
+  // 4. Down + combine: every (row, slot)'s act (written by other blocks: read through L2, 16
+  // bytes a load), put in fragment order with its group sums; then warp w computes the distinct
+  // experts w, w + S, … of each of the block's row tiles from its own stage, refilled as it goes.
+  uint32_t* aperm = reinterpret_cast<uint32_t*>(sm + l.aperm);  // [(row, slot)][ffn / 2]
+  float* asum = reinterpret_cast<float*>(sm + l.asum);          // [(row, slot)][groups_f]
+  // 16 bytes (8 columns c0 … c0 + 7, c0 a multiple of 8) are exactly the fragment-order pairs
+  // (c0 + s, c0 + s + 4), s < 4, at pair index c0 / 2 (fragment_pair_column): each load is
+  // permuted in registers and stored as one 16-byte word. The 8 chunks of a 64-group sit in 8
+  // consecutive lanes, which add up its Σx.
+  const int chunks_per_pair = l.ffn / 8, n16 = m * n_sel * chunks_per_pair;
+  const uint4* act16 = reinterpret_cast<const uint4*>(a.act);
+  for (int i0 = threadIdx.x; i0 - lane < n16; i0 += kStageBatch * blockDim.x) {  // warp-uniform
+    uint4 v[kStageBatch];
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u)  // every load in flight first
+      if (i0 + u * static_cast<int>(blockDim.x) < n16) v[u] = __ldcg(act16 + i0 + u * blockDim.x);
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int idx = i0 + u * static_cast<int>(blockDim.x);
+      if (idx - lane >= n16) break;  // warp-uniform
+      const int pair = idx / chunks_per_pair, c0 = (idx % chunks_per_pair) * 8;
+      float part = 0.0f;
+      if (idx < n16) {
+        const uint4 w = v[u];
+        *reinterpret_cast<uint4*>(aperm + pair * half_f + c0 / 2) =
+            make_uint4(__byte_perm(w.x, w.z, 0x5410), __byte_perm(w.x, w.z, 0x7632), __byte_perm(w.y, w.w, 0x5410),
+                       __byte_perm(w.y, w.w, 0x7632));
+        const float4 lo = bf16x4_to_f32(w.x, w.y), hi = bf16x4_to_f32(w.z, w.w);
+        part = ((lo.x + lo.y) + (lo.z + lo.w)) + ((hi.x + hi.y) + (hi.z + hi.w));
+      }
+      part = group_sum(part, 8);
+      if (idx < n16 && lane % 8 == 0) asum[pair * l.groups_f + c0 / kGroup] = part;
+    }
+  }
+  __syncthreads();
+  trace_point(a, 10);
+  float* dn_part = reinterpret_cast<float*>(sm + l.dn_part);  // [(row, slot)][16 rows]
+  int used_items = 0;  // this warp's items so far (its stage's phase parity)
+  for (int i = 0; i < my_rt; ++i) {
+    const int rt = b + i * G;
+    if (warp < l.dn_stages) {
+      const int first = i * nd, start = first + ((warp - first) % l.dn_stages + l.dn_stages) % l.dn_stages;
+      for (int q = start; q < first + nd; q += l.dn_stages, ++used_items) {
+        const int d = q - first;
+        mbarrier_wait(dn_full + warp, used_items & 1);
+        const TileView v = tile_view(dn_ring + warp * l.dn_bytes, l.dn_row_bytes, l.groups_f, g, t);
+        const int sg = g < m ? slot_of[d * kMmaCols + g] : -1;
+        const uint32_t* col = sg >= 0 ? aperm + (g * n_sel + sg) * half_f : nullptr;
+        const int c0 = 2 * t, c1 = 2 * t + 1;
+        const int s0 = c0 < m ? slot_of[d * kMmaCols + c0] : -1, s1 = c1 < m ? slot_of[d * kMmaCols + c1] : -1;
+        const float* sum0 = s0 >= 0 ? asum + (c0 * n_sel + s0) * l.groups_f : nullptr;
+        const float* sum1 = s1 >= 0 ? asum + (c1 * n_sel + s1) * l.groups_f : nullptr;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int Gi = 0; Gi < l.groups_f; ++Gi)
+          group_columns(v, col, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
+        if (s0 >= 0) {
+          dn_part[(c0 * n_sel + s0) * kTileRows + g] = round_bf16(acc[0]);
+          dn_part[(c0 * n_sel + s0) * kTileRows + g + 8] = round_bf16(acc[2]);
+        }
+        if (s1 >= 0) {
+          dn_part[(c1 * n_sel + s1) * kTileRows + g] = round_bf16(acc[1]);
+          dn_part[(c1 * n_sel + s1) * kTileRows + g + 8] = round_bf16(acc[3]);
+        }
+        __syncwarp();  // every lane is done with the stage
+        const int qn = q + l.dn_stages;
+        if (qn < dn_items) request_down_tile(a, l, b + (qn / nd) * G, list[qn % nd], dn_ring + warp * l.dn_bytes,
+                                             dn_full + warp, true);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < m * kTileRows) {
+      const int r = threadIdx.x / kTileRows, row = threadIdx.x % kTileRows;
+      float o = 0.0f;
+      for (int s = 0; s < n_sel; ++s)
+        o = __fmaf_rn(sel_w[r * n_sel + s], dn_part[(r * n_sel + s) * kTileRows + row], o);
+      a.out[int64_t{r} * l.hidden + int64_t{rt} * kTileRows + row] = to_bf16(o);
+    }
+    __syncthreads();  // dn_part is reused by the next row tile
+  }
+  trace_point(a, 11);
+}
+
+
+struct MoePlan {
+  std::string why;  ///< "" when the kernel applies
+  int blocks = 0;
+  MoeLayout layout;
+};
+
+/// The launch of `a`, or why it cannot run (see moe_block_rows_unsupported). The ring slots: per quad
+/// as many gate/up stages as it has tiles (≤ kMaxQuadStages), and a down stage per warp (≤ the
+/// distinct experts); fewer where shared memory runs out (gate/up first, to 1 per quad, then
+/// down, to 2).
+MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
+  MoePlan p;
+  const int hidden = a.gate.cols, ffn = a.ffn, E = a.n_experts, k = a.top_k;
+  auto no = [&](std::string why) {
+    p.why = "fused MoE block (rows): " + why;
+    return p;
+  };
+  if (a.rows < 1 || a.rows > kMaxDecodeRows)
+    return no(std::to_string(a.rows) + " rows (1 … " + std::to_string(kMaxDecodeRows) + " supported)");
+  if (std::string why = shape_problem(a); !why.empty()) return no(why);
+  p.blocks = sm_count();
+  if (max_blocks > 0) p.blocks = std::min(p.blocks, max_blocks);
+  const int max_distinct = std::min(a.rows * k, E) + 1;
+  const int gu_tiles = static_cast<int>(ceil_div(int64_t{max_distinct} * (ffn / kExpertRowsPerTile), p.blocks));
+  int qs = static_cast<int>(std::min<int64_t>(ceil_div(gu_tiles, kQuads), kMaxQuadStages));
+  int dn = std::min(kBlockWarps, max_distinct);
+  p.layout = moe_layout(a.rows, hidden, ffn, E, k, qs, dn);
+  while (p.layout.total > kSmemLimit && (qs > 1 || dn > 2)) {
+    if (qs > 1) --qs;
+    else --dn;
+    p.layout = moe_layout(a.rows, hidden, ffn, E, k, qs, dn);
+  }
+  if (p.layout.total > kSmemLimit)
+    return no("a block's expert tiles need " + std::to_string(p.layout.total) + " bytes of shared memory");
+  auto kernel = a.router.bits == 8 ? moe_rows_kernel<8> : moe_rows_kernel<4>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(p.layout.total)));
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, p.layout.total));
+  if (per_sm < 1) return no("a block does not fit on an SM");
+  return p;
+}
+
+}  // namespace
+
+std::string moe_block_rows_unsupported(const MoeDecodeArgs& args, int max_blocks) {
+  return moe_plan(args, max_blocks).why;
+}
+
+void launch_moe_block_rows(const MoeDecodeArgs& a, cudaStream_t stream, int max_blocks) {
+  const MoePlan p = moe_plan(a, max_blocks);
+  if (!p.why.empty()) throw ::lily::Error(p.why);
+  check_buffers(a, "launch_moe_block_rows");
+  launch_pdl(a.router.bits == 8 ? moe_rows_kernel<8> : moe_rows_kernel<4>, dim3(p.blocks), dim3(kBlockThreads),
+             static_cast<size_t>(p.layout.total), stream, a, p.layout);
+}
+
+}  // namespace lily::cuda
