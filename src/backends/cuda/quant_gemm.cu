@@ -42,6 +42,7 @@
 #include <string>
 
 #include "backends/cuda/common.cuh"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/mma.cuh"
 #include "backends/cuda/quant_gemm.h"
 
@@ -348,12 +349,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) quant_gemm_kernel(const GemmP
 template <int BITS, int BM, int BN, Mode MODE, class OutT>
 void launch_tile(const GemmParams& p, dim3 grid, cudaStream_t stream) {
   constexpr size_t smem = gemm_smem_bytes<BITS, BM, BN>();
-  static const bool attr_set = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(quant_gemm_kernel<BITS, BM, BN, MODE, OutT>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    return true;
-  }();
-  (void)attr_set;
+  raise_smem_limit(quant_gemm_kernel<BITS, BM, BN, MODE, OutT>, smem);
   quant_gemm_kernel<BITS, BM, BN, MODE, OutT><<<grid, kGemmThreads, smem, stream>>>(p);
   LILY_CUDA_CHECK_LAUNCH();
 }
