@@ -667,14 +667,8 @@ gated_norm_kernel(int Hv, float eps, const float* __restrict__ norm_w,
   row[m] = to_bf16(y);
 }
 
-[[noreturn]] void fail(const std::string& what) { throw Error("GDN kernels: " + what); }
-
-/// Throws lily::Error with the message (the rest of the arguments) when `ok` is false; the
-/// message is only built on failure, so checks cost nothing on the launch path.
-#define MIXER_REQUIRE(ok, ...) \
-  do {                          \
-    if (!(ok)) fail(__VA_ARGS__); \
-  } while (0)
+/// LILY_CUDA_REQUIRE with this file's prefix.
+#define MIXER_REQUIRE(ok, ...) LILY_CUDA_REQUIRE(ok, "GDN kernels", __VA_ARGS__)
 
 void check_dims(const GdnDims& d) {
   MIXER_REQUIRE(d.key_head_dim == d.value_head_dim && (d.key_head_dim == 64 || d.key_head_dim == 128),

@@ -89,13 +89,6 @@ constexpr size_t gemm_smem_bytes() {
          size_t(kStages) * BN * (kBK * BITS / 32) * sizeof(uint32_t);
 }
 
-template <class OutT>
-__device__ __forceinline__ void store1(OutT* y, int64_t i, float v);
-template <>
-__device__ __forceinline__ void store1<float>(float* y, int64_t i, float v) { y[i] = v; }
-template <>
-__device__ __forceinline__ void store1<bf16>(bf16* y, int64_t i, float v) { y[i] = to_bf16(v); }
-
 /// Stores output columns col, col+1 of one row (masked at n; paired when aligned).
 template <class OutT>
 __device__ __forceinline__ void store_pair(OutT* row, int64_t col, int64_t n, float v0, float v1) {
@@ -103,8 +96,8 @@ __device__ __forceinline__ void store_pair(OutT* row, int64_t col, int64_t n, fl
     if constexpr (sizeof(OutT) == 4) *reinterpret_cast<float2*>(row + col) = make_float2(v0, v1);
     else *reinterpret_cast<__nv_bfloat162*>(row + col) = __floats2bfloat162_rn(v0, v1);
   } else {
-    if (col < n) store1(row, col, v0);
-    if (col + 1 < n) store1(row, col + 1, v1);
+    if (col < n) store_out(row, col, v0);
+    if (col + 1 < n) store_out(row, col + 1, v1);
   }
 }
 

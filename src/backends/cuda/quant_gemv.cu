@@ -28,13 +28,6 @@ constexpr int kGemvThreads = 256;
 constexpr int kRowsUnroll = 4;  // rows per lane-group per step when there are many rows
 constexpr int kMaxCols = 8192;
 
-template <class OutT>
-__device__ __forceinline__ void store_out(OutT* y, int64_t i, float v);
-template <>
-__device__ __forceinline__ void store_out<float>(float* y, int64_t i, float v) { y[i] = v; }
-template <>
-__device__ __forceinline__ void store_out<bf16>(bf16* y, int64_t i, float v) { y[i] = to_bf16(v); }
-
 /// grid (blocks, m); x [m, cols]; y [m, rows]. With norm.gain non-null (m = 1), x goes through
 /// the add + RMSNorm of `norm` first (stage_norm_row); with conv.channels > 0 (m = 1), rows below
 /// it also run the GDN conv step (FusedConv), whose window and taps are loaded before the dot.
