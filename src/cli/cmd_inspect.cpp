@@ -1,13 +1,16 @@
 // `lily inspect DIR [--json]`: loads and validates a checkpoint (model/loader.h) and prints its
-// summary: shape name, layers by type, experts, bits per tensor kind, parameters, bytes on disk,
-// skipped tensors. A checkpoint that fails validation exits 1 with the loader's one-line error;
+// summary: shape name, layers by type, experts, the tensors by role (one walk of the tensor
+// description, model/tensor_table.h: storage, count, parameters, bytes), parameters, bytes on
+// disk, skipped tensors. A checkpoint that fails validation exits 1 with the loader's one-line error;
 // so does one whose tokenizer.json, tokenizer_config.json or chat template `lily serve` would
 // refuse.
 // Sizes are binary (KiB, MiB, GiB: powers of 1024).
+#include <algorithm>
 #include <cstdio>
-#include <map>
 #include <memory>
 #include <string>
+#include <variant>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -23,43 +26,53 @@
 namespace lily::cli {
 namespace {
 
-/// Tensor kind = table name without its "language_model.model.layers.{i}." prefix.
-std::string kind_of(const TensorSpec& spec) {
-  const std::string prefix = "language_model.model.layers.";
-  if (spec.layer < 0 || spec.name.rfind(prefix, 0) != 0) return spec.name;
-  const auto dot = spec.name.find('.', prefix.size());
-  return spec.name.substr(dot + 1);
-}
-
-struct KindSummary {
-  std::string storage;  ///< "q4", "q8", "BF16", "F32"
-  int count = 0;
+/// The tensors of one role (model/tensor_table.h), as found in the validated checkpoint.
+struct RoleSummary {
+  TensorRole role;
+  std::string storage;     ///< "q4", "q8", "BF16", "F32"; "BF16/F32" when its tensors differ
+  int count = 0;           ///< tensors of this role
+  int64_t parameters = 0;  ///< logical elements, summed
+  uint64_t bytes = 0;      ///< bytes stored in the checkpoint (codes + scales + biases for q*)
+  std::string first;       ///< name of its first tensor in table order, e.g. "…layers.0.mlp.gate"
 };
 
-/// Storage of every tensor kind as found in the (validated) checkpoint, in table order.
-std::vector<std::pair<std::string, KindSummary>> summarize_kinds(const ModelWeights& w) {
-  std::vector<std::pair<std::string, KindSummary>> kinds;
-  std::map<std::string, size_t> index;
-  for (const auto& spec : tensor_table(w.config)) {
-    std::string storage = spec.kind == TensorKind::kQuantized
-                              ? "q" + std::to_string(spec.bits)
-                              : dtype_name(w.storage->get(spec.name).dtype);
-    const std::string kind = kind_of(spec);
-    auto [it, inserted] = index.emplace(kind, kinds.size());
-    if (inserted) kinds.push_back({kind, {storage, 0}});
-    auto& entry = kinds[it->second].second;
-    if (entry.storage != storage && entry.storage.find(storage) == std::string::npos)
-      entry.storage += "/" + storage;
-    ++entry.count;
-  }
-  return kinds;
+/// One summary per role, in the order the one tensor description (for_each_tensor over the
+/// loaded weights) first meets each role. Quantized storage is the loaded matrix's bit width,
+/// plain storage the checkpoint's dtype.
+std::vector<RoleSummary> summarize_roles(const ModelWeights& w) {
+  std::vector<RoleSummary> roles;
+  for_each_tensor(w, [&](const TensorSpec& spec, ConstTensorDest dest) {
+    std::string storage;
+    uint64_t bytes = 0;
+    if (const auto* q = std::get_if<const QuantMatrix*>(&dest)) {
+      storage = "q" + std::to_string((*q)->bits);
+      for (const char* part : {".weight", ".scales", ".biases"}) bytes += w.storage->get(spec.name + part).nbytes;
+    } else {
+      const TensorInfo& info = w.storage->get(spec.name);
+      storage = dtype_name(info.dtype);
+      bytes = info.nbytes;
+    }
+    auto it = std::find_if(roles.begin(), roles.end(), [&](const RoleSummary& r) { return r.role == spec.role; });
+    if (it == roles.end()) it = roles.insert(roles.end(), RoleSummary{spec.role, storage, 0, 0, 0, spec.name});
+    if (it->storage != storage && it->storage.find(storage) == std::string::npos) it->storage += "/" + storage;
+    ++it->count;
+    it->parameters += shape_numel(spec.shape);
+    it->bytes += bytes;
+  });
+  return roles;
 }
 
+/// The whole summary as JSON (what --json prints and print_text formats).
 nlohmann::json summary_json(const std::string& dir, const ModelWeights& w, const Tokenizer& tok) {
   const ModelConfig& c = w.config;
-  nlohmann::json kinds = nlohmann::json::array();
-  for (const auto& [kind, s] : summarize_kinds(w))
-    kinds.push_back({{"kind", kind}, {"storage", s.storage}, {"count", s.count}});
+  nlohmann::json roles = nlohmann::json::array();
+  for (const RoleSummary& r : summarize_roles(w))
+    roles.push_back({{"role", role_name(r.role)},
+                     {"storage", r.storage},
+                     {"count", r.count},
+                     {"parameters", r.parameters},
+                     {"bytes", r.bytes},
+                     {"first", r.first}});
   return {
       {"path", dir},
       {"shape_name", c.shape_name()},
@@ -82,7 +95,7 @@ nlohmann::json summary_json(const std::string& dir, const ModelWeights& w, const
        {{"count", c.n_experts}, {"top_k", c.n_experts_per_tok}, {"moe_ffn_dim", c.moe_ffn_dim},
         {"shared_ffn_dim", c.shared_ffn_dim}}},
       {"quantization", {{"mode", "affine"}, {"bits", c.quantization.bits}, {"group_size", c.quantization.group_size}}},
-      {"tensor_kinds", kinds},
+      {"tensor_roles", roles},
       {"parameters", c.parameter_count()},
       {"max_position_embeddings", c.max_position_embeddings},
       {"eos_token_ids", c.eos_token_ids},
@@ -94,6 +107,7 @@ nlohmann::json summary_json(const std::string& dir, const ModelWeights& w, const
   };
 }
 
+/// `v` scaled by `base` into the largest unit of `units` it reaches, e.g. "1.50 MiB".
 std::string human(double v, const char* const units[], int n_units, double base) {
   int u = 0;
   while (v >= base && u + 1 < n_units) v /= base, ++u;
@@ -102,6 +116,7 @@ std::string human(double v, const char* const units[], int n_units, double base)
   return buf;
 }
 
+/// The summary as aligned text, one topic a line.
 void print_text(const nlohmann::json& j) {
   static const char* const kCount[] = {"", "K", "M", "B"};
   static const char* const kBytes[] = {" B", "KiB", "MiB", "GiB", "TiB"};  // base 1024
@@ -126,9 +141,12 @@ void print_text(const nlohmann::json& j) {
               E["top_k"].get<int>(), E["moe_ffn_dim"].get<int>(), E["shared_ffn_dim"].get<int>());
   std::printf("quantization MLX affine, group size %d (q4 = 4-bit, q8 = 8-bit)\n",
               j["quantization"]["group_size"].get<int>());
-  for (const auto& k : j["tensor_kinds"])
-    std::printf("  %-36s %-8s x%d\n", k["kind"].get<std::string>().c_str(), k["storage"].get<std::string>().c_str(),
-                k["count"].get<int>());
+  std::printf("tensors      by role: storage, count, parameters, bytes on disk, first tensor\n");
+  for (const auto& r : j["tensor_roles"])
+    std::printf("  %-20s %-8s x%-4d %9s %11s  %s\n", r["role"].get<std::string>().c_str(),
+                r["storage"].get<std::string>().c_str(), r["count"].get<int>(),
+                human(r["parameters"].get<double>(), kCount, 4, 1000).c_str(),
+                human(r["bytes"].get<double>(), kBytes, 5, 1024).c_str(), r["first"].get<std::string>().c_str());
   std::printf("parameters   %s\n", human(j["parameters"].get<double>(), kCount, 4, 1000).c_str());
   std::printf("on disk      %s in %zu file(s), %zu tensors\n",
               human(j["bytes_on_disk"].get<double>(), kBytes, 5, 1024).c_str(), j["files"].get<size_t>(),

@@ -330,11 +330,7 @@ std::string ModelConfig::shape_name() const {
 
 int64_t ModelConfig::parameter_count() const {
   int64_t total = 0;
-  for (const auto& spec : tensor_table(*this)) {
-    int64_t n = 1;
-    for (int64_t d : spec.shape) n *= d;
-    total += n;
-  }
+  for (const auto& spec : tensor_table(*this)) total += shape_numel(spec.shape);
   return total;
 }
 

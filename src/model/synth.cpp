@@ -260,12 +260,6 @@ const std::vector<PresetDef>& preset_defs() {
 // ---------------------------------------------------------------------------------------------
 // Tensor declarations and work items.
 
-int64_t numel(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
 /// The stored tensors of the table: a quantized spec becomes .weight (U32) / .scales / .biases
 /// (BF16); A_log (kFloat) is written as F32, every other plain tensor as BF16.
 std::vector<TensorDecl> declare_tensors(const std::vector<TensorSpec>& table) {
@@ -303,7 +297,7 @@ std::vector<WorkItem> plan_work(const std::vector<TensorSpec>& table) {
       continue;
     }
     const int64_t cols = spec.shape.back();
-    const int64_t rows = numel(spec.shape) / cols;
+    const int64_t rows = shape_numel(spec.shape) / cols;
     const int64_t per_chunk = std::max<int64_t>(1, kChunkElements / cols);
     uint64_t chunk = 0;
     for (int64_t r = 0; r < rows; r += per_chunk) items.push_back({i, r, std::min(rows, r + per_chunk), chunk++});
@@ -350,7 +344,7 @@ class ItemWriter {
   }
 
   void run_plain(const TensorSpec& spec) {
-    const int64_t n = numel(spec.shape);
+    const int64_t n = shape_numel(spec.shape);
     Rng rng(stream_key(seed_, spec.name, 0));
     const Sampler sample(init_rule(spec));
     floats_.resize(static_cast<size_t>(n));

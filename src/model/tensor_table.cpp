@@ -134,6 +134,35 @@ void for_each_tensor(const ModelWeights& weights, const ConstTensorVisitor& visi
   walk(config, weights, visit);
 }
 
+const char* role_name(TensorRole role) {
+  switch (role) {
+    case R::kEmbedding: return "embedding";
+    case R::kOutputHead: return "output_head";
+    case R::kFinalNorm: return "final_norm";
+    case R::kInputNorm: return "input_norm";
+    case R::kPostAttentionNorm: return "post_attention_norm";
+    case R::kGdnInProj: return "gdn_in_proj";
+    case R::kGdnConv: return "gdn_conv";
+    case R::kGdnALog: return "gdn_a_log";
+    case R::kGdnDtBias: return "gdn_dt_bias";
+    case R::kGdnNorm: return "gdn_norm";
+    case R::kGdnOutProj: return "gdn_out_proj";
+    case R::kAttnInProj: return "attn_in_proj";
+    case R::kAttnQNorm: return "attn_q_norm";
+    case R::kAttnKNorm: return "attn_k_norm";
+    case R::kAttnOutProj: return "attn_out_proj";
+    case R::kRouter: return "router";
+    case R::kSharedExpertGate: return "shared_expert_gate";
+    case R::kExpertsGateProj: return "experts_gate_proj";
+    case R::kExpertsUpProj: return "experts_up_proj";
+    case R::kExpertsDownProj: return "experts_down_proj";
+    case R::kSharedGateProj: return "shared_gate_proj";
+    case R::kSharedUpProj: return "shared_up_proj";
+    case R::kSharedDownProj: return "shared_down_proj";
+  }
+  throw InternalError("role_name: unknown tensor role " + std::to_string(static_cast<int>(role)));
+}
+
 std::vector<TensorSpec> tensor_table(const ModelConfig& config) {
   std::vector<TensorSpec> specs;
   ModelWeights scratch;  // only its (empty) fields are pointed at; nothing is filled
@@ -155,17 +184,18 @@ std::vector<int64_t> group_params_shape(const TensorSpec& spec, int group_size) 
   return shape;
 }
 
+int64_t shape_numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
 int64_t stored_bytes(const TensorSpec& spec, int group_size) {
-  auto numel = [](const std::vector<int64_t>& s) {
-    int64_t n = 1;
-    for (int64_t d : s) n *= d;
-    return n;
-  };
   switch (spec.kind) {
     case TensorKind::kQuantized:
-      return numel(packed_codes_shape(spec)) * 4 + 2 * numel(group_params_shape(spec, group_size)) * 2;
-    case TensorKind::kBf16: return numel(spec.shape) * 2;
-    case TensorKind::kFloat: return numel(spec.shape) * 4;
+      return shape_numel(packed_codes_shape(spec)) * 4 + 2 * shape_numel(group_params_shape(spec, group_size)) * 2;
+    case TensorKind::kBf16: return shape_numel(spec.shape) * 2;
+    case TensorKind::kFloat: return shape_numel(spec.shape) * 4;
   }
   return 0;
 }

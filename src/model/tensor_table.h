@@ -1,8 +1,9 @@
 // The tensor table: the one description of the tensors a ModelConfig implies, in the MLX layout
 // (docs/model.md §2.3), each with its role and the field of ModelWeights it lands in.
 // for_each_tensor is that description; the loader fills ModelWeights by walking it, the CUDA
-// upload walks the loaded weights (the const overload), and tensor_table (its specs without
-// destinations) is what `lily synth` writes and `lily inspect` and byte accounting iterate.
+// upload and `lily inspect` walk the loaded weights (the const overload) by role, and
+// tensor_table (its specs without destinations) is what `lily synth` writes and byte accounting
+// iterates.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -51,6 +52,10 @@ enum class TensorRole {
   kSharedUpProj,       ///< the shared expert's up_proj
   kSharedDownProj,     ///< the shared expert's down_proj
 };
+
+/// The role's name: its enumerator in snake case without the k ("gdn_in_proj" for kGdnInProj),
+/// distinct per role; what `lily inspect` groups tensors under.
+const char* role_name(TensorRole role);
 
 /// One logical tensor. For kQuantized, `name` is the base name (without .weight) and `shape` is
 /// the logical [.., out, in] shape (3-D for stacked experts); the stored shapes follow from `bits`.
@@ -101,6 +106,9 @@ void for_each_tensor(const ModelWeights& weights, const ConstTensorVisitor& visi
 /// for_each_tensor does.
 std::vector<TensorSpec> tensor_table(const ModelConfig& config);
 
+/// Elements of a shape (the product of its dimensions; 1 for []). For a spec's logical shape,
+/// its parameter count.
+int64_t shape_numel(const std::vector<int64_t>& shape);
 /// Stored shape of the U32 codes of a quantized spec: [.., out, in·bits/32].
 std::vector<int64_t> packed_codes_shape(const TensorSpec& spec);
 /// Stored shape of the BF16 scales/biases of a quantized spec: [.., out, in/64].

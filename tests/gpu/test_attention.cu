@@ -16,7 +16,7 @@
 #include "backends/cpu/ops.h"
 #include "backends/cuda/device_buffer.h"
 #include "backends/cuda/kernels.h"
-#include "device_io.h"
+#include "gpu_test_util.h"
 #include "backends/cuda/mixer_kernels.h"
 #include "base/bf16.h"
 
@@ -449,19 +449,8 @@ TEST(AttentionTiming, PrintsKernelTimes) {
   const int splits = cuda::attention_decode_splits(len);
   const size_t ws_bytes = cuda::attention_decode_workspace_bytes(dims, splits);
   DeviceBuffer d_ws(ws_bytes);
-  cudaEvent_t e0, e1;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
-  auto time_ms = [&](auto&& fn, int reps) {
-    fn();
-    CUDA_CHECK(cudaEventRecord(e0));
-    for (int i = 0; i < reps; ++i) fn();
-    CUDA_CHECK(cudaEventRecord(e1));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    return ms / reps;
-  };
+  // Mean ms of one call over `reps` after one warm-up (events on the default stream).
+  auto time_ms = [](auto&& fn, int reps) { return static_cast<float>(test::events_us(nullptr, 1, reps, fn) / 1000.0); };
   const float decode_us = 1000 * time_ms([&] {
     cuda::attention_decode(dims, d_q.as<bf16_t>(), nullptr, cache.view(), len, nullptr, splits,
                            d_ws.as<float>(), ws_bytes, d_out.as<bf16_t>(), nullptr);
@@ -488,8 +477,6 @@ TEST(AttentionTiming, PrintsKernelTimes) {
               (long long)len, splits, decode_us, T, row_ms, tflops(T, 0, row_ms), flash_ms, tflops(T, 0, flash_ms),
               (long long)deep, flash_deep_ms, tflops(2048, deep, flash_deep_ms));
   for (float v : download_bf16(d_out.as<bf16_t>(), int64_t(T) * nq * D)) ASSERT_TRUE(std::isfinite(v));
-  CUDA_CHECK(cudaEventDestroy(e0));
-  CUDA_CHECK(cudaEventDestroy(e1));
 }
 
 }  // namespace

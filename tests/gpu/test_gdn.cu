@@ -12,7 +12,7 @@
 
 #include "backends/cpu/ops.h"
 #include "backends/cuda/device_buffer.h"
-#include "device_io.h"
+#include "gpu_test_util.h"
 #include "backends/cuda/kernels.h"
 #include "backends/cuda/mixer_kernels.h"
 #include "base/bf16.h"
@@ -412,19 +412,8 @@ TEST(GdnTiming, PrintsKernelTimes) {
   DeviceBuffer d_state = upload_f32(normal(d.state_elems(), rng, 0.0f, 0.3f));
   DeviceBuffer d_out(size_t(T) * V * 2);
   const __nv_bfloat16* zp = d_zab.as<__nv_bfloat16>();
-  cudaEvent_t e0, e1;
-  CUDA_CHECK(cudaEventCreate(&e0));
-  CUDA_CHECK(cudaEventCreate(&e1));
-  auto time_ms = [&](auto&& fn, int reps) {
-    fn();
-    CUDA_CHECK(cudaEventRecord(e0));
-    for (int i = 0; i < reps; ++i) fn();
-    CUDA_CHECK(cudaEventRecord(e1));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    return ms / reps;
-  };
+  // Mean ms of one call over `reps` after one warm-up (events on the default stream).
+  auto time_ms = [](auto&& fn, int reps) { return static_cast<float>(test::events_us(nullptr, 1, reps, fn) / 1000.0); };
   const float prefill_ms = time_ms([&] {
     cuda::gdn_prefill(d, fx.params(), T, d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv, zab_stride,
                       d_state.as<float>(), d_out.as<__nv_bfloat16>(), nullptr);
@@ -448,8 +437,6 @@ TEST(GdnTiming, PrintsKernelTimes) {
               prefill_ms, decode_us);
   for (float v : download_bf16(d_out, V)) ASSERT_TRUE(std::isfinite(v));
   for (float v : download_f32(d_state, d.state_elems())) ASSERT_TRUE(std::isfinite(v));
-  CUDA_CHECK(cudaEventDestroy(e0));
-  CUDA_CHECK(cudaEventDestroy(e1));
 }
 
 }  // namespace

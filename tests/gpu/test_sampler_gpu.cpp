@@ -251,20 +251,10 @@ TEST(DeviceSampler, TimingOneRowFullVocab) {
     const cuda::SampleRowArgs a = row.prepare(x, c.p, h, 7);
     DeviceBuffer d(sizeof(a));
     CUDA_CHECK(cudaMemcpy(d.data(), &a, sizeof(a), cudaMemcpyHostToDevice));
-    cudaEvent_t e0, e1;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    for (int i = 0; i < 5; ++i) cuda::launch_sample_rows(d.as<cuda::SampleRowArgs>(), 1, kVocab, nullptr);
-    const int iters = 50;
-    CUDA_CHECK(cudaEventRecord(e0));
-    for (int i = 0; i < iters; ++i) cuda::launch_sample_rows(d.as<cuda::SampleRowArgs>(), 1, kVocab, nullptr);
-    CUDA_CHECK(cudaEventRecord(e1));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    std::printf("device sampler, one row, vocab %d, %s: %.1f us per row\n", kVocab, c.name, 1000.0 * ms / iters);
-    CUDA_CHECK(cudaEventDestroy(e0));
-    CUDA_CHECK(cudaEventDestroy(e1));
+    const double us = events_us(nullptr, 5, 50, [&] {
+      cuda::launch_sample_rows(d.as<cuda::SampleRowArgs>(), 1, kVocab, nullptr);
+    });
+    std::printf("device sampler, one row, vocab %d, %s: %.1f us per row\n", kVocab, c.name, us);
   }
 }
 

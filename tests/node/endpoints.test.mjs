@@ -3,8 +3,9 @@
 // the Hugging Face tokenizer and chat template, GET /version, CORS (--allowed-origins), request
 // ids, the new /metrics series, and the small HTTP findings (505, Date, absolute-form targets,
 // Expect, --port abc).
+// Each suite shares one server (serverForSuite).
 // Run: LILY_BIN=build/lily node --test tests/node/endpoints.test.mjs
-import { after, before, describe, it } from 'node:test';
+import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import fs from 'node:fs';
@@ -14,7 +15,7 @@ import OpenAI from 'openai';
 import { Template } from '@huggingface/jinja';
 import { Tokenizer } from 'tokenizers';
 import {
-  LILY_BIN, MODEL, MODEL_DIR, SOURCE_DIR, metrics, parseSse, rawRequest, startServer, stopServer,
+  LILY_BIN, MODEL, MODEL_DIR, SOURCE_DIR, metrics, parseSse, rawRequest, serverForSuite,
 } from './server_harness.mjs';
 
 const KEY = 'endpoints-test-key';
@@ -61,17 +62,11 @@ function rawExchange(server, text, { timeoutMs = 5000, endAfterWrite = false } =
 }
 
 describe('completions, tokenize, version, CORS and API keys (--api-key, --allowed-origins)', () => {
-  let server;
-  let openai;
-  before(async () => {
-    server = await startServer(['--api-key', KEY, '--allowed-origins', `${ORIGIN}, http://other.example`]);
-    openai = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: KEY, maxRetries: 0 });
-  });
-  after(async () => stopServer(server));
+  const suite = serverForSuite(['--api-key', KEY, '--allowed-origins', `${ORIGIN}, http://other.example`], { apiKey: KEY });
 
   it('POST /v1/completions with token ids reproduces the chat golden (same engine path)', async () => {
     const g = golden.goldens[0];
-    const res = await openai.completions.create({ model: MODEL, prompt: g.prompt_ids, max_tokens: 64 });
+    const res = await suite.openai.completions.create({ model: MODEL, prompt: g.prompt_ids, max_tokens: 64 });
     assert.match(res.id, /^cmpl-/);
     assert.equal(res.object, 'text_completion');
     assert.equal(res.model, MODEL);
@@ -89,20 +84,20 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
   it('POST /v1/completions with a text prompt: special-token strings become control tokens', async () => {
     const g = golden.goldens[0];
     // The chat prompt as text (detokenize keeps special tokens) encodes back to the same ids.
-    const text = (await post(server, '/detokenize', { tokens: g.prompt_ids })).json.prompt;
+    const text = (await post(suite.server, '/detokenize', { tokens: g.prompt_ids })).json.prompt;
     assert.match(text, /^<\|im_start\|>user\n/);
-    const res = await openai.completions.create({ model: MODEL, prompt: text, max_tokens: 16 });
+    const res = await suite.openai.completions.create({ model: MODEL, prompt: text, max_tokens: 16 });
     assert.equal(res.usage.prompt_tokens, g.prompt_ids.length);
-    assert.equal(res.choices[0].text, (await openai.completions.create({ model: MODEL, prompt: [g.prompt_ids], max_tokens: 16 })).choices[0].text);
+    assert.equal(res.choices[0].text, (await suite.openai.completions.create({ model: MODEL, prompt: [g.prompt_ids], max_tokens: 16 })).choices[0].text);
     assert.ok(g.text.startsWith(res.choices[0].text), JSON.stringify(res.choices[0].text));
     // A one-element array of text is the same prompt.
-    const one = await openai.completions.create({ model: MODEL, prompt: [text], max_tokens: 16 });
+    const one = await suite.openai.completions.create({ model: MODEL, prompt: [text], max_tokens: 16 });
     assert.equal(one.choices[0].text, res.choices[0].text);
   });
 
   it('streams /v1/completions as text_completion chunks ending in [DONE], with usage when asked', async () => {
     const g = golden.goldens[0];
-    const stream = await openai.completions.create({
+    const stream = await suite.openai.completions.create({
       model: MODEL, prompt: g.prompt_ids, max_tokens: 64, stream: true, stream_options: { include_usage: true },
     });
     const chunks = [];
@@ -123,7 +118,7 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
     assert.equal(last.usage.prompt_tokens, g.prompt_ids.length);
     assert.equal(last.usage.completion_tokens, 64);
     // Raw: the wire format ends with data: [DONE] and carries the request id.
-    const raw = await post(server, '/v1/completions', { model: MODEL, prompt: 'Hello', max_tokens: 4, stream: true });
+    const raw = await post(suite.server, '/v1/completions', { model: MODEL, prompt: 'Hello', max_tokens: 4, stream: true });
     assert.equal(raw.status, 200);
     assert.match(raw.headers['content-type'], /^text\/event-stream/);
     assert.match(raw.headers['x-request-id'], /^req_[0-9a-f]{16}$/);
@@ -133,111 +128,111 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
   it('stop strings end a completion and are cut off', async () => {
     const g = golden.goldens[0];
     const stop = g.text.slice(20, 26);
-    const res = await openai.completions.create({ model: MODEL, prompt: g.prompt_ids, max_tokens: 64, stop });
+    const res = await suite.openai.completions.create({ model: MODEL, prompt: g.prompt_ids, max_tokens: 64, stop });
     assert.equal(res.choices[0].finish_reason, 'stop');
     assert.equal(res.choices[0].text, g.text.slice(0, g.text.indexOf(stop)));
   });
 
   it('/v1/completions validates like chat: 400 naming the field, 404 for the model', async () => {
     const base = { model: MODEL, prompt: 'hi', max_tokens: 4 };
-    assertError(await post(server, '/v1/completions', { ...base, echo: true }), 400, 'echo', 'unsupported_value');
-    assertError(await post(server, '/v1/completions', { ...base, prompt: ['a', 'b'] }), 400, 'prompt', 'unsupported_value');
-    assertError(await post(server, '/v1/completions', { ...base, prompt: [1, 999999] }), 400, 'prompt[1]');
-    assertError(await post(server, '/v1/completions', { ...base, prompt: [[1, -2]] }), 400, 'prompt[0][1]');
-    assertError(await post(server, '/v1/completions', { ...base, prompt: '' }), 400, 'prompt');
-    assertError(await post(server, '/v1/completions', { ...base, prompt: 5 }), 400, 'prompt', 'invalid_type');
-    assertError(await post(server, '/v1/completions', { model: MODEL }), 400, 'prompt', 'missing_required_parameter');
-    assertError(await post(server, '/v1/completions', { ...base, max_tokens: 0 }), 400, 'max_tokens');
-    assertError(await post(server, '/v1/completions', { ...base, max_tokens: 100000 }), 400, 'max_tokens', 'context_length_exceeded');
-    assertError(await post(server, '/v1/completions', { ...base, temperature: 2.5 }), 400, 'temperature', 'invalid_value');
-    assertError(await post(server, '/v1/completions', { ...base, n: 2 }), 400, 'n', 'unsupported_value');
+    assertError(await post(suite.server, '/v1/completions', { ...base, echo: true }), 400, 'echo', 'unsupported_value');
+    assertError(await post(suite.server, '/v1/completions', { ...base, prompt: ['a', 'b'] }), 400, 'prompt', 'unsupported_value');
+    assertError(await post(suite.server, '/v1/completions', { ...base, prompt: [1, 999999] }), 400, 'prompt[1]');
+    assertError(await post(suite.server, '/v1/completions', { ...base, prompt: [[1, -2]] }), 400, 'prompt[0][1]');
+    assertError(await post(suite.server, '/v1/completions', { ...base, prompt: '' }), 400, 'prompt');
+    assertError(await post(suite.server, '/v1/completions', { ...base, prompt: 5 }), 400, 'prompt', 'invalid_type');
+    assertError(await post(suite.server, '/v1/completions', { model: MODEL }), 400, 'prompt', 'missing_required_parameter');
+    assertError(await post(suite.server, '/v1/completions', { ...base, max_tokens: 0 }), 400, 'max_tokens');
+    assertError(await post(suite.server, '/v1/completions', { ...base, max_tokens: 100000 }), 400, 'max_tokens', 'context_length_exceeded');
+    assertError(await post(suite.server, '/v1/completions', { ...base, temperature: 2.5 }), 400, 'temperature', 'invalid_value');
+    assertError(await post(suite.server, '/v1/completions', { ...base, n: 2 }), 400, 'n', 'unsupported_value');
     // Sampling fields work as in chat: the same seed gives the same text.
-    const s1 = await post(server, '/v1/completions', { ...base, temperature: 1, seed: 7 });
-    const s2 = await post(server, '/v1/completions', { ...base, temperature: 1, seed: 7 });
+    const s1 = await post(suite.server, '/v1/completions', { ...base, temperature: 1, seed: 7 });
+    const s2 = await post(suite.server, '/v1/completions', { ...base, temperature: 1, seed: 7 });
     assert.equal(s1.status, 200, s1.body);
     assert.equal(JSON.parse(s1.body).choices[0].text, JSON.parse(s2.body).choices[0].text);
-    assertError(await post(server, '/v1/completions', { ...base, suffix: 'x' }), 400, 'suffix', 'unsupported_parameter');
-    assertError(await post(server, '/v1/completions', { ...base, frobnicate: 1 }), 400, 'frobnicate', 'unknown_parameter');
-    assertError(await post(server, '/v1/completions', { ...base, model: 'gpt-3.5-turbo-instruct' }), 404, 'model', 'model_not_found');
-    assertError(await post(server, '/v1/completions', '{"model":'), 400, null, 'invalid_json');
+    assertError(await post(suite.server, '/v1/completions', { ...base, suffix: 'x' }), 400, 'suffix', 'unsupported_parameter');
+    assertError(await post(suite.server, '/v1/completions', { ...base, frobnicate: 1 }), 400, 'frobnicate', 'unknown_parameter');
+    assertError(await post(suite.server, '/v1/completions', { ...base, model: 'gpt-3.5-turbo-instruct' }), 404, 'model', 'model_not_found');
+    assertError(await post(suite.server, '/v1/completions', '{"model":'), 400, null, 'invalid_json');
     // Accepted no-ops of the legacy API.
-    const ok = await post(server, '/v1/completions', { ...base, echo: false, best_of: 1, logprobs: null, n: 1, suffix: null });
+    const ok = await post(suite.server, '/v1/completions', { ...base, echo: false, best_of: 1, logprobs: null, n: 1, suffix: null });
     assert.equal(ok.status, 200, ok.body);
-    await assert.rejects(openai.completions.create({ ...base, echo: true }),
+    await assert.rejects(suite.openai.completions.create({ ...base, echo: true }),
       (e) => e instanceof OpenAI.BadRequestError && e.param === 'echo');
   });
 
   it('POST /tokenize matches the Hugging Face tokenizer; /detokenize round-trips', async () => {
     for (const text of ['Hello world', 'CMake target_link_libraries(app PRIVATE lib)', 'naïve café — 東京 🚀', ' two  spaces\n']) {
-      const res = await post(server, '/tokenize', { prompt: text });
+      const res = await post(suite.server, '/tokenize', { prompt: text });
       assert.equal(res.status, 200, res.body);
       assert.deepEqual(Object.keys(res.json), ['count', 'max_model_len', 'tokens']);
       assert.deepEqual(res.json.tokens, await hfIds(text), text);
       assert.equal(res.json.count, res.json.tokens.length);
       assert.equal(res.json.max_model_len, 4096);
-      const back = await post(server, '/detokenize', { tokens: res.json.tokens });
+      const back = await post(suite.server, '/detokenize', { tokens: res.json.tokens });
       assert.equal(back.status, 200, back.body);
       assert.deepEqual(back.json, { prompt: text });
     }
     // add_special_tokens is accepted (this tokenizer adds none); special strings are control tokens.
-    const special = await post(server, '/tokenize', { prompt: '<|im_start|>user', add_special_tokens: false });
+    const special = await post(suite.server, '/tokenize', { prompt: '<|im_start|>user', add_special_tokens: false });
     assert.deepEqual(special.json.tokens, await hfIds('<|im_start|>user'));
     assert.equal(special.json.tokens[0], 8188);
   });
 
   it('POST /tokenize with messages renders the chat template, with or without the generation prompt', async () => {
     const g = golden.goldens[0];
-    const withPrompt = await post(server, '/tokenize', { messages: g.messages });
+    const withPrompt = await post(suite.server, '/tokenize', { messages: g.messages });
     assert.equal(withPrompt.status, 200, withPrompt.body);
     assert.deepEqual(withPrompt.json.tokens, g.prompt_ids);
     const conversation = [...g.messages, { role: 'assistant', content: 'It adds an executable target.' }];
-    const without = await post(server, '/tokenize', { messages: conversation, add_generation_prompt: false });
+    const without = await post(suite.server, '/tokenize', { messages: conversation, add_generation_prompt: false });
     assert.equal(without.status, 200, without.body);
     const rendered = demoTemplate.render({ messages: conversation, add_generation_prompt: false });
     assert.deepEqual(without.json.tokens, await hfIds(rendered));
-    const noSuffix = await post(server, '/tokenize', { messages: g.messages, add_generation_prompt: false });
+    const noSuffix = await post(suite.server, '/tokenize', { messages: g.messages, add_generation_prompt: false });
     assert.deepEqual(noSuffix.json.tokens, g.prompt_ids.slice(0, noSuffix.json.count));
     assert.ok(noSuffix.json.count < g.prompt_ids.length);
-    assertError(await post(server, '/tokenize', { messages: conversation }), 400, 'messages[1].role');
+    assertError(await post(suite.server, '/tokenize', { messages: conversation }), 400, 'messages[1].role');
   });
 
   it('/tokenize and /detokenize reject bad input with 400 naming the field', async () => {
-    assertError(await post(server, '/detokenize', { tokens: [1, 8192] }), 400, 'tokens[1]');
-    assertError(await post(server, '/detokenize', { tokens: [1, 2.5] }), 400, 'tokens[1]', 'invalid_type');
-    assertError(await post(server, '/detokenize', { tokens: 'abc' }), 400, 'tokens', 'invalid_type');
-    assertError(await post(server, '/detokenize', {}), 400, 'tokens', 'missing_required_parameter');
-    assertError(await post(server, '/detokenize', { tokens: [1], model: 'other' }), 404, 'model', 'model_not_found');
-    assertError(await post(server, '/tokenize', {}), 400, 'prompt', 'missing_required_parameter');
-    assertError(await post(server, '/tokenize', { prompt: 'a', messages: [] }), 400, 'messages');
-    assertError(await post(server, '/tokenize', { prompt: 7 }), 400, 'prompt', 'invalid_type');
-    assertError(await post(server, '/tokenize', { prompt: 'a', add_special_tokens: 'yes' }), 400, 'add_special_tokens');
-    assertError(await post(server, '/tokenize', { prompt: 'a', extra: 1 }), 400, 'extra', 'unknown_parameter');
-    const named = await post(server, '/tokenize', { prompt: 'a', model: MODEL });
+    assertError(await post(suite.server, '/detokenize', { tokens: [1, 8192] }), 400, 'tokens[1]');
+    assertError(await post(suite.server, '/detokenize', { tokens: [1, 2.5] }), 400, 'tokens[1]', 'invalid_type');
+    assertError(await post(suite.server, '/detokenize', { tokens: 'abc' }), 400, 'tokens', 'invalid_type');
+    assertError(await post(suite.server, '/detokenize', {}), 400, 'tokens', 'missing_required_parameter');
+    assertError(await post(suite.server, '/detokenize', { tokens: [1], model: 'other' }), 404, 'model', 'model_not_found');
+    assertError(await post(suite.server, '/tokenize', {}), 400, 'prompt', 'missing_required_parameter');
+    assertError(await post(suite.server, '/tokenize', { prompt: 'a', messages: [] }), 400, 'messages');
+    assertError(await post(suite.server, '/tokenize', { prompt: 7 }), 400, 'prompt', 'invalid_type');
+    assertError(await post(suite.server, '/tokenize', { prompt: 'a', add_special_tokens: 'yes' }), 400, 'add_special_tokens');
+    assertError(await post(suite.server, '/tokenize', { prompt: 'a', extra: 1 }), 400, 'extra', 'unknown_parameter');
+    const named = await post(suite.server, '/tokenize', { prompt: 'a', model: MODEL });
     assert.equal(named.status, 200);
-    const get = await rawRequest(server, 'GET', '/tokenize', { headers: auth });
+    const get = await rawRequest(suite.server, 'GET', '/tokenize', { headers: auth });
     assert.equal(get.status, 405);
     assert.equal(get.headers.allow, 'POST');
-    assert.equal((await rawRequest(server, 'POST', '/tokenize', { body: '{}' })).status, 401);
+    assert.equal((await rawRequest(suite.server, 'POST', '/tokenize', { body: '{}' })).status, 401);
   });
 
   it('GET /version answers the build, the same as lily_build_info', async () => {
-    const res = await rawRequest(server, 'GET', '/version', { headers: auth });
+    const res = await rawRequest(suite.server, 'GET', '/version', { headers: auth });
     assert.equal(res.status, 200);
     const v = JSON.parse(res.body);
     assert.match(v.version, /^\d+\.\d+\.\d+$/);
     assert.equal(typeof v.commit, 'string');
     assert.equal(typeof v.cuda, 'boolean');
     assert.ok(v.build_type.length > 0 && v.compiler.length > 0);
-    const m = await metrics(server, auth);
+    const m = await metrics(suite.server, auth);
     const info = [...m.keys()].find((k) => k.startsWith('lily_build_info{'));
     assert.ok(info, 'lily_build_info is exported');
     assert.equal(m.get(info), 1);
     assert.ok(info.includes(`version="${v.version}"`) && info.includes(`commit="${v.commit}"`), info);
-    assert.equal((await rawRequest(server, 'GET', '/version')).status, 401);
+    assert.equal((await rawRequest(suite.server, 'GET', '/version')).status, 401);
   });
 
   it('CORS preflight from an allowed origin gets 204 with the allow headers, before the key check', async () => {
-    const res = await rawRequest(server, 'OPTIONS', '/v1/chat/completions', {
+    const res = await rawRequest(suite.server, 'OPTIONS', '/v1/chat/completions', {
       headers: {
         Origin: ORIGIN, 'Access-Control-Request-Method': 'POST',
         'Access-Control-Request-Headers': 'authorization, content-type, x-stainless-os',
@@ -252,7 +247,7 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
     assert.equal(res.headers['access-control-allow-headers'], 'authorization, content-type, x-stainless-os');
     assert.ok(Number(res.headers['access-control-max-age']) > 0);
     // Without requested headers the usual ones are allowed.
-    const plain = await rawRequest(server, 'OPTIONS', '/v1/models', {
+    const plain = await rawRequest(suite.server, 'OPTIONS', '/v1/models', {
       headers: { Origin: 'http://other.example', 'Access-Control-Request-Method': 'GET' },
     });
     assert.equal(plain.status, 204);
@@ -263,50 +258,50 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
   });
 
   it('CORS: a non-matching origin gets no CORS headers; allowed origins see ACAO on every answer', async () => {
-    const denied = await rawRequest(server, 'OPTIONS', '/v1/chat/completions', {
+    const denied = await rawRequest(suite.server, 'OPTIONS', '/v1/chat/completions', {
       headers: { Origin: 'http://evil.example', 'Access-Control-Request-Method': 'POST' },
     });
     for (const name of Object.keys(denied.headers)) assert.ok(!name.startsWith('access-control-'), name);
-    const deniedGet = await rawRequest(server, 'GET', '/v1/models', { headers: { ...auth, Origin: 'http://evil.example' } });
+    const deniedGet = await rawRequest(suite.server, 'GET', '/v1/models', { headers: { ...auth, Origin: 'http://evil.example' } });
     assert.equal(deniedGet.status, 200);
     for (const name of Object.keys(deniedGet.headers)) assert.ok(!name.startsWith('access-control-'), name);
-    const prefix = await rawRequest(server, 'GET', '/v1/models', { headers: { ...auth, Origin: `${ORIGIN}.evil.example` } });
+    const prefix = await rawRequest(suite.server, 'GET', '/v1/models', { headers: { ...auth, Origin: `${ORIGIN}.evil.example` } });
     assert.equal(prefix.headers['access-control-allow-origin'], undefined);
-    const ok = await rawRequest(server, 'GET', '/v1/models', { headers: { ...auth, Origin: ORIGIN } });
+    const ok = await rawRequest(suite.server, 'GET', '/v1/models', { headers: { ...auth, Origin: ORIGIN } });
     assert.equal(ok.headers['access-control-allow-origin'], ORIGIN);
     assert.match(ok.headers['access-control-expose-headers'], /X-Request-Id/i);
     assert.match(ok.headers['access-control-expose-headers'], /Retry-After/i);
     // An error (no key) is readable by the page too.
-    const noKey = await rawRequest(server, 'GET', '/v1/models', { headers: { Origin: ORIGIN } });
+    const noKey = await rawRequest(suite.server, 'GET', '/v1/models', { headers: { Origin: ORIGIN } });
     assert.equal(noKey.status, 401);
     assert.equal(noKey.headers['access-control-allow-origin'], ORIGIN);
     // A stream, too.
-    const stream = await post(server, '/v1/completions', { model: MODEL, prompt: 'Hi', max_tokens: 2, stream: true }, { Origin: ORIGIN });
+    const stream = await post(suite.server, '/v1/completions', { model: MODEL, prompt: 'Hi', max_tokens: 2, stream: true }, { Origin: ORIGIN });
     assert.equal(stream.headers['access-control-allow-origin'], ORIGIN);
   });
 
   it('X-Request-Id: a well-formed client id is echoed and logged; others are replaced', async () => {
     const id = 'client-Trace_01.a:b';
-    const res = await post(server, '/v1/completions', { model: MODEL, prompt: 'Hi', max_tokens: 2 }, { 'X-Request-Id': id });
+    const res = await post(suite.server, '/v1/completions', { model: MODEL, prompt: 'Hi', max_tokens: 2 }, { 'X-Request-Id': id });
     assert.equal(res.status, 200);
     assert.equal(res.headers['x-request-id'], id);
     for (const bad of ['has space', 'x'.repeat(129), 'semi;colon', '']) {
-      const r = await rawRequest(server, 'GET', '/v1/models', { headers: { ...auth, 'X-Request-Id': bad } });
+      const r = await rawRequest(suite.server, 'GET', '/v1/models', { headers: { ...auth, 'X-Request-Id': bad } });
       assert.match(r.headers['x-request-id'], /^req_[0-9a-f]{16}$/, bad);
     }
     const long = 'y'.repeat(128);
-    assert.equal((await rawRequest(server, 'GET', '/v1/models', { headers: { ...auth, 'X-Request-Id': long } })).headers['x-request-id'], long);
-    const a = await rawRequest(server, 'GET', '/nowhere', { headers: auth });
-    const b = await rawRequest(server, 'GET', '/nowhere', { headers: auth });
+    assert.equal((await rawRequest(suite.server, 'GET', '/v1/models', { headers: { ...auth, 'X-Request-Id': long } })).headers['x-request-id'], long);
+    const a = await rawRequest(suite.server, 'GET', '/nowhere', { headers: auth });
+    const b = await rawRequest(suite.server, 'GET', '/nowhere', { headers: auth });
     assert.equal(a.status, 404);
     assert.match(a.headers['x-request-id'], /^req_[0-9a-f]{16}$/);
     assert.notEqual(a.headers['x-request-id'], b.headers['x-request-id']);
     // Errors name it in the log line.
-    const bad = await post(server, '/v1/completions', { model: MODEL, prompt: 'Hi', echo: true }, { 'X-Request-Id': 'echo-err-7' });
+    const bad = await post(suite.server, '/v1/completions', { model: MODEL, prompt: 'Hi', echo: true }, { 'X-Request-Id': 'echo-err-7' });
     assert.equal(bad.headers['x-request-id'], 'echo-err-7');
     await new Promise((r) => setTimeout(r, 50));
-    assert.match(server.log, new RegExp(`POST /v1/completions 200 \\d+ms .*id=${id.replace(/\./g, '\\.')}\\n`));
-    assert.match(server.log, /POST \/v1\/completions 400 \d+ms error="[^"]*echo[^"]*" id=echo-err-7\n/);
+    assert.match(suite.server.log, new RegExp(`POST /v1/completions 200 \\d+ms .*id=${id.replace(/\./g, '\\.')}\\n`));
+    assert.match(suite.server.log, /POST \/v1\/completions 400 \d+ms error="[^"]*echo[^"]*" id=echo-err-7\n/);
   });
 
   it('a NUL byte in the model name is kept in the error body and escaped in the log line', async () => {
@@ -316,13 +311,13 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
       ['/v1/completions', { model: 'c\u0000d', prompt: 'Hi' }],
     ]) {
       const id = `nul-${route.length}`;
-      const res = await post(server, route, body, { 'X-Request-Id': id });
+      const res = await post(suite.server, route, body, { 'X-Request-Id': id });
       assertError(res, 404, 'model', 'model_not_found');
       assert.ok(res.json.error.message.startsWith(`the model '${body.model}' does not exist`), res.body);
       assert.match(res.body, /\\u0000/);
-      for (let i = 0; i < 50 && !server.log.includes(`id=${id}\n`); i++) await new Promise((r) => setTimeout(r, 20));
-      const line = server.log.split('\n').find((l) => l.endsWith(`id=${id}`));
-      assert.ok(line, server.log.slice(-2000));
+      for (let i = 0; i < 50 && !suite.server.log.includes(`id=${id}\n`); i++) await new Promise((r) => setTimeout(r, 20));
+      const line = suite.server.log.split('\n').find((l) => l.endsWith(`id=${id}`));
+      assert.ok(line, suite.server.log.slice(-2000));
       assert.ok(!line.includes('\u0000'), 'a raw NUL in the log');
       const [before_, after_] = body.model.split('\u0000');
       assert.ok(line.includes(`error="the model '${before_}\\u0000${after_}' does not exist`), line);
@@ -330,10 +325,10 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
   });
 
   it('/metrics has latency, queue and running histograms, process metrics, and valid text format', async () => {
-    const before_ = await metrics(server, auth);
-    await post(server, '/v1/completions', { model: MODEL, prompt: 'Count me', max_tokens: 3 });
-    const res = await rawRequest(server, 'GET', '/metrics', { headers: auth });
-    const m = await metrics(server, auth);
+    const before_ = await metrics(suite.server, auth);
+    await post(suite.server, '/v1/completions', { model: MODEL, prompt: 'Count me', max_tokens: 3 });
+    const res = await rawRequest(suite.server, 'GET', '/metrics', { headers: auth });
+    const m = await metrics(suite.server, auth);
     for (const h of ['lily_request_duration_seconds', 'lily_request_queue_seconds', 'lily_request_running_seconds']) {
       assert.match(res.body, new RegExp(`# TYPE ${h} histogram`));
       assert.equal(m.get(`${h}_count`), before_.get(`${h}_count`) + 1, h);
@@ -360,14 +355,14 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
   });
 
   it('Date header; HTTP/9.9 gets 505; absolute-form targets work', async () => {
-    const res = await rawRequest(server, 'GET', '/health');
+    const res = await rawRequest(suite.server, 'GET', '/health');
     assert.ok(Math.abs(Date.parse(res.headers.date) - Date.now()) < 5000, res.headers.date);
     assert.match(res.headers.date, /^[A-Z][a-z]{2}, \d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT$/);
-    const v99 = await rawExchange(server, 'GET /health HTTP/9.9\r\nHost: x\r\n\r\n');
+    const v99 = await rawExchange(suite.server, 'GET /health HTTP/9.9\r\nHost: x\r\n\r\n');
     assert.match(v99, /^HTTP\/1\.1 505 /);
     assert.match(v99, /http_version_not_supported/);
-    const u = new URL(server.url);
-    const abs = await rawExchange(server, `GET http://${u.host}/v1/models?x=1 HTTP/1.1\r\nHost: ${u.host}\r\nAuthorization: Bearer ${KEY}\r\nConnection: close\r\n\r\n`);
+    const u = new URL(suite.server.url);
+    const abs = await rawExchange(suite.server, `GET http://${u.host}/v1/models?x=1 HTTP/1.1\r\nHost: ${u.host}\r\nAuthorization: Bearer ${KEY}\r\nConnection: close\r\n\r\n`);
     assert.match(abs, /^HTTP\/1\.1 200 /);
     assert.match(abs, /"object":"list"/);
   });
@@ -376,14 +371,14 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
     const body = JSON.stringify({ prompt: 'x' });
     const head = (key, expect = '100-continue') => `POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n` +
       `Content-Length: ${body.length}\r\nExpect: ${expect}\r\n${key ? `Authorization: Bearer ${key}\r\n` : ''}\r\n`;
-    const wrong = await rawExchange(server, head('wrong-key'));
+    const wrong = await rawExchange(suite.server, head('wrong-key'));
     assert.match(wrong, /^HTTP\/1\.1 401 /);
     assert.doesNotMatch(wrong, /100 Continue/);
-    const unknown = await rawExchange(server, `${head(KEY, 'something-else')}${body}`);
+    const unknown = await rawExchange(suite.server, `${head(KEY, 'something-else')}${body}`);
     assert.match(unknown, /^HTTP\/1\.1 417 /);
     assert.match(unknown, /expectation_failed/);
     // With the key: 100 Continue, then (after the body) the answer.
-    const u = new URL(server.url);
+    const u = new URL(suite.server.url);
     const answer = await new Promise((resolve, reject) => {
       const sock = net.connect({ port: Number(u.port), host: u.hostname });
       let got = '';
@@ -402,21 +397,19 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
 });
 
 describe('--allowed-origins * and the CLI', () => {
-  let server;
-  before(async () => { server = await startServer(['--allowed-origins', '*']); });
-  after(async () => stopServer(server));
+  const suite = serverForSuite(['--allowed-origins', '*']);
 
   it('* allows any origin without Vary', async () => {
-    const res = await rawRequest(server, 'OPTIONS', '/v1/completions', {
+    const res = await rawRequest(suite.server, 'OPTIONS', '/v1/completions', {
       headers: { Origin: 'https://anything.example', 'Access-Control-Request-Method': 'POST' },
     });
     assert.equal(res.status, 204);
     assert.equal(res.headers['access-control-allow-origin'], '*');
     assert.equal(res.headers.vary, undefined);
-    const get = await rawRequest(server, 'GET', '/health', { headers: { Origin: 'null' } });
+    const get = await rawRequest(suite.server, 'GET', '/health', { headers: { Origin: 'null' } });
     assert.equal(get.headers['access-control-allow-origin'], '*');
     // Without an Origin there is nothing to allow.
-    const none = await rawRequest(server, 'GET', '/health');
+    const none = await rawRequest(suite.server, 'GET', '/health');
     assert.equal(none.headers['access-control-allow-origin'], undefined);
   });
 

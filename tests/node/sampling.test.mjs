@@ -1,5 +1,7 @@
 // Sampling, seeds, n and logprobs through the official OpenAI client against `lily serve` on
-// the demo model. Run: LILY_BIN=build/lily node --test tests/node/sampling.test.mjs
+// the demo model: one server for the file (serverForSuite); the sampling defaults start servers
+// of their own with the flags and generation_config.json under test.
+// Run: LILY_BIN=build/lily node --test tests/node/sampling.test.mjs
 import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
@@ -7,7 +9,9 @@ import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import OpenAI from 'openai';
-import { LILY_BIN, MODEL, MODEL_DIR, SOURCE_DIR, chat, startServer, stopServer } from './server_harness.mjs';
+import {
+  LILY_BIN, MODEL, MODEL_DIR, SOURCE_DIR, chat, serverForSuite, startServer, stopServer,
+} from './server_harness.mjs';
 
 const golden = JSON.parse(fs.readFileSync(path.join(SOURCE_DIR, 'tests', 'fixtures', 'demo.golden.json'), 'utf8'));
 const user = (content) => ({ role: 'user', content });
@@ -43,14 +47,8 @@ async function collect(stream) {
 }
 
 describe('sampling on lily serve (demo model)', () => {
-  let server;
-  let openai;
-  const ask = (extra) => openai.chat.completions.create({ model: MODEL, messages, max_tokens: 24, ...extra });
-  before(async () => {
-    server = await startServer();
-    openai = client(server);
-  });
-  after(async () => stopServer(server));
+  const suite = serverForSuite();
+  const ask = (extra) => suite.openai.chat.completions.create({ model: MODEL, messages, max_tokens: 24, ...extra });
 
   it('accepts the default request of chat front-ends (temperature 0.7, top_p 0.8)', async () => {
     const res = await ask({ temperature: 0.7, top_p: 0.8 });
@@ -150,9 +148,9 @@ describe('sampling on lily serve (demo model)', () => {
 
   it('greedy answers are unchanged, with or without logprobs; greedy picks the top entry', async () => {
     for (const g of golden.goldens.slice(0, 2)) {
-      const plain = await openai.chat.completions.create({ model: MODEL, messages: g.messages, max_tokens: 64 });
+      const plain = await suite.openai.chat.completions.create({ model: MODEL, messages: g.messages, max_tokens: 64 });
       assert.equal(plain.choices[0].message.content, g.text);
-      const withLp = await openai.chat.completions.create({ model: MODEL, messages: g.messages, max_tokens: 64,
+      const withLp = await suite.openai.chat.completions.create({ model: MODEL, messages: g.messages, max_tokens: 64,
         temperature: 0, logprobs: true, top_logprobs: 2 });
       assert.equal(withLp.choices[0].message.content, g.text);
       for (const e of withLp.choices[0].logprobs.content) assert.equal(e.top_logprobs[0].token, e.token);
@@ -161,12 +159,12 @@ describe('sampling on lily serve (demo model)', () => {
 
   it('logit_bias steers the answer and is checked against the vocabulary', async () => {
     // Token 300 pushed by +100 is every greedy token.
-    const res = await chat(server, { model: MODEL, messages, max_tokens: 4, logit_bias: { 300: 100 }, logprobs: true });
+    const res = await chat(suite.server, { model: MODEL, messages, max_tokens: 4, logit_bias: { 300: 100 }, logprobs: true });
     assert.equal(res.status, 200, res.body);
     const lps = res.json.choices[0].logprobs.content;
     assert.equal(lps.length, 4);
     assert.equal(new Set(lps.map((e) => e.token)).size, 1);
-    const bad = await chat(server, { model: MODEL, messages, max_tokens: 2, logit_bias: { 8192: 1 } });
+    const bad = await chat(suite.server, { model: MODEL, messages, max_tokens: 2, logit_bias: { 8192: 1 } });
     assert.equal(bad.status, 400);
     assert.equal(bad.json.error.param, 'logit_bias');
   });
@@ -184,12 +182,12 @@ describe('sampling on lily serve (demo model)', () => {
     for (const [param, value] of cases) {
       const body = { ...base, [param]: value };
       if (param === 'top_logprobs') body.logprobs = true;
-      const res = await chat(server, body);
+      const res = await chat(suite.server, body);
       assert.equal(res.status, 400, `${param}=${JSON.stringify(value)} → ${res.status} ${res.body}`);
       assert.equal(res.json.error.type, 'invalid_request_error');
       assert.equal(res.json.error.param, param, `${param}=${JSON.stringify(value)}`);
     }
-    const lonely = await chat(server, { ...base, top_logprobs: 3 });
+    const lonely = await chat(suite.server, { ...base, top_logprobs: 3 });
     assert.equal(lonely.status, 400);
     assert.equal(lonely.json.error.param, 'top_logprobs');
   });
@@ -204,53 +202,46 @@ describe('sampling on lily serve (demo model)', () => {
     assert.equal(doc.seed, 99);
     assert.ok(doc.logprobs.length > 0 && doc.logprobs.every((e) => e.logprob <= 0 && e.top_logprobs.length === 1));
   });
-});
 
-describe('server sampling defaults', () => {
-  let tmp;
-  before(() => {
-    tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'lily-sampling-'));
-    for (const f of fs.readdirSync(MODEL_DIR)) fs.copyFileSync(path.join(MODEL_DIR, f), path.join(tmp, f));
-    fs.writeFileSync(path.join(tmp, 'generation_config.json'),
-      JSON.stringify({ do_sample: true, temperature: 1.5, top_k: 0, top_p: 1.0 }));
-  });
-  after(() => fs.rmSync(tmp, { recursive: true, force: true }));
+  describe('server sampling defaults', () => {
+    let tmp;
+    before(() => {
+      tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'lily-sampling-'));
+      for (const f of fs.readdirSync(MODEL_DIR)) fs.copyFileSync(path.join(MODEL_DIR, f), path.join(tmp, f));
+      fs.writeFileSync(path.join(tmp, 'generation_config.json'),
+        JSON.stringify({ do_sample: true, temperature: 1.5, top_k: 0, top_p: 1.0 }));
+    });
+    after(() => fs.rmSync(tmp, { recursive: true, force: true }));
 
-  it('--temperature/--seed and generation_config.json give the defaults; request fields override', async () => {
-    // Reference answers from a server without defaults.
-    const plain = await startServer();
-    let reference;
-    let greedy;
-    try {
-      reference = (await client(plain).chat.completions.create({ model: MODEL, messages, max_tokens: 16,
+    it('--temperature/--seed and generation_config.json give the defaults; request fields override', async () => {
+      // Reference answers from the suite's server, which has no defaults.
+      const reference = (await suite.openai.chat.completions.create({ model: MODEL, messages, max_tokens: 16,
         temperature: 1.5, seed: 5 })).choices[0].message.content;
-      greedy = (await client(plain).chat.completions.create({ model: MODEL, messages, max_tokens: 16 }))
+      const greedy = (await suite.openai.chat.completions.create({ model: MODEL, messages, max_tokens: 16 }))
         .choices[0].message.content;
-    } finally {
-      await stopServer(plain);
-    }
-    assert.notEqual(reference, greedy);
-    const flagged = await startServer(['--temperature', '1.5', '--seed', '5']);
-    try {
-      const res = await client(flagged).chat.completions.create({ model: MODEL, messages, max_tokens: 16 });
-      assert.equal(res.choices[0].message.content, reference);
-      const overridden = await client(flagged).chat.completions.create({ model: MODEL, messages, max_tokens: 16,
-        temperature: 0 });
-      assert.equal(overridden.choices[0].message.content, greedy);
-    } finally {
-      await stopServer(flagged);
-    }
-    const configured = await startServer(['--seed', '5'], {}, { model: tmp });
-    try {
-      const res = await client(configured).chat.completions.create({ model: path.basename(tmp), messages,
-        max_tokens: 16 });
-      assert.equal(res.choices[0].message.content, reference, 'generation_config.json do_sample + temperature 1.5');
-    } finally {
-      await stopServer(configured);
-    }
-  });
+      assert.notEqual(reference, greedy);
+      const flagged = await startServer(['--temperature', '1.5', '--seed', '5']);
+      try {
+        const res = await client(flagged).chat.completions.create({ model: MODEL, messages, max_tokens: 16 });
+        assert.equal(res.choices[0].message.content, reference);
+        const overridden = await client(flagged).chat.completions.create({ model: MODEL, messages, max_tokens: 16,
+          temperature: 0 });
+        assert.equal(overridden.choices[0].message.content, greedy);
+      } finally {
+        await stopServer(flagged);
+      }
+      const configured = await startServer(['--seed', '5'], {}, { model: tmp });
+      try {
+        const res = await client(configured).chat.completions.create({ model: path.basename(tmp), messages,
+          max_tokens: 16 });
+        assert.equal(res.choices[0].message.content, reference, 'generation_config.json do_sample + temperature 1.5');
+      } finally {
+        await stopServer(configured);
+      }
+    });
 
-  it('refuses an out-of-range --temperature at start-up', async () => {
-    await assert.rejects(startServer(['--temperature', '3']), /--temperature must be in/);
+    it('refuses an out-of-range --temperature at start-up', async () => {
+      await assert.rejects(startServer(['--temperature', '3']), /--temperature must be in/);
+    });
   });
 });

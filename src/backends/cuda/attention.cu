@@ -467,14 +467,8 @@ prefill_row_kernel(int nq, float scale, int64_t base, const bf16* __restrict__ q
   }
 }
 
-[[noreturn]] void fail(const std::string& what) { throw Error("attention kernels: " + what); }
-
-/// Throws lily::Error with the message (the rest of the arguments) when `ok` is false; the
-/// message is only built on failure, so checks cost nothing on the launch path.
-#define MIXER_REQUIRE(ok, ...) \
-  do {                          \
-    if (!(ok)) fail(__VA_ARGS__); \
-  } while (0)
+/// LILY_CUDA_REQUIRE with this file's prefix.
+#define MIXER_REQUIRE(ok, ...) LILY_CUDA_REQUIRE(ok, "attention kernels", __VA_ARGS__)
 
 void check_dims(const AttnDims& d) {
   MIXER_REQUIRE(d.head_dim == 64 || d.head_dim == 128 || d.head_dim == 256,

@@ -39,6 +39,14 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x));
 /// sigmoid(x) = 1 / (1 + e^-x), fp32.
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 
+/// y[i] = v: as it is for fp32 outputs, rounded once for bf16 ones.
+template <class OutT>
+__device__ __forceinline__ void store_out(OutT* y, int64_t i, float v);
+template <>
+__device__ __forceinline__ void store_out<float>(float* y, int64_t i, float v) { y[i] = v; }
+template <>
+__device__ __forceinline__ void store_out<bf16>(bf16* y, int64_t i, float v) { y[i] = to_bf16(v); }
+
 /// Sum over the 32 lanes of a warp (every lane gets the result).
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

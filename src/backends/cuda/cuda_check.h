@@ -1,6 +1,7 @@
 // Host-side CUDA error checking, usable from .cpp (g++) and .cu (nvcc) files alike.
 // Every CUDA runtime call in the backend goes through CUDA_CHECK; every kernel launch is
-// followed by LILY_CUDA_CHECK_LAUNCH(). Failures become lily::Error (never abort).
+// followed by LILY_CUDA_CHECK_LAUNCH(); launchers check their arguments with LILY_CUDA_REQUIRE.
+// Failures become lily::Error (never abort).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -19,7 +20,19 @@ inline void check_cuda(cudaError_t status, const char* expr, const char* file, i
                       cudaGetErrorString(status) + ")");
 }
 
+/// Throws lily::Error "<where>: <message>" (the failure of a LILY_CUDA_REQUIRE).
+[[noreturn]] inline void fail_requirement(const char* where, const std::string& message) {
+  throw ::lily::Error(std::string(where) + ": " + message);
+}
+
 }  // namespace lily::cuda
+
+/// Throws lily::Error "<where>: <message>" unless `ok`; the message (the rest of the arguments, a
+/// std::string expression) is only built on failure, so a check costs nothing on a launch path.
+#define LILY_CUDA_REQUIRE(ok, where, ...)                              \
+  do {                                                                 \
+    if (!(ok)) ::lily::cuda::fail_requirement((where), (__VA_ARGS__)); \
+  } while (0)
 
 /// Checks a CUDA runtime call; throws lily::Error with file:line and the CUDA error string.
 #define CUDA_CHECK(expr) ::lily::cuda::check_cuda((expr), #expr, __FILE__, __LINE__)

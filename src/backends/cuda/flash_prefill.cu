@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "backends/cuda/common.cuh"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/mixer_kernels.h"
 #include "backends/cuda/mma.cuh"
 
@@ -223,17 +224,12 @@ flash_prefill_kernel(int T, int nq, float scale_log2, int64_t base, const bf16* 
   }
 }
 
-/// Launches flash_prefill_kernel<G, kD> (its shared memory limit raised once per instantiation).
+/// Launches flash_prefill_kernel<G, kD> (its shared memory limit raised on the first launch).
 template <int G, int kD>
 void launch_flash(const AttnDims& dims, int T, int64_t base, const bf16* q, const bf16* gate,
                   int64_t gate_stride, const KvCacheView& cache, bf16* out, cudaStream_t stream) {
   constexpr size_t smem = flash_smem_bytes<kD>();
-  static const bool configured = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(flash_prefill_kernel<G, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(smem)));
-    return true;
-  }();
-  (void)configured;
+  raise_smem_limit(flash_prefill_kernel<G, kD>, smem);
   constexpr int kTq = kBlockM / G;
   const dim3 grid((T + kTq - 1) / kTq, dims.n_kv_heads);
   flash_prefill_kernel<G, kD><<<grid, kFlashThreads, smem, stream>>>(

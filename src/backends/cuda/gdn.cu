@@ -667,14 +667,8 @@ gated_norm_kernel(int Hv, float eps, const float* __restrict__ norm_w,
   row[m] = to_bf16(y);
 }
 
-[[noreturn]] void fail(const std::string& what) { throw Error("GDN kernels: " + what); }
-
-/// Throws lily::Error with the message (the rest of the arguments) when `ok` is false; the
-/// message is only built on failure, so checks cost nothing on the launch path.
-#define MIXER_REQUIRE(ok, ...) \
-  do {                          \
-    if (!(ok)) fail(__VA_ARGS__); \
-  } while (0)
+/// LILY_CUDA_REQUIRE with this file's prefix.
+#define MIXER_REQUIRE(ok, ...) LILY_CUDA_REQUIRE(ok, "GDN kernels", __VA_ARGS__)
 
 void check_dims(const GdnDims& d) {
   MIXER_REQUIRE(d.key_head_dim == d.value_head_dim && (d.key_head_dim == 64 || d.key_head_dim == 128),
@@ -730,10 +724,8 @@ void launch_prefill(const GdnDims& dims, const GdnParams& params, int T, const b
   const dim3 grid(dims.n_value_heads, D / kBV);
   if (ws) {
     const size_t local_smem = sizeof(LocalSmem<D>), state_smem = sizeof(StateSmem<D>);
-    CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_local_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(local_smem)));
-    CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_state_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(state_smem)));
+    raise_smem_limit(gdn_chunk_local_kernel<D>, local_smem);
+    raise_smem_limit(gdn_chunk_state_kernel<D>, state_smem);
     const dim3 local_grid(dims.n_value_heads, static_cast<unsigned>(ceil_div(T, kChunk)));
     gdn_chunk_local_kernel<D><<<local_grid, kPrefillThreads, local_smem, stream>>>(
         dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b, zab_stride, ws);
@@ -744,8 +736,7 @@ void launch_prefill(const GdnDims& dims, const GdnParams& params, int T, const b
     LILY_CUDA_CHECK_LAUNCH();
   } else {
     const size_t smem = sizeof(PrefillSmem<D>);
-    CUDA_CHECK(cudaFuncSetAttribute(gdn_prefill_chunked_kernel<D>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    raise_smem_limit(gdn_prefill_chunked_kernel<D>, smem);
     gdn_prefill_chunked_kernel<D><<<grid, kPrefillThreads, smem, stream>>>(
         dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b,
         zab_stride, state, out);

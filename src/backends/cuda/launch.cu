@@ -4,11 +4,17 @@
 // sampler (sampler.cu, LILY_CUDA_DEVICE_SAMPLER), the token-tiled batched GEMV (quant_gemv.cu,
 // LILY_CUDA_GEMV_ROW_TILES) and the two-pass GDN prefill (gdn.cu, LILY_CUDA_GDN_CHUNK_PARALLEL),
 // all verified on an H200 and on by default ("0" turns one off for a same-machine comparison).
+// Also the launch-fact cache behind raise_smem_limit and blocks_per_sm (launch.cuh).
 #include <atomic>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
+#include <unordered_map>
 
 #include "backends/cuda/kernels.h"
+#include "backends/cuda/launch.cuh"
 #include "base/error.h"
 
 namespace lily::cuda {
@@ -42,7 +48,43 @@ bool read_switch(std::atomic<int>& state, const char* name, int dflt = 1) {
   return s == 1;
 }
 
+/// What the driver was told and answered per kernel; guarded by `mutex`.
+struct LaunchFacts {
+  std::mutex mutex;
+  std::unordered_map<const void*, size_t> smem_limit;                 ///< the largest limit set
+  std::map<std::tuple<const void*, int, size_t>, int> blocks_per_sm;  ///< (kernel, threads, smem)
+};
+
+/// The process's one LaunchFacts.
+LaunchFacts& launch_facts() {
+  static LaunchFacts facts;
+  return facts;
+}
+
 }  // namespace
+
+namespace detail {
+
+void raise_smem_limit(const void* kernel, size_t smem) {
+  LaunchFacts& f = launch_facts();
+  const std::lock_guard<std::mutex> lock(f.mutex);
+  if (auto it = f.smem_limit.find(kernel); it != f.smem_limit.end() && smem <= it->second) return;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  f.smem_limit[kernel] = smem;
+}
+
+int blocks_per_sm(const void* kernel, int threads, size_t smem) {
+  LaunchFacts& f = launch_facts();
+  const std::lock_guard<std::mutex> lock(f.mutex);
+  const auto key = std::make_tuple(kernel, threads, smem);
+  if (auto it = f.blocks_per_sm.find(key); it != f.blocks_per_sm.end()) return it->second;
+  int n = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+  f.blocks_per_sm.emplace(key, n);
+  return n;
+}
+
+}  // namespace detail
 
 bool pdl_enabled() { return read_switch(g_pdl, "LILY_CUDA_PDL"); }
 void set_pdl_enabled(bool on) { g_pdl.store(on ? 1 : 0); }

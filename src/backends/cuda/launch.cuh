@@ -16,15 +16,45 @@
 //  3. Kernels launched without the attribute (plain <<<>>>) are unaffected; the wait is a no-op
 //     for them. So PDL can be switched off (LILY_CUDA_PDL=0) without touching any kernel.
 // Works in stream capture: the captured graph gets programmatic edges between kernel nodes.
+//
+// Launch facts asked of the driver once: raise_smem_limit and blocks_per_sm remember, per kernel,
+// the dynamic shared-memory limit already set and the occupancy per block size and shared memory,
+// so a launcher may call them on every launch (and every graph capture) at the cost of a lookup.
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <utility>
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/kernels.h"
 
 namespace lily::cuda {
+
+namespace detail {
+/// raise_smem_limit for a kernel's entry pointer (launch.cu).
+void raise_smem_limit(const void* kernel, size_t smem);
+/// blocks_per_sm for a kernel's entry pointer (launch.cu).
+int blocks_per_sm(const void* kernel, int threads, size_t smem);
+}  // namespace detail
+
+/// Makes `kernel`'s cudaFuncAttributeMaxDynamicSharedMemorySize at least `smem` bytes: the first
+/// request above every limit set before for this kernel sets it to `smem`; any other returns
+/// without a driver call. The limit never goes down, so a launch that fitted stays valid. One
+/// device per process (as sm_count() assumes); thread-safe. Throws lily::Error on a CUDA error.
+template <class... KernelArgs>
+void raise_smem_limit(void (*kernel)(KernelArgs...), size_t smem) {
+  detail::raise_smem_limit(reinterpret_cast<const void*>(kernel), smem);
+}
+
+/// cudaOccupancyMaxActiveBlocksPerMultiprocessor for `kernel` at `threads` threads per block and
+/// `smem` bytes of dynamic shared memory, asked once per (kernel, threads, smem) and remembered.
+/// Raise the kernel's limit to `smem` first (raise_smem_limit) when it exceeds the default 48 KB.
+/// Thread-safe; throws lily::Error on a CUDA error.
+template <class... KernelArgs>
+int blocks_per_sm(void (*kernel)(KernelArgs...), int threads, size_t smem) {
+  return detail::blocks_per_sm(reinterpret_cast<const void*>(kernel), threads, smem);
+}
 
 /// Device side of PDL; run at the top of every kernel launched with launch_pdl (see file comment).
 /// A no-op when the kernel was launched without the PDL attribute.

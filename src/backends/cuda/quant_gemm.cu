@@ -42,6 +42,7 @@
 #include <string>
 
 #include "backends/cuda/common.cuh"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/mma.cuh"
 #include "backends/cuda/quant_gemm.h"
 
@@ -88,13 +89,6 @@ constexpr size_t gemm_smem_bytes() {
          size_t(kStages) * BN * (kBK * BITS / 32) * sizeof(uint32_t);
 }
 
-template <class OutT>
-__device__ __forceinline__ void store1(OutT* y, int64_t i, float v);
-template <>
-__device__ __forceinline__ void store1<float>(float* y, int64_t i, float v) { y[i] = v; }
-template <>
-__device__ __forceinline__ void store1<bf16>(bf16* y, int64_t i, float v) { y[i] = to_bf16(v); }
-
 /// Stores output columns col, col+1 of one row (masked at n; paired when aligned).
 template <class OutT>
 __device__ __forceinline__ void store_pair(OutT* row, int64_t col, int64_t n, float v0, float v1) {
@@ -102,8 +96,8 @@ __device__ __forceinline__ void store_pair(OutT* row, int64_t col, int64_t n, fl
     if constexpr (sizeof(OutT) == 4) *reinterpret_cast<float2*>(row + col) = make_float2(v0, v1);
     else *reinterpret_cast<__nv_bfloat162*>(row + col) = __floats2bfloat162_rn(v0, v1);
   } else {
-    if (col < n) store1(row, col, v0);
-    if (col + 1 < n) store1(row, col + 1, v1);
+    if (col < n) store_out(row, col, v0);
+    if (col + 1 < n) store_out(row, col + 1, v1);
   }
 }
 
@@ -348,12 +342,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) quant_gemm_kernel(const GemmP
 template <int BITS, int BM, int BN, Mode MODE, class OutT>
 void launch_tile(const GemmParams& p, dim3 grid, cudaStream_t stream) {
   constexpr size_t smem = gemm_smem_bytes<BITS, BM, BN>();
-  static const bool attr_set = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(quant_gemm_kernel<BITS, BM, BN, MODE, OutT>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    return true;
-  }();
-  (void)attr_set;
+  raise_smem_limit(quant_gemm_kernel<BITS, BM, BN, MODE, OutT>, smem);
   quant_gemm_kernel<BITS, BM, BN, MODE, OutT><<<grid, kGemmThreads, smem, stream>>>(p);
   LILY_CUDA_CHECK_LAUNCH();
 }

@@ -28,13 +28,6 @@ constexpr int kGemvThreads = 256;
 constexpr int kRowsUnroll = 4;  // rows per lane-group per step when there are many rows
 constexpr int kMaxCols = 8192;
 
-template <class OutT>
-__device__ __forceinline__ void store_out(OutT* y, int64_t i, float v);
-template <>
-__device__ __forceinline__ void store_out<float>(float* y, int64_t i, float v) { y[i] = v; }
-template <>
-__device__ __forceinline__ void store_out<bf16>(bf16* y, int64_t i, float v) { y[i] = to_bf16(v); }
-
 /// grid (blocks, m); x [m, cols]; y [m, rows]. With norm.gain non-null (m = 1), x goes through
 /// the add + RMSNorm of `norm` first (stage_norm_row); with conv.channels > 0 (m = 1), rows below
 /// it also run the GDN conv step (FusedConv), whose window and taps are loaded before the dot.
@@ -621,8 +614,7 @@ StreamPlan stream_gemv_plan(const DeviceQuant& w, int m) {
 template <class OutT>
 void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, const StreamPlan& plan,
                           cudaStream_t stream, const FusedNorm& norm, const FusedConv& conv) {
-  CUDA_CHECK(cudaFuncSetAttribute(quant_stream_gemv_kernel<OutT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(plan.smem)));
+  raise_smem_limit(quant_stream_gemv_kernel<OutT>, plan.smem);
   launch_pdl(quant_stream_gemv_kernel<OutT>, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y,
              norm, conv, plan.stages, plan.pad);
 }
@@ -638,11 +630,8 @@ void mma_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cuda
   const int tiles_per_block = kMmaWarps / mma_ksplit(groups);
   const int64_t blocks_needed = ceil_div(ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows)), tiles_per_block);
   const size_t smem = mma_smem_bytes(w.cols, m);
-  if (smem > kDefaultSmemBytes)
-    CUDA_CHECK(cudaFuncSetAttribute(quant_mma_gemv_kernel<OutT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(smem)));
-  int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quant_mma_gemv_kernel<OutT>, kMmaThreads, smem));
+  if (smem > kDefaultSmemBytes) raise_smem_limit(quant_mma_gemv_kernel<OutT>, smem);
+  const int per_sm = blocks_per_sm(quant_mma_gemv_kernel<OutT>, kMmaThreads, smem);
   const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count();
   const int blocks = static_cast<int>(std::min(blocks_needed, resident));
   launch_pdl(quant_mma_gemv_kernel<OutT>, dim3(blocks), dim3(kMmaThreads), smem, stream, w, x, m, y, norm, conv);
@@ -651,9 +640,7 @@ void mma_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cuda
 template <int BITS, class OutT>
 void tiled_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream) {
   const size_t smem = tiled_gemv_smem(w.cols);
-  if (smem > kDefaultSmemBytes)
-    CUDA_CHECK(cudaFuncSetAttribute(quant_gemv_tiled_kernel<BITS, OutT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(smem)));
+  if (smem > kDefaultSmemBytes) raise_smem_limit(quant_gemv_tiled_kernel<BITS, OutT>, smem);
   const int L = lanes_per_row(w.cols / kGroup), RW = kWarp / L;
   const int64_t blocks_needed = ceil_div(ceil_div(w.rows, static_cast<int64_t>(RW)), kGemvThreads / kWarp);
   const int token_tiles = static_cast<int>(ceil_div(static_cast<int64_t>(m), static_cast<int64_t>(kTiledTokens)));
@@ -686,8 +673,7 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
   // One wave: as many blocks as can be resident at once (each warp then loops over row chunks),
   // so no block waits for a second wave to start its weight stream.
   auto kernel = few_rows ? quant_gemv_kernel<BITS, 1, OutT> : quant_gemv_kernel<BITS, kRowsUnroll, OutT>;
-  int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvThreads, smem));
+  const int per_sm = blocks_per_sm(kernel, kGemvThreads, smem);
   const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count();
   const int blocks = static_cast<int>(std::min(blocks_needed, resident));
   launch_pdl(kernel, dim3(blocks, m), dim3(kGemvThreads), smem, stream, w, x, y, norm, conv);

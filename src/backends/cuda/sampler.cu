@@ -203,23 +203,37 @@ struct Scratch {
   int i[W + 1];
 };
 
-template <int W>
-__device__ U128 block_sum(U128 v, Scratch<W>& s) {
+__device__ __forceinline__ unsigned long long shfl_xor(unsigned long long v, int o) {
+  return __shfl_xor_sync(kFull, v, o);
+}
+__device__ __forceinline__ int shfl_xor(int v, int o) { return __shfl_xor_sync(kFull, v, o); }
+
+/// `op` (associative and commutative, exact) over the values of a block of n_warps warps: each
+/// warp by shuffles, then warp 0 over the warps' results (its lanes ≥ n_warps add `identity`).
+/// `red`: n_warps + 1 values of shared memory, the last one the result. Three barriers.
+template <class T, class Op>
+__device__ __forceinline__ T block_reduce(T v, Op op, T identity, T* red, int n_warps) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = add(v, shfl_xor(v, o));
-  if (lane == 0) s.u[warp] = v;
+  for (int o = 16; o > 0; o >>= 1) v = op(v, shfl_xor(v, o));
+  if (lane == 0) red[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    U128 t = lane < W ? s.u[lane] : u128(0);
+    T t = lane < n_warps ? red[lane] : identity;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) t = add(t, shfl_xor(t, o));
-    if (lane == 0) s.u[W] = t;
+    for (int o = 16; o > 0; o >>= 1) t = op(t, shfl_xor(t, o));
+    if (lane == 0) red[n_warps] = t;
   }
   __syncthreads();
-  const U128 r = s.u[W];
+  const T r = red[n_warps];
   __syncthreads();
   return r;
+}
+
+/// Exact 128-bit sum over the block.
+template <int W>
+__device__ U128 block_sum(U128 v, Scratch<W>& s) {
+  return block_reduce(v, [](U128 a, U128 b) { return add(a, b); }, u128(0), s.u, W);
 }
 
 /// Exclusive prefix sum over the threads in threadIdx order; *total gets the block's sum.
@@ -261,41 +275,15 @@ __device__ U128 block_exclusive_scan(U128 v, Scratch<W>& s, U128* total) {
   return r;
 }
 
+/// Largest key over the block of n_warps warps; `red`: n_warps + 1 values of shared memory.
 __device__ unsigned long long block_max_key(unsigned long long v, unsigned long long* red, int n_warps) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(kFull, v, o));
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    unsigned long long t = lane < n_warps ? red[lane] : 0ull;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) t = max(t, __shfl_xor_sync(kFull, t, o));
-    if (lane == 0) red[32] = t;
-  }
-  __syncthreads();
-  const unsigned long long r = red[32];
-  __syncthreads();
-  return r;
+  return block_reduce(v, [](unsigned long long a, unsigned long long b) { return max(a, b); }, 0ull, red, n_warps);
 }
 
+/// Smallest value over the block.
 template <int W>
 __device__ int block_min_int(int v, Scratch<W>& s) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(kFull, v, o));
-  if (lane == 0) s.i[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    int t = lane < W ? s.i[lane] : INT_MAX;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) t = min(t, __shfl_xor_sync(kFull, t, o));
-    if (lane == 0) s.i[W] = t;
-  }
-  __syncthreads();
-  const int r = s.i[W];
-  __syncthreads();
-  return r;
+  return block_reduce(v, [](int a, int b) { return min(a, b); }, INT_MAX, s.i, W);
 }
 
 template <int W>
@@ -389,21 +377,7 @@ __device__ unsigned long long row_max_key(const SampleRowArgs& a, unsigned long 
 
 /// Sum over the block of kThreads threads (every thread must call; all get the result).
 __device__ unsigned long long block_sum_u64(unsigned long long v, unsigned long long* red) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    unsigned long long t = lane < kWarpsPerPart ? red[lane] : 0ull;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(kFull, t, o);
-    if (lane == 0) red[32] = t;
-  }
-  __syncthreads();
-  const unsigned long long r = red[32];
-  __syncthreads();
-  return r;
+  return block_reduce(v, [](unsigned long long a, unsigned long long b) { return a + b; }, 0ull, red, kWarpsPerPart);
 }
 
 /// Shared memory of weight_kernel: the block's histogram, or the per-warp maxima.

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <map>
 #include <set>
+#include <string>
 #include <utility>
 #include <variant>
 
@@ -365,6 +367,22 @@ TEST(TensorTable, DemoTableShapes) {
     }
     EXPECT_EQ(spec.role, role_by_name(spec.name)) << spec.name;
   }
+}
+
+/// Every role the table uses has its own name, the enumerator's in snake case.
+TEST(TensorTable, RoleNamesAreDistinct) {
+  std::map<TensorRole, std::string> names;
+  for (const auto& spec : tensor_table(parse_model_config(real_config(), "cfg.json")))
+    names.emplace(spec.role, role_name(spec.role));
+  EXPECT_EQ(names.size(), 23u);
+  std::set<std::string> distinct;
+  for (const auto& [role, name] : names) {
+    EXPECT_FALSE(name.empty());
+    EXPECT_TRUE(distinct.insert(name).second) << name << " names two roles";
+  }
+  EXPECT_STREQ(role_name(TensorRole::kGdnInProj), "gdn_in_proj");
+  EXPECT_STREQ(role_name(TensorRole::kRouter), "router");
+  EXPECT_STREQ(role_name(TensorRole::kSharedDownProj), "shared_down_proj");
 }
 
 /// Address of the field a destination points at.

@@ -4,6 +4,8 @@
 #include <array>
 #include <cstdio>
 #include <fstream>
+#include <map>
+#include <string>
 
 #include <nlohmann/json.hpp>
 
@@ -16,7 +18,18 @@ namespace {
 using test::CliRun;
 using test::run_lily;
 
+/// A path quoted for the shell.
 std::string quoted(const std::filesystem::path& p) { return "'" + p.string() + "'"; }
+
+/// The JSON header length a safetensors file starts with (its first 8 bytes, little-endian).
+uint64_t safetensors_header_bytes(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  std::array<unsigned char, 8> b{};
+  in.read(reinterpret_cast<char*>(b.data()), b.size());
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = n << 8 | b[i];
+  return n;
+}
 
 TEST(Inspect, DemoModelSummary) {
   CliRun r = run_lily("inspect " + quoted(test::demo_model_dir()), false);
@@ -25,8 +38,13 @@ TEST(Inspect, DemoModelSummary) {
   EXPECT_NE(r.output.find("8: 6 Gated DeltaNet (linear attention) + 2 gated full attention"), std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("16 routed, top-4"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("mlp.gate "), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("q8"), std::string::npos) << r.output;
+  // The router's line: role, storage, one tensor per layer, its first tensor's name.
+  const size_t router = r.output.find("\n  router ");
+  ASSERT_NE(router, std::string::npos) << r.output;
+  const std::string line = r.output.substr(router + 1, r.output.find('\n', router + 1) - router - 1);
+  EXPECT_NE(line.find(" q8 "), std::string::npos) << line;
+  EXPECT_NE(line.find(" x8 "), std::string::npos) << line;
+  EXPECT_NE(line.find("language_model.model.layers.0.mlp.gate"), std::string::npos) << line;
 }
 
 TEST(Inspect, DemoModelJson) {
@@ -39,23 +57,42 @@ TEST(Inspect, DemoModelJson) {
   EXPECT_EQ(j["experts"]["count"], 16);
   EXPECT_EQ(j["experts"]["top_k"], 4);
   EXPECT_EQ(j["skipped_tensors"], 0);
-  EXPECT_EQ(j["bytes_on_disk"], std::filesystem::file_size(test::demo_model_dir() / "model.safetensors"));
+  const auto file_bytes = std::filesystem::file_size(test::demo_model_dir() / "model.safetensors");
+  EXPECT_EQ(j["bytes_on_disk"], file_bytes);
   EXPECT_GT(j["parameters"].get<int64_t>(), 19'000'000);
-  bool saw_router = false;
-  for (const auto& k : j["tensor_kinds"]) {
-    if (k["kind"] == "mlp.gate") {
-      saw_router = true;
-      EXPECT_EQ(k["storage"], "q8");
-      EXPECT_EQ(k["count"], 8);
-    }
-    if (k["kind"] == "mlp.switch_mlp.up_proj") {
-      EXPECT_EQ(k["storage"], "q4");
-    }
-    if (k["kind"] == "linear_attn.A_log") {
-      EXPECT_EQ(k["storage"], "F32");
-    }
+
+  std::map<std::string, nlohmann::json> by_role;
+  int64_t parameters = 0, stored_tensors = 0;
+  uint64_t bytes = 0;
+  for (const auto& role : j["tensor_roles"]) {
+    EXPECT_TRUE(by_role.emplace(role["role"].get<std::string>(), role).second) << role["role"] << " twice";
+    parameters += role["parameters"].get<int64_t>();
+    bytes += role["bytes"].get<uint64_t>();
+    const bool quantized = role["storage"].get<std::string>()[0] == 'q';
+    stored_tensors += (quantized ? 3 : 1) * role["count"].get<int64_t>();  // .weight/.scales/.biases
   }
-  EXPECT_TRUE(saw_router);
+  // Every role of the family occurs in the demo (it has both layer types), and together the roles
+  // account for every parameter and every stored tensor; their bytes are the file less its header
+// (a little-endian u64 length, then that many bytes of JSON).
+  EXPECT_EQ(by_role.size(), 23u);
+  EXPECT_EQ(parameters, j["parameters"].get<int64_t>());
+  EXPECT_EQ(stored_tensors, j["tensors"].get<int64_t>());
+  EXPECT_EQ(bytes, file_bytes - 8 - safetensors_header_bytes(test::demo_model_dir() / "model.safetensors"));
+
+  const auto& router = by_role["router"];
+  EXPECT_EQ(router["storage"], "q8");
+  EXPECT_EQ(router["count"], 8);
+  EXPECT_EQ(router["first"], "language_model.model.layers.0.mlp.gate");
+  EXPECT_EQ(by_role["experts_up_proj"]["storage"], "q4");
+  EXPECT_EQ(by_role["gdn_a_log"]["storage"], "F32");
+  EXPECT_EQ(by_role["gdn_a_log"]["count"], 6);
+  EXPECT_EQ(by_role["gdn_in_proj"]["count"], 6 * 4);  // qkv, z, a, b per GDN layer
+  EXPECT_EQ(by_role["attn_in_proj"]["count"], 2 * 3);  // q, k, v per attention layer
+  EXPECT_EQ(by_role["embedding"]["count"], 1);
+  EXPECT_EQ(by_role["embedding"]["parameters"], j["vocab"].get<int64_t>() * j["hidden"].get<int64_t>());
+  // The table's order: the embedding first, the output head last.
+  EXPECT_EQ(j["tensor_roles"].front()["role"], "embedding");
+  EXPECT_EQ(j["tensor_roles"].back()["role"], "output_head");
 }
 
 TEST(Inspect, CorruptedCheckpointFailsWithOneLine) {
