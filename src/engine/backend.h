@@ -162,8 +162,9 @@ struct CudaOptions {
   bool fused_moe = true;
   /// LILY_CUDA_BATCHED_DECODE 1|0: every decode step runs through one batched forward over its
   /// decode rows (groups of ≤ 8, also a single row, so that a row alone and in a batch share one
-  /// arithmetic), reading each weight once per step for all rows; or (0, the default until it has
-  /// passed its GPU tests) each decode row through the per-sequence decode graph in turn.
+  /// arithmetic), reading each weight once per step for all rows; or (0, the default) each
+  /// decode row through the per-sequence decode graph in turn. Verified on an H200; off by
+  /// default because a lone sequence decodes slower through it (docs/cuda.md, "Batched steps").
   bool batched_decode = false;
   int prefill_chunk = 2048;      ///< LILY_CUDA_PREFILL_CHUNK 1 … 8192: tokens per prefill chunk
   /// LILY_CUDA_MAX_BATCH 1 … 64: the most rows (sequences) one step() may hold, each run through
