@@ -8,6 +8,10 @@ namespace lily {
 
 namespace {
 
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 JobEvent make_event(JobEvent::Kind kind) {
   JobEvent e;
   e.kind = kind;
@@ -176,6 +180,7 @@ struct Scheduler::Running {
   std::vector<ResumePoint> points;  ///< prefix-cache snapshots taken during the prefill
   std::optional<TokenLogprobs> pending_logprobs;
   std::unique_ptr<Generation> gen;  ///< null once the job is over
+  JobTimings timings;               ///< of the current choice
 };
 
 void Scheduler::engine_loop() {
@@ -245,8 +250,17 @@ bool Scheduler::start_choice(Running& r, int choice) {
     }
     // Every choice looks the prompt up again: the ones after the first hit the entry the
     // first one stored, which changes nothing in what they generate.
+    r.timings = JobTimings{};
+    auto t0 = std::chrono::steady_clock::now();
     CacheLookup hit = cache_.acquire(*backend_, req.prompt, req.cache_key);
-    r.state = hit.state ? std::move(hit.state) : backend_->new_state(options_.max_seq);
+    r.timings.cache_lookup_seconds = seconds_since(t0);
+    if (hit.state) {
+      r.state = std::move(hit.state);
+    } else {
+      t0 = std::chrono::steady_clock::now();
+      r.state = backend_->new_state(options_.max_seq);
+      r.timings.new_state_seconds = seconds_since(t0);
+    }
     r.points.clear();
     r.pending_logprobs.reset();
     PromptPrefixHook snapshot;
@@ -256,7 +270,9 @@ bool Scheduler::start_choice(Running& r, int choice) {
       snapshot = [this, &r, wanted, last_prefix](const SequenceState& s, int64_t n) {
         if (n != last_prefix && !std::binary_search(wanted.begin(), wanted.end(), n)) return;
         const JobRequest& q = r.job->request();
+        const auto t = std::chrono::steady_clock::now();
         r.points.push_back({std::vector<int32_t>(q.prompt.begin(), q.prompt.begin() + n), backend_->clone_state(s)});
+        r.timings.snapshot_seconds += seconds_since(t);
       };
     }
     LogprobsCallback on_logprobs = [&r](const TokenLogprobs& lp) { r.pending_logprobs = lp; };
@@ -306,7 +322,9 @@ bool Scheduler::finish_choice(Running& r) {
       fed.insert(fed.end(), result.token_ids.begin(), result.token_ids.end());
       fed.resize(static_cast<size_t>(std::min<int64_t>(r.state->position(), static_cast<int64_t>(fed.size()))));
       r.points.push_back({std::move(fed), std::move(r.state)});
+      const auto t0 = std::chrono::steady_clock::now();
       cache_.store(*backend_, std::move(r.points), req.cache_key);
+      r.timings.cache_store_seconds = seconds_since(t0);
       r.points.clear();
     }
   } catch (const std::exception& e) {
@@ -319,6 +337,7 @@ bool Scheduler::finish_choice(Running& r) {
   done.choice = r.choice;
   done.seed = r.seed;
   done.result = std::move(result);
+  done.timings = r.timings;
   r.job->post(std::move(done));
   if (cancelled || r.choice + 1 >= std::max(req.n, 1)) return false;
   return start_choice(r, r.choice + 1);
@@ -376,6 +395,7 @@ void Scheduler::run_step() {
   if (options_.on_step) options_.on_step(stats);
   for (size_t i = 0; i < owners.size(); ++i) {
     Running& r = *owners[i];
+    (rows[i].decode ? r.timings.decode_seconds : r.timings.prefill_seconds) += stats.seconds;
     try {
       r.gen->advance(next[i]);
     } catch (const std::exception& e) {

@@ -74,6 +74,18 @@ struct JobRequest {
   std::vector<std::string> prefix_choices;
 };
 
+/// Where the engine spent one choice's time, in seconds (JobEvent::timings of its kDone; the
+/// server adds them to its phase metrics). Step times are whole steps: a step that also ran
+/// other jobs' rows counts fully for each of them.
+struct JobTimings {
+  double cache_lookup_seconds = 0;  ///< SessionCache::acquire: the lookup and, on a hit, the state's restore
+  double new_state_seconds = 0;     ///< Backend::new_state on a miss
+  double snapshot_seconds = 0;      ///< prefix-cache snapshots copied at prompt positions during the prefill
+  double prefill_seconds = 0;       ///< steps that ran a prefill chunk of this choice (the last one gives its first token)
+  double decode_seconds = 0;        ///< steps that ran a decode row of it
+  double cache_store_seconds = 0;   ///< SessionCache::store of its snapshots once it finished
+};
+
 /// One event from the engine to the submitting thread.
 struct JobEvent {
   enum class Kind { kToken, kDone, kFailed };
@@ -89,6 +101,7 @@ struct JobEvent {
   /// whose finish_reason is kCancelled (the remaining choices are not run), or after kFailed.
   GenerationResult result;
   uint64_t seed = 0;       ///< kDone: the seed this choice ran with
+  JobTimings timings;      ///< kDone: where the engine spent this choice's time
   std::chrono::steady_clock::time_point at;  ///< when the engine produced it
 };
 

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
 
 #include "engine/scheduler.h"
 #include "fake_backend.h"
@@ -183,6 +184,22 @@ TEST(Scheduler, SecondIdenticalRequestHitsTheCache) {
   EXPECT_EQ(b.result.cached_tokens, 3);
   EXPECT_EQ(a.result.token_ids, b.result.token_ids);
   EXPECT_EQ(h.scheduler->cache_stats().hits, 1);
+}
+
+TEST(Scheduler, DoneEventsSayWhereTheEngineSpentTheTime) {
+  Harness h(2);
+  // A miss that prefills, snapshots and answers one token: no decode step ran.
+  const JobTimings a = finish(*h.scheduler->submit(job({1, 2, 3, 4}, 1))).first.timings;
+  // The same prompt again: a hit, no fresh state; three tokens, so two decode steps.
+  const JobTimings b = finish(*h.scheduler->submit(job({1, 2, 3, 4}, 3))).first.timings;
+  // What did not happen is never charged (the durations themselves are printed, not checked).
+  EXPECT_EQ(a.decode_seconds, 0.0);
+  EXPECT_EQ(b.new_state_seconds, 0.0);
+  std::printf("[job timing] miss: lookup %.3f ms, new state %.3f ms, snapshots %.3f ms, prefill %.3f ms, store %.3f ms; "
+              "hit: lookup %.3f ms, prefill %.3f ms, decode %.3f ms\n",
+              1000 * a.cache_lookup_seconds, 1000 * a.new_state_seconds, 1000 * a.snapshot_seconds,
+              1000 * a.prefill_seconds, 1000 * a.cache_store_seconds, 1000 * b.cache_lookup_seconds,
+              1000 * b.prefill_seconds, 1000 * b.decode_seconds);
 }
 
 TEST(Scheduler, MessageStartsSplitThePrefillAndBecomeResumePoints) {
