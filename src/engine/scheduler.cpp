@@ -31,6 +31,11 @@ std::vector<int64_t> message_snapshots(const JobRequest& request, int64_t cached
   return out;
 }
 
+int64_t resume_capacity(const JobRequest& request, int64_t max_seq) {
+  const int64_t room = std::clamp<int64_t>(request.max_tokens, 0, kResumeRoom);
+  return std::min(max_seq, static_cast<int64_t>(request.prompt.size()) + room);
+}
+
 std::optional<JobEvent> Job::next_event(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mutex_);
   if (!cv_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return std::nullopt;
@@ -252,7 +257,7 @@ bool Scheduler::start_choice(Running& r, int choice) {
     // first one stored, which changes nothing in what they generate.
     r.timings = JobTimings{};
     auto t0 = std::chrono::steady_clock::now();
-    CacheLookup hit = cache_.acquire(*backend_, req.prompt, req.cache_key);
+    CacheLookup hit = cache_.acquire(*backend_, req.prompt, req.cache_key, resume_capacity(req, options_.max_seq));
     r.timings.cache_lookup_seconds = seconds_since(t0);
     if (hit.state) {
       r.state = std::move(hit.state);

@@ -140,6 +140,15 @@ class Job {
   std::deque<JobEvent> events_;
 };
 
+/// Generated tokens a state resumed from the prefix cache gets room for beyond its prompt (at
+/// most the request's max_tokens; Backend::resume_state): answers up to this long never grow
+/// the resumed state's KV cache, and longer ones grow it as a fresh state grows.
+inline constexpr int64_t kResumeRoom = 1024;
+
+/// The positions a state resumed for `request` gets room for: its prompt and
+/// min(max_tokens, kResumeRoom) generated tokens, at most `max_seq`.
+int64_t resume_capacity(const JobRequest& request, int64_t max_seq);
+
 /// Most message-boundary snapshots one request stores (JobRequest::message_starts).
 inline constexpr int kMessageSnapshots = 8;
 

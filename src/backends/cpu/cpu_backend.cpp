@@ -122,6 +122,30 @@ std::unique_ptr<SequenceState> CpuBackend::clone_state(const SequenceState& stat
   return std::make_unique<CpuSequenceState>(*cpu_state);
 }
 
+std::unique_ptr<SequenceState> CpuBackend::resume_state(const SequenceState& snapshot, int64_t capacity) {
+  const auto* src = dynamic_cast<const CpuSequenceState*>(&snapshot);
+  if (!src || static_cast<int>(src->layers.size()) != config().n_layers)
+    throw Error("cpu backend: the state was not created by this backend");
+  const ModelConfig& c = config();
+  const int64_t room = std::clamp(capacity, src->position(), src->max_seq());
+  const int64_t kv_width = int64_t{c.n_kv_heads} * c.head_dim;
+  // A fresh state's GDN buffers are overwritten; its empty KV caches are reserved, then filled.
+  auto copy = std::make_unique<CpuSequenceState>(c, src->max_seq());
+  for (size_t i = 0; i < src->layers.size(); ++i) {
+    const CpuSequenceState::LayerState& from = src->layers[i];
+    CpuSequenceState::LayerState& to = copy->layers[i];
+    to.conv_window = from.conv_window;
+    to.recurrent = from.recurrent;
+    if (!c.is_full_attention(static_cast<int>(i))) continue;
+    to.keys.reserve(static_cast<size_t>(room * kv_width));
+    to.values.reserve(static_cast<size_t>(room * kv_width));
+    to.keys.assign(from.keys.begin(), from.keys.end());
+    to.values.assign(from.values.begin(), from.values.end());
+  }
+  copy->position_ = src->position_;
+  return copy;
+}
+
 CpuSequenceState& CpuBackend::checked_state(SequenceState& state) const {
   auto* cpu_state = dynamic_cast<CpuSequenceState*>(&state);
   if (!cpu_state || static_cast<int>(cpu_state->layers.size()) != config().n_layers)

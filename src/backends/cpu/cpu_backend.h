@@ -91,6 +91,9 @@ class CpuBackend final : public Backend {
   std::unique_ptr<SequenceState> new_state(int64_t max_seq) override;
   /// Deep copy. Throws lily::Error if `state` is not a CpuSequenceState of this model.
   std::unique_ptr<SequenceState> clone_state(const SequenceState& state) override;
+  /// Deep copy whose KV caches have room for min(capacity, max_seq) positions (reserved, so the
+  /// steps up to there append without reallocating). Throws as clone_state.
+  std::unique_ptr<SequenceState> resume_state(const SequenceState& snapshot, int64_t capacity) override;
   /// Most rows per step.
   int max_batch() const override { return kMaxBatch; }
   /// Backend::step. The rows' tokens go through in passes of at most prefill_chunk() tokens in

@@ -186,6 +186,35 @@ TEST_F(CpuBackendDemo, CloneStateGivesIdenticalContinuations) {
   EXPECT_EQ(logits_copy, logits_original);
 }
 
+TEST_F(CpuBackendDemo, ResumeStateHasRoomAndContinuesAsAClone) {
+  CpuBackend backend(weights_, 2);
+  auto original = backend.new_state(256);
+  const int32_t next = backend.prefill(*original, synthetic_prompt(40));
+  auto clone = backend.clone_state(*original);
+  auto resumed = backend.resume_state(*original, 60);
+  ASSERT_EQ(resumed->position(), 40);
+  const auto& c = weights_->config;
+  const int64_t kv_per_token = int64_t{c.n_full_attention_layers()} * 2 * c.n_kv_heads * c.head_dim * 4;
+  const int64_t exact = clone->bytes();
+  EXPECT_EQ(resumed->bytes(), exact + 20 * kv_per_token);  // room for 60 positions, not 40
+  // Up to its room the resumed state's KV caches never move (no reallocation, no copy).
+  auto& cpu = static_cast<CpuSequenceState&>(*resumed);
+  int attn = 0;
+  while (!c.is_full_attention(attn)) ++attn;
+  const float* keys = cpu.layers[static_cast<size_t>(attn)].keys.data();
+  std::vector<int32_t> from_clone, from_resumed;
+  std::vector<float> logits_clone, logits_resumed;
+  int32_t a = next, b = next;
+  for (int i = 0; i < 20; ++i) from_clone.push_back(a = backend.decode(*clone, a, &logits_clone));
+  for (int i = 0; i < 20; ++i) from_resumed.push_back(b = backend.decode(*resumed, b, &logits_resumed));
+  EXPECT_EQ(from_resumed, from_clone);
+  EXPECT_EQ(logits_resumed, logits_clone);
+  EXPECT_EQ(cpu.layers[static_cast<size_t>(attn)].keys.data(), keys);
+  // The room is capped by max_seq and never below the state's own positions.
+  EXPECT_EQ(backend.resume_state(*original, 1 << 20)->bytes(), exact + (256 - 40) * kv_per_token);
+  EXPECT_EQ(backend.resume_state(*original, 0)->bytes(), exact);
+}
+
 TEST_F(CpuBackendDemo, KvCacheGrowsWithTheSequence) {
   CpuBackend backend(weights_, 2);
   auto state = backend.new_state(4096);

@@ -48,6 +48,12 @@ class FakeBackend final : public Backend {
     copy->host = false;
     return copy;
   }
+  /// clone_state, counted in resumes, with `capacity` recorded in resume_capacities.
+  std::unique_ptr<SequenceState> resume_state(const SequenceState& s, int64_t capacity) override {
+    ++resumes;
+    resume_capacities.push_back(capacity);
+    return clone_state(s);
+  }
   std::unique_ptr<SequenceState> copy_to_host(const SequenceState& s) override {
     ++host_copies;
     auto copy = std::make_unique<FakeState>(static_cast<const FakeState&>(s));
@@ -162,6 +168,8 @@ class FakeBackend final : public Backend {
   std::vector<int> step_rows;   ///< rows of each step, in order
   int prefill_calls = 0, decode_calls = 0, clones = 0, states_created = 0, logits_calls = 0;
   int host_copies = 0, host_restores = 0;  ///< copy_to_host calls; clone_state calls on host copies
+  int resumes = 0;                         ///< resume_state calls (each also counted as a clone)
+  std::vector<int64_t> resume_capacities;  ///< the capacity of each resume_state call, in order
   std::vector<int64_t> prefill_sizes;      ///< tokens of each prefill call, in order
   int64_t prefilled_tokens = 0;
 

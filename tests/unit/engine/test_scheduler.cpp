@@ -186,6 +186,21 @@ TEST(Scheduler, SecondIdenticalRequestHitsTheCache) {
   EXPECT_EQ(h.scheduler->cache_stats().hits, 1);
 }
 
+TEST(Scheduler, AHitIsResumedWithRoomForThePromptAndTheAnswer) {
+  Harness h(2);  // max_seq 128
+  finish(*h.scheduler->submit(job({1, 2, 3, 4}, 3)));
+  EXPECT_EQ(h.backend->resumes, 0);  // a miss
+  // Resumed where the first request's prompt − 1 was snapshotted, then the second's.
+  EXPECT_EQ(finish(*h.scheduler->submit(job({1, 2, 3, 4, 5}, 7))).first.result.cached_tokens, 3);
+  EXPECT_EQ(finish(*h.scheduler->submit(job({1, 2, 3, 4, 6, 7}, 122))).first.result.cached_tokens, 4);
+  EXPECT_EQ(h.backend->resume_capacities, (std::vector<int64_t>{5 + 7, 6 + 122}));
+  JobRequest r = job(std::vector<int32_t>(3000, 1), 5000);
+  EXPECT_EQ(resume_capacity(r, 1 << 20), 3000 + kResumeRoom);
+  EXPECT_EQ(resume_capacity(r, 3500), 3500);
+  r.max_tokens = 10;
+  EXPECT_EQ(resume_capacity(r, 1 << 20), 3010);
+}
+
 TEST(Scheduler, DoneEventsSayWhereTheEngineSpentTheTime) {
   Harness h(2);
   // A miss that prefills, snapshots and answers one token: no decode step ran.
