@@ -52,21 +52,21 @@ void BlockPool::give(void* block, size_t requested) noexcept {
   if (block == nullptr) return;
   const size_t bytes = size_class(requested);
   if (bytes > max_idle_bytes_) {
-    free_(block);
+    free_(block, bytes);
     return;
   }
-  std::vector<void*> drop;  // freed outside the lock: a free may take milliseconds
+  std::vector<Block> drop;  // freed outside the lock: a free may take milliseconds
   {
     std::lock_guard lock(mutex_);
     idle_.push_front(Block{block, bytes});
     idle_bytes_ += bytes;
     while (idle_bytes_ > max_idle_bytes_) {
-      drop.push_back(idle_.back().ptr);
+      drop.push_back(idle_.back());
       idle_bytes_ -= idle_.back().bytes;
       idle_.pop_back();
     }
   }
-  for (void* p : drop) free_(p);
+  for (const Block& b : drop) free_(b.ptr, b.bytes);
 }
 
 void BlockPool::release_idle() noexcept {
@@ -76,7 +76,7 @@ void BlockPool::release_idle() noexcept {
     drop.swap(idle_);
     idle_bytes_ = 0;
   }
-  for (const Block& b : drop) free_(b.ptr);
+  for (const Block& b : drop) free_(b.ptr, b.bytes);
 }
 
 size_t BlockPool::idle_bytes() const {

@@ -1,8 +1,10 @@
-// BlockPool: idle memory blocks kept for reuse by exact size. A caller that allocates and frees
+// BlockPool: idle memory blocks kept for reuse by size class. A caller that allocates and frees
 // the same sizes again and again pays each allocation once; the CUDA backend's sequence states
 // and their host copies come from two of them, because cudaMalloc and cudaMallocHost of tens of
-// megabytes take milliseconds and cudaFree synchronises the device. The pool knows nothing of
-// what the memory is: it is given an allocate and a free function.
+// megabytes take milliseconds and cudaFree synchronises the device, and the CPU backend's states
+// from one over huge-page host mappings (host_memory.h), whose reused blocks are already touched
+// (no page faults). The pool knows nothing of what the memory is: it is given an allocate and a
+// free function.
 #pragma once
 #include <cstddef>
 #include <functional>
@@ -21,8 +23,8 @@ class BlockPool {
  public:
   /// Allocates `bytes` (> 0) bytes; throws lily::Error when it cannot.
   using Allocate = std::function<void*(size_t bytes)>;
-  /// Frees a block that Allocate returned; must not throw.
-  using Free = std::function<void(void* block)>;
+  /// Frees a block that Allocate returned, with the size it was allocated with; must not throw.
+  using Free = std::function<void(void* block, size_t bytes)>;
 
   /// A pool over `allocate` and `free` that keeps at most `max_idle_bytes` bytes idle.
   BlockPool(Allocate allocate, Free free, size_t max_idle_bytes);

@@ -27,8 +27,11 @@ float* row(std::vector<float>& v, int64_t t, int64_t width) { return v.data() + 
 
 // ---- state -------------------------------------------------------------------------------------
 
-CpuSequenceState::CpuSequenceState(const ModelConfig& c, int64_t max_seq) : max_seq_(max_seq) {
-  layers.resize(c.n_layers);
+CpuSequenceState::CpuSequenceState(const ModelConfig& c, int64_t max_seq, std::shared_ptr<BlockPool> pool)
+    : max_seq_(max_seq) {
+  const PoolAllocator<float> alloc(std::move(pool));
+  layers.reserve(c.n_layers);
+  for (int i = 0; i < c.n_layers; ++i) layers.push_back(LayerState{Buffer(alloc), Buffer(alloc), Buffer(alloc), Buffer(alloc)});
   for (int i = 0; i < c.n_layers; ++i) {
     if (c.is_full_attention(i)) continue;  // the KV cache starts empty and grows
     layers[i].conv_window.assign(int64_t{c.gdn_conv_channels()} * (c.gdn_conv_kernel - 1), 0.0f);
@@ -112,7 +115,7 @@ std::unique_ptr<SequenceState> CpuBackend::new_state(int64_t max_seq) {
   if (max_seq < 1 || max_seq > kMaxSeq)
     throw Error("max_seq " + std::to_string(max_seq) + " is outside [1, " +
                 std::to_string(kMaxSeq) + "]");
-  return std::make_unique<CpuSequenceState>(config(), max_seq);
+  return std::make_unique<CpuSequenceState>(config(), max_seq, state_pool_);
 }
 
 std::unique_ptr<SequenceState> CpuBackend::clone_state(const SequenceState& state) {
@@ -130,7 +133,7 @@ std::unique_ptr<SequenceState> CpuBackend::resume_state(const SequenceState& sna
   const int64_t room = std::clamp(capacity, src->position(), src->max_seq());
   const int64_t kv_width = int64_t{c.n_kv_heads} * c.head_dim;
   // A fresh state's GDN buffers are overwritten; its empty KV caches are reserved, then filled.
-  auto copy = std::make_unique<CpuSequenceState>(c, src->max_seq());
+  auto copy = std::make_unique<CpuSequenceState>(c, src->max_seq(), state_pool_);
   for (size_t i = 0; i < src->layers.size(); ++i) {
     const CpuSequenceState::LayerState& from = src->layers[i];
     CpuSequenceState::LayerState& to = copy->layers[i];

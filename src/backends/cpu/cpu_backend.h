@@ -12,25 +12,30 @@
 #include <vector>
 
 #include "backends/cpu/thread_pool.h"
+#include "base/host_memory.h"
 #include "engine/backend.h"
 
 namespace lily::cpu {
 
 /// Per-sequence state of the CPU backend. Memory grows with the sequence: the KV cache of a
 /// full-attention layer holds exactly position() tokens (std::vector growth), the GDN states are
-/// fixed-size. All fp32.
+/// fixed-size. All fp32. Large buffers come from the backend's state pool (host_memory.h), so
+/// that copies for the prefix cache reuse memory already touched instead of faulting new pages.
 class CpuSequenceState final : public SequenceState {
  public:
+  /// fp32 storage whose large arrays come from a BlockPool.
+  using Buffer = std::vector<float, PoolAllocator<float>>;
   /// State of one decoder layer; only the members of its LayerType are non-empty.
   struct LayerState {
-    std::vector<float> keys;         ///< full attention: [position, n_kv_heads, head_dim], post norm+RoPE
-    std::vector<float> values;       ///< full attention: [position, n_kv_heads, head_dim]
-    std::vector<float> conv_window;  ///< GDN: [conv_channels, conv_kernel−1] raw inputs, oldest first
-    std::vector<float> recurrent;    ///< GDN: [Hv, Dk, Dv] delta-rule state S[i][m]
+    Buffer keys;         ///< full attention: [position, n_kv_heads, head_dim], post norm+RoPE
+    Buffer values;       ///< full attention: [position, n_kv_heads, head_dim]
+    Buffer conv_window;  ///< GDN: [conv_channels, conv_kernel−1] raw inputs, oldest first
+    Buffer recurrent;    ///< GDN: [Hv, Dk, Dv] delta-rule state S[i][m]
   };
 
-  /// Zero state at position 0 for `config`, for sequences of at most max_seq tokens.
-  CpuSequenceState(const ModelConfig& config, int64_t max_seq);
+  /// Zero state at position 0 for `config`, for sequences of at most max_seq tokens, its large
+  /// buffers (and those of its copies) taken from `pool` (nullptr: operator new).
+  CpuSequenceState(const ModelConfig& config, int64_t max_seq, std::shared_ptr<BlockPool> pool = nullptr);
 
   int64_t position() const override { return position_; }
   /// Bytes of fp32 storage held (vector capacities), KV cache + GDN states.
@@ -78,6 +83,8 @@ class CpuBackend final : public Backend {
   static constexpr int64_t kDefaultPrefillChunk = 128;
   /// Most rows one step may hold.
   static constexpr int kMaxBatch = 64;
+  /// Bytes of state memory the backend keeps idle for reuse (its state pool).
+  static constexpr size_t kStatePoolIdleBytes = size_t{512} << 20;
 
   /// `threads` <= 0 means all hardware threads. Throws lily::Error if `weights` is null.
   explicit CpuBackend(std::shared_ptr<const ModelWeights> weights, int threads = 0);
@@ -149,6 +156,8 @@ class CpuBackend final : public Backend {
              int64_t width) const;
 
   std::shared_ptr<const ModelWeights> weights_;
+  /// Where states take their large buffers (huge-page mappings, reused by size class).
+  std::shared_ptr<BlockPool> state_pool_ = make_host_block_pool(kStatePoolIdleBytes);
   mutable ThreadPool pool_;
   std::unique_ptr<Scratch> scratch_;
   int64_t prefill_chunk_ = kDefaultPrefillChunk;

@@ -85,7 +85,7 @@ std::shared_ptr<BlockPool> make_device_pool() {
         }
         return p;
       },
-      [](void* p) { cudaFree(p); }, kPoolIdleBytes);
+      [](void* p, size_t) { cudaFree(p); }, kPoolIdleBytes);
 }
 
 /// The block pool of pinned (page-locked) host memory (cudaMallocHost / cudaFreeHost) for host
@@ -103,7 +103,7 @@ std::shared_ptr<BlockPool> make_pinned_pool() {
         }
         return p;
       },
-      [](void* p) { cudaFreeHost(p); }, kPoolIdleBytes);
+      [](void* p, size_t) { cudaFreeHost(p); }, kPoolIdleBytes);
 }
 
 /// A host copy of a CudaState (the prefix cache's second tier, Backend::copy_to_host), in two

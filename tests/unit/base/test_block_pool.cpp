@@ -33,7 +33,8 @@ struct FakeAllocator {
           sizes[p] = bytes;
           return p;
         },
-        [this](void* p) {
+        [this](void* p, size_t bytes) {
+          EXPECT_EQ(bytes, sizes[p]);  // the size it was allocated with
           out_bytes -= sizes[p];
           ++frees;
           live.erase(p);

@@ -215,6 +215,24 @@ TEST_F(CpuBackendDemo, ResumeStateHasRoomAndContinuesAsAClone) {
   EXPECT_EQ(backend.resume_state(*original, 0)->bytes(), exact);
 }
 
+TEST_F(CpuBackendDemo, StatesTakeTheirLargeBuffersFromTheBackendsPool) {
+  CpuBackend backend(weights_, 2);
+  auto state = backend.new_state(2048);
+  backend.prefill(*state, synthetic_prompt(300));  // 300 positions: 150 KiB per K or V
+  auto& cpu = static_cast<CpuSequenceState&>(*state);
+  int attn = 0;
+  while (!weights_->config.is_full_attention(attn)) ++attn;
+  const std::shared_ptr<BlockPool>& pool = cpu.layers[static_cast<size_t>(attn)].keys.get_allocator().pool();
+  ASSERT_NE(pool, nullptr);
+  // A copy of the state, freed, leaves its blocks idle; the next copy of that size takes them.
+  backend.clone_state(*state).reset();
+  const size_t made = pool->allocations();
+  EXPECT_GT(pool->idle_bytes(), 0u);
+  auto again = backend.clone_state(*state);
+  EXPECT_EQ(pool->allocations(), made);
+  EXPECT_EQ(backend.decode(*again, 7), backend.decode(*state, 7));
+}
+
 TEST_F(CpuBackendDemo, KvCacheGrowsWithTheSequence) {
   CpuBackend backend(weights_, 2);
   auto state = backend.new_state(4096);
