@@ -272,7 +272,11 @@ bool Scheduler::start_choice(Running& r, int choice) {
     if (cache_.enabled()) {
       const std::vector<int64_t> wanted = message_snapshots(req, hit.cached_tokens);
       const int64_t last_prefix = static_cast<int64_t>(req.prompt.size()) - 1;
-      snapshot = [this, &r, wanted, last_prefix](const SequenceState& s, int64_t n) {
+      // A state resumed right before the last prompt token is the snapshot it came from: not
+      // copied again (the snapshot keeps the key it was stored with).
+      const int64_t resumed_at = hit.cached_tokens;
+      snapshot = [this, &r, wanted, last_prefix, resumed_at](const SequenceState& s, int64_t n) {
+        if (n == resumed_at) return;
         if (n != last_prefix && !std::binary_search(wanted.begin(), wanted.end(), n)) return;
         const JobRequest& q = r.job->request();
         const auto t = std::chrono::steady_clock::now();

@@ -217,6 +217,21 @@ TEST(Scheduler, DoneEventsSayWhereTheEngineSpentTheTime) {
               1000 * b.prefill_seconds, 1000 * b.decode_seconds);
 }
 
+TEST(Scheduler, AnIdenticalRetryCopiesItsStateOnceOnly) {
+  Harness h(2);
+  finish(*h.scheduler->submit(job({1, 2, 3, 4}, 3)));
+  EXPECT_EQ(h.backend->clones, 1);  // the snapshot before the last prompt token
+  const size_t snapshots = h.scheduler->cache_stats().device.snapshots;
+  // A retry resumes at that snapshot: the resumed copy is the only one (the snapshot it came
+  // from is not copied back into the cache), and every retry hits it again.
+  for (int retry = 1; retry <= 2; ++retry) {
+    EXPECT_EQ(finish(*h.scheduler->submit(job({1, 2, 3, 4}, 3))).first.result.cached_tokens, 3);
+    EXPECT_EQ(h.backend->clones, 1 + retry);
+    EXPECT_EQ(h.backend->resumes, retry);
+  }
+  EXPECT_EQ(h.scheduler->cache_stats().device.snapshots, static_cast<int64_t>(snapshots));
+}
+
 TEST(Scheduler, MessageStartsSplitThePrefillAndBecomeResumePoints) {
   Harness h(2);
   JobRequest a = job({1, 2, 3, 4, 5, 6, 7, 8}, 2);
