@@ -71,13 +71,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", required=True)
     ap.add_argument("--system-words", type=int, default=3000)
+    ap.add_argument("--system-file", help="take the system message's words from this text file (repeated as needed) "
+                                          "instead of the synthetic list")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--label", default="")
     ap.add_argument("--conversations", type=int, default=2)
     ap.add_argument("--phases", action="store_true", help="also print the server's phase times of each request")
     args = ap.parse_args()
     model = served_model(args.url)
-    words = " ".join(f"w{i % 97} x{i % 13}" for i in range(args.system_words // 2))
+    if args.system_file:
+        with open(args.system_file, encoding="utf-8") as f:
+            source = f.read().split()
+        words = " ".join(source[i % len(source)] for i in range(args.system_words))
+    else:
+        words = " ".join(f"w{i % 97} x{i % 13}" for i in range(args.system_words // 2))
     seen = {"turn 1": [], "turn 2": []}  # per turn: {figure: ms} of each conversation
 
     def measured(messages):

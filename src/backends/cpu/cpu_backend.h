@@ -17,35 +17,64 @@
 
 namespace lily::cpu {
 
-/// Per-sequence state of the CPU backend. Memory grows with the sequence: the KV cache of a
-/// full-attention layer holds exactly position() tokens (std::vector growth), the GDN states are
-/// fixed-size. All fp32. Large buffers come from the backend's state pool (host_memory.h), so
-/// that copies for the prefix cache reuse memory already touched instead of faulting new pages.
+/// Per-sequence state of the CPU backend. All fp32. The GDN states are fixed-size; the KV caches
+/// of all full-attention layers share one block with room for kv_capacity() positions, which
+/// grows with the sequence (doubling, up to max_seq; never reserved for max_seq up front). Its
+/// buffers come from the backend's state pool (host_memory.h): one large KV block per state is
+/// backed by huge pages and reused whole by the next state of its size class, so copies for the
+/// prefix cache fault few pages, or none.
 class CpuSequenceState final : public SequenceState {
  public:
   /// fp32 storage whose large arrays come from a BlockPool.
   using Buffer = std::vector<float, PoolAllocator<float>>;
-  /// State of one decoder layer; only the members of its LayerType are non-empty.
+  /// The GDN state of one decoder layer (both empty for a full-attention layer).
   struct LayerState {
-    Buffer keys;         ///< full attention: [position, n_kv_heads, head_dim], post norm+RoPE
-    Buffer values;       ///< full attention: [position, n_kv_heads, head_dim]
-    Buffer conv_window;  ///< GDN: [conv_channels, conv_kernel−1] raw inputs, oldest first
-    Buffer recurrent;    ///< GDN: [Hv, Dk, Dv] delta-rule state S[i][m]
+    Buffer conv_window;  ///< [conv_channels, conv_kernel−1] raw inputs, oldest first
+    Buffer recurrent;    ///< [Hv, Dk, Dv] delta-rule state S[i][m]
   };
 
   /// Zero state at position 0 for `config`, for sequences of at most max_seq tokens, its large
   /// buffers (and those of its copies) taken from `pool` (nullptr: operator new).
   CpuSequenceState(const ModelConfig& config, int64_t max_seq, std::shared_ptr<BlockPool> pool = nullptr);
+  /// A deep copy of `other` whose KV block has room for `capacity` positions (clamped to
+  /// [other.position(), other.max_seq()]), from the same pool.
+  CpuSequenceState(const CpuSequenceState& other, int64_t capacity);
 
   int64_t position() const override { return position_; }
-  /// Bytes of fp32 storage held (vector capacities), KV cache + GDN states.
+  /// Bytes of fp32 storage held: the GDN states and the whole KV block (kv_capacity() positions).
   int64_t bytes() const override;
   int64_t max_seq() const { return max_seq_; }
+  /// Positions the KV block has room for.
+  int64_t kv_capacity() const { return kv_capacity_; }
+  /// Full-attention layer `layer`'s keys [kv_capacity, n_kv_heads, head_dim] (post norm + RoPE);
+  /// the first position() rows are written.
+  float* keys(int layer) { return kv_.data() + kv_offset(layer, 0); }
+  const float* keys(int layer) const { return kv_.data() + kv_offset(layer, 0); }
+  /// Its values, laid out as keys().
+  float* values(int layer) { return kv_.data() + kv_offset(layer, 1); }
+  const float* values(int layer) const { return kv_.data() + kv_offset(layer, 1); }
+  /// The block every attention layer's K and V live in (its allocator names the pool).
+  const Buffer& kv_block() const { return kv_; }
 
   std::vector<LayerState> layers;  ///< [n_layers]
 
  private:
   friend class CpuBackend;
+  /// Offset of attention layer `layer`'s K (`which` 0) or V (1) in the KV block.
+  int64_t kv_offset(int layer, int which) const {
+    return (2 * int64_t{attn_slot_[static_cast<size_t>(layer)]} + which) * kv_capacity_ * kv_width_;
+  }
+  /// Makes room for `rows` positions (at least doubling the capacity, at most max_seq), keeping
+  /// the first position() rows of every cache.
+  void reserve_kv(int64_t rows);
+  /// Moves the KV caches into a block of `capacity` positions (≥ position()).
+  void reallocate_kv(int64_t capacity);
+
+  std::vector<int> attn_slot_;  ///< per layer: its index among the full-attention layers, −1 for GDN
+  int n_attn_ = 0;
+  int64_t kv_width_ = 0;        ///< n_kv_heads · head_dim
+  int64_t kv_capacity_ = 0;
+  Buffer kv_;                   ///< [n_attn][K, V][kv_capacity][kv_width]
   int64_t position_ = 0;
   int64_t max_seq_ = 0;
 };

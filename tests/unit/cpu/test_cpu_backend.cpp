@@ -201,7 +201,7 @@ TEST_F(CpuBackendDemo, ResumeStateHasRoomAndContinuesAsAClone) {
   auto& cpu = static_cast<CpuSequenceState&>(*resumed);
   int attn = 0;
   while (!c.is_full_attention(attn)) ++attn;
-  const float* keys = cpu.layers[static_cast<size_t>(attn)].keys.data();
+  const float* keys = cpu.keys(attn);
   std::vector<int32_t> from_clone, from_resumed;
   std::vector<float> logits_clone, logits_resumed;
   int32_t a = next, b = next;
@@ -209,7 +209,8 @@ TEST_F(CpuBackendDemo, ResumeStateHasRoomAndContinuesAsAClone) {
   for (int i = 0; i < 20; ++i) from_resumed.push_back(b = backend.decode(*resumed, b, &logits_resumed));
   EXPECT_EQ(from_resumed, from_clone);
   EXPECT_EQ(logits_resumed, logits_clone);
-  EXPECT_EQ(cpu.layers[static_cast<size_t>(attn)].keys.data(), keys);
+  EXPECT_EQ(cpu.keys(attn), keys);
+  EXPECT_EQ(cpu.kv_capacity(), 60);
   // The room is capped by max_seq and never below the state's own positions.
   EXPECT_EQ(backend.resume_state(*original, 1 << 20)->bytes(), exact + (256 - 40) * kv_per_token);
   EXPECT_EQ(backend.resume_state(*original, 0)->bytes(), exact);
@@ -220,9 +221,7 @@ TEST_F(CpuBackendDemo, StatesTakeTheirLargeBuffersFromTheBackendsPool) {
   auto state = backend.new_state(2048);
   backend.prefill(*state, synthetic_prompt(300));  // 300 positions: 150 KiB per K or V
   auto& cpu = static_cast<CpuSequenceState&>(*state);
-  int attn = 0;
-  while (!weights_->config.is_full_attention(attn)) ++attn;
-  const std::shared_ptr<BlockPool>& pool = cpu.layers[static_cast<size_t>(attn)].keys.get_allocator().pool();
+  const std::shared_ptr<BlockPool>& pool = cpu.kv_block().get_allocator().pool();
   ASSERT_NE(pool, nullptr);
   // A copy of the state, freed, leaves its blocks idle; the next copy of that size takes them.
   backend.clone_state(*state).reset();
