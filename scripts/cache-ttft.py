@@ -77,6 +77,9 @@ def main():
     ap.add_argument("--label", default="")
     ap.add_argument("--conversations", type=int, default=2)
     ap.add_argument("--phases", action="store_true", help="also print the server's phase times of each request")
+    ap.add_argument("--pause", type=float, default=0.5,
+                    help="seconds between turn 1's answer and turn 2 (a user reading and typing; the server "
+                         "prepares memory while idle)")
     args = ap.parse_args()
     model = served_model(args.url)
     if args.system_file:
@@ -99,6 +102,7 @@ def main():
         turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Summarise the list."}]
         t1, w1, answer, u1, p1 = measured(turn1)
         turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And again, shorter."}]
+        time.sleep(args.pause)
         t2, w2, _, u2, p2 = measured(turn2)
         for name, t, w, u, p in (("turn 1", t1, w1, u1, p1), ("turn 2", t2, w2, u2, p2)):
             cached = ((u or {}).get("prompt_tokens_details") or {}).get("cached_tokens")

@@ -80,7 +80,9 @@ void unmap_host_block(void* block, size_t bytes) noexcept {
 }
 
 std::shared_ptr<BlockPool> make_host_block_pool(size_t max_idle_bytes) {
-  return std::make_shared<BlockPool>(map_host_block, unmap_host_block, max_idle_bytes);
+  // A spare block's pages are touched when it is made, so that its first use faults nothing.
+  return std::make_shared<BlockPool>(map_host_block, unmap_host_block, max_idle_bytes,
+                                     [](void* block, size_t bytes) { std::memset(block, 0, bytes); });
 }
 
 }  // namespace lily

@@ -23,7 +23,8 @@ namespace lily {
 void* map_host_block(size_t bytes);
 /// Unmaps a block that map_host_block(bytes) returned.
 void unmap_host_block(void* block, size_t bytes) noexcept;
-/// A BlockPool over map_host_block / unmap_host_block keeping at most `max_idle_bytes` idle.
+/// A BlockPool over map_host_block / unmap_host_block keeping at most `max_idle_bytes` idle; the
+/// spare blocks its refill_one() makes are touched (every page faulted in) before they are kept.
 std::shared_ptr<BlockPool> make_host_block_pool(size_t max_idle_bytes);
 
 /// A std::allocator-compatible allocator: arrays of at least kMinPooledBytes come from a

@@ -193,7 +193,15 @@ void Scheduler::engine_loop() {
     std::vector<std::shared_ptr<Job>> admitted;
     {
       std::unique_lock lock(mutex_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !batch_.empty(); });
+      auto has_work = [&] { return stopping_ || !queue_.empty() || !batch_.empty(); };
+      // Idle: the backend prepares for later requests, one bounded piece at a time, looking for
+      // new work between the pieces.
+      while (!has_work() && idle_work_) {
+        lock.unlock();
+        idle_work_ = prepare_while_idle();
+        lock.lock();
+      }
+      cv_.wait(lock, has_work);
       if (batch_.empty() && queue_.empty()) return;  // stopping
       // Admission between steps, oldest first, up to max_batch running jobs.
       while (static_cast<int>(batch_.size() + admitted.size()) < max_batch_ && !queue_.empty()) {
@@ -215,7 +223,10 @@ void Scheduler::engine_loop() {
         if (!finish_choice(*r)) r->gen.reset();
       }
     std::erase_if(batch_, [](const std::unique_ptr<Running>& r) { return r->gen == nullptr; });
-    if (!batch_.empty()) run_step();
+    if (!batch_.empty()) {
+      run_step();
+      idle_work_ = true;
+    }
     {
       std::lock_guard lock(mutex_);
       std::erase_if(running_, [&](const std::shared_ptr<Job>& job) {
@@ -224,6 +235,15 @@ void Scheduler::engine_loop() {
       if (batch_.empty()) batch_size_ = 0;
     }
     cv_.notify_all();
+  }
+}
+
+bool Scheduler::prepare_while_idle() {
+  try {
+    return backend_->prepare_while_idle();
+  } catch (const std::exception& e) {
+    log_debug(std::string("engine: preparing while idle failed: ") + e.what());
+    return false;
   }
 }
 

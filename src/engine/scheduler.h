@@ -5,7 +5,8 @@
 // by one row: one decode token, or the next prefill chunk of its prompt while the step's token
 // budget lasts. A job leaves the batch when it finishes or, cancelled, at the next step. Every
 // answer is token for token what the same request gives alone (the backend's batch invariance,
-// and prefill cuts that depend only on the request).
+// and prefill cuts that depend only on the request). Once nothing runs or waits, the engine lets
+// the backend prepare for later requests (Backend::prepare_while_idle), a piece at a time.
 #pragma once
 #include <chrono>
 #include <condition_variable>
@@ -246,6 +247,8 @@ class Scheduler {
   /// Posts kFailed with `why` (and JobEvent::model_unavailable = `unavailable`) and drops the
   /// job's generation and state.
   void fail(Running& r, const std::string& why, bool unavailable = false);
+  /// Backend::prepare_while_idle, false (done) when it throws.
+  bool prepare_while_idle();
 
   std::unique_ptr<Backend> backend_;
   std::shared_ptr<const Tokenizer> tokenizer_;
@@ -261,6 +264,7 @@ class Scheduler {
   int batch_size_ = 0;                         ///< rows of the current or last step (mutex_)
   std::vector<std::unique_ptr<Running>> batch_;  ///< engine thread only, admission order
   bool stopping_ = false;
+  bool idle_work_ = false;  ///< engine thread only: Backend::prepare_while_idle has more to do
   std::mutex unavailable_mutex_;
   std::optional<std::string> unavailable_;  ///< set once, never cleared
   std::thread thread_;

@@ -132,6 +132,8 @@ class CpuBackend final : public Backend {
   std::unique_ptr<SequenceState> resume_state(const SequenceState& snapshot, int64_t capacity) override;
   /// Most rows per step.
   int max_batch() const override { return kMaxBatch; }
+  /// One spare state block for the sizes recent states took (touched, from the state pool).
+  bool prepare_while_idle() override { return state_pool_->refill_one(); }
   /// Backend::step. The rows' tokens go through in passes of at most prefill_chunk() tokens in
   /// all (a longer row spans several passes): every projection, the router, the experts (grouped
   /// by expert across the rows) and the LM head read each weight row once per pass for all its

@@ -230,6 +230,16 @@ TEST_F(CpuBackendDemo, StatesTakeTheirLargeBuffersFromTheBackendsPool) {
   auto again = backend.clone_state(*state);
   EXPECT_EQ(pool->allocations(), made);
   EXPECT_EQ(backend.decode(*again, 7), backend.decode(*state, 7));
+  // Copies that are kept (prefix-cache snapshots) each take a block; while idle the backend
+  // makes spares of those sizes, and the next copies of that length take them.
+  std::vector<std::unique_ptr<SequenceState>> kept;
+  for (int i = 0; i < 3; ++i) kept.push_back(backend.clone_state(*again));
+  int pieces = 0;
+  while (backend.prepare_while_idle()) ++pieces;
+  EXPECT_GT(pieces, 0);
+  const size_t prepared = pool->allocations();
+  for (int i = 0; i < 3; ++i) kept.push_back(backend.clone_state(*again));
+  EXPECT_EQ(pool->allocations(), prepared);
 }
 
 TEST_F(CpuBackendDemo, KvCacheGrowsWithTheSequence) {

@@ -61,6 +61,17 @@ class FakeBackend final : public Backend {
     return copy;
   }
   int max_batch() const override { return max_rows; }
+  /// Counts its calls (idle_calls); true for the first idle_pieces − 1 of them.
+  bool prepare_while_idle() override {
+    std::lock_guard l(m_);
+    ++idle_calls;
+    return idle_calls < idle_pieces;
+  }
+  /// idle_calls, read under the lock (the engine thread writes it).
+  int idle_calls_now() const {
+    std::lock_guard l(m_);
+    return idle_calls;
+  }
   /// Each row as a prefill (counted in prefill_calls, prefill_sizes) or a decode (decode_calls);
   /// waits at the gate once per step and sleeps decode_delay once per step with a decode row.
   std::vector<int32_t> step(std::span<const StepRow> rows) override {
@@ -164,6 +175,8 @@ class FakeBackend final : public Backend {
   int device_sampled_rows = 0;   ///< rows sampled "on the device"
   std::chrono::milliseconds decode_delay{0};
   int max_rows = 64;  ///< max_batch()
+  int idle_pieces = 0;  ///< prepare_while_idle() calls that count as work (set before the engine starts)
+  int idle_calls = 0;   ///< prepare_while_idle() calls so far (idle_calls_now() from other threads)
   int steps = 0;                ///< step() calls
   std::vector<int> step_rows;   ///< rows of each step, in order
   int prefill_calls = 0, decode_calls = 0, clones = 0, states_created = 0, logits_calls = 0;

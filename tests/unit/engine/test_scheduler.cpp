@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <thread>
 
 #include "engine/scheduler.h"
 #include "fake_backend.h"
@@ -230,6 +231,23 @@ TEST(Scheduler, AnIdenticalRetryCopiesItsStateOnceOnly) {
     EXPECT_EQ(h.backend->resumes, retry);
   }
   EXPECT_EQ(h.scheduler->cache_stats().device.snapshots, static_cast<int64_t>(snapshots));
+}
+
+TEST(Scheduler, PreparesWhileIdleAPieceAtATimeUntilTheBackendIsDone) {
+  Harness h(2);
+  h.backend->idle_pieces = 3;  // read by the engine thread only after the job below was submitted
+  auto calls_reach = [&](int n) {
+    for (int i = 0; i < 2500 && h.backend->idle_calls_now() < n; ++i) std::this_thread::sleep_for(2ms);
+    return h.backend->idle_calls_now();
+  };
+  std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(h.backend->idle_calls_now(), 0);  // nothing ran yet: nothing to prepare for
+  finish(*h.scheduler->submit(job({1, 2, 3}, 2)));
+  EXPECT_EQ(calls_reach(3), 3);  // after the job: pieces until the backend says it is done
+  std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(h.backend->idle_calls_now(), 3);  // then it waits for work
+  finish(*h.scheduler->submit(job({4, 5, 6}, 2)));
+  EXPECT_EQ(calls_reach(4), 4);  // one more idle spell: one more call, done at once
 }
 
 TEST(Scheduler, MessageStartsSplitThePrefillAndBecomeResumePoints) {
