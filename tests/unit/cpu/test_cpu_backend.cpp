@@ -211,6 +211,9 @@ TEST_F(CpuBackendDemo, ResumeStateHasRoomAndContinuesAsAClone) {
   EXPECT_EQ(logits_resumed, logits_clone);
   EXPECT_EQ(cpu.keys(attn), keys);
   EXPECT_EQ(cpu.kv_capacity(), 60);
+  // Past its room it grows as any state does, and still continues as the clone.
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(b = backend.decode(*resumed, b), a = backend.decode(*clone, a));
+  EXPECT_GT(cpu.kv_capacity(), 60);
   // The room is capped by max_seq and never below the state's own positions.
   EXPECT_EQ(backend.resume_state(*original, 1 << 20)->bytes(), exact + (256 - 40) * kv_per_token);
   EXPECT_EQ(backend.resume_state(*original, 0)->bytes(), exact);
