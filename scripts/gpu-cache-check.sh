@@ -8,6 +8,7 @@
 # Each request's server-side phases are printed too (cache-ttft.py --phases: its "server ttft"
 # is the engine's first token whatever the text), and LILY_CACHE_PAUSE (default 0.5) seconds
 # pass between turn 1 and turn 2, in which the server makes spare blocks while idle.
+# LILY_CACHE_CONVERSATIONS (default 2) conversations per server.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-logs}"; mkdir -p "$OUT"
