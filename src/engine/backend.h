@@ -82,6 +82,15 @@ class Backend {
   /// made by copy_to_host; the result is always a state prefill and decode accept. Throws
   /// lily::Error for a state of another backend, or when memory runs out.
   virtual std::unique_ptr<SequenceState> clone_state(const SequenceState& state) = 0;
+  /// A runnable deep copy of `snapshot` (a state, or a copy made by copy_to_host) with room for
+  /// at least min(capacity, its max_seq) positions, so that the steps that follow need not grow
+  /// it: what the prefix cache hands to the request that resumes from a snapshot (clone_state
+  /// keeps a snapshot exactly its size, and a copy of it would grow on its first step, copying
+  /// its KV cache once more). The default is clone_state. Throws as clone_state.
+  virtual std::unique_ptr<SequenceState> resume_state(const SequenceState& snapshot, int64_t capacity) {
+    (void)capacity;
+    return clone_state(snapshot);
+  }
   /// A copy of `state` in host memory, for the prefix cache's second tier: not runnable itself,
   /// but clone_state turns it back into a runnable state. The default is clone_state, for
   /// backends whose own memory is host memory (CPU). Throws as clone_state.
@@ -137,6 +146,14 @@ class Backend {
   /// the checkpoint's files are unmapped and a truncated or rewritten model.safetensors can no
   /// longer fault the process (SIGBUS).
   virtual bool reads_host_weights() const { return true; }
+  /// Does one bounded piece of work that makes later requests faster, while the engine has
+  /// nothing to run: the CPU and CUDA backends make spare state blocks of the sizes recent
+  /// requests took (BlockPool::refill_one), so that the copies of a conversation's next turn find
+  /// memory ready instead of faulting in new pages or pinning host memory (cudaMallocHost takes
+  /// about 0.4 ms per MB). Returns true while more remains. Called on the engine thread only,
+  /// between its checks for new jobs, so a job that arrives waits for one piece at most. The
+  /// default does nothing.
+  virtual bool prepare_while_idle() { return false; }
   /// Installs (or clears, with nullptr) a probe sink; costs nothing when unset.
   virtual void set_probe_sink(ProbeSink sink) { probe_sink_ = std::move(sink); }
 

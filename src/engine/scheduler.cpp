@@ -8,6 +8,10 @@ namespace lily {
 
 namespace {
 
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 JobEvent make_event(JobEvent::Kind kind) {
   JobEvent e;
   e.kind = kind;
@@ -25,6 +29,11 @@ std::vector<int64_t> message_snapshots(const JobRequest& request, int64_t cached
   std::vector<int64_t> out = {beyond.front()};
   out.insert(out.end(), beyond.end() - (kMessageSnapshots - 1), beyond.end());
   return out;
+}
+
+int64_t resume_capacity(const JobRequest& request, int64_t max_seq) {
+  const int64_t room = std::clamp<int64_t>(request.max_tokens, 0, kResumeRoom);
+  return std::min(max_seq, static_cast<int64_t>(request.prompt.size()) + room);
 }
 
 std::optional<JobEvent> Job::next_event(std::chrono::milliseconds timeout) {
@@ -176,6 +185,7 @@ struct Scheduler::Running {
   std::vector<ResumePoint> points;  ///< prefix-cache snapshots taken during the prefill
   std::optional<TokenLogprobs> pending_logprobs;
   std::unique_ptr<Generation> gen;  ///< null once the job is over
+  JobTimings timings;               ///< of the current choice
 };
 
 void Scheduler::engine_loop() {
@@ -183,7 +193,15 @@ void Scheduler::engine_loop() {
     std::vector<std::shared_ptr<Job>> admitted;
     {
       std::unique_lock lock(mutex_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !batch_.empty(); });
+      auto has_work = [&] { return stopping_ || !queue_.empty() || !batch_.empty(); };
+      // Idle: the backend prepares for later requests, one bounded piece at a time, looking for
+      // new work between the pieces.
+      while (!has_work() && idle_work_) {
+        lock.unlock();
+        idle_work_ = prepare_while_idle();
+        lock.lock();
+      }
+      cv_.wait(lock, has_work);
       if (batch_.empty() && queue_.empty()) return;  // stopping
       // Admission between steps, oldest first, up to max_batch running jobs.
       while (static_cast<int>(batch_.size() + admitted.size()) < max_batch_ && !queue_.empty()) {
@@ -205,7 +223,10 @@ void Scheduler::engine_loop() {
         if (!finish_choice(*r)) r->gen.reset();
       }
     std::erase_if(batch_, [](const std::unique_ptr<Running>& r) { return r->gen == nullptr; });
-    if (!batch_.empty()) run_step();
+    if (!batch_.empty()) {
+      run_step();
+      idle_work_ = true;
+    }
     {
       std::lock_guard lock(mutex_);
       std::erase_if(running_, [&](const std::shared_ptr<Job>& job) {
@@ -214,6 +235,15 @@ void Scheduler::engine_loop() {
       if (batch_.empty()) batch_size_ = 0;
     }
     cv_.notify_all();
+  }
+}
+
+bool Scheduler::prepare_while_idle() {
+  try {
+    return backend_->prepare_while_idle();
+  } catch (const std::exception& e) {
+    log_debug(std::string("engine: preparing while idle failed: ") + e.what());
+    return false;
   }
 }
 
@@ -245,18 +275,33 @@ bool Scheduler::start_choice(Running& r, int choice) {
     }
     // Every choice looks the prompt up again: the ones after the first hit the entry the
     // first one stored, which changes nothing in what they generate.
-    CacheLookup hit = cache_.acquire(*backend_, req.prompt, req.cache_key);
-    r.state = hit.state ? std::move(hit.state) : backend_->new_state(options_.max_seq);
+    r.timings = JobTimings{};
+    auto t0 = std::chrono::steady_clock::now();
+    CacheLookup hit = cache_.acquire(*backend_, req.prompt, req.cache_key, resume_capacity(req, options_.max_seq));
+    r.timings.cache_lookup_seconds = seconds_since(t0);
+    if (hit.state) {
+      r.state = std::move(hit.state);
+    } else {
+      t0 = std::chrono::steady_clock::now();
+      r.state = backend_->new_state(options_.max_seq);
+      r.timings.new_state_seconds = seconds_since(t0);
+    }
     r.points.clear();
     r.pending_logprobs.reset();
     PromptPrefixHook snapshot;
     if (cache_.enabled()) {
       const std::vector<int64_t> wanted = message_snapshots(req, hit.cached_tokens);
       const int64_t last_prefix = static_cast<int64_t>(req.prompt.size()) - 1;
-      snapshot = [this, &r, wanted, last_prefix](const SequenceState& s, int64_t n) {
+      // A state resumed right before the last prompt token is the snapshot it came from: not
+      // copied again (the snapshot keeps the key it was stored with).
+      const int64_t resumed_at = hit.cached_tokens;
+      snapshot = [this, &r, wanted, last_prefix, resumed_at](const SequenceState& s, int64_t n) {
+        if (n == resumed_at) return;
         if (n != last_prefix && !std::binary_search(wanted.begin(), wanted.end(), n)) return;
         const JobRequest& q = r.job->request();
+        const auto t = std::chrono::steady_clock::now();
         r.points.push_back({std::vector<int32_t>(q.prompt.begin(), q.prompt.begin() + n), backend_->clone_state(s)});
+        r.timings.snapshot_seconds += seconds_since(t);
       };
     }
     LogprobsCallback on_logprobs = [&r](const TokenLogprobs& lp) { r.pending_logprobs = lp; };
@@ -306,7 +351,9 @@ bool Scheduler::finish_choice(Running& r) {
       fed.insert(fed.end(), result.token_ids.begin(), result.token_ids.end());
       fed.resize(static_cast<size_t>(std::min<int64_t>(r.state->position(), static_cast<int64_t>(fed.size()))));
       r.points.push_back({std::move(fed), std::move(r.state)});
+      const auto t0 = std::chrono::steady_clock::now();
       cache_.store(*backend_, std::move(r.points), req.cache_key);
+      r.timings.cache_store_seconds = seconds_since(t0);
       r.points.clear();
     }
   } catch (const std::exception& e) {
@@ -319,6 +366,7 @@ bool Scheduler::finish_choice(Running& r) {
   done.choice = r.choice;
   done.seed = r.seed;
   done.result = std::move(result);
+  done.timings = r.timings;
   r.job->post(std::move(done));
   if (cancelled || r.choice + 1 >= std::max(req.n, 1)) return false;
   return start_choice(r, r.choice + 1);
@@ -376,6 +424,7 @@ void Scheduler::run_step() {
   if (options_.on_step) options_.on_step(stats);
   for (size_t i = 0; i < owners.size(); ++i) {
     Running& r = *owners[i];
+    (rows[i].decode ? r.timings.decode_seconds : r.timings.prefill_seconds) += stats.seconds;
     try {
       r.gen->advance(next[i]);
     } catch (const std::exception& e) {

@@ -5,7 +5,8 @@
 // by one row: one decode token, or the next prefill chunk of its prompt while the step's token
 // budget lasts. A job leaves the batch when it finishes or, cancelled, at the next step. Every
 // answer is token for token what the same request gives alone (the backend's batch invariance,
-// and prefill cuts that depend only on the request).
+// and prefill cuts that depend only on the request). Once nothing runs or waits, the engine lets
+// the backend prepare for later requests (Backend::prepare_while_idle), a piece at a time.
 #pragma once
 #include <chrono>
 #include <condition_variable>
@@ -74,6 +75,18 @@ struct JobRequest {
   std::vector<std::string> prefix_choices;
 };
 
+/// Where the engine spent one choice's time, in seconds (JobEvent::timings of its kDone; the
+/// server adds them to its phase metrics). Step times are whole steps: a step that also ran
+/// other jobs' rows counts fully for each of them.
+struct JobTimings {
+  double cache_lookup_seconds = 0;  ///< SessionCache::acquire: the lookup and, on a hit, the state's restore
+  double new_state_seconds = 0;     ///< Backend::new_state on a miss
+  double snapshot_seconds = 0;      ///< prefix-cache snapshots copied at prompt positions during the prefill
+  double prefill_seconds = 0;       ///< steps that ran a prefill chunk of this choice (the last one gives its first token)
+  double decode_seconds = 0;        ///< steps that ran a decode row of it
+  double cache_store_seconds = 0;   ///< SessionCache::store of its snapshots once it finished
+};
+
 /// One event from the engine to the submitting thread.
 struct JobEvent {
   enum class Kind { kToken, kDone, kFailed };
@@ -89,6 +102,7 @@ struct JobEvent {
   /// whose finish_reason is kCancelled (the remaining choices are not run), or after kFailed.
   GenerationResult result;
   uint64_t seed = 0;       ///< kDone: the seed this choice ran with
+  JobTimings timings;      ///< kDone: where the engine spent this choice's time
   std::chrono::steady_clock::time_point at;  ///< when the engine produced it
 };
 
@@ -126,6 +140,15 @@ class Job {
   std::condition_variable cv_;
   std::deque<JobEvent> events_;
 };
+
+/// Generated tokens a state resumed from the prefix cache gets room for beyond its prompt (at
+/// most the request's max_tokens; Backend::resume_state): answers up to this long never grow
+/// the resumed state's KV cache, and longer ones grow it as a fresh state grows.
+inline constexpr int64_t kResumeRoom = 1024;
+
+/// The positions a state resumed for `request` gets room for: its prompt and
+/// min(max_tokens, kResumeRoom) generated tokens, at most `max_seq`.
+int64_t resume_capacity(const JobRequest& request, int64_t max_seq);
 
 /// Most message-boundary snapshots one request stores (JobRequest::message_starts).
 inline constexpr int kMessageSnapshots = 8;
@@ -224,6 +247,8 @@ class Scheduler {
   /// Posts kFailed with `why` (and JobEvent::model_unavailable = `unavailable`) and drops the
   /// job's generation and state.
   void fail(Running& r, const std::string& why, bool unavailable = false);
+  /// Backend::prepare_while_idle, false (done) when it throws.
+  bool prepare_while_idle();
 
   std::unique_ptr<Backend> backend_;
   std::shared_ptr<const Tokenizer> tokenizer_;
@@ -239,6 +264,7 @@ class Scheduler {
   int batch_size_ = 0;                         ///< rows of the current or last step (mutex_)
   std::vector<std::unique_ptr<Running>> batch_;  ///< engine thread only, admission order
   bool stopping_ = false;
+  bool idle_work_ = false;  ///< engine thread only: Backend::prepare_while_idle has more to do
   std::mutex unavailable_mutex_;
   std::optional<std::string> unavailable_;  ///< set once, never cleared
   std::thread thread_;

@@ -56,7 +56,7 @@ SessionCache::SessionCache(SessionCacheOptions options) : options_(options), roo
 SessionCache::~SessionCache() = default;
 
 CacheLookup SessionCache::acquire(Backend& backend, std::span<const int32_t> prompt,
-                                  const std::optional<std::string>& key) {
+                                  const std::optional<std::string>& key, int64_t capacity) {
   std::lock_guard lock(mutex_);
   // One walk down the prompt's path; every snapshot on it is a prefix. The best is the longest,
   // except that one stored under the request's key beats any without it.
@@ -88,7 +88,7 @@ CacheLookup SessionCache::acquire(Backend& backend, std::span<const int32_t> pro
     return out;
   }
   Snapshot& snap = *best->snap;
-  out.state = backend.clone_state(*snap.state);
+  out.state = backend.resume_state(*snap.state, capacity);
   out.cached_tokens = best->depth;
   LILY_CHECK(out.state->position() == out.cached_tokens);
   ++stats_.hits;

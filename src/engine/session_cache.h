@@ -3,7 +3,7 @@
 // longest snapshot whose tokens are a strict prefix of it (a snapshot last stored under the
 // request's prompt_cache_key is preferred, but never bypasses token equality); a lookup walks
 // the prompt once, whatever the number of snapshots. A hit copies the state
-// (Backend::clone_state), so the snapshot stays: branches and regenerations of a conversation,
+// (Backend::resume_state, with room for the request), so the snapshot stays: branches and regenerations of a conversation,
 // and every conversation that shares a system prompt, all hit.
 //
 // A request stores several snapshots: at message boundaries of its prompt (the end of the system
@@ -102,10 +102,11 @@ class SessionCache {
   const SessionCacheOptions& options() const { return options_; }
 
   /// Finds the best snapshot for `prompt` (see the file comment) and returns a runnable deep copy
-  /// of its state made with `backend` (from either tier); the snapshot stays cached and becomes
-  /// the most recently used of its tier. Counts a hit (and its tokens) or a miss.
+  /// of its state made with `backend` (from either tier) with room for `capacity` positions
+  /// (Backend::resume_state; 0: its own only); the snapshot stays cached and becomes the most
+  /// recently used of its tier. Counts a hit (and its tokens) or a miss.
   CacheLookup acquire(Backend& backend, std::span<const int32_t> prompt,
-                      const std::optional<std::string>& key);
+                      const std::optional<std::string>& key, int64_t capacity = 0);
 
   /// Stores each of `points` (state position == tokens.size(), tokens non-empty; others are
   /// dropped) under `key`, in the device tier (the host tier when the device budget is 0 or the

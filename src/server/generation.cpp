@@ -26,12 +26,23 @@ Usage usage_of(const std::vector<GenerationResult>& results) {
   return u;
 }
 
+/// Adds the engine's part of one choice's time to a request's phases.
+void add_engine_phases(RequestPhases& p, const JobTimings& t) {
+  p.cache_lookup += t.cache_lookup_seconds;
+  p.new_state += t.new_state_seconds;
+  p.snapshot += t.snapshot_seconds;
+  p.prefill += t.prefill_seconds;
+  p.decode += t.decode_seconds;
+  p.cache_store += t.cache_store_seconds;
+}
+
 }  // namespace
 
-std::vector<int32_t> LilyServer::tokenize(const ChatRequest& request, std::vector<int64_t>* message_starts) const {
+std::vector<int32_t> LilyServer::tokenize(const ChatRequest& request, std::vector<int64_t>* message_starts,
+                                          ChatEncodeTimings* timings) const {
   try {
     return chat_template_->encode(*tokenizer_, request.messages, template_options(request.agent, options_.reasoning),
-                                  message_starts);
+                                  message_starts, timings);
   } catch (const Error& e) {
     throw invalid_request(std::string("messages cannot be rendered with the chat template: ") + e.what(),
                           "messages");
@@ -157,10 +168,15 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
   ChatCall call;
   std::vector<int32_t> prompt;
   try {
+    auto t0 = Clock::now();
     ChatRequest request = parse_chat_request(req.body());
+    call.phases.parse = seconds(Clock::now() - t0);
     check_model(request.model);
     check_ready();
-    prompt = tokenize(request, &call.message_starts);
+    ChatEncodeTimings encoding;
+    prompt = tokenize(request, &call.message_starts, &encoding);
+    call.phases.template_render = encoding.render_seconds;
+    call.phases.tokenize = encoding.tokenize_seconds;
     call.answer.thinking = thinking_enabled(request.agent, options_.reasoning);
     if (request.agent.tools_active()) {
       call.answer.tools.emplace(request.agent.tools);
@@ -171,8 +187,10 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
     // reads it as the start of the answer.
     call.answer.prefix = forced_answer_prefix(request.agent, call.answer.thinking);
     if (!call.answer.prefix.empty()) {
+      t0 = Clock::now();
       const std::vector<int32_t> forced = tokenizer_->encode(call.answer.prefix, /*allow_special=*/true);
       prompt.insert(prompt.end(), forced.begin(), forced.end());
+      call.phases.tokenize += seconds(Clock::now() - t0);
     }
     // "required" with several tools: the opening stops before the name, and the engine holds
     // the model to the declared names (a token-level constraint, engine/prefix_choice.h).
@@ -190,13 +208,17 @@ void LilyServer::handle_completion(Exchange& ex, const Request& req, Reply& res)
   call.prompt_param = "prompt";
   std::vector<int32_t> prompt;
   try {
+    auto t0 = Clock::now();
     CompletionRequest request = parse_completion_request(req.body());
+    call.phases.parse = seconds(Clock::now() - t0);
     check_model(request.model);
     check_ready();
     // Text is encoded as the model sees it: special-token strings (<|im_start|>) become their
     // control tokens, as a raw prompt of `lily generate --raw`.
+    t0 = Clock::now();
     prompt = request.prompt_text ? tokenizer_->encode(*request.prompt_text, /*allow_special=*/true)
                                  : checked_ids(request.prompt_ids, request.prompt_param);
+    call.phases.tokenize = seconds(Clock::now() - t0);
     if (prompt.empty()) throw invalid_request("'prompt' encodes to no tokens", "prompt");
     call.request = std::move(request);
   } catch (const ApiError& e) {
@@ -257,12 +279,14 @@ void LilyServer::observe_token(ChatCall& call, const JobEvent& e, std::optional<
   last = e.at;
 }
 
-void LilyServer::record_done(const ChatCall& call, const std::vector<GenerationResult>& results,
+void LilyServer::record_done(ChatCall& call, const std::vector<GenerationResult>& results,
                              Clock::time_point done_at) {
   if (const auto started = call.job->started_at()) {
     metrics_.observe_queue_time(seconds(*started - call.submitted));
     metrics_.observe_running_time(seconds(done_at - *started));
+    call.phases.queue = seconds(*started - call.submitted);
   }
+  metrics_.record_phases(call.phases);
   const bool cancelled = !results.empty() && results.back().finish_reason == FinishReason::kCancelled;
   if (cancelled) metrics_.record_cancelled();
   const Usage u = usage_of(results);
@@ -303,6 +327,7 @@ void LilyServer::respond_whole(ChatCall& call, Exchange& ex, Reply& res) {
     if (e.kind == JobEvent::Kind::kFailed) throw failure(call, e.text, e.model_unavailable);
     const bool cancelled = e.result.finish_reason == FinishReason::kCancelled;
     const Clock::time_point done_at = e.at;
+    add_engine_phases(call.phases, e.timings);
     results.push_back(std::move(e.result));
     if (!cancelled && e.choice + 1 < call.request.n) continue;
     record_done(call, results, done_at);
@@ -396,7 +421,10 @@ bool LilyServer::stream_events(ChatCall& call, Exchange& ex, const ConnectionWat
       }
       continue;
     }
-    if (e.kind == JobEvent::Kind::kDone) results.push_back(e.result);
+    if (e.kind == JobEvent::Kind::kDone) {
+      add_engine_phases(call.phases, e.timings);
+      results.push_back(e.result);
+    }
     const bool last_choice = e.kind != JobEvent::Kind::kDone ||
                              e.result.finish_reason == FinishReason::kCancelled || e.choice + 1 >= call.request.n;
     if (client_gone) {

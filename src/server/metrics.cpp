@@ -84,6 +84,27 @@ std::string escape_label_value(std::string_view value) {
   return out;
 }
 
+std::vector<std::pair<const char*, double>> RequestPhases::named() const {
+  return {{"parse", parse},         {"template", template_render}, {"tokenize", tokenize},
+          {"queue", queue},         {"cache_lookup", cache_lookup}, {"new_state", new_state},
+          {"snapshot", snapshot},   {"prefill", prefill},           {"decode", decode},
+          {"cache_store", cache_store}};
+}
+
+RequestPhases& RequestPhases::operator+=(const RequestPhases& o) {
+  parse += o.parse;
+  template_render += o.template_render;
+  tokenize += o.tokenize;
+  queue += o.queue;
+  cache_lookup += o.cache_lookup;
+  new_state += o.new_state;
+  snapshot += o.snapshot;
+  prefill += o.prefill;
+  decode += o.decode;
+  cache_store += o.cache_store;
+  return *this;
+}
+
 Histogram::Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
 
 void Histogram::observe(double value) {
@@ -158,6 +179,11 @@ void Metrics::observe_step(int rows, double seconds) {
   step_rows_.observe(rows);
 }
 
+void Metrics::record_phases(const RequestPhases& phases) {
+  std::lock_guard lock(mutex_);
+  phases_ += phases;
+}
+
 void Metrics::record_cancelled() {
   std::lock_guard lock(mutex_);
   ++cancelled_;
@@ -196,6 +222,10 @@ std::string Metrics::render(const EngineGauges& g) const {
   queue_time_.render("lily_request_queue_seconds", out);
   header(out, "lily_request_running_seconds", "histogram", "Time a generation ran in the engine.");
   running_time_.render("lily_request_running_seconds", out);
+  header(out, "lily_request_phase_seconds_total", "counter",
+         "Seconds generating requests spent per phase, from parsing the body to the last token.");
+  for (const auto& [phase, total] : phases_.named())
+    out += std::string("lily_request_phase_seconds_total{phase=\"") + phase + "\"} " + number(total) + "\n";
   header(out, "lily_step_seconds", "histogram", "Wall time of one engine step (one batched forward pass).");
   step_time_.render("lily_step_seconds", out);
   header(out, "lily_step_batch_size", "histogram", "Sequences advanced together in one engine step.");

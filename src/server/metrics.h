@@ -30,6 +30,25 @@ class Histogram {
   int64_t count_ = 0;
 };
 
+/// Seconds one generating request spent in each phase, from its body to its last token
+/// (Metrics::record_phases; the label values of lily_request_phase_seconds_total).
+struct RequestPhases {
+  double parse = 0;            ///< the JSON body into a request
+  double template_render = 0;  ///< the chat template rendered (chat only; label "template")
+  double tokenize = 0;         ///< the prompt text into token ids
+  double queue = 0;            ///< waiting for the engine
+  double cache_lookup = 0;     ///< the prefix-cache lookup, with the restore of a hit's state
+  double new_state = 0;        ///< a fresh decode state on a miss
+  double snapshot = 0;         ///< prefix-cache snapshots copied during the prefill
+  double prefill = 0;          ///< engine steps that ran its prompt (the last one gives the first token)
+  double decode = 0;           ///< engine steps that ran its generated tokens
+  double cache_store = 0;      ///< its snapshots stored into the prefix cache at its end
+  /// Every phase with its label value, in the order a request goes through them.
+  std::vector<std::pair<const char*, double>> named() const;
+  /// Adds `o`'s seconds phase by phase.
+  RequestPhases& operator+=(const RequestPhases& o);
+};
+
 /// Point-in-time values read from the engine when /metrics is scraped.
 struct EngineGauges {
   int queue_depth = 0;  ///< requests waiting for a batch slot
@@ -80,6 +99,8 @@ class Metrics {
   void record_cancelled();
   /// Counts one idle connection closed to give its slot to a new one (--max-connections).
   void record_connection_evicted();
+  /// Adds one generating request's phase times (lily_request_phase_seconds_total).
+  void record_phases(const RequestPhases& phases);
   /// One engine step: its rows (sequences advanced together) and its wall time.
   void observe_step(int rows, double seconds);
   /// The whole exposition text.
@@ -96,6 +117,7 @@ class Metrics {
   Histogram running_time_;
   Histogram step_time_;
   Histogram step_rows_;
+  RequestPhases phases_;  ///< cumulative
 };
 
 }  // namespace lily::server

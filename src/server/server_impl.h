@@ -258,6 +258,7 @@ struct ChatCall {
   bool probed = false;  ///< the half-closed connection was probed once (Exchange::probe)
   uint64_t seed = 0;    ///< the seed of choice 0 (choice i: choice_seed(seed, i))
   AnswerFormat answer;  ///< chat: how the generated text becomes reasoning, content and tool calls
+  RequestPhases phases;  ///< where its time went (the engine's part added from each choice's kDone)
   /// chat, tool_choice "required" with several tools: the names the answer must go on with
   /// after the forced opening (forced_name_choices; JobRequest::prefix_choices).
   std::vector<std::string> prefix_choices;
@@ -349,7 +350,9 @@ class LilyServer {
   std::vector<int32_t> checked_ids(const std::vector<int64_t>& ids, const std::string& param) const;
   /// The chat prompt's tokens; with `message_starts`, also where its messages begin
   /// (ChatTemplate::encode). Throws ApiError 400 when the template refuses the messages.
-  std::vector<int32_t> tokenize(const ChatRequest& request, std::vector<int64_t>* message_starts = nullptr) const;
+  /// With `timings`, adds the rendering and tokenizing times to it.
+  std::vector<int32_t> tokenize(const ChatRequest& request, std::vector<int64_t>* message_starts = nullptr,
+                                ChatEncodeTimings* timings = nullptr) const;
   int64_t checked_max_tokens(const ChatCall& call, int64_t prompt_tokens) const;
   /// Queues the prompt and answers the request (whole or streamed) from the job's events.
   void generate_and_respond(ChatCall& call, std::vector<int32_t> prompt, Exchange& ex, Reply& res);
@@ -360,9 +363,10 @@ class LilyServer {
   /// Waits for the job's next event, cancelling it once the client has gone away.
   std::optional<JobEvent> next_event(ChatCall& call, Exchange& ex, const ConnectionWatch& watch, bool& client_gone);
   void observe_token(ChatCall& call, const JobEvent& e, std::optional<Clock::time_point>& last);
-  /// Counts a finished request (all its choices) in /metrics and its log line; `done_at` is
-  /// when the engine finished it (time running = done_at − start).
-  void record_done(const ChatCall& call, const std::vector<GenerationResult>& results, Clock::time_point done_at);
+  /// Counts a finished request (all its choices) in /metrics (its phases too, the queue's
+  /// added here) and its log line; `done_at` is when the engine finished it (time running =
+  /// done_at − start).
+  void record_done(ChatCall& call, const std::vector<GenerationResult>& results, Clock::time_point done_at);
   /// The request's sampling parameters over the server's defaults; checks logit_bias ids.
   SamplingParams request_sampling(ChatCall& call) const;
   /// A token's log-probabilities in the response's shape (token text from the tokenizer).

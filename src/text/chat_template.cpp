@@ -2,6 +2,7 @@
 // that only the template's own text can become control tokens.
 #include "text/chat_template.h"
 
+#include <chrono>
 #include <fstream>
 #include <sstream>
 
@@ -256,9 +257,12 @@ std::vector<int32_t> ChatTemplate::encode(const Tokenizer& tokenizer, std::span<
 }
 
 std::vector<int32_t> ChatTemplate::encode(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
-                                          const ChatTemplateOptions& options,
-                                          std::vector<int64_t>* message_starts) const {
+                                          const ChatTemplateOptions& options, std::vector<int64_t>* message_starts,
+                                          ChatEncodeTimings* timings) const {
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
   const jinja::RenderedText r = render_marked(messages, rewrite_history_, options);
+  const auto t1 = Clock::now();
   std::vector<int32_t> ids;
   const std::optional<int32_t> im_start = message_starts ? tokenizer.token_id("<|im_start|>") : std::nullopt;
   if (message_starts) message_starts->clear();
@@ -282,6 +286,10 @@ std::vector<int32_t> ChatTemplate::encode(const Tokenizer& tokenizer, std::span<
     at = end;
   }
   add(text.substr(at), false);
+  if (timings) {
+    timings->render_seconds += std::chrono::duration<double>(t1 - t0).count();
+    timings->tokenize_seconds += std::chrono::duration<double>(Clock::now() - t1).count();
+  }
   return ids;
 }
 

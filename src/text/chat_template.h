@@ -43,6 +43,12 @@ struct ChatMessage {
   std::string name = {};                              ///< the optional participant name
 };
 
+/// Where ChatTemplate::encode spent its time, in seconds (for the server's phase metrics).
+struct ChatEncodeTimings {
+  double render_seconds = 0;    ///< the Jinja template rendered into text
+  double tokenize_seconds = 0;  ///< that text encoded into token ids
+};
+
 /// The template variables besides `messages`.
 struct ChatTemplateOptions {
   bool add_generation_prompt = true;      ///< the template variable of that name
@@ -103,9 +109,10 @@ class ChatTemplate {
   /// `<|im_start|>` the template writes itself (not one inside message content), except at 0,
   /// ascending. These are the resume points the prefix cache snapshots: the prompt up to such a
   /// position is a token-exact prefix of every prompt that repeats the messages before it.
+  /// With `timings`, also adds the time spent rendering and tokenizing to it.
   std::vector<int32_t> encode(const Tokenizer& tokenizer, std::span<const ChatMessage> messages,
-                              const ChatTemplateOptions& options,
-                              std::vector<int64_t>* message_starts = nullptr) const;
+                              const ChatTemplateOptions& options, std::vector<int64_t>* message_starts = nullptr,
+                              ChatEncodeTimings* timings = nullptr) const;
 
  private:
   jinja::RenderedText render_marked(std::span<const ChatMessage> messages, bool rewrite,

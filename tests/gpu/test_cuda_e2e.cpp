@@ -414,6 +414,19 @@ TEST_F(CudaE2e, CloneAndKvGrowth) {
   EXPECT_EQ(a, b);
   EXPECT_EQ(na, nc);
   EXPECT_EQ(a, c);
+  // A state resumed for a request (resume_state) has room for it, from a device or a host copy,
+  // and decodes bit for bit as a clone: the same kernels over the same values.
+  auto resumed = gpu->resume_state(*copy, 1300);
+  auto resumed_host = gpu->resume_state(*host, 1300);
+  EXPECT_EQ(resumed->position(), 1100);
+  EXPECT_EQ(resumed_host->position(), 1100);
+  EXPECT_GT(resumed->bytes(), copy->bytes());
+  EXPECT_EQ(resumed_host->bytes(), resumed->bytes());
+  std::vector<float> d, e;
+  EXPECT_EQ(gpu->decode(*resumed, ig, &d), na);
+  EXPECT_EQ(gpu->decode(*resumed_host, ig, &e), na);
+  EXPECT_EQ(d, a);
+  EXPECT_EQ(e, a);
   ASSERT_TRUE(gpu->free_memory().has_value());
   EXPECT_GT(*gpu->free_memory(), 0);
   // Errors: bad token id, foreign state, overflow of max_seq.
@@ -678,6 +691,19 @@ TEST_F(CudaE2e, PrintsDecodeGraphAndPrefixCopyTimes) {
               "%.3f ms); copy_to_host %.3f ms (again: %.3f ms); restore from host %.3f ms (again: %.3f ms)\n",
               model.c_str(), history + 1, double(b->bytes()) / 1e6, t_clone1, t_clone2, t_host1, t_host2,
               t_restore1, t_restore2);
+  // A host copy that is kept (the host tier only grows) pins new memory; one made after the
+  // backend prepared while idle takes the spare block made then.
+  auto [kept1, t_kept1] = timed([&] { return gpu->copy_to_host(*b); });
+  auto [kept2, t_kept2] = timed([&] { return gpu->copy_to_host(*b); });
+  t0 = clock::now();
+  int pieces = 0;
+  while (gpu->prepare_while_idle()) ++pieces;
+  const double t_prepare = ms_since(t0);
+  auto [kept3, t_kept3] = timed([&] { return gpu->copy_to_host(*b); });
+  auto [kept4, t_kept4] = timed([&] { return gpu->copy_to_host(*b); });
+  std::printf("[idle spares timing] %s: kept copy_to_host %.3f, %.3f ms; prepare_while_idle %d pieces in %.3f ms; "
+              "then copy_to_host %.3f, %.3f ms\n",
+              model.c_str(), t_kept1, t_kept2, pieces, t_prepare, t_kept3, t_kept4);
 
   // Turn 2: the snapshot holds the history (clone2 on the device tier, host2 on the host tier).
   for (const bool host_tier : {false, true}) {
@@ -692,6 +718,17 @@ TEST_F(CudaE2e, PrintsDecodeGraphAndPrefixCopyTimes) {
                 "%.3f ms, first decode step %.3f ms; %.3f ms in all\n",
                 model.c_str(), host_tier ? "host" : "device", history + 1, turn2.size(), restore, prefill,
                 total - restore - prefill, total);
+    // As the server resumes it: with room for the new tokens and the answer (no KV growth).
+    t0 = clock::now();
+    auto r = gpu->resume_state(host_tier ? *host2 : *clone2, history + 1 + static_cast<int64_t>(turn2.size()) + 64);
+    const double resume = ms_since(t0);
+    const int32_t first_r = gpu->prefill(*r, turn2);
+    const double prefill_r = ms_since(t0) - resume;
+    gpu->decode(*r, first_r);
+    const double total_r = ms_since(t0);
+    std::printf("[turn 2 timing, resumed with room] %s, %s tier: resume %.3f ms, prefill %.3f ms, first decode step "
+                "%.3f ms; %.3f ms in all\n",
+                model.c_str(), host_tier ? "host" : "device", resume, prefill_r, total_r - resume - prefill_r, total_r);
   }
 }
 

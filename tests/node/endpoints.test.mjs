@@ -334,6 +334,16 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
       assert.equal(m.get(`${h}_count`), before_.get(`${h}_count`) + 1, h);
       assert.ok(m.get(`${h}_bucket{le="+Inf"}`) === m.get(`${h}_count`), h);
     }
+    // Every phase of a generating request is a counter; the completion above moved them.
+    let grew = 0;
+    for (const p of ['parse', 'template', 'tokenize', 'queue', 'cache_lookup', 'new_state', 'snapshot', 'prefill',
+      'decode', 'cache_store']) {
+      const k = `lily_request_phase_seconds_total{phase="${p}"}`;
+      assert.ok(m.get(k) >= before_.get(k), k);
+      grew += m.get(k) - before_.get(k);
+    }
+    assert.ok(grew > 0);
+    assert.match(res.body, /# TYPE lily_request_phase_seconds_total counter/);
     assert.ok(m.get('process_resident_memory_bytes') > 1e6);
     assert.ok(m.get('process_open_fds') >= 3);
     assert.ok(m.get('process_threads') >= 3);

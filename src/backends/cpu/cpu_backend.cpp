@@ -27,22 +27,60 @@ float* row(std::vector<float>& v, int64_t t, int64_t width) { return v.data() + 
 
 // ---- state -------------------------------------------------------------------------------------
 
-CpuSequenceState::CpuSequenceState(const ModelConfig& c, int64_t max_seq) : max_seq_(max_seq) {
-  layers.resize(c.n_layers);
+CpuSequenceState::CpuSequenceState(const ModelConfig& c, int64_t max_seq, std::shared_ptr<BlockPool> pool)
+    : kv_width_(int64_t{c.n_kv_heads} * c.head_dim), kv_(PoolAllocator<float>(pool)), max_seq_(max_seq) {
+  const PoolAllocator<float> alloc(std::move(pool));
+  layers.reserve(c.n_layers);
   for (int i = 0; i < c.n_layers; ++i) {
-    if (c.is_full_attention(i)) continue;  // the KV cache starts empty and grows
+    layers.push_back(LayerState{Buffer(alloc), Buffer(alloc)});
+    if (c.is_full_attention(i)) {  // its KV cache starts empty and grows
+      attn_slot_.push_back(n_attn_++);
+      continue;
+    }
+    attn_slot_.push_back(-1);
     layers[i].conv_window.assign(int64_t{c.gdn_conv_channels()} * (c.gdn_conv_kernel - 1), 0.0f);
     layers[i].recurrent.assign(
         int64_t{c.gdn_n_value_heads} * c.gdn_key_head_dim * c.gdn_value_head_dim, 0.0f);
   }
 }
 
+CpuSequenceState::CpuSequenceState(const CpuSequenceState& other, int64_t capacity)
+    : layers(other.layers),
+      attn_slot_(other.attn_slot_),
+      n_attn_(other.n_attn_),
+      kv_width_(other.kv_width_),
+      kv_(other.kv_.get_allocator()),
+      position_(other.position_),
+      max_seq_(other.max_seq_) {
+  const int64_t cap = std::clamp(capacity, position_, max_seq_);
+  if (cap == 0) return;
+  kv_.resize(static_cast<size_t>(2 * n_attn_ * cap * kv_width_));
+  kv_capacity_ = cap;
+  const size_t rows = static_cast<size_t>(position_ * kv_width_);
+  for (int slot = 0; slot < 2 * n_attn_; ++slot)
+    std::copy_n(other.kv_.data() + slot * other.kv_capacity_ * kv_width_, rows, kv_.data() + slot * cap * kv_width_);
+}
+
 int64_t CpuSequenceState::bytes() const {
-  int64_t floats = 0;
-  for (const auto& l : layers)
-    floats += l.keys.capacity() + l.values.capacity() + l.conv_window.capacity() +
-              l.recurrent.capacity();
+  int64_t floats = static_cast<int64_t>(kv_.capacity());
+  for (const auto& l : layers) floats += l.conv_window.capacity() + l.recurrent.capacity();
   return floats * static_cast<int64_t>(sizeof(float));
+}
+
+void CpuSequenceState::reserve_kv(int64_t rows) {
+  if (rows <= kv_capacity_) return;
+  reallocate_kv(std::min(max_seq_, std::max(rows, 2 * kv_capacity_)));
+}
+
+void CpuSequenceState::reallocate_kv(int64_t capacity) {
+  LILY_CHECK(capacity >= position_);
+  Buffer fresh(kv_.get_allocator());
+  fresh.resize(static_cast<size_t>(2 * n_attn_ * capacity * kv_width_));
+  const size_t rows = static_cast<size_t>(position_ * kv_width_);
+  for (int slot = 0; slot < 2 * n_attn_; ++slot)
+    std::copy_n(kv_.data() + slot * kv_capacity_ * kv_width_, rows, fresh.data() + slot * capacity * kv_width_);
+  kv_.swap(fresh);
+  kv_capacity_ = capacity;
 }
 
 // ---- activation buffers ------------------------------------------------------------------------
@@ -112,14 +150,16 @@ std::unique_ptr<SequenceState> CpuBackend::new_state(int64_t max_seq) {
   if (max_seq < 1 || max_seq > kMaxSeq)
     throw Error("max_seq " + std::to_string(max_seq) + " is outside [1, " +
                 std::to_string(kMaxSeq) + "]");
-  return std::make_unique<CpuSequenceState>(config(), max_seq);
+  return std::make_unique<CpuSequenceState>(config(), max_seq, state_pool_);
 }
 
 std::unique_ptr<SequenceState> CpuBackend::clone_state(const SequenceState& state) {
-  const auto* cpu_state = dynamic_cast<const CpuSequenceState*>(&state);
-  if (!cpu_state || static_cast<int>(cpu_state->layers.size()) != config().n_layers)
-    throw Error("cpu backend: the state was not created by this backend");
-  return std::make_unique<CpuSequenceState>(*cpu_state);
+  const CpuSequenceState& src = checked_state(const_cast<SequenceState&>(state));
+  return std::make_unique<CpuSequenceState>(src, src.position());
+}
+
+std::unique_ptr<SequenceState> CpuBackend::resume_state(const SequenceState& snapshot, int64_t capacity) {
+  return std::make_unique<CpuSequenceState>(checked_state(const_cast<SequenceState&>(snapshot)), capacity);
 }
 
 CpuSequenceState& CpuBackend::checked_state(SequenceState& state) const {
@@ -206,6 +246,7 @@ void CpuBackend::forward_pass(std::span<const Segment> segments, std::span<const
       s.row_pos[segments[g].offset + t] = segments[g].first_pos + t;
       s.row_segment[segments[g].offset + t] = static_cast<int>(g);
     }
+  for (const Segment& g : segments) g.state->reserve_kv(g.first_pos + g.m);  // the KV rows written below
   for (int64_t t = 0; t < m; ++t) dequantize_row(weights_->embed_tokens, tokens[t], row(s.x, t, c.hidden));
   round_activations(s.x.data(), m * c.hidden);
   probe("embed", -1, segments, s.x.data(), c.hidden);
@@ -338,24 +379,22 @@ void CpuBackend::attention_mixer(const AttentionWeights& w, int layer, std::span
       round_activations(k, D);  // the KV cache holds bf16 keys
     }
   }
-  for (const Segment& g : segments) {
-    CpuSequenceState::LayerState& state = g.state->layers[layer];
-    state.keys.insert(state.keys.end(), s.k.begin() + g.offset * kv_width, s.k.begin() + (g.offset + g.m) * kv_width);
-    state.values.insert(state.values.end(), s.v.begin() + g.offset * kv_width,
-                        s.v.begin() + (g.offset + g.m) * kv_width);
+  for (const Segment& g : segments) {  // rows first_pos … first_pos + m − 1 (room made by forward_pass)
+    std::copy_n(s.k.begin() + g.offset * kv_width, g.m * kv_width, g.state->keys(layer) + g.first_pos * kv_width);
+    std::copy_n(s.v.begin() + g.offset * kv_width, g.m * kv_width, g.state->values(layer) + g.first_pos * kv_width);
   }
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   auto heads = [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores;
     for (int64_t th = begin; th < end; ++th) {
       const int64_t t = th / nq, h = th % nq, kv = h / (nq / nkv);
-      const CpuSequenceState::LayerState& state = segments[s.row_segment[t]].state->layers[layer];
+      const CpuSequenceState& state = *segments[s.row_segment[t]].state;
       const int64_t len = s.row_pos[t] + 1;  // causal: positions 0 … row_pos[t]
       if (static_cast<int64_t>(scores.size()) < len) scores.resize(len);
       const float* q = row(s.qg, t, qg_width) + h * 2 * D;
       const float* gate = q + D;
       float* o = row(s.attn, t, int64_t{nq} * D) + h * D;
-      attention_head(q, state.keys.data() + kv * D, state.values.data() + kv * D, len, kv_width,
+      attention_head(q, state.keys(layer) + kv * D, state.values(layer) + kv * D, len, kv_width,
                      D, scale, scores.data(), o);
       for (int d = 0; d < D; ++d) o[d] *= sigmoid(gate[d]);
       round_activations(o, D);

@@ -12,35 +12,69 @@
 #include <vector>
 
 #include "backends/cpu/thread_pool.h"
+#include "base/host_memory.h"
 #include "engine/backend.h"
 
 namespace lily::cpu {
 
-/// Per-sequence state of the CPU backend. Memory grows with the sequence: the KV cache of a
-/// full-attention layer holds exactly position() tokens (std::vector growth), the GDN states are
-/// fixed-size. All fp32.
+/// Per-sequence state of the CPU backend. All fp32. The GDN states are fixed-size; the KV caches
+/// of all full-attention layers share one block with room for kv_capacity() positions, which
+/// grows with the sequence (doubling, up to max_seq; never reserved for max_seq up front). Its
+/// buffers come from the backend's state pool (host_memory.h): one large KV block per state is
+/// backed by huge pages and reused whole by the next state of its size class, so copies for the
+/// prefix cache fault few pages, or none.
 class CpuSequenceState final : public SequenceState {
  public:
-  /// State of one decoder layer; only the members of its LayerType are non-empty.
+  /// fp32 storage whose large arrays come from a BlockPool.
+  using Buffer = std::vector<float, PoolAllocator<float>>;
+  /// The GDN state of one decoder layer (both empty for a full-attention layer).
   struct LayerState {
-    std::vector<float> keys;         ///< full attention: [position, n_kv_heads, head_dim], post norm+RoPE
-    std::vector<float> values;       ///< full attention: [position, n_kv_heads, head_dim]
-    std::vector<float> conv_window;  ///< GDN: [conv_channels, conv_kernel−1] raw inputs, oldest first
-    std::vector<float> recurrent;    ///< GDN: [Hv, Dk, Dv] delta-rule state S[i][m]
+    Buffer conv_window;  ///< [conv_channels, conv_kernel−1] raw inputs, oldest first
+    Buffer recurrent;    ///< [Hv, Dk, Dv] delta-rule state S[i][m]
   };
 
-  /// Zero state at position 0 for `config`, for sequences of at most max_seq tokens.
-  CpuSequenceState(const ModelConfig& config, int64_t max_seq);
+  /// Zero state at position 0 for `config`, for sequences of at most max_seq tokens, its large
+  /// buffers (and those of its copies) taken from `pool` (nullptr: operator new).
+  CpuSequenceState(const ModelConfig& config, int64_t max_seq, std::shared_ptr<BlockPool> pool = nullptr);
+  /// A deep copy of `other` whose KV block has room for `capacity` positions (clamped to
+  /// [other.position(), other.max_seq()]), from the same pool.
+  CpuSequenceState(const CpuSequenceState& other, int64_t capacity);
 
   int64_t position() const override { return position_; }
-  /// Bytes of fp32 storage held (vector capacities), KV cache + GDN states.
+  /// Bytes of fp32 storage held: the GDN states and the whole KV block (kv_capacity() positions).
   int64_t bytes() const override;
   int64_t max_seq() const { return max_seq_; }
+  /// Positions the KV block has room for.
+  int64_t kv_capacity() const { return kv_capacity_; }
+  /// Full-attention layer `layer`'s keys [kv_capacity, n_kv_heads, head_dim] (post norm + RoPE);
+  /// the first position() rows are written.
+  float* keys(int layer) { return kv_.data() + kv_offset(layer, 0); }
+  const float* keys(int layer) const { return kv_.data() + kv_offset(layer, 0); }
+  /// Its values, laid out as keys().
+  float* values(int layer) { return kv_.data() + kv_offset(layer, 1); }
+  const float* values(int layer) const { return kv_.data() + kv_offset(layer, 1); }
+  /// The block every attention layer's K and V live in (its allocator names the pool).
+  const Buffer& kv_block() const { return kv_; }
 
   std::vector<LayerState> layers;  ///< [n_layers]
 
  private:
   friend class CpuBackend;
+  /// Offset of attention layer `layer`'s K (`which` 0) or V (1) in the KV block.
+  int64_t kv_offset(int layer, int which) const {
+    return (2 * int64_t{attn_slot_[static_cast<size_t>(layer)]} + which) * kv_capacity_ * kv_width_;
+  }
+  /// Makes room for `rows` positions (at least doubling the capacity, at most max_seq), keeping
+  /// the first position() rows of every cache.
+  void reserve_kv(int64_t rows);
+  /// Moves the KV caches into a block of `capacity` positions (≥ position()).
+  void reallocate_kv(int64_t capacity);
+
+  std::vector<int> attn_slot_;  ///< per layer: its index among the full-attention layers, −1 for GDN
+  int n_attn_ = 0;
+  int64_t kv_width_ = 0;        ///< n_kv_heads · head_dim
+  int64_t kv_capacity_ = 0;
+  Buffer kv_;                   ///< [n_attn][K, V][kv_capacity][kv_width]
   int64_t position_ = 0;
   int64_t max_seq_ = 0;
 };
@@ -78,6 +112,8 @@ class CpuBackend final : public Backend {
   static constexpr int64_t kDefaultPrefillChunk = 128;
   /// Most rows one step may hold.
   static constexpr int kMaxBatch = 64;
+  /// Bytes of state memory the backend keeps idle for reuse (its state pool).
+  static constexpr size_t kStatePoolIdleBytes = size_t{512} << 20;
 
   /// `threads` <= 0 means all hardware threads. Throws lily::Error if `weights` is null.
   explicit CpuBackend(std::shared_ptr<const ModelWeights> weights, int threads = 0);
@@ -91,8 +127,13 @@ class CpuBackend final : public Backend {
   std::unique_ptr<SequenceState> new_state(int64_t max_seq) override;
   /// Deep copy. Throws lily::Error if `state` is not a CpuSequenceState of this model.
   std::unique_ptr<SequenceState> clone_state(const SequenceState& state) override;
+  /// Deep copy whose KV caches have room for min(capacity, max_seq) positions (reserved, so the
+  /// steps up to there append without reallocating). Throws as clone_state.
+  std::unique_ptr<SequenceState> resume_state(const SequenceState& snapshot, int64_t capacity) override;
   /// Most rows per step.
   int max_batch() const override { return kMaxBatch; }
+  /// One spare state block for the sizes recent states took (touched, from the state pool).
+  bool prepare_while_idle() override { return state_pool_->refill_one(); }
   /// Backend::step. The rows' tokens go through in passes of at most prefill_chunk() tokens in
   /// all (a longer row spans several passes): every projection, the router, the experts (grouped
   /// by expert across the rows) and the LM head read each weight row once per pass for all its
@@ -146,6 +187,8 @@ class CpuBackend final : public Backend {
              int64_t width) const;
 
   std::shared_ptr<const ModelWeights> weights_;
+  /// Where states take their large buffers (huge-page mappings, reused by size class).
+  std::shared_ptr<BlockPool> state_pool_ = make_host_block_pool(kStatePoolIdleBytes);
   mutable ThreadPool pool_;
   std::unique_ptr<Scratch> scratch_;
   int64_t prefill_chunk_ = kDefaultPrefillChunk;

@@ -85,7 +85,7 @@ std::shared_ptr<BlockPool> make_device_pool() {
         }
         return p;
       },
-      [](void* p) { cudaFree(p); }, kPoolIdleBytes);
+      [](void* p, size_t) { cudaFree(p); }, kPoolIdleBytes);
 }
 
 /// The block pool of pinned (page-locked) host memory (cudaMallocHost / cudaFreeHost) for host
@@ -103,7 +103,7 @@ std::shared_ptr<BlockPool> make_pinned_pool() {
         }
         return p;
       },
-      [](void* p) { cudaFreeHost(p); }, kPoolIdleBytes);
+      [](void* p, size_t) { cudaFreeHost(p); }, kPoolIdleBytes);
 }
 
 /// A host copy of a CudaState (the prefix cache's second tier, Backend::copy_to_host), in two
@@ -203,11 +203,13 @@ class CudaState final : public SequenceState {
     if (n_attn > 0 && pos > 0) CUDA_CHECK(cudaStreamSynchronize(stream));  // `old` is given back below
   }
 
-  /// Deep copy with room for exactly `pos` positions (at least 1): a prefix-cache
-  /// snapshot holds no spare capacity, and a resumed state grows on its next step. The copies
-  /// run on `stream` (the backend's, which wrote this state) and are finished on return.
-  std::unique_ptr<CudaState> clone(cudaStream_t stream) const {
-    auto c = std::make_unique<CudaState>(owner, pool, gdn, attn, n_gdn, n_attn, max_seq, pos);
+  /// Deep copy with room for `room` positions, clamped to [pos, max_seq] (at least 1): exactly
+  /// `pos` by default, since a prefix-cache snapshot holds no spare capacity; a state resumed
+  /// for a request gets room for it (Backend::resume_state), so its next steps need not grow it.
+  /// The copies run on `stream` (the backend's, which wrote this state) and are finished on return.
+  std::unique_ptr<CudaState> clone(cudaStream_t stream, int64_t room = 0) const {
+    auto c = std::make_unique<CudaState>(owner, pool, gdn, attn, n_gdn, n_attn, max_seq,
+                                         std::clamp<int64_t>(room, pos, max_seq));
     if (n_gdn > 0) {
       CUDA_CHECK(cudaMemcpyAsync(c->windows.data(), windows.data(), windows.bytes(), cudaMemcpyDeviceToDevice, stream));
       CUDA_CHECK(cudaMemcpyAsync(c->states.data(), states.data(), states.bytes(), cudaMemcpyDeviceToDevice, stream));
@@ -244,11 +246,13 @@ class CudaState final : public SequenceState {
   }
 
   /// A device state in blocks of `pool` made from host copy `h` (of a state with these
-  /// dimensions), with room for exactly its positions; copied on `stream` and finished on return.
+  /// dimensions), with room for `room` positions clamped to [its positions, its max_seq] (by
+  /// default exactly its positions); copied on `stream` and finished on return.
   static std::unique_ptr<CudaState> from_host(const CudaHostState& h, std::shared_ptr<BlockPool> pool,
                                               const GdnDims& g, const AttnDims& a, int n_gdn, int n_attn,
-                                              cudaStream_t stream) {
-    auto c = std::make_unique<CudaState>(h.owner, std::move(pool), g, a, n_gdn, n_attn, h.max_seq, h.pos);
+                                              cudaStream_t stream, int64_t room = 0) {
+    auto c = std::make_unique<CudaState>(h.owner, std::move(pool), g, a, n_gdn, n_attn, h.max_seq,
+                                         std::clamp<int64_t>(room, h.pos, h.max_seq));
     if (c->windows.bytes() != h.window_bytes || c->states.bytes() != h.state_bytes)
       throw ::lily::Error("CUDA backend: the host state does not match this model's dimensions");
     if (n_gdn > 0) {
@@ -587,6 +591,16 @@ class CudaBackend final : public Backend {
     return checked(const_cast<SequenceState&>(state)).clone(stream_);
   }
 
+  /// clone_state with room for `capacity` positions (clamped to [position, max_seq]), so the
+  /// resumed state's next steps do not reallocate and copy its KV cache (CudaState::reserve).
+  std::unique_ptr<SequenceState> resume_state(const SequenceState& state, int64_t capacity) override {
+    if (const auto* h = dynamic_cast<const CudaHostState*>(&state)) {
+      if (h->owner != this) throw ::lily::Error("CUDA backend: the sequence state belongs to another backend");
+      return CudaState::from_host(*h, device_pool_, gdn_, attn_, n_gdn_, n_attn_, stream_, capacity);
+    }
+    return checked(const_cast<SequenceState&>(state)).clone(stream_, capacity);
+  }
+
   /// Pinned host copy (CudaHostState), copied on the backend's stream.
   std::unique_ptr<SequenceState> copy_to_host(const SequenceState& state) override {
     if (const auto* h = dynamic_cast<const CudaHostState*>(&state)) {
@@ -595,6 +609,11 @@ class CudaBackend final : public Backend {
     }
     return checked(const_cast<SequenceState&>(state)).to_host(pinned_pool_, stream_);
   }
+
+  /// One spare block for the sizes recent states and host copies took: device memory, then
+  /// pinned host memory (whose allocation, about 0.4 ms per MB, would otherwise fall on the next
+  /// copy to the host tier). The engine is idle: no work of this backend is in flight.
+  bool prepare_while_idle() override { return device_pool_->refill_one() || pinned_pool_->refill_one(); }
 
   /// Free device memory now (cudaMemGetInfo), plus what the state pool holds idle: the pool lets
   /// that go whenever an allocation would otherwise fail.

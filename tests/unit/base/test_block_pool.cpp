@@ -22,7 +22,7 @@ struct FakeAllocator {
   int allocations = 0, frees = 0;
   std::set<void*> live;
 
-  std::shared_ptr<BlockPool> pool(size_t max_idle) {
+  std::shared_ptr<BlockPool> pool(size_t max_idle, BlockPool::Prepare prepare = {}) {
     return std::make_shared<BlockPool>(
         [this](size_t bytes) -> void* {
           if (out_bytes + bytes > cap) throw Error("fake: out of memory");
@@ -33,13 +33,14 @@ struct FakeAllocator {
           sizes[p] = bytes;
           return p;
         },
-        [this](void* p) {
+        [this](void* p, size_t bytes) {
+          EXPECT_EQ(bytes, sizes[p]);  // the size it was allocated with
           out_bytes -= sizes[p];
           ++frees;
           live.erase(p);
           std::free(p);
         },
-        max_idle);
+        max_idle, std::move(prepare));
   }
   std::map<void*, size_t> sizes;
 };
@@ -164,6 +165,59 @@ TEST(BlockPool, LargeBlocksAreReusedWithinTheirSizeClass) {
   EXPECT_EQ(fake.allocations, 2);
   pool->give(turn1, 101 * mib);
   pool->give(other, 120 * mib);
+}
+
+TEST(BlockPool, RefillMakesSparesForTheSizesTakenWithinTheIdleBound) {
+  FakeAllocator fake;
+  std::vector<size_t> prepared;
+  auto pool = fake.pool(1000, [&](void*, size_t bytes) { prepared.push_back(bytes); });
+  EXPECT_FALSE(pool->refill_one());  // nothing taken: no demand
+  // A turn takes three blocks of 100 and one of 300, then gives one of 100 back.
+  void* a = pool->take(100);
+  void* b = pool->take(100);
+  void* c = pool->take(100);
+  void* d = pool->take(300);
+  pool->give(a, 100);
+  EXPECT_EQ(fake.allocations, 4);
+  // Spares up to what was taken of each size: two more of 100 (one is idle already), one of 300.
+  int pieces = 0;
+  while (pool->refill_one()) ++pieces;
+  EXPECT_EQ(pieces, 3);
+  EXPECT_EQ(fake.allocations, 7);
+  EXPECT_EQ(prepared, (std::vector<size_t>{100, 100, 300}));  // each spare prepared once
+  EXPECT_EQ(pool->idle_bytes(), 600u);
+  EXPECT_FALSE(pool->refill_one());  // the demand is met and forgotten
+  // The next turn's takes of those sizes allocate nothing.
+  void* e = pool->take(100);
+  void* f = pool->take(100);
+  void* g = pool->take(300);
+  EXPECT_EQ(fake.allocations, 7);
+  pool->give(b, 100), pool->give(c, 100), pool->give(d, 300), pool->give(e, 100), pool->give(f, 100);
+  EXPECT_EQ(pool->idle_bytes(), 800u);  // with the spare of 100 not taken
+  pool->give(g, 300);  // 1100 idle: the least recently given (that spare) is freed
+  EXPECT_EQ(pool->idle_bytes(), 1000u);
+  void* h = pool->take(300);
+  void* i = pool->take(300);
+  EXPECT_EQ(fake.allocations, 7);
+  EXPECT_EQ(pool->idle_bytes(), 400u);
+  void* j = pool->take(300);  // a third: allocated; demand now 3 × 300 with none idle
+  EXPECT_EQ(fake.allocations, 8);
+  while (pool->refill_one()) {
+  }
+  EXPECT_EQ(pool->idle_bytes(), 1000u);  // 400 + two spares of 300 fit; a third would not
+  EXPECT_EQ(fake.allocations, 10);
+  pool->give(h, 300), pool->give(i, 300), pool->give(j, 300);
+}
+
+TEST(BlockPool, RefillStopsQuietlyWhenAnAllocationFails) {
+  FakeAllocator fake;
+  auto pool = fake.pool(1000);
+  void* a = pool->take(200);
+  fake.cap = 300;  // room for 100 more bytes only
+  EXPECT_FALSE(pool->refill_one());  // the spare cannot be allocated: no error, no spare
+  EXPECT_EQ(pool->idle_bytes(), 0u);
+  EXPECT_FALSE(pool->refill_one());  // and the demand is forgotten
+  pool->give(a, 200);
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <chrono>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -184,6 +186,96 @@ TEST_F(CpuBackendDemo, CloneStateGivesIdenticalContinuations) {
     from_original.push_back(b = backend.decode(*original, b, &logits_original));
   EXPECT_EQ(from_copy, from_original);
   EXPECT_EQ(logits_copy, logits_original);
+}
+
+TEST_F(CpuBackendDemo, ResumeStateHasRoomAndContinuesAsAClone) {
+  CpuBackend backend(weights_, 2);
+  auto original = backend.new_state(256);
+  const int32_t next = backend.prefill(*original, synthetic_prompt(40));
+  auto clone = backend.clone_state(*original);
+  auto resumed = backend.resume_state(*original, 60);
+  ASSERT_EQ(resumed->position(), 40);
+  const auto& c = weights_->config;
+  const int64_t kv_per_token = int64_t{c.n_full_attention_layers()} * 2 * c.n_kv_heads * c.head_dim * 4;
+  const int64_t exact = clone->bytes();
+  EXPECT_EQ(resumed->bytes(), exact + 20 * kv_per_token);  // room for 60 positions, not 40
+  // Up to its room the resumed state's KV caches never move (no reallocation, no copy).
+  auto& cpu = static_cast<CpuSequenceState&>(*resumed);
+  int attn = 0;
+  while (!c.is_full_attention(attn)) ++attn;
+  const float* keys = cpu.keys(attn);
+  std::vector<int32_t> from_clone, from_resumed;
+  std::vector<float> logits_clone, logits_resumed;
+  int32_t a = next, b = next;
+  for (int i = 0; i < 20; ++i) from_clone.push_back(a = backend.decode(*clone, a, &logits_clone));
+  for (int i = 0; i < 20; ++i) from_resumed.push_back(b = backend.decode(*resumed, b, &logits_resumed));
+  EXPECT_EQ(from_resumed, from_clone);
+  EXPECT_EQ(logits_resumed, logits_clone);
+  EXPECT_EQ(cpu.keys(attn), keys);
+  EXPECT_EQ(cpu.kv_capacity(), 60);
+  // Past its room it grows as any state does, and still continues as the clone.
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(b = backend.decode(*resumed, b), a = backend.decode(*clone, a));
+  EXPECT_GT(cpu.kv_capacity(), 60);
+  // The room is capped by max_seq and never below the state's own positions.
+  EXPECT_EQ(backend.resume_state(*original, 1 << 20)->bytes(), exact + (256 - 40) * kv_per_token);
+  EXPECT_EQ(backend.resume_state(*original, 0)->bytes(), exact);
+}
+
+TEST_F(CpuBackendDemo, StatesTakeTheirLargeBuffersFromTheBackendsPool) {
+  CpuBackend backend(weights_, 2);
+  auto state = backend.new_state(2048);
+  backend.prefill(*state, synthetic_prompt(300));  // 300 positions: 150 KiB per K or V
+  auto& cpu = static_cast<CpuSequenceState&>(*state);
+  const std::shared_ptr<BlockPool>& pool = cpu.kv_block().get_allocator().pool();
+  ASSERT_NE(pool, nullptr);
+  // A copy of the state, freed, leaves its blocks idle; the next copy of that size takes them.
+  backend.clone_state(*state).reset();
+  const size_t made = pool->allocations();
+  EXPECT_GT(pool->idle_bytes(), 0u);
+  auto again = backend.clone_state(*state);
+  EXPECT_EQ(pool->allocations(), made);
+  EXPECT_EQ(backend.decode(*again, 7), backend.decode(*state, 7));
+  // Copies that are kept (prefix-cache snapshots) each take a block; while idle the backend
+  // makes spares of those sizes, and the next copies of that length take them.
+  std::vector<std::unique_ptr<SequenceState>> kept;
+  for (int i = 0; i < 3; ++i) kept.push_back(backend.clone_state(*again));
+  int pieces = 0;
+  while (backend.prepare_while_idle()) ++pieces;
+  EXPECT_GT(pieces, 0);
+  const size_t prepared = pool->allocations();
+  for (int i = 0; i < 3; ++i) kept.push_back(backend.clone_state(*again));
+  EXPECT_EQ(pool->allocations(), prepared);
+}
+
+TEST_F(CpuBackendDemo, PrintsStateCopyTimes) {
+  if (lily::test::kSanitized) GTEST_SKIP() << "timings mean nothing under the sanitizers";
+  // What a prefix-cache copy of a 1,500-token state costs in fresh memory, in a block given back,
+  // and in a spare made while idle (printed, never checked: it depends on the machine's page
+  // faults, which a virtual machine can make 50 times dearer than bare metal).
+  using clock = std::chrono::steady_clock;
+  auto ms_since = [](clock::time_point t) { return std::chrono::duration<double, std::milli>(clock::now() - t).count(); };
+  CpuBackend backend(weights_, 2);
+  auto state = backend.new_state(4096);
+  backend.prefill(*state, synthetic_prompt(1500));
+  std::vector<std::unique_ptr<SequenceState>> kept;
+  auto t = clock::now();
+  kept.push_back(backend.clone_state(*state));
+  const double fresh = ms_since(t);
+  kept.pop_back();
+  t = clock::now();
+  kept.push_back(backend.clone_state(*state));
+  const double reused = ms_since(t);
+  kept.push_back(backend.clone_state(*state));  // kept: a second block of that size
+  t = clock::now();
+  int pieces = 0;
+  while (backend.prepare_while_idle()) ++pieces;
+  const double prepare = ms_since(t);
+  t = clock::now();
+  kept.push_back(backend.clone_state(*state));
+  const double spare = ms_since(t);
+  std::printf("[state copy timing] 1,500-token demo state of %.1f MB: clone into fresh memory %.3f ms, into a "
+              "block given back %.3f ms, into a spare made while idle %.3f ms (%d pieces of idle work, %.3f ms)\n",
+              double(state->bytes()) / 1e6, fresh, reused, spare, pieces, prepare);
 }
 
 TEST_F(CpuBackendDemo, KvCacheGrowsWithTheSequence) {

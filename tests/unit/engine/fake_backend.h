@@ -48,6 +48,12 @@ class FakeBackend final : public Backend {
     copy->host = false;
     return copy;
   }
+  /// clone_state, counted in resumes, with `capacity` recorded in resume_capacities.
+  std::unique_ptr<SequenceState> resume_state(const SequenceState& s, int64_t capacity) override {
+    ++resumes;
+    resume_capacities.push_back(capacity);
+    return clone_state(s);
+  }
   std::unique_ptr<SequenceState> copy_to_host(const SequenceState& s) override {
     ++host_copies;
     auto copy = std::make_unique<FakeState>(static_cast<const FakeState&>(s));
@@ -55,6 +61,17 @@ class FakeBackend final : public Backend {
     return copy;
   }
   int max_batch() const override { return max_rows; }
+  /// Counts its calls (idle_calls); true for the first idle_pieces − 1 of them.
+  bool prepare_while_idle() override {
+    std::lock_guard l(m_);
+    ++idle_calls;
+    return idle_calls < idle_pieces;
+  }
+  /// idle_calls, read under the lock (the engine thread writes it).
+  int idle_calls_now() const {
+    std::lock_guard l(m_);
+    return idle_calls;
+  }
   /// Each row as a prefill (counted in prefill_calls, prefill_sizes) or a decode (decode_calls);
   /// waits at the gate once per step and sleeps decode_delay once per step with a decode row.
   std::vector<int32_t> step(std::span<const StepRow> rows) override {
@@ -158,10 +175,14 @@ class FakeBackend final : public Backend {
   int device_sampled_rows = 0;   ///< rows sampled "on the device"
   std::chrono::milliseconds decode_delay{0};
   int max_rows = 64;  ///< max_batch()
+  int idle_pieces = 0;  ///< prepare_while_idle() calls that count as work (set before the engine starts)
+  int idle_calls = 0;   ///< prepare_while_idle() calls so far (idle_calls_now() from other threads)
   int steps = 0;                ///< step() calls
   std::vector<int> step_rows;   ///< rows of each step, in order
   int prefill_calls = 0, decode_calls = 0, clones = 0, states_created = 0, logits_calls = 0;
   int host_copies = 0, host_restores = 0;  ///< copy_to_host calls; clone_state calls on host copies
+  int resumes = 0;                         ///< resume_state calls (each also counted as a clone)
+  std::vector<int64_t> resume_capacities;  ///< the capacity of each resume_state call, in order
   std::vector<int64_t> prefill_sizes;      ///< tokens of each prefill call, in order
   int64_t prefilled_tokens = 0;
 

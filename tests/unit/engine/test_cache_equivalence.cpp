@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <thread>
 
 #include "engine/scheduler.h"
 #include "model/loader.h"
@@ -166,3 +167,38 @@ TEST(CacheEquivalence, ConversationsSharingASystemPromptResumeAfterItWithIdentic
   EXPECT_LE(st.host.bytes, st.host.budget);
   EXPECT_GE(warm->cache_stats().tokens_saved, 4 * system_tokens);
 }
+
+TEST(CacheEquivalence, TurnsAfterIdleSparesResumeWholeHistoriesWithIdenticalAnswers) {
+  // Each turn comes after a pause in which the engine made spare state blocks (the copies of the
+  // next turn land in them) and resumes from the previous turn's final state, which has room for
+  // the new prompt: every answer is still the one an engine without a cache gives.
+  auto weights = load_model(lily::test::demo_model_dir());
+  auto tokenizer = std::shared_ptr<const Tokenizer>(Tokenizer::from_file(lily::test::demo_model_dir() / "tokenizer.json"));
+  auto tmpl = ChatTemplate::for_model(lily::test::demo_model_dir());
+  auto warm = engine(weights, SessionCacheOptions{int64_t{64} << 20, 0}, tokenizer);
+  auto tiered = engine(weights, SessionCacheOptions{int64_t{1} << 20, int64_t{64} << 20}, tokenizer);
+  auto disabled = engine(weights, SessionCacheOptions{0, 0}, tokenizer);
+  std::string system = "You explain build systems.";
+  for (int i = 0; i < 20; ++i) system += " Fact " + std::to_string(i) + ": incremental builds reuse outputs.";
+  std::vector<ChatMessage> messages = {{ChatRole::kSystem, system}};
+  const int turns = lily::test::kSanitized ? 2 : 3;
+  int64_t history = 0;
+  for (int turn = 0; turn < turns; ++turn) {
+    SCOPED_TRACE("turn " + std::to_string(turn + 1));
+    messages.push_back({ChatRole::kUser, "Question " + std::to_string(turn) + ": what is a build graph?"});
+    JobRequest r;
+    r.prompt = tmpl->encode(*tokenizer, messages, ChatTemplateOptions{}, &r.message_starts);
+    r.max_tokens = 12;
+    std::this_thread::sleep_for(200ms);  // the engines are idle: spare blocks are made
+    const ChatOutcome w = run_job(*warm, r), t = run_job(*tiered, r), d = run_job(*disabled, r);
+    EXPECT_EQ(w.tokens, d.tokens);
+    EXPECT_EQ(t.tokens, d.tokens);
+    if (turn > 0) {
+      EXPECT_GE(w.cached, history);  // at least the whole earlier conversation
+      EXPECT_GE(t.cached, history);
+    }
+    messages.push_back({ChatRole::kAssistant, w.text});
+    history = static_cast<int64_t>(r.prompt.size());
+  }
+}
+

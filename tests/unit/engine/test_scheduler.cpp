@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
+#include <thread>
 
 #include "engine/scheduler.h"
 #include "fake_backend.h"
@@ -183,6 +185,69 @@ TEST(Scheduler, SecondIdenticalRequestHitsTheCache) {
   EXPECT_EQ(b.result.cached_tokens, 3);
   EXPECT_EQ(a.result.token_ids, b.result.token_ids);
   EXPECT_EQ(h.scheduler->cache_stats().hits, 1);
+}
+
+TEST(Scheduler, AHitIsResumedWithRoomForThePromptAndTheAnswer) {
+  Harness h(2);  // max_seq 128
+  finish(*h.scheduler->submit(job({1, 2, 3, 4}, 3)));
+  EXPECT_EQ(h.backend->resumes, 0);  // a miss
+  // Resumed where the first request's prompt − 1 was snapshotted, then the second's.
+  EXPECT_EQ(finish(*h.scheduler->submit(job({1, 2, 3, 4, 5}, 7))).first.result.cached_tokens, 3);
+  EXPECT_EQ(finish(*h.scheduler->submit(job({1, 2, 3, 4, 6, 7}, 122))).first.result.cached_tokens, 4);
+  EXPECT_EQ(h.backend->resume_capacities, (std::vector<int64_t>{5 + 7, 6 + 122}));
+  JobRequest r = job(std::vector<int32_t>(3000, 1), 5000);
+  EXPECT_EQ(resume_capacity(r, 1 << 20), 3000 + kResumeRoom);
+  EXPECT_EQ(resume_capacity(r, 3500), 3500);
+  r.max_tokens = 10;
+  EXPECT_EQ(resume_capacity(r, 1 << 20), 3010);
+}
+
+TEST(Scheduler, DoneEventsSayWhereTheEngineSpentTheTime) {
+  Harness h(2);
+  // A miss that prefills, snapshots and answers one token: no decode step ran.
+  const JobTimings a = finish(*h.scheduler->submit(job({1, 2, 3, 4}, 1))).first.timings;
+  // The same prompt again: a hit, no fresh state; three tokens, so two decode steps.
+  const JobTimings b = finish(*h.scheduler->submit(job({1, 2, 3, 4}, 3))).first.timings;
+  // What did not happen is never charged (the durations themselves are printed, not checked).
+  EXPECT_EQ(a.decode_seconds, 0.0);
+  EXPECT_EQ(b.new_state_seconds, 0.0);
+  std::printf("[job timing] miss: lookup %.3f ms, new state %.3f ms, snapshots %.3f ms, prefill %.3f ms, store %.3f ms; "
+              "hit: lookup %.3f ms, prefill %.3f ms, decode %.3f ms\n",
+              1000 * a.cache_lookup_seconds, 1000 * a.new_state_seconds, 1000 * a.snapshot_seconds,
+              1000 * a.prefill_seconds, 1000 * a.cache_store_seconds, 1000 * b.cache_lookup_seconds,
+              1000 * b.prefill_seconds, 1000 * b.decode_seconds);
+}
+
+TEST(Scheduler, AnIdenticalRetryCopiesItsStateOnceOnly) {
+  Harness h(2);
+  finish(*h.scheduler->submit(job({1, 2, 3, 4}, 3)));
+  EXPECT_EQ(h.backend->clones, 1);  // the snapshot before the last prompt token
+  const size_t snapshots = h.scheduler->cache_stats().device.snapshots;
+  // A retry resumes at that snapshot: the resumed copy is the only one (the snapshot it came
+  // from is not copied back into the cache), and every retry hits it again.
+  for (int retry = 1; retry <= 2; ++retry) {
+    EXPECT_EQ(finish(*h.scheduler->submit(job({1, 2, 3, 4}, 3))).first.result.cached_tokens, 3);
+    EXPECT_EQ(h.backend->clones, 1 + retry);
+    EXPECT_EQ(h.backend->resumes, retry);
+  }
+  EXPECT_EQ(h.scheduler->cache_stats().device.snapshots, static_cast<int64_t>(snapshots));
+}
+
+TEST(Scheduler, PreparesWhileIdleAPieceAtATimeUntilTheBackendIsDone) {
+  Harness h(2);
+  h.backend->idle_pieces = 3;  // read by the engine thread only after the job below was submitted
+  auto calls_reach = [&](int n) {
+    for (int i = 0; i < 2500 && h.backend->idle_calls_now() < n; ++i) std::this_thread::sleep_for(2ms);
+    return h.backend->idle_calls_now();
+  };
+  std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(h.backend->idle_calls_now(), 0);  // nothing ran yet: nothing to prepare for
+  finish(*h.scheduler->submit(job({1, 2, 3}, 2)));
+  EXPECT_EQ(calls_reach(3), 3);  // after the job: pieces until the backend says it is done
+  std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(h.backend->idle_calls_now(), 3);  // then it waits for work
+  finish(*h.scheduler->submit(job({4, 5, 6}, 2)));
+  EXPECT_EQ(calls_reach(4), 4);  // one more idle spell: one more call, done at once
 }
 
 TEST(Scheduler, MessageStartsSplitThePrefillAndBecomeResumePoints) {

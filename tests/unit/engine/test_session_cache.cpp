@@ -77,6 +77,19 @@ TEST(StrictPrefix, OnlyShorterEqualBeginnings) {
   EXPECT_TRUE(is_strict_prefix(Tokens{}, Tokens{1}));
 }
 
+TEST(SessionCache, AHitIsResumedWithTheRoomAskedFor) {
+  FakeBackend b;
+  SessionCache c({kMiB, kMiB});
+  store(c, b, {{1, 2, 3}});
+  ASSERT_EQ(c.acquire(b, Tokens{1, 2, 3, 4}, std::nullopt, 40).cached_tokens, 3);
+  ASSERT_EQ(c.acquire(b, Tokens{1, 2, 3, 4}, std::nullopt).cached_tokens, 3);
+  EXPECT_EQ(b.resumes, 2);
+  EXPECT_EQ(b.resume_capacities, (std::vector<int64_t>{40, 0}));
+  // A miss resumes nothing.
+  EXPECT_EQ(c.acquire(b, Tokens{5, 6}, std::nullopt, 40).state, nullptr);
+  EXPECT_EQ(b.resumes, 2);
+}
+
 TEST(SessionCache, MissOnEmptyCacheAndHitOnLongestPrefix) {
   FakeBackend b;
   SessionCache c({kMiB, 0});

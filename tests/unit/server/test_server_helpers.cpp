@@ -293,3 +293,35 @@ TEST(Metrics, BatchGaugesAndStepHistograms) {
                            "# TYPE lily_step_seconds histogram\n"})
     EXPECT_NE(text.find(line), std::string::npos) << line;
 }
+
+TEST(Metrics, RequestPhasesAddUpPerPhase) {
+  Metrics m;
+  RequestPhases a;
+  a.parse = 0.001;
+  a.tokenize = 0.25;
+  a.cache_lookup = 0.5;
+  a.cache_store = 2;
+  RequestPhases b;
+  b.parse = 0.002;
+  b.snapshot = 0.125;
+  b.prefill = 1.5;
+  m.record_phases(a);
+  m.record_phases(b);
+  const std::string text = m.render(EngineGauges{});
+  EXPECT_NE(text.find("# TYPE lily_request_phase_seconds_total counter\n"), std::string::npos);
+  for (const char* line :
+       {"lily_request_phase_seconds_total{phase=\"parse\"} 0.003\n",
+        "lily_request_phase_seconds_total{phase=\"template\"} 0\n",
+        "lily_request_phase_seconds_total{phase=\"tokenize\"} 0.25\n",
+        "lily_request_phase_seconds_total{phase=\"queue\"} 0\n",
+        "lily_request_phase_seconds_total{phase=\"cache_lookup\"} 0.5\n",
+        "lily_request_phase_seconds_total{phase=\"new_state\"} 0\n",
+        "lily_request_phase_seconds_total{phase=\"snapshot\"} 0.125\n",
+        "lily_request_phase_seconds_total{phase=\"prefill\"} 1.5\n",
+        "lily_request_phase_seconds_total{phase=\"decode\"} 0\n",
+        "lily_request_phase_seconds_total{phase=\"cache_store\"} 2\n"})
+    EXPECT_NE(text.find(line), std::string::npos) << line;
+  // In the order a request goes through them.
+  EXPECT_LT(text.find("{phase=\"parse\"}"), text.find("{phase=\"tokenize\"}"));
+  EXPECT_LT(text.find("{phase=\"prefill\"}"), text.find("{phase=\"cache_store\"}"));
+}

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <iterator>
 
@@ -254,6 +255,12 @@ TEST(EncodeChat, MessageStartsAreTemplateMarkersAndSharedPrefixes) {
     const std::vector<int32_t> ids_a = tmpl->encode(*tok, a, ChatTemplateOptions{}, &starts_a);
     const std::vector<int32_t> ids_b = tmpl->encode(*tok, b, ChatTemplateOptions{}, &starts_b);
     EXPECT_EQ(ids_a, tmpl->encode(*tok, a));  // the same tokens with or without starts
+    ChatEncodeTimings timings;
+    std::vector<int64_t> starts_timed;
+    EXPECT_EQ(ids_a, tmpl->encode(*tok, a, ChatTemplateOptions{}, &starts_timed, &timings));  // and with timings
+    EXPECT_EQ(starts_timed, starts_a);
+    std::printf("[encode timing] %s: render %.3f ms, tokenize %.3f ms\n", tmpl->origin().c_str(),
+                1000 * timings.render_seconds, 1000 * timings.tokenize_seconds);
     // system | user | assistant | user | generation prompt: four starts after position 0.
     ASSERT_EQ(starts_a.size(), 4u);
     ASSERT_EQ(starts_b.size(), 2u);
