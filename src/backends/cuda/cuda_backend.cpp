@@ -591,15 +591,11 @@ class CudaBackend final : public Backend {
     return checked(const_cast<SequenceState&>(state)).clone(stream_);
   }
 
-  /// clone_state with room for `capacity` positions (clamped to [position, max_seq]), so the
-  /// resumed state's next steps do not reallocate and copy its KV cache (CudaState::reserve).
-  std::unique_ptr<SequenceState> resume_state(const SequenceState& state, int64_t capacity) override {
-    if (const auto* h = dynamic_cast<const CudaHostState*>(&state)) {
-      if (h->owner != this) throw ::lily::Error("CUDA backend: the sequence state belongs to another backend");
-      return CudaState::from_host(*h, device_pool_, gdn_, attn_, n_gdn_, n_attn_, stream_, capacity);
-    }
-    return checked(const_cast<SequenceState&>(state)).clone(stream_, capacity);
-  }
+  // Backend::resume_state stays the default (clone_state, room for exactly the snapshot): a
+  // decode step's attention split count comes from the state's KV capacity
+  // (attention_decode_splits), so a resumed state with more room could decode other bits than
+  // the same request without the cache. CudaState::clone / from_host take a room for when the
+  // split count no longer depends on the capacity (or room is chosen as a cold state's).
 
   /// Pinned host copy (CudaHostState), copied on the backend's stream.
   std::unique_ptr<SequenceState> copy_to_host(const SequenceState& state) override {
