@@ -226,7 +226,7 @@ TEST_F(CpuBackendDemo, StatesTakeTheirLargeBuffersFromTheBackendsPool) {
   auto state = backend.new_state(2048);
   backend.prefill(*state, synthetic_prompt(300));  // 300 positions: 150 KiB per K or V
   auto& cpu = static_cast<CpuSequenceState&>(*state);
-  const std::shared_ptr<BlockPool>& pool = cpu.kv_block().get_allocator().pool();
+  const std::shared_ptr<BlockPool> pool = cpu.kv_block().get_allocator().pool();  // a copy: the allocator is a temporary
   ASSERT_NE(pool, nullptr);
   // A copy of the state, freed, leaves its blocks idle; the next copy of that size takes them.
   backend.clone_state(*state).reset();
