@@ -6,7 +6,7 @@
 # machine stays warm). Logs under $OUT (at most 8 files come back).
 #
 #   bash scripts/gpu-session.sh                  # everything
-#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: moe tests timing bench base ab sampled sampler detail source profile
+#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: moe tests timing bench base ab sampled sampler detail source profile prefill-profile cache
 #   LILY_GPU_CONTEXTS="256 4096 32768"           # bench contexts (default below)
 set -uo pipefail
 export LILY_GPU_BUILD="${LILY_GPU_BUILD:-/tmp/lily-build}"
@@ -52,7 +52,7 @@ if has timing; then
   "$BUILD/tests/test_cuda_core_kernels" --gtest_filter='CudaTiming.*' 2>&1 | grep -E "\[timing\]|FAILED" | tee "$OUT/timing.txt"
 fi
 
-if has bench || has profile || has base || has ab || has detail || has sampled; then
+if has bench || has profile || has prefill-profile || has base || has ab || has detail || has sampled; then
   if [[ ! -f "$BIG/model.safetensors" && ! -f "$BIG/model.safetensors.index.json" ]]; then  # one file, or shards
     echo "== lily synth --preset 35b-a3b"
     t1=$(date +%s)
@@ -175,6 +175,27 @@ if has profile; then
     ncu --import /tmp/prof.ncu-rep --csv --page raw --metrics gpu__time_duration.sum >/tmp/prof.csv 2>/dev/null
     python3 scripts/ncu-decode-table.py /tmp/prof.csv | tee "$OUT/profile.md"
   fi
+fi
+# Nsight Compute over one prefill: a LILY_GPU_PREFILL_LEN-token prompt (default 2048, one chunk)
+# and one token, every kernel timed alone, tabulated by kernel name.
+if has prefill-profile; then
+  n=${LILY_GPU_PREFILL_LEN:-2048}
+  echo "== ncu: prefill of $n tokens"
+  IDS=$(python3 -c "print(','.join(str((i * 2654435761) % 2**32 % 248320) for i in range($n)))")
+  rm -f /tmp/pprof.ncu-rep
+  timeout 400 ncu --clock-control none --metrics gpu__time_duration.sum -o /tmp/pprof \
+    "$BUILD/lily" generate --backend cuda --model "$BIG" --prompt-ids "$IDS" --max-tokens 1 >/tmp/ncu-prun.log 2>&1 ||
+    { echo "ncu prefill failed"; tail -5 /tmp/ncu-prun.log; }
+  if [[ -f /tmp/pprof.ncu-rep ]]; then
+    ncu --import /tmp/pprof.ncu-rep --csv --page raw --metrics gpu__time_duration.sum >/tmp/pprof.csv 2>/dev/null
+    python3 scripts/ncu-decode-table.py --prefill /tmp/pprof.csv | tee "$OUT/prefill-profile.md"
+  fi
+fi
+
+# The prefix-cache timings of the server (scripts/gpu-cache-check.sh) on the build above.
+if has cache; then
+  echo "== prefix cache (gpu-cache-check.sh)"
+  LILY_GPU_BUILD="$BUILD" timeout 300 bash scripts/gpu-cache-check.sh 2>&1 | tee "$OUT/cache.txt" | tail -40 || status=1
 fi
 echo "== gpu-session done, status $status"
 exit $status

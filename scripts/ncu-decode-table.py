@@ -7,7 +7,9 @@ kernels, so the kernel sequence is cut after each run of argmax kernels; the las
 tabulated by kernel name (calls, µs per call, µs total, share), sorted by total. Python standard
 library only (the GPU machine has no package registry).
 
-Usage: scripts/ncu-decode-table.py prof.csv
+Usage: scripts/ncu-decode-table.py prof.csv            # the last decode step
+       scripts/ncu-decode-table.py --prefill prof.csv  # the first segment: the prompt's prefill
+                                                       # (with any load-time kernels) and its argmax
 """
 import csv
 import sys
@@ -56,19 +58,22 @@ def short(name):
 
 
 def main():
-    rows = load(sys.argv[1])
+    prefill = "--prefill" in sys.argv[1:]
+    paths = [a for a in sys.argv[1:] if a != "--prefill"]
+    rows = load(paths[0])
     segs = steps(rows)
-    if len(segs) < 2:
-        print(f"no decode step found ({len(rows)} kernels, {len(segs)} segments)")
+    if len(segs) < (1 if prefill else 2):
+        print(f"no {'prefill' if prefill else 'decode step'} found ({len(rows)} kernels, {len(segs)} segments)")
         return 1
-    step = segs[-1]
+    step = segs[0] if prefill else segs[-1]
     agg = OrderedDict()
     for name, v in step:
         k = short(name)
         c, t = agg.get(k, (0, 0.0))
         agg[k] = (c + 1, t + v)
     total = sum(t for _, t in agg.values())
-    print(f"One decode step: {len(step)} kernels, {total / 1e3:.1f} µs of kernel time "
+    what = "The prefill" if prefill else "One decode step"
+    print(f"{what}: {len(step)} kernels, {total / 1e3:.1f} µs of kernel time "
           f"(each kernel alone, caches as ncu leaves them); {len(segs) - 1} decode steps profiled.\n")
     print("| kernel | calls | µs per call | µs total | share |")
     print("|---|---|---|---|---|")
