@@ -173,7 +173,7 @@ struct CudaOptions {
   bool gemv_row_tiles = true;    ///< LILY_CUDA_GEMV_ROW_TILES 1|0: batched GEMV weights loaded once per 8 token rows
   bool gdn_chunk_parallel = true;   ///< LILY_CUDA_GDN_CHUNK_PARALLEL 1|0: GDN prefill's chunk solves all at once, then the walk
   bool batched_prefill = true;   ///< LILY_CUDA_PREFILL batched|per-token
-  bool tensor_core_gemm = true;  ///< LILY_CUDA_GEMM tensor-core|gemv: the prefill projections and experts
+  bool tensor_core_gemm = true;  ///< LILY_CUDA_GEMM tensor-core|gemv: the prefill projections, experts and 8-bit router
   /// LILY_CUDA_FUSED_MOE 1|0: the decode MoE block (router, experts, combine) as one launch with
   /// grid-wide barriers, or as three kernels. Needs fuse=1; shapes it does not support keep three.
   bool fused_moe = true;

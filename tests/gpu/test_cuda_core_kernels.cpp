@@ -145,6 +145,60 @@ TEST(CudaGemv, TokenTiledBatchedGemvIsBitIdenticalToPerRow) {
   cuda::set_gemv_row_tiles_enabled(false);
 }
 
+/// The prefill router GEMM (tensor cores) against the fp64 reference on the real router shape
+/// (8-bit, 257 × 2048) for a whole chunk with a ragged tail, the demo model's shape (17 × 256)
+/// and small token counts; and against the batched GEMV it replaces on every output (the same
+/// affine formula; only the order of the additions inside a group differs).
+TEST(CudaRouterGemm, MatchesTheReferenceAndTheGemv) {
+  struct Case {
+    int64_t rows;
+    int cols, m;
+  };
+  for (const Case c : {Case{257, kHidden, 2048 + 37}, Case{257, kHidden, 1}, Case{257, kHidden, 63},
+                       Case{17, 256, 100}, Case{65, 64, 9}}) {
+    SCOPED_TRACE("rows " + std::to_string(c.rows) + " cols " + std::to_string(c.cols) + " m " + std::to_string(c.m));
+    std::mt19937_64 rng(300 + c.m + c.rows);
+    RandomQuant w(c.rows, c.cols, 8, rng);
+    const std::vector<float> x = normal_bf16(int64_t(c.m) * c.cols, rng, 1.0f);
+    DeviceBuffer dx = upload_bf16(x);
+    const size_t n = size_t(c.m) * c.rows;
+    DeviceBuffer dy = poisoned(n * 4), dg = poisoned(n * 4);
+    ASSERT_TRUE(cuda::router_gemm_supported(w.view()));
+    cuda::launch_router_gemm(w.view(), dx.as<__nv_bfloat16>(), c.m, dy.as<float>(), nullptr);
+    cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>(), c.m, nullptr, dg.as<float>(), nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> y = download_f32(dy, int64_t(n)), gemv = download_f32(dg, int64_t(n));
+    for (float v : y) ASSERT_FALSE(std::isnan(v)) << "unwritten output";
+    std::vector<float> out;
+    std::vector<double> ref;
+    std::vector<int> tokens;  // a spread of tokens and the last one, every row of each
+    for (int t = 0; t < c.m; t += std::max(1, c.m / 64)) tokens.push_back(t);
+    if (tokens.back() != c.m - 1) tokens.push_back(c.m - 1);
+    for (int t : tokens) {
+      for (int64_t r = 0; r < c.rows; ++r) {
+        out.push_back(y[size_t(t) * c.rows + r]);
+        ref.push_back(w.dot(r, x.data() + int64_t(t) * c.cols));
+      }
+    }
+    EXPECT_LT(worst_rel(out, ref, 0.01 * rms(ref)), 1e-3) << "against the fp64 reference";
+    const std::vector<double> gemv_ref(gemv.begin(), gemv.end());
+    EXPECT_LT(worst_rel(y, gemv_ref, 0.01 * rms(gemv_ref)), 1e-4) << "against the batched GEMV";
+  }
+}
+
+TEST(CudaRouterGemm, RejectsUnsupportedShapes) {
+  std::mt19937_64 rng(7);
+  RandomQuant w4(257, kHidden, 4, rng);
+  EXPECT_FALSE(cuda::router_gemm_supported(w4.view()));
+  DeviceBuffer dx(size_t(kHidden) * 2), dy(257 * 4);
+  EXPECT_THROW(cuda::launch_router_gemm(w4.view(), dx.as<__nv_bfloat16>(), 1, dy.as<float>(), nullptr), InternalError);
+  RandomQuant w8(257, kHidden, 8, rng);
+  EXPECT_THROW(cuda::launch_router_gemm(w8.view(), dx.as<__nv_bfloat16>(), 0, dy.as<float>(), nullptr), InternalError);
+  cuda::DeviceQuant odd = w8.view();
+  odd.cols = 100;
+  EXPECT_FALSE(cuda::router_gemm_supported(odd));
+}
+
 TEST(CudaGemv, RejectsUnsupportedShapes) {
   cuda::DeviceQuant q;
   q.rows = 4;
@@ -837,6 +891,10 @@ TEST(CudaTiming, PrintsKernelTimes) {
       std::printf("[timing] prefill router 2048 rows, %-9s %8.2f us\n", tiled ? "tiled" : "per-row", us);
     }
     cuda::set_gemv_row_tiles_enabled(false);
+    const double us = time_us([&] {
+      cuda::launch_router_gemm(router.view(), xc.as<__nv_bfloat16>(), kChunk, yc.as<float>(), nullptr);
+    });
+    std::printf("[timing] prefill router 2048 rows, %-9s %8.2f us\n", "GEMM", us);
   }
 
   // MoE experts (8 routed + shared) at the real shape.

@@ -1433,9 +1433,12 @@ class CudaBackend final : public Backend {
       }
       launch_add_rmsnorm(p.x.as<bf16>(), p.branch.as<bf16>(), L.post_norm, p.normed.as<bf16>(), T, c.hidden,
                          c.rms_norm_eps, stream_);
-      // The router stays an fp32-logit GEMV on both paths (8-bit, 257 rows: small; exact logits
-      // keep near-tied top-k choices as in decode).
-      launch_quant_gemv_batched(L.router, p.normed.as<bf16>(), T, nullptr, p.router.as<float>(), stream_);
+      // fp32 router logits with the GEMV's affine formula on both paths; on the tensor-core path
+      // (8-bit router) as a GEMM over the chunk's tokens, else as the token-tiled GEMV.
+      if (tensor_core_gemm_ && router_gemm_supported(L.router))
+        launch_router_gemm(L.router, p.normed.as<bf16>(), T, p.router.as<float>(), stream_);
+      else
+        launch_quant_gemv_batched(L.router, p.normed.as<bf16>(), T, nullptr, p.router.as<float>(), stream_);
       launch_router_topk(p.router.as<float>(), T, c.n_experts, k, p.ids.as<int32_t>(), p.weights.as<float>(), stream_);
       prefill_experts(L, T);
     }

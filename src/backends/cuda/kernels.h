@@ -48,6 +48,14 @@ void launch_quant_gemv(const DeviceQuant& w, const __nv_bfloat16* x, __nv_bfloat
 void launch_quant_gemv_batched(const DeviceQuant& w, const __nv_bfloat16* x, int m, __nv_bfloat16* y_bf16,
                                float* y_f32, cudaStream_t stream);
 
+/// The prefill router on tensor cores: y fp32 [m, rows] = x bf16 [m, cols] · Wᵀ for an 8-bit
+/// matrix, per 64-group s·Σ(q·x) + b·Σx in fp32 as launch_quant_gemv_batched (the same logits
+/// up to the order of the additions inside a group; router_gemm.cu). Throws
+/// lily::InternalError when !router_gemm_supported(w), for m ≤ 0 or null pointers.
+void launch_router_gemm(const DeviceQuant& w, const __nv_bfloat16* x, int m, float* y, cudaStream_t stream);
+/// Whether launch_router_gemm takes `w`: 8-bit codes, cols a positive multiple of 64.
+bool router_gemm_supported(const DeviceQuant& w);
+
 /// Most token rows one batched decode launch takes (the tensor-core GEMV's MMA N).
 inline constexpr int kMaxDecodeRows = 8;
 
