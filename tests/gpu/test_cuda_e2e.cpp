@@ -13,6 +13,7 @@
 // standard deviations of the router logits); a wider routing difference is counted as refused
 // and fails the test. The fp32 truth is held separately: the demo goldens come from transformers
 // in fp32, and their greedy ids must be reproduced while the golden margin is ≥ 0.5.
+#include <cuda_profiler_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -34,6 +35,7 @@
 
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_check.h"
 #include "backends/cuda/kernels.h"
 #include "base/error.h"
 #include "model/loader.h"
@@ -400,6 +402,7 @@ TEST_F(CudaE2e, CloneAndKvGrowth) {
   // so does a state restored from a pinned host copy (the prefix cache's host tier). Both hold
   // no spare KV capacity, so their first decode grows the cache.
   auto copy = gpu->clone_state(*sg);
+  auto untouched = gpu->clone_state(*sg);  // stays at 1100 tokens for the resume checks below
   auto host = gpu->copy_to_host(*sg);
   auto restored = gpu->clone_state(*host);
   EXPECT_EQ(copy->position(), 1100);
@@ -416,7 +419,7 @@ TEST_F(CudaE2e, CloneAndKvGrowth) {
   EXPECT_EQ(a, c);
   // A state resumed for a request (resume_state: on CUDA a clone, see the backend), from a
   // device or a host copy, decodes bit for bit as a clone: the same kernels over the same values.
-  auto resumed = gpu->resume_state(*copy, 1300);
+  auto resumed = gpu->resume_state(*untouched, 1300);
   auto resumed_host = gpu->resume_state(*host, 1300);
   EXPECT_EQ(resumed->position(), 1100);
   EXPECT_EQ(resumed_host->position(), 1100);
@@ -1032,7 +1035,7 @@ TEST_F(CudaE2e, BatchedDecodeMatchesPerSequenceDecode) {
 
 /// Aggregate decode tok/s of `B` sequences (256-token prompts) decoded together for `steps`
 /// steps after two warm-up steps (graph captures), on `gpu`.
-double decode_tok_s(Backend& gpu, int B, int steps) {
+double decode_tok_s(Backend& gpu, int B, int steps, bool profile = false) {
   const int vocab = gpu.config().vocab;
   std::vector<std::unique_ptr<SequenceState>> states;
   std::vector<int32_t> next;
@@ -1051,15 +1054,31 @@ double decode_tok_s(Backend& gpu, int B, int steps) {
     next = gpu.step(rows);
   };
   for (int i = 0; i < 2; ++i) one_step();
+  if (profile) CUDA_CHECK(cudaProfilerStart());
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < steps; ++i) one_step();
-  return double(B) * steps / (ms_since(t0) / 1000.0);
+  const double tps = double(B) * steps / (ms_since(t0) / 1000.0);
+  if (profile) CUDA_CHECK(cudaProfilerStop());
+  return tps;
 }
 
 // Prints (asserts nothing) the aggregate decode throughput of B = 1, 2, 4, 8 concurrent
 // sequences (256-token prompts, one step() of B decode rows per token) with the batched decode
 // on and off, on realdims and, when LILY_GPU_BIG_MODEL names a 35b-a3b checkpoint, on it.
 TEST_F(CudaE2e, PrintsBatchedDecodeThroughput) {
+  // LILY_GPU_BATCH_PROFILE=B (with LILY_GPU_BIG_MODEL): only the big model's batched decode at B
+  // rows, 3 steps inside cudaProfilerStart/Stop, for `ncu --profile-from-start off`.
+  if (const char* b = std::getenv("LILY_GPU_BATCH_PROFILE"); b && *b) {
+    const char* big = std::getenv("LILY_GPU_BIG_MODEL");
+    ASSERT_TRUE(big && *big) << "LILY_GPU_BATCH_PROFILE needs LILY_GPU_BIG_MODEL";
+    CudaOptions o = batched_options();
+    o.batched_decode = true;
+    auto gpu = make_cuda_backend(load_model(big), o);
+    const int B = std::atoi(b);
+    ASSERT_TRUE(B >= 1 && B <= cuda::kMaxDecodeRows) << "LILY_GPU_BATCH_PROFILE=" << b;
+    std::printf("[batched decode timing] profiled: %.1f tok/s\n", decode_tok_s(*gpu, B, 3, /*profile=*/true));
+    return;
+  }
   TempDir dir;
   std::vector<std::pair<std::string, std::shared_ptr<const ModelWeights>>> models;
   models.emplace_back("realdims", synth("realdims", dir.path()));
