@@ -74,7 +74,7 @@ TEST(CudaBatchedDecode, GemvRowsAreBitIdenticalForEveryRowCount) {
     check_gemv_rows(777, 4096, 4, false, 2);        // out_proj width
     check_gemv_rows(2048, 512, 4, true, 3);         // realdims hidden, fp32 (its lm_head)
     check_gemv_rows(300, 256, 4, false, 4);         // demo hidden: cols % 512 ≠ 0, register-load MMA
-    check_gemv_rows(100, 8192, 4, false, 5);        // wide: streaming fits one row, not eight
+    check_gemv_rows(100, 8192, 4, false, 5);        // wide rows (8192 columns)
     check_gemv_rows(257, 2048, 8, true, 6);         // the router: 8-bit, tiled CUDA-core kernel
     check_gemv_rows(17, 256, 8, true, 7);           // demo router
   }

@@ -2,7 +2,8 @@
 // Layout: the checkpoint's own (codes U32 row-major, bf16 scales/biases per 64-group), so
 // fused projections are plain row concatenations. Three kernels, chosen by shape:
 //  - quant_stream_gemv_kernel (4-bit, m ≤ 8, cols % 512 == 0: every decode projection of the
-//    real model): tensor cores, weights streamed into shared memory by bulk copies;
+//    real model): tensor cores, weights streamed into shared memory by bulk copies; the
+//    activations staged per block where a norm or conv is fused, else read in place (direct);
 //  - quant_mma_gemv_kernel (other 4-bit shapes with m ≤ 8): tensor cores, register loads;
 //  - quant_gemv_tiled_kernel (m > 1, unless LILY_CUDA_GEMV_ROW_TILES=0): quant_gemv_kernel's
 //    arithmetic with each weight group loaded once per 8 token rows (the prefill router);
@@ -401,7 +402,9 @@ struct StreamLayout {
 
 __host__ __device__ inline int64_t align16(int64_t v) { return (v + 15) & ~int64_t{15}; }
 
-__host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stages, int pad) {
+/// `direct`: the activations are read from global memory (stream_direct_fragments), so there is
+/// no permuted copy and no staging area; Σx stays in shared memory.
+__host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stages, int pad, bool direct = false) {
   const int groups = cols / kGroup;
   StreamLayout l;
   l.row_bytes = cols / 2;
@@ -409,9 +412,9 @@ __host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stage
   l.stage_bytes = int64_t{4} * l.chunk_pitch + int64_t{2} * kMmaTileRows * groups * 2;
   l.ring = align16(int64_t{kStreamMaxStages + 4} * 8);  // mbarriers: full[stages], ready[2], freed[2]
   l.xperm = l.ring + stages * l.stage_bytes;
-  l.xsum = l.xperm + align16(int64_t{m} * cols * 2);
-  l.scratch = l.xsum + align16(int64_t{m} * groups * 4);
-  const int64_t staging = int64_t{groups} * (kGroupStride + 1) * 4;
+  l.xsum = l.xperm + (direct ? 0 : align16(int64_t{m} * cols * 2));
+  l.scratch = l.xsum + align16(int64_t{direct ? kMmaMaxTokens : m} * groups * 4);
+  const int64_t staging = direct ? 0 : int64_t{groups} * (kGroupStride + 1) * 4;
   const int64_t partials = int64_t{2} * kStreamWarps * kWarp * 16;
   l.total = l.scratch + align16(staging > partials ? staging : partials);
   return l;
@@ -470,12 +473,31 @@ __device__ __forceinline__ StreamTileView stream_tile_view(const unsigned char* 
   return v;
 }
 
-/// Adds group G's contribution to acc (rows of slots g, g+8 × tokens 2t, 2t+1).
-__device__ __forceinline__ void stream_group(const StreamTileView& v, const uint32_t* xperm, int cols, int m, int g,
-                                             int t, int G, float sl, float bl, float sh, float bh, float x0, float x1,
-                                             float (&acc)[4]) {
+/// Token g's activation fragments of group G (group_mma's B registers; zeros for g ≥ m) read
+/// straight from x [m, cols] in global memory: the 16 values [64G + 16t, +16) in two 16-byte
+/// loads, paired (c, c + 4) with byte permutes into fragment_pair_column's order.
+__device__ __forceinline__ void stream_direct_fragments(const bf16* __restrict__ x, int cols, int m, int g, int t, int G,
+                                                        uint4& bw0, uint4& bw1) {
+  bw0 = bw1 = make_uint4(0, 0, 0, 0);
+  if (g >= m) return;
+  const uint4* p = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(g) * cols + G * kGroup + 16 * t);
+  const uint4 lo = p[0], hi = p[1];  // (x0, x1), (x2, x3), (x4, x5), (x6, x7) of each half
+  bw0 = make_uint4(__byte_perm(lo.x, lo.z, 0x5410), __byte_perm(lo.x, lo.z, 0x7632), __byte_perm(lo.y, lo.w, 0x5410),
+                   __byte_perm(lo.y, lo.w, 0x7632));
+  bw1 = make_uint4(__byte_perm(hi.x, hi.z, 0x5410), __byte_perm(hi.x, hi.z, 0x7632), __byte_perm(hi.y, hi.w, 0x5410),
+                   __byte_perm(hi.y, hi.w, 0x7632));
+}
+
+/// Adds group G's contribution to acc (rows of slots g, g+8 × tokens 2t, 2t+1). The activation
+/// fragments come from the staged permuted rows (xperm), or with kDirect from x in global memory.
+template <bool kDirect>
+__device__ __forceinline__ void stream_group(const StreamTileView& v, const uint32_t* xperm, const bf16* x, int cols,
+                                             int m, int g, int t, int G, float sl, float bl, float sh, float bh,
+                                             float x0, float x1, float (&acc)[4]) {
   uint4 bw0 = make_uint4(0, 0, 0, 0), bw1 = make_uint4(0, 0, 0, 0);
-  if (g < m) {
+  if constexpr (kDirect) {
+    stream_direct_fragments(x, cols, m, g, t, G, bw0, bw1);
+  } else if (g < m) {
     const uint4* bp = reinterpret_cast<const uint4*>(xperm + g * (cols / 2) + G * 32 + t * 8);
     bw0 = bp[0];
     bw1 = bp[1];
@@ -494,13 +516,16 @@ __device__ __forceinline__ void stream_group(const StreamTileView& v, const uint
 /// y [m, rows]; tiles of 16 rows strided over the grid, `stages` in flight per block; `pad` the
 /// chunk padding (kStreamChunkPad, or 0 for one unpadded copy). norm / conv as quant_gemv_kernel
 /// (m = 1). Requires cols % 512 == 0 and 16-byte aligned codes / scales / biases (stream_gemv_stages).
-template <class OutT>
+/// kDirect (no norm, no conv): the activations are not staged; each warp reads its groups'
+/// fragments from x (stream_direct_fragments) and forms their Σx once with ones as the MMA's A
+/// operand, so the first tile's MMAs wait for no block-wide pass over the rows.
+template <class OutT, bool kDirect>
 __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm) quant_stream_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x,
                                                                            int m, OutT* __restrict__ y, FusedNorm norm,
                                                                            FusedConv conv, int stages, int pad) {
   extern __shared__ __align__(16) unsigned char sm[];
   const int cols = w.cols, groups = cols / kGroup, per_warp = groups / kStreamWarps;
-  const StreamLayout l = stream_layout(cols, m, stages, pad);
+  const StreamLayout l = stream_layout(cols, m, stages, pad, kDirect);
   uint64_t* full = reinterpret_cast<uint64_t*>(sm);
   uint64_t* ready = full + kStreamMaxStages;
   uint64_t* freed = ready + 2;
@@ -524,11 +549,33 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm) quant_stre
   uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);
   float* xsum = reinterpret_cast<float*>(sm + l.xsum);
   float* scratch = reinterpret_cast<float*>(sm + l.scratch);
-  stage_mma_rows(x, m, cols, norm, scratch, scratch + groups * kGroupStride, xsum, xperm);
+  const int g_begin = warp * per_warp, g_end = g_begin + per_warp;
+  if constexpr (kDirect) {
+    // Σx of this warp's groups for every token: D = ones · B, whose (row 0, token n) entry lanes
+    // 0–3 hold for n = 2t, 2t + 1. Only this warp reads them.
+    const uint32_t ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
+    for (int G = g_begin; G < g_end; ++G) {
+      uint4 bw0, bw1;
+      stream_direct_fragments(x, cols, m, g, t, G, bw0, bw1);
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint4& bw = j < 2 ? bw0 : bw1;
+        const uint32_t b[2] = {j % 2 == 0 ? bw.x : bw.z, j % 2 == 0 ? bw.y : bw.w};
+        mma_bf16_16816(d, ones, b);
+      }
+      if (g == 0) {
+        if (2 * t < m) xsum[(2 * t) * groups + G] = d[0];
+        if (2 * t + 1 < m) xsum[(2 * t + 1) * groups + G] = d[1];
+      }
+    }
+    __syncwarp();
+  } else {
+    stage_mma_rows(x, m, cols, norm, scratch, scratch + groups * kGroupStride, xsum, xperm);
+  }
   const float* xs0 = xsum + (2 * t) * groups;      // Σx of token 2t (read only when 2t < m)
   const float* xs1 = xsum + (2 * t + 1) * groups;  // token 2t + 1
   const bool has0 = 2 * t < m, has1 = 2 * t + 1 < m;
-  const int g_begin = warp * per_warp, g_end = g_begin + per_warp;
 
   for (int64_t i = 0; i < my_tiles; ++i) {
     const int s = static_cast<int>(i % stages);
@@ -545,14 +592,14 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm) quant_stre
       const __nv_bfloat162 bh = *reinterpret_cast<const __nv_bfloat162*>(v.b_hi + G);
       const float2 x0 = has0 ? *reinterpret_cast<const float2*>(xs0 + G) : make_float2(0.0f, 0.0f);
       const float2 x1 = has1 ? *reinterpret_cast<const float2*>(xs1 + G) : make_float2(0.0f, 0.0f);
-      stream_group(v, xperm, cols, m, g, t, G, __low2float(sl), __low2float(bl), __low2float(sh), __low2float(bh), x0.x,
-                   x1.x, acc);
-      stream_group(v, xperm, cols, m, g, t, G + 1, __high2float(sl), __high2float(bl), __high2float(sh),
-                   __high2float(bh), x0.y, x1.y, acc);
+      stream_group<kDirect>(v, xperm, x, cols, m, g, t, G, __low2float(sl), __low2float(bl), __low2float(sh),
+                            __low2float(bh), x0.x, x1.x, acc);
+      stream_group<kDirect>(v, xperm, x, cols, m, g, t, G + 1, __high2float(sl), __high2float(bl), __high2float(sh),
+                            __high2float(bh), x0.y, x1.y, acc);
     }
     if (G < g_end)  // an odd group count per warp
-      stream_group(v, xperm, cols, m, g, t, G, to_f32(v.s_lo[G]), to_f32(v.b_lo[G]), to_f32(v.s_hi[G]),
-                   to_f32(v.b_hi[G]), has0 ? xs0[G] : 0.0f, has1 ? xs1[G] : 0.0f, acc);
+      stream_group<kDirect>(v, xperm, x, cols, m, g, t, G, to_f32(v.s_lo[G]), to_f32(v.b_lo[G]), to_f32(v.s_hi[G]),
+                            to_f32(v.b_hi[G]), has0 ? xs0[G] : 0.0f, has1 ? xs1[G] : 0.0f, acc);
 
     const int p = static_cast<int>(i & 1);
     const uint32_t round = static_cast<uint32_t>(i >> 1);
@@ -582,6 +629,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm) quant_stre
 
 struct StreamPlan {
   int stages = 0;  ///< 0: the streaming kernel does not apply
+  bool direct = false;  ///< activations read from global memory (no norm, no conv; the batched rows)
   int pad = 0;
   int blocks = 0;
   size_t smem = 0;
@@ -590,9 +638,10 @@ struct StreamPlan {
 /// The streaming kernel's launch for a GEMV: 4-bit, m ≤ 8, cols % 512 == 0 (scale rows of whole
 /// 16-byte runs, an even split of the groups over 8 warps), 16-byte aligned arrays, and at least
 /// one stage within the shared memory of an SM; otherwise stages = 0.
-StreamPlan stream_gemv_plan(const DeviceQuant& w, int m) {
+StreamPlan stream_gemv_plan(const DeviceQuant& w, int m, bool direct = false) {
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   StreamPlan plan;
+  plan.direct = direct;
   if (w.bits != 4 || m > kMmaMaxTokens || w.cols % 512 != 0 || !aligned(w.codes) || !aligned(w.scales) ||
       !aligned(w.biases))
     return plan;
@@ -601,10 +650,10 @@ StreamPlan stream_gemv_plan(const DeviceQuant& w, int m) {
   const int per_sm = kStreamBlocksPerSm;
   plan.blocks = static_cast<int>(std::min<int64_t>(tiles, int64_t{sm_count()} * per_sm));
   const int64_t per_block = ceil_div(tiles, plan.blocks);
-  const StreamLayout none = stream_layout(w.cols, m, 0, plan.pad);
+  const StreamLayout none = stream_layout(w.cols, m, 0, plan.pad, direct);
   int64_t fit = (kStreamSmemPerSm / per_sm - none.total) / none.stage_bytes;
   fit = std::max<int64_t>(1, std::min<int64_t>({fit, kStreamMaxStages, per_block}));
-  const StreamLayout l = stream_layout(w.cols, m, static_cast<int>(fit), plan.pad);
+  const StreamLayout l = stream_layout(w.cols, m, static_cast<int>(fit), plan.pad, direct);
   if (l.total > kStreamSmemMax) return plan;
   plan.stages = static_cast<int>(fit);
   plan.smem = static_cast<size_t>(l.total);
@@ -614,9 +663,10 @@ StreamPlan stream_gemv_plan(const DeviceQuant& w, int m) {
 template <class OutT>
 void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, const StreamPlan& plan,
                           cudaStream_t stream, const FusedNorm& norm, const FusedConv& conv) {
-  raise_smem_limit(quant_stream_gemv_kernel<OutT>, plan.smem);
-  launch_pdl(quant_stream_gemv_kernel<OutT>, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y,
-             norm, conv, plan.stages, plan.pad);
+  auto kernel = plan.direct ? quant_stream_gemv_kernel<OutT, true> : quant_stream_gemv_kernel<OutT, false>;
+  raise_smem_limit(kernel, plan.smem);
+  launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,
+             plan.pad);
 }
 
 /// Whether launch_quant_gemv takes the tensor-core kernel: 4-bit and m ≤ 8 (its staging then
@@ -652,8 +702,11 @@ template <int BITS, class OutT>
 void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream,
                    const FusedNorm& norm = FusedNorm{}, const FusedConv& conv = FusedConv{}) {
   if constexpr (BITS == 4) {
+    // Without a fused norm or conv the activations need no staging: the direct mode reads them
+    // where they are (for every m, so a token's result still does not depend on m).
+    const bool direct = !norm.gain && conv.channels == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
     if (stream_gemv_enabled())
-      if (const StreamPlan plan = stream_gemv_plan(w, m); plan.stages > 0)
+      if (const StreamPlan plan = stream_gemv_plan(w, m, direct); plan.stages > 0)
         return stream_gemv_dispatch(w, x, m, y, plan, stream, norm, conv);
     if (use_mma_gemv(w, m)) return mma_gemv_dispatch(w, x, m, y, stream, norm, conv);
   }
@@ -680,17 +733,19 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
 }
 
 /// The batched decode's GEMV (launch_quant_gemv_rows): a kernel chosen by the matrix alone, so
-/// that a token row's result never depends on m. 4-bit: the streaming kernel when it applies at
-/// m = kMmaMaxTokens (its shared memory grows with m, so a plan that fits one row may not fit
-/// eight; a smaller m then fits too), else the register-load MMA kernel; both compute each token
-/// column from that token's x alone, in an order fixed by the shape. 8-bit: the tiled CUDA-core
+/// that a token row's result never depends on m. 4-bit: the streaming kernel in its direct mode
+/// (activation fragments read from global memory by the warps that use them: no per-block
+/// staging of the m rows, whose shared memory and latency grew with m) when it applies, else
+/// the register-load MMA kernel; both compute each token column from that token's x alone, in
+/// an order fixed by the shape. 8-bit: the tiled CUDA-core
 /// kernel, also at m = 1 (its per-token arithmetic ignores the other tokens of the tile), or
 /// where its staging does not fit, the per-row CUDA-core kernel (grid.y = token) for every m.
 template <class OutT>
 void gemv_rows_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream) {
   if (w.bits == 4) {
-    if (stream_gemv_enabled() && stream_gemv_plan(w, kMmaMaxTokens).stages > 0)
-      return stream_gemv_dispatch(w, x, m, y, stream_gemv_plan(w, m), stream, FusedNorm{}, FusedConv{});
+    if (stream_gemv_enabled() && stream_gemv_plan(w, kMmaMaxTokens, true).stages > 0 &&
+        reinterpret_cast<uintptr_t>(x) % 16 == 0)
+      return stream_gemv_dispatch(w, x, m, y, stream_gemv_plan(w, m, true), stream, FusedNorm{}, FusedConv{});
     return mma_gemv_dispatch(w, x, m, y, stream, FusedNorm{}, FusedConv{});
   }
   if (tiled_gemv_smem(w.cols) <= kMaxTiledSmem) return tiled_gemv_dispatch<8>(w, x, m, y, stream);
