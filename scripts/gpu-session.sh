@@ -6,7 +6,7 @@
 # machine stays warm). Logs under $OUT (at most 8 files come back).
 #
 #   bash scripts/gpu-session.sh                  # everything
-#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: moe tests timing bench base ab sampled sampler detail source profile prefill-profile cache
+#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: moe tests timing bench base ab sampled sampler detail source profile prefill-profile batched-profile cache
 #   LILY_GPU_CONTEXTS="256 4096 32768"           # bench contexts (default below)
 set -uo pipefail
 export LILY_GPU_BUILD="${LILY_GPU_BUILD:-/tmp/lily-build}"
@@ -52,7 +52,7 @@ if has timing; then
   "$BUILD/tests/test_cuda_core_kernels" --gtest_filter='CudaTiming.*' 2>&1 | grep -E "\[timing\]|FAILED" | tee "$OUT/timing.txt"
 fi
 
-if has bench || has profile || has prefill-profile || has base || has ab || has detail || has sampled; then
+if has bench || has profile || has prefill-profile || has batched-profile || has base || has ab || has detail || has sampled; then
   if [[ ! -f "$BIG/model.safetensors" && ! -f "$BIG/model.safetensors.index.json" ]]; then  # one file, or shards
     echo "== lily synth --preset 35b-a3b"
     t1=$(date +%s)
@@ -189,6 +189,22 @@ if has prefill-profile; then
   if [[ -f /tmp/pprof.ncu-rep ]]; then
     ncu --import /tmp/pprof.ncu-rep --csv --page raw --metrics gpu__time_duration.sum >/tmp/pprof.csv 2>/dev/null
     python3 scripts/ncu-decode-table.py --prefill /tmp/pprof.csv | tee "$OUT/prefill-profile.md"
+  fi
+fi
+
+# Nsight Compute over 3 batched decode steps of LILY_GPU_BATCH_ROWS (default 8) sequences on the
+# big checkpoint (CudaE2e.PrintsBatchedDecodeThroughput under LILY_GPU_BATCH_PROFILE), the last
+# step tabulated by kernel name.
+if has batched-profile; then
+  echo "== ncu: batched decode, ${LILY_GPU_BATCH_ROWS:-8} rows"
+  rm -f /tmp/bprof.ncu-rep
+  LILY_GPU_BIG_MODEL="$BIG" LILY_GPU_BATCH_PROFILE="${LILY_GPU_BATCH_ROWS:-8}" timeout 400 ncu --clock-control none \
+    --profile-from-start off --metrics gpu__time_duration.sum -o /tmp/bprof \
+    "$BUILD/tests/test_cuda_e2e" --gtest_filter=CudaE2e.PrintsBatchedDecodeThroughput >/tmp/ncu-brun.log 2>&1 ||
+    { echo "ncu batched failed"; tail -5 /tmp/ncu-brun.log; }
+  if [[ -f /tmp/bprof.ncu-rep ]]; then
+    ncu --import /tmp/bprof.ncu-rep --csv --page raw --metrics gpu__time_duration.sum >/tmp/bprof.csv 2>/dev/null
+    python3 scripts/ncu-decode-table.py /tmp/bprof.csv | tee "$OUT/batched-profile.md"
   fi
 fi
 
