@@ -96,7 +96,9 @@ std::vector<int32_t> download_i32(const DeviceBuffer& d, int n) {
 }
 
 /// One fused launch of `rows` rows on `max_blocks` blocks (0: one per SM) against the fused
-/// router kernel on each row's inputs (bit for bit) and the reference loops (within bf16 rounding).
+/// router kernel on each row's inputs (the one-token block bit for bit; the rows kernel within
+/// rounding, its routing exactly that of its own logits) and the reference loops (within bf16
+/// rounding).
 void check_moe_block(int E, int k, int hidden, int ffn, uint64_t seed, int max_blocks, int rows = 1,
                      bool rows_kernel = false) {
   std::mt19937_64 rng(seed);
@@ -138,12 +140,33 @@ void check_moe_block(int E, int k, int hidden, int ffn, uint64_t seed, int max_b
     CUDA_CHECK(cudaDeviceSynchronize());
     EXPECT_EQ(bits_of(part(all_xo, row, hidden)), bits_of(download_bf16(r_xout, hidden))) << "x_out, row " << row;
     const std::vector<float> y = part(all_y, row, hidden);
-    EXPECT_EQ(bits_of(y), bits_of(download_bf16(r_normed, hidden))) << "normed, row " << row;
-    EXPECT_EQ(bits_of(part(all_logits, row, E + 1)), bits_of(download_f32(r_logits, E + 1))) << "router logits, row " << row;
+    const std::vector<float> logits = part(all_logits, row, E + 1);
     const std::vector<int32_t> ids = part(all_ids, row, n_sel);
-    EXPECT_EQ(ids, download_i32(r_ids, k + 1)) << "routing, row " << row;
     const std::vector<float> w = part(all_w, row, n_sel);
-    EXPECT_EQ(bits_of(w), bits_of(download_f32(r_w, k + 1))) << "routing weights, row " << row;
+    if (!rows_kernel) {  // the one-token block: the fused router's norm, logits and routing, bit for bit
+      EXPECT_EQ(bits_of(y), bits_of(download_bf16(r_normed, hidden))) << "normed, row " << row;
+      EXPECT_EQ(bits_of(logits), bits_of(download_f32(r_logits, E + 1))) << "router logits, row " << row;
+      EXPECT_EQ(ids, download_i32(r_ids, k + 1)) << "routing, row " << row;
+      EXPECT_EQ(bits_of(w), bits_of(download_f32(r_w, k + 1))) << "routing weights, row " << row;
+    } else {
+      // The rows kernel sums Σh² and the router in other orders (tensor cores): the norm within
+      // bf16 rounding of the fused router's, the logits against an fp64 reference on the
+      // kernel's own normed row, the routing exactly that of its own logits.
+      const std::vector<float> ry = download_bf16(r_normed, hidden);
+      EXPECT_LT(worst_rel(y, std::vector<double>(ry.begin(), ry.end()), 0.01 * rms(std::vector<double>(ry.begin(), ry.end()))),
+                1e-2) << "normed, row " << row;
+      std::vector<double> rl(E + 1);
+      for (int e = 0; e <= E; ++e) rl[e] = m.router.dot(e, y.data());
+      EXPECT_LT(worst_rel(logits, rl, 0.01 * rms(rl)), 1e-3) << "router logits, row " << row;
+      std::vector<int> cids(k);
+      std::vector<float> cw(k);
+      cpu::route_top_k(logits.data(), E, k, true, cids.data(), cw.data());
+      for (int s = 0; s < k; ++s) {
+        EXPECT_EQ(ids[s], cids[s]) << "routing, row " << row << ", slot " << s;
+        EXPECT_NEAR(w[s], cw[s], 1e-6 * std::max(1.0f, std::fabs(cw[s]))) << "routing weight, row " << row << ", slot " << s;
+      }
+      EXPECT_NEAR(w[k], 1.0 / (1.0 + std::exp(-double(logits[E]))), 1e-5) << "shared-expert gate, row " << row;
+    }
     ASSERT_EQ(ids[k], E) << "the shared expert rides in the last slot";
 
     // act = bf16(silu(bf16(gate·y)) · bf16(up·y)) per slot, against double references.

@@ -252,9 +252,9 @@ void launch_moe_block_decode(const MoeDecodeArgs& args, cudaStream_t stream, int
 std::string moe_block_rows_unsupported(const MoeDecodeArgs& args, int max_blocks = 0);
 
 /// The decode MoE block of the args.rows (1 … kMaxDecodeRows) rows of a batched decode step in
-/// one launch, with launch_moe_block_decode's results per row to within bf16 rounding (another
-/// k-split of the gate/up sums), and each row's results bit-identical whatever the other rows
-/// are: the step's rows are the MMA's columns (row r always column r), each distinct expert's
+/// one launch, with launch_moe_block_decode's results per row to within rounding (the norm's
+/// Σh² and the router logits summed in other orders, the router on tensor cores, another k-split
+/// of the gate/up sums), and each row's results bit-identical whatever the other rows are: the step's rows are the MMA's columns (row r always column r), each distinct expert's
 /// weights are read once for all rows routed to it, and every sum runs in an order fixed by the
 /// shape. Same barriers, buffers and errors as launch_moe_block_decode (with
 /// moe_block_rows_unsupported's reason).

@@ -54,6 +54,34 @@ __device__ __forceinline__ void group_mma(const uint2& lo, const uint2& hi, cons
   }
 }
 
+/// Code byte `i` (0 … 3) of `w` as an exact fp32 value (0 … 255): the byte placed in the
+/// mantissa of 2^23, then 2^23 subtracted.
+__device__ __forceinline__ float code_byte_f32(uint32_t w, int i) {
+  return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u | static_cast<uint32_t>(i))) - 8388608.0f;
+}
+
+/// D = Σ q·x of one 64-group for a 16-row × 8-token tile with 8-bit codes, against the same
+/// staged activation pairs as group_mma: `lo` / `hi` the thread's 16 code bytes [16t, 16t + 16)
+/// of rows g and g + 8 (byte i of word j is code k = 16t + 4j + i). Activation pair (c, c + 4)
+/// meets code pair (q_c, q_{c+4}), bytes i of words j and j + 1, so MMA j of the group takes
+/// bytes 2(j mod 2) and 2(j mod 2) + 1 of words 2(j / 2) and 2(j / 2) + 1. Four MMAs from zero;
+/// the codes are exact in bf16 (8 significant bits).
+__device__ __forceinline__ void group_mma_8bit(const uint4& lo, const uint4& hi, const uint4& bw0, const uint4& bw1,
+                                               float (&d)[4]) {
+  const uint32_t wl[4] = {lo.x, lo.y, lo.z, lo.w}, wh[4] = {hi.x, hi.y, hi.z, hi.w};
+  auto pair = [](uint32_t w0, uint32_t w1, int i) { return pack_bf16x2(code_byte_f32(w0, i), code_byte_f32(w1, i)); };
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int w = 2 * (j / 2), i0 = 2 * (j % 2);
+    const uint32_t a[4] = {pair(wl[w], wl[w + 1], i0), pair(wh[w], wh[w + 1], i0), pair(wl[w], wl[w + 1], i0 + 1),
+                           pair(wh[w], wh[w + 1], i0 + 1)};
+    const uint4& bw = j < 2 ? bw0 : bw1;
+    const uint32_t b[2] = {j % 2 == 0 ? bw.x : bw.z, j % 2 == 0 ? bw.y : bw.w};
+    mma_bf16_16816(d, a, b);
+  }
+}
+
 /// Column of the lower element of staged activation pair `i` (i < cols / 2) in fragment order:
 /// pair i holds columns c and c + 4 (file comment). Group G = i / 32 covers pairs [32G, 32G + 32),
 /// and thread t's eight pairs of a group are [32G + 8t, 32G + 8t + 8).

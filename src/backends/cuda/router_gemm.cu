@@ -26,6 +26,7 @@
 #include "backends/cuda/kernels.h"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/mma.cuh"
+#include "backends/cuda/quant_mma.cuh"
 
 namespace lily::cuda {
 namespace {
@@ -37,16 +38,10 @@ constexpr int kTokenTiles = 4;                    // column tiles of 8 tokens pe
 constexpr int kTokensPerBlock = 8 * kTokenTiles;
 constexpr uint32_t kOnesBf16x2 = 0x3F803F80u;     // (1.0, 1.0) as bf16x2
 
-/// Code byte `i` of word `w` as an exact fp32 value (0 … 255): the byte placed in the mantissa
-/// of 2^23, then 2^23 subtracted.
-__device__ __forceinline__ float code_byte(uint32_t w, int i) {
-  return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u | static_cast<uint32_t>(i))) - 8388608.0f;
-}
-
 /// The two A registers of one MMA from one code word (codes k, k+1 | k+2, k+3 as exact bf16 pairs).
 __device__ __forceinline__ void code_word_pairs(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  lo = pack_bf16x2(code_byte(w, 0), code_byte(w, 1));
-  hi = pack_bf16x2(code_byte(w, 2), code_byte(w, 3));
+  lo = pack_bf16x2(code_byte_f32(w, 0), code_byte_f32(w, 1));
+  hi = pack_bf16x2(code_byte_f32(w, 2), code_byte_f32(w, 3));
 }
 
 /// grid (ceil(m / 32), ceil(rows / 64)), block 128. x bf16 [m, cols], y fp32 [m, rows]. See the
