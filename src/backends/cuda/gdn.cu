@@ -499,6 +499,8 @@ gdn_prefill_chunked_kernel(int Hk, int Hv, int T, const float* __restrict__ A_lo
 //          o_t = γ_t S0ᵀq_t + Σ_{s≤t} P[t][s]Δ_s and the state update, as before.
 // Same fp32 arithmetic on CUDA cores; only the order of the solve's operations differs (the
 // inverse is formed, then applied), so results agree with the one-kernel form to fp32 rounding.
+// Pass 2 by default runs on tensor cores instead (gdn_chunk_state_mma_kernel below, near-fp32
+// split-tf32 products); gdn_chunk_state_kernel, the fp32 walk, stays for LILY_CUDA_GDN_STATE_MMA=0.
 
 /// Pass 1's shared memory (kDk = Dv).
 template <int kDk>
