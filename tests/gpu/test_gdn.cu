@@ -359,15 +359,18 @@ struct ScopedStateMma {
 };
 
 /// The tensor-core pass 2 (split tf32 products) against the fp32 walk it replaced, both after
-/// the same pass 1, over T tokens from a non-zero start state. The two compute the same sums in
-/// near-fp32 precision (each split product is within ~2^-21 relative of the fp32 one; the sums
-/// run in another order), so the final states differ by fp32 rounding carried through the
-/// chunks: 1e-5 of the state's scale is ten times below the bound the chunked forms meet
-/// against the sequential reference (kStateTol), and still far above the ~1e-6 that fp32
-/// reordering over a few dozen chunks gives. Outputs: a pre-norm o that lies near a bf16
-/// rounding boundary may round to the neighbour in one of them (one ulp, 2^-8..2^-7 relative),
-/// and the gated norm's own rounding can add one more, so the elementwise bound is that of the
-/// chunked forms (two ulps); such flips are rare, so the rms must stay below a tenth of an ulp.
+/// the same pass 1, over T tokens from a non-zero start state. Each split product is within
+/// ~2^-21 relative of the exact one (fp32's own rounding is 2^-24) and the sums run in another
+/// order (and the tensor cores' fp32 adds need not round to nearest), so the two final states
+/// differ by fp32-level rounding carried through the chunks: expected ~1e-6 … 1e-5 of the
+/// state's scale. The bound is the one both fp32 forms meet against the sequential recurrence
+/// (kStateTol, 1e-4): the new pass must be no worse than that, and what it is there to catch
+/// sits orders above it (a wrong fragment index or barrier: errors of the state's own size;
+/// plain one-part tf32: ~2^-11 per product, ~1e-3 after a few dozen chunks). Outputs: a pre-norm
+/// o next to a bf16 rounding boundary may round to the neighbour in one of the two (one ulp,
+/// 2^-8 … 2^-7 relative), and the gated norm's rounding can add one more: the elementwise bound
+/// is the chunked forms' (two ulps); such flips are rare, so the rms bound is half of theirs.
+/// The measured values are printed.
 void expect_state_mma_matches_fp32_walk(int T, uint64_t seed, const cuda::GdnDims& shape = {}) {
   std::mt19937_64 rng(seed);
   GdnFixture fx(rng, -2.0f, 1.0f, shape);
@@ -391,9 +394,9 @@ void expect_state_mma_matches_fp32_walk(int T, uint64_t seed, const cuda::GdnDim
   const double out_err = max_rel(o2, o1, kFloor), out_rms = rms_rel(o2, o1);
   std::printf("[gdn pass 2 tensor cores vs fp32 walk] D=%d T=%d: output max rel %.3g, rms rel %.3g, state max %.3g\n",
               d.key_head_dim, T, out_err, out_rms, state_err);
-  EXPECT_LT(state_err, 1e-5);
+  EXPECT_LT(state_err, kStateTol);
   EXPECT_LT(out_err, kPrefillElemTol);
-  EXPECT_LT(out_rms, 4e-4);
+  EXPECT_LT(out_rms, kPrefillRmsTol / 2);
 }
 
 TEST(GdnPrefill, StateMmaMatchesFp32WalkRaggedLongChunk) { expect_state_mma_matches_fp32_walk(2048 + 37, 71); }
