@@ -2,7 +2,8 @@
 // built from the CPU backend's ops (docs/model.md §3.3), at the real shapes: Hk 16, Hv 32,
 // Dk = Dv 128, conv channels 8192. Inputs are random; outputs are poisoned (NaN) before launch.
 // Tolerances: bf16 outputs within 1e-2 relative, fp32 states within 1e-4 (relative to the
-// state's largest magnitude, at least 1).
+// state's largest magnitude, at least 1); the tensor-core pass 2 against the fp32 one: see
+// expect_state_mma_matches_fp32_walk.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -350,6 +351,58 @@ TEST(GdnPrefill, TwoPassMatchesOneKernelAtTheBackendsChunk) {
   EXPECT_LT(out_err, kPrefillElemTol);
 }
 
+/// Selects pass 2 of the two-pass prefill for one scope: tensor cores (true) or the fp32 walk.
+struct ScopedStateMma {
+  explicit ScopedStateMma(bool on) : was_(cuda::gdn_state_mma_enabled()) { cuda::set_gdn_state_mma_enabled(on); }
+  ~ScopedStateMma() { cuda::set_gdn_state_mma_enabled(was_); }
+  bool was_;
+};
+
+/// The tensor-core pass 2 (split tf32 products) against the fp32 walk it replaced, both after
+/// the same pass 1, over T tokens from a non-zero start state. Each split product is within
+/// ~2^-21 relative of the exact one (fp32's own rounding is 2^-24) and the sums run in another
+/// order (and the tensor cores' fp32 adds need not round to nearest), so the two final states
+/// differ by fp32-level rounding carried through the chunks: expected ~1e-6 … 1e-5 of the
+/// state's scale. The bound is the one both fp32 forms meet against the sequential recurrence
+/// (kStateTol, 1e-4): the new pass must be no worse than that, and what it is there to catch
+/// sits orders above it (a wrong fragment index or barrier: errors of the state's own size;
+/// plain one-part tf32: ~2^-11 per product, ~1e-3 after a few dozen chunks). Outputs: a pre-norm
+/// o next to a bf16 rounding boundary may round to the neighbour in one of the two (one ulp,
+/// 2^-8 … 2^-7 relative), and the gated norm's rounding can add one more: the elementwise bound
+/// is the chunked forms' (two ulps); such flips are rare, so the rms bound is half of theirs.
+/// The measured values are printed.
+void expect_state_mma_matches_fp32_walk(int T, uint64_t seed, const cuda::GdnDims& shape = {}) {
+  std::mt19937_64 rng(seed);
+  GdnFixture fx(rng, -2.0f, 1.0f, shape);
+  const auto& d = fx.dims;
+  TwoPrefills io(fx, rng, T);
+  const __nv_bfloat16* zp = io.zab();
+  ScopedTwoPass two_pass(true);
+  {
+    ScopedStateMma mode(false);
+    prefill_with_workspace(d, fx.params(), T, io.x(), zp, io.zab_stride, io.d_s1.as<float>(),
+                           io.d_o1.as<__nv_bfloat16>());
+  }
+  {
+    ScopedStateMma mode(true);
+    prefill_with_workspace(d, fx.params(), T, io.x(), zp, io.zab_stride, io.d_s2.as<float>(),
+                           io.d_o2.as<__nv_bfloat16>());
+  }
+  const auto s1 = download_f32(io.d_s1, d.state_elems());
+  const double state_err = max_abs_scaled(download_f32(io.d_s2, d.state_elems()), s1);
+  const auto o1 = download_bf16(io.d_o1, int64_t(T) * io.V), o2 = download_bf16(io.d_o2, int64_t(T) * io.V);
+  const double out_err = max_rel(o2, o1, kFloor), out_rms = rms_rel(o2, o1);
+  std::printf("[gdn pass 2 tensor cores vs fp32 walk] D=%d T=%d: output max rel %.3g, rms rel %.3g, state max %.3g\n",
+              d.key_head_dim, T, out_err, out_rms, state_err);
+  EXPECT_LT(state_err, kStateTol);
+  EXPECT_LT(out_err, kPrefillElemTol);
+  EXPECT_LT(out_rms, kPrefillRmsTol / 2);
+}
+
+TEST(GdnPrefill, StateMmaMatchesFp32WalkRaggedLongChunk) { expect_state_mma_matches_fp32_walk(2048 + 37, 71); }
+TEST(GdnPrefill, StateMmaMatchesFp32WalkOneToken) { expect_state_mma_matches_fp32_walk(1, 72); }
+TEST(GdnPrefill, StateMmaMatchesFp32WalkDemoDims) { expect_state_mma_matches_fp32_walk(300, 73, demo_dims()); }
+
 /// Prefill of a sequence in two pieces equals one piece (the state carries over).
 TEST(GdnPrefill, SplitSequenceEqualsOnePass) {
   std::mt19937_64 rng(41);
@@ -429,6 +482,22 @@ TEST(GdnTiming, PrintsKernelTimes) {
     }, 5);
   }
   std::printf("[gdn timing] chunked prefill T=%d in two passes: %.3f ms/layer\n", T, two_pass_ms);
+  {  // the same at the backend's chunk (2,048), pass 2 on tensor cores and as the fp32 walk
+    ScopedTwoPass mode(true);
+    const int T2 = 2048;
+    const size_t bytes = cuda::gdn_prefill_workspace_bytes(d, T2);
+    DeviceBuffer ws(bytes);
+    float ms[2] = {};
+    for (int mma = 0; mma < 2; ++mma) {
+      ScopedStateMma state_mode(mma == 1);
+      ms[mma] = time_ms([&] {
+        cuda::gdn_prefill(d, fx.params(), T2, d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv, zab_stride,
+                          d_state.as<float>(), d_out.as<__nv_bfloat16>(), nullptr, ws.as<float>(), bytes);
+      }, 10);
+    }
+    std::printf("[gdn timing] two passes T=%d: %.3f ms/layer with pass 2 on tensor cores, %.3f ms/layer with "
+                "the fp32 walk\n", T2, ms[1], ms[0]);
+  }
   const float decode_us = 1000 * time_ms([&] {
     cuda::gdn_decode(d, fx.params(), d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv,
                      d_state.as<float>(), d_out.as<__nv_bfloat16>(), nullptr);

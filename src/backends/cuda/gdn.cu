@@ -1,6 +1,9 @@
 // Gated DeltaNet kernels (docs/model.md §3.3, numerics §4.3/§4.4): causal conv (decode
 // step and prefill), the fused per-value-head decode step, the chunked (UT/WY) prefill of the
 // delta rule, and the gated RMSNorm. Launchers are declared in mixer_kernels.h.
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -8,6 +11,7 @@
 #include "backends/cuda/gdn_conv.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/mixer_kernels.h"
+#include "backends/cuda/mma.cuh"
 
 #include <cooperative_groups.h>
 
@@ -302,11 +306,13 @@ struct PrefillSmem {
 };
 
 /// Loads q̂/k̂ rows (L2-normalised, q scaled) and the gates of chunk tokens [t0, t0+L) into
-/// any of the prefill shared-memory layouts (members q, k, g, beta; kDim = Dk).
+/// any of the prefill shared-memory layouts (members q, k, g, beta; kDim = Dk). When `r_out` is
+/// given (shared memory, 2·64 floats), r_out[t] and r_out[64 + t] get the factors that took row t
+/// of q and of k from its bf16 values to q̂_t / k̂_t.
 template <class Smem>
 __device__ void load_chunk(Smem& sm, int t0, int L, int j, int kh, int key_dim,
                            int64_t C, const bf16* conv_out, const bf16* a, const bf16* b,
-                           int64_t zab_stride, float A_log_j, float dt_bias_j) {
+                           int64_t zab_stride, float A_log_j, float dt_bias_j, float* r_out = nullptr) {
   constexpr int kDk = Smem::kDim;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   for (int row = warp; row < 2 * kChunk; row += kPrefillWarps) {
@@ -325,6 +331,7 @@ __device__ void load_chunk(Smem& sm, int t0, int L, int j, int kh, int key_dim,
     const float r = (1.0f / sqrtf(ss + kL2Eps)) * (is_q ? rsqrtf(float(kDk)) : 1.0f);
 #pragma unroll
     for (int e = 0; e < kDk / kWarp; ++e) dst[lane + e * kWarp] = x[e] * r;
+    if (r_out && lane == 0) r_out[row] = r;
   }
   if (threadIdx.x < kChunk) {
     const int t = threadIdx.x;
@@ -492,6 +499,8 @@ gdn_prefill_chunked_kernel(int Hk, int Hv, int T, const float* __restrict__ A_lo
 //          o_t = γ_t S0ᵀq_t + Σ_{s≤t} P[t][s]Δ_s and the state update, as before.
 // Same fp32 arithmetic on CUDA cores; only the order of the solve's operations differs (the
 // inverse is formed, then applied), so results agree with the one-kernel form to fp32 rounding.
+// Pass 2 by default runs on tensor cores instead (gdn_chunk_state_mma_kernel below, near-fp32
+// split-tf32 products); gdn_chunk_state_kernel, the fp32 walk, stays for LILY_CUDA_GDN_STATE_MMA=0.
 
 /// Pass 1's shared memory (kDk = Dv).
 template <int kDk>
@@ -507,6 +516,7 @@ struct LocalSmem {
   };
   float g[kChunk];
   float beta[kChunk];
+  float rnorm[2 * kChunk];  // q̂_t = rnorm[t]·q_t, k̂_t = rnorm[64 + t]·k_t (q_t, k_t the bf16 rows)
 };
 
 /// Pass 2's shared memory (kDk = Dv; a slice of kBV value columns).
@@ -526,8 +536,13 @@ struct StateSmem {
   float beta[kChunk];
 };
 
-/// Floats of the workspace per (value head, chunk): U and W [64][D], P [64][64].
-__host__ __device__ constexpr int64_t local_floats(int D) { return int64_t{kChunk} * (2 * D + kChunk); }
+/// Floats of the workspace per (value head, chunk): U and W [64][D], P [64][64], then the row
+/// scales SC [4][64] that the tensor-core pass 2 applies to the chunk's bf16 q and k rows:
+///   SC[0][t] = γ_t·rq_t                          (γ_t S0ᵀq̂_t = SC[0][t]·S0ᵀq_t)
+///   SC[1][t] = rk_t·e^{g_L−g_t} for t < L, else 0 (k̂_t e^{g_L−g_t} = SC[1][t]·k_t)
+///   SC[2][t] = γ_L (every t), SC[3][t] = 0
+/// with rq_t, rk_t the L2-norm factors of load_chunk (q̂_t = rq_t·q_t, k̂_t = rk_t·k_t).
+__host__ __device__ constexpr int64_t local_floats(int D) { return int64_t{kChunk} * (2 * D + kChunk + 4); }
 
 /// sm.Ti = (I + sm.A)^{-1} by forward substitution on the columns: warp w owns columns
 /// 8w … 8w+7, four lanes per column split the inner sum (s ≡ r mod 4) and combine it with
@@ -559,12 +574,21 @@ gdn_chunk_local_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log, c
   const int L = min(kChunk, T - t0);
   const int key_dim = Hk * kDk;
   const int64_t C = 2 * key_dim + int64_t(Hv) * kDv;
-  load_chunk(sm, t0, L, j, kh, key_dim, C, conv_out, a, b, zab_stride, A_log[j], dt_bias[j]);
+  load_chunk(sm, t0, L, j, kh, key_dim, C, conv_out, a, b, zab_stride, A_log[j], dt_bias[j], sm.rnorm);
   form_kk_qk(sm);
   __syncthreads();
   float* U = ws + (int64_t(j) * gridDim.y + c) * local_floats(kDk);
   float* W = U + kChunk * kDk;
   float* P = W + kChunk * kDk;
+  float* SC = P + kChunk * kChunk;
+  if (threadIdx.x < kChunk) {
+    const int t = threadIdx.x;
+    const float g_last = sm.g[L - 1];
+    SC[t] = expf(sm.g[t]) * sm.rnorm[t];
+    SC[kChunk + t] = t < L ? sm.rnorm[kChunk + t] * expf(g_last - sm.g[t]) : 0.0f;
+    SC[2 * kChunk + t] = expf(g_last);
+    SC[3 * kChunk + t] = 0.0f;
+  }
   for (int i = threadIdx.x; i < kChunk * kChunk; i += kPrefillThreads) P[i] = sm.P[i / kChunk][i % kChunk];
   // q̂ is no longer needed: its rows take β_t·v_t.
   for (int i = threadIdx.x; i < kChunk * kDv; i += kPrefillThreads) {
@@ -652,6 +676,289 @@ gdn_chunk_state_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log, c
   for (int i = warp; i < kDk; i += kPrefillWarps) S[i * kDv + m0 + lane] = sm.S[i][lane];
 }
 
+// ---- pass 2 on tensor cores (LILY_CUDA_GDN_STATE_MMA=1, the default) -----------------------
+//
+// The same walk as gdn_chunk_state_kernel, its four products on mma.sync m16n8k8 with tf32
+// inputs and fp32 accumulators. Block (value head j, slice of kMmaBV = 32 value columns),
+// 8 warps, per chunk (Δ, O, S of the slice; q_t, k_t the chunk's bf16 rows, SC the row scales
+// of pass 1):
+//   A  WS = W·S (64×Dk · Dk×32) and QS = Q·S;  Δ = U − WS,  O = SC[0]∘QS,  D = SC[1]∘Δ
+//   B  O += P·Δ (64×64 lower triangular · 64×32); o_t written as bf16
+//   C  S ← γ_L S + Kᵀ·D (Dk×64 · 64×32)
+// Precision. The state is fp32 in registers (its C fragments in phase C) across the chunks and
+// its error compounds, so every product keeps near-fp32 accuracy with split tf32 operands:
+// x = hi + lo with hi = tf32(x), lo = tf32(x − hi), and a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi
+// (the dropped a_lo·b_lo and the truncation of lo are ~2^-22 relative, below fp32's own
+// accumulation error over Dk terms). Plain tf32 (2^-11 relative per product) would put an error
+// of ~1e-4 relative into the state every chunk. Where one factor is a bf16 row (q_t, k_t: the
+// L2-norm factor and the gates are moved onto the other side as the row scales SC), that factor
+// is exact in tf32 and two products suffice; W and P (fp32 from pass 1) take three.
+// The copy of S in shared memory that phase A reads is kept split (S_hi, S_lo), as are Δ and D.
+// Loads (cp.async, one buffer per operand): W, U, q and SC of chunk c+1 are fetched as soon as
+// phase A of chunk c is done with them, P and k of chunk c+1 after phases B and C.
+
+constexpr int kMmaBV = 32;             // value columns per block: 4 n8 tiles
+constexpr int kMmaNT = kMmaBV / 8;     // n8 tiles per block
+constexpr int kColPad = kMmaBV + 8;    // row stride of S, Δ, D, U: B fragments at banks 8t + g
+
+/// Shared memory of the tensor-core pass 2 (kDk = Dk = Dv). Row strides ≡ 4 (mod 32) words for
+/// the A-fragment operands (W, P, bf16 q/k) and ≡ 8 for the B-fragment ones: conflict-free.
+template <int kDk>
+struct MmaStateSmem {
+  static constexpr int kWPad = kDk + 4;
+  static constexpr int kPPad = kChunk + 4;
+  static constexpr int kXPad = kDk + 8;  // bf16 elements per q/k row (a multiple of 8: 16-byte rows)
+  alignas(16) float S_hi[kDk][kColPad];  // the state slice split in tf32 parts
+  float S_lo[kDk][kColPad];
+  float dl_hi[kChunk][kColPad];  // Δ
+  float dl_lo[kChunk][kColPad];
+  float d_hi[kChunk][kColPad];   // D = SC[1]∘Δ
+  float d_lo[kChunk][kColPad];
+  float W[kChunk][kWPad];
+  float U[kChunk][kColPad];      // the slice's columns of U
+  float P[kChunk][kPPad];
+  float SC[4][kChunk];
+  uint16_t q[kChunk][kXPad];     // bf16 bits of the chunk's q rows (zero rows past L)
+  uint16_t k[kChunk][kXPad];
+};
+
+/// Issues (without committing) this thread's share of the cp.async copies of W, the slice of
+/// U, SC and the bf16 q rows of one chunk (tokens t0 … t0+L−1; rows past L are zero-filled).
+template <int kDk>
+__device__ __forceinline__ void mma_state_load_wuq(MmaStateSmem<kDk>& sm, const float* U, const float* W,
+                                                   const float* SC, const bf16* q_rows, int64_t C, int L, int m0) {
+  constexpr int kRowF4 = kDk / 4, kRowX = kDk / 8, kUF4 = kMmaBV / 4;
+  for (int i = threadIdx.x; i < kChunk * kRowF4; i += kPrefillThreads) {
+    const int t = i / kRowF4, e = 4 * (i % kRowF4);
+    cp_async16(&sm.W[t][e], W + t * kDk + e, 16);
+  }
+  for (int i = threadIdx.x; i < kChunk * kUF4; i += kPrefillThreads) {
+    const int t = i / kUF4, e = 4 * (i % kUF4);
+    cp_async16(&sm.U[t][e], U + t * kDk + m0 + e, 16);
+  }
+  for (int i = threadIdx.x; i < kChunk; i += kPrefillThreads) cp_async16(&sm.SC[0][0] + 4 * i, SC + 4 * i, 16);
+  for (int i = threadIdx.x; i < kChunk * kRowX; i += kPrefillThreads) {
+    const int t = i / kRowX, e = 8 * (i % kRowX);
+    const bool valid = t < L;
+    cp_async16(&sm.q[t][e], q_rows + (valid ? t : 0) * C + e, valid ? 16 : 0);
+  }
+}
+
+/// Issues (without committing) this thread's share of the copies of P and the bf16 k rows.
+template <int kDk>
+__device__ __forceinline__ void mma_state_load_pk(MmaStateSmem<kDk>& sm, const float* P, const bf16* k_rows,
+                                                  int64_t C, int L) {
+  constexpr int kRowX = kDk / 8, kPF4 = kChunk / 4;
+  for (int i = threadIdx.x; i < kChunk * kPF4; i += kPrefillThreads) {
+    const int t = i / kPF4, e = 4 * (i % kPF4);
+    cp_async16(&sm.P[t][e], P + t * kChunk + e, 16);
+  }
+  for (int i = threadIdx.x; i < kChunk * kRowX; i += kPrefillThreads) {
+    const int t = i / kRowX, e = 8 * (i % kRowX);
+    const bool valid = t < L;
+    cp_async16(&sm.k[t][e], k_rows + (valid ? t : 0) * C + e, valid ? 16 : 0);
+  }
+}
+
+/// Stores x at (row, col) of a split pair of arrays (hi, lo), two adjacent columns at once.
+__device__ __forceinline__ void store_split2(float* hi_row, float* lo_row, int col, float x0, float x1) {
+  uint32_t h0, l0, h1, l1;
+  split_tf32(x0, h0, l0);
+  split_tf32(x1, h1, l1);
+  *reinterpret_cast<float2*>(hi_row + col) = make_float2(__uint_as_float(h0), __uint_as_float(h1));
+  *reinterpret_cast<float2*>(lo_row + col) = make_float2(__uint_as_float(l0), __uint_as_float(l1));
+}
+
+/// B fragment (k rows k0+t and k0+t+4, column n) of a split [k][kColPad] array pair.
+__device__ __forceinline__ void load_b_split(const float (*hi)[kColPad], const float (*lo)[kColPad], int k0, int n,
+                                             uint32_t (&b_hi)[2], uint32_t (&b_lo)[2]) {
+  const int t = threadIdx.x % 4;
+  b_hi[0] = __float_as_uint(hi[k0 + t][n]);
+  b_hi[1] = __float_as_uint(hi[k0 + t + 4][n]);
+  b_lo[0] = __float_as_uint(lo[k0 + t][n]);
+  b_lo[1] = __float_as_uint(lo[k0 + t + 4][n]);
+}
+
+/// Block (value head j, slice of kMmaBV value columns): pass 2 on tensor cores (see above).
+/// Inputs: conv_out bf16 [T, C] (q ‖ k ‖ v rows, q/k of key head j/(Hv/Hk)), ws fp32 from
+/// pass 1 (per value head and chunk: U, W [64][Dk], P [64][64], SC [4][64]); state fp32
+/// [Hv, Dk, Dv] in place; out bf16 [T, Hv·Dv] (pre-norm o_t).
+template <int kDk>
+__global__ void __launch_bounds__(kPrefillThreads, 1)
+gdn_chunk_state_mma_kernel(int Hk, int Hv, int T, const bf16* __restrict__ conv_out, const float* __restrict__ ws,
+                           float* __restrict__ state, bf16* __restrict__ out) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int kDv = kDk;
+  using Smem = MmaStateSmem<kDk>;
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  const int j = blockIdx.x, m0 = blockIdx.y * kMmaBV, kh = j / (Hv / Hk);
+  const int key_dim = Hk * kDk, chunks = (T + kChunk - 1) / kChunk;
+  const int64_t C = 2 * key_dim + int64_t(Hv) * kDv;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t4 = lane % 4;
+  const bf16* q_src = conv_out + kh * kDk;
+  const bf16* k_src = q_src + key_dim;
+  const float* ws_j = ws + int64_t(j) * chunks * local_floats(kDk);
+  auto U_of = [&](int c) { return ws_j + int64_t(c) * local_floats(kDk); };
+
+  // Phases A and B: warp → rows [16·am, +16) of the chunk, n8 tiles an0, an0+1 of the slice.
+  const int am = warp % 4, an0 = 2 * (warp / 4);
+  // Phase C (and the state registers): warp → key rows [16·ci, +16), n8 tiles cn0 … cn0+kCN−1.
+  constexpr int kCM = kDk / 16;                    // m16 tiles of key rows
+  constexpr int kCN = kMmaNT * kCM / kPrefillWarps;  // n8 tiles per warp: 4 (Dk 128), 2 (Dk 64)
+  static_assert(kCN >= 1 && kPrefillWarps % kCM == 0 && kPrefillWarps == 8, "phase C tiling");
+  const int ci = warp % kCM, cn0 = (warp / kCM) * kCN;
+
+  // The chunk 0 loads, then the start state: registers (fp32) and its split copy.
+  {
+    const float* U0 = U_of(0);
+    const int L0 = min(kChunk, T);
+    mma_state_load_wuq(sm, U0, U0 + kChunk * kDk, U0 + 2 * kChunk * kDk + kChunk * kChunk, q_src, C, L0, m0);
+    cp_async_commit();
+    mma_state_load_pk(sm, U0 + 2 * kChunk * kDk, k_src, C, L0);
+    cp_async_commit();
+  }
+  float* Sg = state + int64_t(j) * kDk * kDv + m0;
+  float s_reg[kCN][4];
+#pragma unroll
+  for (int n = 0; n < kCN; ++n)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * ci + g + 8 * h, col = 8 * (cn0 + n) + 2 * t4;
+      const float2 v = *reinterpret_cast<const float2*>(Sg + int64_t(row) * kDv + col);
+      s_reg[n][2 * h] = v.x;
+      s_reg[n][2 * h + 1] = v.y;
+      store_split2(sm.S_hi[row], sm.S_lo[row], col, v.x, v.y);
+    }
+
+  for (int c = 0; c < chunks; ++c) {
+    const int t0 = c * kChunk, L = min(kChunk, T - t0);
+    cp_async_wait<1>();  // W, U, SC, q of chunk c (P and k may still be in flight)
+    __syncthreads();
+
+    // Phase A: WS = W·S (3 products), QS = Q·S (2: q is exact in tf32).
+    float ws_acc[2][4] = {}, qs_acc[2][4] = {};
+    const int r0 = 16 * am + g;
+#pragma unroll 4
+    for (int k0 = 0; k0 < kDk; k0 += 8) {
+      uint32_t w_hi[4], w_lo[4], qa[4];
+      split_tf32(sm.W[r0][k0 + t4], w_hi[0], w_lo[0]);
+      split_tf32(sm.W[r0 + 8][k0 + t4], w_hi[1], w_lo[1]);
+      split_tf32(sm.W[r0][k0 + t4 + 4], w_hi[2], w_lo[2]);
+      split_tf32(sm.W[r0 + 8][k0 + t4 + 4], w_hi[3], w_lo[3]);
+      qa[0] = bf16_bits_to_tf32(sm.q[r0][k0 + t4]);
+      qa[1] = bf16_bits_to_tf32(sm.q[r0 + 8][k0 + t4]);
+      qa[2] = bf16_bits_to_tf32(sm.q[r0][k0 + t4 + 4]);
+      qa[3] = bf16_bits_to_tf32(sm.q[r0 + 8][k0 + t4 + 4]);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        uint32_t b_hi[2], b_lo[2];
+        load_b_split(sm.S_hi, sm.S_lo, k0, 8 * (an0 + n) + g, b_hi, b_lo);
+        mma_tf32_1688(ws_acc[n], w_lo, b_hi);
+        mma_tf32_1688(ws_acc[n], w_hi, b_lo);
+        mma_tf32_1688(ws_acc[n], w_hi, b_hi);
+        mma_tf32_1688(qs_acc[n], qa, b_lo);
+        mma_tf32_1688(qs_acc[n], qa, b_hi);
+      }
+    }
+    // Δ = U − WS, the output's γ_t S0ᵀq̂_t, D = SC[1]∘Δ (rows past L: SC[1] = 0).
+    float o_acc[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = r0 + 8 * h, col = 8 * (an0 + n) + 2 * t4;
+        const float2 u = *reinterpret_cast<const float2*>(&sm.U[row][col]);
+        const float d0 = u.x - ws_acc[n][2 * h], d1 = u.y - ws_acc[n][2 * h + 1];
+        const float sq = sm.SC[0][row], sk = sm.SC[1][row];
+        o_acc[n][2 * h] = sq * qs_acc[n][2 * h];
+        o_acc[n][2 * h + 1] = sq * qs_acc[n][2 * h + 1];
+        store_split2(sm.dl_hi[row], sm.dl_lo[row], col, d0, d1);
+        store_split2(sm.d_hi[row], sm.d_lo[row], col, sk * d0, sk * d1);
+      }
+    const float gamma_last = sm.SC[2][0];
+    cp_async_wait<0>();  // P and k of chunk c
+    __syncthreads();     // Δ, D, P, k visible; W, U, SC, q and S_hi/S_lo free
+    if (c + 1 < chunks) {
+      const float* Un = U_of(c + 1);
+      mma_state_load_wuq(sm, Un, Un + kChunk * kDk, Un + 2 * kChunk * kDk + kChunk * kChunk,
+                         q_src + int64_t(t0 + kChunk) * C, C, min(kChunk, T - t0 - kChunk), m0);
+    }
+    cp_async_commit();
+
+    // Phase B: O += P·Δ over s < 16·(am+1) (P is zero above the diagonal).
+    for (int k0 = 0; k0 < 16 * (am + 1); k0 += 8) {
+      uint32_t p_hi[4], p_lo[4];
+      split_tf32(sm.P[r0][k0 + t4], p_hi[0], p_lo[0]);
+      split_tf32(sm.P[r0 + 8][k0 + t4], p_hi[1], p_lo[1]);
+      split_tf32(sm.P[r0][k0 + t4 + 4], p_hi[2], p_lo[2]);
+      split_tf32(sm.P[r0 + 8][k0 + t4 + 4], p_hi[3], p_lo[3]);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        uint32_t b_hi[2], b_lo[2];
+        load_b_split(sm.dl_hi, sm.dl_lo, k0, 8 * (an0 + n) + g, b_hi, b_lo);
+        mma_tf32_1688(o_acc[n], p_lo, b_hi);
+        mma_tf32_1688(o_acc[n], p_hi, b_lo);
+        mma_tf32_1688(o_acc[n], p_hi, b_hi);
+      }
+    }
+    const int64_t out_stride = int64_t(Hv) * kDv;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = r0 + 8 * h;
+        if (row < L) {
+          const int col = j * kDv + m0 + 8 * (an0 + n) + 2 * t4;
+          *reinterpret_cast<__nv_bfloat162*>(out + int64_t(t0 + row) * out_stride + col) =
+              __floats2bfloat162_rn(o_acc[n][2 * h], o_acc[n][2 * h + 1]);
+        }
+      }
+
+    // Phase C: S ← γ_L S + Kᵀ·D over s < L (k is exact in tf32: two products).
+#pragma unroll
+    for (int n = 0; n < kCN; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s_reg[n][e] *= gamma_last;
+    const int i0 = 16 * ci + g;
+    for (int k0 = 0; k0 < L; k0 += 8) {
+      uint32_t ka[4];
+      ka[0] = bf16_bits_to_tf32(sm.k[k0 + t4][i0]);
+      ka[1] = bf16_bits_to_tf32(sm.k[k0 + t4][i0 + 8]);
+      ka[2] = bf16_bits_to_tf32(sm.k[k0 + t4 + 4][i0]);
+      ka[3] = bf16_bits_to_tf32(sm.k[k0 + t4 + 4][i0 + 8]);
+#pragma unroll
+      for (int n = 0; n < kCN; ++n) {
+        uint32_t b_hi[2], b_lo[2];
+        load_b_split(sm.d_hi, sm.d_lo, k0, 8 * (cn0 + n) + g, b_hi, b_lo);
+        mma_tf32_1688(s_reg[n], ka, b_lo);
+        mma_tf32_1688(s_reg[n], ka, b_hi);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < kCN; ++n)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = i0 + 8 * h;
+        store_split2(sm.S_hi[row], sm.S_lo[row], 8 * (cn0 + n) + 2 * t4, s_reg[n][2 * h], s_reg[n][2 * h + 1]);
+      }
+    __syncthreads();  // S_hi/S_lo written; P, k, Δ, D free
+    if (c + 1 < chunks) {
+      const float* Un = U_of(c + 1);
+      mma_state_load_pk(sm, Un + 2 * kChunk * kDk, k_src + int64_t(t0 + kChunk) * C, C,
+                        min(kChunk, T - t0 - kChunk));
+    }
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int n = 0; n < kCN; ++n)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * ci + g + 8 * h, col = 8 * (cn0 + n) + 2 * t4;
+      *reinterpret_cast<float2*>(Sg + int64_t(row) * kDv + col) = make_float2(s_reg[n][2 * h], s_reg[n][2 * h + 1]);
+    }
+}
+
 /// Gated RMSNorm in place over rows of bf16 pre-norm outputs: block (token, value head),
 /// thread per value dim (kDv threads).
 template <int kDv>
@@ -666,6 +973,9 @@ gated_norm_kernel(int Hv, float eps, const float* __restrict__ norm_w,
                                    eps, scratch);
   row[m] = to_bf16(y);
 }
+
+/// LILY_CUDA_GDN_STATE_MMA as read once (−1: not read yet), or as set by set_gdn_state_mma_enabled.
+std::atomic<int> g_state_mma{-1};
 
 /// LILY_CUDA_REQUIRE with this file's prefix.
 #define MIXER_REQUIRE(ok, ...) LILY_CUDA_REQUIRE(ok, "GDN kernels", __VA_ARGS__)
@@ -723,16 +1033,27 @@ void launch_prefill(const GdnDims& dims, const GdnParams& params, int T, const b
                     bf16* out, float* ws, cudaStream_t stream) {
   const dim3 grid(dims.n_value_heads, D / kBV);
   if (ws) {
-    const size_t local_smem = sizeof(LocalSmem<D>), state_smem = sizeof(StateSmem<D>);
+    const size_t local_smem = sizeof(LocalSmem<D>);
     raise_smem_limit(gdn_chunk_local_kernel<D>, local_smem);
-    raise_smem_limit(gdn_chunk_state_kernel<D>, state_smem);
     const dim3 local_grid(dims.n_value_heads, static_cast<unsigned>(ceil_div(T, kChunk)));
     gdn_chunk_local_kernel<D><<<local_grid, kPrefillThreads, local_smem, stream>>>(
         dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b, zab_stride, ws);
     LILY_CUDA_CHECK_LAUNCH();
-    gdn_chunk_state_kernel<D><<<grid, kPrefillThreads, state_smem, stream>>>(
-        dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b, zab_stride, ws,
-        state, out);
+    // The tensor-core pass 2 copies 16-byte pieces of conv_out and ws and stores bf16 pairs and
+    // float2s: buffers not aligned for that (never the backend's) take the fp32 walk.
+    const auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
+    if (gdn_state_mma_enabled() && aligned(conv_out, 16) && aligned(ws, 16) && aligned(out, 4) && aligned(state, 8)) {
+      const size_t mma_smem = sizeof(MmaStateSmem<D>);
+      raise_smem_limit(gdn_chunk_state_mma_kernel<D>, mma_smem);
+      gdn_chunk_state_mma_kernel<D><<<dim3(dims.n_value_heads, D / kMmaBV), kPrefillThreads, mma_smem, stream>>>(
+          dims.n_key_heads, dims.n_value_heads, T, conv_out, ws, state, out);
+    } else {
+      const size_t state_smem = sizeof(StateSmem<D>);
+      raise_smem_limit(gdn_chunk_state_kernel<D>, state_smem);
+      gdn_chunk_state_kernel<D><<<grid, kPrefillThreads, state_smem, stream>>>(
+          dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b, zab_stride, ws,
+          state, out);
+    }
     LILY_CUDA_CHECK_LAUNCH();
   } else {
     const size_t smem = sizeof(PrefillSmem<D>);
@@ -752,6 +1073,22 @@ void check_params(const GdnParams& p) {
 }
 
 }  // namespace
+
+bool gdn_state_mma_enabled() {
+  int s = g_state_mma.load(std::memory_order_relaxed);
+  if (s < 0) {
+    const char* v = std::getenv("LILY_CUDA_GDN_STATE_MMA");
+    const std::string value = v ? v : "";
+    MIXER_REQUIRE(value.empty() || value == "1" || value == "0",
+                  "LILY_CUDA_GDN_STATE_MMA must be '1' or '0', got '" + value + "'");
+    s = value == "0" ? 0 : 1;
+    int expected = -1;
+    if (!g_state_mma.compare_exchange_strong(expected, s)) s = expected;
+  }
+  return s == 1;
+}
+
+void set_gdn_state_mma_enabled(bool on) { g_state_mma.store(on ? 1 : 0); }
 
 GdnDims gdn_dims(const ModelConfig& config) {
   GdnDims d;

@@ -129,6 +129,8 @@ void gdn_conv_prefill(const GdnDims& dims, const GdnParams& params, int T,
 /// With a workspace and LILY_CUDA_GDN_CHUNK_PARALLEL on (gdn_chunk_parallel_enabled), two
 /// passes: every chunk's state-independent part (the 64×64 solve, as U, W and P) at once, then
 /// the walk over the chunks with Δ = U − W·S; else one kernel walks the chunks doing all of it.
+/// The walk (pass 2) runs on tensor cores (tf32 mma with split operands, near-fp32 products;
+/// gdn.cu, "pass 2 on tensor cores") unless gdn_state_mma_enabled() is off.
 /// T ≥ 1 (≤ 65535). Throws lily::Error on bad dims, T, null buffers or a short workspace.
 void gdn_prefill(const GdnDims& dims, const GdnParams& params, int T,
                  const __nv_bfloat16* conv_out, const __nv_bfloat16* z,
@@ -136,10 +138,18 @@ void gdn_prefill(const GdnDims& dims, const GdnParams& params, int T,
                  float* state, __nv_bfloat16* out, cudaStream_t stream, float* workspace = nullptr,
                  size_t workspace_bytes = 0);
 
-/// Bytes of gdn_prefill's two-pass workspace for T tokens: Hv · ceil(T/64) · 64·(2·D + 64)
-/// floats (U and W [64, D] and P [64, 64] per value head and chunk; 84 MB at T = 2048 for the
-/// 35B shape). Throws lily::Error on bad dims or T outside [1, 65535].
+/// Bytes of gdn_prefill's two-pass workspace for T tokens: Hv · ceil(T/64) · 64·(2·D + 68)
+/// floats (U and W [64, D], P [64, 64] and four row scales [4, 64] per value head and chunk;
+/// 85 MB at T = 2048 for the 35B shape). Throws lily::Error on bad dims or T outside [1, 65535].
 size_t gdn_prefill_workspace_bytes(const GdnDims& dims, int T);
+
+/// Whether pass 2 of the two-pass gdn_prefill (the walk over the chunks) runs on tensor cores
+/// (mma.sync tf32 with split-precision operands) or as the fp32 CUDA-core walk it replaced.
+/// LILY_CUDA_GDN_STATE_MMA unset, empty or "1" → tensor cores; "0" → the fp32 walk (for an A/B);
+/// any other value throws lily::Error at the first two-pass prefill.
+bool gdn_state_mma_enabled();
+/// Overrides LILY_CUDA_GDN_STATE_MMA for the rest of the process (tests comparing both paths).
+void set_gdn_state_mma_enabled(bool on);
 
 // =============================================================================================
 // Gated full attention (docs/model.md §3.4)
