@@ -360,32 +360,7 @@ void check_grid_y(int64_t tiles, const char* what) {
   if (tiles > 65535) throw ::lily::Error(std::string(what) + ": output too wide for the GEMM grid");
 }
 
-template <int BITS, class OutT>
-void dense_dispatch(const GemmParams& p, cudaStream_t stream) {
-  const int sms = sm_count();
-  const int64_t n = p.n;
-  int bm = p.m <= 32 ? 32 : (p.m <= 64 ? 64 : 128);
-  if (bm == 128 && ceil_div(p.m, 128) * ceil_div(n, 128) < sms) bm = 64;
-  const int bn = ceil_div(p.m, bm) * ceil_div(n, 128) >= sms ? 128 : 64;
-  check_grid_y(ceil_div(n, bn), "quant_gemm");
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.m, bm)), static_cast<unsigned>(ceil_div(n, bn)));
-  if (bm == 128) launch_tile<BITS, 128, 128, Mode::kDense, OutT>(p, grid, stream);
-  else if (bm == 64 && bn == 128) launch_tile<BITS, 64, 128, Mode::kDense, OutT>(p, grid, stream);
-  else if (bm == 64) launch_tile<BITS, 64, 64, Mode::kDense, OutT>(p, grid, stream);
-  else if (bn == 128) launch_tile<BITS, 32, 128, Mode::kDense, OutT>(p, grid, stream);
-  else launch_tile<BITS, 32, 64, Mode::kDense, OutT>(p, grid, stream);
-}
-
-/// Row-tile height of the grouped GEMMs (and of the grouping's tile offsets).
-int grouped_tile_rows(int m, int n_sel, int n_groups) {
-  return static_cast<int64_t>(m) * n_sel >= 48LL * n_groups ? 64 : 32;
-}
-/// Upper bound of the number of row tiles: Σ_e ceil(n_e / BM) < Σ n_e / BM + n_groups.
-int64_t grouped_max_tiles(int m, int n_sel, int n_groups) {
-  return ceil_div(static_cast<int64_t>(m) * n_sel, grouped_tile_rows(m, n_sel, n_groups)) + n_groups;
-}
-
-// ---- grouped experts, register dequantization (the default 4-bit path) --------------------------
+// ---- register dequantization (the default for the 4-bit grouped GEMMs and large dense ones) -------
 //
 // Work item = (expert, row tile of ≤ 64 assignments, column tile of 256 weight rows). The grid
 // is persistent (CTAs resident at once, capped by an upper bound of the item count); CTA b takes
@@ -420,9 +395,15 @@ constexpr int kRdXLd = kBK + 8;  // staged activation row: 72 bf16 = 144 B (conf
 constexpr int kRdCW = kBK / 8;   // 4-bit code words per weight row per k-tile
 constexpr size_t kRdPipeBytes = size_t(kRdStages) * (kRdBM * kRdXLd * sizeof(bf16) + kRdBN * kRdCW * sizeof(uint32_t));
 constexpr size_t kRdSmem = kRdPipeBytes + (kMaxGroups + 1) * sizeof(int);
-constexpr int kRdOutLdDown = kRdBN + 8;       // epilogue tile row (bf16): down
-constexpr int kRdOutLdGateUp = kRdBN / 2 + 8;  // epilogue tile row (bf16): gate/up (act columns)
-static_assert(size_t(kRdBM) * kRdOutLdDown * sizeof(bf16) <= kRdPipeBytes, "epilogue tile fits the ring");
+/// Epilogue tile row length (elements of OutT): dense / down 256 weight rows, gate/up 128 act
+/// columns, padded so a warp's fragment stores hit distinct banks and rows stay 16-byte aligned.
+template <Mode MODE, class OutT>
+constexpr int rd_out_ld() {
+  return MODE == Mode::kGateUp ? kRdBN / 2 + 8 : (sizeof(OutT) == 4 ? kRdBN + 4 : kRdBN + 8);
+}
+static_assert(size_t(kRdBM) * rd_out_ld<Mode::kDense, float>() * sizeof(float) <= kRdPipeBytes &&
+                  size_t(kRdBM) * rd_out_ld<Mode::kDown, bf16>() * sizeof(bf16) <= kRdPipeBytes,
+              "epilogue tile fits the ring");
 
 /// bf16x2 (bf16(s·q_lo + b), bf16(s·q_hi + b)) of byte `j` of code word `w` (q_lo its low
 /// nibble, q_hi its high nibble); `w4` = w >> 4; s2 / b2 the row's scale and bias in both halves.
@@ -433,27 +414,27 @@ __device__ __forceinline__ uint32_t dequant_byte_pair(uint32_t w, uint32_t w4, i
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-/// Grouped 4-bit expert GEMM with register dequantization (see above). grid: persistent, ≤ the
-/// item count; block kGemmThreads; dynamic shared memory kRdSmem. MODE kGateUp or kDown.
-template <Mode MODE>
-__global__ void __launch_bounds__(kGemmThreads, 2) regdq_grouped_kernel(const GemmParams p) {
-  static_assert(MODE != Mode::kDense, "grouped modes only");
-  constexpr bool kGU = MODE == Mode::kGateUp;
+/// 4-bit GEMM with register dequantization (see above). grid: persistent, ≤ the item count;
+/// block kGemmThreads; dynamic shared memory kRdSmem. Grouped modes: bf16 output; kDense: the
+/// items are (row tile of 64 tokens, column tile of 256 weight rows), no grouping.
+template <Mode MODE, class OutT>
+__global__ void __launch_bounds__(kGemmThreads, 2) regdq_gemm_kernel(const GemmParams p) {
+  constexpr bool kGU = MODE == Mode::kGateUp, kDense = MODE == Mode::kDense;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* xs = reinterpret_cast<bf16*>(smem_raw);                                                 // [stages][64][72]
   uint32_t* cs = reinterpret_cast<uint32_t*>(smem_raw + kRdStages * kRdBM * kRdXLd * sizeof(bf16));  // [stages][256][8]
   int* tpre = reinterpret_cast<int*>(smem_raw + kRdPipeBytes);                                  // [n_groups + 1]
-  __shared__ int warp_sum[kGemmThreads / kWarp];
+  __shared__ int scan_tot[kGemmThreads / kWarp];
 
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t4 = lane % 4;
   const int G = p.n_groups;
-  const int32_t* offsets = p.grouping;
-  const int32_t* order = p.grouping + 2 * (G + 1);
+  const int32_t* offsets = p.grouping;                              // grouped modes only
+  const int32_t* order = kDense ? nullptr : p.grouping + 2 * (G + 1);
   // Schedule position q → group: q = 0 the last group, q ≥ 1 group q − 1.
   auto group_at = [G](int q) { return q == 0 ? G - 1 : q - 1; };
 
   // Row-tile prefix in schedule order: tpre[q] = Σ_{q' < q} ceil(rows of group_at(q') / 64).
-  {
+  if constexpr (!kDense) {
     const int per = (G + kGemmThreads - 1) / kGemmThreads;  // ≤ 8 (G ≤ kMaxGroups)
     const int q0 = min(tid * per, G), q1 = min(q0 + per, G);
     int local = 0;
@@ -467,10 +448,10 @@ __global__ void __launch_bounds__(kGemmThreads, 2) regdq_grouped_kernel(const Ge
       const int u = __shfl_up_sync(0xffffffffu, incl, o);
       if (lane >= o) incl += u;
     }
-    if (lane == kWarp - 1) warp_sum[warp] = incl;
+    if (lane == kWarp - 1) scan_tot[warp] = incl;
     __syncthreads();
     int run = incl - local;
-    for (int w = 0; w < warp; ++w) run += warp_sum[w];
+    for (int w = 0; w < warp; ++w) run += scan_tot[w];
     for (int q = q0; q < q1; ++q) {
       tpre[q] = run;
       const int e = group_at(q);
@@ -480,23 +461,30 @@ __global__ void __launch_bounds__(kGemmThreads, 2) regdq_grouped_kernel(const Ge
     __syncthreads();
   }
   const int col_tiles = p.col_tiles;
-  const int n_items = tpre[G] * col_tiles;
+  const int n_items = (kDense ? (p.m + kRdBM - 1) / kRdBM : tpre[G]) * col_tiles;
   const int k_tiles = p.K / kBK;
   const int64_t wpr = p.K / 8;  // code words per weight row
 
   for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
     const int tile = item / col_tiles, ct = item - tile * col_tiles;
-    int lo = 0, hi = G - 1;  // the largest q with tpre[q] ≤ tile (never an empty group)
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (tpre[mid] <= tile) lo = mid;
-      else hi = mid - 1;
+    int row_begin, rc;  // positions [row_begin, row_begin + rc) of the token index / assignment order
+    int64_t w_base = 0;
+    if constexpr (kDense) {
+      row_begin = tile * kRdBM;
+      rc = min(kRdBM, p.m - row_begin);
+    } else {
+      int lo = 0, hi = G - 1;  // the largest q with tpre[q] ≤ tile (never an empty group)
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (tpre[mid] <= tile) lo = mid;
+        else hi = mid - 1;
+      }
+      const int e = group_at(lo);
+      row_begin = offsets[e] + (tile - tpre[lo]) * kRdBM;
+      rc = min(kRdBM, offsets[e + 1] - row_begin);  // 1 … 64
+      w_base = static_cast<int64_t>(e) * p.n;
     }
-    const int e = group_at(lo);
-    const int row_begin = offsets[e] + (tile - tpre[lo]) * kRdBM;
-    const int rc = min(kRdBM, offsets[e + 1] - row_begin);  // 1 … 64
-    const int rc8 = (rc + 7) & ~7;                           // staged rows (the n8 tiles in use)
-    const int64_t w_base = static_cast<int64_t>(e) * p.n;
+    const int rc8 = (rc + 7) & ~7;  // staged rows (the n8 tiles in use)
     const int64_t n0 = static_cast<int64_t>(ct) * (kGU ? kRdBN / 2 : kRdBN);  // first output column
 
     // Weight row behind tile row R (−1 past the output width); gate/up: rows 16j…16j+7 are gate
@@ -520,8 +508,8 @@ __global__ void __launch_bounds__(kGemmThreads, 2) regdq_grouped_kernel(const Ge
       const int T = c / 8, ch = c % 8;
       a_off[j] = -1;
       if (T < rc) {
-        const int asg = order[row_begin + T];
-        a_off[j] = (kGU ? asg / p.n_sel : asg) * p.K + ch * 8;
+        const int arow = kDense ? row_begin + T : (kGU ? order[row_begin + T] / p.n_sel : order[row_begin + T]);
+        a_off[j] = arow * p.K + ch * 8;
       }
       const int64_t wr = weight_row(c / 2);
       c_off[j] = wr >= 0 ? static_cast<int>(wr * wpr) + (c % 2) * 4 : -1;
@@ -640,8 +628,8 @@ __global__ void __launch_bounds__(kGemmThreads, 2) regdq_grouped_kernel(const Ge
     __syncthreads();  // every warp is done with the ring: it becomes the output tile
 
     // Fragment (mi, nt) element v: weight tile row warp·32 + 16·mi + g + 8·(v / 2), token nt·8 + 2t + v % 2.
-    bf16* ob = reinterpret_cast<bf16*>(smem_raw);
-    constexpr int kOutLd = kGU ? kRdOutLdGateUp : kRdOutLdDown;
+    OutT* ob = reinterpret_cast<OutT*>(smem_raw);
+    constexpr int kOutLd = rd_out_ld<MODE, OutT>();
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -652,62 +640,108 @@ __global__ void __launch_bounds__(kGemmThreads, 2) regdq_grouped_kernel(const Ge
           const int T = nt * 8 + 2 * t4 + e2;
           if constexpr (kGU) {  // v = e2: gate row (act column), v = 2 + e2: the up row of the same column
             const float gv = round_bf16(acc[mi][nt][e2]), uv = round_bf16(acc[mi][nt][2 + e2]);
-            ob[T * kOutLd + (warp * 2 + mi) * 8 + g] = to_bf16(silu(gv) * uv);
+            store_out(ob, T * kOutLd + (warp * 2 + mi) * 8 + g, silu(gv) * uv);
           } else {
-            ob[T * kOutLd + warp * 32 + mi * 16 + g] = to_bf16(acc[mi][nt][e2]);
-            ob[T * kOutLd + warp * 32 + mi * 16 + g + 8] = to_bf16(acc[mi][nt][2 + e2]);
+            store_out(ob, T * kOutLd + warp * 32 + mi * 16 + g, acc[mi][nt][e2]);
+            store_out(ob, T * kOutLd + warp * 32 + mi * 16 + g + 8, acc[mi][nt][2 + e2]);
           }
         }
       }
     __syncthreads();
-    constexpr int kChunks = (kGU ? kRdBN / 2 : kRdBN) / 8;  // 16-byte chunks per output row
+    constexpr int kEpc = 16 / static_cast<int>(sizeof(OutT));        // elements per 16-byte chunk
+    constexpr int kChunks = (kGU ? kRdBN / 2 : kRdBN) / kEpc;       // chunks per output row
+    OutT* y;
+    if constexpr (sizeof(OutT) == 4) y = reinterpret_cast<OutT*>(p.y_f32);
+    else y = reinterpret_cast<OutT*>(p.y_bf16);
     for (int c = tid; c < rc * kChunks; c += kGemmThreads) {
       const int T = c / kChunks, ch = c % kChunks;
-      const int64_t a = order[row_begin + T];
-      const int64_t col = n0 + ch * 8;
+      const int64_t orow = kDense ? row_begin + T : order[row_begin + T];
+      const int64_t col = n0 + ch * kEpc;
       if (col >= p.n) continue;
-      bf16* dst = p.y_bf16 + a * p.n + col;
-      const bf16* src = ob + T * kOutLd + ch * 8;
-      if (col + 8 <= p.n && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
+      OutT* dst = y + orow * p.n + col;
+      const OutT* src = ob + T * kOutLd + ch * kEpc;
+      if (col + kEpc <= p.n && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
         *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
       } else {
-        for (int i = 0; i < 8 && col + i < p.n; ++i) dst[i] = src[i];
+        for (int i = 0; i < kEpc && col + i < p.n; ++i) dst[i] = src[i];
       }
     }
     __syncthreads();  // the output tile is the next item's ring
   }
 }
 
-/// Launches the register-dequant grouped kernel: as many CTAs as fit at once, at most one per
-/// possible item (Σ_e ceil(n_e / 64) ≤ ceil(m·n_sel / 64) + n_groups row tiles × col_tiles).
-template <Mode MODE>
-void regdq_grouped_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
-  auto kernel = regdq_grouped_kernel<MODE>;
+/// Launches the register-dequant kernel: as many CTAs as fit at once, at most one per possible
+/// item (dense: ceil(m / 64) row tiles; grouped: Σ_e ceil(n_e / 64) ≤ ceil(m·n_sel / 64) +
+/// n_groups row tiles; × col_tiles).
+template <Mode MODE, class OutT>
+void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
+  auto kernel = regdq_gemm_kernel<MODE, OutT>;
   raise_smem_limit(kernel, kRdSmem);
   p.col_tiles = static_cast<int>(col_tiles);
   const int per_sm = std::max(1, blocks_per_sm(kernel, kGemmThreads, kRdSmem));
-  const int64_t max_items = col_tiles * (ceil_div(static_cast<int64_t>(p.m) * p.n_sel, kRdBM) + p.n_groups);
+  const int64_t row_tiles = MODE == Mode::kDense ? ceil_div(p.m, kRdBM)
+                                                 : ceil_div(static_cast<int64_t>(p.m) * p.n_sel, kRdBM) + p.n_groups;
+  const int64_t max_items = col_tiles * row_tiles;
   const int64_t grid = std::min<int64_t>(max_items, static_cast<int64_t>(per_sm) * sm_count());
   kernel<<<static_cast<unsigned>(grid), kGemmThreads, kRdSmem, stream>>>(p);
   LILY_CUDA_CHECK_LAUNCH();
 }
 
-/// LILY_CUDA_GEMM_REGDQ: unset, "" or "1" → the register-dequant grouped kernels (4-bit);
-/// "0" → the shared-tile kernels. Read at every launch (a test flips it between launches).
-bool regdq_enabled() {
+/// LILY_CUDA_GEMM_REGDQ: unset, "" or "1" → the register-dequant kernel for the 4-bit grouped
+/// GEMMs and the dense GEMMs with ≥ one item per SM; "grouped" → for the grouped GEMMs only;
+/// "0" → the shared-tile kernels everywhere. Read at every launch (a test flips it between
+/// launches). Returns whether the register-dequant kernel is selected for a dense (`dense`) or
+/// a grouped GEMM; throws lily::Error for any other value.
+bool regdq_enabled(bool dense) {
   const char* v = std::getenv("LILY_CUDA_GEMM_REGDQ");
   if (v == nullptr || *v == '\0' || std::string(v) == "1") return true;
   if (std::string(v) == "0") return false;
-  throw ::lily::Error(std::string("LILY_CUDA_GEMM_REGDQ must be '0' (off) or '1' (on), got '") + v + "'");
+  if (std::string(v) == "grouped") return !dense;
+  throw ::lily::Error(std::string("LILY_CUDA_GEMM_REGDQ must be '1' (on), 'grouped' (grouped GEMMs only) or '0' (off), got '") +
+                      v + "'");
+}
+
+/// Whether the register-dequant kernel's 32-bit element offsets cover `a_rows` activation rows
+/// and weight matrices of `w_rows` rows, K columns.
+bool regdq_fits(int64_t a_rows, int64_t w_rows, int K) {
+  return a_rows * K < (int64_t(1) << 31) && w_rows * (K / 8) < (int64_t(1) << 31);
+}
+
+template <int BITS, class OutT>
+void dense_dispatch(const GemmParams& p, cudaStream_t stream) {
+  const int sms = sm_count();
+  const int64_t n = p.n;
+  if (BITS == 4 && ceil_div(p.m, kRdBM) * ceil_div(n, kRdBN) >= sms && regdq_fits(p.m, p.w0.rows, p.K) &&
+      regdq_enabled(true)) {
+    regdq_launch<Mode::kDense, OutT>(p, ceil_div(n, kRdBN), stream);
+    return;
+  }
+  int bm = p.m <= 32 ? 32 : (p.m <= 64 ? 64 : 128);
+  if (bm == 128 && ceil_div(p.m, 128) * ceil_div(n, 128) < sms) bm = 64;
+  const int bn = ceil_div(p.m, bm) * ceil_div(n, 128) >= sms ? 128 : 64;
+  check_grid_y(ceil_div(n, bn), "quant_gemm");
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.m, bm)), static_cast<unsigned>(ceil_div(n, bn)));
+  if (bm == 128) launch_tile<BITS, 128, 128, Mode::kDense, OutT>(p, grid, stream);
+  else if (bm == 64 && bn == 128) launch_tile<BITS, 64, 128, Mode::kDense, OutT>(p, grid, stream);
+  else if (bm == 64) launch_tile<BITS, 64, 64, Mode::kDense, OutT>(p, grid, stream);
+  else if (bn == 128) launch_tile<BITS, 32, 128, Mode::kDense, OutT>(p, grid, stream);
+  else launch_tile<BITS, 32, 64, Mode::kDense, OutT>(p, grid, stream);
+}
+
+/// Row-tile height of the grouped GEMMs (and of the grouping's tile offsets).
+int grouped_tile_rows(int m, int n_sel, int n_groups) {
+  return static_cast<int64_t>(m) * n_sel >= 48LL * n_groups ? 64 : 32;
+}
+/// Upper bound of the number of row tiles: Σ_e ceil(n_e / BM) < Σ n_e / BM + n_groups.
+int64_t grouped_max_tiles(int m, int n_sel, int n_groups) {
+  return ceil_div(static_cast<int64_t>(m) * n_sel, grouped_tile_rows(m, n_sel, n_groups)) + n_groups;
 }
 
 template <Mode MODE>
 void grouped_dispatch(const GemmParams& p, int64_t col_tiles, cudaStream_t stream) {
-  // The register-dequant kernel addresses activations and code words with 32-bit offsets.
-  const bool fits32 = static_cast<int64_t>(p.m) * p.n_sel * p.K < (int64_t(1) << 31) &&
-                      std::max(p.w0.rows, p.w1.rows) * (p.K / 8) < (int64_t(1) << 31);
-  if (p.w0.bits == 4 && fits32 && regdq_enabled()) {
-    regdq_grouped_launch<MODE>(p, MODE == Mode::kGateUp ? ceil_div(p.n, kRdBN / 2) : ceil_div(p.n, kRdBN), stream);
+  if (p.w0.bits == 4 && regdq_fits(static_cast<int64_t>(p.m) * p.n_sel, std::max(p.w0.rows, p.w1.rows), p.K) &&
+      regdq_enabled(false)) {
+    regdq_launch<MODE, bf16>(p, MODE == Mode::kGateUp ? ceil_div(p.n, kRdBN / 2) : ceil_div(p.n, kRdBN), stream);
     return;
   }
   const int bm = grouped_tile_rows(p.m, p.n_sel, p.n_groups);
