@@ -56,6 +56,32 @@ using bf16_t = __nv_bfloat16;
 
 constexpr int kHidden = 2048, kExperts = 256, kTopK = 8, kFfn = 512;
 
+/// Sets an environment variable for the scope, then restores it (or unsets it).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* v = std::getenv(name)) {
+      had_ = true;
+      old_ = v;
+    }
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_, old_.c_str(), 1);
+    else unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+/// The grouped-GEMM kernel switch (quant_gemm.cu): "1" register dequantization, "0" shared tile.
+constexpr const char* kRegdqEnv = "LILY_CUDA_GEMM_REGDQ";
+
 /// Host QuantMatrix view of a RandomQuant (the layout the CPU backend reads).
 QuantMatrix host_view(const RandomQuant& w) {
   QuantMatrix q;
@@ -133,6 +159,20 @@ void check_gemm(int64_t rows, int cols, int bits, bool f32_out, std::vector<int>
     const std::vector<float> all = f32_out ? download_f32(dy, n_out) : download_bf16(dy, n_out);
     for (int64_t i = 0; i < n_out; ++i) ASSERT_FALSE(std::isnan(all[i])) << "unwritten output at " << i;
 
+    // The other kernel (file comment) on the same input: each within the reference tolerance.
+    {
+      const char* cur = std::getenv(kRegdqEnv);
+      const bool default_is_regdq = cur == nullptr || std::string(cur) != "0";
+      ScopedEnv other(kRegdqEnv, default_is_regdq ? "0" : "1");
+      DeviceBuffer dy2 = poisoned(size_t(m) * rows * 4);
+      cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, f32_out ? nullptr : dy2.as<bf16_t>(),
+                              f32_out ? dy2.as<float>() : nullptr, nullptr);
+      const std::vector<float> all2 = f32_out ? download_f32(dy2, n_out) : download_bf16(dy2, n_out);
+      for (int64_t i = 0; i < n_out; ++i) ASSERT_FALSE(std::isnan(all2[i])) << "unwritten output (other kernel) at " << i;
+      const std::vector<double> ref_all(all.begin(), all.end());
+      EXPECT_LT(worst_rel(all2, ref_all, 0.01 * rms(ref_all)), f32_out ? 2e-3 : 2e-2) << "the two GEMM kernels disagree";
+    }
+
     // (a) the bf16-weight reference on the checked rows, every token row.
     std::vector<float> out;
     std::vector<double> ref;
@@ -176,6 +216,15 @@ TEST(CudaQuantGemm, Fp32OutputAnd8Bit) {
   check_gemm(kExperts + 1, kHidden, 8, true, {1, 64, 256}, 6);  // router | shared gate shape
   check_gemm(1024, 512, 8, false, {33, 256}, 7);
   check_gemm(4096, kHidden, 4, true, {200}, 8);
+}
+
+TEST(CudaQuantGemm, RegdqDenseTiles) {
+  // Shapes where the register-dequant kernel takes the dense GEMM (≥ one item of 64 tokens ×
+  // 256 weight rows per SM on an H200): full and ragged last row tiles (1100 = 17·64 + 12), odd
+  // widths (unaligned rows: element stores), fp32 outputs.
+  check_gemm(kHidden, 4096, 4, false, {2048, 1100}, 10);   // out_proj at the default chunk
+  check_gemm(1037, 512, 4, true, {2000}, 11);              // 5 column tiles, the last of 13 rows
+  check_gemm(20037, 256, 4, false, {200}, 12);
 }
 
 TEST(CudaQuantGemm, RejectsUnsupportedShapes) {
@@ -236,32 +285,6 @@ void counted_routing(int E, int k, int m, const std::vector<int>& counts, std::m
   weights.resize(ids.size());
   for (float& w : weights) w = u01(rng);
 }
-
-/// Sets an environment variable for the scope, then restores it (or unsets it).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* v = std::getenv(name)) {
-      had_ = true;
-      old_ = v;
-    }
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) setenv(name_, old_.c_str(), 1);
-    else unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
-
-/// The grouped-GEMM kernel switch (quant_gemm.cu): "1" register dequantization, "0" shared tile.
-constexpr const char* kRegdqEnv = "LILY_CUDA_GEMM_REGDQ";
 
 struct ExpertWeights {
   RandomQuant gate, up, down;
