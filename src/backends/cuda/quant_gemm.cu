@@ -3,7 +3,15 @@
 // expert GEMMs; the default prefill path (CudaOptions::tensor_core_gemm). Tests:
 // tests/gpu/test_quant_gemm.cu (docs/cuda.md).
 //
-// One kernel template, three modes:
+// Two kernels:
+//   * regdq_gemm_kernel (the default for 4-bit weights; LILY_CUDA_GEMM_REGDQ, CudaOptions::gemm_regdq):
+//     codes dequantized in registers right before the MMAs, a persistent grid over a flat list of
+//     (row tile, column tile) work items — see "register dequantization" below. Takes every
+//     grouped expert GEMM and the dense GEMMs with at least one 64 × 256 item per SM.
+//   * quant_gemm_kernel (8-bit weights, small dense GEMMs, LILY_CUDA_GEMM_REGDQ=0): the
+//     shared-tile kernel described next.
+//
+// The shared-tile kernel: one template, three modes:
 //   kDense  — y[m, N] = x[m, K]·bf16(W)ᵀ, token rows in grid.x, weight-row tiles in grid.y;
 //   kGateUp — per expert row tile: gate and up rows interleaved in the weight tile, SwiGLU epilogue;
 //   kDown   — per expert row tile: down rows, per-slot bf16 outputs (combined in slot order later).
