@@ -23,14 +23,16 @@
 //    quant_matmul MoE of the same tokens (both with exact weights) with the RMS-relative
 //    measure above: RMS error ≤ 1.5e-2, max ≤ 8e-2 (three rounded weight products and the
 //    SwiGLU compound: a host simulation of this chain gave ≈ 0.5 % RMS, ≈ 2.6 % max over 8K outputs).
-// The grouped GEMMs have two kernels (quant_gemm.cu): register dequantization with a persistent
-// work list (the default for 4-bit) and the shared-tile kernels (LILY_CUDA_GEMM_REGDQ=0). Every
-// grouped case checks the default against the references above and the other kernel against
-// the default (act within 4e-2, expert outputs within 2e-2 by the first item's measure: two
-// independently rounded results, each within the reference tolerance); the ragged cases give
-// experts 0, 1, 15, 64 and 200 rows (empty experts, single-row tiles, masked tails, several
-// row tiles), the real shapes run at 2,048 tokens. With LILY_CUDA_GEMM_REGDQ=0 set for the
-// whole run the references check the shared-tile kernels instead.
+// The GEMMs have two kernels (quant_gemm.cu): register dequantization with a persistent work
+// list (LILY_CUDA_GEMM_REGDQ=grouped, the default: the 4-bit grouped GEMMs; =all: the large
+// dense ones too) and the shared-tile kernels (=0). Every case checks the selected kernel
+// against the references above and the other one against it (grouped: act within 4e-2, expert
+// outputs within 2e-2; dense: 2e-2 bf16, 2e-3 fp32, by the first item's measure: two
+// independently rounded results, each within the reference tolerance). CudaQuantGemm.
+// RegdqDenseTiles runs under "all" so the references check the dense register-dequant kernel;
+// the ragged grouped cases give experts 0, 1, 15, 64 and 200 rows (empty experts, single-row
+// tiles, masked tails, several row tiles), the real shapes run at 2,048 tokens. Setting the
+// variable for the whole run swaps which kernel the references check.
 // Outputs are poisoned (NaN) before each launch, so any element the kernels skip fails.
 // CudaQuantGemmTiming prints times and TFLOP/s (CUDA events after warm-up; never asserted).
 #include <gtest/gtest.h>
@@ -79,8 +81,15 @@ class ScopedEnv {
   std::string old_;
 };
 
-/// The grouped-GEMM kernel switch (quant_gemm.cu): "1" register dequantization, "0" shared tile.
+/// The GEMM kernel switch (quant_gemm.cu): "grouped" (default: register dequantization for the
+/// grouped GEMMs), "all" (also the large dense ones), "0" (the shared-tile kernels everywhere).
 constexpr const char* kRegdqEnv = "LILY_CUDA_GEMM_REGDQ";
+
+/// The switch value as set now ("grouped" when unset or empty).
+std::string regdq_setting() {
+  const char* v = std::getenv(kRegdqEnv);
+  return (v == nullptr || *v == '\0') ? std::string("grouped") : std::string(v);
+}
 
 /// Host QuantMatrix view of a RandomQuant (the layout the CPU backend reads).
 QuantMatrix host_view(const RandomQuant& w) {
@@ -161,9 +170,7 @@ void check_gemm(int64_t rows, int cols, int bits, bool f32_out, std::vector<int>
 
     // The other kernel (file comment) on the same input: each within the reference tolerance.
     {
-      const char* cur = std::getenv(kRegdqEnv);
-      const bool default_is_regdq = cur == nullptr || std::string(cur) != "0";
-      ScopedEnv other(kRegdqEnv, default_is_regdq ? "0" : "1");
+      ScopedEnv other(kRegdqEnv, regdq_setting() == "all" ? "0" : "all");
       DeviceBuffer dy2 = poisoned(size_t(m) * rows * 4);
       cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, f32_out ? nullptr : dy2.as<bf16_t>(),
                               f32_out ? dy2.as<float>() : nullptr, nullptr);
@@ -221,7 +228,9 @@ TEST(CudaQuantGemm, Fp32OutputAnd8Bit) {
 TEST(CudaQuantGemm, RegdqDenseTiles) {
   // Shapes where the register-dequant kernel takes the dense GEMM (≥ one item of 64 tokens ×
   // 256 weight rows per SM on an H200): full and ragged last row tiles (1100 = 17·64 + 12), odd
-  // widths (unaligned rows: element stores), fp32 outputs.
+  // widths (unaligned rows: element stores), fp32 outputs. The references check the register-
+  // dequant kernel ("all"), the agreement check the shared-tile one.
+  ScopedEnv all(kRegdqEnv, "all");
   check_gemm(kHidden, 4096, 4, false, {2048, 1100}, 10);   // out_proj at the default chunk
   check_gemm(1037, 512, 4, true, {2000}, 11);              // 5 column tiles, the last of 13 rows
   check_gemm(20037, 256, 4, false, {200}, 12);
@@ -364,9 +373,7 @@ void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t 
   // The other grouped kernel (shared tile if the default ran, see the file comment) on the same
   // inputs: gate/up from x, down from the default's activations.
   {
-    const char* cur = std::getenv(kRegdqEnv);
-    const bool default_is_regdq = cur == nullptr || std::string(cur) != "0";
-    ScopedEnv other(kRegdqEnv, default_is_regdq ? "0" : "1");
+    ScopedEnv other(kRegdqEnv, regdq_setting() == "0" ? "grouped" : "0");
     DeviceBuffer act_o = poisoned(size_t(A) * ffn * 2), slot_o = poisoned(size_t(A) * hidden * 2);
     cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), ffn, grouping.as<int32_t>(), n_groups,
                                             dx.as<bf16_t>(), m, n_sel, act_o.as<bf16_t>(), nullptr);
@@ -543,9 +550,14 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
     for (int m : {256, 2048}) {
       const double tc = time_us([&] { cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, y.as<bf16_t>(), nullptr, nullptr); }, kTimingReps);
       const double gv = time_us([&] { cuda::launch_quant_gemv_batched(w.view(), dx.as<bf16_t>(), std::min(m, 256), y.as<bf16_t>(), nullptr, nullptr); }, 10);
+      double rd = 0;
+      {
+        ScopedEnv all(kRegdqEnv, "all");
+        rd = time_us([&] { cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, y.as<bf16_t>(), nullptr, nullptr); }, kTimingReps);
+      }
       const double flop = 2.0 * m * s.rows * s.cols;
-      std::printf("[timing] %-26s m=%4d  tensor-core %9.1f us %6.1f TFLOP/s | batched GEMV (m=%d) %9.1f us\n", s.name, m,
-                  tc, flop / tc / 1e6, std::min(m, 256), gv);
+      std::printf("[timing] %-26s m=%4d  tensor-core %9.1f us %6.1f TFLOP/s | REGDQ=all %9.1f us %6.1f TFLOP/s | "
+                  "batched GEMV (m=%d) %9.1f us\n", s.name, m, tc, flop / tc / 1e6, rd, flop / rd / 1e6, std::min(m, 256), gv);
     }
   }
   // Grouped MoE (256 experts top-8 + shared, uniform routing) at m = 256 and 2048 tokens.
@@ -568,7 +580,7 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
       cuda::launch_quant_gemm_grouped_down(W.down.view(), kHidden, grouping.as<int32_t>(), n_groups, act.as<bf16_t>(), m,
                                            n_sel, slot.as<bf16_t>(), nullptr);
     }, kTimingReps);
-    double gu_old = 0, dn_old = 0;
+    double gu_old = 0, dn_old = 0;  // the shared-tile kernels (the defaults above use the switch as set)
     {
       ScopedEnv shared_tile(kRegdqEnv, "0");
       gu_old = time_us([&] {
