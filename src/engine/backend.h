@@ -177,6 +177,12 @@ struct CudaOptions {
   /// LILY_CUDA_FUSED_MOE 1|0: the decode MoE block (router, experts, combine) as one launch with
   /// grid-wide barriers, or as three kernels. Needs fuse=1; shapes it does not support keep three.
   bool fused_moe = true;
+  /// LILY_CUDA_GEMM_REGDQ grouped|all|0: the 4-bit grouped expert GEMMs of the tensor-core
+  /// prefill dequantize in registers right before the MMAs ("grouped", the default), so do the
+  /// dense GEMMs with at least one 64 × 256 tile per SM ("all", for an A/B), or every GEMM keeps
+  /// the shared-tile kernel ("0"); docs/cuda.md. quant_gemm.cu reads the variable itself at every
+  /// launch; from_env parses it here so that a bad value fails at start-up. Not part of describe().
+  std::string gemm_regdq = "grouped";
   /// LILY_CUDA_BATCHED_DECODE 1|0: every decode step runs through one batched forward over its
   /// decode rows (groups of ≤ 8, also a single row, so that a row alone and in a batch share one
   /// arithmetic), reading each weight once per step for all rows; or (0, the default) each
@@ -246,6 +252,11 @@ inline CudaOptions CudaOptions::from_env() {
   o.batched_prefill = env_choice("LILY_CUDA_PREFILL", "batched", "per-token", o.batched_prefill);
   o.tensor_core_gemm = env_choice("LILY_CUDA_GEMM", "tensor-core", "gemv", o.tensor_core_gemm);
   o.fused_moe = env_choice("LILY_CUDA_FUSED_MOE", "1", "0", o.fused_moe);
+  if (const std::string v = env_value("LILY_CUDA_GEMM_REGDQ"); !v.empty()) {
+    if (v != "grouped" && v != "all" && v != "0")
+      throw Error("LILY_CUDA_GEMM_REGDQ must be 'grouped', 'all' or '0', got '" + v + "'");
+    o.gemm_regdq = v;
+  }
   o.batched_decode = env_choice("LILY_CUDA_BATCHED_DECODE", "1", "0", o.batched_decode);
   o.prefill_chunk = env_int("LILY_CUDA_PREFILL_CHUNK", 1, kMaxPrefillChunk, o.prefill_chunk);
   o.max_batch = env_int("LILY_CUDA_MAX_BATCH", 1, kMaxBatch, o.max_batch);

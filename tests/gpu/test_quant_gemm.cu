@@ -23,6 +23,16 @@
 //    quant_matmul MoE of the same tokens (both with exact weights) with the RMS-relative
 //    measure above: RMS error ≤ 1.5e-2, max ≤ 8e-2 (three rounded weight products and the
 //    SwiGLU compound: a host simulation of this chain gave ≈ 0.5 % RMS, ≈ 2.6 % max over 8K outputs).
+// The GEMMs have two kernels (quant_gemm.cu): register dequantization with a persistent work
+// list (LILY_CUDA_GEMM_REGDQ=grouped, the default: the 4-bit grouped GEMMs; =all: the large
+// dense ones too) and the shared-tile kernels (=0). Every case checks the selected kernel
+// against the references above and the other one against it (grouped: act within 4e-2, expert
+// outputs within 2e-2; dense: 2e-2 bf16, 2e-3 fp32, by the first item's measure: two
+// independently rounded results, each within the reference tolerance). CudaQuantGemm.
+// RegdqDenseTiles runs under "all" so the references check the dense register-dequant kernel;
+// the ragged grouped cases give experts 0, 1, 15, 64 and 200 rows (empty experts, single-row
+// tiles, masked tails, several row tiles), the real shapes run at 2,048 tokens. Setting the
+// variable for the whole run swaps which kernel the references check.
 // Outputs are poisoned (NaN) before each launch, so any element the kernels skip fails.
 // CudaQuantGemmTiming prints times and TFLOP/s (CUDA events after warm-up; never asserted).
 #include <gtest/gtest.h>
@@ -30,6 +40,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -46,6 +57,39 @@ using cuda::DeviceBuffer;
 using bf16_t = __nv_bfloat16;
 
 constexpr int kHidden = 2048, kExperts = 256, kTopK = 8, kFfn = 512;
+
+/// Sets an environment variable for the scope, then restores it (or unsets it).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* v = std::getenv(name)) {
+      had_ = true;
+      old_ = v;
+    }
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_, old_.c_str(), 1);
+    else unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+/// The GEMM kernel switch (quant_gemm.cu): "grouped" (default: register dequantization for the
+/// grouped GEMMs), "all" (also the large dense ones), "0" (the shared-tile kernels everywhere).
+constexpr const char* kRegdqEnv = "LILY_CUDA_GEMM_REGDQ";
+
+/// The switch value as set now ("grouped" when unset or empty).
+std::string regdq_setting() {
+  const char* v = std::getenv(kRegdqEnv);
+  return (v == nullptr || *v == '\0') ? std::string("grouped") : std::string(v);
+}
 
 /// Host QuantMatrix view of a RandomQuant (the layout the CPU backend reads).
 QuantMatrix host_view(const RandomQuant& w) {
@@ -124,6 +168,18 @@ void check_gemm(int64_t rows, int cols, int bits, bool f32_out, std::vector<int>
     const std::vector<float> all = f32_out ? download_f32(dy, n_out) : download_bf16(dy, n_out);
     for (int64_t i = 0; i < n_out; ++i) ASSERT_FALSE(std::isnan(all[i])) << "unwritten output at " << i;
 
+    // The other kernel (file comment) on the same input: each within the reference tolerance.
+    {
+      ScopedEnv other(kRegdqEnv, regdq_setting() == "all" ? "0" : "all");
+      DeviceBuffer dy2 = poisoned(size_t(m) * rows * 4);
+      cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, f32_out ? nullptr : dy2.as<bf16_t>(),
+                              f32_out ? dy2.as<float>() : nullptr, nullptr);
+      const std::vector<float> all2 = f32_out ? download_f32(dy2, n_out) : download_bf16(dy2, n_out);
+      for (int64_t i = 0; i < n_out; ++i) ASSERT_FALSE(std::isnan(all2[i])) << "unwritten output (other kernel) at " << i;
+      const std::vector<double> ref_all(all.begin(), all.end());
+      EXPECT_LT(worst_rel(all2, ref_all, 0.01 * rms(ref_all)), f32_out ? 2e-3 : 2e-2) << "the two GEMM kernels disagree";
+    }
+
     // (a) the bf16-weight reference on the checked rows, every token row.
     std::vector<float> out;
     std::vector<double> ref;
@@ -169,6 +225,17 @@ TEST(CudaQuantGemm, Fp32OutputAnd8Bit) {
   check_gemm(4096, kHidden, 4, true, {200}, 8);
 }
 
+TEST(CudaQuantGemm, RegdqDenseTiles) {
+  // Shapes where the register-dequant kernel takes the dense GEMM (≥ one item of 64 tokens ×
+  // 256 weight rows per SM on an H200): full and ragged last row tiles (1100 = 17·64 + 12), odd
+  // widths (unaligned rows: element stores), fp32 outputs. The references check the register-
+  // dequant kernel ("all"), the agreement check the shared-tile one.
+  ScopedEnv all(kRegdqEnv, "all");
+  check_gemm(kHidden, 4096, 4, false, {2048, 1100}, 10);   // out_proj at the default chunk
+  check_gemm(1037, 512, 4, true, {2000}, 11);              // 5 column tiles, the last of 13 rows
+  check_gemm(20037, 256, 4, false, {200}, 12);
+}
+
 TEST(CudaQuantGemm, RejectsUnsupportedShapes) {
   cuda::DeviceQuant q;
   q.rows = 4;
@@ -209,6 +276,25 @@ void random_routing(int E, int k, int m, int pool, std::mt19937_64& rng, std::ve
   }
 }
 
+/// Routing with prescribed row counts: counts[e] assignments of routed expert e (Σ counts = m·k,
+/// each ≤ m), laid out expert by expert over the slot-major positions s·m + t, so a run of ≤ m
+/// positions never gives one token the same expert twice; the shared expert E in slot k;
+/// weights in (0.01, 1).
+void counted_routing(int E, int k, int m, const std::vector<int>& counts, std::mt19937_64& rng,
+                     std::vector<int32_t>& ids, std::vector<float>& weights) {
+  ASSERT_EQ(int(counts.size()), E);
+  ASSERT_EQ(std::accumulate(counts.begin(), counts.end(), int64_t(0)), int64_t(m) * k);
+  ids.assign(size_t(m) * (k + 1), E);
+  int64_t pos = 0;
+  for (int e = 0; e < E; ++e) {
+    ASSERT_LE(counts[e], m);
+    for (int i = 0; i < counts[e]; ++i, ++pos) ids[size_t(pos % m) * (k + 1) + pos / m] = e;
+  }
+  std::uniform_real_distribution<float> u01(0.01f, 1.0f);
+  weights.resize(ids.size());
+  for (float& w : weights) w = u01(rng);
+}
+
 struct ExpertWeights {
   RandomQuant gate, up, down;
   ExpertWeights(int E, int hidden, int ffn, std::mt19937_64& rng)
@@ -247,16 +333,21 @@ void check_grouping(const DeviceBuffer& grouping, const std::vector<int32_t>& id
 /// The grouped MoE path: grouping, gate/up + SwiGLU, down, combine — each stage against its
 /// own reference from the GPU's previous stage, then the whole against the per-row CUDA expert
 /// kernels and against a CPU quant_matmul MoE.
-void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t seed) {
+/// `counts` (optional): the rows of each routed expert (counted_routing) instead of uniform
+/// routing over the first `pool` experts.
+void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t seed,
+                   const std::vector<int>* counts = nullptr) {
   SCOPED_TRACE(testing::Message() << "E=" << E << " k=" << k << " hidden=" << hidden << " ffn=" << ffn << " m=" << m
-                                  << " pool=" << pool);
+                                  << " pool=" << pool << (counts ? " counted routing" : ""));
   std::mt19937_64 rng(seed);
   ExpertWeights W(E, hidden, ffn, rng);
   const int n_sel = k + 1, n_groups = E + 1;
   const int64_t A = int64_t(m) * n_sel;
   std::vector<int32_t> ids;
   std::vector<float> wts;
-  random_routing(E, k, m, pool, rng, ids, wts);
+  if (counts) counted_routing(E, k, m, *counts, rng, ids, wts);
+  else random_routing(E, k, m, pool, rng, ids, wts);
+  if (testing::Test::HasFatalFailure()) return;
   const std::vector<float> x = normal_bf16(int64_t(m) * hidden, rng, 1.0f);
 
   DeviceBuffer dx = upload_bf16(x), dw = upload_f32(wts), did(ids.size() * 4);
@@ -278,6 +369,24 @@ void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t 
   for (float v : gact) ASSERT_FALSE(std::isnan(v)) << "unwritten activation";
   for (float v : gslot) ASSERT_FALSE(std::isnan(v)) << "unwritten expert output";
   for (float v : gout) ASSERT_FALSE(std::isnan(v)) << "unwritten MoE output";
+
+  // The other grouped kernel (shared tile if the default ran, see the file comment) on the same
+  // inputs: gate/up from x, down from the default's activations.
+  {
+    ScopedEnv other(kRegdqEnv, regdq_setting() == "0" ? "grouped" : "0");
+    DeviceBuffer act_o = poisoned(size_t(A) * ffn * 2), slot_o = poisoned(size_t(A) * hidden * 2);
+    cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), ffn, grouping.as<int32_t>(), n_groups,
+                                            dx.as<bf16_t>(), m, n_sel, act_o.as<bf16_t>(), nullptr);
+    cuda::launch_quant_gemm_grouped_down(W.down.view(), hidden, grouping.as<int32_t>(), n_groups, act.as<bf16_t>(), m,
+                                         n_sel, slot_o.as<bf16_t>(), nullptr);
+    const std::vector<float> oact = download_bf16(act_o, A * ffn);
+    const std::vector<float> oslot = download_bf16(slot_o, A * hidden);
+    for (float v : oact) ASSERT_FALSE(std::isnan(v)) << "unwritten activation (other grouped kernel)";
+    for (float v : oslot) ASSERT_FALSE(std::isnan(v)) << "unwritten expert output (other grouped kernel)";
+    const std::vector<double> ract(gact.begin(), gact.end()), rslot(gslot.begin(), gslot.end());
+    EXPECT_LT(worst_rel(oact, ract, 0.01 * rms(ract)), 4e-2) << "grouped gate/up: the two kernels disagree";
+    EXPECT_LT(worst_rel(oslot, rslot, 0.01 * rms(rslot)), 2e-2) << "grouped down: the two kernels disagree";
+  }
 
   // Assignments of each expert (to dequantize each checked weight row once).
   std::vector<std::vector<int64_t>> by_expert(n_groups);
@@ -387,6 +496,33 @@ TEST(CudaGroupedExperts, SmallShapesBothTileHeights) {
   check_grouped(32, 8, 512, 128, 130, 32, 44);
 }
 
+/// Row counts cycling 0, 1, 15, 64, 200 over E experts (experts E − E % 5 … get 0 … as well).
+std::vector<int> ragged_counts(int E) {
+  static const int kPattern[5] = {0, 1, 15, 64, 200};
+  std::vector<int> c(E);
+  for (int e = 0; e < E; ++e) c[e] = kPattern[e % 5];
+  return c;
+}
+
+TEST(CudaGroupedExperts, RaggedRowCountsRealShape) {
+  // 256 experts with 0 / 1 / 15 / 64 / 200 rows: Σ = 51 · 280 = 14,280 = 1,785 tokens × top-8;
+  // the shared expert gets all 1,785 rows (28 row tiles of 64, the last one of 57 rows).
+  const std::vector<int> counts = ragged_counts(kExperts);
+  const int sum = std::accumulate(counts.begin(), counts.end(), 0);
+  ASSERT_EQ(sum % kTopK, 0);
+  check_grouped(kExperts, kTopK, kHidden, kFfn, sum / kTopK, kExperts, 45, &counts);
+}
+TEST(CudaGroupedExperts, RaggedRowCountsOddWidths) {
+  // 16 experts, top-4, Σ = 3 · 280 = 840 = 210 tokens × 4; hidden 320 (down: a column tile of
+  // 256 plus a masked one), ffn 192 (gate/up: a column tile of 128 plus a half-masked one).
+  const std::vector<int> counts = ragged_counts(16);
+  check_grouped(16, 4, 320, 192, 210, 16, 46, &counts);
+}
+TEST(CudaGroupedExperts, RealShape2048Tokens) {
+  // The prefill chunk of the default configuration: ≈ 64 rows per routed expert, 2,048 shared.
+  check_grouped(kExperts, kTopK, kHidden, kFfn, 2048, kExperts, 47);
+}
+
 TEST(CudaGroupedExperts, RejectsBadArguments) {
   cuda::DeviceQuant q;
   q.rows = 4;
@@ -414,9 +550,14 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
     for (int m : {256, 2048}) {
       const double tc = time_us([&] { cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, y.as<bf16_t>(), nullptr, nullptr); }, kTimingReps);
       const double gv = time_us([&] { cuda::launch_quant_gemv_batched(w.view(), dx.as<bf16_t>(), std::min(m, 256), y.as<bf16_t>(), nullptr, nullptr); }, 10);
+      double rd = 0;
+      {
+        ScopedEnv all(kRegdqEnv, "all");
+        rd = time_us([&] { cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, y.as<bf16_t>(), nullptr, nullptr); }, kTimingReps);
+      }
       const double flop = 2.0 * m * s.rows * s.cols;
-      std::printf("[timing] %-26s m=%4d  tensor-core %9.1f us %6.1f TFLOP/s | batched GEMV (m=%d) %9.1f us\n", s.name, m,
-                  tc, flop / tc / 1e6, std::min(m, 256), gv);
+      std::printf("[timing] %-26s m=%4d  tensor-core %9.1f us %6.1f TFLOP/s | REGDQ=all %9.1f us %6.1f TFLOP/s | "
+                  "batched GEMV (m=%d) %9.1f us\n", s.name, m, tc, flop / tc / 1e6, rd, flop / rd / 1e6, std::min(m, 256), gv);
     }
   }
   // Grouped MoE (256 experts top-8 + shared, uniform routing) at m = 256 and 2048 tokens.
@@ -439,6 +580,23 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
       cuda::launch_quant_gemm_grouped_down(W.down.view(), kHidden, grouping.as<int32_t>(), n_groups, act.as<bf16_t>(), m,
                                            n_sel, slot.as<bf16_t>(), nullptr);
     }, kTimingReps);
+    double gu_old = 0, dn_old = 0;  // the shared-tile kernels (the defaults above use the switch as set)
+    {
+      ScopedEnv shared_tile(kRegdqEnv, "0");
+      gu_old = time_us([&] {
+        cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), kFfn, grouping.as<int32_t>(), n_groups,
+                                                dx.as<bf16_t>(), m, n_sel, act.as<bf16_t>(), nullptr);
+      }, kTimingReps);
+      dn_old = time_us([&] {
+        cuda::launch_quant_gemm_grouped_down(W.down.view(), kHidden, grouping.as<int32_t>(), n_groups,
+                                             act.as<bf16_t>(), m, n_sel, slot.as<bf16_t>(), nullptr);
+      }, kTimingReps);
+    }
+    const double flop_gu = 2.0 * m * n_sel * 2.0 * kFfn * kHidden, flop_dn = 2.0 * m * n_sel * kFfn * kHidden;
+    std::printf("[timing] grouped m=%4d gate/up: default %.1f us (%.1f TFLOP/s), shared-tile %.1f us (%.1f TFLOP/s); "
+                "down: default %.1f us (%.1f TFLOP/s), shared-tile %.1f us (%.1f TFLOP/s)\n",
+                m, gu, flop_gu / gu / 1e6, gu_old, flop_gu / gu_old / 1e6, dn, flop_dn / dn / 1e6, dn_old,
+                flop_dn / dn_old / 1e6);
     const double cb = time_us([&] { cuda::launch_expert_combine(slot.as<bf16_t>(), dw.as<float>(), m, n_sel, kHidden, out.as<bf16_t>(), nullptr); }, kTimingReps);
     const double rowwise = time_us([&] {
       cuda::launch_expert_gate_up(W.gate.view(), W.up.view(), kFfn, did.as<int32_t>(), n_sel, dx.as<bf16_t>(), m,

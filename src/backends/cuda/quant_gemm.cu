@@ -3,7 +3,15 @@
 // expert GEMMs; the default prefill path (CudaOptions::tensor_core_gemm). Tests:
 // tests/gpu/test_quant_gemm.cu (docs/cuda.md).
 //
-// One kernel template, three modes:
+// Two kernels:
+//   * regdq_gemm_kernel (LILY_CUDA_GEMM_REGDQ, CudaOptions::gemm_regdq): codes dequantized in
+//     registers right before the MMAs, a persistent grid over a flat list of (row tile, column
+//     tile) work items — see "register dequantization" below. By default it takes every 4-bit
+//     grouped expert GEMM; with "all" also the dense GEMMs with at least one 64 × 256 item per SM.
+//   * quant_gemm_kernel (8-bit weights, the dense GEMMs by default, LILY_CUDA_GEMM_REGDQ=0):
+//     the shared-tile kernel described next.
+//
+// The shared-tile kernel: one template, three modes:
 //   kDense  — y[m, N] = x[m, K]·bf16(W)ᵀ, token rows in grid.x, weight-row tiles in grid.y;
 //   kGateUp — per expert row tile: gate and up rows interleaved in the weight tile, SwiGLU epilogue;
 //   kDown   — per expert row tile: down rows, per-slot bf16 outputs (combined in slot order later).
@@ -39,6 +47,7 @@
 //     128 hidden columns), BM = 32 when an expert gets < 48 rows on average (m = 256, top-8 of
 //     256: ≈ 8 rows per expert), else 64.
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "backends/cuda/common.cuh"
@@ -73,6 +82,7 @@ struct GemmParams {
   const int32_t* grouping = nullptr;
   int n_groups = 0;
   int n_sel = 1;
+  int col_tiles = 0;         ///< register-dequant grouped kernel: column tiles per row tile
 };
 
 // ---- PTX wrappers --------------------------------------------------------------------------------
@@ -358,10 +368,362 @@ void check_grid_y(int64_t tiles, const char* what) {
   if (tiles > 65535) throw ::lily::Error(std::string(what) + ": output too wide for the GEMM grid");
 }
 
+// ---- register dequantization (the default for the 4-bit grouped GEMMs) ------------------------------
+//
+// Work item = (expert, row tile of ≤ 64 assignments, column tile of 256 weight rows). The grid
+// is persistent (CTAs resident at once, capped by an upper bound of the item count); CTA b takes
+// items b, b + gridDim.x, … of one flat list ordered by row tile, then column tile, with the
+// last group (the shared expert: every token) first. Each CTA builds the list's row-tile prefix
+// from the grouping's offsets in shared memory, so experts with no rows take no item and no CTA
+// exits idle while work remains.
+//
+// Per item, per k-tile of 64 (one quantization group): cp.async stages the activation tile
+// [64 tokens][64] bf16 (natural order, rows padded to 144 B) and the raw code tile [256 rows][32 B]
+// into a ring of kRdStages. Warp w owns weight rows [32w, 32w + 32) as the MMA's A operand (two
+// m16 tiles) and all 64 tokens as B (eight n8 tiles, the ones past the item's rows skipped).
+// The k index inside a group is permuted: thread t (= lane % 4) reads the 8 code bytes
+// [8t, 8t + 8) of its rows g and g + 8 (g = lane / 4); byte j of word h holds columns
+// c = 16t + 8h + 2j and c + 1 (low and high nibble), and becomes one bf16x2 A register (the
+// logical k pair 2t, 2t + 1 for j even, 2t + 8, 2t + 9 for j odd, MMA 2h + j / 2). The matching
+// B register is then the natural activation pair (c, c + 1): thread t reads its 32 contiguous
+// bytes [32t, 32t + 32) of a token row as two 16-byte shared loads, no shuffle.
+// Dequantization (same weights as the shared-tile kernel): the byte's two nibbles go into the
+// mantissas of 128 (one byte_perm, one lop3), minus 128 gives the exact codes, and one bf16x2
+// fma gives bf16(s·q + b) rounded once from the exact value (the shared-tile kernel rounds the
+// fp32 fmaf result to bf16; the two differ only where the fp32 rounding lands exactly on a bf16
+// tie). Then mma.sync m16n8k16 accumulates in fp32 as before.
+// Epilogue: the fp32 tile goes through shared memory (bf16, SwiGLU for gate/up) so each token
+// row is written with 16-byte stores.
+// Shared memory: kRdStages·(64·144 + 256·32) + 4·(kMaxGroups + 1) = 77,828 B: 2 CTAs per SM.
+
+constexpr int kRdBM = 64;        // assignments (token rows) per work item
+constexpr int kRdBN = 256;       // weight rows per work item: 8 warps × 32
+constexpr int kRdStages = 4;     // cp.async ring depth
+constexpr int kRdXLd = kBK + 8;  // staged activation row: 72 bf16 = 144 B (conflict-free 16-byte reads)
+constexpr int kRdCW = kBK / 8;   // 4-bit code words per weight row per k-tile
+constexpr size_t kRdPipeBytes = size_t(kRdStages) * (kRdBM * kRdXLd * sizeof(bf16) + kRdBN * kRdCW * sizeof(uint32_t));
+constexpr size_t kRdSmem = kRdPipeBytes + (kMaxGroups + 1) * sizeof(int);
+/// Epilogue tile row length (elements of OutT): dense / down 256 weight rows, gate/up 128 act
+/// columns, padded so a warp's fragment stores hit distinct banks and rows stay 16-byte aligned.
+template <Mode MODE, class OutT>
+constexpr int rd_out_ld() {
+  return MODE == Mode::kGateUp ? kRdBN / 2 + 8 : (sizeof(OutT) == 4 ? kRdBN + 4 : kRdBN + 8);
+}
+static_assert(size_t(kRdBM) * rd_out_ld<Mode::kDense, float>() * sizeof(float) <= kRdPipeBytes &&
+                  size_t(kRdBM) * rd_out_ld<Mode::kDown, bf16>() * sizeof(bf16) <= kRdPipeBytes,
+              "epilogue tile fits the ring");
+
+/// bf16x2 (bf16(s·q_lo + b), bf16(s·q_hi + b)) of byte `j` of code word `w` (q_lo its low
+/// nibble, q_hi its high nibble); `w4` = w >> 4; s2 / b2 the row's scale and bias in both halves.
+__device__ __forceinline__ uint32_t dequant_byte_pair(uint32_t w, uint32_t w4, int j, uint32_t s2, uint32_t b2) {
+  const uint32_t v = (__byte_perm(w, w4, static_cast<unsigned>(j | ((j + 4) << 8))) & 0x000F000Fu) | 0x43004300u;
+  const __nv_bfloat162 q = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(128.0f, 128.0f));
+  const __nv_bfloat162 r = __hfma2(q, *reinterpret_cast<const __nv_bfloat162*>(&s2), *reinterpret_cast<const __nv_bfloat162*>(&b2));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+/// 4-bit GEMM with register dequantization (see above). grid: persistent, ≤ the item count;
+/// block kGemmThreads; dynamic shared memory kRdSmem. Grouped modes: bf16 output; kDense: the
+/// items are (row tile of 64 tokens, column tile of 256 weight rows), no grouping.
+template <Mode MODE, class OutT>
+__global__ void __launch_bounds__(kGemmThreads, 2) regdq_gemm_kernel(const GemmParams p) {
+  constexpr bool kGU = MODE == Mode::kGateUp, kDense = MODE == Mode::kDense;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* xs = reinterpret_cast<bf16*>(smem_raw);                                                 // [stages][64][72]
+  uint32_t* cs = reinterpret_cast<uint32_t*>(smem_raw + kRdStages * kRdBM * kRdXLd * sizeof(bf16));  // [stages][256][8]
+  int* tpre = reinterpret_cast<int*>(smem_raw + kRdPipeBytes);                                  // [n_groups + 1]
+  __shared__ int scan_tot[kGemmThreads / kWarp];
+
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t4 = lane % 4;
+  const int G = p.n_groups;
+  const int32_t* offsets = p.grouping;                              // grouped modes only
+  const int32_t* order = kDense ? nullptr : p.grouping + 2 * (G + 1);
+  // Schedule position q → group: q = 0 the last group, q ≥ 1 group q − 1.
+  auto group_at = [G](int q) { return q == 0 ? G - 1 : q - 1; };
+
+  // Row-tile prefix in schedule order: tpre[q] = Σ_{q' < q} ceil(rows of group_at(q') / 64).
+  if constexpr (!kDense) {
+    const int per = (G + kGemmThreads - 1) / kGemmThreads;  // ≤ 8 (G ≤ kMaxGroups)
+    const int q0 = min(tid * per, G), q1 = min(q0 + per, G);
+    int local = 0;
+    for (int q = q0; q < q1; ++q) {
+      const int e = group_at(q);
+      local += (offsets[e + 1] - offsets[e] + kRdBM - 1) / kRdBM;
+    }
+    int incl = local;
+#pragma unroll
+    for (int o = 1; o < kWarp; o <<= 1) {
+      const int u = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += u;
+    }
+    if (lane == kWarp - 1) scan_tot[warp] = incl;
+    __syncthreads();
+    int run = incl - local;
+    for (int w = 0; w < warp; ++w) run += scan_tot[w];
+    for (int q = q0; q < q1; ++q) {
+      tpre[q] = run;
+      const int e = group_at(q);
+      run += (offsets[e + 1] - offsets[e] + kRdBM - 1) / kRdBM;
+    }
+    if (tid == kGemmThreads - 1) tpre[G] = run;  // the last thread's range ends at G (or is empty)
+    __syncthreads();
+  }
+  const int col_tiles = p.col_tiles;
+  const int n_items = (kDense ? (p.m + kRdBM - 1) / kRdBM : tpre[G]) * col_tiles;
+  const int k_tiles = p.K / kBK;
+  const int64_t wpr = p.K / 8;  // code words per weight row
+
+  for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
+    const int tile = item / col_tiles, ct = item - tile * col_tiles;
+    int row_begin, rc;  // positions [row_begin, row_begin + rc) of the token index / assignment order
+    int64_t w_base = 0;
+    if constexpr (kDense) {
+      row_begin = tile * kRdBM;
+      rc = min(kRdBM, p.m - row_begin);
+    } else {
+      int lo = 0, hi = G - 1;  // the largest q with tpre[q] ≤ tile (never an empty group)
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (tpre[mid] <= tile) lo = mid;
+        else hi = mid - 1;
+      }
+      const int e = group_at(lo);
+      row_begin = offsets[e] + (tile - tpre[lo]) * kRdBM;
+      rc = min(kRdBM, offsets[e + 1] - row_begin);  // 1 … 64
+      w_base = static_cast<int64_t>(e) * p.n;
+    }
+    const int rc8 = (rc + 7) & ~7;  // staged rows (the n8 tiles in use)
+    const int64_t n0 = static_cast<int64_t>(ct) * (kGU ? kRdBN / 2 : kRdBN);  // first output column
+
+    // Weight row behind tile row R (−1 past the output width); gate/up: rows 16j…16j+7 are gate
+    // rows of act columns n0 + 8j …, rows 16j+8 … 16j+15 the up rows of the same columns.
+    auto weight_row = [&](int R) -> int64_t {
+      if constexpr (kGU) {
+        const int64_t i = n0 + (R / 16) * 8 + R % 8;
+        return i < p.n ? w_base + i : -1;
+      } else {
+        return n0 + R < p.n ? w_base + n0 + R : -1;
+      }
+    };
+
+    // Copy sources as element offsets (−1: masked; 32 bits suffice: x / act and one expert
+    // stack hold < 2^31 elements / code words): chunk c = tid + 256j; activations (row c / 8,
+    // 16-byte chunk c % 8), codes (tile row c / 2, half c % 2).
+    int a_off[2], c_off[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int c = tid + j * kGemmThreads;
+      const int T = c / 8, ch = c % 8;
+      a_off[j] = -1;
+      if (T < rc) {
+        const int arow = kDense ? row_begin + T : (kGU ? order[row_begin + T] / p.n_sel : order[row_begin + T]);
+        a_off[j] = arow * p.K + ch * 8;
+      }
+      const int64_t wr = weight_row(c / 2);
+      c_off[j] = wr >= 0 ? static_cast<int>(wr * wpr) + (c % 2) * 4 : -1;
+    }
+    // Code source of chunk j: gate/up tile rows with (R / 8) odd (R = c / 2) are up rows.
+    auto codes_of = [&](int j) -> const uint32_t* {
+      return (kGU && (((tid + j * kGemmThreads) / 16) & 1)) ? p.w1.codes : p.w0.codes;
+    };
+    auto load_tile = [&](int kt, int stage) {
+      bf16* xst = xs + stage * kRdBM * kRdXLd;
+      uint32_t* cst = cs + stage * kRdBN * kRdCW;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int c = tid + j * kGemmThreads;
+        const int T = c / 8, ch = c % 8;
+        if (T < rc8) cp_async16(xst + T * kRdXLd + ch * 8, a_off[j] >= 0 ? p.a + a_off[j] + kt * kBK : p.a, a_off[j] >= 0 ? 16 : 0);
+        cp_async16(cst + c * 4, c_off[j] >= 0 ? codes_of(j) + c_off[j] + kt * kRdCW : p.w0.codes, c_off[j] >= 0 ? 16 : 0);
+      }
+    };
+    // This thread's A rows: tile row warp·32 + 16·mi + 8·h + g (gate/up: h = 1 are the up rows);
+    // weight row (−1: masked).
+    int srow[2][2];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) srow[mi][h] = static_cast<int>(weight_row(warp * 32 + mi * 16 + h * 8 + g));
+    // Scale (low 16 bits) and bias (high) of each A row for k-tile kt; 0 (w = 0) when masked.
+    auto load_scales = [&](int kt, uint32_t (&sb)[2][2]) {
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          sb[mi][h] = 0;
+          if (srow[mi][h] >= 0) {
+            const DeviceQuant& w = (kGU && h == 1) ? p.w1 : p.w0;
+            const int64_t idx = static_cast<int64_t>(srow[mi][h]) * k_tiles + kt;
+            sb[mi][h] = static_cast<uint32_t>(__bfloat16_as_ushort(w.scales[idx])) |
+                        (static_cast<uint32_t>(__bfloat16_as_ushort(w.biases[idx])) << 16);
+          }
+        }
+    };
+
+    float acc[2][8][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[mi][nt][v] = 0.0f;
+
+    // Pipeline: cp.async group i holds k-tile i (empty groups past the end keep the count uniform).
+#pragma unroll
+    for (int s = 0; s < kRdStages - 1; ++s) {
+      if (s < k_tiles) load_tile(s, s);
+      cp_async_commit();
+    }
+    uint32_t sb_cur[2][2];
+    load_scales(0, sb_cur);
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      const int stage = kt % kRdStages;
+      cp_async_wait<kRdStages - 2>();  // groups 0…kt complete: tile kt has landed (this thread's copies)
+      __syncthreads();                 // … for every thread; every warp is done with tile kt − 1
+      if (kt + kRdStages - 1 < k_tiles) load_tile(kt + kRdStages - 1, (kt + kRdStages - 1) % kRdStages);
+      cp_async_commit();
+      uint32_t sb_nxt[2][2];
+      if (kt + 1 < k_tiles) load_scales(kt + 1, sb_nxt);  // consumed next iteration
+
+      const uint32_t* cst = cs + stage * kRdBN * kRdCW;
+      const bf16* xst = xs + stage * kRdBM * kRdXLd;
+      uint2 cw[2][2];  // code words [8t, 8t + 8) of A rows (mi, h)
+      uint32_t s2[2][2], b2[2][2];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          cw[mi][h] = *reinterpret_cast<const uint2*>(cst + (warp * 32 + mi * 16 + h * 8 + g) * kRdCW + 2 * t4);
+          s2[mi][h] = __byte_perm(sb_cur[mi][h], 0, 0x1010);
+          b2[mi][h] = __byte_perm(sb_cur[mi][h], 0, 0x3232);
+        }
+#pragma unroll
+      for (int hw = 0; hw < 2; ++hw) {  // code word hw: columns 16t + 8hw … + 7, MMAs 2hw and 2hw + 1
+        uint32_t af[2][2][4];            // [mi][MMA 2hw + jj][A register]
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          const uint32_t wl = hw ? cw[mi][0].y : cw[mi][0].x, wh = hw ? cw[mi][1].y : cw[mi][1].x;
+          const uint32_t wl4 = wl >> 4, wh4 = wh >> 4;
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            af[mi][jj][0] = dequant_byte_pair(wl, wl4, 2 * jj, s2[mi][0], b2[mi][0]);      // row g, k 2t…
+            af[mi][jj][1] = dequant_byte_pair(wh, wh4, 2 * jj, s2[mi][1], b2[mi][1]);      // row g+8, k 2t…
+            af[mi][jj][2] = dequant_byte_pair(wl, wl4, 2 * jj + 1, s2[mi][0], b2[mi][0]);  // row g, k 2t+8…
+            af[mi][jj][3] = dequant_byte_pair(wh, wh4, 2 * jj + 1, s2[mi][1], b2[mi][1]);  // row g+8, k 2t+8…
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          if (nt * 8 >= rc) break;  // uniform over the block
+          // Columns 16t + 8hw … + 7 of token nt·8 + g: activation pairs (c, c + 1) for the bytes 0…3.
+          const uint4 bw = *reinterpret_cast<const uint4*>(xst + (nt * 8 + g) * kRdXLd + 16 * t4 + 8 * hw);
+          const uint32_t b01[2] = {bw.x, bw.y}, b23[2] = {bw.z, bw.w};
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi) {
+            mma_bf16_16816(acc[mi][nt], af[mi][0], b01);
+            mma_bf16_16816(acc[mi][nt], af[mi][1], b23);
+          }
+        }
+      }
+      if (kt + 1 < k_tiles) {
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) sb_cur[mi][h] = sb_nxt[mi][h];
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the ring: it becomes the output tile
+
+    // Fragment (mi, nt) element v: weight tile row warp·32 + 16·mi + g + 8·(v / 2), token nt·8 + 2t + v % 2.
+    OutT* ob = reinterpret_cast<OutT*>(smem_raw);
+    constexpr int kOutLd = rd_out_ld<MODE, OutT>();
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        if (nt * 8 >= rc) break;
+#pragma unroll
+        for (int e2 = 0; e2 < 2; ++e2) {
+          const int T = nt * 8 + 2 * t4 + e2;
+          if constexpr (kGU) {  // v = e2: gate row (act column), v = 2 + e2: the up row of the same column
+            const float gv = round_bf16(acc[mi][nt][e2]), uv = round_bf16(acc[mi][nt][2 + e2]);
+            store_out(ob, T * kOutLd + (warp * 2 + mi) * 8 + g, silu(gv) * uv);
+          } else {
+            store_out(ob, T * kOutLd + warp * 32 + mi * 16 + g, acc[mi][nt][e2]);
+            store_out(ob, T * kOutLd + warp * 32 + mi * 16 + g + 8, acc[mi][nt][2 + e2]);
+          }
+        }
+      }
+    __syncthreads();
+    constexpr int kEpc = 16 / static_cast<int>(sizeof(OutT));        // elements per 16-byte chunk
+    constexpr int kChunks = (kGU ? kRdBN / 2 : kRdBN) / kEpc;       // chunks per output row
+    OutT* y;
+    if constexpr (sizeof(OutT) == 4) y = reinterpret_cast<OutT*>(p.y_f32);
+    else y = reinterpret_cast<OutT*>(p.y_bf16);
+    for (int c = tid; c < rc * kChunks; c += kGemmThreads) {
+      const int T = c / kChunks, ch = c % kChunks;
+      const int64_t orow = kDense ? row_begin + T : order[row_begin + T];
+      const int64_t col = n0 + ch * kEpc;
+      if (col >= p.n) continue;
+      OutT* dst = y + orow * p.n + col;
+      const OutT* src = ob + T * kOutLd + ch * kEpc;
+      if (col + kEpc <= p.n && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+      } else {
+        for (int i = 0; i < kEpc && col + i < p.n; ++i) dst[i] = src[i];
+      }
+    }
+    __syncthreads();  // the output tile is the next item's ring
+  }
+}
+
+/// Launches the register-dequant kernel: as many CTAs as fit at once, at most one per possible
+/// item (dense: ceil(m / 64) row tiles; grouped: Σ_e ceil(n_e / 64) ≤ ceil(m·n_sel / 64) +
+/// n_groups row tiles; × col_tiles).
+template <Mode MODE, class OutT>
+void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
+  auto kernel = regdq_gemm_kernel<MODE, OutT>;
+  raise_smem_limit(kernel, kRdSmem);
+  p.col_tiles = static_cast<int>(col_tiles);
+  const int per_sm = std::max(1, blocks_per_sm(kernel, kGemmThreads, kRdSmem));
+  const int64_t row_tiles = MODE == Mode::kDense ? ceil_div(p.m, kRdBM)
+                                                 : ceil_div(static_cast<int64_t>(p.m) * p.n_sel, kRdBM) + p.n_groups;
+  const int64_t max_items = col_tiles * row_tiles;
+  const int64_t grid = std::min<int64_t>(max_items, static_cast<int64_t>(per_sm) * sm_count());
+  kernel<<<static_cast<unsigned>(grid), kGemmThreads, kRdSmem, stream>>>(p);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
+/// LILY_CUDA_GEMM_REGDQ: unset, "" or "grouped" → the register-dequant kernel for the 4-bit
+/// grouped GEMMs (the dense ones keep the shared-tile kernel, which already reaches ≈ 230
+/// TFLOP/s at 2,048 tokens with its 128-token tiles); "all" → also for the dense GEMMs with ≥ one
+/// item per SM (for an A/B); "0" → the shared-tile kernels everywhere. Read at every launch (a
+/// test flips it between launches). Returns whether the register-dequant kernel is selected for
+/// a dense (`dense`) or a grouped GEMM; throws lily::Error for any other value.
+bool regdq_enabled(bool dense) {
+  const char* v = std::getenv("LILY_CUDA_GEMM_REGDQ");
+  if (v == nullptr || *v == '\0' || std::string(v) == "grouped") return !dense;
+  if (std::string(v) == "all") return true;
+  if (std::string(v) == "0") return false;
+  throw ::lily::Error(std::string("LILY_CUDA_GEMM_REGDQ must be 'grouped' (the default), 'all' or '0', got '") + v + "'");
+}
+
+/// Whether the register-dequant kernel's 32-bit element offsets cover `a_rows` activation rows
+/// and weight matrices of `w_rows` rows, K columns.
+bool regdq_fits(int64_t a_rows, int64_t w_rows, int K) {
+  return a_rows * K < (int64_t(1) << 31) && w_rows * (K / 8) < (int64_t(1) << 31);
+}
+
 template <int BITS, class OutT>
 void dense_dispatch(const GemmParams& p, cudaStream_t stream) {
   const int sms = sm_count();
   const int64_t n = p.n;
+  if (BITS == 4 && ceil_div(p.m, kRdBM) * ceil_div(n, kRdBN) >= sms && regdq_fits(p.m, p.w0.rows, p.K) &&
+      regdq_enabled(true)) {
+    regdq_launch<Mode::kDense, OutT>(p, ceil_div(n, kRdBN), stream);
+    return;
+  }
   int bm = p.m <= 32 ? 32 : (p.m <= 64 ? 64 : 128);
   if (bm == 128 && ceil_div(p.m, 128) * ceil_div(n, 128) < sms) bm = 64;
   const int bn = ceil_div(p.m, bm) * ceil_div(n, 128) >= sms ? 128 : 64;
@@ -385,6 +747,11 @@ int64_t grouped_max_tiles(int m, int n_sel, int n_groups) {
 
 template <Mode MODE>
 void grouped_dispatch(const GemmParams& p, int64_t col_tiles, cudaStream_t stream) {
+  if (p.w0.bits == 4 && regdq_fits(static_cast<int64_t>(p.m) * p.n_sel, std::max(p.w0.rows, p.w1.rows), p.K) &&
+      regdq_enabled(false)) {
+    regdq_launch<MODE, bf16>(p, MODE == Mode::kGateUp ? ceil_div(p.n, kRdBN / 2) : ceil_div(p.n, kRdBN), stream);
+    return;
+  }
   const int bm = grouped_tile_rows(p.m, p.n_sel, p.n_groups);
   check_grid_y(col_tiles, "grouped expert GEMM");
   const dim3 grid(static_cast<unsigned>(grouped_max_tiles(p.m, p.n_sel, p.n_groups)), static_cast<unsigned>(col_tiles));

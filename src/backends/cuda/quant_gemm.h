@@ -4,7 +4,12 @@
 // tensor-core GEMM row of docs/model.md §4.2 — each dequantized weight w = s·q + b (fp32) is
 // rounded once to bf16, products of bf16 × bf16 are accumulated in fp32, the output is rounded
 // once (bf16 outputs). Asynchronous on `stream`; they allocate nothing. See docs/cuda.md
-// ("Tensor-core prefill GEMM") for tiles and status.
+// ("Tensor-core prefill GEMM") for tiles and status. The 4-bit kernel that dequantizes in
+// registers (the default, LILY_CUDA_GEMM_REGDQ) rounds the exact s·q + b once to bf16 (the
+// shared-tile kernel rounds its fp32 value: the same bf16 except where that fp32 rounding lands
+// on a bf16 tie) and sums the products in another order; both stay within the tests' tolerances.
+// The grouped GEMMs read only `offsets` and `order` of the grouping on that path (their work
+// list uses row tiles of 64 whatever `tiles` holds).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
