@@ -6,7 +6,7 @@
 # machine stays warm). Logs under $OUT (at most 8 files come back).
 #
 #   bash scripts/gpu-session.sh                  # everything
-#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: moe tests timing bench base ab sampled sampler detail source profile prefill-profile batched-profile cache
+#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: moe tests timing bench base ab sampled sampler detail source profile prefill-profile batched-profile cache prefill-tests
 #   LILY_GPU_CONTEXTS="256 4096 32768"           # bench contexts (default below)
 set -uo pipefail
 export LILY_GPU_BUILD="${LILY_GPU_BUILD:-/tmp/lily-build}"
@@ -30,6 +30,16 @@ if has tests; then
   timeout "$t" ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout "$((t - 20))" >"$OUT/ctest-gpu.log" 2>&1 || status=1
   grep -E "Test +#|Total Test time" "$OUT/ctest-gpu.log" | tail -20
   grep -E "tests passed|tests failed|Failed|\*\*\*|FAILED|Expected|Which is|Failure" "$OUT/ctest-gpu.log" | head -60
+fi
+
+# The prefill kernels' binaries alone, each under a time limit (a quicker check than the whole
+# suite): test_gdn, test_quant_gemm, test_cuda_e2e, with their timing lines.
+if has prefill-tests; then
+  for t in test_gdn test_quant_gemm test_cuda_e2e; do
+    echo "== $t"
+    timeout "${LILY_GPU_TEST_LIMIT:-120}" "$BUILD/tests/$t" >"$OUT/$t.txt" 2>&1 || { echo "$t: FAILED (rc $?)"; status=1; }
+    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|Which is|\[gdn|\[timing\]|TFLOP" "$OUT/$t.txt" | head -40
+  done
 fi
 
 # The fused decode MoE block first, under a time limit (its grid barriers would hang, not fail,
