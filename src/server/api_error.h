@@ -29,7 +29,7 @@ inline std::string escape_nul(std::string_view text) {
 /// plus extra response headers (Allow, Retry-After). The message is shown to the client as is, whole:
 /// body() and the server's log line use message(); what() is the message with NULs escaped
 /// (escape_nul), since a C string stops at the first NUL byte (a request's model name "a\0b"
-/// used to come back, and be logged, as "the model 'a").
+/// would otherwise come back, and be logged, as "the model 'a").
 class ApiError : public std::runtime_error {
  public:
   ApiError(int status, std::string type, std::string message, std::optional<std::string> param = {},

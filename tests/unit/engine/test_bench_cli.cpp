@@ -128,7 +128,7 @@ TEST(BenchCli, SampledRoundsRepeatAndMatchGenerateWithTheSameSeed) {
 }
 
 // Without --model, bench finds the repository's models/demo next to its executable, as serve and
-// generate do, whatever the working directory (it used to open ./models/demo and fail with
+// generate do, whatever the working directory (a relative ./models/demo would fail with
 // "models/demo: not a checkpoint directory" anywhere but the repository root). A copy of the
 // executable beside a models/demo link stands for a build inside the repository.
 TEST(BenchCli, WithoutModelUsesTheDemoModelNextToTheExecutable) {
@@ -162,7 +162,7 @@ TEST(BenchCli, BadOptionsAreRefused) {
     EXPECT_NE(r.exit_code, 0) << args;
     EXPECT_FALSE(r.output.empty()) << args;
   }
-  // An unwritable report path is refused before the run (it used to fail only after every round).
+  // An unwritable report path is refused before the run, not after every round has run.
   test::TempDir dir;
   for (const std::filesystem::path& out : {dir.path() / "missing" / "bench.json", dir.path()}) {
     const test::CliRun r = test::run_lily("bench --backend cpu --threads 2 --prompt-len 4 --decode-steps 1 "
