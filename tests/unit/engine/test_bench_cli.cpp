@@ -20,11 +20,7 @@ namespace {
 std::string quoted(const std::filesystem::path& p) { return "'" + p.string() + "'"; }
 
 /// docs/benchmark.md §1.1 prompt ids.
-std::vector<int32_t> contract_prompt(int n, int vocab) {
-  std::vector<int32_t> ids(n);
-  for (int i = 0; i < n; ++i) ids[i] = int32_t((uint64_t(i) * 2654435761ull % 4294967296ull) % uint64_t(vocab));
-  return ids;
-}
+std::vector<int32_t> contract_prompt(int n, int vocab) { return test::hash_prompt(n, vocab); }
 
 /// 64-bit FNV-1a over whole u32 ids, as 16 hex digits (docs/benchmark.md §1.3 item 4).
 std::string fnv1a_hex(const std::vector<int32_t>& ids) {
