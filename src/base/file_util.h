@@ -1,6 +1,6 @@
 // Reading the small files of a checkpoint (config.json, tokenizer.json, the shard index, …)
-// without ever blocking on something that is not a regular file: a FIFO given as config.json
-// used to hang `lily inspect` and `lily serve` in open(2) until a writer appeared.
+// without ever blocking on something that is not a regular file: a plain open(2) of a FIFO given
+// as config.json would hang `lily inspect` and `lily serve` until a writer appeared.
 #pragma once
 #include <filesystem>
 #include <string>

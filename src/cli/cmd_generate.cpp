@@ -135,8 +135,8 @@ int64_t context_limit(const GenerateFlags& f, const ModelConfig& config) {
 }
 
 void run_generate(const GenerateFlags& f) {
-  // Everything that does not need the weights is checked before they are loaded (a mistyped
-  // flag used to be reported only after a load that may take minutes).
+  // Everything that does not need the weights is checked before they are loaded, so a mistyped
+  // flag is reported at once instead of after a load that may take minutes.
   const auto dir = model_dir_or_default(f.model);
   if (f.max_tokens < 1) throw Error("--max-tokens must be at least 1");
   if (f.max_seq < 0) throw Error("--max-seq must be at least 0");

@@ -161,6 +161,7 @@ server::ServerOptions resolve(ServeFlags& f) {
   if (f.min_p_opt->count() > 0) o.sampling.min_p = f.min_p;
   if (f.seed_opt->count() > 0) o.sampling.seed = f.seed;
   o.sampling.generation_config = !f.no_generation_config;
+  o.test_hooks = server::ServerTestHooks::from_test_env();
   // The server loads the model itself; the process-wide default reaches its load_model call.
   set_default_weights_mmap(!f.no_mmap);
   return o;

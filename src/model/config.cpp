@@ -106,14 +106,6 @@ void reject_foreign_quantization(const Ctx& ctx, const json& doc, const json& te
   }
 }
 
-bool is_eight_bit_module(const std::string& path) {
-  auto ends_with = [&](const std::string& suffix) {
-    return path.size() >= suffix.size() && path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0 &&
-           (path.size() == suffix.size() || path[path.size() - suffix.size() - 1] == '.');
-  };
-  return ends_with("mlp.gate") || ends_with("mlp.shared_expert_gate");
-}
-
 QuantizationConfig parse_quantization(const Ctx& ctx, const json& doc) {
   const json* q = find_field(doc, "quantization");
   if (!q)

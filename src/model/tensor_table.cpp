@@ -21,8 +21,9 @@ class TableBuilder {
   using Field = std::conditional_t<std::is_const_v<Weights>, const T, T>;
 
   explicit TableBuilder(const Visitor& visit) : visit_(visit) {}
-  void quantized(std::string name, TensorRole role, std::vector<int64_t> shape, int bits, int layer,
-                 Field<QuantMatrix>& dest) {
+  /// A quantized tensor; its code bits come from its name (quantized_bits).
+  void quantized(std::string name, TensorRole role, std::vector<int64_t> shape, int layer, Field<QuantMatrix>& dest) {
+    const int bits = quantized_bits(name);
     visit_(spec(std::move(name), TensorKind::kQuantized, role, std::move(shape), bits, layer), &dest);
   }
   /// A BF16 tensor; `f32_accepted`: F32 is fine too; `alt_shape`: a second accepted layout.
@@ -60,26 +61,26 @@ template <class Builder>
 void add_gdn(Builder& t, const ModelConfig& c, const std::string& p, int i,
              typename Builder::template Field<GdnWeights>& g) {
   const int64_t H = c.hidden, hv = c.gdn_n_value_heads;
-  t.quantized(p + "linear_attn.in_proj_qkv", R::kGdnInProj, {c.gdn_conv_channels(), H}, 4, i, g.in_proj_qkv);
-  t.quantized(p + "linear_attn.in_proj_z", R::kGdnInProj, {c.gdn_value_dim(), H}, 4, i, g.in_proj_z);
-  t.quantized(p + "linear_attn.in_proj_a", R::kGdnInProj, {hv, H}, 4, i, g.in_proj_a);
-  t.quantized(p + "linear_attn.in_proj_b", R::kGdnInProj, {hv, H}, 4, i, g.in_proj_b);
+  t.quantized(p + "linear_attn.in_proj_qkv", R::kGdnInProj, {c.gdn_conv_channels(), H}, i, g.in_proj_qkv);
+  t.quantized(p + "linear_attn.in_proj_z", R::kGdnInProj, {c.gdn_value_dim(), H}, i, g.in_proj_z);
+  t.quantized(p + "linear_attn.in_proj_a", R::kGdnInProj, {hv, H}, i, g.in_proj_a);
+  t.quantized(p + "linear_attn.in_proj_b", R::kGdnInProj, {hv, H}, i, g.in_proj_b);
   t.bf16(p + "linear_attn.conv1d.weight", R::kGdnConv, {c.gdn_conv_channels(), c.gdn_conv_kernel, 1}, i, g.conv1d,
          /*f32_accepted=*/false, /*alt_shape=*/{c.gdn_conv_channels(), 1, c.gdn_conv_kernel});
   t.float32(p + "linear_attn.A_log", R::kGdnALog, {hv}, i, g.A_log);
   t.bf16(p + "linear_attn.dt_bias", R::kGdnDtBias, {hv}, i, g.dt_bias);
   t.bf16(p + "linear_attn.norm.weight", R::kGdnNorm, {c.gdn_value_head_dim}, i, g.norm, /*f32_accepted=*/true);
-  t.quantized(p + "linear_attn.out_proj", R::kGdnOutProj, {H, c.gdn_value_dim()}, 4, i, g.out_proj);
+  t.quantized(p + "linear_attn.out_proj", R::kGdnOutProj, {H, c.gdn_value_dim()}, i, g.out_proj);
 }
 
 template <class Builder>
 void add_attention(Builder& t, const ModelConfig& c, const std::string& p, int i,
                    typename Builder::template Field<AttentionWeights>& a) {
   const int64_t H = c.hidden, D = c.head_dim;
-  t.quantized(p + "self_attn.q_proj", R::kAttnInProj, {int64_t(c.n_heads) * 2 * D, H}, 4, i, a.q_proj);
-  t.quantized(p + "self_attn.k_proj", R::kAttnInProj, {int64_t(c.n_kv_heads) * D, H}, 4, i, a.k_proj);
-  t.quantized(p + "self_attn.v_proj", R::kAttnInProj, {int64_t(c.n_kv_heads) * D, H}, 4, i, a.v_proj);
-  t.quantized(p + "self_attn.o_proj", R::kAttnOutProj, {H, int64_t(c.n_heads) * D}, 4, i, a.o_proj);
+  t.quantized(p + "self_attn.q_proj", R::kAttnInProj, {int64_t(c.n_heads) * 2 * D, H}, i, a.q_proj);
+  t.quantized(p + "self_attn.k_proj", R::kAttnInProj, {int64_t(c.n_kv_heads) * D, H}, i, a.k_proj);
+  t.quantized(p + "self_attn.v_proj", R::kAttnInProj, {int64_t(c.n_kv_heads) * D, H}, i, a.v_proj);
+  t.quantized(p + "self_attn.o_proj", R::kAttnOutProj, {H, int64_t(c.n_heads) * D}, i, a.o_proj);
   t.bf16(p + "self_attn.q_norm.weight", R::kAttnQNorm, {D}, i, a.q_norm);
   t.bf16(p + "self_attn.k_norm.weight", R::kAttnKNorm, {D}, i, a.k_norm);
 }
@@ -88,14 +89,14 @@ template <class Builder>
 void add_moe(Builder& t, const ModelConfig& c, const std::string& p, int i,
              typename Builder::template Field<MoeWeights>& m) {
   const int64_t H = c.hidden, E = c.n_experts, I = c.moe_ffn_dim, S = c.shared_ffn_dim;
-  t.quantized(p + "mlp.gate", R::kRouter, {E, H}, 8, i, m.router);
-  t.quantized(p + "mlp.switch_mlp.gate_proj", R::kExpertsGateProj, {E, I, H}, 4, i, m.experts_gate_proj);
-  t.quantized(p + "mlp.switch_mlp.up_proj", R::kExpertsUpProj, {E, I, H}, 4, i, m.experts_up_proj);
-  t.quantized(p + "mlp.switch_mlp.down_proj", R::kExpertsDownProj, {E, H, I}, 4, i, m.experts_down_proj);
-  t.quantized(p + "mlp.shared_expert.gate_proj", R::kSharedGateProj, {S, H}, 4, i, m.shared_gate_proj);
-  t.quantized(p + "mlp.shared_expert.up_proj", R::kSharedUpProj, {S, H}, 4, i, m.shared_up_proj);
-  t.quantized(p + "mlp.shared_expert.down_proj", R::kSharedDownProj, {H, S}, 4, i, m.shared_down_proj);
-  t.quantized(p + "mlp.shared_expert_gate", R::kSharedExpertGate, {1, H}, 8, i, m.shared_expert_gate);
+  t.quantized(p + "mlp.gate", R::kRouter, {E, H}, i, m.router);
+  t.quantized(p + "mlp.switch_mlp.gate_proj", R::kExpertsGateProj, {E, I, H}, i, m.experts_gate_proj);
+  t.quantized(p + "mlp.switch_mlp.up_proj", R::kExpertsUpProj, {E, I, H}, i, m.experts_up_proj);
+  t.quantized(p + "mlp.switch_mlp.down_proj", R::kExpertsDownProj, {E, H, I}, i, m.experts_down_proj);
+  t.quantized(p + "mlp.shared_expert.gate_proj", R::kSharedGateProj, {S, H}, i, m.shared_gate_proj);
+  t.quantized(p + "mlp.shared_expert.up_proj", R::kSharedUpProj, {S, H}, i, m.shared_up_proj);
+  t.quantized(p + "mlp.shared_expert.down_proj", R::kSharedDownProj, {H, S}, i, m.shared_down_proj);
+  t.quantized(p + "mlp.shared_expert_gate", R::kSharedExpertGate, {1, H}, i, m.shared_expert_gate);
 }
 
 /// The walk both for_each_tensor overloads share; `weights.layers` already has its entries.
@@ -103,7 +104,7 @@ template <class Weights, class Visitor>
 void walk(const ModelConfig& config, Weights& weights, const Visitor& visit) {
   TableBuilder<Weights, Visitor> t(visit);
   const int64_t V = config.vocab, H = config.hidden;
-  t.quantized("language_model.model.embed_tokens", R::kEmbedding, {V, H}, 4, -1, weights.embed_tokens);
+  t.quantized("language_model.model.embed_tokens", R::kEmbedding, {V, H}, -1, weights.embed_tokens);
   for (int i = 0; i < config.n_layers; ++i) {
     const std::string p = "language_model.model.layers." + std::to_string(i) + ".";
     auto& l = weights.layers[i];
@@ -114,7 +115,7 @@ void walk(const ModelConfig& config, Weights& weights, const Visitor& visit) {
     add_moe(t, config, p, i, l.moe);
   }
   t.bf16("language_model.model.norm.weight", R::kFinalNorm, {H}, -1, weights.final_norm);
-  t.quantized("language_model.lm_head", R::kOutputHead, {V, H}, 4, -1, weights.lm_head);
+  t.quantized("language_model.lm_head", R::kOutputHead, {V, H}, -1, weights.lm_head);
 }
 
 }  // namespace
@@ -183,6 +184,16 @@ std::vector<int64_t> group_params_shape(const TensorSpec& spec, int group_size) 
   shape.back() = shape.back() / group_size;
   return shape;
 }
+
+bool is_eight_bit_module(std::string_view path) {
+  for (std::string_view module : kEightBitModules) {
+    if (path.size() < module.size() || path.substr(path.size() - module.size()) != module) continue;
+    if (path.size() == module.size() || path[path.size() - module.size() - 1] == '.') return true;
+  }
+  return false;
+}
+
+int quantized_bits(std::string_view name) { return is_eight_bit_module(name) ? 8 : 4; }
 
 int64_t shape_numel(const std::vector<int64_t>& shape) {
   int64_t n = 1;

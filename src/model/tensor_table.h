@@ -5,9 +5,11 @@
 // tensor_table (its specs without destinations) is what `lily synth` writes and byte accounting
 // iterates.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -56,6 +58,20 @@ enum class TensorRole {
 /// The role's name: its enumerator in snake case without the k ("gdn_in_proj" for kGdnInProj),
 /// distinct per role; what `lily inspect` groups tensors under.
 const char* role_name(TensorRole role);
+
+/// The modules the checkpoint stores with 8-bit codes, by the end of their name (each layer's
+/// router and shared-expert gate); every other quantized tensor has 4-bit codes. The one list:
+/// the table takes each quantized spec's bits from it (quantized_bits), config.json's
+/// quantization block may override exactly these modules (model/config.cpp), and `lily synth`
+/// writes those overrides.
+inline constexpr std::array<std::string_view, 2> kEightBitModules = {"mlp.gate", "mlp.shared_expert_gate"};
+
+/// True when `path` (a tensor's base name, or a module path of config.json's quantization block)
+/// is one of kEightBitModules: equal to it, or ending with "." and it.
+bool is_eight_bit_module(std::string_view path);
+
+/// Code bits of the quantized tensor `name` (a base name): 8 for kEightBitModules, else 4.
+int quantized_bits(std::string_view name);
 
 /// One logical tensor. For kQuantized, `name` is the base name (without .weight) and `shape` is
 /// the logical [.., out, in] shape (3-D for stacked experts); the stored shapes follow from `bits`.

@@ -29,7 +29,7 @@ inline std::string escape_nul(std::string_view text) {
 /// plus extra response headers (Allow, Retry-After). The message is shown to the client as is, whole:
 /// body() and the server's log line use message(); what() is the message with NULs escaped
 /// (escape_nul), since a C string stops at the first NUL byte (a request's model name "a\0b"
-/// used to come back, and be logged, as "the model 'a").
+/// would otherwise come back, and be logged, as "the model 'a").
 class ApiError : public std::runtime_error {
  public:
   ApiError(int status, std::string type, std::string message, std::optional<std::string> param = {},
@@ -76,6 +76,25 @@ class ApiError : public std::runtime_error {
 inline ApiError invalid_request(std::string message, std::optional<std::string> param,
                                 std::string code = "invalid_value") {
   return ApiError(400, "invalid_request_error", std::move(message), std::move(param), std::move(code));
+}
+
+/// 400 missing_required_parameter: "missing required parameter 'PARAM'".
+inline ApiError missing_parameter(const std::string& param) {
+  return invalid_request("missing required parameter '" + param + "'", param, "missing_required_parameter");
+}
+
+/// A JSON value's type as a client would say it: "integer" and "number" apart (nlohmann calls
+/// both "number"), otherwise nlohmann's name ("string", "array", "object", "boolean", "null").
+inline std::string json_type_name(const nlohmann::json& v) {
+  if (v.is_number_integer()) return "integer";
+  if (v.is_number_float()) return "number";
+  return v.type_name();
+}
+
+/// 400 invalid_type for a request field of the wrong JSON type: "'PARAM' must be EXPECTED, got TYPE".
+inline ApiError wrong_type(const std::string& param, const std::string& expected, const nlohmann::json& got) {
+  return invalid_request("'" + param + "' must be " + expected + ", got " + json_type_name(got), param,
+                         "invalid_type");
 }
 
 }  // namespace lily::server

@@ -12,20 +12,6 @@ namespace {
 using nlohmann::json;
 using nlohmann::ordered_json;
 
-std::string type_name(const json& v) {
-  if (v.is_number_integer()) return "integer";
-  if (v.is_number_float()) return "number";
-  return v.type_name();
-}
-
-ApiError wrong_type(const std::string& param, const std::string& expected, const json& got) {
-  return invalid_request("'" + param + "' must be " + expected + ", got " + type_name(got), param, "invalid_type");
-}
-
-ApiError missing(const std::string& param) {
-  return invalid_request("missing required parameter '" + param + "'", param, "missing_required_parameter");
-}
-
 ApiError unknown(const std::string& param) {
   return invalid_request("unrecognized field '" + param + "'", param, "unknown_parameter");
 }
@@ -72,10 +58,10 @@ std::set<std::string> check_tools(const json& tools) {
     if (!t.is_object()) throw wrong_type(at, "an object", t);
     for (const auto& [key, value] : t.items())
       if (key != "type" && key != "function") throw unknown(at + "." + key);
-    if (!t.contains("type")) throw missing(at + ".type");
+    if (!t.contains("type")) throw missing_parameter(at + ".type");
     if (require_string(t["type"], at + ".type") != "function")
       throw invalid_request("'" + at + ".type' must be \"function\"", at + ".type", "unsupported_value");
-    if (!t.contains("function")) throw missing(at + ".function");
+    if (!t.contains("function")) throw missing_parameter(at + ".function");
     const json& f = t["function"];
     const std::string fat = at + ".function";
     if (!f.is_object()) throw wrong_type(fat, "an object", f);
@@ -88,7 +74,7 @@ std::set<std::string> check_tools(const json& tools) {
         if (!value.is_boolean()) throw wrong_type(fat + ".strict", "a boolean", value);
       } else throw unknown(fat + "." + key);
     }
-    if (!f.contains("name")) throw missing(fat + ".name");
+    if (!f.contains("name")) throw missing_parameter(fat + ".name");
     const std::string& name = require_string(f["name"], fat + ".name");
     if (!valid_function_name(name))
       throw invalid_request("'" + fat + ".name' must be 1 to 64 letters, digits, '_' or '-', got '" + name + "'",
@@ -113,15 +99,15 @@ void parse_tool_choice(const json& v, ChatAgentFields& out) {
   if (!v.is_object()) throw wrong_type("tool_choice", "a string or an object", v);
   for (const auto& [key, value] : v.items())
     if (key != "type" && key != "function") throw unknown("tool_choice." + key);
-  if (!v.contains("type")) throw missing("tool_choice.type");
+  if (!v.contains("type")) throw missing_parameter("tool_choice.type");
   if (require_string(v["type"], "tool_choice.type") != "function")
     throw invalid_request("'tool_choice.type' must be \"function\"", "tool_choice.type", "unsupported_value");
-  if (!v.contains("function")) throw missing("tool_choice.function");
+  if (!v.contains("function")) throw missing_parameter("tool_choice.function");
   const json& f = v["function"];
   if (!f.is_object()) throw wrong_type("tool_choice.function", "an object", f);
   for (const auto& [key, value] : f.items())
     if (key != "name") throw unknown("tool_choice.function." + key);
-  if (!f.contains("name")) throw missing("tool_choice.function.name");
+  if (!f.contains("name")) throw missing_parameter("tool_choice.function.name");
   out.tool_choice = ToolChoice::kNamed;
   out.tool_choice_name = require_string(f["name"], "tool_choice.function.name");
 }
@@ -186,12 +172,12 @@ std::vector<ChatToolCall> parse_message_tool_calls(const json& v, const std::str
     if (c.contains("id") && !c["id"].is_null()) call.id = require_string(c["id"], at + ".id");
     if (c.contains("type") && !c["type"].is_null() && require_string(c["type"], at + ".type") != "function")
       throw invalid_request("'" + at + ".type' must be \"function\"", at + ".type", "unsupported_value");
-    if (!c.contains("function")) throw missing(at + ".function");
+    if (!c.contains("function")) throw missing_parameter(at + ".function");
     const json& f = c["function"];
     if (!f.is_object()) throw wrong_type(at + ".function", "an object", f);
     for (const auto& [key, value] : f.items())
       if (key != "name" && key != "arguments") throw unknown(at + ".function." + key);
-    if (!f.contains("name")) throw missing(at + ".function.name");
+    if (!f.contains("name")) throw missing_parameter(at + ".function.name");
     call.name = require_string(f["name"], at + ".function.name");
     if (f.contains("arguments") && !f["arguments"].is_null()) {
       const std::string aat = at + ".function.arguments";

@@ -31,17 +31,6 @@ const std::map<std::string, std::string, std::less<>>& unsupported_fields() {
   return fields;
 }
 
-std::string type_name(const json& v) {
-  if (v.is_number_integer()) return "integer";
-  if (v.is_number_float()) return "number";
-  return v.type_name();
-}
-
-ApiError wrong_type(const std::string& param, const std::string& expected, const json& got) {
-  return invalid_request("'" + param + "' must be " + expected + ", got " + type_name(got), param,
-                         "invalid_type");
-}
-
 std::string require_string(const json& v, const std::string& param) {
   if (!v.is_string()) throw wrong_type(param, "a string", v);
   return v.get<std::string>();
@@ -86,7 +75,7 @@ void parse_logit_bias(const json& v, GenerationFields& req) {
       throw invalid_request("'logit_bias' keys must be token ids (decimal integers below 2^31), got '" + key + "'", param,
                             "invalid_value");
     if (!value.is_number())
-      throw invalid_request("'logit_bias' values must be numbers, got " + type_name(value) + " for '" + key + "'",
+      throw invalid_request("'logit_bias' values must be numbers, got " + json_type_name(value) + " for '" + key + "'",
                             param, "invalid_type");
     const double bias = value.get<double>();
     if (bias < -100 || bias > 100)
@@ -112,8 +101,7 @@ ChatRole parse_role(const json& v, const std::string& param) {
 
 std::string parse_content_part(const json& part, const std::string& param) {
   if (!part.is_object()) throw wrong_type(param, "an object", part);
-  if (!part.contains("type")) throw invalid_request("missing required parameter '" + param + ".type'",
-                                                    param + ".type", "missing_required_parameter");
+  if (!part.contains("type")) throw missing_parameter(param + ".type");
   const std::string type = require_string(part["type"], param + ".type");
   if (type != "text")
     throw invalid_request("content part type '" + type + "' is not supported: the model reads text only",
@@ -122,8 +110,7 @@ std::string parse_content_part(const json& part, const std::string& param) {
     if (key != "type" && key != "text" && key != "cache_control")  // cache_control: a proxy's caching hint, ignored
       throw invalid_request("unrecognized field '" + key + "' in a text content part", param + "." + key,
                             "unknown_parameter");
-  if (!part.contains("text")) throw invalid_request("missing required parameter '" + param + ".text'",
-                                                    param + ".text", "missing_required_parameter");
+  if (!part.contains("text")) throw missing_parameter(param + ".text");
   return require_string(part["text"], param + ".text");
 }
 
@@ -154,8 +141,7 @@ bool message_field_allowed(ChatRole role, const std::string& key) {
 ChatMessage parse_message(const json& m, const std::string& param) {
   if (!m.is_object()) throw wrong_type(param, "an object", m);
   if (!m.contains("role"))
-    throw invalid_request("missing required parameter '" + param + ".role'", param + ".role",
-                          "missing_required_parameter");
+    throw missing_parameter(param + ".role");
   ChatMessage msg;
   msg.role = parse_role(m["role"], param + ".role");
   for (const auto& [key, value] : m.items())
@@ -166,8 +152,7 @@ ChatMessage parse_message(const json& m, const std::string& param) {
   auto given = [&](const char* key) { return m.contains(key) && !m[key].is_null(); };
   // An assistant turn may have no content (one that only calls tools).
   if (!given("content") && msg.role != ChatRole::kAssistant)
-    throw invalid_request("missing required parameter '" + param + ".content'", param + ".content",
-                          "missing_required_parameter");
+    throw missing_parameter(param + ".content");
   if (given("content")) msg.content = parse_content(m["content"], param + ".content");
   if (given("refusal")) {  // a refused turn: its text is what the assistant said
     const std::string refusal = require_string(m["refusal"], param + ".refusal");
@@ -185,8 +170,7 @@ ChatMessage parse_message(const json& m, const std::string& param) {
   if (given("tool_calls")) msg.tool_calls = parse_message_tool_calls(m["tool_calls"], param + ".tool_calls");
   if (msg.role == ChatRole::kTool) {
     if (!given("tool_call_id"))
-      throw invalid_request("missing required parameter '" + param + ".tool_call_id'", param + ".tool_call_id",
-                            "missing_required_parameter");
+      throw missing_parameter(param + ".tool_call_id");
     msg.tool_call_id = require_string(m["tool_call_id"], param + ".tool_call_id");
   }
   return msg;
@@ -337,7 +321,7 @@ json parse_object(std::string_view body) {
     throw invalid_request("the request body is not valid JSON: " + detail, std::nullopt, "invalid_json");
   }
   if (!doc.is_object())
-    throw invalid_request("the request body must be a JSON object, got " + type_name(doc), std::nullopt,
+    throw invalid_request("the request body must be a JSON object, got " + json_type_name(doc), std::nullopt,
                           "invalid_json");
   return doc;
 }
@@ -424,10 +408,10 @@ ChatRequest parse_chat_request(std::string_view body) {
     parse_optional_field(key, value, req, max_completion_tokens, stream_options_set, top_logprobs_set);
   }
   if (!doc.contains("model"))
-    throw invalid_request("missing required parameter 'model'", "model", "missing_required_parameter");
+    throw missing_parameter("model");
   req.model = require_string(doc["model"], "model");
   if (!doc.contains("messages"))
-    throw invalid_request("missing required parameter 'messages'", "messages", "missing_required_parameter");
+    throw missing_parameter("messages");
   req.messages = parse_messages(doc["messages"]);
   req.agent = parse_agent_fields(doc, body);
   if (max_completion_tokens) {
@@ -489,10 +473,10 @@ CompletionRequest parse_completion_request(std::string_view body) {
     }
   }
   if (!doc.contains("model"))
-    throw invalid_request("missing required parameter 'model'", "model", "missing_required_parameter");
+    throw missing_parameter("model");
   req.model = require_string(doc["model"], "model");
   if (!doc.contains("prompt") || doc["prompt"].is_null())
-    throw invalid_request("missing required parameter 'prompt'", "prompt", "missing_required_parameter");
+    throw missing_parameter("prompt");
   parse_prompt(doc["prompt"], req);
   if (stream_options_set && !req.stream)
     throw invalid_request("'stream_options' is only allowed when 'stream' is true", "stream_options");
@@ -530,7 +514,7 @@ DetokenizeRequest parse_detokenize_request(std::string_view body) {
   DetokenizeRequest req;
   req.model = optional_model(doc);
   if (!doc.contains("tokens") || doc["tokens"].is_null())
-    throw invalid_request("missing required parameter 'tokens'", "tokens", "missing_required_parameter");
+    throw missing_parameter("tokens");
   req.tokens = parse_token_ids(doc["tokens"], "tokens");
   return req;
 }

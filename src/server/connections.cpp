@@ -52,17 +52,12 @@ bool has_token(std::string_view value, std::string_view token) {
   return false;
 }
 
-/// Test hook: LILY_TEST_LISTEN_DELAY_MS holds the accept loop back that long before it takes
-/// its first connection, which makes a signal that arrives before then reproducible.
-void test_listen_delay() {
-  if (const char* env = std::getenv("LILY_TEST_LISTEN_DELAY_MS"))
-    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoll(env)));
-}
-
 }  // namespace
 
 void LilyServer::accept_loop() {
-  test_listen_delay();
+  // ServerTestHooks::listen_delay_ms: tests only.
+  if (options_.test_hooks.listen_delay_ms != 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(options_.test_hooks.listen_delay_ms));
   while (!stopping_) {
     pollfd fds[2] = {{acceptor_.native_handle(), POLLIN, 0}, {stop_fd_, POLLIN, 0}};
     if (::poll(fds, 2, -1) < 0) {

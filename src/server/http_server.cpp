@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 
 #include "base/error.h"
 #include "engine/generate.h"
@@ -18,6 +19,17 @@
 namespace lily::server {
 
 using nlohmann::json;
+
+ServerTestHooks ServerTestHooks::from_test_env() {
+  auto milliseconds = [](const char* name) -> int64_t {
+    const char* env = std::getenv(name);
+    return env == nullptr ? 0 : std::atoll(env);
+  };
+  ServerTestHooks hooks;
+  hooks.load_delay_ms = milliseconds("LILY_TEST_LOAD_DELAY_MS");
+  hooks.listen_delay_ms = milliseconds("LILY_TEST_LISTEN_DELAY_MS");
+  return hooks;
+}
 
 // --- small pure helpers (unit-tested) ----------------------------------------------------------
 

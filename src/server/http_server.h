@@ -33,6 +33,22 @@ struct SamplingFlags {
 /// lily::Error naming the flag for an out-of-range value, or for an unreadable file.
 SamplingParams resolve_sampling_defaults(const SamplingFlags& flags, const std::filesystem::path& model_dir);
 
+/// Delays that only tests set, to make a passing state of the server observable from outside: the
+/// Node suites reach them through LILY_TEST_LOAD_DELAY_MS and LILY_TEST_LISTEN_DELAY_MS, which
+/// `lily serve` alone reads (from_test_env). All zero, which changes nothing, in real use.
+struct ServerTestHooks {
+  /// The loader waits this long before loading (in steps, so a signal still stops the server):
+  /// the "loading" state lasts long enough to be seen on the small demo model.
+  int64_t load_delay_ms = 0;
+  /// The accept loop waits this long before its first connection, so a signal that arrives
+  /// before then is reproducible.
+  int64_t listen_delay_ms = 0;
+
+  /// The hooks from LILY_TEST_LOAD_DELAY_MS and LILY_TEST_LISTEN_DELAY_MS (milliseconds; an unset
+  /// variable, or text that is not a number, is 0).
+  static ServerTestHooks from_test_env();
+};
+
 /// Everything `lily serve` is configured with.
 struct ServerOptions {
   std::filesystem::path model_dir;
@@ -49,7 +65,8 @@ struct ServerOptions {
                                          ///< resolve_cache_budgets)
   int max_queue = 16;                    ///< waiting requests before 503
   int max_batch = 0;                     ///< requests decoded together in one step (continuous
-                                         ///< batching); 0 = the backend's default (CPU 8, CUDA 1)
+                                         ///< batching); 0 = 8 (kDefaultMaxBatch), or the backend's
+                                         ///< limit where that is lower
   /// Token budget of one engine step (prefill chunks); 0: the backend's preferred_step_tokens().
   int64_t step_tokens = 0;
   int64_t max_tokens_cap = 0;            ///< most completion tokens per request (0 = only the
@@ -73,6 +90,7 @@ struct ServerOptions {
   std::vector<std::string> allowed_origins;  ///< CORS: origins (or "*") browsers may call from
                                          ///< (parse_allowed_origins); empty = CORS off
   SamplingFlags sampling;                ///< sampling defaults (docs/server.md)
+  ServerTestHooks test_hooks;            ///< tests only; none in real use
 };
 
 /// Runs the server until SIGINT/SIGTERM; returns the process exit code (0 after a graceful

@@ -37,12 +37,9 @@ std::string describe_bind_error(const error_code& ec) {
   return text;
 }
 
-/// Test hook: LILY_TEST_LOAD_DELAY_MS holds the loader back that long (in steps, so a signal
-/// still stops the server), which makes the "loading" state observable on the small demo model.
-void test_load_delay(const std::atomic<bool>& shutting_down) {
-  const char* env = std::getenv("LILY_TEST_LOAD_DELAY_MS");
-  if (env == nullptr) return;
-  const auto until = Clock::now() + std::chrono::milliseconds(std::atoll(env));
+/// ServerTestHooks::load_delay_ms: the loader waits in steps of 20 ms, so a signal still stops it.
+void test_load_delay(int64_t delay_ms, const std::atomic<bool>& shutting_down) {
+  const auto until = Clock::now() + std::chrono::milliseconds(delay_ms);
   while (Clock::now() < until && !shutting_down) std::this_thread::sleep_for(std::chrono::milliseconds(20));
 }
 
@@ -141,7 +138,7 @@ std::string LilyServer::url() const {
 
 void LilyServer::load_engine() {
   const auto t0 = Clock::now();
-  test_load_delay(shutting_down_);
+  test_load_delay(options_.test_hooks.load_delay_ms, shutting_down_);
   // Parsed before the weights load: a template the engine refuses fails the start at once.
   chat_template_ = ChatTemplate::for_model(options_.model_dir);
   log_info("chat template: " + chat_template_->origin());

@@ -57,12 +57,6 @@ double margin(const std::vector<float>& l) {
   return double(a) - double(b);
 }
 
-std::vector<int32_t> prompt_ids(int n, int vocab, uint64_t salt) {
-  std::vector<int32_t> ids(n);
-  for (int i = 0; i < n; ++i) ids[i] = int32_t(((uint64_t(i) + salt) * 2654435761ull % 4294967296ull) % uint64_t(vocab));
-  return ids;
-}
-
 /// Near-tie tolerance of the routing alignment, in standard deviations of the router logits
 /// (fp32 vs bf16 CPU runs of the demo model need 0.018).
 constexpr float kTieTolerance = 0.05f;
@@ -248,8 +242,8 @@ TEST_F(CudaE2e, RealdimsSynthMatchesCpu) {
   cpu::CpuBackend& cpu = *oracle;
   auto gpu = make_cuda_backend(w);
   EXPECT_EQ(gpu->name(), "cuda");
-  probe_diff(cpu, *gpu, prompt_ids(5, w->config.vocab, 1), 0.99);
-  compare_greedy(cpu, *gpu, prompt_ids(64, w->config.vocab, 2), 8, "realdims");
+  probe_diff(cpu, *gpu, hash_prompt(5, w->config.vocab, 1), 0.99);
+  compare_greedy(cpu, *gpu, hash_prompt(64, w->config.vocab, 2), 8, "realdims");
 }
 
 // The batched prefill (the default; batched GEMVs, chunked GDN, flash attention, 256-token
@@ -263,9 +257,9 @@ TEST_F(CudaE2e, BatchedPrefillMatchesCpu) {
   setenv("LILY_CUDA_PREFILL", "batched", 1);
   auto gpu = make_cuda_backend(w);
   unsetenv("LILY_CUDA_PREFILL");
-  compare_greedy(cpu, *gpu, prompt_ids(300, w->config.vocab, 8), 4, "realdims batched prefill", /*align=*/false);
+  compare_greedy(cpu, *gpu, hash_prompt(300, w->config.vocab, 8), 4, "realdims batched prefill", /*align=*/false);
   auto sc = cpu.new_state(1024), sg = gpu->new_state(1024);
-  const auto a = prompt_ids(100, w->config.vocab, 9), b = prompt_ids(50, w->config.vocab, 10);
+  const auto a = hash_prompt(100, w->config.vocab, 9), b = hash_prompt(50, w->config.vocab, 10);
   std::vector<float> lc, lg;
   cpu.prefill(*sc, a);
   gpu->prefill(*sg, a);
@@ -289,7 +283,7 @@ TEST_F(CudaE2e, BatchedPrefillWithOneKernelGdnMatchesCpu) {
   options.batched_prefill = true;
   options.gdn_chunk_parallel = false;
   auto gpu = make_cuda_backend(w, options);
-  compare_greedy(cpu, *gpu, prompt_ids(300, w->config.vocab, 8), 4, "realdims batched prefill, one-kernel GDN",
+  compare_greedy(cpu, *gpu, hash_prompt(300, w->config.vocab, 8), 4, "realdims batched prefill, one-kernel GDN",
                  /*align=*/false);
   cuda::set_gdn_chunk_parallel_enabled(CudaOptions::from_env().gdn_chunk_parallel);  // for the tests after this one
 }
@@ -318,8 +312,8 @@ TEST_F(CudaE2e, StepRowsAreBitIdenticalToEachSequenceAlone) {
   auto gpu = make_cuda_backend(w, options);
   ASSERT_EQ(gpu->max_batch(), 4);
   const int vocab = w->config.vocab, steps = 5;
-  const std::vector<std::vector<int32_t>> prompts = {prompt_ids(37, vocab, 21), prompt_ids(300, vocab, 22),
-                                                     prompt_ids(1, vocab, 23), prompt_ids(90, vocab, 24)};
+  const std::vector<std::vector<int32_t>> prompts = {hash_prompt(37, vocab, 21), hash_prompt(300, vocab, 22),
+                                                     hash_prompt(1, vocab, 23), hash_prompt(90, vocab, 24)};
   std::vector<std::vector<std::vector<float>>> alone;
   for (const auto& p : prompts) alone.push_back(trace_alone(*gpu, p, steps));
 
@@ -378,7 +372,7 @@ TEST_F(CudaE2e, DemoModelMatchesCpu) {
   auto gpu = make_cuda_backend(w);
   auto oracle = bf16_oracle(w);
   cpu::CpuBackend& cpu = *oracle;
-  compare_greedy(cpu, *gpu, prompt_ids(32, w->config.vocab, 3), 16, "demo");
+  compare_greedy(cpu, *gpu, hash_prompt(32, w->config.vocab, 3), 16, "demo");
   compare_demo_goldens(cpu, *gpu);
 }
 
@@ -390,7 +384,7 @@ TEST_F(CudaE2e, CloneAndKvGrowth) {
   auto gpu = make_cuda_backend(w);
   // 1100 tokens: past the first KV allocation of 1024 positions, so the cache grows (and the
   // decode graph is re-captured) mid-sequence.
-  const auto prompt = prompt_ids(1100, w->config.vocab, 4);
+  const auto prompt = hash_prompt(1100, w->config.vocab, 4);
   auto sg = gpu->new_state(2048), sc = cpu.new_state(2048);
   std::vector<float> lg, lc;
   const int32_t ig = gpu->prefill(*sg, prompt, &lg);
@@ -435,7 +429,7 @@ TEST_F(CudaE2e, CloneAndKvGrowth) {
   EXPECT_THROW(gpu->decode(*sg, w->config.vocab, nullptr), Error);
   EXPECT_THROW(gpu->decode(*sc, 1, nullptr), Error);
   auto small = gpu->new_state(2);
-  EXPECT_THROW(gpu->prefill(*small, prompt_ids(3, w->config.vocab, 5)), Error);
+  EXPECT_THROW(gpu->prefill(*small, hash_prompt(3, w->config.vocab, 5)), Error);
   EXPECT_THROW(gpu->new_state(0), Error);
 }
 
@@ -576,12 +570,12 @@ SamplingParams graph_schedule_sampling() {
 /// The schedule of DecodeGraphsAreSharedAcrossStates, over `vocab` ids; `sampled` drives B.
 std::vector<SeqPlan> graph_schedule(int vocab, const SamplingParams* sampled) {
   std::vector<SeqPlan> plans(7);
-  plans[0] = {prompt_ids(37, vocab, 41), 0, -1, 0, false, 10, nullptr};   // A
-  plans[1] = {prompt_ids(300, vocab, 42), 0, -1, 0, false, 10, sampled};  // B, sampled
-  plans[2] = {prompt_ids(1020, vocab, 43), 0, -1, 0, false, 8, nullptr};  // C: grows at position 1024
+  plans[0] = {hash_prompt(37, vocab, 41), 0, -1, 0, false, 10, nullptr};   // A
+  plans[1] = {hash_prompt(300, vocab, 42), 0, -1, 0, false, 10, sampled};  // B, sampled
+  plans[2] = {hash_prompt(1020, vocab, 43), 0, -1, 0, false, 8, nullptr};  // C: grows at position 1024
   plans[3] = {{}, 0, 0, 3, false, 8, nullptr};                            // D: a clone of A after 3 steps
   plans[4] = {{}, 0, 2, 2, true, 6, nullptr};                             // E: C through the host tier
-  plans[5] = {prompt_ids(37, vocab, 44), 11, -1, 0, false, 6, nullptr};   // F: after A is destroyed
+  plans[5] = {hash_prompt(37, vocab, 44), 11, -1, 0, false, 6, nullptr};   // F: after A is destroyed
   plans[6] = {{}, 0, 3, 5, false, 4, nullptr};                            // G: a clone of D
   return plans;
 }
@@ -649,7 +643,7 @@ TEST_F(CudaE2e, PrintsDecodeGraphAndPrefixCopyTimes) {
   // that no growth is timed.
   const int vocab = w->config.vocab, history = big && *big ? 4000 : 900;
   auto gpu = make_cuda_backend(w);
-  const auto prompt = prompt_ids(history, vocab, 51), turn2 = prompt_ids(22, vocab, 52);
+  const auto prompt = hash_prompt(history, vocab, 51), turn2 = hash_prompt(22, vocab, 52);
   using clock = std::chrono::steady_clock;
 
   auto a = gpu->new_state(8192);
@@ -748,7 +742,7 @@ std::vector<std::vector<float>> decode_logits(Backend& gpu, const std::vector<in
 /// prefill and every decode step (captured graphs included). A missing dependency shows up here.
 void check_pdl_bit_identical(Backend& gpu, int vocab) {
   const bool saved = cuda::pdl_enabled();
-  const auto prompt = prompt_ids(40, vocab, 11);
+  const auto prompt = hash_prompt(40, vocab, 11);
   cuda::set_pdl_enabled(false);
   const auto off = decode_logits(gpu, prompt, 8);
   cuda::set_pdl_enabled(true);
@@ -783,7 +777,7 @@ void check_decode_settings(std::shared_ptr<const ModelWeights> w, const std::vec
     return backend;
   };
   auto first = make(a), second = make(b);
-  const auto prompt = prompt_ids(40, w->config.vocab, 12);
+  const auto prompt = hash_prompt(40, w->config.vocab, 12);
   const auto la = decode_logits(*first, prompt, 8), lb = decode_logits(*second, prompt, 8);
   int identical = 0;
   for (size_t i = 0; i < la.size(); ++i) {
@@ -942,7 +936,7 @@ TEST_F(CudaE2e, BatchedDecodeRowsAreBitIdenticalToEachSequenceAlone) {
                                                        {20, 64},   {90, 4096},  {513, 4096}, {5, 4096}};
   std::vector<BatchSeq> seqs;
   for (size_t i = 0; i < shapes.size(); ++i)
-    seqs.push_back({prompt_ids(shapes[i].first, vocab, 61 + i), 0, steps, shapes[i].second, nullptr});
+    seqs.push_back({hash_prompt(shapes[i].first, vocab, 61 + i), 0, steps, shapes[i].second, nullptr});
   std::vector<BatchTrace> alone;
   for (int i = 0; i < static_cast<int>(seqs.size()); ++i) alone.push_back(run_rounds(*gpu, seqs, {i})[i]);
   for (int B = 1; B <= 8; ++B) {
@@ -974,12 +968,12 @@ TEST_F(CudaE2e, BatchedDecodeRowsJoinLeaveAndSample) {
   penalized.frequency_penalty = 0.5f;
   penalized.presence_penalty = 0.3f;
   const std::vector<BatchSeq> seqs = {
-      {prompt_ids(37, vocab, 71), 0, 12},          {prompt_ids(300, vocab, 72), 0, 5},
-      {prompt_ids(1, vocab, 73), 0, 9, 4096, &sampled},
-      {prompt_ids(1020, vocab, 74), 1, 8},         {prompt_ids(90, vocab, 75), 1, 10},
-      {prompt_ids(12, vocab, 76), 2, 4, 64},       {prompt_ids(64, vocab, 77), 3, 7, 4096, &penalized},
-      {prompt_ids(200, vocab, 78), 3, 6},          {prompt_ids(7, vocab, 79), 4, 9},
-      {prompt_ids(150, vocab, 80), 5, 3}};
+      {hash_prompt(37, vocab, 71), 0, 12},          {hash_prompt(300, vocab, 72), 0, 5},
+      {hash_prompt(1, vocab, 73), 0, 9, 4096, &sampled},
+      {hash_prompt(1020, vocab, 74), 1, 8},         {hash_prompt(90, vocab, 75), 1, 10},
+      {hash_prompt(12, vocab, 76), 2, 4, 64},       {hash_prompt(64, vocab, 77), 3, 7, 4096, &penalized},
+      {hash_prompt(200, vocab, 78), 3, 6},          {hash_prompt(7, vocab, 79), 4, 9},
+      {hash_prompt(150, vocab, 80), 5, 3}};
   std::vector<int> all;
   for (int i = 0; i < static_cast<int>(seqs.size()); ++i) all.push_back(i);
   const std::vector<BatchTrace> together = run_rounds(*gpu, seqs, all);
@@ -1012,7 +1006,7 @@ void check_batched_vs_per_sequence(std::shared_ptr<const ModelWeights> w, const 
   auto on_gpu = make_cuda_backend(w, batched_options());
   auto off_gpu = make_cuda_backend(w, off);
   for (uint64_t salt : {12}) {
-    const auto prompt = prompt_ids(40, w->config.vocab, salt);
+    const auto prompt = hash_prompt(40, w->config.vocab, salt);
     const auto la = decode_logits(*on_gpu, prompt, 8), lb = decode_logits(*off_gpu, prompt, 8);
     int identical = 0;
     for (size_t i = 0; i < la.size(); ++i) {
@@ -1041,7 +1035,7 @@ double decode_tok_s(Backend& gpu, int B, int steps, bool profile = false) {
   std::vector<int32_t> next;
   for (int i = 0; i < B; ++i) {
     states.push_back(gpu.new_state(4096));
-    next.push_back(gpu.prefill(*states.back(), prompt_ids(256, vocab, 90 + i)));
+    next.push_back(gpu.prefill(*states.back(), hash_prompt(256, vocab, 90 + i)));
   }
   auto one_step = [&] {
     std::vector<StepRow> rows(B);
@@ -1109,8 +1103,8 @@ TEST_F(CudaE2e, Full35bShapeMatchesCpu) {
   auto gpu = make_cuda_backend(w);
   auto oracle = bf16_oracle(w);
   cpu::CpuBackend& cpu = *oracle;
-  probe_diff(cpu, *gpu, prompt_ids(3, w->config.vocab, 7), 0.99);
-  compare_greedy(cpu, *gpu, prompt_ids(64, w->config.vocab, 6), 8, "35b-a3b");
+  probe_diff(cpu, *gpu, hash_prompt(3, w->config.vocab, 7), 0.99);
+  compare_greedy(cpu, *gpu, hash_prompt(64, w->config.vocab, 6), 8, "35b-a3b");
 }
 
 
@@ -1139,7 +1133,7 @@ TEST(CudaHostWeights, ReleasedAfterTheUploadSoATruncationCannotFault) {
   EXPECT_EQ(mappings(), 0);
   auto greedy = [&] {
     auto state = gpu->new_state(64);
-    std::vector<int32_t> out{gpu->prefill(*state, prompt_ids(12, vocab, 3))};
+    std::vector<int32_t> out{gpu->prefill(*state, hash_prompt(12, vocab, 3))};
     for (int i = 0; i < 6; ++i) out.push_back(gpu->decode(*state, out.back()));
     return out;
   };

@@ -22,12 +22,6 @@
 namespace lily::test {
 namespace {
 
-std::vector<int32_t> prompt_ids(int n, int vocab, uint64_t salt) {
-  std::vector<int32_t> ids(n);
-  for (int i = 0; i < n; ++i) ids[i] = int32_t(((uint64_t(i) + salt) * 2654435761ull % 4294967296ull) % uint64_t(vocab));
-  return ids;
-}
-
 /// The reference: the backend's raw logits on the host and the CPU sampler, with the prompt cut
 /// where Generation cuts it (before the last prompt token).
 std::vector<int32_t> host_sampled(Backend& b, const std::vector<int32_t>& prompt, const SamplingParams& p, int n) {
@@ -73,7 +67,7 @@ TEST(CudaSamplingE2e, DeviceSamplerMatchesHostSamplerOnTheBackendsLogits) {
   auto gpu = make_cuda_backend(w, options);
   ASSERT_TRUE(gpu->samples_on_device());
   const int vocab = w->config.vocab;
-  const std::vector<int32_t> prompt = prompt_ids(40, vocab, 5);
+  const std::vector<int32_t> prompt = hash_prompt(40, vocab, 5);
 
   // Greedy before anything is sampled, to compare after.
   const std::vector<int32_t> greedy_before = device_sampled(*gpu, prompt, SamplingParams{}, 12).token_ids;

@@ -1,8 +1,10 @@
 // Shared helpers for the GoogleTest suites: repository paths, temporary directories, closeness.
 #pragma once
+#include <cstdint>
 #include <filesystem>
 #include <span>
 #include <string>
+#include <vector>
 
 // LILY_TEST_SANITIZED: 1 when compiled with AddressSanitizer (the -DLILY_SANITIZE=ON build of
 // scripts/test.sh, and the fuzz build), read from the compiler's own macro (gcc) or feature
@@ -52,6 +54,16 @@ CliRun run_lily(const std::string& args, bool merge_stderr);
 /// As run_lily, under coreutils `timeout`: a run still going after `seconds` is killed and gets
 /// exit code 124 (or 137), so a command that would hang fails the test instead of stalling it.
 CliRun run_lily_bounded(const std::string& args, bool merge_stderr, int seconds = 30);
+/// A deterministic in-vocabulary prompt of n ids: id i = (((i + salt)·2654435761) mod 2^32) mod
+/// vocab. Salt 0 is the `lily bench` prompt (docs/benchmark.md §1.1); other salts give other
+/// prompts of the same spread.
+inline std::vector<int32_t> hash_prompt(int n, int vocab, uint64_t salt = 0) {
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i)
+    ids[static_cast<size_t>(i)] =
+        static_cast<int32_t>(((uint64_t(i) + salt) * 2654435761ull % 4294967296ull) % uint64_t(vocab));
+  return ids;
+}
 /// Max |a-b| / max(|b|, floor) over the two spans (same length required).
 double max_relative_error(std::span<const float> a, std::span<const float> b, double floor = 1e-6);
 /// Cosine similarity of two equal-length vectors.

@@ -39,13 +39,7 @@ class CpuBackendDemo : public ::testing::Test {
     return false;
   }
   /// A deterministic in-vocabulary prompt of n ids (the docs/benchmark.md §1.1 pattern).
-  static std::vector<int32_t> synthetic_prompt(int n) {
-    std::vector<int32_t> ids(n);
-    for (int i = 0; i < n; ++i)
-      ids[i] = static_cast<int32_t>((uint64_t(i) * 2654435761u % (uint64_t(1) << 32)) %
-                                    weights_->config.vocab);
-    return ids;
-  }
+  static std::vector<int32_t> synthetic_prompt(int n) { return test::hash_prompt(n, weights_->config.vocab); }
 
   static std::shared_ptr<const ModelWeights> weights_;
 };

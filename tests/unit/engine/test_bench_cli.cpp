@@ -20,11 +20,7 @@ namespace {
 std::string quoted(const std::filesystem::path& p) { return "'" + p.string() + "'"; }
 
 /// docs/benchmark.md §1.1 prompt ids.
-std::vector<int32_t> contract_prompt(int n, int vocab) {
-  std::vector<int32_t> ids(n);
-  for (int i = 0; i < n; ++i) ids[i] = int32_t((uint64_t(i) * 2654435761ull % 4294967296ull) % uint64_t(vocab));
-  return ids;
-}
+std::vector<int32_t> contract_prompt(int n, int vocab) { return test::hash_prompt(n, vocab); }
 
 /// 64-bit FNV-1a over whole u32 ids, as 16 hex digits (docs/benchmark.md §1.3 item 4).
 std::string fnv1a_hex(const std::vector<int32_t>& ids) {
@@ -128,7 +124,7 @@ TEST(BenchCli, SampledRoundsRepeatAndMatchGenerateWithTheSameSeed) {
 }
 
 // Without --model, bench finds the repository's models/demo next to its executable, as serve and
-// generate do, whatever the working directory (it used to open ./models/demo and fail with
+// generate do, whatever the working directory (a relative ./models/demo would fail with
 // "models/demo: not a checkpoint directory" anywhere but the repository root). A copy of the
 // executable beside a models/demo link stands for a build inside the repository.
 TEST(BenchCli, WithoutModelUsesTheDemoModelNextToTheExecutable) {
@@ -162,7 +158,7 @@ TEST(BenchCli, BadOptionsAreRefused) {
     EXPECT_NE(r.exit_code, 0) << args;
     EXPECT_FALSE(r.output.empty()) << args;
   }
-  // An unwritable report path is refused before the run (it used to fail only after every round).
+  // An unwritable report path is refused before the run, not after every round has run.
   test::TempDir dir;
   for (const std::filesystem::path& out : {dir.path() / "missing" / "bench.json", dir.path()}) {
     const test::CliRun r = test::run_lily("bench --backend cpu --threads 2 --prompt-len 4 --decode-steps 1 "

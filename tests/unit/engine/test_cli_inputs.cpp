@@ -153,8 +153,8 @@ TEST(CliInputs, StreamedGenerateEndsWithTheWholeTextAndANewline) {
   const CliRun plain = run_lily_bounded(base, false);
   EXPECT_EQ(plain.exit_code, 0);
   EXPECT_EQ(plain.output, text + "\n");
-  // A stop string that the text's last two bytes begin holds them back until the end; they
-  // used to be dropped from the streamed output.
+  // A stop string that the text's last two bytes begin holds them back until the end, and they
+  // must then still reach the streamed output.
   const std::string tail = text.substr(text.size() - 2);
   ASSERT_EQ(tail.find('\''), std::string::npos);
   ASSERT_EQ(text.find(tail + "QQQZ"), std::string::npos);

@@ -1,7 +1,7 @@
 // Integer options of the `lily` subcommands: a value below the minimum or not an integer is
 // refused before anything runs, with a message that names the option, the rule and the value
-// (CLI11 2.1's own NonNegativeNumber / PositiveNumber printed "Value 0 not in range 0.000000 to
-// 1797693…" with 300 digits), and --threads no longer takes negative counts silently.
+// (CLI11 2.1's own NonNegativeNumber / PositiveNumber print "Value 0 not in range 0.000000 to
+// 1797693…" with 300 digits), and --threads refuses negative counts.
 #include <gtest/gtest.h>
 
 #include <filesystem>

@@ -1,8 +1,7 @@
-// A FIFO (or another non-regular file) given as config.json,
-// model.safetensors, a shard index or tokenizer.json used to hang `lily inspect`, `generate`,
-// `tokenize` and `serve` in open(2) (no writer ever comes). Each must now exit 1 at once with an
-// error naming the file. The runs are bounded by `timeout`, so the old behaviour fails the test
-// (exit 124) instead of stalling it.
+// A FIFO (or another non-regular file) given as config.json, model.safetensors, a shard index or
+// tokenizer.json would hang `lily inspect`, `generate`, `tokenize` and `serve` in a plain
+// open(2) (no writer ever comes). Each must exit 1 at once with an error naming the file. The
+// runs are bounded by `timeout`, so a hang fails the test (exit 124) instead of stalling it.
 #include <gtest/gtest.h>
 
 #include <sys/stat.h>

@@ -378,8 +378,8 @@ TEST(Synth, TokenizerIsCopiedAndSetsTheStopIds) {
 }
 
 // A bad --tokenizer is refused before anything is written: an existing checkpoint in --out keeps
-// its weights (they used to be removed first, then the tokenizer check failed), and a missing
-// --out is not created.
+// its weights (not removed first and then left behind by the failed tokenizer check), and a
+// missing --out is not created.
 TEST(Synth, BadTokenizerChangesNothing) {
   test::TempDir dir;
   SynthOptions o;

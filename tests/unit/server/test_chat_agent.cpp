@@ -3,6 +3,7 @@
 // fields. Every invalid combination is a 400 naming the field.
 #include <gtest/gtest.h>
 
+#include "request_rejection.h"
 #include "server/api_error.h"
 #include "server/chat_request.h"
 
@@ -37,13 +38,8 @@ json with(const std::string& key, const json& value) {
 
 /// "param|code" of the 400 the body gets, or "accepted".
 std::string rejection(const json& body) {
-  try {
-    parse_chat_request(body.dump());
-  } catch (const ApiError& e) {
-    EXPECT_EQ(e.status(), 400);
-    return e.param().value_or("<none>") + "|" + e.code().value_or("<none>");
-  }
-  return "accepted";
+  const auto e = lily::server::test::rejection_of(parse_chat_request, body.dump());
+  return e ? lily::server::test::param_and_code(*e) : "accepted";
 }
 
 json tool_with(const std::string& pointer, const json& value) {

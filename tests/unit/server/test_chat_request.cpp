@@ -2,6 +2,7 @@
 // with the status, param and code a client sees.
 #include <gtest/gtest.h>
 
+#include "request_rejection.h"
 #include "server/api_error.h"
 #include "server/chat_request.h"
 
@@ -19,13 +20,7 @@ ChatRequest parse(const json& j) { return parse_chat_request(j.dump()); }
 
 /// Parses `body` expecting a 400; returns the error.
 ApiError rejected(const std::string& body) {
-  try {
-    parse_chat_request(body);
-  } catch (const ApiError& e) {
-    EXPECT_EQ(e.status(), 400);
-    EXPECT_EQ(e.type(), "invalid_request_error");
-    return e;
-  }
+  if (auto e = lily::server::test::rejection_of(parse_chat_request, body)) return *e;
   ADD_FAILURE() << "accepted: " << body;
   return ApiError(0, "", "");
 }

@@ -2,6 +2,7 @@
 // accepts, and the param and code of every rejection.
 #include <gtest/gtest.h>
 
+#include "request_rejection.h"
 #include "server/api_error.h"
 #include "server/chat_request.h"
 
@@ -21,13 +22,7 @@ json with(json j, const std::string& key, const json& value) {
 /// Runs `parse` on `body` expecting a 400; returns "param|code".
 template <class Parse>
 std::string rejection(Parse parse, const json& body) {
-  try {
-    parse(body.dump());
-  } catch (const ApiError& e) {
-    EXPECT_EQ(e.status(), 400);
-    EXPECT_EQ(e.type(), "invalid_request_error");
-    return e.param().value_or("<none>") + "|" + e.code().value_or("<none>");
-  }
+  if (auto e = lily::server::test::rejection_of(parse, body.dump())) return lily::server::test::param_and_code(*e);
   ADD_FAILURE() << "accepted: " << body.dump();
   return "";
 }
