@@ -996,10 +996,12 @@ TEST_F(CudaE2e, BatchedDecodeSharesGraphsAcrossStates) {
 }
 
 /// Decode logits of `w` with the batched decode on and off (the rest from the environment), on
-/// the prompt of FusedDecodeMatchesSeparateKernels: cosine ≥ 0.999 and equal greedy ids at every
-/// step (the batched path runs its norms separately and the MoE as three kernels where the
-/// default decode folds the norms into the GEMVs and runs the fused MoE block: within bf16
-/// rounding, the difference that test bounds). The number of bit-identical steps is printed.
+/// the prompt of FusedDecodeMatchesSeparateKernels, both fed the same tokens (the per-sequence
+/// path's greedy ids), so a near-tie that goes the other way on one side cannot send the two
+/// down different continuations: cosine ≥ 0.999 at every step and equal greedy ids wherever the
+/// per-sequence top-2 margin is ≥ 0.5 (the batched path runs its norms separately, its router on
+/// tensor cores and its MoE through the rows kernel: within rounding of the default decode). The
+/// number of bit-identical steps is printed.
 void check_batched_vs_per_sequence(std::shared_ptr<const ModelWeights> w, const char* what) {
   CudaOptions off = CudaOptions::from_env();
   off.batched_decode = false;
@@ -1007,17 +1009,26 @@ void check_batched_vs_per_sequence(std::shared_ptr<const ModelWeights> w, const 
   auto off_gpu = make_cuda_backend(w, off);
   for (uint64_t salt : {12}) {
     const auto prompt = hash_prompt(40, w->config.vocab, salt);
-    const auto la = decode_logits(*on_gpu, prompt, 8), lb = decode_logits(*off_gpu, prompt, 8);
-    int identical = 0;
-    for (size_t i = 0; i < la.size(); ++i) {
-      identical += la[i] == lb[i];
-      EXPECT_GE(cosine_similarity(la[i], lb[i]), 0.999) << what << ", step " << i;
-      const auto ia = std::max_element(la[i].begin(), la[i].end()) - la[i].begin();
-      const auto ib = std::max_element(lb[i].begin(), lb[i].end()) - lb[i].begin();
-      EXPECT_EQ(ia, ib) << what << ", step " << i;
+    auto on_st = on_gpu->new_state(1024), off_st = off_gpu->new_state(1024);
+    std::vector<float> la, lb;
+    int32_t next = off_gpu->prefill(*off_st, prompt, &lb);
+    on_gpu->prefill(*on_st, prompt, &la);
+    int identical = 0, steps = 0;
+    for (int i = 0; i <= 8; ++i) {
+      if (i > 0) {
+        const int32_t fed = next;
+        next = off_gpu->decode(*off_st, fed, &lb);
+        on_gpu->decode(*on_st, fed, &la);
+      }
+      ++steps;
+      identical += la == lb;
+      EXPECT_GE(cosine_similarity(la, lb), 0.999) << what << ", step " << i;
+      const auto ia = std::max_element(la.begin(), la.end()) - la.begin();
+      const auto ib = std::max_element(lb.begin(), lb.end()) - lb.begin();
+      if (margin(lb) >= 0.5) EXPECT_EQ(ia, ib) << what << ", step " << i << ", margin " << margin(lb);
     }
-    std::printf("%s, prompt %llu: batched vs per-sequence decode, %d of %zu steps bit-identical\n", what,
-                static_cast<unsigned long long>(salt), identical, la.size());
+    std::printf("%s, prompt %llu: batched vs per-sequence decode, %d of %d steps bit-identical\n", what,
+                static_cast<unsigned long long>(salt), identical, steps);
   }
 }
 
