@@ -174,32 +174,31 @@ if has source; then
   fi
 fi
 
+# ncu_generate_table NAME PROMPT_TOKENS MAX_TOKENS [TABLE_FLAGS]: Nsight Compute (each kernel
+# alone, its duration) over `lily generate` on the big checkpoint, tabulated by kernel name
+# (scripts/ncu-decode-table.py) into $OUT/NAME.md.
+ncu_generate_table() {
+  local name=$1 n=$2 max=$3 flags=${4:-}
+  local ids; ids=$(python3 -c "print(','.join(str((i * 2654435761) % 2**32 % 248320) for i in range($n)))")
+  rm -f "/tmp/$name.ncu-rep"
+  timeout 400 ncu --clock-control none --metrics gpu__time_duration.sum -o "/tmp/$name" \
+    "$BUILD/lily" generate --backend cuda --model "$BIG" --prompt-ids "$ids" --max-tokens "$max" >"/tmp/$name.log" 2>&1 ||
+    { echo "ncu failed"; tail -5 "/tmp/$name.log"; }
+  if [[ -f "/tmp/$name.ncu-rep" ]]; then
+    ncu --import "/tmp/$name.ncu-rep" --csv --page raw --metrics gpu__time_duration.sum >"/tmp/$name.csv" 2>/dev/null
+    python3 scripts/ncu-decode-table.py $flags "/tmp/$name.csv" | tee "$OUT/$name.md"
+  fi
+}
+
 if has profile; then
   echo "== ncu: 3 decode steps after a 64-token prompt"
-  IDS=$(python3 -c "print(','.join(str((i * 2654435761) % 2**32 % 248320) for i in range(64)))")
-  rm -f /tmp/prof.ncu-rep
-  timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum -o /tmp/prof \
-    "$BUILD/lily" generate --backend cuda --model "$BIG" --prompt-ids "$IDS" --max-tokens 4 >/tmp/ncu-run.log 2>&1 ||
-    { echo "ncu failed"; tail -5 /tmp/ncu-run.log; }
-  if [[ -f /tmp/prof.ncu-rep ]]; then
-    ncu --import /tmp/prof.ncu-rep --csv --page raw --metrics gpu__time_duration.sum >/tmp/prof.csv 2>/dev/null
-    python3 scripts/ncu-decode-table.py /tmp/prof.csv | tee "$OUT/profile.md"
-  fi
+  ncu_generate_table profile 64 4
 fi
 # Nsight Compute over one prefill: a LILY_GPU_PREFILL_LEN-token prompt (default 2048, one chunk)
 # and one token, every kernel timed alone, tabulated by kernel name.
 if has prefill-profile; then
-  n=${LILY_GPU_PREFILL_LEN:-2048}
-  echo "== ncu: prefill of $n tokens"
-  IDS=$(python3 -c "print(','.join(str((i * 2654435761) % 2**32 % 248320) for i in range($n)))")
-  rm -f /tmp/pprof.ncu-rep
-  timeout 400 ncu --clock-control none --metrics gpu__time_duration.sum -o /tmp/pprof \
-    "$BUILD/lily" generate --backend cuda --model "$BIG" --prompt-ids "$IDS" --max-tokens 1 >/tmp/ncu-prun.log 2>&1 ||
-    { echo "ncu prefill failed"; tail -5 /tmp/ncu-prun.log; }
-  if [[ -f /tmp/pprof.ncu-rep ]]; then
-    ncu --import /tmp/pprof.ncu-rep --csv --page raw --metrics gpu__time_duration.sum >/tmp/pprof.csv 2>/dev/null
-    python3 scripts/ncu-decode-table.py --prefill /tmp/pprof.csv | tee "$OUT/prefill-profile.md"
-  fi
+  echo "== ncu: prefill of ${LILY_GPU_PREFILL_LEN:-2048} tokens"
+  ncu_generate_table prefill-profile "${LILY_GPU_PREFILL_LEN:-2048}" 1 --prefill
 fi
 
 # Nsight Compute over 3 batched decode steps of LILY_GPU_BATCH_ROWS (default 8) sequences on the

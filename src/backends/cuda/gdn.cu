@@ -779,6 +779,18 @@ __device__ __forceinline__ void load_b_split(const float (*hi)[kColPad], const f
   b_lo[1] = __float_as_uint(lo[k0 + t + 4][n]);
 }
 
+/// A fragment (rows r0 and r0+8, columns k0+t and k0+t+4) of an fp32 [rows][N] array, each
+/// value split into its tf32 high and low parts.
+template <int N>
+__device__ __forceinline__ void load_a_split(const float (*a)[N], int r0, int k0, uint32_t (&a_hi)[4],
+                                             uint32_t (&a_lo)[4]) {
+  const int t = threadIdx.x % 4;
+  split_tf32(a[r0][k0 + t], a_hi[0], a_lo[0]);
+  split_tf32(a[r0 + 8][k0 + t], a_hi[1], a_lo[1]);
+  split_tf32(a[r0][k0 + t + 4], a_hi[2], a_lo[2]);
+  split_tf32(a[r0 + 8][k0 + t + 4], a_hi[3], a_lo[3]);
+}
+
 /// Block (value head j, slice of kMmaBV value columns): pass 2 on tensor cores (see above).
 /// Inputs: conv_out bf16 [T, C] (q ‖ k ‖ v rows, q/k of key head j/(Hv/Hk)), ws fp32 from
 /// pass 1 (per value head and chunk: U, W [64][Dk], P [64][64], SC [4][64]); state fp32
@@ -841,10 +853,7 @@ gdn_chunk_state_mma_kernel(int Hk, int Hv, int T, const bf16* __restrict__ conv_
 #pragma unroll 4
     for (int k0 = 0; k0 < kDk; k0 += 8) {
       uint32_t w_hi[4], w_lo[4], qa[4];
-      split_tf32(sm.W[r0][k0 + t4], w_hi[0], w_lo[0]);
-      split_tf32(sm.W[r0 + 8][k0 + t4], w_hi[1], w_lo[1]);
-      split_tf32(sm.W[r0][k0 + t4 + 4], w_hi[2], w_lo[2]);
-      split_tf32(sm.W[r0 + 8][k0 + t4 + 4], w_hi[3], w_lo[3]);
+      load_a_split(sm.W, r0, k0, w_hi, w_lo);
       qa[0] = bf16_bits_to_tf32(sm.q[r0][k0 + t4]);
       qa[1] = bf16_bits_to_tf32(sm.q[r0 + 8][k0 + t4]);
       qa[2] = bf16_bits_to_tf32(sm.q[r0][k0 + t4 + 4]);
@@ -888,10 +897,7 @@ gdn_chunk_state_mma_kernel(int Hk, int Hv, int T, const bf16* __restrict__ conv_
     // Phase B: O += P·Δ over s < 16·(am+1) (P is zero above the diagonal).
     for (int k0 = 0; k0 < 16 * (am + 1); k0 += 8) {
       uint32_t p_hi[4], p_lo[4];
-      split_tf32(sm.P[r0][k0 + t4], p_hi[0], p_lo[0]);
-      split_tf32(sm.P[r0 + 8][k0 + t4], p_hi[1], p_lo[1]);
-      split_tf32(sm.P[r0][k0 + t4 + 4], p_hi[2], p_lo[2]);
-      split_tf32(sm.P[r0 + 8][k0 + t4 + 4], p_hi[3], p_lo[3]);
+      load_a_split(sm.P, r0, k0, p_hi, p_lo);
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
         uint32_t b_hi[2], b_lo[2];

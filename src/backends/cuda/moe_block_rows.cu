@@ -192,6 +192,20 @@ __device__ __forceinline__ void group_columns(const TileView& v, const uint32_t*
   acc[3] = affine_add(acc[3], s_hi, d[3], b_hi, sum1);
 }
 
+/// Stores one thread's MMA D fragment of a 16-row × m-column partial tile p [16][m] (acc: rows
+/// g, g + 8 × columns 2t, 2t + 1; columns ≥ m dropped).
+__device__ __forceinline__ void store_tile_partial(float* p, const float (&acc)[4], int g, int t, int m) {
+  const int c0 = 2 * t, c1 = 2 * t + 1;
+  if (c0 < m) {
+    p[g * m + c0] = acc[0];
+    p[(g + 8) * m + c0] = acc[2];
+  }
+  if (c1 < m) {
+    p[g * m + c1] = acc[1];
+    p[(g + 8) * m + c1] = acc[3];
+  }
+}
+
 /// The router's k-split: warps per 16-row router tile, each a contiguous range of the groups
 /// (a function of the shape only: the sum order of a logit never depends on the rows).
 constexpr int kRouterSplit = 8;
@@ -331,15 +345,7 @@ __device__ __forceinline__ void router_rows_mma(const MoeDecodeArgs& a, const Mo
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       for (int Gi = g0; Gi < g1; ++Gi)
         router_group<RBITS>(a.router, row_lo, row_hi, t, Gi, col, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
-      float* p = part + warp * kTileRows * m;
-      if (c0 < m) {
-        p[g * m + c0] = acc[0];
-        p[(g + 8) * m + c0] = acc[2];
-      }
-      if (c1 < m) {
-        p[g * m + c1] = acc[1];
-        p[(g + 8) * m + c1] = acc[3];
-      }
+      store_tile_partial(part + warp * kTileRows * m, acc, g, t, m);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < kTileRows * m; i += blockDim.x) {
@@ -500,15 +506,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     for (int Gi = g_begin; Gi < g_end; ++Gi)
       group_columns(v, col, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
     float* part = gu_part + (quad * 2 + (n & 1)) * kQuadWarps * kTileRows * m;  // this tile's partials
-    float* p = part + wq * kTileRows * m;
-    if (c0 < m) {
-      p[g * m + c0] = acc[0];
-      p[(g + 8) * m + c0] = acc[2];
-    }
-    if (c1 < m) {
-      p[g * m + c1] = acc[1];
-      p[(g + 8) * m + c1] = acc[3];
-    }
+    store_tile_partial(part + wq * kTileRows * m, acc, g, t, m);
     quad_sync(quad);  // the tile's partials are complete and its stage is free
     if (wq == 0 && i + kQuads * QS < my_gu) {
       const int jn = j + kQuads * QS * G;
