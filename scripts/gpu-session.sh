@@ -6,7 +6,7 @@
 # machine stays warm). Logs under $OUT (at most 8 files come back).
 #
 #   bash scripts/gpu-session.sh                  # everything
-#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: moe tests timing bench base ab sampled sampler detail source profile prefill-profile batched-profile cache prefill-tests
+#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: moe tests timing bench base ab sampled sampler detail source profile prefill-profile prefill-detail batched-profile cache prefill-tests
 #   LILY_GPU_CONTEXTS="256 4096 32768"           # bench contexts (default below)
 set -uo pipefail
 export LILY_GPU_BUILD="${LILY_GPU_BUILD:-/tmp/lily-build}"
@@ -62,7 +62,7 @@ if has timing; then
   "$BUILD/tests/test_cuda_core_kernels" --gtest_filter='CudaTiming.*' 2>&1 | grep -E "\[timing\]|FAILED" | tee "$OUT/timing.txt"
 fi
 
-if has bench || has profile || has prefill-profile || has batched-profile || has base || has ab || has detail || has sampled; then
+if has bench || has profile || has prefill-profile || has prefill-detail || has batched-profile || has base || has ab || has detail || has sampled; then
   if [[ ! -f "$BIG/model.safetensors" && ! -f "$BIG/model.safetensors.index.json" ]]; then  # one file, or shards
     echo "== lily synth --preset 35b-a3b"
     t1=$(date +%s)
@@ -199,6 +199,23 @@ fi
 if has prefill-profile; then
   echo "== ncu: prefill of ${LILY_GPU_PREFILL_LEN:-2048} tokens"
   ncu_generate_table prefill-profile "${LILY_GPU_PREFILL_LEN:-2048}" 1 --prefill
+fi
+
+# Nsight Compute sections (speed of light, warp stall reasons, instruction mix, occupancy) for the
+# first launches of the prefill's heavy kernels on one 2,048-token chunk: the dense and grouped
+# GEMMs, both GDN passes and flash attention. Text report in $OUT/prefill-detail.txt.
+if has prefill-detail; then
+  echo "== ncu sections: prefill kernels of one 2,048-token chunk"
+  ids=$(python3 -c "print(','.join(str((i * 2654435761) % 2**32 % 248320) for i in range(2048)))")
+  sections=(--section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis
+            --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section InstructionStats)
+  for k in "regex:regdq|quant_gemm_kernel|gdn_chunk|router_gemm:9" "regex:flash:1"; do
+    timeout 200 ncu --clock-control none "${sections[@]}" -k "${k%:*}" --launch-count "${k##*:}" \
+      "$BUILD/lily" generate --backend cuda --model "$BIG" --prompt-ids "$ids" --max-tokens 1 \
+      >>"$OUT/prefill-detail.txt" 2>&1 || echo "ncu ($k) failed"
+  done
+  grep -E "^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Stall|Issued Ipc|Registers Per|Achieved Occupancy" \
+    "$OUT/prefill-detail.txt" | head -80
 fi
 
 # Nsight Compute over 3 batched decode steps of LILY_GPU_BATCH_ROWS (default 8) sequences on the

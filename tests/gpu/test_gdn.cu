@@ -403,6 +403,50 @@ TEST(GdnPrefill, StateMmaMatchesFp32WalkRaggedLongChunk) { expect_state_mma_matc
 TEST(GdnPrefill, StateMmaMatchesFp32WalkOneToken) { expect_state_mma_matches_fp32_walk(1, 72); }
 TEST(GdnPrefill, StateMmaMatchesFp32WalkDemoDims) { expect_state_mma_matches_fp32_walk(300, 73, demo_dims()); }
 
+/// Selects pass 1 of the two-pass prefill for one scope: tensor cores (true) or fp32.
+struct ScopedLocalMma {
+  explicit ScopedLocalMma(bool on) : was_(cuda::gdn_local_mma_enabled()) { cuda::set_gdn_local_mma_enabled(on); }
+  ~ScopedLocalMma() { cuda::set_gdn_local_mma_enabled(was_); }
+  bool was_;
+};
+
+/// The tensor-core pass 1 (bf16 KKᵀ/QKᵀ, exact products; split-tf32 U and W) against the fp32
+/// pass 1, both followed by the same pass 2, over T tokens from a non-zero start state. The two
+/// differ by the order of fp32 additions and the ~2^-22 split error, carried through the walk:
+/// the same bounds as the pass-2 comparison above, for the same reasons (a wrong fragment index,
+/// scale or mask gives errors of the state's own size).
+void expect_local_mma_matches_fp32(int T, uint64_t seed, const cuda::GdnDims& shape = {}) {
+  std::mt19937_64 rng(seed);
+  GdnFixture fx(rng, -2.0f, 1.0f, shape);
+  const auto& d = fx.dims;
+  TwoPrefills io(fx, rng, T);
+  const __nv_bfloat16* zp = io.zab();
+  ScopedTwoPass two_pass(true);
+  {
+    ScopedLocalMma mode(false);
+    prefill_with_workspace(d, fx.params(), T, io.x(), zp, io.zab_stride, io.d_s1.as<float>(),
+                           io.d_o1.as<__nv_bfloat16>());
+  }
+  {
+    ScopedLocalMma mode(true);
+    prefill_with_workspace(d, fx.params(), T, io.x(), zp, io.zab_stride, io.d_s2.as<float>(),
+                           io.d_o2.as<__nv_bfloat16>());
+  }
+  const auto s1 = download_f32(io.d_s1, d.state_elems());
+  const double state_err = max_abs_scaled(download_f32(io.d_s2, d.state_elems()), s1);
+  const auto o1 = download_bf16(io.d_o1, int64_t(T) * io.V), o2 = download_bf16(io.d_o2, int64_t(T) * io.V);
+  const double out_err = max_rel(o2, o1, kFloor), out_rms = rms_rel(o2, o1);
+  std::printf("[gdn pass 1 tensor cores vs fp32] D=%d T=%d: output max rel %.3g, rms rel %.3g, state max %.3g\n",
+              d.key_head_dim, T, out_err, out_rms, state_err);
+  EXPECT_LT(state_err, kStateTol);
+  EXPECT_LT(out_err, kPrefillElemTol);
+  EXPECT_LT(out_rms, kPrefillRmsTol / 2);
+}
+
+TEST(GdnPrefill, LocalMmaMatchesFp32RaggedLongChunk) { expect_local_mma_matches_fp32(2048 + 37, 81); }
+TEST(GdnPrefill, LocalMmaMatchesFp32OneToken) { expect_local_mma_matches_fp32(1, 82); }
+TEST(GdnPrefill, LocalMmaMatchesFp32DemoDims) { expect_local_mma_matches_fp32(300, 83, demo_dims()); }
+
 /// Prefill of a sequence in two pieces equals one piece (the state carries over).
 TEST(GdnPrefill, SplitSequenceEqualsOnePass) {
   std::mt19937_64 rng(41);
@@ -487,16 +531,17 @@ TEST(GdnTiming, PrintsKernelTimes) {
     const int T2 = 2048;
     const size_t bytes = cuda::gdn_prefill_workspace_bytes(d, T2);
     DeviceBuffer ws(bytes);
-    float ms[2] = {};
-    for (int mma = 0; mma < 2; ++mma) {
-      ScopedStateMma state_mode(mma == 1);
-      ms[mma] = time_ms([&] {
+    float ms[3] = {};  // pass 1 / pass 2 on tensor cores: 0 neither, 1 pass 2, 2 both
+    for (int mode = 0; mode < 3; ++mode) {
+      ScopedStateMma state_mode(mode >= 1);
+      ScopedLocalMma local_mode(mode == 2);
+      ms[mode] = time_ms([&] {
         cuda::gdn_prefill(d, fx.params(), T2, d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv, zab_stride,
                           d_state.as<float>(), d_out.as<__nv_bfloat16>(), nullptr, ws.as<float>(), bytes);
       }, 10);
     }
-    std::printf("[gdn timing] two passes T=%d: %.3f ms/layer with pass 2 on tensor cores, %.3f ms/layer with "
-                "the fp32 walk\n", T2, ms[1], ms[0]);
+    std::printf("[gdn timing] two passes T=%d: %.3f ms/layer with both passes on tensor cores, %.3f with pass 2 "
+                "only, %.3f with neither\n", T2, ms[2], ms[1], ms[0]);
   }
   const float decode_us = 1000 * time_ms([&] {
     cuda::gdn_decode(d, fx.params(), d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv,

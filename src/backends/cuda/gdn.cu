@@ -626,6 +626,214 @@ gdn_chunk_local_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log, c
     }
 }
 
+// ---- pass 1 on tensor cores (LILY_CUDA_GDN_LOCAL_MMA=1, the default) -----------------------
+//
+// The same U, W, P and row scales as gdn_chunk_local_kernel, formed from the chunk's bf16 rows
+// q_t, k_t, v_t (q̂_t = rq_t·q_t, k̂_t = rk_t·k_t with the L2-norm factors of load_chunk):
+//   KKᵀ, QKᵀ  (64×64, inner dim Dk): bf16 mma.sync m16n8k16 on the raw rows. A product of two
+//             bf16 values is exact in fp32 and the sums are fp32, so these are the fp32 dot
+//             products but for the order of the additions. Norms, gates and decays go in the
+//             epilogue: A[t][s] = β_t·e^{g_t−g_s}·rk_t·rk_s·(k_t·k_s) for s < t,
+//             P[t][s] = e^{g_t−g_s}·rq_t·rk_s·(q_t·k_s) for s ≤ t, zero above.
+//   T = (I + A)^{-1}: invert_unit_lower, fp32 on CUDA cores, as before.
+//   U = T·diag(β)·V, W = T·diag(β·γ·rk)·K: tf32 m16n8k8 with the column-scaled T split in two
+//             tf32 parts as the A operand (hi + lo: near-fp32 products) and the raw bf16 rows as
+//             B (exact in tf32): two MMAs per product.
+// The rows arrive by 16-byte cp.async (zero-filled past L) in one round trip, where the fp32
+// form loads them row by row and sums the gates on one thread.
+
+/// Shared memory of the tensor-core pass 1 (kDk = Dk = Dv). bf16 rows of kDk + 8 elements
+/// (≡ 4 words mod 32): the fragment loads of a warp hit distinct banks.
+template <int kDk>
+struct LocalMmaSmem {
+  static constexpr int kXPad = kDk + 8;
+  alignas(16) uint16_t q[kChunk][kXPad];  // bf16 bits of the chunk's rows, zero past L
+  uint16_t k[kChunk][kXPad];
+  uint16_t v[kChunk][kXPad];
+  float A[kChunk][kChunk];       // β_t e^{g_t−g_s} k̂_t·k̂_s for s < t (the rest is not read)
+  float Ti[kChunk][kChunk + 1];  // (I + A)^{-1}
+  float g[kChunk];               // cumulative log decay
+  float beta[kChunk];
+  float rq[kChunk];              // q̂_t = rq_t·q_t (1/√Dk included)
+  float rk[kChunk];              // k̂_t = rk_t·k_t
+};
+
+/// Copies the q, k and v rows of chunk tokens [t0, t0+L) of value head j (key head kh) into sm
+/// (rows past L zero-filled) and computes g (inclusive cumulative sum in token order), β and
+/// the L2-norm factors rq, rk (load_chunk's formulas). Ends with __syncthreads.
+template <int kDk>
+__device__ void load_chunk_rows(LocalMmaSmem<kDk>& sm, int t0, int L, int j, int kh, int key_dim, int64_t C,
+                                const bf16* conv_out, const bf16* a, const bf16* b, int64_t zab_stride,
+                                float A_log_j, float dt_bias_j) {
+  constexpr int kPieces = kDk / 8;  // 16-byte pieces per row
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  for (int i = threadIdx.x; i < 3 * kChunk * kPieces; i += kPrefillThreads) {
+    const int which = i / (kChunk * kPieces), t = (i / kPieces) % kChunk, e = 8 * (i % kPieces);
+    const int64_t col = which == 0 ? int64_t(kh) * kDk
+                                   : (which == 1 ? key_dim + int64_t(kh) * kDk : 2 * int64_t(key_dim) + int64_t(j) * kDk);
+    uint16_t* dst = which == 0 ? sm.q[t] : (which == 1 ? sm.k[t] : sm.v[t]);
+    const bool valid = t < L;
+    cp_async16(dst + e, conv_out + (valid ? int64_t(t0 + t) * C + col + e : 0), valid ? 16 : 0);
+  }
+  cp_async_commit();
+  if (threadIdx.x < kChunk) {
+    const int t = threadIdx.x;
+    const int64_t row = int64_t(t0 + t) * zab_stride;
+    sm.g[t] = t < L ? log_decay(to_f32(a[row + j]), A_log_j, dt_bias_j) : 0.0f;
+    sm.beta[t] = t < L ? beta_gate(to_f32(b[row + j])) : 0.0f;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  if (warp == 0) {  // lane l: tokens 2l, 2l + 1; an inclusive scan of the pair sums, then in order
+    const float x0 = sm.g[2 * lane], x1 = sm.g[2 * lane + 1];
+    float incl = x0 + x1;
+#pragma unroll
+    for (int o = 1; o < kWarp; o <<= 1) {
+      const float u = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += u;
+    }
+    float before = __shfl_up_sync(0xffffffffu, incl, 1);
+    if (lane == 0) before = 0.0f;
+    const float g0 = before + x0;
+    sm.g[2 * lane] = g0;
+    sm.g[2 * lane + 1] = g0 + x1;
+  }
+  for (int row = warp; row < 2 * kChunk; row += kPrefillWarps) {  // q rows, then k rows
+    const uint16_t* src = row < kChunk ? sm.q[row] : sm.k[row - kChunk];
+    float ss = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kDk / kWarp; ++e) {
+      const float x = bits_to_f32(src[lane + e * kWarp]);
+      ss += x * x;
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) {
+      const float r = 1.0f / sqrtf(ss + kL2Eps);
+      if (row < kChunk) sm.rq[row] = r * rsqrtf(float(kDk));
+      else sm.rk[row - kChunk] = r;
+    }
+  }
+  __syncthreads();
+}
+
+/// The bf16x2 at (row, columns c, c + 1) of a bf16 row tile, as an mma operand register.
+template <int kPad>
+__device__ __forceinline__ uint32_t bf16_pair(const uint16_t (*rows)[kPad], int row, int c) {
+  return *reinterpret_cast<const uint32_t*>(&rows[row][c]);
+}
+
+/// KKᵀ and QKᵀ on tensor cores, then A into sm.A and P (64×64 fp32, zero above the diagonal)
+/// into global memory. Warp w: rows 16·(w/2) …, columns 32·(w%2) … (four n8 tiles).
+template <int kDk>
+__device__ void form_kk_qk_mma(LocalMmaSmem<kDk>& sm, float* P) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t4 = lane % 4;
+  const int m0 = 16 * (warp / 2), n_base = 32 * (warp % 2);
+  float kk[4][4] = {}, qk[4][4] = {};
+#pragma unroll
+  for (int k0 = 0; k0 < kDk; k0 += 16) {
+    const int c = k0 + 2 * t4;
+    const uint32_t ak[4] = {bf16_pair(sm.k, m0 + g, c), bf16_pair(sm.k, m0 + g + 8, c), bf16_pair(sm.k, m0 + g, c + 8),
+                            bf16_pair(sm.k, m0 + g + 8, c + 8)};
+    const uint32_t aq[4] = {bf16_pair(sm.q, m0 + g, c), bf16_pair(sm.q, m0 + g + 8, c), bf16_pair(sm.q, m0 + g, c + 8),
+                            bf16_pair(sm.q, m0 + g + 8, c + 8)};
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int s = n_base + 8 * nt + g;
+      const uint32_t bk[2] = {bf16_pair(sm.k, s, c), bf16_pair(sm.k, s, c + 8)};
+      mma_bf16_16816(kk[nt], ak, bk);
+      mma_bf16_16816(qk[nt], aq, bk);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // rows g and g + 8
+      const int t = m0 + g + 8 * h;
+      float p[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int s = n_base + 8 * nt + 2 * t4 + e;
+        const float decay = s <= t ? expf(sm.g[t] - sm.g[s]) : 0.0f;
+        sm.A[t][s] = s < t ? sm.beta[t] * decay * (sm.rk[t] * sm.rk[s]) * kk[nt][2 * h + e] : 0.0f;
+        p[e] = s <= t ? decay * (sm.rq[t] * sm.rk[s]) * qk[nt][2 * h + e] : 0.0f;
+      }
+      *reinterpret_cast<float2*>(P + t * kChunk + n_base + 8 * nt + 2 * t4) = make_float2(p[0], p[1]);
+    }
+}
+
+/// U = T·diag(β)·V and W = T·diag(β·γ·rk)·K (64×Dk each, fp32) into global memory, with split
+/// tf32 MMAs. Warp w: rows 16·(w/2) …, columns (Dk/2)·(w%2) … (Dk/16 n8 tiles).
+template <int kDk>
+__device__ void form_u_w_mma(LocalMmaSmem<kDk>& sm, float* U, float* W) {
+  constexpr int kNT = kDk / 16;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t4 = lane % 4;
+  const int m0 = 16 * (warp / 2), n_base = (kDk / 2) * (warp % 2);
+  float u[kNT][4] = {}, w[kNT][4] = {};
+#pragma unroll 2
+  for (int s0 = 0; s0 < kChunk; s0 += 8) {
+    // A fragments: T[row][s]·scale[s] at (g, t4), (g+8, t4), (g, t4+4), (g+8, t4+4), split.
+    uint32_t au_hi[4], au_lo[4], aw_hi[4], aw_lo[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = m0 + g + 8 * (r % 2), s = s0 + t4 + 4 * (r / 2);
+      const float ti = sm.Ti[row][s];
+      split_tf32(ti * sm.beta[s], au_hi[r], au_lo[r]);
+      split_tf32(ti * (sm.beta[s] * expf(sm.g[s]) * sm.rk[s]), aw_hi[r], aw_lo[r]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      const int col = n_base + 8 * nt + g;
+      const uint32_t bv[2] = {bf16_bits_to_tf32(sm.v[s0 + t4][col]), bf16_bits_to_tf32(sm.v[s0 + t4 + 4][col])};
+      const uint32_t bk[2] = {bf16_bits_to_tf32(sm.k[s0 + t4][col]), bf16_bits_to_tf32(sm.k[s0 + t4 + 4][col])};
+      mma_tf32_1688(u[nt], au_hi, bv);
+      mma_tf32_1688(u[nt], au_lo, bv);
+      mma_tf32_1688(w[nt], aw_hi, bk);
+      mma_tf32_1688(w[nt], aw_lo, bk);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = int64_t(m0 + g + 8 * h) * kDk + n_base + 8 * nt + 2 * t4;
+      *reinterpret_cast<float2*>(U + at) = make_float2(u[nt][2 * h], u[nt][2 * h + 1]);
+      *reinterpret_cast<float2*>(W + at) = make_float2(w[nt][2 * h], w[nt][2 * h + 1]);
+    }
+}
+
+/// Block (value head j, chunk c): the workspace of gdn_chunk_local_kernel (U, W, P, SC), on
+/// tensor cores. conv_out and ws 16-byte aligned (the launcher checks).
+template <int kDk>
+__global__ void __launch_bounds__(kPrefillThreads)
+gdn_chunk_local_mma_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+                           const bf16* __restrict__ conv_out, const bf16* __restrict__ a, const bf16* __restrict__ b,
+                           int64_t zab_stride, float* __restrict__ ws) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  LocalMmaSmem<kDk>& sm = *reinterpret_cast<LocalMmaSmem<kDk>*>(smem_raw);
+  const int j = blockIdx.x, c = blockIdx.y, kh = j / (Hv / Hk), t0 = c * kChunk;
+  const int L = min(kChunk, T - t0);
+  const int key_dim = Hk * kDk;
+  const int64_t C = 2 * key_dim + int64_t(Hv) * kDk;
+  float* U = ws + (int64_t(j) * gridDim.y + c) * local_floats(kDk);
+  float* W = U + kChunk * kDk;
+  float* P = W + kChunk * kDk;
+  float* SC = P + kChunk * kChunk;
+  load_chunk_rows(sm, t0, L, j, kh, key_dim, C, conv_out, a, b, zab_stride, A_log[j], dt_bias[j]);
+  form_kk_qk_mma(sm, P);
+  if (threadIdx.x < kChunk) {
+    const int t = threadIdx.x;
+    const float g_last = sm.g[L - 1];
+    SC[t] = expf(sm.g[t]) * sm.rq[t];
+    SC[kChunk + t] = t < L ? sm.rk[t] * expf(g_last - sm.g[t]) : 0.0f;
+    SC[2 * kChunk + t] = expf(g_last);
+    SC[3 * kChunk + t] = 0.0f;
+  }
+  __syncthreads();
+  invert_unit_lower(sm);
+  __syncthreads();
+  form_u_w_mma(sm, U, W);
+}
+
 /// Block (value head j, column slice): the walk over the chunks with Δ = U − W·S from pass 1.
 template <int kDk>
 __global__ void __launch_bounds__(kPrefillThreads)
@@ -982,6 +1190,7 @@ gated_norm_kernel(int Hv, float eps, const float* __restrict__ norm_w,
 
 /// LILY_CUDA_GDN_STATE_MMA as read once (−1: not read yet), or as set by set_gdn_state_mma_enabled.
 std::atomic<int> g_state_mma{-1};
+std::atomic<int> g_local_mma{-1};  // gdn_local_mma_enabled: -1 unread, 0 off, 1 on
 
 /// LILY_CUDA_REQUIRE with this file's prefix.
 #define MIXER_REQUIRE(ok, ...) LILY_CUDA_REQUIRE(ok, "GDN kernels", __VA_ARGS__)
@@ -1039,15 +1248,22 @@ void launch_prefill(const GdnDims& dims, const GdnParams& params, int T, const b
                     bf16* out, float* ws, cudaStream_t stream) {
   const dim3 grid(dims.n_value_heads, D / kBV);
   if (ws) {
-    const size_t local_smem = sizeof(LocalSmem<D>);
-    raise_smem_limit(gdn_chunk_local_kernel<D>, local_smem);
-    const dim3 local_grid(dims.n_value_heads, static_cast<unsigned>(ceil_div(T, kChunk)));
-    gdn_chunk_local_kernel<D><<<local_grid, kPrefillThreads, local_smem, stream>>>(
-        dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b, zab_stride, ws);
-    LILY_CUDA_CHECK_LAUNCH();
-    // The tensor-core pass 2 copies 16-byte pieces of conv_out and ws and stores bf16 pairs and
-    // float2s: buffers not aligned for that (never the backend's) take the fp32 walk.
+    // The tensor-core passes copy 16-byte pieces of conv_out and ws and store bf16 pairs and
+    // float2s: buffers not aligned for that (never the backend's) take the fp32 kernels.
     const auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
+    const dim3 local_grid(dims.n_value_heads, static_cast<unsigned>(ceil_div(T, kChunk)));
+    if (gdn_local_mma_enabled() && aligned(conv_out, 16) && aligned(ws, 16)) {
+      const size_t local_smem = sizeof(LocalMmaSmem<D>);
+      raise_smem_limit(gdn_chunk_local_mma_kernel<D>, local_smem);
+      gdn_chunk_local_mma_kernel<D><<<local_grid, kPrefillThreads, local_smem, stream>>>(
+          dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b, zab_stride, ws);
+    } else {
+      const size_t local_smem = sizeof(LocalSmem<D>);
+      raise_smem_limit(gdn_chunk_local_kernel<D>, local_smem);
+      gdn_chunk_local_kernel<D><<<local_grid, kPrefillThreads, local_smem, stream>>>(
+          dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b, zab_stride, ws);
+    }
+    LILY_CUDA_CHECK_LAUNCH();
     if (gdn_state_mma_enabled() && aligned(conv_out, 16) && aligned(ws, 16) && aligned(out, 4) && aligned(state, 8)) {
       const size_t mma_smem = sizeof(MmaStateSmem<D>);
       raise_smem_limit(gdn_chunk_state_mma_kernel<D>, mma_smem);
@@ -1095,6 +1311,22 @@ bool gdn_state_mma_enabled() {
 }
 
 void set_gdn_state_mma_enabled(bool on) { g_state_mma.store(on ? 1 : 0); }
+
+bool gdn_local_mma_enabled() {
+  int s = g_local_mma.load(std::memory_order_relaxed);
+  if (s < 0) {
+    const char* v = std::getenv("LILY_CUDA_GDN_LOCAL_MMA");
+    const std::string value = v ? v : "";
+    MIXER_REQUIRE(value.empty() || value == "1" || value == "0",
+                  "LILY_CUDA_GDN_LOCAL_MMA must be '1' or '0', got '" + value + "'");
+    s = value == "0" ? 0 : 1;
+    int expected = -1;
+    if (!g_local_mma.compare_exchange_strong(expected, s)) s = expected;
+  }
+  return s == 1;
+}
+
+void set_gdn_local_mma_enabled(bool on) { g_local_mma.store(on ? 1 : 0); }
 
 GdnDims gdn_dims(const ModelConfig& config) {
   GdnDims d;

@@ -151,6 +151,14 @@ bool gdn_state_mma_enabled();
 /// Overrides LILY_CUDA_GDN_STATE_MMA for the rest of the process (tests comparing both paths).
 void set_gdn_state_mma_enabled(bool on);
 
+/// Whether pass 1 of the two-pass gdn_prefill (each chunk's U, W, P) runs on tensor cores (bf16
+/// mma for KKᵀ/QKᵀ, split-tf32 mma for U and W; gdn.cu, "pass 1 on tensor cores") or as the
+/// fp32 CUDA-core kernel. LILY_CUDA_GDN_LOCAL_MMA unset, empty or "1" → tensor cores; "0" → fp32;
+/// any other value throws lily::Error at the first two-pass prefill.
+bool gdn_local_mma_enabled();
+/// Overrides LILY_CUDA_GDN_LOCAL_MMA for the rest of the process (tests comparing both paths).
+void set_gdn_local_mma_enabled(bool on);
+
 // =============================================================================================
 // Gated full attention (docs/model.md §3.4)
 // =============================================================================================
