@@ -25,7 +25,7 @@ run_case() {  # LABEL PORT EXTRA-FLAGS...
   python3 scripts/cache-ttft.py --url "http://127.0.0.1:$port" --system-words "${LILY_CACHE_WORDS:-3000}" --label "$label" \
     --max-tokens "${LILY_CACHE_TOKENS:-8}" --phases --pause "${LILY_CACHE_PAUSE:-0.5}" \
     --conversations "${LILY_CACHE_CONVERSATIONS:-2}"
-  curl -s "http://127.0.0.1:$port/metrics" | grep -E "^lily_cache_(hits|misses|tokens_saved|bytes|evictions|snapshots)" 
+  curl -s "http://127.0.0.1:$port/metrics" | grep -E "^lily_cache_(hits|misses|tokens_saved|bytes|evictions|snapshots|host_copies_pending)" 
   kill -INT "$pid"; wait "$pid"
 }
 run_case device-tier 18080

@@ -95,6 +95,12 @@ class Backend {
   /// but clone_state turns it back into a runnable state. The default is clone_state, for
   /// backends whose own memory is host memory (CPU). Throws as clone_state.
   virtual std::unique_ptr<SequenceState> copy_to_host(const SequenceState& state) { return clone_state(state); }
+  /// True when copy_to_host of one of this backend's runnable states may run on one helper thread
+  /// while the engine thread goes on making any other call, provided that nothing changes or
+  /// frees that state meanwhile (a prefix-cache snapshot): the prefix cache then makes its host
+  /// copies in the background, off the engine's path (SessionCache::start_background_host_copies).
+  /// The copy must be finished when copy_to_host returns. False by default.
+  virtual bool copies_to_host_concurrently() const { return false; }
   /// Bytes of the backend's own memory still free (CUDA: device memory after the weights and
   /// buffers), which bounds the prefix cache's default device budget; nullopt for a backend that
   /// uses host memory (CPU).

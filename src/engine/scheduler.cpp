@@ -70,6 +70,10 @@ Scheduler::Scheduler(std::unique_ptr<Backend> backend, std::shared_ptr<const Tok
   max_batch_ = options_.max_batch == 0 ? std::min(kDefaultMaxBatch, limit) : options_.max_batch;
   // A lone sequence shares its steps with nothing: its prompt is only cut where it always is.
   prefill_chunk_ = max_batch_ > 1 ? options_.step_tokens : 0;
+  // Snapshots bound for the host tier are copied on the cache's helper thread, so that a copy
+  // (with CUDA, pinning new host memory) never holds up a step or the next job.
+  if (options_.cache.host_bytes > 0 && backend_->copies_to_host_concurrently())
+    cache_.start_background_host_copies(*backend_);
   thread_ = std::thread([this] { engine_loop(); });
 }
 
@@ -190,6 +194,7 @@ struct Scheduler::Running {
 
 void Scheduler::engine_loop() {
   while (true) {
+    cache_.reap();  // states whose host copy is done, freed here on the engine thread
     std::vector<std::shared_ptr<Job>> admitted;
     {
       std::unique_lock lock(mutex_);
@@ -199,6 +204,7 @@ void Scheduler::engine_loop() {
       while (!has_work() && idle_work_) {
         lock.unlock();
         idle_work_ = prepare_while_idle();
+        cache_.reap();
         lock.lock();
       }
       cv_.wait(lock, has_work);

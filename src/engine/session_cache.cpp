@@ -10,11 +10,22 @@ namespace lily {
 
 /// A snapshot held by a node of the tree.
 struct SessionCache::Snapshot {
-  std::unique_ptr<SequenceState> state;
+  /// Its state: in the host tier a host copy, or (while `copy` is set) the state being copied.
+  std::shared_ptr<SequenceState> state;
   CacheTier tier = CacheTier::kDevice;
   std::optional<std::string> key;
   int64_t bytes = 0;
   std::list<Node*>::iterator lru_it;  ///< its place in lru(tier)
+  std::shared_ptr<HostCopy> copy;     ///< its background host copy, until installed
+};
+
+/// One background host copy. The helper thread reads `source` without the mutex; everything else
+/// changes under it. The helper never frees a state: it hands `source` and `result` to the graveyard.
+struct SessionCache::HostCopy {
+  std::shared_ptr<SequenceState> source;  ///< the state copied (also the snapshot's until installed)
+  Snapshot* snap = nullptr;               ///< null once cancelled (the snapshot was dropped or replaced)
+  int64_t bytes = 0;                      ///< source->bytes(), counted in backlog_bytes_
+  bool started = false;                   ///< taken from the queue by the helper thread
 };
 
 /// A node of the radix tree: the tokens from its parent (`edge`, non-empty except at the root)
@@ -49,11 +60,44 @@ bool is_strict_prefix(std::span<const int32_t> prefix, std::span<const int32_t> 
 SessionCache::SessionCache(SessionCacheOptions options) : options_(options), root_(std::make_unique<Node>()) {
   if (options_.device_bytes < 0) throw Error("--cache-memory must be ≥ 0 bytes");
   if (options_.host_bytes < 0) throw Error("--cache-host-memory must be ≥ 0 bytes");
+  if (options_.copy_backlog_bytes < 0) throw Error("the prefix cache's copy backlog must be ≥ 0 bytes");
   stats_.device.budget = options_.device_bytes;
   stats_.host.budget = options_.host_bytes;
 }
 
-SessionCache::~SessionCache() = default;
+SessionCache::~SessionCache() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  work_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void SessionCache::start_background_host_copies(Backend& backend) {
+  if (!backend.copies_to_host_concurrently())
+    throw Error("prefix cache: the " + backend.name() + " backend cannot copy states to host memory in the background");
+  std::lock_guard lock(mutex_);
+  if (copier_ != nullptr) throw Error("prefix cache: background host copies already started");
+  copier_ = &backend;
+  worker_ = std::thread([this] { copy_loop(); });
+}
+
+void SessionCache::reap() {
+  std::vector<std::shared_ptr<SequenceState>> dead;
+  {
+    std::lock_guard lock(mutex_);
+    dead.swap(graveyard_);
+  }
+}  // `dead` is freed here, outside the lock
+
+void SessionCache::wait_for_host_copies() {
+  {
+    std::unique_lock lock(mutex_);
+    idle_cv_.wait(lock, [&] { return queue_.empty() && !copy_running_; });
+  }
+  reap();
+}
 
 CacheLookup SessionCache::acquire(Backend& backend, std::span<const int32_t> prompt,
                                   const std::optional<std::string>& key, int64_t capacity) {
@@ -99,36 +143,87 @@ CacheLookup SessionCache::acquire(Backend& backend, std::span<const int32_t> pro
 }
 
 void SessionCache::store(Backend& backend, std::vector<ResumePoint> points, const std::optional<std::string>& key) {
-  std::lock_guard lock(mutex_);
-  if (!enabled()) return;
-  for (ResumePoint& p : points) {
-    if (p.state == nullptr || p.tokens.empty() || p.state->position() != static_cast<int64_t>(p.tokens.size()))
-      continue;
-    insert(backend, std::move(p), key);
+  {
+    std::lock_guard lock(mutex_);
+    if (!enabled()) return;
+    for (ResumePoint& p : points) {
+      if (p.state == nullptr || p.tokens.empty() || p.state->position() != static_cast<int64_t>(p.tokens.size()))
+        continue;
+      insert(backend, std::move(p), key);
+    }
+    enforce_budgets(backend);
   }
-  enforce_budgets(backend);
+  points.clear();  // the points not stored, outside the lock
+  reap();
+}
+
+std::unique_ptr<SessionCache::Snapshot> SessionCache::host_snapshot(Backend& backend, ResumePoint& point,
+                                                                     const std::optional<std::string>& key) {
+  auto snap = std::make_unique<Snapshot>();
+  snap->key = key;
+  snap->tier = CacheTier::kHost;
+  if (copier_ != nullptr) {
+    snap->bytes = point.state->bytes();
+    snap->state = std::move(point.state);
+    if (queue_copy(*snap)) return snap;
+    graveyard_.push_back(std::move(snap->state));
+    return nullptr;
+  }
+  try {
+    snap->state = backend.copy_to_host(*point.state);
+  } catch (const Error& e) {
+    log_warn(std::string("prefix cache: cannot copy a snapshot to host memory: ") + e.what());
+    return nullptr;
+  }
+  graveyard_.push_back(std::move(point.state));
+  snap->bytes = snap->state->bytes();
+  return snap;
+}
+
+bool SessionCache::queue_copy(Snapshot& snap) {
+  if (backlog_bytes_ > 0 && backlog_bytes_ + snap.bytes > options_.copy_backlog_bytes) return false;
+  auto job = std::make_shared<HostCopy>();
+  job->source = snap.state;
+  job->snap = &snap;
+  job->bytes = snap.bytes;
+  backlog_bytes_ += job->bytes;
+  snap.copy = job;
+  queue_.push_back(std::move(job));
+  ++stats_.host_copies_pending;
+  work_cv_.notify_one();
+  return true;
+}
+
+void SessionCache::retire(Snapshot& snap) {
+  if (snap.copy) {
+    HostCopy& job = *snap.copy;
+    job.snap = nullptr;
+    --stats_.host_copies_pending;
+    if (!job.started) {  // never started: its source can go now
+      std::erase(queue_, snap.copy);
+      backlog_bytes_ -= job.bytes;
+      graveyard_.push_back(std::move(job.source));
+      idle_cv_.notify_all();
+    }
+    snap.copy.reset();
+  }
+  if (snap.state) graveyard_.push_back(std::move(snap.state));
 }
 
 void SessionCache::insert(Backend& backend, ResumePoint point, const std::optional<std::string>& key) {
   // The tier is chosen before the tree changes, so that a snapshot that fits nowhere leaves the
   // one it would have replaced in place.
-  auto snap = std::make_unique<Snapshot>();
-  snap->key = key;
-  snap->bytes = point.state->bytes();
-  if (snap->bytes <= options_.device_bytes) {
-    snap->tier = CacheTier::kDevice;
+  std::unique_ptr<Snapshot> snap;
+  const int64_t bytes = point.state->bytes();
+  if (bytes <= options_.device_bytes) {
+    snap = std::make_unique<Snapshot>();
+    snap->key = key;
+    snap->bytes = bytes;
     snap->state = std::move(point.state);
-  } else if (snap->bytes <= options_.host_bytes) {
-    try {
-      snap->state = backend.copy_to_host(*point.state);
-    } catch (const Error& e) {
-      log_warn(std::string("prefix cache: cannot copy a snapshot to host memory: ") + e.what());
-      ++stats_.device.evictions;
-      return;
-    }
-    snap->tier = CacheTier::kHost;
-    snap->bytes = snap->state->bytes();
-  } else {
+  } else if (bytes <= options_.host_bytes) {
+    snap = host_snapshot(backend, point, key);
+  }
+  if (snap == nullptr) {
     ++stats_.device.evictions;
     return;
   }
@@ -177,6 +272,7 @@ void SessionCache::insert(Backend& backend, ResumePoint point, const std::option
     old.bytes -= node->snap->bytes;
     --old.snapshots;
     lru(node->snap->tier).erase(node->snap->lru_it);
+    retire(*node->snap);
   }
   CacheTierStats& t = tier_stats(snap->tier);
   t.bytes += snap->bytes;
@@ -196,6 +292,10 @@ void SessionCache::enforce_budgets(Backend& backend) {
     else
       drop(victim);
   }
+  enforce_host_budget();
+}
+
+void SessionCache::enforce_host_budget() {
   while (stats_.host.bytes > options_.host_bytes && !lru(CacheTier::kHost).empty()) {
     ++stats_.host.evictions;
     drop(lru(CacheTier::kHost).back());
@@ -204,13 +304,23 @@ void SessionCache::enforce_budgets(Backend& backend) {
 
 void SessionCache::move_to_host(Backend& backend, Node* node) {
   Snapshot& snap = *node->snap;
-  std::unique_ptr<SequenceState> host;
-  try {
-    host = backend.copy_to_host(*snap.state);
-  } catch (const Error& e) {
-    log_warn(std::string("prefix cache: cannot copy a snapshot to host memory: ") + e.what());
-    drop(node);
-    return;
+  std::shared_ptr<SequenceState> host;
+  if (copier_ != nullptr) {
+    if (!queue_copy(snap)) {  // the backlog is full: dropped rather than waited for
+      log_debug("prefix cache: the host copy backlog is full; a snapshot is dropped instead of moved");
+      drop(node);
+      return;
+    }
+    host = snap.state;  // replaced once the copy is made (finish_copy)
+  } else {
+    try {
+      host = backend.copy_to_host(*snap.state);
+    } catch (const Error& e) {
+      log_warn(std::string("prefix cache: cannot copy a snapshot to host memory: ") + e.what());
+      drop(node);
+      return;
+    }
+    graveyard_.push_back(std::move(snap.state));
   }
   stats_.device.bytes -= snap.bytes;
   --stats_.device.snapshots;
@@ -231,8 +341,56 @@ void SessionCache::drop(Node* node) {
   t.bytes -= snap.bytes;
   --t.snapshots;
   lru(snap.tier).erase(snap.lru_it);
+  retire(snap);
   node->snap.reset();
   prune(node);
+}
+
+void SessionCache::copy_loop() {
+  std::unique_lock lock(mutex_);
+  while (true) {
+    work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    if (stopping_) return;
+    std::shared_ptr<HostCopy> job = std::move(queue_.front());
+    queue_.pop_front();
+    job->started = true;
+    copy_running_ = true;
+    lock.unlock();
+    std::unique_ptr<SequenceState> host;
+    std::string error;
+    try {
+      host = copier_->copy_to_host(*job->source);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    lock.lock();
+    finish_copy(*job, std::move(host), error);
+    copy_running_ = false;
+    idle_cv_.notify_all();
+  }
+}
+
+void SessionCache::finish_copy(HostCopy& job, std::unique_ptr<SequenceState> host, const std::string& error) {
+  backlog_bytes_ -= job.bytes;
+  graveyard_.push_back(std::move(job.source));
+  Snapshot* snap = job.snap;
+  if (snap == nullptr) {  // dropped or replaced meanwhile (retire counted it)
+    if (host) graveyard_.push_back(std::move(host));
+    return;
+  }
+  --stats_.host_copies_pending;
+  snap->copy.reset();
+  Node* node = *snap->lru_it;
+  if (host == nullptr) {
+    log_warn("prefix cache: cannot copy a snapshot to host memory: " + error);
+    drop(node);
+    return;
+  }
+  graveyard_.push_back(std::move(snap->state));
+  snap->state = std::move(host);
+  stats_.host.bytes += snap->state->bytes() - snap->bytes;
+  snap->bytes = snap->state->bytes();
+  enforce_host_budget();
 }
 
 void SessionCache::prune(Node* node) {
@@ -267,7 +425,7 @@ std::vector<SnapshotInfo> SessionCache::describe() const {
   std::vector<SnapshotInfo> out;
   for (const auto& list : lru_)
     for (const Node* node : list)
-      out.push_back({path_tokens(node), node->snap->tier, node->snap->key, node->snap->bytes});
+      out.push_back({path_tokens(node), node->snap->tier, node->snap->key, node->snap->bytes, node->snap->copy != nullptr});
   return out;
 }
 

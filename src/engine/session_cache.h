@@ -14,10 +14,19 @@
 // Memory is bounded in bytes, in two tiers: the backend's own memory (device memory for the CUDA
 // backend) and host memory (Backend::copy_to_host). Least recently used snapshots of the first
 // tier move to the second when it is full, and are dropped from the second when that is full.
+//
+// Host copies can be made in the background (start_background_host_copies): a snapshot that goes
+// to the host tier joins it at once (its bytes count there from then on) but keeps its own state
+// until a helper thread has made the host copy, which then replaces it; lookups meanwhile resume
+// from the state itself, which holds the same tokens. So a store never waits for a copy (pinning
+// new host memory takes about 0.4 ms per MB with CUDA). States the cache lets go of are freed on
+// the engine thread only (reap), never on the helper thread.
 // The design keeps snapshots per sequence state, so a batched scheduler can take them for each
 // of its rows.
 #pragma once
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <list>
 #include <map>
 #include <memory>
@@ -25,6 +34,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/backend.h"
@@ -36,6 +46,10 @@ namespace lily {
 struct SessionCacheOptions {
   int64_t device_bytes = int64_t{256} << 20;  ///< snapshots in the backend's memory (CUDA: device memory), bytes
   int64_t host_bytes = 0;    ///< snapshots in host memory (CUDA: pinned), bytes
+  /// With background host copies: most bytes of states waiting for (or in) their host copy, held
+  /// in the backend's memory beyond the device budget meanwhile. A move that would exceed it
+  /// drops the snapshot instead (counted as a device eviction); one move is always allowed.
+  int64_t copy_backlog_bytes = int64_t{2} << 30;
 };
 
 /// The tiers, in the order a snapshot moves through them.
@@ -61,6 +75,8 @@ struct SessionCacheStats {
   int64_t tokens_saved = 0;  ///< prompt tokens resumed from snapshots instead of being prefilled
   CacheTierStats device;
   CacheTierStats host;
+  /// Host-tier snapshots whose background host copy is queued or running now (counted in `host`).
+  int64_t host_copies_pending = 0;
 };
 
 /// One decode state and the tokens it has consumed (state->position() == tokens.size()).
@@ -82,17 +98,20 @@ struct SnapshotInfo {
   CacheTier tier = CacheTier::kDevice;
   std::optional<std::string> key;
   int64_t bytes = 0;
+  bool copying = false;  ///< its background host copy is not made yet (it resumes from its own state)
 };
 
 /// True when `prefix` is strictly shorter than `tokens` and equals its beginning.
 bool is_strict_prefix(std::span<const int32_t> prefix, std::span<const int32_t> tokens);
 
 /// The prefix cache. Thread-safe (one mutex); the backend is only called on the caller's thread
-/// (the engine thread, which owns it).
+/// (the engine thread, which owns it), except copy_to_host on the helper thread of
+/// start_background_host_copies.
 class SessionCache {
  public:
-  /// Throws lily::Error for a negative budget.
+  /// Throws lily::Error for a negative budget or copy backlog.
   explicit SessionCache(SessionCacheOptions options);
+  /// Stops the helper thread (after the copy it is making, if any) and frees every snapshot.
   ~SessionCache();
   SessionCache(const SessionCache&) = delete;
   SessionCache& operator=(const SessionCache&) = delete;
@@ -113,8 +132,21 @@ class SessionCache {
   /// snapshot is larger than it). A snapshot with exactly the same tokens is replaced. Then moves
   /// or drops least recently used snapshots until both tiers fit their budgets; the snapshots
   /// just stored go last. `backend` (the one that made the states) copies states to the host
-  /// tier. A snapshot larger than both budgets is not stored.
+  /// tier (synchronously, unless start_background_host_copies was called). A snapshot larger
+  /// than both budgets is not stored. Never waits for a background copy; frees what it let go
+  /// (reap) before it returns.
   void store(Backend& backend, std::vector<ResumePoint> points, const std::optional<std::string>& key);
+
+  /// From now on host copies are made on a helper thread with `backend`, whose
+  /// copies_to_host_concurrently() must be true and which must outlive the cache (see the file
+  /// comment). Throws lily::Error when that backend does not allow it or when already started.
+  void start_background_host_copies(Backend& backend);
+  /// Frees, on the calling thread (the engine thread), the states the cache let go of since the
+  /// last call: device states whose host copy is done, dropped snapshots. Cheap when there are none.
+  void reap();
+  /// Waits until no background host copy is queued or running, then reaps (for tests and
+  /// benchmarks; the engine never waits for copies).
+  void wait_for_host_copies();
 
   SessionCacheStats stats() const;
   /// Every snapshot, the device tier's first, each tier's most recently used first (for tests
@@ -124,11 +156,23 @@ class SessionCache {
  private:
   struct Node;
   struct Snapshot;
+  struct HostCopy;
   void insert(Backend& backend, ResumePoint point, const std::optional<std::string>& key);
+  /// The snapshot `point` makes in the host tier (copied now, or queued); null when it cannot.
+  std::unique_ptr<Snapshot> host_snapshot(Backend& backend, ResumePoint& point, const std::optional<std::string>& key);
   void enforce_budgets(Backend& backend);
+  void enforce_host_budget();
   void move_to_host(Backend& backend, Node* node);
+  /// Queues a background host copy of `snap`'s state; false when the backlog has no room.
+  bool queue_copy(Snapshot& snap);
+  /// Cancels `snap`'s background copy (if any) and hands its state to the graveyard.
+  void retire(Snapshot& snap);
   void drop(Node* node);
   void prune(Node* node);
+  /// Helper thread: makes the queued host copies one at a time.
+  void copy_loop();
+  /// Installs (or, when cancelled or failed, discards) a finished copy; under mutex_.
+  void finish_copy(HostCopy& job, std::unique_ptr<SequenceState> host, const std::string& error);
   CacheTierStats& tier_stats(CacheTier tier) { return tier == CacheTier::kDevice ? stats_.device : stats_.host; }
   std::list<Node*>& lru(CacheTier tier) { return lru_[static_cast<int>(tier)]; }
 
@@ -137,6 +181,18 @@ class SessionCache {
   std::unique_ptr<Node> root_;
   std::list<Node*> lru_[2];  ///< per tier: nodes holding a snapshot, most recently used first
   SessionCacheStats stats_;
+  /// States to free on the engine thread (reap): never freed under mutex_ or on the helper thread.
+  std::vector<std::shared_ptr<SequenceState>> graveyard_;
+
+  // Background host copies (start_background_host_copies); all under mutex_.
+  Backend* copier_ = nullptr;                    ///< null: host copies are made in store()
+  std::deque<std::shared_ptr<HostCopy>> queue_;  ///< not started yet, oldest first
+  int64_t backlog_bytes_ = 0;                    ///< bytes of the sources queued or being copied
+  bool copy_running_ = false;                    ///< the helper thread is making a copy
+  bool stopping_ = false;
+  std::condition_variable work_cv_;  ///< helper: queue_ or stopping_ changed
+  std::condition_variable idle_cv_;  ///< wait_for_host_copies: a copy finished
+  std::thread worker_;
 };
 
 /// The budgets a server runs with: `device` and `host` when given (bytes, ≥ 0), else defaults:

@@ -256,6 +256,9 @@ std::string Metrics::render(const EngineGauges& g) const {
   per_tier("lily_cache_bytes", "gauge", "Bytes of decode state held by the prefix cache, per tier.",
            &CacheTierStats::bytes);
   per_tier("lily_cache_budget_bytes", "gauge", "Byte budget of each prefix-cache tier.", &CacheTierStats::budget);
+  scalar(out, "lily_cache_host_copies_pending", "gauge",
+         "Host-tier snapshots whose background copy to host memory is not made yet.",
+         static_cast<double>(g.cache.host_copies_pending));
   const ProcessStats p = read_process_stats();
   scalar(out, "process_cpu_seconds_total", "counter", "User and system CPU time of the process.", p.cpu_seconds);
   scalar(out, "process_resident_memory_bytes", "gauge", "Resident memory of the process.",

@@ -27,6 +27,7 @@
 #include <initializer_list>
 #include <map>
 #include <optional>
+#include <thread>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -431,6 +432,45 @@ TEST_F(CudaE2e, CloneAndKvGrowth) {
   auto small = gpu->new_state(2);
   EXPECT_THROW(gpu->prefill(*small, hash_prompt(3, w->config.vocab, 5)), Error);
   EXPECT_THROW(gpu->new_state(0), Error);
+}
+
+// The prefix cache makes its host copies on a helper thread (copies_to_host_concurrently) while
+// the engine thread runs steps: copies made beside the decode steps of another sequence (whose
+// new states capture and update decode graphs meanwhile) restore to states that decode bit for
+// bit as the copied state, and that sequence decodes as it does with no copy beside it.
+TEST_F(CudaE2e, HostCopiesOnAHelperThreadBesideDecodeSteps) {
+  TempDir dir;
+  auto w = synth("realdims", dir.path());
+  auto gpu = make_cuda_backend(w);
+  ASSERT_TRUE(gpu->copies_to_host_concurrently());
+  auto snap = gpu->new_state(2048);
+  const int32_t next = gpu->prefill(*snap, hash_prompt(1100, w->config.vocab, 4));
+  const auto other_prompt = hash_prompt(300, w->config.vocab, 6);
+  auto decode_other = [&] {
+    auto s = gpu->new_state(2048);
+    std::vector<int32_t> out{gpu->prefill(*s, other_prompt)};
+    for (int i = 0; i < 48; ++i) out.push_back(gpu->decode(*s, out.back()));
+    return out;
+  };
+  const std::vector<int32_t> alone = decode_other();
+  std::vector<std::unique_ptr<SequenceState>> copies;
+  std::thread helper([&] {
+    for (int i = 0; i < 4; ++i) copies.push_back(gpu->copy_to_host(*snap));
+  });
+  const std::vector<int32_t> beside = decode_other();
+  helper.join();
+  EXPECT_EQ(beside, alone);
+  auto reference = gpu->clone_state(*snap);
+  std::vector<float> expected;
+  const int32_t expected_id = gpu->decode(*reference, next, &expected);
+  ASSERT_EQ(copies.size(), 4u);
+  for (const auto& host : copies) {
+    EXPECT_EQ(host->position(), 1100);
+    auto restored = gpu->clone_state(*host);
+    std::vector<float> got;
+    EXPECT_EQ(gpu->decode(*restored, next, &got), expected_id);
+    EXPECT_EQ(got, expected);
+  }
 }
 
 // ---- decode graphs shared by the states of one backend (cuda_backend.h) ----------------------

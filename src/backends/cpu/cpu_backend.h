@@ -130,6 +130,9 @@ class CpuBackend final : public Backend {
   /// Deep copy whose KV caches have room for min(capacity, max_seq) positions (reserved, so the
   /// steps up to there append without reallocating). Throws as clone_state.
   std::unique_ptr<SequenceState> resume_state(const SequenceState& snapshot, int64_t capacity) override;
+  /// True: a host copy is clone_state, which only reads the state and takes memory from the
+  /// state pool (thread-safe), so it may run beside the engine thread's calls.
+  bool copies_to_host_concurrently() const override { return true; }
   /// Most rows per step.
   int max_batch() const override { return kMaxBatch; }
   /// One spare state block for the sizes recent states took (touched, from the state pool).

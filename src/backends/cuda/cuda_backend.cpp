@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
@@ -140,7 +141,8 @@ class CudaHostState final : public SequenceState {
 /// same for every state, are nearly always reused ones. Every use of a block, device or pinned,
 /// is work on the backend's stream, so the work of a block's next owner runs after that of its
 /// last one, even where a failed call left work queued (and normally each call has finished its
-/// work before it returns).
+/// work before it returns); except copy_to_host of a device state, on the copy stream, which
+/// has finished its work when it returns or throws.
 class CudaState final : public SequenceState {
  public:
   /// A zero state at position 0 with room for min(max_seq, kInitialKvCapacity) positions, in
@@ -225,12 +227,20 @@ class CudaState final : public SequenceState {
   }
 
   /// A host copy (see CudaHostState) in blocks of `pinned`, copied on `stream` and finished on
-  /// return.
+  /// return, also when a copy fails (the pinned blocks go back to the pool idle).
   std::unique_ptr<CudaHostState> to_host(const std::shared_ptr<BlockPool>& pinned, cudaStream_t stream) const {
     const size_t row = static_cast<size_t>(attn.head_dim) * sizeof(bf16);
     const size_t kv_bytes = static_cast<size_t>(attn.n_kv_heads) * static_cast<size_t>(pos) * row;
     auto h = std::make_unique<CudaHostState>(owner, pinned, max_seq, pos, windows.bytes(), states.bytes(), kv_bytes,
                                              n_attn);
+    // Destroyed before `h`: on an error, the copies already queued end before h's blocks are
+    // given back (`stream` may be one other than the blocks' next owner uses).
+    struct FinishOnError {
+      cudaStream_t stream;
+      ~FinishOnError() {
+        if (std::uncaught_exceptions() > 0) (void)cudaStreamSynchronize(stream);
+      }
+    } finish_on_error{stream};
     if (n_gdn > 0) {
       CUDA_CHECK(cudaMemcpyAsync(h->windows(), windows.data(), windows.bytes(), cudaMemcpyDeviceToHost, stream));
       CUDA_CHECK(cudaMemcpyAsync(h->states(), states.data(), states.bytes(), cudaMemcpyDeviceToHost, stream));
@@ -550,6 +560,7 @@ class CudaBackend final : public Backend {
     // checkpoint's mapping goes with the caller's last reference (reads_host_weights()).
     model_ = std::make_unique<DeviceModel>(*weights);
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
     allocate_scratch();
     fused_moe_ = options_.fused_moe && fuse_decode_ && fused_moe_supported();
     batched_fused_moe_ = fused_moe_ && fused_moe_supported(kMaxDecodeRows);
@@ -564,6 +575,7 @@ class CudaBackend final : public Backend {
     set_gdn_chunk_parallel_enabled(options_.gdn_chunk_parallel);
   }
   ~CudaBackend() override {
+    if (copy_stream_) cudaStreamDestroy(copy_stream_);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -597,14 +609,22 @@ class CudaBackend final : public Backend {
   // the same request without the cache. CudaState::clone / from_host take a room for when the
   // split count no longer depends on the capacity (or room is chosen as a cold state's).
 
-  /// Pinned host copy (CudaHostState), copied on the backend's stream.
+  /// Pinned host copy (CudaHostState). A device state is copied on the copy stream, which only
+  /// this call uses: it reads the state's blocks and writes pinned blocks (the pool is
+  /// thread-safe), so it may run on a helper thread beside the engine thread's calls
+  /// (copies_to_host_concurrently), whose captures are thread-local. Its source needs no
+  /// ordering with the backend's stream: every call that writes a state has finished that work
+  /// before it returns. A host copy is copied again through a device state on the backend's
+  /// stream (engine thread only).
   std::unique_ptr<SequenceState> copy_to_host(const SequenceState& state) override {
     if (const auto* h = dynamic_cast<const CudaHostState*>(&state)) {
       if (h->owner != this) throw ::lily::Error("CUDA backend: the sequence state belongs to another backend");
       return CudaState::from_host(*h, device_pool_, gdn_, attn_, n_gdn_, n_attn_, stream_)->to_host(pinned_pool_, stream_);
     }
-    return checked(const_cast<SequenceState&>(state)).to_host(pinned_pool_, stream_);
+    return checked(const_cast<SequenceState&>(state)).to_host(pinned_pool_, copy_stream_);
   }
+  /// True: see copy_to_host (the prefix cache pins and copies off the engine thread).
+  bool copies_to_host_concurrently() const override { return true; }
 
   /// One spare block for the sizes recent states and host copies took: device memory, then
   /// pinned host memory (whose allocation, about 0.4 ms per MB, would otherwise fall on the next
@@ -1469,6 +1489,7 @@ class CudaBackend final : public Backend {
   std::vector<int> layer_slot_;  ///< per layer: index among GDN layers or among attention layers
   std::unique_ptr<DeviceModel> model_;
   cudaStream_t stream_ = nullptr;
+  cudaStream_t copy_stream_ = nullptr;  ///< copy_to_host of device states only (a helper thread's)
   std::unique_ptr<PinnedIo> io_;  ///< created after the device check
   /// Where sequence states (device) and their host copies (pinned) take their memory; shared
   /// with the states, which may outlive the backend.

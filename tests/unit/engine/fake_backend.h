@@ -4,6 +4,7 @@
 // that was wrongly shared or rewound produces something else. End-to-end tests with the real
 // CPU backend live in tests/node/server.test.mjs.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -54,11 +55,39 @@ class FakeBackend final : public Backend {
     resume_capacities.push_back(capacity);
     return clone_state(s);
   }
+  /// A host copy (not runnable); waits at the copy gate first (close_copy_gate) and throws when
+  /// fail_host_copies is set. Safe on a helper thread: it only reads `s`.
   std::unique_ptr<SequenceState> copy_to_host(const SequenceState& s) override {
+    {
+      std::unique_lock l(m_);
+      ++copies_at_gate_;
+      cv_.notify_all();
+      cv_.wait(l, [&] { return copy_gate_open_; });
+      --copies_at_gate_;
+    }
     ++host_copies;
+    if (fail_host_copies) throw Error("fake backend: no host memory");
     auto copy = std::make_unique<FakeState>(static_cast<const FakeState&>(s));
     copy->host = true;
     return copy;
+  }
+  bool copies_to_host_concurrently() const override { return concurrent_host_copies; }
+  /// Blocks copy_to_host until open_copy_gate().
+  void close_copy_gate() {
+    std::lock_guard l(m_);
+    copy_gate_open_ = false;
+  }
+  void open_copy_gate() {
+    {
+      std::lock_guard l(m_);
+      copy_gate_open_ = true;
+    }
+    cv_.notify_all();
+  }
+  /// Waits (up to `timeout`) until a copy_to_host is blocked at the closed copy gate.
+  bool wait_until_copy_at_gate(std::chrono::milliseconds timeout) {
+    std::unique_lock l(m_);
+    return cv_.wait_for(l, timeout, [&] { return copies_at_gate_ > 0; });
   }
   int max_batch() const override { return max_rows; }
   /// Counts its calls (idle_calls); true for the first idle_pieces − 1 of them.
@@ -180,7 +209,10 @@ class FakeBackend final : public Backend {
   int steps = 0;                ///< step() calls
   std::vector<int> step_rows;   ///< rows of each step, in order
   int prefill_calls = 0, decode_calls = 0, clones = 0, states_created = 0, logits_calls = 0;
-  int host_copies = 0, host_restores = 0;  ///< copy_to_host calls; clone_state calls on host copies
+  std::atomic<int> host_copies = 0;  ///< copy_to_host calls (made on the cache's helper thread too)
+  int host_restores = 0;             ///< clone_state calls on host copies
+  bool concurrent_host_copies = false;   ///< copies_to_host_concurrently() (set before use)
+  std::atomic<bool> fail_host_copies = false;  ///< copy_to_host throws
   int resumes = 0;                         ///< resume_state calls (each also counted as a clone)
   std::vector<int64_t> resume_capacities;  ///< the capacity of each resume_state call, in order
   std::vector<int64_t> prefill_sizes;      ///< tokens of each prefill call, in order
@@ -205,6 +237,8 @@ class FakeBackend final : public Backend {
   std::condition_variable cv_;
   bool gate_open_ = true;
   int at_gate_ = 0;  ///< step() calls waiting at the gate now
+  bool copy_gate_open_ = true;
+  int copies_at_gate_ = 0;  ///< copy_to_host calls waiting at the copy gate now
   std::optional<std::string> weights_problem_;
 };
 

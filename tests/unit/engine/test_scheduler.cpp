@@ -1,4 +1,5 @@
-// The engine thread and its bounded FIFO queue over a gated fake backend.
+// The engine thread and its bounded FIFO queue over a gated fake backend (also: host-tier copies
+// made in the background never hold up a step or the next job).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -487,4 +488,44 @@ TEST(SchedulerBatching, PromptTokensOutsideTheVocabularyAreRefused) {
               std::string::npos)
         << e.what();
   }
+}
+
+TEST(SchedulerBatching, HostTierCopiesNeverHoldUpTheBatchOrTheNextJob) {
+  auto owned = std::make_unique<FakeBackend>();
+  FakeBackend& b = *owned;
+  b.concurrent_host_copies = true;  // the scheduler makes the cache copy in the background
+  b.close_copy_gate();              // every host copy waits until the gate opens
+  EngineOptions o;
+  o.max_seq = 128;
+  o.max_queue = 4;
+  o.max_batch = 2;
+  o.cache = {0, 1 << 20};  // every snapshot goes to the host tier
+  Scheduler s(std::move(owned), nullptr, o);
+  struct OpenAtExit {  // a failing test must not leave the helper thread at the gate
+    FakeBackend& b;
+    ~OpenAtExit() { b.open_copy_gate(); }
+  } open_at_exit{b};
+  const JobRequest a = job({1, 2, 3, 4, 5}, 2), other = job({7, 8, 9}, 8);
+  auto ja = s.submit(a);
+  auto jo = s.submit(other);
+  const JobEvent done_a = finish(*ja).first;
+  ASSERT_TRUE(b.wait_until_copy_at_gate(5000ms));  // a's snapshots wait for their copies,
+  const JobEvent done_other = finish(*jo).first;   // while the other row runs to its end
+  EXPECT_EQ(done_other.result.token_ids, alone(other));
+  // A new job that resumes from a snapshot still being copied runs too, and answers as alone.
+  const JobEvent again = finish(*s.submit(a)).first;
+  EXPECT_EQ(again.result.cached_tokens, 4);
+  EXPECT_EQ(again.result.token_ids, done_a.result.token_ids);
+  EXPECT_EQ(b.host_copies.load(), 0);
+  EXPECT_GT(s.cache_stats().host_copies_pending, 0);
+  b.open_copy_gate();
+  for (int i = 0; i < 15000 && s.cache_stats().host_copies_pending > 0; ++i) std::this_thread::sleep_for(2ms);
+  ASSERT_EQ(s.cache_stats().host_copies_pending, 0);
+  // Once copied, the job resumes from the host copy, with the same answer.
+  const JobEvent copied = finish(*s.submit(a)).first;
+  EXPECT_EQ(copied.result.cached_tokens, 4);
+  EXPECT_EQ(copied.result.token_ids, done_a.result.token_ids);
+  EXPECT_GT(b.host_restores, 0);
+  EXPECT_EQ(done_a.result.token_ids, alone(a));
+  EXPECT_LE(s.cache_stats().host.bytes, s.cache_stats().host.budget);
 }

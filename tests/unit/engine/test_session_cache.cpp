@@ -1,8 +1,14 @@
 // The prefix cache's logic over a fake backend: strict prefixes, key preference, non-consuming
 // hits, the radix tree's splits and merges with thousands of snapshots, identical retries,
 // branches, message-boundary resume points, LRU eviction by bytes through the device and host
-// tiers, and output equality with and without the cache through the real generation loop.
+// tiers, host copies made in the background (stores that never wait for them, snapshots that
+// resume meanwhile, cancelled and failed copies, the backlog bound), and output equality with and
+// without the cache through the real generation loop.
 #include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
 
 #include "engine/generate.h"
 #include "engine/session_cache.h"
@@ -11,6 +17,7 @@
 using namespace lily;
 using lily::test::FakeBackend;
 using lily::test::FakeState;
+using namespace std::chrono_literals;
 
 namespace {
 
@@ -67,6 +74,54 @@ Tokens concat(Tokens a, const Tokens& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
 }
+
+/// Closes `b`'s copy gate for its lifetime, so that background host copies wait there until
+/// open(). A watchdog opens it after 20 s, so that a store that (wrongly) waited for a copy ends
+/// the test with a failure (watchdog_opened()) instead of a hang.
+class CopyGate {
+ public:
+  explicit CopyGate(FakeBackend& b) : b_(b) {
+    b_.close_copy_gate();
+    watchdog_ = std::thread([this] {
+      std::unique_lock l(m_);
+      if (!cv_.wait_for(l, 20s, [&] { return opened_; })) {
+        watchdog_opened_ = true;
+        b_.open_copy_gate();
+      }
+    });
+  }
+  ~CopyGate() {
+    open();
+    watchdog_.join();
+  }
+  void open() {
+    {
+      std::lock_guard l(m_);
+      opened_ = true;
+    }
+    cv_.notify_all();
+    b_.open_copy_gate();
+  }
+  bool watchdog_opened() const { return watchdog_opened_.load(); }
+
+ private:
+  FakeBackend& b_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool opened_ = false;
+  std::atomic<bool> watchdog_opened_ = false;
+  std::thread watchdog_;
+};
+
+/// A fake backend that copies to host memory in the background, with a cache started on it.
+struct BackgroundCache {
+  FakeBackend b;
+  SessionCache c;
+  explicit BackgroundCache(SessionCacheOptions o) : c(o) {
+    b.concurrent_host_copies = true;
+    c.start_background_host_copies(b);
+  }
+};
 
 }  // namespace
 
@@ -305,6 +360,168 @@ TEST(SessionCache, InconsistentPointsAreDropped) {
   points[0].tokens = {1, 2};  // state position 3 ≠ 2 tokens
   c.store(b, std::move(points), std::nullopt);
   EXPECT_EQ(c.stats().device.snapshots, 0);
+}
+
+TEST(SessionCacheBackground, OnlyABackendThatAllowsItCopiesInTheBackground) {
+  FakeBackend plain;  // copies_to_host_concurrently() false
+  SessionCache c({2100, 2100});
+  EXPECT_THROW(c.start_background_host_copies(plain), Error);
+  plain.concurrent_host_copies = true;
+  c.start_background_host_copies(plain);
+  EXPECT_THROW(c.start_background_host_copies(plain), Error);  // once only
+  EXPECT_THROW(SessionCache({1, 1, -1}), Error);
+}
+
+TEST(SessionCacheBackground, AMoveNeverWaitsForItsCopyAndTheSnapshotResumesMeanwhile) {
+  BackgroundCache bc({2100, 2100});
+  auto& [b, c] = bc;
+  CopyGate gate(b);
+  store(c, b, {{1, 1}});
+  store(c, b, {{2, 2}});
+  store(c, b, {{3, 3}});  // {1,1} moves to the host tier; its copy waits at the gate
+  ASSERT_TRUE(b.wait_until_copy_at_gate(5s));
+  // The store returned meanwhile; the snapshot counts in the host tier already.
+  const SnapshotInfo moving = c.describe().back();
+  EXPECT_EQ(moving.tokens, (Tokens{1, 1}));
+  EXPECT_EQ(moving.tier, CacheTier::kHost);
+  EXPECT_TRUE(moving.copying);
+  auto st = c.stats();
+  EXPECT_EQ(st.device.bytes, 2 * 1008);
+  EXPECT_EQ(st.device.evictions, 1);
+  EXPECT_EQ(st.host.bytes, 1008);
+  EXPECT_EQ(st.host.snapshots, 1);
+  EXPECT_EQ(st.host_copies_pending, 1);
+  // A lookup resumes from the snapshot's own state meanwhile: the same history, runnable.
+  auto early = c.acquire(b, Tokens{1, 1, 5}, std::nullopt);
+  ASSERT_NE(early.state, nullptr);
+  EXPECT_EQ(b.host_restores, 0);
+  EXPECT_EQ(b.prefill(*early.state, Tokens{5}), b.next_token({1, 1, 5}));
+  store(c, b, {{4, 4}});  // more stores go on: {2,2} queues behind the waiting copy
+  EXPECT_EQ(c.stats().host_copies_pending, 2);
+  EXPECT_EQ(b.host_copies.load(), 0);
+  gate.open();
+  c.wait_for_host_copies();
+  EXPECT_FALSE(gate.watchdog_opened()) << "a store waited for a host copy";
+  EXPECT_EQ(b.host_copies.load(), 2);
+  for (const SnapshotInfo& info : c.describe()) EXPECT_FALSE(info.copying);
+  EXPECT_EQ(lengths(c, CacheTier::kHost).size(), 2u);
+  // Once copied, a hit restores the host copy, with the same answer.
+  auto late = c.acquire(b, Tokens{1, 1, 5}, std::nullopt);
+  ASSERT_NE(late.state, nullptr);
+  EXPECT_EQ(b.host_restores, 1);
+  EXPECT_EQ(b.prefill(*late.state, Tokens{5}), b.next_token({1, 1, 5}));
+  st = c.stats();
+  EXPECT_EQ(st.host.bytes, 2 * 1008);
+  EXPECT_EQ(st.host_copies_pending, 0);
+}
+
+TEST(SessionCacheBackground, HostOnlySnapshotsGiveTheSameAnswersBeforeAndAfterTheirCopy) {
+  FakeBackend plain;
+  SessionCache none({0, 0});
+  const Tokens prompt = {5, 6, 7, 8, 9};
+  const Tokens expected = request(none, plain, prompt, 6).tokens;
+  BackgroundCache bc({0, kMiB});  // every snapshot goes to the host tier
+  auto& [b, c] = bc;
+  {
+    CopyGate gate(b);
+    EXPECT_EQ(request(c, b, prompt, 6).tokens, expected);
+    ASSERT_TRUE(b.wait_until_copy_at_gate(5s));
+    const Outcome pending = request(c, b, prompt, 6);  // resumes from a snapshot still copying
+    EXPECT_EQ(pending.cached, 4);
+    EXPECT_EQ(pending.tokens, expected);
+    EXPECT_EQ(b.host_restores, 0);
+    gate.open();
+    c.wait_for_host_copies();
+    EXPECT_FALSE(gate.watchdog_opened());
+  }
+  const Outcome copied = request(c, b, prompt, 6);
+  EXPECT_EQ(copied.cached, 4);
+  EXPECT_EQ(copied.tokens, expected);
+  EXPECT_EQ(b.host_restores, 1);
+  EXPECT_EQ(c.stats().device.snapshots, 0);
+}
+
+TEST(SessionCacheBackground, EvictionByBytesCountsCopiesInFlightAndCancelsThem) {
+  BackgroundCache bc({1010, 2100});  // one 2-token state on the device, two on the host
+  auto& [b, c] = bc;
+  CopyGate gate(b);
+  store(c, b, {{1, 1}});
+  store(c, b, {{2, 2}});  // {1,1} moves: its copy starts and waits at the gate
+  ASSERT_TRUE(b.wait_until_copy_at_gate(5s));
+  store(c, b, {{3, 3}});  // {2,2} moves (queued)
+  store(c, b, {{4, 4}});  // {3,3} moves (queued); the host tier holds 3 × 1008 > 2100: {1,1} is dropped
+  auto st = c.stats();
+  EXPECT_EQ(st.device.evictions, 3);
+  EXPECT_EQ(st.host.evictions, 1);
+  EXPECT_EQ(st.host.bytes, 2 * 1008);
+  EXPECT_EQ(st.host_copies_pending, 2);
+  store(c, b, {{5, 5}});  // {4,4} moves; {2,2} is dropped before its copy started
+  st = c.stats();
+  EXPECT_EQ(st.host.evictions, 2);
+  EXPECT_EQ(st.host.bytes, 2 * 1008);
+  EXPECT_LE(st.host.bytes, st.host.budget);
+  EXPECT_LE(st.device.bytes, st.device.budget);
+  gate.open();
+  c.wait_for_host_copies();
+  // {1,1}'s copy was made (it had started) and thrown away; {2,2}'s was never made.
+  EXPECT_EQ(b.host_copies.load(), 3);
+  for (int32_t gone : {1, 2}) EXPECT_EQ(c.acquire(b, Tokens{gone, gone, 9}, std::nullopt).state, nullptr);
+  for (int32_t kept : {5, 4, 3}) EXPECT_EQ(c.acquire(b, Tokens{kept, kept, 9}, std::nullopt).cached_tokens, 2);
+  EXPECT_EQ(b.host_restores, 2);
+  st = c.stats();
+  EXPECT_EQ(st.host.snapshots, 2);
+  EXPECT_EQ(st.host.bytes, 2 * 1008);
+  EXPECT_EQ(st.host_copies_pending, 0);
+}
+
+TEST(SessionCacheBackground, AFullBacklogDropsTheSnapshotInsteadOfWaiting) {
+  BackgroundCache bc({1010, 10000, 1500});  // room for one 1008-byte copy in flight
+  auto& [b, c] = bc;
+  CopyGate gate(b);
+  store(c, b, {{1, 1}});
+  store(c, b, {{2, 2}});  // {1,1} moves
+  ASSERT_TRUE(b.wait_until_copy_at_gate(5s));
+  store(c, b, {{3, 3}});  // {2,2} would exceed the backlog: dropped
+  auto st = c.stats();
+  EXPECT_EQ(st.device.evictions, 2);
+  EXPECT_EQ(st.host.snapshots, 1);
+  EXPECT_EQ(st.host_copies_pending, 1);
+  gate.open();
+  c.wait_for_host_copies();
+  EXPECT_EQ(c.acquire(b, Tokens{2, 2, 9}, std::nullopt).state, nullptr);
+  EXPECT_EQ(c.acquire(b, Tokens{1, 1, 9}, std::nullopt).cached_tokens, 2);
+  EXPECT_EQ(b.host_restores, 1);
+}
+
+TEST(SessionCacheBackground, AFailedCopyDropsTheSnapshotAndAReplacedOneIsNotInstalled) {
+  BackgroundCache bc({2100, 2100});
+  auto& [b, c] = bc;
+  b.fail_host_copies = true;
+  for (int32_t t : {1, 2, 3}) store(c, b, {{t, t}});  // {1,1} moves; its copy fails
+  c.wait_for_host_copies();
+  EXPECT_EQ(c.acquire(b, Tokens{1, 1, 9}, std::nullopt).state, nullptr);
+  auto st = c.stats();
+  EXPECT_EQ(st.host.snapshots, 0);
+  EXPECT_EQ(st.host.bytes, 0);
+  EXPECT_EQ(st.host_copies_pending, 0);
+  // Stored again while its copy runs, the same tokens replace the moving snapshot: the copy,
+  // once made, is thrown away and the new snapshot stays where it went.
+  b.fail_host_copies = false;
+  CopyGate gate(b);
+  store(c, b, {{4, 4}});  // {2,2} moves
+  ASSERT_TRUE(b.wait_until_copy_at_gate(5s));
+  store(c, b, {{2, 2}});  // replaces it in the device tier; {3,3} moves (queued)
+  gate.open();
+  c.wait_for_host_copies();
+  EXPECT_EQ(b.host_copies.load(), 3);
+  st = c.stats();
+  EXPECT_EQ(st.device.snapshots, 2);
+  EXPECT_EQ(st.host.snapshots, 1);
+  EXPECT_EQ(st.host.bytes, 1008);
+  EXPECT_EQ(lengths(c, CacheTier::kHost), std::vector<size_t>{2});
+  EXPECT_EQ(c.describe().back().tokens, (Tokens{3, 3}));
+  EXPECT_EQ(c.acquire(b, Tokens{2, 2, 9}, std::nullopt).cached_tokens, 2);
+  EXPECT_EQ(b.host_restores, 0);  // {2,2} came from the device tier
 }
 
 TEST(SessionCacheBudgets, DefaultsAndLimits) {

@@ -257,6 +257,7 @@ TEST(MetricsText, CountersHistogramsAndGauges) {
   g.cache.tokens_saved = 77;
   g.cache.device.bytes = 1234;
   g.cache.host.evictions = 3;
+  g.cache.host_copies_pending = 2;
   const std::string text = m.render(g);
   EXPECT_NE(text.find("lily_http_requests_total{route=\"/health\",status=\"200\"} 2\n"), std::string::npos);
   EXPECT_NE(text.find("lily_http_requests_total{route=\"/v1/chat/completions\",status=\"400\"} 1\n"), std::string::npos);
@@ -274,6 +275,7 @@ TEST(MetricsText, CountersHistogramsAndGauges) {
   EXPECT_NE(text.find("lily_cache_bytes{tier=\"host\"} 0\n"), std::string::npos);
   EXPECT_NE(text.find("lily_cache_evictions_total{tier=\"host\"} 3\n"), std::string::npos);
   EXPECT_NE(text.find("# TYPE lily_cache_snapshots gauge\n"), std::string::npos);
+  EXPECT_NE(text.find("lily_cache_host_copies_pending 2\n"), std::string::npos);
 }
 
 TEST(Metrics, BatchGaugesAndStepHistograms) {
