@@ -192,8 +192,8 @@ struct EngineOptions {
 class Scheduler {
  public:
   /// Starts the engine thread. `tokenizer` may be null (no text, no stop strings). Throws
-  /// lily::Error for max_seq < 1, max_queue < 0, step_tokens < 1, or max_batch outside
-  /// [0, backend->max_batch()] (naming --max-batch and the backend's limit).
+  /// OptionError (engine/option_error.h) for max_seq < 1, max_queue < 0, step_tokens < 1, or
+  /// max_batch outside [0, backend->max_batch()] (naming the backend's limit).
   Scheduler(std::unique_ptr<Backend> backend, std::shared_ptr<const Tokenizer> tokenizer,
             EngineOptions options);
   /// Calls stop(0).
