@@ -1,6 +1,10 @@
 // `lily serve`: the OpenAI-compatible chat-completions server (server/http_server.h, docs/server.md).
 // --model defaults to the repository's models/demo (found next to the executable).
 #include <cstdlib>
+#include <functional>
+#include <map>
+#include <string>
+#include <string_view>
 
 #include "base/byte_size.h"
 #include "base/error.h"
@@ -129,6 +133,18 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
       ->capture_default_str()->check(integer_at_least(0));
 }
 
+/// The flag that sets an engine option (OptionError::field), so that an option the engine
+/// refuses is reported as the flag the user gave; a field no flag sets keeps its name.
+std::string serve_flag(std::string_view field) {
+  static const std::map<std::string, std::string, std::less<>> flags = {
+      {"max_seq", "--max-seq"},           {"max_queue", "--max-queue"},
+      {"max_batch", "--max-batch"},       {"step_tokens", "--step-tokens"},
+      {"device_bytes", "--cache-memory"}, {"host_bytes", "--cache-host-memory"},
+  };
+  const auto it = flags.find(field);
+  return it != flags.end() ? it->second : std::string(field);
+}
+
 server::ServerOptions resolve(ServeFlags& f) {
   server::ServerOptions o = f.options;
   o.allowed_origins = server::parse_allowed_origins(f.allowed_origins);
@@ -161,6 +177,7 @@ server::ServerOptions resolve(ServeFlags& f) {
   if (f.min_p_opt->count() > 0) o.sampling.min_p = f.min_p;
   if (f.seed_opt->count() > 0) o.sampling.seed = f.seed;
   o.sampling.generation_config = !f.no_generation_config;
+  o.option_name = serve_flag;
   o.test_hooks = server::ServerTestHooks::from_test_env();
   // The server loads the model itself; the process-wide default reaches its load_model call.
   set_default_weights_mmap(!f.no_mmap);

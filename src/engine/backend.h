@@ -113,8 +113,8 @@ class Backend {
   /// kernels are not verified yet: the scheduler then runs one sequence at a time.
   virtual int max_batch() const { return 1; }
   /// Prompt tokens per step that keep this backend's prefill efficient: the server's default
-  /// token budget of a step (--step-tokens), where prompts are cut when requests are batched.
-  /// 256 by default (CPU); the CUDA backend's prefill chunk (2,048), since its prefill runs
+  /// token budget of a step (EngineOptions::step_tokens), where prompts are cut when requests
+  /// are batched. 256 by default (CPU); the CUDA backend's prefill chunk (2,048), since its prefill runs
   /// about twice as fast in chunks of 2,048 as of 256 on an H200.
   virtual int64_t preferred_step_tokens() const { return 256; }
   /// One batched step: runs every row's tokens, rows of different sequences side by side (decode

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "base/log.h"
+#include "engine/option_error.h"
 
 namespace lily {
 
@@ -58,15 +59,18 @@ Scheduler::Scheduler(std::unique_ptr<Backend> backend, std::shared_ptr<const Tok
       tokenizer_(std::move(tokenizer)),
       options_(std::move(options)),
       cache_(options_.cache) {
-  if (options_.max_seq < 1) throw Error("max_seq must be at least 1");
-  if (options_.max_queue < 0) throw Error("--max-queue must be ≥ 0");
+  if (options_.max_seq < 1)
+    throw OptionError("max_seq", "must be at least 1, got " + std::to_string(options_.max_seq));
+  if (options_.max_queue < 0)
+    throw OptionError("max_queue", "must be ≥ 0, got " + std::to_string(options_.max_queue));
   if (options_.step_tokens < 1)
-    throw Error("--step-tokens must be at least 1, got " + std::to_string(options_.step_tokens));
+    throw OptionError("step_tokens", "must be at least 1, got " + std::to_string(options_.step_tokens));
   const int limit = std::max(1, backend_->max_batch());
   if (options_.max_batch < 0 || options_.max_batch > limit)
-    throw Error("--max-batch " + std::to_string(options_.max_batch) + " is outside [1, " + std::to_string(limit) +
-                "]: the " + backend_->name() + " backend runs at most " + std::to_string(limit) +
-                (limit == 1 ? " sequence" : " sequences") + " per step");
+    throw OptionError("max_batch", std::to_string(options_.max_batch) + " is outside [1, " + std::to_string(limit) +
+                                       "]: the " + backend_->name() + " backend runs at most " +
+                                       std::to_string(limit) + (limit == 1 ? " sequence" : " sequences") +
+                                       " per step");
   max_batch_ = options_.max_batch == 0 ? std::min(kDefaultMaxBatch, limit) : options_.max_batch;
   // A lone sequence shares its steps with nothing: its prompt is only cut where it always is.
   prefill_chunk_ = max_batch_ > 1 ? options_.step_tokens : 0;

@@ -193,9 +193,9 @@ class Scheduler {
  public:
   /// Starts the engine thread (and, with a host tier and a backend that allows it, the cache's
   /// background host copies: SessionCache::start_background_host_copies). `tokenizer` may be
-  /// null (no text, no stop strings). Throws
-  /// lily::Error for max_seq < 1, max_queue < 0, step_tokens < 1, or max_batch outside
-  /// [0, backend->max_batch()] (naming --max-batch and the backend's limit).
+  /// null (no text, no stop strings). Throws OptionError (engine/option_error.h) for
+  /// max_seq < 1, max_queue < 0, step_tokens < 1, or max_batch outside
+  /// [0, backend->max_batch()] (naming the backend's limit).
   Scheduler(std::unique_ptr<Backend> backend, std::shared_ptr<const Tokenizer> tokenizer,
             EngineOptions options);
   /// Calls stop(0).

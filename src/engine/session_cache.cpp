@@ -5,6 +5,7 @@
 #include "base/byte_size.h"
 #include "base/error.h"
 #include "base/log.h"
+#include "engine/option_error.h"
 
 namespace lily {
 
@@ -58,9 +59,12 @@ bool is_strict_prefix(std::span<const int32_t> prefix, std::span<const int32_t> 
 }
 
 SessionCache::SessionCache(SessionCacheOptions options) : options_(options), root_(std::make_unique<Node>()) {
-  if (options_.device_bytes < 0) throw Error("--cache-memory must be ≥ 0 bytes");
-  if (options_.host_bytes < 0) throw Error("--cache-host-memory must be ≥ 0 bytes");
-  if (options_.copy_backlog_bytes < 0) throw Error("the prefix cache's copy backlog must be ≥ 0 bytes");
+  if (options_.device_bytes < 0)
+    throw OptionError("device_bytes", "must be ≥ 0 bytes, got " + std::to_string(options_.device_bytes));
+  if (options_.host_bytes < 0)
+    throw OptionError("host_bytes", "must be ≥ 0 bytes, got " + std::to_string(options_.host_bytes));
+  if (options_.copy_backlog_bytes < 0)
+    throw OptionError("copy_backlog_bytes", "must be ≥ 0 bytes, got " + std::to_string(options_.copy_backlog_bytes));
   stats_.device.budget = options_.device_bytes;
   stats_.host.budget = options_.host_bytes;
 }
@@ -433,22 +437,21 @@ SessionCacheOptions resolve_cache_budgets(const Backend& backend, std::optional<
                                           std::optional<int64_t> host, int64_t host_available,
                                           int64_t host_total) {
   const std::optional<int64_t> free = backend.free_memory();
-  auto check = [](const char* flag, int64_t value, int64_t limit, const char* what) {
-    if (value < 0) throw Error(std::string(flag) + " must be ≥ 0 bytes, got " + std::to_string(value));
+  auto check = [](const char* field, int64_t value, int64_t limit, const char* what) {
+    if (value < 0) throw OptionError(field, "must be ≥ 0 bytes, got " + std::to_string(value));
     if (value > limit)
-      throw Error(std::string(flag) + " " + format_bytes(value) + " is more than " + what + " (" +
-                  format_bytes(limit) + ")");
+      throw OptionError(field, format_bytes(value) + " is more than " + what + " (" + format_bytes(limit) + ")");
   };
   SessionCacheOptions o;
   if (device) {
-    check("--cache-memory", *device, free ? *free : host_total,
+    check("device_bytes", *device, free ? *free : host_total,
           free ? "the backend's free memory" : "this machine's memory");
     o.device_bytes = *device;
   } else {
     o.device_bytes = free ? *free / 2 : std::max<int64_t>(host_available, 0) / 4;
   }
   if (host) {
-    check("--cache-host-memory", *host, host_total, "this machine's memory");
+    check("host_bytes", *host, host_total, "this machine's memory");
     o.host_bytes = *host;
   } else {
     o.host_bytes = free ? std::max<int64_t>(host_available, 0) / 4 : 0;

@@ -109,7 +109,7 @@ bool is_strict_prefix(std::span<const int32_t> prefix, std::span<const int32_t> 
 /// start_background_host_copies.
 class SessionCache {
  public:
-  /// Throws lily::Error for a negative budget or copy backlog.
+  /// Throws OptionError (engine/option_error.h) for a negative budget or copy backlog.
   explicit SessionCache(SessionCacheOptions options);
   /// Stops the helper thread (after the copy it is making, if any) and frees every snapshot.
   ~SessionCache();
@@ -200,8 +200,9 @@ class SessionCache {
 /// quarter of the host's available memory for the host tier; for one that does not (the CPU
 /// backend, whose memory is host memory), a quarter of the host's available memory for the
 /// device tier and no host tier. `host_available` is the host's available memory in bytes.
-/// Throws lily::Error naming the flag when a given budget is negative or exceeds what there is
-/// (--cache-memory: the backend's free memory when known; --cache-host-memory: `host_total`).
+/// Throws OptionError (engine/option_error.h) naming the field when a given budget is negative
+/// or exceeds what there is (device_bytes: the backend's free memory when known, else
+/// `host_total`; host_bytes: `host_total`).
 SessionCacheOptions resolve_cache_budgets(const Backend& backend, std::optional<int64_t> device,
                                           std::optional<int64_t> host, int64_t host_available,
                                           int64_t host_total);

@@ -1,7 +1,7 @@
 // The public entry points of `lily serve` (http_server.h): run_server, and the small pure
 // helpers it and the command line use (option resolution, bind parsing, routes, log lines),
 // which are unit-tested on their own. The server itself (detail::LilyServer, server_impl.h)
-// is defined in server_lifecycle.cpp, connections.cpp, routes.cpp and generation.cpp.
+// is defined in server_lifecycle.cpp, connections.cpp, routes.cpp, generation.cpp and answer.cpp.
 #include "server/http_server.h"
 
 #include <arpa/inet.h>

@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -90,6 +91,10 @@ struct ServerOptions {
   std::vector<std::string> allowed_origins;  ///< CORS: origins (or "*") browsers may call from
                                          ///< (parse_allowed_origins); empty = CORS off
   SamplingFlags sampling;                ///< sampling defaults (docs/server.md)
+  /// How the user set an engine option (OptionError::field, e.g. "max_batch") that the engine
+  /// refuses while loading, to name it in the error: `lily serve` gives the flag ("--max-batch").
+  /// Unset: the engine's own message.
+  std::function<std::string(std::string_view field)> option_name;
   ServerTestHooks test_hooks;            ///< tests only; none in real use
 };
 

@@ -264,13 +264,36 @@ struct ChatCall {
   std::vector<std::string> prefix_choices;
 };
 
+/// Where one request's engine events go, in order. LilyServer::drain_events runs the one event
+/// loop and decides what happens in every case (answer.cpp says what a client sees); its sinks
+/// only shape the answer: the whole JSON answer collects the events, the stream sends them as
+/// SSE. The calls that write return false once the client is gone; none comes after that.
+class AnswerSink {
+ public:
+  virtual ~AnswerSink() = default;
+  /// Choice `choice` begins: choice 0 first, each next one after the on_finish of the one before.
+  virtual bool on_begin(int choice) = 0;
+  /// A piece of the choice's text as decoded, with the log-probabilities of the token that
+  /// made it (when asked for). Empty text: the engine holds it back (a stop string may begin).
+  virtual bool on_text(int choice, const std::string& text, std::optional<TokenLogprobs> logprobs) = 0;
+  /// The choice's text is complete; `rest` is what the engine held back until its end.
+  virtual bool on_text_end(int choice, const std::string& rest) = 0;
+  /// The choice finished (stop, length, or its tool calls; never a cancelled one).
+  virtual bool on_finish(int choice, const GenerationResult& result) = 0;
+  /// Every choice finished: `results` in choice order (texts, finish reasons, usage).
+  virtual void on_complete(const std::vector<GenerationResult>& results) = 0;
+  /// The request failed (an engine error or cancel): `error` is what the client is told.
+  virtual void on_error(const ApiError& error) = 0;
+};
+
 // --- the server --------------------------------------------------------------------------------
 
 /// The running server: a listener thread, a thread per open connection, the engine
 /// (Scheduler) and the counters of /metrics. Its members are defined by concern:
 /// server_lifecycle.cpp (start-up, shutdown), connections.cpp (accepting, reading requests,
 /// eviction, refusals), routes.cpp (routing, auth, the endpoints that do not generate),
-/// generation.cpp (chat and legacy completions).
+/// generation.cpp (chat and legacy completions, up to the engine job), answer.cpp (from the
+/// job's events to the answer, whole or streamed).
 class LilyServer {
  public:
   explicit LilyServer(const ServerOptions& options) : options_(options) {}
@@ -353,15 +376,29 @@ class LilyServer {
   /// With `timings`, adds the rendering and tokenizing times to it.
   std::vector<int32_t> tokenize(const ChatRequest& request, std::vector<int64_t>* message_starts = nullptr,
                                 ChatEncodeTimings* timings = nullptr) const;
+  /// The request's max_tokens, or its default (the room left by the prompt, at most
+  /// --max-tokens); throws ApiError 400 when the prompt leaves no room or max_tokens is too big.
   int64_t checked_max_tokens(const ChatCall& call, int64_t prompt_tokens) const;
   /// Queues the prompt and answers the request (whole or streamed) from the job's events.
   void generate_and_respond(ChatCall& call, std::vector<int32_t> prompt, Exchange& ex, Reply& res);
+  /// Queues the job; throws ApiError 503 when the queue is full, the weights changed on disk or
+  /// the server is shutting down.
   std::shared_ptr<Job> submit(ChatCall& call, std::vector<int32_t> prompt, int64_t max_tokens);
+  // From the job's events to the answer (answer.cpp).
+  class EventLoop;
+  class WholeAnswer;
+  class StreamAnswer;
+  /// Answers with one JSON document (into `res`) once every choice has finished.
   void respond_whole(ChatCall& call, Exchange& ex, Reply& res);
+  /// Answers with an SSE stream (`res` holds the headers to send with it).
   void respond_stream(ChatCall& call, Exchange& ex, const Reply& res);
-  bool stream_events(ChatCall& call, Exchange& ex, const ConnectionWatch& watch, bool client_gone);
+  /// Runs the job's events to their end through `sink` (EventLoop); `client_gone`: the client
+  /// is already known to be gone (the job is cancelled and nothing is sent).
+  void drain_events(ChatCall& call, Exchange& ex, AnswerSink& sink, bool client_gone);
   /// Waits for the job's next event, cancelling it once the client has gone away.
   std::optional<JobEvent> next_event(ChatCall& call, Exchange& ex, const ConnectionWatch& watch, bool& client_gone);
+  /// Counts a token's latency in /metrics: the first one's from the request's start (time to
+  /// first token), the others' from `last` (the token before; updated).
   void observe_token(ChatCall& call, const JobEvent& e, std::optional<Clock::time_point>& last);
   /// Counts a finished request (all its choices) in /metrics (its phases too, the queue's
   /// added here) and its log line; `done_at` is when the engine finished it (time running =

@@ -18,6 +18,7 @@
 #include "base/byte_size.h"
 #include "base/error.h"
 #include "base/log.h"
+#include "engine/option_error.h"
 #include "model/loader.h"
 
 namespace lily::server::detail {
@@ -41,6 +42,15 @@ std::string describe_bind_error(const error_code& ec) {
 void test_load_delay(int64_t delay_ms, const std::atomic<bool>& shutting_down) {
   const auto until = Clock::now() + std::chrono::milliseconds(delay_ms);
   while (Clock::now() < until && !shutting_down) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+}
+
+/// What the log says about a failed load: an engine option's error in the words of
+/// `option_name` (ServerOptions::option_name) when given, else the error's own message.
+std::string load_error_message(const std::exception& e,
+                               const std::function<std::string(std::string_view)>& option_name) {
+  const auto* option = dynamic_cast<const OptionError*>(&e);
+  if (option && option_name) return option->message_naming(option_name(option->field()));
+  return e.what();
 }
 
 }  // namespace
@@ -75,7 +85,7 @@ int LilyServer::run() {
     try {
       load_engine();
     } catch (const std::exception& e) {
-      log_error(std::string("loading the model failed: ") + e.what());
+      log_error("loading the model failed: " + load_error_message(e, options_.option_name));
       shutting_down_ = true;
       kill(getpid(), SIGTERM);
     }

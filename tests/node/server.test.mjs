@@ -517,11 +517,15 @@ describe('limits and lifecycle', () => {
     await stopServer(server);  // no sanitizer report either
   });
 
-  it('a stream cut by the end of the shutdown grace ends with an error event, not a finish_reason', async () => {
+  it('an answer cut by the end of the shutdown grace is an error, streamed or whole, never a finish_reason', async () => {
+    // Both shapes of answer go through one event loop: an engine-side cancel is the same error
+    // for both (a whole answer's status, a stream's last event), never finish_reason "length".
     const server = await startServer(['--shutdown-grace', '0']);
+    const body = { model: MODEL, messages: [user(longPrompt(3))], max_tokens: 2000 };
     let signalled = false;
-    // SIGTERM once the first content arrives: the (deterministic, long) answer is mid-way.
-    const res = await chat(server, { model: MODEL, messages: [user(longPrompt(3))], max_tokens: 2000, stream: true }, {}, {
+    const whole = chat(server, body);
+    // SIGTERM once the stream's first content arrives: the (deterministic, long) answers are mid-way.
+    const stream = chat(server, { ...body, stream: true }, {}, {
       onData: (c) => {
         if (!signalled && c.toString().includes('"content":"') && !c.toString().includes('"content":""')) {
           signalled = true;
@@ -529,11 +533,15 @@ describe('limits and lifecycle', () => {
         }
       },
     });
+    const [w, res] = await Promise.all([whole, stream]);
     const { code } = await server.exit;
     assert.equal(code, 0);
     assert.ok(signalled, 'no content arrived');
+    assert.equal(w.status, 503, w.body);
+    assert.equal(w.json.error.code, 'server_shutting_down');
+    assert.equal(w.headers['retry-after'], '5');
     const docs = res.body.split('\n\n').map((l) => l.trim()).filter((l) => l.startsWith('data: {')).map((l) => JSON.parse(l.slice(6)));
-    assert.equal(docs.at(-1).error?.code, 'server_shutting_down', res.body.slice(-400));
+    assert.deepEqual(docs.at(-1).error, w.json.error, res.body.slice(-400));
     assert.ok(docs.every((d) => !d.choices?.[0]?.finish_reason), 'no finish_reason in a stream cut by shutdown');
     assert.match(res.body, /data: \[DONE\]\n\n$/);
     await stopServer(server);

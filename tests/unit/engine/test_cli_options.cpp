@@ -54,8 +54,11 @@ TEST(CliOptions, BadCacheSizesAndBatchLimitsAreRefusedWithAClearMessage) {
       {"serve --cache-host-memory 1.5.2G" + model, "--cache-host-memory: " + rule + "'1.5.2G'"},
       {"serve --cache-host-memory '4 GiB'" + model, "--cache-host-memory: " + rule + "'4 GiB'"},
       {"serve --cache-host-memory 1000TiB" + model, "--cache-host-memory 1000.00 TiB is more than this machine's memory"},
+      // Refused by the engine, which names its own fields: the CLI names the flag.
       {"serve --backend cpu --max-batch 65" + model,
        "--max-batch 65 is outside [1, 64]: the cpu backend runs at most 64 sequences per step"},
+      {"serve --backend cpu --cache-memory 1000TiB" + model,
+       "--cache-memory 1000.00 TiB is more than this machine's memory"},
   };
   for (const BadOption& c : cases) {
     // Bounded: a value wrongly accepted would start the server instead of failing.

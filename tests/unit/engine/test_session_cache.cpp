@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "engine/generate.h"
+#include "engine/option_error.h"
 #include "engine/session_cache.h"
 #include "fake_backend.h"
 
@@ -348,8 +349,8 @@ TEST(SessionCache, DisabledCacheNeverHitsOrStores) {
 }
 
 TEST(SessionCache, NegativeBudgetsAreRefused) {
-  EXPECT_THROW(SessionCache({-1, 0}), Error);
-  EXPECT_THROW(SessionCache({0, -1}), Error);
+  EXPECT_THROW(SessionCache({-1, 0}), OptionError);
+  EXPECT_THROW(SessionCache({0, -1}), OptionError);
 }
 
 TEST(SessionCache, InconsistentPointsAreDropped) {
@@ -536,11 +537,12 @@ TEST(SessionCacheBudgets, DefaultsAndLimits) {
   try {
     resolve_cache_budgets(b, std::nullopt, 17 * kMiB, avail, total);
     ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(std::string(e.what()), "--cache-host-memory 17.0 MiB is more than this machine's memory (16.0 MiB)");
+  } catch (const OptionError& e) {
+    EXPECT_EQ(e.field(), "host_bytes");
+    EXPECT_EQ(std::string(e.what()), "host_bytes 17.0 MiB is more than this machine's memory (16.0 MiB)");
   }
-  EXPECT_THROW(resolve_cache_budgets(b, 17 * kMiB, std::nullopt, avail, total), Error);
-  EXPECT_THROW(resolve_cache_budgets(b, -1, std::nullopt, avail, total), Error);
+  EXPECT_THROW(resolve_cache_budgets(b, 17 * kMiB, std::nullopt, avail, total), OptionError);
+  EXPECT_THROW(resolve_cache_budgets(b, -1, std::nullopt, avail, total), OptionError);
 }
 
 TEST(SessionCacheFlow, IdenticalRetryHitsAndGivesTheSameOutput) {
