@@ -2,8 +2,8 @@
 // built from the CPU backend's ops (docs/model.md §3.3), at the real shapes: Hk 16, Hv 32,
 // Dk = Dv 128, conv channels 8192. Inputs are random; outputs are poisoned (NaN) before launch.
 // Tolerances: bf16 outputs within 1e-2 relative, fp32 states within 1e-4 (relative to the
-// state's largest magnitude, at least 1); the tensor-core pass 2 against the fp32 one: see
-// expect_state_mma_matches_fp32_walk.
+// state's largest magnitude, at least 1); the tensor-core passes against the fp32 ones: see
+// expect_tensor_core_pass_matches_fp32.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -370,8 +370,12 @@ struct ScopedStateMma {
 /// o next to a bf16 rounding boundary may round to the neighbour in one of the two (one ulp,
 /// 2^-8 … 2^-7 relative), and the gated norm's rounding can add one more: the elementwise bound
 /// is the chunked forms' (two ulps); such flips are rare, so the rms bound is half of theirs.
-/// The measured values are printed.
-void expect_state_mma_matches_fp32_walk(int T, uint64_t seed, const cuda::GdnDims& shape = {}) {
+/// The measured values are printed. The tensor-core pass 1 (bf16 KKᵀ/QKᵀ with exact products,
+/// split-tf32 U and W) against the fp32 pass 1 is held to the same bounds for the same reasons.
+/// `Scope` selects the pass under test (ScopedStateMma or ScopedLocalMma): constructed with
+/// false for the fp32 run, true for the tensor-core run.
+template <class Scope>
+void expect_tensor_core_pass_matches_fp32(const char* what, int T, uint64_t seed, const cuda::GdnDims& shape = {}) {
   std::mt19937_64 rng(seed);
   GdnFixture fx(rng, -2.0f, 1.0f, shape);
   const auto& d = fx.dims;
@@ -379,12 +383,12 @@ void expect_state_mma_matches_fp32_walk(int T, uint64_t seed, const cuda::GdnDim
   const __nv_bfloat16* zp = io.zab();
   ScopedTwoPass two_pass(true);
   {
-    ScopedStateMma mode(false);
+    Scope mode(false);
     prefill_with_workspace(d, fx.params(), T, io.x(), zp, io.zab_stride, io.d_s1.as<float>(),
                            io.d_o1.as<__nv_bfloat16>());
   }
   {
-    ScopedStateMma mode(true);
+    Scope mode(true);
     prefill_with_workspace(d, fx.params(), T, io.x(), zp, io.zab_stride, io.d_s2.as<float>(),
                            io.d_o2.as<__nv_bfloat16>());
   }
@@ -392,16 +396,12 @@ void expect_state_mma_matches_fp32_walk(int T, uint64_t seed, const cuda::GdnDim
   const double state_err = max_abs_scaled(download_f32(io.d_s2, d.state_elems()), s1);
   const auto o1 = download_bf16(io.d_o1, int64_t(T) * io.V), o2 = download_bf16(io.d_o2, int64_t(T) * io.V);
   const double out_err = max_rel(o2, o1, kFloor), out_rms = rms_rel(o2, o1);
-  std::printf("[gdn pass 2 tensor cores vs fp32 walk] D=%d T=%d: output max rel %.3g, rms rel %.3g, state max %.3g\n",
+  std::printf("[gdn %s tensor cores vs fp32] D=%d T=%d: output max rel %.3g, rms rel %.3g, state max %.3g\n", what,
               d.key_head_dim, T, out_err, out_rms, state_err);
   EXPECT_LT(state_err, kStateTol);
   EXPECT_LT(out_err, kPrefillElemTol);
   EXPECT_LT(out_rms, kPrefillRmsTol / 2);
 }
-
-TEST(GdnPrefill, StateMmaMatchesFp32WalkRaggedLongChunk) { expect_state_mma_matches_fp32_walk(2048 + 37, 71); }
-TEST(GdnPrefill, StateMmaMatchesFp32WalkOneToken) { expect_state_mma_matches_fp32_walk(1, 72); }
-TEST(GdnPrefill, StateMmaMatchesFp32WalkDemoDims) { expect_state_mma_matches_fp32_walk(300, 73, demo_dims()); }
 
 /// Selects pass 1 of the two-pass prefill for one scope: tensor cores (true) or fp32.
 struct ScopedLocalMma {
@@ -410,42 +410,20 @@ struct ScopedLocalMma {
   bool was_;
 };
 
-/// The tensor-core pass 1 (bf16 KKᵀ/QKᵀ, exact products; split-tf32 U and W) against the fp32
-/// pass 1, both followed by the same pass 2, over T tokens from a non-zero start state. The two
-/// differ by the order of fp32 additions and the ~2^-22 split error, carried through the walk:
-/// the same bounds as the pass-2 comparison above, for the same reasons (a wrong fragment index,
-/// scale or mask gives errors of the state's own size).
-void expect_local_mma_matches_fp32(int T, uint64_t seed, const cuda::GdnDims& shape = {}) {
-  std::mt19937_64 rng(seed);
-  GdnFixture fx(rng, -2.0f, 1.0f, shape);
-  const auto& d = fx.dims;
-  TwoPrefills io(fx, rng, T);
-  const __nv_bfloat16* zp = io.zab();
-  ScopedTwoPass two_pass(true);
-  {
-    ScopedLocalMma mode(false);
-    prefill_with_workspace(d, fx.params(), T, io.x(), zp, io.zab_stride, io.d_s1.as<float>(),
-                           io.d_o1.as<__nv_bfloat16>());
-  }
-  {
-    ScopedLocalMma mode(true);
-    prefill_with_workspace(d, fx.params(), T, io.x(), zp, io.zab_stride, io.d_s2.as<float>(),
-                           io.d_o2.as<__nv_bfloat16>());
-  }
-  const auto s1 = download_f32(io.d_s1, d.state_elems());
-  const double state_err = max_abs_scaled(download_f32(io.d_s2, d.state_elems()), s1);
-  const auto o1 = download_bf16(io.d_o1, int64_t(T) * io.V), o2 = download_bf16(io.d_o2, int64_t(T) * io.V);
-  const double out_err = max_rel(o2, o1, kFloor), out_rms = rms_rel(o2, o1);
-  std::printf("[gdn pass 1 tensor cores vs fp32] D=%d T=%d: output max rel %.3g, rms rel %.3g, state max %.3g\n",
-              d.key_head_dim, T, out_err, out_rms, state_err);
-  EXPECT_LT(state_err, kStateTol);
-  EXPECT_LT(out_err, kPrefillElemTol);
-  EXPECT_LT(out_rms, kPrefillRmsTol / 2);
+TEST(GdnPrefill, StateMmaMatchesFp32WalkRaggedLongChunk) {
+  expect_tensor_core_pass_matches_fp32<ScopedStateMma>("pass 2", 2048 + 37, 71);
 }
-
-TEST(GdnPrefill, LocalMmaMatchesFp32RaggedLongChunk) { expect_local_mma_matches_fp32(2048 + 37, 81); }
-TEST(GdnPrefill, LocalMmaMatchesFp32OneToken) { expect_local_mma_matches_fp32(1, 82); }
-TEST(GdnPrefill, LocalMmaMatchesFp32DemoDims) { expect_local_mma_matches_fp32(300, 83, demo_dims()); }
+TEST(GdnPrefill, StateMmaMatchesFp32WalkOneToken) { expect_tensor_core_pass_matches_fp32<ScopedStateMma>("pass 2", 1, 72); }
+TEST(GdnPrefill, StateMmaMatchesFp32WalkDemoDims) {
+  expect_tensor_core_pass_matches_fp32<ScopedStateMma>("pass 2", 300, 73, demo_dims());
+}
+TEST(GdnPrefill, LocalMmaMatchesFp32RaggedLongChunk) {
+  expect_tensor_core_pass_matches_fp32<ScopedLocalMma>("pass 1", 2048 + 37, 81);
+}
+TEST(GdnPrefill, LocalMmaMatchesFp32OneToken) { expect_tensor_core_pass_matches_fp32<ScopedLocalMma>("pass 1", 1, 82); }
+TEST(GdnPrefill, LocalMmaMatchesFp32DemoDims) {
+  expect_tensor_core_pass_matches_fp32<ScopedLocalMma>("pass 1", 300, 83, demo_dims());
+}
 
 /// Prefill of a sequence in two pieces equals one piece (the state carries over).
 TEST(GdnPrefill, SplitSequenceEqualsOnePass) {
