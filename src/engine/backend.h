@@ -168,8 +168,11 @@ class Backend {
 };
 
 /// How the CUDA backend runs (docs/cuda.md), one field per path choice; the defaults are the
-/// paths verified on an H200. Today filled from the environment (from_env), validated before any
-/// backend is chosen, and written into the bench report.
+/// paths verified on an H200. The one place the LILY_CUDA_* variables are read: filled from the
+/// environment (from_env), validated before any backend is chosen, and written into the bench
+/// report. The CUDA backend sets the kernel layer's process-wide switches (pdl … gemm_regdq) from
+/// its options when it is created (backends/cuda/kernel_switches.h); no kernel reads the
+/// environment itself.
 struct CudaOptions {
   bool fuse_decode = true;       ///< LILY_CUDA_FUSE 1|0: add + RMSNorm and the GDN conv folded into GEMVs
   bool pdl = true;               ///< LILY_CUDA_PDL 1|0: programmatic dependent launch
@@ -178,6 +181,12 @@ struct CudaOptions {
   bool device_sampler = true;    ///< LILY_CUDA_DEVICE_SAMPLER 1|0: sampled rows sampled on the GPU, or on the host
   bool gemv_row_tiles = true;    ///< LILY_CUDA_GEMV_ROW_TILES 1|0: batched GEMV weights loaded once per 8 token rows
   bool gdn_chunk_parallel = true;   ///< LILY_CUDA_GDN_CHUNK_PARALLEL 1|0: GDN prefill's chunk solves all at once, then the walk
+  /// LILY_CUDA_GDN_LOCAL_MMA 1|0: pass 1 of the two-pass GDN prefill (each chunk's U, W, P) on
+  /// tensor cores (bf16 mma for KKᵀ/QKᵀ, split-tf32 mma for U and W), or the fp32 CUDA-core kernel.
+  bool gdn_local_mma = true;
+  /// LILY_CUDA_GDN_STATE_MMA 1|0: pass 2 of the two-pass GDN prefill (the walk over the chunks) on
+  /// tensor cores (tf32 mma with split operands), or the fp32 CUDA-core walk.
+  bool gdn_state_mma = true;
   bool batched_prefill = true;   ///< LILY_CUDA_PREFILL batched|per-token
   bool tensor_core_gemm = true;  ///< LILY_CUDA_GEMM tensor-core|gemv: the prefill projections, experts and 8-bit router
   /// LILY_CUDA_FUSED_MOE 1|0: the decode MoE block (router, experts, combine) as one launch with
@@ -186,8 +195,7 @@ struct CudaOptions {
   /// LILY_CUDA_GEMM_REGDQ grouped|all|0: the 4-bit grouped expert GEMMs of the tensor-core
   /// prefill dequantize in registers right before the MMAs ("grouped", the default), so do the
   /// dense GEMMs with at least one 64 × 256 tile per SM ("all", for an A/B), or every GEMM keeps
-  /// the shared-tile kernel ("0"); docs/cuda.md. quant_gemm.cu reads the variable itself at every
-  /// launch; from_env parses it here so that a bad value fails at start-up. Not part of describe().
+  /// the shared-tile kernel ("0"); docs/cuda.md.
   std::string gemm_regdq = "grouped";
   /// LILY_CUDA_BATCHED_DECODE 1|0: every decode step runs through one batched forward over its
   /// decode rows (groups of ≤ 8, also a single row, so that a row alone and in a batch share one
@@ -208,8 +216,8 @@ struct CudaOptions {
   /// the variable, the value and the accepted values for anything else.
   static CudaOptions from_env();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
-  /// gdn-chunk-parallel=1 prefill=batched gemm=tensor-core fused-moe=1 batched-decode=0 chunk=2048
-  /// max-batch=8", for logs and reports.
+  /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
+  /// gemm-regdq=grouped fused-moe=1 batched-decode=0 chunk=2048 max-batch=8", for logs and reports.
   std::string describe() const;
 };
 
@@ -255,6 +263,8 @@ inline CudaOptions CudaOptions::from_env() {
   o.device_sampler = env_choice("LILY_CUDA_DEVICE_SAMPLER", "1", "0", o.device_sampler);
   o.gemv_row_tiles = env_choice("LILY_CUDA_GEMV_ROW_TILES", "1", "0", o.gemv_row_tiles);
   o.gdn_chunk_parallel = env_choice("LILY_CUDA_GDN_CHUNK_PARALLEL", "1", "0", o.gdn_chunk_parallel);
+  o.gdn_local_mma = env_choice("LILY_CUDA_GDN_LOCAL_MMA", "1", "0", o.gdn_local_mma);
+  o.gdn_state_mma = env_choice("LILY_CUDA_GDN_STATE_MMA", "1", "0", o.gdn_state_mma);
   o.batched_prefill = env_choice("LILY_CUDA_PREFILL", "batched", "per-token", o.batched_prefill);
   o.tensor_core_gemm = env_choice("LILY_CUDA_GEMM", "tensor-core", "gemv", o.tensor_core_gemm);
   o.fused_moe = env_choice("LILY_CUDA_FUSED_MOE", "1", "0", o.fused_moe);
@@ -273,8 +283,10 @@ inline std::string CudaOptions::describe() const {
   return std::string("fuse=") + (fuse_decode ? "1" : "0") + " pdl=" + (pdl ? "1" : "0") +
          " stream-gemv=" + (stream_gemv ? "1" : "0") + " flash-prefill=" + (flash_prefill ? "1" : "0") +
          " device-sampler=" + (device_sampler ? "1" : "0") + " gemv-row-tiles=" + (gemv_row_tiles ? "1" : "0") +
-         " gdn-chunk-parallel=" + (gdn_chunk_parallel ? "1" : "0") + " prefill=" + (batched_prefill ? "batched" : "per-token") +
-         " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " fused-moe=" + (fused_moe ? "1" : "0") +
+         " gdn-chunk-parallel=" + (gdn_chunk_parallel ? "1" : "0") + " gdn-local-mma=" + (gdn_local_mma ? "1" : "0") +
+         " gdn-state-mma=" + (gdn_state_mma ? "1" : "0") + " prefill=" + (batched_prefill ? "batched" : "per-token") +
+         " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " gemm-regdq=" + gemm_regdq +
+         " fused-moe=" + (fused_moe ? "1" : "0") +
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
          " max-batch=" + std::to_string(max_batch);
 }

@@ -37,6 +37,7 @@
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/kernel_switches.h"
 #include "backends/cuda/kernels.h"
 #include "base/error.h"
 #include "model/loader.h"
@@ -286,7 +287,7 @@ TEST_F(CudaE2e, BatchedPrefillWithOneKernelGdnMatchesCpu) {
   auto gpu = make_cuda_backend(w, options);
   compare_greedy(cpu, *gpu, hash_prompt(300, w->config.vocab, 8), 4, "realdims batched prefill, one-kernel GDN",
                  /*align=*/false);
-  cuda::set_gdn_chunk_parallel_enabled(CudaOptions::from_env().gdn_chunk_parallel);  // for the tests after this one
+  cuda::apply_kernel_switches(CudaOptions::from_env());  // for the tests after this one
 }
 
 /// One sequence's logits: of its last prompt token, then of each of `steps` greedy decode steps.

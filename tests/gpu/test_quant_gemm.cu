@@ -32,7 +32,9 @@
 // RegdqDenseTiles runs under "all" so the references check the dense register-dequant kernel;
 // the ragged grouped cases give experts 0, 1, 15, 64 and 200 rows (empty experts, single-row
 // tiles, masked tails, several row tiles), the real shapes run at 2,048 tokens. Setting the
-// variable for the whole run swaps which kernel the references check.
+// variable for the whole run swaps which kernel the references check (the test applies the
+// LILY_CUDA_* environment through CudaOptions::from_env before its first test, as the backend
+// does; within the run it flips cuda::set_gemm_regdq).
 // Outputs are poisoned (NaN) before each launch, so any element the kernels skip fails.
 // CudaQuantGemmTiming prints times and TFLOP/s (CUDA events after warm-up; never asserted).
 #include <gtest/gtest.h>
@@ -47,6 +49,7 @@
 #include <vector>
 
 #include "backends/cpu/ops.h"
+#include "backends/cuda/kernel_switches.h"
 #include "backends/cuda/quant_gemm.h"
 #include "gpu_test_util.h"
 
@@ -58,38 +61,29 @@ using bf16_t = __nv_bfloat16;
 
 constexpr int kHidden = 2048, kExperts = 256, kTopK = 8, kFfn = 512;
 
-/// Sets an environment variable for the scope, then restores it (or unsets it).
-class ScopedEnv {
+/// The GEMM kernel switch (cuda::gemm_regdq, quant_gemm.h) for the scope, then the one before:
+/// kGrouped (default: register dequantization for the grouped GEMMs), kAll (also the large
+/// dense ones), kOff (the shared-tile kernels everywhere).
+class ScopedRegdq {
  public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* v = std::getenv(name)) {
-      had_ = true;
-      old_ = v;
-    }
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) setenv(name_, old_.c_str(), 1);
-    else unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  explicit ScopedRegdq(cuda::GemmRegdq mode) : old_(cuda::gemm_regdq()) { cuda::set_gemm_regdq(mode); }
+  ~ScopedRegdq() { cuda::set_gemm_regdq(old_); }
+  ScopedRegdq(const ScopedRegdq&) = delete;
+  ScopedRegdq& operator=(const ScopedRegdq&) = delete;
 
  private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
+  cuda::GemmRegdq old_;
 };
 
-/// The GEMM kernel switch (quant_gemm.cu): "grouped" (default: register dequantization for the
-/// grouped GEMMs), "all" (also the large dense ones), "0" (the shared-tile kernels everywhere).
-constexpr const char* kRegdqEnv = "LILY_CUDA_GEMM_REGDQ";
-
-/// The switch value as set now ("grouped" when unset or empty).
-std::string regdq_setting() {
-  const char* v = std::getenv(kRegdqEnv);
-  return (v == nullptr || *v == '\0') ? std::string("grouped") : std::string(v);
-}
+/// The kernel switches as the CUDA backend would set them from the LILY_CUDA_* environment
+/// (CudaOptions::from_env, apply_kernel_switches), before the first test: so that
+/// LILY_CUDA_GEMM_REGDQ set for the whole run swaps which kernel the references check.
+class SwitchesFromEnv : public ::testing::Environment {
+ public:
+  void SetUp() override { cuda::apply_kernel_switches(CudaOptions::from_env()); }
+};
+[[maybe_unused]] ::testing::Environment* const g_switches_from_env =
+    ::testing::AddGlobalTestEnvironment(new SwitchesFromEnv);
 
 /// Host QuantMatrix view of a RandomQuant (the layout the CPU backend reads).
 QuantMatrix host_view(const RandomQuant& w) {
@@ -170,7 +164,7 @@ void check_gemm(int64_t rows, int cols, int bits, bool f32_out, std::vector<int>
 
     // The other kernel (file comment) on the same input: each within the reference tolerance.
     {
-      ScopedEnv other(kRegdqEnv, regdq_setting() == "all" ? "0" : "all");
+      ScopedRegdq other(cuda::gemm_regdq() == cuda::GemmRegdq::kAll ? cuda::GemmRegdq::kOff : cuda::GemmRegdq::kAll);
       DeviceBuffer dy2 = poisoned(size_t(m) * rows * 4);
       cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, f32_out ? nullptr : dy2.as<bf16_t>(),
                               f32_out ? dy2.as<float>() : nullptr, nullptr);
@@ -230,7 +224,7 @@ TEST(CudaQuantGemm, RegdqDenseTiles) {
   // 256 weight rows per SM on an H200): full and ragged last row tiles (1100 = 17·64 + 12), odd
   // widths (unaligned rows: element stores), fp32 outputs. The references check the register-
   // dequant kernel ("all"), the agreement check the shared-tile one.
-  ScopedEnv all(kRegdqEnv, "all");
+  ScopedRegdq all(cuda::GemmRegdq::kAll);
   check_gemm(kHidden, 4096, 4, false, {2048, 1100}, 10);   // out_proj at the default chunk
   check_gemm(1037, 512, 4, true, {2000}, 11);              // 5 column tiles, the last of 13 rows
   check_gemm(20037, 256, 4, false, {200}, 12);
@@ -373,7 +367,7 @@ void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t 
   // The other grouped kernel (shared tile if the default ran, see the file comment) on the same
   // inputs: gate/up from x, down from the default's activations.
   {
-    ScopedEnv other(kRegdqEnv, regdq_setting() == "0" ? "grouped" : "0");
+    ScopedRegdq other(cuda::gemm_regdq() == cuda::GemmRegdq::kOff ? cuda::GemmRegdq::kGrouped : cuda::GemmRegdq::kOff);
     DeviceBuffer act_o = poisoned(size_t(A) * ffn * 2), slot_o = poisoned(size_t(A) * hidden * 2);
     cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), ffn, grouping.as<int32_t>(), n_groups,
                                             dx.as<bf16_t>(), m, n_sel, act_o.as<bf16_t>(), nullptr);
@@ -552,7 +546,7 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
       const double gv = time_us([&] { cuda::launch_quant_gemv_batched(w.view(), dx.as<bf16_t>(), std::min(m, 256), y.as<bf16_t>(), nullptr, nullptr); }, 10);
       double rd = 0;
       {
-        ScopedEnv all(kRegdqEnv, "all");
+        ScopedRegdq all(cuda::GemmRegdq::kAll);
         rd = time_us([&] { cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, y.as<bf16_t>(), nullptr, nullptr); }, kTimingReps);
       }
       const double flop = 2.0 * m * s.rows * s.cols;
@@ -582,7 +576,7 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
     }, kTimingReps);
     double gu_old = 0, dn_old = 0;  // the shared-tile kernels (the defaults above use the switch as set)
     {
-      ScopedEnv shared_tile(kRegdqEnv, "0");
+      ScopedRegdq shared_tile(cuda::GemmRegdq::kOff);
       gu_old = time_us([&] {
         cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), kFfn, grouping.as<int32_t>(), n_groups,
                                                 dx.as<bf16_t>(), m, n_sel, act.as<bf16_t>(), nullptr);

@@ -31,6 +31,7 @@
 
 #include "backends/cuda/device_buffer.h"
 #include "backends/cuda/device_model.h"
+#include "backends/cuda/kernel_switches.h"
 #include "backends/cuda/kernels.h"
 #include "backends/cuda/mixer_kernels.h"
 #include "backends/cuda/quant_gemm.h"
@@ -564,15 +565,10 @@ class CudaBackend final : public Backend {
     allocate_scratch();
     fused_moe_ = options_.fused_moe && fuse_decode_ && fused_moe_supported();
     batched_fused_moe_ = fused_moe_ && fused_moe_supported(kMaxDecodeRows);
-    // The kernel layer's switches (kernels.h) are process-wide: set here from this backend's
-    // options, so the environment is read and validated once, by CudaOptions::from_env. The
-    // last backend constructed sets them.
-    set_pdl_enabled(options_.pdl);
-    set_stream_gemv_enabled(options_.stream_gemv);
-    set_flash_prefill_enabled(options_.flash_prefill);
-    set_device_sampler_enabled(options_.device_sampler);
-    set_gemv_row_tiles_enabled(options_.gemv_row_tiles);
-    set_gdn_chunk_parallel_enabled(options_.gdn_chunk_parallel);
+    // The kernel layer's switches (kernels.h, mixer_kernels.h, quant_gemm.h) are process-wide:
+    // set here from this backend's options, every one of them, so the environment is read and
+    // validated once, by CudaOptions::from_env. The last backend constructed sets them.
+    apply_kernel_switches(options_);
   }
   ~CudaBackend() override {
     if (copy_stream_) cudaStreamDestroy(copy_stream_);

@@ -3,7 +3,6 @@
 // delta rule, and the gated RMSNorm. Launchers are declared in mixer_kernels.h.
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -1188,9 +1187,10 @@ gated_norm_kernel(int Hv, float eps, const float* __restrict__ norm_w,
   row[m] = to_bf16(y);
 }
 
-/// LILY_CUDA_GDN_STATE_MMA as read once (−1: not read yet), or as set by set_gdn_state_mma_enabled.
-std::atomic<int> g_state_mma{-1};
-std::atomic<int> g_local_mma{-1};  // gdn_local_mma_enabled: -1 unread, 0 off, 1 on
+/// gdn_state_mma_enabled() and gdn_local_mma_enabled(): on (the verified default) until set
+/// (the CUDA backend sets them from CudaOptions::gdn_state_mma / gdn_local_mma).
+std::atomic<bool> g_state_mma{true};
+std::atomic<bool> g_local_mma{true};
 
 /// LILY_CUDA_REQUIRE with this file's prefix.
 #define MIXER_REQUIRE(ok, ...) LILY_CUDA_REQUIRE(ok, "GDN kernels", __VA_ARGS__)
@@ -1296,37 +1296,11 @@ void check_params(const GdnParams& p) {
 
 }  // namespace
 
-bool gdn_state_mma_enabled() {
-  int s = g_state_mma.load(std::memory_order_relaxed);
-  if (s < 0) {
-    const char* v = std::getenv("LILY_CUDA_GDN_STATE_MMA");
-    const std::string value = v ? v : "";
-    MIXER_REQUIRE(value.empty() || value == "1" || value == "0",
-                  "LILY_CUDA_GDN_STATE_MMA must be '1' or '0', got '" + value + "'");
-    s = value == "0" ? 0 : 1;
-    int expected = -1;
-    if (!g_state_mma.compare_exchange_strong(expected, s)) s = expected;
-  }
-  return s == 1;
-}
+bool gdn_state_mma_enabled() { return g_state_mma.load(std::memory_order_relaxed); }
+void set_gdn_state_mma_enabled(bool on) { g_state_mma.store(on, std::memory_order_relaxed); }
 
-void set_gdn_state_mma_enabled(bool on) { g_state_mma.store(on ? 1 : 0); }
-
-bool gdn_local_mma_enabled() {
-  int s = g_local_mma.load(std::memory_order_relaxed);
-  if (s < 0) {
-    const char* v = std::getenv("LILY_CUDA_GDN_LOCAL_MMA");
-    const std::string value = v ? v : "";
-    MIXER_REQUIRE(value.empty() || value == "1" || value == "0",
-                  "LILY_CUDA_GDN_LOCAL_MMA must be '1' or '0', got '" + value + "'");
-    s = value == "0" ? 0 : 1;
-    int expected = -1;
-    if (!g_local_mma.compare_exchange_strong(expected, s)) s = expected;
-  }
-  return s == 1;
-}
-
-void set_gdn_local_mma_enabled(bool on) { g_local_mma.store(on ? 1 : 0); }
+bool gdn_local_mma_enabled() { return g_local_mma.load(std::memory_order_relaxed); }
+void set_gdn_local_mma_enabled(bool on) { g_local_mma.store(on, std::memory_order_relaxed); }
 
 GdnDims gdn_dims(const ModelConfig& config) {
   GdnDims d;

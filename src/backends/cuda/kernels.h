@@ -141,48 +141,50 @@ void launch_add_rmsnorm_router_fused(const FusedNorm& norm, const __nv_bfloat16*
                                      int n_experts, int top_k, float* logits, int32_t* ids, float* weights,
                                      uint32_t* done, cudaStream_t stream);
 
-/// Whether decode-path kernels launch with programmatic dependent launch (launch.cuh). Read once
-/// from the environment: LILY_CUDA_PDL unset or "1" → on, "0" → off; any other value throws
-/// lily::Error (at the first launch, or at backend creation).
+// Run-time kernel switches (launch.cu). Process-wide values that no kernel reads from the
+// environment: each starts at the path verified on an H200 (on), the CUDA backend sets every one
+// from its CudaOptions when created (kernel_switches.h; the LILY_CUDA_* variables are read and
+// validated once, by CudaOptions::from_env), and tests comparing both paths use the setters.
+
+/// Whether decode-path kernels launch with programmatic dependent launch (launch.cuh):
+/// CudaOptions::pdl (LILY_CUDA_PDL); on by default.
 bool pdl_enabled();
-/// Overrides LILY_CUDA_PDL for the rest of the process (tests and benchmarks comparing both).
+/// Sets pdl_enabled() for the rest of the process (the backend; tests and benchmarks comparing both).
 void set_pdl_enabled(bool on);
 
 /// Whether 4-bit GEMVs with cols % 512 == 0 and m ≤ 8 stream their weights by bulk copies
-/// (quant_gemv.cu) instead of register loads. LILY_CUDA_STREAM_GEMV unset or "1" → on, "0" →
-/// off; any other value throws lily::Error at the first GEMV.
+/// (quant_gemv.cu) instead of register loads: CudaOptions::stream_gemv (LILY_CUDA_STREAM_GEMV);
+/// on by default.
 bool stream_gemv_enabled();
-/// Overrides LILY_CUDA_STREAM_GEMV for the rest of the process (tests comparing both paths).
+/// Sets stream_gemv_enabled() for the rest of the process (the backend; tests comparing both paths).
 void set_stream_gemv_enabled(bool on);
 
 /// Whether prefill attention runs on tensor cores (flash_prefill.cu) instead of the CUDA-core
-/// row kernel (attention.cu). LILY_CUDA_FLASH_PREFILL unset or "1" → on, "0" → off; any other
-/// value throws lily::Error at the first prefill.
+/// row kernel (attention.cu): CudaOptions::flash_prefill (LILY_CUDA_FLASH_PREFILL); on by default.
 bool flash_prefill_enabled();
-/// Overrides LILY_CUDA_FLASH_PREFILL for the rest of the process (tests comparing both paths).
+/// Sets flash_prefill_enabled() for the rest of the process (the backend; tests comparing both paths).
 void set_flash_prefill_enabled(bool on);
 
 /// Whether sampled rows are sampled on the device (sampler.cu) instead of on the host from
-/// copied logits. LILY_CUDA_DEVICE_SAMPLER unset, empty or "1" → on (the default: its kernels and
-/// its end-to-end test agree with the host sampler on an H200); "0" → off; any other value
-/// throws lily::Error.
+/// copied logits: CudaOptions::device_sampler (LILY_CUDA_DEVICE_SAMPLER); on by default (its
+/// kernels and its end-to-end test agree with the host sampler on an H200).
 bool device_sampler_enabled();
-/// Overrides LILY_CUDA_DEVICE_SAMPLER for the rest of the process (tests of both paths).
+/// Sets device_sampler_enabled() for the rest of the process (the backend; tests of both paths).
 void set_device_sampler_enabled(bool on);
 
 /// Whether gdn_prefill runs in two passes (all chunks' local solves at once, then the walk over
-/// the chunks) when given a workspace. LILY_CUDA_GDN_CHUNK_PARALLEL unset, empty or
-/// "1" → on (verified on an H200); "0" → the one-kernel walk; any other value throws lily::Error.
+/// the chunks) when given a workspace, or the one-kernel walk: CudaOptions::gdn_chunk_parallel
+/// (LILY_CUDA_GDN_CHUNK_PARALLEL); on by default (verified on an H200).
 bool gdn_chunk_parallel_enabled();
-/// Overrides LILY_CUDA_GDN_CHUNK_PARALLEL for the rest of the process (tests of both paths).
+/// Sets gdn_chunk_parallel_enabled() for the rest of the process (the backend; tests of both paths).
 void set_gdn_chunk_parallel_enabled(bool on);
 
 /// Whether the batched CUDA-core GEMV (m > 1: the prefill router, LILY_CUDA_GEMM=gemv) loads each
 /// weight group once per 8 token rows (quant_gemv_tiled_kernel, bit-identical outputs by
-/// construction) instead of once per row. LILY_CUDA_GEMV_ROW_TILES unset, empty or "1"
-/// → on (verified on an H200); "0" → once per row; any other value throws lily::Error.
+/// construction) instead of once per row: CudaOptions::gemv_row_tiles (LILY_CUDA_GEMV_ROW_TILES);
+/// on by default (verified on an H200).
 bool gemv_row_tiles_enabled();
-/// Overrides LILY_CUDA_GEMV_ROW_TILES for the rest of the process (tests of both paths).
+/// Sets gemv_row_tiles_enabled() for the rest of the process (the backend; tests of both paths).
 void set_gemv_row_tiles_enabled(bool on);
 
 /// Fused gate/up + SwiGLU for the selected experts (docs/model.md §4.3 item 5): for each slot

@@ -126,7 +126,7 @@ void gdn_conv_prefill(const GdnDims& dims, const GdnParams& params, int T,
 ///   state    fp32 [Hv, Dk, Dv]  the state before the first token; on return, after the last
 ///   out      bf16 [T, Hv·Dv]    contiguous
 ///   workspace fp32, ≥ gdn_prefill_workspace_bytes(dims, T) bytes, or null
-/// With a workspace and LILY_CUDA_GDN_CHUNK_PARALLEL on (gdn_chunk_parallel_enabled), two
+/// With a workspace and gdn_chunk_parallel_enabled() (LILY_CUDA_GDN_CHUNK_PARALLEL), two
 /// passes: every chunk's state-independent part (the 64×64 solve, as U, W and P) at once, then
 /// the walk over the chunks with Δ = U − W·S; else one kernel walks the chunks doing all of it.
 /// The walk (pass 2) runs on tensor cores (tf32 mma with split operands, near-fp32 products;
@@ -144,19 +144,19 @@ void gdn_prefill(const GdnDims& dims, const GdnParams& params, int T,
 size_t gdn_prefill_workspace_bytes(const GdnDims& dims, int T);
 
 /// Whether pass 2 of the two-pass gdn_prefill (the walk over the chunks) runs on tensor cores
-/// (mma.sync tf32 with split-precision operands) or as the fp32 CUDA-core walk it replaced.
-/// LILY_CUDA_GDN_STATE_MMA unset, empty or "1" → tensor cores; "0" → the fp32 walk (for an A/B);
-/// any other value throws lily::Error at the first two-pass prefill.
+/// (mma.sync tf32 with split-precision operands) or as the fp32 CUDA-core walk it replaced (for
+/// an A/B): CudaOptions::gdn_state_mma (LILY_CUDA_GDN_STATE_MMA), set by the CUDA backend when
+/// created (kernel_switches.h); on by default. Never read from the environment here.
 bool gdn_state_mma_enabled();
-/// Overrides LILY_CUDA_GDN_STATE_MMA for the rest of the process (tests comparing both paths).
+/// Sets gdn_state_mma_enabled() for the rest of the process (the backend; tests comparing both paths).
 void set_gdn_state_mma_enabled(bool on);
 
 /// Whether pass 1 of the two-pass gdn_prefill (each chunk's U, W, P) runs on tensor cores (bf16
 /// mma for KKᵀ/QKᵀ, split-tf32 mma for U and W; gdn.cu, "pass 1 on tensor cores") or as the
-/// fp32 CUDA-core kernel. LILY_CUDA_GDN_LOCAL_MMA unset, empty or "1" → tensor cores; "0" → fp32;
-/// any other value throws lily::Error at the first two-pass prefill.
+/// fp32 CUDA-core kernel: CudaOptions::gdn_local_mma (LILY_CUDA_GDN_LOCAL_MMA), set by the CUDA
+/// backend when created (kernel_switches.h); on by default. Never read from the environment here.
 bool gdn_local_mma_enabled();
-/// Overrides LILY_CUDA_GDN_LOCAL_MMA for the rest of the process (tests comparing both paths).
+/// Sets gdn_local_mma_enabled() for the rest of the process (the backend; tests comparing both paths).
 void set_gdn_local_mma_enabled(bool on);
 
 // =============================================================================================

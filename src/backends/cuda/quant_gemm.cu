@@ -4,10 +4,11 @@
 // tests/gpu/test_quant_gemm.cu (docs/cuda.md).
 //
 // Two kernels:
-//   * regdq_gemm_kernel (LILY_CUDA_GEMM_REGDQ, CudaOptions::gemm_regdq): codes dequantized in
-//     registers right before the MMAs, a persistent grid over a flat list of (row tile, column
-//     tile) work items — see "register dequantization" below. By default it takes every 4-bit
-//     grouped expert GEMM; with "all" also the dense GEMMs with at least one 64 × 256 item per SM.
+//   * regdq_gemm_kernel (gemm_regdq(), set from CudaOptions::gemm_regdq, LILY_CUDA_GEMM_REGDQ):
+//     codes dequantized in registers right before the MMAs, a persistent grid over a flat list
+//     of (row tile, column tile) work items — see "register dequantization" below. By default it
+//     takes every 4-bit grouped expert GEMM; with "all" also the dense GEMMs with at least one
+//     64 × 256 item per SM.
 //   * quant_gemm_kernel (8-bit weights, the dense GEMMs by default, LILY_CUDA_GEMM_REGDQ=0):
 //     the shared-tile kernel described next.
 //
@@ -47,7 +48,7 @@
 //     128 hidden columns), BM = 32 when an expert gets < 48 rows on average (m = 256, top-8 of
 //     256: ≈ 8 rows per expert), else 64.
 #include <algorithm>
-#include <cstdlib>
+#include <atomic>
 #include <string>
 
 #include "backends/cuda/common.cuh"
@@ -695,18 +696,22 @@ void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
   LILY_CUDA_CHECK_LAUNCH();
 }
 
-/// LILY_CUDA_GEMM_REGDQ: unset, "" or "grouped" → the register-dequant kernel for the 4-bit
-/// grouped GEMMs (the dense ones keep the shared-tile kernel, which already reaches ≈ 230
-/// TFLOP/s at 2,048 tokens with its 128-token tiles); "all" → also for the dense GEMMs with ≥ one
-/// item per SM (for an A/B); "0" → the shared-tile kernels everywhere. Read at every launch (a
-/// test flips it between launches). Returns whether the register-dequant kernel is selected for
-/// a dense (`dense`) or a grouped GEMM; throws lily::Error for any other value.
+/// gemm_regdq()'s value: kGrouped until set_gemm_regdq.
+std::atomic<GemmRegdq> g_regdq{GemmRegdq::kGrouped};
+
+/// gemm_regdq(): kGrouped (the default) → the register-dequant kernel for the 4-bit grouped
+/// GEMMs (the dense ones keep the shared-tile kernel, which already reaches ≈ 230 TFLOP/s at
+/// 2,048 tokens with its 128-token tiles); kAll → also for the dense GEMMs with ≥ one item per
+/// SM (for an A/B); kOff → the shared-tile kernels everywhere. Read at every launch (a test flips
+/// it between launches). Returns whether the register-dequant kernel is selected for a dense
+/// (`dense`) or a grouped GEMM.
 bool regdq_enabled(bool dense) {
-  const char* v = std::getenv("LILY_CUDA_GEMM_REGDQ");
-  if (v == nullptr || *v == '\0' || std::string(v) == "grouped") return !dense;
-  if (std::string(v) == "all") return true;
-  if (std::string(v) == "0") return false;
-  throw ::lily::Error(std::string("LILY_CUDA_GEMM_REGDQ must be 'grouped' (the default), 'all' or '0', got '") + v + "'");
+  switch (gemm_regdq()) {
+    case GemmRegdq::kGrouped: return !dense;
+    case GemmRegdq::kAll: return true;
+    case GemmRegdq::kOff: return false;
+  }
+  return !dense;
 }
 
 /// Whether the register-dequant kernel's 32-bit element offsets cover `a_rows` activation rows
@@ -880,6 +885,9 @@ void check_alignment(const GemmParams& p, const char* what) {
 }
 
 }  // namespace
+
+GemmRegdq gemm_regdq() { return g_regdq.load(std::memory_order_relaxed); }
+void set_gemm_regdq(GemmRegdq mode) { g_regdq.store(mode, std::memory_order_relaxed); }
 
 void launch_quant_gemm(const DeviceQuant& w, const bf16* x, int m, bf16* y_bf16, float* y_f32, cudaStream_t stream) {
   check_gemm_weights(w, "quant_gemm");

@@ -20,6 +20,20 @@
 
 namespace lily::cuda {
 
+/// Where the 4-bit tensor-core GEMMs dequantize in registers right before the MMAs
+/// (regdq_gemm_kernel) instead of through a shared-memory tile: CudaOptions::gemm_regdq
+/// (LILY_CUDA_GEMM_REGDQ), docs/cuda.md.
+enum class GemmRegdq {
+  kGrouped,  ///< "grouped" (the default): the grouped expert GEMMs; the dense ones keep the shared tile
+  kAll,      ///< "all": also the dense GEMMs with at least one 64 × 256 tile per SM (for an A/B)
+  kOff,      ///< "0": the shared-tile kernels everywhere
+};
+/// The process-wide choice the GEMM launchers read at every launch: kGrouped until set (the
+/// CUDA backend sets it from its CudaOptions when created; kernel_switches.h).
+GemmRegdq gemm_regdq();
+/// Sets gemm_regdq() for the launches that follow (the backend at creation; tests comparing paths).
+void set_gemm_regdq(GemmRegdq mode);
+
 /// y[m, w.rows] = x[m, w.cols] · bf16(W)ᵀ on tensor cores (mma.sync m16n8k16 bf16, fp32
 /// accumulation). x: bf16 row-major [m, cols]; exactly one of y_bf16 / y_f32 ([m, rows],
 /// row-major) is non-null (bf16 rounded once; fp32 not rounded). Any m ≥ 1 (tail rows masked),

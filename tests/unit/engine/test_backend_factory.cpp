@@ -94,7 +94,7 @@ class ScopedEnv {
 
 TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   for (const char* v : {"LILY_CUDA_FUSE", "LILY_CUDA_PDL", "LILY_CUDA_STREAM_GEMV", "LILY_CUDA_FLASH_PREFILL",
-                        "LILY_CUDA_DEVICE_SAMPLER", "LILY_CUDA_GEMV_ROW_TILES", "LILY_CUDA_GDN_CHUNK_PARALLEL", "LILY_CUDA_PREFILL", "LILY_CUDA_GEMM", "LILY_CUDA_FUSED_MOE", "LILY_CUDA_BATCHED_DECODE", "LILY_CUDA_PREFILL_CHUNK", "LILY_CUDA_MAX_BATCH"})
+                        "LILY_CUDA_DEVICE_SAMPLER", "LILY_CUDA_GEMV_ROW_TILES", "LILY_CUDA_GDN_CHUNK_PARALLEL", "LILY_CUDA_GDN_LOCAL_MMA", "LILY_CUDA_GDN_STATE_MMA", "LILY_CUDA_PREFILL", "LILY_CUDA_GEMM", "LILY_CUDA_GEMM_REGDQ", "LILY_CUDA_FUSED_MOE", "LILY_CUDA_BATCHED_DECODE", "LILY_CUDA_PREFILL_CHUNK", "LILY_CUDA_MAX_BATCH"})
     unsetenv(v);
   const CudaOptions o = CudaOptions::from_env();
   EXPECT_TRUE(o.fuse_decode);
@@ -104,13 +104,16 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_TRUE(o.device_sampler);
   EXPECT_TRUE(o.gemv_row_tiles);
   EXPECT_TRUE(o.gdn_chunk_parallel);
+  EXPECT_TRUE(o.gdn_local_mma);
+  EXPECT_TRUE(o.gdn_state_mma);
   EXPECT_TRUE(o.batched_prefill);
   EXPECT_TRUE(o.tensor_core_gemm);
+  EXPECT_EQ(o.gemm_regdq, "grouped");
   EXPECT_TRUE(o.fused_moe);
   EXPECT_FALSE(o.batched_decode);  // opt-in until its GPU tests have passed
   EXPECT_EQ(o.prefill_chunk, 2048);
   EXPECT_EQ(o.max_batch, 8);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 prefill=batched gemm=tensor-core fused-moe=1 batched-decode=0 chunk=2048 max-batch=8");
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-regdq=grouped fused-moe=1 batched-decode=0 chunk=2048 max-batch=8");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {
@@ -118,13 +121,55 @@ TEST(CudaOptions, ReadsEveryVariable) {
       d("LILY_CUDA_GEMM", "gemv"), e("LILY_CUDA_PREFILL_CHUNK", "256"), f("LILY_CUDA_STREAM_GEMV", "0"),
       g("LILY_CUDA_FLASH_PREFILL", "0"), h("LILY_CUDA_DEVICE_SAMPLER", "0"),
       i("LILY_CUDA_GEMV_ROW_TILES", "0"), j("LILY_CUDA_GDN_CHUNK_PARALLEL", "0"), k("LILY_CUDA_MAX_BATCH", "16"),
-      l("LILY_CUDA_FUSED_MOE", "0"), m("LILY_CUDA_BATCHED_DECODE", "1");
+      l("LILY_CUDA_FUSED_MOE", "0"), m("LILY_CUDA_BATCHED_DECODE", "1"), n("LILY_CUDA_GDN_LOCAL_MMA", "0"),
+      p("LILY_CUDA_GDN_STATE_MMA", "0"), q("LILY_CUDA_GEMM_REGDQ", "0");
   const CudaOptions o = CudaOptions::from_env();
-  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 prefill=per-token gemm=gemv fused-moe=0 batched-decode=1 chunk=256 max-batch=16");
+  EXPECT_FALSE(o.gdn_local_mma);
+  EXPECT_FALSE(o.gdn_state_mma);
+  EXPECT_EQ(o.gemm_regdq, "0");
+  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv gemm-regdq=0 fused-moe=0 batched-decode=1 chunk=256 max-batch=16");
+}
+
+/// The kernel switches that were read by the kernels themselves before CudaOptions held them:
+/// each one alone, against the defaults (the other fields keep theirs).
+TEST(CudaOptions, ReadsTheKernelSwitches) {
+  for (const char* v : {"LILY_CUDA_GDN_LOCAL_MMA", "LILY_CUDA_GDN_STATE_MMA", "LILY_CUDA_GEMM_REGDQ"}) unsetenv(v);
+  {
+    ScopedEnv env("LILY_CUDA_GDN_LOCAL_MMA", "0");
+    const CudaOptions o = CudaOptions::from_env();
+    EXPECT_FALSE(o.gdn_local_mma);
+    EXPECT_TRUE(o.gdn_state_mma);
+    EXPECT_NE(o.describe().find(" gdn-local-mma=0 gdn-state-mma=1 "), std::string::npos) << o.describe();
+  }
+  {
+    ScopedEnv env("LILY_CUDA_GDN_STATE_MMA", "0");
+    const CudaOptions o = CudaOptions::from_env();
+    EXPECT_TRUE(o.gdn_local_mma);
+    EXPECT_FALSE(o.gdn_state_mma);
+    EXPECT_NE(o.describe().find(" gdn-local-mma=1 gdn-state-mma=0 "), std::string::npos) << o.describe();
+  }
+  for (const char* on : {"1", ""}) {  // "1" and empty (as unset): the default
+    ScopedEnv a("LILY_CUDA_GDN_LOCAL_MMA", on), b("LILY_CUDA_GDN_STATE_MMA", on);
+    const CudaOptions o = CudaOptions::from_env();
+    EXPECT_TRUE(o.gdn_local_mma) << "'" << on << "'";
+    EXPECT_TRUE(o.gdn_state_mma) << "'" << on << "'";
+  }
+  for (const char* mode : {"grouped", "all", "0"}) {
+    ScopedEnv env("LILY_CUDA_GEMM_REGDQ", mode);
+    const CudaOptions o = CudaOptions::from_env();
+    EXPECT_EQ(o.gemm_regdq, mode);
+    EXPECT_NE(o.describe().find(std::string(" gemm-regdq=") + mode + " "), std::string::npos) << o.describe();
+  }
+  {
+    ScopedEnv env("LILY_CUDA_GEMM_REGDQ", "");
+    EXPECT_EQ(CudaOptions::from_env().gemm_regdq, "grouped");
+  }
 }
 
 TEST(CudaOptions, BadValuesNameTheVariable) {
   const std::pair<const char*, const char*> bad[] = {{"LILY_CUDA_FUSE", "yes"},          {"LILY_CUDA_PDL", "2"}, {"LILY_CUDA_STREAM_GEMV", "on"}, {"LILY_CUDA_FLASH_PREFILL", "yes"}, {"LILY_CUDA_DEVICE_SAMPLER", "on"}, {"LILY_CUDA_GEMV_ROW_TILES", "2"}, {"LILY_CUDA_GDN_CHUNK_PARALLEL", "yes"}, {"LILY_CUDA_FUSED_MOE", "2"}, {"LILY_CUDA_BATCHED_DECODE", "on"},
+                                                     {"LILY_CUDA_GDN_LOCAL_MMA", "yes"}, {"LILY_CUDA_GDN_STATE_MMA", "2"},
+                                                     {"LILY_CUDA_GEMM_REGDQ", "dense"},  {"LILY_CUDA_GEMM_REGDQ", "1"},
                                                      {"LILY_CUDA_PREFILL", "chunked"},   {"LILY_CUDA_GEMM", "cublas"},
                                                      {"LILY_CUDA_PREFILL_CHUNK", "0"},   {"LILY_CUDA_PREFILL_CHUNK", "8193"},
                                                      {"LILY_CUDA_PREFILL_CHUNK", "12x"}, {"LILY_CUDA_PREFILL_CHUNK", "99999999999999999999"},

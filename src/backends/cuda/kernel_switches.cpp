@@ -1,0 +1,37 @@
+// CudaOptions → the kernel layer's switches (kernel_switches.h).
+#include "backends/cuda/kernel_switches.h"
+
+#include <string>
+
+#include "backends/cuda/kernels.h"
+#include "backends/cuda/mixer_kernels.h"
+#include "backends/cuda/quant_gemm.h"
+#include "base/error.h"
+
+namespace lily::cuda {
+namespace {
+
+GemmRegdq parse_gemm_regdq(const std::string& v) {
+  if (v == "grouped") return GemmRegdq::kGrouped;
+  if (v == "all") return GemmRegdq::kAll;
+  if (v == "0") return GemmRegdq::kOff;
+  throw ::lily::Error("CudaOptions::gemm_regdq (LILY_CUDA_GEMM_REGDQ) must be 'grouped', 'all' or '0', got '" + v +
+                      "'");
+}
+
+}  // namespace
+
+void apply_kernel_switches(const CudaOptions& options) {
+  const GemmRegdq regdq = parse_gemm_regdq(options.gemm_regdq);
+  set_pdl_enabled(options.pdl);
+  set_stream_gemv_enabled(options.stream_gemv);
+  set_flash_prefill_enabled(options.flash_prefill);
+  set_device_sampler_enabled(options.device_sampler);
+  set_gemv_row_tiles_enabled(options.gemv_row_tiles);
+  set_gdn_chunk_parallel_enabled(options.gdn_chunk_parallel);
+  set_gdn_local_mma_enabled(options.gdn_local_mma);
+  set_gdn_state_mma_enabled(options.gdn_state_mma);
+  set_gemm_regdq(regdq);
+}
+
+}  // namespace lily::cuda

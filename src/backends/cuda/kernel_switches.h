@@ -1,0 +1,16 @@
+// The one bridge from CudaOptions (engine/backend.h) to the CUDA kernel layer's process-wide
+// switches (kernels.h, mixer_kernels.h, quant_gemm.h). No kernel reads the environment: the
+// LILY_CUDA_* variables are read and validated once, by CudaOptions::from_env, and the CUDA
+// backend applies its options here when it is created.
+#pragma once
+#include "engine/backend.h"
+
+namespace lily::cuda {
+
+/// Sets every kernel-level switch from `options`: pdl, stream_gemv, flash_prefill,
+/// device_sampler, gemv_row_tiles, gdn_chunk_parallel, gdn_local_mma, gdn_state_mma and
+/// gemm_regdq. Process-wide: the last backend created sets them. Throws lily::Error, before
+/// setting anything, for a gemm_regdq other than "grouped", "all" or "0" (from_env never gives one).
+void apply_kernel_switches(const CudaOptions& options);
+
+}  // namespace lily::cuda

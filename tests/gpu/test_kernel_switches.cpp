@@ -1,0 +1,84 @@
+// apply_kernel_switches (backends/cuda/kernel_switches.h): every field of CudaOptions that picks a
+// kernel-level path reaches its process-wide switch, the switches start at the verified defaults,
+// and a bad gemm_regdq string throws before any switch changes. Touches no device (only the
+// switches' values), but links the CUDA library, so it sits with the gpu tests.
+#include <gtest/gtest.h>
+
+#include "backends/cuda/kernel_switches.h"
+#include "backends/cuda/kernels.h"
+#include "backends/cuda/mixer_kernels.h"
+#include "backends/cuda/quant_gemm.h"
+#include "base/error.h"
+
+namespace lily::test {
+namespace {
+
+/// The switches' values, in apply_kernel_switches' order.
+struct Switches {
+  bool pdl, stream_gemv, flash_prefill, device_sampler, gemv_row_tiles, gdn_chunk_parallel, gdn_local_mma,
+      gdn_state_mma;
+  cuda::GemmRegdq regdq;
+
+  static Switches now() {
+    return {cuda::pdl_enabled(),           cuda::stream_gemv_enabled(),        cuda::flash_prefill_enabled(),
+            cuda::device_sampler_enabled(), cuda::gemv_row_tiles_enabled(),    cuda::gdn_chunk_parallel_enabled(),
+            cuda::gdn_local_mma_enabled(),  cuda::gdn_state_mma_enabled(),     cuda::gemm_regdq()};
+  }
+  bool operator==(const Switches&) const = default;
+};
+
+TEST(KernelSwitches, StartAtTheVerifiedDefaults) {
+  // Before anything sets them (this test runs first in its process; gtest keeps file order).
+  EXPECT_EQ(Switches::now(), (Switches{true, true, true, true, true, true, true, true, cuda::GemmRegdq::kGrouped}));
+  cuda::apply_kernel_switches(CudaOptions{});  // the defaults of CudaOptions are the same paths
+  EXPECT_EQ(Switches::now(), (Switches{true, true, true, true, true, true, true, true, cuda::GemmRegdq::kGrouped}));
+}
+
+TEST(KernelSwitches, EveryFieldReachesItsSwitch) {
+  CudaOptions o;
+  o.pdl = o.stream_gemv = o.flash_prefill = o.device_sampler = false;
+  o.gemv_row_tiles = o.gdn_chunk_parallel = o.gdn_local_mma = o.gdn_state_mma = false;
+  o.gemm_regdq = "0";
+  cuda::apply_kernel_switches(o);
+  EXPECT_EQ(Switches::now(), (Switches{false, false, false, false, false, false, false, false, cuda::GemmRegdq::kOff}));
+  o.gemm_regdq = "all";
+  cuda::apply_kernel_switches(o);
+  EXPECT_EQ(cuda::gemm_regdq(), cuda::GemmRegdq::kAll);
+  // One at a time, so that no field sets another's switch.
+  const auto one = [](bool CudaOptions::*field) {
+    CudaOptions x;
+    x.*field = false;
+    return x;
+  };
+  cuda::apply_kernel_switches(one(&CudaOptions::pdl));
+  EXPECT_FALSE(cuda::pdl_enabled());
+  EXPECT_TRUE(cuda::stream_gemv_enabled());
+  cuda::apply_kernel_switches(one(&CudaOptions::gdn_local_mma));
+  EXPECT_TRUE(cuda::pdl_enabled());
+  EXPECT_FALSE(cuda::gdn_local_mma_enabled());
+  EXPECT_TRUE(cuda::gdn_state_mma_enabled());
+  cuda::apply_kernel_switches(one(&CudaOptions::gdn_state_mma));
+  EXPECT_TRUE(cuda::gdn_local_mma_enabled());
+  EXPECT_FALSE(cuda::gdn_state_mma_enabled());
+  EXPECT_TRUE(cuda::gdn_chunk_parallel_enabled());
+  cuda::apply_kernel_switches(CudaOptions{});
+}
+
+TEST(KernelSwitches, BadRegdqThrowsBeforeChangingAnything) {
+  cuda::apply_kernel_switches(CudaOptions{});
+  CudaOptions o;
+  o.pdl = false;
+  o.gemm_regdq = "dense";
+  try {
+    cuda::apply_kernel_switches(o);
+    ADD_FAILURE() << "gemm_regdq 'dense' was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("LILY_CUDA_GEMM_REGDQ"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("dense"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(cuda::pdl_enabled());
+  EXPECT_EQ(cuda::gemm_regdq(), cuda::GemmRegdq::kGrouped);
+}
+
+}  // namespace
+}  // namespace lily::test
