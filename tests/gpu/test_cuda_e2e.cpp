@@ -435,15 +435,17 @@ TEST_F(CudaE2e, CloneAndKvGrowth) {
   EXPECT_THROW(gpu->new_state(0), Error);
 }
 
-// The prefix cache makes its host copies on a helper thread (copies_to_host_concurrently) while
-// the engine thread runs steps: copies made beside the decode steps of another sequence (whose
-// new states capture and update decode graphs meanwhile) restore to states that decode bit for
-// bit as the copied state, and that sequence decodes as it does with no copy beside it.
+// copy_to_host is safe on a helper thread while the engine thread runs steps, though the CUDA
+// backend does not offer it to the prefix cache (copies_to_host_concurrently is false: on an
+// H200 background pinning slowed the engine more than it saved): copies made beside the decode
+// steps of another sequence (whose new states capture and update decode graphs meanwhile)
+// restore to states that decode bit for bit as the copied state, and that sequence decodes as
+// it does with no copy beside it.
 TEST_F(CudaE2e, HostCopiesOnAHelperThreadBesideDecodeSteps) {
   TempDir dir;
   auto w = synth("realdims", dir.path());
   auto gpu = make_cuda_backend(w);
-  ASSERT_TRUE(gpu->copies_to_host_concurrently());
+  EXPECT_FALSE(gpu->copies_to_host_concurrently());
   auto snap = gpu->new_state(2048);
   const int32_t next = gpu->prefill(*snap, hash_prompt(1100, w->config.vocab, 4));
   const auto other_prompt = hash_prompt(300, w->config.vocab, 6);

@@ -619,8 +619,13 @@ class CudaBackend final : public Backend {
     }
     return checked(const_cast<SequenceState&>(state)).to_host(pinned_pool_, copy_stream_);
   }
-  /// True: see copy_to_host (the prefix cache pins and copies off the engine thread).
-  bool copies_to_host_concurrently() const override { return true; }
+  /// False, although copy_to_host is safe on a helper thread (CudaE2e.HostCopiesOnAHelperThread-
+  /// BesideDecodeSteps): on an H200 the prefix cache's background copies slowed the engine thread
+  /// far more than they saved (pinning new host memory holds the driver while the engine's
+  /// launches and allocations wait: a turn 2 from the host tier took 679 ms to its first token
+  /// instead of about 190 ms with the copies on the engine thread; docs/server.md). So the cache
+  /// copies on the engine thread, into pinned blocks the backend makes while idle.
+  bool copies_to_host_concurrently() const override { return false; }
 
   /// One spare block for the sizes recent states and host copies took: device memory, then
   /// pinned host memory (whose allocation, about 0.4 ms per MB, would otherwise fall on the next
