@@ -383,6 +383,25 @@ std::optional<std::string> optional_model(const json& doc) {
   return require_string(doc["model"], "model");
 }
 
+/// The required `model` of /v1/chat/completions and /v1/completions.
+std::string required_model(const json& doc) {
+  if (!doc.contains("model"))
+    throw missing_parameter("model");
+  return require_string(doc["model"], "model");
+}
+
+/// Refuses `stream_options` sent without `"stream": true`.
+void check_stream_options(bool stream_options_set, bool stream) {
+  if (stream_options_set && !stream)
+    throw invalid_request("'stream_options' is only allowed when 'stream' is true", "stream_options");
+}
+
+/// Refuses a field sent as `null` unless it is one of the chat request's fields.
+void check_null_field(const std::string& key) {
+  if (!is_known_chat_field(key))
+    throw invalid_request("unrecognized request argument supplied: '" + key + "'", key, "unknown_parameter");
+}
+
 /// Rejects any top-level field not in `allowed`.
 void only_fields(const json& doc, std::initializer_list<std::string_view> allowed) {
   for (const auto& [key, value] : doc.items())
@@ -401,15 +420,12 @@ ChatRequest parse_chat_request(std::string_view body) {
   for (const auto& [key, value] : doc.items()) {
     if (key == "model" || key == "messages" || is_agent_field(key)) continue;
     if (value.is_null()) {
-      if (!is_known_chat_field(key))
-        throw invalid_request("unrecognized request argument supplied: '" + key + "'", key, "unknown_parameter");
+      check_null_field(key);
       continue;
     }
     parse_optional_field(key, value, req, max_completion_tokens, stream_options_set, top_logprobs_set);
   }
-  if (!doc.contains("model"))
-    throw missing_parameter("model");
-  req.model = require_string(doc["model"], "model");
+  req.model = required_model(doc);
   if (!doc.contains("messages"))
     throw missing_parameter("messages");
   req.messages = parse_messages(doc["messages"]);
@@ -420,8 +436,7 @@ ChatRequest parse_chat_request(std::string_view body) {
                             "max_completion_tokens");
     req.max_tokens = max_completion_tokens;
   }
-  if (stream_options_set && !req.stream)
-    throw invalid_request("'stream_options' is only allowed when 'stream' is true", "stream_options");
+  check_stream_options(stream_options_set, req.stream);
   if (top_logprobs_set && !req.logprobs)
     throw invalid_request("'top_logprobs' needs 'logprobs': true", "top_logprobs");
   return req;
@@ -465,21 +480,17 @@ CompletionRequest parse_completion_request(std::string_view body) {
       if (require_integer(value, key) != 1)
         throw invalid_request("'n' must be 1 on this endpoint: one choice per completion", key, "unsupported_value");
     } else if (value.is_null()) {
-      if (!is_known_chat_field(key))
-        throw invalid_request("unrecognized request argument supplied: '" + key + "'", key, "unknown_parameter");
+      check_null_field(key);
     } else {
       bool unused_top_logprobs = false;
       parse_optional_field(key, value, req, unused_max_completion_tokens, stream_options_set, unused_top_logprobs);
     }
   }
-  if (!doc.contains("model"))
-    throw missing_parameter("model");
-  req.model = require_string(doc["model"], "model");
+  req.model = required_model(doc);
   if (!doc.contains("prompt") || doc["prompt"].is_null())
     throw missing_parameter("prompt");
   parse_prompt(doc["prompt"], req);
-  if (stream_options_set && !req.stream)
-    throw invalid_request("'stream_options' is only allowed when 'stream' is true", "stream_options");
+  check_stream_options(stream_options_set, req.stream);
   return req;
 }
 

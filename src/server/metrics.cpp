@@ -31,6 +31,12 @@ void scalar(std::string& out, const std::string& name, const std::string& type, 
   out += name + " " + number(value) + "\n";
 }
 
+/// A histogram family: its header, then its series.
+void histogram(std::string& out, const std::string& name, const std::string& help, const Histogram& h) {
+  header(out, name, "histogram", help);
+  h.render(name, out);
+}
+
 }  // namespace
 
 bool parse_proc_stat(std::string_view line, double ticks_per_second, int64_t page_bytes, ProcessStats& out) {
@@ -148,30 +154,16 @@ void Metrics::record_tokens(int64_t prompt, int64_t cached, int64_t completion) 
   completion_tokens_ += completion;
 }
 
-void Metrics::observe_ttft(double seconds) {
+void Metrics::observe_locked(Histogram& histogram, double value) {
   std::lock_guard lock(mutex_);
-  ttft_.observe(seconds);
+  histogram.observe(value);
 }
 
-void Metrics::observe_inter_token(double seconds) {
-  std::lock_guard lock(mutex_);
-  inter_token_.observe(seconds);
-}
-
-void Metrics::observe_request_duration(double seconds) {
-  std::lock_guard lock(mutex_);
-  request_duration_.observe(seconds);
-}
-
-void Metrics::observe_queue_time(double seconds) {
-  std::lock_guard lock(mutex_);
-  queue_time_.observe(seconds);
-}
-
-void Metrics::observe_running_time(double seconds) {
-  std::lock_guard lock(mutex_);
-  running_time_.observe(seconds);
-}
+void Metrics::observe_ttft(double seconds) { observe_locked(ttft_, seconds); }
+void Metrics::observe_inter_token(double seconds) { observe_locked(inter_token_, seconds); }
+void Metrics::observe_request_duration(double seconds) { observe_locked(request_duration_, seconds); }
+void Metrics::observe_queue_time(double seconds) { observe_locked(queue_time_, seconds); }
+void Metrics::observe_running_time(double seconds) { observe_locked(running_time_, seconds); }
 
 void Metrics::observe_step(int rows, double seconds) {
   std::lock_guard lock(mutex_);
@@ -211,25 +203,18 @@ std::string Metrics::render(const EngineGauges& g) const {
   scalar(out, "lily_http_connections_evicted_total", "counter",
          "Idle connections (waiting for a request head) closed to admit a new one at --max-connections.",
          evicted_);
-  header(out, "lily_time_to_first_token_seconds", "histogram", "Request arrival to first generated token.");
-  ttft_.render("lily_time_to_first_token_seconds", out);
-  header(out, "lily_inter_token_latency_seconds", "histogram", "Time between consecutive generated tokens.");
-  inter_token_.render("lily_inter_token_latency_seconds", out);
-  header(out, "lily_request_duration_seconds", "histogram",
-         "Generating requests (chat and completions), arrival to the end of the answer.");
-  request_duration_.render("lily_request_duration_seconds", out);
-  header(out, "lily_request_queue_seconds", "histogram", "Time a generation waited in the engine's queue.");
-  queue_time_.render("lily_request_queue_seconds", out);
-  header(out, "lily_request_running_seconds", "histogram", "Time a generation ran in the engine.");
-  running_time_.render("lily_request_running_seconds", out);
+  histogram(out, "lily_time_to_first_token_seconds", "Request arrival to first generated token.", ttft_);
+  histogram(out, "lily_inter_token_latency_seconds", "Time between consecutive generated tokens.", inter_token_);
+  histogram(out, "lily_request_duration_seconds",
+            "Generating requests (chat and completions), arrival to the end of the answer.", request_duration_);
+  histogram(out, "lily_request_queue_seconds", "Time a generation waited in the engine's queue.", queue_time_);
+  histogram(out, "lily_request_running_seconds", "Time a generation ran in the engine.", running_time_);
   header(out, "lily_request_phase_seconds_total", "counter",
          "Seconds generating requests spent per phase, from parsing the body to the last token.");
   for (const auto& [phase, total] : phases_.named())
     out += std::string("lily_request_phase_seconds_total{phase=\"") + phase + "\"} " + number(total) + "\n";
-  header(out, "lily_step_seconds", "histogram", "Wall time of one engine step (one batched forward pass).");
-  step_time_.render("lily_step_seconds", out);
-  header(out, "lily_step_batch_size", "histogram", "Sequences advanced together in one engine step.");
-  step_rows_.render("lily_step_batch_size", out);
+  histogram(out, "lily_step_seconds", "Wall time of one engine step (one batched forward pass).", step_time_);
+  histogram(out, "lily_step_batch_size", "Sequences advanced together in one engine step.", step_rows_);
   scalar(out, "lily_model_ready", "gauge", "1 once the model is loaded.", g.ready ? 1 : 0);
   scalar(out, "lily_queue_depth", "gauge", "Requests waiting for the engine (= lily_requests_waiting).",
          g.queue_depth);

@@ -107,6 +107,9 @@ class Metrics {
   std::string render(const EngineGauges& gauges) const;
 
  private:
+  /// Observes `value` in `histogram` under the lock.
+  void observe_locked(Histogram& histogram, double value);
+
   mutable std::mutex mutex_;
   std::map<std::pair<std::string, int>, int64_t> requests_;
   int64_t prompt_tokens_ = 0, cached_tokens_ = 0, completion_tokens_ = 0, cancelled_ = 0, evicted_ = 0;

@@ -43,6 +43,8 @@ class TempDir {
 };
 /// A copy of the demo model in `tmp` (at tmp/m), for tests that change or break its files.
 std::filesystem::path copy_demo_model(const TempDir& tmp);
+/// A path in single quotes, for the command lines run_lily pastes into the shell.
+inline std::string quoted(const std::filesystem::path& p) { return "'" + p.string() + "'"; }
 /// Result of running the built `lily` executable.
 struct CliRun {
   int exit_code = -1;   ///< -1 if it could not be started or did not exit normally

@@ -2,7 +2,7 @@
 // prefix cache, scheduler). The next token is a pure function of the whole token history, so a
 // state that resumed from a cache snapshot produces exactly what a fresh one would, and a state
 // that was wrongly shared or rewound produces something else. End-to-end tests with the real
-// CPU backend live in tests/node/server.test.mjs.
+// CPU backend live in tests/node/server.test.mjs. StepLog records a scheduler's steps.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -20,6 +20,7 @@
 #include "base/error.h"
 #include "engine/backend.h"
 #include "engine/sampler.h"
+#include "engine/scheduler.h"
 
 namespace lily::test {
 
@@ -240,6 +241,27 @@ class FakeBackend final : public Backend {
   bool copy_gate_open_ = true;
   int copies_at_gate_ = 0;  ///< copy_to_host calls waiting at the copy gate now
   std::optional<std::string> weights_problem_;
+};
+
+/// Every step's stats of a scheduler, recorded through EngineOptions::on_step (thread-safe).
+class StepLog {
+ public:
+  /// Points o.on_step at this log, which must outlive the scheduler made with `o`.
+  void attach(EngineOptions& o) {
+    o.on_step = [this](const StepStats& st) {
+      std::lock_guard l(mutex_);
+      steps_.push_back(st);
+    };
+  }
+  /// The steps recorded so far.
+  std::vector<StepStats> steps() {
+    std::lock_guard l(mutex_);
+    return steps_;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<StepStats> steps_;
 };
 
 }  // namespace lily::test

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "engine/scheduler.h"
+#include "fake_backend.h"
 #include "model/loader.h"
 #include "support/test_support.h"
 
@@ -39,8 +40,7 @@ Tokens synthetic_prompt(size_t n, uint32_t salt) {
 }
 
 struct Engine {
-  std::mutex mutex;
-  std::vector<StepStats> steps;
+  test::StepLog step_log;
   std::unique_ptr<Scheduler> scheduler;
   Engine(int max_batch, int64_t cache_bytes, int64_t step_tokens = kDefaultStepTokens) {
     EngineOptions o;
@@ -49,16 +49,10 @@ struct Engine {
     o.max_batch = max_batch;
     o.step_tokens = step_tokens;
     o.cache = {cache_bytes, 0};
-    o.on_step = [this](const StepStats& s) {
-      std::lock_guard l(mutex);
-      steps.push_back(s);
-    };
+    step_log.attach(o);
     scheduler = std::make_unique<Scheduler>(make_backend(BackendKind::kCpu, demo_weights(), 2), nullptr, o);
   }
-  std::vector<StepStats> step_stats() {
-    std::lock_guard l(mutex);
-    return steps;
-  }
+  std::vector<StepStats> step_stats() { return step_log.steps(); }
 };
 
 /// One request's outcome: per choice, its tokens; and when its first token came.

@@ -17,7 +17,7 @@
 namespace lily {
 namespace {
 
-std::string quoted(const std::filesystem::path& p) { return "'" + p.string() + "'"; }
+using test::quoted;
 
 /// docs/benchmark.md §1.1 prompt ids.
 std::vector<int32_t> contract_prompt(int n, int vocab) { return test::hash_prompt(n, vocab); }

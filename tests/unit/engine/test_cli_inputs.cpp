@@ -17,7 +17,7 @@ namespace fs = std::filesystem;
 using test::CliRun;
 using test::run_lily_bounded;
 
-std::string quoted(const fs::path& p) { return "'" + p.string() + "'"; }
+using test::quoted;
 const std::string kDemo = quoted(test::demo_model_dir());
 
 bool has(const CliRun& r, const std::string& text) { return r.output.find(text) != std::string::npos; }

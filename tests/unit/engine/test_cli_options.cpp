@@ -13,7 +13,7 @@
 namespace lily {
 namespace {
 
-std::string quoted(const std::filesystem::path& p) { return "'" + p.string() + "'"; }
+using test::quoted;
 
 struct BadOption {
   std::string args;      ///< subcommand and options

@@ -32,6 +32,28 @@ std::shared_ptr<const Tokenizer> demo_tokenizer() {
   return Tokenizer::from_file(lily::test::demo_model_dir() / "tokenizer.json");
 }
 
+/// A generation's result and the text its callback streamed.
+struct Streamed {
+  GenerationResult result;
+  std::string text;
+};
+
+/// Generates from prompt {1} over a backend playing `script`, collecting the streamed text; when
+/// `never_streamed` is given, expects it absent from the stream after every piece.
+Streamed generate_streamed(const std::vector<int32_t>& script, int64_t state_len, const GenerationParams& p,
+                           const Tokenizer& tok, const std::string& never_streamed = "") {
+  FakeBackend b;
+  play(b, script, 1);
+  auto s = b.new_state(state_len);
+  Streamed out;
+  out.result = generate(b, *s, std::vector<int32_t>{1}, p, &tok, [&](int32_t, std::string_view t) {
+    out.text += t;
+    if (!never_streamed.empty()) EXPECT_EQ(out.text.find(never_streamed), std::string::npos);
+    return true;
+  });
+  return out;
+}
+
 }  // namespace
 
 TEST(Generate, StopsAtMaxTokensWithLength) {
@@ -152,16 +174,9 @@ TEST(GenerateText, StopTokenIsNotPartOfTheText) {
   ASSERT_TRUE(im_end.has_value());
   std::vector<int32_t> script = hello;
   script.push_back(*im_end);
-  FakeBackend b;
-  play(b, script, 1);
-  auto s = b.new_state(100);
   auto p = params(50);
   p.stop_ids = {*im_end};
-  std::string streamed;
-  auto r = generate(b, *s, std::vector<int32_t>{1}, p, tok.get(), [&](int32_t, std::string_view t) {
-    streamed += t;
-    return true;
-  });
+  const auto [r, streamed] = generate_streamed(script, 100, p, *tok);
   EXPECT_EQ(r.text, "Hello there");
   EXPECT_EQ(r.finish_reason, FinishReason::kStop);
   EXPECT_EQ(r.token_ids.size(), hello.size() + 1);
@@ -171,17 +186,9 @@ TEST(GenerateText, StopTokenIsNotPartOfTheText) {
 TEST(GenerateText, StopStringTruncatesAndNeverStreamsItsStart) {
   auto tok = demo_tokenizer();
   const std::vector<int32_t> ids = tok->encode("The answer is 42. Done here.");
-  FakeBackend b;
-  play(b, ids, 1);
-  auto s = b.new_state(200);
   auto p = params(100);
   p.stop_strings = {". Done"};
-  std::string streamed;
-  auto r = generate(b, *s, std::vector<int32_t>{1}, p, tok.get(), [&](int32_t, std::string_view t) {
-    streamed += t;
-    EXPECT_EQ(streamed.find(". D"), std::string::npos);
-    return true;
-  });
+  const auto [r, streamed] = generate_streamed(ids, 200, p, *tok, ". D");
   EXPECT_EQ(r.text, "The answer is 42");
   EXPECT_EQ(r.finish_reason, FinishReason::kStop);
   EXPECT_LT(r.token_ids.size(), ids.size());
@@ -191,16 +198,9 @@ TEST(GenerateText, StopStringTruncatesAndNeverStreamsItsStart) {
 TEST(GenerateText, HeldBackTextIsReleasedAtTheEnd) {
   auto tok = demo_tokenizer();
   const std::vector<int32_t> ids = tok->encode("abc STO");
-  FakeBackend b;
-  play(b, ids, 1);
-  auto s = b.new_state(200);
   auto p = params(static_cast<int64_t>(ids.size()));
   p.stop_strings = {"STOP"};
-  std::string streamed;
-  auto r = generate(b, *s, std::vector<int32_t>{1}, p, tok.get(), [&](int32_t, std::string_view t) {
-    streamed += t;
-    return true;
-  });
+  const auto [r, streamed] = generate_streamed(ids, 200, p, *tok);
   EXPECT_EQ(r.finish_reason, FinishReason::kLength);
   EXPECT_EQ(r.text, "abc STO");
   EXPECT_EQ(streamed.find("STO"), std::string::npos);  // held until the end

@@ -13,6 +13,7 @@
 using namespace lily;
 using namespace std::chrono_literals;
 using lily::test::FakeBackend;
+using lily::test::StepLog;
 
 namespace {
 
@@ -39,9 +40,8 @@ std::pair<JobEvent, int> finish(Job& j) {
 
 struct Harness {
   FakeBackend* backend;
+  StepLog step_log;  ///< every step's stats (EngineOptions::on_step); outlives the scheduler
   std::unique_ptr<Scheduler> scheduler;
-  std::mutex steps_mutex;
-  std::vector<StepStats> steps;  ///< every step's stats (EngineOptions::on_step)
   /// max_batch 1 (one job at a time) unless given.
   explicit Harness(int max_queue, int64_t cache_bytes = 1 << 20, int max_batch = 1, int64_t step_tokens = 256) {
     auto b = std::make_unique<FakeBackend>();
@@ -52,16 +52,10 @@ struct Harness {
     o.max_batch = max_batch;
     o.step_tokens = step_tokens;
     o.cache = {cache_bytes, 0};
-    o.on_step = [this](const StepStats& st) {
-      std::lock_guard l(steps_mutex);
-      steps.push_back(st);
-    };
+    step_log.attach(o);
     scheduler = std::make_unique<Scheduler>(std::move(b), nullptr, o);
   }
-  std::vector<StepStats> step_stats() {
-    std::lock_guard l(steps_mutex);
-    return steps;
-  }
+  std::vector<StepStats> step_stats() { return step_log.steps(); }
 };
 
 /// Waits (up to 30 s: sanitizer builds on busy CI machines are slow) until the engine thread

@@ -18,8 +18,7 @@ namespace {
 using test::CliRun;
 using test::run_lily;
 
-/// A path quoted for the shell.
-std::string quoted(const std::filesystem::path& p) { return "'" + p.string() + "'"; }
+using test::quoted;
 
 /// The JSON header length a safetensors file starts with (its first 8 bytes, little-endian).
 uint64_t safetensors_header_bytes(const std::filesystem::path& file) {

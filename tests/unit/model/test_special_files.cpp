@@ -16,12 +16,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string quoted(const fs::path& p) { return "'" + p.string() + "'"; }
+using test::quoted;
 
 /// A copy of models/demo in which `name` is replaced by a FIFO.
 fs::path demo_with_fifo(const test::TempDir& tmp, const std::string& name) {
-  const fs::path dir = tmp.path() / "m";
-  fs::copy(test::demo_model_dir(), dir, fs::copy_options::recursive);
+  const fs::path dir = test::copy_demo_model(tmp);
   fs::remove(dir / name);
   EXPECT_EQ(::mkfifo((dir / name).c_str(), 0600), 0);
   return dir;
@@ -33,31 +32,21 @@ void expect_refused(const test::CliRun& r, const fs::path& fifo, const std::stri
       << what << "\n" << r.output;
 }
 
-TEST(SpecialFiles, InspectRefusesAFifoConfig) {
+/// Expects `lily inspect` to refuse a demo model whose `name` is a FIFO, without hanging.
+void expect_inspect_refuses_fifo(const std::string& name) {
   test::TempDir tmp;
-  const fs::path dir = demo_with_fifo(tmp, "config.json");
-  expect_refused(test::run_lily_bounded("inspect " + quoted(dir), true), dir / "config.json", "inspect");
+  const fs::path dir = demo_with_fifo(tmp, name);
+  expect_refused(test::run_lily_bounded("inspect " + quoted(dir), true), dir / name, "inspect");
 }
 
-TEST(SpecialFiles, InspectRefusesAFifoSafetensors) {
-  test::TempDir tmp;
-  const fs::path dir = demo_with_fifo(tmp, "model.safetensors");
-  expect_refused(test::run_lily_bounded("inspect " + quoted(dir), true), dir / "model.safetensors", "inspect");
-}
+TEST(SpecialFiles, InspectRefusesAFifoConfig) { expect_inspect_refuses_fifo("config.json"); }
 
-TEST(SpecialFiles, InspectRefusesAFifoShardIndex) {
-  test::TempDir tmp;
-  const fs::path dir = demo_with_fifo(tmp, "model.safetensors.index.json");
-  expect_refused(test::run_lily_bounded("inspect " + quoted(dir), true), dir / "model.safetensors.index.json",
-                 "inspect");
-}
+TEST(SpecialFiles, InspectRefusesAFifoSafetensors) { expect_inspect_refuses_fifo("model.safetensors"); }
+
+TEST(SpecialFiles, InspectRefusesAFifoShardIndex) { expect_inspect_refuses_fifo("model.safetensors.index.json"); }
 
 // inspect loads the tokenizer as serve does (CliInputs.InspectRefusesAMissingOrGarbageTokenizer…).
-TEST(SpecialFiles, InspectRefusesAFifoTokenizer) {
-  test::TempDir tmp;
-  const fs::path dir = demo_with_fifo(tmp, "tokenizer.json");
-  expect_refused(test::run_lily_bounded("inspect " + quoted(dir), true), dir / "tokenizer.json", "inspect");
-}
+TEST(SpecialFiles, InspectRefusesAFifoTokenizer) { expect_inspect_refuses_fifo("tokenizer.json"); }
 
 TEST(SpecialFiles, TokenizeAndGenerateRefuseAFifoTokenizer) {
   test::TempDir tmp;

@@ -10,6 +10,15 @@
 using namespace lily;
 using namespace lily::server;
 
+namespace {
+
+/// Expects every one of `parts` somewhere in `text` (a failure names the part).
+void expect_contains_all(const std::string& text, std::initializer_list<const char*> parts) {
+  for (const char* part : parts) EXPECT_NE(text.find(part), std::string::npos) << part;
+}
+
+}  // namespace
+
 TEST(MaxSeq, DefaultsToTheCheckpointAndClamps) {
   EXPECT_EQ(resolve_max_seq(std::nullopt, 4096), 4096);
   EXPECT_EQ(resolve_max_seq(1024, 4096), 1024);
@@ -103,9 +112,7 @@ TEST(Routes, MethodAllowedIsAnExactMatch) {
   EXPECT_TRUE(method_allowed("GET, HEAD", "GET"));
   EXPECT_TRUE(method_allowed("GET, HEAD", "HEAD"));
   EXPECT_TRUE(method_allowed("POST", "POST"));
-  EXPECT_FALSE(method_allowed("GET, HEAD", "GE"));
-  EXPECT_FALSE(method_allowed("GET, HEAD", "E"));
-  EXPECT_FALSE(method_allowed("GET, HEAD", ""));
+  for (const char* method : {"GE", "E", ""}) EXPECT_FALSE(method_allowed("GET, HEAD", method)) << method;
   EXPECT_FALSE(method_allowed("POST", "post"));  // methods are case-sensitive (RFC 9110 §9.1)
 }
 
@@ -192,17 +199,18 @@ TEST(MetricsText, LatencyProcessAndBuildFamilies) {
   m.observe_queue_time(0.003);
   m.observe_running_time(0.15);
   const std::string text = m.render(EngineGauges{});
-  EXPECT_NE(text.find("# TYPE lily_request_duration_seconds histogram\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_request_duration_seconds_bucket{le=\"0.25\"} 1\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_request_duration_seconds_bucket{le=\"0.1\"} 0\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_request_queue_seconds_bucket{le=\"0.005\"} 1\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_request_running_seconds_count 1\n"), std::string::npos);
-  EXPECT_NE(text.find("# TYPE process_resident_memory_bytes gauge\n"), std::string::npos);
-  EXPECT_NE(text.find("# TYPE process_open_fds gauge\n"), std::string::npos);
-  EXPECT_NE(text.find("# TYPE process_threads gauge\n"), std::string::npos);
-  EXPECT_NE(text.find("# TYPE process_cpu_seconds_total counter\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_build_info{version=\""), std::string::npos);
-  EXPECT_NE(text.find("\"} 1\n"), std::string::npos);
+  expect_contains_all(text, {
+      "# TYPE lily_request_duration_seconds histogram\n",
+      "lily_request_duration_seconds_bucket{le=\"0.25\"} 1\n",
+      "lily_request_duration_seconds_bucket{le=\"0.1\"} 0\n",
+      "lily_request_queue_seconds_bucket{le=\"0.005\"} 1\n",
+      "lily_request_running_seconds_count 1\n",
+      "# TYPE process_resident_memory_bytes gauge\n",
+      "# TYPE process_open_fds gauge\n",
+      "# TYPE process_threads gauge\n",
+      "# TYPE process_cpu_seconds_total counter\n",
+      "lily_build_info{version=\"",
+      "\"} 1\n"});
 }
 
 TEST(OpenAiJson, CompletionShape) {
@@ -259,23 +267,24 @@ TEST(MetricsText, CountersHistogramsAndGauges) {
   g.cache.host.evictions = 3;
   g.cache.host_copies_pending = 2;
   const std::string text = m.render(g);
-  EXPECT_NE(text.find("lily_http_requests_total{route=\"/health\",status=\"200\"} 2\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_http_requests_total{route=\"/v1/chat/completions\",status=\"400\"} 1\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_prompt_tokens_total 10\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_cached_prompt_tokens_total 4\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_completion_tokens_total 3\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_time_to_first_token_seconds_bucket{le=\"0.025\"} 0\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_time_to_first_token_seconds_bucket{le=\"0.05\"} 1\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_time_to_first_token_seconds_count 1\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_inter_token_latency_seconds_bucket{le=\"+Inf\"} 1\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_queue_depth 2\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_cache_hits_total 5\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_cache_tokens_saved_total 77\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_cache_bytes{tier=\"device\"} 1234\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_cache_bytes{tier=\"host\"} 0\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_cache_evictions_total{tier=\"host\"} 3\n"), std::string::npos);
-  EXPECT_NE(text.find("# TYPE lily_cache_snapshots gauge\n"), std::string::npos);
-  EXPECT_NE(text.find("lily_cache_host_copies_pending 2\n"), std::string::npos);
+  expect_contains_all(text, {
+      "lily_http_requests_total{route=\"/health\",status=\"200\"} 2\n",
+      "lily_http_requests_total{route=\"/v1/chat/completions\",status=\"400\"} 1\n",
+      "lily_prompt_tokens_total 10\n",
+      "lily_cached_prompt_tokens_total 4\n",
+      "lily_completion_tokens_total 3\n",
+      "lily_time_to_first_token_seconds_bucket{le=\"0.025\"} 0\n",
+      "lily_time_to_first_token_seconds_bucket{le=\"0.05\"} 1\n",
+      "lily_time_to_first_token_seconds_count 1\n",
+      "lily_inter_token_latency_seconds_bucket{le=\"+Inf\"} 1\n",
+      "lily_queue_depth 2\n",
+      "lily_cache_hits_total 5\n",
+      "lily_cache_tokens_saved_total 77\n",
+      "lily_cache_bytes{tier=\"device\"} 1234\n",
+      "lily_cache_bytes{tier=\"host\"} 0\n",
+      "lily_cache_evictions_total{tier=\"host\"} 3\n",
+      "# TYPE lily_cache_snapshots gauge\n",
+      "lily_cache_host_copies_pending 2\n"});
 }
 
 TEST(Metrics, BatchGaugesAndStepHistograms) {
@@ -288,12 +297,11 @@ TEST(Metrics, BatchGaugesAndStepHistograms) {
   g.batch_size = 8;
   g.max_batch = 8;
   const std::string text = m.render(g);
-  for (const char* line : {"lily_requests_waiting 4\n", "lily_requests_running 8\n", "lily_batch_size 8\n",
-                           "lily_max_batch 8\n", "lily_step_seconds_bucket{le=\"0.005\"} 1\n",
-                           "lily_step_seconds_count 2\n", "lily_step_batch_size_bucket{le=\"4\"} 1\n",
-                           "lily_step_batch_size_bucket{le=\"8\"} 2\n", "lily_step_batch_size_sum 11\n",
-                           "# TYPE lily_step_seconds histogram\n"})
-    EXPECT_NE(text.find(line), std::string::npos) << line;
+  expect_contains_all(text, {"lily_requests_waiting 4\n", "lily_requests_running 8\n", "lily_batch_size 8\n",
+                             "lily_max_batch 8\n", "lily_step_seconds_bucket{le=\"0.005\"} 1\n",
+                             "lily_step_seconds_count 2\n", "lily_step_batch_size_bucket{le=\"4\"} 1\n",
+                             "lily_step_batch_size_bucket{le=\"8\"} 2\n", "lily_step_batch_size_sum 11\n",
+                             "# TYPE lily_step_seconds histogram\n"});
 }
 
 TEST(Metrics, RequestPhasesAddUpPerPhase) {
@@ -310,19 +318,18 @@ TEST(Metrics, RequestPhasesAddUpPerPhase) {
   m.record_phases(a);
   m.record_phases(b);
   const std::string text = m.render(EngineGauges{});
-  EXPECT_NE(text.find("# TYPE lily_request_phase_seconds_total counter\n"), std::string::npos);
-  for (const char* line :
-       {"lily_request_phase_seconds_total{phase=\"parse\"} 0.003\n",
-        "lily_request_phase_seconds_total{phase=\"template\"} 0\n",
-        "lily_request_phase_seconds_total{phase=\"tokenize\"} 0.25\n",
-        "lily_request_phase_seconds_total{phase=\"queue\"} 0\n",
-        "lily_request_phase_seconds_total{phase=\"cache_lookup\"} 0.5\n",
-        "lily_request_phase_seconds_total{phase=\"new_state\"} 0\n",
-        "lily_request_phase_seconds_total{phase=\"snapshot\"} 0.125\n",
-        "lily_request_phase_seconds_total{phase=\"prefill\"} 1.5\n",
-        "lily_request_phase_seconds_total{phase=\"decode\"} 0\n",
-        "lily_request_phase_seconds_total{phase=\"cache_store\"} 2\n"})
-    EXPECT_NE(text.find(line), std::string::npos) << line;
+  expect_contains_all(text, {
+      "# TYPE lily_request_phase_seconds_total counter\n",
+      "lily_request_phase_seconds_total{phase=\"parse\"} 0.003\n",
+      "lily_request_phase_seconds_total{phase=\"template\"} 0\n",
+      "lily_request_phase_seconds_total{phase=\"tokenize\"} 0.25\n",
+      "lily_request_phase_seconds_total{phase=\"queue\"} 0\n",
+      "lily_request_phase_seconds_total{phase=\"cache_lookup\"} 0.5\n",
+      "lily_request_phase_seconds_total{phase=\"new_state\"} 0\n",
+      "lily_request_phase_seconds_total{phase=\"snapshot\"} 0.125\n",
+      "lily_request_phase_seconds_total{phase=\"prefill\"} 1.5\n",
+      "lily_request_phase_seconds_total{phase=\"decode\"} 0\n",
+      "lily_request_phase_seconds_total{phase=\"cache_store\"} 2\n"});
   // In the order a request goes through them.
   EXPECT_LT(text.find("{phase=\"parse\"}"), text.find("{phase=\"tokenize\"}"));
   EXPECT_LT(text.find("{phase=\"prefill\"}"), text.find("{phase=\"cache_store\"}"));
