@@ -192,10 +192,12 @@ struct CudaOptions {
   /// LILY_CUDA_FUSED_MOE 1|0: the decode MoE block (router, experts, combine) as one launch with
   /// grid-wide barriers, or as three kernels. Needs fuse=1; shapes it does not support keep three.
   bool fused_moe = true;
-  /// LILY_CUDA_GEMM_REGDQ grouped|all|0: the 4-bit grouped expert GEMMs of the tensor-core
-  /// prefill dequantize in registers right before the MMAs ("grouped", the default), so do the
-  /// dense GEMMs with at least one 64 × 256 tile per SM ("all", for an A/B), or every GEMM keeps
-  /// the shared-tile kernel ("0"); docs/cuda.md.
+  /// LILY_CUDA_GEMM_REGDQ grouped|all|0|wgmma|wgmma-narrow: the 4-bit grouped expert GEMMs of
+  /// the tensor-core prefill dequantize in registers right before the MMAs ("grouped", the
+  /// default), so do the dense GEMMs with at least one 64 × 256 tile per SM ("all", for an A/B),
+  /// or every GEMM keeps the shared-tile kernel ("0"); "wgmma" / "wgmma-narrow" run the 4-bit
+  /// grouped and dense GEMMs on Hopper warpgroup MMAs (256 / 128 weight rows per work item);
+  /// docs/cuda.md.
   std::string gemm_regdq = "grouped";
   /// LILY_CUDA_BATCHED_DECODE 1|0: every decode step runs through one batched forward over its
   /// decode rows (groups of ≤ 8, also a single row, so that a row alone and in a batch share one
@@ -269,8 +271,8 @@ inline CudaOptions CudaOptions::from_env() {
   o.tensor_core_gemm = env_choice("LILY_CUDA_GEMM", "tensor-core", "gemv", o.tensor_core_gemm);
   o.fused_moe = env_choice("LILY_CUDA_FUSED_MOE", "1", "0", o.fused_moe);
   if (const std::string v = env_value("LILY_CUDA_GEMM_REGDQ"); !v.empty()) {
-    if (v != "grouped" && v != "all" && v != "0")
-      throw Error("LILY_CUDA_GEMM_REGDQ must be 'grouped', 'all' or '0', got '" + v + "'");
+    if (v != "grouped" && v != "all" && v != "0" && v != "wgmma" && v != "wgmma-narrow")
+      throw Error("LILY_CUDA_GEMM_REGDQ must be 'grouped', 'all', '0', 'wgmma' or 'wgmma-narrow', got '" + v + "'");
     o.gemm_regdq = v;
   }
   o.batched_decode = env_choice("LILY_CUDA_BATCHED_DECODE", "1", "0", o.batched_decode);

@@ -230,6 +230,19 @@ TEST(CudaQuantGemm, RegdqDenseTiles) {
   check_gemm(20037, 256, 4, false, {200}, 12);
 }
 
+TEST(CudaQuantGemm, WgmmaDenseTiles) {
+  // The warpgroup-MMA kernel ("wgmma": 256 weight rows × 128 tokens per item; "wgmma-narrow":
+  // 128 rows) where it takes the dense GEMM (≥ one item per SM): full and ragged token tiles
+  // (1100 = 8·128 + 76: one n64 block in the last tile), an odd width (element stores) over
+  // 4 k-tiles. The agreement check compares it with the register-dequant kernel.
+  for (cuda::GemmRegdq mode : {cuda::GemmRegdq::kWgmma, cuda::GemmRegdq::kWgmmaNarrow}) {
+    SCOPED_TRACE(mode == cuda::GemmRegdq::kWgmma ? "wgmma" : "wgmma-narrow");
+    ScopedRegdq wgmma(mode);
+    check_gemm(8192 + 4096 + 32 + 32, kHidden, 4, false, {2048, 1100}, 13);
+    check_gemm(20037, 256, 4, false, {200}, 14);
+  }
+}
+
 TEST(CudaQuantGemm, RejectsUnsupportedShapes) {
   cuda::DeviceQuant q;
   q.rows = 4;
@@ -517,6 +530,23 @@ TEST(CudaGroupedExperts, RealShape2048Tokens) {
   check_grouped(kExperts, kTopK, kHidden, kFfn, 2048, kExperts, 47);
 }
 
+TEST(CudaGroupedExperts, WgmmaKernels) {
+  // The grouped GEMMs on warpgroup MMAs (both item widths): the real shape at the prefill chunk,
+  // ragged experts (0 / 1 / 15 / 64 / 200 rows: one or two n64 blocks, several token tiles),
+  // odd widths (masked column tiles), few tokens. The agreement check compares each with the
+  // shared-tile kernel.
+  const std::vector<int> counts = ragged_counts(kExperts), small_counts = ragged_counts(16);
+  const int sum = std::accumulate(counts.begin(), counts.end(), 0);
+  for (cuda::GemmRegdq mode : {cuda::GemmRegdq::kWgmma, cuda::GemmRegdq::kWgmmaNarrow}) {
+    SCOPED_TRACE(mode == cuda::GemmRegdq::kWgmma ? "wgmma" : "wgmma-narrow");
+    ScopedRegdq wgmma(mode);
+    check_grouped(kExperts, kTopK, kHidden, kFfn, 2048, kExperts, 50);
+    check_grouped(kExperts, kTopK, kHidden, kFfn, sum / kTopK, kExperts, 51, &counts);
+    check_grouped(16, 4, 320, 192, 210, 16, 52, &small_counts);
+    check_grouped(kExperts, kTopK, kHidden, kFfn, 7, kExperts, 53);
+  }
+}
+
 TEST(CudaGroupedExperts, RejectsBadArguments) {
   cuda::DeviceQuant q;
   q.rows = 4;
@@ -549,9 +579,16 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
         ScopedRegdq all(cuda::GemmRegdq::kAll);
         rd = time_us([&] { cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, y.as<bf16_t>(), nullptr, nullptr); }, kTimingReps);
       }
+      double wg[2] = {0, 0};
+      for (int i = 0; i < 2; ++i) {
+        ScopedRegdq wgmma(i == 0 ? cuda::GemmRegdq::kWgmma : cuda::GemmRegdq::kWgmmaNarrow);
+        wg[i] = time_us([&] { cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, y.as<bf16_t>(), nullptr, nullptr); }, kTimingReps);
+      }
       const double flop = 2.0 * m * s.rows * s.cols;
       std::printf("[timing] %-26s m=%4d  tensor-core %9.1f us %6.1f TFLOP/s | REGDQ=all %9.1f us %6.1f TFLOP/s | "
-                  "batched GEMV (m=%d) %9.1f us\n", s.name, m, tc, flop / tc / 1e6, rd, flop / rd / 1e6, std::min(m, 256), gv);
+                  "wgmma %9.1f us %6.1f TFLOP/s | wgmma-narrow %9.1f us %6.1f TFLOP/s | batched GEMV (m=%d) %9.1f us\n",
+                  s.name, m, tc, flop / tc / 1e6, rd, flop / rd / 1e6, wg[0], flop / wg[0] / 1e6, wg[1], flop / wg[1] / 1e6,
+                  std::min(m, 256), gv);
     }
   }
   // Grouped MoE (256 experts top-8 + shared, uniform routing) at m = 256 and 2048 tokens.
@@ -587,6 +624,20 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
       }, kTimingReps);
     }
     const double flop_gu = 2.0 * m * n_sel * 2.0 * kFfn * kHidden, flop_dn = 2.0 * m * n_sel * kFfn * kHidden;
+    for (cuda::GemmRegdq mode : {cuda::GemmRegdq::kWgmma, cuda::GemmRegdq::kWgmmaNarrow}) {
+      ScopedRegdq wgmma(mode);
+      const double gu_w = time_us([&] {
+        cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), kFfn, grouping.as<int32_t>(), n_groups,
+                                                dx.as<bf16_t>(), m, n_sel, act.as<bf16_t>(), nullptr);
+      }, kTimingReps);
+      const double dn_w = time_us([&] {
+        cuda::launch_quant_gemm_grouped_down(W.down.view(), kHidden, grouping.as<int32_t>(), n_groups,
+                                             act.as<bf16_t>(), m, n_sel, slot.as<bf16_t>(), nullptr);
+      }, kTimingReps);
+      std::printf("[timing] grouped m=%4d %-12s gate/up %.1f us (%.1f TFLOP/s); down %.1f us (%.1f TFLOP/s)\n", m,
+                  mode == cuda::GemmRegdq::kWgmma ? "wgmma" : "wgmma-narrow", gu_w, flop_gu / gu_w / 1e6, dn_w,
+                  flop_dn / dn_w / 1e6);
+    }
     std::printf("[timing] grouped m=%4d gate/up: default %.1f us (%.1f TFLOP/s), shared-tile %.1f us (%.1f TFLOP/s); "
                 "down: default %.1f us (%.1f TFLOP/s), shared-tile %.1f us (%.1f TFLOP/s)\n",
                 m, gu, flop_gu / gu / 1e6, gu_old, flop_gu / gu_old / 1e6, dn, flop_dn / dn / 1e6, dn_old,

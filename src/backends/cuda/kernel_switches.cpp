@@ -15,8 +15,10 @@ GemmRegdq parse_gemm_regdq(const std::string& v) {
   if (v == "grouped") return GemmRegdq::kGrouped;
   if (v == "all") return GemmRegdq::kAll;
   if (v == "0") return GemmRegdq::kOff;
-  throw ::lily::Error("CudaOptions::gemm_regdq (LILY_CUDA_GEMM_REGDQ) must be 'grouped', 'all' or '0', got '" + v +
-                      "'");
+  if (v == "wgmma") return GemmRegdq::kWgmma;
+  if (v == "wgmma-narrow") return GemmRegdq::kWgmmaNarrow;
+  throw ::lily::Error("CudaOptions::gemm_regdq (LILY_CUDA_GEMM_REGDQ) must be 'grouped', 'all', '0', 'wgmma' or "
+                      "'wgmma-narrow', got '" + v + "'");
 }
 
 }  // namespace

@@ -55,6 +55,7 @@
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/mma.cuh"
 #include "backends/cuda/quant_gemm.h"
+#include "backends/cuda/wgmma.cuh"
 
 namespace lily::cuda {
 namespace {
@@ -397,6 +398,54 @@ void check_grid_y(int64_t tiles, const char* what) {
 // row is written with 16-byte stores.
 // Shared memory: kRdStages·(64·144 + 256·32) + 4·(kMaxGroups + 1) = 77,828 B: 2 CTAs per SM.
 
+/// Row-tile prefix of the grouped work list in schedule order (the last group, the shared expert,
+/// first): tpre[q] = Σ_{q' < q} ceil(rows of group_at(q') / tile_rows), tpre[G] the total. All
+/// threads of the block call it; `scan_tot` holds blockDim.x / 32 ints.
+__device__ void build_row_tile_prefix(const int32_t* offsets, int G, int tile_rows, int* tpre, int* scan_tot) {
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp, threads = blockDim.x;
+  auto group_at = [G](int q) { return q == 0 ? G - 1 : q - 1; };
+  const int per = (G + threads - 1) / threads;
+  const int q0 = min(tid * per, G), q1 = min(q0 + per, G);
+  int local = 0;
+  for (int q = q0; q < q1; ++q) {
+    const int e = group_at(q);
+    local += (offsets[e + 1] - offsets[e] + tile_rows - 1) / tile_rows;
+  }
+  int incl = local;
+#pragma unroll
+  for (int o = 1; o < kWarp; o <<= 1) {
+    const int u = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += u;
+  }
+  if (lane == kWarp - 1) scan_tot[warp] = incl;
+  __syncthreads();
+  int run = incl - local;
+  for (int w = 0; w < warp; ++w) run += scan_tot[w];
+  for (int q = q0; q < q1; ++q) {
+    tpre[q] = run;
+    const int e = group_at(q);
+    run += (offsets[e + 1] - offsets[e] + tile_rows - 1) / tile_rows;
+  }
+  if (tid == threads - 1) tpre[G] = run;  // the last thread's range ends at G (or is empty)
+  __syncthreads();
+}
+
+/// The group (expert) of row tile `tile` of the list build_row_tile_prefix made, and the tile's
+/// assignment range [row_begin, row_begin + rows) (1 ≤ rows ≤ tile_rows).
+__device__ __forceinline__ int locate_row_tile(const int32_t* offsets, const int* tpre, int G, int tile_rows,
+                                               int tile, int& row_begin, int& rows) {
+  int lo = 0, hi = G - 1;  // the largest q with tpre[q] ≤ tile (never an empty group)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tpre[mid] <= tile) lo = mid;
+    else hi = mid - 1;
+  }
+  const int e = lo == 0 ? G - 1 : lo - 1;
+  row_begin = offsets[e] + (tile - tpre[lo]) * tile_rows;
+  rows = min(tile_rows, offsets[e + 1] - row_begin);
+  return e;
+}
+
 constexpr int kRdBM = 64;        // assignments (token rows) per work item
 constexpr int kRdBN = 256;       // weight rows per work item: 8 warps × 32
 constexpr int kRdStages = 4;     // cp.async ring depth
@@ -439,36 +488,8 @@ __global__ void __launch_bounds__(kGemmThreads, 2) regdq_gemm_kernel(const GemmP
   const int G = p.n_groups;
   const int32_t* offsets = p.grouping;                              // grouped modes only
   const int32_t* order = kDense ? nullptr : p.grouping + 2 * (G + 1);
-  // Schedule position q → group: q = 0 the last group, q ≥ 1 group q − 1.
-  auto group_at = [G](int q) { return q == 0 ? G - 1 : q - 1; };
 
-  // Row-tile prefix in schedule order: tpre[q] = Σ_{q' < q} ceil(rows of group_at(q') / 64).
-  if constexpr (!kDense) {
-    const int per = (G + kGemmThreads - 1) / kGemmThreads;  // ≤ 8 (G ≤ kMaxGroups)
-    const int q0 = min(tid * per, G), q1 = min(q0 + per, G);
-    int local = 0;
-    for (int q = q0; q < q1; ++q) {
-      const int e = group_at(q);
-      local += (offsets[e + 1] - offsets[e] + kRdBM - 1) / kRdBM;
-    }
-    int incl = local;
-#pragma unroll
-    for (int o = 1; o < kWarp; o <<= 1) {
-      const int u = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += u;
-    }
-    if (lane == kWarp - 1) scan_tot[warp] = incl;
-    __syncthreads();
-    int run = incl - local;
-    for (int w = 0; w < warp; ++w) run += scan_tot[w];
-    for (int q = q0; q < q1; ++q) {
-      tpre[q] = run;
-      const int e = group_at(q);
-      run += (offsets[e + 1] - offsets[e] + kRdBM - 1) / kRdBM;
-    }
-    if (tid == kGemmThreads - 1) tpre[G] = run;  // the last thread's range ends at G (or is empty)
-    __syncthreads();
-  }
+  if constexpr (!kDense) build_row_tile_prefix(offsets, G, kRdBM, tpre, scan_tot);
   const int col_tiles = p.col_tiles;
   const int n_items = (kDense ? (p.m + kRdBM - 1) / kRdBM : tpre[G]) * col_tiles;
   const int k_tiles = p.K / kBK;
@@ -482,15 +503,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) regdq_gemm_kernel(const GemmP
       row_begin = tile * kRdBM;
       rc = min(kRdBM, p.m - row_begin);
     } else {
-      int lo = 0, hi = G - 1;  // the largest q with tpre[q] ≤ tile (never an empty group)
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (tpre[mid] <= tile) lo = mid;
-        else hi = mid - 1;
-      }
-      const int e = group_at(lo);
-      row_begin = offsets[e] + (tile - tpre[lo]) * kRdBM;
-      rc = min(kRdBM, offsets[e + 1] - row_begin);  // 1 … 64
+      const int e = locate_row_tile(offsets, tpre, G, kRdBM, tile, row_begin, rc);  // rc: 1 … 64
       w_base = static_cast<int64_t>(e) * p.n;
     }
     const int rc8 = (rc + 7) & ~7;  // staged rows (the n8 tiles in use)
@@ -696,6 +709,301 @@ void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
   LILY_CUDA_CHECK_LAUNCH();
 }
 
+// ---- warpgroup MMA with register dequantization (wgmma; LILY_CUDA_GEMM_REGDQ=wgmma) -----------------
+//
+// The same work list as the register-dequant kernel, on Hopper's asynchronous warpgroup MMA:
+// work item = (row tile of ≤ 128 token rows / assignments, column tile of kWgRows weight rows).
+// The dequantized weights are the A operand (64 weight rows × 16 k per wgmma, from registers);
+// the token rows are the B operand, read by the tensor cores straight from shared memory (no
+// fragment loads), 64 tokens per wgmma (m64n64k16). Each weight is dequantized once per 128
+// tokens and feeds up to two wgmmas, against once per 64 tokens and eight mma.syncs of 8 tokens.
+//
+// Block = 2 warpgroups; warpgroup wg owns weight rows [wg·64·kMB, (wg + 1)·64·kMB) of the item
+// as kMB m64 blocks, and every token of the item (one or two n64 blocks, as many as the item's
+// rows need). Per k-tile of 64 (one quantization group), cp.async stages
+//   * the activation tile [128 tokens][64] bf16 in the 128-byte swizzle that wgmma's descriptor
+//     reads (16-byte chunk c of row T at chunk c ^ (T mod 8), tile base 1,024-byte aligned), and
+//   * the raw code tile [kWgRows][8 words],
+// into a ring of kStages; copies run kStages − 2 tiles ahead, so a stage is refilled only after
+// the wgmmas that read it have retired (each thread waits for all but its latest wgmma group
+// before the barrier that precedes the refill).
+// Per k16 step s the A fragment of thread (g = lane/4, t = lane%4) is rows g and g + 8 of its
+// warp's 16, k pairs (2t, 2t+1) and (2t+8, 2t+9): byte t of code words 2s and 2s + 1 of each row
+// (low nibble, high nibble), dequantized as in the register-dequant kernel (exact codes, one
+// bf16x2 fma: bf16(s·q + b) rounded once). The fragments are double-buffered across steps: the
+// next step's dequantization overlaps the current step's wgmmas.
+// Epilogue as in the register-dequant kernel: the accumulators through shared memory (bf16,
+// SwiGLU for gate/up), then 16-byte stores of each token row.
+
+constexpr int kWgThreads = 256;                 // two warpgroups
+constexpr int kWgTok = 128;                     // token rows per item
+constexpr int kWgNb = 64;                       // tokens per wgmma (the N of m64n64k16)
+constexpr int kWgTokBlocks = kWgTok / kWgNb;
+constexpr int kWgActBytes = kWgTok * kBK * 2;   // one stage's activation tile: 16 KiB
+
+/// Tile shape of the wgmma kernel for kMB m64 blocks per warpgroup.
+template <int kMB>
+struct WgShape {
+  static constexpr int kRows = 2 * 64 * kMB;                 // weight rows per item
+  static constexpr int kStages = kMB == 1 ? 4 : 5;           // ring depth (kStages − 2 tiles ahead)
+  static constexpr int kCodeBytes = kRows * kBK / 2;         // one stage's 4-bit code tile
+  static constexpr size_t kPipeBytes = size_t(kStages) * (kWgActBytes + kCodeBytes);
+  /// Dynamic shared memory: 1,024 bytes of alignment slack, the ring, the row-tile prefix and
+  /// the scan's warp totals.
+  static constexpr size_t kSmem = 1024 + kPipeBytes + (kMaxGroups + 1 + kWgThreads / kWarp) * sizeof(int);
+  static constexpr int kOutLdGateUp = kRows / 2 + 8;         // epilogue row (bf16): act columns
+  static constexpr int kOutLd = kRows + 8;                   // epilogue row (bf16): output columns
+  static_assert(size_t(kWgTok) * kOutLd * 2 <= kPipeBytes, "epilogue tile fits the ring");
+};
+
+/// bf16x2 (bf16(s·q_lo + b), bf16(s·q_hi + b)) of the byte that `sel` (= t | (t + 4) << 8) picks
+/// from code word `w` (q_lo its low nibble, q_hi its high one); s2 / b2 the row's scale and bias
+/// in both halves. As dequant_byte_pair with a run-time byte.
+__device__ __forceinline__ uint32_t dequant_selected_byte(uint32_t w, uint32_t sel, uint32_t s2, uint32_t b2) {
+  const uint32_t v = (__byte_perm(w, w >> 4, sel) & 0x000F000Fu) | 0x43004300u;
+  const __nv_bfloat162 q = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(128.0f, 128.0f));
+  const __nv_bfloat162 r = __hfma2(q, *reinterpret_cast<const __nv_bfloat162*>(&s2), *reinterpret_cast<const __nv_bfloat162*>(&b2));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+/// 4-bit GEMM on warpgroup MMAs (see above), bf16 output. grid: persistent, ≤ the item count;
+/// block kWgThreads; dynamic shared memory WgShape<kMB>::kSmem.
+template <Mode MODE, int kMB>
+__global__ void __launch_bounds__(kWgThreads, 3 - kMB) wgmma_gemm_kernel(const GemmParams p) {
+  using S = WgShape<kMB>;
+  constexpr bool kGU = MODE == Mode::kGateUp, kDense = MODE == Mode::kDense;
+  constexpr int kRows = S::kRows, kStages = S::kStages;
+  extern __shared__ unsigned char wg_smem_raw[];
+  const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem_raw));
+  unsigned char* smem = wg_smem_raw + ((1024u - (raw_addr & 1023u)) & 1023u);  // 1,024-byte aligned
+  const uint32_t act_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));  // [stages][128][128 B]
+  uint32_t* cs = reinterpret_cast<uint32_t*>(smem + kStages * kWgActBytes);         // [stages][kRows][8]
+  int* tpre = reinterpret_cast<int*>(smem + S::kPipeBytes);                         // [G + 1]
+  int* scan_tot = tpre + kMaxGroups + 1;
+
+  const int tid = threadIdx.x, wg = tid / 128, warp = (tid / kWarp) % 4, lane = tid % kWarp;
+  const int g = lane / 4, t4 = lane % 4;
+  const int G = p.n_groups;
+  const int32_t* offsets = p.grouping;
+  const int32_t* order = kDense ? nullptr : p.grouping + 2 * (G + 1);
+  if constexpr (!kDense) build_row_tile_prefix(offsets, G, kWgTok, tpre, scan_tot);
+  const int col_tiles = p.col_tiles;
+  const int n_items = (kDense ? (p.m + kWgTok - 1) / kWgTok : tpre[G]) * col_tiles;
+  const int k_tiles = p.K / kBK;
+  const int64_t wpr = p.K / 8;                       // code words per weight row
+  const uint32_t sel = t4 | ((t4 + 4) << 8);         // byte t of a code word
+  const int wrow0 = wg * 64 * kMB + warp * 16;       // this warp's first A row in m64 block 0
+
+  for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
+    const int tile = item / col_tiles, ct = item - tile * col_tiles;
+    int row_begin, rc;
+    int64_t w_base = 0;
+    if constexpr (kDense) {
+      row_begin = tile * kWgTok;
+      rc = min(kWgTok, p.m - row_begin);
+    } else {
+      const int e = locate_row_tile(offsets, tpre, G, kWgTok, tile, row_begin, rc);
+      w_base = static_cast<int64_t>(e) * p.n;
+    }
+    const int n_blocks = (rc + kWgNb - 1) / kWgNb;   // token blocks computed (uniform over the block)
+    const int staged = n_blocks * kWgNb;             // token rows staged (zeros past rc)
+    const int64_t n0 = static_cast<int64_t>(ct) * (kGU ? kRows / 2 : kRows);
+
+    auto weight_row = [&](int R) -> int64_t {  // as in the register-dequant kernel
+      if constexpr (kGU) {
+        const int64_t i = n0 + (R / 16) * 8 + R % 8;
+        return i < p.n ? w_base + i : -1;
+      } else {
+        return n0 + R < p.n ? w_base + n0 + R : -1;
+      }
+    };
+    // Copy sources: activation chunk c = tid + 256j (token c / 8, 16-byte chunk c % 8), code
+    // chunk c = tid + 256j (tile row c / 2, half c % 2); element offsets, −1 masked.
+    constexpr int kActChunks = kWgTok * 8 / kWgThreads, kCodeChunks = kRows * 2 / kWgThreads;
+    int a_off[kActChunks], c_off[kCodeChunks];
+#pragma unroll
+    for (int j = 0; j < kActChunks; ++j) {
+      const int c = tid + j * kWgThreads, T = c / 8;
+      a_off[j] = -1;
+      if (T < rc) {
+        const int arow = kDense ? row_begin + T : (kGU ? order[row_begin + T] / p.n_sel : order[row_begin + T]);
+        a_off[j] = arow * p.K + (c % 8) * 8;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kCodeChunks; ++j) {
+      const int c = tid + j * kWgThreads;
+      const int64_t wr = weight_row(c / 2);
+      c_off[j] = wr >= 0 ? static_cast<int>(wr * wpr) + (c % 2) * 4 : -1;
+    }
+    auto load_tile = [&](int kt, int stage) {
+      unsigned char* ast = smem + stage * kWgActBytes;
+#pragma unroll
+      for (int j = 0; j < kActChunks; ++j) {
+        const int c = tid + j * kWgThreads, T = c / 8, ch = c % 8;
+        if (T < staged)
+          cp_async16(ast + T * 128 + ((ch ^ (T & 7)) << 4), a_off[j] >= 0 ? p.a + a_off[j] + kt * kBK : p.a,
+                     a_off[j] >= 0 ? 16 : 0);
+      }
+      uint32_t* cst = cs + stage * kRows * 8;
+#pragma unroll
+      for (int j = 0; j < kCodeChunks; ++j) {
+        const int c = tid + j * kWgThreads;
+        const bool up = kGU && ((c / 16) & 1);
+        cp_async16(cst + c * 4, c_off[j] >= 0 ? (up ? p.w1.codes : p.w0.codes) + c_off[j] + kt * 8 : p.w0.codes,
+                   c_off[j] >= 0 ? 16 : 0);
+      }
+    };
+    // This thread's A rows: wrow0 + 64·mb + g + 8h (gate/up: h = 1 the up rows), weight rows.
+    int srow[kMB][2];
+#pragma unroll
+    for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) srow[mb][h] = static_cast<int>(weight_row(wrow0 + 64 * mb + 8 * h + g));
+    auto load_scales = [&](int kt, uint32_t (&sb)[kMB][2]) {
+#pragma unroll
+      for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          sb[mb][h] = 0;
+          if (srow[mb][h] >= 0) {
+            const DeviceQuant& w = (kGU && h == 1) ? p.w1 : p.w0;
+            const int64_t idx = static_cast<int64_t>(srow[mb][h]) * k_tiles + kt;
+            sb[mb][h] = static_cast<uint32_t>(__bfloat16_as_ushort(w.scales[idx])) |
+                        (static_cast<uint32_t>(__bfloat16_as_ushort(w.biases[idx])) << 16);
+          }
+        }
+    };
+
+    float acc[kMB][kWgTokBlocks][32];
+#pragma unroll
+    for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+      for (int nb = 0; nb < kWgTokBlocks; ++nb)
+#pragma unroll
+        for (int v = 0; v < 32; ++v) acc[mb][nb][v] = 0.0f;
+
+    // cp.async group i holds k-tile i (empty groups past the end keep the count uniform).
+#pragma unroll
+    for (int s = 0; s < kStages - 2; ++s) {
+      if (s < k_tiles) load_tile(s, s);
+      cp_async_commit();
+    }
+    uint32_t sb_cur[kMB][2];
+    load_scales(0, sb_cur);
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      const int stage = kt % kStages;
+      cp_async_wait<kStages - 3>();  // k-tile kt has landed (this thread's copies) …
+      fence_proxy_async();           // … is visible to the async proxy (wgmma) …
+      __syncthreads();               // … for every thread; the wgmmas of k-tile kt − 2 have retired
+      if (kt + kStages - 2 < k_tiles) load_tile(kt + kStages - 2, (kt + kStages - 2) % kStages);
+      cp_async_commit();
+      uint32_t sb_nxt[kMB][2];
+      if (kt + 1 < k_tiles) load_scales(kt + 1, sb_nxt);
+
+      const uint32_t* cst = cs + stage * kRows * 8;
+      const uint32_t ast = act_addr + stage * kWgActBytes;
+      uint32_t s2[kMB][2], b2[kMB][2];
+#pragma unroll
+      for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          s2[mb][h] = __byte_perm(sb_cur[mb][h], 0, 0x1010);
+          b2[mb][h] = __byte_perm(sb_cur[mb][h], 0, 0x3232);
+        }
+      uint32_t af[2][kMB][4];  // double-buffered A fragments: step s uses af[s & 1]
+#pragma unroll
+      for (int s = 0; s < kBK / 16; ++s) {
+#pragma unroll
+        for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint2 w = *reinterpret_cast<const uint2*>(cst + (wrow0 + 64 * mb + 8 * h + g) * 8 + 2 * s);
+            af[s & 1][mb][h] = dequant_selected_byte(w.x, sel, s2[mb][h], b2[mb][h]);      // k 2t, 2t + 1
+            af[s & 1][mb][2 + h] = dequant_selected_byte(w.y, sel, s2[mb][h], b2[mb][h]);  // k 2t + 8, 2t + 9
+          }
+        wgmma_fence();
+#pragma unroll
+        for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+          for (int nb = 0; nb < kWgTokBlocks; ++nb)
+            if (nb < n_blocks) wgmma_m64n64k16_rs(acc[mb][nb], af[s & 1][mb], smem_desc_sw128(ast + nb * kWgNb * 128 + s * 32));
+        wgmma_commit();
+        wgmma_wait<1>();  // the previous step's wgmmas have retired: af[(s + 1) & 1] may be rewritten
+      }
+      if (kt + 1 < k_tiles) {
+#pragma unroll
+        for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) sb_cur[mb][h] = sb_nxt[mb][h];
+      }
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+      for (int nb = 0; nb < kWgTokBlocks; ++nb) wgmma_fence_operands(acc[mb][nb]);
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the ring: it becomes the output tile
+
+    // acc[mb][nb][4j + v]: A row wrow0 + 64·mb + g + 8·(v / 2), token 64·nb + 8j + 2t + v % 2.
+    bf16* ob = reinterpret_cast<bf16*>(smem);
+    constexpr int kOutLd = kGU ? S::kOutLdGateUp : S::kOutLd;
+#pragma unroll
+    for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+      for (int nb = 0; nb < kWgTokBlocks; ++nb) {
+        if (nb >= n_blocks) break;
+        const int R0 = wrow0 + 64 * mb;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e2 = 0; e2 < 2; ++e2) {
+            const int T = nb * kWgNb + 8 * j + 2 * t4 + e2;
+            if constexpr (kGU) {  // row g: the gate row of act column (R0 / 16)·8 + g; row g + 8: its up row
+              const float gv = round_bf16(acc[mb][nb][4 * j + e2]), uv = round_bf16(acc[mb][nb][4 * j + 2 + e2]);
+              ob[T * kOutLd + (R0 / 16) * 8 + g] = to_bf16(silu(gv) * uv);
+            } else {
+              ob[T * kOutLd + R0 + g] = to_bf16(acc[mb][nb][4 * j + e2]);
+              ob[T * kOutLd + R0 + g + 8] = to_bf16(acc[mb][nb][4 * j + 2 + e2]);
+            }
+          }
+      }
+    __syncthreads();
+    constexpr int kChunks = (kGU ? kRows / 2 : kRows) / 8;  // 16-byte chunks per output row
+    for (int c = tid; c < rc * kChunks; c += kWgThreads) {
+      const int T = c / kChunks, ch = c % kChunks;
+      const int64_t orow = kDense ? row_begin + T : order[row_begin + T];
+      const int64_t col = n0 + ch * 8;
+      if (col >= p.n) continue;
+      bf16* dst = p.y_bf16 + orow * p.n + col;
+      const bf16* src = ob + T * kOutLd + ch * 8;
+      if (col + 8 <= p.n && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+      } else {
+        for (int i = 0; i < 8 && col + i < p.n; ++i) dst[i] = src[i];
+      }
+    }
+    __syncthreads();  // the output tile is the next item's ring
+  }
+}
+
+/// Launches the wgmma kernel: as many CTAs as fit at once, at most one per possible item.
+template <Mode MODE, int kMB>
+void wgmma_launch(GemmParams p, cudaStream_t stream) {
+  using S = WgShape<kMB>;
+  auto kernel = wgmma_gemm_kernel<MODE, kMB>;
+  raise_smem_limit(kernel, S::kSmem);
+  const int64_t col_tiles = ceil_div(p.n, MODE == Mode::kGateUp ? S::kRows / 2 : S::kRows);
+  p.col_tiles = static_cast<int>(col_tiles);
+  const int per_sm = std::max(1, blocks_per_sm(kernel, kWgThreads, S::kSmem));
+  const int64_t row_tiles = MODE == Mode::kDense ? ceil_div(p.m, kWgTok)
+                                                 : ceil_div(static_cast<int64_t>(p.m) * p.n_sel, kWgTok) + p.n_groups;
+  const int64_t grid = std::min<int64_t>(col_tiles * row_tiles, static_cast<int64_t>(per_sm) * sm_count());
+  kernel<<<static_cast<unsigned>(grid), kWgThreads, S::kSmem, stream>>>(p);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
 /// gemm_regdq()'s value: kGrouped until set_gemm_regdq.
 std::atomic<GemmRegdq> g_regdq{GemmRegdq::kGrouped};
 
@@ -710,8 +1018,20 @@ bool regdq_enabled(bool dense) {
     case GemmRegdq::kGrouped: return !dense;
     case GemmRegdq::kAll: return true;
     case GemmRegdq::kOff: return false;
+    case GemmRegdq::kWgmma:
+    case GemmRegdq::kWgmmaNarrow: return !dense;  // where the wgmma kernel does not apply
   }
   return !dense;
+}
+
+/// m64 blocks per warpgroup of the wgmma kernel that gemm_regdq() selects for 4-bit GEMMs with
+/// bf16 output: 2 (kWgmma, 256 weight rows per item), 1 (kWgmmaNarrow, 128), 0 (not selected).
+int wgmma_blocks() {
+  switch (gemm_regdq()) {
+    case GemmRegdq::kWgmma: return 2;
+    case GemmRegdq::kWgmmaNarrow: return 1;
+    default: return 0;
+  }
 }
 
 /// Whether the register-dequant kernel's 32-bit element offsets cover `a_rows` activation rows
@@ -724,6 +1044,14 @@ template <int BITS, class OutT>
 void dense_dispatch(const GemmParams& p, cudaStream_t stream) {
   const int sms = sm_count();
   const int64_t n = p.n;
+  if constexpr (BITS == 4 && sizeof(OutT) == 2) {
+    const int mb = wgmma_blocks();
+    if (mb > 0 && ceil_div(p.m, kWgTok) * ceil_div(n, 128 * mb) >= sms && regdq_fits(p.m, p.w0.rows, p.K)) {
+      if (mb == 2) wgmma_launch<Mode::kDense, 2>(p, stream);
+      else wgmma_launch<Mode::kDense, 1>(p, stream);
+      return;
+    }
+  }
   if (BITS == 4 && ceil_div(p.m, kRdBM) * ceil_div(n, kRdBN) >= sms && regdq_fits(p.m, p.w0.rows, p.K) &&
       regdq_enabled(true)) {
     regdq_launch<Mode::kDense, OutT>(p, ceil_div(n, kRdBN), stream);
@@ -752,8 +1080,13 @@ int64_t grouped_max_tiles(int m, int n_sel, int n_groups) {
 
 template <Mode MODE>
 void grouped_dispatch(const GemmParams& p, int64_t col_tiles, cudaStream_t stream) {
-  if (p.w0.bits == 4 && regdq_fits(static_cast<int64_t>(p.m) * p.n_sel, std::max(p.w0.rows, p.w1.rows), p.K) &&
-      regdq_enabled(false)) {
+  const bool fits = regdq_fits(static_cast<int64_t>(p.m) * p.n_sel, std::max(p.w0.rows, p.w1.rows), p.K);
+  if (p.w0.bits == 4 && fits && wgmma_blocks() > 0) {
+    if (wgmma_blocks() == 2) wgmma_launch<MODE, 2>(p, stream);
+    else wgmma_launch<MODE, 1>(p, stream);
+    return;
+  }
+  if (p.w0.bits == 4 && fits && regdq_enabled(false)) {
     regdq_launch<MODE, bf16>(p, MODE == Mode::kGateUp ? ceil_div(p.n, kRdBN / 2) : ceil_div(p.n, kRdBN), stream);
     return;
   }
