@@ -44,6 +44,12 @@ TEST(KernelSwitches, EveryFieldReachesItsSwitch) {
   o.gemm_regdq = "all";
   cuda::apply_kernel_switches(o);
   EXPECT_EQ(cuda::gemm_regdq(), cuda::GemmRegdq::kAll);
+  o.gemm_regdq = "wgmma";
+  cuda::apply_kernel_switches(o);
+  EXPECT_EQ(cuda::gemm_regdq(), cuda::GemmRegdq::kWgmma);
+  o.gemm_regdq = "wgmma-narrow";
+  cuda::apply_kernel_switches(o);
+  EXPECT_EQ(cuda::gemm_regdq(), cuda::GemmRegdq::kWgmmaNarrow);
   // One at a time, so that no field sets another's switch.
   const auto one = [](bool CudaOptions::*field) {
     CudaOptions x;
