@@ -192,13 +192,13 @@ struct CudaOptions {
   /// LILY_CUDA_FUSED_MOE 1|0: the decode MoE block (router, experts, combine) as one launch with
   /// grid-wide barriers, or as three kernels. Needs fuse=1; shapes it does not support keep three.
   bool fused_moe = true;
-  /// LILY_CUDA_GEMM_REGDQ grouped|all|0|wgmma|wgmma-narrow: the 4-bit grouped expert GEMMs of
-  /// the tensor-core prefill dequantize in registers right before the MMAs ("grouped", the
-  /// default), so do the dense GEMMs with at least one 64 × 256 tile per SM ("all", for an A/B),
-  /// or every GEMM keeps the shared-tile kernel ("0"); "wgmma" / "wgmma-narrow" run the 4-bit
-  /// grouped and dense GEMMs on Hopper warpgroup MMAs (256 / 128 weight rows per work item);
+  /// LILY_CUDA_GEMM_REGDQ wgmma-narrow|wgmma|grouped|all|0: the 4-bit grouped and dense GEMMs of
+  /// the tensor-core prefill run on Hopper warpgroup MMAs with 128 ("wgmma-narrow", the default)
+  /// or 256 ("wgmma") weight rows per work item; or the grouped expert GEMMs dequantize in
+  /// registers right before mma.sync ("grouped"), so do the dense GEMMs with at least one
+  /// 64 × 256 tile per SM ("all"), or every GEMM keeps the shared-tile kernel ("0");
   /// docs/cuda.md.
-  std::string gemm_regdq = "grouped";
+  std::string gemm_regdq = "wgmma-narrow";
   /// LILY_CUDA_BATCHED_DECODE 1|0: every decode step runs through one batched forward over its
   /// decode rows (groups of ≤ 8, also a single row, so that a row alone and in a batch share one
   /// arithmetic), reading each weight once per step for all rows; or (0, the default) each

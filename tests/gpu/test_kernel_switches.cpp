@@ -29,9 +29,9 @@ struct Switches {
 
 TEST(KernelSwitches, StartAtTheVerifiedDefaults) {
   // Before anything sets them (this test runs first in its process; gtest keeps file order).
-  EXPECT_EQ(Switches::now(), (Switches{true, true, true, true, true, true, true, true, cuda::GemmRegdq::kGrouped}));
+  EXPECT_EQ(Switches::now(), (Switches{true, true, true, true, true, true, true, true, cuda::GemmRegdq::kWgmmaNarrow}));
   cuda::apply_kernel_switches(CudaOptions{});  // the defaults of CudaOptions are the same paths
-  EXPECT_EQ(Switches::now(), (Switches{true, true, true, true, true, true, true, true, cuda::GemmRegdq::kGrouped}));
+  EXPECT_EQ(Switches::now(), (Switches{true, true, true, true, true, true, true, true, cuda::GemmRegdq::kWgmmaNarrow}));
 }
 
 TEST(KernelSwitches, EveryFieldReachesItsSwitch) {
@@ -83,7 +83,7 @@ TEST(KernelSwitches, BadRegdqThrowsBeforeChangingAnything) {
     EXPECT_NE(std::string(e.what()).find("dense"), std::string::npos) << e.what();
   }
   EXPECT_TRUE(cuda::pdl_enabled());
-  EXPECT_EQ(cuda::gemm_regdq(), cuda::GemmRegdq::kGrouped);
+  EXPECT_EQ(cuda::gemm_regdq(), cuda::GemmRegdq::kWgmmaNarrow);
 }
 
 }  // namespace

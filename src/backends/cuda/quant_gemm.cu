@@ -718,8 +718,8 @@ void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
 // fragment loads), 64 tokens per wgmma (m64n64k16). Each weight is dequantized once per 128
 // tokens and feeds up to two wgmmas, against once per 64 tokens and eight mma.syncs of 8 tokens.
 //
-// Block = 2 warpgroups; warpgroup wg owns weight rows [wg·64·kMB, (wg + 1)·64·kMB) of the item
-// as kMB m64 blocks, and every token of the item (one or two n64 blocks, as many as the item's
+// Block = kWG warpgroups (4 for "wgmma": 256 weight rows per item; 2 for "wgmma-narrow": 128);
+// warpgroup wg owns weight rows [wg·64·kMB, (wg + 1)·64·kMB) of the item as kMB m64 blocks, and every token of the item (one or two n64 blocks, as many as the item's
 // rows need). Per k-tile of 64 (one quantization group), cp.async stages
 //   * the activation tile [128 tokens][64] bf16 in the 128-byte swizzle that wgmma's descriptor
 //     reads (16-byte chunk c of row T at chunk c ^ (T mod 8), tile base 1,024-byte aligned), and
@@ -735,22 +735,25 @@ void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
 // Epilogue as in the register-dequant kernel: the accumulators through shared memory (bf16,
 // SwiGLU for gate/up), then 16-byte stores of each token row.
 
-constexpr int kWgThreads = 256;                 // two warpgroups
 constexpr int kWgTok = 128;                     // token rows per item
 constexpr int kWgNb = 64;                       // tokens per wgmma (the N of m64n64k16)
 constexpr int kWgTokBlocks = kWgTok / kWgNb;
 constexpr int kWgActBytes = kWgTok * kBK * 2;   // one stage's activation tile: 16 KiB
 
-/// Tile shape of the wgmma kernel for kMB m64 blocks per warpgroup.
-template <int kMB>
+/// Tile shape of the wgmma kernel: kWG warpgroups of kMB m64 blocks each. The activation tile is
+/// re-read from L2 for every column tile, so more weight rows per item (more warpgroups) means
+/// less L2 traffic per FLOP; kMB = 1 keeps the accumulators within 128 registers.
+template <int kWG, int kMB>
 struct WgShape {
-  static constexpr int kRows = 2 * 64 * kMB;                 // weight rows per item
-  static constexpr int kStages = kMB == 1 ? 4 : 5;           // ring depth (kStages − 2 tiles ahead)
+  static constexpr int kThreads = 128 * kWG;
+  static constexpr int kMinBlocks = kWG == 2 && kMB == 1 ? 2 : 1;  // CTAs per SM the registers allow
+  static constexpr int kRows = kWG * 64 * kMB;               // weight rows per item
+  static constexpr int kStages = kMinBlocks == 2 ? 4 : 6;    // ring depth (kStages − 2 tiles ahead)
   static constexpr int kCodeBytes = kRows * kBK / 2;         // one stage's 4-bit code tile
   static constexpr size_t kPipeBytes = size_t(kStages) * (kWgActBytes + kCodeBytes);
   /// Dynamic shared memory: 1,024 bytes of alignment slack, the ring, the row-tile prefix and
   /// the scan's warp totals.
-  static constexpr size_t kSmem = 1024 + kPipeBytes + (kMaxGroups + 1 + kWgThreads / kWarp) * sizeof(int);
+  static constexpr size_t kSmem = 1024 + kPipeBytes + (kMaxGroups + 1 + kThreads / kWarp) * sizeof(int);
   static constexpr int kOutLdGateUp = kRows / 2 + 8;         // epilogue row (bf16): act columns
   static constexpr int kOutLd = kRows + 8;                   // epilogue row (bf16): output columns
   static_assert(size_t(kWgTok) * kOutLd * 2 <= kPipeBytes, "epilogue tile fits the ring");
@@ -767,10 +770,12 @@ __device__ __forceinline__ uint32_t dequant_selected_byte(uint32_t w, uint32_t s
 }
 
 /// 4-bit GEMM on warpgroup MMAs (see above), bf16 output. grid: persistent, ≤ the item count;
-/// block kWgThreads; dynamic shared memory WgShape<kMB>::kSmem.
-template <Mode MODE, int kMB>
-__global__ void __launch_bounds__(kWgThreads, 3 - kMB) wgmma_gemm_kernel(const GemmParams p) {
-  using S = WgShape<kMB>;
+/// block WgShape::kThreads; dynamic shared memory WgShape::kSmem.
+template <Mode MODE, int kWG, int kMB>
+__global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>::kMinBlocks)
+    wgmma_gemm_kernel(const GemmParams p) {
+  using S = WgShape<kWG, kMB>;
+  constexpr int kWgThreads = S::kThreads;
   constexpr bool kGU = MODE == Mode::kGateUp, kDense = MODE == Mode::kDense;
   constexpr int kRows = S::kRows, kStages = S::kStages;
   extern __shared__ unsigned char wg_smem_raw[];
@@ -989,10 +994,11 @@ __global__ void __launch_bounds__(kWgThreads, 3 - kMB) wgmma_gemm_kernel(const G
 }
 
 /// Launches the wgmma kernel: as many CTAs as fit at once, at most one per possible item.
-template <Mode MODE, int kMB>
+template <Mode MODE, int kWG, int kMB>
 void wgmma_launch(GemmParams p, cudaStream_t stream) {
-  using S = WgShape<kMB>;
-  auto kernel = wgmma_gemm_kernel<MODE, kMB>;
+  using S = WgShape<kWG, kMB>;
+  auto kernel = wgmma_gemm_kernel<MODE, kWG, kMB>;
+  constexpr int kWgThreads = S::kThreads;
   raise_smem_limit(kernel, S::kSmem);
   const int64_t col_tiles = ceil_div(p.n, MODE == Mode::kGateUp ? S::kRows / 2 : S::kRows);
   p.col_tiles = static_cast<int>(col_tiles);
@@ -1004,10 +1010,10 @@ void wgmma_launch(GemmParams p, cudaStream_t stream) {
   LILY_CUDA_CHECK_LAUNCH();
 }
 
-/// gemm_regdq()'s value: kGrouped until set_gemm_regdq.
-std::atomic<GemmRegdq> g_regdq{GemmRegdq::kGrouped};
+/// gemm_regdq()'s value: kWgmmaNarrow until set_gemm_regdq.
+std::atomic<GemmRegdq> g_regdq{GemmRegdq::kWgmmaNarrow};
 
-/// gemm_regdq(): kGrouped (the default) → the register-dequant kernel for the 4-bit grouped
+/// gemm_regdq(): kGrouped → the register-dequant kernel for the 4-bit grouped
 /// GEMMs (the dense ones keep the shared-tile kernel, which already reaches ≈ 230 TFLOP/s at
 /// 2,048 tokens with its 128-token tiles); kAll → also for the dense GEMMs with ≥ one item per
 /// SM (for an A/B); kOff → the shared-tile kernels everywhere. Read at every launch (a test flips
@@ -1024,12 +1030,12 @@ bool regdq_enabled(bool dense) {
   return !dense;
 }
 
-/// m64 blocks per warpgroup of the wgmma kernel that gemm_regdq() selects for 4-bit GEMMs with
-/// bf16 output: 2 (kWgmma, 256 weight rows per item), 1 (kWgmmaNarrow, 128), 0 (not selected).
-int wgmma_blocks() {
+/// Warpgroups per CTA of the wgmma kernel that gemm_regdq() selects for 4-bit GEMMs with bf16
+/// output: 4 (kWgmma, 256 weight rows per item), 2 (kWgmmaNarrow, 128), 0 (not selected).
+int wgmma_groups() {
   switch (gemm_regdq()) {
-    case GemmRegdq::kWgmma: return 2;
-    case GemmRegdq::kWgmmaNarrow: return 1;
+    case GemmRegdq::kWgmma: return 4;
+    case GemmRegdq::kWgmmaNarrow: return 2;
     default: return 0;
   }
 }
@@ -1045,11 +1051,18 @@ void dense_dispatch(const GemmParams& p, cudaStream_t stream) {
   const int sms = sm_count();
   const int64_t n = p.n;
   if constexpr (BITS == 4 && sizeof(OutT) == 2) {
-    const int mb = wgmma_blocks();
-    if (mb > 0 && ceil_div(p.m, kWgTok) * ceil_div(n, 128 * mb) >= sms && regdq_fits(p.m, p.w0.rows, p.K)) {
-      if (mb == 2) wgmma_launch<Mode::kDense, 2>(p, stream);
-      else wgmma_launch<Mode::kDense, 1>(p, stream);
-      return;
+    // The wide items where they still give every SM one, else the narrow ones.
+    const int wg = wgmma_groups();
+    const int64_t row_tiles = ceil_div(p.m, kWgTok);
+    if (wg > 0 && regdq_fits(p.m, p.w0.rows, p.K)) {
+      if (wg == 4 && row_tiles * ceil_div(n, 256) >= sms) {
+        wgmma_launch<Mode::kDense, 4, 1>(p, stream);
+        return;
+      }
+      if (row_tiles * ceil_div(n, 128) >= sms) {
+        wgmma_launch<Mode::kDense, 2, 1>(p, stream);
+        return;
+      }
     }
   }
   if (BITS == 4 && ceil_div(p.m, kRdBM) * ceil_div(n, kRdBN) >= sms && regdq_fits(p.m, p.w0.rows, p.K) &&
@@ -1081,9 +1094,9 @@ int64_t grouped_max_tiles(int m, int n_sel, int n_groups) {
 template <Mode MODE>
 void grouped_dispatch(const GemmParams& p, int64_t col_tiles, cudaStream_t stream) {
   const bool fits = regdq_fits(static_cast<int64_t>(p.m) * p.n_sel, std::max(p.w0.rows, p.w1.rows), p.K);
-  if (p.w0.bits == 4 && fits && wgmma_blocks() > 0) {
-    if (wgmma_blocks() == 2) wgmma_launch<MODE, 2>(p, stream);
-    else wgmma_launch<MODE, 1>(p, stream);
+  if (p.w0.bits == 4 && fits && wgmma_groups() > 0) {
+    if (wgmma_groups() == 4) wgmma_launch<MODE, 4, 1>(p, stream);
+    else wgmma_launch<MODE, 2, 1>(p, stream);
     return;
   }
   if (p.w0.bits == 4 && fits && regdq_enabled(false)) {

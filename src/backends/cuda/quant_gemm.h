@@ -24,14 +24,14 @@ namespace lily::cuda {
 /// (regdq_gemm_kernel) instead of through a shared-memory tile: CudaOptions::gemm_regdq
 /// (LILY_CUDA_GEMM_REGDQ), docs/cuda.md.
 enum class GemmRegdq {
-  kGrouped,  ///< "grouped" (the default): the grouped expert GEMMs; the dense ones keep the shared tile
+  kGrouped,  ///< "grouped": the grouped expert GEMMs; the dense ones keep the shared tile
   kAll,      ///< "all": also the dense GEMMs with at least one 64 × 256 tile per SM (for an A/B)
   kOff,      ///< "0": the shared-tile kernels everywhere
   kWgmma,    ///< "wgmma": the 4-bit GEMMs with bf16 output (grouped, and dense with ≥ 1 item per SM) on
              ///< warpgroup MMAs, 256 weight rows × 128 tokens per item; the rest as kGrouped
-  kWgmmaNarrow,  ///< "wgmma-narrow": as kWgmma with 128 weight rows per item (2 CTAs per SM)
+  kWgmmaNarrow,  ///< "wgmma-narrow" (the default): as kWgmma with 128 weight rows per item (2 CTAs per SM)
 };
-/// The process-wide choice the GEMM launchers read at every launch: kGrouped until set (the
+/// The process-wide choice the GEMM launchers read at every launch: kWgmmaNarrow until set (the
 /// CUDA backend sets it from its CudaOptions when created; kernel_switches.h).
 GemmRegdq gemm_regdq();
 /// Sets gemm_regdq() for the launches that follow (the backend at creation; tests comparing paths).

@@ -108,12 +108,12 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_TRUE(o.gdn_state_mma);
   EXPECT_TRUE(o.batched_prefill);
   EXPECT_TRUE(o.tensor_core_gemm);
-  EXPECT_EQ(o.gemm_regdq, "grouped");
+  EXPECT_EQ(o.gemm_regdq, "wgmma-narrow");
   EXPECT_TRUE(o.fused_moe);
   EXPECT_FALSE(o.batched_decode);  // opt-in until its GPU tests have passed
   EXPECT_EQ(o.prefill_chunk, 2048);
   EXPECT_EQ(o.max_batch, 8);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-regdq=grouped fused-moe=1 batched-decode=0 chunk=2048 max-batch=8");
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-regdq=wgmma-narrow fused-moe=1 batched-decode=0 chunk=2048 max-batch=8");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {
@@ -154,7 +154,7 @@ TEST(CudaOptions, ReadsTheKernelSwitches) {
     EXPECT_TRUE(o.gdn_local_mma) << "'" << on << "'";
     EXPECT_TRUE(o.gdn_state_mma) << "'" << on << "'";
   }
-  for (const char* mode : {"grouped", "all", "0"}) {
+  for (const char* mode : {"grouped", "all", "0", "wgmma", "wgmma-narrow"}) {
     ScopedEnv env("LILY_CUDA_GEMM_REGDQ", mode);
     const CudaOptions o = CudaOptions::from_env();
     EXPECT_EQ(o.gemm_regdq, mode);
@@ -162,7 +162,7 @@ TEST(CudaOptions, ReadsTheKernelSwitches) {
   }
   {
     ScopedEnv env("LILY_CUDA_GEMM_REGDQ", "");
-    EXPECT_EQ(CudaOptions::from_env().gemm_regdq, "grouped");
+    EXPECT_EQ(CudaOptions::from_env().gemm_regdq, "wgmma-narrow");
   }
 }
 
