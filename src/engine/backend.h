@@ -219,7 +219,7 @@ struct CudaOptions {
   static CudaOptions from_env();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
   /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
-  /// gemm-regdq=grouped fused-moe=1 batched-decode=0 chunk=2048 max-batch=8", for logs and reports.
+  /// gemm-regdq=wgmma-narrow fused-moe=1 batched-decode=0 chunk=2048 max-batch=8", for logs and reports.
   std::string describe() const;
 };
 
