@@ -101,6 +101,12 @@ class Backend {
   /// copies in the background, off the engine's path (SessionCache::start_background_host_copies).
   /// The copy must be finished when copy_to_host returns. False by default.
   virtual bool copies_to_host_concurrently() const { return false; }
+  /// Told once, before the first request, that the prefix cache keeps up to `bytes` (> 0) of
+  /// host copies (its host-tier budget), so that a backend whose copy_to_host writes memory of
+  /// its own (CUDA: pinned host memory) can reserve some of it ahead and bound what it ever
+  /// holds. Called on the thread that creates the engine. Never throws for want of memory: what
+  /// cannot be reserved now is reserved when a copy needs it. The default does nothing.
+  virtual void reserve_host_copies(int64_t bytes) { (void)bytes; }
   /// Bytes of the backend's own memory still free (CUDA: device memory after the weights and
   /// buffers), which bounds the prefix cache's default device budget; nullopt for a backend that
   /// uses host memory (CPU).

@@ -74,6 +74,8 @@ Scheduler::Scheduler(std::unique_ptr<Backend> backend, std::shared_ptr<const Tok
   max_batch_ = options_.max_batch == 0 ? std::min(kDefaultMaxBatch, limit) : options_.max_batch;
   // A lone sequence shares its steps with nothing: its prompt is only cut where it always is.
   prefill_chunk_ = max_batch_ > 1 ? options_.step_tokens : 0;
+  // The backend sizes the memory of its host copies from the host tier's budget.
+  if (options_.cache.host_bytes > 0) backend_->reserve_host_copies(options_.cache.host_bytes);
   // Snapshots bound for the host tier are copied on the cache's helper thread, so that a copy
   // (with CUDA, pinning new host memory) never holds up a step or the next job.
   if (options_.cache.host_bytes > 0 && backend_->copies_to_host_concurrently())

@@ -476,6 +476,48 @@ TEST_F(CudaE2e, HostCopiesOnAHelperThreadBesideDecodeSteps) {
   }
 }
 
+// Host copies come from the pinned arena (base/slab_arena.h), which reserve_host_copies caps at
+// twice the host tier's budget: copies carved from it, given back in between (holes reused),
+// restore to states that decode bit for bit as the copied one; copies past the cap fail with an
+// Error naming the pinned memory, and once they are given back a copy succeeds again.
+TEST_F(CudaE2e, HostCopiesComeFromTheCappedPinnedArena) {
+  TempDir dir;
+  auto w = synth("realdims", dir.path());
+  auto gpu = make_cuda_backend(w);
+  auto snap = gpu->new_state(2048);
+  const int32_t next = gpu->prefill(*snap, hash_prompt(1100, w->config.vocab, 4));
+  auto reference = gpu->clone_state(*snap);
+  std::vector<float> expected;
+  const int32_t expected_id = gpu->decode(*reference, next, &expected);
+  auto check = [&](const SequenceState& host) {
+    auto restored = gpu->clone_state(host);
+    std::vector<float> got;
+    EXPECT_EQ(gpu->decode(*restored, next, &got), expected_id);
+    EXPECT_EQ(got, expected);
+  };
+  const int64_t copy_bytes = gpu->clone_state(*snap)->bytes();  // a host copy's bytes, before any is made
+  gpu->reserve_host_copies(3 * copy_bytes);  // pins about three copies, caps at six
+  std::vector<std::unique_ptr<SequenceState>> copies;
+  for (int i = 0; i < 3; ++i) copies.push_back(gpu->copy_to_host(*snap));
+  copies.erase(copies.begin() + 1);  // a hole between two copies, taken again below
+  std::string error;
+  for (int i = 0; i < 10 && error.empty(); ++i) {
+    try {
+      copies.push_back(gpu->copy_to_host(*snap));
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  // At most six copies' bytes of slabs; the tail of a slab too short for a block is lost.
+  EXPECT_GE(copies.size(), 4u);
+  EXPECT_LE(copies.size(), 6u);
+  EXPECT_NE(error.find("pinned host memory"), std::string::npos) << error;
+  for (const auto& host : copies) check(*host);
+  copies.clear();
+  auto again = gpu->copy_to_host(*snap);
+  check(*again);
+}
+
 // ---- decode graphs shared by the states of one backend (cuda_backend.h) ----------------------
 
 /// A sequence of DecodeGraphsAreSharedAcrossStates: from a prompt, started in round `start`, or a
@@ -730,8 +772,9 @@ TEST_F(CudaE2e, PrintsDecodeGraphAndPrefixCopyTimes) {
               "%.3f ms); copy_to_host %.3f ms (again: %.3f ms); restore from host %.3f ms (again: %.3f ms)\n",
               model.c_str(), history + 1, double(b->bytes()) / 1e6, t_clone1, t_clone2, t_host1, t_host2,
               t_restore1, t_restore2);
-  // A host copy that is kept (the host tier only grows) pins new memory; one made after the
-  // backend prepared while idle takes the spare block made then.
+  // Host copies that are kept (the host tier only grows) pin a new slab of the pinned arena when
+  // the slabs held are full; one made after the backend prepared while idle finds the slab
+  // pinned then.
   auto [kept1, t_kept1] = timed([&] { return gpu->copy_to_host(*b); });
   auto [kept2, t_kept2] = timed([&] { return gpu->copy_to_host(*b); });
   t0 = clock::now();
@@ -743,6 +786,21 @@ TEST_F(CudaE2e, PrintsDecodeGraphAndPrefixCopyTimes) {
   std::printf("[idle spares timing] %s: kept copy_to_host %.3f, %.3f ms; prepare_while_idle %d pieces in %.3f ms; "
               "then copy_to_host %.3f, %.3f ms\n",
               model.c_str(), t_kept1, t_kept2, pieces, t_prepare, t_kept3, t_kept4);
+  // As a server with a 4 GiB host tier starts: 1 GiB pinned at once, then copies into it.
+  t0 = clock::now();
+  gpu->reserve_host_copies(int64_t{4} << 30);
+  const double t_reserve = ms_since(t0);
+  std::vector<std::unique_ptr<SequenceState>> kept;
+  std::vector<double> t_arena;
+  for (int i = 0; i < 4; ++i) {
+    auto [copy, t] = timed([&] { return gpu->copy_to_host(*b); });
+    kept.push_back(std::move(copy));
+    t_arena.push_back(t);
+  }
+  std::printf("[pinned arena timing] %s: reserve_host_copies(4 GiB) %.3f ms; then kept copy_to_host %.3f, %.3f, "
+              "%.3f, %.3f ms\n",
+              model.c_str(), t_reserve, t_arena[0], t_arena[1], t_arena[2], t_arena[3]);
+  kept.clear();
 
   // Turn 2: the snapshot holds the history (clone2 on the device tier, host2 on the host tier).
   for (const bool host_tier : {false, true}) {

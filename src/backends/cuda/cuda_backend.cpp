@@ -4,7 +4,8 @@
 //
 // Memory: weights and activation scratch are allocated once; a state's GDN buffers and KV
 // cache come from the backend's device pool (BlockPool: blocks reused by size class, so a new state
-// or a prefix-cache copy seldom calls cudaMalloc), its host copies from a pinned pool. The KV
+// or a prefix-cache copy seldom calls cudaMalloc), its host copies from a pinned arena (SlabArena:
+// blocks carved from slabs pinned once, so a copy to the host tier pins no new memory). The KV
 // cache of a state starts at min(max_seq, 1024) positions and doubles (up to max_seq) when a
 // step needs more room. Growth happens between steps, outside any graph, and gives the state a
 // new layout id, so its next step is captured again and an exec updated to it (~log2(max_seq/1024)
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
@@ -38,8 +40,10 @@
 #include "backends/cuda/sampler_kernels.h"
 #include "base/bf16.h"
 #include "base/block_pool.h"
+#include "base/byte_size.h"
 #include "base/error.h"
 #include "base/log.h"
+#include "base/slab_arena.h"
 
 namespace lily {
 namespace cuda {
@@ -67,11 +71,20 @@ constexpr int kIoNextId = offsetof(StepIo, next_id) / sizeof(int32_t);
 /// Bytes copied in before a step: the fields before next_id.
 constexpr size_t kIoInBytes = offsetof(StepIo, next_id);
 
-/// Idle bytes each of the backend's block pools keeps for reuse: device memory for sequence
-/// states, pinned host memory for their host copies. About seven 35B-A3B states of a 4K-token
-/// history (63 MB of GDN state + 80 MB of KV cache) each; an allocation that fails frees the
-/// idle blocks and tries again, so the bound only limits what stays held between requests.
+/// Idle bytes the backend's device pool keeps for reuse (sequence states). About seven 35B-A3B
+/// states of a 4K-token history (63 MB of GDN state + 80 MB of KV cache); an allocation that
+/// fails frees the idle blocks and tries again, so the bound only limits what stays held
+/// between requests.
 constexpr size_t kPoolIdleBytes = size_t{1} << 30;
+
+/// Bytes of each slab of the pinned arena: pinning one takes about 0.1 s (0.4 ms per MB), and
+/// it holds a few host copies of 35B-A3B states of a 4K-token history (a 63 MB GDN block and an
+/// 80 MB KV block each). A larger copy gets a slab of its own size.
+constexpr size_t kPinnedSlabBytes = size_t{256} << 20;
+
+/// Most bytes reserve_host_copies pins at once, at start-up (about 0.4 s); the rest of the
+/// host tier's budget is pinned as copies need it, or while the engine is idle.
+constexpr size_t kPinnedStartBytes = size_t{1} << 30;
 
 /// The block pool of device memory (cudaMalloc / cudaFree) for sequence states. Throws
 /// lily::Error naming the size when an allocation fails.
@@ -90,11 +103,13 @@ std::shared_ptr<BlockPool> make_device_pool() {
       [](void* p, size_t) { cudaFree(p); }, kPoolIdleBytes);
 }
 
-/// The block pool of pinned (page-locked) host memory (cudaMallocHost / cudaFreeHost) for host
-/// copies of states, so that copies to and from the device run at full speed on a stream.
-/// Throws lily::Error naming the size when an allocation fails.
-std::shared_ptr<BlockPool> make_pinned_pool() {
-  return std::make_shared<BlockPool>(
+/// The arena of pinned (page-locked) host memory for host copies of states, so that copies to
+/// and from the device run at full speed on a stream: slabs of kPinnedSlabBytes from
+/// cudaMallocHost (page-aligned, so 256-byte aligned as SlabArena needs), freed with
+/// cudaFreeHost only when the backend and its last host copy are gone. No cap until
+/// reserve_host_copies sets one. A slab allocation that fails throws lily::Error naming the size.
+std::shared_ptr<SlabArena> make_pinned_arena() {
+  return std::make_shared<SlabArena>(
       [](size_t bytes) {
         void* p = nullptr;
         const cudaError_t st = cudaMallocHost(&p, bytes);
@@ -105,17 +120,16 @@ std::shared_ptr<BlockPool> make_pinned_pool() {
         }
         return p;
       },
-      [](void* p, size_t) { cudaFreeHost(p); }, kPoolIdleBytes);
+      [](void* p, size_t) { cudaFreeHost(p); }, kPinnedSlabBytes, SlabArena::kNoCap, "pinned host memory");
 }
 
 /// A host copy of a CudaState (the prefix cache's second tier, Backend::copy_to_host), in two
-/// pinned blocks: the GDN conv windows then the GDN recurrent states (the same size for every
-/// state of a model, so the block is nearly always a reused one), and K and V of each attention
-/// layer compacted to [n_kv_heads, position, head_dim]. Not runnable; the backend's clone_state
-/// copies it back into a device state.
+/// blocks of the pinned arena: the GDN conv windows then the GDN recurrent states (the same size
+/// for every state of a model), and K and V of each attention layer compacted to [n_kv_heads,
+/// position, head_dim]. Not runnable; the backend's clone_state copies it back into a device state.
 class CudaHostState final : public SequenceState {
  public:
-  CudaHostState(const void* owner, const std::shared_ptr<BlockPool>& pinned, int64_t max_seq, int64_t pos,
+  CudaHostState(const void* owner, const std::shared_ptr<SlabArena>& pinned, int64_t max_seq, int64_t pos,
                 size_t window_bytes, size_t state_bytes, size_t kv_bytes, int n_attn)
       : owner(owner), max_seq(max_seq), pos(pos), window_bytes(window_bytes), state_bytes(state_bytes),
         kv_bytes(kv_bytes), gdn_block(pinned, window_bytes + state_bytes),
@@ -131,7 +145,7 @@ class CudaHostState final : public SequenceState {
   int64_t max_seq;
   int64_t pos;
   size_t window_bytes, state_bytes, kv_bytes;  ///< all GDN windows, all GDN states, one layer's K (or V)
-  PooledBlock gdn_block, kv_block;
+  ArenaBlock gdn_block, kv_block;
 };
 
 /// Sequence state on the device (docs/model.md §4.1): per GDN layer a bf16 conv window [C, K−1] and
@@ -228,8 +242,8 @@ class CudaState final : public SequenceState {
   }
 
   /// A host copy (see CudaHostState) in blocks of `pinned`, copied on `stream` and finished on
-  /// return, also when a copy fails (the pinned blocks go back to the pool idle).
-  std::unique_ptr<CudaHostState> to_host(const std::shared_ptr<BlockPool>& pinned, cudaStream_t stream) const {
+  /// return, also when a copy fails (the pinned blocks go back to the arena).
+  std::unique_ptr<CudaHostState> to_host(const std::shared_ptr<SlabArena>& pinned, cudaStream_t stream) const {
     const size_t row = static_cast<size_t>(attn.head_dim) * sizeof(bf16);
     const size_t kv_bytes = static_cast<size_t>(attn.n_kv_heads) * static_cast<size_t>(pos) * row;
     auto h = std::make_unique<CudaHostState>(owner, pinned, max_seq, pos, windows.bytes(), states.bytes(), kv_bytes,
@@ -606,7 +620,7 @@ class CudaBackend final : public Backend {
   // split count no longer depends on the capacity (or room is chosen as a cold state's).
 
   /// Pinned host copy (CudaHostState). A device state is copied on the copy stream, which only
-  /// this call uses: it reads the state's blocks and writes pinned blocks (the pool is
+  /// this call uses: it reads the state's blocks and writes pinned blocks (the arena is
   /// thread-safe), so it may run on a helper thread beside the engine thread's calls
   /// (copies_to_host_concurrently), whose captures are thread-local. Its source needs no
   /// ordering with the backend's stream: every call that writes a state has finished that work
@@ -615,22 +629,47 @@ class CudaBackend final : public Backend {
   std::unique_ptr<SequenceState> copy_to_host(const SequenceState& state) override {
     if (const auto* h = dynamic_cast<const CudaHostState*>(&state)) {
       if (h->owner != this) throw ::lily::Error("CUDA backend: the sequence state belongs to another backend");
-      return CudaState::from_host(*h, device_pool_, gdn_, attn_, n_gdn_, n_attn_, stream_)->to_host(pinned_pool_, stream_);
+      return CudaState::from_host(*h, device_pool_, gdn_, attn_, n_gdn_, n_attn_, stream_)->to_host(pinned_arena_, stream_);
     }
-    return checked(const_cast<SequenceState&>(state)).to_host(pinned_pool_, copy_stream_);
+    return checked(const_cast<SequenceState&>(state)).to_host(pinned_arena_, copy_stream_);
   }
   /// False, although copy_to_host is safe on a helper thread (CudaE2e.HostCopiesOnAHelperThread-
   /// BesideDecodeSteps): on an H200 the prefix cache's background copies slowed the engine thread
   /// far more than they saved (pinning new host memory holds the driver while the engine's
   /// launches and allocations wait: a turn 2 from the host tier took 679 ms to its first token
   /// instead of about 190 ms with the copies on the engine thread; docs/server.md). So the cache
-  /// copies on the engine thread, into pinned blocks the backend makes while idle.
+  /// copies on the engine thread. Host copies now come from the pinned arena, whose slabs are
+  /// pinned once (reserve_host_copies, prepare_while_idle) and then reused without a CUDA call,
+  /// which removes that cause; this stays false until a GPU run has measured the arena.
   bool copies_to_host_concurrently() const override { return false; }
 
-  /// One spare block for the sizes recent states and host copies took: device memory, then
-  /// pinned host memory (whose allocation, about 0.4 ms per MB, would otherwise fall on the next
-  /// copy to the host tier). The engine is idle: no work of this backend is in flight.
-  bool prepare_while_idle() override { return device_pool_->refill_one() || pinned_pool_->refill_one(); }
+  /// Caps the pinned arena at twice the host tier's `bytes` and pins min(`bytes`, 1 GiB) of it
+  /// now. Twice: the cache copies a store's snapshots to the host tier before it evicts older
+  /// ones to fit the budget, and frees the evicted ones later (between steps), so the host
+  /// copies alive at once pass the budget by a store's snapshots. A failure to pin now is only
+  /// logged: the copies pin what they need later.
+  void reserve_host_copies(int64_t bytes) override {
+    if (bytes <= 0) return;
+    const size_t budget = static_cast<size_t>(bytes);
+    pinned_arena_->set_cap(budget > SIZE_MAX / 2 ? SlabArena::kNoCap : 2 * budget);
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      pinned_arena_->reserve(std::min(budget, kPinnedStartBytes));
+    } catch (const ::lily::Error& e) {
+      log_warn(std::string("CUDA backend: cannot pin host memory for the prefix cache's host tier now: ") + e.what());
+      return;
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    log_info("CUDA backend: pinned " + format_bytes(static_cast<int64_t>(pinned_arena_->stats().reserved_bytes)) +
+             " of host memory for host-tier copies in " + std::to_string(static_cast<int64_t>(ms)) + " ms (at most " +
+             format_bytes(static_cast<int64_t>(std::min<size_t>(pinned_arena_->cap(), INT64_MAX))) + ")");
+  }
+
+  /// One spare block for the sizes recent states took (device memory), then one slab of pinned
+  /// host memory when the arena has no free range for the largest host copy made so far
+  /// (pinning, about 0.4 ms per MB, would otherwise fall on the next copy to the host tier).
+  /// The engine is idle: no work of this backend is in flight.
+  bool prepare_while_idle() override { return device_pool_->refill_one() || pinned_arena_->reserve_spare(); }
 
   /// Free device memory now (cudaMemGetInfo), plus what the state pool holds idle: the pool lets
   /// that go whenever an allocation would otherwise fail.
@@ -1494,7 +1533,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<PinnedIo> io_;  ///< created after the device check
   /// Where sequence states (device) and their host copies (pinned) take their memory; shared
   /// with the states, which may outlive the backend.
-  std::shared_ptr<BlockPool> device_pool_ = make_device_pool(), pinned_pool_ = make_pinned_pool();
+  std::shared_ptr<BlockPool> device_pool_ = make_device_pool();
+  std::shared_ptr<SlabArena> pinned_arena_ = make_pinned_arena();
   /// The decode graphs of all states: one exec per key per row that a step may hold, and a
   /// few keys (KV capacity buckets, greedy / sampled) besides.
   DecodeGraphs graphs_{options_.max_batch, std::max(8, 2 * options_.max_batch)};

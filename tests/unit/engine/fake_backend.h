@@ -73,6 +73,8 @@ class FakeBackend final : public Backend {
     return copy;
   }
   bool copies_to_host_concurrently() const override { return concurrent_host_copies; }
+  /// Records the host tier's budget (host_reservations).
+  void reserve_host_copies(int64_t bytes) override { host_reservations.push_back(bytes); }
   /// Blocks copy_to_host until open_copy_gate().
   void close_copy_gate() {
     std::lock_guard l(m_);
@@ -213,6 +215,7 @@ class FakeBackend final : public Backend {
   std::atomic<int> host_copies = 0;  ///< copy_to_host calls (made on the cache's helper thread too)
   int host_restores = 0;             ///< clone_state calls on host copies
   bool concurrent_host_copies = false;   ///< copies_to_host_concurrently() (set before use)
+  std::vector<int64_t> host_reservations;  ///< the bytes of each reserve_host_copies call, in order
   std::atomic<bool> fail_host_copies = false;  ///< copy_to_host throws
   int resumes = 0;                         ///< resume_state calls (each also counted as a clone)
   std::vector<int64_t> resume_capacities;  ///< the capacity of each resume_state call, in order

@@ -229,6 +229,20 @@ TEST(Scheduler, AnIdenticalRetryCopiesItsStateOnceOnly) {
   EXPECT_EQ(h.scheduler->cache_stats().device.snapshots, static_cast<int64_t>(snapshots));
 }
 
+TEST(Scheduler, TellsTheBackendTheHostTierBudgetOnceAtStart) {
+  for (const int64_t host : {int64_t{0}, int64_t{3} << 20}) {
+    auto owned = std::make_unique<FakeBackend>();
+    FakeBackend& b = *owned;
+    EngineOptions o;
+    o.max_seq = 128;
+    o.cache = {1 << 20, host};
+    Scheduler s(std::move(owned), nullptr, o);
+    finish(*s.submit(job({1, 2, 3}, 2)));
+    // Without a host tier there is nothing to reserve for.
+    EXPECT_EQ(b.host_reservations, host > 0 ? std::vector<int64_t>{host} : std::vector<int64_t>{});
+  }
+}
+
 TEST(Scheduler, PreparesWhileIdleAPieceAtATimeUntilTheBackendIsDone) {
   Harness h(2);
   h.backend->idle_pieces = 3;  // read by the engine thread only after the job below was submitted
