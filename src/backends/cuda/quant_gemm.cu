@@ -748,7 +748,7 @@ struct WgShape {
   static constexpr int kThreads = 128 * kWG;
   static constexpr int kMinBlocks = kWG == 2 && kMB == 1 ? 2 : 1;  // CTAs per SM the registers allow
   static constexpr int kRows = kWG * 64 * kMB;               // weight rows per item
-  static constexpr int kStages = kMinBlocks == 2 ? 5 : 6;    // ring depth (kStages − 2 tiles ahead)
+  static constexpr int kStages = kMinBlocks == 2 ? 4 : 6;    // ring depth (kStages − 2 tiles ahead)
   static constexpr int kCodeBytes = kRows * kBK / 2;         // one stage's 4-bit code tile
   static constexpr size_t kPipeBytes = size_t(kStages) * (kWgActBytes + kCodeBytes);
   /// Dynamic shared memory: 1,024 bytes of alignment slack, the ring, the row-tile prefix and
