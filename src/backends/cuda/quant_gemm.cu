@@ -3,12 +3,16 @@
 // expert GEMMs; the default prefill path (CudaOptions::tensor_core_gemm). Tests:
 // tests/gpu/test_quant_gemm.cu (docs/cuda.md).
 //
-// Two kernels:
-//   * regdq_gemm_kernel (gemm_regdq(), set from CudaOptions::gemm_regdq, LILY_CUDA_GEMM_REGDQ):
-//     codes dequantized in registers right before the MMAs, a persistent grid over a flat list
-//     of (row tile, column tile) work items — see "register dequantization" below. By default it
-//     takes every 4-bit grouped expert GEMM; with "all" also the dense GEMMs with at least one
-//     64 × 256 item per SM.
+// Three kernels, chosen by gemm_regdq() (set from CudaOptions::gemm_regdq, LILY_CUDA_GEMM_REGDQ):
+//   * wgmma_gemm_kernel (the default, "wgmma-narrow"; "wgmma" for wider items): the register-
+//     dequant kernel's work list on Hopper warpgroup MMAs — the dequantized weights as the
+//     register A operand, the token rows read by the tensor cores from shared memory; every
+//     4-bit GEMM with bf16 output (grouped, and dense with ≥ one item per SM). See "warpgroup
+//     MMA" below.
+//   * regdq_gemm_kernel ("grouped", "all"): codes dequantized in registers right before
+//     mma.sync, a persistent grid over a flat list of (row tile, column tile) work items — see
+//     "register dequantization" below: the 4-bit grouped expert GEMMs; with "all" also the
+//     dense GEMMs with at least one 64 × 256 item per SM.
 //   * quant_gemm_kernel (8-bit weights, the dense GEMMs by default, LILY_CUDA_GEMM_REGDQ=0):
 //     the shared-tile kernel described next.
 //
