@@ -234,12 +234,13 @@ TEST(CudaQuantGemm, WgmmaDenseTiles) {
   // The warpgroup-MMA kernel ("wgmma": 256 weight rows × 128 tokens per item; "wgmma-narrow":
   // 128 rows) where it takes the dense GEMM (≥ one item per SM): full and ragged token tiles
   // (1100 = 8·128 + 76: one n64 block in the last tile), an odd width (element stores) over
-  // 4 k-tiles. The agreement check compares it with the register-dequant kernel.
+  // 8 k-tiles (one block of staged scales). The agreement check compares it with the
+  // register-dequant kernel.
   for (cuda::GemmRegdq mode : {cuda::GemmRegdq::kWgmma, cuda::GemmRegdq::kWgmmaNarrow}) {
     SCOPED_TRACE(mode == cuda::GemmRegdq::kWgmma ? "wgmma" : "wgmma-narrow");
     ScopedRegdq wgmma(mode);
     check_gemm(8192 + 4096 + 32 + 32, kHidden, 4, false, {2048, 1100}, 13);
-    check_gemm(20037, 256, 4, false, {200}, 14);
+    check_gemm(20037, 512, 4, false, {200}, 14);
   }
 }
 
@@ -531,10 +532,10 @@ TEST(CudaGroupedExperts, RealShape2048Tokens) {
 }
 
 TEST(CudaGroupedExperts, WgmmaKernels) {
-  // The grouped GEMMs on warpgroup MMAs (both item widths): the real shape at the prefill chunk,
-  // ragged experts (0 / 1 / 15 / 64 / 200 rows: one or two n64 blocks, several token tiles),
-  // odd widths (masked column tiles), few tokens. The agreement check compares each with the
-  // shared-tile kernel.
+  // The grouped GEMMs on warpgroup MMAs (both item widths; they take K a multiple of 512): the
+  // real shape at the prefill chunk, ragged experts (0 / 1 / 15 / 64 / 200 rows: one or two n64
+  // blocks, several token tiles), 16 experts with hidden = ffn = 512, few tokens. The agreement
+  // check compares each with the shared-tile kernel.
   const std::vector<int> counts = ragged_counts(kExperts), small_counts = ragged_counts(16);
   const int sum = std::accumulate(counts.begin(), counts.end(), 0);
   for (cuda::GemmRegdq mode : {cuda::GemmRegdq::kWgmma, cuda::GemmRegdq::kWgmmaNarrow}) {
@@ -542,7 +543,7 @@ TEST(CudaGroupedExperts, WgmmaKernels) {
     ScopedRegdq wgmma(mode);
     check_grouped(kExperts, kTopK, kHidden, kFfn, 2048, kExperts, 50);
     check_grouped(kExperts, kTopK, kHidden, kFfn, sum / kTopK, kExperts, 51, &counts);
-    check_grouped(16, 4, 320, 192, 210, 16, 52, &small_counts);
+    check_grouped(16, 4, 512, 512, 210, 16, 52, &small_counts);
     check_grouped(kExperts, kTopK, kHidden, kFfn, 7, kExperts, 53);
   }
 }

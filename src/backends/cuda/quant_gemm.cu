@@ -743,6 +743,7 @@ constexpr int kWgTok = 128;                     // token rows per item
 constexpr int kWgNb = 64;                       // tokens per wgmma (the N of m64n64k16)
 constexpr int kWgTokBlocks = kWgTok / kWgNb;
 constexpr int kWgActBytes = kWgTok * kBK * 2;   // one stage's activation tile: 16 KiB
+constexpr int kScaleBlock = 8;                  // k-tiles per staged block of scales / biases (16 bytes a row)
 
 /// Tile shape of the wgmma kernel: kWG warpgroups of kMB m64 blocks each. The activation tile is
 /// re-read from L2 for every column tile, so more weight rows per item (more warpgroups) means
@@ -755,9 +756,11 @@ struct WgShape {
   static constexpr int kStages = kMinBlocks == 2 ? 4 : 6;    // ring depth (kStages − 2 tiles ahead)
   static constexpr int kCodeBytes = kRows * kBK / 2;         // one stage's 4-bit code tile
   static constexpr size_t kPipeBytes = size_t(kStages) * (kWgActBytes + kCodeBytes);
-  /// Dynamic shared memory: 1,024 bytes of alignment slack, the ring, the row-tile prefix and
-  /// the scan's warp totals.
-  static constexpr size_t kSmem = 1024 + kPipeBytes + (kMaxGroups + 1 + kThreads / kWarp) * sizeof(int);
+  /// Scale and bias blocks: [2 slots][scales, biases][kRows][8 k-tiles] bf16.
+  static constexpr size_t kScaleBytes = size_t(2) * 2 * kRows * kScaleBlock * 2;
+  /// Dynamic shared memory: 1,024 bytes of alignment slack, the ring, the scale blocks, the
+  /// row-tile prefix and the scan's warp totals.
+  static constexpr size_t kSmem = 1024 + kPipeBytes + kScaleBytes + (kMaxGroups + 1 + kThreads / kWarp) * sizeof(int);
   static constexpr int kOutLdGateUp = kRows / 2 + 8;         // epilogue row (bf16): act columns
   static constexpr int kOutLd = kRows + 8;                   // epilogue row (bf16): output columns
   static_assert(size_t(kWgTok) * kOutLd * 2 <= kPipeBytes, "epilogue tile fits the ring");
@@ -787,7 +790,8 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
   unsigned char* smem = wg_smem_raw + ((1024u - (raw_addr & 1023u)) & 1023u);  // 1,024-byte aligned
   const uint32_t act_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));  // [stages][128][128 B]
   uint32_t* cs = reinterpret_cast<uint32_t*>(smem + kStages * kWgActBytes);         // [stages][kRows][8]
-  int* tpre = reinterpret_cast<int*>(smem + S::kPipeBytes);                         // [G + 1]
+  uint16_t* sc = reinterpret_cast<uint16_t*>(smem + S::kPipeBytes);                 // [2][2][kRows][8]
+  int* tpre = reinterpret_cast<int*>(smem + S::kPipeBytes + S::kScaleBytes);        // [G + 1]
   int* scan_tot = tpre + kMaxGroups + 1;
 
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid / kWarp) % 4, lane = tid % kWarp;
@@ -801,6 +805,9 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
   const int k_tiles = p.K / kBK;
   const int64_t wpr = p.K / 8;                       // code words per weight row
   const uint32_t sel = t4 | ((t4 + 4) << 8);         // byte t of a code word
+  // Scales and biases ride the copy ring in blocks of 8 k-tiles, one 16-byte copy per row and
+  // array (wgmma_fits: K a multiple of 512, 16-byte aligned arrays): a load per row and k-tile
+  // from global memory, one k-tile ahead, would put an L2 round trip on every k-tile's path.
   const int wrow0 = wg * 64 * kMB + warp * 16;       // this warp's first A row in m64 block 0
 
   for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
@@ -862,28 +869,20 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
         cp_async16(cst + c * 4, c_off[j] >= 0 ? (up ? p.w1.codes : p.w0.codes) + c_off[j] + kt * 8 : p.w0.codes,
                    c_off[j] >= 0 ? 16 : 0);
       }
-    };
-    // This thread's A rows: wrow0 + 64·mb + g + 8h (gate/up: h = 1 the up rows), weight rows.
-    int srow[kMB][2];
-#pragma unroll
-    for (int mb = 0; mb < kMB; ++mb)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) srow[mb][h] = static_cast<int>(weight_row(wrow0 + 64 * mb + 8 * h + g));
-    auto load_scales = [&](int kt, uint32_t (&sb)[kMB][2]) {
-#pragma unroll
-      for (int mb = 0; mb < kMB; ++mb)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          sb[mb][h] = 0;
-          if (srow[mb][h] >= 0) {
-            const DeviceQuant& w = (kGU && h == 1) ? p.w1 : p.w0;
-            const int64_t idx = static_cast<int64_t>(srow[mb][h]) * k_tiles + kt;
-            sb[mb][h] = static_cast<uint32_t>(__bfloat16_as_ushort(w.scales[idx])) |
-                        (static_cast<uint32_t>(__bfloat16_as_ushort(w.biases[idx])) << 16);
-          }
+      // With k-tile 8b, the scale block b into slot b & 1. Its last readers (block b − 2) are
+      // done: this copy is issued kStages − 2 < 8 k-tiles ahead, after a barrier.
+      if (kt % kScaleBlock == 0) {
+        const int slot = (kt / kScaleBlock) & 1;
+        for (int c = tid; c < 2 * kRows; c += kWgThreads) {
+          const int arr = c / kRows, R = c % kRows;  // arr 0: scales, 1: biases
+          const int64_t wr = weight_row(R);
+          const DeviceQuant& w = (kGU && ((R / 8) & 1)) ? p.w1 : p.w0;
+          const bf16* src = arr ? w.biases : w.scales;
+          cp_async16(sc + ((slot * 2 + arr) * kRows + R) * kScaleBlock, wr >= 0 ? src + wr * k_tiles + kt : p.w0.scales,
+                     wr >= 0 ? 16 : 0);
         }
+      }
     };
-
     float acc[kMB][kWgTokBlocks][32];
 #pragma unroll
     for (int mb = 0; mb < kMB; ++mb)
@@ -898,8 +897,6 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
       if (s < k_tiles) load_tile(s, s);
       cp_async_commit();
     }
-    uint32_t sb_cur[kMB][2];
-    load_scales(0, sb_cur);
     for (int kt = 0; kt < k_tiles; ++kt) {
       const int stage = kt % kStages;
       cp_async_wait<kStages - 3>();  // k-tile kt has landed (this thread's copies) …
@@ -907,8 +904,17 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
       __syncthreads();               // … for every thread; the wgmmas of k-tile kt − 2 have retired
       if (kt + kStages - 2 < k_tiles) load_tile(kt + kStages - 2, (kt + kStages - 2) % kStages);
       cp_async_commit();
-      uint32_t sb_nxt[kMB][2];
-      if (kt + 1 < k_tiles) load_scales(kt + 1, sb_nxt);
+      // Scale (low 16 bits) and bias (high) of this thread's A rows wrow0 + 64·mb + 8h + g (0 for
+      // masked rows: w = 0) for k-tile kt.
+      uint32_t sb_cur[kMB][2];
+      const uint16_t* blk = sc + ((kt / kScaleBlock) & 1) * 2 * kRows * kScaleBlock + kt % kScaleBlock;
+#pragma unroll
+      for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int R = wrow0 + 64 * mb + 8 * h + g;
+          sb_cur[mb][h] = uint32_t(blk[R * kScaleBlock]) | (uint32_t(blk[(kRows + R) * kScaleBlock]) << 16);
+        }
 
       const uint32_t* cst = cs + stage * kRows * 8;
       const uint32_t ast = act_addr + stage * kWgActBytes;
@@ -939,12 +945,6 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
             if (nb < n_blocks) wgmma_m64n64k16_rs(acc[mb][nb], af[s & 1][mb], smem_desc_sw128(ast + nb * kWgNb * 128 + s * 32));
         wgmma_commit();
         wgmma_wait<1>();  // the previous step's wgmmas have retired: af[(s + 1) & 1] may be rewritten
-      }
-      if (kt + 1 < k_tiles) {
-#pragma unroll
-        for (int mb = 0; mb < kMB; ++mb)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) sb_cur[mb][h] = sb_nxt[mb][h];
       }
     }
     wgmma_wait<0>();
@@ -1034,6 +1034,15 @@ bool regdq_enabled(bool dense) {
   return !dense;
 }
 
+/// Whether the wgmma kernel takes a GEMM over K input features with these weights: K a multiple
+/// of 512 (whole blocks of 8 scale groups) and 16-byte aligned scale and bias arrays (one copy
+/// per row and block).
+bool wgmma_fits(const GemmParams& p) {
+  auto aligned16 = [](const void* q) { return q == nullptr || reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  return p.K % (kBK * kScaleBlock) == 0 && aligned16(p.w0.scales) && aligned16(p.w0.biases) &&
+         aligned16(p.w1.scales) && aligned16(p.w1.biases);
+}
+
 /// Warpgroups per CTA of the wgmma kernel that gemm_regdq() selects for 4-bit GEMMs with bf16
 /// output: 4 (kWgmma, 256 weight rows per item), 2 (kWgmmaNarrow, 128), 0 (not selected).
 int wgmma_groups() {
@@ -1058,7 +1067,7 @@ void dense_dispatch(const GemmParams& p, cudaStream_t stream) {
     // The wide items where they still give every SM one, else the narrow ones.
     const int wg = wgmma_groups();
     const int64_t row_tiles = ceil_div(p.m, kWgTok);
-    if (wg > 0 && regdq_fits(p.m, p.w0.rows, p.K)) {
+    if (wg > 0 && regdq_fits(p.m, p.w0.rows, p.K) && wgmma_fits(p)) {
       if (wg == 4 && row_tiles * ceil_div(n, 256) >= sms) {
         wgmma_launch<Mode::kDense, 4, 1>(p, stream);
         return;
@@ -1098,7 +1107,7 @@ int64_t grouped_max_tiles(int m, int n_sel, int n_groups) {
 template <Mode MODE>
 void grouped_dispatch(const GemmParams& p, int64_t col_tiles, cudaStream_t stream) {
   const bool fits = regdq_fits(static_cast<int64_t>(p.m) * p.n_sel, std::max(p.w0.rows, p.w1.rows), p.K);
-  if (p.w0.bits == 4 && fits && wgmma_groups() > 0) {
+  if (p.w0.bits == 4 && fits && wgmma_groups() > 0 && wgmma_fits(p)) {
     if (wgmma_groups() == 4) wgmma_launch<MODE, 4, 1>(p, stream);
     else wgmma_launch<MODE, 2, 1>(p, stream);
     return;
