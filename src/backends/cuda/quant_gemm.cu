@@ -723,14 +723,16 @@ void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
 // tokens and feeds up to two wgmmas, against once per 64 tokens and eight mma.syncs of 8 tokens.
 //
 // Block = kWG warpgroups (4 for "wgmma": 256 weight rows per item; 2 for "wgmma-narrow": 128);
-// warpgroup wg owns weight rows [wg·64·kMB, (wg + 1)·64·kMB) of the item as kMB m64 blocks, and every token of the item (one or two n64 blocks, as many as the item's
-// rows need). Per k-tile of 64 (one quantization group), cp.async stages
+// warpgroup wg owns weight rows [wg·64·kMB, (wg + 1)·64·kMB) of the item as kMB m64 blocks,
+// and every token of the item (one or two n64 blocks, as many as the item's rows need). Per
+// k-tile of 64 (one quantization group), cp.async stages
 //   * the activation tile [128 tokens][64] bf16 in the 128-byte swizzle that wgmma's descriptor
 //     reads (16-byte chunk c of row T at chunk c ^ (T mod 8), tile base 1,024-byte aligned), and
-//   * the raw code tile [kWgRows][8 words],
-// into a ring of kStages; copies run kStages − 2 tiles ahead, so a stage is refilled only after
-// the wgmmas that read it have retired (each thread waits for all but its latest wgmma group
-// before the barrier that precedes the refill).
+//   * the raw code tile [rows][8 words],
+// into a ring of kStages, and with every 8th k-tile the next 8 k-tiles' scales and biases of
+// each row (one 16-byte copy per row and array, two slots). Copies run kStages − 2 tiles ahead,
+// so a stage is refilled only after the wgmmas that read it have retired (each thread waits for
+// all but its latest wgmma group before the barrier that precedes the refill).
 // Per k16 step s the A fragment of thread (g = lane/4, t = lane%4) is rows g and g + 8 of its
 // warp's 16, k pairs (2t, 2t+1) and (2t+8, 2t+9): byte t of code words 2s and 2s + 1 of each row
 // (low nibble, high nibble), dequantized as in the register-dequant kernel (exact codes, one
