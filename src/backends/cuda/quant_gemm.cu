@@ -716,7 +716,7 @@ void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
 // ---- warpgroup MMA with register dequantization (wgmma; LILY_CUDA_GEMM_REGDQ=wgmma) -----------------
 //
 // The same work list as the register-dequant kernel, on Hopper's asynchronous warpgroup MMA:
-// work item = (row tile of ≤ 128 token rows / assignments, column tile of kWgRows weight rows).
+// work item = (row tile of ≤ 128 token rows / assignments, column tile of 128 or 256 weight rows).
 // The dequantized weights are the A operand (64 weight rows × 16 k per wgmma, from registers);
 // the token rows are the B operand, read by the tensor cores straight from shared memory (no
 // fragment loads), 64 tokens per wgmma (m64n64k16). Each weight is dequantized once per 128
