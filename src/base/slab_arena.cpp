@@ -80,6 +80,23 @@ std::unique_ptr<SlabArena::Slab> SlabArena::new_slab(size_t bytes) {
   return std::make_unique<Slab>(Slab{static_cast<char*>(p), bytes});
 }
 
+void SlabArena::grow(size_t slab_bytes) {
+  std::unique_ptr<Slab> slab;
+  try {
+    slab = new_slab(slab_bytes);
+  } catch (...) {
+    std::lock_guard lock(mutex_);
+    reserved_ -= slab_bytes;
+    throw;
+  }
+  std::lock_guard lock(mutex_);
+  add_slab_locked(std::move(slab));
+}
+
+size_t SlabArena::room_locked() const {
+  return cap_ == kNoCap ? SIZE_MAX - reserved_ : (cap_ > reserved_ ? cap_ - reserved_ : 0);
+}
+
 size_t SlabArena::largest_free_locked() const {
   size_t largest = 0;
   for (const auto& [start, range] : ranges_) largest = std::max(largest, range.bytes);
@@ -97,7 +114,7 @@ void* SlabArena::allocate(size_t requested) {
     std::lock_guard lock(mutex_);
     largest_request_ = std::max(largest_request_, bytes);
     if (char* p = take_locked(bytes)) return p;
-    size_t room = cap_ == kNoCap ? SIZE_MAX - reserved_ : (cap_ > reserved_ ? cap_ - reserved_ : 0);
+    size_t room = room_locked();
     if (room < bytes) {
       size_t unused_bytes = 0;
       for (const auto& s : slabs_)
@@ -127,16 +144,8 @@ void* SlabArena::allocate(size_t requested) {
     reserved_ += slab_bytes;
   }
   for (const auto& s : unused) free_(s->base, s->bytes);
-  std::unique_ptr<Slab> slab;
-  try {
-    slab = new_slab(slab_bytes);
-  } catch (...) {
-    std::lock_guard lock(mutex_);
-    reserved_ -= slab_bytes;
-    throw;
-  }
+  grow(slab_bytes);
   std::lock_guard lock(mutex_);
-  add_slab_locked(std::move(slab));
   char* p = take_locked(bytes);
   LILY_CHECK(p != nullptr);  // the new slab holds it
   return p;
@@ -176,19 +185,10 @@ void SlabArena::reserve(size_t bytes) {
       std::lock_guard lock(mutex_);
       const size_t target = std::min(bytes, cap_);
       if (reserved_ >= target) return;
-      slab_bytes = std::min(slab_bytes_, cap_ == kNoCap ? SIZE_MAX : cap_ - reserved_);
+      slab_bytes = std::min(slab_bytes_, room_locked());
       reserved_ += slab_bytes;
     }
-    std::unique_ptr<Slab> slab;
-    try {
-      slab = new_slab(slab_bytes);
-    } catch (...) {
-      std::lock_guard lock(mutex_);
-      reserved_ -= slab_bytes;
-      throw;
-    }
-    std::lock_guard lock(mutex_);
-    add_slab_locked(std::move(slab));
+    grow(slab_bytes);
   }
 }
 
@@ -197,21 +197,16 @@ bool SlabArena::reserve_spare() noexcept {
   {
     std::lock_guard lock(mutex_);
     if (largest_request_ == 0 || largest_free_locked() >= largest_request_) return false;
-    const size_t room = cap_ == kNoCap ? SIZE_MAX - reserved_ : (cap_ > reserved_ ? cap_ - reserved_ : 0);
+    const size_t room = room_locked();
     if (room < largest_request_) return false;
     slab_bytes = std::max(largest_request_, std::min(slab_bytes_, room));
     reserved_ += slab_bytes;
   }
-  std::unique_ptr<Slab> slab;
   try {
-    slab = new_slab(slab_bytes);
+    grow(slab_bytes);
   } catch (...) {
-    std::lock_guard lock(mutex_);
-    reserved_ -= slab_bytes;
     return false;
   }
-  std::lock_guard lock(mutex_);
-  add_slab_locked(std::move(slab));
   return true;
 }
 

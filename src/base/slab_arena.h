@@ -111,6 +111,11 @@ class SlabArena {
   /// Allocates a slab of `bytes` (outside the lock; the bytes were counted in reserved_ first).
   /// Throws what Allocate throws, or lily::InternalError for a slab that is not 256-byte aligned.
   std::unique_ptr<Slab> new_slab(size_t bytes);
+  /// new_slab(slab_bytes) then add_slab_locked, the bytes already counted in reserved_ (taken
+  /// back out if the allocation throws, then rethrown). Takes mutex_ itself.
+  void grow(size_t slab_bytes);
+  /// Bytes that may still be reserved under the cap. Under mutex_.
+  size_t room_locked() const;
   /// The largest free range. Under mutex_.
   size_t largest_free_locked() const;
 
