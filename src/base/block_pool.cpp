@@ -125,29 +125,4 @@ size_t BlockPool::allocations() const {
   return allocations_;
 }
 
-PooledBlock::PooledBlock(std::shared_ptr<BlockPool> pool, size_t bytes) : pool_(std::move(pool)) {
-  ptr_ = pool_->take(bytes);
-  bytes_ = ptr_ ? bytes : 0;
-}
-
-PooledBlock::PooledBlock(PooledBlock&& o) noexcept
-    : pool_(std::move(o.pool_)), ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
-
-PooledBlock& PooledBlock::operator=(PooledBlock&& o) noexcept {
-  if (this != &o) {
-    reset();
-    pool_ = std::move(o.pool_);
-    ptr_ = std::exchange(o.ptr_, nullptr);
-    bytes_ = std::exchange(o.bytes_, 0);
-  }
-  return *this;
-}
-
-void PooledBlock::reset() noexcept {
-  if (ptr_) pool_->give(ptr_, bytes_);
-  ptr_ = nullptr;
-  bytes_ = 0;
-  pool_.reset();
-}
-
 }  // namespace lily

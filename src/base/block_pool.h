@@ -6,6 +6,7 @@
 // (no page faults). The pool knows nothing of what the memory is: it is given an allocate and a
 // free function.
 #pragma once
+#include "base/held_block.h"
 #include <cstddef>
 #include <deque>
 #include <functional>
@@ -86,35 +87,7 @@ class BlockPool {
   std::deque<size_t> demand_;  ///< size classes of the takes since the demand was last met, oldest first
 };
 
-/// A block taken from a shared BlockPool and given back to it on destruction. Holds the pool, so
-/// the pool lives as long as any of its blocks is out. Move-only.
-class PooledBlock {
- public:
-  PooledBlock() = default;
-  /// A block of `bytes` bytes from `pool` (none for 0 bytes). Throws as BlockPool::take.
-  PooledBlock(std::shared_ptr<BlockPool> pool, size_t bytes);
-  ~PooledBlock() { reset(); }
-  PooledBlock(const PooledBlock&) = delete;
-  PooledBlock& operator=(const PooledBlock&) = delete;
-  PooledBlock(PooledBlock&& o) noexcept;
-  PooledBlock& operator=(PooledBlock&& o) noexcept;
-
-  /// Gives the block back now (if any); the handle is empty afterwards.
-  void reset() noexcept;
-  /// The block's memory (nullptr when empty).
-  void* data() const { return ptr_; }
-  /// The block's memory cast to T* (no check of alignment beyond the allocator's).
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-  /// Its size in bytes (0 when empty).
-  size_t bytes() const { return bytes_; }
-
- private:
-  std::shared_ptr<BlockPool> pool_;
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
+/// A block of a shared BlockPool, given back to it on destruction.
+using PooledBlock = HeldBlock<BlockPool>;
 
 }  // namespace lily

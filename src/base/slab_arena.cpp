@@ -223,29 +223,4 @@ SlabArena::Stats SlabArena::stats() const {
   return s;
 }
 
-ArenaBlock::ArenaBlock(std::shared_ptr<SlabArena> arena, size_t bytes) : arena_(std::move(arena)) {
-  ptr_ = arena_->allocate(bytes);
-  bytes_ = ptr_ ? bytes : 0;
-}
-
-ArenaBlock::ArenaBlock(ArenaBlock&& o) noexcept
-    : arena_(std::move(o.arena_)), ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
-
-ArenaBlock& ArenaBlock::operator=(ArenaBlock&& o) noexcept {
-  if (this != &o) {
-    reset();
-    arena_ = std::move(o.arena_);
-    ptr_ = std::exchange(o.ptr_, nullptr);
-    bytes_ = std::exchange(o.bytes_, 0);
-  }
-  return *this;
-}
-
-void ArenaBlock::reset() noexcept {
-  if (ptr_) arena_->deallocate(ptr_);  // a block of its own arena: never refused
-  ptr_ = nullptr;
-  bytes_ = 0;
-  arena_.reset();
-}
-
 }  // namespace lily

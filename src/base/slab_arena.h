@@ -6,6 +6,7 @@
 // pinned earlier costs a few list operations. The arena knows nothing of what the memory is:
 // it is given an allocate and a free function, like BlockPool (block_pool.h).
 #pragma once
+#include "base/held_block.h"
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -73,6 +74,11 @@ class SlabArena {
   /// the free ranges beside it at once; the slab stays reserved. nullptr is ignored. Throws
   /// lily::InternalError for a pointer the arena did not hand out (or gave back already).
   void deallocate(void* block);
+  /// allocate(), under the name HeldBlock takes blocks by.
+  void* take(size_t bytes) { return allocate(bytes); }
+  /// deallocate() for HeldBlock; a block this arena handed out is never refused (a foreign one
+  /// would terminate: noexcept).
+  void give(void* block, size_t /*bytes*/) noexcept { deallocate(block); }
   /// Reserves slabs until at least min(`bytes`, cap) bytes are reserved (those held included),
   /// in slabs of slab_bytes (the last one smaller where the cap says so). Throws what Allocate
   /// throws; the slabs reserved before the failure stay.
@@ -135,36 +141,8 @@ class SlabArena {
   size_t slab_frees_ = 0;
 };
 
-/// A block taken from a shared SlabArena and given back to it on destruction. Holds the arena,
-/// so the arena lives as long as any of its blocks is out. Move-only; not thread-safe itself
-/// (the arena is).
-class ArenaBlock {
- public:
-  ArenaBlock() = default;
-  /// A block of `bytes` bytes from `arena` (none for 0 bytes). Throws as SlabArena::allocate.
-  ArenaBlock(std::shared_ptr<SlabArena> arena, size_t bytes);
-  ~ArenaBlock() { reset(); }
-  ArenaBlock(const ArenaBlock&) = delete;
-  ArenaBlock& operator=(const ArenaBlock&) = delete;
-  ArenaBlock(ArenaBlock&& o) noexcept;
-  ArenaBlock& operator=(ArenaBlock&& o) noexcept;
-
-  /// Gives the block back now (if any); the handle is empty afterwards.
-  void reset() noexcept;
-  /// The block's memory (nullptr when empty), 256-byte aligned.
-  void* data() const { return ptr_; }
-  /// The block's memory cast to T*.
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-  /// The bytes asked for (0 when empty); the block may hold up to 255 more.
-  size_t bytes() const { return bytes_; }
-
- private:
-  std::shared_ptr<SlabArena> arena_;
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
+/// A block of a shared SlabArena, given back to it on destruction (256-byte aligned; the arena
+/// may hold up to 255 bytes more than asked).
+using ArenaBlock = HeldBlock<SlabArena>;
 
 }  // namespace lily
