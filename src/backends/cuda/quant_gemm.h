@@ -4,12 +4,13 @@
 // tensor-core GEMM row of docs/model.md §4.2 — each dequantized weight w = s·q + b (fp32) is
 // rounded once to bf16, products of bf16 × bf16 are accumulated in fp32, the output is rounded
 // once (bf16 outputs). Asynchronous on `stream`; they allocate nothing. See docs/cuda.md
-// ("Tensor-core prefill GEMM") for tiles and status. The 4-bit kernel that dequantizes in
-// registers (the default, LILY_CUDA_GEMM_REGDQ) rounds the exact s·q + b once to bf16 (the
-// shared-tile kernel rounds its fp32 value: the same bf16 except where that fp32 rounding lands
-// on a bf16 tie) and sums the products in another order; both stay within the tests' tolerances.
-// The grouped GEMMs read only `offsets` and `order` of the grouping on that path (their work
-// list uses row tiles of 64 whatever `tiles` holds).
+// ("Tensor-core prefill GEMM") for tiles and status. The 4-bit kernels that dequantize in
+// registers (the warpgroup-MMA kernel, the default, and the mma.sync one; LILY_CUDA_GEMM_REGDQ)
+// round the exact s·q + b once to bf16 (the shared-tile kernel rounds its fp32 value: the same
+// bf16 except where that fp32 rounding lands on a bf16 tie) and sum the products in other
+// orders; all stay within the tests' tolerances. The grouped GEMMs read only `offsets` and
+// `order` of the grouping on those paths (their work lists use row tiles of 64 or 128 whatever
+// `tiles` holds).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -37,8 +38,8 @@ GemmRegdq gemm_regdq();
 /// Sets gemm_regdq() for the launches that follow (the backend at creation; tests comparing paths).
 void set_gemm_regdq(GemmRegdq mode);
 
-/// y[m, w.rows] = x[m, w.cols] · bf16(W)ᵀ on tensor cores (mma.sync m16n8k16 bf16, fp32
-/// accumulation). x: bf16 row-major [m, cols]; exactly one of y_bf16 / y_f32 ([m, rows],
+/// y[m, w.rows] = x[m, w.cols] · bf16(W)ᵀ on tensor cores (wgmma or mma.sync with bf16 inputs,
+/// fp32 accumulation; gemm_regdq() picks the kernel). x: bf16 row-major [m, cols]; exactly one of y_bf16 / y_f32 ([m, rows],
 /// row-major) is non-null (bf16 rounded once; fp32 not rounded). Any m ≥ 1 (tail rows masked),
 /// any rows ≥ 1 (tail columns masked). x and w.codes must be 16-byte aligned (cp.async), as
 /// device allocations are; y 8-byte aligned. Throws lily::Error for bits ∉ {4, 8} or cols not a
