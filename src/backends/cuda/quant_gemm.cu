@@ -374,7 +374,7 @@ void check_grid_y(int64_t tiles, const char* what) {
   if (tiles > 65535) throw ::lily::Error(std::string(what) + ": output too wide for the GEMM grid");
 }
 
-// ---- register dequantization (the default for the 4-bit grouped GEMMs) ------------------------------
+// ---- register dequantization ("grouped", "all"; the 4-bit grouped GEMMs the wgmma kernel does not take) --
 //
 // Work item = (expert, row tile of ≤ 64 assignments, column tile of 256 weight rows). The grid
 // is persistent (CTAs resident at once, capped by an upper bound of the item count); CTA b takes
