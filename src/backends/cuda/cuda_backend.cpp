@@ -640,7 +640,9 @@ class CudaBackend final : public Backend {
   /// instead of about 190 ms with the copies on the engine thread; docs/server.md). So the cache
   /// copies on the engine thread. Host copies now come from the pinned arena, whose slabs are
   /// pinned once (reserve_host_copies, prepare_while_idle) and then reused without a CUDA call,
-  /// which removes that cause; this stays false until a GPU run has measured the arena.
+  /// which removes that cause once the slabs exist (with the copies still here, a host-tier
+  /// turn 2 now takes 172 ms to its first token on an H100). This stays false until background
+  /// copies from the arena have been measured; a copy that must pin a new slab still would.
   bool copies_to_host_concurrently() const override { return false; }
 
   /// Caps the pinned arena at twice the host tier's `bytes` and pins min(`bytes`, 1 GiB) of it
