@@ -209,7 +209,7 @@ if has prefill-detail; then
   ids=$(python3 -c "print(','.join(str((i * 2654435761) % 2**32 % 248320) for i in range(2048)))")
   sections=(--section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis
             --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section InstructionStats)
-  for k in "regex:regdq|quant_gemm_kernel|gdn_chunk|router_gemm:9" "regex:flash:1"; do
+  for k in "regex:wgmma|regdq|quant_gemm_kernel|gdn_chunk|router_gemm:9" "regex:flash:1"; do
     timeout 200 ncu --clock-control none "${sections[@]}" -k "${k%:*}" --launch-count "${k##*:}" \
       "$BUILD/lily" generate --backend cuda --model "$BIG" --prompt-ids "$ids" --max-tokens 1 \
       >>"$OUT/prefill-detail.txt" 2>&1 || echo "ncu ($k) failed"
