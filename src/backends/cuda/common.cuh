@@ -34,6 +34,35 @@ __device__ __forceinline__ float4 bf16x4_to_f32(uint32_t lo, uint32_t hi) {
                      __uint_as_float(hi & 0xFFFF0000u));
 }
 
+/// x[i] = p[i] for N consecutive bf16 as fp32 (N = 8: one 16-byte load, p 16-byte aligned;
+/// N = 1: one scalar load).
+template <int N>
+__device__ __forceinline__ void load_bf16_vec(const bf16* p, float (&x)[N]) {
+  static_assert(N == 1 || N == 8, "load_bf16_vec: N is 1 or 8");
+  if constexpr (N == 1) {
+    x[0] = to_f32(*p);
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const float4 a = bf16x4_to_f32(raw.x, raw.y), b = bf16x4_to_f32(raw.z, raw.w);
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+  }
+}
+
+/// p[i] = bf16(x[i]) for N consecutive outputs (N = 8: one 16-byte store, p 16-byte aligned).
+template <int N>
+__device__ __forceinline__ void store_bf16_vec(const float (&x)[N], bf16* p) {
+  static_assert(N == 1 || N == 8, "store_bf16_vec: N is 1 or 8");
+  if constexpr (N == 1) {
+    *p = to_bf16(x[0]);
+  } else {
+    __nv_bfloat162 h[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(h);
+  }
+}
+
 /// silu(x) = x / (1 + e^-x), fp32.
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 /// sigmoid(x) = 1 / (1 + e^-x), fp32.

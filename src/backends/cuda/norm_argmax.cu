@@ -12,25 +12,55 @@ namespace {
 
 constexpr int kNormThreads = 256;
 
+constexpr int kNormBatch = 8;  // elements per thread held in registers (hidden ≤ 2,048 on 256 threads)
+
+/// Row blockIdx.x of x [m, n] (bf16): h = bf16(x + branch) written back to x when branch is
+/// non-null, y = bf16(h · r · gain) with r = 1/sqrt(mean(h²) + eps). Thread i owns elements
+/// i, i + 256, …, summed in that order, then block_sum: the mapping and order stage_norm_row
+/// (the fused decode norm) repeats, so both give the same bits. Rows of ≤ kNormBatch·256
+/// elements stay in registers (every load in flight at once); longer rows take a second pass.
 __global__ void __launch_bounds__(kNormThreads) add_rmsnorm_kernel(bf16* __restrict__ x, const bf16* __restrict__ branch,
                                                                    const float* __restrict__ gain, bf16* __restrict__ y,
                                                                    int n, float eps) {
   pdl_prologue();
   __shared__ float scratch[32];
   const int64_t off = static_cast<int64_t>(blockIdx.x) * n;
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    float v = to_f32(x[off + i]);
-    if (branch) {
-      const bf16 h = to_bf16(v + to_f32(branch[off + i]));
-      x[off + i] = h;
+  bf16* xr = x + off;
+  const bf16* br = branch ? branch + off : nullptr;
+  bf16* yr = y + off;
+  auto residual = [&](int i) {  // h of element i (and stores it when there is a branch)
+    float v = to_f32(xr[i]);
+    if (br) {
+      const bf16 h = to_bf16(v + to_f32(br[i]));
+      xr[i] = h;
       v = to_f32(h);
     }
+    return v;
+  };
+  float ss = 0.0f;
+  if (n <= kNormBatch * kNormThreads) {
+    float h[kNormBatch];
+#pragma unroll
+    for (int k = 0; k < kNormBatch; ++k) {
+      const int i = threadIdx.x + k * kNormThreads;
+      h[k] = i < n ? residual(i) : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < kNormBatch; ++k) ss += h[k] * h[k];  // zeros past n add nothing
+    const float r = 1.0f / sqrtf(block_sum(ss, scratch) / static_cast<float>(n) + eps);
+#pragma unroll
+    for (int k = 0; k < kNormBatch; ++k) {
+      const int i = threadIdx.x + k * kNormThreads;
+      if (i < n) yr[i] = to_bf16(h[k] * r * gain[i]);
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < n; i += kNormThreads) {
+    const float v = residual(i);
     ss += v * v;
   }
-  const float total = block_sum(ss, scratch);
-  const float r = 1.0f / sqrtf(total / static_cast<float>(n) + eps);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) y[off + i] = to_bf16(to_f32(x[off + i]) * r * gain[i]);
+  const float r = 1.0f / sqrtf(block_sum(ss, scratch) / static_cast<float>(n) + eps);
+  for (int i = threadIdx.x; i < n; i += kNormThreads) yr[i] = to_bf16(to_f32(xr[i]) * r * gain[i]);
 }
 
 constexpr int kArgmaxThreads = 256;

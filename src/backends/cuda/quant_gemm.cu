@@ -724,7 +724,8 @@ void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
 //
 // Block = kWG warpgroups (4 for "wgmma": 256 weight rows per item; 2 for "wgmma-narrow": 128);
 // warpgroup wg owns weight rows [wg·64·kMB, (wg + 1)·64·kMB) of the item as kMB m64 blocks,
-// and every token of the item (one or two n64 blocks, as many as the item's rows need). Per
+// and every token of the item (one or two n64 blocks, as many as the item's rows need; the last
+// block's wgmma is narrowed to the item's rows rounded up to 16: m64n16/32/48k16). Per
 // k-tile of 64 (one quantization group), cp.async stages
 //   * the activation tile [128 tokens][64] bf16 in the 128-byte swizzle that wgmma's descriptor
 //     reads (16-byte chunk c of row T at chunk c ^ (T mod 8), tile base 1,024-byte aligned), and
@@ -824,7 +825,8 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
       w_base = static_cast<int64_t>(e) * p.n;
     }
     const int n_blocks = (rc + kWgNb - 1) / kWgNb;   // token blocks computed (uniform over the block)
-    const int staged = n_blocks * kWgNb;             // token rows staged (zeros past rc)
+    const int last_n16 = (rc - (n_blocks - 1) * kWgNb + 15) / 16;  // the last block's columns / 16
+    const int staged = (n_blocks - 1) * kWgNb + 16 * last_n16;     // token rows staged (zeros past rc)
     const int64_t n0 = static_cast<int64_t>(ct) * (kGU ? kRows / 2 : kRows);
 
     auto weight_row = [&](int R) -> int64_t {  // as in the register-dequant kernel
@@ -944,7 +946,9 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
         for (int mb = 0; mb < kMB; ++mb)
 #pragma unroll
           for (int nb = 0; nb < kWgTokBlocks; ++nb)
-            if (nb < n_blocks) wgmma_m64n64k16_rs(acc[mb][nb], af[s & 1][mb], smem_desc_sw128(ast + nb * kWgNb * 128 + s * 32));
+            if (nb < n_blocks)
+              wgmma_m64nxk16_rs(nb + 1 < n_blocks ? kWgNb / 16 : last_n16, acc[mb][nb], af[s & 1][mb],
+                                smem_desc_sw128(ast + nb * kWgNb * 128 + s * 32));
         wgmma_commit();
         wgmma_wait<1>();  // the previous step's wgmmas have retired: af[(s + 1) & 1] may be rewritten
       }
@@ -1168,7 +1172,15 @@ __global__ void __launch_bounds__(kScanThreads) grouping_count_kernel(const int3
   __shared__ int warp_tot[kWarp];
   for (int e = threadIdx.x; e < kMaxGroups; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
-  for (int a = threadIdx.x; a < n_assign; a += blockDim.x) atomicAdd(&cnt[clamp_group(ids[a], n_groups)], 1);
+  // One atomic per distinct expert of a warp's 32 ids (the shared expert, in every token's
+  // slots, would otherwise serialize thousands of atomics on one counter).
+  const int lane = threadIdx.x % kWarp;
+  for (int a0 = 0; a0 < n_assign; a0 += blockDim.x) {  // warp-uniform trip count
+    const int a = a0 + threadIdx.x;
+    const int e = a < n_assign ? clamp_group(ids[a], n_groups) : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    if (e >= 0 && lane == __ffs(peers) - 1) atomicAdd(&cnt[e], __popc(peers));
+  }
   __syncthreads();
   const int e0 = 2 * threadIdx.x, e1 = e0 + 1;
   const int c0 = cnt[e0], c1 = cnt[e1];  // entries ≥ n_groups are 0
@@ -1183,47 +1195,64 @@ __global__ void __launch_bounds__(kScanThreads) grouping_count_kernel(const int3
   if (threadIdx.x == 0) { offsets[0] = 0; tiles[0] = 0; }
 }
 
-constexpr int kFillThreads = 256;
+constexpr int kFillThreads = 1024;
+constexpr int kFillWarps = kFillThreads / kWarp;
+constexpr int kFillUnroll = 6;
 
-/// Block e: writes expert e's assignment indices, ascending, at order[offsets[e] …].
+/// Block e: writes expert e's assignment indices, ascending, at order[offsets[e] …]. Warp w owns
+/// one contiguous span of the assignments, so one block barrier orders the spans: pass 1 counts
+/// the warp's matches (ballots), pass 2 writes them after the earlier warps' counts. The passes'
+/// loads are unrolled so that many are in flight (the ids come from L2).
 __global__ void __launch_bounds__(kFillThreads) grouping_fill_kernel(const int32_t* __restrict__ ids, int n_assign,
                                                                      int n_groups, int32_t* __restrict__ grouping) {
-  __shared__ int warp_cnt[kFillThreads / kWarp];
+  __shared__ int warp_cnt[kFillWarps];
   const int e = blockIdx.x;
   const int32_t* offsets = grouping;
   int32_t* order = grouping + 2 * (n_groups + 1);
-  int base = offsets[e];
+  const int base = offsets[e];
   if (offsets[e + 1] == base) return;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  for (int a0 = 0; a0 < n_assign; a0 += kFillThreads) {
-    const int a = a0 + threadIdx.x;
-    const bool mine = a < n_assign && clamp_group(ids[a], n_groups) == e;
+  const int span = ceil_div(ceil_div(n_assign, kFillWarps), kWarp) * kWarp;
+  const int begin = min(n_assign, warp * span), end = min(n_assign, begin + span);
+  auto match = [&](int a) { return a < end && clamp_group(ids[a], n_groups) == e; };
+  int count = 0;
+#pragma unroll kFillUnroll
+  for (int a0 = begin; a0 < end; a0 += kWarp) count += __popc(__ballot_sync(0xffffffffu, match(a0 + lane)));
+  if (lane == 0) warp_cnt[warp] = count;
+  __syncthreads();
+  int pos = base;
+  for (int w = 0; w < warp; ++w) pos += warp_cnt[w];
+  const unsigned below = (1u << lane) - 1u;
+#pragma unroll kFillUnroll
+  for (int a0 = begin; a0 < end; a0 += kWarp) {
+    const bool mine = match(a0 + lane);
     const unsigned ballot = __ballot_sync(0xffffffffu, mine);
-    if (lane == 0) warp_cnt[warp] = __popc(ballot);
-    __syncthreads();
-    int before = 0, total = 0;
-#pragma unroll
-    for (int w = 0; w < kFillThreads / kWarp; ++w) {
-      before += w < warp ? warp_cnt[w] : 0;
-      total += warp_cnt[w];
-    }
-    if (mine) order[base + before + __popc(ballot & ((1u << lane) - 1u))] = a;
-    base += total;
-    __syncthreads();  // warp_cnt is rewritten by the next round
+    if (mine) order[pos + __popc(ballot & below)] = a0 + lane;
+    pos += __popc(ballot);
   }
 }
 
+constexpr int kCombineVec = 8;  // bf16 per thread (one 16-byte load per slot row)
+
+/// out[t, r] = Σ_s weights[t·n_sel + s] · slot_out[t·n_sel + s, r], s ascending, fp32. Grid
+/// (ceil(hidden / (256·kVec)), m), block 256; thread: kVec consecutive r (kVec = 8 needs hidden a
+/// multiple of 8 and 16-byte-aligned rows; kVec = 1 takes any shape). Same sum either way.
+template <int kVec>
 __global__ void expert_combine_kernel(const bf16* __restrict__ slot_out, const float* __restrict__ weights, int n_sel,
                                       int hidden, bf16* __restrict__ out) {
   const int t = blockIdx.y;
-  const int r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r >= hidden) return;
-  float acc = 0.0f;
+  const int r0 = (blockIdx.x * blockDim.x + threadIdx.x) * kVec;
+  if (r0 >= hidden) return;
+  float acc[kVec] = {};
   for (int s = 0; s < n_sel; ++s) {
     const int64_t a = static_cast<int64_t>(t) * n_sel + s;
-    acc += weights[a] * to_f32(slot_out[a * hidden + r]);
+    const float wt = weights[a];
+    float x[kVec];
+    load_bf16_vec<kVec>(slot_out + a * hidden + r0, x);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[i] += wt * x[i];
   }
-  out[static_cast<int64_t>(t) * hidden + r] = to_bf16(acc);
+  store_bf16_vec<kVec>(acc, out + static_cast<int64_t>(t) * hidden + r0);
 }
 
 void check_grouped(int m, int n_sel, int n_groups, const int32_t* grouping, const char* what) {
@@ -1332,8 +1361,14 @@ void launch_expert_combine(const bf16* slot_out, const float* weights, int m, in
                            cudaStream_t stream) {
   if (m <= 0 || n_sel <= 0 || hidden <= 0 || m > 65535)
     throw ::lily::InternalError("launch_expert_combine: need 0 < m ≤ 65535, n_sel > 0, hidden > 0");
-  const dim3 grid(static_cast<unsigned>(ceil_div(hidden, 256)), static_cast<unsigned>(m));
-  expert_combine_kernel<<<grid, 256, 0, stream>>>(slot_out, weights, n_sel, hidden, out);
+  const bool vec = hidden % kCombineVec == 0 && reinterpret_cast<uintptr_t>(slot_out) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const int per_thread = vec ? kCombineVec : 1;
+  const dim3 grid(static_cast<unsigned>(ceil_div(hidden, 256 * per_thread)), static_cast<unsigned>(m));
+  if (vec)
+    expert_combine_kernel<kCombineVec><<<grid, 256, 0, stream>>>(slot_out, weights, n_sel, hidden, out);
+  else
+    expert_combine_kernel<1><<<grid, 256, 0, stream>>>(slot_out, weights, n_sel, hidden, out);
   LILY_CUDA_CHECK_LAUNCH();
 }
 

@@ -72,12 +72,34 @@ __global__ void __launch_bounds__(kRouterThreads) router_gemm_kernel(const Devic
   for (int n = 0; n < kTokenTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   const uint32_t ones[4] = {kOnesBf16x2, kOnesBf16x2, kOnesBf16x2, kOnesBf16x2};
 
+  // One group's operands, loaded one group ahead of their MMAs so that the L2 latency of the
+  // next loads overlaps this group's arithmetic.
+  struct GroupLoads {
+    uint4 q_lo, q_hi;           // 16 code bytes of rows g and g + 8
+    float s_lo, b_lo, s_hi, b_hi;
+    uint4 x[kTokenTiles][2];    // k 16t … 16t+15 of token g of each column tile
+  };
+  auto load_group = [&](int G, GroupLoads& L) {
+    L.q_lo = __ldg(c_lo + G * 4);  // 64 bytes per group = 4 uint4
+    L.q_hi = __ldg(c_hi + G * 4);
+    L.s_lo = __bfloat162float(w.scales[load_lo * groups + G]);
+    L.b_lo = __bfloat162float(w.biases[load_lo * groups + G]);
+    L.s_hi = __bfloat162float(w.scales[load_hi * groups + G]);
+    L.b_hi = __bfloat162float(w.biases[load_hi * groups + G]);
+#pragma unroll
+    for (int n = 0; n < kTokenTiles; ++n) {
+      L.x[n][0] = __ldg(x_tok[n] + G * 8);
+      L.x[n][1] = __ldg(x_tok[n] + G * 8 + 1);
+    }
+  };
+
+  GroupLoads cur, next;
+  load_group(0, cur);
   for (int G = 0; G < groups; ++G) {
-    const uint4 q_lo = __ldg(c_lo + G * 4), q_hi = __ldg(c_hi + G * 4);  // 64 bytes per group = 4 uint4
-    const float s_lo = __bfloat162float(w.scales[load_lo * groups + G]), b_lo = __bfloat162float(w.biases[load_lo * groups + G]);
-    const float s_hi = __bfloat162float(w.scales[load_hi * groups + G]), b_hi = __bfloat162float(w.biases[load_hi * groups + G]);
+    if (G + 1 < groups) load_group(G + 1, next);
     uint32_t a[4][4];  // [MMA j][register]
-    const uint32_t wl[4] = {q_lo.x, q_lo.y, q_lo.z, q_lo.w}, wh[4] = {q_hi.x, q_hi.y, q_hi.z, q_hi.w};
+    const uint32_t wl[4] = {cur.q_lo.x, cur.q_lo.y, cur.q_lo.z, cur.q_lo.w};
+    const uint32_t wh[4] = {cur.q_hi.x, cur.q_hi.y, cur.q_hi.z, cur.q_hi.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       code_word_pairs(wl[j], a[j][0], a[j][2]);
@@ -85,7 +107,7 @@ __global__ void __launch_bounds__(kRouterThreads) router_gemm_kernel(const Devic
     }
 #pragma unroll
     for (int n = 0; n < kTokenTiles; ++n) {
-      const uint4 x0 = __ldg(x_tok[n] + G * 8), x1 = __ldg(x_tok[n] + G * 8 + 1);  // k 16t … 16t+15
+      const uint4 x0 = cur.x[n][0], x1 = cur.x[n][1];
       const uint32_t bw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
       float dq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dx[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -95,11 +117,12 @@ __global__ void __launch_bounds__(kRouterThreads) router_gemm_kernel(const Devic
         mma_bf16_16816(dx, ones, b);
       }
       // dq: (row g, tokens 2t, 2t+1), (row g+8, same); dx[0], dx[1]: Σx of tokens 2t, 2t+1.
-      acc[n][0] += __fmaf_rn(s_lo, dq[0], __fmul_rn(b_lo, dx[0]));
-      acc[n][1] += __fmaf_rn(s_lo, dq[1], __fmul_rn(b_lo, dx[1]));
-      acc[n][2] += __fmaf_rn(s_hi, dq[2], __fmul_rn(b_hi, dx[0]));
-      acc[n][3] += __fmaf_rn(s_hi, dq[3], __fmul_rn(b_hi, dx[1]));
+      acc[n][0] += __fmaf_rn(cur.s_lo, dq[0], __fmul_rn(cur.b_lo, dx[0]));
+      acc[n][1] += __fmaf_rn(cur.s_lo, dq[1], __fmul_rn(cur.b_lo, dx[1]));
+      acc[n][2] += __fmaf_rn(cur.s_hi, dq[2], __fmul_rn(cur.b_hi, dx[0]));
+      acc[n][3] += __fmaf_rn(cur.s_hi, dq[3], __fmul_rn(cur.b_hi, dx[1]));
     }
+    cur = next;
   }
 
 #pragma unroll
