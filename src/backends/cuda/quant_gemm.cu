@@ -724,8 +724,7 @@ void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
 //
 // Block = kWG warpgroups (4 for "wgmma": 256 weight rows per item; 2 for "wgmma-narrow": 128);
 // warpgroup wg owns weight rows [wg·64·kMB, (wg + 1)·64·kMB) of the item as kMB m64 blocks,
-// and every token of the item (one or two n64 blocks, as many as the item's rows need; the last
-// block's wgmma is narrowed to the item's rows rounded up to 16: m64n16/32/48k16). Per
+// and every token of the item (one or two n64 blocks, as many as the item's rows need). Per
 // k-tile of 64 (one quantization group), cp.async stages
 //   * the activation tile [128 tokens][64] bf16 in the 128-byte swizzle that wgmma's descriptor
 //     reads (16-byte chunk c of row T at chunk c ^ (T mod 8), tile base 1,024-byte aligned), and
@@ -825,8 +824,7 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
       w_base = static_cast<int64_t>(e) * p.n;
     }
     const int n_blocks = (rc + kWgNb - 1) / kWgNb;   // token blocks computed (uniform over the block)
-    const int last_n16 = (rc - (n_blocks - 1) * kWgNb + 15) / 16;  // the last block's columns / 16
-    const int staged = (n_blocks - 1) * kWgNb + 16 * last_n16;     // token rows staged (zeros past rc)
+    const int staged = n_blocks * kWgNb;             // token rows staged (zeros past rc)
     const int64_t n0 = static_cast<int64_t>(ct) * (kGU ? kRows / 2 : kRows);
 
     auto weight_row = [&](int R) -> int64_t {  // as in the register-dequant kernel
@@ -946,9 +944,7 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
         for (int mb = 0; mb < kMB; ++mb)
 #pragma unroll
           for (int nb = 0; nb < kWgTokBlocks; ++nb)
-            if (nb < n_blocks)
-              wgmma_m64nxk16_rs(nb + 1 < n_blocks ? kWgNb / 16 : last_n16, acc[mb][nb], af[s & 1][mb],
-                                smem_desc_sw128(ast + nb * kWgNb * 128 + s * 32));
+            if (nb < n_blocks) wgmma_m64n64k16_rs(acc[mb][nb], af[s & 1][mb], smem_desc_sw128(ast + nb * kWgNb * 128 + s * 32));
         wgmma_commit();
         wgmma_wait<1>();  // the previous step's wgmmas have retired: af[(s + 1) & 1] may be rewritten
       }
@@ -1172,15 +1168,7 @@ __global__ void __launch_bounds__(kScanThreads) grouping_count_kernel(const int3
   __shared__ int warp_tot[kWarp];
   for (int e = threadIdx.x; e < kMaxGroups; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
-  // One atomic per distinct expert of a warp's 32 ids (the shared expert, in every token's
-  // slots, would otherwise serialize thousands of atomics on one counter).
-  const int lane = threadIdx.x % kWarp;
-  for (int a0 = 0; a0 < n_assign; a0 += blockDim.x) {  // warp-uniform trip count
-    const int a = a0 + threadIdx.x;
-    const int e = a < n_assign ? clamp_group(ids[a], n_groups) : -1;
-    const unsigned peers = __match_any_sync(0xffffffffu, e);
-    if (e >= 0 && lane == __ffs(peers) - 1) atomicAdd(&cnt[e], __popc(peers));
-  }
+  for (int a = threadIdx.x; a < n_assign; a += blockDim.x) atomicAdd(&cnt[clamp_group(ids[a], n_groups)], 1);
   __syncthreads();
   const int e0 = 2 * threadIdx.x, e1 = e0 + 1;
   const int c0 = cnt[e0], c1 = cnt[e1];  // entries ≥ n_groups are 0
