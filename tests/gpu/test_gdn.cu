@@ -146,11 +146,13 @@ TEST(GdnConv, DecodeStepMatchesReferenceAndShiftsWindow) {
 }
 
 /// Prefill conv over T tokens equals T decode steps bit for bit (outputs and final window).
-void expect_conv_prefill_equals_decode(int T, const cuda::GdnDims& shape = {}) {
+/// Rows of C + `extra` columns (the qkv|z|a|b row: extra columns hold other data); an odd
+/// stride takes the kernel's one-channel-per-thread form, an even one the channel pairs.
+void expect_conv_prefill_equals_decode(int T, const cuda::GdnDims& shape = {}, int64_t extra = 4160) {
   std::mt19937_64 rng(100 + T);
   GdnFixture fx(rng, -2.0f, 1.0f, shape);
   const int C = fx.C, K = fx.dims.conv_kernel;
-  const int64_t stride = C + 4160;  // the qkv|z|a|b row: extra columns hold other data
+  const int64_t stride = C + extra;
   const std::vector<float> rows = bf16_values(normal(T * stride, rng, 0.0f, 1.0f));
   const std::vector<float> window = bf16_values(normal(int64_t(C) * (K - 1), rng, 0.0f, 1.0f));
   DeviceBuffer d_rows = upload_bf16(rows);
@@ -174,6 +176,13 @@ void expect_conv_prefill_equals_decode(int T, const cuda::GdnDims& shape = {}) {
 TEST(GdnConv, PrefillEqualsDecodeStepsShortChunk) { expect_conv_prefill_equals_decode(2); }
 TEST(GdnConv, PrefillEqualsDecodeStepsLongChunk) { expect_conv_prefill_equals_decode(257); }
 TEST(GdnConv, PrefillEqualsDecodeStepsDemoDims) { expect_conv_prefill_equals_decode(70, demo_dims()); }
+TEST(GdnConv, PrefillEqualsDecodeStepsOddStride) { expect_conv_prefill_equals_decode(37, {}, 4161); }
+TEST(GdnConv, PrefillEqualsDecodeStepsPartialChannelBlock) {
+  cuda::GdnDims d = demo_dims();  // C = 2·64 + 3·64 = 320: 160 channel pairs, part of one block
+  d.n_key_heads = 1;
+  d.n_value_heads = 3;
+  expect_conv_prefill_equals_decode(21, d);
+}
 
 // ---- decode step ------------------------------------------------------------------------------
 
@@ -229,15 +238,17 @@ void prefill_with_workspace(const cuda::GdnDims& d, const cuda::GdnParams& param
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
-/// Chunked prefill of T tokens (z/a/b inside fused rows) against the sequential reference:
-/// outputs per token and the final state; `two_pass` selects the two-pass form.
+/// Chunked prefill of T tokens (z/a/b inside fused rows of V + 2·Hv + `zab_pad` columns)
+/// against the sequential reference: outputs per token and the final state; `two_pass` selects
+/// the two-pass form. A stride that is not a multiple of Dv/32 makes the gated norm use scalar
+/// loads.
 void expect_chunked_prefill_matches(int T, float A_log_lo, float A_log_hi, uint64_t seed,
-                                    const cuda::GdnDims& shape = {}, bool two_pass = false) {
+                                    const cuda::GdnDims& shape = {}, bool two_pass = false, int zab_pad = 40) {
   std::mt19937_64 rng(seed);
   GdnFixture fx(rng, A_log_lo, A_log_hi, shape);
   const auto& d = fx.dims;
   const int C = fx.C, V = d.value_dim(), Hv = d.n_value_heads;
-  const int64_t zab_stride = V + 2 * Hv + 40;  // z | a | b | unused
+  const int64_t zab_stride = V + 2 * Hv + zab_pad;  // z | a | b | unused
   const auto x = bf16_values(normal(int64_t(T) * C, rng, 0.0f, 1.0f));
   auto zab = bf16_values(normal(T * zab_stride, rng, 0.0f, 1.0f));
   for (int t = 0; t < T; ++t)  // a, b with a wider spread (decays from ~0 to ~1), still bf16
@@ -280,6 +291,10 @@ TEST(GdnPrefill, ChunkedEqualsSequentialDemoDimsPartialLastChunk) {
 }
 TEST(GdnPrefill, ChunkedEqualsSequentialDemoDimsStrongDecay) {
   expect_chunked_prefill_matches(130, 1.0f, 3.0f, 38, demo_dims());
+}
+TEST(GdnPrefill, ChunkedEqualsSequentialZStrideNotVectorAligned) {  // stride ≡ 2 (mod 4), then odd
+  expect_chunked_prefill_matches(70, -2.0f, 1.0f, 39, {}, false, 42);
+  expect_chunked_prefill_matches(70, -2.0f, 1.0f, 39, demo_dims(), false, 41);
 }
 
 /// Random inputs of a T-token prefill (z|a|b rows of stride V + 2·Hv), uploaded, with two copies
@@ -474,8 +489,9 @@ TEST(GdnDims, RejectsShapesTheKernelsWereNotWrittenFor) {
   EXPECT_THROW(cuda::gdn_dims(cfg), Error);
 }
 
-/// Timing printout (timings are never assertions) of a 4096-token chunked prefill and a decode
-/// step, after which outputs and the state must still be finite.
+/// Timing printout (timings are never assertions) of a 4096-token chunked prefill, the conv and
+/// the gated norm at 2,048 tokens, and a decode step, after which outputs and the state must
+/// still be finite.
 TEST(GdnTiming, PrintsKernelTimes) {
   std::mt19937_64 rng(51);
   GdnFixture fx(rng, -2.0f, 1.0f);
@@ -520,6 +536,24 @@ TEST(GdnTiming, PrintsKernelTimes) {
     }
     std::printf("[gdn timing] two passes T=%d: %.3f ms/layer with both passes on tensor cores, %.3f with pass 2 "
                 "only, %.3f with neither\n", T2, ms[2], ms[1], ms[0]);
+  }
+  {  // the two memory-bound prefill kernels at the backend's chunk, in its layout: the conv reads
+     // and the norm's z sits in qkv|z|a|b rows of C + V + 2·Hv columns (12352 for the 35B shape)
+    const int T2 = 2048;
+    const int64_t R = C + V + 2 * Hv;
+    DeviceBuffer rows = upload_bf16(normal(T2 * R, rng, 0.0f, 1.0f));
+    DeviceBuffer window = upload_bf16(normal(int64_t(C) * (d.conv_kernel - 1), rng, 0.0f, 1.0f));
+    DeviceBuffer conv(size_t(T2) * C * 2);
+    const __nv_bfloat16* rp = rows.as<__nv_bfloat16>();
+    const float conv_us = 1000 * time_ms([&] {
+      cuda::gdn_conv_prefill(d, fx.params(), T2, rp, R, window.as<__nv_bfloat16>(), conv.as<__nv_bfloat16>(),
+                             nullptr);
+    }, 20);
+    const float norm_us = 1000 * time_ms([&] {
+      cuda::gdn_gated_norm(d, fx.params(), T2, rp + C, R, d_out.as<__nv_bfloat16>(), nullptr);
+    }, 20);
+    std::printf("[gdn timing] T=%d, rows of %lld: conv prefill (with the window update) %.1f us/layer, gated "
+                "norm %.1f us/layer\n", T2, static_cast<long long>(R), conv_us, norm_us);
   }
   const float decode_us = 1000 * time_ms([&] {
     cuda::gdn_decode(d, fx.params(), d_x.as<__nv_bfloat16>(), zp, zp + V, zp + V + Hv,

@@ -87,18 +87,76 @@ __device__ __forceinline__ bf16 conv_input(const bf16* qkv, int64_t stride, cons
   return u >= 0 ? qkv[int64_t(u) * stride + c] : window[int64_t(c) * kHist + (kHist + u)];
 }
 
-/// Conv over T tokens: thread per (token, channel). Reads the old window; does not write it.
-__global__ void conv_prefill_kernel(int C, int T, const float* __restrict__ conv_w,
-                                    const bf16* __restrict__ qkv, int64_t stride,
-                                    const bf16* __restrict__ window, bf16* __restrict__ out) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  const int t = blockIdx.y;
-  if (c >= C || t >= T) return;
-  const float* w = conv_w + int64_t(c) * kConvK;
-  float x[kConvK];
+// Conv prefill geometry: a thread owns kCh adjacent channels (2 when the rows allow bf16-pair
+// loads, else 1) and a run of kConvRun consecutive tokens; adjacent lanes own adjacent channels
+// so that a warp's loads of one token are contiguous.
+constexpr int kConvRun = 16;
+constexpr int kConvThreads = 256;
+
+/// kCh adjacent bf16 channels loaded as one: a bf16 pair or a single bf16.
+template <int kCh>
+using ConvRaw = std::conditional_t<kCh == 2, __nv_bfloat162, bf16>;
+
+/// Channel i of a raw conv input as fp32 (exact).
+__device__ __forceinline__ float conv_raw_f32(bf16 v, int) { return to_f32(v); }
+__device__ __forceinline__ float conv_raw_f32(__nv_bfloat162 v, int i) { return to_f32(i == 0 ? v.x : v.y); }
+
+/// Old-window slot k (token k − (K−1) relative to the chunk start) of channels [c, c+kCh).
+template <int kCh>
+__device__ __forceinline__ ConvRaw<kCh> conv_window_inputs(const bf16* window, int c, int k) {
+  const bf16 v = window[int64_t(c) * kHist + k];
+  if constexpr (kCh == 2) return __halves2bfloat162(v, window[int64_t(c + 1) * kHist + k]);
+  else return v;
+}
+
+/// Raw conv inputs of channels [c, c+kCh) at chunk token u ≥ 0: one load (c even when kCh = 2).
+template <int kCh>
+__device__ __forceinline__ ConvRaw<kCh> conv_row_inputs(const bf16* qkv, int64_t stride, int c, int u) {
+  return *reinterpret_cast<const ConvRaw<kCh>*>(qkv + int64_t(u) * stride + c);
+}
+
+/// Conv over T tokens as a sliding window: grid (channel groups, token runs), thread per kCh
+/// channels × the kConvRun tokens [t0, t0+run). The thread loads the K−1 inputs before its run
+/// (the old window's for the first run, as conv_input) and the run's own inputs, each once and
+/// all before any arithmetic (so they are in flight together), then steps token by token with
+/// conv_decode_value's arithmetic: outputs bit-identical to T decode steps. The K−1 inputs
+/// before a run are the previous run's last ones (read twice in all, mostly from L2). Reads
+/// the old window; does not write it. kCh = 2 needs C, the stride and qkv/out 2-element
+/// aligned (the launcher checks).
+template <int kCh>
+__global__ void __launch_bounds__(kConvThreads)
+conv_prefill_kernel(int C, int T, const float* __restrict__ conv_w, const bf16* __restrict__ qkv, int64_t stride,
+                    const bf16* __restrict__ window, bf16* __restrict__ out) {
+  static_assert(kConvK == 4 && kConvRun >= kHist, "conv_dot takes 4 taps; the history of a run lies in one place");
+  const int c = (blockIdx.x * blockDim.x + threadIdx.x) * kCh;
+  const int t0 = blockIdx.y * kConvRun;
+  if (c >= C) return;
+  // raw[s] = the inputs at token t0 − (K−1) + s.
+  ConvRaw<kCh> raw[kHist + kConvRun];
 #pragma unroll
-  for (int j = 0; j < kConvK; ++j) x[j] = to_f32(conv_input(qkv, stride, window, c, t - kHist + j));
-  out[int64_t(t) * C + c] = to_bf16(silu_precise(conv_dot(x[0], x[1], x[2], x[3], w)));
+  for (int k = 0; k < kHist; ++k)
+    raw[k] = t0 == 0 ? conv_window_inputs<kCh>(window, c, k) : conv_row_inputs<kCh>(qkv, stride, c, t0 - kHist + k);
+#pragma unroll
+  for (int s = 0; s < kConvRun; ++s)  // tokens past T re-read row T−1 (unpredicated loads; unused)
+    raw[kHist + s] = conv_row_inputs<kCh>(qkv, stride, c, min(t0 + s, T - 1));
+  float w[kCh][kConvK];
+#pragma unroll
+  for (int i = 0; i < kCh; ++i)
+#pragma unroll
+    for (int k = 0; k < kConvK; ++k) w[i][k] = conv_w[int64_t(c + i) * kConvK + k];
+  const int run = min(kConvRun, T - t0);
+#pragma unroll
+  for (int s = 0; s < kConvRun; ++s) {
+    if (s >= run) break;
+    bf16 y[kCh];
+#pragma unroll
+    for (int i = 0; i < kCh; ++i)
+      y[i] = to_bf16(silu_precise(conv_dot(conv_raw_f32(raw[s], i), conv_raw_f32(raw[s + 1], i),
+                                           conv_raw_f32(raw[s + 2], i), conv_raw_f32(raw[s + 3], i), w[i])));
+    bf16* o = out + int64_t(t0 + s) * C + c;
+    if constexpr (kCh == 2) *reinterpret_cast<__nv_bfloat162*>(o) = __halves2bfloat162(y[0], y[1]);
+    else *o = y[0];
+  }
 }
 
 /// New window after T tokens: the last K−1 raw inputs (mixing in the old window if T < K−1).
@@ -113,18 +171,19 @@ __global__ void conv_window_update_kernel(int C, int T, const bf16* __restrict__
   for (int i = 0; i < kHist; ++i) window[int64_t(c) * kHist + i] = next[i];
 }
 
-// ---- fused decode step -------------------------------------------------------------------------
+// ---- gated RMSNorm (docs/model.md §3.3 step 6) -------------------------------------------------
 
-/// Gated RMSNorm of one value head, called by threads m < Dv of the block (all threads must
-/// call it: it synchronises). `o` is the already bf16-rounded output. Returns y[m] for m < Dv.
-template <int kDv>
-__device__ __forceinline__ float gated_norm_value(float o, float z, float gain, float eps,
-                                                  float* scratch) {
-  const bool active = threadIdx.x < kDv;
-  const float sq = block_sum(active ? o * o : 0.0f, scratch);
-  const float r = 1.0f / sqrtf(sq / float(kDv) + eps);
+/// r = 1/√(Σo²/Dv + ε): the RMS scale of one value head from its sum of squares.
+__device__ __forceinline__ float gated_norm_r(float sum_sq, int Dv, float eps) {
+  return 1.0f / sqrtf(sum_sq / float(Dv) + eps);
+}
+
+/// y = (gain·(o·r))·silu(z) of one value; the decode step and the prefill norm share it.
+__device__ __forceinline__ float gated_norm_y(float o, float r, float gain, float z) {
   return (gain * (o * r)) * silu_precise(z);
 }
+
+// ---- fused decode step -------------------------------------------------------------------------
 
 /// Launch geometry of the fused decode step for head dim D (= Dk = Dv): a cluster of D/32
 /// CTAs per value head, each owning 32 value columns, 2·D threads (threads [0, D) load q,
@@ -234,8 +293,8 @@ __device__ __forceinline__ void gdn_decode_head(int Hk, int Hv, float eps, const
   for (int r = 0; r < kDecodeSlices; ++r) head_sq += *cluster.map_shared_rank(&slice_sq, r);
   cluster.sync();  // no CTA leaves while another still reads its slice_sq
   if (tid < kWarp) {
-    const float rr = 1.0f / sqrtf(head_sq / float(kDv) + eps);
-    const float y = (norm_w[col] * (o * rr)) * silu_precise(to_f32(z[j * kDv + col]));
+    const float rr = gated_norm_r(head_sq, kDv, eps);
+    const float y = gated_norm_y(o, rr, norm_w[col], to_f32(z[j * kDv + col]));
     out[j * kDv + col] = to_bf16(y);
   }
 }
@@ -1172,19 +1231,78 @@ gdn_chunk_state_mma_kernel(int Hk, int Hv, int T, const bf16* __restrict__ conv_
     }
 }
 
-/// Gated RMSNorm in place over rows of bf16 pre-norm outputs: block (token, value head),
-/// thread per value dim (kDv threads).
-template <int kDv>
-__global__ void __launch_bounds__(kDv)
-gated_norm_kernel(int Hv, float eps, const float* __restrict__ norm_w,
+constexpr int kNormWarps = 8;  // (token, value head) pairs per block of the prefill norm
+
+/// kN ∈ {2, 4} consecutive bf16 at p as fp32 (exact): one 2·kN-byte load when kVec (p aligned
+/// to that), else kN scalar loads.
+template <int kN, bool kVec>
+__device__ __forceinline__ void load_bf16s(const bf16* p, float (&x)[kN]) {
+  static_assert(kN == 2 || kN == 4, "2 or 4 values per lane");
+  if constexpr (kVec) {
+    uint32_t w[kN / 2];
+    if constexpr (kN == 4) {
+      const uint2 u = *reinterpret_cast<const uint2*>(p);
+      w[0] = u.x;
+      w[1] = u.y;
+    } else {
+      w[0] = *reinterpret_cast<const uint32_t*>(p);
+    }
+#pragma unroll
+    for (int i = 0; i < kN / 2; ++i) {  // the lower address is the low half
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) x[i] = to_f32(p[i]);
+  }
+}
+
+/// Stores bf16(y[i]) to p[i], i < kN ∈ {2, 4}: one 2·kN-byte store when kVec, as load_bf16s.
+template <int kN, bool kVec>
+__device__ __forceinline__ void store_bf16s(bf16* p, const float (&y)[kN]) {
+  static_assert(kN == 2 || kN == 4, "2 or 4 values per lane");
+  if constexpr (kVec) {
+    uint32_t w[kN / 2];
+#pragma unroll
+    for (int i = 0; i < kN / 2; ++i)
+      w[i] = uint32_t(__bfloat16_as_ushort(to_bf16(y[2 * i]))) |
+             uint32_t(__bfloat16_as_ushort(to_bf16(y[2 * i + 1]))) << 16;
+    if constexpr (kN == 4) *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+    else *reinterpret_cast<uint32_t*>(p) = w[0];
+  } else {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) p[i] = to_bf16(y[i]);
+  }
+}
+
+/// Gated RMSNorm in place over rows of bf16 pre-norm outputs io [T, Hv·Dv] (contiguous), gates
+/// z [T, Hv·Dv] (row stride z_stride): warp per (token, value head), kNormWarps per block;
+/// lane l owns values [l·Dv/32, +Dv/32), Σo² is a warp sum. kVec: io and z rows allow
+/// Dv/32-element vector accesses (the launcher checks).
+template <int kDv, bool kVec>
+__global__ void __launch_bounds__(kNormWarps * kWarp)
+gated_norm_kernel(int T, int Hv, float eps, const float* __restrict__ norm_w,
                   const bf16* __restrict__ z, int64_t z_stride, bf16* __restrict__ io) {
-  __shared__ float scratch[32];
-  const int t = blockIdx.x, j = blockIdx.y, m = threadIdx.x;
-  bf16* row = io + int64_t(t) * Hv * kDv + j * kDv;
-  const float o = to_f32(row[m]);
-  const float y = gated_norm_value<kDv>(o, to_f32(z[int64_t(t) * z_stride + j * kDv + m]), norm_w[m],
-                                   eps, scratch);
-  row[m] = to_bf16(y);
+  constexpr int kPer = kDv / kWarp;
+  const int64_t pair = int64_t(blockIdx.x) * kNormWarps + threadIdx.x / kWarp;  // t·Hv + j
+  if (pair >= int64_t(T) * Hv) return;  // warp-uniform: the warp sum below has every lane
+  const int64_t t = pair / Hv;
+  const int j = static_cast<int>(pair % Hv), m0 = (threadIdx.x % kWarp) * kPer;
+  bf16* row = io + pair * kDv + m0;
+  float o[kPer], g[kPer], y[kPer];
+  load_bf16s<kPer, kVec>(row, o);
+  load_bf16s<kPer, kVec>(z + t * z_stride + j * kDv + m0, g);
+  float gain[kPer], sq = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    gain[i] = norm_w[m0 + i];
+    sq += o[i] * o[i];
+  }
+  const float r = gated_norm_r(warp_sum(sq), kDv, eps);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) y[i] = gated_norm_y(o[i], r, gain[i], g[i]);
+  store_bf16s<kPer, kVec>(row, y);
 }
 
 /// gdn_state_mma_enabled() and gdn_local_mma_enabled(): on (the verified default) until set
@@ -1205,6 +1323,9 @@ void check_dims(const GdnDims& d) {
           "value heads (" + std::to_string(d.n_value_heads) + ") must be a positive multiple of key heads (" +
               std::to_string(d.n_key_heads) + ")");
 }
+
+/// Whether p is aligned to n bytes (the vector accesses of a kernel need it).
+bool aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
 
 /// Calls f(std::integral_constant<int, D>{}) for the runtime head dim D = Dk = Dv (checked by
 /// check_dims first).
@@ -1240,6 +1361,24 @@ void launch_decode_rows(const GdnDims& dims, const GdnParams& params, int rows, 
              params.norm_w, conv_out, z, a, b, zab_stride, states, out);
 }
 
+/// Launches the prefill gated norm for head dim D: vector accesses when z (its rows and the
+/// start) and out are aligned to D/32 elements (the backend's always are), else scalar ones.
+template <int D>
+void launch_gated_norm(const GdnDims& dims, const GdnParams& params, int T, const bf16* z, int64_t z_stride,
+                       bf16* out, cudaStream_t stream) {
+  constexpr int kPer = D / kWarp;
+  const bool vec = z_stride % kPer == 0 && aligned(z, 2 * kPer) && aligned(out, 2 * kPer);
+  const int Hv = dims.n_value_heads;
+  const unsigned blocks = static_cast<unsigned>(ceil_div(int64_t(T) * Hv, kNormWarps));
+  if (vec)
+    gated_norm_kernel<D, true><<<blocks, kNormWarps * kWarp, 0, stream>>>(T, Hv, dims.norm_eps, params.norm_w, z,
+                                                                          z_stride, out);
+  else
+    gated_norm_kernel<D, false><<<blocks, kNormWarps * kWarp, 0, stream>>>(T, Hv, dims.norm_eps, params.norm_w, z,
+                                                                           z_stride, out);
+  LILY_CUDA_CHECK_LAUNCH();
+}
+
 /// Launches the chunked prefill (two passes when `ws` is given, else one kernel) and the gated
 /// norm for head dim D.
 template <int D>
@@ -1250,8 +1389,7 @@ void launch_prefill(const GdnDims& dims, const GdnParams& params, int T, const b
   if (ws) {
     // The tensor-core passes copy 16-byte pieces of conv_out and ws and store bf16 pairs and
     // float2s: buffers not aligned for that (never the backend's) take the fp32 kernels.
-    const auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
-    const dim3 local_grid(dims.n_value_heads, static_cast<unsigned>(ceil_div(T, kChunk)));
+      const dim3 local_grid(dims.n_value_heads, static_cast<unsigned>(ceil_div(T, kChunk)));
     if (gdn_local_mma_enabled() && aligned(conv_out, 16) && aligned(ws, 16)) {
       const size_t local_smem = sizeof(LocalMmaSmem<D>);
       raise_smem_limit(gdn_chunk_local_mma_kernel<D>, local_smem);
@@ -1285,8 +1423,21 @@ void launch_prefill(const GdnDims& dims, const GdnParams& params, int T, const b
         zab_stride, state, out);
     LILY_CUDA_CHECK_LAUNCH();
   }
-  gated_norm_kernel<D><<<dim3(T, dims.n_value_heads), D, 0, stream>>>(
-      dims.n_value_heads, dims.norm_eps, params.norm_w, z, zab_stride, out);
+  launch_gated_norm<D>(dims, params, T, z, zab_stride, out, stream);
+}
+
+/// Launches conv_prefill_kernel: channel pairs when C, the row stride and both buffers allow
+/// bf16-pair accesses (the backend's always do), else single channels.
+void launch_conv_prefill(int C, int T, const float* conv_w, const bf16* qkv, int64_t stride, const bf16* window,
+                         bf16* out, cudaStream_t stream) {
+  const bool pairs = C % 2 == 0 && stride % 2 == 0 && aligned(qkv, 4) && aligned(out, 4);
+  const int ch = pairs ? 2 : 1;
+  const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(C, ch), kConvThreads)),
+                  static_cast<unsigned>(ceil_div(T, kConvRun)));
+  if (pairs)
+    conv_prefill_kernel<2><<<grid, kConvThreads, 0, stream>>>(C, T, conv_w, qkv, stride, window, out);
+  else
+    conv_prefill_kernel<1><<<grid, kConvThreads, 0, stream>>>(C, T, conv_w, qkv, stride, window, out);
   LILY_CUDA_CHECK_LAUNCH();
 }
 
@@ -1375,11 +1526,21 @@ void gdn_conv_prefill(const GdnDims& dims, const GdnParams& params, int T, const
   MIXER_REQUIRE(qkv_stride >= C, "gdn_conv_prefill: qkv row stride " + std::to_string(qkv_stride) +
                                " < conv channels " + std::to_string(C));
   MIXER_REQUIRE(qkv && window && out, "gdn_conv_prefill: null buffer");
-  conv_prefill_kernel<<<dim3(ceil_div(C, 256), T), 256, 0, stream>>>(C, T, params.conv_w, qkv,
-                                                                      qkv_stride, window, out);
-  LILY_CUDA_CHECK_LAUNCH();
+  launch_conv_prefill(C, T, params.conv_w, qkv, qkv_stride, window, out, stream);
   conv_window_update_kernel<<<ceil_div(C, 256), 256, 0, stream>>>(C, T, qkv, qkv_stride, window);
   LILY_CUDA_CHECK_LAUNCH();
+}
+
+void gdn_gated_norm(const GdnDims& dims, const GdnParams& params, int T, const bf16* z, int64_t z_stride, bf16* io,
+                    cudaStream_t stream) {
+  check_dims(dims);
+  check_params(params);
+  MIXER_REQUIRE(T >= 1 && T <= 65535, "gdn_gated_norm: T=" + std::to_string(T) + " outside [1, 65535]");
+  MIXER_REQUIRE(z && io, "gdn_gated_norm: null buffer");
+  MIXER_REQUIRE(z_stride >= dims.value_dim(), "gdn_gated_norm: z row stride below Hv·Dv");
+  dispatch_head_dim(dims, [&](auto d) {
+    launch_gated_norm<decltype(d)::value>(dims, params, T, z, z_stride, io, stream);
+  });
 }
 
 size_t gdn_prefill_workspace_bytes(const GdnDims& dims, int T) {

@@ -138,6 +138,14 @@ void gdn_prefill(const GdnDims& dims, const GdnParams& params, int T,
                  float* state, __nv_bfloat16* out, cudaStream_t stream, float* workspace = nullptr,
                  size_t workspace_bytes = 0);
 
+/// The gated RMSNorm that ends gdn_prefill, alone (for timing it): in place over io, per token
+/// and value head, y = (gain·(o·r))·silu(z) with r = 1/√(Σo²/Dv + ε) over the head.
+///   z   bf16 [T, Hv·Dv]  row stride `z_stride`
+///   io  bf16 [T, Hv·Dv]  contiguous: the pre-norm outputs, replaced by y
+/// T ≥ 1 (≤ 65535). Throws lily::Error on bad dims, T, stride or null buffers.
+void gdn_gated_norm(const GdnDims& dims, const GdnParams& params, int T, const __nv_bfloat16* z, int64_t z_stride,
+                    __nv_bfloat16* io, cudaStream_t stream);
+
 /// Bytes of gdn_prefill's two-pass workspace for T tokens: Hv · ceil(T/64) · 64·(2·D + 68)
 /// floats (U and W [64, D], P [64, 64] and four row scales [4, 64] per value head and chunk;
 /// 85 MB at T = 2048 for the 35B shape). Throws lily::Error on bad dims or T outside [1, 65535].
