@@ -233,13 +233,13 @@ TEST(CudaQuantGemm, RegdqDenseTiles) {
 TEST(CudaQuantGemm, WgmmaDenseTiles) {
   // The warpgroup-MMA kernel ("wgmma": 256 weight rows × 128 tokens per item; "wgmma-narrow":
   // 128 rows) where it takes the dense GEMM (≥ one item per SM): full and ragged token tiles
-  // (1100 = 8·128 + 76: one n64 block in the last tile), an odd width (element stores) over
-  // 8 k-tiles (one block of staged scales). The agreement check compares it with the
-  // register-dequant kernel.
+  // (1100 = 8·128 + 76 and 1110 = 8·128 + 86: a second token block narrowed to 16 and to 32
+  // columns), an odd width (element stores) over 8 k-tiles (one block of staged scales). The
+  // agreement check compares it with the register-dequant kernel.
   for (cuda::GemmRegdq mode : {cuda::GemmRegdq::kWgmma, cuda::GemmRegdq::kWgmmaNarrow}) {
     SCOPED_TRACE(mode == cuda::GemmRegdq::kWgmma ? "wgmma" : "wgmma-narrow");
     ScopedRegdq wgmma(mode);
-    check_gemm(8192 + 4096 + 32 + 32, kHidden, 4, false, {2048, 1100}, 13);
+    check_gemm(8192 + 4096 + 32 + 32, kHidden, 4, false, {2048, 1100, 1110}, 13);
     check_gemm(20037, 512, 4, false, {200}, 14);
   }
 }

@@ -724,7 +724,8 @@ void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
 //
 // Block = kWG warpgroups (4 for "wgmma": 256 weight rows per item; 2 for "wgmma-narrow": 128);
 // warpgroup wg owns weight rows [wg·64·kMB, (wg + 1)·64·kMB) of the item as kMB m64 blocks,
-// and every token of the item (one or two n64 blocks, as many as the item's rows need). Per
+// and every token of the item (one or two n64 blocks, as many as the item's rows need; the last
+// block's wgmma is narrowed to the item's rows rounded up to 16, a compile-time N per shape). Per
 // k-tile of 64 (one quantization group), cp.async stages
 //   * the activation tile [128 tokens][64] bf16 in the 128-byte swizzle that wgmma's descriptor
 //     reads (16-byte chunk c of row T at chunk c ^ (T mod 8), tile base 1,024-byte aligned), and
@@ -823,8 +824,11 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
       const int e = locate_row_tile(offsets, tpre, G, kWgTok, tile, row_begin, rc);
       w_base = static_cast<int64_t>(e) * p.n;
     }
-    const int n_blocks = (rc + kWgNb - 1) / kWgNb;   // token blocks computed (uniform over the block)
-    const int staged = n_blocks * kWgNb;             // token rows staged (zeros past rc)
+    // The second block's wgmma columns: the item's rows past 64 rounded up to 16 when that
+    // is 16 or 32 (about half of the grouped items: ~64 rows per routed expert), else 64.
+    const int rest = rc - kWgNb;
+    const int w1 = rest <= 0 ? 0 : (rest <= 32 ? (rest + 15) / 16 * 16 : kWgNb);
+    const int staged = kWgNb + w1;                   // token rows staged (zeros past rc)
     const int64_t n0 = static_cast<int64_t>(ct) * (kGU ? kRows / 2 : kRows);
 
     auto weight_row = [&](int R) -> int64_t {  // as in the register-dequant kernel
@@ -885,101 +889,115 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
         }
       }
     };
-    float acc[kMB][kWgTokBlocks][32];
-#pragma unroll
-    for (int mb = 0; mb < kMB; ++mb)
-#pragma unroll
-      for (int nb = 0; nb < kWgTokBlocks; ++nb)
-#pragma unroll
-        for (int v = 0; v < 32; ++v) acc[mb][nb][v] = 0.0f;
-
-    // cp.async group i holds k-tile i (empty groups past the end keep the count uniform).
-#pragma unroll
-    for (int s = 0; s < kStages - 2; ++s) {
-      if (s < k_tiles) load_tile(s, s);
-      cp_async_commit();
-    }
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      const int stage = kt % kStages;
-      cp_async_wait<kStages - 3>();  // k-tile kt has landed (this thread's copies) …
-      fence_proxy_async();           // … is visible to the async proxy (wgmma) …
-      __syncthreads();               // … for every thread; the wgmmas of k-tile kt − 2 have retired
-      if (kt + kStages - 2 < k_tiles) load_tile(kt + kStages - 2, (kt + kStages - 2) % kStages);
-      cp_async_commit();
-      // Scale (low 16 bits) and bias (high) of this thread's A rows wrow0 + 64·mb + 8h + g (0 for
-      // masked rows: w = 0) for k-tile kt.
-      uint32_t sb_cur[kMB][2];
-      const uint16_t* blk = sc + ((kt / kScaleBlock) & 1) * 2 * kRows * kScaleBlock + kt % kScaleBlock;
+    // One item for token blocks of kW0 and kW1 columns (kW1 = 0: one block): every wgmma has a
+    // static N, and the loop and the epilogue touch only the accumulators that exist (with a
+    // run-time N, or accumulators left for the epilogue to read, ptxas serializes the wgmmas;
+    // with eight shapes instead of four it spills).
+    bf16* ob = reinterpret_cast<bf16*>(smem);  // the epilogue's output tile (over the ring)
+    constexpr int kOutLd = kGU ? S::kOutLdGateUp : S::kOutLd;
+    auto run_item = [&](auto w0, auto w1) {
+      constexpr int kW0 = decltype(w0)::value, kW1 = decltype(w1)::value;
+      float acc[kMB][kWgTokBlocks][32];
 #pragma unroll
       for (int mb = 0; mb < kMB; ++mb)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int R = wrow0 + 64 * mb + 8 * h + g;
-          sb_cur[mb][h] = uint32_t(blk[R * kScaleBlock]) | (uint32_t(blk[(kRows + R) * kScaleBlock]) << 16);
-        }
+        for (int nb = 0; nb < kWgTokBlocks; ++nb)
+#pragma unroll
+          for (int v = 0; v < 32; ++v) acc[mb][nb][v] = 0.0f;
 
-      const uint32_t* cst = cs + stage * kRows * 8;
-      const uint32_t ast = act_addr + stage * kWgActBytes;
-      uint32_t s2[kMB][2], b2[kMB][2];
+      // cp.async group i holds k-tile i (empty groups past the end keep the count uniform).
 #pragma unroll
-      for (int mb = 0; mb < kMB; ++mb)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          s2[mb][h] = __byte_perm(sb_cur[mb][h], 0, 0x1010);
-          b2[mb][h] = __byte_perm(sb_cur[mb][h], 0, 0x3232);
-        }
-      uint32_t af[2][kMB][4];  // double-buffered A fragments: step s uses af[s & 1]
-#pragma unroll
-      for (int s = 0; s < kBK / 16; ++s) {
+      for (int s = 0; s < kStages - 2; ++s) {
+        if (s < k_tiles) load_tile(s, s);
+        cp_async_commit();
+      }
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        const int stage = kt % kStages;
+        cp_async_wait<kStages - 3>();  // k-tile kt has landed (this thread's copies) …
+        fence_proxy_async();           // … is visible to the async proxy (wgmma) …
+        __syncthreads();               // … for every thread; the wgmmas of k-tile kt − 2 have retired
+        if (kt + kStages - 2 < k_tiles) load_tile(kt + kStages - 2, (kt + kStages - 2) % kStages);
+        cp_async_commit();
+        // Scale (low 16 bits) and bias (high) of this thread's A rows wrow0 + 64·mb + 8h + g (0 for
+        // masked rows: w = 0) for k-tile kt.
+        uint32_t sb_cur[kMB][2];
+        const uint16_t* blk = sc + ((kt / kScaleBlock) & 1) * 2 * kRows * kScaleBlock + kt % kScaleBlock;
 #pragma unroll
         for (int mb = 0; mb < kMB; ++mb)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const uint2 w = *reinterpret_cast<const uint2*>(cst + (wrow0 + 64 * mb + 8 * h + g) * 8 + 2 * s);
-            af[s & 1][mb][h] = dequant_selected_byte(w.x, sel, s2[mb][h], b2[mb][h]);      // k 2t, 2t + 1
-            af[s & 1][mb][2 + h] = dequant_selected_byte(w.y, sel, s2[mb][h], b2[mb][h]);  // k 2t + 8, 2t + 9
+            const int R = wrow0 + 64 * mb + 8 * h + g;
+            sb_cur[mb][h] = uint32_t(blk[R * kScaleBlock]) | (uint32_t(blk[(kRows + R) * kScaleBlock]) << 16);
           }
-        wgmma_fence();
+
+        const uint32_t* cst = cs + stage * kRows * 8;
+        const uint32_t ast = act_addr + stage * kWgActBytes;
+        uint32_t s2[kMB][2], b2[kMB][2];
 #pragma unroll
         for (int mb = 0; mb < kMB; ++mb)
 #pragma unroll
-          for (int nb = 0; nb < kWgTokBlocks; ++nb)
-            if (nb < n_blocks) wgmma_m64n64k16_rs(acc[mb][nb], af[s & 1][mb], smem_desc_sw128(ast + nb * kWgNb * 128 + s * 32));
-        wgmma_commit();
-        wgmma_wait<1>();  // the previous step's wgmmas have retired: af[(s + 1) & 1] may be rewritten
-      }
-    }
-    wgmma_wait<0>();
-#pragma unroll
-    for (int mb = 0; mb < kMB; ++mb)
-#pragma unroll
-      for (int nb = 0; nb < kWgTokBlocks; ++nb) wgmma_fence_operands(acc[mb][nb]);
-    cp_async_wait<0>();
-    __syncthreads();  // every warp is done with the ring: it becomes the output tile
-
-    // acc[mb][nb][4j + v]: A row wrow0 + 64·mb + g + 8·(v / 2), token 64·nb + 8j + 2t + v % 2.
-    bf16* ob = reinterpret_cast<bf16*>(smem);
-    constexpr int kOutLd = kGU ? S::kOutLdGateUp : S::kOutLd;
-#pragma unroll
-    for (int mb = 0; mb < kMB; ++mb)
-#pragma unroll
-      for (int nb = 0; nb < kWgTokBlocks; ++nb) {
-        if (nb >= n_blocks) break;
-        const int R0 = wrow0 + 64 * mb;
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int e2 = 0; e2 < 2; ++e2) {
-            const int T = nb * kWgNb + 8 * j + 2 * t4 + e2;
-            if constexpr (kGU) {  // row g: the gate row of act column (R0 / 16)·8 + g; row g + 8: its up row
-              const float gv = round_bf16(acc[mb][nb][4 * j + e2]), uv = round_bf16(acc[mb][nb][4 * j + 2 + e2]);
-              ob[T * kOutLd + (R0 / 16) * 8 + g] = to_bf16(silu(gv) * uv);
-            } else {
-              ob[T * kOutLd + R0 + g] = to_bf16(acc[mb][nb][4 * j + e2]);
-              ob[T * kOutLd + R0 + g + 8] = to_bf16(acc[mb][nb][4 * j + 2 + e2]);
-            }
+          for (int h = 0; h < 2; ++h) {
+            s2[mb][h] = __byte_perm(sb_cur[mb][h], 0, 0x1010);
+            b2[mb][h] = __byte_perm(sb_cur[mb][h], 0, 0x3232);
           }
+        uint32_t af[2][kMB][4];  // double-buffered A fragments: step s uses af[s & 1]
+#pragma unroll
+        for (int s = 0; s < kBK / 16; ++s) {
+#pragma unroll
+          for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const uint2 w = *reinterpret_cast<const uint2*>(cst + (wrow0 + 64 * mb + 8 * h + g) * 8 + 2 * s);
+              af[s & 1][mb][h] = dequant_selected_byte(w.x, sel, s2[mb][h], b2[mb][h]);      // k 2t, 2t + 1
+              af[s & 1][mb][2 + h] = dequant_selected_byte(w.y, sel, s2[mb][h], b2[mb][h]);  // k 2t + 8, 2t + 9
+            }
+          wgmma_fence();
+#pragma unroll
+          for (int mb = 0; mb < kMB; ++mb) {
+            wgmma_m64nk16_rs<kW0>(acc[mb][0], af[s & 1][mb], smem_desc_sw128(ast + s * 32));
+            if constexpr (kW1 > 0)
+              wgmma_m64nk16_rs<kW1>(acc[mb][1], af[s & 1][mb], smem_desc_sw128(ast + kWgNb * 128 + s * 32));
+          }
+          wgmma_commit();
+          wgmma_wait<1>();  // the previous step's wgmmas have retired: af[(s + 1) & 1] may be rewritten
+        }
       }
+      wgmma_wait<0>();
+#pragma unroll
+      for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+        for (int nb = 0; nb < (kW1 > 0 ? 2 : 1); ++nb) wgmma_fence_operands(acc[mb][nb]);
+      cp_async_wait<0>();
+      __syncthreads();  // every warp is done with the ring: it becomes the output tile
+
+      // acc[mb][nb][4j + v]: A row wrow0 + 64·mb + g + 8·(v / 2), token 64·nb + 8j + 2t + v % 2.
+#pragma unroll
+      for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+        for (int nb = 0; nb < (kW1 > 0 ? 2 : 1); ++nb) {
+          const int R0 = wrow0 + 64 * mb;
+#pragma unroll
+          for (int j = 0; j < (nb == 0 ? kW0 : kW1) / 8; ++j)
+#pragma unroll
+            for (int e2 = 0; e2 < 2; ++e2) {
+              const int T = nb * kWgNb + 8 * j + 2 * t4 + e2;
+              if constexpr (kGU) {  // row g: the gate row of act column (R0 / 16)·8 + g; row g + 8: its up row
+                const float gv = round_bf16(acc[mb][nb][4 * j + e2]), uv = round_bf16(acc[mb][nb][4 * j + 2 + e2]);
+                ob[T * kOutLd + (R0 / 16) * 8 + g] = to_bf16(silu(gv) * uv);
+              } else {
+                ob[T * kOutLd + R0 + g] = to_bf16(acc[mb][nb][4 * j + e2]);
+                ob[T * kOutLd + R0 + g + 8] = to_bf16(acc[mb][nb][4 * j + 2 + e2]);
+              }
+            }
+        }
+    };
+    using std::integral_constant;
+    switch (w1) {
+      case 0: run_item(integral_constant<int, 64>{}, integral_constant<int, 0>{}); break;
+      case 16: run_item(integral_constant<int, 64>{}, integral_constant<int, 16>{}); break;
+      case 32: run_item(integral_constant<int, 64>{}, integral_constant<int, 32>{}); break;
+      default: run_item(integral_constant<int, 64>{}, integral_constant<int, 64>{}); break;
+    }
     __syncthreads();
     constexpr int kChunks = (kGU ? kRows / 2 : kRows) / 8;  // 16-byte chunks per output row
     for (int c = tid; c < rc * kChunks; c += kWgThreads) {
