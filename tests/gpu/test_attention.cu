@@ -1,7 +1,8 @@
 // GPU tests of the gated-attention kernels (src/backends/cuda/attention.cu, flash_prefill.cu) against fp32
 // references built from the CPU backend's ops (docs/model.md §3.4), at the real shape:
 // 16 query heads, 2 kv heads, head_dim 256, rotary 64, θ 1e7; contexts 1, 257, 4096, 40000
-// (split-K boundaries); plus the demo model's shape (4 / 2 / 64, rotary 16) and head_dim 128.
+// (split-K boundaries); plus the demo model's shape (4 / 2 / 64, rotary 16), head_dim 128, and
+// shapes for the prepare kernels' layout (more than 32 heads, odd rotary halves, no rotation).
 // Inputs are random; outputs are poisoned (NaN) before launch.
 // Tolerance: bf16 outputs within 1e-2 relative (|out − ref| / (|ref| + 1e-2·rms(ref))); the
 // tensor-core prefill (bf16 probabilities) within 1e-2 normwise per row (kFlashTol).
@@ -190,6 +191,29 @@ TEST(AttentionPrepare, DevicePositionForDecodeGraphs) { expect_prepare_matches(1
 TEST(AttentionPrepare, DemoDims) { expect_prepare_matches(7, 300, false, demo_dims()); }
 TEST(AttentionPrepare, DemoDimsDevicePosition) { expect_prepare_matches(1, 40, true, demo_dims()); }
 TEST(AttentionPrepare, HeadDim128) { expect_prepare_matches(3, 1000, false, dims_128()); }
+
+/// Shapes for the prepare kernels' layout (a block per token, a warp per head, lane l holding
+/// dims [l·D/32, (l+1)·D/32)): nq + nkv past 32 heads (warps take heads in rounds), rotary_dim/2
+/// not a multiple of D/32 (the RoPE partner goes through shared memory, not a shuffle), the
+/// whole head rotated (partner 16 lanes away), and no rotation.
+cuda::AttnDims prepare_dims(int nq, int nkv, int D, int rotary_dim) {
+  cuda::AttnDims d;
+  d.n_heads = nq;
+  d.n_kv_heads = nkv;
+  d.head_dim = D;
+  d.rotary_dim = rotary_dim;
+  return d;
+}
+TEST(AttentionPrepare, HeadsInRoundsWholeHeadRotated) {
+  expect_prepare_matches(4, 77, false, prepare_dims(64, 8, 128, 128));
+}
+TEST(AttentionPrepare, PartnerThroughSharedMemory) {
+  expect_prepare_matches(3, 500, false, prepare_dims(16, 2, 256, 40));
+}
+TEST(AttentionPrepare, PartnerThroughSharedMemoryInRounds) {
+  expect_prepare_matches(5, 9, false, prepare_dims(32, 4, 64, 6));
+}
+TEST(AttentionPrepare, NoRotaryDims) { expect_prepare_matches(2, 12, true, prepare_dims(4, 2, 64, 0)); }
 
 // ---- decode --------------------------------------------------------------------------------------
 
@@ -434,6 +458,32 @@ TEST(AttentionDims, RejectsShapesTheKernelsWereNotWrittenFor) {
   EXPECT_EQ(cuda::attn_dims(cfg).rotary_dim, 32);
   cfg.n_kv_heads = 3;
   EXPECT_THROW(cuda::attn_dims(cfg), Error);
+}
+
+/// Timing printout of attention_prepare at the real shape: a 2,048-token prefill chunk (about
+/// 42 MB moved: the query halves of qg, k and v read; q, K and V written) and one decode token.
+TEST(AttentionTiming, PrintsPrepareTimes) {
+  const auto dims = real_dims();
+  const int nq = dims.n_heads, nkv = dims.n_kv_heads, D = dims.head_dim, T = 2048;
+  const int64_t R = int64_t(nq) * 2 * D + 2 * int64_t(nkv) * D;  // the backend's proj row: qg ‖ k ‖ v
+  std::mt19937_64 rng(11);
+  DeviceBuffer proj = upload_bf16(normal_bf16(int64_t(T) * R, rng, 1.0f));
+  DeviceBuffer qn = upload_f32(uniform(D, rng, 0.5f, 1.5f)), kn = upload_f32(uniform(D, rng, 0.5f, 1.5f));
+  DeviceBuffer ck(size_t(nkv) * T * D * 2), cv(size_t(nkv) * T * D * 2), q(size_t(T) * nq * D * 2);
+  const cuda::KvCacheView cache{ck.as<bf16_t>(), cv.as<bf16_t>(), T};
+  const bf16_t* p = proj.as<bf16_t>();
+  const int64_t qg = int64_t(nq) * 2 * D, kvw = int64_t(nkv) * D;
+  auto prepare_us = [&](int rows) {
+    return test::events_us(nullptr, 3, 50, [&] {
+      cuda::attention_prepare(dims, rows, p, R, p + qg, p + qg + kvw, R, qn.as<float>(), kn.as<float>(), 0, nullptr,
+                              cache, q.as<bf16_t>(), nullptr);
+    });
+  };
+  const double chunk_us = prepare_us(T), token_us = prepare_us(1);
+  const double bytes = double(T) * (2.0 * nq * D + 4.0 * nkv * D) * sizeof(bf16_t);
+  std::printf("[attn timing] prepare T=%d: %.2f us/call (%.0f GB/s); T=1: %.2f us/call\n", T, chunk_us,
+              bytes / (chunk_us * 1e-6) / 1e9, token_us);
+  for (float v : download_bf16(q.as<bf16_t>(), int64_t(T) * nq * D)) ASSERT_TRUE(std::isfinite(v));
 }
 
 /// Timing printout (timings are never assertions) of decode at 40000 keys and a 4096-row

@@ -225,10 +225,15 @@ TEST(CudaBatchedDecode, AttentionRowsAreBitIdenticalToEachSequenceAlone) {
   demo.n_kv_heads = 2;
   demo.head_dim = 64;
   demo.rotary_dim = 16;
+  cuda::AttnDims wide;  // 36 heads (the prepare kernel's warps take them in rounds), RoPE partner via shared memory
+  wide.n_heads = 32;
+  wide.n_kv_heads = 4;
+  wide.head_dim = 64;
+  wide.rotary_dim = 6;
   // (capacity, length): one split (capacity ≤ 64), 16 and 32 splits, a full cache, a first token.
   const std::vector<std::pair<int64_t, int64_t>> mixed = {{1024, 37}, {64, 64}, {2048, 1500}, {1024, 1},
                                                           {100, 70},  {4096, 4000}, {1024, 1024}, {2048, 1025}};
-  for (const cuda::AttnDims& d : {real, demo}) {
+  for (const cuda::AttnDims& d : {real, demo, wide}) {
     check_attention_rows(d, {mixed[0]}, 400);
     check_attention_rows(d, {mixed[2], mixed[1]}, 401);
     check_attention_rows(d, mixed, 402);

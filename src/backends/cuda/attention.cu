@@ -12,6 +12,7 @@
 // D/32 dims); the launchers dispatch on the runtime head_dim (dispatch_head_dim).
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 #include <string>
 
@@ -33,83 +34,7 @@ struct RopeFreqs {
   float inv[kMaxRotaryHalf];
 };
 
-// ---- q/k norm + RoPE + cache append ----------------------------------------------------------
-
-/// Token t, head hh at position `pos` (the body of prepare_kernel, shared with the batched
-/// prepare_rows_kernel): hh < nq is query head hh, else kv head hh − nq. Thread d = dim (kD
-/// threads). The caller has run pdl_prologue.
-template <int kD>
-__device__ __forceinline__ void prepare_head(int t, int hh, int64_t pos, int nq, int rotary_dim, float eps,
-                                             const RopeFreqs& freqs, const bf16* __restrict__ qg,
-                                             int64_t qg_stride, const bf16* __restrict__ k,
-                                             const bf16* __restrict__ v, int64_t kv_stride,
-                                             const float* __restrict__ q_norm, const float* __restrict__ k_norm,
-                                             bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
-                                             int64_t capacity, bf16* __restrict__ q_out) {
-  __shared__ float y_s[kD];
-  __shared__ float scratch[32];
-  const int d = threadIdx.x;
-  const bool is_q = hh < nq;
-  const int kh = hh - nq;
-
-  const float x = is_q ? to_f32(qg[t * qg_stride + int64_t(hh) * 2 * kD + d])
-                       : to_f32(k[t * kv_stride + int64_t(kh) * kD + d]);
-  const float ss = block_sum(x * x, scratch);
-  const float r = 1.0f / sqrtf(ss / float(kD) + eps);
-  const float y = round_bf16((x * r) * (is_q ? q_norm[d] : k_norm[d]));
-  y_s[d] = y;
-  __syncthreads();
-
-  float out = y;
-  const int half = rotary_dim / 2;
-  if (d < rotary_dim) {
-    const int j = d < half ? d : d - half;
-    const float angle = float(pos) * freqs.inv[j];
-    const float c = float(cos(double(angle))), s = float(sin(double(angle)));
-    out = d < half ? y_s[d] * c - y_s[d + half] * s : y_s[d] * c + y_s[d - half] * s;
-  }
-  if (is_q) {
-    q_out[(int64_t(t) * nq + hh) * kD + d] = to_bf16(out);
-  } else {
-    const int64_t slot = (int64_t(kh) * capacity + pos) * kD + d;
-    k_cache[slot] = to_bf16(out);
-    v_cache[slot] = v[t * kv_stride + int64_t(kh) * kD + d];
-  }
-}
-
-/// Block (token t, head hh); positions pos0 + t (pos0 = *pos_device when non-null).
-template <int kD>
-__global__ void __launch_bounds__(kD)
-prepare_kernel(int nq, int nkv, int rotary_dim, float eps, RopeFreqs freqs,
-               const bf16* __restrict__ qg, int64_t qg_stride, const bf16* __restrict__ k,
-               const bf16* __restrict__ v, int64_t kv_stride, const float* __restrict__ q_norm,
-               const float* __restrict__ k_norm, int64_t pos0_host,
-               const int32_t* __restrict__ pos_device, bf16* __restrict__ k_cache,
-               bf16* __restrict__ v_cache, int64_t capacity, bf16* __restrict__ q_out) {
-  pdl_prologue();
-  const int t = blockIdx.x, hh = blockIdx.y;
-  const int64_t pos = (pos_device ? int64_t(*pos_device) : pos0_host) + t;
-  prepare_head<kD>(t, hh, pos, nq, rotary_dim, eps, freqs, qg, qg_stride, k, v, kv_stride, q_norm, k_norm, k_cache,
-                   v_cache, capacity, q_out);
-}
-
-/// Batched decode: block (row r, head hh); row r is one token of its own sequence, at position
-/// pos[r], appended to its own cache caches[r]. The per-row arithmetic is prepare_kernel's.
-template <int kD>
-__global__ void __launch_bounds__(kD)
-prepare_rows_kernel(int nq, int rotary_dim, float eps, RopeFreqs freqs, const bf16* __restrict__ qg,
-                    int64_t qg_stride, const bf16* __restrict__ k, const bf16* __restrict__ v, int64_t kv_stride,
-                    const float* __restrict__ q_norm, const float* __restrict__ k_norm,
-                    const int32_t* __restrict__ pos, const KvCacheView* __restrict__ caches,
-                    bf16* __restrict__ q_out) {
-  pdl_prologue();  // before reading pos[] and caches[] (written by the step's copy-in)
-  const int r = blockIdx.x, hh = blockIdx.y;
-  const KvCacheView c = caches[r];
-  prepare_head<kD>(r, hh, int64_t(pos[r]), nq, rotary_dim, eps, freqs, qg, qg_stride, k, v, kv_stride, q_norm,
-                   k_norm, c.k, c.v, c.capacity, q_out);
-}
-
-// ---- attention core ----------------------------------------------------------------------------
+// ---- bf16 vectors of one lane ------------------------------------------------------------------
 
 /// Raw vector type of N consecutive bf16 (N = 8: 16 bytes, 4: 8 bytes, 2: 4 bytes).
 template <int N> struct BfVec;
@@ -140,6 +65,189 @@ template <int N>
 __device__ __forceinline__ void load8(const bf16* p, float (&x)[N]) {
   unpack8<N>(load_raw<N>(p), x);
 }
+
+/// Stores N fp32 as N consecutive bf16 (round to nearest even, as to_bf16; one aligned vector store).
+template <int N>
+__device__ __forceinline__ void store8(bf16* p, const float (&x)[N]) {
+  typename BfVec<N>::type raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int e = 0; e < N / 2; ++e) h[e] = __floats2bfloat162_rn(x[2 * e], x[2 * e + 1]);
+  *reinterpret_cast<typename BfVec<N>::type*>(p) = raw;
+}
+
+// ---- q/k norm + RoPE + cache append ----------------------------------------------------------
+//
+// A block prepares one token (one row): its rotary_dim/2 (cos, sin) pairs are computed once into
+// shared memory, then each warp takes whole heads (of the nq query heads and nkv kv heads), a lane
+// holding N = D/32 consecutive dims in registers (one vector load), so the RMSNorm sum is a warp
+// shuffle and no other block barrier is needed.
+
+constexpr int kPrepMaxWarps = 32;  // heads beyond 32 are taken in rounds
+constexpr int kPrepMaxThreads = kPrepMaxWarps * kWarp;
+
+/// The arguments the prepare kernels share; a block's row t is one token.
+///   qg     bf16 [rows, nq, 2·D]  row stride qg_stride; a head's query is the first D of its 2·D
+///   k, v   bf16 [rows, nkv·D]    row stride kv_stride
+///   q_norm, k_norm fp32 [D]      gains
+///   q_out  bf16 [rows, nq, D]    contiguous
+/// Every bf16 pointer and stride is aligned to N = D/32 elements (checked by prepare_args).
+struct PrepareArgs {
+  int nq, nkv, rotary_dim;
+  float eps;
+  RopeFreqs freqs;
+  const bf16* qg;
+  int64_t qg_stride;
+  const bf16* k;
+  const bf16* v;
+  int64_t kv_stride;
+  const float* q_norm;
+  const float* k_norm;
+  bf16* q_out;
+};
+
+/// (cos, sin) of inverse frequency `inv_freq` at position `pos`: cpu::rope_cos_sin's formula
+/// (fp32 angle, double-precision cos and sin rounded to fp32), so the tables agree bit for bit.
+__device__ __forceinline__ float2 rope_cos_sin(int64_t pos, float inv_freq) {
+  const float angle = float(pos) * inv_freq;
+  return make_float2(float(cos(double(angle))), float(sin(double(angle))));
+}
+
+/// One head's input as loaded by its warp, raw: this lane's N = kD/32 dims of x (the query or
+/// the key) and, for a kv head, of the V row.
+template <int kD>
+struct HeadIn {
+  typename BfVec<kD / kWarp>::type x, v;
+};
+
+/// Loads head hh (< nq: query head hh, else kv head hh − nq) of row t; lane l takes dims
+/// [l·N, l·N + N).
+template <int kD>
+__device__ __forceinline__ HeadIn<kD> load_head(const PrepareArgs& a, int t, int hh) {
+  constexpr int N = kD / kWarp;
+  const int d0 = (threadIdx.x % kWarp) * N;
+  HeadIn<kD> in{};
+  if (hh < a.nq) {
+    in.x = load_raw<N>(a.qg + t * a.qg_stride + int64_t(hh) * 2 * kD + d0);
+  } else {
+    const int64_t at = t * a.kv_stride + int64_t(hh - a.nq) * kD + d0;
+    in.x = load_raw<N>(a.k + at);
+    in.v = load_raw<N>(a.v + at);
+  }
+  return in;
+}
+
+/// RMSNorm of a warp's head (y: this lane's N dims from d0) with gain, rounded to bf16:
+/// y ← round_bf16((y·r)·gain), r = 1/√(Σy²/kD + eps) (the sum over the warp by shuffles).
+template <int kD, int N>
+__device__ __forceinline__ void rms_norm_head(float (&y)[N], const float* gain, int d0, float eps) {
+  float ss = 0.0f;
+#pragma unroll
+  for (int e = 0; e < N; ++e) ss += y[e] * y[e];
+  ss = warp_sum(ss);
+  const float r = 1.0f / sqrtf(ss / float(kD) + eps);
+#pragma unroll
+  for (int e = 0; e < N; ++e) y[e] = round_bf16((y[e] * r) * gain[d0 + e]);
+}
+
+/// Rotate-half RoPE of the leading 2·half dims of a warp's head (y: this lane's N dims), with the
+/// token's (cos, sin) table cs [half]: y_d ← y_d·c − y_{d+half}·s (d < half), y_d·c + y_{d−half}·s
+/// (half ≤ d < 2·half). The partner is half/N lanes away when half is a multiple of N (a
+/// shuffle); otherwise it goes through the warp's `stage` row of N·32 floats.
+template <int N>
+__device__ __forceinline__ void rope_head(float (&y)[N], int half, const float2* cs, float* stage) {
+  if (half == 0) return;
+  const int lane = threadIdx.x % kWarp, d0 = lane * N;
+  float p[N];  // the partners of this lane's dims
+  if (half % N == 0) {
+    const int q = half / N;  // ≤ 16
+    const int src = lane < q ? lane + q : lane < 2 * q ? lane - q : lane;
+#pragma unroll
+    for (int e = 0; e < N; ++e) p[e] = __shfl_sync(0xffffffffu, y[e], src);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) stage[d0 + e] = y[e];
+    __syncwarp();
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      const int d = d0 + e;
+      p[e] = d < 2 * half ? stage[d < half ? d + half : d - half] : 0.0f;
+    }
+    __syncwarp();  // the row is rewritten by this warp's next head
+  }
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    const int d = d0 + e;
+    if (d < 2 * half) {
+      const float2 c = cs[d < half ? d : d - half];
+      y[e] = d < half ? y[e] * c.x - p[e] * c.y : y[e] * c.x + p[e] * c.y;
+    }
+  }
+}
+
+/// Finishes head hh of row t at position `pos` from its loaded input: norm, RoPE, then q_out
+/// (query head) or the K and V rows of `cache` at `pos` (kv head). One warp; `stage` is the
+/// warp's staging row (rope_head).
+template <int kD>
+__device__ __forceinline__ void finish_head(const PrepareArgs& a, const HeadIn<kD>& in, int t, int hh, int64_t pos,
+                                            const float2* cs, const KvCacheView& cache, float* stage) {
+  constexpr int N = kD / kWarp;
+  const int d0 = (threadIdx.x % kWarp) * N;
+  const bool is_q = hh < a.nq;
+  float y[N];
+  unpack8<N>(in.x, y);
+  rms_norm_head<kD>(y, is_q ? a.q_norm : a.k_norm, d0, a.eps);
+  rope_head<N>(y, a.rotary_dim / 2, cs, stage);
+  if (is_q) {
+    store8<N>(a.q_out + (int64_t(t) * a.nq + hh) * kD + d0, y);
+  } else {
+    const int64_t slot = (int64_t(hh - a.nq) * cache.capacity + pos) * kD + d0;
+    store8<N>(cache.k + slot, y);
+    *reinterpret_cast<typename BfVec<N>::type*>(cache.v + slot) = in.v;
+  }
+}
+
+/// Row t (one token at position `pos`, K/V appended to `cache`) by the whole block (the body of
+/// both prepare kernels, so batched decode is bit-identical to T = 1): warp w's first head is
+/// loaded, the (cos, sin) table is built (one block barrier), then warp w prepares heads
+/// w, w + warps, … of the nq + nkv. Dynamic shared memory: the staging rows [warps, kD] fp32
+/// when rope_head needs them (prepare_smem). The caller has run pdl_prologue.
+template <int kD>
+__device__ __forceinline__ void prepare_token(const PrepareArgs& a, int t, int64_t pos, const KvCacheView& cache) {
+  __shared__ float2 cs[kMaxRotaryHalf];
+  extern __shared__ float stage_rows[];
+  const int warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp, heads = a.nq + a.nkv;
+  HeadIn<kD> in{};
+  if (warp < heads) in = load_head<kD>(a, t, warp);  // in flight while the table is computed
+  for (int j = threadIdx.x; j < a.rotary_dim / 2; j += blockDim.x) cs[j] = rope_cos_sin(pos, a.freqs.inv[j]);
+  __syncthreads();
+  for (int hh = warp; hh < heads; hh += warps) {
+    if (hh != warp) in = load_head<kD>(a, t, hh);
+    finish_head<kD>(a, in, t, hh, pos, cs, cache, stage_rows + warp * kD);
+  }
+}
+
+/// Block t: token t of the chunk, at position pos0 + t (pos0 = *pos_device when non-null).
+template <int kD>
+__global__ void __launch_bounds__(kPrepMaxThreads)
+prepare_kernel(PrepareArgs a, int64_t pos0_host, const int32_t* __restrict__ pos_device, KvCacheView cache) {
+  pdl_prologue();  // before reading *pos_device and the projections
+  const int t = blockIdx.x;
+  const int64_t pos = (pos_device ? int64_t(*pos_device) : pos0_host) + t;
+  prepare_token<kD>(a, t, pos, cache);
+}
+
+/// Batched decode: block r is row r, one token of its own sequence, at position pos[r],
+/// appended to its own cache caches[r].
+template <int kD>
+__global__ void __launch_bounds__(kPrepMaxThreads)
+prepare_rows_kernel(PrepareArgs a, const int32_t* __restrict__ pos, const KvCacheView* __restrict__ caches) {
+  pdl_prologue();  // before reading pos[] and caches[] (written by the step's copy-in)
+  const int r = blockIdx.x;
+  prepare_token<kD>(a, r, int64_t(pos[r]), caches[r]);
+}
+
+// ---- attention core ----------------------------------------------------------------------------
 
 /// Per-warp online-softmax state of G query heads (log2 domain), head dim kD.
 template <int G, int kD>
@@ -488,6 +596,45 @@ void check_cache(const KvCacheView& c) {
   MIXER_REQUIRE(c.k && c.v && c.capacity > 0, "KV cache view is empty");
 }
 
+/// True when `p` is aligned to `n` bf16 elements.
+bool aligned_elems(const void* p, int n) { return reinterpret_cast<uintptr_t>(p) % (size_t(n) * sizeof(bf16)) == 0; }
+
+/// The prepare kernels' PrepareArgs after the checks both launchers share (`who` names the
+/// launcher in errors): strides wide enough, and bf16 pointers and strides aligned to N = D/32
+/// elements, as the lanes' vector loads need. The inverse frequencies as cpu::rope_cos_sin.
+PrepareArgs prepare_args(const AttnDims& dims, const bf16* qg, int64_t qg_stride, const bf16* k, const bf16* v,
+                         int64_t kv_stride, const float* q_norm, const float* k_norm, bf16* q_out,
+                         const std::string& who) {
+  const int D = dims.head_dim, N = D / kWarp;
+  MIXER_REQUIRE(qg_stride >= int64_t(dims.n_heads) * 2 * D, who + ": qg row stride too small");
+  MIXER_REQUIRE(kv_stride >= int64_t(dims.n_kv_heads) * D, who + ": k/v row stride too small");
+  MIXER_REQUIRE(aligned_elems(qg, N) && aligned_elems(k, N) && aligned_elems(v, N) && aligned_elems(q_out, N) &&
+                    qg_stride % N == 0 && kv_stride % N == 0,
+                who + ": qg, k, v, q_out and the row strides must be aligned to head_dim/32 elements");
+  PrepareArgs a{dims.n_heads, dims.n_kv_heads, dims.rotary_dim, dims.norm_eps, RopeFreqs{}, qg, qg_stride, k, v,
+                kv_stride, q_norm, k_norm, q_out};
+  const float base = dims.rope_theta;
+  for (int j = 0; j < dims.rotary_dim / 2; ++j)  // as cpu::rope_cos_sin
+    a.freqs.inv[j] = 1.0f / std::pow(base, float(2 * j) / float(dims.rotary_dim));
+  return a;
+}
+
+/// Warps per block of the prepare kernels: one per head of the nq + nkv, or past kPrepMaxWarps
+/// heads the fewest that take them in equal rounds (72 heads: 24 warps, 3 rounds).
+int prepare_warps(const AttnDims& dims) {
+  const int heads = dims.n_heads + dims.n_kv_heads;
+  const int rounds = (heads + kPrepMaxWarps - 1) / kPrepMaxWarps;
+  return (heads + rounds - 1) / rounds;
+}
+
+/// Dynamic shared memory of the prepare kernels: rope_head's staging rows [warps, D] fp32 when
+/// rotary_dim/2 is not a multiple of D/32 (the partner is not a whole number of lanes away),
+/// else none. At most 32 KB.
+size_t prepare_smem(const AttnDims& dims, int warps) {
+  const bool shuffle = (dims.rotary_dim / 2) % (dims.head_dim / kWarp) == 0;
+  return shuffle ? 0 : size_t(warps) * dims.head_dim * sizeof(float);
+}
+
 /// Calls f(std::integral_constant<int, G>{}) for the runtime group size G.
 template <typename F>
 void dispatch_group(int G, F&& f) {
@@ -536,23 +683,18 @@ void attention_prepare(const AttnDims& dims, int T, const bf16* qg, int64_t qg_s
   check_cache(cache);
   MIXER_REQUIRE(T >= 1 && T <= 65535, "attention_prepare: T=" + std::to_string(T) + " outside [1, 65535]");
   MIXER_REQUIRE(qg && k && v && q_norm && k_norm && q_out, "attention_prepare: null buffer");
-  const int D = dims.head_dim;
-  MIXER_REQUIRE(qg_stride >= int64_t(dims.n_heads) * 2 * D, "attention_prepare: qg row stride too small");
-  MIXER_REQUIRE(kv_stride >= int64_t(dims.n_kv_heads) * D, "attention_prepare: k/v row stride too small");
+  const PrepareArgs a = prepare_args(dims, qg, qg_stride, k, v, kv_stride, q_norm, k_norm, q_out, "attention_prepare");
+  MIXER_REQUIRE(aligned_elems(cache.k, dims.head_dim / kWarp) && aligned_elems(cache.v, dims.head_dim / kWarp),
+                "attention_prepare: KV cache not aligned to head_dim/32 elements");
   MIXER_REQUIRE(pos0_host >= 0 && pos0_host + T <= cache.capacity,
           "attention_prepare: positions [" + std::to_string(pos0_host) + ", " +
               std::to_string(pos0_host + T) + ") exceed the KV cache capacity " +
               std::to_string(cache.capacity));
-  RopeFreqs freqs{};
-  const float base = dims.rope_theta;
-  for (int j = 0; j < dims.rotary_dim / 2; ++j)  // as cpu::rope_cos_sin
-    freqs.inv[j] = 1.0f / std::pow(base, float(2 * j) / float(dims.rotary_dim));
-  dispatch_head_dim(D, [&](auto d) {
+  const int warps = prepare_warps(dims);
+  dispatch_head_dim(dims.head_dim, [&](auto d) {
     constexpr int kD = decltype(d)::value;
-    launch_pdl(prepare_kernel<kD>, dim3(T, dims.n_heads + dims.n_kv_heads), dim3(kD), 0, stream,
-        dims.n_heads, dims.n_kv_heads, dims.rotary_dim, dims.norm_eps, freqs, qg, qg_stride, k,
-        v, kv_stride, q_norm, k_norm, pos0_host, pos_device, cache.k, cache.v, cache.capacity,
-        q_out);
+    launch_pdl(prepare_kernel<kD>, dim3(T), dim3(warps * kWarp), prepare_smem(dims, warps), stream, a, pos0_host,
+               pos_device, cache);
   });
   LILY_CUDA_CHECK_LAUNCH();
 }
@@ -606,18 +748,13 @@ void attention_prepare_rows(const AttnDims& dims, int rows, const bf16* qg, int6
   MIXER_REQUIRE(rows >= 1 && rows <= kMaxDecodeRows,
                 "attention_prepare_rows: rows=" + std::to_string(rows) + " outside [1, 8]");
   MIXER_REQUIRE(qg && k && v && q_norm && k_norm && pos && caches && q_out, "attention_prepare_rows: null buffer");
-  const int D = dims.head_dim;
-  MIXER_REQUIRE(qg_stride >= int64_t(dims.n_heads) * 2 * D, "attention_prepare_rows: qg row stride too small");
-  MIXER_REQUIRE(kv_stride >= int64_t(dims.n_kv_heads) * D, "attention_prepare_rows: k/v row stride too small");
-  RopeFreqs freqs{};
-  const float base = dims.rope_theta;
-  for (int j = 0; j < dims.rotary_dim / 2; ++j)  // as attention_prepare
-    freqs.inv[j] = 1.0f / std::pow(base, float(2 * j) / float(dims.rotary_dim));
-  dispatch_head_dim(D, [&](auto d) {
+  const PrepareArgs a =
+      prepare_args(dims, qg, qg_stride, k, v, kv_stride, q_norm, k_norm, q_out, "attention_prepare_rows");
+  const int warps = prepare_warps(dims);
+  dispatch_head_dim(dims.head_dim, [&](auto d) {
     constexpr int kD = decltype(d)::value;
-    launch_pdl(prepare_rows_kernel<kD>, dim3(rows, dims.n_heads + dims.n_kv_heads), dim3(kD), 0, stream,
-               dims.n_heads, dims.rotary_dim, dims.norm_eps, freqs, qg, qg_stride, k, v, kv_stride, q_norm, k_norm,
-               pos, caches, q_out);
+    launch_pdl(prepare_rows_kernel<kD>, dim3(rows), dim3(warps * kWarp), prepare_smem(dims, warps), stream, a, pos,
+               caches);
   });
   LILY_CUDA_CHECK_LAUNCH();
 }

@@ -207,7 +207,8 @@ struct KvCacheView {
 ///   q_out  bf16 [T, nq, D]    contiguous
 /// pos0 is `*pos_device` when pos_device is non-null (decode graphs), else `pos0_host`.
 /// Requires pos0 + T ≤ cache.capacity (checked on the host side against pos0_host; with a
-/// device position the caller guarantees it).
+/// device position the caller guarantees it), and qg, k, v, q_out, the cache and both row
+/// strides aligned to D/32 elements (vector loads; checked).
 void attention_prepare(const AttnDims& dims, int T, const __nv_bfloat16* qg, int64_t qg_stride,
                        const __nv_bfloat16* k, const __nv_bfloat16* v, int64_t kv_stride,
                        const float* q_norm, const float* k_norm, int64_t pos0_host,
@@ -248,7 +249,9 @@ void attention_decode(const AttnDims& dims, const __nv_bfloat16* q, const __nv_b
 ///   caches device KvCacheView [rows]: each row's cache of this layer
 ///   q_out  bf16 [rows, nq, D]    contiguous
 /// pos and caches are read on the device after the launch's PDL wait (a captured graph replays
-/// with whatever they then hold). Throws lily::Error on bad dims, rows, strides or null buffers.
+/// with whatever they then hold). Throws lily::Error on bad dims, rows, strides or null buffers,
+/// or on qg, k, v, q_out or a stride not aligned to D/32 elements (the caches' alignment, like
+/// their capacity, is the caller's guarantee).
 void attention_prepare_rows(const AttnDims& dims, int rows, const __nv_bfloat16* qg, int64_t qg_stride,
                             const __nv_bfloat16* k, const __nv_bfloat16* v, int64_t kv_stride,
                             const float* q_norm, const float* k_norm, const int32_t* pos,
