@@ -1,8 +1,6 @@
 #include "support/safetensors_builder.h"
 
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <stdexcept>
 
 namespace lily::test {
@@ -84,28 +82,6 @@ std::string f32_bytes(const std::vector<float>& values) {
   std::string out(4 * values.size(), '\0');
   std::memcpy(out.data(), values.data(), out.size());
   return out;
-}
-
-void write_file(const std::filesystem::path& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  if (!out) throw std::runtime_error("cannot write " + path.string());
-}
-
-std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot read " + path.string());
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void copy_dir(const std::filesystem::path& from, const std::filesystem::path& to) {
-  std::filesystem::create_directories(to);
-  for (const auto& e : std::filesystem::directory_iterator(from))
-    if (e.is_regular_file())
-      std::filesystem::copy_file(e.path(), to / e.path().filename(),
-                                 std::filesystem::copy_options::overwrite_existing);
 }
 
 }  // namespace lily::test

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "support/test_support.h"  // write_file, read_file
+
 namespace lily::test {
 
 /// One tensor to write: name, header dtype string, shape, raw little-endian bytes.
@@ -46,11 +48,5 @@ class SafetensorsBuilder {
 std::string bf16_bytes(size_t n, float value);
 /// Bytes of F32 values.
 std::string f32_bytes(const std::vector<float>& values);
-/// Writes a string to a file (binary).
-void write_file(const std::filesystem::path& path, const std::string& bytes);
-/// Reads a whole file (binary).
-std::string read_file(const std::filesystem::path& path);
-/// Copies every regular file of `from` into `to` (created if needed).
-void copy_dir(const std::filesystem::path& from, const std::filesystem::path& to);
 
 }  // namespace lily::test

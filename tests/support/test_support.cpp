@@ -6,7 +6,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <stdexcept>
 
 namespace lily::test {
@@ -14,6 +16,28 @@ namespace lily::test {
 std::filesystem::path source_dir() { return LILY_SOURCE_DIR; }
 std::filesystem::path binary_dir() { return LILY_BINARY_DIR; }
 std::filesystem::path demo_model_dir() { return source_dir() / "models" / "demo"; }
+
+void write_file(const std::filesystem::path& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!out) throw std::runtime_error("cannot write " + path.string());
+}
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path.string());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void copy_dir(const std::filesystem::path& from, const std::filesystem::path& to) {
+  std::filesystem::create_directories(to);
+  for (const auto& e : std::filesystem::directory_iterator(from))
+    if (e.is_regular_file())
+      std::filesystem::copy_file(e.path(), to / e.path().filename(),
+                                 std::filesystem::copy_options::overwrite_existing);
+}
 
 std::filesystem::path copy_demo_model(const TempDir& tmp) {
   const std::filesystem::path dir = tmp.path() / "m";

@@ -41,6 +41,12 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+/// Writes a string to a file (binary); throws std::runtime_error when it cannot.
+void write_file(const std::filesystem::path& path, const std::string& bytes);
+/// Reads a whole file (binary); throws std::runtime_error when it cannot be opened.
+std::string read_file(const std::filesystem::path& path);
+/// Copies every regular file of `from` into `to` (created if needed); not recursive.
+void copy_dir(const std::filesystem::path& from, const std::filesystem::path& to);
 /// A copy of the demo model in `tmp` (at tmp/m), for tests that change or break its files.
 std::filesystem::path copy_demo_model(const TempDir& tmp);
 /// A path in single quotes, for the command lines run_lily pastes into the shell.

@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdio>
 #include <chrono>
-#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
@@ -59,10 +58,13 @@ double top2_margin(const std::vector<float>& logits) {
   return double(first) - second;
 }
 
+/// tests/fixtures/demo.golden.json (throws when it cannot be read).
+nlohmann::json demo_goldens() {
+  return nlohmann::json::parse(test::read_file(test::source_dir() / "tests" / "fixtures" / "demo.golden.json"));
+}
+
 TEST_F(CpuBackendDemo, ReproducesTransformersGreedyGoldens) {
-  std::ifstream in(test::source_dir() / "tests" / "fixtures" / "demo.golden.json");
-  ASSERT_TRUE(in) << "missing tests/fixtures/demo.golden.json";
-  const auto golden = nlohmann::json::parse(in);
+  const auto golden = demo_goldens();
   ASSERT_EQ(golden["goldens"].size(), 5u);
   CpuBackend backend(weights_, 2);
   int index = 0;
@@ -94,9 +96,7 @@ TEST_F(CpuBackendDemo, ReproducesTransformersGreedyGoldens) {
 TEST_F(CpuBackendDemo, Bf16NumericsKeepsTheGoldenIdsWhileTheMarginIsLarge) {
   // The bf16-activation policy (what the CUDA backend computes) must not change a greedy choice
   // that transformers made with a top-2 margin ≥ 0.5 (the end-to-end criterion of docs/model.md §4.5).
-  std::ifstream in(test::source_dir() / "tests" / "fixtures" / "demo.golden.json");
-  ASSERT_TRUE(in) << "missing tests/fixtures/demo.golden.json";
-  const auto golden = nlohmann::json::parse(in);
+  const auto golden = demo_goldens();
   CpuBackend backend(weights_, 2);
   backend.set_numerics(Numerics::kBf16Activations);
   int index = 0, compared = 0;
@@ -365,9 +365,7 @@ TEST_F(CpuBackendDemo, Bf16NumericsDiffersFromFp32OnlyThroughNearTiedRouting) {
   // run's expert set at those near-ties (within 0.05 standard deviations of the router logits;
   // the widest measured is 0.018) must leave only rounding noise: cosine ≥ 0.999 at every step.
   // This is the comparison rule of the CUDA end-to-end tests (tests/support/route_alignment.h).
-  std::ifstream in(test::source_dir() / "tests" / "fixtures" / "demo.golden.json");
-  ASSERT_TRUE(in) << "missing tests/fixtures/demo.golden.json";
-  const auto golden = nlohmann::json::parse(in);
+  const auto golden = demo_goldens();
   CpuBackend fp32(weights_, 2), bf16(weights_, 2);
   bf16.set_numerics(Numerics::kBf16Activations);
   test::RouterLog log;

@@ -12,7 +12,6 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -56,10 +55,7 @@ std::string checkpoint_digest(const fs::path& dir) {
   std::sort(files.begin(), files.end());
   uint64_t h = 0xcbf29ce484222325ull;
   for (const auto& f : files) {
-    std::ifstream in(f, std::ios::binary);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    for (unsigned char c : ss.str()) h = (h ^ c) * 0x100000001b3ull;
+    for (unsigned char c : test::read_file(f)) h = (h ^ c) * 0x100000001b3ull;
   }
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));

@@ -10,7 +10,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,11 +22,6 @@ namespace lily {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string file_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
 
 TEST(WeightsOnDisk, UnchangedFileIsNotReported) {
   test::TempDir tmp;
@@ -88,7 +82,7 @@ TEST(WeightsOnDisk, ReadIntoMemoryIsImmuneToTruncation) {
   test::TempDir tmp;
   const fs::path dir = test::copy_demo_model(tmp);
   const fs::path file = dir / "model.safetensors";
-  const std::string original = file_bytes(file);
+  const std::string original = test::read_file(file);
   Checkpoint ckpt(dir, /*map=*/false);
   EXPECT_FALSE(ckpt.mapped());
   fs::resize_file(file, 0);

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
-#include <iterator>
 
 #include "base/error.h"
 #include "support/test_support.h"
@@ -143,8 +142,7 @@ TEST(EncodeChat, MissingMarkerTokenIsAnError) {
   test::TempDir dir;
   auto path = dir.path() / "tokenizer.json";
   {
-    std::ifstream in(test::source_dir() / "tests/fixtures/tokenizer_small.json");
-    std::string text((std::istreambuf_iterator<char>(in)), {});
+    std::string text = test::read_file(test::source_dir() / "tests/fixtures/tokenizer_small.json");
     // Rename <think> everywhere (added token and its vocabulary entry).
     size_t renamed = 0;
     for (size_t at = text.find("\"<think>\""); at != std::string::npos; at = text.find("\"<think>\"", at)) {
@@ -164,13 +162,8 @@ TEST(EncodeChat, MissingMarkerTokenIsAnError) {
   }
 }
 
-std::string read_text(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), {});
-}
-
 TEST(ChatTemplate, BuiltinIsTheTestFixture) {
-  EXPECT_EQ(ChatTemplate::builtin_source(), read_text(test::source_dir() / "tests/fixtures/qwen3_6_chat_template.jinja"));
+  EXPECT_EQ(ChatTemplate::builtin_source(), test::read_file(test::source_dir() / "tests/fixtures/qwen3_6_chat_template.jinja"));
   EXPECT_EQ(ChatTemplate::builtin()->origin(), "built-in");
   EXPECT_TRUE(ChatTemplate::builtin()->rewrites_history());  // Qwen3.6 drops think blocks from history
 }
@@ -289,8 +282,7 @@ namespace {
 // with their arguments as a dict, tool results with their call id, reasoning, tools, thinking.
 const ChatTemplate& tools_template() {
   static const ChatTemplate t = [] {
-    std::ifstream in(test::source_dir() / "tests/fixtures/jinja/qwen3_6_tools.jinja");
-    return ChatTemplate(std::string(std::istreambuf_iterator<char>(in), {}), "qwen3_6_tools.jinja");
+    return ChatTemplate(test::read_file(test::source_dir() / "tests/fixtures/jinja/qwen3_6_tools.jinja"), "qwen3_6_tools.jinja");
   }();
   return t;
 }
