@@ -1358,11 +1358,11 @@ class CudaBackend final : public Backend {
 
   // ---- batched prefill (default; LILY_CUDA_PREFILL=per-token replays the decode graph) ---------
 
-  // Chunks of up to prefill_chunk_ tokens; every layer runs over all rows of a chunk: batched
-  // GEMVs, the mixer's chunked GDN prefill and causal flash attention, per-row MoE. Only the
-  // last prompt row goes through the final norm, lm_head and argmax (docs/model.md §4.4).
-  // Status: the whole tests/gpu/test_cuda_e2e.cpp suite passes with it on an H200 except where a
-  // test installs a probe sink (which selects the per-token path); see docs/cuda.md.
+  // Chunks of up to prefill_chunk_ tokens; every layer runs over all rows of a chunk: the
+  // projections as tensor-core GEMMs (prefill_project), the mixer's chunked GDN prefill and
+  // causal flash attention, the router GEMM and the grouped expert GEMMs. Only the last prompt
+  // row goes through the final norm, lm_head and argmax (docs/model.md §4.4). A test that
+  // installs a probe sink selects the per-token path instead (docs/cuda.md).
 
   /// Prefill projection y[T, w.rows] = x[T, w.cols]·Wᵀ (bf16 out) on the selected path.
   void prefill_project(const DeviceQuant& w, const bf16* x, int T, bf16* y) {

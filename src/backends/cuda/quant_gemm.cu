@@ -1284,6 +1284,23 @@ void check_alignment(const GemmParams& p, const char* what) {
                                 ": activations and codes must be 16-byte aligned, outputs 8 (fp32) or 4 (bf16)");
 }
 
+/// The parameters of a grouped expert GEMM: w0 the stacked weights, a the input rows (tokens
+/// for gate/up, assignment slots for down), n the output width per expert, y the bf16 output.
+GemmParams grouped_params(const DeviceQuant& w0, const bf16* a, int m, int n, bf16* y, const int32_t* grouping,
+                          int n_groups, int n_sel) {
+  GemmParams p;
+  p.w0 = w0;
+  p.a = a;
+  p.m = m;
+  p.K = w0.cols;
+  p.n = n;
+  p.y_bf16 = y;
+  p.grouping = grouping;
+  p.n_groups = n_groups;
+  p.n_sel = n_sel;
+  return p;
+}
+
 }  // namespace
 
 GemmRegdq gemm_regdq() { return g_regdq.load(std::memory_order_relaxed); }
@@ -1332,17 +1349,8 @@ void launch_quant_gemm_grouped_gate_up(const DeviceQuant& gate, const DeviceQuan
   if (gate.bits != up.bits || gate.cols != up.cols || ffn <= 0 || gate.rows < int64_t(n_groups) * ffn ||
       up.rows < int64_t(n_groups) * ffn)
     throw ::lily::InternalError("launch_quant_gemm_grouped_gate_up: gate/up stacks do not match n_groups × ffn");
-  GemmParams p;
-  p.w0 = gate;
+  GemmParams p = grouped_params(gate, x, m, ffn, act, grouping, n_groups, n_sel);
   p.w1 = up;
-  p.a = x;
-  p.m = m;
-  p.K = gate.cols;
-  p.n = ffn;
-  p.y_bf16 = act;
-  p.grouping = grouping;
-  p.n_groups = n_groups;
-  p.n_sel = n_sel;
   check_alignment(p, "launch_quant_gemm_grouped_gate_up");
   grouped_dispatch<Mode::kGateUp>(p, ceil_div(ffn, 64), stream);
 }
@@ -1353,16 +1361,7 @@ void launch_quant_gemm_grouped_down(const DeviceQuant& down, int hidden, const i
   check_grouped(m, n_sel, n_groups, grouping, "launch_quant_gemm_grouped_down");
   if (hidden <= 0 || down.rows < int64_t(n_groups) * hidden)
     throw ::lily::InternalError("launch_quant_gemm_grouped_down: down stack does not match n_groups × hidden");
-  GemmParams p;
-  p.w0 = down;
-  p.a = act;
-  p.m = m;
-  p.K = down.cols;
-  p.n = hidden;
-  p.y_bf16 = slot_out;
-  p.grouping = grouping;
-  p.n_groups = n_groups;
-  p.n_sel = n_sel;
+  const GemmParams p = grouped_params(down, act, m, hidden, slot_out, grouping, n_groups, n_sel);
   check_alignment(p, "launch_quant_gemm_grouped_down");
   grouped_dispatch<Mode::kDown>(p, ceil_div(hidden, 128), stream);
 }
