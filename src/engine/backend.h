@@ -176,7 +176,7 @@ class Backend {
 /// How the CUDA backend runs (docs/cuda.md), one field per path choice; the defaults are the
 /// paths verified on an H200. The one place the LILY_CUDA_* variables are read: filled from the
 /// environment (from_env), validated before any backend is chosen, and written into the bench
-/// report. The CUDA backend sets the kernel layer's process-wide switches (pdl … gemm_regdq) from
+/// report. The CUDA backend sets the kernel layer's process-wide switches (pdl … gemm_kernel) from
 /// its options when it is created (backends/cuda/kernel_switches.h); no kernel reads the
 /// environment itself.
 struct CudaOptions {
@@ -198,13 +198,14 @@ struct CudaOptions {
   /// LILY_CUDA_FUSED_MOE 1|0: the decode MoE block (router, experts, combine) as one launch with
   /// grid-wide barriers, or as three kernels. Needs fuse=1; shapes it does not support keep three.
   bool fused_moe = true;
-  /// LILY_CUDA_GEMM_REGDQ wgmma-narrow|wgmma|grouped|all|0: the 4-bit grouped and dense GEMMs of
+  /// LILY_CUDA_GEMM_KERNEL (formerly LILY_CUDA_GEMM_REGDQ) wgmma-narrow|wgmma|grouped|all|0: the
+  /// 4-bit grouped and dense GEMMs of
   /// the tensor-core prefill run on Hopper warpgroup MMAs with 128 ("wgmma-narrow", the default)
   /// or 256 ("wgmma") weight rows per work item; or the grouped expert GEMMs dequantize in
   /// registers right before mma.sync ("grouped"), so do the dense GEMMs with at least one
   /// 64 × 256 tile per SM ("all"), or every GEMM keeps the shared-tile kernel ("0");
   /// docs/cuda.md.
-  std::string gemm_regdq = "wgmma-narrow";
+  std::string gemm_kernel = "wgmma-narrow";
   /// LILY_CUDA_BATCHED_DECODE 1|0: every decode step runs through one batched forward over its
   /// decode rows (groups of ≤ 8, also a single row, so that a row alone and in a batch share one
   /// arithmetic), reading each weight once per step for all rows; or (0, the default) each
@@ -225,7 +226,7 @@ struct CudaOptions {
   static CudaOptions from_env();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
   /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
-  /// gemm-regdq=wgmma-narrow fused-moe=1 batched-decode=0 chunk=2048 max-batch=8", for logs and reports.
+  /// gemm-kernel=wgmma-narrow fused-moe=1 batched-decode=0 chunk=2048 max-batch=8", for logs and reports.
   std::string describe() const;
 };
 
@@ -276,10 +277,14 @@ inline CudaOptions CudaOptions::from_env() {
   o.batched_prefill = env_choice("LILY_CUDA_PREFILL", "batched", "per-token", o.batched_prefill);
   o.tensor_core_gemm = env_choice("LILY_CUDA_GEMM", "tensor-core", "gemv", o.tensor_core_gemm);
   o.fused_moe = env_choice("LILY_CUDA_FUSED_MOE", "1", "0", o.fused_moe);
-  if (const std::string v = env_value("LILY_CUDA_GEMM_REGDQ"); !v.empty()) {
+  // LILY_CUDA_GEMM_REGDQ is the switch's former name, still read when LILY_CUDA_GEMM_KERNEL is unset.
+  const char* gemm_var = env_value("LILY_CUDA_GEMM_KERNEL").empty() && !env_value("LILY_CUDA_GEMM_REGDQ").empty()
+                             ? "LILY_CUDA_GEMM_REGDQ"
+                             : "LILY_CUDA_GEMM_KERNEL";
+  if (const std::string v = env_value(gemm_var); !v.empty()) {
     if (v != "grouped" && v != "all" && v != "0" && v != "wgmma" && v != "wgmma-narrow")
-      throw Error("LILY_CUDA_GEMM_REGDQ must be 'grouped', 'all', '0', 'wgmma' or 'wgmma-narrow', got '" + v + "'");
-    o.gemm_regdq = v;
+      throw Error(std::string(gemm_var) + " must be 'grouped', 'all', '0', 'wgmma' or 'wgmma-narrow', got '" + v + "'");
+    o.gemm_kernel = v;
   }
   o.batched_decode = env_choice("LILY_CUDA_BATCHED_DECODE", "1", "0", o.batched_decode);
   o.prefill_chunk = env_int("LILY_CUDA_PREFILL_CHUNK", 1, kMaxPrefillChunk, o.prefill_chunk);
@@ -293,7 +298,7 @@ inline std::string CudaOptions::describe() const {
          " device-sampler=" + (device_sampler ? "1" : "0") + " gemv-row-tiles=" + (gemv_row_tiles ? "1" : "0") +
          " gdn-chunk-parallel=" + (gdn_chunk_parallel ? "1" : "0") + " gdn-local-mma=" + (gdn_local_mma ? "1" : "0") +
          " gdn-state-mma=" + (gdn_state_mma ? "1" : "0") + " prefill=" + (batched_prefill ? "batched" : "per-token") +
-         " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " gemm-regdq=" + gemm_regdq +
+         " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " gemm-kernel=" + gemm_kernel +
          " fused-moe=" + (fused_moe ? "1" : "0") +
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
          " max-batch=" + std::to_string(max_batch);

@@ -1,6 +1,6 @@
 // apply_kernel_switches (backends/cuda/kernel_switches.h): every field of CudaOptions that picks a
 // kernel-level path reaches its process-wide switch, the switches start at the verified defaults,
-// and a bad gemm_regdq string throws before any switch changes. Touches no device (only the
+// and a bad gemm_kernel string throws before any switch changes. Touches no device (only the
 // switches' values), but links the CUDA library, so it sits with the gpu tests.
 #include <gtest/gtest.h>
 
@@ -17,39 +17,39 @@ namespace {
 struct Switches {
   bool pdl, stream_gemv, flash_prefill, device_sampler, gemv_row_tiles, gdn_chunk_parallel, gdn_local_mma,
       gdn_state_mma;
-  cuda::GemmRegdq regdq;
+  cuda::GemmKernel gemm;
 
   static Switches now() {
     return {cuda::pdl_enabled(),           cuda::stream_gemv_enabled(),        cuda::flash_prefill_enabled(),
             cuda::device_sampler_enabled(), cuda::gemv_row_tiles_enabled(),    cuda::gdn_chunk_parallel_enabled(),
-            cuda::gdn_local_mma_enabled(),  cuda::gdn_state_mma_enabled(),     cuda::gemm_regdq()};
+            cuda::gdn_local_mma_enabled(),  cuda::gdn_state_mma_enabled(),     cuda::gemm_kernel()};
   }
   bool operator==(const Switches&) const = default;
 };
 
 TEST(KernelSwitches, StartAtTheVerifiedDefaults) {
   // Before anything sets them (this test runs first in its process; gtest keeps file order).
-  EXPECT_EQ(Switches::now(), (Switches{true, true, true, true, true, true, true, true, cuda::GemmRegdq::kWgmmaNarrow}));
+  EXPECT_EQ(Switches::now(), (Switches{true, true, true, true, true, true, true, true, cuda::GemmKernel::kWgmmaNarrow}));
   cuda::apply_kernel_switches(CudaOptions{});  // the defaults of CudaOptions are the same paths
-  EXPECT_EQ(Switches::now(), (Switches{true, true, true, true, true, true, true, true, cuda::GemmRegdq::kWgmmaNarrow}));
+  EXPECT_EQ(Switches::now(), (Switches{true, true, true, true, true, true, true, true, cuda::GemmKernel::kWgmmaNarrow}));
 }
 
 TEST(KernelSwitches, EveryFieldReachesItsSwitch) {
   CudaOptions o;
   o.pdl = o.stream_gemv = o.flash_prefill = o.device_sampler = false;
   o.gemv_row_tiles = o.gdn_chunk_parallel = o.gdn_local_mma = o.gdn_state_mma = false;
-  o.gemm_regdq = "0";
+  o.gemm_kernel = "0";
   cuda::apply_kernel_switches(o);
-  EXPECT_EQ(Switches::now(), (Switches{false, false, false, false, false, false, false, false, cuda::GemmRegdq::kOff}));
-  o.gemm_regdq = "all";
+  EXPECT_EQ(Switches::now(), (Switches{false, false, false, false, false, false, false, false, cuda::GemmKernel::kOff}));
+  o.gemm_kernel = "all";
   cuda::apply_kernel_switches(o);
-  EXPECT_EQ(cuda::gemm_regdq(), cuda::GemmRegdq::kAll);
-  o.gemm_regdq = "wgmma";
+  EXPECT_EQ(cuda::gemm_kernel(), cuda::GemmKernel::kAll);
+  o.gemm_kernel = "wgmma";
   cuda::apply_kernel_switches(o);
-  EXPECT_EQ(cuda::gemm_regdq(), cuda::GemmRegdq::kWgmma);
-  o.gemm_regdq = "wgmma-narrow";
+  EXPECT_EQ(cuda::gemm_kernel(), cuda::GemmKernel::kWgmma);
+  o.gemm_kernel = "wgmma-narrow";
   cuda::apply_kernel_switches(o);
-  EXPECT_EQ(cuda::gemm_regdq(), cuda::GemmRegdq::kWgmmaNarrow);
+  EXPECT_EQ(cuda::gemm_kernel(), cuda::GemmKernel::kWgmmaNarrow);
   // One at a time, so that no field sets another's switch.
   const auto one = [](bool CudaOptions::*field) {
     CudaOptions x;
@@ -74,16 +74,16 @@ TEST(KernelSwitches, BadRegdqThrowsBeforeChangingAnything) {
   cuda::apply_kernel_switches(CudaOptions{});
   CudaOptions o;
   o.pdl = false;
-  o.gemm_regdq = "dense";
+  o.gemm_kernel = "dense";
   try {
     cuda::apply_kernel_switches(o);
-    ADD_FAILURE() << "gemm_regdq 'dense' was accepted";
+    ADD_FAILURE() << "gemm_kernel 'dense' was accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("LILY_CUDA_GEMM_REGDQ"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("LILY_CUDA_GEMM_KERNEL"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("dense"), std::string::npos) << e.what();
   }
   EXPECT_TRUE(cuda::pdl_enabled());
-  EXPECT_EQ(cuda::gemm_regdq(), cuda::GemmRegdq::kWgmmaNarrow);
+  EXPECT_EQ(cuda::gemm_kernel(), cuda::GemmKernel::kWgmmaNarrow);
 }
 
 }  // namespace

@@ -24,7 +24,7 @@
 //    measure above: RMS error ≤ 1.5e-2, max ≤ 8e-2 (three rounded weight products and the
 //    SwiGLU compound: a host simulation of this chain gave ≈ 0.5 % RMS, ≈ 2.6 % max over 8K outputs).
 // The GEMMs have two kernels (quant_gemm.cu): register dequantization with a persistent work
-// list (LILY_CUDA_GEMM_REGDQ=grouped, the default: the 4-bit grouped GEMMs; =all: the large
+// list (LILY_CUDA_GEMM_KERNEL=grouped, the default: the 4-bit grouped GEMMs; =all: the large
 // dense ones too) and the shared-tile kernels (=0). Every case checks the selected kernel
 // against the references above and the other one against it (grouped: act within 4e-2, expert
 // outputs within 2e-2; dense: 2e-2 bf16, 2e-3 fp32, by the first item's measure: two
@@ -34,7 +34,7 @@
 // tiles, masked tails, several row tiles), the real shapes run at 2,048 tokens. Setting the
 // variable for the whole run swaps which kernel the references check (the test applies the
 // LILY_CUDA_* environment through CudaOptions::from_env before its first test, as the backend
-// does; within the run it flips cuda::set_gemm_regdq).
+// does; within the run it flips cuda::set_gemm_kernel).
 // Outputs are poisoned (NaN) before each launch, so any element the kernels skip fails.
 // CudaQuantGemmTiming prints times and TFLOP/s (CUDA events after warm-up; never asserted).
 #include <gtest/gtest.h>
@@ -61,23 +61,23 @@ using bf16_t = __nv_bfloat16;
 
 constexpr int kHidden = 2048, kExperts = 256, kTopK = 8, kFfn = 512;
 
-/// The GEMM kernel switch (cuda::gemm_regdq, quant_gemm.h) for the scope, then the one before:
+/// The GEMM kernel switch (cuda::gemm_kernel, quant_gemm.h) for the scope, then the one before:
 /// kGrouped (default: register dequantization for the grouped GEMMs), kAll (also the large
 /// dense ones), kOff (the shared-tile kernels everywhere).
-class ScopedRegdq {
+class ScopedGemmKernel {
  public:
-  explicit ScopedRegdq(cuda::GemmRegdq mode) : old_(cuda::gemm_regdq()) { cuda::set_gemm_regdq(mode); }
-  ~ScopedRegdq() { cuda::set_gemm_regdq(old_); }
-  ScopedRegdq(const ScopedRegdq&) = delete;
-  ScopedRegdq& operator=(const ScopedRegdq&) = delete;
+  explicit ScopedGemmKernel(cuda::GemmKernel mode) : old_(cuda::gemm_kernel()) { cuda::set_gemm_kernel(mode); }
+  ~ScopedGemmKernel() { cuda::set_gemm_kernel(old_); }
+  ScopedGemmKernel(const ScopedGemmKernel&) = delete;
+  ScopedGemmKernel& operator=(const ScopedGemmKernel&) = delete;
 
  private:
-  cuda::GemmRegdq old_;
+  cuda::GemmKernel old_;
 };
 
 /// The kernel switches as the CUDA backend would set them from the LILY_CUDA_* environment
 /// (CudaOptions::from_env, apply_kernel_switches), before the first test: so that
-/// LILY_CUDA_GEMM_REGDQ set for the whole run swaps which kernel the references check.
+/// LILY_CUDA_GEMM_KERNEL set for the whole run swaps which kernel the references check.
 class SwitchesFromEnv : public ::testing::Environment {
  public:
   void SetUp() override { cuda::apply_kernel_switches(CudaOptions::from_env()); }
@@ -164,7 +164,7 @@ void check_gemm(int64_t rows, int cols, int bits, bool f32_out, std::vector<int>
 
     // The other kernel (file comment) on the same input: each within the reference tolerance.
     {
-      ScopedRegdq other(cuda::gemm_regdq() == cuda::GemmRegdq::kAll ? cuda::GemmRegdq::kOff : cuda::GemmRegdq::kAll);
+      ScopedGemmKernel other(cuda::gemm_kernel() == cuda::GemmKernel::kAll ? cuda::GemmKernel::kOff : cuda::GemmKernel::kAll);
       DeviceBuffer dy2 = poisoned(size_t(m) * rows * 4);
       cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, f32_out ? nullptr : dy2.as<bf16_t>(),
                               f32_out ? dy2.as<float>() : nullptr, nullptr);
@@ -224,7 +224,7 @@ TEST(CudaQuantGemm, RegdqDenseTiles) {
   // 256 weight rows per SM on an H200): full and ragged last row tiles (1100 = 17·64 + 12), odd
   // widths (unaligned rows: element stores), fp32 outputs. The references check the register-
   // dequant kernel ("all"), the agreement check the shared-tile one.
-  ScopedRegdq all(cuda::GemmRegdq::kAll);
+  ScopedGemmKernel all(cuda::GemmKernel::kAll);
   check_gemm(kHidden, 4096, 4, false, {2048, 1100}, 10);   // out_proj at the default chunk
   check_gemm(1037, 512, 4, true, {2000}, 11);              // 5 column tiles, the last of 13 rows
   check_gemm(20037, 256, 4, false, {200}, 12);
@@ -236,9 +236,9 @@ TEST(CudaQuantGemm, WgmmaDenseTiles) {
   // (1100 = 8·128 + 76 and 1110 = 8·128 + 86: a second token block narrowed to 16 and to 32
   // columns), an odd width (element stores) over 8 k-tiles (one block of staged scales). The
   // agreement check compares it with the register-dequant kernel.
-  for (cuda::GemmRegdq mode : {cuda::GemmRegdq::kWgmma, cuda::GemmRegdq::kWgmmaNarrow}) {
-    SCOPED_TRACE(mode == cuda::GemmRegdq::kWgmma ? "wgmma" : "wgmma-narrow");
-    ScopedRegdq wgmma(mode);
+  for (cuda::GemmKernel mode : {cuda::GemmKernel::kWgmma, cuda::GemmKernel::kWgmmaNarrow}) {
+    SCOPED_TRACE(mode == cuda::GemmKernel::kWgmma ? "wgmma" : "wgmma-narrow");
+    ScopedGemmKernel wgmma(mode);
     check_gemm(8192 + 4096 + 32 + 32, kHidden, 4, false, {2048, 1100, 1110}, 13);
     check_gemm(20037, 512, 4, false, {200}, 14);
   }
@@ -381,7 +381,7 @@ void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t 
   // The other grouped kernel (shared tile if the default ran, see the file comment) on the same
   // inputs: gate/up from x, down from the default's activations.
   {
-    ScopedRegdq other(cuda::gemm_regdq() == cuda::GemmRegdq::kOff ? cuda::GemmRegdq::kGrouped : cuda::GemmRegdq::kOff);
+    ScopedGemmKernel other(cuda::gemm_kernel() == cuda::GemmKernel::kOff ? cuda::GemmKernel::kGrouped : cuda::GemmKernel::kOff);
     DeviceBuffer act_o = poisoned(size_t(A) * ffn * 2), slot_o = poisoned(size_t(A) * hidden * 2);
     cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), ffn, grouping.as<int32_t>(), n_groups,
                                             dx.as<bf16_t>(), m, n_sel, act_o.as<bf16_t>(), nullptr);
@@ -538,9 +538,9 @@ TEST(CudaGroupedExperts, WgmmaKernels) {
   // check compares each with the shared-tile kernel.
   const std::vector<int> counts = ragged_counts(kExperts), small_counts = ragged_counts(16);
   const int sum = std::accumulate(counts.begin(), counts.end(), 0);
-  for (cuda::GemmRegdq mode : {cuda::GemmRegdq::kWgmma, cuda::GemmRegdq::kWgmmaNarrow}) {
-    SCOPED_TRACE(mode == cuda::GemmRegdq::kWgmma ? "wgmma" : "wgmma-narrow");
-    ScopedRegdq wgmma(mode);
+  for (cuda::GemmKernel mode : {cuda::GemmKernel::kWgmma, cuda::GemmKernel::kWgmmaNarrow}) {
+    SCOPED_TRACE(mode == cuda::GemmKernel::kWgmma ? "wgmma" : "wgmma-narrow");
+    ScopedGemmKernel wgmma(mode);
     check_grouped(kExperts, kTopK, kHidden, kFfn, 2048, kExperts, 50);
     check_grouped(kExperts, kTopK, kHidden, kFfn, sum / kTopK, kExperts, 51, &counts);
     check_grouped(16, 4, 512, 512, 210, 16, 52, &small_counts);
@@ -577,12 +577,12 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
       const double gv = time_us([&] { cuda::launch_quant_gemv_batched(w.view(), dx.as<bf16_t>(), std::min(m, 256), y.as<bf16_t>(), nullptr, nullptr); }, 10);
       double rd = 0;
       {
-        ScopedRegdq all(cuda::GemmRegdq::kAll);
+        ScopedGemmKernel all(cuda::GemmKernel::kAll);
         rd = time_us([&] { cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, y.as<bf16_t>(), nullptr, nullptr); }, kTimingReps);
       }
       double wg[2] = {0, 0};
       for (int i = 0; i < 2; ++i) {
-        ScopedRegdq wgmma(i == 0 ? cuda::GemmRegdq::kWgmma : cuda::GemmRegdq::kWgmmaNarrow);
+        ScopedGemmKernel wgmma(i == 0 ? cuda::GemmKernel::kWgmma : cuda::GemmKernel::kWgmmaNarrow);
         wg[i] = time_us([&] { cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, y.as<bf16_t>(), nullptr, nullptr); }, kTimingReps);
       }
       const double flop = 2.0 * m * s.rows * s.cols;
@@ -614,7 +614,7 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
     }, kTimingReps);
     double gu_old = 0, dn_old = 0;  // the shared-tile kernels (the defaults above use the switch as set)
     {
-      ScopedRegdq shared_tile(cuda::GemmRegdq::kOff);
+      ScopedGemmKernel shared_tile(cuda::GemmKernel::kOff);
       gu_old = time_us([&] {
         cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), kFfn, grouping.as<int32_t>(), n_groups,
                                                 dx.as<bf16_t>(), m, n_sel, act.as<bf16_t>(), nullptr);
@@ -625,8 +625,8 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
       }, kTimingReps);
     }
     const double flop_gu = 2.0 * m * n_sel * 2.0 * kFfn * kHidden, flop_dn = 2.0 * m * n_sel * kFfn * kHidden;
-    for (cuda::GemmRegdq mode : {cuda::GemmRegdq::kWgmma, cuda::GemmRegdq::kWgmmaNarrow}) {
-      ScopedRegdq wgmma(mode);
+    for (cuda::GemmKernel mode : {cuda::GemmKernel::kWgmma, cuda::GemmKernel::kWgmmaNarrow}) {
+      ScopedGemmKernel wgmma(mode);
       const double gu_w = time_us([&] {
         cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), kFfn, grouping.as<int32_t>(), n_groups,
                                                 dx.as<bf16_t>(), m, n_sel, act.as<bf16_t>(), nullptr);
@@ -636,7 +636,7 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
                                              act.as<bf16_t>(), m, n_sel, slot.as<bf16_t>(), nullptr);
       }, kTimingReps);
       std::printf("[timing] grouped m=%4d %-12s gate/up %.1f us (%.1f TFLOP/s); down %.1f us (%.1f TFLOP/s)\n", m,
-                  mode == cuda::GemmRegdq::kWgmma ? "wgmma" : "wgmma-narrow", gu_w, flop_gu / gu_w / 1e6, dn_w,
+                  mode == cuda::GemmKernel::kWgmma ? "wgmma" : "wgmma-narrow", gu_w, flop_gu / gu_w / 1e6, dn_w,
                   flop_dn / dn_w / 1e6);
     }
     std::printf("[timing] grouped m=%4d gate/up: default %.1f us (%.1f TFLOP/s), shared-tile %.1f us (%.1f TFLOP/s); "

@@ -11,20 +11,20 @@
 namespace lily::cuda {
 namespace {
 
-GemmRegdq parse_gemm_regdq(const std::string& v) {
-  if (v == "grouped") return GemmRegdq::kGrouped;
-  if (v == "all") return GemmRegdq::kAll;
-  if (v == "0") return GemmRegdq::kOff;
-  if (v == "wgmma") return GemmRegdq::kWgmma;
-  if (v == "wgmma-narrow") return GemmRegdq::kWgmmaNarrow;
-  throw ::lily::Error("CudaOptions::gemm_regdq (LILY_CUDA_GEMM_REGDQ) must be 'grouped', 'all', '0', 'wgmma' or "
+GemmKernel parse_gemm_kernel(const std::string& v) {
+  if (v == "grouped") return GemmKernel::kGrouped;
+  if (v == "all") return GemmKernel::kAll;
+  if (v == "0") return GemmKernel::kOff;
+  if (v == "wgmma") return GemmKernel::kWgmma;
+  if (v == "wgmma-narrow") return GemmKernel::kWgmmaNarrow;
+  throw ::lily::Error("CudaOptions::gemm_kernel (LILY_CUDA_GEMM_KERNEL) must be 'grouped', 'all', '0', 'wgmma' or "
                       "'wgmma-narrow', got '" + v + "'");
 }
 
 }  // namespace
 
 void apply_kernel_switches(const CudaOptions& options) {
-  const GemmRegdq regdq = parse_gemm_regdq(options.gemm_regdq);
+  const GemmKernel gemm = parse_gemm_kernel(options.gemm_kernel);
   set_pdl_enabled(options.pdl);
   set_stream_gemv_enabled(options.stream_gemv);
   set_flash_prefill_enabled(options.flash_prefill);
@@ -33,7 +33,7 @@ void apply_kernel_switches(const CudaOptions& options) {
   set_gdn_chunk_parallel_enabled(options.gdn_chunk_parallel);
   set_gdn_local_mma_enabled(options.gdn_local_mma);
   set_gdn_state_mma_enabled(options.gdn_state_mma);
-  set_gemm_regdq(regdq);
+  set_gemm_kernel(gemm);
 }
 
 }  // namespace lily::cuda

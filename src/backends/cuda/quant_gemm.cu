@@ -3,7 +3,7 @@
 // expert GEMMs; the default prefill path (CudaOptions::tensor_core_gemm). Tests:
 // tests/gpu/test_quant_gemm.cu (docs/cuda.md).
 //
-// Three kernels, chosen by gemm_regdq() (set from CudaOptions::gemm_regdq, LILY_CUDA_GEMM_REGDQ):
+// Three kernels, chosen by gemm_kernel() (set from CudaOptions::gemm_kernel, LILY_CUDA_GEMM_KERNEL):
 //   * wgmma_gemm_kernel (the default, "wgmma-narrow"; "wgmma" for wider items): the register-
 //     dequant kernel's work list on Hopper warpgroup MMAs — the dequantized weights as the
 //     register A operand, the token rows read by the tensor cores from shared memory; every
@@ -13,7 +13,7 @@
 //     mma.sync, a persistent grid over a flat list of (row tile, column tile) work items — see
 //     "register dequantization" below: the 4-bit grouped expert GEMMs; with "all" also the
 //     dense GEMMs with at least one 64 × 256 item per SM.
-//   * quant_gemm_kernel (8-bit weights, the dense GEMMs by default, LILY_CUDA_GEMM_REGDQ=0):
+//   * quant_gemm_kernel (8-bit weights, the dense GEMMs by default, LILY_CUDA_GEMM_KERNEL=0):
 //     the shared-tile kernel described next.
 //
 // The shared-tile kernel: one template, three modes:
@@ -713,7 +713,7 @@ void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
   LILY_CUDA_CHECK_LAUNCH();
 }
 
-// ---- warpgroup MMA with register dequantization (wgmma; LILY_CUDA_GEMM_REGDQ=wgmma) -----------------
+// ---- warpgroup MMA with register dequantization (wgmma; LILY_CUDA_GEMM_KERNEL=wgmma) -----------------
 //
 // The same work list as the register-dequant kernel, on Hopper's asynchronous warpgroup MMA:
 // work item = (row tile of ≤ 128 token rows / assignments, column tile of 128 or 256 weight rows).
@@ -1035,22 +1035,22 @@ void wgmma_launch(GemmParams p, cudaStream_t stream) {
   LILY_CUDA_CHECK_LAUNCH();
 }
 
-/// gemm_regdq()'s value: kWgmmaNarrow until set_gemm_regdq.
-std::atomic<GemmRegdq> g_regdq{GemmRegdq::kWgmmaNarrow};
+/// gemm_kernel()'s value: kWgmmaNarrow until set_gemm_kernel.
+std::atomic<GemmKernel> g_gemm_kernel{GemmKernel::kWgmmaNarrow};
 
-/// gemm_regdq(): kGrouped → the register-dequant kernel for the 4-bit grouped
+/// gemm_kernel(): kGrouped → the register-dequant kernel for the 4-bit grouped
 /// GEMMs (the dense ones keep the shared-tile kernel, which already reaches ≈ 230 TFLOP/s at
 /// 2,048 tokens with its 128-token tiles); kAll → also for the dense GEMMs with ≥ one item per
 /// SM (for an A/B); kOff → the shared-tile kernels everywhere. Read at every launch (a test flips
 /// it between launches). Returns whether the register-dequant kernel is selected for a dense
 /// (`dense`) or a grouped GEMM.
 bool regdq_enabled(bool dense) {
-  switch (gemm_regdq()) {
-    case GemmRegdq::kGrouped: return !dense;
-    case GemmRegdq::kAll: return true;
-    case GemmRegdq::kOff: return false;
-    case GemmRegdq::kWgmma:
-    case GemmRegdq::kWgmmaNarrow: return !dense;  // where the wgmma kernel does not apply
+  switch (gemm_kernel()) {
+    case GemmKernel::kGrouped: return !dense;
+    case GemmKernel::kAll: return true;
+    case GemmKernel::kOff: return false;
+    case GemmKernel::kWgmma:
+    case GemmKernel::kWgmmaNarrow: return !dense;  // where the wgmma kernel does not apply
   }
   return !dense;
 }
@@ -1064,12 +1064,12 @@ bool wgmma_fits(const GemmParams& p) {
          aligned16(p.w1.scales) && aligned16(p.w1.biases);
 }
 
-/// Warpgroups per CTA of the wgmma kernel that gemm_regdq() selects for 4-bit GEMMs with bf16
+/// Warpgroups per CTA of the wgmma kernel that gemm_kernel() selects for 4-bit GEMMs with bf16
 /// output: 4 (kWgmma, 256 weight rows per item), 2 (kWgmmaNarrow, 128), 0 (not selected).
 int wgmma_groups() {
-  switch (gemm_regdq()) {
-    case GemmRegdq::kWgmma: return 4;
-    case GemmRegdq::kWgmmaNarrow: return 2;
+  switch (gemm_kernel()) {
+    case GemmKernel::kWgmma: return 4;
+    case GemmKernel::kWgmmaNarrow: return 2;
     default: return 0;
   }
 }
@@ -1303,8 +1303,8 @@ GemmParams grouped_params(const DeviceQuant& w0, const bf16* a, int m, int n, bf
 
 }  // namespace
 
-GemmRegdq gemm_regdq() { return g_regdq.load(std::memory_order_relaxed); }
-void set_gemm_regdq(GemmRegdq mode) { g_regdq.store(mode, std::memory_order_relaxed); }
+GemmKernel gemm_kernel() { return g_gemm_kernel.load(std::memory_order_relaxed); }
+void set_gemm_kernel(GemmKernel mode) { g_gemm_kernel.store(mode, std::memory_order_relaxed); }
 
 void launch_quant_gemm(const DeviceQuant& w, const bf16* x, int m, bf16* y_bf16, float* y_f32, cudaStream_t stream) {
   check_gemm_weights(w, "quant_gemm");

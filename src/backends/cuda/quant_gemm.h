@@ -5,7 +5,7 @@
 // rounded once to bf16, products of bf16 × bf16 are accumulated in fp32, the output is rounded
 // once (bf16 outputs). Asynchronous on `stream`; they allocate nothing. See docs/cuda.md
 // ("Tensor-core prefill GEMM") for tiles and status. The 4-bit kernels that dequantize in
-// registers (the warpgroup-MMA kernel, the default, and the mma.sync one; LILY_CUDA_GEMM_REGDQ)
+// registers (the warpgroup-MMA kernel, the default, and the mma.sync one; LILY_CUDA_GEMM_KERNEL)
 // round the exact s·q + b once to bf16 (the shared-tile kernel rounds its fp32 value: the same
 // bf16 except where that fp32 rounding lands on a bf16 tie) and sum the products in other
 // orders; all stay within the tests' tolerances. The grouped GEMMs read only `offsets` and
@@ -22,9 +22,9 @@
 namespace lily::cuda {
 
 /// Where the 4-bit tensor-core GEMMs dequantize in registers right before the MMAs
-/// (regdq_gemm_kernel) instead of through a shared-memory tile: CudaOptions::gemm_regdq
-/// (LILY_CUDA_GEMM_REGDQ), docs/cuda.md.
-enum class GemmRegdq {
+/// (regdq_gemm_kernel) instead of through a shared-memory tile: CudaOptions::gemm_kernel
+/// (LILY_CUDA_GEMM_KERNEL), docs/cuda.md.
+enum class GemmKernel {
   kGrouped,  ///< "grouped": the grouped expert GEMMs; the dense ones keep the shared tile
   kAll,      ///< "all": also the dense GEMMs with at least one 64 × 256 tile per SM (for an A/B)
   kOff,      ///< "0": the shared-tile kernels everywhere
@@ -34,12 +34,12 @@ enum class GemmRegdq {
 };
 /// The process-wide choice the GEMM launchers read at every launch: kWgmmaNarrow until set (the
 /// CUDA backend sets it from its CudaOptions when created; kernel_switches.h).
-GemmRegdq gemm_regdq();
-/// Sets gemm_regdq() for the launches that follow (the backend at creation; tests comparing paths).
-void set_gemm_regdq(GemmRegdq mode);
+GemmKernel gemm_kernel();
+/// Sets gemm_kernel() for the launches that follow (the backend at creation; tests comparing paths).
+void set_gemm_kernel(GemmKernel mode);
 
 /// y[m, w.rows] = x[m, w.cols] · bf16(W)ᵀ on tensor cores (wgmma or mma.sync with bf16 inputs,
-/// fp32 accumulation; gemm_regdq() picks the kernel). x: bf16 row-major [m, cols]; exactly one of y_bf16 / y_f32 ([m, rows],
+/// fp32 accumulation; gemm_kernel() picks the kernel). x: bf16 row-major [m, cols]; exactly one of y_bf16 / y_f32 ([m, rows],
 /// row-major) is non-null (bf16 rounded once; fp32 not rounded). Any m ≥ 1 (tail rows masked),
 /// any rows ≥ 1 (tail columns masked). x and w.codes must be 16-byte aligned (cp.async), as
 /// device allocations are; y 8-byte aligned. Throws lily::Error for bits ∉ {4, 8} or cols not a

@@ -94,7 +94,7 @@ class ScopedEnv {
 
 TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   for (const char* v : {"LILY_CUDA_FUSE", "LILY_CUDA_PDL", "LILY_CUDA_STREAM_GEMV", "LILY_CUDA_FLASH_PREFILL",
-                        "LILY_CUDA_DEVICE_SAMPLER", "LILY_CUDA_GEMV_ROW_TILES", "LILY_CUDA_GDN_CHUNK_PARALLEL", "LILY_CUDA_GDN_LOCAL_MMA", "LILY_CUDA_GDN_STATE_MMA", "LILY_CUDA_PREFILL", "LILY_CUDA_GEMM", "LILY_CUDA_GEMM_REGDQ", "LILY_CUDA_FUSED_MOE", "LILY_CUDA_BATCHED_DECODE", "LILY_CUDA_PREFILL_CHUNK", "LILY_CUDA_MAX_BATCH"})
+                        "LILY_CUDA_DEVICE_SAMPLER", "LILY_CUDA_GEMV_ROW_TILES", "LILY_CUDA_GDN_CHUNK_PARALLEL", "LILY_CUDA_GDN_LOCAL_MMA", "LILY_CUDA_GDN_STATE_MMA", "LILY_CUDA_PREFILL", "LILY_CUDA_GEMM", "LILY_CUDA_GEMM_KERNEL", "LILY_CUDA_FUSED_MOE", "LILY_CUDA_BATCHED_DECODE", "LILY_CUDA_PREFILL_CHUNK", "LILY_CUDA_MAX_BATCH"})
     unsetenv(v);
   const CudaOptions o = CudaOptions::from_env();
   EXPECT_TRUE(o.fuse_decode);
@@ -108,12 +108,12 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_TRUE(o.gdn_state_mma);
   EXPECT_TRUE(o.batched_prefill);
   EXPECT_TRUE(o.tensor_core_gemm);
-  EXPECT_EQ(o.gemm_regdq, "wgmma-narrow");
+  EXPECT_EQ(o.gemm_kernel, "wgmma-narrow");
   EXPECT_TRUE(o.fused_moe);
   EXPECT_FALSE(o.batched_decode);  // opt-in until its GPU tests have passed
   EXPECT_EQ(o.prefill_chunk, 2048);
   EXPECT_EQ(o.max_batch, 8);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-regdq=wgmma-narrow fused-moe=1 batched-decode=0 chunk=2048 max-batch=8");
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-narrow fused-moe=1 batched-decode=0 chunk=2048 max-batch=8");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {
@@ -122,18 +122,19 @@ TEST(CudaOptions, ReadsEveryVariable) {
       g("LILY_CUDA_FLASH_PREFILL", "0"), h("LILY_CUDA_DEVICE_SAMPLER", "0"),
       i("LILY_CUDA_GEMV_ROW_TILES", "0"), j("LILY_CUDA_GDN_CHUNK_PARALLEL", "0"), k("LILY_CUDA_MAX_BATCH", "16"),
       l("LILY_CUDA_FUSED_MOE", "0"), m("LILY_CUDA_BATCHED_DECODE", "1"), n("LILY_CUDA_GDN_LOCAL_MMA", "0"),
-      p("LILY_CUDA_GDN_STATE_MMA", "0"), q("LILY_CUDA_GEMM_REGDQ", "0");
+      p("LILY_CUDA_GDN_STATE_MMA", "0"), q("LILY_CUDA_GEMM_KERNEL", "0");
   const CudaOptions o = CudaOptions::from_env();
   EXPECT_FALSE(o.gdn_local_mma);
   EXPECT_FALSE(o.gdn_state_mma);
-  EXPECT_EQ(o.gemm_regdq, "0");
-  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv gemm-regdq=0 fused-moe=0 batched-decode=1 chunk=256 max-batch=16");
+  EXPECT_EQ(o.gemm_kernel, "0");
+  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv gemm-kernel=0 fused-moe=0 batched-decode=1 chunk=256 max-batch=16");
 }
 
 /// The kernel switches that were read by the kernels themselves before CudaOptions held them:
 /// each one alone, against the defaults (the other fields keep theirs).
 TEST(CudaOptions, ReadsTheKernelSwitches) {
-  for (const char* v : {"LILY_CUDA_GDN_LOCAL_MMA", "LILY_CUDA_GDN_STATE_MMA", "LILY_CUDA_GEMM_REGDQ"}) unsetenv(v);
+  for (const char* v : {"LILY_CUDA_GDN_LOCAL_MMA", "LILY_CUDA_GDN_STATE_MMA", "LILY_CUDA_GEMM_KERNEL", "LILY_CUDA_GEMM_REGDQ"})
+    unsetenv(v);
   {
     ScopedEnv env("LILY_CUDA_GDN_LOCAL_MMA", "0");
     const CudaOptions o = CudaOptions::from_env();
@@ -155,21 +156,36 @@ TEST(CudaOptions, ReadsTheKernelSwitches) {
     EXPECT_TRUE(o.gdn_state_mma) << "'" << on << "'";
   }
   for (const char* mode : {"grouped", "all", "0", "wgmma", "wgmma-narrow"}) {
-    ScopedEnv env("LILY_CUDA_GEMM_REGDQ", mode);
+    ScopedEnv env("LILY_CUDA_GEMM_KERNEL", mode);
     const CudaOptions o = CudaOptions::from_env();
-    EXPECT_EQ(o.gemm_regdq, mode);
-    EXPECT_NE(o.describe().find(std::string(" gemm-regdq=") + mode + " "), std::string::npos) << o.describe();
+    EXPECT_EQ(o.gemm_kernel, mode);
+    EXPECT_NE(o.describe().find(std::string(" gemm-kernel=") + mode + " "), std::string::npos) << o.describe();
   }
   {
-    ScopedEnv env("LILY_CUDA_GEMM_REGDQ", "");
-    EXPECT_EQ(CudaOptions::from_env().gemm_regdq, "wgmma-narrow");
+    ScopedEnv env("LILY_CUDA_GEMM_KERNEL", "");
+    EXPECT_EQ(CudaOptions::from_env().gemm_kernel, "wgmma-narrow");
+  }
+  {  // the former name, read when the new one is unset, named in its errors
+    ScopedEnv env("LILY_CUDA_GEMM_REGDQ", "grouped");
+    EXPECT_EQ(CudaOptions::from_env().gemm_kernel, "grouped");
+    ScopedEnv both("LILY_CUDA_GEMM_KERNEL", "all");
+    EXPECT_EQ(CudaOptions::from_env().gemm_kernel, "all");
+  }
+  {
+    ScopedEnv env("LILY_CUDA_GEMM_REGDQ", "fast");
+    try {
+      CudaOptions::from_env();
+      ADD_FAILURE() << "LILY_CUDA_GEMM_REGDQ=fast was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("LILY_CUDA_GEMM_REGDQ"), std::string::npos) << e.what();
+    }
   }
 }
 
 TEST(CudaOptions, BadValuesNameTheVariable) {
   const std::pair<const char*, const char*> bad[] = {{"LILY_CUDA_FUSE", "yes"},          {"LILY_CUDA_PDL", "2"}, {"LILY_CUDA_STREAM_GEMV", "on"}, {"LILY_CUDA_FLASH_PREFILL", "yes"}, {"LILY_CUDA_DEVICE_SAMPLER", "on"}, {"LILY_CUDA_GEMV_ROW_TILES", "2"}, {"LILY_CUDA_GDN_CHUNK_PARALLEL", "yes"}, {"LILY_CUDA_FUSED_MOE", "2"}, {"LILY_CUDA_BATCHED_DECODE", "on"},
                                                      {"LILY_CUDA_GDN_LOCAL_MMA", "yes"}, {"LILY_CUDA_GDN_STATE_MMA", "2"},
-                                                     {"LILY_CUDA_GEMM_REGDQ", "dense"},  {"LILY_CUDA_GEMM_REGDQ", "1"},
+                                                     {"LILY_CUDA_GEMM_KERNEL", "dense"},  {"LILY_CUDA_GEMM_KERNEL", "1"},
                                                      {"LILY_CUDA_PREFILL", "chunked"},   {"LILY_CUDA_GEMM", "cublas"},
                                                      {"LILY_CUDA_PREFILL_CHUNK", "0"},   {"LILY_CUDA_PREFILL_CHUNK", "8193"},
                                                      {"LILY_CUDA_PREFILL_CHUNK", "12x"}, {"LILY_CUDA_PREFILL_CHUNK", "99999999999999999999"},
