@@ -36,7 +36,7 @@
 // Shared rows are padded to 72 bf16 (144 B): fragment loads of a warp (8 rows × 4 words) then
 // hit 32 distinct banks, and 16-byte dequant stores stay aligned.
 //
-// Tile choice (m = tokens per prefill chunk, up to CudaOptions::prefill_chunk, 2,048 by default; N = weight rows, 512 … 248320):
+// Tile choice (m = tokens per prefill chunk, up to CudaOptions::prefill_chunk, 4,096 by default; N = weight rows, 512 … 248320):
 //   * BK = 64: one group per k-tile (above); K = 2048 / 4096 / 512 → 32 / 64 / 8 k-tiles.
 //   * BN = 128 weight rows: a 4-bit code tile is 4 KiB, the dequantized tile 18 KiB; BN = 64 only
 //     when 128 would leave SMs idle (e.g. out_proj N = 2048 at m = 256: 2 × 16 = 32 CTAs with

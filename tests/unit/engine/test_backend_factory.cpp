@@ -111,9 +111,9 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_EQ(o.gemm_kernel, "wgmma-narrow");
   EXPECT_TRUE(o.fused_moe);
   EXPECT_FALSE(o.batched_decode);  // opt-in until its GPU tests have passed
-  EXPECT_EQ(o.prefill_chunk, 2048);
+  EXPECT_EQ(o.prefill_chunk, 4096);
   EXPECT_EQ(o.max_batch, 8);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-narrow fused-moe=1 batched-decode=0 chunk=2048 max-batch=8");
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-narrow fused-moe=1 batched-decode=0 chunk=4096 max-batch=8");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {
