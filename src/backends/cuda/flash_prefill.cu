@@ -63,7 +63,6 @@ flash_prefill_kernel(int T, int nq, float scale_log2, int64_t base, const bf16* 
                      const bf16* __restrict__ gate, int64_t gate_stride,
                      const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
                      int64_t capacity, bf16* __restrict__ out) {
-  pdl_prologue();  // before reading what earlier kernels wrote (launch.cuh)
   constexpr int kTq = kBlockM / G;  // tokens per CTA
   constexpr int kChunks = kD / 8;   // 16-byte chunks per row
   constexpr int kDn = kD / 8;       // m16n8 accumulators of one O row block
@@ -233,8 +232,8 @@ void launch_flash(const AttnDims& dims, int T, int64_t base, const bf16* q, cons
   raise_smem_limit(flash_prefill_kernel<G, kD>, smem);
   constexpr int kTq = kBlockM / G;
   const dim3 grid((T + kTq - 1) / kTq, dims.n_kv_heads);
-  launch_pdl(flash_prefill_kernel<G, kD>, dim3(grid), dim3(kFlashThreads), smem, stream,
-             T, dims.n_heads, dims.scale() * kLog2e, base, q, gate, gate_stride, cache.k, cache.v, cache.capacity, out);
+  flash_prefill_kernel<G, kD><<<grid, kFlashThreads, smem, stream>>>(
+      T, dims.n_heads, dims.scale() * kLog2e, base, q, gate, gate_stride, cache.k, cache.v, cache.capacity, out);
   LILY_CUDA_CHECK_LAUNCH();
 }
 

@@ -127,7 +127,6 @@ template <int kCh>
 __global__ void __launch_bounds__(kConvThreads)
 conv_prefill_kernel(int C, int T, const float* __restrict__ conv_w, const bf16* __restrict__ qkv, int64_t stride,
                     const bf16* __restrict__ window, bf16* __restrict__ out) {
-  pdl_prologue();  // before reading what earlier kernels wrote (launch.cuh)
   static_assert(kConvK == 4 && kConvRun >= kHist, "conv_dot takes 4 taps; the history of a run lies in one place");
   const int c = (blockIdx.x * blockDim.x + threadIdx.x) * kCh;
   const int t0 = blockIdx.y * kConvRun;
@@ -163,7 +162,6 @@ conv_prefill_kernel(int C, int T, const float* __restrict__ conv_w, const bf16* 
 /// New window after T tokens: the last K−1 raw inputs (mixing in the old window if T < K−1).
 __global__ void conv_window_update_kernel(int C, int T, const bf16* __restrict__ qkv,
                                           int64_t stride, bf16* __restrict__ window) {
-  pdl_prologue();  // before reading what earlier kernels wrote (launch.cuh)
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   bf16 next[kHist];
@@ -868,7 +866,6 @@ __global__ void __launch_bounds__(kPrefillThreads)
 gdn_chunk_local_mma_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
                            const bf16* __restrict__ conv_out, const bf16* __restrict__ a, const bf16* __restrict__ b,
                            int64_t zab_stride, float* __restrict__ ws) {
-  pdl_prologue();  // before reading what earlier kernels wrote (launch.cuh)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   LocalMmaSmem<kDk>& sm = *reinterpret_cast<LocalMmaSmem<kDk>*>(smem_raw);
   const int j = blockIdx.x, c = blockIdx.y, kh = j / (Hv / Hk), t0 = c * kChunk;
@@ -1068,7 +1065,6 @@ template <int kDk>
 __global__ void __launch_bounds__(kPrefillThreads, 1)
 gdn_chunk_state_mma_kernel(int Hk, int Hv, int T, const bf16* __restrict__ conv_out, const float* __restrict__ ws,
                            float* __restrict__ state, bf16* __restrict__ out) {
-  pdl_prologue();  // before reading what earlier kernels wrote (launch.cuh)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kDv = kDk;
   using Smem = MmaStateSmem<kDk>;
@@ -1288,7 +1284,6 @@ template <int kDv, bool kVec>
 __global__ void __launch_bounds__(kNormWarps * kWarp)
 gated_norm_kernel(int T, int Hv, float eps, const float* __restrict__ norm_w,
                   const bf16* __restrict__ z, int64_t z_stride, bf16* __restrict__ io) {
-  pdl_prologue();  // before reading what earlier kernels wrote (launch.cuh)
   constexpr int kPer = kDv / kWarp;
   const int64_t pair = int64_t(blockIdx.x) * kNormWarps + threadIdx.x / kWarp;  // t·Hv + j
   if (pair >= int64_t(T) * Hv) return;  // warp-uniform: the warp sum below has every lane
@@ -1376,11 +1371,11 @@ void launch_gated_norm(const GdnDims& dims, const GdnParams& params, int T, cons
   const int Hv = dims.n_value_heads;
   const unsigned blocks = static_cast<unsigned>(ceil_div(int64_t(T) * Hv, kNormWarps));
   if (vec)
-    launch_pdl(gated_norm_kernel<D, true>, dim3(blocks), dim3(kNormWarps * kWarp), 0, stream, T, Hv, dims.norm_eps,
-               params.norm_w, z, z_stride, out);
+    gated_norm_kernel<D, true><<<blocks, kNormWarps * kWarp, 0, stream>>>(T, Hv, dims.norm_eps, params.norm_w, z,
+                                                                          z_stride, out);
   else
-    launch_pdl(gated_norm_kernel<D, false>, dim3(blocks), dim3(kNormWarps * kWarp), 0, stream, T, Hv, dims.norm_eps,
-               params.norm_w, z, z_stride, out);
+    gated_norm_kernel<D, false><<<blocks, kNormWarps * kWarp, 0, stream>>>(T, Hv, dims.norm_eps, params.norm_w, z,
+                                                                           z_stride, out);
   LILY_CUDA_CHECK_LAUNCH();
 }
 
@@ -1398,8 +1393,8 @@ void launch_prefill(const GdnDims& dims, const GdnParams& params, int T, const b
     if (gdn_local_mma_enabled() && aligned(conv_out, 16) && aligned(ws, 16)) {
       const size_t local_smem = sizeof(LocalMmaSmem<D>);
       raise_smem_limit(gdn_chunk_local_mma_kernel<D>, local_smem);
-      launch_pdl(gdn_chunk_local_mma_kernel<D>, dim3(local_grid), dim3(kPrefillThreads), local_smem, stream,
-                 dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b, zab_stride, ws);
+      gdn_chunk_local_mma_kernel<D><<<local_grid, kPrefillThreads, local_smem, stream>>>(
+          dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b, zab_stride, ws);
     } else {
       const size_t local_smem = sizeof(LocalSmem<D>);
       raise_smem_limit(gdn_chunk_local_kernel<D>, local_smem);
@@ -1410,8 +1405,8 @@ void launch_prefill(const GdnDims& dims, const GdnParams& params, int T, const b
     if (gdn_state_mma_enabled() && aligned(conv_out, 16) && aligned(ws, 16) && aligned(out, 4) && aligned(state, 8)) {
       const size_t mma_smem = sizeof(MmaStateSmem<D>);
       raise_smem_limit(gdn_chunk_state_mma_kernel<D>, mma_smem);
-      launch_pdl(gdn_chunk_state_mma_kernel<D>, dim3(dims.n_value_heads, D / kMmaBV), dim3(kPrefillThreads), mma_smem,
-                 stream, dims.n_key_heads, dims.n_value_heads, T, conv_out, ws, state, out);
+      gdn_chunk_state_mma_kernel<D><<<dim3(dims.n_value_heads, D / kMmaBV), kPrefillThreads, mma_smem, stream>>>(
+          dims.n_key_heads, dims.n_value_heads, T, conv_out, ws, state, out);
     } else {
       const size_t state_smem = sizeof(StateSmem<D>);
       raise_smem_limit(gdn_chunk_state_kernel<D>, state_smem);
@@ -1440,11 +1435,9 @@ void launch_conv_prefill(int C, int T, const float* conv_w, const bf16* qkv, int
   const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(C, ch), kConvThreads)),
                   static_cast<unsigned>(ceil_div(T, kConvRun)));
   if (pairs)
-    launch_pdl(conv_prefill_kernel<2>, dim3(grid), dim3(kConvThreads), 0, stream, C, T, conv_w, qkv, stride, window,
-               out);
+    conv_prefill_kernel<2><<<grid, kConvThreads, 0, stream>>>(C, T, conv_w, qkv, stride, window, out);
   else
-    launch_pdl(conv_prefill_kernel<1>, dim3(grid), dim3(kConvThreads), 0, stream, C, T, conv_w, qkv, stride, window,
-               out);
+    conv_prefill_kernel<1><<<grid, kConvThreads, 0, stream>>>(C, T, conv_w, qkv, stride, window, out);
   LILY_CUDA_CHECK_LAUNCH();
 }
 
@@ -1534,7 +1527,7 @@ void gdn_conv_prefill(const GdnDims& dims, const GdnParams& params, int T, const
                                " < conv channels " + std::to_string(C));
   MIXER_REQUIRE(qkv && window && out, "gdn_conv_prefill: null buffer");
   launch_conv_prefill(C, T, params.conv_w, qkv, qkv_stride, window, out, stream);
-  launch_pdl(conv_window_update_kernel, dim3(ceil_div(C, 256)), dim3(256), 0, stream, C, T, qkv, qkv_stride, window);
+  conv_window_update_kernel<<<ceil_div(C, 256), 256, 0, stream>>>(C, T, qkv, qkv_stride, window);
   LILY_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,4 +1,4 @@
-// Programmatic dependent launch (PDL, Hopper): the one place where decode- and prefill-path kernels are
+// Programmatic dependent launch (PDL, Hopper): the one place where decode-path kernels are
 // launched (nvcc only). A kernel launched with launch_pdl may be scheduled while its predecessor
 // in the stream is still running, so its launch latency and block set-up overlap the
 // predecessor's tail; it must not touch global memory before pdl_prologue() returns.

@@ -784,7 +784,6 @@ __device__ __forceinline__ uint32_t dequant_selected_byte(uint32_t w, uint32_t s
 template <Mode MODE, int kWG, int kMB>
 __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>::kMinBlocks)
     wgmma_gemm_kernel(const GemmParams p) {
-  pdl_prologue();  // before reading what earlier kernels wrote (launch.cuh)
   using S = WgShape<kWG, kMB>;
   constexpr int kWgThreads = S::kThreads;
   constexpr bool kGU = MODE == Mode::kGateUp, kDense = MODE == Mode::kDense;
@@ -1031,7 +1030,7 @@ void wgmma_launch(GemmParams p, cudaStream_t stream) {
   const int64_t row_tiles = MODE == Mode::kDense ? ceil_div(p.m, kWgTok)
                                                  : ceil_div(static_cast<int64_t>(p.m) * p.n_sel, kWgTok) + p.n_groups;
   const int64_t grid = std::min<int64_t>(col_tiles * row_tiles, static_cast<int64_t>(per_sm) * sm_count());
-  launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(kWgThreads), S::kSmem, stream, p);
+  kernel<<<static_cast<unsigned>(grid), kWgThreads, S::kSmem, stream>>>(p);
   LILY_CUDA_CHECK_LAUNCH();
 }
 
@@ -1183,7 +1182,6 @@ __device__ __forceinline__ int clamp_group(int32_t id, int n_groups) { return id
 __global__ void __launch_bounds__(kScanThreads) grouping_count_kernel(const int32_t* __restrict__ ids, int n_assign,
                                                                       int n_groups, int tile_rows,
                                                                       int32_t* __restrict__ grouping) {
-  pdl_prologue();  // before reading what earlier kernels wrote (launch.cuh)
   __shared__ int cnt[kMaxGroups];
   __shared__ int warp_tot[kWarp];
   for (int e = threadIdx.x; e < kMaxGroups; e += blockDim.x) cnt[e] = 0;
@@ -1213,7 +1211,6 @@ constexpr int kFillUnroll = 6;
 /// loads are unrolled so that many are in flight (the ids come from L2).
 __global__ void __launch_bounds__(kFillThreads) grouping_fill_kernel(const int32_t* __restrict__ ids, int n_assign,
                                                                      int n_groups, int32_t* __restrict__ grouping) {
-  pdl_prologue();  // before reading what earlier kernels wrote (launch.cuh)
   __shared__ int warp_cnt[kFillWarps];
   const int e = blockIdx.x;
   const int32_t* offsets = grouping;
@@ -1249,7 +1246,6 @@ constexpr int kCombineVec = 8;  // bf16 per thread (one 16-byte load per slot ro
 template <int kVec>
 __global__ void expert_combine_kernel(const bf16* __restrict__ slot_out, const float* __restrict__ weights, int n_sel,
                                       int hidden, bf16* __restrict__ out) {
-  pdl_prologue();  // before reading what earlier kernels wrote (launch.cuh)
   const int t = blockIdx.y;
   const int r0 = (blockIdx.x * blockDim.x + threadIdx.x) * kVec;
   if (r0 >= hidden) return;
@@ -1334,10 +1330,10 @@ void launch_expert_grouping(const int32_t* ids, int m, int n_sel, int n_groups, 
                             cudaStream_t stream) {
   check_grouped(m, n_sel, n_groups, grouping, "launch_expert_grouping");
   const int n_assign = m * n_sel;
-  launch_pdl(grouping_count_kernel, dim3(1), dim3(kScanThreads), 0, stream, ids, n_assign, n_groups,
-             grouped_tile_rows(m, n_sel, n_groups), grouping);
+  grouping_count_kernel<<<1, kScanThreads, 0, stream>>>(ids, n_assign, n_groups, grouped_tile_rows(m, n_sel, n_groups),
+                                                        grouping);
   LILY_CUDA_CHECK_LAUNCH();
-  launch_pdl(grouping_fill_kernel, dim3(n_groups), dim3(kFillThreads), 0, stream, ids, n_assign, n_groups, grouping);
+  grouping_fill_kernel<<<n_groups, kFillThreads, 0, stream>>>(ids, n_assign, n_groups, grouping);
   LILY_CUDA_CHECK_LAUNCH();
 }
 
@@ -1375,10 +1371,9 @@ void launch_expert_combine(const bf16* slot_out, const float* weights, int m, in
   const int per_thread = vec ? kCombineVec : 1;
   const dim3 grid(static_cast<unsigned>(ceil_div(hidden, 256 * per_thread)), static_cast<unsigned>(m));
   if (vec)
-    launch_pdl(expert_combine_kernel<kCombineVec>, dim3(grid), dim3(256), 0, stream, slot_out, weights, n_sel, hidden,
-               out);
+    expert_combine_kernel<kCombineVec><<<grid, 256, 0, stream>>>(slot_out, weights, n_sel, hidden, out);
   else
-    launch_pdl(expert_combine_kernel<1>, dim3(grid), dim3(256), 0, stream, slot_out, weights, n_sel, hidden, out);
+    expert_combine_kernel<1><<<grid, 256, 0, stream>>>(slot_out, weights, n_sel, hidden, out);
   LILY_CUDA_CHECK_LAUNCH();
 }
 
