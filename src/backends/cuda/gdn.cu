@@ -1389,7 +1389,7 @@ void launch_prefill(const GdnDims& dims, const GdnParams& params, int T, const b
   if (ws) {
     // The tensor-core passes copy 16-byte pieces of conv_out and ws and store bf16 pairs and
     // float2s: buffers not aligned for that (never the backend's) take the fp32 kernels.
-      const dim3 local_grid(dims.n_value_heads, static_cast<unsigned>(ceil_div(T, kChunk)));
+    const dim3 local_grid(dims.n_value_heads, static_cast<unsigned>(ceil_div(T, kChunk)));
     if (gdn_local_mma_enabled() && aligned(conv_out, 16) && aligned(ws, 16)) {
       const size_t local_smem = sizeof(LocalMmaSmem<D>);
       raise_smem_limit(gdn_chunk_local_mma_kernel<D>, local_smem);
