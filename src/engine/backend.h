@@ -198,14 +198,15 @@ struct CudaOptions {
   /// LILY_CUDA_FUSED_MOE 1|0: the decode MoE block (router, experts, combine) as one launch with
   /// grid-wide barriers, or as three kernels. Needs fuse=1; shapes it does not support keep three.
   bool fused_moe = true;
-  /// LILY_CUDA_GEMM_KERNEL (formerly LILY_CUDA_GEMM_REGDQ) wgmma-narrow|wgmma|grouped|all|0: the
-  /// 4-bit grouped and dense GEMMs of
-  /// the tensor-core prefill run on Hopper warpgroup MMAs with 128 ("wgmma-narrow", the default)
-  /// or 256 ("wgmma") weight rows per work item; or the grouped expert GEMMs dequantize in
+  /// LILY_CUDA_GEMM_KERNEL (formerly LILY_CUDA_GEMM_REGDQ) wgmma-mixed|wgmma-narrow|wgmma|grouped|all|0:
+  /// the 4-bit grouped and dense GEMMs of the tensor-core prefill run on Hopper warpgroup MMAs
+  /// with 256 weight rows per work item for the dense and down GEMMs and 128 for gate/up
+  /// ("wgmma-mixed", the default), 128 everywhere ("wgmma-narrow") or 256 everywhere
+  /// ("wgmma"); or the grouped expert GEMMs dequantize in
   /// registers right before mma.sync ("grouped"), so do the dense GEMMs with at least one
   /// 64 × 256 tile per SM ("all"), or every GEMM keeps the shared-tile kernel ("0");
   /// docs/cuda.md.
-  std::string gemm_kernel = "wgmma-narrow";
+  std::string gemm_kernel = "wgmma-mixed";
   /// LILY_CUDA_BATCHED_DECODE 1|0: every decode step runs through one batched forward over its
   /// decode rows (groups of ≤ 8, also a single row, so that a row alone and in a batch share one
   /// arithmetic), reading each weight once per step for all rows; or (0, the default) each
@@ -229,7 +230,7 @@ struct CudaOptions {
   static CudaOptions from_env();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
   /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
-  /// gemm-kernel=wgmma-narrow fused-moe=1 batched-decode=0 chunk=4096 max-batch=8", for logs and reports.
+  /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=0 chunk=4096 max-batch=8", for logs and reports.
   std::string describe() const;
 };
 
@@ -285,8 +286,9 @@ inline CudaOptions CudaOptions::from_env() {
                              ? "LILY_CUDA_GEMM_REGDQ"
                              : "LILY_CUDA_GEMM_KERNEL";
   if (const std::string v = env_value(gemm_var); !v.empty()) {
-    if (v != "grouped" && v != "all" && v != "0" && v != "wgmma" && v != "wgmma-narrow")
-      throw Error(std::string(gemm_var) + " must be 'grouped', 'all', '0', 'wgmma' or 'wgmma-narrow', got '" + v + "'");
+    if (v != "grouped" && v != "all" && v != "0" && v != "wgmma" && v != "wgmma-narrow" && v != "wgmma-mixed")
+      throw Error(std::string(gemm_var) + " must be 'grouped', 'all', '0', 'wgmma', 'wgmma-narrow' or 'wgmma-mixed', got '" +
+                  v + "'");
     o.gemm_kernel = v;
   }
   o.batched_decode = env_choice("LILY_CUDA_BATCHED_DECODE", "1", "0", o.batched_decode);

@@ -29,9 +29,9 @@ struct Switches {
 
 TEST(KernelSwitches, StartAtTheVerifiedDefaults) {
   // Before anything sets them (this test runs first in its process; gtest keeps file order).
-  EXPECT_EQ(Switches::now(), (Switches{true, true, true, true, true, true, true, true, cuda::GemmKernel::kWgmmaNarrow}));
+  EXPECT_EQ(Switches::now(), (Switches{true, true, true, true, true, true, true, true, cuda::GemmKernel::kWgmmaMixed}));
   cuda::apply_kernel_switches(CudaOptions{});  // the defaults of CudaOptions are the same paths
-  EXPECT_EQ(Switches::now(), (Switches{true, true, true, true, true, true, true, true, cuda::GemmKernel::kWgmmaNarrow}));
+  EXPECT_EQ(Switches::now(), (Switches{true, true, true, true, true, true, true, true, cuda::GemmKernel::kWgmmaMixed}));
 }
 
 TEST(KernelSwitches, EveryFieldReachesItsSwitch) {
@@ -50,6 +50,9 @@ TEST(KernelSwitches, EveryFieldReachesItsSwitch) {
   o.gemm_kernel = "wgmma-narrow";
   cuda::apply_kernel_switches(o);
   EXPECT_EQ(cuda::gemm_kernel(), cuda::GemmKernel::kWgmmaNarrow);
+  o.gemm_kernel = "wgmma-mixed";
+  cuda::apply_kernel_switches(o);
+  EXPECT_EQ(cuda::gemm_kernel(), cuda::GemmKernel::kWgmmaMixed);
   // One at a time, so that no field sets another's switch.
   const auto one = [](bool CudaOptions::*field) {
     CudaOptions x;
@@ -83,7 +86,7 @@ TEST(KernelSwitches, BadRegdqThrowsBeforeChangingAnything) {
     EXPECT_NE(std::string(e.what()).find("dense"), std::string::npos) << e.what();
   }
   EXPECT_TRUE(cuda::pdl_enabled());
-  EXPECT_EQ(cuda::gemm_kernel(), cuda::GemmKernel::kWgmmaNarrow);
+  EXPECT_EQ(cuda::gemm_kernel(), cuda::GemmKernel::kWgmmaMixed);
 }
 
 }  // namespace

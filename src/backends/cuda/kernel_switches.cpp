@@ -17,8 +17,9 @@ GemmKernel parse_gemm_kernel(const std::string& v) {
   if (v == "0") return GemmKernel::kOff;
   if (v == "wgmma") return GemmKernel::kWgmma;
   if (v == "wgmma-narrow") return GemmKernel::kWgmmaNarrow;
-  throw ::lily::Error("CudaOptions::gemm_kernel (LILY_CUDA_GEMM_KERNEL) must be 'grouped', 'all', '0', 'wgmma' or "
-                      "'wgmma-narrow', got '" + v + "'");
+  if (v == "wgmma-mixed") return GemmKernel::kWgmmaMixed;
+  throw ::lily::Error("CudaOptions::gemm_kernel (LILY_CUDA_GEMM_KERNEL) must be 'grouped', 'all', '0', 'wgmma', "
+                      "'wgmma-narrow' or 'wgmma-mixed', got '" + v + "'");
 }
 
 }  // namespace

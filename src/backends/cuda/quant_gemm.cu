@@ -4,7 +4,8 @@
 // tests/gpu/test_quant_gemm.cu (docs/cuda.md).
 //
 // Three kernels, chosen by gemm_kernel() (set from CudaOptions::gemm_kernel, LILY_CUDA_GEMM_KERNEL):
-//   * wgmma_gemm_kernel (the default, "wgmma-narrow"; "wgmma" for wider items): the register-
+//   * wgmma_gemm_kernel (the default, "wgmma-mixed": 256 weight rows per item for the dense and
+//     down GEMMs, 128 for gate/up; "wgmma" and "wgmma-narrow" take one width everywhere): the register-
 //     dequant kernel's work list on Hopper warpgroup MMAs — the dequantized weights as the
 //     register A operand, the token rows read by the tensor cores from shared memory; every
 //     4-bit GEMM with bf16 output (grouped, and dense with ≥ one item per SM). See "warpgroup
@@ -1034,8 +1035,8 @@ void wgmma_launch(GemmParams p, cudaStream_t stream) {
   LILY_CUDA_CHECK_LAUNCH();
 }
 
-/// gemm_kernel()'s value: kWgmmaNarrow until set_gemm_kernel.
-std::atomic<GemmKernel> g_gemm_kernel{GemmKernel::kWgmmaNarrow};
+/// gemm_kernel()'s value: kWgmmaMixed until set_gemm_kernel.
+std::atomic<GemmKernel> g_gemm_kernel{GemmKernel::kWgmmaMixed};
 
 /// gemm_kernel(): kGrouped → the register-dequant kernel for the 4-bit grouped
 /// GEMMs (the dense ones keep the shared-tile kernel, which already reaches ≈ 230 TFLOP/s at
@@ -1049,7 +1050,8 @@ bool regdq_enabled(bool dense) {
     case GemmKernel::kAll: return true;
     case GemmKernel::kOff: return false;
     case GemmKernel::kWgmma:
-    case GemmKernel::kWgmmaNarrow: return !dense;  // where the wgmma kernel does not apply
+    case GemmKernel::kWgmmaNarrow:
+    case GemmKernel::kWgmmaMixed: return !dense;  // where the wgmma kernel does not apply
   }
   return !dense;
 }
@@ -1063,12 +1065,14 @@ bool wgmma_fits(const GemmParams& p) {
          aligned16(p.w1.scales) && aligned16(p.w1.biases);
 }
 
-/// Warpgroups per CTA of the wgmma kernel that gemm_kernel() selects for 4-bit GEMMs with bf16
-/// output: 4 (kWgmma, 256 weight rows per item), 2 (kWgmmaNarrow, 128), 0 (not selected).
-int wgmma_groups() {
+/// Warpgroups per CTA of the wgmma kernel that gemm_kernel() selects for a 4-bit GEMM of `mode`
+/// with bf16 output: 4 (256 weight rows per item), 2 (128), 0 (not selected). kWgmmaMixed takes
+/// the wide items except for the grouped gate/up GEMM, whose narrow items were faster.
+int wgmma_groups(Mode mode) {
   switch (gemm_kernel()) {
     case GemmKernel::kWgmma: return 4;
     case GemmKernel::kWgmmaNarrow: return 2;
+    case GemmKernel::kWgmmaMixed: return mode == Mode::kGateUp ? 2 : 4;
     default: return 0;
   }
 }
@@ -1085,7 +1089,7 @@ void dense_dispatch(const GemmParams& p, cudaStream_t stream) {
   const int64_t n = p.n;
   if constexpr (BITS == 4 && sizeof(OutT) == 2) {
     // The wide items where they still give every SM one, else the narrow ones.
-    const int wg = wgmma_groups();
+    const int wg = wgmma_groups(Mode::kDense);
     const int64_t row_tiles = ceil_div(p.m, kWgTok);
     if (wg > 0 && regdq_fits(p.m, p.w0.rows, p.K) && wgmma_fits(p)) {
       if (wg == 4 && row_tiles * ceil_div(n, 256) >= sms) {
@@ -1127,8 +1131,8 @@ int64_t grouped_max_tiles(int m, int n_sel, int n_groups) {
 template <Mode MODE>
 void grouped_dispatch(const GemmParams& p, int64_t col_tiles, cudaStream_t stream) {
   const bool fits = regdq_fits(static_cast<int64_t>(p.m) * p.n_sel, std::max(p.w0.rows, p.w1.rows), p.K);
-  if (p.w0.bits == 4 && fits && wgmma_groups() > 0 && wgmma_fits(p)) {
-    if (wgmma_groups() == 4) wgmma_launch<MODE, 4, 1>(p, stream);
+  if (p.w0.bits == 4 && fits && wgmma_groups(MODE) > 0 && wgmma_fits(p)) {
+    if (wgmma_groups(MODE) == 4) wgmma_launch<MODE, 4, 1>(p, stream);
     else wgmma_launch<MODE, 2, 1>(p, stream);
     return;
   }

@@ -30,9 +30,13 @@ enum class GemmKernel {
   kOff,      ///< "0": the shared-tile kernels everywhere
   kWgmma,    ///< "wgmma": the 4-bit GEMMs with bf16 output (grouped, and dense with ≥ 1 item per SM) on
              ///< warpgroup MMAs, 256 weight rows × 128 tokens per item; the rest as kGrouped
-  kWgmmaNarrow,  ///< "wgmma-narrow" (the default): as kWgmma with 128 weight rows per item (2 CTAs per SM)
+  kWgmmaNarrow,  ///< "wgmma-narrow": as kWgmma with 128 weight rows per item (2 CTAs per SM)
+  /// "wgmma-mixed" (the default): the wide items (256 weight rows, 4 warpgroups) for the dense
+  /// GEMMs and the grouped down GEMM, the narrow ones for the grouped gate/up GEMM: the faster
+  /// width of each on an H200 at 2,048 tokens (docs/cuda.md).
+  kWgmmaMixed,
 };
-/// The process-wide choice the GEMM launchers read at every launch: kWgmmaNarrow until set (the
+/// The process-wide choice the GEMM launchers read at every launch: kWgmmaMixed until set (the
 /// CUDA backend sets it from its CudaOptions when created; kernel_switches.h).
 GemmKernel gemm_kernel();
 /// Sets gemm_kernel() for the launches that follow (the backend at creation; tests comparing paths).

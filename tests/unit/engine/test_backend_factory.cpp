@@ -108,12 +108,12 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_TRUE(o.gdn_state_mma);
   EXPECT_TRUE(o.batched_prefill);
   EXPECT_TRUE(o.tensor_core_gemm);
-  EXPECT_EQ(o.gemm_kernel, "wgmma-narrow");
+  EXPECT_EQ(o.gemm_kernel, "wgmma-mixed");
   EXPECT_TRUE(o.fused_moe);
   EXPECT_FALSE(o.batched_decode);  // opt-in until its GPU tests have passed
   EXPECT_EQ(o.prefill_chunk, 4096);
   EXPECT_EQ(o.max_batch, 8);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-narrow fused-moe=1 batched-decode=0 chunk=4096 max-batch=8");
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=0 chunk=4096 max-batch=8");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {
@@ -155,7 +155,7 @@ TEST(CudaOptions, ReadsTheKernelSwitches) {
     EXPECT_TRUE(o.gdn_local_mma) << "'" << on << "'";
     EXPECT_TRUE(o.gdn_state_mma) << "'" << on << "'";
   }
-  for (const char* mode : {"grouped", "all", "0", "wgmma", "wgmma-narrow"}) {
+  for (const char* mode : {"grouped", "all", "0", "wgmma", "wgmma-narrow", "wgmma-mixed"}) {
     ScopedEnv env("LILY_CUDA_GEMM_KERNEL", mode);
     const CudaOptions o = CudaOptions::from_env();
     EXPECT_EQ(o.gemm_kernel, mode);
@@ -163,7 +163,7 @@ TEST(CudaOptions, ReadsTheKernelSwitches) {
   }
   {
     ScopedEnv env("LILY_CUDA_GEMM_KERNEL", "");
-    EXPECT_EQ(CudaOptions::from_env().gemm_kernel, "wgmma-narrow");
+    EXPECT_EQ(CudaOptions::from_env().gemm_kernel, "wgmma-mixed");
   }
   {  // the former name, read when the new one is unset, named in its errors
     ScopedEnv env("LILY_CUDA_GEMM_REGDQ", "grouped");
