@@ -11,6 +11,7 @@
 #include "backends/cuda/bulk_copy.cuh"
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/kernels.h"
+#include "backends/cuda/quant_dot.cuh"
 
 namespace lily::cuda::moe {
 
@@ -95,6 +96,42 @@ __device__ __forceinline__ TileView tile_view(const unsigned char* stage, int ro
   v.b_lo = bi + g * groups;
   v.b_hi = bi + (g + 8) * groups;
   return v;
+}
+
+/// Stages row x[0, cols) (bf16, 16-byte aligned, cols a multiple of 64) for group_one_token's
+/// tensor-core products: perm[cols / 2] gets the bf16 pairs in fragment order, sums[cols / 64]
+/// each group's Σx. 16 bytes (8 columns c0 … c0 + 7, c0 a multiple of 8) are exactly the
+/// fragment-order pairs (c0 + s, c0 + s + 4), s < 4, at pair index c0 / 2
+/// (fragment_pair_column): each load is permuted in registers and stored as one 16-byte word.
+/// The 8 chunks of a 64-group sit in 8 consecutive lanes, which add up its Σx (so the sum order
+/// depends on cols alone). kL2: x was written in this launch by other blocks, so it is read
+/// through L2 (ld.global.cg). All threads of the block; no barrier at the end.
+template <bool kL2>
+__device__ __forceinline__ void stage_fragment_row(const bf16* x, int cols, uint32_t* perm, float* sums) {
+  const int lane = threadIdx.x % kWarp, n16 = cols / 8;
+  const uint4* x16 = reinterpret_cast<const uint4*>(x);
+  for (int i0 = threadIdx.x; i0 - lane < n16; i0 += kStageBatch * blockDim.x) {  // warp-uniform
+    uint4 v[kStageBatch];
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u)  // every load in flight first
+      if (i0 + u * static_cast<int>(blockDim.x) < n16) v[u] = kL2 ? __ldcg(x16 + i0 + u * blockDim.x) : x16[i0 + u * blockDim.x];
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int idx = i0 + u * static_cast<int>(blockDim.x);
+      if (idx - lane >= n16) break;  // warp-uniform
+      float part = 0.0f;
+      if (idx < n16) {
+        const uint4 w = v[u];
+        *reinterpret_cast<uint4*>(perm + idx * 4) =
+            make_uint4(__byte_perm(w.x, w.z, 0x5410), __byte_perm(w.x, w.z, 0x7632), __byte_perm(w.y, w.w, 0x5410),
+                       __byte_perm(w.y, w.w, 0x7632));
+        const float4 lo = bf16x4_to_f32(w.x, w.y), hi = bf16x4_to_f32(w.z, w.w);
+        part = ((lo.x + lo.y) + (lo.z + lo.w)) + ((hi.x + hi.y) + (hi.z + hi.w));
+      }
+      part = group_sum(part, 8);
+      if (idx < n16 && lane % 8 == 0) sums[idx / 8] = part;
+    }
+  }
 }
 
 /// Records phase `point` of this block in a.trace (diagnostics; no-op when a.trace is null).

@@ -535,35 +535,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   // experts w, w + S, … of each of the block's row tiles from its own stage, refilled as it goes.
   uint32_t* aperm = reinterpret_cast<uint32_t*>(sm + l.aperm);  // [(row, slot)][ffn / 2]
   float* asum = reinterpret_cast<float*>(sm + l.asum);          // [(row, slot)][groups_f]
-  // 16 bytes (8 columns c0 … c0 + 7, c0 a multiple of 8) are exactly the fragment-order pairs
-  // (c0 + s, c0 + s + 4), s < 4, at pair index c0 / 2 (fragment_pair_column): each load is
-  // permuted in registers and stored as one 16-byte word. The 8 chunks of a 64-group sit in 8
-  // consecutive lanes, which add up its Σx.
-  const int chunks_per_pair = l.ffn / 8, n16 = m * n_sel * chunks_per_pair;
-  const uint4* act16 = reinterpret_cast<const uint4*>(a.act);
-  for (int i0 = threadIdx.x; i0 - lane < n16; i0 += kStageBatch * blockDim.x) {  // warp-uniform
-    uint4 v[kStageBatch];
-#pragma unroll
-    for (int u = 0; u < kStageBatch; ++u)  // every load in flight first
-      if (i0 + u * static_cast<int>(blockDim.x) < n16) v[u] = __ldcg(act16 + i0 + u * blockDim.x);
-#pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) {
-      const int idx = i0 + u * static_cast<int>(blockDim.x);
-      if (idx - lane >= n16) break;  // warp-uniform
-      const int pair = idx / chunks_per_pair, c0 = (idx % chunks_per_pair) * 8;
-      float part = 0.0f;
-      if (idx < n16) {
-        const uint4 w = v[u];
-        *reinterpret_cast<uint4*>(aperm + pair * half_f + c0 / 2) =
-            make_uint4(__byte_perm(w.x, w.z, 0x5410), __byte_perm(w.x, w.z, 0x7632), __byte_perm(w.y, w.w, 0x5410),
-                       __byte_perm(w.y, w.w, 0x7632));
-        const float4 lo = bf16x4_to_f32(w.x, w.y), hi = bf16x4_to_f32(w.z, w.w);
-        part = ((lo.x + lo.y) + (lo.z + lo.w)) + ((hi.x + hi.y) + (hi.z + hi.w));
-      }
-      part = group_sum(part, 8);
-      if (idx < n16 && lane % 8 == 0) asum[pair * l.groups_f + c0 / kGroup] = part;
-    }
-  }
+  // The (row, slot) pairs are contiguous, so their act is one row of m · n_sel · ffn columns.
+  stage_fragment_row<true>(a.act, m * n_sel * l.ffn, aperm, asum);
   __syncthreads();
   trace_point(a, 10);
   float* dn_part = reinterpret_cast<float*>(sm + l.dn_part);  // [(row, slot)][16 rows]
@@ -633,6 +606,7 @@ MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   if (a.rows < 1 || a.rows > kMaxDecodeRows)
     return no(std::to_string(a.rows) + " rows (1 … " + std::to_string(kMaxDecodeRows) + " supported)");
   if (std::string why = shape_problem(a); !why.empty()) return no(why);
+  if (a.proj.codes) return no("the rows kernel has no fused out-projection (MoeDecodeArgs::proj)");
   auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   if (!aligned(a.x) || !aligned(a.norm.branch) || !aligned(a.norm.gain) || !aligned(a.norm.x_out) ||
       !aligned(a.norm.normed_out) || !aligned(a.router.codes))
