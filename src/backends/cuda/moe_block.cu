@@ -114,7 +114,7 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
     l.pj_stage = o;
     o += align16(l.pj_bytes);
     l.pperm = o;
-    o += align16(int64_t{l.pj_row_bytes} * 2);
+    o += align16(int64_t{proj_cols} / 2 * 4);  // uint32 per bf16 pair
     l.psum = o;
     o += align16(int64_t{l.pj_groups} * 4);
   }
