@@ -12,7 +12,6 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -43,7 +42,7 @@ struct MoeBlock {
     ids = poisoned(size_t(R) * (k + 1) * 4);
     weights = poisoned(size_t(R) * (k + 1) * 4);
     act = poisoned(size_t(R) * (k + 1) * ffn * 2);
-    barriers = DeviceBuffer(cuda::kMoeBarriers * sizeof(uint32_t));
+    barriers = DeviceBuffer(2 * sizeof(uint32_t));
   }
 
   /// The launch's arguments for `rows` rows: x (+ branch, when non-null) → x_out, normed;
@@ -100,47 +99,19 @@ std::vector<int32_t> download_i32(const DeviceBuffer& d, int n) {
 /// router kernel on each row's inputs (the one-token block bit for bit; the rows kernel within
 /// rounding, its routing exactly that of its own logits) and the reference loops (within bf16
 /// rounding).
-/// proj_cols > 0 (one row, the one-token kernel): the branch is the kernel's own fused
-/// out-projection of a random [hidden, proj_cols] 4-bit matrix, checked against an fp64
-/// reference and against launch_quant_gemv (both within bf16 rounding); the rest of the checks
-/// then take the kernel's branch as their input.
 void check_moe_block(int E, int k, int hidden, int ffn, uint64_t seed, int max_blocks, int rows = 1,
-                     bool rows_kernel = false, int proj_cols = 0) {
+                     bool rows_kernel = false) {
   std::mt19937_64 rng(seed);
   MoeBlock m(E, k, hidden, ffn, rng);
   const int64_t n = int64_t(rows) * hidden;
-  const std::vector<float> x = normal_bf16(n, rng, 2.0f);
-  std::vector<float> branch = normal_bf16(n, rng, 0.5f);
-  DeviceBuffer dx = upload_bf16(x), dbranch = proj_cols > 0 ? poisoned(size_t(n) * 2) : upload_bf16(branch);
+  const std::vector<float> x = normal_bf16(n, rng, 2.0f), branch = normal_bf16(n, rng, 0.5f);
+  DeviceBuffer dx = upload_bf16(x), dbranch = upload_bf16(branch);
   DeviceBuffer x_out = poisoned(size_t(n) * 2), normed = poisoned(size_t(n) * 2);
   DeviceBuffer out = poisoned(size_t(n) * 2);
-  cuda::MoeDecodeArgs a = m.args(dx, dbranch.as<__nv_bfloat16>(), x_out, normed, out, nullptr, rows);
-  std::unique_ptr<RandomQuant> proj;
-  std::vector<float> px;
-  DeviceBuffer dpx;
-  if (proj_cols > 0) {
-    proj = std::make_unique<RandomQuant>(hidden, proj_cols, 4, rng);
-    px = normal_bf16(proj_cols, rng, 1.0f);
-    dpx = upload_bf16(px);
-    a.proj = proj->view();
-    a.proj_x = dpx.as<__nv_bfloat16>();
-    a.proj_out = dbranch.as<__nv_bfloat16>();
-  }
+  const cuda::MoeDecodeArgs a = m.args(dx, dbranch.as<__nv_bfloat16>(), x_out, normed, out, nullptr, rows);
   m.barriers.fill_bytes(0);
   launch_moe(a, nullptr, max_blocks, rows_kernel);
   CUDA_CHECK(cudaDeviceSynchronize());
-  if (proj_cols > 0) {  // the fused out-projection, then its output is the branch of the checks below
-    branch = download_bf16(dbranch, n);
-    std::vector<double> want(hidden);
-    for (int r = 0; r < hidden; ++r) want[r] = proj->dot(r, px.data());
-    EXPECT_LT(worst_rel(branch, want, 0.01 * rms(want)), 1e-2) << "fused out-projection against fp64";
-    DeviceBuffer gemv = poisoned(size_t(hidden) * 2);
-    cuda::launch_quant_gemv(proj->view(), dpx.as<__nv_bfloat16>(), gemv.as<__nv_bfloat16>(), nullptr, nullptr);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    const std::vector<float> g = download_bf16(gemv, hidden);
-    EXPECT_LT(worst_rel(branch, std::vector<double>(g.begin(), g.end()), 0.01 * rms(want)), 1e-2)
-        << "fused out-projection against launch_quant_gemv";
-  }
   const int n_sel = k + 1;
   const std::vector<float> all_xo = download_bf16(x_out, n), all_y = download_bf16(normed, n);
   const std::vector<float> all_logits = download_f32(m.logits, int64_t(rows) * (E + 1));
@@ -224,14 +195,6 @@ void check_moe_block(int E, int k, int hidden, int ffn, uint64_t seed, int max_b
 
 TEST(CudaMoeBlock, RealShapeOnEverySm) { check_moe_block(256, 8, 2048, 512, 61, 0); }
 TEST(CudaMoeBlock, RealShapeOnFewerBlocks) { check_moe_block(256, 8, 2048, 512, 62, 118); }  // 5 gate/up tiles, 2 down tiles on some
-// The out-projection fused in front (GDN out_proj / attention o_proj: [2048, 4096]): one tile
-// per block on every SM (on fewer blocks the real shape's stages no longer fit); the demo's
-// shape on 3 blocks (many tiles each, the stage reused).
-TEST(CudaMoeBlock, RealShapeWithFusedOutProjection) {
-  check_moe_block(256, 8, 2048, 512, 65, 0, 1, false, 4096);
-  check_moe_block(16, 4, 256, 128, 67, 3, 1, false, 512);
-  check_moe_block(16, 4, 256, 128, 68, 0, 1, false, 512);
-}
 TEST(CudaMoeBlock, DemoShape) {
   check_moe_block(16, 4, 256, 128, 63, 0);
   check_moe_block(16, 4, 256, 128, 64, 3);  // 27 gate/up tiles and 6 down row tiles per block
@@ -354,23 +317,14 @@ struct MoeBlockChain {
   bool rows_kernel;            ///< launch_moe_block_rows (else launch_moe_block_decode, one row)
   int traced = -1;             ///< the block whose launch records MoeDecodeArgs::trace
   uint64_t* trace = nullptr;
-  /// With an out-projection (proj_cols > 0, one row): each block's branch is its fused
-  /// out-projection of a fixed random input (into pout) instead of the last block's output.
-  std::unique_ptr<RandomQuant> proj;
-  DeviceBuffer px, pout;
 
-  MoeBlockChain(int E, int k, int hidden, int ffn, int blocks_, std::mt19937_64& rng, int rows_ = 1, int proj_cols = 0)
+  MoeBlockChain(int E, int k, int hidden, int ffn, int blocks_, std::mt19937_64& rng, int rows_ = 1)
       : m(E, k, hidden, ffn, rng), blocks(blocks_), rows(rows_), rows_kernel(rows_ > 1) {
-    if (proj_cols > 0) {
-      proj = std::make_unique<RandomQuant>(hidden, proj_cols, 4, rng);
-      px = upload_bf16(normal_bf16(proj_cols, rng, 1.0f));
-      pout = DeviceBuffer(size_t(hidden) * 2);
-    }
     x0 = normal_bf16(int64_t(rows) * hidden, rng, 2.0f);
     for (auto& b : xr) b = DeviceBuffer(size_t(rows) * hidden * 2);
     for (auto& b : out) b = DeviceBuffer(size_t(rows) * hidden * 2);
     normed = DeviceBuffer(size_t(rows) * hidden * 2);
-    barriers = DeviceBuffer(size_t(blocks) * cuda::kMoeBarriers * sizeof(uint32_t));
+    barriers = DeviceBuffer(size_t(blocks) * 2 * sizeof(uint32_t));
     reset();
   }
   void reset() {
@@ -383,14 +337,8 @@ struct MoeBlockChain {
   void enqueue(cudaStream_t stream) {
     CUDA_CHECK(cudaMemsetAsync(barriers.data(), 0, barriers.bytes(), stream));
     for (int l = 0; l < blocks; ++l) {
-      const __nv_bfloat16* branch = proj ? pout.as<__nv_bfloat16>() : l == 0 ? nullptr : out[(l + 1) % 2].as<__nv_bfloat16>();
-      cuda::MoeDecodeArgs a = m.args(xr[l % 2], branch, xr[(l + 1) % 2], normed, out[l % 2],
-                                     barriers.as<uint32_t>() + cuda::kMoeBarriers * l, rows);
-      if (proj) {
-        a.proj = proj->view();
-        a.proj_x = px.as<__nv_bfloat16>();
-        a.proj_out = pout.as<__nv_bfloat16>();
-      }
+      cuda::MoeDecodeArgs a = m.args(xr[l % 2], l == 0 ? nullptr : out[(l + 1) % 2].as<__nv_bfloat16>(),
+                                     xr[(l + 1) % 2], normed, out[l % 2], barriers.as<uint32_t>() + 2 * l, rows);
       if (l == traced) a.trace = trace;
       if (rows_kernel) cuda::launch_moe_block_rows(a, stream);
       else cuda::launch_moe_block_decode(a, stream);
@@ -405,10 +353,10 @@ struct MoeBlockChain {
   }
 };
 
-void check_chain(int E, int k, int hidden, int ffn, uint64_t seed, int rows = 1, int proj_cols = 0) {
+void check_chain(int E, int k, int hidden, int ffn, uint64_t seed, int rows = 1) {
   PdlSetting keep;
   std::mt19937_64 rng(seed);
-  MoeBlockChain chain(E, k, hidden, ffn, 8, rng, rows, proj_cols);
+  MoeBlockChain chain(E, k, hidden, ffn, 8, rng, rows);
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cuda::set_pdl_enabled(false);
@@ -434,7 +382,6 @@ TEST(CudaMoeBlock, ChainWithPdlAndGraphReplaysMatchesPlainLaunches) {
   check_chain(256, 8, 2048, 512, 71);
   check_chain(16, 4, 256, 128, 72);
   check_chain(256, 8, 2048, 512, 75, 8);
-  check_chain(256, 8, 2048, 512, 76, 1, 4096);  // with the fused out-projection
 }
 
 // Per-layer time of the decode MoE block, fused vs the three kernels it replaces, as a chain of
@@ -473,29 +420,6 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
     std::printf("[timing] moe block x%d graph+PDL, %-14s %8.2f us per layer\n", kLayers,
                 fused ? "fused" : "three kernels", graph_replay_us(exec, stream, kReps) / kLayers);
     CUDA_CHECK(cudaGraphExecDestroy(exec));
-  }
-  // The out-projection [2048, 4096] in front: its own GEMV launch + the block, against the block
-  // with it fused.
-  {
-    MoeBlockChain pchain(256, 8, 2048, 512, kLayers, rng, 1, 4096);
-    for (bool fused_proj : {false, true}) {
-      cudaGraphExec_t exec = capture_graph(stream, [&](cudaStream_t st) {
-        if (fused_proj) return pchain.enqueue(st);
-        std::unique_ptr<RandomQuant> keep_proj = std::move(pchain.proj);  // enqueue without the fusion
-        CUDA_CHECK(cudaMemsetAsync(pchain.barriers.data(), 0, pchain.barriers.bytes(), st));
-        for (int l = 0; l < kLayers; ++l) {
-          cuda::launch_quant_gemv(keep_proj->view(), pchain.px.as<__nv_bfloat16>(), pchain.pout.as<__nv_bfloat16>(), nullptr, st);
-          cuda::MoeDecodeArgs a = pchain.m.args(pchain.xr[l % 2], pchain.pout.as<__nv_bfloat16>(), pchain.xr[(l + 1) % 2],
-                                                pchain.normed, pchain.out[l % 2],
-                                                pchain.barriers.as<uint32_t>() + cuda::kMoeBarriers * l, 1);
-          cuda::launch_moe_block_decode(a, st);
-        }
-        pchain.proj = std::move(keep_proj);
-      });
-      std::printf("[timing] moe block x%d graph+PDL, out-proj %-12s %8.2f us per layer\n", kLayers,
-                  fused_proj ? "fused" : "own GEMV", graph_replay_us(exec, stream, kReps) / kLayers);
-      CUDA_CHECK(cudaGraphExecDestroy(exec));
-    }
   }
   // The rows kernel over the rows of a batched step.
   for (int rows : {1, 2, 4, 8}) {

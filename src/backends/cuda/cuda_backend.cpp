@@ -528,6 +528,9 @@ int routed_plus_shared_slots(const ModelConfig& c) { return c.n_experts_per_tok 
 /// of the fused router matrix (router rows, then the shared-expert gate row) and of its logits.
 int routed_plus_shared_experts(const ModelConfig& c) { return c.n_experts + 1; }
 
+/// Grid barriers of one launch_moe_block_decode (MoeDecodeArgs::barriers).
+constexpr int kMoeBarriersPerLayer = 2;
+
 void check_shapes(const ModelConfig& c) {
   auto bad = [&](const std::string& what) {
     throw ::lily::Error("CUDA backend: the kernels were not written for this model shape (" + c.shape_name() +
@@ -575,7 +578,6 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
     allocate_scratch();
     fused_moe_ = options_.fused_moe && fuse_decode_ && fused_moe_supported();
-    fused_out_proj_ = fused_moe_ && options_.fused_out_proj && fused_out_proj_supported();
     batched_fused_moe_ = fused_moe_ && fused_moe_supported(kMaxDecodeRows);
     // The kernel layer's switches (kernels.h, mixer_kernels.h, quant_gemm.h) are process-wide:
     // set here from this backend's options, every one of them, so the environment is read and
@@ -828,7 +830,7 @@ class CudaBackend final : public Backend {
     expert_w_ = DeviceBuffer(routed_plus_shared_slots(c) * sizeof(float));
     router_done_ = DeviceBuffer(sizeof(uint32_t));
     router_done_.fill_bytes(0);  // launch_router_fused leaves it zero after every launch
-    moe_barriers_ = DeviceBuffer(static_cast<size_t>(c.n_layers) * kMoeBarriers * sizeof(uint32_t));
+    moe_barriers_ = DeviceBuffer(static_cast<size_t>(c.n_layers) * kMoeBarriersPerLayer * sizeof(uint32_t));
     logits_ = DeviceBuffer(static_cast<size_t>(c.vocab) * sizeof(float));
     const int slots = argmax_scratch_slots(c.vocab);
     argmax_v_ = DeviceBuffer(slots * sizeof(float));
@@ -936,10 +938,10 @@ class CudaBackend final : public Backend {
       if (probing) {
         if (l > 0) emit("layer_out", l - 1, pos, resid.as<bf16>(), c.hidden);
         emit("attn_norm", l, pos, normed_.as<bf16>(), c.hidden);
+        emit("mixer_out", l, pos, mixer_out_.as<bf16>(), c.hidden);
       }
       moe_block(L, l);
       if (probing) {
-        emit("mixer_out", l, pos, mixer_out_.as<bf16>(), c.hidden);  // fused_out_proj_: written by the MoE block
         emit("ffn_norm", l, pos, normed_.as<bf16>(), c.hidden);
         emit_f32("router_logits", l, pos, router_logits_.as<float>(), c.n_experts);
         emit("ffn_out", l, pos, moe_out_.as<bf16>(), c.hidden);
@@ -994,8 +996,7 @@ class CudaBackend final : public Backend {
     }
     gdn_decode(gdn_, L.gdn, conv_out_.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, s.state(slot),
                mixer_core_out_.as<bf16>(), stream_);
-    if (!fused_out_proj_)  // else the MoE block's first phase
-      launch_quant_gemv(L.gdn_out, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
+    launch_quant_gemv(L.gdn_out, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
   }
 
   void attention_mixer(const DeviceLayer& L, CudaState& s, int slot, const int32_t* d_pos, const int32_t* d_len,
@@ -1010,20 +1011,14 @@ class CudaBackend final : public Backend {
     const int splits = attention_decode_splits(s.capacity);
     attention_decode(attn_, q_out_.as<bf16>(), proj, kv, 1, d_len, splits, attn_ws_.as<float>(), attn_ws_bytes_,
                      mixer_core_out_.as<bf16>(), stream_);
-    if (!fused_out_proj_)  // else the MoE block's first phase
-      launch_quant_gemv(L.attn_out, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
+    launch_quant_gemv(L.attn_out, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
   }
 
   /// The fused MoE block's arguments for layer `layer` (the post norm's add reads x_alt_ and
   /// mixer_out_, writes x_ and normed_; the output goes to moe_out_).
-  MoeDecodeArgs moe_args(const DeviceLayer& L, int layer, bool with_out_proj = false) {
+  MoeDecodeArgs moe_args(const DeviceLayer& L, int layer) {
     const ModelConfig& c = config();
     MoeDecodeArgs a;
-    if (with_out_proj) {  // the mixer's out-projection as the block's first phase
-      a.proj = L.type == LayerType::kLinearAttention ? L.gdn_out : L.attn_out;
-      a.proj_x = mixer_core_out_.as<bf16>();
-      a.proj_out = mixer_out_.as<bf16>();
-    }
     a.router = L.router;
     a.gate = L.gate;
     a.up = L.up;
@@ -1038,7 +1033,7 @@ class CudaBackend final : public Backend {
     a.weights = expert_w_.as<float>();
     a.act = act_.as<bf16>();
     a.out = moe_out_.as<bf16>();
-    a.barriers = moe_barriers_.as<uint32_t>() + static_cast<int64_t>(layer) * kMoeBarriers;
+    a.barriers = moe_barriers_.as<uint32_t>() + static_cast<int64_t>(layer) * kMoeBarriersPerLayer;
     return a;
   }
 
@@ -1058,23 +1053,10 @@ class CudaBackend final : public Backend {
     return true;
   }
 
-  /// Whether every layer's out-projection fits the fused MoE block's first phase; the reason of
-  /// the first that does not goes to the log once.
-  bool fused_out_proj_supported() {
-    for (int l = 0; l < config().n_layers; ++l) {
-      const std::string why = moe_block_unsupported(moe_args(model_->layers[l], l, true));
-      if (!why.empty()) {
-        log_info("CUDA backend: decode out-projection as its own GEMV (" + why + ")");
-        return false;
-      }
-    }
-    return true;
-  }
-
   void moe_block(const DeviceLayer& L, int layer) {
     const ModelConfig& c = config();
     const int k = c.n_experts_per_tok;
-    if (fused_moe_) return launch_moe_block_decode(moe_args(L, layer, fused_out_proj_), stream_);
+    if (fused_moe_) return launch_moe_block_decode(moe_args(L, layer), stream_);
     // Post norm (x_alt_ + mixer_out_ → x_, normed_) + router GEMV + top-k in one launch (the logits
     // are still written, for the probes).
     if (fuse_decode_) {
@@ -1563,7 +1545,7 @@ class CudaBackend final : public Backend {
   /// [value_dim]; attention: gated heads [n_heads · head_dim]).
   DeviceBuffer x_, normed_, mixer_out_, moe_out_, proj_, conv_out_, mixer_core_out_, q_out_, act_;
   DeviceBuffer router_done_;  ///< launch_router_fused's block counter (uint32, kept zero between launches)
-  /// launch_moe_block_decode's grid barriers: uint32 [n_layers][kMoeBarriers], zeroed at
+  /// launch_moe_block_decode's grid barriers: uint32 [n_layers][kMoeBarriersPerLayer], zeroed at
   /// the start of every decode step.
   DeviceBuffer moe_barriers_;
   DeviceBuffer router_logits_, expert_ids_, expert_w_, logits_, argmax_v_, argmax_i_, io_dev_, attn_ws_;
@@ -1575,9 +1557,6 @@ class CudaBackend final : public Backend {
   size_t attn_ws_bytes_ = 0;
   bool batched_prefill_ = options_.batched_prefill;    ///< false: the decode graph per prompt token
   bool fuse_decode_ = options_.fuse_decode;            ///< false: separate norm / conv / top-k kernels
-  /// The mixer's out-projection as the fused MoE block's first phase (options_.fused_out_proj,
-  /// when fused_moe_ and every layer's shape fits).
-  bool fused_out_proj_ = false;
   bool fused_moe_ = false;  ///< the decode MoE block in one launch (options_.fused_moe, when supported)
   /// The batched decode's MoE block in one launch (launch_moe_block_rows): fused_moe_ and
   /// supported at kMaxDecodeRows rows (decided once, so every batch size, 1 included, takes the

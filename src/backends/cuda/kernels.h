@@ -219,14 +219,7 @@ struct MoeDecodeArgs {
   float* weights = nullptr;            ///< [rows, top_k + 1] (written, for probes)
   __nv_bfloat16* act = nullptr;        ///< bf16 [rows, top_k + 1, ffn]: scratch between the two grid phases
   __nv_bfloat16* out = nullptr;        ///< bf16 [rows, hidden]: the MoE output
-  uint32_t* barriers = nullptr;        ///< uint32 [kMoeBarriers], zero before every launch (a memset in the graph)
-  /// Optional, one-token kernel only: the mixer's 4-bit out-projection [hidden, proj.cols] run
-  /// in front of the block. When proj.codes is set, the kernel first writes proj_out = bf16(proj ·
-  /// proj_x) (proj_x bf16 [proj.cols], proj_out bf16 [hidden], which must be norm.branch) and
-  /// then goes on as without it; one more grid barrier.
-  DeviceQuant proj;
-  const __nv_bfloat16* proj_x = nullptr;
-  __nv_bfloat16* proj_out = nullptr;
+  uint32_t* barriers = nullptr;        ///< uint32 [2], zero before every launch (a memset in the graph)
   /// Diagnostics, null in production: per block, %globaltimer (ns) at each of the
   /// kMoeTracePoints phase ends (entry, PDL wait, norm + router, (same), barrier 1, routing,
   /// requests, gate/up + SwiGLU, (same), barrier 2, act staged, down) → uint64 [blocks][kMoeTracePoints].
@@ -235,9 +228,6 @@ struct MoeDecodeArgs {
 
 /// Phase stamps per block of MoeDecodeArgs::trace.
 inline constexpr int kMoeTracePoints = 12;
-/// Grid barrier counters of one fused MoE launch (MoeDecodeArgs::barriers): after the router
-/// logits, after act, and after the fused out-projection (MoeDecodeArgs::proj).
-inline constexpr int kMoeBarriers = 3;
 
 /// Why launch_moe_block_decode cannot run `args` on this device ("" when it can): it needs
 /// rows = 1, 4-bit experts, hidden a multiple of 256, ffn a multiple of 64, 16-byte aligned
@@ -253,10 +243,7 @@ std::string moe_block_unsupported(const MoeDecodeArgs& args, int max_blocks = 0)
 /// bf16(Σ_s w_s·bf16(W_down act_s)) in slot order, the 4-bit products on tensor cores
 /// (quant_mma.cuh; sums in another order than the CUDA-core expert kernels, so within bf16
 /// rounding of them). One block per SM; two grid-wide barriers on `barriers` (after the router
-/// logits, after act), and a third first when args.proj is set: the mixer's out-projection
-/// (branch = bf16(proj · proj_x) on tensor cores, the expert arithmetic; within bf16 rounding of
-/// launch_quant_gemv) runs as the block's first phase, its weights requested before the PDL
-/// wait. The expert weights travel by bulk copies into shared memory: the shared
+/// logits, after act). The expert weights travel by bulk copies into shared memory: the shared
 /// expert's before the PDL wait, the routed ones as soon as the routing is known, the down
 /// projection's during the gate/up phase. Throws lily::Error with moe_block_unsupported's
 /// reason, lily::InternalError for bad buffers.

@@ -61,15 +61,10 @@ struct MoeLayout {
   int gu_max = 0, dn_max = 0;          ///< tiles per block at most
   int64_t bars = 0, gu_ring = 0, dn_ring = 0, xs = 0, xperm = 0, logits = 0, aperm = 0, asum = 0;
   int64_t gu_part = 0, dn_part = 0;
-  /// The fused out-projection (MoeDecodeArgs::proj; pj_cols = 0 without it): columns, bytes of a
-  /// code row, groups per row, bytes of one 16-row tile; its stage, fragment-order input and Σx.
-  int pj_cols = 0, pj_row_bytes = 0, pj_groups = 0, pj_bytes = 0;
-  int64_t pj_stage = 0, pperm = 0, psum = 0;
   int64_t total = 0;
 };
 
-__host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_experts, int n_sel, int blocks,
-                                                int proj_cols) {
+__host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_experts, int n_sel, int blocks) {
   MoeLayout l;
   l.hidden = hidden;
   l.ffn = ffn;
@@ -85,13 +80,9 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
   l.dn_stage = l.dn_bytes;
   l.gu_max = static_cast<int>(ceil_div(int64_t{n_sel} * l.gu_per_slot, blocks));
   l.dn_max = static_cast<int>(ceil_div(hidden / kTileRows, blocks));
-  l.pj_cols = proj_cols;
-  l.pj_row_bytes = proj_cols / 2;
-  l.pj_groups = proj_cols / kGroup;
-  l.pj_bytes = kTileRows * l.pj_row_bytes + 2 * kTileRows * l.pj_groups * 2;
   int64_t o = 0;
   l.bars = o;
-  o += align16(int64_t{l.gu_max + l.dn_max + 1} * 8);
+  o += align16(int64_t{l.gu_max + l.dn_max} * 8);
   l.gu_ring = o;
   o += l.gu_max * l.gu_stage;
   l.dn_ring = o;
@@ -110,14 +101,6 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
   o += align16(int64_t{l.gu_max} * kBlockWarps * kTileRows * 4);
   l.dn_part = o;
   o += align16(int64_t{n_sel} * kTileRows * 4);
-  if (proj_cols > 0) {
-    l.pj_stage = o;
-    o += align16(l.pj_bytes);
-    l.pperm = o;
-    o += align16(int64_t{proj_cols} / 2 * 4);  // uint32 per bf16 pair
-    l.psum = o;
-    o += align16(int64_t{l.pj_groups} * 4);
-  }
   l.total = o;
   return l;
 }
@@ -149,26 +132,6 @@ __device__ __forceinline__ void request_down_slots(const MoeDecodeArgs& a, const
                           (kind == 1 ? a.down.scales : a.down.biases) + row0 * l.groups_f,
                           static_cast<uint32_t>(kTileRows * l.groups_f * 2), bar);
     }
-  }
-}
-
-/// Warp 0: requests tile `pt` of the fused out-projection (rows 16·pt … + 16 of a.proj: the code
-/// rows, then their scales, then their biases, three bulk copies) into `stage`, counted on `bar`.
-/// `reuse`: the stage was read before, by threads that have passed a barrier with this warp.
-__device__ __forceinline__ void request_proj_tile(const MoeDecodeArgs& a, const MoeLayout& l, int pt,
-                                                  unsigned char* stage, uint64_t* bar, bool reuse) {
-  const int lane = threadIdx.x % kWarp;
-  if (lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(l.pj_bytes));
-  __syncwarp();
-  if (reuse) fence_proxy_async_shared();
-  const int64_t row0 = int64_t{pt} * kTileRows;
-  const uint32_t sb_bytes = static_cast<uint32_t>(kTileRows * l.pj_groups * 2);
-  if (lane == 0) {
-    bulk_copy_to_shared(stage, reinterpret_cast<const unsigned char*>(a.proj.codes) + row0 * l.pj_row_bytes,
-                        static_cast<uint32_t>(kTileRows * l.pj_row_bytes), bar);
-  } else if (lane <= 2) {
-    bulk_copy_to_shared(stage + kTileRows * l.pj_row_bytes + (lane - 1) * sb_bytes,
-                        (lane == 1 ? a.proj.scales : a.proj.biases) + row0 * l.pj_groups, sb_bytes, bar);
   }
 }
 
@@ -205,10 +168,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   const int my_rt = b < n_rt ? (n_rt - 1 - b) / G + 1 : 0;
   uint64_t* gu_full = reinterpret_cast<uint64_t*>(sm + l.bars);
   uint64_t* dn_full = gu_full + l.gu_max;
-  uint64_t* pj_full = dn_full + l.dn_max;
-  const int n_pt = l.pj_cols > 0 ? l.hidden / kTileRows : 0;  // out-projection tiles
-  const int my_pt = b < n_pt ? (n_pt - 1 - b) / G + 1 : 0;
-  unsigned char* pj_stage = sm + l.pj_stage;
   unsigned char* gu_ring = sm + l.gu_ring;
   unsigned char* dn_ring = sm + l.dn_ring;
   auto dn_stages = [&](int i) { return dn_ring + int64_t{i} * l.n_sel * l.dn_stage; };
@@ -217,7 +176,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   if (threadIdx.x == 0) {
     for (int i = 0; i < my_gu; ++i) mbarrier_init(gu_full + i, 1);
     for (int i = 0; i < my_rt; ++i) mbarrier_init(dn_full + i, 2);  // shared slot, then the routed ones
-    if (my_pt > 0) mbarrier_init(pj_full, 1);
     mbarrier_init_fence();
   }
   __syncthreads();
@@ -225,7 +183,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   // 1. Weights whose addresses need no routing, before the wait (launch.cuh).
   RouterRows<RBITS> router(a.router, int64_t{b} * kBlockWarps + warp, int64_t{G} * kBlockWarps);
   if (warp == 0) {
-    if (my_pt > 0) request_proj_tile(a, l, b, pj_stage, pj_full, false);  // needed first
     for (int i = 0; i < my_gu; ++i) {
       const int j = b + i * G;
       if (j / l.gu_per_slot == shared_slot)
@@ -237,46 +194,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   pdl_prologue();
   trace_point(a, 1);
 
-  // 1b. The fused out-projection (a.proj), when set: branch = bf16(proj · proj_x), 16-row tiles
-  // dealt round-robin over the blocks, each tile's groups split over the 16 warps (summed in
-  // warp order); then a grid barrier, after which every block reads the whole branch.
-  if (n_pt > 0) {
-    uint32_t* pperm = reinterpret_cast<uint32_t*>(sm + l.pperm);
-    float* psum = reinterpret_cast<float*>(sm + l.psum);
-    float* part = reinterpret_cast<float*>(sm + l.gu_part);  // [warp][16 rows]; gate/up reuses it later
-    stage_fragment_row<false>(a.proj_x, l.pj_cols, pperm, psum);
-    __syncthreads();
-    const int per = (l.pj_groups + kBlockWarps - 1) / kBlockWarps;
-    const int pg_begin = min(l.pj_groups, warp * per), pg_end = min(l.pj_groups, pg_begin + per);
-    for (int i = 0; i < my_pt; ++i) {
-      mbarrier_wait(pj_full, static_cast<uint32_t>(i) & 1u);
-      const TileView v = tile_view(pj_stage, l.pj_row_bytes, l.pj_groups, g, t);
-      float lo = 0.0f, hi = 0.0f;
-      for (int Gi = pg_begin; Gi < pg_end; ++Gi) group_one_token(v, pperm, psum, g, t, Gi, lo, hi);
-      if (t == 0) {
-        part[warp * kTileRows + g] = lo;
-        part[warp * kTileRows + g + 8] = hi;
-      }
-      __syncthreads();
-      if (threadIdx.x < kTileRows) {
-        float o = 0.0f;
-        for (int w = 0; w < kBlockWarps; ++w) o += part[w * kTileRows + threadIdx.x];
-        a.proj_out[int64_t{b + i * G} * kTileRows + threadIdx.x] = to_bf16(o);
-      }
-      if (i + 1 < my_pt) {
-        __syncthreads();  // the stage and the partials are free again
-        if (warp == 0) request_proj_tile(a, l, b + (i + 1) * G, pj_stage, pj_full, true);
-      }
-    }
-    grid_sync(a.barriers + 2, G);
-  }
-
   // 2. The normed row (block 0 also stores x_out and normed_out), its fragment-order copy, a
   // share of the router logits; then every block routes the token.
   float* xs = reinterpret_cast<float*>(sm + l.xs);
   float* xsum = xs + l.groups_h * kGroupStride;
-  if (n_pt > 0) stage_norm_row<true>(a.x, a.norm, l.hidden, b == 0, xs, xsum, kNormThreads);
-  else stage_norm_row(a.x, a.norm, l.hidden, b == 0, xs, xsum, kNormThreads);
+  stage_norm_row(a.x, a.norm, l.hidden, b == 0, xs, xsum, kNormThreads);
   trace_point(a, 2);
   uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);
   for (int i = threadIdx.x; i < l.hidden / 2; i += blockDim.x) {
@@ -379,10 +301,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
 }
 
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-/// Whether a matrix's codes, scales and biases are 16-byte aligned (bulk copies).
-bool quant_aligned(const DeviceQuant& w) { return aligned16(w.codes) && aligned16(w.scales) && aligned16(w.biases); }
-
 struct MoePlan {
   std::string why;  ///< "" when the kernel applies
   int blocks = 0;
@@ -401,12 +319,7 @@ MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   if (std::string why = shape_problem(a); !why.empty()) return no(why);
   p.blocks = sm_count();
   if (max_blocks > 0) p.blocks = std::min(p.blocks, max_blocks);
-  if (a.proj.codes) {
-    if (a.proj.bits != 4 || a.proj.rows != hidden || a.proj.cols <= 0 || a.proj.cols % kGroup != 0 || a.proj.cols > 16384)
-      return no("the fused out-projection is not 4-bit [hidden, a multiple of 64 ≤ 16384]");
-    if (!quant_aligned(a.proj)) return no("the out-projection's arrays are not 16-byte aligned");
-  }
-  p.layout = moe_layout(hidden, ffn, E, k + 1, p.blocks, a.proj.codes ? a.proj.cols : 0);
+  p.layout = moe_layout(hidden, ffn, E, k + 1, p.blocks);
   if (p.layout.total > kSmemLimit)
     return no("a block's expert tiles need " + std::to_string(p.layout.total) + " bytes of shared memory");
   auto kernel = a.router.bits == 8 ? moe_block_kernel<8> : moe_block_kernel<4>;
@@ -431,6 +344,11 @@ void launch_moe_block_decode(const MoeDecodeArgs& a, cudaStream_t stream, int ma
 
 namespace moe {
 
+namespace {
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool quant_aligned(const DeviceQuant& w) { return aligned16(w.codes) && aligned16(w.scales) && aligned16(w.biases); }
+}  // namespace
+
 std::string shape_problem(const MoeDecodeArgs& a) {
   const int hidden = a.gate.cols, ffn = a.ffn, E = a.n_experts, k = a.top_k;
   if (a.gate.bits != 4 || a.up.bits != 4 || a.down.bits != 4) return "the expert matrices are not 4-bit";
@@ -451,8 +369,6 @@ void check_buffers(const MoeDecodeArgs& a, const char* what) {
     throw ::lily::InternalError(std::string(what) + ": logits, ids, weights, act, out and barriers are required");
   if (a.out == a.x || a.out == a.norm.branch || a.out == a.norm.x_out || a.out == a.norm.normed_out || a.norm.x_out == a.x)
     throw ::lily::InternalError(std::string(what) + ": out and x_out must not alias the norm's inputs");
-  if (a.proj.codes && (!a.proj_x || a.proj_out != a.norm.branch || a.proj_x == a.proj_out))
-    throw ::lily::InternalError(std::string(what) + ": the fused out-projection needs proj_x and proj_out = norm.branch");
 }
 
 }  // namespace moe

@@ -80,14 +80,8 @@ inline void check_fused_norm(const FusedNorm& norm, const bf16* x, const char* w
 /// All threads of the block; ends with __syncthreads(). `threads` (≤ blockDim.x, a multiple of
 /// 32; 0 = blockDim.x) is how many threads hold elements: a larger block with threads = 256 gives
 /// the same values as a 256-thread block (the other warps add zeros to the block sum).
-/// kBranchL2: norm.branch was written in this launch by other blocks, so it is read through L2.
-template <bool kBranchL2 = false>
 __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const FusedNorm& norm, int cols,
                                                bool store, float* xs, float* xsum, int threads = 0) {
-  auto branch_at = [&](int c) {
-    if constexpr (kBranchL2) return to_f32(__ldcg(norm.branch + c));
-    else return to_f32(norm.branch[c]);
-  };
   __shared__ float scratch[32];
   const int stride = threads > 0 ? threads : static_cast<int>(blockDim.x);
   const bool holds = static_cast<int>(threadIdx.x) < stride;
@@ -98,7 +92,7 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
     for (int i = 0; i < kStageBatch; ++i) {
       const int c = holds ? threadIdx.x + i * stride : cols;
       const float v = c < cols ? to_f32(x[c]) : 0.0f;
-      const float b = (c < cols && norm.branch) ? branch_at(c) : 0.0f;
+      const float b = (c < cols && norm.branch) ? to_f32(norm.branch[c]) : 0.0f;
       gain[i] = c < cols ? norm.gain[c] : 0.0f;
       h[i] = norm.branch ? round_bf16(v + b) : v;
     }
@@ -127,7 +121,7 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
     for (int i = 0; i < kStageBatch; ++i) {
       const int c = c0 + i * stride;
       v[i] = c < cols ? to_f32(x[c]) : 0.0f;
-      b[i] = (c < cols && norm.branch) ? branch_at(c) : 0.0f;
+      b[i] = (c < cols && norm.branch) ? to_f32(norm.branch[c]) : 0.0f;
     }
 #pragma unroll
     for (int i = 0; i < kStageBatch; ++i) {  // then the arithmetic, in element order
