@@ -700,11 +700,14 @@ void attention_prepare(const AttnDims& dims, int T, const bf16* qg, int64_t qg_s
 }
 
 int attention_decode_splits(int64_t len) {
-  // 64 keys per split, at most 128 splits (measured against 256 keys per split:
-  // docs/performance/2026-12-01-decode-kernels-2.md): short caches still spread over several SMs.
-  constexpr int64_t kKeysPerSplit = 64;
+  // 128 keys per split, at most 64 splits. Decode on an H200 (35b-a3b shape,
+  // docs/performance/2026-12-03-decode-attention-splits.md) against the earlier 64 keys and 128
+  // splits: 4K context +2.8 % (33 splits), 32K +3.3 % (64 splits); 32 or 256 keys per split at
+  // 4K and 128 splits at 32K were slower. Each split's merge of its warps is a fixed cost, so
+  // fewer, longer splits win once every SM has one.
+  constexpr int64_t kKeysPerSplit = 128, kMaxSplits = 64;
   if (len <= kKeysPerSplit) return 1;
-  return int(std::min<int64_t>(128, (len + kKeysPerSplit - 1) / kKeysPerSplit));
+  return int(std::min<int64_t>(kMaxSplits, (len + kKeysPerSplit - 1) / kKeysPerSplit));
 }
 
 size_t attention_decode_workspace_bytes(const AttnDims& dims, int n_splits) {

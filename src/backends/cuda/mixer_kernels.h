@@ -217,8 +217,8 @@ void attention_prepare(const AttnDims& dims, int T, const __nv_bfloat16* qg, int
 
 /// Maximum number of key splits of attention_decode.
 constexpr int kMaxDecodeSplits = 256;
-/// A good split count for a context of `len` keys (1 for ≤ 64 keys, then ~64-key splits,
-/// at most 128). For a captured graph, use the count of the largest length it will serve
+/// A good split count for a context of `len` keys (1 for ≤ 128 keys, then ~128-key splits,
+/// at most 64). For a captured graph, use the count of the largest length it will serve
 /// (any count is correct for any length).
 int attention_decode_splits(int64_t len);
 /// Workspace bytes attention_decode needs for `n_splits` (fp32 partial outputs and stats).
