@@ -9,6 +9,7 @@
 
 #include "base/error.h"
 #include "base/file_util.h"
+#include "model/config_json.h"
 #include "model/tensor_table.h"
 
 namespace lily {

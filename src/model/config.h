@@ -1,5 +1,6 @@
 // ModelConfig: the qwen3_5_moe text-model hyper-parameters, parsed from a checkpoint's
-// config.json and validated family-strictly (docs/model.md §1). Dimension names follow
+// config.json and validated family-strictly (docs/model.md §1). Free of JSON types: parsing an
+// in-memory document is model/config_json.h's parse_model_config. Dimension names follow
 // one glossary: hidden, vocab, n_layers, n_heads / n_kv_heads / head_dim (gated attention),
 // gdn_* (Gated DeltaNet), n_experts / n_experts_per_tok / moe_ffn_dim / shared_ffn_dim (MoE).
 #pragma once
@@ -7,8 +8,6 @@
 #include <filesystem>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace lily {
 
@@ -82,13 +81,8 @@ struct ModelConfig {
   int64_t parameter_count() const;
 };
 
-/// Parses and validates a config.json document (a `qwen3_5_moe` wrapper with `text_config`,
-/// or a text-only `qwen3_5_moe_text` config). `source` names the file in error messages.
-/// Throws CheckpointError with one line saying what was found (other model_type, other
-/// quantization method, missing/inconsistent fields, group size ≠ 64, …).
-ModelConfig parse_model_config(const nlohmann::json& doc, const std::string& source);
-
-/// Reads `dir/config.json` and calls parse_model_config. Throws CheckpointError.
+/// Reads `dir/config.json` and validates it as parse_model_config (model/config_json.h) does.
+/// Throws CheckpointError.
 ModelConfig load_model_config(const std::filesystem::path& dir);
 
 }  // namespace lily

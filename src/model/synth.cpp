@@ -18,6 +18,7 @@
 #include "base/file_util.h"
 #include "base/log.h"
 #include "io/safetensors_writer.h"
+#include "model/config_json.h"
 #include "model/tensor_table.h"
 
 namespace lily {

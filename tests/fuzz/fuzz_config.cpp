@@ -11,6 +11,7 @@
 #include "base/error.h"
 #include "fuzz_support.h"
 #include "model/config.h"
+#include "model/config_json.h"
 #include "model/tensor_table.h"
 
 namespace {

@@ -34,48 +34,6 @@ struct RopeFreqs {
   float inv[kMaxRotaryHalf];
 };
 
-// ---- bf16 vectors of one lane ------------------------------------------------------------------
-
-/// Raw vector type of N consecutive bf16 (N = 8: 16 bytes, 4: 8 bytes, 2: 4 bytes).
-template <int N> struct BfVec;
-template <> struct BfVec<8> { using type = uint4; };
-template <> struct BfVec<4> { using type = uint2; };
-template <> struct BfVec<2> { using type = unsigned int; };
-
-/// N (= D/32: 8, 4 or 2) bf16 of one vector load as fp32.
-template <int N>
-__device__ __forceinline__ void unpack8(const typename BfVec<N>::type& raw, float (&x)[N]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int e = 0; e < N / 2; ++e) {
-    const float2 f = __bfloat1622float2(h[e]);
-    x[2 * e] = f.x;
-    x[2 * e + 1] = f.y;
-  }
-}
-
-/// One aligned vector load of N consecutive bf16, kept raw (unpack8 converts).
-template <int N>
-__device__ __forceinline__ typename BfVec<N>::type load_raw(const bf16* p) {
-  return *reinterpret_cast<const typename BfVec<N>::type*>(p);
-}
-
-/// Loads N (= D/32: 8, 4 or 2) consecutive bf16 (one aligned vector load) as fp32.
-template <int N>
-__device__ __forceinline__ void load8(const bf16* p, float (&x)[N]) {
-  unpack8<N>(load_raw<N>(p), x);
-}
-
-/// Stores N fp32 as N consecutive bf16 (round to nearest even, as to_bf16; one aligned vector store).
-template <int N>
-__device__ __forceinline__ void store8(bf16* p, const float (&x)[N]) {
-  typename BfVec<N>::type raw;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int e = 0; e < N / 2; ++e) h[e] = __floats2bfloat162_rn(x[2 * e], x[2 * e + 1]);
-  *reinterpret_cast<typename BfVec<N>::type*>(p) = raw;
-}
-
 // ---- q/k norm + RoPE + cache append ----------------------------------------------------------
 //
 // A block prepares one token (one row): its rotary_dim/2 (cos, sin) pairs are computed once into
@@ -117,7 +75,7 @@ __device__ __forceinline__ float2 rope_cos_sin(int64_t pos, float inv_freq) {
 /// the key) and, for a kv head, of the V row.
 template <int kD>
 struct HeadIn {
-  typename BfVec<kD / kWarp>::type x, v;
+  typename Bf16Vec<kD / kWarp>::type x, v;
 };
 
 /// Loads head hh (< nq: query head hh, else kv head hh − nq) of row t; lane l takes dims
@@ -128,11 +86,11 @@ __device__ __forceinline__ HeadIn<kD> load_head(const PrepareArgs& a, int t, int
   const int d0 = (threadIdx.x % kWarp) * N;
   HeadIn<kD> in{};
   if (hh < a.nq) {
-    in.x = load_raw<N>(a.qg + t * a.qg_stride + int64_t(hh) * 2 * kD + d0);
+    in.x = load_bf16_raw<N>(a.qg + t * a.qg_stride + int64_t(hh) * 2 * kD + d0);
   } else {
     const int64_t at = t * a.kv_stride + int64_t(hh - a.nq) * kD + d0;
-    in.x = load_raw<N>(a.k + at);
-    in.v = load_raw<N>(a.v + at);
+    in.x = load_bf16_raw<N>(a.k + at);
+    in.v = load_bf16_raw<N>(a.v + at);
   }
   return in;
 }
@@ -195,15 +153,15 @@ __device__ __forceinline__ void finish_head(const PrepareArgs& a, const HeadIn<k
   const int d0 = (threadIdx.x % kWarp) * N;
   const bool is_q = hh < a.nq;
   float y[N];
-  unpack8<N>(in.x, y);
+  unpack_bf16<N>(in.x, y);
   rms_norm_head<kD>(y, is_q ? a.q_norm : a.k_norm, d0, a.eps);
   rope_head<N>(y, a.rotary_dim / 2, cs, stage);
   if (is_q) {
-    store8<N>(a.q_out + (int64_t(t) * a.nq + hh) * kD + d0, y);
+    store_bf16_vec<N>(y, a.q_out + (int64_t(t) * a.nq + hh) * kD + d0);
   } else {
     const int64_t slot = (int64_t(hh - a.nq) * cache.capacity + pos) * kD + d0;
-    store8<N>(cache.k + slot, y);
-    *reinterpret_cast<typename BfVec<N>::type*>(cache.v + slot) = in.v;
+    store_bf16_vec<N>(y, cache.k + slot);
+    *reinterpret_cast<typename Bf16Vec<N>::type*>(cache.v + slot) = in.v;
   }
 }
 
@@ -264,7 +222,7 @@ __device__ __forceinline__ void load_queries(const bf16* q_row, int kvh, float s
   const int lane = threadIdx.x % kWarp;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    load8(q_row + int64_t(kvh * G + g) * kD + lane * kDimsPerLane, qr[g]);
+    load_bf16_vec(q_row + int64_t(kvh * G + g) * kD + lane * kDimsPerLane, qr[g]);
 #pragma unroll
     for (int e = 0; e < kDimsPerLane; ++e) qr[g][e] *= scale * kLog2e;
   }
@@ -308,7 +266,7 @@ template <int G, int kD, int kDimsPerLane = kD / kWarp>
 __device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], const bf16* K,
                                             const bf16* V, int64_t start, int64_t end,
                                             WarpState<G, kD>& st) {
-  using Raw = typename BfVec<kDimsPerLane>::type;
+  using Raw = typename Bf16Vec<kDimsPerLane>::type;
   constexpr int kScores = kKeyBatch * G;  // a power of two ≤ 32 (G ≤ 8)
   static_assert(kScores <= kWarp && (kScores & (kScores - 1)) == 0, "attend_keys: kKeyBatch·G must be 2^k ≤ 32");
   constexpr int kSpread = kWarp / kScores;  // lanes holding each score after the reduce-scatter
@@ -327,15 +285,15 @@ __device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], 
       const int64_t t = t0 + int64_t(b) * kWarps;
       kr[b] = vr[b] = Raw{};
       if (t < end) {
-        kr[b] = load_raw<kDimsPerLane>(K + t * kD + lane * kDimsPerLane);
-        vr[b] = load_raw<kDimsPerLane>(V + t * kD + lane * kDimsPerLane);
+        kr[b] = load_bf16_raw<kDimsPerLane>(K + t * kD + lane * kDimsPerLane);
+        vr[b] = load_bf16_raw<kDimsPerLane>(V + t * kD + lane * kDimsPerLane);
       }
     }
     float part[kScores];  // this lane's share of score (key b, head g) at b·G + g
 #pragma unroll
     for (int b = 0; b < kKeyBatch; ++b) {
       float kx[kDimsPerLane];
-      unpack8<kDimsPerLane>(kr[b], kx);
+      unpack_bf16<kDimsPerLane>(kr[b], kx);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float s = 0.0f;
@@ -350,7 +308,7 @@ __device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], 
     for (int b = 0; b < kKeyBatch; ++b) {
       if (t0 + int64_t(b) * kWarps >= end) break;  // uniform over the warp
       float vx[kDimsPerLane];
-      unpack8<kDimsPerLane>(vr[b], vx);
+      unpack_bf16<kDimsPerLane>(vr[b], vx);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const float s = __shfl_sync(0xffffffffu, mine, (b * G + g) * kSpread);
@@ -596,9 +554,6 @@ void check_cache(const KvCacheView& c) {
   MIXER_REQUIRE(c.k && c.v && c.capacity > 0, "KV cache view is empty");
 }
 
-/// True when `p` is aligned to `n` bf16 elements.
-bool aligned_elems(const void* p, int n) { return reinterpret_cast<uintptr_t>(p) % (size_t(n) * sizeof(bf16)) == 0; }
-
 /// The prepare kernels' PrepareArgs after the checks both launchers share (`who` names the
 /// launcher in errors): strides wide enough, and bf16 pointers and strides aligned to N = D/32
 /// elements, as the lanes' vector loads need. The inverse frequencies as cpu::rope_cos_sin.
@@ -608,7 +563,8 @@ PrepareArgs prepare_args(const AttnDims& dims, const bf16* qg, int64_t qg_stride
   const int D = dims.head_dim, N = D / kWarp;
   MIXER_REQUIRE(qg_stride >= int64_t(dims.n_heads) * 2 * D, who + ": qg row stride too small");
   MIXER_REQUIRE(kv_stride >= int64_t(dims.n_kv_heads) * D, who + ": k/v row stride too small");
-  MIXER_REQUIRE(aligned_elems(qg, N) && aligned_elems(k, N) && aligned_elems(v, N) && aligned_elems(q_out, N) &&
+  const size_t vec = size_t(N) * sizeof(bf16);  // bytes of one lane's vector
+  MIXER_REQUIRE(is_aligned(qg, vec) && is_aligned(k, vec) && is_aligned(v, vec) && is_aligned(q_out, vec) &&
                     qg_stride % N == 0 && kv_stride % N == 0,
                 who + ": qg, k, v, q_out and the row strides must be aligned to head_dim/32 elements");
   PrepareArgs a{dims.n_heads, dims.n_kv_heads, dims.rotary_dim, dims.norm_eps, RopeFreqs{}, qg, qg_stride, k, v,
@@ -684,7 +640,8 @@ void attention_prepare(const AttnDims& dims, int T, const bf16* qg, int64_t qg_s
   MIXER_REQUIRE(T >= 1 && T <= 65535, "attention_prepare: T=" + std::to_string(T) + " outside [1, 65535]");
   MIXER_REQUIRE(qg && k && v && q_norm && k_norm && q_out, "attention_prepare: null buffer");
   const PrepareArgs a = prepare_args(dims, qg, qg_stride, k, v, kv_stride, q_norm, k_norm, q_out, "attention_prepare");
-  MIXER_REQUIRE(aligned_elems(cache.k, dims.head_dim / kWarp) && aligned_elems(cache.v, dims.head_dim / kWarp),
+  const size_t vec = size_t(dims.head_dim / kWarp) * sizeof(bf16);  // bytes of one lane's vector
+  MIXER_REQUIRE(is_aligned(cache.k, vec) && is_aligned(cache.v, vec),
                 "attention_prepare: KV cache not aligned to head_dim/32 elements");
   MIXER_REQUIRE(pos0_host >= 0 && pos0_host + T <= cache.capacity,
           "attention_prepare: positions [" + std::to_string(pos0_host) + ", " +

@@ -1,10 +1,11 @@
-// Device-side helpers shared by every CUDA kernel of lily (nvcc only): bf16 <-> fp32,
-// activation functions, warp and block reductions. Host-side checking lives in cuda_check.h
-// (included here), so a .cu file needs only this header.
+// Device-side helpers shared by every CUDA kernel of lily (nvcc only): bf16 <-> fp32, bf16
+// vector loads and stores, alignment checks, activation functions, warp and block reductions.
+// Host-side checking lives in cuda_check.h (included here), so a .cu file needs only this header.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "backends/cuda/cuda_check.h"
@@ -34,33 +35,71 @@ __device__ __forceinline__ float4 bf16x4_to_f32(uint32_t lo, uint32_t hi) {
                      __uint_as_float(hi & 0xFFFF0000u));
 }
 
-/// x[i] = p[i] for N consecutive bf16 as fp32 (N = 8: one 16-byte load, p 16-byte aligned;
-/// N = 1: one scalar load).
+// ---- bf16 vectors -----------------------------------------------------------------------------
+//
+// N consecutive bf16 moved as one vector access (N = 8: 16 bytes, 4: 8 bytes, 2: 4 bytes), the
+// lower address in the low half of each 32-bit word. Loads are exact; stores round to nearest
+// even, as to_bf16.
+
+/// The raw vector type of N ∈ {2, 4, 8} consecutive bf16: one aligned load or store.
+template <int N> struct Bf16Vec;
+template <> struct Bf16Vec<8> { using type = uint4; };
+template <> struct Bf16Vec<4> { using type = uint2; };
+template <> struct Bf16Vec<2> { using type = uint32_t; };
+
+/// One vector load of N ∈ {2, 4, 8} consecutive bf16 at p (aligned to N elements), kept raw
+/// (unpack_bf16 converts).
 template <int N>
-__device__ __forceinline__ void load_bf16_vec(const bf16* p, float (&x)[N]) {
-  static_assert(N == 1 || N == 8, "load_bf16_vec: N is 1 or 8");
-  if constexpr (N == 1) {
-    x[0] = to_f32(*p);
-  } else {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const float4 a = bf16x4_to_f32(raw.x, raw.y), b = bf16x4_to_f32(raw.z, raw.w);
-    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
-    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+__device__ __forceinline__ typename Bf16Vec<N>::type load_bf16_raw(const bf16* p) {
+  return *reinterpret_cast<const typename Bf16Vec<N>::type*>(p);
+}
+
+/// The N ∈ {2, 4, 8} bf16 of a raw vector as fp32 (exact): x[i] = element i.
+template <int N>
+__device__ __forceinline__ void unpack_bf16(const typename Bf16Vec<N>::type& raw, float (&x)[N]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
   }
 }
 
-/// p[i] = bf16(x[i]) for N consecutive outputs (N = 8: one 16-byte store, p 16-byte aligned).
-template <int N>
-__device__ __forceinline__ void store_bf16_vec(const float (&x)[N], bf16* p) {
-  static_assert(N == 1 || N == 8, "store_bf16_vec: N is 1 or 8");
-  if constexpr (N == 1) {
-    *p = to_bf16(x[0]);
-  } else {
-    __nv_bfloat162 h[4];
+/// x[i] = p[i] for N ∈ {1, 2, 4, 8} consecutive bf16 as fp32 (exact). kVec (the default): one
+/// vector load, p aligned to N elements; otherwise, and always for N = 1, N scalar loads.
+template <int N, bool kVec = true>
+__device__ __forceinline__ void load_bf16_vec(const bf16* p, float (&x)[N]) {
+  static_assert(N == 1 || N == 2 || N == 4 || N == 8, "load_bf16_vec: N is 1, 2, 4 or 8");
+  if constexpr (N == 1 || !kVec) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
-    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(h);
+    for (int i = 0; i < N; ++i) x[i] = to_f32(p[i]);
+  } else {
+    unpack_bf16<N>(load_bf16_raw<N>(p), x);
   }
+}
+
+/// p[i] = bf16(x[i]) for N ∈ {1, 2, 4, 8} consecutive outputs (round to nearest even). kVec (the
+/// default): one vector store, p aligned to N elements; otherwise, and always for N = 1, N
+/// scalar stores.
+template <int N, bool kVec = true>
+__device__ __forceinline__ void store_bf16_vec(const float (&x)[N], bf16* p) {
+  static_assert(N == 1 || N == 2 || N == 4 || N == 8, "store_bf16_vec: N is 1, 2, 4 or 8");
+  if constexpr (N == 1 || !kVec) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) p[i] = to_bf16(x[i]);
+  } else {
+    typename Bf16Vec<N>::type raw;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) h[i] = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+    *reinterpret_cast<typename Bf16Vec<N>::type*>(p) = raw;
+  }
+}
+
+/// Whether p is aligned to `bytes` (a power of two), as a kernel's vector accesses need.
+__host__ __device__ inline bool is_aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
 /// silu(x) = x / (1 + e^-x), fp32.

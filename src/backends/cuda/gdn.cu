@@ -1233,49 +1233,6 @@ gdn_chunk_state_mma_kernel(int Hk, int Hv, int T, const bf16* __restrict__ conv_
 
 constexpr int kNormWarps = 8;  // (token, value head) pairs per block of the prefill norm
 
-/// kN ∈ {2, 4} consecutive bf16 at p as fp32 (exact): one 2·kN-byte load when kVec (p aligned
-/// to that), else kN scalar loads.
-template <int kN, bool kVec>
-__device__ __forceinline__ void load_bf16s(const bf16* p, float (&x)[kN]) {
-  static_assert(kN == 2 || kN == 4, "2 or 4 values per lane");
-  if constexpr (kVec) {
-    uint32_t w[kN / 2];
-    if constexpr (kN == 4) {
-      const uint2 u = *reinterpret_cast<const uint2*>(p);
-      w[0] = u.x;
-      w[1] = u.y;
-    } else {
-      w[0] = *reinterpret_cast<const uint32_t*>(p);
-    }
-#pragma unroll
-    for (int i = 0; i < kN / 2; ++i) {  // the lower address is the low half
-      x[2 * i] = __uint_as_float(w[i] << 16);
-      x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kN; ++i) x[i] = to_f32(p[i]);
-  }
-}
-
-/// Stores bf16(y[i]) to p[i], i < kN ∈ {2, 4}: one 2·kN-byte store when kVec, as load_bf16s.
-template <int kN, bool kVec>
-__device__ __forceinline__ void store_bf16s(bf16* p, const float (&y)[kN]) {
-  static_assert(kN == 2 || kN == 4, "2 or 4 values per lane");
-  if constexpr (kVec) {
-    uint32_t w[kN / 2];
-#pragma unroll
-    for (int i = 0; i < kN / 2; ++i)
-      w[i] = uint32_t(__bfloat16_as_ushort(to_bf16(y[2 * i]))) |
-             uint32_t(__bfloat16_as_ushort(to_bf16(y[2 * i + 1]))) << 16;
-    if constexpr (kN == 4) *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
-    else *reinterpret_cast<uint32_t*>(p) = w[0];
-  } else {
-#pragma unroll
-    for (int i = 0; i < kN; ++i) p[i] = to_bf16(y[i]);
-  }
-}
-
 /// Gated RMSNorm in place over rows of bf16 pre-norm outputs io [T, Hv·Dv] (contiguous), gates
 /// z [T, Hv·Dv] (row stride z_stride): warp per (token, value head), kNormWarps per block;
 /// lane l owns values [l·Dv/32, +Dv/32), Σo² is a warp sum. kVec: io and z rows allow
@@ -1291,8 +1248,8 @@ gated_norm_kernel(int T, int Hv, float eps, const float* __restrict__ norm_w,
   const int j = static_cast<int>(pair % Hv), m0 = (threadIdx.x % kWarp) * kPer;
   bf16* row = io + pair * kDv + m0;
   float o[kPer], g[kPer], y[kPer];
-  load_bf16s<kPer, kVec>(row, o);
-  load_bf16s<kPer, kVec>(z + t * z_stride + j * kDv + m0, g);
+  load_bf16_vec<kPer, kVec>(row, o);
+  load_bf16_vec<kPer, kVec>(z + t * z_stride + j * kDv + m0, g);
   float gain[kPer], sq = 0.0f;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
@@ -1302,7 +1259,7 @@ gated_norm_kernel(int T, int Hv, float eps, const float* __restrict__ norm_w,
   const float r = gated_norm_r(warp_sum(sq), kDv, eps);
 #pragma unroll
   for (int i = 0; i < kPer; ++i) y[i] = gated_norm_y(o[i], r, gain[i], g[i]);
-  store_bf16s<kPer, kVec>(row, y);
+  store_bf16_vec<kPer, kVec>(y, row);
 }
 
 /// gdn_state_mma_enabled() and gdn_local_mma_enabled(): on (the verified default) until set
@@ -1323,9 +1280,6 @@ void check_dims(const GdnDims& d) {
           "value heads (" + std::to_string(d.n_value_heads) + ") must be a positive multiple of key heads (" +
               std::to_string(d.n_key_heads) + ")");
 }
-
-/// Whether p is aligned to n bytes (the vector accesses of a kernel need it).
-bool aligned(const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
 
 /// Calls f(std::integral_constant<int, D>{}) for the runtime head dim D = Dk = Dv (checked by
 /// check_dims first).
@@ -1367,7 +1321,7 @@ template <int D>
 void launch_gated_norm(const GdnDims& dims, const GdnParams& params, int T, const bf16* z, int64_t z_stride,
                        bf16* out, cudaStream_t stream) {
   constexpr int kPer = D / kWarp;
-  const bool vec = z_stride % kPer == 0 && aligned(z, 2 * kPer) && aligned(out, 2 * kPer);
+  const bool vec = z_stride % kPer == 0 && is_aligned(z, 2 * kPer) && is_aligned(out, 2 * kPer);
   const int Hv = dims.n_value_heads;
   const unsigned blocks = static_cast<unsigned>(ceil_div(int64_t(T) * Hv, kNormWarps));
   if (vec)
@@ -1390,7 +1344,7 @@ void launch_prefill(const GdnDims& dims, const GdnParams& params, int T, const b
     // The tensor-core passes copy 16-byte pieces of conv_out and ws and store bf16 pairs and
     // float2s: buffers not aligned for that (never the backend's) take the fp32 kernels.
     const dim3 local_grid(dims.n_value_heads, static_cast<unsigned>(ceil_div(T, kChunk)));
-    if (gdn_local_mma_enabled() && aligned(conv_out, 16) && aligned(ws, 16)) {
+    if (gdn_local_mma_enabled() && is_aligned(conv_out, 16) && is_aligned(ws, 16)) {
       const size_t local_smem = sizeof(LocalMmaSmem<D>);
       raise_smem_limit(gdn_chunk_local_mma_kernel<D>, local_smem);
       gdn_chunk_local_mma_kernel<D><<<local_grid, kPrefillThreads, local_smem, stream>>>(
@@ -1402,7 +1356,8 @@ void launch_prefill(const GdnDims& dims, const GdnParams& params, int T, const b
           dims.n_key_heads, dims.n_value_heads, T, params.A_log, params.dt_bias, conv_out, a, b, zab_stride, ws);
     }
     LILY_CUDA_CHECK_LAUNCH();
-    if (gdn_state_mma_enabled() && aligned(conv_out, 16) && aligned(ws, 16) && aligned(out, 4) && aligned(state, 8)) {
+    if (gdn_state_mma_enabled() && is_aligned(conv_out, 16) && is_aligned(ws, 16) && is_aligned(out, 4) &&
+        is_aligned(state, 8)) {
       const size_t mma_smem = sizeof(MmaStateSmem<D>);
       raise_smem_limit(gdn_chunk_state_mma_kernel<D>, mma_smem);
       gdn_chunk_state_mma_kernel<D><<<dim3(dims.n_value_heads, D / kMmaBV), kPrefillThreads, mma_smem, stream>>>(
@@ -1430,7 +1385,7 @@ void launch_prefill(const GdnDims& dims, const GdnParams& params, int T, const b
 /// bf16-pair accesses (the backend's always do), else single channels.
 void launch_conv_prefill(int C, int T, const float* conv_w, const bf16* qkv, int64_t stride, const bf16* window,
                          bf16* out, cudaStream_t stream) {
-  const bool pairs = C % 2 == 0 && stride % 2 == 0 && aligned(qkv, 4) && aligned(out, 4);
+  const bool pairs = C % 2 == 0 && stride % 2 == 0 && is_aligned(qkv, 4) && is_aligned(out, 4);
   const int ch = pairs ? 2 : 1;
   const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(C, ch), kConvThreads)),
                   static_cast<unsigned>(ceil_div(T, kConvRun)));

@@ -96,7 +96,8 @@ __global__ void __launch_bounds__(kRouterThreads) router_gemm_kernel(const Devic
   GroupLoads cur, next;
   load_group(0, cur);
   for (int G = 0; G < groups; ++G) {
-    if (G + 1 < groups) load_group(G + 1, next);
+    const bool more = G + 1 < groups;  // the last group has no next one to load (or to copy)
+    if (more) load_group(G + 1, next);
     uint32_t a[4][4];  // [MMA j][register]
     const uint32_t wl[4] = {cur.q_lo.x, cur.q_lo.y, cur.q_lo.z, cur.q_lo.w};
     const uint32_t wh[4] = {cur.q_hi.x, cur.q_hi.y, cur.q_hi.z, cur.q_hi.w};
@@ -122,7 +123,7 @@ __global__ void __launch_bounds__(kRouterThreads) router_gemm_kernel(const Devic
       acc[n][2] += __fmaf_rn(cur.s_hi, dq[2], __fmul_rn(cur.b_hi, dx[0]));
       acc[n][3] += __fmaf_rn(cur.s_hi, dq[3], __fmul_rn(cur.b_hi, dx[1]));
     }
-    cur = next;
+    if (more) cur = next;
   }
 
 #pragma unroll

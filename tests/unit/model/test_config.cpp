@@ -11,6 +11,7 @@
 
 #include "base/error.h"
 #include "model/config.h"
+#include "model/config_json.h"
 #include "model/loader.h"
 #include "model/tensor_table.h"
 #include "support/test_support.h"

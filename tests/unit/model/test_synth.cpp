@@ -17,6 +17,7 @@
 #include "base/error.h"
 #include "io/safetensors.h"
 #include "io/safetensors_writer.h"
+#include "model/config_json.h"
 #include "model/loader.h"
 #include "model/synth.h"
 #include "model/tensor_table.h"
