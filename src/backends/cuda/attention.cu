@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <string>
 
+#include "backends/cuda/bulk_copy.cuh"
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/mixer_kernels.h"
@@ -257,29 +258,79 @@ __device__ __forceinline__ void reduce_scatter_step(float (&v)[N], int lane) {
   }
 }
 
-/// Runs this warp's keys of [start, end) (every kWarps-th key, in increasing order) through the
-/// online softmax. Per batch of kKeyBatch keys: the K/V rows are loaded before the first is used;
-/// the kKeyBatch·G partial scores are reduced together (reduce_scatter_step: each score equals
-/// warp_sum of its partial) and broadcast back key by key, so every key's update is the same
-/// arithmetic, in the same order, as one key at a time.
-template <int G, int kD, int kDimsPerLane = kD / kWarp>
-__device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], const bf16* K,
-                                            const bf16* V, int64_t start, int64_t end,
-                                            WarpState<G, kD>& st) {
-  using Raw = typename Bf16Vec<kDimsPerLane>::type;
-  constexpr int kScores = kKeyBatch * G;  // a power of two ≤ 32 (G ≤ 8)
-  static_assert(kScores <= kWarp && (kScores & (kScores - 1)) == 0, "attend_keys: kKeyBatch·G must be 2^k ≤ 32");
-  constexpr int kSpread = kWarp / kScores;  // lanes holding each score after the reduce-scatter
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+/// Starts this warp's online-softmax state: m = −inf, l = 0, acc = 0 for each of the G heads.
+template <int G, int kD>
+__device__ __forceinline__ void init_state(WarpState<G, kD>& st) {
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     st.m[g] = -INFINITY;
     st.l[g] = 0.0f;
 #pragma unroll
-    for (int e = 0; e < kDimsPerLane; ++e) st.acc[g][e] = 0.0f;
+    for (int e = 0; e < WarpState<G, kD>::kDimsPerLane; ++e) st.acc[g][e] = 0.0f;
   }
+}
+
+/// One batch of this warp's keys through the online softmax: keys b < n_valid of kr / vr (this
+/// lane's kDimsPerLane dims of each K and V row; rows past n_valid are zeros and unused). The
+/// kKeyBatch·G partial scores are reduced together (reduce_scatter_step: each score equals
+/// warp_sum of its partial) and broadcast back key by key, so every key's update is the same
+/// arithmetic, in the same order, as one key at a time. All lanes of the warp.
+template <int G, int kD, int kDimsPerLane = kD / kWarp>
+__device__ __forceinline__ void attend_batch(const float (&qr)[G][kDimsPerLane],
+                                             const typename Bf16Vec<kDimsPerLane>::type (&kr)[kKeyBatch],
+                                             const typename Bf16Vec<kDimsPerLane>::type (&vr)[kKeyBatch],
+                                             int n_valid, WarpState<G, kD>& st) {
+  constexpr int kScores = kKeyBatch * G;  // a power of two ≤ 32 (G ≤ 8)
+  static_assert(kScores <= kWarp && (kScores & (kScores - 1)) == 0, "attend_batch: kKeyBatch·G must be 2^k ≤ 32");
+  constexpr int kSpread = kWarp / kScores;  // lanes holding each score after the reduce-scatter
+  const int lane = threadIdx.x % kWarp;
+  float part[kScores];  // this lane's share of score (key b, head g) at b·G + g
+#pragma unroll
+  for (int b = 0; b < kKeyBatch; ++b) {
+    float kx[kDimsPerLane];
+    unpack_bf16<kDimsPerLane>(kr[b], kx);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float s = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kDimsPerLane; ++e) s += qr[g][e] * kx[e];
+      part[b * G + g] = s;
+    }
+  }
+  reduce_scatter_step<kScores, kScores, kWarp / 2>(part, lane);
+  const float mine = part[0];
+#pragma unroll
+  for (int b = 0; b < kKeyBatch; ++b) {
+    if (b >= n_valid) break;  // uniform over the warp
+    float vx[kDimsPerLane];
+    unpack_bf16<kDimsPerLane>(vr[b], vx);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float s = __shfl_sync(0xffffffffu, mine, (b * G + g) * kSpread);
+      const float m_new = fmaxf(st.m[g], s);
+      const float corr = exp2f(st.m[g] - m_new);  // 0 on the first key (m = −inf)
+      const float p = exp2f(s - m_new);
+      st.l[g] = st.l[g] * corr + p;
+      st.m[g] = m_new;
+#pragma unroll
+      for (int e = 0; e < kDimsPerLane; ++e) st.acc[g][e] = st.acc[g][e] * corr + p * vx[e];
+    }
+  }
+}
+
+/// Runs this warp's keys of [start, end) (every kWarps-th key, in increasing order) through the
+/// online softmax, kKeyBatch keys a batch (attend_batch), the K/V rows of a batch loaded from
+/// global memory before the first is used.
+template <int G, int kD, int kDimsPerLane = kD / kWarp>
+__device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], const bf16* K,
+                                            const bf16* V, int64_t start, int64_t end,
+                                            WarpState<G, kD>& st) {
+  using Raw = typename Bf16Vec<kDimsPerLane>::type;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  init_state(st);
   for (int64_t t0 = start + warp; t0 < end; t0 += int64_t(kWarps) * kKeyBatch) {
     Raw kr[kKeyBatch], vr[kKeyBatch];
+    int n_valid = 0;
 #pragma unroll
     for (int b = 0; b < kKeyBatch; ++b) {
       const int64_t t = t0 + int64_t(b) * kWarps;
@@ -287,40 +338,85 @@ __device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], 
       if (t < end) {
         kr[b] = load_bf16_raw<kDimsPerLane>(K + t * kD + lane * kDimsPerLane);
         vr[b] = load_bf16_raw<kDimsPerLane>(V + t * kD + lane * kDimsPerLane);
+        ++n_valid;
       }
     }
-    float part[kScores];  // this lane's share of score (key b, head g) at b·G + g
+    attend_batch<G, kD>(qr, kr, vr, n_valid, st);
+  }
+}
+
+// Decode keys staged through shared memory. A block's split is a contiguous run of K rows and of
+// V rows in the cache, so it arrives by bulk copies, kBlockKeys = kWarps·kKeyBatch keys (one
+// batch of every warp) a stage, in a ring of kKvStages stages all requested at the start: every
+// byte of the split is in flight at once instead of one register batch per warp at a time, and
+// the stages land while the first batches are computed. Each warp takes the same keys in the
+// same order as attend_keys (key start + 32·i + w + 8·b is warp w's key b of batch i), so the
+// results are bit-identical to it.
+constexpr int kBlockKeys = kWarps * kKeyBatch;
+constexpr int kKvStages = 4;
+
+/// Dynamic shared memory of the staged decode split: kKvStages stages of kBlockKeys K rows then
+/// kBlockKeys V rows (bf16 [kD]).
+constexpr size_t kv_stage_bytes(int kD) { return size_t(2) * kBlockKeys * kD * sizeof(bf16); }
+constexpr size_t kv_ring_bytes(int kD) { return kKvStages * kv_stage_bytes(kD); }
+
+/// Thread 0: requests stage i of keys [start, end) (keys start + kBlockKeys·i …, at most
+/// kBlockKeys) of one kv head's K and V rows into ring slot i mod kKvStages, counted on full[slot].
+template <int kD>
+__device__ __forceinline__ void request_kv_stage(const bf16* K, const bf16* V, int64_t start, int64_t end, int64_t i,
+                                                 unsigned char* ring, uint64_t* full) {
+  const int slot = int(i % kKvStages);
+  const int64_t first = start + i * kBlockKeys;
+  const int64_t keys = min(int64_t(kBlockKeys), end - first);
+  const uint32_t bytes = uint32_t(keys * kD * sizeof(bf16));
+  unsigned char* stage = ring + slot * kv_stage_bytes(kD);
+  mbarrier_arrive_expect_tx(full + slot, 2 * bytes);
+  bulk_copy_to_shared(stage, K + first * kD, bytes, full + slot);
+  bulk_copy_to_shared(stage + kBlockKeys * kD * sizeof(bf16), V + first * kD, bytes, full + slot);
+}
+
+/// attend_keys over keys [start, end) of the rows K, V (one kv head, 16-byte aligned), staged
+/// through `ring` (kv_ring_bytes(kD) of dynamic shared memory) with `full` (kKvStages mbarriers).
+/// All threads of the block; the caller has run pdl_prologue.
+template <int G, int kD, int kDimsPerLane = kD / kWarp>
+__device__ __forceinline__ void attend_keys_staged(const float (&qr)[G][kDimsPerLane], const bf16* K, const bf16* V,
+                                                   int64_t start, int64_t end, unsigned char* ring, uint64_t* full,
+                                                   WarpState<G, kD>& st) {
+  using Raw = typename Bf16Vec<kDimsPerLane>::type;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t batches = (end - start + kBlockKeys - 1) / kBlockKeys;
+  if (threadIdx.x == 0) {
+    for (int j = 0; j < kKvStages; ++j) mbarrier_init(full + j, 1);
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int64_t i = 0; i < batches && i < kKvStages; ++i) request_kv_stage<kD>(K, V, start, end, i, ring, full);
+  init_state(st);
+  for (int64_t i = 0; i < batches; ++i) {  // uniform over the block
+    const int slot = int(i % kKvStages);
+    mbarrier_wait(full + slot, uint32_t(i / kKvStages) & 1u);
+    const bf16* Ks = reinterpret_cast<const bf16*>(ring + slot * kv_stage_bytes(kD));
+    const bf16* Vs = Ks + kBlockKeys * kD;
+    const int64_t first = start + i * kBlockKeys;
+    Raw kr[kKeyBatch], vr[kKeyBatch];
+    int n_valid = 0;
 #pragma unroll
     for (int b = 0; b < kKeyBatch; ++b) {
-      float kx[kDimsPerLane];
-      unpack_bf16<kDimsPerLane>(kr[b], kx);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float s = 0.0f;
-#pragma unroll
-        for (int e = 0; e < kDimsPerLane; ++e) s += qr[g][e] * kx[e];
-        part[b * G + g] = s;
+      const int r = warp + b * kWarps;  // this warp's key b of the stage
+      kr[b] = vr[b] = Raw{};
+      if (first + r < end) {
+        kr[b] = load_bf16_raw<kDimsPerLane>(Ks + r * kD + lane * kDimsPerLane);
+        vr[b] = load_bf16_raw<kDimsPerLane>(Vs + r * kD + lane * kDimsPerLane);
+        ++n_valid;
       }
     }
-    reduce_scatter_step<kScores, kScores, kWarp / 2>(part, lane);
-    const float mine = part[0];
-#pragma unroll
-    for (int b = 0; b < kKeyBatch; ++b) {
-      if (t0 + int64_t(b) * kWarps >= end) break;  // uniform over the warp
-      float vx[kDimsPerLane];
-      unpack_bf16<kDimsPerLane>(vr[b], vx);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float s = __shfl_sync(0xffffffffu, mine, (b * G + g) * kSpread);
-        const float m_new = fmaxf(st.m[g], s);
-        const float corr = exp2f(st.m[g] - m_new);  // 0 on the first key (m = −inf)
-        const float p = exp2f(s - m_new);
-        st.l[g] = st.l[g] * corr + p;
-        st.m[g] = m_new;
-#pragma unroll
-        for (int e = 0; e < kDimsPerLane; ++e) st.acc[g][e] = st.acc[g][e] * corr + p * vx[e];
-      }
+    __syncthreads();  // every warp holds its rows of the stage: the slot may be refilled
+    if (threadIdx.x == 0 && i + kKvStages < batches) {
+      fence_proxy_async_shared();
+      request_kv_stage<kD>(K, V, start, end, i + kKvStages, ring, full);
     }
+    attend_batch<G, kD>(qr, kr, vr, n_valid, st);
   }
 }
 
@@ -391,13 +487,15 @@ __device__ __forceinline__ void decode_split(int kvh, int s, int n_splits, float
                                              float* __restrict__ ws_o, float* __restrict__ ws_ml) {
   constexpr int kDimsPerLane = kD / kWarp;
   __shared__ MergeSmem<kD> sm;
+  __shared__ __align__(8) uint64_t kv_full[kKvStages];
+  extern __shared__ __align__(128) unsigned char kv_ring[];  // kv_ring_bytes(kD)
   const int64_t chunk = (len + n_splits - 1) / n_splits;
   const int64_t start = min(len, s * chunk), end = min(len, start + chunk);
   float qr[G][kDimsPerLane];
   load_queries<G, kD>(q, kvh, scale, qr);
   WarpState<G, kD> st;
   const int64_t head_off = int64_t(kvh) * capacity * kD;
-  attend_keys<G, kD>(qr, k_cache + head_off, v_cache + head_off, start, end, st);
+  attend_keys_staged<G, kD>(qr, k_cache + head_off, v_cache + head_off, start, end, kv_ring, kv_full, st);
   publish_stats<G, kD>(st, sm);
   for (int g = 0; g < G; ++g) {
     float acc_d, M, L;
@@ -692,9 +790,10 @@ void attention_decode(const AttnDims& dims, const bf16* q, const bf16* gate,
   dispatch_head_dim(dims.head_dim, [&](auto d) {
     constexpr int kD = decltype(d)::value;
     dispatch_group(G, [&](auto g) {
-      launch_pdl(decode_split_kernel<decltype(g)::value, kD>, dim3(dims.n_kv_heads, n_splits), dim3(kThreads), 0, stream,
-              n_splits, dims.scale(), len_host, len_device, q, cache.k, cache.v, cache.capacity,
-              ws_o, ws_ml);
+      auto kernel = decode_split_kernel<decltype(g)::value, kD>;
+      raise_smem_limit(kernel, kv_ring_bytes(kD));
+      launch_pdl(kernel, dim3(dims.n_kv_heads, n_splits), dim3(kThreads), kv_ring_bytes(kD), stream, n_splits,
+                 dims.scale(), len_host, len_device, q, cache.k, cache.v, cache.capacity, ws_o, ws_ml);
     });
     LILY_CUDA_CHECK_LAUNCH();
     launch_pdl(decode_combine_kernel<kD>, dim3(dims.n_heads), dim3(kD), 0, stream, n_splits, ws_o, ws_ml, gate, out);
@@ -743,9 +842,10 @@ void attention_decode_rows(const AttnDims& dims, int rows, const bf16* q, const 
   dispatch_head_dim(dims.head_dim, [&](auto d) {
     constexpr int kD = decltype(d)::value;
     dispatch_group(G, [&](auto g) {
-      launch_pdl(decode_split_rows_kernel<decltype(g)::value, kD>, dim3(dims.n_kv_heads, max_splits, rows),
-                 dim3(kThreads), 0, stream, dims.n_heads, max_splits, dims.scale(), len, splits, q, caches, workspace,
-                 ws_row_floats);
+      auto kernel = decode_split_rows_kernel<decltype(g)::value, kD>;
+      raise_smem_limit(kernel, kv_ring_bytes(kD));
+      launch_pdl(kernel, dim3(dims.n_kv_heads, max_splits, rows), dim3(kThreads), kv_ring_bytes(kD), stream,
+                 dims.n_heads, max_splits, dims.scale(), len, splits, q, caches, workspace, ws_row_floats);
     });
     LILY_CUDA_CHECK_LAUNCH();
     launch_pdl(decode_combine_rows_kernel<kD>, dim3(dims.n_heads, rows), dim3(kD), 0, stream, dims.n_heads,
