@@ -318,6 +318,26 @@ __device__ __forceinline__ void attend_batch(const float (&qr)[G][kDimsPerLane],
   }
 }
 
+/// Loads this lane's dims of the K and V rows row0 + b·kWarps (b < kKeyBatch) below `limit`
+/// into kr / vr (zeros past it) and returns how many were below it: one warp's batch of keys.
+template <int kD, class Raw, int kDimsPerLane = kD / kWarp>
+__device__ __forceinline__ int load_key_batch(const bf16* K, const bf16* V, int64_t row0, int64_t limit,
+                                              Raw (&kr)[kKeyBatch], Raw (&vr)[kKeyBatch]) {
+  const int lane = threadIdx.x % kWarp;
+  int n_valid = 0;
+#pragma unroll
+  for (int b = 0; b < kKeyBatch; ++b) {
+    const int64_t t = row0 + int64_t(b) * kWarps;
+    kr[b] = vr[b] = Raw{};
+    if (t < limit) {
+      kr[b] = load_bf16_raw<kDimsPerLane>(K + t * kD + lane * kDimsPerLane);
+      vr[b] = load_bf16_raw<kDimsPerLane>(V + t * kD + lane * kDimsPerLane);
+      ++n_valid;
+    }
+  }
+  return n_valid;
+}
+
 /// Runs this warp's keys of [start, end) (every kWarps-th key, in increasing order) through the
 /// online softmax, kKeyBatch keys a batch (attend_batch), the K/V rows of a batch loaded from
 /// global memory before the first is used.
@@ -326,21 +346,11 @@ __device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], 
                                             const bf16* V, int64_t start, int64_t end,
                                             WarpState<G, kD>& st) {
   using Raw = typename Bf16Vec<kDimsPerLane>::type;
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int warp = threadIdx.x / kWarp;
   init_state(st);
   for (int64_t t0 = start + warp; t0 < end; t0 += int64_t(kWarps) * kKeyBatch) {
     Raw kr[kKeyBatch], vr[kKeyBatch];
-    int n_valid = 0;
-#pragma unroll
-    for (int b = 0; b < kKeyBatch; ++b) {
-      const int64_t t = t0 + int64_t(b) * kWarps;
-      kr[b] = vr[b] = Raw{};
-      if (t < end) {
-        kr[b] = load_bf16_raw<kDimsPerLane>(K + t * kD + lane * kDimsPerLane);
-        vr[b] = load_bf16_raw<kDimsPerLane>(V + t * kD + lane * kDimsPerLane);
-        ++n_valid;
-      }
-    }
+    const int n_valid = load_key_batch<kD>(K, V, t0, end, kr, vr);
     attend_batch<G, kD>(qr, kr, vr, n_valid, st);
   }
 }
@@ -383,7 +393,7 @@ __device__ __forceinline__ void attend_keys_staged(const float (&qr)[G][kDimsPer
                                                    int64_t start, int64_t end, unsigned char* ring, uint64_t* full,
                                                    WarpState<G, kD>& st) {
   using Raw = typename Bf16Vec<kDimsPerLane>::type;
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int warp = threadIdx.x / kWarp;
   const int64_t batches = (end - start + kBlockKeys - 1) / kBlockKeys;
   if (threadIdx.x == 0) {
     for (int j = 0; j < kKvStages; ++j) mbarrier_init(full + j, 1);
@@ -400,17 +410,7 @@ __device__ __forceinline__ void attend_keys_staged(const float (&qr)[G][kDimsPer
     const bf16* Vs = Ks + kBlockKeys * kD;
     const int64_t first = start + i * kBlockKeys;
     Raw kr[kKeyBatch], vr[kKeyBatch];
-    int n_valid = 0;
-#pragma unroll
-    for (int b = 0; b < kKeyBatch; ++b) {
-      const int r = warp + b * kWarps;  // this warp's key b of the stage
-      kr[b] = vr[b] = Raw{};
-      if (first + r < end) {
-        kr[b] = load_bf16_raw<kDimsPerLane>(Ks + r * kD + lane * kDimsPerLane);
-        vr[b] = load_bf16_raw<kDimsPerLane>(Vs + r * kD + lane * kDimsPerLane);
-        ++n_valid;
-      }
-    }
+    const int n_valid = load_key_batch<kD>(Ks, Vs, warp, end - first, kr, vr);  // this warp's keys of the stage
     __syncthreads();  // every warp holds its rows of the stage: the slot may be refilled
     if (threadIdx.x == 0 && i + kKvStages < batches) {
       fence_proxy_async_shared();
