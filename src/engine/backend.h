@@ -91,6 +91,19 @@ class Backend {
     (void)capacity;
     return clone_state(snapshot);
   }
+  /// A snapshot of `state` that shares the attention KV rows of `base` instead of copying them,
+  /// for the prefix cache: `base` (a snapshot of this backend, not a host copy, position M) must
+  /// hold a strict prefix of `state`'s tokens. When the first M KV rows of both are bit-identical,
+  /// returns a state that keeps its own GDN states and KV rows [M, position) and refers to `base`
+  /// for the rest (keeping it alive); its bytes() counts only what it holds itself. Such a state
+  /// is not runnable: resume_state, clone_state and copy_to_host turn it into a whole copy. Returns
+  /// nullptr when the rows differ or the backend does not share (the default).
+  virtual std::unique_ptr<SequenceState> share_prefix(const SequenceState& state,
+                                                      std::shared_ptr<const SequenceState> base) {
+    (void)state;
+    (void)base;
+    return nullptr;
+  }
   /// A copy of `state` in host memory, for the prefix cache's second tier: not runnable itself,
   /// but clone_state turns it back into a runnable state. The default is clone_state, for
   /// backends whose own memory is host memory (CPU). Throws as clone_state.

@@ -192,7 +192,6 @@ struct Scheduler::Running {
   int choice = 0;
   uint64_t seed = 0;
   std::unique_ptr<SequenceState> state;
-  std::vector<ResumePoint> points;  ///< prefix-cache snapshots taken during the prefill
   std::optional<TokenLogprobs> pending_logprobs;
   std::unique_ptr<Generation> gen;  ///< null once the job is over
   JobTimings timings;               ///< of the current choice
@@ -298,7 +297,6 @@ bool Scheduler::start_choice(Running& r, int choice) {
       r.state = backend_->new_state(options_.max_seq);
       r.timings.new_state_seconds = seconds_since(t0);
     }
-    r.points.clear();
     r.pending_logprobs.reset();
     PromptPrefixHook snapshot;
     if (cache_.enabled()) {
@@ -307,13 +305,20 @@ bool Scheduler::start_choice(Running& r, int choice) {
       // A state resumed right before the last prompt token is the snapshot it came from: not
       // copied again (the snapshot keeps the key it was stored with).
       const int64_t resumed_at = hit.cached_tokens;
+      // Each snapshot is stored as soon as it is taken, not when the job ends: a request
+      // admitted while this one still runs (another conversation with the same system prompt,
+      // the same request sent again) resumes from it.
       snapshot = [this, &r, wanted, last_prefix, resumed_at](const SequenceState& s, int64_t n) {
         if (n == resumed_at) return;
         if (n != last_prefix && !std::binary_search(wanted.begin(), wanted.end(), n)) return;
         const JobRequest& q = r.job->request();
-        const auto t = std::chrono::steady_clock::now();
-        r.points.push_back({std::vector<int32_t>(q.prompt.begin(), q.prompt.begin() + n), backend_->clone_state(s)});
+        auto t = std::chrono::steady_clock::now();
+        std::vector<ResumePoint> point;
+        point.push_back({std::vector<int32_t>(q.prompt.begin(), q.prompt.begin() + n), backend_->clone_state(s)});
         r.timings.snapshot_seconds += seconds_since(t);
+        t = std::chrono::steady_clock::now();
+        cache_.store(*backend_, std::move(point), q.cache_key);
+        r.timings.cache_store_seconds += seconds_since(t);
       };
     }
     LogprobsCallback on_logprobs = [&r](const TokenLogprobs& lp) { r.pending_logprobs = lp; };
@@ -362,11 +367,11 @@ bool Scheduler::finish_choice(Running& r) {
       std::vector<int32_t> fed(req.prompt.begin(), req.prompt.end());
       fed.insert(fed.end(), result.token_ids.begin(), result.token_ids.end());
       fed.resize(static_cast<size_t>(std::min<int64_t>(r.state->position(), static_cast<int64_t>(fed.size()))));
-      r.points.push_back({std::move(fed), std::move(r.state)});
+      std::vector<ResumePoint> points;
+      points.push_back({std::move(fed), std::move(r.state)});
       const auto t0 = std::chrono::steady_clock::now();
-      cache_.store(*backend_, std::move(r.points), req.cache_key);
-      r.timings.cache_store_seconds = seconds_since(t0);
-      r.points.clear();
+      cache_.store(*backend_, std::move(points), req.cache_key);
+      r.timings.cache_store_seconds += seconds_since(t0);
     }
   } catch (const std::exception& e) {
     fail(r, e.what());

@@ -84,7 +84,9 @@ struct JobTimings {
   double snapshot_seconds = 0;      ///< prefix-cache snapshots copied at prompt positions during the prefill
   double prefill_seconds = 0;       ///< steps that ran a prefill chunk of this choice (the last one gives its first token)
   double decode_seconds = 0;        ///< steps that ran a decode row of it
-  double cache_store_seconds = 0;   ///< SessionCache::store of its snapshots once it finished
+  /// SessionCache::store of its snapshots: each one taken during the prefill as it is taken (so
+  /// that requests admitted meanwhile can resume from it), and its final state once it finished.
+  double cache_store_seconds = 0;
 };
 
 /// One event from the engine to the submitting thread.
@@ -241,7 +243,7 @@ class Scheduler {
   /// Starts choice `choice` of r's job (cache lookup, state, Generation); false when the job
   /// ended instead (cancelled before it, or failed: its events are posted).
   bool start_choice(Running& r, int choice);
-  /// Stores the finished choice's snapshots and posts its kDone; then starts the next choice.
+  /// Stores the finished choice's final state and posts its kDone; then starts the next choice.
   /// False when the job is over.
   bool finish_choice(Running& r);
   /// Builds and runs one step over the batch, advances every row and drops finished jobs.

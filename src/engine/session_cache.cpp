@@ -18,6 +18,11 @@ struct SessionCache::Snapshot {
   int64_t bytes = 0;
   std::list<Node*>::iterator lru_it;  ///< its place in lru(tier)
   std::shared_ptr<HostCopy> copy;     ///< its background host copy, until installed
+  /// The device-tier snapshot of a shorter prefix whose KV rows its state shares
+  /// (Backend::share_prefix); null when it holds all its rows. Kept more recently used than this
+  /// one, so that it never leaves the device tier first.
+  Snapshot* base = nullptr;
+  std::vector<Snapshot*> sharers;  ///< the snapshots whose `base` this is
 };
 
 /// One background host copy. The helper thread reads `source` without the mutex; everything else
@@ -141,9 +146,50 @@ CacheLookup SessionCache::acquire(Backend& backend, std::span<const int32_t> pro
   LILY_CHECK(out.state->position() == out.cached_tokens);
   ++stats_.hits;
   stats_.tokens_saved += out.cached_tokens;
+  touch(snap);
+  return out;
+}
+
+void SessionCache::touch(Snapshot& snap) {
   auto& list = lru(snap.tier);
   list.splice(list.begin(), list, snap.lru_it);
-  return out;
+  // The snapshots whose KV rows it shares stay more recently used than it (all in the device tier).
+  for (Snapshot* b = snap.base; b != nullptr; b = b->base) {
+    auto& device = lru(b->tier);
+    device.splice(device.begin(), device, b->lru_it);
+  }
+}
+
+void SessionCache::unlink_base(Snapshot& snap) {
+  if (snap.base != nullptr) std::erase(snap.base->sharers, &snap);
+  snap.base = nullptr;
+  // Those sharing its KV rows keep its state alive through their own (rare: a base stays more
+  // recently used than its sharers, so it leaves the device tier after them).
+  for (Snapshot* sharer : snap.sharers) sharer->base = nullptr;
+  snap.sharers.clear();
+}
+
+void SessionCache::share_with_ancestor(Backend& backend, Node* node) {
+  Snapshot& snap = *node->snap;
+  Node* up = node->parent;
+  while (up != nullptr && !(up->snap && up->snap->tier == CacheTier::kDevice)) up = up->parent;
+  if (up == nullptr) return;
+  Snapshot& base = *up->snap;
+  std::unique_ptr<SequenceState> shared;
+  try {
+    shared = backend.share_prefix(*snap.state, base.state);
+  } catch (const Error& e) {
+    log_warn(std::string("prefix cache: cannot share a snapshot's KV rows: ") + e.what());
+    return;
+  }
+  if (shared == nullptr) return;
+  graveyard_.push_back(std::move(snap.state));
+  stats_.device.bytes += shared->bytes() - snap.bytes;
+  snap.bytes = shared->bytes();
+  snap.state = std::move(shared);
+  snap.base = &base;
+  base.sharers.push_back(&snap);
+  ++stats_.kv_shared_snapshots;
 }
 
 void SessionCache::store(Backend& backend, std::vector<ResumePoint> points, const std::optional<std::string>& key) {
@@ -199,6 +245,7 @@ bool SessionCache::queue_copy(Snapshot& snap) {
 }
 
 void SessionCache::retire(Snapshot& snap) {
+  unlink_base(snap);
   if (snap.copy) {
     HostCopy& job = *snap.copy;
     job.snap = nullptr;
@@ -271,6 +318,13 @@ void SessionCache::insert(Backend& backend, ResumePoint point, const std::option
     at += common;
   }
   LILY_CHECK(node->depth == static_cast<int64_t>(tokens.size()));
+  if (node->snap && !node->snap->sharers.empty()) {
+    // Others share its KV rows: it stays (its state holds the very same tokens), under the new key.
+    node->snap->key = key;
+    retire(*snap);
+    touch(*node->snap);
+    return;
+  }
   if (node->snap) {
     CacheTierStats& old = tier_stats(node->snap->tier);
     old.bytes -= node->snap->bytes;
@@ -285,6 +339,10 @@ void SessionCache::insert(Backend& backend, ResumePoint point, const std::option
   list.push_front(node);
   snap->lru_it = list.begin();
   node->snap = std::move(snap);
+  if (node->snap->tier == CacheTier::kDevice) {
+    share_with_ancestor(backend, node);
+    touch(*node->snap);
+  }
 }
 
 void SessionCache::enforce_budgets(Backend& backend) {
@@ -308,6 +366,9 @@ void SessionCache::enforce_host_budget() {
 
 void SessionCache::move_to_host(Backend& backend, Node* node) {
   Snapshot& snap = *node->snap;
+  // Its host copy holds all its KV rows (copy_to_host copies shared rows too); until a background
+  // copy is made, its state keeps the base's state alive by itself.
+  unlink_base(snap);
   std::shared_ptr<SequenceState> host;
   if (copier_ != nullptr) {
     if (!queue_copy(snap)) {  // the backlog is full: dropped rather than waited for
@@ -429,7 +490,8 @@ std::vector<SnapshotInfo> SessionCache::describe() const {
   std::vector<SnapshotInfo> out;
   for (const auto& list : lru_)
     for (const Node* node : list)
-      out.push_back({path_tokens(node), node->snap->tier, node->snap->key, node->snap->bytes, node->snap->copy != nullptr});
+      out.push_back({path_tokens(node), node->snap->tier, node->snap->key, node->snap->bytes,
+                     node->snap->copy != nullptr, node->snap->base ? (*node->snap->base->lru_it)->depth : 0});
   return out;
 }
 

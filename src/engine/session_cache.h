@@ -11,6 +11,13 @@
 // same request hits again) and at its final state (prompt + fed generated tokens, so that the
 // next turn hits).
 //
+// A snapshot stored in the device tier shares the attention KV rows of the nearest shorter
+// device-tier snapshot on its path instead of copying them, when the backend can
+// (Backend::share_prefix: the rows are compared bit for bit) and then counts only the bytes it
+// holds itself; the snapshot it shares is kept more recently used than it, so that it never
+// leaves the device tier first. A hit, a move to the host tier and a host copy all hold whole
+// copies again.
+//
 // Memory is bounded in bytes, in two tiers: the backend's own memory (device memory for the CUDA
 // backend) and host memory (Backend::copy_to_host). Least recently used snapshots of the first
 // tier move to the second when it is full, and are dropped from the second when that is full.
@@ -77,6 +84,8 @@ struct SessionCacheStats {
   CacheTierStats host;
   /// Host-tier snapshots whose background host copy is queued or running now (counted in `host`).
   int64_t host_copies_pending = 0;
+  /// Snapshots stored sharing the KV rows of a shorter one instead of copying them, cumulative.
+  int64_t kv_shared_snapshots = 0;
 };
 
 /// One decode state and the tokens it has consumed (state->position() == tokens.size()).
@@ -99,6 +108,8 @@ struct SnapshotInfo {
   std::optional<std::string> key;
   int64_t bytes = 0;
   bool copying = false;  ///< its background host copy is not made yet (it resumes from its own state)
+  /// Tokens of the snapshot whose KV rows its state shares (Backend::share_prefix); 0: none.
+  int64_t kv_base_tokens = 0;
 };
 
 /// True when `prefix` is strictly shorter than `tokens` and equals its beginning.
@@ -158,6 +169,15 @@ class SessionCache {
   struct Snapshot;
   struct HostCopy;
   void insert(Backend& backend, ResumePoint point, const std::optional<std::string>& key);
+  /// Makes `snap` the most recently used of its tier, and the snapshots whose KV rows it shares
+  /// more recently used still.
+  void touch(Snapshot& snap);
+  /// Replaces the state of `node`'s device-tier snapshot by one that shares the KV rows of the
+  /// nearest shorter device-tier snapshot on its path (Backend::share_prefix), when the backend can.
+  void share_with_ancestor(Backend& backend, Node* node);
+  /// Ends `snap`'s sharing of its base's KV rows and that of its sharers' (their states may still
+  /// hold the base's state).
+  void unlink_base(Snapshot& snap);
   /// The snapshot `point` makes in the host tier (copied now, or queued); null when it cannot.
   std::unique_ptr<Snapshot> host_snapshot(Backend& backend, ResumePoint& point, const std::optional<std::string>& key);
   void enforce_budgets(Backend& backend);

@@ -241,6 +241,9 @@ std::string Metrics::render(const EngineGauges& g) const {
   per_tier("lily_cache_bytes", "gauge", "Bytes of decode state held by the prefix cache, per tier.",
            &CacheTierStats::bytes);
   per_tier("lily_cache_budget_bytes", "gauge", "Byte budget of each prefix-cache tier.", &CacheTierStats::budget);
+  scalar(out, "lily_cache_kv_shared_total", "counter",
+         "Prefix-cache snapshots stored sharing the attention KV rows of a shorter one instead of copying them.",
+         static_cast<double>(g.cache.kv_shared_snapshots));
   scalar(out, "lily_cache_host_copies_pending", "gauge",
          "Host-tier snapshots whose background copy to host memory is not made yet.",
          static_cast<double>(g.cache.host_copies_pending));

@@ -1,8 +1,9 @@
 // Black-box tests of the prefix cache of `lily serve` on the demo model: conversations sharing a
 // system prompt resume after it, many interleaved conversations all hit their own first turn
-// with the default budgets, /v1/completions reports cached tokens, the byte budgets of both
-// tiers hold (with evictions counted per tier), and answers are the same cold, warm and with the
-// cache disabled. Run: LILY_BIN=build/lily node --test tests/node/prefix_cache.test.mjs
+// with the default budgets, so do conversations sent concurrently (batched), /v1/completions
+// reports cached tokens, the byte budgets of both tiers hold (with evictions counted per tier),
+// and answers are the same cold, warm and with the cache disabled.
+// Run: LILY_BIN=build/lily node --test tests/node/prefix_cache.test.mjs
 import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { MODEL, chat, metrics, rawRequest, startServer, stopServer } from './server_harness.mjs';
@@ -87,6 +88,26 @@ describe('prefix cache with the default budgets', () => {
     const m = await metrics(warm);
     assert.ok(m.get('lily_cache_snapshots{tier="device"}') >= 2 * n);
     assert.equal(m.get('lily_cache_evictions_total{tier="device"}'), 0);
+  });
+
+  it('concurrent conversations through the batched scheduler: every turn 2 hits its turn 1, answers as uncached', async () => {
+    const n = 6;
+    // Steps that advanced more than one sequence: the conversations really shared steps.
+    const shared = (m) => m.get('lily_step_batch_size_count') - m.get('lily_step_batch_size_bucket{le="1"}');
+    const before = await metrics(warm);
+    const turn1 = Array.from({ length: n }, (_, i) =>
+      [system(SYSTEM + ' Reply in one line.'), user(`Concurrent ${i}: which flags speed up target ${i}?`)]);
+    const askAll = (server, conversations) => Promise.all(conversations.map((m) => ask(server, m, { max_tokens: 6 })));
+    const [firsts, firstsOff] = await Promise.all([askAll(warm, turn1), askAll(disabled, turn1)]);
+    const turn2 = turn1.map((m, i) => [...m, assistant(firsts[i].text), user('And in debug builds?')]);
+    const [seconds, secondsOff] = await Promise.all([askAll(warm, turn2), askAll(disabled, turn2)]);
+    for (let i = 0; i < n; i++) {
+      assert.equal(firsts[i].text, firstsOff[i].text, `conversation ${i}, turn 1`);
+      assert.equal(seconds[i].text, secondsOff[i].text, `conversation ${i}, turn 2`);
+      assert.ok(cached(seconds[i]) >= firsts[i].usage.prompt_tokens - 1, `conversation ${i}: ${JSON.stringify(seconds[i].usage)}`);
+      assert.equal(cached(secondsOff[i]), 0);
+    }
+    assert.ok(shared(await metrics(warm)) > shared(before), 'the conversations never shared a step');
   });
 
   it('/v1/completions reports the cached part of its prompt', async () => {

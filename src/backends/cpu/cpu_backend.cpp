@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include "backends/cpu/ops.h"
@@ -56,9 +57,39 @@ CpuSequenceState::CpuSequenceState(const CpuSequenceState& other, int64_t capaci
   if (cap == 0) return;
   kv_.resize(static_cast<size_t>(2 * n_attn_ * cap * kv_width_));
   kv_capacity_ = cap;
-  const size_t rows = static_cast<size_t>(position_ * kv_width_);
+  other.copy_kv_rows(kv_.data(), cap, position_);
+}
+
+CpuSequenceState::CpuSequenceState(const CpuSequenceState& other, std::shared_ptr<const CpuSequenceState> base)
+    : layers(other.layers),
+      attn_slot_(other.attn_slot_),
+      n_attn_(other.n_attn_),
+      kv_width_(other.kv_width_),
+      kv_(other.kv_.get_allocator()),
+      kv_base_(std::move(base)),
+      position_(other.position_),
+      max_seq_(other.max_seq_) {
+  kv_base_rows_ = kv_base_->position();
+  LILY_CHECK(kv_base_rows_ < position_);
+  kv_capacity_ = position_ - kv_base_rows_;
+  kv_.resize(static_cast<size_t>(2 * n_attn_ * kv_capacity_ * kv_width_));
   for (int slot = 0; slot < 2 * n_attn_; ++slot)
-    std::copy_n(other.kv_.data() + slot * other.kv_capacity_ * kv_width_, rows, kv_.data() + slot * cap * kv_width_);
+    for (int64_t t = kv_base_rows_; t < position_; ++t)
+      std::copy_n(other.kv_row(slot, t), kv_width_, kv_.data() + (slot * kv_capacity_ + t - kv_base_rows_) * kv_width_);
+}
+
+const float* CpuSequenceState::kv_row(int slot, int64_t t) const {
+  if (t < kv_base_rows_) return kv_base_->kv_row(slot, t);
+  return kv_.data() + (slot * kv_capacity_ + t - kv_base_rows_) * kv_width_;
+}
+
+void CpuSequenceState::copy_kv_rows(float* dst, int64_t dst_capacity, int64_t rows) const {
+  const int64_t from_base = std::min(rows, kv_base_rows_);
+  if (from_base > 0) kv_base_->copy_kv_rows(dst, dst_capacity, from_base);
+  if (rows <= from_base) return;
+  const size_t n = static_cast<size_t>((rows - from_base) * kv_width_);
+  for (int slot = 0; slot < 2 * n_attn_; ++slot)
+    std::copy_n(kv_.data() + slot * kv_capacity_ * kv_width_, n, dst + (slot * dst_capacity + from_base) * kv_width_);
 }
 
 int64_t CpuSequenceState::bytes() const {
@@ -73,7 +104,7 @@ void CpuSequenceState::reserve_kv(int64_t rows) {
 }
 
 void CpuSequenceState::reallocate_kv(int64_t capacity) {
-  LILY_CHECK(capacity >= position_);
+  LILY_CHECK(capacity >= position_ && !shares_kv());
   Buffer fresh(kv_.get_allocator());
   fresh.resize(static_cast<size_t>(2 * n_attn_ * capacity * kv_width_));
   const size_t rows = static_cast<size_t>(position_ * kv_width_);
@@ -162,6 +193,21 @@ std::unique_ptr<SequenceState> CpuBackend::resume_state(const SequenceState& sna
   return std::make_unique<CpuSequenceState>(checked_state(const_cast<SequenceState&>(snapshot)), capacity);
 }
 
+std::unique_ptr<SequenceState> CpuBackend::share_prefix(const SequenceState& state,
+                                                        std::shared_ptr<const SequenceState> base) {
+  const CpuSequenceState& src = checked_state(const_cast<SequenceState&>(state));
+  auto cpu_base = std::dynamic_pointer_cast<const CpuSequenceState>(base);
+  if (cpu_base == nullptr) throw Error("cpu backend: the base state was not created by this backend");
+  checked_state(const_cast<CpuSequenceState&>(*cpu_base));
+  const int64_t rows = cpu_base->position();
+  if (rows < 1 || rows >= src.position()) return nullptr;
+  const size_t row_bytes = static_cast<size_t>(src.kv_width_) * sizeof(float);
+  for (int slot = 0; slot < 2 * src.n_attn_; ++slot)
+    for (int64_t t = 0; t < rows; ++t)
+      if (std::memcmp(src.kv_row(slot, t), cpu_base->kv_row(slot, t), row_bytes) != 0) return nullptr;
+  return std::make_unique<CpuSequenceState>(src, std::move(cpu_base));
+}
+
 CpuSequenceState& CpuBackend::checked_state(SequenceState& state) const {
   auto* cpu_state = dynamic_cast<CpuSequenceState*>(&state);
   if (!cpu_state || static_cast<int>(cpu_state->layers.size()) != config().n_layers)
@@ -180,6 +226,7 @@ std::vector<int32_t> CpuBackend::step(std::span<const StepRow> rows) {
   for (const StepRow& r : rows) {
     if (r.state == nullptr) throw Error("step: a row without a sequence state");
     CpuSequenceState& state = checked_state(*r.state);
+    if (state.shares_kv()) throw Error("step: a prefix-cache snapshot that shares its KV rows is not runnable");
     if (std::find(states.begin(), states.end(), &state) != states.end())
       throw Error("step: one sequence state in two rows");
     states.push_back(&state);

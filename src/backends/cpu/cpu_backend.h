@@ -37,15 +37,27 @@ class CpuSequenceState final : public SequenceState {
   /// buffers (and those of its copies) taken from `pool` (nullptr: operator new).
   CpuSequenceState(const ModelConfig& config, int64_t max_seq, std::shared_ptr<BlockPool> pool = nullptr);
   /// A deep copy of `other` whose KV block has room for `capacity` positions (clamped to
-  /// [other.position(), other.max_seq()]), from the same pool.
+  /// [other.position(), other.max_seq()]), from the same pool. A copy of a state that shares its
+  /// first KV rows with a base (shares_kv) holds them all itself.
   CpuSequenceState(const CpuSequenceState& other, int64_t capacity);
+  /// A copy of `other` that refers to `base` (position M < other's, whose first M KV rows equal
+  /// other's) for its first M KV rows and holds only the rows after them (CpuBackend::share_prefix).
+  CpuSequenceState(const CpuSequenceState& other, std::shared_ptr<const CpuSequenceState> base);
 
   int64_t position() const override { return position_; }
   /// Bytes of fp32 storage held: the GDN states and the whole KV block (kv_capacity() positions).
   int64_t bytes() const override;
   int64_t max_seq() const { return max_seq_; }
-  /// Positions the KV block has room for.
+  /// Positions the KV block has room for (beyond kv_base_rows()).
   int64_t kv_capacity() const { return kv_capacity_; }
+  /// True when the first kv_base_rows() KV rows live in a base state (a prefix-cache snapshot
+  /// made by share_prefix): keys() and values() then start at that row, and steps refuse it.
+  bool shares_kv() const { return kv_base_ != nullptr; }
+  /// KV rows read from the base state (0 when shares_kv() is false).
+  int64_t kv_base_rows() const { return kv_base_rows_; }
+  /// Row `t` (< position()) of KV slot `slot` (2·attention layer index + 0 for K, 1 for V),
+  /// wherever it lives: in this state or in its base.
+  const float* kv_row(int slot, int64_t t) const;
   /// Full-attention layer `layer`'s keys [kv_capacity, n_kv_heads, head_dim] (post norm + RoPE);
   /// the first position() rows are written.
   float* keys(int layer) { return kv_.data() + kv_offset(layer, 0); }
@@ -69,12 +81,17 @@ class CpuSequenceState final : public SequenceState {
   void reserve_kv(int64_t rows);
   /// Moves the KV caches into a block of `capacity` positions (≥ position()).
   void reallocate_kv(int64_t capacity);
+  /// Writes KV rows [0, rows) of every slot into `dst` laid out as a block of `dst_capacity`
+  /// positions (reading the base's rows from the base).
+  void copy_kv_rows(float* dst, int64_t dst_capacity, int64_t rows) const;
 
   std::vector<int> attn_slot_;  ///< per layer: its index among the full-attention layers, −1 for GDN
   int n_attn_ = 0;
   int64_t kv_width_ = 0;        ///< n_kv_heads · head_dim
   int64_t kv_capacity_ = 0;
-  Buffer kv_;                   ///< [n_attn][K, V][kv_capacity][kv_width]
+  Buffer kv_;                   ///< [n_attn][K, V][kv_capacity][kv_width], from row kv_base_rows_
+  std::shared_ptr<const CpuSequenceState> kv_base_;  ///< holds KV rows [0, kv_base_rows_) (share_prefix)
+  int64_t kv_base_rows_ = 0;
   int64_t position_ = 0;
   int64_t max_seq_ = 0;
 };
@@ -130,6 +147,11 @@ class CpuBackend final : public Backend {
   /// Deep copy whose KV caches have room for min(capacity, max_seq) positions (reserved, so the
   /// steps up to there append without reallocating). Throws as clone_state.
   std::unique_ptr<SequenceState> resume_state(const SequenceState& snapshot, int64_t capacity) override;
+  /// Backend::share_prefix: compares the first base.position() KV rows bit for bit (a prefill
+  /// equals token-by-token decode here, so equal tokens give equal rows whatever the cuts).
+  /// Throws as clone_state.
+  std::unique_ptr<SequenceState> share_prefix(const SequenceState& state,
+                                              std::shared_ptr<const SequenceState> base) override;
   /// True: a host copy is clone_state, which only reads the state and takes memory from the
   /// state pool (thread-safe), so it may run beside the engine thread's calls.
   bool copies_to_host_concurrently() const override { return true; }

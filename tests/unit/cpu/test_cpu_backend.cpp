@@ -215,6 +215,53 @@ TEST_F(CpuBackendDemo, ResumeStateHasRoomAndContinuesAsAClone) {
   EXPECT_EQ(backend.resume_state(*original, 0)->bytes(), exact);
 }
 
+TEST_F(CpuBackendDemo, SharedPrefixSnapshotsHoldOnlyTheirOwnKvRowsAndResumeAsAWholeCopy) {
+  CpuBackend backend(weights_, 2);
+  const std::vector<int32_t> prompt = synthetic_prompt(48);
+  const auto& c = weights_->config;
+  const int64_t kv_per_token = int64_t{c.n_full_attention_layers()} * 2 * c.n_kv_heads * c.head_dim * 4;
+  // A base at 20 tokens, a longer state at 36 that shares its rows, and one at 48 that shares
+  // the 36 (a chain); the long one was prefilled in other chunks than its bases.
+  auto run = backend.new_state(256);
+  backend.prefill(*run, std::span(prompt).first(20));
+  std::shared_ptr<const SequenceState> base20 = backend.clone_state(*run);
+  backend.prefill(*run, std::span(prompt).subspan(20, 16));
+  auto whole36 = backend.clone_state(*run);
+  std::shared_ptr<const SequenceState> shared36 = backend.share_prefix(*whole36, base20);
+  ASSERT_NE(shared36, nullptr);
+  EXPECT_EQ(shared36->position(), 36);
+  EXPECT_EQ(shared36->bytes(), whole36->bytes() - 20 * kv_per_token);
+  auto other = backend.new_state(256);
+  backend.prefill(*other, std::span(prompt).first(47));
+  const int32_t next = backend.prefill(*other, std::span(prompt).subspan(47, 1));
+  auto shared48 = backend.share_prefix(*other, shared36);
+  ASSERT_NE(shared48, nullptr);
+  EXPECT_EQ(shared48->bytes(), backend.clone_state(*other)->bytes() - 36 * kv_per_token);
+  // Not runnable itself; a resumed copy continues exactly as the original.
+  EXPECT_THROW(backend.decode(*shared48, next), Error);
+  for (bool via_host : {false, true}) {
+    auto copy = via_host ? backend.copy_to_host(*shared48) : backend.clone_state(*shared48);
+    EXPECT_EQ(copy->bytes(), backend.clone_state(*other)->bytes());
+    auto resumed = backend.resume_state(*copy, 64);
+    auto original = backend.clone_state(*other);
+    std::vector<float> la, lb;
+    int32_t a = next, b = next;
+    for (int i = 0; i < 6; ++i) {
+      a = backend.decode(*original, a, &la);
+      b = backend.decode(*resumed, b, &lb);
+      ASSERT_EQ(a, b);
+      ASSERT_EQ(la, lb);
+    }
+  }
+  // Different tokens give different rows: nothing is shared. So is a base that is not shorter.
+  std::vector<int32_t> changed(prompt.begin(), prompt.begin() + 20);
+  changed[3] = (changed[3] + 1) % c.vocab;
+  auto different = backend.new_state(256);
+  backend.prefill(*different, changed);
+  EXPECT_EQ(backend.share_prefix(*whole36, backend.clone_state(*different)), nullptr);
+  EXPECT_EQ(backend.share_prefix(*base20, shared36), nullptr);
+}
+
 TEST_F(CpuBackendDemo, StatesTakeTheirLargeBuffersFromTheBackendsPool) {
   CpuBackend backend(weights_, 2);
   auto state = backend.new_state(2048);

@@ -28,10 +28,15 @@ class FakeState final : public SequenceState {
  public:
   explicit FakeState(int64_t max_seq) : max_seq(max_seq) {}
   int64_t position() const override { return static_cast<int64_t>(history.size()); }
-  int64_t bytes() const override { return 1000 + 4 * static_cast<int64_t>(history.size()); }
+  /// 1000 + 4 per token it holds itself (not those of its shared base).
+  int64_t bytes() const override {
+    return 1000 + 4 * (static_cast<int64_t>(history.size()) - (base ? base->position() : 0));
+  }
   std::vector<int32_t> history;
   int64_t max_seq;
   bool host = false;  ///< a copy_to_host copy: prefill and decode refuse it
+  /// share_prefix: the state whose "KV rows" (its tokens) this one shares; steps refuse it.
+  std::shared_ptr<const SequenceState> base;
 };
 
 class FakeBackend final : public Backend {
@@ -48,7 +53,23 @@ class FakeBackend final : public Backend {
     if (static_cast<const FakeState&>(s).host) ++host_restores;
     auto copy = std::make_unique<FakeState>(static_cast<const FakeState&>(s));
     copy->host = false;
+    copy->base.reset();
     return copy;
+  }
+  /// With share_kv: shares `base`'s tokens when they are a strict prefix of `s`'s (counted in
+  /// shares); nullptr otherwise.
+  std::unique_ptr<SequenceState> share_prefix(const SequenceState& s, std::shared_ptr<const SequenceState> base) override {
+    if (!share_kv) return nullptr;
+    const auto& from = static_cast<const FakeState&>(s);
+    const auto& b = static_cast<const FakeState&>(*base);
+    if (b.host) throw Error("fake backend: a host copy as a base");
+    if (b.history.size() >= from.history.size() ||
+        !std::equal(b.history.begin(), b.history.end(), from.history.begin()))
+      return nullptr;
+    ++shares;
+    auto shared = std::make_unique<FakeState>(from);
+    shared->base = std::move(base);
+    return shared;
   }
   /// clone_state, counted in resumes, with `capacity` recorded in resume_capacities.
   std::unique_ptr<SequenceState> resume_state(const SequenceState& s, int64_t capacity) override {
@@ -70,6 +91,7 @@ class FakeBackend final : public Backend {
     if (fail_host_copies) throw Error("fake backend: no host memory");
     auto copy = std::make_unique<FakeState>(static_cast<const FakeState&>(s));
     copy->host = true;
+    copy->base.reset();
     return copy;
   }
   bool copies_to_host_concurrently() const override { return concurrent_host_copies; }
@@ -112,6 +134,7 @@ class FakeBackend final : public Backend {
     for (size_t i = 0; i < rows.size(); ++i) {
       if (rows[i].tokens.empty()) throw Error("fake backend: a row without tokens");
       if (rows[i].position != rows[i].state->position()) throw Error("fake backend: wrong position");
+      if (static_cast<const FakeState&>(*rows[i].state).base) throw Error("fake backend: a shared snapshot in a step");
       for (size_t j = 0; j < i; ++j)
         if (rows[j].state == rows[i].state) throw Error("fake backend: one state twice");
     }
@@ -218,6 +241,8 @@ class FakeBackend final : public Backend {
   std::vector<int64_t> host_reservations;  ///< the bytes of each reserve_host_copies call, in order
   std::atomic<bool> fail_host_copies = false;  ///< copy_to_host throws
   int resumes = 0;                         ///< resume_state calls (each also counted as a clone)
+  bool share_kv = false;                   ///< share_prefix shares (set before use)
+  int shares = 0;                          ///< share_prefix calls that shared
   std::vector<int64_t> resume_capacities;  ///< the capacity of each resume_state call, in order
   std::vector<int64_t> prefill_sizes;      ///< tokens of each prefill call, in order
   int64_t prefilled_tokens = 0;

@@ -394,6 +394,43 @@ TEST(SchedulerBatching, JobsWaitingTogetherShareEveryStepAndAnswerAsAlone) {
   EXPECT_EQ(h.scheduler->batch_size(), 0);
 }
 
+TEST(SchedulerBatching, JobsAdmittedWhileAnotherDecodesResumeFromItsPromptSnapshots) {
+  // A conversation is still decoding when two more requests arrive: another conversation with
+  // the same first message and the very same request again. Both resume from the snapshots it
+  // took during its prefill (stored then, not when it ends), and every answer is the one it
+  // gives alone.
+  Harness h(8, 1 << 20, 4);
+  h.backend->decode_delay = 10ms;  // a's 40 tokens take 0.4 s: it still decodes below
+  JobRequest a = job({1, 2, 3, 4, 5, 6}, 40);
+  a.message_starts = {3};
+  auto ja = h.scheduler->submit(a);
+  auto first = ja->next_event(5000ms);  // a's prefill is over: its snapshots are taken
+  ASSERT_TRUE(first && first->kind == JobEvent::Kind::kToken);
+  h.backend->close_gate();
+  ASSERT_TRUE(h.backend->wait_until_at_gate(5000ms));  // a is in the middle of its answer
+  JobRequest b = job({1, 2, 3, 9, 9}, 4);
+  b.message_starts = {3};
+  auto jb = h.scheduler->submit(b);
+  JobRequest again = a;
+  again.max_tokens = 4;
+  auto jsame = h.scheduler->submit(again);
+  h.backend->open_gate();
+  const JobEvent done_b = finish(*jb).first, done_same = finish(*jsame).first;
+  const JobEvent done_a = finish(*ja).first;
+  EXPECT_EQ(done_b.result.cached_tokens, 3);
+  EXPECT_EQ(done_same.result.cached_tokens, 5);
+  EXPECT_EQ(done_a.result.cached_tokens, 0);
+  // a was still running when they were admitted: they finished first.
+  EXPECT_LT(done_b.at, done_a.at);
+  EXPECT_LT(done_same.at, done_a.at);
+  EXPECT_EQ(done_b.result.token_ids, alone(b));
+  ASSERT_EQ(done_a.result.token_ids.size(), 40u);
+  EXPECT_EQ(done_same.result.token_ids, std::vector<int32_t>(done_a.result.token_ids.begin(),
+                                                             done_a.result.token_ids.begin() + 4));
+  EXPECT_EQ(done_a.result.token_ids, alone(a));
+  EXPECT_GT(done_a.timings.cache_store_seconds, 0.0);
+}
+
 TEST(SchedulerBatching, AdmitsOldestFirstAndNeverMoreThanMaxBatch) {
   Harness h(8, 0, 2);
   auto first = occupy_engine(h, 3);

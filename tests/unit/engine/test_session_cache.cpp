@@ -629,3 +629,114 @@ TEST(SessionCacheFlow, OutputsAreIdenticalWithAndWithoutCache) {
   EXPECT_EQ(w.tokens.size(), 1u);
   EXPECT_GT(w.cached, 0);
 }
+
+// ---- KV rows shared between a snapshot and the longer ones after it ------------------------------
+
+TEST(SessionCacheSharing, ALongerSnapshotHoldsOnlyItsOwnRowsAndAHitGetsAWholeState) {
+  FakeBackend b;
+  b.share_kv = true;
+  SessionCache c({kMiB, 0});
+  store(c, b, {{1, 2, 3}});
+  store(c, b, {{1, 2, 3, 4, 5}});  // shares {1,2,3}: counts 1000 + 4·2 bytes, not 1000 + 4·5
+  store(c, b, {{9, 9}});           // nothing shorter on its path: whole
+  store(c, b, {{1, 2, 3, 4, 5, 6, 7}});  // shares the nearest shorter one, {1,2,3,4,5}
+  auto base_of = [&](const Tokens& t) {
+    for (const auto& info : c.describe())
+      if (info.tokens == t) return info.kv_base_tokens;
+    ADD_FAILURE() << "not cached";
+    return int64_t{-1};
+  };
+  EXPECT_EQ(base_of({1, 2, 3}), 0);
+  EXPECT_EQ(base_of({1, 2, 3, 4, 5}), 3);
+  EXPECT_EQ(base_of({9, 9}), 0);
+  EXPECT_EQ(base_of({1, 2, 3, 4, 5, 6, 7}), 5);
+  const SessionCacheStats st = c.stats();
+  EXPECT_EQ(st.kv_shared_snapshots, 2);
+  EXPECT_EQ(st.device.bytes, 1012 + 1008 + 1008 + 1008);
+  // A hit resumes a whole, runnable state with the same continuation as a fresh prefill.
+  auto hit = c.acquire(b, Tokens{1, 2, 3, 4, 5, 6, 7, 8}, std::nullopt);
+  ASSERT_NE(hit.state, nullptr);
+  EXPECT_EQ(hit.cached_tokens, 7);
+  EXPECT_EQ(static_cast<const FakeState&>(*hit.state).base, nullptr);
+  EXPECT_EQ(b.prefill(*hit.state, Tokens{8}), b.next_token({1, 2, 3, 4, 5, 6, 7, 8}));
+  // A backend that does not share (the default) stores whole snapshots.
+  FakeBackend plain;
+  SessionCache whole({kMiB, 0});
+  store(whole, plain, {{1, 2, 3}, {1, 2, 3, 4, 5}});
+  EXPECT_EQ(whole.stats().device.bytes, 1012 + 1020);
+  EXPECT_EQ(whole.stats().kv_shared_snapshots, 0);
+}
+
+TEST(SessionCacheSharing, ASharedSnapshotNeverLeavesTheDeviceTierBeforeThoseSharingIt) {
+  FakeBackend b;
+  b.share_kv = true;
+  SessionCache c({3100, kMiB});  // three snapshots of about 1010 bytes
+  store(c, b, {{1, 2, 3}});
+  store(c, b, {{1, 2, 3, 4, 5}});  // shares {1,2,3}, which becomes the more recently used
+  store(c, b, {{7, 7, 7}});
+  EXPECT_EQ(lengths(c, CacheTier::kDevice), (std::vector<size_t>{3, 3, 5}));
+  // A hit on the longer one makes its base more recent still: {1,2,3} before {1,2,3,4,5}.
+  ASSERT_EQ(c.acquire(b, Tokens{1, 2, 3, 4, 5, 6}, std::nullopt).cached_tokens, 5);
+  ASSERT_EQ(c.describe().front().tokens, (Tokens{1, 2, 3}));
+  store(c, b, {{8, 8, 8}});  // {7,7,7} is the least recently used: it moves
+  store(c, b, {{6, 6, 6}});  // then {1,2,3,4,5}, never its base first
+  std::vector<Tokens> host;
+  for (const auto& info : c.describe())
+    if (info.tier == CacheTier::kHost) {
+      host.push_back(info.tokens);
+      EXPECT_EQ(info.kv_base_tokens, 0);  // a host copy holds all its rows
+    }
+  EXPECT_EQ(host, (std::vector<Tokens>{{1, 2, 3, 4, 5}, {7, 7, 7}}));
+  EXPECT_EQ(c.stats().host.bytes, 1020 + 1012);  // whole copies
+  EXPECT_LE(c.stats().device.bytes, 3100);
+  auto hit = c.acquire(b, Tokens{1, 2, 3, 4, 5, 6}, std::nullopt);
+  ASSERT_EQ(hit.cached_tokens, 5);
+  EXPECT_EQ(b.prefill(*hit.state, Tokens{6}), b.next_token({1, 2, 3, 4, 5, 6}));
+}
+
+TEST(SessionCacheSharing, StoringTheTokensOfASharedSnapshotAgainKeepsItUnderTheNewKey) {
+  FakeBackend b;
+  b.share_kv = true;
+  SessionCache c({kMiB, 0});
+  store(c, b, {{1, 2, 3}}, "a");
+  store(c, b, {{1, 2, 3, 4}}, "a");
+  const int64_t bytes = c.stats().device.bytes;
+  store(c, b, {{1, 2, 3}}, "b");
+  EXPECT_EQ(c.stats().device.snapshots, 2);
+  EXPECT_EQ(c.stats().device.bytes, bytes);
+  for (const auto& info : c.describe()) {
+    if (info.tokens == Tokens{1, 2, 3}) EXPECT_EQ(info.key, "b");
+    if (info.tokens == Tokens{1, 2, 3, 4}) EXPECT_EQ(info.kv_base_tokens, 3);
+  }
+  // The key prefers it now.
+  store(c, b, {{1, 2, 3, 4, 5}}, "c");
+  EXPECT_EQ(c.acquire(b, Tokens{1, 2, 3, 4, 5, 6}, "b").cached_tokens, 3);
+}
+
+TEST(SessionCacheSharing, ConversationsAnswerAsWithoutCacheAndHoldFewerBytes) {
+  FakeBackend shared_backend, whole_backend, cold_backend;
+  shared_backend.share_kv = true;
+  SessionCache shared({kMiB, 0}), whole({kMiB, 0}), cold({0, 0});
+  const Tokens system(200, 3);
+  for (int32_t conv = 0; conv < 3; ++conv) {
+    Tokens convo = concat(system, {static_cast<int32_t>(10 + conv)});
+    std::vector<int64_t> starts = {static_cast<int64_t>(system.size())};
+    for (int turn = 0; turn < 3; ++turn) {
+      SCOPED_TRACE("conversation " + std::to_string(conv) + " turn " + std::to_string(turn));
+      auto s = request(shared, shared_backend, convo, 4, std::nullopt, starts);
+      auto w = request(whole, whole_backend, convo, 4, std::nullopt, starts);
+      auto k = request(cold, cold_backend, convo, 4, std::nullopt, starts);
+      EXPECT_EQ(s.tokens, k.tokens);
+      EXPECT_EQ(w.tokens, k.tokens);
+      EXPECT_EQ(s.cached, w.cached);
+      if (conv > 0 || turn > 0) EXPECT_GE(s.cached, static_cast<int64_t>(system.size()));
+      starts.push_back(static_cast<int64_t>(convo.size()));
+      convo = concat(concat(convo, s.tokens), {static_cast<int32_t>(50 + turn)});
+    }
+  }
+  const SessionCacheStats sh = shared.stats(), wh = whole.stats();
+  EXPECT_EQ(sh.device.snapshots, wh.device.snapshots);
+  EXPECT_GT(sh.kv_shared_snapshots, 0);
+  // Every snapshot but the system prompt's would otherwise hold its 200 tokens again.
+  EXPECT_LT(sh.device.bytes + 4 * 200 * (sh.device.snapshots - 2), wh.device.bytes);
+}

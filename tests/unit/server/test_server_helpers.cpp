@@ -266,6 +266,7 @@ TEST(MetricsText, CountersHistogramsAndGauges) {
   g.cache.device.bytes = 1234;
   g.cache.host.evictions = 3;
   g.cache.host_copies_pending = 2;
+  g.cache.kv_shared_snapshots = 5;
   const std::string text = m.render(g);
   expect_contains_all(text, {
       "lily_http_requests_total{route=\"/health\",status=\"200\"} 2\n",
@@ -284,6 +285,7 @@ TEST(MetricsText, CountersHistogramsAndGauges) {
       "lily_cache_bytes{tier=\"host\"} 0\n",
       "lily_cache_evictions_total{tier=\"host\"} 3\n",
       "# TYPE lily_cache_snapshots gauge\n",
+      "lily_cache_kv_shared_total 5\n",
       "lily_cache_host_copies_pending 2\n"});
 }
 
