@@ -20,6 +20,7 @@
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/mixer_kernels.h"
+#include "backends/cuda/mma.cuh"
 
 namespace lily::cuda {
 namespace {
@@ -509,16 +510,232 @@ __device__ __forceinline__ void decode_split(int kvh, int s, int n_splits, float
   }
 }
 
+// ---- decode split on tensor cores ---------------------------------------------------------------
+//
+// The G query heads of a kv head are the N dimension of mma.sync m16n8k16 (G ≤ 8; columns ≥ G
+// hold zero queries and are never stored), and the keys are its M dimension, so a warp scores
+// 16 keys × 8 heads with kD/16 MMAs instead of 16·G dot products on CUDA cores:
+//   Sᵀ[key][head] = K[key][:] · Q[head][:]   (A = K rows by ldmatrix, B = Q in registers)
+//   Oᵀ[dim][head] += Vᵀ[dim][key] · Pᵀ[key][head]   (A = V rows by transposing ldmatrix)
+// Pᵀ comes from the Sᵀ accumulators: a lane holds (key g, heads 2t, 2t+1), which is one row of
+// an 8×8 bf16 matrix; movmatrix.trans turns it into (keys 2t, 2t+1, head g), the B fragment. A
+// lane keeps heads 2t and 2t+1 in both products, so the online softmax rescale is lane-local.
+// Numerics (docs/cuda-mixers.md): scores in fp32 (bf16 products, fp32 sums) times scale·log2 e,
+// probabilities rounded to bf16 for the second product and summed as rounded, as in the prefill
+// flash attention.
+//
+// Each split's keys arrive by bulk copies, one per K or V row, into rows padded by 16 bytes (so
+// the 8 rows of an ldmatrix fall in 8 different bank groups), kMmaStageKeys keys a stage in a
+// ring of kMmaStages, all requested at the start where they fit. Warp w takes keys 16w … 16w + 15
+// of every stage; the 4 warps' states merge in shared memory at the end.
+constexpr int kMmaAttnThreads = 128;
+constexpr int kMmaAttnWarps = kMmaAttnThreads / kWarp;
+constexpr int kMmaStageKeys = 16 * kMmaAttnWarps;
+constexpr int kMmaStages = 3;
+
+/// Bytes of one padded K or V row in a stage.
+constexpr int mma_row_bytes(int kD) { return kD * int(sizeof(bf16)) + 16; }
+/// Bytes of one stage: kMmaStageKeys K rows, then kMmaStageKeys V rows.
+constexpr size_t mma_stage_bytes(int kD) { return size_t(2) * kMmaStageKeys * mma_row_bytes(kD); }
+/// Dynamic shared memory of the tensor-core decode split (the ring; its front is reused for the
+/// merge of the warps' accumulators, kMmaAttnWarps·8·kD fp32, which is smaller).
+constexpr size_t mma_ring_bytes(int kD) { return kMmaStages * mma_stage_bytes(kD); }
+static_assert(size_t(kMmaAttnWarps) * 8 * kMaxD * sizeof(float) <= mma_ring_bytes(kMaxD), "merge area must fit the ring");
+
+/// Warp 0 (all lanes): requests stage i of keys [start, end) into ring slot i mod kMmaStages,
+/// counted on full[slot]: each K and each V row one bulk copy into its padded row.
+template <int kD>
+__device__ __forceinline__ void request_mma_stage(const bf16* K, const bf16* V, int64_t start, int64_t end, int64_t i,
+                                                  unsigned char* ring, uint64_t* full) {
+  const int lane = threadIdx.x % kWarp, slot = int(i % kMmaStages);
+  const int64_t first = start + i * kMmaStageKeys;
+  const int keys = int(min(int64_t(kMmaStageKeys), end - first));
+  constexpr uint32_t kRow = kD * sizeof(bf16);
+  if (lane == 0) mbarrier_arrive_expect_tx(full + slot, 2 * kRow * uint32_t(keys));
+  __syncwarp();
+  unsigned char* stage = ring + slot * mma_stage_bytes(kD);
+  for (int q = lane; q < 2 * keys; q += kWarp) {
+    const int r = q % keys, is_v = q / keys;
+    bulk_copy_to_shared(stage + (is_v * kMmaStageKeys + r) * mma_row_bytes(kD), (is_v ? V : K) + (first + r) * kD,
+                        kRow, full + slot);
+  }
+}
+
+/// movmatrix.trans: this lane's row of an 8×8 bf16 matrix (row lane/4, columns 2·(lane%4) …+1)
+/// in, the same fragment of its transpose out.
+__device__ __forceinline__ uint32_t transpose_8x8_bf16(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+/// A packed bf16 pair (low half first) as two floats, exactly.
+__device__ __forceinline__ float2 bf16x2_to_float2(uint32_t x) {
+  return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+}
+
+/// decode_split on tensor cores: same inputs, same partials (ws_o [nq, n_splits, kD], ws_ml
+/// (m, l) log2 domain), block of kMmaAttnThreads. The caller has run pdl_prologue.
+template <int G, int kD>
+__device__ __forceinline__ void decode_split_mma(int kvh, int s, int n_splits, float scale, int64_t len,
+                                                 const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                                                 const bf16* __restrict__ v_cache, int64_t capacity,
+                                                 float* __restrict__ ws_o, float* __restrict__ ws_ml) {
+  static_assert(G <= 8 && kD % 16 == 0, "decode_split_mma: G ≤ 8 heads, kD a multiple of 16");
+  constexpr int kSteps = kD / 16, kRowB = mma_row_bytes(kD);
+  __shared__ __align__(8) uint64_t full[kMmaStages];
+  __shared__ float m_w[kMmaAttnWarps][8], l_w[kMmaAttnWarps][8];
+  extern __shared__ __align__(128) unsigned char ring[];  // mma_ring_bytes(kD)
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+  const int64_t chunk = (len + n_splits - 1) / n_splits;
+  const int64_t start = min(len, s * chunk), end = min(len, start + chunk);
+  const int64_t stages = (end - start + kMmaStageKeys - 1) / kMmaStageKeys;
+  const int64_t head_off = int64_t(kvh) * capacity * kD;
+  const bf16* K = k_cache + head_off;
+  const bf16* V = v_cache + head_off;
+
+  // The V rows past `end` in the last stage are read by the second product (times p = 0): zero
+  // them once, before any copy lands in that slot (an earlier stage there leaves finite rows).
+  if (stages > 0) {
+    const int tail = int(end - (start + (stages - 1) * kMmaStageKeys));
+    unsigned char* vrows = ring + int((stages - 1) % kMmaStages) * mma_stage_bytes(kD) + kMmaStageKeys * kRowB;
+    for (int i = threadIdx.x; i < (kMmaStageKeys - tail) * kRowB / 16; i += kMmaAttnThreads)
+      reinterpret_cast<uint4*>(vrows + tail * kRowB)[i] = make_uint4(0, 0, 0, 0);
+  }
+  if (threadIdx.x == 0) {
+    for (int j = 0; j < kMmaStages; ++j) mbarrier_init(full + j, 1);
+    mbarrier_init_fence();
+  }
+  fence_proxy_async_shared();
+  __syncthreads();
+  if (warp == 0)
+    for (int64_t i = 0; i < stages && i < kMmaStages; ++i) request_mma_stage<kD>(K, V, start, end, i, ring, full);
+
+  // Q as the B operand: head g's dims 16·k + 2t …+1 and +8 …+9 (zero for heads ≥ G).
+  uint32_t qb[kSteps][2];
+  const bf16* qrow = q + int64_t(kvh * G + min(g, G - 1)) * kD;
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    qb[k][0] = g < G ? *reinterpret_cast<const uint32_t*>(qrow + 16 * k + 2 * t) : 0u;
+    qb[k][1] = g < G ? *reinterpret_cast<const uint32_t*>(qrow + 16 * k + 2 * t + 8) : 0u;
+  }
+  const float scale_log2 = scale * kLog2e;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // heads 2t, 2t + 1
+  float o[kSteps][4];
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) o[k][0] = o[k][1] = o[k][2] = o[k][3] = 0.0f;
+
+  for (int64_t i = 0; i < stages; ++i) {  // uniform over the block
+    const int slot = int(i % kMmaStages);
+    mbarrier_wait(full + slot, uint32_t(i / kMmaStages) & 1u);
+    const unsigned char* Ks = ring + slot * mma_stage_bytes(kD) + 16 * warp * kRowB;
+    const unsigned char* Vs = Ks + kMmaStageKeys * kRowB;
+    const int64_t key0 = start + i * kMmaStageKeys + 16 * warp;
+    if (key0 < end) {  // uniform over the warp
+      float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int k = 0; k < kSteps; ++k) {
+        uint32_t a[4];
+        ldmatrix_x4(a, Ks + (lane % 16) * kRowB + (16 * k + (lane / 16) * 8) * int(sizeof(bf16)));
+        mma_bf16_16816(sc, a, qb[k]);
+      }
+      // sc: (key g, head 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
+      const bool v0 = key0 + g < end, v1 = key0 + g + 8 < end;
+      const float x0 = v0 ? sc[0] * scale_log2 : -INFINITY, x1 = v0 ? sc[1] * scale_log2 : -INFINITY;
+      const float x2 = v1 ? sc[2] * scale_log2 : -INFINITY, x3 = v1 ? sc[3] * scale_log2 : -INFINITY;
+      float mx0 = fmaxf(x0, x2), mx1 = fmaxf(x1, x3);
+#pragma unroll
+      for (int off = 4; off < kWarp; off *= 2) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+      }
+      const float n0 = fmaxf(m[0], mx0), n1 = fmaxf(m[1], mx1);  // finite: key0 < end
+      const float c0 = exp2f(m[0] - n0), c1 = exp2f(m[1] - n1);   // 0 on the first keys
+      m[0] = n0;
+      m[1] = n1;
+      const uint32_t p_lo = pack_bf16x2(exp2f(x0 - n0), exp2f(x1 - n1));  // keys 0–7 × heads
+      const uint32_t p_hi = pack_bf16x2(exp2f(x2 - n0), exp2f(x3 - n1));  // keys 8–15 × heads
+      const float2 f_lo = bf16x2_to_float2(p_lo), f_hi = bf16x2_to_float2(p_hi);
+      l[0] = l[0] * c0 + (f_lo.x + f_hi.x);  // this lane's keys; summed over the lanes at the end
+      l[1] = l[1] * c1 + (f_lo.y + f_hi.y);
+      const uint32_t pb[2] = {transpose_8x8_bf16(p_lo), transpose_8x8_bf16(p_hi)};
+#pragma unroll
+      for (int k = 0; k < kSteps; ++k) {
+        o[k][0] *= c0;
+        o[k][1] *= c1;
+        o[k][2] *= c0;
+        o[k][3] *= c1;
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, Vs + ((lane % 8) + (lane / 16) * 8) * kRowB + (16 * k + ((lane / 8) % 2) * 8) * int(sizeof(bf16)));
+        mma_bf16_16816(o[k], a, pb);
+      }
+    }
+    __syncthreads();  // every warp is done with the slot: it may be refilled
+    if (warp == 0 && i + kMmaStages < stages) {
+      fence_proxy_async_shared();
+      request_mma_stage<kD>(K, V, start, end, i + kMmaStages, ring, full);
+    }
+  }
+
+  // Merge the warps: each lane's l over the 8 lanes of its heads, then (m, l) per warp and head.
+#pragma unroll
+  for (int off = 4; off < kWarp; off *= 2) {
+    l[0] += __shfl_xor_sync(0xffffffffu, l[0], off);
+    l[1] += __shfl_xor_sync(0xffffffffu, l[1], off);
+  }
+  if (g == 0) {
+    m_w[warp][2 * t] = m[0];
+    m_w[warp][2 * t + 1] = m[1];
+    l_w[warp][2 * t] = l[0];
+    l_w[warp][2 * t + 1] = l[1];
+  }
+  __syncthreads();  // also: the ring is free (every stage consumed), its front holds the merge
+  float M[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int w = 0; w < kMmaAttnWarps; ++w) {
+    M[0] = fmaxf(M[0], m_w[w][2 * t]);
+    M[1] = fmaxf(M[1], m_w[w][2 * t + 1]);
+  }
+  const float f0 = m[0] == -INFINITY ? 0.0f : exp2f(m[0] - M[0]);
+  const float f1 = m[1] == -INFINITY ? 0.0f : exp2f(m[1] - M[1]);
+  float* acc = reinterpret_cast<float*>(ring);  // [warp][head 8][kD]
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    float* a0 = acc + (warp * 8 + 2 * t) * kD + 16 * k + g;  // head 2t, dim 16k + g
+    a0[0] = o[k][0] * f0;
+    a0[kD] = o[k][1] * f1;
+    a0[8] = o[k][2] * f0;
+    a0[kD + 8] = o[k][3] * f1;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * kD; i += kMmaAttnThreads) {
+    const int h = i / kD, d = i % kD;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmaAttnWarps; ++w) sum += acc[(w * 8 + h) * kD + d];
+    ws_o[(int64_t(kvh * G + h) * n_splits + s) * kD + d] = sum;
+  }
+  if (threadIdx.x < G) {
+    const int h = threadIdx.x;
+    float Mh = -INFINITY, L = 0.0f;
+    for (int w = 0; w < kMmaAttnWarps; ++w) Mh = fmaxf(Mh, m_w[w][h]);
+    for (int w = 0; w < kMmaAttnWarps; ++w) L += m_w[w][h] == -INFINITY ? 0.0f : l_w[w][h] * exp2f(m_w[w][h] - Mh);
+    const int64_t slot = int64_t(kvh * G + h) * n_splits + s;
+    ws_ml[2 * slot] = Mh;
+    ws_ml[2 * slot + 1] = L;
+  }
+}
+
 /// Block (kv head, split): decode_split.
 template <int G, int kD>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kMmaAttnThreads)
 decode_split_kernel(int n_splits, float scale, int64_t len_host, const int32_t* __restrict__ len_device,
                     const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                     const bf16* __restrict__ v_cache, int64_t capacity, float* __restrict__ ws_o,
                     float* __restrict__ ws_ml) {
   pdl_prologue();
   const int64_t len = len_device ? int64_t(*len_device) : len_host;
-  decode_split<G, kD>(blockIdx.x, blockIdx.y, n_splits, scale, len, q, k_cache, v_cache, capacity, ws_o, ws_ml);
+  decode_split_mma<G, kD>(blockIdx.x, blockIdx.y, n_splits, scale, len, q, k_cache, v_cache, capacity, ws_o, ws_ml);
 }
 
 /// The splits of row r of a batched decode: splits[r] (its own sequence's count), never more
@@ -532,7 +749,7 @@ __device__ __forceinline__ int row_splits(const int32_t* splits, int r, int max_
 /// the row's workspace region ws + r·ws_row_floats, laid out as the one-sequence workspace).
 /// Blocks of splits the row does not have return at once.
 template <int G, int kD>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kMmaAttnThreads)
 decode_split_rows_kernel(int nq, int max_splits, float scale, const int32_t* __restrict__ len,
                          const int32_t* __restrict__ splits, const bf16* __restrict__ q,
                          const KvCacheView* __restrict__ caches, float* __restrict__ ws, int64_t ws_row_floats) {
@@ -543,8 +760,8 @@ decode_split_rows_kernel(int nq, int max_splits, float scale, const int32_t* __r
   const KvCacheView c = caches[r];
   float* ws_o = ws + r * ws_row_floats;
   float* ws_ml = ws_o + int64_t(nq) * n_splits * kD;
-  decode_split<G, kD>(blockIdx.x, s, n_splits, scale, int64_t(len[r]), q + int64_t(r) * nq * kD, c.k, c.v,
-                      c.capacity, ws_o, ws_ml);
+  decode_split_mma<G, kD>(blockIdx.x, s, n_splits, scale, int64_t(len[r]), q + int64_t(r) * nq * kD, c.k, c.v,
+                          c.capacity, ws_o, ws_ml);
 }
 
 /// Query head h (the body of decode_combine_kernel, shared with decode_combine_rows_kernel),
@@ -791,8 +1008,8 @@ void attention_decode(const AttnDims& dims, const bf16* q, const bf16* gate,
     constexpr int kD = decltype(d)::value;
     dispatch_group(G, [&](auto g) {
       auto kernel = decode_split_kernel<decltype(g)::value, kD>;
-      raise_smem_limit(kernel, kv_ring_bytes(kD));
-      launch_pdl(kernel, dim3(dims.n_kv_heads, n_splits), dim3(kThreads), kv_ring_bytes(kD), stream, n_splits,
+      raise_smem_limit(kernel, mma_ring_bytes(kD));
+      launch_pdl(kernel, dim3(dims.n_kv_heads, n_splits), dim3(kMmaAttnThreads), mma_ring_bytes(kD), stream, n_splits,
                  dims.scale(), len_host, len_device, q, cache.k, cache.v, cache.capacity, ws_o, ws_ml);
     });
     LILY_CUDA_CHECK_LAUNCH();
@@ -843,8 +1060,8 @@ void attention_decode_rows(const AttnDims& dims, int rows, const bf16* q, const 
     constexpr int kD = decltype(d)::value;
     dispatch_group(G, [&](auto g) {
       auto kernel = decode_split_rows_kernel<decltype(g)::value, kD>;
-      raise_smem_limit(kernel, kv_ring_bytes(kD));
-      launch_pdl(kernel, dim3(dims.n_kv_heads, max_splits, rows), dim3(kThreads), kv_ring_bytes(kD), stream,
+      raise_smem_limit(kernel, mma_ring_bytes(kD));
+      launch_pdl(kernel, dim3(dims.n_kv_heads, max_splits, rows), dim3(kMmaAttnThreads), mma_ring_bytes(kD), stream,
                  dims.n_heads, max_splits, dims.scale(), len, splits, q, caches, workspace, ws_row_floats);
     });
     LILY_CUDA_CHECK_LAUNCH();
