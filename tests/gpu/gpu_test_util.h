@@ -15,6 +15,7 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/device_buffer.h"
 #include "backends/cuda/kernels.h"
+#include "backends/cuda/mixer_kernels.h"
 #include "base/bf16.h"
 
 namespace lily::test {
@@ -100,6 +101,34 @@ inline double max_rel(const std::vector<float>& out, const std::vector<float>& r
   return worst;
 }
 
+// ---- mixer shapes -------------------------------------------------------------------------------
+
+/// Attention dims of nq query heads, nkv kv heads, head_dim D and rotary_dim rotated dims (θ and
+/// the norm epsilon as the real model's).
+inline cuda::AttnDims attn_dims(int nq, int nkv, int D, int rotary_dim) {
+  cuda::AttnDims d;
+  d.n_heads = nq;
+  d.n_kv_heads = nkv;
+  d.head_dim = D;
+  d.rotary_dim = rotary_dim;
+  return d;
+}
+/// The demo model's attention shape (models/demo): 4 query heads, 2 kv heads, head_dim 64,
+/// rotary 16.
+inline cuda::AttnDims demo_attn_dims() { return attn_dims(4, 2, 64, 16); }
+
+/// GDN dims of Hk key heads and Hv value heads of head_dim Dk = Dv (conv kernel 4, the real
+/// model's norm epsilon).
+inline cuda::GdnDims gdn_dims(int n_key_heads, int n_value_heads, int head_dim) {
+  cuda::GdnDims d;
+  d.n_key_heads = n_key_heads;
+  d.n_value_heads = n_value_heads;
+  d.key_head_dim = d.value_head_dim = head_dim;
+  return d;
+}
+/// The demo model's GDN shape (models/demo): Hk 2, Hv 4, Dk = Dv = 64, K 4.
+inline cuda::GdnDims demo_gdn_dims() { return gdn_dims(2, 4, 64); }
+
 // ---- quantized matrices, error measures, graphs and timing --------------------------------------
 
 /// A random MLX-affine matrix in host memory plus its device copy.
@@ -166,6 +195,20 @@ inline double worst_rel(const std::vector<float>& out, const std::vector<double>
     if (!(e <= worst)) worst = std::isnan(e) ? INFINITY : e;
   }
   return worst;
+}
+/// rms(out − ref) / rms(ref) over n values (normwise relative error); NaN → infinity.
+inline double rms_rel(const float* out, const float* ref, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    num += (double(out[i]) - ref[i]) * (double(out[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  const double e = std::sqrt(num / std::max(den, 1e-30));
+  return std::isnan(e) ? INFINITY : e;
+}
+/// rms_rel over the values out and ref both have.
+inline double rms_rel(const std::vector<float>& out, const std::vector<float>& ref) {
+  return rms_rel(out.data(), ref.data(), std::min(out.size(), ref.size()));
 }
 /// Root mean square of ref.
 inline double rms(const std::vector<double>& ref) {

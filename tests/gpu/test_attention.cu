@@ -27,10 +27,13 @@ namespace {
 using cuda::DeviceBuffer;
 using bf16_t = __nv_bfloat16;
 
+using test::attn_dims;
+using test::demo_attn_dims;
 using test::download_bf16;
 using test::max_rel;
 using test::normal_bf16;
 using test::poisoned;
+using test::rms_rel;
 using test::uniform;
 using test::upload_bf16;
 using test::upload_f32;
@@ -45,41 +48,17 @@ constexpr double kBf16Tol = 1e-2;
 /// the output's own bf16 rounding; a layout or masking bug gives errors of order 1.
 constexpr double kFlashTol = 1e-2;
 
-/// max over rows of length `row` of rms(out − ref) / rms(ref) (NaN if any output is NaN).
+/// max over rows of length `row` of rms(out − ref) / rms(ref) (rms_rel; infinity if an output is NaN).
 double max_row_normwise(const std::vector<float>& out, const std::vector<float>& ref, int row) {
   double worst = 0.0;
-  for (size_t r0 = 0; r0 + row <= ref.size(); r0 += row) {
-    double ss_ref = 0.0, ss_err = 0.0;
-    for (int d = 0; d < row; ++d) {
-      const double e = double(out[r0 + d]) - ref[r0 + d];
-      ss_ref += double(ref[r0 + d]) * ref[r0 + d];
-      ss_err += e * e;
-    }
-    const double rel = std::sqrt(ss_err / (ss_ref + 1e-30));
-    if (!(rel <= worst)) worst = rel;  // NaN propagates
-  }
+  for (size_t r0 = 0; r0 + row <= ref.size(); r0 += row) worst = std::max(worst, rms_rel(out.data() + r0, ref.data() + r0, row));
   return worst;
 }
 
 cuda::AttnDims real_dims() { return cuda::AttnDims{}; }  // 16 / 2 / 256, rotary 64, θ 1e7
 
-/// The demo model's shape (models/demo): 4 query heads, 2 kv heads, head_dim 64, rotary 16.
-cuda::AttnDims demo_dims() {
-  cuda::AttnDims d;
-  d.n_heads = 4;
-  d.n_kv_heads = 2;
-  d.head_dim = 64;
-  d.rotary_dim = 16;
-  return d;
-}
-
 /// A head_dim-128 shape with a GQA group of 8 (16 / 2) and rotary 32.
-cuda::AttnDims dims_128() {
-  cuda::AttnDims d;
-  d.head_dim = 128;
-  d.rotary_dim = 32;
-  return d;
-}
+cuda::AttnDims dims_128() { return attn_dims(16, 2, 128, 32); }
 
 /// A KV cache [nkv, capacity, D] with random bf16 content in positions [0, filled) (host copy
 /// kept as fp32) and poison beyond.
@@ -188,32 +167,24 @@ void expect_prepare_matches(int T, int64_t pos0, bool device_pos,
 TEST(AttentionPrepare, NormRopeAppendAtStart) { expect_prepare_matches(3, 0, false); }
 TEST(AttentionPrepare, NormRopeAppendAtLongPosition) { expect_prepare_matches(5, 39995, false); }
 TEST(AttentionPrepare, DevicePositionForDecodeGraphs) { expect_prepare_matches(1, 4095, true); }
-TEST(AttentionPrepare, DemoDims) { expect_prepare_matches(7, 300, false, demo_dims()); }
-TEST(AttentionPrepare, DemoDimsDevicePosition) { expect_prepare_matches(1, 40, true, demo_dims()); }
+TEST(AttentionPrepare, DemoDims) { expect_prepare_matches(7, 300, false, demo_attn_dims()); }
+TEST(AttentionPrepare, DemoDimsDevicePosition) { expect_prepare_matches(1, 40, true, demo_attn_dims()); }
 TEST(AttentionPrepare, HeadDim128) { expect_prepare_matches(3, 1000, false, dims_128()); }
 
 /// Shapes for the prepare kernels' layout (a block per token, a warp per head, lane l holding
 /// dims [l·D/32, (l+1)·D/32)): nq + nkv past 32 heads (warps take heads in rounds), rotary_dim/2
 /// not a multiple of D/32 (the RoPE partner goes through shared memory, not a shuffle), the
-/// whole head rotated (partner 16 lanes away), and no rotation.
-cuda::AttnDims prepare_dims(int nq, int nkv, int D, int rotary_dim) {
-  cuda::AttnDims d;
-  d.n_heads = nq;
-  d.n_kv_heads = nkv;
-  d.head_dim = D;
-  d.rotary_dim = rotary_dim;
-  return d;
-}
+/// whole head rotated (partner 16 lanes away), and no rotation (attn_dims(nq, nkv, D, rotary_dim)).
 TEST(AttentionPrepare, HeadsInRoundsWholeHeadRotated) {
-  expect_prepare_matches(4, 77, false, prepare_dims(64, 8, 128, 128));
+  expect_prepare_matches(4, 77, false, attn_dims(64, 8, 128, 128));
 }
 TEST(AttentionPrepare, PartnerThroughSharedMemory) {
-  expect_prepare_matches(3, 500, false, prepare_dims(16, 2, 256, 40));
+  expect_prepare_matches(3, 500, false, attn_dims(16, 2, 256, 40));
 }
 TEST(AttentionPrepare, PartnerThroughSharedMemoryInRounds) {
-  expect_prepare_matches(5, 9, false, prepare_dims(32, 4, 64, 6));
+  expect_prepare_matches(5, 9, false, attn_dims(32, 4, 64, 6));
 }
-TEST(AttentionPrepare, NoRotaryDims) { expect_prepare_matches(2, 12, true, prepare_dims(4, 2, 64, 0)); }
+TEST(AttentionPrepare, NoRotaryDims) { expect_prepare_matches(2, 12, true, attn_dims(4, 2, 64, 0)); }
 
 // ---- decode --------------------------------------------------------------------------------------
 
@@ -256,15 +227,15 @@ TEST(AttentionDecode, Context40000) { expect_decode_matches(40000, cuda::attenti
 TEST(AttentionDecode, OddSplitCountWithEmptySplits) { expect_decode_matches(5, 7, false); }
 TEST(AttentionDecode, SingleSplitLongContext) { expect_decode_matches(4096, 1, false); }
 TEST(AttentionDecode, DeviceLengthWithGraphSplitCount) { expect_decode_matches(300, 128, true); }
-TEST(AttentionDecode, DemoDimsContext1) { expect_decode_matches(1, 1, false, demo_dims()); }
+TEST(AttentionDecode, DemoDimsContext1) { expect_decode_matches(1, 1, false, demo_attn_dims()); }
 TEST(AttentionDecode, DemoDimsContext257) {
-  expect_decode_matches(257, cuda::attention_decode_splits(257), false, demo_dims());
+  expect_decode_matches(257, cuda::attention_decode_splits(257), false, demo_attn_dims());
 }
 TEST(AttentionDecode, DemoDimsContext4096) {
-  expect_decode_matches(4096, cuda::attention_decode_splits(4096), false, demo_dims());
+  expect_decode_matches(4096, cuda::attention_decode_splits(4096), false, demo_attn_dims());
 }
-TEST(AttentionDecode, DemoDimsEmptySplits) { expect_decode_matches(5, 7, false, demo_dims()); }
-TEST(AttentionDecode, DemoDimsDeviceLength) { expect_decode_matches(300, 128, true, demo_dims()); }
+TEST(AttentionDecode, DemoDimsEmptySplits) { expect_decode_matches(5, 7, false, demo_attn_dims()); }
+TEST(AttentionDecode, DemoDimsDeviceLength) { expect_decode_matches(300, 128, true, demo_attn_dims()); }
 TEST(AttentionDecode, HeadDim128Context4096) {
   expect_decode_matches(4096, cuda::attention_decode_splits(4096), false, dims_128());
 }
@@ -385,12 +356,7 @@ void expect_prefill_matches(int T, int64_t base, const cuda::AttnDims& dims = re
 }
 
 /// The query heads of one kv head (G = 1, 2, 4) over the real head dim.
-cuda::AttnDims dims_group(int G) {
-  cuda::AttnDims d;
-  d.n_kv_heads = 2;
-  d.n_heads = 2 * G;
-  return d;
-}
+cuda::AttnDims dims_group(int G) { return attn_dims(2 * G, 2, 256, 64); }
 
 /// A prompt prefilled whole and cut into chunks at `cuts` gives bit-identical rows on the
 /// tensor-core path (each row's key tiles and their order do not depend on the chunking).
@@ -425,8 +391,8 @@ void expect_chunking_invariant(const cuda::AttnDims& dims, int T, std::vector<in
 TEST(AttentionPrefill, CausalFromStart) { expect_prefill_matches(257, 0); }
 TEST(AttentionPrefill, ContinuesAfterCachedPrefix) { expect_prefill_matches(64, 4000); }
 TEST(AttentionPrefill, SingleRowAfterLongPrefix) { expect_prefill_matches(1, 40000); }
-TEST(AttentionPrefill, DemoDimsCausalFromStart) { expect_prefill_matches(257, 0, demo_dims()); }
-TEST(AttentionPrefill, DemoDimsContinuesAfterCachedPrefix) { expect_prefill_matches(64, 4000, demo_dims()); }
+TEST(AttentionPrefill, DemoDimsCausalFromStart) { expect_prefill_matches(257, 0, demo_attn_dims()); }
+TEST(AttentionPrefill, DemoDimsContinuesAfterCachedPrefix) { expect_prefill_matches(64, 4000, demo_attn_dims()); }
 TEST(AttentionPrefill, HeadDim128CausalFromStart) { expect_prefill_matches(130, 0, dims_128()); }
 TEST(AttentionPrefill, OneKeyGivesItsValueRow) { expect_prefill_matches(1, 0); }
 TEST(AttentionPrefill, TwoRowsOfTwoKeys) { expect_prefill_matches(2, 0); }
@@ -439,7 +405,7 @@ TEST(AttentionPrefill, GroupOf1) { expect_prefill_matches(300, 17, dims_group(1)
 TEST(AttentionPrefill, GroupOf2) { expect_prefill_matches(200, 64, dims_group(2)); }
 TEST(AttentionPrefill, GroupOf4) { expect_prefill_matches(150, 63, dims_group(4)); }
 TEST(AttentionPrefill, ChunkingDoesNotChangeRows) { expect_chunking_invariant(real_dims(), 700, {1, 64, 300, 301}); }
-TEST(AttentionPrefill, DemoDimsChunkingDoesNotChangeRows) { expect_chunking_invariant(demo_dims(), 500, {130, 131}); }
+TEST(AttentionPrefill, DemoDimsChunkingDoesNotChangeRows) { expect_chunking_invariant(demo_attn_dims(), 500, {130, 131}); }
 
 TEST(AttentionDims, RejectsShapesTheKernelsWereNotWrittenFor) {
   ModelConfig cfg;

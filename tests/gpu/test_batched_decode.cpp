@@ -139,12 +139,9 @@ void check_gdn_rows(const cuda::GdnDims& d, int rows, uint64_t seed) {
 }
 
 TEST(CudaBatchedDecode, GdnRowsAreBitIdenticalToEachSequenceAlone) {
-  cuda::GdnDims real;  // 35B-A3B: Hk 16, Hv 32, D 128
-  cuda::GdnDims realdims = real;
-  realdims.n_key_heads = 2;
-  realdims.n_value_heads = 4;
-  cuda::GdnDims demo = realdims;
-  demo.key_head_dim = demo.value_head_dim = 64;
+  const cuda::GdnDims real;  // 35B-A3B: Hk 16, Hv 32, D 128
+  const cuda::GdnDims realdims = gdn_dims(2, 4, 128);
+  const cuda::GdnDims demo = demo_gdn_dims();
   for (int rows : {1, 3, 8}) {
     check_gdn_rows(real, rows, 100 + rows);
     check_gdn_rows(realdims, rows, 200 + rows);
@@ -219,17 +216,10 @@ void check_attention_rows(const cuda::AttnDims& d, const std::vector<std::pair<i
 }
 
 TEST(CudaBatchedDecode, AttentionRowsAreBitIdenticalToEachSequenceAlone) {
-  cuda::AttnDims real;  // 35B-A3B: 16 q / 2 kv heads, D 256, rotary 64
-  cuda::AttnDims demo;
-  demo.n_heads = 4;
-  demo.n_kv_heads = 2;
-  demo.head_dim = 64;
-  demo.rotary_dim = 16;
-  cuda::AttnDims wide;  // 36 heads (the prepare kernel's warps take them in rounds), RoPE partner via shared memory
-  wide.n_heads = 32;
-  wide.n_kv_heads = 4;
-  wide.head_dim = 64;
-  wide.rotary_dim = 6;
+  const cuda::AttnDims real;  // 35B-A3B: 16 q / 2 kv heads, D 256, rotary 64
+  const cuda::AttnDims demo = demo_attn_dims();
+  // 36 heads (the prepare kernel's warps take them in rounds), RoPE partner via shared memory
+  const cuda::AttnDims wide = attn_dims(32, 4, 64, 6);
   // (capacity, length): one split (capacity ≤ 64), 16 and 32 splits, a full cache, a first token.
   const std::vector<std::pair<int64_t, int64_t>> mixed = {{1024, 37}, {64, 64}, {2048, 1500}, {1024, 1},
                                                           {100, 70},  {4096, 4000}, {1024, 1024}, {2048, 1025}};

@@ -647,10 +647,7 @@ TEST(CudaFusedNorm, RouterShapes) {
 /// alone followed by gdn_conv_decode: projection, conv output and shifted window bit-identical,
 /// over three consecutive tokens (the window carries state).
 void check_norm_gemv_conv(int n_key_heads, int n_value_heads, int head_dim, int hidden, uint64_t seed) {
-  cuda::GdnDims dims;
-  dims.n_key_heads = n_key_heads;
-  dims.n_value_heads = n_value_heads;
-  dims.key_head_dim = dims.value_head_dim = head_dim;
+  const cuda::GdnDims dims = gdn_dims(n_key_heads, n_value_heads, head_dim);
   const int C = dims.conv_channels();
   const int64_t rows = int64_t(C) + dims.value_dim() + 2 * n_value_heads;
   SCOPED_TRACE("C=" + std::to_string(C) + " rows=" + std::to_string(rows));

@@ -24,25 +24,17 @@ namespace {
 using cuda::DeviceBuffer;
 
 using test::bf16_values;
+using test::demo_gdn_dims;
 using test::download_bf16;
 using test::download_f32;
 using test::max_rel;
 using test::normal;
 using test::poisoned;
+using test::rms_rel;
 using test::uniform;
 using test::upload_bf16;
 using test::upload_f32;
 
-/// rms(out − ref) / rms(ref); NaN → infinity.
-double rms_rel(const std::vector<float>& out, const std::vector<float>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < out.size() && i < ref.size(); ++i) {
-    num += (double(out[i]) - ref[i]) * (double(out[i]) - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  const double e = std::sqrt(num / std::max(den, 1e-30));
-  return std::isnan(e) ? INFINITY : e;
-}
 /// max_i |out_i − ref_i| / max(1, max_i |ref_i|); NaN → infinity.
 double max_abs_scaled(const std::vector<float>& out, const std::vector<float>& ref) {
   double scale = 1, worst = 0;
@@ -63,16 +55,6 @@ constexpr double kFloor = 1e-3;
 /// must stay far below one ulp.
 constexpr double kPrefillElemTol = 1.6e-2;
 constexpr double kPrefillRmsTol = 2e-3;
-
-/// The demo model's GDN shape (models/demo): Hk 2, Hv 4, Dk = Dv = 64, K 4.
-cuda::GdnDims demo_dims() {
-  cuda::GdnDims d;
-  d.n_key_heads = 2;
-  d.n_value_heads = 4;
-  d.key_head_dim = 64;
-  d.value_head_dim = 64;
-  return d;
-}
 
 // ---- GDN fixture: weights and the fp32 reference --------------------------------------------
 
@@ -175,10 +157,10 @@ void expect_conv_prefill_equals_decode(int T, const cuda::GdnDims& shape = {}, i
 
 TEST(GdnConv, PrefillEqualsDecodeStepsShortChunk) { expect_conv_prefill_equals_decode(2); }
 TEST(GdnConv, PrefillEqualsDecodeStepsLongChunk) { expect_conv_prefill_equals_decode(257); }
-TEST(GdnConv, PrefillEqualsDecodeStepsDemoDims) { expect_conv_prefill_equals_decode(70, demo_dims()); }
+TEST(GdnConv, PrefillEqualsDecodeStepsDemoDims) { expect_conv_prefill_equals_decode(70, demo_gdn_dims()); }
 TEST(GdnConv, PrefillEqualsDecodeStepsOddStride) { expect_conv_prefill_equals_decode(37, {}, 4161); }
 TEST(GdnConv, PrefillEqualsDecodeStepsPartialChannelBlock) {
-  cuda::GdnDims d = demo_dims();  // C = 2·64 + 3·64 = 320: 160 channel pairs, part of one block
+  cuda::GdnDims d = demo_gdn_dims();  // C = 2·64 + 3·64 = 320: 160 channel pairs, part of one block
   d.n_key_heads = 1;
   d.n_value_heads = 3;
   expect_conv_prefill_equals_decode(21, d);
@@ -216,7 +198,7 @@ void expect_decode_matches(const cuda::GdnDims& shape) {
 }
 
 TEST(GdnDecode, FusedStepMatchesSequentialReference) { expect_decode_matches(cuda::GdnDims{}); }
-TEST(GdnDecode, FusedStepMatchesSequentialReferenceDemoDims) { expect_decode_matches(demo_dims()); }
+TEST(GdnDecode, FusedStepMatchesSequentialReferenceDemoDims) { expect_decode_matches(demo_gdn_dims()); }
 
 // ---- chunked prefill ------------------------------------------------------------------------------
 
@@ -284,17 +266,17 @@ TEST(GdnPrefill, ChunkedEqualsSequentialPartialLastChunk) { expect_chunked_prefi
 TEST(GdnPrefill, ChunkedEqualsSequentialStrongDecay) { expect_chunked_prefill_matches(130, 1.0f, 3.0f, 34); }
 TEST(GdnPrefill, ChunkedEqualsSequentialWeakDecay) { expect_chunked_prefill_matches(200, -6.0f, -3.0f, 35); }
 TEST(GdnPrefill, ChunkedEqualsSequentialDemoDimsOneToken) {
-  expect_chunked_prefill_matches(1, -2.0f, 1.0f, 36, demo_dims());
+  expect_chunked_prefill_matches(1, -2.0f, 1.0f, 36, demo_gdn_dims());
 }
 TEST(GdnPrefill, ChunkedEqualsSequentialDemoDimsPartialLastChunk) {
-  expect_chunked_prefill_matches(257, -2.0f, 1.0f, 37, demo_dims());
+  expect_chunked_prefill_matches(257, -2.0f, 1.0f, 37, demo_gdn_dims());
 }
 TEST(GdnPrefill, ChunkedEqualsSequentialDemoDimsStrongDecay) {
-  expect_chunked_prefill_matches(130, 1.0f, 3.0f, 38, demo_dims());
+  expect_chunked_prefill_matches(130, 1.0f, 3.0f, 38, demo_gdn_dims());
 }
 TEST(GdnPrefill, ChunkedEqualsSequentialZStrideNotVectorAligned) {  // stride ≡ 2 (mod 4), then odd
   expect_chunked_prefill_matches(70, -2.0f, 1.0f, 39, {}, false, 42);
-  expect_chunked_prefill_matches(70, -2.0f, 1.0f, 39, demo_dims(), false, 41);
+  expect_chunked_prefill_matches(70, -2.0f, 1.0f, 39, demo_gdn_dims(), false, 41);
 }
 
 /// Random inputs of a T-token prefill (z|a|b rows of stride V + 2·Hv), uploaded, with two copies
@@ -326,10 +308,10 @@ TEST(GdnPrefill, TwoPassEqualsSequentialPartialLastChunk) {
 TEST(GdnPrefill, TwoPassEqualsSequentialStrongDecay) { expect_chunked_prefill_matches(130, 1.0f, 3.0f, 34, {}, true); }
 TEST(GdnPrefill, TwoPassEqualsSequentialWeakDecay) { expect_chunked_prefill_matches(200, -6.0f, -3.0f, 35, {}, true); }
 TEST(GdnPrefill, TwoPassEqualsSequentialDemoDimsPartialLastChunk) {
-  expect_chunked_prefill_matches(257, -2.0f, 1.0f, 37, demo_dims(), true);
+  expect_chunked_prefill_matches(257, -2.0f, 1.0f, 37, demo_gdn_dims(), true);
 }
 TEST(GdnPrefill, TwoPassEqualsSequentialDemoDimsStrongDecay) {
-  expect_chunked_prefill_matches(130, 1.0f, 3.0f, 38, demo_dims(), true);
+  expect_chunked_prefill_matches(130, 1.0f, 3.0f, 38, demo_gdn_dims(), true);
 }
 
 /// The two passes against the one-kernel form at 2,048 tokens (the backend's chunk): the same
@@ -430,14 +412,14 @@ TEST(GdnPrefill, StateMmaMatchesFp32WalkRaggedLongChunk) {
 }
 TEST(GdnPrefill, StateMmaMatchesFp32WalkOneToken) { expect_tensor_core_pass_matches_fp32<ScopedStateMma>("pass 2", 1, 72); }
 TEST(GdnPrefill, StateMmaMatchesFp32WalkDemoDims) {
-  expect_tensor_core_pass_matches_fp32<ScopedStateMma>("pass 2", 300, 73, demo_dims());
+  expect_tensor_core_pass_matches_fp32<ScopedStateMma>("pass 2", 300, 73, demo_gdn_dims());
 }
 TEST(GdnPrefill, LocalMmaMatchesFp32RaggedLongChunk) {
   expect_tensor_core_pass_matches_fp32<ScopedLocalMma>("pass 1", 2048 + 37, 81);
 }
 TEST(GdnPrefill, LocalMmaMatchesFp32OneToken) { expect_tensor_core_pass_matches_fp32<ScopedLocalMma>("pass 1", 1, 82); }
 TEST(GdnPrefill, LocalMmaMatchesFp32DemoDims) {
-  expect_tensor_core_pass_matches_fp32<ScopedLocalMma>("pass 1", 300, 83, demo_dims());
+  expect_tensor_core_pass_matches_fp32<ScopedLocalMma>("pass 1", 300, 83, demo_gdn_dims());
 }
 
 /// Prefill of a sequence in two pieces equals one piece (the state carries over).

@@ -602,6 +602,18 @@ struct StateSmem {
 /// with rq_t, rk_t the L2-norm factors of load_chunk (q̂_t = rq_t·q_t, k̂_t = rk_t·k_t).
 __host__ __device__ constexpr int64_t local_floats(int D) { return int64_t{kChunk} * (2 * D + kChunk + 4); }
 
+/// Thread t < kChunk: column t of pass 1's per-row scales SC [4][kChunk]: γ_t·rq_t, rk_t·γ_L/γ_t
+/// for t < L (0 past L), γ_L and 0, with g the cumulative log decays (γ_L = exp g[L − 1]) and
+/// rq, rk the norm factors of q̂ and k̂.
+__device__ __forceinline__ void write_chunk_scales(float* SC, const float* g, const float* rq, const float* rk, int L,
+                                                   int t) {
+  const float g_last = g[L - 1];
+  SC[t] = expf(g[t]) * rq[t];
+  SC[kChunk + t] = t < L ? rk[t] * expf(g_last - g[t]) : 0.0f;
+  SC[2 * kChunk + t] = expf(g_last);
+  SC[3 * kChunk + t] = 0.0f;
+}
+
 /// sm.Ti = (I + sm.A)^{-1} by forward substitution on the columns: warp w owns columns
 /// 8w … 8w+7, four lanes per column split the inner sum (s ≡ r mod 4) and combine it with
 /// shuffles; rows in order, one __syncwarp each.
@@ -639,14 +651,7 @@ gdn_chunk_local_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log, c
   float* W = U + kChunk * kDk;
   float* P = W + kChunk * kDk;
   float* SC = P + kChunk * kChunk;
-  if (threadIdx.x < kChunk) {
-    const int t = threadIdx.x;
-    const float g_last = sm.g[L - 1];
-    SC[t] = expf(sm.g[t]) * sm.rnorm[t];
-    SC[kChunk + t] = t < L ? sm.rnorm[kChunk + t] * expf(g_last - sm.g[t]) : 0.0f;
-    SC[2 * kChunk + t] = expf(g_last);
-    SC[3 * kChunk + t] = 0.0f;
-  }
+  if (threadIdx.x < kChunk) write_chunk_scales(SC, sm.g, sm.rnorm, sm.rnorm + kChunk, L, threadIdx.x);
   for (int i = threadIdx.x; i < kChunk * kChunk; i += kPrefillThreads) P[i] = sm.P[i / kChunk][i % kChunk];
   // q̂ is no longer needed: its rows take β_t·v_t.
   for (int i = threadIdx.x; i < kChunk * kDv; i += kPrefillThreads) {
@@ -878,14 +883,7 @@ gdn_chunk_local_mma_kernel(int Hk, int Hv, int T, const float* __restrict__ A_lo
   float* SC = P + kChunk * kChunk;
   load_chunk_rows(sm, t0, L, j, kh, key_dim, C, conv_out, a, b, zab_stride, A_log[j], dt_bias[j]);
   form_kk_qk_mma(sm, P);
-  if (threadIdx.x < kChunk) {
-    const int t = threadIdx.x;
-    const float g_last = sm.g[L - 1];
-    SC[t] = expf(sm.g[t]) * sm.rq[t];
-    SC[kChunk + t] = t < L ? sm.rk[t] * expf(g_last - sm.g[t]) : 0.0f;
-    SC[2 * kChunk + t] = expf(g_last);
-    SC[3 * kChunk + t] = 0.0f;
-  }
+  if (threadIdx.x < kChunk) write_chunk_scales(SC, sm.g, sm.rq, sm.rk, L, threadIdx.x);
   __syncthreads();
   invert_unit_lower(sm);
   __syncthreads();

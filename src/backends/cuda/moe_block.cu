@@ -302,15 +302,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
 }
 
 
-struct MoePlan {
-  std::string why;  ///< "" when the kernel applies
-  int blocks = 0;
-  MoeLayout layout;
-};
-
 /// The launch of `a`, or why it cannot run (see moe_block_unsupported).
-MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
-  MoePlan p;
+MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
+  MoePlan<MoeLayout> p;
   const int hidden = a.gate.cols, ffn = a.ffn, E = a.n_experts, k = a.top_k;
   auto no = [&](std::string why) {
     p.why = "fused MoE block: " + why;
@@ -318,16 +312,10 @@ MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   };
   if (a.rows != 1) return no(std::to_string(a.rows) + " rows (the one-token block takes 1; launch_moe_block_rows takes more)");
   if (std::string why = shape_problem(a); !why.empty()) return no(why);
-  p.blocks = sm_count();
-  if (max_blocks > 0) p.blocks = std::min(p.blocks, max_blocks);
+  p.blocks = plan_blocks(max_blocks);
   p.layout = moe_layout(hidden, ffn, E, k + 1, p.blocks);
-  if (p.layout.total > kSmemLimit)
-    return no("a block's expert tiles need " + std::to_string(p.layout.total) + " bytes of shared memory");
-  auto kernel = a.router.bits == 8 ? moe_block_kernel<8> : moe_block_kernel<4>;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(p.layout.total)));
-  int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, p.layout.total));
-  if (per_sm < 1) return no("a block does not fit on an SM");
+  p.kernel = a.router.bits == 8 ? moe_block_kernel<8> : moe_block_kernel<4>;
+  if (std::string why = fit_problem(p.kernel, p.layout.total); !why.empty()) return no(why);
   return p;
 }
 
@@ -336,11 +324,7 @@ MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
 std::string moe_block_unsupported(const MoeDecodeArgs& args, int max_blocks) { return moe_plan(args, max_blocks).why; }
 
 void launch_moe_block_decode(const MoeDecodeArgs& a, cudaStream_t stream, int max_blocks) {
-  const MoePlan p = moe_plan(a, max_blocks);
-  if (!p.why.empty()) throw ::lily::Error(p.why);
-  check_buffers(a, "launch_moe_block_decode");
-  launch_pdl(a.router.bits == 8 ? moe_block_kernel<8> : moe_block_kernel<4>, dim3(p.blocks), dim3(kBlockThreads),
-             static_cast<size_t>(p.layout.total), stream, a, p.layout);
+  launch_plan(moe_plan(a, max_blocks), a, stream, "launch_moe_block_decode");
 }
 
 namespace moe {

@@ -5,12 +5,14 @@
 // stages by bulk copies: a gate/up tile is 8 rows of one expert's gate matrix and the same 8
 // rows of its up matrix (16 MMA rows), a down tile 16 output rows of one expert.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
 #include "backends/cuda/bulk_copy.cuh"
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/kernels.h"
+#include "backends/cuda/launch.cuh"
 #include "backends/cuda/quant_dot.cuh"
 
 namespace lily::cuda::moe {
@@ -150,5 +152,46 @@ std::string shape_problem(const MoeDecodeArgs& a);
 
 /// Throws lily::InternalError when a's buffers are missing or alias (both kernels). Host only.
 void check_buffers(const MoeDecodeArgs& a, const char* what);
+
+/// A fused kernel's launch as its moe_plan works it out: the grid, the kernel's shared-memory
+/// layout and the instance for the router's width, or why it cannot run. Host only.
+template <class Layout>
+struct MoePlan {
+  std::string why;  ///< "" when the kernel applies
+  int blocks = 0;
+  Layout layout;
+  void (*kernel)(MoeDecodeArgs, Layout) = nullptr;  ///< set once the shape checks pass
+};
+
+/// The grid of either fused kernel: one block per SM, at most max_blocks when that is > 0.
+/// Host only.
+inline int plan_blocks(int max_blocks) {
+  int blocks = sm_count();
+  if (max_blocks > 0) blocks = std::min(blocks, max_blocks);
+  return blocks;
+}
+
+/// Why `kernel` cannot run one kBlockThreads block per SM with `smem` bytes of dynamic shared
+/// memory ("" when it can): more than kSmemLimit, or no block fits once the kernel's limit is
+/// set to `smem` (which it is, when smem ≤ kSmemLimit). Host only.
+template <class Layout>
+std::string fit_problem(void (*kernel)(MoeDecodeArgs, Layout), int64_t smem) {
+  if (smem > kSmemLimit) return "a block's expert tiles need " + std::to_string(smem) + " bytes of shared memory";
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, smem));
+  if (per_sm < 1) return "a block does not fit on an SM";
+  return "";
+}
+
+/// Launches plan p on a's buffers: throws lily::Error with p.why when it cannot run, and
+/// lily::InternalError when the buffers are missing or alias (check_buffers, `what` naming the
+/// launcher). Host only.
+template <class Layout>
+void launch_plan(const MoePlan<Layout>& p, const MoeDecodeArgs& a, cudaStream_t stream, const char* what) {
+  if (!p.why.empty()) throw ::lily::Error(p.why);
+  check_buffers(a, what);
+  launch_pdl(p.kernel, dim3(p.blocks), dim3(kBlockThreads), static_cast<size_t>(p.layout.total), stream, a, p.layout);
+}
 
 }  // namespace lily::cuda::moe

@@ -587,18 +587,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
 }
 
 
-struct MoePlan {
-  std::string why;  ///< "" when the kernel applies
-  int blocks = 0;
-  MoeLayout layout;
-};
-
 /// The launch of `a`, or why it cannot run (see moe_block_rows_unsupported). The ring slots: per quad
 /// as many gate/up stages as it has tiles (≤ kMaxQuadStages), and a down stage per warp (≤ the
 /// distinct experts); fewer where shared memory runs out (gate/up first, to 1 per quad, then
 /// down, to 2).
-MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
-  MoePlan p;
+MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
+  MoePlan<MoeLayout> p;
   const int hidden = a.gate.cols, ffn = a.ffn, E = a.n_experts, k = a.top_k;
   auto no = [&](std::string why) {
     p.why = "fused MoE block (rows): " + why;
@@ -611,8 +605,7 @@ MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   if (!aligned(a.x) || !aligned(a.norm.branch) || !aligned(a.norm.gain) || !aligned(a.norm.x_out) ||
       !aligned(a.norm.normed_out) || !aligned(a.router.codes))
     return no("the residual, branch, gain, x_out, normed_out and router codes must be 16-byte aligned");
-  p.blocks = sm_count();
-  if (max_blocks > 0) p.blocks = std::min(p.blocks, max_blocks);
+  p.blocks = plan_blocks(max_blocks);
   const int max_distinct = std::min(a.rows * k, E) + 1;
   const int gu_tiles = static_cast<int>(ceil_div(int64_t{max_distinct} * (ffn / kExpertRowsPerTile), p.blocks));
   int qs = static_cast<int>(std::min<int64_t>(ceil_div(gu_tiles, kQuads), kMaxQuadStages));
@@ -623,13 +616,8 @@ MoePlan moe_plan(const MoeDecodeArgs& a, int max_blocks) {
     else --dn;
     p.layout = moe_layout(a.rows, hidden, ffn, E, k, qs, dn);
   }
-  if (p.layout.total > kSmemLimit)
-    return no("a block's expert tiles need " + std::to_string(p.layout.total) + " bytes of shared memory");
-  auto kernel = a.router.bits == 8 ? moe_rows_kernel<8> : moe_rows_kernel<4>;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(p.layout.total)));
-  int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, p.layout.total));
-  if (per_sm < 1) return no("a block does not fit on an SM");
+  p.kernel = a.router.bits == 8 ? moe_rows_kernel<8> : moe_rows_kernel<4>;
+  if (std::string why = fit_problem(p.kernel, p.layout.total); !why.empty()) return no(why);
   return p;
 }
 
@@ -640,11 +628,7 @@ std::string moe_block_rows_unsupported(const MoeDecodeArgs& args, int max_blocks
 }
 
 void launch_moe_block_rows(const MoeDecodeArgs& a, cudaStream_t stream, int max_blocks) {
-  const MoePlan p = moe_plan(a, max_blocks);
-  if (!p.why.empty()) throw ::lily::Error(p.why);
-  check_buffers(a, "launch_moe_block_rows");
-  launch_pdl(a.router.bits == 8 ? moe_rows_kernel<8> : moe_rows_kernel<4>, dim3(p.blocks), dim3(kBlockThreads),
-             static_cast<size_t>(p.layout.total), stream, a, p.layout);
+  launch_plan(moe_plan(a, max_blocks), a, stream, "launch_moe_block_rows");
 }
 
 }  // namespace lily::cuda

@@ -118,6 +118,25 @@ __device__ __forceinline__ void store_pair(OutT* row, int64_t col, int64_t n, fl
   }
 }
 
+/// Zeroes an fp32 accumulator array of any rank, every loop unrolled.
+__device__ __forceinline__ void zero_acc(float& v) { v = 0.0f; }
+template <class T, int N>
+__device__ __forceinline__ void zero_acc(T (&a)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) zero_acc(a[i]);
+}
+
+/// Starts a cp.async pipeline: groups 0 … kGroups − 1, group s holding k-tile s in stage s
+/// (load_tile(s, s)); groups past k_tiles are empty, so the group count stays uniform.
+template <int kGroups, class LoadTile>
+__device__ __forceinline__ void prime_pipeline(int k_tiles, LoadTile& load_tile) {
+#pragma unroll
+  for (int s = 0; s < kGroups; ++s) {
+    if (s < k_tiles) load_tile(s, s);
+    cp_async_commit();
+  }
+}
+
 // ---- the GEMM kernel -------------------------------------------------------------------------------
 
 /// grid: dense (ceil(m/BM), ceil(N/BN)); grouped (max row tiles, column tiles). See file comment.
@@ -244,12 +263,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) quant_gemm_kernel(const GemmP
   };
 
   float acc[MT][NT][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.0f;
+  zero_acc(acc);
 
   const int warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, t4 = lane % 4;
   const int wm0 = (warp / 4) * WM, wn0 = (warp % 4) * WN;
@@ -257,11 +271,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) quant_gemm_kernel(const GemmP
   // Pipeline: cp.async group i holds k-tile i (empty groups past the end keep the count
   // uniform), in stage i % kStages; kStages − 1 tiles are in flight while one is computed.
   uint32_t sb_cur[DQ];
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < k_tiles) load_tile(s, s);
-    cp_async_commit();
-  }
+  prime_pipeline<kStages - 1>(k_tiles, load_tile);
   load_scales(0, sb_cur);
   for (int kt = 0; kt < k_tiles; ++kt) {
     const int stage = kt % kStages;
@@ -580,19 +590,10 @@ __global__ void __launch_bounds__(kGemmThreads, 2) regdq_gemm_kernel(const GemmP
     };
 
     float acc[2][8][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int v = 0; v < 4; ++v) acc[mi][nt][v] = 0.0f;
+    zero_acc(acc);
 
     // Pipeline: cp.async group i holds k-tile i (empty groups past the end keep the count uniform).
-#pragma unroll
-    for (int s = 0; s < kRdStages - 1; ++s) {
-      if (s < k_tiles) load_tile(s, s);
-      cp_async_commit();
-    }
+    prime_pipeline<kRdStages - 1>(k_tiles, load_tile);
     uint32_t sb_cur[2][2];
     load_scales(0, sb_cur);
     for (int kt = 0; kt < k_tiles; ++kt) {
@@ -899,19 +900,10 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
     auto run_item = [&](auto w0, auto w1) {
       constexpr int kW0 = decltype(w0)::value, kW1 = decltype(w1)::value;
       float acc[kMB][kWgTokBlocks][32];
-#pragma unroll
-      for (int mb = 0; mb < kMB; ++mb)
-#pragma unroll
-        for (int nb = 0; nb < kWgTokBlocks; ++nb)
-#pragma unroll
-          for (int v = 0; v < 32; ++v) acc[mb][nb][v] = 0.0f;
+      zero_acc(acc);
 
       // cp.async group i holds k-tile i (empty groups past the end keep the count uniform).
-#pragma unroll
-      for (int s = 0; s < kStages - 2; ++s) {
-        if (s < k_tiles) load_tile(s, s);
-        cp_async_commit();
-      }
+      prime_pipeline<kStages - 2>(k_tiles, load_tile);
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int stage = kt % kStages;
         cp_async_wait<kStages - 3>();  // k-tile kt has landed (this thread's copies) …

@@ -1134,22 +1134,18 @@ void launch_sample_rows(const SampleRowArgs* d_rows, int n_rows, int64_t max_voc
     throw ::lily::InternalError("launch_sample_rows: bad shape");
   const int parts = parts_for(max_vocab);
   const dim3 wide(parts, n_rows);
-  scale_kernel<<<wide, kThreads, 0, stream>>>(d_rows);
-  LILY_CUDA_CHECK_LAUNCH();
-  edit_kernel<<<n_rows, kThreads, 0, stream>>>(d_rows);
-  LILY_CUDA_CHECK_LAUNCH();
-  max_kernel<<<wide, kThreads, 0, stream>>>(d_rows);
-  LILY_CUDA_CHECK_LAUNCH();
-  weight_kernel<<<wide, kThreads, 0, stream>>>(d_rows);
-  LILY_CUDA_CHECK_LAUNCH();
-  select_kernel<<<n_rows, kSelectThreads, 0, stream>>>(d_rows);
-  LILY_CUDA_CHECK_LAUNCH();
-  gather_kernel<<<wide, kThreads, 0, stream>>>(d_rows);
-  LILY_CUDA_CHECK_LAUNCH();
-  cutoff_kernel<<<n_rows, kSelectThreads, 0, stream>>>(d_rows);
-  LILY_CUDA_CHECK_LAUNCH();
-  draw_kernel<<<wide, kThreads, 0, stream>>>(d_rows);
-  LILY_CUDA_CHECK_LAUNCH();
+  const auto step = [&](void (*kernel)(const SampleRowArgs*), dim3 grid, int threads) {
+    kernel<<<grid, threads, 0, stream>>>(d_rows);
+    LILY_CUDA_CHECK_LAUNCH();
+  };
+  step(scale_kernel, wide, kThreads);
+  step(edit_kernel, n_rows, kThreads);
+  step(max_kernel, wide, kThreads);
+  step(weight_kernel, wide, kThreads);
+  step(select_kernel, n_rows, kSelectThreads);
+  step(gather_kernel, wide, kThreads);
+  step(cutoff_kernel, n_rows, kSelectThreads);
+  step(draw_kernel, wide, kThreads);
 }
 
 void launch_sample_uniforms(uint64_t seed, const unsigned long long* steps, int n, double* out, cudaStream_t stream) {
