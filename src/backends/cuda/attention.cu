@@ -3,7 +3,9 @@
 // attention; the sigmoid output gate is fused into the final write. Launchers are declared in
 // mixer_kernels.h.
 //
-// Attention core: a block of 8 warps serves one kv head and all G = nq/nkv query heads of its
+// Decode splits run on tensor cores (decode_split_mma, described at its section). The CUDA-core
+// attention core below serves the prefill row kernel (the fallback of the flash prefill):
+// a block of 8 warps serves one kv head and all G = nq/nkv query heads of its
 // group, so each K/V row is read once for G queries. Warp w takes keys start+w, start+w+8, …;
 // a lane holds 8 of the 256 dims. Each warp keeps, per query head, an online-softmax state
 // (running max m, sum l, unnormalised accumulator) in fp32, in the log2 domain (scores are
@@ -356,71 +358,6 @@ __device__ __forceinline__ void attend_keys(const float (&qr)[G][kDimsPerLane], 
   }
 }
 
-// Decode keys staged through shared memory. A block's split is a contiguous run of K rows and of
-// V rows in the cache, so it arrives by bulk copies, kBlockKeys = kWarps·kKeyBatch keys (one
-// batch of every warp) a stage, in a ring of kKvStages stages all requested at the start: every
-// byte of the split is in flight at once instead of one register batch per warp at a time, and
-// the stages land while the first batches are computed. Each warp takes the same keys in the
-// same order as attend_keys (key start + 32·i + w + 8·b is warp w's key b of batch i), so the
-// results are bit-identical to it.
-constexpr int kBlockKeys = kWarps * kKeyBatch;
-constexpr int kKvStages = 4;
-
-/// Dynamic shared memory of the staged decode split: kKvStages stages of kBlockKeys K rows then
-/// kBlockKeys V rows (bf16 [kD]).
-constexpr size_t kv_stage_bytes(int kD) { return size_t(2) * kBlockKeys * kD * sizeof(bf16); }
-constexpr size_t kv_ring_bytes(int kD) { return kKvStages * kv_stage_bytes(kD); }
-
-/// Thread 0: requests stage i of keys [start, end) (keys start + kBlockKeys·i …, at most
-/// kBlockKeys) of one kv head's K and V rows into ring slot i mod kKvStages, counted on full[slot].
-template <int kD>
-__device__ __forceinline__ void request_kv_stage(const bf16* K, const bf16* V, int64_t start, int64_t end, int64_t i,
-                                                 unsigned char* ring, uint64_t* full) {
-  const int slot = int(i % kKvStages);
-  const int64_t first = start + i * kBlockKeys;
-  const int64_t keys = min(int64_t(kBlockKeys), end - first);
-  const uint32_t bytes = uint32_t(keys * kD * sizeof(bf16));
-  unsigned char* stage = ring + slot * kv_stage_bytes(kD);
-  mbarrier_arrive_expect_tx(full + slot, 2 * bytes);
-  bulk_copy_to_shared(stage, K + first * kD, bytes, full + slot);
-  bulk_copy_to_shared(stage + kBlockKeys * kD * sizeof(bf16), V + first * kD, bytes, full + slot);
-}
-
-/// attend_keys over keys [start, end) of the rows K, V (one kv head, 16-byte aligned), staged
-/// through `ring` (kv_ring_bytes(kD) of dynamic shared memory) with `full` (kKvStages mbarriers).
-/// All threads of the block; the caller has run pdl_prologue.
-template <int G, int kD, int kDimsPerLane = kD / kWarp>
-__device__ __forceinline__ void attend_keys_staged(const float (&qr)[G][kDimsPerLane], const bf16* K, const bf16* V,
-                                                   int64_t start, int64_t end, unsigned char* ring, uint64_t* full,
-                                                   WarpState<G, kD>& st) {
-  using Raw = typename Bf16Vec<kDimsPerLane>::type;
-  const int warp = threadIdx.x / kWarp;
-  const int64_t batches = (end - start + kBlockKeys - 1) / kBlockKeys;
-  if (threadIdx.x == 0) {
-    for (int j = 0; j < kKvStages; ++j) mbarrier_init(full + j, 1);
-    mbarrier_init_fence();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0)
-    for (int64_t i = 0; i < batches && i < kKvStages; ++i) request_kv_stage<kD>(K, V, start, end, i, ring, full);
-  init_state(st);
-  for (int64_t i = 0; i < batches; ++i) {  // uniform over the block
-    const int slot = int(i % kKvStages);
-    mbarrier_wait(full + slot, uint32_t(i / kKvStages) & 1u);
-    const bf16* Ks = reinterpret_cast<const bf16*>(ring + slot * kv_stage_bytes(kD));
-    const bf16* Vs = Ks + kBlockKeys * kD;
-    const int64_t first = start + i * kBlockKeys;
-    Raw kr[kKeyBatch], vr[kKeyBatch];
-    const int n_valid = load_key_batch<kD>(Ks, Vs, warp, end - first, kr, vr);  // this warp's keys of the stage
-    __syncthreads();  // every warp holds its rows of the stage: the slot may be refilled
-    if (threadIdx.x == 0 && i + kKvStages < batches) {
-      fence_proxy_async_shared();
-      request_kv_stage<kD>(K, V, start, end, i + kKvStages, ring, full);
-    }
-    attend_batch<G, kD>(qr, kr, vr, n_valid, st);
-  }
-}
-
 /// Shared memory of the warp-state merge, head dim kD.
 template <int kD>
 struct MergeSmem {
@@ -476,39 +413,6 @@ __device__ __forceinline__ bf16 gated_output(float o, const bf16* gate) {
 }
 
 // ---- decode: split-K + combine -------------------------------------------------------------------
-
-/// Kv head kvh, split s (the body of decode_split_kernel, shared with the batched
-/// decode_split_rows_kernel): partial softmax state of keys [s·chunk, min(len, (s+1)·chunk)) for
-/// the G query heads; ws_o [nq, n_splits, D], ws_ml [nq, n_splits, 2] = (m, l) log2 domain. The
-/// caller has run pdl_prologue.
-template <int G, int kD>
-__device__ __forceinline__ void decode_split(int kvh, int s, int n_splits, float scale, int64_t len,
-                                             const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
-                                             const bf16* __restrict__ v_cache, int64_t capacity,
-                                             float* __restrict__ ws_o, float* __restrict__ ws_ml) {
-  constexpr int kDimsPerLane = kD / kWarp;
-  __shared__ MergeSmem<kD> sm;
-  __shared__ __align__(8) uint64_t kv_full[kKvStages];
-  extern __shared__ __align__(128) unsigned char kv_ring[];  // kv_ring_bytes(kD)
-  const int64_t chunk = (len + n_splits - 1) / n_splits;
-  const int64_t start = min(len, s * chunk), end = min(len, start + chunk);
-  float qr[G][kDimsPerLane];
-  load_queries<G, kD>(q, kvh, scale, qr);
-  WarpState<G, kD> st;
-  const int64_t head_off = int64_t(kvh) * capacity * kD;
-  attend_keys_staged<G, kD>(qr, k_cache + head_off, v_cache + head_off, start, end, kv_ring, kv_full, st);
-  publish_stats<G, kD>(st, sm);
-  for (int g = 0; g < G; ++g) {
-    float acc_d, M, L;
-    merge_head<G, kD>(st, g, sm, acc_d, M, L);
-    const int64_t slot = int64_t(kvh * G + g) * n_splits + s;
-    if (kD == kThreads || threadIdx.x < kD) ws_o[slot * kD + threadIdx.x] = acc_d;
-    if (threadIdx.x == 0) {
-      ws_ml[2 * slot] = M;
-      ws_ml[2 * slot + 1] = L;
-    }
-  }
-}
 
 // ---- decode split on tensor cores ---------------------------------------------------------------
 //
@@ -574,8 +478,12 @@ __device__ __forceinline__ float2 bf16x2_to_float2(uint32_t x) {
   return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
 }
 
-/// decode_split on tensor cores: same inputs, same partials (ws_o [nq, n_splits, kD], ws_ml
-/// (m, l) log2 domain), block of kMmaAttnThreads. The caller has run pdl_prologue.
+/// Kv head kvh, split s (the body of decode_split_kernel, shared with the batched
+/// decode_split_rows_kernel), on tensor cores: the partial softmax state of keys [s·chunk,
+/// min(len, (s+1)·chunk)) for the G query heads → ws_o [nq, n_splits, kD] (unnormalised),
+/// ws_ml [nq, n_splits, 2] = (m, l) in the log2 domain; an empty split writes m = −inf, l = 0,
+/// acc = 0. Block of kMmaAttnThreads, mma_ring_bytes(kD) of dynamic shared memory. The caller
+/// has run pdl_prologue.
 template <int G, int kD>
 __device__ __forceinline__ void decode_split_mma(int kvh, int s, int n_splits, float scale, int64_t len,
                                                  const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
@@ -726,7 +634,7 @@ __device__ __forceinline__ void decode_split_mma(int kvh, int s, int n_splits, f
   }
 }
 
-/// Block (kv head, split): decode_split.
+/// Block (kv head, split): decode_split_mma.
 template <int G, int kD>
 __global__ void __launch_bounds__(kMmaAttnThreads)
 decode_split_kernel(int n_splits, float scale, int64_t len_host, const int32_t* __restrict__ len_device,
