@@ -69,7 +69,8 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
                   "(default: Qwen3.6-35B-A3B for that shape, else the directory name)");
   cmd->add_option("--cache-memory", f.cache_memory, "prefix-cache snapshots in the backend's memory (device memory "
                   "for CUDA), bytes or 512MiB, 4GiB …; 0 with --cache-host-memory 0 disables the cache "
-                  "(default: half the free device memory after loading; CPU: a quarter of the available memory)")
+                  "(default: the free device memory after loading, less the running batch at --max-seq and a margin; "
+                  "CPU: a quarter of the available memory)")
       ->check(byte_size());
   cmd->add_option("--cache-host-memory", f.cache_host_memory, "prefix-cache second tier in host memory (pinned "
                   "for CUDA), bytes or 512MiB, 4GiB … (default: CUDA a quarter of the available memory, CPU 0)")

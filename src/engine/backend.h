@@ -124,6 +124,14 @@ class Backend {
   /// buffers), which bounds the prefix cache's default device budget; nullopt for a backend that
   /// uses host memory (CPU).
   virtual std::optional<int64_t> free_memory() const { return std::nullopt; }
+  /// Bytes of the backend's own memory one sequence state of `capacity` positions holds (its
+  /// recurrent states and KV cache at that length), so that the prefix cache's default device
+  /// budget can leave room for a running batch of full-length sequences; 0 for a backend whose
+  /// free_memory() is nullopt (its states live in host memory).
+  virtual int64_t state_bytes(int64_t capacity) const {
+    (void)capacity;
+    return 0;
+  }
   /// True when step() honours StepRow::sampling: the backend samples on its device and only the
   /// chosen id comes back (CUDA). False: the engine asks for the logits and runs the host
   /// Sampler (CPU, where the logits are host memory already).

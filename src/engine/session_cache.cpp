@@ -495,9 +495,14 @@ std::vector<SnapshotInfo> SessionCache::describe() const {
   return out;
 }
 
+int64_t default_device_budget(int64_t free, int64_t running_batch) {
+  const int64_t margin = std::max<int64_t>(kDeviceBudgetMinMargin, free / 20);
+  return std::max<int64_t>(0, free - running_batch - margin);
+}
+
 SessionCacheOptions resolve_cache_budgets(const Backend& backend, std::optional<int64_t> device,
                                           std::optional<int64_t> host, int64_t host_available,
-                                          int64_t host_total) {
+                                          int64_t host_total, const RunningBatch& batch) {
   const std::optional<int64_t> free = backend.free_memory();
   auto check = [](const char* field, int64_t value, int64_t limit, const char* what) {
     if (value < 0) throw OptionError(field, "must be ≥ 0 bytes, got " + std::to_string(value));
@@ -510,7 +515,9 @@ SessionCacheOptions resolve_cache_budgets(const Backend& backend, std::optional<
           free ? "the backend's free memory" : "this machine's memory");
     o.device_bytes = *device;
   } else {
-    o.device_bytes = free ? *free / 2 : std::max<int64_t>(host_available, 0) / 4;
+    o.device_bytes = free ? default_device_budget(*free, int64_t{std::max(batch.sequences, 0)} *
+                                                            backend.state_bytes(std::max<int64_t>(batch.max_seq, 1)))
+                          : std::max<int64_t>(host_available, 0) / 4;
   }
   if (host) {
     check("host_bytes", *host, host_total, "this machine's memory");

@@ -215,16 +215,32 @@ class SessionCache {
   std::thread worker_;
 };
 
+/// What the running batch may hold at once: `sequences` states of up to `max_seq` positions.
+struct RunningBatch {
+  int sequences = 0;
+  int64_t max_seq = 0;
+};
+
+/// Device memory kept free beside the running batch at least (the margin is the larger of this
+/// and 5 % of the free memory): room for the allocator's rounding and the backend's scratch.
+inline constexpr int64_t kDeviceBudgetMinMargin = int64_t{1} << 30;
+
+/// The default device-tier budget of a backend with `free` bytes of its own memory when a
+/// running batch of full-length sequences needs `running_batch` bytes: free − running_batch −
+/// max(kDeviceBudgetMinMargin, free / 20), at least 0 (then snapshots live in the host tier only).
+int64_t default_device_budget(int64_t free, int64_t running_batch);
+
 /// The budgets a server runs with: `device` and `host` when given (bytes, ≥ 0), else defaults:
-/// for a backend that reports its free memory (CUDA), half of it for the device tier and a
-/// quarter of the host's available memory for the host tier; for one that does not (the CPU
-/// backend, whose memory is host memory), a quarter of the host's available memory for the
-/// device tier and no host tier. `host_available` is the host's available memory in bytes.
-/// Throws OptionError (engine/option_error.h) naming the field when a given budget is negative
-/// or exceeds what there is (device_bytes: the backend's free memory when known, else
-/// `host_total`; host_bytes: `host_total`).
+/// for a backend that reports its free memory (CUDA), what is left of it after `batch`
+/// (batch.sequences × Backend::state_bytes(batch.max_seq)) and a margin (default_device_budget)
+/// for the device tier, and a quarter of the host's available memory for the host tier; for one
+/// that does not (the CPU backend, whose memory is host memory), a quarter of the host's
+/// available memory for the device tier and no host tier. `host_available` is the host's
+/// available memory in bytes. Throws OptionError (engine/option_error.h) naming the field when
+/// a given budget is negative or exceeds what there is (device_bytes: the backend's free memory
+/// when known, else `host_total`; host_bytes: `host_total`).
 SessionCacheOptions resolve_cache_budgets(const Backend& backend, std::optional<int64_t> device,
                                           std::optional<int64_t> host, int64_t host_available,
-                                          int64_t host_total);
+                                          int64_t host_total, const RunningBatch& batch = {});
 
 }  // namespace lily

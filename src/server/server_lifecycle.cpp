@@ -172,8 +172,12 @@ void LilyServer::load_engine() {
   engine.on_step = [this](const StepStats& s) { metrics_.observe_step(s.rows, s.seconds); };
   engine.stop_ids = stop_token_ids(config_, options_.model_dir, tokenizer_.get());
   const HostMemory host = read_host_memory();
+  const int batch_limit = std::max(1, backend->max_batch());  // the scheduler's rule for max_batch 0
+  const RunningBatch running{engine.max_batch > 0 ? std::min(engine.max_batch, batch_limit)
+                                                  : std::min(kDefaultMaxBatch, batch_limit),
+                             engine.max_seq};
   engine.cache = resolve_cache_budgets(*backend, options_.cache_memory, options_.cache_host_memory, host.available,
-                                       host.total);
+                                       host.total, running);
   log_info("prefix cache: " + format_bytes(engine.cache.device_bytes) + " of " + backend->name() + " memory, " +
            format_bytes(engine.cache.host_bytes) + " of host memory");
   const std::string backend_name = backend->name();

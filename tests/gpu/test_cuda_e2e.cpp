@@ -394,6 +394,11 @@ TEST_F(CudaE2e, CloneAndKvGrowth) {
   EXPECT_EQ(sg->position(), 1100);
   EXPECT_GE(cosine_similarity(lg, lc), 0.999);
   EXPECT_GT(sg->bytes(), 0);
+  // Its KV cache has doubled to the full 2048 positions, which Backend::state_bytes (the prefix
+  // cache's running-batch reserve) must cover, up to the 256-byte rounding of each K or V cache.
+  EXPECT_LE(sg->bytes(), gpu->state_bytes(2048));
+  EXPECT_GE(sg->bytes(), gpu->state_bytes(2048) - 2 * int64_t{w->config.n_layers} * 256);
+  EXPECT_GT(gpu->state_bytes(4096), gpu->state_bytes(2048));
   // A clone continues exactly like the original (same kernels, same inputs: bit-identical), and
   // so does a state restored from a pinned host copy (the prefix cache's host tier). Both hold
   // no spare KV capacity, so their first decode grows the cache.

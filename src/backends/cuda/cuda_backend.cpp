@@ -681,6 +681,14 @@ class CudaBackend final : public Backend {
     return static_cast<int64_t>(free + device_pool_->idle_bytes());
   }
 
+  /// The GDN windows and states, plus 2·n_attn K/V caches of `capacity` positions, each rounded
+  /// up to 256 bytes as CudaState lays them out.
+  int64_t state_bytes(int64_t capacity) const override {
+    const int64_t gdn = int64_t(n_gdn_) * (gdn_.window_elems() * int64_t(sizeof(bf16)) + gdn_.state_elems() * int64_t(sizeof(float)));
+    const int64_t layer = int64_t(attn_.n_kv_heads) * capacity * attn_.head_dim * int64_t(sizeof(bf16));
+    return gdn + 2 * int64_t(n_attn_) * ((layer + 255) / 256 * 256);
+  }
+
   /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH, 8 by default): the rows of a step run one after
   /// another through the per-sequence paths below, each bit-identical to the sequence alone; with
   /// CudaOptions::batched_decode the decode rows run together instead (decode_batch).

@@ -95,6 +95,10 @@ class FakeBackend final : public Backend {
     return copy;
   }
   bool copies_to_host_concurrently() const override { return concurrent_host_copies; }
+  /// device_free when set (a backend with memory of its own, as CUDA), else nullopt (as the CPU).
+  std::optional<int64_t> free_memory() const override { return device_free; }
+  /// With device_free set: FakeState::bytes of a state of `capacity` tokens.
+  int64_t state_bytes(int64_t capacity) const override { return device_free ? 1000 + 4 * capacity : 0; }
   /// Records the host tier's budget (host_reservations).
   void reserve_host_copies(int64_t bytes) override { host_reservations.push_back(bytes); }
   /// Blocks copy_to_host until open_copy_gate().
@@ -238,6 +242,7 @@ class FakeBackend final : public Backend {
   std::atomic<int> host_copies = 0;  ///< copy_to_host calls (made on the cache's helper thread too)
   int host_restores = 0;             ///< clone_state calls on host copies
   bool concurrent_host_copies = false;   ///< copies_to_host_concurrently() (set before use)
+  std::optional<int64_t> device_free;  ///< free_memory(); set it to act as a device backend
   std::vector<int64_t> host_reservations;  ///< the bytes of each reserve_host_copies call, in order
   std::atomic<bool> fail_host_copies = false;  ///< copy_to_host throws
   int resumes = 0;                         ///< resume_state calls (each also counted as a clone)

@@ -545,6 +545,24 @@ TEST(SessionCacheBudgets, DefaultsAndLimits) {
   EXPECT_THROW(resolve_cache_budgets(b, -1, std::nullopt, avail, total), OptionError);
 }
 
+TEST(SessionCacheBudgets, DeviceDefaultLeavesRoomForTheRunningBatchAndAMargin) {
+  const int64_t kGiB = int64_t{1} << 30;
+  FakeBackend b;
+  b.device_free = 100 * kGiB;  // a backend with memory of its own, as CUDA
+  const int64_t avail = 64 * kGiB, total = 128 * kGiB;
+  // 8 states of 1,000 tokens: 8 · (1000 + 4 · 1000) bytes; margin 5 % of free (above 1 GiB).
+  auto o = resolve_cache_budgets(b, std::nullopt, std::nullopt, avail, total, RunningBatch{8, 1000});
+  EXPECT_EQ(o.device_bytes, 100 * kGiB - 8 * 5000 - 5 * kGiB);
+  EXPECT_EQ(o.host_bytes, 16 * kGiB);
+  // The margin is at least kDeviceBudgetMinMargin; a batch that needs everything leaves 0.
+  EXPECT_EQ(default_device_budget(4 * kGiB, kGiB), 2 * kGiB);
+  EXPECT_EQ(default_device_budget(4 * kGiB, 4 * kGiB), 0);
+  // A given budget is taken as it is, up to the free memory.
+  o = resolve_cache_budgets(b, 50 * kGiB, std::nullopt, avail, total, RunningBatch{8, 1000});
+  EXPECT_EQ(o.device_bytes, 50 * kGiB);
+  EXPECT_THROW(resolve_cache_budgets(b, 101 * kGiB, std::nullopt, avail, total), OptionError);
+}
+
 TEST(SessionCacheFlow, IdenticalRetryHitsAndGivesTheSameOutput) {
   FakeBackend b;
   SessionCache c({kMiB, 0});
