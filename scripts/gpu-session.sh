@@ -194,11 +194,21 @@ if has profile; then
   echo "== ncu: 3 decode steps after a 64-token prompt"
   ncu_generate_table profile 64 4
 fi
-# Nsight Compute over one prefill: a LILY_GPU_PREFILL_LEN-token prompt (default 2048, one chunk)
-# and one token, every kernel timed alone, tabulated by kernel name.
+# Nsight Compute over one prefill of each LILY_GPU_PREFILL_LENS-token prompt (default 2048, one
+# chunk): the warm-up prefill of `lily bench` (its prompt passes no command line, so any length
+# works), every kernel timed alone, tabulated by kernel name into $OUT/prefill-profile-N.md.
 if has prefill-profile; then
-  echo "== ncu: prefill of ${LILY_GPU_PREFILL_LEN:-2048} tokens"
-  ncu_generate_table prefill-profile "${LILY_GPU_PREFILL_LEN:-2048}" 1 --prefill
+  for n in ${LILY_GPU_PREFILL_LENS:-${LILY_GPU_PREFILL_LEN:-2048}}; do
+    echo "== ncu: prefill of $n tokens"
+    rm -f "/tmp/pp-$n.ncu-rep"
+    timeout 450 ncu --clock-control none --metrics gpu__time_duration.sum -o "/tmp/pp-$n" \
+      "$BUILD/lily" bench --backend cuda --model "$BIG" --prompt-len "$n" --decode-steps 1 --rounds 1 >"/tmp/pp-$n.log" 2>&1 ||
+      { echo "ncu failed"; tail -5 "/tmp/pp-$n.log"; }
+    if [[ -f "/tmp/pp-$n.ncu-rep" ]]; then
+      ncu --import "/tmp/pp-$n.ncu-rep" --csv --page raw --metrics gpu__time_duration.sum >"/tmp/pp-$n.csv" 2>/dev/null
+      python3 scripts/ncu-decode-table.py --prefill "/tmp/pp-$n.csv" | tee "$OUT/prefill-profile-$n.md"
+    fi
+  done
 fi
 
 # Nsight Compute sections (speed of light, warp stall reasons, instruction mix, occupancy) for the
