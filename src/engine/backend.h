@@ -232,12 +232,12 @@ struct CudaOptions {
   /// 64 × 256 tile per SM ("all"), or every GEMM keeps the shared-tile kernel ("0");
   /// docs/cuda.md.
   std::string gemm_kernel = "wgmma-mixed";
-  /// LILY_CUDA_BATCHED_DECODE 1|0: every decode step runs through one batched forward over its
-  /// decode rows (groups of ≤ 8, also a single row, so that a row alone and in a batch share one
-  /// arithmetic), reading each weight once per step for all rows; or (0, the default) each
-  /// decode row through the per-sequence decode graph in turn. Verified on an H200; off by
-  /// default because a lone sequence decodes slower through it (docs/cuda.md, "Batched steps").
-  bool batched_decode = false;
+  /// LILY_CUDA_BATCHED_DECODE 1|0: the decode rows of a step run together, through one batched
+  /// forward per group of ≤ 8 rows that reads each weight once for all of them (a lone row
+  /// through the one-sequence decode graph, whose bits every batched row reproduces); or (0)
+  /// each decode row through the one-sequence decode graph in turn (docs/cuda.md, "Batched
+  /// steps").
+  bool batched_decode = true;
   /// LILY_CUDA_PREFILL_CHUNK 1 … 8192: tokens per prefill chunk. 4,096: on an H200 an 8K prompt
   /// prefills at 37.8K tok/s against 33.8K with 2,048 (each routed expert gets ~128 rows, full
   /// GEMM items) and 40.0K with 8,192, which would hold decoding rows of a batch twice as long.

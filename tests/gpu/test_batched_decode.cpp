@@ -81,6 +81,66 @@ TEST(CudaBatchedDecode, GemvRowsAreBitIdenticalForEveryRowCount) {
   cuda::set_stream_gemv_enabled(true);
 }
 
+/// The batched decode's norm + GEMV (launch_add_rmsnorm over the rows, then
+/// launch_quant_gemv_rows) against the one-sequence step's (launch_add_rmsnorm_gemv, the norm
+/// fused into the GEMV's staging), and launch_quant_gemv_rows against launch_quant_gemv without
+/// a norm: the same bits for the residual, the normed row and the output, the row alone and as
+/// the last of 3 rows.
+void check_gemv_rows_vs_one_sequence(int64_t rows, int cols, bool f32_out, uint64_t seed) {
+  SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + (f32_out ? " fp32" : " bf16"));
+  std::mt19937_64 rng(seed);
+  RandomQuant w(rows, cols, 4, rng);
+  const float eps = 1e-6f;
+  const std::vector<float> x = normal_bf16(int64_t(3) * cols, rng, 1.0f), branch = normal_bf16(int64_t(3) * cols, rng, 0.5f);
+  DeviceBuffer gain = upload_f32(uniform(cols, rng, 0.5f, 1.5f));
+  auto out = [&](DeviceBuffer& y, int64_t n) { return f32_out ? download_f32(y, n) : download_bf16(y, n); };
+  auto gemv_rows = [&](const bf16* xp, int m, DeviceBuffer& y) {
+    cuda::launch_quant_gemv_rows(w.view(), xp, m, f32_out ? nullptr : y.as<bf16>(), f32_out ? y.as<float>() : nullptr,
+                                 nullptr);
+  };
+  const int64_t last = int64_t(2) * cols;  // the row compared: row 2 of 3
+  // One sequence: the fused norm + GEMV on row 2.
+  DeviceBuffer x1 = upload_bf16(std::vector<float>(x.begin() + last, x.end()));
+  DeviceBuffer b1 = upload_bf16(std::vector<float>(branch.begin() + last, branch.end()));
+  DeviceBuffer xo1 = poisoned(size_t(cols) * 2), n1 = poisoned(size_t(cols) * 2), y1 = poisoned(size_t(rows) * 4);
+  cuda::FusedNorm fn;
+  fn.branch = b1.as<bf16>();
+  fn.gain = gain.as<float>();
+  fn.eps = eps;
+  fn.x_out = xo1.as<bf16>();
+  fn.normed_out = n1.as<bf16>();
+  cuda::launch_add_rmsnorm_gemv(fn, x1.as<bf16>(), w.view(), f32_out ? nullptr : y1.as<bf16>(),
+                                f32_out ? y1.as<float>() : nullptr, nullptr);
+  // Batched: the norm over 3 rows in place, then the GEMV over 1 row (row 2) and over all 3.
+  DeviceBuffer x3 = upload_bf16(x), b3 = upload_bf16(branch), n3 = poisoned(size_t(3) * cols * 2);
+  cuda::launch_add_rmsnorm(x3.as<bf16>(), b3.as<bf16>(), gain.as<float>(), n3.as<bf16>(), 3, cols, eps, nullptr);
+  DeviceBuffer ya = poisoned(size_t(rows) * 4), yb = poisoned(size_t(3) * rows * 4);
+  gemv_rows(n3.as<bf16>() + last, 1, ya);
+  gemv_rows(n3.as<bf16>(), 3, yb);
+  const std::vector<float> x_after = download_bf16(x3, int64_t(3) * cols);
+  EXPECT_EQ(bit_differences(std::vector<float>(x_after.begin() + last, x_after.end()), download_bf16(xo1, cols)), 0)
+      << "the residual";
+  const std::vector<float> normed3 = download_bf16(n3, int64_t(3) * cols);
+  EXPECT_EQ(bit_differences(std::vector<float>(normed3.begin() + last, normed3.end()), download_bf16(n1, cols)), 0)
+      << "the normed row";
+  const std::vector<float> one = out(y1, rows), all = out(yb, int64_t(3) * rows);
+  EXPECT_EQ(bit_differences(out(ya, rows), one), 0) << "the output, the row alone";
+  EXPECT_EQ(bit_differences(std::vector<float>(all.begin() + 2 * rows, all.end()), one), 0) << "the output, row 2 of 3";
+  // Without a norm: launch_quant_gemv on row 2 against the rows launcher.
+  DeviceBuffer yc = poisoned(size_t(rows) * 4), yd = poisoned(size_t(rows) * 4);
+  cuda::launch_quant_gemv(w.view(), x1.as<bf16>(), f32_out ? nullptr : yc.as<bf16>(), f32_out ? yc.as<float>() : nullptr,
+                          nullptr);
+  gemv_rows(x1.as<bf16>(), 1, yd);
+  EXPECT_EQ(bit_differences(out(yd, rows), out(yc, rows)), 0) << "without a norm";
+}
+
+TEST(CudaBatchedDecode, GemvRowsGiveTheOneSequenceBits) {
+  check_gemv_rows_vs_one_sequence(1000, 2048, false, 11);  // the 35B in-projections' width
+  check_gemv_rows_vs_one_sequence(777, 4096, false, 12);   // out_proj width
+  check_gemv_rows_vs_one_sequence(2048, 512, true, 13);    // realdims hidden, fp32 (its lm_head)
+  check_gemv_rows_vs_one_sequence(300, 256, false, 14);    // demo hidden: the register-load MMA kernel
+}
+
 // ---- GDN ---------------------------------------------------------------------------------------
 
 /// gdn_conv_decode_rows + gdn_decode_rows over `rows` sequences against gdn_conv_decode +

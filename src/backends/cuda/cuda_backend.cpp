@@ -689,16 +689,16 @@ class CudaBackend final : public Backend {
     return gdn + 2 * int64_t(n_attn_) * ((layer + 255) / 256 * 256);
   }
 
-  /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH, 8 by default): the rows of a step run one after
-  /// another through the per-sequence paths below, each bit-identical to the sequence alone; with
-  /// CudaOptions::batched_decode the decode rows run together instead (decode_batch).
+  /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH, 8 by default): with CudaOptions::batched_decode
+  /// (the default) a step's decode rows run together (decode_batch), else one after another
+  /// through the per-sequence paths below; each row is bit-identical to the sequence alone.
   int max_batch() const override { return options_.max_batch; }
   int64_t preferred_step_tokens() const override { return options_.prefill_chunk; }
 
-  /// Backend::step as a loop over the rows, each through the per-sequence paths (prefill rows:
-  /// the batched prefill; decode rows: the decode step), or with CudaOptions::batched_decode the
-  /// prefill rows so and the one-token decode rows in batched forwards of ≤ kMaxDecodeRows.
-  /// Validates every row first.
+  /// Backend::step: prefill rows through the batched prefill one after another; with
+  /// CudaOptions::batched_decode the one-token decode rows in batched forwards of ≤
+  /// kMaxDecodeRows rows (a group of one through the decode graph), else each through the decode
+  /// graph. Validates every row first.
   std::vector<int32_t> step(std::span<const StepRow> rows) override {
     if (rows.empty()) throw ::lily::Error("step: no rows");
     if (static_cast<int>(rows.size()) > max_batch())
@@ -733,8 +733,18 @@ class CudaBackend final : public Backend {
                                                           : prefill_sequence(s, r.tokens, logits, sampling);
       if (r.want_logits) next[i] = id;
     }
+    // A group of one row takes the one-sequence decode graph: the batched forward gives every
+    // row the same bits as that step (CudaE2e.BatchedDecodeMatchesPerSequenceDecode), and the
+    // one-sequence step is the faster of the two for a lone row.
     for (size_t first = 0; first < batch_rows.size(); first += kMaxDecodeRows) {
       const size_t n = std::min<size_t>(kMaxDecodeRows, batch_rows.size() - first);
+      if (n == 1) {
+        const StepRow& r = rows[batch_rows[first]];
+        const int32_t id = decode_one(checked(*r.state), r.tokens[0], r.want_logits ? r.logits : nullptr,
+                                      r.want_logits && r.sampling.params ? &r.sampling : nullptr);
+        if (r.want_logits) next[batch_rows[first]] = id;
+        continue;
+      }
       decode_batch(rows, std::span<const size_t>(batch_rows).subspan(first, n), next);
     }
     return next;
@@ -1118,8 +1128,11 @@ class CudaBackend final : public Backend {
   // rows, the MoE is the three kernels over B rows (each row's experts on its own).
   // Batch invariance: every launch computes a row from that row's inputs alone, with tile shapes,
   // split counts and summation orders fixed by the weights' shape or by the row's own sequence
-  // (its KV capacity), never by B or by the other rows; and with the switch on every decode step
-  // takes this path, B = 1 included, so a sequence alone and in a batch share one arithmetic.
+  // (its KV capacity), never by B or by the other rows; and every launch gives a row the bits
+  // the one-sequence step gives it (the norms are launch_add_rmsnorm's, which the fused norms
+  // equal; the GEMV's direct mode sums Σx as the staged one does; the MoE rows kernel runs the
+  // one-token block's arithmetic), so a lone decode row takes the one-sequence decode graph and
+  // a sequence's answer is the same bits whatever else the step holds.
   // The input and final add + RMSNorms are separate launches (launch_add_rmsnorm over B rows):
   // the FusedNorm of the one-sequence GEMVs takes one row.
 

@@ -33,8 +33,10 @@
 // launch_add_rmsnorm); the router logits are router_rows.cuh's (bit-identical to
 // launch_router_fused, so the routing is too); the expert products use the tensor-core
 // arithmetic of the MMA GEMV (exact bf16 codes, Σ q·x per group on tensor cores, s·D + b·Σx in
-// fp32, groups summed in ascending order), then the same roundings as the CUDA-core expert kernels:
-// act = bf16(silu(bf16(g))·bf16(u)), out = bf16(Σ_s w_s·bf16(d_s)) in slot order.
+// fp32 as acc + (s·D + b·Σx) with explicit roundings, groups summed in ascending order), then the
+// same roundings as the CUDA-core expert kernels: act = bf16(silu(bf16(g))·bf16(u)),
+// out = bf16(Σ_s w_s·bf16(d_s)) in slot order. moe_block_rows.cu gives each of its rows exactly
+// this arithmetic, so keep the two in step.
 #include <algorithm>
 #include <string>
 
@@ -150,8 +152,8 @@ __device__ __forceinline__ void group_one_token(const TileView& v, const uint32_
   group_mma(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0,
             bw1, d);
   const float x = sums[G];
-  acc_lo += to_f32(v.s_lo[G]) * d[0] + to_f32(v.b_lo[G]) * x;
-  acc_hi += to_f32(v.s_hi[G]) * d[2] + to_f32(v.b_hi[G]) * x;
+  acc_lo = affine_add(acc_lo, to_f32(v.s_lo[G]), d[0], to_f32(v.b_lo[G]), x);
+  acc_hi = affine_add(acc_hi, to_f32(v.s_hi[G]), d[2], to_f32(v.b_hi[G]), x);
 }
 
 /// grid: blocks ≤ one per SM (all resident), block kBlockThreads. See the file comment.
@@ -257,12 +259,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
     const float* p = gu_part + i * kBlockWarps * kTileRows;
     float gate = 0.0f, up = 0.0f;
     for (int w = 0; w < kBlockWarps; ++w) {
-      gate += p[w * kTileRows + slot8];
-      up += p[w * kTileRows + 8 + slot8];
+      gate = __fadd_rn(gate, p[w * kTileRows + slot8]);
+      up = __fadd_rn(up, p[w * kTileRows + 8 + slot8]);
     }
     const int j = b + i * G, slot = j / l.gu_per_slot;
     const int row = (j % l.gu_per_slot) * kExpertRowsPerTile + slot8;
-    a.act[int64_t{slot} * l.ffn + row] = to_bf16(silu(round_bf16(gate)) * round_bf16(up));
+    a.act[int64_t{slot} * l.ffn + row] = to_bf16(__fmul_rn(silu(round_bf16(gate)), round_bf16(up)));
   }
   trace_point(a, 8);
   grid_sync(a.barriers + 1, G);
@@ -293,7 +295,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
     __syncthreads();
     if (threadIdx.x < kTileRows) {
       float o = 0.0f;
-      for (int s = 0; s < l.n_sel; ++s) o += sel_w[s] * dn_part[s * kTileRows + threadIdx.x];
+      for (int s = 0; s < l.n_sel; ++s) o = __fmaf_rn(sel_w[s], dn_part[s * kTileRows + threadIdx.x], o);
       a.out[int64_t{rt} * kTileRows + threadIdx.x] = to_bf16(o);
     }
     __syncthreads();  // dn_part is reused by the next row tile

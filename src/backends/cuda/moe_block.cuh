@@ -100,6 +100,13 @@ __device__ __forceinline__ TileView tile_view(const unsigned char* stage, int ro
   return v;
 }
 
+/// acc + (s·D + b·Σx) with every rounding explicit: one group's affine term of an expert row
+/// (s, b its scale and bias, D the group's Σ q·x, x its Σx). Both MoE blocks use it, so that a
+/// row of the batched block gets the one-token block's bits whichever fragment register holds it.
+__device__ __forceinline__ float affine_add(float acc, float s, float d, float b, float x) {
+  return __fadd_rn(acc, __fmaf_rn(s, d, __fmul_rn(b, x)));
+}
+
 /// Stages row x[0, cols) (bf16, 16-byte aligned, cols a multiple of 64) for group_one_token's
 /// tensor-core products: perm[cols / 2] gets the bf16 pairs in fragment order, sums[cols / 64]
 /// each group's Σx. 16 bytes (8 columns c0 … c0 + 7, c0 a multiple of 8) are exactly the

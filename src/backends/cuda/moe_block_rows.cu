@@ -11,17 +11,18 @@
 // early as their addresses are known:
 //  1. before the PDL wait: the block's router rows into L2 and its first tiles of the shared
 //     expert (gate/up and down), whose addresses do not depend on the routing;
-//  2. after the wait: each block computes every row's normed activations itself (4 KB a row;
-//     all rows at once, two warps a row), then the router logits of all rows on tensor cores
-//     (16 router rows × the step's rows per MMA tile, a tile per block, k-split over 8 warps),
-//     then grid barrier 1; warp r routes row r (route_token_keys), and every block lists the
-//     distinct experts of the step (the shared one first, then the routed ones in ascending id)
-//     and requests its first tiles;
+//  2. after the wait: each block computes every row's normed activations itself (4 KB a row,
+//     one row after another with the one-token block's norm) and, for each row, its share of
+//     the router logits (the one-token block's CUDA-core router rows, held in registers from
+//     before the wait), then grid barrier 1; warp r routes row r (route_token_keys), and every
+//     block lists the distinct experts of the step (the shared one first, then the routed ones
+//     in ascending id) and requests its first tiles;
 //  3. gate/up on tensor cores (quant_mma.cuh): a tile is 8 rows of one expert (16 MMA rows: the
 //     8 gate rows and the same 8 up rows), and the MMA's 8 columns are the step's rows, so each
 //     expert's weights are read once for every row that routed to it. Four quads of four warps
-//     work on four tiles at once (each warp a quarter of the groups), each quad through its own
-//     ring slots and named barrier; SwiGLU, act to global memory, grid barrier 2;
+//     work on four tiles at once, each quad through its own ring slots and named barrier; a warp
+//     sums four of the one-token block's sixteen group ranges, each on its own; SwiGLU, act to
+//     global memory, grid barrier 2;
 //  4. down + combine: a block owns 16 output rows; warp w walks the distinct experts w, w + S,
 //     … through its own shared-memory stage (one bulk-copy ring slot per warp), and the block
 //     combines each row's slots in slot order.
@@ -34,18 +35,16 @@
 // All blocks are resident at once (one per SM, checked with the occupancy API), and a PDL
 // dependent launches only after every block has started, so the spin-waits cannot deadlock.
 //
-// Numerics: the norm is launch_add_rmsnorm's formula (h = bf16(x + branch), y = bf16(h·r·gain))
-// with Σh² summed in an order of its own; the router logits are the GEMV's affine formula with
-// each group's Σ q·x on tensor cores (exact bf16 codes, 4- or 8-bit) and the 8 k-split partials
-// added in warp order, so both agree with the one-row kernels to fp32 rounding (not bit for bit),
-// and the routing is route_token_keys' on those logits; the expert products use the tensor-core
-// arithmetic of the MMA GEMV (exact bf16 codes, Σ q·x per group on tensor cores, s·D + b·Σx in
-// fp32 with explicit roundings, groups summed in ascending order, a quad's partials in warp order),
-// then the same roundings as the CUDA-core expert kernels: act = bf16(silu(bf16(g))·bf16(u)),
-// out = bf16(Σ_s w_s·bf16(d_s)) in slot order.
-// Batch invariance: row r is always the MMA's column r, a column's products never depend on
-// the other columns, and every sum runs in an order fixed by the shape, never by the row count
-// or the other rows' experts; so a row's outputs are the same bits alone or among 8.
+// Numerics: every row gets the one-token block's arithmetic (moe_block.cu), so a row's outputs
+// are the same bits as launch_moe_block_decode gives that token alone, and the batched decode
+// step is bit-identical to the one-sequence step: the norm is stage_norm_row's with the
+// 256-thread element mapping, the router logits RouterRows' (router_rows.cuh), the routing
+// route_token_keys'; a gate/up row sums the same sixteen ranges of groups (each from zero, in
+// ascending group order, acc + (s·D + b·Σx) with explicit roundings), then adds the sixteen
+// partials in range order; act = bf16(silu(bf16(g))·bf16(u)); a down row sums every group in
+// ascending order, out = bf16(Σ_s w_s·bf16(d_s)) in slot order.
+// Batch invariance follows: a column's products never depend on the other columns (row r is
+// the MMA's column r), and every sum runs in an order fixed by the shape.
 #include <algorithm>
 #include <string>
 
@@ -53,6 +52,7 @@
 #include "backends/cuda/moe_block.cuh"
 #include "backends/cuda/quant_dot.cuh"
 #include "backends/cuda/quant_mma.cuh"
+#include "backends/cuda/router_rows.cuh"
 #include "backends/cuda/router_topk.cuh"
 
 namespace lily::cuda {
@@ -64,6 +64,9 @@ constexpr int kMmaCols = 8;            // the MMA's N: the step's rows
 constexpr int kQuadWarps = 4;                    // a gate/up tile's k-split: 4 warps
 constexpr int kQuads = kBlockWarps / kQuadWarps;  // gate/up tiles in progress per block
 constexpr int kMaxQuadStages = 2;                 // gate/up ring slots per quad
+/// The one-token block's k-split of a gate/up tile is kBlockWarps group ranges; a quad's warp
+/// sums kRangesPerWarp of them, each on its own.
+constexpr int kRangesPerWarp = kBlockWarps / kQuadWarps;
 constexpr int kUsedWords = kMaxExperts / 32;  // the routed-expert bitmap
 static_assert(kMaxDecodeRows <= kMmaCols, "a step's rows are the MMA's columns");
 
@@ -129,8 +132,12 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   o += align16(int64_t{rows} * hidden / 2 * 4);
   l.xsums = o;
   o += align16(int64_t{rows} * l.groups_h * 4);
-  l.gu_part = o;  // fp32 [quad][2][warp of the quad][16 tile rows][rows]; first the router's [split][16][rows]
-  o += align16(int64_t{kQuads} * 2 * kQuadWarps * kTileRows * rows * 4);
+  // fp32 [quad][range][16 tile rows][rows]; before that (phase 2) one row's stage_norm_row
+  // staging: xs [groups_h][kGroupStride], then its group sums [groups_h].
+  l.gu_part = o;
+  const int64_t parts = int64_t{kQuads} * kBlockWarps * kTileRows * rows * 4;
+  const int64_t row_staging = int64_t{l.groups_h} * (kGroupStride + 1) * 4;
+  o += align16(parts > row_staging ? parts : row_staging);
   l.dn_part = o;  // fp32 [(row, slot)][16 tile rows]
   o += align16(int64_t{pairs} * kTileRows * 4);
   l.total = o;
@@ -162,12 +169,6 @@ __device__ __forceinline__ void request_down_tile(const MoeDecodeArgs& a, const 
                         (lane == 1 ? a.down.scales : a.down.biases) + row0 * l.groups_f,
                         static_cast<uint32_t>(kTileRows * l.groups_f * 2), bar);
   }
-}
-
-/// acc + (s·d + b·Σx) with every rounding explicit, so a column's arithmetic is the same
-/// instructions whichever fragment register holds it (batch invariance).
-__device__ __forceinline__ float affine_add(float acc, float s, float d, float b, float x) {
-  return __fadd_rn(acc, __fmaf_rn(s, d, __fmul_rn(b, x)));
 }
 
 /// One 64-group G of a 16-row tile against up to 8 columns: `col` is this thread's B column
@@ -203,159 +204,6 @@ __device__ __forceinline__ void store_tile_partial(float* p, const float (&acc)[
   if (c1 < m) {
     p[g * m + c1] = acc[1];
     p[(g + 8) * m + c1] = acc[3];
-  }
-}
-
-/// The router's k-split: warps per 16-row router tile, each a contiguous range of the groups
-/// (a function of the shape only: the sum order of a logit never depends on the rows).
-constexpr int kRouterSplit = 8;
-__host__ __device__ inline int router_split(int groups) { return groups < kRouterSplit ? groups : kRouterSplit; }
-
-static_assert(kBlockWarps >= 2 * kMaxDecodeRows, "two warps per row for the norms");
-
-/// Phase 2a: the post-mixer add + RMSNorm of every row at once, two warps a row (warp 2r + h
-/// takes half h of row r's 16-byte chunks of 8 columns, lane-contiguous, so the 8 chunks of a
-/// 64-group sit in 8 consecutive lanes): h = bf16(x + branch), r = 1/sqrt(Σh²/cols + eps) with
-/// Σh² summed per lane in column order, then over the warp (butterfly), then half 0 + half 1;
-/// y = bf16(h·r·gain). y goes to xperm in fragment order (a chunk's pairs (c, c + 4) are one
-/// 16-byte word, fragment_pair_column) with its 64-group sums in xsums; block 0 also stores
-/// x_out and normed_out. All threads; ends with __syncthreads.
-__device__ __forceinline__ void stage_norm_rows(const MoeDecodeArgs& a, const MoeLayout& l, uint32_t* xperm,
-                                                float* xsums, float* ss_part, bool store) {
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int r = warp / 2, half = warp % 2, hidden = l.hidden;
-  const int per_half = hidden / 16;  // chunks per half row, a multiple of 8 (hidden % 256 == 0)
-  const bool active = r < l.rows;
-  const int64_t off = int64_t{r} * hidden;
-  const FusedNorm& n = a.norm;
-  // The chunk's h = bf16(x + branch) as 8 fp32 values (exact: bf16).
-  auto load_h = [&](int c, float (&h)[8]) {
-    const uint4 xv = *reinterpret_cast<const uint4*>(a.x + off + 8 * c);
-    const float4 x0 = bf16x4_to_f32(xv.x, xv.y), x1 = bf16x4_to_f32(xv.z, xv.w);
-    float v[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-    if (n.branch) {
-      const uint4 bv = *reinterpret_cast<const uint4*>(n.branch + off + 8 * c);
-      const float4 b0 = bf16x4_to_f32(bv.x, bv.y), b1 = bf16x4_to_f32(bv.z, bv.w);
-      const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = round_bf16(v[i] + b[i]);
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] = v[i];
-  };
-  const int iters = (per_half + kWarp - 1) / kWarp;  // warp-uniform
-  float ss = 0.0f;
-  for (int it = 0; it < iters && active; ++it) {
-    const int ci = lane + kWarp * it;
-    if (ci >= per_half) break;
-    float h[8];
-    load_h(half * per_half + ci, h);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) ss += h[i] * h[i];
-  }
-  ss = warp_sum(ss);
-  if (lane == 0) ss_part[warp] = ss;
-  __syncthreads();
-  if (active) {
-    const float rr = 1.0f / sqrtf(__fadd_rn(ss_part[2 * r], ss_part[2 * r + 1]) / static_cast<float>(hidden) + n.eps);
-    for (int it = 0; it < iters; ++it) {  // every lane runs every iteration (group_sum below)
-      const int ci = lane + kWarp * it, c = half * per_half + ci;
-      const bool live = ci < per_half;
-      float part = 0.0f;
-      if (live) {
-        float h[8];
-        load_h(c, h);
-        const float4 g0 = *reinterpret_cast<const float4*>(n.gain + 8 * c);
-        const float4 g1 = *reinterpret_cast<const float4*>(n.gain + 8 * c + 4);
-        const float gain[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-        float y[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) y[i] = round_bf16(h[i] * rr * gain[i]);
-        const uint32_t w0 = pack_bf16x2(y[0], y[1]), w1 = pack_bf16x2(y[2], y[3]), w2 = pack_bf16x2(y[4], y[5]),
-                       w3 = pack_bf16x2(y[6], y[7]);
-        *reinterpret_cast<uint4*>(xperm + int64_t{r} * (hidden / 2) + 4 * c) =
-            make_uint4(__byte_perm(w0, w2, 0x5410), __byte_perm(w0, w2, 0x7632), __byte_perm(w1, w3, 0x5410),
-                       __byte_perm(w1, w3, 0x7632));
-        part = ((y[0] + y[1]) + (y[2] + y[3])) + ((y[4] + y[5]) + (y[6] + y[7]));
-        if (store) {
-          *reinterpret_cast<uint4*>(n.x_out + off + 8 * c) =
-              make_uint4(pack_bf16x2(h[0], h[1]), pack_bf16x2(h[2], h[3]), pack_bf16x2(h[4], h[5]), pack_bf16x2(h[6], h[7]));
-          *reinterpret_cast<uint4*>(n.normed_out + off + 8 * c) = make_uint4(w0, w1, w2, w3);
-        }
-      }
-      part = group_sum(part, 8);
-      if (live && lane % 8 == 0) xsums[r * l.groups_h + c / 8] = part;
-    }
-  }
-  __syncthreads();
-}
-
-/// One 64-group G of a 16-row router tile (rows row_lo and row_hi = the thread's MMA rows g and
-/// g + 8, read from global memory) against up to 8 columns, as group_columns: 4-bit codes
-/// through group_mma, 8-bit through group_mma_8bit, then acc + s·D + b·Σx.
-template <int RBITS>
-__device__ __forceinline__ void router_group(const DeviceQuant& w, int64_t row_lo, int64_t row_hi, int t, int G,
-                                             const uint32_t* col, float sum0, float sum1, float (&acc)[4]) {
-  uint4 bw0 = make_uint4(0, 0, 0, 0), bw1 = make_uint4(0, 0, 0, 0);
-  if (col) {
-    const uint4* bp = reinterpret_cast<const uint4*>(col + G * 32 + t * 8);
-    bw0 = bp[0];
-    bw1 = bp[1];
-  }
-  const unsigned char* codes = reinterpret_cast<const unsigned char*>(w.codes);
-  const int64_t row_bytes = int64_t{w.cols} * RBITS / 8;
-  const int64_t at = int64_t{G} * kGroup * RBITS / 8 + int64_t{t} * 2 * RBITS;  // 8 bytes (4-bit) or 16 (8-bit)
-  float d[4];
-  if constexpr (RBITS == 4) {
-    group_mma(*reinterpret_cast<const uint2*>(codes + row_lo * row_bytes + at),
-              *reinterpret_cast<const uint2*>(codes + row_hi * row_bytes + at), bw0, bw1, d);
-  } else {
-    group_mma_8bit(*reinterpret_cast<const uint4*>(codes + row_lo * row_bytes + at),
-                   *reinterpret_cast<const uint4*>(codes + row_hi * row_bytes + at), bw0, bw1, d);
-  }
-  const int groups = w.cols / kGroup;
-  const float s_lo = to_f32(w.scales[row_lo * groups + G]), b_lo = to_f32(w.biases[row_lo * groups + G]);
-  const float s_hi = to_f32(w.scales[row_hi * groups + G]), b_hi = to_f32(w.biases[row_hi * groups + G]);
-  acc[0] = affine_add(acc[0], s_lo, d[0], b_lo, sum0);
-  acc[1] = affine_add(acc[1], s_lo, d[1], b_lo, sum1);
-  acc[2] = affine_add(acc[2], s_hi, d[2], b_hi, sum0);
-  acc[3] = affine_add(acc[3], s_hi, d[3], b_hi, sum1);
-}
-
-/// Phase 2b: the router logits of every row on tensor cores. Router tile i (weight rows 16i …
-/// 16i + 15; the last row is the shared-expert gate) goes to block i mod G; its warps w <
-/// router_split split the groups into contiguous ranges, each partial a 16 × rows MMA tile in
-/// `part`, and the block adds the partials in warp order into a.logits. Block-uniform; all
-/// threads.
-template <int RBITS>
-__device__ __forceinline__ void router_rows_mma(const MoeDecodeArgs& a, const MoeLayout& l, const uint32_t* xperm,
-                                                const float* xsums, float* part) {
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
-  const int m = l.rows, E = a.n_experts, S = router_split(l.groups_h);
-  const int n_tiles = (E + 1 + kTileRows - 1) / kTileRows;
-  for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-    if (warp < S) {
-      const int g0 = warp * l.groups_h / S, g1 = (warp + 1) * l.groups_h / S;
-      const int64_t row_lo = min(int64_t{tile} * kTileRows + g, int64_t{E});  // rows past E: E again, not stored
-      const int64_t row_hi = min(int64_t{tile} * kTileRows + g + 8, int64_t{E});
-      const uint32_t* col = g < m ? xperm + g * (l.hidden / 2) : nullptr;
-      const int c0 = 2 * t, c1 = 2 * t + 1;
-      const float* sum0 = c0 < m ? xsums + c0 * l.groups_h : nullptr;
-      const float* sum1 = c1 < m ? xsums + c1 * l.groups_h : nullptr;
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      for (int Gi = g0; Gi < g1; ++Gi)
-        router_group<RBITS>(a.router, row_lo, row_hi, t, Gi, col, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
-      store_tile_partial(part + warp * kTileRows * m, acc, g, t, m);
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < kTileRows * m; i += blockDim.x) {
-      const int row = i / m, c = i % m, e = tile * kTileRows + row;
-      if (e > E) continue;
-      float v = 0.0f;
-      for (int w = 0; w < S; ++w) v = __fadd_rn(v, part[(w * kTileRows + row) * m + c]);
-      a.logits[int64_t{c} * (E + 1) + e] = v;
-    }
-    __syncthreads();  // part is reused by the next tile
   }
 }
 
@@ -400,16 +248,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   // is distinct expert 0, so gate/up tiles j < gu_per_slot and warp 0's first down item are its.
   // Quad q's n-th gate/up tile is the block's tile i = q + 4n (global j = b + i·G), in its
   // stage q·QS + n mod QS; the quad's first warp requests its tiles.
-  {  // this block's router rows into L2 (weights are never written, launch.cuh)
-    const int S = router_split(l.groups_h), n_rt_router = (E + 1 + kTileRows - 1) / kTileRows;
-    if (b < n_rt_router && warp < S && lane < kTileRows) {
-      const int64_t row = min(int64_t{b} * kTileRows + lane, int64_t{E});
-      const int64_t row_bytes = int64_t{a.router.cols} * RBITS / 8, group_bytes = int64_t{kGroup} * RBITS / 8;
-      const unsigned char* p = reinterpret_cast<const unsigned char*>(a.router.codes) + row * row_bytes;
-      for (int64_t o = warp * l.groups_h / S * group_bytes; o < (warp + 1) * l.groups_h / S * group_bytes; o += 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-    }
-  }
+  // This block's share of the router rows, into registers (the one-token block's split).
+  RouterRows<RBITS> router(a.router, int64_t{b} * kBlockWarps + warp, int64_t{G} * kBlockWarps);
   if (wq == 0) {
     for (int n = 0; n < QS; ++n) {
       const int j = b + (quad + kQuads * n) * G;
@@ -421,15 +261,31 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   pdl_prologue();
   trace_point(a, 1);
 
-  // 2. Every row's normed activations (each block computes them itself; block 0 also stores
-  // x_out and normed_out) in fragment order with their group sums, then the router logits of
-  // the rows on tensor cores, tile by tile over the blocks. Then every block routes the rows.
-  __shared__ float ss_part[kBlockWarps];
+  // 2. Row after row: its normed activations (each block computes them itself; block 0 also
+  // stores x_out and normed_out) as the one-token block stages them, their fragment-order copy
+  // and group sums for the gate/up phase, and this block's share of the row's router logits.
   uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);  // [row][hidden / 2]
   float* xsums = reinterpret_cast<float*>(sm + l.xsums);         // [row][groups_h]
-  stage_norm_rows(a, l, xperm, xsums, ss_part, b == 0);
+  float* xs = reinterpret_cast<float*>(sm + l.gu_part);          // one row's staging
+  float* xsum_row = xs + l.groups_h * kGroupStride;
+  const bool router_in_regs = router.holds_all(a.router);
+  for (int r = 0; r < m; ++r) {
+    const int64_t off = int64_t{r} * l.hidden;
+    FusedNorm norm = a.norm;
+    if (norm.branch) norm.branch += off;
+    norm.x_out += off;
+    norm.normed_out += off;
+    stage_norm_row(a.x + off, norm, l.hidden, b == 0, xs, xsum_row, kNormThreads);
+    for (int i = threadIdx.x; i < half_h; i += blockDim.x) {
+      const int c = fragment_pair_column(i);
+      const float* xg = xs + (c / kGroup) * kGroupStride + c % kGroup;
+      xperm[int64_t{r} * half_h + i] = pack_bf16x2(xg[0], xg[4]);
+    }
+    for (int i = threadIdx.x; i < l.groups_h; i += blockDim.x) xsums[r * l.groups_h + i] = xsum_row[i];
+    router.compute(a.router, xs, xsum_row, a.logits + int64_t{r} * (E + 1), r == 0 || router_in_regs);
+    __syncthreads();  // the staging is reused by the next row
+  }
   trace_point(a, 2);
-  router_rows_mma<RBITS>(a, l, xperm, xsums, reinterpret_cast<float*>(sm + l.gu_part));
   trace_point(a, 3);
   grid_sync(a.barriers, G);
   trace_point(a, 4);
@@ -487,12 +343,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     request_down_tile(a, l, b + (warp / nd) * G, list[warp % nd], dn_ring + warp * l.dn_bytes, dn_full + warp);
   trace_point(a, 6);
 
-  // 3. Gate/up: the four quads work on four tiles at once; in a quad, warp w sums its quarter
-  // of the groups for every column, and the quarters add up in warp order. Column c of the MMA
-  // is row c, or zero when row c did not route to the expert.
-  const int per_warp = (l.groups_h + kQuadWarps - 1) / kQuadWarps;
-  const int g_begin = min(l.groups_h, wq * per_warp), g_end = min(l.groups_h, g_begin + per_warp);
-  float* gu_part = reinterpret_cast<float*>(sm + l.gu_part);  // [quad][2][warp of quad][16][m]
+  // 3. Gate/up: the four quads work on four tiles at once; in a quad, warp w sums the one-token
+  // block's group ranges 4w … 4w + 3 for every column, each from zero, and the sixteen partials
+  // add up in range order. Column c of the MMA is row c, or zero when row c did not route to
+  // the expert.
+  const int per_range = (l.groups_h + kBlockWarps - 1) / kBlockWarps;
+  float* gu_part = reinterpret_cast<float*>(sm + l.gu_part) + quad * kBlockWarps * kTileRows * m;  // [range][16][m]
   const int qt = threadIdx.x % (kQuadWarps * kWarp);
   for (int n = 0, i = quad; i < my_gu; ++n, i += kQuads) {
     const int st = quad * QS + n % QS, j = b + i * G, d = j / l.gu_per_slot;
@@ -503,11 +359,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     const int c0 = 2 * t, c1 = 2 * t + 1;
     const float* sum0 = c0 < m ? xsums + c0 * l.groups_h : nullptr;
     const float* sum1 = c1 < m ? xsums + c1 * l.groups_h : nullptr;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int Gi = g_begin; Gi < g_end; ++Gi)
-      group_columns(v, col, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
-    float* part = gu_part + (quad * 2 + (n & 1)) * kQuadWarps * kTileRows * m;  // this tile's partials
-    store_tile_partial(part + wq * kTileRows * m, acc, g, t, m);
+#pragma unroll
+    for (int rg = 0; rg < kRangesPerWarp; ++rg) {
+      const int range = wq * kRangesPerWarp + rg;
+      const int g_begin = min(l.groups_h, range * per_range), g_end = min(l.groups_h, g_begin + per_range);
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int Gi = g_begin; Gi < g_end; ++Gi)
+        group_columns(v, col, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
+      store_tile_partial(gu_part + range * kTileRows * m, acc, g, t, m);
+    }
     quad_sync(quad);  // the tile's partials are complete and its stage is free
     if (wq == 0 && i + kQuads * QS < my_gu) {
       const int jn = j + kQuads * QS * G;
@@ -517,14 +377,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
       const int row8 = qt / m, c = qt % m, s = slot_of[d * kMmaCols + c];
       if (s >= 0) {
         float gate = 0.0f, up = 0.0f;
-        for (int w = 0; w < kQuadWarps; ++w) {
-          gate = __fadd_rn(gate, part[(w * kTileRows + row8) * m + c]);
-          up = __fadd_rn(up, part[(w * kTileRows + 8 + row8) * m + c]);
+        for (int range = 0; range < kBlockWarps; ++range) {
+          gate = __fadd_rn(gate, gu_part[(range * kTileRows + row8) * m + c]);
+          up = __fadd_rn(up, gu_part[(range * kTileRows + 8 + row8) * m + c]);
         }
         const int row = (j % l.gu_per_slot) * kExpertRowsPerTile + row8;
         a.act[(int64_t{c} * n_sel + s) * l.ffn + row] = to_bf16(__fmul_rn(silu(round_bf16(gate)), round_bf16(up)));
       }
     }
+    quad_sync(quad);  // the partials are read before the quad's next tile overwrites them
   }
   trace_point(a, 7);
   trace_point(a, 8);

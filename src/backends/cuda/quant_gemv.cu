@@ -376,6 +376,9 @@ __global__ void __launch_bounds__(kMmaThreads) quant_mma_gemv_kernel(DeviceQuant
 
 constexpr int kStreamWarps = 8;  // k-slices of a tile
 constexpr int kStreamThreads = kStreamWarps * kWarp;
+/// 64-groups of a row that one warp of the streaming kernel sums (groups / kStreamWarps) at most.
+constexpr int kStreamMaxGroupsPerWarp = 16;
+static_assert(kMaxCols / kGroup / kStreamWarps <= kStreamMaxGroupsPerWarp, "every row width the GEMVs take");
 constexpr int kStreamChunkPad = 32;
 constexpr int kStreamMaxStages = 8;
 /// Blocks per SM the grid is sized for: enough warps to hide the arithmetic's latency (lm_head
@@ -551,22 +554,24 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm) quant_stre
   float* scratch = reinterpret_cast<float*>(sm + l.scratch);
   const int g_begin = warp * per_warp, g_end = g_begin + per_warp;
   if constexpr (kDirect) {
-    // Σx of this warp's groups for every token: D = ones · B, whose (row 0, token n) entry lanes
-    // 0–3 hold for n = 2t, 2t + 1. Only this warp reads them.
-    const uint32_t ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
-    for (int G = g_begin; G < g_end; ++G) {
-      uint4 bw0, bw1;
-      stream_direct_fragments(x, cols, m, g, t, G, bw0, bw1);
-      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // Σx of this warp's groups for every token, in stage_group_sums' order (lane l adds columns
+    // l and l + 32 of the group, then the butterfly), so that a row here gets the same bits as
+    // the staged kernel gives it alone (the batched decode is bit-identical to the one-sequence
+    // step). Only this warp reads them. All loads are issued before the shuffles.
+    for (int n = 0; n < m; ++n) {
+      const bf16* xr = x + static_cast<int64_t>(n) * cols + lane;
+      float v[kStreamMaxGroupsPerWarp];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint4& bw = j < 2 ? bw0 : bw1;
-        const uint32_t b[2] = {j % 2 == 0 ? bw.x : bw.z, j % 2 == 0 ? bw.y : bw.w};
-        mma_bf16_16816(d, ones, b);
+      for (int j = 0; j < kStreamMaxGroupsPerWarp; ++j) {
+        const int G = g_begin + j;
+        v[j] = G < g_end ? to_f32(xr[G * kGroup]) + to_f32(xr[G * kGroup + 32]) : 0.0f;
       }
-      if (g == 0) {
-        if (2 * t < m) xsum[(2 * t) * groups + G] = d[0];
-        if (2 * t + 1 < m) xsum[(2 * t + 1) * groups + G] = d[1];
+#pragma unroll
+      for (int j = 0; j < kStreamMaxGroupsPerWarp; ++j) {
+        const int G = g_begin + j;
+        if (G >= g_end) break;  // warp-uniform
+        const float sum = warp_sum(v[j]);
+        if (lane == 0) xsum[n * groups + G] = sum;
       }
     }
     __syncwarp();

@@ -35,6 +35,12 @@ struct RouterRows {
     load_group<BITS>(w, r < w.rows ? r : -1, lane_in, q, sc, bi);
   }
 
+  /// Whether the registers hold this warp's whole share (one row pass of one group per lane),
+  /// so that compute() needs no load for any activation row.
+  __device__ __forceinline__ bool holds_all(const DeviceQuant& w) const {
+    return L == w.cols / kGroup && first + step >= w.rows;
+  }
+
   /// out[r] = W x for this warp's rows; xs / xsum the staged activation row (stage_row layout).
   /// All lanes of the warp. `first_in_regs`: the registers still hold the first group (true for
   /// the first call only; later calls, for other activation rows, load it again: same values).
