@@ -11,7 +11,7 @@
 #include "base/log.h"
 #include "base/malloc_arenas.h"
 #include "cli/commands.h"
-#include "engine/model_paths.h"
+#include "cli/model_paths.h"
 #include "model/loader.h"
 #include "server/http_server.h"
 #include "server/http_util.h"
