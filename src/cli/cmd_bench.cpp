@@ -26,9 +26,9 @@
 #include "base/build_info.h"
 #include "base/error.h"
 #include "cli/commands.h"
+#include "cli/model_paths.h"
 #include "engine/backend.h"
 #include "engine/generate.h"
-#include "engine/model_paths.h"
 #include "model/loader.h"
 
 namespace lily::cli {

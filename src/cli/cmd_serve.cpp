@@ -11,7 +11,7 @@
 #include "base/log.h"
 #include "base/malloc_arenas.h"
 #include "cli/commands.h"
-#include "engine/model_paths.h"
+#include "cli/model_paths.h"
 #include "model/loader.h"
 #include "server/http_server.h"
 #include "server/http_util.h"
@@ -25,6 +25,20 @@ namespace {
 /// resident memory step up for good. Four arenas bound that and leave the engine thread, the CPU
 /// backend's workers and the connection threads little contention.
 constexpr int kDefaultMallocArenas = 4;
+
+/// The server's test hooks from LILY_TEST_LOAD_DELAY_MS and LILY_TEST_LISTEN_DELAY_MS
+/// (milliseconds; an unset variable, or text that is not a number, is 0): only the Node suites
+/// set them, so the server library itself reads no test environment.
+server::ServerTestHooks test_hooks_from_env() {
+  auto milliseconds = [](const char* name) -> int64_t {
+    const char* env = std::getenv(name);
+    return env == nullptr ? 0 : std::atoll(env);
+  };
+  server::ServerTestHooks hooks;
+  hooks.load_delay_ms = milliseconds("LILY_TEST_LOAD_DELAY_MS");
+  hooks.listen_delay_ms = milliseconds("LILY_TEST_LISTEN_DELAY_MS");
+  return hooks;
+}
 
 struct ServeFlags {
   std::string model;
@@ -179,7 +193,7 @@ server::ServerOptions resolve(ServeFlags& f) {
   if (f.seed_opt->count() > 0) o.sampling.seed = f.seed;
   o.sampling.generation_config = !f.no_generation_config;
   o.option_name = serve_flag;
-  o.test_hooks = server::ServerTestHooks::from_test_env();
+  o.test_hooks = test_hooks_from_env();
   // The server loads the model itself; the process-wide default reaches its load_model call.
   set_default_weights_mmap(!f.no_mmap);
   return o;

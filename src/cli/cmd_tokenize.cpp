@@ -15,7 +15,7 @@
 
 #include "base/error.h"
 #include "cli/commands.h"
-#include "engine/model_paths.h"
+#include "cli/model_paths.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 

@@ -136,8 +136,8 @@ class Backend {
   /// chosen id comes back (CUDA). False: the engine asks for the logits and runs the host
   /// Sampler (CPU, where the logits are host memory already).
   virtual bool samples_on_device() const { return false; }
-  /// Most rows one step() may hold (sequences advanced together). 1 for a backend whose batched
-  /// kernels are not verified yet: the scheduler then runs one sequence at a time.
+  /// Most rows one step() may hold (sequences advanced together). 1 by default, for a backend
+  /// that advances one sequence per step: the scheduler then runs one sequence at a time.
   virtual int max_batch() const { return 1; }
   /// Prompt tokens per step that keep this backend's prefill efficient: the server's default
   /// token budget of a step (EngineOptions::step_tokens), where prompts are cut when requests

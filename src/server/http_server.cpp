@@ -20,17 +20,6 @@ namespace lily::server {
 
 using nlohmann::json;
 
-ServerTestHooks ServerTestHooks::from_test_env() {
-  auto milliseconds = [](const char* name) -> int64_t {
-    const char* env = std::getenv(name);
-    return env == nullptr ? 0 : std::atoll(env);
-  };
-  ServerTestHooks hooks;
-  hooks.load_delay_ms = milliseconds("LILY_TEST_LOAD_DELAY_MS");
-  hooks.listen_delay_ms = milliseconds("LILY_TEST_LISTEN_DELAY_MS");
-  return hooks;
-}
-
 // --- small pure helpers (unit-tested) ----------------------------------------------------------
 
 int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared, int64_t backend_limit) {

@@ -36,7 +36,8 @@ SamplingParams resolve_sampling_defaults(const SamplingFlags& flags, const std::
 
 /// Delays that only tests set, to make a passing state of the server observable from outside: the
 /// Node suites reach them through LILY_TEST_LOAD_DELAY_MS and LILY_TEST_LISTEN_DELAY_MS, which
-/// `lily serve` alone reads (from_test_env). All zero, which changes nothing, in real use.
+/// the command line (`lily serve`) reads and passes in; the server reads no environment for them.
+/// All zero, which changes nothing, in real use.
 struct ServerTestHooks {
   /// The loader waits this long before loading (in steps, so a signal still stops the server):
   /// the "loading" state lasts long enough to be seen on the small demo model.
@@ -44,10 +45,6 @@ struct ServerTestHooks {
   /// The accept loop waits this long before its first connection, so a signal that arrives
   /// before then is reproducible.
   int64_t listen_delay_ms = 0;
-
-  /// The hooks from LILY_TEST_LOAD_DELAY_MS and LILY_TEST_LISTEN_DELAY_MS (milliseconds; an unset
-  /// variable, or text that is not a number, is 0).
-  static ServerTestHooks from_test_env();
 };
 
 /// Everything `lily serve` is configured with.

@@ -473,11 +473,6 @@ __device__ __forceinline__ uint32_t transpose_8x8_bf16(uint32_t x) {
   return y;
 }
 
-/// A packed bf16 pair (low half first) as two floats, exactly.
-__device__ __forceinline__ float2 bf16x2_to_float2(uint32_t x) {
-  return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
-}
-
 /// Kv head kvh, split s (the body of decode_split_kernel, shared with the batched
 /// decode_split_rows_kernel), on tensor cores: the partial softmax state of keys [s·chunk,
 /// min(len, (s+1)·chunk)) for the G query heads → ws_o [nq, n_splits, kD] (unnormalised),
@@ -563,7 +558,7 @@ __device__ __forceinline__ void decode_split_mma(int kvh, int s, int n_splits, f
       m[1] = n1;
       const uint32_t p_lo = pack_bf16x2(exp2f(x0 - n0), exp2f(x1 - n1));  // keys 0–7 × heads
       const uint32_t p_hi = pack_bf16x2(exp2f(x2 - n0), exp2f(x3 - n1));  // keys 8–15 × heads
-      const float2 f_lo = bf16x2_to_float2(p_lo), f_hi = bf16x2_to_float2(p_hi);
+      const float2 f_lo = bf16x2_to_f32(p_lo), f_hi = bf16x2_to_f32(p_hi);
       l[0] = l[0] * c0 + (f_lo.x + f_hi.x);  // this lane's keys; summed over the lanes at the end
       l[1] = l[1] * c1 + (f_lo.y + f_hi.y);
       const uint32_t pb[2] = {transpose_8x8_bf16(p_lo), transpose_8x8_bf16(p_hi)};

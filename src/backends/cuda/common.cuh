@@ -29,10 +29,15 @@ __device__ __forceinline__ float bits_to_f32(uint16_t bits) {
   return __uint_as_float(static_cast<uint32_t>(bits) << 16);
 }
 
+/// Two bf16 values (one packed pair, lower element in the low half) as fp32, exactly.
+__device__ __forceinline__ float2 bf16x2_to_f32(uint32_t x) {
+  return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xFFFF0000u));
+}
+
 /// Four bf16 values (two packed pairs, lower element in the low half) as fp32, exactly.
 __device__ __forceinline__ float4 bf16x4_to_f32(uint32_t lo, uint32_t hi) {
-  return make_float4(__uint_as_float(lo << 16), __uint_as_float(lo & 0xFFFF0000u), __uint_as_float(hi << 16),
-                     __uint_as_float(hi & 0xFFFF0000u));
+  const float2 a = bf16x2_to_f32(lo), b = bf16x2_to_f32(hi);
+  return make_float4(a.x, a.y, b.x, b.y);
 }
 
 // ---- bf16 vectors -----------------------------------------------------------------------------

@@ -182,16 +182,22 @@ class CudaState final : public SequenceState {
     window_elems = g.window_elems();
     state_elems = g.state_elems();
     if (n_gdn > 0) {
-      windows = PooledBlock(this->pool, n_gdn * window_elems * sizeof(bf16));
-      states = PooledBlock(this->pool, n_gdn * state_elems * sizeof(float));
+      windows = PooledBlock(this->pool, windows_bytes(g, n_gdn));
+      states = PooledBlock(this->pool, states_bytes(g, n_gdn));
     }
     allocate_kv(std::max<int64_t>(kv_capacity, 1));
+  }
+  /// Bytes of the blocks of a state of these dimensions with room for `capacity` positions, as
+  /// the constructor and allocate_kv lay them out: all GDN windows, all GDN recurrent states, and
+  /// 2·n_attn K/V caches, each rounded up to 256 bytes (Backend::state_bytes).
+  static size_t layout_bytes(const GdnDims& g, const AttnDims& a, int n_gdn, int n_attn, int64_t capacity) {
+    return windows_bytes(g, n_gdn) + states_bytes(g, n_gdn) + 2 * static_cast<size_t>(n_attn) * kv_stride(a, capacity);
   }
   int64_t position() const override { return pos; }
   /// The GDN buffers and n_attn K and V caches of `capacity` positions (the alignment padding
   /// between caches is not counted).
   int64_t bytes() const override {
-    return static_cast<int64_t>(windows.bytes() + states.bytes() + 2 * static_cast<size_t>(n_attn) * layer_bytes(capacity));
+    return static_cast<int64_t>(windows.bytes() + states.bytes() + 2 * static_cast<size_t>(n_attn) * layer_bytes(attn, capacity));
   }
 
   bf16* window(int gdn_index) const { return windows.as<bf16>() + gdn_index * window_elems; }
@@ -308,20 +314,24 @@ class CudaState final : public SequenceState {
   uint64_t layout = 0;
 
  private:
+  /// Bytes of all `n_gdn` GDN conv windows (bf16).
+  static size_t windows_bytes(const GdnDims& g, int n_gdn) { return n_gdn * g.window_elems() * sizeof(bf16); }
+  /// Bytes of all `n_gdn` GDN recurrent states (fp32).
+  static size_t states_bytes(const GdnDims& g, int n_gdn) { return n_gdn * g.state_elems() * sizeof(float); }
   /// Bytes of one layer's K (or V) cache for `cap` positions.
-  size_t layer_bytes(int64_t cap) const {
-    return static_cast<size_t>(attn.n_kv_heads) * static_cast<size_t>(cap) * attn.head_dim * sizeof(bf16);
+  static size_t layer_bytes(const AttnDims& a, int64_t cap) {
+    return static_cast<size_t>(a.n_kv_heads) * static_cast<size_t>(cap) * a.head_dim * sizeof(bf16);
   }
-  /// Cache `c` (2·i: layer i's K, 2·i + 1: its V) in a KV block of `cap` positions; each cache
-  /// starts on a 256-byte boundary, as a cudaMalloc of its own would.
+  /// The distance between consecutive caches of a KV block of `cap` positions: layer_bytes
+  /// rounded up to 256, so each cache starts on a 256-byte boundary, as a cudaMalloc of its own would.
+  static size_t kv_stride(const AttnDims& a, int64_t cap) { return (layer_bytes(a, cap) + 255) / 256 * 256; }
+  /// Cache `c` (2·i: layer i's K, 2·i + 1: its V) in a KV block of `cap` positions.
   bf16* cache(const PooledBlock& block, int64_t cap, int c) const {
-    const size_t stride = (layer_bytes(cap) + 255) / 256 * 256;
-    return reinterpret_cast<bf16*>(block.as<char>() + stride * static_cast<size_t>(c));
+    return reinterpret_cast<bf16*>(block.as<char>() + kv_stride(attn, cap) * static_cast<size_t>(c));
   }
   void allocate_kv(int64_t cap) {
     kv_block.reset();
-    const size_t stride = (layer_bytes(cap) + 255) / 256 * 256;
-    kv_block = PooledBlock(pool, stride * 2 * static_cast<size_t>(n_attn));
+    kv_block = PooledBlock(pool, kv_stride(attn, cap) * 2 * static_cast<size_t>(n_attn));
     capacity = cap;
     layout = next_layout_.fetch_add(1, std::memory_order_relaxed);
   }
@@ -684,9 +694,7 @@ class CudaBackend final : public Backend {
   /// The GDN windows and states, plus 2·n_attn K/V caches of `capacity` positions, each rounded
   /// up to 256 bytes as CudaState lays them out.
   int64_t state_bytes(int64_t capacity) const override {
-    const int64_t gdn = int64_t(n_gdn_) * (gdn_.window_elems() * int64_t(sizeof(bf16)) + gdn_.state_elems() * int64_t(sizeof(float)));
-    const int64_t layer = int64_t(attn_.n_kv_heads) * capacity * attn_.head_dim * int64_t(sizeof(bf16));
-    return gdn + 2 * int64_t(n_attn_) * ((layer + 255) / 256 * 256);
+    return static_cast<int64_t>(CudaState::layout_bytes(gdn_, attn_, n_gdn_, n_attn_, capacity));
   }
 
   /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH, 8 by default): with CudaOptions::batched_decode

@@ -155,9 +155,9 @@ __host__ __device__ inline int lanes_per_row(int groups) {
   return l;
 }
 
-/// uint4 loads per 64-group: 2 (4-bit) or 4 (8-bit).
+/// uint4 loads per group of kGroup codes: 2 (4-bit) or 4 (8-bit).
 template <int BITS>
-constexpr int kGroupVecs = 64 * BITS / 32 / 4;
+constexpr int kGroupVecs = kGroup * BITS / 32 / 4;
 
 /// The code in the low bits of `w` (under `mask`, ≤ 8 bits) as an exact fp32 value, without an
 /// integer-to-float convert (a quarter-rate instruction): OR-ing q into the mantissa of 2^23

@@ -287,7 +287,8 @@ __global__ void __launch_bounds__(kGemmThreads, 2) quant_gemm_kernel(const GemmP
     for (int j = 0; j < DQ; ++j) {
       const int i = tid + j * kGemmThreads, r = i / WPG, wi = i % WPG;
       const uint32_t word = cst[i];
-      const float sc = __uint_as_float(sb_cur[j] << 16), bi = __uint_as_float(sb_cur[j] & 0xFFFF0000u);
+      const float2 sb = bf16x2_to_f32(sb_cur[j]);  // (scale, bias)
+      const float sc = sb.x, bi = sb.y;
       uint32_t packed[PER / 2];
 #pragma unroll
       for (int e = 0; e < PER; e += 2) {

@@ -1,4 +1,4 @@
-#include "engine/model_paths.h"
+#include "cli/model_paths.h"
 
 #include <system_error>
 

@@ -1,4 +1,5 @@
-// Where the CLI finds a model when --model is not given.
+// Where the CLI finds a model when --model is not given (command-line only: its error names the
+// flag, so it lives here rather than in the engine).
 #pragma once
 #include <filesystem>
 #include <optional>
