@@ -262,8 +262,11 @@ TEST(MetricsText, CountersHistogramsAndGauges) {
   EngineGauges g;
   g.queue_depth = 2;
   g.cache.hits = 5;
+  g.cache.misses = 6;
   g.cache.tokens_saved = 77;
   g.cache.device.bytes = 1234;
+  g.cache.host.bytes = 4321;
+  g.cache.device.evictions = 8;
   g.cache.host.evictions = 3;
   g.cache.host_copies_pending = 2;
   g.cache.kv_shared_snapshots = 5;
@@ -280,9 +283,11 @@ TEST(MetricsText, CountersHistogramsAndGauges) {
       "lily_inter_token_latency_seconds_bucket{le=\"+Inf\"} 1\n",
       "lily_queue_depth 2\n",
       "lily_cache_hits_total 5\n",
+      "lily_cache_misses_total 6\n",
       "lily_cache_tokens_saved_total 77\n",
       "lily_cache_bytes{tier=\"device\"} 1234\n",
-      "lily_cache_bytes{tier=\"host\"} 0\n",
+      "lily_cache_bytes{tier=\"host\"} 4321\n",
+      "lily_cache_evictions_total{tier=\"device\"} 8\n",
       "lily_cache_evictions_total{tier=\"host\"} 3\n",
       "# TYPE lily_cache_snapshots gauge\n",
       "lily_cache_kv_shared_total 5\n",
