@@ -12,7 +12,7 @@
 //  1. before the PDL wait: the block's router rows into L2 and its first tiles of the shared
 //     expert (gate/up and down), whose addresses do not depend on the routing;
 //  2. after the wait: each block computes every row's normed activations itself (4 KB a row,
-//     one row after another with the one-token block's norm) and, for each row, its share of
+//     two rows at a time, each with the one-token block's norm) and, for each row, its share of
 //     the router logits (the one-token block's CUDA-core router rows, held in registers from
 //     before the wait), then grid barrier 1; warp r routes row r (route_token_keys), and every
 //     block lists the distinct experts of the step (the shared one first, then the routed ones
@@ -67,6 +67,10 @@ constexpr int kMaxQuadStages = 2;                 // gate/up ring slots per quad
 /// The one-token block's k-split of a gate/up tile is kBlockWarps group ranges; a quad's warp
 /// sums kRangesPerWarp of them, each on its own.
 constexpr int kRangesPerWarp = kBlockWarps / kQuadWarps;
+/// Rows whose norms phase 2 computes at once (stage_norm_pair): one per kNormThreads threads.
+constexpr int kNormPair = kBlockThreads / kNormThreads;
+constexpr int kNormWarps = kNormThreads / kWarp;
+static_assert(kNormPair == 2, "stage_norm_pair: two halves of the block");
 constexpr int kUsedWords = kMaxExperts / 32;  // the routed-expert bitmap
 static_assert(kMaxDecodeRows <= kMmaCols, "a step's rows are the MMA's columns");
 
@@ -136,7 +140,7 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   // staging: xs [groups_h][kGroupStride], then its group sums [groups_h].
   l.gu_part = o;
   const int64_t parts = int64_t{kQuads} * kBlockWarps * kTileRows * rows * 4;
-  const int64_t row_staging = int64_t{l.groups_h} * (kGroupStride + 1) * 4;
+  const int64_t row_staging = int64_t{kNormPair} * l.groups_h * (kGroupStride + 1) * 4;
   o += align16(parts > row_staging ? parts : row_staging);
   l.dn_part = o;  // fp32 [(row, slot)][16 tile rows]
   o += align16(int64_t{pairs} * kTileRows * 4);
@@ -207,6 +211,64 @@ __device__ __forceinline__ void store_tile_partial(float* p, const float (&acc)[
   }
 }
 
+/// Phase 2's norm of rows r0 … r0 + nr − 1 (nr ≤ kNormPair) at once: half h of the block
+/// (kNormThreads threads) computes row r0 + h exactly as stage_norm_row(…, kNormThreads) does a
+/// lone row when hidden ≤ kStageBatch · kNormThreads (its one-batch path): the same elements per
+/// thread in the same order, the same butterfly per warp, and the eight warp sums through the
+/// butterfly that block_sum runs (its other lanes hold zeros, so the sums are the same bits).
+/// Row h's staging goes to xs0 + h·stride ([groups_h][kGroupStride], then its group sums
+/// [groups_h], stage_group_sums' arithmetic); block 0 (store) also writes x_out and normed_out.
+/// All threads; ends with __syncthreads.
+__device__ __forceinline__ void stage_norm_pair(const MoeDecodeArgs& a, const MoeLayout& l, int r0, int nr, bool store,
+                                                float* xs0, int stride, float* scratch) {
+  const int h = threadIdx.x / kNormThreads, i = threadIdx.x % kNormThreads;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, cols = l.hidden, groups = l.groups_h;
+  const bool active = h < nr;
+  const int64_t off = int64_t{r0 + h} * cols;
+  const FusedNorm& n = a.norm;
+  float* xs = xs0 + h * stride;
+  float hv[kStageBatch], gain[kStageBatch];
+  float ss = 0.0f;
+  if (active) {
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int c = i + u * kNormThreads;
+      const float v = c < cols ? to_f32(a.x[off + c]) : 0.0f;
+      const float b = (c < cols && n.branch) ? to_f32(n.branch[off + c]) : 0.0f;
+      gain[u] = c < cols ? n.gain[c] : 0.0f;
+      hv[u] = n.branch ? round_bf16(v + b) : v;
+    }
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u)
+      if (i + u * kNormThreads < cols) ss += hv[u] * hv[u];  // element order, as stage_norm_row
+  }
+  ss = warp_sum(ss);
+  if (lane == 0) scratch[warp] = ss;
+  __syncthreads();
+  const float total = warp_sum(lane < kNormWarps ? scratch[h * kNormWarps + lane] : 0.0f);
+  if (active) {
+    const float r = 1.0f / sqrtf(total / static_cast<float>(cols) + n.eps);
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int c = i + u * kNormThreads;
+      if (c >= cols) continue;
+      const bf16 y = to_bf16(hv[u] * r * gain[u]);
+      xs[(c / kGroup) * kGroupStride + c % kGroup] = to_f32(y);
+      if (store) {
+        n.x_out[off + c] = to_bf16(hv[u]);
+        n.normed_out[off + c] = y;
+      }
+    }
+  }
+  __syncthreads();
+  for (int p = warp; p < nr * groups; p += kBlockWarps) {  // warp-uniform
+    const float* xg = xs0 + (p / groups) * stride + (p % groups) * kGroupStride;
+    const float sum = warp_sum(xg[lane] + xg[lane + 32]);
+    if (lane == 0) xs0[(p / groups) * stride + groups * kGroupStride + p % groups] = sum;
+  }
+  __syncthreads();
+}
+
 /// Barrier of the four warps of quad `quad` (named barrier 1 + quad, 128 threads).
 __device__ __forceinline__ void quad_sync(int quad) {
   asm volatile("bar.sync %0, %1;" ::"r"(1 + quad), "r"(kQuadWarps * kWarp) : "memory");
@@ -266,24 +328,36 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   // and group sums for the gate/up phase, and this block's share of the row's router logits.
   uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);  // [row][hidden / 2]
   float* xsums = reinterpret_cast<float*>(sm + l.xsums);         // [row][groups_h]
-  float* xs = reinterpret_cast<float*>(sm + l.gu_part);          // one row's staging
-  float* xsum_row = xs + l.groups_h * kGroupStride;
+  float* xs = reinterpret_cast<float*>(sm + l.gu_part);  // kNormPair rows' staging
+  const int stride = l.groups_h * (kGroupStride + 1);     // floats: a row's xs, then its group sums
   const bool router_in_regs = router.holds_all(a.router);
-  for (int r = 0; r < m; ++r) {
-    const int64_t off = int64_t{r} * l.hidden;
-    FusedNorm norm = a.norm;
-    if (norm.branch) norm.branch += off;
-    norm.x_out += off;
-    norm.normed_out += off;
-    stage_norm_row(a.x + off, norm, l.hidden, b == 0, xs, xsum_row, kNormThreads);
-    for (int i = threadIdx.x; i < half_h; i += blockDim.x) {
-      const int c = fragment_pair_column(i);
-      const float* xg = xs + (c / kGroup) * kGroupStride + c % kGroup;
-      xperm[int64_t{r} * half_h + i] = pack_bf16x2(xg[0], xg[4]);
+  const bool pairs = l.hidden <= kStageBatch * kNormThreads;  // stage_norm_row's one-batch path
+  __shared__ float norm_scratch[kBlockWarps];
+  for (int r0 = 0; r0 < m; r0 += pairs ? kNormPair : 1) {
+    const int nr = pairs ? min(kNormPair, m - r0) : 1;
+    if (pairs) {
+      stage_norm_pair(a, l, r0, nr, b == 0, xs, stride, norm_scratch);
+    } else {
+      const int64_t off = int64_t{r0} * l.hidden;
+      FusedNorm norm = a.norm;
+      if (norm.branch) norm.branch += off;
+      norm.x_out += off;
+      norm.normed_out += off;
+      stage_norm_row(a.x + off, norm, l.hidden, b == 0, xs, xs + l.groups_h * kGroupStride, kNormThreads);
     }
-    for (int i = threadIdx.x; i < l.groups_h; i += blockDim.x) xsums[r * l.groups_h + i] = xsum_row[i];
-    router.compute(a.router, xs, xsum_row, a.logits + int64_t{r} * (E + 1), r == 0 || router_in_regs);
-    __syncthreads();  // the staging is reused by the next row
+    for (int q = 0; q < nr; ++q) {
+      const int r = r0 + q;
+      const float* xs_r = xs + q * stride;
+      const float* xsum_r = xs_r + l.groups_h * kGroupStride;
+      for (int i = threadIdx.x; i < half_h; i += blockDim.x) {
+        const int c = fragment_pair_column(i);
+        const float* xg = xs_r + (c / kGroup) * kGroupStride + c % kGroup;
+        xperm[int64_t{r} * half_h + i] = pack_bf16x2(xg[0], xg[4]);
+      }
+      for (int i = threadIdx.x; i < l.groups_h; i += blockDim.x) xsums[r * l.groups_h + i] = xsum_r[i];
+      router.compute(a.router, xs_r, xsum_r, a.logits + int64_t{r} * (E + 1), r == 0 || router_in_regs);
+    }
+    __syncthreads();  // the staging is reused by the next rows
   }
   trace_point(a, 2);
   trace_point(a, 3);
