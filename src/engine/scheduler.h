@@ -233,6 +233,7 @@ class Scheduler {
   int batch_size() const;
   /// The resolved EngineOptions::max_batch.
   int max_batch() const { return max_batch_; }
+  /// The prefix cache's counters (SessionCache::stats: never waits for the engine thread's work).
   SessionCacheStats cache_stats() const { return cache_.stats(); }
   const EngineOptions& options() const { return options_; }
   const Backend& backend() const { return *backend_; }

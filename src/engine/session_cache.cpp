@@ -45,6 +45,13 @@ struct SessionCache::Node {
   std::unique_ptr<Snapshot> snap;
 };
 
+/// Publishes the counters when it goes out of scope: made after the lock on mutex_, so that it
+/// runs before the unlock, also when the work under the lock throws.
+struct SessionCache::PublishStats {
+  SessionCache& cache;
+  ~PublishStats() { cache.publish_stats(); }
+};
+
 namespace {
 
 std::vector<int32_t> path_tokens(const auto* node) {
@@ -72,6 +79,12 @@ SessionCache::SessionCache(SessionCacheOptions options) : options_(options), roo
     throw OptionError("copy_backlog_bytes", "must be ≥ 0 bytes, got " + std::to_string(options_.copy_backlog_bytes));
   stats_.device.budget = options_.device_bytes;
   stats_.host.budget = options_.host_bytes;
+  published_ = stats_;
+}
+
+void SessionCache::publish_stats() {
+  std::lock_guard lock(published_mutex_);
+  published_ = stats_;
 }
 
 SessionCache::~SessionCache() {
@@ -111,6 +124,7 @@ void SessionCache::wait_for_host_copies() {
 CacheLookup SessionCache::acquire(Backend& backend, std::span<const int32_t> prompt,
                                   const std::optional<std::string>& key, int64_t capacity) {
   std::lock_guard lock(mutex_);
+  PublishStats publish{*this};
   // One walk down the prompt's path; every snapshot on it is a prefix. The best is the longest,
   // except that one stored under the request's key beats any without it.
   Node* best = nullptr;
@@ -195,6 +209,7 @@ void SessionCache::share_with_ancestor(Backend& backend, Node* node) {
 void SessionCache::store(Backend& backend, std::vector<ResumePoint> points, const std::optional<std::string>& key) {
   {
     std::lock_guard lock(mutex_);
+    PublishStats publish{*this};
     if (!enabled()) return;
     for (ResumePoint& p : points) {
       if (p.state == nullptr || p.tokens.empty() || p.state->position() != static_cast<int64_t>(p.tokens.size()))
@@ -430,6 +445,7 @@ void SessionCache::copy_loop() {
     }
     lock.lock();
     finish_copy(*job, std::move(host), error);
+    publish_stats();
     copy_running_ = false;
     idle_cv_.notify_all();
   }
@@ -481,8 +497,8 @@ void SessionCache::prune(Node* node) {
 }
 
 SessionCacheStats SessionCache::stats() const {
-  std::lock_guard lock(mutex_);
-  return stats_;
+  std::lock_guard lock(published_mutex_);
+  return published_;
 }
 
 std::vector<SnapshotInfo> SessionCache::describe() const {

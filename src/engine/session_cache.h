@@ -115,9 +115,11 @@ struct SnapshotInfo {
 /// True when `prefix` is strictly shorter than `tokens` and equals its beginning.
 bool is_strict_prefix(std::span<const int32_t> prefix, std::span<const int32_t> tokens);
 
-/// The prefix cache. Thread-safe (one mutex); the backend is only called on the caller's thread
-/// (the engine thread, which owns it), except copy_to_host on the helper thread of
-/// start_background_host_copies.
+/// The prefix cache. Thread-safe: one mutex, held across the backend's work (state copies, KV
+/// comparisons, host copies), guards the cache; stats() reads a copy of the counters under a
+/// mutex of its own, so that it never waits for that work. The backend is only called on the
+/// caller's thread (the engine thread, which owns it), except copy_to_host on the helper thread
+/// of start_background_host_copies.
 class SessionCache {
  public:
   /// Throws OptionError (engine/option_error.h) for a negative budget or copy backlog.
@@ -159,6 +161,8 @@ class SessionCache {
   /// benchmarks; the engine never waits for copies).
   void wait_for_host_copies();
 
+  /// The counters as the last acquire, store or background copy left them. Never waits for the
+  /// cache's own mutex (held across backend work): /metrics reads it while the engine works.
   SessionCacheStats stats() const;
   /// Every snapshot, the device tier's first, each tier's most recently used first (for tests
   /// and debugging).
@@ -168,6 +172,9 @@ class SessionCache {
   struct Node;
   struct Snapshot;
   struct HostCopy;
+  struct PublishStats;
+  /// Copies stats_ to what stats() reads; under mutex_.
+  void publish_stats();
   void insert(Backend& backend, ResumePoint point, const std::optional<std::string>& key);
   /// Makes `snap` the most recently used of its tier, and the snapshots whose KV rows it shares
   /// more recently used still.
@@ -201,6 +208,10 @@ class SessionCache {
   std::unique_ptr<Node> root_;
   std::list<Node*> lru_[2];  ///< per tier: nodes holding a snapshot, most recently used first
   SessionCacheStats stats_;
+  /// The copy of stats_ that stats() reads: guarded by published_mutex_ alone, which is held for
+  /// nothing but copying it (taken after mutex_, never before it).
+  mutable std::mutex published_mutex_;
+  SessionCacheStats published_;
   /// States to free on the engine thread (reap): never freed under mutex_ or on the helper thread.
   std::vector<std::shared_ptr<SequenceState>> graveyard_;
 

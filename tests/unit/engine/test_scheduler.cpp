@@ -4,6 +4,8 @@
 
 #include <chrono>
 #include <cstdio>
+#include <future>
+#include <tuple>
 #include <thread>
 
 #include "engine/option_error.h"
@@ -241,6 +243,36 @@ TEST(Scheduler, TellsTheBackendTheHostTierBudgetOnceAtStart) {
     // Without a host tier there is nothing to reserve for.
     EXPECT_EQ(b.host_reservations, host > 0 ? std::vector<int64_t>{host} : std::vector<int64_t>{});
   }
+}
+
+TEST(Scheduler, WhatMetricsReadsAnswersWhileTheEngineWorksUnderTheCacheLock) {
+  // A 1010-byte device tier holds one 2-token snapshot: the job's other snapshots go to the host
+  // tier through copy_to_host, made on the engine thread under the cache's lock.
+  auto owned = std::make_unique<FakeBackend>();
+  FakeBackend& b = *owned;
+  EngineOptions o;
+  o.max_seq = 128;
+  o.cache = {1010, 1 << 20};
+  Scheduler s(std::move(owned), nullptr, o);
+  b.close_copy_gate();
+  auto j = s.submit(job({1, 2, 3}, 2));
+  const bool at_gate = b.wait_until_copy_at_gate(30000ms);
+  // The gauges /metrics reads, from another thread. One that waited for the engine would wait
+  // for the gate: after 20 s the gate opens and the test fails instead of hanging.
+  auto gauges = std::async(std::launch::async, [&] {
+    const SessionCacheStats cache = s.cache_stats();
+    return std::tuple{s.queue_depth(), s.running(), s.batch_size(), cache};
+  });
+  const bool answered = gauges.wait_for(20s) == std::future_status::ready;
+  b.open_copy_gate();
+  const auto [queued, running, batch, cache] = gauges.get();
+  finish(*j);
+  ASSERT_TRUE(at_gate) << "the engine never made a host copy";
+  EXPECT_TRUE(answered) << "a gauge waited for the engine's host copy";
+  EXPECT_EQ(queued, 0);
+  EXPECT_EQ(running, 1);
+  EXPECT_EQ(cache.host.snapshots, 0);  // read before the copy that was under way
+  EXPECT_GE(s.cache_stats().host.snapshots, 1);
 }
 
 TEST(Scheduler, PreparesWhileIdleAPieceAtATimeUntilTheBackendIsDone) {

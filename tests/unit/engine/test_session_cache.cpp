@@ -285,6 +285,29 @@ TEST(SessionCache, DeviceTierMovesLeastRecentlyUsedToHostAndHitsComeBackRunnable
   EXPECT_EQ(st.host.snapshots, 1);
 }
 
+TEST(SessionCache, StatsNeverWaitForBackendWorkUnderTheCacheLock) {
+  FakeBackend b;
+  SessionCache c({2100, 2100});  // host copies made in store(), under the cache's lock
+  store(c, b, {{1, 1}});
+  store(c, b, {{2, 2}});
+  CopyGate gate(b);
+  std::thread engine([&] { store(c, b, {{3, 3}}); });  // {1,1} moves to the host tier
+  const bool at_gate = b.wait_until_copy_at_gate(20s);
+  const SessionCacheStats during = c.stats();  // the store waits at the gate meanwhile
+  const bool waited = gate.watchdog_opened();
+  gate.open();
+  engine.join();
+  ASSERT_TRUE(at_gate);
+  EXPECT_FALSE(waited) << "stats() waited for a host copy made under the cache's lock";
+  // The counters as the last finished store left them; the next read sees the move.
+  EXPECT_EQ(during.device.snapshots, 2);
+  EXPECT_EQ(during.host.snapshots, 0);
+  EXPECT_EQ(during.device.evictions, 0);
+  const SessionCacheStats after = c.stats();
+  EXPECT_EQ(after.host.snapshots, 1);
+  EXPECT_EQ(after.device.evictions, 1);
+}
+
 TEST(SessionCache, HostTierDropsLeastRecentlyUsedByBytes) {
   FakeBackend b;
   SessionCache c({1010, 2100});  // one 2-token state on the device, two on the host
