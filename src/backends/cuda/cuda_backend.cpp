@@ -727,33 +727,28 @@ class CudaBackend final : public Backend {
     // batched forward per group of ≤ kMaxDecodeRows (decode_batch); every row touches only its
     // own state, so the order does not change any result. Probes keep the per-row path.
     const bool batched = batched_decode_ && !probe_sink_;
-    std::vector<size_t> batch_rows;
-    for (size_t i = 0; i < rows.size(); ++i) {
+    // Row i alone, through the per-sequence paths.
+    auto run_alone = [&](size_t i) {
       const StepRow& r = rows[i];
-      if (batched && r.decode && r.tokens.size() == 1) {
-        batch_rows.push_back(i);
-        continue;
-      }
       CudaState& s = checked(*r.state);
       std::vector<float>* logits = r.want_logits ? r.logits : nullptr;
       const RowSampling* sampling = r.want_logits && r.sampling.params ? &r.sampling : nullptr;
       const int32_t id = r.decode && r.tokens.size() == 1 ? decode_one(s, r.tokens[0], logits, sampling)
                                                           : prefill_sequence(s, r.tokens, logits, sampling);
       if (r.want_logits) next[i] = id;
+    };
+    std::vector<size_t> batch_rows;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (batched && rows[i].decode && rows[i].tokens.size() == 1) batch_rows.push_back(i);
+      else run_alone(i);
     }
     // A group of one row takes the one-sequence decode graph: the batched forward gives every
     // row the same bits as that step (CudaE2e.BatchedDecodeMatchesPerSequenceDecode), and the
     // one-sequence step is the faster of the two for a lone row.
     for (size_t first = 0; first < batch_rows.size(); first += kMaxDecodeRows) {
       const size_t n = std::min<size_t>(kMaxDecodeRows, batch_rows.size() - first);
-      if (n == 1) {
-        const StepRow& r = rows[batch_rows[first]];
-        const int32_t id = decode_one(checked(*r.state), r.tokens[0], r.want_logits ? r.logits : nullptr,
-                                      r.want_logits && r.sampling.params ? &r.sampling : nullptr);
-        if (r.want_logits) next[batch_rows[first]] = id;
-        continue;
-      }
-      decode_batch(rows, std::span<const size_t>(batch_rows).subspan(first, n), next);
+      if (n == 1) run_alone(batch_rows[first]);
+      else decode_batch(rows, std::span<const size_t>(batch_rows).subspan(first, n), next);
     }
     return next;
   }

@@ -9,8 +9,8 @@
 // every block is resident for the whole block (one block per SM), so the work after a
 // grid-wide dependency waits on a counter instead of a launch, and the weights are requested as
 // early as their addresses are known:
-//  1. before the PDL wait: the block's router rows into L2 and its first tiles of the shared
-//     expert (gate/up and down), whose addresses do not depend on the routing;
+//  1. before the PDL wait: the block's share of the router rows into registers and its first
+//     tiles of the shared expert (gate/up and down), whose addresses do not depend on the routing;
 //  2. after the wait: each block computes every row's normed activations itself (4 KB a row,
 //     two rows at a time, each with the one-token block's norm) and, for each row, its share of
 //     the router logits (the one-token block's CUDA-core router rows, held in registers from
