@@ -151,6 +151,9 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(t);
 }
 
+/// v rounded up to a multiple of 16 (shared-memory offsets of bulk-copy destinations).
+__host__ __device__ inline int64_t align16(int64_t v) { return (v + 15) & ~int64_t{15}; }
+
 /// Ceil-div for launch sizes.
 __host__ __device__ constexpr inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

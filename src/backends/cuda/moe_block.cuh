@@ -14,6 +14,7 @@
 #include "backends/cuda/kernels.h"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/quant_dot.cuh"
+#include "backends/cuda/quant_mma.cuh"
 
 namespace lily::cuda::moe {
 
@@ -23,8 +24,6 @@ constexpr int kTileRows = 16;          // the MMA's M
 constexpr int kExpertRowsPerTile = 8;  // a gate/up tile: 8 gate rows and the same 8 up rows
 constexpr int kNormThreads = 256;      // launch_add_rmsnorm's element-to-thread mapping
 constexpr int64_t kSmemLimit = 226 * 1024;  // dynamic shared memory per block (227 KB less static)
-
-__host__ __device__ inline int64_t align16(int64_t v) { return (v + 15) & ~int64_t{15}; }
 
 /// Bytes of one gate/up tile (16 code rows of hidden / 2 bytes, then [16][hidden / 64] scales
 /// and biases) and of one down tile (16 code rows of ffn / 2 bytes, then scales and biases).
@@ -98,13 +97,6 @@ __device__ __forceinline__ TileView tile_view(const unsigned char* stage, int ro
   v.b_lo = bi + g * groups;
   v.b_hi = bi + (g + 8) * groups;
   return v;
-}
-
-/// acc + (s·D + b·Σx) with every rounding explicit: one group's affine term of an expert row
-/// (s, b its scale and bias, D the group's Σ q·x, x its Σx). Both MoE blocks use it, so that a
-/// row of the batched block gets the one-token block's bits whichever fragment register holds it.
-__device__ __forceinline__ float affine_add(float acc, float s, float d, float b, float x) {
-  return __fadd_rn(acc, __fmaf_rn(s, d, __fmul_rn(b, x)));
 }
 
 /// Stages row x[0, cols) (bf16, 16-byte aligned, cols a multiple of 64) for group_one_token's

@@ -21,6 +21,7 @@
 #include "backends/cuda/mma.cuh"
 #include "backends/cuda/quant_dot.cuh"
 #include "backends/cuda/quant_mma.cuh"
+#include "backends/cuda/stream_gemv.cuh"
 
 namespace lily::cuda {
 namespace {
@@ -161,8 +162,6 @@ __global__ void __launch_bounds__(kGemvThreads, 2) quant_gemv_tiled_kernel(Devic
 
 constexpr int kMmaThreads = 256;
 constexpr int kMmaWarps = kMmaThreads / kWarp;
-constexpr int kMmaTileRows = 16;
-constexpr int kMmaMaxTokens = 8;  // the MMA's N
 static_assert(kMmaMaxTokens == kMaxDecodeRows, "the batched decode takes as many rows as the MMA GEMV");
 constexpr int kMmaBatch = 4;      // groups whose code words a warp has in flight
 
@@ -230,32 +229,6 @@ __device__ __forceinline__ void stage_mma_rows(const bf16* __restrict__ x, int m
     }
     for (int G = threadIdx.x; G < groups; G += blockDim.x) xsum[n * groups + G] = xsum_row[G];
     __syncthreads();
-  }
-}
-
-/// Stores one thread's four results of a 16-row tile (acc as the MMA's D fragment: (slot g, token
-/// 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1); row_a / row_b the matrix rows of slots g and g+8) into y [m, rows],
-/// with the GDN conv step of `conv` on rows below conv.channels (m = 1).
-template <class OutT>
-__device__ __forceinline__ void store_mma_tile(const float (&acc)[4], int64_t row_a, int64_t row_b, int t, int m,
-                                               int64_t rows, OutT* __restrict__ y, const FusedConv& conv) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t r = i < 2 ? row_a : row_b;
-    const int n = 2 * t + (i % 2);
-    if (r >= rows || n >= m) continue;
-    store_out(y, static_cast<int64_t>(n) * rows + r, acc[i]);
-    if (r < conv.channels) {  // m = 1: x = the stored bf16 value, as gdn_conv_decode reads it
-      float taps[kGdnConvK];
-#pragma unroll
-      for (int k = 0; k < kGdnConvK; ++k) taps[k] = conv.taps[r * kGdnConvK + k];
-      bf16* wr = conv.window + r * 3;
-      const bf16 w0 = wr[0], w1 = wr[1], w2 = wr[2], xb = to_bf16(acc[i]);
-      conv.out[r] = conv_decode_value(w0, w1, w2, xb, taps);
-      wr[0] = w1;
-      wr[1] = w2;
-      wr[2] = xb;
-    }
   }
 }
 
@@ -346,41 +319,9 @@ __global__ void __launch_bounds__(kMmaThreads) quant_mma_gemv_kernel(DeviceQuant
 }
 
 // ---- 4-bit GEMV on tensor cores, weights streamed by bulk copies (decode, m ≤ 8 tokens) --------
-//
-// The kernel above keeps its weight bytes in flight with registers: each warp loads one batch of
-// code words while it multiplies the previous one, so the bytes an SM has in flight are bounded by
-// its warps × registers, and the GEMVs of a decode step stay far below the memory bandwidth.
-// Here the weights travel by bulk copies into a ring of shared-memory stages (bulk_copy.cuh):
-// one stage is one 16-row tile (its code rows, scales and biases, contiguous in the checkpoint
-// layout), and warp 0 of each block keeps `stages` tiles in flight. The first stages are
-// requested before the PDL wait (weights are never written), so a small matrix is often on chip
-// when the predecessor finishes. Several small blocks per SM (not one big one) keep enough warps
-// resident to hide the latency of the per-tile arithmetic.
-//
-// Arithmetic: the MMA kernel's fragments, with two changes that cut the instructions per weight.
-// (1) Codes become bf16 values 128 + q (OR into the mantissa of 128, exact) without subtracting
-// 128; the per-group epilogue folds it into the bias: s·Σ(q + 128)·x + (b − 128·s)·Σx. Products
-// and per-group sums of at most 64 terms stay exact-ish in fp32 (each term < 2^16·|x|), so the
-// result keeps the tolerance of the other kernels. (2) The 8 warps split a tile's groups into
-// contiguous ranges (warp w: [w·G/8, (w+1)·G/8)), so scales, biases and Σx come two groups per
-// shared load. Warp 0 adds the slices in slice order and stores. Both orders depend on the shape
-// alone, so each token's result is the same for any m. No block-wide barrier per tile: mbarriers
-// hand over stages (`full`, byte counted), slice partials (`ready`) and the two partial buffers
-// (`freed`), so warps 1–7 may run a tile ahead of warp 0.
-//
-// Bank conflicts: code rows are cols/2 ≡ 0 (mod 128) bytes long, so the four rows an 8-byte
-// fragment load of a half-warp touches must come from different 32-byte bank offsets. A tile is
-// copied as 4 chunks of 4 consecutive rows, chunk c at c·(4·cols/2 + 32) bytes, and MMA row slot
-// g holds matrix row 4·(g mod 4) + g/4: slots 0–3 (one half-warp) are rows 0, 4, 8, 12, one per
-// chunk.
+// The tile machinery and its arithmetic are stream_gemv.cuh's.
 
-constexpr int kStreamWarps = 8;  // k-slices of a tile
-constexpr int kStreamThreads = kStreamWarps * kWarp;
-/// 64-groups of a row that one warp of the streaming kernel sums (groups / kStreamWarps) at most.
-constexpr int kStreamMaxGroupsPerWarp = 16;
 static_assert(kMaxCols / kGroup / kStreamWarps <= kStreamMaxGroupsPerWarp, "every row width the GEMVs take");
-constexpr int kStreamChunkPad = 32;
-constexpr int kStreamMaxStages = 8;
 /// Blocks per SM the grid is sized for: enough warps to hide the arithmetic's latency (lm_head
 /// alone: 264, 159, 127 µs with 1, 2, 4 blocks per SM; decode in the graph 339, 352, 390 tok/s).
 constexpr int kStreamBlocksPerSm = 4;
@@ -390,130 +331,6 @@ constexpr int kStreamBlocksPerSm = 4;
 /// tile (18.9 KB) gets one stage per block, four per SM.
 constexpr int64_t kStreamSmemPerSm = 112 * 1024;
 constexpr int64_t kStreamSmemMax = 227 * 1024;
-
-/// Byte offsets of the streaming GEMV's shared memory (host and device compute the same).
-struct StreamLayout {
-  int row_bytes = 0;        ///< cols / 2
-  int chunk_pitch = 0;      ///< bytes from one 4-row chunk of a stage to the next
-  int64_t stage_bytes = 0;  ///< one tile: 4 chunks of code rows, then 16 × groups scales, then biases
-  int64_t ring = 0;         ///< first stage
-  int64_t xperm = 0;        ///< uint32 [m][cols / 2]
-  int64_t xsum = 0;         ///< float [m][groups]
-  int64_t scratch = 0;      ///< staging (float [groups × 69]), later the partials float4 [2][8][32]
-  int64_t total = 0;
-};
-
-__host__ __device__ inline int64_t align16(int64_t v) { return (v + 15) & ~int64_t{15}; }
-
-/// `direct`: the activations are read from global memory (stream_direct_fragments), so there is
-/// no permuted copy and no staging area; Σx stays in shared memory.
-__host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stages, int pad, bool direct = false) {
-  const int groups = cols / kGroup;
-  StreamLayout l;
-  l.row_bytes = cols / 2;
-  l.chunk_pitch = 4 * l.row_bytes + pad;
-  l.stage_bytes = int64_t{4} * l.chunk_pitch + int64_t{2} * kMmaTileRows * groups * 2;
-  l.ring = align16(int64_t{kStreamMaxStages + 4} * 8);  // mbarriers: full[stages], ready[2], freed[2]
-  l.xperm = l.ring + stages * l.stage_bytes;
-  l.xsum = l.xperm + (direct ? 0 : align16(int64_t{m} * cols * 2));
-  l.scratch = l.xsum + align16(int64_t{direct ? kMmaMaxTokens : m} * groups * 4);
-  const int64_t staging = direct ? 0 : int64_t{groups} * (kGroupStride + 1) * 4;
-  const int64_t partials = int64_t{2} * kStreamWarps * kWarp * 16;
-  l.total = l.scratch + align16(staging > partials ? staging : partials);
-  return l;
-}
-
-/// Warp 0: requests local tile `j` of this block (global tile blockIdx.x + j·gridDim.x) into
-/// `stage`, completing on `full`. Lane 0 announces the bytes; lanes 0–3 copy one 4-row chunk
-/// each (one copy of all rows when the chunks are not padded), lanes 4 and 5 the tile's scales
-/// and biases. Rows past the matrix are not copied.
-__device__ __forceinline__ void stream_request_tile(const DeviceQuant& w, int64_t j, unsigned char* stage,
-                                                    const StreamLayout& l, uint64_t* full) {
-  const int lane = threadIdx.x % kWarp, groups = w.cols / kGroup;
-  const int64_t row0 = (blockIdx.x + j * gridDim.x) * int64_t{kMmaTileRows};
-  const int valid = static_cast<int>(w.rows - row0 < kMmaTileRows ? w.rows - row0 : kMmaTileRows);
-  const uint32_t sb_bytes = static_cast<uint32_t>(valid) * groups * 2;
-  if (lane == 0) mbarrier_arrive_expect_tx(full, valid * l.row_bytes + 2 * sb_bytes);
-  __syncwarp();
-  fence_proxy_async_shared();
-  const unsigned char* codes = reinterpret_cast<const unsigned char*>(w.codes) + row0 * l.row_bytes;
-  const bool padded = l.chunk_pitch != 4 * l.row_bytes;
-  if (lane < 4) {
-    const int first = 4 * lane, rows = valid - first < 4 ? valid - first : 4;
-    if (padded && rows > 0)
-      bulk_copy_to_shared(stage + lane * l.chunk_pitch, codes + first * l.row_bytes, rows * l.row_bytes, full);
-    else if (!padded && lane == 0)
-      bulk_copy_to_shared(stage, codes, valid * l.row_bytes, full);
-  } else if (lane == 4 || lane == 5) {
-    const bf16* src = (lane == 4 ? w.scales : w.biases) + row0 * groups;
-    bulk_copy_to_shared(stage + 4 * l.chunk_pitch + (lane - 4) * kMmaTileRows * groups * 2, src, sb_bytes, full);
-  }
-}
-
-/// One thread's view of a stage for its fragment rows (slot g → row 4·(g mod 4) + g/4, slot
-/// g + 8 → that row + 2).
-struct StreamTileView {
-  const unsigned char* code_lo;  ///< this thread's 8 bytes of group 0, row of slot g
-  const unsigned char* code_hi;  ///< same, row of slot g + 8
-  const bf16* s_lo;              ///< scales of the slot-g row [groups]
-  const bf16* s_hi;
-  const bf16* b_lo;              ///< biases of the slot-g row [groups]
-  const bf16* b_hi;
-};
-
-__device__ __forceinline__ StreamTileView stream_tile_view(const unsigned char* stage, const StreamLayout& l, int groups,
-                                                           int g, int t) {
-  const int r_lo = 4 * (g % 4) + g / 4;
-  StreamTileView v;
-  v.code_lo = stage + (g % 4) * l.chunk_pitch + (g / 4) * l.row_bytes + 8 * t;
-  v.code_hi = v.code_lo + 2 * l.row_bytes;
-  const bf16* sc = reinterpret_cast<const bf16*>(stage + 4 * l.chunk_pitch);
-  const bf16* bi = sc + kMmaTileRows * groups;
-  v.s_lo = sc + r_lo * groups;
-  v.s_hi = sc + (r_lo + 2) * groups;
-  v.b_lo = bi + r_lo * groups;
-  v.b_hi = bi + (r_lo + 2) * groups;
-  return v;
-}
-
-/// Token g's activation fragments of group G (group_mma's B registers; zeros for g ≥ m) read
-/// straight from x [m, cols] in global memory: the 16 values [64G + 16t, +16) in two 16-byte
-/// loads, paired (c, c + 4) with byte permutes into fragment_pair_column's order.
-__device__ __forceinline__ void stream_direct_fragments(const bf16* __restrict__ x, int cols, int m, int g, int t, int G,
-                                                        uint4& bw0, uint4& bw1) {
-  bw0 = bw1 = make_uint4(0, 0, 0, 0);
-  if (g >= m) return;
-  const uint4* p = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(g) * cols + G * kGroup + 16 * t);
-  const uint4 lo = p[0], hi = p[1];  // (x0, x1), (x2, x3), (x4, x5), (x6, x7) of each half
-  bw0 = make_uint4(__byte_perm(lo.x, lo.z, 0x5410), __byte_perm(lo.x, lo.z, 0x7632), __byte_perm(lo.y, lo.w, 0x5410),
-                   __byte_perm(lo.y, lo.w, 0x7632));
-  bw1 = make_uint4(__byte_perm(hi.x, hi.z, 0x5410), __byte_perm(hi.x, hi.z, 0x7632), __byte_perm(hi.y, hi.w, 0x5410),
-                   __byte_perm(hi.y, hi.w, 0x7632));
-}
-
-/// Adds group G's contribution to acc (rows of slots g, g+8 × tokens 2t, 2t+1). The activation
-/// fragments come from the staged permuted rows (xperm), or with kDirect from x in global memory.
-template <bool kDirect>
-__device__ __forceinline__ void stream_group(const StreamTileView& v, const uint32_t* xperm, const bf16* x, int cols,
-                                             int m, int g, int t, int G, float sl, float bl, float sh, float bh,
-                                             float x0, float x1, float (&acc)[4]) {
-  uint4 bw0 = make_uint4(0, 0, 0, 0), bw1 = make_uint4(0, 0, 0, 0);
-  if constexpr (kDirect) {
-    stream_direct_fragments(x, cols, m, g, t, G, bw0, bw1);
-  } else if (g < m) {
-    const uint4* bp = reinterpret_cast<const uint4*>(xperm + g * (cols / 2) + G * 32 + t * 8);
-    bw0 = bp[0];
-    bw1 = bp[1];
-  }
-  float d[4];
-  group_mma<true>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32),
-                   bw0, bw1, d);
-  const float cl = fmaf(-128.0f, sl, bl), ch = fmaf(-128.0f, sh, bh);
-  acc[0] += sl * d[0] + cl * x0;
-  acc[1] += sl * d[1] + cl * x1;
-  acc[2] += sh * d[2] + ch * x0;
-  acc[3] += sh * d[3] + ch * x1;
-}
 
 /// grid (about kStreamBlocksPerSm blocks per SM), block kStreamThreads; x [m, cols] (m ≤ 8),
 /// y [m, rows]; tiles of 16 rows strided over the grid, `stages` in flight per block; `pad` the
@@ -588,23 +405,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm) quant_stre
     mbarrier_wait(full + s, static_cast<uint32_t>(i / stages) & 1u);
     const StreamTileView v = stream_tile_view(stage, l, groups, g, t);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int G = g_begin;
-#pragma unroll 2
-    for (; G + 2 <= g_end; G += 2) {  // two groups per load of scales, biases and Σx
-      const __nv_bfloat162 sl = *reinterpret_cast<const __nv_bfloat162*>(v.s_lo + G);
-      const __nv_bfloat162 bl = *reinterpret_cast<const __nv_bfloat162*>(v.b_lo + G);
-      const __nv_bfloat162 sh = *reinterpret_cast<const __nv_bfloat162*>(v.s_hi + G);
-      const __nv_bfloat162 bh = *reinterpret_cast<const __nv_bfloat162*>(v.b_hi + G);
-      const float2 x0 = has0 ? *reinterpret_cast<const float2*>(xs0 + G) : make_float2(0.0f, 0.0f);
-      const float2 x1 = has1 ? *reinterpret_cast<const float2*>(xs1 + G) : make_float2(0.0f, 0.0f);
-      stream_group<kDirect>(v, xperm, x, cols, m, g, t, G, __low2float(sl), __low2float(bl), __low2float(sh),
-                            __low2float(bh), x0.x, x1.x, acc);
-      stream_group<kDirect>(v, xperm, x, cols, m, g, t, G + 1, __high2float(sl), __high2float(bl), __high2float(sh),
-                            __high2float(bh), x0.y, x1.y, acc);
-    }
-    if (G < g_end)  // an odd group count per warp
-      stream_group<kDirect>(v, xperm, x, cols, m, g, t, G, to_f32(v.s_lo[G]), to_f32(v.b_lo[G]), to_f32(v.s_hi[G]),
-                            to_f32(v.b_hi[G]), has0 ? xs0[G] : 0.0f, has1 ? xs1[G] : 0.0f, acc);
+    stream_tile_slice<kDirect>(v, xperm, x, cols, m, g, t, g_begin, g_end, xs0, xs1, has0, has1, acc);
 
     const int p = static_cast<int>(i & 1);
     const uint32_t round = static_cast<uint32_t>(i >> 1);

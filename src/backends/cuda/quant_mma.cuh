@@ -54,6 +54,14 @@ __device__ __forceinline__ void group_mma(const uint2& lo, const uint2& hi, cons
   }
 }
 
+/// acc + (s·D + b·Σx) with every rounding explicit: one 64-group's affine term of a weight row
+/// (s, b its scale and bias, D the group's Σ q·x, x its Σx; docs/model.md §4.2). The streaming
+/// GEMV and both MoE blocks use it, so a row gets the same bits in whichever kernel or fragment
+/// register computes it.
+__device__ __forceinline__ float affine_add(float acc, float s, float d, float b, float x) {
+  return __fadd_rn(acc, __fmaf_rn(s, d, __fmul_rn(b, x)));
+}
+
 /// Code byte `i` (0 … 3) of `w` as an exact fp32 value (0 … 255): the byte placed in the
 /// mantissa of 2^23, then 2^23 subtracted.
 __device__ __forceinline__ float code_byte_f32(uint32_t w, int i) {
