@@ -219,11 +219,6 @@ struct CudaOptions {
   /// LILY_CUDA_FUSED_MOE 1|0: the decode MoE block (router, experts, combine) as one launch with
   /// grid-wide barriers, or as three kernels. Needs fuse=1; shapes it does not support keep three.
   bool fused_moe = true;
-  /// LILY_CUDA_FUSED_NEXT_IN 1|0: each one-sequence decode MoE block but the last also runs the
-  /// next layer's input norm and in-projection (its weights requested while the experts are
-  /// still computed), or each in-projection is its own launch. Same results; needs fused-moe=1
-  /// and stream-gemv=1.
-  bool fused_next_in = true;
   /// LILY_CUDA_L2_PREFETCH 0 … 3: what each decode MoE block asks the L2 cache to fetch for the
   /// next layer while its router and barriers leave DRAM idle: 0 nothing, 1 the in-projection,
   /// 2 also the out-projection, 3 also the router and the shared expert. A hint: no result changes.
@@ -260,7 +255,7 @@ struct CudaOptions {
   static CudaOptions from_env();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
   /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
-  /// gemm-kernel=wgmma-mixed fused-moe=1 fused-next-in=1 l2-prefetch=2 batched-decode=0 chunk=4096 max-batch=8", for logs and reports.
+  /// gemm-kernel=wgmma-mixed fused-moe=1 l2-prefetch=2 batched-decode=0 chunk=4096 max-batch=8", for logs and reports.
   std::string describe() const;
 };
 
@@ -311,7 +306,6 @@ inline CudaOptions CudaOptions::from_env() {
   o.batched_prefill = env_choice("LILY_CUDA_PREFILL", "batched", "per-token", o.batched_prefill);
   o.tensor_core_gemm = env_choice("LILY_CUDA_GEMM", "tensor-core", "gemv", o.tensor_core_gemm);
   o.fused_moe = env_choice("LILY_CUDA_FUSED_MOE", "1", "0", o.fused_moe);
-  o.fused_next_in = env_choice("LILY_CUDA_FUSED_NEXT_IN", "1", "0", o.fused_next_in);
   o.l2_prefetch = env_int("LILY_CUDA_L2_PREFETCH", 0, 3, o.l2_prefetch);
   // LILY_CUDA_GEMM_REGDQ is the switch's former name, still read when LILY_CUDA_GEMM_KERNEL is unset.
   const char* gemm_var = env_value("LILY_CUDA_GEMM_KERNEL").empty() && !env_value("LILY_CUDA_GEMM_REGDQ").empty()
@@ -336,7 +330,7 @@ inline std::string CudaOptions::describe() const {
          " gdn-chunk-parallel=" + (gdn_chunk_parallel ? "1" : "0") + " gdn-local-mma=" + (gdn_local_mma ? "1" : "0") +
          " gdn-state-mma=" + (gdn_state_mma ? "1" : "0") + " prefill=" + (batched_prefill ? "batched" : "per-token") +
          " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " gemm-kernel=" + gemm_kernel +
-         " fused-moe=" + (fused_moe ? "1" : "0") + " fused-next-in=" + (fused_next_in ? "1" : "0") + " l2-prefetch=" + std::to_string(l2_prefetch) +
+         " fused-moe=" + (fused_moe ? "1" : "0") + " l2-prefetch=" + std::to_string(l2_prefetch) +
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
          " max-batch=" + std::to_string(max_batch);
 }

@@ -12,7 +12,6 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -43,7 +42,7 @@ struct MoeBlock {
     ids = poisoned(size_t(R) * (k + 1) * 4);
     weights = poisoned(size_t(R) * (k + 1) * 4);
     act = poisoned(size_t(R) * (k + 1) * ffn * 2);
-    barriers = DeviceBuffer(cuda::kMoeBarriers * sizeof(uint32_t));
+    barriers = DeviceBuffer(2 * sizeof(uint32_t));
   }
 
   /// The launch's arguments for `rows` rows: x (+ branch, when non-null) → x_out, normed;
@@ -194,104 +193,6 @@ void check_moe_block(int E, int k, int hidden, int ffn, uint64_t seed, int max_b
   }
 }
 
-/// The next layer's input norm + in-projection (+ GDN conv step when conv_channels > 0) as the
-/// one-token block's last phase (MoeDecodeArgs::next_in), against the same block without it
-/// followed by launch_add_rmsnorm_gemv on its outputs: the MoE output and every output of the
-/// projection (y, the conv output and window, the norm's x_out and normed) bit for bit.
-void check_next_in(int E, int k, int hidden, int ffn, int64_t proj_rows, int conv_channels, uint64_t seed,
-                   int max_blocks) {
-  std::mt19937_64 rng(seed);
-  MoeBlock m(E, k, hidden, ffn, rng);
-  RandomQuant w(proj_rows, hidden, 4, rng);
-  std::vector<float> gain2 = normal_bf16(hidden, rng, 0.3f);
-  for (auto& v : gain2) v += 1.0f;
-  const std::vector<float> taps = normal(int64_t(conv_channels) * 4, rng, 0.0f, 0.5f);
-  const std::vector<float> window = normal_bf16(int64_t(conv_channels) * 3, rng, 1.0f);
-  DeviceBuffer dgain2 = upload_f32(gain2), dtaps = upload_f32(taps);
-  DeviceBuffer dx = upload_bf16(normal_bf16(hidden, rng, 2.0f)), dbranch = upload_bf16(normal_bf16(hidden, rng, 0.5f));
-
-  struct Outputs {
-    DeviceBuffer x_out, normed, out, x2, normed2, y, window, conv_out;
-  };
-  auto outputs = [&] {
-    Outputs o{poisoned(hidden * 2), poisoned(hidden * 2), poisoned(hidden * 2), poisoned(hidden * 2),
-              poisoned(hidden * 2), poisoned(proj_rows * 2), upload_bf16(window), poisoned(std::max(conv_channels, 1) * 2)};
-    return o;
-  };
-  auto next_norm = [&](Outputs& o) {
-    cuda::FusedNorm n;
-    n.branch = o.out.as<__nv_bfloat16>();
-    n.gain = dgain2.as<float>();
-    n.eps = 1e-6f;
-    n.x_out = o.x2.as<__nv_bfloat16>();
-    n.normed_out = o.normed2.as<__nv_bfloat16>();
-    return n;
-  };
-  auto conv_of = [&](Outputs& o) {
-    cuda::FusedConv c;
-    c.channels = conv_channels;
-    if (conv_channels > 0) {
-      c.taps = dtaps.as<float>();
-      c.window = o.window.as<__nv_bfloat16>();
-      c.out = o.conv_out.as<__nv_bfloat16>();
-    }
-    return c;
-  };
-
-  // Fused: the MoE block runs the projection as its last phase.
-  Outputs f = outputs();
-  cuda::MoeDecodeArgs a = m.args(dx, dbranch.as<__nv_bfloat16>(), f.x_out, f.normed, f.out);
-  a.next_in.w = w.view();
-  a.next_in.norm = next_norm(f);
-  a.next_in.x = f.x_out.as<__nv_bfloat16>();
-  a.next_in.y = f.y.as<__nv_bfloat16>();
-  a.next_in.conv = conv_of(f);
-  m.barriers.fill_bytes(0);
-  launch_moe(a, nullptr, max_blocks, false);
-  CUDA_CHECK(cudaDeviceSynchronize());
-
-  // Separate: the block alone, then the streaming GEMV with its fused norm and conv.
-  Outputs r = outputs();
-  const cuda::MoeDecodeArgs b = m.args(dx, dbranch.as<__nv_bfloat16>(), r.x_out, r.normed, r.out);
-  m.barriers.fill_bytes(0);
-  launch_moe(b, nullptr, max_blocks, false);
-  cuda::launch_add_rmsnorm_gemv(next_norm(r), r.x_out.as<__nv_bfloat16>(), w.view(), r.y.as<__nv_bfloat16>(), nullptr,
-                                nullptr, conv_of(r));
-  CUDA_CHECK(cudaDeviceSynchronize());
-
-  auto same = [](const DeviceBuffer& p, const DeviceBuffer& q, int64_t n, const char* what) {
-    EXPECT_EQ(bits_of(download_bf16(p, n)), bits_of(download_bf16(q, n))) << what;
-  };
-  same(f.out, r.out, hidden, "MoE output");
-  same(f.x2, r.x2, hidden, "next norm x_out");
-  same(f.normed2, r.normed2, hidden, "next norm normed");
-  same(f.y, r.y, proj_rows, "in-projection");
-  if (conv_channels > 0) {
-    same(f.conv_out, r.conv_out, conv_channels, "conv output");
-    same(f.window, r.window, int64_t(conv_channels) * 3, "conv window");
-  }
-  const std::vector<float> y = download_bf16(f.y, proj_rows);
-  EXPECT_TRUE(std::all_of(y.begin(), y.end(), [](float v) { return std::isfinite(v); })) << "every row written";
-}
-
-TEST(CudaMoeBlock, NextInProjectionGivesTheSeparateGemvBits) {
-  check_next_in(256, 8, 2048, 512, 12352, 8192, 71, 0);  // a GDN layer's in-projection + conv
-  check_next_in(256, 8, 2048, 512, 9216, 0, 72, 0);      // an attention layer's q|k|v
-  check_next_in(64, 4, 1024, 256, 3000, 2048, 73, 40);   // 5 tiles a block: one early, four after gate/up
-}
-
-TEST(CudaMoeBlock, NextInProjectionRefusesWhatItDoesNotSupport) {
-  std::mt19937_64 rng(74);
-  MoeBlock m(16, 4, 256, 128, rng);  // hidden 256: not a multiple of 512
-  RandomQuant w(512, 256, 4, rng);
-  DeviceBuffer x = poisoned(512), xo = poisoned(512), nrm = poisoned(512), out = poisoned(512);
-  cuda::MoeDecodeArgs a = m.args(x, nullptr, xo, nrm, out);
-  a.next_in.w = w.view();
-  EXPECT_NE(cuda::moe_block_unsupported(a).find("next in-projection"), std::string::npos) << cuda::moe_block_unsupported(a);
-  a.rows = 2;
-  EXPECT_NE(cuda::moe_block_rows_unsupported(a).find("next in-projection"), std::string::npos);
-}
-
 TEST(CudaMoeBlock, RealShapeOnEverySm) { check_moe_block(256, 8, 2048, 512, 61, 0); }
 TEST(CudaMoeBlock, RealShapeOnFewerBlocks) { check_moe_block(256, 8, 2048, 512, 62, 118); }  // 5 gate/up tiles, 2 down tiles on some
 TEST(CudaMoeBlock, DemoShape) {
@@ -419,11 +320,6 @@ struct MoeBlockChain {
   bool rows_kernel;            ///< launch_moe_block_rows (else launch_moe_block_decode, one row)
   int traced = -1;             ///< the block whose launch records MoeDecodeArgs::trace
   uint64_t* trace = nullptr;
-  /// With next_w: every block also runs a GDN-sized in-projection of its output (next_in), or
-  /// with separate_next the same as launch_add_rmsnorm_gemv after it.
-  std::unique_ptr<RandomQuant> next_w;
-  bool separate_next = false;
-  DeviceBuffer next_x, next_normed, next_y;
 
   MoeBlockChain(int E, int k, int hidden, int ffn, int blocks_, std::mt19937_64& rng, int rows_ = 1)
       : m(E, k, hidden, ffn, rng), blocks(blocks_), rows(rows_), rows_kernel(rows_ > 1) {
@@ -431,14 +327,8 @@ struct MoeBlockChain {
     for (auto& b : xr) b = DeviceBuffer(size_t(rows) * hidden * 2);
     for (auto& b : out) b = DeviceBuffer(size_t(rows) * hidden * 2);
     normed = DeviceBuffer(size_t(rows) * hidden * 2);
-    barriers = DeviceBuffer(size_t(blocks) * cuda::kMoeBarriers * sizeof(uint32_t));
+    barriers = DeviceBuffer(size_t(blocks) * 2 * sizeof(uint32_t));
     reset();
-  }
-  void add_next_in_projection(int64_t proj_rows, std::mt19937_64& rng) {
-    next_w = std::make_unique<RandomQuant>(proj_rows, m.hidden, 4, rng);
-    next_x = DeviceBuffer(size_t(m.hidden) * 2);
-    next_normed = DeviceBuffer(size_t(m.hidden) * 2);
-    next_y = DeviceBuffer(size_t(proj_rows) * 2);
   }
   void reset() {
     std::vector<uint16_t> bits(x0.size());
@@ -451,23 +341,10 @@ struct MoeBlockChain {
     CUDA_CHECK(cudaMemsetAsync(barriers.data(), 0, barriers.bytes(), stream));
     for (int l = 0; l < blocks; ++l) {
       cuda::MoeDecodeArgs a = m.args(xr[l % 2], l == 0 ? nullptr : out[(l + 1) % 2].as<__nv_bfloat16>(),
-                                     xr[(l + 1) % 2], normed, out[l % 2], barriers.as<uint32_t>() + cuda::kMoeBarriers * l,
-                                     rows);
+                                     xr[(l + 1) % 2], normed, out[l % 2], barriers.as<uint32_t>() + 2 * l, rows);
       if (l == traced) a.trace = trace;
-      cuda::NextInProjection n;
-      if (next_w) {
-        n.w = next_w->view();
-        n.norm.branch = out[l % 2].as<__nv_bfloat16>();
-        n.norm.gain = m.gain.as<float>();
-        n.norm.x_out = next_x.as<__nv_bfloat16>();
-        n.norm.normed_out = next_normed.as<__nv_bfloat16>();
-        n.x = xr[(l + 1) % 2].as<__nv_bfloat16>();
-        n.y = next_y.as<__nv_bfloat16>();
-        if (!separate_next) a.next_in = n;
-      }
       if (rows_kernel) cuda::launch_moe_block_rows(a, stream);
       else cuda::launch_moe_block_decode(a, stream);
-      if (next_w && separate_next) cuda::launch_add_rmsnorm_gemv(n.norm, n.x, n.w, n.y, nullptr, stream);
     }
   }
   std::vector<float> result() const {
@@ -547,17 +424,6 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
                 fused ? "fused" : "three kernels", graph_replay_us(exec, stream, kReps) / kLayers);
     CUDA_CHECK(cudaGraphExecDestroy(exec));
   }
-  // With a GDN layer's in-projection (12352 × 2048) after every block: as the block's last phase
-  // (next_in) or as its own launch.
-  for (bool separate : {true, false}) {
-    MoeBlockChain nchain(256, 8, 2048, 512, kLayers, rng);
-    nchain.add_next_in_projection(12352, rng);
-    nchain.separate_next = separate;
-    cudaGraphExec_t exec = capture_graph(stream, [&](cudaStream_t st) { nchain.enqueue(st); });
-    std::printf("[timing] moe block x%d graph+PDL, + in-projection %-12s %8.2f us per layer\n", kLayers,
-                separate ? "as a GEMV" : "as next_in", graph_replay_us(exec, stream, kReps) / kLayers);
-    CUDA_CHECK(cudaGraphExecDestroy(exec));
-  }
   // The rows kernel over the rows of a batched step.
   for (int rows : {1, 2, 4, 8}) {
     MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
@@ -573,17 +439,15 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
 // Where one fused MoE block's time goes, for 1 and 8 rows: the %globaltimer phase stamps of
 // every block of layer 20 of the 40-layer graph chain, relative to the first block's entry; per
 // phase the earliest, median and latest block (printed, never asserted).
-void print_moe_phases(int rows, bool next_in = false) {
+void print_moe_phases(int rows) {
   PdlSetting keep;
   cuda::set_pdl_enabled(true);
   std::mt19937_64 rng(74);
   MoeBlockChain chain(256, 8, 2048, 512, 40, rng, rows);
-  if (next_in) chain.add_next_in_projection(12352, rng);
   int blocks = 0, dev = 0;  // the kernel runs one block per SM
   CUDA_CHECK(cudaGetDevice(&dev));
   CUDA_CHECK(cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev));
   DeviceBuffer trace(size_t(blocks) * cuda::kMoeTracePoints * 8);
-  trace.fill_bytes(0);
   chain.traced = 20;
   chain.trace = trace.as<uint64_t>();
   cudaStream_t stream = nullptr;
@@ -596,14 +460,13 @@ void print_moe_phases(int rows, bool next_in = false) {
   uint64_t t0 = UINT64_MAX;
   for (int b = 0; b < blocks; ++b) t0 = std::min(t0, t[size_t(b) * cuda::kMoeTracePoints]);
   static const char* kPhase[cuda::kMoeTracePoints] = {"entry", "PDL wait", "norm", "router", "barrier 1", "routing",
-                                                     "requests", "gate/up", "SwiGLU", "barrier 2", "act staged", "down",
-                                                     "barrier 3", "next norm", "next tiles", "next in"};
-  for (int p = 0; p < (next_in ? cuda::kMoeTracePoints : cuda::kMoeTracePoints - 4); ++p) {
+                                                     "requests", "gate/up", "SwiGLU", "barrier 2", "act staged", "down"};
+  for (int p = 0; p < cuda::kMoeTracePoints; ++p) {
     std::vector<double> us;
     for (int b = 0; b < blocks; ++b) us.push_back((t[size_t(b) * cuda::kMoeTracePoints + p] - t0) / 1000.0);
     std::sort(us.begin(), us.end());
-    std::printf("[timing] moe block %d rows%s, phase %-10s  first %6.2f  median %6.2f  last %6.2f us\n", rows,
-                next_in ? " + next in" : "", kPhase[p], us.front(), us[us.size() / 2], us.back());
+    std::printf("[timing] moe block %d rows, phase %-10s  first %6.2f  median %6.2f  last %6.2f us\n", rows, kPhase[p],
+                us.front(), us[us.size() / 2], us.back());
   }
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaStreamDestroy(stream));
@@ -611,7 +474,6 @@ void print_moe_phases(int rows, bool next_in = false) {
 
 TEST(CudaTiming, PrintsMoeBlockPhases) {
   print_moe_phases(1);
-  print_moe_phases(1, true);
   print_moe_phases(8);
 }
 

@@ -74,12 +74,6 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, 
                : "memory");
 }
 
-/// Asks the L2 cache to fetch [p, p + bytes) (16-byte aligned, a multiple of 16, < 2^32): one
-/// bulk prefetch, nothing written, no completion to wait for.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
 /// Asks the L2 cache to fetch block `part`'s share (of `parts`) of every range of `p`
 /// (kernels.h L2Prefetch): each range is cut into `parts` pieces of whole 16-byte units, and the
 /// lanes of the calling warp issue the piece as bulk prefetches of at most 32 KB. Call it from

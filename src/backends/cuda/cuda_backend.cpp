@@ -539,7 +539,7 @@ int routed_plus_shared_slots(const ModelConfig& c) { return c.n_experts_per_tok 
 int routed_plus_shared_experts(const ModelConfig& c) { return c.n_experts + 1; }
 
 /// Grid barriers of one launch_moe_block_decode (MoeDecodeArgs::barriers).
-constexpr int kMoeBarriersPerLayer = kMoeBarriers;
+constexpr int kMoeBarriersPerLayer = 2;
 
 void check_shapes(const ModelConfig& c) {
   auto bad = [&](const std::string& what) {
@@ -589,7 +589,6 @@ class CudaBackend final : public Backend {
     allocate_scratch();
     fused_moe_ = options_.fused_moe && fuse_decode_ && fused_moe_supported();
     batched_fused_moe_ = fused_moe_ && fused_moe_supported(kMaxDecodeRows);
-    fused_next_in_ = fused_moe_ && options_.fused_next_in && options_.stream_gemv && next_in_supported();
     // The kernel layer's switches (kernels.h, mixer_kernels.h, quant_gemm.h) are process-wide:
     // set here from this backend's options, every one of them, so the environment is read and
     // validated once, by CudaOptions::from_env. The last backend constructed sets them.
@@ -951,23 +950,18 @@ class CudaBackend final : public Backend {
     // router); normed_ holds the latest normed row (the expert kernels read it).
     // With LILY_CUDA_FUSE=0 the residual stays in x_ and the norms are separate kernels.
     const DeviceBuffer& resid = fuse_decode_ ? x_alt_ : x_;  // the residual right after an input/final norm's add
-    // With fused_next_in_ each MoE block (but the last) also runs the next layer's input norm
-    // and in-projection, so that layer's mixer starts after it (not with probes: they read
-    // normed_ between the two).
-    const bool next_in = fused_next_in_ && !probing;
     for (int l = 0; l < c.n_layers; ++l) {
       const DeviceLayer& L = model_->layers[l];
       const FusedNorm in_norm = fused_norm(l == 0 ? nullptr : moe_out_.as<bf16>(), L.input_norm, x_alt_);
       if (!fuse_decode_) separate_norm(in_norm);
-      const bool projected = next_in && l > 0;  // by layer l − 1's MoE block
-      if (L.type == LayerType::kLinearAttention) gdn_mixer(L, s, layer_slot_[l], in_norm, projected);
-      else attention_mixer(L, s, layer_slot_[l], d_pos, d_len, in_norm, projected);
+      if (L.type == LayerType::kLinearAttention) gdn_mixer(L, s, layer_slot_[l], in_norm);
+      else attention_mixer(L, s, layer_slot_[l], d_pos, d_len, in_norm);
       if (probing) {
         if (l > 0) emit("layer_out", l - 1, pos, resid.as<bf16>(), c.hidden);
         emit("attn_norm", l, pos, normed_.as<bf16>(), c.hidden);
         emit("mixer_out", l, pos, mixer_out_.as<bf16>(), c.hidden);
       }
-      moe_block(L, l, next_in && l + 1 < c.n_layers ? &s : nullptr);
+      moe_block(L, l);
       if (probing) {
         emit("ffn_norm", l, pos, normed_.as<bf16>(), c.hidden);
         emit_f32("router_logits", l, pos, router_logits_.as<float>(), c.n_experts);
@@ -1006,26 +1000,17 @@ class CudaBackend final : public Backend {
     return n;
   }
 
-  /// The GDN in-projection's fused conv step for `slot` (its rows below the conv channels).
-  FusedConv gdn_conv(const DeviceLayer& L, CudaState& s, int slot) {
-    FusedConv conv;
-    conv.channels = gdn_.conv_channels();
-    conv.taps = L.gdn.conv_w;
-    conv.window = s.window(slot);
-    conv.out = conv_out_.as<bf16>();
-    return conv;
-  }
-
-  /// `projected`: the input norm, in-projection and conv step already ran in the previous
-  /// layer's MoE block (NextInProjection).
-  void gdn_mixer(const DeviceLayer& L, CudaState& s, int slot, const FusedNorm& in_norm, bool projected = false) {
+  void gdn_mixer(const DeviceLayer& L, CudaState& s, int slot, const FusedNorm& in_norm) {
     bf16* proj = proj_.as<bf16>();
     const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
     // Input norm + in-projection + causal conv step (on the q|k|v rows) in one launch.
-    if (projected) {
-      // proj_ and conv_out_ hold them already
-    } else if (fuse_decode_) {
-      launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.gdn_in, proj, nullptr, stream_, gdn_conv(L, s, slot));
+    FusedConv conv;
+    conv.channels = C;
+    conv.taps = L.gdn.conv_w;
+    conv.window = s.window(slot);
+    conv.out = conv_out_.as<bf16>();
+    if (fuse_decode_) {
+      launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.gdn_in, proj, nullptr, stream_, conv);
     } else {
       launch_quant_gemv(L.gdn_in, normed_.as<bf16>(), proj, nullptr, stream_);
       gdn_conv_decode(gdn_, L.gdn, proj, s.window(slot), conv_out_.as<bf16>(), stream_);
@@ -1036,12 +1021,10 @@ class CudaBackend final : public Backend {
   }
 
   void attention_mixer(const DeviceLayer& L, CudaState& s, int slot, const int32_t* d_pos, const int32_t* d_len,
-                       const FusedNorm& in_norm, bool projected = false) {
+                       const FusedNorm& in_norm) {
     bf16* proj = proj_.as<bf16>();
     const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim, kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
-    if (projected) {
-      // proj_ holds it already
-    } else if (fuse_decode_) launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.attn_in, proj, nullptr, stream_);
+    if (fuse_decode_) launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.attn_in, proj, nullptr, stream_);
     else launch_quant_gemv(L.attn_in, normed_.as<bf16>(), proj, nullptr, stream_);
     const KvCacheView kv = s.kv(slot);
     attention_prepare(attn_, 1, proj, L.attn_in.rows, proj + qg, proj + qg + kvw, L.attn_in.rows, L.q_norm, L.k_norm,
@@ -1097,35 +1080,6 @@ class CudaBackend final : public Backend {
     return p;
   }
 
-  /// Layer `layer`'s input norm + in-projection (+ the GDN conv step of `s`, when given) as the
-  /// previous MoE block's last phase (NextInProjection); the same buffers as gdn_mixer and
-  /// attention_mixer use.
-  NextInProjection next_in_projection(int layer, CudaState* s) {
-    const DeviceLayer& N = model_->layers[layer];
-    const bool gdn = N.type == LayerType::kLinearAttention;
-    NextInProjection n;
-    n.w = gdn ? N.gdn_in : N.attn_in;
-    n.norm = fused_norm(moe_out_.as<bf16>(), N.input_norm, x_alt_);
-    n.x = x_.as<bf16>();
-    n.y = proj_.as<bf16>();
-    if (gdn && s) n.conv = gdn_conv(N, *s, layer_slot_[layer]);
-    return n;
-  }
-
-  /// Whether every MoE block but the last can run the next layer's in-projection
-  /// (moe_block_unsupported with next_in); the first reason it cannot goes to the log once.
-  bool next_in_supported() {
-    for (int l = 0; l + 1 < config().n_layers; ++l) {
-      MoeDecodeArgs a = moe_args(model_->layers[l], l);
-      a.next_in = next_in_projection(l + 1, nullptr);
-      if (const std::string why = moe_block_unsupported(a); !why.empty()) {
-        log_info("CUDA backend: each layer's in-projection as its own launch (" + why + ")");
-        return false;
-      }
-    }
-    return true;
-  }
-
   /// Whether every layer's MoE block fits the fused kernel at `rows` rows
   /// (moe_block_unsupported); the reason of the first that does not goes to the log once.
   bool fused_moe_supported(int rows = 1) {
@@ -1142,16 +1096,10 @@ class CudaBackend final : public Backend {
     return true;
   }
 
-  /// The decode MoE block of `layer`; with `next_state` (fused_next_in_) also the next layer's
-  /// input norm and in-projection (+ conv step) for that state.
-  void moe_block(const DeviceLayer& L, int layer, CudaState* next_state = nullptr) {
+  void moe_block(const DeviceLayer& L, int layer) {
     const ModelConfig& c = config();
     const int k = c.n_experts_per_tok;
-    if (fused_moe_) {
-      MoeDecodeArgs a = moe_args(L, layer);
-      if (next_state) a.next_in = next_in_projection(layer + 1, next_state);
-      return launch_moe_block_decode(a, stream_);
-    }
+    if (fused_moe_) return launch_moe_block_decode(moe_args(L, layer), stream_);
     // Post norm (x_alt_ + mixer_out_ → x_, normed_) + router GEMV + top-k in one launch (the logits
     // are still written, for the probes).
     if (fuse_decode_) {
@@ -1660,9 +1608,6 @@ class CudaBackend final : public Backend {
   /// supported at kMaxDecodeRows rows (decided once, so every batch size, 1 included, takes the
   /// same arithmetic).
   bool batched_fused_moe_ = false;
-  /// The one-sequence decode's in-projections (but layer 0's) as the previous MoE block's last
-  /// phase (options_.fused_next_in, when the fused MoE block and the shapes allow it).
-  bool fused_next_in_ = false;
   std::unique_ptr<PrefillScratch> prefill_scratch_;                ///< allocated at the first batched prefill
   bool tensor_core_gemm_ = options_.tensor_core_gemm;  ///< prefill projections and experts (prefill_project)
   int prefill_chunk_ = options_.prefill_chunk;         ///< tokens per prefill chunk

@@ -232,19 +232,6 @@ void launch_expert_down_combine(const DeviceQuant& down, int hidden, const int32
                                 int n_sel, const __nv_bfloat16* act, int m, __nv_bfloat16* out,
                                 cudaStream_t stream);
 
-/// The next layer's input norm and in-projection, run as the last phase of the one-token decode
-/// MoE block (MoeDecodeArgs::next_in) instead of as its own launch: the same results as
-/// launch_add_rmsnorm_gemv(norm, x, w, y, nullptr, stream, conv), bit for bit (the same staged
-/// norm, the streaming GEMV's tiles and arithmetic, stream_gemv.cuh). The weights need no
-/// routing, so the block requests them while its experts are still being computed.
-struct NextInProjection {
-  DeviceQuant w;                      ///< 4-bit [rows, hidden]; rows = 0: no next phase
-  FusedNorm norm;                     ///< branch must be the MoE output (MoeDecodeArgs::out)
-  const __nv_bfloat16* x = nullptr;   ///< bf16 [hidden]: the residual (MoeDecodeArgs::norm.x_out)
-  __nv_bfloat16* y = nullptr;         ///< bf16 [rows]
-  FusedConv conv;                     ///< the GDN conv step on rows < conv.channels (0: none)
-};
-
 /// Everything the fused decode MoE block (launch_moe_block_decode) reads and writes, for the
 /// `rows` tokens of one decode step (1 … kMaxDecodeRows, one per sequence). Weights as for
 /// launch_add_rmsnorm_router_fused, launch_expert_gate_up and launch_expert_down_combine (the
@@ -263,25 +250,18 @@ struct MoeDecodeArgs {
   float* weights = nullptr;            ///< [rows, top_k + 1] (written, for probes)
   __nv_bfloat16* act = nullptr;        ///< bf16 [rows, top_k + 1, ffn]: scratch between the two grid phases
   __nv_bfloat16* out = nullptr;        ///< bf16 [rows, hidden]: the MoE output
-  /// uint32 [kMoeBarriers], zero before every launch (a memset in the graph): the one-token block
-  /// uses the first two, a third with next_in; the rows block the first two.
-  uint32_t* barriers = nullptr;
+  uint32_t* barriers = nullptr;        ///< uint32 [2], zero before every launch (a memset in the graph)
   /// Weights of later kernels (the next layer's projections) for L2 to fetch while this block's
   /// latency-bound phases leave DRAM idle; empty: none (LILY_CUDA_L2_PREFETCH, docs/cuda.md).
   L2Prefetch next;
-  /// The one-token block only: the next layer's input norm + in-projection as a last phase.
-  NextInProjection next_in;
   /// Diagnostics, null in production: per block, %globaltimer (ns) at each of the
   /// kMoeTracePoints phase ends (entry, PDL wait, norm + router, (same), barrier 1, routing,
   /// requests, gate/up + SwiGLU, (same), barrier 2, act staged, down) → uint64 [blocks][kMoeTracePoints].
   uint64_t* trace = nullptr;
 };
 
-/// Phase stamps per block of MoeDecodeArgs::trace (the last four with MoeDecodeArgs::next_in:
-/// barrier 3, its norm staged, its tiles summed, its outputs stored).
-inline constexpr int kMoeTracePoints = 16;
-/// Grid-barrier counters of one MoE block launch (MoeDecodeArgs::barriers).
-inline constexpr int kMoeBarriers = 3;
+/// Phase stamps per block of MoeDecodeArgs::trace.
+inline constexpr int kMoeTracePoints = 12;
 
 /// Why launch_moe_block_decode cannot run `args` on this device ("" when it can): it needs
 /// rows = 1, 4-bit experts, hidden a multiple of 256, ffn a multiple of 64, 16-byte aligned

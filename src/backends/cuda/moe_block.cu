@@ -46,15 +46,11 @@
 #include "backends/cuda/quant_mma.cuh"
 #include "backends/cuda/router_rows.cuh"
 #include "backends/cuda/router_topk.cuh"
-#include "backends/cuda/stream_gemv.cuh"
 
 namespace lily::cuda {
 namespace {
 
 using namespace moe;
-
-/// Next in-projection tiles one warp stores at most (a block has at most 16 × this many).
-constexpr int kNextInMaxTilesPerWarp = 2;
 
 /// Shapes and shared-memory offsets (bytes) of the kernel; host and device compute the same.
 struct MoeLayout {
@@ -65,24 +61,12 @@ struct MoeLayout {
   int dn_row_bytes = 0, dn_bytes = 0;
   int64_t gu_stage = 0, dn_stage = 0;  ///< one gate/up tile; one down tile of one slot
   int gu_max = 0, dn_max = 0;          ///< tiles per block at most
-  /// The next in-projection (MoeDecodeArgs::next_in): its 16-row tiles in all and per block at
-  /// most (0: no next phase), and their stage layout (stream_gemv.cuh).
-  int ip_tiles = 0, ip_max = 0;
-  StreamLayout ip;
-  /// The tile ring: `ring` stages of ring_stride bytes. A block's gate/up tiles take the first;
-  /// its next in-projection tiles the free ones from the start, the gate/up ones once read.
-  int ring = 0;
-  int64_t ring_stride = 0;
   int64_t bars = 0, gu_ring = 0, dn_ring = 0, xs = 0, xperm = 0, logits = 0, aperm = 0, asum = 0;
   int64_t gu_part = 0, dn_part = 0;
-  int64_t ip_part = 0;  ///< float4 [ip_max][kStreamWarps][32]: the next in-projection's k-slice partials
   int64_t total = 0;
 };
 
-/// `ip_rows`: the next in-projection's rows (0: none); `extra`: ring stages beyond what the
-/// tiles of one block need (each lets one more next in-projection tile start before the routing).
-__host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_experts, int n_sel, int blocks,
-                                                int64_t ip_rows = 0, int extra = 0) {
+__host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_experts, int n_sel, int blocks) {
   MoeLayout l;
   l.hidden = hidden;
   l.ffn = ffn;
@@ -98,19 +82,11 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
   l.dn_stage = l.dn_bytes;
   l.gu_max = static_cast<int>(ceil_div(int64_t{n_sel} * l.gu_per_slot, blocks));
   l.dn_max = static_cast<int>(ceil_div(hidden / kTileRows, blocks));
-  l.ring_stride = l.gu_stage;
-  if (ip_rows > 0) {
-    l.ip_tiles = static_cast<int>(ceil_div(ip_rows, kMmaTileRows));
-    l.ip_max = static_cast<int>(ceil_div(l.ip_tiles, blocks));
-    l.ip = stream_layout(hidden, 1, 0, kStreamChunkPad);
-    l.ring_stride = l.ip.stage_bytes > l.gu_stage ? l.ip.stage_bytes : l.gu_stage;
-  }
-  l.ring = (l.gu_max > l.ip_max ? l.gu_max : l.ip_max) + (ip_rows > 0 ? extra : 0);
   int64_t o = 0;
   l.bars = o;
-  o += align16(int64_t{l.gu_max + l.dn_max + l.ip_max} * 8);
+  o += align16(int64_t{l.gu_max + l.dn_max} * 8);
   l.gu_ring = o;
-  o += l.ring * l.ring_stride;
+  o += l.gu_max * l.gu_stage;
   l.dn_ring = o;
   o += int64_t{l.dn_max} * n_sel * l.dn_stage;
   l.xs = o;
@@ -127,14 +103,6 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
   o += align16(int64_t{l.gu_max} * kBlockWarps * kTileRows * 4);
   l.dn_part = o;
   o += align16(int64_t{n_sel} * kTileRows * 4);
-  // The partials of the last phase reuse the down stages (read by then) when they fit.
-  const int64_t ip_part_bytes = int64_t{l.ip_max} * kStreamWarps * kWarp * 16;
-  if (ip_part_bytes <= int64_t{l.dn_max} * n_sel * l.dn_stage) {
-    l.ip_part = l.dn_ring;
-  } else {
-    l.ip_part = o;
-    o += align16(ip_part_bytes);
-  }
   l.total = o;
   return l;
 }
@@ -200,13 +168,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   const int n_gu = l.n_sel * l.gu_per_slot, n_rt = l.hidden / kTileRows;
   const int my_gu = b < n_gu ? (n_gu - 1 - b) / G + 1 : 0;  // tiles b, b + G, …
   const int my_rt = b < n_rt ? (n_rt - 1 - b) / G + 1 : 0;
-  // The next in-projection's tiles b, b + G, …: the first early_ip into the stages after the
-  // gate/up tiles, requested at once; the rest into the gate/up stages once those are read.
-  const int my_ip = b < l.ip_tiles ? (l.ip_tiles - 1 - b) / G + 1 : 0;
-  const int early_ip = min(my_ip, l.ring - my_gu);
   uint64_t* gu_full = reinterpret_cast<uint64_t*>(sm + l.bars);
   uint64_t* dn_full = gu_full + l.gu_max;
-  uint64_t* ip_full = dn_full + l.dn_max;
   unsigned char* gu_ring = sm + l.gu_ring;
   unsigned char* dn_ring = sm + l.dn_ring;
   auto dn_stages = [&](int i) { return dn_ring + int64_t{i} * l.n_sel * l.dn_stage; };
@@ -215,7 +178,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   if (threadIdx.x == 0) {
     for (int i = 0; i < my_gu; ++i) mbarrier_init(gu_full + i, 1);
     for (int i = 0; i < my_rt; ++i) mbarrier_init(dn_full + i, 2);  // shared slot, then the routed ones
-    for (int i = 0; i < my_ip; ++i) mbarrier_init(ip_full + i, 1);
     mbarrier_init_fence();
   }
   __syncthreads();
@@ -226,18 +188,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
     for (int i = 0; i < my_gu; ++i) {
       const int j = b + i * G;
       if (j / l.gu_per_slot == shared_slot)
-        request_gate_up_tile(a, gate_up_row0(l, j, a.n_experts), gu_ring + i * l.ring_stride, gu_full + i);
+        request_gate_up_tile(a, gate_up_row0(l, j, a.n_experts), gu_ring + i * l.gu_stage, gu_full + i);
     }
     for (int i = 0; i < my_rt; ++i)
       request_down_slots(a, l, b + i * G, shared_slot, l.n_sel, nullptr, dn_stages(i), dn_full + i);
-    for (int i = 0; i < early_ip; ++i)
-      stream_request_tile(a.next_in.w, i, gu_ring + (my_gu + i) * l.ring_stride, l.ip, ip_full + i);
   }
   if (warp == kBlockWarps - 1) l2_prefetch_share(a.next, b, G);  // the next layer's weights
-  // The next in-projection's tiles that wait for the gate/up stages: into L2 now, while DRAM is
-  // otherwise idle until the routing, so that their copies later come from L2.
-  if (warp == kBlockWarps - 2)
-    for (int i = early_ip; i < my_ip; ++i) stream_prefetch_tile_l2(a.next_in.w, i, l.ip);
   pdl_prologue();
   trace_point(a, 1);
 
@@ -275,7 +231,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   if (warp == 0) {
     for (int i = 0; i < my_gu; ++i) {
       const int j = b + i * G, slot = j / l.gu_per_slot;
-      if (slot != shared_slot) request_gate_up_tile(a, gate_up_row0(l, j, sel_ids[slot]), gu_ring + i * l.ring_stride, gu_full + i);
+      if (slot != shared_slot) request_gate_up_tile(a, gate_up_row0(l, j, sel_ids[slot]), gu_ring + i * l.gu_stage, gu_full + i);
     }
     for (int i = 0; i < my_rt; ++i) request_down_slots(a, l, b + i * G, 0, shared_slot, sel_ids, dn_stages(i), dn_full + i);
   }
@@ -287,7 +243,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   float* gu_part = reinterpret_cast<float*>(sm + l.gu_part);  // [tile][warp][16 slots]
   for (int i = 0; i < my_gu; ++i) {
     mbarrier_wait(gu_full + i, 0);
-    const TileView v = tile_view(gu_ring + i * l.ring_stride, l.gu_row_bytes, l.groups_h, g, t);
+    const TileView v = tile_view(gu_ring + i * l.gu_stage, l.gu_row_bytes, l.groups_h, g, t);
     float gate = 0.0f, up = 0.0f;
     for (int Gi = g_begin; Gi < g_end; ++Gi) group_one_token(v, xperm, xsum, g, t, Gi, gate, up);
     if (t == 0) {
@@ -313,11 +269,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   trace_point(a, 8);
   grid_sync(a.barriers + 1, G);
   trace_point(a, 9);
-  // Every gate/up stage is read: the rest of the next in-projection's tiles go there, requested
-  // by the last warp, which has no down slot unless there are 16 (the copies wait on DRAM).
-  if (warp == kBlockWarps - 1)
-    for (int i = early_ip; i < my_ip; ++i)
-      stream_request_tile(a.next_in.w, i, gu_ring + (i - early_ip) * l.ring_stride, l.ip, ip_full + i);
 
   // 4. Down + combine: every slot's act (written by other blocks: read through L2), put in
   // fragment order with its group sums (the slots are contiguous, so one row of n_sel · ffn);
@@ -350,63 +301,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
     __syncthreads();  // dn_part is reused by the next row tile
   }
   trace_point(a, 11);
-  if (l.ip_tiles == 0) return;
-  // The conv inputs of the rows this thread will store (they do not depend on the MoE output).
-  const NextInProjection& nx = a.next_in;
-  ConvRowInputs conv_in[kNextInMaxTilesPerWarp][2];
-  const int64_t my_row_a = 4 * (g % 4) + g / 4;
-#pragma unroll
-  for (int j = 0; j < kNextInMaxTilesPerWarp; ++j) {
-    const int i = warp + j * kBlockWarps;
-    if (i >= my_ip || t != 0) continue;
-    const int64_t row_a = (b + int64_t{i} * G) * kMmaTileRows + my_row_a;
-    if (row_a < nx.conv.channels) conv_in[j][0] = load_conv_row(nx.conv, row_a);
-    if (row_a + 2 < nx.conv.channels) conv_in[j][1] = load_conv_row(nx.conv, row_a + 2);
-  }
-
-  // 5. The next layer's input norm + in-projection, once every block's output is in memory:
-  // launch_add_rmsnorm_gemv's streaming kernel, tile for tile (its staged norm, its k-slices of
-  // 8 warps summed in slice order, its epilogue and conv step), two tiles at a time.
-  grid_sync(a.barriers + 2, G);
-  trace_point(a, 12);
-  stage_norm_row<true>(nx.x, nx.norm, l.hidden, b == 0, xs, xsum, kNormThreads);
-  for (int i = threadIdx.x; i < l.hidden / 2; i += blockDim.x) {
-    const int c = fragment_pair_column(i);
-    const float* xg = xs + (c / kGroup) * kGroupStride + c % kGroup;
-    xperm[i] = pack_bf16x2(xg[0], xg[4]);
-  }
-  __syncthreads();
-  trace_point(a, 13);
-  const int slice = warp % kStreamWarps, per_slice = l.groups_h / kStreamWarps;
-  float4* ip_part = reinterpret_cast<float4*>(sm + l.ip_part);  // [tile][slice][lane]
-  for (int i = warp / kStreamWarps; i < my_ip; i += kBlockWarps / kStreamWarps) {
-    mbarrier_wait(ip_full + i, 0);
-    const int stage = i < early_ip ? my_gu + i : i - early_ip;
-    const StreamTileView v = stream_tile_view(gu_ring + stage * l.ring_stride, l.ip, l.groups_h, g, t);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    stream_tile_slice<false>(v, xperm, nullptr, l.hidden, 1, g, t, slice * per_slice, (slice + 1) * per_slice, xsum,
-                             xsum, t == 0, false, acc);
-    ip_part[(i * kStreamWarps + slice) * kWarp + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-  }
-  __syncthreads();
-  trace_point(a, 14);
-#pragma unroll
-  for (int j = 0; j < kNextInMaxTilesPerWarp; ++j) {
-    const int i = warp + j * kBlockWarps;
-    if (i >= my_ip) break;
-    const float4* p = ip_part + i * kStreamWarps * kWarp + lane;
-    float acc[4] = {p[0].x, p[0].y, p[0].z, p[0].w};
-    for (int sl = 1; sl < kStreamWarps; ++sl) {
-      const float4 o = p[sl * kWarp];
-      acc[0] += o.x;
-      acc[1] += o.y;
-      acc[2] += o.z;
-      acc[3] += o.w;
-    }
-    const int64_t row_a = (b + int64_t{i} * G) * kMmaTileRows + 4 * (g % 4) + g / 4;
-    store_mma_tile(acc, row_a, row_a + 2, t, 1, nx.w.rows, nx.y, nx.conv, conv_in[j]);
-  }
-  trace_point(a, 15);
 }
 
 
@@ -420,16 +314,8 @@ MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   };
   if (a.rows != 1) return no(std::to_string(a.rows) + " rows (the one-token block takes 1; launch_moe_block_rows takes more)");
   if (std::string why = shape_problem(a); !why.empty()) return no(why);
-  const DeviceQuant& nw = a.next_in.w;
-  auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-  if (nw.rows > 0 && (nw.bits != 4 || nw.cols != hidden || hidden % 512 != 0 || !aligned(nw.codes) ||
-                      !aligned(nw.scales) || !aligned(nw.biases)))
-    return no("the next in-projection is not a 4-bit [rows, hidden] matrix with hidden a multiple of 512 and "
-              "16-byte aligned arrays");
   p.blocks = plan_blocks(max_blocks);
-  p.layout = moe_layout(hidden, ffn, E, k + 1, p.blocks, nw.rows);
-  if (p.layout.ip_max > kBlockWarps * kNextInMaxTilesPerWarp)
-    return no("the next in-projection needs " + std::to_string(p.layout.ip_max) + " tiles per block");
+  p.layout = moe_layout(hidden, ffn, E, k + 1, p.blocks);
   p.kernel = a.router.bits == 8 ? moe_block_kernel<8> : moe_block_kernel<4>;
   if (std::string why = fit_problem(p.kernel, p.layout.total); !why.empty()) return no(why);
   return p;
@@ -470,17 +356,6 @@ void check_buffers(const MoeDecodeArgs& a, const char* what) {
     throw ::lily::InternalError(std::string(what) + ": logits, ids, weights, act, out and barriers are required");
   if (a.out == a.x || a.out == a.norm.branch || a.out == a.norm.x_out || a.out == a.norm.normed_out || a.norm.x_out == a.x)
     throw ::lily::InternalError(std::string(what) + ": out and x_out must not alias the norm's inputs");
-  const NextInProjection& n = a.next_in;
-  if (n.w.rows == 0) return;
-  check_fused_norm(n.norm, n.x, what);
-  if (n.norm.branch != a.out || n.x != a.norm.x_out)
-    throw ::lily::InternalError(std::string(what) + ": next_in reads the MoE output (branch) and the residual (norm.x_out)");
-  const void* y = n.y;
-  if (!n.y || y == a.out || y == a.norm.x_out || y == n.norm.x_out || y == n.norm.normed_out)
-    throw ::lily::InternalError(std::string(what) + ": next_in needs its own y");
-  const FusedConv& c = n.conv;
-  if (c.channels != 0 && (c.channels < 0 || c.channels > n.w.rows || !c.taps || !c.window || !c.out || c.out == n.y))
-    throw ::lily::InternalError(std::string(what) + ": bad next_in conv (channels " + std::to_string(c.channels) + ")");
 }
 
 }  // namespace moe

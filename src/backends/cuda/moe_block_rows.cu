@@ -536,7 +536,6 @@ MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   if (a.rows < 1 || a.rows > kMaxDecodeRows)
     return no(std::to_string(a.rows) + " rows (1 … " + std::to_string(kMaxDecodeRows) + " supported)");
   if (std::string why = shape_problem(a); !why.empty()) return no(why);
-  if (a.next_in.w.rows > 0) return no("the rows block has no next in-projection phase (next_in must be empty)");
   auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   if (!aligned(a.x) || !aligned(a.norm.branch) || !aligned(a.norm.gain) || !aligned(a.norm.x_out) ||
       !aligned(a.norm.normed_out) || !aligned(a.router.codes))

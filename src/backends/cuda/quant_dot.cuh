@@ -79,14 +79,10 @@ inline void check_fused_norm(const FusedNorm& norm, const bf16* x, const char* w
 /// one round trip; longer rows take a second pass over shared memory. Same values either way.
 /// All threads of the block; ends with __syncthreads(). `threads` (≤ blockDim.x, a multiple of
 /// 32; 0 = blockDim.x) is how many threads hold elements: a larger block with threads = 256 gives
-/// the same values as a 256-thread block (the other warps add zeros to the block sum). kL2: x
-/// and branch were written in this launch by other blocks, so they are read through L2
-/// (ld.global.cg); same values.
-template <bool kL2 = false>
+/// the same values as a 256-thread block (the other warps add zeros to the block sum).
 __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const FusedNorm& norm, int cols,
                                                bool store, float* xs, float* xsum, int threads = 0) {
   __shared__ float scratch[32];
-  auto load = [](const bf16* p) { return to_f32(kL2 ? __ldcg(p) : *p); };
   const int stride = threads > 0 ? threads : static_cast<int>(blockDim.x);
   const bool holds = static_cast<int>(threadIdx.x) < stride;
   float ss = 0.0f;
@@ -95,8 +91,8 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
 #pragma unroll
     for (int i = 0; i < kStageBatch; ++i) {
       const int c = holds ? threadIdx.x + i * stride : cols;
-      const float v = c < cols ? load(x + c) : 0.0f;
-      const float b = (c < cols && norm.branch) ? load(norm.branch + c) : 0.0f;
+      const float v = c < cols ? to_f32(x[c]) : 0.0f;
+      const float b = (c < cols && norm.branch) ? to_f32(norm.branch[c]) : 0.0f;
       gain[i] = c < cols ? norm.gain[c] : 0.0f;
       h[i] = norm.branch ? round_bf16(v + b) : v;
     }
@@ -124,8 +120,8 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
 #pragma unroll
     for (int i = 0; i < kStageBatch; ++i) {
       const int c = c0 + i * stride;
-      v[i] = c < cols ? load(x + c) : 0.0f;
-      b[i] = (c < cols && norm.branch) ? load(norm.branch + c) : 0.0f;
+      v[i] = c < cols ? to_f32(x[c]) : 0.0f;
+      b[i] = (c < cols && norm.branch) ? to_f32(norm.branch[c]) : 0.0f;
     }
 #pragma unroll
     for (int i = 0; i < kStageBatch; ++i) {  // then the arithmetic, in element order

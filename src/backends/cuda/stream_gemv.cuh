@@ -1,6 +1,6 @@
-// The 4-bit streaming GEMV's tile machinery (nvcc only), shared by the decode GEMV kernel
-// (quant_gemv.cu) and the decode MoE block, which runs the next layer's in-projection as its
-// last phase (moe_block.cu) with exactly this arithmetic.
+// The 4-bit streaming GEMV's tile machinery (nvcc only): the stage layout, the bulk-copy
+// requests, and one warp's k-slice of a tile with every rounding explicit, so that any kernel
+// that runs a tile with these functions gets quant_gemv.cu's bits for it.
 //
 //
 // A register-load GEMV keeps its weight bytes in flight with registers, so the bytes an SM has in
@@ -44,50 +44,29 @@ namespace lily::cuda {
 constexpr int kMmaTileRows = 16;  // weight rows of one MMA tile (the MMA's M)
 constexpr int kMmaMaxTokens = 8;  // the MMA's N
 
-/// One conv channel's inputs of the fused GDN conv step (FusedConv): its window and taps. They
-/// do not depend on the GEMV, so a caller may load them before its result is known.
-struct ConvRowInputs {
-  bf16 w0, w1, w2;
-  float taps[kGdnConvK];
-};
-
-__device__ __forceinline__ ConvRowInputs load_conv_row(const FusedConv& conv, int64_t r) {
-  ConvRowInputs in;
-#pragma unroll
-  for (int k = 0; k < kGdnConvK; ++k) in.taps[k] = conv.taps[r * kGdnConvK + k];
-  const bf16* wr = conv.window + r * 3;
-  in.w0 = wr[0];
-  in.w1 = wr[1];
-  in.w2 = wr[2];
-  return in;
-}
-
-/// The conv step of channel r on the GEMV's value v (x = bf16(v), as gdn_conv_decode reads the
-/// stored value): out[r] and the shifted window.
-__device__ __forceinline__ void store_conv_row(const FusedConv& conv, int64_t r, float v, const ConvRowInputs& in) {
-  const bf16 xb = to_bf16(v);
-  conv.out[r] = conv_decode_value(in.w0, in.w1, in.w2, xb, in.taps);
-  bf16* wr = conv.window + r * 3;
-  wr[0] = in.w1;
-  wr[1] = in.w2;
-  wr[2] = xb;
-}
-
 /// Stores one thread's four results of a 16-row tile (acc as the MMA's D fragment: (slot g, token
 /// 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1); row_a / row_b the matrix rows of slots g and g+8) into
-/// y [m, rows], with the GDN conv step of `conv` on rows below conv.channels (m = 1). `pre`
-/// (optional): the conv inputs of row_a and row_b, loaded ahead by the caller.
+/// y [m, rows], with the GDN conv step of `conv` on rows below conv.channels (m = 1).
 template <class OutT>
 __device__ __forceinline__ void store_mma_tile(const float (&acc)[4], int64_t row_a, int64_t row_b, int t, int m,
-                                               int64_t rows, OutT* __restrict__ y, const FusedConv& conv,
-                                               const ConvRowInputs* pre = nullptr) {
+                                               int64_t rows, OutT* __restrict__ y, const FusedConv& conv) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t r = i < 2 ? row_a : row_b;
     const int n = 2 * t + (i % 2);
     if (r >= rows || n >= m) continue;
     store_out(y, static_cast<int64_t>(n) * rows + r, acc[i]);
-    if (r < conv.channels) store_conv_row(conv, r, acc[i], pre ? pre[i / 2] : load_conv_row(conv, r));
+    if (r < conv.channels) {  // m = 1: x = the stored bf16 value, as gdn_conv_decode reads it
+      float taps[kGdnConvK];
+#pragma unroll
+      for (int k = 0; k < kGdnConvK; ++k) taps[k] = conv.taps[r * kGdnConvK + k];
+      bf16* wr = conv.window + r * 3;
+      const bf16 w0 = wr[0], w1 = wr[1], w2 = wr[2], xb = to_bf16(acc[i]);
+      conv.out[r] = conv_decode_value(w0, w1, w2, xb, taps);
+      wr[0] = w1;
+      wr[1] = w2;
+      wr[2] = xb;
+    }
   }
 }
 
@@ -154,20 +133,6 @@ __device__ __forceinline__ void stream_request_tile(const DeviceQuant& w, int64_
   }
 }
 
-/// Lanes 0–2 of the calling warp: asks L2 to fetch local tile `j` of this block (what
-/// stream_request_tile would copy: code rows, scales, biases), so that a later request is served
-/// from L2.
-__device__ __forceinline__ void stream_prefetch_tile_l2(const DeviceQuant& w, int64_t j, const StreamLayout& l) {
-  const int lane = threadIdx.x % kWarp, groups = w.cols / kGroup;
-  const int64_t row0 = (blockIdx.x + j * gridDim.x) * int64_t{kMmaTileRows};
-  const int valid = static_cast<int>(w.rows - row0 < kMmaTileRows ? w.rows - row0 : kMmaTileRows);
-  if (lane == 0)
-    bulk_prefetch_l2(reinterpret_cast<const unsigned char*>(w.codes) + row0 * l.row_bytes,
-                     static_cast<uint32_t>(valid * l.row_bytes));
-  else if (lane == 1 || lane == 2)
-    bulk_prefetch_l2((lane == 1 ? w.scales : w.biases) + row0 * groups, static_cast<uint32_t>(valid * groups * 2));
-}
-
 /// One thread's view of a stage for its fragment rows (slot g → row 4·(g mod 4) + g/4, slot
 /// g + 8 → that row + 2).
 struct StreamTileView {
@@ -226,8 +191,7 @@ __device__ __forceinline__ void stream_group(const StreamTileView& v, const uint
   float d[4];
   group_mma<true>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32),
                    bw0, bw1, d);
-  // Every rounding explicit, so that a kernel that inlines this elsewhere (the decode MoE block's
-  // next in-projection) gets the same bits as this one.
+  // Every rounding explicit, so that every kernel that inlines this gets the same bits.
   const float cl = __fmaf_rn(-128.0f, sl, bl), ch = __fmaf_rn(-128.0f, sh, bh);
   acc[0] = affine_add(acc[0], sl, d[0], cl, x0);
   acc[1] = affine_add(acc[1], sl, d[1], cl, x1);
