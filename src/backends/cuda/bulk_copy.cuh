@@ -17,8 +17,6 @@
 #pragma once
 #include <cstdint>
 
-#include "backends/cuda/kernels.h"
-
 namespace lily::cuda {
 
 /// The shared-state-space address of a pointer into this block's shared memory.
@@ -72,24 +70,6 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, 
                    shared_addr(dst)),
                "l"(src), "r"(bytes), "r"(shared_addr(bar))
                : "memory");
-}
-
-/// Asks the L2 cache to fetch block `part`'s share (of `parts`) of every range of `p`
-/// (kernels.h L2Prefetch): each range is cut into `parts` pieces of whole 16-byte units, and the
-/// lanes of the calling warp issue the piece as bulk prefetches of at most 32 KB. Call it from
-/// one whole warp. No completion to wait for, nothing written.
-__device__ __forceinline__ void l2_prefetch_share(const L2Prefetch& p, int part, int parts) {
-  constexpr int64_t kUnitsPerCopy = 32 * 1024 / 16;
-  const int lane = threadIdx.x % 32;
-  for (int r = 0; r < p.count; ++r) {
-    const int64_t units = p.bytes[r] / 16, begin = units * part / parts, end = units * (part + 1) / parts;
-    const unsigned char* base = static_cast<const unsigned char*>(p.base[r]);
-    for (int64_t u = begin + lane * kUnitsPerCopy; u < end; u += 32 * kUnitsPerCopy) {
-      const int64_t n = end - u < kUnitsPerCopy ? end - u : kUnitsPerCopy;
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + u * 16), "r"(static_cast<uint32_t>(n * 16))
-                   : "memory");
-    }
-  }
 }
 
 }  // namespace lily::cuda

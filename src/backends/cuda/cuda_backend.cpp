@@ -1055,29 +1055,7 @@ class CudaBackend final : public Backend {
     a.act = act_.as<bf16>();
     a.out = moe_out_.as<bf16>();
     a.barriers = moe_barriers_.as<uint32_t>() + static_cast<int64_t>(layer) * kMoeBarriersPerLayer;
-    a.next = next_layer_prefetch(layer);
     return a;
-  }
-
-  /// What layer `layer`'s MoE block asks L2 to fetch for layer + 1 (CudaOptions::l2_prefetch):
-  /// its in-projection, then its out-projection, then its router and shared expert. The
-  /// last layer prefetches nothing (the LM head is far larger than L2).
-  L2Prefetch next_layer_prefetch(int layer) const {
-    L2Prefetch p;
-    const int level = options_.l2_prefetch;
-    if (level == 0 || layer + 1 >= config().n_layers) return p;
-    const DeviceLayer& N = model_->layers[layer + 1];
-    const bool gdn = N.type == LayerType::kLinearAttention;
-    p.add(gdn ? N.gdn_in : N.attn_in);
-    if (level >= 2) p.add(gdn ? N.gdn_out : N.attn_out);
-    if (level >= 3) {
-      const int64_t ffn = config().moe_ffn_dim, shared = config().n_experts;
-      p.add(N.router);
-      p.add_rows(N.gate, shared * ffn, ffn);
-      p.add_rows(N.up, shared * ffn, ffn);
-      p.add_rows(N.down, shared * config().hidden, config().hidden);
-    }
-    return p;
   }
 
   /// Whether every layer's MoE block fits the fused kernel at `rows` rows

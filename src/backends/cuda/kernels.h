@@ -37,37 +37,6 @@ struct DeviceQuant {
   int groups_per_row() const { return cols / 64; }
 };
 
-/// Global-memory byte ranges that a kernel asks the L2 cache to fetch on behalf of a LATER
-/// kernel: the next layer's weights, whose addresses do not depend on any data. A decode layer's
-/// kernels are latency-bound for much of their time (the MoE block's norm, router, top-k and
-/// grid barriers), so DRAM sits idle there; fetching the next projections into L2 then lets
-/// their kernels stream from L2 instead of starting their DRAM reads only when they run. A hint
-/// only (cp.async.bulk.prefetch.L2): it changes no result and no memory.
-struct L2Prefetch {
-  static constexpr int kMaxRanges = 12;
-  const void* base[kMaxRanges] = {};  ///< 16-byte aligned
-  int64_t bytes[kMaxRanges] = {};     ///< multiples of 16
-  int count = 0;
-
-  /// Adds the whole 16-byte units inside [p, p + n); ignores null, empty or full (a hint).
-  void add(const void* p, int64_t n) {
-    if (!p || n <= 0 || count == kMaxRanges) return;
-    const uintptr_t a = reinterpret_cast<uintptr_t>(p), first = (a + 15) / 16 * 16, last = (a + n) / 16 * 16;
-    if (last <= first) return;
-    base[count] = reinterpret_cast<const void*>(first);
-    bytes[count++] = static_cast<int64_t>(last - first);
-  }
-  /// Adds rows [row0, row0 + n_rows) of a quantized matrix: their codes, scales and biases.
-  void add_rows(const DeviceQuant& w, int64_t row0, int64_t n_rows) {
-    const int64_t code_row = int64_t{w.cols} * w.bits / 8, group_row = int64_t{w.groups_per_row()} * 2;
-    add(reinterpret_cast<const unsigned char*>(w.codes) + row0 * code_row, n_rows * code_row);
-    add(w.scales + row0 * w.groups_per_row(), n_rows * group_row);
-    add(w.biases + row0 * w.groups_per_row(), n_rows * group_row);
-  }
-  /// Adds the whole matrix.
-  void add(const DeviceQuant& w) { add_rows(w, 0, w.rows); }
-};
-
 /// y[r] = Σ_c w[r,c]·x[c] for all rows r, per 64-group as s·Σ(q·x) + b·Σx in fp32 (docs/model.md
 /// §4.2 GEMV). x: bf16 [cols]. Exactly one of y_bf16 / y_f32 ([rows]) is non-null: bf16 output
 /// is rounded once; fp32 output (router, shared-expert gate, lm_head) is not rounded.
@@ -251,9 +220,6 @@ struct MoeDecodeArgs {
   __nv_bfloat16* act = nullptr;        ///< bf16 [rows, top_k + 1, ffn]: scratch between the two grid phases
   __nv_bfloat16* out = nullptr;        ///< bf16 [rows, hidden]: the MoE output
   uint32_t* barriers = nullptr;        ///< uint32 [2], zero before every launch (a memset in the graph)
-  /// Weights of later kernels (the next layer's projections) for L2 to fetch while this block's
-  /// latency-bound phases leave DRAM idle; empty: none (LILY_CUDA_L2_PREFETCH, docs/cuda.md).
-  L2Prefetch next;
   /// Diagnostics, null in production: per block, %globaltimer (ns) at each of the
   /// kMoeTracePoints phase ends (entry, PDL wait, norm + router, (same), barrier 1, routing,
   /// requests, gate/up + SwiGLU, (same), barrier 2, act staged, down) → uint64 [blocks][kMoeTracePoints].

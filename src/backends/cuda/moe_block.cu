@@ -193,7 +193,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
     for (int i = 0; i < my_rt; ++i)
       request_down_slots(a, l, b + i * G, shared_slot, l.n_sel, nullptr, dn_stages(i), dn_full + i);
   }
-  if (warp == kBlockWarps - 1) l2_prefetch_share(a.next, b, G);  // the next layer's weights
   pdl_prologue();
   trace_point(a, 1);
 

@@ -319,7 +319,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     }
   }
   if (warp == 0 && my_rt > 0) request_down_tile(a, l, b, E, dn_ring, dn_full);
-  if (warp == kBlockWarps - 1) l2_prefetch_share(a.next, b, G);  // the next layer's weights
   pdl_prologue();
   trace_point(a, 1);
 
