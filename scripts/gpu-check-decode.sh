@@ -24,7 +24,7 @@ run_test() {  # binary, log name
   echo "== $1"
   timeout 500 "$BUILD/tests/$1" 2>&1 | tee "$OUT/$2" |
     grep -E "^\[ *(OK|FAILED|PASSED|SKIPPED) |\[timing\]|bit-identical|Failure|Expected|Which is" || true
-  grep -q "^\[  PASSED  \]" "$OUT/$2" && ! grep -q "^\[  FAILED  \]" "$OUT/$2" || status=1
+  gtest_passed "$OUT/$2" || status=1
 }
 run_test test_cuda_core_kernels core-kernels.log
 run_test test_cuda_e2e e2e.log

@@ -19,12 +19,12 @@ gpu_build gemm-build.log lily test_quant_gemm test_cuda_e2e
 
 echo "== test_quant_gemm"
 timeout 400 "$BUILD/tests/test_quant_gemm" 2>&1 | tee "$OUT/test_quant_gemm.log" | grep -E "^\[ *(OK|FAILED|PASSED) |timing|Failure|error|Expected|Which is" || true
-grep -q "^\[  PASSED  \]" "$OUT/test_quant_gemm.log" && ! grep -q "^\[  FAILED  \]" "$OUT/test_quant_gemm.log" || status=1
+gtest_passed "$OUT/test_quant_gemm.log" || status=1
 
 echo "== test_cuda_e2e with LILY_CUDA_GEMM=tensor-core"
 LILY_CUDA_GEMM=tensor-core timeout 400 "$BUILD/tests/test_cuda_e2e" 2>&1 | tee "$OUT/e2e-tensor-core.log" |
   grep -E "^\[ *(OK|FAILED|PASSED|SKIPPED) |Failure" || true
-grep -q "^\[  PASSED  \]" "$OUT/e2e-tensor-core.log" && ! grep -q "^\[  FAILED  \]" "$OUT/e2e-tensor-core.log" || status=1
+gtest_passed "$OUT/e2e-tensor-core.log" || status=1
 
 if [[ "${LILY_GPU_BENCH:-0}" == 1 ]]; then
   SYN="$(mktemp -d)"

@@ -1,5 +1,6 @@
 # Sourced by the scripts that run ON the GPU machine (scripts/gpu-check*.sh): repository root,
-# $OUT, the carried headers, the build directory, and one configure + build function.
+# $OUT, the carried headers, the build directory, one configure + build function, and the check
+# of a GoogleTest log.
 # The device tool's machine: Ubuntu 24.04, nvcc 13.0, CMake, gcc 13; no package registry, so the
 # PCRE2/utf8proc/Boost headers come from carry/deps (scripts/make-carry.sh packs them).
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,4 +22,10 @@ gpu_build() {
   cmake --build "$BUILD" -j16 --target "$@" >>"$log" 2>&1 ||
     { grep -E "error|FAILED" "$log" | head -40; echo "build FAILED"; exit 1; }
   echo "build: $(( $(date +%s) - t0 )) s"
+}
+
+# gtest_passed LOG: whether the GoogleTest output in LOG has its "[  PASSED  ]" summary and no
+# "[  FAILED  ]" line (the binary's exit status is lost behind the `| tee` the callers log through).
+gtest_passed() {
+  grep -q "^\[  PASSED  \]" "$1" && ! grep -q "^\[  FAILED  \]" "$1"
 }

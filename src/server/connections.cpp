@@ -52,6 +52,14 @@ bool has_token(std::string_view value, std::string_view token) {
   return false;
 }
 
+/// Whether a failed read of a request (head or body) means the client closed or reset the
+/// connection, or shutdown aborted the read: nothing can be answered then, so the connection is
+/// dropped without a refusal.
+bool peer_went_away(const error_code& ec) {
+  return ec == http::error::end_of_stream || ec == http::error::partial_message || ec == net::error::operation_aborted ||
+         ec == net::error::eof || ec == net::error::connection_reset;
+}
+
 }  // namespace
 
 void LilyServer::accept_loop() {
@@ -299,9 +307,7 @@ After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buff
                                                  std::to_string(options_.read_timeout_s) + " s (--read-timeout)",
                                              std::nullopt, "request_timeout"));
     }
-    if (ec == http::error::end_of_stream || ec == http::error::partial_message || ec == net::error::operation_aborted ||
-        ec == net::error::eof || ec == net::error::connection_reset)
-      return After::kAbort;
+    if (peer_went_away(ec)) return After::kAbort;
     // The parser refuses every version but 1.0 and 1.1; a well-formed other one is a 505.
     if (ec == http::error::bad_version &&
         has_unsupported_http_version(std::string_view(static_cast<const char*>(buffer.data().data()), buffer.size())))
@@ -362,9 +368,7 @@ After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buff
                                                "the request body did not arrive within " +
                                                    std::to_string(options_.read_timeout_s) + " s (--read-timeout)",
                                                std::nullopt, "request_timeout"));
-      if (ec == http::error::end_of_stream || ec == http::error::partial_message || ec == net::error::operation_aborted ||
-          ec == net::error::eof || ec == net::error::connection_reset)
-        return After::kAbort;
+      if (peer_went_away(ec)) return After::kAbort;
       return refuse(stream, parser, ApiError(400, "invalid_request_error", "malformed HTTP request body: " + ec.message(),
                                              std::nullopt, "bad_request"));
     }

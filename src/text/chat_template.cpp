@@ -3,12 +3,11 @@
 #include "text/chat_template.h"
 
 #include <chrono>
-#include <fstream>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "base/error.h"
+#include "base/file_util.h"
 #include "base/log.h"
 #include "text/jinja/pystr.h"
 
@@ -106,12 +105,15 @@ jinja::Value history_content(const std::string& content) {
   return m.take();
 }
 
-std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error("cannot read " + path.string());
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
+// A template file's bytes, read with the shared reader (which never blocks on a FIFO swapped in
+// after for_model's is_regular_file check); a failure keeps the message users have always seen,
+// "cannot read PATH".
+std::string read_template_file(const std::filesystem::path& path) {
+  try {
+    return read_regular_file(path);
+  } catch (const Error&) {
+    throw Error("cannot read " + path.string());
+  }
 }
 
 }  // namespace
@@ -138,10 +140,10 @@ std::string_view ChatTemplate::builtin_source() { return kBuiltinSource; }
 
 std::shared_ptr<const ChatTemplate> ChatTemplate::for_model(const std::filesystem::path& dir) {
   const auto file = dir / "chat_template.jinja";
-  if (std::filesystem::is_regular_file(file)) return std::make_shared<const ChatTemplate>(read_file(file), file.string());
+  if (std::filesystem::is_regular_file(file)) return std::make_shared<const ChatTemplate>(read_template_file(file), file.string());
   const auto config = dir / "tokenizer_config.json";
   if (std::filesystem::is_regular_file(config)) {
-    auto doc = nlohmann::json::parse(read_file(config), nullptr, false);
+    auto doc = nlohmann::json::parse(read_template_file(config), nullptr, false);
     if (doc.is_object() && doc.contains("chat_template")) {
       const auto& t = doc["chat_template"];
       const std::string origin = config.string() + " (chat_template)";

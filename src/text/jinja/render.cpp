@@ -975,27 +975,27 @@ class Interpreter {
 
   // --- globals ------------------------------------------------------------------------------
 
+  // namespace(...) and dict(...): `out` (an empty namespace or dict) given the members of each
+  // dict argument, then the keyword arguments, later ones replacing earlier ones; `fn` names the
+  // global in the error for an argument that is not a dict.
+  Value fill_members(Value out, CallArgs&& a, const char* fn) const {
+    for (const Value& p : a.positional) {
+      if (!p.is_dict()) fail(call_line_, std::string(fn) + "() takes a dict or keyword arguments");
+      for (const auto& [k, v] : p.dict_data().items) out.dict_data().set(k, v);
+    }
+    for (auto& [k, v] : a.keyword) out.dict_data().set(k, std::move(v));
+    return out;
+  }
+
   void install_globals() {
     root_.vars["raise_exception"] = Value(make_function("raise_exception", [](Interpreter&, CallArgs&& a) -> Value {
       throw TemplateRaisedError(a.positional.empty() ? std::string() : to_str(a.positional[0]));
     }));
     root_.vars["namespace"] = Value(make_function("namespace", [](Interpreter& in, CallArgs&& a) {
-      Value ns = Value::make_namespace();
-      for (const Value& p : a.positional) {
-        if (!p.is_dict()) in.fail(in.call_line_, "namespace() takes a dict or keyword arguments");
-        for (const auto& [k, v] : p.dict_data().items) ns.dict_data().set(k, v);
-      }
-      for (auto& [k, v] : a.keyword) ns.dict_data().set(k, std::move(v));
-      return ns;
+      return in.fill_members(Value::make_namespace(), std::move(a), "namespace");
     }));
     root_.vars["dict"] = Value(make_function("dict", [](Interpreter& in, CallArgs&& a) {
-      Value d = Value::dict();
-      for (const Value& p : a.positional) {
-        if (!p.is_dict()) in.fail(in.call_line_, "dict() takes a dict or keyword arguments");
-        for (const auto& [k, v] : p.dict_data().items) d.dict_data().set(k, v);
-      }
-      for (auto& [k, v] : a.keyword) d.dict_data().set(k, std::move(v));
-      return d;
+      return in.fill_members(Value::dict(), std::move(a), "dict");
     }));
     root_.vars["range"] = Value(make_function("range", [](Interpreter& in, CallArgs&& a) {
       const int line = in.call_line_;

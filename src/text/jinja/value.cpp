@@ -172,6 +172,17 @@ void json_value(std::string& out, const Value& v, const JsonOptions& o, int dept
                             " is not JSON serializable");
 }
 
+// The members of a dict or namespace as Python's repr writes them between the braces:
+// "'k': v, 'k2': v2" in insertion order.
+std::string repr_members(const DictData& d) {
+  std::string out;
+  for (const auto& [k, e] : d.items) {
+    if (!out.empty()) out += ", ";
+    out += repr_string(k) + ": " + to_repr(e);
+  }
+  return out;
+}
+
 }  // namespace
 
 const Value* CallArgs::kw(std::string_view name) const {
@@ -305,26 +316,8 @@ std::string to_repr(const Value& v) {
     out += l.tuple ? ")" : "]";
     return out;
   }
-  if (v.is_dict()) {
-    std::string out = "{";
-    bool first = true;
-    for (const auto& [k, e] : v.dict_data().items) {
-      if (!first) out += ", ";
-      first = false;
-      out += repr_string(k) + ": " + to_repr(e);
-    }
-    return out + "}";
-  }
-  if (v.is_namespace()) {
-    std::string out = "<Namespace {";
-    bool first = true;
-    for (const auto& [k, e] : v.dict_data().items) {
-      if (!first) out += ", ";
-      first = false;
-      out += repr_string(k) + ": " + to_repr(e);
-    }
-    return out + "}>";
-  }
+  if (v.is_dict()) return "{" + repr_members(v.dict_data()) + "}";
+  if (v.is_namespace()) return "<Namespace {" + repr_members(v.dict_data()) + "}>";
   return to_str(v);
 }
 

@@ -50,6 +50,13 @@ json tool_with(const std::string& pointer, const json& value) {
 
 json conversation(json messages) { return with("messages", std::move(messages)); }
 
+/// The agent fields parsed from base() with the top-level members of `extra` set over it.
+ChatAgentFields agent_fields(const json& extra) {
+  json j = base();
+  for (const auto& [k, v] : extra.items()) j[k] = v;
+  return parse_chat_request(j.dump()).agent;
+}
+
 json call_message(const json& arguments) {
   return json{{"role", "assistant"},
               {"content", nullptr},
@@ -166,21 +173,16 @@ TEST(ChatAgent, InvalidMessagesNameTheField) {
 }
 
 TEST(ChatAgent, ThinkingSwitches) {
-  auto fields = [](json extra) {
-    json j = base();
-    for (auto& [k, v] : extra.items()) j[k] = v;
-    return parse_chat_request(j.dump()).agent;
-  };
-  EXPECT_FALSE(thinking_enabled(fields(json::object()), false));
-  EXPECT_TRUE(thinking_enabled(fields(json::object()), true));
-  EXPECT_TRUE(thinking_enabled(fields({{"reasoning_effort", "low"}}), false));
-  EXPECT_FALSE(thinking_enabled(fields({{"reasoning_effort", "none"}}), true));
-  EXPECT_FALSE(thinking_enabled(fields({{"reasoning_effort", "high"}, {"chat_template_kwargs", {{"enable_thinking", false}}}}), true));
-  EXPECT_TRUE(thinking_enabled(fields({{"chat_template_kwargs", {{"enable_thinking", true}}}}), false));
-  const auto options = template_options(fields({{"chat_template_kwargs", {{"preserve_thinking", true}}}}), false);
+  EXPECT_FALSE(thinking_enabled(agent_fields(json::object()), false));
+  EXPECT_TRUE(thinking_enabled(agent_fields(json::object()), true));
+  EXPECT_TRUE(thinking_enabled(agent_fields({{"reasoning_effort", "low"}}), false));
+  EXPECT_FALSE(thinking_enabled(agent_fields({{"reasoning_effort", "none"}}), true));
+  EXPECT_FALSE(thinking_enabled(agent_fields({{"reasoning_effort", "high"}, {"chat_template_kwargs", {{"enable_thinking", false}}}}), true));
+  EXPECT_TRUE(thinking_enabled(agent_fields({{"chat_template_kwargs", {{"enable_thinking", true}}}}), false));
+  const auto options = template_options(agent_fields({{"chat_template_kwargs", {{"preserve_thinking", true}}}}), false);
   EXPECT_EQ(options.preserve_thinking, true);
   EXPECT_TRUE(options.tools.is_array());
-  EXPECT_TRUE(template_options(fields({{"tool_choice", "none"}}), false).tools.is_null());
+  EXPECT_TRUE(template_options(agent_fields({{"tool_choice", "none"}}), false).tools.is_null());
   EXPECT_EQ(rejection(with("reasoning_effort", 3)), "reasoning_effort|invalid_type");
   EXPECT_EQ(rejection(with("chat_template_kwargs", "x")), "chat_template_kwargs|invalid_type");
   EXPECT_EQ(rejection(with("chat_template_kwargs", {{"enable_thinking", "yes"}})),
@@ -189,48 +191,38 @@ TEST(ChatAgent, ThinkingSwitches) {
 }
 
 TEST(ChatAgent, ForcedAnswerPrefix) {
-  auto fields = [](const json& extra) {
-    json j = base();
-    for (auto& [k, v] : extra.items()) j[k] = v;
-    return parse_chat_request(j.dump()).agent;
-  };
   const json named = {{"type", "function"}, {"function", {{"name", "get_weather"}}}};
   // auto, none and no tools leave the answer to the model.
-  EXPECT_EQ(forced_answer_prefix(fields(json::object()), false), "");
-  EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", "auto"}}), false), "");
-  EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", "none"}}), false), "");
+  EXPECT_EQ(forced_answer_prefix(agent_fields(json::object()), false), "");
+  EXPECT_EQ(forced_answer_prefix(agent_fields({{"tool_choice", "auto"}}), false), "");
+  EXPECT_EQ(forced_answer_prefix(agent_fields({{"tool_choice", "none"}}), false), "");
   // A named function: its opening, name included.
-  EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", named}}), false), "<tool_call>\n<function=get_weather>\n");
+  EXPECT_EQ(forced_answer_prefix(agent_fields({{"tool_choice", named}}), false), "<tool_call>\n<function=get_weather>\n");
   // "required" with one tool declared is that tool; with several, the model picks the name (held to the declared ones: ForcedNameChoices).
-  EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", "required"}}), false), "<tool_call>\n<function=get_weather>\n");
+  EXPECT_EQ(forced_answer_prefix(agent_fields({{"tool_choice", "required"}}), false), "<tool_call>\n<function=get_weather>\n");
   json time_tool = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
   const json two = json::array({weather_tool(), time_tool});
-  EXPECT_EQ(forced_answer_prefix(fields({{"tools", two}, {"tool_choice", "required"}}), false), "<tool_call>\n<function=");
-  EXPECT_EQ(forced_answer_prefix(fields({{"tools", two}, {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_time"}}}}}}), false),
+  EXPECT_EQ(forced_answer_prefix(agent_fields({{"tools", two}, {"tool_choice", "required"}}), false), "<tool_call>\n<function=");
+  EXPECT_EQ(forced_answer_prefix(agent_fields({{"tools", two}, {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_time"}}}}}}), false),
             "<tool_call>\n<function=get_time>\n");
   // With thinking on, the think block is closed first.
-  EXPECT_EQ(forced_answer_prefix(fields({{"tool_choice", named}}), true),
+  EXPECT_EQ(forced_answer_prefix(agent_fields({{"tool_choice", named}}), true),
             "\n</think>\n\n<tool_call>\n<function=get_weather>\n");
 }
 
 TEST(ChatAgent, ForcedNameChoices) {
-  auto fields = [](const json& extra) {
-    json j = base();
-    for (auto& [k, v] : extra.items()) j[k] = v;
-    return parse_chat_request(j.dump()).agent;
-  };
   const json time_tool = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
   const json alarm_tool = {{"type", "function"}, {"function", {{"name", "set-alarm_2"}}}};
   const json three = json::array({weather_tool(), time_tool, alarm_tool});
   // "required" with several tools: every declared name, in order, each closed as the model writes it.
-  EXPECT_EQ(forced_name_choices(fields({{"tools", three}, {"tool_choice", "required"}})),
+  EXPECT_EQ(forced_name_choices(agent_fields({{"tools", three}, {"tool_choice", "required"}})),
             (std::vector<std::string>{"get_weather>\n", "get_time>\n", "set-alarm_2>\n"}));
   // Nothing to constrain when the opening already holds the name, or nothing is forced.
-  EXPECT_TRUE(forced_name_choices(fields({{"tool_choice", "required"}})).empty());  // one tool
-  EXPECT_TRUE(forced_name_choices(fields({{"tools", three},
+  EXPECT_TRUE(forced_name_choices(agent_fields({{"tool_choice", "required"}})).empty());  // one tool
+  EXPECT_TRUE(forced_name_choices(agent_fields({{"tools", three},
                                           {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_time"}}}}}}))
                   .empty());
   for (const char* choice : {"auto", "none"})
-    EXPECT_TRUE(forced_name_choices(fields({{"tools", three}, {"tool_choice", choice}})).empty()) << choice;
-  EXPECT_TRUE(forced_name_choices(fields(json::object())).empty());
+    EXPECT_TRUE(forced_name_choices(agent_fields({{"tools", three}, {"tool_choice", choice}})).empty()) << choice;
+  EXPECT_TRUE(forced_name_choices(agent_fields(json::object())).empty());
 }

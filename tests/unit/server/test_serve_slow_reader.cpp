@@ -1,121 +1,32 @@
-// `lily serve --write-timeout` against a client that stops reading. Starts the
-// built `lily serve` on the demo model as a child process and talks raw TCP to it. The stalled
-// client fixes a small receive buffer before it connects (SO_RCVBUF, which also stops the
+// `lily serve --write-timeout` against a client that stops reading. Starts the built `lily serve`
+// on the demo model as a child process (support/serve_process.h) and talks raw TCP to it. The
+// stalled client fixes a small receive buffer before it connects (SO_RCVBUF, which also stops the
 // kernel's auto-tuning), and the server a small send buffer (--send-buffer): together they hold
 // a few KB, so the stream stalls after some dozens of tokens whatever the kernel or the speed of
 // the build (Node cannot set SO_RCVBUF, hence a C++ test). Runs under ASan in scripts/test.sh.
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
-#include <map>
 #include <regex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
-#include "support/test_support.h"
+#include "support/serve_process.h"
 
 using namespace lily::test;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-/// A `lily serve` child process whose stderr is collected (`log`).
-class ServeProcess {
- public:
-  /// Starts `<build>/lily serve --model models/demo --bind 127.0.0.1:0 --backend cpu <extra>` and
-  /// waits (up to 120 s) for its "serving NAME on http://127.0.0.1:PORT" line.
-  explicit ServeProcess(const std::vector<std::string>& extra) {
-    std::vector<std::string> args = {(binary_dir() / "lily").string(), "serve", "--model",
-                                     demo_model_dir().string(), "--bind", "127.0.0.1:0", "--backend", "cpu"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    int fds[2];
-    if (pipe(fds) != 0) throw std::runtime_error("pipe failed");
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(fds[1], 2);
-      const int devnull = open("/dev/null", O_WRONLY);
-      dup2(devnull, 1);
-      close(fds[0]);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    close(fds[1]);
-    err_fd_ = fds[0];
-    const std::regex serving(R"(serving \S+ on http://127\.0\.0\.1:(\d+))");
-    const auto deadline = Clock::now() + std::chrono::seconds(120);
-    std::smatch m;
-    while (Clock::now() < deadline && !std::regex_search(log_, m, serving)) {
-      if (!read_some(500)) break;
-    }
-    if (!std::regex_search(log_, m, serving)) throw std::runtime_error("lily serve did not start:\n" + log_);
-    port_ = std::stoi(m[1]);
-  }
-
-  ~ServeProcess() {
-    if (pid_ > 0 && !exited_) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (err_fd_ >= 0) close(err_fd_);
-  }
-
-  int port() const { return port_; }
-  /// Everything the server has written to stderr so far.
-  const std::string& log() {
-    while (read_some(0)) {
-    }
-    return log_;
-  }
-
-  /// SIGTERM, then waits (up to 60 s) for the exit; returns the raw wait status (-1: no exit).
-  int stop() {
-    kill(pid_, SIGTERM);
-    const auto deadline = Clock::now() + std::chrono::seconds(60);
-    int status = 0;
-    while (Clock::now() < deadline) {
-      read_some(50);
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        exited_ = true;
-        while (read_some(0)) {
-        }
-        return status;
-      }
-    }
-    return -1;
-  }
-
- private:
-  /// Appends available stderr bytes; false when none came within `wait_ms` or the pipe closed.
-  bool read_some(int wait_ms) {
-    pollfd p{err_fd_, POLLIN, 0};
-    if (poll(&p, 1, wait_ms) <= 0) return false;
-    char buf[4096];
-    const ssize_t n = read(err_fd_, buf, sizeof buf);
-    if (n <= 0) return false;
-    log_.append(buf, static_cast<size_t>(n));
-    return true;
-  }
-
-  pid_t pid_ = -1;
-  int err_fd_ = -1;
-  int port_ = 0;
-  bool exited_ = false;
-  std::string log_;
-};
 
 /// A TCP connection to 127.0.0.1:port; `recv_buffer` > 0 sets SO_RCVBUF before connecting.
 int connect_to(int port, int recv_buffer = 0) {
