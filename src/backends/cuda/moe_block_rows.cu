@@ -227,39 +227,14 @@ __device__ __forceinline__ void stage_norm_pair(const MoeDecodeArgs& a, const Mo
   const int64_t off = int64_t{r0 + h} * cols;
   const FusedNorm& n = a.norm;
   float* xs = xs0 + h * stride;
-  float hv[kStageBatch], gain[kStageBatch];
-  float ss = 0.0f;
-  if (active) {
-#pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) {
-      const int c = i + u * kNormThreads;
-      const float v = c < cols ? to_f32(a.x[off + c]) : 0.0f;
-      const float b = (c < cols && n.branch) ? to_f32(n.branch[off + c]) : 0.0f;
-      gain[u] = c < cols ? n.gain[c] : 0.0f;
-      hv[u] = n.branch ? round_bf16(v + b) : v;
-    }
-#pragma unroll
-    for (int u = 0; u < kStageBatch; ++u)
-      if (i + u * kNormThreads < cols) ss += hv[u] * hv[u];  // element order, as stage_norm_row
-  }
+  NormRowRegs regs;  // stage_norm_row's loads, sum order and stores for this half's row
+  float ss = norm_row_load(a.x + off, n.branch ? n.branch + off : nullptr, n.gain, cols, i, kNormThreads, active, regs);
   ss = warp_sum(ss);
   if (lane == 0) scratch[warp] = ss;
   __syncthreads();
   const float total = warp_sum(lane < kNormWarps ? scratch[h * kNormWarps + lane] : 0.0f);
-  if (active) {
-    const float r = 1.0f / sqrtf(total / static_cast<float>(cols) + n.eps);
-#pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) {
-      const int c = i + u * kNormThreads;
-      if (c >= cols) continue;
-      const bf16 y = to_bf16(hv[u] * r * gain[u]);
-      xs[(c / kGroup) * kGroupStride + c % kGroup] = to_f32(y);
-      if (store) {
-        n.x_out[off + c] = to_bf16(hv[u]);
-        n.normed_out[off + c] = y;
-      }
-    }
-  }
+  norm_row_store(regs, total, n.eps, cols, i, kNormThreads, active, xs, store ? n.x_out + off : nullptr,
+                 n.normed_out + off);
   __syncthreads();
   for (int p = warp; p < nr * groups; p += kBlockWarps) {  // warp-uniform
     const float* xg = xs0 + (p / groups) * stride + (p % groups) * kGroupStride;

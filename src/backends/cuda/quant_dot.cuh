@@ -71,6 +71,51 @@ inline void check_fused_norm(const FusedNorm& norm, const bf16* x, const char* w
     throw ::lily::InternalError(std::string(what) + ": FusedNorm normed_out must not alias x, branch or x_out");
 }
 
+/// One thread's elements of a row held in registers for the add + RMSNorm (launch_add_rmsnorm's
+/// arithmetic): element c = i + u·stride for u < kStageBatch, h = bf16(x + branch) (x alone
+/// without a branch) and its gain.
+struct NormRowRegs {
+  float h[kStageBatch], gain[kStageBatch];
+};
+
+/// Loads this thread's elements of row x (i: its index among `stride` threads; inactive: none)
+/// into r and returns its Σh² in element order. Every load is issued before any is used.
+__device__ __forceinline__ float norm_row_load(const bf16* __restrict__ x, const bf16* branch, const float* gain,
+                                               int cols, int i, int stride, bool active, NormRowRegs& r) {
+#pragma unroll
+  for (int u = 0; u < kStageBatch; ++u) {
+    const int c = active ? i + u * stride : cols;
+    const float v = c < cols ? to_f32(x[c]) : 0.0f;
+    const float b = (c < cols && branch) ? to_f32(branch[c]) : 0.0f;
+    r.gain[u] = c < cols ? gain[c] : 0.0f;
+    r.h[u] = branch ? round_bf16(v + b) : v;
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int u = 0; u < kStageBatch; ++u)
+    if (active && i + u * stride < cols) ss += r.h[u] * r.h[u];
+  return ss;
+}
+
+/// Stages this thread's normed elements y = bf16(h·rs·gain) into xs (fp32, group g at xs[g·68])
+/// with rs = 1 / sqrt(Σh² / cols + eps); with x_out / normed_out non-null, also stores h and y.
+__device__ __forceinline__ void norm_row_store(const NormRowRegs& r, float sum_sq, float eps, int cols, int i,
+                                               int stride, bool active, float* xs, bf16* x_out, bf16* normed_out) {
+  if (!active) return;
+  const float rs = 1.0f / sqrtf(sum_sq / static_cast<float>(cols) + eps);
+#pragma unroll
+  for (int u = 0; u < kStageBatch; ++u) {
+    const int c = i + u * stride;
+    if (c >= cols) continue;
+    const bf16 y = to_bf16(r.h[u] * rs * r.gain[u]);
+    xs[(c / kGroup) * kGroupStride + c % kGroup] = to_f32(y);
+    if (x_out) {
+      x_out[c] = to_bf16(r.h[u]);
+      normed_out[c] = y;
+    }
+  }
+}
+
 /// stage_row with an add + RMSNorm in front (kernels.h FusedNorm; launch_add_rmsnorm's exact
 /// arithmetic, same element-to-thread mapping for blockDim.x = 256): stages y = bf16(h·r·gain)
 /// of h = bf16(x + branch) as fp32 and its group sums; when `store`, also writes h to
@@ -87,30 +132,11 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
   const bool holds = static_cast<int>(threadIdx.x) < stride;
   float ss = 0.0f;
   if (cols <= kStageBatch * stride) {  // one batch: every load in flight at once
-    float h[kStageBatch], gain[kStageBatch];
-#pragma unroll
-    for (int i = 0; i < kStageBatch; ++i) {
-      const int c = holds ? threadIdx.x + i * stride : cols;
-      const float v = c < cols ? to_f32(x[c]) : 0.0f;
-      const float b = (c < cols && norm.branch) ? to_f32(norm.branch[c]) : 0.0f;
-      gain[i] = c < cols ? norm.gain[c] : 0.0f;
-      h[i] = norm.branch ? round_bf16(v + b) : v;
-    }
-#pragma unroll
-    for (int i = 0; i < kStageBatch; ++i)
-      if (holds && threadIdx.x + i * stride < cols) ss += h[i] * h[i];  // element order, as below
-    const float r = 1.0f / sqrtf(block_sum(ss, scratch) / static_cast<float>(cols) + norm.eps);
-#pragma unroll
-    for (int i = 0; i < kStageBatch; ++i) {
-      const int c = threadIdx.x + i * stride;
-      if (!holds || c >= cols) continue;
-      const bf16 y = to_bf16(h[i] * r * gain[i]);
-      xs[(c / kGroup) * kGroupStride + c % kGroup] = to_f32(y);
-      if (store) {
-        norm.x_out[c] = to_bf16(h[i]);
-        norm.normed_out[c] = y;
-      }
-    }
+    NormRowRegs regs;
+    const int i = threadIdx.x;
+    ss = norm_row_load(x, norm.branch, norm.gain, cols, i, stride, holds, regs);
+    norm_row_store(regs, block_sum(ss, scratch), norm.eps, cols, i, stride, holds, xs, store ? norm.x_out : nullptr,
+                   norm.normed_out);
     __syncthreads();
     stage_group_sums(cols, xs, xsum);
     return;
