@@ -2,14 +2,16 @@
 // (synchronising), NaN-poisoned output buffers, random MLX-affine matrices on host and device
 // and their exact reference products (plain loops over the dequantized weights, docs/model.md
 // §2.2), the relative-error measures the tolerances are stated in, graph capture and event
-// timing.
+// timing, and the names of the case-table (value-parameterised) suites.
 #pragma once
 #include <cuda_bf16.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backends/cuda/cuda_check.h"
@@ -265,6 +267,35 @@ inline double graph_replay_us(cudaGraphExec_t exec, cudaStream_t stream, int rep
 template <class F>
 double time_us(F&& launch, int reps = 200) {
   return events_us(nullptr, 5, reps, launch);
+}
+
+// ---- case tables ---------------------------------------------------------------------------------
+//
+// A kernel suite is a table of cases (a struct with named fields: shape, bits, path, token count,
+// seed) run by one TEST_P and INSTANTIATE_TEST_SUITE_P(Cases, Suite, testing::ValuesIn(table),
+// CaseName()). Every case struct has `std::string name() const` that says its shape and the rest,
+// e.g. "gdn_in_proj_12352x2048_q4_bf16_m1_default_s1" (the test is then named
+// Cases/Suite.Test/<that name>), and a friend PrintTo that prints the name, so that a failure
+// says "where GetParam() = <name>".
+
+/// `s` with every character outside [A-Za-z0-9_] replaced by '_' (all a test name may hold).
+inline std::string test_name(std::string s) {
+  for (char& ch : s)
+    if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9'))) ch = '_';
+  return s;
+}
+
+/// The name generator of a case table: test_name(case.name()).
+struct CaseName {
+  template <class Case>
+  std::string operator()(const testing::TestParamInfo<Case>& info) const {
+    return test_name(info.param.name());
+  }
+};
+
+/// "<rows>x<cols>_q<bits>": a quantized matrix's shape and width, as the case names write them.
+inline std::string quant_shape(int64_t rows, int cols, int bits) {
+  return std::to_string(rows) + "x" + std::to_string(cols) + "_q" + std::to_string(bits);
 }
 
 }  // namespace lily::test
