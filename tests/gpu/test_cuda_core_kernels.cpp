@@ -2,13 +2,21 @@
 // Qwen3.6-35B-A3B shapes (hidden 2048, 256 experts, I 512, vocab 248320) and of the small
 // synthetic shapes (hidden 256/128). Tolerances: bf16 outputs within 1e-2 relative (floor: 1 %
 // of the output RMS), fp32 outputs within 1e-3 (docs/model.md §4.3 and §4.5).
+// The GEMV, router, FusedNorm / FusedConv and MoE expert checks are case tables run by
+// value-parameterised suites (shape × bits × path × tokens × seed; tests named
+// Cases/<suite>.<test>/<case name>, gpu_test_util.h); CudaTiming.PrintsGemvCaseTimes is the GEMV
+// table's perf mode.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
+#include <ostream>
+#include <string>
+#include <vector>
 
 #include "backends/cpu/ops.h"
 #include "backends/cuda/mixer_kernels.h"
@@ -21,9 +29,115 @@ using cuda::DeviceBuffer;
 
 constexpr int kHidden = 2048, kExperts = 256, kTopK = 8, kFfn = 512, kVocab = 248320;
 
-/// GEMV of a random rows×cols matrix, m activation rows, bf16 or fp32 output, vs double loops.
-void check_gemv(int64_t rows, int cols, int bits, bool f32_out, int m, uint64_t seed, int check_rows = 4096) {
-  std::mt19937_64 rng(seed);
+// ---- GEMV paths and the GEMV case table ---------------------------------------------------------
+
+/// Which GEMV kernels a case runs on, through the process-wide switches (kernels.h):
+/// kDefault: both at their defaults (the streaming GEMV for 4-bit widths it takes, token-row
+/// tiles for m > 1 where no fused norm); kRegisterLoads: the streaming GEMV off (the register-load
+/// MMA GEMV takes the 4-bit cases); kPerRow: token-row tiles off (the per-row CUDA-core kernel,
+/// one grid row per token, for the m > 1 cases the streaming and MMA GEMVs do not take).
+enum class GemvPath { kDefault, kRegisterLoads, kPerRow };
+
+/// The path as the case names write it.
+const char* path_name(GemvPath p) {
+  switch (p) {
+    case GemvPath::kDefault: return "default";
+    case GemvPath::kRegisterLoads: return "regload";
+    case GemvPath::kPerRow: return "perrow";
+  }
+  return "?";
+}
+
+/// Sets the GEMV switches (cuda::set_stream_gemv_enabled, cuda::set_gemv_row_tiles_enabled) for
+/// `path` for the scope, then restores the settings it found.
+class ScopedGemvPath {
+ public:
+  explicit ScopedGemvPath(GemvPath path) {
+    cuda::set_stream_gemv_enabled(path != GemvPath::kRegisterLoads);
+    cuda::set_gemv_row_tiles_enabled(path != GemvPath::kPerRow);
+  }
+  ~ScopedGemvPath() {
+    cuda::set_stream_gemv_enabled(stream_);
+    cuda::set_gemv_row_tiles_enabled(row_tiles_);
+  }
+  ScopedGemvPath(const ScopedGemvPath&) = delete;
+  ScopedGemvPath& operator=(const ScopedGemvPath&) = delete;
+
+ private:
+  bool stream_ = cuda::stream_gemv_enabled(), row_tiles_ = cuda::gemv_row_tiles_enabled();
+};
+
+/// One GEMV case: a random MLX-affine matrix W [rows, cols] of `bits` (4 or 8) and m bf16
+/// activation rows X [m, cols] drawn from `seed`; Y [m, rows] = X·Wᵀ in bf16 or (f32_out) fp32,
+/// computed by launch_quant_gemv_batched on `path`. `label` says what the shape stands for.
+struct GemvCase {
+  const char* label;
+  int64_t rows;
+  int cols, bits;
+  bool f32_out;
+  int m;
+  uint64_t seed;
+  GemvPath path = GemvPath::kDefault;
+
+  std::string name() const {
+    return std::string(label) + "_" + quant_shape(rows, cols, bits) + (f32_out ? "_f32" : "_bf16") + "_m" +
+           std::to_string(m) + "_" + path_name(path) + "_s" + std::to_string(seed);
+  }
+  friend void PrintTo(const GemvCase& c, std::ostream* os) { *os << c.name(); }
+};
+
+constexpr int64_t kGdnInRows = 8192 + 4096 + 32 + 32;  ///< GDN qkv|z|a|b in-projection rows
+
+/// The GEMV cases. The last column is the path; the default path is written out where the case
+/// is one of the streaming / register-load pairs.
+const std::vector<GemvCase> kGemvCases = {
+    // Decode shapes of Qwen3.6-35B-A3B.
+    {"gdn_in_proj", kGdnInRows, kHidden, 4, false, 1, 1},
+    {"out_proj", kHidden, 4096, 4, false, 1, 2},
+    {"expert_down", kHidden, kFfn, 4, false, 1, 3},
+    // Small widths.
+    {"small_width", 1000, 256, 4, false, 1, 4},
+    {"small_width", 777, 128, 4, false, 1, 5},
+    {"small_width", 333, 64, 4, false, 1, 6},
+    {"groups48", 129, 3072, 4, false, 1, 7},  // 48 groups: not a power of two
+    {"router", kExperts + 1, kHidden, 8, true, 1, 8},
+    {"batched", 1500, kHidden, 4, false, 3, 9},
+    {"eight_bit_small", 257, 256, 8, true, 2, 10},
+    // The MMA GEMV: m ≤ 8, rows not a multiple of 16.
+    {"mma", 1000, kHidden, 4, false, 8, 11},
+    {"mma", 250, 4096, 4, true, 2, 12},
+    {"mma_one_kslice", 100, 192, 4, false, 5, 13},  // 3 groups: one k-slice
+    {"mma", 17, 64, 4, true, 1, 14},
+    // The bulk-copy streaming GEMV (default for cols % 512 == 0) and the register-load MMA GEMV
+    // (its fallback) on the same cases: the decode shapes, ragged row counts, blocks with fewer
+    // tiles than stages, and rings that wrap many times (the lm_head-like 20000 rows).
+    {"gdn_in_proj", kGdnInRows, kHidden, 4, false, 1, 71, GemvPath::kDefault},
+    {"out_proj", kHidden, 4096, 4, false, 1, 72, GemvPath::kDefault},
+    {"ragged_tiles", 277, kHidden, 4, true, 1, 73, GemvPath::kDefault},  // 18 tiles, the last of 5 rows
+    {"ring_wraps", 20000, kHidden, 4, true, 1, 74, GemvPath::kDefault},  // ~150 tiles per block
+    {"mma", 1000, kHidden, 4, false, 8, 75, GemvPath::kDefault},
+    {"one_group_per_warp", 777, 512, 4, false, 3, 76, GemvPath::kDefault},
+    {"groups48", 129, 3072, 4, true, 2, 77, GemvPath::kDefault},
+    {"gdn_in_proj", kGdnInRows, kHidden, 4, false, 1, 71, GemvPath::kRegisterLoads},
+    {"out_proj", kHidden, 4096, 4, false, 1, 72, GemvPath::kRegisterLoads},
+    {"ragged_tiles", 277, kHidden, 4, true, 1, 73, GemvPath::kRegisterLoads},
+    {"ring_wraps", 20000, kHidden, 4, true, 1, 74, GemvPath::kRegisterLoads},
+    {"mma", 1000, kHidden, 4, false, 8, 75, GemvPath::kRegisterLoads},
+    {"one_group_per_warp", 777, 512, 4, false, 3, 76, GemvPath::kRegisterLoads},
+    {"groups48", 129, 3072, 4, true, 2, 77, GemvPath::kRegisterLoads},
+    // The token-tiled 8-bit kernel (token-row tiles on) against the reference.
+    {"router_row_tiles", 257, kHidden, 8, true, 40, 95},
+};
+
+/// Runs the GEMV case c on its path and checks every output for having been written (no NaN) and
+/// a spread of at most `check_rows` rows (plus the last) of every token against double loops
+/// (RandomQuant::dot): bf16 outputs within 1e-2, fp32 within 1e-3 (worst_rel, floor 1 % of the RMS).
+void check_gemv(const GemvCase& c, int check_rows = 4096) {
+  const int64_t rows = c.rows;
+  const int cols = c.cols, bits = c.bits, m = c.m;
+  const bool f32_out = c.f32_out;
+  ScopedGemvPath path(c.path);
+  std::mt19937_64 rng(c.seed);
   RandomQuant w(rows, cols, bits, rng);
   const std::vector<float> x = normal_bf16(int64_t(m) * cols, rng, 1.0f);
   DeviceBuffer dx = upload_bf16(x);
@@ -48,28 +162,17 @@ void check_gemv(int64_t rows, int cols, int bits, bool f32_out, int m, uint64_t 
   }
 }
 
-TEST(CudaGemv, Gdn4BitFusedInProjection) { check_gemv(8192 + 4096 + 32 + 32, kHidden, 4, false, 1, 1); }
-TEST(CudaGemv, OutProjection4096Cols) { check_gemv(kHidden, 4096, 4, false, 1, 2); }
-TEST(CudaGemv, ExpertDownShape512Cols) { check_gemv(kHidden, kFfn, 4, false, 1, 3); }
-TEST(CudaGemv, SmallWidths) {
-  check_gemv(1000, 256, 4, false, 1, 4);
-  check_gemv(777, 128, 4, false, 1, 5);
-  check_gemv(333, 64, 4, false, 1, 6);
-  check_gemv(129, 3072, 4, false, 1, 7);  // 48 groups: not a power of two
-}
-TEST(CudaGemv, Router8BitFp32Logits) { check_gemv(kExperts + 1, kHidden, 8, true, 1, 8); }
-TEST(CudaGemv, Batched) { check_gemv(1500, kHidden, 4, false, 3, 9); }
-TEST(CudaGemv, EightBitSmallWidth) { check_gemv(257, 256, 8, true, 2, 10); }
-TEST(CudaGemv, TensorCoreTokenCountsAndRaggedShapes) {  // the MMA GEMV: m ≤ 8, rows not a multiple of 16
-  check_gemv(1000, kHidden, 4, false, 8, 11);
-  check_gemv(250, 4096, 4, true, 2, 12);
-  check_gemv(100, 192, 4, false, 5, 13);  // 3 groups: one k-slice
-  check_gemv(17, 64, 4, true, 1, 14);
-}
+/// The GEMV case table (kGemvCases) against the reference.
+class CudaGemv : public testing::TestWithParam<GemvCase> {};
+
+TEST_P(CudaGemv, MatchesTheReference) { check_gemv(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaGemv, testing::ValuesIn(kGemvCases), CaseName());
 
 /// Batch invariance (continuous batching relies on it): each token's outputs are bit-identical
 /// whether it is multiplied alone or among m = 2 … 8 tokens.
 TEST(CudaGemv, RowResultsDoNotDependOnTheTokenCount) {
+  ScopedGemvPath path(GemvPath::kDefault);
   for (int cols : {kHidden, 4096}) {
     std::mt19937_64 rng(15 + cols);
     const int64_t rows = 777;
@@ -94,97 +197,105 @@ TEST(CudaGemv, RowResultsDoNotDependOnTheTokenCount) {
   }
 }
 
-/// The bulk-copy streaming GEMV (default for cols % 512 == 0) and the register-load MMA GEMV
-/// (its fallback) each against the reference, on the decode shapes, ragged row counts, blocks
-/// with fewer tiles than stages, and rings that wrap many times (the lm_head-like 20000 rows).
-TEST(CudaGemv, StreamingAndRegisterPathsBothMatchTheReference) {
-  for (bool streaming : {true, false}) {
-    SCOPED_TRACE(streaming ? "streaming" : "register loads");
-    cuda::set_stream_gemv_enabled(streaming);
-    check_gemv(8192 + 4096 + 32 + 32, kHidden, 4, false, 1, 71);  // GDN in-projection
-    check_gemv(kHidden, 4096, 4, false, 1, 72);                  // out_proj
-    check_gemv(277, kHidden, 4, true, 1, 73);                    // 18 tiles, the last of 5 rows
-    check_gemv(20000, kHidden, 4, true, 1, 74);                  // ~150 tiles per block
-    check_gemv(1000, kHidden, 4, false, 8, 75);                  // m = 8
-    check_gemv(777, 512, 4, false, 3, 76);                       // one group per warp
-    check_gemv(129, 3072, 4, true, 2, 77);                       // 48 groups
-  }
-  cuda::set_stream_gemv_enabled(true);
-}
+/// A batched-GEMV case of the token-tiled kernel: a random 8- or 4-bit matrix W [rows, cols] and
+/// m bf16 activation rows X [m, cols] drawn from `seed`; fp32 outputs Y [m, rows].
+struct RowTilesCase {
+  int64_t rows;
+  int cols, bits, m;
+  uint64_t seed;
+
+  std::string name() const { return quant_shape(rows, cols, bits) + "_m" + std::to_string(m) + "_s" + std::to_string(seed); }
+  friend void PrintTo(const RowTilesCase& c, std::ostream* os) { *os << c.name(); }
+};
+
+/// The prefill router's shape (8-bit, 257 rows: a whole 2,048-token chunk and ragged token
+/// counts), a 4-bit batched projection and one group per lane. Seeds 90 + m + bits.
+const std::vector<RowTilesCase> kRowTilesCases = {
+    {257, kHidden, 8, 2048, 2146}, {257, kHidden, 8, 13, 111}, {257, kHidden, 8, 2, 100},
+    {1500, kHidden, 4, 21, 115},   {100, 64, 8, 9, 107},
+};
 
 /// The token-tiled batched GEMV (LILY_CUDA_GEMV_ROW_TILES) against the per-row kernel it
-/// replaces, bit for bit, on the prefill router's shape (8-bit, 257 rows, a whole 2,048-token
-/// chunk and ragged token counts), a 4-bit batched projection and one group per lane; and its
-/// outputs against the reference once.
-TEST(CudaGemv, TokenTiledBatchedGemvIsBitIdenticalToPerRow) {
-  struct Case {
-    int64_t rows;
-    int cols, bits, m;
-  };
-  for (const Case c : {Case{257, kHidden, 8, 2048}, Case{257, kHidden, 8, 13}, Case{257, kHidden, 8, 2},
-                       Case{1500, kHidden, 4, 21}, Case{100, 64, 8, 9}}) {
-    SCOPED_TRACE("rows " + std::to_string(c.rows) + " cols " + std::to_string(c.cols) + " bits " +
-                 std::to_string(c.bits) + " m " + std::to_string(c.m));
-    std::mt19937_64 rng(90 + c.m + c.bits);
-    RandomQuant w(c.rows, c.cols, c.bits, rng);
-    DeviceBuffer dx = upload_bf16(normal_bf16(int64_t(c.m) * c.cols, rng, 1.0f));
-    std::vector<float> out[2];
-    for (int tiled = 0; tiled < 2; ++tiled) {
-      cuda::set_gemv_row_tiles_enabled(tiled == 1);
-      DeviceBuffer dy = poisoned(size_t(c.m) * c.rows * 4);
-      cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>(), c.m, nullptr, dy.as<float>(), nullptr);
-      CUDA_CHECK(cudaDeviceSynchronize());
-      out[tiled] = download_f32(dy, int64_t(c.m) * c.rows);
-    }
-    int64_t differ = 0;
-    for (size_t i = 0; i < out[0].size(); ++i) differ += std::memcmp(&out[0][i], &out[1][i], sizeof(float)) != 0;
-    EXPECT_EQ(differ, 0) << "of " << out[0].size();
+/// replaces, bit for bit, over kRowTilesCases (the streaming GEMV on, as by default); its outputs
+/// against the reference are the GEMV table's case router_row_tiles.
+class CudaGemvRowTiles : public testing::TestWithParam<RowTilesCase> {};
+
+TEST_P(CudaGemvRowTiles, BitIdenticalToPerRow) {
+  const RowTilesCase& c = GetParam();
+  ScopedGemvPath path(GemvPath::kDefault);
+  std::mt19937_64 rng(c.seed);
+  RandomQuant w(c.rows, c.cols, c.bits, rng);
+  DeviceBuffer dx = upload_bf16(normal_bf16(int64_t(c.m) * c.cols, rng, 1.0f));
+  std::vector<float> out[2];
+  for (int tiled = 0; tiled < 2; ++tiled) {
+    cuda::set_gemv_row_tiles_enabled(tiled == 1);
+    DeviceBuffer dy = poisoned(size_t(c.m) * c.rows * 4);
+    cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>(), c.m, nullptr, dy.as<float>(), nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    out[tiled] = download_f32(dy, int64_t(c.m) * c.rows);
   }
-  cuda::set_gemv_row_tiles_enabled(true);
-  check_gemv(257, kHidden, 8, true, 40, 95);  // the tiled kernel against the reference
-  cuda::set_gemv_row_tiles_enabled(false);
+  int64_t differ = 0;
+  for (size_t i = 0; i < out[0].size(); ++i) differ += std::memcmp(&out[0][i], &out[1][i], sizeof(float)) != 0;
+  EXPECT_EQ(differ, 0) << "of " << out[0].size();
 }
 
-/// The prefill router GEMM (tensor cores) against the fp64 reference on the real router shape
-/// (8-bit, 257 × 2048) for a whole chunk with a ragged tail, the demo model's shape (17 × 256)
-/// and small token counts; and against the batched GEMV it replaces on every output (the same
-/// affine formula; only the order of the additions inside a group differs).
-TEST(CudaRouterGemm, MatchesTheReferenceAndTheGemv) {
-  struct Case {
-    int64_t rows;
-    int cols, m;
-  };
-  for (const Case c : {Case{257, kHidden, 2048 + 37}, Case{257, kHidden, 1}, Case{257, kHidden, 63},
-                       Case{17, 256, 100}, Case{65, 64, 9}}) {
-    SCOPED_TRACE("rows " + std::to_string(c.rows) + " cols " + std::to_string(c.cols) + " m " + std::to_string(c.m));
-    std::mt19937_64 rng(300 + c.m + c.rows);
-    RandomQuant w(c.rows, c.cols, 8, rng);
-    const std::vector<float> x = normal_bf16(int64_t(c.m) * c.cols, rng, 1.0f);
-    DeviceBuffer dx = upload_bf16(x);
-    const size_t n = size_t(c.m) * c.rows;
-    DeviceBuffer dy = poisoned(n * 4), dg = poisoned(n * 4);
-    ASSERT_TRUE(cuda::router_gemm_supported(w.view()));
-    cuda::launch_router_gemm(w.view(), dx.as<__nv_bfloat16>(), c.m, dy.as<float>(), nullptr);
-    cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>(), c.m, nullptr, dg.as<float>(), nullptr);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    const std::vector<float> y = download_f32(dy, int64_t(n)), gemv = download_f32(dg, int64_t(n));
-    for (float v : y) ASSERT_FALSE(std::isnan(v)) << "unwritten output";
-    std::vector<float> out;
-    std::vector<double> ref;
-    std::vector<int> tokens;  // a spread of tokens and the last one, every row of each
-    for (int t = 0; t < c.m; t += std::max(1, c.m / 64)) tokens.push_back(t);
-    if (tokens.back() != c.m - 1) tokens.push_back(c.m - 1);
-    for (int t : tokens) {
-      for (int64_t r = 0; r < c.rows; ++r) {
-        out.push_back(y[size_t(t) * c.rows + r]);
-        ref.push_back(w.dot(r, x.data() + int64_t(t) * c.cols));
-      }
+INSTANTIATE_TEST_SUITE_P(Cases, CudaGemvRowTiles, testing::ValuesIn(kRowTilesCases), CaseName());
+
+/// A prefill router GEMM case: a random 8-bit router matrix W [rows, cols] and m bf16 activation
+/// rows X [m, cols] drawn from `seed`; fp32 logits Y [m, rows].
+struct RouterGemmCase {
+  int64_t rows;
+  int cols, m;
+  uint64_t seed;
+
+  std::string name() const { return quant_shape(rows, cols, 8) + "_m" + std::to_string(m) + "_s" + std::to_string(seed); }
+  friend void PrintTo(const RouterGemmCase& c, std::ostream* os) { *os << c.name(); }
+};
+
+/// The real router shape (8-bit, 257 × 2048) for a whole chunk with a ragged tail and small
+/// token counts, the demo model's shape (17 × 256), one group per row. Seeds 300 + m + rows.
+const std::vector<RouterGemmCase> kRouterGemmCases = {
+    {257, kHidden, 2048 + 37, 2642}, {257, kHidden, 1, 558}, {257, kHidden, 63, 620}, {17, 256, 100, 417}, {65, 64, 9, 374},
+};
+
+/// The prefill router GEMM (tensor cores) against the fp64 reference, and against the batched
+/// GEMV it replaces on every output (the same affine formula; only the order of the additions
+/// inside a group differs). That GEMV runs with token-row tiles off (the per-row kernel), the
+/// setting these cases have always been checked with.
+class CudaRouterGemm : public testing::TestWithParam<RouterGemmCase> {};
+
+TEST_P(CudaRouterGemm, MatchesTheReferenceAndTheGemv) {
+  const RouterGemmCase& c = GetParam();
+  ScopedGemvPath path(GemvPath::kPerRow);
+  std::mt19937_64 rng(c.seed);
+  RandomQuant w(c.rows, c.cols, 8, rng);
+  const std::vector<float> x = normal_bf16(int64_t(c.m) * c.cols, rng, 1.0f);
+  DeviceBuffer dx = upload_bf16(x);
+  const size_t n = size_t(c.m) * c.rows;
+  DeviceBuffer dy = poisoned(n * 4), dg = poisoned(n * 4);
+  ASSERT_TRUE(cuda::router_gemm_supported(w.view()));
+  cuda::launch_router_gemm(w.view(), dx.as<__nv_bfloat16>(), c.m, dy.as<float>(), nullptr);
+  cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>(), c.m, nullptr, dg.as<float>(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> y = download_f32(dy, int64_t(n)), gemv = download_f32(dg, int64_t(n));
+  for (float v : y) ASSERT_FALSE(std::isnan(v)) << "unwritten output";
+  std::vector<float> out;
+  std::vector<double> ref;
+  std::vector<int> tokens;  // a spread of tokens and the last one, every row of each
+  for (int t = 0; t < c.m; t += std::max(1, c.m / 64)) tokens.push_back(t);
+  if (tokens.back() != c.m - 1) tokens.push_back(c.m - 1);
+  for (int t : tokens) {
+    for (int64_t r = 0; r < c.rows; ++r) {
+      out.push_back(y[size_t(t) * c.rows + r]);
+      ref.push_back(w.dot(r, x.data() + int64_t(t) * c.cols));
     }
-    EXPECT_LT(worst_rel(out, ref, 0.01 * rms(ref)), 1e-3) << "against the fp64 reference";
-    const std::vector<double> gemv_ref(gemv.begin(), gemv.end());
-    EXPECT_LT(worst_rel(y, gemv_ref, 0.01 * rms(gemv_ref)), 1e-4) << "against the batched GEMV";
   }
+  EXPECT_LT(worst_rel(out, ref, 0.01 * rms(ref)), 1e-3) << "against the fp64 reference";
+  const std::vector<double> gemv_ref(gemv.begin(), gemv.end());
+  EXPECT_LT(worst_rel(y, gemv_ref, 0.01 * rms(gemv_ref)), 1e-4) << "against the batched GEMV";
 }
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaRouterGemm, testing::ValuesIn(kRouterGemmCases), CaseName());
 
 TEST(CudaRouterGemm, RejectsUnsupportedShapes) {
   std::mt19937_64 rng(7);
@@ -318,8 +429,28 @@ void reference_topk(const float* logits, int E, int k, std::vector<int>& ids, st
   for (int s = 0; s < k; ++s) w[s] = std::exp(double(logits[ids[s]]) - logits[ids[0]]) / denom;
 }
 
-void check_router(int E, int k, int m, uint64_t seed, bool with_ties) {
-  std::mt19937_64 rng(seed);
+/// A router top-k case: fp32 logits [m, E + 1] (E routed experts, then the shared expert's gate
+/// logit) ~ N(0, 2²), bf16-exact, drawn from `seed`; with_ties sets a three-way tie at the top
+/// and a pair below it in every row. Top k of E.
+struct RouterTopKCase {
+  int E, k, m;
+  uint64_t seed;
+  bool with_ties;
+
+  std::string name() const {
+    return "E" + std::to_string(E) + "_top" + std::to_string(k) + "_m" + std::to_string(m) +
+           (with_ties ? "_ties" : "_noties") + "_s" + std::to_string(seed);
+  }
+  friend void PrintTo(const RouterTopKCase& c, std::ostream* os) { *os << c.name(); }
+};
+
+/// launch_router_topk against reference_topk and cpu::route_top_k on every token: the k ids
+/// (int32 [m, k + 1], the shared expert E last) and weights (fp32 [m, k + 1]: softmax over the
+/// selected logits within 1e-6, the CPU op's within 1e-5; the shared slot sigmoid(logit E)).
+void check_router(const RouterTopKCase& c) {
+  const int E = c.E, k = c.k, m = c.m;
+  const bool with_ties = c.with_ties;
+  std::mt19937_64 rng(c.seed);
   std::vector<float> logits = normal_bf16(int64_t(m) * (E + 1), rng, 2.0f);
   if (with_ties)
     for (int t = 0; t < m; ++t) {
@@ -356,12 +487,20 @@ void check_router(int E, int k, int m, uint64_t seed, bool with_ties) {
   }
 }
 
-TEST(CudaRouter, TopKRealShape) { check_router(kExperts, kTopK, 4, 15, false); }
-TEST(CudaRouter, TiesGoToLowestExpertId) { check_router(kExperts, kTopK, 2, 16, true); }
-TEST(CudaRouter, SmallShapes) {
-  check_router(16, 4, 3, 17, true);
-  check_router(8, 2, 1, 18, false);
-}
+/// The real shape (256 experts, top 8), ties going to the lowest expert id, small shapes.
+const std::vector<RouterTopKCase> kRouterTopKCases = {
+    {kExperts, kTopK, 4, 15, false},
+    {kExperts, kTopK, 2, 16, true},
+    {16, 4, 3, 17, true},
+    {8, 2, 1, 18, false},
+};
+
+/// The router top-k case table (kRouterTopKCases) against the references.
+class CudaRouter : public testing::TestWithParam<RouterTopKCase> {};
+
+TEST_P(CudaRouter, TopKMatchesTheReference) { check_router(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaRouter, testing::ValuesIn(kRouterTopKCases), CaseName());
 
 // ---- fused router GEMV + top-k (launch_router_fused) -------------------------------------------
 
@@ -392,13 +531,47 @@ std::vector<int> ranking(const std::vector<float>& logits, int E) {
   return order;
 }
 
+/// What a fused-router case does to the router matrix before the launch: nothing; duplicate
+/// rows so that three experts tie exactly at the top (kThreeWayTop) or the last selected expert
+/// ties with the lowest id outside the top k (kAtTheCut); NaN scales for experts 2 and E − 3
+/// (kNanLogits); zero scales and biases, so that every logit is 0 (kAllZero).
 enum class RouterTies { kNone, kThreeWayTop, kAtTheCut, kNanLogits, kAllZero };
+
+/// The ties as the case names write them.
+const char* ties_name(RouterTies t) {
+  switch (t) {
+    case RouterTies::kNone: return "noties";
+    case RouterTies::kThreeWayTop: return "threewaytop";
+    case RouterTies::kAtTheCut: return "tieatcut";
+    case RouterTies::kNanLogits: return "nanlogits";
+    case RouterTies::kAllZero: return "allzero";
+  }
+  return "?";
+}
+
+/// A fused-router case: a random router matrix W [E + 1, hidden] of `bits` (E routed experts,
+/// then the shared expert's gate row) and m bf16 activation rows X [m, hidden] drawn from `seed`;
+/// top k of E; W altered as `ties` says.
+struct RouterFusedCase {
+  int E, k, hidden, bits, m;
+  uint64_t seed;
+  RouterTies ties;
+
+  std::string name() const {
+    return "E" + std::to_string(E) + "_top" + std::to_string(k) + "_h" + std::to_string(hidden) + "_q" +
+           std::to_string(bits) + "_m" + std::to_string(m) + "_" + ties_name(ties) + "_s" + std::to_string(seed);
+  }
+  friend void PrintTo(const RouterFusedCase& c, std::ostream* os) { *os << c.name(); }
+};
 
 /// Fused router vs (a) the unfused launch_quant_gemv + launch_router_topk pair and (b) the CPU
 /// reference (cpu::route_top_k on CPU-computed logits). Ties are made exact by duplicating
-/// matrix rows, chosen from token 0's CPU ranking.
-void check_router_fused(int E, int k, int hidden, int bits, int m, uint64_t seed, RouterTies ties) {
-  std::mt19937_64 rng(seed);
+/// matrix rows, chosen from token 0's CPU ranking. Outputs: fp32 logits [m, E + 1], int32 ids
+/// and fp32 weights [m, k + 1] (the shared expert last).
+void check_router_fused(const RouterFusedCase& c) {
+  const int E = c.E, k = c.k, hidden = c.hidden, bits = c.bits, m = c.m;
+  const RouterTies ties = c.ties;
+  std::mt19937_64 rng(c.seed);
   RandomQuant w(E + 1, hidden, bits, rng);
   const std::vector<float> x = normal_bf16(int64_t(m) * hidden, rng, 1.0f);
   std::vector<int> tied;  // expert ids that must tie exactly (token 0)
@@ -506,32 +679,41 @@ void check_router_fused(int E, int k, int hidden, int bits, int m, uint64_t seed
   }
 }
 
-TEST(CudaRouterFused, RealShape256x2048Q8Top8) { check_router_fused(kExperts, kTopK, kHidden, 8, 1, 31, RouterTies::kNone); }
-TEST(CudaRouterFused, RealShapeSeveralTokens) { check_router_fused(kExperts, kTopK, kHidden, 8, 3, 32, RouterTies::kNone); }
-TEST(CudaRouterFused, RealShapeTies) {
-  check_router_fused(kExperts, kTopK, kHidden, 8, 1, 33, RouterTies::kThreeWayTop);
-  check_router_fused(kExperts, kTopK, kHidden, 8, 2, 34, RouterTies::kAtTheCut);
+const std::vector<RouterFusedCase> kRouterFusedCases = {
+    // The real shape: 256 experts, top 8, hidden 2048, an 8-bit router; one and several tokens.
+    {kExperts, kTopK, kHidden, 8, 1, 31, RouterTies::kNone},
+    {kExperts, kTopK, kHidden, 8, 3, 32, RouterTies::kNone},
+    {kExperts, kTopK, kHidden, 8, 1, 33, RouterTies::kThreeWayTop},
+    {kExperts, kTopK, kHidden, 8, 2, 34, RouterTies::kAtTheCut},
+    // NaN logits never win (the key routine vs the stand-alone warp routine).
+    {kExperts, kTopK, kHidden, 8, 1, 43, RouterTies::kNanLogits},
+    {16, 4, 256, 8, 2, 44, RouterTies::kNanLogits},
+    // All logits tie at zero: the lowest ids, in order, weights 1/k.
+    {kExperts, kTopK, kHidden, 8, 1, 48, RouterTies::kAllZero},
+    {16, 4, 256, 8, 1, 49, RouterTies::kAllZero},
+    // Many experts (E > 256: 32 keys per lane).
+    {512, 8, 256, 8, 1, 45, RouterTies::kNone},
+    {1000, 32, 128, 8, 1, 46, RouterTies::kAtTheCut},
+    {600, 8, 256, 8, 2, 47, RouterTies::kNanLogits},
+    // The demo model's shapes (hidden 256, 16 experts, top 4), a 4-bit router, hidden 128.
+    {16, 4, 256, 8, 1, 35, RouterTies::kNone},
+    {16, 4, 256, 8, 2, 36, RouterTies::kThreeWayTop},
+    {16, 4, 256, 8, 1, 37, RouterTies::kAtTheCut},
+    {16, 4, 256, 4, 1, 38, RouterTies::kNone},
+    {8, 2, 128, 8, 1, 39, RouterTies::kThreeWayTop},
+};
+
+/// The fused-router case table (kRouterFusedCases). The unfused GEMV of (a) runs with token-row
+/// tiles off (the per-row kernel for m > 1), the setting these cases have always been checked with.
+class CudaRouterFused : public testing::TestWithParam<RouterFusedCase> {};
+
+TEST_P(CudaRouterFused, MatchesTheUnfusedPairAndTheCpu) {
+  ScopedGemvPath path(GemvPath::kPerRow);
+  check_router_fused(GetParam());
 }
-TEST(CudaRouterFused, NanLogitsNeverWin) {  // the key routine vs the stand-alone warp routine
-  check_router_fused(kExperts, kTopK, kHidden, 8, 1, 43, RouterTies::kNanLogits);
-  check_router_fused(16, 4, 256, 8, 2, 44, RouterTies::kNanLogits);
-}
-TEST(CudaRouterFused, AllLogitsTieAtZero) {  // the lowest ids, in order, weights 1/k
-  check_router_fused(kExperts, kTopK, kHidden, 8, 1, 48, RouterTies::kAllZero);
-  check_router_fused(16, 4, 256, 8, 1, 49, RouterTies::kAllZero);
-}
-TEST(CudaRouterFused, ManyExperts) {  // E > 256: 32 keys per lane
-  check_router_fused(512, 8, 256, 8, 1, 45, RouterTies::kNone);
-  check_router_fused(1000, 32, 128, 8, 1, 46, RouterTies::kAtTheCut);
-  check_router_fused(600, 8, 256, 8, 2, 47, RouterTies::kNanLogits);
-}
-TEST(CudaRouterFused, DemoShapes) {  // demo model: hidden 256, 16 experts, top-4
-  check_router_fused(16, 4, 256, 8, 1, 35, RouterTies::kNone);
-  check_router_fused(16, 4, 256, 8, 2, 36, RouterTies::kThreeWayTop);
-  check_router_fused(16, 4, 256, 8, 1, 37, RouterTies::kAtTheCut);
-  check_router_fused(16, 4, 256, 4, 1, 38, RouterTies::kNone);  // a 4-bit router
-  check_router_fused(8, 2, 128, 8, 1, 39, RouterTies::kThreeWayTop);
-}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaRouterFused, testing::ValuesIn(kRouterFusedCases), CaseName());
+
 TEST(CudaRouterFused, RejectsBadShapes) {
   std::mt19937_64 rng(40);
   RandomQuant w(17, 256, 8, rng);
@@ -582,12 +764,30 @@ struct NormInputs {
   }
 };
 
+/// A FusedNorm GEMV case: a random matrix W [rows, cols] of `bits`, then NormInputs(cols) (one
+/// token: residual, branch, gain) drawn from `seed`; Y [rows] in bf16 or (f32_out) fp32; the
+/// branch added first or not (with_branch). `label` says what the shape stands for.
+struct NormGemvCase {
+  const char* label;
+  int64_t rows;
+  int cols, bits;
+  bool f32_out, with_branch;
+  uint64_t seed;
+
+  std::string name() const {
+    return std::string(label) + "_" + quant_shape(rows, cols, bits) + (f32_out ? "_f32" : "_bf16") +
+           (with_branch ? "_branch" : "_nobranch") + "_s" + std::to_string(seed);
+  }
+  friend void PrintTo(const NormGemvCase& c, std::ostream* os) { *os << c.name(); }
+};
+
 /// launch_add_rmsnorm_gemv: norm outputs as above; the GEMV output is bit-identical to
 /// launch_quant_gemv of the stored normed row (the kernel multiplies exactly what it stores).
-void check_norm_gemv(int64_t rows, int cols, int bits, bool f32_out, bool with_branch, uint64_t seed) {
-  SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " " + std::to_string(bits) + "-bit" +
-               (f32_out ? " f32" : " bf16") + (with_branch ? " +branch" : ""));
-  std::mt19937_64 rng(seed);
+void check_norm_gemv(const NormGemvCase& c) {
+  const int64_t rows = c.rows;
+  const int cols = c.cols, bits = c.bits;
+  const bool f32_out = c.f32_out, with_branch = c.with_branch;
+  std::mt19937_64 rng(c.seed);
   RandomQuant w(rows, cols, bits, rng);
   NormInputs in(cols, rng);
   DeviceBuffer y = poisoned(size_t(rows) * 4), ref = poisoned(size_t(rows) * 4);
@@ -602,22 +802,45 @@ void check_norm_gemv(int64_t rows, int cols, int bits, bool f32_out, bool with_b
   EXPECT_EQ(x_in, in.x) << "the input residual must not be modified";
 }
 
-TEST(CudaFusedNorm, GemvRealShapes) {
-  check_norm_gemv(8192 + 4096 + 32 + 32, kHidden, 4, false, true, 51);  // GDN in-projection
-  check_norm_gemv(9216, kHidden, 4, false, false, 52);                  // attention q|k|v, layer 0 (no branch)
-  check_norm_gemv(20000, kHidden, 4, true, true, 53);                   // lm_head-like, fp32 out
-}
-TEST(CudaFusedNorm, GemvDemoShapes) {
-  check_norm_gemv(1000, 256, 4, false, true, 54);
-  check_norm_gemv(8192, 256, 4, true, true, 55);
-  check_norm_gemv(300, 128, 4, false, false, 56);
+/// The real shapes (GDN in-projection; attention q|k|v of layer 0, which has no branch; an
+/// lm_head-like fp32 output) and the demo model's widths.
+const std::vector<NormGemvCase> kNormGemvCases = {
+    {"gdn_in_proj", kGdnInRows, kHidden, 4, false, true, 51},
+    {"attn_qkv_layer0", 9216, kHidden, 4, false, false, 52},
+    {"lm_head_like", 20000, kHidden, 4, true, true, 53},
+    {"demo", 1000, 256, 4, false, true, 54},
+    {"demo", 8192, 256, 4, true, true, 55},
+    {"demo", 300, 128, 4, false, false, 56},
+};
+
+/// The FusedNorm GEMV case table (kNormGemvCases), on the default GEMV path.
+class CudaFusedNormGemv : public testing::TestWithParam<NormGemvCase> {};
+
+TEST_P(CudaFusedNormGemv, MatchesTheUnfusedLaunches) {
+  ScopedGemvPath path(GemvPath::kDefault);
+  check_norm_gemv(GetParam());
 }
 
+INSTANTIATE_TEST_SUITE_P(Cases, CudaFusedNormGemv, testing::ValuesIn(kNormGemvCases), CaseName());
+
+/// A FusedNorm router case: a random 8-bit router matrix W [E + 1, hidden], then
+/// NormInputs(hidden) (one token, with a branch) drawn from `seed`; top k of E.
+struct NormRouterCase {
+  int E, k, hidden;
+  uint64_t seed;
+
+  std::string name() const {
+    return "E" + std::to_string(E) + "_top" + std::to_string(k) + "_h" + std::to_string(hidden) + "_q8_s" +
+           std::to_string(seed);
+  }
+  friend void PrintTo(const NormRouterCase& c, std::ostream* os) { *os << c.name(); }
+};
+
 /// launch_add_rmsnorm_router_fused vs launch_router_fused on the stored normed row: identical
-/// logits, ids and weights.
-void check_norm_router(int E, int k, int hidden, uint64_t seed) {
-  SCOPED_TRACE("E=" + std::to_string(E) + " hidden=" + std::to_string(hidden));
-  std::mt19937_64 rng(seed);
+/// logits (fp32 [E + 1]), ids (int32 [k + 1]) and weights (fp32 [k + 1]).
+void check_norm_router(const NormRouterCase& c) {
+  const int E = c.E, k = c.k, hidden = c.hidden;
+  std::mt19937_64 rng(c.seed);
   RandomQuant w(E + 1, hidden, 8, rng);
   NormInputs in(hidden, rng);
   DeviceBuffer fl = poisoned(size_t(E + 1) * 4), fid = poisoned(size_t(k + 1) * 4), fw = poisoned(size_t(k + 1) * 4);
@@ -638,20 +861,47 @@ void check_norm_router(int E, int k, int hidden, uint64_t seed) {
   EXPECT_EQ(a, b);
 }
 
-TEST(CudaFusedNorm, RouterShapes) {
-  check_norm_router(kExperts, kTopK, kHidden, 57);
-  check_norm_router(16, 4, 256, 58);
-}
+/// The real router shape and the demo model's.
+const std::vector<NormRouterCase> kNormRouterCases = {
+    {kExperts, kTopK, kHidden, 57},
+    {16, 4, 256, 58},
+};
+
+/// The FusedNorm router case table (kNormRouterCases).
+class CudaFusedNormRouter : public testing::TestWithParam<NormRouterCase> {};
+
+TEST_P(CudaFusedNormRouter, MatchesTheUnfusedRouter) { check_norm_router(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaFusedNormRouter, testing::ValuesIn(kNormRouterCases), CaseName());
+
+/// A FusedConv case: a GDN layer of n_key_heads key heads and n_value_heads value heads of
+/// head_dim (gdn_dims; C = conv_channels() conv channels) whose 4-bit in-projection W
+/// [C + value_dim + 2·n_value_heads, hidden] and conv taps fp32 [C, 4], window bf16 [3, C] and
+/// three tokens' NormInputs(hidden) are drawn from `seed`.
+struct NormConvCase {
+  const char* label;
+  int n_key_heads, n_value_heads, head_dim, hidden;
+  uint64_t seed;
+
+  std::string name() const {
+    const cuda::GdnDims dims = gdn_dims(n_key_heads, n_value_heads, head_dim);
+    const int64_t rows = int64_t(dims.conv_channels()) + dims.value_dim() + 2 * n_value_heads;
+    return std::string(label) + "_Hk" + std::to_string(n_key_heads) + "_Hv" + std::to_string(n_value_heads) + "_D" +
+           std::to_string(head_dim) + "_C" + std::to_string(dims.conv_channels()) + "_" + quant_shape(rows, hidden, 4) +
+           "_s" + std::to_string(seed);
+  }
+  friend void PrintTo(const NormConvCase& c, std::ostream* os) { *os << c.name(); }
+};
 
 /// The GDN in-projection with the conv step in its epilogue (FusedConv) against the in-projection
 /// alone followed by gdn_conv_decode: projection, conv output and shifted window bit-identical,
 /// over three consecutive tokens (the window carries state).
-void check_norm_gemv_conv(int n_key_heads, int n_value_heads, int head_dim, int hidden, uint64_t seed) {
-  const cuda::GdnDims dims = gdn_dims(n_key_heads, n_value_heads, head_dim);
+void check_norm_gemv_conv(const NormConvCase& c) {
+  const int hidden = c.hidden, n_value_heads = c.n_value_heads;
+  const cuda::GdnDims dims = gdn_dims(c.n_key_heads, n_value_heads, c.head_dim);
   const int C = dims.conv_channels();
   const int64_t rows = int64_t(C) + dims.value_dim() + 2 * n_value_heads;
-  SCOPED_TRACE("C=" + std::to_string(C) + " rows=" + std::to_string(rows));
-  std::mt19937_64 rng(seed);
+  std::mt19937_64 rng(c.seed);
   RandomQuant w(rows, hidden, 4, rng);
   const std::vector<float> taps = normal_bf16(int64_t(C) * 4, rng, 0.5f);
   const std::vector<float> window0 = normal_bf16(int64_t(C) * 3, rng, 1.0f);
@@ -680,10 +930,20 @@ void check_norm_gemv_conv(int n_key_heads, int n_value_heads, int head_dim, int 
   }
 }
 
-TEST(CudaFusedConv, GdnInProjectionWithConvMatchesConvDecode) {
-  check_norm_gemv_conv(16, 32, 128, kHidden, 60);  // Qwen3.6: C 8192, rows 12352
-  check_norm_gemv_conv(2, 4, 64, 256, 61);         // demo: C 512, rows 776
+const std::vector<NormConvCase> kNormConvCases = {
+    {"qwen36", 16, 32, 128, kHidden, 60},  // C 8192, rows 12352
+    {"demo", 2, 4, 64, 256, 61},           // C 512, rows 776
+};
+
+/// The FusedConv case table (kNormConvCases), on the default GEMV path.
+class CudaFusedConv : public testing::TestWithParam<NormConvCase> {};
+
+TEST_P(CudaFusedConv, GdnInProjectionWithConvMatchesConvDecode) {
+  ScopedGemvPath path(GemvPath::kDefault);
+  check_norm_gemv_conv(GetParam());
 }
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaFusedConv, testing::ValuesIn(kNormConvCases), CaseName());
 
 TEST(CudaFusedNorm, RejectsAliasedResidual) {
   std::mt19937_64 rng(59);
@@ -794,10 +1054,28 @@ void check_pdl_chain(int E, int k, int hidden, int ffn, uint64_t seed) {
 TEST(CudaPdl, MoeChainMatchesPlainLaunchesRealShape) { check_pdl_chain(kExperts, kTopK, kHidden, kFfn, 41); }
 TEST(CudaPdl, MoeChainMatchesPlainLaunchesDemoShape) { check_pdl_chain(16, 4, 256, 128, 42); }
 
-/// The MoE expert path: gate/up + SwiGLU over 8 routed experts + the shared one, then the
-/// down projection with the weighted combine, against docs/model.md §4.3's rounding sequence.
-void check_experts(int E, int k, int hidden, int ffn, uint64_t seed, int bits = 4) {
-  std::mt19937_64 rng(seed);
+/// An MoE expert case: E routed experts plus the shared one (expert E), each a gate and an up
+/// matrix [ffn, hidden] and a down matrix [hidden, ffn] of `bits` (stacked: gate/up
+/// [(E + 1)·ffn, hidden], down [(E + 1)·hidden, ffn]); k routed experts chosen at random, one
+/// token's bf16 activations [hidden] and fp32 slot weights [k + 1], all drawn from `seed`.
+struct ExpertCase {
+  int E, k, hidden, ffn;
+  uint64_t seed;
+  int bits = 4;
+
+  std::string name() const {
+    return "E" + std::to_string(E) + "_top" + std::to_string(k) + "_h" + std::to_string(hidden) + "_ffn" +
+           std::to_string(ffn) + "_q" + std::to_string(bits) + "_s" + std::to_string(seed);
+  }
+  friend void PrintTo(const ExpertCase& c, std::ostream* os) { *os << c.name(); }
+};
+
+/// The MoE expert path: gate/up + SwiGLU over the k routed experts + the shared one (bf16
+/// activations [k + 1, ffn]), then the down projection with the weighted combine (bf16
+/// [hidden]), against docs/model.md §4.3's rounding sequence.
+void check_experts(const ExpertCase& c) {
+  const int E = c.E, k = c.k, hidden = c.hidden, ffn = c.ffn, bits = c.bits;
+  std::mt19937_64 rng(c.seed);
   RandomQuant gate((E + 1) * int64_t(ffn), hidden, bits, rng), up((E + 1) * int64_t(ffn), hidden, bits, rng);
   RandomQuant down((E + 1) * int64_t(hidden), ffn, bits, rng);
   const int n_sel = k + 1;
@@ -843,13 +1121,21 @@ void check_experts(int E, int k, int hidden, int ffn, uint64_t seed, int bits = 
   EXPECT_LT(worst_rel(gout, rout, 0.01 * rms(rout)), 2e-2) << "down + combine";
 }
 
-TEST(CudaMoe, ExpertsRealShape) { check_experts(kExperts, kTopK, kHidden, kFfn, 19); }
-TEST(CudaMoe, ExpertsSmallShapes) {
-  check_experts(16, 4, 256, 128, 20);
-  check_experts(32, 8, 512, 128, 21);
-  check_experts(16, 4, 256, 128, 22, 8);  // 8-bit experts: the down kernel's 4-slot chunks (5 slots)
-  check_experts(64, 12, 256, 192, 23);    // 13 slots: chunks of 9 + 4 at 4-bit; 3 groups per row
-}
+/// The real shape (256 experts, top 8, hidden 2048, ffn 512) and small ones.
+const std::vector<ExpertCase> kExpertCases = {
+    {kExperts, kTopK, kHidden, kFfn, 19},
+    {16, 4, 256, 128, 20},
+    {32, 8, 512, 128, 21},
+    {16, 4, 256, 128, 22, 8},  // 8-bit experts: the down kernel's 4-slot chunks (5 slots)
+    {64, 12, 256, 192, 23},    // 13 slots: chunks of 9 + 4 at 4-bit; 3 groups per row
+};
+
+/// The MoE expert case table (kExpertCases).
+class CudaMoeExperts : public testing::TestWithParam<ExpertCase> {};
+
+TEST_P(CudaMoeExperts, MatchTheReference) { check_experts(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaMoeExperts, testing::ValuesIn(kExpertCases), CaseName());
 
 
 int64_t quant_bytes(const RandomQuant& w) { return w.rows * (int64_t(w.cols) * w.bits / 8 + w.cols / 64 * 4); }
@@ -877,6 +1163,7 @@ TEST(CudaTiming, PrintsKernelTimes) {
 
   // The prefill router: 257x2048 q8 over a 2,048-token chunk, per-row and token-tiled.
   {
+    ScopedGemvPath keep(GemvPath::kDefault);  // the switches as found, after the block
     RandomQuant router(kExperts + 1, kHidden, 8, rng);
     constexpr int kChunk = 2048;
     DeviceBuffer xc = upload_bf16(normal_bf16(int64_t(kChunk) * kHidden, rng, 1.0f)), yc(size_t(kChunk) * (kExperts + 1) * 4);
@@ -964,6 +1251,25 @@ TEST(CudaTiming, PrintsGraphChainTimesWithAndWithoutPdl) {
     CUDA_CHECK(cudaGraphExecDestroy(exec));
   }
   CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// The perf mode of the GEMV case table: every kGemvCases case timed on its path (launch alone,
+// printed, never asserted), so that a shape added to the table is timed as well as checked.
+TEST(CudaTiming, PrintsGemvCaseTimes) {
+  for (const GemvCase& c : kGemvCases) {
+    ScopedGemvPath path(c.path);
+    std::mt19937_64 rng(c.seed);
+    RandomQuant w(c.rows, c.cols, c.bits, rng);
+    DeviceBuffer dx = upload_bf16(normal_bf16(int64_t(c.m) * c.cols, rng, 1.0f));
+    DeviceBuffer dy(size_t(c.m) * c.rows * 4);
+    const cuda::DeviceQuant v = w.view();
+    const double us = time_us([&] {
+      cuda::launch_quant_gemv_batched(v, dx.as<__nv_bfloat16>(), c.m, c.f32_out ? nullptr : dy.as<__nv_bfloat16>(),
+                                      c.f32_out ? dy.as<float>() : nullptr, nullptr);
+    });
+    std::printf("[timing] gemv case %-54s %8.2f us  %7.2f MB  %7.1f GB/s\n", c.name().c_str(), us, quant_bytes(w) / 1e6,
+                quant_bytes(w) / us / 1e3);
+  }
 }
 
 }  // namespace
