@@ -28,14 +28,17 @@
 // dense ones too) and the shared-tile kernels (=0). Every case checks the selected kernel
 // against the references above and the other one against it (grouped: act within 4e-2, expert
 // outputs within 2e-2; dense: 2e-2 bf16, 2e-3 fp32, by the first item's measure: two
-// independently rounded results, each within the reference tolerance). CudaQuantGemm.
-// RegdqDenseTiles runs under "all" so the references check the dense register-dequant kernel;
+// independently rounded results, each within the reference tolerance). The regdq_* GEMM cases
+// run under "all" so the references check the dense register-dequant kernel;
 // the ragged grouped cases give experts 0, 1, 15, 64 and 200 rows (empty experts, single-row
 // tiles, masked tails, several row tiles), the real shapes run at 2,048 tokens. Setting the
 // variable for the whole run swaps which kernel the references check (the test applies the
 // LILY_CUDA_* environment through CudaOptions::from_env before its first test, as the backend
 // does; within the run it flips cuda::set_gemm_kernel).
 // Outputs are poisoned (NaN) before each launch, so any element the kernels skip fails.
+// The GEMM and grouped-MoE checks are case tables (kGemmCases, kGroupedCases: shape × bits ×
+// kernel × token counts × seed) run by value-parameterised suites, tests named
+// Cases/CudaQuantGemm.MatchesTheReferences/<case> and Cases/CudaGroupedExperts.MatchTheReferences/<case>.
 // CudaQuantGemmTiming prints times and TFLOP/s (CUDA events after warm-up; never asserted).
 #include <gtest/gtest.h>
 
@@ -44,6 +47,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <numeric>
+#include <optional>
+#include <ostream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -73,6 +78,36 @@ class ScopedGemmKernel {
 
  private:
   cuda::GemmKernel old_;
+};
+
+/// A case's GEMM kernel: std::nullopt for the switch as the run has it (the default, or
+/// LILY_CUDA_GEMM_KERNEL; the references then check that kernel), else the mode the case sets
+/// for its duration (ScopedGemmKernel).
+using GemmPath = std::optional<cuda::GemmKernel>;
+
+/// The path as the case names write it.
+std::string path_name(const GemmPath& p) {
+  if (!p) return "switch";
+  switch (*p) {
+    case cuda::GemmKernel::kGrouped: return "grouped";
+    case cuda::GemmKernel::kAll: return "all";
+    case cuda::GemmKernel::kOff: return "off";
+    case cuda::GemmKernel::kWgmma: return "wgmma";
+    case cuda::GemmKernel::kWgmmaNarrow: return "wgmma_narrow";
+    case cuda::GemmKernel::kWgmmaMixed: return "wgmma_mixed";
+  }
+  return "?";
+}
+
+/// ScopedGemmKernel for a forced path; nothing for std::nullopt.
+class ScopedGemmPath {
+ public:
+  explicit ScopedGemmPath(const GemmPath& p) {
+    if (p) scoped_.emplace(*p);
+  }
+
+ private:
+  std::optional<ScopedGemmKernel> scoped_;
 };
 
 /// The kernel switches as the CUDA backend would set them from the LILY_CUDA_* environment
@@ -143,9 +178,36 @@ std::vector<int64_t> rows_to_check(int64_t rows) {
   return v;
 }
 
-/// Dense GEMM of one random rows×cols matrix for each m, against both oracles.
-void check_gemm(int64_t rows, int cols, int bits, bool f32_out, std::vector<int> ms, uint64_t seed) {
-  std::mt19937_64 rng(seed);
+/// A dense GEMM case: a random MLX-affine matrix W [rows, cols] of `bits` drawn from `seed`,
+/// then for each token count m of `ms` in turn (from the same generator) bf16 activations
+/// X [m, cols]; Y [m, rows] = X·Wᵀ in bf16 or (f32_out) fp32 by launch_quant_gemm on `path`.
+/// `label` says what the shape stands for.
+struct GemmCase {
+  const char* label;
+  int64_t rows;
+  int cols, bits;
+  bool f32_out;
+  std::vector<int> ms;
+  uint64_t seed;
+  GemmPath path = std::nullopt;
+
+  std::string name() const {
+    std::string n = std::string(label) + "_" + quant_shape(rows, cols, bits) + (f32_out ? "_f32" : "_bf16") + "_m";
+    for (size_t i = 0; i < ms.size(); ++i) n += (i ? "_" : "") + std::to_string(ms[i]);
+    return n + "_" + path_name(path) + "_s" + std::to_string(seed);
+  }
+  friend void PrintTo(const GemmCase& c, std::ostream* os) { *os << c.name(); }
+};
+
+/// Dense GEMM of one random rows×cols matrix for each m, against both oracles (and the other
+/// kernel against the one the path selects).
+void check_gemm(const GemmCase& c) {
+  const int64_t rows = c.rows;
+  const int cols = c.cols, bits = c.bits;
+  const bool f32_out = c.f32_out;
+  const std::vector<int>& ms = c.ms;
+  ScopedGemmPath path(c.path);
+  std::mt19937_64 rng(c.seed);
   RandomQuant w(rows, cols, bits, rng);
   const std::vector<int64_t> check = rows_to_check(rows);
   std::vector<std::vector<float>> wrows;
@@ -202,47 +264,47 @@ void check_gemm(int64_t rows, int cols, int bits, bool f32_out, std::vector<int>
   }
 }
 
-const std::vector<int> kMs = {1, 7, 64, 100, 200, 256, 300};
+const std::vector<int> kMs = {1, 7, 64, 100, 200, 256, 300};  ///< every tile shape and masked tails
 
-TEST(CudaQuantGemm, GdnInProjection12352x2048) { check_gemm(8192 + 4096 + 32 + 32, kHidden, 4, false, kMs, 1); }
-TEST(CudaQuantGemm, GdnOutProjection2048x4096) { check_gemm(kHidden, 4096, 4, false, kMs, 2); }
-TEST(CudaQuantGemm, AttentionInProjection9216x2048) { check_gemm(9216, kHidden, 4, false, kMs, 3); }
-TEST(CudaQuantGemm, WideOddRowsSmallCols) {
-  // 20037 rows: odd width (unpaired stores) and ≥ 132 column tiles of 128 at m ≤ 64.
-  check_gemm(20037, 256, 4, false, {7, 40}, 4);
-  check_gemm(20037, 256, 8, false, {7, 40}, 9);  // the 8-bit tiles of width 128
-  check_gemm(333, 64, 4, false, {1, 65}, 5);  // one k-tile only
-}
-TEST(CudaQuantGemm, Fp32OutputAnd8Bit) {
-  check_gemm(kExperts + 1, kHidden, 8, true, {1, 64, 256}, 6);  // router | shared gate shape
-  check_gemm(1024, 512, 8, false, {33, 256}, 7);
-  check_gemm(4096, kHidden, 4, true, {200}, 8);
-}
+constexpr int64_t kGdnInRows = 8192 + 4096 + 32 + 32;  ///< GDN qkv|z|a|b in-projection rows
 
-TEST(CudaQuantGemm, RegdqDenseTiles) {
-  // Shapes where the register-dequant kernel takes the dense GEMM (≥ one item of 64 tokens ×
-  // 256 weight rows per SM on an H200): full and ragged last row tiles (1100 = 17·64 + 12), odd
-  // widths (unaligned rows: element stores), fp32 outputs. The references check the register-
-  // dequant kernel ("all"), the agreement check the shared-tile one.
-  ScopedGemmKernel all(cuda::GemmKernel::kAll);
-  check_gemm(kHidden, 4096, 4, false, {2048, 1100}, 10);   // out_proj at the default chunk
-  check_gemm(1037, 512, 4, true, {2000}, 11);              // 5 column tiles, the last of 13 rows
-  check_gemm(20037, 256, 4, false, {200}, 12);
-}
+const std::vector<GemmCase> kGemmCases = {
+    // The real dense projections.
+    {"gdn_in_proj", kGdnInRows, kHidden, 4, false, kMs, 1},
+    {"gdn_out_proj", kHidden, 4096, 4, false, kMs, 2},
+    {"attn_in_proj", 9216, kHidden, 4, false, kMs, 3},
+    // 20037 rows: odd width (unpaired stores) and ≥ 132 column tiles of 128 at m ≤ 64.
+    {"wide_odd", 20037, 256, 4, false, {7, 40}, 4},
+    {"wide_odd", 20037, 256, 8, false, {7, 40}, 9},  // the 8-bit tiles of width 128
+    {"one_ktile", 333, 64, 4, false, {1, 65}, 5},
+    // fp32 outputs and 8-bit.
+    {"router", kExperts + 1, kHidden, 8, true, {1, 64, 256}, 6},  // router | shared gate shape
+    {"eight_bit", 1024, 512, 8, false, {33, 256}, 7},
+    {"fp32_out", 4096, kHidden, 4, true, {200}, 8},
+    // Shapes where the register-dequant kernel takes the dense GEMM (≥ one item of 64 tokens ×
+    // 256 weight rows per SM on an H200): full and ragged last row tiles (1100 = 17·64 + 12), odd
+    // widths (unaligned rows: element stores), fp32 outputs. The references check the register-
+    // dequant kernel ("all"), the agreement check the shared-tile one.
+    {"regdq_out_proj", kHidden, 4096, 4, false, {2048, 1100}, 10, cuda::GemmKernel::kAll},  // at the default chunk
+    {"regdq_col_tiles", 1037, 512, 4, true, {2000}, 11, cuda::GemmKernel::kAll},  // 5 column tiles, the last of 13 rows
+    {"regdq_odd", 20037, 256, 4, false, {200}, 12, cuda::GemmKernel::kAll},
+    // The warpgroup-MMA kernel ("wgmma": 256 weight rows × 128 tokens per item; "wgmma-narrow":
+    // 128 rows) where it takes the dense GEMM (≥ one item per SM): full and ragged token tiles
+    // (1100 = 8·128 + 76 and 1110 = 8·128 + 86: a second token block narrowed to 16 and to 32
+    // columns), an odd width (element stores) over 8 k-tiles (one block of staged scales). The
+    // agreement check compares it with the register-dequant kernel.
+    {"gdn_in_proj", kGdnInRows, kHidden, 4, false, {2048, 1100, 1110}, 13, cuda::GemmKernel::kWgmma},
+    {"odd_8ktiles", 20037, 512, 4, false, {200}, 14, cuda::GemmKernel::kWgmma},
+    {"gdn_in_proj", kGdnInRows, kHidden, 4, false, {2048, 1100, 1110}, 13, cuda::GemmKernel::kWgmmaNarrow},
+    {"odd_8ktiles", 20037, 512, 4, false, {200}, 14, cuda::GemmKernel::kWgmmaNarrow},
+};
 
-TEST(CudaQuantGemm, WgmmaDenseTiles) {
-  // The warpgroup-MMA kernel ("wgmma": 256 weight rows × 128 tokens per item; "wgmma-narrow":
-  // 128 rows) where it takes the dense GEMM (≥ one item per SM): full and ragged token tiles
-  // (1100 = 8·128 + 76 and 1110 = 8·128 + 86: a second token block narrowed to 16 and to 32
-  // columns), an odd width (element stores) over 8 k-tiles (one block of staged scales). The
-  // agreement check compares it with the register-dequant kernel.
-  for (cuda::GemmKernel mode : {cuda::GemmKernel::kWgmma, cuda::GemmKernel::kWgmmaNarrow}) {
-    SCOPED_TRACE(mode == cuda::GemmKernel::kWgmma ? "wgmma" : "wgmma-narrow");
-    ScopedGemmKernel wgmma(mode);
-    check_gemm(8192 + 4096 + 32 + 32, kHidden, 4, false, {2048, 1100, 1110}, 13);
-    check_gemm(20037, 512, 4, false, {200}, 14);
-  }
-}
+/// The dense GEMM case table (kGemmCases) against the references.
+class CudaQuantGemm : public testing::TestWithParam<GemmCase> {};
+
+TEST_P(CudaQuantGemm, MatchesTheReferences) { check_gemm(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaQuantGemm, testing::ValuesIn(kGemmCases), CaseName());
 
 TEST(CudaQuantGemm, RejectsUnsupportedShapes) {
   cuda::DeviceQuant q;
@@ -338,6 +400,44 @@ void check_grouping(const DeviceBuffer& grouping, const std::vector<int32_t>& id
   EXPECT_TRUE(some_bm) << "tile offsets are not ceil(count / BM) for BM 32 or 64";
 }
 
+/// Row counts cycling 0, 1, 15, 64, 200 over E experts (experts E − E % 5 … get 0 … as well).
+std::vector<int> ragged_counts(int E) {
+  static const int kPattern[5] = {0, 1, 15, 64, 200};
+  std::vector<int> c(E);
+  for (int e = 0; e < E; ++e) c[e] = kPattern[e % 5];
+  return c;
+}
+
+/// A grouped-MoE case: E routed experts plus the shared one (ExpertWeights(E, hidden, ffn), 4-bit),
+/// m tokens of bf16 activations [m, hidden], top k routed experts per token (routing: ids int32
+/// and weights fp32 [m, k + 1]), all drawn from the generator seeded with `seed`, or where
+/// draw ≥ 0 with the draw-th (from 0) output of std::mt19937_64(seed). Routing: uniform over the
+/// first `pool` experts (random_routing), or (ragged) ragged_counts(E) rows per routed expert
+/// (counted_routing; then m·k = Σ counts). `path`: the GEMM kernel.
+struct GroupedCase {
+  const char* label;
+  int E, k, hidden, ffn, m, pool;
+  uint64_t seed;
+  int draw = -1;
+  bool ragged = false;
+  GemmPath path = std::nullopt;
+
+  /// The seed check_grouped's generator starts from.
+  uint64_t rng_seed() const {
+    if (draw < 0) return seed;
+    std::mt19937_64 seeds(seed);
+    uint64_t s = 0;
+    for (int i = 0; i <= draw; ++i) s = seeds();
+    return s;
+  }
+  std::string name() const {
+    return std::string(label) + "_E" + std::to_string(E) + "_top" + std::to_string(k) + "_h" + std::to_string(hidden) +
+           "_ffn" + std::to_string(ffn) + "_m" + std::to_string(m) + (ragged ? "_ragged" : "_pool" + std::to_string(pool)) +
+           "_" + path_name(path) + "_s" + std::to_string(seed) + (draw >= 0 ? "d" + std::to_string(draw) : "");
+  }
+  friend void PrintTo(const GroupedCase& c, std::ostream* os) { *os << c.name(); }
+};
+
 /// The grouped MoE path: grouping, gate/up + SwiGLU, down, combine — each stage against its
 /// own reference from the GPU's previous stage, then the whole against the per-row CUDA expert
 /// kernels and against a CPU quant_matmul MoE.
@@ -345,8 +445,6 @@ void check_grouping(const DeviceBuffer& grouping, const std::vector<int32_t>& id
 /// routing over the first `pool` experts.
 void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t seed,
                    const std::vector<int>* counts = nullptr) {
-  SCOPED_TRACE(testing::Message() << "E=" << E << " k=" << k << " hidden=" << hidden << " ffn=" << ffn << " m=" << m
-                                  << " pool=" << pool << (counts ? " counted routing" : ""));
   std::mt19937_64 rng(seed);
   ExpertWeights W(E, hidden, ffn, rng);
   const int n_sel = k + 1, n_groups = E + 1;
@@ -486,67 +584,61 @@ void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t 
   }
 }
 
-TEST(CudaGroupedExperts, RealShapeUniformRouting) {
-  std::mt19937_64 seeds(40);
-  for (int m : {1, 7, 64, 200, 256}) check_grouped(kExperts, kTopK, kHidden, kFfn, m, kExperts, seeds());
-}
-TEST(CudaGroupedExperts, RealShapeSkewedRouting) {
-  // 256 tokens over 12 experts: ~170 rows per expert, several row tiles each with a masked tail.
-  check_grouped(kExperts, kTopK, kHidden, kFfn, 256, 12, 41);
-}
-TEST(CudaGroupedExperts, RealShapeRowTile64) {
-  // 1400 tokens × 9 slots = 12,600 assignments ≥ 48 × 257 groups: the row tile of 64.
-  check_grouped(kExperts, kTopK, kHidden, kFfn, 1400, kExperts, 43);
-}
-TEST(CudaGroupedExperts, SmallShapesBothTileHeights) {
-  check_grouped(16, 4, 256, 128, 7, 16, 42);    // row tile 32
-  check_grouped(16, 4, 256, 128, 200, 16, 43);  // 1000 assignments over 17 experts → row tile 64
-  check_grouped(32, 8, 512, 128, 130, 32, 44);
-}
+const std::vector<GroupedCase> kGroupedCases = {
+    // The real shape, uniform routing; seeds drawn in turn from std::mt19937_64(40).
+    {"real_uniform", kExperts, kTopK, kHidden, kFfn, 1, kExperts, 40, 0},
+    {"real_uniform", kExperts, kTopK, kHidden, kFfn, 7, kExperts, 40, 1},
+    {"real_uniform", kExperts, kTopK, kHidden, kFfn, 64, kExperts, 40, 2},
+    {"real_uniform", kExperts, kTopK, kHidden, kFfn, 200, kExperts, 40, 3},
+    {"real_uniform", kExperts, kTopK, kHidden, kFfn, 256, kExperts, 40, 4},
+    // 256 tokens over 12 experts: ~170 rows per expert, several row tiles each with a masked tail.
+    {"real_skewed", kExperts, kTopK, kHidden, kFfn, 256, 12, 41},
+    // 1400 tokens × 9 slots = 12,600 assignments ≥ 48 × 257 groups: the row tile of 64.
+    {"real_row_tile64", kExperts, kTopK, kHidden, kFfn, 1400, kExperts, 43},
+    // Small shapes, both tile heights.
+    {"small", 16, 4, 256, 128, 7, 16, 42},    // row tile 32
+    {"small", 16, 4, 256, 128, 200, 16, 43},  // 1000 assignments over 17 experts → row tile 64
+    {"small", 32, 8, 512, 128, 130, 32, 44},
+    // 256 experts with 0 / 1 / 15 / 64 / 200 rows: Σ = 51 · 280 = 14,280 = 1,785 tokens × top-8;
+    // the shared expert gets all 1,785 rows (28 row tiles of 64, the last one of 57 rows).
+    {"real", kExperts, kTopK, kHidden, kFfn, 1785, kExperts, 45, -1, true},
+    // 16 experts, top-4, Σ = 3 · 280 = 840 = 210 tokens × 4; hidden 320 (down: a column tile of
+    // 256 plus a masked one), ffn 192 (gate/up: a column tile of 128 plus a half-masked one).
+    {"odd_widths", 16, 4, 320, 192, 210, 16, 46, -1, true},
+    // The prefill chunk of the default configuration: ≈ 64 rows per routed expert, 2,048 shared.
+    {"real_chunk", kExperts, kTopK, kHidden, kFfn, 2048, kExperts, 47},
+    // The grouped GEMMs on warpgroup MMAs (both item widths; they take K a multiple of 512): the
+    // real shape at the prefill chunk, ragged experts (0 / 1 / 15 / 64 / 200 rows: one or two n64
+    // blocks, several token tiles), 16 experts with hidden = ffn = 512, few tokens. The agreement
+    // check compares each with the shared-tile kernel.
+    {"real_chunk", kExperts, kTopK, kHidden, kFfn, 2048, kExperts, 50, -1, false, cuda::GemmKernel::kWgmma},
+    {"real", kExperts, kTopK, kHidden, kFfn, 1785, kExperts, 51, -1, true, cuda::GemmKernel::kWgmma},
+    {"small512", 16, 4, 512, 512, 210, 16, 52, -1, true, cuda::GemmKernel::kWgmma},
+    {"real_few_tokens", kExperts, kTopK, kHidden, kFfn, 7, kExperts, 53, -1, false, cuda::GemmKernel::kWgmma},
+    {"real_chunk", kExperts, kTopK, kHidden, kFfn, 2048, kExperts, 50, -1, false, cuda::GemmKernel::kWgmmaNarrow},
+    {"real", kExperts, kTopK, kHidden, kFfn, 1785, kExperts, 51, -1, true, cuda::GemmKernel::kWgmmaNarrow},
+    {"small512", 16, 4, 512, 512, 210, 16, 52, -1, true, cuda::GemmKernel::kWgmmaNarrow},
+    {"real_few_tokens", kExperts, kTopK, kHidden, kFfn, 7, kExperts, 53, -1, false, cuda::GemmKernel::kWgmmaNarrow},
+};
 
-/// Row counts cycling 0, 1, 15, 64, 200 over E experts (experts E − E % 5 … get 0 … as well).
-std::vector<int> ragged_counts(int E) {
-  static const int kPattern[5] = {0, 1, 15, 64, 200};
-  std::vector<int> c(E);
-  for (int e = 0; e < E; ++e) c[e] = kPattern[e % 5];
-  return c;
-}
+/// The grouped-MoE case table (kGroupedCases) against the references.
+class CudaGroupedExperts : public testing::TestWithParam<GroupedCase> {};
 
-TEST(CudaGroupedExperts, RaggedRowCountsRealShape) {
-  // 256 experts with 0 / 1 / 15 / 64 / 200 rows: Σ = 51 · 280 = 14,280 = 1,785 tokens × top-8;
-  // the shared expert gets all 1,785 rows (28 row tiles of 64, the last one of 57 rows).
-  const std::vector<int> counts = ragged_counts(kExperts);
-  const int sum = std::accumulate(counts.begin(), counts.end(), 0);
-  ASSERT_EQ(sum % kTopK, 0);
-  check_grouped(kExperts, kTopK, kHidden, kFfn, sum / kTopK, kExperts, 45, &counts);
-}
-TEST(CudaGroupedExperts, RaggedRowCountsOddWidths) {
-  // 16 experts, top-4, Σ = 3 · 280 = 840 = 210 tokens × 4; hidden 320 (down: a column tile of
-  // 256 plus a masked one), ffn 192 (gate/up: a column tile of 128 plus a half-masked one).
-  const std::vector<int> counts = ragged_counts(16);
-  check_grouped(16, 4, 320, 192, 210, 16, 46, &counts);
-}
-TEST(CudaGroupedExperts, RealShape2048Tokens) {
-  // The prefill chunk of the default configuration: ≈ 64 rows per routed expert, 2,048 shared.
-  check_grouped(kExperts, kTopK, kHidden, kFfn, 2048, kExperts, 47);
-}
-
-TEST(CudaGroupedExperts, WgmmaKernels) {
-  // The grouped GEMMs on warpgroup MMAs (both item widths; they take K a multiple of 512): the
-  // real shape at the prefill chunk, ragged experts (0 / 1 / 15 / 64 / 200 rows: one or two n64
-  // blocks, several token tiles), 16 experts with hidden = ffn = 512, few tokens. The agreement
-  // check compares each with the shared-tile kernel.
-  const std::vector<int> counts = ragged_counts(kExperts), small_counts = ragged_counts(16);
-  const int sum = std::accumulate(counts.begin(), counts.end(), 0);
-  for (cuda::GemmKernel mode : {cuda::GemmKernel::kWgmma, cuda::GemmKernel::kWgmmaNarrow}) {
-    SCOPED_TRACE(mode == cuda::GemmKernel::kWgmma ? "wgmma" : "wgmma-narrow");
-    ScopedGemmKernel wgmma(mode);
-    check_grouped(kExperts, kTopK, kHidden, kFfn, 2048, kExperts, 50);
-    check_grouped(kExperts, kTopK, kHidden, kFfn, sum / kTopK, kExperts, 51, &counts);
-    check_grouped(16, 4, 512, 512, 210, 16, 52, &small_counts);
-    check_grouped(kExperts, kTopK, kHidden, kFfn, 7, kExperts, 53);
+TEST_P(CudaGroupedExperts, MatchTheReferences) {
+  const GroupedCase& c = GetParam();
+  ScopedGemmPath path(c.path);
+  if (!c.ragged) {
+    check_grouped(c.E, c.k, c.hidden, c.ffn, c.m, c.pool, c.rng_seed());
+    return;
   }
+  const std::vector<int> counts = ragged_counts(c.E);
+  const int sum = std::accumulate(counts.begin(), counts.end(), 0);
+  ASSERT_EQ(sum % c.k, 0);
+  ASSERT_EQ(sum / c.k, c.m) << "the case's token count";
+  check_grouped(c.E, c.k, c.hidden, c.ffn, c.m, c.pool, c.rng_seed(), &counts);
 }
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedExperts, testing::ValuesIn(kGroupedCases), CaseName());
 
 TEST(CudaGroupedExperts, RejectsBadArguments) {
   cuda::DeviceQuant q;
