@@ -34,7 +34,7 @@ constexpr int kHidden = 2048, kExperts = 256, kTopK = 8, kFfn = 512, kVocab = 24
 /// Which GEMV kernels a case runs on, through the process-wide switches (kernels.h):
 /// kDefault: both at their defaults (the streaming GEMV for 4-bit widths it takes, token-row
 /// tiles for m > 1 where no fused norm); kRegisterLoads: the streaming GEMV off (the register-load
-/// MMA GEMV takes the 4-bit cases); kPerRow: token-row tiles off (the per-row CUDA-core kernel,
+/// MMA GEMV takes the 4-bit cases it supports); kPerRow: token-row tiles off (the per-row CUDA-core kernel,
 /// one grid row per token, for the m > 1 cases the streaming and MMA GEMVs do not take).
 enum class GemvPath { kDefault, kRegisterLoads, kPerRow };
 
@@ -679,6 +679,8 @@ void check_router_fused(const RouterFusedCase& c) {
   }
 }
 
+/// The fused-router cases: the real shape, ties, NaN logits, all-zero logits, many experts and
+/// the demo model's shapes.
 const std::vector<RouterFusedCase> kRouterFusedCases = {
     // The real shape: 256 experts, top 8, hidden 2048, an 8-bit router; one and several tokens.
     {kExperts, kTopK, kHidden, 8, 1, 31, RouterTies::kNone},
@@ -930,6 +932,7 @@ void check_norm_gemv_conv(const NormConvCase& c) {
   }
 }
 
+/// The Qwen3.6 GDN shape and the demo model's.
 const std::vector<NormConvCase> kNormConvCases = {
     {"qwen36", 16, 32, 128, kHidden, 60},  // C 8192, rows 12352
     {"demo", 2, 4, 64, 256, 61},           // C 512, rows 776

@@ -268,6 +268,8 @@ const std::vector<int> kMs = {1, 7, 64, 100, 200, 256, 300};  ///< every tile sh
 
 constexpr int64_t kGdnInRows = 8192 + 4096 + 32 + 32;  ///< GDN qkv|z|a|b in-projection rows
 
+/// The dense GEMM cases: the real projections, odd widths, fp32 outputs and 8-bit under the
+/// kernel switch as set, then the register-dequant ("all") and warpgroup-MMA dense tiles.
 const std::vector<GemmCase> kGemmCases = {
     // The real dense projections.
     {"gdn_in_proj", kGdnInRows, kHidden, 4, false, kMs, 1},
@@ -584,6 +586,8 @@ void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t 
   }
 }
 
+/// The grouped-MoE cases: the real shape with uniform, skewed and ragged routing, small shapes
+/// (both row-tile heights), the prefill chunk, then the warpgroup-MMA kernels of both widths.
 const std::vector<GroupedCase> kGroupedCases = {
     // The real shape, uniform routing; seeds drawn in turn from std::mt19937_64(40).
     {"real_uniform", kExperts, kTopK, kHidden, kFfn, 1, kExperts, 40, 0},
