@@ -240,6 +240,111 @@ TEST(AttentionDecode, HeadDim128Context4096) {
   expect_decode_matches(4096, cuda::attention_decode_splits(4096), false, dims_128());
 }
 
+/// The fused decode step (attention_decode_step) against attention_prepare (T = 1 at position
+/// len − 1) followed by attention_decode, each on its own copy of one cache: the outputs and
+/// both whole caches must be bit-identical (the fused kernel runs the same arithmetic; only
+/// where the new key comes from differs). Covers the new key in the first stage of a split, in
+/// a ring stage past the first window (long splits reuse the ring's slots), empty splits, and
+/// the RoPE partner through shared memory.
+void expect_decode_step_matches(int64_t len, int n_splits, bool device_len, const cuda::AttnDims& dims = real_dims()) {
+  std::mt19937_64 rng(3000 + len + n_splits);
+  const int nq = dims.n_heads, nkv = dims.n_kv_heads, D = dims.head_dim;
+  const int64_t qg_stride = int64_t(nq) * 2 * D + int64_t(nkv) * 2 * D + 8;  // qg | k | v | padding, one row
+  const auto row = normal_bf16(qg_stride, rng, 1.0f);
+  const auto q_norm = uniform(D, rng, 0.5f, 1.5f), k_norm = uniform(D, rng, 0.5f, 1.5f);
+  Cache fused(dims, len + 5, len - 1, rng);
+  DeviceBuffer twin_k(fused.dk.bytes()), twin_v(fused.dv.bytes());  // the two-launch path's cache, same content
+  CUDA_CHECK(cudaMemcpy(twin_k.data(), fused.dk.data(), fused.dk.bytes(), cudaMemcpyDeviceToDevice));
+  CUDA_CHECK(cudaMemcpy(twin_v.data(), fused.dv.data(), fused.dv.bytes(), cudaMemcpyDeviceToDevice));
+  const cuda::KvCacheView twin{twin_k.as<bf16_t>(), twin_v.as<bf16_t>(), fused.capacity};
+  DeviceBuffer d_row = upload_bf16(row), d_qn = upload_f32(q_norm), d_kn = upload_f32(k_norm);
+  const bf16_t* qg = d_row.as<bf16_t>();
+  const bf16_t* k = qg + int64_t(nq) * 2 * D;
+  const bf16_t* v = k + int64_t(nkv) * D;
+  DeviceBuffer d_q = poisoned(size_t(nq) * D * 2);
+  DeviceBuffer out_fused = poisoned(size_t(nq) * D * 2), out_twin = poisoned(size_t(nq) * D * 2);
+  const size_t ws_bytes = cuda::attention_decode_workspace_bytes(dims, n_splits);
+  DeviceBuffer ws_fused = poisoned(ws_bytes), ws_twin = poisoned(ws_bytes);
+  DeviceBuffer d_len(4), d_pos(4);
+  const int32_t len32 = int32_t(len), pos32 = int32_t(len - 1);
+  CUDA_CHECK(cudaMemcpy(d_len.data(), &len32, 4, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(d_pos.data(), &pos32, 4, cudaMemcpyHostToDevice));
+  const int32_t* dl = device_len ? d_len.as<int32_t>() : nullptr;
+  cuda::attention_prepare(dims, 1, qg, qg_stride, k, v, qg_stride, d_qn.as<float>(), d_kn.as<float>(), len - 1, nullptr,
+                          twin, d_q.as<bf16_t>(), nullptr);
+  cuda::attention_decode(dims, d_q.as<bf16_t>(), qg, twin, device_len ? 0 : len, dl, n_splits, ws_twin.as<float>(),
+                         ws_bytes, out_twin.as<bf16_t>(), nullptr);
+  cuda::attention_decode_step(dims, qg, qg_stride, k, v, qg_stride, d_qn.as<float>(), d_kn.as<float>(), fused.view(),
+                              device_len ? 0 : len, dl, n_splits, ws_fused.as<float>(), ws_bytes,
+                              out_fused.as<bf16_t>(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  auto bits = [](const DeviceBuffer& b) {
+    std::vector<uint16_t> h(b.bytes() / 2);
+    CUDA_CHECK(cudaMemcpy(h.data(), b.data(), b.bytes(), cudaMemcpyDeviceToHost));
+    return h;
+  };
+  // NaN poison past the length compares equal as bits, as it must (both paths leave it alone).
+  EXPECT_EQ(bits(out_fused), bits(out_twin)) << "output, len " << len << ", " << n_splits << " splits";
+  EXPECT_EQ(bits(fused.dk), bits(twin_k)) << "K cache";
+  EXPECT_EQ(bits(fused.dv), bits(twin_v)) << "V cache";
+  // And the output is attention: the reference over the cache with the new row appended.
+  const auto k_all = download_bf16(fused.dk.as<bf16_t>(), int64_t(nkv) * fused.capacity * D);
+  const auto v_all = download_bf16(fused.dv.as<bf16_t>(), int64_t(nkv) * fused.capacity * D);
+  fused.k = k_all;
+  fused.v = v_all;
+  const auto q = download_bf16(d_q.as<bf16_t>(), int64_t(nq) * D);
+  std::vector<float> ref;
+  for (int h = 0; h < nq; ++h) {
+    const auto o = reference_head(dims, fused, h, q.data() + int64_t(h) * D, len, row.data() + int64_t(h) * 2 * D + D);
+    ref.insert(ref.end(), o.begin(), o.end());
+  }
+  const double row_err = max_row_normwise(download_bf16(out_fused.as<bf16_t>(), int64_t(nq) * D), ref, D);
+  std::printf("[attn decode step] D=%d len=%lld splits=%d%s: bit-identical to prepare + decode, max row normwise "
+              "err %.3g\n", D, (long long)len, n_splits, device_len ? " (device len)" : "", row_err);
+  EXPECT_LT(row_err, kFlashTol);
+}
+
+TEST(AttentionDecodeStep, Context1) { expect_decode_step_matches(1, 1, false); }
+TEST(AttentionDecodeStep, NewKeyFirstOfItsStage) { expect_decode_step_matches(65, 1, true); }
+TEST(AttentionDecodeStep, Context4096GraphSplits) {
+  expect_decode_step_matches(4096, cuda::attention_decode_splits(4096), true);
+}
+TEST(AttentionDecodeStep, NewKeyPastTheFirstRingWindow) { expect_decode_step_matches(40000, 64, true); }
+TEST(AttentionDecodeStep, SingleSplitLongContext) { expect_decode_step_matches(1000, 1, false); }
+TEST(AttentionDecodeStep, EmptySplits) { expect_decode_step_matches(5, 7, false); }
+TEST(AttentionDecodeStep, DemoDims) { expect_decode_step_matches(300, 128, true, demo_attn_dims()); }
+TEST(AttentionDecodeStep, DemoDimsContext1) { expect_decode_step_matches(1, 1, false, demo_attn_dims()); }
+TEST(AttentionDecodeStep, HeadDim128) { expect_decode_step_matches(777, 7, true, dims_128()); }
+TEST(AttentionDecodeStep, PartnerThroughSharedMemory) {
+  expect_decode_step_matches(200, 3, false, attn_dims(16, 2, 256, 40));
+}
+TEST(AttentionDecodeStep, GroupOf1) { expect_decode_step_matches(129, 2, false, attn_dims(2, 2, 64, 16)); }
+
+TEST(AttentionDecodeStep, RejectsBadArguments) {
+  const auto dims = real_dims();
+  std::mt19937_64 rng(6);
+  Cache cache(dims, 16, 15, rng);
+  const int64_t stride = int64_t(dims.n_heads) * 2 * dims.head_dim;
+  DeviceBuffer row(size_t(stride) * 2 + 4096), d_out(size_t(dims.n_heads) * dims.head_dim * 2), d_ws(64);
+  DeviceBuffer norms(size_t(dims.head_dim) * 4);
+  const bf16_t* qg = row.as<bf16_t>();
+  const size_t ws_bytes = cuda::attention_decode_workspace_bytes(dims, 2);
+  DeviceBuffer ws(ws_bytes);
+  // Too small a workspace, a length past the capacity, a misaligned k row.
+  EXPECT_THROW(cuda::attention_decode_step(dims, qg, stride, qg, qg, stride, norms.as<float>(), norms.as<float>(),
+                                           cache.view(), 8, nullptr, 2, d_ws.as<float>(), d_ws.bytes(),
+                                           d_out.as<bf16_t>(), nullptr),
+               Error);
+  EXPECT_THROW(cuda::attention_decode_step(dims, qg, stride, qg, qg, stride, norms.as<float>(), norms.as<float>(),
+                                           cache.view(), 17, nullptr, 2, ws.as<float>(), ws_bytes, d_out.as<bf16_t>(),
+                                           nullptr),
+               Error);
+  EXPECT_THROW(cuda::attention_decode_step(dims, qg, stride, qg + 1, qg, stride, norms.as<float>(), norms.as<float>(),
+                                           cache.view(), 8, nullptr, 2, ws.as<float>(), ws_bytes, d_out.as<bf16_t>(),
+                                           nullptr),
+               Error);
+}
+
 TEST(AttentionDecode, RejectsTooSmallWorkspace) {
   const auto dims = real_dims();
   std::mt19937_64 rng(5);
