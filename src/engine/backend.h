@@ -219,10 +219,6 @@ struct CudaOptions {
   /// LILY_CUDA_FUSED_MOE 1|0: the decode MoE block (router, experts, combine) as one launch with
   /// grid-wide barriers, or as three kernels. Needs fuse=1; shapes it does not support keep three.
   bool fused_moe = true;
-  /// LILY_CUDA_FUSED_ATTENTION 1|0: decode attention as two launches (the q/k norm, RoPE and
-  /// cache append fused into the split kernel, whose cache copies start before its PDL wait,
-  /// then the combine), or as three (prepare, split, combine). Bit-identical results.
-  bool fused_attention = true;
   /// LILY_CUDA_GEMM_KERNEL (formerly LILY_CUDA_GEMM_REGDQ) wgmma-mixed|wgmma-narrow|wgmma|grouped|all|0:
   /// the 4-bit grouped and dense GEMMs of the tensor-core prefill run on Hopper warpgroup MMAs
   /// with 256 weight rows per work item for the dense and down GEMMs and 128 for gate/up
@@ -255,8 +251,7 @@ struct CudaOptions {
   static CudaOptions from_env();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
   /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
-  /// gemm-kernel=wgmma-mixed fused-moe=1 fused-attention=1 batched-decode=1 chunk=4096 max-batch=8", for logs
-  /// and reports.
+  /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=0 chunk=4096 max-batch=8", for logs and reports.
   std::string describe() const;
 };
 
@@ -307,7 +302,6 @@ inline CudaOptions CudaOptions::from_env() {
   o.batched_prefill = env_choice("LILY_CUDA_PREFILL", "batched", "per-token", o.batched_prefill);
   o.tensor_core_gemm = env_choice("LILY_CUDA_GEMM", "tensor-core", "gemv", o.tensor_core_gemm);
   o.fused_moe = env_choice("LILY_CUDA_FUSED_MOE", "1", "0", o.fused_moe);
-  o.fused_attention = env_choice("LILY_CUDA_FUSED_ATTENTION", "1", "0", o.fused_attention);
   // LILY_CUDA_GEMM_REGDQ is the switch's former name, still read when LILY_CUDA_GEMM_KERNEL is unset.
   const char* gemm_var = env_value("LILY_CUDA_GEMM_KERNEL").empty() && !env_value("LILY_CUDA_GEMM_REGDQ").empty()
                              ? "LILY_CUDA_GEMM_REGDQ"
@@ -331,7 +325,7 @@ inline std::string CudaOptions::describe() const {
          " gdn-chunk-parallel=" + (gdn_chunk_parallel ? "1" : "0") + " gdn-local-mma=" + (gdn_local_mma ? "1" : "0") +
          " gdn-state-mma=" + (gdn_state_mma ? "1" : "0") + " prefill=" + (batched_prefill ? "batched" : "per-token") +
          " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " gemm-kernel=" + gemm_kernel +
-         " fused-moe=" + (fused_moe ? "1" : "0") + " fused-attention=" + (fused_attention ? "1" : "0") +
+         " fused-moe=" + (fused_moe ? "1" : "0") +
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
          " max-batch=" + std::to_string(max_batch);
 }

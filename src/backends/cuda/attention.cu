@@ -147,30 +147,6 @@ __device__ __forceinline__ void rope_head(float (&y)[N], int half, const float2*
   }
 }
 
-/// Head hh's query or key from its loaded input: norm, then RoPE with the token's table cs, into
-/// y (this lane's N = kD/32 dims, values exact in bf16). One warp; `stage` is the warp's
-/// staging row (rope_head).
-template <int kD>
-__device__ __forceinline__ void norm_rope_head(const PrepareArgs& a, const HeadIn<kD>& in, int hh, const float2* cs,
-                                               float* stage, float (&y)[kD / kWarp]) {
-  constexpr int N = kD / kWarp;
-  const int d0 = (threadIdx.x % kWarp) * N;
-  unpack_bf16<N>(in.x, y);
-  rms_norm_head<kD>(y, hh < a.nq ? a.q_norm : a.k_norm, d0, a.eps);
-  rope_head<N>(y, a.rotary_dim / 2, cs, stage);
-}
-
-/// Stores kv head `kvh`'s K (normed and rotated: y) and V (raw: in.v) rows at `pos` of `cache`;
-/// this lane's N dims.
-template <int kD>
-__device__ __forceinline__ void append_kv(const KvCacheView& cache, int kvh, int64_t pos, const float (&y)[kD / kWarp],
-                                          const HeadIn<kD>& in) {
-  constexpr int N = kD / kWarp;
-  const int64_t slot = (int64_t(kvh) * cache.capacity + pos) * kD + (threadIdx.x % kWarp) * N;
-  store_bf16_vec<N>(y, cache.k + slot);
-  *reinterpret_cast<typename Bf16Vec<N>::type*>(cache.v + slot) = in.v;
-}
-
 /// Finishes head hh of row t at position `pos` from its loaded input: norm, RoPE, then q_out
 /// (query head) or the K and V rows of `cache` at `pos` (kv head). One warp; `stage` is the
 /// warp's staging row (rope_head).
@@ -178,10 +154,19 @@ template <int kD>
 __device__ __forceinline__ void finish_head(const PrepareArgs& a, const HeadIn<kD>& in, int t, int hh, int64_t pos,
                                             const float2* cs, const KvCacheView& cache, float* stage) {
   constexpr int N = kD / kWarp;
+  const int d0 = (threadIdx.x % kWarp) * N;
+  const bool is_q = hh < a.nq;
   float y[N];
-  norm_rope_head<kD>(a, in, hh, cs, stage, y);
-  if (hh < a.nq) store_bf16_vec<N>(y, a.q_out + (int64_t(t) * a.nq + hh) * kD + (threadIdx.x % kWarp) * N);
-  else append_kv<kD>(cache, hh - a.nq, pos, y, in);
+  unpack_bf16<N>(in.x, y);
+  rms_norm_head<kD>(y, is_q ? a.q_norm : a.k_norm, d0, a.eps);
+  rope_head<N>(y, a.rotary_dim / 2, cs, stage);
+  if (is_q) {
+    store_bf16_vec<N>(y, a.q_out + (int64_t(t) * a.nq + hh) * kD + d0);
+  } else {
+    const int64_t slot = (int64_t(hh - a.nq) * cache.capacity + pos) * kD + d0;
+    store_bf16_vec<N>(y, cache.k + slot);
+    *reinterpret_cast<typename Bf16Vec<N>::type*>(cache.v + slot) = in.v;
+  }
 }
 
 /// Row t (one token at position `pos`, K/V appended to `cache`) by the whole block (the body of
@@ -461,46 +446,20 @@ constexpr size_t mma_stage_bytes(int kD) { return size_t(2) * kMmaStageKeys * mm
 constexpr size_t mma_ring_bytes(int kD) { return kMmaStages * mma_stage_bytes(kD); }
 static_assert(size_t(kMmaAttnWarps) * 8 * kMaxD * sizeof(float) <= mma_ring_bytes(kMaxD), "merge area must fit the ring");
 
-/// The key a decode split block appends itself (the fused decode step): its K and V rows, in
-/// shared memory, go into the ring by the block's own stores instead of a copy from the cache,
-/// whose row is written by the same launch. key −1: none.
-template <int kD>
-struct NewKeyRows {
-  int64_t key = -1;
-  const bf16* k = nullptr;  ///< shared memory [kD]
-  const bf16* v = nullptr;  ///< shared memory [kD]
-};
-
 /// Warp 0 (all lanes): requests stage i of keys [start, end) into ring slot i mod kMmaStages,
-/// counted on full[slot]: each K and each V row one bulk copy into its padded row, except the
-/// row of nk.key, which warp 0 stores from shared memory before it arrives on full[slot] (the
-/// arrival releases the stores to the waiting warps).
+/// counted on full[slot]: each K and each V row one bulk copy into its padded row.
 template <int kD>
 __device__ __forceinline__ void request_mma_stage(const bf16* K, const bf16* V, int64_t start, int64_t end, int64_t i,
-                                                  unsigned char* ring, uint64_t* full,
-                                                  const NewKeyRows<kD>& nk = NewKeyRows<kD>{}) {
+                                                  unsigned char* ring, uint64_t* full) {
   const int lane = threadIdx.x % kWarp, slot = int(i % kMmaStages);
   const int64_t first = start + i * kMmaStageKeys;
   const int keys = int(min(int64_t(kMmaStageKeys), end - first));
-  const int own = nk.key >= first && nk.key < first + keys ? int(nk.key - first) : -1;  // row stored, not copied
   constexpr uint32_t kRow = kD * sizeof(bf16);
+  if (lane == 0) mbarrier_arrive_expect_tx(full + slot, 2 * kRow * uint32_t(keys));
+  __syncwarp();
   unsigned char* stage = ring + slot * mma_stage_bytes(kD);
-  if (own >= 0) {
-    constexpr int kChunks = kRow / 16;
-    for (int c = lane; c < 2 * kChunks; c += kWarp) {
-      const int is_v = c / kChunks, off = (c % kChunks) * 16;
-      *reinterpret_cast<uint4*>(stage + (is_v * kMmaStageKeys + own) * mma_row_bytes(kD) + off) =
-          *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(is_v ? nk.v : nk.k) + off);
-    }
-  }
-  const int copied = keys - (own >= 0 ? 1 : 0);
-  __syncwarp();
-  if (lane == 0) mbarrier_arrive_expect_tx(full + slot, 2 * kRow * uint32_t(copied));
-  __syncwarp();
-  for (int q = lane; q < 2 * copied; q += kWarp) {
-    int r = q % copied;
-    const int is_v = q / copied;
-    if (own >= 0 && r >= own) ++r;  // skip the stored row
+  for (int q = lane; q < 2 * keys; q += kWarp) {
+    const int r = q % keys, is_v = q / keys;
     bulk_copy_to_shared(stage + (is_v * kMmaStageKeys + r) * mma_row_bytes(kD), (is_v ? V : K) + (first + r) * kD,
                         kRow, full + slot);
   }
@@ -514,29 +473,17 @@ __device__ __forceinline__ uint32_t transpose_8x8_bf16(uint32_t x) {
   return y;
 }
 
-/// Runs nothing: decode_split_mma's hook for callers whose inputs are ready.
-struct NothingBeforeQueries {
-  __device__ void operator()(bool) const {}
-};
-
 /// Kv head kvh, split s (the body of decode_split_kernel, shared with the batched
-/// decode_split_rows_kernel and the fused decode_step_kernel), on tensor cores: the partial
-/// softmax state of keys [s·chunk, min(len, (s+1)·chunk)) for the G query heads → ws_o
-/// [nq, n_splits, kD] (unnormalised), ws_ml [nq, n_splits, 2] = (m, l) in the log2 domain; an
-/// empty split writes m = −inf, l = 0, acc = 0. q_group: the group's G queries, bf16 [G, kD]
-/// (global or shared memory). Block of kMmaAttnThreads, mma_ring_bytes(kD) of dynamic shared
-/// memory.
-/// The stages before the one holding nk.key are requested first; then
-/// before_queries(holds_new_key) runs (all threads; it must end with a block barrier, after
-/// which q_group and nk's rows are read), then the rest. A caller without nk has run
-/// pdl_prologue; the fused step's hook runs it, so its cache copies start before the wait.
-template <int G, int kD, class BeforeQueries = NothingBeforeQueries>
+/// decode_split_rows_kernel), on tensor cores: the partial softmax state of keys [s·chunk,
+/// min(len, (s+1)·chunk)) for the G query heads → ws_o [nq, n_splits, kD] (unnormalised),
+/// ws_ml [nq, n_splits, 2] = (m, l) in the log2 domain; an empty split writes m = −inf, l = 0,
+/// acc = 0. Block of kMmaAttnThreads, mma_ring_bytes(kD) of dynamic shared memory. The caller
+/// has run pdl_prologue.
+template <int G, int kD>
 __device__ __forceinline__ void decode_split_mma(int kvh, int s, int n_splits, float scale, int64_t len,
-                                                 const bf16* q_group, const bf16* __restrict__ k_cache,
+                                                 const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                  const bf16* __restrict__ v_cache, int64_t capacity,
-                                                 float* __restrict__ ws_o, float* __restrict__ ws_ml,
-                                                 const NewKeyRows<kD>& nk = NewKeyRows<kD>{},
-                                                 BeforeQueries&& before_queries = BeforeQueries{}) {
+                                                 float* __restrict__ ws_o, float* __restrict__ ws_ml) {
   static_assert(G <= 8 && kD % 16 == 0, "decode_split_mma: G ≤ 8 heads, kD a multiple of 16");
   constexpr int kSteps = kD / 16, kRowB = mma_row_bytes(kD);
   __shared__ __align__(8) uint64_t full[kMmaStages];
@@ -564,18 +511,12 @@ __device__ __forceinline__ void decode_split_mma(int kvh, int s, int n_splits, f
   }
   fence_proxy_async_shared();
   __syncthreads();
-  const bool holds_new_key = nk.key >= start && nk.key < end;
-  const int64_t late = holds_new_key ? (nk.key - start) / kMmaStageKeys : stages;  // first stage after the hook
-  const int64_t window = min(stages, int64_t(kMmaStages));
   if (warp == 0)
-    for (int64_t i = 0; i < window && i < late; ++i) request_mma_stage<kD>(K, V, start, end, i, ring, full);
-  before_queries(holds_new_key);
-  if (warp == 0)
-    for (int64_t i = late; i < window; ++i) request_mma_stage<kD>(K, V, start, end, i, ring, full, nk);
+    for (int64_t i = 0; i < stages && i < kMmaStages; ++i) request_mma_stage<kD>(K, V, start, end, i, ring, full);
 
   // Q as the B operand: head g's dims 16·k + 2t …+1 and +8 …+9 (zero for heads ≥ G).
   uint32_t qb[kSteps][2];
-  const bf16* qrow = q_group + int64_t(min(g, G - 1)) * kD;
+  const bf16* qrow = q + int64_t(kvh * G + min(g, G - 1)) * kD;
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
     qb[k][0] = g < G ? *reinterpret_cast<const uint32_t*>(qrow + 16 * k + 2 * t) : 0u;
@@ -635,7 +576,7 @@ __device__ __forceinline__ void decode_split_mma(int kvh, int s, int n_splits, f
     __syncthreads();  // every warp is done with the slot: it may be refilled
     if (warp == 0 && i + kMmaStages < stages) {
       fence_proxy_async_shared();
-      request_mma_stage<kD>(K, V, start, end, i + kMmaStages, ring, full, nk);
+      request_mma_stage<kD>(K, V, start, end, i + kMmaStages, ring, full);
     }
   }
 
@@ -697,54 +638,7 @@ decode_split_kernel(int n_splits, float scale, int64_t len_host, const int32_t* 
                     float* __restrict__ ws_ml) {
   pdl_prologue();
   const int64_t len = len_device ? int64_t(*len_device) : len_host;
-  decode_split_mma<G, kD>(blockIdx.x, blockIdx.y, n_splits, scale, len, q + int64_t(blockIdx.x) * G * kD, k_cache,
-                          v_cache, capacity, ws_o, ws_ml);
-}
-
-/// The fused decode step of one token: block (kv head kvh, split s) prepares what it needs
-/// itself, so the step is this launch and the combine instead of prepare, split and combine.
-/// Each block norms and rotates its group's G queries into shared memory (prepare_token's
-/// arithmetic, so the queries are attention_prepare's bits); the block whose split holds the new
-/// key (position len − 1) also norms and rotates that key, appends K and V to the cache, and
-/// stores both rows into its ring itself. The split then runs decode_split_mma, whose copies of
-/// the cached keys [start, min(end, len − 1)) are issued before the PDL wait: those rows were
-/// written by earlier steps, and len by the step's input copy before its first kernel. So the
-/// partials are bit-identical to attention_prepare followed by decode_split_kernel.
-/// len is *len_device when non-null, else len_host.
-template <int G, int kD>
-__global__ void __launch_bounds__(kMmaAttnThreads)
-decode_step_kernel(PrepareArgs a, int n_splits, float scale, int64_t len_host, const int32_t* __restrict__ len_device,
-                   KvCacheView cache, float* __restrict__ ws_o, float* __restrict__ ws_ml) {
-  constexpr int N = kD / kWarp;
-  __shared__ float2 cs[kMaxRotaryHalf];
-  __shared__ __align__(16) bf16 q_s[G][kD];
-  __shared__ __align__(16) bf16 new_k[kD], new_v[kD];
-  __shared__ float stage_rows[kMmaAttnWarps][kD];  // rope_head's staging rows, when it needs them
-  const int kvh = blockIdx.x, warp = threadIdx.x / kWarp, d0 = (threadIdx.x % kWarp) * N;
-  const int64_t len = len_device ? int64_t(*len_device) : len_host;  // the step's input, see above
-  const int64_t pos = len - 1;
-  auto prepare = [&](bool holds_new_key) {
-    pdl_prologue();
-    for (int j = threadIdx.x; j < a.rotary_dim / 2; j += kMmaAttnThreads) cs[j] = rope_cos_sin(pos, a.freqs.inv[j]);
-    __syncthreads();
-    const int heads = G + (holds_new_key ? 1 : 0);  // the group's queries, then the new key
-    for (int j = warp; j < heads; j += kMmaAttnWarps) {
-      const int hh = j < G ? kvh * G + j : a.nq + kvh;
-      const HeadIn<kD> in = load_head<kD>(a, 0, hh);
-      float y[N];
-      norm_rope_head<kD>(a, in, hh, cs, stage_rows[warp], y);
-      if (j < G) {
-        store_bf16_vec<N>(y, &q_s[j][d0]);
-      } else {
-        append_kv<kD>(cache, kvh, pos, y, in);
-        store_bf16_vec<N>(y, new_k + d0);
-        *reinterpret_cast<typename Bf16Vec<N>::type*>(new_v + d0) = in.v;
-      }
-    }
-    __syncthreads();
-  };
-  decode_split_mma<G, kD>(kvh, blockIdx.y, n_splits, scale, len, &q_s[0][0], cache.k, cache.v, cache.capacity, ws_o,
-                          ws_ml, NewKeyRows<kD>{pos, new_k, new_v}, prepare);
+  decode_split_mma<G, kD>(blockIdx.x, blockIdx.y, n_splits, scale, len, q, k_cache, v_cache, capacity, ws_o, ws_ml);
 }
 
 /// The splits of row r of a batched decode: splits[r] (its own sequence's count), never more
@@ -769,8 +663,8 @@ decode_split_rows_kernel(int nq, int max_splits, float scale, const int32_t* __r
   const KvCacheView c = caches[r];
   float* ws_o = ws + r * ws_row_floats;
   float* ws_ml = ws_o + int64_t(nq) * n_splits * kD;
-  decode_split_mma<G, kD>(blockIdx.x, s, n_splits, scale, int64_t(len[r]),
-                          q + int64_t(r) * nq * kD + int64_t(blockIdx.x) * G * kD, c.k, c.v, c.capacity, ws_o, ws_ml);
+  decode_split_mma<G, kD>(blockIdx.x, s, n_splits, scale, int64_t(len[r]), q + int64_t(r) * nq * kD, c.k, c.v,
+                          c.capacity, ws_o, ws_ml);
 }
 
 /// Query head h (the body of decode_combine_kernel, shared with decode_combine_rows_kernel),
@@ -1023,43 +917,6 @@ void attention_decode(const AttnDims& dims, const bf16* q, const bf16* gate,
     });
     LILY_CUDA_CHECK_LAUNCH();
     launch_pdl(decode_combine_kernel<kD>, dim3(dims.n_heads), dim3(kD), 0, stream, n_splits, ws_o, ws_ml, gate, out);
-  });
-}
-
-void attention_decode_step(const AttnDims& dims, const bf16* qg, int64_t qg_stride, const bf16* k, const bf16* v,
-                           int64_t kv_stride, const float* q_norm, const float* k_norm, const KvCacheView& cache,
-                           int64_t len_host, const int32_t* len_device, int n_splits, float* workspace,
-                           size_t workspace_bytes, bf16* out, cudaStream_t stream) {
-  check_dims(dims);
-  check_cache(cache);
-  MIXER_REQUIRE(out && workspace, "attention_decode_step: null buffer");
-  MIXER_REQUIRE(qg && k && v && q_norm && k_norm, "attention_decode_step: null input");
-  const PrepareArgs a = prepare_args(dims, qg, qg_stride, k, v, kv_stride, q_norm, k_norm, nullptr,
-                                     "attention_decode_step");
-  const size_t vec = size_t(dims.head_dim / kWarp) * sizeof(bf16);
-  MIXER_REQUIRE(is_aligned(cache.k, vec) && is_aligned(cache.v, vec),
-                "attention_decode_step: KV cache not aligned to head_dim/32 elements");
-  MIXER_REQUIRE(n_splits >= 1 && n_splits <= kMaxDecodeSplits,
-                "attention_decode_step: n_splits " + std::to_string(n_splits) + " outside [1, 256]");
-  MIXER_REQUIRE(workspace_bytes >= attention_decode_workspace_bytes(dims, n_splits),
-                "attention_decode_step: workspace of " + std::to_string(workspace_bytes) + " bytes < " +
-                    std::to_string(attention_decode_workspace_bytes(dims, n_splits)));
-  MIXER_REQUIRE(len_device || (len_host >= 1 && len_host <= cache.capacity),
-                "attention_decode_step: length " + std::to_string(len_host) + " outside [1, capacity " +
-                    std::to_string(cache.capacity) + "]");
-  float* ws_o = workspace;
-  float* ws_ml = workspace + size_t(dims.n_heads) * n_splits * dims.head_dim;
-  const int G = dims.n_heads / dims.n_kv_heads;
-  dispatch_head_dim(dims.head_dim, [&](auto d) {
-    constexpr int kD = decltype(d)::value;
-    dispatch_group(G, [&](auto g) {
-      auto kernel = decode_step_kernel<decltype(g)::value, kD>;
-      raise_smem_limit(kernel, mma_ring_bytes(kD));
-      launch_pdl(kernel, dim3(dims.n_kv_heads, n_splits), dim3(kMmaAttnThreads), mma_ring_bytes(kD), stream, a,
-                 n_splits, dims.scale(), len_host, len_device, cache, ws_o, ws_ml);
-    });
-    LILY_CUDA_CHECK_LAUNCH();
-    launch_pdl(decode_combine_kernel<kD>, dim3(dims.n_heads), dim3(kD), 0, stream, n_splits, ws_o, ws_ml, qg, out);
   });
 }
 

@@ -1027,17 +1027,11 @@ class CudaBackend final : public Backend {
     if (fuse_decode_) launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.attn_in, proj, nullptr, stream_);
     else launch_quant_gemv(L.attn_in, normed_.as<bf16>(), proj, nullptr, stream_);
     const KvCacheView kv = s.kv(slot);
+    attention_prepare(attn_, 1, proj, L.attn_in.rows, proj + qg, proj + qg + kvw, L.attn_in.rows, L.q_norm, L.k_norm,
+                      0, d_pos, kv, q_out_.as<bf16>(), stream_);
     const int splits = attention_decode_splits(s.capacity);
-    if (options_.fused_attention) {
-      attention_decode_step(attn_, proj, L.attn_in.rows, proj + qg, proj + qg + kvw, L.attn_in.rows, L.q_norm,
-                            L.k_norm, kv, 1, d_len, splits, attn_ws_.as<float>(), attn_ws_bytes_,
-                            mixer_core_out_.as<bf16>(), stream_);
-    } else {
-      attention_prepare(attn_, 1, proj, L.attn_in.rows, proj + qg, proj + qg + kvw, L.attn_in.rows, L.q_norm,
-                        L.k_norm, 0, d_pos, kv, q_out_.as<bf16>(), stream_);
-      attention_decode(attn_, q_out_.as<bf16>(), proj, kv, 1, d_len, splits, attn_ws_.as<float>(), attn_ws_bytes_,
-                       mixer_core_out_.as<bf16>(), stream_);
-    }
+    attention_decode(attn_, q_out_.as<bf16>(), proj, kv, 1, d_len, splits, attn_ws_.as<float>(), attn_ws_bytes_,
+                     mixer_core_out_.as<bf16>(), stream_);
     launch_quant_gemv(L.attn_out, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
   }
 

@@ -240,25 +240,6 @@ void attention_decode(const AttnDims& dims, const __nv_bfloat16* q, const __nv_b
                       int n_splits, float* workspace, size_t workspace_bytes,
                       __nv_bfloat16* out, cudaStream_t stream);
 
-/// Decode attention of one token in two launches instead of three: attention_prepare (T = 1 at
-/// position len − 1) fused into the splits of attention_decode, then the combine. Each split
-/// block norms and rotates its group's queries itself, and the block holding the new key appends
-/// K and V to the cache; the copies of the cached keys start before the launch waits for the
-/// in-projection (programmatic dependent launch). Bit-identical to attention_prepare followed by
-/// attention_decode with the same split count (queries, cache rows and output).
-///   qg      bf16 [nq, 2·D]   the in-projection's query|gate row (the gates feed the combine)
-///   k, v    bf16 [nkv·D]     the new key and value (kv_stride, a row stride, is checked for alignment only)
-///   cache   keys/values at positions [0, len − 1); position len − 1 is written
-///   out     bf16 [nq·D]
-/// len is `*len_device` when non-null (decode graphs: it must be written before the step's first
-/// kernel, as the step's input copy is), else `len_host`. Throws lily::Error as
-/// attention_prepare and attention_decode do.
-void attention_decode_step(const AttnDims& dims, const __nv_bfloat16* qg, int64_t qg_stride,
-                           const __nv_bfloat16* k, const __nv_bfloat16* v, int64_t kv_stride, const float* q_norm,
-                           const float* k_norm, const KvCacheView& cache, int64_t len_host,
-                           const int32_t* len_device, int n_splits, float* workspace, size_t workspace_bytes,
-                           __nv_bfloat16* out, cudaStream_t stream);
-
 /// Batched decode, q/k preparation: attention_prepare of one token for each of `rows` (1 … 8)
 /// sequences in one launch; row r's token is at position pos[r] and its K/V go to caches[r]
 /// (row r's arithmetic is attention_prepare's with T = 1 at that position).
