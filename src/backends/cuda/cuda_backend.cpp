@@ -82,9 +82,12 @@ constexpr size_t kPoolIdleBytes = size_t{1} << 30;
 /// 80 MB KV block each). A larger copy gets a slab of its own size.
 constexpr size_t kPinnedSlabBytes = size_t{256} << 20;
 
-/// Most bytes reserve_host_copies pins at once, at start-up (about 0.4 s); the rest of the
-/// host tier's budget is pinned as copies need it, or while the engine is idle.
-constexpr size_t kPinnedStartBytes = size_t{1} << 30;
+/// Most bytes reserve_host_copies pins at once, at start-up (1.4 s on an H200 machine): room for
+/// the host copies of the first few long conversations (each request stores about 0.9 GB of
+/// snapshots at a 7.7K-token history), which would otherwise pin new slabs on the engine
+/// thread, during the requests. The rest of the host tier's budget is pinned as copies need it,
+/// or while the engine is idle.
+constexpr size_t kPinnedStartBytes = size_t{4} << 30;
 
 /// The block pool of device memory (cudaMalloc / cudaFree) for sequence states. Throws
 /// lily::Error naming the size when an allocation fails.
@@ -655,7 +658,7 @@ class CudaBackend final : public Backend {
   /// copies from the arena have been measured; a copy that must pin a new slab still would.
   bool copies_to_host_concurrently() const override { return false; }
 
-  /// Caps the pinned arena at twice the host tier's `bytes` and pins min(`bytes`, 1 GiB) of it
+  /// Caps the pinned arena at twice the host tier's `bytes` and pins min(`bytes`, 4 GiB) of it
   /// now. Twice: the cache copies a store's snapshots to the host tier before it evicts older
   /// ones to fit the budget, and frees the evicted ones later (between steps), so the host
   /// copies alive at once pass the budget by a store's snapshots. A failure to pin now is only
