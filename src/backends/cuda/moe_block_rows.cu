@@ -12,7 +12,7 @@
 //  1. before the PDL wait: the block's share of the router rows into registers and its first
 //     tiles of the shared expert (gate/up and down), whose addresses do not depend on the routing;
 //  2. after the wait: each block computes every row's normed activations itself (4 KB a row,
-//     two rows at a time, each with the one-token block's norm) and, for each row, its share of
+//     two rows at a time, four from 6 rows on, each with the one-token block's norm) and, for each row, its share of
 //     the router logits (the one-token block's CUDA-core router rows, held in registers from
 //     before the wait), then grid barrier 1; warp r routes row r (route_token_keys), and every
 //     block lists the distinct experts of the step (the shared one first, then the routed ones
@@ -67,10 +67,16 @@ constexpr int kMaxQuadStages = 2;                 // gate/up ring slots per quad
 /// The one-token block's k-split of a gate/up tile is kBlockWarps group ranges; a quad's warp
 /// sums kRangesPerWarp of them, each on its own.
 constexpr int kRangesPerWarp = kBlockWarps / kQuadWarps;
-/// Rows whose norms phase 2 computes at once (stage_norm_pair): one per kNormThreads threads.
+/// Block halves of kNormThreads threads; each half norms its own rows in phase 2 (stage_norm_rows).
 constexpr int kNormPair = kBlockThreads / kNormThreads;
+/// Rows phase 2 norms at once: kNormPair (one per half) for up to kNormQuadFrom − 1 rows, else
+/// twice that (two per half, their loads in flight together). The larger staging is taken only
+/// where it costs no co-residency: below 6 rows the block's shared memory leaves room for a
+/// block of the next GEMV, and the 4-row staging would take it.
+constexpr int kNormQuadFrom = 6;
+constexpr int kMaxNormRows = 2 * kNormPair;
 constexpr int kNormWarps = kNormThreads / kWarp;
-static_assert(kNormPair == 2, "stage_norm_pair: two halves of the block");
+static_assert(kNormPair == 2, "stage_norm_rows: two halves of the block");
 constexpr int kUsedWords = kMaxExperts / 32;  // the routed-expert bitmap
 static_assert(kMaxDecodeRows <= kMmaCols, "a step's rows are the MMA's columns");
 
@@ -84,6 +90,7 @@ struct MoeLayout {
   int dn_row_bytes = 0, dn_bytes = 0;
   int max_distinct = 0;            ///< distinct experts of a step at most: min(rows·k, E) + 1
   int quad_stages = 0, dn_stages = 0;  ///< gate/up ring slots per quad; down stages (one per warp)
+  int norm_rows = kNormPair;           ///< rows phase 2 norms at once (kNormPair or kMaxNormRows)
   int64_t bars = 0, sel_ids = 0, sel_w = 0, list = 0, slot_of = 0, word_prefix = 0;
   int64_t gu_ring = 0, aperm = 0, asum = 0, dn_ring = 0, xperm = 0, xsums = 0, gu_part = 0, dn_part = 0;
   int64_t total = 0;
@@ -108,6 +115,7 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   l.max_distinct = (rows * top_k < n_experts ? rows * top_k : n_experts) + 1;
   l.quad_stages = quad_stages;
   l.dn_stages = dn_stages;
+  l.norm_rows = rows >= kNormQuadFrom ? kMaxNormRows : kNormPair;
   const int gu_stages = kQuads * quad_stages;
   const int pairs = rows * l.n_sel;  // (row, slot)
   int64_t o = 0;
@@ -136,11 +144,11 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   o += align16(int64_t{rows} * hidden / 2 * 4);
   l.xsums = o;
   o += align16(int64_t{rows} * l.groups_h * 4);
-  // fp32 [quad][range][16 tile rows][rows]; before that (phase 2) one row's stage_norm_row
-  // staging: xs [groups_h][kGroupStride], then its group sums [groups_h].
+  // fp32 [quad][range][16 tile rows][rows]; before that (phase 2) the staging of norm_rows rows,
+  // each xs [groups_h][kGroupStride], then its group sums [groups_h].
   l.gu_part = o;
   const int64_t parts = int64_t{kQuads} * kBlockWarps * kTileRows * rows * 4;
-  const int64_t row_staging = int64_t{kNormPair} * l.groups_h * (kGroupStride + 1) * 4;
+  const int64_t row_staging = int64_t{l.norm_rows} * l.groups_h * (kGroupStride + 1) * 4;
   o += align16(parts > row_staging ? parts : row_staging);
   l.dn_part = o;  // fp32 [(row, slot)][16 tile rows]
   o += align16(int64_t{pairs} * kTileRows * 4);
@@ -211,30 +219,45 @@ __device__ __forceinline__ void store_tile_partial(float* p, const float (&acc)[
   }
 }
 
-/// Phase 2's norm of rows r0 … r0 + nr − 1 (nr ≤ kNormPair) at once: half h of the block
-/// (kNormThreads threads) computes row r0 + h exactly as stage_norm_row(…, kNormThreads) does a
-/// lone row when hidden ≤ kStageBatch · kNormThreads (its one-batch path): the same elements per
-/// thread in the same order, the same butterfly per warp, and the eight warp sums through the
-/// butterfly that block_sum runs (its other lanes hold zeros, so the sums are the same bits).
-/// Row h's staging goes to xs0 + h·stride ([groups_h][kGroupStride], then its group sums
-/// [groups_h], stage_group_sums' arithmetic); block 0 (store) also writes x_out and normed_out.
-/// All threads; ends with __syncthreads.
-__device__ __forceinline__ void stage_norm_pair(const MoeDecodeArgs& a, const MoeLayout& l, int r0, int nr, bool store,
-                                                float* xs0, int stride, float* scratch) {
+/// Phase 2's norm of rows r0 … r0 + nr − 1 (nr ≤ kMaxNormRows) at once: half h of the block
+/// (kNormThreads threads) computes rows r0 + h and r0 + kNormPair + h, each exactly as
+/// stage_norm_row(…, kNormThreads) does a lone row when hidden ≤ kStageBatch · kNormThreads (its
+/// one-batch path): the same elements per thread in the same order, the same butterfly per warp,
+/// and the eight warp sums through the butterfly that block_sum runs (its other lanes hold zeros,
+/// so the sums are the same bits). A half's two rows are loaded together, so a pass of four rows
+/// pays one memory round trip. Row q's staging goes to xs0 + q·stride ([groups_h][kGroupStride],
+/// then its group sums [groups_h], stage_group_sums' arithmetic); block 0 (store) also writes
+/// x_out and normed_out. scratch: [kMaxNormRows / kNormPair][kBlockWarps]. All threads; ends with
+/// __syncthreads.
+__device__ __forceinline__ void stage_norm_rows(const MoeDecodeArgs& a, const MoeLayout& l, int r0, int nr, bool store,
+                                                float* xs0, int stride, float (*scratch)[kBlockWarps]) {
+  constexpr int kPerHalf = kMaxNormRows / kNormPair;
   const int h = threadIdx.x / kNormThreads, i = threadIdx.x % kNormThreads;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, cols = l.hidden, groups = l.groups_h;
-  const bool active = h < nr;
-  const int64_t off = int64_t{r0 + h} * cols;
   const FusedNorm& n = a.norm;
-  float* xs = xs0 + h * stride;
-  NormRowRegs regs;  // stage_norm_row's loads, sum order and stores for this half's row
-  float ss = norm_row_load(a.x + off, n.branch ? n.branch + off : nullptr, n.gain, cols, i, kNormThreads, active, regs);
-  ss = warp_sum(ss);
-  if (lane == 0) scratch[warp] = ss;
+  NormRowRegs regs[kPerHalf];  // stage_norm_row's loads, sum order and stores for this half's rows
+  float ss[kPerHalf];
+#pragma unroll
+  for (int u = 0; u < kPerHalf; ++u) {  // every load of both rows issued before any sum
+    const int q = u * kNormPair + h;
+    const int64_t off = int64_t{r0 + (q < nr ? q : 0)} * cols;
+    ss[u] = norm_row_load(a.x + off, n.branch ? n.branch + off : nullptr, n.gain, cols, i, kNormThreads, q < nr, regs[u]);
+  }
+#pragma unroll
+  for (int u = 0; u < kPerHalf; ++u) {
+    const float w = warp_sum(ss[u]);
+    if (lane == 0) scratch[u][warp] = w;
+  }
   __syncthreads();
-  const float total = warp_sum(lane < kNormWarps ? scratch[h * kNormWarps + lane] : 0.0f);
-  norm_row_store(regs, total, n.eps, cols, i, kNormThreads, active, xs, store ? n.x_out + off : nullptr,
-                 n.normed_out + off);
+#pragma unroll
+  for (int u = 0; u < kPerHalf; ++u) {
+    const int q = u * kNormPair + h;
+    if (u * kNormPair >= nr) break;  // uniform over the block
+    const float total = warp_sum(lane < kNormWarps ? scratch[u][h * kNormWarps + lane] : 0.0f);
+    const int64_t off = int64_t{r0 + (q < nr ? q : 0)} * cols;
+    norm_row_store(regs[u], total, n.eps, cols, i, kNormThreads, q < nr, xs0 + q * stride,
+                   store ? n.x_out + off : nullptr, n.normed_out + off);
+  }
   __syncthreads();
   for (int p = warp; p < nr * groups; p += kBlockWarps) {  // warp-uniform
     const float* xg = xs0 + (p / groups) * stride + (p % groups) * kGroupStride;
@@ -302,15 +325,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   // and group sums for the gate/up phase, and this block's share of the row's router logits.
   uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);  // [row][hidden / 2]
   float* xsums = reinterpret_cast<float*>(sm + l.xsums);         // [row][groups_h]
-  float* xs = reinterpret_cast<float*>(sm + l.gu_part);  // kNormPair rows' staging
+  float* xs = reinterpret_cast<float*>(sm + l.gu_part);  // l.norm_rows rows' staging
   const int stride = l.groups_h * (kGroupStride + 1);     // floats: a row's xs, then its group sums
   const bool router_in_regs = router.holds_all(a.router);
   const bool pairs = l.hidden <= kStageBatch * kNormThreads;  // stage_norm_row's one-batch path
-  __shared__ float norm_scratch[kBlockWarps];
-  for (int r0 = 0; r0 < m; r0 += pairs ? kNormPair : 1) {
-    const int nr = pairs ? min(kNormPair, m - r0) : 1;
+  __shared__ float norm_scratch[kMaxNormRows / kNormPair][kBlockWarps];
+  for (int r0 = 0; r0 < m; r0 += pairs ? l.norm_rows : 1) {
+    const int nr = pairs ? min(l.norm_rows, m - r0) : 1;
     if (pairs) {
-      stage_norm_pair(a, l, r0, nr, b == 0, xs, stride, norm_scratch);
+      stage_norm_rows(a, l, r0, nr, b == 0, xs, stride, norm_scratch);
     } else {
       const int64_t off = int64_t{r0} * l.hidden;
       FusedNorm norm = a.norm;
