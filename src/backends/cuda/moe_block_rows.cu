@@ -12,8 +12,8 @@
 //  1. before the PDL wait: the block's share of the router rows into registers and its first
 //     tiles of the shared expert (gate/up and down), whose addresses do not depend on the routing;
 //  2. after the wait: each block computes every row's normed activations itself (4 KB a row,
-//     two rows at a time, four from 6 rows on, each with the one-token block's norm) and, for each row, its share of
-//     the router logits (the one-token block's CUDA-core router rows, held in registers from
+//     two rows at a time, four from 6 rows on, each with the one-token block's norm) and, for
+//     each row, its share of the router logits (the one-token block's CUDA-core router rows, held in registers from
 //     before the wait), then grid barrier 1; warp r routes row r (route_token_keys), and every
 //     block lists the distinct experts of the step (the shared one first, then the routed ones
 //     in ascending id) and requests its first tiles;
@@ -235,12 +235,15 @@ __device__ __forceinline__ void stage_norm_rows(const MoeDecodeArgs& a, const Mo
   const int h = threadIdx.x / kNormThreads, i = threadIdx.x % kNormThreads;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, cols = l.hidden, groups = l.groups_h;
   const FusedNorm& n = a.norm;
+  // This half's u-th row is row r0 + q, q = u·kNormPair + h (an inactive one, q ≥ nr, points at
+  // row r0 and touches nothing).
+  auto row_offset = [&](int q) { return int64_t{r0 + (q < nr ? q : 0)} * cols; };
   NormRowRegs regs[kPerHalf];  // stage_norm_row's loads, sum order and stores for this half's rows
   float ss[kPerHalf];
 #pragma unroll
   for (int u = 0; u < kPerHalf; ++u) {  // every load of both rows issued before any sum
     const int q = u * kNormPair + h;
-    const int64_t off = int64_t{r0 + (q < nr ? q : 0)} * cols;
+    const int64_t off = row_offset(q);
     ss[u] = norm_row_load(a.x + off, n.branch ? n.branch + off : nullptr, n.gain, cols, i, kNormThreads, q < nr, regs[u]);
   }
 #pragma unroll
@@ -254,7 +257,7 @@ __device__ __forceinline__ void stage_norm_rows(const MoeDecodeArgs& a, const Mo
     const int q = u * kNormPair + h;
     if (u * kNormPair >= nr) break;  // uniform over the block
     const float total = warp_sum(lane < kNormWarps ? scratch[u][h * kNormWarps + lane] : 0.0f);
-    const int64_t off = int64_t{r0 + (q < nr ? q : 0)} * cols;
+    const int64_t off = row_offset(q);
     norm_row_store(regs[u], total, n.eps, cols, i, kNormThreads, q < nr, xs0 + q * stride,
                    store ? n.x_out + off : nullptr, n.normed_out + off);
   }
@@ -328,11 +331,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   float* xs = reinterpret_cast<float*>(sm + l.gu_part);  // l.norm_rows rows' staging
   const int stride = l.groups_h * (kGroupStride + 1);     // floats: a row's xs, then its group sums
   const bool router_in_regs = router.holds_all(a.router);
-  const bool pairs = l.hidden <= kStageBatch * kNormThreads;  // stage_norm_row's one-batch path
+  const bool one_batch = l.hidden <= kStageBatch * kNormThreads;  // stage_norm_row's one-batch path
   __shared__ float norm_scratch[kMaxNormRows / kNormPair][kBlockWarps];
-  for (int r0 = 0; r0 < m; r0 += pairs ? l.norm_rows : 1) {
-    const int nr = pairs ? min(l.norm_rows, m - r0) : 1;
-    if (pairs) {
+  for (int r0 = 0; r0 < m; r0 += one_batch ? l.norm_rows : 1) {
+    const int nr = one_batch ? min(l.norm_rows, m - r0) : 1;
+    if (one_batch) {
       stage_norm_rows(a, l, r0, nr, b == 0, xs, stride, norm_scratch);
     } else {
       const int64_t off = int64_t{r0} * l.hidden;
