@@ -255,7 +255,8 @@ struct RouterGemmCase {
 /// The real router shape (8-bit, 257 × 2048) for a whole chunk with a ragged tail and small
 /// token counts, the demo model's shape (17 × 256), one group per row. Seeds 300 + m + rows.
 const std::vector<RouterGemmCase> kRouterGemmCases = {
-    {257, kHidden, 2048 + 37, 2642}, {257, kHidden, 1, 558}, {257, kHidden, 63, 620}, {17, 256, 100, 417}, {65, 64, 9, 374},
+    {257, kHidden, 2048 + 37, 2642}, {257, kHidden, 1, 558}, {257, kHidden, 12, 569}, {257, kHidden, 22, 579},
+    {257, kHidden, 63, 620}, {17, 256, 100, 417}, {65, 64, 9, 374},
 };
 
 /// The prefill router GEMM (tensor cores) against the fp64 reference, and against the batched
@@ -296,6 +297,33 @@ TEST_P(CudaRouterGemm, MatchesTheReferenceAndTheGemv) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaRouterGemm, testing::ValuesIn(kRouterGemmCases), CaseName());
+
+/// A token's router logits are the same bits at any token count (each token count range has its
+/// own tile and ring shape): 300 rows against their first 1, 5, 12, 22 and 40 rows alone, at the
+/// real router shape. So a prompt's routing does not depend on where it is cut into chunks.
+TEST(CudaRouterGemm, TokenBitsDoNotDependOnTheTokenCount) {
+  std::mt19937_64 rng(63);
+  RandomQuant w(257, kHidden, 8, rng);
+  constexpr int kAll = 300;
+  const std::vector<float> x = normal_bf16(int64_t(kAll) * kHidden, rng, 1.0f);
+  DeviceBuffer dx = upload_bf16(x);
+  auto run = [&](int m) {
+    DeviceBuffer dy = poisoned(size_t(m) * 257 * 4);
+    cuda::launch_router_gemm(w.view(), dx.as<__nv_bfloat16>(), m, dy.as<float>(), nullptr);
+    return download_f32(dy, int64_t(m) * 257);
+  };
+  const std::vector<float> all = run(kAll);
+  for (int m : {1, 5, 12, 22, 40}) {
+    const std::vector<float> part = run(m);
+    int64_t diff = 0, unwritten = 0;
+    for (int64_t i = 0; i < int64_t(m) * 257; ++i) {
+      diff += std::memcmp(&part[i], &all[i], sizeof(float)) != 0;
+      unwritten += std::isnan(part[i]);
+    }
+    EXPECT_EQ(unwritten, 0) << "m = " << m << ": logits left unwritten";
+    EXPECT_EQ(diff, 0) << "m = " << m << ": logits that differ from the same rows among " << kAll;
+  }
+}
 
 TEST(CudaRouterGemm, RejectsUnsupportedShapes) {
   std::mt19937_64 rng(7);

@@ -46,6 +46,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <optional>
 #include <ostream>
@@ -307,6 +308,37 @@ class CudaQuantGemm : public testing::TestWithParam<GemmCase> {};
 TEST_P(CudaQuantGemm, MatchesTheReferences) { check_gemm(GetParam()); }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaQuantGemm, testing::ValuesIn(kGemmCases), CaseName());
+
+/// A token row of the dense 4-bit bf16 GEMM gets the same bits at any token count: 300 rows (the
+/// wide wgmma items) against their first 1, 22 and 100 rows on their own (the narrow items, one
+/// token block of 16, 32 or 64 columns), at the GDN in-projection and out-projection shapes. So
+/// a prompt's dense projections do not depend on where it is cut into prefill chunks.
+TEST(CudaQuantGemm, RowBitsDoNotDependOnTheTokenCount) {
+  for (const auto [rows, cols] : {std::pair<int64_t, int>{12352, 2048}, {2048, 4096}}) {
+    SCOPED_TRACE(quant_shape(rows, cols, 4));
+    std::mt19937_64 rng(61);
+    RandomQuant w(rows, cols, 4, rng);
+    constexpr int kAll = 300;
+    const std::vector<float> x = normal_bf16(int64_t(kAll) * cols, rng, 1.0f);
+    DeviceBuffer dx = upload_bf16(x);
+    auto run = [&](int m) {
+      DeviceBuffer dy = poisoned(size_t(m) * rows * 2);
+      cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, dy.as<bf16_t>(), nullptr, nullptr);
+      return download_bf16(dy, int64_t(m) * rows);
+    };
+    const std::vector<float> all = run(kAll);
+    for (int m : {1, 22, 100}) {
+      const std::vector<float> part = run(m);
+      int64_t diff = 0, unwritten = 0;
+      for (int64_t i = 0; i < int64_t(m) * rows; ++i) {
+        diff += std::memcmp(&part[i], &all[i], sizeof(float)) != 0;
+        unwritten += std::isnan(part[i]);
+      }
+      EXPECT_EQ(unwritten, 0) << "m = " << m << ": outputs left unwritten";
+      EXPECT_EQ(diff, 0) << "m = " << m << ": outputs that differ from the same rows among " << kAll;
+    }
+  }
+}
 
 TEST(CudaQuantGemm, RejectsUnsupportedShapes) {
   cuda::DeviceQuant q;
@@ -643,6 +675,72 @@ TEST_P(CudaGroupedExperts, MatchTheReferences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedExperts, testing::ValuesIn(kGroupedCases), CaseName());
+
+/// The grouped gate/up + down of m tokens (x bf16 values [m, hidden], routing ids [m, k + 1]) on W:
+/// act [m·(k + 1), ffn] and the expert outputs [m·(k + 1), hidden], as floats of their bf16 bits.
+std::pair<std::vector<float>, std::vector<float>> grouped_outputs(const ExpertWeights& W, int E, int k, int hidden,
+                                                                  int ffn, const std::vector<float>& x,
+                                                                  const std::vector<int32_t>& ids, int m) {
+  const int n_sel = k + 1, n_groups = E + 1;
+  const int64_t A = int64_t(m) * n_sel;
+  DeviceBuffer dx = upload_bf16(x), did(ids.size() * 4);
+  cuda::upload(did.as<int32_t>(), ids.data(), ids.size());
+  DeviceBuffer grouping = poisoned(size_t(cuda::expert_grouping_ints(n_groups, m, n_sel)) * 4);
+  DeviceBuffer act = poisoned(size_t(A) * ffn * 2), slot = poisoned(size_t(A) * hidden * 2);
+  cuda::launch_expert_grouping(did.as<int32_t>(), m, n_sel, n_groups, grouping.as<int32_t>(), nullptr);
+  cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), ffn, grouping.as<int32_t>(), n_groups,
+                                          dx.as<bf16_t>(), m, n_sel, act.as<bf16_t>(), nullptr);
+  cuda::launch_quant_gemm_grouped_down(W.down.view(), hidden, grouping.as<int32_t>(), n_groups, act.as<bf16_t>(), m,
+                                       n_sel, slot.as<bf16_t>(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  return {download_bf16(act, A * ffn), download_bf16(slot, A * hidden)};
+}
+
+/// A token's grouped gate/up and down outputs are the same bits whatever else its experts get:
+/// 600 tokens (the items of 128 rows: token blocks of 64 + 64, 64 + 16, …, 32, 16 columns) over
+/// 12 experts (≈ 400 rows each) and over all 256 (≈ 19 rows each), against the same tokens alone
+/// (one row per expert: the short-prompt items, 16 columns), in groups of 20 and of 60 (the
+/// short-prompt items with 16 or 32 columns, an expert's rows split into items of 32). So a
+/// prompt's MoE bits do not depend on where it is cut into prefill chunks. The real shape, on
+/// each wgmma item width.
+TEST(CudaGroupedExperts, TokenBitsDoNotDependOnTheOtherRowsOfItsExperts) {
+  constexpr int m = 600;
+  std::mt19937_64 rng(60);
+  const ExpertWeights W(kExperts, kHidden, kFfn, rng);
+  const std::vector<float> x = normal_bf16(int64_t(m) * kHidden, rng, 1.0f);
+  const int n_sel = kTopK + 1;
+  for (int pool : {12, kExperts}) {
+    std::vector<int32_t> ids;
+    std::vector<float> wts;
+    random_routing(kExperts, kTopK, m, pool, rng, ids, wts);
+    for (GemmPath path : {GemmPath{}, GemmPath{cuda::GemmKernel::kWgmma}, GemmPath{cuda::GemmKernel::kWgmmaNarrow}}) {
+      SCOPED_TRACE("pool " + std::to_string(pool) + ", path " + path_name(path));
+      ScopedGemmPath scoped(path);
+      const auto [act, out] = grouped_outputs(W, kExperts, kTopK, kHidden, kFfn, x, ids, m);
+      // Tokens [t0, t0 + n) on their own, compared with their rows of the full run.
+      auto check_tokens = [&](int t0, int n) {
+        const std::vector<float> xs(x.begin() + int64_t(t0) * kHidden, x.begin() + int64_t(t0 + n) * kHidden);
+        const std::vector<int32_t> is(ids.begin() + int64_t(t0) * n_sel, ids.begin() + int64_t(t0 + n) * n_sel);
+        const auto [sub_act, sub_out] = grouped_outputs(W, kExperts, kTopK, kHidden, kFfn, xs, is, n);
+        int64_t act_diff = 0, out_diff = 0, unwritten = 0;
+        for (int64_t i = 0; i < int64_t(n) * n_sel * kFfn; ++i) {
+          act_diff += std::memcmp(&sub_act[i], &act[int64_t(t0) * n_sel * kFfn + i], sizeof(float)) != 0;
+          unwritten += std::isnan(sub_act[i]) + std::isnan(act[int64_t(t0) * n_sel * kFfn + i]);
+        }
+        for (int64_t i = 0; i < int64_t(n) * n_sel * kHidden; ++i) {
+          out_diff += std::memcmp(&sub_out[i], &out[int64_t(t0) * n_sel * kHidden + i], sizeof(float)) != 0;
+          unwritten += std::isnan(sub_out[i]) + std::isnan(out[int64_t(t0) * n_sel * kHidden + i]);
+        }
+        EXPECT_EQ(unwritten, 0) << "tokens " << t0 << " … " << t0 + n - 1 << ": outputs left unwritten";
+        EXPECT_EQ(act_diff, 0) << "tokens " << t0 << " … " << t0 + n - 1 << ": activations that differ from the full run";
+        EXPECT_EQ(out_diff, 0) << "tokens " << t0 << " … " << t0 + n - 1 << ": expert outputs that differ from the full run";
+      };
+      for (int t : {0, 317, m - 1}) check_tokens(t, 1);
+      check_tokens(20, 20);
+      check_tokens(540, 60);
+    }
+  }
+}
 
 TEST(CudaGroupedExperts, RejectsBadArguments) {
   cuda::DeviceQuant q;

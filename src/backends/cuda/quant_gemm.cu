@@ -8,8 +8,10 @@
 //     down GEMMs, 128 for gate/up; "wgmma" and "wgmma-narrow" take one width everywhere): the register-
 //     dequant kernel's work list on Hopper warpgroup MMAs — the dequantized weights as the
 //     register A operand, the token rows read by the tensor cores from shared memory; every
-//     4-bit GEMM with bf16 output (grouped, and dense with ≥ one item per SM). See "warpgroup
-//     MMA" below.
+//     4-bit GEMM with bf16 output whose K is a multiple of 512, at any token count, so a token
+//     row gets the same bits in a prefill chunk of any length. Short prompts (≤ 32 tokens dense,
+//     ≤ 16 rows per expert on average grouped) take items of 32 token rows with four CTAs per
+//     SM. See "warpgroup MMA" below.
 //   * regdq_gemm_kernel ("grouped", "all"): codes dequantized in registers right before
 //     mma.sync, a persistent grid over a flat list of (row tile, column tile) work items — see
 //     "register dequantization" below: the 4-bit grouped expert GEMMs; with "all" also the
@@ -727,10 +729,11 @@ void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
 //
 // Block = kWG warpgroups (4 for "wgmma": 256 weight rows per item; 2 for "wgmma-narrow": 128);
 // warpgroup wg owns weight rows [wg·64·kMB, (wg + 1)·64·kMB) of the item as kMB m64 blocks,
-// and every token of the item (one or two n64 blocks, as many as the item's rows need; the last
-// block's wgmma is narrowed to the item's rows rounded up to 16, a compile-time N per shape). Per
+// and every token of the item (one or two token blocks, as many as the item's rows need; a block
+// of fewer than 64 rows runs its wgmma narrowed to the rows rounded up to 16 when that is 16 or
+// 32, a compile-time N per shape; an output column's bits do not depend on N). Per
 // k-tile of 64 (one quantization group), cp.async stages
-//   * the activation tile [128 tokens][64] bf16 in the 128-byte swizzle that wgmma's descriptor
+//   * the activation tile [item tokens (128 or 32)][64] bf16 in the 128-byte swizzle that wgmma's descriptor
 //     reads (16-byte chunk c of row T at chunk c ^ (T mod 8), tile base 1,024-byte aligned), and
 //   * the raw code tile [rows][8 words],
 // into a ring of kStages, and with every 8th k-tile the next 8 k-tiles' scales and biases of
@@ -746,22 +749,33 @@ void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
 // SwiGLU for gate/up), then 16-byte stores of each token row.
 
 constexpr int kWgTok = 128;                     // token rows per item
+constexpr int kWgTokSmall = 32;                 // token rows per item of the short-prompt shape
 constexpr int kWgNb = 64;                       // tokens per wgmma (the N of m64n64k16)
-constexpr int kWgTokBlocks = kWgTok / kWgNb;
-constexpr int kWgActBytes = kWgTok * kBK * 2;   // one stage's activation tile: 16 KiB
 constexpr int kScaleBlock = 8;                  // k-tiles per staged block of scales / biases (16 bytes a row)
 
-/// Tile shape of the wgmma kernel: kWG warpgroups of kMB m64 blocks each. The activation tile is
-/// re-read from L2 for every column tile, so more weight rows per item (more warpgroups) means
-/// less L2 traffic per FLOP; kMB = 1 keeps the accumulators within 128 registers.
-template <int kWG, int kMB>
+/// Tile shape of the wgmma kernel: kWG warpgroups of kMB m64 blocks each, items of kTok token
+/// rows. The activation tile is re-read from L2 for every column tile, so more weight rows per
+/// item (more warpgroups) means less L2 traffic per FLOP; kMB = 1 keeps the accumulators within
+/// 128 registers. kTok = kWgTokSmall is the short-prompt shape: when an expert gets a few rows
+/// (or a dense GEMM has ≤ 32 tokens) a stage is mostly weights, and the bytes in flight, not the
+/// tensor cores, bound the GEMM, so its smaller activation tiles buy a deeper ring.
+template <int kWG, int kMB, int kTok = kWgTok>
 struct WgShape {
+  static_assert(kTok == kWgTok || kTok == kWgTokSmall, "items of 128 or 32 token rows");
   static constexpr int kThreads = 128 * kWG;
-  static constexpr int kMinBlocks = kWG == 2 && kMB == 1 ? 2 : 1;  // CTAs per SM the registers allow
+  static_assert(kTok * 8 % kThreads == 0, "whole activation chunks per thread");
+  /// CTAs per SM the registers allow: a short-prompt item's accumulators (≤ 32 columns) fit 64
+  /// registers a thread, so four CTAs share an SM and hide each other's k-tile latency.
+  static constexpr int kMinBlocks = kTok == kWgTokSmall ? 4 : (kWG == 2 && kMB == 1 ? 2 : 1);
   static constexpr int kRows = kWG * 64 * kMB;               // weight rows per item
-  static constexpr int kStages = kMinBlocks == 2 ? 4 : 6;    // ring depth (kStages − 2 tiles ahead)
+  /// Ring depth: kStages − 2 tiles ahead, fewer than kScaleBlock (so a scale block's slot is free
+  /// when its copy is issued, see load_tile).
+  static constexpr int kStages = kMinBlocks == 1 ? 6 : 4;
+  static_assert(kStages - 2 < kScaleBlock, "a scale block is copied fewer than 8 k-tiles ahead");
+  static constexpr int kTokBlocks = kTok > kWgNb ? kTok / kWgNb : 1;  // n64 token blocks per item
+  static constexpr int kActBytes = kTok * kBK * 2;           // one stage's activation tile
   static constexpr int kCodeBytes = kRows * kBK / 2;         // one stage's 4-bit code tile
-  static constexpr size_t kPipeBytes = size_t(kStages) * (kWgActBytes + kCodeBytes);
+  static constexpr size_t kPipeBytes = size_t(kStages) * (kActBytes + kCodeBytes);
   /// Scale and bias blocks: [2 slots][scales, biases][kRows][8 k-tiles] bf16.
   static constexpr size_t kScaleBytes = size_t(2) * 2 * kRows * kScaleBlock * 2;
   /// Dynamic shared memory: 1,024 bytes of alignment slack, the ring, the scale blocks, the
@@ -769,7 +783,7 @@ struct WgShape {
   static constexpr size_t kSmem = 1024 + kPipeBytes + kScaleBytes + (kMaxGroups + 1 + kThreads / kWarp) * sizeof(int);
   static constexpr int kOutLdGateUp = kRows / 2 + 8;         // epilogue row (bf16): act columns
   static constexpr int kOutLd = kRows + 8;                   // epilogue row (bf16): output columns
-  static_assert(size_t(kWgTok) * kOutLd * 2 <= kPipeBytes, "epilogue tile fits the ring");
+  static_assert(size_t(kTok) * kOutLd * 2 <= kPipeBytes, "epilogue tile fits the ring");
 };
 
 /// bf16x2 (bf16(s·q_lo + b), bf16(s·q_hi + b)) of the byte that `sel` (= t | (t + 4) << 8) picks
@@ -784,10 +798,11 @@ __device__ __forceinline__ uint32_t dequant_selected_byte(uint32_t w, uint32_t s
 
 /// 4-bit GEMM on warpgroup MMAs (see above), bf16 output. grid: persistent, ≤ the item count;
 /// block WgShape::kThreads; dynamic shared memory WgShape::kSmem.
-template <Mode MODE, int kWG, int kMB>
-__global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>::kMinBlocks)
+template <Mode MODE, int kWG, int kMB, int kTok>
+__global__ void __launch_bounds__(WgShape<kWG, kMB, kTok>::kThreads, WgShape<kWG, kMB, kTok>::kMinBlocks)
     wgmma_gemm_kernel(const GemmParams p) {
-  using S = WgShape<kWG, kMB>;
+  using S = WgShape<kWG, kMB, kTok>;
+  constexpr int kActBytes = S::kActBytes;
   constexpr int kWgThreads = S::kThreads;
   constexpr bool kGU = MODE == Mode::kGateUp, kDense = MODE == Mode::kDense;
   constexpr int kRows = S::kRows, kStages = S::kStages;
@@ -795,7 +810,7 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
   const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem_raw));
   unsigned char* smem = wg_smem_raw + ((1024u - (raw_addr & 1023u)) & 1023u);  // 1,024-byte aligned
   const uint32_t act_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));  // [stages][128][128 B]
-  uint32_t* cs = reinterpret_cast<uint32_t*>(smem + kStages * kWgActBytes);         // [stages][kRows][8]
+  uint32_t* cs = reinterpret_cast<uint32_t*>(smem + kStages * kActBytes);         // [stages][kRows][8]
   uint16_t* sc = reinterpret_cast<uint16_t*>(smem + S::kPipeBytes);                 // [2][2][kRows][8]
   int* tpre = reinterpret_cast<int*>(smem + S::kPipeBytes + S::kScaleBytes);        // [G + 1]
   int* scan_tot = tpre + kMaxGroups + 1;
@@ -805,9 +820,9 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
   const int G = p.n_groups;
   const int32_t* offsets = p.grouping;
   const int32_t* order = kDense ? nullptr : p.grouping + 2 * (G + 1);
-  if constexpr (!kDense) build_row_tile_prefix(offsets, G, kWgTok, tpre, scan_tot);
+  if constexpr (!kDense) build_row_tile_prefix(offsets, G, kTok, tpre, scan_tot);
   const int col_tiles = p.col_tiles;
-  const int n_items = (kDense ? (p.m + kWgTok - 1) / kWgTok : tpre[G]) * col_tiles;
+  const int n_items = (kDense ? (p.m + kTok - 1) / kTok : tpre[G]) * col_tiles;
   const int k_tiles = p.K / kBK;
   const int64_t wpr = p.K / 8;                       // code words per weight row
   const uint32_t sel = t4 | ((t4 + 4) << 8);         // byte t of a code word
@@ -821,17 +836,21 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
     int row_begin, rc;
     int64_t w_base = 0;
     if constexpr (kDense) {
-      row_begin = tile * kWgTok;
-      rc = min(kWgTok, p.m - row_begin);
+      row_begin = tile * kTok;
+      rc = min(kTok, p.m - row_begin);
     } else {
-      const int e = locate_row_tile(offsets, tpre, G, kWgTok, tile, row_begin, rc);
+      const int e = locate_row_tile(offsets, tpre, G, kTok, tile, row_begin, rc);
       w_base = static_cast<int64_t>(e) * p.n;
     }
-    // The second block's wgmma columns: the item's rows past 64 rounded up to 16 when that
-    // is 16 or 32 (about half of the grouped items: ~64 rows per routed expert), else 64.
+    // The wgmma columns of the two token blocks: the first block's the item's rows rounded up
+    // to 16 when that is 16 or 32 (the routed experts of a short prompt get one or two rows
+    // each), else 64; the second block's the rows past 64 rounded up the same way (about half of
+    // the grouped items of a prefill chunk: ~64 rows per routed expert), else 64. A column's
+    // result does not depend on N, so a token gets the same bits in a block of any width.
+    const int w0 = rc <= 16 ? 16 : (rc <= 32 ? 32 : kWgNb);
     const int rest = rc - kWgNb;
     const int w1 = rest <= 0 ? 0 : (rest <= 32 ? (rest + 15) / 16 * 16 : kWgNb);
-    const int staged = kWgNb + w1;                   // token rows staged (zeros past rc)
+    const int staged = w0 + w1;                      // token rows staged (zeros past rc)
     const int64_t n0 = static_cast<int64_t>(ct) * (kGU ? kRows / 2 : kRows);
 
     auto weight_row = [&](int R) -> int64_t {  // as in the register-dequant kernel
@@ -844,7 +863,7 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
     };
     // Copy sources: activation chunk c = tid + 256j (token c / 8, 16-byte chunk c % 8), code
     // chunk c = tid + 256j (tile row c / 2, half c % 2); element offsets, −1 masked.
-    constexpr int kActChunks = kWgTok * 8 / kWgThreads, kCodeChunks = kRows * 2 / kWgThreads;
+    constexpr int kActChunks = kTok * 8 / kWgThreads, kCodeChunks = kRows * 2 / kWgThreads;
     int a_off[kActChunks], c_off[kCodeChunks];
 #pragma unroll
     for (int j = 0; j < kActChunks; ++j) {
@@ -862,7 +881,7 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
       c_off[j] = wr >= 0 ? static_cast<int>(wr * wpr) + (c % 2) * 4 : -1;
     }
     auto load_tile = [&](int kt, int stage) {
-      unsigned char* ast = smem + stage * kWgActBytes;
+      unsigned char* ast = smem + stage * kActBytes;
 #pragma unroll
       for (int j = 0; j < kActChunks; ++j) {
         const int c = tid + j * kWgThreads, T = c / 8, ch = c % 8;
@@ -895,12 +914,13 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
     // One item for token blocks of kW0 and kW1 columns (kW1 = 0: one block): every wgmma has a
     // static N, and the loop and the epilogue touch only the accumulators that exist (with a
     // run-time N, or accumulators left for the epilogue to read, ptxas serializes the wgmmas;
-    // with eight shapes instead of four it spills).
+    // the six shapes of the 128-row items spill a few registers outside the k-loop, measured as
+    // no slower at 4K tokens than four).
     bf16* ob = reinterpret_cast<bf16*>(smem);  // the epilogue's output tile (over the ring)
     constexpr int kOutLd = kGU ? S::kOutLdGateUp : S::kOutLd;
     auto run_item = [&](auto w0, auto w1) {
       constexpr int kW0 = decltype(w0)::value, kW1 = decltype(w1)::value;
-      float acc[kMB][kWgTokBlocks][32];
+      float acc[kMB][S::kTokBlocks][32];
       zero_acc(acc);
 
       // cp.async group i holds k-tile i (empty groups past the end keep the count uniform).
@@ -925,7 +945,7 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
           }
 
         const uint32_t* cst = cs + stage * kRows * 8;
-        const uint32_t ast = act_addr + stage * kWgActBytes;
+        const uint32_t ast = act_addr + stage * kActBytes;
         uint32_t s2[kMB][2], b2[kMB][2];
 #pragma unroll
         for (int mb = 0; mb < kMB; ++mb)
@@ -986,11 +1006,18 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
         }
     };
     using std::integral_constant;
-    switch (w1) {
-      case 0: run_item(integral_constant<int, 64>{}, integral_constant<int, 0>{}); break;
-      case 16: run_item(integral_constant<int, 64>{}, integral_constant<int, 16>{}); break;
-      case 32: run_item(integral_constant<int, 64>{}, integral_constant<int, 32>{}); break;
-      default: run_item(integral_constant<int, 64>{}, integral_constant<int, 64>{}); break;
+    if constexpr (kTok == kWgTokSmall) {  // rc ≤ 32: one block of 16 or 32 columns
+      if (w0 == 16) run_item(integral_constant<int, 16>{}, integral_constant<int, 0>{});
+      else run_item(integral_constant<int, 32>{}, integral_constant<int, 0>{});
+    } else {
+      switch (w0 < kWgNb ? -w0 : w1) {
+        case -16: run_item(integral_constant<int, 16>{}, integral_constant<int, 0>{}); break;
+        case -32: run_item(integral_constant<int, 32>{}, integral_constant<int, 0>{}); break;
+        case 0: run_item(integral_constant<int, 64>{}, integral_constant<int, 0>{}); break;
+        case 16: run_item(integral_constant<int, 64>{}, integral_constant<int, 16>{}); break;
+        case 32: run_item(integral_constant<int, 64>{}, integral_constant<int, 32>{}); break;
+        default: run_item(integral_constant<int, 64>{}, integral_constant<int, 64>{}); break;
+      }
     }
     __syncthreads();
     constexpr int kChunks = (kGU ? kRows / 2 : kRows) / 8;  // 16-byte chunks per output row
@@ -1012,17 +1039,17 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB>::kThreads, WgShape<kWG, kMB>
 }
 
 /// Launches the wgmma kernel: as many CTAs as fit at once, at most one per possible item.
-template <Mode MODE, int kWG, int kMB>
+template <Mode MODE, int kWG, int kMB, int kTok = kWgTok>
 void wgmma_launch(GemmParams p, cudaStream_t stream) {
-  using S = WgShape<kWG, kMB>;
-  auto kernel = wgmma_gemm_kernel<MODE, kWG, kMB>;
+  using S = WgShape<kWG, kMB, kTok>;
+  auto kernel = wgmma_gemm_kernel<MODE, kWG, kMB, kTok>;
   constexpr int kWgThreads = S::kThreads;
   raise_smem_limit(kernel, S::kSmem);
   const int64_t col_tiles = ceil_div(p.n, MODE == Mode::kGateUp ? S::kRows / 2 : S::kRows);
   p.col_tiles = static_cast<int>(col_tiles);
   const int per_sm = std::max(1, blocks_per_sm(kernel, kWgThreads, S::kSmem));
-  const int64_t row_tiles = MODE == Mode::kDense ? ceil_div(p.m, kWgTok)
-                                                 : ceil_div(static_cast<int64_t>(p.m) * p.n_sel, kWgTok) + p.n_groups;
+  const int64_t row_tiles = MODE == Mode::kDense ? ceil_div(p.m, kTok)
+                                                 : ceil_div(static_cast<int64_t>(p.m) * p.n_sel, kTok) + p.n_groups;
   const int64_t grid = std::min<int64_t>(col_tiles * row_tiles, static_cast<int64_t>(per_sm) * sm_count());
   kernel<<<static_cast<unsigned>(grid), kWgThreads, S::kSmem, stream>>>(p);
   LILY_CUDA_CHECK_LAUNCH();
@@ -1081,18 +1108,16 @@ void dense_dispatch(const GemmParams& p, cudaStream_t stream) {
   const int sms = sm_count();
   const int64_t n = p.n;
   if constexpr (BITS == 4 && sizeof(OutT) == 2) {
-    // The wide items where they still give every SM one, else the narrow ones.
+    // Every token count on the wgmma kernel, so a token row gets the same bits in a prefill
+    // chunk of any length: the short-prompt items for ≤ 32 tokens, the wide items where they
+    // still give every SM one, else the narrow ones.
     const int wg = wgmma_groups(Mode::kDense);
     const int64_t row_tiles = ceil_div(p.m, kWgTok);
     if (wg > 0 && regdq_fits(p.m, p.w0.rows, p.K) && wgmma_fits(p)) {
-      if (wg == 4 && row_tiles * ceil_div(n, 256) >= sms) {
-        wgmma_launch<Mode::kDense, 4, 1>(p, stream);
-        return;
-      }
-      if (row_tiles * ceil_div(n, 128) >= sms) {
-        wgmma_launch<Mode::kDense, 2, 1>(p, stream);
-        return;
-      }
+      if (p.m <= kWgTokSmall) wgmma_launch<Mode::kDense, 2, 1, kWgTokSmall>(p, stream);
+      else if (wg == 4 && row_tiles * ceil_div(n, 256) >= sms) wgmma_launch<Mode::kDense, 4, 1>(p, stream);
+      else wgmma_launch<Mode::kDense, 2, 1>(p, stream);
+      return;
     }
   }
   if (BITS == 4 && ceil_div(p.m, kRdBM) * ceil_div(n, kRdBN) >= sms && regdq_fits(p.m, p.w0.rows, p.K) &&
@@ -1125,7 +1150,9 @@ template <Mode MODE>
 void grouped_dispatch(const GemmParams& p, int64_t col_tiles, cudaStream_t stream) {
   const bool fits = regdq_fits(static_cast<int64_t>(p.m) * p.n_sel, std::max(p.w0.rows, p.w1.rows), p.K);
   if (p.w0.bits == 4 && fits && wgmma_groups(MODE) > 0 && wgmma_fits(p)) {
-    if (wgmma_groups(MODE) == 4) wgmma_launch<MODE, 4, 1>(p, stream);
+    // A short prompt's experts get a few rows each (≤ 16 on average): the short-prompt items.
+    if (static_cast<int64_t>(p.m) * p.n_sel <= int64_t{16} * p.n_groups) wgmma_launch<MODE, 2, 1, kWgTokSmall>(p, stream);
+    else if (wgmma_groups(MODE) == 4) wgmma_launch<MODE, 4, 1>(p, stream);
     else wgmma_launch<MODE, 2, 1>(p, stream);
     return;
   }

@@ -34,8 +34,7 @@ namespace {
 constexpr int kRouterWarps = 4;
 constexpr int kRouterThreads = kRouterWarps * 32;
 constexpr int kRowsPerBlock = 16 * kRouterWarps;  // weight rows
-constexpr int kTokenTiles = 4;                    // column tiles of 8 tokens per warp
-constexpr int kTokensPerBlock = 8 * kTokenTiles;
+constexpr int kTokenTiles = 4;                    // column tiles of 8 tokens per warp (at most)
 constexpr uint32_t kOnesBf16x2 = 0x3F803F80u;     // (1.0, 1.0) as bf16x2
 
 /// The two A registers of one MMA from one code word (codes k, k+1 | k+2, k+3 as exact bf16 pairs).
@@ -44,8 +43,13 @@ __device__ __forceinline__ void code_word_pairs(uint32_t w, uint32_t& lo, uint32
   hi = pack_bf16x2(code_byte_f32(w, 2), code_byte_f32(w, 3));
 }
 
-/// grid (ceil(m / 32), ceil(rows / 64)), block 128. x bf16 [m, cols], y fp32 [m, rows]. See the
-/// file comment for the tiling and the numerics.
+/// grid (ceil(m / (8·kTiles)), ceil(rows / 64)), block 128. x bf16 [m, cols], y fp32 [m, rows].
+/// See the file comment for the tiling and the numerics. A warp owns kTiles column tiles of 8
+/// tokens and keeps kDepth groups' loads in flight: a short prompt gives the GPU only a few warps
+/// (5 blocks for 257 rows), each walking all 32 groups, so their load latency is the kernel's
+/// time unless several groups are in flight. A token's logits are the same bits for any kTiles
+/// and kDepth (its MMA column never meets another token's, the groups add in ascending order).
+template <int kTiles, int kDepth>
 __global__ void __launch_bounds__(kRouterThreads) router_gemm_kernel(const DeviceQuant w, const bf16* __restrict__ x,
                                                                      int m, float* __restrict__ y) {
   pdl_prologue();
@@ -55,29 +59,29 @@ __global__ void __launch_bounds__(kRouterThreads) router_gemm_kernel(const Devic
   const int64_t row_lo = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock + warp * 16 + g, row_hi = row_lo + 8;
   // Rows and tokens past the end load a valid neighbour's data and store nothing.
   const int64_t load_lo = min(row_lo, w.rows - 1), load_hi = min(row_hi, w.rows - 1);
-  const int tok0 = blockIdx.x * kTokensPerBlock;
+  const int tok0 = blockIdx.x * 8 * kTiles;
   const int64_t row_bytes = w.cols;  // 8-bit codes
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(w.codes);
   const uint4* c_lo = reinterpret_cast<const uint4*>(codes + load_lo * row_bytes) + t;
   const uint4* c_hi = reinterpret_cast<const uint4*>(codes + load_hi * row_bytes) + t;
-  const uint4* x_tok[kTokenTiles];
+  const uint4* x_tok[kTiles];
 #pragma unroll
-  for (int n = 0; n < kTokenTiles; ++n) {
+  for (int n = 0; n < kTiles; ++n) {
     const int tok = min(tok0 + n * 8 + g, m - 1);
     x_tok[n] = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(tok) * w.cols) + 2 * t;
   }
 
-  float acc[kTokenTiles][4];
+  float acc[kTiles][4];
 #pragma unroll
-  for (int n = 0; n < kTokenTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  for (int n = 0; n < kTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   const uint32_t ones[4] = {kOnesBf16x2, kOnesBf16x2, kOnesBf16x2, kOnesBf16x2};
 
-  // One group's operands, loaded one group ahead of their MMAs so that the L2 latency of the
-  // next loads overlaps this group's arithmetic.
+  // One group's operands, loaded kDepth − 1 groups ahead of their MMAs so that the latency of
+  // the next loads overlaps this group's arithmetic.
   struct GroupLoads {
     uint4 q_lo, q_hi;           // 16 code bytes of rows g and g + 8
     float s_lo, b_lo, s_hi, b_hi;
-    uint4 x[kTokenTiles][2];    // k 16t … 16t+15 of token g of each column tile
+    uint4 x[kTiles][2];         // k 16t … 16t+15 of token g of each column tile
   };
   auto load_group = [&](int G, GroupLoads& L) {
     L.q_lo = __ldg(c_lo + G * 4);  // 64 bytes per group = 4 uint4
@@ -87,28 +91,24 @@ __global__ void __launch_bounds__(kRouterThreads) router_gemm_kernel(const Devic
     L.s_hi = __bfloat162float(w.scales[load_hi * groups + G]);
     L.b_hi = __bfloat162float(w.biases[load_hi * groups + G]);
 #pragma unroll
-    for (int n = 0; n < kTokenTiles; ++n) {
+    for (int n = 0; n < kTiles; ++n) {
       L.x[n][0] = __ldg(x_tok[n] + G * 8);
       L.x[n][1] = __ldg(x_tok[n] + G * 8 + 1);
     }
   };
 
-  GroupLoads cur, next;
-  load_group(0, cur);
-  for (int G = 0; G < groups; ++G) {
-    const bool more = G + 1 < groups;  // the last group has no next one to load (or to copy)
-    if (more) load_group(G + 1, next);
+  auto consume = [&](const GroupLoads& L) {
     uint32_t a[4][4];  // [MMA j][register]
-    const uint32_t wl[4] = {cur.q_lo.x, cur.q_lo.y, cur.q_lo.z, cur.q_lo.w};
-    const uint32_t wh[4] = {cur.q_hi.x, cur.q_hi.y, cur.q_hi.z, cur.q_hi.w};
+    const uint32_t wl[4] = {L.q_lo.x, L.q_lo.y, L.q_lo.z, L.q_lo.w};
+    const uint32_t wh[4] = {L.q_hi.x, L.q_hi.y, L.q_hi.z, L.q_hi.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       code_word_pairs(wl[j], a[j][0], a[j][2]);
       code_word_pairs(wh[j], a[j][1], a[j][3]);
     }
 #pragma unroll
-    for (int n = 0; n < kTokenTiles; ++n) {
-      const uint4 x0 = cur.x[n][0], x1 = cur.x[n][1];
+    for (int n = 0; n < kTiles; ++n) {
+      const uint4 x0 = L.x[n][0], x1 = L.x[n][1];
       const uint32_t bw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
       float dq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dx[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -118,16 +118,31 @@ __global__ void __launch_bounds__(kRouterThreads) router_gemm_kernel(const Devic
         mma_bf16_16816(dx, ones, b);
       }
       // dq: (row g, tokens 2t, 2t+1), (row g+8, same); dx[0], dx[1]: Σx of tokens 2t, 2t+1.
-      acc[n][0] += __fmaf_rn(cur.s_lo, dq[0], __fmul_rn(cur.b_lo, dx[0]));
-      acc[n][1] += __fmaf_rn(cur.s_lo, dq[1], __fmul_rn(cur.b_lo, dx[1]));
-      acc[n][2] += __fmaf_rn(cur.s_hi, dq[2], __fmul_rn(cur.b_hi, dx[0]));
-      acc[n][3] += __fmaf_rn(cur.s_hi, dq[3], __fmul_rn(cur.b_hi, dx[1]));
+      acc[n][0] += __fmaf_rn(L.s_lo, dq[0], __fmul_rn(L.b_lo, dx[0]));
+      acc[n][1] += __fmaf_rn(L.s_lo, dq[1], __fmul_rn(L.b_lo, dx[1]));
+      acc[n][2] += __fmaf_rn(L.s_hi, dq[2], __fmul_rn(L.b_hi, dx[0]));
+      acc[n][3] += __fmaf_rn(L.s_hi, dq[3], __fmul_rn(L.b_hi, dx[1]));
     }
-    if (more) cur = next;
+  };
+
+  // A ring of kDepth groups' loads: group G's slot is refilled with group G + kDepth as soon as
+  // its MMAs have read it.
+  GroupLoads ring[kDepth];
+#pragma unroll
+  for (int d = 0; d < kDepth; ++d)
+    if (d < groups) load_group(d, ring[d]);
+  for (int G0 = 0; G0 < groups; G0 += kDepth) {
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {
+      if (G0 + d >= groups) break;
+      consume(ring[d]);
+      if (G0 + d + kDepth < groups) load_group(G0 + d + kDepth, ring[d]);
+    }
   }
 
+
 #pragma unroll
-  for (int n = 0; n < kTokenTiles; ++n) {
+  for (int n = 0; n < kTiles; ++n) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t row = i < 2 ? row_lo : row_hi;
@@ -150,9 +165,18 @@ void launch_router_gemm(const DeviceQuant& w, const bf16* x, int m, float* y, cu
                                 std::to_string(w.cols) + ", rows " + std::to_string(w.rows));
   if (m <= 0 || x == nullptr || y == nullptr)
     throw ::lily::InternalError("launch_router_gemm: needs m > 0 and non-null x, y");
-  const dim3 grid(static_cast<unsigned>(ceil_div(m, kTokensPerBlock)),
-                  static_cast<unsigned>(ceil_div(w.rows, static_cast<int64_t>(kRowsPerBlock))));
-  launch_pdl(router_gemm_kernel, grid, dim3(kRouterThreads), 0, stream, w, x, m, y);
+  // Column tiles per warp and groups in flight: the full 32-token blocks with two groups in
+  // flight for a prefill chunk (several blocks per SM hide the latency), fewer tiles and deeper
+  // rings for a short prompt's few blocks.
+  const unsigned row_blocks = static_cast<unsigned>(ceil_div(w.rows, static_cast<int64_t>(kRowsPerBlock)));
+  auto launch = [&](auto kernel, int tiles) {
+    const dim3 grid(static_cast<unsigned>(ceil_div(m, 8 * tiles)), row_blocks);
+    launch_pdl(kernel, grid, dim3(kRouterThreads), 0, stream, w, x, m, y);
+  };
+  if (m <= 8) launch(router_gemm_kernel<1, 8>, 1);
+  else if (m <= 16) launch(router_gemm_kernel<2, 6>, 2);
+  else if (m <= 24) launch(router_gemm_kernel<3, 4>, 3);
+  else launch(router_gemm_kernel<kTokenTiles, 2>, kTokenTiles);
 }
 
 }  // namespace lily::cuda
