@@ -219,10 +219,31 @@ inline double rms(const std::vector<double>& ref) {
   return std::sqrt(s / double(ref.size()));
 }
 
-/// Restores the process's PDL setting (cuda::set_pdl_enabled) when a test that changes it ends.
-struct PdlSetting {
-  bool saved = cuda::pdl_enabled();
-  ~PdlSetting() { cuda::set_pdl_enabled(saved); }
+/// A process-wide kernel switch (a getter and setter pair such as cuda::pdl_enabled /
+/// cuda::set_pdl_enabled) for one scope: saves the value it finds, optionally sets `value`,
+/// `set` changes it within the scope, and the destructor restores the saved value, also when a
+/// fatal assertion leaves the test early. The one helper the kernel tests flip switches with.
+///   ScopedSwitch pdl(cuda::pdl_enabled, cuda::set_pdl_enabled, false);
+template <class T>
+class ScopedSwitch {
+ public:
+  ScopedSwitch(T (*get)(), void (*set)(T)) : set_(set), saved_(get()) {}
+  ScopedSwitch(T (*get)(), void (*set)(T), T value) : ScopedSwitch(get, set) { set_(value); }
+  ~ScopedSwitch() { set_(saved_); }
+  ScopedSwitch(const ScopedSwitch&) = delete;
+  ScopedSwitch& operator=(const ScopedSwitch&) = delete;
+
+  /// Sets the switch to `value` (until the scope ends or the next set).
+  void set(T value) const { set_(value); }
+
+ private:
+  void (*set_)(T);
+  T saved_;
+};
+
+/// The PDL switch (cuda::set_pdl_enabled) for one scope, restored at its end.
+struct PdlSetting : ScopedSwitch<bool> {
+  PdlSetting() : ScopedSwitch(cuda::pdl_enabled, cuda::set_pdl_enabled) {}
 };
 
 /// What `enqueue(stream)` launches on `stream`, captured (thread-local mode) and instantiated

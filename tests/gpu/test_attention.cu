@@ -34,6 +34,7 @@ using test::max_rel;
 using test::normal_bf16;
 using test::poisoned;
 using test::rms_rel;
+using test::ScopedSwitch;
 using test::uniform;
 using test::upload_bf16;
 using test::upload_f32;
@@ -253,10 +254,8 @@ TEST(AttentionDecode, RejectsTooSmallWorkspace) {
 // ---- prefill -------------------------------------------------------------------------------------
 
 /// Restores the prefill attention path chosen by the environment when it goes out of scope.
-struct FlashPrefillSwitch {
-  bool saved = cuda::flash_prefill_enabled();
-  explicit FlashPrefillSwitch(bool on) { cuda::set_flash_prefill_enabled(on); }
-  ~FlashPrefillSwitch() { cuda::set_flash_prefill_enabled(saved); }
+struct FlashPrefillSwitch : ScopedSwitch<bool> {
+  explicit FlashPrefillSwitch(bool on) : ScopedSwitch(cuda::flash_prefill_enabled, cuda::set_flash_prefill_enabled, on) {}
 };
 
 /// Checks the prefill of T rows after `base` cached keys against the reference, on the

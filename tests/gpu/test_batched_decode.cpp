@@ -67,9 +67,10 @@ void check_gemv_rows(int64_t rows, int cols, int bits, bool f32_out, uint64_t se
 }
 
 TEST(CudaBatchedDecode, GemvRowsAreBitIdenticalForEveryRowCount) {
+  const ScopedSwitch stream(cuda::stream_gemv_enabled, cuda::set_stream_gemv_enabled);
   for (bool streaming : {true, false}) {
     SCOPED_TRACE(streaming ? "streaming enabled" : "streaming disabled");
-    cuda::set_stream_gemv_enabled(streaming);
+    stream.set(streaming);
     check_gemv_rows(1000, 2048, 4, false, 1);       // the 35B projections' width: streaming kernel
     check_gemv_rows(777, 4096, 4, false, 2);        // out_proj width
     check_gemv_rows(2048, 512, 4, true, 3);         // realdims hidden, fp32 (its lm_head)
@@ -78,7 +79,6 @@ TEST(CudaBatchedDecode, GemvRowsAreBitIdenticalForEveryRowCount) {
     check_gemv_rows(257, 2048, 8, true, 6);         // the router: 8-bit, tiled CUDA-core kernel
     check_gemv_rows(17, 256, 8, true, 7);           // demo router
   }
-  cuda::set_stream_gemv_enabled(true);
 }
 
 /// The batched decode's norm + GEMV (launch_add_rmsnorm over the rows, then

@@ -52,19 +52,15 @@ const char* path_name(GemvPath p) {
 /// `path` for the scope, then restores the settings it found.
 class ScopedGemvPath {
  public:
-  explicit ScopedGemvPath(GemvPath path) {
-    cuda::set_stream_gemv_enabled(path != GemvPath::kRegisterLoads);
-    cuda::set_gemv_row_tiles_enabled(path != GemvPath::kPerRow);
-  }
-  ~ScopedGemvPath() {
-    cuda::set_stream_gemv_enabled(stream_);
-    cuda::set_gemv_row_tiles_enabled(row_tiles_);
-  }
-  ScopedGemvPath(const ScopedGemvPath&) = delete;
-  ScopedGemvPath& operator=(const ScopedGemvPath&) = delete;
+  explicit ScopedGemvPath(GemvPath path)
+      : stream_(cuda::stream_gemv_enabled, cuda::set_stream_gemv_enabled, path != GemvPath::kRegisterLoads),
+        row_tiles_(cuda::gemv_row_tiles_enabled, cuda::set_gemv_row_tiles_enabled, path != GemvPath::kPerRow) {}
+
+  /// The row-tiles switch alone, within the scope.
+  void set_row_tiles(bool on) const { row_tiles_.set(on); }
 
  private:
-  bool stream_ = cuda::stream_gemv_enabled(), row_tiles_ = cuda::gemv_row_tiles_enabled();
+  ScopedSwitch<bool> stream_, row_tiles_;
 };
 
 /// One GEMV case: a random MLX-affine matrix W [rows, cols] of `bits` (4 or 8) and m bf16
@@ -228,7 +224,7 @@ TEST_P(CudaGemvRowTiles, BitIdenticalToPerRow) {
   DeviceBuffer dx = upload_bf16(normal_bf16(int64_t(c.m) * c.cols, rng, 1.0f));
   std::vector<float> out[2];
   for (int tiled = 0; tiled < 2; ++tiled) {
-    cuda::set_gemv_row_tiles_enabled(tiled == 1);
+    path.set_row_tiles(tiled == 1);
     DeviceBuffer dy = poisoned(size_t(c.m) * c.rows * 4);
     cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>(), c.m, nullptr, dy.as<float>(), nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -1056,18 +1052,18 @@ cudaGraphExec_t capture_chain(MoeChain& chain, int blocks, cudaStream_t stream) 
 // PDL on (eager and under a CUDA graph, replayed) must give bit-identical results to plain
 // launches: the kernels are deterministic, so any difference is a broken dependency.
 void check_pdl_chain(int E, int k, int hidden, int ffn, uint64_t seed) {
-  PdlSetting keep;
+  const PdlSetting keep;
   std::mt19937_64 rng(seed);
   MoeChain chain(E, k, hidden, ffn, rng);
   constexpr int kBlocks = 12;
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cuda::set_pdl_enabled(false);
+  keep.set(false);
   chain.enqueue(kBlocks, stream);
   const std::vector<uint16_t> want = chain.result();
   for (uint16_t b : want) ASSERT_FALSE((b & 0x7F80) == 0x7F80 && (b & 0x7F)) << "NaN in the reference chain";
 
-  cuda::set_pdl_enabled(true);
+  keep.set(true);
   chain.reset();
   chain.enqueue(kBlocks, stream);
   EXPECT_EQ(chain.result(), want) << "eager PDL launches differ from plain launches";
@@ -1199,13 +1195,13 @@ TEST(CudaTiming, PrintsKernelTimes) {
     constexpr int kChunk = 2048;
     DeviceBuffer xc = upload_bf16(normal_bf16(int64_t(kChunk) * kHidden, rng, 1.0f)), yc(size_t(kChunk) * (kExperts + 1) * 4);
     for (bool tiled : {false, true}) {
-      cuda::set_gemv_row_tiles_enabled(tiled);
+      keep.set_row_tiles(tiled);
       const double us = time_us([&] {
         cuda::launch_quant_gemv_batched(router.view(), xc.as<__nv_bfloat16>(), kChunk, nullptr, yc.as<float>(), nullptr);
       });
       std::printf("[timing] prefill router 2048 rows, %-9s %8.2f us\n", tiled ? "tiled" : "per-row", us);
     }
-    cuda::set_gemv_row_tiles_enabled(false);
+    keep.set_row_tiles(false);
     const double us = time_us([&] {
       cuda::launch_router_gemm(router.view(), xc.as<__nv_bfloat16>(), kChunk, yc.as<float>(), nullptr);
     });
@@ -1267,14 +1263,14 @@ TEST(CudaTiming, PrintsKernelTimes) {
 // The MoE half of 40 decode layers (160 kernels) as one CUDA graph, PDL off vs on: the per-kernel
 // figure is what one launch costs inside the decode graph (printed, never asserted).
 TEST(CudaTiming, PrintsGraphChainTimesWithAndWithoutPdl) {
-  PdlSetting keep;
+  const PdlSetting keep;
   std::mt19937_64 rng(98);
   MoeChain chain(kExperts, kTopK, kHidden, kFfn, rng);
   constexpr int kBlocks = 40, kReps = 50;
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (bool pdl : {false, true}) {
-    cuda::set_pdl_enabled(pdl);
+    keep.set(pdl);
     cudaGraphExec_t exec = capture_chain(chain, kBlocks, stream);
     const double us = graph_replay_us(exec, stream, kReps);
     std::printf("[timing] moe chain x%d graph, PDL %-3s %8.2f us/graph  %6.2f us/kernel\n", kBlocks, pdl ? "on" : "off", us,

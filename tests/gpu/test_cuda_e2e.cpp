@@ -45,6 +45,7 @@
 #include <nlohmann/json.hpp>
 #include "support/route_alignment.h"
 #include "support/test_support.h"
+#include "gpu_test_util.h"
 
 namespace lily::test {
 namespace {
@@ -847,14 +848,13 @@ std::vector<std::vector<float>> decode_logits(Backend& gpu, const std::vector<in
 /// deterministic, so PDL on (the default) and off (LILY_CUDA_PDL=0) give identical logits for the
 /// prefill and every decode step (captured graphs included). A missing dependency shows up here.
 void check_pdl_bit_identical(Backend& gpu, int vocab) {
-  const bool saved = cuda::pdl_enabled();
+  const PdlSetting pdl;
   const auto prompt = hash_prompt(40, vocab, 11);
-  cuda::set_pdl_enabled(false);
+  pdl.set(false);
   const auto off = decode_logits(gpu, prompt, 8);
-  cuda::set_pdl_enabled(true);
+  pdl.set(true);
   const auto on = decode_logits(gpu, prompt, 8);
   const auto again = decode_logits(gpu, prompt, 8);
-  cuda::set_pdl_enabled(saved);
   for (size_t i = 0; i < off.size(); ++i) {
     EXPECT_EQ(on[i], off[i]) << "step " << i << ": PDL on differs from PDL off";
     EXPECT_EQ(again[i], off[i]) << "step " << i << ": second PDL run differs";

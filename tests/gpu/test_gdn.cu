@@ -31,6 +31,7 @@ using test::max_rel;
 using test::normal;
 using test::poisoned;
 using test::rms_rel;
+using test::ScopedSwitch;
 using test::uniform;
 using test::upload_bf16;
 using test::upload_f32;
@@ -203,10 +204,8 @@ TEST(GdnDecode, FusedStepMatchesSequentialReferenceDemoDims) { expect_decode_mat
 // ---- chunked prefill ------------------------------------------------------------------------------
 
 /// Turns the two-pass GDN prefill on or off for one scope (the process-wide switch is restored).
-struct ScopedTwoPass {
-  explicit ScopedTwoPass(bool on) : was_(cuda::gdn_chunk_parallel_enabled()) { cuda::set_gdn_chunk_parallel_enabled(on); }
-  ~ScopedTwoPass() { cuda::set_gdn_chunk_parallel_enabled(was_); }
-  bool was_;
+struct ScopedTwoPass : ScopedSwitch<bool> {
+  explicit ScopedTwoPass(bool on) : ScopedSwitch(cuda::gdn_chunk_parallel_enabled, cuda::set_gdn_chunk_parallel_enabled, on) {}
 };
 
 /// gdn_prefill with a workspace of the size it asks for (so the two-pass form runs when the
@@ -349,10 +348,8 @@ TEST(GdnPrefill, TwoPassMatchesOneKernelAtTheBackendsChunk) {
 }
 
 /// Selects pass 2 of the two-pass prefill for one scope: tensor cores (true) or the fp32 walk.
-struct ScopedStateMma {
-  explicit ScopedStateMma(bool on) : was_(cuda::gdn_state_mma_enabled()) { cuda::set_gdn_state_mma_enabled(on); }
-  ~ScopedStateMma() { cuda::set_gdn_state_mma_enabled(was_); }
-  bool was_;
+struct ScopedStateMma : ScopedSwitch<bool> {
+  explicit ScopedStateMma(bool on) : ScopedSwitch(cuda::gdn_state_mma_enabled, cuda::set_gdn_state_mma_enabled, on) {}
 };
 
 /// The tensor-core pass 2 (split tf32 products) against the fp32 walk it replaced, both after
@@ -401,10 +398,8 @@ void expect_tensor_core_pass_matches_fp32(const char* what, int T, uint64_t seed
 }
 
 /// Selects pass 1 of the two-pass prefill for one scope: tensor cores (true) or fp32.
-struct ScopedLocalMma {
-  explicit ScopedLocalMma(bool on) : was_(cuda::gdn_local_mma_enabled()) { cuda::set_gdn_local_mma_enabled(on); }
-  ~ScopedLocalMma() { cuda::set_gdn_local_mma_enabled(was_); }
-  bool was_;
+struct ScopedLocalMma : ScopedSwitch<bool> {
+  explicit ScopedLocalMma(bool on) : ScopedSwitch(cuda::gdn_local_mma_enabled, cuda::set_gdn_local_mma_enabled, on) {}
 };
 
 TEST(GdnPrefill, StateMmaMatchesFp32WalkRaggedLongChunk) {

@@ -357,16 +357,16 @@ struct MoeBlockChain {
 };
 
 void check_chain(int E, int k, int hidden, int ffn, uint64_t seed, int rows = 1) {
-  PdlSetting keep;
+  const PdlSetting keep;
   std::mt19937_64 rng(seed);
   MoeBlockChain chain(E, k, hidden, ffn, 8, rng, rows);
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cuda::set_pdl_enabled(false);
+  keep.set(false);
   chain.enqueue(stream);
   const std::vector<uint32_t> want = bits_of(chain.result());
   for (float v : chain.result()) ASSERT_FALSE(std::isnan(v)) << "NaN in the plain chain";
-  cuda::set_pdl_enabled(true);
+  keep.set(true);
   chain.reset();
   chain.enqueue(stream);
   EXPECT_EQ(bits_of(chain.result()), want) << "eager PDL launches differ from plain launches";
@@ -390,8 +390,8 @@ TEST(CudaMoeBlock, ChainWithPdlAndGraphReplaysMatchesPlainLaunches) {
 // Per-layer time of the decode MoE block, fused vs the three kernels it replaces, as a chain of
 // 40 blocks replayed from a CUDA graph with PDL (printed for docs/performance, never asserted).
 TEST(CudaTiming, PrintsMoeBlockTimes) {
-  PdlSetting keep;
-  cuda::set_pdl_enabled(true);
+  const PdlSetting keep;
+  keep.set(true);
   std::mt19937_64 rng(73);
   constexpr int kLayers = 40, kReps = 20;
   MoeBlockChain chain(256, 8, 2048, 512, kLayers, rng);
@@ -440,8 +440,8 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
 // every block of layer 20 of the 40-layer graph chain, relative to the first block's entry; per
 // phase the earliest, median and latest block (printed, never asserted).
 void print_moe_phases(int rows) {
-  PdlSetting keep;
-  cuda::set_pdl_enabled(true);
+  const PdlSetting keep;
+  keep.set(true);
   std::mt19937_64 rng(74);
   MoeBlockChain chain(256, 8, 2048, 512, 40, rng, rows);
   int blocks = 0, dev = 0;  // the kernel runs one block per SM

@@ -70,15 +70,8 @@ constexpr int kHidden = 2048, kExperts = 256, kTopK = 8, kFfn = 512;
 /// The GEMM kernel switch (cuda::gemm_kernel, quant_gemm.h) for the scope, then the one before:
 /// kGrouped (default: register dequantization for the grouped GEMMs), kAll (also the large
 /// dense ones), kOff (the shared-tile kernels everywhere).
-class ScopedGemmKernel {
- public:
-  explicit ScopedGemmKernel(cuda::GemmKernel mode) : old_(cuda::gemm_kernel()) { cuda::set_gemm_kernel(mode); }
-  ~ScopedGemmKernel() { cuda::set_gemm_kernel(old_); }
-  ScopedGemmKernel(const ScopedGemmKernel&) = delete;
-  ScopedGemmKernel& operator=(const ScopedGemmKernel&) = delete;
-
- private:
-  cuda::GemmKernel old_;
+struct ScopedGemmKernel : ScopedSwitch<cuda::GemmKernel> {
+  explicit ScopedGemmKernel(cuda::GemmKernel mode) : ScopedSwitch(cuda::gemm_kernel, cuda::set_gemm_kernel, mode) {}
 };
 
 /// A case's GEMM kernel: std::nullopt for the switch as the run has it (the default, or
