@@ -16,8 +16,8 @@
 //     mma.sync, a persistent grid over a flat list of (row tile, column tile) work items — see
 //     "register dequantization" below: the 4-bit grouped expert GEMMs; with "all" also the
 //     dense GEMMs with at least one 64 × 256 item per SM.
-//   * quant_gemm_kernel (8-bit weights, the dense GEMMs by default, LILY_CUDA_GEMM_KERNEL=0):
-//     the shared-tile kernel described next.
+//   * quant_gemm_kernel (8-bit weights, 4-bit GEMMs the wgmma kernel does not take,
+//     LILY_CUDA_GEMM_KERNEL=0): the shared-tile kernel described next.
 //
 // The shared-tile kernel: one template, three modes:
 //   kDense  — y[m, N] = x[m, K]·bf16(W)ᵀ, token rows in grid.x, weight-row tiles in grid.y;
@@ -750,6 +750,7 @@ void regdq_launch(GemmParams p, int64_t col_tiles, cudaStream_t stream) {
 
 constexpr int kWgTok = 128;                     // token rows per item
 constexpr int kWgTokSmall = 32;                 // token rows per item of the short-prompt shape
+constexpr int kShortRowsPerExpert = 16;         // grouped GEMMs with ≤ this many rows per expert on average take it
 constexpr int kWgNb = 64;                       // tokens per wgmma (the N of m64n64k16)
 constexpr int kScaleBlock = 8;                  // k-tiles per staged block of scales / biases (16 bytes a row)
 
@@ -809,7 +810,7 @@ __global__ void __launch_bounds__(WgShape<kWG, kMB, kTok>::kThreads, WgShape<kWG
   extern __shared__ unsigned char wg_smem_raw[];
   const uint32_t raw_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wg_smem_raw));
   unsigned char* smem = wg_smem_raw + ((1024u - (raw_addr & 1023u)) & 1023u);  // 1,024-byte aligned
-  const uint32_t act_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));  // [stages][128][128 B]
+  const uint32_t act_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));  // [stages][kTok][128 B]
   uint32_t* cs = reinterpret_cast<uint32_t*>(smem + kStages * kActBytes);         // [stages][kRows][8]
   uint16_t* sc = reinterpret_cast<uint16_t*>(smem + S::kPipeBytes);                 // [2][2][kRows][8]
   int* tpre = reinterpret_cast<int*>(smem + S::kPipeBytes + S::kScaleBytes);        // [G + 1]
@@ -1150,8 +1151,8 @@ template <Mode MODE>
 void grouped_dispatch(const GemmParams& p, int64_t col_tiles, cudaStream_t stream) {
   const bool fits = regdq_fits(static_cast<int64_t>(p.m) * p.n_sel, std::max(p.w0.rows, p.w1.rows), p.K);
   if (p.w0.bits == 4 && fits && wgmma_groups(MODE) > 0 && wgmma_fits(p)) {
-    // A short prompt's experts get a few rows each (≤ 16 on average): the short-prompt items.
-    if (static_cast<int64_t>(p.m) * p.n_sel <= int64_t{16} * p.n_groups) wgmma_launch<MODE, 2, 1, kWgTokSmall>(p, stream);
+    // A short prompt's experts get a few rows each: the short-prompt items.
+    if (static_cast<int64_t>(p.m) * p.n_sel <= int64_t{kShortRowsPerExpert} * p.n_groups) wgmma_launch<MODE, 2, 1, kWgTokSmall>(p, stream);
     else if (wgmma_groups(MODE) == 4) wgmma_launch<MODE, 4, 1>(p, stream);
     else wgmma_launch<MODE, 2, 1>(p, stream);
     return;
