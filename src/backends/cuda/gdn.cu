@@ -614,21 +614,75 @@ __device__ __forceinline__ void write_chunk_scales(float* SC, const float* g, co
   SC[3 * kChunk + t] = 0.0f;
 }
 
-/// sm.Ti = (I + sm.A)^{-1} by forward substitution on the columns: warp w owns columns
-/// 8w … 8w+7, four lanes per column split the inner sum (s ≡ r mod 4) and combine it with
-/// shuffles; rows in order, one __syncwarp each.
+/// Rows and columns of the diagonal blocks that invert_unit_lower inverts by substitution.
+constexpr int kInvBlock = 16;
+
+/// One doubling step of invert_unit_lower: for each of the kChunk / (2n) diagonal blocks of
+/// size 2n, [[X, 0], [C, Y]] with X⁻¹ and Y⁻¹ already in sm.Ti, writes its lower-left block
+/// −Y⁻¹·(C·X⁻¹) into sm.Ti. The product C·X⁻¹ goes first into the block it will be replaced by.
+/// X⁻¹ and Y⁻¹ hold explicit zeros above their diagonals, so sums may run over whole rows.
+template <int n, class Smem>
+__device__ __forceinline__ void merge_inverse_blocks(Smem& sm) {
+  constexpr int kOut = (kChunk / (2 * n)) * n * n / kPrefillThreads;  // outputs per thread
+  static_assert(kOut * kPrefillThreads == (kChunk / (2 * n)) * n * n && kPrefillThreads % n == 0, "merge tiling");
+  // Output e of this thread: block p, row r (of the lower half), column c (the same for every e).
+  const int c = threadIdx.x % n;
+  int base[kOut], r[kOut];
+#pragma unroll
+  for (int e = 0; e < kOut; ++e) {
+    const int idx = threadIdx.x + e * kPrefillThreads;
+    base[e] = 2 * n * (idx / (n * n));
+    r[e] = (idx / n) % n;
+  }
+  float z[kOut] = {};
+  for (int k = c; k < n; ++k) {  // Z = C·X⁻¹ (X⁻¹[k][c] = 0 for k < c)
+#pragma unroll
+    for (int e = 0; e < kOut; ++e) z[e] += sm.A[base[e] + n + r[e]][base[e] + k] * sm.Ti[base[e] + k][base[e] + c];
+  }
+#pragma unroll
+  for (int e = 0; e < kOut; ++e) sm.Ti[base[e] + n + r[e]][base[e] + c] = z[e];
+  __syncthreads();
+  float t[kOut] = {};
+  for (int k = 0; k < n; ++k) {  // −Y⁻¹·Z (Y⁻¹[r][k] = 0 for k > r)
+#pragma unroll
+    for (int e = 0; e < kOut; ++e)
+      t[e] += sm.Ti[base[e] + n + r[e]][base[e] + n + k] * sm.Ti[base[e] + n + k][base[e] + c];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int e = 0; e < kOut; ++e) sm.Ti[base[e] + n + r[e]][base[e] + c] = -t[e];
+  __syncthreads();
+}
+
+/// sm.Ti = (I + sm.A)^{-1}, A strictly lower triangular (only A[t][s] with s < t is read), by
+/// blocks: the four 16×16 diagonal blocks by forward substitution (thread c < 64 owns column c
+/// of its block in registers, no synchronisation), then two doubling steps 16 → 32 → 64 with
+/// [[X, 0], [C, Y]]⁻¹ = [[X⁻¹, 0], [−Y⁻¹·C·X⁻¹, Y⁻¹]]. The chain of dependent steps is 16 rows
+/// and four small products long, where a column-by-column substitution over 64 rows is 64 rows
+/// long. fp32 throughout; Ti is zero above the diagonal. Ends with __syncthreads.
 template <class Smem>
 __device__ void invert_unit_lower(Smem& sm) {
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int c = 8 * warp + lane / 4, r = lane % 4;
-  for (int t = 0; t < kChunk; ++t) {
-    float acc = 0.0f;
-    for (int s = c + r; s < t; s += 4) acc += sm.A[t][s] * sm.Ti[s][c];
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-    if (r == 0) sm.Ti[t][c] = t < c ? 0.0f : (t == c ? 1.0f : -acc);
-    __syncwarp();
+  static_assert(kChunk == 4 * kInvBlock, "two doubling steps");
+  if (threadIdx.x < kChunk) {
+    const int b0 = threadIdx.x - threadIdx.x % kInvBlock, cl = threadIdx.x % kInvBlock;
+    float col[kInvBlock];
+#pragma unroll
+    for (int t = 0; t < kInvBlock; ++t) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int s = 0; s < t; ++s) acc += sm.A[b0 + t][b0 + s] * col[s];
+      col[t] = t < cl ? 0.0f : (t == cl ? 1.0f : -acc);
+    }
+#pragma unroll
+    for (int t = 0; t < kInvBlock; ++t) sm.Ti[b0 + t][b0 + cl] = col[t];
   }
+  for (int i = threadIdx.x; i < kChunk * kChunk; i += kPrefillThreads) {  // zero above the diagonal blocks
+    const int t = i / kChunk, s = i % kChunk;
+    if (s / kInvBlock > t / kInvBlock) sm.Ti[t][s] = 0.0f;
+  }
+  __syncthreads();
+  merge_inverse_blocks<kInvBlock>(sm);
+  merge_inverse_blocks<2 * kInvBlock>(sm);
 }
 
 /// Block (value head j, chunk c): writes U = T·diag(β)V, W = T·diag(βγ)K̂ and P of the chunk.
@@ -660,7 +714,6 @@ gdn_chunk_local_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log, c
   }
   __syncthreads();  // P is out: the inverse may overwrite it
   invert_unit_lower(sm);
-  __syncthreads();
   // U and W: thread (ty, tx) rows 4·ty … 4·ty+3, columns tx + 16·e.
   constexpr int kCols = kDk / 16;
   const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
@@ -698,7 +751,8 @@ gdn_chunk_local_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log, c
 //             products but for the order of the additions. Norms, gates and decays go in the
 //             epilogue: A[t][s] = β_t·e^{g_t−g_s}·rk_t·rk_s·(k_t·k_s) for s < t,
 //             P[t][s] = e^{g_t−g_s}·rq_t·rk_s·(q_t·k_s) for s ≤ t, zero above.
-//   T = (I + A)^{-1}: invert_unit_lower, fp32 on CUDA cores, as before.
+//   T = (I + A)^{-1}: invert_unit_lower (16×16 diagonal blocks, then two doubling steps), fp32
+//             on CUDA cores.
 //   U = T·diag(β)·V, W = T·diag(β·γ·rk)·K: tf32 m16n8k8 with the column-scaled T split in two
 //             tf32 parts as the A operand (hi + lo: near-fp32 products) and the raw bf16 rows as
 //             B (exact in tf32): two MMAs per product.
@@ -710,11 +764,13 @@ gdn_chunk_local_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log, c
 template <int kDk>
 struct LocalMmaSmem {
   static constexpr int kXPad = kDk + 8;
-  alignas(16) uint16_t q[kChunk][kXPad];  // bf16 bits of the chunk's rows, zero past L
-  uint16_t k[kChunk][kXPad];
+  union {  // the q rows are read only before the inverse is formed
+    alignas(16) uint16_t q[kChunk][kXPad];  // bf16 bits of the chunk's rows, zero past L
+    float Ti[kChunk][kChunk + 1];           // (I + A)^{-1}
+  };
+  alignas(16) uint16_t k[kChunk][kXPad];
   uint16_t v[kChunk][kXPad];
   float A[kChunk][kChunk];       // β_t e^{g_t−g_s} k̂_t·k̂_s for s < t (the rest is not read)
-  float Ti[kChunk][kChunk + 1];  // (I + A)^{-1}
   float g[kChunk];               // cumulative log decay
   float beta[kChunk];
   float rq[kChunk];              // q̂_t = rq_t·q_t (1/√Dk included)
@@ -824,34 +880,33 @@ __device__ void form_kk_qk_mma(LocalMmaSmem<kDk>& sm, float* P) {
     }
 }
 
-/// U = T·diag(β)·V and W = T·diag(β·γ·rk)·K (64×Dk each, fp32) into global memory, with split
-/// tf32 MMAs. Warp w: rows 16·(w/2) …, columns (Dk/2)·(w%2) … (Dk/16 n8 tiles).
-template <int kDk>
-__device__ void form_u_w_mma(LocalMmaSmem<kDk>& sm, float* U, float* W) {
+/// One of U = T·diag(β)·V (kW false) and W = T·diag(β·γ·rk)·K (kW true), 64×Dk fp32, into
+/// global memory with split tf32 MMAs. Warp w: rows 16·(w/2) …, columns (Dk/2)·(w%2) … (Dk/16
+/// n8 tiles). U and W are formed one after the other to keep the accumulators few (three
+/// blocks per SM).
+template <bool kW, int kDk>
+__device__ void form_u_or_w_mma(LocalMmaSmem<kDk>& sm, float* out) {
   constexpr int kNT = kDk / 16;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t4 = lane % 4;
   const int m0 = 16 * (warp / 2), n_base = (kDk / 2) * (warp % 2);
-  float u[kNT][4] = {}, w[kNT][4] = {};
+  const uint16_t(*rows)[LocalMmaSmem<kDk>::kXPad] = kW ? sm.k : sm.v;
+  float acc[kNT][4] = {};
 #pragma unroll 2
   for (int s0 = 0; s0 < kChunk; s0 += 8) {
-    // A fragments: T[row][s]·scale[s] at (g, t4), (g+8, t4), (g, t4+4), (g+8, t4+4), split.
-    uint32_t au_hi[4], au_lo[4], aw_hi[4], aw_lo[4];
+    // A fragment: T[row][s]·scale[s] at (g, t4), (g+8, t4), (g, t4+4), (g+8, t4+4), split.
+    uint32_t a_hi[4], a_lo[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int row = m0 + g + 8 * (r % 2), s = s0 + t4 + 4 * (r / 2);
-      const float ti = sm.Ti[row][s];
-      split_tf32(ti * sm.beta[s], au_hi[r], au_lo[r]);
-      split_tf32(ti * (sm.beta[s] * expf(sm.g[s]) * sm.rk[s]), aw_hi[r], aw_lo[r]);
+      const float scale = kW ? sm.beta[s] * expf(sm.g[s]) * sm.rk[s] : sm.beta[s];
+      split_tf32(sm.Ti[row][s] * scale, a_hi[r], a_lo[r]);
     }
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
       const int col = n_base + 8 * nt + g;
-      const uint32_t bv[2] = {bf16_bits_to_tf32(sm.v[s0 + t4][col]), bf16_bits_to_tf32(sm.v[s0 + t4 + 4][col])};
-      const uint32_t bk[2] = {bf16_bits_to_tf32(sm.k[s0 + t4][col]), bf16_bits_to_tf32(sm.k[s0 + t4 + 4][col])};
-      mma_tf32_1688(u[nt], au_hi, bv);
-      mma_tf32_1688(u[nt], au_lo, bv);
-      mma_tf32_1688(w[nt], aw_hi, bk);
-      mma_tf32_1688(w[nt], aw_lo, bk);
+      const uint32_t b[2] = {bf16_bits_to_tf32(rows[s0 + t4][col]), bf16_bits_to_tf32(rows[s0 + t4 + 4][col])};
+      mma_tf32_1688(acc[nt], a_hi, b);
+      mma_tf32_1688(acc[nt], a_lo, b);
     }
   }
 #pragma unroll
@@ -859,15 +914,14 @@ __device__ void form_u_w_mma(LocalMmaSmem<kDk>& sm, float* U, float* W) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t at = int64_t(m0 + g + 8 * h) * kDk + n_base + 8 * nt + 2 * t4;
-      *reinterpret_cast<float2*>(U + at) = make_float2(u[nt][2 * h], u[nt][2 * h + 1]);
-      *reinterpret_cast<float2*>(W + at) = make_float2(w[nt][2 * h], w[nt][2 * h + 1]);
+      *reinterpret_cast<float2*>(out + at) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
     }
 }
 
 /// Block (value head j, chunk c): the workspace of gdn_chunk_local_kernel (U, W, P, SC), on
 /// tensor cores. conv_out and ws 16-byte aligned (the launcher checks).
 template <int kDk>
-__global__ void __launch_bounds__(kPrefillThreads)
+__global__ void __launch_bounds__(kPrefillThreads, 3)
 gdn_chunk_local_mma_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
                            const bf16* __restrict__ conv_out, const bf16* __restrict__ a, const bf16* __restrict__ b,
                            int64_t zab_stride, float* __restrict__ ws) {
@@ -886,8 +940,8 @@ gdn_chunk_local_mma_kernel(int Hk, int Hv, int T, const float* __restrict__ A_lo
   if (threadIdx.x < kChunk) write_chunk_scales(SC, sm.g, sm.rq, sm.rk, L, threadIdx.x);
   __syncthreads();
   invert_unit_lower(sm);
-  __syncthreads();
-  form_u_w_mma(sm, U, W);
+  form_u_or_w_mma<false>(sm, U);
+  form_u_or_w_mma<true>(sm, W);
 }
 
 /// Block (value head j, column slice): the walk over the chunks with Δ = U − W·S from pass 1.
