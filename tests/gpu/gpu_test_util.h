@@ -1,7 +1,8 @@
 // Helpers shared by the CUDA kernel tests: random inputs, bf16/fp32 uploads and downloads
 // (synchronising), NaN-poisoned output buffers, random MLX-affine matrices on host and device
 // and their exact reference products (plain loops over the dequantized weights, docs/model.md
-// §2.2), the relative-error measures the tolerances are stated in, graph capture and event
+// §2.2), the relative-error measures the tolerances are stated in, the bit-for-bit comparison
+// of fp32 arrays (bit_differences), graph capture and event
 // timing, and the names of the case-table (value-parameterised) suites.
 #pragma once
 #include <cuda_bf16.h>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -217,6 +219,20 @@ inline double rms(const std::vector<double>& ref) {
   double s = 0;
   for (double r : ref) s += r * r;
   return std::sqrt(s / double(ref.size()));
+}
+
+/// Number of positions i < n where a[i] and b[i] differ in their bits (compared as memcmp does:
+/// -0 ≠ +0, NaNs of different payloads differ, NaNs of equal bits are equal); 0 when the first n
+/// values of a and b are bit-identical.
+inline int64_t bit_differences(const float* a, const float* b, size_t n) {
+  int64_t differ = 0;
+  for (size_t i = 0; i < n; ++i) differ += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+  return differ;
+}
+/// bit_differences over all of `a` and `b`; −1 when their sizes differ (so EXPECT_EQ(…, 0) fails).
+inline int64_t bit_differences(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return -1;
+  return bit_differences(a.data(), b.data(), a.size());
 }
 
 /// A process-wide kernel switch (a getter and setter pair such as cuda::pdl_enabled /

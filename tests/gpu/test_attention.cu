@@ -10,7 +10,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <random>
 #include <vector>
 
@@ -28,6 +27,7 @@ using cuda::DeviceBuffer;
 using bf16_t = __nv_bfloat16;
 
 using test::attn_dims;
+using test::bit_differences;
 using test::demo_attn_dims;
 using test::download_bf16;
 using test::max_rel;
@@ -382,8 +382,7 @@ void expect_chunking_invariant(const cuda::AttnDims& dims, int T, std::vector<in
   }
   const auto a = download_bf16(whole.as<bf16_t>(), int64_t(T) * row_elems);
   const auto b = download_bf16(chunked.as<bf16_t>(), int64_t(T) * row_elems);
-  int64_t differ = 0;
-  for (size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+  const int64_t differ = bit_differences(a, b);
   EXPECT_EQ(differ, 0) << "of " << a.size() << " outputs";
 }
 

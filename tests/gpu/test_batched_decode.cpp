@@ -5,7 +5,6 @@
 // batch-invariance tests (test_cuda_e2e, CudaE2e.BatchedDecode*) fail.
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <random>
 #include <vector>
 
@@ -17,14 +16,6 @@ namespace {
 
 using cuda::DeviceBuffer;
 using bf16 = __nv_bfloat16;
-
-/// Number of elements of `a` and `b` whose bits differ (NaN payloads included).
-int64_t bit_differences(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return -1;
-  int64_t n = 0;
-  for (size_t i = 0; i < a.size(); ++i) n += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
-  return n;
-}
 
 /// A device array holding `v` (pointers or PODs), for the batched launchers' per-row arrays.
 template <class T>

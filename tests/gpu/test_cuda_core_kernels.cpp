@@ -12,7 +12,6 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <numeric>
 #include <ostream>
 #include <string>
@@ -230,8 +229,7 @@ TEST_P(CudaGemvRowTiles, BitIdenticalToPerRow) {
     CUDA_CHECK(cudaDeviceSynchronize());
     out[tiled] = download_f32(dy, int64_t(c.m) * c.rows);
   }
-  int64_t differ = 0;
-  for (size_t i = 0; i < out[0].size(); ++i) differ += std::memcmp(&out[0][i], &out[1][i], sizeof(float)) != 0;
+  const int64_t differ = bit_differences(out[0], out[1]);
   EXPECT_EQ(differ, 0) << "of " << out[0].size();
 }
 
@@ -311,11 +309,9 @@ TEST(CudaRouterGemm, TokenBitsDoNotDependOnTheTokenCount) {
   const std::vector<float> all = run(kAll);
   for (int m : {1, 5, 12, 22, 40}) {
     const std::vector<float> part = run(m);
-    int64_t diff = 0, unwritten = 0;
-    for (int64_t i = 0; i < int64_t(m) * 257; ++i) {
-      diff += std::memcmp(&part[i], &all[i], sizeof(float)) != 0;
-      unwritten += std::isnan(part[i]);
-    }
+    const int64_t diff = bit_differences(part.data(), all.data(), size_t(m) * 257);
+    int64_t unwritten = 0;
+    for (int64_t i = 0; i < int64_t(m) * 257; ++i) unwritten += std::isnan(part[i]);
     EXPECT_EQ(unwritten, 0) << "m = " << m << ": logits left unwritten";
     EXPECT_EQ(diff, 0) << "m = " << m << ": logits that differ from the same rows among " << kAll;
   }

@@ -21,7 +21,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
@@ -1021,9 +1020,7 @@ void expect_same_trace(const BatchTrace& got, const BatchTrace& want, const std:
   EXPECT_EQ(got.ids, want.ids) << what;
   for (size_t k = 0; k < want.logits.size(); ++k) {
     ASSERT_EQ(got.logits[k].size(), want.logits[k].size()) << what << ", output " << k;
-    int differ = 0;
-    for (size_t j = 0; j < want.logits[k].size(); ++j)
-      differ += std::memcmp(&got.logits[k][j], &want.logits[k][j], sizeof(float)) != 0;
+    const int64_t differ = bit_differences(got.logits[k], want.logits[k]);
     EXPECT_EQ(differ, 0) << what << ", output " << k << ": logits differ";
   }
 }

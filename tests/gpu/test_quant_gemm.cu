@@ -46,7 +46,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <numeric>
 #include <optional>
 #include <ostream>
@@ -322,11 +321,9 @@ TEST(CudaQuantGemm, RowBitsDoNotDependOnTheTokenCount) {
     const std::vector<float> all = run(kAll);
     for (int m : {1, 22, 100}) {
       const std::vector<float> part = run(m);
-      int64_t diff = 0, unwritten = 0;
-      for (int64_t i = 0; i < int64_t(m) * rows; ++i) {
-        diff += std::memcmp(&part[i], &all[i], sizeof(float)) != 0;
-        unwritten += std::isnan(part[i]);
-      }
+      const int64_t diff = bit_differences(part.data(), all.data(), size_t(m) * rows);
+      int64_t unwritten = 0;
+      for (int64_t i = 0; i < int64_t(m) * rows; ++i) unwritten += std::isnan(part[i]);
       EXPECT_EQ(unwritten, 0) << "m = " << m << ": outputs left unwritten";
       EXPECT_EQ(diff, 0) << "m = " << m << ": outputs that differ from the same rows among " << kAll;
     }
@@ -465,6 +462,37 @@ struct GroupedCase {
   friend void PrintTo(const GroupedCase& c, std::ostream* os) { *os << c.name(); }
 };
 
+/// The device side of one grouped gate/up + down run (launch_grouped): the uploaded inputs, the
+/// grouping scratch and the two outputs.
+struct GroupedRun {
+  DeviceBuffer dx;        // x as bf16 [m, hidden]
+  DeviceBuffer did;       // routing ids int32 [m, k + 1]
+  DeviceBuffer grouping;  // the grouping scratch, cuda::expert_grouping_ints(E + 1, m, k + 1) int32
+  DeviceBuffer act;       // SwiGLU activations bf16 [m·(k + 1), ffn]
+  DeviceBuffer slot;      // expert outputs bf16 [m·(k + 1), hidden]
+};
+
+/// Uploads x (bf16 values [m, hidden]) and the routing ids ([m, k + 1]), then launches on the
+/// default stream the expert grouping, the grouped gate/up + SwiGLU and the grouped down on W
+/// (E routed experts plus the shared one), and returns their buffers without waiting (the scratch
+/// and both outputs NaN-poisoned before the launches). The one launch sequence of check_grouped
+/// and grouped_outputs.
+GroupedRun launch_grouped(const ExpertWeights& W, int E, int k, int hidden, int ffn, const std::vector<float>& x,
+                          const std::vector<int32_t>& ids, int m) {
+  const int n_sel = k + 1, n_groups = E + 1;
+  const int64_t A = int64_t(m) * n_sel;
+  GroupedRun r{upload_bf16(x), DeviceBuffer(ids.size() * 4),
+               poisoned(size_t(cuda::expert_grouping_ints(n_groups, m, n_sel)) * 4), poisoned(size_t(A) * ffn * 2),
+               poisoned(size_t(A) * hidden * 2)};
+  cuda::upload(r.did.as<int32_t>(), ids.data(), ids.size());
+  cuda::launch_expert_grouping(r.did.as<int32_t>(), m, n_sel, n_groups, r.grouping.as<int32_t>(), nullptr);
+  cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), ffn, r.grouping.as<int32_t>(), n_groups,
+                                          r.dx.as<bf16_t>(), m, n_sel, r.act.as<bf16_t>(), nullptr);
+  cuda::launch_quant_gemm_grouped_down(W.down.view(), hidden, r.grouping.as<int32_t>(), n_groups, r.act.as<bf16_t>(),
+                                       m, n_sel, r.slot.as<bf16_t>(), nullptr);
+  return r;
+}
+
 /// The grouped MoE path: grouping, gate/up + SwiGLU, down, combine — each stage against its
 /// own reference from the GPU's previous stage, then the whole against the per-row CUDA expert
 /// kernels and against a CPU quant_matmul MoE.
@@ -483,16 +511,8 @@ void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t 
   if (testing::Test::HasFatalFailure()) return;
   const std::vector<float> x = normal_bf16(int64_t(m) * hidden, rng, 1.0f);
 
-  DeviceBuffer dx = upload_bf16(x), dw = upload_f32(wts), did(ids.size() * 4);
-  cuda::upload(did.as<int32_t>(), ids.data(), ids.size());
-  DeviceBuffer grouping = poisoned(size_t(cuda::expert_grouping_ints(n_groups, m, n_sel)) * 4);
-  DeviceBuffer act = poisoned(size_t(A) * ffn * 2), slot = poisoned(size_t(A) * hidden * 2);
-  DeviceBuffer out = poisoned(size_t(m) * hidden * 2);
-  cuda::launch_expert_grouping(did.as<int32_t>(), m, n_sel, n_groups, grouping.as<int32_t>(), nullptr);
-  cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), ffn, grouping.as<int32_t>(), n_groups,
-                                          dx.as<bf16_t>(), m, n_sel, act.as<bf16_t>(), nullptr);
-  cuda::launch_quant_gemm_grouped_down(W.down.view(), hidden, grouping.as<int32_t>(), n_groups, act.as<bf16_t>(), m,
-                                       n_sel, slot.as<bf16_t>(), nullptr);
+  DeviceBuffer dw = upload_f32(wts), out = poisoned(size_t(m) * hidden * 2);
+  auto [dx, did, grouping, act, slot] = launch_grouped(W, E, k, hidden, ffn, x, ids, m);
   cuda::launch_expert_combine(slot.as<bf16_t>(), dw.as<float>(), m, n_sel, hidden, out.as<bf16_t>(), nullptr);
 
   check_grouping(grouping, ids, n_groups, m, n_sel);
@@ -674,19 +694,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaGroupedExperts, testing::ValuesIn(kGroupedCa
 std::pair<std::vector<float>, std::vector<float>> grouped_outputs(const ExpertWeights& W, int E, int k, int hidden,
                                                                   int ffn, const std::vector<float>& x,
                                                                   const std::vector<int32_t>& ids, int m) {
-  const int n_sel = k + 1, n_groups = E + 1;
-  const int64_t A = int64_t(m) * n_sel;
-  DeviceBuffer dx = upload_bf16(x), did(ids.size() * 4);
-  cuda::upload(did.as<int32_t>(), ids.data(), ids.size());
-  DeviceBuffer grouping = poisoned(size_t(cuda::expert_grouping_ints(n_groups, m, n_sel)) * 4);
-  DeviceBuffer act = poisoned(size_t(A) * ffn * 2), slot = poisoned(size_t(A) * hidden * 2);
-  cuda::launch_expert_grouping(did.as<int32_t>(), m, n_sel, n_groups, grouping.as<int32_t>(), nullptr);
-  cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), ffn, grouping.as<int32_t>(), n_groups,
-                                          dx.as<bf16_t>(), m, n_sel, act.as<bf16_t>(), nullptr);
-  cuda::launch_quant_gemm_grouped_down(W.down.view(), hidden, grouping.as<int32_t>(), n_groups, act.as<bf16_t>(), m,
-                                       n_sel, slot.as<bf16_t>(), nullptr);
+  const int64_t A = int64_t(m) * (k + 1);
+  const GroupedRun run = launch_grouped(W, E, k, hidden, ffn, x, ids, m);
   CUDA_CHECK(cudaDeviceSynchronize());
-  return {download_bf16(act, A * ffn), download_bf16(slot, A * hidden)};
+  return {download_bf16(run.act, A * ffn), download_bf16(run.slot, A * hidden)};
 }
 
 /// A token's grouped gate/up and down outputs are the same bits whatever else its experts get:
@@ -715,15 +726,13 @@ TEST(CudaGroupedExperts, TokenBitsDoNotDependOnTheOtherRowsOfItsExperts) {
         const std::vector<float> xs(x.begin() + int64_t(t0) * kHidden, x.begin() + int64_t(t0 + n) * kHidden);
         const std::vector<int32_t> is(ids.begin() + int64_t(t0) * n_sel, ids.begin() + int64_t(t0 + n) * n_sel);
         const auto [sub_act, sub_out] = grouped_outputs(W, kExperts, kTopK, kHidden, kFfn, xs, is, n);
-        int64_t act_diff = 0, out_diff = 0, unwritten = 0;
-        for (int64_t i = 0; i < int64_t(n) * n_sel * kFfn; ++i) {
-          act_diff += std::memcmp(&sub_act[i], &act[int64_t(t0) * n_sel * kFfn + i], sizeof(float)) != 0;
-          unwritten += std::isnan(sub_act[i]) + std::isnan(act[int64_t(t0) * n_sel * kFfn + i]);
-        }
-        for (int64_t i = 0; i < int64_t(n) * n_sel * kHidden; ++i) {
-          out_diff += std::memcmp(&sub_out[i], &out[int64_t(t0) * n_sel * kHidden + i], sizeof(float)) != 0;
-          unwritten += std::isnan(sub_out[i]) + std::isnan(out[int64_t(t0) * n_sel * kHidden + i]);
-        }
+        const int64_t n_act = int64_t(n) * n_sel * kFfn, act0 = int64_t(t0) * n_sel * kFfn;
+        const int64_t n_out = int64_t(n) * n_sel * kHidden, out0 = int64_t(t0) * n_sel * kHidden;
+        const int64_t act_diff = bit_differences(sub_act.data(), act.data() + act0, size_t(n_act));
+        const int64_t out_diff = bit_differences(sub_out.data(), out.data() + out0, size_t(n_out));
+        int64_t unwritten = 0;
+        for (int64_t i = 0; i < n_act; ++i) unwritten += std::isnan(sub_act[i]) + std::isnan(act[act0 + i]);
+        for (int64_t i = 0; i < n_out; ++i) unwritten += std::isnan(sub_out[i]) + std::isnan(out[out0 + i]);
         EXPECT_EQ(unwritten, 0) << "tokens " << t0 << " … " << t0 + n - 1 << ": outputs left unwritten";
         EXPECT_EQ(act_diff, 0) << "tokens " << t0 << " … " << t0 + n - 1 << ": activations that differ from the full run";
         EXPECT_EQ(out_diff, 0) << "tokens " << t0 << " … " << t0 + n - 1 << ": expert outputs that differ from the full run";
