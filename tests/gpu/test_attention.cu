@@ -10,7 +10,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <ostream>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backends/cpu/ops.h"
@@ -28,6 +30,7 @@ using bf16_t = __nv_bfloat16;
 
 using test::attn_dims;
 using test::bit_differences;
+using test::CaseName;
 using test::demo_attn_dims;
 using test::download_bf16;
 using test::max_rel;
@@ -165,27 +168,47 @@ void expect_prepare_matches(int T, int64_t pos0, bool device_pos,
   }
 }
 
-TEST(AttentionPrepare, NormRopeAppendAtStart) { expect_prepare_matches(3, 0, false); }
-TEST(AttentionPrepare, NormRopeAppendAtLongPosition) { expect_prepare_matches(5, 39995, false); }
-TEST(AttentionPrepare, DevicePositionForDecodeGraphs) { expect_prepare_matches(1, 4095, true); }
-TEST(AttentionPrepare, DemoDims) { expect_prepare_matches(7, 300, false, demo_attn_dims()); }
-TEST(AttentionPrepare, DemoDimsDevicePosition) { expect_prepare_matches(1, 40, true, demo_attn_dims()); }
-TEST(AttentionPrepare, HeadDim128) { expect_prepare_matches(3, 1000, false, dims_128()); }
+/// A prepare case: T tokens appended at cache position pos0 (passed on the device when
+/// device_pos, as the decode graphs do) with shape `dims`; checked by expect_prepare_matches.
+/// `label` is the case's test name.
+struct PrepareCase {
+  const char* label;
+  int T;
+  int64_t pos0;
+  bool device_pos;
+  cuda::AttnDims dims;
 
-/// Shapes for the prepare kernels' layout (a block per token, a warp per head, lane l holding
-/// dims [l·D/32, (l+1)·D/32)): nq + nkv past 32 heads (warps take heads in rounds), rotary_dim/2
-/// not a multiple of D/32 (the RoPE partner goes through shared memory, not a shuffle), the
-/// whole head rotated (partner 16 lanes away), and no rotation (attn_dims(nq, nkv, D, rotary_dim)).
-TEST(AttentionPrepare, HeadsInRoundsWholeHeadRotated) {
-  expect_prepare_matches(4, 77, false, attn_dims(64, 8, 128, 128));
+  std::string name() const { return label; }
+  friend void PrintTo(const PrepareCase& c, std::ostream* os) { *os << c.name(); }
+};
+
+/// The prepare cases. The last four are shapes for the prepare kernels' layout (a block per
+/// token, a warp per head, lane l holding dims [l·D/32, (l+1)·D/32)): nq + nkv past 32 heads
+/// (warps take heads in rounds), rotary_dim/2 not a multiple of D/32 (the RoPE partner goes
+/// through shared memory, not a shuffle), the whole head rotated (partner 16 lanes away), and no
+/// rotation (attn_dims(nq, nkv, D, rotary_dim)).
+const std::vector<PrepareCase> kPrepareCases = {
+    {"NormRopeAppendAtStart", 3, 0, false, real_dims()},
+    {"NormRopeAppendAtLongPosition", 5, 39995, false, real_dims()},
+    {"DevicePositionForDecodeGraphs", 1, 4095, true, real_dims()},
+    {"DemoDims", 7, 300, false, demo_attn_dims()},
+    {"DemoDimsDevicePosition", 1, 40, true, demo_attn_dims()},
+    {"HeadDim128", 3, 1000, false, dims_128()},
+    {"HeadsInRoundsWholeHeadRotated", 4, 77, false, attn_dims(64, 8, 128, 128)},
+    {"PartnerThroughSharedMemory", 3, 500, false, attn_dims(16, 2, 256, 40)},
+    {"PartnerThroughSharedMemoryInRounds", 5, 9, false, attn_dims(32, 4, 64, 6)},
+    {"NoRotaryDims", 2, 12, true, attn_dims(4, 2, 64, 0)},
+};
+
+/// The prepare case table (kPrepareCases) against the reference.
+class AttentionPrepare : public testing::TestWithParam<PrepareCase> {};
+
+TEST_P(AttentionPrepare, MatchesTheReference) {
+  const PrepareCase& c = GetParam();
+  expect_prepare_matches(c.T, c.pos0, c.device_pos, c.dims);
 }
-TEST(AttentionPrepare, PartnerThroughSharedMemory) {
-  expect_prepare_matches(3, 500, false, attn_dims(16, 2, 256, 40));
-}
-TEST(AttentionPrepare, PartnerThroughSharedMemoryInRounds) {
-  expect_prepare_matches(5, 9, false, attn_dims(32, 4, 64, 6));
-}
-TEST(AttentionPrepare, NoRotaryDims) { expect_prepare_matches(2, 12, true, attn_dims(4, 2, 64, 0)); }
+
+INSTANTIATE_TEST_SUITE_P(Cases, AttentionPrepare, testing::ValuesIn(kPrepareCases), CaseName());
 
 // ---- decode --------------------------------------------------------------------------------------
 
@@ -221,25 +244,53 @@ void expect_decode_matches(int64_t len, int n_splits, bool device_len,
   EXPECT_LT(row_err, kFlashTol);
 }
 
-TEST(AttentionDecode, Context1) { expect_decode_matches(1, cuda::attention_decode_splits(1), false); }
-TEST(AttentionDecode, Context257) { expect_decode_matches(257, cuda::attention_decode_splits(257), false); }
-TEST(AttentionDecode, Context4096) { expect_decode_matches(4096, cuda::attention_decode_splits(4096), false); }
-TEST(AttentionDecode, Context40000) { expect_decode_matches(40000, cuda::attention_decode_splits(40000), false); }
-TEST(AttentionDecode, OddSplitCountWithEmptySplits) { expect_decode_matches(5, 7, false); }
-TEST(AttentionDecode, SingleSplitLongContext) { expect_decode_matches(4096, 1, false); }
-TEST(AttentionDecode, DeviceLengthWithGraphSplitCount) { expect_decode_matches(300, 128, true); }
-TEST(AttentionDecode, DemoDimsContext1) { expect_decode_matches(1, 1, false, demo_attn_dims()); }
-TEST(AttentionDecode, DemoDimsContext257) {
-  expect_decode_matches(257, cuda::attention_decode_splits(257), false, demo_attn_dims());
+/// DecodeCase::n_splits value meaning "the decode graph's split count for this context":
+/// cuda::attention_decode_splits(len), computed when the test runs.
+constexpr int kGraphSplits = -1;
+
+/// A decode case: one token over a context of len keys in n_splits splits (kGraphSplits: the
+/// graph's count for len), the length passed on the device when device_len; shape `dims`;
+/// checked by expect_decode_matches. `label` is the case's test name.
+struct DecodeCase {
+  const char* label;
+  int64_t len;
+  int n_splits;
+  bool device_len;
+  cuda::AttnDims dims;
+
+  /// The split count to launch with: n_splits, or attention_decode_splits(len) for kGraphSplits.
+  int splits() const { return n_splits == kGraphSplits ? cuda::attention_decode_splits(len) : n_splits; }
+  std::string name() const { return label; }
+  friend void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name(); }
+};
+
+/// The decode cases: the real shape at the split-K boundaries' contexts, odd and single split
+/// counts, the device length with the graphs' 128 splits; the demo shape and head_dim 128.
+const std::vector<DecodeCase> kDecodeCases = {
+    {"Context1", 1, kGraphSplits, false, real_dims()},
+    {"Context257", 257, kGraphSplits, false, real_dims()},
+    {"Context4096", 4096, kGraphSplits, false, real_dims()},
+    {"Context40000", 40000, kGraphSplits, false, real_dims()},
+    {"OddSplitCountWithEmptySplits", 5, 7, false, real_dims()},
+    {"SingleSplitLongContext", 4096, 1, false, real_dims()},
+    {"DeviceLengthWithGraphSplitCount", 300, 128, true, real_dims()},
+    {"DemoDimsContext1", 1, 1, false, demo_attn_dims()},
+    {"DemoDimsContext257", 257, kGraphSplits, false, demo_attn_dims()},
+    {"DemoDimsContext4096", 4096, kGraphSplits, false, demo_attn_dims()},
+    {"DemoDimsEmptySplits", 5, 7, false, demo_attn_dims()},
+    {"DemoDimsDeviceLength", 300, 128, true, demo_attn_dims()},
+    {"HeadDim128Context4096", 4096, kGraphSplits, false, dims_128()},
+};
+
+/// The decode case table (kDecodeCases) against the reference.
+class AttentionDecode : public testing::TestWithParam<DecodeCase> {};
+
+TEST_P(AttentionDecode, MatchesTheReference) {
+  const DecodeCase& c = GetParam();
+  expect_decode_matches(c.len, c.splits(), c.device_len, c.dims);
 }
-TEST(AttentionDecode, DemoDimsContext4096) {
-  expect_decode_matches(4096, cuda::attention_decode_splits(4096), false, demo_attn_dims());
-}
-TEST(AttentionDecode, DemoDimsEmptySplits) { expect_decode_matches(5, 7, false, demo_attn_dims()); }
-TEST(AttentionDecode, DemoDimsDeviceLength) { expect_decode_matches(300, 128, true, demo_attn_dims()); }
-TEST(AttentionDecode, HeadDim128Context4096) {
-  expect_decode_matches(4096, cuda::attention_decode_splits(4096), false, dims_128());
-}
+
+INSTANTIATE_TEST_SUITE_P(Cases, AttentionDecode, testing::ValuesIn(kDecodeCases), CaseName());
 
 TEST(AttentionDecode, RejectsTooSmallWorkspace) {
   const auto dims = real_dims();
@@ -386,22 +437,50 @@ void expect_chunking_invariant(const cuda::AttnDims& dims, int T, std::vector<in
   EXPECT_EQ(differ, 0) << "of " << a.size() << " outputs";
 }
 
-TEST(AttentionPrefill, CausalFromStart) { expect_prefill_matches(257, 0); }
-TEST(AttentionPrefill, ContinuesAfterCachedPrefix) { expect_prefill_matches(64, 4000); }
-TEST(AttentionPrefill, SingleRowAfterLongPrefix) { expect_prefill_matches(1, 40000); }
-TEST(AttentionPrefill, DemoDimsCausalFromStart) { expect_prefill_matches(257, 0, demo_attn_dims()); }
-TEST(AttentionPrefill, DemoDimsContinuesAfterCachedPrefix) { expect_prefill_matches(64, 4000, demo_attn_dims()); }
-TEST(AttentionPrefill, HeadDim128CausalFromStart) { expect_prefill_matches(130, 0, dims_128()); }
-TEST(AttentionPrefill, OneKeyGivesItsValueRow) { expect_prefill_matches(1, 0); }
-TEST(AttentionPrefill, TwoRowsOfTwoKeys) { expect_prefill_matches(2, 0); }
+/// A prefill case: T rows after `base` cached keys with shape `dims`, on both paths; checked by
+/// expect_prefill_matches. `label` is the case's test name.
+struct PrefillCase {
+  const char* label;
+  int T;
+  int64_t base;
+  cuda::AttnDims dims;
+
+  std::string name() const { return label; }
+  friend void PrintTo(const PrefillCase& c, std::ostream* os) { *os << c.name(); }
+};
+
+/// The prefill cases: causal from the start, after a cached prefix and one row after a long one
+/// (real and demo shapes, head_dim 128), one and two keys, many tiles with ragged ends, and GQA
+/// groups of 1, 2 and 4.
+const std::vector<PrefillCase> kPrefillCases = {
+    {"CausalFromStart", 257, 0, real_dims()},
+    {"ContinuesAfterCachedPrefix", 64, 4000, real_dims()},
+    {"SingleRowAfterLongPrefix", 1, 40000, real_dims()},
+    {"DemoDimsCausalFromStart", 257, 0, demo_attn_dims()},
+    {"DemoDimsContinuesAfterCachedPrefix", 64, 4000, demo_attn_dims()},
+    {"HeadDim128CausalFromStart", 130, 0, dims_128()},
+    {"OneKeyGivesItsValueRow", 1, 0, real_dims()},
+    {"TwoRowsOfTwoKeys", 2, 0, real_dims()},
+    {"ManyTilesWithRaggedEnds", 777, 130, real_dims()},
+    {"GroupOf1", 300, 17, dims_group(1)},
+    {"GroupOf2", 200, 64, dims_group(2)},
+    {"GroupOf4", 150, 63, dims_group(4)},
+};
+
+/// The prefill case table (kPrefillCases) against the reference, on both paths.
+class AttentionPrefill : public testing::TestWithParam<PrefillCase> {};
+
+TEST_P(AttentionPrefill, MatchesTheReference) {
+  const PrefillCase& c = GetParam();
+  expect_prefill_matches(c.T, c.base, c.dims);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, AttentionPrefill, testing::ValuesIn(kPrefillCases), CaseName());
+
 TEST(AttentionPrefill, EqualScoresAverageTheValues) {
   expect_uniform_weights(3);
   expect_uniform_weights(200);
 }
-TEST(AttentionPrefill, ManyTilesWithRaggedEnds) { expect_prefill_matches(777, 130); }
-TEST(AttentionPrefill, GroupOf1) { expect_prefill_matches(300, 17, dims_group(1)); }
-TEST(AttentionPrefill, GroupOf2) { expect_prefill_matches(200, 64, dims_group(2)); }
-TEST(AttentionPrefill, GroupOf4) { expect_prefill_matches(150, 63, dims_group(4)); }
 TEST(AttentionPrefill, ChunkingDoesNotChangeRows) { expect_chunking_invariant(real_dims(), 700, {1, 64, 300, 301}); }
 TEST(AttentionPrefill, DemoDimsChunkingDoesNotChangeRows) { expect_chunking_invariant(demo_attn_dims(), 500, {130, 131}); }
 
