@@ -760,17 +760,19 @@ gdn_chunk_local_kernel(int Hk, int Hv, int T, const float* __restrict__ A_log, c
 // form loads them row by row and sums the gates on one thread.
 
 /// Shared memory of the tensor-core pass 1 (kDk = Dk = Dv). bf16 rows of kDk + 8 elements
-/// (≡ 4 words mod 32): the fragment loads of a warp hit distinct banks.
+/// (≡ 4 words mod 32): the fragment loads of a warp hit distinct banks. A and Ti have rows of
+/// kChunk + 4 floats (≡ 4 mod 32) for the same reason: Ti is read as A fragments when U and W
+/// are formed, and A is stored from accumulator fragments.
 template <int kDk>
 struct LocalMmaSmem {
   static constexpr int kXPad = kDk + 8;
   union {  // the q rows are read only before the inverse is formed
     alignas(16) uint16_t q[kChunk][kXPad];  // bf16 bits of the chunk's rows, zero past L
-    float Ti[kChunk][kChunk + 1];           // (I + A)^{-1}
+    float Ti[kChunk][kChunk + 4];           // (I + A)^{-1}
   };
   alignas(16) uint16_t k[kChunk][kXPad];
   uint16_t v[kChunk][kXPad];
-  float A[kChunk][kChunk];       // β_t e^{g_t−g_s} k̂_t·k̂_s for s < t (the rest is not read)
+  float A[kChunk][kChunk + 4];   // β_t e^{g_t−g_s} k̂_t·k̂_s for s < t (the rest is not read)
   float g[kChunk];               // cumulative log decay
   float beta[kChunk];
   float rq[kChunk];              // q̂_t = rq_t·q_t (1/√Dk included)
