@@ -264,7 +264,7 @@ __device__ __forceinline__ void stage_norm_rows(const MoeDecodeArgs& a, const Mo
   __syncthreads();
   for (int p = warp; p < nr * groups; p += kBlockWarps) {  // warp-uniform
     const float* xg = xs0 + (p / groups) * stride + (p % groups) * kGroupStride;
-    const float sum = warp_sum(xg[lane] + xg[lane + 32]);
+    const float sum = group_sum_x(xg[lane], xg[lane + 32]);
     if (lane == 0) xs0[(p / groups) * stride + groups * kGroupStride + p % groups] = sum;
   }
   __syncthreads();

@@ -24,14 +24,19 @@ inline size_t staged_row_bytes(int cols) {
 /// flight at once instead of one round trip per element.
 constexpr int kStageBatch = 8;
 
-/// xsum[g] = Σ xs over staged group g, one warp per group (the order every GEMV depends on).
-/// All threads of the block; ends with __syncthreads().
+/// Σx of one 64-group in the order every kernel that forms it follows (a row's bits depend on
+/// it, and the batched decode must give a row the one-sequence bits): lane l adds the group's
+/// columns l and l + 32 (x_l, x_l32), then the warp's butterfly. The sum, on every lane.
+__device__ __forceinline__ float group_sum_x(float x_l, float x_l32) { return warp_sum(x_l + x_l32); }
+
+/// xsum[g] = Σ xs over staged group g (group_sum_x), one warp per group. All threads of the
+/// block; ends with __syncthreads().
 __device__ __forceinline__ void stage_group_sums(int cols, const float* xs, float* xsum) {
   const int groups = cols / kGroup;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
   for (int g = warp; g < groups; g += n_warps) {
     const float* xg = xs + g * kGroupStride;
-    float s = warp_sum(xg[lane] + xg[lane + 32]);
+    float s = group_sum_x(xg[lane], xg[lane + 32]);
     if (lane == 0) xsum[g] = s;
   }
   __syncthreads();

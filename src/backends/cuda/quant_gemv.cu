@@ -371,23 +371,24 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm) quant_stre
   float* scratch = reinterpret_cast<float*>(sm + l.scratch);
   const int g_begin = warp * per_warp, g_end = g_begin + per_warp;
   if constexpr (kDirect) {
-    // Σx of this warp's groups for every token, in stage_group_sums' order (lane l adds columns
-    // l and l + 32 of the group, then the butterfly), so that a row here gets the same bits as
-    // the staged kernel gives it alone (the batched decode is bit-identical to the one-sequence
-    // step). Only this warp reads them. All loads are issued before the shuffles.
+    // Σx of this warp's groups for every token (group_sum_x, as the staged kernel forms them),
+    // so that a row here gets the same bits as the staged kernel gives it alone (the batched
+    // decode is bit-identical to the one-sequence step). Only this warp reads them. All loads
+    // are issued before the shuffles.
     for (int n = 0; n < m; ++n) {
       const bf16* xr = x + static_cast<int64_t>(n) * cols + lane;
-      float v[kStreamMaxGroupsPerWarp];
+      float v[kStreamMaxGroupsPerWarp], v32[kStreamMaxGroupsPerWarp];
 #pragma unroll
       for (int j = 0; j < kStreamMaxGroupsPerWarp; ++j) {
         const int G = g_begin + j;
-        v[j] = G < g_end ? to_f32(xr[G * kGroup]) + to_f32(xr[G * kGroup + 32]) : 0.0f;
+        v[j] = G < g_end ? to_f32(xr[G * kGroup]) : 0.0f;
+        v32[j] = G < g_end ? to_f32(xr[G * kGroup + 32]) : 0.0f;
       }
 #pragma unroll
       for (int j = 0; j < kStreamMaxGroupsPerWarp; ++j) {
         const int G = g_begin + j;
         if (G >= g_end) break;  // warp-uniform
-        const float sum = warp_sum(v[j]);
+        const float sum = group_sum_x(v[j], v32[j]);
         if (lane == 0) xsum[n * groups + G] = sum;
       }
     }
