@@ -8,7 +8,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <ostream>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backends/cpu/ops.h"
@@ -24,6 +26,7 @@ namespace {
 using cuda::DeviceBuffer;
 
 using test::bf16_values;
+using test::CaseName;
 using test::demo_gdn_dims;
 using test::download_bf16;
 using test::download_f32;
@@ -156,16 +159,46 @@ void expect_conv_prefill_equals_decode(int T, const cuda::GdnDims& shape = {}, i
   EXPECT_EQ(download_bf16(d_win_prefill, window.size()), download_bf16(d_win_decode, window.size()));
 }
 
-TEST(GdnConv, PrefillEqualsDecodeStepsShortChunk) { expect_conv_prefill_equals_decode(2); }
-TEST(GdnConv, PrefillEqualsDecodeStepsLongChunk) { expect_conv_prefill_equals_decode(257); }
-TEST(GdnConv, PrefillEqualsDecodeStepsDemoDims) { expect_conv_prefill_equals_decode(70, demo_gdn_dims()); }
-TEST(GdnConv, PrefillEqualsDecodeStepsOddStride) { expect_conv_prefill_equals_decode(37, {}, 4161); }
-TEST(GdnConv, PrefillEqualsDecodeStepsPartialChannelBlock) {
-  cuda::GdnDims d = demo_gdn_dims();  // C = 2·64 + 3·64 = 320: 160 channel pairs, part of one block
+/// The demo shape with one key head and three value heads: C = 2·64 + 3·64 = 320, so 160
+/// channel pairs, part of one block.
+cuda::GdnDims partial_channel_block_dims() {
+  cuda::GdnDims d = demo_gdn_dims();
   d.n_key_heads = 1;
   d.n_value_heads = 3;
-  expect_conv_prefill_equals_decode(21, d);
+  return d;
 }
+
+/// A conv case: T tokens of shape `dims` in rows of C + `extra` columns; checked by
+/// expect_conv_prefill_equals_decode. `label` is the case's test name.
+struct ConvCase {
+  const char* label;
+  int T;
+  cuda::GdnDims dims;
+  int64_t extra;
+
+  std::string name() const { return label; }
+  friend void PrintTo(const ConvCase& c, std::ostream* os) { *os << c.name(); }
+};
+
+/// The conv cases: a short and a long chunk and the demo shape (even stride: channel pairs), an
+/// odd stride (one channel per thread), and a channel count that fills part of one block.
+const std::vector<ConvCase> kConvCases = {
+    {"ShortChunk", 2, cuda::GdnDims{}, 4160},
+    {"LongChunk", 257, cuda::GdnDims{}, 4160},
+    {"DemoDims", 70, demo_gdn_dims(), 4160},
+    {"OddStride", 37, cuda::GdnDims{}, 4161},
+    {"PartialChannelBlock", 21, partial_channel_block_dims(), 4160},
+};
+
+/// The conv case table (kConvCases): prefill equals decode steps bit for bit.
+class GdnConv : public testing::TestWithParam<ConvCase> {};
+
+TEST_P(GdnConv, PrefillEqualsDecodeSteps) {
+  const ConvCase& c = GetParam();
+  expect_conv_prefill_equals_decode(c.T, c.dims, c.extra);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GdnConv, testing::ValuesIn(kConvCases), CaseName());
 
 // ---- decode step ------------------------------------------------------------------------------
 
@@ -259,24 +292,47 @@ void expect_chunked_prefill_matches(int T, float A_log_lo, float A_log_hi, uint6
   EXPECT_LT(state_err, kStateTol);
 }
 
-TEST(GdnPrefill, ChunkedEqualsSequentialOneToken) { expect_chunked_prefill_matches(1, -2.0f, 1.0f, 31); }
-TEST(GdnPrefill, ChunkedEqualsSequentialOneFullChunk) { expect_chunked_prefill_matches(64, -2.0f, 1.0f, 32); }
-TEST(GdnPrefill, ChunkedEqualsSequentialPartialLastChunk) { expect_chunked_prefill_matches(257, -2.0f, 1.0f, 33); }
-TEST(GdnPrefill, ChunkedEqualsSequentialStrongDecay) { expect_chunked_prefill_matches(130, 1.0f, 3.0f, 34); }
-TEST(GdnPrefill, ChunkedEqualsSequentialWeakDecay) { expect_chunked_prefill_matches(200, -6.0f, -3.0f, 35); }
-TEST(GdnPrefill, ChunkedEqualsSequentialDemoDimsOneToken) {
-  expect_chunked_prefill_matches(1, -2.0f, 1.0f, 36, demo_gdn_dims());
+/// A chunked-prefill case: T tokens from rng `seed`, A_log drawn from [A_log_lo, A_log_hi], shape
+/// `dims`, z/a/b rows padded by `zab_pad` columns; checked by expect_chunked_prefill_matches in
+/// one kernel (kChunkedCases) or in two passes (kTwoPassCases). `label` is the case's test name.
+struct ChunkedPrefillCase {
+  const char* label;
+  int T;
+  float A_log_lo, A_log_hi;
+  uint64_t seed;
+  cuda::GdnDims dims;
+  int zab_pad;
+
+  std::string name() const { return label; }
+  friend void PrintTo(const ChunkedPrefillCase& c, std::ostream* os) { *os << c.name(); }
+};
+
+/// The one-kernel cases: one token, one full chunk, a partial last chunk, strong and weak decay
+/// (real and demo shapes), and z strides that are not a multiple of the vector width, with which
+/// the gated norm uses scalar loads: ≡ 2 (mod 4) at the real shape, then odd at the demo shape
+/// (these two were one test, ChunkedEqualsSequentialZStrideNotVectorAligned).
+const std::vector<ChunkedPrefillCase> kChunkedCases = {
+    {"OneToken", 1, -2.0f, 1.0f, 31, cuda::GdnDims{}, 40},
+    {"OneFullChunk", 64, -2.0f, 1.0f, 32, cuda::GdnDims{}, 40},
+    {"PartialLastChunk", 257, -2.0f, 1.0f, 33, cuda::GdnDims{}, 40},
+    {"StrongDecay", 130, 1.0f, 3.0f, 34, cuda::GdnDims{}, 40},
+    {"WeakDecay", 200, -6.0f, -3.0f, 35, cuda::GdnDims{}, 40},
+    {"DemoDimsOneToken", 1, -2.0f, 1.0f, 36, demo_gdn_dims(), 40},
+    {"DemoDimsPartialLastChunk", 257, -2.0f, 1.0f, 37, demo_gdn_dims(), 40},
+    {"DemoDimsStrongDecay", 130, 1.0f, 3.0f, 38, demo_gdn_dims(), 40},
+    {"ZStrideNotVectorAligned", 70, -2.0f, 1.0f, 39, cuda::GdnDims{}, 42},
+    {"DemoDimsZStrideNotVectorAligned", 70, -2.0f, 1.0f, 39, demo_gdn_dims(), 41},
+};
+
+/// The one-kernel case table (kChunkedCases) against the sequential reference.
+class GdnPrefillChunked : public testing::TestWithParam<ChunkedPrefillCase> {};
+
+TEST_P(GdnPrefillChunked, EqualsSequential) {
+  const ChunkedPrefillCase& c = GetParam();
+  expect_chunked_prefill_matches(c.T, c.A_log_lo, c.A_log_hi, c.seed, c.dims, false, c.zab_pad);
 }
-TEST(GdnPrefill, ChunkedEqualsSequentialDemoDimsPartialLastChunk) {
-  expect_chunked_prefill_matches(257, -2.0f, 1.0f, 37, demo_gdn_dims());
-}
-TEST(GdnPrefill, ChunkedEqualsSequentialDemoDimsStrongDecay) {
-  expect_chunked_prefill_matches(130, 1.0f, 3.0f, 38, demo_gdn_dims());
-}
-TEST(GdnPrefill, ChunkedEqualsSequentialZStrideNotVectorAligned) {  // stride ≡ 2 (mod 4), then odd
-  expect_chunked_prefill_matches(70, -2.0f, 1.0f, 39, {}, false, 42);
-  expect_chunked_prefill_matches(70, -2.0f, 1.0f, 39, demo_gdn_dims(), false, 41);
-}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GdnPrefillChunked, testing::ValuesIn(kChunkedCases), CaseName());
 
 /// Random inputs of a T-token prefill (z|a|b rows of stride V + 2·Hv), uploaded, with two copies
 /// of the start state and two output buffers on the device: for comparing two ways to run it.
@@ -298,20 +354,28 @@ struct TwoPrefills {
   DeviceBuffer d_x, d_zab, d_s1, d_s2, d_o1, d_o2;
 };
 
-// The two-pass form (LILY_CUDA_GDN_CHUNK_PARALLEL) against the same reference and bounds.
-TEST(GdnPrefill, TwoPassEqualsSequentialOneToken) { expect_chunked_prefill_matches(1, -2.0f, 1.0f, 31, {}, true); }
-TEST(GdnPrefill, TwoPassEqualsSequentialOneFullChunk) { expect_chunked_prefill_matches(64, -2.0f, 1.0f, 32, {}, true); }
-TEST(GdnPrefill, TwoPassEqualsSequentialPartialLastChunk) {
-  expect_chunked_prefill_matches(257, -2.0f, 1.0f, 33, {}, true);
+/// The two-pass cases (LILY_CUDA_GDN_CHUNK_PARALLEL), against the same reference and bounds:
+/// the one-kernel cases with the same arguments, less the demo shape's one token and the z
+/// strides.
+const std::vector<ChunkedPrefillCase> kTwoPassCases = {
+    {"OneToken", 1, -2.0f, 1.0f, 31, cuda::GdnDims{}, 40},
+    {"OneFullChunk", 64, -2.0f, 1.0f, 32, cuda::GdnDims{}, 40},
+    {"PartialLastChunk", 257, -2.0f, 1.0f, 33, cuda::GdnDims{}, 40},
+    {"StrongDecay", 130, 1.0f, 3.0f, 34, cuda::GdnDims{}, 40},
+    {"WeakDecay", 200, -6.0f, -3.0f, 35, cuda::GdnDims{}, 40},
+    {"DemoDimsPartialLastChunk", 257, -2.0f, 1.0f, 37, demo_gdn_dims(), 40},
+    {"DemoDimsStrongDecay", 130, 1.0f, 3.0f, 38, demo_gdn_dims(), 40},
+};
+
+/// The two-pass case table (kTwoPassCases) against the sequential reference.
+class GdnPrefillTwoPass : public testing::TestWithParam<ChunkedPrefillCase> {};
+
+TEST_P(GdnPrefillTwoPass, EqualsSequential) {
+  const ChunkedPrefillCase& c = GetParam();
+  expect_chunked_prefill_matches(c.T, c.A_log_lo, c.A_log_hi, c.seed, c.dims, true, c.zab_pad);
 }
-TEST(GdnPrefill, TwoPassEqualsSequentialStrongDecay) { expect_chunked_prefill_matches(130, 1.0f, 3.0f, 34, {}, true); }
-TEST(GdnPrefill, TwoPassEqualsSequentialWeakDecay) { expect_chunked_prefill_matches(200, -6.0f, -3.0f, 35, {}, true); }
-TEST(GdnPrefill, TwoPassEqualsSequentialDemoDimsPartialLastChunk) {
-  expect_chunked_prefill_matches(257, -2.0f, 1.0f, 37, demo_gdn_dims(), true);
-}
-TEST(GdnPrefill, TwoPassEqualsSequentialDemoDimsStrongDecay) {
-  expect_chunked_prefill_matches(130, 1.0f, 3.0f, 38, demo_gdn_dims(), true);
-}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GdnPrefillTwoPass, testing::ValuesIn(kTwoPassCases), CaseName());
 
 /// The two passes against the one-kernel form at 2,048 tokens (the backend's chunk): the same
 /// fp32 arithmetic but for the order of the solve, so much closer than either is to the
@@ -402,20 +466,52 @@ struct ScopedLocalMma : ScopedSwitch<bool> {
   explicit ScopedLocalMma(bool on) : ScopedSwitch(cuda::gdn_local_mma_enabled, cuda::set_gdn_local_mma_enabled, on) {}
 };
 
-TEST(GdnPrefill, StateMmaMatchesFp32WalkRaggedLongChunk) {
-  expect_tensor_core_pass_matches_fp32<ScopedStateMma>("pass 2", 2048 + 37, 71);
+/// A tensor-core pass case: T tokens from rng `seed`, shape `dims`; checked by
+/// expect_tensor_core_pass_matches_fp32 for pass 2 (kStateMmaCases) or pass 1 (kLocalMmaCases).
+/// `label` is the case's test name.
+struct TensorCorePassCase {
+  const char* label;
+  int T;
+  uint64_t seed;
+  cuda::GdnDims dims;
+
+  std::string name() const { return label; }
+  friend void PrintTo(const TensorCorePassCase& c, std::ostream* os) { *os << c.name(); }
+};
+
+/// The pass-2 cases: a ragged chunk past the backend's 2,048 tokens, one token, the demo shape.
+const std::vector<TensorCorePassCase> kStateMmaCases = {
+    {"RaggedLongChunk", 2048 + 37, 71, cuda::GdnDims{}},
+    {"OneToken", 1, 72, cuda::GdnDims{}},
+    {"DemoDims", 300, 73, demo_gdn_dims()},
+};
+
+/// The pass-2 case table (kStateMmaCases): tensor cores (ScopedStateMma) against the fp32 walk.
+class GdnPrefillStateMma : public testing::TestWithParam<TensorCorePassCase> {};
+
+TEST_P(GdnPrefillStateMma, MatchesFp32Walk) {
+  const TensorCorePassCase& c = GetParam();
+  expect_tensor_core_pass_matches_fp32<ScopedStateMma>("pass 2", c.T, c.seed, c.dims);
 }
-TEST(GdnPrefill, StateMmaMatchesFp32WalkOneToken) { expect_tensor_core_pass_matches_fp32<ScopedStateMma>("pass 2", 1, 72); }
-TEST(GdnPrefill, StateMmaMatchesFp32WalkDemoDims) {
-  expect_tensor_core_pass_matches_fp32<ScopedStateMma>("pass 2", 300, 73, demo_gdn_dims());
+
+INSTANTIATE_TEST_SUITE_P(Cases, GdnPrefillStateMma, testing::ValuesIn(kStateMmaCases), CaseName());
+
+/// The pass-1 cases: the same shapes as the pass-2 cases, other seeds.
+const std::vector<TensorCorePassCase> kLocalMmaCases = {
+    {"RaggedLongChunk", 2048 + 37, 81, cuda::GdnDims{}},
+    {"OneToken", 1, 82, cuda::GdnDims{}},
+    {"DemoDims", 300, 83, demo_gdn_dims()},
+};
+
+/// The pass-1 case table (kLocalMmaCases): tensor cores (ScopedLocalMma) against fp32.
+class GdnPrefillLocalMma : public testing::TestWithParam<TensorCorePassCase> {};
+
+TEST_P(GdnPrefillLocalMma, MatchesFp32) {
+  const TensorCorePassCase& c = GetParam();
+  expect_tensor_core_pass_matches_fp32<ScopedLocalMma>("pass 1", c.T, c.seed, c.dims);
 }
-TEST(GdnPrefill, LocalMmaMatchesFp32RaggedLongChunk) {
-  expect_tensor_core_pass_matches_fp32<ScopedLocalMma>("pass 1", 2048 + 37, 81);
-}
-TEST(GdnPrefill, LocalMmaMatchesFp32OneToken) { expect_tensor_core_pass_matches_fp32<ScopedLocalMma>("pass 1", 1, 82); }
-TEST(GdnPrefill, LocalMmaMatchesFp32DemoDims) {
-  expect_tensor_core_pass_matches_fp32<ScopedLocalMma>("pass 1", 300, 83, demo_gdn_dims());
-}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GdnPrefillLocalMma, testing::ValuesIn(kLocalMmaCases), CaseName());
 
 /// Prefill of a sequence in two pieces equals one piece (the state carries over).
 TEST(GdnPrefill, SplitSequenceEqualsOnePass) {

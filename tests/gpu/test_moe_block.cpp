@@ -11,7 +11,10 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <ostream>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -193,16 +196,46 @@ void check_moe_block(int E, int k, int hidden, int ffn, uint64_t seed, int max_b
   }
 }
 
-TEST(CudaMoeBlock, RealShapeOnEverySm) { check_moe_block(256, 8, 2048, 512, 61, 0); }
-TEST(CudaMoeBlock, RealShapeOnFewerBlocks) { check_moe_block(256, 8, 2048, 512, 62, 118); }  // 5 gate/up tiles, 2 down tiles on some
-TEST(CudaMoeBlock, DemoShape) {
-  check_moe_block(16, 4, 256, 128, 63, 0);
-  check_moe_block(16, 4, 256, 128, 64, 3);  // 27 gate/up tiles and 6 down row tiles per block
+/// A check_moe_block case: E experts, top-k, hidden, ffn, rng `seed`, `rows` rows on
+/// `max_blocks` blocks (0: one per SM), through the rows kernel (rows_kernel) or the one-token
+/// block. `label` is the case's test name.
+struct MoeBlockCase {
+  const char* label;
+  int E, k, hidden, ffn;
+  uint64_t seed;
+  int max_blocks, rows;
+  bool rows_kernel;
+
+  std::string name() const { return label; }
+  friend void PrintTo(const MoeBlockCase& c, std::ostream* os) { *os << c.name(); }
+};
+
+/// The MoE block cases: the one-token block at the real shape, the demo shape and two other
+/// shapes, each on every SM and on a few blocks; then the rows kernel (RowsKernel*) at 8 and 1
+/// rows of the real shape and 5 rows of the demo shape. The DemoShape, OtherShapes and
+/// RowsKernelMatchesTheReference pairs and triple were one test each.
+const std::vector<MoeBlockCase> kMoeBlockCases = {
+    {"RealShapeOnEverySm", 256, 8, 2048, 512, 61, 0, 1, false},
+    {"RealShapeOnFewerBlocks", 256, 8, 2048, 512, 62, 118, 1, false},  // 5 gate/up tiles, 2 down tiles on some
+    {"DemoShapeOnEverySm", 16, 4, 256, 128, 63, 0, 1, false},
+    {"DemoShapeOn3Blocks", 16, 4, 256, 128, 64, 3, 1, false},     // 27 gate/up tiles and 6 down row tiles per block
+    {"OtherShapes13Slots", 64, 12, 512, 192, 65, 0, 1, false},    // 13 slots, 3 groups per down row
+    {"OtherShapes300Experts", 300, 2, 256, 64, 66, 5, 1, false},  // E > 256: 32 router keys per lane
+    {"RowsKernelRealShape8Rows", 256, 8, 2048, 512, 85, 0, 8, true},
+    {"RowsKernelRealShape1Row", 256, 8, 2048, 512, 86, 0, 1, true},
+    {"RowsKernelDemoShape5RowsOn3Blocks", 16, 4, 256, 128, 87, 3, 5, true},
+};
+
+/// The MoE block case table (kMoeBlockCases) against the fused router kernel and the reference
+/// loops.
+class CudaMoeBlock : public testing::TestWithParam<MoeBlockCase> {};
+
+TEST_P(CudaMoeBlock, MatchesTheReference) {
+  const MoeBlockCase& c = GetParam();
+  check_moe_block(c.E, c.k, c.hidden, c.ffn, c.seed, c.max_blocks, c.rows, c.rows_kernel);
 }
-TEST(CudaMoeBlock, OtherShapes) {
-  check_moe_block(64, 12, 512, 192, 65, 0);  // 13 slots, 3 groups per down row
-  check_moe_block(300, 2, 256, 64, 66, 5);   // E > 256: 32 router keys per lane
-}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaMoeBlock, testing::ValuesIn(kMoeBlockCases), CaseName());
 
 /// What one launch of `rows` rows wrote: per row x_out, normed, logits, ids, weights, act, out
 /// (as raw bits, so rows compare exactly).
@@ -282,12 +315,6 @@ TEST(CudaMoeBlock, RowsAreBitIdenticalToTheOneTokenBlock) {
   check_moe_rows(256, 8, 2048, 512, 82, 40);  // several gate/up tiles per stage, 4 row tiles per block
   check_moe_rows(16, 4, 256, 128, 83, 0);     // the demo shape: 8 rows × 4 of 16 experts share most
   check_moe_rows(64, 12, 512, 192, 84, 7);    // 13 slots
-}
-
-TEST(CudaMoeBlock, RowsKernelMatchesTheReference) {
-  check_moe_block(256, 8, 2048, 512, 85, 0, 8, true);
-  check_moe_block(256, 8, 2048, 512, 86, 0, 1, true);
-  check_moe_block(16, 4, 256, 128, 87, 3, 5, true);
 }
 
 TEST(CudaMoeBlock, RefusesWhatItDoesNotSupport) {
