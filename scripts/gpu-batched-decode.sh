@@ -14,8 +14,15 @@
 #   LILY_GPU_STEPS=streams bash scripts/gpu-batched-decode.sh   # served streams, switch off/on
 #   LILY_GPU_STEPS=moe      the fused MoE block's tests and timings (under a time limit)
 #   LILY_GPU_STEPS=e2e-on   only test_cuda_e2e with the switch on (quicker than "on")
-#   LILY_GPU_STEPS=big      the 35b-a3b synth: batched throughput B = 1 … 8 and lily bench at
+#   LILY_GPU_STEPS=big      the 35b-a3b synth: batched throughput B = 1 … 32 and lily bench at
 #                           256 / 4K tokens with the switch off and on
+#   LILY_GPU_STEPS=throughput  only the 35b-a3b batched throughput printout
+#   LILY_GPU_STEPS=ab       with carry/base.tar (git archive of a baseline tree, built in
+#                           /tmp/lily-base): lily bench at LILY_GPU_CONTEXTS (default 256 2048)
+#                           and served streams (LILY_GPU_STREAMS, --max-batch 32), new then base
+#   LILY_GPU_STEPS=prof     Nsight Compute: the kernels of one batched step of the 35b-a3b synth
+#                           at LILY_GPU_PROFILE_ROWS rows (default "8 32"), a table per row count
+#                           (scripts/ncu-decode-table.py)
 # With LILY_GPU_BIG_MODEL naming a 35b-a3b checkpoint the throughput printout covers it too.
 # The streams step makes the 35b-a3b synth (with the demo tokenizer) under /tmp/lily-35b-tok,
 # serves it with --max-batch LILY_GPU_MAX_BATCH (default 32) and sends LILY_GPU_STREAMS (default
@@ -29,7 +36,7 @@ status=0
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 targets=()
-{ has streams || has big; } && targets+=(lily)
+{ has streams || has big || has throughput || has prof; } && targets+=(lily)
 for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
 gpu_build build.log "${targets[@]}"
 
@@ -62,8 +69,24 @@ for mode in off on; do
   grep -E "FAILED|Failure|Expected|Which is" "$OUT/ctest-gpu-$mode.log" | head -30
 done
 M=/tmp/lily-35b-tok
-if { has streams || has big; } && [[ ! -f "$M/config.json" ]]; then
+if { has streams || has big || has throughput || has prof; } && [[ ! -f "$M/config.json" ]]; then
   timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
+fi
+if has throughput; then
+  echo "== batched decode throughput, 35b-a3b"
+  LILY_GPU_BIG_MODEL="$M" timeout 300 "$BUILD/tests/test_cuda_e2e" --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' \
+    2>&1 | grep -E "timing\]|FAILED" | grep -v realdims | tee "$OUT/big-throughput.log"
+fi
+if has prof; then
+  for rows in ${LILY_GPU_PROFILE_ROWS:-8 32}; do
+    echo "== ncu: the kernels of one batched step of $rows rows, 35b-a3b"
+    rm -f "/tmp/batch-$rows.ncu-rep"
+    LILY_GPU_BIG_MODEL="$M" LILY_GPU_BATCH_PROFILE="$rows" timeout 240 ncu --clock-control none --profile-from-start off \
+      --metrics gpu__time_duration.sum -o "/tmp/batch-$rows" "$BUILD/tests/test_cuda_e2e" \
+      --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' >"$OUT/prof-$rows.log" 2>&1 || status=1
+    ncu --import "/tmp/batch-$rows.ncu-rep" --csv --page raw --metrics gpu__time_duration.sum >"/tmp/batch-$rows.csv" 2>/dev/null &&
+      python3 scripts/ncu-decode-table.py "/tmp/batch-$rows.csv" | tee "$OUT/prof-$rows-table.txt" | head -40
+  done
 fi
 if has big; then
   echo "== batched decode throughput, 35b-a3b"
@@ -81,17 +104,48 @@ if has streams; then
   if [[ ! -f "$M/config.json" ]]; then
     timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
   fi
-  mb="${LILY_GPU_MAX_BATCH:-32}"
+  mb="${LILY_GPU_MAX_BATCH:-32}"  # "default": the server's own default (no --max-batch)
+  batch_flags=(); [[ "$mb" != default ]] && batch_flags=(--max-batch "$mb")
   for mode in ${LILY_GPU_STREAM_MODES:-0 1}; do
     port=$((18090 + mode))
-    LILY_CUDA_BATCHED_DECODE=$mode LILY_CUDA_MAX_BATCH=$mb "$BUILD/lily" serve --backend cuda --model "$M" \
-      --port "$port" --max-seq 4096 --max-batch "$mb" >"$OUT/serve-batched-$mode.log" 2>&1 &
+    env LILY_CUDA_BATCHED_DECODE=$mode ${batch_flags:+LILY_CUDA_MAX_BATCH=$mb} "$BUILD/lily" serve --backend cuda \
+      --model "$M" --port "$port" --max-seq 4096 "${batch_flags[@]}" >"$OUT/serve-batched-$mode.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
     for n in ${LILY_GPU_STREAMS:-8 32}; do
       echo "== served streams: batched decode $mode, $n streams × ${LILY_GPU_STREAM_TOKENS:-128} tokens"
       timeout 120 python3 scripts/concurrent-streams.py --url "http://127.0.0.1:$port" --streams "$n" \
         --tokens "${LILY_GPU_STREAM_TOKENS:-128}" 2>&1 | tail -3 || status=1
+    done
+    grep -E "max.batch|running batch|prefix cache" "$OUT/serve-batched-$mode.log" | head -3
+    kill -INT "$pid"; wait "$pid"
+  done
+fi
+if has ab && [[ -f carry/base.tar ]]; then
+  echo "== baseline tree (carry/base.tar)"
+  rm -rf /tmp/base-src && mkdir -p /tmp/base-src && tar -xf carry/base.tar -C /tmp/base-src &&
+    ln -s "$PWD/models" /tmp/base-src/models && ln -s "$PWD/carry" /tmp/base-src/carry
+  (cd /tmp/base-src && cmake -S . -B /tmp/lily-base -G Ninja -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON \
+      -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 >/dev/null &&
+    cmake --build /tmp/lily-base -j16 --target lily >/tmp/base-build.log 2>&1) ||
+    { echo "baseline build FAILED"; grep -E "error" /tmp/base-build.log | head; status=1; }
+  [[ -f "$M/config.json" ]] ||
+    timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
+  for tree in new base; do
+    bin="$BUILD/lily"; [[ $tree == base ]] && bin=/tmp/lily-base/lily
+    [[ -x "$bin" ]] || continue
+    for n in ${LILY_GPU_CONTEXTS:-256 2048}; do
+      echo "== $tree: lily bench --prompt-len $n"
+      timeout 120 "$bin" bench --backend cuda --model "$M" --prompt-len "$n" --decode-steps 64 --rounds 3 2>&1 | tail -1
+    done
+    LILY_CUDA_MAX_BATCH=32 "$bin" serve --backend cuda --model "$M" --port 18099 --max-seq 4096 --max-batch 32 \
+      >"$OUT/serve-ab-$tree.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:18099/health" >/dev/null && break; sleep 0.5; done
+    for n in ${LILY_GPU_STREAMS:-8 32}; do
+      echo "== $tree: served streams, $n × ${LILY_GPU_STREAM_TOKENS:-128} tokens, --max-batch 32"
+      timeout 120 python3 scripts/concurrent-streams.py --url "http://127.0.0.1:18099" --streams "$n" \
+        --tokens "${LILY_GPU_STREAM_TOKENS:-128}" 2>&1 | tail -1 || status=1
     done
     kill -INT "$pid"; wait "$pid"
   done

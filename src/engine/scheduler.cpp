@@ -71,7 +71,7 @@ Scheduler::Scheduler(std::unique_ptr<Backend> backend, std::shared_ptr<const Tok
                                        "]: the " + backend_->name() + " backend runs at most " +
                                        std::to_string(limit) + (limit == 1 ? " sequence" : " sequences") +
                                        " per step");
-  max_batch_ = options_.max_batch == 0 ? std::min(kDefaultMaxBatch, limit) : options_.max_batch;
+  max_batch_ = options_.max_batch == 0 ? std::min(backend_->preferred_max_batch(), limit) : options_.max_batch;
   // A lone sequence shares its steps with nothing: its prompt is only cut where it always is.
   prefill_chunk_ = max_batch_ > 1 ? options_.step_tokens : 0;
   // The backend sizes the memory of its host copies from the host tier's budget.

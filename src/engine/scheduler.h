@@ -168,8 +168,6 @@ struct StepStats {
   double seconds = 0;          ///< wall time of Backend::step
 };
 
-/// Running jobs per step when EngineOptions::max_batch is 0 (and the backend allows as many).
-inline constexpr int kDefaultMaxBatch = 8;
 /// Default token budget of one step (EngineOptions::step_tokens).
 inline constexpr int64_t kDefaultStepTokens = 256;
 
@@ -178,7 +176,7 @@ struct EngineOptions {
   int64_t max_seq = 0;             ///< capacity of every sequence (tokens)
   int max_queue = 16;              ///< waiting jobs allowed (not counting the running ones)
   /// Most jobs running at once (rows of one step), 1 … Backend::max_batch(); 0 = the default,
-  /// min(kDefaultMaxBatch, Backend::max_batch()).
+  /// min(Backend::preferred_max_batch(), Backend::max_batch()).
   int max_batch = 0;
   /// Token budget of one step (≥ 1): every decode row, then prefill chunks oldest job first
   /// while the step stays within it (the oldest prefilling job's chunk always goes in). With

@@ -174,7 +174,7 @@ void LilyServer::load_engine() {
   const HostMemory host = read_host_memory();
   const int batch_limit = std::max(1, backend->max_batch());  // the scheduler's rule for max_batch 0
   const RunningBatch running{engine.max_batch > 0 ? std::min(engine.max_batch, batch_limit)
-                                                  : std::min(kDefaultMaxBatch, batch_limit),
+                                                  : std::min(backend->preferred_max_batch(), batch_limit),
                              engine.max_seq};
   engine.cache = resolve_cache_budgets(*backend, options_.cache_memory, options_.cache_host_memory, host.available,
                                        host.total, running);

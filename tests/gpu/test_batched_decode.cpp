@@ -27,14 +27,16 @@ DeviceBuffer upload_array(const std::vector<T>& v) {
 
 // ---- GEMV ------------------------------------------------------------------------------------
 
-/// launch_quant_gemv_rows: token t of m rows equals token t alone (m = 1), for m = 1 … 8; with
-/// m = 8 also within the reference tolerance.
+/// launch_quant_gemv_rows: token t of m rows equals token t alone (m = 1), for m = 1 …
+/// kMaxDecodeRows (1 … 4 column blocks of eight in the streaming kernel, eight rows a launch in the
+/// register-load one); the first and the last token also within the reference tolerance.
 void check_gemv_rows(int64_t rows, int cols, int bits, bool f32_out, uint64_t seed) {
   SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " " + std::to_string(bits) + "-bit" +
                (f32_out ? " fp32" : " bf16"));
   std::mt19937_64 rng(seed);
   RandomQuant w(rows, cols, bits, rng);
-  const std::vector<float> x = normal_bf16(int64_t(8) * cols, rng, 1.0f);
+  constexpr int M = cuda::kMaxDecodeRows;
+  const std::vector<float> x = normal_bf16(int64_t(M) * cols, rng, 1.0f);
   DeviceBuffer dx = upload_bf16(x);
   auto run = [&](const bf16* xp, int m) {
     DeviceBuffer dy = poisoned(size_t(m) * rows * 4);
@@ -42,15 +44,15 @@ void check_gemv_rows(int64_t rows, int cols, int bits, bool f32_out, uint64_t se
                                  nullptr);
     return f32_out ? download_f32(dy, int64_t(m) * rows) : download_bf16(dy, int64_t(m) * rows);
   };
-  std::vector<std::vector<float>> alone(8);
-  for (int t = 0; t < 8; ++t) alone[t] = run(dx.as<bf16>() + int64_t(t) * cols, 1);
-  for (int m = 1; m <= 8; ++m) {
+  std::vector<std::vector<float>> alone(M);
+  for (int t = 0; t < M; ++t) alone[t] = run(dx.as<bf16>() + int64_t(t) * cols, 1);
+  for (int m = 1; m <= M; ++m) {
     const std::vector<float> all = run(dx.as<bf16>(), m);
     for (int t = 0; t < m; ++t)
       EXPECT_EQ(bit_differences(std::vector<float>(all.begin() + t * rows, all.begin() + (t + 1) * rows), alone[t]), 0)
           << "token " << t << " of " << m;
   }
-  for (int t = 0; t < 8; t += 7) {  // the first and the last token against the reference
+  for (int t : {0, M - 1}) {  // the first and the last token against the reference
     std::vector<double> ref(rows);
     for (int64_t r = 0; r < rows; ++r) ref[r] = w.dot(r, x.data() + int64_t(t) * cols);
     EXPECT_LT(worst_rel(alone[t], ref, 0.01 * rms(ref)), f32_out ? 1e-3 : 1e-2) << "token " << t;
@@ -193,6 +195,7 @@ TEST(CudaBatchedDecode, GdnRowsAreBitIdenticalToEachSequenceAlone) {
   const cuda::GdnDims real;  // 35B-A3B: Hk 16, Hv 32, D 128
   const cuda::GdnDims realdims = gdn_dims(2, 4, 128);
   const cuda::GdnDims demo = demo_gdn_dims();
+  check_gdn_rows(real, cuda::kMaxDecodeRows, 100 + cuda::kMaxDecodeRows);
   for (int rows : {1, 3, 8}) {
     check_gdn_rows(real, rows, 100 + rows);
     check_gdn_rows(realdims, rows, 200 + rows);
@@ -274,11 +277,15 @@ TEST(CudaBatchedDecode, AttentionRowsAreBitIdenticalToEachSequenceAlone) {
   // (capacity, length): one split (capacity ≤ 64), 16 and 32 splits, a full cache, a first token.
   const std::vector<std::pair<int64_t, int64_t>> mixed = {{1024, 37}, {64, 64}, {2048, 1500}, {1024, 1},
                                                           {100, 70},  {4096, 4000}, {1024, 1024}, {2048, 1025}};
+  // kMaxDecodeRows rows: the mixed set four times over, each copy its own cache.
+  std::vector<std::pair<int64_t, int64_t>> most;
+  while (static_cast<int>(most.size()) < cuda::kMaxDecodeRows) most.push_back(mixed[most.size() % mixed.size()]);
   for (const cuda::AttnDims& d : {real, demo, wide}) {
     check_attention_rows(d, {mixed[0]}, 400);
     check_attention_rows(d, {mixed[2], mixed[1]}, 401);
     check_attention_rows(d, mixed, 402);
   }
+  check_attention_rows(real, most, 403);
 }
 
 }  // namespace

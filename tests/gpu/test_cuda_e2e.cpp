@@ -1025,24 +1025,27 @@ void expect_same_trace(const BatchTrace& got, const BatchTrace& want, const std:
   }
 }
 
-// Batch invariance of the batched decode: B = 1 … 8 sequences of different lengths and KV
-// capacities (max_seq 64: one attention split; a 1,030-token prompt: a 2,048-position cache, 32
-// splits; the others 1,024 positions, 16 splits) prefilled in one step and then decoded together
-// give ids and logits bit-identical to each sequence decoded alone on the same backend (batched
-// too: B = 1).
+// Batch invariance of the batched decode: B = 1 … 8, 12 and kMaxDecodeRows sequences of
+// different lengths and KV capacities (max_seq 64: one attention split; a 1,030-token prompt: a
+// 2,048-position cache, 32 splits; the others 1,024 positions, 16 splits) prefilled in one step
+// and then decoded together give ids and logits bit-identical to each sequence decoded alone on
+// the same backend (batched too: B = 1). Past 8 rows the row GEMVs run 2–4 column blocks and the
+// MoE block one launch per 8 rows.
 TEST_F(CudaE2e, BatchedDecodeRowsAreBitIdenticalToEachSequenceAlone) {
   TempDir dir;
   auto w = synth("realdims", dir.path());
-  auto gpu = make_cuda_backend(w, batched_options());
+  auto gpu = make_cuda_backend(w, batched_options(cuda::kMaxDecodeRows));
   const int vocab = w->config.vocab, steps = 6;
   const std::vector<std::pair<int, int64_t>> shapes = {{37, 4096}, {300, 4096}, {1, 4096}, {1030, 4096},
                                                        {20, 64},   {90, 4096},  {513, 4096}, {5, 4096}};
   std::vector<BatchSeq> seqs;
-  for (size_t i = 0; i < shapes.size(); ++i)
-    seqs.push_back({hash_prompt(shapes[i].first, vocab, 61 + i), 0, steps, shapes[i].second, nullptr});
+  for (int i = 0; i < cuda::kMaxDecodeRows; ++i) {  // the eight shapes, then again with other prompts
+    const auto& [len, max_seq] = shapes[i % shapes.size()];
+    seqs.push_back({hash_prompt(len, vocab, 61 + i), 0, steps, max_seq, nullptr});
+  }
   std::vector<BatchTrace> alone;
   for (int i = 0; i < static_cast<int>(seqs.size()); ++i) alone.push_back(run_rounds(*gpu, seqs, {i})[i]);
-  for (int B = 1; B <= 8; ++B) {
+  for (int B : {1, 2, 3, 4, 5, 6, 7, 8, 12, cuda::kMaxDecodeRows}) {
     std::vector<int> which;
     for (int i = 0; i < B; ++i) which.push_back(i);
     const std::vector<BatchTrace> together = run_rounds(*gpu, seqs, which);
@@ -1184,7 +1187,7 @@ double decode_tok_s(Backend& gpu, int B, int steps, bool profile = false) {
   return tps;
 }
 
-// Prints (asserts nothing) the aggregate decode throughput of B = 1, 2, 4, 8 concurrent
+// Prints (asserts nothing) the aggregate decode throughput of B = 1, 2, 4, 8, 16, 32 concurrent
 // sequences (256-token prompts, one step() of B decode rows per token) with the batched decode
 // on and off, on realdims and, when LILY_GPU_BIG_MODEL names a 35b-a3b checkpoint, on it.
 TEST_F(CudaE2e, PrintsBatchedDecodeThroughput) {
@@ -1193,8 +1196,7 @@ TEST_F(CudaE2e, PrintsBatchedDecodeThroughput) {
   if (const char* b = std::getenv("LILY_GPU_BATCH_PROFILE"); b && *b) {
     const char* big = std::getenv("LILY_GPU_BIG_MODEL");
     ASSERT_TRUE(big && *big) << "LILY_GPU_BATCH_PROFILE needs LILY_GPU_BIG_MODEL";
-    CudaOptions o = batched_options();
-    o.batched_decode = true;
+    CudaOptions o = batched_options(cuda::kMaxDecodeRows);
     auto gpu = make_cuda_backend(load_model(big), o);
     const int B = std::atoi(b);
     ASSERT_TRUE(B >= 1 && B <= cuda::kMaxDecodeRows) << "LILY_GPU_BATCH_PROFILE=" << b;
@@ -1207,10 +1209,11 @@ TEST_F(CudaE2e, PrintsBatchedDecodeThroughput) {
   if (const char* big = std::getenv("LILY_GPU_BIG_MODEL"); big && *big) models.emplace_back("35b-a3b", load_model(big));
   for (auto& [name, w] : models) {
     for (const bool batched : {false, true}) {
-      CudaOptions o = batched_options();
+      CudaOptions o = batched_options(cuda::kMaxDecodeRows);
       o.batched_decode = batched;
       auto gpu = make_cuda_backend(w, o);
-      for (int B : {1, 2, 4, 8}) {
+      for (int B : {1, 2, 4, 8, 16, 32}) {
+        if (B > cuda::kMaxDecodeRows) break;
         const double tps = decode_tok_s(*gpu, B, 32);
         std::printf("[batched decode timing] %s, batched decode %s, B %d: %.1f tok/s aggregate (%.1f per sequence)\n",
                     name.c_str(), batched ? "on" : "off", B, tps, tps / B);

@@ -40,7 +40,7 @@ struct MoeBlock {
     std::vector<float> g = normal_bf16(hidden, rng, 0.3f);
     for (auto& v : g) v += 1.0f;
     gain = upload_f32(g);
-    constexpr int R = cuda::kMaxDecodeRows;  // room for the most rows a launch takes
+    constexpr int R = cuda::kMaxMoeRows;  // room for the most rows a launch takes
     logits = poisoned(size_t(R) * (E + 1) * 4);
     ids = poisoned(size_t(R) * (k + 1) * 4);
     weights = poisoned(size_t(R) * (k + 1) * 4);
@@ -287,7 +287,7 @@ MoeRowsResult run_moe_rows(MoeBlock& m, const std::vector<float>& x, const std::
 void check_moe_rows(int E, int k, int hidden, int ffn, uint64_t seed, int max_blocks) {
   std::mt19937_64 rng(seed);
   MoeBlock m(E, k, hidden, ffn, rng);
-  constexpr int R = cuda::kMaxDecodeRows;
+  constexpr int R = cuda::kMaxMoeRows;
   std::vector<float> x = normal_bf16(int64_t(R) * hidden, rng, 2.0f), branch = normal_bf16(int64_t(R) * hidden, rng, 0.5f);
   std::copy(x.begin(), x.begin() + hidden, x.begin() + hidden);
   std::copy(branch.begin(), branch.begin() + hidden, branch.begin() + hidden);

@@ -925,7 +925,7 @@ void attention_prepare_rows(const AttnDims& dims, int rows, const bf16* qg, int6
                             const int32_t* pos, const KvCacheView* caches, bf16* q_out, cudaStream_t stream) {
   check_dims(dims);
   MIXER_REQUIRE(rows >= 1 && rows <= kMaxDecodeRows,
-                "attention_prepare_rows: rows=" + std::to_string(rows) + " outside [1, 8]");
+                "attention_prepare_rows: rows=" + std::to_string(rows) + " outside [1, " + std::to_string(kMaxDecodeRows) + "]");
   MIXER_REQUIRE(qg && k && v && q_norm && k_norm && pos && caches && q_out, "attention_prepare_rows: null buffer");
   const PrepareArgs a =
       prepare_args(dims, qg, qg_stride, k, v, kv_stride, q_norm, k_norm, q_out, "attention_prepare_rows");
@@ -947,7 +947,7 @@ void attention_decode_rows(const AttnDims& dims, int rows, const bf16* q, const 
                            float* workspace, size_t workspace_bytes, bf16* out, cudaStream_t stream) {
   check_dims(dims);
   MIXER_REQUIRE(rows >= 1 && rows <= kMaxDecodeRows,
-                "attention_decode_rows: rows=" + std::to_string(rows) + " outside [1, 8]");
+                "attention_decode_rows: rows=" + std::to_string(rows) + " outside [1, " + std::to_string(kMaxDecodeRows) + "]");
   MIXER_REQUIRE(q && caches && len && splits && workspace && out, "attention_decode_rows: null buffer");
   MIXER_REQUIRE(max_splits >= 1 && max_splits <= kMaxDecodeSplits,
                 "attention_decode_rows: max_splits " + std::to_string(max_splits) + " outside [1, 256]");

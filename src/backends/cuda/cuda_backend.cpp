@@ -543,6 +543,8 @@ int routed_plus_shared_experts(const ModelConfig& c) { return c.n_experts + 1; }
 
 /// Grid barriers of one launch_moe_block_decode (MoeDecodeArgs::barriers).
 constexpr int kMoeBarriersPerLayer = 2;
+/// launch_moe_block_rows launches of one layer of a batched step at most (kMaxMoeRows rows each).
+constexpr int kMoeGroupsPerStep = (kMaxDecodeRows + kMaxMoeRows - 1) / kMaxMoeRows;
 
 void check_shapes(const ModelConfig& c) {
   auto bad = [&](const std::string& what) {
@@ -591,7 +593,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
     allocate_scratch();
     fused_moe_ = options_.fused_moe && fuse_decode_ && fused_moe_supported();
-    batched_fused_moe_ = fused_moe_ && fused_moe_supported(kMaxDecodeRows);
+    batched_fused_moe_ = fused_moe_ && fused_moe_supported(kMaxMoeRows);
     // The kernel layer's switches (kernels.h, mixer_kernels.h, quant_gemm.h) are process-wide:
     // set here from this backend's options, every one of them, so the environment is read and
     // validated once, by CudaOptions::from_env. The last backend constructed sets them.
@@ -700,10 +702,15 @@ class CudaBackend final : public Backend {
     return static_cast<int64_t>(CudaState::layout_bytes(gdn_, attn_, n_gdn_, n_attn_, capacity));
   }
 
-  /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH, 8 by default): with CudaOptions::batched_decode
+  /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH, 32 by default): with CudaOptions::batched_decode
   /// (the default) a step's decode rows run together (decode_batch), else one after another
   /// through the per-sequence paths below; each row is bit-identical to the sequence alone.
   int max_batch() const override { return options_.max_batch; }
+  /// With the batched decode, kMaxDecodeRows: one batched forward runs that many decode rows,
+  /// each weight read once for all of them; otherwise the base default.
+  int preferred_max_batch() const override {
+    return batched_decode_ ? kMaxDecodeRows : Backend::preferred_max_batch();
+  }
   int64_t preferred_step_tokens() const override { return options_.prefill_chunk; }
 
   /// Backend::step: prefill rows through the batched prefill one after another; with
@@ -1106,10 +1113,11 @@ class CudaBackend final : public Backend {
   // sequence: every projection reads its weights once for all rows (launch_quant_gemv_rows),
   // the mixers run one launch over the rows with each row's state, KV cache, position, length
   // and split count taken from the exchange block (BatchLayout), the MoE block runs as one
-  // launch over the B rows (launch_moe_block_rows: post norm, router, top-k, each distinct
-  // expert's weights read once for all rows that route to it, combine), then the LM head over B
-  // rows and an argmax per row. Where the fused block does not fit the shape at kMaxDecodeRows
-  // rows, the MoE is the three kernels over B rows (each row's experts on its own).
+  // launch per group of ≤ kMaxMoeRows rows (launch_moe_block_rows: post norm, router, top-k,
+  // each distinct expert's weights read once for all rows of the group that route to it,
+  // combine), then the LM head over B rows and an argmax per row. Where the fused block does not
+  // fit the shape at kMaxMoeRows rows, the MoE is the three kernels over B rows (each row's
+  // experts on its own).
   // Batch invariance: every launch computes a row from that row's inputs alone, with tile shapes,
   // split counts and summation orders fixed by the weights' shape or by the row's own sequence
   // (its KV capacity), never by B or by the other rows; and every launch gives a row the bits
@@ -1133,6 +1141,9 @@ class CudaBackend final : public Backend {
     DeviceBuffer x, normed, mixer_out, moe, proj, conv, mix, q, router, ids, weights, act;
     DeviceBuffer x_alt;        ///< [rows, hidden]: the fused MoE block's residual output (x and x_alt alternate)
     DeviceBuffer router_done;  ///< uint32 [kMaxDecodeRows], zero between launches (launch_router_fused)
+    /// The MoE rows kernel's grid barriers: uint32 [n_layers][kMoeGroupsPerStep][kMoeBarriersPerLayer],
+    /// zeroed at the start of every step (a memset node in the graph).
+    DeviceBuffer moe_barriers;
     DeviceBuffer logits;       ///< fp32 [kMaxDecodeRows, vocab]
     DeviceBuffer argmax_v, argmax_i;  ///< [kMaxDecodeRows][argmax_scratch_slots(vocab)]
     DeviceBuffer attn_ws;
@@ -1173,6 +1184,8 @@ class CudaBackend final : public Backend {
     b->act = bf(R * n_sel * c.moe_ffn_dim);
     b->router_done = DeviceBuffer(R * sizeof(uint32_t));
     b->router_done.fill_bytes(0);
+    b->moe_barriers = DeviceBuffer(static_cast<size_t>(c.n_layers) * kMoeGroupsPerStep * kMoeBarriersPerLayer *
+                                   sizeof(uint32_t));
     b->logits = DeviceBuffer(R * c.vocab * sizeof(float));
     const int64_t slots = argmax_scratch_slots(c.vocab);
     b->argmax_v = DeviceBuffer(R * slots * sizeof(float));
@@ -1251,21 +1264,26 @@ class CudaBackend final : public Backend {
     }
   }
 
-  /// The fused MoE block's arguments for layer `layer` of a batched step of B rows: the post
-  /// norm adds the mixer output to x (the residual) into x_out and normed; the output goes to moe.
-  MoeDecodeArgs batch_moe_args(const DeviceLayer& L, int layer, int B, const bf16* x, bf16* x_out) {
+  /// The fused MoE block's arguments for layer `layer` of a batched step, rows r0 … r0 + n − 1
+  /// (n ≤ kMaxMoeRows, the group r0 / kMaxMoeRows with its own grid barriers): the post norm adds
+  /// the mixer output to x (the residual) into x_out and normed; the output goes to moe.
+  MoeDecodeArgs batch_moe_args(const DeviceLayer& L, int layer, int r0, int n, const bf16* x, bf16* x_out) {
     BatchScratch& b = *batch_;
+    const ModelConfig& c = config();
+    const int64_t h = int64_t{r0} * c.hidden, sel = int64_t{r0} * routed_plus_shared_slots(c);
     MoeDecodeArgs a = moe_args(L, layer);
-    a.rows = B;
-    a.norm.branch = b.mixer_out.as<bf16>();
-    a.norm.x_out = x_out;
-    a.norm.normed_out = b.normed.as<bf16>();
-    a.x = x;
-    a.logits = b.router.as<float>();
-    a.ids = b.ids.as<int32_t>();
-    a.weights = b.weights.as<float>();
-    a.act = b.act.as<bf16>();
-    a.out = b.moe.as<bf16>();
+    a.rows = n;
+    a.norm.branch = b.mixer_out.as<bf16>() + h;
+    a.norm.x_out = x_out + h;
+    a.norm.normed_out = b.normed.as<bf16>() + h;
+    a.x = x + h;
+    a.logits = b.router.as<float>() + int64_t{r0} * routed_plus_shared_experts(c);
+    a.ids = b.ids.as<int32_t>() + sel;
+    a.weights = b.weights.as<float>() + sel;
+    a.act = b.act.as<bf16>() + sel * c.moe_ffn_dim;
+    a.out = b.moe.as<bf16>() + h;
+    a.barriers = b.moe_barriers.as<uint32_t>() +
+                 (int64_t{layer} * kMoeGroupsPerStep + r0 / kMaxMoeRows) * kMoeBarriersPerLayer;
     return a;
   }
 
@@ -1330,7 +1348,7 @@ class CudaBackend final : public Backend {
     const float eps = c.rms_norm_eps;
     bf16 *x = b.x.as<bf16>(), *normed = b.normed.as<bf16>(), *mixer_out = b.mixer_out.as<bf16>();
     bf16 *moe = b.moe.as<bf16>(), *proj = b.proj.as<bf16>(), *mix = b.mix.as<bf16>(), *x_alt = b.x_alt.as<bf16>();
-    if (batched_fused_moe_) CUDA_CHECK(cudaMemsetAsync(moe_barriers_.data(), 0, moe_barriers_.bytes(), stream_));
+    if (batched_fused_moe_) CUDA_CHECK(cudaMemsetAsync(b.moe_barriers.data(), 0, b.moe_barriers.bytes(), stream_));
     launch_embed(model_->embed, batch_dev<int32_t>(lay.token), B, x, stream_);
     for (int l = 0; l < c.n_layers; ++l) {
       const DeviceLayer& L = model_->layers[l];
@@ -1359,9 +1377,11 @@ class CudaBackend final : public Backend {
         launch_quant_gemv_rows(L.attn_out, mix, B, mixer_out, nullptr, stream_);
       }
       // MoE: x ← x + mixer output, normed = post norm; router + top-k; experts; combine → moe.
-      // The fused block writes the new residual to the other buffer (its blocks all read x).
+      // The fused block writes the new residual to the other buffer (its blocks all read x), one
+      // launch per group of kMaxMoeRows rows (a row's bits do not depend on its group).
       if (batched_fused_moe_) {
-        launch_moe_block_rows(batch_moe_args(L, l, B, x, x_alt), stream_);
+        for (int r0 = 0; r0 < B; r0 += kMaxMoeRows)
+          launch_moe_block_rows(batch_moe_args(L, l, r0, std::min(kMaxMoeRows, B - r0), x, x_alt), stream_);
         std::swap(x, x_alt);
         continue;
       }
@@ -1586,7 +1606,7 @@ class CudaBackend final : public Backend {
   bool fuse_decode_ = options_.fuse_decode;            ///< false: separate norm / conv / top-k kernels
   bool fused_moe_ = false;  ///< the decode MoE block in one launch (options_.fused_moe, when supported)
   /// The batched decode's MoE block in one launch (launch_moe_block_rows): fused_moe_ and
-  /// supported at kMaxDecodeRows rows (decided once, so every batch size, 1 included, takes the
+  /// supported at kMaxMoeRows rows (decided once, so every batch size, 1 included, takes the
   /// same arithmetic).
   bool batched_fused_moe_ = false;
   std::unique_ptr<PrefillScratch> prefill_scratch_;                ///< allocated at the first batched prefill

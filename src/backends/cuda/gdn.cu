@@ -1502,7 +1502,7 @@ void gdn_conv_decode_rows(const GdnDims& dims, const GdnParams& params, int rows
   check_params(params);
   const int C = dims.conv_channels();
   MIXER_REQUIRE(rows >= 1 && rows <= kMaxDecodeRows,
-                "gdn_conv_decode_rows: rows=" + std::to_string(rows) + " outside [1, 8]");
+                "gdn_conv_decode_rows: rows=" + std::to_string(rows) + " outside [1, " + std::to_string(kMaxDecodeRows) + "]");
   MIXER_REQUIRE(qkv && windows && out, "gdn_conv_decode_rows: null buffer");
   MIXER_REQUIRE(qkv_stride >= C, "gdn_conv_decode_rows: qkv row stride too small");
   MIXER_REQUIRE(qkv + (rows - 1) * qkv_stride + C <= out || out + int64_t(rows) * C <= qkv,
@@ -1517,7 +1517,7 @@ void gdn_decode_rows(const GdnDims& dims, const GdnParams& params, int rows, con
   check_dims(dims);
   check_params(params);
   MIXER_REQUIRE(rows >= 1 && rows <= kMaxDecodeRows,
-                "gdn_decode_rows: rows=" + std::to_string(rows) + " outside [1, 8]");
+                "gdn_decode_rows: rows=" + std::to_string(rows) + " outside [1, " + std::to_string(kMaxDecodeRows) + "]");
   MIXER_REQUIRE(conv_out && z && a && b && states && out, "gdn_decode_rows: null buffer");
   MIXER_REQUIRE(zab_stride >= dims.value_dim(), "gdn_decode_rows: z/a/b row stride below Hv·Dv");
   dispatch_head_dim(dims, [&](auto d) {

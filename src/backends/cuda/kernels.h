@@ -56,18 +56,23 @@ void launch_router_gemm(const DeviceQuant& w, const __nv_bfloat16* x, int m, flo
 /// Whether launch_router_gemm takes `w`: 8-bit codes, cols a positive multiple of 64.
 bool router_gemm_supported(const DeviceQuant& w);
 
-/// Most token rows one batched decode launch takes (the tensor-core GEMV's MMA N).
-inline constexpr int kMaxDecodeRows = 8;
+/// Most token rows one batched decode forward takes (one per sequence): the row GEMVs, the
+/// mixers' row launches and the LM head take them all at once; the MoE block takes them
+/// kMaxMoeRows at a time.
+inline constexpr int kMaxDecodeRows = 32;
+/// Most rows one launch_moe_block_rows takes: its MMA's N (the step's rows are its columns).
+inline constexpr int kMaxMoeRows = 8;
 
 /// The batched decode's GEMV: x bf16 [m, cols] row-major → y [m, rows] (exactly one of y_bf16 /
 /// y_f32 non-null), 1 ≤ m ≤ kMaxDecodeRows. Batch-invariant: the kernel and every summation
 /// order are chosen from the matrix alone (never from m), so token row t's output is
 /// bit-identical for every m and whatever the other rows hold. 4-bit matrices run on tensor
-/// cores (the streaming kernel where it fits eight rows, else the register-load one), 8-bit on
-/// CUDA cores (the tiled kernel where its staging fits). Results agree with launch_quant_gemv to
-/// its tolerance, not always bit for bit (the m = 1 path may take another kernel). Throws
-/// lily::Error as launch_quant_gemv does, lily::InternalError for m outside [1, 8] or not
-/// exactly one output.
+/// cores (the streaming kernel where it applies, with the rows as 1–4 column blocks of eight
+/// that share each weight fragment; else the register-load one, eight rows per launch), 8-bit
+/// on CUDA cores (the tiled kernel where its staging fits). Results agree with
+/// launch_quant_gemv to its tolerance, not always bit for bit (the m = 1 path may take another
+/// kernel). Throws lily::Error as launch_quant_gemv does, lily::InternalError for m outside
+/// [1, kMaxDecodeRows] or not exactly one output.
 void launch_quant_gemv_rows(const DeviceQuant& w, const __nv_bfloat16* x, int m, __nv_bfloat16* y_bf16,
                             float* y_f32, cudaStream_t stream);
 
@@ -202,7 +207,7 @@ void launch_expert_down_combine(const DeviceQuant& down, int hidden, const int32
                                 cudaStream_t stream);
 
 /// Everything the fused decode MoE block (launch_moe_block_decode) reads and writes, for the
-/// `rows` tokens of one decode step (1 … kMaxDecodeRows, one per sequence). Weights as for
+/// `rows` tokens of one decode step (1 … kMaxMoeRows, one per sequence). Weights as for
 /// launch_add_rmsnorm_router_fused, launch_expert_gate_up and launch_expert_down_combine (the
 /// shared expert appended as expert n_experts). Row-major activations, row r at r·width.
 struct MoeDecodeArgs {
@@ -211,7 +216,7 @@ struct MoeDecodeArgs {
   DeviceQuant up;      ///< 4-bit [(n_experts + 1)·ffn, hidden]
   DeviceQuant down;    ///< 4-bit [(n_experts + 1)·hidden, ffn]
   int n_experts = 0, top_k = 0, ffn = 0;
-  int rows = 1;                        ///< tokens of the step, 1 … kMaxDecodeRows
+  int rows = 1;                        ///< tokens of the step, 1 … kMaxMoeRows
   FusedNorm norm;                      ///< the post-mixer add + RMSNorm (branch: the mixer output) [rows, hidden]
   const __nv_bfloat16* x = nullptr;    ///< bf16 [rows, hidden]: the residual before the add (≠ norm.x_out)
   float* logits = nullptr;             ///< fp32 [rows, n_experts + 1] (written, for probes)
@@ -250,10 +255,10 @@ std::string moe_block_unsupported(const MoeDecodeArgs& args, int max_blocks = 0)
 void launch_moe_block_decode(const MoeDecodeArgs& args, cudaStream_t stream, int max_blocks = 0);
 
 /// Why launch_moe_block_rows cannot run `args` ("" when it can): as moe_block_unsupported, with
-/// 1 … kMaxDecodeRows rows, and the stages for that many rows within one SM's shared memory.
+/// 1 … kMaxMoeRows rows, and the stages for that many rows within one SM's shared memory.
 std::string moe_block_rows_unsupported(const MoeDecodeArgs& args, int max_blocks = 0);
 
-/// The decode MoE block of the args.rows (1 … kMaxDecodeRows) rows of a batched decode step in
+/// The decode MoE block of the args.rows (1 … kMaxMoeRows) rows of a batched decode step in
 /// one launch, with launch_moe_block_decode's results per row to within rounding (the norm's
 /// Σh² and the router logits summed in other orders, the router on tensor cores, another k-split
 /// of the gate/up sums), and each row's results bit-identical whatever the other rows are: the step's rows are the MMA's columns (row r always column r), each distinct expert's

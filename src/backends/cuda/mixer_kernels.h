@@ -82,7 +82,7 @@ void gdn_decode(const GdnDims& dims, const GdnParams& params, const __nv_bfloat1
                 const __nv_bfloat16* z, const __nv_bfloat16* a, const __nv_bfloat16* b,
                 float* state, __nv_bfloat16* out, cudaStream_t stream);
 
-/// Batched GDN decode, step 1: gdn_conv_decode for `rows` (1 … 8) tokens, each of its own
+/// Batched GDN decode, step 1: gdn_conv_decode for `rows` (1 … kMaxDecodeRows) tokens, each of its own
 /// sequence, in one launch; row r's result is bit-identical to gdn_conv_decode on that row.
 ///   qkv     bf16 [rows, C]   row stride `qkv_stride` (≥ C) elements (the in-projection rows)
 ///   windows device array [rows] of bf16* [C, K-1]: row r's window (its sequence's, this layer's);
@@ -94,7 +94,7 @@ void gdn_conv_decode_rows(const GdnDims& dims, const GdnParams& params, int rows
                           int64_t qkv_stride, __nv_bfloat16* const* windows, __nv_bfloat16* out,
                           cudaStream_t stream);
 
-/// Batched GDN decode, step 2: gdn_decode for `rows` (1 … 8) tokens, each of its own sequence,
+/// Batched GDN decode, step 2: gdn_decode for `rows` (1 … kMaxDecodeRows) tokens, each of its own sequence,
 /// in one launch (grid: value head × cluster slice × row); row r's arithmetic is gdn_decode's on
 /// that row alone, so its output and new state are bit-identical to it.
 ///   conv_out bf16 [rows, C]        gdn_conv_decode_rows's output
@@ -240,7 +240,7 @@ void attention_decode(const AttnDims& dims, const __nv_bfloat16* q, const __nv_b
                       int n_splits, float* workspace, size_t workspace_bytes,
                       __nv_bfloat16* out, cudaStream_t stream);
 
-/// Batched decode, q/k preparation: attention_prepare of one token for each of `rows` (1 … 8)
+/// Batched decode, q/k preparation: attention_prepare of one token for each of `rows` (1 … kMaxDecodeRows)
 /// sequences in one launch; row r's token is at position pos[r] and its K/V go to caches[r]
 /// (row r's arithmetic is attention_prepare's with T = 1 at that position).
 ///   qg     bf16 [rows, nq, 2·D]  row stride `qg_stride`
@@ -261,7 +261,7 @@ void attention_prepare_rows(const AttnDims& dims, int rows, const __nv_bfloat16*
 /// attention_decode_workspace_bytes(dims, kMaxDecodeSplits).
 size_t attention_decode_rows_workspace_bytes(const AttnDims& dims, int rows);
 
-/// Batched decode attention: attention_decode for one token of each of `rows` (1 … 8)
+/// Batched decode attention: attention_decode for one token of each of `rows` (1 … kMaxDecodeRows)
 /// sequences of different lengths and caches, in one split launch and one combine launch
 /// (grids: kv head × split × row and query head × row). Row r uses its own length len[r], cache
 /// caches[r] and split count min(splits[r], max_splits), with partials in its own workspace

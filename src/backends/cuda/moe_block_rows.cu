@@ -78,11 +78,11 @@ constexpr int kMaxNormRows = 2 * kNormPair;
 constexpr int kNormWarps = kNormThreads / kWarp;
 static_assert(kNormPair == 2, "stage_norm_rows: two halves of the block");
 constexpr int kUsedWords = kMaxExperts / 32;  // the routed-expert bitmap
-static_assert(kMaxDecodeRows <= kMmaCols, "a step's rows are the MMA's columns");
+static_assert(kMaxMoeRows <= kMmaCols, "a step's rows are the MMA's columns");
 
 /// Shapes and shared-memory offsets (bytes) of the kernel; host and device compute the same.
 struct MoeLayout {
-  int rows = 1;                    ///< the step's rows (tokens), 1 … kMaxDecodeRows
+  int rows = 1;                    ///< the step's rows (tokens), 1 … kMaxMoeRows
   int hidden = 0, ffn = 0, n_sel = 0;
   int groups_h = 0, groups_f = 0;  ///< 64-groups per gate/up row, per down row
   int gu_per_slot = 0;             ///< gate/up tiles per expert: ffn / 8
@@ -533,8 +533,8 @@ MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
     p.why = "fused MoE block (rows): " + why;
     return p;
   };
-  if (a.rows < 1 || a.rows > kMaxDecodeRows)
-    return no(std::to_string(a.rows) + " rows (1 … " + std::to_string(kMaxDecodeRows) + " supported)");
+  if (a.rows < 1 || a.rows > kMaxMoeRows)
+    return no(std::to_string(a.rows) + " rows (1 … " + std::to_string(kMaxMoeRows) + " supported)");
   if (std::string why = shape_problem(a); !why.empty()) return no(why);
   auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   if (!aligned(a.x) || !aligned(a.norm.branch) || !aligned(a.norm.gain) || !aligned(a.norm.x_out) ||

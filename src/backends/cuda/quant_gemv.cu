@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2) quant_gemv_tiled_kernel(Devic
 
 constexpr int kMmaThreads = 256;
 constexpr int kMmaWarps = kMmaThreads / kWarp;
-static_assert(kMmaMaxTokens == kMaxDecodeRows, "the batched decode takes as many rows as the MMA GEMV");
+static_assert(kMaxDecodeRows <= 4 * kMmaMaxTokens, "the streaming GEMV's direct mode takes up to four column blocks");
 constexpr int kMmaBatch = 4;      // groups whose code words a warp has in flight
 
 /// Warps splitting the 64-groups of one tile (k-split): the largest power of two ≤ 8 that
@@ -332,17 +332,26 @@ constexpr int kStreamBlocksPerSm = 4;
 constexpr int64_t kStreamSmemPerSm = 112 * 1024;
 constexpr int64_t kStreamSmemMax = 227 * 1024;
 
-/// grid (about kStreamBlocksPerSm blocks per SM), block kStreamThreads; x [m, cols] (m ≤ 8),
-/// y [m, rows]; tiles of 16 rows strided over the grid, `stages` in flight per block; `pad` the
-/// chunk padding (kStreamChunkPad, or 0 for one unpadded copy). norm / conv as quant_gemv_kernel
-/// (m = 1). Requires cols % 512 == 0 and 16-byte aligned codes / scales / biases (stream_gemv_stages).
-/// kDirect (no norm, no conv): the activations are not staged; each warp reads its groups'
-/// fragments from x (stream_direct_fragments) and forms their Σx once with ones as the MMA's A
-/// operand, so the first tile's MMAs wait for no block-wide pass over the rows.
-template <class OutT, bool kDirect>
-__global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm) quant_stream_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x,
-                                                                           int m, OutT* __restrict__ y, FusedNorm norm,
-                                                                           FusedConv conv, int stages, int pad) {
+/// Blocks per SM of the streaming kernel for kBlocks column blocks: more accumulators per thread
+/// from two blocks on (16 floats at four), so fewer, larger-register blocks.
+__host__ __device__ constexpr int stream_blocks_per_sm(int column_blocks) {
+  return column_blocks <= 1 ? kStreamBlocksPerSm : 2;
+}
+
+/// grid (about stream_blocks_per_sm blocks per SM), block kStreamThreads; x [m, cols], y [m, rows];
+/// tiles of 16 rows strided over the grid, `stages` in flight per block; `pad` the chunk padding
+/// (kStreamChunkPad, or 0 for one unpadded copy). norm / conv as quant_gemv_kernel (m = 1).
+/// Requires cols % 512 == 0 and 16-byte aligned codes / scales / biases (stream_gemv_plan).
+/// Staged (!kDirect): m ≤ 8, the rows staged in shared memory (with the fused norm). kDirect (no
+/// norm, no conv; the batched decode's rows): m ≤ 8·kBlocks, the activations not staged: each
+/// warp reads its groups' fragments from x (stream_direct_fragments) and sums their Σx itself,
+/// so the first tile's MMAs wait for no block-wide pass over the rows; the rows are kBlocks
+/// column blocks of eight that share each weight fragment.
+template <class OutT, bool kDirect, int kBlocks>
+__global__ void __launch_bounds__(kStreamThreads, stream_blocks_per_sm(kBlocks))
+    quant_stream_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x, int m, OutT* __restrict__ y, FusedNorm norm,
+                             FusedConv conv, int stages, int pad) {
+  static_assert(kDirect || kBlocks == 1, "the staged mode takes one column block");
   extern __shared__ __align__(16) unsigned char sm[];
   const int cols = w.cols, groups = cols / kGroup, per_warp = groups / kStreamWarps;
   const StreamLayout l = stream_layout(cols, m, stages, pad, kDirect);
@@ -374,7 +383,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm) quant_stre
     // Σx of this warp's groups for every token (group_sum_x, as the staged kernel forms them),
     // so that a row here gets the same bits as the staged kernel gives it alone (the batched
     // decode is bit-identical to the one-sequence step). Only this warp reads them. All loads
-    // are issued before the shuffles.
+    // of a token are issued before its shuffles.
     for (int n = 0; n < m; ++n) {
       const bf16* xr = x + static_cast<int64_t>(n) * cols + lane;
       float v[kStreamMaxGroupsPerWarp], v32[kStreamMaxGroupsPerWarp];
@@ -405,15 +414,20 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm) quant_stre
     const unsigned char* stage = sm + l.ring + s * l.stage_bytes;
     mbarrier_wait(full + s, static_cast<uint32_t>(i / stages) & 1u);
     const StreamTileView v = stream_tile_view(stage, l, groups, g, t);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    stream_tile_slice<kDirect>(v, xperm, x, cols, m, g, t, g_begin, g_end, xs0, xs1, has0, has1, acc);
+    float acc[kBlocks][4] = {};
+    if constexpr (kDirect) stream_tile_slice_direct<kBlocks>(v, x, cols, m, g, t, g_begin, g_end, xsum, acc);
+    else stream_tile_slice(v, xperm, cols, m, g, t, g_begin, g_end, xs0, xs1, has0, has1, acc[0]);
 
+    // The k-slices add up in slice order: warps 1–7 leave their partials (one float4 per lane
+    // and column block) in one of two buffers, warp 0 adds them to its own.
     const int p = static_cast<int>(i & 1);
     const uint32_t round = static_cast<uint32_t>(i >> 1);
-    float4* partial = reinterpret_cast<float4*>(scratch) + p * kStreamWarps * kWarp;
+    float4* partial = reinterpret_cast<float4*>(scratch) + p * kBlocks * kStreamWarps * kWarp;  // [block][warp][lane]
     if (warp != 0) {
       if (i >= 2) mbarrier_wait(freed + p, (round - 1) & 1u);
-      partial[warp * kWarp + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+#pragma unroll
+      for (int c = 0; c < kBlocks; ++c)
+        partial[(c * kStreamWarps + warp) * kWarp + lane] = make_float4(acc[c][0], acc[c][1], acc[c][2], acc[c][3]);
       __syncwarp();
       if (lane == 0) mbarrier_arrive(ready + p);
       continue;
@@ -421,40 +435,48 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm) quant_stre
     mbarrier_wait(ready + p, round & 1u);  // every warp is done with this stage and its slice
     if (i + stages < my_tiles) stream_request_tile(w, i + stages, sm + l.ring + s * l.stage_bytes, l, full + s);
     for (int sl = 1; sl < kStreamWarps; ++sl) {
-      const float4 o = partial[sl * kWarp + lane];
-      acc[0] += o.x;
-      acc[1] += o.y;
-      acc[2] += o.z;
-      acc[3] += o.w;
+#pragma unroll
+      for (int c = 0; c < kBlocks; ++c) {
+        const float4 o = partial[(c * kStreamWarps + sl) * kWarp + lane];
+        acc[c][0] += o.x;
+        acc[c][1] += o.y;
+        acc[c][2] += o.z;
+        acc[c][3] += o.w;
+      }
     }
     __syncwarp();
     if (lane == 0) mbarrier_arrive(freed + p);
     const int64_t row_a = (blockIdx.x + i * gridDim.x) * int64_t{kMmaTileRows} + 4 * (g % 4) + g / 4;
-    store_mma_tile(acc, row_a, row_a + 2, t, m, w.rows, y, conv);
+#pragma unroll
+    for (int c = 0; c < kBlocks; ++c)
+      store_mma_tile(acc[c], row_a, row_a + 2, t, m - c * kMmaMaxTokens, w.rows, y + int64_t{c} * kMmaMaxTokens * w.rows,
+                     conv);
   }
 }
 
 struct StreamPlan {
   int stages = 0;  ///< 0: the streaming kernel does not apply
   bool direct = false;  ///< activations read from global memory (no norm, no conv; the batched rows)
+  int column_blocks = 1;  ///< column blocks of eight tokens (direct only: 1 … 4)
   int pad = 0;
   int blocks = 0;
   size_t smem = 0;
 };
 
-/// The streaming kernel's launch for a GEMV: 4-bit, m ≤ 8, cols % 512 == 0 (scale rows of whole
-/// 16-byte runs, an even split of the groups over 8 warps), 16-byte aligned arrays, and at least
-/// one stage within the shared memory of an SM; otherwise stages = 0.
+/// The streaming kernel's launch for a GEMV: 4-bit, m ≤ 8 (direct: m ≤ kMaxDecodeRows), cols % 512
+/// == 0 (scale rows of whole 16-byte runs, an even split of the groups over 8 warps), 16-byte
+/// aligned arrays, and at least one stage within the shared memory of an SM; otherwise stages = 0.
 StreamPlan stream_gemv_plan(const DeviceQuant& w, int m, bool direct = false) {
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   StreamPlan plan;
   plan.direct = direct;
-  if (w.bits != 4 || m > kMmaMaxTokens || w.cols % 512 != 0 || !aligned(w.codes) || !aligned(w.scales) ||
-      !aligned(w.biases))
+  if (w.bits != 4 || m > (direct ? kMaxDecodeRows : kMmaMaxTokens) || w.cols % 512 != 0 || !aligned(w.codes) ||
+      !aligned(w.scales) || !aligned(w.biases))
     return plan;
   plan.pad = kStreamChunkPad;
+  plan.column_blocks = direct ? stream_column_blocks(m) : 1;
   const int64_t tiles = ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows));
-  const int per_sm = kStreamBlocksPerSm;
+  const int per_sm = stream_blocks_per_sm(plan.column_blocks);
   plan.blocks = static_cast<int>(std::min<int64_t>(tiles, int64_t{sm_count()} * per_sm));
   const int64_t per_block = ceil_div(tiles, plan.blocks);
   const StreamLayout none = stream_layout(w.cols, m, 0, plan.pad, direct);
@@ -470,10 +492,18 @@ StreamPlan stream_gemv_plan(const DeviceQuant& w, int m, bool direct = false) {
 template <class OutT>
 void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, const StreamPlan& plan,
                           cudaStream_t stream, const FusedNorm& norm, const FusedConv& conv) {
-  auto kernel = plan.direct ? quant_stream_gemv_kernel<OutT, true> : quant_stream_gemv_kernel<OutT, false>;
-  raise_smem_limit(kernel, plan.smem);
-  launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,
-             plan.pad);
+  auto launch = [&](auto kernel) {
+    raise_smem_limit(kernel, plan.smem);
+    launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,
+               plan.pad);
+  };
+  if (!plan.direct) return launch(quant_stream_gemv_kernel<OutT, false, 1>);
+  switch (plan.column_blocks) {
+    case 1: return launch(quant_stream_gemv_kernel<OutT, true, 1>);
+    case 2: return launch(quant_stream_gemv_kernel<OutT, true, 2>);
+    case 3: return launch(quant_stream_gemv_kernel<OutT, true, 3>);
+    default: return launch(quant_stream_gemv_kernel<OutT, true, 4>);
+  }
 }
 
 /// Whether launch_quant_gemv takes the tensor-core kernel: 4-bit and m ≤ 8 (its staging then
@@ -512,7 +542,7 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
     // Without a fused norm or conv the activations need no staging: the direct mode reads them
     // where they are (for every m, so a token's result still does not depend on m).
     const bool direct = !norm.gain && conv.channels == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-    if (stream_gemv_enabled())
+    if (stream_gemv_enabled() && m <= kMmaMaxTokens)  // more rows: launch_quant_gemv_rows's column blocks
       if (const StreamPlan plan = stream_gemv_plan(w, m, direct); plan.stages > 0)
         return stream_gemv_dispatch(w, x, m, y, plan, stream, norm, conv);
     if (use_mma_gemv(w, m)) return mma_gemv_dispatch(w, x, m, y, stream, norm, conv);
@@ -542,18 +572,23 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
 /// The batched decode's GEMV (launch_quant_gemv_rows): a kernel chosen by the matrix alone, so
 /// that a token row's result never depends on m. 4-bit: the streaming kernel in its direct mode
 /// (activation fragments read from global memory by the warps that use them: no per-block
-/// staging of the m rows, whose shared memory and latency grew with m) when it applies, else
-/// the register-load MMA kernel; both compute each token column from that token's x alone, in
-/// an order fixed by the shape. 8-bit: the tiled CUDA-core
+/// staging of the m rows, whose shared memory and latency grew with m; the rows as column blocks
+/// of eight sharing each weight fragment) when it applies at kMaxDecodeRows rows, else the
+/// register-load MMA kernel, eight rows a launch; both compute each token column from that
+/// token's x alone, in an order fixed by the shape. 8-bit: the tiled CUDA-core
 /// kernel, also at m = 1 (its per-token arithmetic ignores the other tokens of the tile), or
 /// where its staging does not fit, the per-row CUDA-core kernel (grid.y = token) for every m.
 template <class OutT>
 void gemv_rows_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream) {
   if (w.bits == 4) {
-    if (stream_gemv_enabled() && stream_gemv_plan(w, kMmaMaxTokens, true).stages > 0 &&
+    if (stream_gemv_enabled() && stream_gemv_plan(w, kMaxDecodeRows, true).stages > 0 &&
         reinterpret_cast<uintptr_t>(x) % 16 == 0)
       return stream_gemv_dispatch(w, x, m, y, stream_gemv_plan(w, m, true), stream, FusedNorm{}, FusedConv{});
-    return mma_gemv_dispatch(w, x, m, y, stream, FusedNorm{}, FusedConv{});
+    // The register-load kernel takes eight rows a launch (each row's bits are its own).
+    for (int r0 = 0; r0 < m; r0 += kMmaMaxTokens)
+      mma_gemv_dispatch(w, x + int64_t{r0} * w.cols, std::min(kMmaMaxTokens, m - r0), y + int64_t{r0} * w.rows, stream,
+                        FusedNorm{}, FusedConv{});
+    return;
   }
   if (tiled_gemv_smem(w.cols) <= kMaxTiledSmem) return tiled_gemv_dispatch<8>(w, x, m, y, stream);
   gemv_dispatch<8>(w, x, m, y, stream);  // the tiled kernel does not fit: quant_gemv_kernel for any m
@@ -606,8 +641,9 @@ void launch_quant_gemv(const DeviceQuant& w, const bf16* x, bf16* y_bf16, float*
 void launch_quant_gemv_rows(const DeviceQuant& w, const bf16* x, int m, bf16* y_bf16, float* y_f32,
                             cudaStream_t stream) {
   check_quant(w, "quant_gemv_rows");
-  if ((y_bf16 == nullptr) == (y_f32 == nullptr) || m <= 0 || m > kMmaMaxTokens)
-    throw ::lily::InternalError("launch_quant_gemv_rows: exactly one output and 0 < m ≤ 8 required");
+  if ((y_bf16 == nullptr) == (y_f32 == nullptr) || m <= 0 || m > kMaxDecodeRows)
+    throw ::lily::InternalError("launch_quant_gemv_rows: exactly one output and 0 < m ≤ " +
+                                std::to_string(kMaxDecodeRows) + " required");
   if (y_f32) gemv_rows_dispatch(w, x, m, y_f32, stream);
   else gemv_rows_dispatch(w, x, m, y_bf16, stream);
 }

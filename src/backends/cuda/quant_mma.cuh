@@ -54,6 +54,30 @@ __device__ __forceinline__ void group_mma(const uint2& lo, const uint2& hi, cons
   }
 }
 
+/// group_mma for kBlocks column blocks of eight tokens against the same 16 weight rows: the A
+/// fragments are formed once per MMA step and block c's four MMAs (from zero, in group_mma's
+/// order) take bw0[c], bw1[c] into d[c]. An MMA's output column depends only on its own B
+/// column, so d[c] is the bits group_mma gives block c alone.
+template <bool kPlus128, int kBlocks>
+__device__ __forceinline__ void group_mma_blocks(const uint2& lo, const uint2& hi, const uint4 (&bw0)[kBlocks],
+                                                 const uint4 (&bw1)[kBlocks], float (&d)[kBlocks][4]) {
+  auto pair = [](uint32_t w) { return kPlus128 ? nibble_pair_bf16_plus128(w) : nibble_pair_bf16(w); };
+#pragma unroll
+  for (int c = 0; c < kBlocks; ++c) d[c][0] = d[c][1] = d[c][2] = d[c][3] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int s = 2 * (j % 2);
+    const uint32_t wl = j < 2 ? lo.x : lo.y, wh = j < 2 ? hi.x : hi.y;
+    const uint32_t a[4] = {pair(wl >> (4 * s)), pair(wh >> (4 * s)), pair(wl >> (4 * s + 4)), pair(wh >> (4 * s + 4))};
+#pragma unroll
+    for (int c = 0; c < kBlocks; ++c) {
+      const uint4& bw = j < 2 ? bw0[c] : bw1[c];
+      const uint32_t b[2] = {s == 0 ? bw.x : bw.z, s == 0 ? bw.y : bw.w};
+      mma_bf16_16816(d[c], a, b);
+    }
+  }
+}
+
 /// acc + (s·D + b·Σx) with every rounding explicit: one 64-group's affine term of a weight row
 /// (s, b its scale and bias, D the group's Σ q·x, x its Σx; docs/model.md §4.2). The streaming
 /// GEMV and both MoE blocks use it, so a row gets the same bits in whichever kernel or fragment

@@ -88,10 +88,15 @@ struct StreamLayout {
   int64_t total = 0;
 };
 
+/// Column blocks of eight tokens that the direct mode runs for m tokens (1 … 4).
+__host__ __device__ inline int stream_column_blocks(int m) { return (m + kMmaMaxTokens - 1) / kMmaMaxTokens; }
+
 /// `direct`: the activations are read from global memory (stream_direct_fragments), so there is
-/// no permuted copy and no staging area; Σx stays in shared memory.
+/// no permuted copy and no staging area; Σx stays in shared memory, for whole column blocks of
+/// eight tokens (m ≤ kMaxDecodeRows), and the k-slice partials hold every column block.
 __host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stages, int pad, bool direct = false) {
   const int groups = cols / kGroup;
+  const int blocks = direct ? stream_column_blocks(m) : 1;
   StreamLayout l;
   l.row_bytes = cols / 2;
   l.chunk_pitch = 4 * l.row_bytes + pad;
@@ -99,9 +104,9 @@ __host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stage
   l.ring = align16(int64_t{kStreamMaxStages + 4} * 8);  // mbarriers: full[stages], ready[2], freed[2]
   l.xperm = l.ring + stages * l.stage_bytes;
   l.xsum = l.xperm + (direct ? 0 : align16(int64_t{m} * cols * 2));
-  l.scratch = l.xsum + align16(int64_t{direct ? kMmaMaxTokens : m} * groups * 4);
+  l.scratch = l.xsum + align16(int64_t{direct ? blocks * kMmaMaxTokens : m} * groups * 4);
   const int64_t staging = direct ? 0 : int64_t{groups} * (kGroupStride + 1) * 4;
-  const int64_t partials = int64_t{2} * kStreamWarps * kWarp * 16;
+  const int64_t partials = int64_t{2} * blocks * kStreamWarps * kWarp * 16;
   l.total = l.scratch + align16(staging > partials ? staging : partials);
   return l;
 }
@@ -174,16 +179,13 @@ __device__ __forceinline__ void stream_direct_fragments(const bf16* __restrict__
                    __byte_perm(hi.y, hi.w, 0x7632));
 }
 
-/// Adds group G's contribution to acc (rows of slots g, g+8 × tokens 2t, 2t+1). The activation
-/// fragments come from the staged permuted rows (xperm), or with kDirect from x in global memory.
-template <bool kDirect>
-__device__ __forceinline__ void stream_group(const StreamTileView& v, const uint32_t* xperm, const bf16* x, int cols,
-                                             int m, int g, int t, int G, float sl, float bl, float sh, float bh,
-                                             float x0, float x1, float (&acc)[4]) {
+/// Adds group G's contribution to acc (rows of slots g, g+8 × tokens 2t, 2t+1), the activation
+/// fragments from the staged permuted rows xperm [m][cols / 2] (zeros for g ≥ m).
+__device__ __forceinline__ void stream_group(const StreamTileView& v, const uint32_t* xperm, int cols, int m, int g,
+                                             int t, int G, float sl, float bl, float sh, float bh, float x0, float x1,
+                                             float (&acc)[4]) {
   uint4 bw0 = make_uint4(0, 0, 0, 0), bw1 = make_uint4(0, 0, 0, 0);
-  if constexpr (kDirect) {
-    stream_direct_fragments(x, cols, m, g, t, G, bw0, bw1);
-  } else if (g < m) {
+  if (g < m) {
     const uint4* bp = reinterpret_cast<const uint4*>(xperm + g * (cols / 2) + G * 32 + t * 8);
     bw0 = bp[0];
     bw1 = bp[1];
@@ -202,11 +204,9 @@ __device__ __forceinline__ void stream_group(const StreamTileView& v, const uint
 /// One warp's k-slice of a 16-row tile: adds groups [g_begin, g_end) to acc (zero on entry) in
 /// ascending order, two groups per load of scales, biases and Σx. xs0 / xs1 are Σx of tokens 2t
 /// and 2t + 1 ([groups], read only when has0 / has1). The order depends on the shape alone.
-template <bool kDirect>
-__device__ __forceinline__ void stream_tile_slice(const StreamTileView& v, const uint32_t* xperm, const bf16* x,
-                                                  int cols, int m, int g, int t, int g_begin, int g_end,
-                                                  const float* xs0, const float* xs1, bool has0, bool has1,
-                                                  float (&acc)[4]) {
+__device__ __forceinline__ void stream_tile_slice(const StreamTileView& v, const uint32_t* xperm, int cols, int m,
+                                                  int g, int t, int g_begin, int g_end, const float* xs0,
+                                                  const float* xs1, bool has0, bool has1, float (&acc)[4]) {
   int G = g_begin;
 #pragma unroll 2
   for (; G + 2 <= g_end; G += 2) {  // two groups per load of scales, biases and Σx
@@ -216,14 +216,79 @@ __device__ __forceinline__ void stream_tile_slice(const StreamTileView& v, const
     const __nv_bfloat162 bh = *reinterpret_cast<const __nv_bfloat162*>(v.b_hi + G);
     const float2 x0 = has0 ? *reinterpret_cast<const float2*>(xs0 + G) : make_float2(0.0f, 0.0f);
     const float2 x1 = has1 ? *reinterpret_cast<const float2*>(xs1 + G) : make_float2(0.0f, 0.0f);
-    stream_group<kDirect>(v, xperm, x, cols, m, g, t, G, __low2float(sl), __low2float(bl), __low2float(sh),
-                          __low2float(bh), x0.x, x1.x, acc);
-    stream_group<kDirect>(v, xperm, x, cols, m, g, t, G + 1, __high2float(sl), __high2float(bl), __high2float(sh),
-                          __high2float(bh), x0.y, x1.y, acc);
+    stream_group(v, xperm, cols, m, g, t, G, __low2float(sl), __low2float(bl), __low2float(sh), __low2float(bh), x0.x,
+                 x1.x, acc);
+    stream_group(v, xperm, cols, m, g, t, G + 1, __high2float(sl), __high2float(bl), __high2float(sh),
+                 __high2float(bh), x0.y, x1.y, acc);
   }
   if (G < g_end)  // an odd group count per warp
-    stream_group<kDirect>(v, xperm, x, cols, m, g, t, G, to_f32(v.s_lo[G]), to_f32(v.b_lo[G]), to_f32(v.s_hi[G]),
-                          to_f32(v.b_hi[G]), has0 ? xs0[G] : 0.0f, has1 ? xs1[G] : 0.0f, acc);
+    stream_group(v, xperm, cols, m, g, t, G, to_f32(v.s_lo[G]), to_f32(v.b_lo[G]), to_f32(v.s_hi[G]),
+                 to_f32(v.b_hi[G]), has0 ? xs0[G] : 0.0f, has1 ? xs1[G] : 0.0f, acc);
+}
+
+/// The direct mode's group G for kBlocks column blocks (block c: tokens 8c …): each block's
+/// fragments read from x [m, cols] in global memory, the weight fragment formed once for all
+/// blocks (group_mma_blocks), then stream_group's epilogue per block (x0[c], x1[c]: Σx of tokens
+/// 8c + 2t and 8c + 2t + 1, 0 where absent). A token's bits do not depend on its block.
+template <int kBlocks>
+__device__ __forceinline__ void stream_group_direct(const StreamTileView& v, const bf16* x, int cols, int m, int g,
+                                                    int t, int G, float sl, float bl, float sh, float bh,
+                                                    const float (&x0)[kBlocks], const float (&x1)[kBlocks],
+                                                    float (&acc)[kBlocks][4]) {
+  uint4 bw0[kBlocks], bw1[kBlocks];
+#pragma unroll
+  for (int c = 0; c < kBlocks; ++c)
+    stream_direct_fragments(x + int64_t{c} * kMmaMaxTokens * cols, cols, m - c * kMmaMaxTokens, g, t, G, bw0[c], bw1[c]);
+  float d[kBlocks][4];
+  group_mma_blocks<true, kBlocks>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32),
+                                  *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0, bw1, d);
+  const float cl = __fmaf_rn(-128.0f, sl, bl), ch = __fmaf_rn(-128.0f, sh, bh);
+#pragma unroll
+  for (int c = 0; c < kBlocks; ++c) {
+    acc[c][0] = affine_add(acc[c][0], sl, d[c][0], cl, x0[c]);
+    acc[c][1] = affine_add(acc[c][1], sl, d[c][1], cl, x1[c]);
+    acc[c][2] = affine_add(acc[c][2], sh, d[c][2], ch, x0[c]);
+    acc[c][3] = affine_add(acc[c][3], sh, d[c][3], ch, x1[c]);
+  }
+}
+
+/// The direct mode's k-slice (stream_tile_slice's order: groups [g_begin, g_end) ascending, two
+/// per load of scales and biases) for kBlocks column blocks; xsum [m][groups] the tokens' Σx.
+template <int kBlocks>
+__device__ __forceinline__ void stream_tile_slice_direct(const StreamTileView& v, const bf16* x, int cols, int m,
+                                                         int g, int t, int g_begin, int g_end, const float* xsum,
+                                                         float (&acc)[kBlocks][4]) {
+  const int groups = cols / kGroup;
+  auto sums = [&](int c, int G, float (&x0)[kBlocks], float (&x1)[kBlocks]) {
+    const int n0 = c * kMmaMaxTokens + 2 * t;
+    x0[c] = n0 < m ? xsum[n0 * groups + G] : 0.0f;
+    x1[c] = n0 + 1 < m ? xsum[(n0 + 1) * groups + G] : 0.0f;
+  };
+  int G = g_begin;
+#pragma unroll 2
+  for (; G + 2 <= g_end; G += 2) {
+    const __nv_bfloat162 sl = *reinterpret_cast<const __nv_bfloat162*>(v.s_lo + G);
+    const __nv_bfloat162 bl = *reinterpret_cast<const __nv_bfloat162*>(v.b_lo + G);
+    const __nv_bfloat162 sh = *reinterpret_cast<const __nv_bfloat162*>(v.s_hi + G);
+    const __nv_bfloat162 bh = *reinterpret_cast<const __nv_bfloat162*>(v.b_hi + G);
+    float x0[kBlocks], x1[kBlocks], y0[kBlocks], y1[kBlocks];
+#pragma unroll
+    for (int c = 0; c < kBlocks; ++c) {
+      sums(c, G, x0, x1);
+      sums(c, G + 1, y0, y1);
+    }
+    stream_group_direct<kBlocks>(v, x, cols, m, g, t, G, __low2float(sl), __low2float(bl), __low2float(sh),
+                                 __low2float(bh), x0, x1, acc);
+    stream_group_direct<kBlocks>(v, x, cols, m, g, t, G + 1, __high2float(sl), __high2float(bl), __high2float(sh),
+                                 __high2float(bh), y0, y1, acc);
+  }
+  if (G < g_end) {  // an odd group count per warp
+    float x0[kBlocks], x1[kBlocks];
+#pragma unroll
+    for (int c = 0; c < kBlocks; ++c) sums(c, G, x0, x1);
+    stream_group_direct<kBlocks>(v, x, cols, m, g, t, G, to_f32(v.s_lo[G]), to_f32(v.b_lo[G]), to_f32(v.s_hi[G]),
+                                 to_f32(v.b_hi[G]), x0, x1, acc);
+  }
 }
 
 }  // namespace lily::cuda

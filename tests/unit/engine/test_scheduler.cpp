@@ -555,7 +555,7 @@ TEST(SchedulerBatching, MaxBatchAndStepTokensAreValidated) {
   }
   o.step_tokens = 1;
   Scheduler defaults(std::make_unique<FakeBackend>(), nullptr, o);
-  EXPECT_EQ(defaults.max_batch(), kDefaultMaxBatch);
+  EXPECT_EQ(defaults.max_batch(), 8);  // the base Backend's preferred_max_batch()
   auto one = std::make_unique<FakeBackend>();
   one->max_rows = 1;
   Scheduler single(std::move(one), nullptr, o);
