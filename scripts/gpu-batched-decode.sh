@@ -20,6 +20,8 @@
 #   LILY_GPU_STEPS=ab       with carry/base.tar (git archive of a baseline tree, built in
 #                           /tmp/lily-base): lily bench at LILY_GPU_CONTEXTS (default 256 2048)
 #                           and served streams (LILY_GPU_STREAMS, --max-batch 32), new then base
+#   LILY_GPU_STEPS=prof-gemv  Nsight Compute sections (stalls, memory) of the row GEMV at the first
+#                           of LILY_GPU_PROFILE_ROWS rows
 #   LILY_GPU_STEPS=prof     Nsight Compute: the kernels of one batched step of the 35b-a3b synth
 #                           at LILY_GPU_PROFILE_ROWS rows (default "8 32"), a table per row count
 #                           (scripts/ncu-decode-table.py)
@@ -36,7 +38,7 @@ status=0
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 targets=()
-{ has streams || has big || has throughput || has prof; } && targets+=(lily)
+{ has streams || has big || has throughput || has prof || has prof-gemv; } && targets+=(lily)
 for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
 gpu_build build.log "${targets[@]}"
 
@@ -69,7 +71,7 @@ for mode in off on; do
   grep -E "FAILED|Failure|Expected|Which is" "$OUT/ctest-gpu-$mode.log" | head -30
 done
 M=/tmp/lily-35b-tok
-if { has streams || has big || has throughput || has prof; } && [[ ! -f "$M/config.json" ]]; then
+if { has streams || has big || has throughput || has prof || has prof-gemv; } && [[ ! -f "$M/config.json" ]]; then
   timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
 fi
 if has throughput; then
@@ -87,6 +89,18 @@ if has prof; then
     ncu --import "/tmp/batch-$rows.ncu-rep" --csv --page raw --metrics gpu__time_duration.sum >"/tmp/batch-$rows.csv" 2>/dev/null &&
       python3 scripts/ncu-decode-table.py "/tmp/batch-$rows.csv" | tee "$OUT/prof-$rows-table.txt" | head -40
   done
+fi
+if has prof-gemv; then
+  # Stall reasons and memory traffic of the row GEMV at LILY_GPU_PROFILE_ROWS rows (one row count):
+  # three launches of the streaming kernel inside one profiled batched step.
+  rows="${LILY_GPU_PROFILE_ROWS%% *}"
+  echo "== ncu: the row GEMV in a batched step of $rows rows, 35b-a3b"
+  LILY_GPU_BIG_MODEL="$M" LILY_GPU_BATCH_PROFILE="$rows" timeout 300 ncu --clock-control none --profile-from-start off \
+    -k regex:quant_stream_gemv --launch-count 3 --section SpeedOfLight --section WarpStateStats --section Occupancy \
+    --section MemoryWorkloadAnalysis --section LaunchStats "$BUILD/tests/test_cuda_e2e" \
+    --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' >"$OUT/prof-gemv-$rows.txt" 2>&1 || status=1
+  grep -E "quant_stream_gemv|Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|L2 Hit|Stall|Issued Warp|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit|Dynamic Shared" \
+    "$OUT/prof-gemv-$rows.txt" | head -80
 fi
 if has big; then
   echo "== batched decode throughput, 35b-a3b"
