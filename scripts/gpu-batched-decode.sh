@@ -71,6 +71,24 @@ for mode in off on; do
   grep -E "FAILED|Failure|Expected|Which is" "$OUT/ctest-gpu-$mode.log" | head -30
 done
 M=/tmp/lily-35b-tok
+# serve_streams LABEL PORT LOG COMMAND...: starts COMMAND (a `lily serve` on PORT, output to LOG),
+# waits for /health, sends LILY_GPU_STREAMS (default "8 32") concurrent streams of
+# LILY_GPU_STREAM_TOKENS (default 128) tokens each (scripts/concurrent-streams.py), then stops it.
+serve_streams() {
+  local label="$1" port="$2" log="$3"
+  shift 3
+  "$@" >"$log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
+  for n in ${LILY_GPU_STREAMS:-8 32}; do
+    echo "== served streams, $label: $n × ${LILY_GPU_STREAM_TOKENS:-128} tokens"
+    timeout 120 python3 scripts/concurrent-streams.py --url "http://127.0.0.1:$port" --streams "$n" \
+      --tokens "${LILY_GPU_STREAM_TOKENS:-128}" 2>&1 | tail -3 || status=1
+  done
+  grep -E "prefix cache" "$log" | head -1
+  kill -INT "$pid"
+  wait "$pid"
+}
 if { has streams || has big || has throughput || has prof || has prof-gemv; } && [[ ! -f "$M/config.json" ]]; then
   timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
 fi
@@ -121,18 +139,9 @@ if has streams; then
   mb="${LILY_GPU_MAX_BATCH:-32}"  # "default": the server's own default (no --max-batch)
   batch_flags=(); [[ "$mb" != default ]] && batch_flags=(--max-batch "$mb")
   for mode in ${LILY_GPU_STREAM_MODES:-0 1}; do
-    port=$((18090 + mode))
-    env LILY_CUDA_BATCHED_DECODE=$mode ${batch_flags:+LILY_CUDA_MAX_BATCH=$mb} "$BUILD/lily" serve --backend cuda \
-      --model "$M" --port "$port" --max-seq 4096 "${batch_flags[@]}" >"$OUT/serve-batched-$mode.log" 2>&1 &
-    pid=$!
-    for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
-    for n in ${LILY_GPU_STREAMS:-8 32}; do
-      echo "== served streams: batched decode $mode, $n streams × ${LILY_GPU_STREAM_TOKENS:-128} tokens"
-      timeout 120 python3 scripts/concurrent-streams.py --url "http://127.0.0.1:$port" --streams "$n" \
-        --tokens "${LILY_GPU_STREAM_TOKENS:-128}" 2>&1 | tail -3 || status=1
-    done
-    grep -E "max.batch|running batch|prefix cache" "$OUT/serve-batched-$mode.log" | head -3
-    kill -INT "$pid"; wait "$pid"
+    serve_streams "batched decode $mode" $((18090 + mode)) "$OUT/serve-batched-$mode.log" \
+      env LILY_CUDA_BATCHED_DECODE=$mode ${batch_flags:+LILY_CUDA_MAX_BATCH=$mb} "$BUILD/lily" serve --backend cuda \
+      --model "$M" --port $((18090 + mode)) --max-seq 4096 "${batch_flags[@]}"
   done
 fi
 if has ab && [[ -f carry/base.tar ]]; then
@@ -152,16 +161,8 @@ if has ab && [[ -f carry/base.tar ]]; then
       echo "== $tree: lily bench --prompt-len $n"
       timeout 120 "$bin" bench --backend cuda --model "$M" --prompt-len "$n" --decode-steps 64 --rounds 3 2>&1 | tail -1
     done
-    LILY_CUDA_MAX_BATCH=32 "$bin" serve --backend cuda --model "$M" --port 18099 --max-seq 4096 --max-batch 32 \
-      >"$OUT/serve-ab-$tree.log" 2>&1 &
-    pid=$!
-    for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:18099/health" >/dev/null && break; sleep 0.5; done
-    for n in ${LILY_GPU_STREAMS:-8 32}; do
-      echo "== $tree: served streams, $n × ${LILY_GPU_STREAM_TOKENS:-128} tokens, --max-batch 32"
-      timeout 120 python3 scripts/concurrent-streams.py --url "http://127.0.0.1:18099" --streams "$n" \
-        --tokens "${LILY_GPU_STREAM_TOKENS:-128}" 2>&1 | tail -1 || status=1
-    done
-    kill -INT "$pid"; wait "$pid"
+    serve_streams "$tree, --max-batch 32" 18099 "$OUT/serve-ab-$tree.log" \
+      env LILY_CUDA_MAX_BATCH=32 "$bin" serve --backend cuda --model "$M" --port 18099 --max-seq 4096 --max-batch 32
   done
 fi
 echo "== gpu-batched-decode done, status $status"
