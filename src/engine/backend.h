@@ -233,7 +233,7 @@ struct CudaOptions {
   /// docs/cuda.md.
   std::string gemm_kernel = "wgmma-mixed";
   /// LILY_CUDA_BATCHED_DECODE 1|0: the decode rows of a step run together, through one batched
-  /// forward per group of ≤ 8 rows that reads each weight once for all of them (a lone row
+  /// forward per group of ≤ 32 rows that reads each dense weight once for all of them (a lone row
   /// through the one-sequence decode graph, whose bits every batched row reproduces); or (0)
   /// each decode row through the one-sequence decode graph in turn (docs/cuda.md, "Batched
   /// steps").
@@ -256,7 +256,7 @@ struct CudaOptions {
   static CudaOptions from_env();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
   /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
-  /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=0 chunk=4096 max-batch=8", for logs and reports.
+  /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=32", for logs and reports.
   std::string describe() const;
 };
 

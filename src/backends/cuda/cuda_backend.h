@@ -1,5 +1,5 @@
 // The CUDA backend (NVIDIA Hopper, sm_90a): the whole qwen3_5_moe forward pass on one GPU.
-// Weights are uploaded once (device_model.h). Prefill runs chunks of up to 2,048 tokens through
+// Weights are uploaded once (device_model.h). Prefill runs chunks of up to 4,096 tokens through
 // batched kernels, or (CudaOptions::batched_prefill = false) the decode graph per token
 // (docs/cuda.md).
 //
@@ -27,7 +27,7 @@
 // of an instantiation; with several sequences interleaved, each keeps its own exec.
 //
 // Batched decode (CudaOptions::batched_decode, the default): a step's one-token decode rows run
-// as one forward over B ≤ 8 rows instead, which gives every row the bits of the one-sequence
+// as one forward over B ≤ 32 rows instead, which gives every row the bits of the one-sequence
 // step (so a lone row takes that step's graph). Each row's token, position, length,
 // attention split count and state pointers travel in a pinned exchange block that the graph
 // copies in, so a captured batched step holds nothing of any state: its execs are keyed by B,
