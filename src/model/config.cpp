@@ -137,7 +137,7 @@ QuantizationConfig parse_quantization(const Ctx& ctx, const json& doc) {
                "mlp.shared_expert_gate may be overridden (to 8 bits)");
     const json* b = find_field(value, "bits");
     const json* g = find_field(value, "group_size");
-    if (!b || !g || *b != 8 || *g != 64 || value.size() != 2)
+    if (!b || !g || *b != 8 || *g != kQuantGroupSize || value.size() != 2)
       ctx.fail("quantization override for " + key + " is " + value.dump() +
                "; expected {\"group_size\": 64, \"bits\": 8}");
     out.eight_bit_modules.push_back(key);

@@ -161,7 +161,7 @@ ordered_json quantization_block(int layers) {
   q["mode"] = "affine";
   const ordered_json eight = {{"group_size", kQuantGroupSize}, {"bits", 8}};
   for (int i = 0; i < layers; ++i) {
-    const std::string p = "language_model.model.layers." + std::to_string(i) + ".";
+    const std::string p = layer_prefix(i);
     for (std::string_view module : kEightBitModules) q[p + std::string(module)] = eight;
   }
   return q;

@@ -106,7 +106,7 @@ void walk(const ModelConfig& config, Weights& weights, const Visitor& visit) {
   const int64_t V = config.vocab, H = config.hidden;
   t.quantized("language_model.model.embed_tokens", R::kEmbedding, {V, H}, -1, weights.embed_tokens);
   for (int i = 0; i < config.n_layers; ++i) {
-    const std::string p = "language_model.model.layers." + std::to_string(i) + ".";
+    const std::string p = layer_prefix(i);
     auto& l = weights.layers[i];
     t.bf16(p + "input_layernorm.weight", R::kInputNorm, {H}, i, l.input_layernorm);
     if (config.is_full_attention(i)) add_attention(t, config, p, i, l.attention);
@@ -194,6 +194,8 @@ bool is_eight_bit_module(std::string_view path) {
 }
 
 int quantized_bits(std::string_view name) { return is_eight_bit_module(name) ? 8 : 4; }
+
+std::string layer_prefix(int layer) { return "language_model.model.layers." + std::to_string(layer) + "."; }
 
 int64_t shape_numel(const std::vector<int64_t>& shape) {
   int64_t n = 1;

@@ -122,14 +122,17 @@ void for_each_tensor(const ModelWeights& weights, const ConstTensorVisitor& visi
 /// for_each_tensor does.
 std::vector<TensorSpec> tensor_table(const ModelConfig& config);
 
+/// The checkpoint-name prefix of decoder layer `layer`: "language_model.model.layers.<layer>.".
+std::string layer_prefix(int layer);
+
 /// Elements of a shape (the product of its dimensions; 1 for []). For a spec's logical shape,
 /// its parameter count.
 int64_t shape_numel(const std::vector<int64_t>& shape);
 /// Stored shape of the U32 codes of a quantized spec: [.., out, in·bits/32].
 std::vector<int64_t> packed_codes_shape(const TensorSpec& spec);
 /// Stored shape of the BF16 scales/biases of a quantized spec: [.., out, in/64].
-std::vector<int64_t> group_params_shape(const TensorSpec& spec, int group_size = 64);
+std::vector<int64_t> group_params_shape(const TensorSpec& spec, int group_size = kQuantGroupSize);
 /// Bytes the spec occupies on disk (codes + scales + biases, or the plain tensor as BF16/F32).
-int64_t stored_bytes(const TensorSpec& spec, int group_size = 64);
+int64_t stored_bytes(const TensorSpec& spec, int group_size = kQuantGroupSize);
 
 }  // namespace lily

@@ -72,6 +72,13 @@ inline std::vector<float> download_f32(const void* p, int64_t n) {
   return v;
 }
 inline std::vector<float> download_f32(const cuda::DeviceBuffer& d, int64_t n) { return download_f32(d.data(), n); }
+/// Waits for the device, then copies n int32 values back.
+inline std::vector<int32_t> download_i32(const cuda::DeviceBuffer& d, int64_t n) {
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<int32_t> v(n);
+  CUDA_CHECK(cudaMemcpy(v.data(), d.data(), n * 4, cudaMemcpyDeviceToHost));
+  return v;
+}
 /// Waits for the device, then copies n bf16 values back as floats.
 inline std::vector<float> download_bf16(const void* p, int64_t n) {
   CUDA_CHECK(cudaDeviceSynchronize());

@@ -630,12 +630,6 @@ void check_router_fused(const RouterFusedCase& c) {
   cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>(), m, nullptr, u_log.as<float>(), nullptr);
   cuda::launch_router_topk(u_log.as<float>(), m, E, k, u_ids.as<int32_t>(), u_w.as<float>(), nullptr);
 
-  auto download_i32 = [](const DeviceBuffer& d, size_t n) {
-    CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<int32_t> v(n);
-    cuda::download(v.data(), d.as<int32_t>(), n);
-    return v;
-  };
   const std::vector<float> ul = download_f32(u_log, n_log), uw = download_f32(u_w, n_sel);
   const std::vector<int32_t> uid = download_i32(u_ids, n_sel);
   // Twice: the second launch checks that the block counters were reset (graph replay).

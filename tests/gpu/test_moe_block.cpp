@@ -92,12 +92,6 @@ std::vector<uint32_t> bits_of(const std::vector<float>& v) {
   return b;
 }
 
-std::vector<int32_t> download_i32(const DeviceBuffer& d, int n) {
-  std::vector<int32_t> v(n);
-  cuda::download(v.data(), d.as<int32_t>(), v.size());
-  return v;
-}
-
 /// One fused launch of `rows` rows on `max_blocks` blocks (0: one per SM) against the fused
 /// router kernel on each row's inputs (the one-token block bit for bit; the rows kernel within
 /// rounding, its routing exactly that of its own logits) and the reference loops (within bf16

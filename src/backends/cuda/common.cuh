@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "backends/cuda/cuda_check.h"
+#include "model/config.h"
 
 namespace lily::cuda {
 
@@ -16,7 +17,7 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kWarp = 32;
 /// MLX affine quantization group size (docs/model.md §2.2); every kernel assumes it.
-constexpr int kGroup = 64;
+constexpr int kGroup = kQuantGroupSize;
 
 /// bf16 -> fp32 (exact).
 __device__ __forceinline__ float to_f32(bf16 v) { return __bfloat162float(v); }

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <string>
 
+#include "model/config.h"
+
 namespace lily::cuda {
 
 /// Dynamic shared memory (bytes) a kernel may use without opting in to more
@@ -34,7 +36,7 @@ struct DeviceQuant {
   int bits = 4;   ///< 4 or 8
 
   int words_per_row() const { return cols * bits / 32; }
-  int groups_per_row() const { return cols / 64; }
+  int groups_per_row() const { return cols / kQuantGroupSize; }
 };
 
 /// y[r] = Σ_c w[r,c]·x[c] for all rows r, per 64-group as s·Σ(q·x) + b·Σx in fp32 (docs/model.md

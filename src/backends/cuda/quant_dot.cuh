@@ -243,7 +243,7 @@ __device__ __forceinline__ void load_group(const DeviceQuant& w, int64_t row, in
                                            float& scale, float& bias) {
   if (row < 0) return;
   const int groups = w.cols / kGroup, wpr = w.cols * BITS / 32;
-  const uint4* gw = reinterpret_cast<const uint4*>(w.codes + row * wpr + g * (64 * BITS / 32));
+  const uint4* gw = reinterpret_cast<const uint4*>(w.codes + row * wpr + g * (kGroup * BITS / 32));
 #pragma unroll
   for (int v = 0; v < kGroupVecs<BITS>; ++v) q[v] = __ldg(gw + v);
   const int64_t sb = row * groups + g;
@@ -265,7 +265,7 @@ __device__ __forceinline__ void rows_partial(const DeviceQuant& w, const int64_t
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       if (row[j] < 0) continue;
-      const uint4* gw = reinterpret_cast<const uint4*>(w.codes + row[j] * wpr + g * (64 * BITS / 32));
+      const uint4* gw = reinterpret_cast<const uint4*>(w.codes + row[j] * wpr + g * (kGroup * BITS / 32));
       const int64_t sb = row[j] * groups + g;
       const float s = to_f32(w.scales[sb]), b = to_f32(w.biases[sb]);
       acc[j] += s * group_qdot<BITS>(gw, xs + g * kGroupStride) + b * xsum[g];

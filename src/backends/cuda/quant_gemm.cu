@@ -68,7 +68,7 @@ namespace lily::cuda {
 namespace {
 
 constexpr int kGemmThreads = 256;  // 8 warps: 2 along M (token rows) × 4 along N (weight rows)
-constexpr int kBK = 64;            // one quantization group per k-tile
+constexpr int kBK = kGroup;        // one quantization group per k-tile
 constexpr int kLd = kBK + 8;       // padded shared row: 72 bf16 = 144 B
 /// cp.async pipeline depth for a row-tile height (tiles in flight: stages − 1). Small BM means
 /// little arithmetic per weight byte (m ≤ 32, or experts with a few rows each at m = 256): deeper

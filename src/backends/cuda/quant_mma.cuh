@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "backends/cuda/mma.cuh"
+#include "model/config.h"
 
 namespace lily::cuda {
 
@@ -119,7 +120,7 @@ __device__ __forceinline__ void group_mma_8bit(const uint4& lo, const uint4& hi,
 /// and thread t's eight pairs of a group are [32G + 8t, 32G + 8t + 8).
 __host__ __device__ inline int fragment_pair_column(int i) {
   const int G = i / 32, tt = (i % 32) / 8, h = (i % 8) / 4, s = i % 4;
-  return G * 64 + 16 * tt + 8 * h + s;
+  return G * kQuantGroupSize + 16 * tt + 8 * h + s;
 }
 
 }  // namespace lily::cuda

@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kRouterThreads) router_gemm_kernel(const Devic
   pdl_prologue();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
-  const int groups = w.cols / 64;
+  const int groups = w.cols / kGroup;
   const int64_t row_lo = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock + warp * 16 + g, row_hi = row_lo + 8;
   // Rows and tokens past the end load a valid neighbour's data and store nothing.
   const int64_t load_lo = min(row_lo, w.rows - 1), load_hi = min(row_hi, w.rows - 1);
