@@ -20,8 +20,11 @@
 #   LILY_GPU_STEPS=ab       with carry/base.tar (git archive of a baseline tree, built in
 #                           /tmp/lily-base): lily bench at LILY_GPU_CONTEXTS (default 256 2048)
 #                           and served streams (LILY_GPU_STREAMS, --max-batch 32), new then base
-#   LILY_GPU_STEPS=prof-gemv  Nsight Compute sections (stalls, memory) of the row GEMV at the first
-#                           of LILY_GPU_PROFILE_ROWS rows
+#   LILY_GPU_STEPS=prof-gemv  Nsight Compute sections (stalls, memory) of the row GEMV (or of the
+#                           kernels LILY_GPU_PROF_KERNEL names, a regex) at the first of
+#                           LILY_GPU_PROFILE_ROWS rows
+#   LILY_GPU_STEPS=prof-source  Nsight Compute's per-instruction stall samples of that kernel
+#                           (build with LILY_GPU_CMAKE_FLAGS=-DCMAKE_CUDA_FLAGS=-lineinfo)
 #   LILY_GPU_STEPS=prof     Nsight Compute: the kernels of one batched step of the 35b-a3b synth
 #                           at LILY_GPU_PROFILE_ROWS rows (default "8 32"), a table per row count
 #                           (scripts/ncu-decode-table.py)
@@ -38,7 +41,7 @@ status=0
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 targets=()
-{ has streams || has big || has throughput || has prof || has prof-gemv; } && targets+=(lily)
+{ has streams || has big || has throughput || has prof || has prof-gemv || has prof-source; } && targets+=(lily)
 for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
 gpu_build build.log "${targets[@]}"
 
@@ -89,7 +92,7 @@ serve_streams() {
   kill -INT "$pid"
   wait "$pid"
 }
-if { has streams || has big || has throughput || has prof || has prof-gemv; } && [[ ! -f "$M/config.json" ]]; then
+if { has streams || has big || has throughput || has prof || has prof-gemv || has prof-source; } && [[ ! -f "$M/config.json" ]]; then
   timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
 fi
 if has throughput; then
@@ -111,14 +114,29 @@ fi
 if has prof-gemv; then
   # Stall reasons and memory traffic of the row GEMV at LILY_GPU_PROFILE_ROWS rows (one row count):
   # three launches of the streaming kernel inside one profiled batched step.
-  rows="${LILY_GPU_PROFILE_ROWS%% *}"
-  echo "== ncu: the row GEMV in a batched step of $rows rows, 35b-a3b"
+  rows="${LILY_GPU_PROFILE_ROWS%% *}" kernel="${LILY_GPU_PROF_KERNEL:-quant_stream_gemv}"
+  echo "== ncu: $kernel in a batched step of $rows rows, 35b-a3b"
   LILY_GPU_BIG_MODEL="$M" LILY_GPU_BATCH_PROFILE="$rows" timeout 300 ncu --clock-control none --profile-from-start off \
-    -k regex:quant_stream_gemv --launch-count 3 --section SpeedOfLight --section WarpStateStats --section Occupancy \
+    -k "regex:$kernel" --launch-count 3 --section SpeedOfLight --section WarpStateStats --section Occupancy \
     --section MemoryWorkloadAnalysis --section LaunchStats "$BUILD/tests/test_cuda_e2e" \
     --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' >"$OUT/prof-gemv-$rows.txt" 2>&1 || status=1
-  grep -E "quant_stream_gemv|Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|L2 Hit|Stall|Issued Warp|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit|Dynamic Shared" \
+  grep -E "$kernel|Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|L2 Hit|Stall|Issued Warp|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit|Dynamic Shared" \
     "$OUT/prof-gemv-$rows.txt" | head -80
+fi
+if has prof-source; then
+  # Per-instruction stall samples (Nsight Compute's source page, SASS with CUDA lines when the
+  # build has -lineinfo) of the first launch of LILY_GPU_PROF_KERNEL in a batched step.
+  rows="${LILY_GPU_PROFILE_ROWS%% *}" kernel="${LILY_GPU_PROF_KERNEL:-quant_stream_gemv}"
+  echo "== ncu source page: $kernel in a batched step of $rows rows, 35b-a3b"
+  rm -f /tmp/prof-source.ncu-rep
+  LILY_GPU_BIG_MODEL="$M" LILY_GPU_BATCH_PROFILE="$rows" timeout 300 ncu --clock-control none --profile-from-start off \
+    -k "regex:$kernel" --launch-count 1 --section SourceCounters --section WarpStateStats -o /tmp/prof-source \
+    "$BUILD/tests/test_cuda_e2e" --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' >"$OUT/prof-source.log" 2>&1 ||
+    status=1
+  ncu --import /tmp/prof-source.ncu-rep --page source --csv --print-source cuda,sass >"$OUT/prof-source.csv" 2>&1 ||
+    ncu --import /tmp/prof-source.ncu-rep --page source --csv >"$OUT/prof-source.csv" 2>&1
+  ncu --import /tmp/prof-source.ncu-rep --page details >"$OUT/prof-source-details.txt" 2>&1
+  wc -l "$OUT/prof-source.csv"; head -c 600 "$OUT/prof-source.csv"
 fi
 if has big; then
   echo "== batched decode throughput, 35b-a3b"

@@ -10,14 +10,15 @@ export PKG_CONFIG_PATH="$PWD/carry/deps/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CO
 BUILD="${LILY_GPU_BUILD:-build-gpu}"
 
 # gpu_build LOG TARGET...: configures $BUILD (Release, CUDA on, sm_90a) and builds the targets
-# with -j16, output to $OUT/LOG; prints the errors and exits 1 on failure, the time otherwise.
+# with -j16 (extra configure flags: LILY_GPU_CMAKE_FLAGS, e.g. -DCMAKE_CUDA_FLAGS=-lineinfo for
+# Nsight Compute's source view), output to $OUT/LOG; prints the errors and exits 1 on failure, the time otherwise.
 gpu_build() {
   local log="$OUT/$1"; shift
   local t0; t0=$(date +%s)
   rm -f "$BUILD/CMakeCache.txt"  # pick up changed carried .pc files and LILY_COMMIT
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON \
     -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 \
-    >"$log" 2>&1 || { tail -30 "$log"; echo "configure FAILED"; exit 1; }
+    ${LILY_GPU_CMAKE_FLAGS:-} >"$log" 2>&1 || { tail -30 "$log"; echo "configure FAILED"; exit 1; }
   echo "== build (-j16): $*"
   cmake --build "$BUILD" -j16 --target "$@" >>"$log" 2>&1 ||
     { grep -E "error|FAILED" "$log" | head -40; echo "build FAILED"; exit 1; }

@@ -228,7 +228,8 @@ struct MoeDecodeArgs {
   __nv_bfloat16* out = nullptr;        ///< bf16 [rows, hidden]: the MoE output
   uint32_t* barriers = nullptr;        ///< uint32 [2], zero before every launch (a memset in the graph)
   /// Diagnostics, null in production: per block, %globaltimer (ns) at each of the
-  /// kMoeTracePoints phase ends (entry, PDL wait, norm + router, (same), barrier 1, routing,
+  /// kMoeTracePoints phase ends (entry, PDL wait, norm (the rows kernel: its own row's norm),
+  /// router (the rows kernel: every row staged, its router logits), barrier 1, routing,
   /// requests, gate/up + SwiGLU, (same), barrier 2, act staged, down) → uint64 [blocks][kMoeTracePoints].
   uint64_t* trace = nullptr;
 };

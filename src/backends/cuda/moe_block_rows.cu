@@ -11,10 +11,12 @@
 // early as their addresses are known:
 //  1. before the PDL wait: the block's share of the router rows into registers and its first
 //     tiles of the shared expert (gate/up and down), whose addresses do not depend on the routing;
-//  2. after the wait: each block computes every row's normed activations itself (4 KB a row,
-//     two rows at a time, four from 6 rows on, each with the one-token block's norm) and, for
-//     each row, its share of the router logits (the one-token block's CUDA-core router rows, held in registers from
-//     before the wait), then grid barrier 1; warp r routes row r (route_token_keys), and every
+//  2. after the wait: block r mod G norms row r alone (the one-token block's norm), stores x_out
+//     and normed_out; after a grid barrier every block stages the normed rows from normed_out
+//     (bf16, 16-byte loads through L2, four rows at a time from 6 rows on) and computes, for each
+//     row, its share of the router logits (the one-token block's CUDA-core router rows, held in
+//     registers from before the wait; row e on block e mod G, so every block holds one or two),
+//     then grid barrier 1; warp r routes row r (route_token_keys), and every
 //     block lists the distinct experts of the step (the shared one first, then the routed ones
 //     in ascending id) and requests its first tiles;
 //  3. gate/up on tensor cores (quant_mma.cuh): a tile is 8 rows of one expert (16 MMA rows: the
@@ -32,14 +34,15 @@
 //
 // Grid barriers are counters in global memory that the caller zeroes before every launch (a
 // memset node at the start of the decode graph), so a replay never depends on the last one.
+// The first counter serves two barriers: the norms (G arrivals), then the router (2G).
 // All blocks are resident at once (one per SM, checked with the occupancy API), and a PDL
 // dependent launches only after every block has started, so the spin-waits cannot deadlock.
 //
 // Numerics: every row gets the one-token block's arithmetic (moe_block.cu), so a row's outputs
 // are the same bits as launch_moe_block_decode gives that token alone, and the batched decode
 // step is bit-identical to the one-sequence step: the norm is stage_norm_row's with the
-// 256-thread element mapping, the router logits RouterRows' (router_rows.cuh), the routing
-// route_token_keys'; a gate/up row sums the same sixteen ranges of groups (each from zero, in
+// 256-thread element mapping (and the staged copies hold its bf16 values), the router logits
+// RouterRows' (router_rows.cuh), the routing route_token_keys'; a gate/up row sums the same sixteen ranges of groups (each from zero, in
 // ascending group order, acc + (s·D + b·Σx) with explicit roundings), then adds the sixteen
 // partials in range order; act = bf16(silu(bf16(g))·bf16(u)); a down row sums every group in
 // ascending order, out = bf16(Σ_s w_s·bf16(d_s)) in slot order.
@@ -67,16 +70,11 @@ constexpr int kMaxQuadStages = 2;                 // gate/up ring slots per quad
 /// The one-token block's k-split of a gate/up tile is kBlockWarps group ranges; a quad's warp
 /// sums kRangesPerWarp of them, each on its own.
 constexpr int kRangesPerWarp = kBlockWarps / kQuadWarps;
-/// Block halves of kNormThreads threads; each half norms its own rows in phase 2 (stage_norm_rows).
-constexpr int kNormPair = kBlockThreads / kNormThreads;
-/// Rows phase 2 norms at once: kNormPair (one per half) for up to kNormQuadFrom − 1 rows, else
-/// twice that (two per half, their loads in flight together). The larger staging is taken only
-/// where it costs no co-residency: below 6 rows the block's shared memory leaves room for a
-/// block of the next GEMV, and the 4-row staging would take it.
-constexpr int kNormQuadFrom = 6;
-constexpr int kMaxNormRows = 2 * kNormPair;
-constexpr int kNormWarps = kNormThreads / kWarp;
-static_assert(kNormPair == 2, "stage_norm_rows: two halves of the block");
+/// Normed rows phase 2 stages at once: 2 up to kStageFourFrom − 1 rows, else 4. The larger
+/// staging is taken only where it costs no co-residency: below 6 rows the block's shared memory
+/// leaves room for a block of the next GEMV, and the 4-row staging would take it.
+constexpr int kStageFourFrom = 6;
+constexpr int kMaxStageRows = 4;
 constexpr int kUsedWords = kMaxExperts / 32;  // the routed-expert bitmap
 static_assert(kMaxMoeRows <= kMmaCols, "a step's rows are the MMA's columns");
 
@@ -90,7 +88,7 @@ struct MoeLayout {
   int dn_row_bytes = 0, dn_bytes = 0;
   int max_distinct = 0;            ///< distinct experts of a step at most: min(rows·k, E) + 1
   int quad_stages = 0, dn_stages = 0;  ///< gate/up ring slots per quad; down stages (one per warp)
-  int norm_rows = kNormPair;           ///< rows phase 2 norms at once (kNormPair or kMaxNormRows)
+  int norm_rows = 2;                   ///< normed rows phase 2 stages at once (2 or kMaxStageRows)
   int64_t bars = 0, sel_ids = 0, sel_w = 0, list = 0, slot_of = 0, word_prefix = 0;
   int64_t gu_ring = 0, aperm = 0, asum = 0, dn_ring = 0, xperm = 0, xsums = 0, gu_part = 0, dn_part = 0;
   int64_t total = 0;
@@ -115,7 +113,7 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   l.max_distinct = (rows * top_k < n_experts ? rows * top_k : n_experts) + 1;
   l.quad_stages = quad_stages;
   l.dn_stages = dn_stages;
-  l.norm_rows = rows >= kNormQuadFrom ? kMaxNormRows : kNormPair;
+  l.norm_rows = rows >= kStageFourFrom ? kMaxStageRows : 2;
   const int gu_stages = kQuads * quad_stages;
   const int pairs = rows * l.n_sel;  // (row, slot)
   int64_t o = 0;
@@ -219,47 +217,33 @@ __device__ __forceinline__ void store_tile_partial(float* p, const float (&acc)[
   }
 }
 
-/// Phase 2's norm of rows r0 … r0 + nr − 1 (nr ≤ kMaxNormRows) at once: half h of the block
-/// (kNormThreads threads) computes rows r0 + h and r0 + kNormPair + h, each exactly as
-/// stage_norm_row(…, kNormThreads) does a lone row when hidden ≤ kStageBatch · kNormThreads (its
-/// one-batch path): the same elements per thread in the same order, the same butterfly per warp,
-/// and the eight warp sums through the butterfly that block_sum runs (its other lanes hold zeros,
-/// so the sums are the same bits). A half's two rows are loaded together, so a pass of four rows
-/// pays one memory round trip. Row q's staging goes to xs0 + q·stride ([groups_h][kGroupStride],
-/// then its group sums [groups_h], stage_group_sums' arithmetic); block 0 (store) also writes
-/// x_out and normed_out. scratch: [kMaxNormRows / kNormPair][kBlockWarps]. All threads; ends with
-/// __syncthreads.
-__device__ __forceinline__ void stage_norm_rows(const MoeDecodeArgs& a, const MoeLayout& l, int r0, int nr, bool store,
-                                                float* xs0, int stride, float (*scratch)[kBlockWarps]) {
-  constexpr int kPerHalf = kMaxNormRows / kNormPair;
-  const int h = threadIdx.x / kNormThreads, i = threadIdx.x % kNormThreads;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, cols = l.hidden, groups = l.groups_h;
-  const FusedNorm& n = a.norm;
-  // This half's u-th row is row r0 + q, q = u·kNormPair + h (an inactive one, q ≥ nr, points at
-  // row r0 and touches nothing).
-  auto row_offset = [&](int q) { return int64_t{r0 + (q < nr ? q : 0)} * cols; };
-  NormRowRegs regs[kPerHalf];  // stage_norm_row's loads, sum order and stores for this half's rows
-  float ss[kPerHalf];
+/// Phase 2's staging of normed rows 0 … nr − 1 of `normed` (bf16 [nr][cols], written by other
+/// blocks of this launch before a grid barrier, so read through L2): row q as fp32 at
+/// xs0 + q·stride ([groups][kGroupStride], then its group sums [groups], stage_group_sums'
+/// arithmetic). The values are the bf16 normed values the norming block staged, so the staging
+/// is the same bits as that block's own. All threads; ends with __syncthreads.
+__device__ __forceinline__ void stage_normed_rows(const bf16* normed, int nr, int cols, float* xs0, int stride) {
+  constexpr int kInFlight = 4;  // 16-byte loads per thread issued before any is used
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, groups = cols / kGroup;
+  const int vecs = cols / 8, total = nr * vecs;
+  const uint4* src = reinterpret_cast<const uint4*>(normed);
+  for (int i0 = threadIdx.x; i0 < total; i0 += kInFlight * blockDim.x) {
+    uint4 v[kInFlight];
 #pragma unroll
-  for (int u = 0; u < kPerHalf; ++u) {  // every load of both rows issued before any sum
-    const int q = u * kNormPair + h;
-    const int64_t off = row_offset(q);
-    ss[u] = norm_row_load(a.x + off, n.branch ? n.branch + off : nullptr, n.gain, cols, i, kNormThreads, q < nr, regs[u]);
-  }
+    for (int u = 0; u < kInFlight; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i < total) v[u] = __ldcg(src + i);
+    }
 #pragma unroll
-  for (int u = 0; u < kPerHalf; ++u) {
-    const float w = warp_sum(ss[u]);
-    if (lane == 0) scratch[u][warp] = w;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int u = 0; u < kPerHalf; ++u) {
-    const int q = u * kNormPair + h;
-    if (u * kNormPair >= nr) break;  // uniform over the block
-    const float total = warp_sum(lane < kNormWarps ? scratch[u][h * kNormWarps + lane] : 0.0f);
-    const int64_t off = row_offset(q);
-    norm_row_store(regs[u], total, n.eps, cols, i, kNormThreads, q < nr, xs0 + q * stride,
-                   store ? n.x_out + off : nullptr, n.normed_out + off);
+    for (int u = 0; u < kInFlight; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i >= total) continue;
+      const int c = (i % vecs) * 8;
+      float* dst = xs0 + (i / vecs) * stride + (c / kGroup) * kGroupStride + c % kGroup;
+      const float4 lo = bf16x4_to_f32(v[u].x, v[u].y), hi = bf16x4_to_f32(v[u].z, v[u].w);
+      dst[0] = lo.x, dst[1] = lo.y, dst[2] = lo.z, dst[3] = lo.w;
+      dst[4] = hi.x, dst[5] = hi.y, dst[6] = hi.z, dst[7] = hi.w;
+    }
   }
   __syncthreads();
   for (int p = warp; p < nr * groups; p += kBlockWarps) {  // warp-uniform
@@ -312,7 +296,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   // Quad q's n-th gate/up tile is the block's tile i = q + 4n (global j = b + i·G), in its
   // stage q·QS + n mod QS; the quad's first warp requests its tiles.
   // This block's share of the router rows, into registers (the one-token block's split).
-  RouterRows<RBITS> router(a.router, int64_t{b} * kBlockWarps + warp, int64_t{G} * kBlockWarps);
+  // Router row e goes to block e mod G (warp e / G), so every block holds one or two rows and
+  // no block does sixteen rows' dot products for every token row while the rest wait at barrier 1.
+  RouterRows<RBITS> router(a.router, int64_t{warp} * G + b, int64_t{G} * kBlockWarps);
   if (wq == 0) {
     for (int n = 0; n < QS; ++n) {
       const int j = b + (quad + kQuads * n) * G;
@@ -323,28 +309,28 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   pdl_prologue();
   trace_point(a, 1);
 
-  // 2. Row after row: its normed activations (each block computes them itself; block 0 also
-  // stores x_out and normed_out) as the one-token block stages them, their fragment-order copy
-  // and group sums for the gate/up phase, and this block's share of the row's router logits.
+  // 2. Block b norms rows b, b + G, … alone (the one-token block's stage_norm_row: the same bits) and
+  // stores x_out and normed_out; after grid barrier 0 every block stages the m normed rows from
+  // normed_out, their fragment-order copy and group sums for the gate/up phase, and its share of
+  // every row's router logits; then grid barrier 1 (the same counter, its second round).
   uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);  // [row][hidden / 2]
   float* xsums = reinterpret_cast<float*>(sm + l.xsums);         // [row][groups_h]
   float* xs = reinterpret_cast<float*>(sm + l.gu_part);  // l.norm_rows rows' staging
   const int stride = l.groups_h * (kGroupStride + 1);     // floats: a row's xs, then its group sums
   const bool router_in_regs = router.holds_all(a.router);
-  const bool one_batch = l.hidden <= kStageBatch * kNormThreads;  // stage_norm_row's one-batch path
-  __shared__ float norm_scratch[kMaxNormRows / kNormPair][kBlockWarps];
-  for (int r0 = 0; r0 < m; r0 += one_batch ? l.norm_rows : 1) {
-    const int nr = one_batch ? min(l.norm_rows, m - r0) : 1;
-    if (one_batch) {
-      stage_norm_rows(a, l, r0, nr, b == 0, xs, stride, norm_scratch);
-    } else {
-      const int64_t off = int64_t{r0} * l.hidden;
-      FusedNorm norm = a.norm;
-      if (norm.branch) norm.branch += off;
-      norm.x_out += off;
-      norm.normed_out += off;
-      stage_norm_row(a.x + off, norm, l.hidden, b == 0, xs, xs + l.groups_h * kGroupStride, kNormThreads);
-    }
+  for (int r = b; r < m; r += G) {  // row r on block r mod G
+    const int64_t off = int64_t{r} * l.hidden;
+    FusedNorm norm = a.norm;
+    if (norm.branch) norm.branch += off;
+    norm.x_out += off;
+    norm.normed_out += off;
+    stage_norm_row(a.x + off, norm, l.hidden, true, xs, xs + l.groups_h * kGroupStride, kNormThreads);
+  }
+  trace_point(a, 2);
+  grid_sync(a.barriers, G);
+  for (int r0 = 0; r0 < m; r0 += l.norm_rows) {
+    const int nr = min(l.norm_rows, m - r0);
+    stage_normed_rows(a.norm.normed_out + int64_t{r0} * l.hidden, nr, l.hidden, xs, stride);
     for (int q = 0; q < nr; ++q) {
       const int r = r0 + q;
       const float* xs_r = xs + q * stride;
@@ -359,9 +345,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     }
     __syncthreads();  // the staging is reused by the next rows
   }
-  trace_point(a, 2);
   trace_point(a, 3);
-  grid_sync(a.barriers, G);
+  grid_sync(a.barriers, 2 * G);
   trace_point(a, 4);
   if (warp < m) {
     const float* logits = a.logits + int64_t{warp} * (E + 1);
@@ -433,15 +418,21 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     const int c0 = 2 * t, c1 = 2 * t + 1;
     const float* sum0 = c0 < m ? xsums + c0 * l.groups_h : nullptr;
     const float* sum1 = c1 < m ? xsums + c1 * l.groups_h : nullptr;
+    // The warp's ranges are independent sums, so their groups interleave (group `step` of every
+    // range, then the next): four MMA chains in flight instead of one, and each range still
+    // adds its own groups from zero in ascending order.
+    float acc[kRangesPerWarp][4] = {};
+    for (int step = 0; step < per_range; ++step) {
 #pragma unroll
-    for (int rg = 0; rg < kRangesPerWarp; ++rg) {
-      const int range = wq * kRangesPerWarp + rg;
-      const int g_begin = min(l.groups_h, range * per_range), g_end = min(l.groups_h, g_begin + per_range);
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      for (int Gi = g_begin; Gi < g_end; ++Gi)
-        group_columns(v, col, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
-      store_tile_partial(gu_part + range * kTileRows * m, acc, g, t, m);
+      for (int rg = 0; rg < kRangesPerWarp; ++rg) {
+        const int range = wq * kRangesPerWarp + rg;
+        const int Gi = range * per_range + step;
+        if (Gi < l.groups_h) group_columns(v, col, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc[rg]);
+      }
     }
+#pragma unroll
+    for (int rg = 0; rg < kRangesPerWarp; ++rg)
+      store_tile_partial(gu_part + (wq * kRangesPerWarp + rg) * kTileRows * m, acc[rg], g, t, m);
     quad_sync(quad);  // the tile's partials are complete and its stage is free
     if (wq == 0 && i + kQuads * QS < my_gu) {
       const int jn = j + kQuads * QS * G;
@@ -492,6 +483,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
         const float* sum0 = s0 >= 0 ? asum + (c0 * n_sel + s0) * l.groups_f : nullptr;
         const float* sum1 = s1 >= 0 ? asum + (c1 * n_sel + s1) * l.groups_f : nullptr;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        // Unrolled so that the next groups' loads and MMAs issue while this one's finish (only
+        // the affine adds are a chain; they stay in ascending group order).
+#pragma unroll 4
         for (int Gi = 0; Gi < l.groups_f; ++Gi)
           group_columns(v, col, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
         if (s0 >= 0) {
