@@ -551,9 +551,14 @@ void check_shapes(const ModelConfig& c) {
     throw ::lily::Error("CUDA backend: the kernels were not written for this model shape (" + c.shape_name() +
                         "): " + what);
   };
-  if (c.hidden % kQuantGroupSize != 0 || c.hidden > 8192) bad("hidden " + std::to_string(c.hidden) + " (need a multiple of 64, ≤ 8192)");
-  if (c.moe_ffn_dim % kQuantGroupSize != 0 || c.moe_ffn_dim > 8192) bad("moe_intermediate_size " + std::to_string(c.moe_ffn_dim));
-  if (c.n_experts > 1024 || c.n_experts_per_tok > 32) bad("more than 1024 experts or top-k above 32");
+  const std::string max_cols = std::to_string(kMaxGemvCols);
+  if (c.hidden % kQuantGroupSize != 0 || c.hidden > kMaxGemvCols)
+    bad("hidden " + std::to_string(c.hidden) + " (need a multiple of " + std::to_string(kQuantGroupSize) + ", ≤ " + max_cols + ")");
+  if (c.moe_ffn_dim % kQuantGroupSize != 0 || c.moe_ffn_dim > kMaxGemvCols)
+    bad("moe_intermediate_size " + std::to_string(c.moe_ffn_dim) + " (need a multiple of " + std::to_string(kQuantGroupSize) +
+        ", ≤ " + max_cols + ")");
+  if (c.n_experts > kMaxExperts || c.n_experts_per_tok > kMaxTopK)
+    bad("more than " + std::to_string(kMaxExperts) + " experts or top-k above " + std::to_string(kMaxTopK));
   // The expert down kernel stages every slot's activation row (moe_ffn_dim values, staged per
   // 64-group) in shared memory, within the default limit.
   if (routed_plus_shared_slots(c) * c.moe_ffn_dim / kQuantGroupSize * kStagedFloatsPerGroup * int(sizeof(float)) >

@@ -19,6 +19,15 @@ namespace lily::cuda {
 /// (cudaFuncAttributeMaxDynamicSharedMemorySize).
 inline constexpr int kDefaultSmemBytes = 48 * 1024;
 
+/// Widest activation row (values) the decode GEMVs, the router and the MoE kernels take: their
+/// per-warp group counts and shared-memory staging are sized for it.
+inline constexpr int kMaxGemvCols = 8192;
+
+/// Most routed experts, and the largest top-k, the router and MoE kernels take: the top-k keys
+/// are held per warp (kMaxExperts / 32 a lane) and the selections in fixed shared arrays.
+inline constexpr int kMaxExperts = 1024;
+inline constexpr int kMaxTopK = 32;
+
 /// fp32 values one staged 64-group of an activation row takes in shared memory (quant_dot.cuh):
 /// the 64 values padded to kGroupStride = 68, then the group's sum.
 inline constexpr int kStagedFloatsPerGroup = 69;
@@ -94,7 +103,7 @@ void launch_add_rmsnorm(__nv_bfloat16* x, const __nv_bfloat16* branch, const flo
 /// logits then the shared-expert gate logit. Picks the top_k largest logits (descending; ties to
 /// the lowest id; NaN never wins), weights w_k = softmax over the selected k (fp32). Writes
 /// ids [m, top_k + 1] and weights [m, top_k + 1]; slot top_k is the shared expert (id =
-/// n_experts) with weight sigmoid(shared gate logit). Requires n_experts ≤ 1024, top_k ≤ 32.
+/// n_experts) with weight sigmoid(shared gate logit). Requires n_experts ≤ kMaxExperts, top_k ≤ kMaxTopK.
 void launch_router_topk(const float* logits, int m, int n_experts, int top_k, int32_t* ids, float* weights,
                         cudaStream_t stream);
 
@@ -139,7 +148,7 @@ void launch_add_rmsnorm_gemv(const FusedNorm& norm, const __nv_bfloat16* x, cons
 /// logits fp32 [m, n_experts + 1] (also written, for probes); ids, weights [m, top_k + 1];
 /// `done` uint32 [m], zero before the first launch; the kernel leaves it zero again (so a
 /// captured graph can be replayed). Throws lily::Error for an unsupported matrix, rows ≠
-/// n_experts + 1, n_experts > 1024 or top_k > 32.
+/// n_experts + 1, n_experts > kMaxExperts or top_k > kMaxTopK.
 void launch_router_fused(const DeviceQuant& w, const __nv_bfloat16* x, int m, int n_experts, int top_k,
                          float* logits, int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream);
 /// launch_add_rmsnorm + launch_router_fused in one launch (decode, m = 1; see FusedNorm): the

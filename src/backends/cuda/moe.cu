@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kDownThreads) expert_down_combine_kernel(Devic
 }
 
 void check_expert_matrix(const DeviceQuant& w, const char* what) {
-  if ((w.bits != 4 && w.bits != 8) || w.cols % kGroup != 0 || w.cols <= 0 || w.cols > 8192)
+  if ((w.bits != 4 && w.bits != 8) || w.cols % kGroup != 0 || w.cols <= 0 || w.cols > kMaxGemvCols)
     throw ::lily::Error(std::string(what) + ": unsupported expert matrix (bits " + std::to_string(w.bits) +
                         ", cols " + std::to_string(w.cols) + ")");
 }

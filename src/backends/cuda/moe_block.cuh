@@ -145,7 +145,7 @@ __device__ __forceinline__ void trace_point(const MoeDecodeArgs& a, int point) {
 }
 
 /// Why neither fused kernel can run `a`'s matrices ("" when they can): 4-bit experts, a 4/8-bit
-/// router, 1 ≤ top-k ≤ min(32, E), E ≤ 1024, hidden a multiple of 256 (≤ 8192), ffn a
+/// router, 1 ≤ top-k ≤ min(kMaxTopK, E), E ≤ kMaxExperts, hidden a multiple of 256 (≤ kMaxGemvCols), ffn a
 /// multiple of 64, the stacked shapes, 16-byte aligned expert arrays. Host only.
 std::string shape_problem(const MoeDecodeArgs& a);
 

@@ -28,7 +28,6 @@ namespace {
 
 constexpr int kGemvThreads = 256;
 constexpr int kRowsUnroll = 4;  // rows per lane-group per step when there are many rows
-constexpr int kMaxCols = 8192;
 
 /// grid (blocks, m); x [m, cols]; y [m, rows]. With norm.gain non-null (m = 1), x goes through
 /// the add + RMSNorm of `norm` first (stage_norm_row); with conv.channels > 0 (m = 1), rows below
@@ -321,7 +320,7 @@ __global__ void __launch_bounds__(kMmaThreads) quant_mma_gemv_kernel(DeviceQuant
 // ---- 4-bit GEMV on tensor cores, weights streamed by bulk copies (decode, m ≤ 8 tokens) --------
 // The tile machinery and its arithmetic are stream_gemv.cuh's.
 
-static_assert(kMaxCols / kGroup / kStreamWarps <= kStreamMaxGroupsPerWarp, "every row width the GEMVs take");
+static_assert(kMaxGemvCols / kGroup / kStreamWarps <= kStreamMaxGroupsPerWarp, "every row width the GEMVs take");
 /// Blocks per SM the grid is sized for: enough warps to hide the arithmetic's latency (lm_head
 /// alone: 264, 159, 127 µs with 1, 2, 4 blocks per SM; decode in the graph 339, 352, 390 tok/s).
 constexpr int kStreamBlocksPerSm = 4;
@@ -595,9 +594,9 @@ void gemv_rows_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cud
 }
 
 void check_quant(const DeviceQuant& w, const char* what) {
-  if ((w.bits != 4 && w.bits != 8) || w.cols <= 0 || w.cols % kGroup != 0 || w.cols > kMaxCols || w.rows <= 0)
+  if ((w.bits != 4 && w.bits != 8) || w.cols <= 0 || w.cols % kGroup != 0 || w.cols > kMaxGemvCols || w.rows <= 0)
     throw ::lily::Error(std::string(what) + ": CUDA kernels support 4/8-bit matrices with cols a multiple of 64 and ≤ " +
-                        std::to_string(kMaxCols) + "; got bits=" + std::to_string(w.bits) +
+                        std::to_string(kMaxGemvCols) + "; got bits=" + std::to_string(w.bits) +
                         " rows=" + std::to_string(w.rows) + " cols=" + std::to_string(w.cols));
 }
 

@@ -6,11 +6,9 @@
 #include <climits>
 
 #include "backends/cuda/common.cuh"
+#include "backends/cuda/kernels.h"
 
 namespace lily::cuda {
-
-constexpr int kMaxExperts = 1024;
-constexpr int kMaxTopK = 32;
 
 /// Shared-memory scratch of route_token_warp.
 struct RouteScratch {
