@@ -44,7 +44,7 @@ std::unique_ptr<Backend> make_backend(BackendKind kind, std::shared_ptr<const Mo
 #ifdef LILY_HAVE_CUDA
       return make_cuda_backend(std::move(weights), cuda);
 #else
-      throw Error("--backend cuda: this build has no CUDA support");
+      throw Error("the CUDA backend was asked for, but this build has no CUDA support (nvcc was not found at build time)");
 #endif
     case BackendKind::kAuto:
 #ifdef LILY_HAVE_CUDA

@@ -130,7 +130,7 @@ MappedFile::MappedFile(const std::filesystem::path& path, bool map) : path_(path
     owned_.reset(static_cast<std::byte*>(std::aligned_alloc(page, rounded)));
     if (!owned_) {
       ::close(fd);
-      fail(path, "cannot allocate " + std::to_string(size_) + " bytes to read the file into memory (--no-mmap)");
+      fail(path, "cannot allocate " + std::to_string(size_) + " bytes to read the file into memory (weights read rather than mapped)");
     }
     uint64_t done = 0;
     while (done < size_) {

@@ -314,7 +314,7 @@ std::shared_ptr<const ModelWeights> load_model(const std::filesystem::path& dir,
     log_info("skipped " + std::to_string(skipped) + " vision_tower.*/mtp.* tensors (not used by the text model)");
   log_info("loaded " + dir.string() + " (" + config.shape_name() + ", " + std::to_string(v.consumed().size()) +
            " tensors, " + mib(ckpt->bytes_on_disk()) + " on disk) in " + time_buf + ": " +
-           mib(v.mapped_bytes()) + (options.mmap ? " mapped, " : " read into memory (--no-mmap), ") + mib(host_bytes) + " host copies, resident " +
+           mib(v.mapped_bytes()) + (options.mmap ? " mapped, " : " read into memory, ") + mib(host_bytes) + " host copies, resident " +
            mib(resident_bytes()));
   return weights;
 }

@@ -419,23 +419,23 @@ struct TokenizerStopIds {
   int64_t endoftext = -1;  ///< id of <|endoftext|>
 };
 
-/// Reads `--tokenizer` and checks its ids against the preset's vocabulary. Writes nothing, so a
+/// Reads the tokenizer file and checks its ids against the preset's vocabulary. Writes nothing, so a
 /// bad file is refused before the output directory is created or its old weights are removed.
 TokenizerStopIds check_tokenizer(const std::filesystem::path& file, const ordered_json& config) {
   std::error_code ec;
   if (!std::filesystem::exists(std::filesystem::symlink_status(file, ec)))
-    throw Error("--tokenizer " + file.string() + ": no such file");
+    throw Error("tokenizer file " + file.string() + ": no such file");
   std::string text;
   try {
     text = read_regular_file(file);  // a FIFO is refused instead of blocking in open(2)
   } catch (const Error& e) {
-    throw Error(std::string("--tokenizer ") + e.what());
+    throw Error(std::string("tokenizer file: ") + e.what());
   }
   nlohmann::json tok;
   try {
     tok = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
-    throw Error("--tokenizer " + file.string() + ": not valid JSON: " + e.what());
+    throw Error("tokenizer file " + file.string() + ": not valid JSON: " + e.what());
   }
   const int vocab = config["text_config"]["vocab_size"].get<int>();
   int64_t max_id = -1;
@@ -453,7 +453,7 @@ TokenizerStopIds check_tokenizer(const std::filesystem::path& file, const ordere
       if (content == "<|endoftext|>") endoftext = id;
     }
   if (max_id >= vocab)
-    throw Error("--tokenizer " + file.string() + " has token id " + std::to_string(max_id) +
+    throw Error("tokenizer file " + file.string() + " has token id " + std::to_string(max_id) +
                 ", outside this preset's vocabulary of " + std::to_string(vocab));
   return {im_end, endoftext};
 }
@@ -542,10 +542,10 @@ SynthPreset synth_preset(std::string_view name) {
 SynthResult write_synthetic_checkpoint(const SynthOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   SynthPreset preset = synth_preset(options.preset);
-  if (options.out.empty()) throw Error("synth: no output directory given (--out DIR)");
+  if (options.out.empty()) throw Error("synth: no output directory given");
   std::error_code ec;
   if (std::filesystem::exists(options.out, ec) && !std::filesystem::is_directory(options.out, ec))
-    throw Error("--out " + options.out.string() + " exists and is not a directory");
+    throw Error("output directory " + options.out.string() + " exists and is not a directory");
   std::optional<TokenizerStopIds> tokenizer_ids;
   if (!options.tokenizer.empty()) tokenizer_ids = check_tokenizer(options.tokenizer, preset.config);
   std::filesystem::create_directories(options.out, ec);
