@@ -200,7 +200,8 @@ class CudaState final : public SequenceState {
   /// The GDN buffers and n_attn K and V caches of `capacity` positions (the alignment padding
   /// between caches is not counted).
   int64_t bytes() const override {
-    return static_cast<int64_t>(windows.bytes() + states.bytes() + 2 * static_cast<size_t>(n_attn) * layer_bytes(attn, capacity));
+    return static_cast<int64_t>(windows.bytes() + states.bytes() +
+                                2 * static_cast<size_t>(n_attn) * layer_bytes(attn, capacity));
   }
 
   bf16* window(int gdn_index) const { return windows.as<bf16>() + gdn_index * window_elems; }
@@ -553,10 +554,11 @@ void check_shapes(const ModelConfig& c) {
   };
   const std::string max_cols = std::to_string(kMaxGemvCols);
   if (c.hidden % kQuantGroupSize != 0 || c.hidden > kMaxGemvCols)
-    bad("hidden " + std::to_string(c.hidden) + " (need a multiple of " + std::to_string(kQuantGroupSize) + ", ≤ " + max_cols + ")");
+    bad("hidden " + std::to_string(c.hidden) + " (need a multiple of " + std::to_string(kQuantGroupSize) + ", ≤ " +
+        max_cols + ")");
   if (c.moe_ffn_dim % kQuantGroupSize != 0 || c.moe_ffn_dim > kMaxGemvCols)
-    bad("moe_intermediate_size " + std::to_string(c.moe_ffn_dim) + " (need a multiple of " + std::to_string(kQuantGroupSize) +
-        ", ≤ " + max_cols + ")");
+    bad("moe_intermediate_size " + std::to_string(c.moe_ffn_dim) + " (need a multiple of " +
+        std::to_string(kQuantGroupSize) + ", ≤ " + max_cols + ")");
   if (c.n_experts > kMaxExperts || c.n_experts_per_tok > kMaxTopK)
     bad("more than " + std::to_string(kMaxExperts) + " experts or top-k above " + std::to_string(kMaxTopK));
   // The expert down kernel stages every slot's activation row (moe_ffn_dim values, staged per
@@ -649,7 +651,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<SequenceState> copy_to_host(const SequenceState& state) override {
     if (const auto* h = dynamic_cast<const CudaHostState*>(&state)) {
       if (h->owner != this) throw ::lily::Error("CUDA backend: the sequence state belongs to another backend");
-      return CudaState::from_host(*h, device_pool_, gdn_, attn_, n_gdn_, n_attn_, stream_)->to_host(pinned_arena_, stream_);
+      return CudaState::from_host(*h, device_pool_, gdn_, attn_, n_gdn_, n_attn_, stream_)
+          ->to_host(pinned_arena_, stream_);
     }
     return checked(const_cast<SequenceState&>(state)).to_host(pinned_arena_, copy_stream_);
   }
@@ -838,7 +841,8 @@ class CudaBackend final : public Backend {
     if (tokens.empty()) throw ::lily::Error("prefill: no tokens");
     for (int32_t t : tokens)
       if (t < 0 || t >= config().vocab)
-        throw ::lily::Error("token id " + std::to_string(t) + " is outside [0, " + std::to_string(config().vocab) + ")");
+        throw ::lily::Error("token id " + std::to_string(t) + " is outside [0, " + std::to_string(config().vocab) +
+                            ")");
     if (s.pos + static_cast<int64_t>(tokens.size()) > s.max_seq)
       throw ::lily::Error("sequence of " + std::to_string(s.pos + tokens.size()) + " tokens exceeds max_seq " +
                           std::to_string(s.max_seq));
@@ -966,17 +970,17 @@ class CudaBackend final : public Backend {
     // With LILY_CUDA_FUSE=0 the residual stays in x_ and the norms are separate kernels.
     const DeviceBuffer& resid = fuse_decode_ ? x_alt_ : x_;  // the residual right after an input/final norm's add
     for (int l = 0; l < c.n_layers; ++l) {
-      const DeviceLayer& L = model_->layers[l];
-      const FusedNorm in_norm = fused_norm(l == 0 ? nullptr : moe_out_.as<bf16>(), L.input_norm, x_alt_);
+      const DeviceLayer& lw = model_->layers[l];  // the layer's device weights
+      const FusedNorm in_norm = fused_norm(l == 0 ? nullptr : moe_out_.as<bf16>(), lw.input_norm, x_alt_);
       if (!fuse_decode_) separate_norm(in_norm);
-      if (L.type == LayerType::kLinearAttention) gdn_mixer(L, s, layer_slot_[l], in_norm);
-      else attention_mixer(L, s, layer_slot_[l], d_pos, d_len, in_norm);
+      if (lw.type == LayerType::kLinearAttention) gdn_mixer(lw, s, layer_slot_[l], in_norm);
+      else attention_mixer(lw, s, layer_slot_[l], d_pos, d_len, in_norm);
       if (probing) {
         if (l > 0) emit("layer_out", l - 1, pos, resid.as<bf16>(), c.hidden);
         emit("attn_norm", l, pos, normed_.as<bf16>(), c.hidden);
         emit("mixer_out", l, pos, mixer_out_.as<bf16>(), c.hidden);
       }
-      moe_block(L, l);
+      moe_block(lw, l);
       if (probing) {
         emit("ffn_norm", l, pos, normed_.as<bf16>(), c.hidden);
         emit_f32("router_logits", l, pos, router_logits_.as<float>(), c.n_experts);
@@ -1015,54 +1019,54 @@ class CudaBackend final : public Backend {
     return n;
   }
 
-  void gdn_mixer(const DeviceLayer& L, CudaState& s, int slot, const FusedNorm& in_norm) {
+  void gdn_mixer(const DeviceLayer& lw, CudaState& s, int slot, const FusedNorm& in_norm) {
     bf16* proj = proj_.as<bf16>();
     const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
     // Input norm + in-projection + causal conv step (on the q|k|v rows) in one launch.
     FusedConv conv;
     conv.channels = C;
-    conv.taps = L.gdn.conv_w;
+    conv.taps = lw.gdn.conv_w;
     conv.window = s.window(slot);
     conv.out = conv_out_.as<bf16>();
     if (fuse_decode_) {
-      launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.gdn_in, proj, nullptr, stream_, conv);
+      launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), lw.gdn_in, proj, nullptr, stream_, conv);
     } else {
-      launch_quant_gemv(L.gdn_in, normed_.as<bf16>(), proj, nullptr, stream_);
-      gdn_conv_decode(gdn_, L.gdn, proj, s.window(slot), conv_out_.as<bf16>(), stream_);
+      launch_quant_gemv(lw.gdn_in, normed_.as<bf16>(), proj, nullptr, stream_);
+      gdn_conv_decode(gdn_, lw.gdn, proj, s.window(slot), conv_out_.as<bf16>(), stream_);
     }
-    gdn_decode(gdn_, L.gdn, conv_out_.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, s.state(slot),
+    gdn_decode(gdn_, lw.gdn, conv_out_.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, s.state(slot),
                mixer_core_out_.as<bf16>(), stream_);
-    launch_quant_gemv(L.gdn_out, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
+    launch_quant_gemv(lw.gdn_out, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
   }
 
-  void attention_mixer(const DeviceLayer& L, CudaState& s, int slot, const int32_t* d_pos, const int32_t* d_len,
+  void attention_mixer(const DeviceLayer& lw, CudaState& s, int slot, const int32_t* d_pos, const int32_t* d_len,
                        const FusedNorm& in_norm) {
     bf16* proj = proj_.as<bf16>();
     const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim, kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
-    if (fuse_decode_) launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), L.attn_in, proj, nullptr, stream_);
-    else launch_quant_gemv(L.attn_in, normed_.as<bf16>(), proj, nullptr, stream_);
+    if (fuse_decode_) launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), lw.attn_in, proj, nullptr, stream_);
+    else launch_quant_gemv(lw.attn_in, normed_.as<bf16>(), proj, nullptr, stream_);
     const KvCacheView kv = s.kv(slot);
-    attention_prepare(attn_, 1, proj, L.attn_in.rows, proj + qg, proj + qg + kvw, L.attn_in.rows, L.q_norm, L.k_norm,
-                      0, d_pos, kv, q_out_.as<bf16>(), stream_);
+    attention_prepare(attn_, 1, proj, lw.attn_in.rows, proj + qg, proj + qg + kvw, lw.attn_in.rows, lw.q_norm,
+                      lw.k_norm, 0, d_pos, kv, q_out_.as<bf16>(), stream_);
     const int splits = attention_decode_splits(s.capacity);
     attention_decode(attn_, q_out_.as<bf16>(), proj, kv, 1, d_len, splits, attn_ws_.as<float>(), attn_ws_bytes_,
                      mixer_core_out_.as<bf16>(), stream_);
-    launch_quant_gemv(L.attn_out, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
+    launch_quant_gemv(lw.attn_out, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
   }
 
   /// The fused MoE block's arguments for layer `layer` (the post norm's add reads x_alt_ and
   /// mixer_out_, writes x_ and normed_; the output goes to moe_out_).
-  MoeDecodeArgs moe_args(const DeviceLayer& L, int layer) {
+  MoeDecodeArgs moe_args(const DeviceLayer& lw, int layer) {
     const ModelConfig& c = config();
     MoeDecodeArgs a;
-    a.router = L.router;
-    a.gate = L.gate;
-    a.up = L.up;
-    a.down = L.down;
+    a.router = lw.router;
+    a.gate = lw.gate;
+    a.up = lw.up;
+    a.down = lw.down;
     a.n_experts = c.n_experts;
     a.top_k = c.n_experts_per_tok;
     a.ffn = c.moe_ffn_dim;
-    a.norm = fused_norm(mixer_out_.as<bf16>(), L.post_norm, x_);
+    a.norm = fused_norm(mixer_out_.as<bf16>(), lw.post_norm, x_);
     a.x = x_alt_.as<bf16>();
     a.logits = router_logits_.as<float>();
     a.ids = expert_ids_.as<int32_t>();
@@ -1089,26 +1093,26 @@ class CudaBackend final : public Backend {
     return true;
   }
 
-  void moe_block(const DeviceLayer& L, int layer) {
+  void moe_block(const DeviceLayer& lw, int layer) {
     const ModelConfig& c = config();
     const int k = c.n_experts_per_tok;
-    if (fused_moe_) return launch_moe_block_decode(moe_args(L, layer), stream_);
+    if (fused_moe_) return launch_moe_block_decode(moe_args(lw, layer), stream_);
     // Post norm (x_alt_ + mixer_out_ → x_, normed_) + router GEMV + top-k in one launch (the logits
     // are still written, for the probes).
     if (fuse_decode_) {
-      launch_add_rmsnorm_router_fused(fused_norm(mixer_out_.as<bf16>(), L.post_norm, x_), x_alt_.as<bf16>(), L.router,
+      launch_add_rmsnorm_router_fused(fused_norm(mixer_out_.as<bf16>(), lw.post_norm, x_), x_alt_.as<bf16>(), lw.router,
                                       c.n_experts, k, router_logits_.as<float>(), expert_ids_.as<int32_t>(),
                                       expert_w_.as<float>(), router_done_.as<uint32_t>(), stream_);
     } else {
-      separate_norm(fused_norm(mixer_out_.as<bf16>(), L.post_norm, x_));
-      launch_quant_gemv(L.router, normed_.as<bf16>(), nullptr, router_logits_.as<float>(), stream_);
+      separate_norm(fused_norm(mixer_out_.as<bf16>(), lw.post_norm, x_));
+      launch_quant_gemv(lw.router, normed_.as<bf16>(), nullptr, router_logits_.as<float>(), stream_);
       launch_router_topk(router_logits_.as<float>(), 1, c.n_experts, k, expert_ids_.as<int32_t>(),
                          expert_w_.as<float>(), stream_);
     }
     const int n_sel = routed_plus_shared_slots(c);
-    launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, expert_ids_.as<int32_t>(), n_sel, normed_.as<bf16>(), 1,
+    launch_expert_gate_up(lw.gate, lw.up, c.moe_ffn_dim, expert_ids_.as<int32_t>(), n_sel, normed_.as<bf16>(), 1,
                           act_.as<bf16>(), stream_);
-    launch_expert_down_combine(L.down, c.hidden, expert_ids_.as<int32_t>(), expert_w_.as<float>(), n_sel,
+    launch_expert_down_combine(lw.down, c.hidden, expert_ids_.as<int32_t>(), expert_w_.as<float>(), n_sel,
                                act_.as<bf16>(), 1, moe_out_.as<bf16>(), stream_);
   }
 
@@ -1135,7 +1139,8 @@ class CudaBackend final : public Backend {
 
   /// The batched decode's device buffers and pinned exchange (allocated at its first step).
   struct BatchScratch {
-    explicit BatchScratch(const BatchLayout& l) : layout(l), in_host(l.bytes), next_host(kMaxDecodeRows * sizeof(int32_t)) {}
+    explicit BatchScratch(const BatchLayout& l)
+        : layout(l), in_host(l.bytes), next_host(kMaxDecodeRows * sizeof(int32_t)) {}
     BatchLayout layout;
     PinnedBytes in_host;    ///< the exchange block (BatchLayout), written before each launch
     PinnedBytes next_host;  ///< int32 [kMaxDecodeRows]: each row's next token, copied back by the graph
@@ -1164,7 +1169,7 @@ class CudaBackend final : public Backend {
   void allocate_batch_scratch() {
     if (batch_) return;
     const ModelConfig& c = config();
-    const int64_t R = kMaxDecodeRows;
+    const int64_t rows = kMaxDecodeRows;
     // Per-row widths as the one-token buffers have them (allocate_scratch; the prefill scratch
     // sizes its rows the same way).
     const int64_t proj_rows = static_cast<int64_t>(proj_.bytes() / sizeof(bf16));
@@ -1173,34 +1178,34 @@ class CudaBackend final : public Backend {
     auto bf = [](int64_t n) { return DeviceBuffer(std::max<int64_t>(n, 1) * sizeof(bf16)); };
     auto b = std::make_unique<BatchScratch>(BatchLayout(n_attn_, n_gdn_));
     b->in_dev = DeviceBuffer(b->layout.bytes);
-    b->next_dev = DeviceBuffer(R * sizeof(int32_t));
-    b->x = bf(R * c.hidden);
-    b->x_alt = bf(R * c.hidden);
-    b->normed = bf(R * c.hidden);
-    b->mixer_out = bf(R * c.hidden);
-    b->moe = bf(R * c.hidden);
-    b->proj = bf(R * proj_rows);
-    b->conv = bf(R * (n_gdn_ ? gdn_.conv_channels() : 1));
-    b->mix = bf(R * mix);
-    b->q = bf(R * attn_.n_heads * attn_.head_dim);
-    b->router = DeviceBuffer(R * routed_plus_shared_experts(c) * sizeof(float));
-    b->ids = DeviceBuffer(R * n_sel * sizeof(int32_t));
-    b->weights = DeviceBuffer(R * n_sel * sizeof(float));
-    b->act = bf(R * n_sel * c.moe_ffn_dim);
-    b->router_done = DeviceBuffer(R * sizeof(uint32_t));
+    b->next_dev = DeviceBuffer(rows * sizeof(int32_t));
+    b->x = bf(rows * c.hidden);
+    b->x_alt = bf(rows * c.hidden);
+    b->normed = bf(rows * c.hidden);
+    b->mixer_out = bf(rows * c.hidden);
+    b->moe = bf(rows * c.hidden);
+    b->proj = bf(rows * proj_rows);
+    b->conv = bf(rows * (n_gdn_ ? gdn_.conv_channels() : 1));
+    b->mix = bf(rows * mix);
+    b->q = bf(rows * attn_.n_heads * attn_.head_dim);
+    b->router = DeviceBuffer(rows * routed_plus_shared_experts(c) * sizeof(float));
+    b->ids = DeviceBuffer(rows * n_sel * sizeof(int32_t));
+    b->weights = DeviceBuffer(rows * n_sel * sizeof(float));
+    b->act = bf(rows * n_sel * c.moe_ffn_dim);
+    b->router_done = DeviceBuffer(rows * sizeof(uint32_t));
     b->router_done.fill_bytes(0);
     b->moe_barriers = DeviceBuffer(static_cast<size_t>(c.n_layers) * kMoeGroupsPerStep * kMoeBarriersPerLayer *
                                    sizeof(uint32_t));
-    b->logits = DeviceBuffer(R * c.vocab * sizeof(float));
+    b->logits = DeviceBuffer(rows * c.vocab * sizeof(float));
     const int64_t slots = argmax_scratch_slots(c.vocab);
-    b->argmax_v = DeviceBuffer(R * slots * sizeof(float));
-    b->argmax_i = DeviceBuffer(R * slots * sizeof(int32_t));
+    b->argmax_v = DeviceBuffer(rows * slots * sizeof(float));
+    b->argmax_i = DeviceBuffer(rows * slots * sizeof(int32_t));
     b->attn_ws_bytes = attention_decode_rows_workspace_bytes(attn_, kMaxDecodeRows);
     b->attn_ws = DeviceBuffer(b->attn_ws_bytes);
-    b->sample_work = DeviceBuffer(R * c.vocab * sizeof(float));
-    b->sample_weight = DeviceBuffer(R * c.vocab * sizeof(float));
-    b->sample_parts = DeviceBuffer(R * sample_scratch_slots(c.vocab) * sizeof(unsigned long long));
-    b->sample_args = DeviceBuffer(R * sizeof(SampleRowArgs));
+    b->sample_work = DeviceBuffer(rows * c.vocab * sizeof(float));
+    b->sample_weight = DeviceBuffer(rows * c.vocab * sizeof(float));
+    b->sample_parts = DeviceBuffer(rows * sample_scratch_slots(c.vocab) * sizeof(unsigned long long));
+    b->sample_args = DeviceBuffer(rows * sizeof(SampleRowArgs));
     batch_ = std::move(b);
   }
 
@@ -1272,11 +1277,11 @@ class CudaBackend final : public Backend {
   /// The fused MoE block's arguments for layer `layer` of a batched step, rows r0 … r0 + n − 1
   /// (n ≤ kMaxMoeRows, the group r0 / kMaxMoeRows with its own grid barriers): the post norm adds
   /// the mixer output to x (the residual) into x_out and normed; the output goes to moe.
-  MoeDecodeArgs batch_moe_args(const DeviceLayer& L, int layer, int r0, int n, const bf16* x, bf16* x_out) {
+  MoeDecodeArgs batch_moe_args(const DeviceLayer& lw, int layer, int r0, int n, const bf16* x, bf16* x_out) {
     BatchScratch& b = *batch_;
     const ModelConfig& c = config();
     const int64_t h = int64_t{r0} * c.hidden, sel = int64_t{r0} * routed_plus_shared_slots(c);
-    MoeDecodeArgs a = moe_args(L, layer);
+    MoeDecodeArgs a = moe_args(lw, layer);
     a.rows = n;
     a.norm.branch = b.mixer_out.as<bf16>() + h;
     a.norm.x_out = x_out + h;
@@ -1356,47 +1361,48 @@ class CudaBackend final : public Backend {
     if (batched_fused_moe_) CUDA_CHECK(cudaMemsetAsync(b.moe_barriers.data(), 0, b.moe_barriers.bytes(), stream_));
     launch_embed(model_->embed, batch_dev<int32_t>(lay.token), B, x, stream_);
     for (int l = 0; l < c.n_layers; ++l) {
-      const DeviceLayer& L = model_->layers[l];
+      const DeviceLayer& lw = model_->layers[l];  // the layer's device weights
       const int slot = layer_slot_[l];
       // x ← x + the previous layer's MoE output; normed = RMSNorm(x) · input gain.
-      launch_add_rmsnorm(x, l == 0 ? nullptr : moe, L.input_norm, normed, B, c.hidden, eps, stream_);
-      if (L.type == LayerType::kLinearAttention) {
+      launch_add_rmsnorm(x, l == 0 ? nullptr : moe, lw.input_norm, normed, B, c.hidden, eps, stream_);
+      if (lw.type == LayerType::kLinearAttention) {
         const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
-        const int64_t R = L.gdn_in.rows;  // proj row stride: q ‖ k ‖ v ‖ z ‖ a ‖ b
-        launch_quant_gemv_rows(L.gdn_in, normed, B, proj, nullptr, stream_);
-        gdn_conv_decode_rows(gdn_, L.gdn, B, proj, R, batch_dev<bf16* const>(lay.windows_of(slot)), b.conv.as<bf16>(),
-                             stream_);
-        gdn_decode_rows(gdn_, L.gdn, B, b.conv.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, R,
+        const int64_t proj_stride = lw.gdn_in.rows;  // proj row stride: q ‖ k ‖ v ‖ z ‖ a ‖ b
+        launch_quant_gemv_rows(lw.gdn_in, normed, B, proj, nullptr, stream_);
+        gdn_conv_decode_rows(gdn_, lw.gdn, B, proj, proj_stride, batch_dev<bf16* const>(lay.windows_of(slot)),
+                             b.conv.as<bf16>(), stream_);
+        gdn_decode_rows(gdn_, lw.gdn, B, b.conv.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, proj_stride,
                         batch_dev<float* const>(lay.states_of(slot)), mix, stream_);
-        launch_quant_gemv_rows(L.gdn_out, mix, B, mixer_out, nullptr, stream_);
+        launch_quant_gemv_rows(lw.gdn_out, mix, B, mixer_out, nullptr, stream_);
       } else {
-        const int64_t R = L.attn_in.rows;  // proj row stride: q|gate ‖ k ‖ v
-        const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim, kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
+        const int64_t proj_stride = lw.attn_in.rows;  // proj row stride: q|gate ‖ k ‖ v
+        const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim,
+                      kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
         const KvCacheView* caches = batch_dev<const KvCacheView>(lay.kv_of(slot));
-        launch_quant_gemv_rows(L.attn_in, normed, B, proj, nullptr, stream_);
-        attention_prepare_rows(attn_, B, proj, R, proj + qg, proj + qg + kvw, R, L.q_norm, L.k_norm,
-                               batch_dev<const int32_t>(lay.pos), caches, b.q.as<bf16>(), stream_);
-        attention_decode_rows(attn_, B, b.q.as<bf16>(), proj, R, caches, batch_dev<const int32_t>(lay.len),
+        launch_quant_gemv_rows(lw.attn_in, normed, B, proj, nullptr, stream_);
+        attention_prepare_rows(attn_, B, proj, proj_stride, proj + qg, proj + qg + kvw, proj_stride, lw.q_norm,
+                               lw.k_norm, batch_dev<const int32_t>(lay.pos), caches, b.q.as<bf16>(), stream_);
+        attention_decode_rows(attn_, B, b.q.as<bf16>(), proj, proj_stride, caches, batch_dev<const int32_t>(lay.len),
                               batch_dev<const int32_t>(lay.splits), max_splits, b.attn_ws.as<float>(), b.attn_ws_bytes,
                               mix, stream_);
-        launch_quant_gemv_rows(L.attn_out, mix, B, mixer_out, nullptr, stream_);
+        launch_quant_gemv_rows(lw.attn_out, mix, B, mixer_out, nullptr, stream_);
       }
       // MoE: x ← x + mixer output, normed = post norm; router + top-k; experts; combine → moe.
       // The fused block writes the new residual to the other buffer (its blocks all read x), one
       // launch per group of kMaxMoeRows rows (a row's bits do not depend on its group).
       if (batched_fused_moe_) {
         for (int r0 = 0; r0 < B; r0 += kMaxMoeRows)
-          launch_moe_block_rows(batch_moe_args(L, l, r0, std::min(kMaxMoeRows, B - r0), x, x_alt), stream_);
+          launch_moe_block_rows(batch_moe_args(lw, l, r0, std::min(kMaxMoeRows, B - r0), x, x_alt), stream_);
         std::swap(x, x_alt);
         continue;
       }
       const int k = c.n_experts_per_tok, n_sel = routed_plus_shared_slots(c);
-      launch_add_rmsnorm(x, mixer_out, L.post_norm, normed, B, c.hidden, eps, stream_);
-      launch_router_fused(L.router, normed, B, c.n_experts, k, b.router.as<float>(), b.ids.as<int32_t>(),
+      launch_add_rmsnorm(x, mixer_out, lw.post_norm, normed, B, c.hidden, eps, stream_);
+      launch_router_fused(lw.router, normed, B, c.n_experts, k, b.router.as<float>(), b.ids.as<int32_t>(),
                           b.weights.as<float>(), b.router_done.as<uint32_t>(), stream_);
-      launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, b.ids.as<int32_t>(), n_sel, normed, B, b.act.as<bf16>(),
+      launch_expert_gate_up(lw.gate, lw.up, c.moe_ffn_dim, b.ids.as<int32_t>(), n_sel, normed, B, b.act.as<bf16>(),
                             stream_);
-      launch_expert_down_combine(L.down, c.hidden, b.ids.as<int32_t>(), b.weights.as<float>(), n_sel,
+      launch_expert_down_combine(lw.down, c.hidden, b.ids.as<int32_t>(), b.weights.as<float>(), n_sel,
                                  b.act.as<bf16>(), B, moe, stream_);
     }
     launch_add_rmsnorm(x, moe, model_->final_norm, normed, B, c.hidden, eps, stream_);
@@ -1425,22 +1431,22 @@ class CudaBackend final : public Backend {
   /// Routed + shared experts of a chunk (ids/weights from the router already in p): per-row
   /// kernels, or with the tensor-core path: group the assignments by expert, grouped gate/up +
   /// SwiGLU, grouped down into per-slot rows, slot-order fp32 combine (deterministic).
-  void prefill_experts(const DeviceLayer& L, int T) {
+  void prefill_experts(const DeviceLayer& lw, int T) {
     const ModelConfig& c = config();
     PrefillScratch& p = *prefill_scratch_;
     const int n_sel = routed_plus_shared_slots(c), n_groups = routed_plus_shared_experts(c);
     if (!tensor_core_gemm_) {
-      launch_expert_gate_up(L.gate, L.up, c.moe_ffn_dim, p.ids.as<int32_t>(), n_sel, p.normed.as<bf16>(), T,
+      launch_expert_gate_up(lw.gate, lw.up, c.moe_ffn_dim, p.ids.as<int32_t>(), n_sel, p.normed.as<bf16>(), T,
                             p.act.as<bf16>(), stream_);
-      launch_expert_down_combine(L.down, c.hidden, p.ids.as<int32_t>(), p.weights.as<float>(), n_sel,
+      launch_expert_down_combine(lw.down, c.hidden, p.ids.as<int32_t>(), p.weights.as<float>(), n_sel,
                                  p.act.as<bf16>(), T, p.moe.as<bf16>(), stream_);
       return;
     }
     int32_t* grouping = p.grouping.as<int32_t>();
     launch_expert_grouping(p.ids.as<int32_t>(), T, n_sel, n_groups, grouping, stream_);
-    launch_quant_gemm_grouped_gate_up(L.gate, L.up, c.moe_ffn_dim, grouping, n_groups, p.normed.as<bf16>(), T, n_sel,
+    launch_quant_gemm_grouped_gate_up(lw.gate, lw.up, c.moe_ffn_dim, grouping, n_groups, p.normed.as<bf16>(), T, n_sel,
                                       p.act.as<bf16>(), stream_);
-    launch_quant_gemm_grouped_down(L.down, c.hidden, grouping, n_groups, p.act.as<bf16>(), T, n_sel,
+    launch_quant_gemm_grouped_down(lw.down, c.hidden, grouping, n_groups, p.act.as<bf16>(), T, n_sel,
                                    p.slot_out.as<bf16>(), stream_);
     launch_expert_combine(p.slot_out.as<bf16>(), p.weights.as<float>(), T, n_sel, c.hidden, p.moe.as<bf16>(), stream_);
   }
@@ -1496,8 +1502,8 @@ class CudaBackend final : public Backend {
     }
     // Head on the last row only, with decode numerics.
     const int64_t last = static_cast<int64_t>(T - 1) * c.hidden;
-    launch_add_rmsnorm(prefill_scratch_->x.as<bf16>() + last, prefill_scratch_->moe.as<bf16>() + last, model_->final_norm, normed_.as<bf16>(),
-                       1, c.hidden, c.rms_norm_eps, stream_);
+    launch_add_rmsnorm(prefill_scratch_->x.as<bf16>() + last, prefill_scratch_->moe.as<bf16>() + last,
+                       model_->final_norm, normed_.as<bf16>(), 1, c.hidden, c.rms_norm_eps, stream_);
     launch_quant_gemv(model_->lm_head, normed_.as<bf16>(), nullptr, logits_.as<float>(), stream_);
     launch_argmax(logits_.as<float>(), c.vocab, argmax_v_.as<float>(), argmax_i_.as<int32_t>(),
                   io_dev_.as<int32_t>() + kIoNextId, stream_);
@@ -1522,39 +1528,41 @@ class CudaBackend final : public Backend {
     const int k = c.n_experts_per_tok;
     launch_embed(model_->embed, p.tokens.as<int32_t>(), T, p.x.as<bf16>(), stream_);
     for (int l = 0; l < c.n_layers; ++l) {
-      const DeviceLayer& L = model_->layers[l];
-      launch_add_rmsnorm(p.x.as<bf16>(), l == 0 ? nullptr : p.moe.as<bf16>(), L.input_norm, p.normed.as<bf16>(), T,
+      const DeviceLayer& lw = model_->layers[l];  // the layer's device weights
+      launch_add_rmsnorm(p.x.as<bf16>(), l == 0 ? nullptr : p.moe.as<bf16>(), lw.input_norm, p.normed.as<bf16>(), T,
                          c.hidden, c.rms_norm_eps, stream_);
       bf16* proj = p.proj.as<bf16>();
-      if (L.type == LayerType::kLinearAttention) {
+      if (lw.type == LayerType::kLinearAttention) {
         const int slot = layer_slot_[l];
         const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
-        const int64_t R = L.gdn_in.rows;
-        prefill_project(L.gdn_in, p.normed.as<bf16>(), T, proj);
-        gdn_conv_prefill(gdn_, L.gdn, T, proj, R, s.window(slot), p.conv.as<bf16>(), stream_);
-        gdn_prefill(gdn_, L.gdn, T, p.conv.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, R, s.state(slot),
-                    p.mix.as<bf16>(), stream_, p.gdn_ws.bytes() ? p.gdn_ws.as<float>() : nullptr, p.gdn_ws.bytes());
-        prefill_project(L.gdn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>());
+        const int64_t proj_stride = lw.gdn_in.rows;
+        prefill_project(lw.gdn_in, p.normed.as<bf16>(), T, proj);
+        gdn_conv_prefill(gdn_, lw.gdn, T, proj, proj_stride, s.window(slot), p.conv.as<bf16>(), stream_);
+        gdn_prefill(gdn_, lw.gdn, T, p.conv.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, proj_stride,
+                    s.state(slot), p.mix.as<bf16>(), stream_, p.gdn_ws.bytes() ? p.gdn_ws.as<float>() : nullptr,
+                    p.gdn_ws.bytes());
+        prefill_project(lw.gdn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>());
       } else {
-        const int64_t R = L.attn_in.rows;
-        const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim, kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
+        const int64_t proj_stride = lw.attn_in.rows;
+        const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim,
+                      kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
         const KvCacheView kv = s.kv(layer_slot_[l]);
-        prefill_project(L.attn_in, p.normed.as<bf16>(), T, proj);
-        attention_prepare(attn_, T, proj, R, proj + qg, proj + qg + kvw, R, L.q_norm, L.k_norm, s.pos, nullptr, kv,
-                          p.q.as<bf16>(), stream_);
-        attention_prefill(attn_, T, s.pos, p.q.as<bf16>(), proj, R, kv, p.mix.as<bf16>(), stream_);
-        prefill_project(L.attn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>());
+        prefill_project(lw.attn_in, p.normed.as<bf16>(), T, proj);
+        attention_prepare(attn_, T, proj, proj_stride, proj + qg, proj + qg + kvw, proj_stride, lw.q_norm, lw.k_norm,
+                          s.pos, nullptr, kv, p.q.as<bf16>(), stream_);
+        attention_prefill(attn_, T, s.pos, p.q.as<bf16>(), proj, proj_stride, kv, p.mix.as<bf16>(), stream_);
+        prefill_project(lw.attn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>());
       }
-      launch_add_rmsnorm(p.x.as<bf16>(), p.branch.as<bf16>(), L.post_norm, p.normed.as<bf16>(), T, c.hidden,
+      launch_add_rmsnorm(p.x.as<bf16>(), p.branch.as<bf16>(), lw.post_norm, p.normed.as<bf16>(), T, c.hidden,
                          c.rms_norm_eps, stream_);
       // fp32 router logits with the GEMV's affine formula on both paths; on the tensor-core path
       // (8-bit router) as a GEMM over the chunk's tokens, else as the token-tiled GEMV.
-      if (tensor_core_gemm_ && router_gemm_supported(L.router))
-        launch_router_gemm(L.router, p.normed.as<bf16>(), T, p.router.as<float>(), stream_);
+      if (tensor_core_gemm_ && router_gemm_supported(lw.router))
+        launch_router_gemm(lw.router, p.normed.as<bf16>(), T, p.router.as<float>(), stream_);
       else
-        launch_quant_gemv_batched(L.router, p.normed.as<bf16>(), T, nullptr, p.router.as<float>(), stream_);
+        launch_quant_gemv_batched(lw.router, p.normed.as<bf16>(), T, nullptr, p.router.as<float>(), stream_);
       launch_router_topk(p.router.as<float>(), T, c.n_experts, k, p.ids.as<int32_t>(), p.weights.as<float>(), stream_);
-      prefill_experts(L, T);
+      prefill_experts(lw, T);
     }
   }
 
