@@ -15,8 +15,9 @@
 //     and normed_out; after a grid barrier every block stages the normed rows from normed_out
 //     (bf16, 16-byte loads through L2, four rows at a time from 6 rows on) and computes, for each
 //     row, its share of the router logits (the one-token block's CUDA-core router rows, held in
-//     registers from before the wait; row e on block e mod G, so every block holds one or two),
-//     then grid barrier 1; warp r routes row r (route_token_keys), and every
+//     registers from before the wait; row e on block e mod G, so every block holds one or two,
+//     each held by eight warps that take a token row each), then grid barrier 1; the logits go
+//     to shared memory in one round trip, warp r routes row r (route_token_keys), and every
 //     block lists the distinct experts of the step (the shared one first, then the routed ones
 //     in ascending id) and requests its first tiles;
 //  3. gate/up on tensor cores (quant_mma.cuh): a tile is 8 rows of one expert (16 MMA rows: the
@@ -74,6 +75,11 @@ constexpr int kRangesPerWarp = kBlockWarps / kQuadWarps;
 /// staging is taken only where it costs no co-residency: below 6 rows the block's shared memory
 /// leaves room for a block of the next GEMV, and the 4-row staging would take it.
 constexpr int kStageFourFrom = 6;
+/// Phase 2's router split: kRouterRowWarps warps of a block hold distinct router rows, and each
+/// row is held by kRouterTokenWarps warps, warp w computing the token rows ≡ w / kRouterRowWarps
+/// (mod kRouterTokenWarps).
+constexpr int kRouterRowWarps = 2;
+constexpr int kRouterTokenWarps = kBlockWarps / kRouterRowWarps;
 constexpr int kMaxStageRows = 4;
 constexpr int kUsedWords = kMaxExperts / 32;  // the routed-expert bitmap
 static_assert(kMaxMoeRows <= kMmaCols, "a step's rows are the MMA's columns");
@@ -296,9 +302,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   // Quad q's n-th gate/up tile is the block's tile i = q + 4n (global j = b + i·G), in its
   // stage q·QS + n mod QS; the quad's first warp requests its tiles.
   // This block's share of the router rows, into registers (the one-token block's split).
-  // Router row e goes to block e mod G (warp e / G), so every block holds one or two rows and
-  // no block does sixteen rows' dot products for every token row while the rest wait at barrier 1.
-  RouterRows<RBITS> router(a.router, int64_t{warp} * G + b, int64_t{G} * kBlockWarps);
+  // Router row e goes to block e mod G, where the warps w ≡ e / G (mod kRouterRowWarps) all hold
+  // it, each for its own token rows (below): a row's dot products for eight token rows run on
+  // eight warps at once, and no block holds more rows than another.
+  RouterRows<RBITS> router(a.router, int64_t{warp % kRouterRowWarps} * G + b, int64_t{G} * kRouterRowWarps);
   if (wq == 0) {
     for (int n = 0; n < QS; ++n) {
       const int j = b + (quad + kQuads * n) * G;
@@ -318,6 +325,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   float* xs = reinterpret_cast<float*>(sm + l.gu_part);  // l.norm_rows rows' staging
   const int stride = l.groups_h * (kGroupStride + 1);     // floats: a row's xs, then its group sums
   const bool router_in_regs = router.holds_all(a.router);
+  bool router_fresh = true;  // the registers still hold the first group loaded before the wait
   for (int r = b; r < m; r += G) {  // row r on block r mod G
     const int64_t off = int64_t{r} * l.hidden;
     FusedNorm norm = a.norm;
@@ -341,19 +349,36 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
         xperm[int64_t{r} * half_h + i] = pack_bf16x2(xg[0], xg[4]);
       }
       for (int i = threadIdx.x; i < l.groups_h; i += blockDim.x) xsums[r * l.groups_h + i] = xsum_r[i];
-      router.compute(a.router, xs_r, xsum_r, a.logits + int64_t{r} * (E + 1), r == 0 || router_in_regs);
+      if (r % kRouterTokenWarps == warp / kRouterRowWarps) {  // this warp's token rows
+        router.compute(a.router, xs_r, xsum_r, a.logits + int64_t{r} * (E + 1), router_fresh || router_in_regs);
+        router_fresh = false;
+      }
     }
     __syncthreads();  // the staging is reused by the next rows
   }
   trace_point(a, 3);
   grid_sync(a.barriers, 2 * G);
   trace_point(a, 4);
+  // Every row's logits into shared memory in one round trip (the row staging is free until the
+  // gate/up partials use it; they take more room), then warp r routes row r from there.
+  const bool logits_staged = E + 1 <= kQuads * kBlockWarps * kTileRows;
+  if (logits_staged) {
+#pragma unroll 4
+    for (int i = threadIdx.x; i < m * (E + 1); i += blockDim.x) xs[i] = __ldcg(a.logits + i);
+    __syncthreads();
+  }
   if (warp < m) {
-    const float* logits = a.logits + int64_t{warp} * (E + 1);
-    if (E <= kWarp * kRouteKeysSmall)
-      route_token_keys<kRouteKeysSmall>(logits, E, k, sel_ids + warp * n_sel, sel_w + warp * n_sel);
-    else
-      route_token_keys<kRouteKeysLarge>(logits, E, k, sel_ids + warp * n_sel, sel_w + warp * n_sel);
+    int32_t* ids = sel_ids + warp * n_sel;
+    float* w = sel_w + warp * n_sel;
+    if (logits_staged) {
+      const float* logits = xs + warp * (E + 1);
+      if (E <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall, true>(logits, E, k, ids, w);
+      else route_token_keys<kRouteKeysLarge, true>(logits, E, k, ids, w);
+    } else {
+      const float* logits = a.logits + int64_t{warp} * (E + 1);
+      if (E <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall>(logits, E, k, ids, w);
+      else route_token_keys<kRouteKeysLarge>(logits, E, k, ids, w);
+    }
   }
   __syncthreads();
   // The distinct experts: 0 the shared one, then the routed ones in ascending id (a bitmap and
