@@ -23,12 +23,11 @@ CLI::Validator integer_in_range(long long min, long long max);
 /// '4 GB'").
 CLI::Validator byte_size();
 
-/// A JSON list of {"role": "system"|"user"|"assistant", "content": string} objects as chat
-/// messages. Throws lily::Error "<what>: message i: …" naming the first bad entry (not an array,
-/// no role, a role name that is not one of the three, content that is not a string).
-/// Messages may also carry what a chat request's do: `name`, `reasoning_content`, `tool_calls`
-/// (assistant; content may then be null) and `tool_call_id` (role "tool", required); "developer"
-/// is a system message.
+/// A JSON list of chat messages, each read exactly as the server reads a chat request's message
+/// (server::parse_chat_message: roles system, developer, user, assistant, tool; content a
+/// string or text parts; name, reasoning_content, tool_calls, tool_call_id). Throws lily::Error
+/// "<what>: <parameter>: <the server's message>" naming the first bad entry's field, e.g.
+/// "--messages: messages[1].content: …".
 std::vector<ChatMessage> parse_message_list(const nlohmann::json& list, const std::string& what);
 
 /// The template variables of `--chat-options JSON`: an object with a chat request's agent

@@ -9,6 +9,7 @@
 #include "base/error.h"
 #include "server/api_error.h"
 #include "server/chat_agent.h"
+#include "server/chat_request.h"
 
 namespace lily::cli {
 
@@ -60,32 +61,11 @@ std::vector<ChatMessage> parse_message_list(const nlohmann::json& list, const st
   if (!list.is_array()) throw Error(what + ": messages must be a JSON array of {role, content} objects");
   std::vector<ChatMessage> messages;
   for (size_t i = 0; i < list.size(); ++i) {
-    const nlohmann::json& m = list[i];
-    const std::string at = what + ": message " + std::to_string(i);
-    if (!m.is_object() || !m.contains("role")) throw Error(at + ": needs a role");
-    const auto role = m["role"].is_string() ? chat_role_from_name(m["role"].get<std::string>()) : std::nullopt;
-    if (!role) throw Error(at + ": role must be system, developer, user, assistant or tool, got " + m["role"].dump());
-    const bool no_content = !m.contains("content") || m["content"].is_null();
-    if (!(no_content && *role == ChatRole::kAssistant) && (no_content || !m["content"].is_string()))
-      throw Error(at + ": content must be a string (only text content is supported)");
-    ChatMessage message{*role, no_content ? std::string() : m["content"].get<std::string>()};
-    auto text_field = [&](const char* key) -> std::optional<std::string> {
-      if (!m.contains(key) || m[key].is_null()) return std::nullopt;
-      if (!m[key].is_string()) throw Error(at + ": " + key + " must be a string");
-      return m[key].get<std::string>();
-    };
-    message.name = text_field("name").value_or("");
-    message.reasoning_content = text_field("reasoning_content");
-    message.tool_call_id = text_field("tool_call_id").value_or("");
-    if (*role == ChatRole::kTool && !m.contains("tool_call_id")) throw Error(at + ": a tool message needs tool_call_id");
-    if (m.contains("tool_calls") && !m["tool_calls"].is_null()) {
-      try {
-        message.tool_calls = server::parse_message_tool_calls(m["tool_calls"], "tool_calls");
-      } catch (const server::ApiError& e) {
-        throw Error(at + ": " + e.message());
-      }
+    try {
+      messages.push_back(server::parse_chat_message(list[i], "messages[" + std::to_string(i) + "]"));
+    } catch (const server::ApiError& e) {  // "--messages: messages[1].content: must be …"
+      throw Error(what + ": " + (e.param() ? *e.param() + ": " : std::string()) + e.message());
     }
-    messages.push_back(std::move(message));
   }
   return messages;
 }

@@ -411,6 +411,8 @@ void only_fields(const json& doc, std::initializer_list<std::string_view> allowe
 
 }  // namespace
 
+ChatMessage parse_chat_message(const json& m, const std::string& param) { return parse_message(m, param); }
+
 ChatRequest parse_chat_request(std::string_view body) {
   const json doc = parse_object(body);
   ChatRequest req;

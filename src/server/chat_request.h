@@ -99,6 +99,13 @@ inline constexpr size_t kMaxStopStrings = 4;
 /// parameter, e.g. param "messages[1].content[0].type".
 ChatRequest parse_chat_request(std::string_view body);
 
+/// One chat message as parse_chat_request accepts it (role, content as a string or text parts,
+/// and the fields its role may carry); `param` names it in errors, e.g. "messages[2]". Does
+/// not check where in the conversation it stands. The command line's message lists use it, so a
+/// message means the same to `lily generate --messages` and `lily tokenize` as to the server.
+/// Throws ApiError 400 naming the parameter, e.g. "messages[2].content".
+ChatMessage parse_chat_message(const nlohmann::json& m, const std::string& param);
+
 /// Parses a legacy completions body. `prompt` is required: a string, an array of token ids, or
 /// an array holding exactly one of these (a batch of several prompts is a 400 naming "prompt").
 /// The generation fields are those of parse_chat_request (no max_completion_tokens), plus

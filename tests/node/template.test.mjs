@@ -84,12 +84,17 @@ test('template errors match the Jinja template', () => {
 test('lily-only request errors: last message not from the user, non-text content, bad role', () => {
   const replies = lilyBatch(smallTokenizer, [
     { render: [user('q'), asst('a')] },
-    { render: [{ role: 'user', content: [{ type: 'text', text: 'hi' }] }] },
+    { render: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'x' } }] }] },
     { render: [{ role: 'function', content: 'x' }, user('q')] },
+    { render: [{ role: 'user', content: [{ type: 'text', text: 'a' }, { type: 'text', text: 'b' }] }] },
   ]);
   assert.equal(replies[0].error, 'the last message must be from the user');
-  assert.match(replies[1].error, /content must be a string/);
-  assert.match(replies[2].error, /role must be system, developer, user, assistant or tool/);
+  // The messages are read as the server reads them: text parts join with "\n", other parts and
+  // roles are refused with the server's message.
+  assert.match(replies[1].error, /messages\[0\]\.content\[0\]\.type.*content part type 'image_url' is not supported/s);
+  assert.match(replies[2].error, /role 'function' is not supported: use tool/);
+  assert.equal(replies[3].error, undefined);
+  assert.equal(replies[3].text, renderFixture([user('a\nb')]));
 });
 
 test('encode_chat on the real Qwen3 tokenizer: HF ids of the rendered text, markers only from the template', async () => {
