@@ -69,7 +69,7 @@ TEST(BackendFactory, CpuAndAutoWithoutCuda) {
     make_backend(BackendKind::kCuda, weights);
     FAIL() << "expected lily::Error";
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "--backend cuda: this build has no CUDA support");
+    EXPECT_STREQ(e.what(), "the CUDA backend was asked for, but this build has no CUDA support (nvcc was not found at build time)");
   }
   EXPECT_EQ(make_backend(BackendKind::kAuto, weights)->name(), "cpu");
 #endif
