@@ -11,6 +11,7 @@
 
 #include "engine/scheduler.h"
 #include "model/loader.h"
+#include "support/demo_tokenizer.h"
 #include "support/test_support.h"
 #include "text/chat_template.h"
 
@@ -108,7 +109,7 @@ TEST(CacheEquivalence, WarmCacheGivesTheTokensOfNoCacheAroundChunkBoundaries) {
 
 TEST(CacheEquivalence, ConversationsSharingASystemPromptResumeAfterItWithIdenticalAnswers) {
   auto weights = load_model(lily::test::demo_model_dir());
-  auto tokenizer = std::shared_ptr<const Tokenizer>(Tokenizer::from_file(lily::test::demo_model_dir() / "tokenizer.json"));
+  auto tokenizer = lily::test::demo_tokenizer();
   auto tmpl = ChatTemplate::for_model(lily::test::demo_model_dir());
   std::string system = "You are the support assistant of a build tool company.";
   for (int i = 0; i < 6; ++i) system += " Rule " + std::to_string(i) + ": answer briefly and cite the manual.";
@@ -173,7 +174,7 @@ TEST(CacheEquivalence, TurnsAfterIdleSparesResumeWholeHistoriesWithIdenticalAnsw
   // next turn land in them) and resumes from the previous turn's final state, which has room for
   // the new prompt: every answer is still the one an engine without a cache gives.
   auto weights = load_model(lily::test::demo_model_dir());
-  auto tokenizer = std::shared_ptr<const Tokenizer>(Tokenizer::from_file(lily::test::demo_model_dir() / "tokenizer.json"));
+  auto tokenizer = lily::test::demo_tokenizer();
   auto tmpl = ChatTemplate::for_model(lily::test::demo_model_dir());
   auto warm = engine(weights, SessionCacheOptions{int64_t{64} << 20, 0}, tokenizer);
   auto tiered = engine(weights, SessionCacheOptions{int64_t{1} << 20, int64_t{64} << 20}, tokenizer);
