@@ -63,13 +63,6 @@ std::unique_ptr<Scheduler> engine(std::shared_ptr<const ModelWeights> weights, i
   return engine(std::move(weights), SessionCacheOptions{cache_bytes, 0});
 }
 
-/// Ordinary (non-special) demo-model ids, spread over the vocabulary.
-Tokens synthetic_prompt(size_t n) {
-  Tokens t(n);
-  for (size_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>((i * 2654435761u) % 8000u);
-  return t;
-}
-
 }  // namespace
 
 TEST(CacheEquivalence, WarmCacheGivesTheTokensOfNoCacheAroundChunkBoundaries) {
@@ -83,7 +76,7 @@ TEST(CacheEquivalence, WarmCacheGivesTheTokensOfNoCacheAroundChunkBoundaries) {
       lily::test::kSanitized ? std::vector<size_t>{129, 257} : std::vector<size_t>{127, 128, 129, 257};
   for (size_t n : lengths) {
     SCOPED_TRACE("prompt length " + std::to_string(n));
-    const Tokens prompt = synthetic_prompt(n);
+    const Tokens prompt = lily::test::hash_prompt(static_cast<int>(n), lily::test::kDemoOrdinaryIds);
     const Outcome first = run(*warm, prompt, 4);
     const Outcome reference = run(*cold, prompt, 4);
     EXPECT_EQ(first.tokens, reference.tokens);
