@@ -13,21 +13,11 @@ import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
 import fs from 'node:fs';
-import net from 'node:net';
 import {
-  LILY_BIN, MODEL, MODEL_DIR, chat, metrics, rawRequest, sleep, startServer, stopServer,
+  LILY_BIN, MODEL, MODEL_DIR, chat, connect, metrics, rawRequest, sleep, startServer, stopServer,
 } from './server_harness.mjs';
 
 const user = (content) => ({ role: 'user', content });
-
-/** Opens a raw TCP connection to the server; resolves the connected socket. */
-function connect(server, options = {}) {
-  const u = new URL(server.url);
-  return new Promise((resolve, reject) => {
-    const sock = net.connect({ port: Number(u.port), host: u.hostname, ...options }, () => resolve(sock));
-    sock.once('error', reject);
-  });
-}
 
 /**
  * Collects what the server sends on `sock` until it closes the connection (or resets it);
