@@ -6,12 +6,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-#include <filesystem>
-#include <memory>
 #include <string>
 #include <string_view>
 
-#include "text/tokenizer.h"
+#include "support/demo_tokenizer.h"
 
 namespace lily::fuzz {
 
@@ -35,16 +33,8 @@ namespace lily::fuzz {
   fail("unexpected exception escaped:", e.what());
 }
 
-/// The committed demo tokenizer (models/demo/tokenizer.json, located via the compile-time
-/// LILY_SOURCE_DIR or the LILY_SOURCE_DIR environment variable), loaded once per process.
-inline const std::shared_ptr<const Tokenizer>& demo_tokenizer() {
-  static const std::shared_ptr<const Tokenizer> tokenizer = [] {
-    const char* env = std::getenv("LILY_SOURCE_DIR");
-    std::filesystem::path root = env ? env : LILY_SOURCE_DIR;
-    return Tokenizer::from_file(root / "models/demo/tokenizer.json");
-  }();
-  return tokenizer;
-}
+/// The committed demo tokenizer, loaded once per process (tests/support/demo_tokenizer.h).
+using lily::test::demo_tokenizer;
 
 /// Escapes bytes for a readable assertion message ("\xNN" for non-printable bytes).
 inline std::string printable(std::string_view s, size_t max_len = 200) {

@@ -14,6 +14,7 @@ import os from 'node:os';
 import { test } from 'node:test';
 import { Template } from '@huggingface/jinja';
 import { Tokenizer } from 'tokenizers';
+import { nothinkRewrite } from './tokenizer_support.mjs';
 
 const SOURCE_DIR = process.env.LILY_SOURCE_DIR ?? path.resolve(import.meta.dirname, '../..');
 const BUILD_DIR = process.env.LILY_BUILD_DIR ?? path.dirname(process.env.LILY_BIN ?? path.join(SOURCE_DIR, 'build/lily'));
@@ -203,19 +204,6 @@ function lilyPrompt(modelDir, messages) {
     { encoding: 'utf8' });
   if (res.status !== 0) return { error: res.stderr.trim() };
   return JSON.parse(res.stdout);
-}
-
-const THINK_BLOCK = '<think>\n\n</think>\n\n';
-// What lily passes for earlier assistant turns when a template drops their think block
-// (src/text/chat_template.h): the empty block the generation prompt ended with.
-function nothinkRewrite(messages) {
-  let lastQuery = -1;
-  for (let i = messages.length - 1; i >= 0 && lastQuery < 0; i--) {
-    const c = messages[i].content.trim();
-    if (messages[i].role === 'user' && !(c.startsWith('<tool_response>') && c.endsWith('</tool_response>'))) lastQuery = i;
-  }
-  return messages.map((m, i) => (m.role !== 'assistant' || i > lastQuery ? m
-    : { ...m, content: m.content.startsWith(THINK_BLOCK) ? m.content : THINK_BLOCK + m.content, reasoning_content: '' }));
 }
 
 const PROMPT_LISTS = [

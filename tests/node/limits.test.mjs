@@ -6,22 +6,12 @@
 // Run: LILY_BIN=build/lily node --test tests/node/limits.test.mjs
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import net from 'node:net';
 import {
-  MODEL, chat, metrics, rawRequest, sleep, startServer, stopServer,
+  MODEL, chat, connect, metrics, rawRequest, sleep, startServer, stopServer,
 } from './server_harness.mjs';
 
 const user = (content) => ({ role: 'user', content });
 const NON_LOOPBACK_WARNING = /lily: warning: binding to \S+ without an API key/;
-
-/** Opens a raw connection to the server; resolves the connected socket. */
-function connect(server) {
-  const u = new URL(server.url);
-  return new Promise((resolve, reject) => {
-    const sock = net.connect(Number(u.port), u.hostname, () => resolve(sock));
-    sock.once('error', reject);
-  });
-}
 
 /**
  * Sends `text` over `sock` and resolves everything received until the server closes; rejects

@@ -3,6 +3,7 @@
 // repository (for models/demo).
 import { spawn } from 'node:child_process';
 import http from 'node:http';
+import net from 'node:net';
 import path from 'node:path';
 import { after, before } from 'node:test';
 import { fileURLToPath } from 'node:url';
@@ -136,6 +137,19 @@ export function rawRequest(server, method, urlPath, { body, headers = {}, timeou
     req.on('error', (e) => finish(reject, e));
     if (body !== undefined) req.write(body);
     req.end();
+  });
+}
+
+/**
+ * Opens a raw TCP connection to the server, for tests that write bytes an HTTP client would not;
+ * resolves the connected socket, rejects with the socket's error (e.g. ECONNREFUSED).
+ * `options` go to net.connect (e.g. allowHalfOpen).
+ */
+export function connect(server, options = {}) {
+  const u = new URL(server.url);
+  return new Promise((resolve, reject) => {
+    const sock = net.connect({ port: Number(u.port), host: u.hostname, ...options }, () => resolve(sock));
+    sock.once('error', reject);
   });
 }
 

@@ -9,9 +9,8 @@ import path from 'node:path';
 import { test } from 'node:test';
 import { Template } from '@huggingface/jinja';
 import { Tokenizer } from 'tokenizers';
-import { SOURCE_DIR, lilyBatch, qwen3TokenizerPath } from './tokenizer_support.mjs';
+import { SOURCE_DIR, THINK_BLOCK, lilyBatch, nothinkRewrite, qwen3TokenizerPath } from './tokenizer_support.mjs';
 
-const THINK_BLOCK = '<think>\n\n</think>\n\n';
 const fixtureTemplate = new Template(fs.readFileSync(path.join(SOURCE_DIR, 'tests/fixtures/qwen3_6_chat_template.jinja'), 'utf8'));
 const demoTemplate = new Template(fs.readFileSync(path.join(SOURCE_DIR, 'models/demo/chat_template.jinja'), 'utf8'));
 const smallTokenizer = path.join(SOURCE_DIR, 'tests/fixtures/tokenizer_small.json');
@@ -45,19 +44,6 @@ const ERROR_CASES = [
   ['only tool responses', [user('<tool_response>x</tool_response>')], 'No user query found in messages.'],
   ['empty list', [], 'No user query found in messages.'],
 ];
-
-// lily's deliberate deviation (docs/model.md §6.1): earlier assistant turns get an empty think block.
-function nothinkRewrite(messages) {
-  let lastQuery = -1;
-  for (let i = messages.length - 1; i >= 0 && lastQuery < 0; i--) {
-    const c = messages[i].content.trim();
-    if (messages[i].role === 'user' && !(c.startsWith('<tool_response>') && c.endsWith('</tool_response>'))) lastQuery = i;
-  }
-  return messages.map((m, i) => {
-    if (m.role !== 'assistant' || i > lastQuery) return m;
-    return { ...m, content: m.content.startsWith(THINK_BLOCK) ? m.content : THINK_BLOCK + m.content, reasoning_content: '' };
-  });
-}
 
 function renderFixture(messages) {
   return fixtureTemplate.render({ messages: nothinkRewrite(messages), add_generation_prompt: true, enable_thinking: false, tools: [] });

@@ -1,5 +1,6 @@
 // Shared helpers of the tokenizer and template tests: run `lily tokenize --batch-jsonl`, load the
-// Hugging Face reference tokenizers, the corpus, and a seeded random-text generator.
+// Hugging Face reference tokenizers, the corpus, a seeded random-text generator, and lily's
+// nothink rewrite of the messages a reference template renders.
 //
 // Batch protocol (one JSON object per line on stdin, one reply per line on stdout):
 //   {"encode": TEXT, "special": BOOL}        -> {"ids": [...]}
@@ -57,6 +58,27 @@ export function loadCorpus() {
 }
 
 export { rng } from './prng.mjs';
+
+/** The empty think block a generation prompt ends with when thinking is off. */
+export const THINK_BLOCK = '<think>\n\n</think>\n\n';
+
+/**
+ * lily's deliberate deviation from the Qwen3 template (docs/model.md §6.1), applied to a message
+ * list before a reference Jinja engine renders it: every assistant turn up to the last real user
+ * query (not a <tool_response> wrapper) starts with THINK_BLOCK and has an empty
+ * reasoning_content. Returns a new array; the messages given are not changed.
+ */
+export function nothinkRewrite(messages) {
+  let lastQuery = -1;
+  for (let i = messages.length - 1; i >= 0 && lastQuery < 0; i--) {
+    const c = messages[i].content.trim();
+    if (messages[i].role === 'user' && !(c.startsWith('<tool_response>') && c.endsWith('</tool_response>'))) lastQuery = i;
+  }
+  return messages.map((m, i) => {
+    if (m.role !== 'assistant' || i > lastQuery) return m;
+    return { ...m, content: m.content.startsWith(THINK_BLOCK) ? m.content : THINK_BLOCK + m.content, reasoning_content: '' };
+  });
+}
 
 const POOLS = [
   [0x61, 0x7a], [0x41, 0x5a], [0x30, 0x39], [0x20, 0x20], [0x20, 0x20], [0x09, 0x0d], [0x21, 0x2f],

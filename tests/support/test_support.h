@@ -72,6 +72,9 @@ inline std::vector<int32_t> hash_prompt(int n, int vocab, uint64_t salt = 0) {
         static_cast<int32_t>(((uint64_t(i) + salt) * 2654435761ull % 4294967296ull) % uint64_t(vocab));
   return ids;
 }
+/// Demo-model ids below this are ordinary tokens (its five special tokens are 8187 … 8191):
+/// hash_prompt(n, kDemoOrdinaryIds, salt) is a demo prompt without special tokens.
+inline constexpr int kDemoOrdinaryIds = 8000;
 /// Max |a-b| / max(|b|, floor) over the two spans (same length required).
 double max_relative_error(std::span<const float> a, std::span<const float> b, double floor = 1e-6);
 /// Cosine similarity of two equal-length vectors.

@@ -32,11 +32,10 @@ std::shared_ptr<const ModelWeights> demo_weights() {
   return weights;
 }
 
-/// Ordinary (non-special) demo-model ids, spread over the vocabulary; `salt` varies the prompt.
+/// n ordinary demo-model ids (test::hash_prompt); each `salt` starts 31 places further along the
+/// same sequence, so the prompts of different salts share no prefix.
 Tokens synthetic_prompt(size_t n, uint32_t salt) {
-  Tokens t(n);
-  for (size_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>(((i + 31u * salt) * 2654435761u) % 8000u);
-  return t;
+  return test::hash_prompt(static_cast<int>(n), test::kDemoOrdinaryIds, 31u * salt);
 }
 
 struct Engine {

@@ -11,6 +11,7 @@
 
 #include "engine/scheduler.h"
 #include "model/loader.h"
+#include "support/demo_tokenizer.h"
 #include "support/test_support.h"
 #include "text/chat_template.h"
 
@@ -62,13 +63,6 @@ std::unique_ptr<Scheduler> engine(std::shared_ptr<const ModelWeights> weights, i
   return engine(std::move(weights), SessionCacheOptions{cache_bytes, 0});
 }
 
-/// Ordinary (non-special) demo-model ids, spread over the vocabulary.
-Tokens synthetic_prompt(size_t n) {
-  Tokens t(n);
-  for (size_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>((i * 2654435761u) % 8000u);
-  return t;
-}
-
 }  // namespace
 
 TEST(CacheEquivalence, WarmCacheGivesTheTokensOfNoCacheAroundChunkBoundaries) {
@@ -82,7 +76,7 @@ TEST(CacheEquivalence, WarmCacheGivesTheTokensOfNoCacheAroundChunkBoundaries) {
       lily::test::kSanitized ? std::vector<size_t>{129, 257} : std::vector<size_t>{127, 128, 129, 257};
   for (size_t n : lengths) {
     SCOPED_TRACE("prompt length " + std::to_string(n));
-    const Tokens prompt = synthetic_prompt(n);
+    const Tokens prompt = lily::test::hash_prompt(static_cast<int>(n), lily::test::kDemoOrdinaryIds);
     const Outcome first = run(*warm, prompt, 4);
     const Outcome reference = run(*cold, prompt, 4);
     EXPECT_EQ(first.tokens, reference.tokens);
@@ -108,7 +102,7 @@ TEST(CacheEquivalence, WarmCacheGivesTheTokensOfNoCacheAroundChunkBoundaries) {
 
 TEST(CacheEquivalence, ConversationsSharingASystemPromptResumeAfterItWithIdenticalAnswers) {
   auto weights = load_model(lily::test::demo_model_dir());
-  auto tokenizer = std::shared_ptr<const Tokenizer>(Tokenizer::from_file(lily::test::demo_model_dir() / "tokenizer.json"));
+  auto tokenizer = lily::test::demo_tokenizer();
   auto tmpl = ChatTemplate::for_model(lily::test::demo_model_dir());
   std::string system = "You are the support assistant of a build tool company.";
   for (int i = 0; i < 6; ++i) system += " Rule " + std::to_string(i) + ": answer briefly and cite the manual.";
@@ -173,7 +167,7 @@ TEST(CacheEquivalence, TurnsAfterIdleSparesResumeWholeHistoriesWithIdenticalAnsw
   // next turn land in them) and resumes from the previous turn's final state, which has room for
   // the new prompt: every answer is still the one an engine without a cache gives.
   auto weights = load_model(lily::test::demo_model_dir());
-  auto tokenizer = std::shared_ptr<const Tokenizer>(Tokenizer::from_file(lily::test::demo_model_dir() / "tokenizer.json"));
+  auto tokenizer = lily::test::demo_tokenizer();
   auto tmpl = ChatTemplate::for_model(lily::test::demo_model_dir());
   auto warm = engine(weights, SessionCacheOptions{int64_t{64} << 20, 0}, tokenizer);
   auto tiered = engine(weights, SessionCacheOptions{int64_t{1} << 20, int64_t{64} << 20}, tokenizer);

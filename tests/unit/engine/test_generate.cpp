@@ -5,10 +5,12 @@
 #include "engine/generate.h"
 #include "fake_backend.h"
 #include "model/config.h"
+#include "support/demo_tokenizer.h"
 #include "support/test_support.h"
 #include "text/tokenizer.h"
 
 using namespace lily;
+using lily::test::demo_tokenizer;
 using lily::test::FakeBackend;
 
 namespace {
@@ -26,10 +28,6 @@ void play(FakeBackend& b, std::vector<int32_t> script, size_t prompt_len, int32_
     const size_t i = h.size() - prompt_len;
     return i < script.size() ? script[i] : tail;
   };
-}
-
-std::shared_ptr<const Tokenizer> demo_tokenizer() {
-  return Tokenizer::from_file(lily::test::demo_model_dir() / "tokenizer.json");
 }
 
 /// A generation's result and the text its callback streamed.

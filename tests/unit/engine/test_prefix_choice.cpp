@@ -13,6 +13,7 @@
 #include "engine/generate.h"
 #include "engine/prefix_choice.h"
 #include "fake_backend.h"
+#include "support/demo_tokenizer.h"
 #include "support/test_support.h"
 #include "text/tokenizer.h"
 
@@ -154,7 +155,7 @@ TEST(PrefixChoice, RefusesEmptyChoices) {
 // name; with prefix_choices every generation starts with one, greedy or sampled, with the host
 // sampler or the backend's "device" sampler, and is the backend's own choice afterwards.
 TEST(PrefixChoice, GenerationsBeginWithAChoiceGreedyAndSampled) {
-  const auto tokenizer = Tokenizer::from_file(test::demo_model_dir() / "tokenizer.json");
+  const auto tokenizer = test::demo_tokenizer();
   const std::vector<std::string> choices = {"get_time>\n", "set_counter>\n", "set_alarm>\n"};
   const std::vector<int32_t> prompt = {101, 202, 303};
   auto starts_with_choice = [&](const std::string& text) {

@@ -24,17 +24,13 @@ json weather_tool() {
                   {"required", json::array({"city"})}}}}}};
 }
 
+/// The minimal chat body (request_rejection.h) offering the weather tool: every case edits it.
 json base() {
-  return json{{"model", "demo"},
-              {"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},
-              {"tools", json::array({weather_tool()})}};
+  return lily::server::test::with(lily::server::test::minimal_chat_body(), "tools", json::array({weather_tool()}));
 }
 
-json with(const std::string& key, const json& value) {
-  json j = base();
-  j[key] = value;
-  return j;
-}
+/// base() with `key` set to `value`.
+json with(const std::string& key, const json& value) { return lily::server::test::with(base(), key, value); }
 
 /// "param|code" of the 400 the body gets, or "accepted".
 std::string rejection(const json& body) {

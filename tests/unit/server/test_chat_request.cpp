@@ -12,9 +12,11 @@ using nlohmann::json;
 
 namespace {
 
-json base() {
-  return json{{"model", "demo"}, {"messages", json::array({{{"role", "user"}, {"content", "hi"}}})}};
-}
+/// The body every case edits by one field (request_rejection.h).
+json base() { return lily::server::test::minimal_chat_body(); }
+
+/// base() with `key` set to `value`.
+json with(const std::string& key, const json& value) { return lily::server::test::with(base(), key, value); }
 
 ChatRequest parse(const json& j) { return parse_chat_request(j.dump()); }
 
@@ -26,12 +28,6 @@ ApiError rejected(const std::string& body) {
 }
 
 std::string param_of(const json& j) { return rejected(j.dump()).param().value_or("<none>"); }
-
-json with(const std::string& key, const json& value) {
-  json j = base();
-  j[key] = value;
-  return j;
-}
 
 }  // namespace
 

@@ -14,10 +14,7 @@ namespace {
 
 json base() { return json{{"model", "demo"}, {"prompt", "Once upon a time"}}; }
 
-json with(json j, const std::string& key, const json& value) {
-  j[key] = value;
-  return j;
-}
+using lily::server::test::with;
 
 /// Runs `parse` on `body` expecting a 400; returns "param|code".
 template <class Parse>
