@@ -43,8 +43,8 @@
 // are the same bits as launch_moe_block_decode gives that token alone, and the batched decode
 // step is bit-identical to the one-sequence step: the norm is stage_norm_row's with the
 // 256-thread element mapping (and the staged copies hold its bf16 values), the router logits
-// RouterRows' (router_rows.cuh), the routing route_token_keys'; a gate/up row sums the same sixteen ranges of groups (each from zero, in
-// ascending group order, acc + (s·D + b·Σx) with explicit roundings), then adds the sixteen
+// RouterRows' (router_rows.cuh), the routing route_token_keys'; a gate/up row sums the same
+// sixteen ranges of groups (each from zero, in ascending group order, acc + (s·D + b·Σx) with explicit roundings), then adds the sixteen
 // partials in range order; act = bf16(silu(bf16(g))·bf16(u)); a down row sums every group in
 // ascending order, out = bf16(Σ_s w_s·bf16(d_s)) in slot order.
 // Batch invariance follows: a column's products never depend on the other columns (row r is
@@ -75,12 +75,12 @@ constexpr int kRangesPerWarp = kBlockWarps / kQuadWarps;
 /// staging is taken only where it costs no co-residency: below 6 rows the block's shared memory
 /// leaves room for a block of the next GEMV, and the 4-row staging would take it.
 constexpr int kStageFourFrom = 6;
+constexpr int kMaxStageRows = 4;
 /// Phase 2's router split: kRouterRowWarps warps of a block hold distinct router rows, and each
 /// row is held by kRouterTokenWarps warps, warp w computing the token rows ≡ w / kRouterRowWarps
 /// (mod kRouterTokenWarps).
 constexpr int kRouterRowWarps = 2;
 constexpr int kRouterTokenWarps = kBlockWarps / kRouterRowWarps;
-constexpr int kMaxStageRows = 4;
 constexpr int kUsedWords = kMaxExperts / 32;  // the routed-expert bitmap
 static_assert(kMaxMoeRows <= kMmaCols, "a step's rows are the MMA's columns");
 
@@ -149,11 +149,14 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   l.xsums = o;
   o += align16(int64_t{rows} * l.groups_h * 4);
   // fp32 [quad][range][16 tile rows][rows]; before that (phase 2) the staging of norm_rows rows,
-  // each xs [groups_h][kGroupStride], then its group sums [groups_h].
+  // each xs [groups_h][kGroupStride], then its group sums [groups_h]; then (routing) every row's
+  // logits, fp32 [rows][n_experts + 1].
   l.gu_part = o;
   const int64_t parts = int64_t{kQuads} * kBlockWarps * kTileRows * rows * 4;
   const int64_t row_staging = int64_t{l.norm_rows} * l.groups_h * (kGroupStride + 1) * 4;
-  o += align16(parts > row_staging ? parts : row_staging);
+  const int64_t logits = int64_t{rows} * (n_experts + 1) * 4;
+  const int64_t early = row_staging > logits ? row_staging : logits;
+  o += align16(parts > early ? parts : early);
   l.dn_part = o;  // fp32 [(row, slot)][16 tile rows]
   o += align16(int64_t{pairs} * kTileRows * 4);
   l.total = o;
@@ -360,25 +363,16 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   grid_sync(a.barriers, 2 * G);
   trace_point(a, 4);
   // Every row's logits into shared memory in one round trip (the row staging is free until the
-  // gate/up partials use it; they take more room), then warp r routes row r from there.
-  const bool logits_staged = E + 1 <= kQuads * kBlockWarps * kTileRows;
-  if (logits_staged) {
+  // gate/up partials use it, and the layout makes it large enough), then warp r routes row r.
 #pragma unroll 4
-    for (int i = threadIdx.x; i < m * (E + 1); i += blockDim.x) xs[i] = __ldcg(a.logits + i);
-    __syncthreads();
-  }
+  for (int i = threadIdx.x; i < m * (E + 1); i += blockDim.x) xs[i] = __ldcg(a.logits + i);
+  __syncthreads();
   if (warp < m) {
+    const float* logits = xs + warp * (E + 1);
     int32_t* ids = sel_ids + warp * n_sel;
     float* w = sel_w + warp * n_sel;
-    if (logits_staged) {
-      const float* logits = xs + warp * (E + 1);
-      if (E <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall, true>(logits, E, k, ids, w);
-      else route_token_keys<kRouteKeysLarge, true>(logits, E, k, ids, w);
-    } else {
-      const float* logits = a.logits + int64_t{warp} * (E + 1);
-      if (E <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall>(logits, E, k, ids, w);
-      else route_token_keys<kRouteKeysLarge>(logits, E, k, ids, w);
-    }
+    if (E <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall, true>(logits, E, k, ids, w);
+    else route_token_keys<kRouteKeysLarge, true>(logits, E, k, ids, w);
   }
   __syncthreads();
   // The distinct experts: 0 the shared one, then the routed ones in ascending id (a bitmap and
