@@ -76,10 +76,10 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
   l.gu_per_slot = ffn / kExpertRowsPerTile;
   l.gu_row_bytes = hidden / 2;
   l.gu_bytes = kTileRows * l.gu_row_bytes + 2 * kTileRows * l.groups_h * 2;
-  l.gu_stage = l.gu_bytes;
+  l.gu_stage = gate_up_stage_bytes<false>(hidden);
   l.dn_row_bytes = ffn / 2;
   l.dn_bytes = kTileRows * l.dn_row_bytes + 2 * kTileRows * l.groups_f * 2;
-  l.dn_stage = l.dn_bytes;
+  l.dn_stage = down_stage_bytes<false>(ffn);
   l.gu_max = static_cast<int>(ceil_div(int64_t{n_sel} * l.gu_per_slot, blocks));
   l.dn_max = static_cast<int>(ceil_div(hidden / kTileRows, blocks));
   int64_t o = 0;
@@ -114,26 +114,18 @@ __device__ __forceinline__ int64_t gate_up_row0(const MoeLayout& l, int j, int e
 
 /// Warp 0: requests down row tile `rt` (output rows 16·rt … + 16) of slots [s_begin, s_end)
 /// into stages[s] (expert ids[s], or the shared expert when ids is null), counted on `bar`
-/// (one arrival for the whole range): per slot the 16 code rows, then their scales, then their
-/// biases, three bulk copies.
+/// (one arrival for the whole range): per slot its 16 code rows, scales and biases
+/// (copy_down_item).
 __device__ __forceinline__ void request_down_slots(const MoeDecodeArgs& a, const MoeLayout& l, int rt, int s_begin,
                                                    int s_end, const int32_t* ids, unsigned char* stages,
                                                    uint64_t* bar) {
   const int lane = threadIdx.x % kWarp;
   if (lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>((s_end - s_begin) * l.dn_bytes));
   __syncwarp();
-  for (int q = lane; q < (s_end - s_begin) * 3; q += kWarp) {
-    const int s = s_begin + q / 3, kind = q % 3;
+  for (int q = lane; q < (s_end - s_begin) * kDownTileCopies<false>; q += kWarp) {
+    const int s = s_begin + q / kDownTileCopies<false>;
     const int64_t row0 = int64_t{ids ? ids[s] : a.n_experts} * l.hidden + int64_t{rt} * kTileRows;
-    unsigned char* stage = stages + s * l.dn_stage;
-    if (kind == 0) {
-      bulk_copy_to_shared(stage, reinterpret_cast<const unsigned char*>(a.down.codes) + row0 * l.dn_row_bytes,
-                          static_cast<uint32_t>(kTileRows * l.dn_row_bytes), bar);
-    } else {
-      bulk_copy_to_shared(stage + kTileRows * l.dn_row_bytes + (kind - 1) * kTileRows * l.groups_f * 2,
-                          (kind == 1 ? a.down.scales : a.down.biases) + row0 * l.groups_f,
-                          static_cast<uint32_t>(kTileRows * l.groups_f * 2), bar);
-    }
+    copy_down_item<false>(a, row0, q % kDownTileCopies<false>, stages + s * l.dn_stage, bar);
   }
 }
 
@@ -188,7 +180,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
     for (int i = 0; i < my_gu; ++i) {
       const int j = b + i * G;
       if (j / l.gu_per_slot == shared_slot)
-        request_gate_up_tile(a, gate_up_row0(l, j, a.n_experts), gu_ring + i * l.gu_stage, gu_full + i);
+        request_gate_up_tile<false>(a, gate_up_row0(l, j, a.n_experts), gu_ring + i * l.gu_stage, gu_full + i);
     }
     for (int i = 0; i < my_rt; ++i)
       request_down_slots(a, l, b + i * G, shared_slot, l.n_sel, nullptr, dn_stages(i), dn_full + i);
@@ -230,7 +222,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   if (warp == 0) {
     for (int i = 0; i < my_gu; ++i) {
       const int j = b + i * G, slot = j / l.gu_per_slot;
-      if (slot != shared_slot) request_gate_up_tile(a, gate_up_row0(l, j, sel_ids[slot]), gu_ring + i * l.gu_stage, gu_full + i);
+      if (slot != shared_slot) request_gate_up_tile<false>(a, gate_up_row0(l, j, sel_ids[slot]), gu_ring + i * l.gu_stage, gu_full + i);
     }
     for (int i = 0; i < my_rt; ++i) request_down_slots(a, l, b + i * G, 0, shared_slot, sel_ids, dn_stages(i), dn_full + i);
   }
@@ -242,7 +234,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   float* gu_part = reinterpret_cast<float*>(sm + l.gu_part);  // [tile][warp][16 slots]
   for (int i = 0; i < my_gu; ++i) {
     mbarrier_wait(gu_full + i, 0);
-    const TileView v = tile_view(gu_ring + i * l.gu_stage, l.gu_row_bytes, l.groups_h, g, t);
+    const TileView v = tile_view<false>(gu_ring + i * l.gu_stage, l.gu_row_bytes, l.groups_h, g, t);
     float gate = 0.0f, up = 0.0f;
     for (int Gi = g_begin; Gi < g_end; ++Gi) group_one_token(v, xperm, xsum, g, t, Gi, gate, up);
     if (t == 0) {
@@ -283,7 +275,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
     mbarrier_wait(dn_full + i, 0);
     const int rt = b + i * G;
     for (int s = warp; s < l.n_sel; s += kBlockWarps) {
-      const TileView v = tile_view(dn_stages(i) + s * l.dn_stage, l.dn_row_bytes, l.groups_f, g, t);
+      const TileView v = tile_view<false>(dn_stages(i) + s * l.dn_stage, l.dn_row_bytes, l.groups_f, g, t);
       float lo = 0.0f, hi = 0.0f;
       for (int Gi = 0; Gi < l.groups_f; ++Gi) group_one_token(v, aperm + s * half, asum + s * l.groups_f, g, t, Gi, lo, hi);
       if (t == 0) {

@@ -26,7 +26,8 @@ constexpr int kNormThreads = 256;      // launch_add_rmsnorm's element-to-thread
 constexpr int64_t kSmemLimit = 226 * 1024;  // dynamic shared memory per block (227 KB less static)
 
 /// Bytes of one gate/up tile (16 code rows of hidden / 2 bytes, then [16][hidden / 64] scales
-/// and biases) and of one down tile (16 code rows of ffn / 2 bytes, then scales and biases).
+/// and biases) and of one down tile (16 code rows of ffn / 2 bytes, then scales and biases), as
+/// they travel (the bulk copies' byte count).
 __host__ __device__ inline int gate_up_tile_bytes(int hidden) { return kTileRows * (hidden / 2) + 4 * kTileRows * (hidden / kGroup); }
 __host__ __device__ inline int down_tile_bytes(int ffn) { return kTileRows * (ffn / 2) + 4 * kTileRows * (ffn / kGroup); }
 
@@ -46,51 +47,130 @@ __device__ __forceinline__ void grid_sync(uint32_t* counter, uint32_t blocks) {
   __syncthreads();
 }
 
-/// One warp: requests the gate/up tile of expert rows row0 … row0 + 7 (row0 = expert·ffn + 8·chunk)
-/// into `stage`, counted on `bar` (one arrival): the 8 gate code rows, the same 8 up rows, then
-/// scales and biases as [16 tile rows][groups] each (tile rows 0–7 gate, 8–15 up), so MMA row
-/// slot g is gate row row0 + g and slot g + 8 the same up row (tile_view). Six bulk copies, lanes
-/// 0–5: each is one contiguous run of the checkpoint. `reuse`: the stage was read before, by
-/// threads that have passed a barrier with this warp (the proxy fence orders their loads before
-/// the copies).
-__device__ __forceinline__ void request_gate_up_tile(const MoeDecodeArgs& a, int64_t row0, unsigned char* stage,
-                                                     uint64_t* bar, bool reuse = false) {
+// A staged tile's code rows sit either back to back (slot s at s · row_bytes: the 8 gate rows,
+// the 8 up rows or the 16 down rows arrive in one bulk copy each) or padded: in chunks of two
+// rows, chunk c at c · (2 · row_bytes + 32), MMA row slot s (0 … 15, matrix row s of the tile)
+// in chunk 4·(s / 8) + s mod 4, first or second half by (s mod 8) / 4, one bulk copy per row. A
+// half-warp's fragment loads touch slots g = 0 … 3 (or 8 … 11) at once; with rows a multiple of
+// 128 bytes long (every real shape) back-to-back rows put all four on the same shared-memory
+// banks (a 4-way conflict on every code load), padded ones start 8 banks apart. The padding
+// costs 13 more bulk copies a tile (each takes the issuing warp tens of cycles), so it pays
+// where a block computes many tiles (the rows kernel), not in the one-token block, whose tiles
+// are few and whose copies all go out right after the routing. Scales and biases follow the
+// codes, unpadded.
+constexpr int kCodeChunkPad = 32;
+/// Bytes between two chunks of padded code rows (row_bytes: one code row's bytes).
+__host__ __device__ inline int code_chunk_pitch(int row_bytes) { return 2 * row_bytes + kCodeChunkPad; }
+/// Offset of MMA row slot s (0 … 15) in a staged tile (see above).
+template <bool kPadded>
+__host__ __device__ inline int code_slot_offset(int row_bytes, int s) {
+  if constexpr (kPadded) return (4 * (s / 8) + s % 4) * code_chunk_pitch(row_bytes) + ((s % 8) / 4) * row_bytes;
+  return s * row_bytes;
+}
+/// Bytes of a staged tile's 16 code rows.
+template <bool kPadded>
+__host__ __device__ inline int tile_codes_bytes(int row_bytes) {
+  return kPadded ? 8 * code_chunk_pitch(row_bytes) : kTileRows * row_bytes;
+}
+/// Bytes of one shared-memory stage of a gate/up tile and of a down tile.
+template <bool kPadded>
+__host__ __device__ inline int gate_up_stage_bytes(int hidden) {
+  return tile_codes_bytes<kPadded>(hidden / 2) + 4 * kTileRows * (hidden / kGroup);
+}
+template <bool kPadded>
+__host__ __device__ inline int down_stage_bytes(int ffn) {
+  return tile_codes_bytes<kPadded>(ffn / 2) + 4 * kTileRows * (ffn / kGroup);
+}
+
+/// Bulk copies of one gate/up tile: its code rows (two copies of 8 rows, or one per row when
+/// padded), then the gate scales, up scales, gate biases, up biases.
+template <bool kPadded>
+constexpr int kGateUpTileCopies = (kPadded ? kTileRows : 2) + 4;
+
+/// One warp's share of a gate/up tile request: the tile of expert rows row0 … row0 + 7 (row0 =
+/// expert·ffn + 8·chunk) into `stage`, counted on `bar` (one arrival, from part 0): the 8 gate
+/// code rows into slots 0–7, the same 8 up rows into slots 8–15, then scales and biases as [16
+/// tile rows][groups] each (tile rows 0–7 gate, 8–15 up), so MMA row slot g is gate row row0 + g
+/// and slot g + 8 the same up row (tile_view). The warp issues copies part, part + parts, … of
+/// kGateUpTileCopies (each copy takes the issuing warp tens of cycles, so several warps share a
+/// padded tile's twenty). The arrival and the copies may land in either order (a transaction
+/// count may go below zero until the arrival adds the expected bytes). `reuse`: the stage was
+/// read before, by threads that have passed a barrier with this warp (the proxy fence orders
+/// their loads before the copies).
+template <bool kPadded>
+__device__ __forceinline__ void request_gate_up_part(const MoeDecodeArgs& a, int64_t row0, unsigned char* stage,
+                                                     uint64_t* bar, int part, int parts, bool reuse = false) {
   const int lane = threadIdx.x % kWarp;
   const int hidden = a.gate.cols, row_bytes = hidden / 2, groups = hidden / kGroup;
-  if (lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(gate_up_tile_bytes(hidden)));
+  const int half_rows = kTileRows / 2;
+  constexpr int code_copies = kGateUpTileCopies<kPadded> - 4;
+  if (part == 0 && lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(gate_up_tile_bytes(hidden)));
   __syncwarp();
   if (reuse) fence_proxy_async_shared();
-  if (lane >= 6) return;
-  const bool up = lane % 2 == 1;
-  const DeviceQuant& w = up ? a.up : a.gate;
-  const int half_rows = kTileRows / 2;
-  if (lane < 2) {
-    bulk_copy_to_shared(stage + (up ? half_rows * row_bytes : 0),
-                        reinterpret_cast<const unsigned char*>(w.codes) + row0 * row_bytes,
-                        static_cast<uint32_t>(half_rows * row_bytes), bar);
-  } else {
-    const bf16* src = (lane < 4 ? w.scales : w.biases) + row0 * groups;
-    unsigned char* dst = stage + kTileRows * row_bytes + (lane >= 4 ? kTileRows * groups * 2 : 0) +
+  const int c = part + lane * parts;  // this lane's copy
+  if (c < code_copies) {
+    const int s = kPadded ? c : c * half_rows;  // the first slot of the copy
+    const DeviceQuant& w = s < half_rows ? a.gate : a.up;
+    bulk_copy_to_shared(stage + code_slot_offset<kPadded>(row_bytes, s),
+                        reinterpret_cast<const unsigned char*>(w.codes) + (row0 + s % half_rows) * row_bytes,
+                        static_cast<uint32_t>((kPadded ? 1 : half_rows) * row_bytes), bar);
+  } else if (c < kGateUpTileCopies<kPadded>) {
+    const int q = c - code_copies;
+    const bool up = q % 2 == 1;
+    const DeviceQuant& w = up ? a.up : a.gate;
+    const bf16* src = (q < 2 ? w.scales : w.biases) + row0 * groups;
+    unsigned char* dst = stage + tile_codes_bytes<kPadded>(row_bytes) + (q >= 2 ? kTileRows * groups * 2 : 0) +
                          (up ? half_rows * groups * 2 : 0);
     bulk_copy_to_shared(dst, src, static_cast<uint32_t>(half_rows * groups * 2), bar);
   }
 }
 
+/// One warp requests a whole gate/up tile (request_gate_up_part's only part).
+template <bool kPadded>
+__device__ __forceinline__ void request_gate_up_tile(const MoeDecodeArgs& a, int64_t row0, unsigned char* stage,
+                                                     uint64_t* bar, bool reuse = false) {
+  request_gate_up_part<kPadded>(a, row0, stage, bar, 0, 1, reuse);
+}
+
+/// Bulk copies of one down tile: its code rows (one copy, or one per row when padded), its
+/// scales, its biases.
+template <bool kPadded>
+constexpr int kDownTileCopies = (kPadded ? kTileRows : 1) + 2;
+
+/// One lane of a warp's down tile request: copy q (0 … kDownTileCopies − 1) of the tile of
+/// output rows row0 … row0 + 15 of the stacked down matrix into `stage` (the code rows first,
+/// then the scales, then the biases), counted on `bar`.
+template <bool kPadded>
+__device__ __forceinline__ void copy_down_item(const MoeDecodeArgs& a, int64_t row0, int q, unsigned char* stage,
+                                               uint64_t* bar) {
+  const int row_bytes = a.ffn / 2, groups = a.ffn / kGroup;
+  const int code_copies = kDownTileCopies<kPadded> - 2;
+  if (q < code_copies) {
+    const int rows = kTileRows / code_copies;
+    bulk_copy_to_shared(stage + code_slot_offset<kPadded>(row_bytes, q * rows),
+                        reinterpret_cast<const unsigned char*>(a.down.codes) + (row0 + q * rows) * row_bytes,
+                        static_cast<uint32_t>(rows * row_bytes), bar);
+  } else {
+    bulk_copy_to_shared(stage + tile_codes_bytes<kPadded>(row_bytes) + (q - code_copies) * kTileRows * groups * 2,
+                        (q == code_copies ? a.down.scales : a.down.biases) + row0 * groups,
+                        static_cast<uint32_t>(kTileRows * groups * 2), bar);
+  }
+}
+
 /// One thread's view of a stage (16 code rows, then [16][groups] scales, then biases) for its
-/// MMA row slots g and g + 8 (tile rows g and g + 8). The rows are row_bytes apart, a multiple
-/// of 128, so the eight rows of a fragment load share banks: 8 shared-memory wavefronts instead
-/// of 2, a few cycles per group against the microseconds the tile takes to arrive.
+/// MMA row slots g and g + 8 (tile rows g and g + 8).
 struct TileView {
   const unsigned char* code_lo;  ///< this thread's 8 bytes of group 0, slot g's row
   const unsigned char* code_hi;  ///< same, slot g + 8's row
   const bf16 *s_lo, *s_hi, *b_lo, *b_hi;
 };
 
+template <bool kPadded>
 __device__ __forceinline__ TileView tile_view(const unsigned char* stage, int row_bytes, int groups, int g, int t) {
   TileView v;
-  v.code_lo = stage + g * row_bytes + 8 * t;
-  v.code_hi = v.code_lo + 8 * row_bytes;
-  const bf16* sc = reinterpret_cast<const bf16*>(stage + kTileRows * row_bytes);
+  v.code_lo = stage + code_slot_offset<kPadded>(row_bytes, g) + 8 * t;
+  v.code_hi = stage + code_slot_offset<kPadded>(row_bytes, g + 8) + 8 * t;
+  const bf16* sc = reinterpret_cast<const bf16*>(stage + tile_codes_bytes<kPadded>(row_bytes));
   const bf16* bi = sc + kTileRows * groups;
   v.s_lo = sc + g * groups;
   v.s_hi = sc + (g + 8) * groups;

@@ -27,11 +27,13 @@
 //     sums four of the one-token block's sixteen group ranges, each on its own; SwiGLU, act to
 //     global memory, grid barrier 2;
 //  4. down + combine: a block owns 16 output rows; warp w walks the distinct experts w, w + S,
-//     … through its own shared-memory stage (one bulk-copy ring slot per warp), and the block
-//     combines each row's slots in slot order.
-// Gate/up tiles are dealt round-robin over the blocks and, within a block, over the quads
-// (six bulk copies a tile); the ring slots, the down stages and the act staging are sized from
-// the row count at launch (moe_layout).
+//     … through its own shared-memory stage (one bulk-copy ring slot per warp: a few requested
+//     after the routing, the rest in the gate/up ring's tail once the block's gate/up tiles are
+//     done), and the block combines each row's slots in slot order.
+// Gate/up tiles are dealt round-robin over the blocks and, within a block, over the quads; a
+// tile's code rows are staged padded (moe_block.cuh: no bank conflicts on the fragment loads),
+// twenty bulk copies that the quad's four warps share. The ring slots, the down stages and the
+// act staging are sized from the row count at launch (moe_layout).
 //
 // Grid barriers are counters in global memory that the caller zeroes before every launch (a
 // memset node at the start of the decode graph), so a replay never depends on the last one.
@@ -90,15 +92,27 @@ struct MoeLayout {
   int hidden = 0, ffn = 0, n_sel = 0;
   int groups_h = 0, groups_f = 0;  ///< 64-groups per gate/up row, per down row
   int gu_per_slot = 0;             ///< gate/up tiles per expert: ffn / 8
-  int gu_row_bytes = 0, gu_bytes = 0;
+  int gu_row_bytes = 0, gu_bytes = 0;  ///< a gate/up code row; a tile's bytes as copied
   int dn_row_bytes = 0, dn_bytes = 0;
+  int gu_stage = 0, dn_stage = 0;      ///< a gate/up / down tile's stage (codes padded)
   int max_distinct = 0;            ///< distinct experts of a step at most: min(rows·k, E) + 1
   int quad_stages = 0, dn_stages = 0;  ///< gate/up ring slots per quad; down stages (one per warp)
+  int late_dn = 0;                     ///< down stages in the gate/up ring's tail (phase 4 only)
   int norm_rows = 2;                   ///< normed rows phase 2 stages at once (2 or kMaxStageRows)
   int64_t bars = 0, sel_ids = 0, sel_w = 0, list = 0, slot_of = 0, word_prefix = 0;
-  int64_t gu_ring = 0, aperm = 0, asum = 0, dn_ring = 0, xperm = 0, xsums = 0, gu_part = 0, dn_part = 0;
+  int64_t gu_ring = 0, aperm = 0, asum = 0, late_ring = 0, dn_ring = 0, xperm = 0, xsums = 0, gu_part = 0, dn_part = 0;
   int64_t total = 0;
 };
+
+/// Floats between two rows' group sums in xsums: one more than the groups, so the rows 2t that
+/// the four lanes t of a group's Σx load touch sit on different banks.
+__host__ __device__ inline int xsum_pitch(int groups_h) { return groups_h + 1; }
+
+/// Word of pair i (0 … hidden / 2 − 1) of row r in xperm, within the row: the 16-byte units of
+/// odd rows are swapped in pairs (unit u at u xor 1), so the two rows g, g + 1 that a
+/// quarter-warp's 16-byte B loads touch use different banks (rows are a multiple of 128 bytes
+/// long, so unswizzled they would share them).
+__host__ __device__ inline int xperm_word(int r, int i) { return i ^ ((r & 1) << 2); }
 
 /// The layout for `rows` rows with quad_stages gate/up ring slots per quad and dn_stages down
 /// stages (offsets only; moe_plan picks the slot counts).
@@ -116,15 +130,24 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   l.gu_bytes = kTileRows * l.gu_row_bytes + 2 * kTileRows * l.groups_h * 2;
   l.dn_row_bytes = ffn / 2;
   l.dn_bytes = kTileRows * l.dn_row_bytes + 2 * kTileRows * l.groups_f * 2;
+  l.gu_stage = gate_up_stage_bytes<true>(hidden);
+  l.dn_stage = down_stage_bytes<true>(ffn);
   l.max_distinct = (rows * top_k < n_experts ? rows * top_k : n_experts) + 1;
   l.quad_stages = quad_stages;
   l.dn_stages = dn_stages;
   l.norm_rows = rows >= kStageFourFrom ? kMaxStageRows : 2;
   const int gu_stages = kQuads * quad_stages;
   const int pairs = rows * l.n_sel;  // (row, slot)
+  // Once a block's gate/up tiles are done, the ring's tail past the act staging holds more down
+  // stages (one per warp, up to a warp per distinct expert).
+  const int64_t ring = int64_t{gu_stages} * l.gu_stage;
+  const int64_t staging = align16(int64_t{pairs} * ffn / 2 * 4) + align16(int64_t{pairs} * l.groups_f * 4);
+  const int64_t tail = ring - align16(staging);
+  const int wanted = (l.max_distinct < kBlockWarps ? l.max_distinct : kBlockWarps) - dn_stages;
+  l.late_dn = tail > 0 && wanted > 0 ? static_cast<int>(tail / l.dn_stage < wanted ? tail / l.dn_stage : wanted) : 0;
   int64_t o = 0;
   l.bars = o;
-  o += align16(int64_t{gu_stages + dn_stages} * 8);
+  o += align16(int64_t{gu_stages + dn_stages + l.late_dn} * 8);
   l.sel_ids = o;
   o += align16(int64_t{pairs} * 4);
   l.sel_w = o;
@@ -135,30 +158,29 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   o += align16(int64_t{l.max_distinct} * kMmaCols);
   l.word_prefix = o;
   o += align16(int64_t{kUsedWords} * 4);
-  // The gate/up ring (phase 3) and the act staging (phase 4) share memory.
+  // The gate/up ring (phase 3) and the act staging and late down stages (phase 4) share memory.
   l.gu_ring = o;
-  const int64_t ring = int64_t{gu_stages} * l.gu_bytes;
   l.aperm = o;
   l.asum = o + align16(int64_t{pairs} * ffn / 2 * 4);
-  const int64_t staging = l.asum - o + align16(int64_t{pairs} * l.groups_f * 4);
+  l.late_ring = o + align16(staging);
   o += ring > staging ? ring : staging;
   l.dn_ring = o;
-  o += int64_t{dn_stages} * l.dn_bytes;
+  o += int64_t{dn_stages} * l.dn_stage;
   l.xperm = o;
   o += align16(int64_t{rows} * hidden / 2 * 4);
   l.xsums = o;
-  o += align16(int64_t{rows} * l.groups_h * 4);
+  o += align16(int64_t{rows} * xsum_pitch(l.groups_h) * 4);
   // fp32 [quad][range][16 tile rows][rows]; before that (phase 2) the staging of norm_rows rows,
   // each xs [groups_h][kGroupStride], then its group sums [groups_h]; then (routing) every row's
-  // logits, fp32 [rows][n_experts + 1].
+  // logits, fp32 [rows][n_experts + 1]; after it (phase 4) the down partials dn_part, fp32
+  // [(row, slot)][16 tile rows].
   l.gu_part = o;
+  l.dn_part = o;
   const int64_t parts = int64_t{kQuads} * kBlockWarps * kTileRows * rows * 4;
   const int64_t row_staging = int64_t{l.norm_rows} * l.groups_h * (kGroupStride + 1) * 4;
   const int64_t logits = int64_t{rows} * (n_experts + 1) * 4;
-  const int64_t early = row_staging > logits ? row_staging : logits;
-  o += align16(parts > early ? parts : early);
-  l.dn_part = o;  // fp32 [(row, slot)][16 tile rows]
-  o += align16(int64_t{pairs} * kTileRows * 4);
+  const int64_t down_parts = int64_t{pairs} * kTileRows * 4;
+  o += align16(std::max({parts, row_staging, logits, down_parts}));
   l.total = o;
   return l;
 }
@@ -170,37 +192,29 @@ __device__ __forceinline__ int64_t gate_up_row0(const MoeLayout& l, int j, const
 }
 
 /// One warp: requests the down tile of output rows 16·rt … + 16 of `expert` into `stage`,
-/// counted on `bar` (one arrival): the 16 code rows, their scales, their biases, three bulk
-/// copies. `reuse` as for request_gate_up_tile (here the readers are this warp).
+/// counted on `bar` (one arrival): its 16 code rows, scales and biases (copy_down_item).
+/// `reuse` as for request_gate_up_tile (here the readers are this warp).
 __device__ __forceinline__ void request_down_tile(const MoeDecodeArgs& a, const MoeLayout& l, int rt, int expert,
                                                   unsigned char* stage, uint64_t* bar, bool reuse = false) {
   const int lane = threadIdx.x % kWarp;
   if (lane == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(l.dn_bytes));
   __syncwarp();
   if (reuse) fence_proxy_async_shared();
-  if (lane >= 3) return;
-  const int64_t row0 = int64_t{expert} * l.hidden + int64_t{rt} * kTileRows;
-  if (lane == 0) {
-    bulk_copy_to_shared(stage, reinterpret_cast<const unsigned char*>(a.down.codes) + row0 * l.dn_row_bytes,
-                        static_cast<uint32_t>(kTileRows * l.dn_row_bytes), bar);
-  } else {
-    bulk_copy_to_shared(stage + kTileRows * l.dn_row_bytes + (lane - 1) * kTileRows * l.groups_f * 2,
-                        (lane == 1 ? a.down.scales : a.down.biases) + row0 * l.groups_f,
-                        static_cast<uint32_t>(kTileRows * l.groups_f * 2), bar);
-  }
+  if (lane < kDownTileCopies<true>) copy_down_item<true>(a, int64_t{expert} * l.hidden + int64_t{rt} * kTileRows, lane, stage, bar);
 }
 
 /// One 64-group G of a 16-row tile against up to 8 columns: `col` is this thread's B column
-/// (g's activation pairs in fragment order, or null for a zero column), sum0 / sum1 the Σx of
-/// its output columns 2t and 2t + 1 (0 where unused). acc[0], acc[1]: rows g of columns 2t,
-/// 2t + 1; acc[2], acc[3]: rows g + 8.
-__device__ __forceinline__ void group_columns(const TileView& v, const uint32_t* col, int t, int G, float sum0,
-                                              float sum1, float (&acc)[4]) {
+/// (g's activation pairs in fragment order, or null for a zero column), `swap` 1 when its
+/// 16-byte units are swapped in pairs (xperm_word), sum0 / sum1 the Σx of its output columns 2t
+/// and 2t + 1 (0 where unused). acc[0], acc[1]: rows g of columns 2t, 2t + 1; acc[2], acc[3]:
+/// rows g + 8.
+__device__ __forceinline__ void group_columns(const TileView& v, const uint32_t* col, int swap, int t, int G,
+                                              float sum0, float sum1, float (&acc)[4]) {
   uint4 bw0 = make_uint4(0, 0, 0, 0), bw1 = make_uint4(0, 0, 0, 0);
   if (col) {
     const uint4* bp = reinterpret_cast<const uint4*>(col + G * 32 + t * 8);
-    bw0 = bp[0];
-    bw1 = bp[1];
+    bw0 = bp[swap];
+    bw1 = bp[swap ^ 1];
   }
   float d[4];
   group_mma(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0,
@@ -289,11 +303,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   int32_t* word_prefix = reinterpret_cast<int32_t*>(sm + l.word_prefix);
   unsigned char* gu_ring = sm + l.gu_ring;
   unsigned char* dn_ring = sm + l.dn_ring;
+  const int n_dn = l.dn_stages + l.late_dn;  // down stages in phase 4: warp w < n_dn owns stage w
+  auto dn_stage_of = [&](int w) {
+    return w < l.dn_stages ? dn_ring + w * l.dn_stage : sm + l.late_ring + (w - l.dn_stages) * l.dn_stage;
+  };
   const int half_h = l.hidden / 2, half_f = l.ffn / 2;
 
   trace_point(a, 0);
   if (threadIdx.x == 0) {
-    for (int i = 0; i < gu_stages + l.dn_stages; ++i) mbarrier_init(gu_full + i, 1);
+    for (int i = 0; i < gu_stages + l.dn_stages + l.late_dn; ++i) mbarrier_init(gu_full + i, 1);
     mbarrier_init_fence();
   }
   for (int i = threadIdx.x; i < l.max_distinct * kMmaCols; i += blockDim.x) slot_of[i] = -1;
@@ -309,11 +327,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   // it, each for its own token rows (below): a row's dot products for eight token rows run on
   // eight warps at once, and no block holds more rows than another.
   RouterRows<RBITS> router(a.router, int64_t{warp % kRouterRowWarps} * G + b, int64_t{G} * kRouterRowWarps);
-  if (wq == 0) {
-    for (int n = 0; n < QS; ++n) {
-      const int j = b + (quad + kQuads * n) * G;
-      if (j < l.gu_per_slot) request_gate_up_tile(a, int64_t{E} * l.ffn + int64_t{j} * kExpertRowsPerTile, gu_ring + (quad * QS + n) * l.gu_bytes, gu_full + quad * QS + n);
-    }
+  for (int n = 0; n < QS; ++n) {  // the quad's four warps share each tile's copies
+    const int j = b + (quad + kQuads * n) * G;
+    if (j < l.gu_per_slot)
+      request_gate_up_part<true>(a, int64_t{E} * l.ffn + int64_t{j} * kExpertRowsPerTile,
+                                 gu_ring + (quad * QS + n) * l.gu_stage, gu_full + quad * QS + n, wq, kQuadWarps);
   }
   if (warp == 0 && my_rt > 0) request_down_tile(a, l, b, E, dn_ring, dn_full);
   pdl_prologue();
@@ -349,9 +367,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
       for (int i = threadIdx.x; i < half_h; i += blockDim.x) {
         const int c = fragment_pair_column(i);
         const float* xg = xs_r + (c / kGroup) * kGroupStride + c % kGroup;
-        xperm[int64_t{r} * half_h + i] = pack_bf16x2(xg[0], xg[4]);
+        xperm[int64_t{r} * half_h + xperm_word(r, i)] = pack_bf16x2(xg[0], xg[4]);
       }
-      for (int i = threadIdx.x; i < l.groups_h; i += blockDim.x) xsums[r * l.groups_h + i] = xsum_r[i];
+      for (int i = threadIdx.x; i < l.groups_h; i += blockDim.x) xsums[r * xsum_pitch(l.groups_h) + i] = xsum_r[i];
       if (r % kRouterTokenWarps == warp / kRouterRowWarps) {  // this warp's token rows
         router.compute(a.router, xs_r, xsum_r, a.logits + int64_t{r} * (E + 1), router_fresh || router_in_regs);
         router_fresh = false;
@@ -410,15 +428,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   const int my_gu = b < n_gu ? (n_gu - 1 - b) / G + 1 : 0;  // gate/up tiles b, b + G, …
   const int dn_items = my_rt * nd;                           // (row tile, distinct expert), flattened
   trace_point(a, 5);
-  if (wq == 0) {
-    for (int n = 0; n < QS && quad + kQuads * n < my_gu; ++n) {
-      const int j = b + (quad + kQuads * n) * G;
-      if (j >= l.gu_per_slot)
-        request_gate_up_tile(a, gate_up_row0(l, j, list), gu_ring + (quad * QS + n) * l.gu_bytes, gu_full + quad * QS + n);
-    }
+  for (int n = 0; n < QS && quad + kQuads * n < my_gu; ++n) {
+    const int j = b + (quad + kQuads * n) * G;
+    if (j >= l.gu_per_slot)
+      request_gate_up_part<true>(a, gate_up_row0(l, j, list), gu_ring + (quad * QS + n) * l.gu_stage,
+                                 gu_full + quad * QS + n, wq, kQuadWarps);
   }
   if (warp > 0 && warp < l.dn_stages && warp < dn_items)
-    request_down_tile(a, l, b + (warp / nd) * G, list[warp % nd], dn_ring + warp * l.dn_bytes, dn_full + warp);
+    request_down_tile(a, l, b + (warp / nd) * G, list[warp % nd], dn_ring + warp * l.dn_stage, dn_full + warp);
   trace_point(a, 6);
 
   // 3. Gate/up: the four quads work on four tiles at once; in a quad, warp w sums the one-token
@@ -431,12 +448,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   for (int n = 0, i = quad; i < my_gu; ++n, i += kQuads) {
     const int st = quad * QS + n % QS, j = b + i * G, d = j / l.gu_per_slot;
     mbarrier_wait(gu_full + st, (n / QS) & 1);
-    const TileView v = tile_view(gu_ring + st * l.gu_bytes, l.gu_row_bytes, l.groups_h, g, t);
+    const TileView v = tile_view<true>(gu_ring + st * l.gu_stage, l.gu_row_bytes, l.groups_h, g, t);
     const bool active = g < m && slot_of[d * kMmaCols + g] >= 0;
     const uint32_t* col = active ? xperm + g * half_h : nullptr;
     const int c0 = 2 * t, c1 = 2 * t + 1;
-    const float* sum0 = c0 < m ? xsums + c0 * l.groups_h : nullptr;
-    const float* sum1 = c1 < m ? xsums + c1 * l.groups_h : nullptr;
+    const float* sum0 = c0 < m ? xsums + c0 * xsum_pitch(l.groups_h) : nullptr;
+    const float* sum1 = c1 < m ? xsums + c1 * xsum_pitch(l.groups_h) : nullptr;
     // The warp's ranges are independent sums, so their groups interleave (group `step` of every
     // range, then the next): four MMA chains in flight instead of one, and each range still
     // adds its own groups from zero in ascending order.
@@ -446,16 +463,17 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
       for (int rg = 0; rg < kRangesPerWarp; ++rg) {
         const int range = wq * kRangesPerWarp + rg;
         const int Gi = range * per_range + step;
-        if (Gi < l.groups_h) group_columns(v, col, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc[rg]);
+        if (Gi < l.groups_h) group_columns(v, col, g & 1, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc[rg]);
       }
     }
 #pragma unroll
     for (int rg = 0; rg < kRangesPerWarp; ++rg)
       store_tile_partial(gu_part + (wq * kRangesPerWarp + rg) * kTileRows * m, acc[rg], g, t, m);
     quad_sync(quad);  // the tile's partials are complete and its stage is free
-    if (wq == 0 && i + kQuads * QS < my_gu) {
+    if (i + kQuads * QS < my_gu) {  // the refill, its copies shared by the quad's warps
       const int jn = j + kQuads * QS * G;
-      request_gate_up_tile(a, gate_up_row0(l, jn, list), gu_ring + st * l.gu_bytes, gu_full + st, true);
+      request_gate_up_part<true>(a, gate_up_row0(l, jn, list), gu_ring + st * l.gu_stage, gu_full + st, wq, kQuadWarps,
+                                 true);
     }
     if (qt < kExpertRowsPerTile * m) {
       const int row8 = qt / m, c = qt % m, s = slot_of[d * kMmaCols + c];
@@ -472,6 +490,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     quad_sync(quad);  // the partials are read before the quad's next tile overwrites them
   }
   trace_point(a, 7);
+  // The ring's tail is free once every quad is done: the late down stages' first tiles.
+  __syncthreads();
+  if (warp >= l.dn_stages && warp < n_dn && warp < dn_items)
+    request_down_tile(a, l, b + (warp / nd) * G, list[warp % nd], dn_stage_of(warp), dn_full + warp, true);
   trace_point(a, 8);
   grid_sync(a.barriers + 1, G);
   trace_point(a, 9);
@@ -489,12 +511,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   int used_items = 0;  // this warp's items so far (its stage's phase parity)
   for (int i = 0; i < my_rt; ++i) {
     const int rt = b + i * G;
-    if (warp < l.dn_stages) {
-      const int first = i * nd, start = first + ((warp - first) % l.dn_stages + l.dn_stages) % l.dn_stages;
-      for (int q = start; q < first + nd; q += l.dn_stages, ++used_items) {
+    if (warp < n_dn) {
+      const int first = i * nd, start = first + ((warp - first) % n_dn + n_dn) % n_dn;
+      for (int q = start; q < first + nd; q += n_dn, ++used_items) {
         const int d = q - first;
         mbarrier_wait(dn_full + warp, used_items & 1);
-        const TileView v = tile_view(dn_ring + warp * l.dn_bytes, l.dn_row_bytes, l.groups_f, g, t);
+        const TileView v = tile_view<true>(dn_stage_of(warp), l.dn_row_bytes, l.groups_f, g, t);
         const int sg = g < m ? slot_of[d * kMmaCols + g] : -1;
         const uint32_t* col = sg >= 0 ? aperm + (g * n_sel + sg) * half_f : nullptr;
         const int c0 = 2 * t, c1 = 2 * t + 1;
@@ -506,7 +528,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
         // the affine adds are a chain; they stay in ascending group order).
 #pragma unroll 4
         for (int Gi = 0; Gi < l.groups_f; ++Gi)
-          group_columns(v, col, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
+          group_columns(v, col, 0, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
         if (s0 >= 0) {
           dn_part[(c0 * n_sel + s0) * kTileRows + g] = round_bf16(acc[0]);
           dn_part[(c0 * n_sel + s0) * kTileRows + g + 8] = round_bf16(acc[2]);
@@ -516,8 +538,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
           dn_part[(c1 * n_sel + s1) * kTileRows + g + 8] = round_bf16(acc[3]);
         }
         __syncwarp();  // every lane is done with the stage
-        const int qn = q + l.dn_stages;
-        if (qn < dn_items) request_down_tile(a, l, b + (qn / nd) * G, list[qn % nd], dn_ring + warp * l.dn_bytes,
+        const int qn = q + n_dn;
+        if (qn < dn_items) request_down_tile(a, l, b + (qn / nd) * G, list[qn % nd], dn_stage_of(warp),
                                              dn_full + warp, true);
       }
     }
@@ -537,8 +559,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
 
 /// The launch of `a`, or why it cannot run (see moe_block_rows_unsupported). The ring slots: per quad
 /// as many gate/up stages as it has tiles (≤ kMaxQuadStages), and a down stage per warp (≤ the
-/// distinct experts); fewer where shared memory runs out (gate/up first, to 1 per quad, then
-/// down, to 2).
+/// distinct experts); fewer where shared memory runs out: the down stages first, to 2 (in phase 4
+/// the gate/up ring's tail holds more: MoeLayout::late_dn), then the gate/up ones, to 1 per quad.
+/// Two gate/up tiles in flight per quad matter most: with one, each tile waits out a whole
+/// memory round trip.
 MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   MoePlan<MoeLayout> p;
   const int hidden = a.gate.cols, ffn = a.ffn, E = a.n_experts, k = a.top_k;
@@ -560,8 +584,8 @@ MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   int dn = std::min(kBlockWarps, max_distinct);
   p.layout = moe_layout(a.rows, hidden, ffn, E, k, qs, dn);
   while (p.layout.total > kSmemLimit && (qs > 1 || dn > 2)) {
-    if (qs > 1) --qs;
-    else --dn;
+    if (dn > 2) --dn;
+    else --qs;
     p.layout = moe_layout(a.rows, hidden, ffn, E, k, qs, dn);
   }
   p.kernel = a.router.bits == 8 ? moe_rows_kernel<8> : moe_rows_kernel<4>;
