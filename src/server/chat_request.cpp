@@ -128,7 +128,7 @@ std::string parse_content(const json& v, const std::string& param) {
 
 /// The fields a message of `role` may carry besides role and content. An assistant message may
 /// also carry the fields of OpenAI's own answers that clients send back in the history
-/// (refusal, annotations, and function_call / audio when null; see parse_message).
+/// (refusal, annotations, and function_call / audio when null; see parse_chat_message).
 bool message_field_allowed(ChatRole role, const std::string& key) {
   if (key == "name") return true;
   if (role == ChatRole::kAssistant)
@@ -138,7 +138,9 @@ bool message_field_allowed(ChatRole role, const std::string& key) {
   return false;
 }
 
-ChatMessage parse_message(const json& m, const std::string& param) {
+}  // namespace
+
+ChatMessage parse_chat_message(const json& m, const std::string& param) {
   if (!m.is_object()) throw wrong_type(param, "an object", m);
   if (!m.contains("role"))
     throw missing_parameter(param + ".role");
@@ -176,6 +178,8 @@ ChatMessage parse_message(const json& m, const std::string& param) {
   return msg;
 }
 
+namespace {
+
 /// A message list; the last message must be from the user (or a tool result) unless
 /// `last_may_be_assistant`.
 std::vector<ChatMessage> parse_messages(const json& v, bool last_may_be_assistant = false) {
@@ -183,7 +187,7 @@ std::vector<ChatMessage> parse_messages(const json& v, bool last_may_be_assistan
   if (v.empty()) throw invalid_request("'messages' must contain at least one message", "messages");
   std::vector<ChatMessage> messages;
   for (size_t i = 0; i < v.size(); ++i)
-    messages.push_back(parse_message(v[i], "messages[" + std::to_string(i) + "]"));
+    messages.push_back(parse_chat_message(v[i], "messages[" + std::to_string(i) + "]"));
   const ChatRole last = messages.back().role;
   if (last != ChatRole::kUser && last != ChatRole::kTool && !(last_may_be_assistant && last == ChatRole::kAssistant))
     throw invalid_request(last_may_be_assistant ? "the last message must have role 'user', 'tool' or 'assistant'"
@@ -410,8 +414,6 @@ void only_fields(const json& doc, std::initializer_list<std::string_view> allowe
 }
 
 }  // namespace
-
-ChatMessage parse_chat_message(const json& m, const std::string& param) { return parse_message(m, param); }
 
 ChatRequest parse_chat_request(std::string_view body) {
   const json doc = parse_object(body);
