@@ -203,19 +203,16 @@ __device__ __forceinline__ void request_down_tile(const MoeDecodeArgs& a, const 
   if (lane < kDownTileCopies<true>) copy_down_item<true>(a, int64_t{expert} * l.hidden + int64_t{rt} * kTileRows, lane, stage, bar);
 }
 
-/// One 64-group G of a 16-row tile against up to 8 columns: `col` is this thread's B column
-/// (g's activation pairs in fragment order, or null for a zero column), `swap` 1 when its
-/// 16-byte units are swapped in pairs (xperm_word), sum0 / sum1 the Σx of its output columns 2t
-/// and 2t + 1 (0 where unused). acc[0], acc[1]: rows g of columns 2t, 2t + 1; acc[2], acc[3]:
-/// rows g + 8.
+/// One 64-group G of a 16-row tile against 8 columns: `col` is this thread's B column (g's
+/// activation pairs in fragment order), `swap` 1 when its 16-byte units are swapped in pairs
+/// (xperm_word), sum0 / sum1 the Σx of its output columns 2t and 2t + 1. acc[0], acc[1]: rows g
+/// of columns 2t, 2t + 1; acc[2], acc[3]: rows g + 8. A column the caller does not use may hold
+/// any row's values: an MMA's output column depends only on its own B column, so it changes no
+/// other column's bits (and is never read), and no column is zeroed.
 __device__ __forceinline__ void group_columns(const TileView& v, const uint32_t* col, int swap, int t, int G,
                                               float sum0, float sum1, float (&acc)[4]) {
-  uint4 bw0 = make_uint4(0, 0, 0, 0), bw1 = make_uint4(0, 0, 0, 0);
-  if (col) {
-    const uint4* bp = reinterpret_cast<const uint4*>(col + G * 32 + t * 8);
-    bw0 = bp[swap];
-    bw1 = bp[swap ^ 1];
-  }
+  const uint4* bp = reinterpret_cast<const uint4*>(col + G * 32 + t * 8);
+  const uint4 bw0 = bp[swap], bw1 = bp[swap ^ 1];
   float d[4];
   group_mma(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0,
             bw1, d);
@@ -440,8 +437,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
 
   // 3. Gate/up: the four quads work on four tiles at once; in a quad, warp w sums the one-token
   // block's group ranges 4w … 4w + 3 for every column, each from zero, and the sixteen partials
-  // add up in range order. Column c of the MMA is row c, or zero when row c did not route to
-  // the expert.
+  // add up in range order. Column c of the MMA is row c for every tile (the last row past the
+  // step's rows); only the columns whose row routed to the tile's expert are read.
   const int per_range = (l.groups_h + kBlockWarps - 1) / kBlockWarps;
   float* gu_part = reinterpret_cast<float*>(sm + l.gu_part) + quad * kBlockWarps * kTileRows * m;  // [range][16][m]
   const int qt = threadIdx.x % (kQuadWarps * kWarp);
@@ -449,11 +446,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     const int st = quad * QS + n % QS, j = b + i * G, d = j / l.gu_per_slot;
     mbarrier_wait(gu_full + st, (n / QS) & 1);
     const TileView v = tile_view<true>(gu_ring + st * l.gu_stage, l.gu_row_bytes, l.groups_h, g, t);
-    const bool active = g < m && slot_of[d * kMmaCols + g] >= 0;
-    const uint32_t* col = active ? xperm + g * half_h : nullptr;
-    const int c0 = 2 * t, c1 = 2 * t + 1;
-    const float* sum0 = c0 < m ? xsums + c0 * xsum_pitch(l.groups_h) : nullptr;
-    const float* sum1 = c1 < m ? xsums + c1 * xsum_pitch(l.groups_h) : nullptr;
+    const int xg = min(g, m - 1);
+    const uint32_t* col = xperm + xg * half_h;
+    const float* sum0 = xsums + min(2 * t, m - 1) * xsum_pitch(l.groups_h);
+    const float* sum1 = xsums + min(2 * t + 1, m - 1) * xsum_pitch(l.groups_h);
     // The warp's ranges are independent sums, so their groups interleave (group `step` of every
     // range, then the next): four MMA chains in flight instead of one, and each range still
     // adds its own groups from zero in ascending order.
@@ -463,7 +459,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
       for (int rg = 0; rg < kRangesPerWarp; ++rg) {
         const int range = wq * kRangesPerWarp + rg;
         const int Gi = range * per_range + step;
-        if (Gi < l.groups_h) group_columns(v, col, g & 1, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc[rg]);
+        if (Gi < l.groups_h) group_columns(v, col, xg & 1, t, Gi, sum0[Gi], sum1[Gi], acc[rg]);
       }
     }
 #pragma unroll
@@ -518,17 +514,17 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
         mbarrier_wait(dn_full + warp, used_items & 1);
         const TileView v = tile_view<true>(dn_stage_of(warp), l.dn_row_bytes, l.groups_f, g, t);
         const int sg = g < m ? slot_of[d * kMmaCols + g] : -1;
-        const uint32_t* col = sg >= 0 ? aperm + (g * n_sel + sg) * half_f : nullptr;
+        const uint32_t* col = aperm + (sg >= 0 ? (g * n_sel + sg) * half_f : 0);  // unused columns: any pair
         const int c0 = 2 * t, c1 = 2 * t + 1;
         const int s0 = c0 < m ? slot_of[d * kMmaCols + c0] : -1, s1 = c1 < m ? slot_of[d * kMmaCols + c1] : -1;
-        const float* sum0 = s0 >= 0 ? asum + (c0 * n_sel + s0) * l.groups_f : nullptr;
-        const float* sum1 = s1 >= 0 ? asum + (c1 * n_sel + s1) * l.groups_f : nullptr;
+        const float* sum0 = asum + (s0 >= 0 ? (c0 * n_sel + s0) * l.groups_f : 0);
+        const float* sum1 = asum + (s1 >= 0 ? (c1 * n_sel + s1) * l.groups_f : 0);
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         // Unrolled so that the next groups' loads and MMAs issue while this one's finish (only
         // the affine adds are a chain; they stay in ascending group order).
 #pragma unroll 4
         for (int Gi = 0; Gi < l.groups_f; ++Gi)
-          group_columns(v, col, 0, t, Gi, sum0 ? sum0[Gi] : 0.0f, sum1 ? sum1[Gi] : 0.0f, acc);
+          group_columns(v, col, 0, t, Gi, sum0[Gi], sum1[Gi], acc);
         if (s0 >= 0) {
           dn_part[(c0 * n_sel + s0) * kTileRows + g] = round_bf16(acc[0]);
           dn_part[(c0 * n_sel + s0) * kTileRows + g + 8] = round_bf16(acc[2]);
