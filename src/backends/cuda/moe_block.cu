@@ -57,8 +57,8 @@ struct MoeLayout {
   int hidden = 0, ffn = 0, n_sel = 0;
   int groups_h = 0, groups_f = 0;  ///< 64-groups per gate/up row, per down row
   int gu_per_slot = 0;             ///< gate/up tiles per expert: ffn / 8
-  int gu_row_bytes = 0, gu_bytes = 0;
-  int dn_row_bytes = 0, dn_bytes = 0;
+  int gu_row_bytes = 0, dn_row_bytes = 0;  ///< a gate/up / down code row's bytes
+  int dn_bytes = 0;                        ///< a down tile's bytes as copied (down_tile_bytes)
   int64_t gu_stage = 0, dn_stage = 0;  ///< one gate/up tile; one down tile of one slot
   int gu_max = 0, dn_max = 0;          ///< tiles per block at most
   int64_t bars = 0, gu_ring = 0, dn_ring = 0, xs = 0, xperm = 0, logits = 0, aperm = 0, asum = 0;
@@ -75,10 +75,9 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
   l.groups_f = ffn / kGroup;
   l.gu_per_slot = ffn / kExpertRowsPerTile;
   l.gu_row_bytes = hidden / 2;
-  l.gu_bytes = kTileRows * l.gu_row_bytes + 2 * kTileRows * l.groups_h * 2;
   l.gu_stage = gate_up_stage_bytes<false>(hidden);
   l.dn_row_bytes = ffn / 2;
-  l.dn_bytes = kTileRows * l.dn_row_bytes + 2 * kTileRows * l.groups_f * 2;
+  l.dn_bytes = down_tile_bytes(ffn);
   l.dn_stage = down_stage_bytes<false>(ffn);
   l.gu_max = static_cast<int>(ceil_div(int64_t{n_sel} * l.gu_per_slot, blocks));
   l.dn_max = static_cast<int>(ceil_div(hidden / kTileRows, blocks));

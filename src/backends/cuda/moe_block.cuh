@@ -54,7 +54,8 @@ __device__ __forceinline__ void grid_sync(uint32_t* counter, uint32_t blocks) {
 // half-warp's fragment loads touch slots g = 0 … 3 (or 8 … 11) at once; with rows a multiple of
 // 128 bytes long (every real shape) back-to-back rows put all four on the same shared-memory
 // banks (a 4-way conflict on every code load), padded ones start 8 banks apart. The padding
-// costs 13 more bulk copies a tile (each takes the issuing warp tens of cycles), so it pays
+// costs 14 more bulk copies a gate/up tile and 15 a down tile (each takes the issuing warp tens
+// of cycles), so it pays
 // where a block computes many tiles (the rows kernel), not in the one-token block, whose tiles
 // are few and whose copies all go out right after the routing. Scales and biases follow the
 // codes, unpadded.

@@ -92,8 +92,8 @@ struct MoeLayout {
   int hidden = 0, ffn = 0, n_sel = 0;
   int groups_h = 0, groups_f = 0;  ///< 64-groups per gate/up row, per down row
   int gu_per_slot = 0;             ///< gate/up tiles per expert: ffn / 8
-  int gu_row_bytes = 0, gu_bytes = 0;  ///< a gate/up code row; a tile's bytes as copied
-  int dn_row_bytes = 0, dn_bytes = 0;
+  int gu_row_bytes = 0, dn_row_bytes = 0;  ///< a gate/up / down code row's bytes
+  int dn_bytes = 0;                        ///< a down tile's bytes as copied (down_tile_bytes)
   int gu_stage = 0, dn_stage = 0;      ///< a gate/up / down tile's stage (codes padded)
   int max_distinct = 0;            ///< distinct experts of a step at most: min(rows·k, E) + 1
   int quad_stages = 0, dn_stages = 0;  ///< gate/up ring slots per quad; down stages (one per warp)
@@ -127,9 +127,8 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   l.groups_f = ffn / kGroup;
   l.gu_per_slot = ffn / kExpertRowsPerTile;
   l.gu_row_bytes = hidden / 2;
-  l.gu_bytes = kTileRows * l.gu_row_bytes + 2 * kTileRows * l.groups_h * 2;
   l.dn_row_bytes = ffn / 2;
-  l.dn_bytes = kTileRows * l.dn_row_bytes + 2 * kTileRows * l.groups_f * 2;
+  l.dn_bytes = down_tile_bytes(ffn);
   l.gu_stage = gate_up_stage_bytes<true>(hidden);
   l.dn_stage = down_stage_bytes<true>(ffn);
   l.max_distinct = (rows * top_k < n_experts ? rows * top_k : n_experts) + 1;
