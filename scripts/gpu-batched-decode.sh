@@ -57,7 +57,7 @@ if has batched; then
 fi
 if has moe; then
   echo "== test_moe_block"
-  timeout 150 "$BUILD/tests/test_moe_block" >"$OUT/moe-test.log" 2>&1 || status=1
+  timeout 300 "$BUILD/tests/test_moe_block" >"$OUT/moe-test.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|\[timing\]|Expected|Which is|Failure|error" "$OUT/moe-test.log" | head -40
 fi
 if has e2e-on; then

@@ -1,4 +1,4 @@
-// The fused decode MoE blocks, one token (launch_moe_block_decode) and the 1 … 8 rows of a
+// The fused decode MoE blocks, one token (launch_moe_block_decode) and the 1 … 32 rows of a
 // batched step (launch_moe_block_rows, each row bit-identical to the row launched alone),
 // against the separate kernels they replace and against exact reference loops: the norm, the router logits and the routing bit for bit
 // (the same arithmetic as launch_add_rmsnorm_router_fused), the expert activations and the
@@ -16,6 +16,7 @@
 #include <ostream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "backends/cpu/ops.h"
@@ -31,7 +32,7 @@ using cuda::DeviceBuffer;
 struct MoeBlock {
   int E, k, hidden, ffn;
   RandomQuant router, gate, up, down;
-  DeviceBuffer gain, logits, ids, weights, act, barriers;
+  DeviceBuffer gain, logits, ids, weights, act, act_sums, normed_sums, barriers;
 
   MoeBlock(int E_, int k_, int hidden_, int ffn_, std::mt19937_64& rng)
       : E(E_), k(k_), hidden(hidden_), ffn(ffn_), router(E_ + 1, hidden_, 8, rng),
@@ -45,6 +46,8 @@ struct MoeBlock {
     ids = poisoned(size_t(R) * (k + 1) * 4);
     weights = poisoned(size_t(R) * (k + 1) * 4);
     act = poisoned(size_t(R) * (k + 1) * ffn * 2);
+    act_sums = poisoned(size_t(R) * (k + 1) * (ffn / 8) * 4);
+    normed_sums = poisoned(size_t(R) * (hidden / 64) * 4);
     barriers = DeviceBuffer(2 * sizeof(uint32_t));
   }
 
@@ -71,6 +74,8 @@ struct MoeBlock {
     a.ids = ids.as<int32_t>();
     a.weights = weights.as<float>();
     a.act = act.as<__nv_bfloat16>();
+    a.act_sums = act_sums.as<float>();
+    a.normed_sums = normed_sums.as<float>();
     a.out = out.as<__nv_bfloat16>();
     a.barriers = barrier_pair ? barrier_pair : barriers.as<uint32_t>();
     return a;
@@ -205,7 +210,7 @@ struct MoeBlockCase {
 };
 
 /// The MoE block cases: the one-token block at the real shape, the demo shape and two other
-/// shapes, each on every SM and on a few blocks; then the rows kernel (RowsKernel*) at 8 and 1
+/// shapes, each on every SM and on a few blocks; then the rows kernel (RowsKernel*) at 8, 32 and 1
 /// rows of the real shape and 5 rows of the demo shape. The DemoShape, OtherShapes and
 /// RowsKernelMatchesTheReference pairs and triple were one test each.
 const std::vector<MoeBlockCase> kMoeBlockCases = {
@@ -216,6 +221,7 @@ const std::vector<MoeBlockCase> kMoeBlockCases = {
     {"OtherShapes13Slots", 64, 12, 512, 192, 65, 0, 1, false},    // 13 slots, 3 groups per down row
     {"OtherShapes300Experts", 300, 2, 256, 64, 66, 5, 1, false},  // E > 256: 32 router keys per lane
     {"RowsKernelRealShape8Rows", 256, 8, 2048, 512, 85, 0, 8, true},
+    {"RowsKernelRealShape32Rows", 256, 8, 2048, 512, 88, 0, 32, true},
     {"RowsKernelRealShape1Row", 256, 8, 2048, 512, 86, 0, 1, true},
     {"RowsKernelDemoShape5RowsOn3Blocks", 16, 4, 256, 128, 87, 3, 5, true},
 };
@@ -274,7 +280,7 @@ MoeRowsResult run_moe_rows(MoeBlock& m, const std::vector<float>& x, const std::
   return res;
 }
 
-/// Batch invariance of the rows kernel: every row of launches of 1 … 8 rows is bit-identical
+/// Batch invariance of the rows kernel: every row of launches of 1 … 32 rows is bit-identical
 /// (norm, logits, routing, act, output) to the same row alone through the one-token block
 /// (launch_moe_block_decode), so the batched decode gives each row the one-sequence step's bits.
 /// Rows 0 and 1 get the same input, so some experts are shared between rows; the others differ.
@@ -322,12 +328,17 @@ TEST(CudaMoeBlock, RefusesWhatItDoesNotSupport) {
   EXPECT_THROW(cuda::launch_moe_block_rows(a, nullptr), Error);
   std::mt19937_64 rng2(68);
   MoeBlock real(16, 4, 256, 128, rng2);
-  DeviceBuffer x2 = upload_bf16(normal_bf16(256 * 9, rng2, 1.0f)), xo2(256 * 9 * 2), nm2(256 * 9 * 2), out2(256 * 9 * 2);
+  constexpr int kTooMany = cuda::kMaxMoeRows + 1;
+  DeviceBuffer x2 = upload_bf16(normal_bf16(256 * kTooMany, rng2, 1.0f)), xo2(256 * kTooMany * 2),
+               nm2(256 * kTooMany * 2), out2(256 * kTooMany * 2);
   cuda::MoeDecodeArgs two = real.args(x2, nullptr, xo2, nm2, out2, nullptr, 2);
   EXPECT_NE(cuda::moe_block_unsupported(two).find("2 rows"), std::string::npos);  // one token only
   EXPECT_EQ(cuda::moe_block_rows_unsupported(two), "");
-  cuda::MoeDecodeArgs nine = real.args(x2, nullptr, xo2, nm2, out2, nullptr, 9);
-  EXPECT_NE(cuda::moe_block_rows_unsupported(nine).find("9 rows"), std::string::npos);
+  cuda::MoeDecodeArgs too_many = real.args(x2, nullptr, xo2, nm2, out2, nullptr, kTooMany);
+  EXPECT_NE(cuda::moe_block_rows_unsupported(too_many).find(std::to_string(kTooMany) + " rows"), std::string::npos);
+  cuda::MoeDecodeArgs no_sums = real.args(x2, nullptr, xo2, nm2, out2, nullptr, 2);
+  no_sums.act_sums = nullptr;
+  EXPECT_THROW(cuda::launch_moe_block_rows(no_sums, nullptr), InternalError);
 }
 
 /// A stack of fused MoE blocks, each reading the last one's output as the branch of its add
@@ -446,7 +457,7 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
     CUDA_CHECK(cudaGraphExecDestroy(exec));
   }
   // The rows kernel over the rows of a batched step.
-  for (int rows : {1, 2, 4, 8}) {
+  for (int rows : {1, 2, 4, 8, 16, 32}) {
     MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
     rchain.rows_kernel = true;
     cudaGraphExec_t exec = capture_graph(stream, [&](cudaStream_t st) { rchain.enqueue(st); });
@@ -480,6 +491,8 @@ void print_moe_phases(int rows) {
   cuda::download(t.data(), trace.as<uint64_t>(), t.size());
   uint64_t t0 = UINT64_MAX;
   for (int b = 0; b < blocks; ++b) t0 = std::min(t0, t[size_t(b) * cuda::kMoeTracePoints]);
+  // The rows kernel norms and computes the router logits in one phase (stamps 2 and 3), and
+  // stamp 10 follows its act group sums.
   static const char* kPhase[cuda::kMoeTracePoints] = {"entry", "PDL wait", "norm", "router", "barrier 1", "routing",
                                                      "requests", "gate/up", "SwiGLU", "barrier 2", "act staged", "down"};
   for (int p = 0; p < cuda::kMoeTracePoints; ++p) {
@@ -489,6 +502,14 @@ void print_moe_phases(int rows) {
     std::printf("[timing] moe block %d rows, phase %-10s  first %6.2f  median %6.2f  last %6.2f us\n", rows, kPhase[p],
                 us.front(), us[us.size() / 2], us.back());
   }
+  // The gate/up phase's slowest blocks (from its requests to its last tile): the tail.
+  std::vector<std::pair<double, int>> gate_up;
+  for (int b = 0; b < blocks; ++b)
+    gate_up.emplace_back((t[size_t(b) * cuda::kMoeTracePoints + 7] - t[size_t(b) * cuda::kMoeTracePoints + 6]) / 1000.0, b);
+  std::sort(gate_up.rbegin(), gate_up.rend());
+  std::printf("[timing] moe block %d rows, gate/up per block: median %.2f us, slowest", rows, gate_up[gate_up.size() / 2].first);
+  for (int i = 0; i < 6; ++i) std::printf(" b%d %.2f", gate_up[i].second, gate_up[i].first);
+  std::printf("\n");
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
@@ -496,6 +517,7 @@ void print_moe_phases(int rows) {
 TEST(CudaTiming, PrintsMoeBlockPhases) {
   print_moe_phases(1);
   print_moe_phases(8);
+  print_moe_phases(32);
 }
 
 }  // namespace

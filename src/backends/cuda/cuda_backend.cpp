@@ -544,8 +544,7 @@ int routed_plus_shared_experts(const ModelConfig& c) { return c.n_experts + 1; }
 
 /// Grid barriers of one launch_moe_block_decode (MoeDecodeArgs::barriers).
 constexpr int kMoeBarriersPerLayer = 2;
-/// launch_moe_block_rows launches of one layer of a batched step at most (kMaxMoeRows rows each).
-constexpr int kMoeGroupsPerStep = (kMaxDecodeRows + kMaxMoeRows - 1) / kMaxMoeRows;
+static_assert(kMaxMoeRows >= kMaxDecodeRows, "one launch_moe_block_rows per layer takes a batched step's rows");
 
 void check_shapes(const ModelConfig& c) {
   auto bad = [&](const std::string& what) {
@@ -1122,11 +1121,10 @@ class CudaBackend final : public Backend {
   // sequence: every projection reads its weights once for all rows (launch_quant_gemv_rows),
   // the mixers run one launch over the rows with each row's state, KV cache, position, length
   // and split count taken from the exchange block (BatchLayout), the MoE block runs as one
-  // launch per group of ≤ kMaxMoeRows rows (launch_moe_block_rows: post norm, router, top-k,
-  // each distinct expert's weights read once for all rows of the group that route to it,
-  // combine), then the LM head over B rows and an argmax per row. Where the fused block does not
-  // fit the shape at kMaxMoeRows rows, the MoE is the three kernels over B rows (each row's
-  // experts on its own).
+  // launch over the B rows (launch_moe_block_rows: post norm, router, top-k, each distinct
+  // expert's weights read once per eight rows that route to it, combine), then the LM head over
+  // B rows and an argmax per row. Where the fused block does not fit the shape at kMaxMoeRows
+  // rows, the MoE is the three kernels over B rows (each row's experts on its own).
   // Batch invariance: every launch computes a row from that row's inputs alone, with tile shapes,
   // split counts and summation orders fixed by the weights' shape or by the row's own sequence
   // (its KV capacity), never by B or by the other rows; and every launch gives a row the bits
@@ -1147,11 +1145,12 @@ class CudaBackend final : public Backend {
     DeviceBuffer in_dev, next_dev;
     /// Activations of up to kMaxDecodeRows rows: x, normed, mixer_out, moe [rows, hidden]; proj
     /// [rows, largest in-projection]; conv [rows, C]; mix [rows, mixer core]; q [rows, nq·D];
-    /// router fp32 [rows, E + 1]; ids, weights [rows, k + 1]; act [rows, k + 1, ffn].
-    DeviceBuffer x, normed, mixer_out, moe, proj, conv, mix, q, router, ids, weights, act;
+    /// router fp32 [rows, E + 1]; ids, weights [rows, k + 1]; act [rows, k + 1, ffn]; act_sums
+    /// fp32 [rows, k + 1, ffn / 8] and normed_sums fp32 [rows, hidden / 64] (the MoE rows kernel's).
+    DeviceBuffer x, normed, mixer_out, moe, proj, conv, mix, q, router, ids, weights, act, act_sums, normed_sums;
     DeviceBuffer x_alt;        ///< [rows, hidden]: the fused MoE block's residual output (x and x_alt alternate)
     DeviceBuffer router_done;  ///< uint32 [kMaxDecodeRows], zero between launches (launch_router_fused)
-    /// The MoE rows kernel's grid barriers: uint32 [n_layers][kMoeGroupsPerStep][kMoeBarriersPerLayer],
+    /// The MoE rows kernel's grid barriers: uint32 [n_layers][kMoeBarriersPerLayer],
     /// zeroed at the start of every step (a memset node in the graph).
     DeviceBuffer moe_barriers;
     DeviceBuffer logits;       ///< fp32 [kMaxDecodeRows, vocab]
@@ -1192,10 +1191,11 @@ class CudaBackend final : public Backend {
     b->ids = DeviceBuffer(rows * n_sel * sizeof(int32_t));
     b->weights = DeviceBuffer(rows * n_sel * sizeof(float));
     b->act = bf(rows * n_sel * c.moe_ffn_dim);
+    b->act_sums = DeviceBuffer(std::max<int64_t>(rows * n_sel * c.moe_ffn_dim / 8, 1) * sizeof(float));
+    b->normed_sums = DeviceBuffer(std::max<int64_t>(rows * c.hidden / kQuantGroupSize, 1) * sizeof(float));
     b->router_done = DeviceBuffer(rows * sizeof(uint32_t));
     b->router_done.fill_bytes(0);
-    b->moe_barriers = DeviceBuffer(static_cast<size_t>(c.n_layers) * kMoeGroupsPerStep * kMoeBarriersPerLayer *
-                                   sizeof(uint32_t));
+    b->moe_barriers = DeviceBuffer(static_cast<size_t>(c.n_layers) * kMoeBarriersPerLayer * sizeof(uint32_t));
     b->logits = DeviceBuffer(rows * c.vocab * sizeof(float));
     const int64_t slots = argmax_scratch_slots(c.vocab);
     b->argmax_v = DeviceBuffer(rows * slots * sizeof(float));
@@ -1274,26 +1274,25 @@ class CudaBackend final : public Backend {
     }
   }
 
-  /// The fused MoE block's arguments for layer `layer` of a batched step, rows r0 … r0 + n − 1
-  /// (n ≤ kMaxMoeRows, the group r0 / kMaxMoeRows with its own grid barriers): the post norm adds
-  /// the mixer output to x (the residual) into x_out and normed; the output goes to moe.
-  MoeDecodeArgs batch_moe_args(const DeviceLayer& lw, int layer, int r0, int n, const bf16* x, bf16* x_out) {
+  /// The fused MoE block's arguments for layer `layer` of a batched step of n rows (n ≤
+  /// kMaxMoeRows): the post norm adds the mixer output to x (the residual) into x_out and
+  /// normed; the output goes to moe.
+  MoeDecodeArgs batch_moe_args(const DeviceLayer& lw, int layer, int n, const bf16* x, bf16* x_out) {
     BatchScratch& b = *batch_;
-    const ModelConfig& c = config();
-    const int64_t h = int64_t{r0} * c.hidden, sel = int64_t{r0} * routed_plus_shared_slots(c);
     MoeDecodeArgs a = moe_args(lw, layer);
     a.rows = n;
-    a.norm.branch = b.mixer_out.as<bf16>() + h;
-    a.norm.x_out = x_out + h;
-    a.norm.normed_out = b.normed.as<bf16>() + h;
-    a.x = x + h;
-    a.logits = b.router.as<float>() + int64_t{r0} * routed_plus_shared_experts(c);
-    a.ids = b.ids.as<int32_t>() + sel;
-    a.weights = b.weights.as<float>() + sel;
-    a.act = b.act.as<bf16>() + sel * c.moe_ffn_dim;
-    a.out = b.moe.as<bf16>() + h;
-    a.barriers = b.moe_barriers.as<uint32_t>() +
-                 (int64_t{layer} * kMoeGroupsPerStep + r0 / kMaxMoeRows) * kMoeBarriersPerLayer;
+    a.norm.branch = b.mixer_out.as<bf16>();
+    a.norm.x_out = x_out;
+    a.norm.normed_out = b.normed.as<bf16>();
+    a.x = x;
+    a.logits = b.router.as<float>();
+    a.ids = b.ids.as<int32_t>();
+    a.weights = b.weights.as<float>();
+    a.act = b.act.as<bf16>();
+    a.act_sums = b.act_sums.as<float>();
+    a.normed_sums = b.normed_sums.as<float>();
+    a.out = b.moe.as<bf16>();
+    a.barriers = b.moe_barriers.as<uint32_t>() + int64_t{layer} * kMoeBarriersPerLayer;
     return a;
   }
 
@@ -1388,11 +1387,9 @@ class CudaBackend final : public Backend {
         launch_quant_gemv_rows(lw.attn_out, mix, B, mixer_out, nullptr, stream_);
       }
       // MoE: x ← x + mixer output, normed = post norm; router + top-k; experts; combine → moe.
-      // The fused block writes the new residual to the other buffer (its blocks all read x), one
-      // launch per group of kMaxMoeRows rows (a row's bits do not depend on its group).
+      // The fused block writes the new residual to the other buffer (its blocks all read x).
       if (batched_fused_moe_) {
-        for (int r0 = 0; r0 < B; r0 += kMaxMoeRows)
-          launch_moe_block_rows(batch_moe_args(lw, l, r0, std::min(kMaxMoeRows, B - r0), x, x_alt), stream_);
+        launch_moe_block_rows(batch_moe_args(lw, l, B, x, x_alt), stream_);
         std::swap(x, x_alt);
         continue;
       }

@@ -68,11 +68,10 @@ void launch_router_gemm(const DeviceQuant& w, const __nv_bfloat16* x, int m, flo
 bool router_gemm_supported(const DeviceQuant& w);
 
 /// Most token rows one batched decode forward takes (one per sequence): the row GEMVs, the
-/// mixers' row launches and the LM head take them all at once; the MoE block takes them
-/// kMaxMoeRows at a time.
+/// mixers' row launches, the MoE block and the LM head take them all at once.
 inline constexpr int kMaxDecodeRows = 32;
-/// Most rows one launch_moe_block_rows takes: its MMA's N (the step's rows are its columns).
-inline constexpr int kMaxMoeRows = 8;
+/// Most rows one launch_moe_block_rows takes: a batched decode step's rows (kMaxDecodeRows).
+inline constexpr int kMaxMoeRows = 32;
 
 /// The batched decode's GEMV: x bf16 [m, cols] row-major → y [m, rows] (exactly one of y_bf16 /
 /// y_f32 non-null), 1 ≤ m ≤ kMaxDecodeRows. Batch-invariant: the kernel and every summation
@@ -234,12 +233,18 @@ struct MoeDecodeArgs {
   int32_t* ids = nullptr;              ///< [rows, top_k + 1] (written, for probes)
   float* weights = nullptr;            ///< [rows, top_k + 1] (written, for probes)
   __nv_bfloat16* act = nullptr;        ///< bf16 [rows, top_k + 1, ffn]: scratch between the two grid phases
+  /// fp32 [rows, top_k + 1, ffn / 8]: the sums of act's 8-column units, scratch of the rows
+  /// kernel (launch_moe_block_rows) between its two grid phases; unused by the one-token block.
+  float* act_sums = nullptr;
+  /// fp32 [rows, hidden / 64]: the normed rows' group sums, scratch of the rows kernel between
+  /// its norm and its gate/up phase; unused by the one-token block.
+  float* normed_sums = nullptr;
   __nv_bfloat16* out = nullptr;        ///< bf16 [rows, hidden]: the MoE output
   uint32_t* barriers = nullptr;        ///< uint32 [2], zero before every launch (a memset in the graph)
   /// Diagnostics, null in production: per block, %globaltimer (ns) at each of the
-  /// kMoeTracePoints phase ends (entry, PDL wait, norm (the rows kernel: its own row's norm),
-  /// router (the rows kernel: every row staged, its router logits), barrier 1, routing,
-  /// requests, gate/up + SwiGLU, (same), barrier 2, act staged, down) → uint64 [blocks][kMoeTracePoints].
+  /// kMoeTracePoints phase ends (entry, PDL wait, norm, router (the rows kernel: both its norm
+  /// and router units, stamped twice), barrier 1, routing, requests, gate/up + SwiGLU, (same),
+  /// barrier 2, act staged (the rows kernel: the act group sums), down) → uint64 [blocks][kMoeTracePoints].
   uint64_t* trace = nullptr;
 };
 
@@ -271,12 +276,13 @@ void launch_moe_block_decode(const MoeDecodeArgs& args, cudaStream_t stream, int
 std::string moe_block_rows_unsupported(const MoeDecodeArgs& args, int max_blocks = 0);
 
 /// The decode MoE block of the args.rows (1 … kMaxMoeRows) rows of a batched decode step in
-/// one launch, with launch_moe_block_decode's results per row to within rounding (the norm's
-/// Σh² and the router logits summed in other orders, the router on tensor cores, another k-split
-/// of the gate/up sums), and each row's results bit-identical whatever the other rows are: the step's rows are the MMA's columns (row r always column r), each distinct expert's
-/// weights are read once for all rows routed to it, and every sum runs in an order fixed by the
-/// shape. Same barriers, buffers and errors as launch_moe_block_decode (with
-/// moe_block_rows_unsupported's reason).
+/// one launch, each row's outputs (x_out, normed, logits, routing, act, out) bit-identical to
+/// launch_moe_block_decode's for that token alone, whatever the other rows are: a row's every
+/// sum runs in the one-token block's order, and the rows routed to an expert are the columns of
+/// its MMAs (an output column depends only on its own input column), so each distinct expert's
+/// weights are read once per eight rows routed to it. Same barriers, buffers and errors as
+/// launch_moe_block_decode (with moe_block_rows_unsupported's reason), and act_sums and
+/// normed_sums are required (lily::InternalError).
 void launch_moe_block_rows(const MoeDecodeArgs& args, cudaStream_t stream, int max_blocks = 0);
 
 /// Number of fp32 + int32 scratch slots launch_argmax needs for n values.

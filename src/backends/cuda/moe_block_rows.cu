@@ -1,8 +1,8 @@
-// The decode MoE block of the 1 … 8 rows of a batched decode step in one launch (docs/model.md §3.5, §4.3 item 5): the
-// post-mixer add + RMSNorm, the router GEMV and top-k, the gate/up projections with SwiGLU over
-// the routed experts and the shared one, the down projections and the weighted combine. The
-// tokens are the rows of one decode step (one per sequence); each row's result is bit-identical
-// whatever the other rows are (batch invariance, below).
+// The decode MoE block of the 1 … 32 rows of a batched decode step in one launch (docs/model.md
+// §3.5, §4.3 item 5): the post-mixer add + RMSNorm, the router GEMV and top-k, the gate/up
+// projections with SwiGLU over the routed experts and the shared one, the down projections and
+// the weighted combine. The tokens are the rows of one decode step (one per sequence); each
+// row's result is bit-identical whatever the other rows are (batch invariance, below).
 //
 // Why one launch: as three kernels (router, gate/up, down) each decode layer pays two more
 // kernel boundaries, and each kernel's weights can only start streaming once it runs. Here
@@ -11,46 +11,55 @@
 // early as their addresses are known:
 //  1. before the PDL wait: the block's share of the router rows into registers and its first
 //     tiles of the shared expert (gate/up and down), whose addresses do not depend on the routing;
-//  2. after the wait: block r mod G norms row r alone (the one-token block's norm), stores x_out
-//     and normed_out; after a grid barrier every block stages the normed rows from normed_out
-//     (bf16, 16-byte loads through L2, four rows at a time from 6 rows on) and computes, for each
-//     row, its share of the router logits (the one-token block's CUDA-core router rows, held in
-//     registers from before the wait; row e on block e mod G, so every block holds one or two,
-//     each held by eight warps that take a token row each), then grid barrier 1; the logits go
-//     to shared memory in one round trip, warp r routes row r (route_token_keys), and every
-//     block lists the distinct experts of the step (the shared one first, then the routed ones
-//     in ascending id) and requests its first tiles;
-//  3. gate/up on tensor cores (quant_mma.cuh): a tile is 8 rows of one expert (16 MMA rows: the
-//     8 gate rows and the same 8 up rows), and the MMA's 8 columns are the step's rows, so each
-//     expert's weights are read once for every row that routed to it. Four quads of four warps
-//     work on four tiles at once, each quad through its own ring slots and named barrier; a warp
-//     sums four of the one-token block's sixteen group ranges, each on its own; SwiGLU, act to
-//     global memory, grid barrier 2;
-//  4. down + combine: a block owns 16 output rows; warp w walks the distinct experts w, w + S,
-//     … through its own shared-memory stage (one bulk-copy ring slot per warp: a few requested
-//     after the routing, the rest in the gate/up ring's tail once the block's gate/up tiles are
-//     done), and the block combines each row's slots in slot order.
-// Gate/up tiles are dealt round-robin over the blocks and, within a block, over the quads; a
-// tile's code rows are staged padded (moe_block.cuh: no bank conflicts on the fragment loads),
-// twenty bulk copies that the quad's four warps share. The ring slots, the down stages and the
-// act staging are sized from the row count at launch (moe_layout).
+//  2. after the wait: the (token row, router part) units are spread over the blocks (S parts
+//     per row, as many as the grid gives each row, router_splits); a unit norms its row alone
+//     (the one-token block's norm; part 0 stores x_out, normed_out and the normed row's group
+//     sums) and computes its part of the row's router logits (the one-token block's CUDA-core
+//     router rows, held in registers from before the wait); grid barrier 0;
+//  3. every block loads the logits and the group sums in one round trip, warp w routes rows w,
+//     w + 16, … (route_token_keys), and lists the distinct experts of the step (the shared one
+//     first, then the routed ones in ascending id) and their column blocks: expert d's (row,
+//     slot) pairs in row order, eight at a time (the MMA's N), so an expert routed from n rows
+//     is ⌈n / 8⌉ column blocks and the shared expert ⌈rows / 8⌉;
+//  4. gate/up on tensor cores (quant_mma.cuh): a tile is 8 rows of one expert (16 MMA rows: the
+//     8 gate rows and the same 8 up rows) against one column block, so each expert's weights are
+//     read once for every row routed to it (once per column block of eight). Four quads of four
+//     warps work on four tiles at once, each quad through its own ring slots and named barrier;
+//     a warp sums four of the one-token block's sixteen group ranges, each on its own; the
+//     activations come from normed_out (global memory, in natural order, put in fragment order
+//     in registers); SwiGLU, act and its 8-column unit sums to global memory, grid barrier 1;
+//  5. down + combine: a block owns 16 output rows; warp w walks the column blocks w, w + W, …
+//     through two shared-memory stages of its own (a few requested after the routing, the rest
+//     in the gate/up ring's tail once the block's gate/up tiles are done), the act read from
+//     global memory, its group sums formed from the unit sums; the block combines each row's
+//     slots in slot order.
+// The shared expert's gate/up tiles are dealt round-robin over the blocks (known before the
+// routing), the routed ones in contiguous chunks, so a block's quads work on neighbouring
+// tiles of one column block and its activation columns stay in L1 for all of them. A tile's
+// code rows are staged padded (moe_block.cuh: no bank conflicts on the fragment loads), twenty
+// bulk copies that the quad's four warps share. The ring slots and the down stages are sized
+// from the row count at launch (moe_layout). Nothing per row lives in shared memory but the
+// routing and the group sums, so 32 rows fit beside a ring of eight gate/up tiles.
 //
 // Grid barriers are counters in global memory that the caller zeroes before every launch (a
 // memset node at the start of the decode graph), so a replay never depends on the last one.
-// The first counter serves two barriers: the norms (G arrivals), then the router (2G).
 // All blocks are resident at once (one per SM, checked with the occupancy API), and a PDL
 // dependent launches only after every block has started, so the spin-waits cannot deadlock.
 //
 // Numerics: every row gets the one-token block's arithmetic (moe_block.cu), so a row's outputs
 // are the same bits as launch_moe_block_decode gives that token alone, and the batched decode
 // step is bit-identical to the one-sequence step: the norm is stage_norm_row's with the
-// 256-thread element mapping (and the staged copies hold its bf16 values), the router logits
-// RouterRows' (router_rows.cuh), the routing route_token_keys'; a gate/up row sums the same
-// sixteen ranges of groups (each from zero, in ascending group order, acc + (s·D + b·Σx) with explicit roundings), then adds the sixteen
-// partials in range order; act = bf16(silu(bf16(g))·bf16(u)); a down row sums every group in
-// ascending order, out = bf16(Σ_s w_s·bf16(d_s)) in slot order.
-// Batch invariance follows: a column's products never depend on the other columns (row r is
-// the MMA's column r), and every sum runs in an order fixed by the shape.
+// 256-thread element mapping, the router logits RouterRows' (router_rows.cuh: a logit's
+// arithmetic does not depend on which warp computes it), the routing route_token_keys'; a
+// gate/up row sums the same sixteen ranges of groups (each from zero, in ascending group
+// order, acc + (s·D + b·Σx) with explicit roundings), then adds the sixteen partials in range
+// order; act = bf16(silu(bf16(g))·bf16(u)); the act group sums are stage_fragment_row's (each
+// 16-byte unit ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7)), then the eight units in its
+// shuffle order); a down row sums every group in ascending order, out = bf16(Σ_s w_s·bf16(d_s))
+// in slot order.
+// Batch invariance follows: an MMA's output column depends only on its own B column (a pair's
+// products never depend on the other pairs of its column block, or on which column it is), and
+// every sum runs in an order fixed by the shape.
 #include <algorithm>
 #include <string>
 
@@ -66,25 +75,20 @@ namespace {
 
 using namespace moe;
 
-constexpr int kMmaCols = 8;            // the MMA's N: the step's rows
-constexpr int kQuadWarps = 4;                    // a gate/up tile's k-split: 4 warps
+constexpr int kMmaCols = 8;                       // the MMA's N: up to 8 (row, slot) pairs of one expert
+constexpr int kQuadWarps = 4;                     // a gate/up tile's k-split: 4 warps
 constexpr int kQuads = kBlockWarps / kQuadWarps;  // gate/up tiles in progress per block
 constexpr int kMaxQuadStages = 2;                 // gate/up ring slots per quad
 /// The one-token block's k-split of a gate/up tile is kBlockWarps group ranges; a quad's warp
 /// sums kRangesPerWarp of them, each on its own.
 constexpr int kRangesPerWarp = kBlockWarps / kQuadWarps;
-/// Normed rows phase 2 stages at once: 2 up to kStageFourFrom − 1 rows, else 4. The larger
-/// staging is taken only where it costs no co-residency: below 6 rows the block's shared memory
-/// leaves room for a block of the next GEMV, and the 4-row staging would take it.
-constexpr int kStageFourFrom = 6;
-constexpr int kMaxStageRows = 4;
-/// Phase 2's router split: kRouterRowWarps warps of a block hold distinct router rows, and each
-/// row is held by kRouterTokenWarps warps, warp w computing the token rows ≡ w / kRouterRowWarps
-/// (mod kRouterTokenWarps).
-constexpr int kRouterRowWarps = 2;
-constexpr int kRouterTokenWarps = kBlockWarps / kRouterRowWarps;
+/// Down stages per warp in phase 4 at most (two: one is computed while the next arrives).
+constexpr int kMaxDownStagesPerWarp = 2;
 constexpr int kUsedWords = kMaxExperts / 32;  // the routed-expert bitmap
-static_assert(kMaxMoeRows <= kMmaCols, "a step's rows are the MMA's columns");
+/// Units of 8 act columns (16 bytes) whose sums a gate/up tile writes: one per tile.
+static_assert(kExpertRowsPerTile == 8, "a gate/up tile's act is one 16-byte unit of each column");
+static_assert(kMaxMoeRows <= 32, "the rows routed to an expert are a 32-bit mask");
+static_assert(kMaxMoeRows * kTileRows <= kBlockThreads, "the combine takes a thread per (row, output row)");
 
 /// Shapes and shared-memory offsets (bytes) of the kernel; host and device compute the same.
 struct MoeLayout {
@@ -96,23 +100,18 @@ struct MoeLayout {
   int dn_bytes = 0;                        ///< a down tile's bytes as copied (down_tile_bytes)
   int gu_stage = 0, dn_stage = 0;      ///< a gate/up / down tile's stage (codes padded)
   int max_distinct = 0;            ///< distinct experts of a step at most: min(rows·k, E) + 1
+  int max_items = 0;               ///< column blocks of a step at most (below)
   int quad_stages = 0, dn_stages = 0;  ///< gate/up ring slots per quad; down stages (one per warp)
   int late_dn = 0;                     ///< down stages in the gate/up ring's tail (phase 4 only)
-  int norm_rows = 2;                   ///< normed rows phase 2 stages at once (2 or kMaxStageRows)
-  int64_t bars = 0, sel_ids = 0, sel_w = 0, list = 0, slot_of = 0, word_prefix = 0;
-  int64_t gu_ring = 0, aperm = 0, asum = 0, late_ring = 0, dn_ring = 0, xperm = 0, xsums = 0, gu_part = 0, dn_part = 0;
+  int64_t bars = 0, sel_ids = 0, sel_w = 0, list = 0, rows_of = 0, pair_start = 0, item_start = 0, item_expert = 0,
+          item_span = 0, pair_d = 0, pairs_of = 0, word_prefix = 0;
+  int64_t gu_ring = 0, asum = 0, late_ring = 0, dn_ring = 0, xsums = 0, gu_part = 0, dn_part = 0;
   int64_t total = 0;
 };
 
-/// Floats between two rows' group sums in xsums: one more than the groups, so the rows 2t that
-/// the four lanes t of a group's Σx load touch sit on different banks.
+/// Floats between two rows' group sums in xsums: one more than the groups, so the rows that the
+/// four lanes t of a group's Σx load touch sit on different banks.
 __host__ __device__ inline int xsum_pitch(int groups_h) { return groups_h + 1; }
-
-/// Word of pair i (0 … hidden / 2 − 1) of row r in xperm, within the row: the 16-byte units of
-/// odd rows are swapped in pairs (unit u at u xor 1), so the two rows g, g + 1 that a
-/// quarter-warp's 16-byte B loads touch use different banks (rows are a multiple of 128 bytes
-/// long, so unswizzled they would share them).
-__host__ __device__ inline int xperm_word(int r, int i) { return i ^ ((r & 1) << 2); }
 
 /// The layout for `rows` rows with quad_stages gate/up ring slots per quad and dn_stages down
 /// stages (offsets only; moe_plan picks the slot counts).
@@ -132,17 +131,19 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   l.gu_stage = gate_up_stage_bytes<true>(hidden);
   l.dn_stage = down_stage_bytes<true>(ffn);
   l.max_distinct = (rows * top_k < n_experts ? rows * top_k : n_experts) + 1;
+  const int pairs = rows * l.n_sel;  // (row, slot)
+  // An expert's pairs split into blocks of kMmaCols: Σ ⌈n_d / 8⌉ ≤ distinct + pairs / 8.
+  l.max_items = l.max_distinct + (pairs + kMmaCols - 1) / kMmaCols;
   l.quad_stages = quad_stages;
   l.dn_stages = dn_stages;
-  l.norm_rows = rows >= kStageFourFrom ? kMaxStageRows : 2;
   const int gu_stages = kQuads * quad_stages;
-  const int pairs = rows * l.n_sel;  // (row, slot)
-  // Once a block's gate/up tiles are done, the ring's tail past the act staging holds more down
-  // stages (one per warp, up to a warp per distinct expert).
+  // Once a block's gate/up tiles are done, the ring's head holds the act group sums of phase 4
+  // and its tail more down stages (up to two per warp, at most one per column block).
   const int64_t ring = int64_t{gu_stages} * l.gu_stage;
-  const int64_t staging = align16(int64_t{pairs} * ffn / 2 * 4) + align16(int64_t{pairs} * l.groups_f * 4);
-  const int64_t tail = ring - align16(staging);
-  const int wanted = (l.max_distinct < kBlockWarps ? l.max_distinct : kBlockWarps) - dn_stages;
+  const int64_t staging = align16(int64_t{pairs} * l.groups_f * 4);
+  const int64_t tail = ring - staging;
+  const int most = kMaxDownStagesPerWarp * kBlockWarps;
+  const int wanted = (l.max_items < most ? l.max_items : most) - dn_stages;
   l.late_dn = tail > 0 && wanted > 0 ? static_cast<int>(tail / l.dn_stage < wanted ? tail / l.dn_stage : wanted) : 0;
   int64_t o = 0;
   l.bars = o;
@@ -151,32 +152,41 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   o += align16(int64_t{pairs} * 4);
   l.sel_w = o;
   o += align16(int64_t{pairs} * 4);
-  l.list = o;
+  l.list = o;  // int32 [max_distinct]: distinct expert d → expert id
   o += align16(int64_t{l.max_distinct} * 4);
-  l.slot_of = o;  // int8 [max_distinct][kMmaCols]: the slot of distinct expert d in row r, or −1
-  o += align16(int64_t{l.max_distinct} * kMmaCols);
+  l.rows_of = o;  // uint32 [max_distinct]: the rows routed to d, a bit each
+  o += align16(int64_t{l.max_distinct} * 4);
+  l.pair_start = o;  // int32 [max_distinct]: d's first entry in pairs_of
+  o += align16(int64_t{l.max_distinct} * 4);
+  l.item_start = o;  // int32 [max_distinct]: d's first column block
+  o += align16(int64_t{l.max_distinct} * 4);
+  l.item_expert = o;  // int32 [max_items]: a column block's expert id
+  o += align16(int64_t{l.max_items} * 4);
+  l.item_span = o;  // int32 [max_items]: its first entry in pairs_of · 256 + its columns (1 … 8)
+  o += align16(int64_t{l.max_items} * 4);
+  l.pair_d = o;  // int16 [pairs]: a (row, slot) pair's distinct expert
+  o += align16(int64_t{pairs} * 2);
+  l.pairs_of = o;  // int16 [pairs]: the pairs grouped by distinct expert, in row order
+  o += align16(int64_t{pairs} * 2);
   l.word_prefix = o;
   o += align16(int64_t{kUsedWords} * 4);
-  // The gate/up ring (phase 3) and the act staging and late down stages (phase 4) share memory.
+  // The gate/up ring (phase 3) and the act group sums and late down stages (phase 4) share memory.
   l.gu_ring = o;
-  l.aperm = o;
-  l.asum = o + align16(int64_t{pairs} * ffn / 2 * 4);
-  l.late_ring = o + align16(staging);
+  l.asum = o;
+  l.late_ring = o + staging;
   o += ring > staging ? ring : staging;
   l.dn_ring = o;
   o += int64_t{dn_stages} * l.dn_stage;
-  l.xperm = o;
-  o += align16(int64_t{rows} * hidden / 2 * 4);
   l.xsums = o;
   o += align16(int64_t{rows} * xsum_pitch(l.groups_h) * 4);
-  // fp32 [quad][range][16 tile rows][rows]; before that (phase 2) the staging of norm_rows rows,
-  // each xs [groups_h][kGroupStride], then its group sums [groups_h]; then (routing) every row's
+  // fp32 [quad][range][16 tile rows][kMmaCols]; before that (phase 2) the staging of the normed
+  // row, xs [groups_h][kGroupStride], then its group sums [groups_h]; then (routing) every row's
   // logits, fp32 [rows][n_experts + 1]; after it (phase 4) the down partials dn_part, fp32
   // [(row, slot)][16 tile rows].
   l.gu_part = o;
   l.dn_part = o;
-  const int64_t parts = int64_t{kQuads} * kBlockWarps * kTileRows * rows * 4;
-  const int64_t row_staging = int64_t{l.norm_rows} * l.groups_h * (kGroupStride + 1) * 4;
+  const int64_t parts = int64_t{kQuads} * kBlockWarps * kTileRows * kMmaCols * 4;
+  const int64_t row_staging = int64_t{l.groups_h} * (kGroupStride + 1) * 4;
   const int64_t logits = int64_t{rows} * (n_experts + 1) * 4;
   const int64_t down_parts = int64_t{pairs} * kTileRows * 4;
   o += align16(std::max({parts, row_staging, logits, down_parts}));
@@ -184,10 +194,10 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   return l;
 }
 
-/// The first expert row of gate/up tile j: rows 8·(j mod gu_per_slot) … of distinct expert
-/// j / gu_per_slot (list: distinct expert → expert id).
-__device__ __forceinline__ int64_t gate_up_row0(const MoeLayout& l, int j, const int32_t* list) {
-  return int64_t{list[j / l.gu_per_slot]} * l.ffn + int64_t{j % l.gu_per_slot} * kExpertRowsPerTile;
+/// The first expert row of gate/up tile j: rows 8·(j mod gu_per_slot) … of the expert of column
+/// block j / gu_per_slot (item_expert: column block → expert id).
+__device__ __forceinline__ int64_t gate_up_row0(const MoeLayout& l, int j, const int32_t* item_expert) {
+  return int64_t{item_expert[j / l.gu_per_slot]} * l.ffn + int64_t{j % l.gu_per_slot} * kExpertRowsPerTile;
 }
 
 /// One warp: requests the down tile of output rows 16·rt … + 16 of `expert` into `stage`,
@@ -202,16 +212,19 @@ __device__ __forceinline__ void request_down_tile(const MoeDecodeArgs& a, const 
   if (lane < kDownTileCopies<true>) copy_down_item<true>(a, int64_t{expert} * l.hidden + int64_t{rt} * kTileRows, lane, stage, bar);
 }
 
-/// One 64-group G of a 16-row tile against 8 columns: `col` is this thread's B column (g's
-/// activation pairs in fragment order), `swap` 1 when its 16-byte units are swapped in pairs
-/// (xperm_word), sum0 / sum1 the Σx of its output columns 2t and 2t + 1. acc[0], acc[1]: rows g
-/// of columns 2t, 2t + 1; acc[2], acc[3]: rows g + 8. A column the caller does not use may hold
-/// any row's values: an MMA's output column depends only on its own B column, so it changes no
-/// other column's bits (and is never read), and no column is zeroed.
-__device__ __forceinline__ void group_columns(const TileView& v, const uint32_t* col, int swap, int t, int G,
-                                              float sum0, float sum1, float (&acc)[4]) {
-  const uint4* bp = reinterpret_cast<const uint4*>(col + G * 32 + t * 8);
-  const uint4 bw0 = bp[swap], bw1 = bp[swap ^ 1];
+/// One 64-group G of a 16-row tile against 8 columns: `col` is this thread's 32 bytes of group 0
+/// of its B column (bf16 in natural order, written by other blocks of this launch before a grid
+/// barrier, whose acquire makes them visible; put in fragment order here), sum0 / sum1 the Σx of
+/// its output columns 2t and 2t + 1. kL1: the loads may hit in L1 (columns that the block reads
+/// again soon), else they go to L2. acc[0], acc[1]: rows g of columns 2t, 2t + 1; acc[2], acc[3]: rows g + 8. A column
+/// the caller does not use may hold any pair's values: an MMA's output column depends only on
+/// its own B column, so it changes no other column's bits (and is never read), and no column is
+/// zeroed.
+template <bool kL1>
+__device__ __forceinline__ void group_columns(const TileView& v, const uint4* col, int G, float sum0, float sum1,
+                                              float (&acc)[4]) {
+  const uint4 w0 = kL1 ? col[G * 8] : __ldcg(col + G * 8), w1 = kL1 ? col[G * 8 + 1] : __ldcg(col + G * 8 + 1);
+  const uint4 bw0 = fragment_order(w0), bw1 = fragment_order(w1);
   float d[4];
   group_mma(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0,
             bw1, d);
@@ -222,55 +235,14 @@ __device__ __forceinline__ void group_columns(const TileView& v, const uint32_t*
   acc[3] = affine_add(acc[3], s_hi, d[3], b_hi, sum1);
 }
 
-/// Stores one thread's MMA D fragment of a 16-row × m-column partial tile p [16][m] (acc: rows
-/// g, g + 8 × columns 2t, 2t + 1; columns ≥ m dropped).
-__device__ __forceinline__ void store_tile_partial(float* p, const float (&acc)[4], int g, int t, int m) {
+/// Stores one thread's MMA D fragment of a 16-row × 8-column partial tile p [16][8] (acc: rows
+/// g, g + 8 × columns 2t, 2t + 1).
+__device__ __forceinline__ void store_tile_partial(float* p, const float (&acc)[4], int g, int t) {
   const int c0 = 2 * t, c1 = 2 * t + 1;
-  if (c0 < m) {
-    p[g * m + c0] = acc[0];
-    p[(g + 8) * m + c0] = acc[2];
-  }
-  if (c1 < m) {
-    p[g * m + c1] = acc[1];
-    p[(g + 8) * m + c1] = acc[3];
-  }
-}
-
-/// Phase 2's staging of normed rows 0 … nr − 1 of `normed` (bf16 [nr][cols], written by other
-/// blocks of this launch before a grid barrier, so read through L2): row q as fp32 at
-/// xs0 + q·stride ([groups][kGroupStride], then its group sums [groups], stage_group_sums'
-/// arithmetic). The values are the bf16 normed values the norming block staged, so the staging
-/// is the same bits as that block's own. All threads; ends with __syncthreads.
-__device__ __forceinline__ void stage_normed_rows(const bf16* normed, int nr, int cols, float* xs0, int stride) {
-  constexpr int kInFlight = 4;  // 16-byte loads per thread issued before any is used
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, groups = cols / kGroup;
-  const int vecs = cols / 8, total = nr * vecs;
-  const uint4* src = reinterpret_cast<const uint4*>(normed);
-  for (int i0 = threadIdx.x; i0 < total; i0 += kInFlight * blockDim.x) {
-    uint4 v[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int i = i0 + u * blockDim.x;
-      if (i < total) v[u] = __ldcg(src + i);
-    }
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int i = i0 + u * blockDim.x;
-      if (i >= total) continue;
-      const int c = (i % vecs) * 8;
-      float* dst = xs0 + (i / vecs) * stride + (c / kGroup) * kGroupStride + c % kGroup;
-      const float4 lo = bf16x4_to_f32(v[u].x, v[u].y), hi = bf16x4_to_f32(v[u].z, v[u].w);
-      dst[0] = lo.x, dst[1] = lo.y, dst[2] = lo.z, dst[3] = lo.w;
-      dst[4] = hi.x, dst[5] = hi.y, dst[6] = hi.z, dst[7] = hi.w;
-    }
-  }
-  __syncthreads();
-  for (int p = warp; p < nr * groups; p += kBlockWarps) {  // warp-uniform
-    const float* xg = xs0 + (p / groups) * stride + (p % groups) * kGroupStride;
-    const float sum = group_sum_x(xg[lane], xg[lane + 32]);
-    if (lane == 0) xs0[(p / groups) * stride + groups * kGroupStride + p % groups] = sum;
-  }
-  __syncthreads();
+  p[g * kMmaCols + c0] = acc[0];
+  p[(g + 8) * kMmaCols + c0] = acc[2];
+  p[g * kMmaCols + c1] = acc[1];
+  p[(g + 8) * kMmaCols + c1] = acc[3];
 }
 
 /// Barrier of the four warps of quad `quad` (named barrier 1 + quad, 128 threads).
@@ -278,14 +250,30 @@ __device__ __forceinline__ void quad_sync(int quad) {
   asm volatile("bar.sync %0, %1;" ::"r"(1 + quad), "r"(kQuadWarps * kWarp) : "memory");
 }
 
+/// A column block's pair at column c: its pairs_of entries first … first + n − 1, c clamped to
+/// n − 1 (an unused column takes the last pair's values).
+__device__ __forceinline__ int block_pair(const int16_t* pairs_of, int span, int c) {
+  const int n = span & 0xff;
+  return pairs_of[(span >> 8) + (c < n ? c : n - 1)];
+}
+
+/// Parts phase 2 splits each token row's router logits into: as many as G blocks give every row
+/// (at least 1), and no more than give each warp a router row (E + 1 rows).
+__host__ __device__ inline int router_splits(int rows, int blocks, int n_experts) {
+  const int most = (n_experts + 1 + kBlockWarps - 1) / kBlockWarps;
+  const int fit = blocks / rows;
+  return fit < 1 ? 1 : (fit < most ? fit : most);
+}
+
 /// grid: blocks ≤ one per SM (all resident), block kBlockThreads. See the file comment.
 template <int RBITS>
 __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArgs a, MoeLayout l) {
   extern __shared__ __align__(16) unsigned char sm[];
   __shared__ uint32_t used[kUsedWords];
-  __shared__ int n_distinct_s;
+  __shared__ int n_distinct_s, n_items_s;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
   const int G = gridDim.x, b = blockIdx.x, m = l.rows, k = a.top_k, n_sel = l.n_sel, E = a.n_experts;
+  const int pairs = m * n_sel;
   const int n_rt = l.hidden / kTileRows;
   const int my_rt = b < n_rt ? (n_rt - 1 - b) / G + 1 : 0;  // row tiles b, b + G, …
   uint64_t* gu_full = reinterpret_cast<uint64_t*>(sm + l.bars);
@@ -294,8 +282,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   uint64_t* dn_full = gu_full + gu_stages;
   int32_t* sel_ids = reinterpret_cast<int32_t*>(sm + l.sel_ids);  // [row][slot]
   float* sel_w = reinterpret_cast<float*>(sm + l.sel_w);
-  int32_t* list = reinterpret_cast<int32_t*>(sm + l.list);        // distinct expert d → expert id
-  int8_t* slot_of = reinterpret_cast<int8_t*>(sm + l.slot_of);    // [d][kMmaCols]
+  int32_t* list = reinterpret_cast<int32_t*>(sm + l.list);
+  uint32_t* rows_of = reinterpret_cast<uint32_t*>(sm + l.rows_of);
+  int32_t* pair_start = reinterpret_cast<int32_t*>(sm + l.pair_start);
+  int32_t* item_start = reinterpret_cast<int32_t*>(sm + l.item_start);
+  int32_t* item_expert = reinterpret_cast<int32_t*>(sm + l.item_expert);
+  int32_t* item_span = reinterpret_cast<int32_t*>(sm + l.item_span);
+  int16_t* pair_d = reinterpret_cast<int16_t*>(sm + l.pair_d);
+  int16_t* pairs_of = reinterpret_cast<int16_t*>(sm + l.pairs_of);
   int32_t* word_prefix = reinterpret_cast<int32_t*>(sm + l.word_prefix);
   unsigned char* gu_ring = sm + l.gu_ring;
   unsigned char* dn_ring = sm + l.dn_ring;
@@ -303,94 +297,95 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   auto dn_stage_of = [&](int w) {
     return w < l.dn_stages ? dn_ring + w * l.dn_stage : sm + l.late_ring + (w - l.dn_stages) * l.dn_stage;
   };
-  const int half_h = l.hidden / 2, half_f = l.ffn / 2;
+  // The shared expert is distinct expert 0 and its column blocks are the first ones (every row
+  // routes to it), so its gate/up tiles j < shared_tiles are known before the routing.
+  const int shared_tiles = (m + kMmaCols - 1) / kMmaCols * l.gu_per_slot;
 
   trace_point(a, 0);
   if (threadIdx.x == 0) {
     for (int i = 0; i < gu_stages + l.dn_stages + l.late_dn; ++i) mbarrier_init(gu_full + i, 1);
     mbarrier_init_fence();
   }
-  for (int i = threadIdx.x; i < l.max_distinct * kMmaCols; i += blockDim.x) slot_of[i] = -1;
+  for (int i = threadIdx.x; i < l.max_distinct; i += blockDim.x) rows_of[i] = 0;
   for (int i = threadIdx.x; i < kUsedWords; i += blockDim.x) used[i] = 0;
   __syncthreads();
 
-  // 1. Weights whose addresses need no routing, before the wait (launch.cuh): the shared expert
-  // is distinct expert 0, so gate/up tiles j < gu_per_slot and warp 0's first down item are its.
-  // Quad q's n-th gate/up tile is the block's tile i = q + 4n (global j = b + i·G), in its
-  // stage q·QS + n mod QS; the quad's first warp requests its tiles.
-  // This block's share of the router rows, into registers (the one-token block's split).
-  // Router row e goes to block e mod G, where the warps w ≡ e / G (mod kRouterRowWarps) all hold
-  // it, each for its own token rows (below): a row's dot products for eight token rows run on
-  // eight warps at once, and no block holds more rows than another.
-  RouterRows<RBITS> router(a.router, int64_t{warp % kRouterRowWarps} * G + b, int64_t{G} * kRouterRowWarps);
-  for (int n = 0; n < QS; ++n) {  // the quad's four warps share each tile's copies
-    const int j = b + (quad + kQuads * n) * G;
-    if (j < l.gu_per_slot)
-      request_gate_up_part<true>(a, int64_t{E} * l.ffn + int64_t{j} * kExpertRowsPerTile,
+  // Gate/up tiles: the shared expert's (j < shared_tiles) round-robin over the blocks (block b
+  // takes b, b + G, …, known before the routing), then the routed ones in contiguous chunks, so
+  // the quads of a block work on neighbouring tiles of the same column block and its activation
+  // columns are read once into L1 for all of them. Quad q takes the block's tiles q, q + 4, …,
+  // its n-th in stage q·QS + n mod QS; the quad's warps share each tile's copies.
+  const int my_shared = b < shared_tiles ? (shared_tiles - 1 - b) / G + 1 : 0;
+  int64_t chunk0 = 0;  // the block's first routed tile, set once the routing is known
+  auto tile_of = [&](int i) {
+    return i < my_shared ? b + i * G : shared_tiles + static_cast<int>(chunk0) + (i - my_shared);
+  };
+
+  // 1. Weights whose addresses need no routing, before the wait (launch.cuh): the block's first
+  // shared-expert gate/up tiles and warp 0's first down item; and this block's router rows.
+  // Phase 2 splits the (token row, router rows) work into S = router_splits(m, G) parts: unit
+  // u = b, b + G, … < S·m is token row u mod m with part u / m, whose 16 warps take the router
+  // rows ≡ their index (mod 16·S) (RouterRows: each logit is the stand-alone GEMV's arithmetic
+  // whoever computes it).
+  const int S = router_splits(m, G, E);
+  const int part = S > 1 ? b / m : 0;  // S > 1: S·m ≤ G, one unit per block at most
+  RouterRows<RBITS> router(a.router, b < S * m ? int64_t{part} * kBlockWarps + warp : int64_t{E + 1},
+                           int64_t{S} * kBlockWarps);
+  for (int n = 0; n < QS; ++n) {
+    const int i = quad + kQuads * n;
+    if (i < my_shared)
+      request_gate_up_part<true>(a, int64_t{E} * l.ffn + int64_t{tile_of(i) % l.gu_per_slot} * kExpertRowsPerTile,
                                  gu_ring + (quad * QS + n) * l.gu_stage, gu_full + quad * QS + n, wq, kQuadWarps);
   }
   if (warp == 0 && my_rt > 0) request_down_tile(a, l, b, E, dn_ring, dn_full);
   pdl_prologue();
   trace_point(a, 1);
 
-  // 2. Block b norms rows b, b + G, … alone (the one-token block's stage_norm_row: the same bits) and
-  // stores x_out and normed_out; after grid barrier 0 every block stages the m normed rows from
-  // normed_out, their fragment-order copy and group sums for the gate/up phase, and its share of
-  // every row's router logits; then grid barrier 1 (the same counter, its second round).
-  uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);  // [row][hidden / 2]
-  float* xsums = reinterpret_cast<float*>(sm + l.xsums);         // [row][groups_h]
-  float* xs = reinterpret_cast<float*>(sm + l.gu_part);  // l.norm_rows rows' staging
-  const int stride = l.groups_h * (kGroupStride + 1);     // floats: a row's xs, then its group sums
+  // 2. Unit u (above) norms token row r = u mod m alone (the one-token block's stage_norm_row:
+  // the same bits; part 0 stores x_out, normed_out and the row's group sums) and computes its
+  // part of the row's router logits; then grid barrier 0.
+  float* xsums = reinterpret_cast<float*>(sm + l.xsums);  // [row][xsum_pitch]
+  float* xs = reinterpret_cast<float*>(sm + l.gu_part);    // the normed row's staging
   const bool router_in_regs = router.holds_all(a.router);
   bool router_fresh = true;  // the registers still hold the first group loaded before the wait
-  for (int r = b; r < m; r += G) {  // row r on block r mod G
+  for (int u = b; u < S * m; u += G) {
+    const int r = u % m;
+    const bool store = u < m;
     const int64_t off = int64_t{r} * l.hidden;
     FusedNorm norm = a.norm;
     if (norm.branch) norm.branch += off;
     norm.x_out += off;
     norm.normed_out += off;
-    stage_norm_row(a.x + off, norm, l.hidden, true, xs, xs + l.groups_h * kGroupStride, kNormThreads);
+    float* xsum = xs + l.groups_h * kGroupStride;
+    stage_norm_row(a.x + off, norm, l.hidden, store, xs, xsum, kNormThreads);
+    if (store)
+      for (int i = threadIdx.x; i < l.groups_h; i += blockDim.x) a.normed_sums[int64_t{r} * l.groups_h + i] = xsum[i];
+    router.compute(a.router, xs, xsum, a.logits + int64_t{r} * (E + 1), router_fresh || router_in_regs);
+    router_fresh = false;
+    __syncthreads();  // the staging is reused by the next unit
   }
   trace_point(a, 2);
-  grid_sync(a.barriers, G);
-  for (int r0 = 0; r0 < m; r0 += l.norm_rows) {
-    const int nr = min(l.norm_rows, m - r0);
-    stage_normed_rows(a.norm.normed_out + int64_t{r0} * l.hidden, nr, l.hidden, xs, stride);
-    for (int q = 0; q < nr; ++q) {
-      const int r = r0 + q;
-      const float* xs_r = xs + q * stride;
-      const float* xsum_r = xs_r + l.groups_h * kGroupStride;
-      for (int i = threadIdx.x; i < half_h; i += blockDim.x) {
-        const int c = fragment_pair_column(i);
-        const float* xg = xs_r + (c / kGroup) * kGroupStride + c % kGroup;
-        xperm[int64_t{r} * half_h + xperm_word(r, i)] = pack_bf16x2(xg[0], xg[4]);
-      }
-      for (int i = threadIdx.x; i < l.groups_h; i += blockDim.x) xsums[r * xsum_pitch(l.groups_h) + i] = xsum_r[i];
-      if (r % kRouterTokenWarps == warp / kRouterRowWarps) {  // this warp's token rows
-        router.compute(a.router, xs_r, xsum_r, a.logits + int64_t{r} * (E + 1), router_fresh || router_in_regs);
-        router_fresh = false;
-      }
-    }
-    __syncthreads();  // the staging is reused by the next rows
-  }
   trace_point(a, 3);
-  grid_sync(a.barriers, 2 * G);
+  grid_sync(a.barriers, G);
   trace_point(a, 4);
   // Every row's logits into shared memory in one round trip (the row staging is free until the
-  // gate/up partials use it, and the layout makes it large enough), then warp r routes row r.
+  // gate/up partials use it, and the layout makes it large enough), and the normed rows' group
+  // sums; then warp w routes rows w, w + 16, ….
 #pragma unroll 4
   for (int i = threadIdx.x; i < m * (E + 1); i += blockDim.x) xs[i] = __ldcg(a.logits + i);
+  for (int i = threadIdx.x; i < m * l.groups_h; i += blockDim.x)
+    xsums[(i / l.groups_h) * xsum_pitch(l.groups_h) + i % l.groups_h] = __ldcg(a.normed_sums + i);
   __syncthreads();
-  if (warp < m) {
-    const float* logits = xs + warp * (E + 1);
-    int32_t* ids = sel_ids + warp * n_sel;
-    float* w = sel_w + warp * n_sel;
+  for (int r = warp; r < m; r += kBlockWarps) {
+    const float* logits = xs + r * (E + 1);
+    int32_t* ids = sel_ids + r * n_sel;
+    float* w = sel_w + r * n_sel;
     if (E <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall, true>(logits, E, k, ids, w);
     else route_token_keys<kRouteKeysLarge, true>(logits, E, k, ids, w);
   }
   __syncthreads();
   // The distinct experts: 0 the shared one, then the routed ones in ascending id (a bitmap and
-  // its prefix counts); slot_of[d][r] is the slot of expert d in row r.
+  // its prefix counts); rows_of[d] the rows routed to d.
   for (int i = threadIdx.x; i < m * k; i += blockDim.x) {
     const int e = sel_ids[(i / k) * n_sel + i % k];
     atomicOr(&used[e / 32], 1u << (e % 32));
@@ -408,11 +403,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     if (lane == kWarp - 1) n_distinct_s = incl + 1;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < m * n_sel; i += blockDim.x) {
+  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
     const int r = i / n_sel, s = i % n_sel, e = sel_ids[i];
     const int d = s == k ? 0 : 1 + word_prefix[e / 32] + __popc(used[e / 32] & ((1u << (e % 32)) - 1u));
     list[d] = s == k ? E : e;  // rows that share an expert write the same value
-    slot_of[d * kMmaCols + r] = static_cast<int8_t>(s);
+    pair_d[i] = static_cast<int16_t>(d);
+    atomicOr(&rows_of[d], 1u << r);
     if (b == 0) {
       a.ids[i] = e;
       a.weights[i] = sel_w[i];
@@ -420,35 +416,83 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   }
   __syncthreads();
   const int nd = n_distinct_s;
-  const int n_gu = nd * l.gu_per_slot;
-  const int my_gu = b < n_gu ? (n_gu - 1 - b) / G + 1 : 0;  // gate/up tiles b, b + G, …
-  const int dn_items = my_rt * nd;                           // (row tile, distinct expert), flattened
+  // Column blocks: expert d's pairs, in row order, split into ⌈n_d / 8⌉ blocks of ≤ 8 (the
+  // MMA's columns); the blocks in distinct-expert order. Warp 0 scans the counts: lane i takes
+  // the distinct experts [i·per, (i + 1)·per).
+  if (warp == 0) {
+    const int per = (nd + kWarp - 1) / kWarp, d0 = min(lane * per, nd), d1 = min(d0 + per, nd);
+    int n_pairs = 0, n_blocks = 0;
+    for (int d = d0; d < d1; ++d) {
+      const int c = __popc(rows_of[d]);
+      n_pairs += c;
+      n_blocks += (c + kMmaCols - 1) / kMmaCols;
+    }
+    int pi = n_pairs, bi = n_blocks;
+#pragma unroll
+    for (int o = 1; o < kWarp; o *= 2) {
+      const int vp = __shfl_up_sync(0xffffffffu, pi, o), vb = __shfl_up_sync(0xffffffffu, bi, o);
+      if (lane >= o) pi += vp, bi += vb;
+    }
+    pi -= n_pairs;
+    bi -= n_blocks;
+    for (int d = d0; d < d1; ++d) {
+      const int c = __popc(rows_of[d]);
+      pair_start[d] = pi;
+      item_start[d] = bi;
+      pi += c;
+      bi += (c + kMmaCols - 1) / kMmaCols;
+    }
+    if (lane == kWarp - 1) n_items_s = bi;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+    const int r = i / n_sel, d = pair_d[i];
+    pairs_of[pair_start[d] + __popc(rows_of[d] & ((1u << r) - 1u))] = static_cast<int16_t>(i);
+  }
+  for (int d = threadIdx.x; d < nd; d += blockDim.x) {
+    const int c = __popc(rows_of[d]);
+    for (int cb = 0; cb * kMmaCols < c; ++cb) {
+      item_expert[item_start[d] + cb] = list[d];
+      item_span[item_start[d] + cb] = (pair_start[d] + cb * kMmaCols) << 8 | min(kMmaCols, c - cb * kMmaCols);
+    }
+  }
+  __syncthreads();
+  const int n_items = n_items_s;
+  const int64_t n_routed = int64_t{n_items} * l.gu_per_slot - shared_tiles;  // routed gate/up tiles
+  chunk0 = b * n_routed / G;
+  const int my_gu = my_shared + static_cast<int>((b + 1) * n_routed / G - chunk0);
+  const int dn_items = my_rt * n_items;  // (row tile, column block), flattened
+  // Phase 4's down stages: warp w < dn_warps computes items w, w + dn_warps, … and owns stages w,
+  // w + dn_warps, … (dn_per_warp of them); stage s first holds item s.
+  const int dn_warps = min(n_dn, kBlockWarps);
+  const int dn_per_warp = n_dn >= kMaxDownStagesPerWarp * dn_warps ? kMaxDownStagesPerWarp : 1;
+  const int dn_used = dn_warps * dn_per_warp;
   trace_point(a, 5);
   for (int n = 0; n < QS && quad + kQuads * n < my_gu; ++n) {
-    const int j = b + (quad + kQuads * n) * G;
-    if (j >= l.gu_per_slot)
-      request_gate_up_part<true>(a, gate_up_row0(l, j, list), gu_ring + (quad * QS + n) * l.gu_stage,
+    const int i = quad + kQuads * n;
+    if (i >= my_shared)
+      request_gate_up_part<true>(a, gate_up_row0(l, tile_of(i), item_expert), gu_ring + (quad * QS + n) * l.gu_stage,
                                  gu_full + quad * QS + n, wq, kQuadWarps);
   }
-  if (warp > 0 && warp < l.dn_stages && warp < dn_items)
-    request_down_tile(a, l, b + (warp / nd) * G, list[warp % nd], dn_ring + warp * l.dn_stage, dn_full + warp);
+  for (int st = warp; st < min(l.dn_stages, dn_used) && st < dn_items; st += dn_warps)
+    if (st > 0)
+      request_down_tile(a, l, b + (st / n_items) * G, item_expert[st % n_items], dn_stage_of(st), dn_full + st);
   trace_point(a, 6);
 
   // 3. Gate/up: the four quads work on four tiles at once; in a quad, warp w sums the one-token
   // block's group ranges 4w … 4w + 3 for every column, each from zero, and the sixteen partials
-  // add up in range order. Column c of the MMA is row c for every tile (the last row past the
-  // step's rows); only the columns whose row routed to the tile's expert are read.
+  // add up in range order. Column c of the MMA is the column block's pair c, whose normed row
+  // is read from normed_out (L2) by the fragment loads.
   const int per_range = (l.groups_h + kBlockWarps - 1) / kBlockWarps;
-  float* gu_part = reinterpret_cast<float*>(sm + l.gu_part) + quad * kBlockWarps * kTileRows * m;  // [range][16][m]
+  float* gu_part = reinterpret_cast<float*>(sm + l.gu_part) + quad * kBlockWarps * kTileRows * kMmaCols;  // [range][16][8]
   const int qt = threadIdx.x % (kQuadWarps * kWarp);
   for (int n = 0, i = quad; i < my_gu; ++n, i += kQuads) {
-    const int st = quad * QS + n % QS, j = b + i * G, d = j / l.gu_per_slot;
+    const int st = quad * QS + n % QS, j = tile_of(i), span = item_span[j / l.gu_per_slot];
     mbarrier_wait(gu_full + st, (n / QS) & 1);
     const TileView v = tile_view<true>(gu_ring + st * l.gu_stage, l.gu_row_bytes, l.groups_h, g, t);
-    const int xg = min(g, m - 1);
-    const uint32_t* col = xperm + xg * half_h;
-    const float* sum0 = xsums + min(2 * t, m - 1) * xsum_pitch(l.groups_h);
-    const float* sum1 = xsums + min(2 * t + 1, m - 1) * xsum_pitch(l.groups_h);
+    const uint4* col = reinterpret_cast<const uint4*>(a.norm.normed_out + int64_t{block_pair(pairs_of, span, g) / n_sel} * l.hidden) + 2 * t;
+    const float* sum0 = xsums + block_pair(pairs_of, span, 2 * t) / n_sel * xsum_pitch(l.groups_h);
+    const float* sum1 = xsums + block_pair(pairs_of, span, 2 * t + 1) / n_sel * xsum_pitch(l.groups_h);
     // The warp's ranges are independent sums, so their groups interleave (group `step` of every
     // range, then the next): four MMA chains in flight instead of one, and each range still
     // adds its own groups from zero in ascending order.
@@ -458,84 +502,98 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
       for (int rg = 0; rg < kRangesPerWarp; ++rg) {
         const int range = wq * kRangesPerWarp + rg;
         const int Gi = range * per_range + step;
-        if (Gi < l.groups_h) group_columns(v, col, xg & 1, t, Gi, sum0[Gi], sum1[Gi], acc[rg]);
+        if (Gi < l.groups_h) group_columns<true>(v, col, Gi, sum0[Gi], sum1[Gi], acc[rg]);
       }
     }
 #pragma unroll
     for (int rg = 0; rg < kRangesPerWarp; ++rg)
-      store_tile_partial(gu_part + (wq * kRangesPerWarp + rg) * kTileRows * m, acc[rg], g, t, m);
+      store_tile_partial(gu_part + (wq * kRangesPerWarp + rg) * kTileRows * kMmaCols, acc[rg], g, t);
     quad_sync(quad);  // the tile's partials are complete and its stage is free
-    if (i + kQuads * QS < my_gu) {  // the refill, its copies shared by the quad's warps
-      const int jn = j + kQuads * QS * G;
-      request_gate_up_part<true>(a, gate_up_row0(l, jn, list), gu_ring + st * l.gu_stage, gu_full + st, wq, kQuadWarps,
-                                 true);
-    }
-    if (qt < kExpertRowsPerTile * m) {
-      const int row8 = qt / m, c = qt % m, s = slot_of[d * kMmaCols + c];
-      if (s >= 0) {
+    if (i + kQuads * QS < my_gu)  // the refill, its copies shared by the quad's warps
+      request_gate_up_part<true>(a, gate_up_row0(l, tile_of(i + kQuads * QS), item_expert), gu_ring + st * l.gu_stage,
+                                 gu_full + st, wq, kQuadWarps, true);
+    // SwiGLU: thread qt = 8c + r8 of the quad's first two warps takes column c, tile row r8; the
+    // eight rows of a column are eight consecutive lanes, which also add up the column's act unit
+    // (these 8 act values, one 16-byte unit) as the down phase's group sums need it.
+    if (wq < 2) {
+      const int c = qt / kExpertRowsPerTile, row8 = qt % kExpertRowsPerTile;
+      const bool live = c < (span & 0xff);
+      const int p = live ? block_pair(pairs_of, span, c) : 0;
+      float h = 0.0f;
+      if (live) {
         float gate = 0.0f, up = 0.0f;
         for (int range = 0; range < kBlockWarps; ++range) {
-          gate = __fadd_rn(gate, gu_part[(range * kTileRows + row8) * m + c]);
-          up = __fadd_rn(up, gu_part[(range * kTileRows + 8 + row8) * m + c]);
+          gate = __fadd_rn(gate, gu_part[(range * kTileRows + row8) * kMmaCols + c]);
+          up = __fadd_rn(up, gu_part[(range * kTileRows + 8 + row8) * kMmaCols + c]);
         }
         const int row = (j % l.gu_per_slot) * kExpertRowsPerTile + row8;
-        a.act[(int64_t{c} * n_sel + s) * l.ffn + row] = to_bf16(__fmul_rn(silu(round_bf16(gate)), round_bf16(up)));
+        const bf16 y = to_bf16(__fmul_rn(silu(round_bf16(gate)), round_bf16(up)));
+        a.act[int64_t{p} * l.ffn + row] = y;
+        h = to_f32(y);
       }
+      // stage_fragment_row's 16-byte unit sum: ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7)).
+      h = __fadd_rn(h, __shfl_xor_sync(0xffffffffu, h, 1));
+      h = __fadd_rn(h, __shfl_xor_sync(0xffffffffu, h, 2));
+      h = __fadd_rn(h, __shfl_xor_sync(0xffffffffu, h, 4));
+      if (live && row8 == 0) a.act_sums[int64_t{p} * l.gu_per_slot + j % l.gu_per_slot] = h;
     }
     quad_sync(quad);  // the partials are read before the quad's next tile overwrites them
   }
   trace_point(a, 7);
   // The ring's tail is free once every quad is done: the late down stages' first tiles.
   __syncthreads();
-  if (warp >= l.dn_stages && warp < n_dn && warp < dn_items)
-    request_down_tile(a, l, b + (warp / nd) * G, list[warp % nd], dn_stage_of(warp), dn_full + warp, true);
+  for (int st = warp; st < dn_used && st < dn_items; st += dn_warps)
+    if (st >= l.dn_stages)
+      request_down_tile(a, l, b + (st / n_items) * G, item_expert[st % n_items], dn_stage_of(st), dn_full + st, true);
   trace_point(a, 8);
   grid_sync(a.barriers + 1, G);
   trace_point(a, 9);
 
-  // 4. Down + combine: every (row, slot)'s act (written by other blocks: read through L2, 16
-  // bytes a load), put in fragment order with its group sums; then warp w computes the distinct
-  // experts w, w + S, … of each of the block's row tiles from its own stage, refilled as it goes.
-  uint32_t* aperm = reinterpret_cast<uint32_t*>(sm + l.aperm);  // [(row, slot)][ffn / 2]
-  float* asum = reinterpret_cast<float*>(sm + l.asum);          // [(row, slot)][groups_f]
-  // The (row, slot) pairs are contiguous, so their act is one row of m · n_sel · ffn columns.
-  stage_fragment_row<true>(a.act, m * n_sel * l.ffn, aperm, asum);
+  // 4. Down + combine: every (row, slot)'s act group sums from the unit sums (stage_fragment_row's
+  // group_sum order: ((u0 + u4) + (u2 + u6)) + ((u1 + u5) + (u3 + u7))); then warp w computes
+  // the column blocks w, w + dn_warps, … of each of the block's row tiles from its own stages
+  // (computing one while the next arrives), refilled as it goes, the act read from global
+  // memory (L2) by the fragment loads.
+  float* asum = reinterpret_cast<float*>(sm + l.asum);  // [(row, slot)][groups_f]
+  for (int i = threadIdx.x; i < pairs * l.groups_f; i += blockDim.x) {
+    const float4* u = reinterpret_cast<const float4*>(a.act_sums + int64_t{i / l.groups_f} * l.gu_per_slot) + 2 * (i % l.groups_f);
+    const float4 lo = __ldcg(u), hi = __ldcg(u + 1);
+    asum[i] = __fadd_rn(__fadd_rn(__fadd_rn(lo.x, hi.x), __fadd_rn(lo.z, hi.z)), __fadd_rn(__fadd_rn(lo.y, hi.y), __fadd_rn(lo.w, hi.w)));
+  }
   __syncthreads();
   trace_point(a, 10);
   float* dn_part = reinterpret_cast<float*>(sm + l.dn_part);  // [(row, slot)][16 rows]
-  int used_items = 0;  // this warp's items so far (its stage's phase parity)
+  int used_items = 0;  // this warp's items so far (its stages' phase parity)
   for (int i = 0; i < my_rt; ++i) {
     const int rt = b + i * G;
-    if (warp < n_dn) {
-      const int first = i * nd, start = first + ((warp - first) % n_dn + n_dn) % n_dn;
-      for (int q = start; q < first + nd; q += n_dn, ++used_items) {
-        const int d = q - first;
-        mbarrier_wait(dn_full + warp, used_items & 1);
-        const TileView v = tile_view<true>(dn_stage_of(warp), l.dn_row_bytes, l.groups_f, g, t);
-        const int sg = g < m ? slot_of[d * kMmaCols + g] : -1;
-        const uint32_t* col = aperm + (sg >= 0 ? (g * n_sel + sg) * half_f : 0);  // unused columns: any pair
-        const int c0 = 2 * t, c1 = 2 * t + 1;
-        const int s0 = c0 < m ? slot_of[d * kMmaCols + c0] : -1, s1 = c1 < m ? slot_of[d * kMmaCols + c1] : -1;
-        const float* sum0 = asum + (s0 >= 0 ? (c0 * n_sel + s0) * l.groups_f : 0);
-        const float* sum1 = asum + (s1 >= 0 ? (c1 * n_sel + s1) * l.groups_f : 0);
+    if (warp < dn_warps) {
+      const int first = i * n_items, start = first + ((warp - first) % dn_warps + dn_warps) % dn_warps;
+      for (int q = start; q < first + n_items; q += dn_warps, ++used_items) {
+        const int span = item_span[q - first], n = span & 0xff;
+        const int st = warp + dn_warps * (used_items % dn_per_warp);
+        mbarrier_wait(dn_full + st, (used_items / dn_per_warp) & 1);
+        const TileView v = tile_view<true>(dn_stage_of(st), l.dn_row_bytes, l.groups_f, g, t);
+        const uint4* col = reinterpret_cast<const uint4*>(a.act + int64_t{block_pair(pairs_of, span, g)} * l.ffn) + 2 * t;
+        const int p0 = block_pair(pairs_of, span, 2 * t), p1 = block_pair(pairs_of, span, 2 * t + 1);
+        const float* sum0 = asum + p0 * l.groups_f;
+        const float* sum1 = asum + p1 * l.groups_f;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         // Unrolled so that the next groups' loads and MMAs issue while this one's finish (only
         // the affine adds are a chain; they stay in ascending group order).
 #pragma unroll 4
-        for (int Gi = 0; Gi < l.groups_f; ++Gi)
-          group_columns(v, col, 0, t, Gi, sum0[Gi], sum1[Gi], acc);
-        if (s0 >= 0) {
-          dn_part[(c0 * n_sel + s0) * kTileRows + g] = round_bf16(acc[0]);
-          dn_part[(c0 * n_sel + s0) * kTileRows + g + 8] = round_bf16(acc[2]);
+        for (int Gi = 0; Gi < l.groups_f; ++Gi) group_columns<false>(v, col, Gi, sum0[Gi], sum1[Gi], acc);
+        if (2 * t < n) {
+          dn_part[p0 * kTileRows + g] = round_bf16(acc[0]);
+          dn_part[p0 * kTileRows + g + 8] = round_bf16(acc[2]);
         }
-        if (s1 >= 0) {
-          dn_part[(c1 * n_sel + s1) * kTileRows + g] = round_bf16(acc[1]);
-          dn_part[(c1 * n_sel + s1) * kTileRows + g + 8] = round_bf16(acc[3]);
+        if (2 * t + 1 < n) {
+          dn_part[p1 * kTileRows + g] = round_bf16(acc[1]);
+          dn_part[p1 * kTileRows + g + 8] = round_bf16(acc[3]);
         }
         __syncwarp();  // every lane is done with the stage
-        const int qn = q + n_dn;
-        if (qn < dn_items) request_down_tile(a, l, b + (qn / nd) * G, list[qn % nd], dn_stage_of(warp),
-                                             dn_full + warp, true);
+        const int qn = q + dn_used;
+        if (qn < dn_items)
+          request_down_tile(a, l, b + (qn / n_items) * G, item_expert[qn % n_items], dn_stage_of(st), dn_full + st, true);
       }
     }
     __syncthreads();
@@ -595,6 +653,7 @@ std::string moe_block_rows_unsupported(const MoeDecodeArgs& args, int max_blocks
 }
 
 void launch_moe_block_rows(const MoeDecodeArgs& a, cudaStream_t stream, int max_blocks) {
+  if (!a.act_sums || !a.normed_sums) throw ::lily::InternalError("launch_moe_block_rows: act_sums and normed_sums are required");
   launch_plan(moe_plan(a, max_blocks), a, stream, "launch_moe_block_rows");
 }
 
