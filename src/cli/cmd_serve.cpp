@@ -26,20 +26,6 @@ namespace {
 /// backend's workers and the connection threads little contention.
 constexpr int kDefaultMallocArenas = 4;
 
-/// The server's test hooks from LILY_TEST_LOAD_DELAY_MS and LILY_TEST_LISTEN_DELAY_MS
-/// (milliseconds; an unset variable, or text that is not a number, is 0): only the Node suites
-/// set them, so the server library itself reads no test environment.
-server::ServerTestHooks test_hooks_from_env() {
-  auto milliseconds = [](const char* name) -> int64_t {
-    const char* env = std::getenv(name);
-    return env == nullptr ? 0 : std::atoll(env);
-  };
-  server::ServerTestHooks hooks;
-  hooks.load_delay_ms = milliseconds("LILY_TEST_LOAD_DELAY_MS");
-  hooks.listen_delay_ms = milliseconds("LILY_TEST_LISTEN_DELAY_MS");
-  return hooks;
-}
-
 struct ServeFlags {
   std::string model;
   std::string bind = "127.0.0.1:8000";
@@ -194,7 +180,6 @@ server::ServerOptions resolve(ServeFlags& f) {
   if (f.seed_opt->count() > 0) o.sampling.seed = f.seed;
   o.sampling.generation_config = !f.no_generation_config;
   o.option_name = serve_flag;
-  o.test_hooks = test_hooks_from_env();
   // The server loads the model itself; the process-wide default reaches its load_model call.
   set_default_weights_mmap(!f.no_mmap);
   return o;
@@ -202,18 +187,20 @@ server::ServerOptions resolve(ServeFlags& f) {
 
 }  // namespace
 
-void register_serve(CLI::App& app, int& exit_code) {
+void register_serve(CLI::App& app, int& exit_code, const server::ServerTestHooks& serve_hooks) {
   auto* cmd = app.add_subcommand("serve", "serve the model over an OpenAI-compatible HTTP API");
   auto flags = std::make_shared<ServeFlags>();
   add_serve_flags(cmd, *flags);
-  cmd->callback([flags, &exit_code] {
+  cmd->callback([flags, &exit_code, serve_hooks] {
     // First, before any thread allocates: glibc fixes its arena limit when it first needs one.
     // $MALLOC_ARENA_MAX (glibc's own setting) is kept unless the flag is given.
     const int arenas = flags->malloc_arenas;
     if (arenas > 0 && (flags->malloc_arenas_opt->count() > 0 || std::getenv("MALLOC_ARENA_MAX") == nullptr)) {
       if (!cap_malloc_arenas(arenas)) log_debug("--malloc-arenas: this allocator ignores the cap");
     }
-    exit_code = server::run_server(resolve(*flags));
+    server::ServerOptions options = resolve(*flags);
+    options.test_hooks = serve_hooks;
+    exit_code = server::run_server(options);
   });
 }
 

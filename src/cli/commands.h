@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "server/http_server.h"
 #include "text/chat_template.h"
 
 namespace lily::cli {
@@ -37,11 +38,19 @@ std::vector<ChatMessage> parse_message_list(const nlohmann::json& list, const st
 ChatTemplateOptions parse_chat_options(const std::string& text, const std::string& what,
                                        bool add_generation_prompt = true);
 
+/// The whole `lily` command line on argv: parses it, runs the subcommand and returns the process
+/// exit status (1 after a lily::Error, printed as one line "lily: error: …"; 2 after any other
+/// exception; CLI11's own status for a parse error or --help). `serve_hooks` reaches `lily serve`
+/// (register_serve).
+int run_cli(int argc, char** argv, const server::ServerTestHooks& serve_hooks = {});
+
 void register_generate(CLI::App& app, int& exit_code);
 void register_synth(CLI::App& app, int& exit_code);
 void register_inspect(CLI::App& app, int& exit_code);
 void register_tokenize(CLI::App& app, int& exit_code);
-void register_serve(CLI::App& app, int& exit_code);
+/// `serve_hooks`: the server's test hooks (server::ServerTestHooks); `lily` passes none, the
+/// test-only tests/tools/lily_test_server passes what its tests set.
+void register_serve(CLI::App& app, int& exit_code, const server::ServerTestHooks& serve_hooks = {});
 void register_bench(CLI::App& app, int& exit_code);
 
 }  // namespace lily::cli

@@ -1,47 +1,4 @@
-// `lily`: serve | generate | bench | synth | inspect | tokenize. Every user-caused failure
-// (lily::Error) is printed as one line "lily: error: …" and exits with status 1. LILY_LOG sets
-// the log level.
-#include <cstdio>
-#include <cstdlib>
-#include <exception>
-
-#include <CLI/CLI.hpp>
-
-#include "base/build_info.h"
-#include "base/error.h"
-#include "base/log.h"
+// `lily`: the one executable (cli/commands.h run_cli).
 #include "cli/commands.h"
 
-int main(int argc, char** argv) {
-  // LILY_LOG=debug|info|warning|error|quiet: the least severe level printed (default info).
-  if (const char* env = std::getenv("LILY_LOG"); env != nullptr && *env != '\0') {
-    const auto level = lily::parse_log_level(env);
-    if (!level) {
-      lily::log_error(std::string("LILY_LOG must be debug, info, warning, error or quiet; got '") + env + "'");
-      return 1;
-    }
-    lily::set_log_level(*level);
-  }
-  CLI::App app{"lily: an inference server for Qwen3.6-35B-A3B (qwen3_5_moe, MLX 4-bit)"};
-  app.require_subcommand(1);
-  app.set_version_flag("--version", std::string("lily ") + lily::build_version() + " (" + lily::build_commit() + ")");
-  int exit_code = 0;
-  lily::cli::register_serve(app, exit_code);
-  lily::cli::register_generate(app, exit_code);
-  lily::cli::register_bench(app, exit_code);
-  lily::cli::register_synth(app, exit_code);
-  lily::cli::register_inspect(app, exit_code);
-  lily::cli::register_tokenize(app, exit_code);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  } catch (const lily::Error& e) {
-    lily::log_error(e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    lily::log_error(std::string("internal error: ") + e.what());
-    return 2;
-  }
-  return exit_code;
-}
+int main(int argc, char** argv) { return lily::cli::run_cli(argc, argv); }

@@ -35,9 +35,10 @@ struct SamplingFlags {
 SamplingParams resolve_sampling_defaults(const SamplingFlags& flags, const std::filesystem::path& model_dir);
 
 /// Delays that only tests set, to make a passing state of the server observable from outside: the
-/// Node suites reach them through LILY_TEST_LOAD_DELAY_MS and LILY_TEST_LISTEN_DELAY_MS, which
-/// the command line (`lily serve`) reads and passes in; the server reads no environment for them.
-/// All zero, which changes nothing, in real use.
+/// Node suites reach them through the test-only tests/tools/lily_test_server, which reads
+/// LILY_TEST_LOAD_DELAY_MS and LILY_TEST_LISTEN_DELAY_MS and passes them to cli::run_cli; `lily`
+/// passes none, and the server reads no environment for them. All zero, which changes nothing,
+/// in real use.
 struct ServerTestHooks {
   /// The loader waits this long before loading (in steps, so a signal still stops the server):
   /// the "loading" state lasts long enough to be seen on the small demo model.

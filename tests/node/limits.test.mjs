@@ -7,7 +7,7 @@
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
 import {
-  MODEL, chat, connect, metrics, rawRequest, sleep, startServer, stopServer,
+  MODEL, TEST_SERVER_BIN, chat, connect, metrics, rawRequest, sleep, startServer, stopServer,
 } from './server_harness.mjs';
 
 const user = (content) => ({ role: 'user', content });
@@ -127,10 +127,14 @@ describe('warning for a non-loopback bind', () => {
   });
 });
 
+// The test server (TEST_SERVER_BIN) is `lily` with test hooks that hold a state long enough to
+// be seen: LILY_TEST_LOAD_DELAY_MS holds the loader back, LILY_TEST_LISTEN_DELAY_MS the listener.
+const delayed = { until: 'listening', bin: TEST_SERVER_BIN };
+
 describe('while the model is loading', () => {
   it('answers /health and chat with 503 "loading", then serves', async () => {
-    // LILY_TEST_LOAD_DELAY_MS holds the loader back; the server listens before it loads.
-    const server = await startServer([], { LILY_TEST_LOAD_DELAY_MS: '5000' }, { until: 'listening' });
+    // The loader is held back; the server listens before it loads.
+    const server = await startServer([], { LILY_TEST_LOAD_DELAY_MS: '5000' }, delayed);
     try {
       assert.doesNotMatch(server.log, /serving /);
       const health = await rawRequest(server, 'GET', '/health');
@@ -156,7 +160,7 @@ describe('while the model is loading', () => {
   });
 
   it('SIGTERM during loading exits 0', async () => {
-    const server = await startServer([], { LILY_TEST_LOAD_DELAY_MS: '60000' }, { until: 'listening' });
+    const server = await startServer([], { LILY_TEST_LOAD_DELAY_MS: '60000' }, delayed);
     assert.equal((await rawRequest(server, 'GET', '/health')).status, 503);
     await stopServer(server);  // throws unless the exit is clean
     assert.doesNotMatch(server.log, /serving /);
@@ -165,12 +169,28 @@ describe('while the model is loading', () => {
   it('SIGTERM before the listener thread runs is not lost', async () => {
     // Regression: httplib's stop() does nothing until listen_after_bind() has begun, so a
     // signal (or a failed load) that came earlier was lost, and shutdown hung until the
-    // watchdog's deadline. LILY_TEST_LISTEN_DELAY_MS holds the listener thread back.
+    // watchdog's deadline. The listener thread is held back.
     const server = await startServer(['--shutdown-grace', '1'],
-      { LILY_TEST_LISTEN_DELAY_MS: '1000', LILY_TEST_LOAD_DELAY_MS: '60000' }, { until: 'listening' });
+      { LILY_TEST_LISTEN_DELAY_MS: '1000', LILY_TEST_LOAD_DELAY_MS: '60000' }, delayed);
     await stopServer(server);  // throws unless the exit is clean
     assert.doesNotMatch(server.log, /shutdown deadline passed/);
     assert.match(server.log, /shutting down/);
+  });
+
+  it('lily serve itself has no test hooks: the delays are ignored', async () => {
+    // With the hook a 60 s load delay would keep the model loading past the start timeout.
+    const server = await startServer([], { LILY_TEST_LOAD_DELAY_MS: '60000', LILY_TEST_LISTEN_DELAY_MS: '60000' },
+      { timeoutMs: 30000 });
+    try {
+      assert.equal((await rawRequest(server, 'GET', '/health')).status, 200);
+    } finally {
+      await stopServer(server);
+    }
+  });
+
+  it('the test server refuses a delay that is not a whole number of milliseconds', async () => {
+    await assert.rejects(startServer([], { LILY_TEST_LOAD_DELAY_MS: '5s' }, delayed),
+      /LILY_TEST_LOAD_DELAY_MS must be a whole number of milliseconds/);
   });
 });
 

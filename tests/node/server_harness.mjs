@@ -11,6 +11,13 @@ import { fileURLToPath } from 'node:url';
 const here = path.dirname(fileURLToPath(import.meta.url));
 export const SOURCE_DIR = process.env.LILY_SOURCE_DIR ?? path.resolve(here, '..', '..');
 export const LILY_BIN = process.env.LILY_BIN ?? path.join(SOURCE_DIR, 'build', 'lily');
+/**
+ * tests/tools/lily_test_server: `lily` with the server's test hooks read from
+ * LILY_TEST_LOAD_DELAY_MS and LILY_TEST_LISTEN_DELAY_MS (`lily` itself reads neither). Next to
+ * LILY_BIN's build unless LILY_TEST_SERVER_BIN names it.
+ */
+export const TEST_SERVER_BIN = process.env.LILY_TEST_SERVER_BIN
+  ?? path.join(process.env.LILY_BUILD_DIR ?? path.dirname(LILY_BIN), 'tests', 'lily_test_server');
 export const MODEL_DIR = process.env.LILY_TEST_MODEL_DIR ?? path.join(SOURCE_DIR, 'models', 'demo');
 export const MODEL = path.basename(MODEL_DIR);
 

@@ -1,0 +1,51 @@
+// The `lily` command line (cli/commands.h run_cli): serve | generate | bench | synth | inspect |
+// tokenize. Every user-caused failure (lily::Error) is printed as one line "lily: error: …" and
+// exits with status 1. LILY_LOG sets the log level.
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+
+#include <CLI/CLI.hpp>
+
+#include "base/build_info.h"
+#include "base/error.h"
+#include "base/log.h"
+#include "cli/commands.h"
+
+namespace lily::cli {
+
+int run_cli(int argc, char** argv, const server::ServerTestHooks& serve_hooks) {
+  // LILY_LOG=debug|info|warning|error|quiet: the least severe level printed (default info).
+  if (const char* env = std::getenv("LILY_LOG"); env != nullptr && *env != '\0') {
+    const auto level = lily::parse_log_level(env);
+    if (!level) {
+      lily::log_error(std::string("LILY_LOG must be debug, info, warning, error or quiet; got '") + env + "'");
+      return 1;
+    }
+    lily::set_log_level(*level);
+  }
+  CLI::App app{"lily: an inference server for Qwen3.6-35B-A3B (qwen3_5_moe, MLX 4-bit)"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("lily ") + lily::build_version() + " (" + lily::build_commit() + ")");
+  int exit_code = 0;
+  lily::cli::register_serve(app, exit_code, serve_hooks);
+  lily::cli::register_generate(app, exit_code);
+  lily::cli::register_bench(app, exit_code);
+  lily::cli::register_synth(app, exit_code);
+  lily::cli::register_inspect(app, exit_code);
+  lily::cli::register_tokenize(app, exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const lily::Error& e) {
+    lily::log_error(e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    lily::log_error(std::string("internal error: ") + e.what());
+    return 2;
+  }
+  return exit_code;
+}
+
+}  // namespace lily::cli
