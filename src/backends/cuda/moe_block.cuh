@@ -180,14 +180,6 @@ __device__ __forceinline__ TileView tile_view(const unsigned char* stage, int ro
   return v;
 }
 
-/// Eight bf16 columns c0 … c0 + 7 (c0 a multiple of 8, as loaded: 16 bytes) in fragment order:
-/// the pairs (c0 + s, c0 + s + 4), s < 4, which are fragment pairs c0 / 2 … c0 / 2 + 3
-/// (fragment_pair_column).
-__device__ __forceinline__ uint4 fragment_order(const uint4& w) {
-  return make_uint4(__byte_perm(w.x, w.z, 0x5410), __byte_perm(w.x, w.z, 0x7632), __byte_perm(w.y, w.w, 0x5410),
-                    __byte_perm(w.y, w.w, 0x7632));
-}
-
 /// Stages row x[0, cols) (bf16, 16-byte aligned, cols a multiple of 64) for group_one_token's
 /// tensor-core products: perm[cols / 2] gets the bf16 pairs in fragment order, sums[cols / 64]
 /// each group's Σx. 16 bytes (8 columns c0 … c0 + 7, c0 a multiple of 8) are exactly the

@@ -611,9 +611,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
 
 
 /// The launch of `a`, or why it cannot run (see moe_block_rows_unsupported). The ring slots: per quad
-/// as many gate/up stages as it has tiles (≤ kMaxQuadStages), and a down stage per warp (≤ the
-/// distinct experts); fewer where shared memory runs out: the down stages first, to 2 (in phase 4
-/// the gate/up ring's tail holds more: MoeLayout::late_dn), then the gate/up ones, to 1 per quad.
+/// as many gate/up stages as it has tiles (≤ kMaxQuadStages), and up to one early down stage per
+/// warp (≤ the distinct experts); fewer where shared memory runs out: the early down stages first,
+/// to 2 (in phase 4 the gate/up ring's tail holds the rest, up to two per warp: MoeLayout::late_dn),
+/// then the gate/up ones, to 1 per quad.
 /// Two gate/up tiles in flight per quad matter most: with one, each tile waits out a whole
 /// memory round trip.
 MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {

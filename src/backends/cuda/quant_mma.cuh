@@ -123,4 +123,12 @@ __host__ __device__ inline int fragment_pair_column(int i) {
   return G * kQuantGroupSize + 16 * tt + 8 * h + s;
 }
 
+/// Eight bf16 columns c0 … c0 + 7 (c0 a multiple of 8, as loaded: 16 bytes) in fragment order:
+/// the pairs (c0 + s, c0 + s + 4), s < 4, which are fragment pairs c0 / 2 … c0 / 2 + 3
+/// (fragment_pair_column).
+__device__ __forceinline__ uint4 fragment_order(const uint4& w) {
+  return make_uint4(__byte_perm(w.x, w.z, 0x5410), __byte_perm(w.x, w.z, 0x7632), __byte_perm(w.y, w.w, 0x5410),
+                    __byte_perm(w.y, w.w, 0x7632));
+}
+
 }  // namespace lily::cuda
