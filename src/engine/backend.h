@@ -247,6 +247,13 @@ struct CudaOptions {
   /// rows run as one forward of up to 32 rows (on an H200, 35B-A3B shape, 256-token prompts: 8
   /// rows 1,106 tok/s in total, 32 rows 1,362), so 32 is the default.
   int max_batch = 32;
+  /// One more than the rows of a batched decode forward: LILY_CUDA_ROWS_GEMV_FROM's "never".
+  static constexpr int kRowsGemvNever = 33;
+  /// LILY_CUDA_ROWS_GEMV_FROM 1 … 33: the batched decode's 4-bit GEMVs stage a step's rows once
+  /// per block (the streaming GEMV's rows mode) from this many rows on, instead of reading them
+  /// from L2 for every 16-row tile (its direct mode). The same bits either way. 33 (never) until
+  /// an H200 run has measured the rows mode (docs/cuda.md, "Batched steps").
+  int rows_gemv_from = kRowsGemvNever;
 
   static constexpr int kMaxPrefillChunk = 8192;
   static constexpr int kMaxBatch = 64;
@@ -256,7 +263,8 @@ struct CudaOptions {
   static CudaOptions from_env();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
   /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
-  /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=32", for logs and reports.
+  /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=32
+  /// rows-gemv-from=33", for logs and reports.
   std::string describe() const;
 };
 
@@ -320,6 +328,7 @@ inline CudaOptions CudaOptions::from_env() {
   o.batched_decode = env_choice("LILY_CUDA_BATCHED_DECODE", "1", "0", o.batched_decode);
   o.prefill_chunk = env_int("LILY_CUDA_PREFILL_CHUNK", 1, kMaxPrefillChunk, o.prefill_chunk);
   o.max_batch = env_int("LILY_CUDA_MAX_BATCH", 1, kMaxBatch, o.max_batch);
+  o.rows_gemv_from = env_int("LILY_CUDA_ROWS_GEMV_FROM", 1, kRowsGemvNever, o.rows_gemv_from);
   return o;
 }
 
@@ -332,7 +341,7 @@ inline std::string CudaOptions::describe() const {
          " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " gemm-kernel=" + gemm_kernel +
          " fused-moe=" + (fused_moe ? "1" : "0") +
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
-         " max-batch=" + std::to_string(max_batch);
+         " max-batch=" + std::to_string(max_batch) + " rows-gemv-from=" + std::to_string(rows_gemv_from);
 }
 
 /// Which backend to create. kAuto picks CUDA when built with it and a usable GPU is present.

@@ -5,7 +5,9 @@
 // batch-invariance tests (test_cuda_e2e, CudaE2e.BatchedDecode*) fail.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backends/cuda/mixer_kernels.h"
@@ -59,16 +61,26 @@ void check_gemv_rows(int64_t rows, int cols, int bits, bool f32_out, uint64_t se
   }
 }
 
+/// The streaming GEMV's rows-mode thresholds the GEMV tests run (rows_gemv_staging_min_rows):
+/// every m in the rows mode; the rows mode from 9 rows (a row alone in the direct mode, so the
+/// two modes meet in one comparison); the direct mode for every m.
+constexpr int kStagingFrom[] = {1, 9, cuda::kMaxDecodeRows + 1};
+
 TEST(CudaBatchedDecode, GemvRowsAreBitIdenticalForEveryRowCount) {
   const ScopedSwitch stream(cuda::stream_gemv_enabled, cuda::set_stream_gemv_enabled);
+  const ScopedSwitch staging(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
   for (bool streaming : {true, false}) {
     SCOPED_TRACE(streaming ? "streaming enabled" : "streaming disabled");
     stream.set(streaming);
-    check_gemv_rows(1000, 2048, 4, false, 1);       // the 35B projections' width: streaming kernel
-    check_gemv_rows(777, 4096, 4, false, 2);        // out_proj width
-    check_gemv_rows(2048, 512, 4, true, 3);         // realdims hidden, fp32 (its lm_head)
+    for (int from : kStagingFrom) {
+      SCOPED_TRACE("rows mode from " + std::to_string(from) + " rows");
+      staging.set(from);
+      check_gemv_rows(1000, 2048, 4, false, 1);  // the 35B projections' width: streaming kernel
+      check_gemv_rows(777, 4096, 4, false, 2);   // out_proj width (rows mode: 16 rows a launch)
+      check_gemv_rows(2048, 512, 4, true, 3);    // realdims hidden, fp32 (its lm_head)
+      check_gemv_rows(100, 8192, 4, false, 5);   // wide rows (8192 columns; rows mode: 8 a launch)
+    }
     check_gemv_rows(300, 256, 4, false, 4);         // demo hidden: cols % 512 ≠ 0, register-load MMA
-    check_gemv_rows(100, 8192, 4, false, 5);        // wide rows (8192 columns)
     check_gemv_rows(257, 2048, 8, true, 6);         // the router: 8-bit, tiled CUDA-core kernel
     check_gemv_rows(17, 256, 8, true, 7);           // demo router
   }
@@ -128,10 +140,59 @@ void check_gemv_rows_vs_one_sequence(int64_t rows, int cols, bool f32_out, uint6
 }
 
 TEST(CudaBatchedDecode, GemvRowsGiveTheOneSequenceBits) {
-  check_gemv_rows_vs_one_sequence(1000, 2048, false, 11);  // the 35B in-projections' width
-  check_gemv_rows_vs_one_sequence(777, 4096, false, 12);   // out_proj width
-  check_gemv_rows_vs_one_sequence(2048, 512, true, 13);    // realdims hidden, fp32 (its lm_head)
-  check_gemv_rows_vs_one_sequence(300, 256, false, 14);    // demo hidden: the register-load MMA kernel
+  const ScopedSwitch staging(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
+  for (int from : kStagingFrom) {
+    SCOPED_TRACE("rows mode from " + std::to_string(from) + " rows");
+    staging.set(from);
+    check_gemv_rows_vs_one_sequence(1000, 2048, false, 11);  // the 35B in-projections' width
+    check_gemv_rows_vs_one_sequence(777, 4096, false, 12);   // out_proj width
+    check_gemv_rows_vs_one_sequence(2048, 512, true, 13);    // realdims hidden, fp32 (its lm_head)
+    check_gemv_rows_vs_one_sequence(300, 256, false, 14);    // demo hidden: the register-load MMA kernel
+  }
+}
+
+TEST(CudaBatchedDecode, RowsGemvStagingThresholdRefusesZeroRows) {
+  const ScopedSwitch staging(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
+  EXPECT_THROW(staging.set(0), lily::Error);
+  staging.set(5);
+  EXPECT_EQ(cuda::rows_gemv_staging_min_rows(), 5);
+}
+
+/// The batched decode's 4-bit GEMVs at the 35B-A3B shapes for m = 1 … 32 rows, in the streaming
+/// kernel's direct mode and its rows mode: µs per launch (events, after a warm-up) and the rows
+/// mode's rate in weight bytes. Printed, never asserted.
+TEST(CudaTiming, PrintsGemvRowsTimes) {
+  struct Shape {
+    const char* name;
+    int64_t rows;
+    int cols;
+    bool f32_out;
+  };
+  const Shape shapes[] = {{"gdn in_proj", 12352, 2048, false},
+                          {"attn q|k|v", 9216, 2048, false},
+                          {"out_proj", 2048, 4096, false},
+                          {"lm_head", 248320, 2048, true}};
+  const ScopedSwitch staging(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
+  constexpr int M = cuda::kMaxDecodeRows;
+  for (const Shape& s : shapes) {
+    std::mt19937_64 rng(21);
+    RandomQuant w(s.rows, s.cols, 4, rng);
+    DeviceBuffer dx = upload_bf16(normal_bf16(int64_t(M) * s.cols, rng, 1.0f));
+    DeviceBuffer dy(size_t(M) * s.rows * 4);
+    const double bytes = double(s.rows) * (s.cols / 2 + s.cols / 64 * 4);
+    for (int m : {1, 2, 4, 8, 16, 24, 32}) {
+      double us[2];
+      for (int mode = 0; mode < 2; ++mode) {
+        staging.set(mode == 0 ? M + 1 : 1);
+        us[mode] = time_us([&] {
+          cuda::launch_quant_gemv_rows(w.view(), dx.as<bf16>(), m, s.f32_out ? nullptr : dy.as<bf16>(),
+                                       s.f32_out ? dy.as<float>() : nullptr, nullptr);
+        });
+      }
+      std::printf("[timing] gemv rows %-11s %6lldx%-5d m=%2d  direct %8.2f us  rows mode %8.2f us  (%6.0f GB/s)\n",
+                  s.name, static_cast<long long>(s.rows), s.cols, m, us[0], us[1], bytes / us[1] / 1e3);
+    }
+  }
 }
 
 // ---- GDN ---------------------------------------------------------------------------------------

@@ -73,6 +73,22 @@ TEST(KernelSwitches, EveryFieldReachesItsSwitch) {
   cuda::apply_kernel_switches(CudaOptions{});
 }
 
+TEST(KernelSwitches, RowsGemvFromReachesItsSetting) {
+  EXPECT_EQ(cuda::rows_gemv_staging_min_rows(), CudaOptions::kRowsGemvNever);
+  CudaOptions o;
+  o.rows_gemv_from = 9;
+  cuda::apply_kernel_switches(o);
+  EXPECT_EQ(cuda::rows_gemv_staging_min_rows(), 9);
+  cuda::apply_kernel_switches(CudaOptions{});
+  EXPECT_EQ(cuda::rows_gemv_staging_min_rows(), CudaOptions::kRowsGemvNever);
+  for (int bad : {0, CudaOptions::kRowsGemvNever + 1}) {
+    o.pdl = false;
+    o.rows_gemv_from = bad;
+    EXPECT_THROW(cuda::apply_kernel_switches(o), Error) << bad;
+    EXPECT_TRUE(cuda::pdl_enabled()) << "nothing set before the throw";
+  }
+}
+
 TEST(KernelSwitches, BadRegdqThrowsBeforeChangingAnything) {
   cuda::apply_kernel_switches(CudaOptions{});
   CudaOptions o;

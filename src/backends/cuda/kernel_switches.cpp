@@ -11,6 +11,8 @@
 namespace lily::cuda {
 namespace {
 
+static_assert(CudaOptions::kRowsGemvNever == kMaxDecodeRows + 1, "LILY_CUDA_ROWS_GEMV_FROM's never: more rows than a forward holds");
+
 GemmKernel parse_gemm_kernel(const std::string& v) {
   if (v == "grouped") return GemmKernel::kGrouped;
   if (v == "all") return GemmKernel::kAll;
@@ -26,6 +28,9 @@ GemmKernel parse_gemm_kernel(const std::string& v) {
 
 void apply_kernel_switches(const CudaOptions& options) {
   const GemmKernel gemm = parse_gemm_kernel(options.gemm_kernel);
+  if (options.rows_gemv_from < 1 || options.rows_gemv_from > CudaOptions::kRowsGemvNever)
+    throw ::lily::Error("CudaOptions::rows_gemv_from (LILY_CUDA_ROWS_GEMV_FROM) must be 1 … " +
+                        std::to_string(CudaOptions::kRowsGemvNever) + ", got " + std::to_string(options.rows_gemv_from));
   set_pdl_enabled(options.pdl);
   set_stream_gemv_enabled(options.stream_gemv);
   set_flash_prefill_enabled(options.flash_prefill);
@@ -35,6 +40,7 @@ void apply_kernel_switches(const CudaOptions& options) {
   set_gdn_local_mma_enabled(options.gdn_local_mma);
   set_gdn_state_mma_enabled(options.gdn_state_mma);
   set_gemm_kernel(gemm);
+  set_rows_gemv_staging_min_rows(options.rows_gemv_from);
 }
 
 }  // namespace lily::cuda

@@ -8,10 +8,11 @@
 namespace lily::cuda {
 
 /// Sets every kernel-level switch from `options`: pdl, stream_gemv, flash_prefill,
-/// device_sampler, gemv_row_tiles, gdn_chunk_parallel, gdn_local_mma, gdn_state_mma and
-/// gemm_kernel. Process-wide: the last backend created sets them. Throws lily::Error, before
-/// setting anything, for a gemm_kernel other than "wgmma-mixed", "wgmma-narrow", "wgmma", "grouped", "all" or "0"
-/// (from_env never gives one).
+/// device_sampler, gemv_row_tiles, gdn_chunk_parallel, gdn_local_mma, gdn_state_mma,
+/// gemm_kernel and rows_gemv_from. Process-wide: the last backend created sets them. Throws
+/// lily::Error, before setting anything, for a gemm_kernel other than "wgmma-mixed",
+/// "wgmma-narrow", "wgmma", "grouped", "all" or "0", or a rows_gemv_from outside 1 …
+/// CudaOptions::kRowsGemvNever (from_env never gives either).
 void apply_kernel_switches(const CudaOptions& options);
 
 }  // namespace lily::cuda

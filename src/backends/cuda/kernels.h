@@ -202,6 +202,15 @@ bool gemv_row_tiles_enabled();
 /// Sets gemv_row_tiles_enabled() for the rest of the process (the backend; tests of both paths).
 void set_gemv_row_tiles_enabled(bool on);
 
+/// Rows from which launch_quant_gemv_rows runs the streaming GEMV in its rows mode (the rows
+/// staged once per block) instead of its direct mode (each tile reading them from L2). Both give a
+/// row the same bits, so this is a speed setting only: CudaOptions::rows_gemv_from
+/// (LILY_CUDA_ROWS_GEMV_FROM), by default kMaxDecodeRows + 1 (never).
+int rows_gemv_staging_min_rows();
+/// Sets rows_gemv_staging_min_rows() for the rest of the process (tests and timings of both
+/// modes; kMaxDecodeRows + 1 keeps the direct mode for every m). Throws lily::Error for n < 1.
+void set_rows_gemv_staging_min_rows(int n);
+
 /// Fused gate/up + SwiGLU for the selected experts (docs/model.md §4.3 item 5): for each slot
 /// k < n_sel of token row t, expert e = ids[t·n_sel + k]: g = bf16(W_gate[e] x), u = bf16(W_up[e] x),
 /// act[t, k, i] = bf16(silu(g_i)·u_i). gate/up: stacks of (n_experts + 1)·ffn rows (shared expert

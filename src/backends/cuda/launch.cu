@@ -8,6 +8,7 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <unordered_map>
 
@@ -24,6 +25,9 @@ std::atomic<bool> g_flash_prefill{true};
 std::atomic<bool> g_device_sampler{true};
 std::atomic<bool> g_gemv_row_tiles{true};
 std::atomic<bool> g_gdn_chunk_parallel{true};
+/// The batched GEMV's rows-mode threshold (rows_gemv_staging_min_rows): never until an H200 run
+/// has measured the rows mode (CudaOptions::rows_gemv_from).
+std::atomic<int> g_rows_gemv_staging_min_rows{kMaxDecodeRows + 1};
 
 /// What the driver was told and answered per kernel; guarded by `mutex`.
 struct LaunchFacts {
@@ -77,6 +81,12 @@ void set_device_sampler_enabled(bool on) { g_device_sampler.store(on, std::memor
 
 bool gemv_row_tiles_enabled() { return g_gemv_row_tiles.load(std::memory_order_relaxed); }
 void set_gemv_row_tiles_enabled(bool on) { g_gemv_row_tiles.store(on, std::memory_order_relaxed); }
+
+int rows_gemv_staging_min_rows() { return g_rows_gemv_staging_min_rows.load(std::memory_order_relaxed); }
+void set_rows_gemv_staging_min_rows(int n) {
+  if (n < 1) throw ::lily::Error("set_rows_gemv_staging_min_rows: " + std::to_string(n) + " rows (at least 1)");
+  g_rows_gemv_staging_min_rows.store(n, std::memory_order_relaxed);
+}
 
 bool gdn_chunk_parallel_enabled() { return g_gdn_chunk_parallel.load(std::memory_order_relaxed); }
 void set_gdn_chunk_parallel_enabled(bool on) { g_gdn_chunk_parallel.store(on, std::memory_order_relaxed); }

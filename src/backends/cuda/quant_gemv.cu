@@ -1,9 +1,10 @@
 // MLX-affine GEMV (4- and 8-bit) and the embedding gather (docs/model.md §3.1, §4.2).
 // Layout: the checkpoint's own (codes U32 row-major, bf16 scales/biases per 64-group), so
 // fused projections are plain row concatenations. Three kernels, chosen by shape:
-//  - quant_stream_gemv_kernel (4-bit, m ≤ 8, cols % 512 == 0: every decode projection of the
-//    real model): tensor cores, weights streamed into shared memory by bulk copies; the
-//    activations staged per block where a norm or conv is fused, else read in place (direct);
+//  - quant_stream_gemv_kernel (4-bit, m ≤ 8 — the batched decode's rows: ≤ 32 — cols % 512 ==
+//    0: every decode projection of the real model): tensor cores, weights streamed into shared
+//    memory by bulk copies; the activations staged per block where a norm or conv is fused, else
+//    read in place (direct), or for the batched rows staged once per block (rows, StreamMode);
 //  - quant_mma_gemv_kernel (other 4-bit shapes with m ≤ 8): tensor cores, register loads;
 //  - quant_gemv_tiled_kernel (m > 1, unless LILY_CUDA_GEMV_ROW_TILES=0): quant_gemv_kernel's
 //    arithmetic with each weight group loaded once per 8 token rows (the prefill router);
@@ -337,23 +338,32 @@ __host__ __device__ constexpr int stream_blocks_per_sm(int column_blocks) {
   return column_blocks <= 1 ? kStreamBlocksPerSm : 2;
 }
 
-/// grid (about stream_blocks_per_sm blocks per SM), block kStreamThreads; x [m, cols], y [m, rows];
-/// tiles of 16 rows strided over the grid, `stages` in flight per block; `pad` the chunk padding
-/// (kStreamChunkPad, or 0 for one unpadded copy). norm / conv as quant_gemv_kernel (m = 1).
-/// Requires cols % 512 == 0 and 16-byte aligned codes / scales / biases (stream_gemv_plan).
-/// Staged (!kDirect): m ≤ 8, the rows staged in shared memory (with the fused norm). kDirect (no
-/// norm, no conv; the batched decode's rows): m ≤ 8·kBlocks, the activations not staged: each
-/// warp reads its groups' fragments from x (stream_direct_fragments) and sums their Σx itself,
-/// so the first tile's MMAs wait for no block-wide pass over the rows; the rows are kBlocks
+/// Blocks per SM of the streaming kernel in `mode` with kBlocks column blocks: the rows mode
+/// keeps one block per SM (its staged rows take most of the shared memory).
+__host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int column_blocks) {
+  return mode == StreamMode::rows ? 1 : stream_blocks_per_sm(column_blocks);
+}
+
+/// grid (about stream_mode_blocks_per_sm blocks per SM), block kStreamThreads; x [m, cols], y [m,
+/// rows]; tiles of 16 rows strided over the grid, `stages` in flight per block; `pad` the chunk
+/// padding (kStreamChunkPad, or 0 for one unpadded copy). norm / conv as quant_gemv_kernel (m =
+/// 1). Requires cols % 512 == 0 and 16-byte aligned codes / scales / biases (stream_gemv_plan).
+/// kMode (StreamMode): staged: m ≤ 8, the rows staged in shared memory (with the fused norm).
+/// direct (no norm, no conv): m ≤ 8·kBlocks, each warp reads its groups' fragments from x
+/// (stream_direct_fragments) and sums their Σx itself, so the first tile's MMAs wait for no
+/// block-wide pass over the rows. rows (no norm, no conv; the batched decode's rows): m ≤
+/// 8·kBlocks, the rows staged once per block in fragment order with their Σx
+/// (stage_rows_fragments), all threads loading at once. direct and rows: the rows are kBlocks
 /// column blocks of eight that share each weight fragment.
-template <class OutT, bool kDirect, int kBlocks>
-__global__ void __launch_bounds__(kStreamThreads, stream_blocks_per_sm(kBlocks))
+template <class OutT, StreamMode kMode, int kBlocks>
+__global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMode, kBlocks))
     quant_stream_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x, int m, OutT* __restrict__ y, FusedNorm norm,
                              FusedConv conv, int stages, int pad) {
-  static_assert(kDirect || kBlocks == 1, "the staged mode takes one column block");
+  constexpr bool kDirect = kMode == StreamMode::direct;
+  static_assert(kMode != StreamMode::staged || kBlocks == 1, "the staged mode takes one column block");
   extern __shared__ __align__(16) unsigned char sm[];
   const int cols = w.cols, groups = cols / kGroup, per_warp = groups / kStreamWarps;
-  const StreamLayout l = stream_layout(cols, m, stages, pad, kDirect);
+  const StreamLayout l = stream_layout(cols, m, stages, pad, kMode);
   uint64_t* full = reinterpret_cast<uint64_t*>(sm);
   uint64_t* ready = full + kStreamMaxStages;
   uint64_t* freed = ready + 2;
@@ -401,6 +411,8 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks_per_sm(kBlocks))
       }
     }
     __syncwarp();
+  } else if constexpr (kMode == StreamMode::rows) {
+    stage_rows_fragments(x, m, cols, xperm, xsum);
   } else {
     stage_mma_rows(x, m, cols, norm, scratch, scratch + groups * kGroupStride, xsum, xperm);
   }
@@ -415,6 +427,8 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks_per_sm(kBlocks))
     const StreamTileView v = stream_tile_view(stage, l, groups, g, t);
     float acc[kBlocks][4] = {};
     if constexpr (kDirect) stream_tile_slice_direct<kBlocks>(v, x, cols, m, g, t, g_begin, g_end, xsum, acc);
+    else if constexpr (kMode == StreamMode::rows)
+      stream_tile_slice_rows<kBlocks>(v, xperm, xsum, cols, m, g, t, g_begin, g_end, acc);
     else stream_tile_slice(v, xperm, cols, m, g, t, g_begin, g_end, xs0, xs1, has0, has1, acc[0]);
 
     // The k-slices add up in slice order: warps 1–7 leave their partials (one float4 per lane
@@ -455,33 +469,37 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks_per_sm(kBlocks))
 
 struct StreamPlan {
   int stages = 0;  ///< 0: the streaming kernel does not apply
-  bool direct = false;  ///< activations read from global memory (no norm, no conv; the batched rows)
-  int column_blocks = 1;  ///< column blocks of eight tokens (direct only: 1 … 4)
+  StreamMode mode = StreamMode::staged;
+  int column_blocks = 1;  ///< column blocks of eight tokens (direct and rows: 1 … 4)
   int pad = 0;
   int blocks = 0;
   size_t smem = 0;
 };
 
-/// The streaming kernel's launch for a GEMV: 4-bit, m ≤ 8 (direct: m ≤ kMaxDecodeRows), cols % 512
-/// == 0 (scale rows of whole 16-byte runs, an even split of the groups over 8 warps), 16-byte
-/// aligned arrays, and at least one stage within the shared memory of an SM; otherwise stages = 0.
-StreamPlan stream_gemv_plan(const DeviceQuant& w, int m, bool direct = false) {
+/// The streaming kernel's launch for a GEMV in `mode`: 4-bit, m ≤ 8 (direct and rows: m ≤
+/// kMaxDecodeRows), cols % 512 == 0 (scale rows of whole 16-byte runs, an even split of the
+/// groups over 8 warps), 16-byte aligned arrays, and at least one stage within the shared memory
+/// the mode's blocks may take (the rows mode: a whole SM's); otherwise stages = 0.
+StreamPlan stream_gemv_plan(const DeviceQuant& w, int m, StreamMode mode = StreamMode::staged) {
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   StreamPlan plan;
-  plan.direct = direct;
-  if (w.bits != 4 || m > (direct ? kMaxDecodeRows : kMmaMaxTokens) || w.cols % 512 != 0 || !aligned(w.codes) ||
+  plan.mode = mode;
+  const bool blocks_of_eight = mode != StreamMode::staged;
+  if (w.bits != 4 || m > (blocks_of_eight ? kMaxDecodeRows : kMmaMaxTokens) || w.cols % 512 != 0 || !aligned(w.codes) ||
       !aligned(w.scales) || !aligned(w.biases))
     return plan;
   plan.pad = kStreamChunkPad;
-  plan.column_blocks = direct ? stream_column_blocks(m) : 1;
+  plan.column_blocks = blocks_of_eight ? stream_column_blocks(m) : 1;
   const int64_t tiles = ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows));
-  const int per_sm = stream_blocks_per_sm(plan.column_blocks);
+  const int per_sm = stream_mode_blocks_per_sm(mode, plan.column_blocks);
   plan.blocks = static_cast<int>(std::min<int64_t>(tiles, int64_t{sm_count()} * per_sm));
   const int64_t per_block = ceil_div(tiles, plan.blocks);
-  const StreamLayout none = stream_layout(w.cols, m, 0, plan.pad, direct);
-  int64_t fit = (kStreamSmemPerSm / per_sm - none.total) / none.stage_bytes;
+  const StreamLayout none = stream_layout(w.cols, m, 0, plan.pad, mode);
+  const int64_t budget = mode == StreamMode::rows ? kStreamSmemMax : kStreamSmemPerSm / per_sm;
+  int64_t fit = (budget - none.total) / none.stage_bytes;
+  if (mode == StreamMode::rows && fit < 1) return plan;  // the rows take the SM: the caller runs fewer per launch
   fit = std::max<int64_t>(1, std::min<int64_t>({fit, kStreamMaxStages, per_block}));
-  const StreamLayout l = stream_layout(w.cols, m, static_cast<int>(fit), plan.pad, direct);
+  const StreamLayout l = stream_layout(w.cols, m, static_cast<int>(fit), plan.pad, mode);
   if (l.total > kStreamSmemMax) return plan;
   plan.stages = static_cast<int>(fit);
   plan.smem = static_cast<size_t>(l.total);
@@ -496,13 +514,33 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
     launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,
                plan.pad);
   };
-  if (!plan.direct) return launch(quant_stream_gemv_kernel<OutT, false, 1>);
-  switch (plan.column_blocks) {
-    case 1: return launch(quant_stream_gemv_kernel<OutT, true, 1>);
-    case 2: return launch(quant_stream_gemv_kernel<OutT, true, 2>);
-    case 3: return launch(quant_stream_gemv_kernel<OutT, true, 3>);
-    default: return launch(quant_stream_gemv_kernel<OutT, true, 4>);
+  constexpr StreamMode kDirect = StreamMode::direct, kRows = StreamMode::rows;
+  switch (plan.mode) {
+    case StreamMode::staged: return launch(quant_stream_gemv_kernel<OutT, StreamMode::staged, 1>);
+    case StreamMode::direct:
+      switch (plan.column_blocks) {
+        case 1: return launch(quant_stream_gemv_kernel<OutT, kDirect, 1>);
+        case 2: return launch(quant_stream_gemv_kernel<OutT, kDirect, 2>);
+        case 3: return launch(quant_stream_gemv_kernel<OutT, kDirect, 3>);
+        default: return launch(quant_stream_gemv_kernel<OutT, kDirect, 4>);
+      }
+    case StreamMode::rows:
+      switch (plan.column_blocks) {
+        case 1: return launch(quant_stream_gemv_kernel<OutT, kRows, 1>);
+        case 2: return launch(quant_stream_gemv_kernel<OutT, kRows, 2>);
+        case 3: return launch(quant_stream_gemv_kernel<OutT, kRows, 3>);
+        default: return launch(quant_stream_gemv_kernel<OutT, kRows, 4>);
+      }
   }
+}
+
+/// Rows per launch of the rows mode for m rows of `w`: all of them where they fit beside one
+/// stage, else the most in whole column blocks of eight (the 4,096-column out-projections take
+/// 16 of 32); 0 where not even eight (or m) fit.
+int rows_mode_rows_per_launch(const DeviceQuant& w, int m) {
+  for (int r = m; r > 0; r = r > kMmaMaxTokens ? (r - 1) / kMmaMaxTokens * kMmaMaxTokens : 0)
+    if (stream_gemv_plan(w, r, StreamMode::rows).stages > 0) return r;
+  return 0;
 }
 
 /// Whether launch_quant_gemv takes the tensor-core kernel: 4-bit and m ≤ 8 (its staging then
@@ -542,7 +580,8 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
     // where they are (for every m, so a token's result still does not depend on m).
     const bool direct = !norm.gain && conv.channels == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
     if (stream_gemv_enabled() && m <= kMmaMaxTokens)  // more rows: launch_quant_gemv_rows's column blocks
-      if (const StreamPlan plan = stream_gemv_plan(w, m, direct); plan.stages > 0)
+      if (const StreamPlan plan = stream_gemv_plan(w, m, direct ? StreamMode::direct : StreamMode::staged);
+          plan.stages > 0)
         return stream_gemv_dispatch(w, x, m, y, plan, stream, norm, conv);
     if (use_mma_gemv(w, m)) return mma_gemv_dispatch(w, x, m, y, stream, norm, conv);
   }
@@ -569,20 +608,31 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
 }
 
 /// The batched decode's GEMV (launch_quant_gemv_rows): a kernel chosen by the matrix alone, so
-/// that a token row's result never depends on m. 4-bit: the streaming kernel in its direct mode
-/// (activation fragments read from global memory by the warps that use them: no per-block
-/// staging of the m rows, whose shared memory and latency grew with m; the rows as column blocks
-/// of eight sharing each weight fragment) when it applies at kMaxDecodeRows rows, else the
-/// register-load MMA kernel, eight rows a launch; both compute each token column from that
-/// token's x alone, in an order fixed by the shape. 8-bit: the tiled CUDA-core
-/// kernel, also at m = 1 (its per-token arithmetic ignores the other tokens of the tile), or
-/// where its staging does not fit, the per-row CUDA-core kernel (grid.y = token) for every m.
+/// that a token row's result never depends on m. 4-bit: the streaming kernel when it applies at
+/// kMaxDecodeRows rows, its rows mode (the rows staged once per block) from
+/// rows_gemv_staging_min_rows() rows on, as many launches as its shared memory needs, else its
+/// direct mode (activation fragments read from global memory by the warps that use them); the
+/// rows as column blocks of eight sharing each weight fragment; every mode gives a row the same
+/// bits. Else the register-load MMA kernel, eight rows a launch; each computes a token column
+/// from that token's x alone, in an order fixed by the shape. 8-bit: the tiled CUDA-core kernel,
+/// also at m = 1 (its per-token arithmetic ignores the other tokens of the tile), or where its
+/// staging does not fit, the per-row CUDA-core kernel (grid.y = token) for every m.
 template <class OutT>
 void gemv_rows_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream) {
   if (w.bits == 4) {
-    if (stream_gemv_enabled() && stream_gemv_plan(w, kMaxDecodeRows, true).stages > 0 &&
-        reinterpret_cast<uintptr_t>(x) % 16 == 0)
-      return stream_gemv_dispatch(w, x, m, y, stream_gemv_plan(w, m, true), stream, FusedNorm{}, FusedConv{});
+    if (stream_gemv_enabled() && stream_gemv_plan(w, kMaxDecodeRows, StreamMode::direct).stages > 0 &&
+        reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+      if (const int per = m >= rows_gemv_staging_min_rows() ? rows_mode_rows_per_launch(w, m) : 0; per > 0) {
+        for (int r0 = 0; r0 < m; r0 += per) {
+          const int n = std::min(per, m - r0);
+          stream_gemv_dispatch(w, x + int64_t{r0} * w.cols, n, y + int64_t{r0} * w.rows,
+                               stream_gemv_plan(w, n, StreamMode::rows), stream, FusedNorm{}, FusedConv{});
+        }
+        return;
+      }
+      return stream_gemv_dispatch(w, x, m, y, stream_gemv_plan(w, m, StreamMode::direct), stream, FusedNorm{},
+                                  FusedConv{});
+    }
     // The register-load kernel takes eight rows a launch (each row's bits are its own).
     for (int r0 = 0; r0 < m; r0 += kMmaMaxTokens)
       mma_gemv_dispatch(w, x + int64_t{r0} * w.cols, std::min(kMmaMaxTokens, m - r0), y + int64_t{r0} * w.rows, stream,

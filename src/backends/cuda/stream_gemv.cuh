@@ -76,36 +76,62 @@ constexpr int kStreamThreads = kStreamWarps * kWarp;
 constexpr int kStreamMaxGroupsPerWarp = 16;
 constexpr int kStreamChunkPad = 32;
 constexpr int kStreamMaxStages = 8;
+/// How the streaming GEMV gets its activations:
+///  - staged: the m ≤ 8 rows staged once per block (with a fused norm or conv), one column block;
+///  - direct: each warp reads its groups' fragments from x in global memory for every tile (no
+///    block-wide pass over the rows before the first MMA; the one-sequence step's unfused GEMVs);
+///  - rows: the m rows (the batched decode's, up to kMaxDecodeRows) staged once per block in
+///    fragment order with their Σx, one block per SM, so that each 16-row tile reads them from
+///    shared memory instead of from L2 (at 32 rows of 2,048 columns 128 KB per tile against its
+///    18 KB of weights).
+/// All three give a token the same bits (the same fragments, group_sum_x's Σx, one epilogue).
+enum class StreamMode : int { staged, direct, rows };
+
 /// Byte offsets of the streaming GEMV's shared memory (host and device compute the same).
 struct StreamLayout {
   int row_bytes = 0;        ///< cols / 2
   int chunk_pitch = 0;      ///< bytes from one 4-row chunk of a stage to the next
   int64_t stage_bytes = 0;  ///< one tile: 4 chunks of code rows, then 16 × groups scales, then biases
   int64_t ring = 0;         ///< first stage
-  int64_t xperm = 0;        ///< uint32 [m][cols / 2]
-  int64_t xsum = 0;         ///< float [m][groups]
+  int64_t xperm = 0;        ///< uint32 [m][cols / 2] (rows mode: [m][stream_rows_pitch])
+  int64_t xsum = 0;         ///< float [m][groups] (rows mode: [m][stream_rows_sum_pitch])
   int64_t scratch = 0;      ///< staging (float [groups × 69]), later the partials float4 [2][8][32]
   int64_t total = 0;
 };
 
-/// Column blocks of eight tokens that the direct mode runs for m tokens (1 … 4).
+/// Column blocks of eight tokens that the direct and rows modes run for m tokens (1 … 4).
 __host__ __device__ inline int stream_column_blocks(int m) { return (m + kMmaMaxTokens - 1) / kMmaMaxTokens; }
 
-/// `direct`: the activations are read from global memory (stream_direct_fragments), so there is
-/// no permuted copy and no staging area; Σx stays in shared memory, for whole column blocks of
-/// eight tokens (m ≤ kMaxDecodeRows), and the k-slice partials hold every column block.
-__host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stages, int pad, bool direct = false) {
+/// Rows mode: words between two staged rows, cols / 2 + 4. A 16-byte fragment load of token g
+/// and k-thread t reads words 8t … of its group, so the eight lanes of one load phase (tokens
+/// g, g + 1) land on distinct banks when the rows are 4 words apart modulo 32.
+__host__ __device__ inline int stream_rows_pitch(int cols) { return cols / 2 + 4; }
+/// Rows mode: floats between two rows' Σx, groups + 2 (the four k-threads' tokens 2t, 8 bytes
+/// apart in a float2-aligned row, on distinct banks).
+__host__ __device__ inline int stream_rows_sum_pitch(int groups) { return groups + 2; }
+
+/// The layout for m tokens, `stages` tiles in flight and chunk padding `pad`. direct: no
+/// permuted copy and no staging area; Σx for whole column blocks of eight tokens (m ≤
+/// kMaxDecodeRows). rows: the permuted rows and their Σx at the rows-mode pitches. direct and
+/// rows: the k-slice partials hold every column block.
+__host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stages, int pad,
+                                                      StreamMode mode = StreamMode::staged) {
   const int groups = cols / kGroup;
-  const int blocks = direct ? stream_column_blocks(m) : 1;
+  const bool direct = mode == StreamMode::direct, rows = mode == StreamMode::rows;
+  const int blocks = mode == StreamMode::staged ? 1 : stream_column_blocks(m);
   StreamLayout l;
   l.row_bytes = cols / 2;
   l.chunk_pitch = 4 * l.row_bytes + pad;
   l.stage_bytes = int64_t{4} * l.chunk_pitch + int64_t{2} * kMmaTileRows * groups * 2;
   l.ring = align16(int64_t{kStreamMaxStages + 4} * 8);  // mbarriers: full[stages], ready[2], freed[2]
   l.xperm = l.ring + stages * l.stage_bytes;
-  l.xsum = l.xperm + (direct ? 0 : align16(int64_t{m} * cols * 2));
-  l.scratch = l.xsum + align16(int64_t{direct ? blocks * kMmaMaxTokens : m} * groups * 4);
-  const int64_t staging = direct ? 0 : int64_t{groups} * (kGroupStride + 1) * 4;
+  const int64_t xperm_bytes = direct ? 0 : rows ? int64_t{m} * stream_rows_pitch(cols) * 4 : int64_t{m} * cols * 2;
+  l.xsum = l.xperm + align16(xperm_bytes);
+  const int64_t xsum_floats = direct ? int64_t{blocks} * kMmaMaxTokens * groups
+                              : rows ? int64_t{m} * stream_rows_sum_pitch(groups)
+                                     : int64_t{m} * groups;
+  l.scratch = l.xsum + align16(xsum_floats * 4);
+  const int64_t staging = mode == StreamMode::staged ? int64_t{groups} * (kGroupStride + 1) * 4 : 0;
   const int64_t partials = int64_t{2} * blocks * kStreamWarps * kWarp * 16;
   l.total = l.scratch + align16(staging > partials ? staging : partials);
   return l;
@@ -226,19 +252,18 @@ __device__ __forceinline__ void stream_tile_slice(const StreamTileView& v, const
                  to_f32(v.b_hi[G]), has0 ? xs0[G] : 0.0f, has1 ? xs1[G] : 0.0f, acc);
 }
 
-/// The direct mode's group G for kBlocks column blocks (block c: tokens 8c …): each block's
-/// fragments read from x [m, cols] in global memory, the weight fragment formed once for all
-/// blocks (group_mma_blocks), then stream_group's epilogue per block (x0[c], x1[c]: Σx of tokens
-/// 8c + 2t and 8c + 2t + 1, 0 where absent). A token's bits do not depend on its block.
-template <int kBlocks>
-__device__ __forceinline__ void stream_group_direct(const StreamTileView& v, const bf16* x, int cols, int m, int g,
-                                                    int t, int G, float sl, float bl, float sh, float bh,
-                                                    const float (&x0)[kBlocks], const float (&x1)[kBlocks],
-                                                    float (&acc)[kBlocks][4]) {
+/// Group G for kBlocks column blocks (block c: tokens 8c …): frag(c, G, bw0, bw1) gives block
+/// c's activation fragments, the weight fragment is formed once for all blocks
+/// (group_mma_blocks), then stream_group's epilogue per block (x0[c], x1[c]: Σx of tokens 8c + 2t
+/// and 8c + 2t + 1). A token's bits do not depend on its block or on where its fragments come
+/// from.
+template <int kBlocks, class Frag>
+__device__ __forceinline__ void stream_group_blocks(const StreamTileView& v, const Frag& frag, int G, float sl, float bl,
+                                                    float sh, float bh, const float (&x0)[kBlocks],
+                                                    const float (&x1)[kBlocks], float (&acc)[kBlocks][4]) {
   uint4 bw0[kBlocks], bw1[kBlocks];
 #pragma unroll
-  for (int c = 0; c < kBlocks; ++c)
-    stream_direct_fragments(x + int64_t{c} * kMmaMaxTokens * cols, cols, m - c * kMmaMaxTokens, g, t, G, bw0[c], bw1[c]);
+  for (int c = 0; c < kBlocks; ++c) frag(c, G, bw0[c], bw1[c]);
   float d[kBlocks][4];
   group_mma_blocks<true, kBlocks>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32),
                                   *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0, bw1, d);
@@ -252,18 +277,12 @@ __device__ __forceinline__ void stream_group_direct(const StreamTileView& v, con
   }
 }
 
-/// The direct mode's k-slice (stream_tile_slice's order: groups [g_begin, g_end) ascending, two
-/// per load of scales and biases) for kBlocks column blocks; xsum [m][groups] the tokens' Σx.
-template <int kBlocks>
-__device__ __forceinline__ void stream_tile_slice_direct(const StreamTileView& v, const bf16* x, int cols, int m,
-                                                         int g, int t, int g_begin, int g_end, const float* xsum,
-                                                         float (&acc)[kBlocks][4]) {
-  const int groups = cols / kGroup;
-  auto sums = [&](int c, int G, float (&x0)[kBlocks], float (&x1)[kBlocks]) {
-    const int n0 = c * kMmaMaxTokens + 2 * t;
-    x0[c] = n0 < m ? xsum[n0 * groups + G] : 0.0f;
-    x1[c] = n0 + 1 < m ? xsum[(n0 + 1) * groups + G] : 0.0f;
-  };
+/// The k-slice of kBlocks column blocks in stream_tile_slice's order (groups [g_begin, g_end)
+/// ascending, two per load of scales and biases): frag as for stream_group_blocks, sums(c, G,
+/// x0, x1) sets x0[c], x1[c] to the Σx of block c's tokens 2t and 2t + 1 in group G.
+template <int kBlocks, class Frag, class Sums>
+__device__ __forceinline__ void stream_tile_slice_blocks(const StreamTileView& v, const Frag& frag, const Sums& sums,
+                                                         int g_begin, int g_end, float (&acc)[kBlocks][4]) {
   int G = g_begin;
 #pragma unroll 2
   for (; G + 2 <= g_end; G += 2) {
@@ -277,18 +296,104 @@ __device__ __forceinline__ void stream_tile_slice_direct(const StreamTileView& v
       sums(c, G, x0, x1);
       sums(c, G + 1, y0, y1);
     }
-    stream_group_direct<kBlocks>(v, x, cols, m, g, t, G, __low2float(sl), __low2float(bl), __low2float(sh),
-                                 __low2float(bh), x0, x1, acc);
-    stream_group_direct<kBlocks>(v, x, cols, m, g, t, G + 1, __high2float(sl), __high2float(bl), __high2float(sh),
+    stream_group_blocks<kBlocks>(v, frag, G, __low2float(sl), __low2float(bl), __low2float(sh), __low2float(bh), x0, x1,
+                                 acc);
+    stream_group_blocks<kBlocks>(v, frag, G + 1, __high2float(sl), __high2float(bl), __high2float(sh),
                                  __high2float(bh), y0, y1, acc);
   }
   if (G < g_end) {  // an odd group count per warp
     float x0[kBlocks], x1[kBlocks];
 #pragma unroll
     for (int c = 0; c < kBlocks; ++c) sums(c, G, x0, x1);
-    stream_group_direct<kBlocks>(v, x, cols, m, g, t, G, to_f32(v.s_lo[G]), to_f32(v.b_lo[G]), to_f32(v.s_hi[G]),
+    stream_group_blocks<kBlocks>(v, frag, G, to_f32(v.s_lo[G]), to_f32(v.b_lo[G]), to_f32(v.s_hi[G]),
                                  to_f32(v.b_hi[G]), x0, x1, acc);
   }
+}
+
+/// The direct mode's k-slice: each block's fragments read from x [m, cols] in global memory
+/// (stream_direct_fragments, zeros past m); xsum [m][groups] the tokens' Σx (0 past m).
+template <int kBlocks>
+__device__ __forceinline__ void stream_tile_slice_direct(const StreamTileView& v, const bf16* x, int cols, int m,
+                                                         int g, int t, int g_begin, int g_end, const float* xsum,
+                                                         float (&acc)[kBlocks][4]) {
+  const int groups = cols / kGroup;
+  auto frag = [&](int c, int G, uint4& bw0, uint4& bw1) {
+    stream_direct_fragments(x + int64_t{c} * kMmaMaxTokens * cols, cols, m - c * kMmaMaxTokens, g, t, G, bw0, bw1);
+  };
+  auto sums = [&](int c, int G, float (&x0)[kBlocks], float (&x1)[kBlocks]) {
+    const int n0 = c * kMmaMaxTokens + 2 * t;
+    x0[c] = n0 < m ? xsum[n0 * groups + G] : 0.0f;
+    x1[c] = n0 + 1 < m ? xsum[(n0 + 1) * groups + G] : 0.0f;
+  };
+  stream_tile_slice_blocks<kBlocks>(v, frag, sums, g_begin, g_end, acc);
+}
+
+/// Rows mode: stages x [m, cols] (bf16, rows 16-byte aligned) into xperm (uint32 words, row n at
+/// n·stream_rows_pitch(cols), group G's 32 words in fragment order at 32G: fragment_order of each
+/// 16-byte unit) and xsum (row n at n·stream_rows_sum_pitch(groups): each group's Σx with
+/// group_sum_x's bits: x_l + x_{l+32}, then the butterfly's pairs l, l + o for o = 16 … 1, which
+/// is the value every lane of that butterfly ends with). All threads of the block; thread i
+/// takes the (row, group) units i, i + blockDim.x, … with the row fastest, so that the lanes'
+/// 16-byte stores, rows 4 words apart modulo 32, hit distinct banks. Ends with __syncthreads().
+__device__ __forceinline__ void stage_rows_fragments(const bf16* __restrict__ x, int m, int cols, uint32_t* xperm,
+                                                     float* xsum) {
+  const int groups = cols / kGroup, pitch = stream_rows_pitch(cols), sum_pitch = stream_rows_sum_pitch(groups);
+  for (int u = threadIdx.x; u < m * groups; u += blockDim.x) {
+    const int n = u % m, G = u / m;
+    const uint4* src = reinterpret_cast<const uint4*>(x + int64_t{n} * cols + G * kGroup);
+    uint4 q[8];  // columns 8j … 8j + 7 of the group
+#pragma unroll
+    for (int j = 0; j < 8; ++j) q[j] = src[j];
+    auto lo = [](uint32_t w) { return __uint_as_float(w << 16); };         // bf16 element 2e of a word
+    auto hi = [](uint32_t w) { return __uint_as_float(w & 0xffff0000u); };  // element 2e + 1
+    float a[32];  // a[l] = x_l + x_{l+32}
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t p[4] = {q[j].x, q[j].y, q[j].z, q[j].w}, r[4] = {q[j + 4].x, q[j + 4].y, q[j + 4].z, q[j + 4].w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        a[8 * j + 2 * e] = __fadd_rn(lo(p[e]), lo(r[e]));
+        a[8 * j + 2 * e + 1] = __fadd_rn(hi(p[e]), hi(r[e]));
+      }
+    }
+    // The butterfly's levels, written out so that a[] stays in registers.
+#pragma unroll
+    for (int l = 0; l < 16; ++l) a[l] = __fadd_rn(a[l], a[l + 16]);
+#pragma unroll
+    for (int l = 0; l < 8; ++l) a[l] = __fadd_rn(a[l], a[l + 8]);
+#pragma unroll
+    for (int l = 0; l < 4; ++l) a[l] = __fadd_rn(a[l], a[l + 4]);
+    a[0] = __fadd_rn(a[0], a[2]);
+    a[1] = __fadd_rn(a[1], a[3]);
+    a[0] = __fadd_rn(a[0], a[1]);
+    xsum[n * sum_pitch + G] = a[0];
+    uint4* dst = reinterpret_cast<uint4*>(xperm + int64_t{n} * pitch + G * 32);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) dst[j] = fragment_order(q[j]);
+  }
+  __syncthreads();
+}
+
+/// The rows mode's k-slice: block c's fragments from the staged rows (stage_rows_fragments), its
+/// Σx from the staged sums. A column past m takes row m − 1's values: an MMA's output column
+/// depends only on its own B column, and that column is never stored.
+template <int kBlocks>
+__device__ __forceinline__ void stream_tile_slice_rows(const StreamTileView& v, const uint32_t* xperm, const float* xsum,
+                                                       int cols, int m, int g, int t, int g_begin, int g_end,
+                                                       float (&acc)[kBlocks][4]) {
+  const int pitch = stream_rows_pitch(cols), sum_pitch = stream_rows_sum_pitch(cols / kGroup);
+  auto frag = [&](int c, int G, uint4& bw0, uint4& bw1) {
+    const int n = min(c * kMmaMaxTokens + g, m - 1);
+    const uint4* p = reinterpret_cast<const uint4*>(xperm + n * pitch + G * 32 + t * 8);
+    bw0 = p[0];
+    bw1 = p[1];
+  };
+  auto sums = [&](int c, int G, float (&x0)[kBlocks], float (&x1)[kBlocks]) {
+    const int n0 = min(c * kMmaMaxTokens + 2 * t, m - 1), n1 = min(c * kMmaMaxTokens + 2 * t + 1, m - 1);
+    x0[c] = xsum[n0 * sum_pitch + G];
+    x1[c] = xsum[n1 * sum_pitch + G];
+  };
+  stream_tile_slice_blocks<kBlocks>(v, frag, sums, g_begin, g_end, acc);
 }
 
 }  // namespace lily::cuda
