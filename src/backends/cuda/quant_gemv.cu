@@ -15,6 +15,7 @@
 //    2.5 %: docs/performance/2026-12-01-decode-kernels.md.)
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "backends/cuda/bulk_copy.cuh"
 #include "backends/cuda/gdn_conv.cuh"
@@ -514,23 +515,20 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
     launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,
                plan.pad);
   };
-  constexpr StreamMode kDirect = StreamMode::direct, kRows = StreamMode::rows;
+  // The direct and rows modes' instances, one per column-block count.
+  auto launch_blocks = [&](auto mode) {
+    constexpr StreamMode kMode = decltype(mode)::value;
+    switch (plan.column_blocks) {
+      case 1: return launch(quant_stream_gemv_kernel<OutT, kMode, 1>);
+      case 2: return launch(quant_stream_gemv_kernel<OutT, kMode, 2>);
+      case 3: return launch(quant_stream_gemv_kernel<OutT, kMode, 3>);
+      default: return launch(quant_stream_gemv_kernel<OutT, kMode, 4>);
+    }
+  };
   switch (plan.mode) {
     case StreamMode::staged: return launch(quant_stream_gemv_kernel<OutT, StreamMode::staged, 1>);
-    case StreamMode::direct:
-      switch (plan.column_blocks) {
-        case 1: return launch(quant_stream_gemv_kernel<OutT, kDirect, 1>);
-        case 2: return launch(quant_stream_gemv_kernel<OutT, kDirect, 2>);
-        case 3: return launch(quant_stream_gemv_kernel<OutT, kDirect, 3>);
-        default: return launch(quant_stream_gemv_kernel<OutT, kDirect, 4>);
-      }
-    case StreamMode::rows:
-      switch (plan.column_blocks) {
-        case 1: return launch(quant_stream_gemv_kernel<OutT, kRows, 1>);
-        case 2: return launch(quant_stream_gemv_kernel<OutT, kRows, 2>);
-        case 3: return launch(quant_stream_gemv_kernel<OutT, kRows, 3>);
-        default: return launch(quant_stream_gemv_kernel<OutT, kRows, 4>);
-      }
+    case StreamMode::direct: return launch_blocks(std::integral_constant<StreamMode, StreamMode::direct>{});
+    case StreamMode::rows: return launch_blocks(std::integral_constant<StreamMode, StreamMode::rows>{});
   }
 }
 
