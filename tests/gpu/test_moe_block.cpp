@@ -479,7 +479,9 @@ void print_moe_phases(int rows) {
   int blocks = 0, dev = 0;  // the kernel runs one block per SM
   CUDA_CHECK(cudaGetDevice(&dev));
   CUDA_CHECK(cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev));
-  DeviceBuffer trace(size_t(blocks) * cuda::kMoeTracePoints * 8);
+  constexpr int S = cuda::kMoeTraceSlots;
+  DeviceBuffer trace(size_t(blocks) * S * 8);
+  trace.fill_bytes(0);
   chain.traced = 20;
   chain.trace = trace.as<uint64_t>();
   cudaStream_t stream = nullptr;
@@ -487,29 +489,47 @@ void print_moe_phases(int rows) {
   cudaGraphExec_t exec = capture_graph(stream, [&](cudaStream_t st) { chain.enqueue(st); });
   for (int i = 0; i < 4; ++i) CUDA_CHECK(cudaGraphLaunch(exec, stream));
   CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<uint64_t> t(size_t(blocks) * cuda::kMoeTracePoints);
+  std::vector<uint64_t> t(size_t(blocks) * S);
   cuda::download(t.data(), trace.as<uint64_t>(), t.size());
+  auto at = [&](int b, int p) { return t[size_t(b) * S + p]; };
   uint64_t t0 = UINT64_MAX;
-  for (int b = 0; b < blocks; ++b) t0 = std::min(t0, t[size_t(b) * cuda::kMoeTracePoints]);
+  for (int b = 0; b < blocks; ++b) t0 = std::min(t0, at(b, 0));
   // The rows kernel norms and computes the router logits in one phase (stamps 2 and 3), and
   // stamp 10 follows its act group sums.
   static const char* kPhase[cuda::kMoeTracePoints] = {"entry", "PDL wait", "norm", "router", "barrier 1", "routing",
                                                      "requests", "gate/up", "SwiGLU", "barrier 2", "act staged", "down"};
   for (int p = 0; p < cuda::kMoeTracePoints; ++p) {
     std::vector<double> us;
-    for (int b = 0; b < blocks; ++b) us.push_back((t[size_t(b) * cuda::kMoeTracePoints + p] - t0) / 1000.0);
+    for (int b = 0; b < blocks; ++b) us.push_back((at(b, p) - t0) / 1000.0);
     std::sort(us.begin(), us.end());
     std::printf("[timing] moe block %d rows, phase %-10s  first %6.2f  median %6.2f  last %6.2f us\n", rows, kPhase[p],
                 us.front(), us[us.size() / 2], us.back());
   }
-  // The gate/up phase's slowest blocks (from its requests to its last tile): the tail.
+  // The gate/up phase's slowest blocks (from its requests to its last tile): the tail. The rows
+  // kernel also says what each block worked on (kMoeTraceWork): its SM, its gate/up tiles (the
+  // shared expert's among them) and the column blocks its routed tiles span (ffn / 8 tiles each),
+  // so that a slow block can be told apart by its SM or by its work.
   std::vector<std::pair<double, int>> gate_up;
-  for (int b = 0; b < blocks; ++b)
-    gate_up.emplace_back((t[size_t(b) * cuda::kMoeTracePoints + 7] - t[size_t(b) * cuda::kMoeTracePoints + 6]) / 1000.0, b);
+  for (int b = 0; b < blocks; ++b) gate_up.emplace_back((at(b, 7) - at(b, 6)) / 1000.0, b);
   std::sort(gate_up.rbegin(), gate_up.rend());
   std::printf("[timing] moe block %d rows, gate/up per block: median %.2f us, slowest", rows, gate_up[gate_up.size() / 2].first);
   for (int i = 0; i < 6; ++i) std::printf(" b%d %.2f", gate_up[i].second, gate_up[i].first);
   std::printf("\n");
+  if (chain.rows_kernel) {
+    const int tiles_per_item = chain.m.ffn / 8;
+    auto work = [&](const char* what, int i) {
+      const auto [us, b] = gate_up[i];
+      const uint64_t w = at(b, cuda::kMoeTraceWork);
+      const int sm = int(w >> 48), tiles = int(w >> 32 & 0xffff), shared = int(w >> 16 & 0xffff), first = int(w & 0xffff);
+      const int routed = tiles - shared;
+      std::printf("[timing] moe block %d rows, %-7s b%-3d %7.2f us  SM %3d  tiles %3d (shared %d)  column blocks %d … %d\n",
+                  rows, what, b, us, sm, tiles, shared, first / tiles_per_item,
+                  routed > 0 ? (first + routed - 1) / tiles_per_item : first / tiles_per_item);
+    };
+    for (int i = 0; i < 6; ++i) work("slowest", i);
+    work("median", blocks / 2);
+    for (int i = blocks - 3; i < blocks; ++i) work("fastest", i);
+  }
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaStreamDestroy(stream));
 }

@@ -253,12 +253,25 @@ struct MoeDecodeArgs {
   /// Diagnostics, null in production: per block, %globaltimer (ns) at each of the
   /// kMoeTracePoints phase ends (entry, PDL wait, norm, router (the rows kernel: both its norm
   /// and router units, stamped twice), barrier 1, routing, requests, gate/up + SwiGLU, (same),
-  /// barrier 2, act staged (the rows kernel: the act group sums), down) → uint64 [blocks][kMoeTracePoints].
+  /// barrier 2, act staged (the rows kernel: the act group sums), down), then (the rows kernel)
+  /// what the block worked on in slot kMoeTraceWork (moe_trace_work) → uint64 [blocks][kMoeTraceSlots].
   uint64_t* trace = nullptr;
 };
 
 /// Phase stamps per block of MoeDecodeArgs::trace.
 inline constexpr int kMoeTracePoints = 12;
+/// The trace slot after the stamps: the rows kernel's SM and gate/up work (moe_trace_work).
+inline constexpr int kMoeTraceWork = kMoeTracePoints;
+/// uint64 slots per block of MoeDecodeArgs::trace.
+inline constexpr int kMoeTraceSlots = kMoeTracePoints + 1;
+
+/// A block's kMoeTraceWork slot: its SM (%smid, bits 48–63), its gate/up tiles (bits 32–47), of
+/// them the shared expert's (16–31), and the step's index of its first routed tile (0–15; tile j
+/// is column block j / (ffn / 8)).
+__host__ __device__ constexpr uint64_t moe_trace_work(uint32_t sm, uint32_t tiles, uint32_t shared, uint32_t first_tile) {
+  return uint64_t{sm & 0xffffu} << 48 | uint64_t{tiles & 0xffffu} << 32 | uint64_t{shared & 0xffffu} << 16 |
+         (first_tile & 0xffffu);
+}
 
 /// Why launch_moe_block_decode cannot run `args` on this device ("" when it can): it needs
 /// rows = 1, 4-bit experts, hidden a multiple of 256, ffn a multiple of 64, 16-byte aligned

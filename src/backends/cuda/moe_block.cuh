@@ -219,7 +219,7 @@ __device__ __forceinline__ void trace_point(const MoeDecodeArgs& a, int point) {
   if (a.trace && threadIdx.x == 0) {
     uint64_t ns;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-    a.trace[int64_t{blockIdx.x} * kMoeTracePoints + point] = ns;
+    a.trace[int64_t{blockIdx.x} * kMoeTraceSlots + point] = ns;
   }
 }
 

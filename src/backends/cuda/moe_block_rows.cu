@@ -468,6 +468,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   const int dn_per_warp = n_dn >= kMaxDownStagesPerWarp * dn_warps ? kMaxDownStagesPerWarp : 1;
   const int dn_used = dn_warps * dn_per_warp;
   trace_point(a, 5);
+  if (a.trace && threadIdx.x == 0) {
+    uint32_t smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    a.trace[int64_t{b} * kMoeTraceSlots + kMoeTraceWork] =
+        moe_trace_work(smid, my_gu, my_shared, shared_tiles + static_cast<uint32_t>(chunk0));
+  }
   for (int n = 0; n < QS && quad + kQuads * n < my_gu; ++n) {
     const int i = quad + kQuads * n;
     if (i >= my_shared)
