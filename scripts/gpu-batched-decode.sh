@@ -17,10 +17,12 @@
 #   LILY_GPU_STEPS=big      the 35b-a3b synth: batched throughput B = 1 … 32 and lily bench at
 #                           256 / 4K tokens with the switch off and on
 #   LILY_GPU_STEPS=throughput  only the 35b-a3b batched throughput printout
-#   LILY_GPU_STEPS=rows     the batched GEMV's rows mode (LILY_CUDA_ROWS_GEMV_FROM): the GEMV
-#                           bit tests and timings of both modes, the switch test, then the
-#                           end-to-end batched tests, the 35b-a3b throughput and served streams
-#                           with the rows mode from LILY_GPU_ROWS_FROM (default "33 2": never, 2)
+#   LILY_GPU_STEPS=rows     the batched GEMV's rows mode (LILY_CUDA_ROWS_GEMV_FROM) and the
+#                           prefill rows of several sequences in one chunk (LILY_CUDA_PREFILL_ROWS):
+#                           the GEMV bit tests and timings of both modes, the switch test, then
+#                           per configuration "from,prefill-rows" of LILY_GPU_ROWS_CONFIGS
+#                           (default "33,0 2,0 2,1") the batched end-to-end tests, the 35b-a3b
+#                           throughput and served streams
 #   LILY_GPU_STEPS=ab       with carry/base.tar (git archive of a baseline tree, built in
 #                           /tmp/lily-base): lily bench at LILY_GPU_CONTEXTS (default 256 2048)
 #                           and served streams (LILY_GPU_STREAMS, --max-batch 32), new then base
@@ -109,16 +111,20 @@ if has rows; then
   timeout 300 "$BUILD/tests/test_batched_decode" >"$OUT/rows-kernels.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|Which is|differ|timing\]" "$OUT/rows-kernels.log" | head -60
   timeout 60 "$BUILD/tests/test_kernel_switches" 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure" || status=1
-  for from in ${LILY_GPU_ROWS_FROM:-33 2}; do
-    echo "== LILY_CUDA_ROWS_GEMV_FROM=$from: batched e2e tests, 35b-a3b throughput"
-    LILY_CUDA_ROWS_GEMV_FROM=$from timeout 420 "$BUILD/tests/test_cuda_e2e" \
-      --gtest_filter='CudaE2e.BatchedDecode*:CudaE2e.StepRows*' >"$OUT/rows-e2e-$from.log" 2>&1 || status=1
-    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|bit-identical" "$OUT/rows-e2e-$from.log" | head -20
+  # Each configuration: "rows-GEMV-from,prefill-rows" (LILY_CUDA_ROWS_GEMV_FROM, LILY_CUDA_PREFILL_ROWS).
+  for cfg in ${LILY_GPU_ROWS_CONFIGS:-33,0 2,0 2,1}; do
+    from="${cfg%,*}" prows="${cfg#*,}"
+    echo "== LILY_CUDA_ROWS_GEMV_FROM=$from LILY_CUDA_PREFILL_ROWS=$prows: batched e2e tests, 35b-a3b throughput"
+    LILY_CUDA_ROWS_GEMV_FROM=$from LILY_CUDA_PREFILL_ROWS=$prows timeout 420 "$BUILD/tests/test_cuda_e2e" \
+      --gtest_filter='CudaE2e.BatchedDecode*:CudaE2e.StepRows*:CudaE2e.PrefillRows*' >"$OUT/rows-e2e-$from-$prows.log" 2>&1 ||
+      status=1
+    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|bit-identical" "$OUT/rows-e2e-$from-$prows.log" | head -20
     LILY_CUDA_ROWS_GEMV_FROM=$from LILY_GPU_BIG_MODEL="$M" timeout 300 "$BUILD/tests/test_cuda_e2e" \
       --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' 2>&1 | grep -E "timing\]|FAILED" | grep -v realdims |
-      tee "$OUT/rows-throughput-$from.log"
-    serve_streams "rows GEMV from $from" 18095 "$OUT/serve-rows-$from.log" \
-      env LILY_CUDA_ROWS_GEMV_FROM=$from "$BUILD/lily" serve --backend cuda --model "$M" --port 18095 --max-seq 4096
+      tee "$OUT/rows-throughput-$from-$prows.log"
+    serve_streams "rows GEMV from $from, prefill rows $prows" 18095 "$OUT/serve-rows-$from-$prows.log" \
+      env LILY_CUDA_ROWS_GEMV_FROM=$from LILY_CUDA_PREFILL_ROWS=$prows "$BUILD/lily" serve --backend cuda --model "$M" \
+      --port 18095 --max-seq 4096
   done
 fi
 if has prof; then

@@ -247,6 +247,12 @@ struct CudaOptions {
   /// rows run as one forward of up to 32 rows (on an H200, 35B-A3B shape, 256-token prompts: 8
   /// rows 1,106 tok/s in total, 32 rows 1,362), so 32 is the default.
   int max_batch = 32;
+  /// LILY_CUDA_PREFILL_ROWS 1|0: the prefill rows of a step (one per sequence, each within a
+  /// prefill chunk) run as one chunk of all their tokens, so each expert and projection weight is
+  /// read once for all of them, the GDN and attention per sequence; or (0) one sequence after
+  /// another. The same bits either way. 0 until an H200 run has verified it (docs/cuda.md,
+  /// "Batched steps").
+  bool prefill_rows = false;
   /// One more than the rows of a batched decode forward: LILY_CUDA_ROWS_GEMV_FROM's "never".
   static constexpr int kRowsGemvNever = 33;
   /// LILY_CUDA_ROWS_GEMV_FROM 1 … 33: the batched decode's 4-bit GEMVs stage a step's rows once
@@ -264,7 +270,7 @@ struct CudaOptions {
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
   /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
   /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=32
-  /// rows-gemv-from=33", for logs and reports.
+  /// rows-gemv-from=33 prefill-rows=0", for logs and reports.
   std::string describe() const;
 };
 
@@ -329,6 +335,7 @@ inline CudaOptions CudaOptions::from_env() {
   o.prefill_chunk = env_int("LILY_CUDA_PREFILL_CHUNK", 1, kMaxPrefillChunk, o.prefill_chunk);
   o.max_batch = env_int("LILY_CUDA_MAX_BATCH", 1, kMaxBatch, o.max_batch);
   o.rows_gemv_from = env_int("LILY_CUDA_ROWS_GEMV_FROM", 1, kRowsGemvNever, o.rows_gemv_from);
+  o.prefill_rows = env_choice("LILY_CUDA_PREFILL_ROWS", "1", "0", o.prefill_rows);
   return o;
 }
 
@@ -341,7 +348,8 @@ inline std::string CudaOptions::describe() const {
          " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " gemm-kernel=" + gemm_kernel +
          " fused-moe=" + (fused_moe ? "1" : "0") +
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
-         " max-batch=" + std::to_string(max_batch) + " rows-gemv-from=" + std::to_string(rows_gemv_from);
+         " max-batch=" + std::to_string(max_batch) + " rows-gemv-from=" + std::to_string(rows_gemv_from) +
+         " prefill-rows=" + (prefill_rows ? "1" : "0");
 }
 
 /// Which backend to create. kAuto picks CUDA when built with it and a usable GPU is present.

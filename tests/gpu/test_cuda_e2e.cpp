@@ -302,14 +302,11 @@ std::vector<std::vector<float>> trace_alone(Backend& gpu, const std::vector<int3
   return out;
 }
 
-// Backend::step over several rows (CudaOptions::max_batch 4: the loop over the rows): sequences
-// start at different steps, so prefill rows stand beside decode rows, and every logit of every
-// sequence is bit-identical to the same sequence run alone. This is the check that lets
-// LILY_CUDA_MAX_BATCH's default rise above 1.
-TEST_F(CudaE2e, StepRowsAreBitIdenticalToEachSequenceAlone) {
-  TempDir dir;
-  auto w = synth("realdims", dir.path());
-  CudaOptions options = CudaOptions::from_env();
+/// Backend::step over the rows of four sequences of `w` (CudaOptions::max_batch 4) against each
+/// sequence run alone (trace_alone), every logit bit for bit. `together`: all four join at step 0
+/// (four prefill rows in one step), else sequence i joins at step i (prefill rows beside decode
+/// rows). Then more rows than max_batch, or one state twice, are refused before any work.
+void check_step_rows(std::shared_ptr<const ModelWeights> w, CudaOptions options, bool together) {
   options.max_batch = 4;
   auto gpu = make_cuda_backend(w, options);
   ASSERT_EQ(gpu->max_batch(), 4);
@@ -327,14 +324,14 @@ TEST_F(CudaE2e, StepRowsAreBitIdenticalToEachSequenceAlone) {
   };
   std::vector<Seq> seqs(prompts.size());
   for (auto& q : seqs) q.state = gpu->new_state(1024);
-  // Sequence i joins at step i with its whole prompt, then decodes.
   for (int t = 0; t < static_cast<int>(prompts.size()) + steps + 1; ++t) {
     std::vector<StepRow> rows;
     std::vector<size_t> owner;
     std::vector<std::vector<float>> out(prompts.size());
     for (size_t i = 0; i < seqs.size(); ++i) {
       Seq& q = seqs[i];
-      if (static_cast<int>(i) > t || q.logits.size() == static_cast<size_t>(steps + 1)) continue;
+      const int joins = together ? 0 : static_cast<int>(i);
+      if (joins > t || q.logits.size() == static_cast<size_t>(steps + 1)) continue;
       StepRow row;
       row.state = q.state.get();
       row.position = q.state->position();
@@ -363,9 +360,30 @@ TEST_F(CudaE2e, StepRowsAreBitIdenticalToEachSequenceAlone) {
     for (size_t k = 0; k < alone[i].size(); ++k)
       EXPECT_EQ(seqs[i].logits[k], alone[i][k]) << "sequence " << i << " step " << k;
   }
-  // More rows than max_batch, or one state twice, are refused before any work.
   std::vector<StepRow> too_many(5);
   EXPECT_THROW(gpu->step(too_many), Error);
+}
+
+// Sequences start at different steps, so prefill rows stand beside decode rows. This is the
+// check that lets LILY_CUDA_MAX_BATCH's default rise above 1.
+TEST_F(CudaE2e, StepRowsAreBitIdenticalToEachSequenceAlone) {
+  TempDir dir;
+  check_step_rows(synth("realdims", dir.path()), CudaOptions::from_env(), false);
+}
+
+// CudaOptions::prefill_rows: four sequences' prompts in one step run as one prefill chunk (37 +
+// 300 + 1 + 90 tokens), then decode together; with a 256-token chunk the 300-token prompt runs
+// alone and the other three as one chunk. Every logit equals the sequence's alone.
+TEST_F(CudaE2e, PrefillRowsOfSeveralSequencesAreBitIdenticalToEachAlone) {
+  TempDir dir;
+  const auto w = synth("realdims", dir.path());
+  CudaOptions options = CudaOptions::from_env();
+  options.prefill_rows = true;
+  check_step_rows(w, options, true);
+  options.prefill_chunk = 256;
+  check_step_rows(w, options, true);
+  options.prefill_rows = false;  // the same steps one sequence after another
+  check_step_rows(w, options, true);
 }
 
 TEST_F(CudaE2e, DemoModelMatchesCpu) {

@@ -720,7 +720,8 @@ class CudaBackend final : public Backend {
   }
   int64_t preferred_step_tokens() const override { return options_.prefill_chunk; }
 
-  /// Backend::step: prefill rows through the batched prefill one after another; with
+  /// Backend::step: prefill rows through the batched prefill one after another (with
+  /// CudaOptions::prefill_rows, several sequences' rows in one chunk: prefill_rows); with
   /// CudaOptions::batched_decode the one-token decode rows in batched forwards of ≤
   /// kMaxDecodeRows rows (a group of one through the decode graph), else each through the decode
   /// graph. Validates every row first.
@@ -754,11 +755,31 @@ class CudaBackend final : public Backend {
                                                           : prefill_sequence(s, r.tokens, logits, sampling);
       if (r.want_logits) next[i] = id;
     };
-    std::vector<size_t> batch_rows;
+    // CudaOptions::prefill_rows: prefill (not decode) rows that fit one chunk run in groups whose
+    // tokens fill at most one chunk (prefill_rows), in row order; a group of one takes its own
+    // path.
+    const bool grouped_prefill = options_.prefill_rows && batched_prefill_ && !probe_sink_;
+    std::vector<size_t> batch_rows, prefill_group;
+    int group_tokens = 0;
+    auto flush_prefill_group = [&] {
+      if (prefill_group.size() == 1) run_alone(prefill_group[0]);
+      else if (prefill_group.size() > 1) prefill_rows(rows, prefill_group, next);
+      prefill_group.clear();
+      group_tokens = 0;
+    };
     for (size_t i = 0; i < rows.size(); ++i) {
-      if (batched && rows[i].decode && rows[i].tokens.size() == 1) batch_rows.push_back(i);
-      else run_alone(i);
+      const int n = static_cast<int>(rows[i].tokens.size());
+      if (batched && rows[i].decode && n == 1) {
+        batch_rows.push_back(i);
+      } else if (grouped_prefill && !rows[i].decode && n <= prefill_chunk_) {
+        if (group_tokens + n > prefill_chunk_) flush_prefill_group();
+        prefill_group.push_back(i);
+        group_tokens += n;
+      } else {
+        run_alone(i);
+      }
     }
+    flush_prefill_group();
     // A group of one row takes the one-sequence decode graph: the batched forward gives every
     // row the same bits as that step (CudaE2e.BatchedDecodeMatchesPerSequenceDecode), and the
     // one-sequence step is the faster of the two for a lone row.
@@ -1486,20 +1507,57 @@ class CudaBackend final : public Backend {
   int32_t prefill_batched(CudaState& s, std::span<const int32_t> tokens, std::vector<float>* logits,
                           const RowSampling* sampling) {
     allocate_prefill_scratch();
-    const ModelConfig& c = config();
     s.reserve(s.pos + static_cast<int64_t>(tokens.size()), stream_);
     int T = 0;
     for (size_t first = 0; first < tokens.size(); first += prefill_chunk_) {
       T = static_cast<int>(std::min<size_t>(prefill_chunk_, tokens.size() - first));
       CUDA_CHECK(cudaMemcpyAsync(prefill_scratch_->tokens.data(), tokens.data() + first, T * sizeof(int32_t),
                                  cudaMemcpyHostToDevice, stream_));
-      prefill_chunk(s, T);
+      const PrefillSlice whole{&s, 0, T};
+      prefill_chunk(std::span<const PrefillSlice>(&whole, 1), T);
       CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host token buffer may go away
       s.pos += T;
     }
-    // Head on the last row only, with decode numerics.
-    const int64_t last = static_cast<int64_t>(T - 1) * c.hidden;
-    launch_add_rmsnorm(prefill_scratch_->x.as<bf16>() + last, prefill_scratch_->moe.as<bf16>() + last,
+    return prefill_head(T - 1, logits, sampling);
+  }
+
+  /// The prefill rows `group` of `rows` (one each of ≥ 2 sequences, Σ tokens ≤ prefill_chunk_)
+  /// as one chunk (CudaOptions::prefill_rows): their tokens side by side, so the projections,
+  /// the router and the experts run once over all of them (each expert's weights read once for
+  /// the rows of every sequence routed to it), and each sequence's GDN and attention run over its
+  /// own slice with its own state. Every prefill kernel computes a token row from that row alone,
+  /// in an order fixed by the shape, so each sequence gets the bits of its prefill alone. Then
+  /// the head of each row that wants logits, into next.
+  void prefill_rows(std::span<const StepRow> rows, std::span<const size_t> group, std::vector<int32_t>& next) {
+    allocate_prefill_scratch();
+    std::vector<PrefillSlice> slices;
+    int T = 0;
+    for (size_t i : group) {
+      CudaState& s = checked(*rows[i].state);
+      const int n = static_cast<int>(rows[i].tokens.size());
+      s.reserve(s.pos + n, stream_);
+      CUDA_CHECK(cudaMemcpyAsync(prefill_scratch_->tokens.as<int32_t>() + T, rows[i].tokens.data(),
+                                 n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+      slices.push_back({&s, T, n});
+      T += n;
+    }
+    prefill_chunk(slices, T);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host token buffers may go away
+    for (size_t k = 0; k < group.size(); ++k) {
+      slices[k].state->pos += slices[k].tokens;
+      const StepRow& r = rows[group[k]];
+      if (!r.want_logits) continue;
+      const RowSampling* sampling = r.sampling.params ? &r.sampling : nullptr;
+      next[group[k]] = prefill_head(slices[k].first + slices[k].tokens - 1, r.logits, sampling);
+    }
+  }
+
+  /// The LM head on row `row` of the last prefill chunk, with decode numerics: final norm, logits,
+  /// argmax (or the device sampler); the next token, and the logits into `logits` when non-null.
+  int32_t prefill_head(int64_t row, std::vector<float>* logits, const RowSampling* sampling) {
+    const ModelConfig& c = config();
+    const int64_t at = row * c.hidden;
+    launch_add_rmsnorm(prefill_scratch_->x.as<bf16>() + at, prefill_scratch_->moe.as<bf16>() + at,
                        model_->final_norm, normed_.as<bf16>(), 1, c.hidden, c.rms_norm_eps, stream_);
     launch_quant_gemv(model_->lm_head, normed_.as<bf16>(), nullptr, logits_.as<float>(), stream_);
     launch_argmax(logits_.as<float>(), c.vocab, argmax_v_.as<float>(), argmax_i_.as<int32_t>(),
@@ -1519,7 +1577,18 @@ class CudaBackend final : public Backend {
     return next;
   }
 
-  void prefill_chunk(CudaState& s, int T) {
+  /// One sequence's rows in a prefill chunk: rows [first, first + tokens) of the chunk's
+  /// buffers, at the sequence's position state->pos.
+  struct PrefillSlice {
+    CudaState* state = nullptr;
+    int first = 0, tokens = 0;
+  };
+
+  /// One prefill chunk of T token rows (≤ prefill_chunk_, tokens already in the scratch), the
+  /// slices' sequences side by side: the row-wise parts over all T rows, the mixers per slice.
+  /// Leaves each token's last residual and MoE output in x and moe; the caller advances the
+  /// positions.
+  void prefill_chunk(std::span<const PrefillSlice> slices, int T) {
     const ModelConfig& c = config();
     PrefillScratch& p = *prefill_scratch_;
     const int k = c.n_experts_per_tok;
@@ -1534,20 +1603,29 @@ class CudaBackend final : public Backend {
         const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
         const int64_t proj_stride = lw.gdn_in.rows;
         prefill_project(lw.gdn_in, p.normed.as<bf16>(), T, proj);
-        gdn_conv_prefill(gdn_, lw.gdn, T, proj, proj_stride, s.window(slot), p.conv.as<bf16>(), stream_);
-        gdn_prefill(gdn_, lw.gdn, T, p.conv.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, proj_stride,
-                    s.state(slot), p.mix.as<bf16>(), stream_, p.gdn_ws.bytes() ? p.gdn_ws.as<float>() : nullptr,
-                    p.gdn_ws.bytes());
+        for (const PrefillSlice& q : slices) {
+          bf16* pj = proj + q.first * proj_stride;
+          bf16* conv = p.conv.as<bf16>() + int64_t{q.first} * C;
+          gdn_conv_prefill(gdn_, lw.gdn, q.tokens, pj, proj_stride, q.state->window(slot), conv, stream_);
+          gdn_prefill(gdn_, lw.gdn, q.tokens, conv, pj + C, pj + C + Vd, pj + C + Vd + Hv, proj_stride,
+                      q.state->state(slot), p.mix.as<bf16>() + int64_t{q.first} * Vd, stream_,
+                      p.gdn_ws.bytes() ? p.gdn_ws.as<float>() : nullptr, p.gdn_ws.bytes());
+        }
         prefill_project(lw.gdn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>());
       } else {
         const int64_t proj_stride = lw.attn_in.rows;
         const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim,
-                      kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
-        const KvCacheView kv = s.kv(layer_slot_[l]);
+                      kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim, qw = int64_t(attn_.n_heads) * attn_.head_dim;
         prefill_project(lw.attn_in, p.normed.as<bf16>(), T, proj);
-        attention_prepare(attn_, T, proj, proj_stride, proj + qg, proj + qg + kvw, proj_stride, lw.q_norm, lw.k_norm,
-                          s.pos, nullptr, kv, p.q.as<bf16>(), stream_);
-        attention_prefill(attn_, T, s.pos, p.q.as<bf16>(), proj, proj_stride, kv, p.mix.as<bf16>(), stream_);
+        for (const PrefillSlice& q : slices) {
+          const KvCacheView kv = q.state->kv(layer_slot_[l]);
+          bf16* pj = proj + q.first * proj_stride;
+          bf16* qs = p.q.as<bf16>() + q.first * qw;
+          attention_prepare(attn_, q.tokens, pj, proj_stride, pj + qg, pj + qg + kvw, proj_stride, lw.q_norm,
+                            lw.k_norm, q.state->pos, nullptr, kv, qs, stream_);
+          attention_prefill(attn_, q.tokens, q.state->pos, qs, pj, proj_stride, kv, p.mix.as<bf16>() + q.first * qw,
+                            stream_);
+        }
         prefill_project(lw.attn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>());
       }
       launch_add_rmsnorm(p.x.as<bf16>(), p.branch.as<bf16>(), lw.post_norm, p.normed.as<bf16>(), T, c.hidden,
