@@ -1,11 +1,12 @@
 // CpuBackend: the forward pass of docs/model.md §3, one op per line (ops.h), fp32.
 // A step's tokens go through in passes of m tokens, which may belong to several sequences (one
 // segment of consecutive tokens per sequence): every projection is one batched matmul per pass
-// (each weight row dequantized once for all m tokens), the experts are grouped by expert across
-// the pass, while the recurrent parts (causal conv, delta rule, KV-cache appends, attention over
-// the cache) run per segment on its own state, token by token. Every value is computed by the
-// same fp32 operations whatever m is and whatever the other segments are, so a row of a batched
-// step equals that row alone, and prefill equals token-by-token decode, bit for bit.
+// (each weight row dequantized once for all m tokens; the projections of one input share a
+// hand-out to the thread pool), the experts are grouped by expert across the pass, while the
+// recurrent parts (causal conv, delta rule, KV-cache appends, attention over the cache) run per
+// segment on its own state, token by token. Every value is computed by the same fp32 operations
+// whatever m is and whatever the other segments are, so a row of a batched step equals that row
+// alone, and prefill equals token-by-token decode, bit for bit.
 #include "backends/cpu/cpu_backend.h"
 
 #include "base/bf16.h"
@@ -125,6 +126,7 @@ struct CpuBackend::Scratch {
   std::vector<float> router_logits, route_weights;    // [m, E], [m, top-k]
   std::vector<int> route_ids;                         // [m, top-k]
   std::vector<int> slot_order, expert_begin, expert_next;  // pairs sorted by expert; [E+1]; [E]
+  std::vector<ExpertItem> expert_items;               // work items of expert_ffns
   std::vector<float> rope_cos, rope_sin;              // [rotary_dim/2]
   std::vector<float> expert_in, expert_gate, expert_up, expert_down;  // [n, H], [n, I]×2, [n, H]
   std::vector<float> slot_out;                        // [m·top-k, hidden] expert outputs per slot
@@ -144,6 +146,8 @@ struct CpuBackend::Scratch {
     grow(router_logits, m * E), grow(route_weights, pairs);
     grow(route_ids, pairs), grow(slot_order, pairs);
     grow(expert_begin, E + 1), grow(expert_next, E);
+    // Items of expert_ffns: at most one more than the row chunks (of ≥ 8) per expert.
+    expert_items.reserve((m + pairs) / 8 + E + 1);
     grow(rope_cos, c.rotary_dim / 2), grow(rope_sin, c.rotary_dim / 2);
     grow(expert_in, pairs * H), grow(expert_down, pairs * H), grow(slot_out, pairs * H);
     grow(expert_gate, pairs * c.moe_ffn_dim), grow(expert_up, pairs * c.moe_ffn_dim);
@@ -339,10 +343,11 @@ void CpuBackend::gdn_mixer(const GdnWeights& w, int layer, std::span<const Segme
   const int Hk = c.gdn_n_key_heads, Hv = c.gdn_n_value_heads;
   const int Dk = c.gdn_key_head_dim, Dv = c.gdn_value_head_dim;
   const float q_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Dk)));
-  quant_matmul(w.in_proj_qkv, s.normed.data(), m, s.qkv.data(), &pool_);
-  quant_matmul(w.in_proj_z, s.normed.data(), m, s.z.data(), &pool_);
-  quant_matmul(w.in_proj_a, s.normed.data(), m, s.a.data(), &pool_);
-  quant_matmul(w.in_proj_b, s.normed.data(), m, s.b.data(), &pool_);
+  const MatmulOutput projections[] = {{&w.in_proj_qkv, s.qkv.data()},
+                                      {&w.in_proj_z, s.z.data()},
+                                      {&w.in_proj_a, s.a.data()},
+                                      {&w.in_proj_b, s.b.data()}};
+  quant_matmul_many(projections, s.normed.data(), m, &pool_);
   round_activations(s.qkv.data(), m * C);
   round_activations(s.z.data(), m * value_dim);
   round_activations(s.a.data(), m * Hv);
@@ -403,9 +408,8 @@ void CpuBackend::attention_mixer(const AttentionWeights& w, int layer, std::span
   Scratch& s = *scratch_;
   const int D = c.head_dim, nq = c.n_heads, nkv = c.n_kv_heads;
   const int64_t qg_width = int64_t{nq} * 2 * D, kv_width = int64_t{nkv} * D;
-  quant_matmul(w.q_proj, s.normed.data(), m, s.qg.data(), &pool_);
-  quant_matmul(w.k_proj, s.normed.data(), m, s.k.data(), &pool_);
-  quant_matmul(w.v_proj, s.normed.data(), m, s.v.data(), &pool_);
+  const MatmulOutput projections[] = {{&w.q_proj, s.qg.data()}, {&w.k_proj, s.k.data()}, {&w.v_proj, s.v.data()}};
+  quant_matmul_many(projections, s.normed.data(), m, &pool_);
   round_activations(s.qg.data(), m * qg_width);
   round_activations(s.k.data(), m * kv_width);
   round_activations(s.v.data(), m * kv_width);
@@ -459,7 +463,11 @@ void CpuBackend::moe_block(const MoeWeights& w, int layer, std::span<const Segme
   const ModelConfig& c = config();
   Scratch& s = *scratch_;
   const int E = c.n_experts, k = c.n_experts_per_tok;
-  quant_matmul(w.router, s.normed.data(), m, s.router_logits.data(), &pool_);
+  const MatmulOutput inputs[] = {{&w.router, s.router_logits.data()},
+                                 {&w.shared_expert_gate, s.shared_gate_logit.data()},
+                                 {&w.shared_gate_proj, s.shared_gate.data()},
+                                 {&w.shared_up_proj, s.shared_up.data()}};
+  quant_matmul_many(inputs, s.normed.data(), m, &pool_);
   probe("router_logits", layer, segments, s.router_logits.data(), E);
   for (int64_t t = 0; t < m; ++t) {
     const float* logits = row(s.router_logits, t, E);
@@ -469,9 +477,7 @@ void CpuBackend::moe_block(const MoeWeights& w, int layer, std::span<const Segme
                                            std::span<int>(ids, static_cast<size_t>(k))))
       route_weights(logits, E, ids, k, c.norm_topk_prob, row(s.route_weights, t, k));
   }
-  routed_experts(w, m, out);
-  shared_expert(w, m, s.shared_down.data());
-  quant_matmul(w.shared_expert_gate, s.normed.data(), m, s.shared_gate_logit.data(), &pool_);
+  expert_ffns(w, m, out);
   const int64_t H = c.hidden;
   for (int64_t t = 0; t < m; ++t) {
     const float gamma = sigmoid(s.shared_gate_logit[t]);
@@ -482,38 +488,64 @@ void CpuBackend::moe_block(const MoeWeights& w, int layer, std::span<const Segme
   round_activations(out, m * H);  // one rounding of routed sum + gated shared expert
 }
 
-/// out[t] = Σ_slot w[t, slot]·Expert_{id[t, slot]}(u_t), summed in slot (descending weight)
-/// order. The (token, slot) pairs are grouped by expert so that each expert's weights are read
-/// once per pass, for the tokens of every sequence in it.
-void CpuBackend::routed_experts(const MoeWeights& w, int64_t m, float* out) {
+/// Routed experts: out[t] = Σ_slot w[t, slot]·Expert_{id[t, slot]}(u_t), summed in slot
+/// (descending weight) order; shared expert: s.shared_down [m, H] from its gate and up
+/// projections in s.shared_gate / s.shared_up (docs/model.md §3.5 step 4, before its sigmoid
+/// gate). The (token, slot) pairs are grouped by expert so that each expert's weights are read
+/// once per pass, for the tokens of every sequence in it. The experts are the items of one
+/// parallel pass (each item's matmuls on one thread): one hand-out to the pool per layer instead
+/// of three per expert. An expert with more rows than a thread's share is split into items of
+/// that many rows (each reads its weights again), so that no item holds up the pass.
+void CpuBackend::expert_ffns(const MoeWeights& w, int64_t m, float* out) {
   const ModelConfig& c = config();
   Scratch& s = *scratch_;
   const int E = c.n_experts, k = c.n_experts_per_tok;
-  const int64_t H = c.hidden, I = c.moe_ffn_dim, pairs = m * k;
+  const int64_t H = c.hidden, I = c.moe_ffn_dim, Is = c.shared_ffn_dim, pairs = m * k;
   // Counting sort of the (token, slot) pairs by expert id.
   std::fill(s.expert_begin.begin(), s.expert_begin.end(), 0);
   for (int64_t p = 0; p < pairs; ++p) ++s.expert_begin[s.route_ids[p] + 1];
   for (int e = 0; e < E; ++e) s.expert_begin[e + 1] += s.expert_begin[e];
   std::copy_n(s.expert_begin.begin(), E, s.expert_next.begin());
   for (int64_t p = 0; p < pairs; ++p) s.slot_order[s.expert_next[s.route_ids[p]]++] = static_cast<int>(p);
-  for (int e = 0; e < E; ++e) {
-    const int64_t begin = s.expert_begin[e], n = s.expert_begin[e + 1] - begin;
-    if (n == 0) continue;
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t t = s.slot_order[begin + r] / k;
-      std::copy_n(row(s.normed, t, H), H, row(s.expert_in, r, H));
+  // Items: the shared expert's rows are the m tokens, routed expert e's the rows
+  // [expert_begin[e], expert_begin[e + 1]) of the expert buffers (row r: pair slot_order[r]).
+  const int64_t share = std::max<int64_t>(8, (m + pairs + pool_.size() - 1) / pool_.size());
+  s.expert_items.clear();
+  auto add_items = [&](int expert, int64_t begin, int64_t end) {
+    for (int64_t first = begin; first < end; first += share)
+      s.expert_items.push_back({expert, first, std::min(share, end - first)});
+  };
+  add_items(-1, 0, m);
+  for (int e = 0; e < E; ++e) add_items(e, s.expert_begin[e], s.expert_begin[e + 1]);
+  // Largest first, so that the pool's last blocks are small.
+  std::stable_sort(s.expert_items.begin(), s.expert_items.end(),
+                   [](const ExpertItem& a, const ExpertItem& b) { return a.n > b.n; });
+  auto items = [&](int64_t item0, int64_t item1) {
+    for (int64_t i = item0; i < item1; ++i) {
+      const auto [e, first, n] = s.expert_items[i];
+      if (e < 0) {
+        float* gate = row(s.shared_gate, first, Is);
+        swiglu(gate, row(s.shared_up, first, Is), n * Is);
+        quant_matmul(w.shared_down_proj, gate, n, row(s.shared_down, first, H), nullptr);
+        round_activations(row(s.shared_down, first, H), n * H);
+        continue;
+      }
+      float* in = row(s.expert_in, first, H);
+      float* gate = row(s.expert_gate, first, I);
+      float* up = row(s.expert_up, first, I);
+      float* down = row(s.expert_down, first, H);
+      for (int64_t r = 0; r < n; ++r) std::copy_n(row(s.normed, s.slot_order[first + r] / k, H), H, in + r * H);
+      const QuantMatrix gate_proj = w.experts_gate_proj.row_block(e * I, I);
+      const QuantMatrix up_proj = w.experts_up_proj.row_block(e * I, I);
+      const MatmulOutput gate_up[] = {{&gate_proj, gate}, {&up_proj, up}};
+      quant_matmul_many(gate_up, in, n, nullptr);
+      swiglu(gate, up, n * I);
+      quant_matmul(w.experts_down_proj.row_block(e * H, H), gate, n, down, nullptr);
+      round_activations(down, n * H);
+      for (int64_t r = 0; r < n; ++r) std::copy_n(down + r * H, H, row(s.slot_out, s.slot_order[first + r], H));
     }
-    quant_matmul(w.experts_gate_proj.row_block(e * I, I), s.expert_in.data(), n, s.expert_gate.data(), &pool_);
-    quant_matmul(w.experts_up_proj.row_block(e * I, I), s.expert_in.data(), n, s.expert_up.data(), &pool_);
-    round_activations(s.expert_gate.data(), n * I);
-    round_activations(s.expert_up.data(), n * I);
-    for (int64_t i = 0; i < n * I; ++i) s.expert_gate[i] = silu(s.expert_gate[i]) * s.expert_up[i];
-    round_activations(s.expert_gate.data(), n * I);
-    quant_matmul(w.experts_down_proj.row_block(e * H, H), s.expert_gate.data(), n, s.expert_down.data(), &pool_);
-    round_activations(s.expert_down.data(), n * H);
-    for (int64_t r = 0; r < n; ++r)
-      std::copy_n(row(s.expert_down, r, H), H, row(s.slot_out, s.slot_order[begin + r], H));
-  }
+  };
+  pool_.parallel_for(static_cast<int64_t>(s.expert_items.size()), 1, items);
   for (int64_t t = 0; t < m; ++t) {
     float* o = out + t * H;
     std::fill(o, o + H, 0.0f);
@@ -525,18 +557,11 @@ void CpuBackend::routed_experts(const MoeWeights& w, int64_t m, float* out) {
   }
 }
 
-/// Shared SwiGLU expert (docs/model.md §3.5 step 4), before its sigmoid gate: out [m, H].
-void CpuBackend::shared_expert(const MoeWeights& w, int64_t m, float* out) {
-  Scratch& s = *scratch_;
-  const int64_t I = config().shared_ffn_dim;
-  quant_matmul(w.shared_gate_proj, s.normed.data(), m, s.shared_gate.data(), &pool_);
-  quant_matmul(w.shared_up_proj, s.normed.data(), m, s.shared_up.data(), &pool_);
-  round_activations(s.shared_gate.data(), m * I);
-  round_activations(s.shared_up.data(), m * I);
-  for (int64_t i = 0; i < m * I; ++i) s.shared_gate[i] = silu(s.shared_gate[i]) * s.shared_up[i];
-  round_activations(s.shared_gate.data(), m * I);
-  quant_matmul(w.shared_down_proj, s.shared_gate.data(), m, out, &pool_);
-  round_activations(out, m * config().hidden);
+void CpuBackend::swiglu(float* gate, float* up, int64_t n) const {
+  round_activations(gate, n);
+  round_activations(up, n);
+  for (int64_t i = 0; i < n; ++i) gate[i] = silu(gate[i]) * up[i];
+  round_activations(gate, n);
 }
 
 /// Final norm, fp32 LM head and greedy argmax of the chosen rows (docs/model.md §3.6); the LM

@@ -1,8 +1,9 @@
 // The CPU reference backend: the forward pass of docs/model.md §3 in fp32 with exactly
-// dequantized weights (the HF-float32 variants of docs/model.md §4.5), multi-threaded over matmul rows,
-// attention heads and GDN heads. It is the oracle the CUDA backend is diffed against through the
-// probe points of engine/backend.h, and it runs the demo model end to end on any machine. A step
-// of several sequences (continuous batching) shares each pass over the weights between them.
+// dequantized weights (the HF-float32 variants of docs/model.md §4.5), multi-threaded over matmul
+// rows, experts, attention heads and GDN heads. It is the oracle the CUDA backend is diffed against
+// through the probe points of engine/backend.h, and it runs the demo model end to end on any
+// machine. A step of several sequences (continuous batching) shares each pass over the weights
+// between them.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -180,6 +181,14 @@ class CpuBackend final : public Backend {
  private:
   struct Scratch;  // activation buffers, defined in cpu_backend.cpp
 
+  /// A work item of expert_ffns: `n` rows from `first` of expert `expert` (−1: the shared expert,
+  /// whose rows are tokens; a routed expert's are rows of the pairs sorted by expert).
+  struct ExpertItem {
+    int expert = -1;
+    int64_t first = 0;
+    int64_t n = 0;
+  };
+
   /// The tokens of one row that go through one forward pass: activation rows
   /// [offset, offset + m) of the pass, at positions first_pos … first_pos + m − 1 of `state`.
   struct Segment {
@@ -198,8 +207,10 @@ class CpuBackend final : public Backend {
   void attention_mixer(const AttentionWeights& w, int layer, std::span<const Segment> segments, int64_t m,
                        float* out);
   void moe_block(const MoeWeights& w, int layer, std::span<const Segment> segments, int64_t m, float* out);
-  void routed_experts(const MoeWeights& w, int64_t m, float* out);
-  void shared_expert(const MoeWeights& w, int64_t m, float* out);
+  void expert_ffns(const MoeWeights& w, int64_t m, float* out);
+  /// gate[i] ← silu(gate[i])·up[i] for i < n, with the activation roundings of the experts
+  /// (gate and up before, the product after).
+  void swiglu(float* gate, float* up, int64_t n) const;
   /// Final norm, LM head and argmax of the activation rows `rows` of scratch x (one per row that
   /// wants logits; positions for the probes): next[i] = argmax of rows[i]; logits_out[i], when
   /// non-null, gets that row's [vocab] logits.

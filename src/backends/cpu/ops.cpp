@@ -2,7 +2,9 @@
 #include "backends/cpu/ops.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -50,35 +52,288 @@ void dequantize_row(const QuantMatrix& w, int64_t row, float* out) {
     throw InternalError("dequantize_row: unsupported bit width " + std::to_string(w.bits));
 }
 
-float dot(const float* a, const float* b, int64_t n) {
-  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) lanes[l] += a[i + l] * b[i + l];
-  for (; i < n; ++i) lanes[i % 8] += a[i] * b[i];
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+// ---- dot-product kernels -----------------------------------------------------------------------
+// Every kernel computes dot()'s exact sequence of fp32 operations for each row: lane l sums the
+// products at indices i ≡ l (mod 8) in increasing i (each product rounded, then added), then the
+// lanes are added in a fixed order. They differ only in how many rows share one load of the
+// weights and in the vector width: two 4-lane vectors (portable), one 8-lane AVX register per
+// row, or one 16-lane AVX-512 register per pair of rows. None of this changes a rounding, so a
+// row's result depends neither on the batch nor on the CPU.
+
+namespace {
+using Lanes4 = float __attribute__((vector_size(16)));
+using Lanes8 = float __attribute__((vector_size(32)));
+using Lanes16 = float __attribute__((vector_size(64)));
+
+/// The lane sum of a dot product, in its fixed order.
+[[gnu::always_inline]] inline float sum_lanes(const float* v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
-void quant_matmul(const QuantMatrix& w, const float* x, int64_t m, float* y, ThreadPool* pool) {
+/// Adds the products at [i, n) (fewer than 8) to their lanes v[8] and returns the lane sum.
+[[gnu::always_inline]] inline float finish_lanes(float* v, const float* w, const float* x, int64_t i, int64_t n) {
+  for (int64_t j = i; j < n; ++j) v[j % 8] += w[j] * x[j];
+  return sum_lanes(v);
+}
+
+/// y[t·y_stride] = dot(w, x + t·x_stride, n) for t < T: w is loaded once for the T rows, whose
+/// 2T independent accumulator chains keep the FP units busy.
+template <int T>
+[[gnu::always_inline]] inline void dot_rows(const float* w, const float* x, int64_t x_stride, int64_t n, float* y,
+                                            int64_t y_stride) {
+  Lanes4 lo[T], hi[T];
+  for (int t = 0; t < T; ++t) lo[t] = hi[t] = Lanes4{};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    Lanes4 w_lo, w_hi;
+    std::memcpy(&w_lo, w + i, sizeof w_lo);
+    std::memcpy(&w_hi, w + i + 4, sizeof w_hi);
+    for (int t = 0; t < T; ++t) {
+      Lanes4 x_lo, x_hi;
+      std::memcpy(&x_lo, x + t * x_stride + i, sizeof x_lo);
+      std::memcpy(&x_hi, x + t * x_stride + i + 4, sizeof x_hi);
+      lo[t] += w_lo * x_lo;
+      hi[t] += w_hi * x_hi;
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    float v[8];
+    std::memcpy(v, &lo[t], sizeof lo[t]);
+    std::memcpy(v + 4, &hi[t], sizeof hi[t]);
+    y[t * y_stride] = finish_lanes(v, w, x + t * x_stride, i, n);
+  }
+}
+
+/// y[t·y_stride] = dot(w, x + t·cols, cols) for t < m, four rows per pass over w.
+void dots_portable(const float* w, const float* x, int64_t m, int64_t cols, float* y, int64_t y_stride) {
+  int64_t t = 0;
+  for (; t + 4 <= m; t += 4) dot_rows<4>(w, x + t * cols, cols, cols, y + t * y_stride, y_stride);
+  const float* xt = x + t * cols;
+  float* yt = y + t * y_stride;
+  switch (m - t) {
+    case 3: dot_rows<3>(w, xt, cols, cols, yt, y_stride); break;
+    case 2: dot_rows<2>(w, xt, cols, cols, yt, y_stride); break;
+    case 1: dot_rows<1>(w, xt, cols, cols, yt, y_stride); break;
+    default: break;
+  }
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define LILY_CPU_X86_DOTS 1
+
+/// dot_rows with one 8-lane AVX register per row (AVX has no fused multiply-add to fuse into).
+template <int T>
+[[gnu::target("avx"), gnu::always_inline]] inline void dot_rows_avx(const float* w, const float* x, int64_t x_stride,
+                                                                    int64_t n, float* y, int64_t y_stride) {
+  Lanes8 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = Lanes8{};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    Lanes8 wv;
+    std::memcpy(&wv, w + i, sizeof wv);
+    for (int t = 0; t < T; ++t) {
+      Lanes8 xv;
+      std::memcpy(&xv, x + t * x_stride + i, sizeof xv);
+      acc[t] += wv * xv;
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    float v[8];
+    std::memcpy(v, &acc[t], sizeof acc[t]);
+    y[t * y_stride] = finish_lanes(v, w, x + t * x_stride, i, n);
+  }
+}
+
+/// dots_portable with AVX registers.
+[[gnu::target("avx")]] void dots_avx(const float* w, const float* x, int64_t m, int64_t cols, float* y,
+                                     int64_t y_stride) {
+  int64_t t = 0;
+  for (; t + 4 <= m; t += 4) dot_rows_avx<4>(w, x + t * cols, cols, cols, y + t * y_stride, y_stride);
+  const float* xt = x + t * cols;
+  float* yt = y + t * y_stride;
+  switch (m - t) {
+    case 3: dot_rows_avx<3>(w, xt, cols, cols, yt, y_stride); break;
+    case 2: dot_rows_avx<2>(w, xt, cols, cols, yt, y_stride); break;
+    case 1: dot_rows_avx<1>(w, xt, cols, cols, yt, y_stride); break;
+    default: break;
+  }
+}
+
+/// The AVX-512 layout of x [m, cols] (cols a multiple of 8): rows in pairs, each pair a block of
+/// [cols/8][16] floats holding columns 8c … 8c+7 of its first row, then of its second (zeros past
+/// the last row), so one 16-lane register carries the eight lanes of two rows.
+void pack_row_pairs(const float* x, int64_t m, int64_t cols, float* out) {
+  for (int64_t t = 0; t < m; t += 2) {
+    float* pair = out + t * cols;
+    for (int64_t c = 0; c < cols; c += 8) {
+      std::memcpy(pair + 2 * c, x + t * cols + c, 8 * sizeof(float));
+      if (t + 1 < m)
+        std::memcpy(pair + 2 * c + 8, x + (t + 1) * cols + c, 8 * sizeof(float));
+      else
+        std::fill_n(pair + 2 * c + 8, 8, 0.0f);
+    }
+  }
+}
+
+/// The dots of P row pairs of x (laid out by pack_row_pairs) with w; writes the first `valid`
+/// (2P − 1 or 2P) of y[t·y_stride].
+template <int P>
+[[gnu::target("avx512f"), gnu::always_inline]] inline void dot_pairs_avx512(const float* w, const float* pairs,
+                                                                            int64_t cols, int valid, float* y,
+                                                                            int64_t y_stride) {
+  Lanes16 acc[P];
+  for (int p = 0; p < P; ++p) acc[p] = Lanes16{};
+  for (int64_t i = 0; i < cols; i += 8) {
+    Lanes8 w8;
+    std::memcpy(&w8, w + i, sizeof w8);
+    const Lanes16 wv = __builtin_shufflevector(w8, w8, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    for (int p = 0; p < P; ++p) {
+      Lanes16 xv;
+      std::memcpy(&xv, pairs + p * 2 * cols + 2 * i, sizeof xv);
+      Lanes16 product = wv * xv;
+      __asm__("" : "+v"(product));  // AVX-512 has FMA: keep the product rounded before the add
+      acc[p] += product;
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    float v[16];
+    std::memcpy(v, &acc[p], sizeof acc[p]);
+    y[2 * p * y_stride] = sum_lanes(v);
+    if (2 * p + 1 < valid) y[(2 * p + 1) * y_stride] = sum_lanes(v + 8);
+  }
+}
+
+/// dots_portable over x laid out by pack_row_pairs, four pairs per pass over w.
+[[gnu::target("avx512f")]] void dots_avx512(const float* w, const float* pairs, int64_t m, int64_t cols, float* y,
+                                            int64_t y_stride) {
+  int64_t t = 0;
+  for (; t + 8 <= m; t += 8) dot_pairs_avx512<4>(w, pairs + t * cols, cols, 8, y + t * y_stride, y_stride);
+  const float* pt = pairs + t * cols;
+  float* yt = y + t * y_stride;
+  const int rest = static_cast<int>(m - t);
+  switch ((rest + 1) / 2) {
+    case 4: dot_pairs_avx512<4>(w, pt, cols, rest, yt, y_stride); break;
+    case 3: dot_pairs_avx512<3>(w, pt, cols, rest, yt, y_stride); break;
+    case 2: dot_pairs_avx512<2>(w, pt, cols, rest, yt, y_stride); break;
+    case 1: dot_pairs_avx512<1>(w, pt, cols, rest, yt, y_stride); break;
+    default: break;
+  }
+}
+#else
+#define LILY_CPU_X86_DOTS 0
+#endif
+
+/// A dot-product kernel of quant_matmul: the layout it reads the activations in, and its dots.
+struct Kernel {
+  /// Lays x [m, cols] out for `dots` into out[m_even·cols] (m rounded up to even); nullptr:
+  /// dots reads x as it is.
+  void (*pack)(const float* x, int64_t m, int64_t cols, float* out) = nullptr;
+  /// y[t·y_stride] = dot(w, row t of x, cols) for t < m, x laid out by `pack`.
+  void (*dots)(const float* w, const float* x, int64_t m, int64_t cols, float* y, int64_t y_stride) = nullptr;
+};
+
+/// force_dot_kernel's choice, −1 for none.
+std::atomic<int> g_forced_kernel{-1};
+
+/// The kernel quant_matmul uses for matrices of `cols` columns: the forced one, else the widest
+/// available (AVX-512 wants cols a multiple of 8, which every group size is; AVX is there too).
+Kernel kernel_for(int64_t cols) {
+#if LILY_CPU_X86_DOTS
+  const int forced = g_forced_kernel.load(std::memory_order_relaxed);
+  const bool avx512 = forced >= 0 ? forced == static_cast<int>(DotKernel::kAvx512)
+                                  : dot_kernel_available(DotKernel::kAvx512);
+  const bool avx = forced >= 0 ? forced != static_cast<int>(DotKernel::kPortable)
+                               : dot_kernel_available(DotKernel::kAvx);
+  if (avx512 && cols % 8 == 0) return {&pack_row_pairs, &dots_avx512};
+  if (avx) return {nullptr, &dots_avx};
+#else
+  (void)cols;
+#endif
+  return {nullptr, &dots_portable};
+}
+}  // namespace
+
+bool dot_kernel_available(DotKernel kernel) {
+#if LILY_CPU_X86_DOTS
+  static const bool avx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") != 0);
+  static const bool avx = (__builtin_cpu_init(), __builtin_cpu_supports("avx") != 0);
+  switch (kernel) {
+    case DotKernel::kPortable: return true;
+    case DotKernel::kAvx: return avx;
+    case DotKernel::kAvx512: return avx512;
+  }
+  return false;
+#else
+  return kernel == DotKernel::kPortable;
+#endif
+}
+
+void force_dot_kernel(std::optional<DotKernel> kernel) {
+  LILY_CHECK(!kernel || dot_kernel_available(*kernel));
+  g_forced_kernel.store(kernel ? static_cast<int>(*kernel) : -1, std::memory_order_relaxed);
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  float y;
+  dot_rows<1>(a, b, 0, n, &y, 0);
+  return y;
+}
+
+// ---- quantized matmul --------------------------------------------------------------------------
+
+namespace {
+void check_matmul(const QuantMatrix& w) {
   if (w.bits != 4 && w.bits != 8)
     throw InternalError("quant_matmul: unsupported bit width " + std::to_string(w.bits));
   LILY_CHECK(w.cols % w.group_size == 0);
-  const int64_t rows = w.rows, cols = w.cols;
+}
+}  // namespace
+
+void quant_matmul_many(std::span<const MatmulOutput> outputs, const float* x, int64_t m, ThreadPool* pool) {
+  if (outputs.empty()) return;
+  const int64_t cols = outputs[0].w->cols;
+  int64_t total_rows = 0;
+  for (const MatmulOutput& o : outputs) {
+    check_matmul(*o.w);
+    LILY_CHECK(o.w->cols == cols);
+    total_rows += o.w->rows;
+  }
+  if (m <= 0) return;
+  const Kernel kernel = kernel_for(cols);
+  const float* xk = x;
+  if (kernel.pack) {  // laid out once here, read by every block
+    thread_local std::vector<float> packed;
+    const int64_t size = (m + 1) / 2 * 2 * cols;
+    if (static_cast<int64_t>(packed.size()) < size) packed.resize(size);
+    kernel.pack(x, m, cols, packed.data());
+    xk = packed.data();
+  }
+  // Rows [begin, end) of the outputs' concatenated rows: each weight row is dequantized once
+  // and dotted with all m tokens.
   auto block = [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> row_weights;
     if (static_cast<int64_t>(row_weights.size()) < cols) row_weights.resize(cols);
-    for (int64_t r = begin; r < end; ++r) {
-      dequantize_row(w, r, row_weights.data());
-      for (int64_t t = 0; t < m; ++t) y[t * rows + r] = dot(row_weights.data(), x + t * cols, cols);
+    int64_t first = 0;  // the first concatenated row of o
+    for (const MatmulOutput& o : outputs) {
+      const int64_t rows = o.w->rows;
+      for (int64_t r = std::max(begin, first); r < std::min(end, first + rows); ++r) {
+        dequantize_row(*o.w, r - first, row_weights.data());
+        kernel.dots(row_weights.data(), xk, m, cols, o.y + (r - first), rows);
+      }
+      first += rows;
     }
   };
   // Blocks of at least ~64K multiply-adds keep the hand-out overhead small on tiny matrices.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, cols * m));
   if (pool)
-    pool->parallel_for(rows, grain, block);
+    pool->parallel_for(total_rows, grain, block);
   else
-    block(0, rows);
+    block(0, total_rows);
+}
+
+void quant_matmul(const QuantMatrix& w, const float* x, int64_t m, float* y, ThreadPool* pool) {
+  const MatmulOutput output{&w, y};
+  quant_matmul_many(std::span<const MatmulOutput>(&output, 1), x, m, pool);
 }
 
 void quant_matvec(const QuantMatrix& w, const float* x, float* y, ThreadPool* pool) {

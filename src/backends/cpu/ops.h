@@ -3,13 +3,17 @@
 // transformers differ). Activations are fp32 throughout; quantized weights are dequantized
 // exactly (w = scale·q + bias per group of 64, docs/model.md §2.2). These ops are the oracle the
 // CUDA kernels are checked against, so clarity comes before speed; the only concessions to
-// speed are multi-threading over output rows and dequantizing each weight row once per batch.
+// speed are multi-threading over output rows, dequantizing each weight row once per batch, and
+// matmul dot products that reuse each load of a weight row for several tokens in vector
+// registers (the same fp32 operations per token as dot()).
 //
 // Determinism: every output element is computed by the same sequence of fp32 operations
-// whatever the thread count and whatever the batch size m, so a batched prefill equals
-// token-by-token decode bit for bit.
+// whatever the thread count, the batch size m and the CPU's vector width, so a batched prefill
+// equals token-by-token decode bit for bit.
 #pragma once
 #include <cstdint>
+#include <optional>
+#include <span>
 
 #include "backends/cpu/thread_pool.h"
 #include "model/weights.h"
@@ -29,9 +33,33 @@ float dot(const float* a, const float* b, int64_t n);
 
 /// Batched quantized matmul Y = X·Wᵀ: x [m, w.cols] row-major (one token per row),
 /// y [m, w.rows]. Each weight row is dequantized once per call and dotted with all m tokens;
-/// output rows are split across `pool` (nullptr = single-threaded). y[t, r] does not depend
-/// on m or on the thread count. Throws lily::InternalError for bits ∉ {4, 8}.
+/// output rows are split across `pool` (nullptr = single-threaded). y[t, r] is dot() of weight
+/// row r and token t: it depends neither on m, nor on the thread count, nor on the DotKernel.
+/// Throws lily::InternalError for bits ∉ {4, 8}.
 void quant_matmul(const QuantMatrix& w, const float* x, int64_t m, float* y, ThreadPool* pool);
+
+/// One product of quant_matmul_many: y [m, w->rows] = X·Wᵀ.
+struct MatmulOutput {
+  const QuantMatrix* w = nullptr;
+  float* y = nullptr;
+};
+
+/// quant_matmul of several matrices with the same cols on the same x [m, cols], run as one
+/// parallel pass over their rows (one hand-out to the pool instead of one per matrix). Each
+/// output equals what quant_matmul gives it. Throws as quant_matmul.
+void quant_matmul_many(std::span<const MatmulOutput> outputs, const float* x, int64_t m, ThreadPool* pool);
+
+/// The dot-product kernels of quant_matmul. Each gives every row dot()'s bits; they differ in
+/// vector width and in how many rows share a load of the weights: two 4-lane vectors per row
+/// (any CPU), one 8-lane AVX register per row, one 16-lane AVX-512 register per two rows.
+enum class DotKernel { kPortable, kAvx, kAvx512 };
+
+/// Whether this build and CPU run `kernel`. quant_matmul uses the widest one that does.
+bool dot_kernel_available(DotKernel kernel);
+
+/// Test hook: quant_matmul uses `kernel` (which must be available) from now on; std::nullopt
+/// restores the default. Not synchronised with matmuls running on other threads.
+void force_dot_kernel(std::optional<DotKernel> kernel);
 
 /// Quantized matrix-vector product y[w.rows] = W·x[w.cols] (quant_matmul with m = 1).
 void quant_matvec(const QuantMatrix& w, const float* x, float* y, ThreadPool* pool);

@@ -157,11 +157,16 @@ TEST_F(CpuBackendDemo, ChunkedPrefillEqualsTokenByTokenDecode) {
 
 TEST_F(CpuBackendDemo, ResultsDoNotDependOnThreadCount) {
   const auto prompt = synthetic_prompt(70);
-  std::vector<float> one, four;
-  CpuBackend single(weights_, 1), multi(weights_, 4);
-  auto a = single.new_state(128), b = multi.new_state(128);
-  EXPECT_EQ(single.prefill(*a, prompt, &one), multi.prefill(*b, prompt, &four));
+  std::vector<float> one, four, sixteen;
+  // With 16 threads the experts' work items are split into row chunks (the shared expert's 70
+  // rows among them).
+  CpuBackend single(weights_, 1), multi(weights_, 4), many(weights_, 16);
+  auto a = single.new_state(128), b = multi.new_state(128), c = many.new_state(128);
+  const int32_t next = single.prefill(*a, prompt, &one);
+  EXPECT_EQ(multi.prefill(*b, prompt, &four), next);
+  EXPECT_EQ(many.prefill(*c, prompt, &sixteen), next);
   EXPECT_EQ(one, four);
+  EXPECT_EQ(one, sixteen);
 }
 
 TEST_F(CpuBackendDemo, CloneStateGivesIdenticalContinuations) {

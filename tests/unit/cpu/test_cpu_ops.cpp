@@ -117,6 +117,54 @@ TEST(CpuOps, QuantMatmulRowsDoNotDependOnBatchOrThreads) {
   }
 }
 
+TEST(CpuOps, EveryDotKernelGivesEveryRowTheBitsOfItsOwnDot) {
+  // Batch sizes around each kernel's blocks (4 rows, 4 pairs of rows) and both bit widths; the
+  // reference is dot() of the dequantized row, one token at a time.
+  std::vector<DotKernel> kernels;
+  for (DotKernel k : {DotKernel::kPortable, DotKernel::kAvx, DotKernel::kAvx512})
+    if (dot_kernel_available(k)) kernels.push_back(k);
+  struct Restore {
+    ~Restore() { force_dot_kernel(std::nullopt); }
+  } restore;
+  ThreadPool pool(3);
+  for (int bits : {4, 8})
+    for (int64_t cols : {64, 192}) {
+      const int64_t rows = 21;
+      OwnedQuant w(rows, cols, bits, 17 + bits);
+      std::vector<float> weights(rows * cols);
+      for (int64_t r = 0; r < rows; ++r) dequantize_row(w.view, r, weights.data() + r * cols);
+      for (DotKernel kernel : kernels) {
+        force_dot_kernel(kernel);
+        for (int64_t m = 1; m <= 19; ++m) {
+          auto x = random_vector(m * cols, static_cast<uint32_t>(100 + m));
+          std::vector<float> y(m * rows);
+          quant_matmul(w.view, x.data(), m, y.data(), &pool);
+          for (int64_t t = 0; t < m; ++t)
+            for (int64_t r = 0; r < rows; ++r)
+              ASSERT_EQ(y[t * rows + r], dot(weights.data() + r * cols, x.data() + t * cols, cols))
+                  << "kernel " << static_cast<int>(kernel) << " bits " << bits << " cols " << cols << " m " << m
+                  << " token " << t << " row " << r;
+        }
+      }
+    }
+}
+
+TEST(CpuOps, QuantMatmulManyEqualsOneMatmulPerMatrix) {
+  const int64_t cols = 128, m = 6;
+  OwnedQuant a(40, cols, 4, 1), b(3, cols, 8, 2), c(70, cols, 4, 3);
+  auto x = random_vector(m * cols, 9);
+  std::vector<float> ya(m * 40), yb(m * 3), yc(m * 70), ea(ya.size()), eb(yb.size()), ec(yc.size());
+  ThreadPool pool(4);
+  const MatmulOutput outputs[] = {{&a.view, ya.data()}, {&b.view, yb.data()}, {&c.view, yc.data()}};
+  quant_matmul_many(outputs, x.data(), m, &pool);
+  quant_matmul(a.view, x.data(), m, ea.data(), nullptr);
+  quant_matmul(b.view, x.data(), m, eb.data(), nullptr);
+  quant_matmul(c.view, x.data(), m, ec.data(), nullptr);
+  EXPECT_EQ(ya, ea);
+  EXPECT_EQ(yb, eb);
+  EXPECT_EQ(yc, ec);
+}
+
 TEST(CpuOps, QuantMatmulRejectsOtherBitWidths) {
   OwnedQuant w(2, 64, 4, 1);
   QuantMatrix bad = w.view;
