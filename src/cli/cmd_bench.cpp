@@ -40,6 +40,7 @@ struct BenchFlags {
   int decode_steps = 64;
   int rounds = 3;
   std::string backend = "auto";
+  std::vector<std::string> cuda;  ///< --cuda NAME=VALUE (CudaOptions::set)
   int threads = 0;
   std::string json_out;
   bool no_mmap = false;
@@ -202,7 +203,7 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
                   std::to_string(context) + " tokens (max_position_embeddings)");
   }
   auto weights = load_model(f.model, LoadOptions{.mmap = !f.no_mmap});
-  auto backend = make_backend(backend_kind, weights, f.threads);
+  auto backend = make_backend(backend_kind, weights, f.threads, f.cuda);
   if (!backend->reads_host_weights()) weights.reset();  // unmaps the checkpoint (as lily serve)
   const auto prompt = synthetic_prompt(f.prompt_len, backend->config().vocab);
   std::vector<Round> rounds;
@@ -242,7 +243,7 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
     j["meta"] = {{"engine", "lily.cpp"}, {"commit", lily::build_commit()}, {"backend", backend->name()},
                  {"device", device}, {"command", cmd}, {"model", f.model}, {"shape", backend->config().shape_name()}};
     // The CUDA paths this run used (already validated when the backend was made).
-    if (std::string_view(backend->name()) == "cuda") j["meta"]["cuda_options"] = lily::CudaOptions::from_env().describe();
+    if (std::string_view(backend->name()) == "cuda") j["meta"]["cuda_options"] = lily::CudaOptions::resolve(f.cuda).describe();
     j["workload"] = {{"prompt_len", f.prompt_len}, {"prompt_kind", "u32_golden_ratio_hash_mod_vocab"},
                      {"decode_steps", f.decode_steps}, {"decode_mode", "synchronous_per_step"}, {"rounds", f.rounds},
                      {"sampling", f.sampled() ? nlohmann::json{{"temperature", f.temperature}, {"top_p", f.top_p},
@@ -273,6 +274,7 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_option("--decode-steps", f->decode_steps, "measured decode steps")->capture_default_str();
   cmd->add_option("--rounds", f->rounds, "measured rounds (median reported)")->capture_default_str();
   cmd->add_option("--backend", f->backend, "cpu | cuda | auto")->capture_default_str();
+  add_cuda_settings(cmd, f->cuda);
   cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores")
       ->capture_default_str()
       ->check(integer_at_least(0));
@@ -289,6 +291,7 @@ void register_bench(CLI::App& app, int& exit_code) {
     std::vector<std::string> argv = {"lily bench --model", f->model, "--prompt-len", std::to_string(f->prompt_len),
                                            "--decode-steps", std::to_string(f->decode_steps), "--rounds",
                                            std::to_string(f->rounds), "--backend", f->backend};
+    for (const std::string& c : f->cuda) argv.insert(argv.end(), {"--cuda", c});
     if (f->sampled())
       argv.insert(argv.end(), {"--temperature", format_number(f->temperature), "--top-p", format_number(f->top_p),
                                "--top-k", std::to_string(f->top_k), "--min-p", format_number(f->min_p), "--seed",

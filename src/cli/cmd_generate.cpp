@@ -7,6 +7,8 @@
 #include <iostream>
 #include <memory>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -33,6 +35,7 @@ struct GenerateFlags {
   int64_t max_tokens = 128;
   bool max_tokens_given = false;  ///< --max-tokens was on the command line (else 128, clamped to the context)
   int64_t max_seq = 0;
+  std::vector<std::string> cuda;  ///< --cuda NAME=VALUE (CudaOptions::set)
   bool no_mmap = false;
   bool json = false;
   std::string backend = "auto";
@@ -179,7 +182,7 @@ void run_generate(const GenerateFlags& f) {
   params.logprobs = f.logprobs;
 
   auto weights = load_model(dir, LoadOptions{.show_progress = true, .mmap = !f.no_mmap});
-  auto backend = make_backend(backend_kind, weights, f.threads);
+  auto backend = make_backend(backend_kind, weights, f.threads, f.cuda);
   if (!backend->reads_host_weights()) weights.reset();  // unmaps the checkpoint (as lily serve)
   auto state = backend->new_state(params.max_seq);
   size_t streamed = 0;  // bytes of text written to stdout so far
@@ -239,6 +242,7 @@ void register_generate(CLI::App& app, int& exit_code) {
   cmd->add_option("--logprobs", f->logprobs, "with --json: each token's log-probability and N alternatives (0 … 20)")
       ->check(integer_at_least(0));
   cmd->add_option("--backend", f->backend, "cpu | cuda | auto")->capture_default_str();
+  add_cuda_settings(cmd, f->cuda);
   cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores")
       ->capture_default_str()
       ->check(integer_at_least(0));

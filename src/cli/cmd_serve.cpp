@@ -97,6 +97,7 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
       ->capture_default_str()->check(CLI::Range(int64_t{256}, int64_t{1} << 24));
   cmd->add_option("--max-headers", o.max_headers, "header fields per request (431 above)")
       ->capture_default_str()->check(integer_at_least(1));
+  add_cuda_settings(cmd, o.cuda_settings);
   cmd->add_option("--threads", o.threads, "CPU backend threads, 0 = all cores")
       ->capture_default_str()->check(integer_at_least(0));
   cmd->add_option("--max-connections,--http-threads", o.max_connections,

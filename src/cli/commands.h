@@ -24,6 +24,12 @@ CLI::Validator integer_in_range(long long min, long long max);
 /// '4 GB'").
 CLI::Validator byte_size();
 
+/// Adds `--cuda NAME=VALUE` (repeatable) to `cmd`, into `settings`: one CUDA backend option, NAME
+/// as in the bench report's cuda_options (e.g. pdl=0, max-batch=16), over its LILY_CUDA_*
+/// variable (CudaOptions::set). Each one is checked as it is parsed, so a misspelt name or a bad
+/// value stops the command before any model loads, with a message naming it.
+void add_cuda_settings(CLI::App* cmd, std::vector<std::string>& settings);
+
 /// A JSON list of chat messages, each read exactly as the server reads a chat request's message
 /// (server::parse_chat_message: roles system, developer, user, assistant, tool; content a
 /// string or text parts; name, reasoning_content, tool_calls, tool_call_id). Throws lily::Error

@@ -7,6 +7,7 @@
 #include "cli/commands.h"
 #include "base/byte_size.h"
 #include "base/error.h"
+#include "engine/backend.h"
 #include "server/api_error.h"
 #include "server/chat_agent.h"
 #include "server/chat_request.h"
@@ -36,6 +37,26 @@ CLI::Validator integer_validator(long long min, long long max, const std::string
 }
 
 }  // namespace
+
+void add_cuda_settings(CLI::App* cmd, std::vector<std::string>& settings) {
+  cmd->add_option("--cuda", settings,
+                  "CUDA backend option NAME=VALUE, repeatable, over its LILY_CUDA_* variable: fuse, pdl, stream-gemv, "
+                  "flash-prefill, device-sampler, gemv-row-tiles, gdn-chunk-parallel, gdn-local-mma, gdn-state-mma, "
+                  "prefill, gemm, gemm-kernel, fused-moe, batched-decode, chunk, max-batch, rows-gemv-from, "
+                  "prefill-rows (docs/cuda.md)")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            try {
+              CudaOptions().set(text);
+            } catch (const Error& e) {
+              std::string why = e.what();  // CLI11 names the option itself
+              if (why.rfind("--cuda ", 0) == 0) why.erase(0, 7);
+              return why;
+            }
+            return {};
+          },
+          "NAME=VALUE"));
+}
 
 CLI::Validator integer_in_range(long long min, long long max) {
   return integer_validator(min, max, "an integer from " + std::to_string(min) + " to " + std::to_string(max),

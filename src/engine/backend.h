@@ -267,6 +267,13 @@ struct CudaOptions {
   /// Reads the LILY_CUDA_* variables (unset or empty: the default). Throws lily::Error naming
   /// the variable, the value and the accepted values for anything else.
   static CudaOptions from_env();
+  /// Sets one field from "NAME=VALUE", NAME as in describe() (e.g. "pdl=0", "max-batch=16"): the
+  /// command line's `--cuda NAME=VALUE`. Throws lily::Error, changing nothing, for an unknown
+  /// name (listing the names), a missing '=' or a value the field does not take.
+  void set(std::string_view assignment);
+  /// from_env(), then set() for each assignment in order (so a flag overrides its variable).
+  /// Throws as both.
+  static CudaOptions resolve(std::span<const std::string> assignments);
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
   /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
   /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=32
@@ -282,26 +289,60 @@ inline std::string env_value(const char* name) {
   return v ? std::string(v) : std::string();
 }
 
-/// A two-way switch: "" → dflt, `on` → true, `off` → false; anything else throws.
-inline bool env_choice(const char* name, const char* on, const char* off, bool dflt) {
-  const std::string v = env_value(name);
-  if (v.empty()) return dflt;
+/// A two-way switch: `on` → true, `off` → false; anything else throws, naming `label` (the
+/// variable or the flag that gave it).
+inline bool parse_choice(const std::string& label, const std::string& v, const char* on, const char* off) {
   if (v == on) return true;
   if (v == off) return false;
-  throw Error(std::string(name) + " must be '" + on + "' or '" + off + "', got '" + v + "'");
+  throw Error(label + " must be '" + on + "' or '" + off + "', got '" + v + "'");
 }
 
-/// An integer in [lo, hi]: "" → dflt; anything else (not a whole number, out of range) throws.
-inline int env_int(const char* name, int lo, int hi, int dflt) {
-  const std::string v = env_value(name);
-  if (v.empty()) return dflt;
+/// An integer in [lo, hi]; anything else (not a whole number, out of range) throws, naming `label`.
+inline int parse_int(const std::string& label, const std::string& v, int lo, int hi) {
   char* end = nullptr;
   errno = 0;
   const long n = std::strtol(v.c_str(), &end, 10);
-  if (*end != '\0' || errno != 0 || n < lo || n > hi)
-    throw Error(std::string(name) + " must be an integer in " + std::to_string(lo) + "…" + std::to_string(hi) +
-                ", got '" + v + "'");
+  if (v.empty() || *end != '\0' || errno != 0 || n < lo || n > hi)
+    throw Error(label + " must be an integer in " + std::to_string(lo) + "…" + std::to_string(hi) + ", got '" + v +
+                "'");
   return static_cast<int>(n);
+}
+
+/// One field of CudaOptions: its name (as in describe() and `--cuda NAME=VALUE`), its LILY_CUDA_*
+/// variable, and how a value sets it (throwing, with the label, for a value it does not take).
+struct Field {
+  const char* name;
+  const char* env;
+  void (*set)(CudaOptions& o, const std::string& label, const std::string& value);
+};
+
+/// Every field, in describe()'s order.
+inline std::span<const Field> fields() {
+  static const Field table[] = {
+      {"fuse", "LILY_CUDA_FUSE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.fuse_decode = parse_choice(l, v, "1", "0"); }},
+      {"pdl", "LILY_CUDA_PDL", [](CudaOptions& o, const std::string& l, const std::string& v) { o.pdl = parse_choice(l, v, "1", "0"); }},
+      {"stream-gemv", "LILY_CUDA_STREAM_GEMV", [](CudaOptions& o, const std::string& l, const std::string& v) { o.stream_gemv = parse_choice(l, v, "1", "0"); }},
+      {"flash-prefill", "LILY_CUDA_FLASH_PREFILL", [](CudaOptions& o, const std::string& l, const std::string& v) { o.flash_prefill = parse_choice(l, v, "1", "0"); }},
+      {"device-sampler", "LILY_CUDA_DEVICE_SAMPLER", [](CudaOptions& o, const std::string& l, const std::string& v) { o.device_sampler = parse_choice(l, v, "1", "0"); }},
+      {"gemv-row-tiles", "LILY_CUDA_GEMV_ROW_TILES", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_row_tiles = parse_choice(l, v, "1", "0"); }},
+      {"gdn-chunk-parallel", "LILY_CUDA_GDN_CHUNK_PARALLEL", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gdn_chunk_parallel = parse_choice(l, v, "1", "0"); }},
+      {"gdn-local-mma", "LILY_CUDA_GDN_LOCAL_MMA", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gdn_local_mma = parse_choice(l, v, "1", "0"); }},
+      {"gdn-state-mma", "LILY_CUDA_GDN_STATE_MMA", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gdn_state_mma = parse_choice(l, v, "1", "0"); }},
+      {"prefill", "LILY_CUDA_PREFILL", [](CudaOptions& o, const std::string& l, const std::string& v) { o.batched_prefill = parse_choice(l, v, "batched", "per-token"); }},
+      {"gemm", "LILY_CUDA_GEMM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.tensor_core_gemm = parse_choice(l, v, "tensor-core", "gemv"); }},
+      {"gemm-kernel", "LILY_CUDA_GEMM_KERNEL", [](CudaOptions& o, const std::string& l, const std::string& v) {
+         if (v != "grouped" && v != "all" && v != "0" && v != "wgmma" && v != "wgmma-narrow" && v != "wgmma-mixed")
+           throw Error(l + " must be 'grouped', 'all', '0', 'wgmma', 'wgmma-narrow' or 'wgmma-mixed', got '" + v + "'");
+         o.gemm_kernel = v;
+       }},
+      {"fused-moe", "LILY_CUDA_FUSED_MOE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.fused_moe = parse_choice(l, v, "1", "0"); }},
+      {"batched-decode", "LILY_CUDA_BATCHED_DECODE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.batched_decode = parse_choice(l, v, "1", "0"); }},
+      {"chunk", "LILY_CUDA_PREFILL_CHUNK", [](CudaOptions& o, const std::string& l, const std::string& v) { o.prefill_chunk = parse_int(l, v, 1, CudaOptions::kMaxPrefillChunk); }},
+      {"max-batch", "LILY_CUDA_MAX_BATCH", [](CudaOptions& o, const std::string& l, const std::string& v) { o.max_batch = parse_int(l, v, 1, CudaOptions::kMaxBatch); }},
+      {"rows-gemv-from", "LILY_CUDA_ROWS_GEMV_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
+      {"prefill-rows", "LILY_CUDA_PREFILL_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.prefill_rows = parse_choice(l, v, "1", "0"); }},
+  };
+  return table;
 }
 
 }  // namespace cuda_options_detail
@@ -309,33 +350,37 @@ inline int env_int(const char* name, int lo, int hi, int dflt) {
 inline CudaOptions CudaOptions::from_env() {
   using namespace cuda_options_detail;
   CudaOptions o;
-  o.fuse_decode = env_choice("LILY_CUDA_FUSE", "1", "0", o.fuse_decode);
-  o.pdl = env_choice("LILY_CUDA_PDL", "1", "0", o.pdl);
-  o.stream_gemv = env_choice("LILY_CUDA_STREAM_GEMV", "1", "0", o.stream_gemv);
-  o.flash_prefill = env_choice("LILY_CUDA_FLASH_PREFILL", "1", "0", o.flash_prefill);
-  o.device_sampler = env_choice("LILY_CUDA_DEVICE_SAMPLER", "1", "0", o.device_sampler);
-  o.gemv_row_tiles = env_choice("LILY_CUDA_GEMV_ROW_TILES", "1", "0", o.gemv_row_tiles);
-  o.gdn_chunk_parallel = env_choice("LILY_CUDA_GDN_CHUNK_PARALLEL", "1", "0", o.gdn_chunk_parallel);
-  o.gdn_local_mma = env_choice("LILY_CUDA_GDN_LOCAL_MMA", "1", "0", o.gdn_local_mma);
-  o.gdn_state_mma = env_choice("LILY_CUDA_GDN_STATE_MMA", "1", "0", o.gdn_state_mma);
-  o.batched_prefill = env_choice("LILY_CUDA_PREFILL", "batched", "per-token", o.batched_prefill);
-  o.tensor_core_gemm = env_choice("LILY_CUDA_GEMM", "tensor-core", "gemv", o.tensor_core_gemm);
-  o.fused_moe = env_choice("LILY_CUDA_FUSED_MOE", "1", "0", o.fused_moe);
-  // LILY_CUDA_GEMM_REGDQ is the switch's former name, still read when LILY_CUDA_GEMM_KERNEL is unset.
-  const char* gemm_var = env_value("LILY_CUDA_GEMM_KERNEL").empty() && !env_value("LILY_CUDA_GEMM_REGDQ").empty()
-                             ? "LILY_CUDA_GEMM_REGDQ"
-                             : "LILY_CUDA_GEMM_KERNEL";
-  if (const std::string v = env_value(gemm_var); !v.empty()) {
-    if (v != "grouped" && v != "all" && v != "0" && v != "wgmma" && v != "wgmma-narrow" && v != "wgmma-mixed")
-      throw Error(std::string(gemm_var) + " must be 'grouped', 'all', '0', 'wgmma', 'wgmma-narrow' or 'wgmma-mixed', got '" +
-                  v + "'");
-    o.gemm_kernel = v;
+  for (const Field& f : fields()) {
+    const char* var = f.env;
+    // LILY_CUDA_GEMM_REGDQ is gemm-kernel's former variable, still read when the new one is unset.
+    if (std::string_view(f.name) == "gemm-kernel" && env_value(var).empty() && !env_value("LILY_CUDA_GEMM_REGDQ").empty())
+      var = "LILY_CUDA_GEMM_REGDQ";
+    if (const std::string v = env_value(var); !v.empty()) f.set(o, var, v);
   }
-  o.batched_decode = env_choice("LILY_CUDA_BATCHED_DECODE", "1", "0", o.batched_decode);
-  o.prefill_chunk = env_int("LILY_CUDA_PREFILL_CHUNK", 1, kMaxPrefillChunk, o.prefill_chunk);
-  o.max_batch = env_int("LILY_CUDA_MAX_BATCH", 1, kMaxBatch, o.max_batch);
-  o.rows_gemv_from = env_int("LILY_CUDA_ROWS_GEMV_FROM", 1, kRowsGemvNever, o.rows_gemv_from);
-  o.prefill_rows = env_choice("LILY_CUDA_PREFILL_ROWS", "1", "0", o.prefill_rows);
+  return o;
+}
+
+inline void CudaOptions::set(std::string_view assignment) {
+  using namespace cuda_options_detail;
+  const size_t eq = assignment.find('=');
+  const std::string name(assignment.substr(0, eq));
+  std::string names;
+  for (const Field& f : fields()) {
+    if (name == f.name) {
+      if (eq == std::string_view::npos)
+        throw Error("--cuda " + name + ": expected NAME=VALUE, e.g. --cuda " + name + "=" + "<value>");
+      f.set(*this, "--cuda " + name, std::string(assignment.substr(eq + 1)));
+      return;
+    }
+    if (!names.empty()) names += ", ";
+    names += f.name;
+  }
+  throw Error("--cuda '" + std::string(assignment) + "': unknown option '" + name + "'; the options are " + names);
+}
+
+inline CudaOptions CudaOptions::resolve(std::span<const std::string> assignments) {
+  CudaOptions o = from_env();
+  for (const std::string& a : assignments) o.set(a);
   return o;
 }
 
@@ -365,12 +410,14 @@ BackendKind parse_backend_kind(std::string_view text);
 /// refuses it anyway.
 int64_t backend_max_sequence(BackendKind kind);
 
-/// Creates a backend over loaded weights. `threads` <= 0 means all cores (CPU backend). For
-/// kCuda and kAuto the CUDA options are read and validated first (CudaOptions::from_env), so a
-/// bad value is an error even where auto would fall back to the CPU. Throws lily::Error (e.g.
-/// "--backend cuda: this build has no CUDA support", no GPU, not enough device memory, a bad
-/// LILY_CUDA_* value).
+/// Creates a backend over loaded weights. `threads` <= 0 means all cores (CPU backend).
+/// `cuda_settings`: the command line's `--cuda NAME=VALUE`s (CudaOptions::set), applied over the
+/// LILY_CUDA_* variables. For kCuda and kAuto the CUDA options are read and validated first
+/// (CudaOptions::resolve), so a bad value is an error even where auto would fall back to the
+/// CPU; for kCpu only the settings are checked (a misspelt flag is still an error), and the
+/// variables are not read. Throws lily::Error (e.g. "--backend cuda: this build has no CUDA
+/// support", no GPU, not enough device memory, a bad LILY_CUDA_* value or --cuda setting).
 std::unique_ptr<Backend> make_backend(BackendKind kind, std::shared_ptr<const ModelWeights> weights,
-                                      int threads = 0);
+                                      int threads = 0, std::span<const std::string> cuda_settings = {});
 
 }  // namespace lily

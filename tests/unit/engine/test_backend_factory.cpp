@@ -3,8 +3,10 @@
 
 #include <cstdlib>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "base/error.h"
 #include "engine/backend.h"
@@ -214,6 +216,71 @@ TEST(CudaOptions, AutoRefusesABadValueInsteadOfFallingBack) {
   EXPECT_THROW(make_backend(BackendKind::kAuto, weights, 1), Error);
   EXPECT_THROW(make_backend(BackendKind::kCuda, weights, 1), Error);
   EXPECT_EQ(make_backend(BackendKind::kCpu, weights, 1)->name(), "cpu");  // the CPU backend has no CUDA options
+}
+
+/// `--cuda NAME=VALUE` (CudaOptions::set): every name describe() prints is a name set() takes,
+/// with the value describe() prints, so a report's cuda_options can be given back field by field.
+TEST(CudaOptions, SetTakesEveryDescribedField) {
+  CudaOptions changed;
+  for (const char* a : {"fuse=0", "pdl=0", "stream-gemv=0", "flash-prefill=0", "device-sampler=0", "gemv-row-tiles=0",
+                        "gdn-chunk-parallel=0", "gdn-local-mma=0", "gdn-state-mma=0", "prefill=per-token", "gemm=gemv",
+                        "gemm-kernel=grouped", "fused-moe=0", "batched-decode=0", "chunk=512", "max-batch=7",
+                        "rows-gemv-from=9", "prefill-rows=1"})
+    changed.set(a);
+  EXPECT_EQ(changed.describe(), "fuse=0 pdl=0 stream-gemv=0 flash-prefill=0 device-sampler=0 gemv-row-tiles=0 "
+                                "gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv "
+                                "gemm-kernel=grouped fused-moe=0 batched-decode=0 chunk=512 max-batch=7 "
+                                "rows-gemv-from=9 prefill-rows=1");
+  // describe()'s own words, given back one by one, rebuild the same options.
+  CudaOptions rebuilt;
+  std::istringstream words(changed.describe());
+  for (std::string w; words >> w;) rebuilt.set(w);
+  EXPECT_EQ(rebuilt.describe(), changed.describe());
+}
+
+TEST(CudaOptions, SetRefusesWhatItDoesNotKnowAndChangesNothing) {
+  const std::pair<const char*, const char*> bad[] = {{"bogus=1", "unknown option 'bogus'"},
+                                                     {"pdl", "expected NAME=VALUE"},
+                                                     {"pdl=2", "--cuda pdl must be '1' or '0', got '2'"},
+                                                     {"max-batch=65", "--cuda max-batch must be an integer in 1…64"},
+                                                     {"chunk=", "--cuda chunk must be an integer"},
+                                                     {"gemm-kernel=dense", "--cuda gemm-kernel must be"},
+                                                     {"=1", "unknown option ''"}};
+  for (const auto& [assignment, message] : bad) {
+    CudaOptions o;
+    try {
+      o.set(assignment);
+      ADD_FAILURE() << assignment << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(o.describe(), CudaOptions{}.describe()) << assignment;
+  }
+  try {
+    CudaOptions().set("pd=0");
+  } catch (const Error& e) {  // the message lists the names
+    EXPECT_NE(std::string(e.what()).find("fuse, pdl, stream-gemv"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("prefill-rows"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaOptions, FlagsOverrideTheirVariables) {
+  ScopedEnv a("LILY_CUDA_PDL", "0"), b("LILY_CUDA_MAX_BATCH", "8");
+  const std::vector<std::string> flags = {"pdl=1", "max-batch=4", "max-batch=16"};  // the last one wins
+  const CudaOptions o = CudaOptions::resolve(flags);
+  EXPECT_TRUE(o.pdl);
+  EXPECT_EQ(o.max_batch, 16);
+  EXPECT_EQ(CudaOptions::resolve({}).max_batch, 8);  // without flags, the variable
+  ScopedEnv bad("LILY_CUDA_FUSE", "yes");            // a bad variable is an error even with flags
+  EXPECT_THROW(CudaOptions::resolve(flags), Error);
+}
+
+TEST(CudaOptions, TheCpuBackendChecksButIgnoresCudaFlags) {
+  auto weights = load_model(test::demo_model_dir());
+  const std::vector<std::string> good = {"pdl=0"}, bad = {"pdl=on"};
+  EXPECT_EQ(make_backend(BackendKind::kCpu, weights, 1, good)->name(), "cpu");
+  EXPECT_THROW(make_backend(BackendKind::kCpu, weights, 1, bad), Error);
+  EXPECT_THROW(make_backend(BackendKind::kAuto, weights, 1, bad), Error);
 }
 
 }  // namespace

@@ -153,11 +153,16 @@ TEST(BenchCli, BadOptionsAreRefused) {
   for (const std::string args : {"--backend cpu --prompt-len 0", "--backend cpu --decode-steps 0",
                                  "--backend cpu --rounds 0", "--backend metal", "--backend cpu --temperature 3",
                                  "--backend cpu --top-p 0.9", "--backend cpu --temperature 1 --top-p 0",
-                                 "--backend cpu --temperature 1 --top-k -2", "--backend cpu --temperature 1 --min-p 2"}) {
+                                 "--backend cpu --temperature 1 --top-k -2", "--backend cpu --temperature 1 --min-p 2",
+                                 "--backend cpu --cuda bogus=1", "--backend cpu --cuda pdl=on", "--cuda max-batch=0"}) {
     const test::CliRun r = test::run_lily("bench --model " + quoted(test::demo_model_dir()) + " " + args, true);
     EXPECT_NE(r.exit_code, 0) << args;
     EXPECT_FALSE(r.output.empty()) << args;
   }
+  // A bad --cuda setting is named, and refused before the model loads (even for the CPU backend).
+  const test::CliRun cuda = test::run_lily("bench --backend cpu --cuda pdl=on --model " + quoted(test::demo_model_dir()), true);
+  EXPECT_NE(cuda.output.find("--cuda: pdl must be '1' or '0', got 'on'"), std::string::npos) << cuda.output;
+  EXPECT_EQ(cuda.output.find("loaded"), std::string::npos) << cuda.output;
   // An unwritable report path is refused before the run, not after every round has run.
   test::TempDir dir;
   for (const std::filesystem::path& out : {dir.path() / "missing" / "bench.json", dir.path()}) {
