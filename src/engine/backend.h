@@ -250,8 +250,9 @@ struct CudaOptions {
   /// LILY_CUDA_PREFILL_ROWS 1|0: the prefill rows of a step (one per sequence, each within a
   /// prefill chunk) run as one chunk of all their tokens, so each expert and projection weight is
   /// read once for all of them, the GDN and attention per sequence; or (0) one sequence after
-  /// another. The same bits either way. 0 until an H200 run has verified it (docs/cuda.md,
-  /// "Batched steps").
+  /// another. The same bits either way; it applies only on the tensor-core prefill with an 8-bit
+  /// router and gemm_kernel other than "all", where no kernel choice depends on the chunk's
+  /// token count. 0 until an H200 run has verified it (docs/cuda.md, "Batched steps").
   bool prefill_rows = false;
   /// One more than the rows of a batched decode forward: LILY_CUDA_ROWS_GEMV_FROM's "never".
   static constexpr int kRowsGemvNever = 33;

@@ -378,6 +378,10 @@ TEST_F(CudaE2e, PrefillRowsOfSeveralSequencesAreBitIdenticalToEachAlone) {
   TempDir dir;
   const auto w = synth("realdims", dir.path());
   CudaOptions options = CudaOptions::from_env();
+  // The paths under which prefill_rows runs, whatever the environment says.
+  options.batched_prefill = options.tensor_core_gemm = true;
+  options.gemm_kernel = CudaOptions{}.gemm_kernel;
+  options.prefill_chunk = CudaOptions{}.prefill_chunk;
   options.prefill_rows = true;
   check_step_rows(w, options, true);
   options.prefill_chunk = 256;

@@ -757,8 +757,9 @@ class CudaBackend final : public Backend {
     };
     // CudaOptions::prefill_rows: prefill (not decode) rows that fit one chunk run in groups whose
     // tokens fill at most one chunk (prefill_rows), in row order; a group of one takes its own
-    // path.
-    const bool grouped_prefill = options_.prefill_rows && batched_prefill_ && !probe_sink_;
+    // path. Only where every prefill kernel's choice is independent of the chunk's token count
+    // (prefill_rows_keep_bits), so that a sequence gets its bits alone.
+    const bool grouped_prefill = options_.prefill_rows && batched_prefill_ && !probe_sink_ && prefill_rows_keep_bits();
     std::vector<size_t> batch_rows, prefill_group;
     int group_tokens = 0;
     auto flush_prefill_group = [&] {
@@ -1543,13 +1544,27 @@ class CudaBackend final : public Backend {
     }
     prefill_chunk(slices, T);
     CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host token buffers may go away
+    // Every position first: a head that throws leaves no state ahead of its position.
+    for (const PrefillSlice& q : slices) q.state->pos += q.tokens;
     for (size_t k = 0; k < group.size(); ++k) {
-      slices[k].state->pos += slices[k].tokens;
       const StepRow& r = rows[group[k]];
       if (!r.want_logits) continue;
       const RowSampling* sampling = r.sampling.params ? &r.sampling : nullptr;
       next[group[k]] = prefill_head(slices[k].first + slices[k].tokens - 1, r.logits, sampling);
     }
+  }
+
+  /// Whether a token's prefill bits are the same in a chunk of any token count, which prefill_rows
+  /// needs: the tensor-core GEMMs (their items' widths never change a column's bits) with an 8-bit
+  /// router on its GEMM in every layer, and not LILY_CUDA_GEMM_KERNEL=all (its dense GEMMs take
+  /// the register-dequant or the shared-tile kernel by the token count, which round differently).
+  /// The GEMV path (LILY_CUDA_GEMM=gemv) picks its kernel by the token count too.
+  bool prefill_rows_keep_bits() const {
+    if (!tensor_core_gemm_ || gemm_kernel() == GemmKernel::kAll) return false;
+    const ModelConfig& c = config();
+    for (int l = 0; l < c.n_layers; ++l)
+      if (!router_gemm_supported(model_->layers[l].router)) return false;
+    return true;
   }
 
   /// The LM head on row `row` of the last prefill chunk, with decode numerics: final norm, logits,
