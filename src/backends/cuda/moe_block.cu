@@ -283,11 +283,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
       }
     }
     __syncthreads();
-    if (threadIdx.x < kTileRows) {
-      float o = 0.0f;
-      for (int s = 0; s < l.n_sel; ++s) o = __fmaf_rn(sel_w[s], dn_part[s * kTileRows + threadIdx.x], o);
-      a.out[int64_t{rt} * kTileRows + threadIdx.x] = to_bf16(o);
-    }
+    if (threadIdx.x < kTileRows)
+      a.out[int64_t{rt} * kTileRows + threadIdx.x] = to_bf16(combine_slots(sel_w, dn_part + threadIdx.x, l.n_sel));
     __syncthreads();  // dn_part is reused by the next row tile
   }
   trace_point(a, 11);

@@ -214,6 +214,16 @@ __device__ __forceinline__ void stage_fragment_row(const bf16* x, int cols, uint
   }
 }
 
+/// The weighted combine of one output row of a down tile: Σ_s w[s] · part[s · kTileRows] over
+/// the n_sel slots in slot order, an fp32 fma chain from zero (part: the slots' bf16-rounded down
+/// outputs for this row, a tile's kTileRows rows apart). Both kernels combine with it, so a row's
+/// output has the same bits in either.
+__device__ __forceinline__ float combine_slots(const float* w, const float* part, int n_sel) {
+  float o = 0.0f;
+  for (int s = 0; s < n_sel; ++s) o = __fmaf_rn(w[s], part[s * kTileRows], o);
+  return o;
+}
+
 /// Records phase `point` of this block in a.trace (diagnostics; no-op when a.trace is null).
 __device__ __forceinline__ void trace_point(const MoeDecodeArgs& a, int point) {
   if (a.trace && threadIdx.x == 0) {

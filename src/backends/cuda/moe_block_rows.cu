@@ -605,9 +605,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     __syncthreads();
     if (threadIdx.x < m * kTileRows) {
       const int r = threadIdx.x / kTileRows, row = threadIdx.x % kTileRows;
-      float o = 0.0f;
-      for (int s = 0; s < n_sel; ++s)
-        o = __fmaf_rn(sel_w[r * n_sel + s], dn_part[(r * n_sel + s) * kTileRows + row], o);
+      const float o = combine_slots(sel_w + r * n_sel, dn_part + r * n_sel * kTileRows + row, n_sel);
       a.out[int64_t{r} * l.hidden + int64_t{rt} * kTileRows + row] = to_bf16(o);
     }
     __syncthreads();  // dn_part is reused by the next row tile
