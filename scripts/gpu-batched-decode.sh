@@ -22,7 +22,8 @@
 #                           the GEMV bit tests and timings of both modes, the switch test, then
 #                           per configuration "from,prefill-rows" of LILY_GPU_ROWS_CONFIGS
 #                           (default "33,0 2,0 2,1") the batched end-to-end tests, the 35b-a3b
-#                           throughput and served streams
+#                           throughput and served streams (LILY_GPU_ROWS_KERNEL_TESTS=0: the
+#                           configurations only)
 #   LILY_GPU_STEPS=ab       with carry/base.tar (git archive of a baseline tree, built in
 #                           /tmp/lily-base): lily bench at LILY_GPU_CONTEXTS (default 256 2048)
 #                           and served streams (LILY_GPU_STREAMS, --max-batch 32), new then base
@@ -107,10 +108,12 @@ if has throughput; then
     2>&1 | grep -E "timing\]|FAILED" | grep -v realdims | tee "$OUT/big-throughput.log"
 fi
 if has rows; then
-  echo "== test_batched_decode (both GEMV modes) and test_kernel_switches"
-  timeout 300 "$BUILD/tests/test_batched_decode" >"$OUT/rows-kernels.log" 2>&1 || status=1
-  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|Which is|differ|timing\]" "$OUT/rows-kernels.log" | head -60
-  timeout 60 "$BUILD/tests/test_kernel_switches" 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure" || status=1
+  if [[ "${LILY_GPU_ROWS_KERNEL_TESTS:-1}" == 1 ]]; then  # 0: only the configurations below
+    echo "== test_batched_decode (both GEMV modes) and test_kernel_switches"
+    timeout 300 "$BUILD/tests/test_batched_decode" >"$OUT/rows-kernels.log" 2>&1 || status=1
+    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|Which is|differ|timing\]" "$OUT/rows-kernels.log" | head -60
+    timeout 60 "$BUILD/tests/test_kernel_switches" 2>&1 | grep -E "^\[  (PASSED|FAILED) |Failure" || status=1
+  fi
   # Each configuration: "rows-GEMV-from,prefill-rows" (LILY_CUDA_ROWS_GEMV_FROM, LILY_CUDA_PREFILL_ROWS).
   for cfg in ${LILY_GPU_ROWS_CONFIGS:-33,0 2,0 2,1}; do
     from="${cfg%,*}" prows="${cfg#*,}"
