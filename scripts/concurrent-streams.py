@@ -10,6 +10,10 @@ against the same requests one after another. Standard library only (the GPU mach
 package registry).
 
 Usage: scripts/concurrent-streams.py --url http://127.0.0.1:8080 [--streams 8] [--tokens 256]
+       [--prompt-words 0]
+--prompt-words N lengthens each prompt by N words (" memory" repeated, one token each with the
+Qwen tokenizer), for the batching contract's 256-token prompts; each prompt starts with its
+request number, so no two share more than the chat template's prefix.
 """
 import argparse
 import http.client
@@ -27,7 +31,8 @@ def served_model(url):
 
 
 def one_stream(url, model, prompt, tokens, start, out, index):
-    """Streams one chat completion; stores (first token s, last token s, tokens) in out[index]."""
+    """Streams one chat completion; stores (first token s, last token s, tokens, HTTP status, prompt
+    tokens) in out[index]."""
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
     body = json.dumps({"model": model, "stream": True, "max_tokens": tokens, "temperature": 0,
@@ -38,7 +43,7 @@ def one_stream(url, model, prompt, tokens, start, out, index):
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
     first = last = None
-    count = 0
+    count = prompt_tokens = 0
     for raw in resp:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -50,8 +55,9 @@ def one_stream(url, model, prompt, tokens, start, out, index):
                 first = now if first is None else first
         if chunk.get("usage"):
             count = chunk["usage"]["completion_tokens"]
+            prompt_tokens = chunk["usage"]["prompt_tokens"]
     last = time.time() - t0
-    out[index] = (first, last, count, resp.status)
+    out[index] = (first, last, count, resp.status, prompt_tokens)
 
 
 def main():
@@ -59,11 +65,13 @@ def main():
     ap.add_argument("--url", required=True)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--prompt-words", type=int, default=0)
     args = ap.parse_args()
+    padding = " memory" * args.prompt_words
     start = threading.Event()
     out = [None] * args.streams
     model = served_model(args.url)
-    threads = [threading.Thread(target=one_stream, args=(args.url, model, f"Request {i}: tell me about GPUs and memory.",
+    threads = [threading.Thread(target=one_stream, args=(args.url, model, f"Request {i}: tell me about GPUs and memory.{padding}",
                                                         args.tokens, start, out, i)) for i in range(args.streams)]
     for t in threads:
         t.start()
@@ -73,10 +81,10 @@ def main():
         t.join()
     wall = time.time() - t0
     total = 0
-    for i, (first, last, count, status) in enumerate(out):
+    for i, (first, last, count, status, prompt_tokens) in enumerate(out):
         total += count
         print(f"[streams] request {i}: status {status}, first text {first or float('nan'):.3f} s, "
-              f"done {last:.3f} s, {count} tokens")
+              f"done {last:.3f} s, {count} tokens after a {prompt_tokens}-token prompt")
     ends = sorted(o[1] for o in out)
     print(f"[streams] {args.streams} streams of {args.tokens} tokens: {total} tokens in {wall:.2f} s = "
           f"{total / wall:.1f} tok/s aggregate; done: first {ends[0]:.3f} s, last {ends[-1]:.3f} s")

@@ -39,7 +39,8 @@
 # The streams step makes the 35b-a3b synth (with the demo tokenizer) under /tmp/lily-35b-tok,
 # serves it with --max-batch LILY_GPU_MAX_BATCH (default 32) and sends LILY_GPU_STREAMS (default
 # "8 32") concurrent streams of LILY_GPU_STREAM_TOKENS (default 128) tokens, batched decode off
-# and on (scripts/concurrent-streams.py).
+# and on (scripts/concurrent-streams.py; LILY_GPU_PROMPT_WORDS lengthens each prompt by that many
+# one-token words, e.g. 236 for the batching contract's 256-token prompts).
 set -uo pipefail
 export LILY_GPU_BUILD="${LILY_GPU_BUILD:-/tmp/lily-build}"
 source "$(dirname "$0")/gpu-common.sh"
@@ -93,7 +94,7 @@ serve_streams() {
   for n in ${LILY_GPU_STREAMS:-8 32}; do
     echo "== served streams, $label: $n × ${LILY_GPU_STREAM_TOKENS:-128} tokens"
     timeout 120 python3 scripts/concurrent-streams.py --url "http://127.0.0.1:$port" --streams "$n" \
-      --tokens "${LILY_GPU_STREAM_TOKENS:-128}" 2>&1 | tail -3 || status=1
+      --tokens "${LILY_GPU_STREAM_TOKENS:-128}" --prompt-words "${LILY_GPU_PROMPT_WORDS:-0}" 2>&1 | tail -3 || status=1
   done
   grep -E "prefix cache" "$log" | head -1
   kill -INT "$pid"

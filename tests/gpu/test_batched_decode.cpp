@@ -160,7 +160,8 @@ TEST(CudaBatchedDecode, RowsGemvStagingThresholdRefusesZeroRows) {
 
 /// The batched decode's 4-bit GEMVs at the 35B-A3B shapes for m = 1 … 32 rows, in the streaming
 /// kernel's direct mode and its rows mode: µs per launch (events, after a warm-up) and the rows
-/// mode's rate in weight bytes. Printed, never asserted.
+/// mode's rate in weight bytes. Printed, never asserted. The LM head's shape (more than
+/// kRowsModeMaxWeightRows rows) takes the direct mode in both columns.
 TEST(CudaTiming, PrintsGemvRowsTimes) {
   struct Shape {
     const char* name;

@@ -74,13 +74,14 @@ TEST(KernelSwitches, EveryFieldReachesItsSwitch) {
 }
 
 TEST(KernelSwitches, RowsGemvFromReachesItsSetting) {
-  EXPECT_EQ(cuda::rows_gemv_staging_min_rows(), CudaOptions::kRowsGemvNever);
+  cuda::apply_kernel_switches(CudaOptions{});
+  EXPECT_EQ(cuda::rows_gemv_staging_min_rows(), cuda::kRowsGemvFromDefault);
   CudaOptions o;
   o.rows_gemv_from = 9;
   cuda::apply_kernel_switches(o);
   EXPECT_EQ(cuda::rows_gemv_staging_min_rows(), 9);
   cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_EQ(cuda::rows_gemv_staging_min_rows(), CudaOptions::kRowsGemvNever);
+  EXPECT_EQ(cuda::rows_gemv_staging_min_rows(), cuda::kRowsGemvFromDefault);
   for (int bad : {0, CudaOptions::kRowsGemvNever + 1}) {
     o.pdl = false;
     o.rows_gemv_from = bad;

@@ -70,6 +70,16 @@ bool router_gemm_supported(const DeviceQuant& w);
 /// Most token rows one batched decode forward takes (one per sequence): the row GEMVs, the
 /// mixers' row launches, the MoE block and the LM head take them all at once.
 inline constexpr int kMaxDecodeRows = 32;
+/// The default of rows_gemv_staging_min_rows() (CudaOptions::rows_gemv_from): on an H200 at the
+/// 35B-A3B shapes, from 2 rows on the rows mode takes less time per layer than the direct mode
+/// (in-projection + out-projection at 2 rows 19.4 against 20.3 µs, at 32 rows 63.2 against 87.7),
+/// at 1 row more (18.6 against 17.7).
+inline constexpr int kRowsGemvFromDefault = 2;
+/// Matrices with more rows than this take the direct mode at any row count: the LM head (248,320
+/// rows) ran slower in the rows mode at every m on an H200 (1 row 193 against 139 µs, 32 rows 484
+/// against 374), its long weight stream wanting the direct mode's several blocks per SM more than
+/// rows staged once.
+inline constexpr int64_t kRowsModeMaxWeightRows = 65536;
 /// Most rows one launch_moe_block_rows takes: a batched decode step's rows (kMaxDecodeRows).
 inline constexpr int kMaxMoeRows = 32;
 
@@ -203,9 +213,10 @@ bool gemv_row_tiles_enabled();
 void set_gemv_row_tiles_enabled(bool on);
 
 /// Rows from which launch_quant_gemv_rows runs the streaming GEMV in its rows mode (the rows
-/// staged once per block) instead of its direct mode (each tile reading them from L2). Both give a
-/// row the same bits, so this is a speed setting only: CudaOptions::rows_gemv_from
-/// (LILY_CUDA_ROWS_GEMV_FROM), by default kMaxDecodeRows + 1 (never).
+/// staged once per block) instead of its direct mode (each tile reading them from L2), for
+/// matrices of at most kRowsModeMaxWeightRows rows. Both give a row the same bits, so this is a
+/// speed setting only: CudaOptions::rows_gemv_from (LILY_CUDA_ROWS_GEMV_FROM), by default
+/// kRowsGemvFromDefault; kMaxDecodeRows + 1 means never.
 int rows_gemv_staging_min_rows();
 /// Sets rows_gemv_staging_min_rows() for the rest of the process (tests and timings of both
 /// modes; kMaxDecodeRows + 1 keeps the direct mode for every m). Throws lily::Error for n < 1.

@@ -25,9 +25,8 @@ std::atomic<bool> g_flash_prefill{true};
 std::atomic<bool> g_device_sampler{true};
 std::atomic<bool> g_gemv_row_tiles{true};
 std::atomic<bool> g_gdn_chunk_parallel{true};
-/// The batched GEMV's rows-mode threshold (rows_gemv_staging_min_rows): never until an H200 run
-/// has measured the rows mode (CudaOptions::rows_gemv_from).
-std::atomic<int> g_rows_gemv_staging_min_rows{kMaxDecodeRows + 1};
+/// The batched GEMV's rows-mode threshold (rows_gemv_staging_min_rows, CudaOptions::rows_gemv_from).
+std::atomic<int> g_rows_gemv_staging_min_rows{kRowsGemvFromDefault};
 
 /// What the driver was told and answered per kernel; guarded by `mutex`.
 struct LaunchFacts {
