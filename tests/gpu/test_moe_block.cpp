@@ -468,9 +468,10 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-// Where one fused MoE block's time goes, for 1 and 8 rows: the %globaltimer phase stamps of
-// every block of layer 20 of the 40-layer graph chain, relative to the first block's entry; per
-// phase the earliest, median and latest block (printed, never asserted).
+// Where one fused MoE block's time goes, for 1, 8 and 32 rows: the %globaltimer phase stamps of
+// every block of the last layer of the 40-layer graph chain (whose routing stays in the chain's
+// ids buffer), relative to the first block's entry; per phase the earliest, median and latest
+// block (printed, never asserted).
 void print_moe_phases(int rows) {
   const PdlSetting keep;
   keep.set(true);
@@ -482,7 +483,7 @@ void print_moe_phases(int rows) {
   constexpr int S = cuda::kMoeTraceSlots;
   DeviceBuffer trace(size_t(blocks) * S * 8);
   trace.fill_bytes(0);
-  chain.traced = 20;
+  chain.traced = chain.blocks - 1;
   chain.trace = trace.as<uint64_t>();
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -517,18 +518,71 @@ void print_moe_phases(int rows) {
   std::printf("\n");
   if (chain.rows_kernel) {
     const int tiles_per_item = chain.m.ffn / 8;
+    // The live columns of every column block (the rows routed to its expert, ≤ 8 a block), in the
+    // kernel's order: the shared expert's blocks, then the routed experts' in ascending id. A
+    // tile's B fragments load one activation row per live column, so a block whose tiles sit in
+    // full column blocks loads more than one with the same tile count.
+    const int n_sel = chain.m.k + 1;
+    const std::vector<int32_t> ids = download_i32(chain.m.ids, int64_t(rows) * n_sel);
+    std::vector<int> live, routed_rows(size_t(chain.m.E), 0);
+    auto add_blocks = [&](int n) {
+      for (int c = 0; c < n; c += 8) live.push_back(std::min(8, n - c));
+    };
+    add_blocks(rows);
+    for (int r = 0; r < rows; ++r)
+      for (int s = 0; s < chain.m.k; ++s) ++routed_rows.at(size_t(ids[size_t(r) * n_sel + s]));
+    for (int n : routed_rows)
+      if (n > 0) add_blocks(n);
+    auto live_of_tile = [&](int j) { return size_t(j / tiles_per_item) < live.size() ? live[size_t(j / tiles_per_item)] : 0; };
     auto work = [&](const char* what, int i) {
       const auto [us, b] = gate_up[i];
       const uint64_t w = at(b, cuda::kMoeTraceWork);
       const int sm = int(w >> 48), tiles = int(w >> 32 & 0xffff), shared = int(w >> 16 & 0xffff), first = int(w & 0xffff);
       const int routed = tiles - shared;
-      std::printf("[timing] moe block %d rows, %-7s b%-3d %7.2f us  SM %3d  tiles %3d (shared %d)  column blocks %d … %d\n",
+      int live_sum = 0;
+      for (int s = 0; s < shared; ++s) live_sum += live_of_tile(b + s * blocks);
+      for (int j = first; j < first + routed; ++j) live_sum += live_of_tile(j);
+      std::printf("[timing] moe block %d rows, %-7s b%-3d %7.2f us  SM %3d  tiles %3d (shared %d)  column blocks %d … %d"
+                  "  live columns %d (%.2f a tile)\n",
                   rows, what, b, us, sm, tiles, shared, first / tiles_per_item,
-                  routed > 0 ? (first + routed - 1) / tiles_per_item : first / tiles_per_item);
+                  routed > 0 ? (first + routed - 1) / tiles_per_item : first / tiles_per_item, live_sum,
+                  tiles > 0 ? double(live_sum) / tiles : 0.0);
     };
     for (int i = 0; i < 6; ++i) work("slowest", i);
     work("median", blocks / 2);
     for (int i = blocks - 3; i < blocks; ++i) work("fastest", i);
+    // Over every block: the least-squares line gate/up µs = a + b·tiles + c·live columns, so the
+    // cost of a live column against a tile can be read off (a block split by both would balance).
+    double s[3][3] = {}, y[3] = {};
+    for (const auto& [us, b] : gate_up) {
+      const uint64_t w = at(b, cuda::kMoeTraceWork);
+      const int tiles = int(w >> 32 & 0xffff), shared = int(w >> 16 & 0xffff), first = int(w & 0xffff);
+      int live_sum = 0;
+      for (int i = 0; i < shared; ++i) live_sum += live_of_tile(b + i * blocks);
+      for (int j = first; j < first + tiles - shared; ++j) live_sum += live_of_tile(j);
+      const double v[3] = {1.0, double(tiles), double(live_sum)};
+      for (int r = 0; r < 3; ++r) {
+        y[r] += v[r] * us;
+        for (int c = 0; c < 3; ++c) s[r][c] += v[r] * v[c];
+      }
+    }
+    // Gaussian elimination on the 3×3 normal equations (printed only; a singular system prints NaN).
+    for (int p = 0; p < 3; ++p)
+      for (int r = p + 1; r < 3; ++r) {
+        const double f = s[r][p] / s[p][p];
+        for (int c = p; c < 3; ++c) s[r][c] -= f * s[p][c];
+        y[r] -= f * y[p];
+      }
+    double coef[3];
+    for (int r = 2; r >= 0; --r) {
+      double acc = y[r];
+      for (int c = r + 1; c < 3; ++c) acc -= s[r][c] * coef[c];
+      coef[r] = acc / s[r][r];
+    }
+    std::printf("[timing] moe block %d rows, gate/up per block ≈ %.2f + %.3f·tiles + %.3f·live columns us (%zu column blocks, "
+                "%zu of them full)\n",
+                rows, coef[0], coef[1], coef[2], live.size(),
+                size_t(std::count(live.begin(), live.end(), 8)));
   }
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaStreamDestroy(stream));
