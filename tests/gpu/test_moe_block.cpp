@@ -419,6 +419,33 @@ TEST(CudaMoeBlock, ChainWithPdlAndGraphReplaysMatchesPlainLaunches) {
   check_chain(256, 8, 2048, 512, 75, 8);
 }
 
+// The rows kernel's split of the routed gate/up tiles by cost (cuda::moe_tile_balance) only moves
+// tiles between blocks: 8- and 32-row chains of 4 layers give the bits of the equal split for
+// every weight, the largest giving every tile nearly the same cost.
+TEST(CudaMoeBlock, RowsKernelTileBalanceKeepsTheBits) {
+  const PdlSetting keep;
+  keep.set(true);
+  const ScopedSwitch<int> balance(cuda::moe_tile_balance, cuda::set_moe_tile_balance);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int rows : {8, 32}) {
+    std::mt19937_64 rng(76);
+    MoeBlockChain chain(256, 8, 2048, 512, 4, rng, rows);
+    std::vector<uint32_t> want;
+    for (int w : {0, 1, 4, 16, 1024}) {
+      balance.set(w);
+      chain.reset();
+      chain.enqueue(stream);
+      const std::vector<float> got = chain.result();
+      for (float v : got) ASSERT_FALSE(std::isnan(v)) << rows << " rows, balance " << w;
+      if (want.empty()) want = bits_of(got);
+      else EXPECT_EQ(bits_of(got), want) << rows << " rows, balance " << w;
+    }
+  }
+  EXPECT_THROW(cuda::set_moe_tile_balance(-1), Error);
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 // Per-layer time of the decode MoE block, fused vs the three kernels it replaces, as a chain of
 // 40 blocks replayed from a CUDA graph with PDL (printed for docs/performance, never asserted).
 TEST(CudaTiming, PrintsMoeBlockTimes) {
@@ -464,6 +491,19 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
     std::printf("[timing] moe block x%d graph+PDL, rows kernel, %d rows %8.2f us per layer\n", kLayers, rows,
                 graph_replay_us(exec, stream, kReps) / kLayers);
     CUDA_CHECK(cudaGraphExecDestroy(exec));
+  }
+  // The routed tiles split by cost (moe_tile_balance w: a tile costs w + its live columns; 0:
+  // equal tile counts), the same chain for every w.
+  const ScopedSwitch<int> balance(cuda::moe_tile_balance, cuda::set_moe_tile_balance);
+  for (int rows : {8, 16, 32}) {
+    MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
+    for (int w : {0, 1, 2, 4, 8, 16, 32, 0}) {
+      balance.set(w);
+      cudaGraphExec_t exec = capture_graph(stream, [&](cudaStream_t st) { rchain.enqueue(st); });
+      std::printf("[timing] moe block x%d graph+PDL, rows kernel, %d rows, tile balance %2d %8.2f us per layer\n", kLayers,
+                  rows, w, graph_replay_us(exec, stream, kReps) / kLayers);
+      CUDA_CHECK(cudaGraphExecDestroy(exec));
+    }
   }
   CUDA_CHECK(cudaStreamDestroy(stream));
 }

@@ -222,6 +222,15 @@ int rows_gemv_staging_min_rows();
 /// modes; kMaxDecodeRows + 1 keeps the direct mode for every m). Throws lily::Error for n < 1.
 void set_rows_gemv_staging_min_rows(int n);
 
+/// How the MoE rows kernel (launch_moe_block_rows) splits the routed gate/up tiles over its
+/// blocks: 0, equal tile counts; w > 0, equal cost, a tile costing w + its live columns (the rows
+/// routed to its column block, 1 … 8, each of which the tile's fragment loads read on their own).
+/// Which tiles a block computes never changes a result's bits. Read when a launch is planned.
+int moe_tile_balance();
+/// Sets moe_tile_balance() for the rest of the process (tests and timings). Throws lily::Error
+/// for w < 0 or w > 1024.
+void set_moe_tile_balance(int w);
+
 /// Fused gate/up + SwiGLU for the selected experts (docs/model.md §4.3 item 5): for each slot
 /// k < n_sel of token row t, expert e = ids[t·n_sel + k]: g = bf16(W_gate[e] x), u = bf16(W_up[e] x),
 /// act[t, k, i] = bf16(silu(g_i)·u_i). gate/up: stacks of (n_experts + 1)·ffn rows (shared expert

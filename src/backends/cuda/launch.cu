@@ -27,6 +27,8 @@ std::atomic<bool> g_gemv_row_tiles{true};
 std::atomic<bool> g_gdn_chunk_parallel{true};
 /// The batched GEMV's rows-mode threshold (rows_gemv_staging_min_rows, CudaOptions::rows_gemv_from).
 std::atomic<int> g_rows_gemv_staging_min_rows{kRowsGemvFromDefault};
+/// The MoE rows kernel's tile split (moe_tile_balance).
+std::atomic<int> g_moe_tile_balance{0};
 
 /// What the driver was told and answered per kernel; guarded by `mutex`.
 struct LaunchFacts {
@@ -85,6 +87,12 @@ int rows_gemv_staging_min_rows() { return g_rows_gemv_staging_min_rows.load(std:
 void set_rows_gemv_staging_min_rows(int n) {
   if (n < 1) throw ::lily::Error("set_rows_gemv_staging_min_rows: " + std::to_string(n) + " rows (at least 1)");
   g_rows_gemv_staging_min_rows.store(n, std::memory_order_relaxed);
+}
+
+int moe_tile_balance() { return g_moe_tile_balance.load(std::memory_order_relaxed); }
+void set_moe_tile_balance(int w) {
+  if (w < 0 || w > 1024) throw ::lily::Error("set_moe_tile_balance: " + std::to_string(w) + " (0 … 1024)");
+  g_moe_tile_balance.store(w, std::memory_order_relaxed);
 }
 
 bool gdn_chunk_parallel_enabled() { return g_gdn_chunk_parallel.load(std::memory_order_relaxed); }

@@ -103,6 +103,7 @@ struct MoeLayout {
   int max_items = 0;               ///< column blocks of a step at most (below)
   int quad_stages = 0, dn_stages = 0;  ///< gate/up ring slots per quad; down stages (one per warp)
   int late_dn = 0;                     ///< down stages in the gate/up ring's tail (phase 4 only)
+  int balance = 0;                     ///< moe_tile_balance() at planning (routed_tile_bound)
   int64_t bars = 0, sel_ids = 0, sel_w = 0, list = 0, rows_of = 0, pair_start = 0, item_start = 0, item_expert = 0,
           item_span = 0, pair_d = 0, pairs_of = 0, word_prefix = 0;
   int64_t gu_ring = 0, asum = 0, late_ring = 0, dn_ring = 0, xsums = 0, gu_part = 0, dn_part = 0;
@@ -265,12 +266,59 @@ __host__ __device__ inline int router_splits(int rows, int blocks, int n_experts
   return fit < 1 ? 1 : (fit < most ? fit : most);
 }
 
+/// Warp 0 of a block: the first routed gate/up tile of each of blocks b and b + 1 when the routed
+/// tiles are split over G blocks by cost, a tile of column block i costing w + its live columns
+/// (item_span's low byte), in every lane: {first, end}. Not inlined, so that the kernel's
+/// registers stay those of the equal split (which needs none of this). Routed tile r (0 … n_routed − 1)
+/// is tile r mod tiles_per_item of column block shared_items + r / tiles_per_item. A block's
+/// share starts at the first tile whose cost prefix reaches b·C / G (C the total), so the shares
+/// of blocks 0 … G − 1 are disjoint, in order, and cover every routed tile; every block computes
+/// the same bounds from the same routing.
+__device__ __noinline__ longlong2 routed_tile_bounds(const int32_t* item_span, int shared_items, int n_items,
+                                                    int tiles_per_item, int w, int b, int G) {
+  const int lane = threadIdx.x % kWarp;
+  const int n = n_items - shared_items;  // routed column blocks
+  const int per = (n + kWarp - 1) / kWarp, i0 = min(lane * per, n), i1 = min(i0 + per, n);
+  auto cost = [&](int i) { return int64_t{w + (item_span[shared_items + i] & 0xff)}; };  // per tile
+  int64_t mine = 0;
+  for (int i = i0; i < i1; ++i) mine += cost(i) * tiles_per_item;
+  int64_t prefix = mine;  // inclusive scan over the lanes
+#pragma unroll
+  for (int o = 1; o < kWarp; o *= 2) {
+    const int64_t v = __shfl_up_sync(0xffffffffu, prefix, o);
+    if (lane >= o) prefix += v;
+  }
+  const int64_t total = __shfl_sync(0xffffffffu, prefix, kWarp - 1);
+  prefix -= mine;  // this lane's first column block's cost prefix
+  auto bound = [&](int64_t target) {
+    // The smallest routed tile whose cost prefix is ≥ target: in the first column block whose
+    // last tile's prefix reaches it (the lowest lane holding one), else n_routed.
+    int64_t r = int64_t{n} * tiles_per_item, p = prefix;
+    bool hit = false;
+    for (int i = i0; i < i1 && !hit; ++i) {
+      const int64_t c = cost(i);
+      if (p + (tiles_per_item - 1) * c >= target) {
+        const int64_t k = target <= p ? 0 : (target - p + c - 1) / c;
+        r = int64_t{i} * tiles_per_item + k;
+        hit = true;
+      }
+      p += c * tiles_per_item;
+    }
+    const uint32_t hits = __ballot_sync(0xffffffffu, hit);
+    return hits ? __shfl_sync(0xffffffffu, r, __ffs(hits) - 1) : int64_t{n} * tiles_per_item;
+  };
+  const int64_t first = bound(int64_t{b} * total / G);
+  const int64_t end = b + 1 == G ? int64_t{n} * tiles_per_item : bound(int64_t{b + 1} * total / G);
+  return make_longlong2(first, end);
+}
+
 /// grid: blocks ≤ one per SM (all resident), block kBlockThreads. See the file comment.
 template <int RBITS>
 __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArgs a, MoeLayout l) {
   extern __shared__ __align__(16) unsigned char sm[];
   __shared__ uint32_t used[kUsedWords];
   __shared__ int n_distinct_s, n_items_s;
+  __shared__ int64_t routed_first_s, routed_end_s;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
   const int G = gridDim.x, b = blockIdx.x, m = l.rows, k = a.top_k, n_sel = l.n_sel, E = a.n_experts;
   const int pairs = m * n_sel;
@@ -459,8 +507,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   __syncthreads();
   const int n_items = n_items_s;
   const int64_t n_routed = int64_t{n_items} * l.gu_per_slot - shared_tiles;  // routed gate/up tiles
+  int64_t routed_end = (b + 1) * n_routed / G;
   chunk0 = b * n_routed / G;
-  const int my_gu = my_shared + static_cast<int>((b + 1) * n_routed / G - chunk0);
+  if (l.balance > 0) {  // by cost instead of count (moe_tile_balance)
+    if (warp == 0) {
+      const longlong2 r = routed_tile_bounds(item_span, shared_tiles / l.gu_per_slot, n_items, l.gu_per_slot, l.balance, b, G);
+      if (lane == 0) routed_first_s = r.x, routed_end_s = r.y;
+    }
+    __syncthreads();
+    chunk0 = routed_first_s;
+    routed_end = routed_end_s;
+  }
+  const int my_gu = my_shared + static_cast<int>(routed_end - chunk0);
   const int dn_items = my_rt * n_items;  // (row tile, column block), flattened
   // Phase 4's down stages: warp w < dn_warps computes items w, w + dn_warps, … and owns stages w,
   // w + dn_warps, … (dn_per_warp of them); stage s first holds item s.
@@ -646,6 +704,7 @@ MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
     else --qs;
     p.layout = moe_layout(a.rows, hidden, ffn, E, k, qs, dn);
   }
+  p.layout.balance = moe_tile_balance();
   p.kernel = a.router.bits == 8 ? moe_rows_kernel<8> : moe_rows_kernel<4>;
   if (std::string why = fit_problem(p.kernel, p.layout.total); !why.empty()) return no(why);
   return p;
