@@ -77,9 +77,12 @@ for mode in off on; do
   has "$mode" || continue
   echo "== ctest -L gpu, LILY_CUDA_BATCHED_DECODE=$([[ $mode == on ]] && echo 1 || echo 0)"
   LILY_CUDA_BATCHED_DECODE=$([[ $mode == on ]] && echo 1 || echo 0) timeout 540 \
-    ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 520 >"$OUT/ctest-gpu-$mode.log" 2>&1 || status=1
+    ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 520 ${LILY_GPU_CTEST_VERBOSE:+-V} \
+    >"$OUT/ctest-gpu-$mode.log" 2>&1 || status=1
   grep -E "Test +#|tests passed|tests failed" "$OUT/ctest-gpu-$mode.log" | tail -14
   grep -E "FAILED|Failure|Expected|Which is" "$OUT/ctest-gpu-$mode.log" | head -30
+  # LILY_GPU_CTEST_VERBOSE=1: every test's output is in the log, so the MoE timings need no "moe" step.
+  [[ -n "${LILY_GPU_CTEST_VERBOSE:-}" ]] && grep -E "\[timing\] moe block" "$OUT/ctest-gpu-$mode.log" | sed 's/^[0-9]*: //' | head -70
 done
 M=/tmp/lily-35b-tok
 # serve_streams LABEL PORT LOG COMMAND...: starts COMMAND (a `lily serve` on PORT, output to LOG),
