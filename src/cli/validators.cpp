@@ -40,10 +40,8 @@ CLI::Validator integer_validator(long long min, long long max, const std::string
 
 void add_cuda_settings(CLI::App* cmd, std::vector<std::string>& settings) {
   cmd->add_option("--cuda", settings,
-                  "CUDA backend option NAME=VALUE, repeatable, over its LILY_CUDA_* variable: fuse, pdl, stream-gemv, "
-                  "flash-prefill, device-sampler, gemv-row-tiles, gdn-chunk-parallel, gdn-local-mma, gdn-state-mma, "
-                  "prefill, gemm, gemm-kernel, fused-moe, batched-decode, chunk, max-batch, rows-gemv-from, "
-                  "prefill-rows (docs/cuda.md)")
+                  "CUDA backend option NAME=VALUE, repeatable, over its LILY_CUDA_* variable: " + CudaOptions::names() +
+                      " (docs/cuda.md)")
       ->check(CLI::Validator(
           [](std::string& text) -> std::string {
             try {

@@ -277,6 +277,8 @@ struct CudaOptions {
   /// from_env(), then set() for each assignment in order (so a flag overrides its variable).
   /// Throws as both.
   static CudaOptions resolve(std::span<const std::string> assignments);
+  /// The names set() takes, in describe()'s order, comma-separated ("fuse, pdl, …").
+  static std::string names();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
   /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
   /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=32
@@ -367,7 +369,6 @@ inline void CudaOptions::set(std::string_view assignment) {
   using namespace cuda_options_detail;
   const size_t eq = assignment.find('=');
   const std::string name(assignment.substr(0, eq));
-  std::string names;
   for (const Field& f : fields()) {
     if (name == f.name) {
       if (eq == std::string_view::npos)
@@ -375,10 +376,14 @@ inline void CudaOptions::set(std::string_view assignment) {
       f.set(*this, "--cuda " + name, std::string(assignment.substr(eq + 1)));
       return;
     }
-    if (!names.empty()) names += ", ";
-    names += f.name;
   }
-  throw Error("--cuda '" + std::string(assignment) + "': unknown option '" + name + "'; the options are " + names);
+  throw Error("--cuda '" + std::string(assignment) + "': unknown option '" + name + "'; the options are " + names());
+}
+
+inline std::string CudaOptions::names() {
+  std::string out;
+  for (const cuda_options_detail::Field& f : cuda_options_detail::fields()) out += (out.empty() ? "" : ", ") + std::string(f.name);
+  return out;
 }
 
 inline CudaOptions CudaOptions::resolve(std::span<const std::string> assignments) {

@@ -600,6 +600,8 @@ class CudaBackend final : public Backend {
     allocate_scratch();
     fused_moe_ = options_.fused_moe && fuse_decode_ && fused_moe_supported();
     batched_fused_moe_ = fused_moe_ && fused_moe_supported(kMaxMoeRows);
+    routers_on_gemm_ = true;
+    for (const auto& lw : model_->layers) routers_on_gemm_ = routers_on_gemm_ && router_gemm_supported(lw.router);
     // The kernel layer's switches (kernels.h, mixer_kernels.h, quant_gemm.h) are process-wide:
     // set here from this backend's options, every one of them, so the environment is read and
     // validated once, by CudaOptions::from_env. The last backend constructed sets them.
@@ -1560,11 +1562,7 @@ class CudaBackend final : public Backend {
   /// the register-dequant or the shared-tile kernel by the token count, which round differently).
   /// The GEMV path (LILY_CUDA_GEMM=gemv) picks its kernel by the token count too.
   bool prefill_rows_keep_bits() const {
-    if (!tensor_core_gemm_ || gemm_kernel() == GemmKernel::kAll) return false;
-    const ModelConfig& c = config();
-    for (int l = 0; l < c.n_layers; ++l)
-      if (!router_gemm_supported(model_->layers[l].router)) return false;
-    return true;
+    return tensor_core_gemm_ && routers_on_gemm_ && gemm_kernel() != GemmKernel::kAll;
   }
 
   /// The LM head on row `row` of the last prefill chunk, with decode numerics: final norm, logits,
@@ -1712,6 +1710,9 @@ class CudaBackend final : public Backend {
   /// supported at kMaxMoeRows rows (decided once, so every batch size, 1 included, takes the
   /// same arithmetic).
   bool batched_fused_moe_ = false;
+  /// Every layer's router runs on its GEMM in prefill (router_gemm_supported; decided once, at
+  /// construction, for prefill_rows_keep_bits).
+  bool routers_on_gemm_ = false;
   std::unique_ptr<PrefillScratch> prefill_scratch_;                ///< allocated at the first batched prefill
   bool tensor_core_gemm_ = options_.tensor_core_gemm;  ///< prefill projections and experts (prefill_project)
   int prefill_chunk_ = options_.prefill_chunk;         ///< tokens per prefill chunk

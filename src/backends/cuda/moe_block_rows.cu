@@ -103,7 +103,7 @@ struct MoeLayout {
   int max_items = 0;               ///< column blocks of a step at most (below)
   int quad_stages = 0, dn_stages = 0;  ///< gate/up ring slots per quad; down stages (one per warp)
   int late_dn = 0;                     ///< down stages in the gate/up ring's tail (phase 4 only)
-  int balance = 0;                     ///< moe_tile_balance() at planning (routed_tile_bound)
+  int balance = 0;                     ///< moe_tile_balance() at planning (routed_tile_bounds)
   int64_t bars = 0, sel_ids = 0, sel_w = 0, list = 0, rows_of = 0, pair_start = 0, item_start = 0, item_expert = 0,
           item_span = 0, pair_d = 0, pairs_of = 0, word_prefix = 0;
   int64_t gu_ring = 0, asum = 0, late_ring = 0, dn_ring = 0, xsums = 0, gu_part = 0, dn_part = 0;
