@@ -14,7 +14,7 @@
 #   LILY_GPU_STEPS=streams bash scripts/gpu-batched-decode.sh   # served streams, switch off/on
 #   LILY_GPU_STEPS=moe      the fused MoE block's tests and timings (under a time limit)
 #   LILY_GPU_STEPS=e2e-on   only test_cuda_e2e with the switch on (quicker than "on")
-#   LILY_GPU_STEPS=big      the 35b-a3b synth: batched throughput B = 1 … 32 and lily bench at
+#   LILY_GPU_STEPS=big      the 35b-a3b synth: batched throughput B = 1 … 64 and lily bench at
 #                           256 / 4K tokens with the switch off and on
 #   LILY_GPU_STEPS=throughput  only the 35b-a3b batched throughput printout
 #   LILY_GPU_STEPS=rows     the batched GEMV's rows mode (LILY_CUDA_ROWS_GEMV_FROM) and the
@@ -26,7 +26,8 @@
 #                           configurations only)
 #   LILY_GPU_STEPS=ab       with carry/base.tar (git archive of a baseline tree, built in
 #                           /tmp/lily-base): lily bench at LILY_GPU_CONTEXTS (default 256 2048)
-#                           and served streams (LILY_GPU_STREAMS, --max-batch 32), new then base
+#                           and served streams (LILY_GPU_STREAMS, --max-batch LILY_GPU_AB_MAX_BATCH,
+#                           default 32), new then base
 #   LILY_GPU_STEPS=prof-gemv  Nsight Compute sections (stalls, memory) of the row GEMV (or of the
 #                           kernels LILY_GPU_PROF_KERNEL names, a regex) at the first of
 #                           LILY_GPU_PROFILE_ROWS rows
@@ -40,7 +41,9 @@
 # serves it with --max-batch LILY_GPU_MAX_BATCH (default 32) and sends LILY_GPU_STREAMS (default
 # "8 32") concurrent streams of LILY_GPU_STREAM_TOKENS (default 128) tokens, batched decode off
 # and on (scripts/concurrent-streams.py; LILY_GPU_PROMPT_WORDS lengthens each prompt by that many
-# one-token words, e.g. 236 for the batching contract's 256-token prompts).
+# one-token words, e.g. 229 for the batching contract's 256-token prompts), once per value of
+# LILY_GPU_DECODE_ROWS (LILY_CUDA_DECODE_ROWS, the rows of one batched forward; default: the
+# default), e.g. "32 64" for the 64-row forward against two of 32.
 set -uo pipefail
 export LILY_GPU_BUILD="${LILY_GPU_BUILD:-/tmp/lily-build}"
 source "$(dirname "$0")/gpu-common.sh"
@@ -191,9 +194,12 @@ if has streams; then
   mb="${LILY_GPU_MAX_BATCH:-32}"  # "default": the server's own default (no --max-batch)
   batch_flags=(); [[ "$mb" != default ]] && batch_flags=(--max-batch "$mb")
   for mode in ${LILY_GPU_STREAM_MODES:-0 1}; do
-    serve_streams "batched decode $mode" $((18090 + mode)) "$OUT/serve-batched-$mode.log" \
-      env LILY_CUDA_BATCHED_DECODE=$mode ${batch_flags:+LILY_CUDA_MAX_BATCH=$mb} "$BUILD/lily" serve --backend cuda \
-      --model "$M" --port $((18090 + mode)) --max-seq 4096 "${batch_flags[@]}"
+    for rows in ${LILY_GPU_DECODE_ROWS:-default}; do  # LILY_CUDA_DECODE_ROWS: rows per batched forward
+      serve_streams "batched decode $mode, decode rows $rows" $((18090 + mode)) "$OUT/serve-batched-$mode-$rows.log" \
+        env LILY_CUDA_BATCHED_DECODE=$mode ${batch_flags:+LILY_CUDA_MAX_BATCH=$mb} \
+        $([[ $rows != default ]] && echo "LILY_CUDA_DECODE_ROWS=$rows") "$BUILD/lily" serve --backend cuda \
+        --model "$M" --port $((18090 + mode)) --max-seq 4096 "${batch_flags[@]}"
+    done
   done
 fi
 if has ab && [[ -f carry/base.tar ]]; then
@@ -213,8 +219,10 @@ if has ab && [[ -f carry/base.tar ]]; then
       echo "== $tree: lily bench --prompt-len $n"
       timeout 120 "$bin" bench --backend cuda --model "$M" --prompt-len "$n" --decode-steps 64 --rounds 3 2>&1 | tail -1
     done
-    serve_streams "$tree, --max-batch 32" 18099 "$OUT/serve-ab-$tree.log" \
-      env LILY_CUDA_MAX_BATCH=32 "$bin" serve --backend cuda --model "$M" --port 18099 --max-seq 4096 --max-batch 32
+    ab_batch="${LILY_GPU_AB_MAX_BATCH:-32}"
+    serve_streams "$tree, --max-batch $ab_batch" 18099 "$OUT/serve-ab-$tree.log" \
+      env LILY_CUDA_MAX_BATCH=$ab_batch "$bin" serve --backend cuda --model "$M" --port 18099 --max-seq 4096 \
+      --max-batch "$ab_batch"
   done
 fi
 echo "== gpu-batched-decode done, status $status"

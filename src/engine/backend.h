@@ -140,8 +140,9 @@ class Backend {
   /// that advances one sequence per step: the scheduler then runs one sequence at a time.
   virtual int max_batch() const { return 1; }
   /// Rows per step the engine runs by default (EngineOptions::max_batch 0), capped at
-  /// max_batch() by the caller: 8 by default; the CUDA backend's batched decode runs up to 32
-  /// decode rows as one forward (each weight read once for all of them), so it prefers 32.
+  /// max_batch() by the caller: 8 by default; the CUDA backend's batched decode runs up to
+  /// CudaOptions::decode_rows decode rows as one forward (each weight read once for all of them),
+  /// so it prefers that many.
   virtual int preferred_max_batch() const { return 8; }
   /// Prompt tokens per step that keep this backend's prefill efficient: the server's default
   /// token budget of a step (EngineOptions::step_tokens), where prompts are cut when requests
@@ -233,7 +234,7 @@ struct CudaOptions {
   /// docs/cuda.md.
   std::string gemm_kernel = "wgmma-mixed";
   /// LILY_CUDA_BATCHED_DECODE 1|0: the decode rows of a step run together, through one batched
-  /// forward per group of ≤ 32 rows that reads each dense weight once for all of them (a lone row
+  /// forward per group of ≤ decode_rows rows that reads each dense weight once for all of them (a lone row
   /// through the one-sequence decode graph, whose bits every batched row reproduces); or (0)
   /// each decode row through the one-sequence decode graph in turn (docs/cuda.md, "Batched
   /// steps").
@@ -244,9 +245,15 @@ struct CudaOptions {
   int prefill_chunk = 4096;
   /// LILY_CUDA_MAX_BATCH 1 … 64: the most rows (sequences) one step() may hold (every row
   /// bit-identical to the sequence alone, verified on an H200). With batched_decode the decode
-  /// rows run as one forward of up to 32 rows (on an H200, 35B-A3B shape, 256-token prompts: 8
-  /// rows 1,106 tok/s in total, 32 rows 1,362), so 32 is the default.
+  /// rows run as forwards of up to decode_rows rows (on an H200, 35B-A3B shape, 256-token
+  /// prompts: 8 rows 1,381 tok/s in total, 32 rows 2,318), so 32 is the default.
   int max_batch = 32;
+  /// LILY_CUDA_DECODE_ROWS 1 … 64: the most decode rows one batched forward takes; a step with
+  /// more runs several forwards, one after another. The same bits for every row either way. 32
+  /// (the default) is verified on an H200; above 32 the row GEMVs take two launches and the MoE
+  /// block routes in two passes, each distinct expert still read once for all its rows (64 rows:
+  /// compiled, not yet run on a GPU).
+  int decode_rows = 32;
   /// LILY_CUDA_PREFILL_ROWS 1|0: the prefill rows of a step (one per sequence, each within a
   /// prefill chunk) run as one chunk of all their tokens, so each expert and projection weight is
   /// read once for all of them, the GDN and attention per sequence; or (0) one sequence after
@@ -256,16 +263,18 @@ struct CudaOptions {
   /// request's first text came 0.49 → 0.33 s after the 8 arrived (docs/cuda.md, "Batched steps").
   bool prefill_rows = true;
   /// One more than the rows of a batched decode forward: LILY_CUDA_ROWS_GEMV_FROM's "never".
-  static constexpr int kRowsGemvNever = 33;
-  /// LILY_CUDA_ROWS_GEMV_FROM 1 … 33: the batched decode's 4-bit GEMVs stage a step's rows once
+  static constexpr int kRowsGemvNever = 65;
+  /// LILY_CUDA_ROWS_GEMV_FROM 1 … 65: the batched decode's 4-bit GEMVs stage a step's rows once
   /// per block (the streaming GEMV's rows mode) from this many rows on, instead of reading them
-  /// from L2 for every 16-row tile (its direct mode); 33: never. The same bits either way. 2 by
+  /// from L2 for every 16-row tile (its direct mode); 65: never. The same bits either way. 2 by
   /// measurement on an H200: from 2 rows on a layer's projections take less time in the rows
   /// mode, at 1 row more (docs/cuda.md, "Batched steps").
   int rows_gemv_from = 2;
 
   static constexpr int kMaxPrefillChunk = 8192;
   static constexpr int kMaxBatch = 64;
+  /// The most rows of one batched decode forward (the CUDA kernels' kMaxDecodeRows).
+  static constexpr int kMaxDecodeRows = 64;
 
   /// Reads the LILY_CUDA_* variables (unset or empty: the default). Throws lily::Error naming
   /// the variable, the value and the accepted values for anything else.
@@ -281,7 +290,7 @@ struct CudaOptions {
   static std::string names();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
   /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
-  /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=32
+  /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=32 decode-rows=32
   /// rows-gemv-from=2 prefill-rows=1", for logs and reports.
   std::string describe() const;
 };
@@ -344,6 +353,7 @@ inline std::span<const Field> fields() {
       {"batched-decode", "LILY_CUDA_BATCHED_DECODE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.batched_decode = parse_choice(l, v, "1", "0"); }},
       {"chunk", "LILY_CUDA_PREFILL_CHUNK", [](CudaOptions& o, const std::string& l, const std::string& v) { o.prefill_chunk = parse_int(l, v, 1, CudaOptions::kMaxPrefillChunk); }},
       {"max-batch", "LILY_CUDA_MAX_BATCH", [](CudaOptions& o, const std::string& l, const std::string& v) { o.max_batch = parse_int(l, v, 1, CudaOptions::kMaxBatch); }},
+      {"decode-rows", "LILY_CUDA_DECODE_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.decode_rows = parse_int(l, v, 1, CudaOptions::kMaxDecodeRows); }},
       {"rows-gemv-from", "LILY_CUDA_ROWS_GEMV_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
       {"prefill-rows", "LILY_CUDA_PREFILL_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.prefill_rows = parse_choice(l, v, "1", "0"); }},
   };
@@ -401,7 +411,8 @@ inline std::string CudaOptions::describe() const {
          " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " gemm-kernel=" + gemm_kernel +
          " fused-moe=" + (fused_moe ? "1" : "0") +
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
-         " max-batch=" + std::to_string(max_batch) + " rows-gemv-from=" + std::to_string(rows_gemv_from) +
+         " max-batch=" + std::to_string(max_batch) + " decode-rows=" + std::to_string(decode_rows) +
+         " rows-gemv-from=" + std::to_string(rows_gemv_from) +
          " prefill-rows=" + (prefill_rows ? "1" : "0");
 }
 

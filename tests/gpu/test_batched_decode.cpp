@@ -29,9 +29,10 @@ DeviceBuffer upload_array(const std::vector<T>& v) {
 
 // ---- GEMV ------------------------------------------------------------------------------------
 
-/// launch_quant_gemv_rows: token t of m rows equals token t alone (m = 1), for m = 1 …
-/// kMaxDecodeRows (1 … 4 column blocks of eight in the streaming kernel, eight rows a launch in the
-/// register-load one); the first and the last token also within the reference tolerance.
+/// launch_quant_gemv_rows: token t of m rows equals token t alone (m = 1), for m = 1 … 33 and
+/// some m up to kMaxDecodeRows (1 … 4 column blocks of eight in the streaming kernel, 32 rows a
+/// launch past that; eight rows a launch in the register-load one); the first and the last token
+/// also within the reference tolerance.
 void check_gemv_rows(int64_t rows, int cols, int bits, bool f32_out, uint64_t seed) {
   SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " " + std::to_string(bits) + "-bit" +
                (f32_out ? " fp32" : " bf16"));
@@ -48,7 +49,10 @@ void check_gemv_rows(int64_t rows, int cols, int bits, bool f32_out, uint64_t se
   };
   std::vector<std::vector<float>> alone(M);
   for (int t = 0; t < M; ++t) alone[t] = run(dx.as<bf16>() + int64_t(t) * cols, 1);
-  for (int m = 1; m <= M; ++m) {
+  std::vector<int> ms;
+  for (int m = 1; m <= 33; ++m) ms.push_back(m);
+  for (int m : {40, 57, M}) ms.push_back(m);
+  for (int m : ms) {
     const std::vector<float> all = run(dx.as<bf16>(), m);
     for (int t = 0; t < m; ++t)
       EXPECT_EQ(bit_differences(std::vector<float>(all.begin() + t * rows, all.begin() + (t + 1) * rows), alone[t]), 0)

@@ -938,11 +938,13 @@ TEST_F(CudaE2e, FusedDecodeMatchesSeparateKernels) {
 
 // ---- batched decode (CudaOptions::batched_decode, LILY_CUDA_BATCHED_DECODE=1) -----------------
 
-/// The environment's options with the batched decode on and `max_batch` rows per step.
+/// The environment's options with the batched decode on and `max_batch` rows per step, all of
+/// them in one forward.
 CudaOptions batched_options(int max_batch = 8) {
   CudaOptions o = CudaOptions::from_env();
   o.batched_decode = true;
   o.max_batch = max_batch;
+  o.decode_rows = std::min(max_batch, cuda::kMaxDecodeRows);  // every decode row of a step in one forward
   return o;
 }
 
@@ -1047,12 +1049,12 @@ void expect_same_trace(const BatchTrace& got, const BatchTrace& want, const std:
   }
 }
 
-// Batch invariance of the batched decode: B = 1 … 8, 12 and kMaxDecodeRows sequences of
+// Batch invariance of the batched decode: B = 1 … 8, 12, 32, 33 and kMaxDecodeRows sequences of
 // different lengths and KV capacities (max_seq 64: one attention split; a 1,030-token prompt: a
 // 2,048-position cache, 32 splits; the others 1,024 positions, 16 splits) prefilled in one step
 // and then decoded together give ids and logits bit-identical to each sequence decoded alone on
-// the same backend (batched too: B = 1). Past 8 rows the row GEMVs run 2–4 column blocks and the
-// MoE block one launch per 8 rows.
+// the same backend (batched too: B = 1). Past 8 rows the row GEMVs run 2–4 column blocks, past
+// 32 two launches, and the MoE block routes in two passes.
 TEST_F(CudaE2e, BatchedDecodeRowsAreBitIdenticalToEachSequenceAlone) {
   TempDir dir;
   auto w = synth("realdims", dir.path());
@@ -1067,7 +1069,7 @@ TEST_F(CudaE2e, BatchedDecodeRowsAreBitIdenticalToEachSequenceAlone) {
   }
   std::vector<BatchTrace> alone;
   for (int i = 0; i < static_cast<int>(seqs.size()); ++i) alone.push_back(run_rounds(*gpu, seqs, {i})[i]);
-  for (int B : {1, 2, 3, 4, 5, 6, 7, 8, 12, cuda::kMaxDecodeRows}) {
+  for (int B : {1, 2, 3, 4, 5, 6, 7, 8, 12, 32, 33, cuda::kMaxDecodeRows}) {
     std::vector<int> which;
     for (int i = 0; i < B; ++i) which.push_back(i);
     const std::vector<BatchTrace> together = run_rounds(*gpu, seqs, which);
@@ -1077,14 +1079,16 @@ TEST_F(CudaE2e, BatchedDecodeRowsAreBitIdenticalToEachSequenceAlone) {
 }
 
 // Sequences join (their prefill rows in the same step as the others' decode rows) and leave
-// (states destroyed) between steps; up to 10 decode rows in a step (groups of 8 and 2); one
-// sampled row and one sampled with penalties (edits uploaded per row) among greedy ones; a KV
-// cache that grows mid-way (1,020-token prompt: 16 → 32 splits, a new graph key). Every
+// (states destroyed) between steps; up to 10 decode rows in a step, as forwards of at most 4
+// (CudaOptions::decode_rows 4: 4, 4 and 2 rows); one sampled row and one sampled with penalties
+// (edits uploaded per row) among greedy ones; a KV cache that grows mid-way (1,020-token prompt: 16 → 32 splits, a new graph key). Every
 // sequence's ids and logits are bit-identical to it alone on the same backend.
 TEST_F(CudaE2e, BatchedDecodeRowsJoinLeaveAndSample) {
   TempDir dir;
   auto w = synth("realdims", dir.path());
-  auto gpu = make_cuda_backend(w, batched_options(12));
+  CudaOptions options = batched_options(12);
+  options.decode_rows = 4;
+  auto gpu = make_cuda_backend(w, options);
   const int vocab = w->config.vocab;
   SamplingParams sampled;
   sampled.temperature = 0.8f;
@@ -1209,7 +1213,7 @@ double decode_tok_s(Backend& gpu, int B, int steps, bool profile = false) {
   return tps;
 }
 
-// Prints (asserts nothing) the aggregate decode throughput of B = 1, 2, 4, 8, 16, 32 concurrent
+// Prints (asserts nothing) the aggregate decode throughput of B = 1, 2, 4, 8, 16, 32, 48, 64 concurrent
 // sequences (256-token prompts, one step() of B decode rows per token) with the batched decode
 // on and off, on realdims and, when LILY_GPU_BIG_MODEL names a 35b-a3b checkpoint, on it.
 TEST_F(CudaE2e, PrintsBatchedDecodeThroughput) {
@@ -1234,7 +1238,7 @@ TEST_F(CudaE2e, PrintsBatchedDecodeThroughput) {
       CudaOptions o = batched_options(cuda::kMaxDecodeRows);
       o.batched_decode = batched;
       auto gpu = make_cuda_backend(w, o);
-      for (int B : {1, 2, 4, 8, 16, 32}) {
+      for (int B : {1, 2, 4, 8, 16, 32, 48, 64}) {
         if (B > cuda::kMaxDecodeRows) break;
         const double tps = decode_tok_s(*gpu, B, 32);
         std::printf("[batched decode timing] %s, batched decode %s, B %d: %.1f tok/s aggregate (%.1f per sequence)\n",

@@ -280,9 +280,10 @@ MoeRowsResult run_moe_rows(MoeBlock& m, const std::vector<float>& x, const std::
   return res;
 }
 
-/// Batch invariance of the rows kernel: every row of launches of 1 … 32 rows is bit-identical
-/// (norm, logits, routing, act, output) to the same row alone through the one-token block
-/// (launch_moe_block_decode), so the batched decode gives each row the one-sequence step's bits.
+/// Batch invariance of the rows kernel: every row of launches of 1 … 33, 40, 63 and 64 rows is
+/// bit-identical (norm, logits, routing, act, output) to the same row alone through the one-token
+/// block (launch_moe_block_decode), so the batched decode gives each row the one-sequence step's
+/// bits.
 /// Rows 0 and 1 get the same input, so some experts are shared between rows; the others differ.
 void check_moe_rows(int E, int k, int hidden, int ffn, uint64_t seed, int max_blocks) {
   std::mt19937_64 rng(seed);
@@ -295,7 +296,10 @@ void check_moe_rows(int E, int k, int hidden, int ffn, uint64_t seed, int max_bl
   // The one-token block on every SM (a block's tiles then fit its shared memory; its results do
   // not depend on the block count).
   for (int r = 0; r < R; ++r) alone.push_back(run_moe_rows(m, x, branch, r, 1, 0, /*rows_kernel=*/false));
-  for (int rows = 1; rows <= R; ++rows) {
+  std::vector<int> counts;
+  for (int rows = 1; rows <= 33; ++rows) counts.push_back(rows);
+  for (int rows : {40, R - 1, R}) counts.push_back(rows);
+  for (int rows : counts) {
     const MoeRowsResult together = run_moe_rows(m, x, branch, 0, rows, max_blocks);
     for (int r = 0; r < rows; ++r) {
       const MoeRowsResult& a = alone[r];
@@ -420,7 +424,7 @@ TEST(CudaMoeBlock, ChainWithPdlAndGraphReplaysMatchesPlainLaunches) {
 }
 
 // The rows kernel's split of the routed gate/up tiles by cost (cuda::moe_tile_balance) only moves
-// tiles between blocks: 8- and 32-row chains of 4 layers give the bits of the equal split for
+// tiles between blocks: 8-, 32- and 64-row chains of 4 layers give the bits of the equal split for
 // every weight, the largest giving every tile nearly the same cost.
 TEST(CudaMoeBlock, RowsKernelTileBalanceKeepsTheBits) {
   const PdlSetting keep;
@@ -428,7 +432,7 @@ TEST(CudaMoeBlock, RowsKernelTileBalanceKeepsTheBits) {
   const ScopedSwitch<int> balance(cuda::moe_tile_balance, cuda::set_moe_tile_balance);
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (int rows : {8, 32}) {
+  for (int rows : {8, 32, 64}) {
     std::mt19937_64 rng(76);
     MoeBlockChain chain(256, 8, 2048, 512, 4, rng, rows);
     std::vector<uint32_t> want;
@@ -484,7 +488,7 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
     CUDA_CHECK(cudaGraphExecDestroy(exec));
   }
   // The rows kernel over the rows of a batched step.
-  for (int rows : {1, 2, 4, 8, 16, 32}) {
+  for (int rows : {1, 2, 4, 8, 16, 32, 48, 64}) {
     MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
     rchain.rows_kernel = true;
     cudaGraphExec_t exec = capture_graph(stream, [&](cudaStream_t st) { rchain.enqueue(st); });

@@ -574,6 +574,12 @@ class CudaBackend final : public Backend {
  public:
   CudaBackend(std::shared_ptr<const ModelWeights> weights, const CudaOptions& options) : options_(options) {
     if (!weights) throw ::lily::Error("CUDA backend: no model weights");
+    if (options_.max_batch < 1 || options_.max_batch > CudaOptions::kMaxBatch)
+      throw ::lily::Error("CudaOptions::max_batch (LILY_CUDA_MAX_BATCH) must be 1 … " +
+                          std::to_string(CudaOptions::kMaxBatch) + ", got " + std::to_string(options_.max_batch));
+    if (options_.decode_rows < 1 || options_.decode_rows > kMaxDecodeRows)
+      throw ::lily::Error("CudaOptions::decode_rows (LILY_CUDA_DECODE_ROWS) must be 1 … " +
+                          std::to_string(kMaxDecodeRows) + ", got " + std::to_string(options_.decode_rows));
     config_ = weights->config;
     check_device();
     const ModelConfig& c = config_;
@@ -715,18 +721,18 @@ class CudaBackend final : public Backend {
   /// (the default) a step's decode rows run together (decode_batch), else one after another
   /// through the per-sequence paths below; each row is bit-identical to the sequence alone.
   int max_batch() const override { return options_.max_batch; }
-  /// With the batched decode, kMaxDecodeRows: one batched forward runs that many decode rows,
-  /// each weight read once for all of them; otherwise the base default.
+  /// With the batched decode, CudaOptions::decode_rows: one batched forward runs that many
+  /// decode rows, each weight read once for all of them; otherwise the base default.
   int preferred_max_batch() const override {
-    return batched_decode_ ? kMaxDecodeRows : Backend::preferred_max_batch();
+    return batched_decode_ ? options_.decode_rows : Backend::preferred_max_batch();
   }
   int64_t preferred_step_tokens() const override { return options_.prefill_chunk; }
 
   /// Backend::step: prefill rows through the batched prefill one after another (with
   /// CudaOptions::prefill_rows, several sequences' rows in one chunk: prefill_rows); with
   /// CudaOptions::batched_decode the one-token decode rows in batched forwards of ≤
-  /// kMaxDecodeRows rows (a group of one through the decode graph), else each through the decode
-  /// graph. Validates every row first.
+  /// CudaOptions::decode_rows rows (a group of one through the decode graph), else each through
+  /// the decode graph. Validates every row first.
   std::vector<int32_t> step(std::span<const StepRow> rows) override {
     if (rows.empty()) throw ::lily::Error("step: no rows");
     if (static_cast<int>(rows.size()) > max_batch())
@@ -744,7 +750,7 @@ class CudaBackend final : public Backend {
     }
     std::vector<int32_t> next(rows.size(), -1);
     // CudaOptions::batched_decode: the one-token decode rows run after the others, through one
-    // batched forward per group of ≤ kMaxDecodeRows (decode_batch); every row touches only its
+    // batched forward per group of ≤ CudaOptions::decode_rows (decode_batch); every row touches only its
     // own state, so the order does not change any result. Probes keep the per-row path.
     const bool batched = batched_decode_ && !probe_sink_;
     // Row i alone, through the per-sequence paths.
@@ -786,8 +792,9 @@ class CudaBackend final : public Backend {
     // A group of one row takes the one-sequence decode graph: the batched forward gives every
     // row the same bits as that step (CudaE2e.BatchedDecodeMatchesPerSequenceDecode), and the
     // one-sequence step is the faster of the two for a lone row.
-    for (size_t first = 0; first < batch_rows.size(); first += kMaxDecodeRows) {
-      const size_t n = std::min<size_t>(kMaxDecodeRows, batch_rows.size() - first);
+    const size_t per_forward = static_cast<size_t>(options_.decode_rows);
+    for (size_t first = 0; first < batch_rows.size(); first += per_forward) {
+      const size_t n = std::min(per_forward, batch_rows.size() - first);
       if (n == 1) run_alone(batch_rows[first]);
       else decode_batch(rows, std::span<const size_t>(batch_rows).subspan(first, n), next);
     }

@@ -11,6 +11,7 @@
 namespace lily::cuda {
 namespace {
 
+static_assert(CudaOptions::kMaxDecodeRows == kMaxDecodeRows, "LILY_CUDA_DECODE_ROWS' limit: the rows a forward holds");
 static_assert(CudaOptions::kRowsGemvNever == kMaxDecodeRows + 1, "LILY_CUDA_ROWS_GEMV_FROM's never: more rows than a forward holds");
 static_assert(CudaOptions{}.rows_gemv_from == kRowsGemvFromDefault, "one default for the rows mode's threshold");
 

@@ -67,9 +67,14 @@ void launch_router_gemm(const DeviceQuant& w, const __nv_bfloat16* x, int m, flo
 /// Whether launch_router_gemm takes `w`: 8-bit codes, cols a positive multiple of 64.
 bool router_gemm_supported(const DeviceQuant& w);
 
-/// Most token rows one batched decode forward takes (one per sequence): the row GEMVs, the
-/// mixers' row launches, the MoE block and the LM head take them all at once.
-inline constexpr int kMaxDecodeRows = 32;
+/// Most token rows one batched decode forward takes (one per sequence): the mixers' row
+/// launches and the MoE block take them all at once, the row GEMVs and the LM head in launches of
+/// at most kMaxStreamGemvRows.
+inline constexpr int kMaxDecodeRows = 64;
+/// Most rows one launch of the streaming GEMV's direct or rows mode takes: four column blocks of
+/// eight (the MMA's N). launch_quant_gemv_rows runs more rows as several launches; a row's bits
+/// do not depend on its launch.
+inline constexpr int kMaxStreamGemvRows = 32;
 /// The default of rows_gemv_staging_min_rows() (CudaOptions::rows_gemv_from): on an H200 at the
 /// 35B-A3B shapes, from 2 rows on the rows mode takes less time per layer than the direct mode
 /// (in-projection + out-projection at 2 rows 19.4 against 20.3 µs, at 32 rows 63.2 against 87.7),
@@ -80,15 +85,17 @@ inline constexpr int kRowsGemvFromDefault = 2;
 /// against 374), its long weight stream wanting the direct mode's several blocks per SM more than
 /// rows staged once.
 inline constexpr int64_t kRowsModeMaxWeightRows = 65536;
-/// Most rows one launch_moe_block_rows takes: a batched decode step's rows (kMaxDecodeRows).
-inline constexpr int kMaxMoeRows = 32;
+/// Most rows one launch_moe_block_rows takes: a batched decode step's rows (kMaxDecodeRows), so
+/// that each distinct expert of the step is read once per eight rows routed to it.
+inline constexpr int kMaxMoeRows = 64;
 
 /// The batched decode's GEMV: x bf16 [m, cols] row-major → y [m, rows] (exactly one of y_bf16 /
 /// y_f32 non-null), 1 ≤ m ≤ kMaxDecodeRows. Batch-invariant: the kernel and every summation
 /// order are chosen from the matrix alone (never from m), so token row t's output is
 /// bit-identical for every m and whatever the other rows hold. 4-bit matrices run on tensor
 /// cores (the streaming kernel where it applies, with the rows as 1–4 column blocks of eight
-/// that share each weight fragment; else the register-load one, eight rows per launch), 8-bit
+/// that share each weight fragment, kMaxStreamGemvRows rows a launch; else the register-load
+/// one, eight rows per launch), 8-bit
 /// on CUDA cores (the tiled kernel where its staging fits). Results agree with
 /// launch_quant_gemv to its tolerance, not always bit for bit (the m = 1 path may take another
 /// kernel). Throws lily::Error as launch_quant_gemv does, lily::InternalError for m outside

@@ -1,4 +1,4 @@
-// The decode MoE block of the 1 … 32 rows of a batched decode step in one launch (docs/model.md
+// The decode MoE block of the 1 … 64 rows of a batched decode step in one launch (docs/model.md
 // §3.5, §4.3 item 5): the post-mixer add + RMSNorm, the router GEMV and top-k, the gate/up
 // projections with SwiGLU over the routed experts and the shared one, the down projections and
 // the weighted combine. The tokens are the rows of one decode step (one per sequence); each
@@ -16,8 +16,8 @@
 //     (the one-token block's norm; part 0 stores x_out, normed_out and the normed row's group
 //     sums) and computes its part of the row's router logits (the one-token block's CUDA-core
 //     router rows, held in registers from before the wait); grid barrier 0;
-//  3. every block loads the logits and the group sums in one round trip, warp w routes rows w,
-//     w + 16, … (route_token_keys), and lists the distinct experts of the step (the shared one
+//  3. every block loads the group sums and the logits (one round trip per 32 rows), warp w
+//     routes rows w, w + 16, … (route_token_keys), and lists the distinct experts of the step (the shared one
 //     first, then the routed ones in ascending id) and their column blocks: expert d's (row,
 //     slot) pairs in row order, eight at a time (the MMA's N), so an expert routed from n rows
 //     is ⌈n / 8⌉ column blocks and the shared expert ⌈rows / 8⌉;
@@ -39,7 +39,8 @@
 // code rows are staged padded (moe_block.cuh: no bank conflicts on the fragment loads), twenty
 // bulk copies that the quad's four warps share. The ring slots and the down stages are sized
 // from the row count at launch (moe_layout). Nothing per row lives in shared memory but the
-// routing and the group sums, so 32 rows fit beside a ring of eight gate/up tiles.
+// routing and the group sums, so 64 rows fit beside a ring of eight gate/up tiles (the router
+// logits are staged 32 rows at a time).
 //
 // Grid barriers are counters in global memory that the caller zeroes before every launch (a
 // memset node at the start of the decode graph), so a replay never depends on the last one.
@@ -87,8 +88,11 @@ constexpr int kMaxDownStagesPerWarp = 2;
 constexpr int kUsedWords = kMaxExperts / 32;  // the routed-expert bitmap
 /// Units of 8 act columns (16 bytes) whose sums a gate/up tile writes: one per tile.
 static_assert(kExpertRowsPerTile == 8, "a gate/up tile's act is one 16-byte unit of each column");
-static_assert(kMaxMoeRows <= 32, "the rows routed to an expert are a 32-bit mask");
-static_assert(kMaxMoeRows * kTileRows <= kBlockThreads, "the combine takes a thread per (row, output row)");
+using RowMask = unsigned long long;  // the rows routed to a distinct expert, a bit each
+static_assert(kMaxMoeRows <= 64, "the rows routed to an expert are a 64-bit mask");
+/// Rows whose router logits the routing stages in shared memory at once (the logits of 64 rows
+/// would crowd out the gate/up ring's second slot per quad); more rows route in several passes.
+constexpr int kRouteRowsPerPass = 32;
 
 /// Shapes and shared-memory offsets (bytes) of the kernel; host and device compute the same.
 struct MoeLayout {
@@ -155,8 +159,8 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   o += align16(int64_t{pairs} * 4);
   l.list = o;  // int32 [max_distinct]: distinct expert d → expert id
   o += align16(int64_t{l.max_distinct} * 4);
-  l.rows_of = o;  // uint32 [max_distinct]: the rows routed to d, a bit each
-  o += align16(int64_t{l.max_distinct} * 4);
+  l.rows_of = o;  // RowMask [max_distinct]: the rows routed to d, a bit each
+  o += align16(int64_t{l.max_distinct} * 8);
   l.pair_start = o;  // int32 [max_distinct]: d's first entry in pairs_of
   o += align16(int64_t{l.max_distinct} * 4);
   l.item_start = o;  // int32 [max_distinct]: d's first column block
@@ -181,14 +185,14 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   l.xsums = o;
   o += align16(int64_t{rows} * xsum_pitch(l.groups_h) * 4);
   // fp32 [quad][range][16 tile rows][kMmaCols]; before that (phase 2) the staging of the normed
-  // row, xs [groups_h][kGroupStride], then its group sums [groups_h]; then (routing) every row's
-  // logits, fp32 [rows][n_experts + 1]; after it (phase 4) the down partials dn_part, fp32
-  // [(row, slot)][16 tile rows].
+  // row, xs [groups_h][kGroupStride], then its group sums [groups_h]; then (routing) the logits
+  // of up to kRouteRowsPerPass rows, fp32 [rows][n_experts + 1]; after it (phase 4) the down
+  // partials dn_part, fp32 [(row, slot)][16 tile rows].
   l.gu_part = o;
   l.dn_part = o;
   const int64_t parts = int64_t{kQuads} * kBlockWarps * kTileRows * kMmaCols * 4;
   const int64_t row_staging = int64_t{l.groups_h} * (kGroupStride + 1) * 4;
-  const int64_t logits = int64_t{rows} * (n_experts + 1) * 4;
+  const int64_t logits = int64_t{rows < kRouteRowsPerPass ? rows : kRouteRowsPerPass} * (n_experts + 1) * 4;
   const int64_t down_parts = int64_t{pairs} * kTileRows * 4;
   o += align16(std::max({parts, row_staging, logits, down_parts}));
   l.total = o;
@@ -331,7 +335,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   int32_t* sel_ids = reinterpret_cast<int32_t*>(sm + l.sel_ids);  // [row][slot]
   float* sel_w = reinterpret_cast<float*>(sm + l.sel_w);
   int32_t* list = reinterpret_cast<int32_t*>(sm + l.list);
-  uint32_t* rows_of = reinterpret_cast<uint32_t*>(sm + l.rows_of);
+  RowMask* rows_of = reinterpret_cast<RowMask*>(sm + l.rows_of);
   int32_t* pair_start = reinterpret_cast<int32_t*>(sm + l.pair_start);
   int32_t* item_start = reinterpret_cast<int32_t*>(sm + l.item_start);
   int32_t* item_expert = reinterpret_cast<int32_t*>(sm + l.item_expert);
@@ -416,22 +420,25 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   trace_point(a, 3);
   grid_sync(a.barriers, G);
   trace_point(a, 4);
-  // Every row's logits into shared memory in one round trip (the row staging is free until the
-  // gate/up partials use it, and the layout makes it large enough), and the normed rows' group
-  // sums; then warp w routes rows w, w + 16, ….
-#pragma unroll 4
-  for (int i = threadIdx.x; i < m * (E + 1); i += blockDim.x) xs[i] = __ldcg(a.logits + i);
+  // The normed rows' group sums, and the logits of kRouteRowsPerPass rows at a time into shared
+  // memory, each pass in one round trip (the row staging is free until the gate/up partials use
+  // it, and the layout makes it large enough); warp w routes the pass's rows w, w + 16, ….
   for (int i = threadIdx.x; i < m * l.groups_h; i += blockDim.x)
     xsums[(i / l.groups_h) * xsum_pitch(l.groups_h) + i % l.groups_h] = __ldcg(a.normed_sums + i);
-  __syncthreads();
-  for (int r = warp; r < m; r += kBlockWarps) {
-    const float* logits = xs + r * (E + 1);
-    int32_t* ids = sel_ids + r * n_sel;
-    float* w = sel_w + r * n_sel;
-    if (E <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall, true>(logits, E, k, ids, w);
-    else route_token_keys<kRouteKeysLarge, true>(logits, E, k, ids, w);
+  for (int r0 = 0; r0 < m; r0 += kRouteRowsPerPass) {
+    const int n = min(kRouteRowsPerPass, m - r0);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < n * (E + 1); i += blockDim.x) xs[i] = __ldcg(a.logits + int64_t{r0} * (E + 1) + i);
+    __syncthreads();
+    for (int r = warp; r < n; r += kBlockWarps) {
+      const float* logits = xs + r * (E + 1);
+      int32_t* ids = sel_ids + (r0 + r) * n_sel;
+      float* w = sel_w + (r0 + r) * n_sel;
+      if (E <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall, true>(logits, E, k, ids, w);
+      else route_token_keys<kRouteKeysLarge, true>(logits, E, k, ids, w);
+    }
+    __syncthreads();  // the pass's logits are read before the next pass overwrites them
   }
-  __syncthreads();
   // The distinct experts: 0 the shared one, then the routed ones in ascending id (a bitmap and
   // its prefix counts); rows_of[d] the rows routed to d.
   for (int i = threadIdx.x; i < m * k; i += blockDim.x) {
@@ -456,7 +463,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     const int d = s == k ? 0 : 1 + word_prefix[e / 32] + __popc(used[e / 32] & ((1u << (e % 32)) - 1u));
     list[d] = s == k ? E : e;  // rows that share an expert write the same value
     pair_d[i] = static_cast<int16_t>(d);
-    atomicOr(&rows_of[d], 1u << r);
+    atomicOr(&rows_of[d], RowMask{1} << r);
     if (b == 0) {
       a.ids[i] = e;
       a.weights[i] = sel_w[i];
@@ -471,7 +478,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     const int per = (nd + kWarp - 1) / kWarp, d0 = min(lane * per, nd), d1 = min(d0 + per, nd);
     int n_pairs = 0, n_blocks = 0;
     for (int d = d0; d < d1; ++d) {
-      const int c = __popc(rows_of[d]);
+      const int c = __popcll(rows_of[d]);
       n_pairs += c;
       n_blocks += (c + kMmaCols - 1) / kMmaCols;
     }
@@ -484,7 +491,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     pi -= n_pairs;
     bi -= n_blocks;
     for (int d = d0; d < d1; ++d) {
-      const int c = __popc(rows_of[d]);
+      const int c = __popcll(rows_of[d]);
       pair_start[d] = pi;
       item_start[d] = bi;
       pi += c;
@@ -495,10 +502,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   __syncthreads();
   for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
     const int r = i / n_sel, d = pair_d[i];
-    pairs_of[pair_start[d] + __popc(rows_of[d] & ((1u << r) - 1u))] = static_cast<int16_t>(i);
+    pairs_of[pair_start[d] + __popcll(rows_of[d] & ((RowMask{1} << r) - 1))] = static_cast<int16_t>(i);
   }
   for (int d = threadIdx.x; d < nd; d += blockDim.x) {
-    const int c = __popc(rows_of[d]);
+    const int c = __popcll(rows_of[d]);
     for (int cb = 0; cb * kMmaCols < c; ++cb) {
       item_expert[item_start[d] + cb] = list[d];
       item_span[item_start[d] + cb] = (pair_start[d] + cb * kMmaCols) << 8 | min(kMmaCols, c - cb * kMmaCols);
@@ -661,8 +668,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
       }
     }
     __syncthreads();
-    if (threadIdx.x < m * kTileRows) {
-      const int r = threadIdx.x / kTileRows, row = threadIdx.x % kTileRows;
+    for (int i = threadIdx.x; i < m * kTileRows; i += blockDim.x) {  // a thread per (row, output row)
+      const int r = i / kTileRows, row = i % kTileRows;
       const float o = combine_slots(sel_w + r * n_sel, dn_part + r * n_sel * kTileRows + row, n_sel);
       a.out[int64_t{r} * l.hidden + int64_t{rt} * kTileRows + row] = to_bf16(o);
     }

@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2) quant_gemv_tiled_kernel(Devic
 
 constexpr int kMmaThreads = 256;
 constexpr int kMmaWarps = kMmaThreads / kWarp;
-static_assert(kMaxDecodeRows <= 4 * kMmaMaxTokens, "the streaming GEMV's direct mode takes up to four column blocks");
+static_assert(kMaxStreamGemvRows == 4 * kMmaMaxTokens, "the streaming GEMV's direct and rows modes take up to four column blocks");
 constexpr int kMmaBatch = 4;      // groups whose code words a warp has in flight
 
 /// Warps splitting the 64-groups of one tile (k-split): the largest power of two ≤ 8 that
@@ -478,7 +478,7 @@ struct StreamPlan {
 };
 
 /// The streaming kernel's launch for a GEMV in `mode`: 4-bit, m ≤ 8 (direct and rows: m ≤
-/// kMaxDecodeRows), cols % 512 == 0 (scale rows of whole 16-byte runs, an even split of the
+/// kMaxStreamGemvRows), cols % 512 == 0 (scale rows of whole 16-byte runs, an even split of the
 /// groups over 8 warps), 16-byte aligned arrays, and at least one stage within the shared memory
 /// the mode's blocks may take (the rows mode: a whole SM's); otherwise stages = 0.
 StreamPlan stream_gemv_plan(const DeviceQuant& w, int m, StreamMode mode = StreamMode::staged) {
@@ -486,7 +486,7 @@ StreamPlan stream_gemv_plan(const DeviceQuant& w, int m, StreamMode mode = Strea
   StreamPlan plan;
   plan.mode = mode;
   const bool blocks_of_eight = mode != StreamMode::staged;
-  if (w.bits != 4 || m > (blocks_of_eight ? kMaxDecodeRows : kMmaMaxTokens) || w.cols % 512 != 0 || !aligned(w.codes) ||
+  if (w.bits != 4 || m > (blocks_of_eight ? kMaxStreamGemvRows : kMmaMaxTokens) || w.cols % 512 != 0 || !aligned(w.codes) ||
       !aligned(w.scales) || !aligned(w.biases))
     return plan;
   plan.pad = kStreamChunkPad;
@@ -607,7 +607,7 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
 
 /// The batched decode's GEMV (launch_quant_gemv_rows): a kernel chosen by the matrix alone, so
 /// that a token row's result never depends on m. 4-bit: the streaming kernel when it applies at
-/// kMaxDecodeRows rows, its rows mode (the rows staged once per block) from
+/// kMaxStreamGemvRows rows, its rows mode (the rows staged once per block) from
 /// rows_gemv_staging_min_rows() rows on for matrices of at most kRowsModeMaxWeightRows rows, as
 /// many launches as its shared memory needs, else its
 /// direct mode (activation fragments read from global memory by the warps that use them); the
@@ -618,8 +618,14 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
 /// staging does not fit, the per-row CUDA-core kernel (grid.y = token) for every m.
 template <class OutT>
 void gemv_rows_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream) {
+  if (m > kMaxStreamGemvRows) {  // launches of kMaxStreamGemvRows rows (a row's bits are its own)
+    for (int r0 = 0; r0 < m; r0 += kMaxStreamGemvRows)
+      gemv_rows_dispatch(w, x + int64_t{r0} * w.cols, std::min(kMaxStreamGemvRows, m - r0), y + int64_t{r0} * w.rows,
+                         stream);
+    return;
+  }
   if (w.bits == 4) {
-    if (stream_gemv_enabled() && stream_gemv_plan(w, kMaxDecodeRows, StreamMode::direct).stages > 0 &&
+    if (stream_gemv_enabled() && stream_gemv_plan(w, kMaxStreamGemvRows, StreamMode::direct).stages > 0 &&
         reinterpret_cast<uintptr_t>(x) % 16 == 0) {
       const bool rows_mode = m >= rows_gemv_staging_min_rows() && w.rows <= kRowsModeMaxWeightRows;
       if (const int per = rows_mode ? rows_mode_rows_per_launch(w, m) : 0; per > 0) {

@@ -80,7 +80,7 @@ constexpr int kStreamMaxStages = 8;
 ///  - staged: the m ≤ 8 rows staged once per block (with a fused norm or conv), one column block;
 ///  - direct: each warp reads its groups' fragments from x in global memory for every tile (no
 ///    block-wide pass over the rows before the first MMA; the one-sequence step's unfused GEMVs);
-///  - rows: the m rows (the batched decode's, up to kMaxDecodeRows) staged once per block in
+///  - rows: the m rows (the batched decode's, up to kMaxStreamGemvRows a launch) staged once per block in
 ///    fragment order with their Σx, one block per SM, so that each 16-row tile reads them from
 ///    shared memory instead of from L2 (at 32 rows of 2,048 columns 128 KB per tile against its
 ///    18 KB of weights).
@@ -112,7 +112,7 @@ __host__ __device__ inline int stream_rows_sum_pitch(int groups) { return groups
 
 /// The layout for m tokens, `stages` tiles in flight and chunk padding `pad`. direct: no
 /// permuted copy and no staging area; Σx for whole column blocks of eight tokens (m ≤
-/// kMaxDecodeRows). rows: the permuted rows and their Σx at the rows-mode pitches. direct and
+/// kMaxStreamGemvRows). rows: the permuted rows and their Σx at the rows-mode pitches. direct and
 /// rows: the k-slice partials hold every column block.
 __host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stages, int pad,
                                                       StreamMode mode = StreamMode::staged) {
