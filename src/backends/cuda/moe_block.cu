@@ -293,19 +293,13 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
 
 /// The launch of `a`, or why it cannot run (see moe_block_unsupported).
 MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
-  MoePlan<MoeLayout> p;
-  const int hidden = a.gate.cols, ffn = a.ffn, E = a.n_experts, k = a.top_k;
-  auto no = [&](std::string why) {
-    p.why = "fused MoE block: " + why;
-    return p;
-  };
-  if (a.rows != 1) return no(std::to_string(a.rows) + " rows (the one-token block takes 1; launch_moe_block_rows takes more)");
-  if (std::string why = shape_problem(a); !why.empty()) return no(why);
-  p.blocks = plan_blocks(max_blocks);
-  p.layout = moe_layout(hidden, ffn, E, k + 1, p.blocks);
-  p.kernel = a.router.bits == 8 ? moe_block_kernel<8> : moe_block_kernel<4>;
-  if (std::string why = fit_problem(p.kernel, p.layout.total); !why.empty()) return no(why);
-  return p;
+  constexpr const char* kLabel = "fused MoE block: ";
+  const std::string rows_problem =
+      a.rows == 1 ? "" : std::to_string(a.rows) + " rows (the one-token block takes 1; launch_moe_block_rows takes more)";
+  MoePlan<MoeLayout> p = start_plan<MoeLayout>(kLabel, a, rows_problem, max_blocks);
+  if (!p.why.empty()) return p;
+  p.layout = moe_layout(a.gate.cols, a.ffn, a.n_experts, a.top_k + 1, p.blocks);
+  return finish_plan(p, kLabel, a, moe_block_kernel<8>, moe_block_kernel<4>);
 }
 
 }  // namespace

@@ -272,6 +272,28 @@ std::string fit_problem(void (*kernel)(MoeDecodeArgs, Layout), int64_t smem) {
   return "";
 }
 
+/// The checks both moe_plans start with: why `a` cannot run, each reason after `label` ("fused
+/// MoE block: "): `rows_problem` (the kernel's own limit on a.rows, "" when it takes them), then
+/// shape_problem; else an empty `why` and the grid (plan_blocks). Host only.
+template <class Layout>
+MoePlan<Layout> start_plan(const char* label, const MoeDecodeArgs& a, const std::string& rows_problem, int max_blocks) {
+  MoePlan<Layout> p;
+  if (!rows_problem.empty()) p.why = label + rows_problem;
+  else if (std::string why = shape_problem(a); !why.empty()) p.why = label + why;
+  else p.blocks = plan_blocks(max_blocks);
+  return p;
+}
+
+/// The end of both moe_plans: the instance for a's router width (kernel8 for 8-bit, else
+/// kernel4), or why no block of p.layout fits an SM (after `label`). Host only.
+template <class Layout>
+MoePlan<Layout> finish_plan(MoePlan<Layout> p, const char* label, const MoeDecodeArgs& a,
+                            void (*kernel8)(MoeDecodeArgs, Layout), void (*kernel4)(MoeDecodeArgs, Layout)) {
+  p.kernel = a.router.bits == 8 ? kernel8 : kernel4;
+  if (std::string why = fit_problem(p.kernel, p.layout.total); !why.empty()) p.why = label + why;
+  return p;
+}
+
 /// Launches plan p on a's buffers: throws lily::Error with p.why when it cannot run, and
 /// lily::InternalError when the buffers are missing or alias (check_buffers, `what` naming the
 /// launcher). Host only.

@@ -687,20 +687,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
 /// Two gate/up tiles in flight per quad matter most: with one, each tile waits out a whole
 /// memory round trip.
 MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
-  MoePlan<MoeLayout> p;
+  constexpr const char* kLabel = "fused MoE block (rows): ";
   const int hidden = a.gate.cols, ffn = a.ffn, E = a.n_experts, k = a.top_k;
-  auto no = [&](std::string why) {
-    p.why = "fused MoE block (rows): " + why;
-    return p;
-  };
-  if (a.rows < 1 || a.rows > kMaxMoeRows)
-    return no(std::to_string(a.rows) + " rows (1 … " + std::to_string(kMaxMoeRows) + " supported)");
-  if (std::string why = shape_problem(a); !why.empty()) return no(why);
+  const std::string rows_problem = a.rows >= 1 && a.rows <= kMaxMoeRows ? ""
+      : std::to_string(a.rows) + " rows (1 … " + std::to_string(kMaxMoeRows) + " supported)";
+  MoePlan<MoeLayout> p = start_plan<MoeLayout>(kLabel, a, rows_problem, max_blocks);
+  if (!p.why.empty()) return p;
   auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   if (!aligned(a.x) || !aligned(a.norm.branch) || !aligned(a.norm.gain) || !aligned(a.norm.x_out) ||
-      !aligned(a.norm.normed_out) || !aligned(a.router.codes))
-    return no("the residual, branch, gain, x_out, normed_out and router codes must be 16-byte aligned");
-  p.blocks = plan_blocks(max_blocks);
+      !aligned(a.norm.normed_out) || !aligned(a.router.codes)) {
+    p.why = std::string(kLabel) + "the residual, branch, gain, x_out, normed_out and router codes must be 16-byte aligned";
+    return p;
+  }
   const int max_distinct = std::min(a.rows * k, E) + 1;
   const int gu_tiles = static_cast<int>(ceil_div(int64_t{max_distinct} * (ffn / kExpertRowsPerTile), p.blocks));
   int qs = static_cast<int>(std::min<int64_t>(ceil_div(gu_tiles, kQuads), kMaxQuadStages));
@@ -712,9 +710,7 @@ MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
     p.layout = moe_layout(a.rows, hidden, ffn, E, k, qs, dn);
   }
   p.layout.balance = moe_tile_balance();
-  p.kernel = a.router.bits == 8 ? moe_rows_kernel<8> : moe_rows_kernel<4>;
-  if (std::string why = fit_problem(p.kernel, p.layout.total); !why.empty()) return no(why);
-  return p;
+  return finish_plan(p, kLabel, a, moe_rows_kernel<8>, moe_rows_kernel<4>);
 }
 
 }  // namespace
