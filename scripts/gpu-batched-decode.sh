@@ -43,7 +43,8 @@
 # and on (scripts/concurrent-streams.py; LILY_GPU_PROMPT_WORDS lengthens each prompt by that many
 # one-token words, e.g. 229 for the batching contract's 256-token prompts), once per value of
 # LILY_GPU_DECODE_ROWS (LILY_CUDA_DECODE_ROWS, the rows of one batched forward; default: the
-# default), e.g. "32 64" for the 64-row forward against two of 32.
+# default), e.g. "32 64" with LILY_GPU_MAX_BATCH=64 and LILY_GPU_STREAMS="8 32 64" for the 64-row
+# forward against two of 32 (decode rows above the max batch change nothing).
 set -uo pipefail
 export LILY_GPU_BUILD="${LILY_GPU_BUILD:-/tmp/lily-build}"
 source "$(dirname "$0")/gpu-common.sh"

@@ -141,7 +141,7 @@ class Backend {
   virtual int max_batch() const { return 1; }
   /// Rows per step the engine runs by default (EngineOptions::max_batch 0), capped at
   /// max_batch() by the caller: 8 by default; the CUDA backend's batched decode runs up to
-  /// CudaOptions::decode_rows decode rows as one forward (each weight read once for all of them),
+  /// CudaOptions::decode_rows decode rows as one forward (each weight read once per 32 of them),
   /// so it prefers that many.
   virtual int preferred_max_batch() const { return 8; }
   /// Prompt tokens per step that keep this backend's prefill efficient: the server's default
@@ -234,7 +234,7 @@ struct CudaOptions {
   /// docs/cuda.md.
   std::string gemm_kernel = "wgmma-mixed";
   /// LILY_CUDA_BATCHED_DECODE 1|0: the decode rows of a step run together, through one batched
-  /// forward per group of ≤ decode_rows rows that reads each dense weight once for all of them (a lone row
+  /// forward per group of ≤ decode_rows rows that reads each dense weight once per 32 rows (a lone row
   /// through the one-sequence decode graph, whose bits every batched row reproduces); or (0)
   /// each decode row through the one-sequence decode graph in turn (docs/cuda.md, "Batched
   /// steps").
@@ -266,7 +266,8 @@ struct CudaOptions {
   static constexpr int kRowsGemvNever = 65;
   /// LILY_CUDA_ROWS_GEMV_FROM 1 … 65: the batched decode's 4-bit GEMVs stage a step's rows once
   /// per block (the streaming GEMV's rows mode) from this many rows on, instead of reading them
-  /// from L2 for every 16-row tile (its direct mode); 65: never. The same bits either way. 2 by
+  /// from L2 for every 16-row tile (its direct mode); 65: never. A launch takes at most 32 rows,
+  /// so 33 … 65 all mean never. The same bits either way. 2 by
   /// measurement on an H200: from 2 rows on a layer's projections take less time in the rows
   /// mode, at 1 row more (docs/cuda.md, "Batched steps").
   int rows_gemv_from = 2;

@@ -343,7 +343,7 @@ TEST(CudaBatchedDecode, AttentionRowsAreBitIdenticalToEachSequenceAlone) {
   // (capacity, length): one split (capacity ≤ 64), 16 and 32 splits, a full cache, a first token.
   const std::vector<std::pair<int64_t, int64_t>> mixed = {{1024, 37}, {64, 64}, {2048, 1500}, {1024, 1},
                                                           {100, 70},  {4096, 4000}, {1024, 1024}, {2048, 1025}};
-  // kMaxDecodeRows rows: the mixed set four times over, each copy its own cache.
+  // kMaxDecodeRows rows: the mixed set eight times over, each copy its own cache.
   std::vector<std::pair<int64_t, int64_t>> most;
   while (static_cast<int>(most.size()) < cuda::kMaxDecodeRows) most.push_back(mixed[most.size() % mixed.size()]);
   for (const cuda::AttnDims& d : {real, demo, wide}) {

@@ -1079,8 +1079,9 @@ TEST_F(CudaE2e, BatchedDecodeRowsAreBitIdenticalToEachSequenceAlone) {
 }
 
 // Sequences join (their prefill rows in the same step as the others' decode rows) and leave
-// (states destroyed) between steps; up to 10 decode rows in a step, as forwards of at most 4
-// (CudaOptions::decode_rows 4: 4, 4 and 2 rows); one sampled row and one sampled with penalties
+// (states destroyed) between steps; up to 9 decode rows in a step, as forwards of at most 4
+// (CudaOptions::decode_rows 4: 4, 4 and a last row alone through the one-sequence decode graph);
+// one sampled row and one sampled with penalties
 // (edits uploaded per row) among greedy ones; a KV cache that grows mid-way (1,020-token prompt: 16 → 32 splits, a new graph key). Every
 // sequence's ids and logits are bit-identical to it alone on the same backend.
 TEST_F(CudaE2e, BatchedDecodeRowsJoinLeaveAndSample) {

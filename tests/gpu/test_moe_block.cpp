@@ -1,4 +1,4 @@
-// The fused decode MoE blocks, one token (launch_moe_block_decode) and the 1 … 32 rows of a
+// The fused decode MoE blocks, one token (launch_moe_block_decode) and the 1 … 64 rows of a
 // batched step (launch_moe_block_rows, each row bit-identical to the row launched alone),
 // against the separate kernels they replace and against exact reference loops: the norm, the router logits and the routing bit for bit
 // (the same arithmetic as launch_add_rmsnorm_router_fused), the expert activations and the

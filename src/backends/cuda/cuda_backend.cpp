@@ -605,7 +605,9 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
     allocate_scratch();
     fused_moe_ = options_.fused_moe && fuse_decode_ && fused_moe_supported();
-    batched_fused_moe_ = fused_moe_ && fused_moe_supported(kMaxMoeRows);
+    // The rows kernel at the most rows of a batched forward (≥ 2: a lone row takes the
+    // one-sequence graph).
+    batched_fused_moe_ = fused_moe_ && fused_moe_supported(std::max(2, options_.decode_rows));
     routers_on_gemm_ = true;
     for (const auto& lw : model_->layers) routers_on_gemm_ = routers_on_gemm_ && router_gemm_supported(lw.router);
     // The kernel layer's switches (kernels.h, mixer_kernels.h, quant_gemm.h) are process-wide:
@@ -722,7 +724,7 @@ class CudaBackend final : public Backend {
   /// through the per-sequence paths below; each row is bit-identical to the sequence alone.
   int max_batch() const override { return options_.max_batch; }
   /// With the batched decode, CudaOptions::decode_rows: one batched forward runs that many
-  /// decode rows, each weight read once for all of them; otherwise the base default.
+  /// decode rows, each weight read once per 32 of them; otherwise the base default.
   int preferred_max_batch() const override {
     return batched_decode_ ? options_.decode_rows : Backend::preferred_max_batch();
   }
@@ -1148,13 +1150,13 @@ class CudaBackend final : public Backend {
 
   // ---- batched decode (CudaOptions::batched_decode, LILY_CUDA_BATCHED_DECODE=1) ----------------
   //
-  // One forward over the B ≤ kMaxDecodeRows decode rows of a step, each a token of its own
-  // sequence: every projection reads its weights once for all rows (launch_quant_gemv_rows),
+  // One forward over the B ≤ CudaOptions::decode_rows decode rows of a step, each a token of its
+  // own sequence: every projection reads its weights once per 32 rows (launch_quant_gemv_rows),
   // the mixers run one launch over the rows with each row's state, KV cache, position, length
   // and split count taken from the exchange block (BatchLayout), the MoE block runs as one
   // launch over the B rows (launch_moe_block_rows: post norm, router, top-k, each distinct
   // expert's weights read once per eight rows that route to it, combine), then the LM head over
-  // B rows and an argmax per row. Where the fused block does not fit the shape at kMaxMoeRows
+  // B rows and an argmax per row. Where the fused block does not fit the shape at decode_rows
   // rows, the MoE is the three kernels over B rows (each row's experts on its own).
   // Batch invariance: every launch computes a row from that row's inputs alone, with tile shapes,
   // split counts and summation orders fixed by the weights' shape or by the row's own sequence
@@ -1199,7 +1201,7 @@ class CudaBackend final : public Backend {
   void allocate_batch_scratch() {
     if (batch_) return;
     const ModelConfig& c = config();
-    const int64_t rows = kMaxDecodeRows;
+    const int64_t rows = options_.decode_rows;  // the most rows of one batched forward
     // Per-row widths as the one-token buffers have them (allocate_scratch; the prefill scratch
     // sizes its rows the same way).
     const int64_t proj_rows = static_cast<int64_t>(proj_.bytes() / sizeof(bf16));
@@ -1231,7 +1233,7 @@ class CudaBackend final : public Backend {
     const int64_t slots = argmax_scratch_slots(c.vocab);
     b->argmax_v = DeviceBuffer(rows * slots * sizeof(float));
     b->argmax_i = DeviceBuffer(rows * slots * sizeof(int32_t));
-    b->attn_ws_bytes = attention_decode_rows_workspace_bytes(attn_, kMaxDecodeRows);
+    b->attn_ws_bytes = attention_decode_rows_workspace_bytes(attn_, static_cast<int>(rows));
     b->attn_ws = DeviceBuffer(b->attn_ws_bytes);
     b->sample_work = DeviceBuffer(rows * c.vocab * sizeof(float));
     b->sample_weight = DeviceBuffer(rows * c.vocab * sizeof(float));

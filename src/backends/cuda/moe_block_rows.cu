@@ -528,9 +528,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   const int my_gu = my_shared + static_cast<int>(routed_end - chunk0);
   const int dn_items = my_rt * n_items;  // (row tile, column block), flattened
   // Phase 4's down stages: warp w < dn_warps computes items w, w + dn_warps, … and owns stages w,
-  // w + dn_warps, … (dn_per_warp of them); stage s first holds item s.
-  const int dn_warps = min(n_dn, kBlockWarps);
-  const int dn_per_warp = n_dn >= kMaxDownStagesPerWarp * dn_warps ? kMaxDownStagesPerWarp : 1;
+  // w + dn_warps, … (dn_per_warp of them); stage s first holds item s; the other warps request
+  // and compute no down tile. Two stages a warp wherever the stages give at least
+  // kBlockWarps − 2 warps two each (at 61–64 rows the ring's tail leaves 30 or 31 stages: 15
+  // warps with two tiles in flight rather than 16 with one), else one.
+  const int dn_per_warp = n_dn >= kMaxDownStagesPerWarp * (kBlockWarps - 2) ? kMaxDownStagesPerWarp : 1;
+  const int dn_warps = min(n_dn / dn_per_warp, kBlockWarps);
   const int dn_used = dn_warps * dn_per_warp;
   trace_point(a, 5);
   if (a.trace && threadIdx.x == 0) {
@@ -545,7 +548,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
       request_gate_up_part<true>(a, gate_up_row0(l, tile_of(i), item_expert), gu_ring + (quad * QS + n) * l.gu_stage,
                                  gu_full + quad * QS + n, wq, kQuadWarps);
   }
-  for (int st = warp; st < min(l.dn_stages, dn_used) && st < dn_items; st += dn_warps)
+  for (int st = warp; warp < dn_warps && st < min(l.dn_stages, dn_used) && st < dn_items; st += dn_warps)
     if (st > 0)
       request_down_tile(a, l, b + (st / n_items) * G, item_expert[st % n_items], dn_stage_of(st), dn_full + st);
   trace_point(a, 6);
@@ -613,7 +616,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   trace_point(a, 7);
   // The ring's tail is free once every quad is done: the late down stages' first tiles.
   __syncthreads();
-  for (int st = warp; st < dn_used && st < dn_items; st += dn_warps)
+  for (int st = warp; warp < dn_warps && st < dn_used && st < dn_items; st += dn_warps)
     if (st >= l.dn_stages)
       request_down_tile(a, l, b + (st / n_items) * G, item_expert[st % n_items], dn_stage_of(st), dn_full + st, true);
   trace_point(a, 8);
@@ -668,8 +671,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
       }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < m * kTileRows; i += blockDim.x) {  // a thread per (row, output row)
-      const int r = i / kTileRows, row = i % kTileRows;
+    for (int j = threadIdx.x; j < m * kTileRows; j += blockDim.x) {  // a thread per (row, output row)
+      const int r = j / kTileRows, row = j % kTileRows;
       const float o = combine_slots(sel_w + r * n_sel, dn_part + r * n_sel * kTileRows + row, n_sel);
       a.out[int64_t{r} * l.hidden + int64_t{rt} * kTileRows + row] = to_bf16(o);
     }
