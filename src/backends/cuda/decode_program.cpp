@@ -1,0 +1,332 @@
+// The decode step as a task list, and its deadlock and race check (decode_program.h).
+#include "backends/cuda/decode_program.h"
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include "base/error.h"
+
+namespace lily::cuda {
+
+const char* decode_task_kind_name(DecodeTaskKind kind) {
+  switch (kind) {
+    case DecodeTaskKind::kEmbed: return "embed";
+    case DecodeTaskKind::kInProj: return "in_proj";
+    case DecodeTaskKind::kGdnHeads: return "gdn_heads";
+    case DecodeTaskKind::kAttnPrepare: return "attn_prepare";
+    case DecodeTaskKind::kAttnSplit: return "attn_split";
+    case DecodeTaskKind::kAttnCombine: return "attn_combine";
+    case DecodeTaskKind::kOutProj: return "out_proj";
+    case DecodeTaskKind::kRouter: return "router";
+    case DecodeTaskKind::kExpertGateUp: return "expert_gate_up";
+    case DecodeTaskKind::kExpertDown: return "expert_down";
+    case DecodeTaskKind::kLmHead: return "lm_head";
+    case DecodeTaskKind::kArgmax: return "argmax";
+  }
+  return "?";
+}
+
+const char* decode_buffer_name(DecodeBuffer buffer) {
+  switch (buffer) {
+    case DecodeBuffer::kResidual: return "residual";
+    case DecodeBuffer::kMid: return "mid";
+    case DecodeBuffer::kProj: return "proj";
+    case DecodeBuffer::kQuery: return "query";
+    case DecodeBuffer::kAttnPart: return "attn_part";
+    case DecodeBuffer::kMix: return "mix";
+    case DecodeBuffer::kMixerOut: return "mixer_out";
+    case DecodeBuffer::kMoeNormed: return "moe_normed";
+    case DecodeBuffer::kRouting: return "routing";
+    case DecodeBuffer::kAct: return "act";
+    case DecodeBuffer::kMoeOut: return "moe_out";
+    case DecodeBuffer::kConvWindow: return "conv_window";
+    case DecodeBuffer::kGdnState: return "gdn_state";
+    case DecodeBuffer::kKvCache: return "kv_cache";
+    case DecodeBuffer::kLogits: return "logits";
+    case DecodeBuffer::kNextToken: return "next_token";
+  }
+  return "?";
+}
+
+namespace {
+
+/// Bytes of `rows` rows of a `bits`-bit matrix of `cols` columns: the codes, then a bf16 scale
+/// and bias per 64-group.
+int64_t quant_bytes(int64_t rows, int64_t cols, int bits) { return rows * (cols * bits / 8 + cols / 64 * 4); }
+
+/// Appends tasks to a program, with one counter per stage.
+class ProgramBuilder {
+ public:
+  /// A new counter named `name`; its producers are the tasks that name it in add().
+  int32_t counter(std::string name) {
+    program_.counter_names.push_back(std::move(name));
+    producers_.push_back(0);
+    return static_cast<int32_t>(program_.counter_names.size() - 1);
+  }
+
+  /// A wait for every producer added to `c` so far (so all of them, if called after them).
+  DecodeWait all_of(int32_t c) const { return DecodeWait{c, producers_[static_cast<size_t>(c)]}; }
+
+  /// Appends a task signalling `signal` (-1: none).
+  void add(DecodeTaskKind kind, int layer, int part, std::vector<DecodeWait> waits, int32_t signal,
+           std::vector<DecodeAccess> accesses, int64_t weight_bytes) {
+    if (signal >= 0) ++producers_[static_cast<size_t>(signal)];
+    program_.tasks.push_back(DecodeTask{kind, layer, part, std::move(waits), signal, std::move(accesses), weight_bytes});
+  }
+
+  DecodeProgram take() { return std::move(program_); }
+
+ private:
+  DecodeProgram program_;
+  std::vector<int32_t> producers_;
+};
+
+DecodeAccess reads(DecodeBuffer b, int64_t begin, int64_t end, int instance = 0) {
+  return DecodeAccess{b, instance, begin, end, false};
+}
+DecodeAccess writes(DecodeBuffer b, int64_t begin, int64_t end, int instance = 0) {
+  return DecodeAccess{b, instance, begin, end, true};
+}
+
+void check_grain(const DecodeGrain& g) {
+  for (const auto& [name, rows] : {std::pair{"proj_rows", g.proj_rows}, std::pair{"out_rows", g.out_rows},
+                                   std::pair{"expert_rows", g.expert_rows}, std::pair{"down_rows", g.down_rows},
+                                   std::pair{"lm_rows", g.lm_rows}})
+    if (rows <= 0 || rows % 16 != 0)
+      throw Error(std::string("decode program: ") + name + " " + std::to_string(rows) +
+                  " must be a positive multiple of 16 (the MMA tile's rows)");
+  if (g.attn_splits <= 0) throw Error("decode program: attn_splits must be positive");
+  if (g.router_bits != 4 && g.router_bits != 8) throw Error("decode program: router_bits must be 4 or 8");
+  if (g.kv_capacity <= 0 || g.position < 0 || g.position >= g.kv_capacity)
+    throw Error("decode program: position " + std::to_string(g.position) + " outside the KV capacity " +
+                std::to_string(g.kv_capacity));
+}
+
+/// Calls f(part, begin, end) for the row ranges of `rows` rows cut every `per`.
+template <class F>
+void for_row_ranges(int64_t rows, int64_t per, F f) {
+  for (int64_t b = 0, part = 0; b < rows; b += per, ++part) f(static_cast<int>(part), b, std::min(rows, b + per));
+}
+
+}  // namespace
+
+DecodeProgram build_decode_program(const ModelConfig& c, const DecodeGrain& g) {
+  check_grain(g);
+  ProgramBuilder pb;
+  const int64_t H = c.hidden, k = c.n_experts_per_tok, slots = k + 1, ffn = c.moe_ffn_dim;
+  const int64_t act_width = k * ffn + c.shared_ffn_dim;
+  const int64_t mix_gdn = c.gdn_value_dim(), mix_attn = int64_t{c.n_heads} * c.head_dim;
+  const int64_t gdn_in_rows = c.gdn_conv_channels() + c.gdn_value_dim() + 2 * int64_t{c.gdn_n_value_heads};
+  const int64_t attn_q_rows = int64_t{c.n_heads} * 2 * c.head_dim, kv_rows = int64_t{c.n_kv_heads} * c.head_dim;
+  const int64_t attn_in_rows = attn_q_rows + 2 * kv_rows;
+  const int64_t len = g.position + 1;
+  using K = DecodeTaskKind;
+  using B = DecodeBuffer;
+
+  const int32_t embedded = pb.counter("embed");
+  pb.add(K::kEmbed, -1, 0, {}, embedded, {writes(B::kResidual, 0, H)}, quant_bytes(1, H, 4));
+  // The counter that orders a layer's first stage after the last layer: its MoE output (the
+  // down rows), which every chain of the layer before ends in.
+  int32_t layer_input = embedded;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string at = "[" + std::to_string(l) + "]";
+    const bool gdn = !c.is_full_attention(l);
+    const int64_t in_rows = gdn ? gdn_in_rows : attn_in_rows, mix = gdn ? mix_gdn : mix_attn;
+    // In-projection rows: each task norms the layer input itself (the residual after the last
+    // layer's MoE: mid + moe_out, or the embedding); the first task stores it for the router.
+    const int32_t projected = pb.counter("in_proj" + at);
+    const DecodeWait input = pb.all_of(layer_input);
+    for_row_ranges(in_rows, g.proj_rows, [&](int part, int64_t r0, int64_t r1) {
+      std::vector<DecodeAccess> acc = {writes(B::kProj, r0, r1)};
+      if (l == 0) acc.push_back(reads(B::kResidual, 0, H));
+      else acc.insert(acc.end(), {reads(B::kMid, 0, H), reads(B::kMoeOut, 0, H)});
+      if (part == 0 && l > 0) acc.push_back(writes(B::kResidual, 0, H));
+      pb.add(K::kInProj, l, part, {input}, projected, std::move(acc), quant_bytes(r1 - r0, H, 4));
+    });
+    const int32_t mixed = pb.counter("mix" + at);
+    if (gdn) {
+      // One task per key head: its q and k conv channels are shared by its value heads, so the
+      // conv window's update of those channels has one writer.
+      const int64_t Dk = c.gdn_key_head_dim, Dv = c.gdn_value_head_dim, Hk = c.gdn_n_key_heads;
+      const int64_t per_key = c.gdn_n_value_heads / Hk, state = Dk * Dv;
+      for (int64_t kh = 0; kh < Hk; ++kh) {
+        const int64_t v0 = kh * per_key, v1 = v0 + per_key, key_dim = Hk * Dk;
+        pb.add(K::kGdnHeads, l, static_cast<int>(kh), {pb.all_of(projected)}, mixed,
+               {reads(B::kProj, 0, in_rows), writes(B::kConvWindow, kh * Dk, (kh + 1) * Dk, l),
+                writes(B::kConvWindow, key_dim + kh * Dk, key_dim + (kh + 1) * Dk, l),
+                writes(B::kConvWindow, 2 * key_dim + v0 * Dv, 2 * key_dim + v1 * Dv, l),
+                writes(B::kGdnState, v0 * state, v1 * state, l), writes(B::kMix, v0 * Dv, v1 * Dv)},
+               0);
+      }
+    } else {
+      // Per KV head: prepare (its query heads and its key; K/V appended at the position), the
+      // splits of its keys, the combine (with the output gate from the projection).
+      const int64_t D = c.head_dim, q_per_kv = c.n_heads / c.n_kv_heads, cap = g.kv_capacity;
+      const int32_t prepared = pb.counter("attn_prepare" + at), split = pb.counter("attn_split" + at);
+      for (int64_t h = 0; h < c.n_kv_heads; ++h)
+        pb.add(K::kAttnPrepare, l, static_cast<int>(h), {pb.all_of(projected)}, prepared,
+               {reads(B::kProj, 0, in_rows), writes(B::kQuery, h * q_per_kv * D, (h + 1) * q_per_kv * D),
+                writes(B::kKvCache, h * cap + g.position, h * cap + g.position + 1, l)},
+               0);
+      for (int64_t h = 0; h < c.n_kv_heads; ++h)
+        for (int s = 0; s < g.attn_splits; ++s) {
+          const int64_t k0 = len * s / g.attn_splits, k1 = len * (s + 1) / g.attn_splits;
+          if (k0 == k1) continue;  // fewer keys than splits
+          const int64_t slot = h * g.attn_splits + s;
+          pb.add(K::kAttnSplit, l, static_cast<int>(slot), {pb.all_of(prepared)}, split,
+                 {reads(B::kQuery, h * q_per_kv * D, (h + 1) * q_per_kv * D),
+                  reads(B::kKvCache, h * cap + k0, h * cap + k1, l), writes(B::kAttnPart, slot, slot + 1)},
+                 0);
+        }
+      for (int64_t h = 0; h < c.n_kv_heads; ++h)
+        pb.add(K::kAttnCombine, l, static_cast<int>(h), {pb.all_of(split)}, mixed,
+               {reads(B::kAttnPart, h * g.attn_splits, (h + 1) * g.attn_splits), reads(B::kProj, 0, attn_q_rows),
+                writes(B::kMix, h * q_per_kv * D, (h + 1) * q_per_kv * D)},
+               0);
+    }
+    const int32_t out = pb.counter("out_proj" + at);
+    for_row_ranges(H, g.out_rows, [&](int part, int64_t r0, int64_t r1) {
+      pb.add(K::kOutProj, l, part, {pb.all_of(mixed)}, out, {reads(B::kMix, 0, mix), writes(B::kMixerOut, r0, r1)},
+             quant_bytes(r1 - r0, mix, 4));
+    });
+    // The MoE: the router (mid = residual + mixer out, its norm, logits, top-k), the slots'
+    // gate/up rows, the down rows of every slot combined.
+    const int32_t routed = pb.counter("router" + at);
+    pb.add(K::kRouter, l, 0, {pb.all_of(out)}, routed,
+           {reads(B::kResidual, 0, H), reads(B::kMixerOut, 0, H), writes(B::kMid, 0, H), writes(B::kMoeNormed, 0, H),
+            writes(B::kRouting, 0, slots)},
+           quant_bytes(c.n_experts + 1, H, g.router_bits));
+    const int32_t gated = pb.counter("expert_gate_up" + at);
+    int gate_up_part = 0;  // the layer's gate/up tasks, slot after slot
+    for (int64_t s = 0; s < slots; ++s) {
+      const int64_t width = s < k ? ffn : c.shared_ffn_dim, first = s * ffn;
+      for_row_ranges(width, g.expert_rows, [&](int, int64_t r0, int64_t r1) {
+        pb.add(K::kExpertGateUp, l, gate_up_part++, {pb.all_of(routed)}, gated,
+               {reads(B::kRouting, 0, slots), reads(B::kMoeNormed, 0, H), writes(B::kAct, first + r0, first + r1)},
+               2 * quant_bytes(r1 - r0, H, 4));
+      });
+    }
+    const int32_t down = pb.counter("expert_down" + at);
+    for_row_ranges(H, g.down_rows, [&](int part, int64_t r0, int64_t r1) {
+      pb.add(K::kExpertDown, l, part, {pb.all_of(gated)}, down,
+             {reads(B::kRouting, 0, slots), reads(B::kAct, 0, act_width), writes(B::kMoeOut, r0, r1)},
+             k * quant_bytes(r1 - r0, ffn, 4) + quant_bytes(r1 - r0, c.shared_ffn_dim, 4));
+    });
+    layer_input = down;
+  }
+  // The head: every task norms mid + moe_out itself; the argmax over all the logits.
+  const int32_t logits = pb.counter("lm_head");
+  const DecodeWait last = pb.all_of(layer_input);
+  for_row_ranges(c.vocab, g.lm_rows, [&](int part, int64_t r0, int64_t r1) {
+    pb.add(K::kLmHead, -1, part, {last}, logits,
+           {reads(B::kMid, 0, H), reads(B::kMoeOut, 0, H), writes(B::kLogits, r0, r1)}, quant_bytes(r1 - r0, H, 4));
+  });
+  const int32_t done = pb.counter("argmax");
+  pb.add(K::kArgmax, -1, 0, {pb.all_of(logits)}, done, {reads(B::kLogits, 0, c.vocab), writes(B::kNextToken, 0, 1)}, 0);
+  return pb.take();
+}
+
+namespace {
+
+/// A set of task indices as bits.
+class TaskSet {
+ public:
+  explicit TaskSet(size_t n = 0) : words_((n + 63) / 64, 0) {}
+  void insert(size_t i) { words_[i / 64] |= uint64_t{1} << (i % 64); }
+  bool contains(size_t i) const { return (words_[i / 64] >> (i % 64)) & 1u; }
+  void merge(const TaskSet& o) {
+    for (size_t w = 0; w < words_.size(); ++w) words_[w] |= o.words_[w];
+  }
+
+ private:
+  std::vector<uint64_t> words_;
+};
+
+std::string describe(const DecodeProgram& p, size_t i) {
+  const DecodeTask& t = p.tasks[i];
+  std::string s = "task " + std::to_string(i) + " (" + decode_task_kind_name(t.kind);
+  if (t.layer >= 0) s += ", layer " + std::to_string(t.layer);
+  return s + ", part " + std::to_string(t.part) + ")";
+}
+
+std::string describe(const DecodeAccess& a) {
+  const bool per_layer = a.buffer == DecodeBuffer::kConvWindow || a.buffer == DecodeBuffer::kGdnState ||
+                         a.buffer == DecodeBuffer::kKvCache;
+  return std::string(decode_buffer_name(a.buffer)) + (per_layer ? " of layer " + std::to_string(a.instance) : "") +
+         "[" + std::to_string(a.begin) + ", " + std::to_string(a.end) + ")";
+}
+
+}  // namespace
+
+std::string check_decode_program(const DecodeProgram& p) {
+  const size_t n = p.tasks.size(), n_counters = p.counter_names.size();
+  // Producers per counter, and the position of the last one.
+  std::vector<int32_t> producers(n_counters, 0);
+  std::vector<size_t> last_producer(n_counters, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t c = p.tasks[i].signal;
+    if (c < -1 || c >= static_cast<int32_t>(n_counters)) return describe(p, i) + " signals counter " + std::to_string(c) + ", out of range";
+    if (c >= 0) ++producers[static_cast<size_t>(c)], last_producer[static_cast<size_t>(c)] = i;
+  }
+  // Waits: in range, on every producer, after the last one in list order (no deadlock). The
+  // tasks that happen before task i: the producers of its counters and what happens before them.
+  std::vector<TaskSet> before(n, TaskSet(n));
+  std::vector<TaskSet> through(n_counters, TaskSet(n));  // a counter's producers and their pasts
+  for (size_t i = 0; i < n; ++i) {
+    for (const DecodeWait& w : p.tasks[i].waits) {
+      if (w.counter < 0 || w.counter >= static_cast<int32_t>(n_counters))
+        return describe(p, i) + " waits on counter " + std::to_string(w.counter) + ", out of range";
+      const size_t c = static_cast<size_t>(w.counter);
+      const std::string name = "counter " + p.counter_names[c];
+      if (producers[c] == 0) return describe(p, i) + " waits on " + name + ", which no task signals";
+      if (w.target != producers[c])
+        return describe(p, i) + " waits for " + std::to_string(w.target) + " signals of " + name + ", which has " +
+               std::to_string(producers[c]) + " producers";
+      if (last_producer[c] >= i)
+        return describe(p, i) + " waits on " + name + " before its producer " + describe(p, last_producer[c]) +
+               " in the list: a block holding it could wait forever";
+      before[i].merge(through[c]);
+    }
+    for (const DecodeAccess& a : p.tasks[i].accesses)
+      if (a.begin < 0 || a.end <= a.begin) return describe(p, i) + " touches an empty or negative range " + describe(a);
+    if (const int32_t c = p.tasks[i].signal; c >= 0) {
+      through[static_cast<size_t>(c)].merge(before[i]);
+      through[static_cast<size_t>(c)].insert(i);
+    }
+  }
+  // Races: per buffer instance, each pair of overlapping accesses with a write, in list order.
+  struct Use {
+    size_t task;
+    const DecodeAccess* access;
+  };
+  std::map<std::pair<int, int32_t>, std::vector<Use>> uses;
+  for (size_t i = 0; i < n; ++i)
+    for (const DecodeAccess& a : p.tasks[i].accesses) uses[{static_cast<int>(a.buffer), a.instance}].push_back({i, &a});
+  // Of all racing pairs, the one whose later task comes first in the list (then the earlier
+  // one first): a missing wait also leaves the tasks after it unordered, and this names the
+  // first of them rather than one of its consequences.
+  std::pair<Use, Use> race{{n, nullptr}, {n, nullptr}};
+  for (auto& [key, list] : uses) {
+    // By range start, so that a use meets only the uses that start before it ends.
+    std::sort(list.begin(), list.end(), [](const Use& x, const Use& y) { return x.access->begin < y.access->begin; });
+    for (size_t x = 0; x < list.size(); ++x)
+      for (size_t y = x + 1; y < list.size() && list[y].access->begin < list[x].access->end; ++y) {
+        const Use& a = list[x];
+        const Use& b = list[y];
+        if (a.task == b.task || (!a.access->write && !b.access->write)) continue;
+        const Use& first = a.task < b.task ? a : b;
+        const Use& second = a.task < b.task ? b : a;
+        if (!before[second.task].contains(first.task) &&
+            std::pair(second.task, first.task) < std::pair(race.second.task, race.first.task))
+          race = {first, second};
+      }
+  }
+  if (race.second.access == nullptr) return "";
+  const auto& [first, second] = race;
+  return describe(p, second.task) + (second.access->write ? " writes " : " reads ") + describe(*second.access) +
+         ", which " + describe(p, first.task) + (first.access->write ? " writes" : " reads") +
+         ", with no chain of waits from the earlier to the later";
+}
+
+}  // namespace lily::cuda

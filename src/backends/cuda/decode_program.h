@@ -1,0 +1,135 @@
+// The task list of one batch-1 decode step, for a persistent decode kernel (docs/cuda.md, "A
+// persistent decode kernel"), and the check that makes such a list safe to run.
+//
+// A decode program is the step cut into tasks that one block each can run: rows of a
+// projection, the GDN heads of one key head, an attention split, the gate/up rows of one expert
+// slot, and so on. Tasks synchronise through counters in global memory: a task waits until each
+// of its counters has been signalled by every one of the counter's producers, and when it is done
+// it signals its own counter once. The blocks of the persistent kernel take tasks in list order.
+//
+// check_decode_program proves two things about a list before any GPU runs it:
+//  * it cannot deadlock: every producer of a counter stands before every task that waits on it,
+//    so the task a block waits for has always been taken by a block that is running;
+//  * it has no data race: of two tasks that touch overlapping elements of a buffer, one of them
+//    writing, the later one in the list waits, through a chain of counters, for the earlier one.
+// The program is plain data built on the host (no CUDA), so both run in the CPU tests.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+
+namespace lily::cuda {
+
+/// What a task computes (one block's share of one stage of the step).
+enum class DecodeTaskKind : uint8_t {
+  kEmbed,         ///< the token's embedding row into the residual
+  kInProj,        ///< rows of a layer's in-projection, the input norm computed by the task itself
+  kGdnHeads,      ///< the conv step, delta rule and gated norm of one GDN key head's value heads
+  kAttnPrepare,   ///< q/k norm + RoPE of one KV head's query heads and key, its K/V appended
+  kAttnSplit,     ///< one split of one KV head's keys: partial softmax and values
+  kAttnCombine,   ///< one KV head's splits combined, the output gate applied
+  kOutProj,       ///< rows of a layer's out-projection
+  kRouter,        ///< the post-mixer add + RMSNorm, the router logits and top-k
+  kExpertGateUp,  ///< rows of one expert slot's gate/up projections with SwiGLU
+  kExpertDown,    ///< rows of every slot's down projection and the weighted combine
+  kLmHead,        ///< the final norm and rows of the LM head
+  kArgmax,        ///< the next token from the logits
+};
+
+/// Name of a task kind ("in_proj", "gdn_heads", …), for messages.
+const char* decode_task_kind_name(DecodeTaskKind kind);
+
+/// The buffers tasks read and write. Per-layer state (the GDN conv window and recurrent state,
+/// the KV cache) is told apart by DecodeAccess::instance (the layer); the activations are one
+/// buffer each, reused by every layer.
+enum class DecodeBuffer : uint8_t {
+  kResidual,    ///< bf16 [hidden]: the layer's input residual
+  kMid,         ///< bf16 [hidden]: the residual after the mixer (input to the MoE's add)
+  kProj,        ///< bf16 [in-projection rows]
+  kQuery,       ///< bf16 [query heads · head_dim]: normed, rotated queries
+  kAttnPart,    ///< fp32 [KV heads][splits]: the splits' partial results
+  kMix,         ///< bf16 [mixer width]: the mixer core's output
+  kMixerOut,    ///< bf16 [hidden]: the out-projection
+  kMoeNormed,   ///< bf16 [hidden]: the post-mixer norm
+  kRouting,     ///< the k + 1 slots' expert ids and weights
+  kAct,         ///< bf16 [k + 1][ffn]: the slots' SwiGLU activations
+  kMoeOut,      ///< bf16 [hidden]: the combined experts
+  kConvWindow,  ///< a GDN layer's conv window, by channel
+  kGdnState,    ///< a GDN layer's recurrent state, by value head
+  kKvCache,     ///< an attention layer's K/V cache, by (KV head, position)
+  kLogits,      ///< fp32 [vocab]
+  kNextToken,   ///< int32: the step's result
+};
+
+/// Name of a buffer ("proj", "gdn_state", …), for messages.
+const char* decode_buffer_name(DecodeBuffer buffer);
+
+/// Elements [begin, end) of a buffer (instance: the layer for per-layer state, else 0), read or
+/// written by a task.
+struct DecodeAccess {
+  DecodeBuffer buffer;
+  int32_t instance = 0;
+  int64_t begin = 0, end = 0;
+  bool write = false;
+};
+
+/// Wait until counter `counter` has been signalled `target` times (by all its producers).
+struct DecodeWait {
+  int32_t counter = 0;
+  int32_t target = 0;
+};
+
+/// One task: what it computes (kind, layer, part: its index among the layer's tasks of that
+/// kind), the counters it waits on, the counter it signals once done (-1: none), the elements it
+/// touches, and the weight bytes it streams (4-bit codes with their bf16 scales and biases).
+struct DecodeTask {
+  DecodeTaskKind kind = DecodeTaskKind::kEmbed;
+  int32_t layer = -1;  ///< -1 for the embedding, the LM head and the argmax
+  int32_t part = 0;
+  std::vector<DecodeWait> waits;
+  int32_t signal = -1;
+  std::vector<DecodeAccess> accesses;
+  int64_t weight_bytes = 0;
+};
+
+/// A decode step as a task list, in the order the blocks take the tasks.
+struct DecodeProgram {
+  std::vector<DecodeTask> tasks;
+  std::vector<std::string> counter_names;  ///< one per counter, e.g. "in_proj[3]"
+};
+
+/// How finely the step is cut: weight rows per task (multiples of 16, the MMA tile's rows), the
+/// attention splits per KV head, the router's weight bits. Defaults give a few hundred tasks per
+/// stage of the 35B-A3B shape, a few per SM.
+struct DecodeGrain {
+  int proj_rows = 128;    ///< in-projection rows per task
+  int out_rows = 128;     ///< out-projection rows per task
+  int expert_rows = 128;  ///< gate/up rows (of ffn) per task and slot
+  int down_rows = 128;    ///< down rows (of hidden) per task, all slots
+  int lm_rows = 2048;     ///< LM head rows per task
+  int attn_splits = 4;    ///< key splits per KV head
+  int router_bits = 8;    ///< bits of the router's codes (weight bytes only)
+  int64_t kv_capacity = 4096;  ///< KV cache positions per KV head
+  int64_t position = 0;        ///< the token's position (< kv_capacity)
+};
+
+/// The task list of one batch-1 decode step of model `c` cut by `g`: the embedding; per layer the
+/// in-projection rows (the first task also stores the layer's input residual), the GDN key heads
+/// or the attention prepare / splits / combine, the out-projection rows, the router, the gate/up
+/// rows of each of the top-k + 1 slots, the down rows; then the LM head rows and the argmax. Each
+/// stage waits on the counters of the stages whose outputs it reads (docs/cuda.md). Throws
+/// lily::Error for a grain that is not positive, rows not a multiple of 16, or a position outside
+/// the KV capacity.
+DecodeProgram build_decode_program(const ModelConfig& c, const DecodeGrain& g = DecodeGrain{});
+
+/// Why `p` is not safe to run on a persistent kernel that takes tasks in list order ("" when it
+/// is): a counter waited on before all its producers, a target other than its producer count, a
+/// counter out of range or never signalled, an empty access range, or two tasks that
+/// touch overlapping elements (one writing) with no chain of waits from the earlier to the later.
+/// The message names the tasks, the buffer and the elements.
+std::string check_decode_program(const DecodeProgram& p);
+
+}  // namespace lily::cuda
