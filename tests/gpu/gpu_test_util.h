@@ -3,7 +3,7 @@
 // and their exact reference products (plain loops over the dequantized weights, docs/model.md
 // §2.2), the relative-error measures the tolerances are stated in, the bit-for-bit comparison
 // of fp32 arrays (bit_differences), graph capture and event
-// timing, and the names of the case-table (value-parameterised) suites.
+// timing, the names of the case-table (value-parameterised) suites and their perf mode.
 #pragma once
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
@@ -11,9 +11,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "backends/cuda/cuda_check.h"
@@ -340,6 +343,39 @@ struct CaseName {
 /// "<rows>x<cols>_q<bits>": a quantized matrix's shape and width, as the case names write them.
 inline std::string quant_shape(int64_t rows, int cols, int bits) {
   return std::to_string(rows) + "x" + std::to_string(cols) + "_q" + std::to_string(bits);
+}
+
+/// Bytes of an MLX-affine matrix of `rows` × `cols` at `bits`: the codes, then a bf16 scale and
+/// bias per 64-group.
+inline double quant_bytes(int64_t rows, int cols, int bits) {
+  return double(rows) * (double(cols) * bits / 8 + double(cols / 64) * 4);
+}
+
+// ---- perf mode -------------------------------------------------------------------------------------
+//
+// With LILY_GPU_PERF=1 the case-table suites also time each case's kernel after checking it and
+// print one line per case, "[perf] <case name>: <µs> us, <GB/s> GB/s, <TFLOP/s> TFLOP/s", so one
+// run of a test binary gives the correctness and the speed of every shape it covers (for example
+// `LILY_GPU_PERF=1 build/tests/test_quant_gemm --gtest_filter='Cases/*'`). Off by default: the
+// suites' run time and results are then unchanged. The figures are benchmarks, never asserted.
+
+/// Whether LILY_GPU_PERF is "1".
+inline bool perf_mode() {
+  const char* v = std::getenv("LILY_GPU_PERF");
+  return v != nullptr && std::string_view(v) == "1";
+}
+
+/// In perf mode: the mean time of `launch` (CUDA events on the default stream, after 3 warm-up
+/// launches, over `reps`) as a [perf] line for `name`, with the rate of `bytes` moved and
+/// `flops` done per launch (each left out when 0). Nothing outside perf mode.
+template <class F>
+void perf_report(const std::string& name, double bytes, double flops, F&& launch, int reps = 50) {
+  if (!perf_mode()) return;
+  const double us = events_us(nullptr, 3, reps, launch);
+  std::printf("[perf] %s: %.2f us", name.c_str(), us);
+  if (bytes > 0) std::printf(", %.0f GB/s", bytes / us / 1e3);
+  if (flops > 0) std::printf(", %.1f TFLOP/s", flops / us / 1e6);
+  std::printf("\n");
 }
 
 }  // namespace lily::test

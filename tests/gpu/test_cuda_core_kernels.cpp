@@ -4,8 +4,8 @@
 // of the output RMS), fp32 outputs within 1e-3 (docs/model.md §4.3 and §4.5).
 // The GEMV, router, FusedNorm / FusedConv and MoE expert checks are case tables run by
 // value-parameterised suites (shape × bits × path × tokens × seed; tests named
-// Cases/<suite>.<test>/<case name>, gpu_test_util.h); CudaTiming.PrintsGemvCaseTimes is the GEMV
-// table's perf mode.
+// Cases/<suite>.<test>/<case name>, gpu_test_util.h); with LILY_GPU_PERF=1 the GEMV table also
+// times every case (perf_report).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -155,6 +155,10 @@ void check_gemv(const GemvCase& c, int check_rows = 4096) {
     const double err = worst_rel(out, ref, 0.01 * rms(ref));
     EXPECT_LT(err, f32_out ? 1e-3 : 1e-2) << rows << "x" << cols << " " << bits << "-bit row " << t;
   }
+  perf_report(c.name(), quant_bytes(rows, cols, bits), 2.0 * m * double(rows) * cols, [&] {
+    cuda::launch_quant_gemv_batched(w.view(), dx.as<__nv_bfloat16>(), m, f32_out ? nullptr : dy.as<__nv_bfloat16>(),
+                                    f32_out ? dy.as<float>() : nullptr, nullptr);
+  });
 }
 
 /// The GEMV case table (kGemvCases) against the reference.
@@ -1155,8 +1159,6 @@ TEST_P(CudaMoeExperts, MatchTheReference) { check_experts(GetParam()); }
 INSTANTIATE_TEST_SUITE_P(Cases, CudaMoeExperts, testing::ValuesIn(kExpertCases), CaseName());
 
 
-int64_t quant_bytes(const RandomQuant& w) { return w.rows * (int64_t(w.cols) * w.bits / 8 + w.cols / 64 * 4); }
-
 // Per-kernel decode times at the 35B-A3B shapes, printed for docs/performance (never asserted).
 // Weights larger than L2 (50 MB) stream from HBM; smaller ones (router) may stay in L2.
 TEST(CudaTiming, PrintsKernelTimes) {
@@ -1170,7 +1172,8 @@ TEST(CudaTiming, PrintsKernelTimes) {
       cuda::launch_quant_gemv(v, dx.as<__nv_bfloat16>(), f32 ? nullptr : y.as<__nv_bfloat16>(), f32 ? y.as<float>() : nullptr,
                               nullptr);
     });
-    std::printf("[timing] %-28s %8.2f us  %7.2f MB  %7.1f GB/s\n", name, us, quant_bytes(w) / 1e6, quant_bytes(w) / us / 1e3);
+    const double bytes = quant_bytes(w.rows, w.cols, w.bits);
+    std::printf("[timing] %-28s %8.2f us  %7.2f MB  %7.1f GB/s\n", name, us, bytes / 1e6, bytes / us / 1e3);
   };
   gemv("gemv gdn qkv|z|a|b 12352x2048", 12352, kHidden, 4, false);
   gemv("gemv gdn out_proj 2048x4096", kHidden, 4096, 4, false);
@@ -1268,25 +1271,6 @@ TEST(CudaTiming, PrintsGraphChainTimesWithAndWithoutPdl) {
     CUDA_CHECK(cudaGraphExecDestroy(exec));
   }
   CUDA_CHECK(cudaStreamDestroy(stream));
-}
-
-// The perf mode of the GEMV case table: every kGemvCases case timed on its path (launch alone,
-// printed, never asserted), so that a shape added to the table is timed as well as checked.
-TEST(CudaTiming, PrintsGemvCaseTimes) {
-  for (const GemvCase& c : kGemvCases) {
-    ScopedGemvPath path(c.path);
-    std::mt19937_64 rng(c.seed);
-    RandomQuant w(c.rows, c.cols, c.bits, rng);
-    DeviceBuffer dx = upload_bf16(normal_bf16(int64_t(c.m) * c.cols, rng, 1.0f));
-    DeviceBuffer dy(size_t(c.m) * c.rows * 4);
-    const cuda::DeviceQuant v = w.view();
-    const double us = time_us([&] {
-      cuda::launch_quant_gemv_batched(v, dx.as<__nv_bfloat16>(), c.m, c.f32_out ? nullptr : dy.as<__nv_bfloat16>(),
-                                      c.f32_out ? dy.as<float>() : nullptr, nullptr);
-    });
-    std::printf("[timing] gemv case %-54s %8.2f us  %7.2f MB  %7.1f GB/s\n", c.name().c_str(), us, quant_bytes(w) / 1e6,
-                quant_bytes(w) / us / 1e3);
-  }
 }
 
 }  // namespace

@@ -254,6 +254,10 @@ void check_gemm(const GemmCase& c) {
       expect_close_to_exact_weights(o, r, 1e-2, 3e-2, "vs cpu::quant_matmul, rows " + std::to_string(first) + "+" +
                                                     std::to_string(block));
     }
+    perf_report(c.name() + "_m" + std::to_string(m), quant_bytes(rows, cols, bits), 2.0 * m * double(rows) * cols, [&] {
+      cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, f32_out ? nullptr : dy.as<bf16_t>(),
+                              f32_out ? dy.as<float>() : nullptr, nullptr);
+    });
   }
 }
 
@@ -514,6 +518,17 @@ void check_grouped(int E, int k, int hidden, int ffn, int m, int pool, uint64_t 
   DeviceBuffer dw = upload_f32(wts), out = poisoned(size_t(m) * hidden * 2);
   auto [dx, did, grouping, act, slot] = launch_grouped(W, E, k, hidden, ffn, x, ids, m);
   cuda::launch_expert_combine(slot.as<bf16_t>(), dw.as<float>(), m, n_sel, hidden, out.as<bf16_t>(), nullptr);
+  // Perf mode: the two grouped GEMMs (gate/up + SwiGLU, down) on this routing, 2 · 3 · ffn ·
+  // hidden flops per (token, slot).
+  const std::string perf_name = "grouped_E" + std::to_string(E) + "_top" + std::to_string(k) + "_h" +
+                                std::to_string(hidden) + "_ffn" + std::to_string(ffn) + "_m" + std::to_string(m) + "_" +
+                                (counts ? "counted" : "pool" + std::to_string(pool));
+  perf_report(perf_name, 0.0, 6.0 * double(A) * ffn * hidden, [&] {
+    cuda::launch_quant_gemm_grouped_gate_up(W.gate.view(), W.up.view(), ffn, grouping.as<int32_t>(), n_groups,
+                                            dx.as<bf16_t>(), m, n_sel, act.as<bf16_t>(), nullptr);
+    cuda::launch_quant_gemm_grouped_down(W.down.view(), hidden, grouping.as<int32_t>(), n_groups, act.as<bf16_t>(), m,
+                                         n_sel, slot.as<bf16_t>(), nullptr);
+  });
 
   check_grouping(grouping, ids, n_groups, m, n_sel);
   const std::vector<float> gact = download_bf16(act, A * ffn);
