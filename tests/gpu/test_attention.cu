@@ -35,6 +35,7 @@ using test::demo_attn_dims;
 using test::download_bf16;
 using test::max_rel;
 using test::normal_bf16;
+using test::perf_report;
 using test::poisoned;
 using test::rms_rel;
 using test::ScopedSwitch;
@@ -242,6 +243,14 @@ void expect_decode_matches(int64_t len, int n_splits, bool device_len,
   // The tensor-core split multiplies V by bf16-rounded probabilities, as the prefill does: the
   // same normwise bound per head (kFlashTol).
   EXPECT_LT(row_err, kFlashTol);
+  // Perf mode: the K and V rows it reads (bf16), 4 · D flops per (query head, key).
+  perf_report("attn_decode_D" + std::to_string(D) + "_G" + std::to_string(nq / dims.n_kv_heads) + "_len" +
+                  std::to_string(len) + "_splits" + std::to_string(n_splits),
+              4.0 * dims.n_kv_heads * double(len) * D, 4.0 * nq * double(len) * D, [&] {
+                cuda::attention_decode(dims, d_q.as<bf16_t>(), d_gate.as<bf16_t>(), cache.view(),
+                                       device_len ? 0 : len, device_len ? d_len.as<int32_t>() : nullptr, n_splits,
+                                       d_ws.as<float>(), ws_bytes, d_out.as<bf16_t>(), nullptr);
+              });
 }
 
 /// DecodeCase::n_splits value meaning "the decode graph's split count for this context":
@@ -338,6 +347,14 @@ void expect_prefill_matches_on(bool flash, int T, int64_t base, const cuda::Attn
     EXPECT_LT(row_err, kFlashTol);
   else
     EXPECT_LT(err, kBf16Tol);
+  // Perf mode: 4 · D flops per (row, query head, visible key), the causal count.
+  const double visible = double(T) * base + double(T) * (T + 1) / 2;
+  perf_report(std::string("attn_prefill_") + (flash ? "flash" : "row") + "_D" + std::to_string(D) + "_G" +
+                  std::to_string(nq / dims.n_kv_heads) + "_T" + std::to_string(T) + "_base" + std::to_string(base),
+              0.0, 4.0 * nq * D * visible, [&] {
+                cuda::attention_prefill(dims, T, base, d_q.as<bf16_t>(), d_gate.as<bf16_t>(), gate_stride,
+                                        cache.view(), d_out.as<bf16_t>(), nullptr);
+              });
 }
 
 /// Tensor-core prefill with K all zero: every visible key weighs exactly the same (probability
