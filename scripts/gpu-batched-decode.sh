@@ -33,6 +33,9 @@
 #                           LILY_GPU_PROFILE_ROWS rows
 #   LILY_GPU_STEPS=prof-source  Nsight Compute's per-instruction stall samples of that kernel
 #                           (build with LILY_GPU_CMAKE_FLAGS=-DCMAKE_CUDA_FLAGS=-lineinfo)
+#   LILY_GPU_STEPS=perf     the kernel case tables in perf mode (LILY_GPU_PERF=1): the GEMV, dense
+#                           and grouped GEMM and attention cases, checked and timed, [perf] lines
+#                           in $OUT/perf.log
 #   LILY_GPU_STEPS=prof     Nsight Compute: the kernels of one batched step of the 35b-a3b synth
 #                           at LILY_GPU_PROFILE_ROWS rows (default "8 32"), a table per row count
 #                           (scripts/ncu-decode-table.py)
@@ -66,6 +69,20 @@ if has batched; then
     >"$OUT/batched-e2e.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED) |^\[ +(OK|FAILED) |Failure|Expected|Which is|differ|bit-identical|timing\]" \
     "$OUT/batched-e2e.log" | head -80
+fi
+if has perf; then
+  echo "== the kernel case tables in perf mode"
+  : >"$OUT/perf.log"
+  while read -r bin filter; do  # a test binary and its gtest filter
+    LILY_GPU_PERF=1 timeout 300 "$BUILD/tests/$bin" --gtest_filter="$filter" </dev/null >"$OUT/perf-$bin.log" 2>&1 || status=1
+    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED" "$OUT/perf-$bin.log" | head -5
+    grep -E "^\[perf\]" "$OUT/perf-$bin.log" >>"$OUT/perf.log"
+  done <<'EOF2'
+test_cuda_core_kernels Cases/CudaGemv.*
+test_quant_gemm Cases/*
+test_attention Cases/AttentionDecode.*:Cases/AttentionPrefill.*
+EOF2
+  wc -l "$OUT/perf.log"
 fi
 if has moe; then
   echo "== test_moe_block"
