@@ -105,7 +105,7 @@ struct MoeLayout {
   int gu_stage = 0, dn_stage = 0;      ///< a gate/up / down tile's stage (codes padded)
   int max_distinct = 0;            ///< distinct experts of a step at most: min(rows·k, E) + 1
   int max_items = 0;               ///< column blocks of a step at most (below)
-  int quad_stages = 0, dn_stages = 0;  ///< gate/up ring slots per quad; down stages (one per warp)
+  int quad_stages = 0, dn_stages = 0;  ///< gate/up ring slots per quad; early down stages (≤ one per warp)
   int late_dn = 0;                     ///< down stages in the gate/up ring's tail (phase 4 only)
   int balance = 0;                     ///< moe_tile_balance() at planning (routed_tile_bounds)
   int64_t bars = 0, sel_ids = 0, sel_w = 0, list = 0, rows_of = 0, pair_start = 0, item_start = 0, item_expert = 0,
@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   int32_t* word_prefix = reinterpret_cast<int32_t*>(sm + l.word_prefix);
   unsigned char* gu_ring = sm + l.gu_ring;
   unsigned char* dn_ring = sm + l.dn_ring;
-  const int n_dn = l.dn_stages + l.late_dn;  // down stages in phase 4: warp w < n_dn owns stage w
+  const int n_dn = l.dn_stages + l.late_dn;  // down stages in phase 4 (owned by the warps < dn_warps, below)
   auto dn_stage_of = [&](int w) {
     return w < l.dn_stages ? dn_ring + w * l.dn_stage : sm + l.late_ring + (w - l.dn_stages) * l.dn_stage;
   };
