@@ -2,6 +2,7 @@
 #include "backends/cuda/decode_program.h"
 
 #include <algorithm>
+#include <climits>
 #include <map>
 #include <utility>
 
@@ -225,6 +226,49 @@ DecodeProgram build_decode_program(const ModelConfig& c, const DecodeGrain& g) {
   const int32_t done = pb.counter("argmax");
   pb.add(K::kArgmax, -1, 0, {pb.all_of(logits)}, done, {reads(B::kLogits, 0, c.vocab), writes(B::kNextToken, 0, 1)}, 0);
   return pb.take();
+}
+
+DecodeProgramImage flatten_decode_program(const DecodeProgram& p) {
+  DecodeProgramImage img;
+  img.n_counters = static_cast<int32_t>(p.counter_names.size());
+  // Each (buffer, instance)'s span: as long as its largest end, in order of first use.
+  std::map<std::pair<int, int32_t>, int64_t> extent, base;
+  std::vector<std::pair<int, int32_t>> order;
+  for (const DecodeTask& t : p.tasks)
+    for (const DecodeAccess& a : t.accesses) {
+      const std::pair<int, int32_t> key{static_cast<int>(a.buffer), a.instance};
+      auto [it, fresh] = extent.try_emplace(key, 0);
+      if (fresh) order.push_back(key);
+      it->second = std::max(it->second, a.end);
+    }
+  for (const auto& key : order) {
+    base[key] = img.arena_elements;
+    img.arena_elements += extent[key];
+  }
+  for (const DecodeTask& t : p.tasks) {
+    if (t.waits.size() > static_cast<size_t>(DecodeProgramImage::kMaxWaits))
+      throw Error(std::string("decode program: a ") + decode_task_kind_name(t.kind) + " task waits on " +
+                  std::to_string(t.waits.size()) + " counters; the device takes " +
+                  std::to_string(DecodeProgramImage::kMaxWaits));
+    if (img.accesses.size() + t.accesses.size() > static_cast<size_t>(INT32_MAX))
+      throw Error("decode program: too many accesses");
+    DecodeProgramImage::Task d{};
+    for (int w = 0; w < DecodeProgramImage::kMaxWaits; ++w) {
+      const bool has = w < static_cast<int>(t.waits.size());
+      d.wait_counter[w] = has ? t.waits[static_cast<size_t>(w)].counter : -1;
+      d.wait_target[w] = has ? t.waits[static_cast<size_t>(w)].target : 0;
+    }
+    d.signal = t.signal;
+    d.first_access = static_cast<int32_t>(img.accesses.size());
+    d.n_accesses = static_cast<int32_t>(t.accesses.size());
+    d.kind = static_cast<int32_t>(t.kind);
+    for (const DecodeAccess& a : t.accesses) {
+      const int64_t b = base[{static_cast<int>(a.buffer), a.instance}];
+      img.accesses.push_back({b + a.begin, b + a.end, a.write ? 1 : 0, 0});
+    }
+    img.tasks.push_back(d);
+  }
+  return img;
 }
 
 namespace {

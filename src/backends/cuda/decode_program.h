@@ -125,6 +125,37 @@ struct DecodeGrain {
 /// the KV capacity.
 DecodeProgram build_decode_program(const ModelConfig& c, const DecodeGrain& g = DecodeGrain{});
 
+/// A program flattened for the device: fixed-size task records, one array of accesses, and every
+/// (buffer, instance) given its own span of one element arena (a test's synthetic memory, or a
+/// map from spans to real buffers). Counters keep their indices.
+struct DecodeProgramImage {
+  static constexpr int kMaxWaits = 2;  ///< waits per task on the device
+  /// One task: up to kMaxWaits waits (counter −1: none), its signal (−1: none), and its accesses
+  /// accesses[first_access, first_access + n_accesses).
+  struct Task {
+    int32_t wait_counter[kMaxWaits];
+    int32_t wait_target[kMaxWaits];
+    int32_t signal;
+    int32_t first_access, n_accesses;
+    int32_t kind;  ///< DecodeTaskKind
+  };
+  /// Elements [begin, end) of the arena; write: 1 when the task writes them.
+  struct Access {
+    int64_t begin, end;
+    int32_t write;
+    int32_t pad;
+  };
+  std::vector<Task> tasks;
+  std::vector<Access> accesses;
+  int32_t n_counters = 0;
+  int64_t arena_elements = 0;  ///< one past the last span's end
+};
+
+/// `p` flattened (DecodeProgramImage): each (buffer, instance) gets the span of arena elements
+/// [base, base + its largest end), in order of first use. Throws lily::Error for a task with
+/// more than kMaxWaits waits or more accesses than an int32 counts.
+DecodeProgramImage flatten_decode_program(const DecodeProgram& p);
+
 /// Why `p` is not safe to run on a persistent kernel that takes tasks in list order ("" when it
 /// is): a counter waited on before all its producers, a target other than its producer count, a
 /// counter out of range or never signalled, an empty access range, or two tasks that

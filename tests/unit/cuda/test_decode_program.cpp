@@ -181,6 +181,59 @@ TEST(DecodeProgram, FindsAnEmptyRangeAndAnUnsignalledCounter) {
   expect_problem(p, {"argmax", "spare", "no task signals"});
 }
 
+TEST(DecodeProgram, FlattensForTheDevice) {
+  const ModelConfig c = load_model_config(test::demo_model_dir());
+  const DecodeProgram p = build_decode_program(c);
+  const DecodeProgramImage img = flatten_decode_program(p);
+  ASSERT_EQ(img.tasks.size(), p.tasks.size());
+  EXPECT_EQ(img.n_counters, static_cast<int32_t>(p.counter_names.size()));
+  // Every task's waits, signal and kind; its accesses in order, each as long as before.
+  std::map<std::pair<int, int32_t>, int64_t> base;  // (buffer, instance) → arena offset, from the image
+  size_t n_accesses = 0;
+  for (size_t i = 0; i < p.tasks.size(); ++i) {
+    const DecodeTask& t = p.tasks[i];
+    const DecodeProgramImage::Task& d = img.tasks[i];
+    for (int w = 0; w < DecodeProgramImage::kMaxWaits; ++w) {
+      const bool has = w < static_cast<int>(t.waits.size());
+      EXPECT_EQ(d.wait_counter[w], has ? t.waits[w].counter : -1) << i;
+      EXPECT_EQ(d.wait_target[w], has ? t.waits[w].target : 0) << i;
+    }
+    EXPECT_EQ(d.signal, t.signal);
+    EXPECT_EQ(d.kind, static_cast<int32_t>(t.kind));
+    ASSERT_EQ(d.n_accesses, static_cast<int32_t>(t.accesses.size()));
+    ASSERT_EQ(d.first_access, static_cast<int32_t>(n_accesses));
+    for (int a = 0; a < d.n_accesses; ++a) {
+      const DecodeAccess& from = t.accesses[a];
+      const DecodeProgramImage::Access& to = img.accesses[n_accesses + a];
+      EXPECT_EQ(to.end - to.begin, from.end - from.begin);
+      EXPECT_EQ(to.write, from.write ? 1 : 0);
+      // One offset per (buffer, instance): the same for all its accesses.
+      const auto [it, fresh] = base.try_emplace({static_cast<int>(from.buffer), from.instance}, to.begin - from.begin);
+      EXPECT_EQ(it->second, to.begin - from.begin) << "task " << i << " access " << a;
+      EXPECT_LE(to.end, img.arena_elements);
+    }
+    n_accesses += t.accesses.size();
+  }
+  EXPECT_EQ(img.accesses.size(), n_accesses);
+  // The spans do not overlap: sorted by offset, each ends before the next begins.
+  std::map<int64_t, int64_t> spans;  // offset → largest end
+  for (const DecodeProgramImage::Access& a : img.accesses) {
+    int64_t start = -1;
+    for (const auto& [key, off] : base)
+      if (off <= a.begin && (start < 0 || off > start)) start = off;
+    spans[start] = std::max(spans[start], a.end);
+  }
+  int64_t end = 0;
+  for (const auto& [off, last] : spans) {
+    EXPECT_GE(off, end);
+    end = last;
+  }
+  // More waits than the device takes.
+  DecodeProgram three = p;
+  three.tasks.back().waits.resize(DecodeProgramImage::kMaxWaits + 1, three.tasks.back().waits[0]);
+  EXPECT_THROW(flatten_decode_program(three), Error);
+}
+
 TEST(DecodeProgram, RefusesABadGrain) {
   const ModelConfig c = load_model_config(test::demo_model_dir());
   DecodeGrain g;
