@@ -33,6 +33,8 @@
 #                           LILY_GPU_PROFILE_ROWS rows
 #   LILY_GPU_STEPS=prof-source  Nsight Compute's per-instruction stall samples of that kernel
 #                           (build with LILY_GPU_CMAKE_FLAGS=-DCMAKE_CUDA_FLAGS=-lineinfo)
+#   LILY_GPU_STEPS=tasks    the persistent kernel's counters (test_task_sync: the 35B-A3B task
+#                           list with synthetic bodies against the host, and its cost)
 #   LILY_GPU_STEPS=perf     the kernel case tables in perf mode (LILY_GPU_PERF=1): the GEMV, dense
 #                           and grouped GEMM and attention cases, checked and timed, [perf] lines
 #                           in $OUT/perf.log
@@ -69,6 +71,11 @@ if has batched; then
     >"$OUT/batched-e2e.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED) |^\[ +(OK|FAILED) |Failure|Expected|Which is|differ|bit-identical|timing\]" \
     "$OUT/batched-e2e.log" | head -80
+fi
+if has tasks; then
+  echo "== test_task_sync"
+  timeout 300 "$BUILD/tests/test_task_sync" >"$OUT/task-sync.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|Which is|timing\]" "$OUT/task-sync.log" | head -20
 fi
 if has perf; then
   echo "== the kernel case tables in perf mode"
