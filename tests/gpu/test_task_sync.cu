@@ -3,8 +3,8 @@
 // sums the elements it reads and folds the sum into the elements it writes (x ← 31·x + sum +
 // element + task). Run by one block per SM taking tasks in list order, the arena must end
 // bit-identical to the same bodies run one task after another on the host: a read before its
-// producer's write, or two writers out of order, changes some sum. Several launches in a row use
-// the counters' epochs (nothing is reset between them). The timings (printed, never asserted)
+// producer's write, or two writers out of order, changes some sum. Several launches in a row, two
+// of them replays of one captured graph, share the counters (nothing is reset between them). The timings (printed, never asserted)
 // give the cost of the task machinery alone, the floor a persistent decode kernel starts from.
 #include <gtest/gtest.h>
 
@@ -39,36 +39,40 @@ __device__ void run_synthetic_task(const DecodeProgramImage::Task& t, const Deco
                                    uint32_t* arena, int64_t i) {
   __shared__ uint32_t warp_sums[kThreads / 32];
   uint32_t s = 0;
-  for (int a = t.first_access; a < t.first_access + t.n_accesses; ++a)
+  for (int a = t.first_access; a < t.first_access + t.n_accesses; ++a) {
+    const int64_t begin = acc[a].begin, end = acc[a].end;
     if (!acc[a].write)
-      for (int64_t e = acc[a].begin + threadIdx.x; e < acc[a].end; e += blockDim.x) s += __ldcg(arena + e);
+      for (int64_t e = begin + threadIdx.x; e < end; e += blockDim.x) s += __ldcg(arena + e);
+  }
   for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
   if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = s;
   __syncthreads();
   s = 0;
   for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) s += warp_sums[w];
   __syncthreads();  // warp_sums is reused by the next task
-  for (int a = t.first_access; a < t.first_access + t.n_accesses; ++a)
+  for (int a = t.first_access; a < t.first_access + t.n_accesses; ++a) {
+    const int64_t begin = acc[a].begin, end = acc[a].end;
     if (acc[a].write)
-      for (int64_t e = acc[a].begin + threadIdx.x; e < acc[a].end; e += blockDim.x)
+      for (int64_t e = begin + threadIdx.x; e < end; e += blockDim.x)
         __stcg(arena + e, __ldcg(arena + e) * 31u + s + static_cast<uint32_t>(e) + static_cast<uint32_t>(i));
+  }
 }
 
-/// One block per SM: take tasks in order, wait, run (with_data) and signal. Launch `epoch` of
-/// the same counters (zeroed once before the first).
+/// One block per SM: take tasks in order, wait, run (with_data) and signal. The counters and
+/// `next` are zeroed once before the first launch; each launch finds its number in its tickets.
 __global__ void __launch_bounds__(kThreads, 1)
     synthetic_program_kernel(const DecodeProgramImage::Task* tasks, int64_t n_tasks,
                              const DecodeProgramImage::Access* acc, uint32_t* arena, uint32_t* counters,
-                             unsigned long long* next, uint32_t epoch, bool with_data) {
-  __shared__ int64_t slot;
-  const unsigned long long base = static_cast<unsigned long long>(epoch) * (n_tasks + gridDim.x);
+                             unsigned long long* next, bool with_data) {
+  __shared__ unsigned long long slot;
   for (;;) {
-    const int64_t i = cuda::task_fetch(next, base, &slot);
+    const cuda::TaskTicket ticket = cuda::task_fetch(next, n_tasks, &slot);
+    const int64_t i = ticket.task;
     if (i >= n_tasks) return;
     const DecodeProgramImage::Task t = tasks[i];
     for (int w = 0; w < DecodeProgramImage::kMaxWaits; ++w)
       if (t.wait_counter[w] >= 0)
-        cuda::counter_wait(counters + t.wait_counter[w], (epoch + 1) * static_cast<uint32_t>(t.wait_target[w]));
+        cuda::counter_wait(counters + t.wait_counter[w], (ticket.launch + 1) * static_cast<uint32_t>(t.wait_target[w]));
     if (with_data) run_synthetic_task(t, acc, arena, i);
     if (t.signal >= 0) cuda::counter_signal(counters + t.signal);
   }
@@ -95,7 +99,6 @@ struct DeviceProgram {
   DeviceBuffer tasks, accesses, arena, counters, next;
   std::vector<uint32_t> start;
   int blocks = 0;
-  uint32_t launches = 0;
 
   explicit DeviceProgram(const cuda::DecodeProgram& p) : img(cuda::flatten_decode_program(p)) {
     tasks = DeviceBuffer(img.tasks.size() * sizeof(DecodeProgramImage::Task));
@@ -121,7 +124,7 @@ struct DeviceProgram {
     synthetic_program_kernel<<<blocks, kThreads, 0, stream>>>(
         tasks.as<DecodeProgramImage::Task>(), static_cast<int64_t>(img.tasks.size()),
         accesses.as<DecodeProgramImage::Access>(), arena.as<uint32_t>(), counters.as<uint32_t>(),
-        next.as<unsigned long long>(), launches++, with_data);
+        next.as<unsigned long long>(), with_data);
     CUDA_CHECK(cudaGetLastError());
   }
 
@@ -145,12 +148,17 @@ cuda::DecodeProgram program_of(const ModelConfig& c) {
   return p;
 }
 
-/// Three launches in a row (epochs 0, 1, 2) against the host, bit for bit.
+/// Three launches in a row against the host, bit for bit; the third replays a captured graph of
+/// the launch (fixed arguments: the launch number comes from the fetch counter).
 void expect_matches_host(const ModelConfig& c) {
   DeviceProgram d(program_of(c));
   std::vector<uint32_t> host = d.start;
-  for (int launch = 0; launch < 3; ++launch) {
-    d.launch(true);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraphExec_t graph = test::capture_graph(stream, [&](cudaStream_t s) { d.launch(true, s); });
+  for (int launch = 0; launch < 4; ++launch) {
+    if (launch < 2) d.launch(true, stream);
+    else CUDA_CHECK(cudaGraphLaunch(graph, stream));
     run_on_host(d.img, host);
     const std::vector<uint32_t> got = d.arena_now();
     int64_t differ = 0, first = -1;
@@ -161,6 +169,8 @@ void expect_matches_host(const ModelConfig& c) {
       }
     EXPECT_EQ(differ, 0) << c.shape_name() << ", launch " << launch << ": first differing element " << first;
   }
+  CUDA_CHECK(cudaGraphExecDestroy(graph));
+  CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST(TaskSync, TheDemoProgramRunsAsOnTheHost) { expect_matches_host(load_model_config(test::demo_model_dir())); }

@@ -263,6 +263,10 @@ DecodeProgramImage flatten_decode_program(const DecodeProgram& p) {
     d.n_accesses = static_cast<int32_t>(t.accesses.size());
     d.kind = static_cast<int32_t>(t.kind);
     for (const DecodeAccess& a : t.accesses) {
+      if (a.begin < 0 || a.end <= a.begin)
+        throw Error(std::string("decode program: a ") + decode_task_kind_name(t.kind) + " task touches the empty or "
+                    "negative range [" + std::to_string(a.begin) + ", " + std::to_string(a.end) + ") of " +
+                    decode_buffer_name(a.buffer));
       const int64_t b = base[{static_cast<int>(a.buffer), a.instance}];
       img.accesses.push_back({b + a.begin, b + a.end, a.write ? 1 : 0, 0});
     }

@@ -151,9 +151,13 @@ struct DecodeProgramImage {
   int64_t arena_elements = 0;  ///< one past the last span's end
 };
 
+// The device reads these records as the host lays them out.
+static_assert(sizeof(DecodeProgramImage::Task) == 32 && sizeof(DecodeProgramImage::Access) == 24,
+              "DecodeProgramImage records: no padding the device would not expect");
+
 /// `p` flattened (DecodeProgramImage): each (buffer, instance) gets the span of arena elements
 /// [base, base + its largest end), in order of first use. Throws lily::Error for a task with
-/// more than kMaxWaits waits or more accesses than an int32 counts.
+/// more than kMaxWaits waits, an empty or negative range, or more accesses than an int32 counts.
 DecodeProgramImage flatten_decode_program(const DecodeProgram& p);
 
 /// Why `p` is not safe to run on a persistent kernel that takes tasks in list order ("" when it

@@ -1,37 +1,58 @@
 // The synchronisation of a persistent kernel's task list (decode_program.h): blocks take tasks in
 // list order from one fetch counter, wait on counters that earlier tasks signal, and signal their
-// own when done. Counters only grow: in launch e (0, 1, …) a task waits for (e + 1) · its target,
-// so nothing is reset between launches or graph replays.
+// own when done. Counters only grow, and a launch finds its number in the fetch counter: with n
+// tasks on G blocks every launch makes exactly n + G fetches (each block one past the end), so
+// fetch v belongs to launch v / (n + G). Launch e waits for (e + 1) · a counter's producer count.
+// Nothing is reset between launches, and a captured graph replays correctly with fixed arguments.
+// One instance of a program runs at a time on one set of counters: launches of it follow each
+// other on one stream, without programmatic dependent launch between them.
 //
-// Memory ordering, at GPU scope: a signal is a fence followed by an atomic add by one thread after
-// a block barrier, so every global write of the block before it is visible to a block that sees
-// the count; a wait is an acquire load by one thread followed by a block barrier. Data written by
-// other blocks must then be read past L1 (ld.global.cg, bulk copies), which is not coherent.
+// Memory ordering, at GPU scope: a signal is a block barrier, a fence and an atomic add by one
+// thread, so every global write of the block before it is visible to a block that sees the count;
+// a wait is an acquire load by one thread followed by a block barrier. Data written by other
+// blocks must then be read past L1 (ld.global.cg, bulk copies), which is not coherent.
 #pragma once
 #include <cstdint>
 
 namespace lily::cuda {
 
-/// This block's next task: thread 0 takes it with one atomic add on `next`, which counts every
-/// fetch since the counter was zeroed; `base` is its value when this launch began (launch e of a
-/// list of n tasks on G blocks: e · (n + G), every block fetching once past the end). `slot` is a
-/// __shared__ int64_t. All threads of the block call it and get the same index.
-__device__ __forceinline__ int64_t task_fetch(unsigned long long* next, unsigned long long base, int64_t* slot) {
-  __syncthreads();  // every thread has read the last index
-  if (threadIdx.x == 0) *slot = static_cast<int64_t>(atomicAdd(next, 1ull) - base);
+/// A fetched task: the launch it belongs to and its index in the list (≥ the list's length: past
+/// the end, the block is done).
+struct TaskTicket {
+  uint32_t launch;
+  int64_t task;
+};
+
+/// This block's next task of a list of `n_tasks` run by `gridDim.x` blocks: thread 0 takes it
+/// with one atomic add on `next` (zero before the first launch, never reset), the block reads it
+/// from `slot` (a __shared__ unsigned long long). All threads of the block call it and get the
+/// same ticket.
+__device__ __forceinline__ TaskTicket task_fetch(unsigned long long* next, int64_t n_tasks, unsigned long long* slot) {
+  __syncthreads();  // every thread has read the last ticket
+  if (threadIdx.x == 0) *slot = atomicAdd(next, 1ull);
   __syncthreads();
-  return *slot;
+  const unsigned long long per_launch = static_cast<unsigned long long>(n_tasks) + gridDim.x;
+  return TaskTicket{static_cast<uint32_t>(*slot / per_launch), static_cast<int64_t>(*slot % per_launch)};
 }
+
+/// How long counter_wait spins before it gives up with a trap (a missing producer would
+/// otherwise hang the device): 5 s, far above any decode step.
+constexpr uint64_t kCounterWaitTimeoutNs = 5'000'000'000ull;
 
 /// Waits until counter `c` has reached `target` (compared modulo 2³², so counters may wrap).
 /// Acquire: what the signalling blocks wrote before their signals is visible to this block
-/// afterwards. All threads of the block.
+/// afterwards. Traps after kCounterWaitTimeoutNs. All threads of the block.
 __device__ __forceinline__ void counter_wait(const uint32_t* c, uint32_t target) {
   if (threadIdx.x == 0) {
     uint32_t seen = 0;
-    do {
+    uint64_t start = 0, now = 0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    for (;;) {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(c) : "memory");
-    } while (static_cast<int32_t>(seen - target) < 0);
+      if (static_cast<int32_t>(seen - target) >= 0) break;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      if (now - start > kCounterWaitTimeoutNs) __trap();
+    }
   }
   __syncthreads();
 }

@@ -232,6 +232,9 @@ TEST(DecodeProgram, FlattensForTheDevice) {
   DecodeProgram three = p;
   three.tasks.back().waits.resize(DecodeProgramImage::kMaxWaits + 1, three.tasks.back().waits[0]);
   EXPECT_THROW(flatten_decode_program(three), Error);
+  DecodeProgram negative = p;
+  negative.tasks[0].accesses[0].begin = -1;
+  EXPECT_THROW(flatten_decode_program(negative), Error);
 }
 
 TEST(DecodeProgram, RefusesABadGrain) {
