@@ -38,7 +38,7 @@ const char* decode_buffer_name(DecodeBuffer buffer) {
     case DecodeBuffer::kMix: return "mix";
     case DecodeBuffer::kMixerOut: return "mixer_out";
     case DecodeBuffer::kMoeNormed: return "moe_normed";
-    case DecodeBuffer::kRouting: return "routing";
+    case DecodeBuffer::kRouterLogits: return "router_logits";
     case DecodeBuffer::kAct: return "act";
     case DecodeBuffer::kMoeOut: return "moe_out";
     case DecodeBuffer::kConvWindow: return "conv_window";
@@ -71,9 +71,10 @@ class ProgramBuilder {
 
   /// Appends a task signalling `signal` (-1: none).
   void add(DecodeTaskKind kind, int layer, int part, std::vector<DecodeWait> waits, int32_t signal,
-           std::vector<DecodeAccess> accesses, int64_t weight_bytes) {
+           std::vector<DecodeAccess> accesses, int64_t weight_bytes, int64_t state_bytes = 0) {
     if (signal >= 0) ++producers_[static_cast<size_t>(signal)];
-    program_.tasks.push_back(DecodeTask{kind, layer, part, std::move(waits), signal, std::move(accesses), weight_bytes});
+    program_.tasks.push_back(
+        DecodeTask{kind, layer, part, std::move(waits), signal, std::move(accesses), weight_bytes, state_bytes});
   }
 
   DecodeProgram take() { return std::move(program_); }
@@ -93,7 +94,7 @@ DecodeAccess writes(DecodeBuffer b, int64_t begin, int64_t end, int instance = 0
 void check_grain(const DecodeGrain& g) {
   for (const auto& [name, rows] : {std::pair{"proj_rows", g.proj_rows}, std::pair{"out_rows", g.out_rows},
                                    std::pair{"expert_rows", g.expert_rows}, std::pair{"down_rows", g.down_rows},
-                                   std::pair{"lm_rows", g.lm_rows}})
+                                   std::pair{"lm_rows", g.lm_rows}, std::pair{"router_rows", g.router_rows}})
     if (rows <= 0 || rows % 16 != 0)
       throw Error(std::string("decode program: ") + name + " " + std::to_string(rows) +
                   " must be a positive multiple of 16 (the MMA tile's rows)");
@@ -151,6 +152,10 @@ DecodeProgram build_decode_program(const ModelConfig& c, const DecodeGrain& g) {
       // conv window's update of those channels has one writer.
       const int64_t Dk = c.gdn_key_head_dim, Dv = c.gdn_value_head_dim, Hk = c.gdn_n_key_heads;
       const int64_t per_key = c.gdn_n_value_heads / Hk, state = Dk * Dv;
+      // Read and written: the value heads' fp32 states, the bf16 conv window (K − 1 taps) of
+      // the key head's q and k channels and of the value heads' v channels.
+      const int64_t state_bytes =
+          2 * (per_key * state * 4 + int64_t{c.gdn_conv_kernel - 1} * (2 * Dk + per_key * Dv) * 2);
       for (int64_t kh = 0; kh < Hk; ++kh) {
         const int64_t v0 = kh * per_key, v1 = v0 + per_key, key_dim = Hk * Dk;
         pb.add(K::kGdnHeads, l, static_cast<int>(kh), {pb.all_of(projected)}, mixed,
@@ -158,7 +163,7 @@ DecodeProgram build_decode_program(const ModelConfig& c, const DecodeGrain& g) {
                 writes(B::kConvWindow, key_dim + kh * Dk, key_dim + (kh + 1) * Dk, l),
                 writes(B::kConvWindow, 2 * key_dim + v0 * Dv, 2 * key_dim + v1 * Dv, l),
                 writes(B::kGdnState, v0 * state, v1 * state, l), writes(B::kMix, v0 * Dv, v1 * Dv)},
-               0);
+               0, state_bytes);
       }
     } else {
       // Per KV head: prepare (its query heads and its key; K/V appended at the position), the
@@ -169,7 +174,7 @@ DecodeProgram build_decode_program(const ModelConfig& c, const DecodeGrain& g) {
         pb.add(K::kAttnPrepare, l, static_cast<int>(h), {pb.all_of(projected)}, prepared,
                {reads(B::kProj, 0, in_rows), writes(B::kQuery, h * q_per_kv * D, (h + 1) * q_per_kv * D),
                 writes(B::kKvCache, h * cap + g.position, h * cap + g.position + 1, l)},
-               0);
+               0, 2 * D * 2);  // the new K and V rows
       for (int64_t h = 0; h < c.n_kv_heads; ++h)
         for (int s = 0; s < g.attn_splits; ++s) {
           const int64_t k0 = len * s / g.attn_splits, k1 = len * (s + 1) / g.attn_splits;
@@ -178,7 +183,7 @@ DecodeProgram build_decode_program(const ModelConfig& c, const DecodeGrain& g) {
           pb.add(K::kAttnSplit, l, static_cast<int>(slot), {pb.all_of(prepared)}, split,
                  {reads(B::kQuery, h * q_per_kv * D, (h + 1) * q_per_kv * D),
                   reads(B::kKvCache, h * cap + k0, h * cap + k1, l), writes(B::kAttnPart, slot, slot + 1)},
-                 0);
+                 0, 2 * (k1 - k0) * D * 2);  // its keys' K and V rows
         }
       for (int64_t h = 0; h < c.n_kv_heads; ++h)
         pb.add(K::kAttnCombine, l, static_cast<int>(h), {pb.all_of(split)}, mixed,
@@ -191,27 +196,32 @@ DecodeProgram build_decode_program(const ModelConfig& c, const DecodeGrain& g) {
       pb.add(K::kOutProj, l, part, {pb.all_of(mixed)}, out, {reads(B::kMix, 0, mix), writes(B::kMixerOut, r0, r1)},
              quant_bytes(r1 - r0, mix, 4));
     });
-    // The MoE: the router (mid = residual + mixer out, its norm, logits, top-k), the slots'
-    // gate/up rows, the down rows of every slot combined.
+    // The MoE: the router rows (each task forms mid = residual + mixer out and its norm; the
+    // first stores both), the slots' gate/up rows, the down rows of every slot combined; the
+    // expert tasks take the top-k from the logits themselves.
     const int32_t routed = pb.counter("router" + at);
-    pb.add(K::kRouter, l, 0, {pb.all_of(out)}, routed,
-           {reads(B::kResidual, 0, H), reads(B::kMixerOut, 0, H), writes(B::kMid, 0, H), writes(B::kMoeNormed, 0, H),
-            writes(B::kRouting, 0, slots)},
-           quant_bytes(c.n_experts + 1, H, g.router_bits));
+    const int64_t router_rows = c.n_experts + 1;
+    for_row_ranges(router_rows, g.router_rows, [&](int part, int64_t r0, int64_t r1) {
+      std::vector<DecodeAccess> acc = {reads(B::kResidual, 0, H), reads(B::kMixerOut, 0, H),
+                                       writes(B::kRouterLogits, r0, r1)};
+      if (part == 0) acc.insert(acc.end(), {writes(B::kMid, 0, H), writes(B::kMoeNormed, 0, H)});
+      pb.add(K::kRouter, l, part, {pb.all_of(out)}, routed, std::move(acc), quant_bytes(r1 - r0, H, g.router_bits));
+    });
     const int32_t gated = pb.counter("expert_gate_up" + at);
     int gate_up_part = 0;  // the layer's gate/up tasks, slot after slot
     for (int64_t s = 0; s < slots; ++s) {
       const int64_t width = s < k ? ffn : c.shared_ffn_dim, first = s * ffn;
       for_row_ranges(width, g.expert_rows, [&](int, int64_t r0, int64_t r1) {
         pb.add(K::kExpertGateUp, l, gate_up_part++, {pb.all_of(routed)}, gated,
-               {reads(B::kRouting, 0, slots), reads(B::kMoeNormed, 0, H), writes(B::kAct, first + r0, first + r1)},
+               {reads(B::kRouterLogits, 0, router_rows), reads(B::kMoeNormed, 0, H),
+                writes(B::kAct, first + r0, first + r1)},
                2 * quant_bytes(r1 - r0, H, 4));
       });
     }
     const int32_t down = pb.counter("expert_down" + at);
     for_row_ranges(H, g.down_rows, [&](int part, int64_t r0, int64_t r1) {
       pb.add(K::kExpertDown, l, part, {pb.all_of(gated)}, down,
-             {reads(B::kRouting, 0, slots), reads(B::kAct, 0, act_width), writes(B::kMoeOut, r0, r1)},
+             {reads(B::kRouterLogits, 0, router_rows), reads(B::kAct, 0, act_width), writes(B::kMoeOut, r0, r1)},
              k * quant_bytes(r1 - r0, ffn, 4) + quant_bytes(r1 - r0, c.shared_ffn_dim, 4));
     });
     layer_input = down;
@@ -273,6 +283,39 @@ DecodeProgramImage flatten_decode_program(const DecodeProgram& p) {
     img.tasks.push_back(d);
   }
   return img;
+}
+
+DecodeEstimate estimate_decode_program(const DecodeProgram& p, const DecodeCostModel& m) {
+  if (m.blocks <= 0 || m.bytes_per_us <= 0 || m.task_overhead_us < 0 || m.sync_latency_us < 0)
+    throw Error("decode program estimate: blocks and bandwidth must be positive, overhead and latency not negative");
+  if (const std::string why = check_decode_program(p); !why.empty())
+    throw Error("decode program estimate: the program is not safe to run: " + why);
+  std::vector<double> block_free(static_cast<size_t>(m.blocks), 0.0);
+  std::vector<double> counter_ready(p.counter_names.size(), 0.0);  // last producer's finish + latency
+  std::map<DecodeTaskKind, double> by_kind;
+  DecodeEstimate e;
+  for (const DecodeTask& t : p.tasks) {
+    // The block free first takes the task (the lowest index among equals).
+    const auto block = std::min_element(block_free.begin(), block_free.end());
+    const double taken = *block;
+    double ready = taken;
+    for (const DecodeWait& w : t.waits) ready = std::max(ready, counter_ready[static_cast<size_t>(w.counter)]);
+    const double weights = static_cast<double>(t.weight_bytes) / m.bytes_per_us;
+    const double state = static_cast<double>(t.state_bytes) / m.bytes_per_us;
+    const double finish = m.prefetch_weights ? std::max(taken + weights, ready) + state + m.task_overhead_us
+                                             : ready + weights + state + m.task_overhead_us;
+    *block = finish;
+    if (t.signal >= 0) {
+      double& c = counter_ready[static_cast<size_t>(t.signal)];
+      c = std::max(c, finish + m.sync_latency_us);
+    }
+    const double busy = weights + state + m.task_overhead_us;
+    e.busy_us += busy;
+    by_kind[t.kind] += busy;
+    e.step_us = std::max(e.step_us, finish);
+  }
+  for (const auto& [kind, us] : by_kind) e.busy_by_kind.emplace_back(kind, us);
+  return e;
 }
 
 namespace {

@@ -32,9 +32,9 @@ enum class DecodeTaskKind : uint8_t {
   kAttnSplit,     ///< one split of one KV head's keys: partial softmax and values
   kAttnCombine,   ///< one KV head's splits combined, the output gate applied
   kOutProj,       ///< rows of a layer's out-projection
-  kRouter,        ///< the post-mixer add + RMSNorm, the router logits and top-k
-  kExpertGateUp,  ///< rows of one expert slot's gate/up projections with SwiGLU
-  kExpertDown,    ///< rows of every slot's down projection and the weighted combine
+  kRouter,        ///< the post-mixer add + RMSNorm (computed by each task) and rows of the router logits
+  kExpertGateUp,  ///< the top-k (from the logits), rows of one slot's gate/up projections, SwiGLU
+  kExpertDown,    ///< the top-k, rows of every slot's down projection and the weighted combine
   kLmHead,        ///< the final norm and rows of the LM head
   kArgmax,        ///< the next token from the logits
 };
@@ -54,7 +54,7 @@ enum class DecodeBuffer : uint8_t {
   kMix,         ///< bf16 [mixer width]: the mixer core's output
   kMixerOut,    ///< bf16 [hidden]: the out-projection
   kMoeNormed,   ///< bf16 [hidden]: the post-mixer norm
-  kRouting,     ///< the k + 1 slots' expert ids and weights
+  kRouterLogits,  ///< fp32 [experts + 1]: the router's logits and the shared expert's gate
   kAct,         ///< bf16 [k + 1][ffn]: the slots' SwiGLU activations
   kMoeOut,      ///< bf16 [hidden]: the combined experts
   kConvWindow,  ///< a GDN layer's conv window, by channel
@@ -84,7 +84,8 @@ struct DecodeWait {
 
 /// One task: what it computes (kind, layer, part: its index among the layer's tasks of that
 /// kind), the counters it waits on, the counter it signals once done (-1: none), the elements it
-/// touches, and the weight bytes it streams (4-bit codes with their bf16 scales and biases).
+/// touches, the weight bytes it streams (4-bit codes with their bf16 scales and biases) and the
+/// bytes of sequence state it reads and writes (GDN recurrent state and conv window, K/V cache).
 struct DecodeTask {
   DecodeTaskKind kind = DecodeTaskKind::kEmbed;
   int32_t layer = -1;  ///< -1 for the embedding, the LM head and the argmax
@@ -93,6 +94,7 @@ struct DecodeTask {
   int32_t signal = -1;
   std::vector<DecodeAccess> accesses;
   int64_t weight_bytes = 0;
+  int64_t state_bytes = 0;
 };
 
 /// A decode step as a task list, in the order the blocks take the tasks.
@@ -110,7 +112,8 @@ struct DecodeGrain {
   int expert_rows = 128;  ///< gate/up rows (of ffn) per task and slot
   int down_rows = 128;    ///< down rows (of hidden) per task, all slots
   int lm_rows = 2048;     ///< LM head rows per task
-  int attn_splits = 4;    ///< key splits per KV head
+  int attn_splits = 32;   ///< key splits per KV head (128 keys each at 4K)
+  int router_rows = 16;   ///< router rows (of experts + 1) per task
   int router_bits = 8;    ///< bits of the router's codes (weight bytes only)
   int64_t kv_capacity = 4096;  ///< KV cache positions per KV head
   int64_t position = 0;        ///< the token's position (< kv_capacity)
@@ -118,8 +121,10 @@ struct DecodeGrain {
 
 /// The task list of one batch-1 decode step of model `c` cut by `g`: the embedding; per layer the
 /// in-projection rows (the first task also stores the layer's input residual), the GDN key heads
-/// or the attention prepare / splits / combine, the out-projection rows, the router, the gate/up
-/// rows of each of the top-k + 1 slots, the down rows; then the LM head rows and the argmax. Each
+/// or the attention prepare / splits / combine, the out-projection rows, the router rows (the first
+/// task also stores the post-mixer residual and norm), the gate/up rows of each of the top-k + 1
+/// slots and the down rows (each task routes from the logits itself, as every block of the fused
+/// MoE kernel does); then the LM head rows and the argmax. Each
 /// stage waits on the counters of the stages whose outputs it reads (docs/cuda.md). Throws
 /// lily::Error for a grain that is not positive, rows not a multiple of 16, or a position outside
 /// the KV capacity.
@@ -159,6 +164,34 @@ static_assert(sizeof(DecodeProgramImage::Task) == 32 && sizeof(DecodeProgramImag
 /// [base, base + its largest end), in order of first use. Throws lily::Error for a task with
 /// more than kMaxWaits waits, an empty or negative range, or more accesses than an int32 counts.
 DecodeProgramImage flatten_decode_program(const DecodeProgram& p);
+
+/// The costs a step-time estimate of a program assumes (estimate_decode_program). Defaults: an
+/// H200's 132 SMs sharing about 3.3 TB/s, a microsecond from a signal to a waiter seeing it.
+struct DecodeCostModel {
+  int blocks = 132;                  ///< resident blocks taking tasks (one per SM)
+  double bytes_per_us = 25'000;      ///< one block's share of the memory bandwidth (bytes / µs)
+  double task_overhead_us = 0.5;     ///< per task: fetch, barriers, epilogue
+  double sync_latency_us = 1.0;      ///< from a producer's signal to a waiter seeing it
+  bool prefetch_weights = true;      ///< weights stream from the moment a block takes the task
+};
+
+/// What estimate_decode_program found: the step's length, the blocks' busy time (the sum of
+/// the task durations, waiting excluded) and the step's time by task kind (busy time of that kind
+/// over the blocks, µs).
+struct DecodeEstimate {
+  double step_us = 0;
+  double busy_us = 0;
+  std::vector<std::pair<DecodeTaskKind, double>> busy_by_kind;
+};
+
+/// The step time of `p` on the model `m`, by list scheduling as the blocks take tasks: each task
+/// goes to the block that is free first (in list order); it is ready once every counter it waits
+/// on has had all its producers finish, plus the sync latency; it streams its weight and state
+/// bytes at one block's bandwidth (the weights from the moment it is taken with prefetch, else
+/// once it is ready) and adds the task overhead. An estimate from assumed costs, not a
+/// measurement: it says how the cut and the synchronisation bound the step. Throws lily::Error
+/// for a non-positive block count or bandwidth, or a program check_decode_program refuses.
+DecodeEstimate estimate_decode_program(const DecodeProgram& p, const DecodeCostModel& m = DecodeCostModel{});
 
 /// Why `p` is not safe to run on a persistent kernel that takes tasks in list order ("" when it
 /// is): a counter waited on before all its producers, a target other than its producer count, a
