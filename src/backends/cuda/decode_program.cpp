@@ -286,25 +286,46 @@ DecodeProgramImage flatten_decode_program(const DecodeProgram& p) {
 }
 
 DecodeEstimate estimate_decode_program(const DecodeProgram& p, const DecodeCostModel& m) {
-  if (m.blocks <= 0 || m.bytes_per_us <= 0 || m.task_overhead_us < 0 || m.sync_latency_us < 0)
-    throw Error("decode program estimate: blocks and bandwidth must be positive, overhead and latency not negative");
+  if (m.blocks <= 0 || m.bytes_per_us <= 0 || m.task_overhead_us < 0 || m.sync_latency_us < 0 || m.lookahead < 0)
+    throw Error("decode program estimate: blocks and bandwidth must be positive, overhead, latency and lookahead not "
+                "negative");
   if (const std::string why = check_decode_program(p); !why.empty())
     throw Error("decode program estimate: the program is not safe to run: " + why);
-  std::vector<double> block_free(static_cast<size_t>(m.blocks), 0.0);
+  const size_t held = static_cast<size_t>(m.prefetch_weights ? 1 + m.lookahead : 1);
+  struct Block {
+    double loads_free = 0;        // when its last task's weights have streamed
+    std::vector<double> finishes;  // its tasks' finish times, in order
+  };
+  std::vector<Block> blocks(static_cast<size_t>(m.blocks));
+  // When block b can take a task: its loads are done and it holds fewer than `held` tasks.
+  auto take_time = [&](const Block& b) {
+    const double freed = b.finishes.size() >= held ? b.finishes[b.finishes.size() - held] : 0.0;
+    return std::max(b.loads_free, freed);
+  };
   std::vector<double> counter_ready(p.counter_names.size(), 0.0);  // last producer's finish + latency
   std::map<DecodeTaskKind, double> by_kind;
   DecodeEstimate e;
   for (const DecodeTask& t : p.tasks) {
-    // The block free first takes the task (the lowest index among equals).
-    const auto block = std::min_element(block_free.begin(), block_free.end());
-    const double taken = *block;
+    // The block that can take it first (the lowest index among equals).
+    size_t bi = 0;
+    for (size_t i = 1; i < blocks.size(); ++i)
+      if (take_time(blocks[i]) < take_time(blocks[bi])) bi = i;
+    Block& b = blocks[bi];
+    const double taken = take_time(b);
+    const double previous = b.finishes.empty() ? 0.0 : b.finishes.back();
     double ready = taken;
     for (const DecodeWait& w : t.waits) ready = std::max(ready, counter_ready[static_cast<size_t>(w.counter)]);
     const double weights = static_cast<double>(t.weight_bytes) / m.bytes_per_us;
     const double state = static_cast<double>(t.state_bytes) / m.bytes_per_us;
-    const double finish = m.prefetch_weights ? std::max(taken + weights, ready) + state + m.task_overhead_us
-                                             : ready + weights + state + m.task_overhead_us;
-    *block = finish;
+    double finish = 0;
+    if (m.prefetch_weights) {
+      b.loads_free = taken + weights;
+      finish = std::max({b.loads_free, ready, previous}) + state + m.task_overhead_us;
+    } else {
+      finish = std::max(ready, previous) + weights + state + m.task_overhead_us;
+      b.loads_free = finish;
+    }
+    b.finishes.push_back(finish);
     if (t.signal >= 0) {
       double& c = counter_ready[static_cast<size_t>(t.signal)];
       c = std::max(c, finish + m.sync_latency_us);

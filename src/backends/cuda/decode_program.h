@@ -173,6 +173,9 @@ struct DecodeCostModel {
   double task_overhead_us = 0.5;     ///< per task: fetch, barriers, epilogue
   double sync_latency_us = 1.0;      ///< from a producer's signal to a waiter seeing it
   bool prefetch_weights = true;      ///< weights stream from the moment a block takes the task
+  /// With prefetch: tasks a block takes beyond the one it computes, whose weights stream (one
+  /// task after another, at the block's bandwidth) while it waits or computes.
+  int lookahead = 0;
 };
 
 /// What estimate_decode_program found: the step's length, the blocks' busy time (the sum of
@@ -185,12 +188,15 @@ struct DecodeEstimate {
 };
 
 /// The step time of `p` on the model `m`, by list scheduling as the blocks take tasks: each task
-/// goes to the block that is free first (in list order); it is ready once every counter it waits
-/// on has had all its producers finish, plus the sync latency; it streams its weight and state
-/// bytes at one block's bandwidth (the weights from the moment it is taken with prefetch, else
-/// once it is ready) and adds the task overhead. An estimate from assumed costs, not a
-/// measurement: it says how the cut and the synchronisation bound the step. Throws lily::Error
-/// for a non-positive block count or bandwidth, or a program check_decode_program refuses.
+/// goes to the block that can take one first (in list order: a block takes a task once its last
+/// task's weights have streamed and it holds fewer than 1 + lookahead unfinished tasks); it is
+/// ready once every counter it waits on has had all its producers finish, plus the sync latency;
+/// it streams its weight bytes at one block's bandwidth (from the moment it is taken with
+/// prefetch, else once it is ready), then, in the block's task order and once ready, its state
+/// bytes, plus the task overhead. Shared-memory capacity is not modelled: prefetched weights are
+/// taken to wait where they arrive. An estimate from assumed costs, not a measurement: it says how
+/// the cut and the synchronisation bound the step. Throws lily::Error for a non-positive block
+/// count or bandwidth, a negative lookahead, or a program check_decode_program refuses.
 DecodeEstimate estimate_decode_program(const DecodeProgram& p, const DecodeCostModel& m = DecodeCostModel{});
 
 /// Why `p` is not safe to run on a persistent kernel that takes tasks in list order ("" when it

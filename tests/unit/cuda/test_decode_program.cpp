@@ -279,6 +279,19 @@ TEST(DecodeProgram, EstimatesByListScheduling) {
   EXPECT_DOUBLE_EQ(e.busy_us, 6.0);
   ASSERT_EQ(e.busy_by_kind.size(), 1u);
   EXPECT_EQ(e.busy_by_kind[0].first, DecodeTaskKind::kInProj);
+  // Lookahead: one block, two independent tasks of 2 µs. Alone each waits for its own weights
+  // (2.5, then 5.0); with one task ahead the second's weights stream during the first's overhead
+  // (taken at 2: 4.0, then + 0.5).
+  m.blocks = 1;
+  e = estimate_decode_program(toy_program(2, 2000, false), m);
+  EXPECT_DOUBLE_EQ(e.step_us, 5.0);
+  m.lookahead = 1;
+  e = estimate_decode_program(toy_program(2, 2000, false), m);
+  EXPECT_DOUBLE_EQ(e.step_us, 4.5);
+  m.lookahead = -1;
+  EXPECT_THROW(estimate_decode_program(toy_program(1, 1, false), m), Error);
+  m.lookahead = 0;
+  m.blocks = 2;
   // A program the check refuses, and a model without blocks.
   DecodeProgram bad = toy_program(3, 1000, true);
   bad.tasks[2].waits[0].target = 2;
@@ -294,21 +307,29 @@ TEST(DecodeProgram, EstimatesTheRealShape) {
   DecodeGrain g;
   g.position = g.kv_capacity - 1;
   const DecodeProgram p = build_decode_program(c, g);
-  for (const bool prefetch : {true, false})
-    for (const double latency : {0.5, 1.0, 2.0}) {
+  struct Case {
+    bool prefetch;
+    double latency;
+    int lookahead;
+  };
+  for (const Case& k : {Case{true, 0.5, 0}, Case{true, 1.0, 0}, Case{true, 2.0, 0}, Case{true, 1.0, 1},
+                        Case{true, 1.0, 2}, Case{false, 1.0, 0}}) {
+    {
       DecodeCostModel m;
-      m.prefetch_weights = prefetch;
-      m.sync_latency_us = latency;
+      m.prefetch_weights = k.prefetch;
+      m.sync_latency_us = k.latency;
+      m.lookahead = k.lookahead;
       const DecodeEstimate e = estimate_decode_program(p, m);
       double by_kind = 0;
       for (const auto& [kind, us] : e.busy_by_kind) by_kind += us;
       EXPECT_NEAR(by_kind, e.busy_us, 1e-6 * e.busy_us);
       EXPECT_GE(e.step_us * m.blocks, e.busy_us * (1 - 1e-9));
-      std::printf("[decode program estimate] 35b-a3b at 4K, %s, sync %.1f us: step %.0f us (%.0f tok/s), "
-                  "blocks busy %.0f %%\n",
-                  prefetch ? "weights prefetched" : "no prefetch", latency, e.step_us, 1e6 / e.step_us,
+      std::printf("[decode program estimate] 35b-a3b at 4K, %s, lookahead %d, sync %.1f us: step %.0f us "
+                  "(%.0f tok/s), blocks busy %.0f %%\n",
+                  k.prefetch ? "weights prefetched" : "no prefetch", k.lookahead, k.latency, e.step_us, 1e6 / e.step_us,
                   100.0 * e.busy_us / (e.step_us * m.blocks));
     }
+  }
 }
 
 TEST(DecodeProgram, RefusesABadGrain) {
