@@ -14,15 +14,11 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/decode_program.h"
 #include "backends/cuda/device_buffer.h"
 #include "backends/cuda/task_sync.cuh"
 #include "gpu_test_util.h"
-#include "model/config_json.h"
-#include "model/synth.h"
 #include "support/test_support.h"
 
 namespace lily {
@@ -136,9 +132,6 @@ struct DeviceProgram {
   }
 };
 
-ModelConfig preset_config(const std::string& name) {
-  return parse_model_config(nlohmann::json::parse(synth_preset(name).config.dump()), name);
-}
 
 cuda::DecodeProgram program_of(const ModelConfig& c) {
   cuda::DecodeGrain g;
@@ -175,12 +168,12 @@ void expect_matches_host(const ModelConfig& c) {
 
 TEST(TaskSync, TheDemoProgramRunsAsOnTheHost) { expect_matches_host(load_model_config(test::demo_model_dir())); }
 
-TEST(TaskSync, TheRealProgramRunsAsOnTheHost) { expect_matches_host(preset_config("35b-a3b")); }
+TEST(TaskSync, TheRealProgramRunsAsOnTheHost) { expect_matches_host(test::synth_preset_config("35b-a3b")); }
 
 // The task machinery's cost on the 35B-A3B program: empty bodies (fetch, waits, signals only)
 // and the synthetic bodies, µs per launch (events, after a warm-up). Printed, never asserted.
 TEST(TaskSyncTiming, PrintsTheProgramsOverhead) {
-  const cuda::DecodeProgram p = program_of(preset_config("35b-a3b"));
+  const cuda::DecodeProgram p = program_of(test::synth_preset_config("35b-a3b"));
   DeviceProgram d(p);
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

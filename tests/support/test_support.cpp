@@ -11,11 +11,20 @@
 #include <sstream>
 #include <stdexcept>
 
+#include <nlohmann/json.hpp>
+
+#include "model/config_json.h"
+#include "model/synth.h"
+
 namespace lily::test {
 
 std::filesystem::path source_dir() { return LILY_SOURCE_DIR; }
 std::filesystem::path binary_dir() { return LILY_BINARY_DIR; }
 std::filesystem::path demo_model_dir() { return source_dir() / "models" / "demo"; }
+
+ModelConfig synth_preset_config(const std::string& name) {
+  return parse_model_config(nlohmann::json::parse(synth_preset(name).config.dump()), name);
+}
 
 void write_file(const std::filesystem::path& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "model/config.h"
+
 // LILY_TEST_SANITIZED: 1 when compiled with AddressSanitizer (the -DLILY_SANITIZE=ON build of
 // scripts/test.sh, and the fuzz build), read from the compiler's own macro (gcc) or feature
 // test (clang), else 0.
@@ -32,6 +34,9 @@ std::filesystem::path source_dir();
 std::filesystem::path binary_dir();
 /// The committed demo model (models/demo).
 std::filesystem::path demo_model_dir();
+/// The ModelConfig of `lily synth`'s preset `name` ("35b-a3b", "realdims", …), parsed as a
+/// checkpoint's config.json is. Throws lily::Error for an unknown name.
+ModelConfig synth_preset_config(const std::string& name);
 /// A fresh empty directory under the system temp dir, removed when the object dies.
 class TempDir {
  public:

@@ -8,21 +8,14 @@
 #include <map>
 #include <string>
 
-#include <nlohmann/json.hpp>
-
 #include "backends/cuda/decode_program.h"
 #include "base/error.h"
 #include "model/config.h"
-#include "model/config_json.h"
-#include "model/synth.h"
 #include "support/test_support.h"
 
 namespace lily::cuda {
 namespace {
 
-ModelConfig preset_config(const std::string& name) {
-  return parse_model_config(nlohmann::json::parse(synth_preset(name).config.dump()), name);
-}
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -51,7 +44,7 @@ void expect_problem(const DecodeProgram& p, std::initializer_list<const char*> w
 }
 
 TEST(DecodeProgram, TheRealShapeIsSafeAndCoversEveryWeightRowOnce) {
-  const ModelConfig c = preset_config("35b-a3b");
+  const ModelConfig c = test::synth_preset_config("35b-a3b");
   ASSERT_TRUE(c.is_qwen36_35b_a3b());
   DecodeGrain g;
   g.position = g.kv_capacity - 1;  // every split holds keys
@@ -98,7 +91,7 @@ TEST(DecodeProgram, TheRealShapeIsSafeAndCoversEveryWeightRowOnce) {
 
 TEST(DecodeProgram, OtherShapesAndGrainsAreSafe) {
   const ModelConfig demo = load_model_config(test::demo_model_dir());
-  const ModelConfig realdims = preset_config("realdims");
+  const ModelConfig realdims = test::synth_preset_config("realdims");
   DecodeGrain fine;
   fine.proj_rows = fine.out_rows = fine.expert_rows = fine.down_rows = 16;
   fine.lm_rows = 4096;
@@ -303,7 +296,7 @@ TEST(DecodeProgram, EstimatesByListScheduling) {
 // The estimate for the real shape at the default costs, printed (an estimate, not a timing),
 // and held to its lower bound: the blocks cannot be busier than the step is long.
 TEST(DecodeProgram, EstimatesTheRealShape) {
-  const ModelConfig c = preset_config("35b-a3b");
+  const ModelConfig c = test::synth_preset_config("35b-a3b");
   DecodeGrain g;
   g.position = g.kv_capacity - 1;
   const DecodeProgram p = build_decode_program(c, g);

@@ -191,14 +191,14 @@ TEST(SynthPresets, ConfigsParseAndTheBigOneIsTheRealShape) {
     }
     EXPECT_EQ(c.quantization.eight_bit_modules.size(), size_t(2 * c.n_layers)) << name;
   }
-  const ModelConfig big = parse_model_config(nlohmann::json::parse(synth_preset("35b-a3b").config.dump()), "35b");
+  const ModelConfig big = test::synth_preset_config("35b-a3b");
   EXPECT_TRUE(big.is_qwen36_35b_a3b());
   EXPECT_EQ(big.eos_token_ids, (std::vector<int32_t>{248046, 248044}));
   int64_t bytes = 0;
   for (const auto& spec : tensor_table(big)) bytes += stored_bytes(spec);
   EXPECT_GT(bytes, 19'000'000'000);
   EXPECT_LT(bytes, 20'500'000'000);
-  const ModelConfig real = parse_model_config(nlohmann::json::parse(synth_preset("realdims").config.dump()), "rd");
+  const ModelConfig real = test::synth_preset_config("realdims");
   EXPECT_EQ(real.head_dim, 256);
   EXPECT_EQ(real.gdn_key_head_dim, 128);
   EXPECT_EQ(real.gdn_value_head_dim, 128);
