@@ -33,6 +33,9 @@
 #                           LILY_GPU_PROFILE_ROWS rows
 #   LILY_GPU_STEPS=prof-source  Nsight Compute's per-instruction stall samples of that kernel
 #                           (build with LILY_GPU_CMAKE_FLAGS=-DCMAKE_CUDA_FLAGS=-lineinfo)
+#   LILY_GPU_STEPS=persistent  the persistent decode kernel: its end-to-end tests (resident vs
+#                           stages bit for bit, against the CPU and the decode graph), then lily bench on
+#                           the 35b-a3b synth at LILY_GPU_CONTEXTS (default 256 4096), persistent-decode 0, debug and 1 (LILY_GPU_PERSISTENT_MODES)
 #   LILY_GPU_STEPS=tasks    the persistent kernel's counters (test_task_sync: the 35B-A3B task
 #                           list with synthetic bodies against the host, and its cost)
 #   LILY_GPU_STEPS=perf     the kernel case tables in perf mode (LILY_GPU_PERF=1): the GEMV, dense
@@ -131,7 +134,7 @@ serve_streams() {
   kill -INT "$pid"
   wait "$pid"
 }
-if { has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source; } && [[ ! -f "$M/config.json" ]]; then
+if { has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source || has persistent; } && [[ ! -f "$M/config.json" ]]; then
   timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
 fi
 if has throughput; then
@@ -199,6 +202,24 @@ if has prof-source; then
     ncu --import /tmp/prof-source.ncu-rep --page source --csv >"$OUT/prof-source.csv" 2>&1
   ncu --import /tmp/prof-source.ncu-rep --page details >"$OUT/prof-source-details.txt" 2>&1
   wc -l "$OUT/prof-source.csv"; head -c 600 "$OUT/prof-source.csv"
+fi
+if has persistent; then
+  # One process per test: the stages (no counters) first, so that a resident kernel that traps
+  # (a counter wait past 5 s) still leaves the stages' result.
+  for t in StagesMatchCpu IsBitIdenticalToItsStages MatchesTheDecodeGraph; do
+    echo "== test_cuda_e2e --gtest_filter=CudaE2e.PersistentDecode$t"
+    timeout 240 "$BUILD/tests/test_cuda_e2e" --gtest_filter="CudaE2e.PersistentDecode$t" >"$OUT/persistent-$t.log" 2>&1 ||
+      status=1
+    grep -E "^\[  (PASSED|FAILED) |^\[ +(OK|FAILED) |Failure|Expected|Which is|differs|bit-identical|routing:|error|step [0-8]:" \
+      "$OUT/persistent-$t.log" | head -40
+  done
+  for mode in ${LILY_GPU_PERSISTENT_MODES:-0 debug 1}; do
+    for n in ${LILY_GPU_CONTEXTS:-256 4096}; do
+      echo "== lily bench --prompt-len $n --cuda persistent-decode=$mode, 35b-a3b"
+      timeout 200 "$BUILD/lily" bench --backend cuda --model "$M" --cuda persistent-decode=$mode --prompt-len "$n" \
+        --decode-steps 64 --rounds 3 2>&1 | tail -1 | tee -a "$OUT/persistent-bench.log"
+    done
+  done
 fi
 if has big; then
   echo "== batched decode throughput, 35b-a3b"

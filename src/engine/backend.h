@@ -271,6 +271,12 @@ struct CudaOptions {
   /// measurement on an H200: from 2 rows on a layer's projections take less time in the rows
   /// mode, at 1 row more (docs/cuda.md, "Batched steps").
   int rows_gemv_from = 2;
+  /// LILY_CUDA_PERSISTENT_DECODE 1|debug|0: a one-sequence decode step as one resident kernel
+  /// that takes the step's tasks from a list, synchronised by counters in device memory (1); the
+  /// same tasks as one launch per stage (debug: what the probes see); or (0, the default) the
+  /// step's separate kernels. Compiled, not yet run on a GPU (docs/cuda.md, "A persistent decode
+  /// kernel").
+  std::string persistent_decode = "0";
 
   static constexpr int kMaxPrefillChunk = 8192;
   static constexpr int kMaxBatch = 64;
@@ -292,7 +298,7 @@ struct CudaOptions {
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
   /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
   /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=32 decode-rows=32
-  /// rows-gemv-from=2 prefill-rows=1", for logs and reports.
+  /// rows-gemv-from=2 prefill-rows=1 persistent-decode=0", for logs and reports.
   std::string describe() const;
 };
 
@@ -357,6 +363,10 @@ inline std::span<const Field> fields() {
       {"decode-rows", "LILY_CUDA_DECODE_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.decode_rows = parse_int(l, v, 1, CudaOptions::kMaxDecodeRows); }},
       {"rows-gemv-from", "LILY_CUDA_ROWS_GEMV_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
       {"prefill-rows", "LILY_CUDA_PREFILL_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.prefill_rows = parse_choice(l, v, "1", "0"); }},
+      {"persistent-decode", "LILY_CUDA_PERSISTENT_DECODE", [](CudaOptions& o, const std::string& l, const std::string& v) {
+         if (v != "1" && v != "debug" && v != "0") throw Error(l + " must be '1', 'debug' or '0', got '" + v + "'");
+         o.persistent_decode = v;
+       }},
   };
   return table;
 }
@@ -414,7 +424,7 @@ inline std::string CudaOptions::describe() const {
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
          " max-batch=" + std::to_string(max_batch) + " decode-rows=" + std::to_string(decode_rows) +
          " rows-gemv-from=" + std::to_string(rows_gemv_from) +
-         " prefill-rows=" + (prefill_rows ? "1" : "0");
+         " prefill-rows=" + (prefill_rows ? "1" : "0") + " persistent-decode=" + persistent_decode;
 }
 
 /// Which backend to create. kAuto picks CUDA when built with it and a usable GPU is present.

@@ -1265,6 +1265,60 @@ TEST_F(CudaE2e, Full35bShapeMatchesCpu) {
   compare_greedy(cpu, *gpu, hash_prompt(64, w->config.vocab, 6), 8, "35b-a3b");
 }
 
+// ---- the persistent decode kernel (CudaOptions::persistent_decode) ---------------------------
+
+/// A CUDA backend with the environment's options and persistent_decode = `mode` ("1": the
+/// resident kernel; "debug": its stages one launch each).
+std::unique_ptr<Backend> persistent_backend(std::shared_ptr<const ModelWeights> w, const char* mode) {
+  CudaOptions o = CudaOptions::from_env();
+  o.persistent_decode = mode;
+  return make_cuda_backend(std::move(w), o);
+}
+
+/// The resident kernel and its stages run the same task bodies, so every decode step's logits
+/// must be bit-identical; a second run of the resident kernel (its counters carry on from the
+/// first run's launches) too. A missing wait or a read through a stale L1 line shows here.
+void check_resident_vs_stages(std::shared_ptr<const ModelWeights> w, const char* what) {
+  auto resident = persistent_backend(w, "1"), stages = persistent_backend(w, "debug");
+  const auto prompt = hash_prompt(40, w->config.vocab, 13);
+  const auto a = decode_logits(*resident, prompt, 8), b = decode_logits(*stages, prompt, 8);
+  const auto again = decode_logits(*resident, prompt, 8);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i], b[i]) << what << ", step " << i << ": the resident kernel differs from its stages";
+    EXPECT_EQ(again[i], a[i]) << what << ", step " << i << ": a second resident run differs";
+  }
+}
+
+TEST_F(CudaE2e, PersistentDecodeIsBitIdenticalToItsStages) {
+  TempDir dir;
+  check_resident_vs_stages(synth("realdims", dir.path()), "realdims");
+  check_resident_vs_stages(load_model(demo_model_dir()), "demo");
+}
+
+/// The persistent decode's task bodies against the CPU oracle (docs/model.md §4.5's acceptance,
+/// near-tied routing aligned), run as their stages ("debug"; with the alignment's probe sink the
+/// resident kernel runs its stages too, which PersistentDecodeIsBitIdenticalToItsStages ties to
+/// the resident kernel bit for bit).
+TEST_F(CudaE2e, PersistentDecodeStagesMatchCpu) {
+  TempDir dir;
+  for (const bool demo : {true, false}) {
+    auto w = demo ? load_model(demo_model_dir()) : synth("realdims", dir.path());
+    auto oracle = bf16_oracle(w);
+    auto gpu = persistent_backend(w, "debug");
+    compare_greedy(*oracle, *gpu, hash_prompt(64, w->config.vocab, 2), 8,
+                   demo ? "persistent decode stages, demo" : "persistent decode stages, realdims");
+  }
+}
+
+/// The resident kernel against the decode graph's kernels: cosine ≥ 0.999 and equal greedy ids
+/// at every step (other summation orders, so not bit for bit).
+TEST_F(CudaE2e, PersistentDecodeMatchesTheDecodeGraph) {
+  TempDir dir;
+  check_decode_settings(synth("realdims", dir.path()), {{"LILY_CUDA_PERSISTENT_DECODE", "1"}},
+                        {{"LILY_CUDA_PERSISTENT_DECODE", "0"}}, 0.999, "persistent decode vs decode graph, realdims");
+  check_decode_settings(load_model(demo_model_dir()), {{"LILY_CUDA_PERSISTENT_DECODE", "1"}},
+                        {{"LILY_CUDA_PERSISTENT_DECODE", "0"}}, 0.999, "persistent decode vs decode graph, demo");
+}
 
 // After the upload the backend keeps no reference to the host weights (reads_host_weights() is
 // false), so the caller's last reference unmaps the checkpoint, as `lily serve` does: a truncated

@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "backends/cuda/decode_megakernel.h"
 #include "backends/cuda/device_buffer.h"
 #include "backends/cuda/device_model.h"
 #include "backends/cuda/kernel_switches.h"
@@ -608,6 +609,7 @@ class CudaBackend final : public Backend {
     // The rows kernel at the most rows of a batched forward (≥ 2: a lone row takes the
     // one-sequence graph).
     batched_fused_moe_ = fused_moe_ && fused_moe_supported(std::max(2, options_.decode_rows));
+    if (options_.persistent_decode != "0") create_persistent_decode();
     routers_on_gemm_ = true;
     for (const auto& lw : model_->layers) routers_on_gemm_ = routers_on_gemm_ && router_gemm_supported(lw.router);
     // The kernel layer's switches (kernels.h, mixer_kernels.h, quant_gemm.h) are process-wide:
@@ -926,7 +928,11 @@ class CudaBackend final : public Backend {
     io->pos = static_cast<int32_t>(s.pos);
     io->len = static_cast<int32_t>(s.pos + 1);
     if (sampling) upload_sampling(*sampling);
-    if (probe_sink_) {
+    if (persistent_) {
+      persistent_step(s);
+      if (sampling) enqueue_sampler();
+      copy_io_out();
+    } else if (probe_sink_) {
       copy_io_in();
       enqueue_forward(s, true);
       if (sampling) enqueue_sampler();
@@ -952,6 +958,126 @@ class CudaBackend final : public Backend {
   void copy_io_out() {
     CUDA_CHECK(cudaMemcpyAsync(&io_->get()->next_id, io_dev_.as<int32_t>() + kIoNextId, sizeof(int32_t),
                                cudaMemcpyDeviceToHost, stream_));
+  }
+
+  // ---- the persistent decode kernel (CudaOptions::persistent_decode) ---------------------------
+
+  /// The task list, its counters and the buffers only its bodies use (the others are the
+  /// decode graph's own scratch, which the step's tasks use in the same roles).
+  void create_persistent_decode() {
+    const ModelConfig& c = config();
+    persistent_ = std::make_unique<DecodeMegakernel>(c, persistent_grain_);
+    persistent_attn_part_ = DeviceBuffer(static_cast<size_t>(persistent_->attn_part_floats()) * sizeof(float));
+    persistent_best_value_ = DeviceBuffer(static_cast<size_t>(persistent_->lm_parts()) * sizeof(float));
+    persistent_best_id_ = DeviceBuffer(static_cast<size_t>(persistent_->lm_parts()) * sizeof(int32_t));
+    persistent_layers_ = DeviceBuffer(static_cast<size_t>(c.n_layers) * sizeof(DecodeTaskLayer));
+  }
+
+  /// The step's arguments: the backend's decode buffers in the roles decode_tasks.h names, the
+  /// layers of the last upload_task_layers.
+  DecodeStepParams persistent_params() {
+    const ModelConfig& c = config();
+    DecodeStepParams p;
+    p.hidden = c.hidden;
+    p.vocab = c.vocab;
+    p.n_layers = c.n_layers;
+    p.n_experts = c.n_experts;
+    p.top_k = c.n_experts_per_tok;
+    p.moe_ffn = c.moe_ffn_dim;
+    p.shared_ffn = c.shared_ffn_dim;
+    p.eps = c.rms_norm_eps;
+    p.gdn_dims = gdn_;
+    p.attn_dims = attn_;
+    p.grain = persistent_grain_;
+    p.embed = model_->embed;
+    p.lm_head = model_->lm_head;
+    p.final_norm = model_->final_norm;
+    p.layers = persistent_layers_.as<DecodeTaskLayer>();
+    p.token = io_dev_.as<int32_t>() + kIoToken;
+    p.position = io_dev_.as<int32_t>() + kIoPos;
+    p.residual = x_.as<bf16>();
+    p.mid = x_alt_.as<bf16>();
+    p.proj = proj_.as<bf16>();
+    p.query = q_out_.as<bf16>();
+    p.mix = mixer_core_out_.as<bf16>();
+    p.mixer_out = mixer_out_.as<bf16>();
+    p.moe_normed = normed_.as<bf16>();
+    p.act = act_.as<bf16>();
+    p.moe_out = moe_out_.as<bf16>();
+    p.attn_part = persistent_attn_part_.as<float>();
+    p.router_logits = router_logits_.as<float>();
+    p.logits = logits_.as<float>();
+    p.head_best_value = persistent_best_value_.as<float>();
+    p.head_best_id = persistent_best_id_.as<int32_t>();
+    p.next_token = io_dev_.as<int32_t>() + kIoNextId;
+    return p;
+  }
+
+  /// Copies the layers' weights and `s`'s state of each layer to the device (on stream_), unless
+  /// the last copy named the same state blocks.
+  void upload_task_layers(const CudaState& s) {
+    const ModelConfig& c = config();
+    std::vector<const void*> key;
+    std::vector<DecodeTaskLayer> layers(static_cast<size_t>(c.n_layers));
+    for (int l = 0; l < c.n_layers; ++l) {
+      const DeviceLayer& lw = model_->layers[static_cast<size_t>(l)];
+      DecodeTaskLayer& t = layers[static_cast<size_t>(l)];
+      const bool attention = lw.type == LayerType::kFullAttention;
+      t.attention = attention ? 1 : 0;
+      t.input_norm = lw.input_norm;
+      t.post_norm = lw.post_norm;
+      t.in_proj = attention ? lw.attn_in : lw.gdn_in;
+      t.out_proj = attention ? lw.attn_out : lw.gdn_out;
+      t.gdn = lw.gdn;
+      t.q_norm = lw.q_norm;
+      t.k_norm = lw.k_norm;
+      t.router = lw.router;
+      t.gate = lw.gate;
+      t.up = lw.up;
+      t.down = lw.down;
+      if (attention) {
+        t.kv = s.kv(layer_slot_[static_cast<size_t>(l)]);
+        key.insert(key.end(), {t.kv.k, t.kv.v, reinterpret_cast<const void*>(t.kv.capacity)});
+      } else {
+        t.conv_window = s.window(layer_slot_[static_cast<size_t>(l)]);
+        t.gdn_state = s.state(layer_slot_[static_cast<size_t>(l)]);
+        key.insert(key.end(), {t.conv_window, t.gdn_state});
+      }
+    }
+    if (key == persistent_layers_key_) return;
+    CUDA_CHECK(cudaMemcpyAsync(persistent_layers_.data(), layers.data(), layers.size() * sizeof(DecodeTaskLayer),
+                               cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));  // `layers` is a host vector about to go away
+    persistent_layers_key_ = std::move(key);
+  }
+
+  /// One decode step of `s` through the persistent kernel (io already in host memory): copies
+  /// io in and runs the resident kernel, or, with probes or persistent_decode "debug", its
+  /// stages one launch each with the probes between them.
+  void persistent_step(CudaState& s) {
+    upload_task_layers(s);
+    copy_io_in();
+    const DecodeStepParams p = persistent_params();
+    if (!probe_sink_ && options_.persistent_decode == "1") return persistent_->launch(p, stream_);
+    const ModelConfig& c = config();
+    const int64_t pos = s.pos;
+    persistent_->launch_stages(p, stream_, [&](DecodeTaskKind kind, int layer) {
+      if (!probe_sink_) return;
+      switch (kind) {
+        case DecodeTaskKind::kEmbed: emit("embed", -1, pos, x_.as<bf16>(), c.hidden); break;
+        case DecodeTaskKind::kInProj:
+          if (layer > 0) emit("layer_out", layer - 1, pos, x_.as<bf16>(), c.hidden);
+          break;
+        case DecodeTaskKind::kOutProj: emit("mixer_out", layer, pos, mixer_out_.as<bf16>(), c.hidden); break;
+        case DecodeTaskKind::kRouter:
+          emit("ffn_norm", layer, pos, normed_.as<bf16>(), c.hidden);
+          emit_f32("router_logits", layer, pos, router_logits_.as<float>(), c.n_experts);
+          break;
+        case DecodeTaskKind::kExpertDown: emit("ffn_out", layer, pos, moe_out_.as<bf16>(), c.hidden); break;
+        case DecodeTaskKind::kArgmax: emit_f32("logits", -1, pos, logits_.as<float>(), c.vocab); break;
+        default: break;
+      }
+    });
   }
 
   /// Captures the decode step of `s` (not instantiated): with `sampled`, the device sampler
@@ -1730,6 +1856,13 @@ class CudaBackend final : public Backend {
   /// The batched steps' graphs: one exec per key (rows, sampled rows, largest split count, PDL),
   /// shared by all rows (kBatchGraphLayout); the least recently used is updated past the bound.
   DecodeGraphs batch_graphs_{1, 4 * kMaxDecodeRows};
+  /// The persistent decode kernel (options_.persistent_decode "1" or "debug"), its grain, its
+  /// own buffers (the splits' partials, the LM head parts' bests, the layers' weights and state
+  /// as DecodeTaskLayer [n_layers]) and the state blocks the last layer upload named.
+  std::unique_ptr<DecodeMegakernel> persistent_;
+  DecodeTaskGrain persistent_grain_;
+  DeviceBuffer persistent_attn_part_, persistent_best_value_, persistent_best_id_, persistent_layers_;
+  std::vector<const void*> persistent_layers_key_;
 };
 
 }  // namespace cuda

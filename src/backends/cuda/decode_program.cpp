@@ -272,6 +272,8 @@ DecodeProgramImage flatten_decode_program(const DecodeProgram& p) {
     d.first_access = static_cast<int32_t>(img.accesses.size());
     d.n_accesses = static_cast<int32_t>(t.accesses.size());
     d.kind = static_cast<int32_t>(t.kind);
+    d.layer = t.layer;
+    d.part = t.part;
     for (const DecodeAccess& a : t.accesses) {
       if (a.begin < 0 || a.end <= a.begin)
         throw Error(std::string("decode program: a ") + decode_task_kind_name(t.kind) + " task touches the empty or "

@@ -135,14 +135,16 @@ DecodeProgram build_decode_program(const ModelConfig& c, const DecodeGrain& g = 
 /// map from spans to real buffers). Counters keep their indices.
 struct DecodeProgramImage {
   static constexpr int kMaxWaits = 2;  ///< waits per task on the device
-  /// One task: up to kMaxWaits waits (counter −1: none), its signal (−1: none), and its accesses
-  /// accesses[first_access, first_access + n_accesses).
+  /// One task: up to kMaxWaits waits (counter −1: none), its signal (−1: none), its accesses
+  /// accesses[first_access, first_access + n_accesses), and what it computes (kind, layer, part,
+  /// as DecodeTask).
   struct Task {
     int32_t wait_counter[kMaxWaits];
     int32_t wait_target[kMaxWaits];
     int32_t signal;
     int32_t first_access, n_accesses;
     int32_t kind;  ///< DecodeTaskKind
+    int32_t layer, part;
   };
   /// Elements [begin, end) of the arena; write: 1 when the task writes them.
   struct Access {
@@ -157,7 +159,7 @@ struct DecodeProgramImage {
 };
 
 // The device reads these records as the host lays them out.
-static_assert(sizeof(DecodeProgramImage::Task) == 32 && sizeof(DecodeProgramImage::Access) == 24,
+static_assert(sizeof(DecodeProgramImage::Task) == 40 && sizeof(DecodeProgramImage::Access) == 24,
               "DecodeProgramImage records: no padding the device would not expect");
 
 /// `p` flattened (DecodeProgramImage): each (buffer, instance) gets the span of arena elements

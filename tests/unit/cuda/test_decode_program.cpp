@@ -180,7 +180,7 @@ TEST(DecodeProgram, FlattensForTheDevice) {
   const DecodeProgramImage img = flatten_decode_program(p);
   ASSERT_EQ(img.tasks.size(), p.tasks.size());
   EXPECT_EQ(img.n_counters, static_cast<int32_t>(p.counter_names.size()));
-  // Every task's waits, signal and kind; its accesses in order, each as long as before.
+  // Every task's waits, signal, kind, layer and part; its accesses in order, each as long as before.
   std::map<std::pair<int, int32_t>, int64_t> base;  // (buffer, instance) → arena offset, from the image
   size_t n_accesses = 0;
   for (size_t i = 0; i < p.tasks.size(); ++i) {
@@ -193,6 +193,8 @@ TEST(DecodeProgram, FlattensForTheDevice) {
     }
     EXPECT_EQ(d.signal, t.signal);
     EXPECT_EQ(d.kind, static_cast<int32_t>(t.kind));
+    EXPECT_EQ(d.layer, t.layer);
+    EXPECT_EQ(d.part, t.part);
     ASSERT_EQ(d.n_accesses, static_cast<int32_t>(t.accesses.size()));
     ASSERT_EQ(d.first_access, static_cast<int32_t>(n_accesses));
     for (int a = 0; a < d.n_accesses; ++a) {

@@ -96,7 +96,7 @@ class ScopedEnv {
 
 TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   for (const char* v : {"LILY_CUDA_FUSE", "LILY_CUDA_PDL", "LILY_CUDA_STREAM_GEMV", "LILY_CUDA_FLASH_PREFILL",
-                        "LILY_CUDA_DEVICE_SAMPLER", "LILY_CUDA_GEMV_ROW_TILES", "LILY_CUDA_GDN_CHUNK_PARALLEL", "LILY_CUDA_GDN_LOCAL_MMA", "LILY_CUDA_GDN_STATE_MMA", "LILY_CUDA_PREFILL", "LILY_CUDA_GEMM", "LILY_CUDA_GEMM_KERNEL", "LILY_CUDA_FUSED_MOE", "LILY_CUDA_BATCHED_DECODE", "LILY_CUDA_PREFILL_CHUNK", "LILY_CUDA_MAX_BATCH", "LILY_CUDA_DECODE_ROWS", "LILY_CUDA_ROWS_GEMV_FROM", "LILY_CUDA_PREFILL_ROWS"})
+                        "LILY_CUDA_DEVICE_SAMPLER", "LILY_CUDA_GEMV_ROW_TILES", "LILY_CUDA_GDN_CHUNK_PARALLEL", "LILY_CUDA_GDN_LOCAL_MMA", "LILY_CUDA_GDN_STATE_MMA", "LILY_CUDA_PREFILL", "LILY_CUDA_GEMM", "LILY_CUDA_GEMM_KERNEL", "LILY_CUDA_FUSED_MOE", "LILY_CUDA_BATCHED_DECODE", "LILY_CUDA_PREFILL_CHUNK", "LILY_CUDA_MAX_BATCH", "LILY_CUDA_DECODE_ROWS", "LILY_CUDA_ROWS_GEMV_FROM", "LILY_CUDA_PREFILL_ROWS", "LILY_CUDA_PERSISTENT_DECODE"})
     unsetenv(v);
   const CudaOptions o = CudaOptions::from_env();
   EXPECT_TRUE(o.fuse_decode);
@@ -117,7 +117,7 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_EQ(o.max_batch, 32);
   EXPECT_EQ(o.rows_gemv_from, 2);
   EXPECT_TRUE(o.prefill_rows);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=32 decode-rows=32 rows-gemv-from=2 prefill-rows=1");
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=32 decode-rows=32 rows-gemv-from=2 prefill-rows=1 persistent-decode=0");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {
@@ -127,12 +127,12 @@ TEST(CudaOptions, ReadsEveryVariable) {
       i("LILY_CUDA_GEMV_ROW_TILES", "0"), j("LILY_CUDA_GDN_CHUNK_PARALLEL", "0"), k("LILY_CUDA_MAX_BATCH", "16"),
       l("LILY_CUDA_FUSED_MOE", "0"), m("LILY_CUDA_BATCHED_DECODE", "0"), n("LILY_CUDA_GDN_LOCAL_MMA", "0"),
       p("LILY_CUDA_GDN_STATE_MMA", "0"), q("LILY_CUDA_GEMM_KERNEL", "0"), r("LILY_CUDA_ROWS_GEMV_FROM", "9"), t("LILY_CUDA_PREFILL_ROWS", "1"),
-      u("LILY_CUDA_DECODE_ROWS", "64");
+      u("LILY_CUDA_DECODE_ROWS", "64"), v("LILY_CUDA_PERSISTENT_DECODE", "debug");
   const CudaOptions o = CudaOptions::from_env();
   EXPECT_FALSE(o.gdn_local_mma);
   EXPECT_FALSE(o.gdn_state_mma);
   EXPECT_EQ(o.gemm_kernel, "0");
-  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv gemm-kernel=0 fused-moe=0 batched-decode=0 chunk=256 max-batch=16 decode-rows=64 rows-gemv-from=9 prefill-rows=1");
+  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv gemm-kernel=0 fused-moe=0 batched-decode=0 chunk=256 max-batch=16 decode-rows=64 rows-gemv-from=9 prefill-rows=1 persistent-decode=debug");
 }
 
 /// The kernel switches that were read by the kernels themselves before CudaOptions held them:
@@ -227,12 +227,12 @@ TEST(CudaOptions, SetTakesEveryDescribedField) {
   for (const char* a : {"fuse=0", "pdl=0", "stream-gemv=0", "flash-prefill=0", "device-sampler=0", "gemv-row-tiles=0",
                         "gdn-chunk-parallel=0", "gdn-local-mma=0", "gdn-state-mma=0", "prefill=per-token", "gemm=gemv",
                         "gemm-kernel=grouped", "fused-moe=0", "batched-decode=0", "chunk=512", "max-batch=7",
-                        "decode-rows=48", "rows-gemv-from=9", "prefill-rows=1"})
+                        "decode-rows=48", "rows-gemv-from=9", "prefill-rows=1", "persistent-decode=1"})
     changed.set(a);
   EXPECT_EQ(changed.describe(), "fuse=0 pdl=0 stream-gemv=0 flash-prefill=0 device-sampler=0 gemv-row-tiles=0 "
                                 "gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv "
                                 "gemm-kernel=grouped fused-moe=0 batched-decode=0 chunk=512 max-batch=7 "
-                                "decode-rows=48 rows-gemv-from=9 prefill-rows=1");
+                                "decode-rows=48 rows-gemv-from=9 prefill-rows=1 persistent-decode=1");
   // describe()'s own words, given back one by one, rebuild the same options.
   CudaOptions rebuilt;
   std::istringstream words(changed.describe());
@@ -249,6 +249,7 @@ TEST(CudaOptions, SetRefusesWhatItDoesNotKnowAndChangesNothing) {
                                                      {"rows-gemv-from=66", "--cuda rows-gemv-from must be an integer in 1…65"},
                                                      {"chunk=", "--cuda chunk must be an integer"},
                                                      {"gemm-kernel=dense", "--cuda gemm-kernel must be"},
+                                                     {"persistent-decode=2", "--cuda persistent-decode must be '1', 'debug' or '0'"},
                                                      {"=1", "unknown option ''"}};
   for (const auto& [assignment, message] : bad) {
     CudaOptions o;

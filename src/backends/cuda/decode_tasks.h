@@ -1,0 +1,94 @@
+// What the persistent decode kernel's task bodies read and write (host and device): the step's
+// buffers, the sequence state and the weights of every layer, and how finely the step is cut.
+// The host fills one DecodeStepParams per (sequence state, capacity) and the task list of
+// decode_program.h says which body runs on which part (docs/cuda.md, "A persistent decode
+// kernel").
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "backends/cuda/kernels.h"
+#include "backends/cuda/mixer_kernels.h"
+
+namespace lily::cuda {
+
+/// One decoder layer as the task bodies see it: weights (the device model's concatenated
+/// matrices) and this sequence's state of the layer.
+struct DecodeTaskLayer {
+  int32_t attention = 0;              ///< 1: gated attention, 0: Gated DeltaNet
+  const float* input_norm = nullptr;  ///< fp32 [hidden]
+  const float* post_norm = nullptr;   ///< fp32 [hidden]
+  DeviceQuant in_proj;   ///< GDN: qkv | z | a | b [C + Vd + 2·Hv, hidden]; attention: q|gate, k, v [nq·2D + 2·nkv·D, hidden]
+  DeviceQuant out_proj;  ///< [hidden, mixer width]
+  GdnParams gdn;                  ///< GDN: conv taps [C, K], A_log, dt_bias [Hv], gated-norm gain [Dv] (fp32)
+  const float* q_norm = nullptr;  ///< attention: fp32 [D]
+  const float* k_norm = nullptr;  ///< attention: fp32 [D]
+  DeviceQuant router;  ///< 8-bit [E + 1, hidden]: the router's E rows, then the shared expert's gate
+  DeviceQuant gate;    ///< [(E + 1)·I, hidden], the shared expert as expert E
+  DeviceQuant up;      ///< [(E + 1)·I, hidden]
+  DeviceQuant down;    ///< [(E + 1)·hidden, I]
+  __nv_bfloat16* conv_window = nullptr;  ///< GDN state: bf16 [C, K − 1], oldest first
+  float* gdn_state = nullptr;            ///< GDN state: fp32 [Hv, Dk, Dv]
+  KvCacheView kv;                        ///< attention state: K and V [nkv, capacity, D]
+};
+
+/// Rows of each task, as DecodeGrain cut the program (decode_program.h): part p of a stage
+/// covers rows [p·rows, min((p + 1)·rows, total)).
+struct DecodeTaskGrain {
+  int proj_rows = 128;
+  int out_rows = 128;
+  int expert_rows = 128;
+  int down_rows = 128;
+  int lm_rows = 2048;
+  int router_rows = 16;
+  int attn_splits = 32;  ///< key splits per KV head; split s of a length-n cache: keys [n·s/S, n·(s+1)/S)
+};
+
+/// Everything the task bodies of one decode step use. Device pointers; POD, passed by value to
+/// the kernel (`layers` points to device memory).
+///
+/// Activations (one token; every layer reuses them):
+///   residual    bf16 [hidden]            the layer input h (in-projection part 0 stores it)
+///   mid         bf16 [hidden]            h + mixer out (router part 0 stores it)
+///   proj        bf16 [in-projection rows] the raw in-projection of the current layer
+///   query       bf16 [nq, D]             normed, rotated queries (attention prepare)
+///   attn_part   fp32 [nkv · splits, nq/nkv, D + 2]  per split and query head: (max, sum, Σ p·v)
+///   mix         bf16 [mixer width]       the mixer core's output (GDN Hv·Dv, attention nq·D)
+///   mixer_out   bf16 [hidden]            the out-projection
+///   moe_normed  bf16 [hidden]            RMSNorm(mid)·post_norm (router part 0 stores it)
+///   router_logits fp32 [E + 1]           the router's logits, then the shared expert's gate logit
+///   act         bf16 [k · I + I_shared]  the slots' SwiGLU activations, slot after slot
+///   moe_out     bf16 [hidden]            the experts combined
+///   logits      fp32 [vocab]
+///   head_best_value fp32, head_best_id int32 [LM head parts]  each LM head part's best logit and id
+///   next_token  int32 [1]                the argmax (ties to the lowest id)
+/// `position` (device int32) is the token's position; the sequence length is position + 1.
+struct DecodeStepParams {
+  int32_t hidden = 0, vocab = 0, n_layers = 0;
+  int32_t n_experts = 0, top_k = 0, moe_ffn = 0, shared_ffn = 0;
+  float eps = 1e-6f;  ///< the RMSNorms' epsilon
+  GdnDims gdn_dims;
+  AttnDims attn_dims;
+  DecodeTaskGrain grain;
+
+  DeviceQuant embed;
+  DeviceQuant lm_head;
+  const float* final_norm = nullptr;
+  const DecodeTaskLayer* layers = nullptr;  ///< device [n_layers]
+
+  const int32_t* token = nullptr;     ///< device int32: this step's input token
+  const int32_t* position = nullptr;  ///< device int32: its position
+
+  __nv_bfloat16 *residual = nullptr, *mid = nullptr, *proj = nullptr, *query = nullptr, *mix = nullptr,
+                *mixer_out = nullptr, *moe_normed = nullptr, *act = nullptr, *moe_out = nullptr;
+  float *attn_part = nullptr, *router_logits = nullptr, *logits = nullptr, *head_best_value = nullptr;
+  int32_t *head_best_id = nullptr, *next_token = nullptr;
+};
+
+/// Threads of a task body's block (the persistent kernel runs one such block per SM).
+constexpr int kDecodeTaskThreads = 512;
+/// Dynamic shared memory a task body may use (bytes), on top of its small static arrays.
+constexpr int kDecodeTaskSmemBytes = 160 * 1024;
+
+}  // namespace lily::cuda

@@ -1,0 +1,163 @@
+// The persistent decode kernel's weight-streaming task bodies (nvcc only): the embedding, the
+// in- and out-projections, the router, the LM head and the argmax (decode_program.h names the
+// tasks; decode_tasks_common.cuh states the rules every body follows). Each projection task
+// stages its input row once (with the add + RMSNorm where the step has one in front of the
+// projection, docs/model.md §4.3) and computes its rows with gemv_rows.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cfloat>
+#include <climits>
+#include <cstdint>
+
+#include "backends/cuda/decode_tasks_common.cuh"
+
+namespace lily::cuda {
+
+/// The embedding (docs/model.md §3.1): row `token` of the 4- or 8-bit table dequantized,
+/// bf16(s·q + b), into p.residual [hidden]. Token ids outside the table are clamped (the host
+/// refuses them before any step). All threads.
+__device__ inline void task_embed(const DecodeStepParams& p) {
+  const DeviceQuant& t = p.embed;
+  int64_t id = __ldcg(p.token);
+  id = id < 0 ? 0 : (id >= t.rows ? t.rows - 1 : id);
+  const int per = 32 / t.bits, wpr = t.cols / per, groups = t.cols / kGroup;
+  const uint32_t mask = (1u << t.bits) - 1u;
+  for (int wi = threadIdx.x; wi < wpr; wi += blockDim.x) {
+    const uint32_t word = __ldg(t.codes + id * wpr + wi);
+    const int c0 = wi * per, g = c0 / kGroup;
+    const float s = to_f32(t.scales[id * groups + g]), b = to_f32(t.biases[id * groups + g]);
+    for (int e = 0; e < per; ++e)
+      p.residual[c0 + e] = to_bf16(s * static_cast<float>((word >> (t.bits * e)) & mask) + b);
+  }
+}
+
+/// In-projection rows of layer l, part `part` (grain.proj_rows rows): the layer input h (the
+/// embedding for layer 0, else bf16(mid + moe_out)) normed with the input norm, times rows of
+/// the layer's in-projection, bf16 into p.proj. Part 0 of a layer after the first also stores h
+/// into p.residual (the router's add reads it). `smem`: the staged row.
+__device__ inline void task_in_proj(const DecodeStepParams& p, int l, int part, char* smem) {
+  const DecodeTaskLayer& L = p.layers[l];
+  float* xs = reinterpret_cast<float*>(smem);
+  const bool first = l == 0;
+  stage_add_norm_cg(first ? p.residual : p.mid, first ? nullptr : p.moe_out, L.input_norm, p.hidden, p.eps, xs,
+                    !first && part == 0 ? p.residual : nullptr, nullptr);
+  const RowRange r = part_rows(part, p.grain.proj_rows, L.in_proj.rows);
+  bf16* y = p.proj;
+  gemv_rows_any(L.in_proj, r.first, r.last, xs, [&](int64_t row, float v) { y[row] = to_bf16(v); });
+}
+
+/// Out-projection rows of layer l, part `part` (grain.out_rows rows of hidden): the mixer's
+/// output p.mix times rows of the out-projection, bf16 into p.mixer_out.
+__device__ inline void task_out_proj(const DecodeStepParams& p, int l, int part, char* smem) {
+  const DecodeTaskLayer& L = p.layers[l];
+  float* xs = reinterpret_cast<float*>(smem);
+  stage_row_cg(p.mix, L.out_proj.cols, xs);
+  const RowRange r = part_rows(part, p.grain.out_rows, L.out_proj.rows);
+  bf16* y = p.mixer_out;
+  gemv_rows_any(L.out_proj, r.first, r.last, xs, [&](int64_t row, float v) { y[row] = to_bf16(v); });
+}
+
+/// Router rows of layer l, part `part` (grain.router_rows of the E + 1 rows: the router's
+/// logits, then the shared expert's gate): mid = bf16(residual + mixer_out) normed with the
+/// post norm, times the 8-bit rows, fp32 into p.router_logits. Part 0 stores mid into p.mid and
+/// the normed row into p.moe_normed (the expert tasks read them).
+__device__ inline void task_router(const DecodeStepParams& p, int l, int part, char* smem) {
+  const DecodeTaskLayer& L = p.layers[l];
+  float* xs = reinterpret_cast<float*>(smem);
+  stage_add_norm_cg(p.residual, p.mixer_out, L.post_norm, p.hidden, p.eps, xs, part == 0 ? p.mid : nullptr,
+                    part == 0 ? p.moe_normed : nullptr);
+  const RowRange r = part_rows(part, p.grain.router_rows, L.router.rows);
+  float* y = p.router_logits;
+  gemv_rows_any(L.router, r.first, r.last, xs, [&](int64_t row, float v) { y[row] = v; });
+}
+
+/// (v, i) comes before (bv, bi) in the argmax's order: larger value, or equal value and lower
+/// id. NaN never comes first.
+__device__ __forceinline__ bool argmax_beats(float v, int i, float bv, int bi) {
+  return v > bv || (v == bv && i < bi);
+}
+
+/// The block's best (v, i) by argmax_beats, on thread 0 (the other threads' results are
+/// partial). All threads.
+__device__ __forceinline__ void block_argmax_to_thread0(float& v, int& i) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (argmax_beats(ov, oi, v, i)) v = ov, i = oi;
+  }
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
+  __syncthreads();  // sv / si may still be read by a previous call
+  if (lane == 0) sv[warp] = v, si[warp] = i;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < n_warps ? sv[lane] : -INFINITY;
+    i = lane < n_warps ? si[lane] : INT_MAX;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+      if (argmax_beats(ov, oi, v, i)) v = ov, i = oi;
+    }
+  }
+}
+
+/// LM head rows, part `part` (grain.lm_rows of vocab): the final norm of bf16(mid + moe_out)
+/// times the rows, fp32 into p.logits, and the part's best (logit, id) into p.head_best_value /
+/// p.head_best_id [part] for the argmax task.
+__device__ inline void task_lm_head(const DecodeStepParams& p, int part, char* smem) {
+  float* xs = reinterpret_cast<float*>(smem);
+  stage_add_norm_cg(p.mid, p.moe_out, p.final_norm, p.hidden, p.eps, xs, nullptr, nullptr);
+  const RowRange r = part_rows(part, p.grain.lm_rows, p.lm_head.rows);
+  float* y = p.logits;
+  float best = -INFINITY;
+  int best_id = INT_MAX;
+  gemv_rows_any(p.lm_head, r.first, r.last, xs, [&](int64_t row, float v) {
+    y[row] = v;
+    if (argmax_beats(v, static_cast<int>(row), best, best_id)) best = v, best_id = static_cast<int>(row);
+  });
+  block_argmax_to_thread0(best, best_id);
+  if (threadIdx.x == 0) {
+    p.head_best_value[part] = best;
+    p.head_best_id[part] = best_id;
+  }
+}
+
+/// The next token: the best of the LM head parts' bests (`parts` of them), ties to the lowest
+/// id, id 0 when every logit is NaN, into p.next_token.
+__device__ inline void task_argmax(const DecodeStepParams& p, int parts) {
+  float best = -INFINITY;
+  int best_id = INT_MAX;
+  for (int k = threadIdx.x; k < parts; k += blockDim.x) {
+    const float v = __ldcg(p.head_best_value + k);
+    const int i = __ldcg(p.head_best_id + k);
+    if (argmax_beats(v, i, best, best_id)) best = v, best_id = i;
+  }
+  block_argmax_to_thread0(best, best_id);
+  if (threadIdx.x == 0) *p.next_token = best_id == INT_MAX ? 0 : best_id;
+}
+
+/// L2 prefetch of a projection task's weight rows (one thread, before its input wait: weights
+/// never depend on the step's data).
+__device__ inline void prefetch_in_proj(const DecodeStepParams& p, int l, int part) {
+  const DeviceQuant& w = p.layers[l].in_proj;
+  const RowRange r = part_rows(part, p.grain.proj_rows, w.rows);
+  prefetch_rows_l2(w, r.first, r.last);
+}
+__device__ inline void prefetch_out_proj(const DecodeStepParams& p, int l, int part) {
+  const DeviceQuant& w = p.layers[l].out_proj;
+  const RowRange r = part_rows(part, p.grain.out_rows, w.rows);
+  prefetch_rows_l2(w, r.first, r.last);
+}
+__device__ inline void prefetch_router(const DecodeStepParams& p, int l, int part) {
+  const DeviceQuant& w = p.layers[l].router;
+  const RowRange r = part_rows(part, p.grain.router_rows, w.rows);
+  prefetch_rows_l2(w, r.first, r.last);
+}
+__device__ inline void prefetch_lm_head(const DecodeStepParams& p, int part) {
+  const RowRange r = part_rows(part, p.grain.lm_rows, p.lm_head.rows);
+  prefetch_rows_l2(p.lm_head, r.first, r.last);
+}
+
+}  // namespace lily::cuda
