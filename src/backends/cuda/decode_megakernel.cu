@@ -75,9 +75,11 @@ __device__ __forceinline__ void prefetch_task(const DecodeStepParams& p, int kin
   }
 }
 
-/// The resident kernel: each block takes tasks in list order (task_fetch), prefetches the
-/// task's fixed weights into L2, waits for its input counters of this launch, runs it and
-/// signals. A launch ends when every block has fetched past the end.
+/// The resident kernel: each block takes tasks in list order (task_fetch), asks L2 for what the
+/// task and the task one round of blocks further down the list read from fixed addresses
+/// (prefetch_task: so the weight stream runs a round of tasks ahead of the computation, the
+/// blocks' next tasks' bytes arriving while they wait or compute), waits for its input counters
+/// of this launch, runs it and signals. A launch ends when every block has fetched past the end.
 __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     decode_megakernel(DecodeStepParams p, const Task* __restrict__ tasks, int64_t n_tasks, uint32_t* counters,
                       unsigned long long* next, int lm_parts) {
@@ -87,7 +89,13 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     const TaskTicket ticket = task_fetch(next, n_tasks, &slot);
     if (ticket.task >= n_tasks) return;
     const Task t = tasks[ticket.task];
-    if (threadIdx.x == 0) prefetch_task(p, t.kind, t.layer, t.part);
+    if (threadIdx.x == 0) {
+      prefetch_task(p, t.kind, t.layer, t.part);
+      if (const int64_t ahead = ticket.task + gridDim.x; ahead < n_tasks) {
+        const Task a = tasks[ahead];
+        prefetch_task(p, a.kind, a.layer, a.part);
+      }
+    }
     for (int w = 0; w < DecodeProgramImage::kMaxWaits; ++w)
       if (t.wait_counter[w] >= 0)
         counter_wait(counters + t.wait_counter[w], (ticket.launch + 1) * static_cast<uint32_t>(t.wait_target[w]));
@@ -149,7 +157,7 @@ DecodeMegakernel::DecodeMegakernel(const ModelConfig& c, const DecodeTaskGrain& 
     throw Error("persistent decode kernel: the model's " + why);
   if (expert_gate_up_smem_bytes(c.hidden, grain.expert_rows) > kDecodeTaskSmemBytes ||
       expert_down_smem_bytes(c.moe_ffn_dim, c.n_experts_per_tok, grain.down_rows) > kDecodeTaskSmemBytes ||
-      staged_row_floats(std::max<int>(c.hidden, c.gdn_value_dim())) * 4 > kDecodeTaskSmemBytes)
+      staged_row_floats(std::max({c.hidden, c.gdn_value_dim(), c.n_heads * c.head_dim})) * 4 > kDecodeTaskSmemBytes)
     throw Error("persistent decode kernel: the model's rows need more shared memory than a task has (" +
                 std::to_string(kDecodeTaskSmemBytes) + " bytes)");
   program_ = build_decode_program(c, program_grain(c, grain));
