@@ -401,6 +401,35 @@ TEST(CudaArgmax, TiesGoToLowestIndexAndNanNeverWins) {
   }
 }
 
+// One launch pair over several rows gives each row the id of the one-row argmax: rows with ties,
+// NaNs, an all-NaN row and random rows, at the vocabulary's length.
+TEST(CudaArgmax, RowsGiveEachRowItsOwnArgmax) {
+  std::mt19937_64 rng(14);
+  constexpr int kRows = 5;
+  std::vector<float> all;
+  std::vector<std::vector<float>> rows;
+  for (int r = 0; r < kRows; ++r) rows.push_back(normal_bf16(kVocab, rng, 1.0f));
+  rows[0][200000] = rows[0][100001] = 50.0f;  // a tie: the lower id
+  rows[1][7] = NAN;
+  rows[1][kVocab - 1] = 60.0f;
+  rows[2].assign(kVocab, NAN);  // all NaN: id 0
+  rows[3][0] = 70.0f;
+  for (const auto& r : rows) all.insert(all.end(), r.begin(), r.end());
+  DeviceBuffer d = upload_f32(all);
+  const int slots = cuda::argmax_scratch_slots(kVocab);
+  DeviceBuffer sv(kRows * slots * 4), si(kRows * slots * 4), ids = poisoned(kRows * 4);
+  cuda::launch_argmax_rows(d.as<float>(), kRows, kVocab, sv.as<float>(), si.as<int32_t>(), ids.as<int32_t>(), nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<int32_t> got(kRows, -1);
+  cuda::download(got.data(), ids.as<int32_t>(), kRows);
+  for (int r = 0; r < kRows; ++r) EXPECT_EQ(got[r], gpu_argmax(rows[r])) << "row " << r;
+  EXPECT_EQ(got[0], 100001);
+  EXPECT_EQ(got[1], kVocab - 1);
+  EXPECT_EQ(got[2], 0);
+  EXPECT_EQ(got[3], 0);
+  EXPECT_EQ(got[4], cpu::argmax(rows[4].data(), kVocab));
+}
+
 TEST(CudaEmbed, GathersAndDequantizesRows) {
   std::mt19937_64 rng(13);
   RandomQuant table(kVocab, kHidden, 4, rng);

@@ -1564,10 +1564,8 @@ class CudaBackend final : public Backend {
     launch_add_rmsnorm(x, moe, model_->final_norm, normed, B, c.hidden, eps, stream_);
     float* logits = b.logits.as<float>();
     launch_quant_gemv_rows(model_->lm_head, normed, B, nullptr, logits, stream_);
-    const int64_t slots = argmax_scratch_slots(c.vocab);
-    for (int r = 0; r < B; ++r)
-      launch_argmax(logits + static_cast<int64_t>(r) * c.vocab, c.vocab, b.argmax_v.as<float>() + r * slots,
-                    b.argmax_i.as<int32_t>() + r * slots, b.next_dev.as<int32_t>() + r, stream_);
+    launch_argmax_rows(logits, B, c.vocab, b.argmax_v.as<float>(), b.argmax_i.as<int32_t>(), b.next_dev.as<int32_t>(),
+                       stream_);
   }
 
   // ---- batched prefill (default; LILY_CUDA_PREFILL=per-token replays the decode graph) ---------

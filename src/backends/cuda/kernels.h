@@ -343,5 +343,10 @@ int argmax_scratch_slots(int64_t n);
 /// NaN never wins, an all-NaN row gives 0. scratch_val / scratch_idx: argmax_scratch_slots(n).
 void launch_argmax(const float* logits, int64_t n, float* scratch_val, int32_t* scratch_idx, int32_t* out_id,
                    cudaStream_t stream);
+/// launch_argmax over `rows` rows of logits fp32 [rows, n] in two launches: out_ids[r] = row r's
+/// greedy pick, the id launch_argmax gives that row alone. scratch_val / scratch_idx: rows ·
+/// argmax_scratch_slots(n). Throws lily::InternalError for n or rows outside 1 … INT_MAX / 65535.
+void launch_argmax_rows(const float* logits, int rows, int64_t n, float* scratch_val, int32_t* scratch_idx,
+                        int32_t* out_ids, cudaStream_t stream);
 
 }  // namespace lily::cuda

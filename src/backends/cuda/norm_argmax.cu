@@ -94,8 +94,13 @@ __device__ __forceinline__ void block_argmax(float& v, int& i) {
   }
 }
 
+/// Block b of row blockIdx.y: the best (value, index) of its share of logits [n] (row r at
+/// logits + r·n), into part_v / part_i [r·gridDim.x + b].
 __global__ void argmax_partial_kernel(const float* __restrict__ logits, int64_t n, float* part_v, int32_t* part_i) {
   pdl_prologue();
+  logits += static_cast<int64_t>(blockIdx.y) * n;
+  part_v += static_cast<int64_t>(blockIdx.y) * gridDim.x;
+  part_i += static_cast<int64_t>(blockIdx.y) * gridDim.x;
   float v = -INFINITY;
   int i = INT_MAX;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
@@ -107,8 +112,12 @@ __global__ void argmax_partial_kernel(const float* __restrict__ logits, int64_t 
   if (threadIdx.x == 0) { part_v[blockIdx.x] = v; part_i[blockIdx.x] = i; }
 }
 
+/// Row blockIdx.x: the best of its `parts` partials, into out_id[blockIdx.x].
 __global__ void argmax_final_kernel(const float* part_v, const int32_t* part_i, int parts, int32_t* out_id) {
   pdl_prologue();
+  part_v += static_cast<int64_t>(blockIdx.x) * parts;
+  part_i += static_cast<int64_t>(blockIdx.x) * parts;
+  out_id += blockIdx.x;
   float v = -INFINITY;
   int i = INT_MAX;
   for (int k = threadIdx.x; k < parts; k += blockDim.x)
@@ -133,10 +142,18 @@ int argmax_scratch_slots(int64_t n) { return argmax_blocks(n); }
 
 void launch_argmax(const float* logits, int64_t n, float* scratch_val, int32_t* scratch_idx, int32_t* out_id,
                    cudaStream_t stream) {
+  launch_argmax_rows(logits, 1, n, scratch_val, scratch_idx, out_id, stream);
+}
+
+void launch_argmax_rows(const float* logits, int rows, int64_t n, float* scratch_val, int32_t* scratch_idx,
+                        int32_t* out_ids, cudaStream_t stream) {
   if (n <= 0 || n > INT_MAX) throw ::lily::InternalError("launch_argmax: bad length");
+  if (rows <= 0 || rows > 65535) throw ::lily::InternalError("launch_argmax_rows: rows must be 1 … 65535");
   const int blocks = argmax_blocks(n);
-  launch_pdl(argmax_partial_kernel, dim3(blocks), dim3(kArgmaxThreads), 0, stream, logits, n, scratch_val, scratch_idx);
-  launch_pdl(argmax_final_kernel, dim3(1), dim3(kArgmaxMaxBlocks), 0, stream, scratch_val, scratch_idx, blocks, out_id);
+  launch_pdl(argmax_partial_kernel, dim3(blocks, rows), dim3(kArgmaxThreads), 0, stream, logits, n, scratch_val,
+             scratch_idx);
+  launch_pdl(argmax_final_kernel, dim3(rows), dim3(kArgmaxMaxBlocks), 0, stream, scratch_val, scratch_idx, blocks,
+             out_ids);
 }
 
 }  // namespace lily::cuda
