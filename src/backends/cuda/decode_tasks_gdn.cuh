@@ -25,29 +25,8 @@
 namespace lily::cuda {
 namespace gdn_task {
 
-/// HF l2norm epsilon of q and k: x·(1/sqrt(Σx² + 1e-6)) (docs/model.md §3.3 step 4; gdn.cu's kL2Eps).
-constexpr float kL2Eps = 1e-6f;
-
-/// softplus with torch's threshold of 20 (docs/model.md §3.3 step 4).
-__device__ __forceinline__ float softplus20(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
-
-/// log α = −exp(A_log)·softplus(a + dt_bias), fp32 (docs/model.md §3.3 step 4).
-__device__ __forceinline__ float log_decay(float a, float A_log, float dt_bias) {
-  return -expf(A_log) * softplus20(a + dt_bias);
-}
-
-/// β = sigmoid(b), fp32 with the precise exp (docs/model.md §3.3 step 4).
-__device__ __forceinline__ float beta_gate(float b) { return 1.0f / (1.0f + expf(-b)); }
-
-/// r = 1/√(Σo²/Dv + ε) of one value head (docs/model.md §3.3 step 6).
-__device__ __forceinline__ float gated_norm_r(float sum_sq, int Dv, float eps) {
-  return 1.0f / sqrtf(sum_sq / float(Dv) + eps);
-}
-
-/// y = (gain·(o·r))·silu(z) of one value (docs/model.md §3.3 step 6), in gdn.cu's order.
-__device__ __forceinline__ float gated_norm_y(float o, float r, float gain, float z) {
-  return (gain * (o * r)) * silu_precise(z);
-}
+// kL2Eps, softplus20, log_decay, beta_gate and gated_norm_r / _y are gdn_conv.cuh's (shared
+// with gdn.cu, so the arithmetic is the same functions, not copies).
 
 /// The bf16 at p read past L1, as a bf16 (the conv window and raw input keep their bits).
 __device__ __forceinline__ bf16 ld_cg_bf16_raw(const bf16* p) {

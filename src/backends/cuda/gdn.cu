@@ -23,26 +23,13 @@ namespace cg = cooperative_groups;
 // launchers dispatch on the runtime dims (dispatch_head_dim below).
 constexpr int kConvK = 4;      // conv kernel width
 constexpr int kHist = kConvK - 1;
-constexpr float kL2Eps = 1e-6f;  // HF l2norm epsilon: x·rsqrt(Σx² + 1e-6)
-
-// ---- scalar gate math (docs/model.md §3.3 step 4) -------------------------------------------------
-
-/// softplus with torch's threshold of 20.
-__device__ __forceinline__ float softplus20(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
-
-/// log α = −exp(A_log)·softplus(a + dt_bias): the log of the decay, fp32.
-__device__ __forceinline__ float log_decay(float a, float A_log, float dt_bias) {
-  return -expf(A_log) * softplus20(a + dt_bias);
-}
-
-/// β = sigmoid(b), fp32 with the precise exp.
-__device__ __forceinline__ float beta_gate(float b) { return 1.0f / (1.0f + expf(-b)); }
 
 
 // ---- causal conv -----------------------------------------------------------------------------
 
 // silu_precise, conv_dot and conv_decode_value live in gdn_conv.cuh (shared with the GEMV's
-// conv epilogue, quant_gemv.cu).
+// conv epilogue, quant_gemv.cu, and the persistent decode kernel's GDN task), with the gate
+// math (softplus20, log_decay, beta_gate), kL2Eps and the gated norm's gated_norm_r / _y.
 
 /// The conv step of channel c: out[c] = bf16(silu(Σ_t win[c][t]·w[c][t] + x[c]·w[c][K−1])),
 /// then window[c] ← (win1, win2, x). Shared by the one-sequence and the batched kernel.
@@ -171,17 +158,6 @@ __global__ void conv_window_update_kernel(int C, int T, const bf16* __restrict__
   for (int i = 0; i < kHist; ++i) window[int64_t(c) * kHist + i] = next[i];
 }
 
-// ---- gated RMSNorm (docs/model.md §3.3 step 6) -------------------------------------------------
-
-/// r = 1/√(Σo²/Dv + ε): the RMS scale of one value head from its sum of squares.
-__device__ __forceinline__ float gated_norm_r(float sum_sq, int Dv, float eps) {
-  return 1.0f / sqrtf(sum_sq / float(Dv) + eps);
-}
-
-/// y = (gain·(o·r))·silu(z) of one value; the decode step and the prefill norm share it.
-__device__ __forceinline__ float gated_norm_y(float o, float r, float gain, float z) {
-  return (gain * (o * r)) * silu_precise(z);
-}
 
 // ---- fused decode step -------------------------------------------------------------------------
 
