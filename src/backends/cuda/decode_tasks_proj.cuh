@@ -10,6 +10,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "backends/cuda/argmax.cuh"
 #include "backends/cuda/decode_tasks_common.cuh"
 
 namespace lily::cuda {
@@ -72,37 +73,6 @@ __device__ inline void task_router(const DecodeStepParams& p, int l, int part, c
   gemv_rows_any(L.router, r.first, r.last, xs, [&](int64_t row, float v) { y[row] = v; });
 }
 
-/// (v, i) comes before (bv, bi) in the argmax's order: larger value, or equal value and lower
-/// id. NaN never comes first.
-__device__ __forceinline__ bool argmax_beats(float v, int i, float bv, int bi) {
-  return v > bv || (v == bv && i < bi);
-}
-
-/// The block's best (v, i) by argmax_beats, on thread 0 (the other threads' results are
-/// partial). All threads.
-__device__ __forceinline__ void block_argmax_to_thread0(float& v, int& i) {
-  __shared__ float sv[32];
-  __shared__ int si[32];
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (argmax_beats(ov, oi, v, i)) v = ov, i = oi;
-  }
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
-  __syncthreads();  // sv / si may still be read by a previous call
-  if (lane == 0) sv[warp] = v, si[warp] = i;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < n_warps ? sv[lane] : -INFINITY;
-    i = lane < n_warps ? si[lane] : INT_MAX;
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-      if (argmax_beats(ov, oi, v, i)) v = ov, i = oi;
-    }
-  }
-}
-
 /// LM head rows, part `part` (grain.lm_rows of vocab): the final norm of bf16(mid + moe_out)
 /// times the rows, fp32 into p.logits, and the part's best (logit, id) into p.head_best_value /
 /// p.head_best_id [part] for the argmax task.
@@ -117,7 +87,7 @@ __device__ inline void task_lm_head(const DecodeStepParams& p, int part, char* s
     y[row] = v;
     if (argmax_beats(v, static_cast<int>(row), best, best_id)) best = v, best_id = static_cast<int>(row);
   });
-  block_argmax_to_thread0(best, best_id);
+  block_argmax(best, best_id);
   if (threadIdx.x == 0) {
     p.head_best_value[part] = best;
     p.head_best_id[part] = best_id;
@@ -134,7 +104,7 @@ __device__ inline void task_argmax(const DecodeStepParams& p, int parts) {
     const int i = __ldcg(p.head_best_id + k);
     if (argmax_beats(v, i, best, best_id)) best = v, best_id = i;
   }
-  block_argmax_to_thread0(best, best_id);
+  block_argmax(best, best_id);
   if (threadIdx.x == 0) *p.next_token = best_id == INT_MAX ? 0 : best_id;
 }
 

@@ -3,6 +3,7 @@
 #include <cfloat>
 #include <climits>
 
+#include "backends/cuda/argmax.cuh"
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/launch.cuh"
 #include "backends/cuda/kernels.h"
@@ -66,34 +67,6 @@ __global__ void __launch_bounds__(kNormThreads) add_rmsnorm_kernel(bf16* __restr
 constexpr int kArgmaxThreads = 256;
 constexpr int kArgmaxMaxBlocks = 1024;
 
-/// (v, i) beats (bv, bi): larger value, or equal value and lower index. NaN never beats.
-__device__ __forceinline__ bool beats(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
-
-__device__ __forceinline__ void block_argmax(float& v, int& i) {
-  __shared__ float sv[32];
-  __shared__ int si[32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (beats(ov, oi, v, i)) { v = ov; i = oi; }
-  }
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) { sv[warp] = v; si[warp] = i; }
-  __syncthreads();
-  if (warp == 0) {
-    const int n_warps = blockDim.x / 32;
-    v = lane < n_warps ? sv[lane] : -INFINITY;
-    i = lane < n_warps ? si[lane] : INT_MAX;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-      if (beats(ov, oi, v, i)) { v = ov; i = oi; }
-    }
-  }
-}
-
 /// Block b of row blockIdx.y: the best (value, index) of its share of logits [n] (row r at
 /// logits + r·n), into part_v / part_i [r·gridDim.x + b].
 __global__ void argmax_partial_kernel(const float* __restrict__ logits, int64_t n, float* part_v, int32_t* part_i) {
@@ -106,7 +79,7 @@ __global__ void argmax_partial_kernel(const float* __restrict__ logits, int64_t 
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float x = logits[k];
-    if (beats(x, static_cast<int>(k), v, i)) { v = x; i = static_cast<int>(k); }
+    if (argmax_beats(x, static_cast<int>(k), v, i)) { v = x; i = static_cast<int>(k); }
   }
   block_argmax(v, i);
   if (threadIdx.x == 0) { part_v[blockIdx.x] = v; part_i[blockIdx.x] = i; }
@@ -121,7 +94,7 @@ __global__ void argmax_final_kernel(const float* part_v, const int32_t* part_i, 
   float v = -INFINITY;
   int i = INT_MAX;
   for (int k = threadIdx.x; k < parts; k += blockDim.x)
-    if (beats(part_v[k], part_i[k], v, i)) { v = part_v[k]; i = part_i[k]; }
+    if (argmax_beats(part_v[k], part_i[k], v, i)) { v = part_v[k]; i = part_i[k]; }
   block_argmax(v, i);
   if (threadIdx.x == 0) *out_id = (i == INT_MAX) ? 0 : i;  // all NaN: id 0
 }
