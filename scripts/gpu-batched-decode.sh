@@ -210,7 +210,7 @@ if has persistent; then
     echo "== test_cuda_e2e --gtest_filter=CudaE2e.PersistentDecode$t"
     timeout 240 "$BUILD/tests/test_cuda_e2e" --gtest_filter="CudaE2e.PersistentDecode$t" >"$OUT/persistent-$t.log" 2>&1 ||
       status=1
-    grep -E "^\[  (PASSED|FAILED) |^\[ +(OK|FAILED) |Failure|Expected|Which is|differs|bit-identical|routing:|error|step [0-8]:" \
+    grep -E "^\[  (PASSED|FAILED) |^\[ +(OK|FAILED) |Failure|Expected|Which is|differs|bit-identical|routing:|error|step [0-8]:|diverging|probe diff" \
       "$OUT/persistent-$t.log" | head -40
   done
   for mode in ${LILY_GPU_PERSISTENT_MODES:-0 debug 1}; do

@@ -1295,16 +1295,18 @@ TEST_F(CudaE2e, PersistentDecodeIsBitIdenticalToItsStages) {
   check_resident_vs_stages(load_model(demo_model_dir()), "demo");
 }
 
-/// The persistent decode's task bodies against the CPU oracle (docs/model.md §4.5's acceptance,
-/// near-tied routing aligned), run as their stages ("debug"; with the alignment's probe sink the
-/// resident kernel runs its stages too, which PersistentDecodeIsBitIdenticalToItsStages ties to
-/// the resident kernel bit for bit).
+/// The persistent decode's task bodies against the CPU oracle, run as their stages ("debug"): a
+/// layer-by-layer probe diff of a short prompt (every prompt token is a decode step while probes
+/// are on), then docs/model.md §4.5's acceptance with near-tied routing aligned. With a probe
+/// sink the resident kernel runs its stages too; PersistentDecodeIsBitIdenticalToItsStages ties
+/// the two bit for bit.
 TEST_F(CudaE2e, PersistentDecodeStagesMatchCpu) {
   TempDir dir;
   for (const bool demo : {true, false}) {
     auto w = demo ? load_model(demo_model_dir()) : synth("realdims", dir.path());
     auto oracle = bf16_oracle(w);
     auto gpu = persistent_backend(w, "debug");
+    probe_diff(*oracle, *gpu, hash_prompt(5, w->config.vocab, 1), 0.99);  // layer by layer: names a wrong stage
     compare_greedy(*oracle, *gpu, hash_prompt(64, w->config.vocab, 2), 8,
                    demo ? "persistent decode stages, demo" : "persistent decode stages, realdims");
   }
