@@ -93,7 +93,9 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
       prefetch_task(p, t.kind, t.layer, t.part);
       if (const int64_t ahead = ticket.task + gridDim.x; ahead < n_tasks) {
         const Task a = tasks[ahead];
-        prefetch_task(p, a.kind, a.layer, a.part);
+        // Not the LM head's rows: a round of its tasks is several times L2, and would evict the
+        // last layers' prefetched weights before their tasks read them.
+        if (a.kind != static_cast<int32_t>(DecodeTaskKind::kLmHead)) prefetch_task(p, a.kind, a.layer, a.part);
       }
     }
     for (int w = 0; w < DecodeProgramImage::kMaxWaits; ++w)

@@ -42,38 +42,63 @@ __host__ __device__ constexpr int64_t staged_row_floats(int cols) {
   return static_cast<int64_t>(cols / kGroup) * (kGroupStride + 1);
 }
 
-/// Stages bf16 x [cols] (read past L1) into xs (fp32, quant_dot.cuh's layout) and its group
-/// sums into xsum = xs + (cols / 64)·kGroupStride. All threads; ends with __syncthreads().
+/// Eight bf16 at p (16-byte aligned) as fp32, read past L1 in one load.
+__device__ __forceinline__ void ld_cg_bf16x8(const bf16* p, float (&x)[8]) {
+  const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
+  const float4 a = bf16x4_to_f32(v.x, v.y), b = bf16x4_to_f32(v.z, v.w);
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+
+/// Stages bf16 x [cols] (read past L1, 16-byte aligned, cols a multiple of 64) into xs (fp32,
+/// quant_dot.cuh's layout) and its group sums into xsum = xs + (cols / 64)·kGroupStride: thread
+/// i takes the eight values 8i … 8i + 7 (one load; every load of the row in flight at once). All
+/// threads; ends with __syncthreads().
 __device__ __forceinline__ void stage_row_cg(const bf16* x, int cols, float* xs) {
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) xs[(c / kGroup) * kGroupStride + c % kGroup] = ld_cg_bf16(x + c);
+  for (int c = 8 * threadIdx.x; c < cols; c += 8 * blockDim.x) {
+    float v[8];
+    ld_cg_bf16x8(x + c, v);
+    float* e = xs + (c / kGroup) * kGroupStride + c % kGroup;  // 8 values never straddle a group
+#pragma unroll
+    for (int u = 0; u < 8; ++u) e[u] = v[u];
+  }
   __syncthreads();
   stage_group_sums(cols, xs, xs + (cols / kGroup) * kGroupStride);
 }
 
 /// The add + RMSNorm of docs/model.md §4.1 staged for a GEMV: h = bf16(x + branch) (x alone
 /// when branch is null), y = bf16(h · r · gain) with r = 1 / sqrt(Σh² / cols + eps), y staged
-/// into xs as stage_row_cg does (with its group sums). x and branch are read past L1. With
-/// h_out / y_out non-null, h and y are also stored (bf16 [cols]). All threads; ends with
-/// __syncthreads(). Σh² is summed per thread in element order, then over the block.
+/// into xs as stage_row_cg does (with its group sums). x and branch are read past L1, eight
+/// values a load (16-byte aligned, cols a multiple of 64). With h_out / y_out non-null, h and y
+/// are also stored (bf16 [cols]). All threads; ends with __syncthreads(). Σh² is summed per
+/// thread in element order, then over the block.
 __device__ __forceinline__ void stage_add_norm_cg(const bf16* x, const bf16* branch, const float* gain, int cols,
                                                   float eps, float* xs, bf16* h_out, bf16* y_out) {
   __shared__ float scratch[32];
   float ss = 0.0f;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float v = ld_cg_bf16(x + c);
-    const float h = branch ? round_bf16(v + ld_cg_bf16(branch + c)) : v;
-    xs[(c / kGroup) * kGroupStride + c % kGroup] = h;
-    ss += h * h;
+  for (int c = 8 * threadIdx.x; c < cols; c += 8 * blockDim.x) {
+    float v[8], b[8];
+    ld_cg_bf16x8(x + c, v);
+    if (branch) ld_cg_bf16x8(branch + c, b);
+    float* e = xs + (c / kGroup) * kGroupStride + c % kGroup;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const float h = branch ? round_bf16(v[u] + b[u]) : v[u];
+      e[u] = h;
+      ss += h * h;
+    }
   }
   const float total = block_sum(ss, scratch);
   const float r = 1.0f / sqrtf(total / static_cast<float>(cols) + eps);
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {  // each thread revisits its own elements
+  for (int c = 8 * threadIdx.x; c < cols; c += 8 * blockDim.x) {  // each thread revisits its own elements
     float* e = xs + (c / kGroup) * kGroupStride + c % kGroup;
-    const float h = *e;
-    const bf16 y = to_bf16(h * r * __ldg(gain + c));
-    *e = to_f32(y);
-    if (h_out) h_out[c] = to_bf16(h);
-    if (y_out) y_out[c] = y;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const float h = e[u];
+      const bf16 y = to_bf16(h * r * __ldg(gain + c + u));
+      e[u] = to_f32(y);
+      if (h_out) h_out[c + u] = to_bf16(h);
+      if (y_out) y_out[c + u] = y;
+    }
   }
   __syncthreads();
   stage_group_sums(cols, xs, xs + (cols / kGroup) * kGroupStride);
