@@ -75,7 +75,8 @@ __device__ __forceinline__ void prefetch_task(const DecodeStepParams& p, int kin
   }
 }
 
-/// The resident kernel: each block takes tasks in list order (task_fetch), asks L2 for what the
+/// The resident kernel: each block takes tasks in list order, one ticket ahead (task_take_next:
+/// the next ticket's atomic round trip overlaps the current task), asks L2 for what the
 /// task and the task one round of blocks further down the list read from fixed addresses
 /// (prefetch_task: so the weight stream runs a round of tasks ahead of the computation, the
 /// blocks' next tasks' bytes arriving while they wait or compute), waits for its input counters
@@ -85,9 +86,15 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
                       unsigned long long* next, int lm_parts) {
   extern __shared__ __align__(16) char smem[];
   __shared__ unsigned long long slot;
+  unsigned long long ahead_ticket = 0;  // thread 0: the ticket after the current one (task_take_next)
+  if (threadIdx.x == 0) ahead_ticket = task_take_next(next);
   for (;;) {
-    const TaskTicket ticket = task_fetch(next, n_tasks, &slot);
+    __syncthreads();  // every thread has read the last ticket
+    if (threadIdx.x == 0) slot = ahead_ticket;
+    __syncthreads();
+    const TaskTicket ticket = task_ticket(slot, n_tasks);
     if (ticket.task >= n_tasks) return;
+    if (threadIdx.x == 0) ahead_ticket = task_take_next(next);  // in flight while this task runs
     const Task t = tasks[ticket.task];
     if (threadIdx.x == 0) {
       prefetch_task(p, t.kind, t.layer, t.part);

@@ -7,7 +7,7 @@
 // One instance of a program runs at a time on one set of counters: launches of it follow each
 // other on one stream, without programmatic dependent launch between them.
 //
-// Memory ordering, at GPU scope: a signal is a block barrier, a fence and an atomic add by one
+// Memory ordering, at GPU scope: a signal is a block barrier and a release reduction by one
 // thread, so every global write of the block before it is visible to a block that sees the count;
 // a wait is an acquire load by one thread followed by a block barrier. Data written by other
 // blocks must then be read past L1 (ld.global.cg, bulk copies), which is not coherent.
@@ -23,6 +23,13 @@ struct TaskTicket {
   int64_t task;
 };
 
+/// The ticket of fetch value `v` in a list of `n_tasks` run by gridDim.x blocks (task_fetch's
+/// numbering).
+__device__ __forceinline__ TaskTicket task_ticket(unsigned long long v, int64_t n_tasks) {
+  const unsigned long long per_launch = static_cast<unsigned long long>(n_tasks) + gridDim.x;
+  return TaskTicket{static_cast<uint32_t>(v / per_launch), static_cast<int64_t>(v % per_launch)};
+}
+
 /// This block's next task of a list of `n_tasks` run by `gridDim.x` blocks: thread 0 takes it
 /// with one atomic add on `next` (zero before the first launch, never reset), the block reads it
 /// from `slot` (a __shared__ unsigned long long). All threads of the block call it and get the
@@ -31,8 +38,7 @@ __device__ __forceinline__ TaskTicket task_fetch(unsigned long long* next, int64
   __syncthreads();  // every thread has read the last ticket
   if (threadIdx.x == 0) *slot = atomicAdd(next, 1ull);
   __syncthreads();
-  const unsigned long long per_launch = static_cast<unsigned long long>(n_tasks) + gridDim.x;
-  return TaskTicket{static_cast<uint32_t>(*slot / per_launch), static_cast<int64_t>(*slot % per_launch)};
+  return task_ticket(*slot, n_tasks);
 }
 
 /// How long counter_wait spins before it gives up with a trap (a missing producer would
@@ -58,13 +64,20 @@ __device__ __forceinline__ void counter_wait(const uint32_t* c, uint32_t target)
 }
 
 /// Adds this block's one signal to counter `c`. Release: every global write the block made
-/// before the call is visible to a block whose counter_wait sees the signal. All threads.
+/// before the call is visible to a block whose counter_wait sees the signal (the barrier orders
+/// the block's writes before thread 0's release reduction, which is cumulative). All threads;
+/// thread 0 does not wait for the reduction to complete.
 __device__ __forceinline__ void counter_signal(uint32_t* c) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(c, 1u);
-  }
+  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
 }
+
+/// Takes the ticket after this block's current one: thread 0's atomic add on `next`, whose
+/// result is first needed when the current task is done, so its round trip overlaps the task.
+/// Holding one ticket ahead keeps the list deadlock-free: the lowest unfinished task's producers
+/// are all finished, and its block is running it (a block runs its tickets in the order it took
+/// them, so one holding it ahead runs a lower, unfinished task, which contradicts lowest).
+/// Thread 0 only.
+__device__ __forceinline__ unsigned long long task_take_next(unsigned long long* next) { return atomicAdd(next, 1ull); }
 
 }  // namespace lily::cuda
