@@ -252,7 +252,8 @@ struct CudaOptions {
   /// more runs several forwards, one after another. The same bits for every row either way. 32
   /// (the default) is verified on an H200; above 32 the row GEMVs take two launches and the MoE
   /// block routes in two passes, each distinct expert still read once for all its rows (64 rows:
-  /// compiled, not yet run on a GPU).
+  /// the row GEMVs' bit test passed on an H200 up to 64 rows; the MoE block and the end-to-end
+  /// tests at 64 rows have not run yet).
   int decode_rows = 32;
   /// LILY_CUDA_PREFILL_ROWS 1|0: the prefill rows of a step (one per sequence, each within a
   /// prefill chunk) run as one chunk of all their tokens, so each expert and projection weight is
@@ -274,8 +275,9 @@ struct CudaOptions {
   /// LILY_CUDA_PERSISTENT_DECODE 1|debug|0: a one-sequence decode step as one resident kernel
   /// that takes the step's tasks from a list, synchronised by counters in device memory (1); the
   /// same tasks as one launch per stage (debug: what the probes see); or (0, the default) the
-  /// step's separate kernels. Compiled, not yet run on a GPU (docs/cuda.md, "A persistent decode
-  /// kernel").
+  /// step's separate kernels. Correct on an H200 (bit-identical to its stages, matching the CPU
+  /// and the decode graph) but slower than the separate kernels so far (126.5 against 420 tok/s
+  /// at 4K: docs/cuda.md, "A persistent decode kernel"), so off by default.
   std::string persistent_decode = "0";
 
   static constexpr int kMaxPrefillChunk = 8192;
