@@ -36,6 +36,9 @@
 #   LILY_GPU_STEPS=persistent  the persistent decode kernel: its end-to-end tests (resident vs
 #                           stages bit for bit, against the CPU and the decode graph), then lily bench on
 #                           the 35b-a3b synth at LILY_GPU_CONTEXTS (default 256 4096), persistent-decode 0, debug and 1 (LILY_GPU_PERSISTENT_MODES)
+#   LILY_GPU_STEPS=prof-persistent  Nsight Compute: one step of the persistent kernel's debug form
+#                           stage by stage (scripts/ncu-stage-table.py), and the resident kernel's
+#                           time and DRAM bytes a step (35b-a3b synth, 256-token prompt)
 #   LILY_GPU_STEPS=tasks    the persistent kernel's counters (test_task_sync: the 35B-A3B task
 #                           list with synthetic bodies against the host, and its cost)
 #   LILY_GPU_STEPS=perf     the kernel case tables in perf mode (LILY_GPU_PERF=1): the GEMV, dense
@@ -61,7 +64,7 @@ status=0
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 targets=()
-{ has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source; } && targets+=(lily)
+{ has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent; } && targets+=(lily)
 for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
 gpu_build build.log "${targets[@]}"
 
@@ -134,7 +137,7 @@ serve_streams() {
   kill -INT "$pid"
   wait "$pid"
 }
-if { has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source || has persistent; } && [[ ! -f "$M/config.json" ]]; then
+if { has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent; } && [[ ! -f "$M/config.json" ]]; then
   timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
 fi
 if has throughput; then
@@ -220,6 +223,22 @@ if has persistent; then
         --decode-steps 64 --rounds 3 2>&1 | tail -1 | tee -a "$OUT/persistent-bench.log"
     done
   done
+fi
+if has prof-persistent; then
+  # One step of the debug form, stage by stage (scripts/ncu-stage-table.py), then the resident
+  # kernel's time and DRAM bytes a step, after a 256-token prompt.
+  echo "== ncu: the persistent decode kernel's stages, 35b-a3b"
+  timeout 240 ncu --clock-control none --kernel-name regex:decode_stage_kernel --launch-count 263 \
+    --metrics gpu__time_duration.sum --csv --page raw "$BUILD/lily" bench --backend cuda --model "$M" \
+    --cuda persistent-decode=debug --prompt-len 256 --decode-steps 2 --rounds 1 >"$OUT/prof-stages.csv" 2>&1 || status=1
+  python3 scripts/ncu-stage-table.py "$OUT/prof-stages.csv" | tee "$OUT/prof-stages-table.txt"
+  echo "== ncu: the resident kernel, 35b-a3b"
+  timeout 240 ncu --clock-control none --kernel-name regex:decode_megakernel --launch-count 3 \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --page raw "$BUILD/lily" bench --backend cuda \
+    --model "$M" --cuda persistent-decode=1 --prompt-len 256 --decode-steps 4 --rounds 1 >"$OUT/prof-resident.csv" 2>&1 ||
+    status=1
+  python3 -c 'import csv,sys; rows=list(csv.DictReader(l for l in open(sys.argv[1]) if l.startswith("\""))); [print(r["gpu__time_duration.sum"], r["dram__bytes_read.sum"]) for r in rows]' \
+    "$OUT/prof-resident.csv"
 fi
 if has big; then
   echo "== batched decode throughput, 35b-a3b"
