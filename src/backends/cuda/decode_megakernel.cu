@@ -18,22 +18,75 @@ namespace {
 using Task = DecodeProgramImage::Task;
 
 /// Runs the body of a task of kind `kind` (DecodeTaskKind) on (layer, part). All threads.
-__device__ __forceinline__ void run_task(const DecodeStepParams& p, int kind, int layer, int part, int lm_parts,
-                                         char* smem) {
+/// Returns whether the task read its weights from its slot (m.slot), which used a phase of m.bar.
+/// A task without weight rows gets the larger work area `wide` (kDecodeTaskSmemBytes, over its
+/// slot: the slot's phase is not used).
+__device__ __forceinline__ bool run_task(const DecodeStepParams& p, int kind, int layer, int part, int lm_parts,
+                                         const TaskSmem& m, char* wide) {
   switch (static_cast<DecodeTaskKind>(kind)) {
-    case DecodeTaskKind::kEmbed: task_embed(p); break;
-    case DecodeTaskKind::kInProj: task_in_proj(p, layer, part, smem); break;
-    case DecodeTaskKind::kGdnHeads: task_gdn_heads(p, layer, part, smem); break;
-    case DecodeTaskKind::kAttnPrepare: task_attn_prepare(p, layer, part, smem); break;
-    case DecodeTaskKind::kAttnSplit: task_attn_split(p, layer, part, smem); break;
-    case DecodeTaskKind::kAttnCombine: task_attn_combine(p, layer, part, smem); break;
-    case DecodeTaskKind::kOutProj: task_out_proj(p, layer, part, smem); break;
-    case DecodeTaskKind::kRouter: task_router(p, layer, part, smem); break;
-    case DecodeTaskKind::kExpertGateUp: task_expert_gate_up(p, layer, part, smem); break;
-    case DecodeTaskKind::kExpertDown: task_expert_down(p, layer, part, smem); break;
-    case DecodeTaskKind::kLmHead: task_lm_head(p, part, smem); break;
-    case DecodeTaskKind::kArgmax: task_argmax(p, lm_parts); break;
+    case DecodeTaskKind::kEmbed: task_embed(p); return false;
+    case DecodeTaskKind::kInProj: return task_in_proj(p, layer, part, m);
+    case DecodeTaskKind::kGdnHeads: task_gdn_heads(p, layer, part, wide); return false;
+    case DecodeTaskKind::kAttnPrepare: task_attn_prepare(p, layer, part, wide); return false;
+    case DecodeTaskKind::kAttnSplit: task_attn_split(p, layer, part, wide); return false;
+    case DecodeTaskKind::kAttnCombine: task_attn_combine(p, layer, part, wide); return false;
+    case DecodeTaskKind::kOutProj: return task_out_proj(p, layer, part, m);
+    case DecodeTaskKind::kRouter: return task_router(p, layer, part, m);
+    case DecodeTaskKind::kExpertGateUp: return task_expert_gate_up(p, layer, part, m);
+    case DecodeTaskKind::kExpertDown: return task_expert_down(p, layer, part, m);
+    case DecodeTaskKind::kLmHead: task_lm_head(p, part, m.work); return false;
+    case DecodeTaskKind::kArgmax: task_argmax(p, lm_parts); return false;
   }
+  return false;
+}
+
+/// Whether the kernel may start the copy of a task's weight rows into a slot before the task
+/// runs (rows that never depend on the step's data, and fit a slot): the projections, the router
+/// and the shared expert's gate/up. With `issue`, thread 0 starts it into `slot` on `bar`. The
+/// body then finds m.prefetched set and only waits. Every thread computes the same answer.
+__device__ __forceinline__ bool task_prefetch_weights(const DecodeStepParams& p, int kind, int layer, int part,
+                                                      bool issue, unsigned char* slot, uint64_t* bar) {
+  const auto k = static_cast<DecodeTaskKind>(kind);
+  if (k == DecodeTaskKind::kExpertGateUp) {
+    SlotRuns l;
+    int64_t row0 = 0;
+    if (!gate_up_prefetchable(p, layer, part, l, row0)) return false;
+    const DecodeTaskLayer& L = p.layers[layer];
+    if (issue)
+      slot_issue(l, [&](int j) -> const DeviceQuant& { return j == 0 ? L.gate : L.up; }, [&](int) { return row0; },
+                 slot, bar);
+    return true;
+  }
+  const DeviceQuant* w = nullptr;
+  RowRange r;
+  const SlotRuns l = projection_slot_runs(p, k, layer, part, w, r);
+  if (!l.fits) return false;
+  if (issue) slot_issue(l, [&](int) -> const DeviceQuant& { return *w; }, [&](int) { return r.first; }, slot, bar);
+  return true;
+}
+
+/// The block's shared memory, [slot 0 | work | slot 1] (kDecodeKernelSmemBytes): what task body
+/// with slot s gets.
+__device__ __forceinline__ TaskSmem task_smem(char* smem, int s, uint64_t* bars, uint32_t parity, bool prefetched) {
+  TaskSmem m;
+  m.work = smem + kTaskWeightSlotBytes;
+  m.slot = reinterpret_cast<unsigned char*>(smem + (s == 0 ? 0 : kTaskWeightSlotBytes + kTaskWorkBytes));
+  m.bar = bars + s;
+  m.parity = parity;
+  m.prefetched = prefetched;
+  return m;
+}
+/// The wide work area of a task on slot s: the slot and the work part, contiguous.
+__device__ __forceinline__ char* task_wide(char* smem, int s) { return smem + (s == 0 ? 0 : kTaskWeightSlotBytes); }
+
+/// Initialises the two slots' mbarriers (one arrival a phase: the issuing thread's). All threads.
+__device__ __forceinline__ void init_slot_bars(uint64_t* bars) {
+  if (threadIdx.x == 0) {
+    mbarrier_init(bars, 1);
+    mbarrier_init(bars + 1, 1);
+    mbarrier_init_fence();
+  }
+  __syncthreads();
 }
 
 /// The recurrent states of a GDN task's value heads into L2 (no task of this launch before it
@@ -75,31 +128,65 @@ __device__ __forceinline__ void prefetch_task(const DecodeStepParams& p, int kin
   }
 }
 
-/// The resident kernel: each block takes tasks in list order, one ticket ahead (task_take_next:
-/// the next ticket's atomic round trip overlaps the current task), asks L2 for what the
-/// task and the task one round of blocks further down the list read from fixed addresses
-/// (prefetch_task: so the weight stream runs a round of tasks ahead of the computation, the
-/// blocks' next tasks' bytes arriving while they wait or compute), waits for its input counters
-/// of this launch, runs it and signals. A launch ends when every block has fetched past the end.
+/// The resident kernel: each block takes tasks in list order, two tickets ahead of the one it
+/// runs (task_take_next): the next task's weight rows are copied into the block's other slot
+/// while it runs the current one (task_prefetch_weights), and the fetch of the ticket after that
+/// is in flight. Thread 0 also asks L2 for what the current task and the task one round of blocks
+/// further down the list read from fixed addresses (prefetch_task). Then the block waits for the
+/// task's input counters of this launch, runs it and signals. Slots alternate task by task
+/// (task i of the block uses slot i mod 2), and each slot's phases are counted in `parity`. A
+/// launch ends when every block has fetched past the end (each stops fetching at its first
+/// ticket past the end, so a launch still makes exactly n + G fetches).
 __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     decode_megakernel(DecodeStepParams p, const Task* __restrict__ tasks, int64_t n_tasks, uint32_t* counters,
                       unsigned long long* next, int lm_parts) {
-  extern __shared__ __align__(16) char smem[];
-  __shared__ unsigned long long slot;
-  unsigned long long ahead_ticket = 0;  // thread 0: the ticket after the current one (task_take_next)
-  if (threadIdx.x == 0) ahead_ticket = task_take_next(next);
+  extern __shared__ __align__(128) char smem[];
+  __shared__ __align__(8) uint64_t bars[2];
+  __shared__ unsigned long long slot_cur, slot_next;
+  init_slot_bars(bars);
+  // Thread 0: `cur` the ticket to run next, `ahead` the one after it (fetched while `cur` runs).
+  unsigned long long cur = 0, ahead = 0;
+  if (threadIdx.x == 0) {
+    cur = task_take_next(next);
+    if (task_ticket(cur, n_tasks).task < n_tasks) ahead = task_take_next(next);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) slot_cur = cur;
+  __syncthreads();
+  int s = 0;             // this task's slot
+  uint32_t parity = 0;   // bit b: the parity of slot b's next phase
+  bool prefetched = false;
+  {  // the first task's copy
+    const TaskTicket first = task_ticket(slot_cur, n_tasks);
+    if (first.task < n_tasks) {
+      const Task t = tasks[first.task];
+      prefetched = task_prefetch_weights(p, t.kind, t.layer, t.part, threadIdx.x == 0, task_smem(smem, 0, bars, 0, false).slot, bars);
+    }
+  }
   for (;;) {
-    __syncthreads();  // every thread has read the last ticket
-    if (threadIdx.x == 0) slot = ahead_ticket;
+    __syncthreads();  // every thread has read the last tickets, and is done with the last task's slot
+    if (threadIdx.x == 0) {
+      slot_cur = cur;
+      slot_next = ahead;
+    }
     __syncthreads();
-    const TaskTicket ticket = task_ticket(slot, n_tasks);
+    const TaskTicket ticket = task_ticket(slot_cur, n_tasks);
     if (ticket.task >= n_tasks) return;
-    if (threadIdx.x == 0) ahead_ticket = task_take_next(next);  // in flight while this task runs
+    const TaskTicket next_ticket = task_ticket(slot_next, n_tasks);
+    const bool has_next = next_ticket.task < n_tasks && next_ticket.launch == ticket.launch;
+    unsigned long long after = 0;
+    if (threadIdx.x == 0 && has_next) after = task_take_next(next);  // in flight while this task runs
     const Task t = tasks[ticket.task];
+    bool next_prefetched = false;
+    if (has_next) {  // the next task's weights into the other slot
+      const Task a = tasks[next_ticket.task];
+      next_prefetched = task_prefetch_weights(p, a.kind, a.layer, a.part, threadIdx.x == 0,
+                                              task_smem(smem, s ^ 1, bars, 0, false).slot, bars + (s ^ 1));
+    }
     if (threadIdx.x == 0) {
       prefetch_task(p, t.kind, t.layer, t.part);
-      if (const int64_t ahead = ticket.task + gridDim.x; ahead < n_tasks) {
-        const Task a = tasks[ahead];
+      if (const int64_t ahead_task = ticket.task + gridDim.x; ahead_task < n_tasks) {
+        const Task a = tasks[ahead_task];
         // Not the LM head's rows: a round of its tasks is several times L2, and would evict the
         // last layers' prefetched weights before their tasks read them.
         if (a.kind != static_cast<int32_t>(DecodeTaskKind::kLmHead)) prefetch_task(p, a.kind, a.layer, a.part);
@@ -108,17 +195,28 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     for (int w = 0; w < DecodeProgramImage::kMaxWaits; ++w)
       if (t.wait_counter[w] >= 0)
         counter_wait(counters + t.wait_counter[w], (ticket.launch + 1) * static_cast<uint32_t>(t.wait_target[w]));
-    run_task(p, t.kind, t.layer, t.part, lm_parts, smem);
+    const bool used = run_task(p, t.kind, t.layer, t.part, lm_parts,
+                               task_smem(smem, s, bars, (parity >> s) & 1u, prefetched), task_wide(smem, s));
+    if (used) parity ^= 1u << s;
     if (t.signal >= 0) counter_signal(counters + t.signal);
+    if (threadIdx.x == 0) {
+      cur = ahead;
+      ahead = after;
+    }
+    s ^= 1;
+    prefetched = next_prefetched;
   }
 }
 
-/// The debug form: block b runs task first + b (one stage: no task of it waits on another).
+/// The debug form: block b runs task first + b (one stage: no task of it waits on another),
+/// with the resident kernel's bodies and slot 0.
 __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     decode_stage_kernel(DecodeStepParams p, const Task* __restrict__ tasks, int64_t first, int lm_parts) {
-  extern __shared__ __align__(16) char smem[];
+  extern __shared__ __align__(128) char smem[];
+  __shared__ __align__(8) uint64_t bars[2];
+  init_slot_bars(bars);
   const Task t = tasks[first + blockIdx.x];
-  run_task(p, t.kind, t.layer, t.part, lm_parts, smem);
+  run_task(p, t.kind, t.layer, t.part, lm_parts, task_smem(smem, 0, bars, 0, false), task_wide(smem, 0));
 }
 
 /// The grain of a program for the device: rows as the task bodies cut them, and a KV capacity
@@ -164,11 +262,11 @@ std::string decode_megakernel_unsupported(const ModelConfig& c) {
 DecodeMegakernel::DecodeMegakernel(const ModelConfig& c, const DecodeTaskGrain& grain) {
   if (const std::string why = decode_megakernel_unsupported(c); !why.empty())
     throw Error("persistent decode kernel: the model's " + why);
-  if (expert_gate_up_smem_bytes(c.hidden, grain.expert_rows) > kDecodeTaskSmemBytes ||
-      expert_down_smem_bytes(c.moe_ffn_dim, c.n_experts_per_tok, grain.down_rows) > kDecodeTaskSmemBytes ||
-      staged_row_floats(std::max({c.hidden, c.gdn_value_dim(), c.n_heads * c.head_dim})) * 4 > kDecodeTaskSmemBytes)
-    throw Error("persistent decode kernel: the model's rows need more shared memory than a task has (" +
-                std::to_string(kDecodeTaskSmemBytes) + " bytes)");
+  if (expert_gate_up_smem_bytes(c.hidden, grain.expert_rows) > kTaskWorkBytes ||
+      expert_down_smem_bytes(c.moe_ffn_dim, c.n_experts_per_tok, grain.down_rows) > kTaskWorkBytes ||
+      staged_row_floats(std::max({c.hidden, c.gdn_value_dim(), c.n_heads * c.head_dim})) * 4 > kTaskWorkBytes)
+    throw Error("persistent decode kernel: the model's rows need more shared memory than a task has beside its "
+                "weight slot (" + std::to_string(kTaskWorkBytes) + " bytes)");
   program_ = build_decode_program(c, program_grain(c, grain));
   if (const std::string why = check_decode_program(program_); !why.empty())
     throw InternalError("persistent decode kernel: the task list is not safe to run: " + why);
@@ -191,13 +289,13 @@ DecodeMegakernel::DecodeMegakernel(const ModelConfig& c, const DecodeTaskGrain& 
   next_.fill_bytes(0);
   blocks_ = sm_count();
   CUDA_CHECK(cudaFuncSetAttribute(decode_megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  kDecodeTaskSmemBytes));
+                                  kDecodeKernelSmemBytes));
   CUDA_CHECK(cudaFuncSetAttribute(decode_stage_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  kDecodeTaskSmemBytes));
+                                  kDecodeKernelSmemBytes));
 }
 
 void DecodeMegakernel::launch(const DecodeStepParams& p, cudaStream_t stream) {
-  decode_megakernel<<<blocks_, kDecodeTaskThreads, kDecodeTaskSmemBytes, stream>>>(
+  decode_megakernel<<<blocks_, kDecodeTaskThreads, kDecodeKernelSmemBytes, stream>>>(
       p, tasks_.as<Task>(), n_tasks_, counters_.as<uint32_t>(), next_.as<unsigned long long>(), lm_parts_);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -205,7 +303,7 @@ void DecodeMegakernel::launch(const DecodeStepParams& p, cudaStream_t stream) {
 void DecodeMegakernel::launch_stages(const DecodeStepParams& p, cudaStream_t stream,
                                      const std::function<void(DecodeTaskKind, int)>& after_stage) {
   for (const Stage& s : stages_) {
-    decode_stage_kernel<<<s.count, kDecodeTaskThreads, kDecodeTaskSmemBytes, stream>>>(p, tasks_.as<Task>(), s.first,
+    decode_stage_kernel<<<s.count, kDecodeTaskThreads, kDecodeKernelSmemBytes, stream>>>(p, tasks_.as<Task>(), s.first,
                                                                                       lm_parts_);
     CUDA_CHECK(cudaGetLastError());
     if (after_stage) after_stage(s.kind, s.layer);

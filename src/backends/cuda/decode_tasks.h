@@ -35,15 +35,17 @@ struct DecodeTaskLayer {
 
 /// Rows of each task, as DecodeGrain cut the program (decode_program.h): part p of a stage
 /// covers rows [p·rows, min((p + 1)·rows, total)).
-/// Every stage is on the step's critical path (the next one waits for all of its tasks), so a
-/// stage's tasks should cover the SMs: the out-projection and the down rows (2,048 rows of the
-/// 35B-A3B shape) in 64 tasks of 32 rows, not 16 of 128 (measured on an H200 in the stages'
-/// form: 32 and 51 µs with 16 tasks of 128 rows, each task one SM's stream).
+/// Two limits set the cut. Every stage is on the step's critical path (the next one waits for
+/// all of its tasks), so a stage's tasks should cover the SMs (measured on an H200 in the stages'
+/// form: the 2,048 out-projection rows as 16 tasks of 128 rows took 32 µs, each task one SM's
+/// stream). And a task's weights travel into one shared-memory slot of kTaskWeightSlotBytes: 64
+/// rows of 2,048 4-bit columns, 32 of 4,096, 32 gate and 32 up rows of an expert, and 16 down
+/// rows of nine slots of 512 columns fill at most 72 KB.
 struct DecodeTaskGrain {
-  int proj_rows = 128;
+  int proj_rows = 64;
   int out_rows = 32;
-  int expert_rows = 64;
-  int down_rows = 32;
+  int expert_rows = 32;
+  int down_rows = 16;
   int lm_rows = 1024;
   int router_rows = 16;
   int attn_splits = 32;  ///< key splits per KV head; split s of a length-n cache: keys [n·s/S, n·(s+1)/S)
@@ -92,7 +94,18 @@ struct DecodeStepParams {
 
 /// Threads of a task body's block (the persistent kernel runs one such block per SM).
 constexpr int kDecodeTaskThreads = 512;
-/// Dynamic shared memory a task body may use (bytes), on top of its small static arrays.
-constexpr int kDecodeTaskSmemBytes = 160 * 1024;
+/// Shared memory of one task's weights (bytes): its rows' codes, scales and biases, copied in
+/// by the bulk-copy engine (decode_tasks_common.cuh, "weight slots").
+constexpr int kTaskWeightSlotBytes = 72 * 1024;
+/// Shared memory a task body may use for its own arrays (bytes), on top of its small static
+/// ones. A body that reads its weights from a slot has kTaskWorkBytes of it, beside the slot.
+constexpr int kDecodeTaskSmemBytes = 150 * 1024;
+/// The part of a task's work area that does not overlap a weight slot.
+constexpr int kTaskWorkBytes = kDecodeTaskSmemBytes - kTaskWeightSlotBytes;
+/// Dynamic shared memory of a block of the persistent kernel: [slot 0 | work | slot 1]. A task
+/// whose weights sit in slot s computes with the work part; a task without weights uses its slot
+/// and the work part as one area of kDecodeTaskSmemBytes; the other slot meanwhile receives the
+/// next task's weights.
+constexpr int kDecodeKernelSmemBytes = 2 * kTaskWeightSlotBytes + kTaskWorkBytes;
 
 }  // namespace lily::cuda

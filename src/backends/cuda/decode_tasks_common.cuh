@@ -1,6 +1,7 @@
 // Device building blocks of the persistent decode kernel's task bodies (nvcc only): loads that
 // see other blocks' writes of the same launch, an activation row staged with or without an
-// add + RMSNorm, the MLX-affine GEMV over a task's rows, and the L2 prefetch of a task's weights.
+// add + RMSNorm, the MLX-affine GEMV over a task's rows, the weight slots that bulk copies fill,
+// and the L2 prefetch of a task's weights.
 //
 // The rules every body follows (decode_tasks.h):
 //  * all kDecodeTaskThreads threads of the block call the body, which may use __syncthreads();
@@ -14,6 +15,7 @@
 
 #include <cstdint>
 
+#include "backends/cuda/bulk_copy.cuh"
 #include "backends/cuda/common.cuh"
 #include "backends/cuda/decode_tasks.h"
 #include "backends/cuda/quant_dot.cuh"
@@ -104,44 +106,214 @@ __device__ __forceinline__ void stage_add_norm_cg(const bf16* x, const bf16* bra
   stage_group_sums(cols, xs, xs + (cols / kGroup) * kGroupStride);
 }
 
-/// Rows a warp's row-group computes at once in gemv_rows (independent loads in flight).
+/// Rows a warp's row-group computes at once in gemv_row_refs (independent loads in flight).
 constexpr int kTaskGemvUnroll = 4;
 
-/// y[r] = Σ_c w[r, c]·x[c] for rows r ∈ [first, last) of the BITS-bit matrix w, x staged in xs
-/// (stage_row_cg / stage_add_norm_cg), per 64-group s·Σ(q·x) + b·Σx in fp32 (docs/model.md
-/// §4.2), then `store(r, value)` by one lane per row. Rows are dealt to the warps' row-groups
-/// (lanes_per_row lanes each) kTaskGemvUnroll at a time. All threads (warp-uniform loops).
-template <int BITS, class Store>
-__device__ __forceinline__ void gemv_rows(const DeviceQuant& w, int64_t first, int64_t last, const float* xs,
-                                          Store store) {
-  constexpr int U = kTaskGemvUnroll;
-  const int groups = w.cols / kGroup, L = lanes_per_row(groups), per_warp = kWarp / L;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
-  const int sub = lane / L, lane_in = lane % L;
-  const float* xsum = xs + static_cast<int64_t>(groups) * kGroupStride;
-  const int64_t per_round = static_cast<int64_t>(n_warps) * per_warp * U;
-  const int64_t rounds = (last - first + per_round - 1) / per_round;
-  for (int64_t it = 0; it < rounds; ++it) {  // the same count on every lane: shuffles stay converged
-    const int64_t base = first + it * per_round + (static_cast<int64_t>(warp) * per_warp + sub) * U;
-    int64_t row[U];
+/// One matrix row as a task's GEMV reads it, in global or shared memory: its BITS-bit code words,
+/// its per-group scales and biases (bf16), and the staged input row it multiplies (xs: the
+/// values in quant_dot.cuh's layout, then one Σx per group). codes == nullptr: no row.
+struct QuantRowRef {
+  const uint32_t* codes = nullptr;
+  const bf16* scales = nullptr;
+  const bf16* biases = nullptr;
+  const float* xs = nullptr;
+};
+
+/// Row `row` of w in global memory, against the staged row xs.
+__device__ __forceinline__ QuantRowRef global_row(const DeviceQuant& w, int64_t row, const float* xs) {
+  const int64_t groups = w.cols / kGroup, wpr = int64_t{w.cols} * w.bits / 32;
+  return QuantRowRef{w.codes + row * wpr, w.scales + row * groups, w.biases + row * groups, xs};
+}
+
+/// This lane's share of U rows' dot products (docs/model.md §4.2): lanes lane_in of L stride
+/// over the `groups` 64-groups, acc[j] += s·Σ(q·x) + b·Σx per group in group order. SHARED: the
+/// rows are in shared memory (plain loads), else in global memory (read-only path). Caller
+/// reduces acc[j] with group_sum(·, L). Either memory gives the same bits.
+template <int BITS, int U, bool SHARED>
+__device__ __forceinline__ void rows_partial_refs(const QuantRowRef (&r)[U], int groups, int lane_in, int L,
+                                                  float (&acc)[U]) {
+  constexpr int kWordsPerGroup = kGroup * BITS / 32;
 #pragma unroll
-    for (int j = 0; j < U; ++j) row[j] = base + j < last ? base + j : -1;
-    float acc[U];
-    rows_partial<BITS, U>(w, row, xs, xsum, lane_in, L, acc);
+  for (int j = 0; j < U; ++j) acc[j] = 0.0f;
+  for (int g = lane_in; g < groups; g += L) {
 #pragma unroll
     for (int j = 0; j < U; ++j) {
-      const float v = group_sum(acc[j], L);
-      if (lane_in == 0 && row[j] >= 0) store(row[j], v);
+      if (!r[j].codes) continue;
+      const uint4* gw = reinterpret_cast<const uint4*>(r[j].codes + g * kWordsPerGroup);
+      uint4 q[kGroupVecs<BITS>];
+      float s, b;
+      if constexpr (SHARED) {
+#pragma unroll
+        for (int v = 0; v < kGroupVecs<BITS>; ++v) q[v] = gw[v];
+        s = to_f32(r[j].scales[g]);
+        b = to_f32(r[j].biases[g]);
+      } else {
+#pragma unroll
+        for (int v = 0; v < kGroupVecs<BITS>; ++v) q[v] = __ldg(gw + v);
+        s = bits_to_f32(__ldg(reinterpret_cast<const unsigned short*>(r[j].scales + g)));
+        b = bits_to_f32(__ldg(reinterpret_cast<const unsigned short*>(r[j].biases + g)));
+      }
+      acc[j] += s * group_qdot_regs<BITS>(q, r[j].xs + g * kGroupStride) + b * r[j].xs[groups * kGroupStride + g];
     }
   }
 }
 
-/// gemv_rows for a matrix of either bit width (4 or 8).
+/// `count` rows v = 0 … count − 1 of `groups` 64-groups each, dealt to the warps' row-groups
+/// (lanes_per_row lanes a row, kTaskGemvUnroll consecutive rows a row-group at a time):
+/// row_of(v) names the row and its input (QuantRowRef), store(v, value) takes the fp32 dot
+/// product (one lane per row). A row's arithmetic depends on its width alone, not on where it
+/// is dealt or stored. All threads (warp-uniform loops).
+template <int BITS, bool SHARED, class RowOf, class Store>
+__device__ __forceinline__ void gemv_row_refs(int groups, int count, RowOf row_of, Store store) {
+  constexpr int U = kTaskGemvUnroll;
+  const int L = lanes_per_row(groups), per_warp = kWarp / L;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
+  const int sub = lane / L, lane_in = lane % L;
+  const int per_round = n_warps * per_warp * U;
+  const int rounds = (count + per_round - 1) / per_round;
+  for (int it = 0; it < rounds; ++it) {  // the same count on every lane: shuffles stay converged
+    const int base = it * per_round + (warp * per_warp + sub) * U;
+    QuantRowRef r[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j)
+      if (base + j < count) r[j] = row_of(base + j);
+    float acc[U];
+    rows_partial_refs<BITS, U, SHARED>(r, groups, lane_in, L, acc);
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const float v = group_sum(acc[j], L);
+      if (lane_in == 0 && base + j < count) store(base + j, v);
+    }
+  }
+}
+
+/// gemv_row_refs for rows of either bit width (4 or 8).
+template <bool SHARED, class RowOf, class Store>
+__device__ __forceinline__ void gemv_row_refs_any(int bits, int groups, int count, RowOf row_of, Store store) {
+  if (bits == 8) gemv_row_refs<8, SHARED>(groups, count, row_of, store);
+  else gemv_row_refs<4, SHARED>(groups, count, row_of, store);
+}
+
+// ---- Weight slots ----------------------------------------------------------------------------
+// A task that multiplies weight rows reads them from a slot of shared memory, where the bulk-copy
+// engine put them: the codes, scales and biases of each run of consecutive rows are contiguous in
+// the checkpoint layout, so a run is three copies, and one thread starts them without waiting.
+// For a task whose rows do not depend on the step's data (projections, router, the shared
+// expert's gate/up), the persistent kernel starts the copy while the block still runs the task
+// before it, so the bytes arrive while the block computes or waits on its counters; a routed
+// expert's task starts its copy as soon as it has routed. Rows that a slot cannot take (too many
+// bytes, or runs not on 16-byte bounds, as with some rows of small models) are read from global
+// memory instead, with the same arithmetic.
+
+/// What a task body gets of its block's shared memory.
+struct TaskSmem {
+  char* work = nullptr;           ///< the body's arrays (kTaskWorkBytes beside a slot in use)
+  unsigned char* slot = nullptr;  ///< its weight slot (kTaskWeightSlotBytes, 16-byte aligned)
+  uint64_t* bar = nullptr;        ///< the slot's mbarrier: a phase completes when a copy has landed
+  uint32_t parity = 0;            ///< the parity of the phase this task's copy completes
+  bool prefetched = false;        ///< the kernel started this task's copy before the task
+};
+
+/// Where runs of `count` consecutive rows of one matrix shape (cols, bits) sit in a slot: run
+/// after run, each its codes, then its scales, then its biases. `fits`: the runs fit the slot,
+/// and every piece (and every run's source, for first rows that are multiples of `align_rows`)
+/// is on 16-byte bounds, as bulk copies need.
+struct SlotRuns {
+  int runs = 0, count = 0, groups = 0;
+  int64_t code_row = 0, sb_row = 0, run_bytes = 0;  // bytes
+  bool fits = false;
+};
+
+__device__ __forceinline__ SlotRuns slot_runs(const DeviceQuant& w, int runs, int count, int64_t align_rows) {
+  SlotRuns l;
+  l.runs = runs;
+  l.count = count;
+  l.groups = w.cols / kGroup;
+  l.code_row = int64_t{w.cols} * w.bits / 8;
+  l.sb_row = int64_t{l.groups} * 2;
+  l.run_bytes = count * (l.code_row + 2 * l.sb_row);
+  const auto aligned = [](int64_t bytes) { return bytes % 16 == 0; };
+  l.fits = count > 0 && runs * l.run_bytes <= kTaskWeightSlotBytes && aligned(count * l.sb_row) &&
+           aligned(count * l.code_row) && aligned(align_rows * l.sb_row) && aligned(align_rows * l.code_row);
+  return l;
+}
+
+/// Row r of run j in the slot, against the staged row xs.
+__device__ __forceinline__ QuantRowRef slot_row(const unsigned char* slot, const SlotRuns& l, int j, int r,
+                                                const float* xs) {
+  const unsigned char* run = slot + j * l.run_bytes;
+  const unsigned char* scales = run + l.count * l.code_row;
+  const unsigned char* biases = scales + l.count * l.sb_row;
+  return QuantRowRef{reinterpret_cast<const uint32_t*>(run + r * l.code_row),
+                     reinterpret_cast<const bf16*>(scales + r * l.sb_row),
+                     reinterpret_cast<const bf16*>(biases + r * l.sb_row), xs};
+}
+
+/// Starts the copies of the runs into `slot`, completing on `bar`: run j is rows
+/// [first_of(j), + l.count) of matrix_of(j) (a DeviceQuant of l's shape). One thread, after a
+/// block barrier that ordered every earlier read of the slot (fence.proxy.async here).
+template <class MatrixOf, class FirstOf>
+__device__ __forceinline__ void slot_issue(const SlotRuns& l, MatrixOf matrix_of, FirstOf first_of,
+                                           unsigned char* slot, uint64_t* bar) {
+  fence_proxy_async_shared();
+  mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(l.runs * l.run_bytes));
+  for (int j = 0; j < l.runs; ++j) {
+    const DeviceQuant& w = matrix_of(j);
+    const int64_t first = first_of(j);
+    unsigned char* run = slot + j * l.run_bytes;
+    const uint32_t codes = static_cast<uint32_t>(l.count * l.code_row), sb = static_cast<uint32_t>(l.count * l.sb_row);
+    bulk_copy_to_shared(run, reinterpret_cast<const unsigned char*>(w.codes) + first * l.code_row, codes, bar);
+    bulk_copy_to_shared(run + codes, reinterpret_cast<const unsigned char*>(w.scales) + first * l.sb_row, sb, bar);
+    bulk_copy_to_shared(run + codes + sb, reinterpret_cast<const unsigned char*>(w.biases) + first * l.sb_row, sb, bar);
+  }
+}
+
+/// How long slot_wait spins before it traps (a copy that never lands would hang the device).
+constexpr uint64_t kSlotWaitTimeoutNs = 5'000'000'000ull;
+
+/// Waits until the slot's copy of this task has landed (phase `parity` of `bar`); traps after
+/// kSlotWaitTimeoutNs. All threads (each waits; no block barrier needed after it).
+__device__ __forceinline__ void slot_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = shared_addr(bar);
+  uint64_t start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) {
+    uint32_t done = 0;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+    if (done) return;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > kSlotWaitTimeoutNs) __trap();
+  }
+}
+
+/// Rows [r.first, r.last) of w as one slot run (first rows of that stage are multiples of
+/// `per`): the layout, and whether the task reads them from its slot. Unless the kernel already
+/// started the copy, thread 0 starts it here. Call before the body's first block barrier of the
+/// task (the kernel's loop barrier orders the slot's earlier reads).
+__device__ __forceinline__ SlotRuns task_rows_to_slot(const DeviceQuant& w, RowRange r, int per, const TaskSmem& m) {
+  const SlotRuns l = slot_runs(w, 1, static_cast<int>(r.last - r.first), per);
+  if (l.fits && !m.prefetched && threadIdx.x == 0)
+    slot_issue(l, [&](int) -> const DeviceQuant& { return w; }, [&](int) { return r.first; }, m.slot, m.bar);
+  return l;
+}
+
+/// y[row] for rows [r.first, r.last) of w times the staged xs, from the slot when l.fits (after
+/// waiting for its copy), else from global memory; store(row, value). All threads.
 template <class Store>
-__device__ __forceinline__ void gemv_rows_any(const DeviceQuant& w, int64_t first, int64_t last, const float* xs,
-                                              Store store) {
-  if (w.bits == 8) gemv_rows<8>(w, first, last, xs, store);
-  else gemv_rows<4>(w, first, last, xs, store);
+__device__ __forceinline__ void task_gemv_rows(const DeviceQuant& w, RowRange r, const SlotRuns& l, const float* xs,
+                                               const TaskSmem& m, Store store) {
+  const int groups = w.cols / kGroup, count = static_cast<int>(r.last - r.first);
+  const auto put = [&](int v, float value) { store(r.first + v, value); };
+  if (l.fits) {
+    slot_wait(m.bar, m.parity);
+    gemv_row_refs_any<true>(w.bits, groups, count, [&](int v) { return slot_row(m.slot, l, 0, v, xs); }, put);
+  } else {
+    gemv_row_refs_any<false>(w.bits, groups, count, [&](int v) { return global_row(w, r.first + v, xs); }, put);
+  }
 }
 
 /// Asks L2 to fetch `bytes` from `p` (rounded out to 16-byte bounds) without waiting: one

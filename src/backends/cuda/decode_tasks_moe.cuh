@@ -3,10 +3,9 @@
 // down rows of every slot with the weighted combine (docs/model.md §3.5; numerics of §4.3 item 5).
 // decode_program.h names the tasks; decode_tasks_common.cuh states the rules every body follows.
 //
-// Both bodies compute their rows as one list of "virtual" rows (gate then up rows; or slot after
-// slot of down rows), so that every warp has rows whatever the slot count, and the weight loads
-// of all of them are in flight together. Per row the arithmetic is gemv_rows's (docs/model.md
-// §4.2): the same lanes, the same groups in the same order, the same reduction.
+// Both bodies compute their rows as one list (gate then up rows; or slot after slot of down
+// rows, gemv_row_refs), so that every warp has rows whatever the slot count, with the arithmetic
+// of every other task's GEMV (docs/model.md §4.2).
 #pragma once
 #include <cuda_bf16.h>
 
@@ -87,75 +86,14 @@ __device__ __forceinline__ ExpertSlotRows gate_up_part(const DecodeStepParams& p
   return ExpertSlotRows{slot, r.first, r.last};
 }
 
-/// Σ over the groups of U rows as rows_partial computes them (the same groups per lane in the
-/// same order, acc += s·Σ(q·x) + b·Σx), where row j is row[j] of w1 when second[j], else of w0
-/// (same bits and cols), against its own staged row xs[j] (its group sums after the groups).
-/// row[j] < 0: no row (acc 0). Weights through the read-only path. Caller reduces with
-/// group_sum(·, L).
-template <int BITS, int U>
-__device__ __forceinline__ void rows_partial_mixed(const DeviceQuant& w0, const DeviceQuant& w1,
-                                                   const int64_t (&row)[U], const bool (&second)[U],
-                                                   const float* const (&xs)[U], int groups, int lane_in, int L,
-                                                   float (&acc)[U]) {
-  const int wpr = groups * (kGroup * BITS / 32);
-#pragma unroll
-  for (int j = 0; j < U; ++j) acc[j] = 0.0f;
-  for (int g = lane_in; g < groups; g += L) {
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      if (row[j] < 0) continue;
-      const DeviceQuant& w = second[j] ? w1 : w0;
-      const uint4* gw = reinterpret_cast<const uint4*>(w.codes + row[j] * wpr + g * (kGroup * BITS / 32));
-      const int64_t sb = row[j] * groups + g;
-      const float s = bits_to_f32(__ldg(reinterpret_cast<const unsigned short*>(w.scales + sb)));
-      const float b = bits_to_f32(__ldg(reinterpret_cast<const unsigned short*>(w.biases + sb)));
-      acc[j] += s * group_qdot<BITS>(gw, xs[j] + g * kGroupStride) + b * xs[j][groups * kGroupStride + g];
-    }
-  }
-}
-
-/// `count` virtual rows v, dealt to the warps' row-groups as gemv_rows deals rows (lanes_per_row
-/// lanes a row, kTaskGemvUnroll rows a row-group at a time): row_of(v, row, second, xs) names
-/// the matrix row (of w1 when second, else w0) and the staged input of v, and store(v, value)
-/// takes the fp32 dot product (one lane per row). w0, w1: BITS-bit, `groups` 64-groups a row.
-/// All threads (warp-uniform loops).
-template <int BITS, class RowOf, class Store>
-__device__ __forceinline__ void gemv_virtual_rows(const DeviceQuant& w0, const DeviceQuant& w1, int groups, int count,
-                                                  RowOf row_of, Store store) {
-  constexpr int U = kTaskGemvUnroll;
-  const int L = lanes_per_row(groups), per_warp = kWarp / L;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
-  const int sub = lane / L, lane_in = lane % L;
-  const int per_round = n_warps * per_warp * U;
-  const int rounds = (count + per_round - 1) / per_round;
-  for (int it = 0; it < rounds; ++it) {  // the same count on every lane: shuffles stay converged
-    const int base = it * per_round + (warp * per_warp + sub) * U;
-    int64_t row[U];
-    bool second[U];
-    const float* xs[U];
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      row[j] = -1;
-      second[j] = false;
-      xs[j] = nullptr;
-      if (base + j < count) row_of(base + j, row[j], second[j], xs[j]);
-    }
-    float acc[U];
-    rows_partial_mixed<BITS, U>(w0, w1, row, second, xs, groups, lane_in, L, acc);
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      const float v = group_sum(acc[j], L);
-      if (lane_in == 0 && base + j < count) store(base + j, v);
-    }
-  }
-}
-
-/// gemv_virtual_rows for matrices of either bit width (4 or 8; w0 and w1 alike).
-template <class RowOf, class Store>
-__device__ __forceinline__ void gemv_virtual_rows_any(const DeviceQuant& w0, const DeviceQuant& w1, int groups,
-                                                      int count, RowOf row_of, Store store) {
-  if (w0.bits == 8) gemv_virtual_rows<8>(w0, w1, groups, count, row_of, store);
-  else gemv_virtual_rows<4>(w0, w1, groups, count, row_of, store);
+/// The slot runs of gate/up task rows sr: the gate rows, then the same rows of the up stack
+/// (first rows e·moe_ffn + sr.first for any expert e, so both strides must keep 16-byte bounds).
+__device__ __forceinline__ SlotRuns gate_up_slot_runs(const DecodeStepParams& p, const DecodeTaskLayer& L,
+                                                      const ExpertSlotRows& sr) {
+  const int n = static_cast<int>(sr.last - sr.first);
+  SlotRuns l = slot_runs(L.gate, 2, n, p.grain.expert_rows);
+  l.fits = l.fits && slot_runs(L.gate, 2, n, p.moe_ffn).fits && L.up.bits == L.gate.bits && L.up.cols == L.gate.cols;
+  return l;
 }
 
 /// Gate/up task `part` of layer l (docs/model.md §3.5 step 3–4, §4.3 item 5): slot s and rows
@@ -163,39 +101,60 @@ __device__ __forceinline__ void gemv_virtual_rows_any(const DeviceQuant& w0, con
 /// which needs no routing). With u = p.moe_normed (bf16 [hidden], staged past L1), g = rows
 /// e·moe_ffn + r of the gate stack ([(E + 1)·moe_ffn, hidden]) and v the same rows of the up
 /// stack, both fp32 GEMVs; act[r] = bf16(silu(bf16(g))·bf16(v)), as the graph decode's expert
-/// kernels, stored into p.act at s·moe_ffn + r. smem: expert_gate_up_smem_bytes(hidden,
+/// kernels, stored into p.act at s·moe_ffn + r. The rows travel through the task's slot where
+/// they fit (a routed slot's copy starts once warp 0 has routed; the shared slot's may have been
+/// started by the kernel); returns whether they did. m.work: expert_gate_up_smem_bytes(hidden,
 /// grain.expert_rows). All threads.
-__device__ inline void task_expert_gate_up(const DecodeStepParams& p, int layer, int part, char* smem) {
+__device__ inline bool task_expert_gate_up(const DecodeStepParams& p, int layer, int part, const TaskSmem& m) {
   const DecodeTaskLayer& L = p.layers[layer];
   const ExpertSlotRows sr = gate_up_part(p, part);
   const int n = static_cast<int>(sr.last - sr.first);
-  TaskRouting& route = *reinterpret_cast<TaskRouting*>(smem);
-  float* xs = reinterpret_cast<float*>(smem + kTaskRoutingBytes);
+  const SlotRuns slot = gate_up_slot_runs(p, L, sr);
+  TaskRouting& route = *reinterpret_cast<TaskRouting*>(m.work);
+  float* xs = reinterpret_cast<float*>(m.work + kTaskRoutingBytes);
   float* gu = xs + (staged_row_floats(p.hidden) + 3) / 4 * 4;  // [2][n]: gate outputs, then up outputs
   const bool routed = sr.slot < p.top_k;
-  if (routed) {
-    route_warp0(p, route);
-    // The routed rows are known only now: start them towards L2 while the block stages x.
-    if (threadIdx.x == 0) {
-      const int64_t row0 = int64_t{route.ids[sr.slot]} * p.moe_ffn + sr.first;
+  const auto gate_or_up = [&](int j) -> const DeviceQuant& { return j == 0 ? L.gate : L.up; };
+  if (routed) route_warp0(p, route);
+  if (threadIdx.x == 0 && (routed || !m.prefetched)) {  // the routed rows are known only now
+    const int64_t row0 = int64_t{routed ? route.ids[sr.slot] : p.n_experts} * p.moe_ffn + sr.first;
+    if (slot.fits) {
+      slot_issue(slot, gate_or_up, [&](int) { return row0; }, m.slot, m.bar);
+    } else {  // towards L2 while the block stages x
       prefetch_rows_l2(L.gate, row0, row0 + n);
       prefetch_rows_l2(L.up, row0, row0 + n);
     }
   }
   stage_row_cg(p.moe_normed, p.hidden, xs);  // its barriers also publish the routing
   const int64_t row0 = int64_t{routed ? route.ids[sr.slot] : p.n_experts} * p.moe_ffn + sr.first;
-  gemv_virtual_rows_any(
-      L.gate, L.up, p.hidden / kGroup, 2 * n,
-      [&](int v, int64_t& row, bool& second, const float*& x) {
-        second = v >= n;
-        row = row0 + (second ? v - n : v);
-        x = xs;
-      },
-      [&](int v, float value) { gu[v] = value; });
+  const int groups = p.hidden / kGroup;
+  const auto put = [&](int v, float value) { gu[v] = value; };
+  if (slot.fits) {
+    slot_wait(m.bar, m.parity);
+    gemv_row_refs_any<true>(L.gate.bits, groups, 2 * n, [&](int v) {
+      return v < n ? slot_row(m.slot, slot, 0, v, xs) : slot_row(m.slot, slot, 1, v - n, xs);
+    }, put);
+  } else {
+    gemv_row_refs_any<false>(L.gate.bits, groups, 2 * n, [&](int v) {
+      return v < n ? global_row(L.gate, row0 + v, xs) : global_row(L.up, row0 + v - n, xs);
+    }, put);
+  }
   __syncthreads();
   bf16* act = p.act + int64_t{sr.slot} * p.moe_ffn + sr.first;
   for (int i = threadIdx.x; i < n; i += blockDim.x)
     act[i] = to_bf16(__fmul_rn(silu(round_bf16(gu[i])), round_bf16(gu[n + i])));
+  return slot.fits;
+}
+
+/// Whether the kernel may start gate/up task `part`'s copy before the task: the shared
+/// expert's slot (its rows do not depend on the routing), when they fit a slot. The runs in `l`.
+__device__ __forceinline__ bool gate_up_prefetchable(const DecodeStepParams& p, int layer, int part, SlotRuns& l,
+                                                     int64_t& row0) {
+  const ExpertSlotRows sr = gate_up_part(p, part);
+  if (sr.slot < p.top_k) return false;
+  l = gate_up_slot_runs(p, p.layers[layer], sr);
+  row0 = int64_t{p.n_experts} * p.moe_ffn + sr.first;
+  return l.fits;
 }
 
 /// Down task `part` of layer l (docs/model.md §3.5 step 5, §4.3 item 5): hidden rows [r0, r1)
@@ -205,22 +164,28 @@ __device__ inline void task_expert_gate_up(const DecodeStepParams& p, int layer,
 /// chain from 0 in slot order (the shared expert last, w_k = sigmoid of its gate logit), as
 /// combine_slots (moe_block.cuh) and the CPU reference's routed sum + γ·shared; bf16 into
 /// p.moe_out. The shared slot's width must be the stack's ffn (the device model requires
-/// shared_ffn == moe_ffn). smem: expert_down_smem_bytes(ffn, k, grain.down_rows). All threads.
-__device__ inline void task_expert_down(const DecodeStepParams& p, int layer, int part, char* smem) {
+/// shared_ffn == moe_ffn). The k + 1 runs of rows travel through the task's slot where they fit
+/// (the copy starts once warp 0 has routed); returns whether they did. m.work:
+/// expert_down_smem_bytes(ffn, k, grain.down_rows). All threads.
+__device__ inline bool task_expert_down(const DecodeStepParams& p, int layer, int part, const TaskSmem& m) {
   const DecodeTaskLayer& L = p.layers[layer];
   const RowRange rr = part_rows(part, p.grain.down_rows, p.hidden);
   const int n = static_cast<int>(rr.last - rr.first), n_sel = p.top_k + 1;
   const int ffn = L.down.cols, groups = ffn / kGroup;
+  SlotRuns slot = slot_runs(L.down, n_sel, n, p.grain.down_rows);
+  slot.fits = slot.fits && slot_runs(L.down, n_sel, n, p.hidden).fits;
   const int64_t stride = task_slot_floats(ffn);
-  TaskRouting& route = *reinterpret_cast<TaskRouting*>(smem);
-  float* xs = reinterpret_cast<float*>(smem + kTaskRoutingBytes);  // [n_sel][stride]
-  float* part_out = xs + n_sel * stride;                            // [n_sel][n]
+  TaskRouting& route = *reinterpret_cast<TaskRouting*>(m.work);
+  float* xs = reinterpret_cast<float*>(m.work + kTaskRoutingBytes);  // [n_sel][stride]
+  float* part_out = xs + n_sel * stride;                              // [n_sel][n]
   route_warp0(p, route);
-  if (threadIdx.x == 0)  // the routed rows, towards L2 while the block stages the activations
-    for (int s = 0; s < p.top_k; ++s) {
-      const int64_t row0 = int64_t{route.ids[s]} * p.hidden + rr.first;
-      prefetch_rows_l2(L.down, row0, row0 + n);
-    }
+  if (threadIdx.x == 0) {
+    const auto first_of = [&](int s) { return int64_t{route.ids[s]} * p.hidden + rr.first; };
+    if (slot.fits)
+      slot_issue(slot, [&](int) -> const DeviceQuant& { return L.down; }, first_of, m.slot, m.bar);
+    else  // the routed rows, towards L2 while the block stages the activations
+      for (int s = 0; s < p.top_k; ++s) prefetch_rows_l2(L.down, first_of(s), first_of(s) + n);
+  }
   // All slots' activations: 8 bf16 a 16-byte load (ffn and the slot offsets are multiples of 64),
   // each to its slot's group layout.
   const int chunks = n_sel * ffn / 8;
@@ -244,21 +209,26 @@ __device__ inline void task_expert_down(const DecodeStepParams& p, int layer, in
     }
   }
   __syncthreads();  // also publishes the routing
-  gemv_virtual_rows_any(
-      L.down, L.down, groups, n_sel * n,
-      [&](int v, int64_t& row, bool& second, const float*& x) {
-        const int s = v / n;
-        row = int64_t{route.ids[s]} * p.hidden + rr.first + (v - s * n);
-        second = false;
-        x = xs + s * stride;
-      },
-      [&](int v, float value) { part_out[v] = round_bf16(value); });
+  const auto put = [&](int v, float value) { part_out[v] = round_bf16(value); };
+  if (slot.fits) {
+    slot_wait(m.bar, m.parity);
+    gemv_row_refs_any<true>(L.down.bits, groups, n_sel * n, [&](int v) {
+      const int s = v / n;
+      return slot_row(m.slot, slot, s, v - s * n, xs + s * stride);
+    }, put);
+  } else {
+    gemv_row_refs_any<false>(L.down.bits, groups, n_sel * n, [&](int v) {
+      const int s = v / n;
+      return global_row(L.down, int64_t{route.ids[s]} * p.hidden + rr.first + (v - s * n), xs + s * stride);
+    }, put);
+  }
   __syncthreads();
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     float o = 0.0f;
     for (int s = 0; s < n_sel; ++s) o = __fmaf_rn(route.weights[s], part_out[s * n + i], o);
     p.moe_out[rr.first + i] = to_bf16(o);
   }
+  return slot.fits;
 }
 
 /// L2 prefetch for gate/up task `part` of layer l, before its wait: the shared expert slot's

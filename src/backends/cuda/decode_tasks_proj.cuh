@@ -2,7 +2,8 @@
 // in- and out-projections, the router, the LM head and the argmax (decode_program.h names the
 // tasks; decode_tasks_common.cuh states the rules every body follows). Each projection task
 // stages its input row once (with the add + RMSNorm where the step has one in front of the
-// projection, docs/model.md §4.3) and computes its rows with gemv_rows.
+// projection, docs/model.md §4.3) and computes its rows with gemv_row_refs, from its weight slot
+// where the rows fit one.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -36,57 +37,86 @@ __device__ inline void task_embed(const DecodeStepParams& p) {
 /// In-projection rows of layer l, part `part` (grain.proj_rows rows): the layer input h (the
 /// embedding for layer 0, else bf16(mid + moe_out)) normed with the input norm, times rows of
 /// the layer's in-projection, bf16 into p.proj. Part 0 of a layer after the first also stores h
-/// into p.residual (the router's add reads it). `smem`: the staged row.
-__device__ inline void task_in_proj(const DecodeStepParams& p, int l, int part, char* smem) {
+/// into p.residual (the router's add reads it). Weights through the task's slot where they fit;
+/// returns whether they did (the slot's phase was used). `m.work`: the staged row.
+__device__ inline bool task_in_proj(const DecodeStepParams& p, int l, int part, const TaskSmem& m) {
   const DecodeTaskLayer& L = p.layers[l];
-  float* xs = reinterpret_cast<float*>(smem);
+  const RowRange r = part_rows(part, p.grain.proj_rows, L.in_proj.rows);
+  const SlotRuns slot = task_rows_to_slot(L.in_proj, r, p.grain.proj_rows, m);
+  float* xs = reinterpret_cast<float*>(m.work);
   const bool first = l == 0;
   stage_add_norm_cg(first ? p.residual : p.mid, first ? nullptr : p.moe_out, L.input_norm, p.hidden, p.eps, xs,
                     !first && part == 0 ? p.residual : nullptr, nullptr);
-  const RowRange r = part_rows(part, p.grain.proj_rows, L.in_proj.rows);
   bf16* y = p.proj;
-  gemv_rows_any(L.in_proj, r.first, r.last, xs, [&](int64_t row, float v) { y[row] = to_bf16(v); });
+  task_gemv_rows(L.in_proj, r, slot, xs, m, [&](int64_t row, float v) { y[row] = to_bf16(v); });
+  return slot.fits;
 }
 
 /// Out-projection rows of layer l, part `part` (grain.out_rows rows of hidden): the mixer's
-/// output p.mix times rows of the out-projection, bf16 into p.mixer_out.
-__device__ inline void task_out_proj(const DecodeStepParams& p, int l, int part, char* smem) {
+/// output p.mix times rows of the out-projection, bf16 into p.mixer_out. Weights and the return
+/// value as task_in_proj.
+__device__ inline bool task_out_proj(const DecodeStepParams& p, int l, int part, const TaskSmem& m) {
   const DecodeTaskLayer& L = p.layers[l];
-  float* xs = reinterpret_cast<float*>(smem);
-  stage_row_cg(p.mix, L.out_proj.cols, xs);
   const RowRange r = part_rows(part, p.grain.out_rows, L.out_proj.rows);
+  const SlotRuns slot = task_rows_to_slot(L.out_proj, r, p.grain.out_rows, m);
+  float* xs = reinterpret_cast<float*>(m.work);
+  stage_row_cg(p.mix, L.out_proj.cols, xs);
   bf16* y = p.mixer_out;
-  gemv_rows_any(L.out_proj, r.first, r.last, xs, [&](int64_t row, float v) { y[row] = to_bf16(v); });
+  task_gemv_rows(L.out_proj, r, slot, xs, m, [&](int64_t row, float v) { y[row] = to_bf16(v); });
+  return slot.fits;
 }
 
 /// Router rows of layer l, part `part` (grain.router_rows of the E + 1 rows: the router's
 /// logits, then the shared expert's gate): mid = bf16(residual + mixer_out) normed with the
 /// post norm, times the 8-bit rows, fp32 into p.router_logits. Part 0 stores mid into p.mid and
-/// the normed row into p.moe_normed (the expert tasks read them).
-__device__ inline void task_router(const DecodeStepParams& p, int l, int part, char* smem) {
+/// the normed row into p.moe_normed (the expert tasks read them). Weights and the return value
+/// as task_in_proj.
+__device__ inline bool task_router(const DecodeStepParams& p, int l, int part, const TaskSmem& m) {
   const DecodeTaskLayer& L = p.layers[l];
-  float* xs = reinterpret_cast<float*>(smem);
+  const RowRange r = part_rows(part, p.grain.router_rows, L.router.rows);
+  const SlotRuns slot = task_rows_to_slot(L.router, r, p.grain.router_rows, m);
+  float* xs = reinterpret_cast<float*>(m.work);
   stage_add_norm_cg(p.residual, p.mixer_out, L.post_norm, p.hidden, p.eps, xs, part == 0 ? p.mid : nullptr,
                     part == 0 ? p.moe_normed : nullptr);
-  const RowRange r = part_rows(part, p.grain.router_rows, L.router.rows);
   float* y = p.router_logits;
-  gemv_rows_any(L.router, r.first, r.last, xs, [&](int64_t row, float v) { y[row] = v; });
+  task_gemv_rows(L.router, r, slot, xs, m, [&](int64_t row, float v) { y[row] = v; });
+  return slot.fits;
+}
+
+/// The slot runs of a projection or router task whose copy the kernel may start before the
+/// task (its rows never depend on the step's data): `fits` false for other kinds.
+__device__ inline SlotRuns projection_slot_runs(const DecodeStepParams& p, DecodeTaskKind kind, int l, int part,
+                                                const DeviceQuant*& w, RowRange& r) {
+  int per = 0;
+  switch (kind) {
+    case DecodeTaskKind::kInProj: w = &p.layers[l].in_proj, per = p.grain.proj_rows; break;
+    case DecodeTaskKind::kOutProj: w = &p.layers[l].out_proj, per = p.grain.out_rows; break;
+    case DecodeTaskKind::kRouter: w = &p.layers[l].router, per = p.grain.router_rows; break;
+    default: return SlotRuns{};
+  }
+  r = part_rows(part, per, w->rows);
+  return slot_runs(*w, 1, static_cast<int>(r.last - r.first), per);
 }
 
 /// LM head rows, part `part` (grain.lm_rows of vocab): the final norm of bf16(mid + moe_out)
-/// times the rows, fp32 into p.logits, and the part's best (logit, id) into p.head_best_value /
+/// times the rows (read from global memory: 1,024 rows are far more than a slot), fp32 into p.logits, and the part's best (logit, id) into p.head_best_value /
 /// p.head_best_id [part] for the argmax task.
-__device__ inline void task_lm_head(const DecodeStepParams& p, int part, char* smem) {
-  float* xs = reinterpret_cast<float*>(smem);
+__device__ inline void task_lm_head(const DecodeStepParams& p, int part, char* work) {
+  float* xs = reinterpret_cast<float*>(work);
   stage_add_norm_cg(p.mid, p.moe_out, p.final_norm, p.hidden, p.eps, xs, nullptr, nullptr);
   const RowRange r = part_rows(part, p.grain.lm_rows, p.lm_head.rows);
   float* y = p.logits;
   float best = -INFINITY;
   int best_id = INT_MAX;
-  gemv_rows_any(p.lm_head, r.first, r.last, xs, [&](int64_t row, float v) {
-    y[row] = v;
-    if (argmax_beats(v, static_cast<int>(row), best, best_id)) best = v, best_id = static_cast<int>(row);
-  });
+  const DeviceQuant& w = p.lm_head;
+  gemv_row_refs_any<false>(
+      w.bits, w.cols / kGroup, static_cast<int>(r.last - r.first),
+      [&](int v) { return global_row(w, r.first + v, xs); },
+      [&](int v, float value) {
+        const int row = static_cast<int>(r.first + v);
+        y[row] = value;
+        if (argmax_beats(value, row, best, best_id)) best = value, best_id = row;
+      });
   block_argmax(best, best_id);
   if (threadIdx.x == 0) {
     p.head_best_value[part] = best;
