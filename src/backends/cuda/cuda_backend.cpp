@@ -1858,7 +1858,7 @@ class CudaBackend final : public Backend {
   /// own buffers (the splits' partials, the LM head parts' bests, the layers' weights and state
   /// as DecodeTaskLayer [n_layers]) and the state blocks the last layer upload named.
   std::unique_ptr<DecodeMegakernel> persistent_;
-  DecodeTaskGrain persistent_grain_;
+  DecodeCut persistent_grain_;
   DeviceBuffer persistent_attn_part_, persistent_best_value_, persistent_best_id_, persistent_layers_;
   std::vector<const void*> persistent_layers_key_;
 };

@@ -219,18 +219,12 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
   run_task(p, t.kind, t.layer, t.part, lm_parts, task_smem(smem, 0, bars, 0, false), task_wide(smem, 0));
 }
 
-/// The grain of a program for the device: rows as the task bodies cut them, and a KV capacity
-/// (and position) at which every attention split holds keys, so the list has every split task.
-DecodeGrain program_grain(const ModelConfig& c, const DecodeTaskGrain& g) {
+/// The grain of a program for the device: the cut the task bodies use, and a KV capacity (and
+/// position) at which every attention split holds keys, so the list has every split task.
+DecodeGrain program_grain(const DecodeCut& cut) {
   DecodeGrain d;
-  d.proj_rows = g.proj_rows;
-  d.out_rows = g.out_rows;
-  d.expert_rows = g.expert_rows;
-  d.down_rows = g.down_rows;
-  d.lm_rows = g.lm_rows;
-  d.router_rows = g.router_rows;
-  d.attn_splits = g.attn_splits;
-  d.kv_capacity = std::max(g.attn_splits, 1);
+  static_cast<DecodeCut&>(d) = cut;
+  d.kv_capacity = std::max(cut.attn_splits, 1);
   d.position = d.kv_capacity - 1;
   return d;
 }
@@ -259,7 +253,7 @@ std::string decode_megakernel_unsupported(const ModelConfig& c) {
   return "";
 }
 
-DecodeMegakernel::DecodeMegakernel(const ModelConfig& c, const DecodeTaskGrain& grain) {
+DecodeMegakernel::DecodeMegakernel(const ModelConfig& c, const DecodeCut& grain) {
   if (const std::string why = decode_megakernel_unsupported(c); !why.empty())
     throw Error("persistent decode kernel: the model's " + why);
   if (expert_gate_up_smem_bytes(c.hidden, grain.expert_rows) > kTaskWorkBytes ||
@@ -267,7 +261,7 @@ DecodeMegakernel::DecodeMegakernel(const ModelConfig& c, const DecodeTaskGrain& 
       staged_row_floats(std::max({c.hidden, c.gdn_value_dim(), c.n_heads * c.head_dim})) * 4 > kTaskWorkBytes)
     throw Error("persistent decode kernel: the model's rows need more shared memory than a task has beside its "
                 "weight slot (" + std::to_string(kTaskWorkBytes) + " bytes)");
-  program_ = build_decode_program(c, program_grain(c, grain));
+  program_ = build_decode_program(c, program_grain(grain));
   if (const std::string why = check_decode_program(program_); !why.empty())
     throw InternalError("persistent decode kernel: the task list is not safe to run: " + why);
   const DecodeProgramImage img = flatten_decode_program(program_);

@@ -26,7 +26,7 @@ class DecodeMegakernel {
   /// uploads it; the counters start at zero. Throws lily::Error for a grain the program builder
   /// refuses, a program that fails its check, or a shape the task bodies do not take
   /// (decode_megakernel_unsupported).
-  DecodeMegakernel(const ModelConfig& config, const DecodeTaskGrain& grain);
+  DecodeMegakernel(const ModelConfig& config, const DecodeCut& grain);
 
   /// One decode step: the resident kernel, one block of kDecodeTaskThreads threads per SM, on
   /// `stream`. `p` must name buffers as decode_tasks.h describes (attn_part of attn_part_floats(),

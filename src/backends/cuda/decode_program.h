@@ -103,18 +103,29 @@ struct DecodeProgram {
   std::vector<std::string> counter_names;  ///< one per counter, e.g. "in_proj[3]"
 };
 
-/// How finely the step is cut: weight rows per task (multiples of 16, the MMA tile's rows), the
-/// attention splits per KV head, the router's weight bits. Defaults give a few hundred tasks per
-/// stage of the 35B-A3B shape, a few per SM.
-struct DecodeGrain {
-  int proj_rows = 128;    ///< in-projection rows per task
-  int out_rows = 128;     ///< out-projection rows per task
-  int expert_rows = 128;  ///< gate/up rows (of ffn) per task and slot
-  int down_rows = 128;    ///< down rows (of hidden) per task, all slots
-  int lm_rows = 2048;     ///< LM head rows per task
-  int attn_splits = 32;   ///< key splits per KV head (128 keys each at 4K)
+/// How finely a decode step is cut into tasks: weight rows per task (multiples of 16, the MMA
+/// tile's rows) and attention key splits per KV head. Part p of a stage covers rows
+/// [p·rows, min((p + 1)·rows, total)). The persistent kernel's task bodies read the same numbers.
+/// Two limits set the defaults. Every stage is on the step's critical path (the next one waits
+/// for all of its tasks), so a stage's tasks should cover the SMs (measured on an H200: the 2,048
+/// out-projection rows as 16 tasks of 128 rows took 32 µs, each task one SM's stream). And a
+/// task's weights travel into one shared-memory slot of 72 KB: 64 rows of 2,048 4-bit columns,
+/// 32 of 4,096, 32 gate and 32 up rows of an expert, and 16 down rows of nine slots of 512
+/// columns each fill at most that.
+struct DecodeCut {
+  int proj_rows = 64;     ///< in-projection rows per task
+  int out_rows = 32;      ///< out-projection rows per task
+  int expert_rows = 32;   ///< gate/up rows (of ffn) per task and slot
+  int down_rows = 16;     ///< down rows (of hidden) per task, all slots
+  int lm_rows = 1024;     ///< LM head rows per task
   int router_rows = 16;   ///< router rows (of experts + 1) per task
-  int router_bits = 8;    ///< bits of the router's codes (weight bytes only)
+  int attn_splits = 32;   ///< key splits per KV head; split s of a length-n cache: keys [n·s/S, n·(s+1)/S)
+};
+
+/// A cut plus what the task list's byte accounting needs: the router's weight bits, the KV cache
+/// capacity and the token's position.
+struct DecodeGrain : DecodeCut {
+  int router_bits = 8;         ///< bits of the router's codes (weight bytes only)
   int64_t kv_capacity = 4096;  ///< KV cache positions per KV head
   int64_t position = 0;        ///< the token's position (< kv_capacity)
 };

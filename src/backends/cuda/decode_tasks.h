@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "backends/cuda/decode_program.h"
 #include "backends/cuda/kernels.h"
 #include "backends/cuda/mixer_kernels.h"
 
@@ -31,24 +32,6 @@ struct DecodeTaskLayer {
   __nv_bfloat16* conv_window = nullptr;  ///< GDN state: bf16 [C, K − 1], oldest first
   float* gdn_state = nullptr;            ///< GDN state: fp32 [Hv, Dk, Dv]
   KvCacheView kv;                        ///< attention state: K and V [nkv, capacity, D]
-};
-
-/// Rows of each task, as DecodeGrain cut the program (decode_program.h): part p of a stage
-/// covers rows [p·rows, min((p + 1)·rows, total)).
-/// Two limits set the cut. Every stage is on the step's critical path (the next one waits for
-/// all of its tasks), so a stage's tasks should cover the SMs (measured on an H200 in the stages'
-/// form: the 2,048 out-projection rows as 16 tasks of 128 rows took 32 µs, each task one SM's
-/// stream). And a task's weights travel into one shared-memory slot of kTaskWeightSlotBytes: 64
-/// rows of 2,048 4-bit columns, 32 of 4,096, 32 gate and 32 up rows of an expert, and 16 down
-/// rows of nine slots of 512 columns fill at most 72 KB.
-struct DecodeTaskGrain {
-  int proj_rows = 64;
-  int out_rows = 32;
-  int expert_rows = 32;
-  int down_rows = 16;
-  int lm_rows = 1024;
-  int router_rows = 16;
-  int attn_splits = 32;  ///< key splits per KV head; split s of a length-n cache: keys [n·s/S, n·(s+1)/S)
 };
 
 /// Everything the task bodies of one decode step use. Device pointers; POD, passed by value to
@@ -76,7 +59,7 @@ struct DecodeStepParams {
   float eps = 1e-6f;  ///< the RMSNorms' epsilon
   GdnDims gdn_dims;
   AttnDims attn_dims;
-  DecodeTaskGrain grain;
+  DecodeCut grain;  ///< the cut of the task list the kernel runs
 
   DeviceQuant embed;
   DeviceQuant lm_head;
@@ -95,7 +78,7 @@ struct DecodeStepParams {
 /// Threads of a task body's block (the persistent kernel runs one such block per SM).
 constexpr int kDecodeTaskThreads = 512;
 /// Shared memory of one task's weights (bytes): its rows' codes, scales and biases, copied in
-/// by the bulk-copy engine (decode_tasks_common.cuh, "weight slots").
+/// by the bulk-copy engine (decode_tasks_common.cuh, "weight slots"); DecodeCut's defaults fit it.
 constexpr int kTaskWeightSlotBytes = 72 * 1024;
 /// Shared memory a task body may use for its own arrays (bytes), on top of its small static
 /// ones. A body that reads its weights from a slot has kTaskWorkBytes of it, beside the slot.
