@@ -216,8 +216,8 @@ struct TaskSmem {
 
 /// Where runs of `count` consecutive rows of one matrix shape (cols, bits) sit in a slot: run
 /// after run, each its codes, then its scales, then its biases. `fits`: the runs fit the slot,
-/// and every piece (and every run's source, for first rows that are multiples of `align_rows`)
-/// is on 16-byte bounds, as bulk copies need.
+/// and every piece (and every run's source in w, for first rows that are multiples of
+/// `align_rows`) is on 16-byte bounds, as bulk copies need.
 struct SlotRuns {
   int runs = 0, count = 0, groups = 0;
   int64_t code_row = 0, sb_row = 0, run_bytes = 0;  // bytes
@@ -233,8 +233,10 @@ __device__ __forceinline__ SlotRuns slot_runs(const DeviceQuant& w, int runs, in
   l.sb_row = int64_t{l.groups} * 2;
   l.run_bytes = count * (l.code_row + 2 * l.sb_row);
   const auto aligned = [](int64_t bytes) { return bytes % 16 == 0; };
+  const auto base_aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   l.fits = count > 0 && runs * l.run_bytes <= kTaskWeightSlotBytes && aligned(count * l.sb_row) &&
-           aligned(count * l.code_row) && aligned(align_rows * l.sb_row) && aligned(align_rows * l.code_row);
+           aligned(count * l.code_row) && aligned(align_rows * l.sb_row) && aligned(align_rows * l.code_row) &&
+           base_aligned(w.codes) && base_aligned(w.scales) && base_aligned(w.biases);
   return l;
 }
 

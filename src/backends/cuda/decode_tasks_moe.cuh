@@ -92,7 +92,8 @@ __device__ __forceinline__ SlotRuns gate_up_slot_runs(const DecodeStepParams& p,
                                                       const ExpertSlotRows& sr) {
   const int n = static_cast<int>(sr.last - sr.first);
   SlotRuns l = slot_runs(L.gate, 2, n, p.grain.expert_rows);
-  l.fits = l.fits && slot_runs(L.gate, 2, n, p.moe_ffn).fits && L.up.bits == L.gate.bits && L.up.cols == L.gate.cols;
+  l.fits = l.fits && slot_runs(L.gate, 2, n, p.moe_ffn).fits && L.up.bits == L.gate.bits && L.up.cols == L.gate.cols &&
+           slot_runs(L.up, 2, n, p.moe_ffn).fits;
   return l;
 }
 
