@@ -1017,10 +1017,22 @@ class CudaBackend final : public Backend {
   /// the last copy named the same state blocks.
   void upload_task_layers(const CudaState& s) {
     const ModelConfig& c = config();
+    // The state's buffers name the upload: most steps find it unchanged and copy nothing.
     std::vector<const void*> key;
+    for (int l = 0; l < c.n_layers; ++l) {
+      const int slot = layer_slot_[static_cast<size_t>(l)];
+      if (model_->layers[static_cast<size_t>(l)].type == LayerType::kFullAttention) {
+        const KvCacheView kv = s.kv(slot);
+        key.insert(key.end(), {kv.k, kv.v, reinterpret_cast<const void*>(kv.capacity)});
+      } else {
+        key.insert(key.end(), {s.window(slot), s.state(slot)});
+      }
+    }
+    if (key == persistent_layers_key_) return;
     std::vector<DecodeTaskLayer> layers(static_cast<size_t>(c.n_layers));
     for (int l = 0; l < c.n_layers; ++l) {
       const DeviceLayer& lw = model_->layers[static_cast<size_t>(l)];
+      const int slot = layer_slot_[static_cast<size_t>(l)];
       DecodeTaskLayer& t = layers[static_cast<size_t>(l)];
       const bool attention = lw.type == LayerType::kFullAttention;
       t.attention = attention ? 1 : 0;
@@ -1036,15 +1048,12 @@ class CudaBackend final : public Backend {
       t.up = lw.up;
       t.down = lw.down;
       if (attention) {
-        t.kv = s.kv(layer_slot_[static_cast<size_t>(l)]);
-        key.insert(key.end(), {t.kv.k, t.kv.v, reinterpret_cast<const void*>(t.kv.capacity)});
+        t.kv = s.kv(slot);
       } else {
-        t.conv_window = s.window(layer_slot_[static_cast<size_t>(l)]);
-        t.gdn_state = s.state(layer_slot_[static_cast<size_t>(l)]);
-        key.insert(key.end(), {t.conv_window, t.gdn_state});
+        t.conv_window = s.window(slot);
+        t.gdn_state = s.state(slot);
       }
     }
-    if (key == persistent_layers_key_) return;
     CUDA_CHECK(cudaMemcpyAsync(persistent_layers_.data(), layers.data(), layers.size() * sizeof(DecodeTaskLayer),
                                cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));  // `layers` is a host vector about to go away
