@@ -1056,7 +1056,7 @@ class CudaBackend final : public Backend {
     }
     CUDA_CHECK(cudaMemcpyAsync(persistent_layers_.data(), layers.data(), layers.size() * sizeof(DecodeTaskLayer),
                                cudaMemcpyHostToDevice, stream_));
-    CUDA_CHECK(cudaStreamSynchronize(stream_));  // `layers` is a host vector about to go away
+    // No synchronize: a copy from pageable memory has read `layers` when cudaMemcpyAsync returns.
     persistent_layers_key_ = std::move(key);
   }
 
