@@ -65,6 +65,13 @@ __device__ __forceinline__ bool task_prefetch_weights(const DecodeStepParams& p,
   return true;
 }
 
+/// Whether task (kind, part) routes its layer's token itself (a routed gate/up slot, or the down
+/// rows), so that it can start the copy of a next expert task of the same layer (TaskSmem::copy_next).
+__device__ __forceinline__ bool routes_in_task(const DecodeStepParams& p, int kind, int part) {
+  const auto k = static_cast<DecodeTaskKind>(kind);
+  return k == DecodeTaskKind::kExpertDown || (k == DecodeTaskKind::kExpertGateUp && gate_up_part(p, part).slot < p.top_k);
+}
+
 /// The block's shared memory, [slot 0 | work | slot 1] (kDecodeKernelSmemBytes): what task body
 /// with slot s gets.
 __device__ __forceinline__ TaskSmem task_smem(char* smem, int s, uint64_t* bars, uint32_t parity, bool prefetched) {
@@ -130,8 +137,9 @@ __device__ __forceinline__ void prefetch_task(const DecodeStepParams& p, int kin
 
 /// The resident kernel: each block takes tasks in list order, two tickets ahead of the one it
 /// runs (task_take_next): the next task's weight rows are copied into the block's other slot
-/// while it runs the current one (task_prefetch_weights), and the fetch of the ticket after that
-/// is in flight. Thread 0 also asks L2 for what the current task and the task one round of blocks
+/// while it runs the current one (task_prefetch_weights; a routed expert task's rows once the
+/// current task, an expert task of the same layer, has routed), and the fetch of the ticket after
+/// that is in flight. Thread 0 also asks L2 for what the current task and the task one round of blocks
 /// further down the list read from fixed addresses (prefetch_task). Then the block waits for the
 /// task's input counters of this launch, runs it and signals. Slots alternate task by task
 /// (task i of the block uses slot i mod 2), and each slot's phases are counted in `parity`. A
@@ -177,11 +185,18 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     unsigned long long after = 0;
     if (threadIdx.x == 0 && has_next) after = task_take_next(next);  // in flight while this task runs
     const Task t = tasks[ticket.task];
+    TaskSmem m = task_smem(smem, s, bars, (parity >> s) & 1u, prefetched);
     bool next_prefetched = false;
-    if (has_next) {  // the next task's weights into the other slot
+    if (has_next) {  // the next task's weights into the other slot: now, or once this task has routed
       const Task a = tasks[next_ticket.task];
-      next_prefetched = task_prefetch_weights(p, a.kind, a.layer, a.part, threadIdx.x == 0,
-                                              task_smem(smem, s ^ 1, bars, 0, false).slot, bars + (s ^ 1));
+      m.next_slot = task_smem(smem, s ^ 1, bars, 0, false).slot;
+      m.next_bar = bars + (s ^ 1);
+      next_prefetched = task_prefetch_weights(p, a.kind, a.layer, a.part, threadIdx.x == 0, m.next_slot, m.next_bar);
+      m.copy_next = !next_prefetched && a.layer == t.layer && routes_in_task(p, t.kind, t.part) &&
+                    expert_copy_fits(p, a.layer, a.kind, a.part);
+      m.next_kind = a.kind;
+      m.next_part = a.part;
+      next_prefetched = next_prefetched || m.copy_next;
     }
     if (threadIdx.x == 0) {
       prefetch_task(p, t.kind, t.layer, t.part);
@@ -195,8 +210,7 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     for (int w = 0; w < DecodeProgramImage::kMaxWaits; ++w)
       if (t.wait_counter[w] >= 0)
         counter_wait(counters + t.wait_counter[w], (ticket.launch + 1) * static_cast<uint32_t>(t.wait_target[w]));
-    const bool used = run_task(p, t.kind, t.layer, t.part, lm_parts,
-                               task_smem(smem, s, bars, (parity >> s) & 1u, prefetched), task_wide(smem, s));
+    const bool used = run_task(p, t.kind, t.layer, t.part, lm_parts, m, task_wide(smem, s));
     if (used) parity ^= 1u << s;
     if (t.signal >= 0) counter_signal(counters + t.signal);
     if (threadIdx.x == 0) {

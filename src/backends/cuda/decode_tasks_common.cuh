@@ -212,6 +212,13 @@ struct TaskSmem {
   uint64_t* bar = nullptr;        ///< the slot's mbarrier: a phase completes when a copy has landed
   uint32_t parity = 0;            ///< the parity of the phase this task's copy completes
   bool prefetched = false;        ///< the kernel started this task's copy before the task
+  /// The block's next task, when this task's routing is what its copy needs (an expert task of
+  /// the same layer whose rows fit a slot; the kernel decided): thread 0 starts that copy into
+  /// next_slot on next_bar as soon as it has routed, so it lands while this task computes.
+  bool copy_next = false;
+  int next_kind = 0, next_part = 0;
+  unsigned char* next_slot = nullptr;
+  uint64_t* next_bar = nullptr;
 };
 
 /// Where runs of `count` consecutive rows of one matrix shape (cols, bits) sit in a slot: run

@@ -97,14 +97,62 @@ __device__ __forceinline__ SlotRuns gate_up_slot_runs(const DecodeStepParams& p,
   return l;
 }
 
+/// The slot runs of down task rows rr: k + 1 runs, one per slot, of rows e_s·hidden + rr.first
+/// (both strides must keep 16-byte bounds).
+__device__ __forceinline__ SlotRuns down_slot_runs(const DecodeStepParams& p, const DecodeTaskLayer& L, RowRange rr) {
+  const int n = static_cast<int>(rr.last - rr.first);
+  SlotRuns l = slot_runs(L.down, p.top_k + 1, n, p.grain.down_rows);
+  l.fits = l.fits && slot_runs(L.down, p.top_k + 1, n, p.hidden).fits;
+  return l;
+}
+
+/// Starts the copy of expert task (kind, part) of layer l into `slot` on `bar`, with the routing
+/// `route` (a routed gate/up slot, or the down rows of every slot). Thread 0; the caller has
+/// checked that the rows fit (expert_copy_fits).
+__device__ inline void issue_expert_copy(const DecodeStepParams& p, int layer, int kind, int part,
+                                         const TaskRouting& route, unsigned char* slot, uint64_t* bar) {
+  const DecodeTaskLayer& L = p.layers[layer];
+  if (static_cast<DecodeTaskKind>(kind) == DecodeTaskKind::kExpertGateUp) {
+    const ExpertSlotRows sr = gate_up_part(p, part);
+    const int64_t row0 = int64_t{route.ids[sr.slot]} * p.moe_ffn + sr.first;
+    slot_issue(gate_up_slot_runs(p, L, sr), [&](int j) -> const DeviceQuant& { return j == 0 ? L.gate : L.up; },
+               [&](int) { return row0; }, slot, bar);
+  } else {
+    const RowRange rr = part_rows(part, p.grain.down_rows, p.hidden);
+    slot_issue(down_slot_runs(p, L, rr), [&](int) -> const DeviceQuant& { return L.down; },
+               [&](int s) { return int64_t{route.ids[s]} * p.hidden + rr.first; }, slot, bar);
+  }
+}
+
+/// Whether task (kind, part) of layer l needs the routing for its copy (a routed gate/up slot, or
+/// the down rows) and its rows fit a slot.
+__device__ inline bool expert_copy_fits(const DecodeStepParams& p, int layer, int kind, int part) {
+  const DecodeTaskLayer& L = p.layers[layer];
+  if (static_cast<DecodeTaskKind>(kind) == DecodeTaskKind::kExpertGateUp) {
+    const ExpertSlotRows sr = gate_up_part(p, part);
+    return sr.slot < p.top_k && gate_up_slot_runs(p, L, sr).fits;
+  }
+  if (static_cast<DecodeTaskKind>(kind) == DecodeTaskKind::kExpertDown)
+    return down_slot_runs(p, L, part_rows(part, p.grain.down_rows, p.hidden)).fits;
+  return false;
+}
+
+/// Thread 0 of a task that has just routed layer `layer`: starts the next task's copy when the
+/// kernel asked for it (TaskSmem::copy_next).
+__device__ __forceinline__ void copy_next_expert(const DecodeStepParams& p, int layer, const TaskRouting& route,
+                                                 const TaskSmem& m) {
+  if (m.copy_next) issue_expert_copy(p, layer, m.next_kind, m.next_part, route, m.next_slot, m.next_bar);
+}
+
 /// Gate/up task `part` of layer l (docs/model.md §3.5 step 3–4, §4.3 item 5): slot s and rows
 /// [r0, r1) of its width (gate_up_part); expert e = the slot's routed id (E for the shared slot,
 /// which needs no routing). With u = p.moe_normed (bf16 [hidden], staged past L1), g = rows
 /// e·moe_ffn + r of the gate stack ([(E + 1)·moe_ffn, hidden]) and v the same rows of the up
 /// stack, both fp32 GEMVs; act[r] = bf16(silu(bf16(g))·bf16(v)), as the graph decode's expert
 /// kernels, stored into p.act at s·moe_ffn + r. The rows travel through the task's slot where
-/// they fit (a routed slot's copy starts once warp 0 has routed; the shared slot's may have been
-/// started by the kernel); returns whether they did. m.work: expert_gate_up_smem_bytes(hidden,
+/// they fit (a routed slot's copy starts once warp 0 has routed, or was started by the block's
+/// previous expert task of the layer with its routing; the shared slot's may have been started
+/// by the kernel); returns whether they did. m.work: expert_gate_up_smem_bytes(hidden,
 /// grain.expert_rows). All threads.
 __device__ inline bool task_expert_gate_up(const DecodeStepParams& p, int layer, int part, const TaskSmem& m) {
   const DecodeTaskLayer& L = p.layers[layer];
@@ -117,7 +165,7 @@ __device__ inline bool task_expert_gate_up(const DecodeStepParams& p, int layer,
   const bool routed = sr.slot < p.top_k;
   const auto gate_or_up = [&](int j) -> const DeviceQuant& { return j == 0 ? L.gate : L.up; };
   if (routed) route_warp0(p, route);
-  if (threadIdx.x == 0 && (routed || !m.prefetched)) {  // the routed rows are known only now
+  if (threadIdx.x == 0 && !m.prefetched) {  // the routed rows are known only now
     const int64_t row0 = int64_t{routed ? route.ids[sr.slot] : p.n_experts} * p.moe_ffn + sr.first;
     if (slot.fits) {
       slot_issue(slot, gate_or_up, [&](int) { return row0; }, m.slot, m.bar);
@@ -126,6 +174,7 @@ __device__ inline bool task_expert_gate_up(const DecodeStepParams& p, int layer,
       prefetch_rows_l2(L.up, row0, row0 + n);
     }
   }
+  if (threadIdx.x == 0 && routed) copy_next_expert(p, layer, route, m);
   stage_row_cg(p.moe_normed, p.hidden, xs);  // its barriers also publish the routing
   const int64_t row0 = int64_t{routed ? route.ids[sr.slot] : p.n_experts} * p.moe_ffn + sr.first;
   const int groups = p.hidden / kGroup;
@@ -166,27 +215,28 @@ __device__ __forceinline__ bool gate_up_prefetchable(const DecodeStepParams& p, 
 /// combine_slots (moe_block.cuh) and the CPU reference's routed sum + γ·shared; bf16 into
 /// p.moe_out. The shared slot's width must be the stack's ffn (the device model requires
 /// shared_ffn == moe_ffn). The k + 1 runs of rows travel through the task's slot where they fit
-/// (the copy starts once warp 0 has routed); returns whether they did. m.work:
+/// (the copy starts once warp 0 has routed, unless the block's previous task of the layer started
+/// it with its routing); returns whether they did. m.work:
 /// expert_down_smem_bytes(ffn, k, grain.down_rows). All threads.
 __device__ inline bool task_expert_down(const DecodeStepParams& p, int layer, int part, const TaskSmem& m) {
   const DecodeTaskLayer& L = p.layers[layer];
   const RowRange rr = part_rows(part, p.grain.down_rows, p.hidden);
   const int n = static_cast<int>(rr.last - rr.first), n_sel = p.top_k + 1;
   const int ffn = L.down.cols, groups = ffn / kGroup;
-  SlotRuns slot = slot_runs(L.down, n_sel, n, p.grain.down_rows);
-  slot.fits = slot.fits && slot_runs(L.down, n_sel, n, p.hidden).fits;
+  const SlotRuns slot = down_slot_runs(p, L, rr);
   const int64_t stride = task_slot_floats(ffn);
   TaskRouting& route = *reinterpret_cast<TaskRouting*>(m.work);
   float* xs = reinterpret_cast<float*>(m.work + kTaskRoutingBytes);  // [n_sel][stride]
   float* part_out = xs + n_sel * stride;                              // [n_sel][n]
   route_warp0(p, route);
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0 && !m.prefetched) {
     const auto first_of = [&](int s) { return int64_t{route.ids[s]} * p.hidden + rr.first; };
     if (slot.fits)
       slot_issue(slot, [&](int) -> const DeviceQuant& { return L.down; }, first_of, m.slot, m.bar);
     else  // the routed rows, towards L2 while the block stages the activations
       for (int s = 0; s < p.top_k; ++s) prefetch_rows_l2(L.down, first_of(s), first_of(s) + n);
   }
+  if (threadIdx.x == 0) copy_next_expert(p, layer, route, m);
   // All slots' activations: 8 bf16 a 16-byte load (ffn and the slot offsets are multiples of 64),
   // each to its slot's group layout.
   const int chunks = n_sel * ffn / 8;
