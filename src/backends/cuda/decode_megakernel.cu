@@ -21,12 +21,13 @@ using Task = DecodeProgramImage::Task;
 /// Returns whether the task read its weights from its slot (m.slot), which used a phase of m.bar.
 /// A task without weight rows gets the larger work area `wide` (kDecodeTaskSmemBytes, over its
 /// slot: the slot's phase is not used).
+/// `early`: the task's reads that the kernel started before its wait (a GDN task's states).
 __device__ __forceinline__ bool run_task(const DecodeStepParams& p, int kind, int layer, int part, int lm_parts,
-                                         const TaskSmem& m, char* wide) {
+                                         const TaskSmem& m, char* wide, bool early) {
   switch (static_cast<DecodeTaskKind>(kind)) {
     case DecodeTaskKind::kEmbed: task_embed(p); return false;
     case DecodeTaskKind::kInProj: return task_in_proj(p, layer, part, m);
-    case DecodeTaskKind::kGdnHeads: task_gdn_heads(p, layer, part, wide); return false;
+    case DecodeTaskKind::kGdnHeads: task_gdn_heads(p, layer, part, wide, early); return false;
     case DecodeTaskKind::kAttnPrepare: task_attn_prepare(p, layer, part, wide); return false;
     case DecodeTaskKind::kAttnSplit: task_attn_split(p, layer, part, wide); return false;
     case DecodeTaskKind::kAttnCombine: task_attn_combine(p, layer, part, wide); return false;
@@ -207,10 +208,13 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
         if (a.kind != static_cast<int32_t>(DecodeTaskKind::kLmHead)) prefetch_task(p, a.kind, a.layer, a.part);
       }
     }
+    // A GDN task's states come into its work area while it waits (only its own task writes them).
+    const bool early = t.kind == static_cast<int32_t>(DecodeTaskKind::kGdnHeads);
+    if (early) gdn_task_issue_states(p, t.layer, t.part, task_wide(smem, s));
     for (int w = 0; w < DecodeProgramImage::kMaxWaits; ++w)
       if (t.wait_counter[w] >= 0)
         counter_wait(counters + t.wait_counter[w], (ticket.launch + 1) * static_cast<uint32_t>(t.wait_target[w]));
-    const bool used = run_task(p, t.kind, t.layer, t.part, lm_parts, m, task_wide(smem, s));
+    const bool used = run_task(p, t.kind, t.layer, t.part, lm_parts, m, task_wide(smem, s), early);
     if (used) parity ^= 1u << s;
     if (t.signal >= 0) counter_signal(counters + t.signal);
     if (threadIdx.x == 0) {
@@ -230,7 +234,7 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
   __shared__ __align__(8) uint64_t bars[2];
   init_slot_bars(bars);
   const Task t = tasks[first + blockIdx.x];
-  run_task(p, t.kind, t.layer, t.part, lm_parts, task_smem(smem, 0, bars, 0, false), task_wide(smem, 0));
+  run_task(p, t.kind, t.layer, t.part, lm_parts, task_smem(smem, 0, bars, 0, false), task_wide(smem, 0), false);
 }
 
 /// The grain of a program for the device: the cut the task bodies use, and a KV capacity (and

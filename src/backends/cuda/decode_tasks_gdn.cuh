@@ -88,8 +88,23 @@ __device__ __forceinline__ void issue_state_copy(const float* src, float* dst) {
 ///   pred_s, out_s [kHeadsAtOnce, D/16, D]  per-part sums of pred and of o
 ///   l2_s   [2D/32]               per-warp Σx² of q and k
 ///   sq_s   [kHeadsAtOnce, D/32]  per-slice Σo²
+/// Starts the copies of the first min(per_key, kMaxSlots) head states of key head kh into the
+/// task's shared memory (one cp.async group per head, in head order): the body's first step,
+/// which the persistent kernel may take before the task's counter wait (no task of the step
+/// writes a state before its own GDN task).
 template <int D>
-__device__ __forceinline__ void task_gdn_heads_d(const DecodeStepParams& p, int layer, int kh, char* smem) {
+__device__ __forceinline__ void gdn_issue_states(const DecodeStepParams& p, int layer, int kh, char* smem) {
+  using G = Geom<D>;
+  const int per_key = p.gdn_dims.n_value_heads / p.gdn_dims.n_key_heads, v0 = kh * per_key;
+  const int n_slots = per_key < G::kMaxSlots ? per_key : G::kMaxSlots;
+  float* slot = reinterpret_cast<float*>(smem);
+  for (int h = 0; h < n_slots; ++h)
+    issue_state_copy<D>(p.layers[layer].gdn_state + int64_t(v0 + h) * G::kHeadFloats, slot + h * G::kHeadFloats);
+}
+
+template <int D>
+__device__ __forceinline__ void task_gdn_heads_d(const DecodeStepParams& p, int layer, int kh, char* smem,
+                                                 bool states_issued) {
   using G = Geom<D>;
   constexpr int kParts = G::kParts, kPPT = G::kPartsPerThread, kRowsPerPart = G::kRowsPerPart;
   const DecodeTaskLayer& L = p.layers[layer];
@@ -111,8 +126,7 @@ __device__ __forceinline__ void task_gdn_heads_d(const DecodeStepParams& p, int 
   float* sq_s = l2_s + 2 * D / kWarp;
 
   // The largest reads first: the states of the first n_slots heads, one group per head.
-  for (int h = 0; h < n_slots; ++h)
-    issue_state_copy<D>(state + int64_t(v0 + h) * G::kHeadFloats, slot + h * G::kHeadFloats);
+  if (!states_issued) gdn_issue_states<D>(p, layer, kh, smem);
 
   // Conv step (gdn.cu conv_decode_channel): local channel u < D is q channel kh·D + u, then k
   // (key_dim + kh·D + u − D), then v (2·key_dim + v0·D + u − 2D); the window shifts in place.
@@ -259,9 +273,19 @@ __device__ __forceinline__ void task_gdn_heads_d(const DecodeStepParams& p, int 
 /// Needs Dk = Dv ∈ {64, 128}, K = 4, per_key = Hv/Hk ≤ 4, kDecodeTaskThreads threads, `smem`
 /// 16-byte aligned with kDecodeTaskSmemBytes bytes, gdn_state 16-byte aligned. All threads;
 /// contains __syncthreads() and waits for all of its cp.async copies before returning.
-__device__ __forceinline__ void task_gdn_heads(const DecodeStepParams& p, int layer, int part, char* smem) {
-  if (p.gdn_dims.key_head_dim == 128) gdn_task::task_gdn_heads_d<128>(p, layer, part, smem);
-  else gdn_task::task_gdn_heads_d<64>(p, layer, part, smem);
+/// With states_issued, gdn_task_issue_states(p, layer, part, smem) ran before (and no other
+/// cp.async group was committed since).
+__device__ __forceinline__ void task_gdn_heads(const DecodeStepParams& p, int layer, int part, char* smem,
+                                               bool states_issued = false) {
+  if (p.gdn_dims.key_head_dim == 128) gdn_task::task_gdn_heads_d<128>(p, layer, part, smem, states_issued);
+  else gdn_task::task_gdn_heads_d<64>(p, layer, part, smem, states_issued);
+}
+
+/// The state copies of GDN task `part` of layer `layer` into `smem` (its work area), started
+/// before the task's counter wait. All threads.
+__device__ __forceinline__ void gdn_task_issue_states(const DecodeStepParams& p, int layer, int part, char* smem) {
+  if (p.gdn_dims.key_head_dim == 128) gdn_task::gdn_issue_states<128>(p, layer, part, smem);
+  else gdn_task::gdn_issue_states<64>(p, layer, part, smem);
 }
 
 }  // namespace lily::cuda
