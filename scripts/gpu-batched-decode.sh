@@ -36,6 +36,8 @@
 #   LILY_GPU_STEPS=persistent  the persistent decode kernel: its end-to-end tests (resident vs
 #                           stages bit for bit, against the CPU and the decode graph), then lily bench on
 #                           the 35b-a3b synth at LILY_GPU_CONTEXTS (default 256 4096), persistent-decode 0, debug and 1 (LILY_GPU_PERSISTENT_MODES)
+#   LILY_GPU_STEPS=trace    the resident kernel's timeline (persistent-decode=trace) at
+#                           LILY_GPU_CONTEXTS (default 4096): what each task kind adds to the chain
 #   LILY_GPU_STEPS=prof-persistent  Nsight Compute: one step of the persistent kernel's debug form
 #                           stage by stage (scripts/ncu-stage-table.py), and the resident kernel's
 #                           time and DRAM bytes a step (35b-a3b synth, 256-token prompt)
@@ -64,7 +66,7 @@ status=0
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 targets=()
-{ has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent; } && targets+=(lily)
+{ has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace; } && targets+=(lily)
 for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
 gpu_build build.log "${targets[@]}"
 
@@ -137,7 +139,7 @@ serve_streams() {
   kill -INT "$pid"
   wait "$pid"
 }
-if { has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent; } && [[ ! -f "$M/config.json" ]]; then
+if { has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace; } && [[ ! -f "$M/config.json" ]]; then
   timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
 fi
 if has throughput; then
@@ -222,6 +224,16 @@ if has persistent; then
       timeout 200 "$BUILD/lily" bench --backend cuda --model "$M" --cuda persistent-decode=$mode --prompt-len "$n" \
         --decode-steps 64 --rounds 3 2>&1 | tail -1 | tee -a "$OUT/persistent-bench.log"
     done
+  done
+fi
+if has trace; then
+  # The resident kernel's timeline (persistent-decode=trace): per task kind the time its stages
+  # add to the step's chain, bodies and waits, at each of LILY_GPU_CONTEXTS (default 4096).
+  for n in ${LILY_GPU_CONTEXTS:-4096}; do
+    echo "== lily bench --prompt-len $n --cuda persistent-decode=trace, 35b-a3b"
+    timeout 200 "$BUILD/lily" bench --backend cuda --model "$M" --cuda persistent-decode=trace --prompt-len "$n" \
+      --decode-steps 32 --rounds 1 >"$OUT/trace-$n.log" 2>&1 || status=1
+    grep -v "^lily: info: \(loaded\|chat\)" "$OUT/trace-$n.log" | head -60
   done
 fi
 if has prof-persistent; then

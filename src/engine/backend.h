@@ -244,17 +244,19 @@ struct CudaOptions {
   /// GEMM items) and 40.0K with 8,192, which would hold decoding rows of a batch twice as long.
   int prefill_chunk = 4096;
   /// LILY_CUDA_MAX_BATCH 1 … 64: the most rows (sequences) one step() may hold (every row
-  /// bit-identical to the sequence alone, verified on an H200). With batched_decode the decode
-  /// rows run as forwards of up to decode_rows rows (on an H200, 35B-A3B shape, 256-token
-  /// prompts: 8 rows 1,381 tok/s in total, 32 rows 2,318), so 32 is the default.
-  int max_batch = 32;
+  /// bit-identical to the sequence alone, verified on H100 and H200 up to 64). With
+  /// batched_decode the decode rows run as forwards of up to decode_rows rows; 64 by
+  /// measurement (docs/cuda.md, "Batched steps": 64 served streams on an H100 at 2,552 tok/s in
+  /// total as one 64-row forward, 2,085 as two of 32).
+  int max_batch = 64;
   /// LILY_CUDA_DECODE_ROWS 1 … 64: the most decode rows one batched forward takes; a step with
-  /// more runs several forwards, one after another. The same bits for every row either way. 32
-  /// (the default) is verified on an H200; above 32 the row GEMVs take two launches and the MoE
-  /// block routes in two passes, each distinct expert still read once for all its rows (64 rows:
-  /// the row GEMVs' bit test passed on an H200 up to 64 rows; the MoE block and the end-to-end
-  /// tests at 64 rows have not run yet).
-  int decode_rows = 32;
+  /// more runs several forwards, one after another. The same bits for every row either way.
+  /// Above 32 the row GEMVs take two launches and the MoE block routes in two passes, each
+  /// distinct expert still read once for all its rows. 64 (the default) is verified on an H100
+  /// (the row GEMV, MoE block and end-to-end bit tests at 64 rows) and measured there: 64 served
+  /// streams 2,552 tok/s in total against 2,085 with 32-row forwards, 8 and 32 streams the same
+  /// or better (docs/cuda.md, "Batched steps").
+  int decode_rows = 64;
   /// LILY_CUDA_PREFILL_ROWS 1|0: the prefill rows of a step (one per sequence, each within a
   /// prefill chunk) run as one chunk of all their tokens, so each expert and projection weight is
   /// read once for all of them, the GDN and attention per sequence; or (0) one sequence after
@@ -272,12 +274,14 @@ struct CudaOptions {
   /// measurement on an H200: from 2 rows on a layer's projections take less time in the rows
   /// mode, at 1 row more (docs/cuda.md, "Batched steps").
   int rows_gemv_from = 2;
-  /// LILY_CUDA_PERSISTENT_DECODE 1|debug|0: a one-sequence decode step as one resident kernel
-  /// that takes the step's tasks from a list, synchronised by counters in device memory (1); the
-  /// same tasks as one launch per stage (debug: what the probes see); or (0, the default) the
-  /// step's separate kernels. Correct on an H200 (bit-identical to its stages, matching the CPU
-  /// and the decode graph) but slower than the separate kernels so far (126.5 against 420 tok/s
-  /// at 4K: docs/cuda.md, "A persistent decode kernel"), so off by default.
+  /// LILY_CUDA_PERSISTENT_DECODE 1|debug|trace|0: a one-sequence decode step as one resident
+  /// kernel that takes the step's tasks from a list, synchronised by counters in device memory
+  /// (1); the same tasks as one launch per stage (debug: what the probes see); the resident
+  /// kernel with its timeline recorded and reported in the log now and then (trace: it waits for
+  /// each step); or (0, the default) the step's separate kernels. Correct on H100 and H200
+  /// (bit-identical to its stages, matching the CPU and the decode graph) but slower than the
+  /// separate kernels so far (100 against 399 tok/s at 4K on an H100: docs/cuda.md, "A
+  /// persistent decode kernel"), so off by default.
   std::string persistent_decode = "0";
 
   static constexpr int kMaxPrefillChunk = 8192;
@@ -299,7 +303,7 @@ struct CudaOptions {
   static std::string names();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
   /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
-  /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=32 decode-rows=32
+  /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64
   /// rows-gemv-from=2 prefill-rows=1 persistent-decode=0", for logs and reports.
   std::string describe() const;
 };
@@ -366,7 +370,8 @@ inline std::span<const Field> fields() {
       {"rows-gemv-from", "LILY_CUDA_ROWS_GEMV_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
       {"prefill-rows", "LILY_CUDA_PREFILL_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.prefill_rows = parse_choice(l, v, "1", "0"); }},
       {"persistent-decode", "LILY_CUDA_PERSISTENT_DECODE", [](CudaOptions& o, const std::string& l, const std::string& v) {
-         if (v != "1" && v != "debug" && v != "0") throw Error(l + " must be '1', 'debug' or '0', got '" + v + "'");
+         if (v != "1" && v != "debug" && v != "trace" && v != "0")
+           throw Error(l + " must be '1', 'debug', 'trace' or '0', got '" + v + "'");
          o.persistent_decode = v;
        }},
   };

@@ -1060,6 +1060,21 @@ class CudaBackend final : public Backend {
     persistent_layers_key_ = std::move(key);
   }
 
+  /// The resident kernel with its timeline recorded (persistent_decode "trace"): waits for the
+  /// step, and logs the report of every 64th traced step (the first at the 16th, warm).
+  void traced_persistent_launch(DecodeStepParams p) {
+    const size_t n = static_cast<size_t>(4 * persistent_->n_tasks());
+    if (persistent_trace_.bytes() < n * sizeof(unsigned long long))
+      persistent_trace_ = DeviceBuffer(n * sizeof(unsigned long long));
+    p.trace = persistent_trace_.as<unsigned long long>();
+    persistent_->launch(p, stream_);
+    if (++persistent_traced_steps_ % 64 != 16) return;
+    std::vector<unsigned long long> host(n);
+    CUDA_CHECK(cudaMemcpyAsync(host.data(), p.trace, n * sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    log_info(persistent_->summarize_trace(host));
+  }
+
   /// One decode step of `s` through the persistent kernel (io already in host memory): copies
   /// io in and runs the resident kernel, or, with probes or persistent_decode "debug", its
   /// stages one launch each with the probes between them.
@@ -1068,6 +1083,7 @@ class CudaBackend final : public Backend {
     copy_io_in();
     const DecodeStepParams p = persistent_params();
     if (!probe_sink_ && options_.persistent_decode == "1") return persistent_->launch(p, stream_);
+    if (!probe_sink_ && options_.persistent_decode == "trace") return traced_persistent_launch(p);
     const ModelConfig& c = config();
     const int64_t pos = s.pos;
     persistent_->launch_stages(p, stream_, [&](DecodeTaskKind kind, int layer) {
@@ -1868,6 +1884,8 @@ class CudaBackend final : public Backend {
   /// as DecodeTaskLayer [n_layers]) and the state blocks the last layer upload named.
   std::unique_ptr<DecodeMegakernel> persistent_;
   DecodeCut persistent_grain_;
+  DeviceBuffer persistent_trace_;  ///< persistent_decode "trace": uint64 [tasks][4]
+  int64_t persistent_traced_steps_ = 0;
   DeviceBuffer persistent_attn_part_, persistent_best_value_, persistent_best_id_, persistent_layers_;
   std::vector<const void*> persistent_layers_key_;
 };

@@ -2,6 +2,8 @@
 #include "backends/cuda/decode_megakernel.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <map>
 #include <string>
 
 #include "backends/cuda/common.cuh"
@@ -64,6 +66,13 @@ __device__ __forceinline__ bool task_prefetch_weights(const DecodeStepParams& p,
   if (!l.fits) return false;
   if (issue) slot_issue(l, [&](int) -> const DeviceQuant& { return *w; }, [&](int) { return r.first; }, slot, bar);
   return true;
+}
+
+/// %globaltimer in ns.
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 
 /// Whether task (kind, part) routes its layer's token itself (a routed gate/up slot, or the down
@@ -186,6 +195,7 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     unsigned long long after = 0;
     if (threadIdx.x == 0 && has_next) after = task_take_next(next);  // in flight while this task runs
     const Task t = tasks[ticket.task];
+    const unsigned long long taken = p.trace && threadIdx.x == 0 ? global_ns() : 0;
     TaskSmem m = task_smem(smem, s, bars, (parity >> s) & 1u, prefetched);
     bool next_prefetched = false;
     if (has_next) {  // the next task's weights into the other slot: now, or once this task has routed
@@ -214,9 +224,14 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     for (int w = 0; w < DecodeProgramImage::kMaxWaits; ++w)
       if (t.wait_counter[w] >= 0)
         counter_wait(counters + t.wait_counter[w], (ticket.launch + 1) * static_cast<uint32_t>(t.wait_target[w]));
+    const unsigned long long ready = p.trace && threadIdx.x == 0 ? global_ns() : 0;
     const bool used = run_task(p, t.kind, t.layer, t.part, lm_parts, m, task_wide(smem, s), early);
     if (used) parity ^= 1u << s;
     if (t.signal >= 0) counter_signal(counters + t.signal);
+    if (p.trace && threadIdx.x == 0) {
+      unsigned long long* r = p.trace + 4 * ticket.task;
+      r[0] = blockIdx.x, r[1] = taken, r[2] = ready, r[3] = global_ns();
+    }
     if (threadIdx.x == 0) {
       cur = ahead;
       ahead = after;
@@ -310,6 +325,55 @@ void DecodeMegakernel::launch(const DecodeStepParams& p, cudaStream_t stream) {
   decode_megakernel<<<blocks_, kDecodeTaskThreads, kDecodeKernelSmemBytes, stream>>>(
       p, tasks_.as<Task>(), n_tasks_, counters_.as<uint32_t>(), next_.as<unsigned long long>(), lm_parts_);
   CUDA_CHECK(cudaGetLastError());
+}
+
+std::string DecodeMegakernel::summarize_trace(const std::vector<unsigned long long>& trace) const {
+  if (trace.size() != static_cast<size_t>(4 * n_tasks_)) throw InternalError("summarize_trace: wrong trace size");
+  const auto at = [&](int64_t i, int f) { return trace[static_cast<size_t>(4 * i + f)]; };
+  unsigned long long t0 = ~0ull, t_end = 0;
+  for (int64_t i = 0; i < n_tasks_; ++i) t0 = std::min(t0, at(i, 1)), t_end = std::max(t_end, at(i, 3));
+  struct KindSum {
+    int64_t tasks = 0;
+    double body_us = 0, wait_us = 0, max_body_us = 0, chain_us = 0;
+    int stages = 0;
+  };
+  std::map<std::string, KindSum> kinds;
+  int last_layer = 0;
+  for (const Stage& st : stages_) last_layer = std::max(last_layer, st.layer);
+  std::string timeline;
+  double prev_end = 0;
+  char line[256];
+  for (size_t k = 0; k < stages_.size(); ++k) {
+    const Stage& st = stages_[k];
+    double start = 1e30, end = 0, body = 0;
+    KindSum& ks = kinds[decode_task_kind_name(st.kind)];
+    for (int64_t i = st.first; i < st.first + st.count; ++i) {
+      const double ready = (at(i, 2) - t0) / 1e3, done = (at(i, 3) - t0) / 1e3, b = done - ready;
+      start = std::min(start, ready), end = std::max(end, done), body = std::max(body, b);
+      ks.body_us += b, ks.wait_us += (at(i, 2) - at(i, 1)) / 1e3, ks.max_body_us = std::max(ks.max_body_us, b);
+      ++ks.tasks;
+    }
+    ++ks.stages;
+    ks.chain_us += end - prev_end;
+    if (st.layer <= 3 || st.layer >= last_layer || st.layer < 0) {
+      std::snprintf(line, sizeof line, "  %-16s layer %2d  %4d tasks  first ready %8.2f  last done %8.2f us  (+%6.2f, longest body %6.2f)\n",
+                    decode_task_kind_name(st.kind), st.layer, st.count, start, end, end - prev_end, body);
+      timeline += line;
+    }
+    prev_end = end;
+  }
+  std::string out;
+  std::snprintf(line, sizeof line, "persistent decode trace: %lld tasks on %d blocks, %.1f us from the first take to the last signal\n",
+                static_cast<long long>(n_tasks_), blocks_, (t_end - t0) / 1e3);
+  out += line;
+  out += "  kind             stages   tasks  us on the chain  mean body us  max body us  mean wait us\n";
+  for (const auto& [name, ks] : kinds) {
+    std::snprintf(line, sizeof line, "  %-16s %6d %7lld %16.1f %13.2f %12.2f %13.2f\n", name.c_str(), ks.stages,
+                  static_cast<long long>(ks.tasks), ks.chain_us, ks.body_us / ks.tasks, ks.max_body_us,
+                  ks.wait_us / ks.tasks);
+    out += line;
+  }
+  return out + "  stages (first layers and the last; times from the first take):\n" + timeline;
 }
 
 void DecodeMegakernel::launch_stages(const DecodeStepParams& p, cudaStream_t stream,

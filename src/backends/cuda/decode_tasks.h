@@ -73,6 +73,10 @@ struct DecodeStepParams {
                 *mixer_out = nullptr, *moe_normed = nullptr, *act = nullptr, *moe_out = nullptr;
   float *attn_part = nullptr, *router_logits = nullptr, *logits = nullptr, *head_best_value = nullptr;
   int32_t *head_best_id = nullptr, *next_token = nullptr;
+  /// Optional (null: off): the resident kernel's timeline, uint64 [tasks][4] by list position:
+  /// the block that ran the task, then %globaltimer (ns) when it took it up, when its waits were
+  /// over and when it had signalled (DecodeMegakernel::summarize_trace reads it).
+  unsigned long long* trace = nullptr;
 };
 
 /// Threads of a task body's block (the persistent kernel runs one such block per SM).
