@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <string>
 
@@ -107,8 +106,9 @@ __device__ __forceinline__ void init_slot_bars(uint64_t* bars) {
   __syncthreads();
 }
 
-/// run_task as a call: the bodies get registers of their own instead of sharing them with the
-/// resident loop's state (measured against the inlined form: docs/cuda.md).
+/// run_task as a call from the resident loop: the bodies get registers of their own instead of
+/// sharing them with the loop's state (inlined, they spilled 1.4 KB; as a call 0.5 KB. On an
+/// H100, 98.7 against 96.6 tok/s at 4K: docs/performance/2026-12-05-persistent-slots-and-64-rows.md).
 __device__ __noinline__ bool run_task_call(const DecodeStepParams& p, int kind, int layer, int part, int lm_parts,
                                            const TaskSmem& m, char* wide, bool early) {
   return run_task(p, kind, layer, part, lm_parts, m, wide, early);
@@ -163,7 +163,6 @@ __device__ __forceinline__ void prefetch_task(const DecodeStepParams& p, int kin
 /// (task i of the block uses slot i mod 2), and each slot's phases are counted in `parity`. A
 /// launch ends when every block has fetched past the end (each stops fetching at its first
 /// ticket past the end, so a launch still makes exactly n + G fetches).
-template <bool CALL_BODIES>
 __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     decode_megakernel(DecodeStepParams p, const Task* __restrict__ tasks, int64_t n_tasks, uint32_t* counters,
                       unsigned long long* next, int lm_parts) {
@@ -234,8 +233,7 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
       if (t.wait_counter[w] >= 0)
         counter_wait(counters + t.wait_counter[w], (ticket.launch + 1) * static_cast<uint32_t>(t.wait_target[w]));
     const unsigned long long ready = p.trace && threadIdx.x == 0 ? global_ns() : 0;
-    const bool used = CALL_BODIES ? run_task_call(p, t.kind, t.layer, t.part, lm_parts, m, task_wide(smem, s), early)
-                                  : run_task(p, t.kind, t.layer, t.part, lm_parts, m, task_wide(smem, s), early);
+    const bool used = run_task_call(p, t.kind, t.layer, t.part, lm_parts, m, task_wide(smem, s), early);
     if (used) parity ^= 1u << s;
     if (t.signal >= 0) counter_signal(counters + t.signal);
     if (p.trace && threadIdx.x == 0) {
@@ -325,23 +323,15 @@ DecodeMegakernel::DecodeMegakernel(const ModelConfig& c, const DecodeCut& grain)
   next_ = DeviceBuffer(sizeof(unsigned long long));
   next_.fill_bytes(0);
   blocks_ = sm_count();
-  CUDA_CHECK(cudaFuncSetAttribute(decode_megakernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  CUDA_CHECK(cudaFuncSetAttribute(decode_megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   kDecodeKernelSmemBytes));
-  CUDA_CHECK(cudaFuncSetAttribute(decode_megakernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  kDecodeKernelSmemBytes));
-  // A measurement switch (not an option): the bodies as calls. Removed once an A/B has chosen.
-  if (const char* v = std::getenv("LILY_CUDA_PERSISTENT_CALL_BODIES"); v && std::string(v) == "1") call_bodies_ = true;
   CUDA_CHECK(cudaFuncSetAttribute(decode_stage_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   kDecodeKernelSmemBytes));
 }
 
 void DecodeMegakernel::launch(const DecodeStepParams& p, cudaStream_t stream) {
-  if (call_bodies_)
-    decode_megakernel<true><<<blocks_, kDecodeTaskThreads, kDecodeKernelSmemBytes, stream>>>(
-        p, tasks_.as<Task>(), n_tasks_, counters_.as<uint32_t>(), next_.as<unsigned long long>(), lm_parts_);
-  else
-    decode_megakernel<false><<<blocks_, kDecodeTaskThreads, kDecodeKernelSmemBytes, stream>>>(
-        p, tasks_.as<Task>(), n_tasks_, counters_.as<uint32_t>(), next_.as<unsigned long long>(), lm_parts_);
+  decode_megakernel<<<blocks_, kDecodeTaskThreads, kDecodeKernelSmemBytes, stream>>>(
+      p, tasks_.as<Task>(), n_tasks_, counters_.as<uint32_t>(), next_.as<unsigned long long>(), lm_parts_);
   CUDA_CHECK(cudaGetLastError());
 }
 

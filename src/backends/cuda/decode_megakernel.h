@@ -73,7 +73,6 @@ class DecodeMegakernel {
   int lm_parts_ = 0;
   int64_t attn_part_floats_ = 0;
   int blocks_ = 0;
-  bool call_bodies_ = false;  ///< the resident kernel with run_task as a call (measurement switch)
 };
 
 /// Why the task bodies cannot run `config`'s decode step ("" when they can): the head and
