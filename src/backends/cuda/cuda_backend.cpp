@@ -1063,7 +1063,7 @@ class CudaBackend final : public Backend {
   /// The resident kernel with its timeline recorded (persistent_decode "trace"): waits for the
   /// step, and logs the report of every 64th traced step (the first at the 16th, warm).
   void traced_persistent_launch(DecodeStepParams p) {
-    const size_t n = static_cast<size_t>(4 * persistent_->n_tasks());
+    const size_t n = static_cast<size_t>(kDecodeTraceFields * persistent_->n_tasks());
     if (persistent_trace_.bytes() < n * sizeof(unsigned long long))
       persistent_trace_ = DeviceBuffer(n * sizeof(unsigned long long));
     p.trace = persistent_trace_.as<unsigned long long>();
@@ -1884,7 +1884,7 @@ class CudaBackend final : public Backend {
   /// as DecodeTaskLayer [n_layers]) and the state blocks the last layer upload named.
   std::unique_ptr<DecodeMegakernel> persistent_;
   DecodeCut persistent_grain_;
-  DeviceBuffer persistent_trace_;  ///< persistent_decode "trace": uint64 [tasks][4]
+  DeviceBuffer persistent_trace_;  ///< persistent_decode "trace": uint64 [tasks][kDecodeTraceFields]
   int64_t persistent_traced_steps_ = 0;
   DeviceBuffer persistent_attn_part_, persistent_best_value_, persistent_best_id_, persistent_layers_;
   std::vector<const void*> persistent_layers_key_;

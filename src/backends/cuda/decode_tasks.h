@@ -73,11 +73,15 @@ struct DecodeStepParams {
                 *mixer_out = nullptr, *moe_normed = nullptr, *act = nullptr, *moe_out = nullptr;
   float *attn_part = nullptr, *router_logits = nullptr, *logits = nullptr, *head_best_value = nullptr;
   int32_t *head_best_id = nullptr, *next_token = nullptr;
-  /// Optional (null: off): the resident kernel's timeline, uint64 [tasks][4] by list position:
-  /// the block that ran the task, then %globaltimer (ns) when it took it up, when its waits were
-  /// over and when it had signalled (DecodeMegakernel::summarize_trace reads it).
+  /// Optional (null: off): the resident kernel's timeline, uint64 [tasks][kDecodeTraceFields] by
+  /// list position: the block that ran the task, then %globaltimer (ns) when it took it up, when
+  /// its waits were over, when its input was staged and when its weight slot had landed (0: the
+  /// body has no such step), and when it had signalled (DecodeMegakernel::summarize_trace).
   unsigned long long* trace = nullptr;
 };
+
+/// Values per task of DecodeStepParams::trace.
+constexpr int kDecodeTraceFields = 6;
 
 /// Threads of a task body's block (the persistent kernel runs one such block per SM).
 constexpr int kDecodeTaskThreads = 512;

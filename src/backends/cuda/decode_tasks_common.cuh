@@ -219,7 +219,17 @@ struct TaskSmem {
   int next_kind = 0, next_part = 0;
   unsigned char* next_slot = nullptr;
   uint64_t* next_bar = nullptr;
+  /// Traced launches only (else null): where thread 0 stamps the end of the input staging [0]
+  /// and the slot's landing [1] (DecodeStepParams::trace fields 3 and 4).
+  unsigned long long* stamps = nullptr;
 };
+
+/// %globaltimer in ns.
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 /// Where runs of `count` consecutive rows of one matrix shape (cols, bits) sit in a slot: run
 /// after run, each its codes, then its scales, then its biases. `fits`: the runs fit the slot,
@@ -299,6 +309,14 @@ __device__ __forceinline__ void slot_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 
+/// Waits for the task's slot (slot_wait), stamping a traced task's staged input and landed
+/// weights (TaskSmem::stamps). All threads, after the body's input staging.
+__device__ __forceinline__ void task_slot_wait(const TaskSmem& m) {
+  if (m.stamps && threadIdx.x == 0) m.stamps[0] = global_ns();
+  slot_wait(m.bar, m.parity);
+  if (m.stamps && threadIdx.x == 0) m.stamps[1] = global_ns();
+}
+
 /// Rows [r.first, r.last) of w as one slot run (first rows of that stage are multiples of
 /// `per`): the layout, and whether the task reads them from its slot. Unless the kernel already
 /// started the copy, thread 0 starts it here. Call before the body's first block barrier of the
@@ -318,7 +336,7 @@ __device__ __forceinline__ void task_gemv_rows(const DeviceQuant& w, RowRange r,
   const int groups = w.cols / kGroup, count = static_cast<int>(r.last - r.first);
   const auto put = [&](int v, float value) { store(r.first + v, value); };
   if (l.fits) {
-    slot_wait(m.bar, m.parity);
+    task_slot_wait(m);
     gemv_row_refs_any<true>(w.bits, groups, count, [&](int v) { return slot_row(m.slot, l, 0, v, xs); }, put);
   } else {
     gemv_row_refs_any<false>(w.bits, groups, count, [&](int v) { return global_row(w, r.first + v, xs); }, put);

@@ -180,7 +180,7 @@ __device__ inline bool task_expert_gate_up(const DecodeStepParams& p, int layer,
   const int groups = p.hidden / kGroup;
   const auto put = [&](int v, float value) { gu[v] = value; };
   if (slot.fits) {
-    slot_wait(m.bar, m.parity);
+    task_slot_wait(m);
     gemv_row_refs_any<true>(L.gate.bits, groups, 2 * n, [&](int v) {
       return v < n ? slot_row(m.slot, slot, 0, v, xs) : slot_row(m.slot, slot, 1, v - n, xs);
     }, put);
@@ -262,7 +262,7 @@ __device__ inline bool task_expert_down(const DecodeStepParams& p, int layer, in
   __syncthreads();  // also publishes the routing
   const auto put = [&](int v, float value) { part_out[v] = round_bf16(value); };
   if (slot.fits) {
-    slot_wait(m.bar, m.parity);
+    task_slot_wait(m);
     gemv_row_refs_any<true>(L.down.bits, groups, n_sel * n, [&](int v) {
       const int s = v / n;
       return slot_row(m.slot, slot, s, v - s * n, xs + s * stride);
