@@ -114,7 +114,8 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_TRUE(o.fused_moe);
   EXPECT_TRUE(o.batched_decode);
   EXPECT_EQ(o.prefill_chunk, 4096);
-  EXPECT_EQ(o.max_batch, 32);
+  EXPECT_EQ(o.max_batch, 64);
+  EXPECT_EQ(o.decode_rows, 64);
   EXPECT_EQ(o.rows_gemv_from, 2);
   EXPECT_TRUE(o.prefill_rows);
   EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64 rows-gemv-from=2 prefill-rows=1 persistent-decode=0");
@@ -249,7 +250,7 @@ TEST(CudaOptions, SetRefusesWhatItDoesNotKnowAndChangesNothing) {
                                                      {"rows-gemv-from=66", "--cuda rows-gemv-from must be an integer in 1…65"},
                                                      {"chunk=", "--cuda chunk must be an integer"},
                                                      {"gemm-kernel=dense", "--cuda gemm-kernel must be"},
-                                                     {"persistent-decode=2", "--cuda persistent-decode must be '1', 'debug' or '0'"},
+                                                     {"persistent-decode=2", "--cuda persistent-decode must be '1', 'debug', 'trace' or '0'"},
                                                      {"=1", "unknown option ''"}};
   for (const auto& [assignment, message] : bad) {
     CudaOptions o;
