@@ -1,7 +1,7 @@
 // The persistent kernel's task synchronisation (backends/cuda/task_sync.cuh) on the real decode
 // program's structure (backends/cuda/decode_program.h), with synthetic task bodies: every task
 // sums the elements it reads and folds the sum into the elements it writes (x ← 31·x + sum +
-// element + task). Run by one block per SM taking tasks in list order, the arena must end
+// element + task). Run by one block per SM on the persistent kernel's static schedule, the arena must end
 // bit-identical to the same bodies run one task after another on the host: a read before its
 // producer's write, or two writers out of order, changes some sum. Several launches in a row, two
 // of them replays of one captured graph, share the counters (nothing is reset between them). The timings (printed, never asserted)
@@ -54,24 +54,24 @@ __device__ void run_synthetic_task(const DecodeProgramImage::Task& t, const Deco
   }
 }
 
-/// One block per SM: take tasks in order, wait, run (with_data) and signal. The counters and
-/// `next` are zeroed once before the first launch; each launch finds its number in its tickets.
+/// One block per SM, block b running tasks b, b + G, … (the persistent kernel's static
+/// schedule): wait, run (with_data) and signal. The counters and the per-block epochs are zeroed
+/// once before the first launch; each launch finds its number in its block's epoch.
 __global__ void __launch_bounds__(kThreads, 1)
     synthetic_program_kernel(const DecodeProgramImage::Task* tasks, int64_t n_tasks,
                              const DecodeProgramImage::Access* acc, uint32_t* arena, uint32_t* counters,
-                             unsigned long long* next, bool with_data) {
-  __shared__ unsigned long long slot;
-  for (;;) {
-    const cuda::TaskTicket ticket = cuda::task_fetch(next, n_tasks, &slot);
-    const int64_t i = ticket.task;
-    if (i >= n_tasks) return;
+                             uint32_t* epochs, bool with_data) {
+  __shared__ uint32_t launch_slot;
+  const uint32_t launch = cuda::task_launch_begin(epochs, &launch_slot);
+  for (int64_t i = blockIdx.x; i < n_tasks; i += gridDim.x) {
     const DecodeProgramImage::Task t = tasks[i];
     for (int w = 0; w < DecodeProgramImage::kMaxWaits; ++w)
       if (t.wait_counter[w] >= 0)
-        cuda::counter_wait(counters + t.wait_counter[w], (ticket.launch + 1) * static_cast<uint32_t>(t.wait_target[w]));
+        cuda::counter_wait(counters + t.wait_counter[w], (launch + 1) * static_cast<uint32_t>(t.wait_target[w]));
     if (with_data) run_synthetic_task(t, acc, arena, i);
     if (t.signal >= 0) cuda::counter_signal(counters + t.signal);
   }
+  cuda::task_launch_end(epochs, launch);
 }
 
 /// The same bodies, one task after another, on the host.
@@ -92,7 +92,7 @@ void run_on_host(const DecodeProgramImage& img, std::vector<uint32_t>& arena) {
 /// A program on the device: its image, the arena (filled with a pattern), the counters.
 struct DeviceProgram {
   DecodeProgramImage img;
-  DeviceBuffer tasks, accesses, arena, counters, next;
+  DeviceBuffer tasks, accesses, arena, counters, epochs;
   std::vector<uint32_t> start;
   int blocks = 0;
 
@@ -101,7 +101,6 @@ struct DeviceProgram {
     accesses = DeviceBuffer(std::max<size_t>(img.accesses.size(), 1) * sizeof(DecodeProgramImage::Access));
     arena = DeviceBuffer(static_cast<size_t>(img.arena_elements) * 4);
     counters = DeviceBuffer(std::max<size_t>(static_cast<size_t>(img.n_counters), 1) * 4);
-    next = DeviceBuffer(8);
     CUDA_CHECK(cudaMemcpy(tasks.data(), img.tasks.data(), img.tasks.size() * sizeof(DecodeProgramImage::Task),
                           cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(accesses.data(), img.accesses.data(),
@@ -110,17 +109,18 @@ struct DeviceProgram {
     for (size_t e = 0; e < start.size(); ++e) start[e] = static_cast<uint32_t>(e * 2654435761u);
     CUDA_CHECK(cudaMemcpy(arena.data(), start.data(), start.size() * 4, cudaMemcpyHostToDevice));
     counters.fill_bytes(0);
-    next.fill_bytes(0);
     int dev = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev));
+    epochs = DeviceBuffer(static_cast<size_t>(blocks) * 4);
+    epochs.fill_bytes(0);
   }
 
   void launch(bool with_data, cudaStream_t stream = nullptr) {
     synthetic_program_kernel<<<blocks, kThreads, 0, stream>>>(
         tasks.as<DecodeProgramImage::Task>(), static_cast<int64_t>(img.tasks.size()),
         accesses.as<DecodeProgramImage::Access>(), arena.as<uint32_t>(), counters.as<uint32_t>(),
-        next.as<unsigned long long>(), with_data);
+        epochs.as<uint32_t>(), with_data);
     CUDA_CHECK(cudaGetLastError());
   }
 
@@ -142,7 +142,7 @@ cuda::DecodeProgram program_of(const ModelConfig& c) {
 }
 
 /// Three launches in a row against the host, bit for bit; the third replays a captured graph of
-/// the launch (fixed arguments: the launch number comes from the fetch counter).
+/// the launch (fixed arguments: the launch number comes from the per-block epochs).
 void expect_matches_host(const ModelConfig& c) {
   DeviceProgram d(program_of(c));
   std::vector<uint32_t> host = d.start;
@@ -170,7 +170,7 @@ TEST(TaskSync, TheDemoProgramRunsAsOnTheHost) { expect_matches_host(load_model_c
 
 TEST(TaskSync, TheRealProgramRunsAsOnTheHost) { expect_matches_host(test::synth_preset_config("35b-a3b")); }
 
-// The task machinery's cost on the 35B-A3B program: empty bodies (fetch, waits, signals only)
+// The task machinery's cost on the 35B-A3B program: empty bodies (waits and signals only)
 // and the synthetic bodies, µs per launch (events, after a warm-up). Printed, never asserted.
 TEST(TaskSyncTiming, PrintsTheProgramsOverhead) {
   const cuda::DecodeProgram p = program_of(test::synth_preset_config("35b-a3b"));

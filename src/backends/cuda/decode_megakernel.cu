@@ -146,61 +146,33 @@ __device__ __forceinline__ void prefetch_task(const DecodeStepParams& p, int kin
   }
 }
 
-/// The resident kernel: each block takes tasks in list order, two tickets ahead of the one it
-/// runs (task_take_next): the next task's weight rows are copied into the block's other slot
-/// while it runs the current one (task_prefetch_weights; a routed expert task's rows once the
-/// current task, an expert task of the same layer, has routed), and the fetch of the ticket after
-/// that is in flight. Thread 0 also asks L2 for what the current task and the task one round of blocks
-/// further down the list read from fixed addresses (prefetch_task). Then the block waits for the
-/// task's input counters of this launch, runs it and signals. Slots alternate task by task
-/// (task i of the block uses slot i mod 2), and each slot's phases are counted in `parity`. A
-/// launch ends when every block has fetched past the end (each stops fetching at its first
-/// ticket past the end, so a launch still makes exactly n + G fetches).
+/// The resident kernel: block b runs tasks b, b + G, b + 2G, … of the list (task_sync.cuh's
+/// static schedule). While it runs a task, the weight rows of its next task are copied into its
+/// other slot (task_prefetch_weights; a routed expert task's rows once the current task, an
+/// expert task of the same layer, has routed), and thread 0 asks L2 for what the current task
+/// and the task after the next read from fixed addresses (prefetch_task). Then the block waits
+/// for the task's input counters of this launch, runs it and signals. Slots alternate task by
+/// task (the block's task j uses slot j mod 2), and each slot's phases are counted in `parity`.
 __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     decode_megakernel(DecodeStepParams p, const Task* __restrict__ tasks, int64_t n_tasks, uint32_t* counters,
-                      unsigned long long* next, int lm_parts) {
+                      uint32_t* epochs, int lm_parts) {
   extern __shared__ __align__(128) char smem[];
   __shared__ __align__(8) uint64_t bars[2];
-  __shared__ unsigned long long slot_cur, slot_next;
+  __shared__ uint32_t launch_slot;
   init_slot_bars(bars);
-  // Thread 0: `cur` the ticket to run next, `ahead` the one after it (fetched while `cur` runs).
-  unsigned long long cur = 0, ahead = 0;
-  if (threadIdx.x == 0) {
-    cur = task_take_next(next);
-    if (task_ticket(cur, n_tasks).task < n_tasks) ahead = task_take_next(next);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) slot_cur = cur;
-  __syncthreads();
+  const uint32_t launch = task_launch_begin(epochs, &launch_slot);
+  const int64_t G = gridDim.x;
   int s = 0;             // this task's slot
   uint32_t parity = 0;   // bit b: the parity of slot b's next phase
-  bool prefetched = false;
-  {  // the first task's copy
-    const TaskTicket first = task_ticket(slot_cur, n_tasks);
-    if (first.task < n_tasks) {
-      const Task t = tasks[first.task];
-      prefetched = task_prefetch_weights(p, t.kind, t.layer, t.part, threadIdx.x == 0, task_smem(smem, 0, bars, 0, false).slot, bars);
-    }
-  }
-  for (;;) {
-    __syncthreads();  // every thread has read the last tickets, and is done with the last task's slot
-    if (threadIdx.x == 0) {
-      slot_cur = cur;
-      slot_next = ahead;
-    }
-    __syncthreads();
-    const TaskTicket ticket = task_ticket(slot_cur, n_tasks);
-    if (ticket.task >= n_tasks) return;
-    const TaskTicket next_ticket = task_ticket(slot_next, n_tasks);
-    const bool has_next = next_ticket.task < n_tasks && next_ticket.launch == ticket.launch;
-    unsigned long long after = 0;
-    if (threadIdx.x == 0 && has_next) after = task_take_next(next);  // in flight while this task runs
-    const Task t = tasks[ticket.task];
+  bool prefetched = false;  // the block's first task starts its own copy
+  for (int64_t i = blockIdx.x; i < n_tasks; i += G) {
+    __syncthreads();  // every thread is done with the last task's slot, the next task's target
+    const Task t = tasks[i];
     const unsigned long long taken = p.trace && threadIdx.x == 0 ? global_ns() : 0;
     TaskSmem m = task_smem(smem, s, bars, (parity >> s) & 1u, prefetched);
     bool next_prefetched = false;
-    if (has_next) {  // the next task's weights into the other slot: now, or once this task has routed
-      const Task a = tasks[next_ticket.task];
+    if (i + G < n_tasks) {  // the next task's weights into the other slot: now, or once this task has routed
+      const Task a = tasks[i + G];
       m.next_slot = task_smem(smem, s ^ 1, bars, 0, false).slot;
       m.next_bar = bars + (s ^ 1);
       next_prefetched = task_prefetch_weights(p, a.kind, a.layer, a.part, threadIdx.x == 0, m.next_slot, m.next_bar);
@@ -212,8 +184,8 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     }
     if (threadIdx.x == 0) {
       prefetch_task(p, t.kind, t.layer, t.part);
-      if (const int64_t ahead_task = ticket.task + gridDim.x; ahead_task < n_tasks) {
-        const Task a = tasks[ahead_task];
+      if (i + 2 * G < n_tasks) {  // the next task's rows are already on their way into a slot
+        const Task a = tasks[i + 2 * G];
         // Not the LM head's rows: a round of its tasks is several times L2, and would evict the
         // last layers' prefetched weights before their tasks read them.
         if (a.kind != static_cast<int32_t>(DecodeTaskKind::kLmHead)) prefetch_task(p, a.kind, a.layer, a.part);
@@ -224,26 +196,23 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     if (early) gdn_task_issue_states(p, t.layer, t.part, task_wide(smem, s));
     for (int w = 0; w < DecodeProgramImage::kMaxWaits; ++w)
       if (t.wait_counter[w] >= 0)
-        counter_wait(counters + t.wait_counter[w], (ticket.launch + 1) * static_cast<uint32_t>(t.wait_target[w]));
+        counter_wait(counters + t.wait_counter[w], (launch + 1) * static_cast<uint32_t>(t.wait_target[w]));
     const unsigned long long ready = p.trace && threadIdx.x == 0 ? global_ns() : 0;
     if (p.trace) {
-      m.stamps = p.trace + kDecodeTraceFields * ticket.task + 3;
+      m.stamps = p.trace + kDecodeTraceFields * i + 3;
       if (threadIdx.x == 0) m.stamps[0] = m.stamps[1] = 0;
     }
     const bool used = run_task_call(p, t.kind, t.layer, t.part, lm_parts, m, task_wide(smem, s), early);
     if (used) parity ^= 1u << s;
     if (t.signal >= 0) counter_signal(counters + t.signal);
     if (p.trace && threadIdx.x == 0) {
-      unsigned long long* r = p.trace + kDecodeTraceFields * ticket.task;
+      unsigned long long* r = p.trace + kDecodeTraceFields * i;
       r[0] = blockIdx.x, r[1] = taken, r[2] = ready, r[5] = global_ns();
-    }
-    if (threadIdx.x == 0) {
-      cur = ahead;
-      ahead = after;
     }
     s ^= 1;
     prefetched = next_prefetched;
   }
+  task_launch_end(epochs, launch);
 }
 
 /// The debug form: block b runs task first + b (one stage: no task of it waits on another),
@@ -317,18 +286,23 @@ DecodeMegakernel::DecodeMegakernel(const ModelConfig& c, const DecodeCut& grain)
   CUDA_CHECK(cudaMemcpy(tasks_.data(), img.tasks.data(), img.tasks.size() * sizeof(Task), cudaMemcpyHostToDevice));
   counters_ = DeviceBuffer(std::max<size_t>(static_cast<size_t>(img.n_counters), 1) * sizeof(uint32_t));
   counters_.fill_bytes(0);
-  next_ = DeviceBuffer(sizeof(unsigned long long));
-  next_.fill_bytes(0);
   blocks_ = sm_count();
+  epochs_ = DeviceBuffer(static_cast<size_t>(blocks_) * sizeof(uint32_t));
+  epochs_.fill_bytes(0);
   CUDA_CHECK(cudaFuncSetAttribute(decode_megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   kDecodeKernelSmemBytes));
   CUDA_CHECK(cudaFuncSetAttribute(decode_stage_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   kDecodeKernelSmemBytes));
+  // The static schedule needs every block resident at once (task_sync.cuh): one per SM.
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_megakernel, kDecodeTaskThreads,
+                                                           kDecodeKernelSmemBytes));
+  if (per_sm < 1) throw Error("persistent decode kernel: a block does not fit on an SM");
 }
 
 void DecodeMegakernel::launch(const DecodeStepParams& p, cudaStream_t stream) {
   decode_megakernel<<<blocks_, kDecodeTaskThreads, kDecodeKernelSmemBytes, stream>>>(
-      p, tasks_.as<Task>(), n_tasks_, counters_.as<uint32_t>(), next_.as<unsigned long long>(), lm_parts_);
+      p, tasks_.as<Task>(), n_tasks_, counters_.as<uint32_t>(), epochs_.as<uint32_t>(), lm_parts_);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,6 +1,6 @@
 // The persistent decode kernel (docs/cuda.md, "A persistent decode kernel"): a one-sequence
-// decode step as one resident launch of one block per SM, which takes the step's tasks
-// (decode_program.h) in list order, waits on counters in device memory for their inputs,
+// decode step as one resident launch of one block per SM; block b runs tasks b, b + G, b + 2G, …
+// of the step's list (decode_program.h) in order, waits on counters in device memory for their inputs,
 // runs the task's body (decode_tasks_*.cuh) and signals. The debug form runs the same bodies
 // one launch per stage in list order, with no counters, so the host can look at every stage.
 #pragma once
@@ -69,7 +69,7 @@ class DecodeMegakernel {
   std::vector<Stage> stages_;
   DeviceBuffer tasks_;     ///< DecodeProgramImage::Task [n]
   DeviceBuffer counters_;  ///< uint32 [counters]
-  DeviceBuffer next_;      ///< the fetch counter (unsigned long long)
+  DeviceBuffer epochs_;    ///< uint32 [blocks]: each block's launch number (task_sync.cuh)
   int64_t n_tasks_ = 0;
   int lm_parts_ = 0;
   int64_t attn_part_floats_ = 0;

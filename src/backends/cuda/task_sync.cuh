@@ -1,11 +1,18 @@
-// The synchronisation of a persistent kernel's task list (decode_program.h): blocks take tasks in
-// list order from one fetch counter, wait on counters that earlier tasks signal, and signal their
-// own when done. Counters only grow, and a launch finds its number in the fetch counter: with n
-// tasks on G blocks every launch makes exactly n + G fetches (each block one past the end), so
-// fetch v belongs to launch v / (n + G). Launch e waits for (e + 1) · a counter's producer count.
-// Nothing is reset between launches, and a captured graph replays correctly with fixed arguments.
-// One instance of a program runs at a time on one set of counters: launches of it follow each
-// other on one stream, without programmatic dependent launch between them.
+// The synchronisation of a persistent kernel's task list (decode_program.h). The schedule is
+// static: block b of G runs tasks b, b + G, b + 2G, … of the list, in that order, so a stage's
+// tasks sit on distinct blocks and each block knows its future tasks (their weights can be
+// copied in early). Tasks wait on counters that earlier tasks signal, and signal their own when
+// done. Counters only grow: launch e waits for (e + 1) · a counter's producer count, and each
+// block keeps its launch number e in a per-block epoch in device memory, which it reads at the
+// start of a launch and advances at its end. Nothing is reset between launches, and a captured
+// graph replays correctly with fixed arguments. One instance of a program runs at a time on one
+// set of counters: launches of it follow each other on one stream, without programmatic
+// dependent launch between them.
+//
+// Deadlock freedom: the list is a topological order of the waits (check_decode_program), and
+// all G blocks are resident at once (one per SM). Take the lowest unfinished task: its
+// producers are earlier in the list, so finished; its block's earlier tasks are lower, so
+// finished; so its block is running it, and it finishes.
 //
 // Memory ordering, at GPU scope: a signal is a block barrier and a release reduction by one
 // thread, so every global write of the block before it is visible to a block that sees the count;
@@ -16,29 +23,20 @@
 
 namespace lily::cuda {
 
-/// A fetched task: the launch it belongs to and its index in the list (≥ the list's length: past
-/// the end, the block is done).
-struct TaskTicket {
-  uint32_t launch;
-  int64_t task;
-};
-
-/// The ticket of fetch value `v` in a list of `n_tasks` run by gridDim.x blocks (task_fetch's
-/// numbering).
-__device__ __forceinline__ TaskTicket task_ticket(unsigned long long v, int64_t n_tasks) {
-  const unsigned long long per_launch = static_cast<unsigned long long>(n_tasks) + gridDim.x;
-  return TaskTicket{static_cast<uint32_t>(v / per_launch), static_cast<int64_t>(v % per_launch)};
+/// This block's launch number (its epoch in `epochs`, uint32 [gridDim.x], zero before the first
+/// launch, never reset): thread 0 reads it, every thread of the block gets it through `slot` (a
+/// __shared__ uint32_t). All threads. The previous launch's task_launch_end wrote it, and kernel
+/// boundaries order that write before this read.
+__device__ __forceinline__ uint32_t task_launch_begin(const uint32_t* epochs, uint32_t* slot) {
+  if (threadIdx.x == 0) *slot = epochs[blockIdx.x];
+  __syncthreads();
+  return *slot;
 }
 
-/// This block's next task of a list of `n_tasks` run by `gridDim.x` blocks: thread 0 takes it
-/// with one atomic add on `next` (zero before the first launch, never reset), the block reads it
-/// from `slot` (a __shared__ unsigned long long). All threads of the block call it and get the
-/// same ticket.
-__device__ __forceinline__ TaskTicket task_fetch(unsigned long long* next, int64_t n_tasks, unsigned long long* slot) {
-  __syncthreads();  // every thread has read the last ticket
-  if (threadIdx.x == 0) *slot = atomicAdd(next, 1ull);
-  __syncthreads();
-  return task_ticket(*slot, n_tasks);
+/// Advances this block's epoch past `launch` (task_launch_begin's value). All threads, after the
+/// block's last task; thread 0 writes.
+__device__ __forceinline__ void task_launch_end(uint32_t* epochs, uint32_t launch) {
+  if (threadIdx.x == 0) epochs[blockIdx.x] = launch + 1;
 }
 
 /// How long counter_wait spins before it gives up with a trap (a missing producer would
@@ -71,13 +69,5 @@ __device__ __forceinline__ void counter_signal(uint32_t* c) {
   __syncthreads();
   if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
 }
-
-/// Takes the ticket after this block's current one: thread 0's atomic add on `next`, whose
-/// result is first needed when the current task is done, so its round trip overlaps the task.
-/// Holding one ticket ahead keeps the list deadlock-free: the lowest unfinished task's producers
-/// are all finished, and its block is running it (a block runs its tickets in the order it took
-/// them, so one holding it ahead runs a lower, unfinished task, which contradicts lowest).
-/// Thread 0 only.
-__device__ __forceinline__ unsigned long long task_take_next(unsigned long long* next) { return atomicAdd(next, 1ull); }
 
 }  // namespace lily::cuda
