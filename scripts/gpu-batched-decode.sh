@@ -41,6 +41,8 @@
 #   LILY_GPU_STEPS=prof-persistent  Nsight Compute: one step of the persistent kernel's debug form
 #                           stage by stage (scripts/ncu-stage-table.py), and the resident kernel's
 #                           time and DRAM bytes a step (35b-a3b synth, 256-token prompt)
+#   LILY_GPU_STEPS=stalls   Nsight Compute: why the resident kernel's warps wait (stall reasons per
+#                           issued instruction, one launch, 35b-a3b synth)
 #   LILY_GPU_STEPS=tasks    the persistent kernel's counters (test_task_sync: the 35B-A3B task
 #                           list with synthetic bodies against the host, and its cost)
 #   LILY_GPU_STEPS=perf     the kernel case tables in perf mode (LILY_GPU_PERF=1): the GEMV, dense
@@ -66,7 +68,7 @@ status=0
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 targets=()
-{ has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace; } && targets+=(lily)
+{ has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && targets+=(lily)
 for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
 gpu_build build.log "${targets[@]}"
 
@@ -139,7 +141,7 @@ serve_streams() {
   kill -INT "$pid"
   wait "$pid"
 }
-if { has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace; } && [[ ! -f "$M/config.json" ]]; then
+if { has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && [[ ! -f "$M/config.json" ]]; then
   timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
 fi
 if has throughput; then
@@ -251,6 +253,28 @@ if has prof-persistent; then
     status=1
   python3 -c 'import csv,sys; rows=list(csv.DictReader(l for l in open(sys.argv[1]) if l.startswith("\""))); [print(r["gpu__time_duration.sum"], r["dram__bytes_read.sum"]) for r in rows]' \
     "$OUT/prof-resident.csv"
+fi
+if has stalls; then
+  # Why the resident kernel's warps wait (Nsight Compute's warp-state sampling of one launch after
+  # a 256-token prompt): each stall reason in cycles per issued instruction, largest first.
+  echo "== ncu: the resident kernel's warp states, 35b-a3b"
+  timeout 240 ncu --clock-control none --kernel-name regex:decode_megakernel --launch-skip 2 --launch-count 1 \
+    --section WarpStateStats --section InstructionStats --csv --page raw "$BUILD/lily" bench --backend cuda \
+    --model "$M" --cuda persistent-decode=1 --prompt-len 256 --decode-steps 4 --rounds 1 >"$OUT/prof-stalls.csv" 2>&1 ||
+    status=1
+  python3 - "$OUT/prof-stalls.csv" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"')))
+for r in rows[1:] if rows and not rows[0].get("ID", "0").isdigit() else rows:  # skip a units row
+    picked = [(k, v) for k, v in r.items() if "issue_stalled" in k and k.endswith("per_issue_active.ratio")]
+    def num(v):
+        try: return float(v.replace(",", ""))
+        except ValueError: return 0.0
+    for k, v in sorted(picked, key=lambda kv: -num(kv[1]))[:12]:
+        print(f"  {num(v):8.2f}  {k}")
+    for k in ("smsp__inst_executed.sum", "sm__cycles_elapsed.avg", "gpu__time_duration.sum"):
+        if k in r: print(f"  {k} = {r[k]}")
+PY
 fi
 if has big; then
   echo "== batched decode throughput, 35b-a3b"

@@ -106,7 +106,8 @@ __device__ __forceinline__ void stage_add_norm_cg(const bf16* x, const bf16* bra
   stage_group_sums(cols, xs, xs + (cols / kGroup) * kGroupStride);
 }
 
-/// Rows a warp's row-group computes at once in gemv_row_refs (independent loads in flight).
+/// Rows a warp's row-group computes at once in gemv_row_refs when the rows are in global memory
+/// (independent loads in flight); rows in shared memory are computed one at a time.
 constexpr int kTaskGemvUnroll = 4;
 
 /// One matrix row as a task's GEMV reads it, in global or shared memory: its BITS-bit code words,
@@ -125,52 +126,91 @@ __device__ __forceinline__ QuantRowRef global_row(const DeviceQuant& w, int64_t 
   return QuantRowRef{w.codes + row * wpr, w.scales + row * groups, w.biases + row * groups, xs};
 }
 
+/// acc + Σ q·x over the 4·(32 / BITS) codes of one 16-byte vector q, against the staged values
+/// x (16-byte aligned), element after element: continued over a group's vectors in order, the
+/// same chain of fmas as group_qdot_regs (quant_dot.cuh), so the same bits.
+template <int BITS>
+__device__ __forceinline__ float vec_qdot(uint4 q, const float* x, float acc) {
+  constexpr int kPer = 32 / BITS;  // codes per word
+  constexpr uint32_t kMask = (1u << BITS) - 1u;
+  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float4* xv = reinterpret_cast<const float4*>(x + j * kPer);
+#pragma unroll
+    for (int e4 = 0; e4 < kPer / 4; ++e4) {
+      const float4 xx = xv[e4];
+      const uint32_t w = words[j] >> (BITS * 4 * e4);
+      acc = fmaf(code_f32(w, kMask), xx.x, acc);
+      acc = fmaf(code_f32(w >> BITS, kMask), xx.y, acc);
+      acc = fmaf(code_f32(w >> (2 * BITS), kMask), xx.z, acc);
+      acc = fmaf(code_f32(w >> (3 * BITS), kMask), xx.w, acc);
+    }
+  }
+  return acc;
+}
+
 /// This lane's share of U rows' dot products (docs/model.md §4.2): lanes lane_in of L stride
 /// over the `groups` 64-groups, acc[j] += s·Σ(q·x) + b·Σx per group in group order. SHARED: the
 /// rows are in shared memory (plain loads), else in global memory (read-only path). Caller
 /// reduces acc[j] with group_sum(·, L). Either memory gives the same bits.
+///
+/// The loops over groups and over a group's 16-byte vectors stay rolled: a block runs a task
+/// body between other bodies, so the body's instructions tend to come cold from L2, and a fully
+/// unrolled group (hundreds of instructions a row) costs more to fetch than to execute.
 template <int BITS, int U, bool SHARED>
 __device__ __forceinline__ void rows_partial_refs(const QuantRowRef (&r)[U], int groups, int lane_in, int L,
                                                   float (&acc)[U]) {
   constexpr int kWordsPerGroup = kGroup * BITS / 32;
+  constexpr int kVecs = kGroupVecs<BITS>, kPerVec = 4 * 32 / BITS;  // vectors a group, codes a vector
 #pragma unroll
   for (int j = 0; j < U; ++j) acc[j] = 0.0f;
+#pragma unroll 1
   for (int g = lane_in; g < groups; g += L) {
+    float dot[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) dot[j] = 0.0f;
+#pragma unroll 1
+    for (int v = 0; v < kVecs; ++v) {
+#pragma unroll
+      for (int j = 0; j < U; ++j) {
+        if (!r[j].codes) continue;
+        const uint4* gw = reinterpret_cast<const uint4*>(r[j].codes + g * kWordsPerGroup) + v;
+        const uint4 q = SHARED ? *gw : __ldg(gw);
+        dot[j] = vec_qdot<BITS>(q, r[j].xs + g * kGroupStride + v * kPerVec, dot[j]);
+      }
+    }
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       if (!r[j].codes) continue;
-      const uint4* gw = reinterpret_cast<const uint4*>(r[j].codes + g * kWordsPerGroup);
-      uint4 q[kGroupVecs<BITS>];
       float s, b;
       if constexpr (SHARED) {
-#pragma unroll
-        for (int v = 0; v < kGroupVecs<BITS>; ++v) q[v] = gw[v];
         s = to_f32(r[j].scales[g]);
         b = to_f32(r[j].biases[g]);
       } else {
-#pragma unroll
-        for (int v = 0; v < kGroupVecs<BITS>; ++v) q[v] = __ldg(gw + v);
         s = bits_to_f32(__ldg(reinterpret_cast<const unsigned short*>(r[j].scales + g)));
         b = bits_to_f32(__ldg(reinterpret_cast<const unsigned short*>(r[j].biases + g)));
       }
-      acc[j] += s * group_qdot_regs<BITS>(q, r[j].xs + g * kGroupStride) + b * r[j].xs[groups * kGroupStride + g];
+      acc[j] += s * dot[j] + b * r[j].xs[groups * kGroupStride + g];
     }
   }
 }
 
 /// `count` rows v = 0 … count − 1 of `groups` 64-groups each, dealt to the warps' row-groups
-/// (lanes_per_row lanes a row, kTaskGemvUnroll consecutive rows a row-group at a time):
+/// (lanes_per_row lanes a row; a row-group takes kTaskGemvUnroll consecutive rows at a time
+/// from global memory, one from shared memory):
 /// row_of(v) names the row and its input (QuantRowRef), store(v, value) takes the fp32 dot
 /// product (one lane per row). A row's arithmetic depends on its width alone, not on where it
 /// is dealt or stored. All threads (warp-uniform loops).
 template <int BITS, bool SHARED, class RowOf, class Store>
 __device__ __forceinline__ void gemv_row_refs(int groups, int count, RowOf row_of, Store store) {
-  constexpr int U = kTaskGemvUnroll;
+  constexpr int U = SHARED ? 1 : kTaskGemvUnroll;
   const int L = lanes_per_row(groups), per_warp = kWarp / L;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
   const int sub = lane / L, lane_in = lane % L;
   const int per_round = n_warps * per_warp * U;
   const int rounds = (count + per_round - 1) / per_round;
+#pragma unroll 1
   for (int it = 0; it < rounds; ++it) {  // the same count on every lane: shuffles stay converged
     const int base = it * per_round + (warp * per_warp + sub) * U;
     QuantRowRef r[U];
