@@ -37,7 +37,7 @@ __device__ __forceinline__ bool run_task(const DecodeStepParams& p, int kind, in
     case DecodeTaskKind::kRouter: return task_router(p, layer, part, m);
     case DecodeTaskKind::kExpertGateUp: return task_expert_gate_up(p, layer, part, m);
     case DecodeTaskKind::kExpertDown: return task_expert_down(p, layer, part, m);
-    case DecodeTaskKind::kLmHead: task_lm_head(p, part, m.work); return false;
+    case DecodeTaskKind::kLmHead: task_lm_head(p, part, m); return false;
     case DecodeTaskKind::kArgmax: task_argmax(p, lm_parts); return false;
   }
   return false;
@@ -159,6 +159,7 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
   extern __shared__ __align__(128) char smem[];
   __shared__ __align__(8) uint64_t bars[2];
   __shared__ uint32_t launch_slot;
+  __shared__ GemvRuns gemv;
   init_slot_bars(bars);
   const uint32_t launch = task_launch_begin(epochs, &launch_slot);
   const int64_t G = gridDim.x;
@@ -170,6 +171,7 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     const Task t = tasks[i];
     const unsigned long long taken = p.trace && threadIdx.x == 0 ? global_ns() : 0;
     TaskSmem m = task_smem(smem, s, bars, (parity >> s) & 1u, prefetched);
+    m.gemv = &gemv;
     bool next_prefetched = false;
     if (i + G < n_tasks) {  // the next task's weights into the other slot: now, or once this task has routed
       const Task a = tasks[i + G];
@@ -221,9 +223,12 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     decode_stage_kernel(DecodeStepParams p, const Task* __restrict__ tasks, int64_t first, int lm_parts) {
   extern __shared__ __align__(128) char smem[];
   __shared__ __align__(8) uint64_t bars[2];
+  __shared__ GemvRuns gemv;
   init_slot_bars(bars);
   const Task t = tasks[first + blockIdx.x];
-  run_task(p, t.kind, t.layer, t.part, lm_parts, task_smem(smem, 0, bars, 0, false), task_wide(smem, 0), false);
+  TaskSmem m = task_smem(smem, 0, bars, 0, false);
+  m.gemv = &gemv;
+  run_task(p, t.kind, t.layer, t.part, lm_parts, m, task_wide(smem, 0), false);
 }
 
 /// The grain of a program for the device: the cut the task bodies use, and a KV capacity (and
@@ -265,9 +270,10 @@ DecodeMegakernel::DecodeMegakernel(const ModelConfig& c, const DecodeCut& grain)
     throw Error("persistent decode kernel: the model's " + why);
   if (expert_gate_up_smem_bytes(c.hidden, grain.expert_rows) > kTaskWorkBytes ||
       expert_down_smem_bytes(c.moe_ffn_dim, c.n_experts_per_tok, grain.down_rows) > kTaskWorkBytes ||
-      staged_row_floats(std::max({c.hidden, c.gdn_value_dim(), c.n_heads * c.head_dim})) * 4 > kTaskWorkBytes)
-    throw Error("persistent decode kernel: the model's rows need more shared memory than a task has beside its "
-                "weight slot (" + std::to_string(kTaskWorkBytes) + " bytes)");
+      (staged_row_floats_16(std::max({c.hidden, c.gdn_value_dim(), c.n_heads * c.head_dim})) +
+       std::max({grain.proj_rows, grain.out_rows, grain.router_rows, grain.lm_rows})) * 4 > kTaskWorkBytes)
+    throw Error("persistent decode kernel: the model's rows (staged inputs and a task's outputs) need more shared "
+                "memory than a task has beside its weight slot (" + std::to_string(kTaskWorkBytes) + " bytes)");
   program_ = build_decode_program(c, program_grain(grain));
   if (const std::string why = check_decode_program(program_); !why.empty())
     throw InternalError("persistent decode kernel: the task list is not safe to run: " + why);

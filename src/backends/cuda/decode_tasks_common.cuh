@@ -51,11 +51,15 @@ __device__ __forceinline__ void ld_cg_bf16x8(const bf16* p, float (&x)[8]) {
   x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
 }
 
+// The staging functions and the GEMV below are calls, not inlined: every task body that needs
+// them runs the same instructions, which then stay in the SM's instruction cache from one task
+// to the next (inlined into each body, the bodies' code was fetched cold from L2 at every task).
+
 /// Stages bf16 x [cols] (read past L1, 16-byte aligned, cols a multiple of 64) into xs (fp32,
 /// quant_dot.cuh's layout) and its group sums into xsum = xs + (cols / 64)·kGroupStride: thread
 /// i takes the eight values 8i … 8i + 7 (one load; every load of the row in flight at once). All
 /// threads; ends with __syncthreads().
-__device__ __forceinline__ void stage_row_cg(const bf16* x, int cols, float* xs) {
+__device__ inline __noinline__ void stage_row_cg(const bf16* x, int cols, float* xs) {
   for (int c = 8 * threadIdx.x; c < cols; c += 8 * blockDim.x) {
     float v[8];
     ld_cg_bf16x8(x + c, v);
@@ -73,8 +77,8 @@ __device__ __forceinline__ void stage_row_cg(const bf16* x, int cols, float* xs)
 /// values a load (16-byte aligned, cols a multiple of 64). With h_out / y_out non-null, h and y
 /// are also stored (bf16 [cols]). All threads; ends with __syncthreads(). Σh² is summed per
 /// thread in element order, then over the block.
-__device__ __forceinline__ void stage_add_norm_cg(const bf16* x, const bf16* branch, const float* gain, int cols,
-                                                  float eps, float* xs, bf16* h_out, bf16* y_out) {
+__device__ inline __noinline__ void stage_add_norm_cg(const bf16* x, const bf16* branch, const float* gain, int cols,
+                                                     float eps, float* xs, bf16* h_out, bf16* y_out) {
   __shared__ float scratch[32];
   float ss = 0.0f;
   for (int c = 8 * threadIdx.x; c < cols; c += 8 * blockDim.x) {
@@ -245,6 +249,23 @@ __device__ __forceinline__ void gemv_row_refs_any(int bits, int groups, int coun
 // bytes, or runs not on 16-byte bounds, as with some rows of small models) are read from global
 // memory instead, with the same arithmetic.
 
+/// The rows of one task GEMV (task_gemv), as data rather than code, so that every body runs
+/// the same GEMV instructions: `runs` runs of `count` consecutive rows of one matrix shape
+/// (groups 64-groups of `bits`-bit codes a row); run j's codes, scales and biases start at
+/// codes[j], scales[j] and biases[j] (row strides code_row and sb_row bytes), in a weight slot
+/// (in_shared) or in global memory, and its input row is the staged xs + j·xs_stride (floats).
+/// Lives in shared memory; thread 0 fills it (fill_gemv_runs).
+struct GemvRuns {
+  static constexpr int kMaxRuns = kMaxTopK + 1;  ///< the down task's k + 1 slots
+  int runs = 0, count = 0, groups = 0, bits = 4;
+  bool in_shared = false;
+  int64_t code_row = 0, sb_row = 0, xs_stride = 0;
+  const float* xs = nullptr;
+  const unsigned char* codes[kMaxRuns];
+  const unsigned char* scales[kMaxRuns];
+  const unsigned char* biases[kMaxRuns];
+};
+
 /// What a task body gets of its block's shared memory.
 struct TaskSmem {
   char* work = nullptr;           ///< the body's arrays (kTaskWorkBytes beside a slot in use)
@@ -262,6 +283,7 @@ struct TaskSmem {
   /// Traced launches only (else null): where thread 0 stamps the end of the input staging [0]
   /// and the slot's landing [1] (DecodeStepParams::trace fields 3 and 4).
   unsigned long long* stamps = nullptr;
+  GemvRuns* gemv = nullptr;  ///< the block's GEMV description (shared memory, one per block)
 };
 
 /// %globaltimer in ns.
@@ -357,30 +379,97 @@ __device__ __forceinline__ void task_slot_wait(const TaskSmem& m) {
   if (m.stamps && threadIdx.x == 0) m.stamps[1] = global_ns();
 }
 
+/// Fills d with `runs` runs of l.count rows: run j is rows [first_of(j), + l.count) of
+/// matrix_of(j) (DeviceQuants of one shape), in the slot `slot` laid out as l when l.fits, else
+/// in global memory; run j's input row at xs + j·xs_stride. Thread 0; a block barrier must
+/// follow before task_gemv reads d.
+template <class MatrixOf, class FirstOf>
+__device__ __forceinline__ void fill_gemv_runs(GemvRuns& d, const SlotRuns& l, const unsigned char* slot,
+                                               MatrixOf matrix_of, FirstOf first_of, const float* xs,
+                                               int64_t xs_stride) {
+  const DeviceQuant& w0 = matrix_of(0);
+  d.runs = l.runs, d.count = l.count, d.groups = w0.cols / kGroup, d.bits = w0.bits;
+  d.in_shared = l.fits;
+  d.code_row = int64_t{w0.cols} * w0.bits / 8, d.sb_row = int64_t{d.groups} * 2;
+  d.xs = xs, d.xs_stride = xs_stride;
+  for (int j = 0; j < l.runs; ++j) {
+    if (l.fits) {
+      d.codes[j] = slot + j * l.run_bytes;
+      d.scales[j] = d.codes[j] + l.count * d.code_row;
+      d.biases[j] = d.scales[j] + l.count * d.sb_row;
+    } else {
+      const DeviceQuant& w = matrix_of(j);
+      const int64_t first = first_of(j);
+      d.codes[j] = reinterpret_cast<const unsigned char*>(w.codes) + first * d.code_row;
+      d.scales[j] = reinterpret_cast<const unsigned char*>(w.scales) + first * d.sb_row;
+      d.biases[j] = reinterpret_cast<const unsigned char*>(w.biases) + first * d.sb_row;
+    }
+  }
+}
+
+/// out[v] = the fp32 dot product of row v = j·count + r (row r of run j) with run j's input row,
+/// for every row of d (gemv_row_refs: the same arithmetic in either memory).
+template <int BITS, bool SHARED>
+__device__ __forceinline__ void gemv_runs(const GemvRuns& d, float* out) {
+  const int count = d.count;
+  gemv_row_refs<BITS, SHARED>(
+      d.groups, d.runs * count,
+      [&](int v) {
+        const int j = v / count, r = v - j * count;
+        return QuantRowRef{reinterpret_cast<const uint32_t*>(d.codes[j] + r * d.code_row),
+                           reinterpret_cast<const bf16*>(d.scales[j] + r * d.sb_row),
+                           reinterpret_cast<const bf16*>(d.biases[j] + r * d.sb_row), d.xs + j * d.xs_stride};
+      },
+      [&](int v, float value) { out[v] = value; });
+}
+
+/// The task GEMV: gemv_runs over d (shared memory, filled and published), out fp32 [runs·count]
+/// in shared memory. One call for every body, so its instructions stay in the instruction
+/// cache. All threads; the caller's barrier publishes `out`.
+__device__ inline __noinline__ void task_gemv(const GemvRuns& d, float* out) {
+  if (d.in_shared) {
+    if (d.bits == 8) gemv_runs<8, true>(d, out);
+    else gemv_runs<4, true>(d, out);
+  } else {
+    if (d.bits == 8) gemv_runs<8, false>(d, out);
+    else gemv_runs<4, false>(d, out);
+  }
+}
+
 /// Rows [r.first, r.last) of w as one slot run (first rows of that stage are multiples of
 /// `per`): the layout, and whether the task reads them from its slot. Unless the kernel already
-/// started the copy, thread 0 starts it here. Call before the body's first block barrier of the
-/// task (the kernel's loop barrier orders the slot's earlier reads).
-__device__ __forceinline__ SlotRuns task_rows_to_slot(const DeviceQuant& w, RowRange r, int per, const TaskSmem& m) {
+/// started the copy, thread 0 starts it here; thread 0 also fills m.gemv (one run, input xs).
+/// Call before the body's first block barrier of the task (the kernel's loop barrier orders the
+/// slot's earlier reads).
+__device__ __forceinline__ SlotRuns task_rows_to_slot(const DeviceQuant& w, RowRange r, int per, const TaskSmem& m,
+                                                      const float* xs) {
   const SlotRuns l = slot_runs(w, 1, static_cast<int>(r.last - r.first), per);
-  if (l.fits && !m.prefetched && threadIdx.x == 0)
-    slot_issue(l, [&](int) -> const DeviceQuant& { return w; }, [&](int) { return r.first; }, m.slot, m.bar);
+  if (threadIdx.x == 0) {
+    const auto matrix = [&](int) -> const DeviceQuant& { return w; };
+    const auto first = [&](int) { return r.first; };
+    if (l.fits && !m.prefetched) slot_issue(l, matrix, first, m.slot, m.bar);
+    fill_gemv_runs(*m.gemv, l, m.slot, matrix, first, xs, 0);
+  }
   return l;
 }
 
-/// y[row] for rows [r.first, r.last) of w times the staged xs, from the slot when l.fits (after
-/// waiting for its copy), else from global memory; store(row, value). All threads.
+/// Floats of a staged row of `cols` values rounded up to a multiple of 4 (what follows it in
+/// shared memory stays 16-byte aligned).
+__host__ __device__ constexpr int64_t staged_row_floats_16(int cols) { return (staged_row_floats(cols) + 3) / 4 * 4; }
+
+/// y[row] for rows [r.first, r.last) of w times the staged xs (m.gemv, filled by
+/// task_rows_to_slot), from the slot when l.fits (after waiting for its copy), else from global
+/// memory; store(row, value) from the fp32 results, which wait in shared memory after xs. All
+/// threads.
 template <class Store>
-__device__ __forceinline__ void task_gemv_rows(const DeviceQuant& w, RowRange r, const SlotRuns& l, const float* xs,
+__device__ __forceinline__ void task_gemv_rows(const DeviceQuant& w, RowRange r, const SlotRuns& l, float* xs,
                                                const TaskSmem& m, Store store) {
-  const int groups = w.cols / kGroup, count = static_cast<int>(r.last - r.first);
-  const auto put = [&](int v, float value) { store(r.first + v, value); };
-  if (l.fits) {
-    task_slot_wait(m);
-    gemv_row_refs_any<true>(w.bits, groups, count, [&](int v) { return slot_row(m.slot, l, 0, v, xs); }, put);
-  } else {
-    gemv_row_refs_any<false>(w.bits, groups, count, [&](int v) { return global_row(w, r.first + v, xs); }, put);
-  }
+  float* out = xs + staged_row_floats_16(w.cols);
+  if (l.fits) task_slot_wait(m);
+  task_gemv(*m.gemv, out);
+  __syncthreads();
+  const int count = static_cast<int>(r.last - r.first);
+  for (int v = threadIdx.x; v < count; v += blockDim.x) store(r.first + v, out[v]);
 }
 
 /// Asks L2 to fetch `bytes` from `p` (rounded out to 16-byte bounds) without waiting: one

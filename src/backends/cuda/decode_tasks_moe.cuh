@@ -50,7 +50,7 @@ __host__ __device__ constexpr int64_t expert_down_smem_bytes(int ffn, int top_k,
 /// (route_token_keys: bit-identical to the graph decode's routing, router_topk.cuh). No block
 /// barrier: the caller's next __syncthreads() publishes `out`. Needs 1 ≤ k ≤ min(E, kMaxTopK)
 /// and E ≤ kMaxExperts.
-__device__ __forceinline__ void route_warp0(const DecodeStepParams& p, TaskRouting& out) {
+__device__ inline __noinline__ void route_warp0(const DecodeStepParams& p, TaskRouting& out) {
   if (threadIdx.x >= kWarp) return;
   if (p.n_experts <= kWarp * kRouteKeysSmall)
     route_token_keys<kRouteKeysSmall>(p.router_logits, p.n_experts, p.top_k, out.ids, out.weights);
@@ -165,30 +165,23 @@ __device__ inline bool task_expert_gate_up(const DecodeStepParams& p, int layer,
   const bool routed = sr.slot < p.top_k;
   const auto gate_or_up = [&](int j) -> const DeviceQuant& { return j == 0 ? L.gate : L.up; };
   if (routed) route_warp0(p, route);
-  if (threadIdx.x == 0 && !m.prefetched) {  // the routed rows are known only now
+  if (threadIdx.x == 0) {  // the routed rows are known only now
     const int64_t row0 = int64_t{routed ? route.ids[sr.slot] : p.n_experts} * p.moe_ffn + sr.first;
-    if (slot.fits) {
-      slot_issue(slot, gate_or_up, [&](int) { return row0; }, m.slot, m.bar);
-    } else {  // towards L2 while the block stages x
-      prefetch_rows_l2(L.gate, row0, row0 + n);
-      prefetch_rows_l2(L.up, row0, row0 + n);
+    const auto first = [&](int) { return row0; };
+    if (!m.prefetched) {
+      if (slot.fits) {
+        slot_issue(slot, gate_or_up, first, m.slot, m.bar);
+      } else {  // towards L2 while the block stages x
+        prefetch_rows_l2(L.gate, row0, row0 + n);
+        prefetch_rows_l2(L.up, row0, row0 + n);
+      }
     }
+    if (routed) copy_next_expert(p, layer, route, m);
+    fill_gemv_runs(*m.gemv, slot, m.slot, gate_or_up, first, xs, 0);  // gu: gate rows, then up rows
   }
-  if (threadIdx.x == 0 && routed) copy_next_expert(p, layer, route, m);
-  stage_row_cg(p.moe_normed, p.hidden, xs);  // its barriers also publish the routing
-  const int64_t row0 = int64_t{routed ? route.ids[sr.slot] : p.n_experts} * p.moe_ffn + sr.first;
-  const int groups = p.hidden / kGroup;
-  const auto put = [&](int v, float value) { gu[v] = value; };
-  if (slot.fits) {
-    task_slot_wait(m);
-    gemv_row_refs_any<true>(L.gate.bits, groups, 2 * n, [&](int v) {
-      return v < n ? slot_row(m.slot, slot, 0, v, xs) : slot_row(m.slot, slot, 1, v - n, xs);
-    }, put);
-  } else {
-    gemv_row_refs_any<false>(L.gate.bits, groups, 2 * n, [&](int v) {
-      return v < n ? global_row(L.gate, row0 + v, xs) : global_row(L.up, row0 + v - n, xs);
-    }, put);
-  }
+  stage_row_cg(p.moe_normed, p.hidden, xs);  // its barriers also publish the routing and m.gemv
+  if (slot.fits) task_slot_wait(m);
+  task_gemv(*m.gemv, gu);
   __syncthreads();
   bf16* act = p.act + int64_t{sr.slot} * p.moe_ffn + sr.first;
   for (int i = threadIdx.x; i < n; i += blockDim.x)
@@ -229,14 +222,18 @@ __device__ inline bool task_expert_down(const DecodeStepParams& p, int layer, in
   float* xs = reinterpret_cast<float*>(m.work + kTaskRoutingBytes);  // [n_sel][stride]
   float* part_out = xs + n_sel * stride;                              // [n_sel][n]
   route_warp0(p, route);
-  if (threadIdx.x == 0 && !m.prefetched) {
+  if (threadIdx.x == 0) {
+    const auto down = [&](int) -> const DeviceQuant& { return L.down; };
     const auto first_of = [&](int s) { return int64_t{route.ids[s]} * p.hidden + rr.first; };
-    if (slot.fits)
-      slot_issue(slot, [&](int) -> const DeviceQuant& { return L.down; }, first_of, m.slot, m.bar);
-    else  // the routed rows, towards L2 while the block stages the activations
-      for (int s = 0; s < p.top_k; ++s) prefetch_rows_l2(L.down, first_of(s), first_of(s) + n);
+    if (!m.prefetched) {
+      if (slot.fits)
+        slot_issue(slot, down, first_of, m.slot, m.bar);
+      else  // the routed rows, towards L2 while the block stages the activations
+        for (int s = 0; s < p.top_k; ++s) prefetch_rows_l2(L.down, first_of(s), first_of(s) + n);
+    }
+    copy_next_expert(p, layer, route, m);
+    fill_gemv_runs(*m.gemv, slot, m.slot, down, first_of, xs, stride);  // part_out: slot after slot
   }
-  if (threadIdx.x == 0) copy_next_expert(p, layer, route, m);
   // All slots' activations: 8 bf16 a 16-byte load (ffn and the slot offsets are multiples of 64),
   // each to its slot's group layout.
   const int chunks = n_sel * ffn / 8;
@@ -259,24 +256,13 @@ __device__ inline bool task_expert_down(const DecodeStepParams& p, int layer, in
       if (lane == 0) xs[s * stride + groups * kGroupStride + g] = sum;
     }
   }
-  __syncthreads();  // also publishes the routing
-  const auto put = [&](int v, float value) { part_out[v] = round_bf16(value); };
-  if (slot.fits) {
-    task_slot_wait(m);
-    gemv_row_refs_any<true>(L.down.bits, groups, n_sel * n, [&](int v) {
-      const int s = v / n;
-      return slot_row(m.slot, slot, s, v - s * n, xs + s * stride);
-    }, put);
-  } else {
-    gemv_row_refs_any<false>(L.down.bits, groups, n_sel * n, [&](int v) {
-      const int s = v / n;
-      return global_row(L.down, int64_t{route.ids[s]} * p.hidden + rr.first + (v - s * n), xs + s * stride);
-    }, put);
-  }
+  __syncthreads();  // also publishes the routing and m.gemv
+  if (slot.fits) task_slot_wait(m);
+  task_gemv(*m.gemv, part_out);
   __syncthreads();
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     float o = 0.0f;
-    for (int s = 0; s < n_sel; ++s) o = __fmaf_rn(route.weights[s], part_out[s * n + i], o);
+    for (int s = 0; s < n_sel; ++s) o = __fmaf_rn(route.weights[s], round_bf16(part_out[s * n + i]), o);
     p.moe_out[rr.first + i] = to_bf16(o);
   }
   return slot.fits;

@@ -42,8 +42,8 @@ __device__ inline void task_embed(const DecodeStepParams& p) {
 __device__ inline bool task_in_proj(const DecodeStepParams& p, int l, int part, const TaskSmem& m) {
   const DecodeTaskLayer& L = p.layers[l];
   const RowRange r = part_rows(part, p.grain.proj_rows, L.in_proj.rows);
-  const SlotRuns slot = task_rows_to_slot(L.in_proj, r, p.grain.proj_rows, m);
   float* xs = reinterpret_cast<float*>(m.work);
+  const SlotRuns slot = task_rows_to_slot(L.in_proj, r, p.grain.proj_rows, m, xs);
   const bool first = l == 0;
   stage_add_norm_cg(first ? p.residual : p.mid, first ? nullptr : p.moe_out, L.input_norm, p.hidden, p.eps, xs,
                     !first && part == 0 ? p.residual : nullptr, nullptr);
@@ -58,8 +58,8 @@ __device__ inline bool task_in_proj(const DecodeStepParams& p, int l, int part, 
 __device__ inline bool task_out_proj(const DecodeStepParams& p, int l, int part, const TaskSmem& m) {
   const DecodeTaskLayer& L = p.layers[l];
   const RowRange r = part_rows(part, p.grain.out_rows, L.out_proj.rows);
-  const SlotRuns slot = task_rows_to_slot(L.out_proj, r, p.grain.out_rows, m);
   float* xs = reinterpret_cast<float*>(m.work);
+  const SlotRuns slot = task_rows_to_slot(L.out_proj, r, p.grain.out_rows, m, xs);
   stage_row_cg(p.mix, L.out_proj.cols, xs);
   bf16* y = p.mixer_out;
   task_gemv_rows(L.out_proj, r, slot, xs, m, [&](int64_t row, float v) { y[row] = to_bf16(v); });
@@ -74,8 +74,8 @@ __device__ inline bool task_out_proj(const DecodeStepParams& p, int l, int part,
 __device__ inline bool task_router(const DecodeStepParams& p, int l, int part, const TaskSmem& m) {
   const DecodeTaskLayer& L = p.layers[l];
   const RowRange r = part_rows(part, p.grain.router_rows, L.router.rows);
-  const SlotRuns slot = task_rows_to_slot(L.router, r, p.grain.router_rows, m);
   float* xs = reinterpret_cast<float*>(m.work);
+  const SlotRuns slot = task_rows_to_slot(L.router, r, p.grain.router_rows, m, xs);
   stage_add_norm_cg(p.residual, p.mixer_out, L.post_norm, p.hidden, p.eps, xs, part == 0 ? p.mid : nullptr,
                     part == 0 ? p.moe_normed : nullptr);
   float* y = p.router_logits;
@@ -99,24 +99,30 @@ __device__ inline SlotRuns projection_slot_runs(const DecodeStepParams& p, Decod
 }
 
 /// LM head rows, part `part` (grain.lm_rows of vocab): the final norm of bf16(mid + moe_out)
-/// times the rows (read from global memory: 1,024 rows are far more than a slot), fp32 into p.logits, and the part's best (logit, id) into p.head_best_value /
-/// p.head_best_id [part] for the argmax task.
-__device__ inline void task_lm_head(const DecodeStepParams& p, int part, char* work) {
-  float* xs = reinterpret_cast<float*>(work);
+/// times the rows (read from global memory: 1,024 rows are far more than a slot), fp32 into
+/// p.logits, and the part's best (logit, id) into p.head_best_value / p.head_best_id [part] for
+/// the argmax task. m.work: the staged row, then the part's logits.
+__device__ inline void task_lm_head(const DecodeStepParams& p, int part, const TaskSmem& m) {
+  float* xs = reinterpret_cast<float*>(m.work);
+  const DeviceQuant& w = p.lm_head;
+  const RowRange r = part_rows(part, p.grain.lm_rows, w.rows);
+  if (threadIdx.x == 0) {
+    SlotRuns global;  // not in a slot
+    global.runs = 1, global.count = static_cast<int>(r.last - r.first);
+    fill_gemv_runs(*m.gemv, global, nullptr, [&](int) -> const DeviceQuant& { return w; }, [&](int) { return r.first; },
+                   xs, 0);
+  }
   stage_add_norm_cg(p.mid, p.moe_out, p.final_norm, p.hidden, p.eps, xs, nullptr, nullptr);
-  const RowRange r = part_rows(part, p.grain.lm_rows, p.lm_head.rows);
-  float* y = p.logits;
+  float* out = xs + staged_row_floats_16(p.hidden);
+  task_gemv(*m.gemv, out);
+  __syncthreads();
   float best = -INFINITY;
   int best_id = INT_MAX;
-  const DeviceQuant& w = p.lm_head;
-  gemv_row_refs_any<false>(
-      w.bits, w.cols / kGroup, static_cast<int>(r.last - r.first),
-      [&](int v) { return global_row(w, r.first + v, xs); },
-      [&](int v, float value) {
-        const int row = static_cast<int>(r.first + v);
-        y[row] = value;
-        if (argmax_beats(value, row, best, best_id)) best = value, best_id = row;
-      });
+  for (int v = threadIdx.x; v < r.last - r.first; v += blockDim.x) {
+    const int row = static_cast<int>(r.first + v);
+    p.logits[row] = out[v];
+    if (argmax_beats(out[v], row, best, best_id)) best = out[v], best_id = row;
+  }
   block_argmax(best, best_id);
   if (threadIdx.x == 0) {
     p.head_best_value[part] = best;
