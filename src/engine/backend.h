@@ -200,7 +200,7 @@ class Backend {
 };
 
 /// How the CUDA backend runs (docs/cuda.md), one field per path choice; the defaults are the
-/// paths verified on an H200. The one place the LILY_CUDA_* variables are read: filled from the
+/// paths verified on an H100/H200. The one place the LILY_CUDA_* variables are read: filled from the
 /// environment (from_env), validated before any backend is chosen, and written into the bench
 /// report. The CUDA backend sets the kernel layer's process-wide switches (pdl … gemm_kernel) from
 /// its options when it is created (backends/cuda/kernel_switches.h); no kernel reads the

@@ -721,7 +721,7 @@ class CudaBackend final : public Backend {
     return static_cast<int64_t>(CudaState::layout_bytes(gdn_, attn_, n_gdn_, n_attn_, capacity));
   }
 
-  /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH, 32 by default): with CudaOptions::batched_decode
+  /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH, 64 by default): with CudaOptions::batched_decode
   /// (the default) a step's decode rows run together (decode_batch), else one after another
   /// through the per-sequence paths below; each row is bit-identical to the sequence alone.
   int max_batch() const override { return options_.max_batch; }
