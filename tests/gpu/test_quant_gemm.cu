@@ -797,7 +797,7 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
         wg[i] = time_us([&] { cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, y.as<bf16_t>(), nullptr, nullptr); }, kTimingReps);
       }
       const double flop = 2.0 * m * s.rows * s.cols;
-      std::printf("[timing] %-26s m=%4d  tensor-core %9.1f us %6.1f TFLOP/s | REGDQ=all %9.1f us %6.1f TFLOP/s | "
+      std::printf("[timing] %-26s m=%4d  tensor-core %9.1f us %6.1f TFLOP/s | gemm-kernel=all %9.1f us %6.1f TFLOP/s | "
                   "wgmma %9.1f us %6.1f TFLOP/s | wgmma-narrow %9.1f us %6.1f TFLOP/s | batched GEMV (m=%d) %9.1f us\n",
                   s.name, m, tc, flop / tc / 1e6, rd, flop / rd / 1e6, wg[0], flop / wg[0] / 1e6, wg[1], flop / wg[1] / 1e6,
                   std::min(m, 256), gv);
