@@ -103,15 +103,15 @@ void reject_foreign_quantization(const Ctx& ctx, const json& doc, const json& te
     if (!method) continue;
     std::string name = method->is_string() ? method->get<std::string>() : method->dump();
     ctx.fail(upper(name) + " checkpoint is not supported (quantization_config.quant_method = " + name +
-             "); lily needs an MLX affine 4-bit, group-size-64 checkpoint");
+             "); lily needs " + supported_checkpoint_kind());
   }
 }
 
 QuantizationConfig parse_quantization(const Ctx& ctx, const json& doc) {
   const json* q = find_field(doc, "quantization");
   if (!q)
-    ctx.fail("unquantized checkpoint (config.json has no MLX quantization block); lily needs an MLX "
-             "affine 4-bit, group-size-64 checkpoint");
+    ctx.fail("unquantized checkpoint (config.json has no MLX quantization block); lily needs " +
+             supported_checkpoint_kind());
   if (!q->is_object()) ctx.fail("quantization must be an object, got " + q->dump());
   QuantizationConfig out;
   if (const json* mode = find_field(*q, "mode"))
@@ -139,7 +139,7 @@ QuantizationConfig parse_quantization(const Ctx& ctx, const json& doc) {
     const json* g = find_field(value, "group_size");
     if (!b || !g || *b != 8 || *g != kQuantGroupSize || value.size() != 2)
       ctx.fail("quantization override for " + key + " is " + value.dump() +
-               "; expected {\"group_size\": 64, \"bits\": 8}");
+               "; expected {\"group_size\": " + std::to_string(kQuantGroupSize) + ", \"bits\": 8}");
     out.eight_bit_modules.push_back(key);
   }
   return out;
@@ -313,6 +313,10 @@ bool ModelConfig::is_qwen36_35b_a3b() const {
          gdn_n_value_heads == 32 && gdn_key_head_dim == 128 && gdn_value_head_dim == 128 &&
          gdn_conv_kernel == 4 && n_experts == 256 && n_experts_per_tok == 8 && moe_ffn_dim == 512 &&
          shared_ffn_dim == 512;
+}
+
+std::string supported_checkpoint_kind() {
+  return "an MLX affine 4-bit, group-size-" + std::to_string(kQuantGroupSize) + " checkpoint";
 }
 
 std::string ModelConfig::shape_name() const {

@@ -22,6 +22,10 @@ enum class LayerType { kLinearAttention, kFullAttention };
 /// group size lily.cpp reads or writes (docs/model.md §2.2; the CUDA kernels' kGroup).
 inline constexpr int kQuantGroupSize = 64;
 
+/// The one kind of checkpoint lily loads, as error messages name it: "an MLX affine 4-bit,
+/// group-size-64 checkpoint" (the group size from kQuantGroupSize).
+std::string supported_checkpoint_kind();
+
 /// MLX affine quantization settings declared in config.json's `quantization` block.
 struct QuantizationConfig {
   int bits = 4;                       ///< default bit width (must be 4)

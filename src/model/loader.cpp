@@ -160,7 +160,7 @@ void Validator::check_groups(const TensorSpec& spec, const TensorInfo& s) const 
     const int64_t groups = s.shape.back();
     if (groups > 0 && groups != in / kQuantGroupSize && in % groups == 0)
       fail(spec.name + " has group size " + std::to_string(in / groups) + " (" + s.name + " " + s.shape_string() +
-           "); lily supports group size 64 only");
+           "); lily supports group size " + std::to_string(kQuantGroupSize) + " only");
   }
   expect_shape(s, want);
 }
@@ -173,7 +173,7 @@ QuantMatrix Validator::quantized(const TensorSpec& spec) {
   if (is_float_dtype(w->dtype) && !s)
     fail("unquantized " + std::string(dtype_name(w->dtype)) + " checkpoint: " + wname + " is " +
          dtype_name(w->dtype) + " " + w->shape_string() +
-         " with no .scales; lily needs an MLX affine 4-bit, group-size-64 checkpoint");
+         " with no .scales; lily needs " + supported_checkpoint_kind());
   if (!s) fail(spec.name + " has .weight but no .scales: not an MLX quantized projection");
   expect_dtype(*w, DType::kU32);
   check_codes(spec, *w);
@@ -229,7 +229,7 @@ void check_checkpoint_kind(const Checkpoint& ckpt, const Validator& v) {
   for (const TensorInfo* t : ckpt.tensors())
     if (is_fp8(t->dtype) && !is_skipped_tensor(t->name))
       v.fail("fp8 checkpoint: tensor " + t->name + " is " + dtype_name(t->dtype) +
-             "; lily needs an MLX affine 4-bit, group-size-64 checkpoint");
+             "; lily needs " + supported_checkpoint_kind());
   if (!ckpt.find("language_model.model.embed_tokens.weight")) {
     for (const char* hf : {"model.language_model.embed_tokens.weight", "model.embed_tokens.weight"})
       if (ckpt.find(hf))

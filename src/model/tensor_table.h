@@ -130,7 +130,7 @@ std::string layer_prefix(int layer);
 int64_t shape_numel(const std::vector<int64_t>& shape);
 /// Stored shape of the U32 codes of a quantized spec: [.., out, in·bits/32].
 std::vector<int64_t> packed_codes_shape(const TensorSpec& spec);
-/// Stored shape of the BF16 scales/biases of a quantized spec: [.., out, in/64].
+/// Stored shape of the BF16 scales/biases of a quantized spec: [.., out, in/group_size].
 std::vector<int64_t> group_params_shape(const TensorSpec& spec, int group_size = kQuantGroupSize);
 /// Bytes the spec occupies on disk (codes + scales + biases, or the plain tensor as BF16/F32).
 int64_t stored_bytes(const TensorSpec& spec, int group_size = kQuantGroupSize);

@@ -346,9 +346,9 @@ inline std::string quant_shape(int64_t rows, int cols, int bits) {
 }
 
 /// Bytes of an MLX-affine matrix of `rows` × `cols` at `bits`: the codes, then a bf16 scale and
-/// bias per 64-group.
+/// bias per group of kQuantGroupSize columns.
 inline double quant_bytes(int64_t rows, int cols, int bits) {
-  return double(rows) * (double(cols) * bits / 8 + double(cols / 64) * 4);
+  return double(rows) * (double(cols) * bits / 8 + double(cols / kQuantGroupSize) * 4);
 }
 
 // ---- perf mode -------------------------------------------------------------------------------------

@@ -324,7 +324,7 @@ std::string shape_problem(const MoeDecodeArgs& a) {
   if (E < 1 || E > kMaxExperts || k < 1 || k > kMaxTopK || k > E) return "unsupported expert count or top-k";
   if (hidden <= 0 || hidden % 256 != 0 || hidden > kMaxGemvCols)
     return "hidden " + std::to_string(hidden) + " is not a multiple of 256 (≤ " + std::to_string(kMaxGemvCols) + ")";
-  if (ffn <= 0 || ffn % kGroup != 0) return "ffn " + std::to_string(ffn) + " is not a multiple of 64";
+  if (ffn <= 0 || ffn % kGroup != 0) return "ffn " + std::to_string(ffn) + " is not a multiple of " + std::to_string(kGroup);
   if (a.up.cols != hidden || a.router.cols != hidden || a.down.cols != ffn || a.router.rows != E + 1 ||
       a.gate.rows != int64_t{E + 1} * ffn || a.up.rows != a.gate.rows || a.down.rows != int64_t{E + 1} * hidden)
     return "the router and expert matrices do not have the stacked shapes";

@@ -63,8 +63,8 @@ __global__ void __launch_bounds__(kRouterThreads)
 void router_dispatch(const DeviceQuant& w, const bf16* x, int m, int n_experts, int top_k, float* logits,
                      int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream, const FusedNorm& norm) {
   if ((w.bits != 4 && w.bits != 8) || w.cols <= 0 || w.cols % kGroup != 0 || w.cols > kMaxGemvCols)
-    throw ::lily::Error("MoE router: the fused CUDA router supports 4/8-bit matrices with cols a multiple of 64 and "
-                        "≤ " + std::to_string(kMaxGemvCols) + "; got bits=" + std::to_string(w.bits) + " cols=" + std::to_string(w.cols));
+    throw ::lily::Error("MoE router: the fused CUDA router supports 4/8-bit matrices with cols a multiple of " +
+                        std::to_string(kGroup) + " and ≤ " + std::to_string(kMaxGemvCols) + "; got bits=" + std::to_string(w.bits) + " cols=" + std::to_string(w.cols));
   if (n_experts < 1 || n_experts > kMaxExperts || top_k < 1 || top_k > kMaxTopK || top_k > n_experts)
     throw ::lily::Error("MoE router: CUDA kernel supports ≤ " + std::to_string(kMaxExperts) + " experts and top-k ≤ " +
                         std::to_string(kMaxTopK) + "; got " + std::to_string(n_experts) + " experts, top-k " +
