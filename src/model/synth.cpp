@@ -267,10 +267,13 @@ std::vector<TensorDecl> declare_tensors(const std::vector<TensorSpec>& table) {
   for (const TensorSpec& spec : table) {
     switch (spec.kind) {
       case TensorKind::kQuantized:
-        decls.push_back({spec.name + ".weight", DType::kU32, packed_codes_shape(spec)});
-        decls.push_back({spec.name + ".scales", DType::kBF16, group_params_shape(spec)});
-        decls.push_back({spec.name + ".biases", DType::kBF16, group_params_shape(spec)});
+      {
+        const QuantizedNames names = quantized_names(spec.name);
+        decls.push_back({names.weight, DType::kU32, packed_codes_shape(spec)});
+        decls.push_back({names.scales, DType::kBF16, group_params_shape(spec)});
+        decls.push_back({names.biases, DType::kBF16, group_params_shape(spec)});
         break;
+      }
       case TensorKind::kBf16: decls.push_back({spec.name, DType::kBF16, spec.shape}); break;
       case TensorKind::kFloat: decls.push_back({spec.name, DType::kF32, spec.shape}); break;
     }
@@ -338,9 +341,10 @@ class ItemWriter {
       quantize_group_affine(w, spec.bits, &codes_[g * words_per_group], &scales_[g], &biases_[g]);
     }
     const uint64_t r0 = static_cast<uint64_t>(item.row_begin);
-    CheckpointWriter::write(out_.target(spec.name + ".weight"), r0 * words * 4, as_bytes_of(codes_));
-    CheckpointWriter::write(out_.target(spec.name + ".scales"), r0 * groups * 2, as_bytes_of(scales_));
-    CheckpointWriter::write(out_.target(spec.name + ".biases"), r0 * groups * 2, as_bytes_of(biases_));
+    const QuantizedNames names = quantized_names(spec.name);
+    CheckpointWriter::write(out_.target(names.weight), r0 * words * 4, as_bytes_of(codes_));
+    CheckpointWriter::write(out_.target(names.scales), r0 * groups * 2, as_bytes_of(scales_));
+    CheckpointWriter::write(out_.target(names.biases), r0 * groups * 2, as_bytes_of(biases_));
   }
 
   void run_plain(const TensorSpec& spec) {

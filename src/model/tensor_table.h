@@ -88,6 +88,18 @@ struct TensorSpec {
   std::vector<int64_t> alt_shape;
 };
 
+/// The stored names of a quantized spec's MLX affine triple (TensorKind::kQuantized).
+struct QuantizedNames {
+  std::string weight;  ///< <base>.weight, the U32 codes
+  std::string scales;  ///< <base>.scales, BF16, one per group
+  std::string biases;  ///< <base>.biases, BF16, one per group
+};
+
+/// The triple's names for the base name `base` (a kQuantized TensorSpec::name).
+inline QuantizedNames quantized_names(const std::string& base) {
+  return {base + ".weight", base + ".scales", base + ".biases"};
+}
+
 /// Where a spec lands in ModelWeights: the QuantMatrix view of a kQuantized spec, or the fp32
 /// vector (row-major, numel(shape) floats) of a kBf16/kFloat spec. Never null.
 using TensorDest = std::variant<QuantMatrix*, std::vector<float>*>;
