@@ -307,12 +307,14 @@ int ModelConfig::n_linear_attention_layers() const {
 }
 
 bool ModelConfig::is_qwen36_35b_a3b() const {
-  // The "must be" values of docs/model.md §1.1.
-  return hidden == 2048 && n_layers == 40 && full_attention_interval == 4 && vocab == 248320 &&
-         n_heads == 16 && n_kv_heads == 2 && head_dim == 256 && gdn_n_key_heads == 16 &&
-         gdn_n_value_heads == 32 && gdn_key_head_dim == 128 && gdn_value_head_dim == 128 &&
-         gdn_conv_kernel == 4 && n_experts == 256 && n_experts_per_tok == 8 && moe_ffn_dim == 512 &&
-         shared_ffn_dim == 512;
+  const Qwen36Shape& q = kQwen36Shape;
+  return hidden == q.hidden && n_layers == q.n_layers && full_attention_interval == q.full_attention_interval &&
+         vocab == q.vocab && n_heads == q.n_heads && n_kv_heads == q.n_kv_heads && head_dim == q.head_dim &&
+         gdn_n_key_heads == q.gdn_n_key_heads && gdn_n_value_heads == q.gdn_n_value_heads &&
+         gdn_key_head_dim == q.gdn_key_head_dim && gdn_value_head_dim == q.gdn_value_head_dim &&
+         gdn_conv_kernel == q.gdn_conv_kernel && n_experts == q.n_experts &&
+         n_experts_per_tok == q.n_experts_per_tok && moe_ffn_dim == q.moe_ffn_dim &&
+         shared_ffn_dim == q.shared_ffn_dim;
 }
 
 std::string supported_checkpoint_kind() {
@@ -320,7 +322,7 @@ std::string supported_checkpoint_kind() {
 }
 
 std::string ModelConfig::shape_name() const {
-  if (is_qwen36_35b_a3b()) return "Qwen3.6-35B-A3B";
+  if (is_qwen36_35b_a3b()) return Qwen36Shape::kName;
   return "qwen3_5_moe (H=" + std::to_string(hidden) + ", L=" + std::to_string(n_layers) +
          ", E=" + std::to_string(n_experts) + ")";
 }
