@@ -17,6 +17,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "backends/cuda/cuda_check.h"
@@ -229,6 +230,27 @@ inline double rms(const std::vector<double>& ref) {
   double s = 0;
   for (double r : ref) s += r * r;
   return std::sqrt(s / double(ref.size()));
+}
+/// Error of `out` against `ref` relative to the RMS of ref: {RMS error, max error}; NaN → infinity.
+inline std::pair<double, double> rms_relative_error(const std::vector<float>& out, const std::vector<double>& ref) {
+  double se = 0, mx = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    const double e = std::fabs(double(out[i]) - ref[i]);
+    se += e * e;
+    mx = (e <= mx) ? mx : (std::isnan(e) ? INFINITY : e);
+  }
+  const double r = rms(ref);
+  return {std::sqrt(se / double(out.size())) / r, mx / r};
+}
+/// max_i |out_i − ref_i| / max(1, max_i |ref_i|) (fp32 states); NaN → infinity.
+inline double max_abs_scaled(const std::vector<float>& out, const std::vector<float>& ref) {
+  double scale = 1, worst = 0;
+  for (float r : ref) scale = std::max(scale, double(std::fabs(r)));
+  for (size_t i = 0; i < out.size() && i < ref.size(); ++i) {
+    const double e = std::fabs(double(out[i]) - ref[i]) / scale;
+    if (!(e <= worst)) worst = std::isnan(e) ? INFINITY : e;
+  }
+  return worst;
 }
 
 /// Number of positions i < n where a[i] and b[i] differ in their bits (compared as memcmp does:

@@ -1329,22 +1329,15 @@ TEST_F(CudaE2e, PersistentDecodeMatchesTheDecodeGraph) {
 TEST(CudaHostWeights, ReleasedAfterTheUploadSoATruncationCannotFault) {
   TempDir tmp;
   const std::filesystem::path dir = copy_demo_model(tmp);
-  const std::string file = std::filesystem::canonical(dir / "model.safetensors").string();
-  auto mappings = [&] {
-    std::ifstream maps("/proc/self/maps");
-    int n = 0;
-    for (std::string line; std::getline(maps, line);)
-      if (line.size() >= file.size() && line.compare(line.size() - file.size(), std::string::npos, file) == 0) ++n;
-    return n;
-  };
+  const std::filesystem::path file = std::filesystem::canonical(dir / "model.safetensors");
   auto weights = load_model(dir);
-  ASSERT_GE(mappings(), 1);
+  ASSERT_GE(mappings_of(file), 1);
   const std::weak_ptr<const ModelWeights> host = weights;
   const int vocab = weights->config.vocab;
   auto gpu = make_cuda_backend(std::move(weights));
   EXPECT_FALSE(gpu->reads_host_weights());
   EXPECT_TRUE(host.expired()) << "the CUDA backend still holds the host weights";
-  EXPECT_EQ(mappings(), 0);
+  EXPECT_EQ(mappings_of(file), 0);
   auto greedy = [&] {
     auto state = gpu->new_state(64);
     std::vector<int32_t> out{gpu->prefill(*state, hash_prompt(12, vocab, 3))};

@@ -138,18 +138,6 @@ double dot_f64(const float* a, const float* b, int n) {
   return s;
 }
 
-/// Error of `out` against `ref` relative to the RMS of ref: {RMS error, max error}.
-std::pair<double, double> rms_relative_error(const std::vector<float>& out, const std::vector<double>& ref) {
-  double se = 0, mx = 0;
-  for (size_t i = 0; i < out.size(); ++i) {
-    const double e = std::fabs(double(out[i]) - ref[i]);
-    se += e * e;
-    mx = (e <= mx) ? mx : (std::isnan(e) ? INFINITY : e);
-  }
-  const double r = rms(ref);
-  return {std::sqrt(se / double(out.size())) / r, mx / r};
-}
-
 /// Expects out ≈ ref up to the bf16 rounding of the weights (see the file comment).
 void expect_close_to_exact_weights(const std::vector<float>& out, const std::vector<double>& ref, double rms_tol,
                                    double max_tol, const std::string& what) {
