@@ -271,8 +271,7 @@ std::vector<TensorDecl> declare_tensors(const std::vector<TensorSpec>& table) {
   std::vector<TensorDecl> decls;
   for (const TensorSpec& spec : table) {
     switch (spec.kind) {
-      case TensorKind::kQuantized:
-      {
+      case TensorKind::kQuantized: {
         const QuantizedNames names = quantized_names(spec.name);
         decls.push_back({names.weight, DType::kU32, packed_codes_shape(spec)});
         decls.push_back({names.scales, DType::kBF16, group_params_shape(spec)});
