@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The batched decode's GPU check in one command (device tool, repository root, carry:
-# ["carry/deps"], made by scripts/make-carry.sh): build, the batched kernels against the
+# The batched decode's GPU check in one command (on a GPU machine, from the repository root, with
+# carry/deps copied along: scripts/make-carry.sh makes it): build, the batched kernels against the
 # one-sequence kernels (test_batched_decode), the end-to-end batched tests and throughput
 # printout (CudaE2e.BatchedDecode*, CudaE2e.PrintsBatchedDecodeThroughput), then the whole `gpu`
 # suite with the switch off (the default paths must be unchanged) and on (every decode test
-# through the batched path). Logs under $OUT; a summary on stdout.
+# through the batched path). Logs under $OUT (default ./gpu-logs); a summary on stdout.
 #
-# All three steps fit one call of the device tool (the whole `gpu` suite takes about 70 s on an
+# All three steps fit one run of a few minutes (the whole `gpu` suite takes about 70 s on an
 # H200, the build about 60 s); each can also run alone:
 #   LILY_GPU_STEPS=batched bash scripts/gpu-batched-decode.sh   # build + the batched tests
 #   LILY_GPU_STEPS=off bash scripts/gpu-batched-decode.sh       # the whole suite, switch off

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prefix-cache timing on the GPU machine (device tool, after scripts/gpu-session.sh has built
-# /tmp/lily-build): serves the 35b-a3b synth (with the demo tokenizer) on CUDA and runs
+# Prefix-cache timing on a GPU machine (after scripts/gpu-session.sh has built /tmp/lily-build;
+# logs under $OUT, default ./gpu-logs): serves the 35b-a3b synth (with the demo tokenizer) on CUDA and runs
 # scripts/cache-ttft.py twice: with the default cache (snapshots in device memory) and with a
 # 1 MiB device tier (every snapshot moves to the pinned host tier, so turn 2 restores from host).
 # LILY_CACHE_TOKENS (default 8) answer tokens: with 1 the whole answer is the time to the first

@@ -7,7 +7,7 @@
 # with LILY_GPU_BENCH=1, lily bench on the 35b-a3b synth (256-token prompt, 64 decode steps) in
 # the four combinations LILY_CUDA_PDL=0/1 × LILY_CUDA_FUSE=0/1.
 #
-# Usage (device tool, repository root, carry: ["carry/deps"]):
+# Usage (on a GPU machine, repository root, carry/deps copied along):
 #   bash scripts/gpu-check-decode.sh                    # build + both tests
 #   LILY_GPU_BENCH=1 bash scripts/gpu-check-decode.sh   # + synth (≈ 30 s) + the four benches
 # Logs go to $OUT (or ./gpu-logs): decode-check.log, decode-build.log, core-kernels.log, e2e.log,

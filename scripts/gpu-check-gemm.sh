@@ -5,7 +5,7 @@
 # CPU backend), then, with LILY_GPU_BENCH=1, lily bench on the 35b-a3b synth at an 8K prompt:
 # the default GEMV prefill, and the tensor-core path at chunks of 256 and 2048 tokens.
 #
-# Usage (device tool, repository root, carry: ["carry/deps"]):
+# Usage (on a GPU machine, repository root, carry/deps copied along):
 #   bash scripts/gpu-check-gemm.sh                    # build + both tests (≈ 5 min)
 #   LILY_GPU_BENCH=1 bash scripts/gpu-check-gemm.sh   # + the three benches (≈ 4 more min)
 # Logs go to $OUT (or ./gpu-logs): gemm-check.log, test_quant_gemm.log, e2e-tensor-core.log, bench-*.json.

@@ -1,24 +1,24 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine (the device tool's `run`, Ubuntu 24.04, nvcc 13.0, CMake, gcc 13):
+# Runs ON a GPU machine (Ubuntu 24.04, nvcc 13.0, CMake, gcc 13):
 # configures with the CUDA backend, builds with -j16, runs every CTest test labelled `gpu`
 # (kernels vs CPU reference, CUDA vs CPU end to end), then `lily generate --backend cuda` on a
 # synthetic real-dims checkpoint and on the demo model. Every log goes to $OUT (or ./gpu-logs).
 #
-# Usage (from the device tool, repository root, carry: ["carry/deps"]):
+# Usage (repository root, carry/deps copied along):
 #   bash scripts/gpu-check.sh            # build + ctest -L gpu + generate + serve
 #   LILY_GPU_BENCH=1 bash scripts/gpu-check.sh   # also the 35b-a3b synth, the bench matrix
 #       (scripts/bench-matrix, LILY_GPU_MATRIX_BUDGET seconds, default 300) and CUDA vs CPU on it
 # The PCRE2/utf8proc/Boost headers come from carry/deps (scripts/make-carry.sh packs them).
-# Files under $OUT (the device tool returns at most 8): gpu-check.log (everything), build.log,
+# Files under $OUT (at most 8, for runners that return only a few): gpu-check.log (everything), build.log,
 # ctest-gpu.log, e2e-per-token-prefill.txt, serve-check.txt and, with LILY_GPU_BENCH=1,
-# bench-realdims.json, bench-matrix.md and bench-json.tar.gz (the device tool returns ≤ 8 files).
+# bench-realdims.json, bench-matrix.md and bench-json.tar.gz.
 set -uo pipefail
 source "$(dirname "$0")/gpu-common.sh"
 LOG="$OUT/gpu-check.log"
 exec > >(tee -a "$LOG") 2>&1
 status=0
 
-# The device tool copies the working tree without .git: pass LILY_COMMIT=<hash> to label the
+# A working tree copied without .git has no commit: pass LILY_COMMIT=<hash> to label the
 # build (CMakeLists.txt reads it) and the bench reports.
 echo "== gpu-check $(date -u +%FT%TZ) commit ${LILY_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
@@ -69,7 +69,7 @@ if [[ "${LILY_GPU_BENCH:-0}" == 1 ]]; then
   mkdir -p "$SYN/bench"
   python3 scripts/bench-matrix --lily "$BUILD/lily" --model "$SYN/35b" --peaks "$BUILD/bench_device_peaks" \
     --budget-s "${LILY_GPU_MATRIX_BUDGET:-300}" --out "$OUT/bench-matrix.md" --json-dir "$SYN/bench" 2>&1 || status=1
-  # The device tool returns at most 8 files: the per-context JSON reports travel as one archive.
+  # At most 8 files under $OUT: the per-context JSON reports travel as one archive.
   tar -czf "$OUT/bench-json.tar.gz" -C "$SYN" bench
 fi
 rm -rf "$SYN"

@@ -1,8 +1,10 @@
 # Sourced by the scripts that run ON the GPU machine (scripts/gpu-check*.sh): repository root,
 # $OUT, the carried headers, the build directory, one configure + build function, and the check
 # of a GoogleTest log.
-# The device tool's machine: Ubuntu 24.04, nvcc 13.0, CMake, gcc 13; no package registry, so the
-# PCRE2/utf8proc/Boost headers come from carry/deps (scripts/make-carry.sh packs them).
+# The GPU machine these scripts were written for: Ubuntu 24.04, nvcc 13.0, CMake, gcc 13; no
+# package registry, so the PCRE2/utf8proc/Boost headers come from carry/deps, copied along with
+# the working tree (scripts/make-carry.sh packs them). $OUT (default ./gpu-logs) is the folder
+# the logs go to.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-$PWD/gpu-logs}"
 mkdir -p "$OUT"

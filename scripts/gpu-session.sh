@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One full GPU-machine session in one command (device tool, repository root, carry:
-# ["carry/deps"]): build, every `gpu` test, the per-kernel timing lines, then on the 35b-a3b
-# synth checkpoint the decode/prefill bench at several contexts and a Nsight Compute profile of
-# decode steps. Build outputs and the 19.5 GB checkpoint stay under /tmp (reused while the
-# machine stays warm). Logs under $OUT (at most 8 files come back).
+# One full GPU-machine session in one command (repository root, carry/deps copied along):
+# build, every `gpu` test, the per-kernel timing lines, then on the 35b-a3b synth checkpoint the
+# decode/prefill bench at several contexts and a Nsight Compute profile of decode steps. Build
+# outputs and the 19.5 GB checkpoint stay under /tmp (reused while the machine stays up). Logs
+# under $OUT (default ./gpu-logs), at most 8 files.
 #
 #   bash scripts/gpu-session.sh                  # everything
 #   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: moe tests timing bench base ab sampled sampler detail source profile prefill-profile prefill-detail batched-profile cache prefill-tests

@@ -2,8 +2,9 @@
 # Packs the build dependencies that the GPU machine (Ubuntu 24.04, no package registry) lacks:
 # PCRE2 and utf8proc headers and libraries, and the Boost headers that the HTTP server
 # (Boost.Beast/Asio, header-only) includes, from this Debian 12 machine, with pkg-config files
-# relative to their own folder. Output: carry/deps (git-ignored); pass
-# `carry/deps` to the device tool and set PKG_CONFIG_PATH=$PWD/carry/deps/lib/pkgconfig there.
+# relative to their own folder. Output: carry/deps (git-ignored); copy
+# `carry/deps` along with the working tree to the GPU machine and set
+# PKG_CONFIG_PATH=$PWD/carry/deps/lib/pkgconfig there (scripts/gpu-common.sh does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=carry/deps

@@ -46,7 +46,9 @@ std::vector<RoleSummary> summarize_roles(const ModelWeights& w) {
     uint64_t bytes = 0;
     if (const auto* q = std::get_if<const QuantMatrix*>(&dest)) {
       storage = "q" + std::to_string((*q)->bits);
-      for (const char* part : {".weight", ".scales", ".biases"}) bytes += w.storage->get(spec.name + part).nbytes;
+      const QuantizedNames names = quantized_names(spec.name);
+      for (const std::string* part : {&names.weight, &names.scales, &names.biases})
+        bytes += w.storage->get(*part).nbytes;
     } else {
       const TensorInfo& info = w.storage->get(spec.name);
       storage = dtype_name(info.dtype);

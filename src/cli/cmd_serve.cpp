@@ -83,8 +83,8 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
   cmd->add_option("--max-queue", o.max_queue, "waiting requests beyond the batch before answering 503")
       ->capture_default_str()->check(integer_at_least(0));
   cmd->add_option("--max-batch", o.max_batch, "requests decoded together in one step (continuous batching), "
-                  "1 … the backend's limit (CPU 64, CUDA LILY_CUDA_MAX_BATCH, 32 by default) "
-                  "(default: CPU 8, CUDA 32, one batched forward)")
+                  "1 … the backend's limit (CPU 64, CUDA LILY_CUDA_MAX_BATCH, 64 by default) "
+                  "(default: CPU 8, CUDA 64, one batched forward)")
       ->check(integer_in_range(1, 4096));
   cmd->add_option("--step-tokens", o.step_tokens, "token budget of one engine step: every decoding request's "
                   "token, then prompt chunks (long prompts are cut into chunks of this many tokens so that "

@@ -200,7 +200,7 @@ class Backend {
 };
 
 /// How the CUDA backend runs (docs/cuda.md), one field per path choice; the defaults are the
-/// paths verified on an H200. The one place the LILY_CUDA_* variables are read: filled from the
+/// paths verified on an H100/H200. The one place the LILY_CUDA_* variables are read: filled from the
 /// environment (from_env), validated before any backend is chosen, and written into the bench
 /// report. The CUDA backend sets the kernel layer's process-wide switches (pdl … gemm_kernel) from
 /// its options when it is created (backends/cuda/kernel_switches.h); no kernel reads the
@@ -224,7 +224,7 @@ struct CudaOptions {
   /// LILY_CUDA_FUSED_MOE 1|0: the decode MoE block (router, experts, combine) as one launch with
   /// grid-wide barriers, or as three kernels. Needs fuse=1; shapes it does not support keep three.
   bool fused_moe = true;
-  /// LILY_CUDA_GEMM_KERNEL (formerly LILY_CUDA_GEMM_REGDQ) wgmma-mixed|wgmma-narrow|wgmma|grouped|all|0:
+  /// LILY_CUDA_GEMM_KERNEL wgmma-mixed|wgmma-narrow|wgmma|grouped|all|0:
   /// the 4-bit grouped and dense GEMMs of the tensor-core prefill run on Hopper warpgroup MMAs
   /// with 256 weight rows per work item for the dense and down GEMMs and 128 for gate/up
   /// ("wgmma-mixed", the default), 128 everywhere ("wgmma-narrow") or 256 everywhere
@@ -383,13 +383,8 @@ inline std::span<const Field> fields() {
 inline CudaOptions CudaOptions::from_env() {
   using namespace cuda_options_detail;
   CudaOptions o;
-  for (const Field& f : fields()) {
-    const char* var = f.env;
-    // LILY_CUDA_GEMM_REGDQ is gemm-kernel's former variable, still read when the new one is unset.
-    if (std::string_view(f.name) == "gemm-kernel" && env_value(var).empty() && !env_value("LILY_CUDA_GEMM_REGDQ").empty())
-      var = "LILY_CUDA_GEMM_REGDQ";
-    if (const std::string v = env_value(var); !v.empty()) f.set(o, var, v);
-  }
+  for (const Field& f : fields())
+    if (const std::string v = env_value(f.env); !v.empty()) f.set(o, f.env, v);
   return o;
 }
 

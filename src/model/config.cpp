@@ -103,15 +103,15 @@ void reject_foreign_quantization(const Ctx& ctx, const json& doc, const json& te
     if (!method) continue;
     std::string name = method->is_string() ? method->get<std::string>() : method->dump();
     ctx.fail(upper(name) + " checkpoint is not supported (quantization_config.quant_method = " + name +
-             "); lily needs an MLX affine 4-bit, group-size-64 checkpoint");
+             "); lily needs " + supported_checkpoint_kind());
   }
 }
 
 QuantizationConfig parse_quantization(const Ctx& ctx, const json& doc) {
   const json* q = find_field(doc, "quantization");
   if (!q)
-    ctx.fail("unquantized checkpoint (config.json has no MLX quantization block); lily needs an MLX "
-             "affine 4-bit, group-size-64 checkpoint");
+    ctx.fail("unquantized checkpoint (config.json has no MLX quantization block); lily needs " +
+             supported_checkpoint_kind());
   if (!q->is_object()) ctx.fail("quantization must be an object, got " + q->dump());
   QuantizationConfig out;
   if (const json* mode = find_field(*q, "mode"))
@@ -139,7 +139,7 @@ QuantizationConfig parse_quantization(const Ctx& ctx, const json& doc) {
     const json* g = find_field(value, "group_size");
     if (!b || !g || *b != 8 || *g != kQuantGroupSize || value.size() != 2)
       ctx.fail("quantization override for " + key + " is " + value.dump() +
-               "; expected {\"group_size\": 64, \"bits\": 8}");
+               "; expected {\"group_size\": " + std::to_string(kQuantGroupSize) + ", \"bits\": 8}");
     out.eight_bit_modules.push_back(key);
   }
   return out;
@@ -307,16 +307,22 @@ int ModelConfig::n_linear_attention_layers() const {
 }
 
 bool ModelConfig::is_qwen36_35b_a3b() const {
-  // The "must be" values of docs/model.md §1.1.
-  return hidden == 2048 && n_layers == 40 && full_attention_interval == 4 && vocab == 248320 &&
-         n_heads == 16 && n_kv_heads == 2 && head_dim == 256 && gdn_n_key_heads == 16 &&
-         gdn_n_value_heads == 32 && gdn_key_head_dim == 128 && gdn_value_head_dim == 128 &&
-         gdn_conv_kernel == 4 && n_experts == 256 && n_experts_per_tok == 8 && moe_ffn_dim == 512 &&
-         shared_ffn_dim == 512;
+  const Qwen36Shape& q = kQwen36Shape;
+  return hidden == q.hidden && n_layers == q.n_layers && full_attention_interval == q.full_attention_interval &&
+         vocab == q.vocab && n_heads == q.n_heads && n_kv_heads == q.n_kv_heads && head_dim == q.head_dim &&
+         gdn_n_key_heads == q.gdn_n_key_heads && gdn_n_value_heads == q.gdn_n_value_heads &&
+         gdn_key_head_dim == q.gdn_key_head_dim && gdn_value_head_dim == q.gdn_value_head_dim &&
+         gdn_conv_kernel == q.gdn_conv_kernel && n_experts == q.n_experts &&
+         n_experts_per_tok == q.n_experts_per_tok && moe_ffn_dim == q.moe_ffn_dim &&
+         shared_ffn_dim == q.shared_ffn_dim;
+}
+
+std::string supported_checkpoint_kind() {
+  return "an MLX affine 4-bit, group-size-" + std::to_string(kQuantGroupSize) + " checkpoint";
 }
 
 std::string ModelConfig::shape_name() const {
-  if (is_qwen36_35b_a3b()) return "Qwen3.6-35B-A3B";
+  if (is_qwen36_35b_a3b()) return Qwen36Shape::kName;
   return "qwen3_5_moe (H=" + std::to_string(hidden) + ", L=" + std::to_string(n_layers) +
          ", E=" + std::to_string(n_experts) + ")";
 }

@@ -22,6 +22,10 @@ enum class LayerType { kLinearAttention, kFullAttention };
 /// group size lily.cpp reads or writes (docs/model.md §2.2; the CUDA kernels' kGroup).
 inline constexpr int kQuantGroupSize = 64;
 
+/// The one kind of checkpoint lily loads, as error messages name it: "an MLX affine 4-bit,
+/// group-size-64 checkpoint" (the group size from kQuantGroupSize).
+std::string supported_checkpoint_kind();
+
 /// MLX affine quantization settings declared in config.json's `quantization` block.
 struct QuantizationConfig {
   int bits = 4;                       ///< default bit width (must be 4)
@@ -29,6 +33,31 @@ struct QuantizationConfig {
   /// Module paths overridden to 8 bits (must end in `mlp.gate` or `mlp.shared_expert_gate`).
   std::vector<std::string> eight_bit_modules;
 };
+
+/// The Qwen3.6-35B-A3B shape, the "must be" values of docs/model.md §1.1: what
+/// ModelConfig::is_qwen36_35b_a3b recognises and `lily synth --preset 35b-a3b` writes.
+struct Qwen36Shape {
+  static constexpr const char* kName = "Qwen3.6-35B-A3B";  ///< the model's published name
+  int vocab = 248320;
+  int hidden = 2048;
+  int n_layers = 40;
+  int full_attention_interval = 4;
+  int n_heads = 16;
+  int n_kv_heads = 2;
+  int head_dim = 256;
+  int gdn_n_key_heads = 16;
+  int gdn_n_value_heads = 32;
+  int gdn_key_head_dim = 128;
+  int gdn_value_head_dim = 128;
+  int gdn_conv_kernel = 4;
+  int n_experts = 256;
+  int n_experts_per_tok = 8;
+  int moe_ffn_dim = 512;
+  int shared_ffn_dim = 512;
+};
+
+/// The one Qwen3.6-35B-A3B shape.
+inline constexpr Qwen36Shape kQwen36Shape{};
 
 /// Hyper-parameters of a qwen3_5_moe text model (docs/model.md §1.1, §1.3).
 struct ModelConfig {

@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -160,20 +161,20 @@ void Validator::check_groups(const TensorSpec& spec, const TensorInfo& s) const 
     const int64_t groups = s.shape.back();
     if (groups > 0 && groups != in / kQuantGroupSize && in % groups == 0)
       fail(spec.name + " has group size " + std::to_string(in / groups) + " (" + s.name + " " + s.shape_string() +
-           "); lily supports group size 64 only");
+           "); lily supports group size " + std::to_string(kQuantGroupSize) + " only");
   }
   expect_shape(s, want);
 }
 
 QuantMatrix Validator::quantized(const TensorSpec& spec) {
-  const std::string wname = spec.name + ".weight", sname = spec.name + ".scales", bname = spec.name + ".biases";
+  const auto [wname, sname, bname] = quantized_names(spec.name);
   const TensorInfo* w = find(wname);
   const TensorInfo* s = find(sname);
   if (!w) fail("missing tensor " + wname);
   if (is_float_dtype(w->dtype) && !s)
     fail("unquantized " + std::string(dtype_name(w->dtype)) + " checkpoint: " + wname + " is " +
          dtype_name(w->dtype) + " " + w->shape_string() +
-         " with no .scales; lily needs an MLX affine 4-bit, group-size-64 checkpoint");
+         " with no .scales; lily needs " + supported_checkpoint_kind());
   if (!s) fail(spec.name + " has .weight but no .scales: not an MLX quantized projection");
   expect_dtype(*w, DType::kU32);
   check_codes(spec, *w);
@@ -224,17 +225,21 @@ std::vector<float> Validator::vector(const TensorSpec& spec) {
   return out;
 }
 
-/// Whole-checkpoint checks made before the table walk, for the clearest message.
-void check_checkpoint_kind(const Checkpoint& ckpt, const Validator& v) {
+/// Whole-checkpoint checks made before the table walk, for the clearest message. `table` is
+/// tensor_table of the checkpoint's config; its embedding spec names the MLX layout's first tensor.
+void check_checkpoint_kind(const Checkpoint& ckpt, const Validator& v, const std::vector<TensorSpec>& table) {
   for (const TensorInfo* t : ckpt.tensors())
     if (is_fp8(t->dtype) && !is_skipped_tensor(t->name))
       v.fail("fp8 checkpoint: tensor " + t->name + " is " + dtype_name(t->dtype) +
-             "; lily needs an MLX affine 4-bit, group-size-64 checkpoint");
-  if (!ckpt.find("language_model.model.embed_tokens.weight")) {
+             "; lily needs " + supported_checkpoint_kind());
+  const auto embedding =
+      std::find_if(table.begin(), table.end(), [](const TensorSpec& s) { return s.role == TensorRole::kEmbedding; });
+  if (embedding == table.end()) throw InternalError("check_checkpoint_kind: the tensor table has no embedding");
+  if (!ckpt.find(quantized_names(embedding->name).weight)) {
     for (const char* hf : {"model.language_model.embed_tokens.weight", "model.embed_tokens.weight"})
       if (ckpt.find(hf))
         v.fail(std::string("unsupported checkpoint layout: found ") + hf +
-               " (Hugging Face names); expected the MLX layout (language_model.model.embed_tokens.*)");
+               " (Hugging Face names); expected the MLX layout (" + embedding->name + ".*)");
   }
 }
 
@@ -283,7 +288,8 @@ std::shared_ptr<const ModelWeights> load_model(const std::filesystem::path& dir,
   ModelConfig config = load_model_config(dir);
   auto ckpt = std::make_shared<const Checkpoint>(dir, options.mmap);
   Validator v(*ckpt, options);
-  check_checkpoint_kind(*ckpt, v);
+  const std::vector<TensorSpec> table = tensor_table(config);
+  check_checkpoint_kind(*ckpt, v, table);
 
   // One walk of the tensor description: each spec is validated and stored straight into the
   // field it names. `weights` stays local until complete, so a throw leaves nothing half-loaded.
@@ -291,7 +297,7 @@ std::shared_ptr<const ModelWeights> load_model(const std::filesystem::path& dir,
   weights->config = config;
   uint64_t host_bytes = 0;
   {
-    Progress progress(options.show_progress, dir.string(), tensor_table(config).size());
+    Progress progress(options.show_progress, dir.string(), table.size());
     for_each_tensor(config, *weights, [&](const TensorSpec& spec, TensorDest dest) {
       if (spec.kind == TensorKind::kQuantized) {
         *std::get<QuantMatrix*>(dest) = v.quantized(spec);

@@ -171,7 +171,7 @@ ordered_json quantization_block(int layers) {
 /// published checkpoint's 248046/248044), endoftext in text_config; small presets put the
 /// specials at the top of their vocabulary as the demo model does.
 ordered_json make_config(const Shape& s) {
-  const bool real = s.vocab == 248320;
+  const bool real = s.vocab == kQwen36Shape.vocab;
   const int endoftext = real ? 248044 : s.vocab - 5;
   const int im_end = real ? 248046 : s.vocab - 3;
   const int rotary_pairs = s.head_dim / 4 / 2;  // partial_rotary_factor 0.25, half-split pairs
@@ -252,7 +252,12 @@ const std::vector<PresetDef>& preset_defs() {
       {"long", "for long prompts: H=128, 8 layers (2 attention), head_dim 64, 16 experts top-4, vocab 1024, 32K positions",
        {1024, 128, 8, 4, 2, 64, 2, 4, 64, 64, 16, 4, 64, 64, 32768, false}, 0},
       {"35b-a3b", "the exact Qwen3.6-35B-A3B shape (docs/model.md §1.1), about 19.5 GB in 5 GB shards",
-       {248320, 2048, 40, 16, 2, 256, 16, 32, 128, 128, 256, 8, 512, 512, 262144, true}, 5'000'000'000ull},
+       {kQwen36Shape.vocab, kQwen36Shape.hidden, kQwen36Shape.n_layers, kQwen36Shape.n_heads,
+        kQwen36Shape.n_kv_heads, kQwen36Shape.head_dim, kQwen36Shape.gdn_n_key_heads,
+        kQwen36Shape.gdn_n_value_heads, kQwen36Shape.gdn_key_head_dim, kQwen36Shape.gdn_value_head_dim,
+        kQwen36Shape.n_experts, kQwen36Shape.n_experts_per_tok, kQwen36Shape.moe_ffn_dim,
+        kQwen36Shape.shared_ffn_dim, static_cast<int>(kMaxContext), true},
+       5'000'000'000ull},
   };
   return defs;
 }
@@ -266,11 +271,13 @@ std::vector<TensorDecl> declare_tensors(const std::vector<TensorSpec>& table) {
   std::vector<TensorDecl> decls;
   for (const TensorSpec& spec : table) {
     switch (spec.kind) {
-      case TensorKind::kQuantized:
-        decls.push_back({spec.name + ".weight", DType::kU32, packed_codes_shape(spec)});
-        decls.push_back({spec.name + ".scales", DType::kBF16, group_params_shape(spec)});
-        decls.push_back({spec.name + ".biases", DType::kBF16, group_params_shape(spec)});
+      case TensorKind::kQuantized: {
+        const QuantizedNames names = quantized_names(spec.name);
+        decls.push_back({names.weight, DType::kU32, packed_codes_shape(spec)});
+        decls.push_back({names.scales, DType::kBF16, group_params_shape(spec)});
+        decls.push_back({names.biases, DType::kBF16, group_params_shape(spec)});
         break;
+      }
       case TensorKind::kBf16: decls.push_back({spec.name, DType::kBF16, spec.shape}); break;
       case TensorKind::kFloat: decls.push_back({spec.name, DType::kF32, spec.shape}); break;
     }
@@ -338,9 +345,10 @@ class ItemWriter {
       quantize_group_affine(w, spec.bits, &codes_[g * words_per_group], &scales_[g], &biases_[g]);
     }
     const uint64_t r0 = static_cast<uint64_t>(item.row_begin);
-    CheckpointWriter::write(out_.target(spec.name + ".weight"), r0 * words * 4, as_bytes_of(codes_));
-    CheckpointWriter::write(out_.target(spec.name + ".scales"), r0 * groups * 2, as_bytes_of(scales_));
-    CheckpointWriter::write(out_.target(spec.name + ".biases"), r0 * groups * 2, as_bytes_of(biases_));
+    const QuantizedNames names = quantized_names(spec.name);
+    CheckpointWriter::write(out_.target(names.weight), r0 * words * 4, as_bytes_of(codes_));
+    CheckpointWriter::write(out_.target(names.scales), r0 * groups * 2, as_bytes_of(scales_));
+    CheckpointWriter::write(out_.target(names.biases), r0 * groups * 2, as_bytes_of(biases_));
   }
 
   void run_plain(const TensorSpec& spec) {

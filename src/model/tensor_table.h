@@ -88,6 +88,18 @@ struct TensorSpec {
   std::vector<int64_t> alt_shape;
 };
 
+/// The stored names of a quantized spec's MLX affine triple (TensorKind::kQuantized).
+struct QuantizedNames {
+  std::string weight;  ///< <base>.weight, the U32 codes
+  std::string scales;  ///< <base>.scales, BF16, one per group
+  std::string biases;  ///< <base>.biases, BF16, one per group
+};
+
+/// The triple's names for the base name `base` (a kQuantized TensorSpec::name).
+inline QuantizedNames quantized_names(const std::string& base) {
+  return {base + ".weight", base + ".scales", base + ".biases"};
+}
+
 /// Where a spec lands in ModelWeights: the QuantMatrix view of a kQuantized spec, or the fp32
 /// vector (row-major, numel(shape) floats) of a kBf16/kFloat spec. Never null.
 using TensorDest = std::variant<QuantMatrix*, std::vector<float>*>;
@@ -130,7 +142,7 @@ std::string layer_prefix(int layer);
 int64_t shape_numel(const std::vector<int64_t>& shape);
 /// Stored shape of the U32 codes of a quantized spec: [.., out, in·bits/32].
 std::vector<int64_t> packed_codes_shape(const TensorSpec& spec);
-/// Stored shape of the BF16 scales/biases of a quantized spec: [.., out, in/64].
+/// Stored shape of the BF16 scales/biases of a quantized spec: [.., out, in/group_size].
 std::vector<int64_t> group_params_shape(const TensorSpec& spec, int group_size = kQuantGroupSize);
 /// Bytes the spec occupies on disk (codes + scales + biases, or the plain tensor as BF16/F32).
 int64_t stored_bytes(const TensorSpec& spec, int group_size = kQuantGroupSize);

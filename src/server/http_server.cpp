@@ -54,7 +54,7 @@ SamplingParams resolve_sampling_defaults(const SamplingFlags& flags, const std::
 std::string served_model_name(const ModelConfig& config, const std::filesystem::path& model_dir,
                               const std::string& override_name) {
   if (!override_name.empty()) return override_name;
-  if (config.is_qwen36_35b_a3b()) return "Qwen3.6-35B-A3B";
+  if (config.is_qwen36_35b_a3b()) return config.shape_name();
   auto dir = std::filesystem::weakly_canonical(model_dir);
   std::string name = dir.filename().string();
   if (name.empty()) name = dir.parent_path().filename().string();

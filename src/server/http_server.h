@@ -66,7 +66,7 @@ struct ServerOptions {
   int max_queue = 16;                    ///< waiting requests before 503
   int max_batch = 0;                     ///< requests decoded together in one step (continuous
                                          ///< batching); 0 = the backend's preferred_max_batch()
-                                         ///< (CPU 8, CUDA 32), or its limit where that is lower
+                                         ///< (CPU 8, CUDA 64), or its limit where that is lower
   /// Token budget of one engine step (prefill chunks); 0: the backend's preferred_step_tokens().
   int64_t step_tokens = 0;
   int64_t max_tokens_cap = 0;            ///< most completion tokens per request (0 = only the

@@ -17,6 +17,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "backends/cuda/cuda_check.h"
@@ -230,6 +231,27 @@ inline double rms(const std::vector<double>& ref) {
   for (double r : ref) s += r * r;
   return std::sqrt(s / double(ref.size()));
 }
+/// Error of `out` against `ref` relative to the RMS of ref: {RMS error, max error}; NaN → infinity.
+inline std::pair<double, double> rms_relative_error(const std::vector<float>& out, const std::vector<double>& ref) {
+  double se = 0, mx = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    const double e = std::fabs(double(out[i]) - ref[i]);
+    se += e * e;
+    mx = (e <= mx) ? mx : (std::isnan(e) ? INFINITY : e);
+  }
+  const double r = rms(ref);
+  return {std::sqrt(se / double(out.size())) / r, mx / r};
+}
+/// max_i |out_i − ref_i| / max(1, max_i |ref_i|) (fp32 states); NaN → infinity.
+inline double max_abs_scaled(const std::vector<float>& out, const std::vector<float>& ref) {
+  double scale = 1, worst = 0;
+  for (float r : ref) scale = std::max(scale, double(std::fabs(r)));
+  for (size_t i = 0; i < out.size() && i < ref.size(); ++i) {
+    const double e = std::fabs(double(out[i]) - ref[i]) / scale;
+    if (!(e <= worst)) worst = std::isnan(e) ? INFINITY : e;
+  }
+  return worst;
+}
 
 /// Number of positions i < n where a[i] and b[i] differ in their bits (compared as memcmp does:
 /// -0 ≠ +0, NaNs of different payloads differ, NaNs of equal bits are equal); 0 when the first n
@@ -346,9 +368,9 @@ inline std::string quant_shape(int64_t rows, int cols, int bits) {
 }
 
 /// Bytes of an MLX-affine matrix of `rows` × `cols` at `bits`: the codes, then a bf16 scale and
-/// bias per 64-group.
+/// bias per group of kQuantGroupSize columns.
 inline double quant_bytes(int64_t rows, int cols, int bits) {
-  return double(rows) * (double(cols) * bits / 8 + double(cols / 64) * 4);
+  return double(rows) * (double(cols) * bits / 8 + double(cols / kQuantGroupSize) * 4);
 }
 
 // ---- perf mode -------------------------------------------------------------------------------------

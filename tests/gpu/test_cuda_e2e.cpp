@@ -249,16 +249,17 @@ TEST_F(CudaE2e, RealdimsSynthMatchesCpu) {
 }
 
 // The batched prefill (the default; batched GEMVs, chunked GDN, flash attention, 256-token
-// chunks), selected explicitly so that this test checks it under LILY_CUDA_PREFILL=per-token too: a 300-token prompt spans two chunks; a second prefill call on
-// the same state continues from position 300.
+// chunks), selected explicitly so that this test checks it under LILY_CUDA_PREFILL=per-token
+// too: a 300-token prompt spans two chunks; a second prefill call on the same state continues
+// from position 300.
 TEST_F(CudaE2e, BatchedPrefillMatchesCpu) {
   TempDir dir;
   auto w = synth("realdims", dir.path());
   auto oracle = bf16_oracle(w);
   cpu::CpuBackend& cpu = *oracle;
-  setenv("LILY_CUDA_PREFILL", "batched", 1);
-  auto gpu = make_cuda_backend(w);
-  unsetenv("LILY_CUDA_PREFILL");
+  CudaOptions options = CudaOptions::from_env();
+  options.batched_prefill = true;
+  auto gpu = make_cuda_backend(w, options);
   compare_greedy(cpu, *gpu, hash_prompt(300, w->config.vocab, 8), 4, "realdims batched prefill", /*align=*/false);
   auto sc = cpu.new_state(1024), sg = gpu->new_state(1024);
   const auto a = hash_prompt(100, w->config.vocab, 9), b = hash_prompt(50, w->config.vocab, 10);
@@ -892,16 +893,15 @@ TEST_F(CudaE2e, PdlDoesNotChangeResults) {
   check_pdl_bit_identical(*gdemo, demo->config.vocab);
 }
 
-/// Decode logits of backends built with the environment settings `a` and `b` (name=value
-/// pairs), on the same prompt: asserted cosine ≥ min_cosine and equal greedy ids at every step;
-/// the number of bit-identical steps is printed.
-void check_decode_settings(std::shared_ptr<const ModelWeights> w, const std::vector<std::pair<const char*, const char*>>& a,
-                           const std::vector<std::pair<const char*, const char*>>& b, double min_cosine, const char* what) {
-  auto make = [&](const std::vector<std::pair<const char*, const char*>>& env) {
-    for (const auto& [name, value] : env) setenv(name, value, 1);
-    auto backend = make_cuda_backend(w);
-    for (const auto& [name, value] : env) unsetenv(name);
-    return backend;
+/// Decode logits of backends built with the settings `a` and `b` (CudaOptions::set assignments,
+/// "NAME=VALUE", over the environment's options), on the same prompt: asserted cosine ≥
+/// min_cosine and equal greedy ids at every step; the number of bit-identical steps is printed.
+void check_decode_settings(std::shared_ptr<const ModelWeights> w, const std::vector<const char*>& a,
+                           const std::vector<const char*>& b, double min_cosine, const char* what) {
+  auto make = [&](const std::vector<const char*>& assignments) {
+    CudaOptions options = CudaOptions::from_env();
+    for (const char* assignment : assignments) options.set(assignment);
+    return make_cuda_backend(w, options);
   };
   auto first = make(a), second = make(b);
   const auto prompt = hash_prompt(40, w->config.vocab, 12);
@@ -924,10 +924,8 @@ void check_decode_settings(std::shared_ptr<const ModelWeights> w, const std::vec
 /// the fused MoE block (tensor-core expert products, summed in another order) against the three
 /// MoE kernels: within bf16 rounding, cosine ≥ 0.999 and equal ids.
 void check_fused_vs_separate(std::shared_ptr<const ModelWeights> w) {
-  check_decode_settings(w, {{"LILY_CUDA_FUSE", "1"}, {"LILY_CUDA_FUSED_MOE", "0"}}, {{"LILY_CUDA_FUSE", "0"}}, 0.9999,
-                        "fused vs separate decode kernels");
-  check_decode_settings(w, {{"LILY_CUDA_FUSED_MOE", "1"}}, {{"LILY_CUDA_FUSED_MOE", "0"}}, 0.999,
-                        "fused MoE block vs three MoE kernels");
+  check_decode_settings(w, {"fuse=1", "fused-moe=0"}, {"fuse=0"}, 0.9999, "fused vs separate decode kernels");
+  check_decode_settings(w, {"fused-moe=1"}, {"fused-moe=0"}, 0.999, "fused MoE block vs three MoE kernels");
 }
 
 TEST_F(CudaE2e, FusedDecodeMatchesSeparateKernels) {
@@ -1316,10 +1314,10 @@ TEST_F(CudaE2e, PersistentDecodeStagesMatchCpu) {
 /// at every step (other summation orders, so not bit for bit).
 TEST_F(CudaE2e, PersistentDecodeMatchesTheDecodeGraph) {
   TempDir dir;
-  check_decode_settings(synth("realdims", dir.path()), {{"LILY_CUDA_PERSISTENT_DECODE", "1"}},
-                        {{"LILY_CUDA_PERSISTENT_DECODE", "0"}}, 0.999, "persistent decode vs decode graph, realdims");
-  check_decode_settings(load_model(demo_model_dir()), {{"LILY_CUDA_PERSISTENT_DECODE", "1"}},
-                        {{"LILY_CUDA_PERSISTENT_DECODE", "0"}}, 0.999, "persistent decode vs decode graph, demo");
+  check_decode_settings(synth("realdims", dir.path()), {"persistent-decode=1"}, {"persistent-decode=0"}, 0.999,
+                        "persistent decode vs decode graph, realdims");
+  check_decode_settings(load_model(demo_model_dir()), {"persistent-decode=1"}, {"persistent-decode=0"}, 0.999,
+                        "persistent decode vs decode graph, demo");
 }
 
 // After the upload the backend keeps no reference to the host weights (reads_host_weights() is
@@ -1329,22 +1327,15 @@ TEST_F(CudaE2e, PersistentDecodeMatchesTheDecodeGraph) {
 TEST(CudaHostWeights, ReleasedAfterTheUploadSoATruncationCannotFault) {
   TempDir tmp;
   const std::filesystem::path dir = copy_demo_model(tmp);
-  const std::string file = std::filesystem::canonical(dir / "model.safetensors").string();
-  auto mappings = [&] {
-    std::ifstream maps("/proc/self/maps");
-    int n = 0;
-    for (std::string line; std::getline(maps, line);)
-      if (line.size() >= file.size() && line.compare(line.size() - file.size(), std::string::npos, file) == 0) ++n;
-    return n;
-  };
+  const std::filesystem::path file = std::filesystem::canonical(dir / "model.safetensors");
   auto weights = load_model(dir);
-  ASSERT_GE(mappings(), 1);
+  ASSERT_GE(mappings_of(file), 1);
   const std::weak_ptr<const ModelWeights> host = weights;
   const int vocab = weights->config.vocab;
   auto gpu = make_cuda_backend(std::move(weights));
   EXPECT_FALSE(gpu->reads_host_weights());
   EXPECT_TRUE(host.expired()) << "the CUDA backend still holds the host weights";
-  EXPECT_EQ(mappings(), 0);
+  EXPECT_EQ(mappings_of(file), 0);
   auto greedy = [&] {
     auto state = gpu->new_state(64);
     std::vector<int32_t> out{gpu->prefill(*state, hash_prompt(12, vocab, 3))};

@@ -30,6 +30,7 @@ using test::CaseName;
 using test::demo_gdn_dims;
 using test::download_bf16;
 using test::download_f32;
+using test::max_abs_scaled;
 using test::max_rel;
 using test::normal;
 using test::poisoned;
@@ -38,17 +39,6 @@ using test::ScopedSwitch;
 using test::uniform;
 using test::upload_bf16;
 using test::upload_f32;
-
-/// max_i |out_i − ref_i| / max(1, max_i |ref_i|); NaN → infinity.
-double max_abs_scaled(const std::vector<float>& out, const std::vector<float>& ref) {
-  double scale = 1, worst = 0;
-  for (float r : ref) scale = std::max(scale, double(std::fabs(r)));
-  for (size_t i = 0; i < out.size() && i < ref.size(); ++i) {
-    const double e = std::fabs(double(out[i]) - ref[i]) / scale;
-    if (!(e <= worst)) worst = std::isnan(e) ? INFINITY : e;
-  }
-  return worst;
-}
 
 constexpr double kBf16Tol = 1e-2;
 constexpr double kStateTol = 1e-4;

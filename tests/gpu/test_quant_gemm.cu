@@ -138,18 +138,6 @@ double dot_f64(const float* a, const float* b, int n) {
   return s;
 }
 
-/// Error of `out` against `ref` relative to the RMS of ref: {RMS error, max error}.
-std::pair<double, double> rms_relative_error(const std::vector<float>& out, const std::vector<double>& ref) {
-  double se = 0, mx = 0;
-  for (size_t i = 0; i < out.size(); ++i) {
-    const double e = std::fabs(double(out[i]) - ref[i]);
-    se += e * e;
-    mx = (e <= mx) ? mx : (std::isnan(e) ? INFINITY : e);
-  }
-  const double r = rms(ref);
-  return {std::sqrt(se / double(out.size())) / r, mx / r};
-}
-
 /// Expects out ≈ ref up to the bf16 rounding of the weights (see the file comment).
 void expect_close_to_exact_weights(const std::vector<float>& out, const std::vector<double>& ref, double rms_tol,
                                    double max_tol, const std::string& what) {
@@ -797,7 +785,7 @@ TEST(CudaQuantGemmTiming, PrintsTimes) {
         wg[i] = time_us([&] { cuda::launch_quant_gemm(w.view(), dx.as<bf16_t>(), m, y.as<bf16_t>(), nullptr, nullptr); }, kTimingReps);
       }
       const double flop = 2.0 * m * s.rows * s.cols;
-      std::printf("[timing] %-26s m=%4d  tensor-core %9.1f us %6.1f TFLOP/s | REGDQ=all %9.1f us %6.1f TFLOP/s | "
+      std::printf("[timing] %-26s m=%4d  tensor-core %9.1f us %6.1f TFLOP/s | gemm-kernel=all %9.1f us %6.1f TFLOP/s | "
                   "wgmma %9.1f us %6.1f TFLOP/s | wgmma-narrow %9.1f us %6.1f TFLOP/s | batched GEMV (m=%d) %9.1f us\n",
                   s.name, m, tc, flop / tc / 1e6, rd, flop / rd / 1e6, wg[0], flop / wg[0] / 1e6, wg[1], flop / wg[1] / 1e6,
                   std::min(m, 256), gv);

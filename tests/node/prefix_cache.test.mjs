@@ -6,7 +6,7 @@
 // Run: LILY_BIN=build/lily node --test tests/node/prefix_cache.test.mjs
 import { after, before, describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import { MODEL, chat, metrics, rawRequest, startServer, stopServer } from './server_harness.mjs';
+import { MODEL, chat, metrics, postJson, startServer, stopServer } from './server_harness.mjs';
 
 const system = (content) => ({ role: 'system', content });
 const user = (content) => ({ role: 'user', content });
@@ -23,13 +23,11 @@ async function ask(server, messages, extra = {}) {
   return { text: res.json.choices[0].message.content, usage: res.json.usage };
 }
 
+/** postJson, expecting 200; resolves the answer's JSON. */
 async function post(server, urlPath, doc) {
-  const body = JSON.stringify(doc);
-  const res = await rawRequest(server, 'POST', urlPath, {
-    body, headers: { 'Content-Type': 'application/json', 'Content-Length': Buffer.byteLength(body) },
-  });
-  assert.equal(res.status, 200, res.body);
-  return JSON.parse(res.body);
+  const res = await postJson(server, urlPath, doc);
+  assert.equal(res.status, 200, JSON.stringify(res.json));
+  return res.json;
 }
 
 const cached = (r) => r.usage.prompt_tokens_details.cached_tokens;

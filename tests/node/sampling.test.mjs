@@ -10,7 +10,7 @@ import os from 'node:os';
 import path from 'node:path';
 import OpenAI from 'openai';
 import {
-  LILY_BIN, MODEL, MODEL_DIR, SOURCE_DIR, chat, serverForSuite, startServer, stopServer,
+  LILY_BIN, MODEL, MODEL_DIR, SOURCE_DIR, assembleStream, chat, serverForSuite, startServer, stopServer,
 } from './server_harness.mjs';
 
 const golden = JSON.parse(fs.readFileSync(path.join(SOURCE_DIR, 'tests', 'fixtures', 'demo.golden.json'), 'utf8'));
@@ -27,23 +27,6 @@ function choiceSeed(seed, i) {
   z = ((z ^ (z >> 27n)) * 0x94D049BB133111EBn) & M;
   z ^= z >> 31n;
   return z & ((1n << 53n) - 1n);
-}
-
-/** Collects a stream into per-choice {text, finish, seed, logprobs} plus the usage. */
-async function collect(stream) {
-  const choices = [];
-  let usage = null;
-  for await (const c of stream) {
-    if (c.usage) usage = c.usage;
-    for (const ch of c.choices) {
-      const slot = (choices[ch.index] ??= { text: '', finish: null, seed: undefined, logprobs: [] });
-      slot.text += ch.delta?.content ?? '';
-      if (ch.finish_reason) slot.finish = ch.finish_reason;
-      if (ch.seed !== undefined) slot.seed = ch.seed;
-      if (ch.logprobs?.content) slot.logprobs.push(...ch.logprobs.content);
-    }
-  }
-  return { choices, usage };
 }
 
 describe('sampling on lily serve (demo model)', () => {
@@ -93,9 +76,9 @@ describe('sampling on lily serve (demo model)', () => {
       completion += single.usage.completion_tokens;
     }
     assert.equal(res.usage.completion_tokens, completion);
-    const streamed = await collect(await ask({ temperature: 1.5, seed: 7, n: 3, stream: true,
+    const streamed = await assembleStream(await ask({ temperature: 1.5, seed: 7, n: 3, stream: true,
       stream_options: { include_usage: true } }));
-    assert.deepEqual(streamed.choices.map((c) => c.text), res.choices.map((c) => c.message.content));
+    assert.deepEqual(streamed.choices.map((c) => c.message.content), res.choices.map((c) => c.message.content));
     assert.deepEqual(streamed.choices.map((c) => c.seed), res.choices.map((c) => c.seed));
     assert.deepEqual(streamed.choices.map((c) => c.finish), res.choices.map((c) => c.finish_reason));
     assert.equal(streamed.usage.completion_tokens, completion);
@@ -123,8 +106,8 @@ describe('sampling on lily serve (demo model)', () => {
       if (same) assert.ok(Math.abs(same.logprob - e.logprob) < 1e-6);
       else assert.ok(e.logprob <= e.top_logprobs[4].logprob);
     }
-    const streamed = await collect(await ask({ ...body, stream: true }));
-    assert.equal(streamed.choices[0].text, whole.choices[0].message.content);
+    const streamed = await assembleStream(await ask({ ...body, stream: true }));
+    assert.equal(streamed.choices[0].message.content, whole.choices[0].message.content);
     assert.deepEqual(streamed.choices[0].logprobs, entries);
   });
 
@@ -136,9 +119,9 @@ describe('sampling on lily serve (demo model)', () => {
     const cut = await ask({ temperature: 1.2, seed: 21, max_tokens: 40, stop, logprobs: true });
     assert.equal(cut.choices[0].finish_reason, 'stop');
     assert.equal(cut.choices[0].message.content, text.slice(0, text.indexOf(stop)));
-    const streamed = await collect(await ask({ temperature: 1.2, seed: 21, max_tokens: 40, stop, stream: true,
+    const streamed = await assembleStream(await ask({ temperature: 1.2, seed: 21, max_tokens: 40, stop, stream: true,
       logprobs: true }));
-    assert.equal(streamed.choices[0].text, cut.choices[0].message.content);
+    assert.equal(streamed.choices[0].message.content, cut.choices[0].message.content);
     assert.equal(streamed.choices[0].finish, 'stop');
     assert.deepEqual(streamed.choices[0].logprobs, cut.choices[0].logprobs.content);
     const short = await ask({ temperature: 1.2, seed: 21, max_tokens: 3 });

@@ -9,22 +9,13 @@ import http from 'node:http';
 import path from 'node:path';
 import OpenAI from 'openai';
 import {
-  MODEL, SOURCE_DIR, chat, longPrompt, metrics, rawRequest, serverForSuite, sleep, startServer, stopServer,
+  MODEL, SOURCE_DIR, assembleStream, chat, longPrompt, metrics, rawRequest, serverForSuite, sleep, startServer,
+  stopServer,
 } from './server_harness.mjs';
 
 const golden = JSON.parse(fs.readFileSync(path.join(SOURCE_DIR, 'tests', 'fixtures', 'demo.golden.json'), 'utf8'));
 const user = (content) => ({ role: 'user', content });
 const client = (server, apiKey = 'unused') => new OpenAI({ baseURL: `${server.url}/v1`, apiKey, maxRetries: 0 });
-
-/** Collects an OpenAI-client stream into {chunks, text, finish, usage}. */
-async function collect(stream) {
-  const chunks = [];
-  for await (const c of stream) chunks.push(c);
-  const text = chunks.map((c) => c.choices[0]?.delta?.content ?? '').join('');
-  const finish = chunks.map((c) => c.choices[0]?.finish_reason).find((f) => f);
-  const usage = chunks.find((c) => c.usage)?.usage;
-  return { chunks, text, finish, usage };
-}
 
 describe('lily serve (default settings)', () => {
   const suite = serverForSuite();
@@ -97,11 +88,11 @@ describe('lily serve (default settings)', () => {
 
   it('streams the same text with a role chunk, a finish chunk and a usage chunk', async () => {
     const g = golden.goldens[0];
-    const out = await collect(await suite.openai.chat.completions.create({
+    const out = await assembleStream(await suite.openai.chat.completions.create({
       model: MODEL, messages: g.messages, max_tokens: 64, stream: true, stream_options: { include_usage: true },
     }));
     assert.equal(out.chunks[0].choices[0].delta.role, 'assistant');
-    assert.equal(out.text, g.text);
+    assert.equal(out.message.content, g.text);
     assert.equal(out.finish, 'length');
     const last = out.chunks[out.chunks.length - 1];
     assert.deepEqual(last.choices, []);
@@ -129,10 +120,10 @@ describe('lily serve (default settings)', () => {
     assert.equal(res.choices[0].message.content, g.text.slice(0, cut));
     assert.equal(res.choices[0].finish_reason, 'stop');
     assert.ok(res.usage.completion_tokens < 64);
-    const out = await collect(await suite.openai.chat.completions.create({
+    const out = await assembleStream(await suite.openai.chat.completions.create({
       model: MODEL, messages: g.messages, max_tokens: 64, stop: 'add_library', stream: true,
     }));
-    assert.equal(out.text, g.text.slice(0, cut));
+    assert.equal(out.message.content, g.text.slice(0, cut));
     assert.equal(out.finish, 'stop');
     assert.ok(out.chunks.every((c) => !(c.choices[0]?.delta?.content ?? '').includes('add_lib')));
   });
@@ -377,10 +368,10 @@ describe('prefix cache', () => {
   it('streamed answers hit the cache too and match', async () => {
     const msgs = [user('Tell me about npm install.')];
     const first = await ask(withCache.server, msgs);
-    const s = await collect(await withCache.openai.chat.completions.create({
+    const s = await assembleStream(await withCache.openai.chat.completions.create({
       model: MODEL, messages: msgs, max_tokens: 24, stream: true, stream_options: { include_usage: true },
     }));
-    assert.equal(s.text, first.text);
+    assert.equal(s.message.content, first.text);
     assert.equal(s.usage.prompt_tokens_details.cached_tokens, first.usage.prompt_tokens - 1);
   });
 

@@ -231,18 +231,24 @@ export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 /**
  * Joins a stream's chunks as a client does, choice by choice (by `index`): content,
- * reasoning_content and tool_calls (by their index). Resolves {message, finish} of choice 0,
- * `choices` ([{message, finish}] of every choice) and `usage` (from the usage chunk, or null).
+ * reasoning_content and tool_calls (by their index), the finish reason, the choice's seed and
+ * its logprobs entries. Resolves {message, finish} of choice 0, `choices` ([{message, finish,
+ * seed, logprobs}] of every choice), `usage` (from the usage chunk, or null) and `chunks` (every
+ * chunk as it came).
  */
 export async function assembleStream(stream) {
+  const chunks = [];
   const choices = [];
   let usage = null;
   for await (const chunk of stream) {
+    chunks.push(chunk);
     if (chunk.usage) usage = chunk.usage;
     for (const choice of chunk.choices) {
-      const into = (choices[choice.index] ??= { message: { content: '', reasoning_content: '', tool_calls: [] }, finish: null });
+      const into = (choices[choice.index] ??= {
+        message: { content: '', reasoning_content: '', tool_calls: [] }, finish: null, seed: undefined, logprobs: [],
+      });
       const { message } = into;
-      const d = choice.delta;
+      const d = choice.delta ?? {};
       if (d.content) message.content += d.content;
       if (d.reasoning_content) message.reasoning_content += d.reasoning_content;
       for (const call of d.tool_calls ?? []) {
@@ -251,10 +257,12 @@ export async function assembleStream(stream) {
         if (call.function?.arguments) slot.function.arguments += call.function.arguments;
       }
       if (choice.finish_reason) into.finish = choice.finish_reason;
+      if (choice.seed !== undefined) into.seed = choice.seed;
+      if (choice.logprobs?.content) into.logprobs.push(...choice.logprobs.content);
     }
   }
   const first = choices[0] ?? { message: { content: '', reasoning_content: '', tool_calls: [] }, finish: null };
-  return { message: first.message, finish: first.finish, choices, usage };
+  return { message: first.message, finish: first.finish, choices, usage, chunks };
 }
 
 /** POSTs `body` as JSON to `route`; resolves {status, json} (the answer parsed as JSON). */

@@ -3,10 +3,12 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "base/file_util.h"
+
 namespace lily::test {
 
 SafetensorsBuilder SafetensorsBuilder::from_file(const std::filesystem::path& path) {
-  const std::string all = read_file(path);
+  const std::string all = read_regular_file(path);
   if (all.size() < 8) throw std::runtime_error("from_file: too short: " + path.string());
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(all[i]);

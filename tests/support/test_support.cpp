@@ -32,14 +32,6 @@ void write_file(const std::filesystem::path& path, const std::string& bytes) {
   if (!out) throw std::runtime_error("cannot write " + path.string());
 }
 
-std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot read " + path.string());
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 void copy_dir(const std::filesystem::path& from, const std::filesystem::path& to) {
   std::filesystem::create_directories(to);
   for (const auto& e : std::filesystem::directory_iterator(from))
@@ -52,6 +44,15 @@ std::filesystem::path copy_demo_model(const TempDir& tmp) {
   const std::filesystem::path dir = tmp.path() / "m";
   std::filesystem::copy(demo_model_dir(), dir, std::filesystem::copy_options::recursive);
   return dir;
+}
+
+int mappings_of(const std::filesystem::path& file) {
+  const std::string name = file.string();
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);)
+    if (line.size() >= name.size() && line.compare(line.size() - name.size(), std::string::npos, name) == 0) ++n;
+  return n;
 }
 
 namespace {
@@ -95,16 +96,6 @@ TempDir::TempDir() {
 TempDir::~TempDir() {
   std::error_code ec;
   std::filesystem::remove_all(path_, ec);
-}
-
-double max_relative_error(std::span<const float> a, std::span<const float> b, double floor) {
-  if (a.size() != b.size()) throw std::invalid_argument("max_relative_error: length mismatch");
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    double denom = std::max(std::fabs(double(b[i])), floor);
-    worst = std::max(worst, std::fabs(double(a[i]) - double(b[i])) / denom);
-  }
-  return worst;
 }
 
 double cosine_similarity(std::span<const float> a, std::span<const float> b) {

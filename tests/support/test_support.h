@@ -48,12 +48,13 @@ class TempDir {
 };
 /// Writes a string to a file (binary); throws std::runtime_error when it cannot.
 void write_file(const std::filesystem::path& path, const std::string& bytes);
-/// Reads a whole file (binary); throws std::runtime_error when it cannot be opened.
-std::string read_file(const std::filesystem::path& path);
 /// Copies every regular file of `from` into `to` (created if needed); not recursive.
 void copy_dir(const std::filesystem::path& from, const std::filesystem::path& to);
 /// A copy of the demo model in `tmp` (at tmp/m), for tests that change or break its files.
 std::filesystem::path copy_demo_model(const TempDir& tmp);
+/// How many mappings of `file` the process holds: the lines of /proc/self/maps that end with its
+/// path (pass the canonical path, as the kernel writes it).
+int mappings_of(const std::filesystem::path& file);
 /// A path in single quotes, for the command lines run_lily pastes into the shell.
 inline std::string quoted(const std::filesystem::path& p) { return "'" + p.string() + "'"; }
 /// Result of running the built `lily` executable.
@@ -80,8 +81,6 @@ inline std::vector<int32_t> hash_prompt(int n, int vocab, uint64_t salt = 0) {
 /// Demo-model ids below this are ordinary tokens (its five special tokens are 8187 … 8191):
 /// hash_prompt(n, kDemoOrdinaryIds, salt) is a demo prompt without special tokens.
 inline constexpr int kDemoOrdinaryIds = 8000;
-/// Max |a-b| / max(|b|, floor) over the two spans (same length required).
-double max_relative_error(std::span<const float> a, std::span<const float> b, double floor = 1e-6);
 /// Cosine similarity of two equal-length vectors.
 double cosine_similarity(std::span<const float> a, std::span<const float> b);
 

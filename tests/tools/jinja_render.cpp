@@ -4,13 +4,12 @@
 //   {"template": PATH, "context": {...}}   or   {"source": TEXT, "context": {...}}
 //   -> {"text": RENDERED}  |  {"error": MESSAGE, "kind": "syntax" | "raised" | "render"}
 // Parsed templates are cached by path. The context keeps its member order.
-#include <fstream>
 #include <iostream>
 #include <map>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "base/file_util.h"
 #include "text/jinja/template.h"
 
 namespace {
@@ -20,11 +19,7 @@ using json = nlohmann::ordered_json;
 const lily::jinja::Template& load(std::map<std::string, lily::jinja::Template>& cache, const std::string& path) {
   auto it = cache.find(path);
   if (it != cache.end()) return it->second;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw lily::Error("cannot open " + path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return cache.emplace(path, lily::jinja::Template(text.str())).first->second;
+  return cache.emplace(path, lily::jinja::Template(lily::read_regular_file(path))).first->second;
 }
 
 }  // namespace

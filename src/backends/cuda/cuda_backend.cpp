@@ -534,15 +534,6 @@ void check_device() {
                         std::to_string(prop.minor));
 }
 
-/// Expert slots per token: the n_experts_per_tok routed experts, then the shared expert in slot
-/// n_experts_per_tok (kernels.h, MoE routing): the length of a token's expert ids, weights and
-/// activation rows.
-int routed_plus_shared_slots(const ModelConfig& c) { return c.n_experts_per_tok + 1; }
-
-/// Expert ids: the n_experts routed experts, then the shared expert as id n_experts; also the rows
-/// of the fused router matrix (router rows, then the shared-expert gate row) and of its logits.
-int routed_plus_shared_experts(const ModelConfig& c) { return c.n_experts + 1; }
-
 /// Grid barriers of one launch_moe_block_decode (MoeDecodeArgs::barriers).
 constexpr int kMoeBarriersPerLayer = 2;
 static_assert(kMaxMoeRows >= kMaxDecodeRows, "one launch_moe_block_rows per layer takes a batched step's rows");
@@ -563,7 +554,7 @@ void check_shapes(const ModelConfig& c) {
     bad("more than " + std::to_string(kMaxExperts) + " experts or top-k above " + std::to_string(kMaxTopK));
   // The expert down kernel stages every slot's activation row (moe_ffn_dim values, staged per
   // 64-group) in shared memory, within the default limit.
-  if (routed_plus_shared_slots(c) * c.moe_ffn_dim / kQuantGroupSize * kStagedFloatsPerGroup * int(sizeof(float)) >
+  if (routed_plus_shared_slots(c.n_experts_per_tok) * c.moe_ffn_dim / kQuantGroupSize * kStagedFloatsPerGroup * int(sizeof(float)) >
       kDefaultSmemBytes)
     bad("top-k × moe_intermediate_size too large");
 }
@@ -721,7 +712,7 @@ class CudaBackend final : public Backend {
     return static_cast<int64_t>(CudaState::layout_bytes(gdn_, attn_, n_gdn_, n_attn_, capacity));
   }
 
-  /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH, 32 by default): with CudaOptions::batched_decode
+  /// CudaOptions::max_batch (LILY_CUDA_MAX_BATCH, 64 by default): with CudaOptions::batched_decode
   /// (the default) a step's decode rows run together (decode_batch), else one after another
   /// through the per-sequence paths below; each row is bit-identical to the sequence alone.
   int max_batch() const override { return options_.max_batch; }
@@ -898,10 +889,10 @@ class CudaBackend final : public Backend {
     conv_out_ = bf(n_gdn_ ? gdn_.conv_channels() : 1);
     mixer_core_out_ = bf(mix);
     q_out_ = bf(int64_t(attn_.n_heads) * attn_.head_dim);
-    act_ = bf(int64_t(routed_plus_shared_slots(c)) * c.moe_ffn_dim);
-    router_logits_ = DeviceBuffer(routed_plus_shared_experts(c) * sizeof(float));
-    expert_ids_ = DeviceBuffer(routed_plus_shared_slots(c) * sizeof(int32_t));
-    expert_w_ = DeviceBuffer(routed_plus_shared_slots(c) * sizeof(float));
+    act_ = bf(int64_t(routed_plus_shared_slots(c.n_experts_per_tok)) * c.moe_ffn_dim);
+    router_logits_ = DeviceBuffer(routed_plus_shared_experts(c.n_experts) * sizeof(float));
+    expert_ids_ = DeviceBuffer(routed_plus_shared_slots(c.n_experts_per_tok) * sizeof(int32_t));
+    expert_w_ = DeviceBuffer(routed_plus_shared_slots(c.n_experts_per_tok) * sizeof(float));
     router_done_ = DeviceBuffer(sizeof(uint32_t));
     router_done_.fill_bytes(0);  // launch_router_fused leaves it zero after every launch
     moe_barriers_ = DeviceBuffer(static_cast<size_t>(c.n_layers) * kMoeBarriersPerLayer * sizeof(uint32_t));
@@ -1292,7 +1283,7 @@ class CudaBackend final : public Backend {
       launch_router_topk(router_logits_.as<float>(), 1, c.n_experts, k, expert_ids_.as<int32_t>(),
                          expert_w_.as<float>(), stream_);
     }
-    const int n_sel = routed_plus_shared_slots(c);
+    const int n_sel = routed_plus_shared_slots(c.n_experts_per_tok);
     launch_expert_gate_up(lw.gate, lw.up, c.moe_ffn_dim, expert_ids_.as<int32_t>(), n_sel, normed_.as<bf16>(), 1,
                           act_.as<bf16>(), stream_);
     launch_expert_down_combine(lw.down, c.hidden, expert_ids_.as<int32_t>(), expert_w_.as<float>(), n_sel,
@@ -1357,7 +1348,7 @@ class CudaBackend final : public Backend {
     // sizes its rows the same way).
     const int64_t proj_rows = static_cast<int64_t>(proj_.bytes() / sizeof(bf16));
     const int64_t mix = static_cast<int64_t>(mixer_core_out_.bytes() / sizeof(bf16));
-    const int64_t n_sel = routed_plus_shared_slots(c);
+    const int64_t n_sel = routed_plus_shared_slots(c.n_experts_per_tok);
     auto bf = [](int64_t n) { return DeviceBuffer(std::max<int64_t>(n, 1) * sizeof(bf16)); };
     auto b = std::make_unique<BatchScratch>(BatchLayout(n_attn_, n_gdn_));
     b->in_dev = DeviceBuffer(b->layout.bytes);
@@ -1371,7 +1362,7 @@ class CudaBackend final : public Backend {
     b->conv = bf(rows * (n_gdn_ ? gdn_.conv_channels() : 1));
     b->mix = bf(rows * mix);
     b->q = bf(rows * attn_.n_heads * attn_.head_dim);
-    b->router = DeviceBuffer(rows * routed_plus_shared_experts(c) * sizeof(float));
+    b->router = DeviceBuffer(rows * routed_plus_shared_experts(c.n_experts) * sizeof(float));
     b->ids = DeviceBuffer(rows * n_sel * sizeof(int32_t));
     b->weights = DeviceBuffer(rows * n_sel * sizeof(float));
     b->act = bf(rows * n_sel * c.moe_ffn_dim);
@@ -1577,7 +1568,7 @@ class CudaBackend final : public Backend {
         std::swap(x, x_alt);
         continue;
       }
-      const int k = c.n_experts_per_tok, n_sel = routed_plus_shared_slots(c);
+      const int k = c.n_experts_per_tok, n_sel = routed_plus_shared_slots(c.n_experts_per_tok);
       launch_add_rmsnorm(x, mixer_out, lw.post_norm, normed, B, c.hidden, eps, stream_);
       launch_router_fused(lw.router, normed, B, c.n_experts, k, b.router.as<float>(), b.ids.as<int32_t>(),
                           b.weights.as<float>(), b.router_done.as<uint32_t>(), stream_);
@@ -1613,7 +1604,7 @@ class CudaBackend final : public Backend {
   void prefill_experts(const DeviceLayer& lw, int T) {
     const ModelConfig& c = config();
     PrefillScratch& p = *prefill_scratch_;
-    const int n_sel = routed_plus_shared_slots(c), n_groups = routed_plus_shared_experts(c);
+    const int n_sel = routed_plus_shared_slots(c.n_experts_per_tok), n_groups = routed_plus_shared_experts(c.n_experts);
     if (!tensor_core_gemm_) {
       launch_expert_gate_up(lw.gate, lw.up, c.moe_ffn_dim, p.ids.as<int32_t>(), n_sel, p.normed.as<bf16>(), T,
                             p.act.as<bf16>(), stream_);
@@ -1651,14 +1642,14 @@ class CudaBackend final : public Backend {
     prefill_scratch_->conv = bf(T * (n_gdn_ ? gdn_.conv_channels() : 1));
     prefill_scratch_->mix = bf(T * static_cast<int64_t>(mixer_core_out_.bytes() / sizeof(bf16)));
     prefill_scratch_->q = bf(T * int64_t(attn_.n_heads) * attn_.head_dim);
-    prefill_scratch_->router = DeviceBuffer(T * routed_plus_shared_experts(c) * sizeof(float));
-    prefill_scratch_->ids = DeviceBuffer(T * routed_plus_shared_slots(c) * sizeof(int32_t));
-    prefill_scratch_->weights = DeviceBuffer(T * routed_plus_shared_slots(c) * sizeof(float));
-    prefill_scratch_->act = bf(T * int64_t(routed_plus_shared_slots(c)) * c.moe_ffn_dim);
+    prefill_scratch_->router = DeviceBuffer(T * routed_plus_shared_experts(c.n_experts) * sizeof(float));
+    prefill_scratch_->ids = DeviceBuffer(T * routed_plus_shared_slots(c.n_experts_per_tok) * sizeof(int32_t));
+    prefill_scratch_->weights = DeviceBuffer(T * routed_plus_shared_slots(c.n_experts_per_tok) * sizeof(float));
+    prefill_scratch_->act = bf(T * int64_t(routed_plus_shared_slots(c.n_experts_per_tok)) * c.moe_ffn_dim);
     if (tensor_core_gemm_) {
-      const int n_sel = routed_plus_shared_slots(c);
+      const int n_sel = routed_plus_shared_slots(c.n_experts_per_tok);
       prefill_scratch_->grouping =
-          DeviceBuffer(expert_grouping_ints(routed_plus_shared_experts(c), prefill_chunk_, n_sel) * sizeof(int32_t));
+          DeviceBuffer(expert_grouping_ints(routed_plus_shared_experts(c.n_experts), prefill_chunk_, n_sel) * sizeof(int32_t));
       prefill_scratch_->slot_out = bf(T * int64_t(n_sel) * c.hidden);
     }
     if (n_gdn_ && options_.gdn_chunk_parallel)

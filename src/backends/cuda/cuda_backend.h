@@ -27,11 +27,12 @@
 // of an instantiation; with several sequences interleaved, each keeps its own exec.
 //
 // Batched decode (CudaOptions::batched_decode, the default): a step's one-token decode rows run
-// as one forward over B ≤ 32 rows instead, which gives every row the bits of the one-sequence
-// step (so a lone row takes that step's graph). Each row's token, position, length,
-// attention split count and state pointers travel in a pinned exchange block that the graph
-// copies in, so a captured batched step holds nothing of any state: its execs are keyed by B,
-// the number of sampled rows, the largest split count and PDL, and replay for any rows.
+// as one forward over B ≤ decode_rows (≤ kMaxDecodeRows = 64) rows instead, which gives every
+// row the bits of the one-sequence step (so a lone row takes that step's graph). Each row's
+// token, position, length, attention split count and state pointers travel in a pinned exchange
+// block that the graph copies in, so a captured batched step holds nothing of any state: its
+// execs are keyed by B, the number of sampled rows, the largest split count and PDL, and replay
+// for any rows.
 #pragma once
 #include <memory>
 

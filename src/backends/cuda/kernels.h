@@ -115,6 +115,14 @@ void launch_embed(const DeviceQuant& table, const int32_t* tokens, int m, __nv_b
 void launch_add_rmsnorm(__nv_bfloat16* x, const __nv_bfloat16* branch, const float* gain, __nv_bfloat16* y,
                         int m, int n, float eps, cudaStream_t stream);
 
+/// Expert slots per token: the top_k routed experts, then the shared expert in slot top_k: the
+/// length of a token's expert ids, weights and activation rows.
+__host__ __device__ constexpr int routed_plus_shared_slots(int top_k) { return top_k + 1; }
+
+/// Expert ids: the n_experts routed experts, then the shared expert as id n_experts; also the rows
+/// of the fused router matrix (router rows, then the shared-expert gate row) and of its logits.
+__host__ __device__ constexpr int routed_plus_shared_experts(int n_experts) { return n_experts + 1; }
+
 /// MoE routing (docs/model.md §3.5, norm_topk_prob = true): logits fp32 [m, n_experts + 1] = router
 /// logits then the shared-expert gate logit. Picks the top_k largest logits (descending; ties to
 /// the lowest id; NaN never wins), weights w_k = softmax over the selected k (fp32). Writes

@@ -17,10 +17,11 @@ __global__ void router_topk_kernel(const float* __restrict__ logits, int E, int 
   pdl_prologue();
   __shared__ RouteScratch rs;
   const int t = blockIdx.x;
-  const float* row = logits + static_cast<int64_t>(t) * (E + 1);
+  const float* row = logits + static_cast<int64_t>(t) * routed_plus_shared_experts(E);
   for (int e = threadIdx.x; e <= E; e += kWarp) rs.logits[e] = row[e];
   __syncwarp();
-  route_token_warp(rs, E, k, ids + static_cast<int64_t>(t) * (k + 1), weights + static_cast<int64_t>(t) * (k + 1));
+  route_token_warp(rs, E, k, ids + static_cast<int64_t>(t) * routed_plus_shared_slots(k),
+                   weights + static_cast<int64_t>(t) * routed_plus_shared_slots(k));
 }
 
 /// Floats per staged activation row in the down kernel, rounded up to 16 bytes so that every

@@ -93,7 +93,7 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
   l.xperm = o;
   o += align16(int64_t{hidden} / 2 * 4);
   l.logits = o;
-  o += align16(int64_t{n_experts + 1} * 4);
+  o += align16(int64_t{routed_plus_shared_experts(n_experts)} * 4);
   l.aperm = o;
   o += align16(int64_t{n_sel} * ffn / 2 * 4);
   l.asum = o;
@@ -298,7 +298,7 @@ MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
       a.rows == 1 ? "" : std::to_string(a.rows) + " rows (the one-token block takes 1; launch_moe_block_rows takes more)";
   MoePlan<MoeLayout> p = start_plan<MoeLayout>(kLabel, a, rows_problem, max_blocks);
   if (!p.why.empty()) return p;
-  p.layout = moe_layout(a.gate.cols, a.ffn, a.n_experts, a.top_k + 1, p.blocks);
+  p.layout = moe_layout(a.gate.cols, a.ffn, a.n_experts, routed_plus_shared_slots(a.top_k), p.blocks);
   return finish_plan(p, kLabel, a, moe_block_kernel<8>, moe_block_kernel<4>);
 }
 
@@ -324,9 +324,10 @@ std::string shape_problem(const MoeDecodeArgs& a) {
   if (E < 1 || E > kMaxExperts || k < 1 || k > kMaxTopK || k > E) return "unsupported expert count or top-k";
   if (hidden <= 0 || hidden % 256 != 0 || hidden > kMaxGemvCols)
     return "hidden " + std::to_string(hidden) + " is not a multiple of 256 (≤ " + std::to_string(kMaxGemvCols) + ")";
-  if (ffn <= 0 || ffn % kGroup != 0) return "ffn " + std::to_string(ffn) + " is not a multiple of 64";
-  if (a.up.cols != hidden || a.router.cols != hidden || a.down.cols != ffn || a.router.rows != E + 1 ||
-      a.gate.rows != int64_t{E + 1} * ffn || a.up.rows != a.gate.rows || a.down.rows != int64_t{E + 1} * hidden)
+  if (ffn <= 0 || ffn % kGroup != 0) return "ffn " + std::to_string(ffn) + " is not a multiple of " + std::to_string(kGroup);
+  const int64_t experts = routed_plus_shared_experts(E);
+  if (a.up.cols != hidden || a.router.cols != hidden || a.down.cols != ffn || a.router.rows != experts ||
+      a.gate.rows != experts * ffn || a.up.rows != a.gate.rows || a.down.rows != experts * hidden)
     return "the router and expert matrices do not have the stacked shapes";
   if (!quant_aligned(a.gate) || !quant_aligned(a.up) || !quant_aligned(a.down)) return "the expert arrays are not 16-byte aligned";
   return "";

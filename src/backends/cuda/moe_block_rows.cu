@@ -126,7 +126,7 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   l.rows = rows;
   l.hidden = hidden;
   l.ffn = ffn;
-  l.n_sel = top_k + 1;
+  l.n_sel = routed_plus_shared_slots(top_k);
   l.groups_h = hidden / kGroup;
   l.groups_f = ffn / kGroup;
   l.gu_per_slot = ffn / kExpertRowsPerTile;
@@ -192,7 +192,7 @@ __host__ __device__ inline MoeLayout moe_layout(int rows, int hidden, int ffn, i
   l.dn_part = o;
   const int64_t parts = int64_t{kQuads} * kBlockWarps * kTileRows * kMmaCols * 4;
   const int64_t row_staging = int64_t{l.groups_h} * (kGroupStride + 1) * 4;
-  const int64_t logits = int64_t{rows < kRouteRowsPerPass ? rows : kRouteRowsPerPass} * (n_experts + 1) * 4;
+  const int64_t logits = int64_t{rows < kRouteRowsPerPass ? rows : kRouteRowsPerPass} * routed_plus_shared_experts(n_experts) * 4;
   const int64_t down_parts = int64_t{pairs} * kTileRows * 4;
   o += align16(std::max({parts, row_staging, logits, down_parts}));
   l.total = o;
@@ -265,7 +265,7 @@ __device__ __forceinline__ int block_pair(const int16_t* pairs_of, int span, int
 /// Parts phase 2 splits each token row's router logits into: as many as G blocks give every row
 /// (at least 1), and no more than give each warp a router row (E + 1 rows).
 __host__ __device__ inline int router_splits(int rows, int blocks, int n_experts) {
-  const int most = (n_experts + 1 + kBlockWarps - 1) / kBlockWarps;
+  const int most = (routed_plus_shared_experts(n_experts) + kBlockWarps - 1) / kBlockWarps;
   const int fit = blocks / rows;
   return fit < 1 ? 1 : (fit < most ? fit : most);
 }
@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   // whoever computes it).
   const int S = router_splits(m, G, E);
   const int part = S > 1 ? b / m : 0;  // S > 1: S·m ≤ G, one unit per block at most
-  RouterRows<RBITS> router(a.router, b < S * m ? int64_t{part} * kBlockWarps + warp : int64_t{E + 1},
+  RouterRows<RBITS> router(a.router, b < S * m ? int64_t{part} * kBlockWarps + warp : int64_t{routed_plus_shared_experts(E)},
                            int64_t{S} * kBlockWarps);
   for (int n = 0; n < QS; ++n) {
     const int i = quad + kQuads * n;
@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     stage_norm_row(a.x + off, norm, l.hidden, store, xs, xsum, kNormThreads);
     if (store)
       for (int i = threadIdx.x; i < l.groups_h; i += blockDim.x) a.normed_sums[int64_t{r} * l.groups_h + i] = xsum[i];
-    router.compute(a.router, xs, xsum, a.logits + int64_t{r} * (E + 1), router_fresh || router_in_regs);
+    router.compute(a.router, xs, xsum, a.logits + int64_t{r} * routed_plus_shared_experts(E), router_fresh || router_in_regs);
     router_fresh = false;
     __syncthreads();  // the staging is reused by the next unit
   }
@@ -428,10 +428,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   for (int r0 = 0; r0 < m; r0 += kRouteRowsPerPass) {
     const int n = min(kRouteRowsPerPass, m - r0);
 #pragma unroll 4
-    for (int i = threadIdx.x; i < n * (E + 1); i += blockDim.x) xs[i] = __ldcg(a.logits + int64_t{r0} * (E + 1) + i);
+    for (int i = threadIdx.x; i < n * routed_plus_shared_experts(E); i += blockDim.x)
+      xs[i] = __ldcg(a.logits + int64_t{r0} * routed_plus_shared_experts(E) + i);
     __syncthreads();
     for (int r = warp; r < n; r += kBlockWarps) {
-      const float* logits = xs + r * (E + 1);
+      const float* logits = xs + r * routed_plus_shared_experts(E);
       int32_t* ids = sel_ids + (r0 + r) * n_sel;
       float* w = sel_w + (r0 + r) * n_sel;
       if (E <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall, true>(logits, E, k, ids, w);

@@ -380,7 +380,7 @@ void launch_tile(const GemmParams& p, dim3 grid, cudaStream_t stream) {
 void check_gemm_weights(const DeviceQuant& w, const char* what) {
   if ((w.bits != 4 && w.bits != 8) || w.cols <= 0 || w.cols % kBK != 0 || w.rows <= 0)
     throw ::lily::Error(std::string(what) + ": the tensor-core GEMM supports 4/8-bit matrices with cols a positive "
-                        "multiple of 64; got bits=" + std::to_string(w.bits) + " rows=" + std::to_string(w.rows) +
+                        "multiple of " + std::to_string(kBK) + "; got bits=" + std::to_string(w.bits) + " rows=" + std::to_string(w.rows) +
                         " cols=" + std::to_string(w.cols));
 }
 

@@ -651,8 +651,8 @@ void gemv_rows_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cud
 
 void check_quant(const DeviceQuant& w, const char* what) {
   if ((w.bits != 4 && w.bits != 8) || w.cols <= 0 || w.cols % kGroup != 0 || w.cols > kMaxGemvCols || w.rows <= 0)
-    throw ::lily::Error(std::string(what) + ": CUDA kernels support 4/8-bit matrices with cols a multiple of 64 and ≤ " +
-                        std::to_string(kMaxGemvCols) + "; got bits=" + std::to_string(w.bits) +
+    throw ::lily::Error(std::string(what) + ": CUDA kernels support 4/8-bit matrices with cols a multiple of " +
+                        std::to_string(kGroup) + " and ≤ " + std::to_string(kMaxGemvCols) + "; got bits=" + std::to_string(w.bits) +
                         " rows=" + std::to_string(w.rows) + " cols=" + std::to_string(w.cols));
 }
 

@@ -54,8 +54,8 @@ __global__ void __launch_bounds__(kRouterThreads)
   __syncthreads();
   if (!last || threadIdx.x >= kWarp) return;
   __threadfence();
-  int32_t* tok_ids = ids + static_cast<int64_t>(t) * (k + 1);
-  float* tok_w = weights + static_cast<int64_t>(t) * (k + 1);
+  int32_t* tok_ids = ids + static_cast<int64_t>(t) * routed_plus_shared_slots(k);
+  float* tok_w = weights + static_cast<int64_t>(t) * routed_plus_shared_slots(k);
   if (E <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall>(out, E, k, tok_ids, tok_w);
   else route_token_keys<kRouteKeysLarge>(out, E, k, tok_ids, tok_w);
 }
@@ -63,15 +63,16 @@ __global__ void __launch_bounds__(kRouterThreads)
 void router_dispatch(const DeviceQuant& w, const bf16* x, int m, int n_experts, int top_k, float* logits,
                      int32_t* ids, float* weights, uint32_t* done, cudaStream_t stream, const FusedNorm& norm) {
   if ((w.bits != 4 && w.bits != 8) || w.cols <= 0 || w.cols % kGroup != 0 || w.cols > kMaxGemvCols)
-    throw ::lily::Error("MoE router: the fused CUDA router supports 4/8-bit matrices with cols a multiple of 64 and "
-                        "≤ " + std::to_string(kMaxGemvCols) + "; got bits=" + std::to_string(w.bits) + " cols=" + std::to_string(w.cols));
+    throw ::lily::Error("MoE router: the fused CUDA router supports 4/8-bit matrices with cols a multiple of " +
+                        std::to_string(kGroup) + " and ≤ " + std::to_string(kMaxGemvCols) + "; got bits=" + std::to_string(w.bits) + " cols=" + std::to_string(w.cols));
   if (n_experts < 1 || n_experts > kMaxExperts || top_k < 1 || top_k > kMaxTopK || top_k > n_experts)
     throw ::lily::Error("MoE router: CUDA kernel supports ≤ " + std::to_string(kMaxExperts) + " experts and top-k ≤ " +
                         std::to_string(kMaxTopK) + "; got " + std::to_string(n_experts) + " experts, top-k " +
                         std::to_string(top_k));
-  if (w.rows != n_experts + 1)
+  if (w.rows != routed_plus_shared_experts(n_experts))
     throw ::lily::Error("MoE router: the router matrix has " + std::to_string(w.rows) + " rows, expected n_experts + 1 = " +
-                        std::to_string(n_experts + 1) + " (router rows then the shared-expert gate row)");
+                        std::to_string(routed_plus_shared_experts(n_experts)) +
+                        " (router rows then the shared-expert gate row)");
   if (m <= 0 || m > 65535) throw ::lily::InternalError("launch_router_fused: need 0 < m ≤ 65535");
   const int L = lanes_per_row(w.cols / kGroup);
   const int64_t rows_per_block = static_cast<int64_t>(kRouterWarps) * (kWarp / L);

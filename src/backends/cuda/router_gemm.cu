@@ -155,14 +155,15 @@ __global__ void __launch_bounds__(kRouterThreads) router_gemm_kernel(const Devic
 }  // namespace
 
 bool router_gemm_supported(const DeviceQuant& w) {
-  return w.bits == 8 && w.cols > 0 && w.cols % 64 == 0 && w.rows > 0 && w.rows <= int64_t(65535) * kRowsPerBlock;
+  return w.bits == 8 && w.cols > 0 && w.cols % kGroup == 0 && w.rows > 0 && w.rows <= int64_t(65535) * kRowsPerBlock;
 }
 
 void launch_router_gemm(const DeviceQuant& w, const bf16* x, int m, float* y, cudaStream_t stream) {
   if (!router_gemm_supported(w))
-    throw ::lily::InternalError("launch_router_gemm: needs 8-bit codes, cols a positive multiple of 64 and " +
-                                std::string("1 … 4,194,240 rows; got bits ") + std::to_string(w.bits) + ", cols " +
-                                std::to_string(w.cols) + ", rows " + std::to_string(w.rows));
+    throw ::lily::InternalError("launch_router_gemm: needs 8-bit codes, cols a positive multiple of " +
+                                std::to_string(kGroup) + " and 1 … 4,194,240 rows; got bits " +
+                                std::to_string(w.bits) + ", cols " + std::to_string(w.cols) + ", rows " +
+                                std::to_string(w.rows));
   if (m <= 0 || x == nullptr || y == nullptr)
     throw ::lily::InternalError("launch_router_gemm: needs m > 0 and non-null x, y");
   // Column tiles per warp and groups in flight: the full 32-token blocks with two groups in

@@ -19,6 +19,7 @@
 #include "backends/cpu/ops.h"
 #include "base/bf16.h"
 #include "base/error.h"
+#include "base/file_util.h"
 #include "model/loader.h"
 #include "support/route_alignment.h"
 #include "support/test_support.h"
@@ -60,7 +61,7 @@ double top2_margin(const std::vector<float>& logits) {
 
 /// tests/fixtures/demo.golden.json (throws when it cannot be read).
 nlohmann::json demo_goldens() {
-  return nlohmann::json::parse(test::read_file(test::source_dir() / "tests" / "fixtures" / "demo.golden.json"));
+  return nlohmann::json::parse(read_regular_file(test::source_dir() / "tests" / "fixtures" / "demo.golden.json"));
 }
 
 TEST_F(CpuBackendDemo, ReproducesTransformersGreedyGoldens) {

@@ -136,10 +136,10 @@ TEST(CudaOptions, ReadsEveryVariable) {
   EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv gemm-kernel=0 fused-moe=0 batched-decode=0 chunk=256 max-batch=16 decode-rows=64 rows-gemv-from=9 prefill-rows=1 persistent-decode=debug");
 }
 
-/// The kernel switches that were read by the kernels themselves before CudaOptions held them:
-/// each one alone, against the defaults (the other fields keep theirs).
+/// The kernel-layer switches (the GDN passes' tensor cores, the GEMM kernel): each one alone,
+/// against the defaults (the other fields keep theirs).
 TEST(CudaOptions, ReadsTheKernelSwitches) {
-  for (const char* v : {"LILY_CUDA_GDN_LOCAL_MMA", "LILY_CUDA_GDN_STATE_MMA", "LILY_CUDA_GEMM_KERNEL", "LILY_CUDA_GEMM_REGDQ"})
+  for (const char* v : {"LILY_CUDA_GDN_LOCAL_MMA", "LILY_CUDA_GDN_STATE_MMA", "LILY_CUDA_GEMM_KERNEL"})
     unsetenv(v);
   {
     ScopedEnv env("LILY_CUDA_GDN_LOCAL_MMA", "0");
@@ -170,21 +170,6 @@ TEST(CudaOptions, ReadsTheKernelSwitches) {
   {
     ScopedEnv env("LILY_CUDA_GEMM_KERNEL", "");
     EXPECT_EQ(CudaOptions::from_env().gemm_kernel, "wgmma-mixed");
-  }
-  {  // the former name, read when the new one is unset, named in its errors
-    ScopedEnv env("LILY_CUDA_GEMM_REGDQ", "grouped");
-    EXPECT_EQ(CudaOptions::from_env().gemm_kernel, "grouped");
-    ScopedEnv both("LILY_CUDA_GEMM_KERNEL", "all");
-    EXPECT_EQ(CudaOptions::from_env().gemm_kernel, "all");
-  }
-  {
-    ScopedEnv env("LILY_CUDA_GEMM_REGDQ", "fast");
-    try {
-      CudaOptions::from_env();
-      ADD_FAILURE() << "LILY_CUDA_GEMM_REGDQ=fast was accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("LILY_CUDA_GEMM_REGDQ"), std::string::npos) << e.what();
-    }
   }
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "base/error.h"
+#include "base/file_util.h"
 #include "io/safetensors.h"
 #include "support/safetensors_builder.h"
 #include "support/test_support.h"
@@ -20,7 +21,7 @@ namespace {
 TEST(FuzzRegressionSafetensors, ZeroDimWithHugeOtherDimsHasZeroElements) {
   test::TempDir dir;
   const auto path = dir.path() / "z.safetensors";
-  test::write_file(path, test::read_file(test::source_dir() /
+  test::write_file(path, read_regular_file(test::source_dir() /
                                          "tests/fuzz/regressions/fuzz_safetensors/numel_overflow_zero_dim"));
   SafetensorsFile file(path);
   ASSERT_EQ(file.tensors().size(), 1u);

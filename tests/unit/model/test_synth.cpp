@@ -15,6 +15,7 @@
 
 #include "base/bf16.h"
 #include "base/error.h"
+#include "base/file_util.h"
 #include "io/safetensors.h"
 #include "io/safetensors_writer.h"
 #include "model/config_json.h"
@@ -29,7 +30,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-using test::read_file;
 
 uint32_t code_at(const uint32_t* packed, int bits, int c) {
   const int per = 32 / bits;
@@ -121,7 +121,7 @@ TEST(SafetensorsWriter, PiecesFromThreadsReadBackExactly) {
     w.write(w.index_of("gain"), 0, std::as_bytes(std::span<const float>(gain, 2)));
     w.finish();
   }
-  const std::string raw = read_file(path);
+  const std::string raw = read_regular_file(path);
   uint64_t header_len = 0;
   std::memcpy(&header_len, raw.data(), 8);
   EXPECT_EQ(header_len % 8, 0u);
@@ -225,11 +225,11 @@ TEST(Synth, SameSeedSameBytesWhateverTheThreads) {
   synth(dir.path() / "a", "tiny", 7, 1);
   synth(dir.path() / "b", "tiny", 7, 3);
   synth(dir.path() / "c", "tiny", 8, 2);
-  const std::string a = read_file(dir.path() / "a" / "model.safetensors");
+  const std::string a = read_regular_file(dir.path() / "a" / "model.safetensors");
   EXPECT_GT(a.size(), 500'000u);
-  EXPECT_EQ(a, read_file(dir.path() / "b" / "model.safetensors"));
-  EXPECT_EQ(read_file(dir.path() / "a" / "config.json"), read_file(dir.path() / "b" / "config.json"));
-  const std::string c = read_file(dir.path() / "c" / "model.safetensors");
+  EXPECT_EQ(a, read_regular_file(dir.path() / "b" / "model.safetensors"));
+  EXPECT_EQ(read_regular_file(dir.path() / "a" / "config.json"), read_regular_file(dir.path() / "b" / "config.json"));
+  const std::string c = read_regular_file(dir.path() / "c" / "model.safetensors");
   ASSERT_EQ(a.size(), c.size());
   EXPECT_NE(a, c);
   // Not just a different header: most data bytes differ.
@@ -242,7 +242,7 @@ TEST(Synth, RealdimsIsThreadIndependentToo) {
   test::TempDir dir;
   synth(dir.path() / "a", "realdims", 3, 1);
   synth(dir.path() / "b", "realdims", 3, 4);
-  EXPECT_EQ(read_file(dir.path() / "a" / "model.safetensors"), read_file(dir.path() / "b" / "model.safetensors"));
+  EXPECT_EQ(read_regular_file(dir.path() / "a" / "model.safetensors"), read_regular_file(dir.path() / "b" / "model.safetensors"));
 }
 
 TEST(Synth, TinyLoadsWithNonDefaultValues) {
@@ -360,8 +360,8 @@ TEST(Synth, TokenizerIsCopiedAndSetsTheStopIds) {
   o.out = dir.path() / "out";
   o.tokenizer = tok;
   write_synthetic_checkpoint(o);
-  EXPECT_EQ(read_file(dir.path() / "out" / "tokenizer.json"), t.dump());
-  const auto tc = nlohmann::json::parse(read_file(dir.path() / "out" / "tokenizer_config.json"));
+  EXPECT_EQ(read_regular_file(dir.path() / "out" / "tokenizer.json"), t.dump());
+  const auto tc = nlohmann::json::parse(read_regular_file(dir.path() / "out" / "tokenizer_config.json"));
   EXPECT_EQ(tc.at("eos_token"), "<|im_end|>");
   auto w = load_model(dir.path() / "out");
   EXPECT_EQ(w->config.eos_token_ids, (std::vector<int32_t>{1021, 1019}));
@@ -388,8 +388,8 @@ TEST(Synth, BadTokenizerChangesNothing) {
   o.seed = 3;
   o.out = dir.path() / "out";
   write_synthetic_checkpoint(o);
-  const std::string weights = read_file(o.out / "model.safetensors");
-  const std::string config = read_file(o.out / "config.json");
+  const std::string weights = read_regular_file(o.out / "model.safetensors");
+  const std::string config = read_regular_file(o.out / "config.json");
   ASSERT_FALSE(weights.empty());
 
   std::ofstream(dir.path() / "not_json.json") << "{\"model\":";
@@ -400,8 +400,8 @@ TEST(Synth, BadTokenizerChangesNothing) {
     o.seed = 4;
     o.out = dir.path() / "out";
     EXPECT_THROW(write_synthetic_checkpoint(o), Error) << bad;
-    EXPECT_EQ(read_file(o.out / "model.safetensors"), weights) << bad;
-    EXPECT_EQ(read_file(o.out / "config.json"), config) << bad;
+    EXPECT_EQ(read_regular_file(o.out / "model.safetensors"), weights) << bad;
+    EXPECT_EQ(read_regular_file(o.out / "config.json"), config) << bad;
     EXPECT_FALSE(fs::exists(o.out / "tokenizer.json")) << bad;
     o.out = dir.path() / "new";
     EXPECT_THROW(write_synthetic_checkpoint(o), Error) << bad;
@@ -430,13 +430,13 @@ TEST(Synth, CommandLineWritesTheCheckpoint) {
   test::TempDir dir;
   const std::string cmd = (test::binary_dir() / "lily").string() + " synth --preset tiny --seed 7 --threads 2 --out " +
                           (dir.path() / "cli").string() + " > " + (dir.path() / "log").string() + " 2>&1";
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << read_file(dir.path() / "log");
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << read_regular_file(dir.path() / "log");
   synth(dir.path() / "lib", "tiny", 7, 1);
-  EXPECT_EQ(read_file(dir.path() / "cli" / "model.safetensors"), read_file(dir.path() / "lib" / "model.safetensors"));
+  EXPECT_EQ(read_regular_file(dir.path() / "cli" / "model.safetensors"), read_regular_file(dir.path() / "lib" / "model.safetensors"));
   const std::string bad = (test::binary_dir() / "lily").string() + " synth --preset nope --out " +
                           (dir.path() / "x").string() + " > " + (dir.path() / "log2").string() + " 2>&1";
   EXPECT_NE(std::system(bad.c_str()), 0);
-  EXPECT_NE(read_file(dir.path() / "log2").find("unknown synth preset"), std::string::npos);
+  EXPECT_NE(read_regular_file(dir.path() / "log2").find("unknown synth preset"), std::string::npos);
 }
 
 }  // namespace

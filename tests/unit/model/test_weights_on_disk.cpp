@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "base/file_util.h"
 #include "io/checkpoint.h"
 #include "model/loader.h"
 #include "support/test_support.h"
@@ -82,7 +83,7 @@ TEST(WeightsOnDisk, ReadIntoMemoryIsImmuneToTruncation) {
   test::TempDir tmp;
   const fs::path dir = test::copy_demo_model(tmp);
   const fs::path file = dir / "model.safetensors";
-  const std::string original = test::read_file(file);
+  const std::string original = read_regular_file(file);
   Checkpoint ckpt(dir, /*map=*/false);
   EXPECT_FALSE(ckpt.mapped());
   fs::resize_file(file, 0);
@@ -125,16 +126,6 @@ TEST(WeightsOnDisk, LoadOptionsFollowTheProcessDefault) {
 }
 
 
-/// Lines of /proc/self/maps that map `file`.
-int mappings_of(const fs::path& file) {
-  std::ifstream maps("/proc/self/maps");
-  int n = 0;
-  for (std::string line; std::getline(maps, line);)
-    if (line.size() >= file.string().size() && line.compare(line.size() - file.string().size(), std::string::npos, file.string()) == 0)
-      ++n;
-  return n;
-}
-
 // What `lily serve` relies on to release the mapping after a backend copied the weights into its
 // own memory (Backend::reads_host_weights, the CUDA backend): the mapping lives exactly as long
 // as the last reference to the ModelWeights.
@@ -143,15 +134,15 @@ TEST(WeightsOnDisk, DroppingTheLastReferenceUnmapsTheFiles) {
   const fs::path dir = test::copy_demo_model(tmp);
   const fs::path file = fs::canonical(dir / "model.safetensors");
   auto weights = load_model(dir, LoadOptions{.mmap = true});
-  EXPECT_GE(mappings_of(file), 1);
+  EXPECT_GE(test::mappings_of(file), 1);
   std::shared_ptr<const ModelWeights> other = weights;
   weights.reset();
-  EXPECT_GE(mappings_of(file), 1) << "unmapped while still referenced";
+  EXPECT_GE(test::mappings_of(file), 1) << "unmapped while still referenced";
   other.reset();
-  EXPECT_EQ(mappings_of(file), 0);
+  EXPECT_EQ(test::mappings_of(file), 0);
   // Nothing left to fault on: truncating the file now is harmless.
   fs::resize_file(file, 4096);
-  EXPECT_EQ(mappings_of(file), 0);
+  EXPECT_EQ(test::mappings_of(file), 0);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "base/error.h"
+#include "base/file_util.h"
 #include "support/demo_tokenizer.h"
 #include "support/test_support.h"
 #include "text/chat_template.h"
@@ -139,7 +140,7 @@ TEST(EncodeChat, MissingMarkerTokenIsAnError) {
   test::TempDir dir;
   auto path = dir.path() / "tokenizer.json";
   {
-    std::string text = test::read_file(test::source_dir() / "tests/fixtures/tokenizer_small.json");
+    std::string text = read_regular_file(test::source_dir() / "tests/fixtures/tokenizer_small.json");
     // Rename <think> everywhere (added token and its vocabulary entry).
     size_t renamed = 0;
     for (size_t at = text.find("\"<think>\""); at != std::string::npos; at = text.find("\"<think>\"", at)) {
@@ -160,7 +161,7 @@ TEST(EncodeChat, MissingMarkerTokenIsAnError) {
 }
 
 TEST(ChatTemplate, BuiltinIsTheTestFixture) {
-  EXPECT_EQ(ChatTemplate::builtin_source(), test::read_file(test::source_dir() / "tests/fixtures/qwen3_6_chat_template.jinja"));
+  EXPECT_EQ(ChatTemplate::builtin_source(), read_regular_file(test::source_dir() / "tests/fixtures/qwen3_6_chat_template.jinja"));
   EXPECT_EQ(ChatTemplate::builtin()->origin(), "built-in");
   EXPECT_TRUE(ChatTemplate::builtin()->rewrites_history());  // Qwen3.6 drops think blocks from history
 }
@@ -279,7 +280,7 @@ namespace {
 // with their arguments as a dict, tool results with their call id, reasoning, tools, thinking.
 const ChatTemplate& tools_template() {
   static const ChatTemplate t = [] {
-    return ChatTemplate(test::read_file(test::source_dir() / "tests/fixtures/jinja/qwen3_6_tools.jinja"), "qwen3_6_tools.jinja");
+    return ChatTemplate(read_regular_file(test::source_dir() / "tests/fixtures/jinja/qwen3_6_tools.jinja"), "qwen3_6_tools.jinja");
   }();
   return t;
 }
