@@ -202,14 +202,14 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     const unsigned long long ready = p.trace && threadIdx.x == 0 ? global_ns() : 0;
     if (p.trace) {
       m.stamps = p.trace + kDecodeTraceFields * i + 3;
-      if (threadIdx.x == 0) m.stamps[0] = m.stamps[1] = 0;
+      if (threadIdx.x == 0) m.stamps[0] = m.stamps[1] = m.stamps[2] = 0;
     }
     const bool used = run_task_call(p, t.kind, t.layer, t.part, lm_parts, m, task_wide(smem, s), early);
     if (used) parity ^= 1u << s;
     if (t.signal >= 0) counter_signal(counters + t.signal);
     if (p.trace && threadIdx.x == 0) {
       unsigned long long* r = p.trace + kDecodeTraceFields * i;
-      r[0] = blockIdx.x, r[1] = taken, r[2] = ready, r[5] = global_ns();
+      r[0] = blockIdx.x, r[1] = taken, r[2] = ready, r[6] = global_ns();
     }
     s ^= 1;
     prefetched = next_prefetched;
@@ -317,10 +317,10 @@ std::string DecodeMegakernel::summarize_trace(const std::vector<unsigned long lo
   if (trace.size() != static_cast<size_t>(F * n_tasks_)) throw InternalError("summarize_trace: wrong trace size");
   const auto at = [&](int64_t i, int f) { return trace[static_cast<size_t>(F * i + f)]; };
   unsigned long long t0 = ~0ull, t_end = 0;
-  for (int64_t i = 0; i < n_tasks_; ++i) t0 = std::min(t0, at(i, 1)), t_end = std::max(t_end, at(i, 5));
+  for (int64_t i = 0; i < n_tasks_; ++i) t0 = std::min(t0, at(i, 1)), t_end = std::max(t_end, at(i, 6));
   struct KindSum {
     int64_t tasks = 0, slot_tasks = 0;
-    double body_us = 0, wait_us = 0, max_body_us = 0, chain_us = 0, stage_us = 0, slot_us = 0;
+    double body_us = 0, wait_us = 0, max_body_us = 0, chain_us = 0, stage_us = 0, slot_us = 0, gemv_us = 0, tail_us = 0;
     int stages = 0;
   };
   std::map<std::string, KindSum> kinds;
@@ -334,12 +334,13 @@ std::string DecodeMegakernel::summarize_trace(const std::vector<unsigned long lo
     double start = 1e30, end = 0, body = 0;
     KindSum& ks = kinds[decode_task_kind_name(st.kind)];
     for (int64_t i = st.first; i < st.first + st.count; ++i) {
-      const double ready = (at(i, 2) - t0) / 1e3, done = (at(i, 5) - t0) / 1e3, b = done - ready;
+      const double ready = (at(i, 2) - t0) / 1e3, done = (at(i, 6) - t0) / 1e3, b = done - ready;
       start = std::min(start, ready), end = std::max(end, done), body = std::max(body, b);
       ks.body_us += b, ks.wait_us += (at(i, 2) - at(i, 1)) / 1e3, ks.max_body_us = std::max(ks.max_body_us, b);
       ++ks.tasks;
-      if (at(i, 3) != 0 && at(i, 4) != 0) {  // a slot task: staging, then the slot's landing
+      if (at(i, 3) != 0 && at(i, 4) != 0 && at(i, 5) != 0) {  // a slot task: staging, slot, GEMV, the rest
         ks.stage_us += (at(i, 3) - at(i, 2)) / 1e3, ks.slot_us += (at(i, 4) - at(i, 3)) / 1e3;
+        ks.gemv_us += (at(i, 5) - at(i, 4)) / 1e3, ks.tail_us += (at(i, 6) - at(i, 5)) / 1e3;
         ++ks.slot_tasks;
       }
     }
@@ -357,14 +358,15 @@ std::string DecodeMegakernel::summarize_trace(const std::vector<unsigned long lo
                 static_cast<long long>(n_tasks_), blocks_, (t_end - t0) / 1e3);
   out += line;
   out += "  kind             stages   tasks  us on the chain  mean body us  max body us  mean wait us"
-         "  (slot tasks: staging us, slot wait us)\n";
+         "  (GEMV tasks: staging us, slot wait us, GEMV us, stores + signal us)\n";
   for (const auto& [name, ks] : kinds) {
     std::snprintf(line, sizeof line, "  %-16s %6d %7lld %16.1f %13.2f %12.2f %13.2f", name.c_str(), ks.stages,
                   static_cast<long long>(ks.tasks), ks.chain_us, ks.body_us / ks.tasks, ks.max_body_us,
                   ks.wait_us / ks.tasks);
     out += line;
     if (ks.slot_tasks > 0) {
-      std::snprintf(line, sizeof line, "  %17.2f %16.2f", ks.stage_us / ks.slot_tasks, ks.slot_us / ks.slot_tasks);
+      std::snprintf(line, sizeof line, "  %17.2f %16.2f %8.2f %20.2f", ks.stage_us / ks.slot_tasks,
+                    ks.slot_us / ks.slot_tasks, ks.gemv_us / ks.slot_tasks, ks.tail_us / ks.slot_tasks);
       out += line;
     }
     out += "\n";

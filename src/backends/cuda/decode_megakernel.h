@@ -43,9 +43,10 @@ class DecodeMegakernel {
 
   /// A report of one traced launch (DecodeStepParams::trace, copied to the host:
   /// kDecodeTraceFields values a task): per task kind the time its stages add to the step's
-  /// chain, its tasks' mean and longest body and mean wait, and for tasks with a weight slot the
-  /// mean input staging and slot wait; then the stages of the first layers and the last, each with its first
-  /// task's start and its last task's end. Throws lily::InternalError for a trace of another size.
+  /// chain, its tasks' mean and longest body and mean wait, and for tasks that read their rows
+  /// from a weight slot the mean input staging, slot wait, GEMV and stores + signal; then the
+  /// stages of the first layers and the last, each with its first task's start and its last
+  /// task's end. Throws lily::InternalError for a trace of another size.
   std::string summarize_trace(const std::vector<unsigned long long>& trace) const;
   /// Tasks of the list (DecodeStepParams::trace holds kDecodeTraceFields values per task).
   int64_t n_tasks() const { return n_tasks_; }

@@ -75,13 +75,14 @@ struct DecodeStepParams {
   int32_t *head_best_id = nullptr, *next_token = nullptr;
   /// Optional (null: off): the resident kernel's timeline, uint64 [tasks][kDecodeTraceFields] by
   /// list position: the block that ran the task, then %globaltimer (ns) when it took it up, when
-  /// its waits were over, when its input was staged and when its weight slot had landed (0: the
-  /// body has no such step), and when it had signalled (DecodeMegakernel::summarize_trace).
+  /// its waits were over, when its input was staged, when its weight slot had landed and when
+  /// its GEMV's results were in shared memory (0: the body has no such step), and when it had
+  /// signalled (DecodeMegakernel::summarize_trace).
   unsigned long long* trace = nullptr;
 };
 
 /// Values per task of DecodeStepParams::trace.
-constexpr int kDecodeTraceFields = 6;
+constexpr int kDecodeTraceFields = 7;
 
 /// Threads of a task body's block (the persistent kernel runs one such block per SM).
 constexpr int kDecodeTaskThreads = 512;

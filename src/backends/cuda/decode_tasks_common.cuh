@@ -280,8 +280,8 @@ struct TaskSmem {
   int next_kind = 0, next_part = 0;
   unsigned char* next_slot = nullptr;
   uint64_t* next_bar = nullptr;
-  /// Traced launches only (else null): where thread 0 stamps the end of the input staging [0]
-  /// and the slot's landing [1] (DecodeStepParams::trace fields 3 and 4).
+  /// Traced launches only (else null): where thread 0 stamps the end of the input staging [0],
+  /// the slot's landing [1] and the GEMV's end [2] (DecodeStepParams::trace fields 3 to 5).
   unsigned long long* stamps = nullptr;
   GemvRuns* gemv = nullptr;  ///< the block's GEMV description (shared memory, one per block)
 };
@@ -436,6 +436,11 @@ __device__ inline __noinline__ void task_gemv(const GemvRuns& d, float* out) {
   }
 }
 
+/// Stamps the end of a traced task's GEMV (TaskSmem::stamps[2]). Thread 0 acts; all may call.
+__device__ __forceinline__ void task_stamp_gemv(const TaskSmem& m) {
+  if (m.stamps && threadIdx.x == 0) m.stamps[2] = global_ns();
+}
+
 /// Rows [r.first, r.last) of w as one slot run (first rows of that stage are multiples of
 /// `per`): the layout, and whether the task reads them from its slot. Unless the kernel already
 /// started the copy, thread 0 starts it here; thread 0 also fills m.gemv (one run, input xs).
@@ -468,6 +473,7 @@ __device__ __forceinline__ void task_gemv_rows(const DeviceQuant& w, RowRange r,
   if (l.fits) task_slot_wait(m);
   task_gemv(*m.gemv, out);
   __syncthreads();
+  task_stamp_gemv(m);
   const int count = static_cast<int>(r.last - r.first);
   for (int v = threadIdx.x; v < count; v += blockDim.x) store(r.first + v, out[v]);
 }

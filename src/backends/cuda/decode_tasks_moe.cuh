@@ -183,6 +183,7 @@ __device__ inline bool task_expert_gate_up(const DecodeStepParams& p, int layer,
   if (slot.fits) task_slot_wait(m);
   task_gemv(*m.gemv, gu);
   __syncthreads();
+  task_stamp_gemv(m);
   bf16* act = p.act + int64_t{sr.slot} * p.moe_ffn + sr.first;
   for (int i = threadIdx.x; i < n; i += blockDim.x)
     act[i] = to_bf16(__fmul_rn(silu(round_bf16(gu[i])), round_bf16(gu[n + i])));
@@ -260,6 +261,7 @@ __device__ inline bool task_expert_down(const DecodeStepParams& p, int layer, in
   if (slot.fits) task_slot_wait(m);
   task_gemv(*m.gemv, part_out);
   __syncthreads();
+  task_stamp_gemv(m);
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     float o = 0.0f;
     for (int s = 0; s < n_sel; ++s) o = __fmaf_rn(route.weights[s], round_bf16(part_out[s * n + i]), o);
