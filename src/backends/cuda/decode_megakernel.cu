@@ -54,9 +54,9 @@ __device__ __forceinline__ bool task_prefetch_weights(const DecodeStepParams& p,
     SlotRuns l;
     int64_t row0 = 0;
     if (!gate_up_prefetchable(p, layer, part, l, row0)) return false;
-    const DecodeTaskLayer& L = p.layers[layer];
+    const DecodeTaskLayer& lw = p.layers[layer];
     if (issue)
-      slot_issue(l, [&](int j) -> const DeviceQuant& { return j == 0 ? L.gate : L.up; }, [&](int) { return row0; },
+      slot_issue(l, [&](int j) -> const DeviceQuant& { return j == 0 ? lw.gate : lw.up; }, [&](int) { return row0; },
                  slot, bar);
     return true;
   }

@@ -135,7 +135,7 @@ __device__ __forceinline__ void prepare_body(const DecodeStepParams& p, int laye
   constexpr int N = kD / kWarp;
   using Raw = typename Bf16Vec<N>::type;
   const AttnDims& a = p.attn_dims;
-  const DecodeTaskLayer& L = p.layers[layer];
+  const DecodeTaskLayer& lw = p.layers[layer];
   const int G = a.n_heads / a.n_kv_heads, half = a.rotary_dim / 2;
   const int warp = threadIdx.x / kWarp, d0 = (threadIdx.x % kWarp) * N;
   const int64_t pos = __ldcg(p.position);
@@ -156,13 +156,13 @@ __device__ __forceinline__ void prepare_body(const DecodeStepParams& p, int laye
 
   float y[N];
   unpack_bf16<N>(x, y);
-  norm_rope_head<kD>(y, is_q ? L.q_norm : L.k_norm, a.norm_eps, half, cs, stage);
+  norm_rope_head<kD>(y, is_q ? lw.q_norm : lw.k_norm, a.norm_eps, half, cs, stage);
   if (is_q) {
     store_bf16_vec<N>(y, p.query + static_cast<int64_t>(h * G + warp) * kD + d0);
   } else {
-    const int64_t at = (static_cast<int64_t>(h) * L.kv.capacity + pos) * kD + d0;
-    store_bf16_vec<N>(y, L.kv.k + at);
-    *reinterpret_cast<Raw*>(L.kv.v + at) = v;  // V is not normed (§3.4 step 4)
+    const int64_t at = (static_cast<int64_t>(h) * lw.kv.capacity + pos) * kD + d0;
+    store_bf16_vec<N>(y, lw.kv.k + at);
+    *reinterpret_cast<Raw*>(lw.kv.v + at) = v;  // V is not normed (§3.4 step 4)
   }
 }
 

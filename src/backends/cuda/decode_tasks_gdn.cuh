@@ -107,13 +107,13 @@ __device__ __forceinline__ void task_gdn_heads_d(const DecodeStepParams& p, int 
                                                  bool states_issued) {
   using G = Geom<D>;
   constexpr int kParts = G::kParts, kPPT = G::kPartsPerThread, kRowsPerPart = G::kRowsPerPart;
-  const DecodeTaskLayer& L = p.layers[layer];
+  const DecodeTaskLayer& lw = p.layers[layer];
   const GdnDims& dims = p.gdn_dims;
   const int Hk = dims.n_key_heads, Hv = dims.n_value_heads, per_key = Hv / Hk;
   const int key_dim = Hk * D, value_dim = Hv * D, C = 2 * key_dim + value_dim, v0 = kh * per_key;
   const int tid = threadIdx.x;
   const int n_slots = per_key < G::kMaxSlots ? per_key : G::kMaxSlots;
-  float* state = L.gdn_state;
+  float* state = lw.gdn_state;
 
   float* slot = reinterpret_cast<float*>(smem);
   float* qk = slot + n_slots * G::kHeadFloats;
@@ -131,8 +131,8 @@ __device__ __forceinline__ void task_gdn_heads_d(const DecodeStepParams& p, int 
   // Conv step (gdn.cu conv_decode_channel): local channel u < D is q channel kh·D + u, then k
   // (key_dim + kh·D + u − D), then v (2·key_dim + v0·D + u − 2D); the window shifts in place.
   const bf16* proj = p.proj;
-  const float* conv_w = L.gdn.conv_w;
-  bf16* window = L.conv_window;
+  const float* conv_w = lw.gdn.conv_w;
+  bf16* window = lw.conv_window;
   const int n_ch = (2 + per_key) * D;
   for (int u = tid; u < n_ch; u += kDecodeTaskThreads) {
     const int c = u < D ? kh * D + u : u < 2 * D ? key_dim + kh * D + (u - D) : 2 * key_dim + v0 * D + (u - 2 * D);
@@ -154,7 +154,7 @@ __device__ __forceinline__ void task_gdn_heads_d(const DecodeStepParams& p, int 
   if (tid >= kDecodeTaskThreads - per_key) {
     const int jl = kDecodeTaskThreads - 1 - tid, j = v0 + jl;
     const float a = ld_cg_bf16(proj + C + value_dim + j), b = ld_cg_bf16(proj + C + value_dim + Hv + j);
-    gates[2 * jl] = expf(log_decay(a, __ldg(L.gdn.A_log + j), __ldg(L.gdn.dt_bias + j)));
+    gates[2 * jl] = expf(log_decay(a, __ldg(lw.gdn.A_log + j), __ldg(lw.gdn.dt_bias + j)));
     gates[2 * jl + 1] = beta_gate(b);
   }
   __syncthreads();
@@ -253,7 +253,7 @@ __device__ __forceinline__ void task_gdn_heads_d(const DecodeStepParams& p, int 
 #pragma unroll
       for (int sl = 0; sl < G::kSlices; ++sl) head_sq += sq_s[hs * G::kSlices + sl];
       const float rr = gated_norm_r(head_sq, D, eps);
-      const float y = gated_norm_y(o, rr, __ldg(L.gdn.norm_w + m), zs[jl * D + m]);
+      const float y = gated_norm_y(o, rr, __ldg(lw.gdn.norm_w + m), zs[jl * D + m]);
       p.mix[int64_t(j) * D + m] = to_bf16(y);
     }
   }

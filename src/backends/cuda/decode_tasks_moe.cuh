@@ -21,8 +21,8 @@ namespace lily::cuda {
 /// logits (fp32); slot k the shared expert, id E, weight sigmoid(shared gate logit). Lives in
 /// shared memory; slot s of ids / weights for s ≤ k.
 struct TaskRouting {
-  int32_t ids[kMaxTopK + 1];
-  float weights[kMaxTopK + 1];
+  int32_t ids[routed_plus_shared_slots(kMaxTopK)];
+  float weights[routed_plus_shared_slots(kMaxTopK)];
 };
 
 /// Bytes at the start of an expert task's shared memory that hold its TaskRouting (16-byte
@@ -42,7 +42,8 @@ __host__ __device__ constexpr int64_t expert_gate_up_smem_bytes(int hidden, int 
 /// Shared-memory bytes of task_expert_down: the routing, the k + 1 staged activation rows of
 /// width `ffn`, then the bf16-rounded down outputs, [k + 1][down_rows] fp32.
 __host__ __device__ constexpr int64_t expert_down_smem_bytes(int ffn, int top_k, int down_rows) {
-  return kTaskRoutingBytes + (top_k + 1) * task_slot_floats(ffn) * 4 + int64_t{top_k + 1} * down_rows * 4;
+  const int slots = routed_plus_shared_slots(top_k);
+  return kTaskRoutingBytes + slots * task_slot_floats(ffn) * 4 + int64_t{slots} * down_rows * 4;
 }
 
 /// The routing by warp 0 (the other warps return at once, so they can start staging): reads
@@ -88,21 +89,22 @@ __device__ __forceinline__ ExpertSlotRows gate_up_part(const DecodeStepParams& p
 
 /// The slot runs of gate/up task rows sr: the gate rows, then the same rows of the up stack
 /// (first rows e·moe_ffn + sr.first for any expert e, so both strides must keep 16-byte bounds).
-__device__ __forceinline__ SlotRuns gate_up_slot_runs(const DecodeStepParams& p, const DecodeTaskLayer& L,
+__device__ __forceinline__ SlotRuns gate_up_slot_runs(const DecodeStepParams& p, const DecodeTaskLayer& lw,
                                                       const ExpertSlotRows& sr) {
   const int n = static_cast<int>(sr.last - sr.first);
-  SlotRuns l = slot_runs(L.gate, 2, n, p.grain.expert_rows);
-  l.fits = l.fits && slot_runs(L.gate, 2, n, p.moe_ffn).fits && L.up.bits == L.gate.bits && L.up.cols == L.gate.cols &&
-           slot_runs(L.up, 2, n, p.moe_ffn).fits;
+  SlotRuns l = slot_runs(lw.gate, 2, n, p.grain.expert_rows);
+  l.fits = l.fits && slot_runs(lw.gate, 2, n, p.moe_ffn).fits && lw.up.bits == lw.gate.bits && lw.up.cols == lw.gate.cols &&
+           slot_runs(lw.up, 2, n, p.moe_ffn).fits;
   return l;
 }
 
 /// The slot runs of down task rows rr: k + 1 runs, one per slot, of rows e_s·hidden + rr.first
 /// (both strides must keep 16-byte bounds).
-__device__ __forceinline__ SlotRuns down_slot_runs(const DecodeStepParams& p, const DecodeTaskLayer& L, RowRange rr) {
+__device__ __forceinline__ SlotRuns down_slot_runs(const DecodeStepParams& p, const DecodeTaskLayer& lw, RowRange rr) {
   const int n = static_cast<int>(rr.last - rr.first);
-  SlotRuns l = slot_runs(L.down, p.top_k + 1, n, p.grain.down_rows);
-  l.fits = l.fits && slot_runs(L.down, p.top_k + 1, n, p.hidden).fits;
+  const int slots = routed_plus_shared_slots(p.top_k);
+  SlotRuns l = slot_runs(lw.down, slots, n, p.grain.down_rows);
+  l.fits = l.fits && slot_runs(lw.down, slots, n, p.hidden).fits;
   return l;
 }
 
@@ -111,15 +113,15 @@ __device__ __forceinline__ SlotRuns down_slot_runs(const DecodeStepParams& p, co
 /// checked that the rows fit (expert_copy_fits).
 __device__ inline void issue_expert_copy(const DecodeStepParams& p, int layer, int kind, int part,
                                          const TaskRouting& route, unsigned char* slot, uint64_t* bar) {
-  const DecodeTaskLayer& L = p.layers[layer];
+  const DecodeTaskLayer& lw = p.layers[layer];
   if (static_cast<DecodeTaskKind>(kind) == DecodeTaskKind::kExpertGateUp) {
     const ExpertSlotRows sr = gate_up_part(p, part);
     const int64_t row0 = int64_t{route.ids[sr.slot]} * p.moe_ffn + sr.first;
-    slot_issue(gate_up_slot_runs(p, L, sr), [&](int j) -> const DeviceQuant& { return j == 0 ? L.gate : L.up; },
+    slot_issue(gate_up_slot_runs(p, lw, sr), [&](int j) -> const DeviceQuant& { return j == 0 ? lw.gate : lw.up; },
                [&](int) { return row0; }, slot, bar);
   } else {
     const RowRange rr = part_rows(part, p.grain.down_rows, p.hidden);
-    slot_issue(down_slot_runs(p, L, rr), [&](int) -> const DeviceQuant& { return L.down; },
+    slot_issue(down_slot_runs(p, lw, rr), [&](int) -> const DeviceQuant& { return lw.down; },
                [&](int s) { return int64_t{route.ids[s]} * p.hidden + rr.first; }, slot, bar);
   }
 }
@@ -127,13 +129,13 @@ __device__ inline void issue_expert_copy(const DecodeStepParams& p, int layer, i
 /// Whether task (kind, part) of layer l needs the routing for its copy (a routed gate/up slot, or
 /// the down rows) and its rows fit a slot.
 __device__ inline bool expert_copy_fits(const DecodeStepParams& p, int layer, int kind, int part) {
-  const DecodeTaskLayer& L = p.layers[layer];
+  const DecodeTaskLayer& lw = p.layers[layer];
   if (static_cast<DecodeTaskKind>(kind) == DecodeTaskKind::kExpertGateUp) {
     const ExpertSlotRows sr = gate_up_part(p, part);
-    return sr.slot < p.top_k && gate_up_slot_runs(p, L, sr).fits;
+    return sr.slot < p.top_k && gate_up_slot_runs(p, lw, sr).fits;
   }
   if (static_cast<DecodeTaskKind>(kind) == DecodeTaskKind::kExpertDown)
-    return down_slot_runs(p, L, part_rows(part, p.grain.down_rows, p.hidden)).fits;
+    return down_slot_runs(p, lw, part_rows(part, p.grain.down_rows, p.hidden)).fits;
   return false;
 }
 
@@ -155,15 +157,15 @@ __device__ __forceinline__ void copy_next_expert(const DecodeStepParams& p, int 
 /// by the kernel); returns whether they did. m.work: expert_gate_up_smem_bytes(hidden,
 /// grain.expert_rows). All threads.
 __device__ inline bool task_expert_gate_up(const DecodeStepParams& p, int layer, int part, const TaskSmem& m) {
-  const DecodeTaskLayer& L = p.layers[layer];
+  const DecodeTaskLayer& lw = p.layers[layer];
   const ExpertSlotRows sr = gate_up_part(p, part);
   const int n = static_cast<int>(sr.last - sr.first);
-  const SlotRuns slot = gate_up_slot_runs(p, L, sr);
+  const SlotRuns slot = gate_up_slot_runs(p, lw, sr);
   TaskRouting& route = *reinterpret_cast<TaskRouting*>(m.work);
   float* xs = reinterpret_cast<float*>(m.work + kTaskRoutingBytes);
   float* gu = xs + (staged_row_floats(p.hidden) + 3) / 4 * 4;  // [2][n]: gate outputs, then up outputs
   const bool routed = sr.slot < p.top_k;
-  const auto gate_or_up = [&](int j) -> const DeviceQuant& { return j == 0 ? L.gate : L.up; };
+  const auto gate_or_up = [&](int j) -> const DeviceQuant& { return j == 0 ? lw.gate : lw.up; };
   if (routed) route_warp0(p, route);
   if (threadIdx.x == 0) {  // the routed rows are known only now
     const int64_t row0 = int64_t{routed ? route.ids[sr.slot] : p.n_experts} * p.moe_ffn + sr.first;
@@ -172,8 +174,8 @@ __device__ inline bool task_expert_gate_up(const DecodeStepParams& p, int layer,
       if (slot.fits) {
         slot_issue(slot, gate_or_up, first, m.slot, m.bar);
       } else {  // towards L2 while the block stages x
-        prefetch_rows_l2(L.gate, row0, row0 + n);
-        prefetch_rows_l2(L.up, row0, row0 + n);
+        prefetch_rows_l2(lw.gate, row0, row0 + n);
+        prefetch_rows_l2(lw.up, row0, row0 + n);
       }
     }
     if (routed) copy_next_expert(p, layer, route, m);
@@ -213,24 +215,24 @@ __device__ __forceinline__ bool gate_up_prefetchable(const DecodeStepParams& p, 
 /// it with its routing); returns whether they did. m.work:
 /// expert_down_smem_bytes(ffn, k, grain.down_rows). All threads.
 __device__ inline bool task_expert_down(const DecodeStepParams& p, int layer, int part, const TaskSmem& m) {
-  const DecodeTaskLayer& L = p.layers[layer];
+  const DecodeTaskLayer& lw = p.layers[layer];
   const RowRange rr = part_rows(part, p.grain.down_rows, p.hidden);
-  const int n = static_cast<int>(rr.last - rr.first), n_sel = p.top_k + 1;
-  const int ffn = L.down.cols, groups = ffn / kGroup;
-  const SlotRuns slot = down_slot_runs(p, L, rr);
+  const int n = static_cast<int>(rr.last - rr.first), n_sel = routed_plus_shared_slots(p.top_k);
+  const int ffn = lw.down.cols, groups = ffn / kGroup;
+  const SlotRuns slot = down_slot_runs(p, lw, rr);
   const int64_t stride = task_slot_floats(ffn);
   TaskRouting& route = *reinterpret_cast<TaskRouting*>(m.work);
   float* xs = reinterpret_cast<float*>(m.work + kTaskRoutingBytes);  // [n_sel][stride]
   float* part_out = xs + n_sel * stride;                              // [n_sel][n]
   route_warp0(p, route);
   if (threadIdx.x == 0) {
-    const auto down = [&](int) -> const DeviceQuant& { return L.down; };
+    const auto down = [&](int) -> const DeviceQuant& { return lw.down; };
     const auto first_of = [&](int s) { return int64_t{route.ids[s]} * p.hidden + rr.first; };
     if (!m.prefetched) {
       if (slot.fits)
         slot_issue(slot, down, first_of, m.slot, m.bar);
       else  // the routed rows, towards L2 while the block stages the activations
-        for (int s = 0; s < p.top_k; ++s) prefetch_rows_l2(L.down, first_of(s), first_of(s) + n);
+        for (int s = 0; s < p.top_k; ++s) prefetch_rows_l2(lw.down, first_of(s), first_of(s) + n);
     }
     copy_next_expert(p, layer, route, m);
     fill_gemv_runs(*m.gemv, slot, m.slot, down, first_of, xs, stride);  // part_out: slot after slot
@@ -276,10 +278,10 @@ __device__ inline bool task_expert_down(const DecodeStepParams& p, int layer, in
 __device__ inline void prefetch_expert_gate_up(const DecodeStepParams& p, int layer, int part) {
   const ExpertSlotRows sr = gate_up_part(p, part);
   if (sr.slot < p.top_k) return;
-  const DecodeTaskLayer& L = p.layers[layer];
+  const DecodeTaskLayer& lw = p.layers[layer];
   const int64_t row0 = int64_t{p.n_experts} * p.moe_ffn;
-  prefetch_rows_l2(L.gate, row0 + sr.first, row0 + sr.last);
-  prefetch_rows_l2(L.up, row0 + sr.first, row0 + sr.last);
+  prefetch_rows_l2(lw.gate, row0 + sr.first, row0 + sr.last);
+  prefetch_rows_l2(lw.up, row0 + sr.first, row0 + sr.last);
 }
 
 /// L2 prefetch for down task `part` of layer l, before its wait: the shared expert's down rows

@@ -40,15 +40,15 @@ __device__ inline void task_embed(const DecodeStepParams& p) {
 /// into p.residual (the router's add reads it). Weights through the task's slot where they fit;
 /// returns whether they did (the slot's phase was used). `m.work`: the staged row.
 __device__ inline bool task_in_proj(const DecodeStepParams& p, int l, int part, const TaskSmem& m) {
-  const DecodeTaskLayer& L = p.layers[l];
-  const RowRange r = part_rows(part, p.grain.proj_rows, L.in_proj.rows);
+  const DecodeTaskLayer& lw = p.layers[l];
+  const RowRange r = part_rows(part, p.grain.proj_rows, lw.in_proj.rows);
   float* xs = reinterpret_cast<float*>(m.work);
-  const SlotRuns slot = task_rows_to_slot(L.in_proj, r, p.grain.proj_rows, m, xs);
+  const SlotRuns slot = task_rows_to_slot(lw.in_proj, r, p.grain.proj_rows, m, xs);
   const bool first = l == 0;
-  stage_add_norm_cg(first ? p.residual : p.mid, first ? nullptr : p.moe_out, L.input_norm, p.hidden, p.eps, xs,
+  stage_add_norm_cg(first ? p.residual : p.mid, first ? nullptr : p.moe_out, lw.input_norm, p.hidden, p.eps, xs,
                     !first && part == 0 ? p.residual : nullptr, nullptr);
   bf16* y = p.proj;
-  task_gemv_rows(L.in_proj, r, slot, xs, m, [&](int64_t row, float v) { y[row] = to_bf16(v); });
+  task_gemv_rows(lw.in_proj, r, slot, xs, m, [&](int64_t row, float v) { y[row] = to_bf16(v); });
   return slot.fits;
 }
 
@@ -56,13 +56,13 @@ __device__ inline bool task_in_proj(const DecodeStepParams& p, int l, int part, 
 /// output p.mix times rows of the out-projection, bf16 into p.mixer_out. Weights and the return
 /// value as task_in_proj.
 __device__ inline bool task_out_proj(const DecodeStepParams& p, int l, int part, const TaskSmem& m) {
-  const DecodeTaskLayer& L = p.layers[l];
-  const RowRange r = part_rows(part, p.grain.out_rows, L.out_proj.rows);
+  const DecodeTaskLayer& lw = p.layers[l];
+  const RowRange r = part_rows(part, p.grain.out_rows, lw.out_proj.rows);
   float* xs = reinterpret_cast<float*>(m.work);
-  const SlotRuns slot = task_rows_to_slot(L.out_proj, r, p.grain.out_rows, m, xs);
-  stage_row_cg(p.mix, L.out_proj.cols, xs);
+  const SlotRuns slot = task_rows_to_slot(lw.out_proj, r, p.grain.out_rows, m, xs);
+  stage_row_cg(p.mix, lw.out_proj.cols, xs);
   bf16* y = p.mixer_out;
-  task_gemv_rows(L.out_proj, r, slot, xs, m, [&](int64_t row, float v) { y[row] = to_bf16(v); });
+  task_gemv_rows(lw.out_proj, r, slot, xs, m, [&](int64_t row, float v) { y[row] = to_bf16(v); });
   return slot.fits;
 }
 
@@ -72,14 +72,14 @@ __device__ inline bool task_out_proj(const DecodeStepParams& p, int l, int part,
 /// the normed row into p.moe_normed (the expert tasks read them). Weights and the return value
 /// as task_in_proj.
 __device__ inline bool task_router(const DecodeStepParams& p, int l, int part, const TaskSmem& m) {
-  const DecodeTaskLayer& L = p.layers[l];
-  const RowRange r = part_rows(part, p.grain.router_rows, L.router.rows);
+  const DecodeTaskLayer& lw = p.layers[l];
+  const RowRange r = part_rows(part, p.grain.router_rows, lw.router.rows);
   float* xs = reinterpret_cast<float*>(m.work);
-  const SlotRuns slot = task_rows_to_slot(L.router, r, p.grain.router_rows, m, xs);
-  stage_add_norm_cg(p.residual, p.mixer_out, L.post_norm, p.hidden, p.eps, xs, part == 0 ? p.mid : nullptr,
+  const SlotRuns slot = task_rows_to_slot(lw.router, r, p.grain.router_rows, m, xs);
+  stage_add_norm_cg(p.residual, p.mixer_out, lw.post_norm, p.hidden, p.eps, xs, part == 0 ? p.mid : nullptr,
                     part == 0 ? p.moe_normed : nullptr);
   float* y = p.router_logits;
-  task_gemv_rows(L.router, r, slot, xs, m, [&](int64_t row, float v) { y[row] = v; });
+  task_gemv_rows(lw.router, r, slot, xs, m, [&](int64_t row, float v) { y[row] = v; });
   return slot.fits;
 }
 
