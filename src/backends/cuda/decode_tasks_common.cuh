@@ -130,30 +130,6 @@ __device__ __forceinline__ QuantRowRef global_row(const DeviceQuant& w, int64_t 
   return QuantRowRef{w.codes + row * wpr, w.scales + row * groups, w.biases + row * groups, xs};
 }
 
-/// acc + Σ q·x over the 4·(32 / BITS) codes of one 16-byte vector q, against the staged values
-/// x (16-byte aligned), element after element: continued over a group's vectors in order, the
-/// same chain of fmas as group_qdot_regs (quant_dot.cuh), so the same bits.
-template <int BITS>
-__device__ __forceinline__ float vec_qdot(uint4 q, const float* x, float acc) {
-  constexpr int kPer = 32 / BITS;  // codes per word
-  constexpr uint32_t kMask = (1u << BITS) - 1u;
-  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float4* xv = reinterpret_cast<const float4*>(x + j * kPer);
-#pragma unroll
-    for (int e4 = 0; e4 < kPer / 4; ++e4) {
-      const float4 xx = xv[e4];
-      const uint32_t w = words[j] >> (BITS * 4 * e4);
-      acc = fmaf(code_f32(w, kMask), xx.x, acc);
-      acc = fmaf(code_f32(w >> BITS, kMask), xx.y, acc);
-      acc = fmaf(code_f32(w >> (2 * BITS), kMask), xx.z, acc);
-      acc = fmaf(code_f32(w >> (3 * BITS), kMask), xx.w, acc);
-    }
-  }
-  return acc;
-}
-
 /// This lane's share of U rows' dot products (docs/model.md §4.2): lanes lane_in of L stride
 /// over the `groups` 64-groups, acc[j] += s·Σ(q·x) + b·Σx per group in group order. SHARED: the
 /// rows are in shared memory (plain loads), else in global memory (read-only path). Caller

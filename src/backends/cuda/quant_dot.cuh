@@ -198,31 +198,37 @@ __device__ __forceinline__ float code_f32(uint32_t w, uint32_t mask) {
   return __uint_as_float((w & mask) | 0x4B000000u) - 8388608.0f;
 }
 
+/// acc + Σ q·x over the 4·(32 / BITS) codes of one 16-byte vector of code words q, against the
+/// staged fp32 values x (16-byte aligned), one fma a code in element order. Continued over a
+/// group's vectors in order it is group_qdot_regs, whatever unrolls the loop around it.
+template <int BITS>
+__device__ __forceinline__ float vec_qdot(uint4 q, const float* __restrict__ x, float acc) {
+  constexpr int kPer = 32 / BITS;  // codes per word
+  constexpr uint32_t kMask = (1u << BITS) - 1u;
+  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float4* xv = reinterpret_cast<const float4*>(x + j * kPer);
+#pragma unroll
+    for (int e4 = 0; e4 < kPer / 4; ++e4) {
+      const float4 xx = xv[e4];
+      const uint32_t w = words[j] >> (BITS * 4 * e4);
+      acc = fmaf(code_f32(w, kMask), xx.x, acc);
+      acc = fmaf(code_f32(w >> BITS, kMask), xx.y, acc);
+      acc = fmaf(code_f32(w >> (2 * BITS), kMask), xx.z, acc);
+      acc = fmaf(code_f32(w >> (3 * BITS), kMask), xx.w, acc);
+    }
+  }
+  return acc;
+}
+
 /// Σ_i q_i·x_i over one 64-group whose code words are already in registers (`q`, loaded from
 /// the group's 16-byte aligned words), `xg` the staged fp32 activations of that group.
 template <int BITS>
 __device__ __forceinline__ float group_qdot_regs(const uint4 (&q)[kGroupVecs<BITS>], const float* __restrict__ xg) {
-  constexpr int kVecs = kGroupVecs<BITS>;
-  constexpr int kPer = 32 / BITS;            // elements per word
-  constexpr uint32_t kMask = (1u << BITS) - 1u;
   float acc = 0.0f;
 #pragma unroll
-  for (int v = 0; v < kVecs; ++v) {
-    const uint32_t words[4] = {q[v].x, q[v].y, q[v].z, q[v].w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float4* xv = reinterpret_cast<const float4*>(xg + (v * 4 + j) * kPer);
-#pragma unroll
-      for (int e4 = 0; e4 < kPer / 4; ++e4) {
-        const float4 xx = xv[e4];
-        const uint32_t w = words[j] >> (BITS * 4 * e4);
-        acc = fmaf(code_f32(w, kMask), xx.x, acc);
-        acc = fmaf(code_f32(w >> BITS, kMask), xx.y, acc);
-        acc = fmaf(code_f32(w >> (2 * BITS), kMask), xx.z, acc);
-        acc = fmaf(code_f32(w >> (3 * BITS), kMask), xx.w, acc);
-      }
-    }
-  }
+  for (int v = 0; v < kGroupVecs<BITS>; ++v) acc = vec_qdot<BITS>(q[v], xg + v * 4 * (32 / BITS), acc);
   return acc;
 }
 
