@@ -51,9 +51,10 @@ __device__ __forceinline__ void ld_cg_bf16x8(const bf16* p, float (&x)[8]) {
   x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
 }
 
-// The staging functions and the GEMV below are calls, not inlined: every task body that needs
-// them runs the same instructions, which then stay in the SM's instruction cache from one task
-// to the next (inlined into each body, the bodies' code was fetched cold from L2 at every task).
+// The staging functions and the GEMV below are calls, not inlined: every task body runs the one
+// copy of them, which keeps the kernel's code a fraction of what inlined bodies made (a weight
+// body was 115–185 KB of SASS, now 5–45 KB beside the 50 KB GEMV). On an H100 this changed no
+// speed: the bodies do not wait on instruction fetch (docs/cuda.md, "Where it stands").
 
 /// Stages bf16 x [cols] (read past L1, 16-byte aligned, cols a multiple of 64) into xs (fp32,
 /// quant_dot.cuh's layout) and its group sums into xsum = xs + (cols / 64)·kGroupStride: thread
@@ -135,9 +136,8 @@ __device__ __forceinline__ QuantRowRef global_row(const DeviceQuant& w, int64_t 
 /// rows are in shared memory (plain loads), else in global memory (read-only path). Caller
 /// reduces acc[j] with group_sum(·, L). Either memory gives the same bits.
 ///
-/// The loops over groups and over a group's 16-byte vectors stay rolled: a block runs a task
-/// body between other bodies, so the body's instructions tend to come cold from L2, and a fully
-/// unrolled group (hundreds of instructions a row) costs more to fetch than to execute.
+/// The loops over groups and over a group's 16-byte vectors stay rolled, to keep the one GEMV
+/// that every body calls small; rows in shared memory need no independent loads in flight.
 template <int BITS, int U, bool SHARED>
 __device__ __forceinline__ void rows_partial_refs(const QuantRowRef (&r)[U], int groups, int lane_in, int L,
                                                   float (&acc)[U]) {
@@ -400,8 +400,8 @@ __device__ __forceinline__ void gemv_runs(const GemvRuns& d, float* out) {
 }
 
 /// The task GEMV: gemv_runs over d (shared memory, filled and published), out fp32 [runs·count]
-/// in shared memory. One call for every body, so its instructions stay in the instruction
-/// cache. All threads; the caller's barrier publishes `out`.
+/// in shared memory. One out-of-line copy for every body. All threads; the caller's barrier
+/// publishes `out`.
 __device__ inline __noinline__ void task_gemv(const GemvRuns& d, float* out) {
   if (d.in_shared) {
     if (d.bits == 8) gemv_runs<8, true>(d, out);
