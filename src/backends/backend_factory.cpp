@@ -33,12 +33,11 @@ int64_t backend_max_sequence(BackendKind kind) {
 }
 
 std::unique_ptr<Backend> make_backend(BackendKind kind, std::shared_ptr<const ModelWeights> weights,
-                                      int threads, std::span<const std::string> cuda_settings) {
+                                      int threads, const CudaOptions& cuda) {
   if (!weights) throw Error("make_backend: no model weights");
-  CudaOptions cuda;
-  if (kind != BackendKind::kCpu) cuda = CudaOptions::resolve(cuda_settings);  // a bad value fails even under auto
-  else
-    for (const std::string& s : cuda_settings) cuda.set(s);  // checked, then unused
+#ifndef LILY_HAVE_CUDA
+  (void)cuda;
+#endif
   switch (kind) {
     case BackendKind::kCpu:
       return std::make_unique<cpu::CpuBackend>(std::move(weights), threads);

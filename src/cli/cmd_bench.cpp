@@ -203,7 +203,8 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
                   std::to_string(context) + " tokens (max_position_embeddings)");
   }
   auto weights = load_model(f.model, LoadOptions{.mmap = !f.no_mmap});
-  auto backend = make_backend(backend_kind, weights, f.threads, f.cuda);
+  const CudaOptions cuda = resolve_cuda_options(backend_kind, f.cuda);
+  auto backend = make_backend(backend_kind, weights, f.threads, cuda);
   if (!backend->reads_host_weights()) weights.reset();  // unmaps the checkpoint (as lily serve)
   const auto prompt = synthetic_prompt(f.prompt_len, backend->config().vocab);
   std::vector<Round> rounds;
@@ -242,8 +243,8 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
     j["schema_version"] = 1;
     j["meta"] = {{"engine", "lily.cpp"}, {"commit", lily::build_commit()}, {"backend", backend->name()},
                  {"device", device}, {"command", cmd}, {"model", f.model}, {"shape", backend->config().shape_name()}};
-    // The CUDA paths this run used (already validated when the backend was made).
-    if (std::string_view(backend->name()) == "cuda") j["meta"]["cuda_options"] = lily::CudaOptions::resolve(f.cuda).describe();
+    // The CUDA paths this run used: the options its backend was made with.
+    if (std::string_view(backend->name()) == "cuda") j["meta"]["cuda_options"] = cuda.describe();
     j["workload"] = {{"prompt_len", f.prompt_len}, {"prompt_kind", "u32_golden_ratio_hash_mod_vocab"},
                      {"decode_steps", f.decode_steps}, {"decode_mode", "synchronous_per_step"}, {"rounds", f.rounds},
                      {"sampling", f.sampled() ? nlohmann::json{{"temperature", f.temperature}, {"top_p", f.top_p},

@@ -182,7 +182,8 @@ void run_generate(const GenerateFlags& f) {
   params.logprobs = f.logprobs;
 
   auto weights = load_model(dir, LoadOptions{.show_progress = true, .mmap = !f.no_mmap});
-  auto backend = make_backend(backend_kind, weights, f.threads, f.cuda);
+  const CudaOptions cuda = resolve_cuda_options(backend_kind, f.cuda);
+  auto backend = make_backend(backend_kind, weights, f.threads, cuda);
   if (!backend->reads_host_weights()) weights.reset();  // unmaps the checkpoint (as lily serve)
   auto state = backend->new_state(params.max_seq);
   size_t streamed = 0;  // bytes of text written to stdout so far

@@ -34,6 +34,7 @@ struct ServeFlags {
   int64_t max_seq = -1;
   std::string allowed_origins;  ///< --allowed-origins, parsed by server::parse_allowed_origins
   std::string backend = "auto";
+  std::vector<std::string> cuda;  ///< --cuda NAME=VALUE (CudaOptions::set), resolved into options.cuda
   std::string reasoning = "off";  ///< --reasoning on|off
   bool no_mmap = false;  ///< read the weights into memory instead of mapping them
   CLI::Option* api_key = nullptr;  ///< to tell `--api-key ""` from no --api-key
@@ -97,7 +98,7 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
       ->capture_default_str()->check(CLI::Range(int64_t{256}, int64_t{1} << 24));
   cmd->add_option("--max-headers", o.max_headers, "header fields per request (431 above)")
       ->capture_default_str()->check(integer_at_least(1));
-  add_cuda_settings(cmd, o.cuda_settings);
+  add_cuda_settings(cmd, f.cuda);
   cmd->add_option("--threads", o.threads, "CPU backend threads, 0 = all cores")
       ->capture_default_str()->check(integer_at_least(0));
   cmd->add_option("--max-connections,--http-threads", o.max_connections,
@@ -157,6 +158,7 @@ server::ServerOptions resolve(ServeFlags& f) {
   if (f.port >= 0) o.port = f.port;
   if (f.max_seq >= 0) o.max_seq = f.max_seq;
   o.backend = parse_backend_kind(f.backend);
+  o.cuda = resolve_cuda_options(o.backend, f.cuda);  // a bad LILY_CUDA_* value stops the start here
   o.reasoning = f.reasoning == "on";
   if (!f.cache_memory.empty()) o.cache_memory = parse_byte_size(f.cache_memory);
   if (!f.cache_host_memory.empty()) {

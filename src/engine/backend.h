@@ -200,10 +200,12 @@ class Backend {
 };
 
 /// How the CUDA backend runs (docs/cuda.md), one field per path choice; the defaults are the
-/// paths verified on an H100/H200. The one place the LILY_CUDA_* variables are read: filled from the
-/// environment (from_env), validated before any backend is chosen, and written into the bench
-/// report. The CUDA backend sets the kernel layer's process-wide switches (pdl … gemm_kernel) from
-/// its options when it is created (backends/cuda/kernel_switches.h); no kernel reads the
+/// paths verified on an H100/H200. The one place the LILY_CUDA_* variables are read (from_env):
+/// the command line resolves one CudaOptions (resolve_cuda_options: the environment, then its
+/// `--cuda` settings), validated before any backend is chosen, passes it to make_backend (lily
+/// serve through ServerOptions), and the bench writes that same struct into its report. The CUDA
+/// backend sets the kernel layer's process-wide switches (pdl … gemm_kernel) from its options
+/// when it is created (backends/cuda/kernel_switches.h); no kernel reads the
 /// environment itself.
 struct CudaOptions {
   bool fuse_decode = true;       ///< LILY_CUDA_FUSE 1|0: add + RMSNorm and the GDN conv folded into GEMVs
@@ -442,14 +444,26 @@ BackendKind parse_backend_kind(std::string_view text);
 /// refuses it anyway.
 int64_t backend_max_sequence(BackendKind kind);
 
-/// Creates a backend over loaded weights. `threads` <= 0 means all cores (CPU backend).
-/// `cuda_settings`: the command line's `--cuda NAME=VALUE`s (CudaOptions::set), applied over the
-/// LILY_CUDA_* variables. For kCuda and kAuto the CUDA options are read and validated first
-/// (CudaOptions::resolve), so a bad value is an error even where auto would fall back to the
-/// CPU; for kCpu only the settings are checked (a misspelt flag is still an error), and the
-/// variables are not read. Throws lily::Error (e.g. "--backend cuda: this build has no CUDA
-/// support", no GPU, not enough device memory, a bad LILY_CUDA_* value or --cuda setting).
-std::unique_ptr<Backend> make_backend(BackendKind kind, std::shared_ptr<const ModelWeights> weights,
-                                      int threads = 0, std::span<const std::string> cuda_settings = {});
+/// The CUDA options a backend of `kind` is made with, from the command line's `--cuda
+/// NAME=VALUE`s (`settings`, CudaOptions::set) applied over the LILY_CUDA_* variables. For kCuda
+/// and kAuto the variables are read and everything is validated (CudaOptions::resolve), so a bad
+/// value is an error even where auto would fall back to the CPU; for kCpu only the settings are
+/// checked (a misspelt flag is still an error), the variables are not read, and the result is
+/// the defaults with the settings applied. Throws lily::Error for a bad LILY_CUDA_* value or
+/// --cuda setting.
+inline CudaOptions resolve_cuda_options(BackendKind kind, std::span<const std::string> settings) {
+  if (kind != BackendKind::kCpu) return CudaOptions::resolve(settings);
+  CudaOptions o;
+  for (const std::string& s : settings) o.set(s);  // checked; the CPU backend does not use them
+  return o;
+}
+
+/// Creates a backend over loaded weights. `threads` <= 0 means all cores (CPU backend). `cuda`:
+/// the CUDA backend's options (kCuda, and kAuto when it picks CUDA), as the caller resolved them
+/// (resolve_cuda_options; make_backend reads no environment); the CPU backend ignores them.
+/// Throws lily::Error (e.g. "--backend cuda: this build has no CUDA support", no GPU, not
+/// enough device memory).
+std::unique_ptr<Backend> make_backend(BackendKind kind, std::shared_ptr<const ModelWeights> weights, int threads,
+                                      const CudaOptions& cuda);
 
 }  // namespace lily

@@ -57,7 +57,8 @@ struct ServerOptions {
   std::string api_key;                   ///< empty: no authentication
   BackendKind backend = BackendKind::kAuto;
   int threads = 0;                       ///< CPU backend threads (0 = all cores)
-  std::vector<std::string> cuda_settings;  ///< `--cuda NAME=VALUE`s (make_backend), over LILY_CUDA_*
+  CudaOptions cuda;                      ///< CUDA backend options (make_backend), resolved by the CLI
+                                         ///< (resolve_cuda_options: LILY_CUDA_*, then `--cuda`)
   std::string served_model_name;         ///< empty: derived (see served_model_name())
   std::optional<int64_t> cache_memory;   ///< prefix cache, backend-memory tier, bytes (default:
                                          ///< resolve_cache_budgets; 0 with cache_host_memory 0 disables)

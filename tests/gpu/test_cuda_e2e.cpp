@@ -242,7 +242,7 @@ TEST_F(CudaE2e, RealdimsSynthMatchesCpu) {
   auto w = synth("realdims", dir.path());
   auto oracle = bf16_oracle(w);
   cpu::CpuBackend& cpu = *oracle;
-  auto gpu = make_cuda_backend(w);
+  auto gpu = make_cuda_backend(w, CudaOptions::from_env());
   EXPECT_EQ(gpu->name(), "cuda");
   probe_diff(cpu, *gpu, hash_prompt(5, w->config.vocab, 1), 0.99);
   compare_greedy(cpu, *gpu, hash_prompt(64, w->config.vocab, 2), 8, "realdims");
@@ -394,7 +394,7 @@ TEST_F(CudaE2e, PrefillRowsOfSeveralSequencesAreBitIdenticalToEachAlone) {
 TEST_F(CudaE2e, DemoModelMatchesCpu) {
   auto w = load_model(demo_model_dir());
   // The kernels are compiled for the demo's dims (head_dim 64, GDN 64): a refusal is a failure.
-  auto gpu = make_cuda_backend(w);
+  auto gpu = make_cuda_backend(w, CudaOptions::from_env());
   auto oracle = bf16_oracle(w);
   cpu::CpuBackend& cpu = *oracle;
   compare_greedy(cpu, *gpu, hash_prompt(32, w->config.vocab, 3), 16, "demo");
@@ -406,7 +406,7 @@ TEST_F(CudaE2e, CloneAndKvGrowth) {
   auto w = synth("realdims", dir.path());
   auto oracle = bf16_oracle(w);
   cpu::CpuBackend& cpu = *oracle;
-  auto gpu = make_cuda_backend(w);
+  auto gpu = make_cuda_backend(w, CudaOptions::from_env());
   // 1100 tokens: past the first KV allocation of 1024 positions, so the cache grows (and the
   // decode graph is re-captured) mid-sequence.
   const auto prompt = hash_prompt(1100, w->config.vocab, 4);
@@ -472,7 +472,7 @@ TEST_F(CudaE2e, CloneAndKvGrowth) {
 TEST_F(CudaE2e, HostCopiesOnAHelperThreadBesideDecodeSteps) {
   TempDir dir;
   auto w = synth("realdims", dir.path());
-  auto gpu = make_cuda_backend(w);
+  auto gpu = make_cuda_backend(w, CudaOptions::from_env());
   EXPECT_FALSE(gpu->copies_to_host_concurrently());
   auto snap = gpu->new_state(2048);
   const int32_t next = gpu->prefill(*snap, hash_prompt(1100, w->config.vocab, 4));
@@ -511,7 +511,7 @@ TEST_F(CudaE2e, HostCopiesOnAHelperThreadBesideDecodeSteps) {
 TEST_F(CudaE2e, HostCopiesComeFromTheCappedPinnedArena) {
   TempDir dir;
   auto w = synth("realdims", dir.path());
-  auto gpu = make_cuda_backend(w);
+  auto gpu = make_cuda_backend(w, CudaOptions::from_env());
   auto snap = gpu->new_state(2048);
   const int32_t next = gpu->prefill(*snap, hash_prompt(1100, w->config.vocab, 4));
   auto reference = gpu->clone_state(*snap);
@@ -755,7 +755,7 @@ TEST_F(CudaE2e, PrintsDecodeGraphAndPrefixCopyTimes) {
   // Histories that leave the first 40 decode steps inside the KV capacity (4,096 and 1,024), so
   // that no growth is timed.
   const int vocab = w->config.vocab, history = big && *big ? 4000 : 900;
-  auto gpu = make_cuda_backend(w);
+  auto gpu = make_cuda_backend(w, CudaOptions::from_env());
   const auto prompt = hash_prompt(history, vocab, 51), turn2 = hash_prompt(22, vocab, 52);
   using clock = std::chrono::steady_clock;
 
@@ -886,10 +886,10 @@ void check_pdl_bit_identical(Backend& gpu, int vocab) {
 TEST_F(CudaE2e, PdlDoesNotChangeResults) {
   TempDir dir;
   auto w = synth("realdims", dir.path());
-  auto gpu = make_cuda_backend(w);
+  auto gpu = make_cuda_backend(w, CudaOptions::from_env());
   check_pdl_bit_identical(*gpu, w->config.vocab);
   auto demo = load_model(demo_model_dir());
-  auto gdemo = make_cuda_backend(demo);  // head dims 64: the 2-CTA GDN cluster, head_dim-64 attention
+  auto gdemo = make_cuda_backend(demo, CudaOptions::from_env());  // head dims 64: the 2-CTA GDN cluster, head_dim-64 attention
   check_pdl_bit_identical(*gdemo, demo->config.vocab);
 }
 
@@ -1256,7 +1256,7 @@ TEST_F(CudaE2e, Full35bShapeMatchesCpu) {
   if (!dir || !*dir) GTEST_SKIP() << "set LILY_GPU_BIG_MODEL to a 35b-a3b checkpoint directory";
   auto w = load_model(dir);
   ASSERT_TRUE(w->config.is_qwen36_35b_a3b());
-  auto gpu = make_cuda_backend(w);
+  auto gpu = make_cuda_backend(w, CudaOptions::from_env());
   auto oracle = bf16_oracle(w);
   cpu::CpuBackend& cpu = *oracle;
   probe_diff(cpu, *gpu, hash_prompt(3, w->config.vocab, 7), 0.99);
@@ -1332,7 +1332,7 @@ TEST(CudaHostWeights, ReleasedAfterTheUploadSoATruncationCannotFault) {
   ASSERT_GE(mappings_of(file), 1);
   const std::weak_ptr<const ModelWeights> host = weights;
   const int vocab = weights->config.vocab;
-  auto gpu = make_cuda_backend(std::move(weights));
+  auto gpu = make_cuda_backend(std::move(weights), CudaOptions::from_env());
   EXPECT_FALSE(gpu->reads_host_weights());
   EXPECT_TRUE(host.expired()) << "the CUDA backend still holds the host weights";
   EXPECT_EQ(mappings_of(file), 0);

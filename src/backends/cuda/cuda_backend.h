@@ -43,12 +43,13 @@ namespace lily {
 /// Creates the CUDA backend over loaded weights. Throws lily::Error when there is no CUDA
 /// device, its compute capability is below 9.0, the model shape is one the kernels were not
 /// written for, or the device has too little free memory (the message says how much is needed).
-/// `options` picks the paths (engine/backend.h CudaOptions); by default the LILY_CUDA_*
-/// environment, validated (lily::Error for a bad value). The backend also sets the kernel
-/// layer's process-wide switches from them (apply_kernel_switches, kernel_switches.h): the
-/// last backend created decides the paths of every kernel launched afterwards.
+/// `options` picks the paths (engine/backend.h CudaOptions), as the caller resolved them (the
+/// command line: resolve_cuda_options; tests: CudaOptions::from_env); this reads no environment.
+/// The backend also sets the kernel layer's process-wide switches from them
+/// (apply_kernel_switches, kernel_switches.h): the last backend created decides the paths of
+/// every kernel launched afterwards.
 std::unique_ptr<Backend> make_cuda_backend(std::shared_ptr<const ModelWeights> weights,
-                                           const CudaOptions& options = CudaOptions::from_env());
+                                           const CudaOptions& options);
 
 /// Longest sequence (tokens) the CUDA backend creates a state for (its KV cache and kernel
 /// limits; new_state refuses more).

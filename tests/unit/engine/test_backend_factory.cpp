@@ -1,4 +1,4 @@
-// parse_backend_kind and make_backend (engine/backend.h, backends/backend_factory.cpp).
+// parse_backend_kind, resolve_cuda_options and make_backend (engine/backend.h, backends/backend_factory.cpp).
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -35,18 +35,18 @@ TEST(BackendFactory, ReportsTheLongestSequenceItsBackendCreates) {
   EXPECT_EQ(cpu_limit, kMaxContext);
   EXPECT_LE(backend_max_sequence(BackendKind::kAuto), cpu_limit);
   EXPECT_GE(backend_max_sequence(BackendKind::kCuda), 2);
-  auto cpu = make_backend(BackendKind::kCpu, load_model(test::demo_model_dir()), 1);
+  auto cpu = make_backend(BackendKind::kCpu, load_model(test::demo_model_dir()), 1, CudaOptions{});
   EXPECT_THROW(cpu->new_state(cpu_limit + 1), Error);
   EXPECT_NO_THROW(cpu->new_state(2));
 }
 
 TEST(BackendFactory, RejectsMissingWeights) {
-  EXPECT_THROW(make_backend(BackendKind::kCpu, nullptr), Error);
+  EXPECT_THROW(make_backend(BackendKind::kCpu, nullptr, 0, CudaOptions{}), Error);
 }
 
 TEST(BackendFactory, CpuAndAutoWithoutCuda) {
   auto weights = load_model(test::demo_model_dir());
-  auto cpu = make_backend(BackendKind::kCpu, weights, 1);
+  auto cpu = make_backend(BackendKind::kCpu, weights, 1, CudaOptions{});
   EXPECT_EQ(cpu->name(), "cpu");
   EXPECT_EQ(cpu->config().vocab, weights->config.vocab);
 #ifdef LILY_HAVE_CUDA
@@ -54,26 +54,26 @@ TEST(BackendFactory, CpuAndAutoWithoutCuda) {
   // auto falls back to the CPU; on the H200 both give the CUDA backend.
   std::unique_ptr<Backend> cuda;
   try {
-    cuda = make_backend(BackendKind::kCuda, weights);
+    cuda = make_backend(BackendKind::kCuda, weights, 0, CudaOptions::from_env());
   } catch (const Error& e) {
     const std::string what = e.what();
     EXPECT_TRUE(what.find("no usable CUDA device") != std::string::npos ||
                 what.find("compute capability") != std::string::npos)
         << what;
-    EXPECT_EQ(make_backend(BackendKind::kAuto, weights)->name(), "cpu");
+    EXPECT_EQ(make_backend(BackendKind::kAuto, weights, 0, CudaOptions::from_env())->name(), "cpu");
     return;
   }
   EXPECT_EQ(cuda->name(), "cuda");
   cuda.reset();
-  EXPECT_EQ(make_backend(BackendKind::kAuto, weights)->name(), "cuda");
+  EXPECT_EQ(make_backend(BackendKind::kAuto, weights, 0, CudaOptions::from_env())->name(), "cuda");
 #else
   try {
-    make_backend(BackendKind::kCuda, weights);
+    make_backend(BackendKind::kCuda, weights, 0, CudaOptions::from_env());
     FAIL() << "expected lily::Error";
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "the CUDA backend was asked for, but this build has no CUDA support (nvcc was not found at build time)");
   }
-  EXPECT_EQ(make_backend(BackendKind::kAuto, weights)->name(), "cpu");
+  EXPECT_EQ(make_backend(BackendKind::kAuto, weights, 0, CudaOptions::from_env())->name(), "cpu");
 #endif
 }
 
@@ -197,13 +197,15 @@ TEST(CudaOptions, BadValuesNameTheVariable) {
   }
 }
 
-/// --backend auto must not fall back to the CPU over a bad CUDA setting: the user asked for it.
+/// --backend auto must not fall back to the CPU over a bad CUDA setting (the user asked for it):
+/// resolve_cuda_options refuses it before any backend is made.
 TEST(CudaOptions, AutoRefusesABadValueInsteadOfFallingBack) {
   auto weights = load_model(test::demo_model_dir());
   ScopedEnv env("LILY_CUDA_GEMM", "tensorcore");
-  EXPECT_THROW(make_backend(BackendKind::kAuto, weights, 1), Error);
-  EXPECT_THROW(make_backend(BackendKind::kCuda, weights, 1), Error);
-  EXPECT_EQ(make_backend(BackendKind::kCpu, weights, 1)->name(), "cpu");  // the CPU backend has no CUDA options
+  EXPECT_THROW(resolve_cuda_options(BackendKind::kAuto, {}), Error);
+  EXPECT_THROW(resolve_cuda_options(BackendKind::kCuda, {}), Error);
+  // The CPU backend has no CUDA options: the variables are not read.
+  EXPECT_EQ(make_backend(BackendKind::kCpu, weights, 1, resolve_cuda_options(BackendKind::kCpu, {}))->name(), "cpu");
 }
 
 /// `--cuda NAME=VALUE` (CudaOptions::set): every name describe() prints is a name set() takes,
@@ -269,9 +271,9 @@ TEST(CudaOptions, FlagsOverrideTheirVariables) {
 TEST(CudaOptions, TheCpuBackendChecksButIgnoresCudaFlags) {
   auto weights = load_model(test::demo_model_dir());
   const std::vector<std::string> good = {"pdl=0"}, bad = {"pdl=on"};
-  EXPECT_EQ(make_backend(BackendKind::kCpu, weights, 1, good)->name(), "cpu");
-  EXPECT_THROW(make_backend(BackendKind::kCpu, weights, 1, bad), Error);
-  EXPECT_THROW(make_backend(BackendKind::kAuto, weights, 1, bad), Error);
+  EXPECT_EQ(make_backend(BackendKind::kCpu, weights, 1, resolve_cuda_options(BackendKind::kCpu, good))->name(), "cpu");
+  EXPECT_THROW(resolve_cuda_options(BackendKind::kCpu, bad), Error);
+  EXPECT_THROW(resolve_cuda_options(BackendKind::kAuto, bad), Error);
 }
 
 }  // namespace

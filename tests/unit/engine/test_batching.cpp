@@ -49,7 +49,7 @@ struct Engine {
     o.step_tokens = step_tokens;
     o.cache = {cache_bytes, 0};
     step_log.attach(o);
-    scheduler = std::make_unique<Scheduler>(make_backend(BackendKind::kCpu, demo_weights(), 2), nullptr, o);
+    scheduler = std::make_unique<Scheduler>(make_backend(BackendKind::kCpu, demo_weights(), 2, CudaOptions{}), nullptr, o);
   }
   std::vector<StepStats> step_stats() { return step_log.steps(); }
 };

@@ -57,7 +57,7 @@ std::unique_ptr<Scheduler> engine(std::shared_ptr<const ModelWeights> weights, S
   o.max_seq = 1024;
   o.max_queue = 4;
   o.cache = cache;
-  return std::make_unique<Scheduler>(make_backend(BackendKind::kCpu, weights, 2), std::move(tokenizer), o);
+  return std::make_unique<Scheduler>(make_backend(BackendKind::kCpu, weights, 2, CudaOptions{}), std::move(tokenizer), o);
 }
 std::unique_ptr<Scheduler> engine(std::shared_ptr<const ModelWeights> weights, int64_t cache_bytes) {
   return engine(std::move(weights), SessionCacheOptions{cache_bytes, 0});
