@@ -216,13 +216,13 @@ void Scheduler::engine_loop() {
       if (batch_.empty() && queue_.empty()) return;  // stopping
       // Admission between steps, oldest first, up to max_batch running jobs.
       while (static_cast<int>(batch_.size() + admitted.size()) < max_batch_ && !queue_.empty()) {
+        queue_.front()->mark_started();  // before running() counts it: a running job has a start time
         admitted.push_back(queue_.front());
         running_.push_back(queue_.front());
         queue_.pop_front();
       }
     }
     for (auto& job : admitted) {
-      job->mark_started();
       auto r = std::make_unique<Running>();
       r->job = job;
       if (start_choice(*r, 0)) batch_.push_back(std::move(r));

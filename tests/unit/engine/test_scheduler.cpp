@@ -57,6 +57,14 @@ struct Harness {
     step_log.attach(o);
     scheduler = std::make_unique<Scheduler>(std::move(b), nullptr, o);
   }
+  /// Opens the fake backend's gates before the scheduler stops, so that a test that fails
+  /// while the engine waits at a gate ends with its failure instead of hanging in stop().
+  ~Harness() {
+    backend->open_gate();
+    backend->open_copy_gate();
+  }
+  Harness(const Harness&) = delete;
+  Harness& operator=(const Harness&) = delete;
   std::vector<StepStats> step_stats() { return step_log.steps(); }
 };
 
