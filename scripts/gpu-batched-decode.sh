@@ -27,7 +27,8 @@
 #   LILY_GPU_STEPS=ab       with carry/base.tar (git archive of a baseline tree, built in
 #                           /tmp/lily-base): lily bench at LILY_GPU_CONTEXTS (default 256 2048)
 #                           and served streams (LILY_GPU_STREAMS, --max-batch LILY_GPU_AB_MAX_BATCH,
-#                           default 32), new then base
+#                           default 32), new then base; LILY_GPU_AB_ROUNDS=N alternates them N
+#                           times, LILY_GPU_AB_SERVE=0 leaves out the served streams
 #   LILY_GPU_STEPS=prof-gemv  Nsight Compute sections (stalls, memory) of the row GEMV (or of the
 #                           kernels LILY_GPU_PROF_KERNEL names, a regex) at the first of
 #                           LILY_GPU_PROFILE_ROWS rows
@@ -313,17 +314,20 @@ if has ab && [[ -f carry/base.tar ]]; then
     { echo "baseline build FAILED"; grep -E "error" /tmp/base-build.log | head; status=1; }
   [[ -f "$M/config.json" ]] ||
     timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
-  for tree in new base; do
-    bin="$BUILD/lily"; [[ $tree == base ]] && bin=/tmp/lily-base/lily
-    [[ -x "$bin" ]] || continue
-    for n in ${LILY_GPU_CONTEXTS:-256 2048}; do
-      echo "== $tree: lily bench --prompt-len $n"
-      timeout 120 "$bin" bench --backend cuda --model "$M" --prompt-len "$n" --decode-steps 64 --rounds 3 2>&1 | tail -1
+  for round in $(seq 1 "${LILY_GPU_AB_ROUNDS:-1}"); do  # new, base, new, base, …: drift hits both
+    for tree in new base; do
+      bin="$BUILD/lily"; [[ $tree == base ]] && bin=/tmp/lily-base/lily
+      [[ -x "$bin" ]] || continue
+      for n in ${LILY_GPU_CONTEXTS:-256 2048}; do
+        echo "== $tree (round $round): lily bench --prompt-len $n"
+        timeout 120 "$bin" bench --backend cuda --model "$M" --prompt-len "$n" --decode-steps 64 --rounds 3 2>&1 | tail -1
+      done
+      [[ "${LILY_GPU_AB_SERVE:-1}" == 1 ]] || continue  # 0: lily bench only
+      ab_batch="${LILY_GPU_AB_MAX_BATCH:-32}"
+      serve_streams "$tree, --max-batch $ab_batch" 18099 "$OUT/serve-ab-$tree.log" \
+        env LILY_CUDA_MAX_BATCH=$ab_batch "$bin" serve --backend cuda --model "$M" --port 18099 --max-seq 4096 \
+        --max-batch "$ab_batch"
     done
-    ab_batch="${LILY_GPU_AB_MAX_BATCH:-32}"
-    serve_streams "$tree, --max-batch $ab_batch" 18099 "$OUT/serve-ab-$tree.log" \
-      env LILY_CUDA_MAX_BATCH=$ab_batch "$bin" serve --backend cuda --model "$M" --port 18099 --max-seq 4096 \
-      --max-batch "$ab_batch"
   done
 fi
 echo "== gpu-batched-decode done, status $status"

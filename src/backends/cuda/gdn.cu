@@ -181,14 +181,31 @@ struct DecodeGeom {
 /// on its D×32 slice of S_j (fp32, in place), bf16 output; the gated RMSNorm's Σo² is summed
 /// over the cluster through distributed shared memory. Thread (part, m): column m of the
 /// slice, key rows [16·part, +16).
+/// This thread's part of the decode step's state slice: S_j[i][col] (fp32, as stored) for its
+/// key rows i = 16·part … 16·part + 15, where j = blockIdx.x is the value head, part = tid / 32
+/// and col = 32·blockIdx.y + tid % 32 (gdn_decode_head's mapping). `state`: fp32
+/// [Hv, Dk, Dv], one sequence's recurrent state of this layer. The loads bypass L1 (`__ldcg`):
+/// the callers issue them before the PDL wait, and L2 holds every completed kernel's stores.
+template <int D>
+__device__ __forceinline__ void load_state_slice(const float* state, float (&raw)[DecodeGeom<D>::kRowsPerPart]) {
+  using Geom = DecodeGeom<D>;
+  const int part = threadIdx.x / Geom::kSliceCols;
+  const int col = blockIdx.y * Geom::kSliceCols + threadIdx.x % Geom::kSliceCols;
+  const float* S = state + int64_t(blockIdx.x) * D * D;
+#pragma unroll
+  for (int r = 0; r < Geom::kRowsPerPart; ++r) raw[r] = __ldcg(S + (part * Geom::kRowsPerPart + r) * D + col);
+}
+
 /// The body of gdn_decode_kernel, shared with the batched kernel (gdn_decode_rows_kernel): the
-/// caller has run pdl_prologue and passes one sequence's buffers.
+/// caller has run pdl_prologue, passes one sequence's buffers and has loaded this thread's part
+/// of the state slice into `raw` (load_state_slice).
 template <int D>
 __device__ __forceinline__ void gdn_decode_head(int Hk, int Hv, float eps, const float* __restrict__ A_log,
                   const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
                   const bf16* __restrict__ conv_out, const bf16* __restrict__ z,
                   const bf16* __restrict__ a, const bf16* __restrict__ b,
-                  float* __restrict__ state, bf16* __restrict__ out) {
+                  float* __restrict__ state, bf16* __restrict__ out,
+                  const float (&raw)[DecodeGeom<D>::kRowsPerPart]) {
   using Geom = DecodeGeom<D>;
   constexpr int kDk = D, kDv = D, kSliceCols = Geom::kSliceCols, kDecodeSlices = Geom::kSlices;
   constexpr int kDecodeParts = Geom::kParts, kRowsPerPart = Geom::kRowsPerPart;
@@ -230,7 +247,7 @@ __device__ __forceinline__ void gdn_decode_head(int Hk, int Hv, float eps, const
 #pragma unroll
   for (int r = 0; r < kRowsPerPart; ++r) {
     const int i = part * kRowsPerPart + r;
-    s[r] = alpha * S[i * kDv + col];
+    s[r] = alpha * raw[r];
     pred += k_s[i] * s[r];
   }
   part_s[part][m] = pred;
@@ -283,8 +300,13 @@ __launch_bounds__(DecodeGeom<D>::kThreads) gdn_decode_kernel(int Hk, int Hv, flo
                   const bf16* __restrict__ conv_out, const bf16* __restrict__ z,
                   const bf16* __restrict__ a, const bf16* __restrict__ b,
                   float* __restrict__ state, bf16* __restrict__ out) {
+  // The state is requested before the wait (launch.cuh, rule 4): its last writer is this layer's
+  // step of the previous token (or a prefill, a copy), never the immediate predecessor (the
+  // in-projection or the conv step), so its loads overlap that kernel's tail.
+  float raw[DecodeGeom<D>::kRowsPerPart];
+  load_state_slice<D>(state, raw);
   pdl_prologue();
-  gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out, z, a, b, state, out);
+  gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out, z, a, b, state, out, raw);
 }
 
 /// Batched decode: grid (Hv, D/32, row), the same clusters; row r is gdn_decode_kernel over its
@@ -297,11 +319,16 @@ __launch_bounds__(DecodeGeom<D>::kThreads) gdn_decode_rows_kernel(int Hk, int Hv
                   const float* __restrict__ norm_w, const bf16* __restrict__ conv_out,
                   const bf16* __restrict__ z, const bf16* __restrict__ a, const bf16* __restrict__ b,
                   int64_t zab_stride, float* const* __restrict__ states, bf16* __restrict__ out) {
-  pdl_prologue();  // before reading states[] (written by the step's copy-in)
+  // states[] (written by the step's copy-in) and the state itself are read before the wait, as
+  // in gdn_decode_kernel: neither has the immediate predecessor as its last writer.
   const int64_t r = blockIdx.z;
+  float* state = states[r];
+  float raw[DecodeGeom<D>::kRowsPerPart];
+  load_state_slice<D>(state, raw);
+  pdl_prologue();
   const int C = 2 * Hk * D + Hv * D;
   gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out + r * C, z + r * zab_stride,
-                     a + r * zab_stride, b + r * zab_stride, states[r], out + r * Hv * D);
+                     a + r * zab_stride, b + r * zab_stride, state, out + r * Hv * D, raw);
 }
 
 // ---- chunked prefill (UT/WY form) -------------------------------------------------------------

@@ -5,8 +5,9 @@
 //
 // The contract, which keeps every launch correct by construction:
 //  1. Every kernel launched through launch_pdl calls pdl_prologue() in every thread before any
-//     global load or store of data that a kernel writes, and before any early return. Only
-//     index arithmetic and loads of weights (which no kernel writes) may come before it.
+//     global store, before any load of data that its immediate predecessor may write, and before
+//     any early return. Only index arithmetic, loads of weights (which no kernel writes) and the
+//     loads of rule 4 may come before it.
 //  2. pdl_prologue() = griddepcontrol.wait (returns once every predecessor grid has COMPLETED and
 //     its memory is visible) followed by griddepcontrol.launch_dependents (lets the next grid be
 //     scheduled now). Because each grid waits for its predecessor before it can complete,
@@ -15,6 +16,12 @@
 //     At most one dependent grid is resident and waiting at a time.
 //  3. Kernels launched without the attribute (plain <<<>>>) are unaffected; the wait is a no-op
 //     for them. So PDL can be switched off (LILY_CUDA_PDL=0) without touching any kernel.
+//  4. A kernel starts only once its immediate predecessor P has run launch_dependents, which P
+//     does after its own wait, when everything before P in the stream has completed (a kernel
+//     that never runs it, or a copy, lets its dependent start only when it completes). So data
+//     whose last writer comes before P in the stream may be loaded before the wait: the GDN
+//     decode step reads its recurrent state there, which only the same layer's step of the
+//     previous token (or a prefill or a copy, all long before) writes.
 // Works in stream capture: the captured graph gets programmatic edges between kernel nodes.
 //
 // Launch facts asked of the driver once: raise_smem_limit and blocks_per_sm remember, per kernel,
