@@ -477,8 +477,11 @@ __device__ __forceinline__ uint32_t transpose_8x8_bf16(uint32_t x) {
 /// decode_split_rows_kernel), on tensor cores: the partial softmax state of keys [s·chunk,
 /// min(len, (s+1)·chunk)) for the G query heads → ws_o [nq, n_splits, kD] (unnormalised),
 /// ws_ml [nq, n_splits, 2] = (m, l) in the log2 domain; an empty split writes m = −inf, l = 0,
-/// acc = 0. Block of kMmaAttnThreads, mma_ring_bytes(kD) of dynamic shared memory. The caller
-/// has run pdl_prologue.
+/// acc = 0. Block of kMmaAttnThreads, mma_ring_bytes(kD) of dynamic shared memory. `len` counts
+/// the new key at len − 1. It runs pdl_prologue itself (the caller must not): the stages whose
+/// keys all precede the new one are requested before the wait, because earlier steps wrote
+/// them (launch.cuh, rule 4); the queries and the new key's stage (the prepare kernel's output)
+/// come after it.
 template <int G, int kD>
 __device__ __forceinline__ void decode_split_mma(int kvh, int s, int n_splits, float scale, int64_t len,
                                                  const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
@@ -511,8 +514,16 @@ __device__ __forceinline__ void decode_split_mma(int kvh, int s, int n_splits, f
   }
   fence_proxy_async_shared();
   __syncthreads();
+  // Stage i holds keys [start + 64i, min(end, start + 64(i + 1))): before the wait when they
+  // end before the new key.
+  auto before_new_key = [&](int64_t i) { return min(end, start + (i + 1) * kMmaStageKeys) <= len - 1; };
   if (warp == 0)
-    for (int64_t i = 0; i < stages && i < kMmaStages; ++i) request_mma_stage<kD>(K, V, start, end, i, ring, full);
+    for (int64_t i = 0; i < stages && i < kMmaStages; ++i)
+      if (before_new_key(i)) request_mma_stage<kD>(K, V, start, end, i, ring, full);
+  pdl_prologue();
+  if (warp == 0)
+    for (int64_t i = 0; i < stages && i < kMmaStages; ++i)
+      if (!before_new_key(i)) request_mma_stage<kD>(K, V, start, end, i, ring, full);
 
   // Q as the B operand: head g's dims 16·k + 2t …+1 and +8 …+9 (zero for heads ≥ G).
   uint32_t qb[kSteps][2];
@@ -636,7 +647,7 @@ decode_split_kernel(int n_splits, float scale, int64_t len_host, const int32_t* 
                     const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                     const bf16* __restrict__ v_cache, int64_t capacity, float* __restrict__ ws_o,
                     float* __restrict__ ws_ml) {
-  pdl_prologue();
+  // len_device is the step's copy-in (launch.cuh, rule 4); decode_split_mma runs the PDL wait.
   const int64_t len = len_device ? int64_t(*len_device) : len_host;
   decode_split_mma<G, kD>(blockIdx.x, blockIdx.y, n_splits, scale, len, q, k_cache, v_cache, capacity, ws_o, ws_ml);
 }
@@ -656,10 +667,14 @@ __global__ void __launch_bounds__(kMmaAttnThreads)
 decode_split_rows_kernel(int nq, int max_splits, float scale, const int32_t* __restrict__ len,
                          const int32_t* __restrict__ splits, const bf16* __restrict__ q,
                          const KvCacheView* __restrict__ caches, float* __restrict__ ws, int64_t ws_row_floats) {
-  pdl_prologue();  // before reading len[], splits[], caches[] and the early return
+  // len[], splits[] and caches[] are the step's copy-in (launch.cuh, rule 4); decode_split_mma
+  // runs the PDL wait, and a block without a split runs it before it returns (rule 1).
   const int r = blockIdx.z, s = blockIdx.y;
   const int n_splits = row_splits(splits, r, max_splits);
-  if (s >= n_splits) return;  // uniform over the block
+  if (s >= n_splits) {  // uniform over the block
+    pdl_prologue();
+    return;
+  }
   const KvCacheView c = caches[r];
   float* ws_o = ws + r * ws_row_floats;
   float* ws_ml = ws_o + int64_t(nq) * n_splits * kD;

@@ -21,7 +21,9 @@
 //     that never runs it, or a copy, lets its dependent start only when it completes). So data
 //     whose last writer comes before P in the stream may be loaded before the wait: the GDN
 //     decode step reads its recurrent state there, which only the same layer's step of the
-//     previous token (or a prefill or a copy, all long before) writes.
+//     previous token (or a prefill or a copy, all long before) writes, and the decode
+//     attention's splits read the step's lengths (the graph's copy-in) and request the cached
+//     keys of earlier tokens (not the new one: P, the prepare kernel, appends it).
 // Works in stream capture: the captured graph gets programmatic edges between kernel nodes.
 //
 // Launch facts asked of the driver once: raise_smem_limit and blocks_per_sm remember, per kernel,
