@@ -125,12 +125,6 @@ struct QuantRowRef {
   const float* xs = nullptr;
 };
 
-/// Row `row` of w in global memory, against the staged row xs.
-__device__ __forceinline__ QuantRowRef global_row(const DeviceQuant& w, int64_t row, const float* xs) {
-  const int64_t groups = w.cols / kGroup, wpr = int64_t{w.cols} * w.bits / 32;
-  return QuantRowRef{w.codes + row * wpr, w.scales + row * groups, w.biases + row * groups, xs};
-}
-
 /// This lane's share of U rows' dot products (docs/model.md §4.2): lanes lane_in of L stride
 /// over the `groups` 64-groups, acc[j] += s·Σ(q·x) + b·Σx per group in group order. SHARED: the
 /// rows are in shared memory (plain loads), else in global memory (read-only path). Caller
@@ -205,13 +199,6 @@ __device__ __forceinline__ void gemv_row_refs(int groups, int count, RowOf row_o
       if (lane_in == 0 && base + j < count) store(base + j, v);
     }
   }
-}
-
-/// gemv_row_refs for rows of either bit width (4 or 8).
-template <bool SHARED, class RowOf, class Store>
-__device__ __forceinline__ void gemv_row_refs_any(int bits, int groups, int count, RowOf row_of, Store store) {
-  if (bits == 8) gemv_row_refs<8, SHARED>(groups, count, row_of, store);
-  else gemv_row_refs<4, SHARED>(groups, count, row_of, store);
 }
 
 // ---- Weight slots ----------------------------------------------------------------------------
@@ -293,17 +280,6 @@ __device__ __forceinline__ SlotRuns slot_runs(const DeviceQuant& w, int runs, in
            aligned(count * l.code_row) && aligned(align_rows * l.sb_row) && aligned(align_rows * l.code_row) &&
            base_aligned(w.codes) && base_aligned(w.scales) && base_aligned(w.biases);
   return l;
-}
-
-/// Row r of run j in the slot, against the staged row xs.
-__device__ __forceinline__ QuantRowRef slot_row(const unsigned char* slot, const SlotRuns& l, int j, int r,
-                                                const float* xs) {
-  const unsigned char* run = slot + j * l.run_bytes;
-  const unsigned char* scales = run + l.count * l.code_row;
-  const unsigned char* biases = scales + l.count * l.sb_row;
-  return QuantRowRef{reinterpret_cast<const uint32_t*>(run + r * l.code_row),
-                     reinterpret_cast<const bf16*>(scales + r * l.sb_row),
-                     reinterpret_cast<const bf16*>(biases + r * l.sb_row), xs};
 }
 
 /// Starts the copies of the runs into `slot`, completing on `bar`: run j is rows
