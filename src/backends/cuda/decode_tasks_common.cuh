@@ -44,6 +44,10 @@ __host__ __device__ constexpr int64_t staged_row_floats(int cols) {
   return static_cast<int64_t>(cols / kGroup) * (kGroupStride + 1);
 }
 
+/// Floats of a staged row of `cols` values rounded up to a multiple of 4 (what follows it in
+/// shared memory stays 16-byte aligned).
+__host__ __device__ constexpr int64_t staged_row_floats_16(int cols) { return (staged_row_floats(cols) + 3) / 4 * 4; }
+
 /// Eight bf16 at p (16-byte aligned) as fp32, read past L1 in one load.
 __device__ __forceinline__ void ld_cg_bf16x8(const bf16* p, float (&x)[8]) {
   const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
@@ -409,10 +413,6 @@ __device__ __forceinline__ SlotRuns task_rows_to_slot(const DeviceQuant& w, RowR
   }
   return l;
 }
-
-/// Floats of a staged row of `cols` values rounded up to a multiple of 4 (what follows it in
-/// shared memory stays 16-byte aligned).
-__host__ __device__ constexpr int64_t staged_row_floats_16(int cols) { return (staged_row_floats(cols) + 3) / 4 * 4; }
 
 /// y[row] for rows [r.first, r.last) of w times the staged xs (m.gemv, filled by
 /// task_rows_to_slot), from the slot when l.fits (after waiting for its copy), else from global

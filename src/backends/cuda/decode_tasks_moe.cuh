@@ -29,21 +29,18 @@ struct TaskRouting {
 /// multiple, so that the staged rows after it stay aligned for float4 reads).
 constexpr int kTaskRoutingBytes = static_cast<int>((sizeof(TaskRouting) + 15) / 16 * 16);
 
-/// Floats between two slots' staged activation rows in the down task (staged_row_floats of
-/// `ffn`, rounded up to a multiple of 4 so that every slot starts 16-byte aligned).
-__host__ __device__ constexpr int64_t task_slot_floats(int ffn) { return (staged_row_floats(ffn) + 3) / 4 * 4; }
-
 /// Shared-memory bytes of task_expert_gate_up: the routing, the staged hidden row, then the
 /// fp32 gate and up outputs of up to `expert_rows` rows.
 __host__ __device__ constexpr int64_t expert_gate_up_smem_bytes(int hidden, int expert_rows) {
-  return kTaskRoutingBytes + (staged_row_floats(hidden) + 3) / 4 * 4 * 4 + int64_t{2} * expert_rows * 4;
+  return kTaskRoutingBytes + staged_row_floats_16(hidden) * 4 + int64_t{2} * expert_rows * 4;
 }
 
 /// Shared-memory bytes of task_expert_down: the routing, the k + 1 staged activation rows of
-/// width `ffn`, then the bf16-rounded down outputs, [k + 1][down_rows] fp32.
+/// width `ffn` (staged_row_floats_16(ffn) floats apart, so that every slot's row starts 16-byte
+/// aligned), then the bf16-rounded down outputs, [k + 1][down_rows] fp32.
 __host__ __device__ constexpr int64_t expert_down_smem_bytes(int ffn, int top_k, int down_rows) {
   const int slots = routed_plus_shared_slots(top_k);
-  return kTaskRoutingBytes + slots * task_slot_floats(ffn) * 4 + int64_t{slots} * down_rows * 4;
+  return kTaskRoutingBytes + slots * staged_row_floats_16(ffn) * 4 + int64_t{slots} * down_rows * 4;
 }
 
 /// The routing by warp 0 (the other warps return at once, so they can start staging): reads
@@ -163,7 +160,7 @@ __device__ inline bool task_expert_gate_up(const DecodeStepParams& p, int layer,
   const SlotRuns slot = gate_up_slot_runs(p, lw, sr);
   TaskRouting& route = *reinterpret_cast<TaskRouting*>(m.work);
   float* xs = reinterpret_cast<float*>(m.work + kTaskRoutingBytes);
-  float* gu = xs + (staged_row_floats(p.hidden) + 3) / 4 * 4;  // [2][n]: gate outputs, then up outputs
+  float* gu = xs + staged_row_floats_16(p.hidden);  // [2][n]: gate outputs, then up outputs
   const bool routed = sr.slot < p.top_k;
   const auto gate_or_up = [&](int j) -> const DeviceQuant& { return j == 0 ? lw.gate : lw.up; };
   if (routed) route_warp0(p, route);
@@ -220,7 +217,7 @@ __device__ inline bool task_expert_down(const DecodeStepParams& p, int layer, in
   const int n = static_cast<int>(rr.last - rr.first), n_sel = routed_plus_shared_slots(p.top_k);
   const int ffn = lw.down.cols, groups = ffn / kGroup;
   const SlotRuns slot = down_slot_runs(p, lw, rr);
-  const int64_t stride = task_slot_floats(ffn);
+  const int64_t stride = staged_row_floats_16(ffn);  // floats from one slot's staged row to the next
   TaskRouting& route = *reinterpret_cast<TaskRouting*>(m.work);
   float* xs = reinterpret_cast<float*>(m.work + kTaskRoutingBytes);  // [n_sel][stride]
   float* part_out = xs + n_sel * stride;                              // [n_sel][n]
