@@ -52,12 +52,9 @@ __device__ __forceinline__ bool task_prefetch_weights(const DecodeStepParams& p,
   const auto k = static_cast<DecodeTaskKind>(kind);
   if (k == DecodeTaskKind::kExpertGateUp) {
     SlotRuns l;
-    int64_t row0 = 0;
-    if (!gate_up_prefetchable(p, layer, part, l, row0)) return false;
-    const DecodeTaskLayer& lw = p.layers[layer];
-    if (issue)
-      slot_issue(l, [&](int j) -> const DeviceQuant& { return j == 0 ? lw.gate : lw.up; }, [&](int) { return row0; },
-                 slot, bar);
+    GateUpRuns g;
+    if (!gate_up_prefetchable(p, layer, part, l, g)) return false;
+    if (issue) slot_issue(l, g.matrix_of(), g.first_of(), slot, bar);
     return true;
   }
   const DeviceQuant* w = nullptr;
