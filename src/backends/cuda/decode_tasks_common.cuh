@@ -222,6 +222,11 @@ __device__ __forceinline__ void gemv_row_refs(int groups, int count, RowOf row_o
 /// codes[j], scales[j] and biases[j] (row strides code_row and sb_row bytes), in a weight slot
 /// (in_shared) or in global memory, and its input row is the staged xs + j·xs_stride (floats).
 /// Lives in shared memory; thread 0 fills it (fill_gemv_runs).
+///
+/// Each run keeps its own pointers, not a base and a run stride: in a slot the runs do sit a
+/// fixed run_bytes apart, but rows read from global memory (the fallback when they do not fit a
+/// slot) start wherever their matrix and expert put them: the gate and up stacks for a gate/up
+/// task, each slot's expert in the down stack for a down task.
 struct GemvRuns {
   static constexpr int kMaxRuns = kMaxTopK + 1;  ///< the down task's k + 1 slots
   int runs = 0, count = 0, groups = 0, bits = 4;
