@@ -275,6 +275,8 @@ struct SlotRuns {
   bool fits = false;
 };
 
+/// The SlotRuns of `runs` runs of `count` rows of w's shape (w's bases and the 16-byte bounds
+/// of runs starting at multiples of `align_rows` decide `fits`).
 __device__ __forceinline__ SlotRuns slot_runs(const DeviceQuant& w, int runs, int count, int64_t align_rows) {
   SlotRuns l;
   l.runs = runs;
@@ -403,12 +405,13 @@ __device__ __forceinline__ void task_stamp_gemv(const TaskSmem& m) {
 }
 
 /// Rows [r.first, r.last) of w as one slot run (first rows of that stage are multiples of
-/// `per`): the layout, and whether the task reads them from its slot. Unless the kernel already
-/// started the copy, thread 0 starts it here; thread 0 also fills m.gemv (one run, input xs).
-/// Call before the body's first block barrier of the task (the kernel's loop barrier orders the
-/// slot's earlier reads).
-__device__ __forceinline__ SlotRuns task_rows_to_slot(const DeviceQuant& w, RowRange r, int per, const TaskSmem& m,
-                                                      const float* xs) {
+/// `per`): returns the layout, and whether the task reads them from its slot (`fits`). Does two
+/// things, both by thread 0: starts the rows' copy into the slot (when they fit, unless the kernel
+/// already started it), and fills m.gemv (one run, input xs) for task_gemv_rows. Call before the
+/// body's first block barrier of the task (the kernel's loop barrier orders the slot's earlier
+/// reads).
+__device__ __forceinline__ SlotRuns task_copy_rows_fill_gemv(const DeviceQuant& w, RowRange r, int per,
+                                                             const TaskSmem& m, const float* xs) {
   const SlotRuns l = slot_runs(w, 1, static_cast<int>(r.last - r.first), per);
   if (threadIdx.x == 0) {
     const auto matrix = [&](int) -> const DeviceQuant& { return w; };
@@ -420,9 +423,9 @@ __device__ __forceinline__ SlotRuns task_rows_to_slot(const DeviceQuant& w, RowR
 }
 
 /// y[row] for rows [r.first, r.last) of w times the staged xs (m.gemv, filled by
-/// task_rows_to_slot), from the slot when l.fits (after waiting for its copy), else from global
-/// memory; store(row, value) from the fp32 results, which wait in shared memory after xs. All
-/// threads.
+/// task_copy_rows_fill_gemv), from the slot when l.fits (after waiting for its copy), else from
+/// global memory; store(row, value) from the fp32 results, which wait in shared memory after xs.
+/// All threads.
 template <class Store>
 __device__ __forceinline__ void task_gemv_rows(const DeviceQuant& w, RowRange r, const SlotRuns& l, float* xs,
                                                const TaskSmem& m, Store store) {
