@@ -877,7 +877,7 @@ class CudaBackend final : public Backend {
     const ModelConfig& c = config();
     int64_t proj_rows = 0;
     for (const DeviceLayer& l : model_->layers)
-      proj_rows = std::max<int64_t>(proj_rows, l.type == LayerType::kLinearAttention ? l.gdn_in.rows : l.attn_in.rows);
+      proj_rows = std::max<int64_t>(proj_rows, l.in_proj.rows);
     const int64_t mix = std::max<int64_t>(n_gdn_ ? gdn_.value_dim() : 0, int64_t(attn_.n_heads) * attn_.head_dim);
     auto bf = [](int64_t n) { return DeviceBuffer(std::max<int64_t>(n, 1) * sizeof(bf16)); };
     x_ = bf(c.hidden);
@@ -1026,18 +1026,8 @@ class CudaBackend final : public Backend {
       const int slot = layer_slot_[static_cast<size_t>(l)];
       DecodeTaskLayer& t = layers[static_cast<size_t>(l)];
       const bool attention = lw.type == LayerType::kFullAttention;
+      static_cast<DeviceLayerWeights&>(t) = lw;  // the layer's weights, whole
       t.attention = attention ? 1 : 0;
-      t.input_norm = lw.input_norm;
-      t.post_norm = lw.post_norm;
-      t.in_proj = attention ? lw.attn_in : lw.gdn_in;
-      t.out_proj = attention ? lw.attn_out : lw.gdn_out;
-      t.gdn = lw.gdn;
-      t.q_norm = lw.q_norm;
-      t.k_norm = lw.k_norm;
-      t.router = lw.router;
-      t.gate = lw.gate;
-      t.up = lw.up;
-      t.down = lw.down;
       if (attention) {
         t.kv = s.kv(slot);
       } else {
@@ -1203,29 +1193,29 @@ class CudaBackend final : public Backend {
     conv.window = s.window(slot);
     conv.out = conv_out_.as<bf16>();
     if (fuse_decode_) {
-      launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), lw.gdn_in, proj, nullptr, stream_, conv);
+      launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), lw.in_proj, proj, nullptr, stream_, conv);
     } else {
-      launch_quant_gemv(lw.gdn_in, normed_.as<bf16>(), proj, nullptr, stream_);
+      launch_quant_gemv(lw.in_proj, normed_.as<bf16>(), proj, nullptr, stream_);
       gdn_conv_decode(gdn_, lw.gdn, proj, s.window(slot), conv_out_.as<bf16>(), stream_);
     }
     gdn_decode(gdn_, lw.gdn, conv_out_.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, s.state(slot),
                mixer_core_out_.as<bf16>(), stream_);
-    launch_quant_gemv(lw.gdn_out, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
+    launch_quant_gemv(lw.out_proj, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
   }
 
   void attention_mixer(const DeviceLayer& lw, CudaState& s, int slot, const int32_t* d_pos, const int32_t* d_len,
                        const FusedNorm& in_norm) {
     bf16* proj = proj_.as<bf16>();
     const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim, kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
-    if (fuse_decode_) launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), lw.attn_in, proj, nullptr, stream_);
-    else launch_quant_gemv(lw.attn_in, normed_.as<bf16>(), proj, nullptr, stream_);
+    if (fuse_decode_) launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), lw.in_proj, proj, nullptr, stream_);
+    else launch_quant_gemv(lw.in_proj, normed_.as<bf16>(), proj, nullptr, stream_);
     const KvCacheView kv = s.kv(slot);
-    attention_prepare(attn_, 1, proj, lw.attn_in.rows, proj + qg, proj + qg + kvw, lw.attn_in.rows, lw.q_norm,
+    attention_prepare(attn_, 1, proj, lw.in_proj.rows, proj + qg, proj + qg + kvw, lw.in_proj.rows, lw.q_norm,
                       lw.k_norm, 0, d_pos, kv, q_out_.as<bf16>(), stream_);
     const int splits = attention_decode_splits(s.capacity);
     attention_decode(attn_, q_out_.as<bf16>(), proj, kv, 1, d_len, splits, attn_ws_.as<float>(), attn_ws_bytes_,
                      mixer_core_out_.as<bf16>(), stream_);
-    launch_quant_gemv(lw.attn_out, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
+    launch_quant_gemv(lw.out_proj, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
   }
 
   /// The fused MoE block's arguments for layer `layer` (the post norm's add reads x_alt_ and
@@ -1541,25 +1531,25 @@ class CudaBackend final : public Backend {
       launch_add_rmsnorm(x, l == 0 ? nullptr : moe, lw.input_norm, normed, B, c.hidden, eps, stream_);
       if (lw.type == LayerType::kLinearAttention) {
         const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
-        const int64_t proj_stride = lw.gdn_in.rows;  // proj row stride: q ‖ k ‖ v ‖ z ‖ a ‖ b
-        launch_quant_gemv_rows(lw.gdn_in, normed, B, proj, nullptr, stream_);
+        const int64_t proj_stride = lw.in_proj.rows;  // proj row stride: q ‖ k ‖ v ‖ z ‖ a ‖ b
+        launch_quant_gemv_rows(lw.in_proj, normed, B, proj, nullptr, stream_);
         gdn_conv_decode_rows(gdn_, lw.gdn, B, proj, proj_stride, batch_dev<bf16* const>(lay.windows_of(slot)),
                              b.conv.as<bf16>(), stream_);
         gdn_decode_rows(gdn_, lw.gdn, B, b.conv.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, proj_stride,
                         batch_dev<float* const>(lay.states_of(slot)), mix, stream_);
-        launch_quant_gemv_rows(lw.gdn_out, mix, B, mixer_out, nullptr, stream_);
+        launch_quant_gemv_rows(lw.out_proj, mix, B, mixer_out, nullptr, stream_);
       } else {
-        const int64_t proj_stride = lw.attn_in.rows;  // proj row stride: q|gate ‖ k ‖ v
+        const int64_t proj_stride = lw.in_proj.rows;  // proj row stride: q|gate ‖ k ‖ v
         const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim,
                       kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
         const KvCacheView* caches = batch_dev<const KvCacheView>(lay.kv_of(slot));
-        launch_quant_gemv_rows(lw.attn_in, normed, B, proj, nullptr, stream_);
+        launch_quant_gemv_rows(lw.in_proj, normed, B, proj, nullptr, stream_);
         attention_prepare_rows(attn_, B, proj, proj_stride, proj + qg, proj + qg + kvw, proj_stride, lw.q_norm,
                                lw.k_norm, batch_dev<const int32_t>(lay.pos), caches, b.q.as<bf16>(), stream_);
         attention_decode_rows(attn_, B, b.q.as<bf16>(), proj, proj_stride, caches, batch_dev<const int32_t>(lay.len),
                               batch_dev<const int32_t>(lay.splits), max_splits, b.attn_ws.as<float>(), b.attn_ws_bytes,
                               mix, stream_);
-        launch_quant_gemv_rows(lw.attn_out, mix, B, mixer_out, nullptr, stream_);
+        launch_quant_gemv_rows(lw.out_proj, mix, B, mixer_out, nullptr, stream_);
       }
       // MoE: x ← x + mixer output, normed = post norm; router + top-k; experts; combine → moe.
       // The fused block writes the new residual to the other buffer (its blocks all read x).
@@ -1763,8 +1753,8 @@ class CudaBackend final : public Backend {
       if (lw.type == LayerType::kLinearAttention) {
         const int slot = layer_slot_[l];
         const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
-        const int64_t proj_stride = lw.gdn_in.rows;
-        prefill_project(lw.gdn_in, p.normed.as<bf16>(), T, proj);
+        const int64_t proj_stride = lw.in_proj.rows;
+        prefill_project(lw.in_proj, p.normed.as<bf16>(), T, proj);
         for (const PrefillSlice& q : slices) {
           bf16* pj = proj + q.first * proj_stride;
           bf16* conv = p.conv.as<bf16>() + int64_t{q.first} * C;
@@ -1773,12 +1763,12 @@ class CudaBackend final : public Backend {
                       q.state->state(slot), p.mix.as<bf16>() + int64_t{q.first} * Vd, stream_,
                       p.gdn_ws.bytes() ? p.gdn_ws.as<float>() : nullptr, p.gdn_ws.bytes());
         }
-        prefill_project(lw.gdn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>());
+        prefill_project(lw.out_proj, p.mix.as<bf16>(), T, p.branch.as<bf16>());
       } else {
-        const int64_t proj_stride = lw.attn_in.rows;
+        const int64_t proj_stride = lw.in_proj.rows;
         const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim,
                       kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim, qw = int64_t(attn_.n_heads) * attn_.head_dim;
-        prefill_project(lw.attn_in, p.normed.as<bf16>(), T, proj);
+        prefill_project(lw.in_proj, p.normed.as<bf16>(), T, proj);
         for (const PrefillSlice& q : slices) {
           const KvCacheView kv = q.state->kv(layer_slot_[l]);
           bf16* pj = proj + q.first * proj_stride;
@@ -1788,7 +1778,7 @@ class CudaBackend final : public Backend {
           attention_prefill(attn_, q.tokens, q.state->pos, qs, pj, proj_stride, kv, p.mix.as<bf16>() + q.first * qw,
                             stream_);
         }
-        prefill_project(lw.attn_out, p.mix.as<bf16>(), T, p.branch.as<bf16>());
+        prefill_project(lw.out_proj, p.mix.as<bf16>(), T, p.branch.as<bf16>());
       }
       launch_add_rmsnorm(p.x.as<bf16>(), p.branch.as<bf16>(), lw.post_norm, p.normed.as<bf16>(), T, c.hidden,
                          c.rms_norm_eps, stream_);

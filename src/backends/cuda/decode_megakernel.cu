@@ -52,12 +52,9 @@ __device__ __forceinline__ bool task_prefetch_weights(const DecodeStepParams& p,
   const auto k = static_cast<DecodeTaskKind>(kind);
   if (k == DecodeTaskKind::kExpertGateUp) {
     SlotRuns l;
-    int64_t row0 = 0;
-    if (!gate_up_prefetchable(p, layer, part, l, row0)) return false;
-    const DecodeTaskLayer& lw = p.layers[layer];
-    if (issue)
-      slot_issue(l, [&](int j) -> const DeviceQuant& { return j == 0 ? lw.gate : lw.up; }, [&](int) { return row0; },
-                 slot, bar);
+    GateUpRuns g;
+    if (!gate_up_prefetchable(p, layer, part, l, g)) return false;
+    if (issue) slot_issue(l, g.matrix_of(), g.first_of(), slot, bar);
     return true;
   }
   const DeviceQuant* w = nullptr;
@@ -150,9 +147,10 @@ __device__ __forceinline__ void prefetch_task(const DecodeStepParams& p, int kin
 /// static schedule). While it runs a task, the weight rows of its next task are copied into its
 /// other slot (task_prefetch_weights; a routed expert task's rows once the current task, an
 /// expert task of the same layer, has routed), and thread 0 asks L2 for what the current task
-/// and the task after the next read from fixed addresses (prefetch_task). Then the block waits
-/// for the task's input counters of this launch, runs it and signals. Slots alternate task by
-/// task (the block's task j uses slot j mod 2), and each slot's phases are counted in `parity`.
+/// (unless its copy was started before it: `prefetched`) and the task after the next read from
+/// fixed addresses (prefetch_task). Then the block waits for the task's input counters of this
+/// launch, runs it and signals. Slots alternate task by task (the block's task j uses slot
+/// j mod 2), and each slot's phases are counted in `parity`.
 __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
     decode_megakernel(DecodeStepParams p, const Task* __restrict__ tasks, int64_t n_tasks, uint32_t* counters,
                       uint32_t* epochs, int lm_parts) {
@@ -185,7 +183,9 @@ __global__ void __launch_bounds__(kDecodeTaskThreads, 1)
       next_prefetched = next_prefetched || m.copy_next;
     }
     if (threadIdx.x == 0) {
-      prefetch_task(p, t.kind, t.layer, t.part);
+      // A task whose copy into its slot is under way (prefetched: a projection, router or expert
+      // task) needs no L2 prefetch: all prefetch_task asks for of such a task is rows the copy reads.
+      if (!prefetched) prefetch_task(p, t.kind, t.layer, t.part);
       if (i + 2 * G < n_tasks) {  // the next task's rows are already on their way into a slot
         const Task a = tasks[i + 2 * G];
         // Not the LM head's rows: a round of its tasks is several times L2, and would evict the

@@ -7,32 +7,25 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backends/cuda/decode_program.h"
 #include "backends/cuda/kernels.h"
+#include "backends/cuda/layer_weights.h"
 #include "backends/cuda/mixer_kernels.h"
 
 namespace lily::cuda {
 
-/// One decoder layer as the task bodies see it: weights (the device model's concatenated
-/// matrices) and this sequence's state of the layer.
-struct DecodeTaskLayer {
-  int32_t attention = 0;              ///< 1: gated attention, 0: Gated DeltaNet
-  const float* input_norm = nullptr;  ///< fp32 [hidden]
-  const float* post_norm = nullptr;   ///< fp32 [hidden]
-  DeviceQuant in_proj;   ///< GDN: qkv | z | a | b [C + Vd + 2·Hv, hidden]; attention: q|gate, k, v [nq·2D + 2·nkv·D, hidden]
-  DeviceQuant out_proj;  ///< [hidden, mixer width]
-  GdnParams gdn;                  ///< GDN: conv taps [C, K], A_log, dt_bias [Hv], gated-norm gain [Dv] (fp32)
-  const float* q_norm = nullptr;  ///< attention: fp32 [D]
-  const float* k_norm = nullptr;  ///< attention: fp32 [D]
-  DeviceQuant router;  ///< 8-bit [E + 1, hidden]: the router's E rows, then the shared expert's gate
-  DeviceQuant gate;    ///< [(E + 1)·I, hidden], the shared expert as expert E
-  DeviceQuant up;      ///< [(E + 1)·I, hidden]
-  DeviceQuant down;    ///< [(E + 1)·hidden, I]
+/// One decoder layer as the task bodies see it: its weights (DeviceLayerWeights, the device
+/// model's layer taken whole) and this sequence's state of the layer. Trivially copyable: the
+/// host fills an array of them and copies it to device memory (DecodeStepParams::layers).
+struct DecodeTaskLayer : DeviceLayerWeights {
+  int32_t attention = 0;                 ///< the mixer in_proj and out_proj belong to: 1 gated attention, 0 GDN
   __nv_bfloat16* conv_window = nullptr;  ///< GDN state: bf16 [C, K − 1], oldest first
   float* gdn_state = nullptr;            ///< GDN state: fp32 [Hv, Dk, Dv]
   KvCacheView kv;                        ///< attention state: K and V [nkv, capacity, D]
 };
+static_assert(std::is_trivially_copyable_v<DecodeTaskLayer>);
 
 /// Everything the task bodies of one decode step use. Device pointers; POD, passed by value to
 /// the kernel (`layers` points to device memory).

@@ -44,6 +44,10 @@ __host__ __device__ constexpr int64_t staged_row_floats(int cols) {
   return static_cast<int64_t>(cols / kGroup) * (kGroupStride + 1);
 }
 
+/// Floats of a staged row of `cols` values rounded up to a multiple of 4 (what follows it in
+/// shared memory stays 16-byte aligned).
+__host__ __device__ constexpr int64_t staged_row_floats_16(int cols) { return (staged_row_floats(cols) + 3) / 4 * 4; }
+
 /// Eight bf16 at p (16-byte aligned) as fp32, read past L1 in one load.
 __device__ __forceinline__ void ld_cg_bf16x8(const bf16* p, float (&x)[8]) {
   const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
@@ -125,12 +129,6 @@ struct QuantRowRef {
   const float* xs = nullptr;
 };
 
-/// Row `row` of w in global memory, against the staged row xs.
-__device__ __forceinline__ QuantRowRef global_row(const DeviceQuant& w, int64_t row, const float* xs) {
-  const int64_t groups = w.cols / kGroup, wpr = int64_t{w.cols} * w.bits / 32;
-  return QuantRowRef{w.codes + row * wpr, w.scales + row * groups, w.biases + row * groups, xs};
-}
-
 /// This lane's share of U rows' dot products (docs/model.md §4.2): lanes lane_in of L stride
 /// over the `groups` 64-groups, acc[j] += s·Σ(q·x) + b·Σx per group in group order. SHARED: the
 /// rows are in shared memory (plain loads), else in global memory (read-only path). Caller
@@ -207,13 +205,6 @@ __device__ __forceinline__ void gemv_row_refs(int groups, int count, RowOf row_o
   }
 }
 
-/// gemv_row_refs for rows of either bit width (4 or 8).
-template <bool SHARED, class RowOf, class Store>
-__device__ __forceinline__ void gemv_row_refs_any(int bits, int groups, int count, RowOf row_of, Store store) {
-  if (bits == 8) gemv_row_refs<8, SHARED>(groups, count, row_of, store);
-  else gemv_row_refs<4, SHARED>(groups, count, row_of, store);
-}
-
 // ---- Weight slots ----------------------------------------------------------------------------
 // A task that multiplies weight rows reads them from a slot of shared memory, where the bulk-copy
 // engine put them: the codes, scales and biases of each run of consecutive rows are contiguous in
@@ -231,6 +222,11 @@ __device__ __forceinline__ void gemv_row_refs_any(int bits, int groups, int coun
 /// codes[j], scales[j] and biases[j] (row strides code_row and sb_row bytes), in a weight slot
 /// (in_shared) or in global memory, and its input row is the staged xs + j·xs_stride (floats).
 /// Lives in shared memory; thread 0 fills it (fill_gemv_runs).
+///
+/// Each run keeps its own pointers, not a base and a run stride: in a slot the runs do sit a
+/// fixed run_bytes apart, but rows read from global memory (the fallback when they do not fit a
+/// slot) start wherever their matrix and expert put them: the gate and up stacks for a gate/up
+/// task, each slot's expert in the down stack for a down task.
 struct GemvRuns {
   static constexpr int kMaxRuns = kMaxTopK + 1;  ///< the down task's k + 1 slots
   int runs = 0, count = 0, groups = 0, bits = 4;
@@ -279,6 +275,8 @@ struct SlotRuns {
   bool fits = false;
 };
 
+/// The SlotRuns of `runs` runs of `count` rows of w's shape (w's bases and the 16-byte bounds
+/// of runs starting at multiples of `align_rows` decide `fits`).
 __device__ __forceinline__ SlotRuns slot_runs(const DeviceQuant& w, int runs, int count, int64_t align_rows) {
   SlotRuns l;
   l.runs = runs;
@@ -293,17 +291,6 @@ __device__ __forceinline__ SlotRuns slot_runs(const DeviceQuant& w, int runs, in
            aligned(count * l.code_row) && aligned(align_rows * l.sb_row) && aligned(align_rows * l.code_row) &&
            base_aligned(w.codes) && base_aligned(w.scales) && base_aligned(w.biases);
   return l;
-}
-
-/// Row r of run j in the slot, against the staged row xs.
-__device__ __forceinline__ QuantRowRef slot_row(const unsigned char* slot, const SlotRuns& l, int j, int r,
-                                                const float* xs) {
-  const unsigned char* run = slot + j * l.run_bytes;
-  const unsigned char* scales = run + l.count * l.code_row;
-  const unsigned char* biases = scales + l.count * l.sb_row;
-  return QuantRowRef{reinterpret_cast<const uint32_t*>(run + r * l.code_row),
-                     reinterpret_cast<const bf16*>(scales + r * l.sb_row),
-                     reinterpret_cast<const bf16*>(biases + r * l.sb_row), xs};
 }
 
 /// Starts the copies of the runs into `slot`, completing on `bar`: run j is rows
@@ -418,12 +405,13 @@ __device__ __forceinline__ void task_stamp_gemv(const TaskSmem& m) {
 }
 
 /// Rows [r.first, r.last) of w as one slot run (first rows of that stage are multiples of
-/// `per`): the layout, and whether the task reads them from its slot. Unless the kernel already
-/// started the copy, thread 0 starts it here; thread 0 also fills m.gemv (one run, input xs).
-/// Call before the body's first block barrier of the task (the kernel's loop barrier orders the
-/// slot's earlier reads).
-__device__ __forceinline__ SlotRuns task_rows_to_slot(const DeviceQuant& w, RowRange r, int per, const TaskSmem& m,
-                                                      const float* xs) {
+/// `per`): returns the layout, and whether the task reads them from its slot (`fits`). Does two
+/// things, both by thread 0: starts the rows' copy into the slot (when they fit, unless the kernel
+/// already started it), and fills m.gemv (one run, input xs) for task_gemv_rows. Call before the
+/// body's first block barrier of the task (the kernel's loop barrier orders the slot's earlier
+/// reads).
+__device__ __forceinline__ SlotRuns task_copy_rows_fill_gemv(const DeviceQuant& w, RowRange r, int per,
+                                                             const TaskSmem& m, const float* xs) {
   const SlotRuns l = slot_runs(w, 1, static_cast<int>(r.last - r.first), per);
   if (threadIdx.x == 0) {
     const auto matrix = [&](int) -> const DeviceQuant& { return w; };
@@ -434,14 +422,10 @@ __device__ __forceinline__ SlotRuns task_rows_to_slot(const DeviceQuant& w, RowR
   return l;
 }
 
-/// Floats of a staged row of `cols` values rounded up to a multiple of 4 (what follows it in
-/// shared memory stays 16-byte aligned).
-__host__ __device__ constexpr int64_t staged_row_floats_16(int cols) { return (staged_row_floats(cols) + 3) / 4 * 4; }
-
 /// y[row] for rows [r.first, r.last) of w times the staged xs (m.gemv, filled by
-/// task_rows_to_slot), from the slot when l.fits (after waiting for its copy), else from global
-/// memory; store(row, value) from the fp32 results, which wait in shared memory after xs. All
-/// threads.
+/// task_copy_rows_fill_gemv), from the slot when l.fits (after waiting for its copy), else from
+/// global memory; store(row, value) from the fp32 results, which wait in shared memory after xs.
+/// All threads.
 template <class Store>
 __device__ __forceinline__ void task_gemv_rows(const DeviceQuant& w, RowRange r, const SlotRuns& l, float* xs,
                                                const TaskSmem& m, Store store) {

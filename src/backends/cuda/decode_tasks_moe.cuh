@@ -29,21 +29,18 @@ struct TaskRouting {
 /// multiple, so that the staged rows after it stay aligned for float4 reads).
 constexpr int kTaskRoutingBytes = static_cast<int>((sizeof(TaskRouting) + 15) / 16 * 16);
 
-/// Floats between two slots' staged activation rows in the down task (staged_row_floats of
-/// `ffn`, rounded up to a multiple of 4 so that every slot starts 16-byte aligned).
-__host__ __device__ constexpr int64_t task_slot_floats(int ffn) { return (staged_row_floats(ffn) + 3) / 4 * 4; }
-
 /// Shared-memory bytes of task_expert_gate_up: the routing, the staged hidden row, then the
 /// fp32 gate and up outputs of up to `expert_rows` rows.
 __host__ __device__ constexpr int64_t expert_gate_up_smem_bytes(int hidden, int expert_rows) {
-  return kTaskRoutingBytes + (staged_row_floats(hidden) + 3) / 4 * 4 * 4 + int64_t{2} * expert_rows * 4;
+  return kTaskRoutingBytes + staged_row_floats_16(hidden) * 4 + int64_t{2} * expert_rows * 4;
 }
 
 /// Shared-memory bytes of task_expert_down: the routing, the k + 1 staged activation rows of
-/// width `ffn`, then the bf16-rounded down outputs, [k + 1][down_rows] fp32.
+/// width `ffn` (staged_row_floats_16(ffn) floats apart, so that every slot's row starts 16-byte
+/// aligned), then the bf16-rounded down outputs, [k + 1][down_rows] fp32.
 __host__ __device__ constexpr int64_t expert_down_smem_bytes(int ffn, int top_k, int down_rows) {
   const int slots = routed_plus_shared_slots(top_k);
-  return kTaskRoutingBytes + slots * task_slot_floats(ffn) * 4 + int64_t{slots} * down_rows * 4;
+  return kTaskRoutingBytes + slots * staged_row_floats_16(ffn) * 4 + int64_t{slots} * down_rows * 4;
 }
 
 /// The routing by warp 0 (the other warps return at once, so they can start staging): reads
@@ -98,6 +95,28 @@ __device__ __forceinline__ SlotRuns gate_up_slot_runs(const DecodeStepParams& p,
   return l;
 }
 
+/// Where a gate/up task's two runs of rows come from, in the form slot_issue and
+/// fill_gemv_runs take them (matrix_of(j), first_of(j)): run 0 is rows [row0, row0 + n) of the
+/// gate stack, run 1 the same rows of the up stack (n: the task's row count).
+struct GateUpRuns {
+  const DecodeTaskLayer* lw = nullptr;
+  int64_t row0 = 0;  ///< expert·moe_ffn + the task's first row of the expert's width
+  /// Run j's matrix: the gate stack for j = 0, else the up stack.
+  __device__ auto matrix_of() const {
+    return [lw = lw](int j) -> const DeviceQuant& { return j == 0 ? lw->gate : lw->up; };
+  }
+  /// Run j's first row: row0 for both runs.
+  __device__ auto first_of() const {
+    return [row0 = row0](int) { return row0; };
+  }
+};
+
+/// The runs of gate/up task rows sr of expert `expert` (a routed id, or E for the shared expert).
+__device__ __forceinline__ GateUpRuns gate_up_runs(const DecodeStepParams& p, const DecodeTaskLayer& lw, int expert,
+                                                   const ExpertSlotRows& sr) {
+  return GateUpRuns{&lw, int64_t{expert} * p.moe_ffn + sr.first};
+}
+
 /// The slot runs of down task rows rr: k + 1 runs, one per slot, of rows e_s·hidden + rr.first
 /// (both strides must keep 16-byte bounds).
 __device__ __forceinline__ SlotRuns down_slot_runs(const DecodeStepParams& p, const DecodeTaskLayer& lw, RowRange rr) {
@@ -116,9 +135,8 @@ __device__ inline void issue_expert_copy(const DecodeStepParams& p, int layer, i
   const DecodeTaskLayer& lw = p.layers[layer];
   if (static_cast<DecodeTaskKind>(kind) == DecodeTaskKind::kExpertGateUp) {
     const ExpertSlotRows sr = gate_up_part(p, part);
-    const int64_t row0 = int64_t{route.ids[sr.slot]} * p.moe_ffn + sr.first;
-    slot_issue(gate_up_slot_runs(p, lw, sr), [&](int j) -> const DeviceQuant& { return j == 0 ? lw.gate : lw.up; },
-               [&](int) { return row0; }, slot, bar);
+    const GateUpRuns g = gate_up_runs(p, lw, route.ids[sr.slot], sr);
+    slot_issue(gate_up_slot_runs(p, lw, sr), g.matrix_of(), g.first_of(), slot, bar);
   } else {
     const RowRange rr = part_rows(part, p.grain.down_rows, p.hidden);
     slot_issue(down_slot_runs(p, lw, rr), [&](int) -> const DeviceQuant& { return lw.down; },
@@ -163,23 +181,21 @@ __device__ inline bool task_expert_gate_up(const DecodeStepParams& p, int layer,
   const SlotRuns slot = gate_up_slot_runs(p, lw, sr);
   TaskRouting& route = *reinterpret_cast<TaskRouting*>(m.work);
   float* xs = reinterpret_cast<float*>(m.work + kTaskRoutingBytes);
-  float* gu = xs + (staged_row_floats(p.hidden) + 3) / 4 * 4;  // [2][n]: gate outputs, then up outputs
+  float* gu = xs + staged_row_floats_16(p.hidden);  // [2][n]: gate outputs, then up outputs
   const bool routed = sr.slot < p.top_k;
-  const auto gate_or_up = [&](int j) -> const DeviceQuant& { return j == 0 ? lw.gate : lw.up; };
   if (routed) route_warp0(p, route);
   if (threadIdx.x == 0) {  // the routed rows are known only now
-    const int64_t row0 = int64_t{routed ? route.ids[sr.slot] : p.n_experts} * p.moe_ffn + sr.first;
-    const auto first = [&](int) { return row0; };
+    const GateUpRuns g = gate_up_runs(p, lw, routed ? route.ids[sr.slot] : p.n_experts, sr);
     if (!m.prefetched) {
       if (slot.fits) {
-        slot_issue(slot, gate_or_up, first, m.slot, m.bar);
+        slot_issue(slot, g.matrix_of(), g.first_of(), m.slot, m.bar);
       } else {  // towards L2 while the block stages x
-        prefetch_rows_l2(lw.gate, row0, row0 + n);
-        prefetch_rows_l2(lw.up, row0, row0 + n);
+        prefetch_rows_l2(lw.gate, g.row0, g.row0 + n);
+        prefetch_rows_l2(lw.up, g.row0, g.row0 + n);
       }
     }
     if (routed) copy_next_expert(p, layer, route, m);
-    fill_gemv_runs(*m.gemv, slot, m.slot, gate_or_up, first, xs, 0);  // gu: gate rows, then up rows
+    fill_gemv_runs(*m.gemv, slot, m.slot, g.matrix_of(), g.first_of(), xs, 0);  // gu: gate rows, then up rows
   }
   stage_row_cg(p.moe_normed, p.hidden, xs);  // its barriers also publish the routing and m.gemv
   if (slot.fits) task_slot_wait(m);
@@ -193,13 +209,14 @@ __device__ inline bool task_expert_gate_up(const DecodeStepParams& p, int layer,
 }
 
 /// Whether the kernel may start gate/up task `part`'s copy before the task: the shared
-/// expert's slot (its rows do not depend on the routing), when they fit a slot. The runs in `l`.
+/// expert's slot (its rows do not depend on the routing), when they fit a slot. The slot layout
+/// in `l`, where the rows come from in `g`.
 __device__ __forceinline__ bool gate_up_prefetchable(const DecodeStepParams& p, int layer, int part, SlotRuns& l,
-                                                     int64_t& row0) {
+                                                     GateUpRuns& g) {
   const ExpertSlotRows sr = gate_up_part(p, part);
   if (sr.slot < p.top_k) return false;
   l = gate_up_slot_runs(p, p.layers[layer], sr);
-  row0 = int64_t{p.n_experts} * p.moe_ffn + sr.first;
+  g = gate_up_runs(p, p.layers[layer], p.n_experts, sr);
   return l.fits;
 }
 
@@ -220,7 +237,7 @@ __device__ inline bool task_expert_down(const DecodeStepParams& p, int layer, in
   const int n = static_cast<int>(rr.last - rr.first), n_sel = routed_plus_shared_slots(p.top_k);
   const int ffn = lw.down.cols, groups = ffn / kGroup;
   const SlotRuns slot = down_slot_runs(p, lw, rr);
-  const int64_t stride = task_slot_floats(ffn);
+  const int64_t stride = staged_row_floats_16(ffn);  // floats from one slot's staged row to the next
   TaskRouting& route = *reinterpret_cast<TaskRouting*>(m.work);
   float* xs = reinterpret_cast<float*>(m.work + kTaskRoutingBytes);  // [n_sel][stride]
   float* part_out = xs + n_sel * stride;                              // [n_sel][n]

@@ -43,7 +43,7 @@ __device__ inline bool task_in_proj(const DecodeStepParams& p, int l, int part, 
   const DecodeTaskLayer& lw = p.layers[l];
   const RowRange r = part_rows(part, p.grain.proj_rows, lw.in_proj.rows);
   float* xs = reinterpret_cast<float*>(m.work);
-  const SlotRuns slot = task_rows_to_slot(lw.in_proj, r, p.grain.proj_rows, m, xs);
+  const SlotRuns slot = task_copy_rows_fill_gemv(lw.in_proj, r, p.grain.proj_rows, m, xs);
   const bool first = l == 0;
   stage_add_norm_cg(first ? p.residual : p.mid, first ? nullptr : p.moe_out, lw.input_norm, p.hidden, p.eps, xs,
                     !first && part == 0 ? p.residual : nullptr, nullptr);
@@ -59,7 +59,7 @@ __device__ inline bool task_out_proj(const DecodeStepParams& p, int l, int part,
   const DecodeTaskLayer& lw = p.layers[l];
   const RowRange r = part_rows(part, p.grain.out_rows, lw.out_proj.rows);
   float* xs = reinterpret_cast<float*>(m.work);
-  const SlotRuns slot = task_rows_to_slot(lw.out_proj, r, p.grain.out_rows, m, xs);
+  const SlotRuns slot = task_copy_rows_fill_gemv(lw.out_proj, r, p.grain.out_rows, m, xs);
   stage_row_cg(p.mix, lw.out_proj.cols, xs);
   bf16* y = p.mixer_out;
   task_gemv_rows(lw.out_proj, r, slot, xs, m, [&](int64_t row, float v) { y[row] = to_bf16(v); });
@@ -75,7 +75,7 @@ __device__ inline bool task_router(const DecodeStepParams& p, int l, int part, c
   const DecodeTaskLayer& lw = p.layers[l];
   const RowRange r = part_rows(part, p.grain.router_rows, lw.router.rows);
   float* xs = reinterpret_cast<float*>(m.work);
-  const SlotRuns slot = task_rows_to_slot(lw.router, r, p.grain.router_rows, m, xs);
+  const SlotRuns slot = task_copy_rows_fill_gemv(lw.router, r, p.grain.router_rows, m, xs);
   stage_add_norm_cg(p.residual, p.mixer_out, lw.post_norm, p.hidden, p.eps, xs, part == 0 ? p.mid : nullptr,
                     part == 0 ? p.moe_normed : nullptr);
   float* y = p.router_logits;

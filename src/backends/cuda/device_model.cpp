@@ -46,16 +46,16 @@ DeviceSlot slot_of(TensorRole role, DeviceModel& model, DeviceLayer* layer) {
     case R::kFinalNorm: return {nullptr, &model.final_norm};
     case R::kInputNorm: return {nullptr, &per_layer()->input_norm};
     case R::kPostAttentionNorm: return {nullptr, &per_layer()->post_norm};
-    case R::kGdnInProj: return {&per_layer()->gdn_in, nullptr};
+    case R::kGdnInProj: return {&per_layer()->in_proj, nullptr};
     case R::kGdnConv: return {nullptr, &per_layer()->gdn.conv_w};
     case R::kGdnALog: return {nullptr, &per_layer()->gdn.A_log};
     case R::kGdnDtBias: return {nullptr, &per_layer()->gdn.dt_bias};
     case R::kGdnNorm: return {nullptr, &per_layer()->gdn.norm_w};
-    case R::kGdnOutProj: return {&per_layer()->gdn_out, nullptr};
-    case R::kAttnInProj: return {&per_layer()->attn_in, nullptr};
+    case R::kGdnOutProj: return {&per_layer()->out_proj, nullptr};
+    case R::kAttnInProj: return {&per_layer()->in_proj, nullptr};
     case R::kAttnQNorm: return {nullptr, &per_layer()->q_norm};
     case R::kAttnKNorm: return {nullptr, &per_layer()->k_norm};
-    case R::kAttnOutProj: return {&per_layer()->attn_out, nullptr};
+    case R::kAttnOutProj: return {&per_layer()->out_proj, nullptr};
     case R::kRouter:
     case R::kSharedExpertGate: return {&per_layer()->router, nullptr};
     case R::kExpertsGateProj:

@@ -16,30 +16,16 @@
 
 #include "backends/cuda/device_buffer.h"
 #include "backends/cuda/kernels.h"
+#include "backends/cuda/layer_weights.h"
 #include "backends/cuda/mixer_kernels.h"
 #include "model/weights.h"
 
 namespace lily::cuda {
 
-/// Device-side weights of one decoder layer (views into DeviceModel's buffers).
-struct DeviceLayer {
+/// One decoder layer of the device model: its weights (DeviceLayerWeights) and its mixer's kind,
+/// which says whether in_proj and out_proj are the Gated DeltaNet's or the attention's.
+struct DeviceLayer : DeviceLayerWeights {
   LayerType type = LayerType::kLinearAttention;
-  const float* input_norm = nullptr;  ///< fp32 [hidden]
-  const float* post_norm = nullptr;   ///< fp32 [hidden]
-  // Gated DeltaNet
-  DeviceQuant gdn_in;   ///< in_proj_qkv | in_proj_z | in_proj_a | in_proj_b: [C + Vd + 2·Hv, hidden]
-  DeviceQuant gdn_out;  ///< out_proj [hidden, Vd]
-  GdnParams gdn;        ///< conv taps, A_log, dt_bias, gated-norm gain (fp32)
-  // Gated attention
-  DeviceQuant attn_in;   ///< q_proj | k_proj | v_proj: [nq·2D + 2·nkv·D, hidden]
-  DeviceQuant attn_out;  ///< o_proj [hidden, nq·D]
-  const float* q_norm = nullptr;  ///< fp32 [D]
-  const float* k_norm = nullptr;  ///< fp32 [D]
-  // MoE (shared expert appended as expert n_experts)
-  DeviceQuant router;  ///< 8-bit mlp.gate | shared_expert_gate: [E + 1, hidden]
-  DeviceQuant gate;    ///< [(E + 1)·I, hidden]
-  DeviceQuant up;      ///< [(E + 1)·I, hidden]
-  DeviceQuant down;    ///< [(E + 1)·hidden, I]
 };
 
 /// All weights on the device. Not copyable.
