@@ -8,6 +8,8 @@
 #   bash scripts/gpu-session.sh                  # everything
 #   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: moe tests timing bench base ab sampled sampler detail source profile prefill-profile prefill-detail batched-profile cache prefill-tests
 #   LILY_GPU_CONTEXTS="256 4096 32768"           # bench contexts (default below)
+#   detail: LILY_GPU_DETAIL (a kernel-name regex), LILY_GPU_DETAIL_SKIP / _COUNT (matching launches
+#   skipped / profiled), LILY_GPU_DETAIL_BASE=demangled (match template arguments too)
 set -uo pipefail
 export LILY_GPU_BUILD="${LILY_GPU_BUILD:-/tmp/lily-build}"
 source "$(dirname "$0")/gpu-common.sh"
@@ -146,7 +148,7 @@ if has detail; then
   echo "== ncu detail"
   IDS=$(python3 -c "print(','.join(str((i * 2654435761) % 2**32 % 248320) for i in range(64)))")
   timeout 300 ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
-    --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section MemoryWorkloadAnalysis --kernel-name-base "${LILY_GPU_DETAIL_BASE:-function}" \
     --kernel-name "regex:${LILY_GPU_DETAIL:-quant_mma_gemv|expert_gate_up|expert_down|router_fused|gdn_decode|decode_split}" \
     --launch-skip "${LILY_GPU_DETAIL_SKIP:-400}" --launch-count "${LILY_GPU_DETAIL_COUNT:-10}" \
     "$BUILD/lily" generate --backend cuda --model "$BIG" --prompt-ids "$IDS" --max-tokens 4 >"$OUT/ncu-detail.txt" 2>&1 ||
