@@ -12,6 +12,7 @@
 #include "base/malloc_arenas.h"
 #include "cli/commands.h"
 #include "cli/model_paths.h"
+#include "engine/option_error.h"
 #include "model/loader.h"
 #include "server/http_server.h"
 #include "server/http_util.h"
@@ -137,13 +138,33 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
       ->capture_default_str()->check(integer_at_least(0));
 }
 
-/// The flag that sets an engine option (OptionError::field), so that an option the engine
-/// refuses is reported as the flag the user gave; a field no flag sets keeps its name.
+/// The flag that sets an engine or server option (OptionError::field), so that an option the
+/// engine or the server refuses is reported as the flag the user gave; a field no flag sets (a
+/// LILY_CUDA_* variable, say) keeps its name.
 std::string serve_flag(std::string_view field) {
   static const std::map<std::string, std::string, std::less<>> flags = {
-      {"max_seq", "--max-seq"},           {"max_queue", "--max-queue"},
-      {"max_batch", "--max-batch"},       {"step_tokens", "--step-tokens"},
-      {"device_bytes", "--cache-memory"}, {"host_bytes", "--cache-host-memory"},
+      // engine (EngineOptions, SessionCacheOptions)
+      {"max_seq", "--max-seq"},
+      {"max_queue", "--max-queue"},
+      {"max_batch", "--max-batch"},
+      {"step_tokens", "--step-tokens"},
+      {"device_bytes", "--cache-memory"},
+      {"host_bytes", "--cache-host-memory"},
+      // server (ServerOptions, SamplingFlags, parse_bind, parse_allowed_origins)
+      {"bind", "--bind"},
+      {"allowed_origins", "--allowed-origins"},
+      {"max_body", "--max-body"},
+      {"max_connections", "--max-connections"},
+      {"max_header_bytes", "--max-header-bytes"},
+      {"max_headers", "--max-headers"},
+      {"read_timeout_s", "--read-timeout"},
+      {"write_timeout_s", "--write-timeout"},
+      {"keep_alive_s", "--keep-alive"},
+      {"send_buffer", "--send-buffer"},
+      {"temperature", "--temperature"},
+      {"top_p", "--top-p"},
+      {"top_k", "--top-k"},
+      {"min_p", "--min-p"},
   };
   const auto it = flags.find(field);
   return it != flags.end() ? it->second : std::string(field);
@@ -201,9 +222,13 @@ void register_serve(CLI::App& app, int& exit_code, const server::ServerTestHooks
     if (arenas > 0 && (flags->malloc_arenas_opt->count() > 0 || std::getenv("MALLOC_ARENA_MAX") == nullptr)) {
       if (!cap_malloc_arenas(arenas)) log_debug("--malloc-arenas: this allocator ignores the cap");
     }
-    server::ServerOptions options = resolve(*flags);
-    options.test_hooks = serve_hooks;
-    exit_code = server::run_server(options);
+    try {
+      server::ServerOptions options = resolve(*flags);
+      options.test_hooks = serve_hooks;
+      exit_code = server::run_server(options);
+    } catch (const OptionError& e) {  // the server's or the engine's words for an option: the flag's
+      throw Error(e.message_naming(serve_flag(e.field())));
+    }
   });
 }
 

@@ -27,7 +27,9 @@ CLI::Validator byte_size();
 /// Adds `--cuda NAME=VALUE` (repeatable) to `cmd`, into `settings`: one CUDA backend option, NAME
 /// as in the bench report's cuda_options (e.g. pdl=0, max-batch=16), over its LILY_CUDA_*
 /// variable (CudaOptions::set). Each one is checked as it is parsed, so a misspelt name or a bad
-/// value stops the command before any model loads, with a message naming it.
+/// value stops the command before any model loads, with a message naming the flag and the
+/// setting in CudaOptions::set's words ("--cuda: pdl must be '1' or '0', got '2'"); the
+/// command's resolve_cuda_options then sees only good settings.
 void add_cuda_settings(CLI::App* cmd, std::vector<std::string>& settings);
 
 /// A JSON list of chat messages, each read exactly as the server reads a chat request's message

@@ -47,9 +47,7 @@ void add_cuda_settings(CLI::App* cmd, std::vector<std::string>& settings) {
             try {
               CudaOptions().set(text);
             } catch (const Error& e) {
-              std::string why = e.what();  // CLI11 names the option itself
-              if (why.rfind("--cuda ", 0) == 0) why.erase(0, 7);
-              return why;
+              return e.what();  // the setting's words; CLI11 puts "--cuda: " before them
             }
             return {};
           },

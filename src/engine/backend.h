@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "base/error.h"
+#include "engine/option_error.h"
 #include "engine/sampler.h"
 #include "model/weights.h"
 
@@ -291,14 +292,18 @@ struct CudaOptions {
   /// The most rows of one batched decode forward (the CUDA kernels' kMaxDecodeRows).
   static constexpr int kMaxDecodeRows = 64;
 
-  /// Reads the LILY_CUDA_* variables (unset or empty: the default). Throws lily::Error naming
-  /// the variable, the value and the accepted values for anything else.
+  /// Reads the LILY_CUDA_* variables (unset or empty: the default). Throws OptionError
+  /// (engine/option_error.h) for anything else: its field() is the variable's name
+  /// ("LILY_CUDA_FUSE"), its detail() the accepted values and the value given.
   static CudaOptions from_env();
-  /// Sets one field from "NAME=VALUE", NAME as in describe() (e.g. "pdl=0", "max-batch=16"): the
-  /// command line's `--cuda NAME=VALUE`. Throws lily::Error, changing nothing, for an unknown
-  /// name (listing the names), a missing '=' or a value the field does not take.
+  /// Sets one field from "NAME=VALUE", NAME as in describe() (e.g. "pdl=0", "max-batch=16"), as a
+  /// front end's setting gives it (the command line's `--cuda NAME=VALUE`). Changes nothing when
+  /// it throws. Its errors name the setting, never how a front end spells it: for a value the
+  /// field does not take, OptionError with field() NAME ("pdl must be '1' or '0', got '2'"); for
+  /// an unknown NAME or a missing '=', lily::Error beginning with the setting in quotes
+  /// ("'foo=1': unknown option 'foo'; the options are fuse, pdl, …", listing names()).
   void set(std::string_view assignment);
-  /// from_env(), then set() for each assignment in order (so a flag overrides its variable).
+  /// from_env(), then set() for each assignment in order (so a setting overrides its variable).
   /// Throws as both.
   static CudaOptions resolve(std::span<const std::string> assignments);
   /// The names set() takes, in describe()'s order, comma-separated ("fuse, pdl, …").
@@ -318,27 +323,29 @@ inline std::string env_value(const char* name) {
   return v ? std::string(v) : std::string();
 }
 
-/// A two-way switch: `on` → true, `off` → false; anything else throws, naming `label` (the
-/// variable or the flag that gave it).
+/// A two-way switch: `on` → true, `off` → false; anything else throws OptionError with field
+/// `label` (the variable's name, or the setting's NAME, that gave the value).
 inline bool parse_choice(const std::string& label, const std::string& v, const char* on, const char* off) {
   if (v == on) return true;
   if (v == off) return false;
-  throw Error(label + " must be '" + on + "' or '" + off + "', got '" + v + "'");
+  throw OptionError(label, std::string("must be '") + on + "' or '" + off + "', got '" + v + "'");
 }
 
-/// An integer in [lo, hi]; anything else (not a whole number, out of range) throws, naming `label`.
+/// An integer in [lo, hi]; anything else (not a whole number, out of range) throws OptionError
+/// with field `label`.
 inline int parse_int(const std::string& label, const std::string& v, int lo, int hi) {
   char* end = nullptr;
   errno = 0;
   const long n = std::strtol(v.c_str(), &end, 10);
   if (v.empty() || *end != '\0' || errno != 0 || n < lo || n > hi)
-    throw Error(label + " must be an integer in " + std::to_string(lo) + "…" + std::to_string(hi) + ", got '" + v +
-                "'");
+    throw OptionError(label, "must be an integer in " + std::to_string(lo) + "…" + std::to_string(hi) + ", got '" + v +
+                                 "'");
   return static_cast<int>(n);
 }
 
-/// One field of CudaOptions: its name (as in describe() and `--cuda NAME=VALUE`), its LILY_CUDA_*
-/// variable, and how a value sets it (throwing, with the label, for a value it does not take).
+/// One field of CudaOptions: its name (as in describe() and set()'s NAME=VALUE), its LILY_CUDA_*
+/// variable, and how a value sets it (throwing OptionError with field `label`, the variable or
+/// the NAME, for a value it does not take).
 struct Field {
   const char* name;
   const char* env;
@@ -361,7 +368,7 @@ inline std::span<const Field> fields() {
       {"gemm", "LILY_CUDA_GEMM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.tensor_core_gemm = parse_choice(l, v, "tensor-core", "gemv"); }},
       {"gemm-kernel", "LILY_CUDA_GEMM_KERNEL", [](CudaOptions& o, const std::string& l, const std::string& v) {
          if (v != "grouped" && v != "all" && v != "0" && v != "wgmma" && v != "wgmma-narrow" && v != "wgmma-mixed")
-           throw Error(l + " must be 'grouped', 'all', '0', 'wgmma', 'wgmma-narrow' or 'wgmma-mixed', got '" + v + "'");
+           throw OptionError(l, "must be 'grouped', 'all', '0', 'wgmma', 'wgmma-narrow' or 'wgmma-mixed', got '" + v + "'");
          o.gemm_kernel = v;
        }},
       {"fused-moe", "LILY_CUDA_FUSED_MOE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.fused_moe = parse_choice(l, v, "1", "0"); }},
@@ -373,7 +380,7 @@ inline std::span<const Field> fields() {
       {"prefill-rows", "LILY_CUDA_PREFILL_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.prefill_rows = parse_choice(l, v, "1", "0"); }},
       {"persistent-decode", "LILY_CUDA_PERSISTENT_DECODE", [](CudaOptions& o, const std::string& l, const std::string& v) {
          if (v != "1" && v != "debug" && v != "trace" && v != "0")
-           throw Error(l + " must be '1', 'debug', 'trace' or '0', got '" + v + "'");
+           throw OptionError(l, "must be '1', 'debug', 'trace' or '0', got '" + v + "'");
          o.persistent_decode = v;
        }},
   };
@@ -397,12 +404,12 @@ inline void CudaOptions::set(std::string_view assignment) {
   for (const Field& f : fields()) {
     if (name == f.name) {
       if (eq == std::string_view::npos)
-        throw Error("--cuda " + name + ": expected NAME=VALUE, e.g. --cuda " + name + "=" + "<value>");
-      f.set(*this, "--cuda " + name, std::string(assignment.substr(eq + 1)));
+        throw Error("'" + name + "': expected NAME=VALUE, e.g. " + name + "=<value>");
+      f.set(*this, name, std::string(assignment.substr(eq + 1)));
       return;
     }
   }
-  throw Error("--cuda '" + std::string(assignment) + "': unknown option '" + name + "'; the options are " + names());
+  throw Error("'" + std::string(assignment) + "': unknown option '" + name + "'; the options are " + names());
 }
 
 inline std::string CudaOptions::names() {
@@ -444,13 +451,13 @@ BackendKind parse_backend_kind(std::string_view text);
 /// refuses it anyway.
 int64_t backend_max_sequence(BackendKind kind);
 
-/// The CUDA options a backend of `kind` is made with, from the command line's `--cuda
-/// NAME=VALUE`s (`settings`, CudaOptions::set) applied over the LILY_CUDA_* variables. For kCuda
-/// and kAuto the variables are read and everything is validated (CudaOptions::resolve), so a bad
-/// value is an error even where auto would fall back to the CPU; for kCpu only the settings are
-/// checked (a misspelt flag is still an error), the variables are not read, and the result is
-/// the defaults with the settings applied. Throws lily::Error for a bad LILY_CUDA_* value or
-/// --cuda setting.
+/// The CUDA options a backend of `kind` is made with, from a front end's NAME=VALUE settings
+/// (`settings`, CudaOptions::set; the command line's `--cuda`) applied over the LILY_CUDA_*
+/// variables. For kCuda and kAuto the variables are read and everything is validated
+/// (CudaOptions::resolve), so a bad value is an error even where auto would fall back to the
+/// CPU; for kCpu only the settings are checked (a misspelt one is still an error), the variables
+/// are not read, and the result is the defaults with the settings applied. Throws as
+/// CudaOptions::from_env for a bad LILY_CUDA_* value and as CudaOptions::set for a bad setting.
 inline CudaOptions resolve_cuda_options(BackendKind kind, std::span<const std::string> settings) {
   if (kind != BackendKind::kCpu) return CudaOptions::resolve(settings);
   CudaOptions o;
@@ -461,8 +468,8 @@ inline CudaOptions resolve_cuda_options(BackendKind kind, std::span<const std::s
 /// Creates a backend over loaded weights. `threads` <= 0 means all cores (CPU backend). `cuda`:
 /// the CUDA backend's options (kCuda, and kAuto when it picks CUDA), as the caller resolved them
 /// (resolve_cuda_options; make_backend reads no environment); the CPU backend ignores them.
-/// Throws lily::Error (e.g. "--backend cuda: this build has no CUDA support", no GPU, not
-/// enough device memory).
+/// Throws lily::Error (e.g. "the CUDA backend was asked for, but this build has no CUDA
+/// support …", no GPU, not enough device memory).
 std::unique_ptr<Backend> make_backend(BackendKind kind, std::shared_ptr<const ModelWeights> weights, int threads,
                                       const CudaOptions& cuda);
 

@@ -1,6 +1,8 @@
-// The error the engine throws for a setting it cannot run with. It speaks the engine's terms (the
-// option's field name, as in EngineOptions or SessionCacheOptions) and never a front end's: a
-// command line that set the option with a flag rewords the message with message_naming.
+// The error the engine (and the server, for its own options) throws for a setting it cannot run
+// with. It speaks the layer's own terms (the option's field name, as in EngineOptions,
+// SessionCacheOptions, CudaOptions or ServerOptions, or the LILY_CUDA_* variable that gave the
+// value) and never a front end's: a command line that set the option with a flag rewords the
+// message with message_naming.
 #pragma once
 #include <string>
 #include <string_view>
@@ -10,7 +12,7 @@
 
 namespace lily {
 
-/// An engine option with a value the engine cannot run with. what() is "<field> <detail>",
+/// An option with a value the engine or the server cannot run with. what() is "<field> <detail>",
 /// e.g. "max_batch 65 is outside [1, 64]: the cpu backend runs at most 64 sequences per step".
 class OptionError : public Error {
  public:

@@ -14,6 +14,7 @@
 
 #include "base/error.h"
 #include "engine/generate.h"
+#include "engine/option_error.h"
 #include "server/server_impl.h"
 
 namespace lily::server {
@@ -24,30 +25,31 @@ using nlohmann::json;
 
 int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared, int64_t backend_limit) {
   if (requested && *requested > backend_limit)
-    throw Error("--max-seq " + std::to_string(*requested) + " exceeds the backend's limit of " +
-                std::to_string(backend_limit) + " tokens");
+    throw OptionError("max_seq", std::to_string(*requested) + " exceeds the backend's limit of " +
+                                     std::to_string(backend_limit) + " tokens");
   int64_t max_seq = requested.value_or(declared > 0 ? declared : kMaxContext);
   if (declared > 0) max_seq = std::min(max_seq, declared);
   max_seq = std::min(max_seq, backend_limit);
-  if (max_seq < 2) throw Error("--max-seq must be at least 2 (got " + std::to_string(max_seq) + ")");
+  if (max_seq < 2) throw OptionError("max_seq", "must be at least 2 (got " + std::to_string(max_seq) + ")");
   return max_seq;
 }
 
 SamplingParams resolve_sampling_defaults(const SamplingFlags& flags, const std::filesystem::path& model_dir) {
   SamplingParams p = flags.generation_config ? generation_config_sampling(model_dir) : SamplingParams{};
-  auto check = [](const char* flag, double v, double lo, double hi, bool open_lo = false) {
+  auto check = [](const char* field, double v, double lo, double hi, bool open_lo = false) {
     if (v < lo || v > hi || (open_lo && v == lo))
-      throw Error(std::string(flag) + " must be in " + (open_lo ? "(" : "[") + json(lo).dump() + ", " +
-                  json(hi).dump() + "], got " + json(v).dump());
+      throw OptionError(field, std::string("must be in ") + (open_lo ? "(" : "[") + json(lo).dump() + ", " +
+                                   json(hi).dump() + "], got " + json(v).dump());
     return v;
   };
-  if (flags.temperature) p.temperature = static_cast<float>(check("--temperature", *flags.temperature, 0, 2));
-  if (flags.top_p) p.top_p = static_cast<float>(check("--top-p", *flags.top_p, 0, 1, true));
+  if (flags.temperature) p.temperature = static_cast<float>(check("temperature", *flags.temperature, 0, 2));
+  if (flags.top_p) p.top_p = static_cast<float>(check("top_p", *flags.top_p, 0, 1, true));
   if (flags.top_k) {
-    if (*flags.top_k < -1) throw Error("--top-k must be -1, 0 (off) or a positive integer");
+    if (*flags.top_k < -1)
+      throw OptionError("top_k", "must be -1, 0 (off) or a positive integer, got " + std::to_string(*flags.top_k));
     p.top_k = static_cast<int32_t>(std::clamp<int64_t>(*flags.top_k, 0, INT32_MAX));
   }
-  if (flags.min_p) p.min_p = static_cast<float>(check("--min-p", *flags.min_p, 0, 1));
+  if (flags.min_p) p.min_p = static_cast<float>(check("min_p", *flags.min_p, 0, 1));
   return p;
 }
 
@@ -73,13 +75,14 @@ bool constant_time_equal(std::string_view a, std::string_view b) {
 }
 
 void parse_bind(std::string_view bind, std::string& host, int& port) {
+  const auto refuse = [bind](const char* why) { return OptionError("bind", "'" + std::string(bind) + "': " + why); };
   std::string_view port_text;
   if (!bind.empty() && bind.front() == '[') {
     const size_t close = bind.find(']');
-    if (close == std::string_view::npos) throw Error("--bind '" + std::string(bind) + "': missing ']'");
+    if (close == std::string_view::npos) throw refuse("missing ']'");
     host = std::string(bind.substr(1, close - 1));
     if (close + 1 < bind.size()) {
-      if (bind[close + 1] != ':') throw Error("--bind '" + std::string(bind) + "': expected ':' after ']'");
+      if (bind[close + 1] != ':') throw refuse("expected ':' after ']'");
       port_text = bind.substr(close + 2);
     }
   } else {
@@ -91,14 +94,14 @@ void parse_bind(std::string_view bind, std::string& host, int& port) {
       host = std::string(bind);
     }
   }
-  if (host.empty()) throw Error("--bind '" + std::string(bind) + "': empty host");
+  if (host.empty()) throw refuse("empty host");
   if (port_text.empty()) return;
   int value = 0;
   for (char c : port_text) {
-    if (c < '0' || c > '9' || value > 65535) throw Error("--bind '" + std::string(bind) + "': bad port");
+    if (c < '0' || c > '9' || value > 65535) throw refuse("bad port");
     value = value * 10 + (c - '0');
   }
-  if (value > 65535) throw Error("--bind '" + std::string(bind) + "': port above 65535");
+  if (value > 65535) throw refuse("port above 65535");
   port = value;
 }
 
@@ -164,16 +167,25 @@ std::string request_log_line(std::string_view method, std::string_view path, int
   return line;
 }
 
-int run_server(const ServerOptions& options) {
-  if (options.max_body < 1) throw Error("--max-body must be at least 1 byte");
-  if (options.max_connections < 1) throw Error("--max-connections must be at least 1");
+void check_server_options(const ServerOptions& options) {
+  const auto at_least = [](const char* field, int64_t value, int64_t min, const char* unit) {
+    if (value < min)
+      throw OptionError(field, "must be at least " + std::to_string(min) + unit + ", got " + std::to_string(value));
+  };
+  at_least("max_body", options.max_body, 1, " byte");
+  at_least("max_connections", options.max_connections, 1, "");
   if (options.max_header_bytes < 256 || options.max_header_bytes > (1 << 24))
-    throw Error("--max-header-bytes must be between 256 and 2^24");
-  if (options.max_headers < 1) throw Error("--max-headers must be at least 1");
-  if (options.read_timeout_s < 1 || options.write_timeout_s < 1 || options.keep_alive_s < 1)
-    throw Error("--read-timeout, --write-timeout and --keep-alive must be at least 1 s");
+    throw OptionError("max_header_bytes", "must be between 256 and 2^24, got " + std::to_string(options.max_header_bytes));
+  at_least("max_headers", options.max_headers, 1, "");
+  at_least("read_timeout_s", options.read_timeout_s, 1, " s");
+  at_least("write_timeout_s", options.write_timeout_s, 1, " s");
+  at_least("keep_alive_s", options.keep_alive_s, 1, " s");
   if (options.send_buffer < 0 || options.send_buffer > (1 << 30))
-    throw Error("--send-buffer must be between 0 and 2^30 bytes");
+    throw OptionError("send_buffer", "must be between 0 and 2^30 bytes, got " + std::to_string(options.send_buffer));
+}
+
+int run_server(const ServerOptions& options) {
+  check_server_options(options);
   // SIGINT/SIGTERM are taken by sigwait in the main thread; every thread started from here on
   // inherits the blocked mask. SIGPIPE from a vanished client must not kill the process.
   sigset_t set;

@@ -31,7 +31,8 @@ struct SamplingFlags {
 
 /// The sampling defaults of a server: generation_config.json of `model_dir` when
 /// `flags.generation_config` (generation_config_sampling), then each flag that is set. Throws
-/// lily::Error naming the flag for an out-of-range value, or for an unreadable file.
+/// OptionError (engine/option_error.h) naming the field ("temperature", "top_p", "top_k",
+/// "min_p") for an out-of-range value, and lily::Error for an unreadable file.
 SamplingParams resolve_sampling_defaults(const SamplingFlags& flags, const std::filesystem::path& model_dir);
 
 /// Delays that only tests set, to make a passing state of the server observable from outside: the
@@ -92,21 +93,30 @@ struct ServerOptions {
                                          ///< (parse_allowed_origins); empty = CORS off
   SamplingFlags sampling;                ///< sampling defaults (docs/server.md)
   /// How the user set an engine option (OptionError::field, e.g. "max_batch") that the engine
-  /// refuses while loading, to name it in the error: `lily serve` gives the flag ("--max-batch").
-  /// Unset: the engine's own message.
+  /// refuses while loading, to name it in the error logged then: `lily serve` gives the flag
+  /// ("--max-batch"). Unset: the engine's own message. (An option run_server refuses before it
+  /// serves is thrown as OptionError, for the caller to word.)
   std::function<std::string(std::string_view field)> option_name;
   ServerTestHooks test_hooks;            ///< tests only; none in real use
 };
 
+/// Checks the server's own limits (max_body, max_connections, max_header_bytes, max_headers,
+/// read_timeout_s, write_timeout_s, keep_alive_s, send_buffer). Throws OptionError
+/// (engine/option_error.h) naming the first field out of range by its ServerOptions name, e.g.
+/// "max_body must be at least 1 byte, got 0".
+void check_server_options(const ServerOptions& options);
+
 /// Runs the server until SIGINT/SIGTERM; returns the process exit code (0 after a graceful
-/// shutdown). Throws lily::Error for bad options, an unusable checkpoint or an address that
-/// cannot be bound.
+/// shutdown). Throws OptionError (engine/option_error.h), naming the ServerOptions field, for an
+/// option out of range (check_server_options, resolve_max_seq, resolve_sampling_defaults), and
+/// lily::Error for an unusable checkpoint or an address that cannot be bound.
 int run_server(const ServerOptions& options);
 
 /// The effective max_seq (docs/server.md, `--max-seq`): the requested value or, by default, the
 /// checkpoint's max_position_embeddings (or kMaxContext, model/config.h, when it declares none),
 /// clamped to the declared value and to `backend_limit` (backend_max_sequence of the chosen
-/// backend). Throws lily::Error when the result is < 2 or a request exceeds backend_limit.
+/// backend). Throws OptionError (engine/option_error.h) with field "max_seq" when the result is
+/// < 2 or a request exceeds backend_limit.
 int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared, int64_t backend_limit = kMaxContext);
 
 /// `--served-model-name` when given; "Qwen3.6-35B-A3B" for that exact shape; else the
@@ -117,7 +127,9 @@ std::string served_model_name(const ModelConfig& config, const std::filesystem::
 /// Compares two secrets in time independent of where they differ.
 bool constant_time_equal(std::string_view a, std::string_view b);
 
-/// Parses "HOST:PORT", "[V6]:PORT" or "HOST" (port unchanged) into host/port. Throws lily::Error.
+/// Parses "HOST:PORT", "[V6]:PORT" or "HOST" (port unchanged) into host/port. Throws OptionError
+/// (engine/option_error.h) with field "bind" and a detail that quotes `bind` and says what is
+/// wrong ("'[::1': missing ']'"); host and port may then be changed.
 void parse_bind(std::string_view bind, std::string& host, int& port);
 
 /// True for "localhost", 127.0.0.0/8, ::1 and IPv4-mapped 127.0.0.0/8 (::ffff:127.x.y.z), in

@@ -6,6 +6,7 @@
 #include <ctime>
 
 #include "base/error.h"
+#include "engine/option_error.h"
 
 namespace lily::server {
 
@@ -73,8 +74,9 @@ std::vector<std::string> parse_allowed_origins(std::string_view list) {
     if (item.size() > 1 && item.back() == '/' && !item.ends_with("://")) item.remove_suffix(1);
     if (!item.empty()) {
       if (item != "*" && !is_origin(item))
-        throw Error("--allowed-origins: '" + std::string(item) +
-                    "' is not an origin (expected scheme://host[:port], e.g. http://localhost:3000, or *)");
+        throw OptionError("allowed_origins", "'" + std::string(item) +
+                                                 "' is not an origin (expected scheme://host[:port], e.g. "
+                                                 "http://localhost:3000, or *)");
       out.push_back(item == "*" ? "*" : normalize_origin(item));
     }
     if (comma == std::string_view::npos) break;

@@ -13,8 +13,8 @@ namespace lily::server {
 
 /// Parses `--allowed-origins`: a comma-separated list of origins (`scheme://host[:port]`, e.g.
 /// `http://localhost:3000`) or `*` (any origin). Blanks around items are ignored, and so is a
-/// trailing '/' of an item; an empty list means that CORS stays off. Throws lily::Error naming
-/// the item that is not an origin.
+/// trailing '/' of an item; an empty list means that CORS stays off. Throws OptionError
+/// (engine/option_error.h) with field "allowed_origins", quoting the item that is not an origin.
 std::vector<std::string> parse_allowed_origins(std::string_view list);
 
 /// The `Access-Control-Allow-Origin` value for a request whose `Origin` header is `origin`:

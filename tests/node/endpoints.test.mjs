@@ -426,7 +426,7 @@ describe('--allowed-origins * and the CLI', () => {
   it('bad --allowed-origins and --port values are refused with a clear message', () => {
     const origins = spawnSync(LILY_BIN, ['serve', '--allowed-origins', 'localhost:3000'], { encoding: 'utf8' });
     assert.notEqual(origins.status, 0);
-    assert.match(origins.stderr, /--allowed-origins: 'localhost:3000' is not an origin/);
+    assert.match(origins.stderr, /--allowed-origins 'localhost:3000' is not an origin/);
     const port = spawnSync(LILY_BIN, ['serve', '--port', 'abc'], { encoding: 'utf8' });
     assert.notEqual(port.status, 0);
     assert.match(port.stderr, /--port: must be an integer from 0 to 65535, got 'abc'/);

@@ -10,6 +10,7 @@
 
 #include "base/error.h"
 #include "engine/backend.h"
+#include "engine/option_error.h"
 #include "model/loader.h"
 #include "support/test_support.h"
 
@@ -190,9 +191,11 @@ TEST(CudaOptions, BadValuesNameTheVariable) {
     try {
       CudaOptions::from_env();
       ADD_FAILURE() << name << "=" << value << " was accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find(value), std::string::npos) << e.what();
+    } catch (const OptionError& e) {  // the variable is the option's name, with no flag in sight
+      EXPECT_EQ(e.field(), name);
+      EXPECT_EQ(std::string(e.what()).rfind(std::string(name) + " must be ", 0), 0u) << e.what();
+      EXPECT_NE(e.detail().find(std::string("got '") + value + "'"), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find("--"), std::string::npos) << e.what();
     }
   }
 }
@@ -228,29 +231,48 @@ TEST(CudaOptions, SetTakesEveryDescribedField) {
   EXPECT_EQ(rebuilt.describe(), changed.describe());
 }
 
+/// set() speaks of the setting only, never of a front end's flag: a value the field does not take
+/// is an OptionError naming the field as set() spells it; an unknown name or a missing '=' an
+/// Error that begins with the setting in quotes.
 TEST(CudaOptions, SetRefusesWhatItDoesNotKnowAndChangesNothing) {
-  const std::pair<const char*, const char*> bad[] = {{"bogus=1", "unknown option 'bogus'"},
-                                                     {"pdl", "expected NAME=VALUE"},
-                                                     {"pdl=2", "--cuda pdl must be '1' or '0', got '2'"},
-                                                     {"max-batch=65", "--cuda max-batch must be an integer in 1…64"},
-                                                     {"decode-rows=0", "--cuda decode-rows must be an integer in 1…64"},
-                                                     {"rows-gemv-from=66", "--cuda rows-gemv-from must be an integer in 1…65"},
-                                                     {"chunk=", "--cuda chunk must be an integer"},
-                                                     {"gemm-kernel=dense", "--cuda gemm-kernel must be"},
-                                                     {"persistent-decode=2", "--cuda persistent-decode must be '1', 'debug', 'trace' or '0'"},
-                                                     {"=1", "unknown option ''"}};
-  for (const auto& [assignment, message] : bad) {
+  struct Bad {
+    const char* assignment;
+    const char* field;    ///< the OptionError's field; nullptr: a plain Error, not an OptionError
+    const char* message;  ///< what() begins with it
+  };
+  const Bad bad[] = {{"bogus=1", nullptr, "'bogus=1': unknown option 'bogus'; the options are fuse, pdl, stream-gemv"},
+                     {"pdl", nullptr, "'pdl': expected NAME=VALUE, e.g. pdl=<value>"},
+                     {"pdl=2", "pdl", "pdl must be '1' or '0', got '2'"},
+                     {"max-batch=65", "max-batch", "max-batch must be an integer in 1…64, got '65'"},
+                     {"decode-rows=0", "decode-rows", "decode-rows must be an integer in 1…64"},
+                     {"rows-gemv-from=66", "rows-gemv-from", "rows-gemv-from must be an integer in 1…65"},
+                     {"chunk=", "chunk", "chunk must be an integer"},
+                     {"gemm-kernel=dense", "gemm-kernel", "gemm-kernel must be 'grouped', 'all', '0', 'wgmma'"},
+                     {"persistent-decode=2", "persistent-decode", "persistent-decode must be '1', 'debug', 'trace' or '0'"},
+                     {"=1", nullptr, "'=1': unknown option ''"}};
+  for (const Bad& b : bad) {
     CudaOptions o;
     try {
-      o.set(assignment);
-      ADD_FAILURE() << assignment << " was accepted";
+      o.set(b.assignment);
+      ADD_FAILURE() << b.assignment << " was accepted";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+      const std::string what = e.what();
+      EXPECT_EQ(what.rfind(b.message, 0), 0u) << b.assignment << ": " << what;
+      EXPECT_EQ(what.find("--"), std::string::npos) << b.assignment << ": " << what;
+      const auto* option = dynamic_cast<const OptionError*>(&e);
+      if (b.field) {
+        ASSERT_NE(option, nullptr) << b.assignment << ": not an OptionError: " << what;
+        EXPECT_EQ(option->field(), b.field);
+        EXPECT_EQ(option->message_naming("--cuda " + option->field()), "--cuda " + what) << b.assignment;
+      } else {
+        EXPECT_EQ(option, nullptr) << b.assignment << ": " << what;
+      }
     }
-    EXPECT_EQ(o.describe(), CudaOptions{}.describe()) << assignment;
+    EXPECT_EQ(o.describe(), CudaOptions{}.describe()) << b.assignment;
   }
   try {
     CudaOptions().set("pd=0");
+    ADD_FAILURE() << "pd=0 was accepted";
   } catch (const Error& e) {  // the message lists the names
     EXPECT_NE(std::string(e.what()).find("fuse, pdl, stream-gemv"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("prefill-rows"), std::string::npos) << e.what();

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -163,6 +164,21 @@ TEST(BenchCli, BadOptionsAreRefused) {
   const test::CliRun cuda = test::run_lily("bench --backend cpu --cuda pdl=on --model " + quoted(test::demo_model_dir()), true);
   EXPECT_NE(cuda.output.find("--cuda: pdl must be '1' or '0', got 'on'"), std::string::npos) << cuda.output;
   EXPECT_EQ(cuda.output.find("loaded"), std::string::npos) << cuda.output;
+  // An unknown name: the flag, the setting as given, and the names there are.
+  const test::CliRun unknown = test::run_lily("bench --backend cpu --cuda foo=1 --model " + quoted(test::demo_model_dir()), true);
+  EXPECT_NE(unknown.exit_code, 0) << unknown.output;
+  EXPECT_NE(unknown.output.find("--cuda: 'foo=1': unknown option 'foo'; the options are fuse, pdl, stream-gemv"),
+            std::string::npos) << unknown.output;
+  EXPECT_NE(unknown.output.find("persistent-decode"), std::string::npos) << unknown.output;
+  // A bad variable is named as the variable, not as a flag.
+  ASSERT_EQ(std::getenv("LILY_CUDA_FUSE"), nullptr) << "the test sets LILY_CUDA_FUSE itself";
+  ::setenv("LILY_CUDA_FUSE", "yes", 1);
+  const test::CliRun variable = test::run_lily("bench --backend cuda --model " + quoted(test::demo_model_dir()), true);
+  ::unsetenv("LILY_CUDA_FUSE");
+  EXPECT_NE(variable.exit_code, 0) << variable.output;
+  EXPECT_NE(variable.output.find("lily: error: LILY_CUDA_FUSE must be '1' or '0', got 'yes'"), std::string::npos)
+      << variable.output;
+  EXPECT_EQ(variable.output.find("--cuda"), std::string::npos) << variable.output;
   // An unwritable report path is refused before the run, not after every round has run.
   test::TempDir dir;
   for (const std::filesystem::path& out : {dir.path() / "missing" / "bench.json", dir.path()}) {

@@ -69,6 +69,28 @@ TEST(CliOptions, BadCacheSizesAndBatchLimitsAreRefusedWithAClearMessage) {
   }
 }
 
+TEST(CliOptions, OptionsTheServerRefusesAreNamedAsTheirFlags) {
+  const std::string model = " --model " + quoted(test::demo_model_dir());
+  // The server names its own fields (max_seq, bind, …); `lily serve` says which flag set them.
+  const std::vector<BadOption> cases = {
+      {"serve --backend cpu --max-seq 1 --port 0" + model, "lily: error: --max-seq must be at least 2 (got 1)"},
+      {"serve --backend cpu --bind '[::1'" + model, "lily: error: --bind '[::1': missing ']'"},
+      {"serve --backend cpu --bind 'localhost:8x'" + model, "lily: error: --bind 'localhost:8x': bad port"},
+      {"serve --backend cpu --temperature 3 --port 0" + model,
+       "lily: error: --temperature must be in [0.0, 2.0], got 3.0"},
+      {"serve --backend cpu --top-k -2 --port 0" + model,
+       "lily: error: --top-k must be -1, 0 (off) or a positive integer, got -2"},
+      {"serve --backend cpu --allowed-origins localhost:3000 --port 0" + model,
+       "lily: error: --allowed-origins 'localhost:3000' is not an origin"},
+  };
+  for (const BadOption& c : cases) {
+    const test::CliRun r = test::run_lily_bounded(c.args, true, 30);
+    EXPECT_NE(r.exit_code, 0) << c.args;
+    EXPECT_NE(r.exit_code, 124) << c.args << ": the server started";
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\n" << r.output;
+  }
+}
+
 TEST(CliOptions, ValidThreadCountsStillWork) {
   const test::CliRun r = test::run_lily(
       "generate --backend cpu --threads 1 --prompt-ids 1,2 --max-tokens 1 --json --model " +

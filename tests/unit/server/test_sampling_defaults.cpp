@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "base/error.h"
+#include "engine/option_error.h"
 #include "server/http_server.h"
 #include "server/openai_json.h"
 #include "support/test_support.h"
@@ -33,28 +34,28 @@ TEST(SamplingDefaults, FlagsOverrideTheGenerationConfig) {
   EXPECT_TRUE(resolve_sampling_defaults(flags, dir.path()).plain_greedy());
 }
 
-TEST(SamplingDefaults, OutOfRangeFlagsAreErrorsNamingTheFlag) {
+TEST(SamplingDefaults, OutOfRangeValuesAreOptionErrorsNamingTheField) {
   lily::test::TempDir dir;
-  auto message = [&](SamplingFlags f) {
+  auto refusal = [&](SamplingFlags f) {
     try {
       resolve_sampling_defaults(f, dir.path());
-    } catch (const Error& e) {
-      return std::string(e.what());
+    } catch (const OptionError& e) {
+      return e.field() + " | " + e.what();
     }
     return std::string("accepted");
   };
   SamplingFlags f;
   f.temperature = 2.5;
-  EXPECT_NE(message(f).find("--temperature"), std::string::npos);
+  EXPECT_EQ(refusal(f), "temperature | temperature must be in [0.0, 2.0], got 2.5");
   f = {};
   f.top_p = 0;
-  EXPECT_NE(message(f).find("--top-p"), std::string::npos);
+  EXPECT_EQ(refusal(f), "top_p | top_p must be in (0.0, 1.0], got 0.0");
   f = {};
   f.top_k = -3;
-  EXPECT_NE(message(f).find("--top-k"), std::string::npos);
+  EXPECT_EQ(refusal(f), "top_k | top_k must be -1, 0 (off) or a positive integer, got -3");
   f = {};
   f.min_p = 1.5;
-  EXPECT_NE(message(f).find("--min-p"), std::string::npos);
+  EXPECT_EQ(refusal(f), "min_p | min_p must be in [0.0, 1.0], got 1.5");
 }
 
 TEST(SamplingJson, ChoicesCarrySeedsAndLogprobsInOpenAIsShape) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "base/error.h"
+#include "engine/option_error.h"
 #include "server/http_server.h"
 #include "server/metrics.h"
 #include "server/openai_json.h"
@@ -32,11 +33,52 @@ TEST(MaxSeq, DefaultsToTheCheckpointAndClamps) {
   EXPECT_EQ(resolve_max_seq(std::nullopt, 0, 4096), 4096);
   EXPECT_EQ(resolve_max_seq(std::nullopt, 8192, 4096), 4096);
   EXPECT_EQ(resolve_max_seq(2048, 8192, 4096), 2048);
+  // The refusals name the option by its field, never as the command line's flag.
   try {
     resolve_max_seq(5000, 8192, 4096);
-    FAIL() << "expected lily::Error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("backend's limit of 4096"), std::string::npos) << e.what();
+    FAIL() << "expected OptionError";
+  } catch (const OptionError& e) {
+    EXPECT_EQ(e.field(), "max_seq");
+    EXPECT_STREQ(e.what(), "max_seq 5000 exceeds the backend's limit of 4096 tokens");
+    EXPECT_EQ(e.message_naming("--max-seq"), "--max-seq 5000 exceeds the backend's limit of 4096 tokens");
+  }
+  try {
+    resolve_max_seq(1, 4096);
+    FAIL() << "expected OptionError";
+  } catch (const OptionError& e) {
+    EXPECT_EQ(e.field(), "max_seq");
+    EXPECT_STREQ(e.what(), "max_seq must be at least 2 (got 1)");
+  }
+}
+
+TEST(ServerOptionsCheck, NamesTheFieldOutOfRange) {
+  EXPECT_NO_THROW(check_server_options(ServerOptions{}));
+  struct Bad {
+    void (*set)(ServerOptions&);
+    const char* message;  ///< the whole what(): the field, then the detail
+  };
+  const Bad bad[] = {
+      {[](ServerOptions& o) { o.max_body = 0; }, "max_body must be at least 1 byte, got 0"},
+      {[](ServerOptions& o) { o.max_connections = 0; }, "max_connections must be at least 1, got 0"},
+      {[](ServerOptions& o) { o.max_header_bytes = 255; }, "max_header_bytes must be between 256 and 2^24, got 255"},
+      {[](ServerOptions& o) { o.max_header_bytes = (1 << 24) + 1; },
+       "max_header_bytes must be between 256 and 2^24, got 16777217"},
+      {[](ServerOptions& o) { o.max_headers = 0; }, "max_headers must be at least 1, got 0"},
+      {[](ServerOptions& o) { o.read_timeout_s = 0; }, "read_timeout_s must be at least 1 s, got 0"},
+      {[](ServerOptions& o) { o.write_timeout_s = -1; }, "write_timeout_s must be at least 1 s, got -1"},
+      {[](ServerOptions& o) { o.keep_alive_s = 0; }, "keep_alive_s must be at least 1 s, got 0"},
+      {[](ServerOptions& o) { o.send_buffer = -1; }, "send_buffer must be between 0 and 2^30 bytes, got -1"},
+  };
+  for (const Bad& b : bad) {
+    ServerOptions o;
+    b.set(o);
+    try {
+      check_server_options(o);
+      ADD_FAILURE() << "accepted: " << b.message;
+    } catch (const OptionError& e) {
+      EXPECT_STREQ(e.what(), b.message);
+      EXPECT_EQ(std::string(b.message).rfind(e.field() + " ", 0), 0u) << e.field();
+    }
   }
 }
 
@@ -67,10 +109,21 @@ TEST(Bind, HostPortForms) {
   parse_bind("0.0.0.0", host, port);
   EXPECT_EQ(host, "0.0.0.0");
   EXPECT_EQ(port, 9000);
-  EXPECT_THROW(parse_bind("host:99999", host, port), Error);
-  EXPECT_THROW(parse_bind("host:12a", host, port), Error);
-  EXPECT_THROW(parse_bind(":80", host, port), Error);
-  EXPECT_THROW(parse_bind("[::1", host, port), Error);
+  // Each refusal is an OptionError for "bind" that quotes the text and says what is wrong.
+  const std::pair<const char*, const char*> bad[] = {
+      {"host:99999", "bind 'host:99999': port above 65535"},  {"host:12a", "bind 'host:12a': bad port"},
+      {":80", "bind ':80': empty host"},              {"[::1", "bind '[::1': missing ']'"},
+      {"[::1]80", "bind '[::1]80': expected ':' after ']'"}, {"host:65536", "bind 'host:65536': port above 65535"},
+  };
+  for (const auto& [text, message] : bad) {
+    try {
+      parse_bind(text, host, port);
+      ADD_FAILURE() << "accepted " << text;
+    } catch (const OptionError& e) {
+      EXPECT_EQ(e.field(), "bind");
+      EXPECT_STREQ(e.what(), message);
+    }
+  }
 }
 
 TEST(Bind, Loopback) {
