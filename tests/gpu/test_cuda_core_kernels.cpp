@@ -12,6 +12,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <numeric>
 #include <ostream>
 #include <string>
@@ -1284,6 +1285,64 @@ TEST(CudaTiming, PrintsKernelTimes) {
 
 // The MoE half of 40 decode layers (160 kernels) as one CUDA graph, PDL off vs on: the per-kernel
 // figure is what one launch costs inside the decode graph (printed, never asserted).
+// The streaming GEMV's stage budget swept at the decode's one-row shapes: the final norm + LM
+// head and the input norm + GDN in-projection (staged mode, the norm fused) and the
+// out-projection (direct mode), for blocks per SM × shared memory per SM
+// (cuda::set_stream_gemv_blocks_per_sm, cuda::set_stream_gemv_smem_per_sm). Asserts that every
+// setting gives the default's bits (stages and grid size never change a row's arithmetic);
+// prints µs and GB/s a launch, rotating over enough copies of a matrix that its weights come
+// from HBM, not from L2.
+TEST(CudaTiming, PrintsStreamGemvStageSweep) {
+  struct Shape {
+    const char* name;
+    int64_t rows;
+    int cols;
+    bool f32_out, fused_norm;
+    int copies;  // copies × bytes > L2 (50 MB)
+  };
+  const Shape shapes[] = {{"lm_head", kVocab, 2048, true, true, 1},
+                          {"gdn in_proj", 12352, 2048, false, true, 8},
+                          {"out_proj", 2048, 4096, false, false, 24}};
+  const ScopedSwitch<int64_t> smem(cuda::stream_gemv_smem_per_sm, cuda::set_stream_gemv_smem_per_sm);
+  const ScopedSwitch<int> blocks(cuda::stream_gemv_blocks_per_sm, cuda::set_stream_gemv_blocks_per_sm);
+  for (const Shape& s : shapes) {
+    std::mt19937_64 rng(17);
+    std::vector<std::unique_ptr<RandomQuant>> w;
+    for (int c = 0; c < s.copies; ++c) w.push_back(std::make_unique<RandomQuant>(s.rows, s.cols, 4, rng));
+    const NormInputs in(s.cols, rng);
+    DeviceBuffer y(size_t(s.rows) * 4);
+    auto launch = [&](int c) {
+      __nv_bfloat16* yb = s.f32_out ? nullptr : y.as<__nv_bfloat16>();
+      float* yf = s.f32_out ? y.as<float>() : nullptr;
+      if (s.fused_norm) cuda::launch_add_rmsnorm_gemv(in.norm(true), in.dx.as<__nv_bfloat16>(), w[c]->view(), yb, yf, nullptr);
+      else cuda::launch_quant_gemv(w[c]->view(), in.dx.as<__nv_bfloat16>(), yb, yf, nullptr);
+    };
+    auto output = [&] {
+      launch(0);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      return s.f32_out ? download_f32(y, s.rows) : download_bf16(y, s.rows);
+    };
+    blocks.set(cuda::kStreamBlocksPerSm);
+    smem.set(cuda::kStreamSmemPerSm);
+    const std::vector<float> reference = output();
+    const double bytes = double(s.rows) * (s.cols / 2 + s.cols / 64 * 4);
+    for (int b : {cuda::kStreamBlocksPerSm, 2}) {
+      for (int64_t kib : {64, 112, 168, 224}) {
+        blocks.set(b);
+        smem.set(kib * 1024);
+        EXPECT_EQ(bit_differences(output(), reference), 0) << s.name << ", " << b << " blocks per SM, " << kib << " KiB";
+        int c = 0;
+        const double us = time_us([&] {
+          launch(c);
+          c = (c + 1) % s.copies;
+        }, 48);
+        std::printf("[timing] stream gemv %-11s %6lldx%-5d %d blocks/SM, %3lld KiB/SM: %8.2f us (%5.0f GB/s)\n", s.name,
+                    static_cast<long long>(s.rows), s.cols, b, static_cast<long long>(kib), us, bytes / us / 1e3);
+      }
+    }
+  }
+}
+
 TEST(CudaTiming, PrintsGraphChainTimesWithAndWithoutPdl) {
   const PdlSetting keep;
   std::mt19937_64 rng(98);

@@ -249,6 +249,36 @@ int moe_tile_balance();
 /// for w < 0 or w > 1024.
 void set_moe_tile_balance(int w);
 
+/// Blocks per SM the streaming GEMV (quant_gemv.cu) is compiled for in its staged and direct
+/// modes with one column block (the decode projections and the LM head): its register budget,
+/// 64 per thread. Enough warps to hide the arithmetic's latency (LM head alone: 264, 159, 127 µs
+/// with 1, 2, 4 blocks per SM; decode in the graph 339, 352, 390 tok/s).
+inline constexpr int kStreamBlocksPerSm = 4;
+/// Shared memory of one SM that the streaming GEMV's blocks share for their weight stages (staged
+/// and direct modes), by default; the rest stays free for blocks of the next kernels, which then
+/// start their own loads early under PDL. Measured in the decode graph (4 blocks per SM): 220 KB
+/// 387.0, 160 KB 386.8, 112 KB 389.5 tok/s. At 112 KB a 2048-column tile (18.9 KB) gets one
+/// stage per block, four per SM.
+inline constexpr int64_t kStreamSmemPerSm = 112 * 1024;
+/// The most dynamic shared memory one block of the streaming GEMV may take (the SM's 227 KB).
+inline constexpr int64_t kStreamSmemMax = 227 * 1024;
+
+/// The shared memory (bytes) one SM's streaming-GEMV blocks share for their weight stages in the
+/// staged and direct modes: kStreamSmemPerSm by default. A block takes this divided by its blocks
+/// per SM and holds as many 16-row stages as fit (at least one). Stages never change a result's
+/// bits, so this is a speed setting, for timings (CudaTiming.PrintsStreamGemvStageSweep). Read
+/// when a launch is planned.
+int64_t stream_gemv_smem_per_sm();
+/// Sets stream_gemv_smem_per_sm() for the rest of the process. Throws lily::Error outside
+/// [16 KiB, kStreamSmemMax].
+void set_stream_gemv_smem_per_sm(int64_t bytes);
+/// Blocks per SM the streaming GEMV's grid is sized for in its staged and direct modes with one
+/// column block: 1 … kStreamBlocksPerSm, kStreamBlocksPerSm by default. Speed only, as above.
+int stream_gemv_blocks_per_sm();
+/// Sets stream_gemv_blocks_per_sm() for the rest of the process. Throws lily::Error outside
+/// [1, kStreamBlocksPerSm].
+void set_stream_gemv_blocks_per_sm(int n);
+
 /// Fused gate/up + SwiGLU for the selected experts (docs/model.md §4.3 item 5): for each slot
 /// k < n_sel of token row t, expert e = ids[t·n_sel + k]: g = bf16(W_gate[e] x), u = bf16(W_up[e] x),
 /// act[t, k, i] = bf16(silu(g_i)·u_i). gate/up: stacks of (n_experts + 1)·ffn rows (shared expert

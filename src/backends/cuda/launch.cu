@@ -29,6 +29,9 @@ std::atomic<bool> g_gdn_chunk_parallel{true};
 std::atomic<int> g_rows_gemv_staging_min_rows{kRowsGemvFromDefault};
 /// The MoE rows kernel's tile split (moe_tile_balance).
 std::atomic<int> g_moe_tile_balance{0};
+/// The streaming GEMV's stage budget (stream_gemv_smem_per_sm, stream_gemv_blocks_per_sm).
+std::atomic<int64_t> g_stream_smem_per_sm{kStreamSmemPerSm};
+std::atomic<int> g_stream_blocks_per_sm{kStreamBlocksPerSm};
 
 /// What the driver was told and answered per kernel; guarded by `mutex`.
 struct LaunchFacts {
@@ -93,6 +96,22 @@ int moe_tile_balance() { return g_moe_tile_balance.load(std::memory_order_relaxe
 void set_moe_tile_balance(int w) {
   if (w < 0 || w > 1024) throw ::lily::Error("set_moe_tile_balance: " + std::to_string(w) + " (0 … 1024)");
   g_moe_tile_balance.store(w, std::memory_order_relaxed);
+}
+
+int64_t stream_gemv_smem_per_sm() { return g_stream_smem_per_sm.load(std::memory_order_relaxed); }
+void set_stream_gemv_smem_per_sm(int64_t bytes) {
+  if (bytes < 16 * 1024 || bytes > kStreamSmemMax)
+    throw ::lily::Error("set_stream_gemv_smem_per_sm: " + std::to_string(bytes) + " bytes (16 KiB … " +
+                        std::to_string(kStreamSmemMax) + ")");
+  g_stream_smem_per_sm.store(bytes, std::memory_order_relaxed);
+}
+
+int stream_gemv_blocks_per_sm() { return g_stream_blocks_per_sm.load(std::memory_order_relaxed); }
+void set_stream_gemv_blocks_per_sm(int n) {
+  if (n < 1 || n > kStreamBlocksPerSm)
+    throw ::lily::Error("set_stream_gemv_blocks_per_sm: " + std::to_string(n) + " (1 … " +
+                        std::to_string(kStreamBlocksPerSm) + ")");
+  g_stream_blocks_per_sm.store(n, std::memory_order_relaxed);
 }
 
 bool gdn_chunk_parallel_enabled() { return g_gdn_chunk_parallel.load(std::memory_order_relaxed); }

@@ -323,16 +323,6 @@ __global__ void __launch_bounds__(kMmaThreads) quant_mma_gemv_kernel(DeviceQuant
 // The tile machinery and its arithmetic are stream_gemv.cuh's.
 
 static_assert(kMaxGemvCols / kGroup / kStreamWarps <= kStreamMaxGroupsPerWarp, "every row width the GEMVs take");
-/// Blocks per SM the grid is sized for: enough warps to hide the arithmetic's latency (lm_head
-/// alone: 264, 159, 127 µs with 1, 2, 4 blocks per SM; decode in the graph 339, 352, 390 tok/s).
-constexpr int kStreamBlocksPerSm = 4;
-/// Shared memory of one SM that the streaming blocks share; the rest stays free for blocks of the
-/// next kernels, which then start their own loads early under PDL. Measured in the decode graph
-/// (4 blocks per SM): 220 KB 387.0, 160 KB 386.8, 112 KB 389.5 tok/s. At 112 KB a 2048-column
-/// tile (18.9 KB) gets one stage per block, four per SM.
-constexpr int64_t kStreamSmemPerSm = 112 * 1024;
-constexpr int64_t kStreamSmemMax = 227 * 1024;
-
 /// Blocks per SM of the streaming kernel for kBlocks column blocks: more accumulators per thread
 /// from two blocks on (16 floats at four), so fewer, larger-register blocks.
 __host__ __device__ constexpr int stream_blocks_per_sm(int column_blocks) {
@@ -492,11 +482,16 @@ StreamPlan stream_gemv_plan(const DeviceQuant& w, int m, StreamMode mode = Strea
   plan.pad = kStreamChunkPad;
   plan.column_blocks = blocks_of_eight ? stream_column_blocks(m) : 1;
   const int64_t tiles = ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows));
-  const int per_sm = stream_mode_blocks_per_sm(mode, plan.column_blocks);
+  // The kernel's register budget allows stream_mode_blocks_per_sm blocks; the staged and direct
+  // modes with one column block may be sized for fewer (stream_gemv_blocks_per_sm), and share
+  // stream_gemv_smem_per_sm() of each SM for their stages (speed settings: a result's bits never
+  // depend on them).
+  const int most = stream_mode_blocks_per_sm(mode, plan.column_blocks);
+  const int per_sm = mode != StreamMode::rows && plan.column_blocks <= 1 ? std::min(most, stream_gemv_blocks_per_sm()) : most;
   plan.blocks = static_cast<int>(std::min<int64_t>(tiles, int64_t{sm_count()} * per_sm));
   const int64_t per_block = ceil_div(tiles, plan.blocks);
   const StreamLayout none = stream_layout(w.cols, m, 0, plan.pad, mode);
-  const int64_t budget = mode == StreamMode::rows ? kStreamSmemMax : kStreamSmemPerSm / per_sm;
+  const int64_t budget = mode == StreamMode::rows ? kStreamSmemMax : stream_gemv_smem_per_sm() / per_sm;
   int64_t fit = (budget - none.total) / none.stage_bytes;
   if (mode == StreamMode::rows && fit < 1) return plan;  // the rows take the SM: the caller runs fewer per launch
   fit = std::max<int64_t>(1, std::min<int64_t>({fit, kStreamMaxStages, per_block}));
