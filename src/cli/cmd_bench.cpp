@@ -195,7 +195,7 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
   {
     // A round fills prompt + decode steps + 1 positions; refused before the load, not after.
     const ModelConfig config = load_model_config(f.model);
-    const int64_t context = config.max_position_embeddings > 0 ? config.max_position_embeddings : kMaxContext;
+    const int64_t context = config.context_length();
     // prompt + steps + 1 > context, written so that a huge --prompt-len cannot overflow.
     if (f.prompt_len >= context || f.decode_steps >= context - f.prompt_len)
       throw Error("--prompt-len " + std::to_string(f.prompt_len) + " + --decode-steps " +

@@ -130,7 +130,7 @@ void print_json(const std::vector<int32_t>& prompt, const GenerationResult& r, c
 /// else the checkpoint's max_position_embeddings (or kMaxContext, model/config.h, when it declares none).
 /// Throws lily::Error for a --max-seq beyond the checkpoint's context.
 int64_t context_limit(const GenerateFlags& f, const ModelConfig& config) {
-  const int64_t declared = config.max_position_embeddings > 0 ? config.max_position_embeddings : kMaxContext;
+  const int64_t declared = config.context_length();
   if (f.max_seq > declared)
     throw Error("--max-seq " + std::to_string(f.max_seq) + " exceeds the checkpoint's context of " +
                 std::to_string(declared) + " tokens (max_position_embeddings in config.json)");

@@ -122,25 +122,25 @@ std::string human(double v, const char* const units[], int n_units, double base)
 void print_text(const nlohmann::json& j) {
   static const char* const kCount[] = {"", "K", "M", "B"};
   static const char* const kBytes[] = {" B", "KiB", "MiB", "GiB", "TiB"};  // base 1024
-  const auto& L = j["layers"];
-  const auto& A = j["attention"];
-  const auto& G = j["gdn"];
-  const auto& E = j["experts"];
+  const auto& layers = j["layers"];
+  const auto& attention = j["attention"];
+  const auto& gdn = j["gdn"];
+  const auto& experts = j["experts"];
   std::printf("checkpoint   %s\n", j["path"].get<std::string>().c_str());
   std::printf("shape        %s\n", j["shape_name"].get<std::string>().c_str());
   std::printf("layers       %d: %d Gated DeltaNet (linear attention) + %d gated full attention (every %d)\n",
-              L["total"].get<int>(), L["linear_attention"].get<int>(), L["full_attention"].get<int>(),
-              L["full_attention_interval"].get<int>());
+              layers["total"].get<int>(), layers["linear_attention"].get<int>(), layers["full_attention"].get<int>(),
+              layers["full_attention_interval"].get<int>());
   std::printf("hidden       %d, vocab %d, context %d\n", j["hidden"].get<int>(), j["vocab"].get<int>(),
               j["max_position_embeddings"].get<int>());
   std::printf("attention    %d query heads, %d kv heads, head_dim %d, rotary %d, theta %g\n",
-              A["heads"].get<int>(), A["kv_heads"].get<int>(), A["head_dim"].get<int>(),
-              A["rotary_dim"].get<int>(), A["rope_theta"].get<double>());
-  std::printf("gdn          %d key heads, %d value heads, Dk %d, Dv %d, conv %d\n", G["key_heads"].get<int>(),
-              G["value_heads"].get<int>(), G["key_head_dim"].get<int>(), G["value_head_dim"].get<int>(),
-              G["conv_kernel"].get<int>());
-  std::printf("experts      %d routed, top-%d, expert I %d, + 1 shared expert (I %d)\n", E["count"].get<int>(),
-              E["top_k"].get<int>(), E["moe_ffn_dim"].get<int>(), E["shared_ffn_dim"].get<int>());
+              attention["heads"].get<int>(), attention["kv_heads"].get<int>(), attention["head_dim"].get<int>(),
+              attention["rotary_dim"].get<int>(), attention["rope_theta"].get<double>());
+  std::printf("gdn          %d key heads, %d value heads, Dk %d, Dv %d, conv %d\n", gdn["key_heads"].get<int>(),
+              gdn["value_heads"].get<int>(), gdn["key_head_dim"].get<int>(), gdn["value_head_dim"].get<int>(),
+              gdn["conv_kernel"].get<int>());
+  std::printf("experts      %d routed, top-%d, expert I %d, + 1 shared expert (I %d)\n", experts["count"].get<int>(),
+              experts["top_k"].get<int>(), experts["moe_ffn_dim"].get<int>(), experts["shared_ffn_dim"].get<int>());
   std::printf("quantization MLX affine, group size %d (q4 = 4-bit, q8 = 8-bit)\n",
               j["quantization"]["group_size"].get<int>());
   std::printf("tensors      by role: storage, count, parameters, bytes on disk, first tensor\n");

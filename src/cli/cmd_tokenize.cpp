@@ -150,7 +150,7 @@ void run_single(const TokenizeOptions& o) {
   } else if (!o.messages_json.empty()) {
     json parsed = json::parse(o.messages_json, nullptr, false);
     if (parsed.is_discarded()) throw Error("--render-messages: not valid JSON");
-    std::vector<ChatMessage> messages = parse_message_list(parsed, "--messages");
+    std::vector<ChatMessage> messages = parse_message_list(parsed, "--render-messages");
     const auto chat = load_chat_template(o);
     const ChatTemplateOptions options = parse_chat_options(o.chat_options, "--chat-options");
     std::string text = chat->render(messages, options);

@@ -15,6 +15,10 @@ namespace lily {
 /// context. Also the context assumed for a checkpoint that declares no max_position_embeddings.
 inline constexpr int64_t kMaxContext = 262144;
 
+/// The context (tokens) of a checkpoint that declares `declared` positions
+/// (max_position_embeddings; 0 = none declared): `declared`, else kMaxContext.
+inline int64_t context_or_default(int64_t declared) { return declared > 0 ? declared : kMaxContext; }
+
 /// Mixer kind of one decoder layer.
 enum class LayerType { kLinearAttention, kFullAttention };
 
@@ -101,6 +105,8 @@ struct ModelConfig {
   int n_full_attention_layers() const;
   int n_linear_attention_layers() const;
   bool is_full_attention(int layer) const { return layer_types[layer] == LayerType::kFullAttention; }
+  /// The context (tokens) this checkpoint allows: context_or_default(max_position_embeddings).
+  int64_t context_length() const { return context_or_default(max_position_embeddings); }
 
   /// True for exactly the Qwen3.6-35B-A3B shape (H 2048, 40 layers, 256 experts, …).
   bool is_qwen36_35b_a3b() const;

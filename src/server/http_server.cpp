@@ -27,7 +27,7 @@ int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared, int6
   if (requested && *requested > backend_limit)
     throw OptionError("max_seq", std::to_string(*requested) + " exceeds the backend's limit of " +
                                      std::to_string(backend_limit) + " tokens");
-  int64_t max_seq = requested.value_or(declared > 0 ? declared : kMaxContext);
+  int64_t max_seq = requested.value_or(context_or_default(declared));
   if (declared > 0) max_seq = std::min(max_seq, declared);
   max_seq = std::min(max_seq, backend_limit);
   if (max_seq < 2) throw OptionError("max_seq", "must be at least 2 (got " + std::to_string(max_seq) + ")");

@@ -6,6 +6,7 @@
 #include <map>
 #include <utility>
 
+#include "backends/cuda/kernels.h"
 #include "base/error.h"
 
 namespace lily::cuda {
@@ -119,7 +120,7 @@ DecodeProgram build_decode_program(const ModelConfig& c, const DecodeGrain& g) {
   check_grain(g);
   ProgramBuilder pb;
   const int64_t H = c.hidden, k = c.n_experts_per_tok, ffn = c.moe_ffn_dim;
-  const int64_t slots = k + 1;  // the k routed experts, then the shared expert
+  const int64_t slots = routed_plus_shared_slots(static_cast<int>(k));  // the k routed experts, then the shared expert
   const int64_t act_width = k * ffn + c.shared_ffn_dim;
   const int64_t mix_gdn = c.gdn_value_dim(), mix_attn = int64_t{c.n_heads} * c.head_dim;
   const int64_t gdn_in_rows = c.gdn_conv_channels() + c.gdn_value_dim() + 2 * int64_t{c.gdn_n_value_heads};
@@ -203,7 +204,7 @@ DecodeProgram build_decode_program(const ModelConfig& c, const DecodeGrain& g) {
     // first stores both), the slots' gate/up rows, the down rows of every slot combined; the
     // expert tasks take the top-k from the logits themselves.
     const int32_t routed = pb.counter("router" + at);
-    const int64_t router_rows = c.n_experts + 1;  // the router's E rows, then the shared expert's gate
+    const int64_t router_rows = routed_plus_shared_experts(c.n_experts);  // the router's E rows, then the shared expert's gate
     for_row_ranges(router_rows, g.router_rows, [&](int part, int64_t r0, int64_t r1) {
       std::vector<DecodeAccess> acc = {reads(B::kResidual, 0, H), reads(B::kMixerOut, 0, H),
                                        writes(B::kRouterLogits, r0, r1)};

@@ -83,24 +83,24 @@ __global__ void __launch_bounds__(kRouterThreads) router_gemm_kernel(const Devic
     float s_lo, b_lo, s_hi, b_hi;
     uint4 x[kTiles][2];         // k 16t … 16t+15 of token g of each column tile
   };
-  auto load_group = [&](int G, GroupLoads& L) {
-    L.q_lo = __ldg(c_lo + G * 4);  // 64 bytes per group = 4 uint4
-    L.q_hi = __ldg(c_hi + G * 4);
-    L.s_lo = __bfloat162float(w.scales[load_lo * groups + G]);
-    L.b_lo = __bfloat162float(w.biases[load_lo * groups + G]);
-    L.s_hi = __bfloat162float(w.scales[load_hi * groups + G]);
-    L.b_hi = __bfloat162float(w.biases[load_hi * groups + G]);
+  auto load_group = [&](int G, GroupLoads& loads) {
+    loads.q_lo = __ldg(c_lo + G * 4);  // 64 bytes per group = 4 uint4
+    loads.q_hi = __ldg(c_hi + G * 4);
+    loads.s_lo = __bfloat162float(w.scales[load_lo * groups + G]);
+    loads.b_lo = __bfloat162float(w.biases[load_lo * groups + G]);
+    loads.s_hi = __bfloat162float(w.scales[load_hi * groups + G]);
+    loads.b_hi = __bfloat162float(w.biases[load_hi * groups + G]);
 #pragma unroll
     for (int n = 0; n < kTiles; ++n) {
-      L.x[n][0] = __ldg(x_tok[n] + G * 8);
-      L.x[n][1] = __ldg(x_tok[n] + G * 8 + 1);
+      loads.x[n][0] = __ldg(x_tok[n] + G * 8);
+      loads.x[n][1] = __ldg(x_tok[n] + G * 8 + 1);
     }
   };
 
-  auto consume = [&](const GroupLoads& L) {
+  auto consume = [&](const GroupLoads& loads) {
     uint32_t a[4][4];  // [MMA j][register]
-    const uint32_t wl[4] = {L.q_lo.x, L.q_lo.y, L.q_lo.z, L.q_lo.w};
-    const uint32_t wh[4] = {L.q_hi.x, L.q_hi.y, L.q_hi.z, L.q_hi.w};
+    const uint32_t wl[4] = {loads.q_lo.x, loads.q_lo.y, loads.q_lo.z, loads.q_lo.w};
+    const uint32_t wh[4] = {loads.q_hi.x, loads.q_hi.y, loads.q_hi.z, loads.q_hi.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       code_word_pairs(wl[j], a[j][0], a[j][2]);
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kRouterThreads) router_gemm_kernel(const Devic
     }
 #pragma unroll
     for (int n = 0; n < kTiles; ++n) {
-      const uint4 x0 = L.x[n][0], x1 = L.x[n][1];
+      const uint4 x0 = loads.x[n][0], x1 = loads.x[n][1];
       const uint32_t bw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
       float dq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dx[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -118,10 +118,10 @@ __global__ void __launch_bounds__(kRouterThreads) router_gemm_kernel(const Devic
         mma_bf16_16816(dx, ones, b);
       }
       // dq: (row g, tokens 2t, 2t+1), (row g+8, same); dx[0], dx[1]: Σx of tokens 2t, 2t+1.
-      acc[n][0] += __fmaf_rn(L.s_lo, dq[0], __fmul_rn(L.b_lo, dx[0]));
-      acc[n][1] += __fmaf_rn(L.s_lo, dq[1], __fmul_rn(L.b_lo, dx[1]));
-      acc[n][2] += __fmaf_rn(L.s_hi, dq[2], __fmul_rn(L.b_hi, dx[0]));
-      acc[n][3] += __fmaf_rn(L.s_hi, dq[3], __fmul_rn(L.b_hi, dx[1]));
+      acc[n][0] += __fmaf_rn(loads.s_lo, dq[0], __fmul_rn(loads.b_lo, dx[0]));
+      acc[n][1] += __fmaf_rn(loads.s_lo, dq[1], __fmul_rn(loads.b_lo, dx[1]));
+      acc[n][2] += __fmaf_rn(loads.s_hi, dq[2], __fmul_rn(loads.b_hi, dx[0]));
+      acc[n][3] += __fmaf_rn(loads.s_hi, dq[3], __fmul_rn(loads.b_hi, dx[1]));
     }
   };
 
