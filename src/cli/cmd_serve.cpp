@@ -225,6 +225,10 @@ void register_serve(CLI::App& app, int& exit_code, const server::ServerTestHooks
     try {
       server::ServerOptions options = resolve(*flags);
       options.test_hooks = serve_hooks;
+      // Said here, where the flags are known (the server itself names no flag).
+      if (options.api_key.empty() && !server::is_loopback_host(options.host))
+        log_warn("binding to " + options.host + " without an API key: anyone who can reach it can use it "
+                 "(set --api-key or LILY_API_KEY)");
       exit_code = server::run_server(options);
     } catch (const OptionError& e) {  // the server's or the engine's words for an option: the flag's
       throw Error(e.message_naming(serve_flag(e.field())));

@@ -187,7 +187,7 @@ bool LilyServer::evict_idle_locked(Clock::time_point now) {
   if (now - last_evict_log_ >= kEvictLogInterval) {
     const auto idle_ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - oldest->idle_since).count();
     std::string line = "closed a connection idle for " + std::to_string(idle_ms) +
-                       " ms (waiting for a request head) to admit a new one (--max-connections " +
+                       " ms (waiting for a request head) to admit a new one (connection limit " +
                        std::to_string(options_.max_connections) + " reached)";
     if (evictions_unlogged_ > 1) line += "; " + std::to_string(evictions_unlogged_ - 1) + " more since the last such line";
     log_info(line);
@@ -296,15 +296,15 @@ After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buff
     if (ec == http::error::header_limit || ec == http::error::buffer_overflow)
       return refuse(stream, parser, ApiError(431, "invalid_request_error",
                                              "request head exceeds the limit of " +
-                                                 std::to_string(options_.max_header_bytes) + " bytes (--max-header-bytes)",
+                                                 std::to_string(options_.max_header_bytes) + " bytes",
                                              std::nullopt, "request_header_too_large"));
     if (ec == http::error::body_limit)  // a declared Content-Length above --max-body
       return refuse(stream, parser, ApiError(413, "invalid_request_error", body_limit_text, std::nullopt, "request_too_large"));
     if (ec == beast::error::timeout) {
       if (!parser.got_some() && buffer.size() == 0) return After::kAbort;  // silent: just closed
       return refuse(stream, parser, ApiError(408, "invalid_request_error",
-                                             "the request head did not arrive within " +
-                                                 std::to_string(options_.read_timeout_s) + " s (--read-timeout)",
+                                             "the request head did not arrive within the read timeout of " +
+                                                 std::to_string(options_.read_timeout_s) + " s",
                                              std::nullopt, "request_timeout"));
     }
     if (peer_went_away(ec)) return After::kAbort;
@@ -323,8 +323,8 @@ After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buff
   t_request.id = is_valid_request_id(client_id) ? client_id : "req_" + random_hex(16);
   if (static_cast<int64_t>(std::distance(head.begin(), head.end())) > options_.max_headers)
     return refuse(stream, parser, ApiError(431, "invalid_request_error",
-                                           "the request has more than " + std::to_string(options_.max_headers) +
-                                               " header fields (--max-headers)",
+                                           "the request has more header fields than the limit of " +
+                                               std::to_string(options_.max_headers),
                                            std::nullopt, "request_header_too_large"));
   // RFC 9112 §6.3: a request whose Transfer-Encoding does not end in chunked has no knowable
   // length. Answering it and reading on would let its body pass as the next request (request
@@ -336,7 +336,7 @@ After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buff
                                            std::nullopt, "bad_request"));
   if (over_capacity)
     return refuse(stream, parser, ApiError(503, "server_error",
-                                           "too many open connections (--max-connections " +
+                                           "too many open connections (limit " +
                                                std::to_string(options_.max_connections) + "); retry later",
                                            std::nullopt, "too_many_connections")
                                       .with_header("Retry-After", "1"));
@@ -365,8 +365,8 @@ After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buff
         return refuse(stream, parser, ApiError(413, "invalid_request_error", body_limit_text, std::nullopt, "request_too_large"));
       if (ec == beast::error::timeout)
         return refuse(stream, parser, ApiError(408, "invalid_request_error",
-                                               "the request body did not arrive within " +
-                                                   std::to_string(options_.read_timeout_s) + " s (--read-timeout)",
+                                               "the request body did not arrive within the read timeout of " +
+                                                   std::to_string(options_.read_timeout_s) + " s",
                                                std::nullopt, "request_timeout"));
       if (peer_went_away(ec)) return After::kAbort;
       return refuse(stream, parser, ApiError(400, "invalid_request_error", "malformed HTTP request body: " + ec.message(),

@@ -25,19 +25,20 @@ int64_t LilyServer::checked_max_tokens(const ChatCall& call, int64_t prompt_toke
   const GenerationFields& request = call.request;
   const int64_t room = max_seq_ - prompt_tokens;
   if (room < 1)
-    throw invalid_request("the prompt has " + std::to_string(prompt_tokens) + " tokens but --max-seq is " +
-                              std::to_string(max_seq_) + ", which leaves no room for a completion",
+    throw invalid_request("the prompt has " + std::to_string(prompt_tokens) +
+                              " tokens but this server's maximum context length is " + std::to_string(max_seq_) +
+                              " tokens, which leaves no room for a completion",
                           call.prompt_param, "context_length_exceeded");
   const int64_t cap = options_.max_tokens_cap;
   if (!request.max_tokens) return cap > 0 ? std::min(room, cap) : room;
   if (cap > 0 && *request.max_tokens > cap)
     throw invalid_request("max_tokens (" + std::to_string(*request.max_tokens) + ") exceeds this server's cap of " +
-                              std::to_string(cap) + " (--max-tokens)",
+                              std::to_string(cap) + " tokens",
                           "max_tokens", "max_tokens_exceeded");
   if (*request.max_tokens > room)
     throw invalid_request("prompt (" + std::to_string(prompt_tokens) + " tokens) + max_tokens (" +
-                              std::to_string(*request.max_tokens) + ") exceeds --max-seq " +
-                              std::to_string(max_seq_),
+                              std::to_string(*request.max_tokens) + ") exceeds this server's maximum context length of " +
+                              std::to_string(max_seq_) + " tokens",
                           "max_tokens", "context_length_exceeded");
   return *request.max_tokens;
 }

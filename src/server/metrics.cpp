@@ -201,7 +201,7 @@ std::string Metrics::render(const EngineGauges& g) const {
   scalar(out, "lily_generations_cancelled_total", "counter",
          "Generations stopped because the client went away or the server shut down.", cancelled_);
   scalar(out, "lily_http_connections_evicted_total", "counter",
-         "Idle connections (waiting for a request head) closed to admit a new one at --max-connections.",
+         "Idle connections (waiting for a request head) closed to admit a new one at the connection limit.",
          evicted_);
   histogram(out, "lily_time_to_first_token_seconds", "Request arrival to first generated token.", ttft_);
   histogram(out, "lily_inter_token_latency_seconds", "Time between consecutive generated tokens.", inter_token_);
@@ -222,7 +222,7 @@ std::string Metrics::render(const EngineGauges& g) const {
   scalar(out, "lily_requests_running", "gauge", "Requests in the engine's batch.", g.running);
   scalar(out, "lily_batch_size", "gauge", "Sequences in the engine step running now or last run (0 when idle).",
          g.batch_size);
-  scalar(out, "lily_max_batch", "gauge", "Most requests one engine step holds (--max-batch).", g.max_batch);
+  scalar(out, "lily_max_batch", "gauge", "Most requests one engine step holds.", g.max_batch);
   scalar(out, "lily_cache_hits_total", "counter", "Prefix cache hits.", static_cast<double>(g.cache.hits));
   scalar(out, "lily_cache_misses_total", "counter", "Prefix cache misses.", static_cast<double>(g.cache.misses));
   scalar(out, "lily_cache_tokens_saved_total", "counter",

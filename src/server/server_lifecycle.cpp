@@ -63,7 +63,7 @@ int LilyServer::run() {
     const SamplingParams& d = sampling_defaults_;
     char line[256];
     std::snprintf(line, sizeof line,
-                  "sampling defaults (flags over generation_config.json): temperature %g, top_p %g, top_k %d, "
+                  "sampling defaults (server options over generation_config.json): temperature %g, top_p %g, top_k %d, "
                   "min_p %g, repetition_penalty %g; requests may override them",
                   d.temperature, d.top_p, d.top_k, d.min_p, d.repetition_penalty);
     log_info(line);
@@ -71,9 +71,6 @@ int LilyServer::run() {
   model_name_ = served_model_name(config_, options_.model_dir, options_.served_model_name);
   created_ = std::chrono::duration_cast<std::chrono::seconds>(
                  std::chrono::system_clock::now().time_since_epoch()).count();
-  if (options_.api_key.empty() && !is_loopback_host(options_.host))
-    log_warn("binding to " + options_.host + " without an API key: anyone who can reach it can use it "
-             "(set --api-key or LILY_API_KEY)");
   stop_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (stop_fd_ < 0) throw Error("cannot create an eventfd for shutdown");
   bind();

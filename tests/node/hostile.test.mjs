@@ -186,6 +186,7 @@ describe('request heads and bodies', () => {
     const [res] = parseResponses(text);
     assert.equal(res?.status, 431, text.slice(0, 300));
     assert.equal(JSON.parse(res.body).error.code, 'request_header_too_large');
+    assert.equal(JSON.parse(res.body).error.message, 'request head exceeds the limit of 16384 bytes');
     assert.equal(res.get('connection'), 'close');
     // Just under the limit, with the key: served.
     const ok = await connect(server);
@@ -199,7 +200,8 @@ describe('request heads and bodies', () => {
     const sock = await connect(server);
     const [res] = await exchange(sock, `GET /health HTTP/1.1\r\nHost: x\r\n${fields}\r\n`);
     assert.equal(res.status, 431);
-    assert.match(JSON.parse(res.body).error.message, /more than 100 header fields/);
+    assert.equal(JSON.parse(res.body).error.code, 'request_header_too_large');
+    assert.equal(JSON.parse(res.body).error.message, 'the request has more header fields than the limit of 100');
     sock.destroy();
   });
 
@@ -372,6 +374,7 @@ describe('slow-loris and --max-connections', () => {
       const outcomes = await Promise.all(attackers);
       for (const { text, ms } of outcomes) {
         assert.match(text, /^HTTP\/1\.1 408 /, text.slice(0, 200));
+        assert.match(text, /the request head did not arrive within the read timeout of 2 s/, text.slice(0, 400));
         assert.ok(ms >= 1500 && ms < 8000, `closed after ${ms} ms`);
       }
       console.log(`# /health under 64 slow-loris connections: max ${Math.max(...times).toFixed(1)} ms (target 50 ms)`);
@@ -395,6 +398,7 @@ describe('slow-loris and --max-connections', () => {
       const [res] = parseResponses(text);
       assert.equal(res?.status, 408, text.slice(0, 300));
       assert.equal(JSON.parse(res.body).error.code, 'request_timeout');
+      assert.equal(JSON.parse(res.body).error.message, 'the request body did not arrive within the read timeout of 2 s');
       assert.match(res.get('x-request-id'), /^req_[0-9a-f]{16}$/);
       assert.ok(ms >= 1500 && ms < 8000, `closed after ${ms} ms`);
       assert.ok(sent < 40, `${sent} body bytes went in before the 408`);
@@ -490,7 +494,7 @@ describe('slow-loris and --max-connections', () => {
       const count = m.get('lily_http_connections_evicted_total');
       // At least the kept-alive one and the 20 oldest idle ones (the probes may find a free slot).
       assert.ok(count >= 21, `lily_http_connections_evicted_total ${count}`);
-      assert.match(server.log, /closed a connection idle for \d+ ms \(waiting for a request head\) to admit a new one/);
+      assert.match(server.log, /closed a connection idle for \d+ ms \(waiting for a request head\) to admit a new one \(connection limit \d+ reached\)/);
     } finally {
       for (const s of socks) s.destroy();
       await stopServer(server);
@@ -511,6 +515,7 @@ describe('slow-loris and --max-connections', () => {
       assert.deepEqual(res.headers.filter(([n]) => n === 'connection'), [['connection', 'close']]);
       assert.equal(res.get('keep-alive'), undefined);
       assert.equal(JSON.parse(res.body).error.code, 'too_many_connections');
+      assert.equal(JSON.parse(res.body).error.message, 'too many open connections (limit 1); retry later');
       assert.match(res.get('x-request-id'), /^req_[0-9a-f]{16}$/, 'refusals carry a request id too');
       holder.destroy();
       sock.destroy();

@@ -52,6 +52,7 @@ describe('--max-connections', () => {
       const err = JSON.parse(refused.body).error;
       assert.equal(err.code, 'too_many_connections');
       assert.equal(err.type, 'server_error');
+      assert.equal(err.message, 'too many open connections (limit 2); retry later');
       // A refused keep-alive client is answered 503 and closed too.
       const keepAlive = await connect(server);
       const text = await exchange(keepAlive, 'GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n');
@@ -213,7 +214,7 @@ describe('--max-tokens (the per-request completion cap)', () => {
       assert.equal(over.json.error.type, 'invalid_request_error');
       assert.equal(over.json.error.param, 'max_tokens');
       assert.equal(over.json.error.code, 'max_tokens_exceeded');
-      assert.match(over.json.error.message, /max_tokens \(6\) exceeds this server's cap of 5/);
+      assert.match(over.json.error.message, /^max_tokens \(6\) exceeds this server's cap of 5 tokens$/);
     } finally {
       await stopServer(server);
     }

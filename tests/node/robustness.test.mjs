@@ -87,7 +87,8 @@ describe(`context limit at exactly --max-seq ${MAX_SEQ}`, () => {
     assert.equal(noMax.json.error.code, 'context_length_exceeded');
     assert.equal(noMax.json.error.type, 'invalid_request_error');
     assert.equal(noMax.json.error.param, 'messages');
-    assert.match(noMax.json.error.message, new RegExp(`the prompt has ${MAX_SEQ} tokens but --max-seq is ${MAX_SEQ}`));
+    assert.match(noMax.json.error.message, new RegExp(`the prompt has ${MAX_SEQ} tokens but this server's maximum context length is ${MAX_SEQ} tokens, ` +
+      'which leaves no room for a completion'));
     assert.ok(oneLess, `some prompt has exactly ${MAX_SEQ - 1} tokens`);
     const res = await chat(server, { model: MODEL, messages: [user(oneLess)] });
     assert.equal(res.status, 200, res.body);

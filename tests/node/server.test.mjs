@@ -198,8 +198,11 @@ describe('lily serve (default settings)', () => {
   it('max_tokens beyond --max-seq names both numbers', async () => {
     const res = await chat(suite.server, { model: MODEL, messages: [user('hi')], max_tokens: 5000 });
     assert.equal(res.status, 400);
-    assert.match(res.json.error.message, /5000/);
-    assert.match(res.json.error.message, /4096/);
+    assert.equal(res.json.error.type, 'invalid_request_error');
+    assert.equal(res.json.error.param, 'max_tokens');
+    assert.equal(res.json.error.code, 'context_length_exceeded');
+    assert.match(res.json.error.message,
+      /^prompt \(\d+ tokens\) \+ max_tokens \(5000\) exceeds this server's maximum context length of 4096 tokens$/);
   });
 
   it('malformed JSON, non-object bodies and invalid UTF-8 are 400s', async () => {

@@ -361,7 +361,12 @@ TEST(Metrics, BatchGaugesAndStepHistograms) {
                              "lily_max_batch 8\n", "lily_step_seconds_bucket{le=\"0.005\"} 1\n",
                              "lily_step_seconds_count 2\n", "lily_step_batch_size_bucket{le=\"4\"} 1\n",
                              "lily_step_batch_size_bucket{le=\"8\"} 2\n", "lily_step_batch_size_sum 11\n",
-                             "# TYPE lily_step_seconds histogram\n"});
+                             "# TYPE lily_step_seconds histogram\n",
+                             "# HELP lily_max_batch Most requests one engine step holds.\n",
+                             "# HELP lily_http_connections_evicted_total Idle connections (waiting for a request head) "
+                             "closed to admit a new one at the connection limit.\n"});
+  // The help texts are the server's own words: no command-line flag (e.g. --max-batch).
+  EXPECT_EQ(text.find("--"), std::string::npos) << text;
 }
 
 TEST(Metrics, RequestPhasesAddUpPerPhase) {
