@@ -176,11 +176,6 @@ struct DecodeGeom {
   static_assert(kRowsPerPart * kParts == D && kSlices * kSliceCols == D, "bad decode geometry");
 };
 
-/// A cluster of D/32 CTAs per value head j (compile-time cluster dims); CTA y owns value
-/// columns [32y, 32y+32). Each CTA: q̂/k̂ L2 norms and gates (redundantly), the delta-rule step
-/// on its D×32 slice of S_j (fp32, in place), bf16 output; the gated RMSNorm's Σo² is summed
-/// over the cluster through distributed shared memory. Thread (part, m): column m of the
-/// slice, key rows [16·part, +16).
 /// This thread's part of the decode step's state slice: S_j[i][col] (fp32, as stored) for its
 /// key rows i = 16·part … 16·part + 15, where j = blockIdx.x is the value head, part = tid / 32
 /// and col = 32·blockIdx.y + tid % 32 (gdn_decode_head's mapping). `state`: fp32
@@ -196,6 +191,11 @@ __device__ __forceinline__ void load_state_slice(const float* state, float (&raw
   for (int r = 0; r < Geom::kRowsPerPart; ++r) raw[r] = __ldcg(S + (part * Geom::kRowsPerPart + r) * D + col);
 }
 
+/// A cluster of D/32 CTAs per value head j (compile-time cluster dims); CTA y owns value
+/// columns [32y, 32y+32). Each CTA: q̂/k̂ L2 norms and gates (redundantly), the delta-rule step
+/// on its D×32 slice of S_j (fp32, in place), bf16 output; the gated RMSNorm's Σo² is summed
+/// over the cluster through distributed shared memory. Thread (part, m): column m of the
+/// slice, key rows [16·part, +16).
 /// The body of gdn_decode_kernel, shared with the batched kernel (gdn_decode_rows_kernel): the
 /// caller has run pdl_prologue, passes one sequence's buffers and has loaded this thread's part
 /// of the state slice into `raw` (load_state_slice).

@@ -257,8 +257,10 @@ inline constexpr int kStreamBlocksPerSm = 4;
 /// Shared memory of one SM that the streaming GEMV's blocks share for their weight stages (staged
 /// and direct modes), by default; the rest stays free for blocks of the next kernels, which then
 /// start their own loads early under PDL. Measured in the decode graph (4 blocks per SM): 220 KB
-/// 387.0, 160 KB 386.8, 112 KB 389.5 tok/s. At 112 KB a 2048-column tile (18.9 KB) gets one
-/// stage per block, four per SM.
+/// 387.0, 160 KB 386.8, 112 KB 389.5 tok/s. At 112 KB a 2048-column tile (18.1 KiB) gets one
+/// stage per block, four per SM; twice or more the stages per SM left the LM head within 3 % and
+/// the projections unchanged (CudaTiming.PrintsStreamGemvStageSweep,
+/// docs/performance/2026-12-05-decode-loads-before-the-wait.md).
 inline constexpr int64_t kStreamSmemPerSm = 112 * 1024;
 /// The most dynamic shared memory one block of the streaming GEMV may take (the SM's 227 KB).
 inline constexpr int64_t kStreamSmemMax = 227 * 1024;
