@@ -1025,10 +1025,8 @@ class CudaBackend final : public Backend {
       const DeviceLayer& lw = model_->layers[static_cast<size_t>(l)];
       const int slot = layer_slot_[static_cast<size_t>(l)];
       DecodeTaskLayer& t = layers[static_cast<size_t>(l)];
-      const bool attention = lw.type == LayerType::kFullAttention;
       static_cast<DeviceLayerWeights&>(t) = lw;  // the layer's weights, whole
-      t.attention = attention ? 1 : 0;
-      if (attention) {
+      if (lw.type == LayerType::kFullAttention) {
         t.kv = s.kv(slot);
       } else {
         t.conv_window = s.window(slot);

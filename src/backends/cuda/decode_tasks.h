@@ -20,7 +20,6 @@ namespace lily::cuda {
 /// model's layer taken whole) and this sequence's state of the layer. Trivially copyable: the
 /// host fills an array of them and copies it to device memory (DecodeStepParams::layers).
 struct DecodeTaskLayer : DeviceLayerWeights {
-  int32_t attention = 0;                 ///< the mixer in_proj and out_proj belong to: 1 gated attention, 0 GDN
   __nv_bfloat16* conv_window = nullptr;  ///< GDN state: bf16 [C, K − 1], oldest first
   float* gdn_state = nullptr;            ///< GDN state: fp32 [Hv, Dk, Dv]
   KvCacheView kv;                        ///< attention state: K and V [nkv, capacity, D]

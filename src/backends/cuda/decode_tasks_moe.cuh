@@ -296,9 +296,10 @@ __device__ inline void prefetch_expert_gate_up(const DecodeStepParams& p, int la
   const ExpertSlotRows sr = gate_up_part(p, part);
   if (sr.slot < p.top_k) return;
   const DecodeTaskLayer& lw = p.layers[layer];
-  const int64_t row0 = int64_t{p.n_experts} * p.moe_ffn;
-  prefetch_rows_l2(lw.gate, row0 + sr.first, row0 + sr.last);
-  prefetch_rows_l2(lw.up, row0 + sr.first, row0 + sr.last);
+  const GateUpRuns g = gate_up_runs(p, lw, p.n_experts, sr);
+  const int64_t n = sr.last - sr.first;
+  prefetch_rows_l2(lw.gate, g.row0, g.row0 + n);
+  prefetch_rows_l2(lw.up, g.row0, g.row0 + n);
 }
 
 /// L2 prefetch for down task `part` of layer l, before its wait: the shared expert's down rows
