@@ -1343,6 +1343,77 @@ TEST(CudaTiming, PrintsStreamGemvStageSweep) {
   }
 }
 
+// Where one launch of the streaming GEMV spends its time, at the decode's one-row shapes (as in
+// the stage sweep): %globaltimer stamps of every block (cuda::set_stream_gemv_trace), printed as
+// µs after the first block's entry for the first, median and last block of each phase end. The
+// traced launch reads a copy of the matrix that the launches before it evicted from L2. Asserts
+// only that tracing leaves the output's bits alone.
+TEST(CudaTiming, PrintsStreamGemvPhases) {
+  struct Shape {
+    const char* name;
+    int64_t rows;
+    int cols;
+    bool f32_out, fused_norm;
+    int copies;  // copies × bytes > L2 (50 MB)
+  };
+  const Shape shapes[] = {{"lm_head", kVocab, 2048, true, true, 1},
+                          {"gdn in_proj", 12352, 2048, false, true, 8},
+                          {"attn q|k|v", 9216, 2048, false, true, 8},
+                          {"out_proj", 2048, 4096, false, false, 24}};
+  const char* phase[cuda::kStreamTracePoints] = {"entry",       "PDL wait",         "activations staged", "first tile on chip",
+                                                 "first tile stored", "last tile on chip", "exit"};
+  constexpr int kMaxBlocks = 8192;
+  DeviceBuffer trace(size_t(kMaxBlocks) * cuda::kStreamTracePoints * 8);
+  for (const Shape& s : shapes) {
+    std::mt19937_64 rng(23);
+    std::vector<std::unique_ptr<RandomQuant>> w;
+    for (int c = 0; c < s.copies; ++c) w.push_back(std::make_unique<RandomQuant>(s.rows, s.cols, 4, rng));
+    const NormInputs in(s.cols, rng);
+    DeviceBuffer y(size_t(s.rows) * 4);
+    auto launch = [&](int c) {
+      __nv_bfloat16* yb = s.f32_out ? nullptr : y.as<__nv_bfloat16>();
+      float* yf = s.f32_out ? y.as<float>() : nullptr;
+      if (s.fused_norm) cuda::launch_add_rmsnorm_gemv(in.norm(true), in.dx.as<__nv_bfloat16>(), w[c]->view(), yb, yf, nullptr);
+      else cuda::launch_quant_gemv(w[c]->view(), in.dx.as<__nv_bfloat16>(), yb, yf, nullptr);
+      CUDA_CHECK(cudaGetLastError());
+    };
+    auto output = [&] {
+      CUDA_CHECK(cudaDeviceSynchronize());
+      return s.f32_out ? download_f32(y, s.rows) : download_bf16(y, s.rows);
+    };
+    launch(0);
+    const std::vector<float> reference = output();
+    for (int r = 0; r < 2; ++r)
+      for (int c = 1; c < s.copies; ++c) launch(c);  // copy 0 leaves L2 (one copy: it is larger than L2)
+    trace.fill_bytes(0);
+    cuda::set_stream_gemv_trace(trace.as<uint64_t>());
+    launch(0);
+    const std::vector<float> traced = output();
+    cuda::set_stream_gemv_trace(nullptr);
+    EXPECT_EQ(bit_differences(traced, reference), 0) << s.name;
+    std::vector<uint64_t> t(size_t(kMaxBlocks) * cuda::kStreamTracePoints);
+    CUDA_CHECK(cudaMemcpy(t.data(), trace.as<uint64_t>(), t.size() * 8, cudaMemcpyDeviceToHost));
+    int blocks = 0;
+    while (blocks < kMaxBlocks && t[size_t(blocks) * cuda::kStreamTracePoints] != 0) ++blocks;
+    ASSERT_GT(blocks, 0) << s.name;
+    uint64_t start = UINT64_MAX;
+    for (int b = 0; b < blocks; ++b) start = std::min(start, t[size_t(b) * cuda::kStreamTracePoints]);
+    std::printf("[timing] stream gemv phases %-11s %6lldx%-5d %d blocks (µs after the first entry: first / median / last block)\n",
+                s.name, static_cast<long long>(s.rows), s.cols, blocks);
+    for (int p = 0; p < cuda::kStreamTracePoints; ++p) {
+      std::vector<double> us;
+      for (int b = 0; b < blocks; ++b) {
+        const uint64_t v = t[size_t(b) * cuda::kStreamTracePoints + p];
+        if (v != 0) us.push_back((v - start) / 1e3);
+      }
+      if (us.empty()) continue;
+      std::sort(us.begin(), us.end());
+      std::printf("[timing]   %-20s %8.2f %8.2f %8.2f  (%zu blocks)\n", phase[p], us.front(), us[us.size() / 2], us.back(),
+                  us.size());
+    }
+  }
+}
+
 TEST(CudaTiming, PrintsGraphChainTimesWithAndWithoutPdl) {
   const PdlSetting keep;
   std::mt19937_64 rng(98);

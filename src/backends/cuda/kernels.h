@@ -281,6 +281,16 @@ int stream_gemv_blocks_per_sm();
 /// [1, kStreamBlocksPerSm].
 void set_stream_gemv_blocks_per_sm(int n);
 
+/// Phase stamps per block of the streaming GEMV's trace (set_stream_gemv_trace): entry, PDL wait,
+/// activations staged, first tile on chip, first tile stored, last tile on chip, exit. A block
+/// with one tile stamps 3 and 5 at once; one with none leaves 3–5 as they were.
+inline constexpr int kStreamTracePoints = 7;
+/// Diagnostics: every later launch of the streaming GEMV (quant_gemv.cu) stamps %globaltimer (ns)
+/// at its phase ends into `trace`, uint64 [blocks][kStreamTracePoints], until this is called with
+/// null (the default). For timing tests: one launch at a time, `trace` large enough for its
+/// grid. Throws lily::Error on a CUDA error.
+void set_stream_gemv_trace(uint64_t* trace);
+
 /// Fused gate/up + SwiGLU for the selected experts (docs/model.md §4.3 item 5): for each slot
 /// k < n_sel of token row t, expert e = ids[t·n_sel + k]: g = bf16(W_gate[e] x), u = bf16(W_up[e] x),
 /// act[t, k, i] = bf16(silu(g_i)·u_i). gate/up: stacks of (n_experts + 1)·ffn rows (shared expert

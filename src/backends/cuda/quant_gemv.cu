@@ -29,6 +29,20 @@ namespace lily::cuda {
 namespace {
 
 constexpr int kGemvThreads = 256;
+
+/// Diagnostics (null in production): where quant_stream_gemv_kernel's blocks stamp %globaltimer
+/// (ns) at each phase end, uint64 [blocks][kStreamTracePoints] (set_stream_gemv_trace).
+__device__ uint64_t* g_stream_trace = nullptr;
+
+/// Warp 0, lane 0 of the block stamps phase `point` in g_stream_trace (`trace`: its value, read
+/// once at the kernel's entry).
+__device__ __forceinline__ void stream_trace_point(uint64_t* trace, int point) {
+  if (trace && threadIdx.x == 0) {
+    uint64_t ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    trace[int64_t{blockIdx.x} * kStreamTracePoints + point] = ns;
+  }
+}
 constexpr int kRowsUnroll = 4;  // rows per lane-group per step when there are many rows
 
 /// grid (blocks, m); x [m, cols]; y [m, rows]. With norm.gain non-null (m = 1), x goes through
@@ -361,6 +375,8 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
   const int64_t tiles = ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows));
   const int64_t my_tiles = blockIdx.x < tiles ? ceil_div(tiles - blockIdx.x, gridDim.x) : 0;
+  uint64_t* const trace = g_stream_trace;
+  stream_trace_point(trace, 0);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) mbarrier_init(full + s, 1);
@@ -374,6 +390,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   if (warp == 0)
     for (int64_t j = 0; j < stages && j < my_tiles; ++j) stream_request_tile(w, j, sm + l.ring + j * l.stage_bytes, l, full + j);
   pdl_prologue();
+  stream_trace_point(trace, 1);
 
   uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);
   float* xsum = reinterpret_cast<float*>(sm + l.xsum);
@@ -410,11 +427,14 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   const float* xs0 = xsum + (2 * t) * groups;      // Σx of token 2t (read only when 2t < m)
   const float* xs1 = xsum + (2 * t + 1) * groups;  // token 2t + 1
   const bool has0 = 2 * t < m, has1 = 2 * t + 1 < m;
+  stream_trace_point(trace, 2);
 
   for (int64_t i = 0; i < my_tiles; ++i) {
     const int s = static_cast<int>(i % stages);
     const unsigned char* stage = sm + l.ring + s * l.stage_bytes;
     mbarrier_wait(full + s, static_cast<uint32_t>(i / stages) & 1u);
+    if (i == 0) stream_trace_point(trace, 3);
+    if (i + 1 == my_tiles) stream_trace_point(trace, 5);
     const StreamTileView v = stream_tile_view(stage, l, groups, g, t);
     float acc[kBlocks][4] = {};
     if constexpr (kDirect) stream_tile_slice_direct<kBlocks>(v, x, cols, m, g, t, g_begin, g_end, xsum, acc);
@@ -455,7 +475,9 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
     for (int c = 0; c < kBlocks; ++c)
       store_mma_tile(acc[c], row_a, row_a + 2, t, m - c * kMmaMaxTokens, w.rows, y + int64_t{c} * kMmaMaxTokens * w.rows,
                      conv);
+    if (i == 0) stream_trace_point(trace, 4);
   }
+  stream_trace_point(trace, 6);
 }
 
 struct StreamPlan {
@@ -683,6 +705,8 @@ void launch_quant_gemv_batched(const DeviceQuant& w, const bf16* x, int m, bf16*
     if (y_f32) gemv_dispatch<8>(w, x, m, y_f32, stream); else gemv_dispatch<8>(w, x, m, y_bf16, stream);
   }
 }
+
+void set_stream_gemv_trace(uint64_t* trace) { CUDA_CHECK(cudaMemcpyToSymbol(g_stream_trace, &trace, sizeof(trace))); }
 
 void launch_quant_gemv(const DeviceQuant& w, const bf16* x, bf16* y_bf16, float* y_f32, cudaStream_t stream) {
   launch_quant_gemv_batched(w, x, 1, y_bf16, y_f32, stream);
