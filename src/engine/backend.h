@@ -227,6 +227,12 @@ struct CudaOptions {
   /// LILY_CUDA_FUSED_MOE 1|0: the decode MoE block (router, experts, combine) as one launch with
   /// grid-wide barriers, or as three kernels. Needs fuse=1; shapes it does not support keep three.
   bool fused_moe = true;
+  /// LILY_CUDA_MOE_OUT_PROJ 1|0: in the one-sequence decode, each mixer's out-projection runs as
+  /// the fused MoE block's first phase (one launch fewer per layer, its weights on chip before the
+  /// block's PDL wait), with the separate GEMV's bits; needs fused_moe, and layers whose shapes the
+  /// block does not take keep the GEMV. Off by default: not yet run on a GPU (docs/cuda.md, "The
+  /// out-projection inside the MoE block").
+  bool moe_out_proj = false;
   /// LILY_CUDA_GEMM_KERNEL wgmma-mixed|wgmma-narrow|wgmma|grouped|all|0:
   /// the 4-bit grouped and dense GEMMs of the tensor-core prefill run on Hopper warpgroup MMAs
   /// with 256 weight rows per work item for the dense and down GEMMs and 128 for gate/up
@@ -310,8 +316,8 @@ struct CudaOptions {
   static std::string names();
   /// "fuse=1 pdl=1 stream-gemv=1 flash-prefill=1 device-sampler=1 gemv-row-tiles=1
   /// gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core
-  /// gemm-kernel=wgmma-mixed fused-moe=1 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64
-  /// rows-gemv-from=2 prefill-rows=1 persistent-decode=0", for logs and reports.
+  /// gemm-kernel=wgmma-mixed fused-moe=1 moe-out-proj=0 batched-decode=1 chunk=4096 max-batch=64
+  /// decode-rows=64 rows-gemv-from=2 prefill-rows=1 persistent-decode=0", for logs and reports.
   std::string describe() const;
 };
 
@@ -372,6 +378,7 @@ inline std::span<const Field> fields() {
          o.gemm_kernel = v;
        }},
       {"fused-moe", "LILY_CUDA_FUSED_MOE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.fused_moe = parse_choice(l, v, "1", "0"); }},
+      {"moe-out-proj", "LILY_CUDA_MOE_OUT_PROJ", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_out_proj = parse_choice(l, v, "1", "0"); }},
       {"batched-decode", "LILY_CUDA_BATCHED_DECODE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.batched_decode = parse_choice(l, v, "1", "0"); }},
       {"chunk", "LILY_CUDA_PREFILL_CHUNK", [](CudaOptions& o, const std::string& l, const std::string& v) { o.prefill_chunk = parse_int(l, v, 1, CudaOptions::kMaxPrefillChunk); }},
       {"max-batch", "LILY_CUDA_MAX_BATCH", [](CudaOptions& o, const std::string& l, const std::string& v) { o.max_batch = parse_int(l, v, 1, CudaOptions::kMaxBatch); }},
@@ -431,7 +438,7 @@ inline std::string CudaOptions::describe() const {
          " gdn-chunk-parallel=" + (gdn_chunk_parallel ? "1" : "0") + " gdn-local-mma=" + (gdn_local_mma ? "1" : "0") +
          " gdn-state-mma=" + (gdn_state_mma ? "1" : "0") + " prefill=" + (batched_prefill ? "batched" : "per-token") +
          " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " gemm-kernel=" + gemm_kernel +
-         " fused-moe=" + (fused_moe ? "1" : "0") +
+         " fused-moe=" + (fused_moe ? "1" : "0") + " moe-out-proj=" + (moe_out_proj ? "1" : "0") +
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
          " max-batch=" + std::to_string(max_batch) + " decode-rows=" + std::to_string(decode_rows) +
          " rows-gemv-from=" + std::to_string(rows_gemv_from) +

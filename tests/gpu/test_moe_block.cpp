@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <ostream>
 #include <string>
 #include <type_traits>
@@ -48,7 +49,7 @@ struct MoeBlock {
     act = poisoned(size_t(R) * (k + 1) * ffn * 2);
     act_sums = poisoned(size_t(R) * (k + 1) * (ffn / 8) * 4);
     normed_sums = poisoned(size_t(R) * (hidden / 64) * 4);
-    barriers = DeviceBuffer(2 * sizeof(uint32_t));
+    barriers = DeviceBuffer(3 * sizeof(uint32_t));  // the third: the out-projection phase's
   }
 
   /// The launch's arguments for `rows` rows: x (+ branch, when non-null) → x_out, normed;
@@ -321,6 +322,52 @@ TEST(CudaMoeBlock, RowsAreBitIdenticalToTheOneTokenBlock) {
   check_moe_rows(64, 12, 512, 192, 84, 7);    // 13 slots
 }
 
+/// The out-projection as the one-token block's first phase (MoeDecodeArgs::out_proj) against
+/// launch_quant_gemv followed by the block: the projection (the branch), the norm's outputs, the
+/// routing, act and the block's output, all bit for bit. A `cols`-column out-projection on
+/// `max_blocks` blocks (0: one per SM; fewer blocks than 16-row tiles: a block reuses its stage).
+void check_out_proj_phase(int E, int k, int hidden, int ffn, int cols, uint64_t seed, int max_blocks) {
+  std::mt19937_64 rng(seed);
+  MoeBlock m(E, k, hidden, ffn, rng);
+  RandomQuant wo(hidden, cols, 4, rng);
+  DeviceBuffer dx = upload_bf16(normal_bf16(hidden, rng, 2.0f)), core = upload_bf16(normal_bf16(cols, rng, 1.0f));
+  struct Result {
+    std::vector<uint32_t> branch, x_out, normed, logits, weights, act, out;
+    std::vector<int32_t> ids;
+  };
+  auto run = [&](bool phase) {
+    DeviceBuffer y = poisoned(size_t(hidden) * 2), x_out = poisoned(size_t(hidden) * 2), normed = poisoned(size_t(hidden) * 2),
+                 out = poisoned(size_t(hidden) * 2);
+    cuda::MoeDecodeArgs a = m.args(dx, y.as<__nv_bfloat16>(), x_out, normed, out);
+    if (phase) a.out_proj = {wo.view(), core.as<__nv_bfloat16>(), y.as<__nv_bfloat16>()};
+    else cuda::launch_quant_gemv(wo.view(), core.as<__nv_bfloat16>(), y.as<__nv_bfloat16>(), nullptr, nullptr);
+    m.barriers.fill_bytes(0);
+    launch_moe(a, nullptr, max_blocks, false);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const int n_sel = k + 1;
+    return Result{bits_of(download_bf16(y, hidden)),          bits_of(download_bf16(x_out, hidden)),
+                  bits_of(download_bf16(normed, hidden)),     bits_of(download_f32(m.logits, E + 1)),
+                  bits_of(download_f32(m.weights, n_sel)),    bits_of(download_bf16(m.act, int64_t(n_sel) * ffn)),
+                  bits_of(download_bf16(out, hidden)),        download_i32(m.ids, n_sel)};
+  };
+  const Result want = run(false), got = run(true);
+  const std::string where = std::to_string(hidden) + "x" + std::to_string(cols) + " on " + std::to_string(max_blocks) + " blocks";
+  EXPECT_EQ(got.branch, want.branch) << "out-projection, " << where;
+  EXPECT_EQ(got.x_out, want.x_out) << "x_out, " << where;
+  EXPECT_EQ(got.normed, want.normed) << "normed, " << where;
+  EXPECT_EQ(got.logits, want.logits) << "router logits, " << where;
+  EXPECT_EQ(got.ids, want.ids) << "routing, " << where;
+  EXPECT_EQ(got.weights, want.weights) << "routing weights, " << where;
+  EXPECT_EQ(got.act, want.act) << "act, " << where;
+  EXPECT_EQ(got.out, want.out) << "output, " << where;
+}
+
+TEST(CudaMoeBlock, OutProjectionPhaseGivesTheSeparateGemvBits) {
+  check_out_proj_phase(256, 8, 2048, 512, 4096, 91, 0);    // the real shape: one 16-row tile per block
+  check_out_proj_phase(256, 8, 2048, 512, 4096, 92, 118);  // 10 blocks take two tiles through one stage
+  check_out_proj_phase(16, 4, 256, 128, 512, 93, 3);       // the demo's hidden: 16 tiles on 3 blocks
+}
+
 TEST(CudaMoeBlock, RefusesWhatItDoesNotSupport) {
   std::mt19937_64 rng(67);
   MoeBlock tiny(8, 2, 128, 64, rng);  // hidden 128: not a multiple of 256
@@ -335,6 +382,24 @@ TEST(CudaMoeBlock, RefusesWhatItDoesNotSupport) {
   constexpr int kTooMany = cuda::kMaxMoeRows + 1;
   DeviceBuffer x2 = upload_bf16(normal_bf16(256 * kTooMany, rng2, 1.0f)), xo2(256 * kTooMany * 2),
                nm2(256 * kTooMany * 2), out2(256 * kTooMany * 2);
+  // The out-projection phase: the one-token block's only, of a 4-bit [hidden, k·512] matrix, its
+  // output the norm's branch.
+  {
+    RandomQuant wo(256, 512, 4, rng2), narrow(256, 448, 4, rng2), tall(512, 512, 4, rng2);
+    DeviceBuffer core = upload_bf16(normal_bf16(512, rng2, 1.0f)), y(256 * 2);
+    cuda::MoeDecodeArgs with = real.args(x2, y.as<__nv_bfloat16>(), xo2, nm2, out2);
+    with.out_proj = {wo.view(), core.as<__nv_bfloat16>(), y.as<__nv_bfloat16>()};
+    EXPECT_EQ(cuda::moe_block_unsupported(with), "");
+    EXPECT_NE(cuda::moe_block_rows_unsupported(with).find("out-projection"), std::string::npos);
+    for (const RandomQuant* bad : {&narrow, &tall}) {
+      cuda::MoeDecodeArgs b = with;
+      b.out_proj.w = bad->view();
+      EXPECT_NE(cuda::moe_block_unsupported(b).find("out-projection"), std::string::npos);
+    }
+    cuda::MoeDecodeArgs elsewhere = with;
+    elsewhere.out_proj.y = out2.as<__nv_bfloat16>();  // not the branch
+    EXPECT_THROW(cuda::launch_moe_block_decode(elsewhere, nullptr), InternalError);
+  }
   cuda::MoeDecodeArgs two = real.args(x2, nullptr, xo2, nm2, out2, nullptr, 2);
   EXPECT_NE(cuda::moe_block_unsupported(two).find("2 rows"), std::string::npos);  // one token only
   EXPECT_EQ(cuda::moe_block_rows_unsupported(two), "");
@@ -520,6 +585,49 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
                   kLayers, rows, weights[i], us[i][kRounds / 2], us[i].front(), us[i].back());
       CUDA_CHECK(cudaGraphExecDestroy(execs[i]));
     }
+  }
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// Per-layer time of the out-projection (4,096 → 2,048) and the one-token MoE block, as a GEMV
+// followed by the block or as the block's first phase (MoeDecodeArgs::out_proj): chains of 40
+// layers replayed from a CUDA graph with PDL, the out-projection's weights rotating over enough
+// copies that they come from HBM. Asserts that both chains give the same bits; the times are
+// printed, never asserted.
+TEST(CudaTiming, PrintsMoeOutProjectionTimes) {
+  const PdlSetting keep;
+  keep.set(true);
+  std::mt19937_64 rng(94);
+  constexpr int kLayers = 40, kReps = 20, kCopies = 24, kCols = 4096;
+  MoeBlockChain chain(256, 8, 2048, 512, kLayers, rng);
+  std::vector<std::unique_ptr<RandomQuant>> wo;
+  for (int c = 0; c < kCopies; ++c) wo.push_back(std::make_unique<RandomQuant>(2048, kCols, 4, rng));
+  DeviceBuffer core = upload_bf16(normal_bf16(kCols, rng, 1.0f)), y(2048 * 2), barriers(size_t(kLayers) * 3 * 4);
+  auto enqueue = [&](cudaStream_t s, bool phase) {
+    CUDA_CHECK(cudaMemsetAsync(barriers.data(), 0, barriers.bytes(), s));
+    for (int l = 0; l < kLayers; ++l) {
+      cuda::MoeDecodeArgs a = chain.m.args(chain.xr[l % 2], y.as<__nv_bfloat16>(), chain.xr[(l + 1) % 2], chain.normed,
+                                           chain.out[l % 2], barriers.as<uint32_t>() + 3 * l);
+      const cuda::DeviceQuant w = wo[l % kCopies]->view();
+      if (phase) a.out_proj = {w, core.as<__nv_bfloat16>(), y.as<__nv_bfloat16>()};
+      else cuda::launch_quant_gemv(w, core.as<__nv_bfloat16>(), y.as<__nv_bfloat16>(), nullptr, s);
+      cuda::launch_moe_block_decode(a, s);
+    }
+  };
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<uint32_t> want;
+  for (bool phase : {false, true}) {
+    cudaGraphExec_t exec = capture_graph(stream, [&](cudaStream_t st) { enqueue(st, phase); });
+    chain.reset();
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<uint32_t> got = bits_of(chain.result());
+    if (want.empty()) want = got;
+    else EXPECT_EQ(got, want) << "the chain with the out-projection phase differs from GEMV + block";
+    std::printf("[timing] out-projection + moe block x%d graph+PDL, %-22s %8.2f us per layer\n", kLayers,
+                phase ? "phase of the block" : "GEMV, then the block", graph_replay_us(exec, stream, kReps) / kLayers);
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
   }
   CUDA_CHECK(cudaStreamDestroy(stream));
 }

@@ -534,8 +534,9 @@ void check_device() {
                         std::to_string(prop.minor));
 }
 
-/// Grid barriers of one launch_moe_block_decode (MoeDecodeArgs::barriers).
-constexpr int kMoeBarriersPerLayer = 2;
+/// Grid barriers of one launch_moe_block_decode (MoeDecodeArgs::barriers; the third for its
+/// out-projection phase).
+constexpr int kMoeBarriersPerLayer = 3;
 static_assert(kMaxMoeRows >= kMaxDecodeRows, "one launch_moe_block_rows per layer takes a batched step's rows");
 
 void check_shapes(const ModelConfig& c) {
@@ -600,6 +601,7 @@ class CudaBackend final : public Backend {
     // The rows kernel at the most rows of a batched forward (≥ 2: a lone row takes the
     // one-sequence graph).
     batched_fused_moe_ = fused_moe_ && fused_moe_supported(std::max(2, options_.decode_rows));
+    moe_out_proj_ = options_.moe_out_proj && fused_moe_ && moe_out_proj_supported();
     if (options_.persistent_decode != "0") create_persistent_decode();
     routers_on_gemm_ = true;
     for (const auto& lw : model_->layers) routers_on_gemm_ = routers_on_gemm_ && router_gemm_supported(lw.router);
@@ -1135,14 +1137,17 @@ class CudaBackend final : public Backend {
       const DeviceLayer& lw = model_->layers[l];  // the layer's device weights
       const FusedNorm in_norm = fused_norm(l == 0 ? nullptr : moe_out_.as<bf16>(), lw.input_norm, x_alt_);
       if (!fuse_decode_) separate_norm(in_norm);
-      if (lw.type == LayerType::kLinearAttention) gdn_mixer(lw, s, layer_slot_[l], in_norm);
-      else attention_mixer(lw, s, layer_slot_[l], d_pos, d_len, in_norm);
+      // With moe_out_proj_ the MoE block runs the mixer's out-projection (the probes, which read
+      // the mixer's output before the block, take the separate GEMV).
+      const bool out_proj_in_moe = moe_out_proj_ && !probing;
+      if (lw.type == LayerType::kLinearAttention) gdn_mixer(lw, s, layer_slot_[l], in_norm, !out_proj_in_moe);
+      else attention_mixer(lw, s, layer_slot_[l], d_pos, d_len, in_norm, !out_proj_in_moe);
       if (probing) {
         if (l > 0) emit("layer_out", l - 1, pos, resid.as<bf16>(), c.hidden);
         emit("attn_norm", l, pos, normed_.as<bf16>(), c.hidden);
         emit("mixer_out", l, pos, mixer_out_.as<bf16>(), c.hidden);
       }
-      moe_block(lw, l);
+      moe_block(lw, l, out_proj_in_moe);
       if (probing) {
         emit("ffn_norm", l, pos, normed_.as<bf16>(), c.hidden);
         emit_f32("router_logits", l, pos, router_logits_.as<float>(), c.n_experts);
@@ -1181,7 +1186,8 @@ class CudaBackend final : public Backend {
     return n;
   }
 
-  void gdn_mixer(const DeviceLayer& lw, CudaState& s, int slot, const FusedNorm& in_norm) {
+  /// The GDN mixer of one token; `out_proj`: also its out-projection (else the MoE block runs it).
+  void gdn_mixer(const DeviceLayer& lw, CudaState& s, int slot, const FusedNorm& in_norm, bool out_proj) {
     bf16* proj = proj_.as<bf16>();
     const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
     // Input norm + in-projection + causal conv step (on the q|k|v rows) in one launch.
@@ -1198,11 +1204,13 @@ class CudaBackend final : public Backend {
     }
     gdn_decode(gdn_, lw.gdn, conv_out_.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, s.state(slot),
                mixer_core_out_.as<bf16>(), stream_);
-    launch_quant_gemv(lw.out_proj, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
+    if (out_proj) launch_quant_gemv(lw.out_proj, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
   }
 
+  /// The attention mixer of one token; `out_proj`: also its out-projection (else the MoE block
+  /// runs it).
   void attention_mixer(const DeviceLayer& lw, CudaState& s, int slot, const int32_t* d_pos, const int32_t* d_len,
-                       const FusedNorm& in_norm) {
+                       const FusedNorm& in_norm, bool out_proj) {
     bf16* proj = proj_.as<bf16>();
     const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim, kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
     if (fuse_decode_) launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), lw.in_proj, proj, nullptr, stream_);
@@ -1213,7 +1221,7 @@ class CudaBackend final : public Backend {
     const int splits = attention_decode_splits(s.capacity);
     attention_decode(attn_, q_out_.as<bf16>(), proj, kv, 1, d_len, splits, attn_ws_.as<float>(), attn_ws_bytes_,
                      mixer_core_out_.as<bf16>(), stream_);
-    launch_quant_gemv(lw.out_proj, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
+    if (out_proj) launch_quant_gemv(lw.out_proj, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
   }
 
   /// The fused MoE block's arguments for layer `layer` (the post norm's add reads x_alt_ and
@@ -1255,10 +1263,35 @@ class CudaBackend final : public Backend {
     return true;
   }
 
-  void moe_block(const DeviceLayer& lw, int layer) {
+  /// The fused MoE block's arguments with the layer's out-projection as its first phase (reading
+  /// mixer_core_out_, writing mixer_out_, the post norm's branch).
+  MoeDecodeArgs moe_args_with_out_proj(const DeviceLayer& lw, int layer) {
+    MoeDecodeArgs a = moe_args(lw, layer);
+    a.out_proj.w = lw.out_proj;
+    a.out_proj.x = mixer_core_out_.as<bf16>();
+    a.out_proj.y = mixer_out_.as<bf16>();
+    return a;
+  }
+
+  /// Whether every layer's MoE block takes its out-projection (moe_block_unsupported with
+  /// MoeDecodeArgs::out_proj); the reason of the first that does not goes to the log once.
+  bool moe_out_proj_supported() {
+    for (int l = 0; l < config().n_layers; ++l) {
+      const std::string why = moe_block_unsupported(moe_args_with_out_proj(model_->layers[l], l));
+      if (!why.empty()) {
+        log_info("CUDA backend: decode out-projections as separate GEMVs (" + why + ")");
+        return false;
+      }
+    }
+    return true;
+  }
+
+  /// The MoE half of a layer for one token; `out_proj`: the fused block runs the mixer's
+  /// out-projection first (moe_out_proj_).
+  void moe_block(const DeviceLayer& lw, int layer, bool out_proj) {
     const ModelConfig& c = config();
     const int k = c.n_experts_per_tok;
-    if (fused_moe_) return launch_moe_block_decode(moe_args(lw, layer), stream_);
+    if (fused_moe_) return launch_moe_block_decode(out_proj ? moe_args_with_out_proj(lw, layer) : moe_args(lw, layer), stream_);
     // Post norm (x_alt_ + mixer_out_ → x_, normed_) + router GEMV + top-k in one launch (the logits
     // are still written, for the probes).
     if (fuse_decode_) {
@@ -1847,6 +1880,9 @@ class CudaBackend final : public Backend {
   /// supported at kMaxMoeRows rows (decided once, so every batch size, 1 included, takes the
   /// same arithmetic).
   bool batched_fused_moe_ = false;
+  /// The one-sequence decode's out-projections inside the fused MoE block (options_.moe_out_proj,
+  /// when every layer's shape allows it).
+  bool moe_out_proj_ = false;
   /// Every layer's router runs on its GEMM in prefill (router_gemm_supported; decided once, at
   /// construction, for prefill_rows_keep_bits).
   bool routers_on_gemm_ = false;

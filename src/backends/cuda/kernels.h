@@ -305,6 +305,17 @@ void launch_expert_down_combine(const DeviceQuant& down, int hidden, const int32
                                 int n_sel, const __nv_bfloat16* act, int m, __nv_bfloat16* out,
                                 cudaStream_t stream);
 
+/// A mixer's out-projection run by the one-token MoE block as its first phase (MoeDecodeArgs::
+/// out_proj), so that the layer saves the separate GEMV's launch and its weights stream in before
+/// the block's PDL wait: y = W·x with the bits launch_quant_gemv gives it (the streaming GEMV's
+/// direct-mode tiles, k-slices and epilogue), then a grid barrier, then the block's add + RMSNorm
+/// reads y as its branch.
+struct MoeOutProjection {
+  DeviceQuant w;                    ///< 4-bit [hidden, cols], cols a multiple of 512; codes null: no phase
+  const __nv_bfloat16* x = nullptr; ///< bf16 [cols]: the mixer's core output (written by an earlier launch)
+  __nv_bfloat16* y = nullptr;       ///< bf16 [hidden]: the result; must be MoeDecodeArgs::norm.branch
+};
+
 /// Everything the fused decode MoE block (launch_moe_block_decode) reads and writes, for the
 /// `rows` tokens of one decode step (1 … kMaxMoeRows, one per sequence). Weights as for
 /// launch_add_rmsnorm_router_fused, launch_expert_gate_up and launch_expert_down_combine (the
@@ -329,7 +340,11 @@ struct MoeDecodeArgs {
   /// its norm and its gate/up phase; unused by the one-token block.
   float* normed_sums = nullptr;
   __nv_bfloat16* out = nullptr;        ///< bf16 [rows, hidden]: the MoE output
-  uint32_t* barriers = nullptr;        ///< uint32 [2], zero before every launch (a memset in the graph)
+  /// uint32 [2] (with out_proj: [3]), zero before every launch (a memset in the graph).
+  uint32_t* barriers = nullptr;
+  /// The mixer's out-projection as the one-token block's first phase (rows = 1 only; the rows
+  /// kernel refuses it). Off (w.codes null) by default: norm.branch is then an input.
+  MoeOutProjection out_proj;
   /// Diagnostics, null in production: per block, %globaltimer (ns) at each of the
   /// kMoeTracePoints phase ends (entry, PDL wait, norm, router (the rows kernel: both its norm
   /// and router units, stamped twice), barrier 1, routing, requests, gate/up + SwiGLU, (same),

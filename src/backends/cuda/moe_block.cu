@@ -17,6 +17,13 @@
 //     its down tiles at once;
 //  3. gate/up on tensor cores (quant_mma.cuh), SwiGLU, act to global memory, grid barrier 2;
 //  4. down + combine from tiles that arrived during steps 2 and 3.
+// Optionally (MoeDecodeArgs::out_proj, the kOutProj instances) the block first runs the mixer's
+// out-projection, whose output is the norm's branch: each block's 16-row tile of it is requested
+// before the PDL wait (the router rows then only go to L2, so that they hold no registers through
+// this phase), computed after it with the streaming GEMV's direct-mode arithmetic (stream_gemv.cuh:
+// the separate GEMV's bits), stored, and followed by grid barrier 0; the norm then reads the
+// branch through L2. This saves the out-projection's own launch and lets its weights stream in
+// under the mixer's last kernel.
 // Work split: gate/up tiles of 8 expert rows (16 MMA rows: the 8 gate rows and the same 8 up
 // rows, so each thread holds a row's gate and up values; six bulk copies a tile) are dealt
 // round-robin over the blocks;
@@ -46,6 +53,7 @@
 #include "backends/cuda/quant_mma.cuh"
 #include "backends/cuda/router_rows.cuh"
 #include "backends/cuda/router_topk.cuh"
+#include "backends/cuda/stream_gemv.cuh"
 
 namespace lily::cuda {
 namespace {
@@ -63,10 +71,23 @@ struct MoeLayout {
   int gu_max = 0, dn_max = 0;          ///< tiles per block at most
   int64_t bars = 0, gu_ring = 0, dn_ring = 0, xs = 0, xperm = 0, logits = 0, aperm = 0, asum = 0;
   int64_t gu_part = 0, dn_part = 0;
+  /// The out-projection phase (MoeDecodeArgs::out_proj; op_cols = 0: none): its 16-row tiles
+  /// (at most op_max a block) pass through one stage of op_stage bytes (the streaming GEMV's
+  /// direct-mode stage for op_cols columns); op_xsum: the input's group sums, op_part: the
+  /// k-slice partials of warps 1 … 7.
+  int op_cols = 0, op_max = 0;
+  int64_t op_stage = 0, op_ring = 0, op_xsum = 0, op_part = 0;
   int64_t total = 0;
 };
 
-__host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_experts, int n_sel, int blocks) {
+/// The streaming GEMV's tile layout of the out-projection phase: one row, one stage, padded
+/// chunks, direct mode (only its row_bytes, chunk_pitch and stage_bytes are used).
+__host__ __device__ inline StreamLayout out_proj_layout(int cols) {
+  return stream_layout(cols, 1, 1, kStreamChunkPad, StreamMode::direct);
+}
+
+__host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_experts, int n_sel, int blocks,
+                                                int op_cols = 0) {
   MoeLayout l;
   l.hidden = hidden;
   l.ffn = ffn;
@@ -82,8 +103,10 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
   l.gu_max = static_cast<int>(ceil_div(int64_t{n_sel} * l.gu_per_slot, blocks));
   l.dn_max = static_cast<int>(ceil_div(hidden / kTileRows, blocks));
   int64_t o = 0;
+  l.op_cols = op_cols;
+  l.op_max = op_cols > 0 ? static_cast<int>(ceil_div(int64_t{hidden} / kTileRows, blocks)) : 0;
   l.bars = o;
-  o += align16(int64_t{l.gu_max + l.dn_max} * 8);
+  o += align16(int64_t{l.gu_max + l.dn_max + 1} * 8);  // the last one: the out-projection stage's
   l.gu_ring = o;
   o += l.gu_max * l.gu_stage;
   l.dn_ring = o;
@@ -102,6 +125,15 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
   o += align16(int64_t{l.gu_max} * kBlockWarps * kTileRows * 4);
   l.dn_part = o;
   o += align16(int64_t{n_sel} * kTileRows * 4);
+  if (op_cols > 0) {
+    l.op_stage = out_proj_layout(op_cols).stage_bytes;
+    l.op_ring = o;
+    o += align16(l.op_stage);
+    l.op_xsum = o;
+    o += align16(int64_t{op_cols} / kGroup * 4);
+    l.op_part = o;
+    o += int64_t{kStreamWarps} * kWarp * 16;
+  }
   l.total = o;
   return l;
 }
@@ -147,8 +179,45 @@ __device__ __forceinline__ void group_one_token(const TileView& v, const uint32_
   acc_hi = affine_add(acc_hi, to_f32(v.s_hi[G]), d[2], to_f32(v.b_hi[G]), x);
 }
 
+/// Step 0 (MoeDecodeArgs::out_proj): this block's 16-row tiles b, b + G, … of y = W·x through
+/// the one stage at `stage` (the first requested before the PDL wait, each later one once the
+/// last is read), on `full`. Warps 0–7 are the streaming GEMV's k-slices (groups [w·G/8,
+/// (w+1)·G/8) each, stream_tile_slice_direct), warp 0 adds the others' partials in slice order
+/// and stores the tile (store_mma_tile): launch_quant_gemv's bits for every row. Warps 8–15 wait
+/// at the block barriers. All threads of the block; the caller's grid barrier follows.
+__device__ __forceinline__ void out_projection_phase(const MoeOutProjection& op, const MoeLayout& l, unsigned char* sm,
+                                                     uint64_t* full, int my_op) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+  const int cols = op.w.cols, groups = cols / kGroup, per_warp = groups / kStreamWarps;
+  const int g_begin = warp * per_warp, g_end = g_begin + per_warp;
+  const StreamLayout sl = out_proj_layout(cols);
+  unsigned char* stage = sm + l.op_ring;
+  float* xsum = reinterpret_cast<float*>(sm + l.op_xsum);
+  float4* partial = reinterpret_cast<float4*>(sm + l.op_part);  // [warp][lane]
+  if (warp < kStreamWarps) stream_direct_group_sums(op.x, cols, 1, g_begin, g_end, xsum);
+  for (int i = 0; i < my_op; ++i) {
+    float acc[1][4] = {};
+    if (warp < kStreamWarps) {
+      mbarrier_wait(full, static_cast<uint32_t>(i) & 1u);
+      const StreamTileView v = stream_tile_view(stage, sl, groups, g, t);
+      stream_tile_slice_direct<1>(v, op.x, cols, 1, g, t, g_begin, g_end, xsum, acc);
+      if (warp != 0) partial[warp * kWarp + lane] = make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
+    }
+    __syncthreads();  // the partials are in, and every warp is done with the stage
+    if (warp == 0) {
+      if (i + 1 < my_op) stream_request_tile(op.w, i + 1, stage, sl, full);
+      stream_add_slices<1>(partial, lane, acc);
+      const int64_t row_a = (blockIdx.x + int64_t{i} * gridDim.x) * kMmaTileRows + 4 * (g % 4) + g / 4;
+      store_mma_tile(acc[0], row_a, row_a + 2, t, 1, op.w.rows, op.y, FusedConv{});
+    }
+    __syncthreads();  // the partials are read before the next tile's are written
+  }
+}
+
 /// grid: blocks ≤ one per SM (all resident), block kBlockThreads. See the file comment.
-template <int RBITS>
+/// kOutProj: with the out-projection phase (l.op_cols > 0); the router rows then go to L2 before
+/// the wait and into registers after the phase, so that they hold no registers through it.
+template <int RBITS, bool kOutProj>
 __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeArgs a, MoeLayout l) {
   extern __shared__ __align__(16) unsigned char sm[];
   __shared__ int32_t sel_ids[kMaxTopK + 1];
@@ -161,6 +230,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   const int my_rt = b < n_rt ? (n_rt - 1 - b) / G + 1 : 0;
   uint64_t* gu_full = reinterpret_cast<uint64_t*>(sm + l.bars);
   uint64_t* dn_full = gu_full + l.gu_max;
+  uint64_t* op_full = dn_full + l.dn_max;
+  const int n_op = kOutProj ? l.hidden / kTileRows : 0;
+  const int my_op = b < n_op ? (n_op - 1 - b) / G + 1 : 0;  // out-projection tiles b, b + G, …
   unsigned char* gu_ring = sm + l.gu_ring;
   unsigned char* dn_ring = sm + l.dn_ring;
   auto dn_stages = [&](int i) { return dn_ring + int64_t{i} * l.n_sel * l.dn_stage; };
@@ -169,12 +241,17 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   if (threadIdx.x == 0) {
     for (int i = 0; i < my_gu; ++i) mbarrier_init(gu_full + i, 1);
     for (int i = 0; i < my_rt; ++i) mbarrier_init(dn_full + i, 2);  // shared slot, then the routed ones
+    if (kOutProj) mbarrier_init(op_full, 1);
     mbarrier_init_fence();
   }
   __syncthreads();
 
-  // 1. Weights whose addresses need no routing, before the wait (launch.cuh).
-  RouterRows<RBITS> router(a.router, int64_t{b} * kBlockWarps + warp, int64_t{G} * kBlockWarps);
+  // 1. Weights whose addresses need no routing, before the wait (launch.cuh): the first
+  // out-projection tile (needed first), the router rows, the shared expert's tiles.
+  if (kOutProj && warp == 0 && my_op > 0)
+    stream_request_tile(a.out_proj.w, 0, sm + l.op_ring, out_proj_layout(l.op_cols), op_full);
+  RouterRows<RBITS> router(a.router, int64_t{b} * kBlockWarps + warp, int64_t{G} * kBlockWarps, !kOutProj);
+  if (kOutProj) router.prefetch_l2(a.router);
   if (warp == 0) {
     for (int i = 0; i < my_gu; ++i) {
       const int j = b + i * G;
@@ -187,11 +264,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   pdl_prologue();
   trace_point(a, 1);
 
-  // 2. The normed row (block 0 also stores x_out and normed_out), its fragment-order copy, a
+  // 2. With the out-projection phase its tiles, then grid barrier 0 (the branch is the whole
+  // y). The normed row (block 0 also stores x_out and normed_out), its fragment-order copy, a
   // share of the router logits; then every block routes the token.
   float* xs = reinterpret_cast<float*>(sm + l.xs);
   float* xsum = xs + l.groups_h * kGroupStride;
-  stage_norm_row(a.x, a.norm, l.hidden, b == 0, xs, xsum, kNormThreads);
+  if constexpr (kOutProj) {
+    out_projection_phase(a.out_proj, l, sm, op_full, my_op);
+    grid_sync(a.barriers + 2, G);
+    stage_norm_row<true>(a.x, a.norm, l.hidden, b == 0, xs, xsum, kNormThreads);  // y from other blocks: via L2
+  } else {
+    stage_norm_row(a.x, a.norm, l.hidden, b == 0, xs, xsum, kNormThreads);
+  }
   trace_point(a, 2);
   uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);
   for (int i = threadIdx.x; i < l.hidden / 2; i += blockDim.x) {
@@ -199,7 +283,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
     const float* xg = xs + (c / kGroup) * kGroupStride + c % kGroup;
     xperm[i] = pack_bf16x2(xg[0], xg[4]);
   }
-  router.compute(a.router, xs, xsum, a.logits);
+  router.compute(a.router, xs, xsum, a.logits, !kOutProj);
   trace_point(a, 3);
   grid_sync(a.barriers, G);
   trace_point(a, 4);
@@ -291,6 +375,22 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
 }
 
 
+/// Why the one-token block cannot run a.out_proj ("" when it can, or when there is none): a
+/// 4-bit [hidden, cols] matrix with cols a multiple of 512 (≤ kMaxGemvCols; the streaming GEMV's
+/// even split of the groups over its 8 k-slices), 16-byte aligned arrays and input, an output
+/// that is the norm's branch.
+std::string out_proj_problem(const MoeDecodeArgs& a) {
+  const MoeOutProjection& op = a.out_proj;
+  if (!op.w.codes) return "";
+  auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  if (op.w.bits != 4 || op.w.rows != a.gate.cols || op.w.cols <= 0 || op.w.cols % 512 != 0 || op.w.cols > kMaxGemvCols)
+    return "the out-projection is not a 4-bit [hidden, k·512] matrix (" + std::to_string(op.w.rows) + " × " +
+           std::to_string(op.w.cols) + ", " + std::to_string(op.w.bits) + "-bit)";
+  if (!aligned(op.w.codes) || !aligned(op.w.scales) || !aligned(op.w.biases) || !aligned(op.x))
+    return "the out-projection's arrays and input are not 16-byte aligned";
+  return "";
+}
+
 /// The launch of `a`, or why it cannot run (see moe_block_unsupported).
 MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   constexpr const char* kLabel = "fused MoE block: ";
@@ -298,8 +398,14 @@ MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
       a.rows == 1 ? "" : std::to_string(a.rows) + " rows (the one-token block takes 1; launch_moe_block_rows takes more)";
   MoePlan<MoeLayout> p = start_plan<MoeLayout>(kLabel, a, rows_problem, max_blocks);
   if (!p.why.empty()) return p;
-  p.layout = moe_layout(a.gate.cols, a.ffn, a.n_experts, routed_plus_shared_slots(a.top_k), p.blocks);
-  return finish_plan(p, kLabel, a, moe_block_kernel<8>, moe_block_kernel<4>);
+  if (std::string why = out_proj_problem(a); !why.empty()) {
+    p.why = kLabel + why;
+    return p;
+  }
+  const int op_cols = a.out_proj.w.codes ? a.out_proj.w.cols : 0;
+  p.layout = moe_layout(a.gate.cols, a.ffn, a.n_experts, routed_plus_shared_slots(a.top_k), p.blocks, op_cols);
+  if (op_cols > 0) return finish_plan(p, kLabel, a, moe_block_kernel<8, true>, moe_block_kernel<4, true>);
+  return finish_plan(p, kLabel, a, moe_block_kernel<8, false>, moe_block_kernel<4, false>);
 }
 
 }  // namespace
@@ -339,6 +445,10 @@ void check_buffers(const MoeDecodeArgs& a, const char* what) {
     throw ::lily::InternalError(std::string(what) + ": logits, ids, weights, act, out and barriers are required");
   if (a.out == a.x || a.out == a.norm.branch || a.out == a.norm.x_out || a.out == a.norm.normed_out || a.norm.x_out == a.x)
     throw ::lily::InternalError(std::string(what) + ": out and x_out must not alias the norm's inputs");
+  if (a.out_proj.w.codes && (!a.out_proj.x || !a.out_proj.y || a.out_proj.y != a.norm.branch ||
+                             a.out_proj.x == a.out_proj.y || a.out_proj.y == a.x || a.out_proj.y == a.out))
+    throw ::lily::InternalError(std::string(what) + ": the out-projection needs an input and an output that is the "
+                                "norm's branch, aliasing neither the input nor the residual nor out");
 }
 
 }  // namespace moe

@@ -693,8 +693,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
 MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   constexpr const char* kLabel = "fused MoE block (rows): ";
   const int hidden = a.gate.cols, ffn = a.ffn, E = a.n_experts, k = a.top_k;
-  const std::string rows_problem = a.rows >= 1 && a.rows <= kMaxMoeRows ? ""
-      : std::to_string(a.rows) + " rows (1 … " + std::to_string(kMaxMoeRows) + " supported)";
+  const std::string rows_problem =
+      a.out_proj.w.codes ? "the out-projection phase (MoeDecodeArgs::out_proj) is the one-token block's"
+      : a.rows >= 1 && a.rows <= kMaxMoeRows ? ""
+                                             : std::to_string(a.rows) + " rows (1 … " + std::to_string(kMaxMoeRows) + " supported)";
   MoePlan<MoeLayout> p = start_plan<MoeLayout>(kLabel, a, rows_problem, max_blocks);
   if (!p.why.empty()) return p;
   auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };

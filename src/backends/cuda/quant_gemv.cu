@@ -399,26 +399,8 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   if constexpr (kDirect) {
     // Σx of this warp's groups for every token (group_sum_x, as the staged kernel forms them),
     // so that a row here gets the same bits as the staged kernel gives it alone (the batched
-    // decode is bit-identical to the one-sequence step). Only this warp reads them. All loads
-    // of a token are issued before its shuffles.
-    for (int n = 0; n < m; ++n) {
-      const bf16* xr = x + static_cast<int64_t>(n) * cols + lane;
-      float v[kStreamMaxGroupsPerWarp], v32[kStreamMaxGroupsPerWarp];
-#pragma unroll
-      for (int j = 0; j < kStreamMaxGroupsPerWarp; ++j) {
-        const int G = g_begin + j;
-        v[j] = G < g_end ? to_f32(xr[G * kGroup]) : 0.0f;
-        v32[j] = G < g_end ? to_f32(xr[G * kGroup + 32]) : 0.0f;
-      }
-#pragma unroll
-      for (int j = 0; j < kStreamMaxGroupsPerWarp; ++j) {
-        const int G = g_begin + j;
-        if (G >= g_end) break;  // warp-uniform
-        const float sum = group_sum_x(v[j], v32[j]);
-        if (lane == 0) xsum[n * groups + G] = sum;
-      }
-    }
-    __syncwarp();
+    // decode is bit-identical to the one-sequence step). Only this warp reads them.
+    stream_direct_group_sums(x, cols, m, g_begin, g_end, xsum);
   } else if constexpr (kMode == StreamMode::rows) {
     stage_rows_fragments(x, m, cols, xperm, xsum);
   } else {
@@ -458,16 +440,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
     }
     mbarrier_wait(ready + p, round & 1u);  // every warp is done with this stage and its slice
     if (i + stages < my_tiles) stream_request_tile(w, i + stages, sm + l.ring + s * l.stage_bytes, l, full + s);
-    for (int sl = 1; sl < kStreamWarps; ++sl) {
-#pragma unroll
-      for (int c = 0; c < kBlocks; ++c) {
-        const float4 o = partial[(c * kStreamWarps + sl) * kWarp + lane];
-        acc[c][0] += o.x;
-        acc[c][1] += o.y;
-        acc[c][2] += o.z;
-        acc[c][3] += o.w;
-      }
-    }
+    stream_add_slices<kBlocks>(partial, lane, acc);
     __syncwarp();
     if (lane == 0) mbarrier_arrive(freed + p);
     const int64_t row_a = (blockIdx.x + i * gridDim.x) * int64_t{kMmaTileRows} + 4 * (g % 4) + g / 4;

@@ -21,8 +21,10 @@ struct RouterRows {
   uint4 q[kGroupVecs<BITS>];
   float sc = 0.0f, bi = 0.0f;
 
-  /// warp_id / n_warps: this warp's index among the n_warps that share the rows.
-  __device__ __forceinline__ RouterRows(const DeviceQuant& w, int64_t warp_id, int64_t n_warps) {
+  /// warp_id / n_warps: this warp's index among the n_warps that share the rows. `load`: fill
+  /// the registers now (else prefetch_l2 may ask L2 for them, and compute must be told that the
+  /// registers do not hold them).
+  __device__ __forceinline__ RouterRows(const DeviceQuant& w, int64_t warp_id, int64_t n_warps, bool load = true) {
     const int groups = w.cols / kGroup;
     const int lane = threadIdx.x % kWarp;
     L = lanes_per_row(groups);
@@ -32,7 +34,20 @@ struct RouterRows {
     first = warp_id * RW;
     step = n_warps * RW;
     const int64_t r = first + lane_row;
-    load_group<BITS>(w, r < w.rows ? r : -1, lane_in, q, sc, bi);
+    if (load) load_group<BITS>(w, r < w.rows ? r : -1, lane_in, q, sc, bi);
+  }
+
+  /// Asks L2 for what the constructor would have loaded (this lane's first group: its code
+  /// bytes, scale and bias), without holding registers for it.
+  __device__ __forceinline__ void prefetch_l2(const DeviceQuant& w) const {
+    const int64_t r = first + lane_row;
+    if (r >= w.rows) return;
+    const int groups = w.cols / kGroup, wpr = w.cols * BITS / 32;
+    const uint32_t* codes = w.codes + r * wpr + lane_in * (kGroup * BITS / 32);
+    for (int off = 0; off < kGroup * BITS / 8; off += 32)  // every 32-byte sector of the group's codes
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(codes) + off));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(w.scales + r * groups + lane_in));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(w.biases + r * groups + lane_in));
   }
 
   /// Whether the registers hold this warp's whole share (one row pass of one group per lane),

@@ -252,6 +252,50 @@ __device__ __forceinline__ void stream_tile_slice(const StreamTileView& v, const
                  to_f32(v.b_hi[G]), has0 ? xs0[G] : 0.0f, has1 ? xs1[G] : 0.0f, acc);
 }
 
+/// The direct mode's Σx, before any tile: each of m tokens' groups [g_begin, g_end) of x [m, cols]
+/// (bf16, in global memory) summed by the warp that owns them, with group_sum_x's bits (the staged
+/// mode's), into xsum[n·groups + G] (lane 0 stores). All loads of a token are issued before its
+/// shuffles. One warp; ends with __syncwarp() (only this warp reads its groups' sums).
+__device__ __forceinline__ void stream_direct_group_sums(const bf16* __restrict__ x, int cols, int m, int g_begin,
+                                                         int g_end, float* xsum) {
+  const int lane = threadIdx.x % kWarp, groups = cols / kGroup;
+  for (int n = 0; n < m; ++n) {
+    const bf16* xr = x + static_cast<int64_t>(n) * cols + lane;
+    float v[kStreamMaxGroupsPerWarp], v32[kStreamMaxGroupsPerWarp];
+#pragma unroll
+    for (int j = 0; j < kStreamMaxGroupsPerWarp; ++j) {
+      const int G = g_begin + j;
+      v[j] = G < g_end ? to_f32(xr[G * kGroup]) : 0.0f;
+      v32[j] = G < g_end ? to_f32(xr[G * kGroup + 32]) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kStreamMaxGroupsPerWarp; ++j) {
+      const int G = g_begin + j;
+      if (G >= g_end) break;  // warp-uniform
+      const float sum = group_sum_x(v[j], v32[j]);
+      if (lane == 0) xsum[n * groups + G] = sum;
+    }
+  }
+  __syncwarp();
+}
+
+/// Warp 0's reduction of a tile: adds the k-slice partials of warps 1 … kStreamWarps − 1
+/// (partial: float4 [column block][kStreamWarps][lane], as those warps stored their acc) to its
+/// own acc, in slice order, so a row's sum depends on the shape alone.
+template <int kBlocks>
+__device__ __forceinline__ void stream_add_slices(const float4* partial, int lane, float (&acc)[kBlocks][4]) {
+  for (int sl = 1; sl < kStreamWarps; ++sl) {
+#pragma unroll
+    for (int c = 0; c < kBlocks; ++c) {
+      const float4 o = partial[(c * kStreamWarps + sl) * kWarp + lane];
+      acc[c][0] += o.x;
+      acc[c][1] += o.y;
+      acc[c][2] += o.z;
+      acc[c][3] += o.w;
+    }
+  }
+}
+
 /// Group G for kBlocks column blocks (block c: tokens 8c …): frag(c, G, bw0, bw1) gives block
 /// c's activation fragments, the weight fragment is formed once for all blocks
 /// (group_mma_blocks), then stream_group's epilogue per block (x0[c], x1[c]: Σx of tokens 8c + 2t
