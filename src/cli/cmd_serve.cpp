@@ -12,6 +12,7 @@
 #include "base/malloc_arenas.h"
 #include "cli/commands.h"
 #include "cli/model_paths.h"
+#include "engine/backend.h"
 #include "engine/option_error.h"
 #include "model/loader.h"
 #include "server/http_server.h"
@@ -90,7 +91,8 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
       ->check(integer_in_range(1, 4096));
   cmd->add_option("--step-tokens", o.step_tokens, "token budget of one engine step: every decoding request's "
                   "token, then prompt chunks (long prompts are cut into chunks of this many tokens so that "
-                  "they never stall the decoding requests) (default: CPU 256, CUDA 2048, its prefill chunk)")
+                  "they never stall the decoding requests) (default: CPU 256, CUDA " +
+                      std::to_string(CudaOptions{}.prefill_chunk) + ", its prefill chunk)")
       ->check(integer_in_range(1, 1 << 20));
   cmd->add_option("--max-body", o.max_body, "request body limit in bytes (413 above)")
       ->capture_default_str()->check(integer_at_least(1));

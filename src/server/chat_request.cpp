@@ -133,7 +133,7 @@ bool message_field_allowed(ChatRole role, const std::string& key) {
   if (key == "name") return true;
   if (role == ChatRole::kAssistant)
     return key == "tool_calls" || key == "reasoning_content" || key == "refusal" || key == "annotations" ||
-           key == "function_call" || key == "audio";
+           key == "function_call" || key == "audio" || key == "parsed";
   if (role == ChatRole::kTool) return key == "tool_call_id";
   return false;
 }
@@ -162,6 +162,8 @@ ChatMessage parse_chat_message(const json& m, const std::string& param) {
   }
   if (given("annotations") && !m["annotations"].is_array())
     throw wrong_type(param + ".annotations", "an array", m["annotations"]);  // ignored (citations)
+  // "parsed": what the openai client's parse helpers put beside the content of an answer they
+  // return (the structured output, or null); the content holds the same text, so it is ignored.
   for (const char* key : {"function_call", "audio"})
     if (given(key))
       throw invalid_request("'" + param + "." + key + "' is not supported (only null): use tool_calls" +
@@ -213,13 +215,24 @@ void parse_stop(const json& v, GenerationFields& req) {
 void parse_stream_options(const json& v, GenerationFields& req) {
   if (!v.is_object()) throw wrong_type("stream_options", "an object", v);
   for (const auto& [key, value] : v.items()) {
-    if (key != "include_usage")
+    if (key != "include_usage" && key != "include_obfuscation")
       throw invalid_request("unrecognized field '" + key + "' in stream_options", "stream_options." + key,
                             "unknown_parameter");
     if (value.is_null()) continue;
-    if (!value.is_boolean()) throw wrong_type("stream_options.include_usage", "a boolean", value);
-    req.include_usage = value.get<bool>();
+    if (!value.is_boolean()) throw wrong_type("stream_options." + key, "a boolean", value);
+    // include_obfuscation: OpenAI pads stream events against side channels; lily adds no padding
+    // either way, so the setting is checked and changes nothing.
+    if (key == "include_usage") req.include_usage = value.get<bool>();
   }
+}
+
+/// Whether a response_format / modalities value asks for what every answer is anyway: plain
+/// text ({"type": "text"}; ["text"]). Such a request is served; any other value is refused.
+bool asks_for_plain_text(const std::string& key, const json& v) {
+  if (key == "response_format")
+    return v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text";
+  if (key == "modalities") return v.is_array() && v.size() == 1 && v[0] == "text";
+  return false;
 }
 
 std::optional<int64_t> parse_max_tokens(const json& v, const std::string& param) {
@@ -231,8 +244,8 @@ std::optional<int64_t> parse_max_tokens(const json& v, const std::string& param)
 /// Optional top-level fields of the chat endpoint; `null` stands for absent for each of them.
 bool is_known_chat_field(const std::string& key) {
   static const std::set<std::string, std::less<>> known = {
-      "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop", "prompt_cache_key", "user",
-      "store", "metadata", "service_tier", "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+      "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop", "prompt_cache_key",
+      "prompt_cache_retention", "user", "safety_identifier", "verbosity", "store", "metadata", "service_tier", "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
       "repetition_penalty", "logit_bias", "seed", "logprobs", "top_logprobs"};
   return known.count(key) > 0 || unsupported_fields().count(key) > 0;
 }
@@ -255,8 +268,16 @@ void parse_optional_field(const std::string& key, const json& value, GenerationF
     parse_stop(value, req);
   } else if (key == "prompt_cache_key") {
     req.prompt_cache_key = require_string(value, key);
-  } else if (key == "user" || key == "service_tier") {
-    require_string(value, key);  // ignored: one tier, and no per-user policy
+  } else if (key == "user" || key == "safety_identifier" || key == "service_tier" || key == "prompt_cache_retention") {
+    // Ignored: one tier, no per-user policy, and the prefix cache keeps what memory allows.
+    require_string(value, key);
+  } else if (key == "verbosity") {
+    // The answer's length is the model's own; only the default ("medium") can be honoured.
+    if (require_string(value, key) != "medium")
+      throw invalid_request("'verbosity' must be 'medium' (the model's own length), got " + value.dump(), key,
+                            "unsupported_value");
+  } else if (asks_for_plain_text(key, value)) {
+    // response_format {"type": "text"} / modalities ["text"]: the defaults, what lily answers.
   } else if (key == "store") {
     if (!value.is_boolean()) throw wrong_type(key, "a boolean", value);  // ignored: nothing is stored
   } else if (key == "metadata") {

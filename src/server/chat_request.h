@@ -93,8 +93,11 @@ inline constexpr size_t kMaxStopStrings = 4;
 /// parts, joined with "\n"; `name`; assistant `tool_calls` and `reasoning_content`, content then
 /// optional; tool `tool_call_id`, required), the agent fields of server/chat_agent.h,
 /// max_tokens / max_completion_tokens (integers ≥ 1; equal when both), stream,
-/// stream_options.include_usage (only with stream), stop (string or ≤ 4 strings), prompt_cache_key,
-/// user (ignored), the sampling fields of RequestSampling, n (1 … 8), logprobs (boolean) and
+/// stream_options.include_usage and .include_obfuscation (only with stream; the latter changes
+/// nothing), stop (string or ≤ 4 strings), prompt_cache_key, user, safety_identifier,
+/// service_tier, prompt_cache_retention, store, metadata (checked, ignored), response_format
+/// {"type":"text"}, modalities ["text"] and verbosity "medium" (the defaults; other values are
+/// refused as unsupported), the sampling fields of RequestSampling, n (1 … 8), logprobs (boolean) and
 /// top_logprobs (0 … 20, only with logprobs true). `null` counts as absent for optional fields. Throws ApiError (400 invalid_request_error) naming the
 /// parameter, e.g. param "messages[1].content[0].type".
 ChatRequest parse_chat_request(std::string_view body);

@@ -130,6 +130,29 @@ std::string http_date(std::chrono::system_clock::time_point t) {
   return buf;
 }
 
+std::optional<std::string> percent_decode(std::string_view segment) {
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string out;
+  out.reserve(segment.size());
+  for (size_t i = 0; i < segment.size(); ++i) {
+    if (segment[i] != '%') {
+      out += segment[i];
+      continue;
+    }
+    if (i + 2 >= segment.size()) return std::nullopt;  // a '%' needs two characters after it
+    const int hi = hex(segment[i + 1]), lo = hex(segment[i + 2]);
+    if (hi < 0 || lo < 0) return std::nullopt;
+    out += static_cast<char>(hi * 16 + lo);
+    i += 2;
+  }
+  return out;
+}
+
 std::string request_path(std::string_view target) {
   target = target.substr(0, target.find('?'));
   const std::string head = lower(target.substr(0, 8));

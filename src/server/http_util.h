@@ -42,6 +42,11 @@ std::string http_date(std::chrono::system_clock::time_point t);
 /// has no path).
 std::string request_path(std::string_view target);
 
+/// A path segment with its percent-escapes decoded (RFC 3986 §2.1: "%2F" → "/", either case of
+/// hex digit), or nullopt when a '%' is not followed by two hex digits. Nothing else changes
+/// ('+' stays '+': that is a form encoding, not a path one).
+std::optional<std::string> percent_decode(std::string_view segment);
+
 /// True when the first line of `head` ends in a well-formed "HTTP/d.d" other than 1.0 and 1.1
 /// ("GET / HTTP/9.9"): such a request gets 505, while a malformed version is a 400.
 bool has_unsupported_http_version(std::string_view head);

@@ -193,10 +193,10 @@ std::string Metrics::render(const EngineGauges& g) const {
   for (const auto& [key, count] : requests_)
     out += "lily_http_requests_total{route=\"" + key.first + "\",status=\"" + std::to_string(key.second) +
            "\"} " + std::to_string(count) + "\n";
-  scalar(out, "lily_prompt_tokens_total", "counter", "Prompt tokens of completed requests.", prompt_tokens_);
+  scalar(out, "lily_prompt_tokens_total", "counter", "Prompt tokens of ended generations (cancelled ones included).", prompt_tokens_);
   scalar(out, "lily_cached_prompt_tokens_total", "counter", "Prompt tokens reused from the prefix cache.",
          cached_tokens_);
-  scalar(out, "lily_completion_tokens_total", "counter", "Generated tokens of completed requests.",
+  scalar(out, "lily_completion_tokens_total", "counter", "Generated tokens of ended generations (cancelled ones included: the tokens made before the cancel).",
          completion_tokens_);
   scalar(out, "lily_generations_cancelled_total", "counter",
          "Generations stopped because the client went away or the server shut down.", cancelled_);

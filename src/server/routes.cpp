@@ -65,7 +65,10 @@ void LilyServer::route(Exchange& ex, const Request& req, Reply& res) {
   if (ex.path == "/v1/completions") return handle_completion(ex, req, res);
   if (ex.path == "/tokenize") return handle_tokenize(req, res);
   if (ex.path == "/detokenize") return handle_detokenize(req, res);
-  handle_model(ex.path.substr(std::string_view("/v1/models/").size()), res);
+  // Clients percent-encode the id ("Qwen%2FQwen3" for "Qwen/Qwen3"); a malformed escape is
+  // compared as sent (and so not found).
+  const std::string raw = ex.path.substr(std::string_view("/v1/models/").size());
+  handle_model(percent_decode(raw).value_or(raw), res);
 }
 
 void LilyServer::handle_options(Exchange& ex, const Request& req, Reply& res) {

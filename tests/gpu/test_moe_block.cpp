@@ -363,9 +363,11 @@ void check_out_proj_phase(int E, int k, int hidden, int ffn, int cols, uint64_t 
 }
 
 TEST(CudaMoeBlock, OutProjectionPhaseGivesTheSeparateGemvBits) {
-  check_out_proj_phase(256, 8, 2048, 512, 4096, 91, 0);    // the real shape: one 16-row tile per block
-  check_out_proj_phase(256, 8, 2048, 512, 4096, 92, 118);  // 10 blocks take two tiles through one stage
-  check_out_proj_phase(16, 4, 256, 128, 512, 93, 3);       // the demo's hidden: 16 tiles on 3 blocks
+  check_out_proj_phase(256, 8, 2048, 512, 4096, 91, 0);  // the real shape: one 16-row tile per block
+  // Fewer blocks than tiles: each block's tiles pass through its one stage in turn. (The real
+  // shape on fewer than 128 blocks would need a second down stage too: more than an SM holds.)
+  check_out_proj_phase(64, 4, 1024, 256, 2048, 92, 16);  // 4 tiles per block
+  check_out_proj_phase(16, 4, 256, 128, 512, 93, 3);     // the demo's hidden: 16 tiles on 3 blocks
 }
 
 TEST(CudaMoeBlock, RefusesWhatItDoesNotSupport) {

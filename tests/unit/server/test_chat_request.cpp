@@ -254,11 +254,18 @@ TEST(ChatRequest, OutOfRangeSamplingValuesNameTheField) {
 }
 
 TEST(ChatRequest, UnsupportedAndUnknownParameters) {
-  for (const char* k : {"response_format", "functions", "best_of"}) {
+  for (const char* k : {"response_format", "functions", "best_of", "modalities"}) {
     auto e = rejected(with(k, json::array()).dump());
     EXPECT_EQ(e.param(), k);
     EXPECT_EQ(e.code(), "unsupported_parameter") << k;
   }
+  // What every answer is anyway (plain text) is served; anything else is refused.
+  EXPECT_NO_THROW(parse(with("response_format", {{"type", "text"}})));
+  EXPECT_NO_THROW(parse(with("modalities", json::array({"text"}))));
+  for (const json& v : {json{{"type", "json_object"}}, json{{"type", "text"}, {"x", 1}}, json{{"type", "json_schema"}}})
+    EXPECT_EQ(rejected(with("response_format", v).dump()).code(), "unsupported_parameter") << v;
+  for (const json& v : {json::array({"text", "audio"}), json::array({"audio"}), json("text")})
+    EXPECT_EQ(rejected(with("modalities", v).dump()).code(), "unsupported_parameter") << v;
   auto e = rejected(with("speculative_decoding", true).dump());
   EXPECT_EQ(e.param(), "speculative_decoding");
   EXPECT_EQ(e.code(), "unknown_parameter");
@@ -277,6 +284,11 @@ TEST(ChatRequest, StreamOptionsRules) {
   EXPECT_EQ(param_of(j), "stream_options.include_usage");
   j["stream_options"] = {{"other", true}};
   EXPECT_EQ(param_of(j), "stream_options.other");
+  // include_obfuscation: checked, and there is no padding to switch either way.
+  j["stream_options"] = {{"include_usage", true}, {"include_obfuscation", false}};
+  EXPECT_TRUE(parse(j).include_usage);
+  j["stream_options"] = {{"include_obfuscation", "no"}};
+  EXPECT_EQ(param_of(j), "stream_options.include_obfuscation");
   j["stream_options"] = 5;
   EXPECT_EQ(param_of(j), "stream_options");
 }
@@ -348,11 +360,15 @@ TEST(ChatRequest, OpenAiAnswerFieldsInTheHistoryAreAccepted) {
                                          {{"role", "user"}, {"content", "b"}}}));
   };
   const ChatRequest r = parse(history({{"role", "assistant"}, {"content", "ok"}, {"refusal", nullptr},
-                                       {"function_call", nullptr}, {"audio", nullptr}, {"annotations", json::array()}}));
+                                       {"function_call", nullptr}, {"audio", nullptr}, {"annotations", json::array()},
+                                       {"parsed", nullptr}}));
   ASSERT_EQ(r.messages.size(), 3u);
   EXPECT_EQ(r.messages[1].content, "ok");
   const ChatRequest refused = parse(history({{"role", "assistant"}, {"content", nullptr}, {"refusal", "I can't help."}}));
   EXPECT_EQ(refused.messages[1].content, "I can't help.");
+  // The openai client's parse helpers return the answer with its structured output as "parsed".
+  const ChatRequest structured = parse(history({{"role", "assistant"}, {"content", "{\"a\":1}"}, {"parsed", {{"a", 1}}}}));
+  EXPECT_EQ(structured.messages[1].content, "{\"a\":1}");
   EXPECT_EQ(param_of(history({{"role", "assistant"}, {"content", "ok"}, {"function_call", {{"name", "f"}}}})),
             "messages[1].function_call");
   EXPECT_EQ(param_of(history({{"role", "assistant"}, {"content", "ok"}, {"audio", {{"id", "x"}}}})), "messages[1].audio");
@@ -378,4 +394,19 @@ TEST(ChatRequest, StoreMetadataAndServiceTierAreCheckedThenIgnored) {
   for (int i = 0; i < 17; ++i) many["k" + std::to_string(i)] = "v";
   EXPECT_EQ(param_of(with("metadata", many)), "metadata");
   EXPECT_EQ(param_of(with("service_tier", 3)), "service_tier");
+}
+
+// Newer OpenAI fields that change nothing here: safety_identifier (user's successor) and
+// prompt_cache_retention are checked and ignored; verbosity is served at its default only.
+TEST(ChatRequest, SafetyIdentifierCacheRetentionAndVerbosity) {
+  EXPECT_NO_THROW(parse(with("safety_identifier", "user-123")));
+  EXPECT_NO_THROW(parse(with("prompt_cache_retention", "24h")));
+  EXPECT_NO_THROW(parse(with("verbosity", "medium")));
+  EXPECT_EQ(param_of(with("safety_identifier", 5)), "safety_identifier");
+  EXPECT_EQ(param_of(with("prompt_cache_retention", true)), "prompt_cache_retention");
+  const ApiError terse = rejected(with("verbosity", "low").dump());
+  EXPECT_EQ(terse.param(), "verbosity");
+  EXPECT_EQ(terse.code(), "unsupported_value");
+  EXPECT_EQ(param_of(with("verbosity", 1)), "verbosity");
+  for (const char* k : {"safety_identifier", "prompt_cache_retention", "verbosity"}) EXPECT_NO_THROW(parse(with(k, nullptr))) << k;
 }

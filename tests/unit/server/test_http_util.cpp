@@ -79,6 +79,15 @@ TEST(RequestPath, OriginAndAbsoluteForm) {
   EXPECT_EQ(request_path("*"), "*");
 }
 
+TEST(PercentDecode, DecodesEscapesAndRefusesMalformedOnes) {
+  EXPECT_EQ(percent_decode("Qwen%2FQwen3"), "Qwen/Qwen3");
+  EXPECT_EQ(percent_decode("a%2fb%20c%3A%25"), "a/b c:%");
+  EXPECT_EQ(percent_decode("plain-name_1.0+x"), "plain-name_1.0+x");
+  EXPECT_EQ(percent_decode(""), "");
+  EXPECT_EQ(percent_decode("caf%C3%A9"), "caf\xc3\xa9");
+  for (const char* bad : {"%", "a%2", "%zz", "%2g", "50%"}) EXPECT_EQ(percent_decode(bad), std::nullopt) << bad;
+}
+
 TEST(HttpVersion, OnlyWellFormedOthersAreUnsupported) {
   for (const char* head : {"GET / HTTP/9.9\r\nHost: x\r\n\r\n", "GET / HTTP/2.0\r\n", "GET / HTTP/0.9\r\n"})
     EXPECT_TRUE(has_unsupported_http_version(head)) << head;
