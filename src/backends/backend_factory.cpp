@@ -35,6 +35,8 @@ int64_t backend_max_sequence(BackendKind kind) {
 std::unique_ptr<Backend> make_backend(BackendKind kind, std::shared_ptr<const ModelWeights> weights,
                                       int threads, const CudaOptions& cuda) {
   if (!weights) throw Error("make_backend: no model weights");
+  if (threads > kMaxCpuThreads)
+    throw Error(std::to_string(threads) + " CPU threads asked for; the limit is " + std::to_string(kMaxCpuThreads));
 #ifndef LILY_HAVE_CUDA
   (void)cuda;
 #endif

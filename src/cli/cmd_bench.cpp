@@ -48,8 +48,9 @@ struct BenchFlags {
   int top_k = 0;
   uint64_t seed = 1;
 
-  /// True when the rounds sample (temperature > 0) instead of taking the argmax.
-  bool sampled() const { return temperature > 0; }
+  /// True when the rounds sample (at a temperature the sampler does not take as greedy) instead
+  /// of taking the argmax.
+  bool sampled() const { return !sampling().greedy(); }
   /// The sampling parameters of the flags (seeded; no penalties, no bias).
   SamplingParams sampling() const {
     SamplingParams p;
@@ -276,9 +277,9 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_option("--rounds", f->rounds, "measured rounds (median reported)")->capture_default_str();
   cmd->add_option("--backend", f->backend, "cpu | cuda | auto")->capture_default_str();
   add_cuda_settings(cmd, f->cuda);
-  cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores")
+  cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores (at most " + std::to_string(kMaxCpuThreads) + ")")
       ->capture_default_str()
-      ->check(integer_at_least(0));
+      ->check(integer_in_range(0, kMaxCpuThreads));
   cmd->add_option("--json-out", f->json_out, "write the JSON report here");
   cmd->add_flag("--no-mmap", f->no_mmap, "read the weights into memory instead of memory-mapping them");
   cmd->add_option("--temperature", f->temperature, "sample at this temperature, 0 … 2 (0 = the greedy contract)")

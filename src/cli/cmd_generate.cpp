@@ -15,6 +15,7 @@
 #include "base/error.h"
 #include "base/log.h"
 #include "cli/commands.h"
+#include "engine/backend.h"
 #include "cli/model_paths.h"
 #include "engine/generate.h"
 #include "model/loader.h"
@@ -244,9 +245,9 @@ void register_generate(CLI::App& app, int& exit_code) {
       ->check(integer_at_least(0));
   cmd->add_option("--backend", f->backend, "cpu | cuda | auto")->capture_default_str();
   add_cuda_settings(cmd, f->cuda);
-  cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores")
+  cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores (at most " + std::to_string(kMaxCpuThreads) + ")")
       ->capture_default_str()
-      ->check(integer_at_least(0));
+      ->check(integer_in_range(0, kMaxCpuThreads));
   cmd->callback([f, max_tokens, seed, &exit_code] {
     f->max_tokens_given = max_tokens->count() > 0;
     f->seed_given = seed->count() > 0;

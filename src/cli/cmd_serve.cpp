@@ -102,8 +102,8 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
   cmd->add_option("--max-headers", o.max_headers, "header fields per request (431 above)")
       ->capture_default_str()->check(integer_at_least(1));
   add_cuda_settings(cmd, f.cuda);
-  cmd->add_option("--threads", o.threads, "CPU backend threads, 0 = all cores")
-      ->capture_default_str()->check(integer_at_least(0));
+  cmd->add_option("--threads", o.threads, "CPU backend threads, 0 = all cores (at most " + std::to_string(kMaxCpuThreads) + ")")
+      ->capture_default_str()->check(integer_in_range(0, kMaxCpuThreads));
   cmd->add_option("--max-connections,--http-threads", o.max_connections,
                   "open connections served at once, each on its own thread; more get 503 and are closed")
       ->capture_default_str()->check(integer_at_least(1));

@@ -7,6 +7,7 @@
 
 #include "base/error.h"
 #include "cli/commands.h"
+#include "engine/backend.h"
 #include "model/synth.h"
 
 namespace lily::cli {
@@ -24,8 +25,9 @@ void register_synth(CLI::App& app, int& exit_code) {
                   "tokenizer.json to copy into the checkpoint (its ids must fit the preset's vocabulary)");
   cmd->add_option("--shard-mb", options->shard_mb,
                   "Maximum shard size in MB (10^6 bytes); 0 = one model.safetensors; default: the preset's");
-  cmd->add_option("--threads", options->threads, "Generation threads (default: all cores)")
-      ->check(integer_at_least(0));
+  cmd->add_option("--threads", options->threads,
+                  "Generation threads (default: all cores; at most " + std::to_string(kMaxCpuThreads) + ")")
+      ->check(integer_in_range(0, kMaxCpuThreads));
   cmd->callback([options, &exit_code] {
     const SynthResult r = write_synthetic_checkpoint(*options);
     std::printf("wrote %s: %s, seed %llu, %zu file(s), %.3f GB in %.1f s (%d threads)\n",

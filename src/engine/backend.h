@@ -472,7 +472,13 @@ inline CudaOptions resolve_cuda_options(BackendKind kind, std::span<const std::s
   return o;
 }
 
-/// Creates a backend over loaded weights. `threads` <= 0 means all cores (CPU backend). `cuda`:
+/// The most CPU backend threads a front end may ask for: more than any machine's cores, few
+/// enough that the threads can always be created (a request for 100,000 once exhausted the
+/// process limit and left the server loading forever).
+inline constexpr int kMaxCpuThreads = 1024;
+
+/// Creates a backend over loaded weights. `threads` <= 0 means all cores (CPU backend); more
+/// than kMaxCpuThreads is an Error naming the limit. `cuda`:
 /// the CUDA backend's options (kCuda, and kAuto when it picks CUDA), as the caller resolved them
 /// (resolve_cuda_options; make_backend reads no environment); the CPU backend ignores them.
 /// Throws lily::Error (e.g. "the CUDA backend was asked for, but this build has no CUDA

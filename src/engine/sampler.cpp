@@ -308,7 +308,10 @@ int32_t Sampler::sample(std::span<const float> logits, const SamplingParams& p, 
   work_.assign(logits.begin(), logits.end());
   apply_penalties(work_, p, history);
   if (p.greedy()) return argmax_token(work_);
-  for (float& v : work_) v /= p.temperature;
+  // Saturated, not infinite: a logit past fp32's range after the division (only a pathological
+  // row gets there) draws like the largest finite value instead of turning the softmax into NaN.
+  constexpr float kMax = std::numeric_limits<float>::max();
+  for (float& v : work_) v = std::clamp(v / p.temperature, -kMax, kMax);
   const std::vector<int32_t> survivors = surviving_tokens(work_, p);
   return draw_token(work_, survivors, sample_uniform(p.seed, step));
 }

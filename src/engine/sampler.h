@@ -6,7 +6,8 @@
 // The pipeline for one row, in the order transformers and vLLM use:
 //   1. logit_bias is added, then the repetition penalty, then the frequency and presence
 //      penalties (apply_penalties);
-//   2. temperature: logits / T (T = 0 means greedy: argmax, ties to the lowest id);
+//   2. temperature: logits / T (T = 0, or T < kGreedyBelowTemperature, means greedy: argmax,
+//      ties to the lowest id);
 //   3. top-k, top-p and min-p select the surviving tokens (surviving_tokens);
 //   4. a draw from the softmax of the survivors with one counter-based uniform (draw_token).
 // Log-probabilities are a log-softmax of the raw logits, before any of these steps (that is
@@ -21,9 +22,14 @@
 
 namespace lily {
 
+/// Temperatures below this are greedy (argmax): at T = 1e-5 only logits within about 1e-4 of the
+/// largest keep any weight, and much smaller values would overflow logits / T in fp32 (vLLM
+/// draws the same line).
+inline constexpr float kGreedyBelowTemperature = 1e-5f;
+
 /// How one sequence picks its tokens. The defaults are greedy decoding with nothing applied.
 struct SamplingParams {
-  float temperature = 0.0f;         ///< 0 = greedy; else logits are divided by it (0 < T ≤ 2)
+  float temperature = 0.0f;         ///< < kGreedyBelowTemperature = greedy; else logits are divided by it (≤ 2)
   float top_p = 1.0f;               ///< keep the most likely tokens whose mass reaches top_p (0 < p ≤ 1; 1 = off)
   int32_t top_k = 0;                ///< keep the k most likely tokens (0 = off)
   float min_p = 0.0f;               ///< keep tokens with p ≥ min_p · p_max (0 ≤ min_p ≤ 1; 0 = off)
@@ -34,8 +40,9 @@ struct SamplingParams {
   std::vector<std::pair<int32_t, float>> logit_bias;  ///< (token id, added to its logit)
   uint64_t seed = 0;                ///< keys the random numbers (see sample_uniform)
 
-  /// True at temperature 0: the next token is the argmax (after penalties and bias, if any).
-  bool greedy() const { return temperature <= 0.0f; }
+  /// True at temperature 0 (or below kGreedyBelowTemperature): the next token is the argmax
+  /// (after penalties and bias, if any).
+  bool greedy() const { return temperature < kGreedyBelowTemperature; }
   /// True when bias or a penalty changes the logits before selection.
   bool modifies_logits() const;
   /// True when greedy and nothing changes the logits: the backend's own argmax is the answer

@@ -308,7 +308,8 @@ void parse_optional_field(const std::string& key, const json& value, GenerationF
   } else if (key == "frequency_penalty") {
     req.sampling.frequency_penalty = require_range(value, key, -2, 2);
   } else if (key == "repetition_penalty") {
-    req.sampling.repetition_penalty = require_range(value, key, 0, 2, /*open_lo=*/true);
+    // From 1e-6 (as generation_config.json's bound): a smaller penalty divides a logit past fp32's range.
+    req.sampling.repetition_penalty = require_range(value, key, 1e-6, 2);
   } else if (key == "logit_bias") {
     parse_logit_bias(value, req);
   } else if (key == "seed") {

@@ -334,6 +334,20 @@ After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buff
                                            "Transfer-Encoding must end in 'chunked', got '" +
                                                std::string(head[http::field::transfer_encoding]) + "'",
                                            std::nullopt, "bad_request"));
+  // RFC 9112 §3.2: an HTTP/1.1 request carries exactly one Host field (a 400 otherwise).
+  if (head.version() >= 11 && head.count(http::field::host) != 1)
+    return refuse(stream, parser, ApiError(400, "invalid_request_error",
+                                           head.count(http::field::host) == 0
+                                               ? "an HTTP/1.1 request needs a Host header field"
+                                               : "the request has more than one Host header field",
+                                           std::nullopt, "bad_request"));
+  // A compressed body would be parsed as plain JSON: say so instead (RFC 9110 §15.5.16).
+  if (head.count(http::field::content_encoding) > 0 && !beast::iequals(head[http::field::content_encoding], "identity"))
+    return refuse(stream, parser, ApiError(415, "invalid_request_error",
+                                           "unsupported Content-Encoding '" +
+                                               std::string(head[http::field::content_encoding]) +
+                                               "': send the body uncompressed",
+                                           std::nullopt, "unsupported_media_type"));
   if (over_capacity)
     return refuse(stream, parser, ApiError(503, "server_error",
                                            "too many open connections (limit " +

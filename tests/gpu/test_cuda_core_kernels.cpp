@@ -1285,6 +1285,46 @@ TEST(CudaTiming, PrintsKernelTimes) {
 
 // The MoE half of 40 decode layers (160 kernels) as one CUDA graph, PDL off vs on: the per-kernel
 // figure is what one launch costs inside the decode graph (printed, never asserted).
+/// A one-row GEMV of the decode step at its real shape, for the streaming GEMV's timings: the
+/// name, the matrix, whether its output is fp32 (the LM head) and whether the add + RMSNorm is
+/// fused in front (the staged mode; else the direct mode), and how many copies of the matrix a
+/// timing rotates over so that its weights come from HBM (copies × bytes > L2's 50 MB).
+struct DecodeGemvShape {
+  const char* name;
+  int64_t rows;
+  int cols;
+  bool f32_out, fused_norm;
+  int copies;
+};
+constexpr DecodeGemvShape kDecodeLmHead{"lm_head", kVocab, 2048, true, true, 1};
+constexpr DecodeGemvShape kDecodeGdnInProj{"gdn in_proj", 12352, 2048, false, true, 8};
+constexpr DecodeGemvShape kDecodeAttnInProj{"attn q|k|v", 9216, 2048, false, true, 8};
+constexpr DecodeGemvShape kDecodeOutProj{"out_proj", 2048, 4096, false, false, 24};
+
+/// The copies of a DecodeGemvShape's random matrix, its inputs and its output buffer.
+struct DecodeGemvCase {
+  const DecodeGemvShape& s;
+  std::vector<std::unique_ptr<RandomQuant>> w;
+  NormInputs in;
+  DeviceBuffer y;
+
+  DecodeGemvCase(const DecodeGemvShape& shape, std::mt19937_64& rng) : s(shape), in(shape.cols, rng), y(size_t(shape.rows) * 4) {
+    for (int c = 0; c < s.copies; ++c) w.push_back(std::make_unique<RandomQuant>(s.rows, s.cols, 4, rng));
+  }
+  /// One launch on copy c (launch_add_rmsnorm_gemv or launch_quant_gemv), on the default stream.
+  void launch(int c) {
+    __nv_bfloat16* yb = s.f32_out ? nullptr : y.as<__nv_bfloat16>();
+    float* yf = s.f32_out ? y.as<float>() : nullptr;
+    if (s.fused_norm) cuda::launch_add_rmsnorm_gemv(in.norm(true), in.dx.as<__nv_bfloat16>(), w[c]->view(), yb, yf, nullptr);
+    else cuda::launch_quant_gemv(w[c]->view(), in.dx.as<__nv_bfloat16>(), yb, yf, nullptr);
+  }
+  /// The last launch's output, once the device is idle.
+  std::vector<float> output() {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    return s.f32_out ? download_f32(y, s.rows) : download_bf16(y, s.rows);
+  }
+};
+
 // The streaming GEMV's stage budget swept at the decode's one-row shapes: the final norm + LM
 // head and the input norm + GDN in-projection (staged mode, the norm fused) and the
 // out-projection (direct mode), for blocks per SM × shared memory per SM
@@ -1293,34 +1333,16 @@ TEST(CudaTiming, PrintsKernelTimes) {
 // prints µs and GB/s a launch, rotating over enough copies of a matrix that its weights come
 // from HBM, not from L2.
 TEST(CudaTiming, PrintsStreamGemvStageSweep) {
-  struct Shape {
-    const char* name;
-    int64_t rows;
-    int cols;
-    bool f32_out, fused_norm;
-    int copies;  // copies × bytes > L2 (50 MB)
-  };
-  const Shape shapes[] = {{"lm_head", kVocab, 2048, true, true, 1},
-                          {"gdn in_proj", 12352, 2048, false, true, 8},
-                          {"out_proj", 2048, 4096, false, false, 24}};
+  const DecodeGemvShape shapes[] = {kDecodeLmHead, kDecodeGdnInProj, kDecodeOutProj};
   const ScopedSwitch<int64_t> smem(cuda::stream_gemv_smem_per_sm, cuda::set_stream_gemv_smem_per_sm);
   const ScopedSwitch<int> blocks(cuda::stream_gemv_blocks_per_sm, cuda::set_stream_gemv_blocks_per_sm);
-  for (const Shape& s : shapes) {
+  for (const DecodeGemvShape& s : shapes) {
     std::mt19937_64 rng(17);
-    std::vector<std::unique_ptr<RandomQuant>> w;
-    for (int c = 0; c < s.copies; ++c) w.push_back(std::make_unique<RandomQuant>(s.rows, s.cols, 4, rng));
-    const NormInputs in(s.cols, rng);
-    DeviceBuffer y(size_t(s.rows) * 4);
-    auto launch = [&](int c) {
-      __nv_bfloat16* yb = s.f32_out ? nullptr : y.as<__nv_bfloat16>();
-      float* yf = s.f32_out ? y.as<float>() : nullptr;
-      if (s.fused_norm) cuda::launch_add_rmsnorm_gemv(in.norm(true), in.dx.as<__nv_bfloat16>(), w[c]->view(), yb, yf, nullptr);
-      else cuda::launch_quant_gemv(w[c]->view(), in.dx.as<__nv_bfloat16>(), yb, yf, nullptr);
-    };
+    DecodeGemvCase gemv(s, rng);
+    auto launch = [&](int c) { gemv.launch(c); };
     auto output = [&] {
-      launch(0);
-      CUDA_CHECK(cudaDeviceSynchronize());
-      return s.f32_out ? download_f32(y, s.rows) : download_bf16(y, s.rows);
+      gemv.launch(0);
+      return gemv.output();
     };
     blocks.set(cuda::kStreamBlocksPerSm);
     smem.set(cuda::kStreamSmemPerSm);
@@ -1349,38 +1371,19 @@ TEST(CudaTiming, PrintsStreamGemvStageSweep) {
 // traced launch reads a copy of the matrix that the launches before it evicted from L2. Asserts
 // only that tracing leaves the output's bits alone.
 TEST(CudaTiming, PrintsStreamGemvPhases) {
-  struct Shape {
-    const char* name;
-    int64_t rows;
-    int cols;
-    bool f32_out, fused_norm;
-    int copies;  // copies × bytes > L2 (50 MB)
-  };
-  const Shape shapes[] = {{"lm_head", kVocab, 2048, true, true, 1},
-                          {"gdn in_proj", 12352, 2048, false, true, 8},
-                          {"attn q|k|v", 9216, 2048, false, true, 8},
-                          {"out_proj", 2048, 4096, false, false, 24}};
+  const DecodeGemvShape shapes[] = {kDecodeLmHead, kDecodeGdnInProj, kDecodeAttnInProj, kDecodeOutProj};
   const char* phase[cuda::kStreamTracePoints] = {"entry",       "PDL wait",         "activations staged", "first tile on chip",
                                                  "first tile stored", "last tile on chip", "exit"};
   constexpr int kMaxBlocks = 8192;
   DeviceBuffer trace(size_t(kMaxBlocks) * cuda::kStreamTracePoints * 8);
-  for (const Shape& s : shapes) {
+  for (const DecodeGemvShape& s : shapes) {
     std::mt19937_64 rng(23);
-    std::vector<std::unique_ptr<RandomQuant>> w;
-    for (int c = 0; c < s.copies; ++c) w.push_back(std::make_unique<RandomQuant>(s.rows, s.cols, 4, rng));
-    const NormInputs in(s.cols, rng);
-    DeviceBuffer y(size_t(s.rows) * 4);
+    DecodeGemvCase gemv(s, rng);
     auto launch = [&](int c) {
-      __nv_bfloat16* yb = s.f32_out ? nullptr : y.as<__nv_bfloat16>();
-      float* yf = s.f32_out ? y.as<float>() : nullptr;
-      if (s.fused_norm) cuda::launch_add_rmsnorm_gemv(in.norm(true), in.dx.as<__nv_bfloat16>(), w[c]->view(), yb, yf, nullptr);
-      else cuda::launch_quant_gemv(w[c]->view(), in.dx.as<__nv_bfloat16>(), yb, yf, nullptr);
+      gemv.launch(c);
       CUDA_CHECK(cudaGetLastError());
     };
-    auto output = [&] {
-      CUDA_CHECK(cudaDeviceSynchronize());
-      return s.f32_out ? download_f32(y, s.rows) : download_bf16(y, s.rows);
-    };
+    auto output = [&] { return gemv.output(); };
     launch(0);
     const std::vector<float> reference = output();
     for (int r = 0; r < 2; ++r)

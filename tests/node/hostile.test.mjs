@@ -286,6 +286,28 @@ describe('keep-alive, pipelining and half-closed clients', () => {
     assert.match(JSON.parse(res[0].body).error.message, /Transfer-Encoding must end in 'chunked'/);
   });
 
+  it('an HTTP/1.1 request without exactly one Host is a 400, a compressed body a 415 (HTTP/1.0 needs no Host)', async () => {
+    const answer = async (text) => {
+      const sock = await connect(server);
+      const closed = untilClosed(sock);
+      sock.write(text);
+      const res = parseResponses((await closed).text);
+      sock.destroy();
+      return res[0];
+    };
+    const noHost = await answer('GET /health HTTP/1.1\r\n\r\n');
+    assert.equal(noHost.status, 400);
+    assert.match(JSON.parse(noHost.body).error.message, /Host header/);
+    assert.equal((await answer('GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n')).status, 400);
+    const body = JSON.stringify({ model: MODEL, messages: [{ role: 'user', content: 'hi' }], max_tokens: 1 });
+    const gz = await answer('POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n' +
+                            `Content-Encoding: gzip\r\nContent-Length: ${body.length}\r\n\r\n${body}`);
+    assert.equal(gz.status, 415);
+    assert.equal(JSON.parse(gz.body).error.code, 'unsupported_media_type');
+    const old = await answer('GET /health HTTP/1.0\r\n\r\n');
+    assert.equal(old.status, 200);
+  });
+
   it('three pipelined GETs in one write are answered in order', async () => {
     const sock = await connect(server);
     const get = (p) => `GET ${p} HTTP/1.1\r\nHost: x\r\n\r\n`;

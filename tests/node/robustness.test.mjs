@@ -119,7 +119,7 @@ describe('time-outs and request-head limits', () => {
     const ms = await Promise.all([
       stall('POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Ty'),
       stall(''),
-      stall('POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{"model":'),
+      stall('POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"model":'),
     ]);
     for (const t of ms) assert.ok(t >= 1500 && t < 15000, `closed after ${t} ms`);
     assert.equal((await rawRequest(server, 'GET', '/health')).status, 200);

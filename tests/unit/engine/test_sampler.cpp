@@ -122,6 +122,32 @@ TEST(Sampler, GreedyIsArgmaxTiesToLowestId) {
   EXPECT_EQ(sampler.sample(x, biased, history, 0), 2);
 }
 
+// A temperature so small that logits / T leaves fp32 used to give NaN weights, and the draw
+// then fell through to the last id of the vocabulary: below kGreedyBelowTemperature it is the
+// argmax; above it, a row past fp32's range after the division saturates instead of drawing NaN.
+TEST(Sampler, TinyTemperaturesAreGreedyAndHugeLogitsSaturate) {
+  const auto x = synthetic_logits(300);
+  Sampler sampler;
+  TokenHistory history(300);
+  const int32_t best = argmax_token(x);
+  ASSERT_NE(best, 299);
+  for (float t : {1e-38f, 1e-45f, 1e-6f, 9.9e-6f}) {
+    EXPECT_TRUE(at_temperature(t).greedy()) << t;
+    for (int step = 0; step < 20; ++step) EXPECT_EQ(sampler.sample(x, at_temperature(t), history, step), best) << t;
+  }
+  EXPECT_FALSE(at_temperature(kGreedyBelowTemperature).greedy());
+  // Logits whose quotient by T overflows: the two largest (equal after saturation) share the
+  // draws, no other token is ever drawn.
+  std::vector<float> huge(8, 0.0f);
+  huge[3] = 3e38f;
+  huge[6] = 2e38f;
+  std::vector<int> counts(huge.size(), 0);
+  for (int step = 0; step < 400; ++step) ++counts[sampler.sample(huge, at_temperature(0.5f, 9), history, step)];
+  EXPECT_EQ(counts[3] + counts[6], 400);
+  EXPECT_GT(counts[3], 100);
+  EXPECT_GT(counts[6], 100);
+}
+
 TEST(Sampler, SameSeedAndStepSameToken) {
   const auto x = synthetic_logits(500);
   Sampler a, b;

@@ -221,7 +221,7 @@ TEST(ChatRequest, SamplingRangeEdgesAreAccepted) {
   for (const auto& [key, value] : std::vector<std::pair<std::string, json>>{
            {"temperature", 0}, {"temperature", 2}, {"top_p", 1}, {"top_p", 1e-6}, {"top_k", -1}, {"top_k", 0},
            {"min_p", 0}, {"min_p", 1}, {"presence_penalty", -2}, {"frequency_penalty", 2},
-           {"repetition_penalty", 2}, {"n", 1}, {"n", 8}})
+           {"repetition_penalty", 1e-6}, {"repetition_penalty", 2}, {"temperature", 1e-38}, {"n", 1}, {"n", 8}})
     EXPECT_NO_THROW(parse(with(key, value))) << key << "=" << value;
   json j = with("logprobs", true);
   j["top_logprobs"] = 20;
@@ -235,7 +235,7 @@ TEST(ChatRequest, OutOfRangeSamplingValuesNameTheField) {
   for (const auto& [key, value] : std::vector<std::pair<std::string, json>>{
            {"temperature", -0.1}, {"temperature", 2.01}, {"temperature", "0.7"}, {"top_p", 0}, {"top_p", 1.5},
            {"top_k", -2}, {"top_k", 2.5}, {"min_p", -0.1}, {"min_p", 1.1}, {"presence_penalty", 2.5},
-           {"frequency_penalty", -3}, {"repetition_penalty", 0}, {"repetition_penalty", 2.5}, {"n", 0},
+           {"frequency_penalty", -3}, {"repetition_penalty", 0}, {"repetition_penalty", 1e-38}, {"repetition_penalty", 2.5}, {"n", 0},
            {"n", 9}, {"n", 1.5}, {"seed", 1.5}, {"seed", "7"}, {"logprobs", 1}, {"top_logprobs", 21},
            {"top_logprobs", -1}, {"logit_bias", json::array()}, {"logit_bias", json{{"x", 1}}},
            {"logit_bias", json{{"-1", 1}}}, {"logit_bias", json{{"5", 101}}}, {"logit_bias", json{{"5", "1"}}},
