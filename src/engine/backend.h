@@ -229,9 +229,9 @@ struct CudaOptions {
   bool fused_moe = true;
   /// LILY_CUDA_MOE_OUT_PROJ 1|0: in the one-sequence decode, each mixer's out-projection runs as
   /// the fused MoE block's first phase (one launch fewer per layer, its weights on chip before the
-  /// block's PDL wait), with the separate GEMV's bits; needs fused_moe, and layers whose shapes the
-  /// block does not take keep the GEMV. Off by default: not yet run on a GPU (docs/cuda.md, "The
-  /// out-projection inside the MoE block").
+  /// block's PDL wait), with the separate GEMV's bits; needs fused_moe and stream_gemv, and if the
+  /// block refuses any layer's shape every layer keeps the GEMV. Off by default: not yet run on a
+  /// GPU (docs/cuda.md, "The out-projection inside the MoE block").
   bool moe_out_proj = false;
   /// LILY_CUDA_GEMM_KERNEL wgmma-mixed|wgmma-narrow|wgmma|grouped|all|0:
   /// the 4-bit grouped and dense GEMMs of the tensor-core prefill run on Hopper warpgroup MMAs

@@ -39,6 +39,7 @@
 #include "backends/cuda/kernel_switches.h"
 #include "backends/cuda/kernels.h"
 #include "base/error.h"
+#include "base/log.h"
 #include "model/loader.h"
 #include "model/synth.h"
 #include <nlohmann/json.hpp>
@@ -929,16 +930,25 @@ void check_fused_vs_separate(std::shared_ptr<const ModelWeights> w) {
 }
 
 /// The out-projection inside the fused MoE block (moe-out-proj=1) against the separate GEMV:
-/// the same arithmetic, so every decode step's logits are bit-identical (asserted), on the
-/// realdims synth (4,096-column out-projections, which the block takes) and the demo model
-/// (whichever its shapes allow: the backend falls back to the GEMV where the block refuses).
-void check_moe_out_proj_bits(std::shared_ptr<const ModelWeights> w) {
+/// the same arithmetic, so every decode step's logits are bit-identical (asserted). The backend
+/// says in its log whether it took the phase (`taken`: "inside the fused MoE block") or kept
+/// the GEMVs because a layer's shape is refused; that is asserted too.
+void check_moe_out_proj_bits(std::shared_ptr<const ModelWeights> w, bool taken) {
   auto make = [&](const char* assignment) {
     CudaOptions options = CudaOptions::from_env();
     options.set(assignment);
     return make_cuda_backend(w, options);
   };
-  auto on = make("moe-out-proj=1"), off = make("moe-out-proj=0");
+  const LogLevel level = log_level();
+  set_log_level(LogLevel::kInfo);
+  testing::internal::CaptureStderr();
+  auto on = make("moe-out-proj=1");
+  const std::string log = testing::internal::GetCapturedStderr();
+  set_log_level(level);
+  EXPECT_NE(log.find(taken ? "out-projections inside the fused MoE block" : "out-projections as separate GEMVs"),
+            std::string::npos)
+      << log;
+  auto off = make("moe-out-proj=0");
   const auto prompt = hash_prompt(40, w->config.vocab, 13);
   const auto lon = decode_logits(*on, prompt, 8), loff = decode_logits(*off, prompt, 8);
   ASSERT_EQ(lon.size(), loff.size());
@@ -947,8 +957,10 @@ void check_moe_out_proj_bits(std::shared_ptr<const ModelWeights> w) {
 
 TEST_F(CudaE2e, MoeOutProjectionKeepsTheDecodeBits) {
   TempDir dir;
-  check_moe_out_proj_bits(synth("realdims", dir.path()));
-  check_moe_out_proj_bits(load_model(demo_model_dir()));
+  // realdims: hidden 512, GDN out-projections of 512 columns and attention ones of 1,024 (two
+  // shared-memory layouts of the same kernel in one step); the demo's 256 columns are refused.
+  check_moe_out_proj_bits(synth("realdims", dir.path()), /*taken=*/true);
+  check_moe_out_proj_bits(load_model(demo_model_dir()), /*taken=*/false);
 }
 
 TEST_F(CudaE2e, FusedDecodeMatchesSeparateKernels) {

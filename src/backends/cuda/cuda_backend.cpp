@@ -601,7 +601,10 @@ class CudaBackend final : public Backend {
     // The rows kernel at the most rows of a batched forward (≥ 2: a lone row takes the
     // one-sequence graph).
     batched_fused_moe_ = fused_moe_ && fused_moe_supported(std::max(2, options_.decode_rows));
-    moe_out_proj_ = options_.moe_out_proj && fused_moe_ && moe_out_proj_supported();
+    // The phase runs the streaming GEMV's arithmetic, which the separate out-projection has only
+    // with stream_gemv (else the register-load MMA GEMV's): without it the bits would differ.
+    moe_out_proj_ = options_.moe_out_proj && options_.stream_gemv && fused_moe_ && moe_out_proj_supported();
+    if (moe_out_proj_) log_info("CUDA backend: decode out-projections inside the fused MoE block (moe-out-proj=1)");
     if (options_.persistent_decode != "0") create_persistent_decode();
     routers_on_gemm_ = true;
     for (const auto& lw : model_->layers) routers_on_gemm_ = routers_on_gemm_ && router_gemm_supported(lw.router);

@@ -106,7 +106,7 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
   l.op_cols = op_cols;
   l.op_max = op_cols > 0 ? static_cast<int>(ceil_div(int64_t{hidden} / kTileRows, blocks)) : 0;
   l.bars = o;
-  o += align16(int64_t{l.gu_max + l.dn_max + 1} * 8);  // the last one: the out-projection stage's
+  o += align16(int64_t{l.gu_max + l.dn_max + (op_cols > 0 ? 1 : 0)} * 8);  // then the out-projection stage's
   l.gu_ring = o;
   o += l.gu_max * l.gu_stage;
   l.dn_ring = o;

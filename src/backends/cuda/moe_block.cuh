@@ -261,11 +261,14 @@ inline int plan_blocks(int max_blocks) {
 
 /// Why `kernel` cannot run one kBlockThreads block per SM with `smem` bytes of dynamic shared
 /// memory ("" when it can): more than kSmemLimit, or no block fits once the kernel's limit is
-/// set to `smem` (which it is, when smem ≤ kSmemLimit). Host only.
+/// at least `smem` (which it is made, when smem ≤ kSmemLimit). Host only.
 template <class Layout>
 std::string fit_problem(void (*kernel)(MoeDecodeArgs, Layout), int64_t smem) {
   if (smem > kSmemLimit) return "a block's expert tiles need " + std::to_string(smem) + " bytes of shared memory";
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  // Raised, never lowered: one kernel may take layouts of several sizes in one step (a model
+  // whose GDN and attention out-projections differ in width), and a captured launch of the
+  // larger must stay valid after a plan of the smaller.
+  raise_smem_limit(kernel, static_cast<size_t>(smem));
   int per_sm = 0;
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, smem));
   if (per_sm < 1) return "a block does not fit on an SM";

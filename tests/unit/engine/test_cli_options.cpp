@@ -29,12 +29,13 @@ TEST(CliOptions, BadIntegersAreRefusedWithAClearMessage) {
       {"serve --max-queue 1.5" + model, "--max-queue: must be an integer >= 0, got '1.5'"},
       {"serve --max-seq -1" + model, "--max-seq: must be an integer >= 0, got '-1'"},
       {"serve --read-timeout 0" + model, "--read-timeout: must be an integer >= 1, got '0'"},
-      {"serve --threads -3" + model, "--threads: must be an integer >= 0, got '-3'"},
+      {"serve --threads -3" + model, "--threads: must be an integer from 0 to 1024, got '-3'"},
+      {"serve --threads 100000" + model, "--threads: must be an integer from 0 to 1024, got '100000'"},
       {"serve --max-batch 0" + model, "--max-batch: must be an integer from 1 to 4096, got '0'"},
       {"serve --step-tokens 0" + model, "--step-tokens: must be an integer from 1 to 1048576, got '0'"},
-      {"generate --threads -2 --prompt-ids 1" + model, "--threads: must be an integer >= 0, got '-2'"},
-      {"bench --threads -1" + model, "--threads: must be an integer >= 0, got '-1'"},
-      {"synth --threads -1 --out " + quoted(dir.path() / "synth"), "--threads: must be an integer >= 0, got '-1'"},
+      {"generate --threads -2 --prompt-ids 1" + model, "--threads: must be an integer from 0 to 1024, got '-2'"},
+      {"bench --threads 1025" + model, "--threads: must be an integer from 0 to 1024, got '1025'"},
+      {"synth --threads -1 --out " + quoted(dir.path() / "synth"), "--threads: must be an integer from 0 to 1024, got '-1'"},
   };
   for (const BadOption& c : cases) {
     const test::CliRun r = test::run_lily(c.args, true);
