@@ -451,12 +451,12 @@ describe('limits and lifecycle', () => {
 
   it('finds a served model name with a slash through the client\'s percent-encoded id', async () => {
     // Hugging Face names are "org/name"; the client sends GET /v1/models/org%2Fname.
-    const name = 'Qwen/Qwen3.6-test:1';
+    const name = 'Qwen/Qwen3.6 test:1';
     const server = await startServer(['--served-model-name', name]);
     try {
       const found = await client(server).models.retrieve(name);
       assert.equal(found.id, name);
-      assert.equal((await rawRequest(server, 'GET', '/v1/models/Qwen%2fQwen3.6-test%3A1')).status, 200);
+      assert.equal((await rawRequest(server, 'GET', '/v1/models/Qwen%2fQwen3.6%20test%3A1')).status, 200);
       const malformed = await rawRequest(server, 'GET', '/v1/models/Qwen%2');
       assert.equal(malformed.status, 404);
       assert.equal(JSON.parse(malformed.body).error.code, 'model_not_found');

@@ -48,9 +48,15 @@ export async function startServer(extraArgs = [], env = {}, { until = 'serving',
     server.exited = { code, signal, at: Date.now() };
     resolve(server.exited);
   }));
-  const pattern = until === 'listening' ? /listening on (http:\/\/[^\s;]+)/ : /serving \S+ on (http:\/\/[^\s]+)/;
+  // "serving NAME on URL (backend …)": NAME may hold spaces (--served-model-name).
+  const pattern = until === 'listening' ? /listening on (http:\/\/[^\s;]+)/ : /serving .+ on (http:\/\/[^\s]+) \(/;
   await new Promise((resolve, reject) => {
-    const timer = setTimeout(() => reject(new Error(`lily serve did not start:\n${server.log}`)), timeoutMs);
+    // A server that never gets there is killed: left running, it would keep the test process
+    // (and so the whole suite) waiting on its pipe.
+    const timer = setTimeout(() => {
+      proc.kill('SIGKILL');
+      reject(new Error(`lily serve did not start:\n${server.log}`));
+    }, timeoutMs);
     proc.stderr.on('data', (chunk) => {
       server.log += chunk.toString();
       if (server.log.length > 4e6) server.log = server.log.slice(-1e6);  // keep the tail only
