@@ -287,8 +287,9 @@ void set_stream_gemv_blocks_per_sm(int n);
 inline constexpr int kStreamTracePoints = 7;
 /// Diagnostics: every later launch of the streaming GEMV (quant_gemv.cu) stamps %globaltimer (ns)
 /// at its phase ends into `trace`, uint64 [blocks][kStreamTracePoints], until this is called with
-/// null (the default). For timing tests: one launch at a time, `trace` large enough for its
-/// grid. Throws lily::Error on a CUDA error.
+/// null (the default); a graph keeps the pointer its capture saw. For timing tests: one launch
+/// at a time, `trace` large enough for its grid. Host-side only (the pointer is a kernel
+/// argument); throws nothing.
 void set_stream_gemv_trace(uint64_t* trace);
 
 /// Fused gate/up + SwiGLU for the selected experts (docs/model.md §4.3 item 5): for each slot

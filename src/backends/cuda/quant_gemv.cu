@@ -30,12 +30,13 @@ namespace {
 
 constexpr int kGemvThreads = 256;
 
-/// Diagnostics (null in production): where quant_stream_gemv_kernel's blocks stamp %globaltimer
-/// (ns) at each phase end, uint64 [blocks][kStreamTracePoints] (set_stream_gemv_trace).
-__device__ uint64_t* g_stream_trace = nullptr;
+/// Diagnostics (null in production): where later launches of quant_stream_gemv_kernel stamp
+/// %globaltimer (ns) at each phase end, uint64 [blocks][kStreamTracePoints]
+/// (set_stream_gemv_trace). A kernel parameter, not a __device__ variable: a global load at the
+/// kernel's entry would hold thread 0 before it requests the first weight tiles.
+uint64_t* g_stream_trace = nullptr;
 
-/// Warp 0, lane 0 of the block stamps phase `point` in g_stream_trace (`trace`: its value, read
-/// once at the kernel's entry).
+/// Warp 0, lane 0 of the block stamps phase `point` in `trace` (null: nothing).
 __device__ __forceinline__ void stream_trace_point(uint64_t* trace, int point) {
   if (trace && threadIdx.x == 0) {
     uint64_t ns;
@@ -363,7 +364,7 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
 template <class OutT, StreamMode kMode, int kBlocks>
 __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMode, kBlocks))
     quant_stream_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x, int m, OutT* __restrict__ y, FusedNorm norm,
-                             FusedConv conv, int stages, int pad) {
+                             FusedConv conv, int stages, int pad, uint64_t* trace) {
   constexpr bool kDirect = kMode == StreamMode::direct;
   static_assert(kMode != StreamMode::staged || kBlocks == 1, "the staged mode takes one column block");
   extern __shared__ __align__(16) unsigned char sm[];
@@ -375,7 +376,6 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
   const int64_t tiles = ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows));
   const int64_t my_tiles = blockIdx.x < tiles ? ceil_div(tiles - blockIdx.x, gridDim.x) : 0;
-  uint64_t* const trace = g_stream_trace;
   stream_trace_point(trace, 0);
 
   if (threadIdx.x == 0) {
@@ -503,7 +503,7 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
   auto launch = [&](auto kernel) {
     raise_smem_limit(kernel, plan.smem);
     launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,
-               plan.pad);
+               plan.pad, g_stream_trace);
   };
   // The direct and rows modes' instances, one per column-block count.
   auto launch_blocks = [&](auto mode) {
@@ -679,7 +679,7 @@ void launch_quant_gemv_batched(const DeviceQuant& w, const bf16* x, int m, bf16*
   }
 }
 
-void set_stream_gemv_trace(uint64_t* trace) { CUDA_CHECK(cudaMemcpyToSymbol(g_stream_trace, &trace, sizeof(trace))); }
+void set_stream_gemv_trace(uint64_t* trace) { g_stream_trace = trace; }
 
 void launch_quant_gemv(const DeviceQuant& w, const bf16* x, bf16* y_bf16, float* y_f32, cudaStream_t stream) {
   launch_quant_gemv_batched(w, x, 1, y_bf16, y_f32, stream);
