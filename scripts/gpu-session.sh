@@ -8,6 +8,7 @@
 #   bash scripts/gpu-session.sh                  # everything
 #   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: moe tests timing bench base ab sampled sampler detail source profile prefill-profile prefill-detail batched-profile cache prefill-tests
 #   LILY_GPU_CONTEXTS="256 4096 32768"           # bench contexts (default below)
+#   timing: LILY_GPU_TIMING_FILTER (a gtest filter, default CudaTiming.*)
 #   detail: LILY_GPU_DETAIL (a kernel-name regex), LILY_GPU_DETAIL_SKIP / _COUNT (matching launches
 #   skipped / profiled), LILY_GPU_DETAIL_BASE=demangled (match template arguments too)
 set -uo pipefail
@@ -61,7 +62,7 @@ fi
 
 if has timing; then
   echo "== kernel timings (CudaTiming)"
-  "$BUILD/tests/test_cuda_core_kernels" --gtest_filter='CudaTiming.*' 2>&1 | grep -E "\[timing\]|FAILED" | tee "$OUT/timing.txt"
+  "$BUILD/tests/test_cuda_core_kernels" --gtest_filter="${LILY_GPU_TIMING_FILTER:-CudaTiming.*}" 2>&1 | grep -E "\[timing\]|FAILED" | tee "$OUT/timing.txt"
 fi
 
 if has bench || has profile || has prefill-profile || has prefill-detail || has batched-profile || has base || has ab || has detail || has sampled; then

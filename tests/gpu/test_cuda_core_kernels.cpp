@@ -1383,15 +1383,14 @@ TEST(CudaTiming, PrintsStreamGemvPhases) {
       gemv.launch(c);
       CUDA_CHECK(cudaGetLastError());
     };
-    auto output = [&] { return gemv.output(); };
     launch(0);
-    const std::vector<float> reference = output();
+    const std::vector<float> reference = gemv.output();
     for (int r = 0; r < 2; ++r)
       for (int c = 1; c < s.copies; ++c) launch(c);  // copy 0 leaves L2 (one copy: it is larger than L2)
     trace.fill_bytes(0);
     cuda::set_stream_gemv_trace(trace.as<uint64_t>());
     launch(0);
-    const std::vector<float> traced = output();
+    const std::vector<float> traced = gemv.output();
     cuda::set_stream_gemv_trace(nullptr);
     EXPECT_EQ(bit_differences(traced, reference), 0) << s.name;
     std::vector<uint64_t> t(size_t(kMaxBlocks) * cuda::kStreamTracePoints);
