@@ -60,6 +60,30 @@ bool peer_went_away(const error_code& ec) {
          ec == net::error::eof || ec == net::error::connection_reset;
 }
 
+/// Empty lines skipped before a request line at most (a bound, so a client sending only CRLFs
+/// still gets its 400).
+constexpr int kMaxLeadingEmptyLines = 8;
+
+/// RFC 9112 §2.2: a server should ignore at least one empty line received before a request
+/// line (clients have sent a CRLF after a request body). Consumes up to kMaxLeadingEmptyLines
+/// CRLFs or bare LFs from the front of `buffer`, reading from `stream` while what is buffered
+/// could still be one; whatever else is left for the parser. A read error is left in `ec`.
+void skip_leading_empty_lines(DeadlineStream& stream, beast::flat_buffer& buffer, error_code& ec) {
+  for (int skipped = 0; skipped < kMaxLeadingEmptyLines;) {
+    const auto* p = static_cast<const char*>(buffer.data().data());
+    const std::size_t n = buffer.size();
+    if (n == 0 || (n == 1 && p[0] == '\r')) {
+      buffer.commit(stream.read_some(buffer.prepare(1024), ec));
+      if (ec) return;
+      continue;
+    }
+    if (p[0] == '\n') buffer.consume(1);
+    else if (p[0] == '\r' && p[1] == '\n') buffer.consume(2);
+    else return;
+    ++skipped;
+  }
+}
+
 }  // namespace
 
 void LilyServer::accept_loop() {
@@ -288,7 +312,8 @@ After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buff
   const std::string body_limit_text = "request body exceeds the limit of " + std::to_string(options_.max_body) + " bytes";
   stream.set_read_deadline(head_deadline);
   error_code ec;
-  http::read_header(stream, buffer, parser, ec);
+  skip_leading_empty_lines(stream, buffer, ec);
+  if (!ec) http::read_header(stream, buffer, parser, ec);
   // From here on the connection is busy with this request (or its refusal) and is not evicted.
   // One evicted while the head arrived has its socket shut down: nothing can be answered.
   if (slot != nullptr && mark_busy(*slot)) return After::kAbort;

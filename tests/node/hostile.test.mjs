@@ -308,6 +308,24 @@ describe('keep-alive, pipelining and half-closed clients', () => {
     assert.equal(old.status, 200);
   });
 
+  it('empty lines before a request line are skipped (a CRLF after a body), at most eight of them', async () => {
+    const sock = await connect(server);
+    const body = JSON.stringify({ model: MODEL, messages: [{ role: 'user', content: 'hi' }], max_tokens: 1 });
+    const post = 'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n' +
+                 `Content-Length: ${body.length}\r\n\r\n${body}`;
+    const res = await exchange(sock, `\r\n\n${post}\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n`, 2);
+    assert.deepEqual(res.map((r) => r.status), [200, 200]);
+    assert.equal(JSON.parse(res[0].body).object, 'chat.completion');
+    assert.deepEqual(JSON.parse(res[1].body), { status: 'ok' });
+    sock.destroy();
+    const flood = await connect(server);
+    const closed = untilClosed(flood);
+    flood.write('\r\n'.repeat(9) + 'GET /health HTTP/1.1\r\nHost: x\r\n\r\n');
+    const refused = parseResponses((await closed).text);
+    assert.equal(refused[0].status, 400);
+    flood.destroy();
+  });
+
   it('three pipelined GETs in one write are answered in order', async () => {
     const sock = await connect(server);
     const get = (p) => `GET ${p} HTTP/1.1\r\nHost: x\r\n\r\n`;
