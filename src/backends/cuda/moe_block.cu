@@ -74,7 +74,8 @@ struct MoeLayout {
   /// The out-projection phase (MoeDecodeArgs::out_proj; op_cols = 0: none): its 16-row tiles
   /// (at most op_max a block) pass through one stage of op_stage bytes (the streaming GEMV's
   /// direct-mode stage for op_cols columns); op_xsum: the input's group sums, op_part: the
-  /// k-slice partials of warps 1 … 7.
+  /// k-slice partials of warps 1 … 7. Each lies inside a region first written after the
+  /// routing where it fits (moe_layout), else after the others.
   int op_cols = 0, op_max = 0;
   int64_t op_stage = 0, op_ring = 0, op_xsum = 0, op_part = 0;
   int64_t total = 0;
@@ -126,13 +127,23 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
   l.dn_part = o;
   o += align16(int64_t{n_sel} * kTileRows * 4);
   if (op_cols > 0) {
+    // The phase ends (grid barrier 0) before the routing, so its stage and scratch go where
+    // nothing is written before the routing when they fit: the first gate/up stages (those
+    // whose tiles b + i·G are routed ones in every block, i·G + G ≤ top_k · gu_per_slot: the
+    // shared expert's tiles are the last, requested before the wait), the gate/up partials and
+    // the logits. The block then takes the shared memory of the kernel without the phase,
+    // which leaves room on the SM for the next kernel's blocks under PDL.
+    auto place = [&o](int64_t bytes, int64_t free_at, int64_t free_bytes) {
+      if (bytes <= free_bytes) return free_at;
+      const int64_t at = o;
+      o += align16(bytes);
+      return at;
+    };
     l.op_stage = out_proj_layout(op_cols).stage_bytes;
-    l.op_ring = o;
-    o += align16(l.op_stage);
-    l.op_xsum = o;
-    o += align16(int64_t{op_cols} / kGroup * 4);
-    l.op_part = o;
-    o += int64_t{kStreamWarps} * kWarp * 16;
+    const int routed_gu_stages = (n_sel - 1) * l.gu_per_slot / blocks < l.gu_max ? (n_sel - 1) * l.gu_per_slot / blocks : l.gu_max;
+    l.op_ring = place(l.op_stage, l.gu_ring, int64_t{routed_gu_stages} * l.gu_stage);
+    l.op_xsum = place(int64_t{op_cols} / kGroup * 4, l.logits, l.aperm - l.logits);
+    l.op_part = place(int64_t{kStreamWarps} * kWarp * 16, l.gu_part, l.dn_part - l.gu_part);
   }
   l.total = o;
   return l;
@@ -214,11 +225,12 @@ __device__ __forceinline__ void out_projection_phase(const MoeOutProjection& op,
   }
 }
 
-/// grid: blocks ≤ one per SM (all resident), block kBlockThreads. See the file comment.
-/// kOutProj: with the out-projection phase (l.op_cols > 0); the router rows then go to L2 before
-/// the wait and into registers after the phase, so that they hold no registers through it.
+/// The kernels' body: grid blocks ≤ one per SM (all resident), block kBlockThreads. See the
+/// file comment. kOutProj: with the out-projection phase (l.op_cols > 0); the router rows then
+/// go to L2 before the wait and into registers after the phase, so that they hold no registers
+/// through it.
 template <int RBITS, bool kOutProj>
-__global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeArgs a, MoeLayout l) {
+__device__ __forceinline__ void moe_block_body(const MoeDecodeArgs& a, const MoeLayout& l) {
   extern __shared__ __align__(16) unsigned char sm[];
   __shared__ int32_t sel_ids[kMaxTopK + 1];
   __shared__ float sel_w[kMaxTopK + 1];
@@ -374,6 +386,26 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
   trace_point(a, 11);
 }
 
+/// The one-token block (moe_block_body without the out-projection phase).
+template <int RBITS>
+__global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeArgs a, MoeLayout l) {
+  moe_block_body<RBITS, false>(a, l);
+}
+
+/// Registers a thread of the out-projection instance may take: 16 warps of 96 leave 16,384 of
+/// the SM's 65,536, one block of the streaming GEMV (8 warps of 64), so that the next layer's
+/// in-projection can start its weight copies under this block's tail, as it can under the
+/// instance without the phase (95 registers). Unbounded the phase's instance takes 104, and the
+/// in-projection then waits for the whole block to leave the SM.
+constexpr int kOutProjMaxRegisters = 96;
+
+/// The one-token block with the out-projection phase first (moe_block_body<RBITS, true>).
+template <int RBITS>
+__global__ void __maxnreg__(kOutProjMaxRegisters)
+    moe_block_out_proj_kernel(MoeDecodeArgs a, MoeLayout l) {
+  moe_block_body<RBITS, true>(a, l);
+}
+
 
 /// Why the one-token block cannot run a.out_proj ("" when it can, or when there is none): a
 /// 4-bit [hidden, cols] matrix with cols a multiple of 512 (≤ kMaxGemvCols; the streaming GEMV's
@@ -404,8 +436,8 @@ MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   }
   const int op_cols = a.out_proj.w.codes ? a.out_proj.w.cols : 0;
   p.layout = moe_layout(a.gate.cols, a.ffn, a.n_experts, routed_plus_shared_slots(a.top_k), p.blocks, op_cols);
-  if (op_cols > 0) return finish_plan(p, kLabel, a, moe_block_kernel<8, true>, moe_block_kernel<4, true>);
-  return finish_plan(p, kLabel, a, moe_block_kernel<8, false>, moe_block_kernel<4, false>);
+  if (op_cols > 0) return finish_plan(p, kLabel, a, moe_block_out_proj_kernel<8>, moe_block_out_proj_kernel<4>);
+  return finish_plan(p, kLabel, a, moe_block_kernel<8>, moe_block_kernel<4>);
 }
 
 }  // namespace
