@@ -396,7 +396,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeAr
 /// the SM's 65,536, one block of the streaming GEMV (8 warps of 64), so that the next layer's
 /// in-projection can start its weight copies under this block's tail, as it can under the
 /// instance without the phase (95 registers). Unbounded the phase's instance takes 104, and the
-/// in-projection then waits for the whole block to leave the SM.
+/// in-projection then waits for the whole block to leave the SM. (On an H100 the cap and the
+/// shared layout of moe_layout together moved decode by under 1 %.)
 constexpr int kOutProjMaxRegisters = 96;
 
 /// The one-token block with the out-projection phase first (moe_block_body<RBITS, true>).
