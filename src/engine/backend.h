@@ -212,6 +212,10 @@ struct CudaOptions {
   bool fuse_decode = true;       ///< LILY_CUDA_FUSE 1|0: add + RMSNorm and the GDN conv folded into GEMVs
   bool pdl = true;               ///< LILY_CUDA_PDL 1|0: programmatic dependent launch
   bool stream_gemv = true;       ///< LILY_CUDA_STREAM_GEMV 1|0: 4-bit GEMV weights by bulk copies, or register loads
+  /// LILY_CUDA_GEMV_TILE_COUNTER 1|0: the streaming GEMV's blocks take their tiles past the first
+  /// stages from a counter in device memory as they finish, or (0) a fixed share each. The same
+  /// bits either way (docs/cuda.md, "The streaming GEMV").
+  bool gemv_tile_counter = true;
   bool flash_prefill = true;     ///< LILY_CUDA_FLASH_PREFILL 1|0: prefill attention on tensor cores, or the row kernel
   bool device_sampler = true;    ///< LILY_CUDA_DEVICE_SAMPLER 1|0: sampled rows sampled on the GPU, or on the host
   bool gemv_row_tiles = true;    ///< LILY_CUDA_GEMV_ROW_TILES 1|0: batched GEMV weights loaded once per 8 token rows
@@ -365,6 +369,7 @@ inline std::span<const Field> fields() {
       {"fuse", "LILY_CUDA_FUSE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.fuse_decode = parse_choice(l, v, "1", "0"); }},
       {"pdl", "LILY_CUDA_PDL", [](CudaOptions& o, const std::string& l, const std::string& v) { o.pdl = parse_choice(l, v, "1", "0"); }},
       {"stream-gemv", "LILY_CUDA_STREAM_GEMV", [](CudaOptions& o, const std::string& l, const std::string& v) { o.stream_gemv = parse_choice(l, v, "1", "0"); }},
+      {"gemv-tile-counter", "LILY_CUDA_GEMV_TILE_COUNTER", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_tile_counter = parse_choice(l, v, "1", "0"); }},
       {"flash-prefill", "LILY_CUDA_FLASH_PREFILL", [](CudaOptions& o, const std::string& l, const std::string& v) { o.flash_prefill = parse_choice(l, v, "1", "0"); }},
       {"device-sampler", "LILY_CUDA_DEVICE_SAMPLER", [](CudaOptions& o, const std::string& l, const std::string& v) { o.device_sampler = parse_choice(l, v, "1", "0"); }},
       {"gemv-row-tiles", "LILY_CUDA_GEMV_ROW_TILES", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_row_tiles = parse_choice(l, v, "1", "0"); }},
@@ -434,7 +439,8 @@ inline CudaOptions CudaOptions::resolve(std::span<const std::string> assignments
 
 inline std::string CudaOptions::describe() const {
   return std::string("fuse=") + (fuse_decode ? "1" : "0") + " pdl=" + (pdl ? "1" : "0") +
-         " stream-gemv=" + (stream_gemv ? "1" : "0") + " flash-prefill=" + (flash_prefill ? "1" : "0") +
+         " stream-gemv=" + (stream_gemv ? "1" : "0") + " gemv-tile-counter=" + (gemv_tile_counter ? "1" : "0") +
+         " flash-prefill=" + (flash_prefill ? "1" : "0") +
          " device-sampler=" + (device_sampler ? "1" : "0") + " gemv-row-tiles=" + (gemv_row_tiles ? "1" : "0") +
          " gdn-chunk-parallel=" + (gdn_chunk_parallel ? "1" : "0") + " gdn-local-mma=" + (gdn_local_mma ? "1" : "0") +
          " gdn-state-mma=" + (gdn_state_mma ? "1" : "0") + " prefill=" + (batched_prefill ? "batched" : "per-token") +

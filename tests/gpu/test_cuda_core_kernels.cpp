@@ -1416,6 +1416,87 @@ TEST(CudaTiming, PrintsStreamGemvPhases) {
   }
 }
 
+// The streaming GEMV's tile counter (cuda::set_stream_gemv_tile_counter_enabled) against the
+// fixed-stride deal it replaces, bit for bit: the decode's one-row shapes (the LM head and the
+// GDN in-projection with the norm fused, the out-projection read in place), three launches each
+// (the counter must be back at zero after every launch); the batched decode's row GEMVs (the
+// direct mode at 3 rows, the rows mode at 16 and 32); and a graph of four GEMVs under PDL,
+// each starting while its predecessor runs, replayed three times.
+TEST(CudaGemv, TileCounterGivesTheFixedStrideBits) {
+  const ScopedSwitch<bool> counter(cuda::stream_gemv_tile_counter_enabled, cuda::set_stream_gemv_tile_counter_enabled);
+  const PdlSetting pdl;
+  pdl.set(true);
+  for (const DecodeGemvShape* shape : {&kDecodeLmHead, &kDecodeGdnInProj, &kDecodeOutProj}) {
+    DecodeGemvShape one = *shape;
+    one.copies = 1;
+    std::mt19937_64 rng(31);
+    DecodeGemvCase gemv(one, rng);
+    counter.set(false);
+    gemv.launch(0);
+    const std::vector<float> reference = gemv.output();
+    counter.set(true);
+    for (int r = 0; r < 3; ++r) {
+      gemv.launch(0);
+      EXPECT_EQ(bit_differences(gemv.output(), reference), 0) << one.name << ", launch " << r;
+    }
+  }
+
+  std::mt19937_64 rng(37);
+  const int64_t rows = 12352;
+  RandomQuant w(rows, kHidden, 4, rng);
+  const std::vector<float> x = normal_bf16(int64_t(32) * kHidden, rng, 1.0f);
+  DeviceBuffer dx = upload_bf16(x);
+  const ScopedSwitch<int> from(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
+  for (int m : {3, 16, 32}) {
+    from.set(m == 3 ? cuda::kMaxDecodeRows + 1 : 2);  // 3 rows: the direct mode
+    DeviceBuffer dy = poisoned(size_t(m) * rows * 2);
+    auto run = [&] {
+      cuda::launch_quant_gemv_rows(w.view(), dx.as<__nv_bfloat16>(), m, dy.as<__nv_bfloat16>(), nullptr, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      return download_bf16(dy, int64_t(m) * rows);
+    };
+    counter.set(false);
+    const std::vector<float> reference = run();
+    counter.set(true);
+    for (int r = 0; r < 3; ++r) EXPECT_EQ(bit_differences(run(), reference), 0) << m << " rows, launch " << r;
+  }
+
+  // The graph: 40,000 × 2,048 (fp32 out, about five tiles a block), the 12,352-row matrix, a
+  // 2,048 × 4,096 out-projection, then the first again into a second buffer.
+  RandomQuant big(40000, kHidden, 4, rng), out_proj(kHidden, 4096, 4, rng);
+  const std::vector<float> wide = normal_bf16(4096, rng, 1.0f);
+  DeviceBuffer dwide = upload_bf16(wide);
+  DeviceBuffer y1 = poisoned(size_t(40000) * 4), y2 = poisoned(size_t(rows) * 2), y3 = poisoned(size_t(kHidden) * 2),
+               y4 = poisoned(size_t(40000) * 4);
+  auto enqueue = [&](cudaStream_t st) {
+    cuda::launch_quant_gemv(big.view(), dx.as<__nv_bfloat16>(), nullptr, y1.as<float>(), st);
+    cuda::launch_quant_gemv(w.view(), dx.as<__nv_bfloat16>(), y2.as<__nv_bfloat16>(), nullptr, st);
+    cuda::launch_quant_gemv(out_proj.view(), dwide.as<__nv_bfloat16>(), y3.as<__nv_bfloat16>(), nullptr, st);
+    cuda::launch_quant_gemv(big.view(), dx.as<__nv_bfloat16>(), nullptr, y4.as<float>(), st);
+  };
+  auto outputs = [&] {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    return std::vector<std::vector<float>>{download_f32(y1, 40000), download_bf16(y2, rows), download_bf16(y3, kHidden),
+                                           download_f32(y4, 40000)};
+  };
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  counter.set(false);
+  enqueue(stream);
+  const std::vector<std::vector<float>> reference = outputs();
+  EXPECT_EQ(bit_differences(reference[0], reference[3]), 0);
+  counter.set(true);
+  cudaGraphExec_t exec = capture_graph(stream, enqueue);
+  for (int r = 0; r < 3; ++r) {
+    for (DeviceBuffer* y : {&y1, &y2, &y3, &y4}) y->fill_bytes(0xff);  // NaN: an unwritten row differs
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    const std::vector<std::vector<float>> got = outputs();
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(bit_differences(got[i], reference[i]), 0) << "GEMV " << i << ", replay " << r;
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 TEST(CudaTiming, PrintsGraphChainTimesWithAndWithoutPdl) {
   const PdlSetting keep;
   std::mt19937_64 rng(98);

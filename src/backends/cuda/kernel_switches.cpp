@@ -35,6 +35,7 @@ void apply_kernel_switches(const CudaOptions& options) {
                         std::to_string(CudaOptions::kRowsGemvNever) + ", got " + std::to_string(options.rows_gemv_from));
   set_pdl_enabled(options.pdl);
   set_stream_gemv_enabled(options.stream_gemv);
+  set_stream_gemv_tile_counter_enabled(options.gemv_tile_counter);
   set_flash_prefill_enabled(options.flash_prefill);
   set_device_sampler_enabled(options.device_sampler);
   set_gemv_row_tiles_enabled(options.gemv_row_tiles);

@@ -292,6 +292,17 @@ inline constexpr int kStreamTracePoints = 7;
 /// argument); throws nothing.
 void set_stream_gemv_trace(uint64_t* trace);
 
+/// Whether the streaming GEMV deals its tiles past each block's first stages from a counter in
+/// device memory, in the order the blocks ask for them (true, the default), or in a fixed stride
+/// over the blocks (false). With the fixed stride a block's share is fixed before it starts, so
+/// the blocks of slower SMs set the launch's end (the LM head's blocks ended between 93 and
+/// 138 µs on an H100, each with 29 or 30 tiles). A tile's arithmetic does not depend on the block
+/// that runs it, so the two give the same bits. Process-wide (apply_kernel_switches); read when a
+/// launch is enqueued (a graph keeps what its capture saw). Throws nothing.
+bool stream_gemv_tile_counter_enabled();
+/// Sets stream_gemv_tile_counter_enabled(). Throws nothing.
+void set_stream_gemv_tile_counter_enabled(bool on);
+
 /// Fused gate/up + SwiGLU for the selected experts (docs/model.md §4.3 item 5): for each slot
 /// k < n_sel of token row t, expert e = ids[t·n_sel + k]: g = bf16(W_gate[e] x), u = bf16(W_up[e] x),
 /// act[t, k, i] = bf16(silu(g_i)·u_i). gate/up: stacks of (n_experts + 1)·ffn rows (shared expert

@@ -14,6 +14,7 @@
 //    contiguous rows. (An L2 bulk prefetch of each warp's next chunks was measured and lost
 //    2.5 %: docs/performance/2026-12-01-decode-kernels.md.)
 #include <algorithm>
+#include <atomic>
 #include <string>
 #include <type_traits>
 
@@ -35,6 +36,28 @@ constexpr int kGemvThreads = 256;
 /// (set_stream_gemv_trace). A kernel parameter, not a __device__ variable: a global load at the
 /// kernel's entry would hold thread 0 before it requests the first weight tiles.
 uint64_t* g_stream_trace = nullptr;
+
+/// The streaming GEMV's tile counter on each device: [0] the next tile of the counter's share
+/// (below), [1] the blocks of the running launch that are done with it. The last block of a
+/// launch to finish puts both back to zero, so every launch finds them at zero: its claims come
+/// after its PDL wait, when every earlier launch has completed (launch.cuh, rule 2).
+/// Requires that no two streaming GEMVs run at once on one device (every GEMV of a backend runs
+/// on its one compute stream; the kernel tests launch one at a time).
+__device__ unsigned int g_stream_tile_counter[2];
+std::atomic<bool> g_stream_tile_counter_on{true};
+
+/// Warp 0, every lane: the global tile of this block's request `r` (its tiles in order), or −1
+/// when it has none more. The first `stages` requests take the fixed-stride deal (tiles r·grid +
+/// block: they are requested before the PDL wait); later ones, with the counter, the tiles from
+/// stages·grid on in the order the blocks ask for them (`claimed`: lane 0's counter value,
+/// fetched one request ahead so that its round trip overlaps a tile), else the fixed stride. A
+/// tile's arithmetic does not depend on the block that runs it, so the deal never changes a bit.
+__device__ __forceinline__ int stream_tile_of_request(int64_t r, int stages, int tiles, bool counter,
+                                                      unsigned int claimed) {
+  int64_t tile = blockIdx.x + r * gridDim.x;
+  if (counter && r >= stages) tile = int64_t{stages} * gridDim.x + __shfl_sync(0xffffffffu, claimed, 0);
+  return tile < tiles ? static_cast<int>(tile) : -1;
+}
 
 /// Warp 0, lane 0 of the block stamps phase `point` in `trace` (null: nothing).
 __device__ __forceinline__ void stream_trace_point(uint64_t* trace, int point) {
@@ -364,7 +387,7 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
 template <class OutT, StreamMode kMode, int kBlocks>
 __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMode, kBlocks))
     quant_stream_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x, int m, OutT* __restrict__ y, FusedNorm norm,
-                             FusedConv conv, int stages, int pad, uint64_t* trace) {
+                             FusedConv conv, int stages, int pad, bool counter, uint64_t* trace) {
   constexpr bool kDirect = kMode == StreamMode::direct;
   static_assert(kMode != StreamMode::staged || kBlocks == 1, "the staged mode takes one column block");
   extern __shared__ __align__(16) unsigned char sm[];
@@ -373,9 +396,9 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   uint64_t* full = reinterpret_cast<uint64_t*>(sm);
   uint64_t* ready = full + kStreamMaxStages;
   uint64_t* freed = ready + 2;
+  int* stage_tile = reinterpret_cast<int*>(sm + l.tile_ids);
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
-  const int64_t tiles = ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows));
-  const int64_t my_tiles = blockIdx.x < tiles ? ceil_div(tiles - blockIdx.x, gridDim.x) : 0;
+  const int tiles = static_cast<int>(ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows)));
   stream_trace_point(trace, 0);
 
   if (threadIdx.x == 0) {
@@ -387,10 +410,24 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
     mbarrier_init_fence();
   }
   __syncthreads();
+  // Warp 0 fills stage s with the tile of request r (stage_tile[s] = its index, read by every
+  // warp once the stage is full), or marks it −1 and completes its phase empty.
+  auto request = [&](int64_t r, int s, unsigned int claimed) {
+    const int tile = stream_tile_of_request(r, stages, tiles, counter, claimed);
+    if (lane == 0) stage_tile[s] = tile;
+    if (tile >= 0) stream_request_tile_at(w, tile, sm + l.ring + s * l.stage_bytes, l, full + s);
+    else if (lane == 0) mbarrier_arrive(full + s);
+    return tile;
+  };
   if (warp == 0)
-    for (int64_t j = 0; j < stages && j < my_tiles; ++j) stream_request_tile(w, j, sm + l.ring + j * l.stage_bytes, l, full + j);
+    for (int j = 0; j < stages; ++j) request(j, j, 0);
   pdl_prologue();
   stream_trace_point(trace, 1);
+  // Lane 0 of warp 0: the counter's next tile for request `stages`, fetched now (the counter may
+  // only be touched after the PDL wait) and one request ahead from then on.
+  unsigned int claimed = 0;
+  if (counter && threadIdx.x == 0 && int64_t{stages} * gridDim.x < tiles)
+    claimed = atomicAdd(&g_stream_tile_counter[0], 1u);
 
   uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);
   float* xsum = reinterpret_cast<float*>(sm + l.xsum);
@@ -411,12 +448,13 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   const bool has0 = 2 * t < m, has1 = 2 * t + 1 < m;
   stream_trace_point(trace, 2);
 
-  for (int64_t i = 0; i < my_tiles; ++i) {
+  for (int64_t i = 0;; ++i) {
     const int s = static_cast<int>(i % stages);
     const unsigned char* stage = sm + l.ring + s * l.stage_bytes;
     mbarrier_wait(full + s, static_cast<uint32_t>(i / stages) & 1u);
+    if (stage_tile[s] < 0) break;  // the same i in every warp
     if (i == 0) stream_trace_point(trace, 3);
-    if (i + 1 == my_tiles) stream_trace_point(trace, 5);
+    stream_trace_point(trace, 5);  // the last tile's stamp stays
     const StreamTileView v = stream_tile_view(stage, l, groups, g, t);
     float acc[kBlocks][4] = {};
     if constexpr (kDirect) stream_tile_slice_direct<kBlocks>(v, x, cols, m, g, t, g_begin, g_end, xsum, acc);
@@ -439,16 +477,27 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
       continue;
     }
     mbarrier_wait(ready + p, round & 1u);  // every warp is done with this stage and its slice
-    if (i + stages < my_tiles) stream_request_tile(w, i + stages, sm + l.ring + s * l.stage_bytes, l, full + s);
+    const int tile = stage_tile[s];        // read again here: one register fewer during the slice
+    // Request i + stages took the counter's tile (or none was left): fetch the next one.
+    if (request(i + stages, s, claimed) >= 0 && counter && lane == 0) claimed = atomicAdd(&g_stream_tile_counter[0], 1u);
     stream_add_slices<kBlocks>(partial, lane, acc);
     __syncwarp();
     if (lane == 0) mbarrier_arrive(freed + p);
-    const int64_t row_a = (blockIdx.x + i * gridDim.x) * int64_t{kMmaTileRows} + 4 * (g % 4) + g / 4;
+    const int64_t row_a = int64_t{tile} * kMmaTileRows + 4 * (g % 4) + g / 4;
 #pragma unroll
     for (int c = 0; c < kBlocks; ++c)
       store_mma_tile(acc[c], row_a, row_a + 2, t, m - c * kMmaMaxTokens, w.rows, y + int64_t{c} * kMmaMaxTokens * w.rows,
                      conv);
     if (i == 0) stream_trace_point(trace, 4);
+  }
+  // The last block done with the counter puts it back to zero for the next launch. Every
+  // block's last claim precedes its count (fence), so no claim follows the reset.
+  if (counter && threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&g_stream_tile_counter[1], 1u) == gridDim.x - 1) {
+      atomicExch(&g_stream_tile_counter[0], 0u);
+      atomicExch(&g_stream_tile_counter[1], 0u);
+    }
   }
   stream_trace_point(trace, 6);
 }
@@ -503,7 +552,7 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
   auto launch = [&](auto kernel) {
     raise_smem_limit(kernel, plan.smem);
     launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,
-               plan.pad, g_stream_trace);
+               plan.pad, g_stream_tile_counter_on.load(std::memory_order_relaxed), g_stream_trace);
   };
   // The direct and rows modes' instances, one per column-block count.
   auto launch_blocks = [&](auto mode) {
@@ -680,6 +729,9 @@ void launch_quant_gemv_batched(const DeviceQuant& w, const bf16* x, int m, bf16*
 }
 
 void set_stream_gemv_trace(uint64_t* trace) { g_stream_trace = trace; }
+
+bool stream_gemv_tile_counter_enabled() { return g_stream_tile_counter_on.load(std::memory_order_relaxed); }
+void set_stream_gemv_tile_counter_enabled(bool on) { g_stream_tile_counter_on.store(on, std::memory_order_relaxed); }
 
 void launch_quant_gemv(const DeviceQuant& w, const bf16* x, bf16* y_bf16, float* y_f32, cudaStream_t stream) {
   launch_quant_gemv_batched(w, x, 1, y_bf16, y_f32, stream);

@@ -92,6 +92,7 @@ struct StreamLayout {
   int row_bytes = 0;        ///< cols / 2
   int chunk_pitch = 0;      ///< bytes from one 4-row chunk of a stage to the next
   int64_t stage_bytes = 0;  ///< one tile: 4 chunks of code rows, then 16 × groups scales, then biases
+  int64_t tile_ids = 0;     ///< int32 [kStreamMaxStages]: the global tile each stage holds (−1: none more)
   int64_t ring = 0;         ///< first stage
   int64_t xperm = 0;        ///< uint32 [m][cols / 2] (rows mode: [m][stream_rows_pitch])
   int64_t xsum = 0;         ///< float [m][groups] (rows mode: [m][stream_rows_sum_pitch])
@@ -123,7 +124,8 @@ __host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stage
   l.row_bytes = cols / 2;
   l.chunk_pitch = 4 * l.row_bytes + pad;
   l.stage_bytes = int64_t{4} * l.chunk_pitch + int64_t{2} * kMmaTileRows * groups * 2;
-  l.ring = align16(int64_t{kStreamMaxStages + 4} * 8);  // mbarriers: full[stages], ready[2], freed[2]
+  l.tile_ids = int64_t{kStreamMaxStages + 4} * 8;  // after the mbarriers: full[stages], ready[2], freed[2]
+  l.ring = align16(l.tile_ids + int64_t{kStreamMaxStages} * 4);
   l.xperm = l.ring + stages * l.stage_bytes;
   const int64_t xperm_bytes = direct ? 0 : rows ? int64_t{m} * stream_rows_pitch(cols) * 4 : int64_t{m} * cols * 2;
   l.xsum = l.xperm + align16(xperm_bytes);
@@ -137,14 +139,14 @@ __host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stage
   return l;
 }
 
-/// Warp 0: requests local tile `j` of this block (global tile blockIdx.x + j·gridDim.x) into
-/// `stage`, completing on `full`. Lane 0 announces the bytes; lanes 0–3 copy one 4-row chunk
-/// each (one copy of all rows when the chunks are not padded), lanes 4 and 5 the tile's scales
-/// and biases. Rows past the matrix are not copied.
-__device__ __forceinline__ void stream_request_tile(const DeviceQuant& w, int64_t j, unsigned char* stage,
-                                                    const StreamLayout& l, uint64_t* full) {
+/// Warp 0: requests global tile `tile` (rows 16·tile …) into `stage`, completing on `full`.
+/// Lane 0 announces the bytes; lanes 0–3 copy one 4-row chunk each (one copy of all rows when the
+/// chunks are not padded), lanes 4 and 5 the tile's scales and biases. Rows past the matrix are
+/// not copied.
+__device__ __forceinline__ void stream_request_tile_at(const DeviceQuant& w, int64_t tile, unsigned char* stage,
+                                                       const StreamLayout& l, uint64_t* full) {
   const int lane = threadIdx.x % kWarp, groups = w.cols / kGroup;
-  const int64_t row0 = (blockIdx.x + j * gridDim.x) * int64_t{kMmaTileRows};
+  const int64_t row0 = tile * kMmaTileRows;
   const int valid = static_cast<int>(w.rows - row0 < kMmaTileRows ? w.rows - row0 : kMmaTileRows);
   const uint32_t sb_bytes = static_cast<uint32_t>(valid) * groups * 2;
   if (lane == 0) mbarrier_arrive_expect_tx(full, valid * l.row_bytes + 2 * sb_bytes);
@@ -162,6 +164,13 @@ __device__ __forceinline__ void stream_request_tile(const DeviceQuant& w, int64_
     const bf16* src = (lane == 4 ? w.scales : w.biases) + row0 * groups;
     bulk_copy_to_shared(stage + 4 * l.chunk_pitch + (lane - 4) * kMmaTileRows * groups * 2, src, sb_bytes, full);
   }
+}
+
+/// Warp 0: requests local tile `j` of this block (global tile blockIdx.x + j·gridDim.x, the
+/// fixed-stride deal) into `stage`, as stream_request_tile_at.
+__device__ __forceinline__ void stream_request_tile(const DeviceQuant& w, int64_t j, unsigned char* stage,
+                                                    const StreamLayout& l, uint64_t* full) {
+  stream_request_tile_at(w, blockIdx.x + j * gridDim.x, stage, l, full);
 }
 
 /// One thread's view of a stage for its fragment rows (slot g → row 4·(g mod 4) + g/4, slot
