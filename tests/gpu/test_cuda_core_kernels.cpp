@@ -1417,11 +1417,12 @@ TEST(CudaTiming, PrintsStreamGemvPhases) {
 }
 
 // The streaming GEMV's tile counter (cuda::set_stream_gemv_tile_counter_enabled) against the
-// fixed-stride deal it replaces, bit for bit: the decode's one-row shapes (the LM head and the
-// GDN in-projection with the norm fused, the out-projection read in place), three launches each
-// (the counter must be back at zero after every launch); the batched decode's row GEMVs (the
-// direct mode at 3 rows, the rows mode at 16 and 32); and a graph of four GEMVs under PDL,
-// each starting while its predecessor runs, replayed three times.
+// fixed-stride deal it replaces, bit for bit: the decode's one-row shapes (the LM head with the
+// norm fused takes the counter; the GDN in-projection and the out-projection, with under four
+// tiles a block, keep the stride), three launches each (the counter must be back at zero after
+// every launch); the batched decode's row GEMVs (the direct mode at 3 rows, the rows mode at 16
+// and 32, which takes the counter); and a graph of four GEMVs under PDL, each starting while its
+// predecessor runs, replayed three times (the first and last take the counter).
 TEST(CudaGemv, TileCounterGivesTheFixedStrideBits) {
   const ScopedSwitch<bool> counter(cuda::stream_gemv_tile_counter_enabled, cuda::set_stream_gemv_tile_counter_enabled);
   const PdlSetting pdl;

@@ -509,7 +509,15 @@ struct StreamPlan {
   int pad = 0;
   int blocks = 0;
   size_t smem = 0;
+  bool counter = false;  ///< tiles past the first stages from the tile counter (stream_gemv_tile_counter_enabled)
 };
+
+/// Tiles per block from which a launch takes its later tiles from the counter. Below it the
+/// blocks have few tiles to even out, and the counter's atomics (every block's claim and its
+/// count at the end, on one address) cost more than they save: with the counter on every launch,
+/// decode at 4K on an H100 went from 400 to 388 tok/s, while the LM head's blocks (29 tiles each)
+/// ended within 6 µs of each other instead of 45.
+constexpr int64_t kCounterMinTilesPerBlock = 4;
 
 /// The streaming kernel's launch for a GEMV in `mode`: 4-bit, m ≤ 8 (direct and rows: m ≤
 /// kMaxStreamGemvRows), cols % 512 == 0 (scale rows of whole 16-byte runs, an even split of the
@@ -543,6 +551,7 @@ StreamPlan stream_gemv_plan(const DeviceQuant& w, int m, StreamMode mode = Strea
   if (l.total > kStreamSmemMax) return plan;
   plan.stages = static_cast<int>(fit);
   plan.smem = static_cast<size_t>(l.total);
+  plan.counter = stream_gemv_tile_counter_enabled() && tiles >= kCounterMinTilesPerBlock * plan.blocks;
   return plan;
 }
 
@@ -552,7 +561,7 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
   auto launch = [&](auto kernel) {
     raise_smem_limit(kernel, plan.smem);
     launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,
-               plan.pad, g_stream_tile_counter_on.load(std::memory_order_relaxed), g_stream_trace);
+               plan.pad, plan.counter, g_stream_trace);
   };
   // The direct and rows modes' instances, one per column-block count.
   auto launch_blocks = [&](auto mode) {
