@@ -37,13 +37,14 @@ constexpr int kGemvThreads = 256;
 /// kernel's entry would hold thread 0 before it requests the first weight tiles.
 uint64_t* g_stream_trace = nullptr;
 
-/// The streaming GEMV's tile counter on each device: [0] the next tile of the counter's share
-/// (below), [1] the blocks of the running launch that are done with it. The last block of a
-/// launch to finish puts both back to zero, so every launch finds them at zero: its claims come
-/// after its PDL wait, when every earlier launch has completed (launch.cuh, rule 2).
-/// Requires that no two streaming GEMVs run at once on one device (every GEMV of a backend runs
-/// on its one compute stream; the kernel tests launch one at a time).
-__device__ unsigned int g_stream_tile_counter[2];
+/// The streaming GEMV's tile counter on each device: the next tile of the counter's share
+/// (below). Each block of a launch that uses it claims tiles until one claim comes back past the
+/// last tile, so a launch with D tiles in the counter's share makes D + grid claims; the block
+/// whose claim returns D + grid − 1 (the last) puts the counter back to zero, so every launch
+/// finds it at zero: its claims come after its PDL wait, when every earlier launch has completed
+/// (launch.cuh, rule 2). Requires that no two streaming GEMVs run at once on one device (every
+/// GEMV of a backend runs on its one compute stream; the kernel tests launch one at a time).
+__device__ unsigned int g_stream_tile_counter;
 std::atomic<bool> g_stream_tile_counter_on{true};
 
 /// Warp 0, every lane: the global tile of this block's request `r` (its tiles in order), or −1
@@ -55,7 +56,11 @@ std::atomic<bool> g_stream_tile_counter_on{true};
 __device__ __forceinline__ int stream_tile_of_request(int64_t r, int stages, int tiles, bool counter,
                                                       unsigned int claimed) {
   int64_t tile = blockIdx.x + r * gridDim.x;
-  if (counter && r >= stages) tile = int64_t{stages} * gridDim.x + __shfl_sync(0xffffffffu, claimed, 0);
+  if (counter && r >= stages) {
+    const int64_t first = int64_t{stages} * gridDim.x;  // the counter's share: tiles [first, tiles)
+    tile = first + __shfl_sync(0xffffffffu, claimed, 0);
+    if (tile == tiles + gridDim.x - 1 && threadIdx.x == 0) g_stream_tile_counter = 0;  // the launch's last claim
+  }
   return tile < tiles ? static_cast<int>(tile) : -1;
 }
 
@@ -427,7 +432,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   // only be touched after the PDL wait) and one request ahead from then on.
   unsigned int claimed = 0;
   if (counter && threadIdx.x == 0 && int64_t{stages} * gridDim.x < tiles)
-    claimed = atomicAdd(&g_stream_tile_counter[0], 1u);
+    claimed = atomicAdd(&g_stream_tile_counter, 1u);
 
   uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);
   float* xsum = reinterpret_cast<float*>(sm + l.xsum);
@@ -479,7 +484,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
     mbarrier_wait(ready + p, round & 1u);  // every warp is done with this stage and its slice
     const int tile = stage_tile[s];        // read again here: one register fewer during the slice
     // Request i + stages took the counter's tile (or none was left): fetch the next one.
-    if (request(i + stages, s, claimed) >= 0 && counter && lane == 0) claimed = atomicAdd(&g_stream_tile_counter[0], 1u);
+    if (request(i + stages, s, claimed) >= 0 && counter && lane == 0) claimed = atomicAdd(&g_stream_tile_counter, 1u);
     stream_add_slices<kBlocks>(partial, lane, acc);
     __syncwarp();
     if (lane == 0) mbarrier_arrive(freed + p);
@@ -489,15 +494,6 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
       store_mma_tile(acc[c], row_a, row_a + 2, t, m - c * kMmaMaxTokens, w.rows, y + int64_t{c} * kMmaMaxTokens * w.rows,
                      conv);
     if (i == 0) stream_trace_point(trace, 4);
-  }
-  // The last block done with the counter puts it back to zero for the next launch. Every
-  // block's last claim precedes its count (fence), so no claim follows the reset.
-  if (counter && threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&g_stream_tile_counter[1], 1u) == gridDim.x - 1) {
-      atomicExch(&g_stream_tile_counter[0], 0u);
-      atomicExch(&g_stream_tile_counter[1], 0u);
-    }
   }
   stream_trace_point(trace, 6);
 }
