@@ -1417,12 +1417,12 @@ TEST(CudaTiming, PrintsStreamGemvPhases) {
 }
 
 // The streaming GEMV's tile counter (cuda::set_stream_gemv_tile_counter_enabled) against the
-// fixed-stride deal it replaces, bit for bit: the decode's one-row shapes (the LM head with the
-// norm fused takes the counter; the GDN in-projection and the out-projection, with under four
-// tiles a block, keep the stride), three launches each (the counter must be back at zero after
-// every launch); the batched decode's row GEMVs (the direct mode at 3 rows, the rows mode at 16
-// and 32, which takes the counter); and a graph of four GEMVs under PDL, each starting while its
-// predecessor runs, replayed three times (the first and last take the counter).
+// fixed-stride deal, bit for bit: the decode's one-row shapes (the LM head with the norm fused
+// takes the counter; the GDN in-projection and the out-projection, with under four tiles a block,
+// keep the stride), three launches each (the counter must be back at zero after every launch);
+// and a graph of four GEMVs under PDL, each starting while its predecessor runs, replayed three
+// times: a 40,000-row matrix with the norm fused (the counter, about five tiles a block), the
+// 12,352-row in-projection, a 2,048 × 4,096 out-projection, then the first again.
 TEST(CudaGemv, TileCounterGivesTheFixedStrideBits) {
   const ScopedSwitch<bool> counter(cuda::stream_gemv_tile_counter_enabled, cuda::set_stream_gemv_tile_counter_enabled);
   const PdlSetting pdl;
@@ -1443,42 +1443,23 @@ TEST(CudaGemv, TileCounterGivesTheFixedStrideBits) {
   }
 
   std::mt19937_64 rng(37);
-  const int64_t rows = 12352;
-  RandomQuant w(rows, kHidden, 4, rng);
-  const std::vector<float> x = normal_bf16(int64_t(32) * kHidden, rng, 1.0f);
-  DeviceBuffer dx = upload_bf16(x);
-  const ScopedSwitch<int> from(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
-  for (int m : {3, 16, 32}) {
-    from.set(m == 3 ? cuda::kMaxDecodeRows + 1 : 2);  // 3 rows: the direct mode
-    DeviceBuffer dy = poisoned(size_t(m) * rows * 2);
-    auto run = [&] {
-      cuda::launch_quant_gemv_rows(w.view(), dx.as<__nv_bfloat16>(), m, dy.as<__nv_bfloat16>(), nullptr, nullptr);
-      CUDA_CHECK(cudaDeviceSynchronize());
-      return download_bf16(dy, int64_t(m) * rows);
-    };
-    counter.set(false);
-    const std::vector<float> reference = run();
-    counter.set(true);
-    for (int r = 0; r < 3; ++r) EXPECT_EQ(bit_differences(run(), reference), 0) << m << " rows, launch " << r;
-  }
-
-  // The graph: 40,000 × 2,048 (fp32 out, about five tiles a block), the 12,352-row matrix, a
-  // 2,048 × 4,096 out-projection, then the first again into a second buffer.
-  RandomQuant big(40000, kHidden, 4, rng), out_proj(kHidden, 4096, 4, rng);
+  constexpr int64_t kBig = 40000, kInRows = 12352;
+  RandomQuant big(kBig, kHidden, 4, rng), in_proj(kInRows, kHidden, 4, rng), out_proj(kHidden, 4096, 4, rng);
+  NormInputs in(kHidden, rng);
   const std::vector<float> wide = normal_bf16(4096, rng, 1.0f);
   DeviceBuffer dwide = upload_bf16(wide);
-  DeviceBuffer y1 = poisoned(size_t(40000) * 4), y2 = poisoned(size_t(rows) * 2), y3 = poisoned(size_t(kHidden) * 2),
-               y4 = poisoned(size_t(40000) * 4);
+  DeviceBuffer y1 = poisoned(size_t(kBig) * 4), y2 = poisoned(size_t(kInRows) * 2), y3 = poisoned(size_t(kHidden) * 2),
+               y4 = poisoned(size_t(kBig) * 4);
   auto enqueue = [&](cudaStream_t st) {
-    cuda::launch_quant_gemv(big.view(), dx.as<__nv_bfloat16>(), nullptr, y1.as<float>(), st);
-    cuda::launch_quant_gemv(w.view(), dx.as<__nv_bfloat16>(), y2.as<__nv_bfloat16>(), nullptr, st);
+    cuda::launch_add_rmsnorm_gemv(in.norm(true), in.dx.as<__nv_bfloat16>(), big.view(), nullptr, y1.as<float>(), st);
+    cuda::launch_quant_gemv(in_proj.view(), in.dx.as<__nv_bfloat16>(), y2.as<__nv_bfloat16>(), nullptr, st);
     cuda::launch_quant_gemv(out_proj.view(), dwide.as<__nv_bfloat16>(), y3.as<__nv_bfloat16>(), nullptr, st);
-    cuda::launch_quant_gemv(big.view(), dx.as<__nv_bfloat16>(), nullptr, y4.as<float>(), st);
+    cuda::launch_add_rmsnorm_gemv(in.norm(true), in.dx.as<__nv_bfloat16>(), big.view(), nullptr, y4.as<float>(), st);
   };
   auto outputs = [&] {
     CUDA_CHECK(cudaDeviceSynchronize());
-    return std::vector<std::vector<float>>{download_f32(y1, 40000), download_bf16(y2, rows), download_bf16(y3, kHidden),
-                                           download_f32(y4, 40000)};
+    return std::vector<std::vector<float>>{download_f32(y1, kBig), download_bf16(y2, kInRows), download_bf16(y3, kHidden),
+                                           download_f32(y4, kBig)};
   };
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

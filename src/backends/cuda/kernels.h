@@ -294,8 +294,8 @@ void set_stream_gemv_trace(uint64_t* trace);
 
 /// Whether the streaming GEMV deals its tiles past each block's first stages from a counter in
 /// device memory, in the order the blocks ask for them (true, the default), or in a fixed stride
-/// over the blocks (false), in launches with at least four tiles per block (the LM head, the
-/// batched decode's rows mode); smaller launches keep the fixed stride, the counter's atomics
+/// over the blocks (false), in launches with the norm fused and at least four tiles per block
+/// (the decode step's LM head); other launches keep the fixed stride, the counter's claims
 /// costing them more than it evens out. With the fixed stride a block's share is fixed before it
 /// starts, so the blocks of slower SMs set the launch's end (the LM head's blocks ended between
 /// 93 and 138 µs on an H100, each with 29 or 30 tiles; with the counter between 121 and 127). A

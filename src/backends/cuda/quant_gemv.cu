@@ -47,19 +47,17 @@ uint64_t* g_stream_trace = nullptr;
 __device__ unsigned int g_stream_tile_counter;
 std::atomic<bool> g_stream_tile_counter_on{true};
 
-/// Warp 0, every lane: the global tile of this block's request `r` (its tiles in order), or −1
-/// when it has none more. The first `stages` requests take the fixed-stride deal (tiles r·grid +
-/// block: they are requested before the PDL wait); later ones, with the counter, the tiles from
-/// stages·grid on in the order the blocks ask for them (`claimed`: lane 0's counter value,
-/// fetched one request ahead so that its round trip overlaps a tile), else the fixed stride. A
-/// tile's arithmetic does not depend on the block that runs it, so the deal never changes a bit.
-__device__ __forceinline__ int stream_tile_of_request(int64_t r, int stages, int tiles, bool counter,
-                                                      unsigned int claimed) {
+/// Warp 0, every lane, with the tile counter: the global tile of this block's request `r` (its
+/// tiles in order), or −1 when it has none more. The first `stages` requests take the fixed
+/// stride (tiles r·grid + block: they are requested before the PDL wait); later ones the tiles
+/// from stages·grid on, in the order the blocks ask for them (`claimed`: lane 0's counter value,
+/// fetched one request ahead so that its round trip overlaps a tile). The block that gets the
+/// launch's last claim puts the counter back to zero.
+__device__ __forceinline__ int stream_tile_of_request(int64_t r, int stages, int tiles, unsigned int claimed) {
   int64_t tile = blockIdx.x + r * gridDim.x;
-  if (counter && r >= stages) {
-    const int64_t first = int64_t{stages} * gridDim.x;  // the counter's share: tiles [first, tiles)
-    tile = first + __shfl_sync(0xffffffffu, claimed, 0);
-    if (tile == tiles + gridDim.x - 1 && threadIdx.x == 0) g_stream_tile_counter = 0;  // the launch's last claim
+  if (r >= stages) {
+    tile = int64_t{stages} * gridDim.x + __shfl_sync(0xffffffffu, claimed, 0);
+    if (tile == tiles + gridDim.x - 1 && threadIdx.x == 0) g_stream_tile_counter = 0;
   }
   return tile < tiles ? static_cast<int>(tile) : -1;
 }
@@ -388,22 +386,28 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
 /// block-wide pass over the rows. rows (no norm, no conv; the batched decode's rows): m ≤
 /// 8·kBlocks, the rows staged once per block in fragment order with their Σx
 /// (stage_rows_fragments), all threads loading at once. direct and rows: the rows are kBlocks
-/// column blocks of eight that share each weight fragment.
-template <class OutT, StreamMode kMode, int kBlocks>
+/// column blocks of eight that share each weight fragment. kCounter: the tiles past each block's
+/// first stages come from the tile counter (g_stream_tile_counter), each stage's tile index in
+/// shared memory; else block b runs tiles b, b + grid, … (the same bits either way).
+template <class OutT, StreamMode kMode, int kBlocks, bool kCounter>
 __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMode, kBlocks))
     quant_stream_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x, int m, OutT* __restrict__ y, FusedNorm norm,
-                             FusedConv conv, int stages, int pad, bool counter, uint64_t* trace) {
+                             FusedConv conv, int stages, int pad, uint64_t* trace) {
   constexpr bool kDirect = kMode == StreamMode::direct;
   static_assert(kMode != StreamMode::staged || kBlocks == 1, "the staged mode takes one column block");
   extern __shared__ __align__(16) unsigned char sm[];
   const int cols = w.cols, groups = cols / kGroup, per_warp = groups / kStreamWarps;
-  const StreamLayout l = stream_layout(cols, m, stages, pad, kMode);
+  const StreamLayout l = stream_layout(cols, m, stages, pad, kMode, kCounter);
   uint64_t* full = reinterpret_cast<uint64_t*>(sm);
   uint64_t* ready = full + kStreamMaxStages;
   uint64_t* freed = ready + 2;
-  int* stage_tile = reinterpret_cast<int*>(sm + l.tile_ids);
+  int* stage_tile = reinterpret_cast<int*>(sm + l.tile_ids);  // kCounter only
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
-  const int tiles = static_cast<int>(ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows)));
+  const int64_t tiles = ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows));
+  // The fixed stride's tile count of this block (with the counter: an unbounded loop, ended by a
+  // stage marked −1).
+  const int64_t my_tiles =
+      kCounter ? INT64_MAX : blockIdx.x < tiles ? ceil_div(tiles - blockIdx.x, gridDim.x) : 0;
   stream_trace_point(trace, 0);
 
   if (threadIdx.x == 0) {
@@ -415,23 +419,27 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
     mbarrier_init_fence();
   }
   __syncthreads();
-  // Warp 0 fills stage s with the tile of request r (stage_tile[s] = its index, read by every
-  // warp once the stage is full), or marks it −1 and completes its phase empty.
+  // With the counter, warp 0 fills stage s with the tile of request r (stage_tile[s] = its index,
+  // read by every warp once the stage is full), or marks it −1 and completes its phase empty.
   auto request = [&](int64_t r, int s, unsigned int claimed) {
-    const int tile = stream_tile_of_request(r, stages, tiles, counter, claimed);
+    const int tile = stream_tile_of_request(r, stages, static_cast<int>(tiles), claimed);
     if (lane == 0) stage_tile[s] = tile;
     if (tile >= 0) stream_request_tile_at(w, tile, sm + l.ring + s * l.stage_bytes, l, full + s);
     else if (lane == 0) mbarrier_arrive(full + s);
     return tile;
   };
-  if (warp == 0)
-    for (int j = 0; j < stages; ++j) request(j, j, 0);
+  if (warp == 0) {
+    if constexpr (kCounter)
+      for (int j = 0; j < stages; ++j) request(j, j, 0);
+    else
+      for (int64_t j = 0; j < stages && j < my_tiles; ++j) stream_request_tile(w, j, sm + l.ring + j * l.stage_bytes, l, full + j);
+  }
   pdl_prologue();
   stream_trace_point(trace, 1);
   // Lane 0 of warp 0: the counter's next tile for request `stages`, fetched now (the counter may
   // only be touched after the PDL wait) and one request ahead from then on.
   unsigned int claimed = 0;
-  if (counter && threadIdx.x == 0 && int64_t{stages} * gridDim.x < tiles)
+  if (kCounter && threadIdx.x == 0 && int64_t{stages} * gridDim.x < tiles)
     claimed = atomicAdd(&g_stream_tile_counter, 1u);
 
   uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);
@@ -453,13 +461,13 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   const bool has0 = 2 * t < m, has1 = 2 * t + 1 < m;
   stream_trace_point(trace, 2);
 
-  for (int64_t i = 0;; ++i) {
+  for (int64_t i = 0; i < my_tiles; ++i) {
     const int s = static_cast<int>(i % stages);
     const unsigned char* stage = sm + l.ring + s * l.stage_bytes;
     mbarrier_wait(full + s, static_cast<uint32_t>(i / stages) & 1u);
-    if (stage_tile[s] < 0) break;  // the same i in every warp
+    if (kCounter && stage_tile[s] < 0) break;  // the same i in every warp
     if (i == 0) stream_trace_point(trace, 3);
-    stream_trace_point(trace, 5);  // the last tile's stamp stays
+    if (kCounter || i + 1 == my_tiles) stream_trace_point(trace, 5);  // (the counter: the last tile's stamp stays)
     const StreamTileView v = stream_tile_view(stage, l, groups, g, t);
     float acc[kBlocks][4] = {};
     if constexpr (kDirect) stream_tile_slice_direct<kBlocks>(v, x, cols, m, g, t, g_begin, g_end, xsum, acc);
@@ -482,13 +490,18 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
       continue;
     }
     mbarrier_wait(ready + p, round & 1u);  // every warp is done with this stage and its slice
-    const int tile = stage_tile[s];        // read again here: one register fewer during the slice
-    // Request i + stages took the counter's tile (or none was left): fetch the next one.
-    if (request(i + stages, s, claimed) >= 0 && counter && lane == 0) claimed = atomicAdd(&g_stream_tile_counter, 1u);
+    int64_t tile = blockIdx.x + i * gridDim.x;
+    if constexpr (kCounter) {
+      tile = stage_tile[s];  // read here, not kept through the slice: one register fewer there
+      // Request i + stages took the counter's tile (or none was left): fetch the next one.
+      if (request(i + stages, s, claimed) >= 0 && lane == 0) claimed = atomicAdd(&g_stream_tile_counter, 1u);
+    } else if (i + stages < my_tiles) {
+      stream_request_tile(w, i + stages, sm + l.ring + s * l.stage_bytes, l, full + s);
+    }
     stream_add_slices<kBlocks>(partial, lane, acc);
     __syncwarp();
     if (lane == 0) mbarrier_arrive(freed + p);
-    const int64_t row_a = int64_t{tile} * kMmaTileRows + 4 * (g % 4) + g / 4;
+    const int64_t row_a = tile * kMmaTileRows + 4 * (g % 4) + g / 4;
 #pragma unroll
     for (int c = 0; c < kBlocks; ++c)
       store_mma_tile(acc[c], row_a, row_a + 2, t, m - c * kMmaMaxTokens, w.rows, y + int64_t{c} * kMmaMaxTokens * w.rows,
@@ -505,14 +518,16 @@ struct StreamPlan {
   int pad = 0;
   int blocks = 0;
   size_t smem = 0;
-  bool counter = false;  ///< tiles past the first stages from the tile counter (stream_gemv_tile_counter_enabled)
+  /// Staged mode: the tiles past the first stages from the tile counter (the instance with
+  /// kCounter; stream_gemv_tile_counter_enabled).
+  bool counter = false;
 };
 
-/// Tiles per block from which a launch takes its later tiles from the counter. Below it the
-/// blocks have few tiles to even out, and the counter's atomics (every block's claim and its
-/// count at the end, on one address) cost more than they save: with the counter on every launch,
-/// decode at 4K on an H100 went from 400 to 388 tok/s, while the LM head's blocks (29 tiles each)
-/// ended within 6 µs of each other instead of 45.
+/// Tiles per block from which a staged launch takes its later tiles from the counter (in the
+/// decode step: the LM head, 29 or 30 a block). Below it the blocks have few tiles to even out,
+/// and the counter's claims cost more than they save: with the counter on every launch, decode
+/// at 4K on an H100 went from 400 to 388 tok/s. The batched decode's GEMVs (rows and direct
+/// modes) showed no gain from it (8 to 64 rows, within 0.4 %), so they keep the fixed stride.
 constexpr int64_t kCounterMinTilesPerBlock = 4;
 
 /// The streaming kernel's launch for a GEMV in `mode`: 4-bit, m ≤ 8 (direct and rows: m ≤
@@ -543,11 +558,12 @@ StreamPlan stream_gemv_plan(const DeviceQuant& w, int m, StreamMode mode = Strea
   int64_t fit = (budget - none.total) / none.stage_bytes;
   if (mode == StreamMode::rows && fit < 1) return plan;  // the rows take the SM: the caller runs fewer per launch
   fit = std::max<int64_t>(1, std::min<int64_t>({fit, kStreamMaxStages, per_block}));
-  const StreamLayout l = stream_layout(w.cols, m, static_cast<int>(fit), plan.pad, mode);
+  plan.counter = mode == StreamMode::staged && stream_gemv_tile_counter_enabled() &&
+                 tiles >= kCounterMinTilesPerBlock * plan.blocks;
+  const StreamLayout l = stream_layout(w.cols, m, static_cast<int>(fit), plan.pad, mode, plan.counter);
   if (l.total > kStreamSmemMax) return plan;
   plan.stages = static_cast<int>(fit);
   plan.smem = static_cast<size_t>(l.total);
-  plan.counter = stream_gemv_tile_counter_enabled() && tiles >= kCounterMinTilesPerBlock * plan.blocks;
   return plan;
 }
 
@@ -557,20 +573,22 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
   auto launch = [&](auto kernel) {
     raise_smem_limit(kernel, plan.smem);
     launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,
-               plan.pad, plan.counter, g_stream_trace);
+               plan.pad, g_stream_trace);
   };
   // The direct and rows modes' instances, one per column-block count.
   auto launch_blocks = [&](auto mode) {
     constexpr StreamMode kMode = decltype(mode)::value;
     switch (plan.column_blocks) {
-      case 1: return launch(quant_stream_gemv_kernel<OutT, kMode, 1>);
-      case 2: return launch(quant_stream_gemv_kernel<OutT, kMode, 2>);
-      case 3: return launch(quant_stream_gemv_kernel<OutT, kMode, 3>);
-      default: return launch(quant_stream_gemv_kernel<OutT, kMode, 4>);
+      case 1: return launch(quant_stream_gemv_kernel<OutT, kMode, 1, false>);
+      case 2: return launch(quant_stream_gemv_kernel<OutT, kMode, 2, false>);
+      case 3: return launch(quant_stream_gemv_kernel<OutT, kMode, 3, false>);
+      default: return launch(quant_stream_gemv_kernel<OutT, kMode, 4, false>);
     }
   };
   switch (plan.mode) {
-    case StreamMode::staged: return launch(quant_stream_gemv_kernel<OutT, StreamMode::staged, 1>);
+    case StreamMode::staged:
+      return plan.counter ? launch(quant_stream_gemv_kernel<OutT, StreamMode::staged, 1, true>)
+                          : launch(quant_stream_gemv_kernel<OutT, StreamMode::staged, 1, false>);
     case StreamMode::direct: return launch_blocks(std::integral_constant<StreamMode, StreamMode::direct>{});
     case StreamMode::rows: return launch_blocks(std::integral_constant<StreamMode, StreamMode::rows>{});
   }

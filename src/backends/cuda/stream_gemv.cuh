@@ -92,7 +92,7 @@ struct StreamLayout {
   int row_bytes = 0;        ///< cols / 2
   int chunk_pitch = 0;      ///< bytes from one 4-row chunk of a stage to the next
   int64_t stage_bytes = 0;  ///< one tile: 4 chunks of code rows, then 16 × groups scales, then biases
-  int64_t tile_ids = 0;     ///< int32 [kStreamMaxStages]: the global tile each stage holds (−1: none more)
+  int64_t tile_ids = 0;     ///< tile counter only: int32 [kStreamMaxStages], the tile each stage holds (−1: none more)
   int64_t ring = 0;         ///< first stage
   int64_t xperm = 0;        ///< uint32 [m][cols / 2] (rows mode: [m][stream_rows_pitch])
   int64_t xsum = 0;         ///< float [m][groups] (rows mode: [m][stream_rows_sum_pitch])
@@ -111,12 +111,13 @@ __host__ __device__ inline int stream_rows_pitch(int cols) { return cols / 2 + 4
 /// apart in a float2-aligned row, on distinct banks).
 __host__ __device__ inline int stream_rows_sum_pitch(int groups) { return groups + 2; }
 
-/// The layout for m tokens, `stages` tiles in flight and chunk padding `pad`. direct: no
+/// The layout for m tokens, `stages` tiles in flight and chunk padding `pad` (with `tile_ids`,
+/// room for the tile counter's per-stage tile indices before the ring). direct: no
 /// permuted copy and no staging area; Σx for whole column blocks of eight tokens (m ≤
 /// kMaxStreamGemvRows). rows: the permuted rows and their Σx at the rows-mode pitches. direct and
 /// rows: the k-slice partials hold every column block.
 __host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stages, int pad,
-                                                      StreamMode mode = StreamMode::staged) {
+                                                      StreamMode mode = StreamMode::staged, bool tile_ids = false) {
   const int groups = cols / kGroup;
   const bool direct = mode == StreamMode::direct, rows = mode == StreamMode::rows;
   const int blocks = mode == StreamMode::staged ? 1 : stream_column_blocks(m);
@@ -125,7 +126,7 @@ __host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stage
   l.chunk_pitch = 4 * l.row_bytes + pad;
   l.stage_bytes = int64_t{4} * l.chunk_pitch + int64_t{2} * kMmaTileRows * groups * 2;
   l.tile_ids = int64_t{kStreamMaxStages + 4} * 8;  // after the mbarriers: full[stages], ready[2], freed[2]
-  l.ring = align16(l.tile_ids + int64_t{kStreamMaxStages} * 4);
+  l.ring = align16(l.tile_ids + (tile_ids ? int64_t{kStreamMaxStages} * 4 : 0));
   l.xperm = l.ring + stages * l.stage_bytes;
   const int64_t xperm_bytes = direct ? 0 : rows ? int64_t{m} * stream_rows_pitch(cols) * 4 : int64_t{m} * cols * 2;
   l.xsum = l.xperm + align16(xperm_bytes);
