@@ -1283,6 +1283,80 @@ TEST_F(CudaE2e, PrintsBatchedDecodeThroughput) {
   }
 }
 
+// Where the streaming GEMVs of one decode step spend their time inside the decode graph
+// (asserts only that the stamps are there): every GEMV launch of the graph stamps its own slice
+// of a trace (cuda::set_stream_gemv_trace with advance), and the last of four replays is printed
+// per launch, µs after the step's first GEMV entry: the first block's PDL wait (≈ when its
+// predecessor ended), the median block's activations staged and first tile on chip, the last
+// block's exit. Between two GEMVs run the mixer's kernels (in-projection → out-projection) or the
+// MoE block (out-projection → next in-projection), so the gaps say what those take in the graph.
+// A 2,048-token prompt on realdims; a 4,096-token prompt on LILY_GPU_BIG_MODEL when set.
+TEST_F(CudaE2e, PrintsDecodeGraphGemvTimeline) {
+  TempDir dir;
+  std::vector<std::tuple<std::string, std::shared_ptr<const ModelWeights>, int>> models;
+  models.emplace_back("realdims", synth("realdims", dir.path()), 2048);
+  if (const char* big = std::getenv("LILY_GPU_BIG_MODEL"); big && *big) models.emplace_back("35b-a3b", load_model(big), 4096);
+  for (auto& [name, w, prompt] : models) {
+    auto gpu = make_cuda_backend(w, CudaOptions::from_env());
+    auto s = gpu->new_state(prompt + 64);
+    int32_t next = gpu->prefill(*s, hash_prompt(prompt, w->config.vocab, 12));
+    constexpr int64_t kTraceWords = int64_t{1} << 22;  // 32 MiB: every GEMV of a step at 528 blocks
+    cuda::DeviceBuffer trace(size_t(kTraceWords) * 8);
+    trace.fill_bytes(0);
+    cuda::set_stream_gemv_trace(trace.as<uint64_t>(), /*advance=*/true);
+    next = gpu->decode(*s, next);  // captures the decode graph: one slice per GEMV
+    const std::vector<cuda::StreamTraceLaunch> launches = cuda::stream_gemv_trace_launches();
+    cuda::set_stream_gemv_trace(nullptr);
+    ASSERT_FALSE(launches.empty()) << name;
+    const cuda::StreamTraceLaunch& last = launches.back();
+    ASSERT_LE(last.offset + int64_t{last.blocks} * cuda::kStreamTracePoints, kTraceWords) << name;
+    for (int i = 0; i < 3; ++i) next = gpu->decode(*s, next);  // replays: the last one's stamps stay
+    std::vector<uint64_t> t(static_cast<size_t>(kTraceWords));
+    cuda::download(t.data(), trace.as<uint64_t>(), t.size());
+    // Per launch: the first block's entry and PDL wait, the median block's staged and first-tile
+    // stamps, the last block's exit (ns).
+    struct Row { uint64_t entry, wait, staged, first, exit; };
+    std::vector<Row> rows;
+    for (const cuda::StreamTraceLaunch& l : launches) {
+      auto stamps = [&](int p) {
+        std::vector<uint64_t> v;
+        for (int b = 0; b < l.blocks; ++b) v.push_back(t[size_t(l.offset + int64_t{b} * cuda::kStreamTracePoints + p)]);
+        std::sort(v.begin(), v.end());
+        return v;
+      };
+      const auto entry = stamps(0), wait = stamps(1), staged = stamps(2), first = stamps(3), exit = stamps(6);
+      ASSERT_GT(entry.front(), 0u) << name << ": a GEMV of the graph left no stamps";
+      rows.push_back({entry.front(), wait.front(), staged[staged.size() / 2], first[first.size() / 2], exit.back()});
+    }
+    const uint64_t t0 = rows.front().entry;
+    auto us = [&](uint64_t v) { return (double(v) - double(t0)) / 1e3; };
+    std::printf("[graph gemv] %s: %zu GEMVs in a step, µs after the first entry: entry, PDL wait, staged, first tile, exit;"
+                " then the gap from the previous exit to this wait\n", name.c_str(), launches.size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      std::printf("[graph gemv] %3zu %6lldx%-5d m%d %4d blocks %9.2f %9.2f %9.2f %9.2f %9.2f  gap %7.2f\n", i,
+                  static_cast<long long>(launches[i].rows), launches[i].cols, launches[i].m, launches[i].blocks, us(r.entry),
+                  us(r.wait), us(r.staged), us(r.first), us(r.exit), i ? (double(r.wait) - double(rows[i - 1].exit)) / 1e3 : 0.0);
+    }
+    // Means over the step: a GEMV's time from its wait to its exit, by kind (the in-projections
+    // read the 2,048-wide hidden state with the norm fused; the out-projections 4,096 columns in
+    // place), and
+    // the gaps before each kind (before an out-projection: the mixer; before an in-projection:
+    // the MoE block).
+    std::map<std::string, std::pair<double, int>> sums;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const bool lm_head = launches[i].rows > 65536, in_proj = !lm_head && launches[i].cols != 4096;
+      const std::string kind = lm_head ? "lm_head" : in_proj ? "in-projection" : "out-projection";
+      auto add = [&](const std::string& k, double v) { sums[k].first += v; sums[k].second += 1; };
+      add(kind + ": wait → exit", (double(rows[i].exit) - double(rows[i].wait)) / 1e3);
+      add(kind + ": wait → staged", (double(rows[i].staged) - double(rows[i].wait)) / 1e3);
+      if (i > 0) add(kind + ": gap before it", (double(rows[i].wait) - double(rows[i - 1].exit)) / 1e3);
+    }
+    for (const auto& [k, v] : sums) std::printf("[graph gemv] %s: mean %-36s %8.2f us (%d)\n", name.c_str(), k.c_str(), v.first / v.second, v.second);
+    std::printf("[graph gemv] %s: step from the first GEMV's entry to the last exit: %.2f us\n", name.c_str(), us(rows.back().exit));
+  }
+}
+
 // The full Qwen3.6-35B-A3B shape: opt-in, since it needs a `lily synth --preset
 // 35b-a3b` checkpoint (19.5 GB) at $LILY_GPU_BIG_MODEL; scripts/gpu-check.sh sets it with
 // LILY_GPU_BENCH=1. CPU reference and CUDA on a 64-token prompt and 8 decode steps.

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "model/config.h"
 
@@ -287,10 +288,23 @@ void set_stream_gemv_blocks_per_sm(int n);
 inline constexpr int kStreamTracePoints = 7;
 /// Diagnostics: every later launch of the streaming GEMV (quant_gemv.cu) stamps %globaltimer (ns)
 /// at its phase ends into `trace`, uint64 [blocks][kStreamTracePoints], until this is called with
-/// null (the default); a graph keeps the pointer its capture saw. For timing tests: one launch
-/// at a time, `trace` large enough for its grid. Host-side only (the pointer is a kernel
-/// argument); throws nothing.
-void set_stream_gemv_trace(uint64_t* trace);
+/// null (the default); a graph keeps the pointer its capture saw. Without `advance` every launch
+/// writes the same slice (one launch at a time, `trace` large enough for its grid); with it each
+/// launch enqueued from now on takes the next slice, [its blocks][kStreamTracePoints] after the
+/// last, and is listed in stream_gemv_trace_launches(), so a decode graph captured meanwhile
+/// stamps every GEMV of a step in its own slice (`trace` must hold them all: the caller sizes
+/// it). Clears the list. Host-side only (the pointer is a kernel argument); throws nothing.
+void set_stream_gemv_trace(uint64_t* trace, bool advance = false);
+
+/// One streaming-GEMV launch enqueued while tracing with `advance`, in enqueue order: its matrix,
+/// token rows, grid and the offset of its slice in the trace (uint64 elements).
+struct StreamTraceLaunch {
+  int64_t rows = 0;
+  int cols = 0, m = 0, blocks = 0;
+  int64_t offset = 0;
+};
+/// The launches enqueued since set_stream_gemv_trace(…, true). Throws nothing but std::bad_alloc.
+std::vector<StreamTraceLaunch> stream_gemv_trace_launches();
 
 /// Whether the streaming GEMV deals its tiles past each block's first stages from a counter in
 /// device memory, in the order the blocks ask for them (true, the default), or in a fixed stride

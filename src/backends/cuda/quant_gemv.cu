@@ -17,6 +17,7 @@
 #include <atomic>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "backends/cuda/bulk_copy.cuh"
 #include "backends/cuda/gdn_conv.cuh"
@@ -36,6 +37,8 @@ constexpr int kGemvThreads = 256;
 /// (set_stream_gemv_trace). A kernel parameter, not a __device__ variable: a global load at the
 /// kernel's entry would hold thread 0 before it requests the first weight tiles.
 uint64_t* g_stream_trace = nullptr;
+bool g_stream_trace_advance = false;                 // each launch its own slice (set_stream_gemv_trace)
+std::vector<StreamTraceLaunch> g_stream_trace_launches;  // those launches, in enqueue order
 
 /// The streaming GEMV's tile counter on each device: the next tile of the counter's share
 /// (below). Each block of a launch that uses it claims tiles until one claim comes back past the
@@ -572,8 +575,17 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
                           cudaStream_t stream, const FusedNorm& norm, const FusedConv& conv) {
   auto launch = [&](auto kernel) {
     raise_smem_limit(kernel, plan.smem);
+    uint64_t* trace = g_stream_trace;
+    if (trace && g_stream_trace_advance) {
+      const int64_t offset = g_stream_trace_launches.empty()
+                                 ? 0
+                                 : g_stream_trace_launches.back().offset +
+                                       int64_t{g_stream_trace_launches.back().blocks} * kStreamTracePoints;
+      g_stream_trace_launches.push_back({w.rows, w.cols, m, plan.blocks, offset});
+      trace += offset;
+    }
     launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,
-               plan.pad, g_stream_trace);
+               plan.pad, trace);
   };
   // The direct and rows modes' instances, one per column-block count.
   auto launch_blocks = [&](auto mode) {
@@ -751,7 +763,13 @@ void launch_quant_gemv_batched(const DeviceQuant& w, const bf16* x, int m, bf16*
   }
 }
 
-void set_stream_gemv_trace(uint64_t* trace) { g_stream_trace = trace; }
+void set_stream_gemv_trace(uint64_t* trace, bool advance) {
+  g_stream_trace = trace;
+  g_stream_trace_advance = advance;
+  g_stream_trace_launches.clear();
+}
+
+std::vector<StreamTraceLaunch> stream_gemv_trace_launches() { return g_stream_trace_launches; }
 
 bool stream_gemv_tile_counter_enabled() { return g_stream_tile_counter_on.load(std::memory_order_relaxed); }
 void set_stream_gemv_tile_counter_enabled(bool on) { g_stream_tile_counter_on.store(on, std::memory_order_relaxed); }
