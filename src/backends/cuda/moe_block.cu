@@ -140,7 +140,8 @@ __host__ __device__ inline MoeLayout moe_layout(int hidden, int ffn, int n_exper
       return at;
     };
     l.op_stage = out_proj_layout(op_cols).stage_bytes;
-    const int routed_gu_stages = (n_sel - 1) * l.gu_per_slot / blocks < l.gu_max ? (n_sel - 1) * l.gu_per_slot / blocks : l.gu_max;
+    const int routed_per_block = (n_sel - 1) * l.gu_per_slot / blocks;  // routed gate/up tiles every block has
+    const int routed_gu_stages = routed_per_block < l.gu_max ? routed_per_block : l.gu_max;
     l.op_ring = place(l.op_stage, l.gu_ring, int64_t{routed_gu_stages} * l.gu_stage);
     l.op_xsum = place(int64_t{op_cols} / kGroup * 4, l.logits, l.aperm - l.logits);
     l.op_part = place(int64_t{kStreamWarps} * kWarp * 16, l.gu_part, l.dn_part - l.gu_part);
