@@ -212,9 +212,10 @@ struct CudaOptions {
   bool fuse_decode = true;       ///< LILY_CUDA_FUSE 1|0: add + RMSNorm and the GDN conv folded into GEMVs
   bool pdl = true;               ///< LILY_CUDA_PDL 1|0: programmatic dependent launch
   bool stream_gemv = true;       ///< LILY_CUDA_STREAM_GEMV 1|0: 4-bit GEMV weights by bulk copies, or register loads
-  /// LILY_CUDA_GEMV_TILE_COUNTER 1|0: the streaming GEMV's blocks take their tiles past the first
-  /// stages from a counter in device memory as they finish, or (0) a fixed share each. The same
-  /// bits either way (docs/cuda.md, "The streaming GEMV").
+  /// LILY_CUDA_GEMV_TILE_COUNTER 1|0: in the streaming GEMV's launches with the norm fused and at
+  /// least four tiles a block (the decode step's LM head), the blocks take their tiles past the
+  /// first stages from a counter in device memory as they finish, or (0) a fixed share each. The
+  /// same bits either way (docs/cuda.md, "Decode GEMV on tensor cores").
   bool gemv_tile_counter = true;
   bool flash_prefill = true;     ///< LILY_CUDA_FLASH_PREFILL 1|0: prefill attention on tensor cores, or the row kernel
   bool device_sampler = true;    ///< LILY_CUDA_DEVICE_SAMPLER 1|0: sampled rows sampled on the GPU, or on the host
