@@ -217,6 +217,12 @@ struct CudaOptions {
   /// first stages from a counter in device memory as they finish, or (0) a fixed share each. The
   /// same bits either way (docs/cuda.md, "Decode GEMV on tensor cores").
   bool gemv_tile_counter = true;
+  /// LILY_CUDA_GEMV_BLOCKS_PER_SM 1 … 4 and LILY_CUDA_GEMV_SMEM_KIB 16 … 227: the streaming GEMV's
+  /// blocks per SM and the shared memory (KiB) those blocks share for their weight stages, in its
+  /// one-row launches (speed settings: the same bits whatever they are; docs/cuda.md, "Decode GEMV
+  /// on tensor cores").
+  int gemv_blocks_per_sm = 4;
+  int gemv_smem_kib = 112;
   bool flash_prefill = true;     ///< LILY_CUDA_FLASH_PREFILL 1|0: prefill attention on tensor cores, or the row kernel
   bool device_sampler = true;    ///< LILY_CUDA_DEVICE_SAMPLER 1|0: sampled rows sampled on the GPU, or on the host
   bool gemv_row_tiles = true;    ///< LILY_CUDA_GEMV_ROW_TILES 1|0: batched GEMV weights loaded once per 8 token rows
@@ -371,6 +377,8 @@ inline std::span<const Field> fields() {
       {"pdl", "LILY_CUDA_PDL", [](CudaOptions& o, const std::string& l, const std::string& v) { o.pdl = parse_choice(l, v, "1", "0"); }},
       {"stream-gemv", "LILY_CUDA_STREAM_GEMV", [](CudaOptions& o, const std::string& l, const std::string& v) { o.stream_gemv = parse_choice(l, v, "1", "0"); }},
       {"gemv-tile-counter", "LILY_CUDA_GEMV_TILE_COUNTER", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_tile_counter = parse_choice(l, v, "1", "0"); }},
+      {"gemv-blocks-per-sm", "LILY_CUDA_GEMV_BLOCKS_PER_SM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_blocks_per_sm = parse_int(l, v, 1, 4); }},
+      {"gemv-smem-kib", "LILY_CUDA_GEMV_SMEM_KIB", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_smem_kib = parse_int(l, v, 16, 227); }},
       {"flash-prefill", "LILY_CUDA_FLASH_PREFILL", [](CudaOptions& o, const std::string& l, const std::string& v) { o.flash_prefill = parse_choice(l, v, "1", "0"); }},
       {"device-sampler", "LILY_CUDA_DEVICE_SAMPLER", [](CudaOptions& o, const std::string& l, const std::string& v) { o.device_sampler = parse_choice(l, v, "1", "0"); }},
       {"gemv-row-tiles", "LILY_CUDA_GEMV_ROW_TILES", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_row_tiles = parse_choice(l, v, "1", "0"); }},
@@ -441,6 +449,7 @@ inline CudaOptions CudaOptions::resolve(std::span<const std::string> assignments
 inline std::string CudaOptions::describe() const {
   return std::string("fuse=") + (fuse_decode ? "1" : "0") + " pdl=" + (pdl ? "1" : "0") +
          " stream-gemv=" + (stream_gemv ? "1" : "0") + " gemv-tile-counter=" + (gemv_tile_counter ? "1" : "0") +
+         " gemv-blocks-per-sm=" + std::to_string(gemv_blocks_per_sm) + " gemv-smem-kib=" + std::to_string(gemv_smem_kib) +
          " flash-prefill=" + (flash_prefill ? "1" : "0") +
          " device-sampler=" + (device_sampler ? "1" : "0") + " gemv-row-tiles=" + (gemv_row_tiles ? "1" : "0") +
          " gdn-chunk-parallel=" + (gdn_chunk_parallel ? "1" : "0") + " gdn-local-mma=" + (gdn_local_mma ? "1" : "0") +

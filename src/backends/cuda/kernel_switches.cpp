@@ -14,6 +14,9 @@ namespace {
 static_assert(CudaOptions::kMaxDecodeRows == kMaxDecodeRows, "LILY_CUDA_DECODE_ROWS' limit: the rows a forward holds");
 static_assert(CudaOptions::kRowsGemvNever == kMaxDecodeRows + 1, "LILY_CUDA_ROWS_GEMV_FROM's never: more rows than a forward holds");
 static_assert(CudaOptions{}.rows_gemv_from == kRowsGemvFromDefault, "one default for the rows mode's threshold");
+static_assert(CudaOptions{}.gemv_blocks_per_sm == kStreamBlocksPerSm, "one default for the streaming GEMV's blocks per SM");
+static_assert(int64_t{CudaOptions{}.gemv_smem_kib} * 1024 == kStreamSmemPerSm, "one default for its stage memory");
+static_assert(227 * 1024 == kStreamSmemMax, "LILY_CUDA_GEMV_SMEM_KIB's limit: a block's shared memory at most");
 
 GemmKernel parse_gemm_kernel(const std::string& v) {
   if (v == "grouped") return GemmKernel::kGrouped;
@@ -36,6 +39,8 @@ void apply_kernel_switches(const CudaOptions& options) {
   set_pdl_enabled(options.pdl);
   set_stream_gemv_enabled(options.stream_gemv);
   set_stream_gemv_tile_counter_enabled(options.gemv_tile_counter);
+  set_stream_gemv_blocks_per_sm(options.gemv_blocks_per_sm);
+  set_stream_gemv_smem_per_sm(int64_t{options.gemv_smem_kib} * 1024);
   set_flash_prefill_enabled(options.flash_prefill);
   set_device_sampler_enabled(options.device_sampler);
   set_gemv_row_tiles_enabled(options.gemv_row_tiles);
