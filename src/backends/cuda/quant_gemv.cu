@@ -45,8 +45,8 @@ std::vector<StreamTraceLaunch> g_stream_trace_launches;  // those launches, in e
 /// last tile, so a launch with D tiles in the counter's share makes D + grid claims; the block
 /// whose claim returns D + grid − 1 (the last) puts the counter back to zero, so every launch
 /// finds it at zero: its claims come after its PDL wait, when every earlier launch has completed
-/// (launch.cuh, rule 2). Requires that no two streaming GEMVs run at once on one device (every
-/// GEMV of a backend runs on its one compute stream; the kernel tests launch one at a time).
+/// (launch.cuh, rule 2). Requires that no two launches that use it run at once on one device
+/// (every GEMV of a backend runs on its one compute stream; the kernel tests launch one at a time).
 __device__ unsigned int g_stream_tile_counter;
 std::atomic<bool> g_stream_tile_counter_on{true};
 
