@@ -307,6 +307,10 @@ struct CudaOptions {
 
   static constexpr int kMaxPrefillChunk = 8192;
   static constexpr int kMaxBatch = 64;
+  /// gemv_blocks_per_sm's and gemv_smem_kib's limits (the streaming GEMV's register budget
+  /// allows four blocks per SM; a block takes at most 227 KiB of shared memory).
+  static constexpr int kMaxGemvBlocksPerSm = 4;
+  static constexpr int kMaxGemvSmemKib = 227;
   /// The most rows of one batched decode forward (the CUDA kernels' kMaxDecodeRows).
   static constexpr int kMaxDecodeRows = 64;
 
@@ -377,8 +381,8 @@ inline std::span<const Field> fields() {
       {"pdl", "LILY_CUDA_PDL", [](CudaOptions& o, const std::string& l, const std::string& v) { o.pdl = parse_choice(l, v, "1", "0"); }},
       {"stream-gemv", "LILY_CUDA_STREAM_GEMV", [](CudaOptions& o, const std::string& l, const std::string& v) { o.stream_gemv = parse_choice(l, v, "1", "0"); }},
       {"gemv-tile-counter", "LILY_CUDA_GEMV_TILE_COUNTER", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_tile_counter = parse_choice(l, v, "1", "0"); }},
-      {"gemv-blocks-per-sm", "LILY_CUDA_GEMV_BLOCKS_PER_SM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_blocks_per_sm = parse_int(l, v, 1, 4); }},
-      {"gemv-smem-kib", "LILY_CUDA_GEMV_SMEM_KIB", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_smem_kib = parse_int(l, v, 16, 227); }},
+      {"gemv-blocks-per-sm", "LILY_CUDA_GEMV_BLOCKS_PER_SM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_blocks_per_sm = parse_int(l, v, 1, CudaOptions::kMaxGemvBlocksPerSm); }},
+      {"gemv-smem-kib", "LILY_CUDA_GEMV_SMEM_KIB", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_smem_kib = parse_int(l, v, 16, CudaOptions::kMaxGemvSmemKib); }},
       {"flash-prefill", "LILY_CUDA_FLASH_PREFILL", [](CudaOptions& o, const std::string& l, const std::string& v) { o.flash_prefill = parse_choice(l, v, "1", "0"); }},
       {"device-sampler", "LILY_CUDA_DEVICE_SAMPLER", [](CudaOptions& o, const std::string& l, const std::string& v) { o.device_sampler = parse_choice(l, v, "1", "0"); }},
       {"gemv-row-tiles", "LILY_CUDA_GEMV_ROW_TILES", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_row_tiles = parse_choice(l, v, "1", "0"); }},

@@ -15,8 +15,9 @@ static_assert(CudaOptions::kMaxDecodeRows == kMaxDecodeRows, "LILY_CUDA_DECODE_R
 static_assert(CudaOptions::kRowsGemvNever == kMaxDecodeRows + 1, "LILY_CUDA_ROWS_GEMV_FROM's never: more rows than a forward holds");
 static_assert(CudaOptions{}.rows_gemv_from == kRowsGemvFromDefault, "one default for the rows mode's threshold");
 static_assert(CudaOptions{}.gemv_blocks_per_sm == kStreamBlocksPerSm, "one default for the streaming GEMV's blocks per SM");
+static_assert(CudaOptions::kMaxGemvBlocksPerSm == kStreamBlocksPerSm, "LILY_CUDA_GEMV_BLOCKS_PER_SM's limit: the kernel's register budget");
 static_assert(int64_t{CudaOptions{}.gemv_smem_kib} * 1024 == kStreamSmemPerSm, "one default for its stage memory");
-static_assert(227 * 1024 == kStreamSmemMax, "LILY_CUDA_GEMV_SMEM_KIB's limit: a block's shared memory at most");
+static_assert(int64_t{CudaOptions::kMaxGemvSmemKib} * 1024 == kStreamSmemMax, "LILY_CUDA_GEMV_SMEM_KIB's limit: a block's shared memory at most");
 
 GemmKernel parse_gemm_kernel(const std::string& v) {
   if (v == "grouped") return GemmKernel::kGrouped;
