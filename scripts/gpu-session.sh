@@ -6,7 +6,7 @@
 # under $OUT (default ./gpu-logs), at most 8 files.
 #
 #   bash scripts/gpu-session.sh                  # everything
-#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: moe tests timing bench base ab sampled sampler detail source profile prefill-profile prefill-detail batched-profile cache prefill-tests
+#   LILY_GPU_STEPS="tests bench" bash scripts/gpu-session.sh   # a subset: moe tests timing bench base ab e2e sampled sampler detail source profile prefill-profile prefill-detail batched-profile cache prefill-tests
 #   LILY_GPU_CONTEXTS="256 4096 32768"           # bench contexts (default below)
 #   timing: LILY_GPU_TIMING_FILTER (a gtest filter, default CudaTiming.*)
 #   detail: LILY_GPU_DETAIL (a kernel-name regex), LILY_GPU_DETAIL_SKIP / _COUNT (matching launches
@@ -65,7 +65,7 @@ if has timing; then
   "$BUILD/tests/test_cuda_core_kernels" --gtest_filter="${LILY_GPU_TIMING_FILTER:-CudaTiming.*}" 2>&1 | grep -E "\[timing\]|FAILED" | tee "$OUT/timing.txt"
 fi
 
-if has bench || has profile || has prefill-profile || has prefill-detail || has batched-profile || has base || has ab || has detail || has sampled; then
+if has bench || has e2e || has profile || has prefill-profile || has prefill-detail || has batched-profile || has base || has ab || has detail || has sampled; then
   if [[ ! -f "$BIG/model.safetensors" && ! -f "$BIG/model.safetensors.index.json" ]]; then  # one file, or shards
     echo "== lily synth --preset 35b-a3b"
     t1=$(date +%s)
@@ -94,6 +94,20 @@ if has ab; then
     env "${envs[@]}" timeout 200 "$BUILD/lily" bench --backend cuda --model "$BIG" --prompt-len "${LILY_GPU_AB_LEN:-256}" \
       --decode-steps 64 --rounds 3 --json-out /tmp/ab.json 2>&1 | tail -1 | tee -a "$OUT/ab.txt"
   done
+fi
+
+# test_cuda_e2e on the realdims synth and the 35b-a3b checkpoint (LILY_GPU_BIG_MODEL), once per
+# setting of LILY_GPU_E2E_AB (as LILY_GPU_AB), tests LILY_GPU_E2E_FILTER (default: the decode
+# graph's GEMV timeline). Whole output in $OUT/e2e.txt, the means here.
+if has e2e; then
+  : >"$OUT/e2e.txt"
+  for combo in ${LILY_GPU_E2E_AB:--}; do
+    envs=(); [[ "$combo" != "-" ]] && IFS=, read -ra envs <<<"$combo"
+    echo "== e2e: ${combo}" | tee -a "$OUT/e2e.txt"
+    env "${envs[@]}" LILY_GPU_BIG_MODEL="$BIG" timeout 300 "$BUILD/tests/test_cuda_e2e" \
+      --gtest_filter="${LILY_GPU_E2E_FILTER:-CudaE2e.PrintsDecodeGraphGemvTimeline}" >>"$OUT/e2e.txt" 2>&1 || status=1
+  done
+  grep -E "^== e2e|mean|step from|FAILED|PASSED" "$OUT/e2e.txt"
 fi
 
 # Sampled decode, device sampler vs the host sampler (LILY_CUDA_DEVICE_SAMPLER=0), at

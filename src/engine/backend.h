@@ -223,6 +223,12 @@ struct CudaOptions {
   /// on tensor cores").
   int gemv_blocks_per_sm = 4;
   int gemv_smem_kib = 112;
+  /// LILY_CUDA_GEMV_LATE_REQUESTS none|staged|all: which streaming-GEMV launches request their
+  /// first weight stages only after the PDL wait and their activations' staging, instead of before
+  /// the wait: none, those that stage their activations (the add + RMSNorm or the GDN conv fused:
+  /// the one-sequence decode's in-projections and LM head), or all. A speed setting: the same
+  /// bits whatever it is (docs/cuda.md, "Decode GEMV on tensor cores").
+  std::string gemv_late_requests = "none";
   bool flash_prefill = true;     ///< LILY_CUDA_FLASH_PREFILL 1|0: prefill attention on tensor cores, or the row kernel
   bool device_sampler = true;    ///< LILY_CUDA_DEVICE_SAMPLER 1|0: sampled rows sampled on the GPU, or on the host
   bool gemv_row_tiles = true;    ///< LILY_CUDA_GEMV_ROW_TILES 1|0: batched GEMV weights loaded once per 8 token rows
@@ -383,6 +389,11 @@ inline std::span<const Field> fields() {
       {"gemv-tile-counter", "LILY_CUDA_GEMV_TILE_COUNTER", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_tile_counter = parse_choice(l, v, "1", "0"); }},
       {"gemv-blocks-per-sm", "LILY_CUDA_GEMV_BLOCKS_PER_SM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_blocks_per_sm = parse_int(l, v, 1, CudaOptions::kMaxGemvBlocksPerSm); }},
       {"gemv-smem-kib", "LILY_CUDA_GEMV_SMEM_KIB", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_smem_kib = parse_int(l, v, 16, CudaOptions::kMaxGemvSmemKib); }},
+      {"gemv-late-requests", "LILY_CUDA_GEMV_LATE_REQUESTS", [](CudaOptions& o, const std::string& l, const std::string& v) {
+         if (v != "none" && v != "staged" && v != "all")
+           throw OptionError(l, "must be 'none', 'staged' or 'all', got '" + v + "'");
+         o.gemv_late_requests = v;
+       }},
       {"flash-prefill", "LILY_CUDA_FLASH_PREFILL", [](CudaOptions& o, const std::string& l, const std::string& v) { o.flash_prefill = parse_choice(l, v, "1", "0"); }},
       {"device-sampler", "LILY_CUDA_DEVICE_SAMPLER", [](CudaOptions& o, const std::string& l, const std::string& v) { o.device_sampler = parse_choice(l, v, "1", "0"); }},
       {"gemv-row-tiles", "LILY_CUDA_GEMV_ROW_TILES", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_row_tiles = parse_choice(l, v, "1", "0"); }},
@@ -454,6 +465,7 @@ inline std::string CudaOptions::describe() const {
   return std::string("fuse=") + (fuse_decode ? "1" : "0") + " pdl=" + (pdl ? "1" : "0") +
          " stream-gemv=" + (stream_gemv ? "1" : "0") + " gemv-tile-counter=" + (gemv_tile_counter ? "1" : "0") +
          " gemv-blocks-per-sm=" + std::to_string(gemv_blocks_per_sm) + " gemv-smem-kib=" + std::to_string(gemv_smem_kib) +
+         " gemv-late-requests=" + gemv_late_requests +
          " flash-prefill=" + (flash_prefill ? "1" : "0") +
          " device-sampler=" + (device_sampler ? "1" : "0") + " gemv-row-tiles=" + (gemv_row_tiles ? "1" : "0") +
          " gdn-chunk-parallel=" + (gdn_chunk_parallel ? "1" : "0") + " gdn-local-mma=" + (gdn_local_mma ? "1" : "0") +

@@ -1416,13 +1416,61 @@ TEST(CudaTiming, PrintsStreamGemvPhases) {
   }
 }
 
+/// Four one-row GEMVs enqueued back to back (under PDL each may start while its predecessor
+/// runs): a 40,000-row matrix with the norm fused (the tile counter's launch, about five tiles a
+/// block), the 12,352-row in-projection, a 2,048 × 4,096 out-projection (direct mode), then the
+/// first again.
+struct FourGemvChain {
+  static constexpr int64_t kBig = 40000, kInRows = 12352;
+  std::mt19937_64 rng{37};
+  RandomQuant big{kBig, kHidden, 4, rng}, in_proj{kInRows, kHidden, 4, rng}, out_proj{kHidden, 4096, 4, rng};
+  NormInputs in{kHidden, rng};
+  DeviceBuffer dwide = upload_bf16(normal_bf16(4096, rng, 1.0f));
+  DeviceBuffer y1 = poisoned(size_t(kBig) * 4), y2 = poisoned(size_t(kInRows) * 2), y3 = poisoned(size_t(kHidden) * 2),
+               y4 = poisoned(size_t(kBig) * 4);
+
+  void enqueue(cudaStream_t st) {
+    cuda::launch_add_rmsnorm_gemv(in.norm(true), in.dx.as<__nv_bfloat16>(), big.view(), nullptr, y1.as<float>(), st);
+    cuda::launch_quant_gemv(in_proj.view(), in.dx.as<__nv_bfloat16>(), y2.as<__nv_bfloat16>(), nullptr, st);
+    cuda::launch_quant_gemv(out_proj.view(), dwide.as<__nv_bfloat16>(), y3.as<__nv_bfloat16>(), nullptr, st);
+    cuda::launch_add_rmsnorm_gemv(in.norm(true), in.dx.as<__nv_bfloat16>(), big.view(), nullptr, y4.as<float>(), st);
+  }
+  /// The chain enqueued once on a fresh stream (no graph), its outputs.
+  std::vector<std::vector<float>> run() {
+    cudaStream_t stream = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    enqueue(stream);
+    std::vector<std::vector<float>> got = outputs();
+    CUDA_CHECK(cudaStreamDestroy(stream));
+    return got;
+  }
+  std::vector<std::vector<float>> outputs() {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    return {download_f32(y1, kBig), download_bf16(y2, kInRows), download_bf16(y3, kHidden), download_f32(y4, kBig)};
+  }
+  /// Captures the chain as a graph (with the switches as they are now) and replays it three
+  /// times, every output poisoned before each replay; expects `reference`'s bits each time.
+  void expect_graph_bits(const std::vector<std::vector<float>>& reference, const std::string& what) {
+    cudaStream_t stream = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaGraphExec_t exec = capture_graph(stream, [&](cudaStream_t st) { enqueue(st); });
+    for (int r = 0; r < 3; ++r) {
+      for (DeviceBuffer* y : {&y1, &y2, &y3, &y4}) y->fill_bytes(0xff);  // NaN: an unwritten row differs
+      CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      const std::vector<std::vector<float>> got = outputs();
+      for (size_t i = 0; i < got.size(); ++i)
+        EXPECT_EQ(bit_differences(got[i], reference[i]), 0) << what << ": GEMV " << i << ", replay " << r;
+    }
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+};
+
 // The streaming GEMV's tile counter (cuda::set_stream_gemv_tile_counter_enabled) against the
 // fixed-stride deal, bit for bit: the decode's one-row shapes (the LM head with the norm fused
 // takes the counter; the GDN in-projection and the out-projection, with under four tiles a block,
 // keep the stride), three launches each (the counter must be back at zero after every launch);
-// and a graph of four GEMVs under PDL, each starting while its predecessor runs, replayed three
-// times: a 40,000-row matrix with the norm fused (the counter, about five tiles a block), the
-// 12,352-row in-projection, a 2,048 × 4,096 out-projection, then the first again.
+// and FourGemvChain as a graph under PDL, replayed three times.
 TEST(CudaGemv, TileCounterGivesTheFixedStrideBits) {
   const ScopedSwitch<bool> counter(cuda::stream_gemv_tile_counter_enabled, cuda::set_stream_gemv_tile_counter_enabled);
   const PdlSetting pdl;
@@ -1442,41 +1490,29 @@ TEST(CudaGemv, TileCounterGivesTheFixedStrideBits) {
     }
   }
 
-  std::mt19937_64 rng(37);
-  constexpr int64_t kBig = 40000, kInRows = 12352;
-  RandomQuant big(kBig, kHidden, 4, rng), in_proj(kInRows, kHidden, 4, rng), out_proj(kHidden, 4096, 4, rng);
-  NormInputs in(kHidden, rng);
-  const std::vector<float> wide = normal_bf16(4096, rng, 1.0f);
-  DeviceBuffer dwide = upload_bf16(wide);
-  DeviceBuffer y1 = poisoned(size_t(kBig) * 4), y2 = poisoned(size_t(kInRows) * 2), y3 = poisoned(size_t(kHidden) * 2),
-               y4 = poisoned(size_t(kBig) * 4);
-  auto enqueue = [&](cudaStream_t st) {
-    cuda::launch_add_rmsnorm_gemv(in.norm(true), in.dx.as<__nv_bfloat16>(), big.view(), nullptr, y1.as<float>(), st);
-    cuda::launch_quant_gemv(in_proj.view(), in.dx.as<__nv_bfloat16>(), y2.as<__nv_bfloat16>(), nullptr, st);
-    cuda::launch_quant_gemv(out_proj.view(), dwide.as<__nv_bfloat16>(), y3.as<__nv_bfloat16>(), nullptr, st);
-    cuda::launch_add_rmsnorm_gemv(in.norm(true), in.dx.as<__nv_bfloat16>(), big.view(), nullptr, y4.as<float>(), st);
-  };
-  auto outputs = [&] {
-    CUDA_CHECK(cudaDeviceSynchronize());
-    return std::vector<std::vector<float>>{download_f32(y1, kBig), download_bf16(y2, kInRows), download_bf16(y3, kHidden),
-                                           download_f32(y4, kBig)};
-  };
-  cudaStream_t stream = nullptr;
-  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  FourGemvChain chain;
   counter.set(false);
-  enqueue(stream);
-  const std::vector<std::vector<float>> reference = outputs();
+  const std::vector<std::vector<float>> reference = chain.run();
   EXPECT_EQ(bit_differences(reference[0], reference[3]), 0);
   counter.set(true);
-  cudaGraphExec_t exec = capture_graph(stream, enqueue);
-  for (int r = 0; r < 3; ++r) {
-    for (DeviceBuffer* y : {&y1, &y2, &y3, &y4}) y->fill_bytes(0xff);  // NaN: an unwritten row differs
-    CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    const std::vector<std::vector<float>> got = outputs();
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(bit_differences(got[i], reference[i]), 0) << "GEMV " << i << ", replay " << r;
+  chain.expect_graph_bits(reference, "tile counter");
+}
+
+// Where the streaming GEMV requests its first weight stages (cuda::set_stream_gemv_late_requests:
+// before the PDL wait, or after the activations are staged, for the staged launches or all)
+// changes no bit: FourGemvChain as a graph under PDL with each setting, against the chain run
+// with requests before the wait.
+TEST(CudaGemv, LateRequestsGiveTheSameBits) {
+  const ScopedSwitch<cuda::StreamLateRequests> late(cuda::stream_gemv_late_requests, cuda::set_stream_gemv_late_requests);
+  const PdlSetting pdl;
+  pdl.set(true);
+  FourGemvChain chain;
+  late.set(cuda::StreamLateRequests::none);
+  const std::vector<std::vector<float>> reference = chain.run();
+  for (auto [which, name] : {std::pair{cuda::StreamLateRequests::staged, "staged"}, std::pair{cuda::StreamLateRequests::all, "all"}}) {
+    late.set(which);
+    chain.expect_graph_bits(reference, std::string("late requests: ") + name);
   }
-  CUDA_CHECK(cudaGraphExecDestroy(exec));
-  CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST(CudaTiming, PrintsGraphChainTimesWithAndWithoutPdl) {

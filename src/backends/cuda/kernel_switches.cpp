@@ -30,10 +30,19 @@ GemmKernel parse_gemm_kernel(const std::string& v) {
                       "'wgmma-narrow' or 'wgmma-mixed', got '" + v + "'");
 }
 
+StreamLateRequests parse_late_requests(const std::string& v) {
+  if (v == "none") return StreamLateRequests::none;
+  if (v == "staged") return StreamLateRequests::staged;
+  if (v == "all") return StreamLateRequests::all;
+  throw ::lily::Error("CudaOptions::gemv_late_requests (LILY_CUDA_GEMV_LATE_REQUESTS) must be 'none', 'staged' or "
+                      "'all', got '" + v + "'");
+}
+
 }  // namespace
 
 void apply_kernel_switches(const CudaOptions& options) {
   const GemmKernel gemm = parse_gemm_kernel(options.gemm_kernel);
+  const StreamLateRequests late = parse_late_requests(options.gemv_late_requests);
   if (options.rows_gemv_from < 1 || options.rows_gemv_from > CudaOptions::kRowsGemvNever)
     throw ::lily::Error("CudaOptions::rows_gemv_from (LILY_CUDA_ROWS_GEMV_FROM) must be 1 … " +
                         std::to_string(CudaOptions::kRowsGemvNever) + ", got " + std::to_string(options.rows_gemv_from));
@@ -42,6 +51,7 @@ void apply_kernel_switches(const CudaOptions& options) {
   set_stream_gemv_tile_counter_enabled(options.gemv_tile_counter);
   set_stream_gemv_blocks_per_sm(options.gemv_blocks_per_sm);
   set_stream_gemv_smem_per_sm(int64_t{options.gemv_smem_kib} * 1024);
+  set_stream_gemv_late_requests(late);
   set_flash_prefill_enabled(options.flash_prefill);
   set_device_sampler_enabled(options.device_sampler);
   set_gemv_row_tiles_enabled(options.gemv_row_tiles);

@@ -282,6 +282,19 @@ int stream_gemv_blocks_per_sm();
 /// [1, kStreamBlocksPerSm].
 void set_stream_gemv_blocks_per_sm(int n);
 
+/// Which streaming-GEMV launches request their first weight stages only after the PDL wait and
+/// the activations' staging, instead of before the wait: none (the default), the staged launches
+/// (those with the add + RMSNorm or the GDN conv fused: the decode's in-projections and LM head),
+/// or all. Requests made before the wait stream weights under the previous kernel when the
+/// blocks fit beside it; when they cannot (the in-projection behind the MoE block's 164 KB
+/// blocks) the weight stream is already in flight when the wait returns, and the activations'
+/// loads queue behind it. Speed only (the same bits); read when a launch is planned.
+enum class StreamLateRequests { none, staged, all };
+/// The current StreamLateRequests (process-wide; apply_kernel_switches). Throws nothing.
+StreamLateRequests stream_gemv_late_requests();
+/// Sets stream_gemv_late_requests(). Throws nothing.
+void set_stream_gemv_late_requests(StreamLateRequests which);
+
 /// Phase stamps per block of the streaming GEMV's trace (set_stream_gemv_trace): entry, PDL wait,
 /// activations staged, first tile on chip, first tile stored, last tile on chip, exit. A block
 /// with one tile stamps 3 and 5 at once; one with none leaves 3–5 as they were.

@@ -32,6 +32,7 @@ std::atomic<int> g_moe_tile_balance{0};
 /// The streaming GEMV's stage budget (stream_gemv_smem_per_sm, stream_gemv_blocks_per_sm).
 std::atomic<int64_t> g_stream_smem_per_sm{kStreamSmemPerSm};
 std::atomic<int> g_stream_blocks_per_sm{kStreamBlocksPerSm};
+std::atomic<StreamLateRequests> g_stream_late_requests{StreamLateRequests::none};
 
 /// What the driver was told and answered per kernel; guarded by `mutex`.
 struct LaunchFacts {
@@ -113,6 +114,9 @@ void set_stream_gemv_blocks_per_sm(int n) {
                         std::to_string(kStreamBlocksPerSm) + ")");
   g_stream_blocks_per_sm.store(n, std::memory_order_relaxed);
 }
+
+StreamLateRequests stream_gemv_late_requests() { return g_stream_late_requests.load(std::memory_order_relaxed); }
+void set_stream_gemv_late_requests(StreamLateRequests which) { g_stream_late_requests.store(which, std::memory_order_relaxed); }
 
 bool gdn_chunk_parallel_enabled() { return g_gdn_chunk_parallel.load(std::memory_order_relaxed); }
 void set_gdn_chunk_parallel_enabled(bool on) { g_gdn_chunk_parallel.store(on, std::memory_order_relaxed); }

@@ -380,8 +380,9 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
 }
 
 /// grid (about stream_mode_blocks_per_sm blocks per SM), block kStreamThreads; x [m, cols], y [m,
-/// rows]; tiles of 16 rows strided over the grid, `stages` in flight per block; `pad` the chunk
-/// padding (kStreamChunkPad, or 0 for one unpadded copy). norm / conv as quant_gemv_kernel (m =
+/// rows]; tiles of 16 rows strided over the grid, `stages` in flight per block, the first
+/// min(stages, early_stages) of them requested before the PDL wait and the others once the
+/// activations are staged (stream_gemv_late_requests); `pad` the chunk padding (kStreamChunkPad, or 0 for one unpadded copy). norm / conv as quant_gemv_kernel (m =
 /// 1). Requires cols % 512 == 0 and 16-byte aligned codes / scales / biases (stream_gemv_plan).
 /// kMode (StreamMode): staged: m ≤ 8, the rows staged in shared memory (with the fused norm).
 /// direct (no norm, no conv): m ≤ 8·kBlocks, each warp reads its groups' fragments from x
@@ -395,7 +396,7 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
 template <class OutT, StreamMode kMode, int kBlocks, bool kCounter>
 __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMode, kBlocks))
     quant_stream_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x, int m, OutT* __restrict__ y, FusedNorm norm,
-                             FusedConv conv, int stages, int pad, uint64_t* trace) {
+                             FusedConv conv, int stages, int early_stages, int pad, uint64_t* trace) {
   constexpr bool kDirect = kMode == StreamMode::direct;
   static_assert(kMode != StreamMode::staged || kBlocks == 1, "the staged mode takes one column block");
   extern __shared__ __align__(16) unsigned char sm[];
@@ -431,12 +432,17 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
     else if (lane == 0) mbarrier_arrive(full + s);
     return tile;
   };
-  if (warp == 0) {
+  // The first stages' requests: [0, early_stages) before the PDL wait, the rest once the
+  // activations are staged (stream_gemv_late_requests).
+  auto request_first = [&](int j0, int j1) {
+    if (warp != 0) return;
     if constexpr (kCounter)
-      for (int j = 0; j < stages; ++j) request(j, j, 0);
+      for (int j = j0; j < j1; ++j) request(j, j, 0);
     else
-      for (int64_t j = 0; j < stages && j < my_tiles; ++j) stream_request_tile(w, j, sm + l.ring + j * l.stage_bytes, l, full + j);
-  }
+      for (int64_t j = j0; j < j1 && j < my_tiles; ++j) stream_request_tile(w, j, sm + l.ring + j * l.stage_bytes, l, full + j);
+  };
+  const int early = min(stages, early_stages);
+  request_first(0, early);
   pdl_prologue();
   stream_trace_point(trace, 1);
   // Lane 0 of warp 0: the counter's next tile for request `stages`, fetched now (the counter may
@@ -462,6 +468,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   const float* xs0 = xsum + (2 * t) * groups;      // Σx of token 2t (read only when 2t < m)
   const float* xs1 = xsum + (2 * t + 1) * groups;  // token 2t + 1
   const bool has0 = 2 * t < m, has1 = 2 * t + 1 < m;
+  request_first(early, stages);
   stream_trace_point(trace, 2);
 
   for (int64_t i = 0; i < my_tiles; ++i) {
@@ -584,8 +591,11 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
       g_stream_trace_launches.push_back({w.rows, w.cols, m, plan.blocks, offset});
       trace += offset;
     }
+    const StreamLateRequests late = stream_gemv_late_requests();
+    const bool request_late =
+        late == StreamLateRequests::all || (late == StreamLateRequests::staged && plan.mode == StreamMode::staged);
     launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,
-               plan.pad, trace);
+               request_late ? 0 : plan.stages, plan.pad, trace);
   };
   // The direct and rows modes' instances, one per column-block count.
   auto launch_blocks = [&](auto mode) {
