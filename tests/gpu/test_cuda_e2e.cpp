@@ -1314,8 +1314,9 @@ TEST_F(CudaE2e, PrintsDecodeGraphGemvTimeline) {
     std::vector<uint64_t> t(static_cast<size_t>(kTraceWords));
     cuda::download(t.data(), trace.as<uint64_t>(), t.size());
     // Per launch: the first block's entry and PDL wait, the median block's staged and first-tile
-    // stamps, the last block's exit (ns).
-    struct Row { uint64_t entry, wait, staged, first, exit; };
+    // stamps, the last block's exit (ns); the median block's entry and wait, and the median over
+    // the blocks of each one's own wait → staged time.
+    struct Row { uint64_t entry, wait, staged, first, exit, entry_median, wait_median, own_staging; };
     std::vector<Row> rows;
     for (const cuda::StreamTraceLaunch& l : launches) {
       auto stamps = [&](int p) {
@@ -1326,7 +1327,14 @@ TEST_F(CudaE2e, PrintsDecodeGraphGemvTimeline) {
       };
       const auto entry = stamps(0), wait = stamps(1), staged = stamps(2), first = stamps(3), exit = stamps(6);
       ASSERT_GT(entry.front(), 0u) << name << ": a GEMV of the graph left no stamps";
-      rows.push_back({entry.front(), wait.front(), staged[staged.size() / 2], first[first.size() / 2], exit.back()});
+      std::vector<uint64_t> own;
+      for (int b = 0; b < l.blocks; ++b) {
+        const size_t at = size_t(l.offset + int64_t{b} * cuda::kStreamTracePoints);
+        own.push_back(t[at + 2] - t[at + 1]);
+      }
+      std::sort(own.begin(), own.end());
+      rows.push_back({entry.front(), wait.front(), staged[staged.size() / 2], first[first.size() / 2], exit.back(),
+                      entry[entry.size() / 2], wait[wait.size() / 2], own[own.size() / 2]});
     }
     const uint64_t t0 = rows.front().entry;
     auto us = [&](uint64_t v) { return (double(v) - double(t0)) / 1e3; };
@@ -1350,6 +1358,9 @@ TEST_F(CudaE2e, PrintsDecodeGraphGemvTimeline) {
       auto add = [&](const std::string& k, double v) { sums[k].first += v; sums[k].second += 1; };
       add(kind + ": wait → exit", (double(rows[i].exit) - double(rows[i].wait)) / 1e3);
       add(kind + ": wait → staged", (double(rows[i].staged) - double(rows[i].wait)) / 1e3);
+      add(kind + ": first wait → median entry", (double(rows[i].entry_median) - double(rows[i].wait)) / 1e3);
+      add(kind + ": first wait → median wait", (double(rows[i].wait_median) - double(rows[i].wait)) / 1e3);
+      add(kind + ": a block's own wait → staged", double(rows[i].own_staging) / 1e3);
       if (i > 0) add(kind + ": gap before it", (double(rows[i].wait) - double(rows[i - 1].exit)) / 1e3);
     }
     for (const auto& [k, v] : sums) std::printf("[graph gemv] %s: mean %-36s %8.2f us (%d)\n", name.c_str(), k.c_str(), v.first / v.second, v.second);
