@@ -1373,7 +1373,8 @@ TEST(CudaTiming, PrintsStreamGemvStageSweep) {
 TEST(CudaTiming, PrintsStreamGemvPhases) {
   const DecodeGemvShape shapes[] = {kDecodeLmHead, kDecodeGdnInProj, kDecodeAttnInProj, kDecodeOutProj};
   const char* phase[cuda::kStreamTracePoints] = {"entry",       "PDL wait",         "activations staged", "first tile on chip",
-                                                 "first tile stored", "last tile on chip", "exit"};
+                                                 "first tile stored", "last tile on chip", "exit",
+                                                 "row loads returned", "normed row staged"};
   constexpr int kMaxBlocks = 8192;
   DeviceBuffer trace(size_t(kMaxBlocks) * cuda::kStreamTracePoints * 8);
   for (const DecodeGemvShape& s : shapes) {

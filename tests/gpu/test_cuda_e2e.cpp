@@ -1316,7 +1316,7 @@ TEST_F(CudaE2e, PrintsDecodeGraphGemvTimeline) {
     // Per launch: the first block's entry and PDL wait, the median block's staged and first-tile
     // stamps, the last block's exit (ns); the median block's entry and wait, and the median over
     // the blocks of each one's own wait → staged time.
-    struct Row { uint64_t entry, wait, staged, first, exit, entry_median, wait_median, own_staging; };
+    struct Row { uint64_t entry, wait, staged, first, exit, entry_median, wait_median, own_staging, own_loads, own_norm, own_compute, own_arrive, own_tail; };
     std::vector<Row> rows;
     for (const cuda::StreamTraceLaunch& l : launches) {
       auto stamps = [&](int p) {
@@ -1327,14 +1327,18 @@ TEST_F(CudaE2e, PrintsDecodeGraphGemvTimeline) {
       };
       const auto entry = stamps(0), wait = stamps(1), staged = stamps(2), first = stamps(3), exit = stamps(6);
       ASSERT_GT(entry.front(), 0u) << name << ": a GEMV of the graph left no stamps";
-      std::vector<uint64_t> own;
-      for (int b = 0; b < l.blocks; ++b) {
-        const size_t at = size_t(l.offset + int64_t{b} * cuda::kStreamTracePoints);
-        own.push_back(t[at + 2] - t[at + 1]);
-      }
-      std::sort(own.begin(), own.end());
+      // Each block's own span from stamp a to stamp b (0 where either is missing), median.
+      auto own = [&](int a, int b) {
+        std::vector<int64_t> v;
+        for (int k = 0; k < l.blocks; ++k) {
+          const size_t at = size_t(l.offset + int64_t{k} * cuda::kStreamTracePoints);
+          v.push_back(t[at + a] && t[at + b] ? int64_t(t[at + b]) - int64_t(t[at + a]) : 0);
+        }
+        std::sort(v.begin(), v.end());
+        return uint64_t(std::max<int64_t>(0, v[v.size() / 2]));
+      };
       rows.push_back({entry.front(), wait.front(), staged[staged.size() / 2], first[first.size() / 2], exit.back(),
-                      entry[entry.size() / 2], wait[wait.size() / 2], own[own.size() / 2]});
+                      entry[entry.size() / 2], wait[wait.size() / 2], own(1, 2), own(1, 7), own(7, 8), own(3, 4), own(2, 3), own(5, 6)});
     }
     const uint64_t t0 = rows.front().entry;
     auto us = [&](uint64_t v) { return (double(v) - double(t0)) / 1e3; };
@@ -1361,6 +1365,11 @@ TEST_F(CudaE2e, PrintsDecodeGraphGemvTimeline) {
       add(kind + ": first wait → median entry", (double(rows[i].entry_median) - double(rows[i].wait)) / 1e3);
       add(kind + ": first wait → median wait", (double(rows[i].wait_median) - double(rows[i].wait)) / 1e3);
       add(kind + ": a block's own wait → staged", double(rows[i].own_staging) / 1e3);
+      add(kind + ": a block's own wait → row loaded", double(rows[i].own_loads) / 1e3);
+      add(kind + ": a block's own row loaded → normed", double(rows[i].own_norm) / 1e3);
+      add(kind + ": a block's own first tile on chip → stored", double(rows[i].own_compute) / 1e3);
+      add(kind + ": a block's own staged → first tile on chip", double(rows[i].own_arrive) / 1e3);
+      add(kind + ": a block's own last tile on chip → exit", double(rows[i].own_tail) / 1e3);
       if (i > 0) add(kind + ": gap before it", (double(rows[i].wait) - double(rows[i - 1].exit)) / 1e3);
     }
     for (const auto& [k, v] : sums) std::printf("[graph gemv] %s: mean %-36s %8.2f us (%d)\n", name.c_str(), k.c_str(), v.first / v.second, v.second);

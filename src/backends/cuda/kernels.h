@@ -296,9 +296,10 @@ StreamLateRequests stream_gemv_late_requests();
 void set_stream_gemv_late_requests(StreamLateRequests which);
 
 /// Phase stamps per block of the streaming GEMV's trace (set_stream_gemv_trace): entry, PDL wait,
-/// activations staged, first tile on chip, first tile stored, last tile on chip, exit. A block
+/// activations staged, first tile on chip, first tile stored, last tile on chip, exit; with the
+/// norm fused also thread 0's row loads returned (7) and the normed row staged (8). A block
 /// with one tile stamps 3 and 5 at once; one with none leaves 3–5 as they were.
-inline constexpr int kStreamTracePoints = 7;
+inline constexpr int kStreamTracePoints = 9;
 /// Diagnostics: every later launch of the streaming GEMV (quant_gemv.cu) stamps %globaltimer (ns)
 /// at its phase ends into `trace`, uint64 [blocks][kStreamTracePoints], until this is called with
 /// null (the default); a graph keeps the pointer its capture saw. Without `advance` every launch

@@ -120,10 +120,11 @@ __device__ __forceinline__ float norm_row_load(const bf16* __restrict__ x, const
 /// u·stride and sums their squares in u order, as norm_row_load does. (Scalar loads of the
 /// thread's strided elements took three or four round trips each under the streaming GEMV's
 /// 64-register budget: about 4 µs of the in-projection's staging on an H100.) All threads of
-/// the block (the barrier); `active` as in norm_row_load.
+/// the block (the barrier); `active` as in norm_row_load; stamp as stage_norm_row's.
 template <bool kL2Branch = false>
 __device__ __forceinline__ float norm_row_load_vec(const bf16* __restrict__ x, const bf16* branch, const float* gain,
-                                                   int i, int stride, bool active, NormRowRegs& r, float* xs) {
+                                                   int i, int stride, bool active, NormRowRegs& r, float* xs,
+                                                   uint64_t* stamp = nullptr) {
   if (active) {
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) r.gain[u] = gain[i + u * stride];
@@ -145,6 +146,7 @@ __device__ __forceinline__ float norm_row_load_vec(const bf16* __restrict__ x, c
     float4* dst = reinterpret_cast<float4*>(xs + (c0 / kGroup) * kGroupStride + c0 % kGroup);
     dst[0] = make_float4(h[0], h[1], h[2], h[3]);
     dst[1] = make_float4(h[4], h[5], h[6], h[7]);
+    if (stamp && threadIdx.x == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(*stamp));
   }
   __syncthreads();
   float ss = 0.0f;
@@ -189,9 +191,12 @@ __device__ __forceinline__ void norm_row_store(const NormRowRegs& r, float sum_s
 /// 32; 0 = blockDim.x) is how many threads hold elements: a larger block with threads = 256 gives
 /// the same values as a 256-thread block (the other warps add zeros to the block sum).
 /// kL2Branch: norm.branch is read through L2 (written in this launch, behind a grid barrier).
+/// stamp (diagnostics, null in production): thread 0 writes %globaltimer there once its loads
+/// of the row have returned (the one-round-trip path only).
 template <bool kL2Branch = false>
 __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const FusedNorm& norm, int cols,
-                                               bool store, float* xs, float* xsum, int threads = 0) {
+                                               bool store, float* xs, float* xsum, int threads = 0,
+                                               uint64_t* stamp = nullptr) {
   __shared__ float scratch[32];
   const int stride = threads > 0 ? threads : static_cast<int>(blockDim.x);
   const bool holds = static_cast<int>(threadIdx.x) < stride;
@@ -200,7 +205,7 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
   if (cols == kStageBatch * stride && aligned(x) && (!norm.branch || aligned(norm.branch))) {  // one round trip
     NormRowRegs regs;
     const int i = threadIdx.x;
-    ss = norm_row_load_vec<kL2Branch>(x, norm.branch, norm.gain, i, stride, holds, regs, xs);
+    ss = norm_row_load_vec<kL2Branch>(x, norm.branch, norm.gain, i, stride, holds, regs, xs, stamp);
     norm_row_store(regs, block_sum(ss, scratch), norm.eps, cols, i, stride, holds, xs, store ? norm.x_out : nullptr,
                    norm.normed_out);
     __syncthreads();
