@@ -24,20 +24,6 @@ __device__ __forceinline__ uint32_t shared_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-/// Asks L2 to fetch `bytes` from `p` (rounded out to 16-byte bounds) without waiting: one
-/// cp.async.bulk.prefetch per call, issued by the calling thread. A hint: no result, no fault
-/// beyond what a load of the same bytes would raise.
-__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
-  if (bytes <= 0) return;
-  uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{15};
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes) + 15) & ~uintptr_t{15};
-  constexpr uintptr_t kMaxChunk = uintptr_t{1} << 20;  // well inside the instruction's 32-bit size
-  for (; a < end; a += kMaxChunk) {
-    const uint32_t n = static_cast<uint32_t>(end - a < kMaxChunk ? end - a : kMaxChunk);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(n) : "memory");
-  }
-}
-
 /// Initialises the mbarrier at `bar` (8 bytes of shared memory, 8-byte aligned) so that each
 /// phase completes after `arrivals` arrivals and all expected transaction bytes.
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {

@@ -438,6 +438,20 @@ __device__ __forceinline__ void task_gemv_rows(const DeviceQuant& w, RowRange r,
   for (int v = threadIdx.x; v < count; v += blockDim.x) store(r.first + v, out[v]);
 }
 
+/// Asks L2 to fetch `bytes` from `p` (rounded out to 16-byte bounds) without waiting: one
+/// cp.async.bulk.prefetch per call, issued by the calling thread. A hint: no result, no fault
+/// beyond what a load of the same bytes would raise.
+__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
+  if (bytes <= 0) return;
+  uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{15};
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes) + 15) & ~uintptr_t{15};
+  constexpr uintptr_t kMaxChunk = uintptr_t{1} << 20;  // well inside the instruction's 32-bit size
+  for (; a < end; a += kMaxChunk) {
+    const uint32_t n = static_cast<uint32_t>(end - a < kMaxChunk ? end - a : kMaxChunk);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(n) : "memory");
+  }
+}
+
 /// Prefetches rows [first, last) of w (codes, scales, biases) into L2. One thread.
 __device__ __forceinline__ void prefetch_rows_l2(const DeviceQuant& w, int64_t first, int64_t last) {
   if (last <= first) return;

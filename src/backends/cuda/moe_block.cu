@@ -9,9 +9,8 @@
 // kernels read their 15 MB per layer at under 1 TB/s. Here every block is resident for the whole
 // block (one block per SM), so the work after a grid-wide dependency waits on a counter instead
 // of a launch, and the weights are requested as early as their addresses are known:
-//  1. before the PDL wait: the router rows of each warp (into registers), every tile of the
-//     shared expert (gate/up and down), whose address does not depend on the routing, and the
-//     norm's gain (to L2);
+//  1. before the PDL wait: the router rows of each warp (into registers) and every tile of the
+//     shared expert (gate/up and down), whose address does not depend on the routing;
 //  2. after the wait: each block computes the normed row itself (4 KB) and a share of the router
 //     logits, then grid barrier 1; every block copies the logits into shared memory, routes the
 //     token itself (one warp, route_token_keys) and requests its routed gate/up tiles and all
@@ -274,10 +273,6 @@ __device__ __forceinline__ void moe_block_body(const MoeDecodeArgs& a, const Moe
     }
     for (int i = 0; i < my_rt; ++i)
       request_down_slots(a, l, b + i * G, shared_slot, l.n_sel, nullptr, dn_stages(i), dn_full + i);
-  }
-  if (warp == 1 && lane == 0) {  // the norm's gain, cold in the decode step: this block's 512-byte share to L2
-    const int64_t bytes = int64_t{l.hidden} * 4, at = (int64_t{b} * 512) % bytes;
-    prefetch_l2(reinterpret_cast<const unsigned char*>(a.norm.gain) + at, min(int64_t{512}, bytes - at));
   }
   pdl_prologue();
   trace_point(a, 1);

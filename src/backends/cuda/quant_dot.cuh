@@ -112,56 +112,6 @@ __device__ __forceinline__ float norm_row_load(const bf16* __restrict__ x, const
   return ss;
 }
 
-/// norm_row_load for a row of exactly kStageBatch · stride elements whose x and branch are 16-byte
-/// aligned: the same h, gains and Σh², with a tenth of the loads. Thread i (< stride) loads
-/// elements 8i … 8i + 7 of x and of the branch (one 16-byte load each) and its own gains, all
-/// in flight at once, forms those elements' h and leaves them at their staged places in xs
-/// (fp32, group g at xs[g·68]); after a block barrier it reads back its own elements i +
-/// u·stride and sums their squares in u order, as norm_row_load does. (Scalar loads of the
-/// thread's strided elements took three or four round trips each under the streaming GEMV's
-/// 64-register budget: about 4 µs of the in-projection's staging on an H100.) All threads of
-/// the block (the barrier); `active` as in norm_row_load; stamp as stage_norm_row's.
-template <bool kL2Branch = false>
-__device__ __forceinline__ float norm_row_load_vec(const bf16* __restrict__ x, const bf16* branch, const float* gain,
-                                                   int i, int stride, bool active, NormRowRegs& r, float* xs,
-                                                   uint64_t* stamp = nullptr) {
-  if (active) {
-#pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) r.gain[u] = gain[i + u * stride];
-    const uint4 xv = reinterpret_cast<const uint4*>(x)[i];
-    uint4 bv = make_uint4(0, 0, 0, 0);
-    if (branch) {
-      const uint4* b16 = reinterpret_cast<const uint4*>(branch) + i;
-      bv = kL2Branch ? __ldcg(b16) : *b16;
-    }
-    const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w}, bw[4] = {bv.x, bv.y, bv.z, bv.w};
-    float h[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float v = __uint_as_float((e % 2 ? xw[e / 2] >> 16 : xw[e / 2] & 0xffffu) << 16);
-      const float b = __uint_as_float((e % 2 ? bw[e / 2] >> 16 : bw[e / 2] & 0xffffu) << 16);
-      h[e] = branch ? round_bf16(v + b) : v;
-    }
-    const int c0 = 8 * i;  // 8 | 64: the 8 elements lie in one group
-    float4* dst = reinterpret_cast<float4*>(xs + (c0 / kGroup) * kGroupStride + c0 % kGroup);
-    dst[0] = make_float4(h[0], h[1], h[2], h[3]);
-    dst[1] = make_float4(h[4], h[5], h[6], h[7]);
-    if (stamp && threadIdx.x == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(*stamp));
-  }
-  __syncthreads();
-  float ss = 0.0f;
-  if (active) {
-#pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) {
-      const int c = i + u * stride;
-      r.h[u] = xs[(c / kGroup) * kGroupStride + c % kGroup];
-    }
-#pragma unroll
-    for (int u = 0; u < kStageBatch; ++u) ss += r.h[u] * r.h[u];
-  }
-  return ss;
-}
-
 /// Stages this thread's normed elements y = bf16(h·rs·gain) into xs (fp32, group g at xs[g·68])
 /// with rs = 1 / sqrt(Σh² / cols + eps); with x_out / normed_out non-null, also stores h and y.
 __device__ __forceinline__ void norm_row_store(const NormRowRegs& r, float sum_sq, float eps, int cols, int i,
@@ -191,8 +141,8 @@ __device__ __forceinline__ void norm_row_store(const NormRowRegs& r, float sum_s
 /// 32; 0 = blockDim.x) is how many threads hold elements: a larger block with threads = 256 gives
 /// the same values as a 256-thread block (the other warps add zeros to the block sum).
 /// kL2Branch: norm.branch is read through L2 (written in this launch, behind a grid barrier).
-/// stamp (diagnostics, null in production): thread 0 writes %globaltimer there once its loads
-/// of the row have returned (the one-round-trip path only).
+/// stamp (diagnostics, null in production): thread 0 writes %globaltimer there once it holds
+/// its elements of the row (the one-batch path only).
 template <bool kL2Branch = false>
 __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const FusedNorm& norm, int cols,
                                                bool store, float* xs, float* xsum, int threads = 0,
@@ -201,11 +151,11 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
   const int stride = threads > 0 ? threads : static_cast<int>(blockDim.x);
   const bool holds = static_cast<int>(threadIdx.x) < stride;
   float ss = 0.0f;
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (cols == kStageBatch * stride && aligned(x) && (!norm.branch || aligned(norm.branch))) {  // one round trip
+  if (cols <= kStageBatch * stride) {  // one batch: every load in flight at once
     NormRowRegs regs;
     const int i = threadIdx.x;
-    ss = norm_row_load_vec<kL2Branch>(x, norm.branch, norm.gain, i, stride, holds, regs, xs, stamp);
+    ss = norm_row_load<kL2Branch>(x, norm.branch, norm.gain, cols, i, stride, holds, regs);
+    if (stamp && threadIdx.x == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(*stamp) : "f"(ss));
     norm_row_store(regs, block_sum(ss, scratch), norm.eps, cols, i, stride, holds, xs, store ? norm.x_out : nullptr,
                    norm.normed_out);
     __syncthreads();

@@ -385,28 +385,6 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
   return mode == StreamMode::rows ? 1 : stream_blocks_per_sm(column_blocks);
 }
 
-/// Asks L2 for what a block of the streaming GEMV reads after its PDL wait that no predecessor
-/// writes: a 512-byte share of the fused norm's gain (the blocks' shares cover it) and the conv
-/// taps and window rows of its first tiles (up to my_tiles of tiles b, b + grid, …). Those are
-/// cold in the decode step (last read one step, 1.7 GB of weights, earlier): from DRAM they
-/// held the staging's block sum and the GDN in-projection's epilogue, from L2 they are ready
-/// when the wait returns. One thread.
-__device__ __forceinline__ void prefetch_epilogue_inputs(const FusedNorm& norm, const FusedConv& conv, int cols,
-                                                         int64_t tiles, int64_t my_tiles) {
-  constexpr int64_t kGainShare = 512;
-  if (norm.gain) {
-    const int64_t bytes = int64_t{cols} * 4, at = (int64_t{blockIdx.x} * kGainShare) % bytes;
-    prefetch_l2(reinterpret_cast<const unsigned char*>(norm.gain) + at, min(kGainShare, bytes - at));
-  }
-  for (int64_t i = 0; i < my_tiles && i < 4; ++i) {
-    const int64_t r0 = (blockIdx.x + i * gridDim.x) * kMmaTileRows;
-    if (r0 >= conv.channels || r0 >= tiles * kMmaTileRows) break;
-    const int64_t rows = min(int64_t{kMmaTileRows}, conv.channels - r0);
-    prefetch_l2(conv.taps + r0 * kGdnConvK, rows * kGdnConvK * 4);
-    prefetch_l2(conv.window + r0 * 3, rows * 3 * 2);
-  }
-}
-
 /// grid (about stream_mode_blocks_per_sm blocks per SM), block kStreamThreads; x [m, cols], y [m,
 /// rows]; tiles of 16 rows strided over the grid, `stages` in flight per block, the first
 /// min(stages, early_stages) of them requested before the PDL wait and the others once the
@@ -471,7 +449,6 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   };
   const int early = min(stages, early_stages);
   request_first(0, early);
-  if (warp == 1 && lane == 0) prefetch_epilogue_inputs(norm, conv, w.cols, tiles, my_tiles);
   pdl_prologue();
   stream_trace_point(trace, 1);
   // Lane 0 of warp 0: the counter's next tile for request `stages`, fetched now (the counter may
