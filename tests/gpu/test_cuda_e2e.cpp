@@ -1315,8 +1315,13 @@ TEST_F(CudaE2e, PrintsDecodeGraphGemvTimeline) {
     cuda::download(t.data(), trace.as<uint64_t>(), t.size());
     // Per launch: the first block's entry and PDL wait, the median block's staged and first-tile
     // stamps, the last block's exit (ns); the median block's entry and wait, and the median over
-    // the blocks of each one's own wait → staged time.
-    struct Row { uint64_t entry, wait, staged, first, exit, entry_median, wait_median, own_staging, own_loads, own_norm, own_compute, own_arrive, own_tail; };
+    // the blocks of each one's own spans: wait → staged, wait → thread 0 holding its row elements
+    // (the fused norm's stamp 7), those → the normed row staged (8), first tile on chip → stored,
+    // staged → first tile on chip, last tile on chip → exit.
+    struct Row {
+      uint64_t entry, wait, staged, first, exit, entry_median, wait_median;
+      uint64_t own_staging, own_loads, own_norm, own_compute, own_arrive, own_tail;
+    };
     std::vector<Row> rows;
     for (const cuda::StreamTraceLaunch& l : launches) {
       auto stamps = [&](int p) {
@@ -1365,8 +1370,8 @@ TEST_F(CudaE2e, PrintsDecodeGraphGemvTimeline) {
       add(kind + ": first wait → median entry", (double(rows[i].entry_median) - double(rows[i].wait)) / 1e3);
       add(kind + ": first wait → median wait", (double(rows[i].wait_median) - double(rows[i].wait)) / 1e3);
       add(kind + ": a block's own wait → staged", double(rows[i].own_staging) / 1e3);
-      add(kind + ": a block's own wait → row loaded", double(rows[i].own_loads) / 1e3);
-      add(kind + ": a block's own row loaded → normed", double(rows[i].own_norm) / 1e3);
+      add(kind + ": a block's own wait → row held", double(rows[i].own_loads) / 1e3);
+      add(kind + ": a block's own row held → normed", double(rows[i].own_norm) / 1e3);
       add(kind + ": a block's own first tile on chip → stored", double(rows[i].own_compute) / 1e3);
       add(kind + ": a block's own staged → first tile on chip", double(rows[i].own_arrive) / 1e3);
       add(kind + ": a block's own last tile on chip → exit", double(rows[i].own_tail) / 1e3);
