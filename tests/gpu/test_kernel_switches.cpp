@@ -90,6 +90,28 @@ TEST(KernelSwitches, RowsGemvFromReachesItsSetting) {
   }
 }
 
+TEST(KernelSwitches, GemvLateRequestsReachItsSetting) {
+  cuda::apply_kernel_switches(CudaOptions{});
+  EXPECT_EQ(cuda::stream_gemv_late_requests(), cuda::StreamLateRequests::none);
+  CudaOptions o;
+  for (auto [name, which] : {std::pair{"staged", cuda::StreamLateRequests::staged},
+                             std::pair{"all", cuda::StreamLateRequests::all}, std::pair{"none", cuda::StreamLateRequests::none}}) {
+    o.gemv_late_requests = name;
+    cuda::apply_kernel_switches(o);
+    EXPECT_EQ(cuda::stream_gemv_late_requests(), which) << name;
+  }
+  o.pdl = false;
+  o.gemv_late_requests = "some";
+  try {
+    cuda::apply_kernel_switches(o);
+    ADD_FAILURE() << "gemv_late_requests 'some' was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("LILY_CUDA_GEMV_LATE_REQUESTS"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(cuda::pdl_enabled()) << "nothing set before the throw";
+  EXPECT_EQ(cuda::stream_gemv_late_requests(), cuda::StreamLateRequests::none);
+}
+
 TEST(KernelSwitches, BadRegdqThrowsBeforeChangingAnything) {
   cuda::apply_kernel_switches(CudaOptions{});
   CudaOptions o;

@@ -388,8 +388,8 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
 /// grid (about stream_mode_blocks_per_sm blocks per SM), block kStreamThreads; x [m, cols], y [m,
 /// rows]; tiles of 16 rows strided over the grid, `stages` in flight per block, the first
 /// min(stages, early_stages) of them requested before the PDL wait and the others once the
-/// activations are staged (stream_gemv_late_requests); `pad` the chunk padding (kStreamChunkPad, or 0 for one unpadded copy). norm / conv as quant_gemv_kernel (m =
-/// 1). Requires cols % 512 == 0 and 16-byte aligned codes / scales / biases (stream_gemv_plan).
+/// activations are staged (stream_gemv_late_requests); `pad` the chunk padding (kStreamChunkPad,
+/// or 0 for one unpadded copy). norm / conv as quant_gemv_kernel (m = 1). Requires cols % 512 == 0 and 16-byte aligned codes / scales / biases (stream_gemv_plan).
 /// kMode (StreamMode): staged: m ≤ 8, the rows staged in shared memory (with the fused norm).
 /// direct (no norm, no conv): m ≤ 8·kBlocks, each warp reads its groups' fragments from x
 /// (stream_direct_fragments) and sums their Σx itself, so the first tile's MMAs wait for no
