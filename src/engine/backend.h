@@ -251,6 +251,12 @@ struct CudaOptions {
   /// an H100, but 5 % slower end to end, as the separate GEMV's early start under PDL is worth
   /// more than its launch (docs/cuda.md, "The out-projection inside the MoE block").
   bool moe_out_proj = false;
+  /// LILY_CUDA_MOE_NEXT_NORM 1|0: in the one-sequence decode, the fused MoE block's last block
+  /// forms the next layer's input norm (the final norm after the last layer) and leaves the row
+  /// staged, so that the in-projection's (the LM head's) blocks copy it instead of each forming
+  /// it; the same bits. Needs fused_moe and stream_gemv. Off by default: not yet run on a GPU
+  /// (docs/cuda.md, "Decode GEMV on tensor cores").
+  bool moe_next_norm = false;
   /// LILY_CUDA_GEMM_KERNEL wgmma-mixed|wgmma-narrow|wgmma|grouped|all|0:
   /// the 4-bit grouped and dense GEMMs of the tensor-core prefill run on Hopper warpgroup MMAs
   /// with 256 weight rows per work item for the dense and down GEMMs and 128 for gate/up
@@ -409,6 +415,7 @@ inline std::span<const Field> fields() {
        }},
       {"fused-moe", "LILY_CUDA_FUSED_MOE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.fused_moe = parse_choice(l, v, "1", "0"); }},
       {"moe-out-proj", "LILY_CUDA_MOE_OUT_PROJ", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_out_proj = parse_choice(l, v, "1", "0"); }},
+      {"moe-next-norm", "LILY_CUDA_MOE_NEXT_NORM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_next_norm = parse_choice(l, v, "1", "0"); }},
       {"batched-decode", "LILY_CUDA_BATCHED_DECODE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.batched_decode = parse_choice(l, v, "1", "0"); }},
       {"chunk", "LILY_CUDA_PREFILL_CHUNK", [](CudaOptions& o, const std::string& l, const std::string& v) { o.prefill_chunk = parse_int(l, v, 1, CudaOptions::kMaxPrefillChunk); }},
       {"max-batch", "LILY_CUDA_MAX_BATCH", [](CudaOptions& o, const std::string& l, const std::string& v) { o.max_batch = parse_int(l, v, 1, CudaOptions::kMaxBatch); }},
@@ -472,6 +479,7 @@ inline std::string CudaOptions::describe() const {
          " gdn-state-mma=" + (gdn_state_mma ? "1" : "0") + " prefill=" + (batched_prefill ? "batched" : "per-token") +
          " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " gemm-kernel=" + gemm_kernel +
          " fused-moe=" + (fused_moe ? "1" : "0") + " moe-out-proj=" + (moe_out_proj ? "1" : "0") +
+         " moe-next-norm=" + (moe_next_norm ? "1" : "0") +
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
          " max-batch=" + std::to_string(max_batch) + " decode-rows=" + std::to_string(decode_rows) +
          " rows-gemv-from=" + std::to_string(rows_gemv_from) +

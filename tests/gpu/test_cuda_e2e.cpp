@@ -963,6 +963,40 @@ TEST_F(CudaE2e, MoeOutProjectionKeepsTheDecodeBits) {
   check_moe_out_proj_bits(load_model(demo_model_dir()), /*taken=*/false);
 }
 
+/// The next input norm staged by the fused MoE block (moe-next-norm=1) against each GEMV
+/// forming it: the same arithmetic, so every decode step's logits are bit-identical (asserted),
+/// and the backend's log says whether it took the phase (`taken`) or kept the norms in the
+/// GEMVs because a shape is refused.
+void check_moe_next_norm_bits(std::shared_ptr<const ModelWeights> w, bool taken) {
+  auto make = [&](const char* assignment) {
+    CudaOptions options = CudaOptions::from_env();
+    options.set(assignment);
+    return make_cuda_backend(w, options);
+  };
+  const LogLevel level = log_level();
+  set_log_level(LogLevel::kInfo);
+  testing::internal::CaptureStderr();
+  auto on = make("moe-next-norm=1");
+  const std::string log = testing::internal::GetCapturedStderr();
+  set_log_level(level);
+  EXPECT_NE(log.find(taken ? "input norms staged once by the fused MoE block" : "input norms inside the GEMVs"),
+            std::string::npos)
+      << log;
+  auto off = make("moe-next-norm=0");
+  const auto prompt = hash_prompt(40, w->config.vocab, 13);
+  const auto lon = decode_logits(*on, prompt, 8), loff = decode_logits(*off, prompt, 8);
+  ASSERT_EQ(lon.size(), loff.size());
+  for (size_t i = 0; i < lon.size(); ++i) EXPECT_TRUE(lon[i] == loff[i]) << "decode step " << i << " differs";
+}
+
+TEST_F(CudaE2e, MoeNextNormKeepsTheDecodeBits) {
+  TempDir dir;
+  // realdims: hidden 512, every in-projection and the LM head take a staged row; the demo's
+  // 256 columns are refused.
+  check_moe_next_norm_bits(synth("realdims", dir.path()), /*taken=*/true);
+  check_moe_next_norm_bits(load_model(demo_model_dir()), /*taken=*/false);
+}
+
 TEST_F(CudaE2e, FusedDecodeMatchesSeparateKernels) {
   TempDir dir;
   check_fused_vs_separate(synth("realdims", dir.path()));

@@ -49,7 +49,7 @@ struct MoeBlock {
     act = poisoned(size_t(R) * (k + 1) * ffn * 2);
     act_sums = poisoned(size_t(R) * (k + 1) * (ffn / 8) * 4);
     normed_sums = poisoned(size_t(R) * (hidden / 64) * 4);
-    barriers = DeviceBuffer(3 * sizeof(uint32_t));  // the third: the out-projection phase's
+    barriers = DeviceBuffer(4 * sizeof(uint32_t));  // the third: the out-projection phase's; the fourth the next norm's
   }
 
   /// The launch's arguments for `rows` rows: x (+ branch, when non-null) → x_out, normed;
@@ -381,6 +381,83 @@ TEST(CudaMoeBlock, OutProjectionPhaseGivesTheSeparateGemvBits) {
   check_out_proj_phase(16, 4, 256, 128, 512, 93, 3);     // the demo's hidden: 16 tiles on 3 blocks
 }
 
+/// The next layer's input norm as the one-token block's last phase (MoeDecodeArgs::next_norm)
+/// followed by launch_staged_row_gemv, against the block followed by launch_add_rmsnorm_gemv on
+/// its outputs: the block's output, the next norm's h and y, and the next GEMV's output (with
+/// the GDN conv step on its first `conv_channels` rows: its output and window), all bit for bit.
+/// A next GEMV of `next_rows` rows; the block on `max_blocks` blocks (0: one per SM).
+void check_next_norm_phase(int E, int k, int hidden, int ffn, int64_t next_rows, int conv_channels, uint64_t seed,
+                           int max_blocks) {
+  std::mt19937_64 rng(seed);
+  MoeBlock m(E, k, hidden, ffn, rng);
+  RandomQuant wn(next_rows, hidden, 4, rng);
+  std::vector<float> g = normal_bf16(hidden, rng, 0.3f);
+  for (auto& v : g) v += 1.0f;
+  DeviceBuffer next_gain = upload_f32(g), dx = upload_bf16(normal_bf16(hidden, rng, 2.0f)),
+               branch = upload_bf16(normal_bf16(hidden, rng, 0.5f));
+  DeviceBuffer taps = upload_f32(normal_bf16(int64_t(std::max(conv_channels, 1)) * 4, rng, 0.5f));
+  const std::vector<float> window0 = normal_bf16(int64_t(std::max(conv_channels, 1)) * 3, rng, 1.0f);
+  struct Result {
+    std::vector<uint32_t> out, h, y, proj, conv_out, window;
+  };
+  auto run = [&](bool phase) {
+    DeviceBuffer x_out = poisoned(size_t(hidden) * 2), normed = poisoned(size_t(hidden) * 2), out = poisoned(size_t(hidden) * 2),
+                 h = poisoned(size_t(hidden) * 2), y = poisoned(size_t(hidden) * 2), proj = poisoned(size_t(next_rows) * 2),
+                 pairs = poisoned(size_t(hidden) * 2), sums = poisoned(size_t(hidden / 64) * 4),
+                 conv_out = poisoned(size_t(std::max(conv_channels, 1)) * 2), window = upload_bf16(window0);
+    cuda::MoeDecodeArgs a = m.args(dx, branch.as<__nv_bfloat16>(), x_out, normed, out);
+    cuda::FusedConv conv;
+    if (conv_channels > 0) {
+      conv.channels = conv_channels;
+      conv.taps = taps.as<float>();
+      conv.window = window.as<__nv_bfloat16>();
+      conv.out = conv_out.as<__nv_bfloat16>();
+    }
+    const cuda::StagedRow row{pairs.as<uint32_t>(), sums.as<float>()};
+    if (phase) a.next_norm = {next_gain.as<float>(), 1e-6f, h.as<__nv_bfloat16>(), y.as<__nv_bfloat16>(), row};
+    m.barriers.fill_bytes(0);
+    launch_moe(a, nullptr, max_blocks, false);
+    if (phase) {
+      cuda::launch_staged_row_gemv(row, wn.view(), proj.as<__nv_bfloat16>(), nullptr, nullptr, conv);
+    } else {
+      cuda::FusedNorm n;
+      n.branch = out.as<__nv_bfloat16>();
+      n.gain = next_gain.as<float>();
+      n.eps = 1e-6f;
+      n.x_out = h.as<__nv_bfloat16>();
+      n.normed_out = y.as<__nv_bfloat16>();
+      cuda::launch_add_rmsnorm_gemv(n, x_out.as<__nv_bfloat16>(), wn.view(), proj.as<__nv_bfloat16>(), nullptr, nullptr,
+                                    conv);
+    }
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const int c = std::max(conv_channels, 1);
+    return Result{bits_of(download_bf16(out, hidden)),        bits_of(download_bf16(h, hidden)),
+                  bits_of(download_bf16(y, hidden)),          bits_of(download_bf16(proj, next_rows)),
+                  bits_of(download_bf16(conv_out, conv_channels > 0 ? c : 0)),
+                  bits_of(download_bf16(window, int64_t(conv_channels) * 3))};
+  };
+  const Result want = run(false), got = run(true);
+  const std::string where = std::to_string(hidden) + " → " + std::to_string(next_rows) + " rows on " +
+                            std::to_string(max_blocks) + " blocks";
+  EXPECT_EQ(got.out, want.out) << "the block's output, " << where;
+  EXPECT_EQ(got.h, want.h) << "next h, " << where;
+  EXPECT_EQ(got.y, want.y) << "next normed row, " << where;
+  EXPECT_EQ(got.proj, want.proj) << "next GEMV, " << where;
+  EXPECT_EQ(got.conv_out, want.conv_out) << "conv output, " << where;
+  EXPECT_EQ(got.window, want.window) << "conv window, " << where;
+}
+
+TEST(CudaMoeBlock, NextNormPhaseGivesTheGemvStagingBits) {
+  int sms = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  // The real shape into a GDN in-projection with its conv step (as the decode runs it); it needs
+  // 128 blocks, as in OutProjectionPhaseGivesTheSeparateGemvBits.
+  if (sms >= 128) check_next_norm_phase(256, 8, 2048, 512, 12352, 8192, 94, 0);
+  else std::printf("the real shape's case needs 128 SMs; this GPU has %d\n", sms);
+  check_next_norm_phase(64, 4, 1024, 256, 3000, 0, 95, 16);  // a tail tile of 8 rows
+  check_next_norm_phase(16, 4, 512, 128, 1536, 768, 96, 8);
+}
+
 TEST(CudaMoeBlock, RefusesWhatItDoesNotSupport) {
   std::mt19937_64 rng(67);
   MoeBlock tiny(8, 2, 128, 64, rng);  // hidden 128: not a multiple of 256
@@ -412,6 +489,21 @@ TEST(CudaMoeBlock, RefusesWhatItDoesNotSupport) {
     cuda::MoeDecodeArgs elsewhere = with;
     elsewhere.out_proj.y = out2.as<__nv_bfloat16>();  // not the branch
     EXPECT_THROW(cuda::launch_moe_block_decode(elsewhere, nullptr), InternalError);
+  }
+  // The next-norm phase: the one-token block's only; its outputs must not alias the block's.
+  {
+    DeviceBuffer pairs(256 * 2), sums(4 * 4), h(256 * 2), y(256 * 2);
+    cuda::MoeDecodeArgs with = real.args(x2, nullptr, xo2, nm2, out2);
+    with.next_norm = {real.gain.as<float>(), 1e-6f, h.as<__nv_bfloat16>(), y.as<__nv_bfloat16>(),
+                      {pairs.as<uint32_t>(), sums.as<float>()}};
+    EXPECT_EQ(cuda::moe_block_unsupported(with), "");
+    EXPECT_NE(cuda::moe_block_rows_unsupported(with).find("next-norm"), std::string::npos);
+    cuda::MoeDecodeArgs aliased = with;
+    aliased.next_norm.x_out = out2.as<__nv_bfloat16>();
+    EXPECT_THROW(cuda::launch_moe_block_decode(aliased, nullptr), InternalError);
+    cuda::MoeDecodeArgs no_sums = with;
+    no_sums.next_norm.row.sums = nullptr;
+    EXPECT_THROW(cuda::launch_moe_block_decode(no_sums, nullptr), InternalError);
   }
   cuda::MoeDecodeArgs two = real.args(x2, nullptr, xo2, nm2, out2, nullptr, 2);
   EXPECT_NE(cuda::moe_block_unsupported(two).find("2 rows"), std::string::npos);  // one token only

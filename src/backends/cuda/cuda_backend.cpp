@@ -535,8 +535,8 @@ void check_device() {
 }
 
 /// Grid barriers of one launch_moe_block_decode (MoeDecodeArgs::barriers; the third for its
-/// out-projection phase).
-constexpr int kMoeBarriersPerLayer = 3;
+/// out-projection phase, the fourth the next-norm phase's count of finished blocks).
+constexpr int kMoeBarriersPerLayer = 4;
 static_assert(kMaxMoeRows >= kMaxDecodeRows, "one launch_moe_block_rows per layer takes a batched step's rows");
 
 void check_shapes(const ModelConfig& c) {
@@ -605,6 +605,10 @@ class CudaBackend final : public Backend {
     // with stream_gemv (else the register-load MMA GEMV's): without it the bits would differ.
     moe_out_proj_ = options_.moe_out_proj && options_.stream_gemv && fused_moe_ && moe_out_proj_supported();
     if (moe_out_proj_) log_info("CUDA backend: decode out-projections inside the fused MoE block (moe-out-proj=1)");
+    // The staged row is the streaming GEMV's staging; without stream_gemv the norm + GEMV take
+    // another kernel's arithmetic, so the bits would differ.
+    moe_next_norm_ = options_.moe_next_norm && options_.stream_gemv && fused_moe_ && moe_next_norm_supported();
+    if (moe_next_norm_) log_info("CUDA backend: decode input norms staged once by the fused MoE block (moe-next-norm=1)");
     if (options_.persistent_decode != "0") create_persistent_decode();
     routers_on_gemm_ = true;
     for (const auto& lw : model_->layers) routers_on_gemm_ = routers_on_gemm_ && router_gemm_supported(lw.router);
@@ -901,6 +905,8 @@ class CudaBackend final : public Backend {
     router_done_ = DeviceBuffer(sizeof(uint32_t));
     router_done_.fill_bytes(0);  // launch_router_fused leaves it zero after every launch
     moe_barriers_ = DeviceBuffer(static_cast<size_t>(c.n_layers) * kMoeBarriersPerLayer * sizeof(uint32_t));
+    staged_pairs_ = DeviceBuffer(static_cast<size_t>(c.hidden / 2) * sizeof(uint32_t));
+    staged_sums_ = DeviceBuffer(static_cast<size_t>(std::max(c.hidden / kQuantGroupSize, 1)) * sizeof(float));
     logits_ = DeviceBuffer(static_cast<size_t>(c.vocab) * sizeof(float));
     const int slots = argmax_scratch_slots(c.vocab);
     argmax_v_ = DeviceBuffer(slots * sizeof(float));
@@ -1141,16 +1147,20 @@ class CudaBackend final : public Backend {
       const FusedNorm in_norm = fused_norm(l == 0 ? nullptr : moe_out_.as<bf16>(), lw.input_norm, x_alt_);
       if (!fuse_decode_) separate_norm(in_norm);
       // With moe_out_proj_ the MoE block runs the mixer's out-projection (the probes, which read
-      // the mixer's output before the block, take the separate GEMV).
+      // the mixer's output before the block, take the separate GEMV). With moe_next_norm_ the
+      // MoE block before this layer staged its input norm (not while probing: the probes read
+      // each block's own normed row after it).
       const bool out_proj_in_moe = moe_out_proj_ && !probing;
-      if (lw.type == LayerType::kLinearAttention) gdn_mixer(lw, s, layer_slot_[l], in_norm, !out_proj_in_moe);
-      else attention_mixer(lw, s, layer_slot_[l], d_pos, d_len, in_norm, !out_proj_in_moe);
+      const bool next_norm = moe_next_norm_ && !probing;
+      const bool staged_in = next_norm && l > 0;
+      if (lw.type == LayerType::kLinearAttention) gdn_mixer(lw, s, layer_slot_[l], in_norm, staged_in, !out_proj_in_moe);
+      else attention_mixer(lw, s, layer_slot_[l], d_pos, d_len, in_norm, staged_in, !out_proj_in_moe);
       if (probing) {
         if (l > 0) emit("layer_out", l - 1, pos, resid.as<bf16>(), c.hidden);
         emit("attn_norm", l, pos, normed_.as<bf16>(), c.hidden);
         emit("mixer_out", l, pos, mixer_out_.as<bf16>(), c.hidden);
       }
-      moe_block(lw, l, out_proj_in_moe);
+      moe_block(lw, l, out_proj_in_moe, next_norm);
       if (probing) {
         emit("ffn_norm", l, pos, normed_.as<bf16>(), c.hidden);
         emit_f32("router_logits", l, pos, router_logits_.as<float>(), c.n_experts);
@@ -1158,7 +1168,9 @@ class CudaBackend final : public Backend {
       }
     }
     const FusedNorm final_norm = fused_norm(moe_out_.as<bf16>(), model_->final_norm, x_alt_);
-    if (fuse_decode_) {
+    if (moe_next_norm_ && !probing) {
+      launch_staged_row_gemv(staged_row(), model_->lm_head, nullptr, logits_.as<float>(), stream_);
+    } else if (fuse_decode_) {
       launch_add_rmsnorm_gemv(final_norm, x_.as<bf16>(), model_->lm_head, nullptr, logits_.as<float>(), stream_);
     } else {
       separate_norm(final_norm);
@@ -1189,8 +1201,13 @@ class CudaBackend final : public Backend {
     return n;
   }
 
-  /// The GDN mixer of one token; `out_proj`: also its out-projection (else the MoE block runs it).
-  void gdn_mixer(const DeviceLayer& lw, CudaState& s, int slot, const FusedNorm& in_norm, bool out_proj) {
+  /// The row the fused MoE block stages for the next GEMV (moe_next_norm_).
+  StagedRow staged_row() { return {staged_pairs_.as<uint32_t>(), staged_sums_.as<float>()}; }
+
+  /// The GDN mixer of one token; `staged_in`: its input norm is in staged_row() (else in_norm
+  /// runs in the in-projection); `out_proj`: also its out-projection (else the MoE block runs it).
+  void gdn_mixer(const DeviceLayer& lw, CudaState& s, int slot, const FusedNorm& in_norm, bool staged_in,
+                 bool out_proj) {
     bf16* proj = proj_.as<bf16>();
     const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
     // Input norm + in-projection + causal conv step (on the q|k|v rows) in one launch.
@@ -1199,7 +1216,9 @@ class CudaBackend final : public Backend {
     conv.taps = lw.gdn.conv_w;
     conv.window = s.window(slot);
     conv.out = conv_out_.as<bf16>();
-    if (fuse_decode_) {
+    if (staged_in) {
+      launch_staged_row_gemv(staged_row(), lw.in_proj, proj, nullptr, stream_, conv);
+    } else if (fuse_decode_) {
       launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), lw.in_proj, proj, nullptr, stream_, conv);
     } else {
       launch_quant_gemv(lw.in_proj, normed_.as<bf16>(), proj, nullptr, stream_);
@@ -1210,13 +1229,13 @@ class CudaBackend final : public Backend {
     if (out_proj) launch_quant_gemv(lw.out_proj, mixer_core_out_.as<bf16>(), mixer_out_.as<bf16>(), nullptr, stream_);
   }
 
-  /// The attention mixer of one token; `out_proj`: also its out-projection (else the MoE block
-  /// runs it).
+  /// The attention mixer of one token; `staged_in` and `out_proj` as gdn_mixer's.
   void attention_mixer(const DeviceLayer& lw, CudaState& s, int slot, const int32_t* d_pos, const int32_t* d_len,
-                       const FusedNorm& in_norm, bool out_proj) {
+                       const FusedNorm& in_norm, bool staged_in, bool out_proj) {
     bf16* proj = proj_.as<bf16>();
     const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim, kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
-    if (fuse_decode_) launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), lw.in_proj, proj, nullptr, stream_);
+    if (staged_in) launch_staged_row_gemv(staged_row(), lw.in_proj, proj, nullptr, stream_);
+    else if (fuse_decode_) launch_add_rmsnorm_gemv(in_norm, x_.as<bf16>(), lw.in_proj, proj, nullptr, stream_);
     else launch_quant_gemv(lw.in_proj, normed_.as<bf16>(), proj, nullptr, stream_);
     const KvCacheView kv = s.kv(slot);
     attention_prepare(attn_, 1, proj, lw.in_proj.rows, proj + qg, proj + qg + kvw, lw.in_proj.rows, lw.q_norm,
@@ -1289,12 +1308,52 @@ class CudaBackend final : public Backend {
     return true;
   }
 
+  /// The fused MoE block's next-norm phase for layer `layer`: the input norm of the layer after
+  /// it, or the final norm after the last (x_ + moe_out_ → x_alt_, normed_ and staged_row(), as
+  /// the in-projection's or the LM head's FusedNorm would have them).
+  MoeNextNorm next_norm_args(int layer) {
+    MoeNextNorm n;
+    const bool last = layer + 1 == config().n_layers;
+    n.gain = last ? model_->final_norm : model_->layers[layer + 1].input_norm;
+    n.eps = config().rms_norm_eps;
+    n.x_out = x_alt_.as<bf16>();
+    n.normed_out = normed_.as<bf16>();
+    n.row = staged_row();
+    return n;
+  }
+
+  /// Whether every layer's MoE block takes the next-norm phase (with the out-projection phase
+  /// when moe_out_proj_) and every GEMV after one takes a staged row (the in-projections of layers
+  /// 1 … and the LM head); the reason of the first that does not goes to the log once.
+  bool moe_next_norm_supported() {
+    const ModelConfig& c = config();
+    for (int l = 0; l < c.n_layers; ++l) {
+      const DeviceLayer& lw = model_->layers[l];
+      MoeDecodeArgs a = moe_out_proj_ ? moe_args_with_out_proj(lw, l) : moe_args(lw, l);
+      a.next_norm = next_norm_args(l);
+      std::string why = moe_block_unsupported(a);
+      const DeviceQuant& next = l + 1 < c.n_layers ? model_->layers[l + 1].in_proj : model_->lm_head;
+      if (why.empty() && !staged_row_gemv_supported(next))
+        why = "the GEMV after layer " + std::to_string(l) + " does not take a staged row";
+      if (!why.empty()) {
+        log_info("CUDA backend: decode input norms inside the GEMVs (" + why + ")");
+        return false;
+      }
+    }
+    return true;
+  }
+
   /// The MoE half of a layer for one token; `out_proj`: the fused block runs the mixer's
-  /// out-projection first (moe_out_proj_).
-  void moe_block(const DeviceLayer& lw, int layer, bool out_proj) {
+  /// out-projection first (moe_out_proj_); `next_norm`: and stages the next input norm last
+  /// (moe_next_norm_).
+  void moe_block(const DeviceLayer& lw, int layer, bool out_proj, bool next_norm) {
     const ModelConfig& c = config();
     const int k = c.n_experts_per_tok;
-    if (fused_moe_) return launch_moe_block_decode(out_proj ? moe_args_with_out_proj(lw, layer) : moe_args(lw, layer), stream_);
+    if (fused_moe_) {
+      MoeDecodeArgs a = out_proj ? moe_args_with_out_proj(lw, layer) : moe_args(lw, layer);
+      if (next_norm) a.next_norm = next_norm_args(layer);
+      return launch_moe_block_decode(a, stream_);
+    }
     // Post norm (x_alt_ + mixer_out_ → x_, normed_) + router GEMV + top-k in one launch (the logits
     // are still written, for the probes).
     if (fuse_decode_) {
@@ -1886,6 +1945,12 @@ class CudaBackend final : public Backend {
   /// The one-sequence decode's out-projections inside the fused MoE block (options_.moe_out_proj,
   /// when every layer's shape allows it).
   bool moe_out_proj_ = false;
+  /// The one-sequence decode's input norms staged once by the fused MoE block before them
+  /// (options_.moe_next_norm, when every layer's shapes allow it).
+  bool moe_next_norm_ = false;
+  /// The row the MoE block stages for the next GEMV (staged_row()): uint32 [hidden / 2], fp32
+  /// [hidden / 64].
+  DeviceBuffer staged_pairs_, staged_sums_;
   /// Every layer's router runs on its GEMM in prefill (router_gemm_supported; decided once, at
   /// construction, for prefill_rows_keep_bits).
   bool routers_on_gemm_ = false;

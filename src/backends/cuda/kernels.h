@@ -166,6 +166,28 @@ void launch_add_rmsnorm_gemv(const FusedNorm& norm, const __nv_bfloat16* x, cons
                              __nv_bfloat16* y_bf16, float* y_f32, cudaStream_t stream,
                              const FusedConv& conv = FusedConv{});
 
+/// One row already normed and staged for the tensor-core GEMVs, as stage_mma_rows leaves it in
+/// shared memory: the bf16 pairs in fragment order (uint32 [cols / 2], fragment_pair_column) and
+/// each 64-group's sum in group_sum_x's order (fp32 [cols / 64]); both 16-byte aligned. The
+/// fused MoE block writes one for the next layer's input norm (MoeNextNorm).
+struct StagedRow {
+  uint32_t* pairs = nullptr;
+  float* sums = nullptr;
+};
+
+/// Whether launch_staged_row_gemv takes w (the streaming GEMV's staged mode: 4-bit, cols a
+/// multiple of 512, 16-byte aligned arrays, one stage within the shared memory). Host only.
+bool staged_row_gemv_supported(const DeviceQuant& w);
+
+/// launch_add_rmsnorm_gemv with the normed row taken from `row` (one bulk copy into each
+/// block's shared memory) instead of formed by every block: y = W·row with the same bits as
+/// launch_add_rmsnorm_gemv gives for the norm that staged `row`; the optional conv as there. The
+/// norm's x_out and normed_out are whatever wrote `row` wrote. Throws lily::InternalError when
+/// staged_row_gemv_supported(w) is false, `row` has a null or unaligned array, or the outputs
+/// or conv are bad (as launch_add_rmsnorm_gemv).
+void launch_staged_row_gemv(const StagedRow& row, const DeviceQuant& w, __nv_bfloat16* y_bf16, float* y_f32,
+                            cudaStream_t stream, const FusedConv& conv = FusedConv{});
+
 /// Router GEMV fused with routing, for decode (at batch 1 the stand-alone top-k is pure launch latency): one
 /// launch computes logits[t] = W x[t] (fp32, exactly launch_quant_gemv's per-row arithmetic; W the
 /// 4/8-bit [n_experts + 1, cols] router ‖ shared-expert-gate matrix) and, in the last block to
@@ -360,6 +382,20 @@ struct MoeOutProjection {
   __nv_bfloat16* y = nullptr;       ///< bf16 [hidden]: the result; must be MoeDecodeArgs::norm.branch
 };
 
+/// The next layer's input add + RMSNorm (or the final norm) as the one-token MoE block's last
+/// phase: the block that finishes last forms h = bf16(norm.x_out + out) and y = the norm of h
+/// with `gain` (stage_norm_row's arithmetic, the bits launch_add_rmsnorm_gemv's staging gives),
+/// stores h to x_out and y to normed_out, and leaves y staged in `row` for
+/// launch_staged_row_gemv, so that the next GEMV's blocks copy the row instead of each forming
+/// it. Off (row.pairs null) by default.
+struct MoeNextNorm {
+  const float* gain = nullptr;          ///< fp32 [hidden]
+  float eps = 1e-6f;
+  __nv_bfloat16* x_out = nullptr;       ///< bf16 [hidden]: h (the residual for the layer after)
+  __nv_bfloat16* normed_out = nullptr;  ///< bf16 [hidden]: y
+  StagedRow row;                        ///< y staged; pairs null: no phase
+};
+
 /// Everything the fused decode MoE block (launch_moe_block_decode) reads and writes, for the
 /// `rows` tokens of one decode step (1 … kMaxMoeRows, one per sequence). Weights as for
 /// launch_add_rmsnorm_router_fused, launch_expert_gate_up and launch_expert_down_combine (the
@@ -384,11 +420,15 @@ struct MoeDecodeArgs {
   /// its norm and its gate/up phase; unused by the one-token block.
   float* normed_sums = nullptr;
   __nv_bfloat16* out = nullptr;        ///< bf16 [rows, hidden]: the MoE output
-  /// uint32 [2] (with out_proj: [3]), zero before every launch (a memset in the graph).
+  /// uint32 [2] (with out_proj: [3]; with next_norm: [4]), zero before every launch (a memset in
+  /// the graph).
   uint32_t* barriers = nullptr;
   /// The mixer's out-projection as the one-token block's first phase (rows = 1 only; the rows
   /// kernel refuses it). Off (w.codes null) by default: norm.branch is then an input.
   MoeOutProjection out_proj;
+  /// The next norm as the one-token block's last phase (rows = 1 only; the rows kernel refuses
+  /// it). Off (row.pairs null) by default.
+  MoeNextNorm next_norm;
   /// Diagnostics, null in production: per block, %globaltimer (ns) at each of the
   /// kMoeTracePoints phase ends (entry, PDL wait, norm, router (the rows kernel: both its norm
   /// and router units, stamped twice), barrier 1, routing, requests, gate/up + SwiGLU, (same),

@@ -17,6 +17,9 @@
 //     its down tiles at once;
 //  3. gate/up on tensor cores (quant_mma.cuh), SwiGLU, act to global memory, grid barrier 2;
 //  4. down + combine from tiles that arrived during steps 2 and 3.
+// Optionally (MoeDecodeArgs::next_norm) the block that finishes last forms the next layer's
+// input norm and leaves it staged for the next GEMV (launch_staged_row_gemv), so that its 500-odd
+// blocks copy the row instead of each forming it.
 // Optionally (MoeDecodeArgs::out_proj, the kOutProj instances) the block first runs the mixer's
 // out-projection, whose output is the norm's branch: each block's 16-row tile of it is requested
 // before the PDL wait (the router rows then only go to L2, so that they hold no registers through
@@ -226,6 +229,41 @@ __device__ __forceinline__ void out_projection_phase(const MoeOutProjection& op,
   }
 }
 
+/// Step 5 (MoeDecodeArgs::next_norm): each block counts itself done on barriers[3] once its
+/// outputs are stored (release: a fence, then the count); the block whose count is the grid's
+/// last (acquire: a fence after it) then holds every row of `out` and norm.x_out in memory and
+/// forms the next norm of h = bf16(norm.x_out + out) with stage_norm_row's arithmetic on the
+/// 256-thread element mapping (the bits the next GEMV's own staging would give), both read
+/// through L2; it stores h and y (x_out, normed_out) and y staged (MoeNextNorm::row: the pairs in
+/// fragment order, the group sums). All threads of the block; the other blocks return at once.
+__device__ __forceinline__ void next_norm_phase(const MoeDecodeArgs& a, const MoeLayout& l, unsigned char* sm) {
+  __shared__ bool last;
+  __syncthreads();  // this block's stores of out are issued
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(a.barriers + 3, 1u) == gridDim.x - 1;
+    if (last) __threadfence();
+  }
+  __syncthreads();
+  if (!last) return;
+  const MoeNextNorm& nn = a.next_norm;
+  FusedNorm norm;
+  norm.branch = a.out;
+  norm.gain = nn.gain;
+  norm.eps = nn.eps;
+  norm.x_out = nn.x_out;
+  norm.normed_out = nn.normed_out;
+  float* xs = reinterpret_cast<float*>(sm + l.xs);  // free since the block's own norm was staged
+  float* xsum = xs + l.groups_h * kGroupStride;
+  stage_norm_row<true, true>(a.norm.x_out, norm, l.hidden, true, xs, xsum, kNormThreads);
+  for (int i = threadIdx.x; i < l.hidden / 2; i += blockDim.x) {
+    const int c = fragment_pair_column(i);
+    const float* xg = xs + (c / kGroup) * kGroupStride + c % kGroup;
+    nn.row.pairs[i] = pack_bf16x2(xg[0], xg[4]);
+  }
+  for (int G = threadIdx.x; G < l.groups_h; G += blockDim.x) nn.row.sums[G] = xsum[G];
+}
+
 /// The kernels' body: grid blocks ≤ one per SM (all resident), block kBlockThreads. See the
 /// file comment. kOutProj: with the out-projection phase (l.op_cols > 0); the router rows then
 /// go to L2 before the wait and into registers after the phase, so that they hold no registers
@@ -385,6 +423,7 @@ __device__ __forceinline__ void moe_block_body(const MoeDecodeArgs& a, const Moe
     __syncthreads();  // dn_part is reused by the next row tile
   }
   trace_point(a, 11);
+  if (a.next_norm.row.pairs) next_norm_phase(a, l, sm);
 }
 
 /// The one-token block (moe_block_body without the out-projection phase).
@@ -479,6 +518,15 @@ void check_buffers(const MoeDecodeArgs& a, const char* what) {
     throw ::lily::InternalError(std::string(what) + ": logits, ids, weights, act, out and barriers are required");
   if (a.out == a.x || a.out == a.norm.branch || a.out == a.norm.x_out || a.out == a.norm.normed_out || a.norm.x_out == a.x)
     throw ::lily::InternalError(std::string(what) + ": out and x_out must not alias the norm's inputs");
+  const MoeNextNorm& nn = a.next_norm;
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (nn.row.pairs && (!nn.row.sums || !nn.gain || !nn.x_out || !nn.normed_out || !aligned(nn.row.pairs) ||
+                       !aligned(nn.row.sums) || nn.x_out == a.out || nn.x_out == a.norm.x_out ||
+                       nn.normed_out == a.out || nn.normed_out == a.norm.x_out || nn.normed_out == nn.x_out ||
+                       nn.x_out == a.norm.normed_out))
+    throw ::lily::InternalError(std::string(what) + ": the next norm needs a gain, x_out, normed_out and an aligned "
+                                "staged row, its outputs aliasing neither out, nor norm.x_out, nor each other, nor "
+                                "the block's own normed_out (x_out)");
   if (a.out_proj.w.codes && (!a.out_proj.x || !a.out_proj.y || a.out_proj.y != a.norm.branch ||
                              a.out_proj.x == a.out_proj.y || a.out_proj.y == a.x || a.out_proj.y == a.out))
     throw ::lily::InternalError(std::string(what) + ": the out-projection needs an input and an output that is the "

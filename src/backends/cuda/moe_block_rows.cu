@@ -695,6 +695,7 @@ MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   const int hidden = a.gate.cols, ffn = a.ffn, E = a.n_experts, k = a.top_k;
   const std::string rows_problem =
       a.out_proj.w.codes ? "the out-projection phase (MoeDecodeArgs::out_proj) is the one-token block's"
+      : a.next_norm.row.pairs ? "the next-norm phase (MoeDecodeArgs::next_norm) is the one-token block's"
       : a.rows >= 1 && a.rows <= kMaxMoeRows ? ""
                                              : std::to_string(a.rows) + " rows (1 … " + std::to_string(kMaxMoeRows) + " supported)";
   MoePlan<MoeLayout> p = start_plan<MoeLayout>(kLabel, a, rows_problem, max_blocks);

@@ -93,14 +93,14 @@ __device__ __forceinline__ float load_branch(const bf16* branch, int c) {
 
 /// Loads this thread's elements of row x (i: its index among `stride` threads; inactive: none)
 /// into r and returns its Σh² in element order. Every load is issued before any is used.
-/// kL2Branch: the branch is read through L2 (load_branch).
-template <bool kL2Branch = false>
+/// kL2Branch: the branch is read through L2 (load_branch); kL2X: x too.
+template <bool kL2Branch = false, bool kL2X = false>
 __device__ __forceinline__ float norm_row_load(const bf16* __restrict__ x, const bf16* branch, const float* gain,
                                                int cols, int i, int stride, bool active, NormRowRegs& r) {
 #pragma unroll
   for (int u = 0; u < kStageBatch; ++u) {
     const int c = active ? i + u * stride : cols;
-    const float v = c < cols ? to_f32(x[c]) : 0.0f;
+    const float v = c < cols ? (kL2X ? to_f32(__ldcg(x + c)) : to_f32(x[c])) : 0.0f;
     const float b = (c < cols && branch) ? load_branch<kL2Branch>(branch, c) : 0.0f;
     r.gain[u] = c < cols ? gain[c] : 0.0f;
     r.h[u] = branch ? round_bf16(v + b) : v;
@@ -140,10 +140,10 @@ __device__ __forceinline__ void norm_row_store(const NormRowRegs& r, float sum_s
 /// All threads of the block; ends with __syncthreads(). `threads` (≤ blockDim.x, a multiple of
 /// 32; 0 = blockDim.x) is how many threads hold elements: a larger block with threads = 256 gives
 /// the same values as a 256-thread block (the other warps add zeros to the block sum).
-/// kL2Branch: norm.branch is read through L2 (written in this launch, behind a grid barrier).
-/// stamp (diagnostics, null in production): thread 0 writes %globaltimer there once it holds
-/// its elements of the row (the one-batch path only).
-template <bool kL2Branch = false>
+/// kL2Branch: norm.branch is read through L2 (written in this launch, behind a grid barrier);
+/// kL2X: x too. stamp (diagnostics, null in production): thread 0 writes %globaltimer there once
+/// it holds its elements of the row (the one-batch path only).
+template <bool kL2Branch = false, bool kL2X = false>
 __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const FusedNorm& norm, int cols,
                                                bool store, float* xs, float* xsum, int threads = 0,
                                                uint64_t* stamp = nullptr) {
@@ -154,7 +154,7 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
   if (cols <= kStageBatch * stride) {  // one batch: every load in flight at once
     NormRowRegs regs;
     const int i = threadIdx.x;
-    ss = norm_row_load<kL2Branch>(x, norm.branch, norm.gain, cols, i, stride, holds, regs);
+    ss = norm_row_load<kL2Branch, kL2X>(x, norm.branch, norm.gain, cols, i, stride, holds, regs);
     if (stamp && threadIdx.x == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(*stamp) : "f"(ss));
     norm_row_store(regs, block_sum(ss, scratch), norm.eps, cols, i, stride, holds, xs, store ? norm.x_out : nullptr,
                    norm.normed_out);
@@ -167,7 +167,7 @@ __device__ __forceinline__ void stage_norm_row(const bf16* __restrict__ x, const
 #pragma unroll
     for (int i = 0; i < kStageBatch; ++i) {
       const int c = c0 + i * stride;
-      v[i] = c < cols ? to_f32(x[c]) : 0.0f;
+      v[i] = c < cols ? (kL2X ? to_f32(__ldcg(x + c)) : to_f32(x[c])) : 0.0f;
       b[i] = (c < cols && norm.branch) ? load_branch<kL2Branch>(norm.branch, c) : 0.0f;
     }
 #pragma unroll

@@ -398,11 +398,13 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
 /// (stage_rows_fragments), all threads loading at once. direct and rows: the rows are kBlocks
 /// column blocks of eight that share each weight fragment. kCounter: the tiles past each block's
 /// first stages come from the tile counter (g_stream_tile_counter), each stage's tile index in
-/// shared memory; else block b runs tiles b, b + grid, … (the same bits either way).
+/// shared memory; else block b runs tiles b, b + grid, … (the same bits either way). row: with
+/// row.pairs (staged mode, m = 1, no norm) the staged row comes by bulk copy from global memory
+/// (launch_staged_row_gemv) instead of from stage_mma_rows.
 template <class OutT, StreamMode kMode, int kBlocks, bool kCounter>
 __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMode, kBlocks))
     quant_stream_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x, int m, OutT* __restrict__ y, FusedNorm norm,
-                             FusedConv conv, int stages, int early_stages, int pad, uint64_t* trace) {
+                             FusedConv conv, int stages, int early_stages, int pad, StagedRow row, uint64_t* trace) {
   constexpr bool kDirect = kMode == StreamMode::direct;
   static_assert(kMode != StreamMode::staged || kBlocks == 1, "the staged mode takes one column block");
   extern __shared__ __align__(16) unsigned char sm[];
@@ -411,6 +413,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   uint64_t* full = reinterpret_cast<uint64_t*>(sm);
   uint64_t* ready = full + kStreamMaxStages;
   uint64_t* freed = ready + 2;
+  uint64_t* row_full = freed + 2;  // the staged row's copy (row.pairs non-null)
   int* stage_tile = reinterpret_cast<int*>(sm + l.tile_ids);  // kCounter only
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
   const int64_t tiles = ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows));
@@ -426,6 +429,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
       mbarrier_init(ready + p, kStreamWarps - 1);
       mbarrier_init(freed + p, 1);
     }
+    mbarrier_init(row_full, 1);
     mbarrier_init_fence();
   }
   __syncthreads();
@@ -468,6 +472,16 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
     stream_direct_group_sums(x, cols, m, g_begin, g_end, xsum);
   } else if constexpr (kMode == StreamMode::rows) {
     stage_rows_fragments(x, m, cols, xperm, xsum);
+  } else if (row.pairs) {
+    // The row staged once by the kernel before (launch_staged_row_gemv): two bulk copies, the
+    // bytes stage_mma_rows would have left here.
+    if (threadIdx.x == 0) {
+      const uint32_t pair_bytes = static_cast<uint32_t>(cols) * 2, sum_bytes = static_cast<uint32_t>(groups) * 4;
+      mbarrier_arrive_expect_tx(row_full, pair_bytes + sum_bytes);
+      bulk_copy_to_shared(xperm, row.pairs, pair_bytes, row_full);
+      bulk_copy_to_shared(xsum, row.sums, sum_bytes, row_full);
+    }
+    mbarrier_wait(row_full, 0);
   } else {
     stage_mma_rows(x, m, cols, norm, scratch, scratch + groups * kGroupStride, xsum, xperm, trace);
   }
@@ -585,7 +599,8 @@ StreamPlan stream_gemv_plan(const DeviceQuant& w, int m, StreamMode mode = Strea
 
 template <class OutT>
 void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, const StreamPlan& plan,
-                          cudaStream_t stream, const FusedNorm& norm, const FusedConv& conv) {
+                          cudaStream_t stream, const FusedNorm& norm, const FusedConv& conv,
+                          const StagedRow& row = StagedRow{}) {
   auto launch = [&](auto kernel) {
     raise_smem_limit(kernel, plan.smem);
     uint64_t* trace = g_stream_trace;
@@ -601,7 +616,7 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
     const bool request_late =
         late == StreamLateRequests::all || (late == StreamLateRequests::staged && plan.mode == StreamMode::staged);
     launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,
-               request_late ? 0 : plan.stages, plan.pad, trace);
+               request_late ? 0 : plan.stages, plan.pad, row, trace);
   };
   // The direct and rows modes' instances, one per column-block count.
   auto launch_blocks = [&](auto mode) {
@@ -822,6 +837,32 @@ void launch_add_rmsnorm_gemv(const FusedNorm& norm, const bf16* x, const DeviceQ
     if (y_f32) gemv_dispatch<8>(w, x, 1, y_f32, stream, norm, conv);
     else gemv_dispatch<8>(w, x, 1, y_bf16, stream, norm, conv);
   }
+}
+
+bool staged_row_gemv_supported(const DeviceQuant& w) {
+  return w.codes && w.bits == 4 && stream_gemv_plan(w, 1, StreamMode::staged).stages > 0;
+}
+
+void launch_staged_row_gemv(const StagedRow& row, const DeviceQuant& w, bf16* y_bf16, float* y_f32, cudaStream_t stream,
+                            const FusedConv& conv) {
+  check_quant(w, "staged_row_gemv");
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (!row.pairs || !row.sums || !aligned(row.pairs) || !aligned(row.sums))
+    throw ::lily::InternalError("launch_staged_row_gemv: the staged row needs 16-byte aligned pairs and sums");
+  if ((y_bf16 == nullptr) == (y_f32 == nullptr))
+    throw ::lily::InternalError("launch_staged_row_gemv: exactly one output required");
+  if (conv.channels != 0 &&
+      (conv.channels < 0 || conv.channels > w.rows || !conv.taps || !conv.window || !conv.out || !y_bf16 ||
+       conv.out == y_bf16))
+    throw ::lily::InternalError("launch_staged_row_gemv: bad FusedConv (channels " + std::to_string(conv.channels) +
+                                ", rows " + std::to_string(w.rows) + "; needs taps, window, out ≠ y, bf16 output)");
+  const StreamPlan plan = stream_gemv_plan(w, 1, StreamMode::staged);
+  if (w.bits != 4 || plan.stages == 0)
+    throw ::lily::InternalError("launch_staged_row_gemv: the streaming GEMV does not take this matrix (" +
+                                std::to_string(w.rows) + " × " + std::to_string(w.cols) + ", " +
+                                std::to_string(w.bits) + "-bit)");
+  if (y_f32) stream_gemv_dispatch(w, nullptr, 1, y_f32, plan, stream, FusedNorm{}, conv, row);
+  else stream_gemv_dispatch(w, nullptr, 1, y_bf16, plan, stream, FusedNorm{}, conv, row);
 }
 
 void launch_embed(const DeviceQuant& table, const int32_t* tokens, int m, bf16* out, cudaStream_t stream) {
