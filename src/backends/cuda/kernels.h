@@ -468,8 +468,10 @@ std::string moe_block_unsupported(const MoeDecodeArgs& args, int max_blocks = 0)
 /// rounding of them). One block per SM; two grid-wide barriers on `barriers` (after the router
 /// logits, after act). The expert weights travel by bulk copies into shared memory: the shared
 /// expert's before the PDL wait, the routed ones as soon as the routing is known, the down
-/// projection's during the gate/up phase. Throws lily::Error with moe_block_unsupported's
-/// reason, lily::InternalError for bad buffers.
+/// projection's during the gate/up phase. With args.out_proj the mixer's out-projection runs
+/// first (a third barrier); with args.next_norm the block that finishes last forms the next
+/// norm (a fourth counter). Throws lily::Error with moe_block_unsupported's reason,
+/// lily::InternalError for bad buffers.
 void launch_moe_block_decode(const MoeDecodeArgs& args, cudaStream_t stream, int max_blocks = 0);
 
 /// Why launch_moe_block_rows cannot run `args` ("" when it can): as moe_block_unsupported, with
