@@ -929,11 +929,12 @@ void check_fused_vs_separate(std::shared_ptr<const ModelWeights> w) {
   check_decode_settings(w, {"fused-moe=1"}, {"fused-moe=0"}, 0.999, "fused MoE block vs three MoE kernels");
 }
 
-/// The out-projection inside the fused MoE block (moe-out-proj=1) against the separate GEMV:
-/// the same arithmetic, so every decode step's logits are bit-identical (asserted). The backend
-/// says in its log whether it took the phase (`taken`: "inside the fused MoE block") or kept
-/// the GEMVs because a layer's shape is refused; that is asserted too.
-void check_moe_out_proj_bits(std::shared_ptr<const ModelWeights> w, bool taken) {
+/// A setting that must not change the bits (`on`, e.g. "moe-out-proj=1") against its default
+/// (`off`): every decode step's logits bit-identical (asserted), and the backend's log, captured
+/// while it is created with `on`, contains `said` (that it took the setting, or why it kept the
+/// default for a shape it refuses).
+void check_setting_keeps_bits(std::shared_ptr<const ModelWeights> w, const char* on_setting, const char* off_setting,
+                              const char* said) {
   auto make = [&](const char* assignment) {
     CudaOptions options = CudaOptions::from_env();
     options.set(assignment);
@@ -942,17 +943,23 @@ void check_moe_out_proj_bits(std::shared_ptr<const ModelWeights> w, bool taken) 
   const LogLevel level = log_level();
   set_log_level(LogLevel::kInfo);
   testing::internal::CaptureStderr();
-  auto on = make("moe-out-proj=1");
+  auto on = make(on_setting);
   const std::string log = testing::internal::GetCapturedStderr();
   set_log_level(level);
-  EXPECT_NE(log.find(taken ? "out-projections inside the fused MoE block" : "out-projections as separate GEMVs"),
-            std::string::npos)
-      << log;
-  auto off = make("moe-out-proj=0");
+  EXPECT_NE(log.find(said), std::string::npos) << log;
+  auto off = make(off_setting);
   const auto prompt = hash_prompt(40, w->config.vocab, 13);
   const auto lon = decode_logits(*on, prompt, 8), loff = decode_logits(*off, prompt, 8);
   ASSERT_EQ(lon.size(), loff.size());
-  for (size_t i = 0; i < lon.size(); ++i) EXPECT_TRUE(lon[i] == loff[i]) << "decode step " << i << " differs";
+  for (size_t i = 0; i < lon.size(); ++i) EXPECT_TRUE(lon[i] == loff[i]) << on_setting << ": decode step " << i << " differs";
+}
+
+/// The out-projection inside the fused MoE block (moe-out-proj=1) against the separate GEMV:
+/// the same arithmetic, so the same bits; `taken`: the backend takes the phase ("inside the
+/// fused MoE block"), else it keeps the GEMVs because a layer's shape is refused.
+void check_moe_out_proj_bits(std::shared_ptr<const ModelWeights> w, bool taken) {
+  check_setting_keeps_bits(w, "moe-out-proj=1", "moe-out-proj=0",
+                           taken ? "out-projections inside the fused MoE block" : "out-projections as separate GEMVs");
 }
 
 TEST_F(CudaE2e, MoeOutProjectionKeepsTheDecodeBits) {
@@ -964,29 +971,10 @@ TEST_F(CudaE2e, MoeOutProjectionKeepsTheDecodeBits) {
 }
 
 /// The next input norm staged by the fused MoE block (moe-next-norm=1) against each GEMV
-/// forming it: the same arithmetic, so every decode step's logits are bit-identical (asserted),
-/// and the backend's log says whether it took the phase (`taken`) or kept the norms in the
-/// GEMVs because a shape is refused.
+/// forming it: the same arithmetic, so the same bits; `taken` as check_moe_out_proj_bits'.
 void check_moe_next_norm_bits(std::shared_ptr<const ModelWeights> w, bool taken) {
-  auto make = [&](const char* assignment) {
-    CudaOptions options = CudaOptions::from_env();
-    options.set(assignment);
-    return make_cuda_backend(w, options);
-  };
-  const LogLevel level = log_level();
-  set_log_level(LogLevel::kInfo);
-  testing::internal::CaptureStderr();
-  auto on = make("moe-next-norm=1");
-  const std::string log = testing::internal::GetCapturedStderr();
-  set_log_level(level);
-  EXPECT_NE(log.find(taken ? "input norms staged once by the fused MoE block" : "input norms inside the GEMVs"),
-            std::string::npos)
-      << log;
-  auto off = make("moe-next-norm=0");
-  const auto prompt = hash_prompt(40, w->config.vocab, 13);
-  const auto lon = decode_logits(*on, prompt, 8), loff = decode_logits(*off, prompt, 8);
-  ASSERT_EQ(lon.size(), loff.size());
-  for (size_t i = 0; i < lon.size(); ++i) EXPECT_TRUE(lon[i] == loff[i]) << "decode step " << i << " differs";
+  check_setting_keeps_bits(w, "moe-next-norm=1", "moe-next-norm=0",
+                           taken ? "input norms staged once by the fused MoE block" : "input norms inside the GEMVs");
 }
 
 TEST_F(CudaE2e, MoeNextNormKeepsTheDecodeBits) {

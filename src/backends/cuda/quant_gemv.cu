@@ -819,17 +819,28 @@ void launch_quant_gemv_rows(const DeviceQuant& w, const bf16* x, int m, bf16* y_
   else gemv_rows_dispatch(w, x, m, y_bf16, stream);
 }
 
+namespace {
+
+/// The output checks of the GEMVs with a fused norm (`what`: the launcher): exactly one output,
+/// and a FusedConv with its buffers, at most w.rows channels, a bf16 output it does not alias.
+/// Throws lily::InternalError.
+void check_norm_gemv_outputs(const DeviceQuant& w, const bf16* y_bf16, const float* y_f32, const FusedConv& conv,
+                             const char* what) {
+  if ((y_bf16 == nullptr) == (y_f32 == nullptr)) throw ::lily::InternalError(std::string(what) + ": exactly one output required");
+  if (conv.channels != 0 &&
+      (conv.channels < 0 || conv.channels > w.rows || !conv.taps || !conv.window || !conv.out || !y_bf16 ||
+       conv.out == y_bf16))
+    throw ::lily::InternalError(std::string(what) + ": bad FusedConv (channels " + std::to_string(conv.channels) +
+                                ", rows " + std::to_string(w.rows) + "; needs taps, window, out ≠ y, bf16 output)");
+}
+
+}  // namespace
+
 void launch_add_rmsnorm_gemv(const FusedNorm& norm, const bf16* x, const DeviceQuant& w, bf16* y_bf16, float* y_f32,
                              cudaStream_t stream, const FusedConv& conv) {
   check_quant(w, "quant_gemv");
   check_fused_norm(norm, x, "launch_add_rmsnorm_gemv");
-  if ((y_bf16 == nullptr) == (y_f32 == nullptr))
-    throw ::lily::InternalError("launch_add_rmsnorm_gemv: exactly one output required");
-  if (conv.channels != 0 &&
-      (conv.channels < 0 || conv.channels > w.rows || !conv.taps || !conv.window || !conv.out || !y_bf16 ||
-       conv.out == y_bf16))
-    throw ::lily::InternalError("launch_add_rmsnorm_gemv: bad FusedConv (channels " + std::to_string(conv.channels) +
-                                ", rows " + std::to_string(w.rows) + "; needs taps, window, out ≠ y, bf16 output)");
+  check_norm_gemv_outputs(w, y_bf16, y_f32, conv, "launch_add_rmsnorm_gemv");
   if (w.bits == 4) {
     if (y_f32) gemv_dispatch<4>(w, x, 1, y_f32, stream, norm, conv);
     else gemv_dispatch<4>(w, x, 1, y_bf16, stream, norm, conv);
@@ -849,13 +860,7 @@ void launch_staged_row_gemv(const StagedRow& row, const DeviceQuant& w, bf16* y_
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (!row.pairs || !row.sums || !aligned(row.pairs) || !aligned(row.sums))
     throw ::lily::InternalError("launch_staged_row_gemv: the staged row needs 16-byte aligned pairs and sums");
-  if ((y_bf16 == nullptr) == (y_f32 == nullptr))
-    throw ::lily::InternalError("launch_staged_row_gemv: exactly one output required");
-  if (conv.channels != 0 &&
-      (conv.channels < 0 || conv.channels > w.rows || !conv.taps || !conv.window || !conv.out || !y_bf16 ||
-       conv.out == y_bf16))
-    throw ::lily::InternalError("launch_staged_row_gemv: bad FusedConv (channels " + std::to_string(conv.channels) +
-                                ", rows " + std::to_string(w.rows) + "; needs taps, window, out ≠ y, bf16 output)");
+  check_norm_gemv_outputs(w, y_bf16, y_f32, conv, "launch_staged_row_gemv");
   const StreamPlan plan = stream_gemv_plan(w, 1, StreamMode::staged);
   if (w.bits != 4 || plan.stages == 0)
     throw ::lily::InternalError("launch_staged_row_gemv: the streaming GEMV does not take this matrix (" +
