@@ -247,20 +247,11 @@ __device__ __forceinline__ void next_norm_phase(const MoeDecodeArgs& a, const Mo
   __syncthreads();
   if (!last) return;
   const MoeNextNorm& nn = a.next_norm;
-  FusedNorm norm;
-  norm.branch = a.out;
-  norm.gain = nn.gain;
-  norm.eps = nn.eps;
-  norm.x_out = nn.x_out;
-  norm.normed_out = nn.normed_out;
+  const FusedNorm norm{a.out, nn.gain, nn.eps, nn.x_out, nn.normed_out};
   float* xs = reinterpret_cast<float*>(sm + l.xs);  // free since the block's own norm was staged
   float* xsum = xs + l.groups_h * kGroupStride;
   stage_norm_row<true, true>(a.norm.x_out, norm, l.hidden, true, xs, xsum, kNormThreads);
-  for (int i = threadIdx.x; i < l.hidden / 2; i += blockDim.x) {
-    const int c = fragment_pair_column(i);
-    const float* xg = xs + (c / kGroup) * kGroupStride + c % kGroup;
-    nn.row.pairs[i] = pack_bf16x2(xg[0], xg[4]);
-  }
+  pack_fragment_pairs(xs, l.hidden, nn.row.pairs);
   for (int G = threadIdx.x; G < l.groups_h; G += blockDim.x) nn.row.sums[G] = xsum[G];
 }
 
@@ -329,11 +320,7 @@ __device__ __forceinline__ void moe_block_body(const MoeDecodeArgs& a, const Moe
   }
   trace_point(a, 2);
   uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);
-  for (int i = threadIdx.x; i < l.hidden / 2; i += blockDim.x) {
-    const int c = fragment_pair_column(i);
-    const float* xg = xs + (c / kGroup) * kGroupStride + c % kGroup;
-    xperm[i] = pack_bf16x2(xg[0], xg[4]);
-  }
+  pack_fragment_pairs(xs, l.hidden, xperm);
   router.compute(a.router, xs, xsum, a.logits, !kOutProj);
   trace_point(a, 3);
   grid_sync(a.barriers, G);

@@ -273,11 +273,7 @@ __device__ __forceinline__ void stage_mma_rows(const bf16* __restrict__ x, int m
     } else {
       stage_row(x + static_cast<int64_t>(n) * cols, cols, xs, xsum_row);
     }
-    for (int i = threadIdx.x; i < cols / 2; i += blockDim.x) {
-      const int c = fragment_pair_column(i);
-      const float* xg = xs + (c / kGroup) * kGroupStride + c % kGroup;
-      xperm[static_cast<int64_t>(n) * cols / 2 + i] = pack_bf16x2(xg[0], xg[4]);
-    }
+    pack_fragment_pairs(xs, cols, xperm + static_cast<int64_t>(n) * cols / 2);
     for (int G = threadIdx.x; G < groups; G += blockDim.x) xsum[n * groups + G] = xsum_row[G];
     __syncthreads();
   }
@@ -429,7 +425,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
       mbarrier_init(ready + p, kStreamWarps - 1);
       mbarrier_init(freed + p, 1);
     }
-    mbarrier_init(row_full, 1);
+    if (row.pairs) mbarrier_init(row_full, 1);
     mbarrier_init_fence();
   }
   __syncthreads();

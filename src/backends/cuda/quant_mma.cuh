@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "backends/cuda/mma.cuh"
+#include "backends/cuda/quant_dot.cuh"
 #include "model/config.h"
 
 namespace lily::cuda {
@@ -121,6 +122,17 @@ __device__ __forceinline__ void group_mma_8bit(const uint4& lo, const uint4& hi,
 __host__ __device__ inline int fragment_pair_column(int i) {
   const int G = i / 32, tt = (i % 32) / 8, h = (i % 8) / 4, s = i % 4;
   return G * kQuantGroupSize + 16 * tt + 8 * h + s;
+}
+
+/// The fragment-order bf16 pairs of one staged row (xs: fp32, group g at xs[g·kGroupStride], as
+/// stage_row and stage_norm_row leave it): pairs[i] = (column c, column c + 4) with c =
+/// fragment_pair_column(i), for i < cols / 2. The block's threads stride over i; no barrier.
+__device__ __forceinline__ void pack_fragment_pairs(const float* xs, int cols, uint32_t* pairs) {
+  for (int i = threadIdx.x; i < cols / 2; i += blockDim.x) {
+    const int c = fragment_pair_column(i);
+    const float* xg = xs + (c / kGroup) * kGroupStride + c % kGroup;
+    pairs[i] = pack_bf16x2(xg[0], xg[4]);
+  }
 }
 
 /// Eight bf16 columns c0 … c0 + 7 (c0 a multiple of 8, as loaded: 16 bytes) in fragment order:
