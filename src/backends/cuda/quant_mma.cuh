@@ -25,17 +25,22 @@
 
 namespace lily::cuda {
 
+/// (128 + nibble 0, 128 + nibble 4) of `w` (the low four bits of each half) as exact bf16 values:
+/// nibble_pair_bf16 without the subtraction (the caller folds 128 into the bias:
+/// s·Σ(q + 128)·x + (b − 128·s)·Σx). One LOP3 computes (w & mask) | exponent: 0xEA is the truth
+/// table of (a & b) | c; the compiler otherwise emits an AND and an OR.
+__device__ __forceinline__ uint32_t nibble_pair_bf16_plus128(uint32_t w) {
+  uint32_t v;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(v) : "r"(w), "n"(0x000F000F), "n"(0x43004300));
+  return v;
+}
+
 /// Pair (nibble 0, nibble 4) of `w` (the low four bits of each half) as exact bf16 values.
 __device__ __forceinline__ uint32_t nibble_pair_bf16(uint32_t w) {
-  const uint32_t v = (w & 0x000F000Fu) | 0x43004300u;  // bf16 128 + q in each half
+  const uint32_t v = nibble_pair_bf16_plus128(w);  // bf16 128 + q in each half
   const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(128.0f, 128.0f));
   return *reinterpret_cast<const uint32_t*>(&r);
 }
-
-/// (128 + nibble 0, 128 + nibble 4) of `w` (the low four bits of each half) as exact bf16 values:
-/// nibble_pair_bf16 without the subtraction (the caller folds 128 into the bias:
-/// s·Σ(q + 128)·x + (b − 128·s)·Σx).
-__device__ __forceinline__ uint32_t nibble_pair_bf16_plus128(uint32_t w) { return (w & 0x000F000Fu) | 0x43004300u; }
 
 /// D = Σ q·x (kPlus128: Σ (q + 128)·x) of one 64-group for a 16-row × 8-token tile: `lo` / `hi`
 /// the thread's code words of rows g and g+8, bw0 / bw1 its staged bf16 activation pairs (file
