@@ -311,16 +311,15 @@ __device__ __forceinline__ void moe_block_body(const MoeDecodeArgs& a, const Moe
   // share of the router logits; then every block routes the token.
   float* xs = reinterpret_cast<float*>(sm + l.xs);
   float* xsum = xs + l.groups_h * kGroupStride;
+  uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);
   if constexpr (kOutProj) {
     out_projection_phase(a.out_proj, l, sm, op_full, my_op);
     grid_sync(a.barriers + 2, G);
-    stage_norm_row<true>(a.x, a.norm, l.hidden, b == 0, xs, xsum, kNormThreads);  // y from other blocks: via L2
+    stage_norm_fragments<true>(a.x, a.norm, l.hidden, b == 0, xs, xsum, xperm, kNormThreads);  // y from other blocks: via L2
   } else {
-    stage_norm_row(a.x, a.norm, l.hidden, b == 0, xs, xsum, kNormThreads);
+    stage_norm_fragments(a.x, a.norm, l.hidden, b == 0, xs, xsum, xperm, kNormThreads);
   }
   trace_point(a, 2);
-  uint32_t* xperm = reinterpret_cast<uint32_t*>(sm + l.xperm);
-  pack_fragment_pairs(xs, l.hidden, xperm);
   router.compute(a.router, xs, xsum, a.logits, !kOutProj);
   trace_point(a, 3);
   grid_sync(a.barriers, G);

@@ -259,8 +259,10 @@ __device__ __forceinline__ void mma_load(const DeviceQuant& w, int64_t row_lo, i
 
 /// Stages the m activation rows (x [m, cols], or the add + RMSNorm of `norm` for m = 1) for the
 /// MMA kernels: xsum [m][groups] the per-group sums and xperm [m][cols / 2] the bf16 pairs in
-/// fragment order (file comment); xs / xsum_row are scratch (stage_row's layout). All threads of
-/// the block; ends with __syncthreads().
+/// fragment order (file comment); xs / xsum_row are scratch (stage_row's layout). kFixedNorm:
+/// the norm's row is kFixedNormCols on kFixedNormThreads threads (stage_norm_fragments_fixed,
+/// the same bits). All threads of the block; ends with __syncthreads().
+template <bool kFixedNorm = false>
 __device__ __forceinline__ void stage_mma_rows(const bf16* __restrict__ x, int m, int cols, const FusedNorm& norm,
                                                float* xs, float* xsum_row, float* xsum, uint32_t* xperm,
                                                uint64_t* trace = nullptr) {
@@ -268,11 +270,15 @@ __device__ __forceinline__ void stage_mma_rows(const bf16* __restrict__ x, int m
   for (int n = 0; n < m; ++n) {
     if (norm.gain) {
       uint64_t* row = trace ? trace + int64_t{blockIdx.x} * kStreamTracePoints : nullptr;
-      stage_norm_row(x, norm, cols, blockIdx.x == 0, xs, xsum_row, 0, row ? row + 7 : nullptr);
+      float* sums = xsum + n * groups;
+      uint32_t* pairs = xperm + static_cast<int64_t>(n) * cols / 2;
+      uint64_t* stamp = row ? row + 7 : nullptr;
+      if constexpr (kFixedNorm) stage_norm_fragments_fixed<kFixedNormThreads, false, false>(x, norm, blockIdx.x == 0, xs, sums, pairs, stamp);
+      else stage_norm_fragments_generic(x, norm, cols, blockIdx.x == 0, xs, sums, pairs, 0, stamp);
       stream_trace_point(trace, 8);
-    } else {
-      stage_row(x + static_cast<int64_t>(n) * cols, cols, xs, xsum_row);
+      continue;
     }
+    stage_row(x + static_cast<int64_t>(n) * cols, cols, xs, xsum_row);
     pack_fragment_pairs(xs, cols, xperm + static_cast<int64_t>(n) * cols / 2);
     for (int G = threadIdx.x; G < groups; G += blockDim.x) xsum[n * groups + G] = xsum_row[G];
     __syncthreads();
@@ -385,7 +391,8 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
 /// rows]; tiles of 16 rows strided over the grid, `stages` in flight per block, the first
 /// min(stages, early_stages) of them requested before the PDL wait and the others once the
 /// activations are staged (stream_gemv_late_requests); `pad` the chunk padding (kStreamChunkPad,
-/// or 0 for one unpadded copy). norm / conv as quant_gemv_kernel (m = 1). Requires cols % 512 == 0 and 16-byte aligned codes / scales / biases (stream_gemv_plan).
+/// or 0 for one unpadded copy). norm / conv as quant_gemv_kernel (m = 1). Requires cols % 512 ==
+/// 0 and 16-byte aligned codes / scales / biases (stream_gemv_plan).
 /// kMode (StreamMode): staged: m ≤ 8, the rows staged in shared memory (with the fused norm).
 /// direct (no norm, no conv): m ≤ 8·kBlocks, each warp reads its groups' fragments from x
 /// (stream_direct_fragments) and sums their Σx itself, so the first tile's MMAs wait for no
@@ -394,10 +401,11 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
 /// (stage_rows_fragments), all threads loading at once. direct and rows: the rows are kBlocks
 /// column blocks of eight that share each weight fragment. kCounter: the tiles past each block's
 /// first stages come from the tile counter (g_stream_tile_counter), each stage's tile index in
-/// shared memory; else block b runs tiles b, b + grid, … (the same bits either way). row: with
+/// shared memory; else block b runs tiles b, b + grid, … (the same bits either way). kFixedNorm:
+/// the staged mode's fused norm over kFixedNormCols columns (stage_norm_fragments_fixed). row: with
 /// row.pairs (staged mode, m = 1, no norm) the staged row comes by bulk copy from global memory
 /// (launch_staged_row_gemv) instead of from stage_mma_rows.
-template <class OutT, StreamMode kMode, int kBlocks, bool kCounter>
+template <class OutT, StreamMode kMode, int kBlocks, bool kCounter, bool kFixedNorm = false>
 __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMode, kBlocks))
     quant_stream_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x, int m, OutT* __restrict__ y, FusedNorm norm,
                              FusedConv conv, int stages, int early_stages, int pad, StagedRow row, uint64_t* trace) {
@@ -479,7 +487,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
     }
     mbarrier_wait(row_full, 0);
   } else {
-    stage_mma_rows(x, m, cols, norm, scratch, scratch + groups * kGroupStride, xsum, xperm, trace);
+    stage_mma_rows<kFixedNorm>(x, m, cols, norm, scratch, scratch + groups * kGroupStride, xsum, xperm, trace);
   }
   const float* xs0 = xsum + (2 * t) * groups;      // Σx of token 2t (read only when 2t < m)
   const float* xs1 = xsum + (2 * t + 1) * groups;  // token 2t + 1
@@ -626,6 +634,9 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
   };
   switch (plan.mode) {
     case StreamMode::staged:
+      if (norm.gain && m == 1 && w.cols == kFixedNormCols && kStreamThreads == kFixedNormThreads)
+        return plan.counter ? launch(quant_stream_gemv_kernel<OutT, StreamMode::staged, 1, true, true>)
+                            : launch(quant_stream_gemv_kernel<OutT, StreamMode::staged, 1, false, true>);
       return plan.counter ? launch(quant_stream_gemv_kernel<OutT, StreamMode::staged, 1, true>)
                           : launch(quant_stream_gemv_kernel<OutT, StreamMode::staged, 1, false>);
     case StreamMode::direct: return launch_blocks(std::integral_constant<StreamMode, StreamMode::direct>{});

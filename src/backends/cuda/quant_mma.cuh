@@ -140,6 +140,98 @@ __device__ __forceinline__ void pack_fragment_pairs(const float* xs, int cols, u
   }
 }
 
+/// The row shape stage_norm_fragments_fixed is instantiated for: the model's hidden size on
+/// 256 threads (launch_add_rmsnorm's element-to-thread mapping).
+constexpr int kFixedNormThreads = 256;
+constexpr int kFixedNormCols = kStageBatch * kFixedNormThreads;
+
+/// stage_norm_row for a row of exactly kStageBatch·kThreads columns held by threads 0 …
+/// kThreads − 1 (hidden 2048 on 256 threads), with the shape known at compile time: no bounds
+/// checks, constant staging addresses, and the group sums and fragment-order pairs formed in one
+/// pass (a warp per group) instead of stage_group_sums followed by pack_fragment_pairs. Every
+/// value is computed by the same expression in the same order as there (the same bits); the
+/// generic path spends about three times the instructions on the same work. Ends with
+/// __syncthreads().
+template <int kThreads, bool kL2Branch, bool kL2X>
+__device__ __forceinline__ void stage_norm_fragments_fixed(const bf16* __restrict__ x, const FusedNorm& norm, bool store,
+                                                           float* xs, float* xsum, uint32_t* pairs, uint64_t* stamp) {
+  constexpr int kCols = kStageBatch * kThreads;
+  static_assert(kThreads % kGroup == 0, "a thread's elements keep its column within the group");
+  __shared__ float scratch[32];
+  const int i = threadIdx.x;
+  const bool holds = i < kThreads;
+  NormRowRegs r;
+  float ss = 0.0f;
+  if (holds) {  // norm_row_load's loads and Σh², every load issued before any is used
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int c = i + u * kThreads;
+      const float v = kL2X ? to_f32(__ldcg(x + c)) : to_f32(x[c]);
+      const float b = norm.branch ? load_branch<kL2Branch>(norm.branch, c) : 0.0f;
+      r.gain[u] = norm.gain[c];
+      r.h[u] = norm.branch ? round_bf16(v + b) : v;
+    }
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) ss += r.h[u] * r.h[u];
+  }
+  if (stamp && i == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(*stamp) : "f"(ss));
+  const float total = block_sum(ss, scratch);
+  if (holds) {  // norm_row_store
+    const float rs = 1.0f / sqrtf(total / static_cast<float>(kCols) + norm.eps);
+    float* xi = xs + (i / kGroup) * kGroupStride + i % kGroup;
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const bf16 y = to_bf16(r.h[u] * rs * r.gain[u]);
+      xi[u * (kThreads / kGroup) * kGroupStride] = to_f32(y);
+      if (store) {
+        norm.x_out[i + u * kThreads] = to_bf16(r.h[u]);
+        norm.normed_out[i + u * kThreads] = y;
+      }
+    }
+  }
+  __syncthreads();
+  // Warp w: groups w, w + warps, …; lane l forms the group's sum (group_sum_x) and its pair
+  // 32·G + l (fragment_pair_column).
+  const int lane = i % kWarp, n_warps = static_cast<int>(blockDim.x) / kWarp;
+  const int pc = 16 * (lane / 8) + 8 * (lane % 8 / 4) + lane % 4;
+  for (int G = i / kWarp; G < kCols / kGroup; G += n_warps) {
+    const float* xg = xs + G * kGroupStride;
+    const float sum = group_sum_x(xg[lane], xg[lane + 32]);
+    if (lane == 0) xsum[G] = sum;
+    pairs[G * 32 + lane] = pack_bf16x2(xg[pc], xg[pc + 4]);
+  }
+  __syncthreads();
+}
+
+/// stage_norm_fragments for any row shape: stage_norm_row, then pack_fragment_pairs, then a
+/// barrier.
+template <bool kL2Branch = false, bool kL2X = false>
+__device__ __forceinline__ void stage_norm_fragments_generic(const bf16* __restrict__ x, const FusedNorm& norm, int cols,
+                                                             bool store, float* xs, float* xsum, uint32_t* pairs,
+                                                             int threads = 0, uint64_t* stamp = nullptr) {
+  stage_norm_row<kL2Branch, kL2X>(x, norm, cols, store, xs, xsum, threads, stamp);
+  pack_fragment_pairs(xs, cols, pairs);
+  __syncthreads();
+}
+
+/// stage_norm_row, then the row's fragment-order pairs (pack_fragment_pairs): xs (fp32, group
+/// g at xs[g·kGroupStride]), xsum [cols / 64] and pairs [cols / 2] in shared memory, the same
+/// bits on either path. `threads`, `store`, `stamp`, kL2Branch, kL2X as stage_norm_row. A row
+/// of kFixedNormCols on kFixedNormThreads takes stage_norm_fragments_fixed (a kernel that only
+/// ever sees that shape calls it directly: the two paths inlined together cost the streaming
+/// GEMV registers and spills). All threads of the block; ends with __syncthreads().
+template <bool kL2Branch = false, bool kL2X = false>
+__device__ __forceinline__ void stage_norm_fragments(const bf16* __restrict__ x, const FusedNorm& norm, int cols,
+                                                     bool store, float* xs, float* xsum, uint32_t* pairs,
+                                                     int threads = 0, uint64_t* stamp = nullptr) {
+  const int stride = threads > 0 ? threads : static_cast<int>(blockDim.x);
+  if (stride == kFixedNormThreads && cols == kFixedNormCols) {
+    stage_norm_fragments_fixed<kFixedNormThreads, kL2Branch, kL2X>(x, norm, store, xs, xsum, pairs, stamp);
+    return;
+  }
+  stage_norm_fragments_generic<kL2Branch, kL2X>(x, norm, cols, store, xs, xsum, pairs, threads, stamp);
+}
+
 /// Eight bf16 columns c0 … c0 + 7 (c0 a multiple of 8, as loaded: 16 bytes) in fragment order:
 /// the pairs (c0 + s, c0 + s + 4), s < 4, which are fragment pairs c0 / 2 … c0 / 2 + 3
 /// (fragment_pair_column).
