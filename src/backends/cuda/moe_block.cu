@@ -177,15 +177,12 @@ __device__ __forceinline__ void request_down_slots(const MoeDecodeArgs& a, const
 
 /// Adds 64-group G of one token to acc_lo (slot g) and acc_hi (slot g + 8): perm the token's
 /// bf16 pairs in fragment order, sums its per-group Σx. Only lanes with t = 0 end up with the
-/// token's values (the MMA's column 0).
-__device__ __forceinline__ void group_one_token(const TileView& v, const uint32_t* perm, const float* sums, int g,
-                                                int t, int G, float& acc_lo, float& acc_hi) {
-  uint4 bw0 = make_uint4(0, 0, 0, 0), bw1 = make_uint4(0, 0, 0, 0);
-  if (g == 0) {
-    const uint4* bp = reinterpret_cast<const uint4*>(perm + G * 32 + t * 8);
-    bw0 = bp[0];
-    bw1 = bp[1];
-  }
+/// token's values (the MMA's column 0). Every lane loads the token's fragments (no branch):
+/// columns 1 … 7 repeat column 0, whose bits depend on its own B column alone.
+__device__ __forceinline__ void group_one_token(const TileView& v, const uint32_t* perm, const float* sums, int t, int G,
+                                                float& acc_lo, float& acc_hi) {
+  const uint4* bp = reinterpret_cast<const uint4*>(perm + G * 32 + t * 8);
+  const uint4 bw0 = bp[0], bw1 = bp[1];
   float d[4];
   group_mma(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0,
             bw1, d);
@@ -356,7 +353,7 @@ __device__ __forceinline__ void moe_block_body(const MoeDecodeArgs& a, const Moe
     mbarrier_wait(gu_full + i, 0);
     const TileView v = tile_view<false>(gu_ring + i * l.gu_stage, l.gu_row_bytes, l.groups_h, g, t);
     float gate = 0.0f, up = 0.0f;
-    for (int Gi = g_begin; Gi < g_end; ++Gi) group_one_token(v, xperm, xsum, g, t, Gi, gate, up);
+    for (int Gi = g_begin; Gi < g_end; ++Gi) group_one_token(v, xperm, xsum, t, Gi, gate, up);
     if (t == 0) {
       float* p = gu_part + (i * kBlockWarps + warp) * kTileRows;
       p[g] = gate;
@@ -397,7 +394,7 @@ __device__ __forceinline__ void moe_block_body(const MoeDecodeArgs& a, const Moe
     for (int s = warp; s < l.n_sel; s += kBlockWarps) {
       const TileView v = tile_view<false>(dn_stages(i) + s * l.dn_stage, l.dn_row_bytes, l.groups_f, g, t);
       float lo = 0.0f, hi = 0.0f;
-      for (int Gi = 0; Gi < l.groups_f; ++Gi) group_one_token(v, aperm + s * half, asum + s * l.groups_f, g, t, Gi, lo, hi);
+      for (int Gi = 0; Gi < l.groups_f; ++Gi) group_one_token(v, aperm + s * half, asum + s * l.groups_f, t, Gi, lo, hi);
       if (t == 0) {
         dn_part[s * kTileRows + g] = round_bf16(lo);
         dn_part[s * kTileRows + g + 8] = round_bf16(hi);

@@ -216,16 +216,15 @@ __device__ __forceinline__ void stream_direct_fragments(const bf16* __restrict__
 }
 
 /// Adds group G's contribution to acc (rows of slots g, g+8 × tokens 2t, 2t+1), the activation
-/// fragments from the staged permuted rows xperm [m][cols / 2] (zeros for g ≥ m).
+/// fragments from the staged permuted rows xperm [m][cols / 2]. A lane with g ≥ m loads row m − 1
+/// again instead of zeros: an MMA's output column depends only on its own B column, so the
+/// columns of real tokens keep their bits, the extra columns are never stored (store_mma_tile),
+/// and the loads need no branch.
 __device__ __forceinline__ void stream_group(const StreamTileView& v, const uint32_t* xperm, int cols, int m, int g,
                                              int t, int G, float sl, float bl, float sh, float bh, float x0, float x1,
                                              float (&acc)[4]) {
-  uint4 bw0 = make_uint4(0, 0, 0, 0), bw1 = make_uint4(0, 0, 0, 0);
-  if (g < m) {
-    const uint4* bp = reinterpret_cast<const uint4*>(xperm + g * (cols / 2) + G * 32 + t * 8);
-    bw0 = bp[0];
-    bw1 = bp[1];
-  }
+  const uint4* bp = reinterpret_cast<const uint4*>(xperm + min(g, m - 1) * (cols / 2) + G * 32 + t * 8);
+  const uint4 bw0 = bp[0], bw1 = bp[1];
   float d[4];
   group_mma<true>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32),
                    bw0, bw1, d);
