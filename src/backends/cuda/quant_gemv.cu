@@ -402,7 +402,8 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
 /// column blocks of eight that share each weight fragment. kCounter: the tiles past each block's
 /// first stages come from the tile counter (g_stream_tile_counter), each stage's tile index in
 /// shared memory; else block b runs tiles b, b + grid, … (the same bits either way). kFixedNorm:
-/// the staged mode's fused norm over kFixedNormCols columns (stage_norm_fragments_fixed). row: with
+/// the staged mode's fused norm over kFixedNormCols columns (stage_norm_fragments_fixed), hence
+/// m = 1 (stream_tile_slice's kOneToken). row: with
 /// row.pairs (staged mode, m = 1, no norm) the staged row comes by bulk copy from global memory
 /// (launch_staged_row_gemv) instead of from stage_mma_rows.
 template <class OutT, StreamMode kMode, int kBlocks, bool kCounter, bool kFixedNorm = false>
@@ -507,7 +508,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
     if constexpr (kDirect) stream_tile_slice_direct<kBlocks>(v, x, cols, m, g, t, g_begin, g_end, xsum, acc);
     else if constexpr (kMode == StreamMode::rows)
       stream_tile_slice_rows<kBlocks>(v, xperm, xsum, cols, m, g, t, g_begin, g_end, acc);
-    else stream_tile_slice(v, xperm, cols, m, g, t, g_begin, g_end, xs0, xs1, has0, has1, acc[0]);
+    else stream_tile_slice<kFixedNorm>(v, xperm, cols, m, g, t, g_begin, g_end, xs0, xs1, has0, has1, acc[0]);  // (a norm: m = 1)
 
     // The k-slices add up in slice order: warps 1–7 leave their partials (one float4 per lane
     // and column block) in one of two buffers, warp 0 adds them to its own.

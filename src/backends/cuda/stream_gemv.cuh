@@ -219,7 +219,9 @@ __device__ __forceinline__ void stream_direct_fragments(const bf16* __restrict__
 /// fragments from the staged permuted rows xperm [m][cols / 2]. A lane with g ≥ m loads row m − 1
 /// again instead of zeros: an MMA's output column depends only on its own B column, so the
 /// columns of real tokens keep their bits, the extra columns are never stored (store_mma_tile),
-/// and the loads need no branch.
+/// and the loads need no branch. kOneToken (m = 1): token 2t + 1 is never stored, so acc[1] and
+/// acc[3] are left at zero.
+template <bool kOneToken>
 __device__ __forceinline__ void stream_group(const StreamTileView& v, const uint32_t* xperm, int cols, int m, int g,
                                              int t, int G, float sl, float bl, float sh, float bh, float x0, float x1,
                                              float (&acc)[4]) {
@@ -231,14 +233,16 @@ __device__ __forceinline__ void stream_group(const StreamTileView& v, const uint
   // Every rounding explicit, so that every kernel that inlines this gets the same bits.
   const float cl = __fmaf_rn(-128.0f, sl, bl), ch = __fmaf_rn(-128.0f, sh, bh);
   acc[0] = affine_add(acc[0], sl, d[0], cl, x0);
-  acc[1] = affine_add(acc[1], sl, d[1], cl, x1);
+  if constexpr (!kOneToken) acc[1] = affine_add(acc[1], sl, d[1], cl, x1);
   acc[2] = affine_add(acc[2], sh, d[2], ch, x0);
-  acc[3] = affine_add(acc[3], sh, d[3], ch, x1);
+  if constexpr (!kOneToken) acc[3] = affine_add(acc[3], sh, d[3], ch, x1);
 }
 
 /// One warp's k-slice of a 16-row tile: adds groups [g_begin, g_end) to acc (zero on entry) in
 /// ascending order, two groups per load of scales, biases and Σx. xs0 / xs1 are Σx of tokens 2t
 /// and 2t + 1 ([groups], read only when has0 / has1). The order depends on the shape alone.
+/// kOneToken: m = 1 (stream_group).
+template <bool kOneToken = false>
 __device__ __forceinline__ void stream_tile_slice(const StreamTileView& v, const uint32_t* xperm, int cols, int m,
                                                   int g, int t, int g_begin, int g_end, const float* xs0,
                                                   const float* xs1, bool has0, bool has1, float (&acc)[4]) {
@@ -251,13 +255,13 @@ __device__ __forceinline__ void stream_tile_slice(const StreamTileView& v, const
     const __nv_bfloat162 bh = *reinterpret_cast<const __nv_bfloat162*>(v.b_hi + G);
     const float2 x0 = has0 ? *reinterpret_cast<const float2*>(xs0 + G) : make_float2(0.0f, 0.0f);
     const float2 x1 = has1 ? *reinterpret_cast<const float2*>(xs1 + G) : make_float2(0.0f, 0.0f);
-    stream_group(v, xperm, cols, m, g, t, G, __low2float(sl), __low2float(bl), __low2float(sh), __low2float(bh), x0.x,
+    stream_group<kOneToken>(v, xperm, cols, m, g, t, G, __low2float(sl), __low2float(bl), __low2float(sh), __low2float(bh), x0.x,
                  x1.x, acc);
-    stream_group(v, xperm, cols, m, g, t, G + 1, __high2float(sl), __high2float(bl), __high2float(sh),
+    stream_group<kOneToken>(v, xperm, cols, m, g, t, G + 1, __high2float(sl), __high2float(bl), __high2float(sh),
                  __high2float(bh), x0.y, x1.y, acc);
   }
   if (G < g_end)  // an odd group count per warp
-    stream_group(v, xperm, cols, m, g, t, G, to_f32(v.s_lo[G]), to_f32(v.b_lo[G]), to_f32(v.s_hi[G]),
+    stream_group<kOneToken>(v, xperm, cols, m, g, t, G, to_f32(v.s_lo[G]), to_f32(v.b_lo[G]), to_f32(v.s_hi[G]),
                  to_f32(v.b_hi[G]), has0 ? xs0[G] : 0.0f, has1 ? xs1[G] : 0.0f, acc);
 }
 
