@@ -46,7 +46,9 @@ Streamed generate_streamed(const std::vector<int32_t>& script, int64_t state_len
   Streamed out;
   out.result = generate(b, *s, std::vector<int32_t>{1}, p, &tok, [&](int32_t, std::string_view t) {
     out.text += t;
-    if (!never_streamed.empty()) EXPECT_EQ(out.text.find(never_streamed), std::string::npos);
+    if (!never_streamed.empty()) {
+      EXPECT_EQ(out.text.find(never_streamed), std::string::npos);
+    }
     return true;
   });
   return out;

@@ -746,8 +746,12 @@ TEST(SessionCacheSharing, StoringTheTokensOfASharedSnapshotAgainKeepsItUnderTheN
   EXPECT_EQ(c.stats().device.snapshots, 2);
   EXPECT_EQ(c.stats().device.bytes, bytes);
   for (const auto& info : c.describe()) {
-    if (info.tokens == Tokens{1, 2, 3}) EXPECT_EQ(info.key, "b");
-    if (info.tokens == Tokens{1, 2, 3, 4}) EXPECT_EQ(info.kv_base_tokens, 3);
+    if (info.tokens == Tokens{1, 2, 3}) {
+      EXPECT_EQ(info.key, "b");
+    }
+    if (info.tokens == Tokens{1, 2, 3, 4}) {
+      EXPECT_EQ(info.kv_base_tokens, 3);
+    }
   }
   // The key prefers it now.
   store(c, b, {{1, 2, 3, 4, 5}}, "c");
@@ -770,7 +774,9 @@ TEST(SessionCacheSharing, ConversationsAnswerAsWithoutCacheAndHoldFewerBytes) {
       EXPECT_EQ(s.tokens, k.tokens);
       EXPECT_EQ(w.tokens, k.tokens);
       EXPECT_EQ(s.cached, w.cached);
-      if (conv > 0 || turn > 0) EXPECT_GE(s.cached, static_cast<int64_t>(system.size()));
+      if (conv > 0 || turn > 0) {
+        EXPECT_GE(s.cached, static_cast<int64_t>(system.size()));
+      }
       starts.push_back(static_cast<int64_t>(convo.size()));
       convo = concat(concat(convo, s.tokens), {static_cast<int32_t>(50 + turn)});
     }
