@@ -312,7 +312,8 @@ __device__ __forceinline__ void moe_block_body(const MoeDecodeArgs& a, const Moe
   if constexpr (kOutProj) {
     out_projection_phase(a.out_proj, l, sm, op_full, my_op);
     grid_sync(a.barriers + 2, G);
-    stage_norm_fragments<true>(a.x, a.norm, l.hidden, b == 0, xs, xsum, xperm, kNormThreads);  // y from other blocks: via L2
+    // y from other blocks: via L2
+    stage_norm_fragments<true>(a.x, a.norm, l.hidden, b == 0, xs, xsum, xperm, kNormThreads);
   } else {
     stage_norm_fragments(a.x, a.norm, l.hidden, b == 0, xs, xsum, xperm, kNormThreads);
   }

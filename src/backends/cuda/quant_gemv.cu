@@ -273,8 +273,11 @@ __device__ __forceinline__ void stage_mma_rows(const bf16* __restrict__ x, int m
       float* sums = xsum + n * groups;
       uint32_t* pairs = xperm + static_cast<int64_t>(n) * cols / 2;
       uint64_t* stamp = row ? row + 7 : nullptr;
-      if constexpr (kFixedNorm) stage_norm_fragments_fixed<kFixedNormThreads, false, false>(x, norm, blockIdx.x == 0, xs, sums, pairs, stamp);
-      else stage_norm_fragments_generic(x, norm, cols, blockIdx.x == 0, xs, sums, pairs, 0, stamp);
+      const bool store = blockIdx.x == 0;
+      if constexpr (kFixedNorm)
+        stage_norm_fragments_fixed<kFixedNormThreads, false, false>(x, norm, store, xs, sums, pairs, stamp);
+      else
+        stage_norm_fragments_generic(x, norm, cols, store, xs, sums, pairs, 0, stamp);
       stream_trace_point(trace, 8);
       continue;
     }
@@ -508,7 +511,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
     if constexpr (kDirect) stream_tile_slice_direct<kBlocks>(v, x, cols, m, g, t, g_begin, g_end, xsum, acc);
     else if constexpr (kMode == StreamMode::rows)
       stream_tile_slice_rows<kBlocks>(v, xperm, xsum, cols, m, g, t, g_begin, g_end, acc);
-    else stream_tile_slice<kFixedNorm>(v, xperm, cols, m, g, t, g_begin, g_end, xs0, xs1, has0, has1, acc[0]);  // (a norm: m = 1)
+    else stream_tile_slice<kFixedNorm>(v, xperm, cols, m, g, t, g_begin, g_end, xs0, xs1, has0, has1, acc[0]);
 
     // The k-slices add up in slice order: warps 1–7 leave their partials (one float4 per lane
     // and column block) in one of two buffers, warp 0 adds them to its own.

@@ -149,9 +149,9 @@ constexpr int kFixedNormCols = kStageBatch * kFixedNormThreads;
 /// kThreads − 1 (hidden 2048 on 256 threads), with the shape known at compile time: no bounds
 /// checks, constant staging addresses, and the group sums and fragment-order pairs formed in one
 /// pass (a warp per group) instead of stage_group_sums followed by pack_fragment_pairs. Every
-/// value is computed by the same expression in the same order as there (the same bits); the
-/// generic path spends about three times the instructions on the same work. Ends with
-/// __syncthreads().
+/// value is computed by the same expression in the same order as there (the same bits). In the
+/// streaming GEMV the generic path's staging executed 767 instructions a warp, mostly index
+/// arithmetic, compares and branches. Ends with __syncthreads().
 template <int kThreads, bool kL2Branch, bool kL2X>
 __device__ __forceinline__ void stage_norm_fragments_fixed(const bf16* __restrict__ x, const FusedNorm& norm, bool store,
                                                            float* xs, float* xsum, uint32_t* pairs, uint64_t* stamp) {

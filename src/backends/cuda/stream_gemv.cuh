@@ -255,14 +255,14 @@ __device__ __forceinline__ void stream_tile_slice(const StreamTileView& v, const
     const __nv_bfloat162 bh = *reinterpret_cast<const __nv_bfloat162*>(v.b_hi + G);
     const float2 x0 = has0 ? *reinterpret_cast<const float2*>(xs0 + G) : make_float2(0.0f, 0.0f);
     const float2 x1 = has1 ? *reinterpret_cast<const float2*>(xs1 + G) : make_float2(0.0f, 0.0f);
-    stream_group<kOneToken>(v, xperm, cols, m, g, t, G, __low2float(sl), __low2float(bl), __low2float(sh), __low2float(bh), x0.x,
-                 x1.x, acc);
+    stream_group<kOneToken>(v, xperm, cols, m, g, t, G, __low2float(sl), __low2float(bl), __low2float(sh),
+                            __low2float(bh), x0.x, x1.x, acc);
     stream_group<kOneToken>(v, xperm, cols, m, g, t, G + 1, __high2float(sl), __high2float(bl), __high2float(sh),
-                 __high2float(bh), x0.y, x1.y, acc);
+                            __high2float(bh), x0.y, x1.y, acc);
   }
   if (G < g_end)  // an odd group count per warp
     stream_group<kOneToken>(v, xperm, cols, m, g, t, G, to_f32(v.s_lo[G]), to_f32(v.b_lo[G]), to_f32(v.s_hi[G]),
-                 to_f32(v.b_hi[G]), has0 ? xs0[G] : 0.0f, has1 ? xs1[G] : 0.0f, acc);
+                            to_f32(v.b_hi[G]), has0 ? xs0[G] : 0.0f, has1 ? xs1[G] : 0.0f, acc);
 }
 
 /// The direct mode's Σx, before any tile: each of m tokens' groups [g_begin, g_end) of x [m, cols]
