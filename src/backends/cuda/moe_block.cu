@@ -503,9 +503,8 @@ void check_buffers(const MoeDecodeArgs& a, const char* what) {
   if (a.out == a.x || a.out == a.norm.branch || a.out == a.norm.x_out || a.out == a.norm.normed_out || a.norm.x_out == a.x)
     throw ::lily::InternalError(std::string(what) + ": out and x_out must not alias the norm's inputs");
   const MoeNextNorm& nn = a.next_norm;
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (nn.row.pairs && (!nn.row.sums || !nn.gain || !nn.x_out || !nn.normed_out || !aligned(nn.row.pairs) ||
-                       !aligned(nn.row.sums) || nn.x_out == a.out || nn.x_out == a.norm.x_out ||
+  if (nn.row.pairs && (!nn.row.sums || !nn.gain || !nn.x_out || !nn.normed_out || !is_aligned(nn.row.pairs, 16) ||
+                       !is_aligned(nn.row.sums, 16) || nn.x_out == a.out || nn.x_out == a.norm.x_out ||
                        nn.normed_out == a.out || nn.normed_out == a.norm.x_out || nn.normed_out == nn.x_out ||
                        nn.x_out == a.norm.normed_out))
     throw ::lily::InternalError(std::string(what) + ": the next norm needs a gain, x_out, normed_out and an aligned "

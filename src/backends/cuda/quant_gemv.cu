@@ -868,8 +868,7 @@ bool staged_row_gemv_supported(const DeviceQuant& w) {
 void launch_staged_row_gemv(const StagedRow& row, const DeviceQuant& w, bf16* y_bf16, float* y_f32, cudaStream_t stream,
                             const FusedConv& conv) {
   check_quant(w, "staged_row_gemv");
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (!row.pairs || !row.sums || !aligned(row.pairs) || !aligned(row.sums))
+  if (!row.pairs || !row.sums || !is_aligned(row.pairs, 16) || !is_aligned(row.sums, 16))
     throw ::lily::InternalError("launch_staged_row_gemv: the staged row needs 16-byte aligned pairs and sums");
   check_norm_gemv_outputs(w, y_bf16, y_f32, conv, "launch_staged_row_gemv");
   const StreamPlan plan = stream_gemv_plan(w, 1, StreamMode::staged);
