@@ -393,10 +393,14 @@ __device__ __forceinline__ void moe_block_body(const MoeDecodeArgs& a, const Moe
   float* dn_part = reinterpret_cast<float*>(sm + l.dn_part);  // [slot][16 rows]
   for (int i = 0; i < my_rt; ++i) {
     mbarrier_wait(dn_full + i, 0);
+    if (i == 0) trace_point(a, 12);
     const int rt = b + i * G;
     for (int s = warp; s < l.n_sel; s += kBlockWarps) {
       const TileView v = tile_view<false>(dn_stages(i) + s * l.dn_stage, l.dn_row_bytes, l.groups_f, g, t);
       float lo = 0.0f, hi = 0.0f;
+      // Unrolled so that the next groups' loads and MMAs issue while this one's finish (only
+      // the affine adds are a chain; they stay in ascending group order).
+#pragma unroll 4
       for (int Gi = 0; Gi < l.groups_f; ++Gi) group_one_token(v, aperm + s * half, asum + s * l.groups_f, t, Gi, lo, hi);
       if (t == 0) {
         dn_part[s * kTileRows + g] = round_bf16(lo);
