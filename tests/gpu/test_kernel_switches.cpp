@@ -114,14 +114,14 @@ TEST(KernelSwitches, GemvLateRequestsReachItsSetting) {
 
 TEST(KernelSwitches, GemvL2PrefetchReachesItsSetting) {
   cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_TRUE(cuda::stream_gemv_l2_prefetch());
-  CudaOptions o;
-  o.gemv_l2_prefetch = false;
-  cuda::apply_kernel_switches(o);
   EXPECT_FALSE(cuda::stream_gemv_l2_prefetch());
+  CudaOptions o;
+  o.gemv_l2_prefetch = true;
+  cuda::apply_kernel_switches(o);
+  EXPECT_TRUE(cuda::stream_gemv_l2_prefetch());
   EXPECT_TRUE(cuda::pdl_enabled());
   cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_TRUE(cuda::stream_gemv_l2_prefetch());
+  EXPECT_FALSE(cuda::stream_gemv_l2_prefetch());
 }
 
 TEST(KernelSwitches, BadRegdqThrowsBeforeChangingAnything) {

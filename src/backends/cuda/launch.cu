@@ -33,7 +33,7 @@ std::atomic<int> g_moe_tile_balance{0};
 std::atomic<int64_t> g_stream_smem_per_sm{kStreamSmemPerSm};
 std::atomic<int> g_stream_blocks_per_sm{kStreamBlocksPerSm};
 std::atomic<StreamLateRequests> g_stream_late_requests{StreamLateRequests::none};
-std::atomic<bool> g_stream_l2_prefetch{true};
+std::atomic<bool> g_stream_l2_prefetch{false};
 
 /// What the driver was told and answered per kernel; guarded by `mutex`.
 struct LaunchFacts {
