@@ -230,11 +230,11 @@ struct CudaOptions {
   /// bits whatever it is (docs/cuda.md, "Decode GEMV on tensor cores").
   std::string gemv_late_requests = "none";
   /// LILY_CUDA_GEMV_L2_PREFETCH 1|0: in the streaming GEMV's one-row launches of at most
-  /// kStreamL2PrefetchMaxBytes (the in- and out-projections), the first blocks, which may run
-  /// beside the previous kernel, ask L2 before their PDL wait for every weight tile of the blocks
-  /// that start only after it, so that those copy from L2 instead of HBM. A speed setting: the
-  /// same bits either way (docs/cuda.md, "Decode GEMV on tensor cores"). Off until a GPU run has
-  /// measured it (written in a session that could start none).
+  /// kStreamL2PrefetchMaxBytes with more blocks than SMs (the in-projections), the first blocks,
+  /// which may run beside the previous kernel, ask L2 before their PDL wait for every weight tile
+  /// of the blocks that start only after it, so that those copy from L2 instead of HBM. A speed
+  /// setting: the same bits either way (docs/cuda.md, "Decode GEMV on tensor cores"). Off until a
+  /// GPU run has measured it (written in a session that could start none).
   bool gemv_l2_prefetch = false;
   bool flash_prefill = true;     ///< LILY_CUDA_FLASH_PREFILL 1|0: prefill attention on tensor cores, or the row kernel
   bool device_sampler = true;    ///< LILY_CUDA_DEVICE_SAMPLER 1|0: sampled rows sampled on the GPU, or on the host
