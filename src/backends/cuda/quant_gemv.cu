@@ -629,7 +629,7 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
         late == StreamLateRequests::all || (late == StreamLateRequests::staged && plan.mode == StreamMode::staged);
     // One prefetcher per SM, where some blocks start only after the previous kernel has left
     // (more blocks than SMs) and the matrix fits the L2 share (stream_gemv_l2_prefetch).
-    const int64_t matrix_bytes = w.rows * (int64_t{w.cols} / 2 + int64_t{w.cols} / kGroup * 4);
+    const int64_t matrix_bytes = w.rows * (int64_t{w.words_per_row()} * 4 + int64_t{w.groups_per_row()} * 4);  // codes, bf16 scales + biases
     const bool prefetch = stream_gemv_l2_prefetch() && !plan.counter && plan.mode != StreamMode::rows &&
                           plan.blocks > sm_count() && matrix_bytes <= kStreamL2PrefetchMaxBytes;
     launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,

@@ -140,6 +140,12 @@ __host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stage
   return l;
 }
 
+/// Rows of weight tile `tile` that exist: kMmaTileRows, fewer in the last tile of the matrix.
+__device__ __forceinline__ int stream_tile_rows(const DeviceQuant& w, int64_t tile) {
+  const int64_t left = w.rows - tile * kMmaTileRows;
+  return static_cast<int>(left < kMmaTileRows ? left : kMmaTileRows);
+}
+
 /// Warp 0: requests global tile `tile` (rows 16·tile …) into `stage`, completing on `full`.
 /// Lane 0 announces the bytes; lanes 0–3 copy one 4-row chunk each (one copy of all rows when the
 /// chunks are not padded), lanes 4 and 5 the tile's scales and biases. Rows past the matrix are
@@ -148,7 +154,7 @@ __device__ __forceinline__ void stream_request_tile_at(const DeviceQuant& w, int
                                                        const StreamLayout& l, uint64_t* full) {
   const int lane = threadIdx.x % kWarp, groups = w.cols / kGroup;
   const int64_t row0 = tile * kMmaTileRows;
-  const int valid = static_cast<int>(w.rows - row0 < kMmaTileRows ? w.rows - row0 : kMmaTileRows);
+  const int valid = stream_tile_rows(w, tile);
   const uint32_t sb_bytes = static_cast<uint32_t>(valid) * groups * 2;
   if (lane == 0) mbarrier_arrive_expect_tx(full, valid * l.row_bytes + 2 * sb_bytes);
   __syncwarp();
@@ -180,13 +186,13 @@ __device__ __forceinline__ void stream_prefetch_tiles_l2(const DeviceQuant& w, i
   const int lane = threadIdx.x % kWarp, b = blockIdx.x, grid = gridDim.x;
   if (b >= prefetchers) return;
   const int row_bytes = w.cols / 2, groups = w.cols / kGroup;
-  const int64_t per_owner = (tiles + grid - 1) / grid;   // tiles a block runs at most
+  const int64_t per_owner = ceil_div(tiles, grid);       // tiles a block runs at most
   const int64_t owners = (grid - 1 - b) / prefetchers + 1;  // blocks b, b + prefetchers, … below grid
   for (int64_t q = lane; q < owners * per_owner; q += kWarp) {
     const int64_t o = b + (q / per_owner) * prefetchers, j = q % per_owner, tile = o + j * grid;
     if (tile >= tiles || (o == b && j < early)) continue;
     const int64_t row0 = tile * kMmaTileRows;
-    const uint32_t valid = static_cast<uint32_t>(w.rows - row0 < kMmaTileRows ? w.rows - row0 : kMmaTileRows);
+    const uint32_t valid = static_cast<uint32_t>(stream_tile_rows(w, tile));
     bulk_prefetch_l2(reinterpret_cast<const unsigned char*>(w.codes) + row0 * row_bytes, valid * row_bytes);
     bulk_prefetch_l2(w.scales + row0 * groups, valid * groups * 2);
     bulk_prefetch_l2(w.biases + row0 * groups, valid * groups * 2);
