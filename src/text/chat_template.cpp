@@ -197,8 +197,9 @@ jinja::Value message_value(const ChatMessage& message, bool history_rewrite) {
 jinja::RenderedText ChatTemplate::render_marked(std::span<const ChatMessage> messages, bool rewrite,
                                                const ChatTemplateOptions& options) const {
   // preserve_thinking renders every turn's think block itself; a turn that brings its own
-  // reasoning was not generated after an empty think block.
-  if (options.preserve_thinking.value_or(false)) rewrite = false;
+  // reasoning was not generated after an empty think block, and with thinking on no turn was
+  // (its generation prompt ended with an open `<think>`), so the template's own history stands.
+  if (options.preserve_thinking.value_or(false) || options.enable_thinking) rewrite = false;
   const long last_query = rewrite ? last_query_index(messages) : -1;
   jinja::Value list = jinja::Value::list();
   for (size_t i = 0; i < messages.size(); ++i) {

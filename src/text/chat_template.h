@@ -69,6 +69,8 @@ struct ChatTemplateOptions {
 /// when the template drops it from history (as Qwen3.5/3.6's does), lily passes those turns as
 /// `<think>\n\n</think>\n\n` + content with `reasoning_content: ""`, the block counted as template
 /// text; a load-time probe decides whether the template needs this (the demo template does not).
+/// With thinking on (or `preserve_thinking`) no turn is rewritten: its generation prompt ended
+/// with an open `<think>`, not an empty block, so the template's own history is the prompt.
 class ChatTemplate {
  public:
   /// Parses `source`. Throws lily::Error "ORIGIN: line N: ..." for a syntax error or a construct

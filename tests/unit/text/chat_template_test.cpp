@@ -327,5 +327,23 @@ TEST(ChatTemplateAgent, ThinkingAndReasoning) {
   EXPECT_EQ(text.find("</think>\n\n<think>"), std::string::npos) << text;
 }
 
+// With thinking on, an earlier turn was generated after an open <think>, not an empty block: it
+// is rendered as the template writes history (no think block), with or without its reasoning.
+TEST(ChatTemplateAgent, ThinkingLeavesEarlierTurnsAsTheTemplateWritesThem) {
+  ASSERT_TRUE(tools_template().rewrites_history());
+  ChatTemplateOptions thinking;
+  thinking.enable_thinking = true;
+  ChatMessage reasoned = asst("A");
+  reasoned.reasoning_content = "because";
+  const std::string plain = tools_template().render(std::vector<ChatMessage>{user("Q"), asst("A"), user("R")}, thinking);
+  const std::string with_reasoning = tools_template().render(std::vector<ChatMessage>{user("Q"), reasoned, user("R")}, thinking);
+  EXPECT_EQ(plain, with_reasoning);
+  EXPECT_NE(plain.find("<|im_start|>assistant\nA<|im_end|>\n<|im_start|>user\nR"), std::string::npos) << plain;
+  EXPECT_EQ(plain.find("</think>"), std::string::npos) << plain;
+  // Thinking off: the same turn keeps the empty block its generation prompt ended with.
+  const std::string off = tools_template().render(std::vector<ChatMessage>{user("Q"), asst("A"), user("R")}, ChatTemplateOptions{});
+  EXPECT_NE(off.find("<|im_start|>assistant\n<think>\n\n</think>\n\nA<|im_end|>"), std::string::npos) << off;
+}
+
 }  // namespace
 }  // namespace lily
