@@ -48,12 +48,12 @@ void check_generation_inputs(const SequenceState& state, std::span<const int32_t
 /// skipped) followed by stop-string hold-back.
 class TextStream {
  public:
-  TextStream(const Tokenizer* tokenizer, const std::vector<std::string>& stops)
+  TextStream(const Tokenizer* tokenizer, const std::vector<std::string>& stops, std::vector<int32_t> kept_special)
       : matcher_(stops) {
     if (tokenizer != nullptr) {
       // IncrementalDecoder wants shared ownership; the caller guarantees the tokenizer outlives us.
       auto alias = std::shared_ptr<const Tokenizer>(std::shared_ptr<const Tokenizer>(), tokenizer);
-      decoder_ = std::make_unique<IncrementalDecoder>(alias, true);
+      decoder_ = std::make_unique<IncrementalDecoder>(alias, true, std::move(kept_special));
     }
   }
   /// Text released by one more (non-stop) token.
@@ -101,8 +101,8 @@ double GenerationTimings::decode_tokens_per_s() const {
 }
 
 struct Generation::Impl {
-  Impl(const Tokenizer* tokenizer, const std::vector<std::string>& stops, int32_t vocab)
-      : text(tokenizer, stops), history(vocab) {}
+  Impl(const Tokenizer* tokenizer, const GenerationParams& params, int32_t vocab)
+      : text(tokenizer, params.stop_strings, params.kept_special_ids), history(vocab) {}
   TextStream text;
   TokenHistory history;
   Sampler sampler;
@@ -127,7 +127,7 @@ Generation::Generation(const Backend& backend, SequenceState& state, std::span<c
   check_generation_inputs(state, prompt, params, tokenizer);
   if (params.prefill_chunk < 0) throw Error("generate: prefill_chunk must be ≥ 0");
   if (!params.prefix_choices.empty() && tokenizer == nullptr) throw Error("generate: prefix choices need a tokenizer");
-  impl_ = std::make_unique<Impl>(tokenizer, params.stop_strings, backend.config().vocab);
+  impl_ = std::make_unique<Impl>(tokenizer, params, backend.config().vocab);
   if (!params.prefix_choices.empty())
     impl_->prefix.emplace(PrefixChoiceConstraint::over_tokenizer(params.prefix_choices, backend.config().vocab, *tokenizer));
   const int64_t n = static_cast<int64_t>(prompt.size());

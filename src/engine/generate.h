@@ -59,6 +59,10 @@ struct GenerationParams {
   /// the logits to the host and sample there even on a backend that samples on its device. The
   /// server uses it so that tool_choice "required" with several tools names a declared tool.
   std::vector<std::string> prefix_choices;
+  /// Special tokens whose text is still written into the released text (every other special
+  /// token writes none): the server passes a chat answer's think and tool-call markers when the
+  /// tokenizer marks them special, since it splits the answer at their text.
+  std::vector<int32_t> kept_special_ids;
 };
 
 /// Wall-clock timings of one generation, in seconds.

@@ -73,6 +73,7 @@ struct JobRequest {
   int logprobs = -1;                       ///< GenerationParams::logprobs
   /// GenerationParams::prefix_choices of every choice: the text must begin with one of these.
   std::vector<std::string> prefix_choices;
+  std::vector<int32_t> kept_special_ids;  ///< GenerationParams::kept_special_ids of every choice
 };
 
 /// Where the engine spent one choice's time, in seconds (JobEvent::timings of its kDone; the

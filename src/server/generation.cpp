@@ -56,6 +56,9 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
   job.n = call.request.n;
   job.logprobs = call.request.logprobs ? call.request.top_logprobs : -1;
   job.prefix_choices = call.prefix_choices;
+  // A chat answer is split at its markers' text: keep it where the tokenizer marks one special.
+  for (std::string_view marker : answer_markers(call.answer))
+    if (const auto id = tokenizer_->token_id(marker); id && tokenizer_->is_special(*id)) job.kept_special_ids.push_back(*id);
   try {
     return scheduler_->submit(std::move(job));
   } catch (const QueueFullError& e) {

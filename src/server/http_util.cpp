@@ -174,4 +174,21 @@ bool has_unsupported_http_version(std::string_view head) {
   return !(v[6] == '1' && (v[8] == '0' || v[8] == '1'));
 }
 
+std::optional<std::string> unsupported_transfer_coding(std::string_view value) {
+  const auto trim = [](std::string_view t) {
+    while (!t.empty() && (t.front() == ' ' || t.front() == '\t')) t.remove_prefix(1);
+    while (!t.empty() && (t.back() == ' ' || t.back() == '\t')) t.remove_suffix(1);
+    return t;
+  };
+  while (!value.empty()) {
+    const size_t comma = value.find(',');
+    std::string_view coding = value.substr(0, comma);
+    coding = trim(coding.substr(0, coding.find(';')));
+    if (!coding.empty() && lower(coding) != "chunked") return std::string(coding);
+    if (comma == std::string_view::npos) break;
+    value.remove_prefix(comma + 1);
+  }
+  return std::nullopt;
+}
+
 }  // namespace lily::server

@@ -94,6 +94,16 @@ bool ToolSchemas::raw_string(const std::string& function, const std::string& par
   return p == f->second.end() || p->second;
 }
 
+std::vector<std::string_view> answer_markers(const AnswerFormat& format) {
+  std::vector<std::string_view> markers;
+  if (format.thinking) markers.push_back(kThinkEnd);
+  if (format.tools) {
+    markers.push_back(kCallOpen);
+    markers.push_back(kCallClose);
+  }
+  return markers;
+}
+
 std::optional<ParsedToolCall> parse_tool_call_block(std::string_view block, const ToolSchemas& tools) {
   Cursor c{block};
   if (!c.eat(kCallOpen)) return std::nullopt;

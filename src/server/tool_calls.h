@@ -69,6 +69,11 @@ struct AnswerDelta {
 /// newline dropped), others are parsed as JSON, falling back to the string.
 std::optional<ParsedToolCall> parse_tool_call_block(std::string_view block, const ToolSchemas& tools);
 
+/// The marker texts an AnswerParser with `format` splits the answer at: "</think>" when thinking,
+/// "<tool_call>" and "</tool_call>" with tools (none for a plain answer). A tokenizer that marks
+/// one of them special must still write its text (GenerationParams::kept_special_ids).
+std::vector<std::string_view> answer_markers(const AnswerFormat& format);
+
 /// The incremental answer parser. Feed it the generated text piece by piece; each call returns
 /// the deltas that are now certain. Reasoning excludes the newlines next to its markers, and
 /// content drops the newlines that follow "</think>"; with tools, trailing whitespace of content

@@ -361,13 +361,16 @@ std::optional<int32_t> Tokenizer::token_id(std::string_view token) const { retur
 bool Tokenizer::is_special(int32_t id) const { return impl_->is_special(id); }
 int32_t Tokenizer::vocab_size() const { return impl_->vocab_size(); }
 
-IncrementalDecoder::IncrementalDecoder(std::shared_ptr<const Tokenizer> tokenizer, bool skip_special)
-    : tokenizer_(std::move(tokenizer)), skip_special_(skip_special) {
+IncrementalDecoder::IncrementalDecoder(std::shared_ptr<const Tokenizer> tokenizer, bool skip_special,
+                                       std::vector<int32_t> kept_special)
+    : tokenizer_(std::move(tokenizer)), skip_special_(skip_special), kept_special_(std::move(kept_special)) {
   if (!tokenizer_) throw InternalError("IncrementalDecoder needs a tokenizer");
 }
 
 std::string IncrementalDecoder::push(int32_t id) {
-  if (skip_special_ && tokenizer_->is_special(id)) return {};
+  if (skip_special_ && tokenizer_->is_special(id) &&
+      std::find(kept_special_.begin(), kept_special_.end(), id) == kept_special_.end())
+    return {};
   pending_ += tokenizer_->token_bytes(id);
   size_t hold = utf8::incomplete_tail_length(pending_);
   std::string ready = utf8::to_valid_lossy(std::string_view(pending_).substr(0, pending_.size() - hold));

@@ -50,7 +50,11 @@ class Tokenizer {
 /// incomplete tail).
 class IncrementalDecoder {
  public:
-  explicit IncrementalDecoder(std::shared_ptr<const Tokenizer> tokenizer, bool skip_special = true);
+  /// `skip_special`: special tokens write no text, except those in `kept_special` (a chat
+  /// answer's `</think>` or `<tool_call>` where a tokenizer marks them special: the answer is
+  /// split at their text). Throws lily::InternalError without a tokenizer.
+  explicit IncrementalDecoder(std::shared_ptr<const Tokenizer> tokenizer, bool skip_special = true,
+                              std::vector<int32_t> kept_special = {});
   /// Appends one token; returns the newly completed text (possibly empty).
   std::string push(int32_t id);
   /// Returns any buffered bytes as text and resets.
@@ -59,6 +63,7 @@ class IncrementalDecoder {
  private:
   std::shared_ptr<const Tokenizer> tokenizer_;
   bool skip_special_;
+  std::vector<int32_t> kept_special_;
   std::string pending_;
 };
 

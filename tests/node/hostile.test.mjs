@@ -286,6 +286,18 @@ describe('keep-alive, pipelining and half-closed clients', () => {
     assert.match(JSON.parse(res[0].body).error.message, /Transfer-Encoding must end in 'chunked'/);
   });
 
+  it('a transfer coding other than chunked before the chunked framing is a 501, not read as plain JSON', async () => {
+    const sock = await connect(server);
+    const closed = untilClosed(sock);
+    const body = JSON.stringify({ model: MODEL, messages: [{ role: 'user', content: 'hi' }], max_tokens: 1 });
+    sock.write('POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n' +
+               `Transfer-Encoding: gzip, chunked\r\n\r\n${body.length.toString(16)}\r\n${body}\r\n0\r\n\r\n`);
+    const res = parseResponses((await closed).text);
+    assert.equal(res.length, 1);
+    assert.equal(res[0].status, 501);
+    assert.match(JSON.parse(res[0].body).error.message, /unsupported transfer coding 'gzip'/);
+  });
+
   it('an HTTP/1.1 request without exactly one Host is a 400, a compressed body a 415 (HTTP/1.0 needs no Host)', async () => {
     const answer = async (text) => {
       const sock = await connect(server);

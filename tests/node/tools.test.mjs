@@ -101,6 +101,18 @@ describe('tools and thinking', () => {
     assert.equal(plain.choices[0].message.reasoning_content, undefined);
   });
 
+  it('a </think> the tokenizer marks special still ends the reasoning (the demo tokenizer does)', async () => {
+    // logit_bias forces the demo's </think> (id 8191, special there) at every step: the first
+    // ends the empty reasoning and the second is content, whole and streamed alike.
+    const body = { model: MODEL, messages: question, reasoning_effort: 'high', max_tokens: 2, logit_bias: { 8191: 100 } };
+    const whole = await suite.openai.chat.completions.create(body);
+    const m = whole.choices[0].message;
+    assert.equal(m.reasoning_content ?? '', '');
+    assert.equal(m.content, '</think>');
+    const { message } = await assemble(await suite.openai.chat.completions.create({ ...body, stream: true }));
+    assert.equal(message.content, '</think>');
+  });
+
   it('refuses invalid agent fields with a 400 naming the field', async () => {
     const cases = [
       [{ tools, tool_choice: { type: 'function', function: { name: 'get_time' } } }, 'tool_choice.function.name'],

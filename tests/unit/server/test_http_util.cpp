@@ -95,3 +95,12 @@ TEST(HttpVersion, OnlyWellFormedOthersAreUnsupported) {
                            "GET / FTP/9.9\r\n", ""})
     EXPECT_FALSE(has_unsupported_http_version(head)) << head;
 }
+
+TEST(TransferCoding, OnlyChunkedIsDecoded) {
+  for (const char* ok : {"chunked", "Chunked", " chunked ", "chunked;x=1", "chunked, chunked", ""})
+    EXPECT_EQ(unsupported_transfer_coding(ok), std::nullopt) << ok;
+  EXPECT_EQ(unsupported_transfer_coding("gzip, chunked"), "gzip");
+  EXPECT_EQ(unsupported_transfer_coding("chunked,deflate ; q=1"), "deflate");
+  EXPECT_EQ(unsupported_transfer_coding(" ,x-custom\t, chunked"), "x-custom");
+  EXPECT_EQ(unsupported_transfer_coding("identity"), "identity");
+}

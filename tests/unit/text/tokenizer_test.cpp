@@ -168,6 +168,11 @@ TEST_F(TinyTokenizer, IncrementalDecoderNeverSplitsACharacter) {
   EXPECT_EQ(dec.push(248046), "");
   IncrementalDecoder keep(tok, false);
   EXPECT_EQ(keep.push(248046), "<|im_end|>");
+  // A kept special token writes its text while the others stay skipped.
+  IncrementalDecoder some(tok, true, {248046});
+  EXPECT_EQ(some.push(248045), "");
+  EXPECT_EQ(some.push(248046), "<|im_end|>");
+  EXPECT_EQ(some.push(248044), "");
 }
 
 TEST_F(TinyTokenizer, RejectsUnsupportedParts) {
