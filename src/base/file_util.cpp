@@ -40,6 +40,13 @@ int open_regular_file(const std::filesystem::path& path) {
   return fd;
 }
 
+bool optional_file_exists(const std::filesystem::path& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) return true;
+  if (errno == ENOENT || errno == ENOTDIR) return false;
+  throw Error(path.string() + ": " + std::strerror(errno));
+}
+
 std::string read_regular_file(const std::filesystem::path& path) {
   const int fd = open_regular_file(path);
   std::string out;

@@ -18,6 +18,12 @@ std::string file_type_description(unsigned mode);
 /// regular file".
 int open_regular_file(const std::filesystem::path& path);
 
+/// Whether something exists at `path` (links followed): false when nothing is there (ENOENT,
+/// ENOTDIR), true for any file type (a FIFO or a directory too: reading it is what refuses it).
+/// Any other failure of stat(2) throws lily::Error "PATH: <strerror>" (a symbolic-link loop, a
+/// permission error), so that an optional checkpoint file is never silently taken as absent.
+bool optional_file_exists(const std::filesystem::path& path);
+
 /// The whole content of the regular file at `path` (bytes, no conversion). Throws lily::Error as
 /// open_regular_file does, or "PATH: read failed: <strerror>".
 std::string read_regular_file(const std::filesystem::path& path);

@@ -177,10 +177,11 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
   if (f.prompt_len < 1) throw Error("--prompt-len must be at least 1");
   if (f.decode_steps < 1) throw Error("--decode-steps must be at least 1");
   if (f.rounds < 1) throw Error("--rounds must be at least 1");
-  if (f.temperature < 0 || f.temperature > 2) throw Error("--temperature must be in [0, 2]");
+  // Written so that NaN fails each range check too.
+  if (!(f.temperature >= 0 && f.temperature <= 2)) throw Error("--temperature must be in [0, 2]");
   if (!(f.top_p > 0 && f.top_p <= 1)) throw Error("--top-p must be in (0, 1]");
   if (f.top_k < 0) throw Error("--top-k must be 0 (off) or a positive integer");
-  if (f.min_p < 0 || f.min_p > 1) throw Error("--min-p must be in [0, 1]");
+  if (!(f.min_p >= 0 && f.min_p <= 1)) throw Error("--min-p must be in [0, 1]");
   if (!f.sampled() && (f.top_p != 1 || f.top_k != 0 || f.min_p != 0))
     throw Error("--top-p, --top-k and --min-p need --temperature > 0 (the default bench is greedy)");
   if (!f.json_out.empty()) {
@@ -191,6 +192,11 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
       throw Error("--json-out " + f.json_out + ": directory " + parent.string() + " does not exist");
     if (std::filesystem::is_directory(f.json_out, ec))
       throw Error("--json-out " + f.json_out + " is a directory");
+    // Opening a FIFO for writing would block until a reader came: only a regular file (or a new
+    // one) is written.
+    const auto status = std::filesystem::status(f.json_out, ec);
+    if (!ec && std::filesystem::exists(status) && !std::filesystem::is_regular_file(status))
+      throw Error("--json-out " + f.json_out + " is not a regular file");
   }
   const BackendKind backend_kind = parse_backend_kind(f.backend);
   {
@@ -272,9 +278,9 @@ void register_bench(CLI::App& app, int& exit_code) {
   auto f = std::make_shared<BenchFlags>();
   auto* cmd = app.add_subcommand("bench", "Measure prefill (TTFT) and decode tok/s as docs/benchmark.md §1 defines them");
   cmd->add_option("--model", f->model, "checkpoint directory (default: the repository's models/demo)");
-  cmd->add_option("--prompt-len", f->prompt_len, "synthetic prompt tokens")->capture_default_str();
-  cmd->add_option("--decode-steps", f->decode_steps, "measured decode steps")->capture_default_str();
-  cmd->add_option("--rounds", f->rounds, "measured rounds (median reported)")->capture_default_str();
+  cmd->add_option("--prompt-len", f->prompt_len, "synthetic prompt tokens")->capture_default_str()->check(integer_at_least(1));
+  cmd->add_option("--decode-steps", f->decode_steps, "measured decode steps")->capture_default_str()->check(integer_at_least(1));
+  cmd->add_option("--rounds", f->rounds, "measured rounds (median reported)")->capture_default_str()->check(integer_at_least(1));
   cmd->add_option("--backend", f->backend, "cpu | cuda | auto")->capture_default_str();
   add_cuda_settings(cmd, f->cuda);
   cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores (at most " + std::to_string(kMaxCpuThreads) + ")")
@@ -285,9 +291,9 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_option("--temperature", f->temperature, "sample at this temperature, 0 … 2 (0 = the greedy contract)")
       ->capture_default_str();
   cmd->add_option("--top-p", f->top_p, "with --temperature: top-p, (0, 1] (1 = off)")->capture_default_str();
-  cmd->add_option("--top-k", f->top_k, "with --temperature: top-k (0 = off)")->capture_default_str();
+  cmd->add_option("--top-k", f->top_k, "with --temperature: top-k (0 = off)")->capture_default_str()->check(integer_at_least(0));
   cmd->add_option("--min-p", f->min_p, "with --temperature: min-p, 0 … 1 (0 = off)")->capture_default_str();
-  cmd->add_option("--seed", f->seed, "with --temperature: the sampling seed")->capture_default_str();
+  cmd->add_option("--seed", f->seed, "with --temperature: the sampling seed")->capture_default_str()->check(unsigned_integer());
   cmd->callback([f, &exit_code] {
     f->model = model_dir_or_default(f->model).string();
     std::vector<std::string> argv = {"lily bench --model", f->model, "--prompt-len", std::to_string(f->prompt_len),

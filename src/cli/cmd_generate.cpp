@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/error.h"
+#include "base/file_util.h"
 #include "base/log.h"
 #include "cli/commands.h"
 #include "engine/backend.h"
@@ -79,7 +80,7 @@ std::vector<ChatMessage> parse_messages_flag(const std::string& text) {
 /// Loads tokenizer.json; in --prompt-ids mode a missing or unsupported tokenizer is not fatal.
 std::shared_ptr<const Tokenizer> load_tokenizer(const std::filesystem::path& dir, bool required) {
   const auto path = dir / "tokenizer.json";
-  if (!required && !std::filesystem::exists(path)) return nullptr;
+  if (!required && !optional_file_exists(path)) return nullptr;
   try {
     return Tokenizer::from_file(path);
   } catch (const Error& e) {
@@ -151,11 +152,13 @@ void run_generate(const GenerateFlags& f) {
   const BackendKind backend_kind = parse_backend_kind(f.backend);
   const ModelConfig config = load_model_config(dir);
   auto tokenizer = load_tokenizer(dir, f.prompt_ids.empty());
+  if (tokenizer) check_tokenizer_vocab(config, *tokenizer);
   if (!f.stop.empty() && !tokenizer) throw Error("--stop needs a tokenizer");
-  if (f.temperature < 0 || f.temperature > 2) throw Error("--temperature must be in [0, 2]");
+  // Written so that NaN fails each range check too.
+  if (!(f.temperature >= 0 && f.temperature <= 2)) throw Error("--temperature must be in [0, 2]");
   if (!(f.top_p > 0 && f.top_p <= 1)) throw Error("--top-p must be in (0, 1]");
   if (f.top_k < -1) throw Error("--top-k must be -1, 0 (off) or a positive integer");
-  if (f.min_p < 0 || f.min_p > 1) throw Error("--min-p must be in [0, 1]");
+  if (!(f.min_p >= 0 && f.min_p <= 1)) throw Error("--min-p must be in [0, 1]");
   if (f.logprobs > 20) throw Error("--logprobs must be in [0, 20]");
   if (f.logprobs >= 0 && !f.json) throw Error("--logprobs needs --json");
   const std::vector<int32_t> prompt = build_prompt(f, tokenizer.get(), dir, config.vocab);
@@ -230,7 +233,8 @@ void register_generate(CLI::App& app, int& exit_code) {
   cmd->add_option("--chat-options", f->chat_options, "JSON object of a chat request's tools, tool_choice, "
                   "reasoning_effort and chat_template_kwargs, passed to the chat template");
   auto* max_tokens = cmd->add_option("--max-tokens", f->max_tokens, "most tokens to generate (the prompt plus these "
-                                     "must fit the context; the default is clamped to it)")->capture_default_str();
+                                     "must fit the context; the default is clamped to it)")->capture_default_str()
+      ->check(integer_at_least(1));
   cmd->add_option("--max-seq", f->max_seq, "sequence limit (default and maximum: max_position_embeddings)")
       ->check(integer_at_least(0));
   cmd->add_flag("--no-mmap", f->no_mmap, "read the weights into memory instead of memory-mapping them");
@@ -238,9 +242,10 @@ void register_generate(CLI::App& app, int& exit_code) {
   cmd->add_flag("--json", f->json, "print one JSON object instead of streaming text");
   cmd->add_option("--temperature", f->temperature, "sampling temperature, 0 … 2 (0 = greedy)")->capture_default_str();
   cmd->add_option("--top-p", f->top_p, "top-p, (0, 1] (1 = off)")->capture_default_str();
-  cmd->add_option("--top-k", f->top_k, "top-k (0 or -1 = off)")->capture_default_str();
+  cmd->add_option("--top-k", f->top_k, "top-k (0 or -1 = off)")->capture_default_str()->check(integer_at_least(-1));
   cmd->add_option("--min-p", f->min_p, "min-p, 0 … 1 (0 = off)")->capture_default_str();
-  auto* seed = cmd->add_option("--seed", f->seed, "sampling seed (default: a fresh one, printed by --json)");
+  auto* seed = cmd->add_option("--seed", f->seed, "sampling seed (default: a fresh one, printed by --json)")
+      ->check(unsigned_integer());
   cmd->add_option("--logprobs", f->logprobs, "with --json: each token's log-probability and N alternatives (0 … 20)")
       ->check(integer_at_least(0));
   cmd->add_option("--backend", f->backend, "cpu | cuda | auto")->capture_default_str();

@@ -175,6 +175,7 @@ void register_inspect(CLI::App& app, int& exit_code) {
     // The same checks `lily serve` makes before it serves: tokenizer.json must load,
     // tokenizer_config.json (when present) must be a JSON object, and the chat template must parse.
     auto tokenizer = Tokenizer::from_file(std::filesystem::path(*dir) / "tokenizer.json");
+    check_tokenizer_vocab(weights->config, *tokenizer);
     ChatTemplate::for_model(*dir);
     stop_token_ids(weights->config, *dir, tokenizer.get());
     const auto summary = summary_json(*dir, *weights, *tokenizer);

@@ -124,9 +124,10 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
                                       "(0 = greedy; default: generation_config.json, else 0)");
   f.top_p_opt = cmd->add_option("--top-p", f.top_p, "default top-p, (0, 1] (default: generation_config.json, else 1)");
   f.top_k_opt = cmd->add_option("--top-k", f.top_k, "default top-k, 0 or -1 = off (default: generation_config.json, "
-                                "else off)");
+                                "else off)")->check(any_integer());
   f.min_p_opt = cmd->add_option("--min-p", f.min_p, "default min-p, 0 … 1 (default: generation_config.json, else 0)");
-  f.seed_opt = cmd->add_option("--seed", f.seed, "seed of requests that send none (default: a fresh one per request)");
+  f.seed_opt = cmd->add_option("--seed", f.seed, "seed of requests that send none (default: a fresh one per request)")
+                   ->check(any_integer());
   cmd->add_flag("--no-generation-config", f.no_generation_config, "ignore the checkpoint's generation_config.json "
                 "(its sampling defaults)");
   cmd->add_option("--reasoning", f.reasoning, "on: chat answers think (<think> text goes to reasoning_content) "

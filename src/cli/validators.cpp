@@ -1,5 +1,7 @@
 // Input checks shared by the subcommands (declared in cli/commands.h): CLI11 validators and the
 // chat-message lists of `generate --messages` and `tokenize`.
+#include <charconv>
+#include <cstdint>
 #include <exception>
 #include <limits>
 #include <string>
@@ -16,21 +18,20 @@ namespace lily::cli {
 
 namespace {
 
-/// A CLI11 validator that accepts a whole integer (nothing before or after it) in [min, max];
-/// otherwise the message says "must be <expected>, got '<text>'".
+/// A CLI11 validator that accepts a whole decimal integer (nothing before or after it) in
+/// [min, max]; otherwise the message says "must be <expected>, got '<text>'". The text is then
+/// rewritten in canonical form, since CLI11 2.1 converts with base 0 ("010" would be 8) and
+/// without a range check.
 CLI::Validator integer_validator(long long min, long long max, const std::string& expected,
                                  const std::string& description) {
   return CLI::Validator(
       [min, max, expected](std::string& text) -> std::string {
-        size_t used = 0;
         long long value = 0;
-        try {
-          value = std::stoll(text, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != text.size() || value < min || value > max)
+        const char* end = text.data() + text.size();
+        const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+        if (text.empty() || ec != std::errc() || ptr != end || value < min || value > max)
           return "must be " + expected + ", got '" + text + "'";
+        text = std::to_string(value);
         return {};
       },
       description);
@@ -57,6 +58,28 @@ void add_cuda_settings(CLI::App* cmd, std::vector<std::string>& settings) {
 CLI::Validator integer_in_range(long long min, long long max) {
   return integer_validator(min, max, "an integer from " + std::to_string(min) + " to " + std::to_string(max),
                            "INT in [" + std::to_string(min) + " - " + std::to_string(max) + "]");
+}
+
+CLI::Validator any_integer() {
+  return integer_validator(std::numeric_limits<long long>::min(), std::numeric_limits<long long>::max(),
+                           "an integer from " + std::to_string(std::numeric_limits<long long>::min()) + " to " +
+                               std::to_string(std::numeric_limits<long long>::max()),
+                           "INT");
+}
+
+CLI::Validator unsigned_integer() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        uint64_t value = 0;
+        const char* end = text.data() + text.size();
+        const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+        if (text.empty() || ec != std::errc() || ptr != end)
+          return "must be an integer from 0 to " + std::to_string(std::numeric_limits<uint64_t>::max()) + ", got '" +
+                 text + "'";
+        text = std::to_string(value);
+        return {};
+      },
+      "UINT64");
 }
 
 CLI::Validator integer_at_least(long long min) {

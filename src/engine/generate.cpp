@@ -299,11 +299,17 @@ GenerationResult generate(Backend& backend, SequenceState& state, std::span<cons
   return g.take_result();
 }
 
+void check_tokenizer_vocab(const ModelConfig& config, const Tokenizer& tokenizer) {
+  if (tokenizer.vocab_size() > config.vocab)
+    throw Error("tokenizer.json has ids up to " + std::to_string(tokenizer.vocab_size() - 1) +
+                ", beyond the model's vocabulary of " + std::to_string(config.vocab));
+}
+
 std::vector<int32_t> stop_token_ids(const ModelConfig& config, const std::filesystem::path& model_dir,
                                     const Tokenizer* tokenizer) {
   std::vector<int32_t> ids = config.eos_token_ids;
   const auto path = model_dir / "tokenizer_config.json";
-  if (tokenizer != nullptr && std::filesystem::exists(path)) {
+  if (tokenizer != nullptr && optional_file_exists(path)) {
     nlohmann::json doc = nlohmann::json::parse(read_regular_file(path), nullptr, false);
     if (doc.is_discarded() || !doc.is_object())
       throw Error(path.string() + ": not a JSON object");
@@ -324,7 +330,7 @@ std::vector<int32_t> stop_token_ids(const ModelConfig& config, const std::filesy
 SamplingParams generation_config_sampling(const std::filesystem::path& model_dir) {
   SamplingParams p;
   const auto path = model_dir / "generation_config.json";
-  if (!std::filesystem::exists(path)) return p;
+  if (!optional_file_exists(path)) return p;
   nlohmann::json doc = nlohmann::json::parse(read_regular_file(path), nullptr, false);
   if (doc.is_discarded() || !doc.is_object()) throw Error(path.string() + ": not a JSON object");
   auto number = [&](const char* key, double dflt, double lo, double hi) {

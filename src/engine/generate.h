@@ -192,6 +192,11 @@ GenerationResult generate(Backend& backend, SequenceState& state, std::span<cons
                           const PromptPrefixHook& on_prompt_prefix = {},
                           const LogprobsCallback& on_logprobs = {});
 
+/// Throws lily::Error "tokenizer.json has ids up to N, beyond the model's vocabulary of V" when
+/// the tokenizer knows an id the model has no embedding or logit for (such a prompt would fail
+/// only once sent, after the weights load).
+void check_tokenizer_vocab(const ModelConfig& config, const Tokenizer& tokenizer);
+
 /// Stop tokens of a checkpoint: config eos_token_ids (top level over text_config) ∪ the id of
 /// tokenizer_config.json's `eos_token` (string or {"content": …}) when `tokenizer` is given and
 /// the file exists. Sorted, de-duplicated. Throws lily::Error on an unreadable

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <limits>
 #include <fstream>
 #include <sstream>
 
@@ -178,7 +179,10 @@ void parse_rope(const Ctx& ctx, const json& text, ModelConfig& c) {
   };
   c.rope_theta = pick("rope_theta");
   double factor = pick("partial_rotary_factor");
-  if (!(c.rope_theta > 0) || !std::isfinite(c.rope_theta)) ctx.fail("rope_theta must be positive");
+  // The inverse frequencies theta^(−2i/rotary_dim) are computed in fp32: below 1 they grow
+  // without bound (a theta under fp32's smallest normal is 0 there, and every angle NaN).
+  if (!(c.rope_theta >= 1 && c.rope_theta <= std::numeric_limits<float>::max()))
+    ctx.fail("rope_theta must be in [1, 3.4e38] (got " + std::to_string(c.rope_theta) + ")");
   if (!(factor > 0 && factor <= 1)) ctx.fail("partial_rotary_factor must be in (0, 1]");
   c.rotary_dim = static_cast<int>(std::trunc(c.head_dim * factor));
   if (c.rotary_dim < 2 || c.rotary_dim % 2 != 0)

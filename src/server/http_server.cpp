@@ -8,6 +8,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -37,9 +38,9 @@ int64_t resolve_max_seq(std::optional<int64_t> requested, int64_t declared, int6
 SamplingParams resolve_sampling_defaults(const SamplingFlags& flags, const std::filesystem::path& model_dir) {
   SamplingParams p = flags.generation_config ? generation_config_sampling(model_dir) : SamplingParams{};
   auto check = [](const char* field, double v, double lo, double hi, bool open_lo = false) {
-    if (v < lo || v > hi || (open_lo && v == lo))
+    if (!(v >= lo && v <= hi) || (open_lo && v == lo))  // NaN fails too
       throw OptionError(field, std::string("must be in ") + (open_lo ? "(" : "[") + json(lo).dump() + ", " +
-                                   json(hi).dump() + "], got " + json(v).dump());
+                                   json(hi).dump() + "], got " + (std::isnan(v) ? std::string("nan") : json(v).dump()));
     return v;
   };
   if (flags.temperature) p.temperature = static_cast<float>(check("temperature", *flags.temperature, 0, 2));

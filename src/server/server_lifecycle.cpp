@@ -152,6 +152,7 @@ void LilyServer::load_engine() {
   auto weights = load_model(options_.model_dir, LoadOptions{.show_progress = true});
   if (shutting_down_) return;
   tokenizer_ = Tokenizer::from_file(options_.model_dir / "tokenizer.json");
+  check_tokenizer_vocab(weights->config, *tokenizer_);
   auto backend = make_backend(options_.backend, weights, options_.threads, options_.cuda);
   if (!backend->reads_host_weights()) {
     // The weights are in the backend's own memory: drop the host copy so that the checkpoint's

@@ -105,14 +105,13 @@ jinja::Value history_content(const std::string& content) {
   return m.take();
 }
 
-// A template file's bytes, read with the shared reader (which never blocks on a FIFO swapped in
-// after for_model's is_regular_file check); a failure keeps the message users have always seen,
-// "cannot read PATH".
+// A template file's bytes, read with the shared reader (which never blocks on a FIFO):
+// "cannot read PATH: why" on failure (a FIFO or a directory is refused, not skipped).
 std::string read_template_file(const std::filesystem::path& path) {
   try {
     return read_regular_file(path);
-  } catch (const Error&) {
-    throw Error("cannot read " + path.string());
+  } catch (const Error& e) {
+    throw Error(std::string("cannot read ") + e.what());
   }
 }
 
@@ -140,9 +139,9 @@ std::string_view ChatTemplate::builtin_source() { return kBuiltinSource; }
 
 std::shared_ptr<const ChatTemplate> ChatTemplate::for_model(const std::filesystem::path& dir) {
   const auto file = dir / "chat_template.jinja";
-  if (std::filesystem::is_regular_file(file)) return std::make_shared<const ChatTemplate>(read_template_file(file), file.string());
+  if (optional_file_exists(file)) return std::make_shared<const ChatTemplate>(read_template_file(file), file.string());
   const auto config = dir / "tokenizer_config.json";
-  if (std::filesystem::is_regular_file(config)) {
+  if (optional_file_exists(config)) {
     auto doc = nlohmann::json::parse(read_template_file(config), nullptr, false);
     if (doc.is_object() && doc.contains("chat_template")) {
       const auto& t = doc["chat_template"];
@@ -150,7 +149,7 @@ std::shared_ptr<const ChatTemplate> ChatTemplate::for_model(const std::filesyste
       if (t.is_string()) return std::make_shared<const ChatTemplate>(t.get<std::string>(), origin);
       if (t.is_array())
         for (const auto& entry : t)
-          if (entry.is_object() && entry.value("name", "") == "default" && entry.contains("template") &&
+          if (entry.is_object() && entry.contains("name") && entry["name"] == "default" && entry.contains("template") &&
               entry["template"].is_string())
             return std::make_shared<const ChatTemplate>(entry["template"].get<std::string>(), origin);
       if (!t.is_null()) throw Error(origin + ": expected a string or a list with a \"default\" template");

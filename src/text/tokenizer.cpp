@@ -27,6 +27,11 @@ constexpr std::string_view kGpt2Pattern =
 
 enum class TokenKind : uint8_t { kUnknown, kVocab, kAdded, kSpecial };
 
+// The largest token id accepted. The id tables are indexed by id (about 33 bytes an id), so an
+// id is a size: 2^22 − 1 keeps them under 140 MB and is 16 times the largest vocabularies in use
+// (Qwen3.6: 248,320).
+constexpr int64_t kMaxTokenId = (int64_t{1} << 22) - 1;
+
 // What the parsed tokenizer.json describes, before the runtime structures are built.
 struct TokenizerSpec {
   bool nfc = false;
@@ -139,8 +144,11 @@ void parse_model(const json& m, TokenizerSpec& spec) {
   if (!m.contains("vocab") || !m["vocab"].is_object()) reject("model.vocab", "expected an object");
   spec.vocab.reserve(m["vocab"].size());
   for (const auto& [token, id] : m["vocab"].items()) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
+    if (!id.is_number_integer() || id.get<int64_t>() < 0)
       reject("model.vocab", "token '" + token + "' has an invalid id");
+    if (id.get<int64_t>() > kMaxTokenId)
+      reject("model.vocab", "token '" + token + "' has id " + std::to_string(id.get<int64_t>()) +
+                                ", above the largest accepted (" + std::to_string(kMaxTokenId) + ")");
     spec.vocab.emplace(token, id.get<int32_t>());
   }
   parse_merges(m.contains("merges") ? m["merges"] : json::array(), spec);
@@ -151,8 +159,11 @@ void parse_added_tokens(const json& list, TokenizerSpec& spec) {
   if (!list.is_array()) reject("added_tokens", "expected an array");
   for (const json& t : list) {
     if (!t.is_object() || !t.contains("id") || !t["id"].is_number_integer() || t["id"].get<int64_t>() < 0 ||
-        t["id"].get<int64_t>() > INT32_MAX || !t.contains("content") || !t["content"].is_string())
+        !t.contains("content") || !t["content"].is_string())
       reject("added_tokens", "each entry needs an integer id and a string content");
+    if (t["id"].get<int64_t>() > kMaxTokenId)
+      reject("added_tokens", "id " + std::to_string(t["id"].get<int64_t>()) + " is above the largest accepted (" +
+                                 std::to_string(kMaxTokenId) + ")");
     AddedToken token{t["id"].get<int32_t>(), t["content"].get<std::string>(), flag(t, "special", false),
                      flag(t, "normalized", false)};
     for (const char* key : {"single_word", "lstrip", "rstrip"})

@@ -1,6 +1,7 @@
 // The smaller command-line faults. Each case runs the built `lily` (bounded by
 // `timeout`, so a run the old code let go on for minutes fails instead of stalling the suite).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
@@ -109,7 +110,8 @@ TEST(CliInputs, GenerateChecksItsArgumentsBeforeLoadingTheWeights) {
                         Case{"--messages '[{\"role\":1}'", "--messages: expected a non-empty JSON array"},
                         Case{"--prompt hi --backend gpu", "unknown backend 'gpu'"},
                         Case{"--prompt-ids 1,x", "--prompt-ids: 'x' is not a token id"},
-                        Case{"--prompt hi --max-tokens 0", "--max-tokens must be at least 1"}}) {
+                        Case{"--prompt hi --temperature nan", "--temperature must be in [0, 2]"},
+                        Case{"--prompt hi --temperature 1 --min-p nan", "--min-p must be in [0, 1]"}}) {
     const CliRun r = run_lily_bounded("generate " + c.args + model, true);
     EXPECT_EQ(r.exit_code, 1) << c.args << "\n" << r.output;
     EXPECT_TRUE(has(r, c.expected)) << c.args << "\n" << r.output;
@@ -133,6 +135,54 @@ TEST(CliInputs, GenerateRefusesMoreTokensThanTheContextHolds) {
   r = run_lily_bounded("generate --backend cpu --prompt-ids 1,2,3 --max-tokens 2 --max-seq 5 --json --model " + kDemo,
                        false);
   EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+TEST(CliInputs, BenchRefusesAJsonOutThatIsNotARegularFile) {
+  test::TempDir tmp;
+  const fs::path fifo = tmp.path() / "report.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  // Opened for writing, a FIFO would block the bench forever after its run.
+  const CliRun r = run_lily_bounded(
+      "bench --backend cpu --prompt-len 4 --decode-steps 1 --rounds 1 --json-out " + quoted(fifo) + " --model " + kDemo, true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "--json-out " + fifo.string() + " is not a regular file")) << r.output;
+}
+
+// Optional checkpoint files that exist but cannot be used are errors, not silently absent.
+TEST(CliInputs, InspectRefusesUnusableOptionalFiles) {
+  test::TempDir tmp;
+  const fs::path dir = test::copy_demo_model(tmp);
+  const fs::path tpl = dir / "chat_template.jinja";
+  fs::remove(tpl);
+  fs::create_symlink("chat_template.jinja", tpl);  // a link to itself
+  CliRun r = run_lily_bounded("inspect " + quoted(dir), true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, tpl.string() + ": Too many levels of symbolic links")) << r.output;
+  fs::remove(tpl);
+  ASSERT_EQ(::mkfifo(tpl.c_str(), 0600), 0);
+  r = run_lily_bounded("inspect " + quoted(dir), true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "cannot read " + tpl.string() + ": is a FIFO")) << r.output;
+  // A template list entry whose name is not a string is skipped, not an internal error.
+  fs::remove(tpl);
+  std::ofstream(dir / "tokenizer_config.json")
+      << R"({"eos_token": "<|im_end|>", "chat_template": [{"name": 5, "template": "x"}]})";
+  r = run_lily_bounded("inspect " + quoted(dir), true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "expected a string or a list with a \"default\" template")) << r.output;
+}
+
+TEST(CliInputs, InspectRefusesATokenizerBeyondTheModelVocabulary) {
+  test::TempDir tmp;
+  const fs::path dir = test::copy_demo_model(tmp);
+  nlohmann::json tok;
+  std::ifstream(dir / "tokenizer.json") >> tok;
+  tok["added_tokens"].push_back({{"id", 8192}, {"content", "<x>"}, {"single_word", false}, {"lstrip", false},
+                                 {"rstrip", false}, {"normalized", false}, {"special", true}});
+  std::ofstream(dir / "tokenizer.json") << tok.dump();
+  const CliRun r = run_lily_bounded("inspect " + quoted(dir), true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "tokenizer.json has ids up to 8192, beyond the model's vocabulary of 8192")) << r.output;
 }
 
 TEST(CliInputs, BenchRefusesAPromptBeyondTheContext) {

@@ -36,6 +36,19 @@ TEST(CliOptions, BadIntegersAreRefusedWithAClearMessage) {
       {"generate --threads -2 --prompt-ids 1" + model, "--threads: must be an integer from 0 to 1024, got '-2'"},
       {"bench --threads 1025" + model, "--threads: must be an integer from 0 to 1024, got '1025'"},
       {"synth --threads -1 --out " + quoted(dir.path() / "synth"), "--threads: must be an integer from 0 to 1024, got '-1'"},
+      // Out of range for 64 bits (CLI11 alone saturates), or a seed below 0 (it would wrap).
+      {"generate --max-tokens 0 --prompt-ids 1" + model, "--max-tokens: must be an integer >= 1, got '0'"},
+      {"generate --max-tokens 99999999999999999999 --prompt-ids 1" + model,
+       "--max-tokens: must be an integer >= 1, got '99999999999999999999'"},
+      {"generate --seed -1 --prompt-ids 1" + model, "--seed: must be an integer from 0 to 18446744073709551615, got '-1'"},
+      {"generate --top-k 1e3 --prompt-ids 1" + model, "--top-k: must be an integer >= -1, got '1e3'"},
+      {"bench --prompt-len 0" + model, "--prompt-len: must be an integer >= 1, got '0'"},
+      {"bench --seed 18446744073709551616" + model, "--seed: must be an integer from 0 to 18446744073709551615"},
+      {"serve --seed 99999999999999999999" + model, "--seed: must be an integer from -9223372036854775808"},
+      {"serve --top-k 99999999999999999999" + model, "--top-k: must be an integer from -9223372036854775808"},
+      {"synth --seed -1 --out " + quoted(dir.path() / "synth"), "--seed: must be an integer from 0 to"},
+      {"synth --shard-mb nan --out " + quoted(dir.path() / "synth"), "--shard-mb: must be 0 (one file) or from 1 to 1e9 MB, got 'nan'"},
+      {"synth --shard-mb 1e-9 --out " + quoted(dir.path() / "synth"), "--shard-mb: must be 0 (one file) or from 1 to 1e9 MB"},
   };
   for (const BadOption& c : cases) {
     const test::CliRun r = test::run_lily(c.args, true);
@@ -81,6 +94,8 @@ TEST(CliOptions, OptionsTheServerRefusesAreNamedAsTheirFlags) {
        "lily: error: --temperature must be in [0.0, 2.0], got 3.0"},
       {"serve --backend cpu --top-k -2 --port 0" + model,
        "lily: error: --top-k must be -1, 0 (off) or a positive integer, got -2"},
+      {"serve --backend cpu --temperature nan --port 0" + model, "lily: error: --temperature must be in [0.0, 2.0], got nan"},
+      {"serve --backend cpu --top-p nan --port 0" + model, "lily: error: --top-p must be in (0.0, 1.0], got nan"},
       {"serve --backend cpu --allowed-origins localhost:3000 --port 0" + model,
        "lily: error: --allowed-origins 'localhost:3000' is not an origin"},
   };

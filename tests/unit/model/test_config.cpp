@@ -127,6 +127,15 @@ TEST(Config, RotaryDimFallsBackToFlatField) {
   EXPECT_DOUBLE_EQ(c.rope_theta, 5000.0);
 }
 
+TEST(Config, RejectsRopeThetaOutsideFp32Range) {
+  // 1e-300 was once accepted: 0 in fp32, every angle NaN and every logit NaN.
+  for (double theta : {1e-300, 0.5, 1e39}) {
+    json doc = demo_config();
+    doc["text_config"]["rope_parameters"]["rope_theta"] = theta;
+    expect_rejected(doc, {"rope_theta must be in [1, 3.4e38]"});
+  }
+}
+
 TEST(Config, RejectsOtherModelTypes) {
   for (const char* type : {"qwen3_moe", "qwen3_next", "qwen3_5", "qwen3", "llama"}) {
     json doc = demo_config();

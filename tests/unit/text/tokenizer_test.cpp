@@ -188,6 +188,10 @@ TEST_F(TinyTokenizer, RejectsUnsupportedParts) {
   };
   expect_rejected("NFKC", [](json& j) { j["normalizer"] = {{"type", "NFKC"}}; }, "NFKC");
   expect_rejected("WordPiece", [](json& j) { j["model"]["type"] = "WordPiece"; }, "WordPiece");
+  // An id is a table size: one past 2^22 − 1 (or near INT32_MAX, once a crash) is refused.
+  expect_rejected("huge vocab id", [](json& j) { j["model"]["vocab"]["zzzq"] = 2147483647; }, "above the largest accepted");
+  expect_rejected("large vocab id", [](json& j) { j["model"]["vocab"]["zzzq"] = 4194304; }, "id 4194304");
+  expect_rejected("huge added id", [](json& j) { j["added_tokens"][0]["id"] = 2147483646; }, "above the largest accepted");
   expect_rejected("Split Removed", [](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed"; }, "Isolated");
   expect_rejected("Split string", [](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"String", " "}}; }, "Regex");
   expect_rejected("prefix space", [](json& j) { j["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = true; }, "add_prefix_space");
