@@ -767,13 +767,10 @@ void print_moe_phases(int rows) {
   // The rows kernel norms and computes the router logits in one phase (stamps 2 and 3), and
   // stamp 10 follows its act group sums.
   static const char* kPhase[cuda::kMoeTracePoints] = {"entry", "PDL wait", "norm", "router", "barrier 1", "routing",
-                                                     "requests", "gate/up", "SwiGLU", "barrier 2", "act staged", "down",
-                                                     "dn on chip"};
+                                                     "requests", "gate/up", "SwiGLU", "barrier 2", "act staged", "down"};
   for (int p = 0; p < cuda::kMoeTracePoints; ++p) {
     std::vector<double> us;
-    for (int b = 0; b < blocks; ++b)  // a block that never stamps p (no down tile; the rows kernel's 12) is left out
-      if (at(b, p) != 0) us.push_back((static_cast<double>(at(b, p)) - static_cast<double>(t0)) / 1000.0);
-    if (us.empty()) continue;
+    for (int b = 0; b < blocks; ++b) us.push_back((at(b, p) - t0) / 1000.0);
     std::sort(us.begin(), us.end());
     std::printf("[timing] moe block %d rows, phase %-10s  first %6.2f  median %6.2f  last %6.2f us\n", rows, kPhase[p],
                 us.front(), us[us.size() / 2], us.back());

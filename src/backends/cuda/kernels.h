@@ -448,14 +448,13 @@ struct MoeDecodeArgs {
   /// Diagnostics, null in production: per block, %globaltimer (ns) at each of the
   /// kMoeTracePoints phase ends (entry, PDL wait, norm, router (the rows kernel: both its norm
   /// and router units, stamped twice), barrier 1, routing, requests, gate/up + SwiGLU, (same),
-  /// barrier 2, act staged (the rows kernel: the act group sums), down, the one-token block's
-  /// first down tiles on chip (the rows kernel leaves it 0)), then (the rows kernel)
+  /// barrier 2, act staged (the rows kernel: the act group sums), down), then (the rows kernel)
   /// what the block worked on in slot kMoeTraceWork (moe_trace_work) → uint64 [blocks][kMoeTraceSlots].
   uint64_t* trace = nullptr;
 };
 
 /// Phase stamps per block of MoeDecodeArgs::trace.
-inline constexpr int kMoeTracePoints = 13;
+inline constexpr int kMoeTracePoints = 12;
 /// The trace slot after the stamps: the rows kernel's SM and gate/up work (moe_trace_work).
 inline constexpr int kMoeTraceWork = kMoeTracePoints;
 /// uint64 slots per block of MoeDecodeArgs::trace.

@@ -178,19 +178,17 @@ __device__ __forceinline__ void request_down_slots(const MoeDecodeArgs& a, const
 /// Adds 64-group G of one token to acc_lo (slot g) and acc_hi (slot g + 8): perm the token's
 /// bf16 pairs in fragment order, sums its per-group Σx. Only lanes with t = 0 end up with the
 /// token's values (the MMA's column 0). Every lane loads the token's fragments (no branch):
-/// columns 1 … 7 repeat column 0, whose bits depend on its own B column alone. The codes enter
-/// as 128 + q (group_mma<true>, the streaming GEMV's form, one instruction less per A pair),
-/// the 128 folded into the bias (plus128_bias); group_columns has the same arithmetic.
+/// columns 1 … 7 repeat column 0, whose bits depend on its own B column alone.
 __device__ __forceinline__ void group_one_token(const TileView& v, const uint32_t* perm, const float* sums, int t, int G,
                                                 float& acc_lo, float& acc_hi) {
   const uint4* bp = reinterpret_cast<const uint4*>(perm + G * 32 + t * 8);
   const uint4 bw0 = bp[0], bw1 = bp[1];
   float d[4];
-  group_mma<true>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32),
-                  *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0, bw1, d);
-  const float x = sums[G], s_lo = to_f32(v.s_lo[G]), s_hi = to_f32(v.s_hi[G]);
-  acc_lo = affine_add(acc_lo, s_lo, d[0], plus128_bias(s_lo, to_f32(v.b_lo[G])), x);
-  acc_hi = affine_add(acc_hi, s_hi, d[2], plus128_bias(s_hi, to_f32(v.b_hi[G])), x);
+  group_mma(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0,
+            bw1, d);
+  const float x = sums[G];
+  acc_lo = affine_add(acc_lo, to_f32(v.s_lo[G]), d[0], to_f32(v.b_lo[G]), x);
+  acc_hi = affine_add(acc_hi, to_f32(v.s_hi[G]), d[2], to_f32(v.b_hi[G]), x);
 }
 
 /// Step 0 (MoeDecodeArgs::out_proj): this block's 16-row tiles b, b + G, … of y = W·x through
@@ -393,14 +391,10 @@ __device__ __forceinline__ void moe_block_body(const MoeDecodeArgs& a, const Moe
   float* dn_part = reinterpret_cast<float*>(sm + l.dn_part);  // [slot][16 rows]
   for (int i = 0; i < my_rt; ++i) {
     mbarrier_wait(dn_full + i, 0);
-    if (i == 0) trace_point(a, 12);
     const int rt = b + i * G;
     for (int s = warp; s < l.n_sel; s += kBlockWarps) {
       const TileView v = tile_view<false>(dn_stages(i) + s * l.dn_stage, l.dn_row_bytes, l.groups_f, g, t);
       float lo = 0.0f, hi = 0.0f;
-      // Unrolled so that the next groups' loads and MMAs issue while this one's finish (only
-      // the affine adds are a chain; they stay in ascending group order).
-#pragma unroll 4
       for (int Gi = 0; Gi < l.groups_f; ++Gi) group_one_token(v, aperm + s * half, asum + s * l.groups_f, t, Gi, lo, hi);
       if (t == 0) {
         dn_part[s * kTileRows + g] = round_bf16(lo);
@@ -416,23 +410,23 @@ __device__ __forceinline__ void moe_block_body(const MoeDecodeArgs& a, const Moe
   if (a.next_norm.row.pairs) next_norm_phase(a, l, sm);
 }
 
-/// Registers a thread of either one-token instance may take: 16 warps of 96 leave 16,384 of
-/// the SM's 65,536, one block of the streaming GEMV (8 warps of 64), so that the next layer's
-/// in-projection can start its weight copies under this block's tail. Unbounded the
-/// out-projection instance takes 104 and the plain one 98, and the in-projection then waits for
-/// the whole block to leave the SM. (On an H100 the cap and the shared layout of moe_layout
-/// together moved decode by under 1 %.)
-constexpr int kMoeMaxRegisters = 96;
-
 /// The one-token block (moe_block_body without the out-projection phase).
 template <int RBITS>
-__global__ void __maxnreg__(kMoeMaxRegisters) moe_block_kernel(MoeDecodeArgs a, MoeLayout l) {
+__global__ void __launch_bounds__(kBlockThreads, 1) moe_block_kernel(MoeDecodeArgs a, MoeLayout l) {
   moe_block_body<RBITS, false>(a, l);
 }
 
+/// Registers a thread of the out-projection instance may take: 16 warps of 96 leave 16,384 of
+/// the SM's 65,536, one block of the streaming GEMV (8 warps of 64), so that the next layer's
+/// in-projection can start its weight copies under this block's tail, as it can under the
+/// instance without the phase (95 registers). Unbounded the phase's instance takes 104, and the
+/// in-projection then waits for the whole block to leave the SM. (On an H100 the cap and the
+/// shared layout of moe_layout together moved decode by under 1 %.)
+constexpr int kOutProjMaxRegisters = 96;
+
 /// The one-token block with the out-projection phase first (moe_block_body<RBITS, true>).
 template <int RBITS>
-__global__ void __maxnreg__(kMoeMaxRegisters)
+__global__ void __maxnreg__(kOutProjMaxRegisters)
     moe_block_out_proj_kernel(MoeDecodeArgs a, MoeLayout l) {
   moe_block_body<RBITS, true>(a, l);
 }

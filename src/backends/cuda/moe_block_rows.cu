@@ -220,7 +220,7 @@ __device__ __forceinline__ void request_down_tile(const MoeDecodeArgs& a, const 
 /// One 64-group G of a 16-row tile against 8 columns: `col` is this thread's 32 bytes of group 0
 /// of its B column (bf16 in natural order, written by other blocks of this launch before a grid
 /// barrier, whose acquire makes them visible; put in fragment order here), sum0 / sum1 the Σx of
-/// its output columns 2t and 2t + 1. The codes enter as 128 + q (group_one_token's arithmetic). kL1: the loads may hit in L1 (columns that the block reads
+/// its output columns 2t and 2t + 1. kL1: the loads may hit in L1 (columns that the block reads
 /// again soon), else they go to L2. acc[0], acc[1]: rows g of columns 2t, 2t + 1; acc[2], acc[3]: rows g + 8. A column
 /// the caller does not use may hold any pair's values: an MMA's output column depends only on
 /// its own B column, so it changes no other column's bits (and is never read), and no column is
@@ -231,10 +231,9 @@ __device__ __forceinline__ void group_columns(const TileView& v, const uint4* co
   const uint4 w0 = kL1 ? col[G * 8] : __ldcg(col + G * 8), w1 = kL1 ? col[G * 8 + 1] : __ldcg(col + G * 8 + 1);
   const uint4 bw0 = fragment_order(w0), bw1 = fragment_order(w1);
   float d[4];
-  group_mma<true>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32),
-                  *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0, bw1, d);
-  const float s_lo = to_f32(v.s_lo[G]), s_hi = to_f32(v.s_hi[G]);
-  const float b_lo = plus128_bias(s_lo, to_f32(v.b_lo[G])), b_hi = plus128_bias(s_hi, to_f32(v.b_hi[G]));
+  group_mma(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0,
+            bw1, d);
+  const float s_lo = to_f32(v.s_lo[G]), b_lo = to_f32(v.b_lo[G]), s_hi = to_f32(v.s_hi[G]), b_hi = to_f32(v.b_hi[G]);
   acc[0] = affine_add(acc[0], s_lo, d[0], b_lo, sum0);
   acc[1] = affine_add(acc[1], s_lo, d[1], b_lo, sum1);
   acc[2] = affine_add(acc[2], s_hi, d[2], b_hi, sum0);

@@ -93,10 +93,6 @@ __device__ __forceinline__ float affine_add(float acc, float s, float d, float b
   return __fadd_rn(acc, __fmaf_rn(s, d, __fmul_rn(b, x)));
 }
 
-/// b − 128·s in one rounding: the bias that group_mma<true>'s Σ(q + 128)·x takes, so that
-/// s·Σ(q + 128)·x + (b − 128·s)·Σx is the group's affine term (s, b its scale and bias).
-__device__ __forceinline__ float plus128_bias(float s, float b) { return __fmaf_rn(-128.0f, s, b); }
-
 /// Code byte `i` (0 … 3) of `w` as an exact fp32 value (0 … 255): the byte placed in the
 /// mantissa of 2^23, then 2^23 subtracted.
 __device__ __forceinline__ float code_byte_f32(uint32_t w, int i) {

@@ -232,17 +232,19 @@ __device__ __forceinline__ StreamTileView stream_tile_view(const unsigned char* 
   return v;
 }
 
-/// Token g's activation fragments of group G (group_mma's B registers) read straight from x
-/// [m, cols] in global memory: the 16 values [64G + 16t, +16) in two 16-byte loads, paired
-/// (c, c + 4) into fragment_pair_column's order (fragment_order). A lane with g ≥ m loads row
-/// m − 1 instead of zeros, with no branch: an MMA's output column depends only on its own B
-/// column, and the columns past m are never stored (store_mma_tile).
+/// Token g's activation fragments of group G (group_mma's B registers; zeros for g ≥ m) read
+/// straight from x [m, cols] in global memory: the 16 values [64G + 16t, +16) in two 16-byte
+/// loads, paired (c, c + 4) with byte permutes into fragment_pair_column's order.
 __device__ __forceinline__ void stream_direct_fragments(const bf16* __restrict__ x, int cols, int m, int g, int t, int G,
                                                         uint4& bw0, uint4& bw1) {
-  const int n = min(g, m - 1);
-  const uint4* p = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(n) * cols + G * kGroup + 16 * t);
-  bw0 = fragment_order(p[0]);  // (x0, x1), (x2, x3), (x4, x5), (x6, x7) of each half
-  bw1 = fragment_order(p[1]);
+  bw0 = bw1 = make_uint4(0, 0, 0, 0);
+  if (g >= m) return;
+  const uint4* p = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(g) * cols + G * kGroup + 16 * t);
+  const uint4 lo = p[0], hi = p[1];  // (x0, x1), (x2, x3), (x4, x5), (x6, x7) of each half
+  bw0 = make_uint4(__byte_perm(lo.x, lo.z, 0x5410), __byte_perm(lo.x, lo.z, 0x7632), __byte_perm(lo.y, lo.w, 0x5410),
+                   __byte_perm(lo.y, lo.w, 0x7632));
+  bw1 = make_uint4(__byte_perm(hi.x, hi.z, 0x5410), __byte_perm(hi.x, hi.z, 0x7632), __byte_perm(hi.y, hi.w, 0x5410),
+                   __byte_perm(hi.y, hi.w, 0x7632));
 }
 
 /// Adds group G's contribution to acc (rows of slots g, g+8 × tokens 2t, 2t+1), the activation
@@ -261,7 +263,7 @@ __device__ __forceinline__ void stream_group(const StreamTileView& v, const uint
   group_mma<true>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32),
                    bw0, bw1, d);
   // Every rounding explicit, so that every kernel that inlines this gets the same bits.
-  const float cl = plus128_bias(sl, bl), ch = plus128_bias(sh, bh);
+  const float cl = __fmaf_rn(-128.0f, sl, bl), ch = __fmaf_rn(-128.0f, sh, bh);
   acc[0] = affine_add(acc[0], sl, d[0], cl, x0);
   if constexpr (!kOneToken) acc[1] = affine_add(acc[1], sl, d[1], cl, x1);
   acc[2] = affine_add(acc[2], sh, d[2], ch, x0);
@@ -354,7 +356,7 @@ __device__ __forceinline__ void stream_group_blocks(const StreamTileView& v, con
   float d[kBlocks][4];
   group_mma_blocks<true, kBlocks>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32),
                                   *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0, bw1, d);
-  const float cl = plus128_bias(sl, bl), ch = plus128_bias(sh, bh);
+  const float cl = __fmaf_rn(-128.0f, sl, bl), ch = __fmaf_rn(-128.0f, sh, bh);
 #pragma unroll
   for (int c = 0; c < kBlocks; ++c) {
     acc[c][0] = affine_add(acc[c][0], sl, d[c][0], cl, x0[c]);
@@ -398,8 +400,7 @@ __device__ __forceinline__ void stream_tile_slice_blocks(const StreamTileView& v
 }
 
 /// The direct mode's k-slice: each block's fragments read from x [m, cols] in global memory
-/// (stream_direct_fragments) and its Σx from xsum [m][groups], row m − 1 again past m (those
-/// columns are never stored).
+/// (stream_direct_fragments, zeros past m); xsum [m][groups] the tokens' Σx (0 past m).
 template <int kBlocks>
 __device__ __forceinline__ void stream_tile_slice_direct(const StreamTileView& v, const bf16* x, int cols, int m,
                                                          int g, int t, int g_begin, int g_end, const float* xsum,
@@ -409,9 +410,9 @@ __device__ __forceinline__ void stream_tile_slice_direct(const StreamTileView& v
     stream_direct_fragments(x + int64_t{c} * kMmaMaxTokens * cols, cols, m - c * kMmaMaxTokens, g, t, G, bw0, bw1);
   };
   auto sums = [&](int c, int G, float (&x0)[kBlocks], float (&x1)[kBlocks]) {
-    const int n0 = min(c * kMmaMaxTokens + 2 * t, m - 1), n1 = min(c * kMmaMaxTokens + 2 * t + 1, m - 1);
-    x0[c] = xsum[n0 * groups + G];
-    x1[c] = xsum[n1 * groups + G];
+    const int n0 = c * kMmaMaxTokens + 2 * t;
+    x0[c] = n0 < m ? xsum[n0 * groups + G] : 0.0f;
+    x1[c] = n0 + 1 < m ? xsum[(n0 + 1) * groups + G] : 0.0f;
   };
   stream_tile_slice_blocks<kBlocks>(v, frag, sums, g_begin, g_end, acc);
 }
