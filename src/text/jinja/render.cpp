@@ -84,8 +84,9 @@ class Interpreter {
   }
 
   static std::shared_ptr<const Function> make_function(std::string name,
-                                                       std::function<Value(Interpreter&, CallArgs&&)> fn) {
-    return std::make_shared<const Function>(Function{std::move(name), std::move(fn)});
+                                                       std::function<Value(Interpreter&, CallArgs&&)> fn,
+                                                       Value bound = Value()) {
+    return std::make_shared<const Function>(Function{std::move(name), std::move(fn), std::move(bound)});
   }
 
   // --- scopes -------------------------------------------------------------------------------
@@ -109,6 +110,14 @@ class Interpreter {
   }
 
   Flow exec(const Stmt& s, MarkedText& out, Scope& scope) {
+    try {
+      return exec_statement(s, out, scope);
+    } catch (const ValueNestingError& e) {  // thrown by a walk of a value, which knows no line
+      fail(s.line, e.what());
+    }
+  }
+
+  Flow exec_statement(const Stmt& s, MarkedText& out, Scope& scope) {
     step(s.line);
     switch (s.kind) {
       case Stmt::Kind::kText:
@@ -219,6 +228,9 @@ class Interpreter {
     if (!s.target_object.empty()) {
       Value ns = lookup(scope, s.target_object);
       if (!ns.is_namespace()) fail(s.line, "cannot assign attribute on non-namespace object '" + s.target_object + "'");
+      // The one place a template changes a value it already holds: refuse a cycle, and a value
+      // grown (one loop iteration at a time) past the depth the walks of values accept.
+      check_namespace_member(ns, v);
       ns.dict_data().set(s.targets[0], std::move(v));
       return;
     }
@@ -349,9 +361,9 @@ class Interpreter {
   }
 
   Value bound_method(const Value& obj, const std::string& name) {
-    return Value(make_function(name, [obj, name](Interpreter& in, CallArgs&& args) {
-      return in.call_method(obj, name, std::move(args), 0);
-    }));
+    return Value(make_function(
+        name, [obj, name](Interpreter& in, CallArgs&& args) { return in.call_method(obj, name, std::move(args), 0); },
+        obj));
   }
 
   static int64_t normalize_index(int64_t i, size_t size) { return i < 0 ? i + static_cast<int64_t>(size) : i; }

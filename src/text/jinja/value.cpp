@@ -5,6 +5,8 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "text/jinja/pystr.h"
 #include "text/utf8.h"
@@ -12,8 +14,18 @@
 namespace lily::jinja {
 namespace {
 
+// `levels`: the lists, dicts and namespaces around the value being walked. A walk refuses to go
+// deeper than kMaxValueDepth (one native stack frame a level).
+void enter_level(int levels) {
+  if (levels >= kMaxValueDepth)
+    throw ValueNestingError("value nesting too deep (more than " + std::to_string(kMaxValueDepth) + " levels)");
+}
+
+bool is_container(const Value& v) { return v.is_list() || v.is_dict() || v.is_namespace(); }
+
 template <typename Json>
-Value from_json_impl(const Json& j) {
+Value from_json_impl(const Json& j, int levels) {
+  if (j.is_structured()) enter_level(levels);
   switch (j.type()) {
     case nlohmann::json::value_t::null: return nullptr;
     case nlohmann::json::value_t::boolean: return j.template get<bool>();
@@ -28,12 +40,12 @@ Value from_json_impl(const Json& j) {
     case nlohmann::json::value_t::array: {
       std::vector<Value> items;
       items.reserve(j.size());
-      for (const auto& e : j) items.push_back(from_json_impl(e));
+      for (const auto& e : j) items.push_back(from_json_impl(e, levels + 1));
       return Value::list(std::move(items));
     }
     case nlohmann::json::value_t::object: {
       Value d = Value::dict();
-      for (auto it = j.begin(); it != j.end(); ++it) d.dict_data().items.emplace_back(it.key(), from_json_impl(it.value()));
+      for (auto it = j.begin(); it != j.end(); ++it) d.dict_data().items.emplace_back(it.key(), from_json_impl(it.value(), levels + 1));
       return d;
     }
     default: return Value();  // binary / discarded: not produced by parsing JSON text
@@ -131,6 +143,7 @@ void json_value(std::string& out, const Value& v, const JsonOptions& o, int dept
     return;
   }
   if (v.is_string()) { json_string(out, v.str(), o.ensure_ascii); return; }
+  enter_level(depth);
   const std::string item_sep = !o.item_separator.empty() ? o.item_separator : (o.indent >= 0 ? "," : ", ");
   const std::string key_sep = !o.key_separator.empty() ? o.key_separator : ": ";
   auto newline = [&](int level) {
@@ -172,15 +185,144 @@ void json_value(std::string& out, const Value& v, const JsonOptions& o, int dept
                             " is not JSON serializable");
 }
 
+std::string repr_value(const Value& v, int levels);
+
 // The members of a dict or namespace as Python's repr writes them between the braces:
 // "'k': v, 'k2': v2" in insertion order.
-std::string repr_members(const DictData& d) {
+std::string repr_members(const DictData& d, int levels) {
   std::string out;
   for (const auto& [k, e] : d.items) {
     if (!out.empty()) out += ", ";
-    out += repr_string(k) + ": " + to_repr(e);
+    out += repr_string(k) + ": " + repr_value(e, levels);
   }
   return out;
+}
+
+std::string repr_value(const Value& v, int levels) {
+  if (is_container(v)) enter_level(levels);
+  if (v.is_undefined()) return "Undefined";
+  if (v.is_string()) return repr_string(v.str());
+  if (v.is_list()) {
+    const ListData& l = v.list_data();
+    std::string out = l.tuple ? "(" : "[";
+    for (size_t i = 0; i < l.items.size(); ++i) {
+      if (i) out += ", ";
+      out += repr_value(l.items[i], levels + 1);
+    }
+    if (l.tuple && l.items.size() == 1) out += ",";
+    out += l.tuple ? ")" : "]";
+    return out;
+  }
+  if (v.is_dict()) return "{" + repr_members(v.dict_data(), levels + 1) + "}";
+  if (v.is_namespace()) return "<Namespace {" + repr_members(v.dict_data(), levels + 1) + "}>";
+  return to_str(v);
+}
+
+bool equal_at(const Value& a, const Value& b, int levels) {
+  if (a.is_undefined() || b.is_undefined()) return a.is_undefined() && b.is_undefined();
+  const bool a_num = a.is_number() || a.is_bool(), b_num = b.is_number() || b.is_bool();
+  if (a_num || b_num) {
+    if (!(a_num && b_num)) return false;
+    if (!a.is_float() && !b.is_float()) {
+      auto as_int = [](const Value& x) { return x.is_bool() ? int64_t{std::get<bool>(x.v)} : std::get<int64_t>(x.v); };
+      return as_int(a) == as_int(b);
+    }
+    return a.as_double() == b.as_double();
+  }
+  if (a.is_none() || b.is_none()) return a.is_none() && b.is_none();
+  if (a.is_string() || b.is_string()) return a.is_string() && b.is_string() && a.str() == b.str();
+  if (a.is_list() || b.is_list()) {
+    if (!(a.is_list() && b.is_list())) return false;
+    const auto &x = a.list_data(), &y = b.list_data();
+    if (&x == &y) return true;  // Python's identity shortcut: no walk of a shared value
+    enter_level(levels);
+    if (x.tuple != y.tuple || x.items.size() != y.items.size()) return false;
+    for (size_t i = 0; i < x.items.size(); ++i)
+      if (!equal_at(x.items[i], y.items[i], levels + 1)) return false;
+    return true;
+  }
+  if (a.is_dict() && b.is_dict()) {
+    auto &x = a.dict_data(), &y = b.dict_data();
+    if (&x == &y) return true;
+    enter_level(levels);
+    if (x.items.size() != y.items.size()) return false;
+    for (const auto& [k, e] : x.items) {
+      const Value* other = y.find(k);
+      if (!other || !equal_at(e, *other, levels + 1)) return false;
+    }
+    return true;
+  }
+  // Namespaces and functions: identity.
+  if (a.v.index() != b.v.index()) return false;
+  if (a.is_callable()) return &a.function() == &b.function();
+  return &a.dict_data() == &b.dict_data();
+}
+
+int compare_at(const Value& a, const Value& b, int levels) {
+  if ((a.is_number() || a.is_bool()) && (b.is_number() || b.is_bool())) {
+    if (!a.is_float() && !b.is_float() && a.is_int() && b.is_int()) {
+      int64_t x = std::get<int64_t>(a.v), y = std::get<int64_t>(b.v);
+      return x < y ? -1 : (x > y ? 1 : 0);
+    }
+    double x = a.as_double(), y = b.as_double();
+    return x < y ? -1 : (x > y ? 1 : 0);
+  }
+  if (a.is_string() && b.is_string()) {
+    int c = a.str().compare(b.str());  // UTF-8 byte order is code point order
+    return c < 0 ? -1 : (c > 0 ? 1 : 0);
+  }
+  if (a.is_list() && b.is_list()) {
+    enter_level(levels);
+    const auto &x = a.list_data().items, &y = b.list_data().items;
+    for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
+      if (equal_at(x[i], y[i], levels + 1)) continue;
+      return compare_at(x[i], y[i], levels + 1);
+    }
+    return x.size() < y.size() ? -1 : (x.size() > y.size() ? 1 : 0);
+  }
+  throw TemplateRenderError("'<' not supported between instances of '" + a.type_name() + "' and '" + b.type_name() + "'");
+}
+
+// Values whose last reference went while a list or dict was being freed. The outermost
+// ~ListData/~DictData frees them one at a time in a loop, so a value nested 100,000 deep (a
+// chain a namespace can grow without any single assignment being deep) is freed in constant
+// stack instead of one destructor frame per level. Per thread: renders run on several.
+struct PendingRelease {
+  std::vector<Value> values;
+  bool draining = false;
+};
+thread_local PendingRelease pending_release;
+
+void defer_release(Value& v) {
+  if (std::holds_alternative<std::shared_ptr<ListData>>(v.v) || std::holds_alternative<std::shared_ptr<DictData>>(v.v) ||
+      std::holds_alternative<std::shared_ptr<const Function>>(v.v))
+    pending_release.values.push_back(std::move(v));
+}
+
+void drain_releases() {
+  if (pending_release.draining) return;  // an outer destructor's loop frees what was deferred
+  pending_release.draining = true;
+  while (!pending_release.values.empty()) {
+    Value last = std::move(pending_release.values.back());
+    pending_release.values.pop_back();
+  }  // `last` freed here: its own children are deferred, not freed recursively
+  pending_release.draining = false;
+}
+
+// The identity of a list, dict, namespace or function (nullptr for other values) and its i-th
+// child value (nullptr past the last): the graph check_namespace_member walks.
+const void* node_of(const Value& v) {
+  if (auto* l = std::get_if<std::shared_ptr<ListData>>(&v.v)) return l->get();
+  if (auto* d = std::get_if<std::shared_ptr<DictData>>(&v.v)) return d->get();
+  if (auto* f = std::get_if<std::shared_ptr<const Function>>(&v.v)) return f->get();
+  return nullptr;
+}
+
+const Value* child_of(const Value& v, size_t i) {
+  if (v.is_list()) return i < v.list_data().items.size() ? &v.list_data().items[i] : nullptr;
+  if (v.is_dict() || v.is_namespace()) return i < v.dict_data().items.size() ? &v.dict_data().items[i].second : nullptr;
+  if (v.is_callable()) return i == 0 && !v.function().bound.is_undefined() ? &v.function().bound : nullptr;
+  return nullptr;
 }
 
 }  // namespace
@@ -302,24 +444,7 @@ std::string float_repr(double d) {
   return sign + mantissa + ebuf;
 }
 
-std::string to_repr(const Value& v) {
-  if (v.is_undefined()) return "Undefined";
-  if (v.is_string()) return repr_string(v.str());
-  if (v.is_list()) {
-    const ListData& l = v.list_data();
-    std::string out = l.tuple ? "(" : "[";
-    for (size_t i = 0; i < l.items.size(); ++i) {
-      if (i) out += ", ";
-      out += to_repr(l.items[i]);
-    }
-    if (l.tuple && l.items.size() == 1) out += ",";
-    out += l.tuple ? ")" : "]";
-    return out;
-  }
-  if (v.is_dict()) return "{" + repr_members(v.dict_data()) + "}";
-  if (v.is_namespace()) return "<Namespace {" + repr_members(v.dict_data()) + "}>";
-  return to_str(v);
-}
+std::string to_repr(const Value& v) { return repr_value(v, 0); }
 
 std::string to_str(const Value& v) {
   if (v.is_undefined()) return "";
@@ -338,64 +463,59 @@ std::string to_json(const Value& v, const JsonOptions& options) {
   return out;
 }
 
-bool equal(const Value& a, const Value& b) {
-  if (a.is_undefined() || b.is_undefined()) return a.is_undefined() && b.is_undefined();
-  const bool a_num = a.is_number() || a.is_bool(), b_num = b.is_number() || b.is_bool();
-  if (a_num || b_num) {
-    if (!(a_num && b_num)) return false;
-    if (!a.is_float() && !b.is_float()) {
-      auto as_int = [](const Value& x) { return x.is_bool() ? int64_t{std::get<bool>(x.v)} : std::get<int64_t>(x.v); };
-      return as_int(a) == as_int(b);
-    }
-    return a.as_double() == b.as_double();
-  }
-  if (a.is_none() || b.is_none()) return a.is_none() && b.is_none();
-  if (a.is_string() || b.is_string()) return a.is_string() && b.is_string() && a.str() == b.str();
-  if (a.is_list() || b.is_list()) {
-    if (!(a.is_list() && b.is_list())) return false;
-    const auto &x = a.list_data(), &y = b.list_data();
-    if (x.tuple != y.tuple || x.items.size() != y.items.size()) return false;
-    for (size_t i = 0; i < x.items.size(); ++i)
-      if (!equal(x.items[i], y.items[i])) return false;
-    return true;
-  }
-  if (a.is_dict() && b.is_dict()) {
-    auto &x = a.dict_data(), &y = b.dict_data();
-    if (x.items.size() != y.items.size()) return false;
-    for (const auto& [k, e] : x.items) {
-      const Value* other = y.find(k);
-      if (!other || !equal(e, *other)) return false;
-    }
-    return true;
-  }
-  // Namespaces and functions: identity.
-  if (a.v.index() != b.v.index()) return false;
-  if (a.is_callable()) return &a.function() == &b.function();
-  return &a.dict_data() == &b.dict_data();
+bool equal(const Value& a, const Value& b) { return equal_at(a, b, 0); }
+
+int compare(const Value& a, const Value& b) { return compare_at(a, b, 0); }
+
+ListData::~ListData() {
+  for (Value& v : items) defer_release(v);
+  drain_releases();
 }
 
-int compare(const Value& a, const Value& b) {
-  if ((a.is_number() || a.is_bool()) && (b.is_number() || b.is_bool())) {
-    if (!a.is_float() && !b.is_float() && a.is_int() && b.is_int()) {
-      int64_t x = std::get<int64_t>(a.v), y = std::get<int64_t>(b.v);
-      return x < y ? -1 : (x > y ? 1 : 0);
+DictData::~DictData() {
+  for (auto& [k, v] : items) defer_release(v);
+  drain_releases();
+}
+
+void check_namespace_member(const Value& ns, const Value& value) {
+  const void* target = node_of(ns);
+  if (!node_of(value)) return;  // a scalar or string: nothing to walk
+  // Iterative depth-first walk (the value may be too deep for recursion): `levels[n]` is the
+  // longest chain of nodes from n down, known once all of n's children are done.
+  std::unordered_map<const void*, int> levels;
+  std::unordered_set<const void*> on_path;
+  struct Frame {
+    const Value* v;
+    size_t next = 0;
+    int deepest = 0;
+  };
+  std::vector<Frame> stack{{&value}};
+  on_path.insert(node_of(value));
+  if (node_of(value) == target) throw ValueNestingError("a namespace cannot hold itself (a reference cycle)");
+  while (!stack.empty()) {
+    Frame& f = stack.back();
+    if (const Value* c = child_of(*f.v, f.next++)) {
+      const void* n = node_of(*c);
+      if (!n) continue;
+      if (n == target || on_path.count(n)) throw ValueNestingError("a namespace cannot hold itself (a reference cycle)");
+      if (auto it = levels.find(n); it != levels.end()) {
+        f.deepest = std::max(f.deepest, it->second);
+        continue;
+      }
+      on_path.insert(n);
+      stack.push_back({c});
+      continue;
     }
-    double x = a.as_double(), y = b.as_double();
-    return x < y ? -1 : (x > y ? 1 : 0);
+    const void* n = node_of(*f.v);
+    const int depth = f.deepest + 1;
+    // The namespace adds one level above `value`.
+    if (depth + 1 > kMaxValueDepth)
+      throw ValueNestingError("value nesting too deep (more than " + std::to_string(kMaxValueDepth) + " levels)");
+    levels[n] = depth;
+    on_path.erase(n);
+    stack.pop_back();
+    if (!stack.empty()) stack.back().deepest = std::max(stack.back().deepest, depth);
   }
-  if (a.is_string() && b.is_string()) {
-    int c = a.str().compare(b.str());  // UTF-8 byte order is code point order
-    return c < 0 ? -1 : (c > 0 ? 1 : 0);
-  }
-  if (a.is_list() && b.is_list()) {
-    const auto &x = a.list_data().items, &y = b.list_data().items;
-    for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-      if (equal(x[i], y[i])) continue;
-      return compare(x[i], y[i]);
-    }
-    return x.size() < y.size() ? -1 : (x.size() > y.size() ? 1 : 0);
-  }
-  throw TemplateRenderError("'<' not supported between instances of '" + a.type_name() + "' and '" + b.type_name() + "'");
 }
 
 Value trusted_string(std::string s) {
@@ -455,7 +575,7 @@ Value substring(const Value& v, size_t begin, size_t end) {
   return m.take();
 }
 
-Value from_json(const nlohmann::ordered_json& j) { return from_json_impl(j); }
-Value from_json(const nlohmann::json& j) { return from_json_impl(j); }
+Value from_json(const nlohmann::ordered_json& j) { return from_json_impl(j, 0); }
+Value from_json(const nlohmann::json& j) { return from_json_impl(j, 0); }
 
 }  // namespace lily::jinja

@@ -32,6 +32,19 @@ class TemplateRenderError : public Error {
   using Error::Error;
 };
 
+/// A value nested deeper than kMaxValueDepth, or a namespace that would hold itself: thrown
+/// without a line by the walks of values (repr, json.dumps, ==, from_json); the renderer adds
+/// the line of the statement.
+class ValueNestingError : public TemplateRenderError {
+ public:
+  using TemplateRenderError::TemplateRenderError;
+};
+
+/// Most levels of lists, dicts and namespaces that printing, tojson, comparison and from_json
+/// walk (as the renderer's own nesting limit): each level is a native stack frame, and a value
+/// deeper than this is refused with ValueNestingError instead of overflowing the stack.
+constexpr int kMaxValueDepth = 400;
+
 /// `raise_exception(msg)` called by the template: what() is exactly the template's message
 /// (the server answers it with a 400).
 class TemplateRaisedError : public Error {
@@ -50,11 +63,7 @@ struct CallArgs {
   const Value* kw(std::string_view name) const;
 };
 
-/// A macro, global function or bound method.
-struct Function {
-  std::string name;
-  std::function<Value(Interpreter&, CallArgs&&)> call;
-};
+struct Function;
 
 /// jinja2's default Undefined: falsy, renders empty, iterates as empty; `hint` is the message of
 /// the error raised when it is used where jinja2 raises (attribute access, arithmetic).
@@ -134,16 +143,34 @@ struct Value {
   std::string type_name() const;
 };
 
+/// A macro, global function or bound method.
+struct Function {
+  std::string name;
+  std::function<Value(Interpreter&, CallArgs&&)> call;
+  /// A bound method's object (also held by `call`), for the namespace cycle check; else Undefined.
+  Value bound;
+};
+
 /// Elements of a list or tuple.
 struct ListData {
   std::vector<Value> items;
   bool tuple = false;
+  ListData() = default;
+  ListData(const ListData&) = default;
+  ListData& operator=(const ListData&) = default;
+  /// Frees nested lists, dicts and functions one at a time (see release_nested in value.cpp).
+  ~ListData();
 };
 
 /// Entries of a dict or namespace, in insertion order (keys are strings).
 struct DictData {
   std::vector<std::pair<std::string, Value>> items;
   bool is_namespace = false;
+  DictData() = default;
+  DictData(const DictData&) = default;
+  DictData& operator=(const DictData&) = default;
+  /// As ~ListData.
+  ~DictData();
   /// The value of `key`, or nullptr.
   Value* find(std::string_view key);
   /// Sets `key` (replaces in place, else appends).
@@ -177,7 +204,9 @@ class MarkedText {
 /// Bytes [begin, end) of string value `v`, keeping their trust spans.
 Value substring(const Value& v, size_t begin, size_t end);
 
-/// Python str(value): "None", "True", repr of lists and dicts; Undefined is "".
+/// Python str(value): "None", "True", repr of lists and dicts; Undefined is "". Throws
+/// ValueNestingError for a value nested deeper than kMaxValueDepth (as to_repr, to_json, equal
+/// and compare).
 std::string to_str(const Value& v);
 /// Python repr(value) (strings quoted as Python does).
 std::string to_repr(const Value& v);
@@ -193,16 +222,22 @@ struct JsonOptions {
   std::string key_separator;   ///< empty: ": "
 };
 /// Python json.dumps of a value; throws TemplateRenderError (without a line) for an Undefined,
-/// a namespace or a function (Python's TypeError).
+/// a namespace or a function (Python's TypeError), ValueNestingError for too deep a value.
 std::string to_json(const Value& v, const JsonOptions& options = {});
 
-/// Python ==, deep; Undefined equals only Undefined.
+/// Python ==, deep (a list or dict equals itself without a walk); Undefined equals only Undefined.
 bool equal(const Value& a, const Value& b);
 /// Python <: -1, 0, 1 for numbers, strings and lists; throws TemplateRenderError otherwise.
 int compare(const Value& a, const Value& b);
 
+/// Throws ValueNestingError if storing `value` in namespace `ns` would make a reference cycle
+/// (`value` reaches `ns` through lists, dicts, namespaces or a bound method's object) or a
+/// namespace nested deeper than kMaxValueDepth.
+void check_namespace_member(const Value& ns, const Value& value);
+
 /// A JSON document as a template value: objects keep their member order (dicts), integers
-/// stay ints, other numbers floats.
+/// stay ints, other numbers floats. Throws ValueNestingError for a document nested deeper than
+/// kMaxValueDepth.
 Value from_json(const nlohmann::ordered_json& j);
 /// As above for a key-sorted nlohmann::json.
 Value from_json(const nlohmann::json& j);

@@ -307,6 +307,25 @@ TEST(ChatTemplateAgent, ToolsToolCallsAndToolResults) {
   EXPECT_EQ(tools_template().render(messages, ChatTemplateOptions{}).find("<tools>"), std::string::npos);
 }
 
+// Tools or tool-call arguments nested deeper than the engine walks (the server and the CLI refuse
+// them sooner, at 128 levels) are an error from the conversion, not a stack overflow.
+TEST(ChatTemplateAgent, OverDeepToolsAndArgumentsAreErrors) {
+  nlohmann::ordered_json deep = 1;
+  for (int i = 0; i < 5000; ++i) deep = nlohmann::ordered_json::array({std::move(deep)});
+  ChatMessage call{ChatRole::kAssistant, ""};
+  call.tool_calls.push_back({"call_1", "f", {{"x", deep}}});
+  const std::vector<ChatMessage> messages = {user("Q"), call, user("R")};
+  EXPECT_THROW(
+      try { tools_template().render(messages, ChatTemplateOptions{}); } catch (const Error& e) {
+        EXPECT_STREQ(e.what(), "value nesting too deep (more than 400 levels)");
+        throw;
+      },
+      Error);
+  ChatTemplateOptions options;
+  options.tools = nlohmann::ordered_json::array({{{"type", "function"}, {"function", {{"name", "f"}, {"x", deep}}}}});
+  EXPECT_THROW(tools_template().render(std::vector<ChatMessage>{user("Q")}, options), Error);
+}
+
 TEST(ChatTemplateAgent, ThinkingAndReasoning) {
   ChatTemplateOptions thinking;
   thinking.enable_thinking = true;

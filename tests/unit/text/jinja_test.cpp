@@ -204,6 +204,84 @@ TEST(JinjaRender, Limits) {
   EXPECT_NE(render_error("{{ 'x' * 10000000000 }}").find("too large"), std::string::npos);
 }
 
+// Nesting built a level per loop iteration is refused where it is stored, with the line.
+TEST(JinjaRender, LoopBuiltNestingIsAnErrorNotACrash) {
+  const std::string error = "line 1: value nesting too deep (more than 400 levels)";
+  EXPECT_EQ(render_error("{% set ns = namespace(v=[]) %}{% for i in range(100000) %}{% set ns.v = [ns.v] %}{% endfor %}x"),
+            error);
+  EXPECT_EQ(render_error("{% set ns = namespace(v=1) %}{% for i in range(100000) %}{% set ns.v = {'k': ns.v} %}{% endfor %}"),
+            error);
+  EXPECT_EQ(render_error("{% set ns = namespace(v=1) %}{% for i in range(100000) %}"
+                         "{% set ns.v = namespace(a=ns.v) %}{% endfor %}"),
+            error);
+  // The namespace and 399 lists in it are the 400 levels it takes; printed and serialized.
+  const std::string built = "{% set ns = namespace(v=1) %}{% for i in range(399) %}{% set ns.v = [ns.v] %}{% endfor %}";
+  EXPECT_EQ(render(built + "{{ ns.v | tojson | length }} {{ ns | string | length }}"),
+            std::to_string(399 * 2 + 1) + " " + std::to_string(399 * 2 + 1 + 19));
+  EXPECT_EQ(render_error(built + "{% set ns.v = [ns.v] %}"), error);
+}
+
+TEST(JinjaRender, NamespaceCannotHoldItself) {
+  const std::string error = "line 1: a namespace cannot hold itself (a reference cycle)";
+  EXPECT_EQ(render_error("{% set ns = namespace(a=1) %}{% set ns.a = ns %}{{ ns }}"), error);
+  EXPECT_EQ(render_error("{% set ns = namespace(a=1) %}{% set ns.a = [1, {'k': ns}] %}{{ ns | tojson }}"), error);
+  EXPECT_EQ(render_error("{% set ns = namespace() %}{% set n2 = namespace(x=[ns]) %}{% set ns.a = n2 %}{{ ns == ns }}"),
+            error);
+  EXPECT_EQ(render_error("{% set ns = namespace() %}{% set ns.f = {'n': ns}.get %}"), error);
+  // A shared value that is not a cycle is fine, as is replacing an attribute by its own value.
+  EXPECT_EQ(render("{% set ns = namespace(a=[1]) %}{% set ns.b = [ns.a, ns.a] %}{% set ns.a = ns.a %}"
+                   "{{ ns.b }} {{ ns.b[0] in ns.b }} {{ [ns] }}"),
+            "[[1], [1]] True [<Namespace {'a': [1], 'b': [[1], [1]]}>]");
+}
+
+// A chain of namespaces grown at its tail gets deep without any one deep assignment: printing,
+// tojson and == refuse it, and freeing it takes no stack (as freeing the value below).
+TEST(JinjaRender, NamespaceChainTooDeepToPrintIsAnError) {
+  const std::string chain =
+      "{% set ns = namespace(tail=namespace()) %}{% set ns.head = ns.tail %}"
+      "{% for i in range(1000) %}{% set t = ns.tail %}{% set n = namespace() %}{% set t.next = n %}"
+      "{% set ns.tail = n %}{% endfor %}";
+  const std::string error = "line 1: value nesting too deep (more than 400 levels)";
+  EXPECT_EQ(render(chain + "x"), "x");
+  EXPECT_EQ(render_error(chain + "{{ ns.head }}"), error);
+  EXPECT_EQ(render(chain + "{{ [ns.head] == [ns.head] }}"), "True");  // namespaces compare by identity
+  EXPECT_EQ(render_error(chain + "{{ ns.head == ns.tail or ns.head | string }}"), error);
+  EXPECT_EQ(render_error(chain + "{{ 'x' ~ [ns.head] }}"), error);
+}
+
+// A value nested far deeper than any stack could free recursively (the engine's own values).
+TEST(JinjaValue, DeepValueIsFreedWithoutRecursionAndRefusedByWalks) {
+  Value deep = Value::list();
+  for (int i = 0; i < 300'000; ++i) deep = Value::list({deep});  // each step frees nothing
+  EXPECT_THROW(to_repr(deep), ValueNestingError);
+  EXPECT_THROW(to_json(deep), ValueNestingError);
+  Value other = Value::list();
+  for (int i = 0; i < 1000; ++i) other = Value::list({other});
+  EXPECT_THROW(equal(deep, other), ValueNestingError);
+  EXPECT_THROW(compare(deep, other), ValueNestingError);
+  EXPECT_TRUE(equal(deep, deep));
+  deep = Value();  // frees the 300,000 lists
+  SUCCEED();
+}
+
+TEST(JinjaValue, FromJsonRefusesDeeperThanTheLimit) {
+  auto nested = [](int levels) {
+    json j = 1;
+    for (int i = 0; i < levels; ++i) j = json::array({std::move(j)});
+    return j;
+  };
+  EXPECT_EQ(to_json(from_json(nested(kMaxValueDepth))).size(), static_cast<size_t>(2 * kMaxValueDepth + 1));
+  EXPECT_THROW(from_json(nested(kMaxValueDepth + 1)), ValueNestingError);
+  json obj = {{"a", nested(kMaxValueDepth)}};
+  EXPECT_THROW(from_json(obj), ValueNestingError);
+  try {
+    render("{{ x }}", {{"x", nested(5000)}});
+    FAIL() << "no error";
+  } catch (const TemplateRenderError& e) {
+    EXPECT_STREQ(e.what(), "value nesting too deep (more than 400 levels)");
+  }
+}
+
 // The template's own bytes, as "[...]" around them (for provenance checks).
 std::string marked(const std::string& source, const json& context) {
   RenderedText r = Template(source).render_marked(from_json(context));
