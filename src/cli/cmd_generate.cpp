@@ -71,7 +71,7 @@ std::vector<int32_t> parse_prompt_ids(const std::string& text, int vocab) {
 }
 
 std::vector<ChatMessage> parse_messages_flag(const std::string& text) {
-  auto doc = nlohmann::json::parse(text, nullptr, false);
+  auto doc = parse_json_flag(text, "--messages");
   if (doc.is_discarded() || !doc.is_array() || doc.empty())
     throw Error("--messages: expected a non-empty JSON array of {\"role\",\"content\"} objects");
   return parse_message_list(doc, "--messages");

@@ -129,7 +129,9 @@ void run_batch(const TokenizeOptions& o) {
     if (line.empty()) continue;
     json reply;
     try {
-      reply = run_request(tok, *chat, json::parse(line));
+      json request = parse_json_flag(line, "--batch-jsonl");
+      if (request.is_discarded()) throw Error("--batch-jsonl: not valid JSON");
+      reply = run_request(tok, *chat, request);
     } catch (const std::exception& e) {  // lily::Error or a malformed JSON line
       reply = {{"error", e.what()}};
     }
@@ -148,7 +150,7 @@ void run_single(const TokenizeOptions& o) {
     std::string text = tok->decode(parse_id_list(o.decode_ids, tok->vocab_size()), !o.keep_special);
     std::cout << (o.json_output ? dump({{"text", text}}) : text) << '\n';
   } else if (!o.messages_json.empty()) {
-    json parsed = json::parse(o.messages_json, nullptr, false);
+    json parsed = parse_json_flag(o.messages_json, "--render-messages");
     if (parsed.is_discarded()) throw Error("--render-messages: not valid JSON");
     std::vector<ChatMessage> messages = parse_message_list(parsed, "--render-messages");
     const auto chat = load_chat_template(o);

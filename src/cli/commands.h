@@ -36,6 +36,12 @@ CLI::Validator byte_size();
 /// command's resolve_cuda_options then sees only good settings.
 void add_cuda_settings(CLI::App* cmd, std::vector<std::string>& settings);
 
+/// The JSON text of flag `what` (or of one line of its file), with the server's nesting bound
+/// (server/json_depth.h: a deeper document would overflow the stack of what walks it later).
+/// Returns a discarded value (is_discarded()) for text that is not JSON; throws lily::Error
+/// "<what>: nests arrays and objects deeper than 128 levels".
+nlohmann::json parse_json_flag(const std::string& text, const std::string& what);
+
 /// A JSON list of chat messages, each read exactly as the server reads a chat request's message
 /// (server::parse_chat_message: roles system, developer, user, assistant, tool; content a
 /// string or text parts; name, reasoning_content, tool_calls, tool_call_id). Throws lily::Error

@@ -13,6 +13,7 @@
 #include "server/api_error.h"
 #include "server/chat_agent.h"
 #include "server/chat_request.h"
+#include "server/json_depth.h"
 
 namespace lily::cli {
 
@@ -110,13 +111,23 @@ std::vector<ChatMessage> parse_message_list(const nlohmann::json& list, const st
   return messages;
 }
 
+nlohmann::json parse_json_flag(const std::string& text, const std::string& what) {
+  try {
+    return server::parse_json_bounded<nlohmann::json>(text);
+  } catch (const server::JsonTooDeep& e) {
+    throw Error(what + ": " + e.what());
+  } catch (const nlohmann::json::exception&) {
+    return nlohmann::json(nlohmann::json::value_t::discarded);
+  }
+}
+
 ChatTemplateOptions parse_chat_options(const std::string& text, const std::string& what, bool add_generation_prompt) {
   if (text.empty()) {
     ChatTemplateOptions options;
     options.add_generation_prompt = add_generation_prompt;
     return options;
   }
-  const nlohmann::json doc = nlohmann::json::parse(text, nullptr, false);
+  const nlohmann::json doc = parse_json_flag(text, what);
   if (doc.is_discarded() || !doc.is_object()) throw Error(what + ": expected a JSON object");
   for (const auto& [key, value] : doc.items())
     if (!server::is_agent_field(key))

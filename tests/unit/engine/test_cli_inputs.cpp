@@ -94,6 +94,49 @@ TEST(CliInputs, TokenizeDefaultsToTheDemoModel) {
   EXPECT_NE(given.output, "\n");
 }
 
+// JSON on the command line nested deeper than the server accepts is refused naming the flag
+// (30,000 levels used to overflow the stack converting it for the chat template).
+TEST(CliInputs, DeeplyNestedJsonFlagsAreErrors) {
+  const std::string deep = std::string(30000, '[') + std::string(30000, ']');
+  const std::string messages = "'[{\"role\":\"user\",\"content\":\"hi\"}]'";
+  CliRun r = run_lily_bounded("tokenize --model " + kDemo + " --render-messages " + messages +
+                                  " --chat-options '{\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\","
+                                  "\"parameters\":{\"type\":\"object\",\"x\":" + deep + "}}}]}'",
+                              true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "--chat-options: nests arrays and objects deeper than 128 levels")) << r.output;
+  r = run_lily_bounded("tokenize --model " + kDemo + " --render-messages '[{\"role\":\"assistant\",\"content\":\"\","
+                           "\"tool_calls\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":" +
+                           deep + "}}]}]'",
+                       true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "--render-messages: nests arrays and objects deeper than 128 levels")) << r.output;
+  test::TempDir tmp;
+  const fs::path batch = fs::path(tmp.path()) / "batch.jsonl";
+  std::ofstream(batch) << "{\"render\":" << deep << "}\n{\"encode\":\"hi\"}\n";
+  r = run_lily_bounded("tokenize --model " + kDemo + " --batch-jsonl " + quoted(batch), false);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(has(r, "{\"error\":\"--batch-jsonl: nests arrays and objects deeper than 128 levels\"}\n{\"ids\":"))
+      << r.output;
+}
+
+// A checkpoint's chat template that nests a value without bound, or makes a namespace hold
+// itself, fails the render with the template's line, not a crash.
+TEST(CliInputs, ChatTemplateNestingTooDeepIsAnError) {
+  test::TempDir tmp;
+  const fs::path dir = test::copy_demo_model(tmp);
+  const std::string render = "tokenize --model " + quoted(dir) + " --render-messages '[{\"role\":\"user\",\"content\":\"hi\"}]'";
+  std::ofstream(dir / "chat_template.jinja")
+      << "{% set ns = namespace(v=[]) %}{% for i in range(100000) %}{% set ns.v = [ns.v] %}{% endfor %}x";
+  CliRun r = run_lily_bounded(render, true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "line 1: value nesting too deep (more than 400 levels)")) << r.output;
+  std::ofstream(dir / "chat_template.jinja") << "{% set ns = namespace(a=1) %}{% set ns.a = ns %}{{ ns }}";
+  r = run_lily_bounded(render, true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "line 1: a namespace cannot hold itself (a reference cycle)")) << r.output;
+}
+
 TEST(CliInputs, GenerateChecksItsArgumentsBeforeLoadingTheWeights) {
   test::TempDir tmp;
   const fs::path dir = test::copy_demo_model(tmp);
