@@ -287,20 +287,26 @@ int compare_at(const Value& a, const Value& b, int levels) {
 // ~ListData/~DictData frees them one at a time in a loop, so a value nested 100,000 deep (a
 // chain a namespace can grow without any single assignment being deep) is freed in constant
 // stack instead of one destructor frame per level. Per thread: renders run on several.
+// A value that outlives the queue (a static one, destroyed after the thread's thread_local
+// objects at exit) is freed the plain, recursive way: `release_queue_gone` is trivially
+// destructible, so it can still be read then.
+thread_local bool release_queue_gone = false;
 struct PendingRelease {
   std::vector<Value> values;
   bool draining = false;
+  ~PendingRelease() { release_queue_gone = true; }
 };
 thread_local PendingRelease pending_release;
 
 void defer_release(Value& v) {
+  if (release_queue_gone) return;
   if (std::holds_alternative<std::shared_ptr<ListData>>(v.v) || std::holds_alternative<std::shared_ptr<DictData>>(v.v) ||
       std::holds_alternative<std::shared_ptr<const Function>>(v.v))
     pending_release.values.push_back(std::move(v));
 }
 
 void drain_releases() {
-  if (pending_release.draining) return;  // an outer destructor's loop frees what was deferred
+  if (release_queue_gone || pending_release.draining) return;  // an outer destructor's loop frees what was deferred
   pending_release.draining = true;
   while (!pending_release.values.empty()) {
     Value last = std::move(pending_release.values.back());
