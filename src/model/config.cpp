@@ -204,6 +204,8 @@ void check_flags(const Ctx& ctx, const json& doc, const json& text, ModelConfig&
 }
 
 /// Dimensions must be self-consistent for the forward pass and the 64-wide quantization groups.
+constexpr int kMaxLayers = 1024;  ///< num_hidden_layers accepted (see parse_model_config)
+
 void check_dims(const Ctx& ctx, const ModelConfig& c) {
   auto need = [&](bool ok, const std::string& what) { if (!ok) ctx.fail(what); };
   auto multiple_of_group = [&](int64_t v, const std::string& what) {
@@ -245,6 +247,11 @@ ModelConfig parse_model_config(const json& doc, const std::string& source) {
   c.vocab = require_int(ctx, text, "vocab_size");
   c.hidden = require_int(ctx, text, "hidden_size");
   c.n_layers = require_int(ctx, text, "num_hidden_layers");
+  // The loader lists every layer's tensors before it reads the checkpoint (hundreds of bytes a
+  // layer): a million layers took 6 GB before "missing tensor" could be said. Models of this
+  // family have 24 to 64.
+  if (c.n_layers > kMaxLayers)
+    ctx.fail("num_hidden_layers = " + std::to_string(c.n_layers) + " is more than " + std::to_string(kMaxLayers));
   c.full_attention_interval = optional_int(ctx, text, "full_attention_interval", 4);
   c.layer_types = parse_layer_types(ctx, text, c.n_layers, c.full_attention_interval);
   c.n_heads = require_int(ctx, text, "num_attention_heads");

@@ -136,6 +136,13 @@ TEST(Config, RejectsRopeThetaOutsideFp32Range) {
   }
 }
 
+TEST(Config, RejectsMoreLayersThanAnyModelOfTheFamily) {
+  json doc = demo_config();
+  doc["text_config"]["num_hidden_layers"] = 1000000;
+  doc["text_config"].erase("layer_types");
+  expect_rejected(doc, {"num_hidden_layers = 1000000 is more than 1024"});
+}
+
 TEST(Config, RejectsOtherModelTypes) {
   for (const char* type : {"qwen3_moe", "qwen3_next", "qwen3_5", "qwen3", "llama"}) {
     json doc = demo_config();
