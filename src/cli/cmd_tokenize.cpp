@@ -7,6 +7,7 @@
 //                                                            rendered with the checkpoint's template
 //   lily tokenize --tokenizer FILE --batch-jsonl FILE|-       one JSON request per line (tests);
 //                      with --tokenizer, prompts use lily's built-in template
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -120,6 +121,8 @@ void run_batch(const TokenizeOptions& o) {
   const auto chat = load_chat_template(o);
   std::ifstream file;
   if (o.batch_file != "-") {
+    std::error_code ec;
+    if (std::filesystem::is_directory(o.batch_file, ec)) throw Error("--batch-jsonl " + o.batch_file + " is a directory");
     file.open(o.batch_file, std::ios::binary);
     if (!file) throw Error("cannot open " + o.batch_file);
   }

@@ -34,7 +34,7 @@ nlohmann::json read_json(const std::filesystem::path& path) {
 /// A shard name must be a plain file name inside the checkpoint directory.
 bool is_plain_file_name(const std::string& name) {
   return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
-         name.find('\\') == std::string::npos;
+         name.find('\\') == std::string::npos && name.find('\0') == std::string::npos;
 }
 
 }  // namespace

@@ -85,6 +85,13 @@ TEST(CliInputs, TokenizeWithNothingToDoIsAnError) {
   EXPECT_NE(r.output, "\n");
 }
 
+TEST(CliInputs, TokenizeBatchFromADirectoryIsAnError) {
+  test::TempDir tmp;
+  const CliRun r = run_lily_bounded("tokenize --model " + kDemo + " --batch-jsonl " + quoted(tmp.path()), true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "--batch-jsonl " + tmp.path().string() + " is a directory")) << r.output;
+}
+
 TEST(CliInputs, TokenizeDefaultsToTheDemoModel) {
   const CliRun given = run_lily_bounded("tokenize --model " + kDemo + " 'hello world'", false);
   const CliRun defaulted = run_lily_bounded("tokenize 'hello world'", false);

@@ -286,6 +286,11 @@ TEST(Checkpoint, RejectsShardPathOutsideTheDirectory) {
   m["t3"] = "../elsewhere.safetensors";
   write_index(s.dir.path(), m);
   expect_checkpoint_rejected(s.dir.path(), {"not a plain file name"});
+  // A NUL would cut the name short at open(2): the shard named is not the one opened.
+  m = s.map();
+  m["t3"] = std::string("model-00002-of-00002.safetensors") + '\0' + "x";
+  write_index(s.dir.path(), m);
+  expect_checkpoint_rejected(s.dir.path(), {"not a plain file name"});
 }
 
 TEST(Checkpoint, RejectsBadIndexJson) {
