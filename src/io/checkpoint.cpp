@@ -81,7 +81,7 @@ void Checkpoint::open_sharded(const std::filesystem::path& index_path) {
       throw CheckpointError(where + ": weight_map entry for tensor " + tensor + " is not a file name");
     const std::string shard_name = shard.get<std::string>();
     if (!is_plain_file_name(shard_name))
-      throw CheckpointError(where + ": tensor " + tensor + " maps to " + shard_name +
+      throw CheckpointError(where + ": tensor " + tensor + " maps to " + shard.dump() +  // quoted: a NUL shows as \u0000
                             ", which is not a plain file name inside the checkpoint directory");
     by_shard[shard_name].insert(tensor);
   }
