@@ -250,6 +250,11 @@ void SafetensorsFile::parse_header() {
       if (*v != 0 && bytes > std::numeric_limits<uint64_t>::max() / *v) overflow = true;
       else bytes *= *v;
     }
+    // A zero dimension makes the tensor empty whatever came before it ([2^62, 4, 0]: 0 bytes).
+    if (std::any_of(t.shape.begin(), t.shape.end(), [](int64_t d) { return d == 0; })) {
+      bytes = 0;
+      overflow = false;
+    }
     auto off = desc.find("data_offsets");
     if (off == desc.end() || !off->is_array() || off->size() != 2 || !as_u64((*off)[0]) ||
         !as_u64((*off)[1]))

@@ -182,6 +182,11 @@ TEST(Safetensors, ZeroSizedTensorsDoNotOverlap) {
   b.write(dir.path() / "x.safetensors");
   SafetensorsFile file(dir.path() / "x.safetensors");
   EXPECT_EQ(file.find("empty")->nbytes, 0u);
+  // A zero after dimensions whose product overflows is still an empty tensor, not "2^64 bytes".
+  auto h = b.header();
+  h["empty"]["shape"] = {int64_t(1) << 62, 4, 0};
+  write_file(dir.path() / "y.safetensors", b.serialize(h));
+  EXPECT_EQ(SafetensorsFile(dir.path() / "y.safetensors").find("empty")->nbytes, 0u);
 }
 
 TEST(Safetensors, MisalignedDataGetsAnAlignedCopy) {
