@@ -170,7 +170,7 @@ void run_generate(const GenerateFlags& f) {
   if (prompt_len >= limit)
     throw Error("the prompt has " + std::to_string(prompt_len) + " tokens; " + limit_name +
                 " leaves no room for a completion");
-  if (f.max_tokens_given && prompt_len + f.max_tokens > limit)
+  if (f.max_tokens_given && f.max_tokens > limit - prompt_len)
     throw Error("--max-tokens " + std::to_string(f.max_tokens) + ": the prompt (" + std::to_string(prompt_len) +
                 " tokens) + " + std::to_string(f.max_tokens) + " exceeds " + limit_name);
   GenerationParams params;

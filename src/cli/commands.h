@@ -22,6 +22,7 @@ CLI::Validator integer_in_range(long long min, long long max);
 /// Any whole decimal integer of 64 bits ("must be an integer from -9223372036854775808 to …").
 CLI::Validator any_integer();
 /// A whole decimal integer from 0 to 2^64 − 1 (seeds): no sign, no wrap of "-1" to 2^64 − 1.
+/// These integer checks refuse a leading zero ("010"), which CLI11 would read as octal.
 CLI::Validator unsigned_integer();
 /// Accepts a byte count as parse_byte_size reads it ("0", "1073741824", "512MiB", "4G"); the
 /// message names what was given ("must be a byte count such as 1073741824, 512MiB or 4GiB, got

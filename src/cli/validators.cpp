@@ -19,20 +19,24 @@ namespace lily::cli {
 
 namespace {
 
-/// A CLI11 validator that accepts a whole decimal integer (nothing before or after it) in
-/// [min, max]; otherwise the message says "must be <expected>, got '<text>'". The text is then
-/// rewritten in canonical form, since CLI11 2.1 converts with base 0 ("010" would be 8) and
-/// without a range check.
+/// True for text CLI11 2.1 would read as another number than the decimal one: it converts with
+/// base 0 ("010" is 8, "0x10" 16) and without a range check, so a leading zero is refused.
+bool has_leading_zero(const std::string& text) {
+  const size_t digits = !text.empty() && text[0] == '-' ? 1 : 0;
+  return text.size() > digits + 1 && text[digits] == '0';
+}
+
+/// A CLI11 validator that accepts a whole decimal integer (nothing before or after it, no
+/// leading zero) in [min, max]; otherwise the message says "must be <expected>, got '<text>'".
 CLI::Validator integer_validator(long long min, long long max, const std::string& expected,
                                  const std::string& description) {
   return CLI::Validator(
-      [min, max, expected](std::string& text) -> std::string {
+      [min, max, expected](const std::string& text) -> std::string {
         long long value = 0;
         const char* end = text.data() + text.size();
         const auto [ptr, ec] = std::from_chars(text.data(), end, value);
-        if (text.empty() || ec != std::errc() || ptr != end || value < min || value > max)
+        if (text.empty() || ec != std::errc() || ptr != end || has_leading_zero(text) || value < min || value > max)
           return "must be " + expected + ", got '" + text + "'";
-        text = std::to_string(value);
         return {};
       },
       description);
@@ -70,14 +74,13 @@ CLI::Validator any_integer() {
 
 CLI::Validator unsigned_integer() {
   return CLI::Validator(
-      [](std::string& text) -> std::string {
+      [](const std::string& text) -> std::string {
         uint64_t value = 0;
         const char* end = text.data() + text.size();
         const auto [ptr, ec] = std::from_chars(text.data(), end, value);
-        if (text.empty() || ec != std::errc() || ptr != end)
+        if (text.empty() || ec != std::errc() || ptr != end || has_leading_zero(text))
           return "must be an integer from 0 to " + std::to_string(std::numeric_limits<uint64_t>::max()) + ", got '" +
                  text + "'";
-        text = std::to_string(value);
         return {};
       },
       "UINT64");

@@ -182,7 +182,7 @@ void parse_rope(const Ctx& ctx, const json& text, ModelConfig& c) {
   // The inverse frequencies theta^(−2i/rotary_dim) are computed in fp32: below 1 they grow
   // without bound (a theta under fp32's smallest normal is 0 there, and every angle NaN).
   if (!(c.rope_theta >= 1 && c.rope_theta <= std::numeric_limits<float>::max()))
-    ctx.fail("rope_theta must be in [1, 3.4e38] (got " + std::to_string(c.rope_theta) + ")");
+    ctx.fail("rope_theta must be in [1, 3.4e38] (got " + json(c.rope_theta).dump() + ")");
   if (!(factor > 0 && factor <= 1)) ctx.fail("partial_rotary_factor must be in (0, 1]");
   c.rotary_dim = static_cast<int>(std::trunc(c.head_dim * factor));
   if (c.rotary_dim < 2 || c.rotary_dim % 2 != 0)
@@ -203,9 +203,9 @@ void check_flags(const Ctx& ctx, const json& doc, const json& text, ModelConfig&
     if (*act != "silu") ctx.fail("hidden_act " + act->dump() + " is not supported; expected silu");
 }
 
-/// Dimensions must be self-consistent for the forward pass and the 64-wide quantization groups.
 constexpr int kMaxLayers = 1024;  ///< num_hidden_layers accepted (see parse_model_config)
 
+/// Dimensions must be self-consistent for the forward pass and the 64-wide quantization groups.
 void check_dims(const Ctx& ctx, const ModelConfig& c) {
   auto need = [&](bool ok, const std::string& what) { if (!ok) ctx.fail(what); };
   auto multiple_of_group = [&](int64_t v, const std::string& what) {

@@ -361,12 +361,14 @@ After LilyServer::serve_request(DeadlineStream& stream, beast::flat_buffer& buff
                                            std::nullopt, "bad_request"));
   // RFC 9112 §6.1: a transfer coding the server does not decode (gzip before the chunked
   // framing) is a 501; reading the body as plain JSON would misread it.
+  std::string codings;  // every Transfer-Encoding field, joined as one list
   for (auto [it, end] = head.equal_range(http::field::transfer_encoding); it != end; ++it)
-    if (const auto coding = unsupported_transfer_coding(it->value()))
-      return refuse(stream, parser, ApiError(501, "invalid_request_error",
-                                             "unsupported transfer coding '" + *coding +
-                                                 "': this server decodes only 'chunked'",
-                                             std::nullopt, "not_implemented"));
+    codings += std::string(codings.empty() ? "" : ", ") + std::string(it->value());
+  if (const auto coding = unsupported_transfer_coding(codings))
+    return refuse(stream, parser, ApiError(501, "invalid_request_error",
+                                           "unsupported transfer coding '" + *coding +
+                                               "': this server decodes only a single 'chunked'",
+                                           std::nullopt, "not_implemented"));
   // RFC 9112 §3.2: an HTTP/1.1 request carries exactly one Host field (a 400 otherwise).
   if (head.version() >= 11 && head.count(http::field::host) != 1)
     return refuse(stream, parser, ApiError(400, "invalid_request_error",

@@ -40,7 +40,7 @@ SamplingParams resolve_sampling_defaults(const SamplingFlags& flags, const std::
   auto check = [](const char* field, double v, double lo, double hi, bool open_lo = false) {
     if (!(v >= lo && v <= hi) || (open_lo && v == lo))  // NaN fails too
       throw OptionError(field, std::string("must be in ") + (open_lo ? "(" : "[") + json(lo).dump() + ", " +
-                                   json(hi).dump() + "], got " + (std::isnan(v) ? std::string("nan") : json(v).dump()));
+                                   json(hi).dump() + "], got " + (std::isfinite(v) ? json(v).dump() : std::to_string(v)));
     return v;
   };
   if (flags.temperature) p.temperature = static_cast<float>(check("temperature", *flags.temperature, 0, 2));

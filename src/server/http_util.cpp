@@ -180,11 +180,15 @@ std::optional<std::string> unsupported_transfer_coding(std::string_view value) {
     while (!t.empty() && (t.back() == ' ' || t.back() == '\t')) t.remove_suffix(1);
     return t;
   };
+  bool chunked = false;
   while (!value.empty()) {
     const size_t comma = value.find(',');
     std::string_view coding = value.substr(0, comma);
     coding = trim(coding.substr(0, coding.find(';')));
-    if (!coding.empty() && lower(coding) != "chunked") return std::string(coding);
+    if (!coding.empty()) {
+      if (lower(coding) != "chunked" || chunked) return std::string(coding);  // chunked only once (RFC 9112 §7)
+      chunked = true;
+    }
     if (comma == std::string_view::npos) break;
     value.remove_prefix(comma + 1);
   }

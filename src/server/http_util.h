@@ -51,10 +51,11 @@ std::optional<std::string> percent_decode(std::string_view segment);
 /// ("GET / HTTP/9.9"): such a request gets 505, while a malformed version is a 400.
 bool has_unsupported_http_version(std::string_view head);
 
-/// The first transfer coding other than `chunked` in one Transfer-Encoding field value (a
-/// comma-separated list; case, spaces and `;` parameters ignored: "gzip, chunked" → "gzip"), or
-/// nullopt when every listed coding is chunked. This server decodes only chunked, so a request
-/// naming another coding gets 501 (RFC 9112 §6.1).
+/// The first transfer coding other than a single `chunked` in a Transfer-Encoding value (a
+/// comma-separated list, all of a request's Transfer-Encoding fields joined; case, spaces and
+/// `;` parameters ignored: "gzip, chunked" → "gzip", "chunked, chunked" → the second "chunked"),
+/// or nullopt for "chunked" alone. This server decodes only chunked, so a request naming another
+/// coding gets 501 (RFC 9112 §6.1).
 std::optional<std::string> unsupported_transfer_coding(std::string_view value);
 
 }  // namespace lily::server

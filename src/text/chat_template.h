@@ -89,7 +89,8 @@ class ChatTemplate {
 
   /// Where the template came from (a file name, or "built-in").
   const std::string& origin() const { return origin_; }
-  /// True if earlier assistant turns get the empty think block (see the class comment).
+  /// True if, with thinking off, earlier assistant turns get the empty think block (see the class
+  /// comment).
   bool rewrites_history() const { return rewrite_history_; }
 
   /// The prompt text. Throws lily::Error: the template's own errors (raise_exception, e.g.

@@ -230,7 +230,8 @@ class Interpreter {
       if (!ns.is_namespace()) fail(s.line, "cannot assign attribute on non-namespace object '" + s.target_object + "'");
       // The one place a template changes a value it already holds: refuse a cycle, and a value
       // grown (one loop iteration at a time) past the depth the walks of values accept.
-      check_namespace_member(ns, v);
+      steps_ += check_namespace_member(ns, v);
+      if (steps_ > kMaxSteps) fail(s.line, "template too expensive (more than 20M steps)");
       ns.dict_data().set(s.targets[0], std::move(v));
       return;
     }

@@ -41,7 +41,8 @@ class Template {
   /// Renders with the members of `context` (a dict) as variables. Throws TemplateRaisedError
   /// (raise_exception) or TemplateRenderError.
   std::string render(const Value& context) const;
-  /// As above with a JSON object (member order kept).
+  /// As above with a JSON object (member order kept); a context nested deeper than
+  /// kMaxValueDepth throws ValueNestingError (no line).
   std::string render(const nlohmann::ordered_json& context) const;
   /// As render(), with the provenance of every byte: what the template wrote itself (its
   /// literals, kept through concatenation, trim, slicing, ...) versus what came from `context`.

@@ -5,6 +5,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <new>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -298,11 +299,22 @@ struct PendingRelease {
 };
 thread_local PendingRelease pending_release;
 
+// Only a child this reference owns alone is queued (a shared one is not freed here at all). If
+// the queue cannot grow, the child is left to be freed the plain way (a destructor must not throw).
+template <typename T>
+bool sole_owner(const Value& v) {
+  const auto* p = std::get_if<std::shared_ptr<T>>(&v.v);
+  return p && p->use_count() == 1;
+}
+
 void defer_release(Value& v) {
   if (release_queue_gone) return;
-  if (std::holds_alternative<std::shared_ptr<ListData>>(v.v) || std::holds_alternative<std::shared_ptr<DictData>>(v.v) ||
-      std::holds_alternative<std::shared_ptr<const Function>>(v.v))
-    pending_release.values.push_back(std::move(v));
+  if (sole_owner<ListData>(v) || sole_owner<DictData>(v) || sole_owner<const Function>(v)) {
+    try {
+      pending_release.values.push_back(std::move(v));
+    } catch (const std::bad_alloc&) {
+    }
+  }
 }
 
 void drain_releases() {
@@ -312,6 +324,8 @@ void drain_releases() {
     Value last = std::move(pending_release.values.back());
     pending_release.values.pop_back();
   }  // `last` freed here: its own children are deferred, not freed recursively
+  // A huge value's queue is not kept for the thread's life (a connection thread lives long).
+  if (pending_release.values.capacity() > 4096) std::vector<Value>().swap(pending_release.values);
   pending_release.draining = false;
 }
 
@@ -483,9 +497,10 @@ DictData::~DictData() {
   drain_releases();
 }
 
-void check_namespace_member(const Value& ns, const Value& value) {
+uint64_t check_namespace_member(const Value& ns, const Value& value) {
   const void* target = node_of(ns);
-  if (!node_of(value)) return;  // a scalar or string: nothing to walk
+  if (!node_of(value)) return 0;  // a scalar or string: nothing to walk
+  uint64_t visited = 0;
   // Iterative depth-first walk (the value may be too deep for recursion): `levels[n]` is the
   // longest chain of nodes from n down, known once all of n's children are done.
   std::unordered_map<const void*, int> levels;
@@ -499,6 +514,7 @@ void check_namespace_member(const Value& ns, const Value& value) {
   on_path.insert(node_of(value));
   if (node_of(value) == target) throw ValueNestingError("a namespace cannot hold itself (a reference cycle)");
   while (!stack.empty()) {
+    ++visited;
     Frame& f = stack.back();
     if (const Value* c = child_of(*f.v, f.next++)) {
       const void* n = node_of(*c);
@@ -522,6 +538,7 @@ void check_namespace_member(const Value& ns, const Value& value) {
     stack.pop_back();
     if (!stack.empty()) stack.back().deepest = std::max(stack.back().deepest, depth);
   }
+  return visited;
 }
 
 Value trusted_string(std::string s) {

@@ -26,7 +26,8 @@ class TemplateSyntaxError : public Error {
 };
 
 /// A failure while rendering (a type error, an undefined value used where jinja2 raises, a
-/// limit). The message starts with "line N: ".
+/// limit). The message starts with "line N: ", except a ValueNestingError from converting the
+/// JSON context (from_json), which has no line.
 class TemplateRenderError : public Error {
  public:
   using Error::Error;
@@ -158,7 +159,7 @@ struct ListData {
   ListData() = default;
   ListData(const ListData&) = default;
   ListData& operator=(const ListData&) = default;
-  /// Frees nested lists, dicts and functions one at a time (see release_nested in value.cpp).
+  /// Frees nested lists, dicts and functions one at a time (defer_release in value.cpp).
   ~ListData();
 };
 
@@ -232,8 +233,9 @@ int compare(const Value& a, const Value& b);
 
 /// Throws ValueNestingError if storing `value` in namespace `ns` would make a reference cycle
 /// (`value` reaches `ns` through lists, dicts, namespaces or a bound method's object) or a
-/// namespace nested deeper than kMaxValueDepth.
-void check_namespace_member(const Value& ns, const Value& value);
+/// namespace nested deeper than kMaxValueDepth. Returns how many steps the walk of `value` took
+/// (the renderer counts them against its step limit: a large value assigned in a loop is work).
+uint64_t check_namespace_member(const Value& ns, const Value& value);
 
 /// A JSON document as a template value: objects keep their member order (dicts), integers
 /// stay ints, other numbers floats. Throws ValueNestingError for a document nested deeper than

@@ -187,7 +187,7 @@ TEST(CliInputs, GenerateRefusesMoreTokensThanTheContextHolds) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
 }
 
-TEST(CliInputs, BenchRefusesAJsonOutThatIsNotARegularFile) {
+TEST(CliInputs, BenchRefusesAJsonOutThatIsAFifo) {
   test::TempDir tmp;
   const fs::path fifo = tmp.path() / "report.json";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
@@ -195,7 +195,7 @@ TEST(CliInputs, BenchRefusesAJsonOutThatIsNotARegularFile) {
   const CliRun r = run_lily_bounded(
       "bench --backend cpu --prompt-len 4 --decode-steps 1 --rounds 1 --json-out " + quoted(fifo) + " --model " + kDemo, true);
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_TRUE(has(r, "--json-out " + fifo.string() + " is not a regular file")) << r.output;
+  EXPECT_TRUE(has(r, "--json-out " + fifo.string() + " is a FIFO (named pipe)")) << r.output;
 }
 
 // Optional checkpoint files that exist but cannot be used are errors, not silently absent.

@@ -42,6 +42,8 @@ TEST(CliOptions, BadIntegersAreRefusedWithAClearMessage) {
        "--max-tokens: must be an integer >= 1, got '99999999999999999999'"},
       {"generate --seed -1 --prompt-ids 1" + model, "--seed: must be an integer from 0 to 18446744073709551615, got '-1'"},
       {"generate --top-k 1e3 --prompt-ids 1" + model, "--top-k: must be an integer >= -1, got '1e3'"},
+      {"generate --seed 010 --prompt-ids 1" + model, "--seed: must be an integer from 0 to 18446744073709551615, got '010'"},
+      {"generate --max-tokens 010 --prompt-ids 1" + model, "--max-tokens: must be an integer >= 1, got '010'"},
       {"bench --prompt-len 0" + model, "--prompt-len: must be an integer >= 1, got '0'"},
       {"bench --seed 18446744073709551616" + model, "--seed: must be an integer from 0 to 18446744073709551615"},
       {"serve --seed 99999999999999999999" + model, "--seed: must be an integer from -9223372036854775808"},

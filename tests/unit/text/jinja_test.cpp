@@ -234,6 +234,17 @@ TEST(JinjaRender, NamespaceCannotHoldItself) {
             "[[1], [1]] True [<Namespace {'a': [1], 'b': [[1], [1]]}>]");
 }
 
+// The cycle check walks the value assigned: that walk counts against the step limit, so a large
+// list assigned in a loop is as expensive as iterating over it (25 × 10^6 steps > 20M).
+TEST(JinjaRender, NamespaceAssignmentWalksCountAsSteps) {
+  EXPECT_EQ(render_error("{% set ns = namespace() %}{% set big = range(1000000) | list %}"
+                         "{% for i in range(25) %}{% set ns.x = big %}{% endfor %}"),
+            "line 1: template too expensive (more than 20M steps)");
+  EXPECT_EQ(render("{% set ns = namespace() %}{% set big = range(1000) | list %}"
+                   "{% for i in range(25) %}{% set ns.x = big %}{% endfor %}{{ ns.x | length }}"),
+            "1000");
+}
+
 // A chain of namespaces grown at its tail gets deep without any one deep assignment: printing,
 // tojson and == refuse it, and freeing it takes no stack (as freeing the value below).
 TEST(JinjaRender, NamespaceChainTooDeepToPrintIsAnError) {
