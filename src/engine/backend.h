@@ -229,13 +229,6 @@ struct CudaOptions {
   /// the one-sequence decode's in-projections and LM head), or all. A speed setting: the same
   /// bits whatever it is (docs/cuda.md, "Decode GEMV on tensor cores").
   std::string gemv_late_requests = "none";
-  /// LILY_CUDA_GEMV_L2_PREFETCH 1|0: in the streaming GEMV's one-row launches of at most
-  /// kStreamL2PrefetchMaxBytes with more blocks than SMs (the in-projections), the first blocks,
-  /// which may run beside the previous kernel, ask L2 before their PDL wait for every weight tile
-  /// of the blocks that start only after it, so that those copy from L2 instead of HBM. A speed
-  /// setting: the same bits either way (docs/cuda.md, "Decode GEMV on tensor cores"). Off: on an
-  /// H100 it made decode at 4K 3.4 % slower (its copies compete with the MoE block's experts).
-  bool gemv_l2_prefetch = false;
   bool flash_prefill = true;     ///< LILY_CUDA_FLASH_PREFILL 1|0: prefill attention on tensor cores, or the row kernel
   bool device_sampler = true;    ///< LILY_CUDA_DEVICE_SAMPLER 1|0: sampled rows sampled on the GPU, or on the host
   bool gemv_row_tiles = true;    ///< LILY_CUDA_GEMV_ROW_TILES 1|0: batched GEMV weights loaded once per 8 token rows
@@ -408,7 +401,6 @@ inline std::span<const Field> fields() {
            throw OptionError(l, "must be 'none', 'staged' or 'all', got '" + v + "'");
          o.gemv_late_requests = v;
        }},
-      {"gemv-l2-prefetch", "LILY_CUDA_GEMV_L2_PREFETCH", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_l2_prefetch = parse_choice(l, v, "1", "0"); }},
       {"flash-prefill", "LILY_CUDA_FLASH_PREFILL", [](CudaOptions& o, const std::string& l, const std::string& v) { o.flash_prefill = parse_choice(l, v, "1", "0"); }},
       {"device-sampler", "LILY_CUDA_DEVICE_SAMPLER", [](CudaOptions& o, const std::string& l, const std::string& v) { o.device_sampler = parse_choice(l, v, "1", "0"); }},
       {"gemv-row-tiles", "LILY_CUDA_GEMV_ROW_TILES", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gemv_row_tiles = parse_choice(l, v, "1", "0"); }},
@@ -481,7 +473,7 @@ inline std::string CudaOptions::describe() const {
   return std::string("fuse=") + (fuse_decode ? "1" : "0") + " pdl=" + (pdl ? "1" : "0") +
          " stream-gemv=" + (stream_gemv ? "1" : "0") + " gemv-tile-counter=" + (gemv_tile_counter ? "1" : "0") +
          " gemv-blocks-per-sm=" + std::to_string(gemv_blocks_per_sm) + " gemv-smem-kib=" + std::to_string(gemv_smem_kib) +
-         " gemv-late-requests=" + gemv_late_requests + " gemv-l2-prefetch=" + (gemv_l2_prefetch ? "1" : "0") +
+         " gemv-late-requests=" + gemv_late_requests +
          " flash-prefill=" + (flash_prefill ? "1" : "0") +
          " device-sampler=" + (device_sampler ? "1" : "0") + " gemv-row-tiles=" + (gemv_row_tiles ? "1" : "0") +
          " gdn-chunk-parallel=" + (gdn_chunk_parallel ? "1" : "0") + " gdn-local-mma=" + (gdn_local_mma ? "1" : "0") +

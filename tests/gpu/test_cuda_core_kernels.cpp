@@ -1516,21 +1516,6 @@ TEST(CudaGemv, LateRequestsGiveTheSameBits) {
   }
 }
 
-// The L2 prefetch of the later blocks' tiles (cuda::set_stream_gemv_l2_prefetch; in this chain
-// the 12,352-row GEMV's 14 MB, whose grid has more blocks than the SMs) changes no bit:
-// FourGemvChain run eagerly without it, then as a graph under PDL with it.
-TEST(CudaGemv, L2PrefetchGivesTheSameBits) {
-  const ScopedSwitch<bool> prefetch(cuda::stream_gemv_l2_prefetch, cuda::set_stream_gemv_l2_prefetch);
-  const PdlSetting pdl;
-  pdl.set(true);
-  FourGemvChain chain;
-  prefetch.set(false);
-  const std::vector<std::vector<float>> reference = chain.run();
-  prefetch.set(true);
-  EXPECT_EQ(bit_differences(chain.run()[1], reference[1]), 0) << "eager, L2 prefetch";
-  chain.expect_graph_bits(reference, "L2 prefetch");
-}
-
 TEST(CudaTiming, PrintsGraphChainTimesWithAndWithoutPdl) {
   const PdlSetting keep;
   std::mt19937_64 rng(98);

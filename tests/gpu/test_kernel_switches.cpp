@@ -112,18 +112,6 @@ TEST(KernelSwitches, GemvLateRequestsReachItsSetting) {
   EXPECT_EQ(cuda::stream_gemv_late_requests(), cuda::StreamLateRequests::none);
 }
 
-TEST(KernelSwitches, GemvL2PrefetchReachesItsSetting) {
-  cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_FALSE(cuda::stream_gemv_l2_prefetch());
-  CudaOptions o;
-  o.gemv_l2_prefetch = true;
-  cuda::apply_kernel_switches(o);
-  EXPECT_TRUE(cuda::stream_gemv_l2_prefetch());
-  EXPECT_TRUE(cuda::pdl_enabled());
-  cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_FALSE(cuda::stream_gemv_l2_prefetch());
-}
-
 TEST(KernelSwitches, BadRegdqThrowsBeforeChangingAnything) {
   cuda::apply_kernel_switches(CudaOptions{});
   CudaOptions o;

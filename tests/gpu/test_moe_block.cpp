@@ -737,7 +737,7 @@ TEST(CudaTiming, PrintsMoeOutProjectionTimes) {
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-// Where one fused MoE block's time goes, for 1, 8 and 32 rows: the %globaltimer phase stamps of
+// Where one fused MoE block's time goes, for 1, 8, 32 and 64 rows: the %globaltimer phase stamps of
 // every block of the last layer of the 40-layer graph chain (whose routing stays in the chain's
 // ids buffer), relative to the first block's entry; per phase the earliest, median and latest
 // block (printed, never asserted).
@@ -861,6 +861,7 @@ TEST(CudaTiming, PrintsMoeBlockPhases) {
   print_moe_phases(1);
   print_moe_phases(8);
   print_moe_phases(32);
+  print_moe_phases(64);
 }
 
 }  // namespace

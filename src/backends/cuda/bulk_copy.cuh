@@ -72,10 +72,4 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, 
                : "memory");
 }
 
-/// Asks L2 for `bytes` (a multiple of 16) of global memory at `src` (16-byte aligned): a bulk
-/// prefetch, with nothing to wait for; the bytes later copied or loaded from there hit L2.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-
 }  // namespace lily::cuda

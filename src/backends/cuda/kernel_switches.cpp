@@ -52,7 +52,6 @@ void apply_kernel_switches(const CudaOptions& options) {
   set_stream_gemv_blocks_per_sm(options.gemv_blocks_per_sm);
   set_stream_gemv_smem_per_sm(int64_t{options.gemv_smem_kib} * 1024);
   set_stream_gemv_late_requests(late);
-  set_stream_gemv_l2_prefetch(options.gemv_l2_prefetch);
   set_flash_prefill_enabled(options.flash_prefill);
   set_device_sampler_enabled(options.device_sampler);
   set_gemv_row_tiles_enabled(options.gemv_row_tiles);

@@ -8,7 +8,7 @@
 namespace lily::cuda {
 
 /// Sets every kernel-level switch from `options`: pdl, stream_gemv, gemv_tile_counter,
-/// gemv_blocks_per_sm, gemv_smem_kib, gemv_late_requests, gemv_l2_prefetch, flash_prefill, device_sampler,
+/// gemv_blocks_per_sm, gemv_smem_kib, gemv_late_requests, flash_prefill, device_sampler,
 /// gemv_row_tiles, gdn_chunk_parallel, gdn_local_mma, gdn_state_mma, gemm_kernel and
 /// rows_gemv_from. Process-wide: the last backend created sets them. Throws lily::Error, before
 /// setting anything, for a gemm_kernel other than "wgmma-mixed", "wgmma-narrow", "wgmma",

@@ -318,21 +318,6 @@ StreamLateRequests stream_gemv_late_requests();
 /// Sets stream_gemv_late_requests(). Throws nothing.
 void set_stream_gemv_late_requests(StreamLateRequests which);
 
-/// The largest weight matrix (codes, scales and biases, bytes) whose tiles the streaming GEMV
-/// asks L2 for ahead of its blocks (stream_gemv_l2_prefetch): about half of an H100's or H200's
-/// 50 MB L2, so that the prefetched tiles are not pushed out by the previous kernel's weights
-/// before they are copied. The decode's in-projections are 10.6 and 14.2 MB; the LM head (286 MB)
-/// stays out.
-inline constexpr int64_t kStreamL2PrefetchMaxBytes = int64_t{24} << 20;
-/// Whether the streaming GEMV's one-row launches (staged mode without the tile counter, and the
-/// direct mode) of at most kStreamL2PrefetchMaxBytes let their first blocks (one per SM: those
-/// that may be resident beside the previous kernel, under PDL) ask L2 before their PDL wait for
-/// every tile of the blocks that can only start once the previous kernel has left
-/// (stream_prefetch_tiles_l2). Off by default: on an H100 it made decode at 4K 3.4 % slower (the
-/// copies compete with the MoE block's expert loads); speed only (the same bits).
-bool stream_gemv_l2_prefetch();
-/// Sets stream_gemv_l2_prefetch(). Throws nothing.
-void set_stream_gemv_l2_prefetch(bool on);
 
 /// Phase stamps per block of the streaming GEMV's trace (set_stream_gemv_trace): entry, PDL wait,
 /// activations staged, first tile on chip, first tile stored, last tile on chip, exit; with the

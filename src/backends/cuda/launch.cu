@@ -33,7 +33,6 @@ std::atomic<int> g_moe_tile_balance{0};
 std::atomic<int64_t> g_stream_smem_per_sm{kStreamSmemPerSm};
 std::atomic<int> g_stream_blocks_per_sm{kStreamBlocksPerSm};
 std::atomic<StreamLateRequests> g_stream_late_requests{StreamLateRequests::none};
-std::atomic<bool> g_stream_l2_prefetch{false};
 
 /// What the driver was told and answered per kernel; guarded by `mutex`.
 struct LaunchFacts {
@@ -118,8 +117,6 @@ void set_stream_gemv_blocks_per_sm(int n) {
 
 StreamLateRequests stream_gemv_late_requests() { return g_stream_late_requests.load(std::memory_order_relaxed); }
 void set_stream_gemv_late_requests(StreamLateRequests which) { g_stream_late_requests.store(which, std::memory_order_relaxed); }
-bool stream_gemv_l2_prefetch() { return g_stream_l2_prefetch.load(std::memory_order_relaxed); }
-void set_stream_gemv_l2_prefetch(bool on) { g_stream_l2_prefetch.store(on, std::memory_order_relaxed); }
 
 bool gdn_chunk_parallel_enabled() { return g_gdn_chunk_parallel.load(std::memory_order_relaxed); }
 void set_gdn_chunk_parallel_enabled(bool on) { g_gdn_chunk_parallel.store(on, std::memory_order_relaxed); }

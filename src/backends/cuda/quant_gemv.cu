@@ -408,13 +408,11 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
 /// the staged mode's fused norm over kFixedNormCols columns (stage_norm_fragments_fixed), hence
 /// m = 1 (stream_tile_slice's kOneToken). row: with
 /// row.pairs (staged mode, m = 1, no norm) the staged row comes by bulk copy from global memory
-/// (launch_staged_row_gemv) instead of from stage_mma_rows. l2_prefetchers: blocks below it ask
-/// L2 for the tiles of the blocks after them before the PDL wait (stream_prefetch_tiles_l2; 0:
-/// none).
+/// (launch_staged_row_gemv) instead of from stage_mma_rows.
 template <class OutT, StreamMode kMode, int kBlocks, bool kCounter, bool kFixedNorm = false>
 __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMode, kBlocks))
     quant_stream_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x, int m, OutT* __restrict__ y, FusedNorm norm,
-                             FusedConv conv, int stages, int early_stages, int pad, StagedRow row, int l2_prefetchers,
+                             FusedConv conv, int stages, int early_stages, int pad, StagedRow row,
                              uint64_t* trace) {
   constexpr bool kDirect = kMode == StreamMode::direct;
   static_assert(kMode != StreamMode::staged || kBlocks == 1, "the staged mode takes one column block");
@@ -464,7 +462,6 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   };
   const int early = min(stages, early_stages);
   request_first(0, early);
-  if (!kCounter && warp == 1 && l2_prefetchers > 0) stream_prefetch_tiles_l2(w, tiles, l2_prefetchers, early);
   pdl_prologue();
   stream_trace_point(trace, 1);
   // Lane 0 of warp 0: the counter's next tile for request `stages`, fetched now (the counter may
@@ -627,13 +624,8 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
     const StreamLateRequests late = stream_gemv_late_requests();
     const bool request_late =
         late == StreamLateRequests::all || (late == StreamLateRequests::staged && plan.mode == StreamMode::staged);
-    // One prefetcher per SM, where some blocks start only after the previous kernel has left
-    // (more blocks than SMs) and the matrix fits the L2 share (stream_gemv_l2_prefetch).
-    const int64_t matrix_bytes = w.rows * (int64_t{w.words_per_row()} * 4 + int64_t{w.groups_per_row()} * 4);  // codes, bf16 scales + biases
-    const bool prefetch = stream_gemv_l2_prefetch() && !plan.counter && plan.mode != StreamMode::rows &&
-                          plan.blocks > sm_count() && matrix_bytes <= kStreamL2PrefetchMaxBytes;
     launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,
-               request_late ? 0 : plan.stages, plan.pad, row, prefetch ? sm_count() : 0, trace);
+               request_late ? 0 : plan.stages, plan.pad, row, trace);
   };
   // The direct and rows modes' instances, one per column-block count.
   auto launch_blocks = [&](auto mode) {

@@ -173,32 +173,6 @@ __device__ __forceinline__ void stream_request_tile_at(const DeviceQuant& w, int
   }
 }
 
-/// One warp of a block b < `prefetchers`: asks L2 (bulk_prefetch_l2) for every tile of the
-/// blocks b, b + prefetchers, b + 2·prefetchers, … (the fixed-stride deal: block o runs tiles o,
-/// o + grid, …), except the first `early` tiles of block b itself, which it copies to shared
-/// memory. Blocks are dispatched in index order, so with one prefetcher per SM these are the
-/// blocks that may be resident beside the previous kernel (under PDL, before its end), and the
-/// tiles they ask for are those of the blocks that start only once it has left. Weights only
-/// (allowed before the PDL wait); each lane takes one tile at a time (its code rows, scales and
-/// biases: three prefetches).
-__device__ __forceinline__ void stream_prefetch_tiles_l2(const DeviceQuant& w, int64_t tiles, int prefetchers,
-                                                         int early) {
-  const int lane = threadIdx.x % kWarp, b = blockIdx.x, grid = gridDim.x;
-  if (b >= prefetchers) return;
-  const int row_bytes = w.cols / 2, groups = w.cols / kGroup;
-  const int64_t per_owner = ceil_div(tiles, grid);       // tiles a block runs at most
-  const int64_t owners = (grid - 1 - b) / prefetchers + 1;  // blocks b, b + prefetchers, … below grid
-  for (int64_t q = lane; q < owners * per_owner; q += kWarp) {
-    const int64_t o = b + (q / per_owner) * prefetchers, j = q % per_owner, tile = o + j * grid;
-    if (tile >= tiles || (o == b && j < early)) continue;
-    const int64_t row0 = tile * kMmaTileRows;
-    const uint32_t valid = static_cast<uint32_t>(stream_tile_rows(w, tile));
-    bulk_prefetch_l2(reinterpret_cast<const unsigned char*>(w.codes) + row0 * row_bytes, valid * row_bytes);
-    bulk_prefetch_l2(w.scales + row0 * groups, valid * groups * 2);
-    bulk_prefetch_l2(w.biases + row0 * groups, valid * groups * 2);
-  }
-}
-
 /// Warp 0: requests local tile `j` of this block (global tile blockIdx.x + j·gridDim.x, the
 /// fixed-stride deal) into `stage`, as stream_request_tile_at.
 __device__ __forceinline__ void stream_request_tile(const DeviceQuant& w, int64_t j, unsigned char* stage,
