@@ -258,6 +258,12 @@ struct CudaOptions {
   /// H100, but 3 % slower, as the one block's norm at the MoE block's end is a serial tail
   /// (docs/cuda.md, "The next norm inside the MoE block").
   bool moe_next_norm = false;
+  /// LILY_CUDA_MOE_TILE_BALANCE 0 … 1024: how the batched decode's MoE rows kernel splits its
+  /// routed gate/up tiles over its blocks in launches of more than 32 rows: w = 0, equal tile
+  /// counts; w > 0, equal cost, a tile costing w + its live columns (the rows routed to its
+  /// column block). A speed setting: which block computes a tile never changes a bit
+  /// (docs/cuda.md, "Batched steps").
+  int moe_tile_balance = 0;
   /// LILY_CUDA_GEMM_KERNEL wgmma-mixed|wgmma-narrow|wgmma|grouped|all|0:
   /// the 4-bit grouped and dense GEMMs of the tensor-core prefill run on Hopper warpgroup MMAs
   /// with 256 weight rows per work item for the dense and down GEMMs and 128 for gate/up
@@ -324,6 +330,8 @@ struct CudaOptions {
   /// allows four blocks per SM; a block takes at most 227 KiB of shared memory).
   static constexpr int kMaxGemvBlocksPerSm = 4;
   static constexpr int kMaxGemvSmemKib = 227;
+  /// The largest moe_tile_balance.
+  static constexpr int kMaxMoeTileBalance = 1024;
   /// The most rows of one batched decode forward (the CUDA kernels' kMaxDecodeRows).
   static constexpr int kMaxDecodeRows = 64;
 
@@ -421,6 +429,7 @@ inline std::span<const Field> fields() {
       {"chunk", "LILY_CUDA_PREFILL_CHUNK", [](CudaOptions& o, const std::string& l, const std::string& v) { o.prefill_chunk = parse_int(l, v, 1, CudaOptions::kMaxPrefillChunk); }},
       {"max-batch", "LILY_CUDA_MAX_BATCH", [](CudaOptions& o, const std::string& l, const std::string& v) { o.max_batch = parse_int(l, v, 1, CudaOptions::kMaxBatch); }},
       {"decode-rows", "LILY_CUDA_DECODE_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.decode_rows = parse_int(l, v, 1, CudaOptions::kMaxDecodeRows); }},
+      {"moe-tile-balance", "LILY_CUDA_MOE_TILE_BALANCE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_tile_balance = parse_int(l, v, 0, CudaOptions::kMaxMoeTileBalance); }},
       {"rows-gemv-from", "LILY_CUDA_ROWS_GEMV_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
       {"prefill-rows", "LILY_CUDA_PREFILL_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.prefill_rows = parse_choice(l, v, "1", "0"); }},
       {"persistent-decode", "LILY_CUDA_PERSISTENT_DECODE", [](CudaOptions& o, const std::string& l, const std::string& v) {
@@ -480,7 +489,7 @@ inline std::string CudaOptions::describe() const {
          " gdn-state-mma=" + (gdn_state_mma ? "1" : "0") + " prefill=" + (batched_prefill ? "batched" : "per-token") +
          " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " gemm-kernel=" + gemm_kernel +
          " fused-moe=" + (fused_moe ? "1" : "0") + " moe-out-proj=" + (moe_out_proj ? "1" : "0") +
-         " moe-next-norm=" + (moe_next_norm ? "1" : "0") +
+         " moe-next-norm=" + (moe_next_norm ? "1" : "0") + " moe-tile-balance=" + std::to_string(moe_tile_balance) +
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
          " max-batch=" + std::to_string(max_batch) + " decode-rows=" + std::to_string(decode_rows) +
          " rows-gemv-from=" + std::to_string(rows_gemv_from) +

@@ -112,6 +112,17 @@ TEST(KernelSwitches, GemvLateRequestsReachItsSetting) {
   EXPECT_EQ(cuda::stream_gemv_late_requests(), cuda::StreamLateRequests::none);
 }
 
+TEST(KernelSwitches, MoeTileBalanceReachesItsSetting) {
+  cuda::apply_kernel_switches(CudaOptions{});
+  EXPECT_EQ(cuda::moe_tile_balance(), 0);
+  CudaOptions o;
+  o.moe_tile_balance = 16;
+  cuda::apply_kernel_switches(o);
+  EXPECT_EQ(cuda::moe_tile_balance(), 16);
+  cuda::apply_kernel_switches(CudaOptions{});
+  EXPECT_EQ(cuda::moe_tile_balance(), 0);
+}
+
 TEST(KernelSwitches, BadRegdqThrowsBeforeChangingAnything) {
   cuda::apply_kernel_switches(CudaOptions{});
   CudaOptions o;

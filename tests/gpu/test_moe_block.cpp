@@ -593,16 +593,18 @@ TEST(CudaMoeBlock, ChainWithPdlAndGraphReplaysMatchesPlainLaunches) {
   check_chain(256, 8, 2048, 512, 75, 8);
 }
 
-// The rows kernel's split of the routed gate/up tiles by cost (cuda::moe_tile_balance) only moves
-// tiles between blocks: 8-, 32- and 64-row chains of 4 layers give the bits of the equal split for
-// every weight, the largest giving every tile nearly the same cost.
+// The rows kernel's split of the routed gate/up tiles by cost (cuda::moe_tile_balance, which
+// launches of at least cuda::kMoeTileBalanceFromRows rows take) only moves tiles between blocks:
+// 33-, 48- and 64-row chains of 4 layers give the bits of the equal split for every weight, the
+// largest giving every tile nearly the same cost.
 TEST(CudaMoeBlock, RowsKernelTileBalanceKeepsTheBits) {
   const PdlSetting keep;
   keep.set(true);
   const ScopedSwitch<int> balance(cuda::moe_tile_balance, cuda::set_moe_tile_balance);
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (int rows : {8, 32, 64}) {
+  static_assert(cuda::kMoeTileBalanceFromRows <= 33, "every chain below splits by cost");
+  for (int rows : {33, 48, 64}) {
     std::mt19937_64 rng(76);
     MoeBlockChain chain(256, 8, 2048, 512, 4, rng, rows);
     std::vector<uint32_t> want;
@@ -673,7 +675,7 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
   constexpr int kRounds = 7;
   const ScopedSwitch<int> balance(cuda::moe_tile_balance, cuda::set_moe_tile_balance);
   const int weights[] = {0, 2, 4, 8, 12, 16, 32};
-  for (int rows : {8, 16, 32}) {
+  for (int rows : {48, 64}) {  // launches of fewer than kMoeTileBalanceFromRows rows split by count
     MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
     std::vector<cudaGraphExec_t> execs;
     for (int w : weights) {

@@ -60,6 +60,7 @@ void apply_kernel_switches(const CudaOptions& options) {
   set_gdn_state_mma_enabled(options.gdn_state_mma);
   set_gemm_kernel(gemm);
   set_rows_gemv_staging_min_rows(options.rows_gemv_from);
+  set_moe_tile_balance(options.moe_tile_balance);
 }
 
 }  // namespace lily::cuda

@@ -261,13 +261,16 @@ int rows_gemv_staging_min_rows();
 void set_rows_gemv_staging_min_rows(int n);
 
 /// How the MoE rows kernel (launch_moe_block_rows) splits the routed gate/up tiles over its
-/// blocks: 0 (the default), equal tile counts; w > 0, equal cost, a tile costing w + its live
-/// columns (the rows routed to its column block, 1 … 8, each of which the tile's fragment loads
-/// read on their own; at 32 rows the slowest blocks hold the fullest column blocks). Which tiles a
-/// block computes never changes a result's bits. On an H200 no w was faster beyond the noise
-/// (docs/performance/2026-12-05-rows-gemv-and-prefill-rows.md), so 0 stays the default. Read when
-/// a launch is planned.
+/// blocks in launches of at least kMoeTileBalanceFromRows rows: 0 (the default), equal tile
+/// counts; w > 0, equal cost, a tile costing w + its live columns (the rows routed to its column
+/// block, 1 … 8, each of which the tile's fragment loads read on their own). Which tiles a block
+/// computes never changes a result's bits. Process-wide (apply_kernel_switches:
+/// CudaOptions::moe_tile_balance); read when a launch is planned.
 int moe_tile_balance();
+/// The fewest rows whose launches split by cost (moe_tile_balance): at 8 and 16 rows the split's
+/// extra scan cost more than the imbalance it removes, and at 32 no weight was faster beyond the
+/// noise (docs/performance/2026-12-05-rows-gemv-and-prefill-rows.md).
+inline constexpr int kMoeTileBalanceFromRows = 33;
 /// Sets moe_tile_balance() for the rest of the process (tests and timings). Throws lily::Error
 /// for w < 0 or w > 1024.
 void set_moe_tile_balance(int w);

@@ -716,7 +716,7 @@ MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
     else --qs;
     p.layout = moe_layout(a.rows, hidden, ffn, E, k, qs, dn);
   }
-  p.layout.balance = moe_tile_balance();
+  p.layout.balance = a.rows >= kMoeTileBalanceFromRows ? moe_tile_balance() : 0;
   return finish_plan(p, kLabel, a, moe_rows_kernel<8>, moe_rows_kernel<4>);
 }
 
