@@ -114,13 +114,14 @@ TEST(KernelSwitches, GemvLateRequestsReachItsSetting) {
 
 TEST(KernelSwitches, MoeTileBalanceReachesItsSetting) {
   cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_EQ(cuda::moe_tile_balance(), 0);
+  EXPECT_EQ(cuda::moe_tile_balance(), CudaOptions{}.moe_tile_balance);
+  EXPECT_EQ(CudaOptions{}.moe_tile_balance, 16);
   CudaOptions o;
-  o.moe_tile_balance = 16;
+  o.moe_tile_balance = 0;
   cuda::apply_kernel_switches(o);
-  EXPECT_EQ(cuda::moe_tile_balance(), 16);
-  cuda::apply_kernel_switches(CudaOptions{});
   EXPECT_EQ(cuda::moe_tile_balance(), 0);
+  cuda::apply_kernel_switches(CudaOptions{});
+  EXPECT_EQ(cuda::moe_tile_balance(), 16);
 }
 
 TEST(KernelSwitches, BadRegdqThrowsBeforeChangingAnything) {

@@ -261,10 +261,10 @@ int rows_gemv_staging_min_rows();
 void set_rows_gemv_staging_min_rows(int n);
 
 /// How the MoE rows kernel (launch_moe_block_rows) splits the routed gate/up tiles over its
-/// blocks in launches of at least kMoeTileBalanceFromRows rows: 0 (the default), equal tile
-/// counts; w > 0, equal cost, a tile costing w + its live columns (the rows routed to its column
-/// block, 1 … 8, each of which the tile's fragment loads read on their own). Which tiles a block
-/// computes never changes a result's bits. Process-wide (apply_kernel_switches:
+/// blocks in launches of at least kMoeTileBalanceFromRows rows: 0, equal tile counts; w > 0
+/// (16 by default), equal cost, a tile costing w + its live columns (the rows routed to its
+/// column block, 1 … 8, each of which the tile's fragment loads read on their own). Which tiles a
+/// block computes never changes a result's bits. Process-wide (apply_kernel_switches:
 /// CudaOptions::moe_tile_balance); read when a launch is planned.
 int moe_tile_balance();
 /// The fewest rows whose launches split by cost (moe_tile_balance): at 8 and 16 rows the split's

@@ -28,7 +28,7 @@ std::atomic<bool> g_gdn_chunk_parallel{true};
 /// The batched GEMV's rows-mode threshold (rows_gemv_staging_min_rows, CudaOptions::rows_gemv_from).
 std::atomic<int> g_rows_gemv_staging_min_rows{kRowsGemvFromDefault};
 /// The MoE rows kernel's tile split (moe_tile_balance).
-std::atomic<int> g_moe_tile_balance{0};
+std::atomic<int> g_moe_tile_balance{16};
 /// The streaming GEMV's stage budget (stream_gemv_smem_per_sm, stream_gemv_blocks_per_sm).
 std::atomic<int64_t> g_stream_smem_per_sm{kStreamSmemPerSm};
 std::atomic<int> g_stream_blocks_per_sm{kStreamBlocksPerSm};

@@ -34,13 +34,14 @@
 //     global memory, its group sums formed from the unit sums; the block combines each row's
 //     slots in slot order.
 // The shared expert's gate/up tiles are dealt round-robin over the blocks (known before the
-// routing), the routed ones in contiguous chunks, so a block's quads work on neighbouring
-// tiles of one column block and its activation columns stay in L1 for all of them. A tile's
-// code rows are staged padded (moe_block.cuh: no bank conflicts on the fragment loads), twenty
-// bulk copies that the quad's four warps share. The ring slots and the down stages are sized
-// from the row count at launch (moe_layout). Nothing per row lives in shared memory but the
-// routing and the group sums, so 64 rows fit beside a ring of eight gate/up tiles (the router
-// logits are staged 32 rows at a time).
+// routing), the routed ones in contiguous chunks (of equal tile counts, or from
+// kMoeTileBalanceFromRows rows on of equal cost: moe_tile_balance), so a block's quads work on
+// neighbouring tiles of one column block and its activation columns stay in L1 for all of them. A
+// tile's code rows are staged padded (moe_block.cuh: no bank conflicts on the fragment loads),
+// twenty bulk copies that the quad's four warps share. The ring slots and the down stages are sized
+// from the row count at launch (moe_layout). Nothing per row lives in shared memory but the routing
+// and the group sums, so 64 rows fit beside a ring of eight gate/up tiles (the router logits are
+// staged 32 rows at a time).
 //
 // Grid barriers are counters in global memory that the caller zeroes before every launch (a
 // memset node at the start of the decode graph), so a replay never depends on the last one.
