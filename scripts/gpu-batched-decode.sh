@@ -17,6 +17,10 @@
 #   LILY_GPU_STEPS=big      the 35b-a3b synth: batched throughput B = 1 … 64 and lily bench at
 #                           256 / 4K tokens with the switch off and on
 #   LILY_GPU_STEPS=throughput  only the 35b-a3b batched throughput printout
+#   LILY_GPU_STEPS=balance  the MoE rows kernel's split by cost (LILY_CUDA_MOE_TILE_BALANCE):
+#                           test_moe_block (its bit tests and the chain sweep of weights at 48
+#                           and 64 rows), then the 35b-a3b throughput once per weight of
+#                           LILY_GPU_BALANCE (default "0 16")
 #   LILY_GPU_STEPS=rows     the batched GEMV's rows mode (LILY_CUDA_ROWS_GEMV_FROM) and the
 #                           prefill rows of several sequences in one chunk (LILY_CUDA_PREFILL_ROWS):
 #                           the GEMV bit tests and timings of both modes, the switch test, then
@@ -69,7 +73,7 @@ status=0
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 targets=()
-{ has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && targets+=(lily)
+{ has streams || has big || has throughput || has balance || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && targets+=(lily)
 for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
 gpu_build build.log "${targets[@]}"
 
@@ -142,13 +146,24 @@ serve_streams() {
   kill -INT "$pid"
   wait "$pid"
 }
-if { has streams || has big || has throughput || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && [[ ! -f "$M/config.json" ]]; then
+if { has streams || has big || has throughput || has balance || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && [[ ! -f "$M/config.json" ]]; then
   timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
 fi
 if has throughput; then
   echo "== batched decode throughput, 35b-a3b"
   LILY_GPU_BIG_MODEL="$M" timeout 300 "$BUILD/tests/test_cuda_e2e" --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' \
     2>&1 | grep -E "timing\]|FAILED" | grep -v realdims | tee "$OUT/big-throughput.log"
+fi
+if has balance; then
+  echo "== test_moe_block (tile balance bits and sweep)"
+  timeout 300 "$BUILD/tests/test_moe_block" >"$OUT/balance-moe.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|tile balance|rows kernel, (48|64) rows " "$OUT/balance-moe.log"
+  for w in ${LILY_GPU_BALANCE:-0 16}; do
+    echo "== batched decode throughput, 35b-a3b, LILY_CUDA_MOE_TILE_BALANCE=$w"
+    LILY_CUDA_MOE_TILE_BALANCE=$w LILY_GPU_BIG_MODEL="$M" timeout 300 "$BUILD/tests/test_cuda_e2e" \
+      --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' 2>&1 | grep -E "timing\]|FAILED" | grep -v realdims |
+      tee "$OUT/balance-throughput-$w.log"
+  done
 fi
 if has rows; then
   if [[ "${LILY_GPU_ROWS_KERNEL_TESTS:-1}" == 1 ]]; then  # 0: only the configurations below
