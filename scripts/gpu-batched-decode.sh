@@ -21,6 +21,13 @@
 #                           test_moe_block (its bit tests and the chain sweep of weights at 48
 #                           and 64 rows), then the 35b-a3b throughput once per weight of
 #                           LILY_GPU_BALANCE (default "0 16")
+#   LILY_GPU_STEPS=route    the MoE rows kernel's bit tests (route once against every block
+#                           routing, CudaMoeBlock.Rows*) and its chain timings (route once or not)
+#   LILY_GPU_STEPS=split-gemv  the rows mode's two warp groups (LILY_CUDA_ROWS_GEMV_SPLIT): the
+#                           GEMV bit tests (every row count, both forms) and the timing table
+#                           (direct, one group, two)
+#   LILY_GPU_STEPS=split    the 35b-a3b throughput with the rows mode's split off and on
+#                           (LILY_GPU_SPLIT_ROUNDS times each, alternating; default 1)
 #   LILY_GPU_STEPS=rows     the batched GEMV's rows mode (LILY_CUDA_ROWS_GEMV_FROM) and the
 #                           prefill rows of several sequences in one chunk (LILY_CUDA_PREFILL_ROWS):
 #                           the GEMV bit tests and timings of both modes, the switch test, then
@@ -73,7 +80,7 @@ status=0
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 targets=()
-{ has streams || has big || has throughput || has balance || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && targets+=(lily)
+{ has streams || has big || has throughput || has balance || has split || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && targets+=(lily)
 for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
 gpu_build build.log "${targets[@]}"
 
@@ -111,6 +118,18 @@ if has moe; then
   timeout 300 "$BUILD/tests/test_moe_block" >"$OUT/moe-test.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|\[timing\]|Expected|Which is|Failure|error" "$OUT/moe-test.log" | head -40
 fi
+if has split-gemv; then
+  echo "== test_batched_decode: the GEMV bit tests and timings"
+  timeout 300 "$BUILD/tests/test_batched_decode" --gtest_filter='CudaBatchedDecode.Gemv*:CudaTiming.PrintsGemvRowsTimes' \
+    >"$OUT/split-gemv.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|timing\]" "$OUT/split-gemv.log" | head -60
+fi
+if has route; then
+  echo "== test_moe_block: the rows kernel's bit tests and the chain timings (route once or in every block)"
+  timeout 240 "$BUILD/tests/test_moe_block" --gtest_filter='CudaMoeBlock.Rows*:CudaTiming.PrintsMoeBlockTimes' \
+    >"$OUT/route-moe.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|Which is|route once|every block routes" "$OUT/route-moe.log" | head -40
+fi
 if has e2e-on; then
   echo "== test_cuda_e2e, LILY_CUDA_BATCHED_DECODE=1"
   LILY_CUDA_BATCHED_DECODE=1 timeout 300 "$BUILD/tests/test_cuda_e2e" >"$OUT/e2e-on.log" 2>&1 || status=1
@@ -146,13 +165,23 @@ serve_streams() {
   kill -INT "$pid"
   wait "$pid"
 }
-if { has streams || has big || has throughput || has balance || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && [[ ! -f "$M/config.json" ]]; then
+if { has streams || has big || has throughput || has balance || has split || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && [[ ! -f "$M/config.json" ]]; then
   timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
 fi
 if has throughput; then
   echo "== batched decode throughput, 35b-a3b"
   LILY_GPU_BIG_MODEL="$M" timeout 300 "$BUILD/tests/test_cuda_e2e" --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' \
     2>&1 | grep -E "timing\]|FAILED" | grep -v realdims | tee "$OUT/big-throughput.log"
+fi
+if has split; then
+  for round in $(seq 1 "${LILY_GPU_SPLIT_ROUNDS:-1}"); do
+    for v in 0 1; do
+      echo "== batched decode throughput, 35b-a3b, LILY_CUDA_ROWS_GEMV_SPLIT=$v (round $round)"
+      LILY_CUDA_ROWS_GEMV_SPLIT=$v LILY_GPU_BIG_MODEL="$M" timeout 300 "$BUILD/tests/test_cuda_e2e" \
+        --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' 2>&1 | grep -E "timing\]|FAILED" | grep -v realdims |
+        tee "$OUT/split-throughput-$v-$round.log"
+    done
+  done
 fi
 if has balance; then
   echo "== test_moe_block (tile balance bits and sweep)"

@@ -73,16 +73,23 @@ constexpr int kStagingFrom[] = {1, 9, cuda::kMaxDecodeRows + 1};
 TEST(CudaBatchedDecode, GemvRowsAreBitIdenticalForEveryRowCount) {
   const ScopedSwitch stream(cuda::stream_gemv_enabled, cuda::set_stream_gemv_enabled);
   const ScopedSwitch staging(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
+  const ScopedSwitch split(cuda::rows_gemv_split_enabled, cuda::set_rows_gemv_split_enabled);
   for (bool streaming : {true, false}) {
     SCOPED_TRACE(streaming ? "streaming enabled" : "streaming disabled");
     stream.set(streaming);
     for (int from : kStagingFrom) {
-      SCOPED_TRACE("rows mode from " + std::to_string(from) + " rows");
-      staging.set(from);
-      check_gemv_rows(1000, 2048, 4, false, 1);  // the 35B projections' width: streaming kernel
-      check_gemv_rows(777, 4096, 4, false, 2);   // out_proj width (rows mode: 16 rows a launch)
-      check_gemv_rows(2048, 512, 4, true, 3);    // realdims hidden, fp32 (its lm_head)
-      check_gemv_rows(100, 8192, 4, false, 5);   // wide rows (8192 columns; rows mode: 8 a launch)
+      // The rows mode on two warp groups (over the column blocks at 9–16 and 25–32 rows a
+      // launch, over the tiles up to 8) and on one; the direct mode has no split.
+      for (bool two_groups : {true, false}) {
+        if (!two_groups && from > cuda::kMaxDecodeRows) continue;
+        SCOPED_TRACE("rows mode from " + std::to_string(from) + " rows" + (two_groups ? ", two warp groups" : ", one"));
+        staging.set(from);
+        split.set(two_groups);
+        check_gemv_rows(1000, 2048, 4, false, 1);  // the 35B projections' width: streaming kernel
+        check_gemv_rows(777, 4096, 4, false, 2);   // out_proj width (rows mode: 16 rows a launch)
+        check_gemv_rows(2048, 512, 4, true, 3);    // realdims hidden, fp32 (its lm_head)
+        check_gemv_rows(100, 8192, 4, false, 5);   // wide rows (8192 columns; rows mode: 8 a launch)
+      }
     }
     check_gemv_rows(300, 256, 4, false, 4);         // demo hidden: cols % 512 ≠ 0, register-load MMA
     check_gemv_rows(257, 2048, 8, true, 6);         // the router: 8-bit, tiled CUDA-core kernel
@@ -163,9 +170,10 @@ TEST(CudaBatchedDecode, RowsGemvStagingThresholdRefusesZeroRows) {
 }
 
 /// The batched decode's 4-bit GEMVs at the 35B-A3B shapes for m = 1 … 32 rows, in the streaming
-/// kernel's direct mode and its rows mode: µs per launch (events, after a warm-up) and the rows
-/// mode's rate in weight bytes. Printed, never asserted. The LM head's shape (more than
-/// kRowsModeMaxWeightRows rows) takes the direct mode in both columns.
+/// kernel's direct mode, its rows mode on one warp group and on two (rows_gemv_split_enabled;
+/// not at 17–24 rows): µs per launch (events, after a warm-up) and the rows mode's rate in
+/// weight bytes (two groups). Printed, never asserted. The LM head's shape (more than
+/// kRowsModeMaxWeightRows rows) takes the direct mode in every column.
 TEST(CudaTiming, PrintsGemvRowsTimes) {
   struct Shape {
     const char* name;
@@ -178,6 +186,7 @@ TEST(CudaTiming, PrintsGemvRowsTimes) {
                           {"out_proj", 2048, 4096, false},
                           {"lm_head", 248320, 2048, true}};
   const ScopedSwitch staging(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
+  const ScopedSwitch split(cuda::rows_gemv_split_enabled, cuda::set_rows_gemv_split_enabled);
   constexpr int M = cuda::kMaxDecodeRows;
   for (const Shape& s : shapes) {
     std::mt19937_64 rng(21);
@@ -186,16 +195,18 @@ TEST(CudaTiming, PrintsGemvRowsTimes) {
     DeviceBuffer dy(size_t(M) * s.rows * 4);
     const double bytes = double(s.rows) * (s.cols / 2 + s.cols / 64 * 4);
     for (int m : {1, 2, 4, 8, 16, 24, 32}) {
-      double us[2];
-      for (int mode = 0; mode < 2; ++mode) {
+      double us[3];
+      for (int mode = 0; mode < 3; ++mode) {  // direct, rows on one group, rows on two
         staging.set(mode == 0 ? M + 1 : 1);
+        split.set(mode == 2);
         us[mode] = time_us([&] {
           cuda::launch_quant_gemv_rows(w.view(), dx.as<bf16>(), m, s.f32_out ? nullptr : dy.as<bf16>(),
                                        s.f32_out ? dy.as<float>() : nullptr, nullptr);
         });
       }
-      std::printf("[timing] gemv rows %-11s %6lldx%-5d m=%2d  direct %8.2f us  rows mode %8.2f us  (%6.0f GB/s)\n",
-                  s.name, static_cast<long long>(s.rows), s.cols, m, us[0], us[1], bytes / us[1] / 1e3);
+      std::printf("[timing] gemv rows %-11s %6lldx%-5d m=%2d  direct %8.2f us  rows mode %8.2f us  two groups %8.2f us  "
+                  "(%6.0f GB/s)\n",
+                  s.name, static_cast<long long>(s.rows), s.cols, m, us[0], us[1], us[2], bytes / us[2] / 1e3);
     }
   }
 }

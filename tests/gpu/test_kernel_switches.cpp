@@ -90,6 +90,17 @@ TEST(KernelSwitches, RowsGemvFromReachesItsSetting) {
   }
 }
 
+TEST(KernelSwitches, RowsGemvSplitReachesItsSetting) {
+  cuda::apply_kernel_switches(CudaOptions{});
+  EXPECT_EQ(cuda::rows_gemv_split_enabled(), CudaOptions{}.rows_gemv_split);
+  CudaOptions o;
+  o.rows_gemv_split = !CudaOptions{}.rows_gemv_split;
+  cuda::apply_kernel_switches(o);
+  EXPECT_EQ(cuda::rows_gemv_split_enabled(), o.rows_gemv_split);
+  cuda::apply_kernel_switches(CudaOptions{});
+  EXPECT_EQ(cuda::rows_gemv_split_enabled(), CudaOptions{}.rows_gemv_split);
+}
+
 TEST(KernelSwitches, GemvLateRequestsReachItsSetting) {
   cuda::apply_kernel_switches(CudaOptions{});
   EXPECT_EQ(cuda::stream_gemv_late_requests(), cuda::StreamLateRequests::none);

@@ -516,7 +516,7 @@ TEST(CudaMoeBlock, RefusesWhatItDoesNotSupport) {
 }
 
 /// A stack of fused MoE blocks, each reading the last one's output as the branch of its add
-/// (ping-pong buffers), with one barrier pair per block zeroed by a memset in front.
+/// (ping-pong buffers), with three barrier counters per block zeroed by a memset in front.
 struct MoeBlockChain {
   MoeBlock m;
   std::vector<float> x0;
@@ -533,7 +533,7 @@ struct MoeBlockChain {
     for (auto& b : xr) b = DeviceBuffer(size_t(rows) * hidden * 2);
     for (auto& b : out) b = DeviceBuffer(size_t(rows) * hidden * 2);
     normed = DeviceBuffer(size_t(rows) * hidden * 2);
-    barriers = DeviceBuffer(size_t(blocks) * 2 * sizeof(uint32_t));
+    barriers = DeviceBuffer(size_t(blocks) * 3 * sizeof(uint32_t));  // the rows kernel takes three
     reset();
   }
   void reset() {
@@ -547,7 +547,7 @@ struct MoeBlockChain {
     CUDA_CHECK(cudaMemsetAsync(barriers.data(), 0, barriers.bytes(), stream));
     for (int l = 0; l < blocks; ++l) {
       cuda::MoeDecodeArgs a = m.args(xr[l % 2], l == 0 ? nullptr : out[(l + 1) % 2].as<__nv_bfloat16>(),
-                                     xr[(l + 1) % 2], normed, out[l % 2], barriers.as<uint32_t>() + 2 * l, rows);
+                                     xr[(l + 1) % 2], normed, out[l % 2], barriers.as<uint32_t>() + 3 * l, rows);
       if (l == traced) a.trace = trace;
       if (rows_kernel) cuda::launch_moe_block_rows(a, stream);
       else cuda::launch_moe_block_decode(a, stream);
@@ -622,6 +622,46 @@ TEST(CudaMoeBlock, RowsKernelTileBalanceKeepsTheBits) {
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+// The rows kernel's routing once per row (cuda::moe_route_once_from_rows: one warp of one block
+// routes a row, then a third grid barrier) against every block routing every row: the same
+// outputs, ids and weights, for 2-, 8-, 33- and 64-row chains of 4 layers.
+TEST(CudaMoeBlock, RowsKernelRouteOnceKeepsTheBits) {
+  const PdlSetting keep;
+  keep.set(true);
+  const ScopedSwitch<int> once(cuda::moe_route_once_from_rows, cuda::set_moe_route_once_from_rows);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int rows : {2, 8, 33, 64}) {
+    std::mt19937_64 rng(77);
+    MoeBlockChain chain(256, 8, 2048, 512, 4, rng, rows);
+    chain.rows_kernel = true;
+    std::vector<uint32_t> want, want_ids, want_w;
+    for (int from : {cuda::kMaxMoeRows + 1, 1}) {  // never, then always
+      once.set(from);
+      chain.reset();
+      chain.m.ids.fill_bytes(0xff);
+      chain.m.weights.fill_bytes(0xff);
+      chain.enqueue(stream);
+      const std::vector<float> got = chain.result();
+      for (float v : got) ASSERT_FALSE(std::isnan(v)) << rows << " rows, route once from " << from;
+      const int64_t n = int64_t(rows) * 9;  // the last layer's (row, slot) routing
+      std::vector<uint32_t> ids(n);
+      CUDA_CHECK(cudaMemcpy(ids.data(), chain.m.ids.data(), n * 4, cudaMemcpyDeviceToHost));
+      const std::vector<uint32_t> w = bits_of(download_f32(chain.m.weights, n));
+      if (want.empty()) {
+        want = bits_of(got), want_ids = ids, want_w = w;
+      } else {
+        EXPECT_EQ(bits_of(got), want) << rows << " rows: outputs";
+        EXPECT_EQ(ids, want_ids) << rows << " rows: ids";
+        EXPECT_EQ(w, want_w) << rows << " rows: weights";
+      }
+    }
+  }
+  EXPECT_THROW(cuda::set_moe_route_once_from_rows(0), Error);
+  EXPECT_THROW(cuda::set_moe_route_once_from_rows(cuda::kMaxMoeRows + 2), Error);
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 // Per-layer time of the decode MoE block, fused vs the three kernels it replaces, as a chain of
 // 40 blocks replayed from a CUDA graph with PDL (printed for docs/performance, never asserted).
 TEST(CudaTiming, PrintsMoeBlockTimes) {
@@ -673,6 +713,31 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
   // that visit every w in turn, so drift between replays (clocks, L2) spreads over all of them;
   // the median round per w and the spread of its rounds.
   constexpr int kRounds = 7;
+  // Routing once per row (moe_route_once_from_rows) or in every block, the same interleaved
+  // rounds for each row count.
+  {
+    const ScopedSwitch<int> once(cuda::moe_route_once_from_rows, cuda::set_moe_route_once_from_rows);
+    for (int rows : {8, 16, 32, 64}) {
+      MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
+      rchain.rows_kernel = true;
+      std::vector<cudaGraphExec_t> execs;
+      for (int from : {cuda::kMaxMoeRows + 1, 1}) {
+        once.set(from);
+        execs.push_back(capture_graph(stream, [&](cudaStream_t st) { rchain.enqueue(st); }));
+      }
+      std::vector<std::vector<double>> us(execs.size());
+      for (int round = 0; round < kRounds; ++round)
+        for (size_t i = 0; i < execs.size(); ++i) us[i].push_back(graph_replay_us(execs[i], stream, kReps) / kLayers);
+      for (size_t i = 0; i < execs.size(); ++i) {
+        std::sort(us[i].begin(), us[i].end());
+        std::printf("[timing] moe block x%d graph+PDL, rows kernel, %d rows, %-17s median %8.2f us per layer"
+                    "  (rounds %.2f … %.2f)\n",
+                    kLayers, rows, i == 0 ? "every block routes" : "route once", us[i][kRounds / 2], us[i].front(),
+                    us[i].back());
+        CUDA_CHECK(cudaGraphExecDestroy(execs[i]));
+      }
+    }
+  }
   const ScopedSwitch<int> balance(cuda::moe_tile_balance, cuda::set_moe_tile_balance);
   const int weights[] = {0, 2, 4, 8, 12, 16, 32};
   for (int rows : {48, 64}) {  // launches of fewer than kMoeTileBalanceFromRows rows split by count

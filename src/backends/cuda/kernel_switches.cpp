@@ -61,6 +61,7 @@ void apply_kernel_switches(const CudaOptions& options) {
   set_gemm_kernel(gemm);
   set_rows_gemv_staging_min_rows(options.rows_gemv_from);
   set_moe_tile_balance(options.moe_tile_balance);
+  set_rows_gemv_split_enabled(options.rows_gemv_split);
 }
 
 }  // namespace lily::cuda

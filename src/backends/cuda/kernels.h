@@ -260,6 +260,16 @@ int rows_gemv_staging_min_rows();
 /// modes; kMaxDecodeRows + 1 keeps the direct mode for every m). Throws lily::Error for n < 1.
 void set_rows_gemv_staging_min_rows(int n);
 
+/// Whether the streaming GEMV's rows mode runs a launch of 2 or 4 column blocks (9–16 or 25–32
+/// rows) on two warp groups of eight warps, each computing half the column blocks of every tile
+/// (one stage, the same k-slices, the same bits), instead of one group computing all of them:
+/// twice the warps per SM to hide the tile loop's latency; a launch of up to 8 rows (one column
+/// block) with the two groups taking turns on the tiles. A speed setting only:
+/// CudaOptions::rows_gemv_split (LILY_CUDA_ROWS_GEMV_SPLIT); read when a launch is planned.
+bool rows_gemv_split_enabled();
+/// Sets rows_gemv_split_enabled() for the rest of the process (tests and timings of both forms).
+void set_rows_gemv_split_enabled(bool on);
+
 /// How the MoE rows kernel (launch_moe_block_rows) splits the routed gate/up tiles over its
 /// blocks in launches of at least kMoeTileBalanceFromRows rows: 0, equal tile counts; w > 0
 /// (16 by default), equal cost, a tile costing w + its live columns (the rows routed to its
@@ -274,6 +284,14 @@ inline constexpr int kMoeTileBalanceFromRows = 33;
 /// Sets moe_tile_balance() for the rest of the process (tests and timings). Throws lily::Error
 /// for w < 0 or w > 1024.
 void set_moe_tile_balance(int w);
+/// Rows from which the MoE rows kernel routes each row once (one warp of one block, then a
+/// third grid barrier, and every block reads the step's routing) instead of every block routing
+/// every row; kMaxMoeRows + 1: never. The same ids and weights either way (route_token_keys on
+/// the same logits), so a speed setting only; read when a launch is planned.
+int moe_route_once_from_rows();
+/// Sets moe_route_once_from_rows() for the rest of the process (tests and timings). Throws
+/// lily::Error for n < 1 or n > kMaxMoeRows + 1.
+void set_moe_route_once_from_rows(int n);
 
 /// Blocks per SM the streaming GEMV (quant_gemv.cu) is compiled for in its staged and direct
 /// modes with one column block (the decode projections and the LM head): its register budget,
@@ -424,8 +442,8 @@ struct MoeDecodeArgs {
   /// its norm and its gate/up phase; unused by the one-token block.
   float* normed_sums = nullptr;
   __nv_bfloat16* out = nullptr;        ///< bf16 [rows, hidden]: the MoE output
-  /// uint32 [2] (with out_proj: [3]; with next_norm: [4]), zero before every launch (a memset in
-  /// the graph).
+  /// uint32 [2] (with out_proj: [3]; with next_norm: [4]; the rows kernel: [3]), zero before
+  /// every launch (a memset in the graph).
   uint32_t* barriers = nullptr;
   /// The mixer's out-projection as the one-token block's first phase (rows = 1 only; the rows
   /// kernel refuses it). Off (w.codes null) by default: norm.branch is then an input.

@@ -27,8 +27,12 @@ std::atomic<bool> g_gemv_row_tiles{true};
 std::atomic<bool> g_gdn_chunk_parallel{true};
 /// The batched GEMV's rows-mode threshold (rows_gemv_staging_min_rows, CudaOptions::rows_gemv_from).
 std::atomic<int> g_rows_gemv_staging_min_rows{kRowsGemvFromDefault};
+/// The rows mode's two warp groups (rows_gemv_split_enabled, CudaOptions::rows_gemv_split).
+std::atomic<bool> g_rows_gemv_split{false};
 /// The MoE rows kernel's tile split (moe_tile_balance).
 std::atomic<int> g_moe_tile_balance{16};
+/// Rows from which the MoE rows kernel routes each row once (moe_route_once_from_rows).
+std::atomic<int> g_moe_route_once_from_rows{kMaxMoeRows + 1};
 /// The streaming GEMV's stage budget (stream_gemv_smem_per_sm, stream_gemv_blocks_per_sm).
 std::atomic<int64_t> g_stream_smem_per_sm{kStreamSmemPerSm};
 std::atomic<int> g_stream_blocks_per_sm{kStreamBlocksPerSm};
@@ -93,10 +97,20 @@ void set_rows_gemv_staging_min_rows(int n) {
   g_rows_gemv_staging_min_rows.store(n, std::memory_order_relaxed);
 }
 
+bool rows_gemv_split_enabled() { return g_rows_gemv_split.load(std::memory_order_relaxed); }
+void set_rows_gemv_split_enabled(bool on) { g_rows_gemv_split.store(on, std::memory_order_relaxed); }
+
 int moe_tile_balance() { return g_moe_tile_balance.load(std::memory_order_relaxed); }
 void set_moe_tile_balance(int w) {
   if (w < 0 || w > 1024) throw ::lily::Error("set_moe_tile_balance: " + std::to_string(w) + " (0 … 1024)");
   g_moe_tile_balance.store(w, std::memory_order_relaxed);
+}
+
+int moe_route_once_from_rows() { return g_moe_route_once_from_rows.load(std::memory_order_relaxed); }
+void set_moe_route_once_from_rows(int n) {
+  if (n < 1 || n > kMaxMoeRows + 1)
+    throw ::lily::Error("set_moe_route_once_from_rows: " + std::to_string(n) + " (1 … " + std::to_string(kMaxMoeRows + 1) + ")");
+  g_moe_route_once_from_rows.store(n, std::memory_order_relaxed);
 }
 
 int64_t stream_gemv_smem_per_sm() { return g_stream_smem_per_sm.load(std::memory_order_relaxed); }

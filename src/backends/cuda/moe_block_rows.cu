@@ -17,7 +17,10 @@
 //     sums) and computes its part of the row's router logits (the one-token block's CUDA-core
 //     router rows, held in registers from before the wait); grid barrier 0;
 //  3. every block loads the group sums and the logits (one round trip per 32 rows), warp w
-//     routes rows w, w + 16, … (route_token_keys), and lists the distinct experts of the step (the shared one
+//     routes rows w, w + 16, … (route_token_keys); or, from moe_route_once_from_rows() rows on,
+//     each row is routed once (by one warp of one block, into the ids and weights in global
+//     memory), a third grid barrier, and every block loads the step's routing. Every block then
+//     lists the distinct experts of the step (the shared one
 //     first, then the routed ones in ascending id) and their column blocks: expert d's (row,
 //     slot) pairs in row order, eight at a time (the MMA's N), so an expert routed from n rows
 //     is ⌈n / 8⌉ column blocks and the shared expert ⌈rows / 8⌉;
@@ -109,6 +112,7 @@ struct MoeLayout {
   int quad_stages = 0, dn_stages = 0;  ///< gate/up ring slots per quad; early down stages (≤ one per warp)
   int late_dn = 0;                     ///< down stages in the gate/up ring's tail (phase 4 only)
   int balance = 0;                     ///< moe_tile_balance() at planning (routed_tile_bounds)
+  bool route_once = false;             ///< each row routed by one block (moe_route_once_from_rows)
   int64_t bars = 0, sel_ids = 0, sel_w = 0, list = 0, rows_of = 0, pair_start = 0, item_start = 0, item_expert = 0,
           item_span = 0, pair_d = 0, pairs_of = 0, word_prefix = 0;
   int64_t gu_ring = 0, asum = 0, late_ring = 0, dn_ring = 0, xsums = 0, gu_part = 0, dn_part = 0;
@@ -426,7 +430,23 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   // it, and the layout makes it large enough); warp w routes the pass's rows w, w + 16, ….
   for (int i = threadIdx.x; i < m * l.groups_h; i += blockDim.x)
     xsums[(i / l.groups_h) * xsum_pitch(l.groups_h) + i % l.groups_h] = __ldcg(a.normed_sums + i);
-  for (int r0 = 0; r0 < m; r0 += kRouteRowsPerPass) {
+  if (l.route_once) {
+    // Each row routed once, by warp j of block r mod G for row r = b + j·G, straight from the
+    // logits in L2 into a.ids / a.weights; a third grid barrier; then every block reads the
+    // step's routing (m·(k + 1) ids and weights) instead of routing every row itself.
+    for (int r = b + warp * G; r < m; r += kBlockWarps * G) {
+      const float* logits = a.logits + int64_t{r} * routed_plus_shared_experts(E);
+      if (E <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall>(logits, E, k, a.ids + r * n_sel, a.weights + r * n_sel);
+      else route_token_keys<kRouteKeysLarge>(logits, E, k, a.ids + r * n_sel, a.weights + r * n_sel);
+    }
+    grid_sync(a.barriers + 2, G);
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+      sel_ids[i] = __ldcg(a.ids + i);
+      sel_w[i] = __ldcg(a.weights + i);
+    }
+    __syncthreads();
+  }
+  for (int r0 = 0; r0 < (l.route_once ? 0 : m); r0 += kRouteRowsPerPass) {
     const int n = min(kRouteRowsPerPass, m - r0);
 #pragma unroll 4
     for (int i = threadIdx.x; i < n * routed_plus_shared_experts(E); i += blockDim.x)
@@ -466,7 +486,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     list[d] = s == k ? E : e;  // rows that share an expert write the same value
     pair_d[i] = static_cast<int16_t>(d);
     atomicOr(&rows_of[d], RowMask{1} << r);
-    if (b == 0) {
+    if (b == 0 && !l.route_once) {
       a.ids[i] = e;
       a.weights[i] = sel_w[i];
     }
@@ -718,6 +738,7 @@ MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
     p.layout = moe_layout(a.rows, hidden, ffn, E, k, qs, dn);
   }
   p.layout.balance = a.rows >= kMoeTileBalanceFromRows ? moe_tile_balance() : 0;
+  p.layout.route_once = a.rows >= moe_route_once_from_rows();
   return finish_plan(p, kLabel, a, moe_rows_kernel<8>, moe_rows_kernel<4>);
 }
 

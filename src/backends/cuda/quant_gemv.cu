@@ -409,22 +409,42 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
 /// m = 1 (stream_tile_slice's kOneToken). row: with
 /// row.pairs (staged mode, m = 1, no norm) the staged row comes by bulk copy from global memory
 /// (launch_staged_row_gemv) instead of from stage_mma_rows.
-template <class OutT, StreamMode kMode, int kBlocks, bool kCounter, bool kFixedNorm = false>
-__global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMode, kBlocks))
+/// kGroups = 2 (rows mode): two warp groups of kStreamWarps per block (block 2·kStreamThreads),
+/// each warp on the k-slice its index within the group gives, each group's warp 0 adding its
+/// group's slices in slice order, so a row gets the same bits as from one group; twice the
+/// warps to hide the tile loop's latency. With an even kBlocks (kSplitColumns) group h computes
+/// column blocks h·kBlocks/2 … of every tile from the same stage (half the accumulators a
+/// thread: the 32-row launch fits 128 registers), and group 0's warp 0 refills a stage once
+/// group 1's warp 0 has seen all of its group's partials (every warp is done with the stage).
+/// With one column block (kSplitTiles) the groups take turns on the tiles (group h: the block's
+/// tiles h, h + 2, …, in the stages of that parity; `stages` even), each group refilling its own
+/// stages and reducing into its own partial buffers.
+template <class OutT, StreamMode kMode, int kBlocks, bool kCounter, bool kFixedNorm = false, int kGroups = 1>
+__global__ void __launch_bounds__(kStreamThreads * kGroups, stream_mode_blocks_per_sm(kMode, kBlocks))
     quant_stream_gemv_kernel(DeviceQuant w, const bf16* __restrict__ x, int m, OutT* __restrict__ y, FusedNorm norm,
                              FusedConv conv, int stages, int early_stages, int pad, StagedRow row,
                              uint64_t* trace) {
   constexpr bool kDirect = kMode == StreamMode::direct;
   static_assert(kMode != StreamMode::staged || kBlocks == 1, "the staged mode takes one column block");
+  static_assert(kGroups == 1 || (kGroups == 2 && kMode == StreamMode::rows && !kCounter && (kBlocks % 2 == 0 || kBlocks == 1)),
+                "two warp groups only in the rows mode, with whole column blocks each or one block");
+  constexpr bool kSplitColumns = kGroups == 2 && kBlocks % 2 == 0, kSplitTiles = kGroups == 2 && kBlocks == 1;
+  constexpr int kGroupBlocks = kSplitColumns ? kBlocks / 2 : kBlocks;  // column blocks of one warp group
   extern __shared__ __align__(16) unsigned char sm[];
   const int cols = w.cols, groups = cols / kGroup, per_warp = groups / kStreamWarps;
-  const StreamLayout l = stream_layout(cols, m, stages, pad, kMode, kCounter);
+  const StreamLayout l = stream_layout(cols, m, stages, pad, kMode, kCounter, kSplitTiles ? 2 : 1);
   uint64_t* full = reinterpret_cast<uint64_t*>(sm);
   uint64_t* ready = full + kStreamMaxStages;
   uint64_t* freed = ready + 2;
   uint64_t* row_full = freed + 2;  // the staged row's copy (row.pairs non-null)
   int* stage_tile = reinterpret_cast<int*>(sm + l.tile_ids);  // kCounter only
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+  // warp: the k-slice (the warp within its group); wg: the warp group.
+  const int wg = threadIdx.x / kStreamThreads, warp = threadIdx.x % kStreamThreads / kWarp, lane = threadIdx.x % kWarp;
+  const int g = lane / 4, t = lane % 4;
+  const bool requester = wg == 0 && warp == 0;  // the warp that requests the tiles
+  // This group's partial handover (group 1: the two pairs after row_full).
+  uint64_t* ready_g = wg == 0 ? ready : row_full + 1;
+  uint64_t* freed_g = wg == 0 ? freed : row_full + 3;
   const int64_t tiles = ceil_div(w.rows, static_cast<int64_t>(kMmaTileRows));
   // The fixed stride's tile count of this block (with the counter: an unbounded loop, ended by a
   // stage marked −1).
@@ -435,8 +455,13 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) mbarrier_init(full + s, 1);
     for (int p = 0; p < 2; ++p) {
-      mbarrier_init(ready + p, kStreamWarps - 1);
+      // With the columns split, group 0's reducer hears from its other warps and from group 1's.
+      mbarrier_init(ready + p, kStreamWarps - 1 + (kSplitColumns ? 1 : 0));
       mbarrier_init(freed + p, 1);
+      if (kGroups > 1) {
+        mbarrier_init(row_full + 1 + p, kStreamWarps - 1);
+        mbarrier_init(row_full + 3 + p, 1);
+      }
     }
     if (row.pairs) mbarrier_init(row_full, 1);
     mbarrier_init_fence();
@@ -454,7 +479,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   // The first stages' requests: [0, early_stages) before the PDL wait, the rest once the
   // activations are staged (stream_gemv_late_requests).
   auto request_first = [&](int j0, int j1) {
-    if (warp != 0) return;
+    if (!requester) return;
     if constexpr (kCounter)
       for (int j = j0; j < j1; ++j) request(j, j, 0);
     else
@@ -500,7 +525,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
   request_first(early, stages);
   stream_trace_point(trace, 2);
 
-  for (int64_t i = 0; i < my_tiles; ++i) {
+  for (int64_t i = kSplitTiles ? wg : 0; i < my_tiles; i += kSplitTiles ? 2 : 1) {
     const int s = static_cast<int>(i % stages);
     const unsigned char* stage = sm + l.ring + s * l.stage_bytes;
     mbarrier_wait(full + s, static_cast<uint32_t>(i / stages) & 1u);
@@ -508,43 +533,54 @@ __global__ void __launch_bounds__(kStreamThreads, stream_mode_blocks_per_sm(kMod
     if (i == 0) stream_trace_point(trace, 3);
     if (kCounter || i + 1 == my_tiles) stream_trace_point(trace, 5);  // (the counter: the last tile's stamp stays)
     const StreamTileView v = stream_tile_view(stage, l, groups, g, t);
-    float acc[kBlocks][4] = {};
+    const int c0 = kSplitColumns ? wg * kGroupBlocks : 0;  // this group's first column block
+    float acc[kGroupBlocks][4] = {};
     if constexpr (kDirect) stream_tile_slice_direct<kBlocks>(v, x, cols, m, g, t, g_begin, g_end, xsum, acc);
     else if constexpr (kMode == StreamMode::rows)
-      stream_tile_slice_rows<kBlocks>(v, xperm, xsum, cols, m, g, t, g_begin, g_end, acc);
+      stream_tile_slice_rows<kGroupBlocks>(v, xperm, xsum, cols, m, g, t, g_begin, g_end, c0, acc);
     else stream_tile_slice<kFixedNorm>(v, xperm, cols, m, g, t, g_begin, g_end, xs0, xs1, has0, has1, acc[0]);
 
-    // The k-slices add up in slice order: warps 1–7 leave their partials (one float4 per lane
-    // and column block) in one of two buffers, warp 0 adds them to its own.
-    const int p = static_cast<int>(i & 1);
-    const uint32_t round = static_cast<uint32_t>(i >> 1);
-    float4* partial = reinterpret_cast<float4*>(scratch) + p * kBlocks * kStreamWarps * kWarp;  // [block][warp][lane]
+    // The k-slices add up in slice order: warps 1–7 of a group leave their partials (one float4
+    // per lane and column block) in one of two buffers, its warp 0 adds them to its own.
+    const int64_t n = kSplitTiles ? i / 2 : i;  // this group's tiles so far
+    const int p = static_cast<int>(n & 1);
+    const uint32_t round = static_cast<uint32_t>(n >> 1);
+    // [group (kSplitTiles)][buffer][block][warp][lane], from this group's first block
+    float4* partial = reinterpret_cast<float4*>(scratch) + ((kSplitTiles ? wg * 2 : 0) + p) * kBlocks * kStreamWarps * kWarp +
+                      c0 * kStreamWarps * kWarp;
     if (warp != 0) {
-      if (i >= 2) mbarrier_wait(freed + p, (round - 1) & 1u);
+      if (i >= 2) mbarrier_wait(freed_g + p, (round - 1) & 1u);
 #pragma unroll
-      for (int c = 0; c < kBlocks; ++c)
+      for (int c = 0; c < kGroupBlocks; ++c)
         partial[(c * kStreamWarps + warp) * kWarp + lane] = make_float4(acc[c][0], acc[c][1], acc[c][2], acc[c][3]);
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(ready + p);
+      if (lane == 0) mbarrier_arrive(ready_g + p);
       continue;
     }
-    mbarrier_wait(ready + p, round & 1u);  // every warp is done with this stage and its slice
+    mbarrier_wait(ready_g + p, round & 1u);  // every warp of the group is done with this stage and its slice
+    if (kSplitColumns && wg != 0) {
+      // Group 1's warps are done with the stage: tell group 0's reducer, which refills it. Not
+      // before that reducer has taken the previous round of this buffer (a phase at a time).
+      if (i >= 2) mbarrier_wait(freed + p, (round - 1) & 1u);
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(ready + p);
+    }
     int64_t tile = blockIdx.x + i * gridDim.x;
     if constexpr (kCounter) {
       tile = stage_tile[s];  // read here, not kept through the slice: one register fewer there
       // Request i + stages took the counter's tile (or none was left): fetch the next one.
       if (request(i + stages, s, claimed) >= 0 && lane == 0) claimed = atomicAdd(&g_stream_tile_counter, 1u);
-    } else if (i + stages < my_tiles) {
+    } else if ((kSplitTiles || wg == 0) && i + stages < my_tiles) {  // kSplitTiles: stages of this group's parity
       stream_request_tile(w, i + stages, sm + l.ring + s * l.stage_bytes, l, full + s);
     }
-    stream_add_slices<kBlocks>(partial, lane, acc);
+    stream_add_slices<kGroupBlocks>(partial, lane, acc);
     __syncwarp();
-    if (lane == 0) mbarrier_arrive(freed + p);
+    if (lane == 0) mbarrier_arrive(freed_g + p);
     const int64_t row_a = tile * kMmaTileRows + 4 * (g % 4) + g / 4;
 #pragma unroll
-    for (int c = 0; c < kBlocks; ++c)
-      store_mma_tile(acc[c], row_a, row_a + 2, t, m - c * kMmaMaxTokens, w.rows, y + int64_t{c} * kMmaMaxTokens * w.rows,
-                     conv);
+    for (int c = 0; c < kGroupBlocks; ++c)
+      store_mma_tile(acc[c], row_a, row_a + 2, t, m - (c0 + c) * kMmaMaxTokens, w.rows,
+                     y + int64_t{c0 + c} * kMmaMaxTokens * w.rows, conv);
     if (i == 0) stream_trace_point(trace, 4);
   }
   stream_trace_point(trace, 6);
@@ -560,6 +596,10 @@ struct StreamPlan {
   /// Staged mode: the tiles past the first stages from the tile counter (the instance with
   /// kCounter; stream_gemv_tile_counter_enabled).
   bool counter = false;
+  /// Rows mode: warp groups per block (quant_stream_gemv_kernel's kGroups): 2 while
+  /// rows_gemv_split_enabled() with an even column-block count, or one block and an even number
+  /// of stages; else 1.
+  int warp_groups = 1;
 };
 
 /// Tiles per block from which a staged launch takes its later tiles from the counter (in the
@@ -599,7 +639,21 @@ StreamPlan stream_gemv_plan(const DeviceQuant& w, int m, StreamMode mode = Strea
   fit = std::max<int64_t>(1, std::min<int64_t>({fit, kStreamMaxStages, per_block}));
   plan.counter = mode == StreamMode::staged && stream_gemv_tile_counter_enabled() &&
                  tiles >= kCounterMinTilesPerBlock * plan.blocks;
-  const StreamLayout l = stream_layout(w.cols, m, static_cast<int>(fit), plan.pad, mode, plan.counter);
+  // Two warp groups: over the column blocks where they are even; over the tiles with one block,
+  // where an even number of stages fits beside the second group's partials.
+  if (mode == StreamMode::rows && rows_gemv_split_enabled()) {
+    if (plan.column_blocks % 2 == 0) {
+      plan.warp_groups = 2;
+    } else if (plan.column_blocks == 1 && fit >= 2) {
+      const int64_t even = fit / 2 * 2;
+      if (stream_layout(w.cols, m, static_cast<int>(even), plan.pad, mode, false, 2).total <= kStreamSmemMax) {
+        plan.warp_groups = 2;
+        fit = even;
+      }
+    }
+  }
+  const int tile_groups = plan.warp_groups == 2 && plan.column_blocks == 1 ? 2 : 1;
+  const StreamLayout l = stream_layout(w.cols, m, static_cast<int>(fit), plan.pad, mode, plan.counter, tile_groups);
   if (l.total > kStreamSmemMax) return plan;
   plan.stages = static_cast<int>(fit);
   plan.smem = static_cast<size_t>(l.total);
@@ -610,7 +664,7 @@ template <class OutT>
 void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, const StreamPlan& plan,
                           cudaStream_t stream, const FusedNorm& norm, const FusedConv& conv,
                           const StagedRow& row = StagedRow{}) {
-  auto launch = [&](auto kernel) {
+  auto launch = [&](auto kernel, int warp_groups = 1) {
     raise_smem_limit(kernel, plan.smem);
     uint64_t* trace = g_stream_trace;
     if (trace && g_stream_trace_advance) {
@@ -624,8 +678,8 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
     const StreamLateRequests late = stream_gemv_late_requests();
     const bool request_late =
         late == StreamLateRequests::all || (late == StreamLateRequests::staged && plan.mode == StreamMode::staged);
-    launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads), plan.smem, stream, w, x, m, y, norm, conv, plan.stages,
-               request_late ? 0 : plan.stages, plan.pad, row, trace);
+    launch_pdl(kernel, dim3(plan.blocks), dim3(kStreamThreads * warp_groups), plan.smem, stream, w, x, m, y, norm, conv,
+               plan.stages, request_late ? 0 : plan.stages, plan.pad, row, trace);
   };
   // The direct and rows modes' instances, one per column-block count.
   auto launch_blocks = [&](auto mode) {
@@ -645,7 +699,13 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
       return plan.counter ? launch(quant_stream_gemv_kernel<OutT, StreamMode::staged, 1, true>)
                           : launch(quant_stream_gemv_kernel<OutT, StreamMode::staged, 1, false>);
     case StreamMode::direct: return launch_blocks(std::integral_constant<StreamMode, StreamMode::direct>{});
-    case StreamMode::rows: return launch_blocks(std::integral_constant<StreamMode, StreamMode::rows>{});
+    case StreamMode::rows:
+      if (plan.warp_groups == 2) {  // one or an even number of column blocks (stream_gemv_plan)
+        if (plan.column_blocks == 1) return launch(quant_stream_gemv_kernel<OutT, StreamMode::rows, 1, false, false, 2>, 2);
+        if (plan.column_blocks == 2) return launch(quant_stream_gemv_kernel<OutT, StreamMode::rows, 2, false, false, 2>, 2);
+        return launch(quant_stream_gemv_kernel<OutT, StreamMode::rows, 4, false, false, 2>, 2);
+      }
+      return launch_blocks(std::integral_constant<StreamMode, StreamMode::rows>{});
   }
 }
 

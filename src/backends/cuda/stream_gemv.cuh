@@ -115,9 +115,12 @@ __host__ __device__ inline int stream_rows_sum_pitch(int groups) { return groups
 /// room for the tile counter's per-stage tile indices before the ring). direct: no
 /// permuted copy and no staging area; Σx for whole column blocks of eight tokens (m ≤
 /// kMaxStreamGemvRows). rows: the permuted rows and their Σx at the rows-mode pitches. direct and
-/// rows: the k-slice partials hold every column block.
+/// rows: the k-slice partials hold every column block. tile_groups: warp groups that take turns
+/// on the tiles (the rows mode with one column block, quant_stream_gemv_kernel), each with its own
+/// partial buffers.
 __host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stages, int pad,
-                                                      StreamMode mode = StreamMode::staged, bool tile_ids = false) {
+                                                      StreamMode mode = StreamMode::staged, bool tile_ids = false,
+                                                      int tile_groups = 1) {
   const int groups = cols / kGroup;
   const bool direct = mode == StreamMode::direct, rows = mode == StreamMode::rows;
   const int blocks = mode == StreamMode::staged ? 1 : stream_column_blocks(m);
@@ -125,7 +128,9 @@ __host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stage
   l.row_bytes = cols / 2;
   l.chunk_pitch = 4 * l.row_bytes + pad;
   l.stage_bytes = int64_t{4} * l.chunk_pitch + int64_t{2} * kMmaTileRows * groups * 2;
-  l.tile_ids = int64_t{kStreamMaxStages + 5} * 8;  // after the mbarriers: full[stages], ready[2], freed[2], row
+  // After the mbarriers: full[stages], ready[2], freed[2], row, then the rows mode's second warp
+  // group's ready[2], freed[2] (quant_stream_gemv_kernel's kGroups).
+  l.tile_ids = int64_t{kStreamMaxStages + 9} * 8;
   l.ring = align16(l.tile_ids + (tile_ids ? int64_t{kStreamMaxStages} * 4 : 0));
   l.xperm = l.ring + stages * l.stage_bytes;
   const int64_t xperm_bytes = direct ? 0 : rows ? int64_t{m} * stream_rows_pitch(cols) * 4 : int64_t{m} * cols * 2;
@@ -135,7 +140,7 @@ __host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stage
                                      : int64_t{m} * groups;
   l.scratch = l.xsum + align16(xsum_floats * 4);
   const int64_t staging = mode == StreamMode::staged ? int64_t{groups} * (kGroupStride + 1) * 4 : 0;
-  const int64_t partials = int64_t{2} * blocks * kStreamWarps * kWarp * 16;
+  const int64_t partials = int64_t{2} * tile_groups * blocks * kStreamWarps * kWarp * 16;
   l.total = l.scratch + align16(staging > partials ? staging : partials);
   return l;
 }
@@ -437,22 +442,23 @@ __device__ __forceinline__ void stage_rows_fragments(const bf16* __restrict__ x,
   __syncthreads();
 }
 
-/// The rows mode's k-slice: block c's fragments from the staged rows (stage_rows_fragments), its
-/// Σx from the staged sums. A column past m takes row m − 1's values: an MMA's output column
-/// depends only on its own B column, and that column is never stored.
+/// The rows mode's k-slice of column blocks c0 … c0 + kBlocks − 1: block c's fragments from the
+/// staged rows (stage_rows_fragments), its Σx from the staged sums. A column past m takes row
+/// m − 1's values: an MMA's output column depends only on its own B column, and that column is
+/// never stored.
 template <int kBlocks>
 __device__ __forceinline__ void stream_tile_slice_rows(const StreamTileView& v, const uint32_t* xperm, const float* xsum,
-                                                       int cols, int m, int g, int t, int g_begin, int g_end,
+                                                       int cols, int m, int g, int t, int g_begin, int g_end, int c0,
                                                        float (&acc)[kBlocks][4]) {
   const int pitch = stream_rows_pitch(cols), sum_pitch = stream_rows_sum_pitch(cols / kGroup);
   auto frag = [&](int c, int G, uint4& bw0, uint4& bw1) {
-    const int n = min(c * kMmaMaxTokens + g, m - 1);
+    const int n = min((c0 + c) * kMmaMaxTokens + g, m - 1);
     const uint4* p = reinterpret_cast<const uint4*>(xperm + n * pitch + G * 32 + t * 8);
     bw0 = p[0];
     bw1 = p[1];
   };
   auto sums = [&](int c, int G, float (&x0)[kBlocks], float (&x1)[kBlocks]) {
-    const int n0 = min(c * kMmaMaxTokens + 2 * t, m - 1), n1 = min(c * kMmaMaxTokens + 2 * t + 1, m - 1);
+    const int n0 = min((c0 + c) * kMmaMaxTokens + 2 * t, m - 1), n1 = min((c0 + c) * kMmaMaxTokens + 2 * t + 1, m - 1);
     x0[c] = xsum[n0 * sum_pitch + G];
     x1[c] = xsum[n1 * sum_pitch + G];
   };
