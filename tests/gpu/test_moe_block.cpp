@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <iterator>
 #include <memory>
 #include <ostream>
 #include <string>
@@ -708,43 +710,15 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
                 graph_replay_us(exec, stream, kReps) / kLayers);
     CUDA_CHECK(cudaGraphExecDestroy(exec));
   }
-  // The routed tiles split by cost (moe_tile_balance w: a tile costs w + its live columns; 0:
-  // equal tile counts), the same chain for every w. One graph per w, replayed in kRounds rounds
-  // that visit every w in turn, so drift between replays (clocks, L2) spreads over all of them;
-  // the median round per w and the spread of its rounds.
+  // Settings of one chain compared: one graph per setting, replayed in kRounds rounds that
+  // visit every setting in turn, so drift between replays (clocks, L2) spreads over all of them;
+  // per setting the median round and the spread of its rounds, µs a layer.
   constexpr int kRounds = 7;
-  // Routing once per row (moe_route_once_from_rows) or in every block, the same interleaved
-  // rounds for each row count.
-  {
-    const ScopedSwitch<int> once(cuda::moe_route_once_from_rows, cuda::set_moe_route_once_from_rows);
-    for (int rows : {8, 16, 32, 64}) {
-      MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
-      rchain.rows_kernel = true;
-      std::vector<cudaGraphExec_t> execs;
-      for (int from : {cuda::kMaxMoeRows + 1, 1}) {
-        once.set(from);
-        execs.push_back(capture_graph(stream, [&](cudaStream_t st) { rchain.enqueue(st); }));
-      }
-      std::vector<std::vector<double>> us(execs.size());
-      for (int round = 0; round < kRounds; ++round)
-        for (size_t i = 0; i < execs.size(); ++i) us[i].push_back(graph_replay_us(execs[i], stream, kReps) / kLayers);
-      for (size_t i = 0; i < execs.size(); ++i) {
-        std::sort(us[i].begin(), us[i].end());
-        std::printf("[timing] moe block x%d graph+PDL, rows kernel, %d rows, %-17s median %8.2f us per layer"
-                    "  (rounds %.2f … %.2f)\n",
-                    kLayers, rows, i == 0 ? "every block routes" : "route once", us[i][kRounds / 2], us[i].front(),
-                    us[i].back());
-        CUDA_CHECK(cudaGraphExecDestroy(execs[i]));
-      }
-    }
-  }
-  const ScopedSwitch<int> balance(cuda::moe_tile_balance, cuda::set_moe_tile_balance);
-  const int weights[] = {0, 2, 4, 8, 12, 16, 32};
-  for (int rows : {48, 64}) {  // launches of fewer than kMoeTileBalanceFromRows rows split by count
-    MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
+  auto compare = [&](MoeBlockChain& rchain, int n, const std::function<std::string(int)>& set) {
     std::vector<cudaGraphExec_t> execs;
-    for (int w : weights) {
-      balance.set(w);
+    std::vector<std::string> labels;
+    for (int i = 0; i < n; ++i) {
+      labels.push_back(set(i));
       execs.push_back(capture_graph(stream, [&](cudaStream_t st) { rchain.enqueue(st); }));
     }
     std::vector<std::vector<double>> us(execs.size());
@@ -752,11 +726,34 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
       for (size_t i = 0; i < execs.size(); ++i) us[i].push_back(graph_replay_us(execs[i], stream, kReps) / kLayers);
     for (size_t i = 0; i < execs.size(); ++i) {
       std::sort(us[i].begin(), us[i].end());
-      std::printf("[timing] moe block x%d graph+PDL, rows kernel, %d rows, tile balance %2d  median %8.2f us per layer"
+      std::printf("[timing] moe block x%d graph+PDL, rows kernel, %d rows, %-20s median %8.2f us per layer"
                   "  (rounds %.2f … %.2f)\n",
-                  kLayers, rows, weights[i], us[i][kRounds / 2], us[i].front(), us[i].back());
+                  kLayers, rchain.rows, labels[i].c_str(), us[i][kRounds / 2], us[i].front(), us[i].back());
       CUDA_CHECK(cudaGraphExecDestroy(execs[i]));
     }
+  };
+  {  // routing once per row (moe_route_once_from_rows) or in every block
+    const ScopedSwitch<int> once(cuda::moe_route_once_from_rows, cuda::set_moe_route_once_from_rows);
+    for (int rows : {8, 16, 32, 64}) {
+      MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
+      rchain.rows_kernel = true;
+      compare(rchain, 2, [&](int i) {
+        once.set(i == 0 ? cuda::kMaxMoeRows + 1 : 1);
+        return std::string(i == 0 ? "every block routes" : "route once");
+      });
+    }
+  }
+  // The routed tiles split by cost (moe_tile_balance w: a tile costs w + its live columns; 0:
+  // equal tile counts), the same chain for every w; launches of fewer than
+  // kMoeTileBalanceFromRows rows split by count.
+  const ScopedSwitch<int> balance(cuda::moe_tile_balance, cuda::set_moe_tile_balance);
+  const int weights[] = {0, 2, 4, 8, 12, 16, 32};
+  for (int rows : {48, 64}) {
+    MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
+    compare(rchain, static_cast<int>(std::size(weights)), [&](int i) {
+      balance.set(weights[i]);
+      return "tile balance " + std::to_string(weights[i]);
+    });
   }
   CUDA_CHECK(cudaStreamDestroy(stream));
 }

@@ -549,7 +549,7 @@ __global__ void __launch_bounds__(kStreamThreads * kGroups, stream_mode_blocks_p
     float4* partial = reinterpret_cast<float4*>(scratch) + ((kSplitTiles ? wg * 2 : 0) + p) * kBlocks * kStreamWarps * kWarp +
                       c0 * kStreamWarps * kWarp;
     if (warp != 0) {
-      if (i >= 2) mbarrier_wait(freed_g + p, (round - 1) & 1u);
+      if (n >= 2) mbarrier_wait(freed_g + p, (round - 1) & 1u);
 #pragma unroll
       for (int c = 0; c < kGroupBlocks; ++c)
         partial[(c * kStreamWarps + warp) * kWarp + lane] = make_float4(acc[c][0], acc[c][1], acc[c][2], acc[c][3]);
@@ -561,7 +561,7 @@ __global__ void __launch_bounds__(kStreamThreads * kGroups, stream_mode_blocks_p
     if (kSplitColumns && wg != 0) {
       // Group 1's warps are done with the stage: tell group 0's reducer, which refills it. Not
       // before that reducer has taken the previous round of this buffer (a phase at a time).
-      if (i >= 2) mbarrier_wait(freed + p, (round - 1) & 1u);
+      if (n >= 2) mbarrier_wait(freed + p, (round - 1) & 1u);
       __syncwarp();
       if (lane == 0) mbarrier_arrive(ready + p);
     }

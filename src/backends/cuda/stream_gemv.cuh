@@ -128,9 +128,9 @@ __host__ __device__ inline StreamLayout stream_layout(int cols, int m, int stage
   l.row_bytes = cols / 2;
   l.chunk_pitch = 4 * l.row_bytes + pad;
   l.stage_bytes = int64_t{4} * l.chunk_pitch + int64_t{2} * kMmaTileRows * groups * 2;
-  // After the mbarriers: full[stages], ready[2], freed[2], row, then the rows mode's second warp
-  // group's ready[2], freed[2] (quant_stream_gemv_kernel's kGroups).
-  l.tile_ids = int64_t{kStreamMaxStages + 9} * 8;
+  // After the mbarriers: full[stages], ready[2], freed[2], row, and in the rows mode its second
+  // warp group's ready[2], freed[2] (quant_stream_gemv_kernel's kGroups).
+  l.tile_ids = int64_t{kStreamMaxStages + (rows ? 9 : 5)} * 8;
   l.ring = align16(l.tile_ids + (tile_ids ? int64_t{kStreamMaxStages} * 4 : 0));
   l.xperm = l.ring + stages * l.stage_bytes;
   const int64_t xperm_bytes = direct ? 0 : rows ? int64_t{m} * stream_rows_pitch(cols) * 4 : int64_t{m} * cols * 2;
