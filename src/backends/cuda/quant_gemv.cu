@@ -439,7 +439,10 @@ __global__ void __launch_bounds__(kStreamThreads * kGroups, stream_mode_blocks_p
   uint64_t* row_full = freed + 2;  // the staged row's copy (row.pairs non-null)
   int* stage_tile = reinterpret_cast<int*>(sm + l.tile_ids);  // kCounter only
   // warp: the k-slice (the warp within its group); wg: the warp group.
-  const int wg = threadIdx.x / kStreamThreads, warp = threadIdx.x % kStreamThreads / kWarp, lane = threadIdx.x % kWarp;
+  // With one group wg is a compile-time 0, so the one-group instances keep their registers.
+  const int wg = kGroups == 1 ? 0 : static_cast<int>(threadIdx.x / kStreamThreads);
+  const int warp = static_cast<int>((kGroups == 1 ? threadIdx.x : threadIdx.x % kStreamThreads) / kWarp);
+  const int lane = threadIdx.x % kWarp;
   const int g = lane / 4, t = lane % 4;
   const bool requester = wg == 0 && warp == 0;  // the warp that requests the tiles
   // This group's partial handover (group 1: the two pairs after row_full).
