@@ -172,8 +172,9 @@ TEST(CudaBatchedDecode, RowsGemvStagingThresholdRefusesZeroRows) {
 /// The batched decode's 4-bit GEMVs at the 35B-A3B shapes for m = 1 … 32 rows, in the streaming
 /// kernel's direct mode, its rows mode on one warp group and on two (rows_gemv_split_enabled;
 /// not at 17–24 rows): µs per launch (events, after a warm-up) and the rows mode's rate in
-/// weight bytes (two groups). Printed, never asserted. The LM head's shape (more than
-/// kRowsModeMaxWeightRows rows) takes the direct mode in every column.
+/// weight bytes (two groups). Printed, never asserted. The LM head's shape too in the rows mode
+/// (rows_mode_max_weight_rows raised: by default it stays direct), to see whether two groups
+/// change the choice.
 TEST(CudaTiming, PrintsGemvRowsTimes) {
   struct Shape {
     const char* name;
@@ -187,6 +188,9 @@ TEST(CudaTiming, PrintsGemvRowsTimes) {
                           {"lm_head", 248320, 2048, true}};
   const ScopedSwitch staging(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
   const ScopedSwitch split(cuda::rows_gemv_split_enabled, cuda::set_rows_gemv_split_enabled);
+  // The LM head too in the rows mode (it takes the direct mode by default).
+  const ScopedSwitch<int64_t> largest(cuda::rows_mode_max_weight_rows, cuda::set_rows_mode_max_weight_rows);
+  largest.set(int64_t{1} << 40);
   constexpr int M = cuda::kMaxDecodeRows;
   for (const Shape& s : shapes) {
     std::mt19937_64 rng(21);

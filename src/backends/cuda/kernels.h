@@ -270,6 +270,13 @@ bool rows_gemv_split_enabled();
 /// Sets rows_gemv_split_enabled() for the rest of the process (tests and timings of both forms).
 void set_rows_gemv_split_enabled(bool on);
 
+/// Matrices with more rows than this take launch_quant_gemv_rows's direct mode at any row count
+/// (kRowsModeMaxWeightRows by default: the LM head stays direct). A speed setting only, for
+/// timings of the LM head in the rows mode.
+int64_t rows_mode_max_weight_rows();
+/// Sets rows_mode_max_weight_rows() for the rest of the process. Throws lily::Error for n < 1.
+void set_rows_mode_max_weight_rows(int64_t n);
+
 /// How the MoE rows kernel (launch_moe_block_rows) splits the routed gate/up tiles over its
 /// blocks in launches of at least kMoeTileBalanceFromRows rows: 0, equal tile counts; w > 0
 /// (16 by default), equal cost, a tile costing w + its live columns (the rows routed to its

@@ -29,6 +29,8 @@ std::atomic<bool> g_gdn_chunk_parallel{true};
 std::atomic<int> g_rows_gemv_staging_min_rows{kRowsGemvFromDefault};
 /// The rows mode's two warp groups (rows_gemv_split_enabled, CudaOptions::rows_gemv_split).
 std::atomic<bool> g_rows_gemv_split{false};
+/// The rows mode's largest matrix (rows_mode_max_weight_rows).
+std::atomic<int64_t> g_rows_mode_max_weight_rows{kRowsModeMaxWeightRows};
 /// The MoE rows kernel's tile split (moe_tile_balance).
 std::atomic<int> g_moe_tile_balance{16};
 /// Rows from which the MoE rows kernel routes each row once (moe_route_once_from_rows).
@@ -99,6 +101,12 @@ void set_rows_gemv_staging_min_rows(int n) {
 
 bool rows_gemv_split_enabled() { return g_rows_gemv_split.load(std::memory_order_relaxed); }
 void set_rows_gemv_split_enabled(bool on) { g_rows_gemv_split.store(on, std::memory_order_relaxed); }
+
+int64_t rows_mode_max_weight_rows() { return g_rows_mode_max_weight_rows.load(std::memory_order_relaxed); }
+void set_rows_mode_max_weight_rows(int64_t n) {
+  if (n < 1) throw ::lily::Error("set_rows_mode_max_weight_rows: " + std::to_string(n) + " rows (at least 1)");
+  g_rows_mode_max_weight_rows.store(n, std::memory_order_relaxed);
+}
 
 int moe_tile_balance() { return g_moe_tile_balance.load(std::memory_order_relaxed); }
 void set_moe_tile_balance(int w) {

@@ -788,7 +788,7 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
 /// The batched decode's GEMV (launch_quant_gemv_rows): a kernel chosen by the matrix alone, so
 /// that a token row's result never depends on m. 4-bit: the streaming kernel when it applies at
 /// kMaxStreamGemvRows rows, its rows mode (the rows staged once per block) from
-/// rows_gemv_staging_min_rows() rows on for matrices of at most kRowsModeMaxWeightRows rows, as
+/// rows_gemv_staging_min_rows() rows on for matrices of at most rows_mode_max_weight_rows() rows, as
 /// many launches as its shared memory needs, else its
 /// direct mode (activation fragments read from global memory by the warps that use them); the
 /// rows as column blocks of eight sharing each weight fragment; every mode gives a row the same
@@ -807,7 +807,7 @@ void gemv_rows_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cud
   if (w.bits == 4) {
     if (stream_gemv_enabled() && stream_gemv_plan(w, kMaxStreamGemvRows, StreamMode::direct).stages > 0 &&
         reinterpret_cast<uintptr_t>(x) % 16 == 0) {
-      const bool rows_mode = m >= rows_gemv_staging_min_rows() && w.rows <= kRowsModeMaxWeightRows;
+      const bool rows_mode = m >= rows_gemv_staging_min_rows() && w.rows <= rows_mode_max_weight_rows();
       if (const int per = rows_mode ? rows_mode_rows_per_launch(w, m) : 0; per > 0) {
         for (int r0 = 0; r0 < m; r0 += per) {
           const int n = std::min(per, m - r0);
