@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <optional>
 
@@ -28,6 +29,7 @@ void check_generation_inputs(const SequenceState& state, std::span<const int32_t
   if (prompt.empty()) throw Error("generate: the prompt is empty");
   if (params.max_tokens <= 0) throw Error("generate: max_tokens must be at least 1");
   if (params.max_seq <= 0) throw Error("generate: max_seq must be at least 1");
+  if (params.min_tokens < 0) throw Error("generate: min_tokens must be at least 0");
   if (static_cast<int64_t>(prompt.size()) > params.max_seq)
     throw Error("generate: the prompt has " + std::to_string(prompt.size()) +
                 " tokens but max_seq is " + std::to_string(params.max_seq));
@@ -202,14 +204,19 @@ bool Generation::samples_on_device() const {
   return !params_.sampling.plain_greedy() && backend_.samples_on_device() && !constrained();
 }
 
-bool Generation::constrained() const { return impl_->prefix && impl_->prefix->active(); }
+bool Generation::constrained() const { return (impl_->prefix && impl_->prefix->active()) || stops_masked(); }
+
+bool Generation::stops_masked() const {
+  return !params_.stop_ids.empty() && static_cast<int64_t>(result_.token_ids.size()) < params_.min_tokens;
+}
 
 // The token after a backend step: its argmax, the backend's own sample (samples_on_device:
 // `next` is already the sampled id), or the host sampler's choice from the logits. Plain greedy
 // takes the backend's argmax as is (bit-exact, no logits copied); host sampling, penalties and
 // bias on a backend without a device sampler, and log-probabilities (always computed on the
 // host) need the logits row of every step on the host. While the prefix constraint is active,
-// the host sampler (greedy or not) chooses from the row with the disallowed tokens at −inf.
+// the host sampler (greedy or not) chooses from the row with the disallowed tokens (and, before
+// min_tokens, the stop tokens) at −inf.
 int32_t Generation::choose(int32_t next) {
   const SamplingParams& sp = params_.sampling;
   const bool want_logprobs = params_.logprobs >= 0;
@@ -221,10 +228,15 @@ int32_t Generation::choose(int32_t next) {
   const auto step = static_cast<uint64_t>(result_.token_ids.size());
   int32_t token;
   if (constrained) {
+    const bool prefix = impl_->prefix && impl_->prefix->active();
     impl_->masked.assign(logits_.begin(), logits_.end());
-    impl_->prefix->mask(impl_->masked);
+    if (prefix) impl_->prefix->mask(impl_->masked);
+    if (stops_masked())
+      for (int32_t id : params_.stop_ids)
+        if (id >= 0 && static_cast<size_t>(id) < impl_->masked.size())
+          impl_->masked[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
     token = impl_->sampler.sample(impl_->masked, sp, impl_->history, step);
-    impl_->prefix->push(token);
+    if (prefix) impl_->prefix->push(token);
   } else {
     token = sp.plain_greedy() || on_device ? next : impl_->sampler.sample(logits_, sp, impl_->history, step);
   }

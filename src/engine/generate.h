@@ -63,6 +63,11 @@ struct GenerationParams {
   /// token writes none): the server passes a chat answer's think and tool-call markers when the
   /// tokenizer marks them special, since it splits the answer at their text.
   std::vector<int32_t> kept_special_ids;
+  /// ≥ 0: the first min_tokens tokens cannot be stop tokens: their logits are set to −inf before
+  /// the choice (greedy or sampled), which then runs on the host from the copied logits, as for
+  /// prefix_choices. Stop strings still end the text. Log-probabilities stay those of the raw
+  /// logits. (vLLM's min_tokens.)
+  int64_t min_tokens = 0;
 };
 
 /// Wall-clock timings of one generation, in seconds.
@@ -156,11 +161,15 @@ class Generation {
   int64_t next_cut() const;
   int32_t choose(int32_t next);
   /// True when the backend samples this generation's tokens on its device (not plain greedy,
-  /// Backend::samples_on_device, no prefix constraint active): the step returns the sampled id,
+  /// Backend::samples_on_device, not constrained()): the step returns the sampled id,
   /// no logits needed for it.
   bool samples_on_device() const;
-  /// True while GenerationParams::prefix_choices still constrains the next token.
+  /// True while the next token is chosen on the host from masked logits: the prefix
+  /// constraint is active, or the stop tokens are still masked (stops_masked).
   bool constrained() const;
+  /// True while fewer than GenerationParams::min_tokens tokens were generated (and there are
+  /// stop tokens): the next choice cannot be a stop token.
+  bool stops_masked() const;
 
   const Backend& backend_;
   SequenceState& state_;

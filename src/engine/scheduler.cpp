@@ -335,7 +335,8 @@ bool Scheduler::start_choice(Running& r, int choice) {
     GenerationParams params;
     params.max_tokens = req.max_tokens;
     params.max_seq = options_.max_seq;
-    params.stop_ids = options_.stop_ids;
+    if (!req.ignore_eos) params.stop_ids = options_.stop_ids;
+    params.min_tokens = req.min_tokens;
     params.stop_strings = req.stop_strings;
     if (req.stop_after_text) params.stop_after_text = req.stop_after_text();
     params.sampling = req.sampling;

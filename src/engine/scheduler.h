@@ -74,6 +74,8 @@ struct JobRequest {
   /// GenerationParams::prefix_choices of every choice: the text must begin with one of these.
   std::vector<std::string> prefix_choices;
   std::vector<int32_t> kept_special_ids;  ///< GenerationParams::kept_special_ids of every choice
+  int64_t min_tokens = 0;                  ///< GenerationParams::min_tokens of every choice
+  bool ignore_eos = false;                 ///< true: no stop tokens (EngineOptions::stop_ids unused)
 };
 
 /// Where the engine spent one choice's time, in seconds (JobEvent::timings of its kDone; the

@@ -21,7 +21,7 @@
 //   choice with a tool call finishes with "tool_calls".
 // - Usage counts the prompt once and every choice's tokens. A whole answer always has it; a
 //   stream only with stream_options.include_usage, as a last chunk without choices before
-//   [DONE]. An answer that fails has none: the error takes its place.
+//   [DONE] (with continuous_usage_stats, vLLM's, every chunk also carries the counts so far). An answer that fails has none: the error takes its place.
 // - n > 1: a whole answer holds the choices in order; a stream sends them one after the other,
 //   a chat stream opening each with a role chunk that carries its seed.
 #include "server/server_impl.h"
@@ -184,7 +184,8 @@ class LilyServer::StreamAnswer final : public AnswerSink {
  public:
   /// Streams `call`'s answer on `ex`, whose stream has begun.
   StreamAnswer(const LilyServer& server, const ChatCall& call, Exchange& ex)
-      : server_(server), call_(call), ex_(ex), usage_field_(call.request.include_usage) {}
+      : server_(server), call_(call), ex_(ex), usage_field_(call.request.include_usage),
+        running_usage_(call.request.include_usage && call.request.continuous_usage) {}
 
   /// True once the stream's last event ([DONE]) went out: the stream may end cleanly.
   bool done() const { return done_; }
@@ -199,6 +200,7 @@ class LilyServer::StreamAnswer final : public AnswerSink {
   }
 
   bool on_text(int choice, const std::string& text, std::optional<TokenLogprobs> logprobs) override {
+    ++completion_tokens_;
     if (logprobs) pending_.push_back(std::move(*logprobs));
     return text.empty() || send_piece(choice, text);
   }
@@ -235,7 +237,14 @@ class LilyServer::StreamAnswer final : public AnswerSink {
   }
 
  private:
-  bool send(const ordered_json& doc) { return ex_.write_chunk(sse_event(dump(doc))); }
+  /// Sends one event; with running_usage_, a chunk's null usage becomes the usage so far.
+  bool send(ordered_json doc) {
+    if (running_usage_ && doc.contains("usage") && doc["usage"].is_null())
+      doc["usage"] = ordered_json{{"prompt_tokens", call_.prompt_tokens},
+                                  {"completion_tokens", completion_tokens_},
+                                  {"total_tokens", call_.prompt_tokens + completion_tokens_}};
+    return ex_.write_chunk(sse_event(dump(doc)));
+  }
 
   /// A piece of text: parsed (chat) or as is (legacy, which has no logprobs).
   bool send_piece(int choice, const std::string& text) {
@@ -260,6 +269,8 @@ class LilyServer::StreamAnswer final : public AnswerSink {
   const ChatCall& call_;
   Exchange& ex_;
   const bool usage_field_;  ///< stream_options.include_usage: every chunk has "usage" (null but the last)
+  const bool running_usage_;  ///< and continuous_usage_stats: every chunk's usage is the count so far
+  int64_t completion_tokens_ = 0;  ///< tokens generated so far, every choice (as usage counts them)
   std::optional<AnswerParser> parser_;  ///< the current choice's (chat)
   std::vector<TokenLogprobs> pending_;  ///< log-probabilities of tokens whose text is still held back
   bool done_ = false;

@@ -1,5 +1,7 @@
 #include "server/chat_agent.h"
 
+#include <algorithm>
+#include <array>
 #include <set>
 
 #include "server/api_error.h"
@@ -130,7 +132,7 @@ void parse_kwargs(const json& v, ChatAgentFields& out) {
 
 bool is_agent_field(std::string_view key) {
   return key == "tools" || key == "tool_choice" || key == "parallel_tool_calls" || key == "reasoning_effort" ||
-         key == "chat_template_kwargs";
+         key == "chat_template_kwargs" || key == "include_reasoning";
 }
 
 ChatAgentFields parse_agent_fields(const json& doc, std::string_view body) {
@@ -148,7 +150,19 @@ ChatAgentFields parse_agent_fields(const json& doc, std::string_view body) {
       throw wrong_type("parallel_tool_calls", "a boolean", doc["parallel_tool_calls"]);
     out.parallel_tool_calls = doc["parallel_tool_calls"].get<bool>();
   }
-  if (given("reasoning_effort")) out.reasoning_effort = require_string(doc["reasoning_effort"], "reasoning_effort");
+  if (given("reasoning_effort")) {
+    out.reasoning_effort = require_string(doc["reasoning_effort"], "reasoning_effort");
+    static constexpr std::array<std::string_view, 6> kEfforts = {"none", "minimal", "low", "medium", "high", "xhigh"};
+    if (std::find(kEfforts.begin(), kEfforts.end(), *out.reasoning_effort) == kEfforts.end())
+      throw invalid_request("'reasoning_effort' must be one of none, minimal, low, medium, high, xhigh; got " +
+                                doc["reasoning_effort"].dump(),
+                            "reasoning_effort", "invalid_value");
+  }
+  if (given("include_reasoning")) {
+    if (!doc["include_reasoning"].is_boolean())
+      throw wrong_type("include_reasoning", "a boolean", doc["include_reasoning"]);
+    out.include_reasoning = doc["include_reasoning"].get<bool>();
+  }
   if (given("chat_template_kwargs")) parse_kwargs(doc["chat_template_kwargs"], out);
   if (out.tool_choice == ToolChoice::kRequired && names.empty())
     throw invalid_request("'tool_choice' is \"required\" but no tools are declared", "tool_choice");

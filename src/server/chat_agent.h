@@ -23,7 +23,12 @@ struct ChatAgentFields {
   ToolChoice tool_choice = ToolChoice::kAuto;
   std::string tool_choice_name;               ///< kNamed: the function (a declared tool)
   std::optional<bool> parallel_tool_calls;    ///< false: at most one tool call per answer (AnswerFormat::single_call)
-  std::optional<std::string> reasoning_effort;  ///< "none" disables thinking, anything else enables it
+  /// none | minimal | low | medium | high | xhigh: "none" disables thinking, the others enable it
+  /// (the model has one depth of thinking).
+  std::optional<std::string> reasoning_effort;
+  /// include_reasoning (vLLM's): false leaves the thinking text out of the answer (it is still
+  /// generated and counted in completion tokens).
+  bool include_reasoning = true;
   std::optional<bool> enable_thinking;        ///< chat_template_kwargs.enable_thinking
   std::optional<bool> preserve_thinking;      ///< chat_template_kwargs.preserve_thinking
 

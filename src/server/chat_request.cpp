@@ -1,6 +1,7 @@
 #include "server/chat_request.h"
 
 #include <algorithm>
+#include <cmath>
 #include <initializer_list>
 #include <map>
 #include <set>
@@ -36,12 +37,28 @@ std::string require_string(const json& v, const std::string& param) {
   return v.get<std::string>();
 }
 
+/// An integer field. A number written with a fraction part of zero (`5.0`, `1e3`) counts as
+/// that integer, as Python clients produce and vLLM accepts; one past int64's range (also when
+/// JSON gave it as a float, as for 2^64) is refused as too large rather than as a wrong type.
 int64_t require_integer(const json& v, const std::string& param) {
+  auto too_large = [&] {
+    return invalid_request("'" + param + "' is too large: at most " + std::to_string(INT64_MAX) +
+                               " (a signed 64-bit integer), got " + v.dump(),
+                           param, "invalid_value");
+  };
+  if (v.is_number_float()) {
+    const double x = v.get<double>();
+    if (!std::isfinite(x) || x != std::trunc(x)) throw wrong_type(param, "an integer", v);
+    // ±2^63 are exact doubles; everything strictly inside converts exactly.
+    if (x >= 9223372036854775808.0) throw too_large();
+    if (x < -9223372036854775808.0)
+      throw invalid_request("'" + param + "' is too small: at least " + std::to_string(INT64_MIN) +
+                                " (a signed 64-bit integer), got " + v.dump(),
+                            param, "invalid_value");
+    return static_cast<int64_t>(x);
+  }
   if (!v.is_number_integer()) throw wrong_type(param, "an integer", v);
-  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
-    throw invalid_request("'" + param + "' is too large: at most " + std::to_string(INT64_MAX) +
-                              " (a signed 64-bit integer), got " + v.dump(),
-                          param, "invalid_value");
+  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) throw too_large();
   return v.get<int64_t>();
 }
 
@@ -128,11 +145,18 @@ std::string parse_content(const json& v, const std::string& param) {
 
 /// The fields a message of `role` may carry besides role and content. An assistant message may
 /// also carry the fields of OpenAI's own answers that clients send back in the history
-/// (refusal, annotations, and function_call / audio when null; see parse_chat_message).
+/// (refusal, annotations, and function_call / audio when null; see parse_chat_message), and
+/// `reasoning`, the name newer vLLM servers give the thinking text (= reasoning_content).
+/// "'user'" → "a 'user'", "'assistant'" → "an 'assistant'" (for messages naming a role).
+std::string with_article(const std::string& role) {
+  const bool vowel = !role.empty() && std::string_view("aeiou").find(role[0]) != std::string_view::npos;
+  return std::string(vowel ? "an '" : "a '") + role + "'";
+}
+
 bool message_field_allowed(ChatRole role, const std::string& key) {
   if (key == "name") return true;
   if (role == ChatRole::kAssistant)
-    return key == "tool_calls" || key == "reasoning_content" || key == "refusal" || key == "annotations" ||
+    return key == "tool_calls" || key == "reasoning_content" || key == "reasoning" || key == "refusal" || key == "annotations" ||
            key == "function_call" || key == "audio" || key == "parsed";
   if (role == ChatRole::kTool) return key == "tool_call_id";
   return false;
@@ -148,8 +172,8 @@ ChatMessage parse_chat_message(const json& m, const std::string& param) {
   msg.role = parse_role(m["role"], param + ".role");
   for (const auto& [key, value] : m.items())
     if (key != "role" && key != "content" && !message_field_allowed(msg.role, key))
-      throw invalid_request("unrecognized field '" + key + "' in " + param + " (a '" +
-                                m["role"].get<std::string>() + "' message)",
+      throw invalid_request("unrecognized field '" + key + "' in " + param + " (" +
+                                with_article(m["role"].get<std::string>()) + " message)",
                             param + "." + key, "unknown_parameter");
   auto given = [&](const char* key) { return m.contains(key) && !m[key].is_null(); };
   // An assistant turn may have no content (one that only calls tools).
@@ -171,6 +195,14 @@ ChatMessage parse_chat_message(const json& m, const std::string& param) {
                             param + "." + key, "unsupported_parameter");
   if (given("name")) msg.name = require_string(m["name"], param + ".name");
   if (given("reasoning_content")) msg.reasoning_content = require_string(m["reasoning_content"], param + ".reasoning_content");
+  if (given("reasoning")) {
+    const std::string reasoning = require_string(m["reasoning"], param + ".reasoning");
+    if (msg.reasoning_content && *msg.reasoning_content != reasoning)
+      throw invalid_request("'" + param + ".reasoning' and '" + param +
+                                ".reasoning_content' differ; they name the same text, send one of them",
+                            param + ".reasoning");
+    msg.reasoning_content = reasoning;
+  }
   if (given("tool_calls")) msg.tool_calls = parse_message_tool_calls(m["tool_calls"], param + ".tool_calls");
   if (msg.role == ChatRole::kTool) {
     if (!given("tool_call_id"))
@@ -215,7 +247,7 @@ void parse_stop(const json& v, GenerationFields& req) {
 void parse_stream_options(const json& v, GenerationFields& req) {
   if (!v.is_object()) throw wrong_type("stream_options", "an object", v);
   for (const auto& [key, value] : v.items()) {
-    if (key != "include_usage" && key != "include_obfuscation")
+    if (key != "include_usage" && key != "include_obfuscation" && key != "continuous_usage_stats")
       throw invalid_request("unrecognized field '" + key + "' in stream_options", "stream_options." + key,
                             "unknown_parameter");
     if (value.is_null()) continue;
@@ -223,6 +255,7 @@ void parse_stream_options(const json& v, GenerationFields& req) {
     // include_obfuscation: OpenAI pads stream events against side channels; lily adds no padding
     // either way, so the setting is checked and changes nothing.
     if (key == "include_usage") req.include_usage = value.get<bool>();
+    if (key == "continuous_usage_stats") req.continuous_usage = value.get<bool>();
   }
 }
 
@@ -246,7 +279,7 @@ bool is_known_chat_field(const std::string& key) {
   static const std::set<std::string, std::less<>> known = {
       "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop", "prompt_cache_key",
       "prompt_cache_retention", "user", "safety_identifier", "verbosity", "store", "metadata", "service_tier", "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-      "repetition_penalty", "logit_bias", "seed", "logprobs", "top_logprobs"};
+      "repetition_penalty", "logit_bias", "seed", "logprobs", "top_logprobs", "min_tokens", "ignore_eos"};
   return known.count(key) > 0 || unsupported_fields().count(key) > 0;
 }
 
@@ -314,6 +347,13 @@ void parse_optional_field(const std::string& key, const json& value, GenerationF
     parse_logit_bias(value, req);
   } else if (key == "seed") {
     req.sampling.seed = require_integer(value, key);
+  } else if (key == "min_tokens") {
+    const int64_t n = require_integer(value, key);
+    if (n < 0) throw invalid_request("'min_tokens' must be at least 0, got " + std::to_string(n), key, "invalid_value");
+    req.min_tokens = n;
+  } else if (key == "ignore_eos") {
+    if (!value.is_boolean()) throw wrong_type(key, "a boolean", value);
+    req.ignore_eos = value.get<bool>();
   } else if (key == "logprobs") {
     if (!value.is_boolean()) throw wrong_type(key, "a boolean", value);
     req.logprobs = value.get<bool>();
@@ -422,6 +462,14 @@ void check_stream_options(bool stream_options_set, bool stream) {
     throw invalid_request("'stream_options' is only allowed when 'stream' is true", "stream_options");
 }
 
+/// Refuses min_tokens above an explicit max_tokens (the answer could not honour both).
+void check_min_tokens(const GenerationFields& req) {
+  if (req.max_tokens && req.min_tokens > *req.max_tokens)
+    throw invalid_request("'min_tokens' (" + std::to_string(req.min_tokens) + ") must not exceed 'max_tokens' (" +
+                              std::to_string(*req.max_tokens) + ")",
+                          "min_tokens", "invalid_value");
+}
+
 /// Refuses a field sent as `null` unless it is one of the chat request's fields.
 void check_null_field(const std::string& key) {
   if (!is_known_chat_field(key))
@@ -463,6 +511,7 @@ ChatRequest parse_chat_request(std::string_view body) {
     req.max_tokens = max_completion_tokens;
   }
   check_stream_options(stream_options_set, req.stream);
+  check_min_tokens(req);
   if (top_logprobs_set && !req.logprobs)
     throw invalid_request("'top_logprobs' needs 'logprobs': true", "top_logprobs");
   return req;
@@ -517,6 +566,7 @@ CompletionRequest parse_completion_request(std::string_view body) {
     throw missing_parameter("prompt");
   parse_prompt(doc["prompt"], req);
   check_stream_options(stream_options_set, req.stream);
+  check_min_tokens(req);
   return req;
 }
 

@@ -36,6 +36,13 @@ struct GenerationFields {
   std::optional<int64_t> max_tokens;        ///< ≥ 1 when set (max_tokens or max_completion_tokens)
   bool stream = false;
   bool include_usage = false;               ///< stream_options.include_usage
+  /// stream_options.continuous_usage_stats (vLLM's): with include_usage, every chunk carries the
+  /// usage so far instead of null.
+  bool continuous_usage = false;
+  /// min_tokens (vLLM's): the stop tokens (EOS) cannot be chosen before this many tokens were
+  /// generated; stop strings still end the answer. ≥ 0, at most max_tokens when that is given.
+  int64_t min_tokens = 0;
+  bool ignore_eos = false;                  ///< ignore_eos (vLLM's): the stop tokens do not end the answer
   std::vector<std::string> stop;            ///< 0…4 non-empty stop strings
   std::optional<std::string> prompt_cache_key;
   RequestSampling sampling;
@@ -43,6 +50,10 @@ struct GenerationFields {
   bool logprobs = false;                    ///< report each token's log-probability (chat)
   int top_logprobs = 0;                     ///< 0 … kMaxTopLogprobs alternatives (needs logprobs)
 };
+
+/// max_tokens of a legacy completion that gives none (OpenAI's and vLLM's default); the chat
+/// endpoint's default is the rest of the context window.
+inline constexpr int64_t kCompletionDefaultMaxTokens = 16;
 
 /// Most choices per request (`n`).
 inline constexpr int kMaxChoices = 8;
@@ -90,11 +101,11 @@ inline constexpr size_t kMaxStopStrings = 4;
 
 /// Parses and validates a request body. Accepted: model, messages (roles system, developer (as
 /// system), user, assistant, tool; content a string or an array of {"type":"text","text":…}
-/// parts, joined with "\n"; `name`; assistant `tool_calls` and `reasoning_content`, content then
+/// parts, joined with "\n"; `name`; assistant `tool_calls` and `reasoning_content` (or vLLM's `reasoning`), content then
 /// optional; tool `tool_call_id`, required), the agent fields of server/chat_agent.h,
 /// max_tokens / max_completion_tokens (integers ≥ 1; equal when both), stream,
-/// stream_options.include_usage and .include_obfuscation (only with stream; the latter changes
-/// nothing), stop (string or ≤ 4 strings), prompt_cache_key, user, safety_identifier,
+/// stream_options.include_usage, .continuous_usage_stats and .include_obfuscation (only with
+/// stream; the last changes nothing), min_tokens (≥ 0, ≤ max_tokens), ignore_eos (boolean), stop (string or ≤ 4 strings), prompt_cache_key, user, safety_identifier,
 /// service_tier, prompt_cache_retention, store, metadata (checked, ignored), response_format
 /// {"type":"text"}, modalities ["text"] and verbosity "medium" (the defaults; other values are
 /// refused as unsupported), the sampling fields of RequestSampling, n (1 … 8), logprobs (boolean) and

@@ -24,13 +24,28 @@ std::vector<int32_t> LilyServer::tokenize(const ChatRequest& request, std::vecto
 int64_t LilyServer::checked_max_tokens(const ChatCall& call, int64_t prompt_tokens) const {
   const GenerationFields& request = call.request;
   const int64_t room = max_seq_ - prompt_tokens;
+  if (room < 0)
+    throw invalid_request("the prompt has " + std::to_string(prompt_tokens) +
+                              " tokens, more than this server's maximum context length of " + std::to_string(max_seq_) +
+                              " tokens",
+                          call.prompt_param, "context_length_exceeded");
   if (room < 1)
     throw invalid_request("the prompt has " + std::to_string(prompt_tokens) +
                               " tokens but this server's maximum context length is " + std::to_string(max_seq_) +
                               " tokens, which leaves no room for a completion",
                           call.prompt_param, "context_length_exceeded");
   const int64_t cap = options_.max_tokens_cap;
-  if (!request.max_tokens) return cap > 0 ? std::min(room, cap) : room;
+  if (!request.max_tokens) {
+    int64_t n = cap > 0 ? std::min(room, cap) : room;
+    // The legacy endpoint's default is OpenAI's (and vLLM's): a short completion, at least min_tokens.
+    if (call.text_completion) n = std::min(n, std::max(kCompletionDefaultMaxTokens, request.min_tokens));
+    if (request.min_tokens > n)
+      throw invalid_request("min_tokens (" + std::to_string(request.min_tokens) + ") exceeds the " + std::to_string(n) +
+                                " tokens this request may generate (the rest of the context window, or this "
+                                "server's --max-tokens cap)",
+                            "min_tokens", "invalid_value");
+    return n;
+  }
   if (cap > 0 && *request.max_tokens > cap)
     throw invalid_request("max_tokens (" + std::to_string(*request.max_tokens) + ") exceeds this server's cap of " +
                               std::to_string(cap) + " tokens",
@@ -56,6 +71,8 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
   job.n = call.request.n;
   job.logprobs = call.request.logprobs ? call.request.top_logprobs : -1;
   job.prefix_choices = call.prefix_choices;
+  job.min_tokens = call.request.min_tokens;
+  job.ignore_eos = call.request.ignore_eos;
   // A chat answer is split at its markers' text: keep it where the tokenizer marks one special.
   for (std::string_view marker : answer_markers(call.answer))
     if (const auto id = tokenizer_->token_id(marker); id && tokenizer_->is_special(*id)) job.kept_special_ids.push_back(*id);
@@ -154,6 +171,7 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
     call.phases.template_render = encoding.render_seconds;
     call.phases.tokenize = encoding.tokenize_seconds;
     call.answer.thinking = thinking_enabled(request.agent, options_.reasoning);
+    call.answer.include_reasoning = request.agent.include_reasoning;
     if (request.agent.tools_active()) {
       call.answer.tools.emplace(request.agent.tools);
       call.answer.single_call = request.agent.parallel_tool_calls == false;

@@ -377,7 +377,8 @@ class LilyServer {
   std::vector<int32_t> tokenize(const ChatRequest& request, std::vector<int64_t>* message_starts = nullptr,
                                 ChatEncodeTimings* timings = nullptr) const;
   /// The request's max_tokens, or its default (the room left by the prompt, at most
-  /// --max-tokens); throws ApiError 400 when the prompt leaves no room or max_tokens is too big.
+  /// --max-tokens; for a legacy completion also at most max(16, min_tokens)); throws ApiError 400
+  /// when the prompt leaves no room, max_tokens is too big or min_tokens cannot be honoured.
   int64_t checked_max_tokens(const ChatCall& call, int64_t prompt_tokens) const;
   /// Queues the prompt and answers the request (whole or streamed) from the job's events.
   void generate_and_respond(ChatCall& call, std::vector<int32_t> prompt, Exchange& ex, Reply& res);

@@ -156,7 +156,7 @@ std::vector<AnswerDelta> AnswerParser::finish() { return drain(true); }
 std::vector<AnswerDelta> AnswerParser::drain(bool final) {
   std::vector<AnswerDelta> out;
   auto emit = [&](AnswerDelta::Kind kind, std::string text) {
-    if (text.empty()) return;
+    if (text.empty() || (kind == AnswerDelta::Kind::kReasoning && !format_.include_reasoning)) return;
     if (!out.empty() && out.back().kind == kind) out.back().text += text;
     else out.push_back(AnswerDelta{kind, std::move(text), {}, 0});
   };
@@ -265,7 +265,7 @@ std::function<std::function<bool(std::string_view)>()> first_tool_call_stop(cons
 
 AssistantMessage parse_answer(std::string_view text, const AnswerFormat& format) {
   AssistantMessage message;
-  if (format.thinking) message.reasoning = "";
+  if (format.thinking && format.include_reasoning) message.reasoning = "";
   AnswerParser parser(format);
   auto take = [&](std::vector<AnswerDelta> deltas) {
     for (auto& d : deltas) {

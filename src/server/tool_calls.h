@@ -45,6 +45,9 @@ struct AnswerFormat {
   /// `parallel_tool_calls: false`: the answer ends with its first tool call; whatever follows
   /// it is dropped (the engine also stops generating there, see first_tool_call_stop).
   bool single_call = false;
+  /// false (`include_reasoning: false`): the thinking text is dropped from the answer, whole or
+  /// streamed (no reasoning_content at all).
+  bool include_reasoning = true;
 };
 
 /// One parsed tool call.

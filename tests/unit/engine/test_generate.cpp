@@ -107,6 +107,41 @@ TEST(Generate, StopTokenOnTheLastAllowedStepIsStop) {
   EXPECT_EQ(r.token_ids.size(), 2u);
 }
 
+// min_tokens: a stop token the backend prefers is masked out of the first min_tokens choices
+// (the runner-up, from the copied logits, is taken), and ends the answer once allowed.
+TEST(Generate, MinTokensMasksTheStopTokensUntilReached) {
+  FakeBackend b;
+  play(b, {99, 99, 99, 99, 12}, 1);
+  auto s = b.new_state(100);
+  auto p = params(10);
+  p.stop_ids = {99};
+  p.min_tokens = 3;
+  auto r = generate(b, *s, std::vector<int32_t>{1}, p, nullptr);
+  ASSERT_EQ(r.token_ids.size(), 4u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_NE(r.token_ids[i], 99) << i;
+  EXPECT_EQ(r.token_ids[3], 99);  // allowed from the fourth token on: the backend's own choice
+  EXPECT_EQ(r.finish_reason, FinishReason::kStop);
+  EXPECT_EQ(b.logits_calls, 3);  // plain greedy copies the logits only while the stops are masked
+
+  // Without min_tokens the first token ends it; without stop tokens min_tokens changes nothing.
+  FakeBackend b2;
+  play(b2, {99, 12}, 1);
+  auto s2 = b2.new_state(100);
+  EXPECT_EQ(generate(b2, *s2, std::vector<int32_t>{1}, [] {
+              auto q = params(10);
+              q.stop_ids = {99};
+              return q;
+            }(), nullptr).token_ids,
+            (std::vector<int32_t>{99}));
+  FakeBackend b3;
+  play(b3, {99, 99}, 1, 7);
+  auto s3 = b3.new_state(100);
+  auto q = params(4);
+  q.min_tokens = 3;
+  EXPECT_EQ(generate(b3, *s3, std::vector<int32_t>{1}, q, nullptr).token_ids, (std::vector<int32_t>{99, 99, 7, 7}));
+  EXPECT_EQ(b3.logits_calls, 0);
+}
+
 TEST(Generate, CallbackReturningFalseCancelsBeforeTheNextDecode) {
   FakeBackend b;
   auto s = b.new_state(100);
@@ -164,7 +199,9 @@ TEST(Generate, RejectsBadInputs) {
   EXPECT_THROW(generate(b, *s, std::vector<int32_t>{1, 2, 3, 4, 5}, params(1, 4), nullptr), Error);
   auto p = params(1, 4);
   p.stop_strings = {"x"};
-  EXPECT_THROW(generate(b, *s, std::vector<int32_t>{1}, p, nullptr), Error);
+  EXPECT_THROW(generate(b, *s, std::vector<int32_t>{1}, p, nullptr), Error);  auto q = params(1, 4);
+  q.min_tokens = -1;
+  EXPECT_THROW(generate(b, *s, std::vector<int32_t>{1}, q, nullptr), Error);
 }
 
 TEST(GenerateText, StopTokenIsNotPartOfTheText) {

@@ -180,6 +180,12 @@ TEST(ChatAgent, ThinkingSwitches) {
   EXPECT_TRUE(options.tools.is_array());
   EXPECT_TRUE(template_options(agent_fields({{"tool_choice", "none"}}), false).tools.is_null());
   EXPECT_EQ(rejection(with("reasoning_effort", 3)), "reasoning_effort|invalid_type");
+  EXPECT_EQ(rejection(with("reasoning_effort", "bogus")), "reasoning_effort|invalid_value");
+  for (const char* effort : {"minimal", "medium", "xhigh"})
+    EXPECT_TRUE(thinking_enabled(agent_fields({{"reasoning_effort", effort}}), false)) << effort;
+  EXPECT_TRUE(agent_fields(json::object()).include_reasoning);
+  EXPECT_FALSE(agent_fields({{"include_reasoning", false}}).include_reasoning);
+  EXPECT_EQ(rejection(with("include_reasoning", "no")), "include_reasoning|invalid_type");
   EXPECT_EQ(rejection(with("chat_template_kwargs", "x")), "chat_template_kwargs|invalid_type");
   EXPECT_EQ(rejection(with("chat_template_kwargs", {{"enable_thinking", "yes"}})),
             "chat_template_kwargs.enable_thinking|invalid_type");

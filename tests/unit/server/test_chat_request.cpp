@@ -140,6 +140,63 @@ TEST(ChatRequest, WrongTypes) {
   EXPECT_EQ(rejected(with("stream", 1).dump()).code(), "invalid_type");
 }
 
+// Integers written as floats with no fraction count (Python clients send 5.0); past int64 is
+// "too large", not a wrong type, whichever way JSON spelled it.
+TEST(ChatRequest, IntegerValuedNumbersCountAsIntegers) {
+  EXPECT_EQ(*parse(with("max_tokens", 5.0)).max_tokens, 5);
+  EXPECT_EQ(*parse(with("seed", 1e3)).sampling.seed, 1000);
+  EXPECT_EQ(*parse(with("seed", -7.0)).sampling.seed, -7);
+  EXPECT_EQ(parse(with("n", 2.0)).n, 2);
+  const auto huge = rejected(R"({"model":"demo","messages":[{"role":"user","content":"hi"}],"seed":18446744073709551616})");
+  EXPECT_EQ(huge.param(), "seed");
+  EXPECT_NE(huge.message().find("too large"), std::string::npos) << huge.message();
+  const auto big_float = rejected(with("seed", 1e19).dump());
+  EXPECT_NE(big_float.message().find("too large"), std::string::npos) << big_float.message();
+  const auto tiny = rejected(with("seed", -1e30).dump());
+  EXPECT_NE(tiny.message().find("too small"), std::string::npos) << tiny.message();
+  EXPECT_EQ(rejected(with("max_tokens", 5.5).dump()).code(), "invalid_type");
+}
+
+TEST(ChatRequest, VllmGenerationExtras) {
+  json j = with("min_tokens", 4);
+  j["ignore_eos"] = true;
+  j["max_tokens"] = 4;
+  j["stream"] = true;
+  j["stream_options"] = {{"include_usage", true}, {"continuous_usage_stats", true}};
+  const ChatRequest r = parse(j);
+  EXPECT_EQ(r.min_tokens, 4);
+  EXPECT_TRUE(r.ignore_eos);
+  EXPECT_TRUE(r.continuous_usage);
+  EXPECT_EQ(parse(base()).min_tokens, 0);
+  EXPECT_FALSE(parse(base()).ignore_eos);
+  // min_tokens above max_tokens cannot be honoured; negative is out of range.
+  json over = with("min_tokens", 5);
+  over["max_tokens"] = 4;
+  EXPECT_EQ(param_of(over), "min_tokens");
+  EXPECT_EQ(param_of(with("min_tokens", -1)), "min_tokens");
+  EXPECT_EQ(param_of(with("ignore_eos", 1)), "ignore_eos");
+  json bad = with("stream", true);
+  bad["stream_options"] = {{"continuous_usage_stats", "yes"}};
+  EXPECT_EQ(param_of(bad), "stream_options.continuous_usage_stats");
+}
+
+TEST(ChatRequest, AssistantReasoningIsReasoningContent) {
+  json j = base();
+  j["messages"] = json::array({{{"role", "user"}, {"content", "a"}},
+                               {{"role", "assistant"}, {"content", "b"}, {"reasoning", "thought"}},
+                               {{"role", "user"}, {"content", "c"}}});
+  EXPECT_EQ(parse(j).messages[1].reasoning_content, "thought");
+  j["messages"][1]["reasoning_content"] = "thought";
+  EXPECT_EQ(parse(j).messages[1].reasoning_content, "thought");
+  j["messages"][1]["reasoning_content"] = "other";
+  EXPECT_EQ(param_of(j), "messages[1].reasoning");
+  // The message naming an unknown field names its role with the right article.
+  j["messages"][1].erase("reasoning_content");
+  j["messages"][1]["mood"] = 1;
+  const auto e = rejected(j.dump());
+  EXPECT_NE(e.message().find("(an 'assistant' message)"), std::string::npos) << e.message();
+}
+
 TEST(ChatRequest, MessageRules) {
   EXPECT_EQ(param_of(with("messages", json::array())), "messages");
   EXPECT_EQ(param_of(with("messages", json::array({"hi"}))), "messages[0]");

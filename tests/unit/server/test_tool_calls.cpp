@@ -150,6 +150,25 @@ TEST(ToolCalls, ReasoningIsSplitAtTheThinkEnd) {
   EXPECT_EQ(unfinished.content, "");
 }
 
+// include_reasoning false: the thinking is dropped, whole or streamed; the rest is unchanged.
+TEST(ToolCalls, ReasoningCanBeLeftOut) {
+  AnswerFormat f = format(true);
+  f.include_reasoning = false;
+  const std::string text = "I should check.\n</think>\n\nChecking.\n\n" + kCall;
+  const AssistantMessage m = parse_answer(text, f);
+  EXPECT_FALSE(m.reasoning.has_value());
+  EXPECT_EQ(m.content, "Checking.");
+  EXPECT_EQ(m.tool_calls.size(), 1u);
+  EXPECT_FALSE(assistant_message_json(m).contains("reasoning_content"));
+  AnswerParser parser(f);
+  std::vector<AnswerDelta> deltas;
+  for (char c : text)
+    for (auto& d : parser.push(std::string(1, c))) deltas.push_back(std::move(d));
+  for (auto& d : parser.finish()) deltas.push_back(std::move(d));
+  for (const AnswerDelta& d : deltas) EXPECT_NE(d.kind, AnswerDelta::Kind::kReasoning);
+  EXPECT_FALSE(deltas.empty());
+}
+
 TEST(ToolCalls, AnySplitOfTheStreamGivesTheWholeAnswer) {
   const std::vector<std::pair<std::string, AnswerFormat>> cases = {
       {"Reason <tool_call> here\n\n</think>\n\nText <tool\n" + kCall + "\n" + kCall + " tail </think>", format(true)},

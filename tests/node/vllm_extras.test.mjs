@@ -1,0 +1,116 @@
+// The request fields that vLLM's clients send beside OpenAI's, against `lily serve` on the demo
+// model: min_tokens, ignore_eos, stream_options.continuous_usage_stats, include_reasoning, an
+// assistant message's `reasoning`; and the legacy completions endpoint's default max_tokens (16).
+// One server for the file.
+// Run: LILY_BIN=build/lily node --test tests/node/vllm_extras.test.mjs
+import { describe, it } from 'node:test';
+import assert from 'node:assert/strict';
+import { MODEL, chat, parseSse, postJson, serverForSuite } from './server_harness.mjs';
+
+const user = (content) => ({ role: 'user', content });
+const messages = [user('What is CMake?')];
+
+describe('vLLM request extras on lily serve (demo model)', () => {
+  const suite = serverForSuite();
+  const ask = async (extra) => {
+    const res = await chat(suite.server, { model: MODEL, messages, ...extra });
+    assert.equal(res.status, 200, res.body);
+    return res.json;
+  };
+
+  it('ignore_eos runs past the stop token to max_tokens; min_tokens holds it off that long', async () => {
+    // The chat stop token, made the certain choice with logit_bias.
+    const tok = await postJson(suite.server, '/tokenize', { model: MODEL, prompt: '<|im_end|>' });
+    assert.equal(tok.json.tokens.length, 1);
+    const eos = { [tok.json.tokens[0]]: 100 };
+    const free = await ask({ max_tokens: 24, logit_bias: eos });
+    assert.equal(free.choices[0].finish_reason, 'stop');
+    assert.equal(free.usage.completion_tokens, 1);
+
+    const ignored = await ask({ max_tokens: 24, logit_bias: eos, ignore_eos: true });
+    assert.equal(ignored.choices[0].finish_reason, 'length');
+    assert.equal(ignored.usage.completion_tokens, 24);
+    assert.equal(ignored.choices[0].message.content, '');  // the stop token writes no text
+
+    const held = await ask({ max_tokens: 24, logit_bias: eos, min_tokens: 5 });
+    assert.equal(held.choices[0].finish_reason, 'stop');
+    assert.equal(held.usage.completion_tokens, 6);
+    assert.ok(held.choices[0].message.content.length > 0);
+    // Streamed, the same tokens.
+    const streamed = await chat(suite.server, { model: MODEL, messages, max_tokens: 24, logit_bias: eos, min_tokens: 5, stream: true });
+    assert.equal(parseSse(streamed.body).text, held.choices[0].message.content);
+
+    // Greedy without a stop in reach: min_tokens changes nothing.
+    const plain = await ask({ max_tokens: 8 });
+    assert.deepEqual((await ask({ max_tokens: 8, min_tokens: 8 })).choices[0].message, plain.choices[0].message);
+    const over = await chat(suite.server, { model: MODEL, messages, max_tokens: 4, min_tokens: 5 });
+    assert.equal(over.status, 400);
+    assert.equal(over.json.error.param, 'min_tokens');
+  });
+
+  it('continuous_usage_stats puts the running usage in every chunk', async () => {
+    const res = await chat(suite.server, {
+      model: MODEL, messages, max_tokens: 12, stream: true,
+      stream_options: { include_usage: true, continuous_usage_stats: true },
+    });
+    assert.equal(res.status, 200, res.body);
+    const events = res.body.split('\n\n').map((e) => e.trim()).filter((e) => e && e !== 'data: [DONE]')
+      .map((e) => JSON.parse(e.slice(6)));
+    const withChoices = events.filter((c) => c.choices.length > 0);
+    assert.ok(withChoices.length >= 3);
+    let last = 0;
+    for (const c of withChoices) {
+      assert.ok(c.usage, JSON.stringify(c));
+      assert.equal(c.usage.total_tokens, c.usage.prompt_tokens + c.usage.completion_tokens);
+      assert.ok(c.usage.completion_tokens >= last);
+      last = c.usage.completion_tokens;
+    }
+    const final = events.at(-1);
+    assert.deepEqual(final.choices, []);
+    assert.equal(final.usage.completion_tokens, last);
+    assert.equal(final.usage.prompt_tokens, withChoices[0].usage.prompt_tokens);
+    // Without the flag the chunks keep "usage": null.
+    const plain = await chat(suite.server, {
+      model: MODEL, messages, max_tokens: 4, stream: true, stream_options: { include_usage: true },
+    });
+    assert.ok(plain.body.includes('"usage":null'));
+    assert.equal(parseSse(plain.body).usage.completion_tokens, 4);
+  });
+
+  it('include_reasoning false leaves the thinking out and the content as it was', async () => {
+    const thinking = { chat_template_kwargs: { enable_thinking: true }, max_tokens: 48 };
+    const full = await ask(thinking);
+    assert.equal(typeof full.choices[0].message.reasoning_content, 'string');
+    const bare = await ask({ ...thinking, include_reasoning: false });
+    assert.equal(bare.choices[0].message.reasoning_content, undefined);
+    assert.equal(bare.choices[0].message.content, full.choices[0].message.content);
+    assert.equal(bare.usage.completion_tokens, full.usage.completion_tokens);
+    const streamed = await chat(suite.server, { model: MODEL, messages, ...thinking, include_reasoning: false, stream: true });
+    assert.ok(!streamed.body.includes('reasoning_content'));
+    assert.equal(parseSse(streamed.body).text, full.choices[0].message.content);
+  });
+
+  it("an assistant turn's reasoning (vLLM's name) is its reasoning_content", async () => {
+    const turns = (field) => [user('hi'), { role: 'assistant', content: 'hello', [field]: 'a thought' }, user('more')];
+    const a = await postJson(suite.server, '/tokenize', { model: MODEL, messages: turns('reasoning') });
+    const b = await postJson(suite.server, '/tokenize', { model: MODEL, messages: turns('reasoning_content') });
+    assert.equal(a.status, 200, JSON.stringify(a.json));
+    assert.deepEqual(a.json.tokens, b.json.tokens);
+    const bad = await chat(suite.server, { model: MODEL, messages: turns('reasoning'), reasoning_effort: 'bogus' });
+    assert.equal(bad.status, 400);
+    assert.equal(bad.json.error.param, 'reasoning_effort');
+  });
+
+  it('a legacy completion without max_tokens stops at 16 tokens', async () => {
+    const res = await postJson(suite.server, '/v1/completions', {
+      model: MODEL, prompt: 'CMake is a', ignore_eos: true, max_tokens: null,
+    });
+    assert.equal(res.status, 200, JSON.stringify(res.json));
+    assert.equal(res.json.usage.completion_tokens, 16);
+    assert.equal(res.json.choices[0].finish_reason, 'length');
+    const longer = await postJson(suite.server, '/v1/completions', { model: MODEL, prompt: 'CMake is a', ignore_eos: true, min_tokens: 20 });
+    assert.equal(longer.json.usage.completion_tokens, 20);
+    const asked = await postJson(suite.server, '/v1/completions', { model: MODEL, prompt: 'CMake is a', ignore_eos: true, max_tokens: 40 });
+    assert.equal(asked.json.usage.completion_tokens, 40);
+  });
+});
