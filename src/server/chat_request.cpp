@@ -462,6 +462,30 @@ void check_stream_options(bool stream_options_set, bool stream) {
     throw invalid_request("'stream_options' is only allowed when 'stream' is true", "stream_options");
 }
 
+/// vLLM's continue_final_message (the last message, from the assistant, is continued) and
+/// add_generation_prompt (false only with it: a prompt that ends after a finished turn is not
+/// something to answer).
+void parse_continuation(const json& doc, ChatRequest& req) {
+  std::optional<bool> add_generation_prompt;
+  if (doc.contains("continue_final_message") && !doc["continue_final_message"].is_null()) {
+    if (!doc["continue_final_message"].is_boolean())
+      throw wrong_type("continue_final_message", "a boolean", doc["continue_final_message"]);
+    req.continue_final_message = doc["continue_final_message"].get<bool>();
+  }
+  if (doc.contains("add_generation_prompt") && !doc["add_generation_prompt"].is_null()) {
+    if (!doc["add_generation_prompt"].is_boolean())
+      throw wrong_type("add_generation_prompt", "a boolean", doc["add_generation_prompt"]);
+    add_generation_prompt = doc["add_generation_prompt"].get<bool>();
+  }
+  if (req.continue_final_message && add_generation_prompt.value_or(false))
+    throw invalid_request("'add_generation_prompt' and 'continue_final_message' cannot both be true",
+                          "add_generation_prompt");
+  if (!req.continue_final_message && add_generation_prompt == false)
+    throw invalid_request("'add_generation_prompt' may be false only with 'continue_final_message': true (the "
+                          "assistant's last turn continued)",
+                          "add_generation_prompt", "unsupported_value");
+}
+
 /// Refuses min_tokens above an explicit max_tokens (the answer could not honour both).
 void check_min_tokens(const GenerationFields& req) {
   if (req.max_tokens && req.min_tokens > *req.max_tokens)
@@ -492,7 +516,9 @@ ChatRequest parse_chat_request(std::string_view body) {
   bool stream_options_set = false;
   bool top_logprobs_set = false;
   for (const auto& [key, value] : doc.items()) {
-    if (key == "model" || key == "messages" || is_agent_field(key)) continue;
+    if (key == "model" || key == "messages" || is_agent_field(key) || key == "continue_final_message" ||
+        key == "add_generation_prompt")
+      continue;
     if (value.is_null()) {
       check_null_field(key);
       continue;
@@ -500,10 +526,16 @@ ChatRequest parse_chat_request(std::string_view body) {
     parse_optional_field(key, value, req, max_completion_tokens, stream_options_set, top_logprobs_set);
   }
   req.model = required_model(doc);
+  parse_continuation(doc, req);
   if (!doc.contains("messages"))
     throw missing_parameter("messages");
-  req.messages = parse_messages(doc["messages"]);
+  req.messages = parse_messages(doc["messages"], req.continue_final_message);
   req.agent = parse_agent_fields(doc, body);
+  if (req.continue_final_message && (req.agent.tool_choice == ToolChoice::kRequired ||
+                                     req.agent.tool_choice == ToolChoice::kNamed) && req.agent.tools_active())
+    throw invalid_request("'continue_final_message' continues the assistant's text, which a forced tool call "
+                          "('tool_choice' \"required\" or a named function) cannot",
+                          "continue_final_message");
   if (max_completion_tokens) {
     if (req.max_tokens && *req.max_tokens != *max_completion_tokens)
       throw invalid_request("'max_tokens' and 'max_completion_tokens' differ; send one of them",

@@ -65,8 +65,12 @@ inline constexpr size_t kMaxLogitBias = 300;
 /// A validated chat-completions request.
 struct ChatRequest : GenerationFields {
   std::string model;                        ///< must equal the served name (checked by the caller: 404)
-  std::vector<ChatMessage> messages;        ///< non-empty, last one from the user (or a tool result)
+  std::vector<ChatMessage> messages;        ///< non-empty, last one from the user (or a tool result;
+                                            ///< the assistant with continue_final_message)
   ChatAgentFields agent;                    ///< tools, tool_choice, thinking (server/chat_agent.h)
+  /// continue_final_message (vLLM's): the last message is the assistant's, and the answer goes on
+  /// from its content (ChatTemplateOptions::continue_final_message); its text is content.
+  bool continue_final_message = false;
 };
 
 /// A validated legacy completions request (POST /v1/completions): one prompt, given as text or
@@ -109,7 +113,9 @@ inline constexpr size_t kMaxStopStrings = 4;
 /// service_tier, prompt_cache_retention, store, metadata (checked, ignored), response_format
 /// {"type":"text"}, modalities ["text"] and verbosity "medium" (the defaults; other values are
 /// refused as unsupported), the sampling fields of RequestSampling, n (1 … 8), logprobs (boolean) and
-/// top_logprobs (0 … 20, only with logprobs true). `null` counts as absent for optional fields. Throws ApiError (400 invalid_request_error) naming the
+/// top_logprobs (0 … 20, only with logprobs true), continue_final_message (vLLM's; a
+/// boolean: the last message is then the assistant's, continued; not with a forced tool call) and
+/// add_generation_prompt (false only with continue_final_message, true not with it). `null` counts as absent for optional fields. Throws ApiError (400 invalid_request_error) naming the
 /// parameter, e.g. param "messages[1].content[0].type".
 ChatRequest parse_chat_request(std::string_view body);
 

@@ -12,9 +12,13 @@ namespace lily::server::detail {
 
 std::vector<int32_t> LilyServer::tokenize(const ChatRequest& request, std::vector<int64_t>* message_starts,
                                           ChatEncodeTimings* timings) const {
+  ChatTemplateOptions options = template_options(request.agent, options_.reasoning);
+  if (request.continue_final_message) {
+    options.add_generation_prompt = false;
+    options.continue_final_message = true;
+  }
   try {
-    return chat_template_->encode(*tokenizer_, request.messages, template_options(request.agent, options_.reasoning),
-                                  message_starts, timings);
+    return chat_template_->encode(*tokenizer_, request.messages, options, message_starts, timings);
   } catch (const Error& e) {
     throw invalid_request(std::string("messages cannot be rendered with the chat template: ") + e.what(),
                           "messages");
@@ -170,7 +174,8 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
     prompt = tokenize(request, &call.message_starts, &encoding);
     call.phases.template_render = encoding.render_seconds;
     call.phases.tokenize = encoding.tokenize_seconds;
-    call.answer.thinking = thinking_enabled(request.agent, options_.reasoning);
+    // A continued answer goes on from its content (the template wrote any think block before it).
+    call.answer.thinking = thinking_enabled(request.agent, options_.reasoning) && !request.continue_final_message;
     call.answer.include_reasoning = request.agent.include_reasoning;
     if (request.agent.tools_active()) {
       call.answer.tools.emplace(request.agent.tools);

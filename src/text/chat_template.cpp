@@ -191,6 +191,39 @@ jinja::Value message_value(const ChatMessage& message, bool history_rewrite) {
   return m;
 }
 
+/// `s` without leading and trailing ASCII whitespace (a view into it).
+std::string_view trimmed(std::string_view s) {
+  constexpr std::string_view kSpace = " \t\n\r\f\v";
+  const size_t lo = s.find_first_not_of(kSpace);
+  if (lo == std::string_view::npos) return s.substr(s.size());
+  return s.substr(lo, s.find_last_not_of(kSpace) + 1 - lo);
+}
+
+/// Throws unless ChatTemplateOptions::continue_final_message's rules hold.
+void check_continuable(std::span<const ChatMessage> messages, const ChatTemplateOptions& options) {
+  const std::string why = "the final assistant message cannot be continued: ";
+  if (options.add_generation_prompt) throw Error(why + "add_generation_prompt must be false");
+  if (messages.empty() || messages.back().role != ChatRole::kAssistant)
+    throw Error(why + "the last message is not from the assistant");
+  if (!messages.back().tool_calls.empty()) throw Error(why + "it has tool calls");
+  if (trimmed(messages.back().content).empty()) throw Error(why + "it has no content");
+}
+
+// Ends the prompt right after the final assistant message's content: its last occurrence in
+// the text (templates write it trimmed), then the trailing whitespace the client wrote.
+void cut_after_final_content(jinja::RenderedText& out, const std::string& content) {
+  const std::string_view core = trimmed(content);
+  const size_t at = out.text.rfind(core);
+  if (at == std::string::npos)
+    throw Error("the final assistant message cannot be continued: the chat template does not write its content as given");
+  const size_t end = at + core.size();
+  out.text.resize(end);
+  while (!out.trusted.empty() && out.trusted.back().first >= end) out.trusted.pop_back();
+  if (!out.trusted.empty()) out.trusted.back().second = std::min(out.trusted.back().second, end);
+  const size_t core_end = static_cast<size_t>(core.data() - content.data()) + core.size();
+  out.text += content.substr(core_end);  // context text: never encoded with control tokens
+}
+
 }  // namespace
 
 jinja::RenderedText ChatTemplate::render_marked(std::span<const ChatMessage> messages, bool rewrite,
@@ -213,10 +246,12 @@ jinja::RenderedText ChatTemplate::render_marked(std::span<const ChatMessage> mes
   context.dict_data().set("add_generation_prompt", jinja::Value(options.add_generation_prompt));
   context.dict_data().set("enable_thinking", jinja::Value(options.enable_thinking));
   if (options.preserve_thinking) context.dict_data().set("preserve_thinking", jinja::Value(*options.preserve_thinking));
+  if (options.continue_final_message) check_continuable(messages, options);
   jinja::RenderedText out = template_.render_marked(context);
   if (options.add_generation_prompt &&
       (messages.empty() || (messages.back().role != ChatRole::kUser && messages.back().role != ChatRole::kTool)))
     throw Error("the last message must be from the user");
+  if (options.continue_final_message) cut_after_final_content(out, messages.back().content);
   return out;
 }
 

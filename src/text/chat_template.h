@@ -55,6 +55,11 @@ struct ChatTemplateOptions {
   bool enable_thinking = false;           ///< the template variable of that name
   std::optional<bool> preserve_thinking;  ///< passed only when set
   nlohmann::ordered_json tools;           ///< null (absent) or the request's list of tools
+  /// The last message is an assistant turn to continue (vLLM's continue_final_message): the
+  /// prompt ends right after its content, as the client wrote it (whitespace the template trims
+  /// off its end is put back), so the answer goes on from there. Needs add_generation_prompt
+  /// false, and a last assistant message with content and no tool calls.
+  bool continue_final_message = false;
 };
 
 /// A parsed chat template. Immutable; thread-safe.
@@ -98,7 +103,10 @@ class ChatTemplate {
   /// "the last message must be from the user" (a tool result may be last too). Without
   /// `add_generation_prompt` (the template variable of that name is false) the last message may
   /// also be from the assistant: what a
-  /// client counting a whole conversation's tokens asks for.
+  /// client counting a whole conversation's tokens asks for. With
+  /// ChatTemplateOptions::continue_final_message, "the final assistant message cannot be
+  /// continued: …" when it breaks that option's rules or the template does not write its content
+  /// as given.
   std::string render(std::span<const ChatMessage> messages, bool add_generation_prompt = true) const;
   /// The same with every template variable given (tools, thinking).
   std::string render(std::span<const ChatMessage> messages, const ChatTemplateOptions& options) const;

@@ -1,6 +1,6 @@
 // The request fields that vLLM's clients send beside OpenAI's, against `lily serve` on the demo
 // model: min_tokens, ignore_eos, stream_options.continuous_usage_stats, include_reasoning, an
-// assistant message's `reasoning`; and the legacy completions endpoint's default max_tokens (16).
+// assistant message's `reasoning`, continue_final_message; and the legacy completions endpoint's default max_tokens (16).
 // One server for the file.
 // Run: LILY_BIN=build/lily node --test tests/node/vllm_extras.test.mjs
 import { describe, it } from 'node:test';
@@ -99,6 +99,26 @@ describe('vLLM request extras on lily serve (demo model)', () => {
     const bad = await chat(suite.server, { model: MODEL, messages: turns('reasoning'), reasoning_effort: 'bogus' });
     assert.equal(bad.status, 400);
     assert.equal(bad.json.error.param, 'reasoning_effort');
+  });
+
+  it('continue_final_message goes on from the assistant text the client wrote', async () => {
+    const whole = await ask({ max_tokens: 12, logprobs: true });
+    const tokens = whole.choices[0].logprobs.content.map((t) => t.token);
+    const text = whole.choices[0].message.content;
+    assert.equal(tokens.join(''), text);
+    // Cut after a word (a token that ends in a letter, followed by one that starts with a space).
+    let k = 3;
+    while (k < tokens.length - 2 && !tokens[k].startsWith(' ')) k++;
+    const head = tokens.slice(0, k).join('');
+    const cont = await ask({
+      messages: [...messages, { role: 'assistant', content: head }], continue_final_message: true,
+      add_generation_prompt: false, max_tokens: 12 - k,
+    });
+    assert.equal(head + cont.choices[0].message.content, text);
+    assert.equal(cont.usage.completion_tokens, 12 - k);
+    const refused = await chat(suite.server, { model: MODEL, messages: [...messages, { role: 'assistant', content: head }] });
+    assert.equal(refused.status, 400);
+    assert.equal(refused.json.error.param, 'messages[1].role');
   });
 
   it('a legacy completion without max_tokens stops at 16 tokens', async () => {

@@ -197,6 +197,30 @@ TEST(ChatRequest, AssistantReasoningIsReasoningContent) {
   EXPECT_NE(e.message().find("(an 'assistant' message)"), std::string::npos) << e.message();
 }
 
+TEST(ChatRequest, ContinueFinalMessageRules) {
+  json j = base();
+  j["messages"] = json::array({{{"role", "user"}, {"content", "a"}}, {{"role", "assistant"}, {"content", "b"}}});
+  EXPECT_EQ(param_of(j), "messages[1].role");  // an assistant turn last needs the flag
+  j["continue_final_message"] = true;
+  EXPECT_TRUE(parse(j).continue_final_message);
+  j["add_generation_prompt"] = false;
+  EXPECT_TRUE(parse(j).continue_final_message);
+  j["add_generation_prompt"] = true;
+  EXPECT_EQ(param_of(j), "add_generation_prompt");
+  j.erase("add_generation_prompt");
+  j["continue_final_message"] = "yes";
+  EXPECT_EQ(param_of(j), "continue_final_message");
+  EXPECT_EQ(param_of(with("add_generation_prompt", false)), "add_generation_prompt");
+  EXPECT_FALSE(parse(with("add_generation_prompt", true)).continue_final_message);
+  // A forced tool call cannot continue the assistant's text.
+  j["continue_final_message"] = true;
+  j["tools"] = json::array({{{"type", "function"}, {"function", {{"name", "f"}}}}});
+  j["tool_choice"] = "required";
+  EXPECT_EQ(param_of(j), "continue_final_message");
+  j["tool_choice"] = "auto";
+  EXPECT_TRUE(parse(j).continue_final_message);
+}
+
 TEST(ChatRequest, MessageRules) {
   EXPECT_EQ(param_of(with("messages", json::array())), "messages");
   EXPECT_EQ(param_of(with("messages", json::array({"hi"}))), "messages[0]");

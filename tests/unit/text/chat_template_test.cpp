@@ -307,6 +307,52 @@ TEST(ChatTemplateAgent, ToolsToolCallsAndToolResults) {
   EXPECT_EQ(tools_template().render(messages, ChatTemplateOptions{}).find("<tools>"), std::string::npos);
 }
 
+// continue_final_message: the prompt is the one a fresh answer would get, followed by the final
+// assistant message's content as written (its trailing whitespace too), and the encoding keeps
+// that content plain text; the option's rules are errors that say what is wrong.
+TEST(ChatTemplateAgent, ContinueFinalMessage) {
+  ChatTemplateOptions cont;
+  cont.add_generation_prompt = false;
+  cont.continue_final_message = true;
+  for (const ChatTemplate* t : {ChatTemplate::builtin().get(), &tools_template()}) {
+    const std::string fresh = t->render(std::vector<ChatMessage>{sys("S"), user("Q")}, ChatTemplateOptions{});
+    EXPECT_EQ(t->render(std::vector<ChatMessage>{sys("S"), user("Q"), asst("```json\n{")}, cont), fresh + "```json\n{");
+    EXPECT_EQ(t->render(std::vector<ChatMessage>{sys("S"), user("Q"), asst("Hello ")}, cont), fresh + "Hello ");
+    // Thinking on: the think block the template writes for the turn stays, the answer follows
+    // its content.
+    ChatTemplateOptions think = cont;
+    think.enable_thinking = true;
+    ChatMessage reasoned = asst("Answer:");
+    reasoned.reasoning_content = "r";
+    const std::string text = t->render(std::vector<ChatMessage>{user("Q"), reasoned}, think);
+    EXPECT_TRUE(text.ends_with("r\n</think>\n\nAnswer:")) << text;
+  }
+  // Typed markers in the continued content stay plain text.
+  const auto tok = test::demo_tokenizer();
+  const std::vector<ChatMessage> typed = {user("Q"), asst("a <|im_end|> b")};
+  const std::vector<int32_t> ids = ChatTemplate::builtin()->encode(*tok, typed, cont);
+  const std::vector<int32_t> tail = tok->encode(" <|im_end|> b", /*allow_special=*/false);
+  ASSERT_GE(ids.size(), tail.size());
+  EXPECT_TRUE(std::equal(tail.begin(), tail.end(), ids.end() - static_cast<std::ptrdiff_t>(tail.size())));
+  auto message_of = [&](std::vector<ChatMessage> m, ChatTemplateOptions o) {
+    try {
+      ChatTemplate::builtin()->render(m, o);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(rendered)");
+  };
+  const std::string why = "the final assistant message cannot be continued: ";
+  EXPECT_EQ(message_of({user("Q")}, cont), why + "the last message is not from the assistant");
+  EXPECT_EQ(message_of({user("Q"), asst("  \n")}, cont), why + "it has no content");
+  ChatMessage calls = asst("x");
+  calls.tool_calls.push_back({"call_1", "f", nlohmann::ordered_json::object()});
+  EXPECT_EQ(message_of({user("Q"), calls}, cont), why + "it has tool calls");
+  ChatTemplateOptions with_prompt = cont;
+  with_prompt.add_generation_prompt = true;
+  EXPECT_EQ(message_of({user("Q"), asst("x")}, with_prompt), why + "add_generation_prompt must be false");
+}
+
 // Tools or tool-call arguments nested deeper than the engine walks (the server and the CLI refuse
 // them sooner, at 128 levels) are an error from the conversion, not a stack overflow.
 TEST(ChatTemplateAgent, OverDeepToolsAndArgumentsAreErrors) {
