@@ -118,10 +118,13 @@ void parse_kwargs(const json& v, ChatAgentFields& out) {
   if (!v.is_object()) throw wrong_type("chat_template_kwargs", "an object", v);
   for (const auto& [key, value] : v.items()) {
     const std::string at = "chat_template_kwargs." + key;
-    if (key != "enable_thinking" && key != "preserve_thinking")
-      throw invalid_request("unsupported template argument '" + key +
-                                "': chat_template_kwargs takes enable_thinking and preserve_thinking",
-                            at, "unknown_parameter");
+    if (key == "messages" || key == "tools" || key == "add_generation_prompt" || key == "documents")
+      throw invalid_request("template argument '" + key + "' is set by the server from the request",
+                            at, "invalid_value");
+    if (key != "enable_thinking" && key != "preserve_thinking") {
+      out.template_kwargs[key] = nlohmann::ordered_json::parse(value.dump());  // a variable of the template
+      continue;
+    }
     if (value.is_null()) continue;
     if (!value.is_boolean()) throw wrong_type(at, "a boolean", value);
     (key == "enable_thinking" ? out.enable_thinking : out.preserve_thinking) = value.get<bool>();
@@ -252,6 +255,7 @@ ChatTemplateOptions template_options(const ChatAgentFields& fields, bool server_
   options.add_generation_prompt = add_generation_prompt;
   options.enable_thinking = thinking_enabled(fields, server_default);
   options.preserve_thinking = fields.preserve_thinking;
+  options.extra_variables = fields.template_kwargs;
   if (fields.tools_active()) options.tools = fields.tools;
   return options;
 }

@@ -31,6 +31,9 @@ struct ChatAgentFields {
   bool include_reasoning = true;
   std::optional<bool> enable_thinking;        ///< chat_template_kwargs.enable_thinking
   std::optional<bool> preserve_thinking;      ///< chat_template_kwargs.preserve_thinking
+  /// The other chat_template_kwargs (as vLLM passes them): template variables of those names,
+  /// any JSON value; messages, tools, add_generation_prompt and documents are refused.
+  nlohmann::ordered_json template_kwargs = nlohmann::ordered_json::object();
 
   /// True when tools are declared and tool_choice is not "none": they reach the template and
   /// the answer is parsed for tool calls.

@@ -4,6 +4,7 @@
 #include "server/server_impl.h"
 
 #include <algorithm>
+#include <cctype>
 
 #include "base/build_info.h"
 #include "base/error.h"
@@ -20,8 +21,18 @@ std::vector<int32_t> LilyServer::tokenize(const ChatRequest& request, std::vecto
   try {
     return chat_template_->encode(*tokenizer_, request.messages, options, message_starts, timings);
   } catch (const Error& e) {
-    throw invalid_request(std::string("messages cannot be rendered with the chat template: ") + e.what(),
-                          "messages");
+    std::string detail = std::string("messages cannot be rendered with the chat template: ") + e.what();
+    // OpenAI takes developer (= system) messages anywhere; a template that takes one system
+    // message, first, says "System message …": name the message it means.
+    std::string lower(e.what());
+    std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+    for (size_t i = 1; i < request.messages.size() && lower.find("system") != std::string::npos; ++i)
+      if (request.messages[i].role == ChatRole::kSystem) {
+        detail += " (messages[" + std::to_string(i) +
+                  "] is a system or developer message; this template takes one, as the first message)";
+        break;
+      }
+    throw invalid_request(detail, "messages");
   }
 }
 

@@ -241,6 +241,8 @@ jinja::RenderedText ChatTemplate::render_marked(std::span<const ChatMessage> mes
     list.list_data().items.push_back(message_value(message, history));
   }
   jinja::Value context = jinja::Value::dict();
+  if (options.extra_variables.is_object())
+    for (const auto& [name, value] : options.extra_variables.items()) context.dict_data().set(name, jinja::from_json(value));
   context.dict_data().set("messages", std::move(list));
   if (options.tools.is_array()) context.dict_data().set("tools", jinja::from_json(options.tools));
   context.dict_data().set("add_generation_prompt", jinja::Value(options.add_generation_prompt));

@@ -55,6 +55,9 @@ struct ChatTemplateOptions {
   bool enable_thinking = false;           ///< the template variable of that name
   std::optional<bool> preserve_thinking;  ///< passed only when set
   nlohmann::ordered_json tools;           ///< null (absent) or the request's list of tools
+  /// null or an object: more template variables (a request's chat_template_kwargs), set before
+  /// the ones above, which win over a variable of the same name.
+  nlohmann::ordered_json extra_variables;
   /// The last message is an assistant turn to continue (vLLM's continue_final_message): the
   /// prompt ends right after its content, as the client wrote it (whitespace the template trims
   /// off its end is put back), so the answer goes on from there. Needs add_generation_prompt

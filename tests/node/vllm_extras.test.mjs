@@ -121,6 +121,18 @@ describe('vLLM request extras on lily serve (demo model)', () => {
     assert.equal(refused.json.error.param, 'messages[1].role');
   });
 
+  it('a developer message after the first names itself in the template error', async () => {
+    const res = await chat(suite.server, {
+      model: MODEL, messages: [user('hi'), { role: 'developer', content: 'be brief' }, user('more')],
+    });
+    assert.equal(res.status, 400);
+    assert.equal(res.json.error.param, 'messages');
+    assert.match(res.json.error.message, /System message must be at the beginning.*messages\[1\] is a system or developer message/);
+    // Template variables beyond the thinking switches pass through.
+    const ok = await chat(suite.server, { model: MODEL, messages, max_tokens: 2, chat_template_kwargs: { custom_flag: true } });
+    assert.equal(ok.status, 200, ok.body);
+  });
+
   it('a legacy completion without max_tokens stops at 16 tokens', async () => {
     const res = await postJson(suite.server, '/v1/completions', {
       model: MODEL, prompt: 'CMake is a', ignore_eos: true, max_tokens: null,

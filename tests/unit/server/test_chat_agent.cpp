@@ -189,7 +189,13 @@ TEST(ChatAgent, ThinkingSwitches) {
   EXPECT_EQ(rejection(with("chat_template_kwargs", "x")), "chat_template_kwargs|invalid_type");
   EXPECT_EQ(rejection(with("chat_template_kwargs", {{"enable_thinking", "yes"}})),
             "chat_template_kwargs.enable_thinking|invalid_type");
-  EXPECT_EQ(rejection(with("chat_template_kwargs", {{"custom", 1}})), "chat_template_kwargs.custom|unknown_parameter");
+  // Other keys are template variables (as vLLM passes them), but not the ones the server sets.
+  const ChatAgentFields custom = agent_fields({{"chat_template_kwargs", {{"custom", {{"a", 1}}}, {"enable_thinking", true}}}});
+  EXPECT_EQ(custom.template_kwargs, nlohmann::ordered_json({{"custom", {{"a", 1}}}}));
+  EXPECT_EQ(template_options(custom, false).extra_variables, custom.template_kwargs);
+  for (const char* reserved : {"messages", "tools", "add_generation_prompt", "documents"})
+    EXPECT_EQ(rejection(with("chat_template_kwargs", {{reserved, 1}})),
+              std::string("chat_template_kwargs.") + reserved + "|invalid_value");
 }
 
 TEST(ChatAgent, ForcedAnswerPrefix) {

@@ -353,6 +353,15 @@ TEST(ChatTemplateAgent, ContinueFinalMessage) {
   EXPECT_EQ(message_of({user("Q"), asst("x")}, with_prompt), why + "add_generation_prompt must be false");
 }
 
+// A request's extra template variables reach the template; the server's own win.
+TEST(ChatTemplateAgent, ExtraVariables) {
+  const ChatTemplate t("{{ greeting }}|{{ add_generation_prompt }}|{% for m in messages %}{{ m.content }}{% endfor %}", "test");
+  ChatTemplateOptions options;
+  options.extra_variables = {{"greeting", "hello"}, {"add_generation_prompt", "overridden"}};
+  EXPECT_EQ(t.render(std::vector<ChatMessage>{user("Q")}, options), "hello|True|Q");
+  EXPECT_EQ(t.render(std::vector<ChatMessage>{user("Q")}, ChatTemplateOptions{}), "|True|Q");
+}
+
 // Tools or tool-call arguments nested deeper than the engine walks (the server and the CLI refuse
 // them sooner, at 128 levels) are an error from the conversion, not a stack overflow.
 TEST(ChatTemplateAgent, OverDeepToolsAndArgumentsAreErrors) {
