@@ -110,6 +110,7 @@ struct Generation::Impl {
   Sampler sampler;
   PenaltyEdits edits;  ///< the step-1 edits handed to a device sampler (next_row)
   std::optional<PrefixChoiceConstraint> prefix;  ///< GenerationParams::prefix_choices
+  std::optional<JsonConstraint> json;            ///< GenerationParams::json_schema
   std::vector<float> masked;  ///< the logits row with the prefix constraint's mask applied
   Clock::time_point t0;  ///< first step
   Clock::time_point t1;  ///< first generated token
@@ -129,9 +130,13 @@ Generation::Generation(const Backend& backend, SequenceState& state, std::span<c
   check_generation_inputs(state, prompt, params, tokenizer);
   if (params.prefill_chunk < 0) throw Error("generate: prefill_chunk must be ≥ 0");
   if (!params.prefix_choices.empty() && tokenizer == nullptr) throw Error("generate: prefix choices need a tokenizer");
+  if (params.json_schema && tokenizer == nullptr) throw Error("generate: a JSON schema needs a tokenizer");
   impl_ = std::make_unique<Impl>(tokenizer, params, backend.config().vocab);
   if (!params.prefix_choices.empty())
     impl_->prefix.emplace(PrefixChoiceConstraint::over_tokenizer(params.prefix_choices, backend.config().vocab, *tokenizer));
+  if (params.json_schema)
+    impl_->json.emplace(params.json_schema, JsonVocabIndex::for_tokenizer(*tokenizer, backend.config().vocab),
+                        params.stop_ids);
   const int64_t n = static_cast<int64_t>(prompt.size());
   result_.prompt_tokens = n;
   result_.cached_tokens = state.position();
@@ -204,7 +209,9 @@ bool Generation::samples_on_device() const {
   return !params_.sampling.plain_greedy() && backend_.samples_on_device() && !constrained();
 }
 
-bool Generation::constrained() const { return (impl_->prefix && impl_->prefix->active()) || stops_masked(); }
+bool Generation::constrained() const {
+  return (impl_->prefix && impl_->prefix->active()) || (impl_->json && impl_->json->active()) || stops_masked();
+}
 
 bool Generation::stops_masked() const {
   return !params_.stop_ids.empty() && static_cast<int64_t>(result_.token_ids.size()) < params_.min_tokens;
@@ -231,12 +238,15 @@ int32_t Generation::choose(int32_t next) {
     const bool prefix = impl_->prefix && impl_->prefix->active();
     impl_->masked.assign(logits_.begin(), logits_.end());
     if (prefix) impl_->prefix->mask(impl_->masked);
-    if (stops_masked())
+    const bool json = impl_->json && impl_->json->active();
+    if (json) impl_->json->mask(impl_->masked);
+    if (stops_masked() && !(json && impl_->json->complete()))  // a finished document needs its stop
       for (int32_t id : params_.stop_ids)
         if (id >= 0 && static_cast<size_t>(id) < impl_->masked.size())
           impl_->masked[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
     token = impl_->sampler.sample(impl_->masked, sp, impl_->history, step);
     if (prefix) impl_->prefix->push(token);
+    if (json) impl_->json->push(token);
   } else {
     token = sp.plain_greedy() || on_device ? next : impl_->sampler.sample(logits_, sp, impl_->history, step);
   }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/backend.h"
+#include "engine/json_constraint.h"
 #include "engine/sampler.h"
 #include "text/tokenizer.h"
 
@@ -59,6 +60,11 @@ struct GenerationParams {
   /// the logits to the host and sample there even on a backend that samples on its device. The
   /// server uses it so that tool_choice "required" with several tools names a declared tool.
   std::vector<std::string> prefix_choices;
+  /// When set: structured output. Every token is chosen from the logits with the tokens masked
+  /// out that would make the text no prefix of a JSON object of this schema, and once the object
+  /// is closed only a stop token (engine/json_constraint.h; needs a tokenizer). These steps copy
+  /// the logits to the host and choose there, as for prefix_choices.
+  std::shared_ptr<const JsonSchema> json_schema;
   /// Special tokens whose text is still written into the released text (every other special
   /// token writes none): the server passes a chat answer's think and tool-call markers when the
   /// tokenizer marks them special, since it splits the answer at their text.
@@ -164,7 +170,7 @@ class Generation {
   /// Backend::samples_on_device, not constrained()): the step returns the sampled id,
   /// no logits needed for it.
   bool samples_on_device() const;
-  /// True while the next token is chosen on the host from masked logits: the prefix
+  /// True while the next token is chosen on the host from masked logits: the prefix or JSON
   /// constraint is active, or the stop tokens are still masked (stops_masked).
   bool constrained() const;
   /// True while fewer than GenerationParams::min_tokens tokens were generated (and there are

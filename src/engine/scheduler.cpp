@@ -337,6 +337,7 @@ bool Scheduler::start_choice(Running& r, int choice) {
     params.max_seq = options_.max_seq;
     if (!req.ignore_eos) params.stop_ids = options_.stop_ids;
     params.min_tokens = req.min_tokens;
+    params.json_schema = req.json_schema;
     params.stop_strings = req.stop_strings;
     if (req.stop_after_text) params.stop_after_text = req.stop_after_text();
     params.sampling = req.sampling;

@@ -76,6 +76,7 @@ struct JobRequest {
   std::vector<int32_t> kept_special_ids;  ///< GenerationParams::kept_special_ids of every choice
   int64_t min_tokens = 0;                  ///< GenerationParams::min_tokens of every choice
   bool ignore_eos = false;                 ///< true: no stop tokens (EngineOptions::stop_ids unused)
+  std::shared_ptr<const JsonSchema> json_schema;  ///< GenerationParams::json_schema of every choice
 };
 
 /// Where the engine spent one choice's time, in seconds (JobEvent::timings of its kDone; the

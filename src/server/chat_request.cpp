@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "base/error.h"
 #include "server/api_error.h"
 #include "server/json_depth.h"
 
@@ -22,7 +23,6 @@ const std::map<std::string, std::string, std::less<>>& unsupported_fields() {
   static const std::map<std::string, std::string, std::less<>> fields = {
       {"functions", "the legacy function-calling API is not supported: use tools"},
       {"function_call", "the legacy function-calling API is not supported: use tool_choice"},
-      {"response_format", "structured output (response_format) is not supported"},
       {"modalities", "only text output is supported"},
       {"audio", "audio output is not supported"},
       {"prediction", "predicted outputs are not supported"},
@@ -259,13 +259,57 @@ void parse_stream_options(const json& v, GenerationFields& req) {
   }
 }
 
-/// Whether a response_format / modalities value asks for what every answer is anyway: plain
-/// text ({"type": "text"}; ["text"]). Such a request is served; any other value is refused.
+/// Whether a modalities value asks for what every answer is anyway: plain text (["text"]).
+/// Such a request is served; any other value is refused.
 bool asks_for_plain_text(const std::string& key, const json& v) {
-  if (key == "response_format")
-    return v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text";
   if (key == "modalities") return v.is_array() && v.size() == 1 && v[0] == "text";
   return false;
+}
+
+/// Refuses any key of object `v` (named `param`) not in `allowed`.
+void only_keys(const json& v, const std::string& param, std::initializer_list<std::string_view> allowed) {
+  for (const auto& [key, value] : v.items())
+    if (std::find(allowed.begin(), allowed.end(), key) == allowed.end())
+      throw invalid_request("unrecognized field '" + key + "' in " + param, param + "." + key, "unknown_parameter");
+}
+
+/// response_format: {"type": "text"} (the default), {"type": "json_object"} (any JSON object),
+/// or {"type": "json_schema", "json_schema": {"name", "description"?, "schema"?, "strict"?}}
+/// (an object of that schema; without one, any object). The schema is compiled here, so one the
+/// constraint cannot follow is a 400 naming response_format.json_schema.schema.
+void parse_response_format(const json& v, GenerationFields& req) {
+  if (!v.is_object()) throw wrong_type("response_format", "an object", v);
+  if (!v.contains("type")) throw missing_parameter("response_format.type");
+  const std::string type = require_string(v["type"], "response_format.type");
+  if (type == "text" || type == "json_object") {
+    only_keys(v, "response_format", {"type"});
+    if (type == "json_object") req.json_schema = JsonSchema::any_object();
+    return;
+  }
+  if (type != "json_schema")
+    throw invalid_request("'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", got " +
+                              v["type"].dump(),
+                          "response_format.type", "invalid_value");
+  only_keys(v, "response_format", {"type", "json_schema"});
+  if (!v.contains("json_schema")) throw missing_parameter("response_format.json_schema");
+  const json& js = v["json_schema"];
+  const std::string at = "response_format.json_schema";
+  if (!js.is_object()) throw wrong_type(at, "an object", js);
+  only_keys(js, at, {"name", "description", "schema", "strict"});
+  if (!js.contains("name")) throw missing_parameter(at + ".name");
+  require_string(js["name"], at + ".name");
+  if (js.contains("description") && !js["description"].is_null()) require_string(js["description"], at + ".description");
+  if (js.contains("strict") && !js["strict"].is_null() && !js["strict"].is_boolean())
+    throw wrong_type(at + ".strict", "a boolean", js["strict"]);
+  if (!js.contains("schema") || js["schema"].is_null()) {
+    req.json_schema = JsonSchema::any_object();
+    return;
+  }
+  try {
+    req.json_schema = JsonSchema::compile(js["schema"]);
+  } catch (const Error& e) {
+    throw invalid_request("'" + at + ".schema': " + e.what(), at + ".schema", "invalid_value");
+  }
 }
 
 std::optional<int64_t> parse_max_tokens(const json& v, const std::string& param) {
@@ -309,8 +353,10 @@ void parse_optional_field(const std::string& key, const json& value, GenerationF
     if (require_string(value, key) != "medium")
       throw invalid_request("'verbosity' must be 'medium' (the model's own length), got " + value.dump(), key,
                             "unsupported_value");
+  } else if (key == "response_format") {
+    parse_response_format(value, req);
   } else if (asks_for_plain_text(key, value)) {
-    // response_format {"type": "text"} / modalities ["text"]: the defaults, what lily answers.
+    // modalities ["text"]: the default, what lily answers.
   } else if (key == "store") {
     if (!value.is_boolean()) throw wrong_type(key, "a boolean", value);  // ignored: nothing is stored
   } else if (key == "metadata") {
@@ -486,6 +532,22 @@ void parse_continuation(const json& doc, ChatRequest& req) {
                           "add_generation_prompt", "unsupported_value");
 }
 
+/// Structured output constrains the whole answer from its first token, so it cannot follow a
+/// forced tool call, a continued assistant turn or thinking the request asks for.
+void check_structured_output(const ChatRequest& req) {
+  if (!req.json_schema) return;
+  const ChatAgentFields& a = req.agent;
+  if (a.tools_active() && (a.tool_choice == ToolChoice::kRequired || a.tool_choice == ToolChoice::kNamed))
+    throw invalid_request("'response_format' asks for a JSON answer, which a forced tool call ('tool_choice') cannot be",
+                          "response_format");
+  if (req.continue_final_message)
+    throw invalid_request("'response_format' cannot be combined with 'continue_final_message'", "response_format");
+  if (a.enable_thinking.value_or(false) || (!a.enable_thinking && a.reasoning_effort && *a.reasoning_effort != "none"))
+    throw invalid_request("'response_format' needs thinking off: the JSON answer starts at the first token "
+                          "(send chat_template_kwargs.enable_thinking false or reasoning_effort \"none\")",
+                          "response_format");
+}
+
 /// Refuses min_tokens above an explicit max_tokens (the answer could not honour both).
 void check_min_tokens(const GenerationFields& req) {
   if (req.max_tokens && req.min_tokens > *req.max_tokens)
@@ -544,6 +606,7 @@ ChatRequest parse_chat_request(std::string_view body) {
   }
   check_stream_options(stream_options_set, req.stream);
   check_min_tokens(req);
+  check_structured_output(req);
   if (top_logprobs_set && !req.logprobs)
     throw invalid_request("'top_logprobs' needs 'logprobs': true", "top_logprobs");
   return req;

@@ -4,12 +4,14 @@
 // Everything not listed here is rejected with a 400 that names the parameter and says why.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "engine/json_constraint.h"
 #include "server/chat_agent.h"
 #include "text/chat_template.h"
 
@@ -43,6 +45,9 @@ struct GenerationFields {
   /// generated; stop strings still end the answer. ≥ 0, at most max_tokens when that is given.
   int64_t min_tokens = 0;
   bool ignore_eos = false;                  ///< ignore_eos (vLLM's): the stop tokens do not end the answer
+  /// response_format json_object / json_schema: the answer is a JSON object of this schema
+  /// (null: free text).
+  std::shared_ptr<const JsonSchema> json_schema;
   std::vector<std::string> stop;            ///< 0…4 non-empty stop strings
   std::optional<std::string> prompt_cache_key;
   RequestSampling sampling;

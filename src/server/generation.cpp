@@ -88,6 +88,7 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
   job.prefix_choices = call.prefix_choices;
   job.min_tokens = call.request.min_tokens;
   job.ignore_eos = call.request.ignore_eos;
+  job.json_schema = call.request.json_schema;
   // A chat answer is split at its markers' text: keep it where the tokenizer marks one special.
   for (std::string_view marker : answer_markers(call.answer))
     if (const auto id = tokenizer_->token_id(marker); id && tokenizer_->is_special(*id)) job.kept_special_ids.push_back(*id);
@@ -181,6 +182,9 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
     call.phases.parse = seconds(Clock::now() - t0);
     check_model(request.model);
     check_ready();
+    // A JSON answer starts at the first token: the server's default thinking is off for it (a
+    // request that asks for thinking with it was refused by the parser).
+    if (request.json_schema && !request.agent.reasoning_effort) request.agent.enable_thinking = false;
     ChatEncodeTimings encoding;
     prompt = tokenize(request, &call.message_starts, &encoding);
     call.phases.template_render = encoding.render_seconds;

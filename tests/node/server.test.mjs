@@ -168,7 +168,7 @@ describe('lily serve (default settings)', () => {
       [{ ...base, logprobs: 'yes' }, 'logprobs'],
       [{ ...base, top_logprobs: 2 }, 'top_logprobs'],
       [{ ...base, tool_choice: 'required' }, 'tool_choice'],
-      [{ ...base, response_format: { type: 'json_object' } }, 'response_format'],
+      [{ ...base, response_format: 'json' }, 'response_format'],
       [{ ...base, logit_bias: [] }, 'logit_bias'],
       [{ ...base, mystery: 1 }, 'mystery'],
       [{ messages: [user('hi')] }, 'model'],

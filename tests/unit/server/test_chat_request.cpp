@@ -334,17 +334,54 @@ TEST(ChatRequest, OutOfRangeSamplingValuesNameTheField) {
   EXPECT_EQ(param_of(off), "top_logprobs");
 }
 
+TEST(ChatRequest, ResponseFormat) {
+  EXPECT_EQ(parse(with("response_format", {{"type", "text"}})).json_schema, nullptr);
+  EXPECT_EQ(parse(with("response_format", {{"type", "json_object"}})).json_schema, JsonSchema::any_object());
+  const json schema = {{"type", "object"}, {"properties", {{"a", {{"type", "integer"}}}}}, {"required", {"a"}}};
+  const ChatRequest r = parse(with("response_format", {{"type", "json_schema"},
+                                                       {"json_schema", {{"name", "thing"}, {"schema", schema}, {"strict", true}}}}));
+  ASSERT_NE(r.json_schema, nullptr);
+  JsonMatcher m(r.json_schema);
+  EXPECT_TRUE(m.feed(R"({"a": 1})") && m.complete());
+  EXPECT_EQ(parse(with("response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "x"}}}})).json_schema,
+            JsonSchema::any_object());
+  auto code_of = [&](const json& body) {
+    const ApiError e = rejected(body.dump());
+    return e.param().value_or("") + "|" + e.code().value_or("");
+  };
+  EXPECT_EQ(code_of(with("response_format", "json")), "response_format|invalid_type");
+  EXPECT_EQ(code_of(with("response_format", {{"type", "xml"}})), "response_format.type|invalid_value");
+  EXPECT_EQ(code_of(with("response_format", {{"type", "text"}, {"x", 1}})), "response_format.x|unknown_parameter");
+  EXPECT_EQ(code_of(with("response_format", {{"type", "json_schema"}})), "response_format.json_schema|missing_required_parameter");
+  EXPECT_EQ(code_of(with("response_format", {{"type", "json_schema"}, {"json_schema", {{"schema", schema}}}})),
+            "response_format.json_schema.name|missing_required_parameter");
+  const json bad = {{"type", "json_schema"}, {"json_schema", {{"name", "x"}, {"schema", {{"type", "object"}, {"allOf", json::array()}}}}}};
+  EXPECT_EQ(code_of(with("response_format", bad)), "response_format.json_schema.schema|invalid_value");
+  EXPECT_NE(rejected(with("response_format", bad).dump()).message().find("unsupported JSON schema keyword 'allOf'"),
+            std::string::npos);
+  // Not with thinking asked for, a forced tool call or a continued turn.
+  json thinking = with("response_format", {{"type", "json_object"}});
+  thinking["chat_template_kwargs"] = {{"enable_thinking", true}};
+  EXPECT_EQ(code_of(thinking), "response_format|invalid_value");
+  thinking.erase("chat_template_kwargs");
+  thinking["reasoning_effort"] = "high";
+  EXPECT_EQ(code_of(thinking), "response_format|invalid_value");
+  thinking["reasoning_effort"] = "none";
+  EXPECT_NE(parse(thinking).json_schema, nullptr);
+  json forced = with("response_format", {{"type", "json_object"}});
+  forced["tools"] = json::array({{{"type", "function"}, {"function", {{"name", "f"}}}}});
+  forced["tool_choice"] = "required";
+  EXPECT_EQ(code_of(forced), "response_format|invalid_value");
+}
+
 TEST(ChatRequest, UnsupportedAndUnknownParameters) {
-  for (const char* k : {"response_format", "functions", "best_of", "modalities"}) {
+  for (const char* k : {"functions", "best_of", "modalities"}) {
     auto e = rejected(with(k, json::array()).dump());
     EXPECT_EQ(e.param(), k);
     EXPECT_EQ(e.code(), "unsupported_parameter") << k;
   }
   // What every answer is anyway (plain text) is served; anything else is refused.
-  EXPECT_NO_THROW(parse(with("response_format", {{"type", "text"}})));
   EXPECT_NO_THROW(parse(with("modalities", json::array({"text"}))));
-  for (const json& v : {json{{"type", "json_object"}}, json{{"type", "text"}, {"x", 1}}, json{{"type", "json_schema"}}})
-    EXPECT_EQ(rejected(with("response_format", v).dump()).code(), "unsupported_parameter") << v;
   for (const json& v : {json::array({"text", "audio"}), json::array({"audio"}), json("text")})
     EXPECT_EQ(rejected(with("modalities", v).dump()).code(), "unsupported_parameter") << v;
   auto e = rejected(with("speculative_decoding", true).dump());

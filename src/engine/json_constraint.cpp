@@ -1,0 +1,636 @@
+#include "engine/json_constraint.h"
+
+#include <algorithm>
+#include <cctype>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "base/error.h"
+#include "text/tokenizer.h"
+
+namespace lily {
+
+using ordered_json = nlohmann::ordered_json;
+
+// ---------------------------------------------------------------------------------------------
+// Schema compilation
+
+namespace {
+
+/// Keywords that annotate or bound values: accepted, not enforced.
+const std::set<std::string, std::less<>>& ignored_keywords() {
+  static const std::set<std::string, std::less<>> k = {
+      "title", "description", "default", "examples", "$schema", "$id", "$comment", "format", "pattern",
+      "minLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+      "minItems", "uniqueItems", "minProperties", "maxProperties", "deprecated", "readOnly",
+      "writeOnly", "strict", "propertyOrdering", "contentEncoding", "contentMediaType", "nullable"};
+  return k;
+}
+
+uint8_t type_bit(const std::string& name, const std::string& at) {
+  if (name == "object") return JsonSchema::kObject;
+  if (name == "array") return JsonSchema::kArray;
+  if (name == "string") return JsonSchema::kString;
+  if (name == "number") return JsonSchema::kNumber;
+  if (name == "integer") return JsonSchema::kInteger;
+  if (name == "boolean") return JsonSchema::kBoolean;
+  if (name == "null") return JsonSchema::kNull;
+  throw Error("unknown JSON schema type '" + name + "' at " + at);
+}
+
+/// The literal texts that a type-only branch of null or boolean stands for.
+std::vector<std::string> literals_of_types(uint8_t types) {
+  std::vector<std::string> out;
+  if (types & JsonSchema::kBoolean) {
+    out.push_back("true");
+    out.push_back("false");
+  }
+  if (types & JsonSchema::kNull) out.push_back("null");
+  return out;
+}
+
+}  // namespace
+
+/// Compiles one schema document into a JsonSchema's nodes (see JsonSchema::compile).
+class JsonSchemaCompiler {
+ public:
+  explicit JsonSchemaCompiler(const ordered_json& doc) : doc_(doc) { out_->nodes_.emplace_back(); }
+
+  std::shared_ptr<JsonSchema> run() {
+    int root = compile(doc_, "/");
+    JsonSchema::Node r = out_->nodes_[static_cast<size_t>(root)];
+    if (!(r.types & JsonSchema::kObject) || !r.literals.empty())
+      throw Error("the JSON schema's root must be an object schema");
+    r.types = JsonSchema::kObject;
+    out_->nodes_.push_back(std::move(r));
+    out_->root_ = static_cast<int>(out_->nodes_.size() - 1);
+    return out_;
+  }
+
+ private:
+  int add(JsonSchema::Node n) {
+    out_->nodes_.push_back(std::move(n));
+    return static_cast<int>(out_->nodes_.size() - 1);
+  }
+
+  int compile(const ordered_json& s, const std::string& at) {
+    if (++depth_ > 64) throw Error("the JSON schema nests deeper than 64 levels at " + at);
+    struct Leave {
+      int& d;
+      ~Leave() { --d; }
+    } leave{depth_};
+    if (s.is_boolean()) {
+      if (!s.get<bool>()) throw Error("the JSON schema 'false' (no value allowed) at " + at);
+      return 0;
+    }
+    if (!s.is_object()) throw Error("a JSON schema must be an object or a boolean at " + at);
+    if (s.contains("$ref")) return reference(s["$ref"], at);
+    for (const char* key : {"anyOf", "oneOf"})
+      if (s.contains(key)) return any_of(s, key, at);
+    JsonSchema::Node n;
+    for (const auto& [key, value] : s.items()) {
+      if (key == "type") {
+        n.types = 0;
+        if (value.is_string()) {
+          n.types = type_bit(value.get<std::string>(), at);
+        } else if (value.is_array() && !value.empty()) {
+          for (const auto& t : value) {
+            if (!t.is_string()) throw Error("'type' must name types at " + at);
+            n.types |= type_bit(t.get<std::string>(), at);
+          }
+        } else {
+          throw Error("'type' must be a type name or a list of them at " + at);
+        }
+      } else if (key == "enum") {
+        if (!value.is_array() || value.empty()) throw Error("'enum' must be a non-empty list at " + at);
+        for (const auto& v : value) n.literals.push_back(v.dump());
+      } else if (key == "maxLength" || key == "maxItems") {
+        if (!value.is_number_unsigned()) throw Error("'" + key + "' must be a non-negative integer at " + at);
+        (key == "maxLength" ? n.max_length : n.max_items) = static_cast<int64_t>(value.get<uint64_t>());
+      } else if (key == "const") {
+        n.literals.push_back(value.dump());
+      } else if (key == "items") {
+        if (value.is_array()) throw Error("unsupported JSON schema keyword 'items' as a list (tuples) at " + at);
+        n.items = compile(value, at + "items/");
+      } else if (key == "additionalProperties") {
+        if (value.is_boolean()) {
+          n.additional = value.get<bool>();
+        } else {
+          n.additional_node = compile(value, at + "additionalProperties/");
+        }
+      } else if (key == "properties") {
+        if (!value.is_object()) throw Error("'properties' must be an object at " + at);
+        if (value.size() > kMaxSchemaProperties)
+          throw Error("an object schema lists more than " + std::to_string(kMaxSchemaProperties) +
+                      " properties at " + at);
+        for (const auto& [name, sub] : value.items()) {
+          if (name.find_first_of("\"\\") != std::string::npos || std::any_of(name.begin(), name.end(), [](char c) {
+                return static_cast<unsigned char>(c) < 0x20;
+              }))
+            throw Error("the property name " + ordered_json(name).dump() +
+                        " needs escaping in JSON, which the constraint does not write, at " + at);
+          n.property_names.push_back(name);
+          n.property_nodes.push_back(compile(sub, at + "properties/" + name + "/"));
+        }
+      } else if (key == "required" || key == "$defs" || key == "definitions") {
+        // required: read below, once the properties are known; $defs: compiled when referenced.
+      } else if (!ignored_keywords().count(key)) {
+        throw Error("unsupported JSON schema keyword '" + key + "' at " + at);
+      }
+    }
+    if (s.contains("required")) {
+      const ordered_json& req = s["required"];
+      if (!req.is_array()) throw Error("'required' must be a list of property names at " + at);
+      for (const auto& r : req) {
+        if (!r.is_string()) throw Error("'required' must be a list of property names at " + at);
+        const auto it = std::find(n.property_names.begin(), n.property_names.end(), r.get<std::string>());
+        if (it == n.property_names.end())
+          throw Error("the required property '" + r.get<std::string>() + "' is not among the properties at " + at);
+        n.required |= uint64_t{1} << (it - n.property_names.begin());
+      }
+    }
+    return add(std::move(n));
+  }
+
+  int reference(const ordered_json& ref, const std::string& at) {
+    if (!ref.is_string()) throw Error("'$ref' must be a string at " + at);
+    const std::string r = ref.get<std::string>();
+    if (const auto it = refs_.find(r); it != refs_.end()) return it->second;
+    const ordered_json* target = nullptr;
+    for (const char* defs : {"#/$defs/", "#/definitions/"}) {
+      const std::string prefix = defs;
+      if (r.starts_with(prefix)) {
+        const std::string name = r.substr(prefix.size());
+        const std::string key = prefix.substr(2, prefix.size() - 3);
+        if (doc_.contains(key) && doc_[key].is_object() && doc_[key].contains(name)) target = &doc_[key][name];
+      }
+    }
+    if (r == "#") target = &doc_;
+    if (target == nullptr) throw Error("unsupported or unresolved '$ref' " + ordered_json(r).dump() + " at " + at);
+    // A placeholder first, so that a recursive reference finds its node.
+    const int slot = add(JsonSchema::Node{});
+    refs_[r] = slot;
+    const int compiled = compile(*target, r.substr(1) + "/");
+    out_->nodes_[static_cast<size_t>(slot)] = out_->nodes_[static_cast<size_t>(compiled)];
+    return slot;
+  }
+
+  // Branches of different JSON types merge into one node: each type from at most one branch.
+  int any_of(const ordered_json& s, const char* key, const std::string& at) {
+    const ordered_json& branches = s[key];
+    if (!branches.is_array() || branches.empty()) throw Error(std::string("'") + key + "' must be a non-empty list at " + at);
+    for (const auto& [k, v] : s.items())
+      if (k != key && k != "$defs" && k != "definitions" && !ignored_keywords().count(k))
+        throw Error(std::string("unsupported JSON schema keyword '") + k + "' beside '" + key + "' at " + at);
+    JsonSchema::Node merged;
+    merged.types = 0;
+    bool literal_branch = false;
+    for (size_t i = 0; i < branches.size(); ++i) {
+      const JsonSchema::Node b = out_->nodes_[static_cast<size_t>(compile(branches[i], at + key + "/" + std::to_string(i) + "/"))];
+      const std::string why = std::string("unsupported '") + key + "' at " + at + ": ";
+      if (!b.literals.empty()) {
+        literal_branch = true;
+        merged.literals.insert(merged.literals.end(), b.literals.begin(), b.literals.end());
+        continue;
+      }
+      const uint8_t structural = JsonSchema::kObject | JsonSchema::kArray;
+      if (merged.types & b.types & structural) throw Error(why + "two branches take the same container type");
+      if (b.types & JsonSchema::kObject) {
+        merged.property_names = b.property_names;
+        merged.property_nodes = b.property_nodes;
+        merged.required = b.required;
+        merged.additional = b.additional;
+        merged.additional_node = b.additional_node;
+      }
+      if (b.types & JsonSchema::kArray) {
+        merged.items = b.items;
+        merged.max_items = b.max_items;
+      }
+      if (b.types & JsonSchema::kString) merged.max_length = b.max_length;
+      merged.types |= b.types;
+    }
+    if (literal_branch) {
+      // Literals merge with type-only branches of null and booleans, which are literals too.
+      if (merged.types & ~(JsonSchema::kNull | JsonSchema::kBoolean))
+        throw Error(std::string("unsupported '") + key + "' at " + at + ": enum values beside other types");
+      for (std::string& l : literals_of_types(merged.types)) merged.literals.push_back(std::move(l));
+    }
+    return add(std::move(merged));
+  }
+
+  const ordered_json& doc_;
+  std::shared_ptr<JsonSchema> out_ = std::make_shared<JsonSchema>();
+  std::map<std::string, int> refs_;
+  int depth_ = 0;
+};
+
+std::shared_ptr<const JsonSchema> JsonSchema::compile(const nlohmann::json& schema) {
+  const ordered_json doc = ordered_json::parse(schema.dump());
+  return JsonSchemaCompiler(doc).run();
+}
+
+std::shared_ptr<const JsonSchema> JsonSchema::any_object() {
+  static const std::shared_ptr<const JsonSchema> s = compile(nlohmann::json{{"type", "object"}});
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The matcher
+
+namespace {
+
+bool is_ws(unsigned char b) { return b == ' ' || b == '\n' || b == '\t' || b == '\r'; }
+bool is_digit(unsigned char b) { return b >= '0' && b <= '9'; }
+
+const std::vector<std::string>& bool_null_literals(uint8_t set) {
+  static const std::vector<std::string> t = {"true", "false"}, n = {"null"}, all = {"true", "false", "null"};
+  if (set == JsonSchema::kBoolean) return t;
+  if (set == JsonSchema::kNull) return n;
+  return all;
+}
+
+// Number grammar states (kNumber frames).
+enum NumberState : uint8_t { kSign, kZero, kInt, kDot, kFrac, kExp, kExpSign, kExpDigits };
+bool number_can_end(uint8_t s) { return s == kZero || s == kInt || s == kFrac || s == kExpDigits; }
+
+}  // namespace
+
+JsonMatcher::JsonMatcher(std::shared_ptr<const JsonSchema> schema) : schema_(std::move(schema)) {
+  Frame root;
+  root.kind = Frame::kValue;
+  root.node = schema_->root();
+  stack_.push_back(std::move(root));
+}
+
+bool JsonMatcher::in_free_text() const {
+  if (stack_.empty()) return false;
+  const Frame& f = stack_.back();
+  if (f.kind == Frame::kString) return f.state == 0 && schema_->node(f.node).max_length < 0;
+  return f.kind == Frame::kKey && schema_->node(f.node).additional;
+}
+
+bool JsonMatcher::feed(std::string_view bytes) {
+  for (char c : bytes)
+    if (!feed(static_cast<unsigned char>(c))) return false;
+  return true;
+}
+
+bool JsonMatcher::whitespace(unsigned char byte) {
+  if (!is_ws(byte)) return false;
+  took_whitespace_ = true;
+  return ++ws_run_ <= kMaxWhitespaceRun;
+}
+
+const std::vector<std::string>& JsonMatcher::literals_of(const Frame& f) const {
+  if (f.literal_set != 0) return bool_null_literals(f.literal_set);
+  return schema_->node(f.node).literals;
+}
+
+// A literal frame takes `byte`: true when the literal so far plus the byte begins one of the
+// allowed literals; `done` when instead the literal so far is complete and the byte belongs to
+// what follows.
+bool JsonMatcher::literal_step(Frame& f, unsigned char byte, bool& done) const {
+  done = false;
+  const std::string next = f.text + static_cast<char>(byte);
+  for (const std::string& l : literals_of(f))
+    if (l.starts_with(next)) {
+      f.text = next;
+      return true;
+    }
+  for (const std::string& l : literals_of(f))
+    if (l == f.text) {
+      done = true;
+      return false;
+    }
+  return false;
+}
+
+bool JsonMatcher::start_value(Frame& f, unsigned char byte) {
+  const JsonSchema::Node& n = schema_->node(f.node);
+  if (!n.literals.empty()) {
+    for (const std::string& l : n.literals)
+      if (!l.empty() && static_cast<unsigned char>(l[0]) == byte) {
+        f.kind = Frame::kLiteral;
+        f.literal_set = 0;
+        f.text = std::string(1, static_cast<char>(byte));
+        return true;
+      }
+    return false;
+  }
+  if (byte == '{' && (n.types & JsonSchema::kObject)) {
+    f.kind = Frame::kObject;
+    f.state = 0;
+    return true;
+  }
+  if (byte == '[' && (n.types & JsonSchema::kArray)) {
+    f.kind = Frame::kArray;
+    f.state = 0;
+    return true;
+  }
+  if (byte == '"' && (n.types & JsonSchema::kString)) {
+    f.kind = Frame::kString;
+    f.state = 0;
+    return true;
+  }
+  if ((byte == '-' || is_digit(byte)) && (n.types & (JsonSchema::kNumber | JsonSchema::kInteger))) {
+    f.kind = Frame::kNumber;
+    f.state = byte == '-' ? kSign : byte == '0' ? kZero : kInt;
+    f.text = std::string(1, static_cast<char>(byte));  // only its length matters
+    return true;
+  }
+  const uint8_t set = n.types & (JsonSchema::kBoolean | JsonSchema::kNull);
+  if (set != 0 && (byte == 't' || byte == 'f' || byte == 'n')) {
+    f.kind = Frame::kLiteral;
+    f.literal_set = set;
+    f.text.clear();
+    bool done = false;
+    return literal_step(f, byte, done);
+  }
+  return false;
+}
+
+bool JsonMatcher::feed(unsigned char byte) {
+  if (stack_.empty()) return false;  // the document is complete
+  took_whitespace_ = false;
+  const bool ok = feed_top(byte);
+  if (!took_whitespace_) ws_run_ = 0;  // a run counts whitespace between tokens only
+  return ok;
+}
+
+bool JsonMatcher::feed_top(unsigned char byte) {
+  while (true) {
+    if (stack_.empty()) return false;
+    Frame& f = stack_.back();
+    switch (f.kind) {
+      case Frame::kValue:
+        if (whitespace(byte)) return true;
+        return start_value(f, byte);
+      case Frame::kString:
+        if (f.state == 0) {
+          if (byte == '"') {
+            stack_.pop_back();
+            return true;
+          }
+          if (byte < 0x20) return false;
+          // A character starts at every byte that is not a UTF-8 continuation (an escape is one).
+          const int64_t max = schema_->node(f.node).max_length;
+          if ((byte & 0xC0) != 0x80 && max >= 0 && ++f.count > max) return false;
+          if (byte == '\\') f.state = 1;
+          return true;
+        }
+        if (f.state == 1) {
+          if (byte == 'u') {
+            f.state = 2;
+            return true;
+          }
+          if (std::string_view("\"\\/bfnrt").find(static_cast<char>(byte)) == std::string_view::npos) return false;
+          f.state = 0;
+          return true;
+        }
+        // \u: four hex digits (states 2 … 5)
+        if (!std::isxdigit(byte)) return false;
+        f.state = f.state == 5 ? 0 : static_cast<uint8_t>(f.state + 1);
+        return true;
+      case Frame::kNumber: {
+        const bool integer = !(schema_->node(f.node).types & JsonSchema::kNumber);
+        uint8_t next = 0xff;
+        switch (f.state) {
+          case kSign: next = byte == '0' ? kZero : is_digit(byte) ? kInt : 0xff; break;
+          case kZero: next = byte == '.' ? kDot : (byte == 'e' || byte == 'E') ? kExp : 0xff; break;
+          case kInt: next = is_digit(byte) ? kInt : byte == '.' ? kDot : (byte == 'e' || byte == 'E') ? kExp : 0xff; break;
+          case kDot: next = is_digit(byte) ? kFrac : 0xff; break;
+          case kFrac: next = is_digit(byte) ? kFrac : (byte == 'e' || byte == 'E') ? kExp : 0xff; break;
+          case kExp: next = (byte == '+' || byte == '-') ? kExpSign : is_digit(byte) ? kExpDigits : 0xff; break;
+          case kExpSign:
+          case kExpDigits: next = is_digit(byte) ? kExpDigits : 0xff; break;
+        }
+        if (integer && (next == kDot || next == kExp)) next = 0xff;
+        if (next != 0xff) {
+          if (f.text.size() >= static_cast<size_t>(kMaxNumberBytes)) return false;
+          f.state = next;
+          f.text.push_back(static_cast<char>(byte));
+          return true;
+        }
+        if (!number_can_end(f.state)) return false;
+        stack_.pop_back();  // the number ended; the byte belongs to its container
+        continue;
+      }
+      case Frame::kLiteral: {
+        bool done = false;
+        if (literal_step(f, byte, done)) {
+          return true;
+        }
+        if (!done) return false;
+        stack_.pop_back();
+        continue;
+      }
+      case Frame::kKey: {
+        const Frame& object = stack_[stack_.size() - 2];
+        const JsonSchema::Node& n = schema_->node(object.node);
+        if (byte == '"') {
+          int prop = -1;
+          for (size_t i = 0; i < n.property_names.size(); ++i)
+            if (n.property_names[i] == f.text) prop = static_cast<int>(i);
+          if (prop >= 0 && (object.seen >> prop & 1)) return false;  // a key written twice
+          if (prop < 0 && !n.additional) return false;
+          stack_.pop_back();
+          Frame& o = stack_.back();
+          o.key = prop;
+          o.state = 1;
+          return true;
+        }
+        if (byte < 0x20 || byte == '\\') return false;
+        f.text.push_back(static_cast<char>(byte));
+        if (n.additional) return true;
+        for (size_t i = 0; i < n.property_names.size(); ++i)
+          if (!(object.seen >> i & 1) && n.property_names[i].starts_with(f.text)) return true;
+        return false;
+      }
+      case Frame::kObject: {
+        const JsonSchema::Node& n = schema_->node(f.node);
+        if (whitespace(byte)) return true;
+        const bool all_required = (f.seen & n.required) == n.required;
+        if (f.state == 0 || f.state == 3) {
+          if (byte == '}' && f.state == 0 && all_required) {
+            stack_.pop_back();
+            return true;
+          }
+          if (byte != '"') return false;
+          Frame key;
+          key.kind = Frame::kKey;
+          key.node = f.node;
+          stack_.push_back(std::move(key));
+          return true;
+        }
+        if (f.state == 1) {
+          if (byte != ':') return false;
+          Frame value;
+          value.kind = Frame::kValue;
+          value.node = f.key >= 0 ? n.property_nodes[static_cast<size_t>(f.key)] : n.additional_node;
+          if (f.key >= 0) f.seen |= uint64_t{1} << f.key;
+          f.state = 2;
+          stack_.push_back(std::move(value));
+          return true;
+        }
+        // After a value: ',' while another key may come, '}' once the required ones are there.
+        if (byte == '}' && all_required) {
+          stack_.pop_back();
+          return true;
+        }
+        if (byte == ',') {
+          const uint64_t declared = n.property_names.size() == 64 ? ~uint64_t{0} : (uint64_t{1} << n.property_names.size()) - 1;
+          if (!n.additional && (f.seen & declared) == declared) return false;
+          f.state = 3;
+          return true;
+        }
+        return false;
+      }
+      case Frame::kArray: {
+        const int items = schema_->node(f.node).items;
+        if (whitespace(byte)) return true;
+        if (f.state == 2) {
+          if (byte == ']') {
+            stack_.pop_back();
+            return true;
+          }
+          const int64_t max = schema_->node(f.node).max_items;
+          if (byte != ',' || (max >= 0 && f.count >= max)) return false;
+          f.state = 3;
+          return true;
+        }
+        if (byte == ']' && f.state == 0) {
+          stack_.pop_back();
+          return true;
+        }
+        const int64_t max = schema_->node(f.node).max_items;
+        if (max >= 0 && f.count >= max) return false;
+        ++f.count;
+        f.state = 2;
+        Frame value;
+        value.kind = Frame::kValue;
+        value.node = items;
+        stack_.push_back(std::move(value));
+        continue;  // the byte starts the item
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The vocabulary index and the constraint
+
+JsonVocabIndex::JsonVocabIndex(int32_t vocab, const TokenBytesFn& token_bytes) : vocab_(vocab) {
+  if (vocab <= 0) throw Error("json constraint: the vocabulary is empty");
+  bytes_.resize(static_cast<size_t>(vocab));
+  for (int32_t id = 0; id < vocab; ++id) {
+    bytes_[static_cast<size_t>(id)] = std::string(token_bytes(id));
+    const std::string& b = bytes_[static_cast<size_t>(id)];
+    if (b.empty()) continue;
+    sorted_.push_back(id);
+    const bool plain = std::none_of(b.begin(), b.end(), [](char c) {
+      const auto u = static_cast<unsigned char>(c);
+      return u == '"' || u == '\\' || u < 0x20;
+    });
+    (plain ? plain_ : special_).push_back(id);
+  }
+  std::sort(sorted_.begin(), sorted_.end(), [this](int32_t a, int32_t b) {
+    return bytes_[static_cast<size_t>(a)] < bytes_[static_cast<size_t>(b)] ||
+           (bytes_[static_cast<size_t>(a)] == bytes_[static_cast<size_t>(b)] && a < b);
+  });
+}
+
+std::shared_ptr<const JsonVocabIndex> JsonVocabIndex::for_tokenizer(const Tokenizer& tokenizer, int32_t vocab) {
+  static std::mutex mutex;
+  static std::map<std::pair<const Tokenizer*, int32_t>, std::weak_ptr<const JsonVocabIndex>> cache;
+  std::lock_guard lock(mutex);
+  auto& slot = cache[{&tokenizer, vocab}];
+  if (auto hit = slot.lock()) return hit;
+  auto index = std::make_shared<const JsonVocabIndex>(vocab, [&tokenizer](int32_t id) {
+    return tokenizer.is_special(id) ? std::string_view() : tokenizer.token_view(id);
+  });
+  slot = index;
+  return index;
+}
+
+JsonConstraint::JsonConstraint(std::shared_ptr<const JsonSchema> schema, std::shared_ptr<const JsonVocabIndex> vocab,
+                               std::vector<int32_t> stop_ids)
+    : vocab_(std::move(vocab)), stop_ids_(std::move(stop_ids)), matcher_(std::move(schema)) {
+  if (!vocab_) throw Error("json constraint: no vocabulary index");
+}
+
+// Tokens in sorted()[lo, hi) share their first `depth` bytes, which `m` has taken: those that
+// end there are allowed, the rest are tried by their next byte, a whole group skipped when the
+// matcher refuses that byte.
+void JsonConstraint::walk(size_t lo, size_t hi, size_t depth, const JsonMatcher& m, std::vector<char>& ok) const {
+  const auto sorted = vocab_->sorted();
+  const auto bytes = vocab_->bytes();
+  auto byte_at = [&](size_t i) { return static_cast<unsigned char>(bytes[static_cast<size_t>(sorted[i])][depth]); };
+  while (lo < hi && bytes[static_cast<size_t>(sorted[lo])].size() == depth) ok[static_cast<size_t>(sorted[lo++])] = 1;
+  while (lo < hi) {
+    const unsigned char c = byte_at(lo);
+    const size_t end = static_cast<size_t>(
+        std::partition_point(sorted.begin() + static_cast<std::ptrdiff_t>(lo), sorted.begin() + static_cast<std::ptrdiff_t>(hi),
+                             [&](int32_t id) { return static_cast<unsigned char>(bytes[static_cast<size_t>(id)][depth]) <= c; }) -
+        sorted.begin());
+    JsonMatcher next = m;
+    if (next.feed(c)) walk(lo, end, depth + 1, next, ok);
+    lo = end;
+  }
+}
+
+std::vector<char> JsonConstraint::allowed_mask() const {
+  std::vector<char> ok(static_cast<size_t>(vocab_->vocab()), 0);
+  if (matcher_.complete()) {
+    for (int32_t id : stop_ids_)
+      if (id >= 0 && id < vocab_->vocab()) ok[static_cast<size_t>(id)] = 1;
+    return ok;
+  }
+  if (matcher_.in_free_text()) {
+    for (int32_t id : vocab_->plain()) ok[static_cast<size_t>(id)] = 1;
+    for (int32_t id : vocab_->special_bytes()) {
+      JsonMatcher m = matcher_;
+      if (m.feed(vocab_->bytes()[static_cast<size_t>(id)])) ok[static_cast<size_t>(id)] = 1;
+    }
+    return ok;
+  }
+  walk(0, vocab_->sorted().size(), 0, matcher_, ok);
+  return ok;
+}
+
+bool JsonConstraint::allows(int32_t id) const {
+  if (!active_) return true;
+  if (id < 0 || id >= vocab_->vocab()) return false;
+  if (matcher_.complete()) return std::find(stop_ids_.begin(), stop_ids_.end(), id) != stop_ids_.end();
+  const std::string& b = vocab_->bytes()[static_cast<size_t>(id)];
+  JsonMatcher m = matcher_;
+  return !b.empty() && m.feed(b);
+}
+
+size_t JsonConstraint::mask(std::span<float> logits) {
+  if (!active_) return logits.size();
+  const std::vector<char> ok = allowed_mask();
+  const size_t n = std::min(logits.size(), ok.size());
+  size_t left = 0;
+  for (size_t i = 0; i < n; ++i) left += ok[i] != 0;
+  if (left == 0) {
+    active_ = false;  // nothing can continue (no stop token to end with): give up, leave the row
+    return logits.size();
+  }
+  for (size_t i = 0; i < logits.size(); ++i)
+    if (i >= n || !ok[i]) logits[i] = -std::numeric_limits<float>::infinity();
+  return left;
+}
+
+void JsonConstraint::push(int32_t id) {
+  if (!active_) return;
+  if (matcher_.complete() || id < 0 || id >= vocab_->vocab()) {
+    active_ = false;  // a stop token after the document (or a refused id): the constraint is over
+    return;
+  }
+  if (!matcher_.feed(vocab_->bytes()[static_cast<size_t>(id)])) active_ = false;
+  if (active_ && matcher_.complete() && stop_ids_.empty()) active_ = false;
+}
+
+}  // namespace lily

@@ -1,0 +1,174 @@
+// Structured output: a token-level constraint that keeps the generated text a prefix of a JSON
+// object matching a schema (OpenAI's response_format json_object and json_schema).
+//
+// Three layers:
+// - JsonSchema: a JSON Schema compiled to the structure it fixes: the types a value may take,
+//   an object's properties (in order), which are required and whether others may appear, an
+//   array's item schema, enum/const values, maxLength of strings and maxItems of arrays. $ref into $defs/definitions (also recursive) and
+//   anyOf/oneOf whose branches are of different JSON types are resolved here. Keywords that
+//   only annotate or bound values (description, format, minLength, maximum, …) are accepted
+//   and not enforced; keywords that would change the structure in ways this matcher does not
+//   follow (allOf, not, if/then/else, patternProperties, prefixItems, …) are refused.
+// - JsonMatcher: a byte-level pushdown automaton over that structure. feed() takes one byte
+//   and says whether the text is still a prefix of a valid document; whitespace between tokens
+//   is allowed in runs of at most kMaxWhitespaceRun bytes (a model looping on newlines cannot
+//   stall the answer forever), numbers are at most kMaxNumberBytes long, object keys are written
+//   without escapes, enum values in their compact form.
+// - JsonConstraint: the matcher applied to a logits row, as engine/prefix_choice.h does for
+//   prefixes: every token whose bytes the matcher refuses is set to −inf before the sampler, so
+//   greedy and sampled decoding both keep the document valid. Once the root object is closed,
+//   only the stop tokens are allowed. The vocabulary is walked as a trie (JsonVocabIndex: token
+//   ids sorted by bytes) so a structural position tries only the prefixes it accepts; inside a
+//   string, tokens free of quotes, backslashes and control bytes pass without a walk.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/prefix_choice.h"
+
+namespace lily {
+
+class Tokenizer;
+
+/// Most consecutive whitespace bytes the matcher accepts between JSON tokens.
+inline constexpr int kMaxWhitespaceRun = 64;
+/// Most bytes of one JSON number.
+inline constexpr int kMaxNumberBytes = 32;
+/// Most properties one object schema may list (their seen set is a 64-bit mask).
+inline constexpr size_t kMaxSchemaProperties = 64;
+
+/// A JSON Schema compiled to the structure the matcher follows (see the file comment).
+class JsonSchema {
+ public:
+  /// Value types, as bits.
+  enum Type : uint8_t {
+    kObject = 1, kArray = 2, kString = 4, kNumber = 8, kInteger = 16, kBoolean = 32, kNull = 64, kAnyType = 127
+  };
+  /// One schema: what a value there may be. Node 0 is the unconstrained value.
+  struct Node {
+    uint8_t types = kAnyType;
+    std::vector<std::string> property_names;  ///< declared properties, in order
+    std::vector<int> property_nodes;          ///< their schemas
+    uint64_t required = 0;                    ///< bit i: property i is required
+    bool additional = true;                   ///< other keys allowed
+    int additional_node = 0;                  ///< their schema
+    int items = 0;                            ///< array items' schema
+    std::vector<std::string> literals;        ///< enum/const: the allowed values as compact JSON (empty: none)
+    int64_t max_length = -1;                  ///< maxLength: most characters of a string (−1: any)
+    int64_t max_items = -1;                   ///< maxItems: most items of an array (−1: any)
+  };
+
+  /// Compiles `schema` (a JSON Schema object; `true` or `{}` is any value). The root must allow
+  /// objects only (as OpenAI's structured outputs require). Throws lily::Error naming the
+  /// keyword and where it is ("unsupported JSON schema keyword 'allOf' at /properties/a").
+  static std::shared_ptr<const JsonSchema> compile(const nlohmann::json& schema);
+  /// Any JSON object (response_format json_object).
+  static std::shared_ptr<const JsonSchema> any_object();
+
+  const Node& node(int i) const { return nodes_[static_cast<size_t>(i)]; }
+  int root() const { return root_; }
+
+ private:
+  friend class JsonSchemaCompiler;
+  std::vector<Node> nodes_;
+  int root_ = 0;
+};
+
+/// The byte-level matcher (see the file comment). Copyable; a copy is an independent state.
+class JsonMatcher {
+ public:
+  explicit JsonMatcher(std::shared_ptr<const JsonSchema> schema);
+  /// Takes one byte. False: the text plus this byte is no prefix of a valid document (the
+  /// matcher is then in no defined state: feed a copy when probing).
+  bool feed(unsigned char byte);
+  /// Feeds every byte of `bytes`; false at the first refused one.
+  bool feed(std::string_view bytes);
+  /// True once the root object is closed.
+  bool complete() const { return stack_.empty(); }
+  /// True inside free text: a string value (not an enum, not in an escape) or a key of an object
+  /// that takes any key. There any byte but '"', '\\' and control bytes continues it.
+  bool in_free_text() const;
+
+ private:
+  struct Frame {
+    enum Kind : uint8_t { kValue, kObject, kKey, kArray, kString, kNumber, kLiteral };
+    Kind kind = kValue;
+    uint8_t state = 0;     ///< kObject/kArray: 0 after open, 1 after key, 2 after value, 3 after comma;
+                           ///< kNumber: its grammar state; kString: escape state
+    int node = 0;          ///< the schema node of this value (kKey: the object's)
+    int key = -1;          ///< kObject: the property of the current key (−1: an additional key)
+    uint64_t seen = 0;     ///< kObject: properties written so far
+    std::string text;      ///< kKey: the key so far; kLiteral: the literal so far
+    uint8_t literal_set = 0;  ///< kLiteral: 0 the node's enum, else true/false/null bits
+    int64_t count = 0;        ///< kString: characters so far; kArray: items so far
+  };
+  bool feed_top(unsigned char byte);
+  bool start_value(Frame& f, unsigned char byte);
+  bool whitespace(unsigned char byte);
+  bool literal_step(Frame& f, unsigned char byte, bool& done) const;
+  const std::vector<std::string>& literals_of(const Frame& f) const;
+
+  std::shared_ptr<const JsonSchema> schema_;
+  std::vector<Frame> stack_;
+  int ws_run_ = 0;                ///< whitespace bytes since the last other byte
+  bool took_whitespace_ = false;  ///< the byte being fed was taken as whitespace
+};
+
+/// The vocabulary as a trie for the constraint: ids sorted by their bytes, and which ids are
+/// "plain" (non-empty, no '"', '\\' or control byte). Built once per tokenizer and shared.
+class JsonVocabIndex {
+ public:
+  JsonVocabIndex(int32_t vocab, const TokenBytesFn& token_bytes);
+  /// The index of `tokenizer`'s byte-level tokens (special tokens count as empty), cached.
+  static std::shared_ptr<const JsonVocabIndex> for_tokenizer(const Tokenizer& tokenizer, int32_t vocab);
+
+  int32_t vocab() const { return vocab_; }
+  std::span<const int32_t> sorted() const { return sorted_; }           ///< non-empty ids by bytes
+  std::span<const std::string> bytes() const { return bytes_; }         ///< by id
+  std::span<const int32_t> plain() const { return plain_; }             ///< plain ids, ascending
+  std::span<const int32_t> special_bytes() const { return special_; }   ///< non-empty, not plain
+
+ private:
+  int32_t vocab_;
+  std::vector<std::string> bytes_;
+  std::vector<int32_t> sorted_, plain_, special_;
+};
+
+/// The constraint over a generation (see the file comment).
+class JsonConstraint {
+ public:
+  /// `stop_ids`: the tokens allowed once the document is complete (none: the constraint ends
+  /// there and generation is free).
+  JsonConstraint(std::shared_ptr<const JsonSchema> schema, std::shared_ptr<const JsonVocabIndex> vocab,
+                 std::vector<int32_t> stop_ids);
+
+  /// True until the document is complete and no stop token is left to force, or the constraint
+  /// gave up (see mask).
+  bool active() const { return active_; }
+  /// True once the root object is closed.
+  bool complete() const { return matcher_.complete(); }
+  /// Whether token `id` may come next (every id once inactive).
+  bool allows(int32_t id) const;
+  /// Sets every logit the constraint refuses to −inf (`logits` is a [vocab] row); returns how
+  /// many are left. When none would be left, the row stays as it is and the constraint gives up.
+  size_t mask(std::span<float> logits);
+  /// Takes the chosen token. One the constraint refuses (only after it gave up) ends it.
+  void push(int32_t id);
+
+ private:
+  void walk(size_t lo, size_t hi, size_t depth, const JsonMatcher& m, std::vector<char>& ok) const;
+  std::vector<char> allowed_mask() const;
+
+  std::shared_ptr<const JsonVocabIndex> vocab_;
+  std::vector<int32_t> stop_ids_;
+  JsonMatcher matcher_;
+  bool active_ = true;
+};
+
+}  // namespace lily

@@ -1,0 +1,221 @@
+// Structured output (engine/json_constraint.h): the schema compiler's refusals, the byte
+// matcher on valid and invalid documents, the token mask against a brute-force check of every
+// token, and generations over the fake backend that always end as a valid document.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "base/error.h"
+#include "engine/generate.h"
+#include "engine/json_constraint.h"
+#include "fake_backend.h"
+#include "support/demo_tokenizer.h"
+
+using namespace lily;
+using nlohmann::json;
+
+namespace {
+
+std::shared_ptr<const JsonSchema> schema(const char* text) { return JsonSchema::compile(json::parse(text)); }
+
+/// Whether the whole of `doc` is accepted and completes the document.
+bool accepts(const std::shared_ptr<const JsonSchema>& s, std::string_view doc) {
+  JsonMatcher m(s);
+  return m.feed(doc) && m.complete();
+}
+
+/// Whether `doc` is a prefix of a valid document (every byte accepted).
+bool prefix_ok(const std::shared_ptr<const JsonSchema>& s, std::string_view doc) {
+  JsonMatcher m(s);
+  return m.feed(doc);
+}
+
+/// The id of a token whose bytes are exactly `c` (−1: none).
+int32_t one_byte_token(const JsonVocabIndex& index, char c) {
+  for (int32_t id = 0; id < index.vocab(); ++id)
+    if (index.bytes()[static_cast<size_t>(id)] == std::string(1, c)) return id;
+  return -1;
+}
+
+std::string compile_error(const char* text) {
+  try {
+    JsonSchema::compile(json::parse(text));
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(compiled)";
+}
+
+const char* kPerson = R"({
+  "type": "object",
+  "properties": {
+    "name": {"type": "string", "description": "full name", "maxLength": 40},
+    "age": {"type": "integer", "minimum": 0},
+    "score": {"type": "number"},
+    "tags": {"type": "array", "items": {"type": "string"}},
+    "role": {"enum": ["admin", "user", null]},
+    "address": {"$ref": "#/$defs/Address"},
+    "nick": {"anyOf": [{"type": "string"}, {"type": "null"}]}
+  },
+  "required": ["name", "age"],
+  "additionalProperties": false,
+  "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                        "additionalProperties": false}}
+})";
+
+}  // namespace
+
+TEST(JsonSchemaCompile, RefusesWhatItDoesNotFollow) {
+  EXPECT_EQ(compile_error(R"({"type":"object","allOf":[]})"), "unsupported JSON schema keyword 'allOf' at /");
+  EXPECT_EQ(compile_error(R"({"type":"object","properties":{"a":{"not":{}}}})"),
+            "unsupported JSON schema keyword 'not' at /properties/a/");
+  EXPECT_EQ(compile_error(R"({"type":"string"})"), "the JSON schema's root must be an object schema");
+  EXPECT_EQ(compile_error(R"({"type":"object","required":["x"]})"),
+            "the required property 'x' is not among the properties at /");
+  EXPECT_EQ(compile_error(R"({"type":"object","properties":{"a":{"$ref":"#/nowhere"}}})"),
+            "unsupported or unresolved '$ref' \"#/nowhere\" at /properties/a/");
+  EXPECT_EQ(compile_error(R"({"type":"object","properties":{"a":{"anyOf":[{"type":"object"},{"type":"object"}]}}})"),
+            "unsupported 'anyOf' at /properties/a/: two branches take the same container type");
+  EXPECT_EQ(compile_error(R"({"type":"object","properties":{"a":{"type":"decimal"}}})"),
+            "unknown JSON schema type 'decimal' at /properties/a/");
+  EXPECT_NO_THROW(JsonSchema::compile(json::parse(kPerson)));
+}
+
+TEST(JsonMatcher, AnyObject) {
+  const auto s = JsonSchema::any_object();
+  EXPECT_TRUE(accepts(s, R"({})"));
+  EXPECT_TRUE(accepts(s, R"( {"a": [1, -2.5e3, true, null, {"b": "x\"\u00e9\n"}], "c": {}})"));
+  EXPECT_FALSE(accepts(s, R"([1])"));         // the root is an object
+  EXPECT_FALSE(prefix_ok(s, R"({"a": 01})"));  // no leading zeros
+  EXPECT_TRUE(prefix_ok(s, R"({"a": tru)"));
+  EXPECT_FALSE(prefix_ok(s, R"({"a": trux)"));
+  EXPECT_FALSE(prefix_ok(s, R"({"a": 1,})"));
+  EXPECT_FALSE(prefix_ok(s, R"({"a" 1})"));
+  EXPECT_FALSE(prefix_ok(s, "{\"a\": \"x\ny\"}"));  // a raw control byte in a string
+  EXPECT_FALSE(prefix_ok(s, R"({"a": "\x"})"));
+  EXPECT_FALSE(prefix_ok(s, R"({} )"));  // nothing after the document
+  // Whitespace runs are bounded.
+  EXPECT_TRUE(prefix_ok(s, "{" + std::string(kMaxWhitespaceRun, '\n')));
+  EXPECT_FALSE(prefix_ok(s, "{" + std::string(kMaxWhitespaceRun + 1, '\n')));
+  EXPECT_TRUE(prefix_ok(s, "{\"" + std::string(200, ' ')));  // inside a key: text, not a run
+}
+
+TEST(JsonMatcher, FollowsTheSchema) {
+  const auto s = schema(kPerson);
+  EXPECT_TRUE(accepts(s, R"({"name": "Ada", "age": 36})"));
+  EXPECT_TRUE(accepts(s, R"({"age": 36, "name": "Ada", "score": 1.5, "tags": ["a", "b"], "role": "admin",
+                            "address": {"city": "London"}, "nick": null})"));
+  EXPECT_TRUE(accepts(s, R"({"name": "Ada", "age": 36, "role": null, "nick": "A"})"));
+  EXPECT_FALSE(accepts(s, R"({"name": "Ada"})"));               // age is required
+  EXPECT_FALSE(prefix_ok(s, R"({"name": "Ada"})"));             // ... so the object cannot close
+  EXPECT_FALSE(prefix_ok(s, R"({"name": "Ada", "age": 3.5)"));  // an integer
+  EXPECT_FALSE(prefix_ok(s, R"({"name": 5)"));
+  EXPECT_FALSE(prefix_ok(s, R"({"email)"));                     // not a declared property
+  EXPECT_TRUE(prefix_ok(s, R"({"na)"));
+  EXPECT_FALSE(prefix_ok(s, R"({"name": "A", "name")"));         // a key twice
+  EXPECT_FALSE(prefix_ok(s, R"({"name": "A", "age": 1, "role": "root")"));
+  EXPECT_FALSE(prefix_ok(s, R"({"name": "A", "age": 1, "address": {})"));  // city is required
+  EXPECT_FALSE(prefix_ok(s, R"({"name": "A", "age": 1, "tags": [1)"));
+  EXPECT_FALSE(prefix_ok(s, R"({"name": "A", "age": 1, "nick": 3)"));
+  // Every declared key written: no comma can follow.
+  EXPECT_FALSE(prefix_ok(s, R"({"name": "A", "age": 1, "score": 1, "tags": [], "role": null, "address": {"city": "x"},
+                              "nick": null,)"));
+  // maxLength counts characters (an escape or a multi-byte character is one); maxItems items.
+  const auto bounded = schema(R"({"type":"object","properties":{"s":{"type":"string","maxLength":3},
+                                  "a":{"type":"array","items":{"type":"integer"},"maxItems":2}}})");
+  EXPECT_TRUE(accepts(bounded, "{\"s\": \"a\\n\xc3\xa9\", \"a\": [1, 2]}"));
+  EXPECT_FALSE(prefix_ok(bounded, R"({"s": "abcd)"));
+  EXPECT_FALSE(prefix_ok(bounded, R"({"a": [1, 2,)"));
+  EXPECT_TRUE(accepts(bounded, R"({"a": []})"));
+  // Recursive references.
+  const auto tree = schema(R"({"type":"object","properties":{"v":{"type":"integer"},
+                               "kids":{"type":"array","items":{"$ref":"#"}}},"required":["v"],"additionalProperties":false})");
+  EXPECT_TRUE(accepts(tree, R"({"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}, {"v": 4}]})"));
+  EXPECT_FALSE(prefix_ok(tree, R"({"v": 1, "kids": [{"kids": []})"));
+}
+
+// The mask allows exactly the tokens a byte-by-byte check accepts, at every step of a document,
+// over the demo tokenizer's whole vocabulary (the trie walk and the string fast path agree with
+// brute force).
+TEST(JsonConstraint, MaskEqualsBruteForce) {
+  const auto tokenizer = test::demo_tokenizer();
+  const int32_t vocab = tokenizer->vocab_size();
+  const auto index = JsonVocabIndex::for_tokenizer(*tokenizer, vocab);
+  EXPECT_EQ(index.get(), JsonVocabIndex::for_tokenizer(*tokenizer, vocab).get());  // built once
+  const auto s = schema(kPerson);
+  const std::string doc = R"({"name": "A \"q\" b", "age": 12, "tags": ["x"], "role": "user"})";
+  // Follow the document byte by byte as one-byte tokens would, checking the mask at each prefix.
+  for (size_t i = 0; i < doc.size(); i += 3) {
+    JsonMatcher base(s);
+    ASSERT_TRUE(base.feed(std::string_view(doc).substr(0, i)));
+    // The constraint in the same state, by pushing the prefix as one-byte tokens.
+    JsonConstraint same(s, index, {0});
+    bool replayed = true;
+    for (size_t k = 0; k < i && replayed; ++k) {
+      const int32_t id = one_byte_token(*index, doc[k]);
+      if (id < 0) replayed = false;
+      else same.push(id);
+    }
+    ASSERT_TRUE(replayed) << "the demo vocabulary has every ASCII byte as a token";
+    std::vector<float> row(static_cast<size_t>(vocab), 0.0f);
+    size_t expected = 0;
+    std::vector<char> ok(static_cast<size_t>(vocab), 0);
+    for (int32_t id = 0; id < vocab; ++id) {
+      const std::string& b = index->bytes()[static_cast<size_t>(id)];
+      JsonMatcher m = base;
+      ok[static_cast<size_t>(id)] = !b.empty() && m.feed(b);
+      expected += ok[static_cast<size_t>(id)];
+    }
+    EXPECT_EQ(same.mask(row), expected) << "after " << doc.substr(0, i);
+    for (int32_t id = 0; id < vocab; ++id) {
+      ASSERT_EQ(std::isfinite(row[static_cast<size_t>(id)]), ok[static_cast<size_t>(id)] != 0)
+          << "token " << id << " after " << doc.substr(0, i);
+      ASSERT_EQ(same.allows(id), ok[static_cast<size_t>(id)] != 0) << id;
+    }
+  }
+  // Once complete, only the stop tokens.
+  JsonConstraint done(JsonSchema::any_object(), index, {0, 1});
+  for (char ch : std::string("{}")) done.push(one_byte_token(*index, ch));
+  EXPECT_TRUE(done.complete());
+  std::vector<float> row(static_cast<size_t>(vocab), 0.0f);
+  EXPECT_EQ(done.mask(row), 2u);
+  EXPECT_TRUE(std::isfinite(row[0]) && std::isfinite(row[1]) && !std::isfinite(row[2]));
+}
+
+// Generations over the fake backend (whose own tokens are noise): greedy and sampled, every
+// answer is a valid document of the schema, ended by the stop token.
+TEST(JsonConstraint, GenerationsAreValidDocuments) {
+  const auto tokenizer = test::demo_tokenizer();
+  const auto s = schema(kPerson);
+  const int32_t stop = *tokenizer->token_id("<|im_end|>");
+  for (uint64_t seed = 0; seed < 6; ++seed) {
+    test::FakeBackend b(tokenizer->vocab_size());
+    // The backend leans to closing bytes in turn (its other logits are noise), so that strings,
+    // numbers and objects end; the constraint decides what is valid.
+    const std::vector<int32_t> closers = {*tokenizer->token_id("\""), *tokenizer->token_id("}"),
+                                          *tokenizer->token_id("]"), *tokenizer->token_id(",")};
+    b.script = [closers](const std::vector<int32_t>& h) { return closers[h.size() % closers.size()]; };
+    auto state = b.new_state(4000);
+    GenerationParams p;
+    p.max_tokens = 2000;
+    p.max_seq = 4000;
+    p.stop_ids = {stop};
+    p.json_schema = s;
+    if (seed > 0) {
+      p.sampling.temperature = 0.2f;
+      p.sampling.seed = seed;
+    }
+    const std::vector<int32_t> prompt = {1, 2, 3};
+    const GenerationResult r = generate(b, *state, prompt, p, tokenizer.get());
+    ASSERT_EQ(r.finish_reason, FinishReason::kStop) << seed << ": " << r.text;
+    EXPECT_EQ(r.token_ids.back(), stop);
+    EXPECT_TRUE(accepts(s, r.text)) << seed << ": " << r.text;
+    const json parsed = json::parse(r.text);
+    EXPECT_TRUE(parsed.contains("name") && parsed["name"].is_string()) << r.text;
+    EXPECT_TRUE(parsed.contains("age") && parsed["age"].is_number_integer()) << r.text;
+  }
+}
