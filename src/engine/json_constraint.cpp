@@ -319,12 +319,17 @@ bool JsonMatcher::start_value(Frame& f, unsigned char byte) {
       }
     return false;
   }
-  if (byte == '{' && (n.types & JsonSchema::kObject)) {
+  // Containers past the nesting limit are refused.
+  const auto containers = std::count_if(stack_.begin(), stack_.end(), [](const Frame& g) {
+    return g.kind == Frame::kObject || g.kind == Frame::kArray;
+  });
+  const bool room = static_cast<size_t>(containers) < kMaxJsonNesting;
+  if (byte == '{' && (n.types & JsonSchema::kObject) && room) {
     f.kind = Frame::kObject;
     f.state = 0;
     return true;
   }
-  if (byte == '[' && (n.types & JsonSchema::kArray)) {
+  if (byte == '[' && (n.types & JsonSchema::kArray) && room) {
     f.kind = Frame::kArray;
     f.state = 0;
     return true;

@@ -40,6 +40,8 @@ class Tokenizer;
 inline constexpr int kMaxWhitespaceRun = 64;
 /// Most bytes of one JSON number.
 inline constexpr int kMaxNumberBytes = 32;
+/// Most nested objects and arrays in a document (deeper is refused: the mask copies the nesting).
+inline constexpr size_t kMaxJsonNesting = 32;
 /// Most properties one object schema may list (their seen set is a 64-bit mask).
 inline constexpr size_t kMaxSchemaProperties = 64;
 

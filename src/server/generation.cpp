@@ -192,7 +192,8 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
     // A continued answer goes on from its content (the template wrote any think block before it).
     call.answer.thinking = thinking_enabled(request.agent, options_.reasoning) && !request.continue_final_message;
     call.answer.include_reasoning = request.agent.include_reasoning;
-    if (request.agent.tools_active()) {
+    // A JSON answer is content only: text in its strings that looks like a tool call stays text.
+    if (request.agent.tools_active() && !request.json_schema) {
       call.answer.tools.emplace(request.agent.tools);
       call.answer.single_call = request.agent.parallel_tool_calls == false;
     }

@@ -3,12 +3,15 @@
 // does next with a request: render the chat template, or serialize the error response. Allowed:
 // server::ApiError from a parser (its JSON body must then serialize: the server sends it),
 // lily::Error from the template. Invariants for accepted requests (the documented contract):
-// chat messages non-empty and the last from the user, max_tokens ≥ 1 when set, at most 4
+// chat messages non-empty and the last from the user (or the assistant with
+// continue_final_message), min_tokens within max_tokens, a structured-output schema whose matcher
+// takes any bytes, max_tokens ≥ 1 when set, at most 4
 // non-empty stop strings, include_usage only with stream; a completion has exactly one
 // non-empty prompt (text or ids in [0, 2^31)); a tokenize request has a prompt or messages
 // (the last from the user, or also the assistant without the generation prompt); detokenize
 // ids lie in [0, 2^31).
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 #include <string>
 #include <string_view>
@@ -23,9 +26,20 @@
 
 namespace {
 
+/// A structured-output schema compiled from the request: the matcher takes any bytes (here the
+/// body itself) without throwing, and stops at the first refused one or a complete document.
+void check_schema(const lily::server::GenerationFields& req, std::string_view bytes) {
+  if (!req.json_schema) return;
+  lily::JsonMatcher m(req.json_schema);
+  for (char c : bytes)
+    if (!m.feed(static_cast<unsigned char>(c))) break;
+}
+
 void check_accepted(const lily::server::ChatRequest& req) {
   FUZZ_ASSERT(!req.messages.empty(), "");
-  FUZZ_ASSERT(req.messages.back().role == lily::ChatRole::kUser || req.messages.back().role == lily::ChatRole::kTool, "");
+  FUZZ_ASSERT(req.messages.back().role == lily::ChatRole::kUser || req.messages.back().role == lily::ChatRole::kTool ||
+                  (req.continue_final_message && req.messages.back().role == lily::ChatRole::kAssistant), "");
+  FUZZ_ASSERT(req.min_tokens >= 0 && (!req.max_tokens || req.min_tokens <= *req.max_tokens), "");
   FUZZ_ASSERT(!req.max_tokens || *req.max_tokens >= 1, "");
   FUZZ_ASSERT(req.stop.size() <= lily::server::kMaxStopStrings, "");
   for (const std::string& s : req.stop) FUZZ_ASSERT(!s.empty(), "");
@@ -83,7 +97,9 @@ void check_rejected(const lily::server::ApiError& e) {
 template <class Parse>
 void run(Parse parse, std::string_view body) {
   try {
-    check_accepted(parse(body));
+    const auto req = parse(body);
+    check_accepted(req);
+    if constexpr (std::is_base_of_v<lily::server::GenerationFields, std::decay_t<decltype(req)>>) check_schema(req, body);
   } catch (const lily::server::ApiError& e) {
     try {
       check_rejected(e);

@@ -98,6 +98,9 @@ TEST(JsonMatcher, AnyObject) {
   EXPECT_FALSE(prefix_ok(s, "{\"a\": \"x\ny\"}"));  // a raw control byte in a string
   EXPECT_FALSE(prefix_ok(s, R"({"a": "\x"})"));
   EXPECT_FALSE(prefix_ok(s, R"({} )"));  // nothing after the document
+  // Nesting is bounded.
+  EXPECT_TRUE(prefix_ok(s, "{\"a\": " + std::string(20, '[')));
+  EXPECT_FALSE(prefix_ok(s, "{\"a\": " + std::string(kMaxJsonNesting + 8, '[')));
   // Whitespace runs are bounded.
   EXPECT_TRUE(prefix_ok(s, "{" + std::string(kMaxWhitespaceRun, '\n')));
   EXPECT_FALSE(prefix_ok(s, "{" + std::string(kMaxWhitespaceRun + 1, '\n')));
