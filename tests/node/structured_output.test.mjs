@@ -69,6 +69,19 @@ describe('structured output on lily serve (demo model)', () => {
     assert.equal(whole.json.choices[0].message.content, text);  // greedy: the same document
   });
 
+  it('the legacy completions endpoint takes response_format too', async () => {
+    const ids = async (text) => (await postJson(suite.server, '/tokenize', { model: MODEL, prompt: text })).json.tokens;
+    const [quote] = await ids('"');
+    const [brace] = await ids('}');
+    const res = await postJson(suite.server, '/v1/completions', {
+      model: MODEL, prompt: 'A JSON object:', max_tokens: 100, response_format: { type: 'json_object' },
+      logit_bias: { [quote]: 6, [brace]: 6 },
+    });
+    assert.equal(res.status, 200, JSON.stringify(res.json));
+    const v = JSON.parse(res.json.choices[0].text);
+    assert.ok(typeof v === 'object' && v !== null && !Array.isArray(v));
+  });
+
   it('refuses a schema it cannot follow, naming it', async () => {
     const res = await chat(suite.server, {
       model: MODEL, messages,
