@@ -21,7 +21,8 @@
 //   choice with a tool call finishes with "tool_calls".
 // - Usage counts the prompt once and every choice's tokens. A whole answer always has it; a
 //   stream only with stream_options.include_usage, as a last chunk without choices before
-//   [DONE] (with continuous_usage_stats, vLLM's, every chunk also carries the counts so far). An answer that fails has none: the error takes its place.
+//   [DONE] (with continuous_usage_stats, vLLM's, every chunk also carries the counts so far).
+//   An answer that fails has none: the error takes its place.
 // - n > 1: a whole answer holds the choices in order; a stream sends them one after the other,
 //   a chat stream opening each with a role chunk that carries its seed.
 #include "server/server_impl.h"
@@ -148,11 +149,17 @@ class LilyServer::WholeAnswer final : public AnswerSink {
   void on_error(const ApiError& error) override { send_error(res_, error); }
 
  private:
-  /// POST /v1/completions: one choice, no logprobs.
+  /// POST /v1/completions: each choice's text (after the echoed prompt) and legacy logprobs.
   ordered_json text_completion(const std::vector<GenerationResult>& results) const {
-    const GenerationResult& r = results.front();
-    return text_completion_json(call_.meta, r.text, std::string(finish_reason_name(r.finish_reason)),
-                                usage_of(results));
+    ordered_json choices = ordered_json::array();
+    for (size_t i = 0; i < results.size(); ++i) {
+      const GenerationResult& r = results[i];
+      int64_t offset = 0;
+      choices.push_back(text_choice_json(static_cast<int>(i), call_.echo + r.text,
+                                         std::string(finish_reason_name(r.finish_reason)),
+                                         server_.logprobs_field(call_, r.logprobs, &offset)));
+    }
+    return text_completion_json(call_.meta, choices, usage_of(results));
   }
 
   /// POST /v1/chat/completions: each choice's text read as reasoning, content and tool calls.
@@ -179,7 +186,7 @@ class LilyServer::WholeAnswer final : public AnswerSink {
 
 /// A streamed answer: SSE chunks in the endpoint's shape as the text comes. Chat text goes
 /// through the current choice's answer parser (reasoning, content, tool calls); legacy text is
-/// sent as is. Log-probabilities wait for the next chunk sent.
+/// sent as is, after the echoed prompt when asked. Log-probabilities wait for the next chunk sent.
 class LilyServer::StreamAnswer final : public AnswerSink {
  public:
   /// Streams `call`'s answer on `ex`, whose stream has begun.
@@ -194,7 +201,9 @@ class LilyServer::StreamAnswer final : public AnswerSink {
   /// runs with; legacy completions streams have no role chunk.
   bool on_begin(int choice) override {
     parser_.emplace(call_.answer);
-    if (call_.text_completion) return true;
+    text_offset_ = 0;
+    if (call_.text_completion)
+      return call_.echo.empty() || send(text_chunk_json(call_.meta, call_.echo, std::nullopt, usage_field_, choice));
     return send(chunk_json(call_.meta, choice, ordered_json{{"role", "assistant"}, {"content", ""}}, nullptr,
                            std::nullopt, usage_field_, static_cast<int64_t>(choice_seed(call_.seed, choice))));
   }
@@ -211,15 +220,19 @@ class LilyServer::StreamAnswer final : public AnswerSink {
     bool ok = rest.empty() || send_piece(choice, rest);
     if (!call_.text_completion) ok = send_deltas(choice, parser_->finish()) && ok;
     if (!pending_.empty() && call_.request.logprobs)
-      ok = send(chunk_json(call_.meta, choice, ordered_json{{"content", ""}}, server_.logprobs_field(call_, pending_),
-                           std::nullopt, usage_field_)) && ok;
+      ok = send(call_.text_completion
+                    ? text_chunk_json(call_.meta, "", std::nullopt, usage_field_, choice,
+                                      server_.logprobs_field(call_, pending_, &text_offset_))
+                    : chunk_json(call_.meta, choice, ordered_json{{"content", ""}}, server_.logprobs_field(call_, pending_),
+                                 std::nullopt, usage_field_)) &&
+           ok;
     pending_.clear();
     return ok;
   }
 
   bool on_finish(int choice, const GenerationResult& result) override {
     const std::string reason(finish_reason_name(result.finish_reason));
-    if (call_.text_completion) return send(text_chunk_json(call_.meta, "", reason, usage_field_));
+    if (call_.text_completion) return send(text_chunk_json(call_.meta, "", reason, usage_field_, choice));
     return send(chunk_json(call_.meta, choice, ordered_json::object(), nullptr,
                            answer_finish_reason(reason, parser_->tool_calls()), usage_field_));
   }
@@ -246,11 +259,12 @@ class LilyServer::StreamAnswer final : public AnswerSink {
     return ex_.write_chunk(sse_event(dump(doc)));
   }
 
-  /// A piece of text: parsed (chat) or as is (legacy, which has no logprobs).
+  /// A piece of text: parsed (chat) or as is (legacy, with the legacy logprobs of its tokens).
   bool send_piece(int choice, const std::string& text) {
     if (!call_.text_completion) return send_deltas(choice, parser_->push(text));
+    const ordered_json logprobs = server_.logprobs_field(call_, pending_, &text_offset_);
     pending_.clear();
-    return send(text_chunk_json(call_.meta, text, std::nullopt, usage_field_));
+    return send(text_chunk_json(call_.meta, text, std::nullopt, usage_field_, choice, logprobs));
   }
 
   /// The parser's deltas as chat chunks; the pending log-probabilities ride on the first.
@@ -273,6 +287,7 @@ class LilyServer::StreamAnswer final : public AnswerSink {
   int64_t completion_tokens_ = 0;  ///< tokens generated so far, every choice (as usage counts them)
   std::optional<AnswerParser> parser_;  ///< the current choice's (chat)
   std::vector<TokenLogprobs> pending_;  ///< log-probabilities of tokens whose text is still held back
+  int64_t text_offset_ = 0;             ///< legacy logprobs: characters of the choice's tokens so far
   bool done_ = false;
 };
 

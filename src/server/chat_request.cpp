@@ -143,16 +143,16 @@ std::string parse_content(const json& v, const std::string& param) {
   return text;
 }
 
-/// The fields a message of `role` may carry besides role and content. An assistant message may
-/// also carry the fields of OpenAI's own answers that clients send back in the history
-/// (refusal, annotations, and function_call / audio when null; see parse_chat_message), and
-/// `reasoning`, the name newer vLLM servers give the thinking text (= reasoning_content).
-/// "'user'" → "a 'user'", "'assistant'" → "an 'assistant'" (for messages naming a role).
+/// "user" → "a 'user'", "assistant" → "an 'assistant'" (for errors naming a message's role).
 std::string with_article(const std::string& role) {
   const bool vowel = !role.empty() && std::string_view("aeiou").find(role[0]) != std::string_view::npos;
   return std::string(vowel ? "an '" : "a '") + role + "'";
 }
 
+/// The fields a message of `role` may carry besides role and content. An assistant message may
+/// also carry the fields of OpenAI's own answers that clients send back in the history
+/// (refusal, annotations, and function_call / audio when null; see parse_chat_message), and
+/// `reasoning`, the name newer vLLM servers give the thinking text (= reasoning_content).
 bool message_field_allowed(ChatRole role, const std::string& key) {
   if (key == "name") return true;
   if (role == ChatRole::kAssistant)
@@ -627,16 +627,20 @@ CompletionRequest parse_completion_request(std::string_view body) {
     } else if (key == "echo") {
       if (value.is_null()) continue;
       if (!value.is_boolean()) throw wrong_type(key, "a boolean", value);
-      if (value.get<bool>())
-        throw invalid_request("'echo' must be false: echoing the prompt is not supported", key, "unsupported_value");
+      req.echo = value.get<bool>();
     } else if (key == "best_of") {
       if (value.is_null()) continue;
       if (require_integer(value, key) != 1)
         throw invalid_request("'best_of' must be 1: one sample per completion", key, "unsupported_value");
     } else if (key == "logprobs") {
+      // The legacy form: an integer, the alternatives listed beside each token (0: none).
       if (value.is_null()) continue;
-      if (require_integer(value, key) != 0)
-        throw invalid_request("logprobs are not supported", key, "unsupported_parameter");
+      const int64_t k = require_integer(value, key);
+      if (k < 0 || k > kMaxTopLogprobs)
+        throw invalid_request("'logprobs' must be in [0, " + std::to_string(kMaxTopLogprobs) + "], got " + std::to_string(k),
+                              key, "invalid_value");
+      req.logprobs = true;
+      req.top_logprobs = static_cast<int>(k);
     } else if (key == "suffix") {
       if (value.is_null()) continue;
       require_string(value, key);
@@ -645,10 +649,6 @@ CompletionRequest parse_completion_request(std::string_view body) {
     } else if (key == "top_logprobs") {
       throw invalid_request("unrecognized request argument supplied: 'top_logprobs' (chat only)", key,
                             "unknown_parameter");
-    } else if (key == "n") {
-      if (value.is_null()) continue;
-      if (require_integer(value, key) != 1)
-        throw invalid_request("'n' must be 1 on this endpoint: one choice per completion", key, "unsupported_value");
     } else if (value.is_null()) {
       check_null_field(key);
     } else {
@@ -660,6 +660,10 @@ CompletionRequest parse_completion_request(std::string_view body) {
   if (!doc.contains("prompt") || doc["prompt"].is_null())
     throw missing_parameter("prompt");
   parse_prompt(doc["prompt"], req);
+  if (req.echo && req.logprobs)
+    throw invalid_request("'echo' with 'logprobs' would need the prompt tokens' log-probabilities, which are not "
+                          "computed; send one of them",
+                          "echo", "unsupported_value");
   check_stream_options(stream_options_set, req.stream);
   check_min_tokens(req);
   return req;

@@ -86,6 +86,7 @@ struct CompletionRequest : GenerationFields {
   std::vector<int64_t> prompt_ids;          ///< the prompt as token ids (≥ 0; the vocabulary is
                                             ///< checked by the caller, param "prompt[i]")
   std::string prompt_param = "prompt";      ///< where the ids were: "prompt" or "prompt[0]"
+  bool echo = false;                        ///< echo: each choice's text begins with the prompt's
 };
 
 /// A validated POST /tokenize request: a text prompt, or chat messages rendered with the chat
@@ -133,9 +134,10 @@ ChatMessage parse_chat_message(const nlohmann::json& m, const std::string& param
 
 /// Parses a legacy completions body. `prompt` is required: a string, an array of token ids, or
 /// an array holding exactly one of these (a batch of several prompts is a 400 naming "prompt").
-/// The generation fields are those of parse_chat_request (no max_completion_tokens), plus
-/// echo = false, best_of = 1, logprobs = null or 0, and suffix = null; echo true, other values
-/// and unknown fields are a 400 naming the parameter.
+/// The generation fields are those of parse_chat_request (no max_completion_tokens, no
+/// top_logprobs), with the legacy `logprobs` (an integer 0 … 20: each token's log-probability and
+/// that many alternatives; sets logprobs and top_logprobs), `echo` (a boolean; not with logprobs),
+/// best_of = 1 and suffix = null; other values and unknown fields are a 400 naming the parameter.
 CompletionRequest parse_completion_request(std::string_view body);
 
 /// Parses a /tokenize body: {"prompt": string, "add_special_tokens": bool} or {"messages": […],

@@ -166,11 +166,14 @@ LogprobEntry LilyServer::logprob_entry(const TokenLogprobs& lp) const {
   return e;
 }
 
-ordered_json LilyServer::logprobs_field(const ChatCall& call, const std::vector<TokenLogprobs>& lps) const {
+ordered_json LilyServer::logprobs_field(const ChatCall& call, const std::vector<TokenLogprobs>& lps,
+                                        int64_t* text_offset) const {
   if (!call.request.logprobs) return nullptr;
   std::vector<LogprobEntry> entries;
   for (const auto& lp : lps) entries.push_back(logprob_entry(lp));
-  return logprobs_json(entries);
+  if (!call.text_completion) return logprobs_json(entries);
+  int64_t start = 0;
+  return legacy_logprobs_json(entries, text_offset != nullptr ? *text_offset : start);
 }
 
 void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
@@ -235,6 +238,7 @@ void LilyServer::handle_completion(Exchange& ex, const Request& req, Reply& res)
                                  : checked_ids(request.prompt_ids, request.prompt_param);
     call.phases.tokenize = seconds(Clock::now() - t0);
     if (prompt.empty()) throw invalid_request("'prompt' encodes to no tokens", "prompt");
+    if (request.echo) call.echo = request.prompt_text ? *request.prompt_text : tokenizer_->decode(prompt);
     call.request = std::move(request);
   } catch (const ApiError& e) {
     return send_error(res, e);

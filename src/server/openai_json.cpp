@@ -112,10 +112,39 @@ ordered_json text_completion_json(const CompletionMeta& meta, const std::string&
   return doc;
 }
 
-ordered_json text_chunk_json(const CompletionMeta& meta, const std::string& text,
-                             const std::optional<std::string>& finish_reason, bool with_usage_field) {
+ordered_json text_completion_json(const CompletionMeta& meta, const ordered_json& choices, const Usage& usage) {
   ordered_json doc = header(meta, "text_completion");
-  ordered_json choice{{"text", text}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+  doc["choices"] = choices;
+  doc["usage"] = usage_json(usage);
+  return doc;
+}
+
+ordered_json text_choice_json(int index, const std::string& text, const std::string& finish_reason,
+                              const ordered_json& logprobs) {
+  return ordered_json{{"text", text}, {"index", index}, {"logprobs", logprobs}, {"finish_reason", finish_reason}};
+}
+
+ordered_json legacy_logprobs_json(const std::vector<LogprobEntry>& entries, int64_t& offset) {
+  ordered_json tokens = ordered_json::array(), logprobs = ordered_json::array(), top = ordered_json::array(),
+               offsets = ordered_json::array();
+  for (const LogprobEntry& e : entries) {
+    tokens.push_back(e.token);
+    logprobs.push_back(e.logprob);
+    ordered_json alternatives = ordered_json::object();
+    for (const LogprobEntry& t : e.top) alternatives[t.token] = t.logprob;
+    top.push_back(std::move(alternatives));
+    offsets.push_back(offset);
+    // Characters: every byte that is not a UTF-8 continuation byte starts one.
+    for (char c : e.token) offset += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+  }
+  return ordered_json{{"tokens", tokens}, {"token_logprobs", logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
+}
+
+ordered_json text_chunk_json(const CompletionMeta& meta, const std::string& text,
+                             const std::optional<std::string>& finish_reason, bool with_usage_field, int index,
+                             const ordered_json& logprobs) {
+  ordered_json doc = header(meta, "text_completion");
+  ordered_json choice{{"text", text}, {"index", index}, {"logprobs", logprobs}, {"finish_reason", nullptr}};
   if (finish_reason) choice["finish_reason"] = *finish_reason;
   doc["choices"] = ordered_json::array({choice});
   if (with_usage_field) doc["usage"] = nullptr;

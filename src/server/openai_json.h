@@ -48,10 +48,21 @@ nlohmann::ordered_json usage_chunk_json(const CompletionMeta& meta, const Usage&
 nlohmann::ordered_json text_completion_json(const CompletionMeta& meta, const std::string& text,
                                             const std::string& finish_reason, const Usage& usage);
 
-/// One chunk of a legacy completions stream: the same object with `text` as the choice's text;
-/// finish_reason null unless given; "usage": null is added when `with_usage_field`.
+/// A whole legacy completion with several choices (each text_choice_json).
+nlohmann::ordered_json text_completion_json(const CompletionMeta& meta, const nlohmann::ordered_json& choices,
+                                            const Usage& usage);
+
+/// One choice of a legacy completion: {"text","index","logprobs","finish_reason"}; `logprobs`
+/// null or legacy_logprobs_json.
+nlohmann::ordered_json text_choice_json(int index, const std::string& text, const std::string& finish_reason,
+                                        const nlohmann::ordered_json& logprobs);
+
+/// One chunk of a legacy completions stream: the same object with `text` as choice `index`'s
+/// text and `logprobs` (null or legacy_logprobs_json) those of its tokens; finish_reason null
+/// unless given; "usage": null is added when `with_usage_field`.
 nlohmann::ordered_json text_chunk_json(const CompletionMeta& meta, const std::string& text,
-                                       const std::optional<std::string>& finish_reason, bool with_usage_field);
+                                       const std::optional<std::string>& finish_reason, bool with_usage_field,
+                                       int index = 0, const nlohmann::ordered_json& logprobs = nullptr);
 
 /// One choice of a whole completion: {"index","message":{"role","content"},"logprobs",
 /// "finish_reason"} plus "seed" (the seed the choice ran with, lily's own field) when given.
@@ -81,6 +92,11 @@ struct LogprobEntry {
 /// {"content":[{"token","logprob","bytes":[…],"top_logprobs":[{"token","logprob","bytes"}…]}…],
 /// "refusal":null}: OpenAI's choice.logprobs.
 nlohmann::ordered_json logprobs_json(const std::vector<LogprobEntry>& entries);
+
+/// The legacy completions' logprobs: {"tokens":[…],"token_logprobs":[…],"top_logprobs":[{token:
+/// logprob,…}…],"text_offset":[…]}. `offset` is where the first token's text begins in the
+/// choice's text, in characters (code points); it is advanced past every token.
+nlohmann::ordered_json legacy_logprobs_json(const std::vector<LogprobEntry>& entries, int64_t& offset);
 
 /// {"object":"list","data":[{"id","object":"model","created","owned_by":"lily"}]}.
 nlohmann::ordered_json models_json(const std::string& model, int64_t created);

@@ -247,6 +247,7 @@ class Exchange {
 struct ChatCall {
   GenerationFields request;     ///< max_tokens, stream, include_usage, stop, prompt_cache_key
   bool text_completion = false; ///< POST /v1/completions: text_completion objects, no role chunk
+  std::string echo;             ///< legacy completion with echo: the prompt's text, which begins each choice
   std::string prompt_param = "messages";  ///< the field a too-long prompt is blamed on
   std::shared_ptr<Job> job;
   CompletionMeta meta;
@@ -409,8 +410,11 @@ class LilyServer {
   SamplingParams request_sampling(ChatCall& call) const;
   /// A token's log-probabilities in the response's shape (token text from the tokenizer).
   LogprobEntry logprob_entry(const TokenLogprobs& lp) const;
-  /// choice.logprobs of a whole answer or a chunk: null unless the request asked for them.
-  ordered_json logprobs_field(const ChatCall& call, const std::vector<TokenLogprobs>& lps) const;
+  /// choice.logprobs of a whole answer or a chunk: null unless the request asked for them; chat's
+  /// shape, or for a legacy completion the legacy one, whose text offsets start at
+  /// `*text_offset` (0 when null) and advance it.
+  ordered_json logprobs_field(const ChatCall& call, const std::vector<TokenLogprobs>& lps,
+                              int64_t* text_offset = nullptr) const;
   /// The answer to a job that failed in the engine: 503 model_unavailable when the weights
   /// changed on disk (`model_unavailable`: JobEvent::model_unavailable), 503
   /// server_shutting_down during shutdown, else a 500 naming the request id (`detail` goes to

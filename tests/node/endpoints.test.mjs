@@ -135,7 +135,7 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
 
   it('/v1/completions validates like chat: 400 naming the field, 404 for the model', async () => {
     const base = { model: MODEL, prompt: 'hi', max_tokens: 4 };
-    assertError(await post(suite.server, '/v1/completions', { ...base, echo: true }), 400, 'echo', 'unsupported_value');
+    assertError(await post(suite.server, '/v1/completions', { ...base, echo: true, logprobs: 1 }), 400, 'echo', 'unsupported_value');
     assertError(await post(suite.server, '/v1/completions', { ...base, prompt: ['a', 'b'] }), 400, 'prompt', 'unsupported_value');
     assertError(await post(suite.server, '/v1/completions', { ...base, prompt: [1, 999999] }), 400, 'prompt[1]');
     assertError(await post(suite.server, '/v1/completions', { ...base, prompt: [[1, -2]] }), 400, 'prompt[0][1]');
@@ -145,7 +145,7 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
     assertError(await post(suite.server, '/v1/completions', { ...base, max_tokens: 0 }), 400, 'max_tokens');
     assertError(await post(suite.server, '/v1/completions', { ...base, max_tokens: 100000 }), 400, 'max_tokens', 'context_length_exceeded');
     assertError(await post(suite.server, '/v1/completions', { ...base, temperature: 2.5 }), 400, 'temperature', 'invalid_value');
-    assertError(await post(suite.server, '/v1/completions', { ...base, n: 2 }), 400, 'n', 'unsupported_value');
+    assertError(await post(suite.server, '/v1/completions', { ...base, n: 9 }), 400, 'n', 'invalid_value');
     // Sampling fields work as in chat: the same seed gives the same text.
     const s1 = await post(suite.server, '/v1/completions', { ...base, temperature: 1, seed: 7 });
     const s2 = await post(suite.server, '/v1/completions', { ...base, temperature: 1, seed: 7 });
@@ -158,7 +158,7 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
     // Accepted no-ops of the legacy API.
     const ok = await post(suite.server, '/v1/completions', { ...base, echo: false, best_of: 1, logprobs: null, n: 1, suffix: null });
     assert.equal(ok.status, 200, ok.body);
-    await assert.rejects(suite.openai.completions.create({ ...base, echo: true }),
+    await assert.rejects(suite.openai.completions.create({ ...base, echo: true, logprobs: 2 }),
       (e) => e instanceof OpenAI.BadRequestError && e.param === 'echo');
   });
 
@@ -297,7 +297,7 @@ describe('completions, tokenize, version, CORS and API keys (--api-key, --allowe
     assert.match(a.headers['x-request-id'], /^req_[0-9a-f]{16}$/);
     assert.notEqual(a.headers['x-request-id'], b.headers['x-request-id']);
     // Errors name it in the log line.
-    const bad = await post(suite.server, '/v1/completions', { model: MODEL, prompt: 'Hi', echo: true }, { 'X-Request-Id': 'echo-err-7' });
+    const bad = await post(suite.server, '/v1/completions', { model: MODEL, prompt: 'Hi', echo: true, logprobs: 1 }, { 'X-Request-Id': 'echo-err-7' });
     assert.equal(bad.headers['x-request-id'], 'echo-err-7');
     await new Promise((r) => setTimeout(r, 50));
     assert.match(suite.server.log, new RegExp(`POST /v1/completions 200 \\d+ms .*id=${id.replace(/\./g, '\\.')}\\n`));

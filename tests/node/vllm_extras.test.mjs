@@ -1,17 +1,26 @@
 // The request fields that vLLM's clients send beside OpenAI's, against `lily serve` on the demo
 // model: min_tokens, ignore_eos, stream_options.continuous_usage_stats, include_reasoning, an
-// assistant message's `reasoning`, continue_final_message; and the legacy completions endpoint's default max_tokens (16).
+// assistant message's `reasoning`, continue_final_message; the legacy completions' n, logprobs
+// and echo; and the legacy completions endpoint's default max_tokens (16).
 // One server for the file.
 // Run: LILY_BIN=build/lily node --test tests/node/vllm_extras.test.mjs
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import { MODEL, chat, parseSse, postJson, serverForSuite } from './server_harness.mjs';
+import { MODEL, chat, parseSse, postJson, rawRequest, serverForSuite } from './server_harness.mjs';
 
 const user = (content) => ({ role: 'user', content });
 const messages = [user('What is CMake?')];
 
 describe('vLLM request extras on lily serve (demo model)', () => {
   const suite = serverForSuite();
+  /** POST /v1/completions streamed: the chunks, parsed. */
+  const rawStream = async (body) => {
+    const res = await rawRequest(suite.server, 'POST', '/v1/completions', {
+      body: JSON.stringify(body), headers: { 'Content-Type': 'application/json' },
+    });
+    assert.equal(res.status, 200, res.body);
+    return res.body.split('\n\n').map((e) => e.trim()).filter((e) => e && e !== 'data: [DONE]').map((e) => JSON.parse(e.slice(6)));
+  };
   const ask = async (extra) => {
     const res = await chat(suite.server, { model: MODEL, messages, ...extra });
     assert.equal(res.status, 200, res.body);
@@ -131,6 +140,42 @@ describe('vLLM request extras on lily serve (demo model)', () => {
     // Template variables beyond the thinking switches pass through.
     const ok = await chat(suite.server, { model: MODEL, messages, max_tokens: 2, chat_template_kwargs: { custom_flag: true } });
     assert.equal(ok.status, 200, ok.body);
+  });
+
+  it('legacy completions: n choices, logprobs as a count, echo; whole and streamed alike', async () => {
+    const base = { model: MODEL, prompt: 'CMake is a', max_tokens: 8 };
+    const whole = await postJson(suite.server, '/v1/completions', { ...base, n: 3, temperature: 1, seed: 5, logprobs: 2 });
+    assert.equal(whole.status, 200, JSON.stringify(whole.json));
+    assert.deepEqual(whole.json.choices.map((c) => c.index), [0, 1, 2]);
+    for (const c of whole.json.choices) {
+      const lp = c.logprobs;
+      assert.equal(lp.tokens.length, lp.token_logprobs.length);
+      assert.equal(lp.tokens.length, lp.top_logprobs.length);
+      assert.equal(lp.tokens.join(''), c.text);  // the demo model's answers here are ASCII
+      assert.ok(lp.top_logprobs.every((t) => Object.keys(t).length <= 2));
+      assert.ok(lp.token_logprobs.every((x) => x <= 0));
+      assert.equal(lp.text_offset[0], 0);
+      for (let i = 1; i < lp.text_offset.length; i++) assert.equal(lp.text_offset[i], lp.text_offset[i - 1] + lp.tokens[i - 1].length);
+    }
+    assert.equal(whole.json.usage.completion_tokens, whole.json.choices.length * 8);
+    // Streamed: chunks per choice index, the same texts and logprobs.
+    const res = await rawStream({ ...base, n: 3, temperature: 1, seed: 5, logprobs: 2, stream: true });
+    const texts = ['', '', ''];
+    const tokens = [[], [], []];
+    for (const c of res) {
+      const ch = c.choices[0];
+      texts[ch.index] += ch.text;
+      if (ch.logprobs) tokens[ch.index].push(...ch.logprobs.tokens);
+    }
+    assert.deepEqual(texts, whole.json.choices.map((c) => c.text));
+    assert.deepEqual(tokens, whole.json.choices.map((c) => c.logprobs.tokens));
+    // echo: the prompt, then the completion.
+    const plain = await postJson(suite.server, '/v1/completions', base);
+    const echoed = await postJson(suite.server, '/v1/completions', { ...base, echo: true });
+    assert.equal(echoed.json.choices[0].text, base.prompt + plain.json.choices[0].text);
+    const echoStream = await rawStream({ ...base, echo: true, stream: true });
+    assert.equal(echoStream[0].choices[0].text, base.prompt);
+    assert.equal(echoStream.map((c) => c.choices[0]?.text ?? '').join(''), echoed.json.choices[0].text);
   });
 
   it('a legacy completion without max_tokens stops at 16 tokens', async () => {

@@ -80,8 +80,26 @@ TEST(CompletionRequest, SharedGenerationFields) {
   EXPECT_EQ(r.stop, (std::vector<std::string>{"\n", "END"}));
 }
 
+// The legacy fields vLLM serves: n choices, logprobs as a count of alternatives, echo.
+TEST(CompletionRequest, LegacyChoicesLogprobsAndEcho) {
+  json j = with(base(), "n", 3);
+  j["logprobs"] = 2;
+  const auto r = parse_completion_request(j.dump());
+  EXPECT_EQ(r.n, 3);
+  EXPECT_TRUE(r.logprobs);
+  EXPECT_EQ(r.top_logprobs, 2);
+  const auto zero = parse_completion_request(with(base(), "logprobs", 0).dump());
+  EXPECT_TRUE(zero.logprobs);
+  EXPECT_EQ(zero.top_logprobs, 0);
+  EXPECT_FALSE(parse_completion_request(with(base(), "logprobs", nullptr).dump()).logprobs);
+  EXPECT_TRUE(parse_completion_request(with(base(), "echo", true).dump()).echo);
+  EXPECT_FALSE(parse_completion_request(base().dump()).echo);
+}
+
 TEST(CompletionRequest, RejectionsNameTheField) {
-  EXPECT_EQ(completion_rejection(with(base(), "echo", true)), "echo|unsupported_value");
+  json echo_logprobs = with(base(), "echo", true);
+  echo_logprobs["logprobs"] = 1;
+  EXPECT_EQ(completion_rejection(echo_logprobs), "echo|unsupported_value");
   EXPECT_EQ(completion_rejection(with(base(), "echo", 1)), "echo|invalid_type");
   EXPECT_EQ(completion_rejection(with(base(), "prompt", json::array({"a", "b"}))), "prompt|unsupported_value");
   EXPECT_EQ(completion_rejection(with(base(), "prompt", json::array({json::array({1}), json::array({2})}))),
@@ -99,10 +117,12 @@ TEST(CompletionRequest, RejectionsNameTheField) {
   EXPECT_EQ(completion_rejection(with(base(), "max_tokens", 0)), "max_tokens|invalid_value");
   EXPECT_EQ(completion_rejection(with(base(), "max_completion_tokens", 5)), "max_completion_tokens|unknown_parameter");
   EXPECT_EQ(completion_rejection(with(base(), "best_of", 2)), "best_of|unsupported_value");
-  EXPECT_EQ(completion_rejection(with(base(), "logprobs", 2)), "logprobs|unsupported_parameter");
+  EXPECT_EQ(completion_rejection(with(base(), "logprobs", 21)), "logprobs|invalid_value");
+  EXPECT_EQ(completion_rejection(with(base(), "logprobs", -1)), "logprobs|invalid_value");
+  EXPECT_EQ(completion_rejection(with(base(), "logprobs", true)), "logprobs|invalid_type");
   EXPECT_EQ(completion_rejection(with(base(), "suffix", "x")), "suffix|unsupported_parameter");
   EXPECT_EQ(completion_rejection(with(base(), "temperature", 2.5)), "temperature|invalid_value");
-  EXPECT_EQ(completion_rejection(with(base(), "n", 2)), "n|unsupported_value");
+  EXPECT_EQ(completion_rejection(with(base(), "n", 9)), "n|invalid_value");
   EXPECT_EQ(completion_rejection(with(base(), "top_logprobs", 2)), "top_logprobs|unknown_parameter");
   EXPECT_EQ(completion_rejection(with(base(), "stop", json::array({"a", "b", "c", "d", "e"}))), "stop|invalid_value");
   EXPECT_EQ(completion_rejection(with(base(), "stream_options", {{"include_usage", true}})), "stream_options|invalid_value");
