@@ -687,8 +687,14 @@ TokenizeRequest parse_tokenize_request(std::string_view body) {
     return req;
   }
   only_fields(doc, {"model", "messages", "add_generation_prompt", "prompt", "tools", "tool_choice",
-                    "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs"});
+                    "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs", "continue_final_message"});
+  optional_bool(doc, "continue_final_message", req.continue_final_message);
+  // Continuing the last turn means no generation prompt (vLLM's rule): false unless sent true.
+  if (req.continue_final_message) req.add_generation_prompt = false;
   optional_bool(doc, "add_generation_prompt", req.add_generation_prompt);
+  if (req.continue_final_message && req.add_generation_prompt)
+    throw invalid_request("'add_generation_prompt' and 'continue_final_message' cannot both be true",
+                          "add_generation_prompt");
   req.messages = parse_messages(doc["messages"], !req.add_generation_prompt);
   req.agent = parse_agent_fields(doc, body);
   return req;

@@ -96,7 +96,8 @@ struct TokenizeRequest {
   std::optional<std::string> prompt;        ///< set, or messages is non-empty
   std::vector<ChatMessage> messages;
   bool add_special_tokens = true;           ///< prompt form only (this tokenizer adds none)
-  bool add_generation_prompt = true;        ///< messages form only
+  bool add_generation_prompt = true;        ///< messages form only (false with continue_final_message)
+  bool continue_final_message = false;      ///< messages form only: as in chat (the last assistant turn continued)
   ChatAgentFields agent;                    ///< messages form only: tools and thinking, as in chat
 };
 

@@ -144,8 +144,9 @@ void LilyServer::handle_tokenize(const Request& req, Reply& res) {
     ids = tokenizer_->encode(*request.prompt, /*allow_special=*/true);
   } else {
     try {
-      ids = chat_template_->encode(*tokenizer_, request.messages,
-                                   template_options(request.agent, options_.reasoning, request.add_generation_prompt));
+      ChatTemplateOptions options = template_options(request.agent, options_.reasoning, request.add_generation_prompt);
+      options.continue_final_message = request.continue_final_message;
+      ids = chat_template_->encode(*tokenizer_, request.messages, options);
     } catch (const Error& e) {
       throw invalid_request(std::string("messages cannot be rendered with the chat template: ") + e.what(),
                             "messages");

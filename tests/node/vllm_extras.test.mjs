@@ -125,6 +125,12 @@ describe('vLLM request extras on lily serve (demo model)', () => {
     });
     assert.equal(head + cont.choices[0].message.content, text);
     assert.equal(cont.usage.completion_tokens, 12 - k);
+    // /tokenize gives the prompt the continued request ran: its tokens are the usage's prompt.
+    const tok = await postJson(suite.server, '/tokenize', {
+      model: MODEL, messages: [...messages, { role: 'assistant', content: head }], continue_final_message: true,
+    });
+    assert.equal(tok.status, 200, JSON.stringify(tok.json));
+    assert.equal(tok.json.count, cont.usage.prompt_tokens);
     const refused = await chat(suite.server, { model: MODEL, messages: [...messages, { role: 'assistant', content: head }] });
     assert.equal(refused.status, 400);
     assert.equal(refused.json.error.param, 'messages[1].role');

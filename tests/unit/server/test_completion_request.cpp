@@ -136,6 +136,21 @@ TEST(CompletionRequest, RejectionsNameTheField) {
   }
 }
 
+TEST(TokenizeRequest, ContinueFinalMessage) {
+  const json messages = json::array({{{"role", "user"}, {"content", "q"}}, {{"role", "assistant"}, {"content", "a"}}});
+  json j = {{"messages", messages}, {"continue_final_message", true}};
+  const auto r = parse_tokenize_request(j.dump());
+  EXPECT_TRUE(r.continue_final_message);
+  EXPECT_FALSE(r.add_generation_prompt);
+  j["add_generation_prompt"] = true;
+  try {
+    parse_tokenize_request(j.dump());
+    ADD_FAILURE() << "accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.param(), "add_generation_prompt");
+  }
+}
+
 TEST(TokenizeRequest, PromptForm) {
   auto r = parse_tokenize_request(R"({"prompt":"hi","add_special_tokens":false,"model":"demo"})");
   EXPECT_EQ(r.prompt, "hi");
