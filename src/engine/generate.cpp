@@ -287,7 +287,9 @@ void Generation::emit(int32_t token) {
   std::string piece = stop_token ? std::string() : impl_->text.push(token);
   const bool go_on = !on_token_ || on_token_(token, piece);
   const bool text_stop = params_.stop_after_text && !piece.empty() && params_.stop_after_text(piece);
-  if (stop_token || impl_->text.stopped() || text_stop) return finish(FinishReason::kStop);
+  // A JSON document closed with no stop token to force after it (ignore_eos): it ends here.
+  const bool document_done = impl_->json && impl_->json->complete() && params_.stop_ids.empty();
+  if (stop_token || impl_->text.stopped() || text_stop || document_done) return finish(FinishReason::kStop);
   if (!go_on) return finish(FinishReason::kCancelled);
   if (static_cast<int64_t>(result_.token_ids.size()) >= params_.max_tokens || state_.position() >= params_.max_seq)
     return finish(FinishReason::kLength);

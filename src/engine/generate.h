@@ -62,8 +62,9 @@ struct GenerationParams {
   std::vector<std::string> prefix_choices;
   /// When set: structured output. Every token is chosen from the logits with the tokens masked
   /// out that would make the text no prefix of a JSON object of this schema, and once the object
-  /// is closed only a stop token (engine/json_constraint.h; needs a tokenizer). These steps copy
-  /// the logits to the host and choose there, as for prefix_choices.
+  /// is closed only a stop token, or, without stop tokens, the generation ends there with kStop
+  /// (engine/json_constraint.h; needs a tokenizer). These steps copy the logits to the host and
+  /// choose there, as for prefix_choices.
   std::shared_ptr<const JsonSchema> json_schema;
   /// Special tokens whose text is still written into the released text (every other special
   /// token writes none): the server passes a chat answer's think and tool-call markers when the

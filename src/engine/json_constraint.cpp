@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -66,13 +67,72 @@ class JsonSchemaCompiler {
     r.types = JsonSchema::kObject;
     out_->nodes_.push_back(std::move(r));
     out_->root_ = static_cast<int>(out_->nodes_.size() - 1);
+    depths();
+    const int need = out_->nodes_.back().min_depth;
+    if (need >= kUnbounded)
+      throw Error("the JSON schema has no finite instance: a required property recurses without end");
+    if (need > static_cast<int>(kMaxJsonNesting))
+      throw Error("the JSON schema needs more than " + std::to_string(kMaxJsonNesting) + " nested objects and arrays");
     return out_;
   }
 
  private:
+  static constexpr int kUnbounded = 1 << 20;
+
   int add(JsonSchema::Node n) {
     out_->nodes_.push_back(std::move(n));
     return static_cast<int>(out_->nodes_.size() - 1);
+  }
+
+  /// Nesting of a JSON value's text: its deepest run of open containers.
+  static int nesting_of(const std::string& text) {
+    int depth = 0, deepest = 0;
+    bool in_string = false, escaped = false;
+    for (char c : text) {
+      if (in_string) {
+        if (escaped) escaped = false;
+        else if (c == '\\') escaped = true;
+        else if (c == '"') in_string = false;
+      } else if (c == '"') {
+        in_string = true;
+      } else if (c == '{' || c == '[') {
+        deepest = std::max(deepest, ++depth);
+      } else if (c == '}' || c == ']') {
+        --depth;
+      }
+    }
+    return deepest;
+  }
+
+  /// Node::min_depth and object_depth of every node: a fixpoint from "unbounded" down, so that
+  /// recursion through required properties stays unbounded.
+  void depths() {
+    auto& nodes = out_->nodes_;
+    for (auto& n : nodes) n.min_depth = n.object_depth = kUnbounded;
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (auto& n : nodes) {
+        int object = 1;
+        for (size_t i = 0; i < n.property_nodes.size(); ++i)
+          if (n.required >> i & 1)
+            object = std::max(object, std::min(kUnbounded, 1 + nodes[static_cast<size_t>(n.property_nodes[i])].min_depth));
+        int least = kUnbounded;
+        if (!n.literals.empty()) {
+          for (const std::string& l : n.literals) least = std::min(least, nesting_of(l));
+        } else {
+          if (n.types & (JsonSchema::kString | JsonSchema::kNumber | JsonSchema::kInteger | JsonSchema::kBoolean |
+                         JsonSchema::kNull))
+            least = 0;
+          if (n.types & JsonSchema::kArray) least = std::min(least, 1);
+          if (n.types & JsonSchema::kObject) least = std::min(least, object);
+        }
+        if (least != n.min_depth || object != n.object_depth) {
+          n.min_depth = least;
+          n.object_depth = object;
+          changed = true;
+        }
+      }
+    }
   }
 
   int compile(const ordered_json& s, const std::string& at) {
@@ -86,7 +146,12 @@ class JsonSchemaCompiler {
       return 0;
     }
     if (!s.is_object()) throw Error("a JSON schema must be an object or a boolean at " + at);
-    if (s.contains("$ref")) return reference(s["$ref"], at);
+    if (s.contains("$ref")) {
+      for (const auto& [k, v] : s.items())
+        if (k != "$ref" && k != "$defs" && k != "definitions" && !ignored_keywords().count(k))
+          throw Error("unsupported JSON schema keyword '" + k + "' beside '$ref' at " + at);
+      return reference(s["$ref"], at);
+    }
     for (const char* key : {"anyOf", "oneOf"})
       if (s.contains(key)) return any_of(s, key, at);
     JsonSchema::Node n;
@@ -140,6 +205,7 @@ class JsonSchemaCompiler {
         throw Error("unsupported JSON schema keyword '" + key + "' at " + at);
       }
     }
+    if (!n.literals.empty() && s.contains("type")) keep_literals_of_type(n, at);
     if (s.contains("required")) {
       const ordered_json& req = s["required"];
       if (!req.is_array()) throw Error("'required' must be a list of property names at " + at);
@@ -154,6 +220,26 @@ class JsonSchemaCompiler {
     return add(std::move(n));
   }
 
+  /// enum/const beside type: only the values of those types stay (none left is an error).
+  static void keep_literals_of_type(JsonSchema::Node& n, const std::string& at) {
+    std::vector<std::string> kept;
+    for (const std::string& l : n.literals) {
+      const ordered_json v = ordered_json::parse(l);
+      uint8_t t = 0;
+      if (v.is_object()) t = JsonSchema::kObject;
+      else if (v.is_array()) t = JsonSchema::kArray;
+      else if (v.is_string()) t = JsonSchema::kString;
+      else if (v.is_boolean()) t = JsonSchema::kBoolean;
+      else if (v.is_null()) t = JsonSchema::kNull;
+      else if (v.is_number_integer() || (v.is_number_float() && v.get<double>() == std::trunc(v.get<double>())))
+        t = JsonSchema::kInteger | JsonSchema::kNumber;
+      else t = JsonSchema::kNumber;
+      if (t & n.types) kept.push_back(l);
+    }
+    if (kept.empty()) throw Error("no value of 'enum'/'const' has the schema's 'type' at " + at);
+    n.literals = std::move(kept);
+  }
+
   int reference(const ordered_json& ref, const std::string& at) {
     if (!ref.is_string()) throw Error("'$ref' must be a string at " + at);
     const std::string r = ref.get<std::string>();
@@ -162,18 +248,23 @@ class JsonSchemaCompiler {
     for (const char* defs : {"#/$defs/", "#/definitions/"}) {
       const std::string prefix = defs;
       if (r.starts_with(prefix)) {
-        const std::string name = r.substr(prefix.size());
+        const std::string name = unescape_pointer(r.substr(prefix.size()));
         const std::string key = prefix.substr(2, prefix.size() - 3);
         if (doc_.contains(key) && doc_[key].is_object() && doc_[key].contains(name)) target = &doc_[key][name];
       }
     }
     if (r == "#") target = &doc_;
     if (target == nullptr) throw Error("unsupported or unresolved '$ref' " + ordered_json(r).dump() + " at " + at);
-    // A placeholder first, so that a recursive reference finds its node.
+    // A placeholder first, so that a recursive reference finds its node (a property or item may
+    // point at it); a chain of $refs that comes back to it with no schema between has none.
     const int slot = add(JsonSchema::Node{});
     refs_[r] = slot;
+    pending_.insert(slot);
     const int compiled = compile(*target, r.substr(1) + "/");
+    if (pending_.count(compiled))
+      throw Error("the $ref " + ordered_json(r).dump() + " at " + at + " comes back to itself with no schema between");
     out_->nodes_[static_cast<size_t>(slot)] = out_->nodes_[static_cast<size_t>(compiled)];
+    pending_.erase(slot);
     return slot;
   }
 
@@ -188,8 +279,10 @@ class JsonSchemaCompiler {
     merged.types = 0;
     bool literal_branch = false;
     for (size_t i = 0; i < branches.size(); ++i) {
-      const JsonSchema::Node b = out_->nodes_[static_cast<size_t>(compile(branches[i], at + key + "/" + std::to_string(i) + "/"))];
       const std::string why = std::string("unsupported '") + key + "' at " + at + ": ";
+      const int index = compile(branches[i], at + key + "/" + std::to_string(i) + "/");
+      if (pending_.count(index)) throw Error(why + "a branch is the schema it is in");
+      const JsonSchema::Node b = out_->nodes_[static_cast<size_t>(index)];
       if (!b.literals.empty()) {
         literal_branch = true;
         merged.literals.insert(merged.literals.end(), b.literals.begin(), b.literals.end());
@@ -223,7 +316,22 @@ class JsonSchemaCompiler {
   const ordered_json& doc_;
   std::shared_ptr<JsonSchema> out_ = std::make_shared<JsonSchema>();
   std::map<std::string, int> refs_;
+  std::set<int> pending_;  ///< $ref placeholders still being compiled
   int depth_ = 0;
+
+  /// A JSON pointer segment with ~1 and ~0 undone.
+  static std::string unescape_pointer(const std::string& s) {
+    std::string out;
+    for (size_t i = 0; i < s.size(); ++i) {
+      if (s[i] == '~' && i + 1 < s.size() && (s[i + 1] == '0' || s[i + 1] == '1')) {
+        out += s[i + 1] == '0' ? '~' : '/';
+        ++i;
+      } else {
+        out += s[i];
+      }
+    }
+    return out;
+  }
 };
 
 std::shared_ptr<const JsonSchema> JsonSchema::compile(const nlohmann::json& schema) {
@@ -267,8 +375,64 @@ JsonMatcher::JsonMatcher(std::shared_ptr<const JsonSchema> schema) : schema_(std
 bool JsonMatcher::in_free_text() const {
   if (stack_.empty()) return false;
   const Frame& f = stack_.back();
+  if (f.utf8_need != 0) return false;
   if (f.kind == Frame::kString) return f.state == 0 && schema_->node(f.node).max_length < 0;
-  return f.kind == Frame::kKey && schema_->node(f.node).additional;
+  return f.kind == Frame::kKey && key_available(stack_[stack_.size() - 2], -1);
+}
+
+size_t JsonMatcher::containers() const {
+  return static_cast<size_t>(std::count_if(stack_.begin(), stack_.end(), [](const Frame& g) {
+    return g.kind == Frame::kObject || g.kind == Frame::kArray;
+  }));
+}
+
+bool JsonMatcher::fits(int node) const {
+  return containers() + static_cast<size_t>(schema_->node(node).min_depth) <= kMaxJsonNesting;
+}
+
+bool JsonMatcher::key_available(const Frame& object, int property) const {
+  const JsonSchema::Node& n = schema_->node(object.node);
+  if (property < 0) return n.additional && fits(n.additional_node);
+  return !(object.seen >> property & 1) && fits(n.property_nodes[static_cast<size_t>(property)]);
+}
+
+bool JsonMatcher::any_key_available(const Frame& object) const {
+  const size_t count = schema_->node(object.node).property_names.size();
+  for (size_t i = 0; i < count; ++i)
+    if (key_available(object, static_cast<int>(i))) return true;
+  return key_available(object, -1);
+}
+
+bool JsonMatcher::item_available(const Frame& array) const {
+  const JsonSchema::Node& n = schema_->node(array.node);
+  return (n.max_items < 0 || array.count < n.max_items) && fits(n.items);
+}
+
+// Well-formed UTF-8, byte by byte: a lead byte sets how many continuation bytes follow and the
+// range of the first (no overlong forms, no surrogates, nothing past U+10FFFF).
+bool JsonMatcher::utf8_step(Frame& f, unsigned char byte) {
+  if (f.utf8_need > 0) {
+    if (byte < f.utf8_lo || byte > f.utf8_hi) return false;
+    --f.utf8_need;
+    f.utf8_lo = 0x80;
+    f.utf8_hi = 0xBF;
+    return true;
+  }
+  if (byte < 0x80) return true;
+  if (byte >= 0xC2 && byte <= 0xDF) {
+    f.utf8_need = 1;
+  } else if (byte >= 0xE0 && byte <= 0xEF) {
+    f.utf8_need = 2;
+    if (byte == 0xE0) f.utf8_lo = 0xA0;
+    if (byte == 0xED) f.utf8_hi = 0x9F;
+  } else if (byte >= 0xF0 && byte <= 0xF4) {
+    f.utf8_need = 3;
+    if (byte == 0xF0) f.utf8_lo = 0x90;
+    if (byte == 0xF4) f.utf8_hi = 0x8F;
+  } else {
+    return false;
+  }
+  return true;
 }
 
 bool JsonMatcher::feed(std::string_view bytes) {
@@ -319,17 +483,14 @@ bool JsonMatcher::start_value(Frame& f, unsigned char byte) {
       }
     return false;
   }
-  // Containers past the nesting limit are refused.
-  const auto containers = std::count_if(stack_.begin(), stack_.end(), [](const Frame& g) {
-    return g.kind == Frame::kObject || g.kind == Frame::kArray;
-  });
-  const bool room = static_cast<size_t>(containers) < kMaxJsonNesting;
-  if (byte == '{' && (n.types & JsonSchema::kObject) && room) {
+  // A container opens only when its smallest value closes within the nesting limit.
+  const size_t open = containers();
+  if (byte == '{' && (n.types & JsonSchema::kObject) && open + static_cast<size_t>(n.object_depth) <= kMaxJsonNesting) {
     f.kind = Frame::kObject;
     f.state = 0;
     return true;
   }
-  if (byte == '[' && (n.types & JsonSchema::kArray) && room) {
+  if (byte == '[' && (n.types & JsonSchema::kArray) && open + 1 <= kMaxJsonNesting) {
     f.kind = Frame::kArray;
     f.state = 0;
     return true;
@@ -374,14 +535,15 @@ bool JsonMatcher::feed_top(unsigned char byte) {
         return start_value(f, byte);
       case Frame::kString:
         if (f.state == 0) {
+          if (f.utf8_need > 0) return utf8_step(f, byte);  // inside a character
           if (byte == '"') {
             stack_.pop_back();
             return true;
           }
-          if (byte < 0x20) return false;
-          // A character starts at every byte that is not a UTF-8 continuation (an escape is one).
+          if (byte < 0x20 || !utf8_step(f, byte)) return false;
+          // A character starts here (an escape counts as one).
           const int64_t max = schema_->node(f.node).max_length;
-          if ((byte & 0xC0) != 0x80 && max >= 0 && ++f.count > max) return false;
+          if (max >= 0 && ++f.count > max) return false;
           if (byte == '\\') f.state = 1;
           return true;
         }
@@ -413,7 +575,10 @@ bool JsonMatcher::feed_top(unsigned char byte) {
         }
         if (integer && (next == kDot || next == kExp)) next = 0xff;
         if (next != 0xff) {
-          if (f.text.size() >= static_cast<size_t>(kMaxNumberBytes)) return false;
+          // Room for the byte and for what the number then needs to end (a digit after a sign,
+          // a point or an exponent mark).
+          const size_t needs = (next == kSign || next == kDot || next == kExp || next == kExpSign) ? 1 : 0;
+          if (f.text.size() + 1 + needs > static_cast<size_t>(kMaxNumberBytes)) return false;
           f.state = next;
           f.text.push_back(static_cast<char>(byte));
           return true;
@@ -434,23 +599,23 @@ bool JsonMatcher::feed_top(unsigned char byte) {
       case Frame::kKey: {
         const Frame& object = stack_[stack_.size() - 2];
         const JsonSchema::Node& n = schema_->node(object.node);
-        if (byte == '"') {
+        if (byte == '"' && f.utf8_need == 0) {
           int prop = -1;
           for (size_t i = 0; i < n.property_names.size(); ++i)
             if (n.property_names[i] == f.text) prop = static_cast<int>(i);
-          if (prop >= 0 && (object.seen >> prop & 1)) return false;  // a key written twice
-          if (prop < 0 && !n.additional) return false;
+          // A declared key once (and only when its value fits), another key when allowed.
+          if (!key_available(object, prop)) return false;
           stack_.pop_back();
           Frame& o = stack_.back();
           o.key = prop;
           o.state = 1;
           return true;
         }
-        if (byte < 0x20 || byte == '\\') return false;
+        if (byte < 0x20 || byte == '\\' || byte == '"' || !utf8_step(f, byte)) return false;
         f.text.push_back(static_cast<char>(byte));
-        if (n.additional) return true;
+        if (key_available(object, -1)) return true;
         for (size_t i = 0; i < n.property_names.size(); ++i)
-          if (!(object.seen >> i & 1) && n.property_names[i].starts_with(f.text)) return true;
+          if (key_available(object, static_cast<int>(i)) && n.property_names[i].starts_with(f.text)) return true;
         return false;
       }
       case Frame::kObject: {
@@ -462,7 +627,7 @@ bool JsonMatcher::feed_top(unsigned char byte) {
             stack_.pop_back();
             return true;
           }
-          if (byte != '"') return false;
+          if (byte != '"' || !any_key_available(f)) return false;
           Frame key;
           key.kind = Frame::kKey;
           key.node = f.node;
@@ -484,9 +649,7 @@ bool JsonMatcher::feed_top(unsigned char byte) {
           stack_.pop_back();
           return true;
         }
-        if (byte == ',') {
-          const uint64_t declared = n.property_names.size() == 64 ? ~uint64_t{0} : (uint64_t{1} << n.property_names.size()) - 1;
-          if (!n.additional && (f.seen & declared) == declared) return false;
+        if (byte == ',' && any_key_available(f)) {
           f.state = 3;
           return true;
         }
@@ -500,8 +663,7 @@ bool JsonMatcher::feed_top(unsigned char byte) {
             stack_.pop_back();
             return true;
           }
-          const int64_t max = schema_->node(f.node).max_items;
-          if (byte != ',' || (max >= 0 && f.count >= max)) return false;
+          if (byte != ',' || !item_available(f)) return false;
           f.state = 3;
           return true;
         }
@@ -509,8 +671,7 @@ bool JsonMatcher::feed_top(unsigned char byte) {
           stack_.pop_back();
           return true;
         }
-        const int64_t max = schema_->node(f.node).max_items;
-        if (max >= 0 && f.count >= max) return false;
+        if (!item_available(f)) return false;
         ++f.count;
         f.state = 2;
         Frame value;
@@ -534,10 +695,13 @@ JsonVocabIndex::JsonVocabIndex(int32_t vocab, const TokenBytesFn& token_bytes) :
     const std::string& b = bytes_[static_cast<size_t>(id)];
     if (b.empty()) continue;
     sorted_.push_back(id);
+    // Plain: free text can take it whole from any character boundary (no quote, backslash or
+    // control byte, and whole UTF-8 characters only).
+    JsonMatcher probe(JsonSchema::any_object());
     const bool plain = std::none_of(b.begin(), b.end(), [](char c) {
       const auto u = static_cast<unsigned char>(c);
       return u == '"' || u == '\\' || u < 0x20;
-    });
+    }) && probe.feed("{\"\": \"") && probe.feed(b) && probe.in_free_text();
     (plain ? plain_ : special_).push_back(id);
   }
   std::sort(sorted_.begin(), sorted_.end(), [this](int32_t a, int32_t b) {

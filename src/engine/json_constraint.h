@@ -36,7 +36,8 @@ namespace lily {
 
 class Tokenizer;
 
-/// Most consecutive whitespace bytes the matcher accepts between JSON tokens.
+/// Most consecutive whitespace bytes the matcher accepts between JSON tokens. Strings and keys
+/// must be well-formed UTF-8 (no byte of a broken character is accepted).
 inline constexpr int kMaxWhitespaceRun = 64;
 /// Most bytes of one JSON number.
 inline constexpr int kMaxNumberBytes = 32;
@@ -64,6 +65,10 @@ class JsonSchema {
     std::vector<std::string> literals;        ///< enum/const: the allowed values as compact JSON (empty: none)
     int64_t max_length = -1;                  ///< maxLength: most characters of a string (−1: any)
     int64_t max_items = -1;                   ///< maxItems: most items of an array (−1: any)
+    /// Containers (objects, arrays) the smallest value of this schema nests, and the smallest
+    /// object value: so the matcher never opens what cannot close within kMaxJsonNesting.
+    int min_depth = 0;
+    int object_depth = 1;
   };
 
   /// Compiles `schema` (a JSON Schema object; `true` or `{}` is any value). The root must allow
@@ -109,11 +114,19 @@ class JsonMatcher {
     std::string text;      ///< kKey: the key so far; kLiteral: the literal so far
     uint8_t literal_set = 0;  ///< kLiteral: 0 the node's enum, else true/false/null bits
     int64_t count = 0;        ///< kString: characters so far; kArray: items so far
+    uint8_t utf8_need = 0;    ///< kString/kKey: UTF-8 continuation bytes still to come
+    uint8_t utf8_lo = 0x80, utf8_hi = 0xBF;  ///< the range of the next continuation byte
   };
   bool feed_top(unsigned char byte);
   bool start_value(Frame& f, unsigned char byte);
   bool whitespace(unsigned char byte);
   bool literal_step(Frame& f, unsigned char byte, bool& done) const;
+  static bool utf8_step(Frame& f, unsigned char byte);
+  size_t containers() const;
+  bool fits(int node) const;  ///< a value of `node` can start and close inside the current containers
+  bool key_available(const Frame& object, int property) const;  ///< −1: an additional key
+  bool any_key_available(const Frame& object) const;
+  bool item_available(const Frame& array) const;
   const std::vector<std::string>& literals_of(const Frame& f) const;
 
   std::shared_ptr<const JsonSchema> schema_;

@@ -336,6 +336,7 @@ bool Scheduler::start_choice(Running& r, int choice) {
     params.max_tokens = req.max_tokens;
     params.max_seq = options_.max_seq;
     if (!req.ignore_eos) params.stop_ids = options_.stop_ids;
+    params.stop_ids.insert(params.stop_ids.end(), req.stop_ids.begin(), req.stop_ids.end());
     params.min_tokens = req.min_tokens;
     params.json_schema = req.json_schema;
     params.stop_strings = req.stop_strings;

@@ -75,7 +75,8 @@ struct JobRequest {
   std::vector<std::string> prefix_choices;
   std::vector<int32_t> kept_special_ids;  ///< GenerationParams::kept_special_ids of every choice
   int64_t min_tokens = 0;                  ///< GenerationParams::min_tokens of every choice
-  bool ignore_eos = false;                 ///< true: no stop tokens (EngineOptions::stop_ids unused)
+  bool ignore_eos = false;                 ///< true: the checkpoint's stop tokens (EngineOptions::stop_ids) unused
+  std::vector<int32_t> stop_ids;           ///< more stop tokens of this request (kept with ignore_eos)
   std::shared_ptr<const JsonSchema> json_schema;  ///< GenerationParams::json_schema of every choice
 };
 

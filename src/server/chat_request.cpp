@@ -1,6 +1,7 @@
 #include "server/chat_request.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <initializer_list>
 #include <map>
@@ -297,7 +298,13 @@ void parse_response_format(const json& v, GenerationFields& req) {
   if (!js.is_object()) throw wrong_type(at, "an object", js);
   only_keys(js, at, {"name", "description", "schema", "strict"});
   if (!js.contains("name")) throw missing_parameter(at + ".name");
-  require_string(js["name"], at + ".name");
+  const std::string name = require_string(js["name"], at + ".name");
+  // OpenAI's rule for the name: 1 to 64 letters, digits, '_' and '-'.
+  if (name.empty() || name.size() > 64 || !std::all_of(name.begin(), name.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
+      }))
+    throw invalid_request("'" + at + ".name' must be 1 to 64 letters, digits, '_' or '-', got " + js["name"].dump(),
+                          at + ".name", "invalid_value");
   if (js.contains("description") && !js["description"].is_null()) require_string(js["description"], at + ".description");
   if (js.contains("strict") && !js["strict"].is_null() && !js["strict"].is_boolean())
     throw wrong_type(at + ".strict", "a boolean", js["strict"]);
@@ -312,6 +319,21 @@ void parse_response_format(const json& v, GenerationFields& req) {
   }
 }
 
+/// A token id list: integers in [0, 2^31). `param` names the list ("prompt", "tokens").
+std::vector<int64_t> parse_token_ids(const json& v, const std::string& param) {
+  if (!v.is_array()) throw wrong_type(param, "an array of token ids", v);
+  std::vector<int64_t> ids;
+  ids.reserve(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const std::string at = param + "[" + std::to_string(i) + "]";
+    const int64_t id = require_integer(v[i], at);
+    if (id < 0 || id > INT32_MAX)
+      throw invalid_request("'" + at + "' is not a token id: " + std::to_string(id), at);
+    ids.push_back(id);
+  }
+  return ids;
+}
+
 std::optional<int64_t> parse_max_tokens(const json& v, const std::string& param) {
   const int64_t n = require_integer(v, param);
   if (n < 1) throw invalid_request("'" + param + "' must be at least 1, got " + std::to_string(n), param);
@@ -323,7 +345,8 @@ bool is_known_chat_field(const std::string& key) {
   static const std::set<std::string, std::less<>> known = {
       "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop", "prompt_cache_key",
       "prompt_cache_retention", "user", "safety_identifier", "verbosity", "store", "metadata", "service_tier", "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-      "repetition_penalty", "logit_bias", "seed", "logprobs", "top_logprobs", "min_tokens", "ignore_eos"};
+      "repetition_penalty", "logit_bias", "seed", "logprobs", "top_logprobs", "min_tokens", "ignore_eos",
+      "stop_token_ids", "response_format"};
   return known.count(key) > 0 || unsupported_fields().count(key) > 0;
 }
 
@@ -400,6 +423,12 @@ void parse_optional_field(const std::string& key, const json& value, GenerationF
   } else if (key == "ignore_eos") {
     if (!value.is_boolean()) throw wrong_type(key, "a boolean", value);
     req.ignore_eos = value.get<bool>();
+  } else if (key == "stop_token_ids") {
+    req.stop_token_ids = parse_token_ids(value, key);
+    if (req.stop_token_ids.size() > kMaxStopTokenIds)
+      throw invalid_request("'stop_token_ids' takes at most " + std::to_string(kMaxStopTokenIds) + " ids, got " +
+                                std::to_string(req.stop_token_ids.size()),
+                            key, "invalid_value");
   } else if (key == "logprobs") {
     if (!value.is_boolean()) throw wrong_type(key, "a boolean", value);
     req.logprobs = value.get<bool>();
@@ -438,20 +467,6 @@ json parse_object(std::string_view body) {
   return doc;
 }
 
-/// A token id list: integers in [0, 2^31). `param` names the list ("prompt", "tokens").
-std::vector<int64_t> parse_token_ids(const json& v, const std::string& param) {
-  if (!v.is_array()) throw wrong_type(param, "an array of token ids", v);
-  std::vector<int64_t> ids;
-  ids.reserve(v.size());
-  for (size_t i = 0; i < v.size(); ++i) {
-    const std::string at = param + "[" + std::to_string(i) + "]";
-    const int64_t id = require_integer(v[i], at);
-    if (id < 0 || id > INT32_MAX)
-      throw invalid_request("'" + at + "' is not a token id: " + std::to_string(id), at);
-    ids.push_back(id);
-  }
-  return ids;
-}
 
 /// The `prompt` of a legacy completion: one string or one token-id list, either bare or as the
 /// only element of an array.
@@ -548,6 +563,14 @@ void check_structured_output(const ChatRequest& req) {
                           "response_format");
 }
 
+/// Refuses stop strings beside response_format: one would cut the document short.
+void check_stop_with_json(const GenerationFields& req) {
+  if (req.json_schema && !req.stop.empty())
+    throw invalid_request("'stop' cannot be combined with 'response_format': a stop string would cut the JSON "
+                          "document short (the answer ends when the document is complete)",
+                          "stop", "unsupported_value");
+}
+
 /// Refuses min_tokens above an explicit max_tokens (the answer could not honour both).
 void check_min_tokens(const GenerationFields& req) {
   if (req.max_tokens && req.min_tokens > *req.max_tokens)
@@ -606,6 +629,7 @@ ChatRequest parse_chat_request(std::string_view body) {
   }
   check_stream_options(stream_options_set, req.stream);
   check_min_tokens(req);
+  check_stop_with_json(req);
   check_structured_output(req);
   if (top_logprobs_set && !req.logprobs)
     throw invalid_request("'top_logprobs' needs 'logprobs': true", "top_logprobs");
@@ -666,6 +690,7 @@ CompletionRequest parse_completion_request(std::string_view body) {
                           "echo", "unsupported_value");
   check_stream_options(stream_options_set, req.stream);
   check_min_tokens(req);
+  check_stop_with_json(req);
   return req;
 }
 

@@ -45,6 +45,9 @@ struct GenerationFields {
   /// generated; stop strings still end the answer. ≥ 0, at most max_tokens when that is given.
   int64_t min_tokens = 0;
   bool ignore_eos = false;                  ///< ignore_eos (vLLM's): the stop tokens do not end the answer
+  /// stop_token_ids (vLLM's): more tokens that end the answer (ids ≥ 0, checked against the
+  /// vocabulary by the server; at most kMaxStopTokenIds), beside the checkpoint's own.
+  std::vector<int64_t> stop_token_ids;
   /// response_format json_object / json_schema: the answer is a JSON object of this schema
   /// (null: free text).
   std::shared_ptr<const JsonSchema> json_schema;
@@ -64,6 +67,8 @@ inline constexpr int64_t kCompletionDefaultMaxTokens = 16;
 inline constexpr int kMaxChoices = 8;
 /// Most alternatives per token (`top_logprobs`, OpenAI's limit).
 inline constexpr int kMaxTopLogprobs = 20;
+/// Most stop_token_ids of one request.
+inline constexpr size_t kMaxStopTokenIds = 64;
 /// Most logit_bias entries (OpenAI's limit).
 inline constexpr size_t kMaxLogitBias = 300;
 

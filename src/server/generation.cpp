@@ -89,6 +89,7 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
   job.min_tokens = call.request.min_tokens;
   job.ignore_eos = call.request.ignore_eos;
   job.json_schema = call.request.json_schema;
+  job.stop_ids = checked_ids(call.request.stop_token_ids, "stop_token_ids");
   // A chat answer is split at its markers' text: keep it where the tokenizer marks one special.
   for (std::string_view marker : answer_markers(call.answer))
     if (const auto id = tokenizer_->token_id(marker); id && tokenizer_->is_special(*id)) job.kept_special_ids.push_back(*id);

@@ -69,6 +69,14 @@ describe('structured output on lily serve (demo model)', () => {
     assert.equal(whole.json.choices[0].message.content, text);  // greedy: the same document
   });
 
+  it('with ignore_eos the answer still ends with its document', async () => {
+    const res = await suite.openai.chat.completions.create({
+      model: MODEL, messages, max_tokens: 400, response_format: schemaFormat, ignore_eos: true, temperature: 0.8, seed: 3,
+    });
+    assert.equal(res.choices[0].finish_reason, 'stop');
+    assertPerson(JSON.parse(res.choices[0].message.content));
+  });
+
   it('the legacy completions endpoint takes response_format too', async () => {
     const ids = async (text) => (await postJson(suite.server, '/tokenize', { model: MODEL, prompt: text })).json.tokens;
     const [quote] = await ids('"');

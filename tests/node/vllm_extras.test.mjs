@@ -49,6 +49,17 @@ describe('vLLM request extras on lily serve (demo model)', () => {
     const streamed = await chat(suite.server, { model: MODEL, messages, max_tokens: 24, logit_bias: eos, min_tokens: 5, stream: true });
     assert.equal(parseSse(streamed.body).text, held.choices[0].message.content);
 
+    // stop_token_ids: the answer's own third token ends it (also with ignore_eos).
+    const plain8 = await ask({ max_tokens: 8, logprobs: true });
+    const third = (await postJson(suite.server, '/tokenize', { model: MODEL, prompt: plain8.choices[0].logprobs.content[2].token })).json.tokens;
+    if (third.length === 1) {
+      const stopped = await ask({ max_tokens: 8, stop_token_ids: third, ignore_eos: true });
+      assert.equal(stopped.choices[0].finish_reason, 'stop');
+      assert.equal(stopped.usage.completion_tokens, 3);
+    }
+    const badId = await chat(suite.server, { model: MODEL, messages, stop_token_ids: [99999999] });
+    assert.equal(badId.status, 400);
+    assert.equal(badId.json.error.param, 'stop_token_ids[0]');
     // Greedy without a stop in reach: min_tokens changes nothing.
     const plain = await ask({ max_tokens: 8 });
     assert.deepEqual((await ask({ max_tokens: 8, min_tokens: 8 })).choices[0].message, plain.choices[0].message);

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,22 @@ TEST(JsonSchemaCompile, RefusesWhatItDoesNotFollow) {
             "unsupported 'anyOf' at /properties/a/: two branches take the same container type");
   EXPECT_EQ(compile_error(R"({"type":"object","properties":{"a":{"type":"decimal"}}})"),
             "unknown JSON schema type 'decimal' at /properties/a/");
+  // Schemas with no instance, or with parts the matcher would silently drop, are refused.
+  EXPECT_EQ(compile_error(R"({"type":"object","properties":{"n":{"$ref":"#"}},"required":["n"]})"),
+            "the JSON schema has no finite instance: a required property recurses without end");
+  EXPECT_EQ(compile_error(R"({"type":"object","properties":{"a":{"type":"integer","enum":["x"]}}})"),
+            "no value of 'enum'/'const' has the schema's 'type' at /properties/a/");
+  EXPECT_EQ(compile_error(R"({"type":"object","properties":{"a":{"$ref":"#/$defs/A","type":"string"}},
+                              "$defs":{"A":{"type":"integer"}}})"),
+            "unsupported JSON schema keyword 'type' beside '$ref' at /properties/a/");
+  EXPECT_EQ(compile_error(R"({"type":"object","properties":{"a":{"$ref":"#/$defs/A"}},
+                              "$defs":{"A":{"$ref":"#/$defs/B"},"B":{"$ref":"#/$defs/A"}}})"),
+            "the $ref \"#/$defs/B\" at /$defs/A/ comes back to itself with no schema between");
+  EXPECT_EQ(compile_error(R"({"type":"object","properties":{"a":{"$ref":"#/$defs/A"}},
+                              "$defs":{"A":{"anyOf":[{"$ref":"#/$defs/A"},{"type":"null"}]}}})"),
+            "unsupported 'anyOf' at /$defs/A/: a branch is the schema it is in");
+  EXPECT_NO_THROW(JsonSchema::compile(json::parse(R"({"type":"object","properties":{"a":{"$ref":"#/$defs/a~1b"}},
+                                                     "$defs":{"a/b":{"type":"integer"}}})")));
   EXPECT_NO_THROW(JsonSchema::compile(json::parse(kPerson)));
 }
 
@@ -98,6 +115,15 @@ TEST(JsonMatcher, AnyObject) {
   EXPECT_FALSE(prefix_ok(s, "{\"a\": \"x\ny\"}"));  // a raw control byte in a string
   EXPECT_FALSE(prefix_ok(s, R"({"a": "\x"})"));
   EXPECT_FALSE(prefix_ok(s, R"({} )"));  // nothing after the document
+  // Strings are well-formed UTF-8: no stray continuation byte, no cut character.
+  EXPECT_TRUE(accepts(s, "{\"a\": \"\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80\"}"));
+  EXPECT_FALSE(prefix_ok(s, "{\"a\": \"\xb1"));
+  EXPECT_FALSE(prefix_ok(s, "{\"a\": \"\xc3\""));
+  EXPECT_FALSE(prefix_ok(s, "{\"a\": \"\xed\xa0\x80"));  // a surrogate
+  EXPECT_FALSE(prefix_ok(s, "{\"\xc3\": 1"));               // keys too
+  // A number always has room to end: 31 digits cannot take a point that needs one more.
+  EXPECT_TRUE(prefix_ok(s, "{\"a\": " + std::string(30, '1') + "e"));
+  EXPECT_FALSE(prefix_ok(s, "{\"a\": " + std::string(31, '1') + "."));
   // Nesting is bounded.
   EXPECT_TRUE(prefix_ok(s, "{\"a\": " + std::string(20, '[')));
   EXPECT_FALSE(prefix_ok(s, "{\"a\": " + std::string(kMaxJsonNesting + 8, '[')));
@@ -134,6 +160,12 @@ TEST(JsonMatcher, FollowsTheSchema) {
   EXPECT_FALSE(prefix_ok(bounded, R"({"s": "abcd)"));
   EXPECT_FALSE(prefix_ok(bounded, R"({"a": [1, 2,)"));
   EXPECT_TRUE(accepts(bounded, R"({"a": []})"));
+  // An object that takes no key: only {}.
+  const auto empty = schema(R"({"type":"object","properties":{"e":{"type":"object","additionalProperties":false}},
+                                "additionalProperties":false})");
+  EXPECT_TRUE(accepts(empty, R"({"e": {}})"));
+  EXPECT_FALSE(prefix_ok(empty, R"({"e": {")"));
+  EXPECT_FALSE(prefix_ok(empty, R"({"e": {},)"));  // every key written: no comma
   // Recursive references.
   const auto tree = schema(R"({"type":"object","properties":{"v":{"type":"integer"},
                                "kids":{"type":"array","items":{"$ref":"#"}}},"required":["v"],"additionalProperties":false})");
@@ -187,6 +219,62 @@ TEST(JsonConstraint, MaskEqualsBruteForce) {
   std::vector<float> row(static_cast<size_t>(vocab), 0.0f);
   EXPECT_EQ(done.mask(row), 2u);
   EXPECT_TRUE(std::isfinite(row[0]) && std::isfinite(row[1]) && !std::isfinite(row[2]));
+}
+
+// Liveness: along random walks through the mask (any allowed token, seeded), the mask is never
+// empty before the document is complete, and what was written stays a valid prefix; at the end
+// only the stop token is left. Schemas that corner the matcher: an object that takes no key,
+// maxLength 0, maxItems 0, optional recursion down to the nesting limit, long numbers.
+TEST(JsonConstraint, RandomWalksNeverDeadEnd) {
+  const auto tokenizer = test::demo_tokenizer();
+  const int32_t vocab = tokenizer->vocab_size();
+  const auto index = JsonVocabIndex::for_tokenizer(*tokenizer, vocab);
+  const char* schemas[] = {
+      R"({"type":"object","properties":{"e":{"type":"object","additionalProperties":false},
+          "s":{"type":"string","maxLength":0},"a":{"type":"array","items":{"type":"number"},"maxItems":0}},
+          "additionalProperties":false})",
+      R"({"$defs":{"N":{"type":"object","properties":{"n":{"$ref":"#/$defs/N"},"v":{"type":"integer"}},
+          "additionalProperties":false}},"type":"object","properties":{"r":{"$ref":"#/$defs/N"},
+          "l":{"type":"array","items":{"type":"array","items":{"$ref":"#/$defs/N"}}}},"required":["r"],
+          "additionalProperties":false})",
+      R"({"type":"object"})",
+      kPerson};
+  std::mt19937 rng(11);
+  for (const char* text : schemas) {
+    const auto s = schema(text);
+    for (int walk = 0; walk < 8; ++walk) {
+      JsonConstraint c(s, index, {0});
+      JsonMatcher m(s);
+      std::string written;
+      for (int step = 0; step < 600 && !c.complete(); ++step) {
+        std::vector<float> row(static_cast<size_t>(vocab), 0.0f);
+        ASSERT_GT(c.mask(row), 0u) << text << " after " << written;
+        ASSERT_TRUE(c.active());
+        std::vector<int32_t> allowed;
+        for (int32_t id = 0; id < vocab; ++id)
+          if (std::isfinite(row[static_cast<size_t>(id)])) allowed.push_back(id);
+        // Lean towards closing bytes half the time, so that walks also finish.
+        int32_t id = allowed[rng() % allowed.size()];
+        if (rng() % 2 == 0)
+          for (int32_t a : allowed) {
+            const std::string& b = index->bytes()[static_cast<size_t>(a)];
+            if (!b.empty() && (b.back() == '}' || b.back() == ']' || b.back() == '"' || b.back() == ',')) {
+              id = a;
+              if (rng() % 3 == 0) break;
+            }
+          }
+        c.push(id);
+        written += index->bytes()[static_cast<size_t>(id)];
+        ASSERT_TRUE(m.feed(index->bytes()[static_cast<size_t>(id)])) << written;
+      }
+      if (c.complete()) {
+        EXPECT_TRUE(m.complete());
+        EXPECT_NO_THROW((void)json::parse(written)) << written;
+        std::vector<float> row(static_cast<size_t>(vocab), 0.0f);
+        EXPECT_EQ(c.mask(row), 1u);
+      }
+    }
+  }
 }
 
 // Generations over the fake backend (whose own tokens are noise): greedy and sampled, every

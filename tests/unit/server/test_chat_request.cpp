@@ -359,6 +359,14 @@ TEST(ChatRequest, ResponseFormat) {
   EXPECT_EQ(code_of(with("response_format", bad)), "response_format.json_schema.schema|invalid_value");
   EXPECT_NE(rejected(with("response_format", bad).dump()).message().find("unsupported JSON schema keyword 'allOf'"),
             std::string::npos);
+  EXPECT_EQ(parse(with("response_format", nullptr)).json_schema, nullptr);  // null is absent
+  EXPECT_EQ(code_of(with("response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "a b"}}}})),
+            "response_format.json_schema.name|invalid_value");
+  EXPECT_EQ(code_of(with("response_format", {{"type", "json_schema"}, {"json_schema", {{"name", ""}}}})),
+            "response_format.json_schema.name|invalid_value");
+  json stopped = with("response_format", {{"type", "json_object"}});
+  stopped["stop"] = "}";
+  EXPECT_EQ(code_of(stopped), "stop|unsupported_value");
   // Not with thinking asked for, a forced tool call or a continued turn.
   json thinking = with("response_format", {{"type", "json_object"}});
   thinking["chat_template_kwargs"] = {{"enable_thinking", true}};
