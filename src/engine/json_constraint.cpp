@@ -220,22 +220,23 @@ class JsonSchemaCompiler {
     return add(std::move(n));
   }
 
+  /// The type bits a JSON value has (an integral number is an integer and a number).
+  static uint8_t literal_type(const ordered_json& v) {
+    if (v.is_object()) return JsonSchema::kObject;
+    if (v.is_array()) return JsonSchema::kArray;
+    if (v.is_string()) return JsonSchema::kString;
+    if (v.is_boolean()) return JsonSchema::kBoolean;
+    if (v.is_null()) return JsonSchema::kNull;
+    if (v.is_number_integer() || (v.is_number_float() && v.get<double>() == std::trunc(v.get<double>())))
+      return JsonSchema::kInteger | JsonSchema::kNumber;
+    return JsonSchema::kNumber;
+  }
+
   /// enum/const beside type: only the values of those types stay (none left is an error).
   static void keep_literals_of_type(JsonSchema::Node& n, const std::string& at) {
     std::vector<std::string> kept;
-    for (const std::string& l : n.literals) {
-      const ordered_json v = ordered_json::parse(l);
-      uint8_t t = 0;
-      if (v.is_object()) t = JsonSchema::kObject;
-      else if (v.is_array()) t = JsonSchema::kArray;
-      else if (v.is_string()) t = JsonSchema::kString;
-      else if (v.is_boolean()) t = JsonSchema::kBoolean;
-      else if (v.is_null()) t = JsonSchema::kNull;
-      else if (v.is_number_integer() || (v.is_number_float() && v.get<double>() == std::trunc(v.get<double>())))
-        t = JsonSchema::kInteger | JsonSchema::kNumber;
-      else t = JsonSchema::kNumber;
-      if (t & n.types) kept.push_back(l);
-    }
+    for (const std::string& l : n.literals)
+      if (literal_type(ordered_json::parse(l)) & n.types) kept.push_back(l);
     if (kept.empty()) throw Error("no value of 'enum'/'const' has the schema's 'type' at " + at);
     n.literals = std::move(kept);
   }
@@ -273,16 +274,25 @@ class JsonSchemaCompiler {
     const ordered_json& branches = s[key];
     if (!branches.is_array() || branches.empty()) throw Error(std::string("'") + key + "' must be a non-empty list at " + at);
     for (const auto& [k, v] : s.items())
-      if (k != key && k != "$defs" && k != "definitions" && !ignored_keywords().count(k))
+      if (k != key && k != "$defs" && k != "definitions" && k != "type" && !ignored_keywords().count(k))
         throw Error(std::string("unsupported JSON schema keyword '") + k + "' beside '" + key + "' at " + at);
     JsonSchema::Node merged;
     merged.types = 0;
     bool literal_branch = false;
+    const bool one_of = std::string(key) == "oneOf";
+    uint8_t taken = 0;  // oneOf: the types the branches so far take (integer and number overlap)
     for (size_t i = 0; i < branches.size(); ++i) {
       const std::string why = std::string("unsupported '") + key + "' at " + at + ": ";
       const int index = compile(branches[i], at + key + "/" + std::to_string(i) + "/");
       if (pending_.count(index)) throw Error(why + "a branch is the schema it is in");
       const JsonSchema::Node b = out_->nodes_[static_cast<size_t>(index)];
+      if (one_of) {
+        uint8_t footprint = b.literals.empty() ? b.types : 0;
+        for (const std::string& l : b.literals) footprint |= literal_type(ordered_json::parse(l));
+        if (footprint & (JsonSchema::kNumber | JsonSchema::kInteger)) footprint |= JsonSchema::kNumber | JsonSchema::kInteger;
+        if (footprint & taken) throw Error(why + "two branches take values of the same type, which 'oneOf' would refuse");
+        taken |= footprint;
+      }
       if (!b.literals.empty()) {
         literal_branch = true;
         merged.literals.insert(merged.literals.end(), b.literals.begin(), b.literals.end());
@@ -310,6 +320,21 @@ class JsonSchemaCompiler {
         throw Error(std::string("unsupported '") + key + "' at " + at + ": enum values beside other types");
       for (std::string& l : literals_of_types(merged.types)) merged.literals.push_back(std::move(l));
     }
+    if (s.contains("type")) {  // type beside anyOf/oneOf: both hold
+      uint8_t mask = 0;
+      const ordered_json& t = s["type"];
+      if (t.is_string()) mask = type_bit(t.get<std::string>(), at);
+      else if (t.is_array()) for (const auto& x : t) mask |= x.is_string() ? type_bit(x.get<std::string>(), at) : 0;
+      if (mask == 0) throw Error("'type' must be a type name or a list of them at " + at);
+      if (mask & JsonSchema::kNumber) mask |= JsonSchema::kInteger;
+      if (!merged.literals.empty()) {
+        merged.types = mask;
+        keep_literals_of_type(merged, at);
+      } else {
+        merged.types &= mask;
+        if (merged.types == 0) throw Error("no branch of '" + std::string(key) + "' has the schema's 'type' at " + at);
+      }
+    }
     return add(std::move(merged));
   }
 
@@ -319,8 +344,18 @@ class JsonSchemaCompiler {
   std::set<int> pending_;  ///< $ref placeholders still being compiled
   int depth_ = 0;
 
-  /// A JSON pointer segment with ~1 and ~0 undone.
-  static std::string unescape_pointer(const std::string& s) {
+  /// A JSON pointer segment of a URI fragment: %XX decoded, then ~1 and ~0 undone.
+  static std::string unescape_pointer(const std::string& raw) {
+    std::string s;
+    for (size_t i = 0; i < raw.size(); ++i) {
+      if (raw[i] == '%' && i + 2 < raw.size() && std::isxdigit(static_cast<unsigned char>(raw[i + 1])) &&
+          std::isxdigit(static_cast<unsigned char>(raw[i + 2]))) {
+        s += static_cast<char>(std::stoi(raw.substr(i + 1, 2), nullptr, 16));
+        i += 2;
+      } else {
+        s += raw[i];
+      }
+    }
     std::string out;
     for (size_t i = 0; i < s.size(); ++i) {
       if (s[i] == '~' && i + 1 < s.size() && (s[i + 1] == '0' || s[i + 1] == '1')) {
@@ -556,10 +591,35 @@ bool JsonMatcher::feed_top(unsigned char byte) {
           f.state = 0;
           return true;
         }
-        // \u: four hex digits (states 2 … 5)
-        if (!std::isxdigit(byte)) return false;
-        f.state = f.state == 5 ? 0 : static_cast<uint8_t>(f.state + 1);
-        return true;
+        if (f.state == 6 || f.state == 7) {  // after a high surrogate: its low one, "\\u…"
+          if (byte != (f.state == 6 ? '\\' : 'u')) return false;
+          if (f.state == 7) f.low_phase = true;
+          f.state = f.state == 6 ? 7 : 2;
+          return true;
+        }
+        {  // \u: four hex digits (states 2 … 5); surrogates only as a high one then a low one
+          if (!std::isxdigit(byte)) return false;
+          const char h = static_cast<char>(std::tolower(byte));
+          if (f.state == 2) {
+            if (f.low_phase && h != 'd') return false;
+            f.hex_first = h;
+          } else if (f.state == 3 && f.hex_first == 'd') {
+            const bool low = h >= 'c' && h <= 'f';
+            const bool high = h >= '8' && h <= 'b';
+            if (f.low_phase != low) return false;  // a lone low surrogate, or no low one after a high
+            f.high_surrogate = high;
+          } else if (f.state == 3 && f.low_phase) {
+            return false;
+          }
+          if (f.state < 5) {
+            ++f.state;
+          } else {
+            f.state = f.high_surrogate ? 6 : 0;
+            f.high_surrogate = false;
+            f.low_phase = false;
+          }
+          return true;
+        }
       case Frame::kNumber: {
         const bool integer = !(schema_->node(f.node).types & JsonSchema::kNumber);
         uint8_t next = 0xff;
@@ -574,6 +634,7 @@ bool JsonMatcher::feed_top(unsigned char byte) {
           case kExpDigits: next = is_digit(byte) ? kExpDigits : 0xff; break;
         }
         if (integer && (next == kDot || next == kExp)) next = 0xff;
+        if (next == kExpDigits && ++f.count > kMaxExponentDigits) return false;
         if (next != 0xff) {
           // Room for the byte and for what the number then needs to end (a digit after a sign,
           // a point or an exponent mark).
@@ -603,12 +664,15 @@ bool JsonMatcher::feed_top(unsigned char byte) {
           int prop = -1;
           for (size_t i = 0; i < n.property_names.size(); ++i)
             if (n.property_names[i] == f.text) prop = static_cast<int>(i);
-          // A declared key once (and only when its value fits), another key when allowed.
+          // A declared key once (and only when its value fits), another key when allowed, once.
           if (!key_available(object, prop)) return false;
+          if (prop < 0 && std::find(object.keys.begin(), object.keys.end(), f.text) != object.keys.end()) return false;
+          std::string key = std::move(f.text);
           stack_.pop_back();
           Frame& o = stack_.back();
           o.key = prop;
           o.state = 1;
+          if (prop < 0) o.keys.push_back(std::move(key));
           return true;
         }
         if (byte < 0x20 || byte == '\\' || byte == '"' || !utf8_step(f, byte)) return false;

@@ -41,6 +41,8 @@ class Tokenizer;
 inline constexpr int kMaxWhitespaceRun = 64;
 /// Most bytes of one JSON number.
 inline constexpr int kMaxNumberBytes = 32;
+/// Most digits of a number's exponent (so every value is a finite double).
+inline constexpr int kMaxExponentDigits = 2;
 /// Most nested objects and arrays in a document (deeper is refused: the mask copies the nesting).
 inline constexpr size_t kMaxJsonNesting = 32;
 /// Most properties one object schema may list (their seen set is a 64-bit mask).
@@ -116,6 +118,10 @@ class JsonMatcher {
     int64_t count = 0;        ///< kString: characters so far; kArray: items so far
     uint8_t utf8_need = 0;    ///< kString/kKey: UTF-8 continuation bytes still to come
     uint8_t utf8_lo = 0x80, utf8_hi = 0xBF;  ///< the range of the next continuation byte
+    char hex_first = 0;       ///< kString in a \u escape: its first hex digit (lower case)
+    bool high_surrogate = false;  ///< kString: this \u escape is a high surrogate
+    bool low_phase = false;   ///< kString: this \u escape must be the low surrogate after one
+    std::vector<std::string> keys;  ///< kObject: the additional (undeclared) keys written so far
   };
   bool feed_top(unsigned char byte);
   bool start_value(Frame& f, unsigned char byte);

@@ -563,12 +563,15 @@ void check_structured_output(const ChatRequest& req) {
                           "response_format");
 }
 
-/// Refuses stop strings beside response_format: one would cut the document short.
+/// Refuses stop strings and stop_token_ids beside response_format: one would cut the document
+/// short.
 void check_stop_with_json(const GenerationFields& req) {
-  if (req.json_schema && !req.stop.empty())
-    throw invalid_request("'stop' cannot be combined with 'response_format': a stop string would cut the JSON "
-                          "document short (the answer ends when the document is complete)",
-                          "stop", "unsupported_value");
+  if (!req.json_schema) return;
+  for (const auto& [present, field] : {std::pair{!req.stop.empty(), "stop"}, std::pair{!req.stop_token_ids.empty(), "stop_token_ids"}})
+    if (present)
+      throw invalid_request(std::string("'") + field + "' cannot be combined with 'response_format': it would cut the "
+                                "JSON document short (the answer ends when the document is complete)",
+                            field, "unsupported_value");
 }
 
 /// Refuses min_tokens above an explicit max_tokens (the answer could not honour both).

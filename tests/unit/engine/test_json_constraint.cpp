@@ -99,6 +99,16 @@ TEST(JsonSchemaCompile, RefusesWhatItDoesNotFollow) {
             "unsupported 'anyOf' at /$defs/A/: a branch is the schema it is in");
   EXPECT_NO_THROW(JsonSchema::compile(json::parse(R"({"type":"object","properties":{"a":{"$ref":"#/$defs/a~1b"}},
                                                      "$defs":{"a/b":{"type":"integer"}}})")));
+  EXPECT_EQ(compile_error(R"({"type":"object","properties":{"a":{"oneOf":[{"type":"integer"},{"type":"number"}]}}})"),
+            "unsupported 'oneOf' at /properties/a/: two branches take values of the same type, which 'oneOf' would refuse");
+  EXPECT_NO_THROW(JsonSchema::compile(json::parse(R"({"type":"object","properties":{"a":{"$ref":"#/$defs/a%20b"}},
+                                                     "$defs":{"a b":{"type":"integer"}}})")));
+  // type beside anyOf: both hold.
+  const auto both = schema(R"({"type":"object","properties":{"a":{"type":["string","null"],
+                              "anyOf":[{"type":"string"},{"type":"integer"}]}}})");
+  EXPECT_TRUE(accepts(both, R"({"a": "x"})"));
+  EXPECT_FALSE(prefix_ok(both, R"({"a": 1)"));
+  EXPECT_FALSE(prefix_ok(both, R"({"a": n)"));
   EXPECT_NO_THROW(JsonSchema::compile(json::parse(kPerson)));
 }
 
@@ -121,6 +131,17 @@ TEST(JsonMatcher, AnyObject) {
   EXPECT_FALSE(prefix_ok(s, "{\"a\": \"\xc3\""));
   EXPECT_FALSE(prefix_ok(s, "{\"a\": \"\xed\xa0\x80"));  // a surrogate
   EXPECT_FALSE(prefix_ok(s, "{\"\xc3\": 1"));               // keys too
+  // \u escapes: a high surrogate only with its low one after it; never a lone low one.
+  EXPECT_TRUE(accepts(s, R"({"a": "\ud83d\ude00 \u00e9"})"));
+  EXPECT_FALSE(prefix_ok(s, R"({"a": "\udddd)"));
+  EXPECT_FALSE(prefix_ok(s, R"({"a": "\ud83d")"));
+  EXPECT_FALSE(prefix_ok(s, R"({"a": "\ud83d\u0041)"));
+  // Exponents of at most two digits: every number is a finite double.
+  EXPECT_TRUE(accepts(s, R"({"a": 1e99, "b": -2.5E-12})"));
+  EXPECT_FALSE(prefix_ok(s, R"({"a": 1e119)"));
+  // A key of an object that takes any key, once.
+  EXPECT_FALSE(prefix_ok(s, R"({"k": 1, "k")"));
+  EXPECT_TRUE(prefix_ok(s, R"({"k": 1, "k2")"));
   // A number always has room to end: 31 digits cannot take a point that needs one more.
   EXPECT_TRUE(prefix_ok(s, "{\"a\": " + std::string(30, '1') + "e"));
   EXPECT_FALSE(prefix_ok(s, "{\"a\": " + std::string(31, '1') + "."));

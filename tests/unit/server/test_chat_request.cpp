@@ -367,6 +367,9 @@ TEST(ChatRequest, ResponseFormat) {
   json stopped = with("response_format", {{"type", "json_object"}});
   stopped["stop"] = "}";
   EXPECT_EQ(code_of(stopped), "stop|unsupported_value");
+  stopped.erase("stop");
+  stopped["stop_token_ids"] = json::array({5});
+  EXPECT_EQ(code_of(stopped), "stop_token_ids|unsupported_value");
   // Not with thinking asked for, a forced tool call or a continued turn.
   json thinking = with("response_format", {{"type", "json_object"}});
   thinking["chat_template_kwargs"] = {{"enable_thinking", true}};
