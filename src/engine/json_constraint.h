@@ -80,7 +80,9 @@ class JsonSchema {
   /// Any JSON object (response_format json_object).
   static std::shared_ptr<const JsonSchema> any_object();
 
+  /// Node `i` (0 … node count − 1; 0 is the unconstrained value).
   const Node& node(int i) const { return nodes_[static_cast<size_t>(i)]; }
+  /// The root object's node.
   int root() const { return root_; }
 
  private:
@@ -149,7 +151,7 @@ class JsonVocabIndex {
   /// The index of `tokenizer`'s byte-level tokens (special tokens count as empty), cached.
   static std::shared_ptr<const JsonVocabIndex> for_tokenizer(const Tokenizer& tokenizer, int32_t vocab);
 
-  int32_t vocab() const { return vocab_; }
+  int32_t vocab() const { return vocab_; }                              ///< the logits row length
   std::span<const int32_t> sorted() const { return sorted_; }           ///< non-empty ids by bytes
   std::span<const std::string> bytes() const { return bytes_; }         ///< by id
   std::span<const int32_t> plain() const { return plain_; }             ///< plain ids, ascending
