@@ -754,6 +754,9 @@ bool JsonMatcher::feed_top(unsigned char byte) {
 JsonVocabIndex::JsonVocabIndex(int32_t vocab, const TokenBytesFn& token_bytes) : vocab_(vocab) {
   if (vocab <= 0) throw Error("json constraint: the vocabulary is empty");
   bytes_.resize(static_cast<size_t>(vocab));
+  // A matcher inside a free string: a token is plain when it leaves one there.
+  JsonMatcher in_string(JsonSchema::any_object());
+  in_string.feed("{\"\": \"");
   for (int32_t id = 0; id < vocab; ++id) {
     bytes_[static_cast<size_t>(id)] = std::string(token_bytes(id));
     const std::string& b = bytes_[static_cast<size_t>(id)];
@@ -761,11 +764,11 @@ JsonVocabIndex::JsonVocabIndex(int32_t vocab, const TokenBytesFn& token_bytes) :
     sorted_.push_back(id);
     // Plain: free text can take it whole from any character boundary (no quote, backslash or
     // control byte, and whole UTF-8 characters only).
-    JsonMatcher probe(JsonSchema::any_object());
+    JsonMatcher probe = in_string;
     const bool plain = std::none_of(b.begin(), b.end(), [](char c) {
       const auto u = static_cast<unsigned char>(c);
       return u == '"' || u == '\\' || u < 0x20;
-    }) && probe.feed("{\"\": \"") && probe.feed(b) && probe.in_free_text();
+    }) && probe.feed(b) && probe.in_free_text();
     (plain ? plain_ : special_).push_back(id);
   }
   std::sort(sorted_.begin(), sorted_.end(), [this](int32_t a, int32_t b) {

@@ -527,21 +527,14 @@ void check_stream_options(bool stream_options_set, bool stream) {
 /// add_generation_prompt (false only with it: a prompt that ends after a finished turn is not
 /// something to answer).
 void parse_continuation(const json& doc, ChatRequest& req) {
-  std::optional<bool> add_generation_prompt;
-  if (doc.contains("continue_final_message") && !doc["continue_final_message"].is_null()) {
-    if (!doc["continue_final_message"].is_boolean())
-      throw wrong_type("continue_final_message", "a boolean", doc["continue_final_message"]);
-    req.continue_final_message = doc["continue_final_message"].get<bool>();
-  }
-  if (doc.contains("add_generation_prompt") && !doc["add_generation_prompt"].is_null()) {
-    if (!doc["add_generation_prompt"].is_boolean())
-      throw wrong_type("add_generation_prompt", "a boolean", doc["add_generation_prompt"]);
-    add_generation_prompt = doc["add_generation_prompt"].get<bool>();
-  }
-  if (req.continue_final_message && add_generation_prompt.value_or(false))
+  optional_bool(doc, "continue_final_message", req.continue_final_message);
+  // Its default follows continue_final_message, so only a value sent can break the rules.
+  bool add_generation_prompt = !req.continue_final_message;
+  optional_bool(doc, "add_generation_prompt", add_generation_prompt);
+  if (req.continue_final_message && add_generation_prompt)
     throw invalid_request("'add_generation_prompt' and 'continue_final_message' cannot both be true",
                           "add_generation_prompt");
-  if (!req.continue_final_message && add_generation_prompt == false)
+  if (!req.continue_final_message && !add_generation_prompt)
     throw invalid_request("'add_generation_prompt' may be false only with 'continue_final_message': true (the "
                           "assistant's last turn continued)",
                           "add_generation_prompt", "unsupported_value");
