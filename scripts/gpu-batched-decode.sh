@@ -26,8 +26,9 @@
 #   LILY_GPU_STEPS=split-gemv  the rows mode's two warp groups (LILY_CUDA_ROWS_GEMV_SPLIT): the
 #                           GEMV bit tests (every row count, both forms) and the timing table
 #                           (direct, one group, two)
-#   LILY_GPU_STEPS=split    the 35b-a3b throughput with the rows mode's split off and on
-#                           (LILY_GPU_SPLIT_ROUNDS times each, alternating; default 1)
+#   LILY_GPU_STEPS=split    the 35b-a3b throughput once per rows-mode split form of
+#                           LILY_GPU_SPLIT_FORMS (default "0 tiles all"; LILY_GPU_SPLIT_ROUNDS
+#                           times each, alternating; default 1)
 #   LILY_GPU_STEPS=rows     the batched GEMV's rows mode (LILY_CUDA_ROWS_GEMV_FROM) and the
 #                           prefill rows of several sequences in one chunk (LILY_CUDA_PREFILL_ROWS):
 #                           the GEMV bit tests and timings of both modes, the switch test, then
@@ -175,7 +176,7 @@ if has throughput; then
 fi
 if has split; then
   for round in $(seq 1 "${LILY_GPU_SPLIT_ROUNDS:-1}"); do
-    for v in 0 1; do
+    for v in ${LILY_GPU_SPLIT_FORMS:-0 tiles all}; do
       echo "== batched decode throughput, 35b-a3b, LILY_CUDA_ROWS_GEMV_SPLIT=$v (round $round)"
       LILY_CUDA_ROWS_GEMV_SPLIT=$v LILY_GPU_BIG_MODEL="$M" timeout 300 "$BUILD/tests/test_cuda_e2e" \
         --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' 2>&1 | grep -E "timing\]|FAILED" | grep -v realdims |

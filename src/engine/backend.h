@@ -315,12 +315,12 @@ struct CudaOptions {
   /// measurement on an H200: from 2 rows on a layer's projections take less time in the rows
   /// mode, at 1 row more (docs/cuda.md, "Batched steps").
   int rows_gemv_from = 2;
-  /// LILY_CUDA_ROWS_GEMV_SPLIT 1|0: the rows mode runs on two groups of eight warps per block:
-  /// a launch of 9–16 or 25–32 rows with each group computing half the column blocks of every
-  /// weight tile, one of up to 8 rows with the groups taking turns on the tiles (the same
-  /// k-slices and the same bits either way); or (0, the default until a GPU run has verified
-  /// and timed it) on one group (docs/cuda.md, "Batched steps").
-  bool rows_gemv_split = false;
+  /// LILY_CUDA_ROWS_GEMV_SPLIT tiles|all|0: where the rows mode runs on two groups of eight warps
+  /// per block: in launches of up to 8 rows, the groups taking turns on the weight tiles (tiles,
+  /// the default: faster at 2–8 rows on an H100); besides in launches of 9–16 or 25–32 rows, each
+  /// group computing half the column blocks of every tile (all: slower there); or nowhere (0).
+  /// The same k-slices and the same bits in every form (docs/cuda.md, "Batched steps").
+  std::string rows_gemv_split = "tiles";
   /// LILY_CUDA_PERSISTENT_DECODE 1|debug|trace|0: a one-sequence decode step as one resident
   /// kernel that takes the step's tasks from a list, synchronised by counters in device memory
   /// (1); the same tasks as one launch per stage (debug: what the probes see); the resident
@@ -438,7 +438,10 @@ inline std::span<const Field> fields() {
       {"decode-rows", "LILY_CUDA_DECODE_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.decode_rows = parse_int(l, v, 1, CudaOptions::kMaxDecodeRows); }},
       {"moe-tile-balance", "LILY_CUDA_MOE_TILE_BALANCE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_tile_balance = parse_int(l, v, 0, CudaOptions::kMaxMoeTileBalance); }},
       {"rows-gemv-from", "LILY_CUDA_ROWS_GEMV_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
-      {"rows-gemv-split", "LILY_CUDA_ROWS_GEMV_SPLIT", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_split = parse_choice(l, v, "1", "0"); }},
+      {"rows-gemv-split", "LILY_CUDA_ROWS_GEMV_SPLIT", [](CudaOptions& o, const std::string& l, const std::string& v) {
+         if (v != "tiles" && v != "all" && v != "0") throw OptionError(l, "must be 'tiles', 'all' or '0', got '" + v + "'");
+         o.rows_gemv_split = v;
+       }},
       {"prefill-rows", "LILY_CUDA_PREFILL_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.prefill_rows = parse_choice(l, v, "1", "0"); }},
       {"persistent-decode", "LILY_CUDA_PERSISTENT_DECODE", [](CudaOptions& o, const std::string& l, const std::string& v) {
          if (v != "1" && v != "debug" && v != "trace" && v != "0")
@@ -500,7 +503,7 @@ inline std::string CudaOptions::describe() const {
          " moe-next-norm=" + (moe_next_norm ? "1" : "0") + " moe-tile-balance=" + std::to_string(moe_tile_balance) +
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
          " max-batch=" + std::to_string(max_batch) + " decode-rows=" + std::to_string(decode_rows) +
-         " rows-gemv-from=" + std::to_string(rows_gemv_from) + " rows-gemv-split=" + (rows_gemv_split ? "1" : "0") +
+         " rows-gemv-from=" + std::to_string(rows_gemv_from) + " rows-gemv-split=" + rows_gemv_split +
          " prefill-rows=" + (prefill_rows ? "1" : "0") + " persistent-decode=" + persistent_decode;
 }
 

@@ -73,18 +73,19 @@ constexpr int kStagingFrom[] = {1, 9, cuda::kMaxDecodeRows + 1};
 TEST(CudaBatchedDecode, GemvRowsAreBitIdenticalForEveryRowCount) {
   const ScopedSwitch stream(cuda::stream_gemv_enabled, cuda::set_stream_gemv_enabled);
   const ScopedSwitch staging(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
-  const ScopedSwitch split(cuda::rows_gemv_split_enabled, cuda::set_rows_gemv_split_enabled);
+  const ScopedSwitch split(cuda::rows_gemv_split, cuda::set_rows_gemv_split);
   for (bool streaming : {true, false}) {
     SCOPED_TRACE(streaming ? "streaming enabled" : "streaming disabled");
     stream.set(streaming);
     for (int from : kStagingFrom) {
-      // The rows mode on two warp groups (over the column blocks at 9–16 and 25–32 rows a
-      // launch, over the tiles up to 8) and on one; the direct mode has no split.
-      for (bool two_groups : {true, false}) {
-        if (!two_groups && from > cuda::kMaxDecodeRows) continue;
-        SCOPED_TRACE("rows mode from " + std::to_string(from) + " rows" + (two_groups ? ", two warp groups" : ", one"));
+      // The rows mode on two warp groups (all: over the column blocks at 9–16 and 25–32 rows a
+      // launch, over the tiles up to 8; tiles: only the latter) and on one; the direct mode has
+      // no split.
+      for (cuda::RowsGemvSplit form : {cuda::RowsGemvSplit::all, cuda::RowsGemvSplit::tiles, cuda::RowsGemvSplit::none}) {
+        if (form != cuda::RowsGemvSplit::all && from > cuda::kMaxDecodeRows) continue;
+        SCOPED_TRACE("rows mode from " + std::to_string(from) + " rows, split " + std::to_string(static_cast<int>(form)));
         staging.set(from);
-        split.set(two_groups);
+        split.set(form);
         check_gemv_rows(1000, 2048, 4, false, 1);  // the 35B projections' width: streaming kernel
         check_gemv_rows(777, 4096, 4, false, 2);   // out_proj width (rows mode: 16 rows a launch)
         check_gemv_rows(2048, 512, 4, true, 3);    // realdims hidden, fp32 (its lm_head)
@@ -170,7 +171,7 @@ TEST(CudaBatchedDecode, RowsGemvStagingThresholdRefusesZeroRows) {
 }
 
 /// The batched decode's 4-bit GEMVs at the 35B-A3B shapes for m = 1 … 32 rows, in the streaming
-/// kernel's direct mode, its rows mode on one warp group and on two (rows_gemv_split_enabled;
+/// kernel's direct mode, its rows mode on one warp group and on two (rows_gemv_split all;
 /// not at 17–24 rows): µs per launch (events, after a warm-up) and the rows mode's rate in
 /// weight bytes (two groups). Printed, never asserted. The LM head's shape too in the rows mode
 /// (rows_mode_max_weight_rows raised: by default it stays direct), to see whether two groups
@@ -187,7 +188,7 @@ TEST(CudaTiming, PrintsGemvRowsTimes) {
                           {"out_proj", 2048, 4096, false},
                           {"lm_head", 248320, 2048, true}};
   const ScopedSwitch staging(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
-  const ScopedSwitch split(cuda::rows_gemv_split_enabled, cuda::set_rows_gemv_split_enabled);
+  const ScopedSwitch split(cuda::rows_gemv_split, cuda::set_rows_gemv_split);
   // The LM head too in the rows mode (it takes the direct mode by default).
   const ScopedSwitch<int64_t> largest(cuda::rows_mode_max_weight_rows, cuda::set_rows_mode_max_weight_rows);
   largest.set(int64_t{1} << 40);
@@ -202,7 +203,7 @@ TEST(CudaTiming, PrintsGemvRowsTimes) {
       double us[3];
       for (int mode = 0; mode < 3; ++mode) {  // direct, rows on one group, rows on two
         staging.set(mode == 0 ? M + 1 : 1);
-        split.set(mode == 2);
+        split.set(mode == 2 ? cuda::RowsGemvSplit::all : cuda::RowsGemvSplit::none);
         us[mode] = time_us([&] {
           cuda::launch_quant_gemv_rows(w.view(), dx.as<bf16>(), m, s.f32_out ? nullptr : dy.as<bf16>(),
                                        s.f32_out ? dy.as<float>() : nullptr, nullptr);

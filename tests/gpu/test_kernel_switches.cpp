@@ -92,13 +92,20 @@ TEST(KernelSwitches, RowsGemvFromReachesItsSetting) {
 
 TEST(KernelSwitches, RowsGemvSplitReachesItsSetting) {
   cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_EQ(cuda::rows_gemv_split_enabled(), CudaOptions{}.rows_gemv_split);
-  CudaOptions o;
-  o.rows_gemv_split = !CudaOptions{}.rows_gemv_split;
-  cuda::apply_kernel_switches(o);
-  EXPECT_EQ(cuda::rows_gemv_split_enabled(), o.rows_gemv_split);
+  EXPECT_EQ(cuda::rows_gemv_split(), cuda::RowsGemvSplit::tiles);
+  const std::pair<const char*, cuda::RowsGemvSplit> forms[] = {
+      {"0", cuda::RowsGemvSplit::none}, {"all", cuda::RowsGemvSplit::all}, {"tiles", cuda::RowsGemvSplit::tiles}};
+  for (const auto& [value, form] : forms) {
+    CudaOptions o;
+    o.rows_gemv_split = value;
+    cuda::apply_kernel_switches(o);
+    EXPECT_EQ(cuda::rows_gemv_split(), form) << value;
+  }
+  CudaOptions bad;
+  bad.rows_gemv_split = "1";
+  EXPECT_THROW(cuda::apply_kernel_switches(bad), Error);
   cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_EQ(cuda::rows_gemv_split_enabled(), CudaOptions{}.rows_gemv_split);
+  EXPECT_EQ(cuda::rows_gemv_split(), cuda::RowsGemvSplit::tiles);
 }
 
 TEST(KernelSwitches, GemvLateRequestsReachItsSetting) {

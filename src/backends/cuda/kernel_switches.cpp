@@ -38,11 +38,19 @@ StreamLateRequests parse_late_requests(const std::string& v) {
                       "'all', got '" + v + "'");
 }
 
+RowsGemvSplit parse_rows_gemv_split(const std::string& v) {
+  if (v == "tiles") return RowsGemvSplit::tiles;
+  if (v == "all") return RowsGemvSplit::all;
+  if (v == "0") return RowsGemvSplit::none;
+  throw ::lily::Error("CudaOptions::rows_gemv_split (LILY_CUDA_ROWS_GEMV_SPLIT) must be 'tiles', 'all' or '0', got '" + v + "'");
+}
+
 }  // namespace
 
 void apply_kernel_switches(const CudaOptions& options) {
   const GemmKernel gemm = parse_gemm_kernel(options.gemm_kernel);
   const StreamLateRequests late = parse_late_requests(options.gemv_late_requests);
+  const RowsGemvSplit split = parse_rows_gemv_split(options.rows_gemv_split);
   if (options.rows_gemv_from < 1 || options.rows_gemv_from > CudaOptions::kRowsGemvNever)
     throw ::lily::Error("CudaOptions::rows_gemv_from (LILY_CUDA_ROWS_GEMV_FROM) must be 1 … " +
                         std::to_string(CudaOptions::kRowsGemvNever) + ", got " + std::to_string(options.rows_gemv_from));
@@ -61,7 +69,7 @@ void apply_kernel_switches(const CudaOptions& options) {
   set_gemm_kernel(gemm);
   set_rows_gemv_staging_min_rows(options.rows_gemv_from);
   set_moe_tile_balance(options.moe_tile_balance);
-  set_rows_gemv_split_enabled(options.rows_gemv_split);
+  set_rows_gemv_split(split);
 }
 
 }  // namespace lily::cuda

@@ -89,6 +89,10 @@ inline constexpr int64_t kRowsModeMaxWeightRows = 65536;
 /// Most rows one launch_moe_block_rows takes: a batched decode step's rows (kMaxDecodeRows), so
 /// that each distinct expert of the step is read once per eight rows routed to it.
 inline constexpr int kMaxMoeRows = 64;
+/// The rows from which the MoE rows kernel routes each row once (moe_route_once_from_rows): on
+/// an H100, 40 chained blocks took 1.4 % less time at 8 rows, 1.5 % at 16, 1.8 % at 32 and 4.9 %
+/// at 64 (docs/performance/2026-12-07-split-and-route-once.md).
+inline constexpr int kMoeRouteOnceFromDefault = 8;
 
 /// The batched decode's GEMV: x bf16 [m, cols] row-major → y [m, rows] (exactly one of y_bf16 /
 /// y_f32 non-null), 1 ≤ m ≤ kMaxDecodeRows. Batch-invariant: the kernel and every summation
@@ -260,15 +264,18 @@ int rows_gemv_staging_min_rows();
 /// modes; kMaxDecodeRows + 1 keeps the direct mode for every m). Throws lily::Error for n < 1.
 void set_rows_gemv_staging_min_rows(int n);
 
-/// Whether the streaming GEMV's rows mode runs a launch of 2 or 4 column blocks (9–16 or 25–32
-/// rows) on two warp groups of eight warps, each computing half the column blocks of every tile
-/// (one stage, the same k-slices, the same bits), instead of one group computing all of them:
-/// twice the warps per SM to hide the tile loop's latency; a launch of up to 8 rows (one column
-/// block) with the two groups taking turns on the tiles. A speed setting only:
-/// CudaOptions::rows_gemv_split (LILY_CUDA_ROWS_GEMV_SPLIT); read when a launch is planned.
-bool rows_gemv_split_enabled();
-/// Sets rows_gemv_split_enabled() for the rest of the process (tests and timings of both forms).
-void set_rows_gemv_split_enabled(bool on);
+/// Where the streaming GEMV's rows mode runs two warp groups of eight warps per block instead of
+/// one (twice the warps per SM to hide the tile loop's latency; the same k-slices, the same bits):
+/// never (none); in launches of up to 8 rows (one column block), the two groups taking turns on
+/// the tiles (tiles, the default: 4–12 % less time per in-projection at 2–8 rows on an H100);
+/// or besides in launches of 2 or 4 column blocks (9–16 or 25–32 rows), each group computing half
+/// the column blocks of every tile (all: no faster there, 0–10 % slower).
+enum class RowsGemvSplit { none, tiles, all };
+/// The rows mode's warp-group split: CudaOptions::rows_gemv_split (LILY_CUDA_ROWS_GEMV_SPLIT);
+/// read when a launch is planned.
+RowsGemvSplit rows_gemv_split();
+/// Sets rows_gemv_split() for the rest of the process (tests and timings of every form).
+void set_rows_gemv_split(RowsGemvSplit split);
 
 /// Matrices with more rows than this take launch_quant_gemv_rows's direct mode at any row count
 /// (kRowsModeMaxWeightRows by default: the LM head stays direct). A speed setting only, for
@@ -294,7 +301,8 @@ void set_moe_tile_balance(int w);
 /// Rows from which the MoE rows kernel routes each row once (one warp of one block, then a
 /// third grid barrier, and every block reads the step's routing) instead of every block routing
 /// every row; kMaxMoeRows + 1: never. The same ids and weights either way (route_token_keys on
-/// the same logits), so a speed setting only; read when a launch is planned.
+/// the same logits), so a speed setting only; read when a launch is planned. By default
+/// kMoeRouteOnceFromDefault.
 int moe_route_once_from_rows();
 /// Sets moe_route_once_from_rows() for the rest of the process (tests and timings). Throws
 /// lily::Error for n < 1 or n > kMaxMoeRows + 1.

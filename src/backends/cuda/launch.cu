@@ -27,14 +27,14 @@ std::atomic<bool> g_gemv_row_tiles{true};
 std::atomic<bool> g_gdn_chunk_parallel{true};
 /// The batched GEMV's rows-mode threshold (rows_gemv_staging_min_rows, CudaOptions::rows_gemv_from).
 std::atomic<int> g_rows_gemv_staging_min_rows{kRowsGemvFromDefault};
-/// The rows mode's two warp groups (rows_gemv_split_enabled, CudaOptions::rows_gemv_split).
-std::atomic<bool> g_rows_gemv_split{false};
+/// The rows mode's two warp groups (rows_gemv_split, CudaOptions::rows_gemv_split).
+std::atomic<RowsGemvSplit> g_rows_gemv_split{RowsGemvSplit::tiles};
 /// The rows mode's largest matrix (rows_mode_max_weight_rows).
 std::atomic<int64_t> g_rows_mode_max_weight_rows{kRowsModeMaxWeightRows};
 /// The MoE rows kernel's tile split (moe_tile_balance).
 std::atomic<int> g_moe_tile_balance{16};
 /// Rows from which the MoE rows kernel routes each row once (moe_route_once_from_rows).
-std::atomic<int> g_moe_route_once_from_rows{kMaxMoeRows + 1};
+std::atomic<int> g_moe_route_once_from_rows{kMoeRouteOnceFromDefault};
 /// The streaming GEMV's stage budget (stream_gemv_smem_per_sm, stream_gemv_blocks_per_sm).
 std::atomic<int64_t> g_stream_smem_per_sm{kStreamSmemPerSm};
 std::atomic<int> g_stream_blocks_per_sm{kStreamBlocksPerSm};
@@ -99,8 +99,8 @@ void set_rows_gemv_staging_min_rows(int n) {
   g_rows_gemv_staging_min_rows.store(n, std::memory_order_relaxed);
 }
 
-bool rows_gemv_split_enabled() { return g_rows_gemv_split.load(std::memory_order_relaxed); }
-void set_rows_gemv_split_enabled(bool on) { g_rows_gemv_split.store(on, std::memory_order_relaxed); }
+RowsGemvSplit rows_gemv_split() { return g_rows_gemv_split.load(std::memory_order_relaxed); }
+void set_rows_gemv_split(RowsGemvSplit split) { g_rows_gemv_split.store(split, std::memory_order_relaxed); }
 
 int64_t rows_mode_max_weight_rows() { return g_rows_mode_max_weight_rows.load(std::memory_order_relaxed); }
 void set_rows_mode_max_weight_rows(int64_t n) {

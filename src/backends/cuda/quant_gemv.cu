@@ -599,9 +599,9 @@ struct StreamPlan {
   /// Staged mode: the tiles past the first stages from the tile counter (the instance with
   /// kCounter; stream_gemv_tile_counter_enabled).
   bool counter = false;
-  /// Rows mode: warp groups per block (quant_stream_gemv_kernel's kGroups): 2 while
-  /// rows_gemv_split_enabled() with an even column-block count, or one block and an even number
-  /// of stages; else 1.
+  /// Rows mode: warp groups per block (quant_stream_gemv_kernel's kGroups): 2 with one column
+  /// block and an even number of stages (rows_gemv_split() tiles or all), or an even column-block
+  /// count (all); else 1.
   int warp_groups = 1;
 };
 
@@ -644,8 +644,9 @@ StreamPlan stream_gemv_plan(const DeviceQuant& w, int m, StreamMode mode = Strea
                  tiles >= kCounterMinTilesPerBlock * plan.blocks;
   // Two warp groups: over the column blocks where they are even; over the tiles with one block,
   // where an even number of stages fits beside the second group's partials.
-  if (mode == StreamMode::rows && rows_gemv_split_enabled()) {
-    if (plan.column_blocks % 2 == 0) {
+  const RowsGemvSplit split = mode == StreamMode::rows ? rows_gemv_split() : RowsGemvSplit::none;
+  if (split != RowsGemvSplit::none) {
+    if (plan.column_blocks % 2 == 0 && split == RowsGemvSplit::all) {
       plan.warp_groups = 2;
     } else if (plan.column_blocks == 1 && fit >= 2) {
       const int64_t even = fit / 2 * 2;

@@ -124,9 +124,9 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_EQ(o.max_batch, 64);
   EXPECT_EQ(o.decode_rows, 64);
   EXPECT_EQ(o.rows_gemv_from, 2);
-  EXPECT_FALSE(o.rows_gemv_split);
+  EXPECT_EQ(o.rows_gemv_split, "tiles");
   EXPECT_TRUE(o.prefill_rows);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 gemv-tile-counter=1 gemv-blocks-per-sm=4 gemv-smem-kib=112 gemv-late-requests=none flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 moe-out-proj=0 moe-next-norm=0 moe-tile-balance=16 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64 rows-gemv-from=2 rows-gemv-split=0 prefill-rows=1 persistent-decode=0");
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 gemv-tile-counter=1 gemv-blocks-per-sm=4 gemv-smem-kib=112 gemv-late-requests=none flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 moe-out-proj=0 moe-next-norm=0 moe-tile-balance=16 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64 rows-gemv-from=2 rows-gemv-split=tiles prefill-rows=1 persistent-decode=0");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {
@@ -139,12 +139,12 @@ TEST(CudaOptions, ReadsEveryVariable) {
       u("LILY_CUDA_DECODE_ROWS", "64"), v("LILY_CUDA_PERSISTENT_DECODE", "debug"), w("LILY_CUDA_MOE_OUT_PROJ", "1"),
       x("LILY_CUDA_GEMV_TILE_COUNTER", "0"), y("LILY_CUDA_GEMV_BLOCKS_PER_SM", "2"), z("LILY_CUDA_GEMV_SMEM_KIB", "224"),
       aa("LILY_CUDA_GEMV_LATE_REQUESTS", "staged"), ab("LILY_CUDA_MOE_NEXT_NORM", "1"),
-      ac("LILY_CUDA_MOE_TILE_BALANCE", "12"), ad("LILY_CUDA_ROWS_GEMV_SPLIT", "1");
+      ac("LILY_CUDA_MOE_TILE_BALANCE", "12"), ad("LILY_CUDA_ROWS_GEMV_SPLIT", "0");
   const CudaOptions o = CudaOptions::from_env();
   EXPECT_FALSE(o.gdn_local_mma);
   EXPECT_FALSE(o.gdn_state_mma);
   EXPECT_EQ(o.gemm_kernel, "0");
-  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 gemv-tile-counter=0 gemv-blocks-per-sm=2 gemv-smem-kib=224 gemv-late-requests=staged flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv gemm-kernel=0 fused-moe=0 moe-out-proj=1 moe-next-norm=1 moe-tile-balance=12 batched-decode=0 chunk=256 max-batch=16 decode-rows=64 rows-gemv-from=9 rows-gemv-split=1 prefill-rows=1 persistent-decode=debug");
+  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 gemv-tile-counter=0 gemv-blocks-per-sm=2 gemv-smem-kib=224 gemv-late-requests=staged flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv gemm-kernel=0 fused-moe=0 moe-out-proj=1 moe-next-norm=1 moe-tile-balance=12 batched-decode=0 chunk=256 max-batch=16 decode-rows=64 rows-gemv-from=9 rows-gemv-split=0 prefill-rows=1 persistent-decode=debug");
 }
 
 /// The kernel-layer switches (the GDN passes' tensor cores, the GEMM kernel): each one alone,
@@ -195,7 +195,7 @@ TEST(CudaOptions, BadValuesNameTheVariable) {
                                                      {"LILY_CUDA_MAX_BATCH", "four"},    {"LILY_CUDA_ROWS_GEMV_FROM", "0"},
                                                      {"LILY_CUDA_ROWS_GEMV_FROM", "66"},
                                                      {"LILY_CUDA_DECODE_ROWS", "0"},     {"LILY_CUDA_DECODE_ROWS", "65"},
-                                                     {"LILY_CUDA_PREFILL_ROWS", "yes"}, {"LILY_CUDA_ROWS_GEMV_SPLIT", "2"},
+                                                     {"LILY_CUDA_PREFILL_ROWS", "yes"}, {"LILY_CUDA_ROWS_GEMV_SPLIT", "1"},
                                                      {"LILY_CUDA_MOE_TILE_BALANCE", "-1"}, {"LILY_CUDA_MOE_TILE_BALANCE", "1025"}};
   for (const auto& [name, value] : bad) {
     ScopedEnv env(name, value);
@@ -229,13 +229,13 @@ TEST(CudaOptions, SetTakesEveryDescribedField) {
   for (const char* a : {"fuse=0", "pdl=0", "stream-gemv=0", "gemv-tile-counter=0", "gemv-blocks-per-sm=3", "gemv-smem-kib=160", "gemv-late-requests=all", "flash-prefill=0", "device-sampler=0", "gemv-row-tiles=0",
                         "gdn-chunk-parallel=0", "gdn-local-mma=0", "gdn-state-mma=0", "prefill=per-token", "gemm=gemv",
                         "gemm-kernel=grouped", "fused-moe=0", "moe-out-proj=1", "moe-next-norm=1", "moe-tile-balance=7", "batched-decode=0", "chunk=512", "max-batch=7",
-                        "decode-rows=48", "rows-gemv-from=9", "rows-gemv-split=1", "prefill-rows=1", "persistent-decode=1"})
+                        "decode-rows=48", "rows-gemv-from=9", "rows-gemv-split=all", "prefill-rows=1", "persistent-decode=1"})
     changed.set(a);
   EXPECT_EQ(changed.describe(), "fuse=0 pdl=0 stream-gemv=0 gemv-tile-counter=0 gemv-blocks-per-sm=3 gemv-smem-kib=160 "
                                 "gemv-late-requests=all flash-prefill=0 device-sampler=0 gemv-row-tiles=0 "
                                 "gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv "
                                 "gemm-kernel=grouped fused-moe=0 moe-out-proj=1 moe-next-norm=1 moe-tile-balance=7 batched-decode=0 chunk=512 max-batch=7 "
-                                "decode-rows=48 rows-gemv-from=9 rows-gemv-split=1 prefill-rows=1 persistent-decode=1");
+                                "decode-rows=48 rows-gemv-from=9 rows-gemv-split=all prefill-rows=1 persistent-decode=1");
   // describe()'s own words, given back one by one, rebuild the same options.
   CudaOptions rebuilt;
   std::istringstream words(changed.describe());
