@@ -111,7 +111,8 @@ struct Generation::Impl {
   PenaltyEdits edits;  ///< the step-1 edits handed to a device sampler (next_row)
   std::optional<PrefixChoiceConstraint> prefix;  ///< GenerationParams::prefix_choices
   std::optional<JsonConstraint> json;            ///< GenerationParams::json_schema
-  std::vector<float> masked;  ///< the logits row with the prefix constraint's mask applied
+  std::optional<ToolCallConstraint> tool;        ///< GenerationParams::tool_call
+  std::vector<float> masked;  ///< the logits row with the constraints' masks applied
   Clock::time_point t0;  ///< first step
   Clock::time_point t1;  ///< first generated token
 };
@@ -131,11 +132,16 @@ Generation::Generation(const Backend& backend, SequenceState& state, std::span<c
   if (params.prefill_chunk < 0) throw Error("generate: prefill_chunk must be ≥ 0");
   if (!params.prefix_choices.empty() && tokenizer == nullptr) throw Error("generate: prefix choices need a tokenizer");
   if (params.json_schema && tokenizer == nullptr) throw Error("generate: a JSON schema needs a tokenizer");
+  if (params.tool_call && tokenizer == nullptr) throw Error("generate: a tool-call grammar needs a tokenizer");
   impl_ = std::make_unique<Impl>(tokenizer, params, backend.config().vocab);
   if (!params.prefix_choices.empty())
     impl_->prefix.emplace(PrefixChoiceConstraint::over_tokenizer(params.prefix_choices, backend.config().vocab, *tokenizer));
   if (params.json_schema)
     impl_->json.emplace(params.json_schema, JsonVocabIndex::for_tokenizer(*tokenizer, backend.config().vocab),
+                        params.stop_ids);
+  if (params.tool_call)
+    impl_->tool.emplace(params.tool_call,
+                        ToolCallVocab::for_tokenizer(*tokenizer, backend.config().vocab, params.kept_special_ids),
                         params.stop_ids);
   const int64_t n = static_cast<int64_t>(prompt.size());
   result_.prompt_tokens = n;
@@ -210,7 +216,8 @@ bool Generation::samples_on_device() const {
 }
 
 bool Generation::constrained() const {
-  return (impl_->prefix && impl_->prefix->active()) || (impl_->json && impl_->json->active()) || stops_masked();
+  return (impl_->prefix && impl_->prefix->active()) || (impl_->json && impl_->json->active()) ||
+         (impl_->tool && impl_->tool->active()) || stops_masked();
 }
 
 bool Generation::stops_masked() const {
@@ -221,9 +228,9 @@ bool Generation::stops_masked() const {
 // `next` is already the sampled id), or the host sampler's choice from the logits. Plain greedy
 // takes the backend's argmax as is (bit-exact, no logits copied); host sampling, penalties and
 // bias on a backend without a device sampler, and log-probabilities (always computed on the
-// host) need the logits row of every step on the host. While the prefix constraint is active,
-// the host sampler (greedy or not) chooses from the row with the disallowed tokens (and, before
-// min_tokens, the stop tokens) at −inf.
+// host) need the logits row of every step on the host. While a constraint (prefix, JSON, tool
+// call) is active, the host sampler (greedy or not) chooses from the row with the disallowed
+// tokens (and, before min_tokens, the stop tokens) at −inf.
 int32_t Generation::choose(int32_t next) {
   const SamplingParams& sp = params_.sampling;
   const bool want_logprobs = params_.logprobs >= 0;
@@ -240,13 +247,17 @@ int32_t Generation::choose(int32_t next) {
     if (prefix) impl_->prefix->mask(impl_->masked);
     const bool json = impl_->json && impl_->json->active();
     if (json) impl_->json->mask(impl_->masked);
-    if (stops_masked() && !(json && impl_->json->complete()))  // a finished document needs its stop
+    const bool tool = impl_->tool && impl_->tool->active();
+    if (tool) impl_->tool->mask(impl_->masked);
+    // A finished document or tool call needs its stop.
+    if (stops_masked() && !(json && impl_->json->complete()) && !(tool && impl_->tool->complete()))
       for (int32_t id : params_.stop_ids)
         if (id >= 0 && static_cast<size_t>(id) < impl_->masked.size())
           impl_->masked[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
     token = impl_->sampler.sample(impl_->masked, sp, impl_->history, step);
     if (prefix) impl_->prefix->push(token);
     if (json) impl_->json->push(token);
+    if (tool) impl_->tool->push(token);
   } else {
     token = sp.plain_greedy() || on_device ? next : impl_->sampler.sample(logits_, sp, impl_->history, step);
   }
@@ -287,8 +298,10 @@ void Generation::emit(int32_t token) {
   std::string piece = stop_token ? std::string() : impl_->text.push(token);
   const bool go_on = !on_token_ || on_token_(token, piece);
   const bool text_stop = params_.stop_after_text && !piece.empty() && params_.stop_after_text(piece);
-  // A JSON document closed with no stop token to force after it (ignore_eos): it ends here.
-  const bool document_done = impl_->json && impl_->json->complete() && params_.stop_ids.empty();
+  // A JSON document or tool call closed with no stop token to force after it (ignore_eos): it
+  // ends here.
+  const bool document_done = ((impl_->json && impl_->json->complete()) || (impl_->tool && impl_->tool->complete())) &&
+                             params_.stop_ids.empty();
   if (stop_token || impl_->text.stopped() || text_stop || document_done) return finish(FinishReason::kStop);
   if (!go_on) return finish(FinishReason::kCancelled);
   if (static_cast<int64_t>(result_.token_ids.size()) >= params_.max_tokens || state_.position() >= params_.max_seq)

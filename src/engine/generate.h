@@ -15,6 +15,7 @@
 #include "engine/backend.h"
 #include "engine/json_constraint.h"
 #include "engine/sampler.h"
+#include "engine/tool_call_constraint.h"
 #include "text/tokenizer.h"
 
 namespace lily {
@@ -57,8 +58,7 @@ struct GenerationParams {
   /// tokenizer). Until it equals one of them, each step's token is chosen from the logits with
   /// every token masked out whose bytes would not keep the text a prefix of one
   /// (engine/prefix_choice.h), greedy or sampled; then generation is free. Those steps copy
-  /// the logits to the host and sample there even on a backend that samples on its device. The
-  /// server uses it so that tool_choice "required" with several tools names a declared tool.
+  /// the logits to the host and sample there even on a backend that samples on its device.
   std::vector<std::string> prefix_choices;
   /// When set: structured output. Every token is chosen from the logits with the tokens masked
   /// out that would make the text no prefix of a JSON object of this schema, and once the object
@@ -66,6 +66,14 @@ struct GenerationParams {
   /// (engine/json_constraint.h; needs a tokenizer). These steps copy the logits to the host and
   /// choose there, as for prefix_choices.
   std::shared_ptr<const JsonSchema> json_schema;
+  /// When set: the rest of a forced tool call (engine/tool_call_constraint.h; needs a
+  /// tokenizer). Every token is chosen with the tokens masked out that would leave the call
+  /// format or the named function's parameter schemas; after "</tool_call>" only a stop token
+  /// or, when the grammar allows, another call; without stop tokens the generation ends with
+  /// kStop right after "</tool_call>". Once an unfollowed function is named, generation is free.
+  /// These steps copy the logits to the host and choose there, as for prefix_choices. The
+  /// vocabulary keeps the text of kept_special_ids (markers the tokenizer marks special).
+  std::shared_ptr<const ToolCallGrammar> tool_call;
   /// Special tokens whose text is still written into the released text (every other special
   /// token writes none): the server passes a chat answer's think and tool-call markers when the
   /// tokenizer marks them special, since it splits the answer at their text.
@@ -171,8 +179,8 @@ class Generation {
   /// Backend::samples_on_device, not constrained()): the step returns the sampled id,
   /// no logits needed for it.
   bool samples_on_device() const;
-  /// True while the next token is chosen on the host from masked logits: the prefix or JSON
-  /// constraint is active, or the stop tokens are still masked (stops_masked).
+  /// True while the next token is chosen on the host from masked logits: the prefix, JSON or
+  /// tool-call constraint is active, or the stop tokens are still masked (stops_masked).
   bool constrained() const;
   /// True while fewer than GenerationParams::min_tokens tokens were generated (and there are
   /// stop tokens): the next choice cannot be a stop token.

@@ -407,10 +407,27 @@ JsonMatcher::JsonMatcher(std::shared_ptr<const JsonSchema> schema) : schema_(std
   stack_.push_back(std::move(root));
 }
 
+JsonMatcher::JsonMatcher(std::shared_ptr<const JsonSchema> schema, int node) : schema_(std::move(schema)) {
+  Frame root;
+  root.kind = Frame::kValue;
+  root.node = node;
+  stack_.push_back(std::move(root));
+}
+
+bool JsonMatcher::can_end() const {
+  if (stack_.empty()) return true;
+  if (stack_.size() != 1) return false;
+  const Frame& f = stack_.back();
+  if (f.kind == Frame::kNumber) return number_can_end(f.state);
+  if (f.kind != Frame::kLiteral) return false;
+  const auto& literals = literals_of(f);
+  return std::find(literals.begin(), literals.end(), f.text) != literals.end();
+}
+
 bool JsonMatcher::in_free_text() const {
   if (stack_.empty()) return false;
   const Frame& f = stack_.back();
-  if (f.utf8_need != 0) return false;
+  if (f.utf8.need != 0) return false;
   if (f.kind == Frame::kString) return f.state == 0 && schema_->node(f.node).max_length < 0;
   return f.kind == Frame::kKey && key_available(stack_[stack_.size() - 2], -1);
 }
@@ -443,27 +460,25 @@ bool JsonMatcher::item_available(const Frame& array) const {
   return (n.max_items < 0 || array.count < n.max_items) && fits(n.items);
 }
 
-// Well-formed UTF-8, byte by byte: a lead byte sets how many continuation bytes follow and the
-// range of the first (no overlong forms, no surrogates, nothing past U+10FFFF).
-bool JsonMatcher::utf8_step(Frame& f, unsigned char byte) {
-  if (f.utf8_need > 0) {
-    if (byte < f.utf8_lo || byte > f.utf8_hi) return false;
-    --f.utf8_need;
-    f.utf8_lo = 0x80;
-    f.utf8_hi = 0xBF;
+bool Utf8Check::step(unsigned char byte) {
+  if (need > 0) {
+    if (byte < lo || byte > hi) return false;
+    --need;
+    lo = 0x80;
+    hi = 0xBF;
     return true;
   }
   if (byte < 0x80) return true;
   if (byte >= 0xC2 && byte <= 0xDF) {
-    f.utf8_need = 1;
+    need = 1;
   } else if (byte >= 0xE0 && byte <= 0xEF) {
-    f.utf8_need = 2;
-    if (byte == 0xE0) f.utf8_lo = 0xA0;
-    if (byte == 0xED) f.utf8_hi = 0x9F;
+    need = 2;
+    if (byte == 0xE0) lo = 0xA0;
+    if (byte == 0xED) hi = 0x9F;
   } else if (byte >= 0xF0 && byte <= 0xF4) {
-    f.utf8_need = 3;
-    if (byte == 0xF0) f.utf8_lo = 0x90;
-    if (byte == 0xF4) f.utf8_hi = 0x8F;
+    need = 3;
+    if (byte == 0xF0) lo = 0x90;
+    if (byte == 0xF4) hi = 0x8F;
   } else {
     return false;
   }
@@ -570,12 +585,12 @@ bool JsonMatcher::feed_top(unsigned char byte) {
         return start_value(f, byte);
       case Frame::kString:
         if (f.state == 0) {
-          if (f.utf8_need > 0) return utf8_step(f, byte);  // inside a character
+          if (f.utf8.need > 0) return f.utf8.step(byte);  // inside a character
           if (byte == '"') {
             stack_.pop_back();
             return true;
           }
-          if (byte < 0x20 || !utf8_step(f, byte)) return false;
+          if (byte < 0x20 || !f.utf8.step(byte)) return false;
           // A character starts here (an escape counts as one).
           const int64_t max = schema_->node(f.node).max_length;
           if (max >= 0 && ++f.count > max) return false;
@@ -660,7 +675,7 @@ bool JsonMatcher::feed_top(unsigned char byte) {
       case Frame::kKey: {
         const Frame& object = stack_[stack_.size() - 2];
         const JsonSchema::Node& n = schema_->node(object.node);
-        if (byte == '"' && f.utf8_need == 0) {
+        if (byte == '"' && f.utf8.need == 0) {
           int prop = -1;
           for (size_t i = 0; i < n.property_names.size(); ++i)
             if (n.property_names[i] == f.text) prop = static_cast<int>(i);
@@ -675,7 +690,7 @@ bool JsonMatcher::feed_top(unsigned char byte) {
           if (prop < 0) o.keys.push_back(std::move(key));
           return true;
         }
-        if (byte < 0x20 || byte == '\\' || byte == '"' || !utf8_step(f, byte)) return false;
+        if (byte < 0x20 || byte == '\\' || byte == '"' || !f.utf8.step(byte)) return false;
         f.text.push_back(static_cast<char>(byte));
         if (key_available(object, -1)) return true;
         for (size_t i = 0; i < n.property_names.size(); ++i)
@@ -796,26 +811,6 @@ JsonConstraint::JsonConstraint(std::shared_ptr<const JsonSchema> schema, std::sh
   if (!vocab_) throw Error("json constraint: no vocabulary index");
 }
 
-// Tokens in sorted()[lo, hi) share their first `depth` bytes, which `m` has taken: those that
-// end there are allowed, the rest are tried by their next byte, a whole group skipped when the
-// matcher refuses that byte.
-void JsonConstraint::walk(size_t lo, size_t hi, size_t depth, const JsonMatcher& m, std::vector<char>& ok) const {
-  const auto sorted = vocab_->sorted();
-  const auto bytes = vocab_->bytes();
-  auto byte_at = [&](size_t i) { return static_cast<unsigned char>(bytes[static_cast<size_t>(sorted[i])][depth]); };
-  while (lo < hi && bytes[static_cast<size_t>(sorted[lo])].size() == depth) ok[static_cast<size_t>(sorted[lo++])] = 1;
-  while (lo < hi) {
-    const unsigned char c = byte_at(lo);
-    const size_t end = static_cast<size_t>(
-        std::partition_point(sorted.begin() + static_cast<std::ptrdiff_t>(lo), sorted.begin() + static_cast<std::ptrdiff_t>(hi),
-                             [&](int32_t id) { return static_cast<unsigned char>(bytes[static_cast<size_t>(id)][depth]) <= c; }) -
-        sorted.begin());
-    JsonMatcher next = m;
-    if (next.feed(c)) walk(lo, end, depth + 1, next, ok);
-    lo = end;
-  }
-}
-
 std::vector<char> JsonConstraint::allowed_mask() const {
   std::vector<char> ok(static_cast<size_t>(vocab_->vocab()), 0);
   if (matcher_.complete()) {
@@ -831,7 +826,7 @@ std::vector<char> JsonConstraint::allowed_mask() const {
     }
     return ok;
   }
-  walk(0, vocab_->sorted().size(), 0, matcher_, ok);
+  mark_taken_tokens(*vocab_, matcher_, ok);
   return ok;
 }
 

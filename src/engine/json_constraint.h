@@ -21,6 +21,7 @@
 //   ids sorted by bytes) so a structural position tries only the prefixes it accepts; inside a
 //   string, tokens free of quotes, backslashes and control bytes pass without a walk.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -47,6 +48,15 @@ inline constexpr int kMaxExponentDigits = 2;
 inline constexpr size_t kMaxJsonNesting = 32;
 /// Most properties one object schema may list (their seen set is a 64-bit mask).
 inline constexpr size_t kMaxSchemaProperties = 64;
+
+/// Well-formed UTF-8, byte by byte: a lead byte sets how many continuation bytes follow and the
+/// range of the first (no overlong forms, no surrogates, nothing past U+10FFFF).
+struct Utf8Check {
+  uint8_t need = 0;               ///< continuation bytes still to come
+  uint8_t lo = 0x80, hi = 0xBF;   ///< the range of the next continuation byte
+  /// Takes one byte; false when the text would no longer be well-formed UTF-8.
+  bool step(unsigned char byte);
+};
 
 /// A JSON Schema compiled to the structure the matcher follows (see the file comment).
 class JsonSchema {
@@ -80,8 +90,10 @@ class JsonSchema {
   /// Any JSON object (response_format json_object).
   static std::shared_ptr<const JsonSchema> any_object();
 
-  /// Node `i` (0 … node count − 1; 0 is the unconstrained value).
+  /// Node `i` (0 … size() − 1; 0 is the unconstrained value).
   const Node& node(int i) const { return nodes_[static_cast<size_t>(i)]; }
+  /// The number of nodes.
+  size_t size() const { return nodes_.size(); }
   /// The root object's node.
   int root() const { return root_; }
 
@@ -95,6 +107,9 @@ class JsonSchema {
 class JsonMatcher {
  public:
   explicit JsonMatcher(std::shared_ptr<const JsonSchema> schema);
+  /// A matcher of one value of schema node `node` (any type the node allows, not only an
+  /// object), as the root of its own document: complete() once that value is closed.
+  JsonMatcher(std::shared_ptr<const JsonSchema> schema, int node);
   /// Takes one byte. False: the text plus this byte is no prefix of a valid document (the
   /// matcher is then in no defined state: feed a copy when probing).
   bool feed(unsigned char byte);
@@ -102,6 +117,10 @@ class JsonMatcher {
   bool feed(std::string_view bytes);
   /// True once the root object is closed.
   bool complete() const { return stack_.empty(); }
+  /// True when the text so far is a whole value: complete(), or the root is a number or a
+  /// literal (true, an enum value, …) that could end here (those end only when a byte that
+  /// cannot continue them comes, which a root value never gets).
+  bool can_end() const;
   /// True inside free text: a string value (not an enum, not in an escape) or a key of an object
   /// that takes any key. There any byte but '"', '\\' and control bytes continues it.
   bool in_free_text() const;
@@ -118,8 +137,7 @@ class JsonMatcher {
     std::string text;      ///< kKey: the key so far; kLiteral: the literal so far
     uint8_t literal_set = 0;  ///< kLiteral: 0 the node's enum, else true/false/null bits
     int64_t count = 0;        ///< kString: characters so far; kArray: items so far
-    uint8_t utf8_need = 0;    ///< kString/kKey: UTF-8 continuation bytes still to come
-    uint8_t utf8_lo = 0x80, utf8_hi = 0xBF;  ///< the range of the next continuation byte
+    Utf8Check utf8;           ///< kString/kKey: the character being written
     char hex_first = 0;       ///< kString in a \u escape: its first hex digit (lower case)
     bool high_surrogate = false;  ///< kString: this \u escape is a high surrogate
     bool low_phase = false;   ///< kString: this \u escape must be the low surrogate after one
@@ -129,7 +147,6 @@ class JsonMatcher {
   bool start_value(Frame& f, unsigned char byte);
   bool whitespace(unsigned char byte);
   bool literal_step(Frame& f, unsigned char byte, bool& done) const;
-  static bool utf8_step(Frame& f, unsigned char byte);
   size_t containers() const;
   bool fits(int node) const;  ///< a value of `node` can start and close inside the current containers
   bool key_available(const Frame& object, int property) const;  ///< −1: an additional key
@@ -163,6 +180,31 @@ class JsonVocabIndex {
   std::vector<int32_t> sorted_, plain_, special_;
 };
 
+/// Marks in `ok` (one entry per id) every token of `index` whose bytes a copy of `matcher` takes
+/// whole. The vocabulary is walked as a trie: the tokens that share a prefix are tried together
+/// and skipped together once the matcher refuses it. `Matcher`: copyable, bool feed(unsigned char).
+template <class Matcher>
+void mark_taken_tokens(const JsonVocabIndex& index, const Matcher& matcher, std::vector<char>& ok) {
+  const auto sorted = index.sorted();
+  const auto bytes = index.bytes();
+  // sorted()[lo, hi) share their first `depth` bytes, which `m` has taken.
+  auto walk = [&](auto& self, size_t lo, size_t hi, size_t depth, const Matcher& m) -> void {
+    auto byte_at = [&](int32_t id) { return static_cast<unsigned char>(bytes[static_cast<size_t>(id)][depth]); };
+    while (lo < hi && bytes[static_cast<size_t>(sorted[lo])].size() == depth) ok[static_cast<size_t>(sorted[lo++])] = 1;
+    while (lo < hi) {
+      const unsigned char c = byte_at(sorted[lo]);
+      const auto first = sorted.begin() + static_cast<std::ptrdiff_t>(lo);
+      const auto last = sorted.begin() + static_cast<std::ptrdiff_t>(hi);
+      const size_t end = static_cast<size_t>(
+          std::partition_point(first, last, [&](int32_t id) { return byte_at(id) <= c; }) - sorted.begin());
+      Matcher next = m;
+      if (next.feed(c)) self(self, lo, end, depth + 1, next);
+      lo = end;
+    }
+  };
+  walk(walk, 0, sorted.size(), 0, matcher);
+}
+
 /// The constraint over a generation (see the file comment).
 class JsonConstraint {
  public:
@@ -185,7 +227,6 @@ class JsonConstraint {
   void push(int32_t id);
 
  private:
-  void walk(size_t lo, size_t hi, size_t depth, const JsonMatcher& m, std::vector<char>& ok) const;
   std::vector<char> allowed_mask() const;
 
   std::shared_ptr<const JsonVocabIndex> vocab_;

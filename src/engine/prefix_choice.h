@@ -1,9 +1,8 @@
 // A token-level constraint on the start of a generation: the generated text must begin with one
 // of a few given strings. Until it does, a token is allowed only when the text with the token's
 // bytes appended is still a prefix of one of them; once the text equals one of them, generation
-// is free again. The server uses it for tool_choice "required" with several tools: after the
-// forced opening "<tool_call>\n<function=" the model may only write one of the declared names
-// followed by ">\n" (server/chat_agent.h, forced_name_choices).
+// is free again (GenerationParams::prefix_choices). The server's forced tool calls use the fuller
+// engine/tool_call_constraint.h, which holds the name and then the parameters.
 //
 // The constraint works on raw token bytes, so a name may be spelled with any tokens (one per
 // character, or merged ones) and a multi-byte character may span tokens. Tokens without bytes

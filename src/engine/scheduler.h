@@ -78,6 +78,7 @@ struct JobRequest {
   bool ignore_eos = false;                 ///< true: the checkpoint's stop tokens (EngineOptions::stop_ids) unused
   std::vector<int32_t> stop_ids;           ///< more stop tokens of this request (kept with ignore_eos)
   std::shared_ptr<const JsonSchema> json_schema;  ///< GenerationParams::json_schema of every choice
+  std::shared_ptr<const ToolCallGrammar> tool_call;  ///< GenerationParams::tool_call of every choice
 };
 
 /// Where the engine spent one choice's time, in seconds (JobEvent::timings of its kDone; the

@@ -6,6 +6,7 @@
 
 #include "server/api_error.h"
 #include "server/json_depth.h"
+#include "server/tool_calls.h"
 
 namespace lily::server {
 
@@ -243,11 +244,27 @@ std::string forced_answer_prefix(const ChatAgentFields& fields, bool thinking) {
   return prefix;
 }
 
-std::vector<std::string> forced_name_choices(const ChatAgentFields& fields) {
-  if (!fields.tools_active() || fields.tool_choice != ToolChoice::kRequired || fields.tools.size() < 2) return {};
-  std::vector<std::string> choices;
-  for (const auto& tool : fields.tools) choices.push_back(tool["function"]["name"].get<std::string>() + ">\n");
-  return choices;
+std::shared_ptr<const ToolCallGrammar> forced_call_grammar(const ChatAgentFields& fields) {
+  if (!fields.tools_active()) return nullptr;
+  const bool named = fields.tool_choice == ToolChoice::kNamed;
+  if (!named && fields.tool_choice != ToolChoice::kRequired) return nullptr;
+  std::vector<ToolCallGrammar::Declaration> functions;
+  for (const auto& tool : fields.tools) {
+    const auto& f = tool["function"];
+    const std::string name = f["name"].get<std::string>();
+    if (named && name != fields.tool_choice_name) continue;
+    const auto parameters = f.find("parameters");
+    functions.push_back({name, parameters == f.end() ? json() : json::parse(parameters->dump())});
+  }
+  const ToolSchemas schemas(fields.tools);
+  auto raw = [&schemas](const std::string& function, const std::string& parameter) {
+    return schemas.raw_string(function, parameter);
+  };
+  // The opening names the function unless "required" leaves the choice among several.
+  const std::optional<size_t> opened = functions.size() == 1 ? std::optional<size_t>(0) : std::nullopt;
+  const bool more_calls = !named && fields.parallel_tool_calls != false;
+  auto grammar = ToolCallGrammar::compile(functions, raw, opened, more_calls);
+  return grammar->constrains() ? grammar : nullptr;
 }
 
 ChatTemplateOptions template_options(const ChatAgentFields& fields, bool server_default, bool add_generation_prompt) {

@@ -3,6 +3,7 @@
 // conversations (tool_calls on assistant turns, tool_call_id on tool results). Kept apart from
 // chat_request.cpp, which calls in here for these keys.
 #pragma once
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -10,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/tool_call_constraint.h"
 #include "text/chat_template.h"
 
 namespace lily::server {
@@ -63,16 +65,23 @@ bool thinking_enabled(const ChatAgentFields& fields, bool server_default);
 /// text is the start of the model's own tool-call format (server/tool_calls.h):
 ///   named, or "required" with one tool declared: "<tool_call>\n<function=NAME>\n"
 ///   "required" with several tools:                "<tool_call>\n<function="  (the model names one,
-///                                                 held to the declared names: forced_name_choices)
+///                                                 held to the declared names: forced_call_grammar)
 /// With thinking on, the answer starts inside the think block, so the opening first closes it
 /// as a turn without thinking would read ("\n</think>\n\n"): a forced call skips the reasoning.
 /// The server appends its tokens to the prompt and the answer parser reads it as answer text.
 std::string forced_answer_prefix(const ChatAgentFields& fields, bool thinking);
 
-/// What the model may write right after the forced opening when it ends before the name
-/// ("required" with several tools): every declared name followed by ">\n", in declaration
-/// order, for GenerationParams::prefix_choices; empty otherwise (nothing to constrain).
-std::vector<std::string> forced_name_choices(const ChatAgentFields& fields);
+/// What holds the rest of a forced call to the declared tools (engine/tool_call_constraint.h),
+/// for GenerationParams::tool_call; null when forced_answer_prefix forces nothing. A named
+/// function, or "required" with one tool: that function's parameters from right after its
+/// opening. "required" with several tools: first the name (one of the declared ones, each
+/// followed by ">\n"), then that function's parameters. With "required" and parallel_tool_calls
+/// not false, further calls (of any declared tool) may follow the first. Parameter values are
+/// typed as the answer parser types them (ToolSchemas::raw_string). A function whose
+/// `parameters` the constraint cannot follow is unfollowed: after its name the model is free (as
+/// before this constraint); when that is the named or single function, nothing is constrained
+/// and the result is null.
+std::shared_ptr<const ToolCallGrammar> forced_call_grammar(const ChatAgentFields& fields);
 
 /// The template variables of a request: tools when active, thinking, preserve_thinking.
 ChatTemplateOptions template_options(const ChatAgentFields& fields, bool server_default,

@@ -85,7 +85,7 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
   job.sampling = request_sampling(call);
   job.n = call.request.n;
   job.logprobs = call.request.logprobs ? call.request.top_logprobs : -1;
-  job.prefix_choices = call.prefix_choices;
+  job.tool_call = call.tool_call;
   job.min_tokens = call.request.min_tokens;
   job.ignore_eos = call.request.ignore_eos;
   job.json_schema = call.request.json_schema;
@@ -211,9 +211,9 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
       prompt.insert(prompt.end(), forced.begin(), forced.end());
       call.phases.tokenize += seconds(Clock::now() - t0);
     }
-    // "required" with several tools: the opening stops before the name, and the engine holds
-    // the model to the declared names (a token-level constraint, engine/prefix_choice.h).
-    call.prefix_choices = forced_name_choices(request.agent);
+    // The rest of a forced call (the name, with several tools, then the parameters and the end
+    // of the block) is held to the declared tools token by token (engine/tool_call_constraint.h).
+    call.tool_call = forced_call_grammar(request.agent);
     call.request = std::move(request);
   } catch (const ApiError& e) {
     return send_error(res, e);

@@ -260,9 +260,9 @@ struct ChatCall {
   uint64_t seed = 0;    ///< the seed of choice 0 (choice i: choice_seed(seed, i))
   AnswerFormat answer;  ///< chat: how the generated text becomes reasoning, content and tool calls
   RequestPhases phases;  ///< where its time went (the engine's part added from each choice's kDone)
-  /// chat, tool_choice "required" with several tools: the names the answer must go on with
-  /// after the forced opening (forced_name_choices; JobRequest::prefix_choices).
-  std::vector<std::string> prefix_choices;
+  /// chat, tool_choice "required" or a named function: what holds the rest of the forced call
+  /// to the declared tools (forced_call_grammar; JobRequest::tool_call); null otherwise.
+  std::shared_ptr<const ToolCallGrammar> tool_call;
 };
 
 /// Where one request's engine events go, in order. LilyServer::drain_events runs the one event

@@ -5,7 +5,8 @@
 // lily::Error from the template. Invariants for accepted requests (the documented contract):
 // chat messages non-empty and the last from the user (or the assistant with
 // continue_final_message), min_tokens within max_tokens, a structured-output schema whose matcher
-// takes any bytes, max_tokens ≥ 1 when set, at most 4
+// takes any bytes, a forced tool call's grammar built from any tool schemas (never an error)
+// whose matcher takes any text, max_tokens ≥ 1 when set, at most 4
 // non-empty stop strings, include_usage only with stream; a completion has exactly one
 // non-empty prompt (text or ids in [0, 2^31)); a tokenize request has a prompt or messages
 // (the last from the user, or also the assistant without the generation prompt); detokenize
@@ -19,6 +20,7 @@
 #include "base/error.h"
 #include "fuzz_support.h"
 #include "server/api_error.h"
+#include "server/chat_agent.h"
 #include "server/chat_request.h"
 #include "server/openai_json.h"
 #include "server/tool_calls.h"
@@ -32,6 +34,18 @@ void check_schema(const lily::server::GenerationFields& req, std::string_view by
   if (!req.json_schema) return;
   lily::JsonMatcher m(req.json_schema);
   for (char c : bytes)
+    if (!m.feed(static_cast<unsigned char>(c))) break;
+}
+
+/// A forced tool call's grammar from the request's tools (a schema the constraint cannot follow
+/// leaves that tool unfollowed, never an error): its matcher takes any bytes (here the last
+/// message's text, which a seed writes as a call) without throwing, and stops at the first
+/// refused one.
+void check_forced_call(const lily::server::ChatRequest& req) {
+  const auto grammar = lily::server::forced_call_grammar(req.agent);
+  if (!grammar) return;
+  lily::ToolCallMatcher m(grammar);
+  for (char c : req.messages.back().content)
     if (!m.feed(static_cast<unsigned char>(c))) break;
 }
 
@@ -100,6 +114,7 @@ void run(Parse parse, std::string_view body) {
     const auto req = parse(body);
     check_accepted(req);
     if constexpr (std::is_base_of_v<lily::server::GenerationFields, std::decay_t<decltype(req)>>) check_schema(req, body);
+    if constexpr (std::is_same_v<lily::server::ChatRequest, std::decay_t<decltype(req)>>) check_forced_call(req);
   } catch (const lily::server::ApiError& e) {
     try {
       check_rejected(e);

@@ -151,6 +151,15 @@ def seeds_request():
     put("fuzz_request", "not_object.json", "[1,2,3]")
     put("fuzz_request", "truncated.json", '{"model":"demo","messages":[{"role":"user","content":"\\ud83d')
     put("fuzz_request", "invalid_utf8.json", b'{"model":"demo","messages":[{"role":"user","content":"\xff\xfe"}]}')
+    # A forced tool call: the grammar of its parameters (one schema it follows, one it cannot).
+    put("fuzz_request", "forced_tool_call.json", req(tool_choice="required", messages=[{"role": "user", "content":
+        'get_weather>\n<parameter=at>\n{"lat": 1.5}\n</parameter>\n<parameter=city>\nParis\n</parameter>\n'
+        '<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=odd>\n'}], tools=[
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}, "days": {"type": "integer"},
+            "at": {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"]}},
+            "required": ["city"]}}},
+        {"type": "function", "function": {"name": "odd", "parameters": {"type": "object", "allOf": [{}]}}}]))
     # The legacy completions, /tokenize and /detokenize bodies (the same target runs their parsers).
     put("fuzz_request", "completion_text.json", json.dumps({"model": "demo", "prompt": "Once", "max_tokens": 4,
                                                             "stream": True, "stream_options": {"include_usage": True},

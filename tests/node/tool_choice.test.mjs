@@ -18,11 +18,13 @@ const { harness, modelDir } = await scriptedToolsModel('lily-tool-choice-', {
     { after: '<|im_start|>assistant\n<think>\n\n</think>\n\n', text: 'It is sunny.' },
     // After the opening of "required": the function's name, then the named opening's last token.
     { after: '<tool_call>\n<function=', text: 'set_counter', then: NAMED_OPENING },
-    // After a named opening: the arguments and the end of the call (spelled with the tokens
-    // still free: one bigram token cannot occur twice).
+    // After a named opening: the arguments and the end of the call as the template writes them
+    // (spelled with the tokens still free: one bigram token cannot occur twice).
     { after: NAMED_OPENING,
-      text: '<parameter=name>visits</parameter><parameter=value>\n\n42\n</parameter></function></tool_call>' },
+      text: '<parameter=name>\nvisits\n</parameter>\n<parameter=value>\n42\n</parameter>\n</function>\n</tool_call>' },
   ],
+  // Spellings for the markers the arguments repeat (the bigram model needs distinct tokens).
+  extraTokens: ['name>\n', 'value>\n', '\n</parameter>\n</function>', '\n</tool_call>'],
 });
 const { LILY_BIN, MODEL, assembleStream: assemble, postJson: post, serverForSuite } = harness;
 
@@ -73,11 +75,12 @@ describe('tool_choice on a scripted model', () => {
     assert.deepEqual(JSON.parse(r.choices[0].message.tool_calls[0].function.arguments), { name: 'visits', value: 42 });
     const prompt = await post(suite.server, '/tokenize', { messages: question, tools });
     assert.equal(r.usage.prompt_tokens, prompt.json.count + encode(LILY_BIN, modelDir, NAMED_OPENING).length);
-    // The other function, named, is the one called (its schema has no parameters: raw strings).
+    // The other function, named, is the one called; it declares no parameters, so the server
+    // holds the model to none (engine/tool_call_constraint.h), whatever it would write.
     const other = await ask({ tool_choice: named('get_time') });
     assert.equal(other.choices[0].finish_reason, 'tool_calls');
     assert.equal(other.choices[0].message.tool_calls[0].function.name, 'get_time');
-    assert.equal(JSON.parse(other.choices[0].message.tool_calls[0].function.arguments).name, 'visits');
+    assert.equal(other.choices[0].message.tool_calls[0].function.arguments, '{}');
   });
 
   it('streams the forced call as deltas that assemble to the whole message', async () => {

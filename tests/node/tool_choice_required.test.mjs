@@ -2,9 +2,10 @@
 // `openai` client, on a scripted checkpoint (scripted_model.mjs). After the forced opening
 // "<tool_call>\n<function=" this model, left to itself, names a tool nobody declared
 // (lookup_weather) and closes the call. The server holds it to the declared names, token by token
-// (engine/prefix_choice.h): every call that comes back, greedy or sampled, whole or streamed, for
-// every one of n choices, names one of the declared tools. Once the name is written the model is
-// free again and closes the block by itself.
+// (engine/tool_call_constraint.h): every call that comes back, greedy or sampled, whole or
+// streamed, for every one of n choices, names one of the declared tools. These tools take no
+// parameters, so after the name the constraint leaves only the end of the block, which the model
+// writes as the template does.
 // Run: LILY_BIN=build/lily node --test tests/node/tool_choice_required.test.mjs
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
@@ -18,10 +19,12 @@ const { harness } = await scriptedToolsModel('lily-tool-required-', {
     // After the opening: a name that is not declared, then a newline.
     { after: OPENING, text: 'lookup_weather>', then: '\n' },
     // After the newline that ends the name's line (written as "\n" or as part of ">\n"): the
-    // end of the call.
-    { after: '\n', text: '</function></tool_call>' },
-    { after: '>\n', text: '', then: '\n' },
+    // end of the call, as the template writes it.
+    { after: '\n', text: '</function>\n</tool_call>' },
+    { after: '>\n', text: '</function>\n</tool_call>' },
   ],
+  // The end of the call twice: spellings of its own for each.
+  extraTokens: ['</function>\n</tool_call>', '\n</tool_call>'],
 });
 const { MODEL, assembleStream: assemble, postJson: post, serverForSuite } = harness;
 
@@ -39,7 +42,7 @@ describe('tool_choice "required" with several tools', () => {
     // The same last token as a forced opening, without the server's constraint: raw text.
     const raw = await post(suite.server, '/v1/completions', { model: MODEL, prompt: OPENING, max_tokens: 32 });
     assert.equal(raw.status, 200, JSON.stringify(raw.json));
-    assert.equal(raw.json.choices[0].text, 'lookup_weather>\n</function></tool_call>');
+    assert.equal(raw.json.choices[0].text, 'lookup_weather>\n</function>\n</tool_call>');
   });
 
   it('greedy: the call names a declared tool, whole and streamed alike', async () => {

@@ -206,7 +206,7 @@ TEST(ChatAgent, ForcedAnswerPrefix) {
   EXPECT_EQ(forced_answer_prefix(agent_fields({{"tool_choice", "none"}}), false), "");
   // A named function: its opening, name included.
   EXPECT_EQ(forced_answer_prefix(agent_fields({{"tool_choice", named}}), false), "<tool_call>\n<function=get_weather>\n");
-  // "required" with one tool declared is that tool; with several, the model picks the name (held to the declared ones: ForcedNameChoices).
+  // "required" with one tool declared is that tool; with several, the model picks the name (held to the declared ones: ForcedCallGrammar).
   EXPECT_EQ(forced_answer_prefix(agent_fields({{"tool_choice", "required"}}), false), "<tool_call>\n<function=get_weather>\n");
   json time_tool = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
   const json two = json::array({weather_tool(), time_tool});
@@ -218,19 +218,49 @@ TEST(ChatAgent, ForcedAnswerPrefix) {
             "\n</think>\n\n<tool_call>\n<function=get_weather>\n");
 }
 
-TEST(ChatAgent, ForcedNameChoices) {
+TEST(ChatAgent, ForcedCallGrammar) {
   const json time_tool = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
   const json alarm_tool = {{"type", "function"}, {"function", {{"name", "set-alarm_2"}}}};
   const json three = json::array({weather_tool(), time_tool, alarm_tool});
-  // "required" with several tools: every declared name, in order, each closed as the model writes it.
-  EXPECT_EQ(forced_name_choices(agent_fields({{"tools", three}, {"tool_choice", "required"}})),
-            (std::vector<std::string>{"get_weather>\n", "get_time>\n", "set-alarm_2>\n"}));
-  // Nothing to constrain when the opening already holds the name, or nothing is forced.
-  EXPECT_TRUE(forced_name_choices(agent_fields({{"tool_choice", "required"}})).empty());  // one tool
-  EXPECT_TRUE(forced_name_choices(agent_fields({{"tools", three},
-                                          {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_time"}}}}}}))
-                  .empty());
+  // "required" with several tools: the name first, every declared one closed as the model writes
+  // it; further calls may follow unless parallel_tool_calls is false.
+  const auto several = forced_call_grammar(agent_fields({{"tools", three}, {"tool_choice", "required"}}));
+  ASSERT_TRUE(several);
+  EXPECT_FALSE(several->named());
+  EXPECT_TRUE(several->more_calls());
+  EXPECT_EQ(several->function_names().texts,
+            (std::vector<std::string>{"get_time>\n", "get_weather>\n", "set-alarm_2>\n"}));
+  EXPECT_FALSE(forced_call_grammar(agent_fields({{"tools", three}, {"tool_choice", "required"}, {"parallel_tool_calls", false}}))
+                   ->more_calls());
+  // One tool, or a named one: from after its opening, one call only when named. The parameters are
+  // typed as the parser types them: "city" raw text, "days" JSON; "city" required.
+  const auto single = forced_call_grammar(agent_fields({{"tool_choice", "required"}}));
+  ASSERT_TRUE(single);
+  EXPECT_EQ(single->named(), std::optional<size_t>(0));
+  const auto& weather = single->functions()[0];
+  ASSERT_EQ(weather.parameters.size(), 2u);
+  EXPECT_EQ(weather.parameters[0].name, "city");
+  EXPECT_TRUE(weather.parameters[0].raw);
+  EXPECT_FALSE(weather.parameters[1].raw);
+  EXPECT_EQ(weather.required, 1u);
+  const auto named = forced_call_grammar(agent_fields(
+      {{"tools", three}, {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_time"}}}}}}));
+  ASSERT_TRUE(named);
+  EXPECT_FALSE(named->more_calls());
+  ASSERT_EQ(named->functions().size(), 1u);
+  EXPECT_EQ(named->functions()[0].name, "get_time");
+  // Nothing forced: nothing to hold.
   for (const char* choice : {"auto", "none"})
-    EXPECT_TRUE(forced_name_choices(agent_fields({{"tools", three}, {"tool_choice", choice}})).empty()) << choice;
-  EXPECT_TRUE(forced_name_choices(agent_fields(json::object())).empty());
+    EXPECT_FALSE(forced_call_grammar(agent_fields({{"tools", three}, {"tool_choice", choice}}))) << choice;
+  EXPECT_FALSE(forced_call_grammar(agent_fields(json::object())));
+  // A schema the constraint cannot follow: a named tool falls back to its opening alone (null);
+  // among several it is unfollowed (free after its name) while the names are still held.
+  json odd = weather_tool();
+  odd["function"]["parameters"]["allOf"] = json::array({json::object()});
+  EXPECT_FALSE(forced_call_grammar(agent_fields({{"tools", json::array({odd})}, {"tool_choice", "required"}})));
+  const auto mixed = forced_call_grammar(agent_fields({{"tools", json::array({odd, time_tool})}, {"tool_choice", "required"}}));
+  ASSERT_TRUE(mixed);
+  EXPECT_FALSE(mixed->functions()[0].schema);
+  EXPECT_NE(mixed->functions()[0].unfollowed.find("allOf"), std::string::npos) << mixed->functions()[0].unfollowed;
+  EXPECT_TRUE(mixed->functions()[1].schema);
 }
