@@ -155,6 +155,7 @@ class JsonSchemaCompiler {
     for (const char* key : {"anyOf", "oneOf"})
       if (s.contains(key)) return any_of(s, key, at);
     JsonSchema::Node n;
+    bool no_literal_left = false;  // const outside enum: no value at all
     for (const auto& [key, value] : s.items()) {
       if (key == "type") {
         n.types = 0;
@@ -170,12 +171,14 @@ class JsonSchemaCompiler {
         }
       } else if (key == "enum") {
         if (!value.is_array() || value.empty()) throw Error("'enum' must be a non-empty list at " + at);
+        if (s.contains("const")) continue;  // const beside enum: read with const, below
         for (const auto& v : value) n.literals.push_back(v.dump());
       } else if (key == "maxLength" || key == "maxItems") {
         if (!value.is_number_unsigned()) throw Error("'" + key + "' must be a non-negative integer at " + at);
         (key == "maxLength" ? n.max_length : n.max_items) = static_cast<int64_t>(value.get<uint64_t>());
       } else if (key == "const") {
-        n.literals.push_back(value.dump());
+        if (const_allowed_by_enum(s, at)) n.literals.push_back(value.dump());
+        else no_literal_left = true;
       } else if (key == "items") {
         if (value.is_array()) throw Error("unsupported JSON schema keyword 'items' as a list (tuples) at " + at);
         n.items = compile(value, at + "items/");
@@ -205,7 +208,6 @@ class JsonSchemaCompiler {
         throw Error("unsupported JSON schema keyword '" + key + "' at " + at);
       }
     }
-    if (!n.literals.empty() && s.contains("type")) keep_literals_of_type(n, at);
     if (s.contains("required")) {
       const ordered_json& req = s["required"];
       if (!req.is_array()) throw Error("'required' must be a list of property names at " + at);
@@ -217,27 +219,80 @@ class JsonSchemaCompiler {
         n.required |= uint64_t{1} << (it - n.property_names.begin());
       }
     }
+    if (no_literal_left) throw Error("the 'const' value is not in the 'enum' at " + at);
+    if (!n.literals.empty()) keep_satisfying_literals(n, at);
     return add(std::move(n));
   }
 
   /// The type bits a JSON value has (an integral number is an integer and a number).
-  static uint8_t literal_type(const ordered_json& v) {
+  template <class Json>
+  static uint8_t literal_type(const Json& v) {
     if (v.is_object()) return JsonSchema::kObject;
     if (v.is_array()) return JsonSchema::kArray;
     if (v.is_string()) return JsonSchema::kString;
     if (v.is_boolean()) return JsonSchema::kBoolean;
     if (v.is_null()) return JsonSchema::kNull;
-    if (v.is_number_integer() || (v.is_number_float() && v.get<double>() == std::trunc(v.get<double>())))
-      return JsonSchema::kInteger | JsonSchema::kNumber;
+    if (v.is_number_integer()) return JsonSchema::kInteger | JsonSchema::kNumber;
+    const double d = v.template get<double>();
+    if (d == std::trunc(d)) return JsonSchema::kInteger | JsonSchema::kNumber;
     return JsonSchema::kNumber;
   }
 
-  /// enum/const beside type: only the values of those types stay (none left is an error).
-  static void keep_literals_of_type(JsonSchema::Node& n, const std::string& at) {
+  /// const beside enum: true when the const value is one of the enum's (as JSON values: key
+  /// order and 1 versus 1.0 do not matter). Checks the enum's shape, as its own branch would.
+  static bool const_allowed_by_enum(const ordered_json& s, const std::string& at) {
+    if (!s.contains("enum")) return true;
+    const ordered_json& values = s["enum"];
+    if (!values.is_array() || values.empty()) throw Error("'enum' must be a non-empty list at " + at);
+    const nlohmann::json wanted = nlohmann::json::parse(s["const"].dump());
+    return std::any_of(values.begin(), values.end(),
+                       [&](const ordered_json& v) { return nlohmann::json::parse(v.dump()) == wanted; });
+  }
+
+  /// Characters of a UTF-8 string (JSON's maxLength counts code points).
+  static int64_t utf8_chars(const std::string& text) {
+    return std::count_if(text.begin(), text.end(),
+                         [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; });
+  }
+
+  /// True when `v` is a value of node `index` (its literals, when it has them, included).
+  bool satisfies(const nlohmann::json& v, int index) const {
+    const JsonSchema::Node& n = out_->nodes_[static_cast<size_t>(index)];
+    auto is_v = [&](const std::string& literal) { return nlohmann::json::parse(literal) == v; };
+    if (!n.literals.empty() && std::none_of(n.literals.begin(), n.literals.end(), is_v)) return false;
+    return satisfies_keywords(v, n);
+  }
+
+  /// True when `v` satisfies the node's keywords other than enum/const: type, maxLength,
+  /// maxItems, items, properties, required and additionalProperties (nested schemas in full).
+  bool satisfies_keywords(const nlohmann::json& v, const JsonSchema::Node& n) const {
+    if (!(literal_type(v) & n.types)) return false;
+    if (v.is_string()) return n.max_length < 0 || utf8_chars(v.get<std::string>()) <= n.max_length;
+    if (v.is_array()) {
+      if (n.max_items >= 0 && static_cast<int64_t>(v.size()) > n.max_items) return false;
+      return std::all_of(v.begin(), v.end(), [&](const nlohmann::json& item) { return satisfies(item, n.items); });
+    }
+    if (!v.is_object()) return true;
+    for (size_t i = 0; i < n.property_names.size(); ++i)
+      if ((n.required >> i & 1) && !v.contains(n.property_names[i])) return false;
+    for (const auto& [key, value] : v.items()) {
+      const auto it = std::find(n.property_names.begin(), n.property_names.end(), key);
+      if (it != n.property_names.end()) {
+        if (!satisfies(value, n.property_nodes[static_cast<size_t>(it - n.property_names.begin())])) return false;
+      } else if (!n.additional || !satisfies(value, n.additional_node)) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  /// enum/const: only the values that satisfy the schema's other keywords stay, so the matcher
+  /// never offers one the schema refuses (none left: the schema has no instance, an error).
+  void keep_satisfying_literals(JsonSchema::Node& n, const std::string& at) const {
     std::vector<std::string> kept;
     for (const std::string& l : n.literals)
-      if (literal_type(ordered_json::parse(l)) & n.types) kept.push_back(l);
-    if (kept.empty()) throw Error("no value of 'enum'/'const' has the schema's 'type' at " + at);
+      if (satisfies_keywords(nlohmann::json::parse(l), n)) kept.push_back(l);
+    if (kept.empty()) throw Error("no value of 'enum'/'const' satisfies the rest of the schema at " + at);
     n.literals = std::move(kept);
   }
 
@@ -329,7 +384,7 @@ class JsonSchemaCompiler {
       if (mask & JsonSchema::kNumber) mask |= JsonSchema::kInteger;
       if (!merged.literals.empty()) {
         merged.types = mask;
-        keep_literals_of_type(merged, at);
+        keep_satisfying_literals(merged, at);
       } else {
         merged.types &= mask;
         if (merged.types == 0) throw Error("no branch of '" + std::string(key) + "' has the schema's 'type' at " + at);

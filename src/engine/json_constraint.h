@@ -4,7 +4,9 @@
 // Three layers:
 // - JsonSchema: a JSON Schema compiled to the structure it fixes: the types a value may take,
 //   an object's properties (in order), which are required and whether others may appear, an
-//   array's item schema, enum/const values, maxLength of strings and maxItems of arrays. $ref into $defs/definitions (also recursive) and
+//   array's item schema, enum/const values (only those the other keywords allow; const beside
+//   enum: their intersection), maxLength of strings and maxItems of arrays. $ref into
+//   $defs/definitions (also recursive) and
 //   anyOf/oneOf whose branches are of different JSON types are resolved here. Keywords that
 //   only annotate or bound values (description, format, minLength, maximum, …) are accepted
 //   and not enforced; keywords that would change the structure in ways this matcher does not

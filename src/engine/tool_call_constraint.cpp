@@ -59,6 +59,57 @@ bool writable_name(const std::string& name) {
   return !name.empty() && name.find_first_of("<>\n") == std::string::npos;
 }
 
+/// A parameter name JsonSchema::compile takes (it writes keys without JSON escapes) and the parser
+/// reads back.
+bool compilable_name(const std::string& name) {
+  return writable_name(name) && std::none_of(name.begin(), name.end(), [](char c) {
+           return c == '"' || c == '\\' || static_cast<unsigned char>(c) < 0x20;
+         });
+}
+
+/// True when JsonSchema::compile takes `property` as the schema of one optional property (the
+/// root's $defs and definitions in reach of its $refs).
+bool compiles_alone(const nlohmann::json& parameters, const nlohmann::json& property) {
+  nlohmann::json probe{{"type", "object"}, {"properties", {{"p", property}}}};
+  for (const char* defs : {"$defs", "definitions"})
+    if (parameters.contains(defs)) probe[defs] = parameters[defs];
+  try {
+    JsonSchema::compile(probe);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+/// `parameters` without the optional properties the constraint cannot follow: a name it cannot
+/// write, or (`check_schemas`) a schema the JSON compiler refuses. They are only left out, as
+/// the docs promise; a required one stays, and makes the function unfollowed.
+nlohmann::json without_unfollowable_optionals(const nlohmann::json& parameters, bool check_schemas) {
+  if (!parameters.is_object() || !parameters.contains("properties") || !parameters["properties"].is_object())
+    return parameters;
+  const nlohmann::json required = parameters.value("required", nlohmann::json::array());
+  auto is_required = [&](const std::string& name) {
+    return required.is_array() && std::find(required.begin(), required.end(), name) != required.end();
+  };
+  nlohmann::json out = parameters;
+  nlohmann::json& properties = out["properties"];
+  for (const auto& [name, schema] : parameters["properties"].items())
+    if (!is_required(name) && (!compilable_name(name) || (check_schemas && !compiles_alone(parameters, schema))))
+      properties.erase(name);
+  return out;
+}
+
+/// The parameters' schema compiled; optional parameters it cannot follow are left out first
+/// (their schemas are probed one by one only when the whole does not compile).
+std::shared_ptr<const JsonSchema> compile_parameters(const nlohmann::json& parameters) {
+  if (parameters.is_null()) return JsonSchema::compile(nlohmann::json{{"type", "object"}});
+  try {
+    return JsonSchema::compile(without_unfollowable_optionals(parameters, false));
+  } catch (const std::exception&) {
+    return JsonSchema::compile(without_unfollowable_optionals(parameters, true));
+  }
+}
+
 /// The schema's property names and enum/const values must not hold a marker: the matcher would
 /// offer them and then refuse their end.
 void check_no_markers(const JsonSchema& schema) {
@@ -80,11 +131,11 @@ bool raw_texts(const JsonSchema::Node& node, ToolCallGrammar::Parameter& p) {
   std::vector<std::pair<std::string, int>> texts;
   for (const std::string& literal : node.literals) {
     const nlohmann::json v = nlohmann::json::parse(literal);
-    if (!v.is_string()) continue;
-    std::string text = v.get<std::string>() + std::string(kValueClose);
-    if (std::none_of(texts.begin(), texts.end(), [&](const auto& t) { return t.first == text; }))
-      texts.emplace_back(std::move(text), 0);
+    if (v.is_string()) texts.emplace_back(v.get<std::string>() + std::string(kValueClose), 0);
   }
+  // Sorted, then duplicates dropped: O(n log n) for enums of many values.
+  std::sort(texts.begin(), texts.end());
+  texts.erase(std::unique(texts.begin(), texts.end()), texts.end());
   p.texts = sorted_choices(std::move(texts));
   return !p.texts.texts.empty();
 }
@@ -94,7 +145,7 @@ ToolCallGrammar::Function compile_function(const ToolCallGrammar::Declaration& d
   ToolCallGrammar::Function f;
   f.name = d.name;
   try {
-    auto schema = JsonSchema::compile(d.parameters.is_null() ? nlohmann::json{{"type", "object"}} : d.parameters);
+    auto schema = compile_parameters(d.parameters);
     check_no_markers(*schema);
     const JsonSchema::Node& root = schema->node(schema->root());
     std::vector<std::pair<std::string, int>> names;

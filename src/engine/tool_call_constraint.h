@@ -20,7 +20,8 @@
 // matcher applied to a logits row: every token whose bytes it refuses is set to −inf). A function
 // whose `parameters` JsonSchema::compile refuses (or whose required parameter cannot be written
 // in this format) is not followed: once its name is written the constraint ends and the model is
-// free, as before this constraint existed.
+// free, as before this constraint existed. An optional parameter that cannot be written, or whose
+// own schema the compiler refuses, is only left out.
 #pragma once
 #include <cstdint>
 #include <functional>

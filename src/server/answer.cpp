@@ -169,7 +169,8 @@ class LilyServer::WholeAnswer final : public AnswerSink {
       const GenerationResult& r = results[i];
       const AssistantMessage message = parse_answer(r.text, call_.answer);
       const std::string finish =
-          answer_finish_reason(std::string(finish_reason_name(r.finish_reason)), message.tool_calls.size());
+          answer_finish_reason(std::string(finish_reason_name(r.finish_reason)), message.tool_calls.size(),
+                               message.unfinished_call);
       ordered_json choice =
           choice_json(static_cast<int>(i), message.content, finish, server_.logprobs_field(call_, r.logprobs),
                       static_cast<int64_t>(choice_seed(call_.seed, static_cast<int>(i))));
@@ -234,7 +235,8 @@ class LilyServer::StreamAnswer final : public AnswerSink {
     const std::string reason(finish_reason_name(result.finish_reason));
     if (call_.text_completion) return send(text_chunk_json(call_.meta, "", reason, usage_field_, choice));
     return send(chunk_json(call_.meta, choice, ordered_json::object(), nullptr,
-                           answer_finish_reason(reason, parser_->tool_calls()), usage_field_));
+                           answer_finish_reason(reason, parser_->tool_calls(), parser_->unfinished_call()),
+                           usage_field_));
   }
 
   void on_complete(const std::vector<GenerationResult>& results) override {

@@ -232,6 +232,7 @@ std::vector<AnswerDelta> AnswerParser::drain(bool final) {
       if (final) {  // cut off (max_tokens, a stop): the block is content
         emit(AnswerDelta::Kind::kContent, std::move(buf_));
         buf_.clear();
+        unfinished_call_ = true;
       }
       break;
     }
@@ -276,6 +277,7 @@ AssistantMessage parse_answer(std::string_view text, const AnswerFormat& format)
   };
   take(parser.push(text));
   take(parser.finish());
+  message.unfinished_call = parser.unfinished_call();
   return message;
 }
 
@@ -325,8 +327,8 @@ std::vector<ordered_json> delta_json(const AnswerDelta& delta) {
   return out;
 }
 
-std::string answer_finish_reason(const std::string& finish, size_t tool_calls) {
-  return tool_calls > 0 && finish == "stop" ? "tool_calls" : finish;
+std::string answer_finish_reason(const std::string& finish, size_t tool_calls, bool unfinished_call) {
+  return tool_calls > 0 && !unfinished_call && finish == "stop" ? "tool_calls" : finish;
 }
 
 }  // namespace lily::server

@@ -91,6 +91,9 @@ class AnswerParser {
   std::vector<AnswerDelta> finish();
   /// Tool calls returned so far.
   size_t tool_calls() const { return calls_; }
+  /// True once finish() returned an unfinished tool-call block as content (cut by max_tokens
+  /// or a stop string): the answer holds a call it did not complete.
+  bool unfinished_call() const { return unfinished_call_; }
 
  private:
   enum class Mode { kReasoning, kContent, kToolCall, kEnded };
@@ -101,6 +104,7 @@ class AnswerParser {
   std::string buf_;
   bool strip_newlines_ = false;  ///< drop newlines at the start of what comes next
   size_t calls_ = 0;
+  bool unfinished_call_ = false;
 };
 
 /// For GenerationParams::stop_after_text: a predicate fed the generated text piece by piece that
@@ -114,6 +118,7 @@ struct AssistantMessage {
   std::string content;
   std::optional<std::string> reasoning;  ///< set when thinking is on
   std::vector<ParsedToolCall> tool_calls;
+  bool unfinished_call = false;  ///< content ends with a tool-call block that was cut off
 };
 
 /// Runs AnswerParser over a whole generated text and joins its deltas.
@@ -130,7 +135,9 @@ nlohmann::ordered_json assistant_message_json(const AssistantMessage& message);
 /// included) whose concatenation is the arguments text.
 std::vector<nlohmann::ordered_json> delta_json(const AnswerDelta& delta);
 
-/// "tool_calls" when the answer called tools and stopped on its own ("stop"); else `finish`.
-std::string answer_finish_reason(const std::string& finish, size_t tool_calls);
+/// "tool_calls" when the answer called tools, stopped ("stop") and left no cut-off call in its
+/// content (`unfinished_call`, AnswerParser::unfinished_call); else `finish`. A call cut by a
+/// stop string is no call, so its answer finishes "stop", as one cut by max_tokens keeps "length".
+std::string answer_finish_reason(const std::string& finish, size_t tool_calls, bool unfinished_call);
 
 }  // namespace lily::server

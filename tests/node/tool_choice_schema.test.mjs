@@ -116,6 +116,23 @@ describe('forced tool calls follow the declared parameters (demo model)', () => 
     assert.deepEqual(assertCalls(whole(res)[0], [alarm]), ['set_alarm']);
   });
 
+  it('a stop string that cuts a second call: content, finish "stop", whole and streamed', async () => {
+    const a = { type: 'function', function: { name: 'a', parameters: { type: 'object', properties: {}, additionalProperties: false } } };
+    const b = { type: 'function', function: { name: 'b', parameters: { type: 'object', properties: { s: { type: 'string' } }, required: ['s'] } } };
+    const body = { model: MODEL, messages: [{ role: 'user', content: 'go' }], tools: [a, b], tool_choice: 'required',
+      max_tokens: 200, seed: 9, temperature: 1, stop: ['e'] };
+    // Seed 9: the model writes a() whole, then the "e" of "<parameter" ends the answer in b's call.
+    const res = await suite.openai.chat.completions.create(body);
+    const [choice] = whole(res);
+    assert.equal(choice.finish, 'stop', JSON.stringify(choice));
+    assert.deepEqual(choice.message.tool_calls.map((c) => c.function.name), ['a']);
+    assert.ok(choice.message.content.startsWith('<tool_call>\n<function=b>'), JSON.stringify(choice.message));
+    const streamed = await assembleStream(await suite.openai.chat.completions.create({ ...body, stream: true }));
+    assert.equal(streamed.finish, 'stop');
+    assert.equal(streamed.message.content, choice.message.content);
+    assert.deepEqual(streamed.message.tool_calls.map((c) => c.function), choice.message.tool_calls.map((c) => c.function));
+  });
+
   it('a schema the constraint cannot follow falls back to the forced opening alone', async () => {
     const odd = { type: 'function', function: { name: 'odd', parameters: { type: 'object', properties: { a: { type: 'string' } },
       allOf: [{ required: ['a'] }] } } };

@@ -223,6 +223,83 @@ TEST(ToolCallGrammar, UnfollowedAndLeftOut) {
   EXPECT_THROW(ToolCallGrammar::compile({}, nullptr, std::nullopt, false), Error);
 }
 
+namespace {
+
+/// The grammar of one function whose parameters are `parameters` (JSON text), named.
+std::shared_ptr<const ToolCallGrammar> one_function(const std::string& parameters) {
+  ordered_json t = only(2);
+  t[0]["function"]["parameters"] = ordered_json::parse(parameters);
+  return grammar(t, true, false);
+}
+
+/// The names of the function's writable parameters.
+std::vector<std::string> parameter_names(const std::shared_ptr<const ToolCallGrammar>& g) {
+  std::vector<std::string> names;
+  for (const auto& p : g->functions()[0].parameters) names.push_back(p.name);
+  return names;
+}
+
+}  // namespace
+
+// enum/const values are held to the schema's other keywords, for raw and JSON parameters alike;
+// none left: a required parameter makes the function unfollowed, an optional one is left out.
+TEST(ToolCallGrammar, LiteralsSatisfyTheRestOfTheSchema) {
+  const auto g = one_function(R"({"type":"object","properties":{
+      "size":{"type":"string","maxLength":2,"enum":["S","M","XXL"]},
+      "pair":{"type":"array","maxItems":1,"enum":[[1,2],[3]]},
+      "gone":{"type":"integer","const":5,"enum":[6,7]},
+      "none":{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"],"enum":[{}]}},
+      "required":["size","pair"]})");
+  ASSERT_TRUE(g->functions()[0].schema) << g->functions()[0].unfollowed;
+  EXPECT_EQ(parameter_names(g), (std::vector<std::string>{"pair", "size"}));
+  EXPECT_EQ(g->functions()[0].parameters[1].texts.texts, (std::vector<std::string>{"M\n</parameter>\n", "S\n</parameter>\n"}));
+  EXPECT_TRUE(closes(g, param("size", "M") + param("pair", "[3]") + kEnd));
+  EXPECT_FALSE(takes(g, "<parameter=size>\nX"));
+  EXPECT_FALSE(takes(g, "<parameter=pair>\n[1"));
+  for (const char* required : {R"({"type":"integer","const":5,"enum":[6,7]})", R"({"type":"string","const":"x","enum":["y","z"]})",
+                               R"({"type":"array","maxItems":1,"const":[1,2]})",
+                               R"({"type":"object","properties":{"a":{"type":"integer"}},"additionalProperties":false,"const":{"b":1}})"}) {
+    const auto u = one_function(std::string(R"({"type":"object","properties":{"p":)") + required + R"(},"required":["p"]})");
+    EXPECT_FALSE(u->functions()[0].schema) << required;
+    EXPECT_FALSE(u->functions()[0].unfollowed.empty()) << required;
+  }
+}
+
+// A string enum of many values (with repeats) builds quickly (no quadratic dedup) and keeps
+// each value once, sorted.
+TEST(ToolCallGrammar, ALargeStringEnum) {
+  constexpr int kValues = 50000;
+  json values = json::array();
+  for (int i = 0; i < kValues; ++i) values.push_back("v" + std::to_string(i));
+  for (int i = 0; i < 100; ++i) values.push_back("v" + std::to_string(i));  // repeats
+  json parameters = {{"type", "object"}, {"properties", {{"e", {{"type", "string"}, {"enum", values}}}}}, {"required", {"e"}}};
+  const auto g = one_function(parameters.dump());
+  ASSERT_TRUE(g->functions()[0].schema) << g->functions()[0].unfollowed;
+  const auto& texts = g->functions()[0].parameters[0].texts.texts;
+  ASSERT_EQ(texts.size(), static_cast<size_t>(kValues));
+  EXPECT_TRUE(std::is_sorted(texts.begin(), texts.end()));
+  EXPECT_TRUE(std::adjacent_find(texts.begin(), texts.end()) == texts.end());
+  EXPECT_TRUE(closes(g, param("e", "v49999") + kEnd));
+  EXPECT_FALSE(takes(g, param("e", "v50000")));
+}
+
+// A parameter name that needs JSON escaping or cannot be read back: optional, it is only left
+// out (the function is still followed); required, the function is unfollowed.
+TEST(ToolCallGrammar, UnwritableOptionalNamesAreLeftOut) {
+  for (const std::string name : {"a\nb", "a\"b", "a\\b", "a\tb", "a\rb", "a<b", "a>b"}) {
+    json parameters = {{"type", "object"}, {"properties", {{name, {{"type", "integer"}}}, {"ok", {{"type", "string"}}}}}};
+    const auto optional = one_function(parameters.dump());
+    ASSERT_TRUE(optional->functions()[0].schema) << json(name) << optional->functions()[0].unfollowed;
+    EXPECT_EQ(parameter_names(optional), std::vector<std::string>{"ok"}) << json(name);
+    parameters["required"] = {name};
+    EXPECT_FALSE(one_function(parameters.dump())->functions()[0].schema) << json(name);
+  }
+  // An optional parameter whose own schema the JSON compiler refuses is left out as well.
+  const auto refused = one_function(R"({"type":"object","properties":{"x":{"not":{}},"ok":{"type":"string"}},"required":["ok"]})");
+  ASSERT_TRUE(refused->functions()[0].schema) << refused->functions()[0].unfollowed;
+  EXPECT_EQ(parameter_names(refused), std::vector<std::string>{"ok"});
+}
+
 TEST(ToolCallMatcher, FollowsTheFormatAndTheSchema) {
   const auto g = weather();
   const std::string city = param("city", "Paris"), unit = param("unit", "celsius");

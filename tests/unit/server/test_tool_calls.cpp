@@ -77,9 +77,10 @@ TEST(ToolCalls, ParsesACompleteCall) {
   EXPECT_EQ(m.tool_calls[0].arguments, R"({"city":"Paris","days":3})");
   EXPECT_TRUE(m.tool_calls[0].id.starts_with("call_"));
   EXPECT_EQ(m.tool_calls[0].id.size(), 29u);
-  EXPECT_EQ(answer_finish_reason("stop", m.tool_calls.size()), "tool_calls");
-  EXPECT_EQ(answer_finish_reason("length", m.tool_calls.size()), "length");
-  EXPECT_EQ(answer_finish_reason("stop", 0), "stop");
+  EXPECT_FALSE(m.unfinished_call);
+  EXPECT_EQ(answer_finish_reason("stop", m.tool_calls.size(), m.unfinished_call), "tool_calls");
+  EXPECT_EQ(answer_finish_reason("length", m.tool_calls.size(), m.unfinished_call), "length");
+  EXPECT_EQ(answer_finish_reason("stop", 0, false), "stop");
 }
 
 TEST(ToolCalls, ContentBeforeAndSeveralCalls) {
@@ -262,10 +263,36 @@ TEST(ToolCalls, AnUnparsableForcedCallIsContent) {
   const AssistantMessage undeclared = parse_answer("get_time>\n</function>\n</tool_call>", f);
   EXPECT_TRUE(undeclared.tool_calls.empty());
   EXPECT_EQ(undeclared.content, "<tool_call>\n<function=get_time>\n</function>\n</tool_call>");
-  EXPECT_EQ(answer_finish_reason("stop", undeclared.tool_calls.size()), "stop");
+  EXPECT_EQ(answer_finish_reason("stop", undeclared.tool_calls.size(), undeclared.unfinished_call), "stop");
   const AssistantMessage cut = parse_answer("get_weather>\n<parameter=city>\nPar", f);
   EXPECT_TRUE(cut.tool_calls.empty());
   EXPECT_EQ(cut.content, "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar");
+}
+
+// A second call cut off (a stop string ended the answer inside it) is content, and the answer
+// does not finish "tool_calls" although its first call is complete: whole and streamed alike.
+TEST(ToolCalls, ACutSecondCallFinishesAsStop) {
+  AnswerFormat f = format(false);
+  f.prefix = "<tool_call>\n<function=";
+  const std::string text = "noop>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<param";
+  const AssistantMessage whole = parse_answer(text, f);
+  ASSERT_EQ(whole.tool_calls.size(), 1u);
+  EXPECT_EQ(whole.content, "<tool_call>\n<function=get_weather>\n<param");
+  EXPECT_TRUE(whole.unfinished_call);
+  EXPECT_EQ(answer_finish_reason("stop", whole.tool_calls.size(), whole.unfinished_call), "stop");
+  EXPECT_EQ(answer_finish_reason("length", whole.tool_calls.size(), whole.unfinished_call), "length");
+  for (size_t cut = 0; cut <= text.size(); ++cut) {
+    AnswerParser parser(f);
+    parser.push(text.substr(0, cut));
+    parser.push(text.substr(cut));
+    EXPECT_FALSE(parser.unfinished_call()) << cut;  // only the end of the answer decides
+    parser.finish();
+    EXPECT_EQ(parser.tool_calls(), 1u) << cut;
+    EXPECT_TRUE(parser.unfinished_call()) << cut;
+  }
+  // Complete calls, text after them, or a malformed but closed block leave nothing unfinished.
+  EXPECT_FALSE(parse_answer(kCall + "\nDone.", format(false)).unfinished_call);
+  EXPECT_FALSE(parse_answer(kCall + "<tool_call>\nbad\n</tool_call>", format(false)).unfinished_call);
 }
 
 // parallel_tool_calls false: the answer ends with its first valid call, whatever follows (more
