@@ -894,19 +894,22 @@ bool JsonConstraint::allows(int32_t id) const {
   return !b.empty() && m.feed(b);
 }
 
-size_t JsonConstraint::mask(std::span<float> logits) {
-  if (!active_) return logits.size();
-  const std::vector<char> ok = allowed_mask();
+size_t apply_token_mask(std::span<float> logits, const std::vector<char>& ok) {
   const size_t n = std::min(logits.size(), ok.size());
   size_t left = 0;
   for (size_t i = 0; i < n; ++i) left += ok[i] != 0;
-  if (left == 0) {
-    active_ = false;  // nothing can continue (no stop token to end with): give up, leave the row
-    return logits.size();
-  }
+  if (left == 0) return 0;
   for (size_t i = 0; i < logits.size(); ++i)
     if (i >= n || !ok[i]) logits[i] = -std::numeric_limits<float>::infinity();
   return left;
+}
+
+size_t JsonConstraint::mask(std::span<float> logits) {
+  if (!active_) return logits.size();
+  const size_t left = apply_token_mask(logits, allowed_mask());
+  if (left > 0) return left;
+  active_ = false;  // nothing can continue (no stop token to end with): give up, leave the row
+  return logits.size();
 }
 
 void JsonConstraint::push(int32_t id) {

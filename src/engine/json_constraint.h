@@ -182,6 +182,11 @@ class JsonVocabIndex {
   std::vector<int32_t> sorted_, plain_, special_;
 };
 
+/// Sets every logit of `logits` (a [vocab] row) whose id `ok` does not mark (ok: one entry per
+/// id, 1 = allowed; ids past its end count as refused) to −inf and returns how many are left.
+/// When none would be left the row is not touched and 0 is returned (the caller gives up).
+size_t apply_token_mask(std::span<float> logits, const std::vector<char>& ok);
+
 /// Marks in `ok` (one entry per id) every token of `index` whose bytes a copy of `matcher` takes
 /// whole. The vocabulary is walked as a trie: the tokens that share a prefix are tried together
 /// and skipped together once the matcher refuses it. `Matcher`: copyable, bool feed(unsigned char).

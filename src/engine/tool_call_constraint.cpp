@@ -475,17 +475,10 @@ bool ToolCallConstraint::allows(int32_t id) const {
 
 size_t ToolCallConstraint::mask(std::span<float> logits) {
   if (!active_) return logits.size();
-  const std::vector<char> ok = allowed_mask();
-  const size_t n = std::min(logits.size(), ok.size());
-  size_t left = 0;
-  for (size_t i = 0; i < n; ++i) left += ok[i] != 0;
-  if (left == 0) {
-    active_ = false;  // nothing can continue: give up, leave the row to the model
-    return logits.size();
-  }
-  for (size_t i = 0; i < logits.size(); ++i)
-    if (i >= n || !ok[i]) logits[i] = -std::numeric_limits<float>::infinity();
-  return left;
+  const size_t left = apply_token_mask(logits, allowed_mask());
+  if (left > 0) return left;
+  active_ = false;  // nothing can continue: give up, leave the row to the model
+  return logits.size();
 }
 
 void ToolCallConstraint::push(int32_t id) {
