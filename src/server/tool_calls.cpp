@@ -1,5 +1,6 @@
 #include "server/tool_calls.h"
 
+#include <algorithm>
 #include <memory>
 #include <random>
 
@@ -32,15 +33,54 @@ std::string call_id() {
   return id;
 }
 
-/// A parameter's schema says it may be a string, or says nothing of its type.
-bool schema_is_raw(const ordered_json& schema) {
-  if (!schema.is_object() || !schema.contains("type")) return true;
-  const ordered_json& type = schema["type"];
-  if (type.is_string()) return type == "string";
-  if (type.is_array())
-    for (const auto& t : type)
-      if (t == "string") return true;
-  return !type.is_array();
+/// The schema a local "$ref" ("#/$defs/NAME" or "#/definitions/NAME", with JSON-pointer
+/// escapes ~0 and ~1) names in `root`; nullptr for any other reference or a missing target.
+const ordered_json* resolve_local_ref(const ordered_json& root, const std::string& ref) {
+  for (const char* defs : {"$defs", "definitions"}) {
+    const std::string prefix = std::string("#/") + defs + "/";
+    if (!ref.starts_with(prefix) || !root.is_object() || !root.contains(defs) || !root[defs].is_object()) continue;
+    std::string name;
+    for (size_t i = prefix.size(); i < ref.size(); ++i) {
+      if (ref[i] == '/') return nullptr;  // deeper pointers are not followed
+      if (ref[i] == '~' && i + 1 < ref.size() && (ref[i + 1] == '0' || ref[i + 1] == '1')) {
+        name += ref[++i] == '0' ? '~' : '/';
+      } else {
+        name += ref[i];
+      }
+    }
+    const auto it = root[defs].find(name);
+    return it == root[defs].end() ? nullptr : &*it;
+  }
+  return nullptr;
+}
+
+/// A parameter's schema says it may be a string, or says nothing of its type. Without a `type`,
+/// a local `$ref` is followed (pydantic writes nested models so), `anyOf`/`oneOf` are raw when a
+/// branch is (pydantic's Optional[int] is not), and an `enum`/`const` of no string is not:
+/// those values are JSON. `depth` bounds reference chains.
+bool schema_is_raw(const ordered_json& schema, const ordered_json& root, int depth = 0) {
+  if (!schema.is_object() || depth > 16) return true;
+  if (schema.contains("type")) {
+    const ordered_json& type = schema["type"];
+    if (type.is_string()) return type == "string";
+    if (type.is_array())
+      for (const auto& t : type)
+        if (t == "string") return true;
+    return !type.is_array();
+  }
+  if (schema.contains("$ref") && schema["$ref"].is_string())
+    if (const ordered_json* target = resolve_local_ref(root, schema["$ref"].get<std::string>()))
+      return schema_is_raw(*target, root, depth + 1);
+  for (const char* key : {"anyOf", "oneOf"})
+    if (schema.contains(key) && schema[key].is_array() && !schema[key].empty())
+      return std::any_of(schema[key].begin(), schema[key].end(),
+                         [&](const ordered_json& branch) { return schema_is_raw(branch, root, depth + 1); });
+  auto no_string = [](const ordered_json& values) {
+    return std::none_of(values.begin(), values.end(), [](const ordered_json& v) { return v.is_string(); });
+  };
+  if (schema.contains("enum") && schema["enum"].is_array() && !schema["enum"].empty()) return !no_string(schema["enum"]);
+  if (schema.contains("const")) return schema["const"].is_string();
+  return true;
 }
 
 /// A cursor over a tool-call block.
@@ -83,7 +123,8 @@ ToolSchemas::ToolSchemas(const ordered_json& tools) {
     auto& params = raw_[f["name"].get<std::string>()];
     if (f.contains("parameters") && f["parameters"].is_object() && f["parameters"].contains("properties") &&
         f["parameters"]["properties"].is_object())
-      for (const auto& [name, schema] : f["parameters"]["properties"].items()) params[name] = schema_is_raw(schema);
+      for (const auto& [name, schema] : f["parameters"]["properties"].items())
+        params[name] = schema_is_raw(schema, f["parameters"]);
   }
 }
 

@@ -26,7 +26,9 @@ class ToolSchemas {
   /// True if a function of this name is declared.
   bool declared(const std::string& function) const { return raw_.count(function) > 0; }
   /// True if the parameter's value stays a string (schema type "string" or one including it,
-  /// a parameter without a type, or one the schema does not list); false: parsed as JSON.
+  /// a parameter the schema does not list, or one whose schema says nothing of its type);
+  /// false: parsed as JSON. Without a `type`, a local $ref ("#/$defs/…", "#/definitions/…") is
+  /// followed, anyOf/oneOf count as raw when a branch does, and an enum/const of no string is JSON.
   bool raw_string(const std::string& function, const std::string& parameter) const;
 
  private:

@@ -195,7 +195,6 @@ TEST(ToolCallGrammar, UnfollowedAndLeftOut) {
            R"({"type":"object","properties":{"a":{"type":"string"}},"allOf":[{}]})",
            R"({"type":"object","properties":{"a<b":{"type":"string"}},"required":["a<b"]})",
            R"({"type":"object","properties":{"n":{"type":["string","integer"],"enum":[1,2]}},"required":["n"]})",
-           R"({"type":"object","properties":{"n":{"anyOf":[{"type":"integer"},{"type":"null"}]}},"required":["n"]})",
            R"({"type":"object","properties":{"e":{"type":"string","enum":["x</parameter>"]}}})",
            R"({"type":"object","properties":{"o":{"type":"object","properties":{"</tool_call>":{"type":"integer"}}}}})"}) {
     const auto g1 = one(refused);
@@ -221,6 +220,23 @@ TEST(ToolCallGrammar, UnfollowedAndLeftOut) {
   EXPECT_TRUE(m.free());
   EXPECT_TRUE(m.feed("anything at all </tool_call> \xff"));
   EXPECT_THROW(ToolCallGrammar::compile({}, nullptr, std::nullopt, false), Error);
+}
+
+// Pydantic's untyped schemas: a nested model as a local $ref and Optional[int] as anyOf are JSON
+// values the parser types by what they refer to, so required ones are followed, not unfollowed.
+TEST(ToolCallGrammar, RefAndAnyOfParametersAreFollowedAsJson) {
+  ordered_json t = only(2);
+  t[0]["function"]["parameters"] = ordered_json::parse(R"({"type":"object","properties":{
+      "p":{"$ref":"#/$defs/P"},"n":{"anyOf":[{"type":"integer"},{"type":"null"}]}},"required":["p","n"],
+      "$defs":{"P":{"type":"object","properties":{"x":{"type":"integer"}},"required":["x"],"additionalProperties":false}}})");
+  const auto g = grammar(t, true, false);
+  ASSERT_TRUE(g->functions()[0].schema) << g->functions()[0].unfollowed;
+  for (const auto& p : g->functions()[0].parameters) EXPECT_FALSE(p.raw) << p.name;
+  EXPECT_TRUE(closes(g, param("p", R"({"x":1})") + param("n", "null") + kEnd));
+  EXPECT_TRUE(closes(g, param("n", "7") + param("p", R"({"x":-2})") + kEnd));
+  EXPECT_FALSE(takes(g, param("p", R"({"y":1})")));
+  EXPECT_FALSE(takes(g, param("n", "\"7\"")));
+  EXPECT_FALSE(closes(g, param("n", "7") + kEnd));  // p is required
 }
 
 namespace {

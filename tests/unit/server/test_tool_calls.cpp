@@ -112,6 +112,36 @@ TEST(ToolCalls, ValuesAreTypedByTheSchema) {
             R"("extra":"7","city2":"line one\nline two"})");
 }
 
+/// Schemas without a `type` as pydantic writes them: a nested model is a local $ref (followed,
+/// through ~0/~1 escapes), Optional[int] an anyOf of integer and null (JSON), Optional[str] an
+/// anyOf with a string branch (raw), an enum of numbers (JSON) or of strings (raw); a $ref that
+/// leads nowhere, or a chain that comes back to itself, says nothing: raw.
+TEST(ToolCalls, UntypedSchemasAreTypedByWhatTheyReferTo) {
+  const ToolSchemas schemas(nlohmann::ordered_json::parse(R"([{"type":"function","function":{"name":"f",
+    "parameters":{"type":"object","properties":{
+      "model":{"$ref":"#/$defs/Point"}, "slashed":{"$ref":"#/definitions/a~1b"},
+      "count":{"anyOf":[{"type":"integer"},{"type":"null"}]}, "label":{"anyOf":[{"type":"string"},{"type":"null"}]},
+      "level":{"enum":[1,2,3]}, "mode":{"enum":["fast","slow"]}, "fixed":{"const":4},
+      "lost":{"$ref":"#/$defs/Missing"}, "loop":{"$ref":"#/$defs/Loop"}, "name":{"$ref":"#/$defs/Name"}},
+    "$defs":{"Point":{"type":"object","properties":{"x":{"type":"number"}}}, "Loop":{"$ref":"#/$defs/Loop"},
+             "Name":{"type":"string"}},
+    "definitions":{"a/b":{"type":"array"}}}}}])"));
+  for (const char* json_typed : {"model", "slashed", "count", "level", "fixed"})
+    EXPECT_FALSE(schemas.raw_string("f", json_typed)) << json_typed;
+  for (const char* raw : {"label", "mode", "lost", "loop", "name", "undeclared"})
+    EXPECT_TRUE(schemas.raw_string("f", raw)) << raw;
+
+  AnswerFormat f;
+  f.tools.emplace(nlohmann::ordered_json::parse(R"([{"type":"function","function":{"name":"f","parameters":{
+    "type":"object","properties":{"p":{"$ref":"#/$defs/P"},"n":{"anyOf":[{"type":"integer"},{"type":"null"}]}},
+    "$defs":{"P":{"type":"object","properties":{"x":{"type":"integer"}}}}}}}])"));
+  const AssistantMessage m = parse_answer(
+      "<tool_call>\n<function=f>\n<parameter=p>\n{\"x\": 1}\n</parameter>\n<parameter=n>\nnull\n</parameter>\n"
+      "</function>\n</tool_call>", f);
+  ASSERT_EQ(m.tool_calls.size(), 1u);
+  EXPECT_EQ(m.tool_calls[0].arguments, R"({"p":{"x":1},"n":null})");
+}
+
 TEST(ToolCalls, MalformedBlocksAreContent) {
   const std::vector<std::string> bad = {
       "<tool_call>\n<function=get_time>\n</function>\n</tool_call>",                     // undeclared
