@@ -11,7 +11,6 @@
 
 #include "base/error.h"
 #include "base/file_util.h"
-#include "engine/prefix_choice.h"
 #include "engine/stop_strings.h"
 
 namespace lily {
@@ -109,7 +108,6 @@ struct Generation::Impl {
   TokenHistory history;
   Sampler sampler;
   PenaltyEdits edits;  ///< the step-1 edits handed to a device sampler (next_row)
-  std::optional<PrefixChoiceConstraint> prefix;  ///< GenerationParams::prefix_choices
   std::optional<JsonConstraint> json;            ///< GenerationParams::json_schema
   std::optional<ToolCallConstraint> tool;        ///< GenerationParams::tool_call
   std::vector<float> masked;  ///< the logits row with the constraints' masks applied
@@ -130,12 +128,9 @@ Generation::Generation(const Backend& backend, SequenceState& state, std::span<c
       on_logprobs_(std::move(on_logprobs)) {
   check_generation_inputs(state, prompt, params, tokenizer);
   if (params.prefill_chunk < 0) throw Error("generate: prefill_chunk must be ≥ 0");
-  if (!params.prefix_choices.empty() && tokenizer == nullptr) throw Error("generate: prefix choices need a tokenizer");
   if (params.json_schema && tokenizer == nullptr) throw Error("generate: a JSON schema needs a tokenizer");
   if (params.tool_call && tokenizer == nullptr) throw Error("generate: a tool-call grammar needs a tokenizer");
   impl_ = std::make_unique<Impl>(tokenizer, params, backend.config().vocab);
-  if (!params.prefix_choices.empty())
-    impl_->prefix.emplace(PrefixChoiceConstraint::over_tokenizer(params.prefix_choices, backend.config().vocab, *tokenizer));
   if (params.json_schema)
     impl_->json.emplace(params.json_schema, JsonVocabIndex::for_tokenizer(*tokenizer, backend.config().vocab),
                         params.stop_ids);
@@ -216,8 +211,7 @@ bool Generation::samples_on_device() const {
 }
 
 bool Generation::constrained() const {
-  return (impl_->prefix && impl_->prefix->active()) || (impl_->json && impl_->json->active()) ||
-         (impl_->tool && impl_->tool->active()) || stops_masked();
+  return (impl_->json && impl_->json->active()) || (impl_->tool && impl_->tool->active()) || stops_masked();
 }
 
 bool Generation::stops_masked() const {
@@ -228,8 +222,8 @@ bool Generation::stops_masked() const {
 // `next` is already the sampled id), or the host sampler's choice from the logits. Plain greedy
 // takes the backend's argmax as is (bit-exact, no logits copied); host sampling, penalties and
 // bias on a backend without a device sampler, and log-probabilities (always computed on the
-// host) need the logits row of every step on the host. While a constraint (prefix, JSON, tool
-// call) is active, the host sampler (greedy or not) chooses from the row with the disallowed
+// host) need the logits row of every step on the host. While a constraint (JSON, tool call)
+// is active, the host sampler (greedy or not) chooses from the row with the disallowed
 // tokens (and, before min_tokens, the stop tokens) at −inf.
 int32_t Generation::choose(int32_t next) {
   const SamplingParams& sp = params_.sampling;
@@ -242,9 +236,7 @@ int32_t Generation::choose(int32_t next) {
   const auto step = static_cast<uint64_t>(result_.token_ids.size());
   int32_t token;
   if (constrained) {
-    const bool prefix = impl_->prefix && impl_->prefix->active();
     impl_->masked.assign(logits_.begin(), logits_.end());
-    if (prefix) impl_->prefix->mask(impl_->masked);
     const bool json = impl_->json && impl_->json->active();
     if (json) impl_->json->mask(impl_->masked);
     const bool tool = impl_->tool && impl_->tool->active();
@@ -255,7 +247,6 @@ int32_t Generation::choose(int32_t next) {
         if (id >= 0 && static_cast<size_t>(id) < impl_->masked.size())
           impl_->masked[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
     token = impl_->sampler.sample(impl_->masked, sp, impl_->history, step);
-    if (prefix) impl_->prefix->push(token);
     if (json) impl_->json->push(token);
     if (tool) impl_->tool->push(token);
   } else {

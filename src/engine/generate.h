@@ -54,24 +54,18 @@ struct GenerationParams {
   /// prompt_splits and before the last prompt token. The cuts depend on nothing but the prompt
   /// and this value, never on other sequences.
   int64_t prefill_chunk = 0;
-  /// When not empty: the generated text must begin with one of these strings (non-empty; needs a
-  /// tokenizer). Until it equals one of them, each step's token is chosen from the logits with
-  /// every token masked out whose bytes would not keep the text a prefix of one
-  /// (engine/prefix_choice.h), greedy or sampled; then generation is free. Those steps copy
-  /// the logits to the host and sample there even on a backend that samples on its device.
-  std::vector<std::string> prefix_choices;
   /// When set: structured output. Every token is chosen from the logits with the tokens masked
   /// out that would make the text no prefix of a JSON object of this schema, and once the object
   /// is closed only a stop token, or, without stop tokens, the generation ends there with kStop
   /// (engine/json_constraint.h; needs a tokenizer). These steps copy the logits to the host and
-  /// choose there, as for prefix_choices.
+  /// choose there, even on a backend that samples on its device.
   std::shared_ptr<const JsonSchema> json_schema;
   /// When set: the rest of a forced tool call (engine/tool_call_constraint.h; needs a
   /// tokenizer). Every token is chosen with the tokens masked out that would leave the call
   /// format or the named function's parameter schemas; after "</tool_call>" only a stop token
   /// or, when the grammar allows, another call; without stop tokens the generation ends with
   /// kStop right after "</tool_call>". Once an unfollowed function is named, generation is free.
-  /// These steps copy the logits to the host and choose there, as for prefix_choices. The
+  /// These steps copy the logits to the host and choose there, as for json_schema. The
   /// vocabulary keeps the text of kept_special_ids (markers the tokenizer marks special).
   std::shared_ptr<const ToolCallGrammar> tool_call;
   /// Special tokens whose text is still written into the released text (every other special
@@ -80,7 +74,7 @@ struct GenerationParams {
   std::vector<int32_t> kept_special_ids;
   /// ≥ 0: the first min_tokens tokens cannot be stop tokens: their logits are set to −inf before
   /// the choice (greedy or sampled), which then runs on the host from the copied logits, as for
-  /// prefix_choices. Stop strings still end the text. Log-probabilities stay those of the raw
+  /// json_schema. Stop strings still end the text. Log-probabilities stay those of the raw
   /// logits. (vLLM's min_tokens.)
   int64_t min_tokens = 0;
 };
@@ -179,8 +173,8 @@ class Generation {
   /// Backend::samples_on_device, not constrained()): the step returns the sampled id,
   /// no logits needed for it.
   bool samples_on_device() const;
-  /// True while the next token is chosen on the host from masked logits: the prefix, JSON or
-  /// tool-call constraint is active, or the stop tokens are still masked (stops_masked).
+  /// True while the next token is chosen on the host from masked logits: the JSON or tool-call
+  /// constraint is active, or the stop tokens are still masked (stops_masked).
   bool constrained() const;
   /// True while fewer than GenerationParams::min_tokens tokens were generated (and there are
   /// stop tokens): the next choice cannot be a stop token.

@@ -16,8 +16,8 @@
 //   is allowed in runs of at most kMaxWhitespaceRun bytes (a model looping on newlines cannot
 //   stall the answer forever), numbers are at most kMaxNumberBytes long, object keys are written
 //   without escapes, enum values in their compact form.
-// - JsonConstraint: the matcher applied to a logits row, as engine/prefix_choice.h does for
-//   prefixes: every token whose bytes the matcher refuses is set to −inf before the sampler, so
+// - JsonConstraint: the matcher applied to a logits row: every token whose bytes the matcher
+//   refuses is set to −inf before the sampler (engine/sampler.h), so
 //   greedy and sampled decoding both keep the document valid. Once the root object is closed,
 //   only the stop tokens are allowed. The vocabulary is walked as a trie (JsonVocabIndex: token
 //   ids sorted by bytes) so a structural position tries only the prefixes it accepts; inside a
@@ -25,6 +25,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -33,11 +34,13 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/prefix_choice.h"
-
 namespace lily {
 
 class Tokenizer;
+
+/// The bytes a token adds to the text (empty for a token that adds none), by id. The view must
+/// stay valid while it is used (a view into the vocabulary, not a temporary).
+using TokenBytesFn = std::function<std::string_view(int32_t id)>;
 
 /// Most consecutive whitespace bytes the matcher accepts between JSON tokens. Strings and keys
 /// must be well-formed UTF-8 (no byte of a broken character is accepted).
@@ -166,6 +169,7 @@ class JsonMatcher {
 /// "plain" (non-empty, no '"', '\\' or control byte). Built once per tokenizer and shared.
 class JsonVocabIndex {
  public:
+  /// `vocab`: the logits row length (ids 0 … vocab − 1); `token_bytes` gives each id's bytes.
   JsonVocabIndex(int32_t vocab, const TokenBytesFn& token_bytes);
   /// The index of `tokenizer`'s byte-level tokens (special tokens count as empty), cached.
   static std::shared_ptr<const JsonVocabIndex> for_tokenizer(const Tokenizer& tokenizer, int32_t vocab);

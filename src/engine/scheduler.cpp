@@ -347,7 +347,6 @@ bool Scheduler::start_choice(Running& r, int choice) {
     params.logprobs = req.logprobs;
     params.prompt_splits = req.message_starts;
     params.prefill_chunk = prefill_chunk_;
-    params.prefix_choices = req.prefix_choices;
     params.kept_special_ids = req.kept_special_ids;
     r.gen = std::make_unique<Generation>(*backend_, *r.state, req.prompt, params, tokenizer_.get(), on_token,
                                          snapshot, on_logprobs);

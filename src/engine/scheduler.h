@@ -71,8 +71,6 @@ struct JobRequest {
   SamplingParams sampling;
   int n = 1;                               ///< choices (1 … 8), generated one after another
   int logprobs = -1;                       ///< GenerationParams::logprobs
-  /// GenerationParams::prefix_choices of every choice: the text must begin with one of these.
-  std::vector<std::string> prefix_choices;
   std::vector<int32_t> kept_special_ids;  ///< GenerationParams::kept_special_ids of every choice
   int64_t min_tokens = 0;                  ///< GenerationParams::min_tokens of every choice
   bool ignore_eos = false;                 ///< true: the checkpoint's stop tokens (EngineOptions::stop_ids) unused
