@@ -651,10 +651,27 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   // (computing one while the next arrives), refilled as it goes, the act read from global
   // memory (L2) by the fragment loads.
   float* asum = reinterpret_cast<float*>(sm + l.asum);  // [(row, slot)][groups_f]
-  for (int i = threadIdx.x; i < pairs * l.groups_f; i += blockDim.x) {
-    const float4* u = reinterpret_cast<const float4*>(a.act_sums + int64_t{i / l.groups_f} * l.gu_per_slot) + 2 * (i % l.groups_f);
-    const float4 lo = __ldcg(u), hi = __ldcg(u + 1);
-    asum[i] = __fadd_rn(__fadd_rn(__fadd_rn(lo.x, hi.x), __fadd_rn(lo.z, hi.z)), __fadd_rn(__fadd_rn(lo.y, hi.y), __fadd_rn(lo.w, hi.w)));
+  {
+    // kAsumBatch sums a thread, their loads issued together: one L2 round trip per batch, not per sum.
+    constexpr int kAsumBatch = 4;
+    const int n_sums = pairs * l.groups_f;
+    for (int i0 = threadIdx.x; i0 < n_sums; i0 += kAsumBatch * blockDim.x) {
+      float4 lo[kAsumBatch], hi[kAsumBatch];
+#pragma unroll
+      for (int k = 0; k < kAsumBatch; ++k) {
+        const int i = min(i0 + k * static_cast<int>(blockDim.x), n_sums - 1);
+        const float4* u = reinterpret_cast<const float4*>(a.act_sums + int64_t{i / l.groups_f} * l.gu_per_slot) + 2 * (i % l.groups_f);
+        lo[k] = __ldcg(u);
+        hi[k] = __ldcg(u + 1);
+      }
+#pragma unroll
+      for (int k = 0; k < kAsumBatch; ++k) {
+        const int i = i0 + k * static_cast<int>(blockDim.x);
+        if (i < n_sums)
+          asum[i] = __fadd_rn(__fadd_rn(__fadd_rn(lo[k].x, hi[k].x), __fadd_rn(lo[k].z, hi[k].z)),
+                              __fadd_rn(__fadd_rn(lo[k].y, hi[k].y), __fadd_rn(lo[k].w, hi[k].w)));
+      }
+    }
   }
   __syncthreads();
   trace_point(a, 10);

@@ -401,10 +401,11 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
 /// (stream_direct_fragments) and sums their Σx itself, so the first tile's MMAs wait for no
 /// block-wide pass over the rows. rows (no norm, no conv; the batched decode's rows): m ≤
 /// 8·kBlocks, the rows staged once per block in fragment order with their Σx
-/// (stage_rows_fragments), all threads loading at once. direct and rows: the rows are kBlocks
-/// column blocks of eight that share each weight fragment. kCounter: the tiles past each block's
-/// first stages come from the tile counter (g_stream_tile_counter), each stage's tile index in
-/// shared memory; else block b runs tiles b, b + grid, … (the same bits either way). kFixedNorm:
+/// (stage_rows_fragments: the rows by bulk copies, then put in order in place). direct and
+/// rows: the rows are kBlocks column blocks of eight that share each weight fragment. kCounter:
+/// the tiles past each block's first stages come from the tile counter (g_stream_tile_counter),
+/// each stage's tile index in shared memory; else block b runs tiles b, b + grid, … (the same
+/// bits either way). kFixedNorm:
 /// the staged mode's fused norm over kFixedNormCols columns (stage_norm_fragments_fixed), hence
 /// m = 1 (stream_tile_slice's kOneToken). row: with
 /// row.pairs (staged mode, m = 1, no norm) the staged row comes by bulk copy from global memory
@@ -436,7 +437,7 @@ __global__ void __launch_bounds__(kStreamThreads * kGroups, stream_mode_blocks_p
   uint64_t* full = reinterpret_cast<uint64_t*>(sm);
   uint64_t* ready = full + kStreamMaxStages;
   uint64_t* freed = ready + 2;
-  uint64_t* row_full = freed + 2;  // the staged row's copy (row.pairs non-null)
+  uint64_t* row_full = freed + 2;  // the staged row's copy (row.pairs non-null), or the rows mode's rows
   int* stage_tile = reinterpret_cast<int*>(sm + l.tile_ids);  // kCounter only
   // warp: the k-slice (the warp within its group); wg: the warp group.
   // With one group wg is a compile-time 0, so the one-group instances keep their registers.
@@ -466,7 +467,7 @@ __global__ void __launch_bounds__(kStreamThreads * kGroups, stream_mode_blocks_p
         mbarrier_init(row_full + 3 + p, 1);
       }
     }
-    if (row.pairs) mbarrier_init(row_full, 1);
+    if (row.pairs || kMode == StreamMode::rows) mbarrier_init(row_full, 1);
     mbarrier_init_fence();
   }
   __syncthreads();
@@ -508,7 +509,7 @@ __global__ void __launch_bounds__(kStreamThreads * kGroups, stream_mode_blocks_p
     // decode is bit-identical to the one-sequence step). Only this warp reads them.
     stream_direct_group_sums(x, cols, m, g_begin, g_end, xsum);
   } else if constexpr (kMode == StreamMode::rows) {
-    stage_rows_fragments(x, m, cols, xperm, xsum);
+    stage_rows_fragments(x, m, cols, xperm, xsum, row_full);
   } else if (row.pairs) {
     // The row staged once by the kernel before (launch_staged_row_gemv): two bulk copies, the
     // bytes stage_mma_rows would have left here.
