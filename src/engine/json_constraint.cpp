@@ -258,9 +258,19 @@ class JsonSchemaCompiler {
   /// True when `v` is a value of node `index` (its literals, when it has them, included).
   bool satisfies(const nlohmann::json& v, int index) const {
     const JsonSchema::Node& n = out_->nodes_[static_cast<size_t>(index)];
-    auto is_v = [&](const std::string& literal) { return nlohmann::json::parse(literal) == v; };
-    if (!n.literals.empty() && std::none_of(n.literals.begin(), n.literals.end(), is_v)) return false;
+    if (!n.literals.empty() && !parsed_literals(index).contains(v)) return false;
     return satisfies_keywords(v, n);
+  }
+
+  /// Node `index`'s literals as JSON values, parsed on the first call and kept (a schema checks
+  /// thousands of values against one enum). Ordered by JSON's operator<, under which 1 and 1.0
+  /// are one value and objects compare whatever their key order, as JSON equality does.
+  const std::set<nlohmann::json>& parsed_literals(int index) const {
+    auto [it, fresh] = parsed_.try_emplace(index);
+    if (fresh)
+      for (const std::string& l : out_->nodes_[static_cast<size_t>(index)].literals)
+        it->second.insert(nlohmann::json::parse(l));
+    return it->second;
   }
 
   /// True when `v` satisfies the node's keywords other than enum/const: type, maxLength,
@@ -397,6 +407,9 @@ class JsonSchemaCompiler {
   std::shared_ptr<JsonSchema> out_ = std::make_shared<JsonSchema>();
   std::map<std::string, int> refs_;
   std::set<int> pending_;  ///< $ref placeholders still being compiled
+  /// parsed_literals, by node. A node is not changed once added, but for a $ref placeholder,
+  /// which has no literals until then (so none parsed).
+  mutable std::map<int, std::set<nlohmann::json>> parsed_;
   int depth_ = 0;
 
   /// A JSON pointer segment of a URI fragment: %XX decoded, then ~1 and ~0 undone.

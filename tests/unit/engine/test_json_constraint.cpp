@@ -152,6 +152,46 @@ TEST(JsonSchemaCompile, LiteralsSatisfyTheRestOfTheSchema) {
             "the 'const' value is not in the 'enum' at /properties/p/");
 }
 
+// A hostile schema: enums of thousands of arrays' and objects' values whose items and properties
+// have enums of thousands of strings themselves (each literal checked against those, also inside
+// an anyOf branch). Every value the inner enums allow is kept, every other one dropped.
+TEST(JsonSchemaCompile, LargeNestedEnums) {
+  const size_t n = 3000;
+  json strings = json::array(), pairs = json::array(), singles = json::array();
+  for (size_t i = 0; i < n; ++i) strings.push_back("v" + std::to_string(i));
+  for (size_t i = 0; i < n; ++i) {
+    pairs.push_back({{"a", strings[i]}, {"b", strings[n - 1 - i]}});
+    singles.push_back({{"a", strings[n - 1 - i]}});
+  }
+  pairs.push_back({{"a", "v1"}, {"b", "nope"}});
+  singles.push_back({{"a", "nope"}});
+  const json string_enum{{"type", "string"}, {"enum", strings}};
+  const json root{
+      {"type", "object"},
+      {"properties",
+       {{"list", {{"type", "array"}, {"items", string_enum}, {"enum", {strings, json::array({"v1", "nope"})}}}},
+        {"pair",
+         {{"type", "object"},
+          {"properties", {{"a", string_enum}, {"b", string_enum}}},
+          {"required", {"a", "b"}},
+          {"enum", pairs}}},
+        {"single",
+         {{"anyOf", {{{"type", "object"}, {"properties", {{"a", string_enum}}}, {"enum", singles}}, {{"type", "null"}}}}}}}}};
+  const auto s = JsonSchema::compile(root);
+  const auto& props = s->node(s->root());
+  ASSERT_EQ(props.property_names, (std::vector<std::string>{"list", "pair", "single"}));
+  auto literals = [&](size_t i) { return s->node(props.property_nodes[i]).literals; };
+  EXPECT_EQ(literals(0), (std::vector<std::string>{strings.dump()}));
+  EXPECT_EQ(literals(1).size(), n);
+  EXPECT_EQ(literals(1).front(), pairs[0].dump());
+  EXPECT_EQ(literals(2).size(), n + 1);  // the objects whose "a" the enum allows, and null
+  EXPECT_EQ(literals(2).back(), "null");
+  EXPECT_TRUE(accepts(s, R"({"pair": {"a":"v2","b":"v2997"}, "single": {"a":"v0"}})"));
+  EXPECT_FALSE(prefix_ok(s, R"({"pair": {"a":"v1","b":"n)"));
+  EXPECT_FALSE(prefix_ok(s, R"({"single": {"a":"n)"));
+  EXPECT_FALSE(prefix_ok(s, R"({"list": ["v1","n)"));
+}
+
 TEST(JsonMatcher, AnyObject) {
   const auto s = JsonSchema::any_object();
   EXPECT_TRUE(accepts(s, R"({})"));
