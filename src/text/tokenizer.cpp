@@ -2,6 +2,7 @@
 // (docs/model.md §5). Semantics follow Hugging Face tokenizers (the test oracle).
 #include "text/tokenizer.h"
 
+#include <atomic>
 #include <fstream>
 #include <sstream>
 #include <unordered_map>
@@ -357,7 +358,10 @@ std::shared_ptr<const Tokenizer> Tokenizer::from_file(const std::filesystem::pat
   }
 }
 
-Tokenizer::Tokenizer(std::unique_ptr<TokenizerImpl> impl) : impl_(std::move(impl)) {}
+Tokenizer::Tokenizer(std::unique_ptr<TokenizerImpl> impl) : impl_(std::move(impl)) {
+  static std::atomic<uint64_t> next{1};
+  serial_ = next.fetch_add(1, std::memory_order_relaxed);
+}
 Tokenizer::~Tokenizer() = default;
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool allow_special) const {

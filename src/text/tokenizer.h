@@ -39,10 +39,14 @@ class Tokenizer {
   bool is_special(int32_t id) const;
   /// One past the largest id known to the tokenizer.
   int32_t vocab_size() const;
+  /// A number no other tokenizer of this process has or had (1, 2, …): a key for what is
+  /// derived from this one that, unlike its address, a later tokenizer never reuses.
+  uint64_t serial() const { return serial_; }
 
  private:
   explicit Tokenizer(std::unique_ptr<TokenizerImpl> impl);
   std::unique_ptr<TokenizerImpl> impl_;
+  uint64_t serial_;
 };
 
 /// Streaming detokenizer: push ids one at a time, get back only complete UTF-8 text.
