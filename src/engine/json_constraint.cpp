@@ -5,10 +5,10 @@
 #include <cmath>
 #include <limits>
 #include <map>
-#include <mutex>
 #include <set>
 
 #include "base/error.h"
+#include "engine/tokenizer_cache.h"
 #include "text/tokenizer.h"
 
 namespace lily {
@@ -861,16 +861,13 @@ JsonVocabIndex::JsonVocabIndex(int32_t vocab, const TokenBytesFn& token_bytes) :
 }
 
 std::shared_ptr<const JsonVocabIndex> JsonVocabIndex::for_tokenizer(const Tokenizer& tokenizer, int32_t vocab) {
-  static std::mutex mutex;
-  static std::map<std::pair<const Tokenizer*, int32_t>, std::weak_ptr<const JsonVocabIndex>> cache;
-  std::lock_guard lock(mutex);
-  auto& slot = cache[{&tokenizer, vocab}];
-  if (auto hit = slot.lock()) return hit;
-  auto index = std::make_shared<const JsonVocabIndex>(vocab, [&tokenizer](int32_t id) {
-    return tokenizer.is_special(id) ? std::string_view() : tokenizer.token_view(id);
+  // A server has one tokenizer and one row length: a few entries cover tests' tokenizers too.
+  static TokenizerCache<int32_t, JsonVocabIndex> cache(4);
+  return cache.get(tokenizer, vocab, [&] {
+    return std::make_shared<const JsonVocabIndex>(vocab, [&tokenizer](int32_t id) {
+      return tokenizer.is_special(id) ? std::string_view() : tokenizer.token_view(id);
+    });
   });
-  slot = index;
-  return index;
 }
 
 JsonConstraint::JsonConstraint(std::shared_ptr<const JsonSchema> schema, std::shared_ptr<const JsonVocabIndex> vocab,

@@ -171,7 +171,8 @@ class JsonVocabIndex {
  public:
   /// `vocab`: the logits row length (ids 0 … vocab − 1); `token_bytes` gives each id's bytes.
   JsonVocabIndex(int32_t vocab, const TokenBytesFn& token_bytes);
-  /// The index of `tokenizer`'s byte-level tokens (special tokens count as empty), cached.
+  /// The index of `tokenizer`'s byte-level tokens (special tokens count as empty), built on the
+  /// first call and kept for later ones (engine/tokenizer_cache.h), also while no request uses it.
   static std::shared_ptr<const JsonVocabIndex> for_tokenizer(const Tokenizer& tokenizer, int32_t vocab);
 
   int32_t vocab() const { return vocab_; }                              ///< the logits row length

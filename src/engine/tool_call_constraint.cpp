@@ -2,11 +2,10 @@
 
 #include <algorithm>
 #include <limits>
-#include <map>
-#include <mutex>
-#include <tuple>
+#include <utility>
 
 #include "base/error.h"
+#include "engine/tokenizer_cache.h"
 #include "text/tokenizer.h"
 
 namespace lily {
@@ -406,20 +405,17 @@ ToolCallVocab::ToolCallVocab(std::shared_ptr<const JsonVocabIndex> index) : inde
 
 std::shared_ptr<const ToolCallVocab> ToolCallVocab::for_tokenizer(const Tokenizer& tokenizer, int32_t vocab,
                                                                   std::span<const int32_t> kept_special) {
-  static std::mutex mutex;
-  static std::map<std::tuple<const Tokenizer*, int32_t, std::vector<int32_t>>, std::weak_ptr<const ToolCallVocab>> cache;
+  // Keyed by the row length and the kept special ids (sorted): a server asks for one or two.
+  static TokenizerCache<std::pair<int32_t, std::vector<int32_t>>, ToolCallVocab> cache(4);
   std::vector<int32_t> kept(kept_special.begin(), kept_special.end());
   std::sort(kept.begin(), kept.end());
-  std::lock_guard lock(mutex);
-  auto& slot = cache[{&tokenizer, vocab, kept}];
-  if (auto hit = slot.lock()) return hit;
-  auto index = std::make_shared<const JsonVocabIndex>(vocab, [&tokenizer, &kept](int32_t id) {
-    const bool dropped = tokenizer.is_special(id) && !std::binary_search(kept.begin(), kept.end(), id);
-    return dropped ? std::string_view() : tokenizer.token_view(id);
+  return cache.get(tokenizer, {vocab, kept}, [&] {
+    auto index = std::make_shared<const JsonVocabIndex>(vocab, [&tokenizer, &kept](int32_t id) {
+      const bool dropped = tokenizer.is_special(id) && !std::binary_search(kept.begin(), kept.end(), id);
+      return dropped ? std::string_view() : tokenizer.token_view(id);
+    });
+    return std::make_shared<const ToolCallVocab>(std::move(index));
   });
-  auto out = std::make_shared<const ToolCallVocab>(std::move(index));
-  slot = out;
-  return out;
 }
 
 ToolCallConstraint::ToolCallConstraint(std::shared_ptr<const ToolCallGrammar> grammar,

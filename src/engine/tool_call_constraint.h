@@ -166,12 +166,13 @@ class ToolCallMatcher {
 };
 
 /// The vocabulary as the tool-call mask reads it: JsonVocabIndex's trie and these lists of
-/// non-empty ids, ascending. Built once per tokenizer and kept special ids, and shared.
+/// non-empty ids, ascending. Built once per tokenizer and set of kept special ids, and shared.
 class ToolCallVocab {
  public:
   explicit ToolCallVocab(std::shared_ptr<const JsonVocabIndex> index);
   /// The index of `tokenizer`'s tokens, special ones empty except `kept_special` (markers whose
-  /// text the answer keeps, GenerationParams::kept_special_ids). Cached while in use.
+  /// text the answer keeps, GenerationParams::kept_special_ids). Built on the first call and kept
+  /// for later ones (engine/tokenizer_cache.h), also while no request uses it.
   static std::shared_ptr<const ToolCallVocab> for_tokenizer(const Tokenizer& tokenizer, int32_t vocab,
                                                             std::span<const int32_t> kept_special);
 

@@ -158,7 +158,7 @@ TEST(JsonSchemaCompile, LiteralsSatisfyTheRestOfTheSchema) {
 TEST(JsonSchemaCompile, LargeNestedEnums) {
   const size_t n = 3000;
   json strings = json::array(), pairs = json::array(), singles = json::array();
-  for (size_t i = 0; i < n; ++i) strings.push_back("v" + std::to_string(i));
+  for (size_t i = 0; i < n; ++i) strings.push_back(std::string("v").append(std::to_string(i)));
   for (size_t i = 0; i < n; ++i) {
     pairs.push_back({{"a", strings[i]}, {"b", strings[n - 1 - i]}});
     singles.push_back({{"a", strings[n - 1 - i]}});
@@ -272,6 +272,29 @@ TEST(JsonMatcher, FollowsTheSchema) {
                                "kids":{"type":"array","items":{"$ref":"#"}}},"required":["v"],"additionalProperties":false})");
   EXPECT_TRUE(accepts(tree, R"({"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}, {"v": 4}]})"));
   EXPECT_FALSE(prefix_ok(tree, R"({"v": 1, "kids": [{"kids": []})"));
+}
+
+// The vocabulary index is built once per tokenizer and kept while no constraint holds it (the
+// next request does not rebuild it); the cache stays bounded: once enough other tokenizers
+// asked, the first one's index is let go.
+TEST(JsonConstraint, VocabIndexOutlivesItsConstraints) {
+  const auto tokenizer = test::demo_tokenizer();
+  const int32_t vocab = tokenizer->vocab_size();
+  std::weak_ptr<const JsonVocabIndex> first;
+  {
+    JsonConstraint c(JsonSchema::any_object(), JsonVocabIndex::for_tokenizer(*tokenizer, vocab), {0});
+    first = JsonVocabIndex::for_tokenizer(*tokenizer, vocab);
+  }
+  EXPECT_FALSE(first.expired());
+  EXPECT_EQ(JsonVocabIndex::for_tokenizer(*tokenizer, vocab), first.lock());
+  const auto other = JsonVocabIndex::for_tokenizer(*tokenizer, vocab - 1);  // another row length
+  EXPECT_NE(other, first.lock());
+  EXPECT_EQ(other->vocab(), vocab - 1);
+  for (int i = 0; i < 8; ++i) {
+    const auto fresh = Tokenizer::from_file(std::string(LILY_SOURCE_DIR) + "/models/demo/tokenizer.json");
+    EXPECT_NE(JsonVocabIndex::for_tokenizer(*fresh, vocab), first.lock());
+  }
+  EXPECT_TRUE(first.expired());
 }
 
 // The mask allows exactly the tokens a byte-by-byte check accepts, at every step of a document,

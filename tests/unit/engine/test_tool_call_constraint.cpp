@@ -363,6 +363,23 @@ TEST(ToolCallMatcher, FollowsTheFormatAndTheSchema) {
   EXPECT_FALSE(ToolCallMatcher(several, /*more_calls=*/false).feed("get_time>\n" + kEnd + "\n"));
 }
 
+// The vocabulary is built once per tokenizer and set of kept special ids (in any order) and
+// kept while no constraint holds it; the cache stays bounded.
+TEST(ToolCallConstraint, VocabOutlivesItsConstraints) {
+  const auto& tokenizer = test::demo_tokenizer();
+  const int32_t vocab = tokenizer->vocab_size();
+  const std::vector<int32_t> kept = {im_end(), 0}, reversed = {0, im_end()};
+  const std::weak_ptr<const ToolCallVocab> first = ToolCallVocab::for_tokenizer(*tokenizer, vocab, kept);
+  EXPECT_FALSE(first.expired());
+  EXPECT_EQ(ToolCallVocab::for_tokenizer(*tokenizer, vocab, reversed), first.lock());
+  const auto plain = demo_vocab();  // no kept special ids: another vocabulary
+  EXPECT_NE(plain, first.lock());
+  EXPECT_EQ(plain->index().bytes()[static_cast<size_t>(im_end())], "");
+  EXPECT_EQ(first.lock()->index().bytes()[static_cast<size_t>(im_end())], "<|im_end|>");
+  for (int32_t skip = 1; skip <= 8; ++skip) ToolCallVocab::for_tokenizer(*tokenizer, vocab - skip, kept);
+  EXPECT_TRUE(first.expired());
+}
+
 // The mask at sampled states (prefixes of calls, as one-byte tokens would write them) equals a
 // brute-force check of every token's bytes on a copy of the matcher.
 TEST(ToolCallConstraint, MaskEqualsBruteForce) {
