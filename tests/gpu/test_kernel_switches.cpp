@@ -133,13 +133,13 @@ TEST(KernelSwitches, GemvLateRequestsReachItsSetting) {
 TEST(KernelSwitches, MoeTileBalanceReachesItsSetting) {
   cuda::apply_kernel_switches(CudaOptions{});
   EXPECT_EQ(cuda::moe_tile_balance(), CudaOptions{}.moe_tile_balance);
-  EXPECT_EQ(CudaOptions{}.moe_tile_balance, 16);
+  EXPECT_EQ(CudaOptions{}.moe_tile_balance, 8);
   CudaOptions o;
   o.moe_tile_balance = 0;
   cuda::apply_kernel_switches(o);
   EXPECT_EQ(cuda::moe_tile_balance(), 0);
   cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_EQ(cuda::moe_tile_balance(), 16);
+  EXPECT_EQ(cuda::moe_tile_balance(), 8);
 }
 
 TEST(KernelSwitches, BadRegdqThrowsBeforeChangingAnything) {

@@ -286,7 +286,7 @@ void set_rows_mode_max_weight_rows(int64_t n);
 
 /// How the MoE rows kernel (launch_moe_block_rows) splits the routed gate/up tiles over its
 /// blocks in launches of at least kMoeTileBalanceFromRows rows: 0, equal tile counts; w > 0
-/// (16 by default), equal cost, a tile costing w + its live columns (the rows routed to its
+/// (8 by default), equal cost, a tile costing w + its live columns (the rows routed to its
 /// column block, 1 … 8, each of which the tile's fragment loads read on their own). Which tiles a
 /// block computes never changes a result's bits. Process-wide (apply_kernel_switches:
 /// CudaOptions::moe_tile_balance); read when a launch is planned.

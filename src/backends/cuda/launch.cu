@@ -32,7 +32,7 @@ std::atomic<RowsGemvSplit> g_rows_gemv_split{RowsGemvSplit::tiles};
 /// The rows mode's largest matrix (rows_mode_max_weight_rows).
 std::atomic<int64_t> g_rows_mode_max_weight_rows{kRowsModeMaxWeightRows};
 /// The MoE rows kernel's tile split (moe_tile_balance).
-std::atomic<int> g_moe_tile_balance{16};
+std::atomic<int> g_moe_tile_balance{8};
 /// Rows from which the MoE rows kernel routes each row once (moe_route_once_from_rows).
 std::atomic<int> g_moe_route_once_from_rows{kMoeRouteOnceFromDefault};
 /// The streaming GEMV's stage budget (stream_gemv_smem_per_sm, stream_gemv_blocks_per_sm).
