@@ -35,7 +35,7 @@ using cuda::DeviceBuffer;
 struct MoeBlock {
   int E, k, hidden, ffn;
   RandomQuant router, gate, up, down;
-  DeviceBuffer gain, logits, ids, weights, act, act_sums, normed_sums, barriers;
+  DeviceBuffer gain, logits, ids, weights, act, act_sums, normed_sums, normed_frag, barriers;
 
   MoeBlock(int E_, int k_, int hidden_, int ffn_, std::mt19937_64& rng)
       : E(E_), k(k_), hidden(hidden_), ffn(ffn_), router(E_ + 1, hidden_, 8, rng),
@@ -51,6 +51,7 @@ struct MoeBlock {
     act = poisoned(size_t(R) * (k + 1) * ffn * 2);
     act_sums = poisoned(size_t(R) * (k + 1) * (ffn / 8) * 4);
     normed_sums = poisoned(size_t(R) * (hidden / 64) * 4);
+    normed_frag = poisoned(size_t(R) * hidden * 2);
     barriers = DeviceBuffer(4 * sizeof(uint32_t));  // the third: the out-projection phase's; the fourth the next norm's
   }
 
@@ -79,6 +80,7 @@ struct MoeBlock {
     a.act = act.as<__nv_bfloat16>();
     a.act_sums = act_sums.as<float>();
     a.normed_sums = normed_sums.as<float>();
+    a.normed_frag = normed_frag.as<__nv_bfloat16>();
     a.out = out.as<__nv_bfloat16>();
     a.barriers = barrier_pair ? barrier_pair : barriers.as<uint32_t>();
     return a;
@@ -515,6 +517,11 @@ TEST(CudaMoeBlock, RefusesWhatItDoesNotSupport) {
   cuda::MoeDecodeArgs no_sums = real.args(x2, nullptr, xo2, nm2, out2, nullptr, 2);
   no_sums.act_sums = nullptr;
   EXPECT_THROW(cuda::launch_moe_block_rows(no_sums, nullptr), InternalError);
+  cuda::MoeDecodeArgs no_frag = real.args(x2, nullptr, xo2, nm2, out2, nullptr, 2);
+  no_frag.normed_frag = nullptr;
+  EXPECT_THROW(cuda::launch_moe_block_rows(no_frag, nullptr), InternalError);
+  no_frag.normed_frag = real.normed_frag.as<__nv_bfloat16>() + 1;  // not 16-byte aligned
+  EXPECT_THROW(cuda::launch_moe_block_rows(no_frag, nullptr), InternalError);
 }
 
 /// A stack of fused MoE blocks, each reading the last one's output as the branch of its add

@@ -1404,8 +1404,10 @@ class CudaBackend final : public Backend {
     /// Activations of up to kMaxDecodeRows rows: x, normed, mixer_out, moe [rows, hidden]; proj
     /// [rows, largest in-projection]; conv [rows, C]; mix [rows, mixer core]; q [rows, nq·D];
     /// router fp32 [rows, E + 1]; ids, weights [rows, k + 1]; act [rows, k + 1, ffn]; act_sums
-    /// fp32 [rows, k + 1, ffn / 8] and normed_sums fp32 [rows, hidden / 64] (the MoE rows kernel's).
-    DeviceBuffer x, normed, mixer_out, moe, proj, conv, mix, q, router, ids, weights, act, act_sums, normed_sums;
+    /// fp32 [rows, k + 1, ffn / 8], normed_sums fp32 [rows, hidden / 64] and normed_frag
+    /// [rows, hidden] (the MoE rows kernel's).
+    DeviceBuffer x, normed, mixer_out, moe, proj, conv, mix, q, router, ids, weights, act, act_sums, normed_sums,
+        normed_frag;
     DeviceBuffer x_alt;        ///< [rows, hidden]: the fused MoE block's residual output (x and x_alt alternate)
     DeviceBuffer router_done;  ///< uint32 [kMaxDecodeRows], zero between launches (launch_router_fused)
     /// The MoE rows kernel's grid barriers: uint32 [n_layers][kMoeBarriersPerLayer],
@@ -1451,6 +1453,7 @@ class CudaBackend final : public Backend {
     b->act = bf(rows * n_sel * c.moe_ffn_dim);
     b->act_sums = DeviceBuffer(std::max<int64_t>(rows * n_sel * c.moe_ffn_dim / 8, 1) * sizeof(float));
     b->normed_sums = DeviceBuffer(std::max<int64_t>(rows * c.hidden / kQuantGroupSize, 1) * sizeof(float));
+    b->normed_frag = bf(rows * c.hidden);
     b->router_done = DeviceBuffer(rows * sizeof(uint32_t));
     b->router_done.fill_bytes(0);
     b->moe_barriers = DeviceBuffer(static_cast<size_t>(c.n_layers) * kMoeBarriersPerLayer * sizeof(uint32_t));
@@ -1549,6 +1552,7 @@ class CudaBackend final : public Backend {
     a.act = b.act.as<bf16>();
     a.act_sums = b.act_sums.as<float>();
     a.normed_sums = b.normed_sums.as<float>();
+    a.normed_frag = b.normed_frag.as<bf16>();
     a.out = b.moe.as<bf16>();
     a.barriers = b.moe_barriers.as<uint32_t>() + int64_t{layer} * kMoeBarriersPerLayer;
     return a;

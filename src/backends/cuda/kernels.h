@@ -456,6 +456,10 @@ struct MoeDecodeArgs {
   /// fp32 [rows, hidden / 64]: the normed rows' group sums, scratch of the rows kernel between
   /// its norm and its gate/up phase; unused by the one-token block.
   float* normed_sums = nullptr;
+  /// bf16 [rows, hidden], 16-byte aligned: the normed rows with each 16-byte unit in MMA fragment
+  /// order (pack_fragment_pairs), scratch of the rows kernel between its norm and its gate/up
+  /// phase, whose fragment loads then take them as they are; unused by the one-token block.
+  __nv_bfloat16* normed_frag = nullptr;
   __nv_bfloat16* out = nullptr;        ///< bf16 [rows, hidden]: the MoE output
   /// uint32 [2] (with out_proj: [3]; with next_norm: [4]; the rows kernel: [3]), zero before
   /// every launch (a memset in the graph).
@@ -521,8 +525,8 @@ std::string moe_block_rows_unsupported(const MoeDecodeArgs& args, int max_blocks
 /// sum runs in the one-token block's order, and the rows routed to an expert are the columns of
 /// its MMAs (an output column depends only on its own input column), so each distinct expert's
 /// weights are read once per eight rows routed to it. Same barriers, buffers and errors as
-/// launch_moe_block_decode (with moe_block_rows_unsupported's reason), and act_sums and
-/// normed_sums are required (lily::InternalError).
+/// launch_moe_block_decode (with moe_block_rows_unsupported's reason), and act_sums,
+/// normed_sums and a 16-byte aligned normed_frag are required (lily::InternalError).
 void launch_moe_block_rows(const MoeDecodeArgs& args, cudaStream_t stream, int max_blocks = 0);
 
 /// Number of fp32 + int32 scratch slots launch_argmax needs for n values.

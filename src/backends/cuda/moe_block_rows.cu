@@ -13,8 +13,8 @@
 //     tiles of the shared expert (gate/up and down), whose addresses do not depend on the routing;
 //  2. after the wait: the (token row, router part) units are spread over the blocks (S parts
 //     per row, as many as the grid gives each row, router_splits); a unit norms its row alone
-//     (the one-token block's norm; part 0 stores x_out, normed_out and the normed row's group
-//     sums) and computes its part of the row's router logits (the one-token block's CUDA-core
+//     (the one-token block's norm; part 0 stores x_out, normed_out, the normed row's group sums
+//     and the normed row in fragment order, normed_frag) and computes its part of the row's router logits (the one-token block's CUDA-core
 //     router rows, held in registers from before the wait); grid barrier 0;
 //  3. every block loads the group sums and the logits (one round trip per 32 rows), warp w
 //     routes rows w, w + 16, … (route_token_keys); or, from moe_route_once_from_rows() rows on,
@@ -29,8 +29,9 @@
 //     read once for every row routed to it (once per column block of eight). Four quads of four
 //     warps work on four tiles at once, each quad through its own ring slots and named barrier;
 //     a warp sums four of the one-token block's sixteen group ranges, each on its own; the
-//     activations come from normed_out (global memory, in natural order, put in fragment order
-//     in registers); SwiGLU, act and its 8-column unit sums to global memory, grid barrier 1;
+//     activations come from normed_frag (global memory, already in fragment order: no
+//     permutation per tile and group, which had been 5 % of the kernel's instructions at 64
+//     rows); SwiGLU, act and its 8-column unit sums to global memory, grid barrier 1;
 //  5. down + combine: a block owns 16 output rows; warp w walks the column blocks w, w + W, …
 //     through two shared-memory stages of its own (a few requested after the routing, the rest
 //     in the gate/up ring's tail once the block's gate/up tiles are done), the act read from
@@ -223,18 +224,18 @@ __device__ __forceinline__ void request_down_tile(const MoeDecodeArgs& a, const 
 }
 
 /// One 64-group G of a 16-row tile against 8 columns: `col` is this thread's 32 bytes of group 0
-/// of its B column (bf16 in natural order, written by other blocks of this launch before a grid
-/// barrier, whose acquire makes them visible; put in fragment order here), sum0 / sum1 the Σx of
-/// its output columns 2t and 2t + 1. kL1: the loads may hit in L1 (columns that the block reads
-/// again soon), else they go to L2. acc[0], acc[1]: rows g of columns 2t, 2t + 1; acc[2], acc[3]: rows g + 8. A column
+/// of its B column (bf16, written by other blocks of this launch before a grid barrier, whose
+/// acquire makes them visible; in natural order, put in fragment order here, or with kFragOrder
+/// already in it), sum0 / sum1 the Σx of its output columns 2t and 2t + 1. kL1: the loads may
+/// hit in L1 (columns that the block reads again soon), else they go to L2. acc[0], acc[1]: rows g of columns 2t, 2t + 1; acc[2], acc[3]: rows g + 8. A column
 /// the caller does not use may hold any pair's values: an MMA's output column depends only on
 /// its own B column, so it changes no other column's bits (and is never read), and no column is
 /// zeroed.
-template <bool kL1>
+template <bool kL1, bool kFragOrder = false>
 __device__ __forceinline__ void group_columns(const TileView& v, const uint4* col, int G, float sum0, float sum1,
                                               float (&acc)[4]) {
   const uint4 w0 = kL1 ? col[G * 8] : __ldcg(col + G * 8), w1 = kL1 ? col[G * 8 + 1] : __ldcg(col + G * 8 + 1);
-  const uint4 bw0 = fragment_order(w0), bw1 = fragment_order(w1);
+  const uint4 bw0 = kFragOrder ? w0 : fragment_order(w0), bw1 = kFragOrder ? w1 : fragment_order(w1);
   float d[4];
   group_mma(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0,
             bw1, d);
@@ -415,8 +416,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     norm.normed_out += off;
     float* xsum = xs + l.groups_h * kGroupStride;
     stage_norm_row(a.x + off, norm, l.hidden, store, xs, xsum, kNormThreads);
-    if (store)
+    if (store) {
       for (int i = threadIdx.x; i < l.groups_h; i += blockDim.x) a.normed_sums[int64_t{r} * l.groups_h + i] = xsum[i];
+      pack_fragment_pairs(xs, l.hidden, reinterpret_cast<uint32_t*>(a.normed_frag + off));
+    }
     router.compute(a.router, xs, xsum, a.logits + int64_t{r} * routed_plus_shared_experts(E), router_fresh || router_in_regs);
     router_fresh = false;
     __syncthreads();  // the staging is reused by the next unit
@@ -578,7 +581,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   // 3. Gate/up: the four quads work on four tiles at once; in a quad, warp w sums the one-token
   // block's group ranges 4w … 4w + 3 for every column, each from zero, and the sixteen partials
   // add up in range order. Column c of the MMA is the column block's pair c, whose normed row
-  // is read from normed_out (L2) by the fragment loads.
+  // is read from normed_frag (L1/L2) by the fragment loads.
   const int per_range = (l.groups_h + kBlockWarps - 1) / kBlockWarps;
   float* gu_part = reinterpret_cast<float*>(sm + l.gu_part) + quad * kBlockWarps * kTileRows * kMmaCols;  // [range][16][8]
   const int qt = threadIdx.x % (kQuadWarps * kWarp);
@@ -586,7 +589,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     const int st = quad * QS + n % QS, j = tile_of(i), span = item_span[j / l.gu_per_slot];
     mbarrier_wait(gu_full + st, (n / QS) & 1);
     const TileView v = tile_view<true>(gu_ring + st * l.gu_stage, l.gu_row_bytes, l.groups_h, g, t);
-    const uint4* col = reinterpret_cast<const uint4*>(a.norm.normed_out + int64_t{block_pair(pairs_of, span, g) / n_sel} * l.hidden) + 2 * t;
+    const uint4* col = reinterpret_cast<const uint4*>(a.normed_frag + int64_t{block_pair(pairs_of, span, g) / n_sel} * l.hidden) + 2 * t;
     const float* sum0 = xsums + block_pair(pairs_of, span, 2 * t) / n_sel * xsum_pitch(l.groups_h);
     const float* sum1 = xsums + block_pair(pairs_of, span, 2 * t + 1) / n_sel * xsum_pitch(l.groups_h);
     // The warp's ranges are independent sums, so their groups interleave (group `step` of every
@@ -598,7 +601,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
       for (int rg = 0; rg < kRangesPerWarp; ++rg) {
         const int range = wq * kRangesPerWarp + rg;
         const int Gi = range * per_range + step;
-        if (Gi < l.groups_h) group_columns<true>(v, col, Gi, sum0[Gi], sum1[Gi], acc[rg]);
+        if (Gi < l.groups_h) group_columns<true, true>(v, col, Gi, sum0[Gi], sum1[Gi], acc[rg]);
       }
     }
 #pragma unroll
@@ -766,7 +769,8 @@ std::string moe_block_rows_unsupported(const MoeDecodeArgs& args, int max_blocks
 }
 
 void launch_moe_block_rows(const MoeDecodeArgs& a, cudaStream_t stream, int max_blocks) {
-  if (!a.act_sums || !a.normed_sums) throw ::lily::InternalError("launch_moe_block_rows: act_sums and normed_sums are required");
+  if (!a.act_sums || !a.normed_sums || !a.normed_frag || reinterpret_cast<uintptr_t>(a.normed_frag) % 16 != 0)
+    throw ::lily::InternalError("launch_moe_block_rows: act_sums, normed_sums and a 16-byte aligned normed_frag are required");
   launch_plan(moe_plan(a, max_blocks), a, stream, "launch_moe_block_rows");
 }
 
