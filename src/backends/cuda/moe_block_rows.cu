@@ -14,8 +14,9 @@
 //  2. after the wait: the (token row, router part) units are spread over the blocks (S parts
 //     per row, as many as the grid gives each row, router_splits); a unit norms its row alone
 //     (the one-token block's norm; part 0 stores x_out, normed_out, the normed row's group sums
-//     and the normed row in fragment order, normed_frag) and computes its part of the row's router logits (the one-token block's CUDA-core
-//     router rows, held in registers from before the wait); grid barrier 0;
+//     and the normed row in fragment order, normed_frag) and computes its part of the row's
+//     router logits (the one-token block's CUDA-core router rows, held in registers from before
+//     the wait); grid barrier 0;
 //  3. every block loads the group sums and the logits (one round trip per 32 rows), warp w
 //     routes rows w, w + 16, … (route_token_keys); or, from moe_route_once_from_rows() rows on,
 //     each row is routed once (by one warp of one block, into the ids and weights in global
@@ -227,7 +228,8 @@ __device__ __forceinline__ void request_down_tile(const MoeDecodeArgs& a, const 
 /// of its B column (bf16, written by other blocks of this launch before a grid barrier, whose
 /// acquire makes them visible; in natural order, put in fragment order here, or with kFragOrder
 /// already in it), sum0 / sum1 the Σx of its output columns 2t and 2t + 1. kL1: the loads may
-/// hit in L1 (columns that the block reads again soon), else they go to L2. acc[0], acc[1]: rows g of columns 2t, 2t + 1; acc[2], acc[3]: rows g + 8. A column
+/// hit in L1 (columns that the block reads again soon), else they go to L2. acc[0], acc[1]:
+/// rows g of columns 2t, 2t + 1; acc[2], acc[3]: rows g + 8. A column
 /// the caller does not use may hold any pair's values: an MMA's output column depends only on
 /// its own B column, so it changes no other column's bits (and is never read), and no column is
 /// zeroed.
@@ -661,18 +663,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     for (int i0 = threadIdx.x; i0 < n_sums; i0 += kAsumBatch * blockDim.x) {
       float4 lo[kAsumBatch], hi[kAsumBatch];
 #pragma unroll
-      for (int k = 0; k < kAsumBatch; ++k) {
-        const int i = min(i0 + k * static_cast<int>(blockDim.x), n_sums - 1);
+      for (int q = 0; q < kAsumBatch; ++q) {
+        const int i = min(i0 + q * static_cast<int>(blockDim.x), n_sums - 1);
         const float4* u = reinterpret_cast<const float4*>(a.act_sums + int64_t{i / l.groups_f} * l.gu_per_slot) + 2 * (i % l.groups_f);
-        lo[k] = __ldcg(u);
-        hi[k] = __ldcg(u + 1);
+        lo[q] = __ldcg(u);
+        hi[q] = __ldcg(u + 1);
       }
 #pragma unroll
-      for (int k = 0; k < kAsumBatch; ++k) {
-        const int i = i0 + k * static_cast<int>(blockDim.x);
+      for (int q = 0; q < kAsumBatch; ++q) {
+        const int i = i0 + q * static_cast<int>(blockDim.x);
         if (i < n_sums)
-          asum[i] = __fadd_rn(__fadd_rn(__fadd_rn(lo[k].x, hi[k].x), __fadd_rn(lo[k].z, hi[k].z)),
-                              __fadd_rn(__fadd_rn(lo[k].y, hi[k].y), __fadd_rn(lo[k].w, hi[k].w)));
+          asum[i] = __fadd_rn(__fadd_rn(__fadd_rn(lo[q].x, hi[q].x), __fadd_rn(lo[q].z, hi[q].z)),
+                              __fadd_rn(__fadd_rn(lo[q].y, hi[q].y), __fadd_rn(lo[q].w, hi[q].w)));
       }
     }
   }
