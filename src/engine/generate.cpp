@@ -109,6 +109,7 @@ struct Generation::Impl {
   Sampler sampler;
   PenaltyEdits edits;  ///< the step-1 edits handed to a device sampler (next_row)
   std::optional<JsonConstraint> json;            ///< GenerationParams::json_schema
+  bool json_waiting = false;  ///< the document has not started: json_after_id not yet generated
   std::optional<ToolCallConstraint> tool;        ///< GenerationParams::tool_call
   std::vector<float> masked;  ///< the logits row with the constraints' masks applied
   Clock::time_point t0;  ///< first step
@@ -131,9 +132,11 @@ Generation::Generation(const Backend& backend, SequenceState& state, std::span<c
   if (params.json_schema && tokenizer == nullptr) throw Error("generate: a JSON schema needs a tokenizer");
   if (params.tool_call && tokenizer == nullptr) throw Error("generate: a tool-call grammar needs a tokenizer");
   impl_ = std::make_unique<Impl>(tokenizer, params, backend.config().vocab);
-  if (params.json_schema)
+  if (params.json_schema) {
     impl_->json.emplace(params.json_schema, JsonVocabIndex::for_tokenizer(*tokenizer, backend.config().vocab),
                         params.stop_ids);
+    impl_->json_waiting = params.json_after_id >= 0;
+  }
   if (params.tool_call)
     impl_->tool.emplace(params.tool_call,
                         ToolCallVocab::for_tokenizer(*tokenizer, backend.config().vocab, params.kept_special_ids),
@@ -211,7 +214,11 @@ bool Generation::samples_on_device() const {
 }
 
 bool Generation::constrained() const {
-  return (impl_->json && impl_->json->active()) || (impl_->tool && impl_->tool->active()) || stops_masked();
+  return json_constraining() || (impl_->tool && impl_->tool->active()) || stops_masked();
+}
+
+bool Generation::json_constraining() const {
+  return impl_->json && !impl_->json_waiting && impl_->json->active();
 }
 
 bool Generation::stops_masked() const {
@@ -237,7 +244,7 @@ int32_t Generation::choose(int32_t next) {
   int32_t token;
   if (constrained) {
     impl_->masked.assign(logits_.begin(), logits_.end());
-    const bool json = impl_->json && impl_->json->active();
+    const bool json = json_constraining();
     if (json) impl_->json->mask(impl_->masked);
     const bool tool = impl_->tool && impl_->tool->active();
     if (tool) impl_->tool->mask(impl_->masked);
@@ -284,6 +291,7 @@ void Generation::advance(int32_t next) {
 
 void Generation::emit(int32_t token) {
   result_.token_ids.push_back(token);
+  if (impl_->json_waiting && token == params_.json_after_id) impl_->json_waiting = false;  // the document starts
   const bool stop_token =
       std::find(params_.stop_ids.begin(), params_.stop_ids.end(), token) != params_.stop_ids.end();
   std::string piece = stop_token ? std::string() : impl_->text.push(token);

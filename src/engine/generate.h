@@ -60,6 +60,10 @@ struct GenerationParams {
   /// (engine/json_constraint.h; needs a tokenizer). These steps copy the logits to the host and
   /// choose there, even on a backend that samples on its device.
   std::shared_ptr<const JsonSchema> json_schema;
+  /// ≥ 0 with json_schema: the document starts after the first generated token of this id (the
+  /// end of a think block, "</think>"); the tokens before it, and all of them when it never comes,
+  /// are chosen as without a schema. −1: the document starts at the first generated token.
+  int32_t json_after_id = -1;
   /// When set: the rest of a forced tool call (engine/tool_call_constraint.h; needs a
   /// tokenizer). Every token is chosen with the tokens masked out that would leave the call
   /// format or the named function's parameter schemas; after "</tool_call>" only a stop token
@@ -176,6 +180,9 @@ class Generation {
   /// True while the next token is chosen on the host from masked logits: the JSON or tool-call
   /// constraint is active, or the stop tokens are still masked (stops_masked).
   bool constrained() const;
+  /// True while the JSON constraint masks the next token: it is active and its document has
+  /// started (GenerationParams::json_after_id already generated, or none to wait for).
+  bool json_constraining() const;
   /// True while fewer than GenerationParams::min_tokens tokens were generated (and there are
   /// stop tokens): the next choice cannot be a stop token.
   bool stops_masked() const;

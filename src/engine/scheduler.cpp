@@ -339,6 +339,7 @@ bool Scheduler::start_choice(Running& r, int choice) {
     params.stop_ids.insert(params.stop_ids.end(), req.stop_ids.begin(), req.stop_ids.end());
     params.min_tokens = req.min_tokens;
     params.json_schema = req.json_schema;
+    params.json_after_id = req.json_after_id;
     params.tool_call = req.tool_call;
     params.stop_strings = req.stop_strings;
     if (req.stop_after_text) params.stop_after_text = req.stop_after_text();

@@ -76,6 +76,7 @@ struct JobRequest {
   bool ignore_eos = false;                 ///< true: the checkpoint's stop tokens (EngineOptions::stop_ids) unused
   std::vector<int32_t> stop_ids;           ///< more stop tokens of this request (kept with ignore_eos)
   std::shared_ptr<const JsonSchema> json_schema;  ///< GenerationParams::json_schema of every choice
+  int32_t json_after_id = -1;  ///< GenerationParams::json_after_id of every choice
   std::shared_ptr<const ToolCallGrammar> tool_call;  ///< GenerationParams::tool_call of every choice
 };
 

@@ -540,8 +540,8 @@ void parse_continuation(const json& doc, ChatRequest& req) {
                           "add_generation_prompt", "unsupported_value");
 }
 
-/// Structured output constrains the whole answer from its first token, so it cannot follow a
-/// forced tool call, a continued assistant turn or thinking the request asks for.
+/// Structured output constrains the answer's content (after the think block when there is one),
+/// so it cannot follow a forced tool call or a continued assistant turn.
 void check_structured_output(const ChatRequest& req) {
   if (!req.json_schema) return;
   const ChatAgentFields& a = req.agent;
@@ -550,10 +550,6 @@ void check_structured_output(const ChatRequest& req) {
                           "response_format");
   if (req.continue_final_message)
     throw invalid_request("'response_format' cannot be combined with 'continue_final_message'", "response_format");
-  if (a.enable_thinking.value_or(false) || (!a.enable_thinking && a.reasoning_effort && *a.reasoning_effort != "none"))
-    throw invalid_request("'response_format' needs thinking off: the JSON answer starts at the first token "
-                          "(send chat_template_kwargs.enable_thinking false or reasoning_effort \"none\")",
-                          "response_format");
 }
 
 /// Refuses stop strings and stop_token_ids beside response_format: one would cut the document

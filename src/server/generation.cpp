@@ -89,6 +89,7 @@ std::shared_ptr<Job> LilyServer::submit(ChatCall& call, std::vector<int32_t> pro
   job.min_tokens = call.request.min_tokens;
   job.ignore_eos = call.request.ignore_eos;
   job.json_schema = call.request.json_schema;
+  job.json_after_id = call.json_after_id;
   job.stop_ids = checked_ids(call.request.stop_token_ids, "stop_token_ids");
   // A chat answer is split at its markers' text: keep it where the tokenizer marks one special.
   for (std::string_view marker : answer_markers(call.answer))
@@ -186,9 +187,10 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
     call.phases.parse = seconds(Clock::now() - t0);
     check_model(request.model);
     check_ready();
-    // A JSON answer starts at the first token: the server's default thinking is off for it (a
-    // request that asks for thinking with it was refused by the parser).
-    if (request.json_schema && !request.agent.reasoning_effort) request.agent.enable_thinking = false;
+    // A JSON answer is quickest without thinking: the server's default thinking is off for it
+    // unless the request asks for thinking (enable_thinking, reasoning_effort).
+    if (request.json_schema && !request.agent.enable_thinking && !request.agent.reasoning_effort)
+      request.agent.enable_thinking = false;
     ChatEncodeTimings encoding;
     prompt = tokenize(request, &call.message_starts, &encoding);
     call.phases.template_render = encoding.render_seconds;
@@ -196,6 +198,16 @@ void LilyServer::handle_chat(Exchange& ex, const Request& req, Reply& res) {
     // A continued answer goes on from its content (the template wrote any think block before it).
     call.answer.thinking = thinking_enabled(request.agent, options_.reasoning) && !request.continue_final_message;
     call.answer.include_reasoning = request.agent.include_reasoning;
+    // With thinking, the JSON document is the content after the think block: it starts once the
+    // model has written "</think>".
+    if (request.json_schema && call.answer.thinking) {
+      const auto think_end = tokenizer_->token_id("</think>");
+      if (!think_end)
+        throw invalid_request("'response_format' with thinking needs a '</think>' token, which this model's "
+                              "tokenizer does not have (send chat_template_kwargs.enable_thinking false)",
+                              "response_format");
+      call.json_after_id = *think_end;
+    }
     // A JSON answer is content only: text in its strings that looks like a tool call stays text.
     if (request.agent.tools_active() && !request.json_schema) {
       call.answer.tools.emplace(request.agent.tools);

@@ -263,6 +263,9 @@ struct ChatCall {
   /// chat, tool_choice "required" or a named function: what holds the rest of the forced call
   /// to the declared tools (forced_call_grammar; JobRequest::tool_call); null otherwise.
   std::shared_ptr<const ToolCallGrammar> tool_call;
+  /// chat, response_format with thinking: the "</think>" token, after which the JSON document
+  /// starts (JobRequest::json_after_id); −1 otherwise.
+  int32_t json_after_id = -1;
 };
 
 /// Where one request's engine events go, in order. LilyServer::drain_events runs the one event

@@ -401,6 +401,62 @@ TEST(JsonConstraint, RandomWalksNeverDeadEnd) {
   }
 }
 
+// With json_after_id (a think block's end), the tokens before it are the backend's own (no
+// JSON), and the document starts after it; when it never comes, nothing is constrained.
+TEST(JsonConstraint, DocumentStartsAfterTheThinkEnd) {
+  const auto tokenizer = test::demo_tokenizer();
+  const auto s = schema(kPerson);
+  const int32_t stop = *tokenizer->token_id("<|im_end|>");
+  const int32_t think_end = *tokenizer->token_id("</think>");
+  const int32_t word = tokenizer->encode("Hmm", false).front();  // no JSON document starts with it
+  const std::string word_text = tokenizer->decode(std::vector<int32_t>{word});
+  const std::vector<int32_t> closers = {*tokenizer->token_id("\""), *tokenizer->token_id("}"),
+                                        *tokenizer->token_id("]"), *tokenizer->token_id(",")};
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  for (int think_tokens : {0, 5}) {
+    test::FakeBackend b(tokenizer->vocab_size());
+    // think_tokens words, then "</think>", then the closing bytes the other test leans on.
+    b.script = [&](const std::vector<int32_t>& h) {
+      const int64_t n = static_cast<int64_t>(h.size() - prompt.size());
+      if (n < think_tokens) return word;
+      if (n == think_tokens) return think_end;
+      return closers[h.size() % closers.size()];
+    };
+    auto state = b.new_state(4000);
+    GenerationParams p;
+    p.max_tokens = 2000;
+    p.max_seq = 4000;
+    p.stop_ids = {stop};
+    p.json_schema = s;
+    p.json_after_id = think_end;
+    const GenerationResult r = generate(b, *state, prompt, p, tokenizer.get());
+    ASSERT_EQ(r.finish_reason, FinishReason::kStop) << think_tokens << ": " << r.text;
+    ASSERT_GT(r.token_ids.size(), static_cast<size_t>(think_tokens + 1));
+    for (int i = 0; i < think_tokens; ++i) EXPECT_EQ(r.token_ids[static_cast<size_t>(i)], word) << i;
+    EXPECT_EQ(r.token_ids[static_cast<size_t>(think_tokens)], think_end);
+    // The special "</think>" writes no text: the text is the words, then the document.
+    std::string words;
+    for (int i = 0; i < think_tokens; ++i) words += word_text;
+    ASSERT_TRUE(r.text.starts_with(words)) << r.text;
+    const std::string document = r.text.substr(words.size());
+    EXPECT_TRUE(accepts(s, document)) << think_tokens << ": " << document;
+    EXPECT_EQ(r.token_ids.back(), stop);
+  }
+  // "</think>" never comes: every token is the backend's own, up to max_tokens.
+  test::FakeBackend b(tokenizer->vocab_size());
+  b.script = [&](const std::vector<int32_t>&) { return word; };
+  auto state = b.new_state(4000);
+  GenerationParams p;
+  p.max_tokens = 12;
+  p.max_seq = 4000;
+  p.stop_ids = {stop};
+  p.json_schema = s;
+  p.json_after_id = think_end;
+  const GenerationResult r = generate(b, *state, prompt, p, tokenizer.get());
+  EXPECT_EQ(r.finish_reason, FinishReason::kLength);
+  EXPECT_EQ(r.token_ids, std::vector<int32_t>(12, word));
+}
+
 // Generations over the fake backend (whose own tokens are noise): greedy and sampled, every
 // answer is a valid document of the schema, ended by the stop token.
 TEST(JsonConstraint, GenerationsAreValidDocuments) {
