@@ -90,6 +90,33 @@ describe('structured output on lily serve (demo model)', () => {
     assert.ok(typeof v === 'object' && v !== null && !Array.isArray(v));
   });
 
+  it('with thinking on, the document follows the think block', async () => {
+    const ids = async (text) => (await postJson(suite.server, '/tokenize', { model: MODEL, prompt: text })).json.tokens;
+    const [thinkEnd] = await ids('</think>');
+    const [quote] = await ids('"');
+    const [brace] = await ids('}');
+    const thinking = { chat_template_kwargs: { enable_thinking: true } };
+    // Leaned to end its thinking at once, then to close strings and objects: an empty
+    // reasoning and a document of the schema as the content, whole and streamed alike.
+    const lean = { logit_bias: { [thinkEnd]: 100, [quote]: 6, [brace]: 6 } };
+    const body = { model: MODEL, messages, max_tokens: 400, response_format: schemaFormat, ...thinking, ...lean };
+    const whole = await chat(suite.server, body);
+    assert.equal(whole.status, 200, JSON.stringify(whole.json));
+    const message = whole.json.choices[0].message;
+    assert.equal(whole.json.choices[0].finish_reason, 'stop', message.content);
+    assert.equal(message.reasoning_content, '');
+    assertPerson(JSON.parse(message.content));
+    const streamed = parseSse((await chat(suite.server, { ...body, stream: true })).body);
+    assert.equal(streamed.finish, 'stop');
+    assert.equal(streamed.text, message.content);
+    // Unleaned, the demo model thinks on: its reasoning, no document, cut by max_tokens.
+    const long = await chat(suite.server, { model: MODEL, messages, max_tokens: 12, response_format: schemaFormat, ...thinking });
+    assert.equal(long.status, 200, JSON.stringify(long.json));
+    assert.equal(long.json.choices[0].finish_reason, 'length');
+    assert.ok(long.json.choices[0].message.reasoning_content.length > 0);
+    assert.ok(!long.json.choices[0].message.content);
+  });
+
   it('refuses a schema it cannot follow, naming it', async () => {
     const res = await chat(suite.server, {
       model: MODEL, messages,
