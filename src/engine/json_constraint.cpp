@@ -562,7 +562,21 @@ bool JsonMatcher::feed(std::string_view bytes) {
 bool JsonMatcher::whitespace(unsigned char byte) {
   if (!is_ws(byte)) return false;
   took_whitespace_ = true;
-  return ++ws_run_ <= kMaxWhitespaceRun;
+  const bool blank = byte == ' ' || byte == '\t';
+  switch (ws_run_) {
+    case Run::kNone:
+      ws_run_ = blank ? Run::kBlank : byte == '\r' ? Run::kReturn : Run::kLine;
+      return true;
+    case Run::kReturn:
+      if (byte != '\n') return false;
+      ws_run_ = Run::kLine;
+      return true;
+    case Run::kLine:
+      return blank && static_cast<size_t>(++ws_indent_) <= kMaxIndentPerLevel * containers();
+    case Run::kBlank:
+      return false;
+  }
+  return false;
 }
 
 const std::vector<std::string>& JsonMatcher::literals_of(const Frame& f) const {
@@ -639,7 +653,10 @@ bool JsonMatcher::feed(unsigned char byte) {
   if (stack_.empty()) return false;  // the document is complete
   took_whitespace_ = false;
   const bool ok = feed_top(byte);
-  if (!took_whitespace_) ws_run_ = 0;  // a run counts whitespace between tokens only
+  if (!took_whitespace_) {  // a run is whitespace between tokens only
+    ws_run_ = Run::kNone;
+    ws_indent_ = 0;
+  }
   return ok;
 }
 

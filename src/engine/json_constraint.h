@@ -13,8 +13,9 @@
 //   follow (allOf, not, if/then/else, patternProperties, prefixItems, …) are refused.
 // - JsonMatcher: a byte-level pushdown automaton over that structure. feed() takes one byte
 //   and says whether the text is still a prefix of a valid document; whitespace between tokens
-//   is allowed in runs of at most kMaxWhitespaceRun bytes (a model looping on newlines cannot
-//   stall the answer forever), numbers are at most kMaxNumberBytes long, object keys are written
+//   comes as compact or pretty-printed JSON has it (kMaxIndentPerLevel: one blank, or one line
+//   break and an indentation, so a model looping on blanks or newlines cannot fill the answer
+//   with them), numbers are at most kMaxNumberBytes long, object keys are written
 //   without escapes, enum values in their compact form.
 // - JsonConstraint: the matcher applied to a logits row: every token whose bytes the matcher
 //   refuses is set to −inf before the sampler (engine/sampler.h), so
@@ -42,9 +43,14 @@ class Tokenizer;
 /// stay valid while it is used (a view into the vocabulary, not a temporary).
 using TokenBytesFn = std::function<std::string_view(int32_t id)>;
 
-/// Most consecutive whitespace bytes the matcher accepts between JSON tokens. Strings and keys
-/// must be well-formed UTF-8 (no byte of a broken character is accepted).
-inline constexpr int kMaxWhitespaceRun = 64;
+/// Whitespace the matcher accepts between two JSON tokens (and before the document), as one
+/// run: nothing, one space or tab, or a line break ("\n", "\r\n") followed by at most
+/// kMaxIndentPerLevel spaces and tabs per open object or array. Compact JSON and JSON
+/// pretty-printed with indents of up to 4 fit; runs of blanks or blank lines, on which a weak
+/// model can spend its whole answer, do not (llama.cpp's JSON grammar bounds its whitespace in
+/// the same spirit). Strings and keys must be well-formed UTF-8 (no byte of a broken character
+/// is accepted).
+inline constexpr int kMaxIndentPerLevel = 4;
 /// Most bytes of one JSON number.
 inline constexpr int kMaxNumberBytes = 32;
 /// Most digits of a number's exponent (so every value is a finite double).
@@ -161,7 +167,11 @@ class JsonMatcher {
 
   std::shared_ptr<const JsonSchema> schema_;
   std::vector<Frame> stack_;
-  int ws_run_ = 0;                ///< whitespace bytes since the last other byte
+  /// The whitespace run since the last other byte (kMaxIndentPerLevel): none, one blank, a
+  /// "\r" that needs its "\n", or a line break and ws_indent_ blanks.
+  enum class Run : uint8_t { kNone, kBlank, kReturn, kLine };
+  Run ws_run_ = Run::kNone;
+  int ws_indent_ = 0;             ///< kLine: blanks after the line break
   bool took_whitespace_ = false;  ///< the byte being fed was taken as whitespace
 };
 

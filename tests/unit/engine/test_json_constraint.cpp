@@ -228,9 +228,18 @@ TEST(JsonMatcher, AnyObject) {
   // Nesting is bounded.
   EXPECT_TRUE(prefix_ok(s, "{\"a\": " + std::string(20, '[')));
   EXPECT_FALSE(prefix_ok(s, "{\"a\": " + std::string(kMaxJsonNesting + 8, '[')));
-  // Whitespace runs are bounded.
-  EXPECT_TRUE(prefix_ok(s, "{" + std::string(kMaxWhitespaceRun, '\n')));
-  EXPECT_FALSE(prefix_ok(s, "{" + std::string(kMaxWhitespaceRun + 1, '\n')));
+  // Whitespace between tokens: compact or pretty-printed, no runs of blanks or blank lines.
+  EXPECT_TRUE(prefix_ok(s, "{ \"a\": 1,\t\"b\""));
+  EXPECT_TRUE(prefix_ok(s, "\n{\n" + std::string(kMaxIndentPerLevel, ' ') + "\"a\":\r\n\t1"));
+  EXPECT_FALSE(prefix_ok(s, "{\n" + std::string(kMaxIndentPerLevel + 1, ' ')));  // one level deep
+  EXPECT_TRUE(prefix_ok(s, "{\"a\": [\n" + std::string(2 * kMaxIndentPerLevel, ' ') + "1"));
+  EXPECT_FALSE(prefix_ok(s, "\n "));  // no indentation outside every container
+  EXPECT_FALSE(prefix_ok(s, "{\n\n"));
+  EXPECT_FALSE(prefix_ok(s, "{  "));
+  EXPECT_FALSE(prefix_ok(s, "{ \n"));
+  EXPECT_FALSE(prefix_ok(s, "{\r "));
+  EXPECT_FALSE(prefix_ok(s, "\n\n{"));
+  EXPECT_TRUE(accepts(s, "{\n  \"a\": [\n    1,\n    2\n  ]\n}"));
   EXPECT_TRUE(prefix_ok(s, "{\"" + std::string(200, ' ')));  // inside a key: text, not a run
 }
 
@@ -238,7 +247,7 @@ TEST(JsonMatcher, FollowsTheSchema) {
   const auto s = schema(kPerson);
   EXPECT_TRUE(accepts(s, R"({"name": "Ada", "age": 36})"));
   EXPECT_TRUE(accepts(s, R"({"age": 36, "name": "Ada", "score": 1.5, "tags": ["a", "b"], "role": "admin",
-                            "address": {"city": "London"}, "nick": null})"));
+  "address": {"city": "London"}, "nick": null})"));
   EXPECT_TRUE(accepts(s, R"({"name": "Ada", "age": 36, "role": null, "nick": "A"})"));
   EXPECT_FALSE(accepts(s, R"({"name": "Ada"})"));               // age is required
   EXPECT_FALSE(prefix_ok(s, R"({"name": "Ada"})"));             // ... so the object cannot close
