@@ -3,6 +3,8 @@
 // token, and generations over the fake backend that always end as a valid document.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bitset>
 #include <cmath>
 #include <random>
 #include <string>
@@ -281,6 +283,88 @@ TEST(JsonMatcher, FollowsTheSchema) {
                                "kids":{"type":"array","items":{"$ref":"#"}}},"required":["v"],"additionalProperties":false})");
   EXPECT_TRUE(accepts(tree, R"({"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}, {"v": 4}]})"));
   EXPECT_FALSE(prefix_ok(tree, R"({"v": 1, "kids": [{"kids": []})"));
+}
+
+namespace {
+
+/// A root object schema whose one property "p" (required, nothing else allowed) has schema `p`.
+std::shared_ptr<const JsonSchema> one_property(const json& p) {
+  return JsonSchema::compile(
+      json{{"type", "object"}, {"properties", {{"p", p}}}, {"required", {"p"}}, {"additionalProperties", false}});
+}
+
+/// The bytes that continue `prefix` towards one of `literals`: a scan of the whole list.
+std::bitset<256> bytes_after(const std::vector<std::string>& literals, const std::string& prefix) {
+  std::bitset<256> out;
+  for (const std::string& l : literals)
+    if (l.size() > prefix.size() && l.starts_with(prefix)) out.set(static_cast<unsigned char>(l[prefix.size()]));
+  return out;
+}
+
+/// The bytes a copy of `m` takes next, of all 256.
+std::bitset<256> bytes_taken(const JsonMatcher& m) {
+  std::bitset<256> out;
+  for (int b = 0; b < 256; ++b) {
+    JsonMatcher probe = m;
+    out.set(static_cast<size_t>(b), probe.feed(static_cast<unsigned char>(b)));
+  }
+  return out;
+}
+
+/// At every position of every one of `literals` (the values "p" of `s` allows, as compact JSON),
+/// the matcher agrees with a scan of the list: alone on p's node, the bytes it takes and whether
+/// the value may end; inside {"p":…}, the bytes it takes, whitespace and '}' where a value ended.
+void expect_literals_by_scan(const std::shared_ptr<const JsonSchema>& s, const std::vector<std::string>& literals) {
+  const int node = s->node(s->root()).property_nodes[0];
+  std::bitset<256> space;
+  for (unsigned char b : std::string(" \t\n\r")) space.set(b);
+  const std::bitset<256> after_value = std::bitset<256>(space).set('}');  // then the object may close
+  for (const std::string& l : literals) {
+    JsonMatcher alone(s, node), inside(s);
+    ASSERT_TRUE(inside.feed("{\"p\":"));
+    for (size_t k = 0; k <= l.size(); ++k) {
+      const std::string prefix = l.substr(0, k);
+      const bool whole = std::find(literals.begin(), literals.end(), prefix) != literals.end();
+      // Before the value whitespace may come too; inside, after a whole value, what follows it.
+      const std::bitset<256> next = bytes_after(literals, prefix) | (k == 0 ? space : std::bitset<256>());
+      ASSERT_EQ(bytes_taken(alone), next) << "after " << prefix;
+      ASSERT_EQ(alone.can_end(), whole) << "after " << prefix;
+      ASSERT_EQ(bytes_taken(inside), whole ? next | after_value : next) << "after {\"p\":" << prefix;
+      if (k == l.size()) break;
+      ASSERT_TRUE(alone.feed(static_cast<unsigned char>(l[k])));
+      ASSERT_TRUE(inside.feed(static_cast<unsigned char>(l[k])));
+    }
+  }
+}
+
+}  // namespace
+
+// Enum/const values are looked up in a sorted list: at every position of every value the
+// matcher takes exactly the bytes, and ends exactly where, a scan of the values says. Values that
+// share prefixes ("a", "ab", "abc"; 1, 10, 100, 1.5; "w1", "w10", "w100"), duplicates, an empty
+// string, escapes and UTF-8, arrays and nested objects as const, merged in an anyOf with null and
+// booleans; and the true/false/null of a type-only schema.
+TEST(JsonMatcher, EnumLookupEqualsScan) {
+  std::vector<std::string> values = {R"("a")", R"("ab")", R"("abc")", R"("b")", R"("")", R"("q\"uote")",
+                                     "\"\xc3\xa9t\xc3\xa9\"", "1", "10", "100", "1.5", "-1", "[1]", "[1,2]",
+                                     R"({"a":1})", R"({"a":{"b":[1,2]}})"};
+  for (int i = 0; i < 1000; ++i) values.push_back(std::to_string(i * 7));                // shared digits
+  for (int i = 0; i < 1000; ++i) values.push_back("\"w" + std::to_string(i) + "\"");  // "w1", "w10", …
+  json enum_values = json::array();
+  for (const std::string& v : values) enum_values.push_back(json::parse(v));
+  enum_values.push_back("ab");  // a duplicate
+  const json nested = json::parse(R"({"a":{"b":[1]}})");
+  const json p = {{"anyOf",
+                   {{{"enum", enum_values}},
+                    {{"const", nested}},
+                    {{"const", json::parse(R"({"a":{"b":[1,2]}})")}},  // also in the enum
+                    {{"type", "null"}},
+                    {{"type", "boolean"}}}}};
+  for (const char* v : {"true", "false", "null"}) values.push_back(v);
+  values.push_back(nested.dump());
+  ASSERT_NO_FATAL_FAILURE(expect_literals_by_scan(one_property(p), values));
+  ASSERT_NO_FATAL_FAILURE(
+      expect_literals_by_scan(one_property(json{{"type", json{"boolean", "null"}}}), {"true", "false", "null"}));
 }
 
 // The vocabulary index is built once per tokenizer and kept while no constraint holds it (the
