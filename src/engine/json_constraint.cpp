@@ -68,6 +68,7 @@ class JsonSchemaCompiler {
     out_->nodes_.push_back(std::move(r));
     out_->root_ = static_cast<int>(out_->nodes_.size() - 1);
     depths();
+    for (auto& n : out_->nodes_) sort_literals(n);
     const int need = out_->nodes_.back().min_depth;
     if (need >= kUnbounded)
       throw Error("the JSON schema has no finite instance: a required property recurses without end");
@@ -102,6 +103,14 @@ class JsonSchemaCompiler {
       }
     }
     return deepest;
+  }
+
+  /// Node::sorted_literals from literals. Only once every node is final: anyOf branches, $ref
+  /// targets and the root are copied into other nodes while compiling.
+  static void sort_literals(JsonSchema::Node& n) {
+    n.sorted_literals = n.literals;
+    std::sort(n.sorted_literals.begin(), n.sorted_literals.end());
+    n.sorted_literals.erase(std::unique(n.sorted_literals.begin(), n.sorted_literals.end()), n.sorted_literals.end());
   }
 
   /// Node::min_depth and object_depth of every node: a fixpoint from "unbounded" down, so that
@@ -455,11 +464,35 @@ namespace {
 bool is_ws(unsigned char b) { return b == ' ' || b == '\n' || b == '\t' || b == '\r'; }
 bool is_digit(unsigned char b) { return b >= '0' && b <= '9'; }
 
+/// true/false/null as a literal set (JsonSchema::Node::sorted_literals' order).
 const std::vector<std::string>& bool_null_literals(uint8_t set) {
-  static const std::vector<std::string> t = {"true", "false"}, n = {"null"}, all = {"true", "false", "null"};
+  static const std::vector<std::string> t = {"false", "true"}, n = {"null"}, all = {"false", "null", "true"};
   if (set == JsonSchema::kBoolean) return t;
   if (set == JsonSchema::kNull) return n;
   return all;
+}
+
+/// Whether `literal` sorts before `prefix` followed by `byte`, in std::string's (unsigned) byte
+/// order, without building that text.
+bool sorts_before(std::string_view literal, std::string_view prefix, unsigned char byte) {
+  const std::string_view head = literal.substr(0, prefix.size());
+  if (head != prefix) return head < prefix;
+  return literal.size() == prefix.size() || static_cast<unsigned char>(literal[prefix.size()]) < byte;
+}
+
+/// Whether a literal of `sorted` (sorted_literals) begins with `prefix` followed by `byte`: those
+/// that do come first among the literals not before that text.
+bool continues_literal(const std::vector<std::string>& sorted, std::string_view prefix, unsigned char byte) {
+  const auto it = std::lower_bound(sorted.begin(), sorted.end(), byte, [prefix](const std::string& l, unsigned char b) {
+    return sorts_before(l, prefix, b);
+  });
+  return it != sorted.end() && it->size() > prefix.size() && static_cast<unsigned char>((*it)[prefix.size()]) == byte &&
+         std::string_view(*it).starts_with(prefix);
+}
+
+/// Whether `text` is one of `sorted`'s literals.
+bool is_literal(const std::vector<std::string>& sorted, std::string_view text) {
+  return std::binary_search(sorted.begin(), sorted.end(), text, std::less<std::string_view>());
 }
 
 // Number grammar states (kNumber frames).
@@ -487,9 +520,7 @@ bool JsonMatcher::can_end() const {
   if (stack_.size() != 1) return false;
   const Frame& f = stack_.back();
   if (f.kind == Frame::kNumber) return number_can_end(f.state);
-  if (f.kind != Frame::kLiteral) return false;
-  const auto& literals = literals_of(f);
-  return std::find(literals.begin(), literals.end(), f.text) != literals.end();
+  return f.kind == Frame::kLiteral && is_literal(literals_of(f), f.text);
 }
 
 bool JsonMatcher::in_free_text() const {
@@ -581,39 +612,32 @@ bool JsonMatcher::whitespace(unsigned char byte) {
 
 const std::vector<std::string>& JsonMatcher::literals_of(const Frame& f) const {
   if (f.literal_set != 0) return bool_null_literals(f.literal_set);
-  return schema_->node(f.node).literals;
+  return schema_->node(f.node).sorted_literals;
 }
 
 // A literal frame takes `byte`: true when the literal so far plus the byte begins one of the
 // allowed literals; `done` when instead the literal so far is complete and the byte belongs to
-// what follows.
+// what follows. Both by binary search, with no text built: the mask tries a byte per trie branch,
+// hundreds per step, and enums may hold thousands of values.
 bool JsonMatcher::literal_step(Frame& f, unsigned char byte, bool& done) const {
-  done = false;
-  const std::string next = f.text + static_cast<char>(byte);
-  for (const std::string& l : literals_of(f))
-    if (l.starts_with(next)) {
-      f.text = next;
-      return true;
-    }
-  for (const std::string& l : literals_of(f))
-    if (l == f.text) {
-      done = true;
-      return false;
-    }
+  const auto& literals = literals_of(f);
+  if (continues_literal(literals, f.text, byte)) {
+    done = false;
+    f.text.push_back(static_cast<char>(byte));
+    return true;
+  }
+  done = is_literal(literals, f.text);
   return false;
 }
 
 bool JsonMatcher::start_value(Frame& f, unsigned char byte) {
   const JsonSchema::Node& n = schema_->node(f.node);
-  if (!n.literals.empty()) {
-    for (const std::string& l : n.literals)
-      if (!l.empty() && static_cast<unsigned char>(l[0]) == byte) {
-        f.kind = Frame::kLiteral;
-        f.literal_set = 0;
-        f.text = std::string(1, static_cast<char>(byte));
-        return true;
-      }
-    return false;
+  if (!n.sorted_literals.empty()) {
+    if (!continues_literal(n.sorted_literals, {}, byte)) return false;
+    f.kind = Frame::kLiteral;
+    f.literal_set = 0;
+    f.text.assign(1, static_cast<char>(byte));
+    return true;
   }
   // A container opens only when its smallest value closes within the nesting limit.
   const size_t open = containers();
