@@ -7,7 +7,9 @@
 // - The client goes away (reset or closed connection, a failed write, a reader stalled past
 //   --write-timeout): the job is cancelled at once and nothing more is sent. A stream ends
 //   without its last chunk and its connection is dropped. The metrics count a cancelled
-//   generation; the log line says error="cancelled". Nobody reads an answer, so none is made.
+//   generation; the log line says error="cancelled". Nobody reads an answer, so none is made:
+//   the log line and lily_http_requests_total say 499 (kClientClosedRequest) unless a stream's
+//   200 head had gone out.
 // - The engine cancels the job (the end of the shutdown grace): an error, never a
 //   finish_reason. A whole answer is the error status (503 server_shutting_down, Retry-After);
 //   a stream, whose 200 is already out, sends the text it has, then an `error` event and
@@ -65,6 +67,9 @@ class LilyServer::EventLoop {
       : server_(server), call_(call), ex_(ex), sink_(sink), watch_(ex.fd()) {
     if (client_gone) leave();
   }
+
+  /// True once the client is known to have gone away.
+  bool client_gone() const { return client_gone_; }
 
   /// Runs until the job's last event.
   void run() {
@@ -354,7 +359,11 @@ ApiError LilyServer::failure(const ChatCall& call, const std::string& detail, bo
 }
 
 void LilyServer::drain_events(ChatCall& call, Exchange& ex, AnswerSink& sink, bool client_gone) {
-  EventLoop(*this, call, ex, sink, client_gone).run();
+  EventLoop loop(*this, call, ex, sink, client_gone);
+  loop.run();
+  // Otherwise the log line and /metrics would count an answer nobody got as the 200 it would
+  // have been (Exchange::client_left).
+  if (loop.client_gone()) ex.client_left();
 }
 
 void LilyServer::respond_whole(ChatCall& call, Exchange& ex, Reply& res) {

@@ -114,6 +114,10 @@ inline void send_error(Reply& res, const ApiError& e) {
 /// How the connection goes on after one request.
 enum class After { kNext, kClose, kAbort };
 
+/// The status logged and counted (never sent) for a request whose client went away before any
+/// answer reached it: nginx's 499 "client closed request", which log tools already know.
+inline constexpr int kClientClosedRequest = 499;
+
 /// The answer side of one request on a connection: a whole reply, or a stream of chunks.
 class Exchange {
  public:
@@ -152,6 +156,7 @@ class Exchange {
       http::write(stream_, res, ec);
     }
     if (ec) broken_ = true;
+    head_sent_ = !ec;
     return !ec;
   }
 
@@ -173,6 +178,7 @@ class Exchange {
     http::response_serializer<http::empty_body> sr{res};
     http::write_header(stream_, sr, ec);
     if (ec) broken_ = true;
+    head_sent_ = !ec;
     return !ec;
   }
 
@@ -214,6 +220,14 @@ class Exchange {
     return !ec;
   }
 
+  /// The client went away before its answer was complete: nothing more is sent and the
+  /// connection is dropped. When no response head had reached it, the status logged and counted
+  /// is kClientClosedRequest instead of the one the answer would have had (Reply's default 200).
+  void client_left() {
+    if (!head_sent_) status_ = kClientClosedRequest;
+    started_ = broken_ = true;
+  }
+
   /// The socket, for ConnectionWatch.
   int fd() { return stream_.fd(); }
   bool started() const { return started_; }
@@ -239,6 +253,7 @@ class Exchange {
   bool started_ = false;
   bool streaming_ = false;
   bool broken_ = false;
+  bool head_sent_ = false;  ///< a response head was written (the client got a status)
   int status_ = 0;
 };
 

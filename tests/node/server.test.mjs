@@ -326,6 +326,38 @@ describe('lily serve (default settings)', () => {
   });
 });
 
+describe('lily serve: a client that leaves before its answer', () => {
+  const suite = serverForSuite();
+  const key = 'lily_http_requests_total{route="/v1/chat/completions",status="499"}';
+
+  it('is logged and counted as 499, not as the 200 nobody got', async () => {
+    const before = (await metrics(suite.server)).get(key) ?? 0;
+    const req = http.request(new URL('/v1/chat/completions', suite.server.url), {
+      method: 'POST', headers: { 'Content-Type': 'application/json' }, agent: false,
+    });
+    req.on('error', () => {});
+    req.end(JSON.stringify({ model: MODEL, messages: [user(longPrompt(4, 700))], max_tokens: 2000 }));
+    let running = false;
+    for (let i = 0; i < 3000 && !running; i++) {
+      running = (await metrics(suite.server)).get('lily_requests_running') === 1;
+      if (!running) await sleep(10);
+    }
+    assert.ok(running, 'the request never started');
+    req.destroy();
+    let m;
+    for (let i = 0; i < 3000; i++) {
+      m = await metrics(suite.server);
+      if ((m.get(key) ?? 0) > before) break;
+      await sleep(20);
+    }
+    assert.equal(m.get(key), before + 1);
+    // The log line follows the count.
+    for (let i = 0; i < 500 && !/ 499 \d+ms /.test(suite.server.log); i++) await sleep(10);
+    assert.match(suite.server.log, /POST \/v1\/chat\/completions 499 \d+ms .*error="cancelled"/);
+    assert.doesNotMatch(suite.server.log, /POST \/v1\/chat\/completions 200 \d+ms .*error="cancelled"/);
+  });
+});
+
 describe('prefix cache', () => {
   const withCache = serverForSuite();
   const withoutCache = serverForSuite(['--cache-memory', '0', '--cache-host-memory', '0']);
