@@ -32,6 +32,15 @@ int64_t backend_max_sequence(BackendKind kind) {
   return cpu_limit;
 }
 
+int backend_max_batch(BackendKind kind, const CudaOptions& cuda) {
+  const int cpu_limit = cpu::CpuBackend::kMaxBatch;
+  if (kind == BackendKind::kCuda) return cuda.max_batch;
+#ifdef LILY_HAVE_CUDA
+  if (kind == BackendKind::kAuto) return std::min(cuda.max_batch, cpu_limit);
+#endif
+  return cpu_limit;
+}
+
 std::unique_ptr<Backend> make_backend(BackendKind kind, std::shared_ptr<const ModelWeights> weights,
                                       int threads, const CudaOptions& cuda) {
   if (!weights) throw Error("make_backend: no model weights");

@@ -1,5 +1,6 @@
 // `lily serve`: the OpenAI-compatible chat-completions server (server/http_server.h, docs/server.md).
 // --model defaults to the repository's models/demo (found next to the executable).
+#include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <map>
@@ -85,10 +86,13 @@ void add_serve_flags(CLI::App* cmd, ServeFlags& f) {
       ->check(integer_at_least(0));
   cmd->add_option("--max-queue", o.max_queue, "waiting requests beyond the batch before answering 503")
       ->capture_default_str()->check(integer_at_least(0));
+  // The range any backend allows; run_server refuses what the chosen backend does not
+  // (check_server_options) before it binds the port.
+  const int cpu_batch = backend_max_batch(BackendKind::kCpu, CudaOptions{});
   cmd->add_option("--max-batch", o.max_batch, "requests decoded together in one step (continuous batching), "
-                  "1 … the backend's limit (CPU 64, CUDA LILY_CUDA_MAX_BATCH, 64 by default) "
-                  "(default: CPU 8, CUDA 64, one batched forward)")
-      ->check(integer_in_range(1, 4096));
+                  "1 … the backend's limit (CPU " + std::to_string(cpu_batch) + ", CUDA LILY_CUDA_MAX_BATCH, " +
+                  std::to_string(CudaOptions{}.max_batch) + " by default) (default: CPU 8, CUDA 64, one batched forward)")
+      ->check(integer_in_range(1, std::max(cpu_batch, CudaOptions::kMaxBatch)));
   cmd->add_option("--step-tokens", o.step_tokens, "token budget of one engine step: every decoding request's "
                   "token, then prompt chunks (long prompts are cut into chunks of this many tokens so that "
                   "they never stall the decoding requests) (default: CPU 256, CUDA " +
@@ -184,13 +188,22 @@ server::ServerOptions resolve(ServeFlags& f) {
   o.backend = parse_backend_kind(f.backend);
   o.cuda = resolve_cuda_options(o.backend, f.cuda);  // a bad LILY_CUDA_* value stops the start here
   o.reasoning = f.reasoning == "on";
-  if (!f.cache_memory.empty()) o.cache_memory = parse_byte_size(f.cache_memory);
+  // Checked here, before the port is bound, where the limit is known without a backend: the
+  // host tier's, and the CPU backend's own tier (in host memory). A CUDA tier's limit is the
+  // device memory left after the weights load, so the server checks it then.
+  const HostMemory host = read_host_memory();
+  const auto check_host_bytes = [&](const char* flag, int64_t bytes) {
+    if (host.total > 0 && bytes > host.total)
+      throw Error(std::string(flag) + " " + format_bytes(bytes) + " is more than this machine's memory (" +
+                  format_bytes(host.total) + ")");
+  };
+  if (!f.cache_memory.empty()) {
+    o.cache_memory = parse_byte_size(f.cache_memory);
+    if (o.backend == BackendKind::kCpu) check_host_bytes("--cache-memory", *o.cache_memory);
+  }
   if (!f.cache_host_memory.empty()) {
     o.cache_host_memory = parse_byte_size(f.cache_host_memory);
-    const HostMemory host = read_host_memory();
-    if (host.total > 0 && *o.cache_host_memory > host.total)
-      throw Error("--cache-host-memory " + format_bytes(*o.cache_host_memory) + " is more than this machine's memory (" +
-                  format_bytes(host.total) + ")");
+    check_host_bytes("--cache-host-memory", *o.cache_host_memory);
   }
   // An empty key would silently mean "no authentication": refuse it instead.
   if (f.api_key->count() > 0 && o.api_key.empty()) throw Error("--api-key must not be empty");

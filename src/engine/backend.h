@@ -521,6 +521,13 @@ BackendKind parse_backend_kind(std::string_view text);
 /// refuses it anyway.
 int64_t backend_max_sequence(BackendKind kind);
 
+/// The most sequences one step of a backend of `kind` holds (Backend::max_batch), known before
+/// any backend is made, so that a front end refuses a batch size before it loads anything:
+/// the CPU backend's fixed limit; for kCuda `cuda.max_batch` (LILY_CUDA_MAX_BATCH), also in a
+/// build without CUDA (make_backend refuses that kind anyway); kAuto: the smaller of the limits
+/// of the backends this build may pick.
+int backend_max_batch(BackendKind kind, const CudaOptions& cuda);
+
 /// The CUDA options a backend of `kind` is made with, from a front end's NAME=VALUE settings
 /// (`settings`, CudaOptions::set; the command line's `--cuda`) applied over the LILY_CUDA_*
 /// variables. For kCuda and kAuto the variables are read and everything is validated

@@ -168,6 +168,24 @@ std::string request_log_line(std::string_view method, std::string_view path, int
   return line;
 }
 
+namespace {
+
+/// max_batch against the limit of the backend it will run on (backend_max_batch), refused here
+/// and not by the scheduler so that it stops the start before the port is bound and the model
+/// loads. Worded as the scheduler words it.
+void check_max_batch(const ServerOptions& options) {
+  const int limit = std::max(1, backend_max_batch(options.backend, options.cuda));
+  if (options.max_batch >= 0 && options.max_batch <= limit) return;
+  const std::string backend = options.backend == BackendKind::kCpu    ? "the cpu backend runs"
+                              : options.backend == BackendKind::kCuda ? "the cuda backend runs"
+                                                                      : "the backends this build may pick run";
+  throw OptionError("max_batch", std::to_string(options.max_batch) + " is outside [1, " + std::to_string(limit) +
+                                     "]: " + backend + " at most " + std::to_string(limit) +
+                                     (limit == 1 ? " sequence" : " sequences") + " per step");
+}
+
+}  // namespace
+
 void check_server_options(const ServerOptions& options) {
   const auto at_least = [](const char* field, int64_t value, int64_t min, const char* unit) {
     if (value < min)
@@ -183,6 +201,7 @@ void check_server_options(const ServerOptions& options) {
   at_least("keep_alive_s", options.keep_alive_s, 1, " s");
   if (options.send_buffer < 0 || options.send_buffer > (1 << 30))
     throw OptionError("send_buffer", "must be between 0 and 2^30 bytes, got " + std::to_string(options.send_buffer));
+  check_max_batch(options);
 }
 
 int run_server(const ServerOptions& options) {

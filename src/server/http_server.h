@@ -101,7 +101,8 @@ struct ServerOptions {
 };
 
 /// Checks the server's own limits (max_body, max_connections, max_header_bytes, max_headers,
-/// read_timeout_s, write_timeout_s, keep_alive_s, send_buffer). Throws OptionError
+/// read_timeout_s, write_timeout_s, keep_alive_s, send_buffer) and max_batch against the limit of
+/// its backend (backend_max_batch: the scheduler's rule, checked before anything starts). Throws OptionError
 /// (engine/option_error.h) naming the first field out of range by its ServerOptions name, e.g.
 /// "max_body must be at least 1 byte, got 0".
 void check_server_options(const ServerOptions& options);

@@ -31,7 +31,8 @@ TEST(CliOptions, BadIntegersAreRefusedWithAClearMessage) {
       {"serve --read-timeout 0" + model, "--read-timeout: must be an integer >= 1, got '0'"},
       {"serve --threads -3" + model, "--threads: must be an integer from 0 to 1024, got '-3'"},
       {"serve --threads 100000" + model, "--threads: must be an integer from 0 to 1024, got '100000'"},
-      {"serve --max-batch 0" + model, "--max-batch: must be an integer from 1 to 4096, got '0'"},
+      {"serve --max-batch 0" + model, "--max-batch: must be an integer from 1 to 64, got '0'"},
+      {"serve --max-batch 65" + model, "--max-batch: must be an integer from 1 to 64, got '65'"},
       {"serve --step-tokens 0" + model, "--step-tokens: must be an integer from 1 to 1048576, got '0'"},
       {"generate --threads -2 --prompt-ids 1" + model, "--threads: must be an integer from 0 to 1024, got '-2'"},
       {"bench --threads 1025" + model, "--threads: must be an integer from 0 to 1024, got '1025'"},
@@ -70,9 +71,10 @@ TEST(CliOptions, BadCacheSizesAndBatchLimitsAreRefusedWithAClearMessage) {
       {"serve --cache-host-memory 1.5.2G" + model, "--cache-host-memory: " + rule + "'1.5.2G'"},
       {"serve --cache-host-memory '4 GiB'" + model, "--cache-host-memory: " + rule + "'4 GiB'"},
       {"serve --cache-host-memory 1000TiB" + model, "--cache-host-memory 1000.00 TiB is more than this machine's memory"},
-      // Refused by the engine, which names its own fields: the CLI names the flag.
-      {"serve --backend cpu --max-batch 65" + model,
-       "--max-batch 65 is outside [1, 64]: the cpu backend runs at most 64 sequences per step"},
+      // Within the range of every backend, but not of the one chosen: refused by the server,
+      // which names its own field; the CLI names the flag.
+      {"serve --backend cuda --cuda max-batch=16 --max-batch 32" + model,
+       "--max-batch 32 is outside [1, 16]: the cuda backend runs at most 16 sequences per step"},
       {"serve --backend cpu --cache-memory 1000TiB" + model,
        "--cache-memory 1000.00 TiB is more than this machine's memory"},
   };
@@ -82,7 +84,20 @@ TEST(CliOptions, BadCacheSizesAndBatchLimitsAreRefusedWithAClearMessage) {
     EXPECT_NE(r.exit_code, 0) << c.args;
     EXPECT_NE(r.exit_code, 124) << c.args << ": the server started";
     EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\n" << r.output;
+    // Refused before the port is bound and the model loads, not after.
+    EXPECT_EQ(r.output.find("listening on"), std::string::npos) << c.args << "\n" << r.output;
   }
+}
+
+TEST(CliOptions, ServeHelpGivesTheRealBatchRange) {
+  const test::CliRun r = test::run_lily("serve --help", false);
+  EXPECT_EQ(r.exit_code, 0);
+  const size_t at = r.output.find("--max-batch");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const std::string entry = r.output.substr(at, r.output.find("--step-tokens") - at);
+  EXPECT_NE(entry.find("INT in [1 - 64]"), std::string::npos) << entry;
+  EXPECT_NE(entry.find("CPU 64"), std::string::npos) << entry;
+  EXPECT_EQ(entry.find("4096"), std::string::npos) << entry;
 }
 
 TEST(CliOptions, OptionsTheServerRefusesAreNamedAsTheirFlags) {

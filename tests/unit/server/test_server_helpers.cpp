@@ -68,6 +68,13 @@ TEST(ServerOptionsCheck, NamesTheFieldOutOfRange) {
       {[](ServerOptions& o) { o.write_timeout_s = -1; }, "write_timeout_s must be at least 1 s, got -1"},
       {[](ServerOptions& o) { o.keep_alive_s = 0; }, "keep_alive_s must be at least 1 s, got 0"},
       {[](ServerOptions& o) { o.send_buffer = -1; }, "send_buffer must be between 0 and 2^30 bytes, got -1"},
+      // Against the chosen backend's limit, before anything starts.
+      {[](ServerOptions& o) { o.backend = BackendKind::kCpu, o.max_batch = 65; },
+       "max_batch 65 is outside [1, 64]: the cpu backend runs at most 64 sequences per step"},
+      {[](ServerOptions& o) { o.backend = BackendKind::kCuda, o.cuda.max_batch = 16, o.max_batch = 17; },
+       "max_batch 17 is outside [1, 16]: the cuda backend runs at most 16 sequences per step"},
+      {[](ServerOptions& o) { o.max_batch = -1; },
+       "max_batch -1 is outside [1, 64]: the backends this build may pick run at most 64 sequences per step"},
   };
   for (const Bad& b : bad) {
     ServerOptions o;
