@@ -32,6 +32,7 @@ struct GenerateFlags {
   std::string prompt;
   std::string prompt_ids;
   std::string messages;
+  bool prompt_given = false, prompt_ids_given = false, messages_given = false;  ///< on the command line, even empty
   std::string chat_options;  ///< --chat-options JSON (tools, thinking) for --messages / --prompt
   bool raw = false;
   int64_t max_tokens = 128;
@@ -90,12 +91,20 @@ std::shared_ptr<const Tokenizer> load_tokenizer(const std::filesystem::path& dir
   }
 }
 
+/// Checks that exactly one prompt flag was given, and not empty: an empty one is named as such
+/// rather than counted as missing.
+void check_prompt_flags(const GenerateFlags& f) {
+  if (f.prompt_given + f.prompt_ids_given + f.messages_given != 1)
+    throw Error("give exactly one of --prompt, --prompt-ids, --messages");
+  if (f.prompt_given && f.prompt.empty()) throw Error("--prompt must not be empty");
+  if (f.prompt_ids_given && f.prompt_ids.empty()) throw Error("--prompt-ids: no ids given");
+}
+
 std::vector<int32_t> build_prompt(const GenerateFlags& f, const Tokenizer* tok, const std::filesystem::path& dir,
                                   int vocab) {
-  const int given = !f.prompt.empty() + !f.prompt_ids.empty() + !f.messages.empty();
-  if (given != 1) throw Error("give exactly one of --prompt, --prompt-ids, --messages");
-  if (!f.prompt_ids.empty()) return parse_prompt_ids(f.prompt_ids, vocab);
-  if (!f.messages.empty())
+  check_prompt_flags(f);
+  if (f.prompt_ids_given) return parse_prompt_ids(f.prompt_ids, vocab);
+  if (f.messages_given)
     return ChatTemplate::for_model(dir)->encode(*tok, parse_messages_flag(f.messages),
                                                 parse_chat_options(f.chat_options, "--chat-options"));
   if (f.raw) return tok->encode(f.prompt, /*allow_special=*/true);
@@ -145,13 +154,15 @@ void run_generate(const GenerateFlags& f) {
   const auto dir = model_dir_or_default(f.model);
   if (f.max_tokens < 1) throw Error("--max-tokens must be at least 1");
   if (f.max_seq < 0) throw Error("--max-seq must be at least 0");
-  const int given = !f.prompt.empty() + !f.prompt_ids.empty() + !f.messages.empty();
-  if (given != 1) throw Error("give exactly one of --prompt, --prompt-ids, --messages");
-  if (!f.messages.empty()) parse_messages_flag(f.messages);
+  check_prompt_flags(f);
+  if (f.messages_given) parse_messages_flag(f.messages);
   parse_chat_options(f.chat_options, "--chat-options");
+  // generate() would refuse an empty one too, but only once the weights are loaded.
+  for (const std::string& stop : f.stop)
+    if (stop.empty()) throw Error("--stop: stop strings must not be empty");
   const BackendKind backend_kind = parse_backend_kind(f.backend);
   const ModelConfig config = load_model_config(dir);
-  auto tokenizer = load_tokenizer(dir, f.prompt_ids.empty());
+  auto tokenizer = load_tokenizer(dir, !f.prompt_ids_given);
   if (tokenizer) check_tokenizer_vocab(config, *tokenizer);
   if (!f.stop.empty() && !tokenizer) throw Error("--stop needs a tokenizer");
   // Written so that NaN fails each range check too.
@@ -225,11 +236,12 @@ void register_generate(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("generate", "generate from one prompt (greedy unless --temperature), streamed to stdout");
   auto f = std::make_shared<GenerateFlags>();
   cmd->add_option("--model", f->model, "checkpoint directory (default: the repository's models/demo)");
-  cmd->add_option("--prompt", f->prompt, "user message (chat template applied, thinking disabled)");
+  auto* prompt = cmd->add_option("--prompt", f->prompt, "user message (chat template applied, thinking disabled)");
   cmd->add_flag("--raw", f->raw, "encode --prompt as is, without the chat template");
-  cmd->add_option("--prompt-ids", f->prompt_ids, "comma-separated prompt token ids; works without a usable tokenizer.json "
-                  "(then no text is printed and --json has \"text\":\"\")");
-  cmd->add_option("--messages", f->messages, "JSON array of {\"role\",\"content\"} messages");
+  auto* prompt_ids = cmd->add_option("--prompt-ids", f->prompt_ids,
+                                     "comma-separated prompt token ids; works without a usable tokenizer.json "
+                                     "(then no text is printed and --json has \"text\":\"\")");
+  auto* messages = cmd->add_option("--messages", f->messages, "JSON array of {\"role\",\"content\"} messages");
   cmd->add_option("--chat-options", f->chat_options, "JSON object of a chat request's tools, tool_choice, "
                   "reasoning_effort and chat_template_kwargs, passed to the chat template");
   auto* max_tokens = cmd->add_option("--max-tokens", f->max_tokens, "most tokens to generate (the prompt plus these "
@@ -253,7 +265,10 @@ void register_generate(CLI::App& app, int& exit_code) {
   cmd->add_option("--threads", f->threads, "CPU backend threads, 0 = all cores (at most " + std::to_string(kMaxCpuThreads) + ")")
       ->capture_default_str()
       ->check(integer_in_range(0, kMaxCpuThreads));
-  cmd->callback([f, max_tokens, seed, &exit_code] {
+  cmd->callback([f, prompt, prompt_ids, messages, max_tokens, seed, &exit_code] {
+    f->prompt_given = prompt->count() > 0;
+    f->prompt_ids_given = prompt_ids->count() > 0;
+    f->messages_given = messages->count() > 0;
     f->max_tokens_given = max_tokens->count() > 0;
     f->seed_given = seed->count() > 0;
     run_generate(*f);

@@ -161,7 +161,11 @@ TEST(CliInputs, GenerateChecksItsArgumentsBeforeLoadingTheWeights) {
                         Case{"--prompt hi --backend gpu", "unknown backend 'gpu'"},
                         Case{"--prompt-ids 1,x", "--prompt-ids: 'x' is not a token id"},
                         Case{"--prompt hi --temperature nan", "--temperature must be in [0, 2]"},
-                        Case{"--prompt hi --temperature 1 --min-p nan", "--min-p must be in [0, 1]"}}) {
+                        Case{"--prompt hi --temperature 1 --min-p nan", "--min-p must be in [0, 1]"},
+                        // Given but empty: named as such, not as missing.
+                        Case{"--prompt ''", "--prompt must not be empty"},
+                        Case{"--prompt-ids ''", "--prompt-ids: no ids given"},
+                        Case{"--prompt hi --stop ''", "--stop: stop strings must not be empty"}}) {
     const CliRun r = run_lily_bounded("generate " + c.args + model, true);
     EXPECT_EQ(r.exit_code, 1) << c.args << "\n" << r.output;
     EXPECT_TRUE(has(r, c.expected)) << c.args << "\n" << r.output;
