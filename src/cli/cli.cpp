@@ -1,9 +1,13 @@
 // The `lily` command line (cli/commands.h run_cli): serve | generate | bench | synth | inspect |
 // tokenize. Every user-caused failure (lily::Error) is printed as one line "lily: error: …" and
 // exits with status 1. LILY_LOG sets the log level.
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <iostream>
+#include <string>
 
 #include <CLI/CLI.hpp>
 
@@ -13,6 +17,15 @@
 #include "cli/commands.h"
 
 namespace lily::cli {
+
+void flush_stdout() {
+  errno = 0;
+  std::cout.flush();
+  const bool flushed = std::fflush(stdout) == 0;
+  const int err = errno;
+  if (flushed && !std::ferror(stdout) && std::cout.good()) return;
+  throw Error(std::string("cannot write to standard output") + (err != 0 ? std::string(": ") + std::strerror(err) : ""));
+}
 
 int run_cli(int argc, char** argv, const server::ServerTestHooks& serve_hooks) {
   // LILY_LOG=debug|info|warning|error|quiet: the least severe level printed (default info).
@@ -36,6 +49,7 @@ int run_cli(int argc, char** argv, const server::ServerTestHooks& serve_hooks) {
   lily::cli::register_tokenize(app, exit_code);
   try {
     app.parse(argc, argv);
+    flush_stdout();  // every command's output, before its exit status says it was written
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const lily::Error& e) {

@@ -13,8 +13,10 @@
 // measured as the server runs it (on CUDA: the device sampler, or with LILY_CUDA_DEVICE_SAMPLER=0
 // the logits row copied to the host). The seed fixes the draws, so the digest still repeats.
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -173,6 +175,9 @@ Round run_round(Backend& backend, const std::vector<int32_t>& prompt, int steps)
   return r;
 }
 
+/// ": <the reason>" for a failed write's errno, "" when it set none.
+std::string write_error(int err) { return err != 0 ? std::string(": ") + std::strerror(err) : std::string(); }
+
 void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
   if (f.prompt_len < 1) throw Error("--prompt-len must be at least 1");
   if (f.decode_steps < 1) throw Error("--decode-steps must be at least 1");
@@ -264,9 +269,12 @@ void run_bench(const BenchFlags& f, const std::vector<std::string>& argv) {
                     {"digest", [&] { char b[17]; std::snprintf(b, sizeof b, "%016llx", (unsigned long long)r.digest); return std::string(b); }()}});
     j["rounds"] = rs;
     j["results"] = {{"prefill_tok_s_median", median(pre)}, {"decode_tok_s_median", median(dec)}};
+    errno = 0;
     std::ofstream out(f.json_out);
-    if (!out) throw Error("--json-out: cannot write " + f.json_out);
+    if (!out) throw Error("--json-out: cannot write " + f.json_out + write_error(errno));
     out << j.dump(2) << "\n";
+    out.close();  // the report is written only once it is flushed: a full disk fails here
+    if (!out) throw Error("--json-out: cannot write " + f.json_out + write_error(errno));
   }
 }
 

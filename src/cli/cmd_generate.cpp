@@ -134,7 +134,8 @@ void print_json(const std::vector<int32_t>& prompt, const GenerationResult& r, c
     }
     doc["logprobs"] = list;
   }
-  std::cout << doc.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << std::endl;
+  std::cout << doc.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << '\n';
+  flush_stdout();
 }
 
 /// The context a generation may fill: --max-seq when given (at most the checkpoint's context),
@@ -205,7 +206,7 @@ void run_generate(const GenerateFlags& f) {
   TokenCallback stream = [&](int32_t, std::string_view text) {
     if (!f.json && !text.empty()) {
       std::fwrite(text.data(), 1, text.size(), stdout);
-      std::fflush(stdout);
+      flush_stdout();  // output that cannot be written stops the generation instead of running on
       streamed += text.size();
     }
     return true;

@@ -57,6 +57,11 @@ std::vector<ChatMessage> parse_message_list(const nlohmann::json& list, const st
 ChatTemplateOptions parse_chat_options(const std::string& text, const std::string& what,
                                        bool add_generation_prompt = true);
 
+/// Flushes standard output (std::cout writes through C stdio's stdout) and throws lily::Error
+/// "cannot write to standard output: <reason>" when that or an earlier write failed (a full
+/// disk, /dev/full, a closed descriptor), so that output that never arrived is not an exit 0.
+void flush_stdout();
+
 /// The whole `lily` command line on argv: parses it, runs the subcommand and returns the process
 /// exit status (1 after a lily::Error, printed as one line "lily: error: …"; 2 after any other
 /// exception; CLI11's own status for a parse error or --help). `serve_hooks` reaches `lily serve`

@@ -80,6 +80,12 @@ CliRun run_lily_bounded(const std::string& args, bool merge_stderr, int seconds)
                      (merge_stderr ? " 2>&1" : " 2>/dev/null"));
 }
 
+CliRun run_lily_stdout_to(const std::string& args, const std::string& stdout_path, int seconds) {
+  // stderr to the pipe first, then stdout to the file.
+  return run_command("timeout -k 5 " + std::to_string(seconds) + " " + (binary_dir() / "lily").string() + " " + args +
+                     " 2>&1 >'" + stdout_path + "'");
+}
+
 TempDir::TempDir() {
   std::random_device rd;
   for (int attempt = 0; attempt < 100; ++attempt) {

@@ -68,6 +68,9 @@ CliRun run_lily(const std::string& args, bool merge_stderr);
 /// As run_lily, under coreutils `timeout`: a run still going after `seconds` is killed and gets
 /// exit code 124 (or 137), so a command that would hang fails the test instead of stalling it.
 CliRun run_lily_bounded(const std::string& args, bool merge_stderr, int seconds = 30);
+/// As run_lily_bounded, with lily's stdout sent to `stdout_path` (e.g. /dev/full); the output is
+/// its stderr alone.
+CliRun run_lily_stdout_to(const std::string& args, const std::string& stdout_path, int seconds = 30);
 /// A deterministic in-vocabulary prompt of n ids: id i = (((i + salt)·2654435761) mod 2^32) mod
 /// vocab. Salt 0 is the `lily bench` prompt (docs/benchmark.md §1.1); other salts give other
 /// prompts of the same spread.

@@ -173,6 +173,25 @@ TEST(CliInputs, GenerateChecksItsArgumentsBeforeLoadingTheWeights) {
   }
 }
 
+TEST(CliInputs, OutputThatCannotBeWrittenIsAnError) {
+  // /dev/full takes every open and fails every write with ENOSPC.
+  const std::string model = " --model " + kDemo;
+  for (const std::string& args :
+       {"inspect " + kDemo, "inspect --json " + kDemo, "tokenize hello" + model,
+        "generate --backend cpu --prompt-ids 1,2 --max-tokens 3 --json" + model,
+        "generate --backend cpu --prompt hi --max-tokens 3" + model,
+        "bench --backend cpu --prompt-len 4 --decode-steps 1 --rounds 1" + model}) {
+    const CliRun r = test::run_lily_stdout_to(args, "/dev/full");
+    EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.output;
+    EXPECT_TRUE(has(r, "lily: error: cannot write to standard output: No space left on device")) << args << "\n"
+                                                                                                 << r.output;
+  }
+  const CliRun r = run_lily_bounded(
+      "bench --backend cpu --prompt-len 4 --decode-steps 1 --rounds 1 --json-out /dev/full" + model, true);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(has(r, "lily: error: --json-out: cannot write /dev/full: No space left on device")) << r.output;
+}
+
 TEST(CliInputs, GenerateRefusesMoreTokensThanTheContextHolds) {
   // models/demo declares max_position_embeddings 4096.
   CliRun r = run_lily_bounded("generate --backend cpu --prompt-ids 1,2,3 --max-tokens 5000 --model " + kDemo, true);
