@@ -8,6 +8,7 @@
 #include <exception>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -17,6 +18,33 @@
 #include "cli/commands.h"
 
 namespace lily::cli {
+
+namespace {
+
+/// A first argument that is neither a subcommand nor an option of `lily` itself.
+class UnknownArgument : public CLI::ParseError {
+ public:
+  explicit UnknownArgument(std::string message)
+      : CLI::ParseError("UnknownArgument", std::move(message), CLI::ExitCodes::ExtrasError) {}
+};
+
+/// Prints `e` as CLI11 does and returns its exit status. CLI11 answers `lily frobnicate` and
+/// `lily --bogus` with "A subcommand is required", which blames the user for what they did not
+/// type: those name what they typed instead.
+int exit_after(const CLI::App& app, const CLI::ParseError& e) {
+  const std::vector<std::string> unknown = app.remaining();
+  if (dynamic_cast<const CLI::RequiredError*>(&e) == nullptr || !app.get_subcommands().empty() || unknown.empty())
+    return app.exit(e);
+  std::string names;
+  for (const CLI::App* sub : app.get_subcommands({})) names += (names.empty() ? "" : ", ") + sub->get_name();
+  const std::string& first = unknown.front();
+  if (first.starts_with("-"))
+    return app.exit(UnknownArgument("unknown option '" + first + "' (options go after the subcommand, one of " +
+                                    names + ")"));
+  return app.exit(UnknownArgument("unknown subcommand '" + first + "' (expected one of " + names + ")"));
+}
+
+}  // namespace
 
 void flush_stdout() {
   errno = 0;
@@ -51,7 +79,7 @@ int run_cli(int argc, char** argv, const server::ServerTestHooks& serve_hooks) {
     app.parse(argc, argv);
     flush_stdout();  // every command's output, before its exit status says it was written
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return exit_after(app, e);
   } catch (const lily::Error& e) {
     lily::log_error(e.what());
     return 1;

@@ -100,6 +100,25 @@ TEST(CliOptions, ServeHelpGivesTheRealBatchRange) {
   EXPECT_EQ(entry.find("4096"), std::string::npos) << entry;
 }
 
+TEST(CliOptions, AnUnknownSubcommandOrOptionIsNamed) {
+  struct Case {
+    std::string args, expected;
+  };
+  for (const Case& c :
+       {Case{"frobnicate", "unknown subcommand 'frobnicate' (expected one of serve, generate, bench, synth, inspect, "
+                           "tokenize)"},
+        Case{"--bogus", "unknown option '--bogus' (options go after the subcommand, one of serve, generate,"},
+        Case{"generate --bogus", "The following argument was not expected: --bogus"}}) {
+    const test::CliRun r = test::run_lily(c.args, true);
+    EXPECT_EQ(r.exit_code, 109) << c.args;  // CLI11's status for an argument it did not expect
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\n" << r.output;
+    EXPECT_EQ(r.output.find("A subcommand is required"), std::string::npos) << c.args << "\n" << r.output;
+  }
+  // With nothing at all, that is the right message.
+  const test::CliRun none = test::run_lily("", true);
+  EXPECT_NE(none.output.find("A subcommand is required"), std::string::npos) << none.output;
+}
+
 TEST(CliOptions, OptionsTheServerRefusesAreNamedAsTheirFlags) {
   const std::string model = " --model " + quoted(test::demo_model_dir());
   // The server names its own fields (max_seq, bind, …); `lily serve` says which flag set them.
