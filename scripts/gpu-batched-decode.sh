@@ -26,6 +26,11 @@
 #   LILY_GPU_STEPS=split-gemv  the rows mode's two warp groups (LILY_CUDA_ROWS_GEMV_SPLIT): the
 #                           GEMV bit tests (every row count, both forms) and the timing table
 #                           (direct, one group, two)
+#   LILY_GPU_STEPS=ksplit   the k-split GEMV (LILY_CUDA_ROWS_GEMV_KSPLIT_FROM): its bit tests
+#                           against the streaming GEMV, the GEMV timing table (every mode), the
+#                           switch test, then the 35b-a3b throughput once per threshold of
+#                           LILY_GPU_KSPLIT_FROM (default "65 9"; LILY_GPU_KSPLIT_ROUNDS times
+#                           each, alternating; default 2)
 #   LILY_GPU_STEPS=split    the 35b-a3b throughput once per rows-mode split form of
 #                           LILY_GPU_SPLIT_FORMS (default "0 tiles all"; LILY_GPU_SPLIT_ROUNDS
 #                           times each, alternating; default 1)
@@ -81,7 +86,7 @@ status=0
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 targets=()
-{ has streams || has big || has throughput || has balance || has split || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && targets+=(lily)
+{ has streams || has big || has throughput || has balance || has split || has ksplit || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && targets+=(lily)
 for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
 gpu_build build.log "${targets[@]}"
 
@@ -166,13 +171,30 @@ serve_streams() {
   kill -INT "$pid"
   wait "$pid"
 }
-if { has streams || has big || has throughput || has balance || has split || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && [[ ! -f "$M/config.json" ]]; then
+if { has streams || has big || has throughput || has balance || has split || has ksplit || has ksplit || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && [[ ! -f "$M/config.json" ]]; then
   timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
 fi
 if has throughput; then
   echo "== batched decode throughput, 35b-a3b"
   LILY_GPU_BIG_MODEL="$M" timeout 300 "$BUILD/tests/test_cuda_e2e" --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' \
     2>&1 | grep -E "timing\]|FAILED" | grep -v realdims | tee "$OUT/big-throughput.log"
+fi
+if has ksplit; then
+  echo "== test_batched_decode: the k-split bit tests, the GEMV bit tests and timings; test_kernel_switches"
+  timeout 300 "$BUILD/tests/test_batched_decode" \
+    --gtest_filter='CudaBatchedDecode.Ksplit*:CudaBatchedDecode.Gemv*:CudaTiming.PrintsGemvRowsTimes' \
+    >"$OUT/ksplit-gemv.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|Which is|timing\]" "$OUT/ksplit-gemv.log" | head -80
+  timeout 120 "$BUILD/tests/test_kernel_switches" >"$OUT/ksplit-switches.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure" "$OUT/ksplit-switches.log" | head -10
+  for round in $(seq 1 "${LILY_GPU_KSPLIT_ROUNDS:-2}"); do
+    for v in ${LILY_GPU_KSPLIT_FROM:-65 9}; do
+      echo "== batched decode throughput, 35b-a3b, LILY_CUDA_ROWS_GEMV_KSPLIT_FROM=$v (round $round)"
+      LILY_CUDA_ROWS_GEMV_KSPLIT_FROM=$v LILY_GPU_BIG_MODEL="$M" timeout 300 "$BUILD/tests/test_cuda_e2e" \
+        --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' 2>&1 | grep -E "timing\]|FAILED" | grep -v realdims |
+        tee "$OUT/ksplit-throughput-$v-$round.log"
+    done
+  done
 fi
 if has split; then
   for round in $(seq 1 "${LILY_GPU_SPLIT_ROUNDS:-1}"); do

@@ -322,6 +322,12 @@ struct CudaOptions {
   /// group computing half the column blocks of every tile (all: slower there); or nowhere (0).
   /// The same k-slices and the same bits in every form (docs/cuda.md, "Batched steps").
   std::string rows_gemv_split = "tiles";
+  /// LILY_CUDA_ROWS_GEMV_KSPLIT_FROM 1 … 65: from this many rows on, the batched decode's 4-bit
+  /// GEMVs of 2,048 or 4,096 columns run all of a step's rows in one launch with the k-slices of
+  /// each tile on the CTAs of a cluster (each stages an eighth of the rows' columns), instead of
+  /// the rows or direct mode (at most 32 rows a launch, each block staging whole rows); 65: never.
+  /// The same bits either way (docs/cuda.md, "Batched steps").
+  int rows_gemv_ksplit_from = 9;
   /// LILY_CUDA_PERSISTENT_DECODE 1|debug|trace|0: a one-sequence decode step as one resident
   /// kernel that takes the step's tasks from a list, synchronised by counters in device memory
   /// (1); the same tasks as one launch per stage (debug: what the probes see); the resident
@@ -439,6 +445,7 @@ inline std::span<const Field> fields() {
       {"decode-rows", "LILY_CUDA_DECODE_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.decode_rows = parse_int(l, v, 1, CudaOptions::kMaxDecodeRows); }},
       {"moe-tile-balance", "LILY_CUDA_MOE_TILE_BALANCE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_tile_balance = parse_int(l, v, 0, CudaOptions::kMaxMoeTileBalance); }},
       {"rows-gemv-from", "LILY_CUDA_ROWS_GEMV_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
+      {"rows-gemv-ksplit-from", "LILY_CUDA_ROWS_GEMV_KSPLIT_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_ksplit_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
       {"rows-gemv-split", "LILY_CUDA_ROWS_GEMV_SPLIT", [](CudaOptions& o, const std::string& l, const std::string& v) {
          if (v != "tiles" && v != "all" && v != "0") throw OptionError(l, "must be 'tiles', 'all' or '0', got '" + v + "'");
          o.rows_gemv_split = v;
@@ -505,6 +512,7 @@ inline std::string CudaOptions::describe() const {
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
          " max-batch=" + std::to_string(max_batch) + " decode-rows=" + std::to_string(decode_rows) +
          " rows-gemv-from=" + std::to_string(rows_gemv_from) + " rows-gemv-split=" + rows_gemv_split +
+         " rows-gemv-ksplit-from=" + std::to_string(rows_gemv_ksplit_from) +
          " prefill-rows=" + (prefill_rows ? "1" : "0") + " persistent-decode=" + persistent_decode;
 }
 

@@ -98,6 +98,67 @@ TEST(CudaBatchedDecode, GemvRowsAreBitIdenticalForEveryRowCount) {
   }
 }
 
+/// The k-split GEMV (launch_quant_gemv_ksplit, through launch_quant_gemv_rows from
+/// rows_gemv_ksplit_from() rows on) against the streaming GEMV: token t of m rows, for m = 1 … 33
+/// and some m up to kMaxDecodeRows (one to eight column blocks, both tile-group shapes), equals
+/// token t alone in the direct mode; and all 64 rows equal the rows mode's. Partial last tiles
+/// (rows not a multiple of 16) and both slice widths (2,048 and 4,096 columns).
+void check_ksplit_rows(int64_t rows, int cols, uint64_t seed) {
+  SCOPED_TRACE("k-split " + std::to_string(rows) + "x" + std::to_string(cols));
+  const ScopedSwitch staging(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
+  const ScopedSwitch ksplit(cuda::rows_gemv_ksplit_from, cuda::set_rows_gemv_ksplit_from);
+  std::mt19937_64 rng(seed);
+  RandomQuant w(rows, cols, 4, rng);
+  ASSERT_EQ(cuda::ksplit_gemv_problem(w.view(), 1), "");
+  constexpr int M = cuda::kMaxDecodeRows;
+  DeviceBuffer dx = upload_bf16(normal_bf16(int64_t(M) * cols, rng, 1.0f));
+  auto run = [&](const bf16* xp, int m) {
+    DeviceBuffer dy = poisoned(size_t(m) * rows * 2);
+    cuda::launch_quant_gemv_rows(w.view(), xp, m, dy.as<bf16>(), nullptr, nullptr);
+    return download_bf16(dy, int64_t(m) * rows);
+  };
+  ksplit.set(M + 1);  // the streaming GEMV: each token alone in the direct mode, all in the rows mode
+  staging.set(M + 1);
+  std::vector<std::vector<float>> alone(M);
+  for (int t = 0; t < M; ++t) alone[t] = run(dx.as<bf16>() + int64_t(t) * cols, 1);
+  staging.set(1);
+  const std::vector<float> rows_mode = run(dx.as<bf16>(), M);
+  ksplit.set(1);
+  std::vector<int> ms;
+  for (int m = 1; m <= 33; ++m) ms.push_back(m);
+  for (int m : {40, 41, 48, 57, M}) ms.push_back(m);
+  for (int m : ms) {
+    const std::vector<float> all = run(dx.as<bf16>(), m);
+    for (int t = 0; t < m; ++t)
+      EXPECT_EQ(bit_differences(std::vector<float>(all.begin() + t * rows, all.begin() + (t + 1) * rows), alone[t]), 0)
+          << "token " << t << " of " << m;
+    if (m == M) {
+      EXPECT_EQ(bit_differences(all, rows_mode), 0) << "all rows against the rows mode";
+    }
+  }
+}
+
+TEST(CudaBatchedDecode, KsplitGemvGivesTheStreamingBits) {
+  check_ksplit_rows(1000, 2048, 31);   // in-projection width, 4 groups a slice, a partial last tile
+  check_ksplit_rows(777, 4096, 32);    // out-projection width, 8 groups a slice
+  check_ksplit_rows(12352, 2048, 33);  // the GDN in-projection (several tile groups a cluster)
+  check_ksplit_rows(2048, 4096, 34);   // the out-projection
+}
+
+TEST(CudaBatchedDecode, KsplitGemvNamesWhatItCannotTake) {
+  std::mt19937_64 rng(35);
+  RandomQuant w4(64, 2048, 4, rng), narrow(64, 512, 4, rng), wide(64, 8192, 4, rng), w8(64, 2048, 8, rng);
+  EXPECT_EQ(cuda::ksplit_gemv_problem(w4.view(), cuda::kMaxDecodeRows), "");
+  EXPECT_NE(cuda::ksplit_gemv_problem(w4.view(), 0), "");
+  EXPECT_NE(cuda::ksplit_gemv_problem(w4.view(), cuda::kMaxDecodeRows + 1), "");
+  EXPECT_NE(cuda::ksplit_gemv_problem(narrow.view(), 8), "");
+  EXPECT_NE(cuda::ksplit_gemv_problem(wide.view(), 8), "");
+  EXPECT_NE(cuda::ksplit_gemv_problem(w8.view(), 8), "");
+  DeviceBuffer x = upload_bf16(std::vector<float>(2048, 1.0f)), y(64 * 2);
+  EXPECT_THROW(cuda::launch_quant_gemv_ksplit(narrow.view(), x.as<bf16>(), 1, y.as<bf16>(), nullptr), lily::InternalError);
+  EXPECT_THROW(cuda::launch_quant_gemv_ksplit(w4.view(), x.as<bf16>() + 1, 1, y.as<bf16>(), nullptr), lily::InternalError);
+}
+
 /// The batched decode's norm + GEMV (launch_add_rmsnorm over the rows, then
 /// launch_quant_gemv_rows) against the one-sequence step's (launch_add_rmsnorm_gemv, the norm
 /// fused into the GEMV's staging), and launch_quant_gemv_rows against launch_quant_gemv without
@@ -170,10 +231,11 @@ TEST(CudaBatchedDecode, RowsGemvStagingThresholdRefusesZeroRows) {
   EXPECT_EQ(cuda::rows_gemv_staging_min_rows(), 5);
 }
 
-/// The batched decode's 4-bit GEMVs at the 35B-A3B shapes for m = 1 … 32 rows, in the streaming
+/// The batched decode's 4-bit GEMVs at the 35B-A3B shapes for m = 1 … 64 rows, in the streaming
 /// kernel's direct mode, its rows mode on one warp group and on two (rows_gemv_split all;
-/// not at 17–24 rows): µs per launch (events, after a warm-up) and the rows mode's rate in
-/// weight bytes (two groups). Printed, never asserted. The LM head's shape too in the rows mode
+/// not at 17–24 rows), and the k-split GEMV (where it takes the matrix; the LM head's fp32 output
+/// it does not, so its column repeats the rows mode): µs per launch (events, after a warm-up) and
+/// the k-split's rate in weight bytes. Printed, never asserted. The LM head's shape too in the rows mode
 /// (rows_mode_max_weight_rows raised: by default it stays direct), to see whether two groups
 /// change the choice.
 TEST(CudaTiming, PrintsGemvRowsTimes) {
@@ -189,6 +251,7 @@ TEST(CudaTiming, PrintsGemvRowsTimes) {
                           {"lm_head", 248320, 2048, true}};
   const ScopedSwitch staging(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
   const ScopedSwitch split(cuda::rows_gemv_split, cuda::set_rows_gemv_split);
+  const ScopedSwitch ksplit(cuda::rows_gemv_ksplit_from, cuda::set_rows_gemv_ksplit_from);
   // The LM head too in the rows mode (it takes the direct mode by default).
   const ScopedSwitch<int64_t> largest(cuda::rows_mode_max_weight_rows, cuda::set_rows_mode_max_weight_rows);
   largest.set(int64_t{1} << 40);
@@ -199,19 +262,20 @@ TEST(CudaTiming, PrintsGemvRowsTimes) {
     DeviceBuffer dx = upload_bf16(normal_bf16(int64_t(M) * s.cols, rng, 1.0f));
     DeviceBuffer dy(size_t(M) * s.rows * 4);
     const double bytes = double(s.rows) * (s.cols / 2 + s.cols / 64 * 4);
-    for (int m : {1, 2, 4, 8, 16, 24, 32}) {
-      double us[3];
-      for (int mode = 0; mode < 3; ++mode) {  // direct, rows on one group, rows on two
+    for (int m : {1, 2, 4, 8, 16, 24, 32, 48, 64}) {
+      double us[4];
+      for (int mode = 0; mode < 4; ++mode) {  // direct, rows on one group, rows on two, k-split
         staging.set(mode == 0 ? M + 1 : 1);
         split.set(mode == 2 ? cuda::RowsGemvSplit::all : cuda::RowsGemvSplit::none);
+        ksplit.set(mode == 3 ? 1 : M + 1);
         us[mode] = time_us([&] {
           cuda::launch_quant_gemv_rows(w.view(), dx.as<bf16>(), m, s.f32_out ? nullptr : dy.as<bf16>(),
                                        s.f32_out ? dy.as<float>() : nullptr, nullptr);
         });
       }
       std::printf("[timing] gemv rows %-11s %6lldx%-5d m=%2d  direct %8.2f us  rows mode %8.2f us  two groups %8.2f us  "
-                  "(%6.0f GB/s)\n",
-                  s.name, static_cast<long long>(s.rows), s.cols, m, us[0], us[1], us[2], bytes / us[2] / 1e3);
+                  "k-split %8.2f us (%6.0f GB/s)\n",
+                  s.name, static_cast<long long>(s.rows), s.cols, m, us[0], us[1], us[2], us[3], bytes / us[3] / 1e3);
     }
   }
 }

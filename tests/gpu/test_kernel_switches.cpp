@@ -90,6 +90,23 @@ TEST(KernelSwitches, RowsGemvFromReachesItsSetting) {
   }
 }
 
+TEST(KernelSwitches, RowsGemvKsplitFromReachesItsSetting) {
+  cuda::apply_kernel_switches(CudaOptions{});
+  EXPECT_EQ(cuda::rows_gemv_ksplit_from(), cuda::kRowsGemvKsplitFromDefault);
+  CudaOptions o;
+  o.rows_gemv_ksplit_from = 33;
+  cuda::apply_kernel_switches(o);
+  EXPECT_EQ(cuda::rows_gemv_ksplit_from(), 33);
+  for (int bad : {0, CudaOptions::kRowsGemvNever + 1}) {
+    o.pdl = false;
+    o.rows_gemv_ksplit_from = bad;
+    EXPECT_THROW(cuda::apply_kernel_switches(o), Error) << bad;
+    EXPECT_TRUE(cuda::pdl_enabled()) << "nothing set before the throw";
+  }
+  cuda::apply_kernel_switches(CudaOptions{});
+  EXPECT_EQ(cuda::rows_gemv_ksplit_from(), cuda::kRowsGemvKsplitFromDefault);
+}
+
 TEST(KernelSwitches, RowsGemvSplitReachesItsSetting) {
   cuda::apply_kernel_switches(CudaOptions{});
   EXPECT_EQ(cuda::rows_gemv_split(), cuda::RowsGemvSplit::tiles);

@@ -14,6 +14,7 @@ namespace {
 static_assert(CudaOptions::kMaxDecodeRows == kMaxDecodeRows, "LILY_CUDA_DECODE_ROWS' limit: the rows a forward holds");
 static_assert(CudaOptions::kRowsGemvNever == kMaxDecodeRows + 1, "LILY_CUDA_ROWS_GEMV_FROM's never: more rows than a forward holds");
 static_assert(CudaOptions{}.rows_gemv_from == kRowsGemvFromDefault, "one default for the rows mode's threshold");
+static_assert(CudaOptions{}.rows_gemv_ksplit_from == kRowsGemvKsplitFromDefault, "one default for the k-split's threshold");
 static_assert(CudaOptions{}.gemv_blocks_per_sm == kStreamBlocksPerSm, "one default for the streaming GEMV's blocks per SM");
 static_assert(CudaOptions::kMaxGemvBlocksPerSm == kStreamBlocksPerSm, "LILY_CUDA_GEMV_BLOCKS_PER_SM's limit: the kernel's register budget");
 static_assert(int64_t{CudaOptions{}.gemv_smem_kib} * 1024 == kStreamSmemPerSm, "one default for its stage memory");
@@ -54,6 +55,10 @@ void apply_kernel_switches(const CudaOptions& options) {
   if (options.rows_gemv_from < 1 || options.rows_gemv_from > CudaOptions::kRowsGemvNever)
     throw ::lily::Error("CudaOptions::rows_gemv_from (LILY_CUDA_ROWS_GEMV_FROM) must be 1 … " +
                         std::to_string(CudaOptions::kRowsGemvNever) + ", got " + std::to_string(options.rows_gemv_from));
+  if (options.rows_gemv_ksplit_from < 1 || options.rows_gemv_ksplit_from > CudaOptions::kRowsGemvNever)
+    throw ::lily::Error("CudaOptions::rows_gemv_ksplit_from (LILY_CUDA_ROWS_GEMV_KSPLIT_FROM) must be 1 … " +
+                        std::to_string(CudaOptions::kRowsGemvNever) + ", got " +
+                        std::to_string(options.rows_gemv_ksplit_from));
   set_pdl_enabled(options.pdl);
   set_stream_gemv_enabled(options.stream_gemv);
   set_stream_gemv_tile_counter_enabled(options.gemv_tile_counter);
@@ -70,6 +75,7 @@ void apply_kernel_switches(const CudaOptions& options) {
   set_rows_gemv_staging_min_rows(options.rows_gemv_from);
   set_moe_tile_balance(options.moe_tile_balance);
   set_rows_gemv_split(split);
+  set_rows_gemv_ksplit_from(options.rows_gemv_ksplit_from);
 }
 
 }  // namespace lily::cuda

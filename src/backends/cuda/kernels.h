@@ -81,6 +81,8 @@ inline constexpr int kMaxStreamGemvRows = 32;
 /// (in-projection + out-projection at 2 rows 19.4 against 20.3 µs, at 32 rows 63.2 against 87.7),
 /// at 1 row more (18.6 against 17.7).
 inline constexpr int kRowsGemvFromDefault = 2;
+/// The default of rows_gemv_ksplit_from() (CudaOptions::rows_gemv_ksplit_from).
+inline constexpr int kRowsGemvKsplitFromDefault = 9;
 /// Matrices with more rows than this take the direct mode at any row count: the LM head (248,320
 /// rows) ran slower in the rows mode at every m on an H200 (1 row 193 against 139 µs, 32 rows 484
 /// against 374), its long weight stream wanting the direct mode's several blocks per SM more than
@@ -263,6 +265,29 @@ int rows_gemv_staging_min_rows();
 /// Sets rows_gemv_staging_min_rows() for the rest of the process (tests and timings of both
 /// modes; kMaxDecodeRows + 1 keeps the direct mode for every m). Throws lily::Error for n < 1.
 void set_rows_gemv_staging_min_rows(int n);
+
+/// Rows from which launch_quant_gemv_rows runs a 4-bit matrix of 2,048 or 4,096 columns (at
+/// most kRowsModeMaxWeightRows rows, bf16 out) through the k-split GEMV (launch_quant_gemv_ksplit:
+/// all the rows in one launch, the k-slices on the CTAs of a cluster) instead of the streaming
+/// GEMV's rows or direct mode. The same bits every way, so a speed setting only:
+/// CudaOptions::rows_gemv_ksplit_from (LILY_CUDA_ROWS_GEMV_KSPLIT_FROM), by default
+/// kRowsGemvKsplitFromDefault; kMaxDecodeRows + 1 means never.
+int rows_gemv_ksplit_from();
+/// Sets rows_gemv_ksplit_from() for the rest of the process (tests and timings of every mode).
+/// Throws lily::Error for n < 1.
+void set_rows_gemv_ksplit_from(int n);
+
+/// y bf16 [m, w.rows] = x bf16 [m, w.cols] · Wᵀ for 1 ≤ m ≤ kMaxDecodeRows rows in one launch:
+/// the streaming GEMV's eight k-slices of a tile computed by the eight CTAs of a cluster, each
+/// staging only its slice of the rows, and added in slice order through distributed shared memory
+/// (quant_gemv_ksplit.cu). A token's output is bit-identical to the streaming GEMV's (every mode)
+/// whatever m and the other rows are. Throws lily::InternalError when ksplit_gemv_problem(w, m) is
+/// not empty, x is null or not 16-byte aligned, or y is null.
+void launch_quant_gemv_ksplit(const DeviceQuant& w, const __nv_bfloat16* x, int m, __nv_bfloat16* y,
+                              cudaStream_t stream);
+/// Why launch_quant_gemv_ksplit cannot take `w` at m rows ("" when it can): 4-bit codes, 2,048 or
+/// 4,096 columns (4 or 8 groups a k-slice), 16-byte aligned arrays, 1 ≤ m ≤ kMaxDecodeRows.
+std::string ksplit_gemv_problem(const DeviceQuant& w, int m);
 
 /// Where the streaming GEMV's rows mode runs two warp groups of eight warps per block instead of
 /// one (twice the warps per SM to hide the tile loop's latency; the same k-slices, the same bits):

@@ -27,6 +27,8 @@ std::atomic<bool> g_gemv_row_tiles{true};
 std::atomic<bool> g_gdn_chunk_parallel{true};
 /// The batched GEMV's rows-mode threshold (rows_gemv_staging_min_rows, CudaOptions::rows_gemv_from).
 std::atomic<int> g_rows_gemv_staging_min_rows{kRowsGemvFromDefault};
+/// The batched GEMV's k-split threshold (rows_gemv_ksplit_from, CudaOptions::rows_gemv_ksplit_from).
+std::atomic<int> g_rows_gemv_ksplit_from{kRowsGemvKsplitFromDefault};
 /// The rows mode's two warp groups (rows_gemv_split, CudaOptions::rows_gemv_split).
 std::atomic<RowsGemvSplit> g_rows_gemv_split{RowsGemvSplit::tiles};
 /// The rows mode's largest matrix (rows_mode_max_weight_rows).
@@ -97,6 +99,12 @@ int rows_gemv_staging_min_rows() { return g_rows_gemv_staging_min_rows.load(std:
 void set_rows_gemv_staging_min_rows(int n) {
   if (n < 1) throw ::lily::Error("set_rows_gemv_staging_min_rows: " + std::to_string(n) + " rows (at least 1)");
   g_rows_gemv_staging_min_rows.store(n, std::memory_order_relaxed);
+}
+
+int rows_gemv_ksplit_from() { return g_rows_gemv_ksplit_from.load(std::memory_order_relaxed); }
+void set_rows_gemv_ksplit_from(int n) {
+  if (n < 1) throw ::lily::Error("set_rows_gemv_ksplit_from: " + std::to_string(n) + " rows (at least 1)");
+  g_rows_gemv_ksplit_from.store(n, std::memory_order_relaxed);
 }
 
 RowsGemvSplit rows_gemv_split() { return g_rows_gemv_split.load(std::memory_order_relaxed); }

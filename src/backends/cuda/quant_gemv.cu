@@ -788,7 +788,8 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
 }
 
 /// The batched decode's GEMV (launch_quant_gemv_rows): a kernel chosen by the matrix alone, so
-/// that a token row's result never depends on m. 4-bit: the streaming kernel when it applies at
+/// that a token row's result never depends on m. 4-bit with bf16 out, from rows_gemv_ksplit_from()
+/// rows on: the k-split GEMV over all m rows where it takes the matrix. Else 4-bit: the streaming kernel when it applies at
 /// kMaxStreamGemvRows rows, its rows mode (the rows staged once per block) from
 /// rows_gemv_staging_min_rows() rows on for matrices of at most rows_mode_max_weight_rows() rows, as
 /// many launches as its shared memory needs, else its
@@ -800,6 +801,11 @@ void gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStre
 /// staging does not fit, the per-row CUDA-core kernel (grid.y = token) for every m.
 template <class OutT>
 void gemv_rows_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, cudaStream_t stream) {
+  if constexpr (std::is_same_v<OutT, bf16>) {  // all m rows in one k-split launch
+    if (w.bits == 4 && stream_gemv_enabled() && m >= rows_gemv_ksplit_from() && w.rows <= rows_mode_max_weight_rows() &&
+        reinterpret_cast<uintptr_t>(x) % 16 == 0 && ksplit_gemv_problem(w, m).empty())
+      return launch_quant_gemv_ksplit(w, x, m, y, stream);
+  }
   if (m > kMaxStreamGemvRows) {  // launches of kMaxStreamGemvRows rows (a row's bits are its own)
     for (int r0 = 0; r0 < m; r0 += kMaxStreamGemvRows)
       gemv_rows_dispatch(w, x + int64_t{r0} * w.cols, std::min(kMaxStreamGemvRows, m - r0), y + int64_t{r0} * w.rows,

@@ -320,6 +320,29 @@ __device__ __forceinline__ void stream_add_slices(const float4* partial, int lan
   }
 }
 
+/// stream_group_blocks with the thread's code words of group G given (`lo`, `hi`: rows of slots g
+/// and g + 8, as group_mma takes them) instead of read from a stage: the one arithmetic of every
+/// streaming mode, so a kernel that keeps its codes in registers gets the same bits.
+template <int kBlocks, class Frag>
+__device__ __forceinline__ void stream_group_blocks_codes(const uint2& lo, const uint2& hi, const Frag& frag, int G,
+                                                          float sl, float bl, float sh, float bh,
+                                                          const float (&x0)[kBlocks], const float (&x1)[kBlocks],
+                                                          float (&acc)[kBlocks][4]) {
+  uint4 bw0[kBlocks], bw1[kBlocks];
+#pragma unroll
+  for (int c = 0; c < kBlocks; ++c) frag(c, G, bw0[c], bw1[c]);
+  float d[kBlocks][4];
+  group_mma_blocks<true, kBlocks>(lo, hi, bw0, bw1, d);
+  const float cl = __fmaf_rn(-128.0f, sl, bl), ch = __fmaf_rn(-128.0f, sh, bh);
+#pragma unroll
+  for (int c = 0; c < kBlocks; ++c) {
+    acc[c][0] = affine_add(acc[c][0], sl, d[c][0], cl, x0[c]);
+    acc[c][1] = affine_add(acc[c][1], sl, d[c][1], cl, x1[c]);
+    acc[c][2] = affine_add(acc[c][2], sh, d[c][2], ch, x0[c]);
+    acc[c][3] = affine_add(acc[c][3], sh, d[c][3], ch, x1[c]);
+  }
+}
+
 /// Group G for kBlocks column blocks (block c: tokens 8c …): frag(c, G, bw0, bw1) gives block
 /// c's activation fragments, the weight fragment is formed once for all blocks
 /// (group_mma_blocks), then stream_group's epilogue per block (x0[c], x1[c]: Σx of tokens 8c + 2t
@@ -329,20 +352,9 @@ template <int kBlocks, class Frag>
 __device__ __forceinline__ void stream_group_blocks(const StreamTileView& v, const Frag& frag, int G, float sl, float bl,
                                                     float sh, float bh, const float (&x0)[kBlocks],
                                                     const float (&x1)[kBlocks], float (&acc)[kBlocks][4]) {
-  uint4 bw0[kBlocks], bw1[kBlocks];
-#pragma unroll
-  for (int c = 0; c < kBlocks; ++c) frag(c, G, bw0[c], bw1[c]);
-  float d[kBlocks][4];
-  group_mma_blocks<true, kBlocks>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32),
-                                  *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0, bw1, d);
-  const float cl = __fmaf_rn(-128.0f, sl, bl), ch = __fmaf_rn(-128.0f, sh, bh);
-#pragma unroll
-  for (int c = 0; c < kBlocks; ++c) {
-    acc[c][0] = affine_add(acc[c][0], sl, d[c][0], cl, x0[c]);
-    acc[c][1] = affine_add(acc[c][1], sl, d[c][1], cl, x1[c]);
-    acc[c][2] = affine_add(acc[c][2], sh, d[c][2], ch, x0[c]);
-    acc[c][3] = affine_add(acc[c][3], sh, d[c][3], ch, x1[c]);
-  }
+  stream_group_blocks_codes<kBlocks>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32),
+                                     *reinterpret_cast<const uint2*>(v.code_hi + G * 32), frag, G, sl, bl, sh, bh, x0,
+                                     x1, acc);
 }
 
 /// The k-slice of kBlocks column blocks in stream_tile_slice's order (groups [g_begin, g_end)

@@ -97,7 +97,7 @@ class ScopedEnv {
 
 TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   for (const char* v : {"LILY_CUDA_FUSE", "LILY_CUDA_PDL", "LILY_CUDA_STREAM_GEMV", "LILY_CUDA_FLASH_PREFILL",
-                        "LILY_CUDA_DEVICE_SAMPLER", "LILY_CUDA_GEMV_TILE_COUNTER", "LILY_CUDA_GEMV_BLOCKS_PER_SM", "LILY_CUDA_GEMV_SMEM_KIB", "LILY_CUDA_GEMV_LATE_REQUESTS", "LILY_CUDA_GEMV_ROW_TILES", "LILY_CUDA_GDN_CHUNK_PARALLEL", "LILY_CUDA_GDN_LOCAL_MMA", "LILY_CUDA_GDN_STATE_MMA", "LILY_CUDA_PREFILL", "LILY_CUDA_GEMM", "LILY_CUDA_GEMM_KERNEL", "LILY_CUDA_FUSED_MOE", "LILY_CUDA_MOE_OUT_PROJ", "LILY_CUDA_MOE_NEXT_NORM", "LILY_CUDA_MOE_TILE_BALANCE", "LILY_CUDA_BATCHED_DECODE", "LILY_CUDA_PREFILL_CHUNK", "LILY_CUDA_MAX_BATCH", "LILY_CUDA_DECODE_ROWS", "LILY_CUDA_ROWS_GEMV_FROM", "LILY_CUDA_ROWS_GEMV_SPLIT", "LILY_CUDA_PREFILL_ROWS", "LILY_CUDA_PERSISTENT_DECODE"})
+                        "LILY_CUDA_DEVICE_SAMPLER", "LILY_CUDA_GEMV_TILE_COUNTER", "LILY_CUDA_GEMV_BLOCKS_PER_SM", "LILY_CUDA_GEMV_SMEM_KIB", "LILY_CUDA_GEMV_LATE_REQUESTS", "LILY_CUDA_GEMV_ROW_TILES", "LILY_CUDA_GDN_CHUNK_PARALLEL", "LILY_CUDA_GDN_LOCAL_MMA", "LILY_CUDA_GDN_STATE_MMA", "LILY_CUDA_PREFILL", "LILY_CUDA_GEMM", "LILY_CUDA_GEMM_KERNEL", "LILY_CUDA_FUSED_MOE", "LILY_CUDA_MOE_OUT_PROJ", "LILY_CUDA_MOE_NEXT_NORM", "LILY_CUDA_MOE_TILE_BALANCE", "LILY_CUDA_BATCHED_DECODE", "LILY_CUDA_PREFILL_CHUNK", "LILY_CUDA_MAX_BATCH", "LILY_CUDA_DECODE_ROWS", "LILY_CUDA_ROWS_GEMV_FROM", "LILY_CUDA_ROWS_GEMV_SPLIT", "LILY_CUDA_ROWS_GEMV_KSPLIT_FROM", "LILY_CUDA_PREFILL_ROWS", "LILY_CUDA_PERSISTENT_DECODE"})
     unsetenv(v);
   const CudaOptions o = CudaOptions::from_env();
   EXPECT_TRUE(o.fuse_decode);
@@ -126,8 +126,9 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_EQ(o.decode_rows, 64);
   EXPECT_EQ(o.rows_gemv_from, 2);
   EXPECT_EQ(o.rows_gemv_split, "tiles");
+  EXPECT_EQ(o.rows_gemv_ksplit_from, 9);
   EXPECT_TRUE(o.prefill_rows);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 gemv-tile-counter=1 gemv-blocks-per-sm=4 gemv-smem-kib=112 gemv-late-requests=none flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 moe-out-proj=0 moe-next-norm=0 moe-tile-balance=8 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64 rows-gemv-from=2 rows-gemv-split=tiles prefill-rows=1 persistent-decode=0");
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 gemv-tile-counter=1 gemv-blocks-per-sm=4 gemv-smem-kib=112 gemv-late-requests=none flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 moe-out-proj=0 moe-next-norm=0 moe-tile-balance=8 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64 rows-gemv-from=2 rows-gemv-split=tiles rows-gemv-ksplit-from=9 prefill-rows=1 persistent-decode=0");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {
@@ -140,12 +141,13 @@ TEST(CudaOptions, ReadsEveryVariable) {
       u("LILY_CUDA_DECODE_ROWS", "64"), v("LILY_CUDA_PERSISTENT_DECODE", "debug"), w("LILY_CUDA_MOE_OUT_PROJ", "1"),
       x("LILY_CUDA_GEMV_TILE_COUNTER", "0"), y("LILY_CUDA_GEMV_BLOCKS_PER_SM", "2"), z("LILY_CUDA_GEMV_SMEM_KIB", "224"),
       aa("LILY_CUDA_GEMV_LATE_REQUESTS", "staged"), ab("LILY_CUDA_MOE_NEXT_NORM", "1"),
-      ac("LILY_CUDA_MOE_TILE_BALANCE", "12"), ad("LILY_CUDA_ROWS_GEMV_SPLIT", "0");
+      ac("LILY_CUDA_MOE_TILE_BALANCE", "12"), ad("LILY_CUDA_ROWS_GEMV_SPLIT", "0"),
+      ae("LILY_CUDA_ROWS_GEMV_KSPLIT_FROM", "33");
   const CudaOptions o = CudaOptions::from_env();
   EXPECT_FALSE(o.gdn_local_mma);
   EXPECT_FALSE(o.gdn_state_mma);
   EXPECT_EQ(o.gemm_kernel, "0");
-  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 gemv-tile-counter=0 gemv-blocks-per-sm=2 gemv-smem-kib=224 gemv-late-requests=staged flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv gemm-kernel=0 fused-moe=0 moe-out-proj=1 moe-next-norm=1 moe-tile-balance=12 batched-decode=0 chunk=256 max-batch=16 decode-rows=64 rows-gemv-from=9 rows-gemv-split=0 prefill-rows=1 persistent-decode=debug");
+  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 gemv-tile-counter=0 gemv-blocks-per-sm=2 gemv-smem-kib=224 gemv-late-requests=staged flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv gemm-kernel=0 fused-moe=0 moe-out-proj=1 moe-next-norm=1 moe-tile-balance=12 batched-decode=0 chunk=256 max-batch=16 decode-rows=64 rows-gemv-from=9 rows-gemv-split=0 rows-gemv-ksplit-from=33 prefill-rows=1 persistent-decode=debug");
 }
 
 /// The kernel-layer switches (the GDN passes' tensor cores, the GEMM kernel): each one alone,
@@ -195,6 +197,7 @@ TEST(CudaOptions, BadValuesNameTheVariable) {
                                                      {"LILY_CUDA_MAX_BATCH", "0"},       {"LILY_CUDA_MAX_BATCH", "65"},
                                                      {"LILY_CUDA_MAX_BATCH", "four"},    {"LILY_CUDA_ROWS_GEMV_FROM", "0"},
                                                      {"LILY_CUDA_ROWS_GEMV_FROM", "66"},
+                                                     {"LILY_CUDA_ROWS_GEMV_KSPLIT_FROM", "0"}, {"LILY_CUDA_ROWS_GEMV_KSPLIT_FROM", "66"},
                                                      {"LILY_CUDA_DECODE_ROWS", "0"},     {"LILY_CUDA_DECODE_ROWS", "65"},
                                                      {"LILY_CUDA_PREFILL_ROWS", "yes"}, {"LILY_CUDA_ROWS_GEMV_SPLIT", "1"},
                                                      {"LILY_CUDA_MOE_TILE_BALANCE", "-1"}, {"LILY_CUDA_MOE_TILE_BALANCE", "1025"}};
