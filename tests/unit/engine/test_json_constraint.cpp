@@ -506,6 +506,12 @@ TEST(JsonConstraint, DocumentStartsAfterTheThinkEnd) {
   const std::vector<int32_t> closers = {*tokenizer->token_id("\""), *tokenizer->token_id("}"),
                                         *tokenizer->token_id("]"), *tokenizer->token_id(",")};
   const std::vector<int32_t> prompt = {1, 2, 3};
+  GenerationParams p;
+  p.max_tokens = 2000;
+  p.max_seq = 4000;
+  p.stop_ids = {stop};
+  p.json_schema = s;
+  p.json_after_id = think_end;
   for (int think_tokens : {0, 5}) {
     test::FakeBackend b(tokenizer->vocab_size());
     // think_tokens words, then "</think>", then the closing bytes the other test leans on.
@@ -516,12 +522,6 @@ TEST(JsonConstraint, DocumentStartsAfterTheThinkEnd) {
       return closers[h.size() % closers.size()];
     };
     auto state = b.new_state(4000);
-    GenerationParams p;
-    p.max_tokens = 2000;
-    p.max_seq = 4000;
-    p.stop_ids = {stop};
-    p.json_schema = s;
-    p.json_after_id = think_end;
     const GenerationResult r = generate(b, *state, prompt, p, tokenizer.get());
     ASSERT_EQ(r.finish_reason, FinishReason::kStop) << think_tokens << ": " << r.text;
     ASSERT_GT(r.token_ids.size(), static_cast<size_t>(think_tokens + 1));
@@ -539,12 +539,7 @@ TEST(JsonConstraint, DocumentStartsAfterTheThinkEnd) {
   test::FakeBackend b(tokenizer->vocab_size());
   b.script = [&](const std::vector<int32_t>&) { return word; };
   auto state = b.new_state(4000);
-  GenerationParams p;
   p.max_tokens = 12;
-  p.max_seq = 4000;
-  p.stop_ids = {stop};
-  p.json_schema = s;
-  p.json_after_id = think_end;
   const GenerationResult r = generate(b, *state, prompt, p, tokenizer.get());
   EXPECT_EQ(r.finish_reason, FinishReason::kLength);
   EXPECT_EQ(r.token_ids, std::vector<int32_t>(12, word));
