@@ -105,12 +105,11 @@ class JsonSchemaCompiler {
     return deepest;
   }
 
-  /// Node::sorted_literals from literals. Only once every node is final: anyOf branches, $ref
-  /// targets and the root are copied into other nodes while compiling.
+  /// Node::literals sorted, duplicates dropped. Only once every node is final: anyOf branches,
+  /// $ref targets and the root are copied into other nodes while compiling.
   static void sort_literals(JsonSchema::Node& n) {
-    n.sorted_literals = n.literals;
-    std::sort(n.sorted_literals.begin(), n.sorted_literals.end());
-    n.sorted_literals.erase(std::unique(n.sorted_literals.begin(), n.sorted_literals.end()), n.sorted_literals.end());
+    std::sort(n.literals.begin(), n.literals.end());
+    n.literals.erase(std::unique(n.literals.begin(), n.literals.end()), n.literals.end());
   }
 
   /// Node::min_depth and object_depth of every node: a fixpoint from "unbounded" down, so that
@@ -464,7 +463,7 @@ namespace {
 bool is_ws(unsigned char b) { return b == ' ' || b == '\n' || b == '\t' || b == '\r'; }
 bool is_digit(unsigned char b) { return b >= '0' && b <= '9'; }
 
-/// true/false/null as a literal set (JsonSchema::Node::sorted_literals' order).
+/// true/false/null as a literal set (sorted, as JsonSchema::Node::literals).
 const std::vector<std::string>& bool_null_literals(uint8_t set) {
   static const std::vector<std::string> t = {"false", "true"}, n = {"null"}, all = {"false", "null", "true"};
   if (set == JsonSchema::kBoolean) return t;
@@ -480,7 +479,7 @@ bool sorts_before(std::string_view literal, std::string_view prefix, unsigned ch
   return literal.size() == prefix.size() || static_cast<unsigned char>(literal[prefix.size()]) < byte;
 }
 
-/// Whether a literal of `sorted` (sorted_literals) begins with `prefix` followed by `byte`: those
+/// Whether a literal of `sorted` (Node::literals) begins with `prefix` followed by `byte`: those
 /// that do come first among the literals not before that text.
 bool continues_literal(const std::vector<std::string>& sorted, std::string_view prefix, unsigned char byte) {
   const auto it = std::lower_bound(sorted.begin(), sorted.end(), byte, [prefix](const std::string& l, unsigned char b) {
@@ -612,7 +611,7 @@ bool JsonMatcher::whitespace(unsigned char byte) {
 
 const std::vector<std::string>& JsonMatcher::literals_of(const Frame& f) const {
   if (f.literal_set != 0) return bool_null_literals(f.literal_set);
-  return schema_->node(f.node).sorted_literals;
+  return schema_->node(f.node).literals;
 }
 
 // A literal frame takes `byte`: true when the literal so far plus the byte begins one of the
@@ -632,8 +631,8 @@ bool JsonMatcher::literal_step(Frame& f, unsigned char byte, bool& done) const {
 
 bool JsonMatcher::start_value(Frame& f, unsigned char byte) {
   const JsonSchema::Node& n = schema_->node(f.node);
-  if (!n.sorted_literals.empty()) {
-    if (!continues_literal(n.sorted_literals, {}, byte)) return false;
+  if (!n.literals.empty()) {
+    if (!continues_literal(n.literals, {}, byte)) return false;
     f.kind = Frame::kLiteral;
     f.literal_set = 0;
     f.text.assign(1, static_cast<char>(byte));

@@ -16,8 +16,8 @@
 //   comes as compact or pretty-printed JSON has it (kMaxIndentPerLevel: one blank, or one line
 //   break and an indentation, so a model looping on blanks or newlines cannot fill the answer
 //   with them), numbers are at most kMaxNumberBytes long, object keys are written without
-//   escapes, enum values in their compact form (looked up by binary search in a sorted copy of
-//   the values, so a byte costs O(log n) on an enum of n values).
+//   escapes, enum values in their compact form (looked up by binary search among the values,
+//   sorted once compiled, so a byte costs O(log n) on an enum of n values).
 // - JsonConstraint: the matcher applied to a logits row: every token whose bytes the matcher
 //   refuses is set to −inf before the sampler (engine/sampler.h), so
 //   greedy and sampled decoding both keep the document valid. Once the root object is closed,
@@ -86,11 +86,9 @@ class JsonSchema {
     bool additional = true;                   ///< other keys allowed
     int additional_node = 0;                  ///< their schema
     int items = 0;                            ///< array items' schema
-    std::vector<std::string> literals;        ///< enum/const: the allowed values as compact JSON, in the
-                                              ///< schema's order (empty: none)
-    /// literals sorted by bytes, duplicates dropped, once compiled: the matcher looks prefixes up
-    /// by binary search (literals keeps the schema's order, which readers of the schema see).
-    std::vector<std::string> sorted_literals;
+    /// enum/const: the allowed values as compact JSON (empty: none), sorted by bytes with
+    /// duplicates dropped once compiled, so that the matcher looks prefixes up by binary search.
+    std::vector<std::string> literals;
     int64_t max_length = -1;                  ///< maxLength: most characters of a string (−1: any)
     int64_t max_items = -1;                   ///< maxItems: most items of an array (−1: any)
     /// Containers (objects, arrays) the smallest value of this schema nests, and the smallest
