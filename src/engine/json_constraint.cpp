@@ -530,12 +530,6 @@ bool JsonMatcher::in_free_text() const {
   return f.kind == Frame::kKey && key_available(stack_[stack_.size() - 2], -1);
 }
 
-size_t JsonMatcher::containers() const {
-  return static_cast<size_t>(std::count_if(stack_.begin(), stack_.end(), [](const Frame& g) {
-    return g.kind == Frame::kObject || g.kind == Frame::kArray;
-  }));
-}
-
 bool JsonMatcher::fits(int node) const {
   return containers() + static_cast<size_t>(schema_->node(node).min_depth) <= kMaxJsonNesting;
 }
@@ -643,11 +637,13 @@ bool JsonMatcher::start_value(Frame& f, unsigned char byte) {
   if (byte == '{' && (n.types & JsonSchema::kObject) && open + static_cast<size_t>(n.object_depth) <= kMaxJsonNesting) {
     f.kind = Frame::kObject;
     f.state = 0;
+    ++open_;
     return true;
   }
   if (byte == '[' && (n.types & JsonSchema::kArray) && open + 1 <= kMaxJsonNesting) {
     f.kind = Frame::kArray;
     f.state = 0;
+    ++open_;
     return true;
   }
   if (byte == '"' && (n.types & JsonSchema::kString)) {
@@ -812,6 +808,7 @@ bool JsonMatcher::feed_top(unsigned char byte) {
         if (f.state == 0 || f.state == 3) {
           if (byte == '}' && f.state == 0 && all_required) {
             stack_.pop_back();
+            --open_;
             return true;
           }
           if (byte != '"' || !any_key_available(f)) return false;
@@ -834,6 +831,7 @@ bool JsonMatcher::feed_top(unsigned char byte) {
         // After a value: ',' while another key may come, '}' once the required ones are there.
         if (byte == '}' && all_required) {
           stack_.pop_back();
+          --open_;
           return true;
         }
         if (byte == ',' && any_key_available(f)) {
@@ -848,6 +846,7 @@ bool JsonMatcher::feed_top(unsigned char byte) {
         if (f.state == 2) {
           if (byte == ']') {
             stack_.pop_back();
+            --open_;
             return true;
           }
           if (byte != ',' || !item_available(f)) return false;
@@ -856,6 +855,7 @@ bool JsonMatcher::feed_top(unsigned char byte) {
         }
         if (byte == ']' && f.state == 0) {
           stack_.pop_back();
+          --open_;
           return true;
         }
         if (!item_available(f)) return false;

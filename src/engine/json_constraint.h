@@ -161,7 +161,7 @@ class JsonMatcher {
   bool start_value(Frame& f, unsigned char byte);
   bool whitespace(unsigned char byte);
   bool literal_step(Frame& f, unsigned char byte, bool& done) const;
-  size_t containers() const;
+  size_t containers() const { return open_; }  ///< open objects and arrays
   bool fits(int node) const;  ///< a value of `node` can start and close inside the current containers
   bool key_available(const Frame& object, int property) const;  ///< −1: an additional key
   bool any_key_available(const Frame& object) const;
@@ -170,6 +170,9 @@ class JsonMatcher {
 
   std::shared_ptr<const JsonSchema> schema_;
   std::vector<Frame> stack_;
+  /// kObject and kArray frames on stack_, counted as they open and close: whitespace asks for
+  /// it at every indent byte, and a walk of the stack there would cost O(depth) a byte.
+  size_t open_ = 0;
   /// The whitespace run since the last other byte (kMaxIndentPerLevel): none, one blank, a
   /// "\r" that needs its "\n", or a line break and ws_indent_ blanks.
   enum class Run : uint8_t { kNone, kBlank, kReturn, kLine };

@@ -235,6 +235,9 @@ TEST(JsonMatcher, AnyObject) {
   EXPECT_TRUE(prefix_ok(s, "\n{\n" + std::string(kMaxIndentPerLevel, ' ') + "\"a\":\r\n\t1"));
   EXPECT_FALSE(prefix_ok(s, "{\n" + std::string(kMaxIndentPerLevel + 1, ' ')));  // one level deep
   EXPECT_TRUE(prefix_ok(s, "{\"a\": [\n" + std::string(2 * kMaxIndentPerLevel, ' ') + "1"));
+  // Closed containers give their indentation back.
+  EXPECT_TRUE(prefix_ok(s, "{\"a\": [{}, [],\n" + std::string(2 * kMaxIndentPerLevel, ' ') + "1"));
+  EXPECT_FALSE(prefix_ok(s, "{\"a\": [{}, []],\n" + std::string(kMaxIndentPerLevel + 1, ' ')));
   EXPECT_FALSE(prefix_ok(s, "\n "));  // no indentation outside every container
   EXPECT_FALSE(prefix_ok(s, "{\n\n"));
   EXPECT_FALSE(prefix_ok(s, "{  "));
