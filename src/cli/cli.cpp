@@ -7,6 +7,7 @@
 #include <cstring>
 #include <exception>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,20 @@ int exit_after(const CLI::App& app, const CLI::ParseError& e) {
   return app.exit(UnknownArgument("unknown subcommand '" + first + "' (expected one of " + names + ")"));
 }
 
+/// "cannot write to standard output: <reason>", the reason from `err` (none when 0).
+Error unwritable_stdout(int err) {
+  return Error(std::string("cannot write to standard output") + (err != 0 ? std::string(": ") + std::strerror(err) : ""));
+}
+
+/// Writes `text` to standard output and flushes it (flush_stdout). A text longer than stdio's
+/// buffer is written before the flush: its failure is caught here, while errno still says why.
+void write_stdout(const std::string& text) {
+  errno = 0;
+  std::cout.write(text.data(), static_cast<std::streamsize>(text.size()));
+  if (!std::cout.good()) throw unwritable_stdout(errno);
+  flush_stdout();
+}
+
 }  // namespace
 
 void flush_stdout() {
@@ -52,7 +67,7 @@ void flush_stdout() {
   const bool flushed = std::fflush(stdout) == 0;
   const int err = errno;
   if (flushed && !std::ferror(stdout) && std::cout.good()) return;
-  throw Error(std::string("cannot write to standard output") + (err != 0 ? std::string(": ") + std::strerror(err) : ""));
+  throw unwritable_stdout(err);
 }
 
 int run_cli(int argc, char** argv, const server::ServerTestHooks& serve_hooks) {
@@ -79,7 +94,18 @@ int run_cli(int argc, char** argv, const server::ServerTestHooks& serve_hooks) {
     app.parse(argc, argv);
     flush_stdout();  // every command's output, before its exit status says it was written
   } catch (const CLI::ParseError& e) {
-    return exit_after(app, e);
+    if (e.get_exit_code() != static_cast<int>(CLI::ExitCodes::Success)) return exit_after(app, e);
+    // --help and --version: exit 0 only once their text was written. Taken as text first: CLI11
+    // would write it to std::cout itself (--version with std::endl, a flush) and lose why it failed.
+    std::ostringstream text;
+    app.exit(e, text);
+    try {
+      write_stdout(text.str());
+    } catch (const lily::Error& w) {
+      lily::log_error(w.what());
+      return 1;
+    }
+    return 0;
   } catch (const lily::Error& e) {
     lily::log_error(e.what());
     return 1;

@@ -192,6 +192,16 @@ TEST(CliInputs, OutputThatCannotBeWrittenIsAnError) {
   EXPECT_TRUE(has(r, "lily: error: --json-out: cannot write /dev/full: No space left on device")) << r.output;
 }
 
+TEST(CliInputs, HelpAndVersionThatCannotBeWrittenAreAnError) {
+  // serve's help is longer than stdio's buffer: written before the final flush.
+  for (const char* args : {"--help", "--version", "generate --help", "serve --help"}) {
+    const CliRun r = test::run_lily_stdout_to(args, "/dev/full");
+    EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.output;
+    EXPECT_TRUE(has(r, "lily: error: cannot write to standard output: No space left on device")) << args << "\n"
+                                                                                                 << r.output;
+  }
+}
+
 TEST(CliInputs, GenerateRefusesMoreTokensThanTheContextHolds) {
   // models/demo declares max_position_embeddings 4096.
   CliRun r = run_lily_bounded("generate --backend cpu --prompt-ids 1,2,3 --max-tokens 5000 --model " + kDemo, true);
