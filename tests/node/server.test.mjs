@@ -17,6 +17,25 @@ const golden = JSON.parse(fs.readFileSync(path.join(SOURCE_DIR, 'tests', 'fixtur
 const user = (content) => ({ role: 'user', content });
 const client = (server, apiKey = 'unused') => new OpenAI({ baseURL: `${server.url}/v1`, apiKey, maxRetries: 0 });
 
+/**
+ * Sends a non-streamed chat request with a long prompt, waits until the server runs it (its
+ * prefill takes a while) and closes the connection before the answer comes.
+ */
+async function leaveWhileRunning(server) {
+  const req = http.request(new URL('/v1/chat/completions', server.url), {
+    method: 'POST', headers: { 'Content-Type': 'application/json' }, agent: false,
+  });
+  req.on('error', () => {});
+  req.end(JSON.stringify({ model: MODEL, messages: [user(longPrompt(4, 700))], max_tokens: 2000 }));
+  let running = false;
+  for (let i = 0; i < 3000 && !running; i++) {
+    running = (await metrics(server)).get('lily_requests_running') === 1;
+    if (!running) await sleep(10);
+  }
+  assert.ok(running, 'the request never started');
+  req.destroy();
+}
+
 describe('lily serve (default settings)', () => {
   const suite = serverForSuite();
 
@@ -300,18 +319,7 @@ describe('lily serve (default settings)', () => {
     assert.equal(m.get('lily_requests_running'), 0);
 
     // Not streaming: the client leaves while its request is running (prefill of a long prompt).
-    const req = http.request(new URL('/v1/chat/completions', suite.server.url), {
-      method: 'POST', headers: { 'Content-Type': 'application/json' }, agent: false,
-    });
-    req.on('error', () => {});
-    req.end(JSON.stringify({ model: MODEL, messages: [user(longPrompt(4, 700))], max_tokens: 2000 }));
-    let running = false;
-    for (let i = 0; i < 3000 && !running; i++) {
-      running = (await metrics(suite.server)).get('lily_requests_running') === 1;
-      if (!running) await sleep(10);
-    }
-    assert.ok(running, 'the request never started');
-    req.destroy();
+    await leaveWhileRunning(suite.server);
     for (let i = 0; i < 3000; i++) {
       m = await metrics(suite.server);
       if (cancelled(m) === 2) break;
@@ -332,18 +340,7 @@ describe('lily serve: a client that leaves before its answer', () => {
 
   it('is logged and counted as 499, not as the 200 nobody got', async () => {
     const before = (await metrics(suite.server)).get(key) ?? 0;
-    const req = http.request(new URL('/v1/chat/completions', suite.server.url), {
-      method: 'POST', headers: { 'Content-Type': 'application/json' }, agent: false,
-    });
-    req.on('error', () => {});
-    req.end(JSON.stringify({ model: MODEL, messages: [user(longPrompt(4, 700))], max_tokens: 2000 }));
-    let running = false;
-    for (let i = 0; i < 3000 && !running; i++) {
-      running = (await metrics(suite.server)).get('lily_requests_running') === 1;
-      if (!running) await sleep(10);
-    }
-    assert.ok(running, 'the request never started');
-    req.destroy();
+    await leaveWhileRunning(suite.server);
     let m;
     for (let i = 0; i < 3000; i++) {
       m = await metrics(suite.server);
