@@ -233,13 +233,13 @@ TEST(CudaOptions, SetTakesEveryDescribedField) {
   for (const char* a : {"fuse=0", "pdl=0", "stream-gemv=0", "gemv-tile-counter=0", "gemv-blocks-per-sm=3", "gemv-smem-kib=160", "gemv-late-requests=all", "flash-prefill=0", "device-sampler=0", "gemv-row-tiles=0",
                         "gdn-chunk-parallel=0", "gdn-local-mma=0", "gdn-state-mma=0", "prefill=per-token", "gemm=gemv",
                         "gemm-kernel=grouped", "fused-moe=0", "moe-out-proj=1", "moe-next-norm=1", "moe-tile-balance=7", "batched-decode=0", "chunk=512", "max-batch=7",
-                        "decode-rows=48", "rows-gemv-from=9", "rows-gemv-split=all", "prefill-rows=1", "persistent-decode=1"})
+                        "decode-rows=48", "rows-gemv-from=9", "rows-gemv-split=all", "rows-gemv-ksplit-from=17", "prefill-rows=1", "persistent-decode=1"})
     changed.set(a);
   EXPECT_EQ(changed.describe(), "fuse=0 pdl=0 stream-gemv=0 gemv-tile-counter=0 gemv-blocks-per-sm=3 gemv-smem-kib=160 "
                                 "gemv-late-requests=all flash-prefill=0 device-sampler=0 gemv-row-tiles=0 "
                                 "gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv "
                                 "gemm-kernel=grouped fused-moe=0 moe-out-proj=1 moe-next-norm=1 moe-tile-balance=7 batched-decode=0 chunk=512 max-batch=7 "
-                                "decode-rows=48 rows-gemv-from=9 rows-gemv-split=all prefill-rows=1 persistent-decode=1");
+                                "decode-rows=48 rows-gemv-from=9 rows-gemv-split=all rows-gemv-ksplit-from=17 prefill-rows=1 persistent-decode=1");
   // describe()'s own words, given back one by one, rebuild the same options.
   CudaOptions rebuilt;
   std::istringstream words(changed.describe());
