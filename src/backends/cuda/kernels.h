@@ -82,7 +82,7 @@ inline constexpr int kMaxStreamGemvRows = 32;
 /// at 1 row more (18.6 against 17.7).
 inline constexpr int kRowsGemvFromDefault = 2;
 /// The default of rows_gemv_ksplit_from() (CudaOptions::rows_gemv_ksplit_from).
-inline constexpr int kRowsGemvKsplitFromDefault = 9;
+inline constexpr int kRowsGemvKsplitFromDefault = kMaxDecodeRows + 1;  // never until a GPU run verifies it
 /// Matrices with more rows than this take the direct mode at any row count: the LM head (248,320
 /// rows) ran slower in the rows mode at every m on an H200 (1 row 193 against 139 µs, 32 rows 484
 /// against 374), its long weight stream wanting the direct mode's several blocks per SM more than
