@@ -174,6 +174,20 @@ serve_streams() {
 if { has streams || has big || has throughput || has balance || has split || has ksplit || has ksplit || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && [[ ! -f "$M/config.json" ]]; then
   timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
 fi
+# throughput_sweep VAR VALUES ROUNDS TAG: the 35b-a3b batched throughput printout once per value
+# of the switch VAR (VALUES, space-separated), ROUNDS times over, alternating; logs
+# $OUT/TAG-throughput-VALUE-ROUND.log.
+throughput_sweep() {
+  local var="$1" values="$2" rounds="$3" tag="$4" round v
+  for round in $(seq 1 "$rounds"); do
+    for v in $values; do
+      echo "== batched decode throughput, 35b-a3b, $var=$v (round $round)"
+      env "$var=$v" LILY_GPU_BIG_MODEL="$M" timeout 300 "$BUILD/tests/test_cuda_e2e" \
+        --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' 2>&1 | grep -E "timing\]|FAILED" | grep -v realdims |
+        tee "$OUT/$tag-throughput-$v-$round.log"
+    done
+  done
+}
 if has throughput; then
   echo "== batched decode throughput, 35b-a3b"
   LILY_GPU_BIG_MODEL="$M" timeout 300 "$BUILD/tests/test_cuda_e2e" --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' \
@@ -187,24 +201,10 @@ if has ksplit; then
   grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|Which is|timing\]" "$OUT/ksplit-gemv.log" | head -80
   timeout 120 "$BUILD/tests/test_kernel_switches" >"$OUT/ksplit-switches.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure" "$OUT/ksplit-switches.log" | head -10
-  for round in $(seq 1 "${LILY_GPU_KSPLIT_ROUNDS:-2}"); do
-    for v in ${LILY_GPU_KSPLIT_FROM:-65 9}; do
-      echo "== batched decode throughput, 35b-a3b, LILY_CUDA_ROWS_GEMV_KSPLIT_FROM=$v (round $round)"
-      LILY_CUDA_ROWS_GEMV_KSPLIT_FROM=$v LILY_GPU_BIG_MODEL="$M" timeout 300 "$BUILD/tests/test_cuda_e2e" \
-        --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' 2>&1 | grep -E "timing\]|FAILED" | grep -v realdims |
-        tee "$OUT/ksplit-throughput-$v-$round.log"
-    done
-  done
+  throughput_sweep LILY_CUDA_ROWS_GEMV_KSPLIT_FROM "${LILY_GPU_KSPLIT_FROM:-65 9}" "${LILY_GPU_KSPLIT_ROUNDS:-2}" ksplit
 fi
 if has split; then
-  for round in $(seq 1 "${LILY_GPU_SPLIT_ROUNDS:-1}"); do
-    for v in ${LILY_GPU_SPLIT_FORMS:-0 tiles all}; do
-      echo "== batched decode throughput, 35b-a3b, LILY_CUDA_ROWS_GEMV_SPLIT=$v (round $round)"
-      LILY_CUDA_ROWS_GEMV_SPLIT=$v LILY_GPU_BIG_MODEL="$M" timeout 300 "$BUILD/tests/test_cuda_e2e" \
-        --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' 2>&1 | grep -E "timing\]|FAILED" | grep -v realdims |
-        tee "$OUT/split-throughput-$v-$round.log"
-    done
-  done
+  throughput_sweep LILY_CUDA_ROWS_GEMV_SPLIT "${LILY_GPU_SPLIT_FORMS:-0 tiles all}" "${LILY_GPU_SPLIT_ROUNDS:-1}" split
 fi
 if has balance; then
   echo "== test_moe_block (tile balance bits and sweep)"
