@@ -59,11 +59,12 @@ std::set<std::string> check_tools(const json& tools) {
     const std::string at = "tools[" + std::to_string(i) + "]";
     const json& t = tools[i];
     if (!t.is_object()) throw wrong_type(at, "an object", t);
-    for (const auto& [key, value] : t.items())
-      if (key != "type" && key != "function") throw unknown(at + "." + key);
+    // The type first: another kind of tool ("custom") carries its own key, which is not the mistake.
     if (!t.contains("type")) throw missing_parameter(at + ".type");
     if (require_string(t["type"], at + ".type") != "function")
       throw invalid_request("'" + at + ".type' must be \"function\"", at + ".type", "unsupported_value");
+    for (const auto& [key, value] : t.items())
+      if (key != "type" && key != "function") throw unknown(at + "." + key);
     if (!t.contains("function")) throw missing_parameter(at + ".function");
     const json& f = t["function"];
     const std::string fat = at + ".function";
@@ -100,11 +101,12 @@ void parse_tool_choice(const json& v, ChatAgentFields& out) {
     return;
   }
   if (!v.is_object()) throw wrong_type("tool_choice", "a string or an object", v);
-  for (const auto& [key, value] : v.items())
-    if (key != "type" && key != "function") throw unknown("tool_choice." + key);
+  // The type first, as for tools ("allowed_tools" and "custom" choices carry keys of their own).
   if (!v.contains("type")) throw missing_parameter("tool_choice.type");
   if (require_string(v["type"], "tool_choice.type") != "function")
     throw invalid_request("'tool_choice.type' must be \"function\"", "tool_choice.type", "unsupported_value");
+  for (const auto& [key, value] : v.items())
+    if (key != "type" && key != "function") throw unknown("tool_choice." + key);
   if (!v.contains("function")) throw missing_parameter("tool_choice.function");
   const json& f = v["function"];
   if (!f.is_object()) throw wrong_type("tool_choice.function", "an object", f);
@@ -184,12 +186,13 @@ std::vector<ChatToolCall> parse_message_tool_calls(const json& v, const std::str
     const std::string at = param + "[" + std::to_string(i) + "]";
     const json& c = v[i];
     if (!c.is_object()) throw wrong_type(at, "an object", c);
+    // The type first, as for tools (a "custom" call carries its own key).
+    if (c.contains("type") && !c["type"].is_null() && require_string(c["type"], at + ".type") != "function")
+      throw invalid_request("'" + at + ".type' must be \"function\"", at + ".type", "unsupported_value");
     for (const auto& [key, value] : c.items())
       if (key != "id" && key != "type" && key != "function") throw unknown(at + "." + key);
     ChatToolCall call;
     if (c.contains("id") && !c["id"].is_null()) call.id = require_string(c["id"], at + ".id");
-    if (c.contains("type") && !c["type"].is_null() && require_string(c["type"], at + ".type") != "function")
-      throw invalid_request("'" + at + ".type' must be \"function\"", at + ".type", "unsupported_value");
     if (!c.contains("function")) throw missing_parameter(at + ".function");
     const json& f = c["function"];
     if (!f.is_object()) throw wrong_type(at + ".function", "an object", f);

@@ -141,6 +141,26 @@ TEST(ChatAgent, InvalidToolChoiceNamesTheField) {
   EXPECT_EQ(rejection(with("parallel_tool_calls", "yes")), "parallel_tool_calls|invalid_type");
 }
 
+TEST(ChatAgent, OtherKindsOfToolAreRefusedByTheirType) {
+  // OpenAI's newer tool kinds carry a key named after their type ("custom", "allowed_tools"):
+  // the error names the type, which is what the server cannot take, not that key.
+  EXPECT_EQ(rejection(with("tools", json::array({{{"type", "custom"}, {"custom", {{"name", "grammar"}}}}}))),
+            "tools[0].type|unsupported_value");
+  EXPECT_EQ(rejection(with("tool_choice", {{"type", "allowed_tools"},
+                                           {"allowed_tools", {{"mode", "auto"}, {"tools", json::array()}}}})),
+            "tool_choice.type|unsupported_value");
+  EXPECT_EQ(rejection(with("tool_choice", {{"type", "custom"}, {"custom", {{"name", "grammar"}}}})),
+            "tool_choice.type|unsupported_value");
+  const json custom_call = {{"role", "assistant"},
+                            {"content", nullptr},
+                            {"tool_calls", json::array({{{"id", "call_1"},
+                                                         {"type", "custom"},
+                                                         {"custom", {{"name", "grammar"}, {"input", "x"}}}}})}};
+  EXPECT_EQ(rejection(conversation(json::array({{{"role", "user"}, {"content", "q"}}, custom_call,
+                                                {{"role", "user"}, {"content", "q"}}}))),
+            "messages[1].tool_calls[0].type|unsupported_value");
+}
+
 TEST(ChatAgent, InvalidMessagesNameTheField) {
   EXPECT_EQ(rejection(conversation(json::array({{{"role", "user"}, {"content", "q"}}, {{"role", "tool"}, {"content", "r"}}}))),
             "messages[1].tool_call_id|missing_required_parameter");
