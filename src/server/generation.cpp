@@ -54,11 +54,17 @@ int64_t LilyServer::checked_max_tokens(const ChatCall& call, int64_t prompt_toke
     int64_t n = cap > 0 ? std::min(room, cap) : room;
     // The legacy endpoint's default is OpenAI's (and vLLM's): a short completion, at least min_tokens.
     if (call.text_completion) n = std::min(n, std::max(kCompletionDefaultMaxTokens, request.min_tokens));
-    if (request.min_tokens > n)
+    if (request.min_tokens > n) {
+      // Name the bound that applies, in the server's terms (a client cannot see the flags).
+      const std::string bound =
+          cap > 0 && cap <= room
+              ? "this server's cap of " + std::to_string(cap) + " completion tokens"
+              : "the room the prompt (" + std::to_string(prompt_tokens) + " tokens) leaves in this server's maximum "
+                "context length of " + std::to_string(max_seq_) + " tokens";
       throw invalid_request("min_tokens (" + std::to_string(request.min_tokens) + ") exceeds the " + std::to_string(n) +
-                                " tokens this request may generate (the rest of the context window, or this "
-                                "server's --max-tokens cap)",
+                                " tokens this request may generate: " + bound,
                             "min_tokens", "invalid_value");
+    }
     return n;
   }
   if (cap > 0 && *request.max_tokens > cap)

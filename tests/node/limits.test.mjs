@@ -215,6 +215,12 @@ describe('--max-tokens (the per-request completion cap)', () => {
       assert.equal(over.json.error.param, 'max_tokens');
       assert.equal(over.json.error.code, 'max_tokens_exceeded');
       assert.match(over.json.error.message, /^max_tokens \(6\) exceeds this server's cap of 5 tokens$/);
+      // min_tokens past the cap (no max_tokens): the message names the cap, not a flag.
+      const minOver = await chat(server, { model: MODEL, messages: [user('Hello')], min_tokens: 6 });
+      assert.equal(minOver.status, 400);
+      assert.equal(minOver.json.error.param, 'min_tokens');
+      assert.match(minOver.json.error.message,
+        /^min_tokens \(6\) exceeds the 5 tokens this request may generate: this server's cap of 5 completion tokens$/);
     } finally {
       await stopServer(server);
     }

@@ -66,6 +66,13 @@ describe('vLLM request extras on lily serve (demo model)', () => {
     const over = await chat(suite.server, { model: MODEL, messages, max_tokens: 4, min_tokens: 5 });
     assert.equal(over.status, 400);
     assert.equal(over.json.error.param, 'min_tokens');
+    // Without max_tokens, min_tokens past the context window: the message says what bounds it.
+    const pastWindow = await chat(suite.server, { model: MODEL, messages, min_tokens: 1000000 });
+    assert.equal(pastWindow.status, 400);
+    assert.equal(pastWindow.json.error.param, 'min_tokens');
+    assert.match(pastWindow.json.error.message, /^min_tokens \(1000000\) exceeds the \d+ tokens this request may generate: /);
+    assert.match(pastWindow.json.error.message, /the prompt \(\d+ tokens\) leaves in this server's maximum context length of \d+ tokens$/);
+    assert.doesNotMatch(pastWindow.json.error.message, /--/);
   });
 
   it('continuous_usage_stats puts the running usage in every chunk', async () => {
