@@ -124,6 +124,9 @@ void parse_kwargs(const json& v, ChatAgentFields& out) {
     if (key == "messages" || key == "tools" || key == "add_generation_prompt" || key == "documents")
       throw invalid_request("template argument '" + key + "' is set by the server from the request",
                             at, "invalid_value");
+    if (is_template_builtin(key))  // the template would find the variable where it calls the function
+      throw invalid_request("template argument '" + key + "' would hide the chat template's built-in function of that name",
+                            at, "invalid_value");
     if (key != "enable_thinking" && key != "preserve_thinking") {
       out.template_kwargs[key] = nlohmann::ordered_json::parse(value.dump());  // a variable of the template
       continue;

@@ -9,6 +9,7 @@
 #include "base/error.h"
 #include "base/file_util.h"
 #include "base/log.h"
+#include "text/jinja/parser.h"
 #include "text/jinja/pystr.h"
 
 namespace lily {
@@ -348,5 +349,7 @@ std::optional<ChatRole> chat_role_from_name(std::string_view name) {
   if (name == "tool") return ChatRole::kTool;
   return std::nullopt;
 }
+
+bool is_template_builtin(std::string_view name) { return jinja::is_known_global(name); }
 
 }  // namespace lily

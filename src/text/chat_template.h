@@ -65,6 +65,10 @@ struct ChatTemplateOptions {
   bool continue_final_message = false;
 };
 
+/// Whether `name` is a function the template engine gives every template (range, namespace,
+/// raise_exception, ...): an extra variable of that name would hide it from the template.
+bool is_template_builtin(std::string_view name);
+
 /// A parsed chat template. Immutable; thread-safe.
 ///
 /// Rendering passes `messages` (role, content, and when set name, tool_call_id,

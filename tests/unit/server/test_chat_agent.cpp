@@ -216,6 +216,10 @@ TEST(ChatAgent, ThinkingSwitches) {
   for (const char* reserved : {"messages", "tools", "add_generation_prompt", "documents"})
     EXPECT_EQ(rejection(with("chat_template_kwargs", {{reserved, 1}})),
               std::string("chat_template_kwargs.") + reserved + "|invalid_value");
+  // Nor the names of the template engine's functions, which a variable would hide.
+  for (const char* builtin : {"namespace", "range", "raise_exception", "strftime_now", "dict"})
+    EXPECT_EQ(rejection(with("chat_template_kwargs", {{builtin, 1}})),
+              std::string("chat_template_kwargs.") + builtin + "|invalid_value");
 }
 
 TEST(ChatAgent, ForcedAnswerPrefix) {
