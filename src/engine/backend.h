@@ -326,9 +326,9 @@ struct CudaOptions {
   /// GEMVs of 2,048 or 4,096 columns run all of a step's rows in one launch with the k-slices of
   /// each tile on the CTAs of a cluster (each stages an eighth of the rows' columns), instead of
   /// the rows or direct mode (at most 32 rows a launch, each block staging whole rows); 65: never.
-  /// The same bits either way by construction (docs/cuda.md, "Batched steps"); off (65) until a
-  /// GPU run has verified and measured it.
-  int rows_gemv_ksplit_from = 65;
+  /// The same bits either way by construction (docs/cuda.md, "Batched steps"); from 9 rows on
+  /// by default (below that it gains nothing end to end).
+  int rows_gemv_ksplit_from = 9;
   /// LILY_CUDA_PERSISTENT_DECODE 1|debug|trace|0: a one-sequence decode step as one resident
   /// kernel that takes the step's tasks from a list, synchronised by counters in device memory
   /// (1); the same tasks as one launch per stage (debug: what the probes see); the resident

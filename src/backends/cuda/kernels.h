@@ -82,7 +82,9 @@ inline constexpr int kMaxStreamGemvRows = 32;
 /// at 1 row more (18.6 against 17.7).
 inline constexpr int kRowsGemvFromDefault = 2;
 /// The default of rows_gemv_ksplit_from() (CudaOptions::rows_gemv_ksplit_from).
-inline constexpr int kRowsGemvKsplitFromDefault = kMaxDecodeRows + 1;  // never until a GPU run verifies it
+/// From 9 rows on (H100, 35b-a3b synth): +1.6 % batched decode throughput at 16 rows, +3.5 % at 32,
+/// +8.2 % at 64; at 4–8 rows no faster end to end than the rows mode (docs/cuda.md, "Batched steps").
+inline constexpr int kRowsGemvKsplitFromDefault = 9;
 /// Matrices with more rows than this take the direct mode at any row count: the LM head (248,320
 /// rows) ran slower in the rows mode at every m on an H200 (1 row 193 against 139 µs, 32 rows 484
 /// against 374), its long weight stream wanting the direct mode's several blocks per SM more than

@@ -126,9 +126,9 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_EQ(o.decode_rows, 64);
   EXPECT_EQ(o.rows_gemv_from, 2);
   EXPECT_EQ(o.rows_gemv_split, "tiles");
-  EXPECT_EQ(o.rows_gemv_ksplit_from, 65);
+  EXPECT_EQ(o.rows_gemv_ksplit_from, 9);
   EXPECT_TRUE(o.prefill_rows);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 gemv-tile-counter=1 gemv-blocks-per-sm=4 gemv-smem-kib=112 gemv-late-requests=none flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 moe-out-proj=0 moe-next-norm=0 moe-tile-balance=8 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64 rows-gemv-from=2 rows-gemv-split=tiles rows-gemv-ksplit-from=65 prefill-rows=1 persistent-decode=0");
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 gemv-tile-counter=1 gemv-blocks-per-sm=4 gemv-smem-kib=112 gemv-late-requests=none flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 moe-out-proj=0 moe-next-norm=0 moe-tile-balance=8 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64 rows-gemv-from=2 rows-gemv-split=tiles rows-gemv-ksplit-from=9 prefill-rows=1 persistent-decode=0");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {
