@@ -86,7 +86,15 @@ status=0
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 targets=()
-{ has streams || has big || has throughput || has balance || has split || has ksplit || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && targets+=(lily)
+# The steps that run lily or the 35b-a3b synth (made below when missing).
+needs_big_model() {
+  local s
+  for s in streams big throughput balance split ksplit rows prof prof-gemv prof-source persistent prof-persistent trace stalls; do
+    has "$s" && return 0
+  done
+  return 1
+}
+needs_big_model && targets+=(lily)
 for f in tests/gpu/*.cu tests/gpu/*.cpp; do [[ -e "$f" ]] && targets+=("$(basename "${f%.*}")"); done
 gpu_build build.log "${targets[@]}"
 
@@ -171,7 +179,7 @@ serve_streams() {
   kill -INT "$pid"
   wait "$pid"
 }
-if { has streams || has big || has throughput || has balance || has split || has ksplit || has ksplit || has rows || has prof || has prof-gemv || has prof-source || has persistent || has prof-persistent || has trace || has stalls; } && [[ ! -f "$M/config.json" ]]; then
+if needs_big_model && [[ ! -f "$M/config.json" ]]; then
   timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
 fi
 # throughput_sweep VAR VALUES ROUNDS TAG: the 35b-a3b batched throughput printout once per value
