@@ -45,7 +45,9 @@
 #                           /tmp/lily-base): lily bench at LILY_GPU_CONTEXTS (default 256 2048)
 #                           and served streams (LILY_GPU_STREAMS, --max-batch LILY_GPU_AB_MAX_BATCH,
 #                           default 32), new then base; LILY_GPU_AB_ROUNDS=N alternates them N
-#                           times, LILY_GPU_AB_SERVE=0 leaves out the served streams
+#                           times, LILY_GPU_AB_SERVE=0 leaves out the served streams,
+#                           LILY_GPU_AB_THROUGHPUT=1 adds the batched throughput printout of each
+#                           tree (its test_cuda_e2e built too)
 #   LILY_GPU_STEPS=prof-gemv  Nsight Compute sections (stalls, memory) of the row GEMV (or of the
 #                           kernels LILY_GPU_PROF_KERNEL names, a regex) at the first of
 #                           LILY_GPU_PROFILE_ROWS rows
@@ -89,7 +91,7 @@ targets=()
 # The steps that run lily or the 35b-a3b synth (made below when missing).
 needs_big_model() {
   local s
-  for s in streams big throughput balance split ksplit rows prof prof-gemv prof-source persistent prof-persistent trace stalls; do
+  for s in streams big throughput balance split ksplit rows prof prof-gemv prof-source persistent prof-persistent trace stalls ab; do
     has "$s" && return 0
   done
   return 1
@@ -385,7 +387,8 @@ if has ab && [[ -f carry/base.tar ]]; then
     ln -s "$PWD/models" /tmp/base-src/models && ln -s "$PWD/carry" /tmp/base-src/carry
   (cd /tmp/base-src && cmake -S . -B /tmp/lily-base -G Ninja -DCMAKE_BUILD_TYPE=Release -DLILY_CUDA=ON \
       -DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20 >/dev/null &&
-    cmake --build /tmp/lily-base -j16 --target lily >/tmp/base-build.log 2>&1) ||
+    cmake --build /tmp/lily-base -j16 --target lily $([[ "${LILY_GPU_AB_THROUGHPUT:-0}" == 1 ]] && echo test_cuda_e2e) \
+      >/tmp/base-build.log 2>&1) ||
     { echo "baseline build FAILED"; grep -E "error" /tmp/base-build.log | head; status=1; }
   [[ -f "$M/config.json" ]] ||
     timeout 300 "$BUILD/lily" synth --preset 35b-a3b --seed 1 --out "$M" --tokenizer models/demo/tokenizer.json | tail -1
@@ -397,6 +400,12 @@ if has ab && [[ -f carry/base.tar ]]; then
         echo "== $tree (round $round): lily bench --prompt-len $n"
         timeout 120 "$bin" bench --backend cuda --model "$M" --prompt-len "$n" --decode-steps 64 --rounds 3 2>&1 | tail -1
       done
+      if [[ "${LILY_GPU_AB_THROUGHPUT:-0}" == 1 ]]; then  # the batched throughput printout of each tree
+        e2e="$(dirname "$bin")/tests/test_cuda_e2e"
+        echo "== $tree (round $round): batched decode throughput, 35b-a3b"
+        LILY_GPU_BIG_MODEL="$M" timeout 300 "$e2e" --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' 2>&1 |
+          grep -E "timing\]|FAILED" | grep -v realdims | tee "$OUT/ab-throughput-$tree-$round.log"
+      fi
       [[ "${LILY_GPU_AB_SERVE:-1}" == 1 ]] || continue  # 0: lily bench only
       ab_batch="${LILY_GPU_AB_MAX_BATCH:-32}"
       serve_streams "$tree, --max-batch $ab_batch" 18099 "$OUT/serve-ab-$tree.log" \
