@@ -51,6 +51,20 @@ void check_parameters(const json& p, const std::string& param) {
     throw wrong_type(param + ".required", "an array", p["required"]);
 }
 
+/// Checks `obj`'s "type" (the path `at` + ".type") before its other keys: another kind of tool,
+/// choice or call ("custom", "allowed_tools") carries keys of its own, which are not the mistake.
+/// `required`: a missing (or, when not required, null) type is an error; else it means "function".
+/// Throws the 400 that names the key.
+void require_function_type(const json& obj, const std::string& at, bool required) {
+  const std::string key = at + ".type";
+  if (!obj.contains("type") || (!required && obj["type"].is_null())) {
+    if (required) throw missing_parameter(key);
+    return;
+  }
+  if (require_string(obj["type"], key) != "function")
+    throw invalid_request("'" + key + "' must be \"function\"", key, "unsupported_value");
+}
+
 /// Validates `tools`; returns the declared function names.
 std::set<std::string> check_tools(const json& tools) {
   if (!tools.is_array()) throw wrong_type("tools", "an array", tools);
@@ -59,10 +73,7 @@ std::set<std::string> check_tools(const json& tools) {
     const std::string at = "tools[" + std::to_string(i) + "]";
     const json& t = tools[i];
     if (!t.is_object()) throw wrong_type(at, "an object", t);
-    // The type first: another kind of tool ("custom") carries its own key, which is not the mistake.
-    if (!t.contains("type")) throw missing_parameter(at + ".type");
-    if (require_string(t["type"], at + ".type") != "function")
-      throw invalid_request("'" + at + ".type' must be \"function\"", at + ".type", "unsupported_value");
+    require_function_type(t, at, /*required=*/true);
     for (const auto& [key, value] : t.items())
       if (key != "type" && key != "function") throw unknown(at + "." + key);
     if (!t.contains("function")) throw missing_parameter(at + ".function");
@@ -101,10 +112,7 @@ void parse_tool_choice(const json& v, ChatAgentFields& out) {
     return;
   }
   if (!v.is_object()) throw wrong_type("tool_choice", "a string or an object", v);
-  // The type first, as for tools ("allowed_tools" and "custom" choices carry keys of their own).
-  if (!v.contains("type")) throw missing_parameter("tool_choice.type");
-  if (require_string(v["type"], "tool_choice.type") != "function")
-    throw invalid_request("'tool_choice.type' must be \"function\"", "tool_choice.type", "unsupported_value");
+  require_function_type(v, "tool_choice", /*required=*/true);
   for (const auto& [key, value] : v.items())
     if (key != "type" && key != "function") throw unknown("tool_choice." + key);
   if (!v.contains("function")) throw missing_parameter("tool_choice.function");
@@ -189,9 +197,7 @@ std::vector<ChatToolCall> parse_message_tool_calls(const json& v, const std::str
     const std::string at = param + "[" + std::to_string(i) + "]";
     const json& c = v[i];
     if (!c.is_object()) throw wrong_type(at, "an object", c);
-    // The type first, as for tools (a "custom" call carries its own key).
-    if (c.contains("type") && !c["type"].is_null() && require_string(c["type"], at + ".type") != "function")
-      throw invalid_request("'" + at + ".type' must be \"function\"", at + ".type", "unsupported_value");
+    require_function_type(c, at, /*required=*/false);
     for (const auto& [key, value] : c.items())
       if (key != "id" && key != "type" && key != "function") throw unknown(at + "." + key);
     ChatToolCall call;
