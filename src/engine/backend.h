@@ -266,6 +266,12 @@ struct CudaOptions {
   /// step reach 3,120 tok/s in total against 3,056 with 16 (48: 2,818 against 2,784), and 16
   /// had been 3.0 % faster than 0 at 64 rows, 2.7 % at 48.
   int moe_tile_balance = 8;
+  /// LILY_CUDA_MOE_TILE_CLAIMS_FROM 1 … 65: the rows from which the batched decode's MoE rows
+  /// kernel lets its quads claim the routed gate/up tiles two at a time as they go (so no block
+  /// waits long at its grid barrier for one whose share took longer) instead of fixed shares;
+  /// 65: never, the default until a GPU has timed it. A speed setting: which block computes a
+  /// tile never changes a bit (docs/cuda.md, "Batched steps").
+  int moe_tile_claims_from = kRowsGemvNever;
   /// LILY_CUDA_GEMM_KERNEL wgmma-mixed|wgmma-narrow|wgmma|grouped|all|0:
   /// the 4-bit grouped and dense GEMMs of the tensor-core prefill run on Hopper warpgroup MMAs
   /// with 256 weight rows per work item for the dense and down GEMMs and 128 for gate/up
@@ -445,6 +451,7 @@ inline std::span<const Field> fields() {
       {"max-batch", "LILY_CUDA_MAX_BATCH", [](CudaOptions& o, const std::string& l, const std::string& v) { o.max_batch = parse_int(l, v, 1, CudaOptions::kMaxBatch); }},
       {"decode-rows", "LILY_CUDA_DECODE_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.decode_rows = parse_int(l, v, 1, CudaOptions::kMaxDecodeRows); }},
       {"moe-tile-balance", "LILY_CUDA_MOE_TILE_BALANCE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_tile_balance = parse_int(l, v, 0, CudaOptions::kMaxMoeTileBalance); }},
+      {"moe-tile-claims-from", "LILY_CUDA_MOE_TILE_CLAIMS_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_tile_claims_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
       {"rows-gemv-from", "LILY_CUDA_ROWS_GEMV_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
       {"rows-gemv-ksplit-from", "LILY_CUDA_ROWS_GEMV_KSPLIT_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_ksplit_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
       {"rows-gemv-split", "LILY_CUDA_ROWS_GEMV_SPLIT", [](CudaOptions& o, const std::string& l, const std::string& v) {
@@ -510,6 +517,7 @@ inline std::string CudaOptions::describe() const {
          " gemm=" + (tensor_core_gemm ? "tensor-core" : "gemv") + " gemm-kernel=" + gemm_kernel +
          " fused-moe=" + (fused_moe ? "1" : "0") + " moe-out-proj=" + (moe_out_proj ? "1" : "0") +
          " moe-next-norm=" + (moe_next_norm ? "1" : "0") + " moe-tile-balance=" + std::to_string(moe_tile_balance) +
+         " moe-tile-claims-from=" + std::to_string(moe_tile_claims_from) +
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
          " max-batch=" + std::to_string(max_batch) + " decode-rows=" + std::to_string(decode_rows) +
          " rows-gemv-from=" + std::to_string(rows_gemv_from) + " rows-gemv-split=" + rows_gemv_split +

@@ -107,6 +107,24 @@ TEST(KernelSwitches, RowsGemvKsplitFromReachesItsSetting) {
   EXPECT_EQ(cuda::rows_gemv_ksplit_from(), cuda::kRowsGemvKsplitFromDefault);
 }
 
+TEST(KernelSwitches, MoeTileClaimsFromReachesItsSetting) {
+  cuda::apply_kernel_switches(CudaOptions{});
+  EXPECT_EQ(cuda::moe_tile_claims_from_rows(), cuda::kMoeTileClaimsFromDefault);
+  CudaOptions o;
+  o.moe_tile_claims_from = 17;
+  cuda::apply_kernel_switches(o);
+  EXPECT_EQ(cuda::moe_tile_claims_from_rows(), 17);
+  for (int bad : {0, CudaOptions::kRowsGemvNever + 1}) {
+    o.pdl = false;
+    o.moe_tile_claims_from = bad;
+    EXPECT_THROW(cuda::apply_kernel_switches(o), Error) << bad;
+    EXPECT_TRUE(cuda::pdl_enabled()) << "nothing set before the throw";
+    EXPECT_THROW(cuda::set_moe_tile_claims_from_rows(bad), Error) << bad;
+  }
+  cuda::apply_kernel_switches(CudaOptions{});
+  EXPECT_EQ(cuda::moe_tile_claims_from_rows(), cuda::kMoeTileClaimsFromDefault);
+}
+
 TEST(KernelSwitches, RowsGemvSplitReachesItsSetting) {
   cuda::apply_kernel_switches(CudaOptions{});
   EXPECT_EQ(cuda::rows_gemv_split(), cuda::RowsGemvSplit::tiles);

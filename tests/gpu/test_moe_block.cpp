@@ -525,7 +525,8 @@ TEST(CudaMoeBlock, RefusesWhatItDoesNotSupport) {
 }
 
 /// A stack of fused MoE blocks, each reading the last one's output as the branch of its add
-/// (ping-pong buffers), with three barrier counters per block zeroed by a memset in front.
+/// (ping-pong buffers), with four counters per block (the rows kernel's three grid barriers and
+/// its tile claims, MoeDecodeArgs::tile_claims) zeroed by a memset in front.
 struct MoeBlockChain {
   MoeBlock m;
   std::vector<float> x0;
@@ -542,7 +543,7 @@ struct MoeBlockChain {
     for (auto& b : xr) b = DeviceBuffer(size_t(rows) * hidden * 2);
     for (auto& b : out) b = DeviceBuffer(size_t(rows) * hidden * 2);
     normed = DeviceBuffer(size_t(rows) * hidden * 2);
-    barriers = DeviceBuffer(size_t(blocks) * 3 * sizeof(uint32_t));  // the rows kernel takes three
+    barriers = DeviceBuffer(size_t(blocks) * 4 * sizeof(uint32_t));
     reset();
   }
   void reset() {
@@ -556,7 +557,8 @@ struct MoeBlockChain {
     CUDA_CHECK(cudaMemsetAsync(barriers.data(), 0, barriers.bytes(), stream));
     for (int l = 0; l < blocks; ++l) {
       cuda::MoeDecodeArgs a = m.args(xr[l % 2], l == 0 ? nullptr : out[(l + 1) % 2].as<__nv_bfloat16>(),
-                                     xr[(l + 1) % 2], normed, out[l % 2], barriers.as<uint32_t>() + 3 * l, rows);
+                                     xr[(l + 1) % 2], normed, out[l % 2], barriers.as<uint32_t>() + 4 * l, rows);
+      a.tile_claims = barriers.as<uint32_t>() + 4 * l + 3;  // used from moe_tile_claims_from_rows() rows on
       if (l == traced) a.trace = trace;
       if (rows_kernel) cuda::launch_moe_block_rows(a, stream);
       else cuda::launch_moe_block_decode(a, stream);
@@ -671,6 +673,50 @@ TEST(CudaMoeBlock, RowsKernelRouteOnceKeepsTheBits) {
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+// The rows kernel's quads claiming their routed gate/up tiles as they go (MoeDecodeArgs::
+// tile_claims, from cuda::moe_tile_claims_from_rows rows on) against the blocks' fixed shares
+// (by count below kMoeTileBalanceFromRows rows, else by cost): the same outputs for 2-, 8-, 33-
+// and 64-row chains of 4 layers, every layer a different claim order.
+TEST(CudaMoeBlock, RowsKernelTileClaimsKeepTheBits) {
+  const PdlSetting keep;
+  keep.set(true);
+  const ScopedSwitch<int> claims(cuda::moe_tile_claims_from_rows, cuda::set_moe_tile_claims_from_rows);
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int rows : {2, 8, 33, 64}) {
+    std::mt19937_64 rng(78);
+    MoeBlockChain chain(256, 8, 2048, 512, 4, rng, rows);
+    chain.rows_kernel = true;
+    std::vector<uint32_t> want;
+    for (int from : {cuda::kMaxMoeRows + 1, 1, cuda::kMaxMoeRows + 1, 1}) {  // fixed, claimed, again
+      claims.set(from);
+      chain.reset();
+      chain.enqueue(stream);
+      const std::vector<float> got = chain.result();
+      for (float v : got) ASSERT_FALSE(std::isnan(v)) << rows << " rows, claims from " << from;
+      if (want.empty()) want = bits_of(got);
+      else EXPECT_EQ(bits_of(got), want) << rows << " rows, claims from " << from;
+    }
+    // Every routed tile claimed once: each layer's counter ends past the routed tiles, by less
+    // than one claim per quad of the grid.
+    int blocks = 0, dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev));
+    std::vector<uint32_t> counters(size_t(chain.blocks) * 4);
+    CUDA_CHECK(cudaMemcpy(counters.data(), chain.barriers.data(), counters.size() * 4, cudaMemcpyDeviceToHost));
+    const std::vector<int32_t> ids = download_i32(chain.m.ids, int64_t(rows) * 9);  // the last layer's routing
+    std::vector<int> routed(256, 0);
+    for (int r = 0; r < rows; ++r)
+      for (int slot = 0; slot < 8; ++slot) ++routed.at(size_t(ids[size_t(r) * 9 + slot]));
+    int64_t routed_tiles = 0;
+    for (int n : routed) routed_tiles += (n + 7) / 8 * (512 / 8);
+    const int64_t claimed = counters[size_t(chain.blocks - 1) * 4 + 3];
+    EXPECT_GE(claimed, routed_tiles) << rows << " rows: the last layer's claims";
+    EXPECT_LT(claimed, routed_tiles + int64_t(blocks) * 4 * 2 + 1) << rows << " rows: the last layer's claims";
+  }
+  CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 // Per-layer time of the decode MoE block, fused vs the three kernels it replaces, as a chain of
 // 40 blocks replayed from a CUDA graph with PDL (printed for docs/performance, never asserted).
 TEST(CudaTiming, PrintsMoeBlockTimes) {
@@ -750,11 +796,22 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
       });
     }
   }
+  {  // the routed tiles claimed by the quads as they go (moe_tile_claims_from_rows) or fixed shares
+    const ScopedSwitch<int> claims(cuda::moe_tile_claims_from_rows, cuda::set_moe_tile_claims_from_rows);
+    for (int rows : {8, 16, 32, 48, 64}) {
+      MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
+      rchain.rows_kernel = true;
+      compare(rchain, 2, [&](int i) {
+        claims.set(i == 0 ? cuda::kMaxMoeRows + 1 : 1);
+        return std::string(i == 0 ? "fixed shares" : "tiles claimed");
+      });
+    }
+  }
   // The routed tiles split by cost (moe_tile_balance w: a tile costs w + its live columns; 0:
   // equal tile counts), the same chain for every w; launches of fewer than
   // kMoeTileBalanceFromRows rows split by count.
   const ScopedSwitch<int> balance(cuda::moe_tile_balance, cuda::set_moe_tile_balance);
-  const int weights[] = {0, 2, 4, 8, 12, 16, 32};
+  const int weights[] = {0, 8, 16};
   for (int rows : {48, 64}) {
     MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
     compare(rchain, static_cast<int>(std::size(weights)), [&](int i) {
@@ -812,9 +869,11 @@ TEST(CudaTiming, PrintsMoeOutProjectionTimes) {
 // every block of the last layer of the 40-layer graph chain (whose routing stays in the chain's
 // ids buffer), relative to the first block's entry; per phase the earliest, median and latest
 // block (printed, never asserted).
-void print_moe_phases(int rows) {
+void print_moe_phases(int rows, bool claims = false) {
   const PdlSetting keep;
   keep.set(true);
+  const ScopedSwitch<int> claim_switch(cuda::moe_tile_claims_from_rows, cuda::set_moe_tile_claims_from_rows);
+  claim_switch.set(claims ? 1 : cuda::kMaxMoeRows + 1);
   std::mt19937_64 rng(74);
   MoeBlockChain chain(256, 8, 2048, 512, 40, rng, rows);
   int blocks = 0, dev = 0;  // the kernel runs one block per SM
@@ -843,8 +902,8 @@ void print_moe_phases(int rows) {
     std::vector<double> us;
     for (int b = 0; b < blocks; ++b) us.push_back((at(b, p) - t0) / 1000.0);
     std::sort(us.begin(), us.end());
-    std::printf("[timing] moe block %d rows, phase %-10s  first %6.2f  median %6.2f  last %6.2f us\n", rows, kPhase[p],
-                us.front(), us[us.size() / 2], us.back());
+    std::printf("[timing] moe block %d rows%s, phase %-10s  first %6.2f  median %6.2f  last %6.2f us\n", rows,
+                claims ? " (tiles claimed)" : "", kPhase[p], us.front(), us[us.size() / 2], us.back());
   }
   // The gate/up phase's slowest blocks (from its requests to its last tile): the tail. The rows
   // kernel also says what each block worked on (kMoeTraceWork): its SM, its gate/up tiles (the
@@ -856,7 +915,7 @@ void print_moe_phases(int rows) {
   std::printf("[timing] moe block %d rows, gate/up per block: median %.2f us, slowest", rows, gate_up[gate_up.size() / 2].first);
   for (int i = 0; i < 6; ++i) std::printf(" b%d %.2f", gate_up[i].second, gate_up[i].first);
   std::printf("\n");
-  if (chain.rows_kernel) {
+  if (chain.rows_kernel && !claims) {  // (claimed tiles are not listed per block)
     const int tiles_per_item = chain.m.ffn / 8;
     // The live columns of every column block (the rows routed to its expert, ≤ 8 a block), in the
     // kernel's order: the shared expert's blocks, then the routed experts' in ascending id. A
@@ -933,6 +992,8 @@ TEST(CudaTiming, PrintsMoeBlockPhases) {
   print_moe_phases(8);
   print_moe_phases(32);
   print_moe_phases(64);
+  print_moe_phases(32, true);
+  print_moe_phases(64, true);
 }
 
 }  // namespace

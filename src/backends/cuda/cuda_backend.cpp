@@ -535,8 +535,10 @@ void check_device() {
 }
 
 /// Grid barriers of one launch_moe_block_decode (MoeDecodeArgs::barriers; the third for its
-/// out-projection phase, the fourth the next-norm phase's count of finished blocks).
+/// out-projection phase, the fourth the next-norm phase's count of finished blocks). The rows
+/// kernel takes the first three and the fourth as its tile-claim counter (MoeDecodeArgs::tile_claims).
 constexpr int kMoeBarriersPerLayer = 4;
+constexpr int kMoeTileClaimsSlot = 3;
 static_assert(kMaxMoeRows >= kMaxDecodeRows, "one launch_moe_block_rows per layer takes a batched step's rows");
 
 void check_shapes(const ModelConfig& c) {
@@ -1555,6 +1557,7 @@ class CudaBackend final : public Backend {
     a.normed_frag = b.normed_frag.as<bf16>();
     a.out = b.moe.as<bf16>();
     a.barriers = b.moe_barriers.as<uint32_t>() + int64_t{layer} * kMoeBarriersPerLayer;
+    a.tile_claims = a.barriers + kMoeTileClaimsSlot;
     return a;
   }
 

@@ -15,6 +15,8 @@ static_assert(CudaOptions::kMaxDecodeRows == kMaxDecodeRows, "LILY_CUDA_DECODE_R
 static_assert(CudaOptions::kRowsGemvNever == kMaxDecodeRows + 1, "LILY_CUDA_ROWS_GEMV_FROM's never: more rows than a forward holds");
 static_assert(CudaOptions{}.rows_gemv_from == kRowsGemvFromDefault, "one default for the rows mode's threshold");
 static_assert(CudaOptions{}.rows_gemv_ksplit_from == kRowsGemvKsplitFromDefault, "one default for the k-split's threshold");
+static_assert(CudaOptions{}.moe_tile_claims_from == kMoeTileClaimsFromDefault, "one default for the MoE tile claims' threshold");
+static_assert(CudaOptions::kRowsGemvNever == kMaxMoeRows + 1, "LILY_CUDA_MOE_TILE_CLAIMS_FROM's never: more rows than a MoE launch takes");
 static_assert(CudaOptions{}.gemv_blocks_per_sm == kStreamBlocksPerSm, "one default for the streaming GEMV's blocks per SM");
 static_assert(CudaOptions::kMaxGemvBlocksPerSm == kStreamBlocksPerSm, "LILY_CUDA_GEMV_BLOCKS_PER_SM's limit: the kernel's register budget");
 static_assert(int64_t{CudaOptions{}.gemv_smem_kib} * 1024 == kStreamSmemPerSm, "one default for its stage memory");
@@ -59,6 +61,10 @@ void apply_kernel_switches(const CudaOptions& options) {
     throw ::lily::Error("CudaOptions::rows_gemv_ksplit_from (LILY_CUDA_ROWS_GEMV_KSPLIT_FROM) must be 1 … " +
                         std::to_string(CudaOptions::kRowsGemvNever) + ", got " +
                         std::to_string(options.rows_gemv_ksplit_from));
+  if (options.moe_tile_claims_from < 1 || options.moe_tile_claims_from > CudaOptions::kRowsGemvNever)
+    throw ::lily::Error("CudaOptions::moe_tile_claims_from (LILY_CUDA_MOE_TILE_CLAIMS_FROM) must be 1 … " +
+                        std::to_string(CudaOptions::kRowsGemvNever) + ", got " +
+                        std::to_string(options.moe_tile_claims_from));
   set_pdl_enabled(options.pdl);
   set_stream_gemv_enabled(options.stream_gemv);
   set_stream_gemv_tile_counter_enabled(options.gemv_tile_counter);
@@ -74,6 +80,7 @@ void apply_kernel_switches(const CudaOptions& options) {
   set_gemm_kernel(gemm);
   set_rows_gemv_staging_min_rows(options.rows_gemv_from);
   set_moe_tile_balance(options.moe_tile_balance);
+  set_moe_tile_claims_from_rows(options.moe_tile_claims_from);
   set_rows_gemv_split(split);
   set_rows_gemv_ksplit_from(options.rows_gemv_ksplit_from);
 }

@@ -97,6 +97,9 @@ inline constexpr int kMaxMoeRows = 64;
 /// an H100, 40 chained blocks took 1.4 % less time at 8 rows, 1.5 % at 16, 1.8 % at 32 and 4.9 %
 /// at 64 (docs/performance/2026-12-07-split-and-route-once.md).
 inline constexpr int kMoeRouteOnceFromDefault = 8;
+/// The rows from which the MoE rows kernel's quads claim their routed gate/up tiles as they go
+/// (moe_tile_claims_from_rows); kMaxMoeRows + 1: never, until a GPU has timed it.
+inline constexpr int kMoeTileClaimsFromDefault = kMaxMoeRows + 1;
 
 /// The batched decode's GEMV: x bf16 [m, cols] row-major → y [m, rows] (exactly one of y_bf16 /
 /// y_f32 non-null), 1 ≤ m ≤ kMaxDecodeRows. Batch-invariant: the kernel and every summation
@@ -334,6 +337,17 @@ int moe_route_once_from_rows();
 /// Sets moe_route_once_from_rows() for the rest of the process (tests and timings). Throws
 /// lily::Error for n < 1 or n > kMaxMoeRows + 1.
 void set_moe_route_once_from_rows(int n);
+/// Rows from which the MoE rows kernel's quads claim the routed gate/up tiles two at a time from
+/// a counter (MoeDecodeArgs::tile_claims) as they go, instead of each block taking a share fixed
+/// before phase 3 (moe_tile_balance), so that a block whose tiles arrive sooner takes more and no
+/// block waits long at grid barrier 2 for another. Which block computes a tile never changes its
+/// bits, so a speed setting only; launches without tile_claims keep the fixed shares.
+/// Process-wide (CudaOptions::moe_tile_claims_from); read when a launch is planned. By default
+/// kMoeTileClaimsFromDefault.
+int moe_tile_claims_from_rows();
+/// Sets moe_tile_claims_from_rows() for the rest of the process. Throws lily::Error for n < 1 or
+/// n > kMaxMoeRows + 1.
+void set_moe_tile_claims_from_rows(int n);
 
 /// Blocks per SM the streaming GEMV (quant_gemv.cu) is compiled for in its staged and direct
 /// modes with one column block (the decode projections and the LM head): its register budget,
@@ -491,6 +505,10 @@ struct MoeDecodeArgs {
   /// uint32 [2] (with out_proj: [3]; with next_norm: [4]; the rows kernel: [3]), zero before
   /// every launch (a memset in the graph).
   uint32_t* barriers = nullptr;
+  /// uint32 [1], zero before every launch (a memset in the graph): the rows kernel's gate/up tile
+  /// claims (moe_tile_claims_from_rows); null: the blocks' shares are fixed. Unused by the
+  /// one-token block.
+  uint32_t* tile_claims = nullptr;
   /// The mixer's out-projection as the one-token block's first phase (rows = 1 only; the rows
   /// kernel refuses it). Off (w.codes null) by default: norm.branch is then an input.
   MoeOutProjection out_proj;

@@ -37,6 +37,8 @@ std::atomic<int64_t> g_rows_mode_max_weight_rows{kRowsModeMaxWeightRows};
 std::atomic<int> g_moe_tile_balance{8};
 /// Rows from which the MoE rows kernel routes each row once (moe_route_once_from_rows).
 std::atomic<int> g_moe_route_once_from_rows{kMoeRouteOnceFromDefault};
+/// Rows from which the MoE rows kernel's quads claim their routed gate/up tiles (moe_tile_claims_from_rows).
+std::atomic<int> g_moe_tile_claims_from_rows{kMoeTileClaimsFromDefault};
 /// The streaming GEMV's stage budget (stream_gemv_smem_per_sm, stream_gemv_blocks_per_sm).
 std::atomic<int64_t> g_stream_smem_per_sm{kStreamSmemPerSm};
 std::atomic<int> g_stream_blocks_per_sm{kStreamBlocksPerSm};
@@ -127,6 +129,13 @@ void set_moe_route_once_from_rows(int n) {
   if (n < 1 || n > kMaxMoeRows + 1)
     throw ::lily::Error("set_moe_route_once_from_rows: " + std::to_string(n) + " (1 … " + std::to_string(kMaxMoeRows + 1) + ")");
   g_moe_route_once_from_rows.store(n, std::memory_order_relaxed);
+}
+int moe_tile_claims_from_rows() { return g_moe_tile_claims_from_rows.load(std::memory_order_relaxed); }
+void set_moe_tile_claims_from_rows(int n) {
+  if (n < 1 || n > kMaxMoeRows + 1)
+    throw ::lily::Error("CudaOptions::moe_tile_claims_from (LILY_CUDA_MOE_TILE_CLAIMS_FROM) must be 1 … " +
+                        std::to_string(kMaxMoeRows + 1) + ", got " + std::to_string(n));
+  g_moe_tile_claims_from_rows.store(n, std::memory_order_relaxed);
 }
 
 int64_t stream_gemv_smem_per_sm() { return g_stream_smem_per_sm.load(std::memory_order_relaxed); }

@@ -96,6 +96,11 @@ constexpr int kUsedWords = kMaxExperts / 32;  // the routed-expert bitmap
 static_assert(kExpertRowsPerTile == 8, "a gate/up tile's act is one 16-byte unit of each column");
 using RowMask = unsigned long long;  // the rows routed to a distinct expert, a bit each
 static_assert(kMaxMoeRows <= 64, "the rows routed to an expert are a 64-bit mask");
+/// Routed gate/up tiles a quad claims at once when the tiles are claimed (MoeLayout::claims):
+/// two neighbouring tiles, mostly of one column block, so the second finds its activation
+/// columns in L1; a claim is one atomic on the launch's counter.
+constexpr int kClaimTiles = 2;
+static_assert(kClaimTiles >= kMaxQuadStages, "a quad's first requests need one claim at most");
 /// Rows whose router logits the routing stages in shared memory at once (the logits of 64 rows
 /// would crowd out the gate/up ring's second slot per quad); more rows route in several passes.
 constexpr int kRouteRowsPerPass = 32;
@@ -115,6 +120,9 @@ struct MoeLayout {
   int late_dn = 0;                     ///< down stages in the gate/up ring's tail (phase 4 only)
   int balance = 0;                     ///< moe_tile_balance() at planning (routed_tile_bounds)
   bool route_once = false;             ///< each row routed by one block (moe_route_once_from_rows)
+  /// The routed gate/up tiles claimed by the quads as they go (moe_tile_claims_from_rows, on
+  /// MoeDecodeArgs::tile_claims) instead of split over the blocks before phase 3.
+  bool claims = false;
   int64_t bars = 0, sel_ids = 0, sel_w = 0, list = 0, rows_of = 0, pair_start = 0, item_start = 0, item_expert = 0,
           item_span = 0, pair_d = 0, pairs_of = 0, word_prefix = 0;
   int64_t gu_ring = 0, asum = 0, late_ring = 0, dn_ring = 0, xsums = 0, gu_part = 0, dn_part = 0;
@@ -331,6 +339,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   __shared__ uint32_t used[kUsedWords];
   __shared__ int n_distinct_s, n_items_s;
   __shared__ int64_t routed_first_s, routed_end_s;
+  __shared__ int claim_s[kQuads];  // each quad's latest claim (its first routed tile)
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
   const int G = gridDim.x, b = blockIdx.x, m = l.rows, k = a.top_k, n_sel = l.n_sel, E = a.n_experts;
   const int pairs = m * n_sel;
@@ -380,6 +389,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   auto tile_of = [&](int i) {
     return i < my_shared ? b + i * G : shared_tiles + static_cast<int>(chunk0) + (i - my_shared);
   };
+  // With claims (MoeLayout::claims) a quad takes its shared-expert tiles as above, then claims
+  // the routed ones kClaimTiles at a time from the launch's counter as it goes (a quad that
+  // finds its tiles quicker takes more), so no block waits at grid barrier 2 on another whose
+  // share of the tiles took longer. Which block computes a tile never changes its bits.
+  const int quad_shared = my_shared > quad ? (my_shared - 1 - quad) / kQuads + 1 : 0;  // the quad's shared tiles
 
   // 1. Weights whose addresses need no routing, before the wait (launch.cuh): the block's first
   // shared-expert gate/up tiles and warp 0's first down item; and this block's router rows.
@@ -430,6 +444,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   trace_point(a, 3);
   grid_sync(a.barriers, G);
   trace_point(a, 4);
+  // The first claim of each quad whose first QS tiles reach the routed ones, its round trip under
+  // the routing (kept in a register until the column blocks are listed; the counter was zeroed
+  // before the launch).
+  const bool first_claim = l.claims && wq == 0 && lane == 0 && quad_shared < QS;
+  const int first_claimed = first_claim ? static_cast<int>(atomicAdd(a.tile_claims, kClaimTiles)) : 0;
   // The normed rows' group sums, and the logits of kRouteRowsPerPass rows at a time into shared
   // memory, each pass in one round trip (the row staging is free until the gate/up partials use
   // it, and the layout makes it large enough); warp w routes the pass's rows w, w + 16, ….
@@ -538,12 +557,13 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
       item_span[item_start[d] + cb] = (pair_start[d] + cb * kMmaCols) << 8 | min(kMmaCols, c - cb * kMmaCols);
     }
   }
+  if (first_claim) claim_s[quad] = first_claimed;
   __syncthreads();
   const int n_items = n_items_s;
   const int64_t n_routed = int64_t{n_items} * l.gu_per_slot - shared_tiles;  // routed gate/up tiles
   int64_t routed_end = (b + 1) * n_routed / G;
   chunk0 = b * n_routed / G;
-  if (l.balance > 0) {  // by cost instead of count (moe_tile_balance)
+  if (l.balance > 0 && !l.claims) {  // by cost instead of count (moe_tile_balance)
     if (warp == 0) {
       const longlong2 r = routed_tile_bounds(item_span, shared_tiles / l.gu_per_slot, n_items, l.gu_per_slot, l.balance, b, G);
       if (lane == 0) routed_first_s = r.x, routed_end_s = r.y;
@@ -552,7 +572,20 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     chunk0 = routed_first_s;
     routed_end = routed_end_s;
   }
-  const int my_gu = my_shared + static_cast<int>(routed_end - chunk0);
+  const int my_gu = l.claims ? -1 : my_shared + static_cast<int>(routed_end - chunk0);  // -1: claimed as it goes
+  // The quad's n-th gate/up tile (-1: none), asked for once per n in ascending order by every
+  // warp of the quad; with claims, at n = quad_shared + c·kClaimTiles after claim c was written to
+  // claim_s[quad] by the quad's lane 0 (needs_claim) and a quad barrier.
+  int claim_base = 0;
+  auto needs_claim = [&](int n) { return l.claims && n >= quad_shared && (n - quad_shared) % kClaimTiles == 0; };
+  auto quad_tile = [&](int n) {
+    if (!l.claims) return quad + kQuads * n < my_gu ? tile_of(quad + kQuads * n) : -1;
+    if (n < quad_shared) return tile_of(quad + kQuads * n);
+    const int u = n - quad_shared;
+    if (u % kClaimTiles == 0) claim_base = *reinterpret_cast<volatile int*>(claim_s + quad);
+    const int64_t r = int64_t{claim_base} + u % kClaimTiles;
+    return r < n_routed ? shared_tiles + static_cast<int>(r) : -1;
+  };
   const int dn_items = my_rt * n_items;  // (row tile, column block), flattened
   // Phase 4's down stages: warp w < dn_warps computes items w, w + dn_warps, … and owns stages w,
   // w + dn_warps, … (dn_per_warp of them); stage s first holds item s; the other warps request
@@ -567,12 +600,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     uint32_t smid;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
     a.trace[int64_t{b} * kMoeTraceSlots + kMoeTraceWork] =
-        moe_trace_work(smid, my_gu, my_shared, shared_tiles + static_cast<uint32_t>(chunk0));
+        moe_trace_work(smid, l.claims ? 0 : my_gu, my_shared, shared_tiles + static_cast<uint32_t>(chunk0));
   }
-  for (int n = 0; n < QS && quad + kQuads * n < my_gu; ++n) {
-    const int i = quad + kQuads * n;
-    if (i >= my_shared)
-      request_gate_up_part<true>(a, gate_up_row0(l, tile_of(i), item_expert), gu_ring + (quad * QS + n) * l.gu_stage,
+  int slot_tile0 = -1, slot_tile1 = -1;  // the tiles in the quad's ring slots 0 and 1 (QS ≤ 2)
+  static_assert(kMaxQuadStages == 2, "slot_tile0 and slot_tile1 are the quad's ring slots");
+  for (int n = 0; n < QS; ++n) {
+    const int j = quad_tile(n);
+    (n == 0 ? slot_tile0 : slot_tile1) = j;
+    if (j >= 0 && n >= quad_shared)  // the shared expert's were requested before the PDL wait
+      request_gate_up_part<true>(a, gate_up_row0(l, j, item_expert), gu_ring + (quad * QS + n) * l.gu_stage,
                                  gu_full + quad * QS + n, wq, kQuadWarps);
   }
   for (int st = warp; warp < dn_warps && st < min(l.dn_stages, dn_used) && st < dn_items; st += dn_warps)
@@ -587,8 +623,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   const int per_range = (l.groups_h + kBlockWarps - 1) / kBlockWarps;
   float* gu_part = reinterpret_cast<float*>(sm + l.gu_part) + quad * kBlockWarps * kTileRows * kMmaCols;  // [range][16][8]
   const int qt = threadIdx.x % (kQuadWarps * kWarp);
-  for (int n = 0, i = quad; i < my_gu; ++n, i += kQuads) {
-    const int st = quad * QS + n % QS, j = tile_of(i), span = item_span[j / l.gu_per_slot];
+  for (int n = 0;; ++n) {
+    const int j = n % QS == 0 ? slot_tile0 : slot_tile1;
+    if (j < 0) break;
+    const int st = quad * QS + n % QS, span = item_span[j / l.gu_per_slot];
+    // The claim for the tile this iteration requests, issued now so that its round trip
+    // overlaps the tile's wait and arithmetic.
+    const bool claim_now = wq == 0 && lane == 0 && needs_claim(n + QS);
+    const int claimed = claim_now ? static_cast<int>(atomicAdd(a.tile_claims, kClaimTiles)) : 0;
     mbarrier_wait(gu_full + st, (n / QS) & 1);
     const TileView v = tile_view<true>(gu_ring + st * l.gu_stage, l.gu_row_bytes, l.groups_h, g, t);
     const uint4* col = reinterpret_cast<const uint4*>(a.normed_frag + int64_t{block_pair(pairs_of, span, g) / n_sel} * l.hidden) + 2 * t;
@@ -609,10 +651,13 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
 #pragma unroll
     for (int rg = 0; rg < kRangesPerWarp; ++rg)
       store_tile_partial(gu_part + (wq * kRangesPerWarp + rg) * kTileRows * kMmaCols, acc[rg], g, t);
-    quad_sync(quad);  // the tile's partials are complete and its stage is free
-    if (i + kQuads * QS < my_gu)  // the refill, its copies shared by the quad's warps
-      request_gate_up_part<true>(a, gate_up_row0(l, tile_of(i + kQuads * QS), item_expert), gu_ring + st * l.gu_stage,
-                                 gu_full + st, wq, kQuadWarps, true);
+    if (claim_now) claim_s[quad] = claimed;
+    quad_sync(quad);  // the tile's partials are complete, its stage is free, the claim is visible
+    const int jn = quad_tile(n + QS);
+    (n % QS == 0 ? slot_tile0 : slot_tile1) = jn;
+    if (jn >= 0)  // the refill, its copies shared by the quad's warps
+      request_gate_up_part<true>(a, gate_up_row0(l, jn, item_expert), gu_ring + st * l.gu_stage, gu_full + st, wq,
+                                 kQuadWarps, true);
     // SwiGLU: thread qt = 8c + r8 of the quad's first two warps takes column c, tile row r8; the
     // eight rows of a column are eight consecutive lanes, which also add up the column's act unit
     // (these 8 act values, one 16-byte unit) as the down phase's group sums need it.
@@ -761,6 +806,7 @@ MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   }
   p.layout.balance = a.rows >= kMoeTileBalanceFromRows ? moe_tile_balance() : 0;
   p.layout.route_once = a.rows >= moe_route_once_from_rows();
+  p.layout.claims = a.tile_claims != nullptr && a.rows >= moe_tile_claims_from_rows();
   return finish_plan(p, kLabel, a, moe_rows_kernel<8>, moe_rows_kernel<4>);
 }
 
