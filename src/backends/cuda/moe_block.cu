@@ -43,8 +43,7 @@
 // launch_add_rmsnorm); the router logits are router_rows.cuh's (bit-identical to
 // launch_router_fused, so the routing is too); the expert products use the tensor-core
 // arithmetic of the MMA GEMV (exact bf16 codes, Σ q·x per group on tensor cores, s·D + b·Σx in
-// fp32 as acc + (s·D + b·Σx) with explicit roundings, groups summed in ascending order; gate/up
-// with the codes as q + 128 and the bias b − 128·s: moe_group_affine), then the
+// fp32 as acc + (s·D + b·Σx) with explicit roundings, groups summed in ascending order), then the
 // same roundings as the CUDA-core expert kernels: act = bf16(silu(bf16(g))·bf16(u)),
 // out = bf16(Σ_s w_s·bf16(d_s)) in slot order. moe_block_rows.cu gives each of its rows exactly
 // this arithmetic, so keep the two in step.
@@ -179,19 +178,17 @@ __device__ __forceinline__ void request_down_slots(const MoeDecodeArgs& a, const
 /// Adds 64-group G of one token to acc_lo (slot g) and acc_hi (slot g + 8): perm the token's
 /// bf16 pairs in fragment order, sums its per-group Σx. Only lanes with t = 0 end up with the
 /// token's values (the MMA's column 0). Every lane loads the token's fragments (no branch):
-/// columns 1 … 7 repeat column 0, whose bits depend on its own B column alone. kPlus128: the
-/// gate/up form (moe_group_affine).
-template <bool kPlus128>
+/// columns 1 … 7 repeat column 0, whose bits depend on its own B column alone.
 __device__ __forceinline__ void group_one_token(const TileView& v, const uint32_t* perm, const float* sums, int t, int G,
                                                 float& acc_lo, float& acc_hi) {
   const uint4* bp = reinterpret_cast<const uint4*>(perm + G * 32 + t * 8);
   const uint4 bw0 = bp[0], bw1 = bp[1];
   float d[4];
-  group_mma<kPlus128>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32),
-                      bw0, bw1, d);
+  group_mma(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0,
+            bw1, d);
   const float x = sums[G];
-  acc_lo = moe_group_affine<kPlus128>(acc_lo, to_f32(v.s_lo[G]), d[0], to_f32(v.b_lo[G]), x);
-  acc_hi = moe_group_affine<kPlus128>(acc_hi, to_f32(v.s_hi[G]), d[2], to_f32(v.b_hi[G]), x);
+  acc_lo = affine_add(acc_lo, to_f32(v.s_lo[G]), d[0], to_f32(v.b_lo[G]), x);
+  acc_hi = affine_add(acc_hi, to_f32(v.s_hi[G]), d[2], to_f32(v.b_hi[G]), x);
 }
 
 /// Step 0 (MoeDecodeArgs::out_proj): this block's 16-row tiles b, b + G, … of y = W·x through
@@ -357,7 +354,7 @@ __device__ __forceinline__ void moe_block_body(const MoeDecodeArgs& a, const Moe
     mbarrier_wait(gu_full + i, 0);
     const TileView v = tile_view<false>(gu_ring + i * l.gu_stage, l.gu_row_bytes, l.groups_h, g, t);
     float gate = 0.0f, up = 0.0f;
-    for (int Gi = g_begin; Gi < g_end; ++Gi) group_one_token<kGateUpPlus128>(v, xperm, xsum, t, Gi, gate, up);
+    for (int Gi = g_begin; Gi < g_end; ++Gi) group_one_token(v, xperm, xsum, t, Gi, gate, up);
     if (t == 0) {
       float* p = gu_part + (i * kBlockWarps + warp) * kTileRows;
       p[g] = gate;
@@ -398,8 +395,7 @@ __device__ __forceinline__ void moe_block_body(const MoeDecodeArgs& a, const Moe
     for (int s = warp; s < l.n_sel; s += kBlockWarps) {
       const TileView v = tile_view<false>(dn_stages(i) + s * l.dn_stage, l.dn_row_bytes, l.groups_f, g, t);
       float lo = 0.0f, hi = 0.0f;
-      for (int Gi = 0; Gi < l.groups_f; ++Gi)
-        group_one_token<false>(v, aperm + s * half, asum + s * l.groups_f, t, Gi, lo, hi);
+      for (int Gi = 0; Gi < l.groups_f; ++Gi) group_one_token(v, aperm + s * half, asum + s * l.groups_f, t, Gi, lo, hi);
       if (t == 0) {
         dn_part[s * kTileRows + g] = round_bf16(lo);
         dn_part[s * kTileRows + g + 8] = round_bf16(hi);

@@ -25,23 +25,6 @@ constexpr int kExpertRowsPerTile = 8;  // a gate/up tile: 8 gate rows and the sa
 constexpr int kNormThreads = 256;      // launch_add_rmsnorm's element-to-thread mapping
 constexpr int64_t kSmemLimit = 226 * 1024;  // dynamic shared memory per block (227 KB less static)
 
-/// The gate/up products take the codes as (q + 128) (nibble_pair_bf16_plus128: one LOP3 a pair
-/// instead of a LOP3 and a bf16 subtraction, a fifth of the tile loop's instructions) and fold
-/// the 128 into the bias, as the streaming GEMV does: s·Σ(q + 128)·x + (b − 128·s)·Σx. Their
-/// inputs are RMS-normed rows, for which the cancellation of the two large terms stays near
-/// fp32 rounding. The down products keep q itself: their inputs (SwiGLU outputs, wide range,
-/// mixed signs) cancel far more: with both in this form the real-shape down checks failed (relative
-/// errors up to 0.09). Both MoE kernels use the same forms, so their rows keep the same bits.
-constexpr bool kGateUpPlus128 = true;
-
-/// One 64-group's affine term added to acc (moe's form of affine_add): D = Σ q·x, or with
-/// kPlus128 D = Σ (q + 128)·x and the bias b − 128·s (every rounding explicit: the same bits in
-/// either kernel).
-template <bool kPlus128>
-__device__ __forceinline__ float moe_group_affine(float acc, float s, float d, float b, float x) {
-  return affine_add(acc, s, d, kPlus128 ? __fmaf_rn(-128.0f, s, b) : b, x);
-}
-
 /// Bytes of one gate/up tile (16 code rows of hidden / 2 bytes, then [16][hidden / 64] scales
 /// and biases) and of one down tile (16 code rows of ffn / 2 bytes, then scales and biases), as
 /// they travel (the bulk copies' byte count).

@@ -59,7 +59,7 @@
 // 256-thread element mapping, the router logits RouterRows' (router_rows.cuh: a logit's
 // arithmetic does not depend on which warp computes it), the routing route_token_keys'; a
 // gate/up row sums the same sixteen ranges of groups (each from zero, in ascending group
-// order, moe_group_affine's gate/up form with explicit roundings), then adds the sixteen partials in range
+// order, acc + (s·D + b·Σx) with explicit roundings), then adds the sixteen partials in range
 // order; act = bf16(silu(bf16(g))·bf16(u)); the act group sums are stage_fragment_row's (each
 // 16-byte unit ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7)), then the eight units in its
 // shuffle order); a down row sums every group in ascending order, out = bf16(Σ_s w_s·bf16(d_s))
@@ -241,19 +241,19 @@ __device__ __forceinline__ void request_down_tile(const MoeDecodeArgs& a, const 
 /// the caller does not use may hold any pair's values: an MMA's output column depends only on
 /// its own B column, so it changes no other column's bits (and is never read), and no column is
 /// zeroed.
-template <bool kL1, bool kFragOrder, bool kPlus128>
+template <bool kL1, bool kFragOrder = false>
 __device__ __forceinline__ void group_columns(const TileView& v, const uint4* col, int G, float sum0, float sum1,
                                               float (&acc)[4]) {
   const uint4 w0 = kL1 ? col[G * 8] : __ldcg(col + G * 8), w1 = kL1 ? col[G * 8 + 1] : __ldcg(col + G * 8 + 1);
   const uint4 bw0 = kFragOrder ? w0 : fragment_order(w0), bw1 = kFragOrder ? w1 : fragment_order(w1);
   float d[4];
-  group_mma<kPlus128>(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32),
-                      bw0, bw1, d);
+  group_mma(*reinterpret_cast<const uint2*>(v.code_lo + G * 32), *reinterpret_cast<const uint2*>(v.code_hi + G * 32), bw0,
+            bw1, d);
   const float s_lo = to_f32(v.s_lo[G]), b_lo = to_f32(v.b_lo[G]), s_hi = to_f32(v.s_hi[G]), b_hi = to_f32(v.b_hi[G]);
-  acc[0] = moe_group_affine<kPlus128>(acc[0], s_lo, d[0], b_lo, sum0);
-  acc[1] = moe_group_affine<kPlus128>(acc[1], s_lo, d[1], b_lo, sum1);
-  acc[2] = moe_group_affine<kPlus128>(acc[2], s_hi, d[2], b_hi, sum0);
-  acc[3] = moe_group_affine<kPlus128>(acc[3], s_hi, d[3], b_hi, sum1);
+  acc[0] = affine_add(acc[0], s_lo, d[0], b_lo, sum0);
+  acc[1] = affine_add(acc[1], s_lo, d[1], b_lo, sum1);
+  acc[2] = affine_add(acc[2], s_hi, d[2], b_hi, sum0);
+  acc[3] = affine_add(acc[3], s_hi, d[3], b_hi, sum1);
 }
 
 /// Stores one thread's MMA D fragment of a 16-row × 8-column partial tile p [16][8] (acc: rows
@@ -645,7 +645,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
       for (int rg = 0; rg < kRangesPerWarp; ++rg) {
         const int range = wq * kRangesPerWarp + rg;
         const int Gi = range * per_range + step;
-        if (Gi < l.groups_h) group_columns<true, true, kGateUpPlus128>(v, col, Gi, sum0[Gi], sum1[Gi], acc[rg]);
+        if (Gi < l.groups_h) group_columns<true, true>(v, col, Gi, sum0[Gi], sum1[Gi], acc[rg]);
       }
     }
 #pragma unroll
@@ -744,7 +744,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
         // Unrolled so that the next groups' loads and MMAs issue while this one's finish (only
         // the affine adds are a chain; they stay in ascending group order).
 #pragma unroll 4
-        for (int Gi = 0; Gi < l.groups_f; ++Gi) group_columns<false, false, false>(v, col, Gi, sum0[Gi], sum1[Gi], acc);
+        for (int Gi = 0; Gi < l.groups_f; ++Gi) group_columns<false>(v, col, Gi, sum0[Gi], sum1[Gi], acc);
         if (2 * t < n) {
           dn_part[p0 * kTileRows + g] = round_bf16(acc[0]);
           dn_part[p0 * kTileRows + g + 8] = round_bf16(acc[2]);
