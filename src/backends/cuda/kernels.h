@@ -98,7 +98,10 @@ inline constexpr int kMaxMoeRows = 64;
 /// at 64 (docs/performance/2026-12-07-split-and-route-once.md).
 inline constexpr int kMoeRouteOnceFromDefault = 8;
 /// The rows from which the MoE rows kernel's quads claim their routed gate/up tiles as they go
-/// (moe_tile_claims_from_rows); kMaxMoeRows + 1: never, until a GPU has timed it.
+/// (moe_tile_claims_from_rows): never (kMaxMoeRows + 1). On an H200, claims from 17 rows gave
+/// +1.1 % batched throughput at 32 rows (split by count) but −2.0 % at 48 and −0.4 % at 64 (split
+/// by cost), where a quad's claimed tiles lose the neighbouring column blocks that a fixed share
+/// keeps in L1 (docs/performance/2026-12-07-h200-tile-claims.md).
 inline constexpr int kMoeTileClaimsFromDefault = kMaxMoeRows + 1;
 
 /// The batched decode's GEMV: x bf16 [m, cols] row-major → y [m, rows] (exactly one of y_bf16 /
