@@ -90,39 +90,34 @@ TEST(KernelSwitches, RowsGemvFromReachesItsSetting) {
   }
 }
 
-TEST(KernelSwitches, RowsGemvKsplitFromReachesItsSetting) {
+/// A row-count threshold option (`field`, 1 … kRowsGemvNever) reaches the kernel layer's getter:
+/// the default, a set value, and each out-of-range value refused before anything is set.
+void check_rows_threshold(int CudaOptions::*field, int (*get)(), int default_value, int set_value) {
   cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_EQ(cuda::rows_gemv_ksplit_from(), cuda::kRowsGemvKsplitFromDefault);
+  EXPECT_EQ(get(), default_value);
   CudaOptions o;
-  o.rows_gemv_ksplit_from = 33;
+  o.*field = set_value;
   cuda::apply_kernel_switches(o);
-  EXPECT_EQ(cuda::rows_gemv_ksplit_from(), 33);
+  EXPECT_EQ(get(), set_value);
   for (int bad : {0, CudaOptions::kRowsGemvNever + 1}) {
     o.pdl = false;
-    o.rows_gemv_ksplit_from = bad;
+    o.*field = bad;
     EXPECT_THROW(cuda::apply_kernel_switches(o), Error) << bad;
     EXPECT_TRUE(cuda::pdl_enabled()) << "nothing set before the throw";
   }
   cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_EQ(cuda::rows_gemv_ksplit_from(), cuda::kRowsGemvKsplitFromDefault);
+  EXPECT_EQ(get(), default_value);
+}
+
+TEST(KernelSwitches, RowsGemvKsplitFromReachesItsSetting) {
+  check_rows_threshold(&CudaOptions::rows_gemv_ksplit_from, cuda::rows_gemv_ksplit_from, cuda::kRowsGemvKsplitFromDefault,
+                       33);
 }
 
 TEST(KernelSwitches, MoeTileClaimsFromReachesItsSetting) {
-  cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_EQ(cuda::moe_tile_claims_from_rows(), cuda::kMoeTileClaimsFromDefault);
-  CudaOptions o;
-  o.moe_tile_claims_from = 17;
-  cuda::apply_kernel_switches(o);
-  EXPECT_EQ(cuda::moe_tile_claims_from_rows(), 17);
-  for (int bad : {0, CudaOptions::kRowsGemvNever + 1}) {
-    o.pdl = false;
-    o.moe_tile_claims_from = bad;
-    EXPECT_THROW(cuda::apply_kernel_switches(o), Error) << bad;
-    EXPECT_TRUE(cuda::pdl_enabled()) << "nothing set before the throw";
-    EXPECT_THROW(cuda::set_moe_tile_claims_from_rows(bad), Error) << bad;
-  }
-  cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_EQ(cuda::moe_tile_claims_from_rows(), cuda::kMoeTileClaimsFromDefault);
+  check_rows_threshold(&CudaOptions::moe_tile_claims_from, cuda::moe_tile_claims_from_rows,
+                       cuda::kMoeTileClaimsFromDefault, 17);
+  for (int bad : {0, CudaOptions::kRowsGemvNever + 1}) EXPECT_THROW(cuda::set_moe_tile_claims_from_rows(bad), Error) << bad;
 }
 
 TEST(KernelSwitches, RowsGemvSplitReachesItsSetting) {
