@@ -41,7 +41,10 @@
 // The shared expert's gate/up tiles are dealt round-robin over the blocks (known before the
 // routing), the routed ones in contiguous chunks (of equal tile counts, or from
 // kMoeTileBalanceFromRows rows on of equal cost: moe_tile_balance), so a block's quads work on
-// neighbouring tiles of one column block and its activation columns stay in L1 for all of them. A
+// neighbouring tiles of one column block and its activation columns stay in L1 for all of them;
+// or, from moe_tile_claims_from_rows() rows on (off by default), claimed by the quads two at a
+// time from a counter as they go (MoeDecodeArgs::tile_claims: no block waits for another at
+// barrier 2, but the quads' tiles no longer share their columns). A
 // tile's code rows are staged padded (moe_block.cuh: no bank conflicts on the fragment loads),
 // twenty bulk copies that the quad's four warps share. The ring slots and the down stages are sized
 // from the row count at launch (moe_layout). Nothing per row lives in shared memory but the routing
