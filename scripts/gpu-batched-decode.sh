@@ -31,6 +31,10 @@
 #                           switch test, then the 35b-a3b throughput once per threshold of
 #                           LILY_GPU_KSPLIT_FROM (default "65 9"; LILY_GPU_KSPLIT_ROUNDS times
 #                           each, alternating; default 2)
+#   LILY_GPU_STEPS=rows-norm  the input norms inside the in-projections (LILY_CUDA_ROWS_GEMV_NORM):
+#                           the GEMV bit tests (CudaBatchedDecode.RowsNorm*), the batched end-to-end
+#                           tests with it on, then the 35b-a3b throughput with it 0 and 1
+#                           (LILY_GPU_ROWS_NORM_ROUNDS times each, alternating; default 2)
 #   LILY_GPU_STEPS=split    the 35b-a3b throughput once per rows-mode split form of
 #                           LILY_GPU_SPLIT_FORMS (default "0 tiles all"; LILY_GPU_SPLIT_ROUNDS
 #                           times each, alternating; default 1)
@@ -91,7 +95,7 @@ targets=()
 # The steps that run lily or the 35b-a3b synth (made below when missing).
 needs_big_model() {
   local s
-  for s in streams big throughput balance split ksplit rows prof prof-gemv prof-source persistent prof-persistent trace stalls ab; do
+  for s in streams big throughput balance split ksplit rows rows-norm prof prof-gemv prof-source persistent prof-persistent trace stalls ab; do
     has "$s" && return 0
   done
   return 1
@@ -212,6 +216,16 @@ if has ksplit; then
   timeout 120 "$BUILD/tests/test_kernel_switches" >"$OUT/ksplit-switches.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure" "$OUT/ksplit-switches.log" | head -10
   throughput_sweep LILY_CUDA_ROWS_GEMV_KSPLIT_FROM "${LILY_GPU_KSPLIT_FROM:-65 9}" "${LILY_GPU_KSPLIT_ROUNDS:-2}" ksplit
+fi
+if has rows-norm; then
+  echo "== test_batched_decode: the fused rows norm's bit tests; the batched end-to-end tests with it on"
+  timeout 300 "$BUILD/tests/test_batched_decode" --gtest_filter='CudaBatchedDecode.RowsNorm*:CudaBatchedDecode.GemvRows*' \
+    >"$OUT/rows-norm-gemv.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|Which is" "$OUT/rows-norm-gemv.log" | head -40
+  LILY_CUDA_ROWS_GEMV_NORM=1 timeout 420 "$BUILD/tests/test_cuda_e2e" --gtest_filter='CudaE2e.BatchedDecode*' \
+    >"$OUT/rows-norm-e2e.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|bit-identical" "$OUT/rows-norm-e2e.log" | head -30
+  throughput_sweep LILY_CUDA_ROWS_GEMV_NORM "0 1" "${LILY_GPU_ROWS_NORM_ROUNDS:-2}" rows-norm
 fi
 if has split; then
   throughput_sweep LILY_CUDA_ROWS_GEMV_SPLIT "${LILY_GPU_SPLIT_FORMS:-0 tiles all}" "${LILY_GPU_SPLIT_ROUNDS:-1}" split

@@ -272,6 +272,11 @@ struct CudaOptions {
   /// 65: never, the default (on an H200 +1.1 % at 32 rows, −2.0 % at 48, −0.4 % at 64). A speed
   /// setting: which block computes a tile never changes a bit (docs/cuda.md, "Batched steps").
   int moe_tile_claims_from = kRowsGemvNever;
+  /// LILY_CUDA_ROWS_GEMV_NORM 1|0: in the batched decode's steps of 2 … 8 rows each layer's
+  /// input add + RMSNorm is formed by the in-projection's blocks while they stage the rows
+  /// (launch_add_rmsnorm_gemv_rows: one launch fewer a layer, the same bits) instead of by a
+  /// launch of its own. Off by default until a GPU has timed it (docs/cuda.md, "Batched steps").
+  bool rows_gemv_norm = false;
   /// LILY_CUDA_GEMM_KERNEL wgmma-mixed|wgmma-narrow|wgmma|grouped|all|0:
   /// the 4-bit grouped and dense GEMMs of the tensor-core prefill run on Hopper warpgroup MMAs
   /// with 256 weight rows per work item for the dense and down GEMMs and 128 for gate/up
@@ -451,6 +456,7 @@ inline std::span<const Field> fields() {
       {"max-batch", "LILY_CUDA_MAX_BATCH", [](CudaOptions& o, const std::string& l, const std::string& v) { o.max_batch = parse_int(l, v, 1, CudaOptions::kMaxBatch); }},
       {"decode-rows", "LILY_CUDA_DECODE_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.decode_rows = parse_int(l, v, 1, CudaOptions::kMaxDecodeRows); }},
       {"moe-tile-balance", "LILY_CUDA_MOE_TILE_BALANCE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_tile_balance = parse_int(l, v, 0, CudaOptions::kMaxMoeTileBalance); }},
+      {"rows-gemv-norm", "LILY_CUDA_ROWS_GEMV_NORM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_norm = parse_choice(l, v, "1", "0"); }},
       {"moe-tile-claims-from", "LILY_CUDA_MOE_TILE_CLAIMS_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_tile_claims_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
       {"rows-gemv-from", "LILY_CUDA_ROWS_GEMV_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
       {"rows-gemv-ksplit-from", "LILY_CUDA_ROWS_GEMV_KSPLIT_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_ksplit_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
@@ -522,6 +528,7 @@ inline std::string CudaOptions::describe() const {
          " max-batch=" + std::to_string(max_batch) + " decode-rows=" + std::to_string(decode_rows) +
          " rows-gemv-from=" + std::to_string(rows_gemv_from) + " rows-gemv-split=" + rows_gemv_split +
          " rows-gemv-ksplit-from=" + std::to_string(rows_gemv_ksplit_from) +
+         " rows-gemv-norm=" + (rows_gemv_norm ? "1" : "0") +
          " prefill-rows=" + (prefill_rows ? "1" : "0") + " persistent-decode=" + persistent_decode;
 }
 

@@ -224,6 +224,70 @@ TEST(CudaBatchedDecode, GemvRowsGiveTheOneSequenceBits) {
   }
 }
 
+/// launch_add_rmsnorm_gemv_rows (the input add + RMSNorm folded into the rows mode's staging)
+/// against launch_add_rmsnorm over the m rows followed by launch_quant_gemv_rows: the same bits
+/// for the residual, the normed rows and the output, m = 1 … 8, with and without a branch.
+void check_rows_norm_gemv(int64_t rows, int cols, uint64_t seed) {
+  SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols));
+  std::mt19937_64 rng(seed);
+  RandomQuant w(rows, cols, 4, rng);
+  constexpr int M = 8;
+  const float eps = 1e-6f;
+  const std::vector<float> x = normal_bf16(int64_t(M) * cols, rng, 2.0f), branch = normal_bf16(int64_t(M) * cols, rng, 0.5f);
+  DeviceBuffer gain = upload_f32(uniform(cols, rng, 0.5f, 1.5f)), b = upload_bf16(branch);
+  for (int m = 1; m <= M; ++m)
+    for (const bool with_branch : {true, false}) {
+      SCOPED_TRACE(std::to_string(m) + " rows" + (with_branch ? "" : ", no branch"));
+      const std::vector<float> xm(x.begin(), x.begin() + int64_t(m) * cols);
+      DeviceBuffer x_sep = upload_bf16(xm), n_sep = poisoned(size_t(m) * cols * 2), y_sep = poisoned(size_t(m) * rows * 2);
+      cuda::launch_add_rmsnorm(x_sep.as<bf16>(), with_branch ? b.as<bf16>() : nullptr, gain.as<float>(), n_sep.as<bf16>(),
+                               m, cols, eps, nullptr);
+      cuda::launch_quant_gemv_rows(w.view(), n_sep.as<bf16>(), m, y_sep.as<bf16>(), nullptr, nullptr);
+      DeviceBuffer x_in = upload_bf16(xm), x_out = poisoned(size_t(m) * cols * 2), n_out = poisoned(size_t(m) * cols * 2),
+                   y = poisoned(size_t(m) * rows * 2);
+      cuda::FusedNorm fn;
+      fn.branch = with_branch ? b.as<bf16>() : nullptr;
+      fn.gain = gain.as<float>();
+      fn.eps = eps;
+      fn.x_out = x_out.as<bf16>();
+      fn.normed_out = n_out.as<bf16>();
+      cuda::launch_add_rmsnorm_gemv_rows(fn, x_in.as<bf16>(), m, w.view(), y.as<bf16>(), nullptr);
+      const int64_t n = int64_t(m) * cols;
+      EXPECT_EQ(bit_differences(download_bf16(x_out, n), download_bf16(x_sep, n)), 0) << "the residual";
+      EXPECT_EQ(bit_differences(download_bf16(n_out, n), download_bf16(n_sep, n)), 0) << "the normed rows";
+      EXPECT_EQ(bit_differences(download_bf16(y, int64_t(m) * rows), download_bf16(y_sep, int64_t(m) * rows)), 0)
+          << "the output";
+      EXPECT_EQ(bit_differences(download_bf16(x_in, n), xm), 0) << "x is only read";
+    }
+}
+
+TEST(CudaBatchedDecode, RowsNormGemvGivesTheSeparateBits) {
+  const ScopedSwitch staging(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
+  staging.set(1);  // the separate path's GEMV in the rows mode at every m, as the fused one
+  check_rows_norm_gemv(12352, 2048, 21);  // the 35B GDN in-projection
+  check_rows_norm_gemv(9216, 2048, 22);   // the 35B attention q|gate ‖ k ‖ v
+  check_rows_norm_gemv(1000, 512, 23);    // realdims width
+}
+
+TEST(CudaBatchedDecode, RowsNormGemvNamesWhatItCannotTake) {
+  std::mt19937_64 rng(25);
+  RandomQuant w4(64, 2048, 4, rng), w8(64, 2048, 8, rng), wide(64, 4096, 4, rng), narrow(64, 256, 4, rng);
+  EXPECT_EQ(cuda::rows_norm_gemv_problem(w4.view(), 8), "");
+  EXPECT_NE(cuda::rows_norm_gemv_problem(w4.view(), 0), "");
+  EXPECT_NE(cuda::rows_norm_gemv_problem(w4.view(), 9), "");
+  EXPECT_NE(cuda::rows_norm_gemv_problem(w8.view(), 4), "");
+  EXPECT_NE(cuda::rows_norm_gemv_problem(wide.view(), 4), "");    // wider than the staging's registers
+  EXPECT_NE(cuda::rows_norm_gemv_problem(narrow.view(), 4), "");  // the streaming GEMV takes multiples of 512
+  DeviceBuffer x = upload_bf16(normal_bf16(2048, rng, 1.0f)), gain = upload_f32(uniform(2048, rng, 0.5f, 1.5f));
+  DeviceBuffer n = poisoned(2048 * 2), y = poisoned(64 * 2);
+  cuda::FusedNorm fn;
+  fn.gain = gain.as<float>();
+  fn.x_out = x.as<bf16>();  // x_out must not be x
+  fn.normed_out = n.as<bf16>();
+  EXPECT_THROW(cuda::launch_add_rmsnorm_gemv_rows(fn, x.as<bf16>(), 1, w4.view(), y.as<bf16>(), nullptr), lily::InternalError);
+  EXPECT_THROW(cuda::launch_add_rmsnorm_gemv_rows(fn, x.as<bf16>(), 9, w4.view(), y.as<bf16>(), nullptr), lily::InternalError);
+}
+
 TEST(CudaBatchedDecode, RowsGemvStagingThresholdRefusesZeroRows) {
   const ScopedSwitch staging(cuda::rows_gemv_staging_min_rows, cuda::set_rows_gemv_staging_min_rows);
   EXPECT_THROW(staging.set(0), lily::Error);

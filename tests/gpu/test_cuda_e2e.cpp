@@ -1188,10 +1188,13 @@ TEST_F(CudaE2e, BatchedDecodeSharesGraphsAcrossStates) {
 /// decode graph (the batched decode off), both fed the same tokens (the one-sequence path's
 /// greedy ids): every step's logits of every row must be the same bits. A mismatch prints the
 /// step's largest difference and cosine.
-void check_batched_vs_per_sequence(std::shared_ptr<const ModelWeights> w, const char* what) {
+void check_batched_vs_per_sequence(std::shared_ptr<const ModelWeights> w, const char* what,
+                                   const char* batched_setting = nullptr) {
   CudaOptions off = CudaOptions::from_env();
   off.batched_decode = false;
-  auto on_gpu = make_cuda_backend(w, batched_options());
+  CudaOptions on = batched_options();
+  if (batched_setting) on.set(batched_setting);
+  auto on_gpu = make_cuda_backend(w, on);
   auto off_gpu = make_cuda_backend(w, off);
   const int vocab = w->config.vocab;
   const std::vector<int32_t> prompts[2] = {hash_prompt(40, vocab, 12), hash_prompt(33, vocab, 13)};
@@ -1238,6 +1241,14 @@ TEST_F(CudaE2e, BatchedDecodeMatchesPerSequenceDecode) {
   TempDir dir;
   check_batched_vs_per_sequence(synth("realdims", dir.path()), "realdims");
   check_batched_vs_per_sequence(load_model(demo_model_dir()), "demo");
+}
+
+/// The same with the input norms inside the in-projections (rows-gemv-norm=1: realdims' 512
+/// columns take it; the demo model's 256 keep the separate norm).
+TEST_F(CudaE2e, BatchedDecodeWithTheRowsNormMatchesPerSequenceDecode) {
+  TempDir dir;
+  check_batched_vs_per_sequence(synth("realdims", dir.path()), "realdims, rows-gemv-norm=1", "rows-gemv-norm=1");
+  check_batched_vs_per_sequence(load_model(demo_model_dir()), "demo, rows-gemv-norm=1", "rows-gemv-norm=1");
 }
 
 /// Aggregate decode tok/s of `B` sequences (256-token prompts) decoded together for `steps`

@@ -611,6 +611,9 @@ class CudaBackend final : public Backend {
     // another kernel's arithmetic, so the bits would differ.
     moe_next_norm_ = options_.moe_next_norm && options_.stream_gemv && fused_moe_ && moe_next_norm_supported();
     if (moe_next_norm_) log_info("CUDA backend: decode input norms staged once by the fused MoE block (moe-next-norm=1)");
+    // The fused rows norm is the streaming GEMV's rows mode (launch_add_rmsnorm_gemv_rows).
+    rows_gemv_norm_ = options_.rows_gemv_norm && options_.stream_gemv;
+    if (rows_gemv_norm_) log_info("CUDA backend: batched input norms inside the in-projections (rows-gemv-norm=1)");
     if (options_.persistent_decode != "0") create_persistent_decode();
     routers_on_gemm_ = true;
     for (const auto& lw : model_->layers) routers_on_gemm_ = routers_on_gemm_ && router_gemm_supported(lw.router);
@@ -1392,8 +1395,9 @@ class CudaBackend final : public Backend {
   // equal; the GEMV's direct mode sums Σx as the staged one does; the MoE rows kernel runs the
   // one-token block's arithmetic), so a lone decode row takes the one-sequence decode graph and
   // a sequence's answer is the same bits whatever else the step holds.
-  // The input and final add + RMSNorms are separate launches (launch_add_rmsnorm over B rows):
-  // the FusedNorm of the one-sequence GEMVs takes one row.
+  // The input and final add + RMSNorms are separate launches (launch_add_rmsnorm over B rows),
+  // or with rows_gemv_norm_ the input ones inside the in-projections' staging at 2 … 8 rows
+  // (launch_add_rmsnorm_gemv_rows, the same bits).
 
   /// The batched decode's device buffers and pinned exchange (allocated at its first step).
   struct BatchScratch {
@@ -1627,12 +1631,26 @@ class CudaBackend final : public Backend {
     for (int l = 0; l < c.n_layers; ++l) {
       const DeviceLayer& lw = model_->layers[l];  // the layer's device weights
       const int slot = layer_slot_[l];
-      // x ← x + the previous layer's MoE output; normed = RMSNorm(x) · input gain.
-      launch_add_rmsnorm(x, l == 0 ? nullptr : moe, lw.input_norm, normed, B, c.hidden, eps, stream_);
+      // x ← x + the previous layer's MoE output; normed = RMSNorm(x) · input gain; proj = the
+      // in-projection of normed. With rows_gemv_norm_ the in-projection's blocks form the norm
+      // (the new residual goes to the other buffer, as every block reads x).
+      if (l > 0 && rows_gemv_norm_ && rows_norm_gemv_problem(lw.in_proj, B).empty() &&
+          reinterpret_cast<uintptr_t>(lw.input_norm) % 16 == 0) {
+        FusedNorm norm;
+        norm.branch = moe;
+        norm.gain = lw.input_norm;
+        norm.eps = eps;
+        norm.x_out = x_alt;
+        norm.normed_out = normed;
+        launch_add_rmsnorm_gemv_rows(norm, x, B, lw.in_proj, proj, stream_);
+        std::swap(x, x_alt);
+      } else {
+        launch_add_rmsnorm(x, l == 0 ? nullptr : moe, lw.input_norm, normed, B, c.hidden, eps, stream_);
+        launch_quant_gemv_rows(lw.in_proj, normed, B, proj, nullptr, stream_);
+      }
       if (lw.type == LayerType::kLinearAttention) {
         const int C = gdn_.conv_channels(), Vd = gdn_.value_dim(), Hv = gdn_.n_value_heads;
         const int64_t proj_stride = lw.in_proj.rows;  // proj row stride: q ‖ k ‖ v ‖ z ‖ a ‖ b
-        launch_quant_gemv_rows(lw.in_proj, normed, B, proj, nullptr, stream_);
         gdn_conv_decode_rows(gdn_, lw.gdn, B, proj, proj_stride, batch_dev<bf16* const>(lay.windows_of(slot)),
                              b.conv.as<bf16>(), stream_);
         gdn_decode_rows(gdn_, lw.gdn, B, b.conv.as<bf16>(), proj + C, proj + C + Vd, proj + C + Vd + Hv, proj_stride,
@@ -1643,7 +1661,6 @@ class CudaBackend final : public Backend {
         const int64_t qg = int64_t(attn_.n_heads) * 2 * attn_.head_dim,
                       kvw = int64_t(attn_.n_kv_heads) * attn_.head_dim;
         const KvCacheView* caches = batch_dev<const KvCacheView>(lay.kv_of(slot));
-        launch_quant_gemv_rows(lw.in_proj, normed, B, proj, nullptr, stream_);
         attention_prepare_rows(attn_, B, proj, proj_stride, proj + qg, proj + qg + kvw, proj_stride, lw.q_norm,
                                lw.k_norm, batch_dev<const int32_t>(lay.pos), caches, b.q.as<bf16>(), stream_);
         attention_decode_rows(attn_, B, b.q.as<bf16>(), proj, proj_stride, caches, batch_dev<const int32_t>(lay.len),
@@ -1955,6 +1972,9 @@ class CudaBackend final : public Backend {
   /// The one-sequence decode's input norms staged once by the fused MoE block before them
   /// (options_.moe_next_norm, when every layer's shapes allow it).
   bool moe_next_norm_ = false;
+  /// CudaOptions::rows_gemv_norm (with stream_gemv): the batched step's input norms fused into
+  /// the in-projections where launch_add_rmsnorm_gemv_rows takes the rows.
+  bool rows_gemv_norm_ = false;
   /// The row the MoE block stages for the next GEMV (staged_row()): uint32 [hidden / 2], fp32
   /// [hidden / 64].
   DeviceBuffer staged_pairs_, staged_sums_;

@@ -202,6 +202,24 @@ bool staged_row_gemv_supported(const DeviceQuant& w);
 void launch_staged_row_gemv(const StagedRow& row, const DeviceQuant& w, __nv_bfloat16* y_bf16, float* y_f32,
                             cudaStream_t stream, const FusedConv& conv = FusedConv{});
 
+/// Why launch_add_rmsnorm_gemv_rows cannot take `w` at m rows ("" when it can): it needs the
+/// streaming GEMV's rows mode for all m rows in one launch with one column block (a 4-bit matrix
+/// of at most rows_mode_max_weight_rows() rows, cols a multiple of 512 and at most 2,048,
+/// 1 ≤ m ≤ 8). Host only.
+std::string rows_norm_gemv_problem(const DeviceQuant& w, int m);
+
+/// The batched decode's input add + RMSNorm and in-projection in one launch, for m rows:
+/// h = bf16(x + norm.branch) (x alone without a branch), y = the RMSNorm of h with norm.gain,
+/// out = W·y (bf16 [m, w.rows]). Every block forms the m normed rows while staging them (the
+/// streaming GEMV's rows mode, stage_rows_norm_fragments), with launch_add_rmsnorm's arithmetic,
+/// so h, y and out are the bits of launch_add_rmsnorm over the m rows followed by
+/// launch_quant_gemv_rows; block 0 stores h to norm.x_out and y to norm.normed_out (bf16
+/// [m, cols] each; x_out must not be x, as every block reads x). x, branch, gain and both outputs
+/// 16-byte aligned. Throws lily::InternalError for rows_norm_gemv_problem's reasons, a bad norm
+/// (check_fused_norm) or a misaligned array.
+void launch_add_rmsnorm_gemv_rows(const FusedNorm& norm, const __nv_bfloat16* x, int m, const DeviceQuant& w,
+                                  __nv_bfloat16* out, cudaStream_t stream);
+
 /// Router GEMV fused with routing, for decode (at batch 1 the stand-alone top-k is pure launch latency): one
 /// launch computes logits[t] = W x[t] (fp32, exactly launch_quant_gemv's per-row arithmetic; W the
 /// 4/8-bit [n_experts + 1, cols] router ‖ shared-expert-gate matrix) and, in the last block to

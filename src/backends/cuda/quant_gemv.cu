@@ -405,9 +405,10 @@ __host__ __device__ constexpr int stream_mode_blocks_per_sm(StreamMode mode, int
 /// rows: the rows are kBlocks column blocks of eight that share each weight fragment. kCounter:
 /// the tiles past each block's first stages come from the tile counter (g_stream_tile_counter),
 /// each stage's tile index in shared memory; else block b runs tiles b, b + grid, … (the same
-/// bits either way). kFixedNorm:
-/// the staged mode's fused norm over kFixedNormCols columns (stage_norm_fragments_fixed), hence
-/// m = 1 (stream_tile_slice's kOneToken). row: with
+/// bits either way). kFixedNorm: in the staged mode the fused norm over kFixedNormCols columns
+/// (stage_norm_fragments_fixed), hence m = 1 (stream_tile_slice's kOneToken); in the rows mode
+/// the add + RMSNorm of the m rows fused into their staging (stage_rows_norm_fragments,
+/// launch_add_rmsnorm_gemv_rows), its own instances so that the others keep their registers. row: with
 /// row.pairs (staged mode, m = 1, no norm) the staged row comes by bulk copy from global memory
 /// (launch_staged_row_gemv) instead of from stage_mma_rows.
 /// kGroups = 2 (rows mode): two warp groups of kStreamWarps per block (block 2·kStreamThreads),
@@ -509,7 +510,8 @@ __global__ void __launch_bounds__(kStreamThreads * kGroups, stream_mode_blocks_p
     // decode is bit-identical to the one-sequence step). Only this warp reads them.
     stream_direct_group_sums(x, cols, m, g_begin, g_end, xsum);
   } else if constexpr (kMode == StreamMode::rows) {
-    stage_rows_fragments(x, m, cols, xperm, xsum, row_full);
+    if constexpr (kFixedNorm) stage_rows_norm_fragments(x, norm, m, cols, xperm, xsum);  // launch_add_rmsnorm_gemv_rows
+    else stage_rows_fragments(x, m, cols, xperm, xsum, row_full);
   } else if (row.pairs) {
     // The row staged once by the kernel before (launch_staged_row_gemv): two bulk copies, the
     // bytes stage_mma_rows would have left here.
@@ -705,6 +707,10 @@ void stream_gemv_dispatch(const DeviceQuant& w, const bf16* x, int m, OutT* y, c
                           : launch(quant_stream_gemv_kernel<OutT, StreamMode::staged, 1, false>);
     case StreamMode::direct: return launch_blocks(std::integral_constant<StreamMode, StreamMode::direct>{});
     case StreamMode::rows:
+      if (norm.gain) {  // launch_add_rmsnorm_gemv_rows: one column block (rows_norm_gemv_problem)
+        if (plan.warp_groups == 2) return launch(quant_stream_gemv_kernel<OutT, StreamMode::rows, 1, false, true, 2>, 2);
+        return launch(quant_stream_gemv_kernel<OutT, StreamMode::rows, 1, false, true>);
+      }
       if (plan.warp_groups == 2) {  // one or an even number of column blocks (stream_gemv_plan)
         if (plan.column_blocks == 1) return launch(quant_stream_gemv_kernel<OutT, StreamMode::rows, 1, false, false, 2>, 2);
         if (plan.column_blocks == 2) return launch(quant_stream_gemv_kernel<OutT, StreamMode::rows, 2, false, false, 2>, 2);
@@ -931,6 +937,31 @@ void launch_add_rmsnorm_gemv(const FusedNorm& norm, const bf16* x, const DeviceQ
     if (y_f32) gemv_dispatch<8>(w, x, 1, y_f32, stream, norm, conv);
     else gemv_dispatch<8>(w, x, 1, y_bf16, stream, norm, conv);
   }
+}
+
+std::string rows_norm_gemv_problem(const DeviceQuant& w, int m) {
+  const std::string shape = std::to_string(w.rows) + " × " + std::to_string(w.cols) + ", " + std::to_string(w.bits) +
+                            "-bit, " + std::to_string(m) + " rows";
+  if (m < 1 || m > kMmaMaxTokens) return "the fused rows norm takes 1 … " + std::to_string(kMmaMaxTokens) + " rows (" + shape + ")";
+  if (!w.codes || w.bits != 4 || !stream_gemv_enabled() || w.rows > rows_mode_max_weight_rows() ||
+      w.cols > kRowsNormMaxCols || w.cols % 512 != 0)
+    return "the fused rows norm needs a 4-bit matrix the streaming GEMV's rows mode takes (columns a multiple of "
+           "512), at most " + std::to_string(kRowsNormMaxCols) + " columns (" + shape + ")";
+  if (rows_mode_rows_per_launch(w, m) != m) return "the rows mode does not take all rows in one launch (" + shape + ")";
+  return "";
+}
+
+void launch_add_rmsnorm_gemv_rows(const FusedNorm& norm, const bf16* x, int m, const DeviceQuant& w, bf16* out,
+                                  cudaStream_t stream) {
+  check_quant(w, "quant_gemv");
+  if (const std::string why = rows_norm_gemv_problem(w, m); !why.empty())
+    throw ::lily::InternalError("launch_add_rmsnorm_gemv_rows: " + why);
+  check_fused_norm(norm, x, "launch_add_rmsnorm_gemv_rows");
+  if (!out || !is_aligned(x, 16) || !is_aligned(norm.x_out, 16) || !is_aligned(norm.normed_out, 16) ||
+      (norm.branch && !is_aligned(norm.branch, 16)) || !is_aligned(norm.gain, 16))
+    throw ::lily::InternalError("launch_add_rmsnorm_gemv_rows: x, branch, gain, x_out and normed_out must be 16-byte "
+                                "aligned, and out given");
+  stream_gemv_dispatch(w, x, m, out, stream_gemv_plan(w, m, StreamMode::rows), stream, norm, FusedConv{});
 }
 
 bool staged_row_gemv_supported(const DeviceQuant& w) {

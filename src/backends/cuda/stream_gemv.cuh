@@ -436,29 +436,13 @@ __device__ __forceinline__ float unit_group_sum(const uint4 (&q)[8]) {
   return __fadd_rn(a[0], a[1]);
 }
 
-/// Rows mode: stages x [m, cols] (bf16, rows 16-byte aligned, cols a multiple of 8) into xperm
-/// (uint32 words, row n at n·stream_rows_pitch(cols), group G's 32 words in fragment order at 32G:
-/// fragment_order of each 16-byte unit) and xsum (row n at n·stream_rows_sum_pitch(groups): each
-/// group's Σx with group_sum_x's bits, unit_group_sum). The m raw rows arrive first by bulk
-/// copies, one per row into its pitched place, counted on `bar` (an initialised mbarrier of this
-/// block, phase 0); then each (row, group) unit is read from shared memory, its Σx formed, and its
-/// words put in fragment order in place (a unit's 16-byte pieces permute among themselves, so no
-/// thread touches another's unit). Why bulk copies: with each thread loading its units into
-/// registers, it waited out one round trip to L2 per unit (four at 32 rows), each behind the
-/// weight tiles the block had requested before its wait; here the rows come in one wave (an
-/// in-projection at 24–32 rows 5–10 % faster on an H100). All threads of the block; ends with
-/// __syncthreads().
-__device__ __forceinline__ void stage_rows_fragments(const bf16* __restrict__ x, int m, int cols, uint32_t* xperm,
-                                                     float* xsum, uint64_t* bar) {
+/// The rows mode's pass over the m raw rows staged in xperm (natural order, row n at
+/// n·stream_rows_pitch(cols)): each (row, group) unit is read from shared memory, its Σx formed
+/// into xsum (row n at n·stream_rows_sum_pitch(groups), group_sum_x's bits: unit_group_sum), and
+/// its words put in fragment order in place (a unit's 16-byte pieces permute among themselves, so
+/// no thread touches another's unit). All threads of the block; ends with __syncthreads().
+__device__ __forceinline__ void rows_to_fragments(int m, int cols, uint32_t* xperm, float* xsum) {
   const int groups = cols / kGroup, pitch = stream_rows_pitch(cols), sum_pitch = stream_rows_sum_pitch(groups);
-  if (threadIdx.x < kWarp) {
-    const uint32_t row_bytes = static_cast<uint32_t>(cols) * 2;
-    if (threadIdx.x == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(m) * row_bytes);
-    __syncwarp();
-    for (int n = static_cast<int>(threadIdx.x); n < m; n += kWarp)
-      bulk_copy_to_shared(xperm + int64_t{n} * pitch, x + int64_t{n} * cols, row_bytes, bar);
-  }
-  mbarrier_wait(bar, 0);
   for (int u = threadIdx.x; u < m * groups; u += blockDim.x) {
     const int n = u % m, G = u / m;
     uint4* unit = reinterpret_cast<uint4*>(xperm + int64_t{n} * pitch + G * 32);
@@ -470,6 +454,114 @@ __device__ __forceinline__ void stage_rows_fragments(const bf16* __restrict__ x,
     for (int j = 0; j < 8; ++j) unit[j] = fragment_order(q[j]);
   }
   __syncthreads();
+}
+
+/// Rows mode: stages x [m, cols] (bf16, rows 16-byte aligned, cols a multiple of 8) into xperm
+/// (uint32 words, row n at n·stream_rows_pitch(cols), group G's 32 words in fragment order at 32G:
+/// fragment_order of each 16-byte unit) and xsum (row n at n·stream_rows_sum_pitch(groups): each
+/// group's Σx with group_sum_x's bits). The m raw rows arrive first by bulk copies, one per row
+/// into its pitched place, counted on `bar` (an initialised mbarrier of this block, phase 0);
+/// then rows_to_fragments. Why bulk copies: with each thread loading its units into registers,
+/// it waited out one round trip to L2 per unit (four at 32 rows), each behind the weight tiles
+/// the block had requested before its wait; here the rows come in one wave (an in-projection at
+/// 24–32 rows 5–10 % faster on an H100). All threads of the block; ends with __syncthreads().
+__device__ __forceinline__ void stage_rows_fragments(const bf16* __restrict__ x, int m, int cols, uint32_t* xperm,
+                                                     float* xsum, uint64_t* bar) {
+  const int pitch = stream_rows_pitch(cols);
+  if (threadIdx.x < kWarp) {
+    const uint32_t row_bytes = static_cast<uint32_t>(cols) * 2;
+    if (threadIdx.x == 0) mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(m) * row_bytes);
+    __syncwarp();
+    for (int n = static_cast<int>(threadIdx.x); n < m; n += kWarp)
+      bulk_copy_to_shared(xperm + int64_t{n} * pitch, x + int64_t{n} * cols, row_bytes, bar);
+  }
+  mbarrier_wait(bar, 0);
+  rows_to_fragments(m, cols, xperm, xsum);
+}
+
+/// Threads of the block in whose element-to-thread mapping the stand-alone add + RMSNorm
+/// (launch_add_rmsnorm) sums Σh²: thread i sums h[i + 256·k] over k in order, then block_sum adds
+/// the threads per warp and then the warps.
+constexpr int kRowsNormThreads = 256;
+/// The widest row stage_rows_norm_fragments takes (its per-lane registers are sized for it).
+constexpr int kRowsNormMaxCols = 2048;
+
+/// The rows mode's staging with the add + RMSNorm fused (launch_add_rmsnorm_gemv_rows): warp
+/// n < m forms row n, h = bf16(x + branch) (x itself without a branch) and y = bf16(h·r·gain) with
+/// r = 1 / sqrt(Σh² / cols + eps), into row n of xperm in natural order; then rows_to_fragments,
+/// as after stage_rows_fragments' copies. Σh² runs in launch_add_rmsnorm's order, so a row gets
+/// its bits: lane l plays thread 32·v + l of each of that kernel's eight warps v in turn (its sum
+/// over k in order, warp_sum per warp, then warp_sum of the eight warp sums on lanes < 8, the other
+/// lanes zero, as block_sum adds them). Block 0 stores h to norm.x_out (not x: every block reads
+/// x) and y to norm.normed_out. x, the branch and both outputs are [m, cols] row-major
+/// and 16-byte aligned; cols a multiple of 512, at most kRowsNormMaxCols; m ≤ the block's warps
+/// (the launcher checks). All threads of the block; ends with __syncthreads().
+__device__ __forceinline__ void stage_rows_norm_fragments(const bf16* __restrict__ x, const FusedNorm& norm, int m,
+                                                          int cols, uint32_t* xperm, float* xsum) {
+  constexpr int kUnits = kRowsNormMaxCols / (8 * kWarp);  // 16-byte units of a row per lane at most
+  const int warp = static_cast<int>(threadIdx.x / kWarp), lane = static_cast<int>(threadIdx.x % kWarp);
+  const int units = cols / (8 * kWarp);  // this row's 16-byte units per lane
+  if (warp < m) {
+    const int64_t off = int64_t{warp} * cols;
+    uint4* row = reinterpret_cast<uint4*>(xperm + int64_t{warp} * stream_rows_pitch(cols));
+    const uint4* xr = reinterpret_cast<const uint4*>(x + off);
+    const uint4* br = norm.branch ? reinterpret_cast<const uint4*>(norm.branch + off) : nullptr;
+    uint4 xv[kUnits], bv[kUnits];
+#pragma unroll
+    for (int q = 0; q < kUnits; ++q)  // every load in flight before any is used
+      if (q < units) {
+        xv[q] = xr[lane + q * kWarp];
+        bv[q] = br ? br[lane + q * kWarp] : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+    for (int q = 0; q < kUnits; ++q)
+      if (q < units) {
+        uint4 h = xv[q];
+        if (br) {
+          const bf16* xe = reinterpret_cast<const bf16*>(&xv[q]);
+          const bf16* be = reinterpret_cast<const bf16*>(&bv[q]);
+          bf16* he = reinterpret_cast<bf16*>(&h);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) he[e] = to_bf16(to_f32(xe[e]) + to_f32(be[e]));
+        }
+        row[lane + q * kWarp] = h;
+      }
+    __syncwarp();
+    const bf16* hs = reinterpret_cast<const bf16*>(row);
+    float warp_sums = 0.0f;  // lane v < 8: that warp's sum
+    for (int v = 0; v < kRowsNormThreads / kWarp; ++v) {
+      float ss = 0.0f;
+      for (int e = v * kWarp + lane; e < cols; e += kRowsNormThreads) {
+        const float h = to_f32(hs[e]);
+        ss += h * h;
+      }
+      const float total = warp_sum(ss);
+      if (lane == v) warp_sums = total;
+    }
+    const float r = 1.0f / sqrtf(warp_sum(warp_sums) / static_cast<float>(cols) + norm.eps);
+    const bool store = blockIdx.x == 0;
+#pragma unroll
+    for (int q = 0; q < kUnits; ++q)
+      if (q < units) {
+        const int unit = lane + q * kWarp;
+        const uint4 h = row[unit];
+        const bf16* he = reinterpret_cast<const bf16*>(&h);
+        const float4 g0 = __ldg(reinterpret_cast<const float4*>(norm.gain) + 2 * unit);
+        const float4 g1 = __ldg(reinterpret_cast<const float4*>(norm.gain) + 2 * unit + 1);
+        const float gain[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+        uint4 y;
+        bf16* ye = reinterpret_cast<bf16*>(&y);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ye[e] = to_bf16(to_f32(he[e]) * r * gain[e]);
+        row[unit] = y;
+        if (store) {
+          reinterpret_cast<uint4*>(norm.x_out + off)[unit] = h;
+          reinterpret_cast<uint4*>(norm.normed_out + off)[unit] = y;
+        }
+      }
+  }
+  __syncthreads();
+  rows_to_fragments(m, cols, xperm, xsum);
 }
 
 /// The rows mode's k-slice of column blocks c0 … c0 + kBlocks − 1: block c's fragments from the

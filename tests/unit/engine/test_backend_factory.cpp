@@ -121,6 +121,7 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_FALSE(o.moe_next_norm);
   EXPECT_EQ(o.moe_tile_balance, 8);
   EXPECT_EQ(o.moe_tile_claims_from, 65);
+  EXPECT_FALSE(o.rows_gemv_norm);
   EXPECT_TRUE(o.batched_decode);
   EXPECT_EQ(o.prefill_chunk, 4096);
   EXPECT_EQ(o.max_batch, 64);
@@ -129,7 +130,7 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_EQ(o.rows_gemv_split, "tiles");
   EXPECT_EQ(o.rows_gemv_ksplit_from, 9);
   EXPECT_TRUE(o.prefill_rows);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 gemv-tile-counter=1 gemv-blocks-per-sm=4 gemv-smem-kib=112 gemv-late-requests=none flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 moe-out-proj=0 moe-next-norm=0 moe-tile-balance=8 moe-tile-claims-from=65 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64 rows-gemv-from=2 rows-gemv-split=tiles rows-gemv-ksplit-from=9 prefill-rows=1 persistent-decode=0");
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 gemv-tile-counter=1 gemv-blocks-per-sm=4 gemv-smem-kib=112 gemv-late-requests=none flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 moe-out-proj=0 moe-next-norm=0 moe-tile-balance=8 moe-tile-claims-from=65 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64 rows-gemv-from=2 rows-gemv-split=tiles rows-gemv-ksplit-from=9 rows-gemv-norm=0 prefill-rows=1 persistent-decode=0");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {
@@ -143,12 +144,13 @@ TEST(CudaOptions, ReadsEveryVariable) {
       x("LILY_CUDA_GEMV_TILE_COUNTER", "0"), y("LILY_CUDA_GEMV_BLOCKS_PER_SM", "2"), z("LILY_CUDA_GEMV_SMEM_KIB", "224"),
       aa("LILY_CUDA_GEMV_LATE_REQUESTS", "staged"), ab("LILY_CUDA_MOE_NEXT_NORM", "1"),
       ac("LILY_CUDA_MOE_TILE_BALANCE", "12"), ad("LILY_CUDA_ROWS_GEMV_SPLIT", "0"),
-      ae("LILY_CUDA_ROWS_GEMV_KSPLIT_FROM", "33"), af("LILY_CUDA_MOE_TILE_CLAIMS_FROM", "40");
+      ae("LILY_CUDA_ROWS_GEMV_KSPLIT_FROM", "33"), af("LILY_CUDA_MOE_TILE_CLAIMS_FROM", "40"),
+      ag("LILY_CUDA_ROWS_GEMV_NORM", "1");
   const CudaOptions o = CudaOptions::from_env();
   EXPECT_FALSE(o.gdn_local_mma);
   EXPECT_FALSE(o.gdn_state_mma);
   EXPECT_EQ(o.gemm_kernel, "0");
-  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 gemv-tile-counter=0 gemv-blocks-per-sm=2 gemv-smem-kib=224 gemv-late-requests=staged flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv gemm-kernel=0 fused-moe=0 moe-out-proj=1 moe-next-norm=1 moe-tile-balance=12 moe-tile-claims-from=40 batched-decode=0 chunk=256 max-batch=16 decode-rows=64 rows-gemv-from=9 rows-gemv-split=0 rows-gemv-ksplit-from=33 prefill-rows=1 persistent-decode=debug");
+  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 gemv-tile-counter=0 gemv-blocks-per-sm=2 gemv-smem-kib=224 gemv-late-requests=staged flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv gemm-kernel=0 fused-moe=0 moe-out-proj=1 moe-next-norm=1 moe-tile-balance=12 moe-tile-claims-from=40 batched-decode=0 chunk=256 max-batch=16 decode-rows=64 rows-gemv-from=9 rows-gemv-split=0 rows-gemv-ksplit-from=33 rows-gemv-norm=1 prefill-rows=1 persistent-decode=debug");
 }
 
 /// The kernel-layer switches (the GDN passes' tensor cores, the GEMM kernel): each one alone,
@@ -234,13 +236,13 @@ TEST(CudaOptions, SetTakesEveryDescribedField) {
   for (const char* a : {"fuse=0", "pdl=0", "stream-gemv=0", "gemv-tile-counter=0", "gemv-blocks-per-sm=3", "gemv-smem-kib=160", "gemv-late-requests=all", "flash-prefill=0", "device-sampler=0", "gemv-row-tiles=0",
                         "gdn-chunk-parallel=0", "gdn-local-mma=0", "gdn-state-mma=0", "prefill=per-token", "gemm=gemv",
                         "gemm-kernel=grouped", "fused-moe=0", "moe-out-proj=1", "moe-next-norm=1", "moe-tile-balance=7", "moe-tile-claims-from=3", "batched-decode=0", "chunk=512", "max-batch=7",
-                        "decode-rows=48", "rows-gemv-from=9", "rows-gemv-split=all", "rows-gemv-ksplit-from=17", "prefill-rows=1", "persistent-decode=1"})
+                        "decode-rows=48", "rows-gemv-from=9", "rows-gemv-split=all", "rows-gemv-ksplit-from=17", "rows-gemv-norm=1", "prefill-rows=1", "persistent-decode=1"})
     changed.set(a);
   EXPECT_EQ(changed.describe(), "fuse=0 pdl=0 stream-gemv=0 gemv-tile-counter=0 gemv-blocks-per-sm=3 gemv-smem-kib=160 "
                                 "gemv-late-requests=all flash-prefill=0 device-sampler=0 gemv-row-tiles=0 "
                                 "gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv "
                                 "gemm-kernel=grouped fused-moe=0 moe-out-proj=1 moe-next-norm=1 moe-tile-balance=7 moe-tile-claims-from=3 batched-decode=0 chunk=512 max-batch=7 "
-                                "decode-rows=48 rows-gemv-from=9 rows-gemv-split=all rows-gemv-ksplit-from=17 prefill-rows=1 persistent-decode=1");
+                                "decode-rows=48 rows-gemv-from=9 rows-gemv-split=all rows-gemv-ksplit-from=17 rows-gemv-norm=1 prefill-rows=1 persistent-decode=1");
   // describe()'s own words, given back one by one, rebuild the same options.
   CudaOptions rebuilt;
   std::istringstream words(changed.describe());
