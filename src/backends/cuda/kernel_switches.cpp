@@ -48,23 +48,23 @@ RowsGemvSplit parse_rows_gemv_split(const std::string& v) {
   throw ::lily::Error("CudaOptions::rows_gemv_split (LILY_CUDA_ROWS_GEMV_SPLIT) must be 'tiles', 'all' or '0', got '" + v + "'");
 }
 
+/// A row-count threshold (1 … kRowsGemvNever, the last meaning never), checked before any switch
+/// is set. Throws lily::Error naming the field and its variable.
+void check_rows_threshold(int value, const char* field, const char* variable) {
+  if (value < 1 || value > CudaOptions::kRowsGemvNever)
+    throw ::lily::Error(std::string("CudaOptions::") + field + " (" + variable + ") must be 1 … " +
+                        std::to_string(CudaOptions::kRowsGemvNever) + ", got " + std::to_string(value));
+}
+
 }  // namespace
 
 void apply_kernel_switches(const CudaOptions& options) {
   const GemmKernel gemm = parse_gemm_kernel(options.gemm_kernel);
   const StreamLateRequests late = parse_late_requests(options.gemv_late_requests);
   const RowsGemvSplit split = parse_rows_gemv_split(options.rows_gemv_split);
-  if (options.rows_gemv_from < 1 || options.rows_gemv_from > CudaOptions::kRowsGemvNever)
-    throw ::lily::Error("CudaOptions::rows_gemv_from (LILY_CUDA_ROWS_GEMV_FROM) must be 1 … " +
-                        std::to_string(CudaOptions::kRowsGemvNever) + ", got " + std::to_string(options.rows_gemv_from));
-  if (options.rows_gemv_ksplit_from < 1 || options.rows_gemv_ksplit_from > CudaOptions::kRowsGemvNever)
-    throw ::lily::Error("CudaOptions::rows_gemv_ksplit_from (LILY_CUDA_ROWS_GEMV_KSPLIT_FROM) must be 1 … " +
-                        std::to_string(CudaOptions::kRowsGemvNever) + ", got " +
-                        std::to_string(options.rows_gemv_ksplit_from));
-  if (options.moe_tile_claims_from < 1 || options.moe_tile_claims_from > CudaOptions::kRowsGemvNever)
-    throw ::lily::Error("CudaOptions::moe_tile_claims_from (LILY_CUDA_MOE_TILE_CLAIMS_FROM) must be 1 … " +
-                        std::to_string(CudaOptions::kRowsGemvNever) + ", got " +
-                        std::to_string(options.moe_tile_claims_from));
+  check_rows_threshold(options.rows_gemv_from, "rows_gemv_from", "LILY_CUDA_ROWS_GEMV_FROM");
+  check_rows_threshold(options.rows_gemv_ksplit_from, "rows_gemv_ksplit_from", "LILY_CUDA_ROWS_GEMV_KSPLIT_FROM");
+  check_rows_threshold(options.moe_tile_claims_from, "moe_tile_claims_from", "LILY_CUDA_MOE_TILE_CLAIMS_FROM");
   set_pdl_enabled(options.pdl);
   set_stream_gemv_enabled(options.stream_gemv);
   set_stream_gemv_tile_counter_enabled(options.gemv_tile_counter);

@@ -940,14 +940,16 @@ void launch_add_rmsnorm_gemv(const FusedNorm& norm, const bf16* x, const DeviceQ
 }
 
 std::string rows_norm_gemv_problem(const DeviceQuant& w, int m) {
-  const std::string shape = std::to_string(w.rows) + " × " + std::to_string(w.cols) + ", " + std::to_string(w.bits) +
-                            "-bit, " + std::to_string(m) + " rows";
-  if (m < 1 || m > kMmaMaxTokens) return "the fused rows norm takes 1 … " + std::to_string(kMmaMaxTokens) + " rows (" + shape + ")";
+  auto shape = [&] {  // formed only for a refusal
+    return " (" + std::to_string(w.rows) + " × " + std::to_string(w.cols) + ", " + std::to_string(w.bits) + "-bit, " +
+           std::to_string(m) + " rows)";
+  };
+  if (m < 1 || m > kMmaMaxTokens) return "the fused rows norm takes 1 … " + std::to_string(kMmaMaxTokens) + " rows" + shape();
   if (!w.codes || w.bits != 4 || !stream_gemv_enabled() || w.rows > rows_mode_max_weight_rows() ||
       w.cols > kRowsNormMaxCols || w.cols % 512 != 0)
     return "the fused rows norm needs a 4-bit matrix the streaming GEMV's rows mode takes (columns a multiple of "
-           "512), at most " + std::to_string(kRowsNormMaxCols) + " columns (" + shape + ")";
-  if (rows_mode_rows_per_launch(w, m) != m) return "the rows mode does not take all rows in one launch (" + shape + ")";
+           "512), at most " + std::to_string(kRowsNormMaxCols) + " columns" + shape();
+  if (rows_mode_rows_per_launch(w, m) != m) return "the rows mode does not take all rows in one launch" + shape();
   return "";
 }
 
