@@ -31,6 +31,9 @@
 #                           switch test, then the 35b-a3b throughput once per threshold of
 #                           LILY_GPU_KSPLIT_FROM (default "65 9"; LILY_GPU_KSPLIT_ROUNDS times
 #                           each, alternating; default 2)
+#   LILY_GPU_STEPS=claims   the MoE rows kernel's tile claims after fixed shares
+#                           (LILY_CUDA_MOE_TILE_CLAIMS_FIXED): bit tests, chain timings, phases,
+#                           then the throughput per LILY_GPU_CLAIMS_SPLITS ("FROM:FIXED" pairs)
 #   LILY_GPU_STEPS=rows-norm  the input norms inside the in-projections (LILY_CUDA_ROWS_GEMV_NORM):
 #                           the GEMV bit tests (CudaBatchedDecode.RowsNorm*), the batched end-to-end
 #                           tests with it on, then the 35b-a3b throughput with it 0 and 1
@@ -95,7 +98,7 @@ targets=()
 # The steps that run lily or the 35b-a3b synth (made below when missing).
 needs_big_model() {
   local s
-  for s in streams big throughput balance split ksplit rows rows-norm prof prof-gemv prof-source persistent prof-persistent trace stalls ab; do
+  for s in streams big throughput balance split ksplit rows rows-norm claims prof prof-gemv prof-source persistent prof-persistent trace stalls ab; do
     has "$s" && return 0
   done
   return 1
@@ -216,6 +219,28 @@ if has ksplit; then
   timeout 120 "$BUILD/tests/test_kernel_switches" >"$OUT/ksplit-switches.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure" "$OUT/ksplit-switches.log" | head -10
   throughput_sweep LILY_CUDA_ROWS_GEMV_KSPLIT_FROM "${LILY_GPU_KSPLIT_FROM:-65 9}" "${LILY_GPU_KSPLIT_ROUNDS:-2}" ksplit
+fi
+if has claims; then
+  echo "== test_moe_block: the rows kernel's bit tests (tile claims after fixed shares among them), chain timings, phases"
+  timeout 420 "$BUILD/tests/test_moe_block" \
+    --gtest_filter='CudaMoeBlock.Rows*:CudaTiming.PrintsMoeBlockTimes:CudaTiming.PrintsMoeBlockPhases' \
+    >"$OUT/claims-moe.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|Which is|tiles claimed|fixed shares|phase (barrier|rows|ids|routing|requests|gate|down)" \
+    "$OUT/claims-moe.log" | head -150
+  timeout 120 "$BUILD/tests/test_kernel_switches" >"$OUT/claims-switches.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure" "$OUT/claims-switches.log" | head -10
+  obj=$(find "$BUILD" -name 'moe_block_rows.cu.o' | head -1)
+  [[ -n "$obj" ]] && cuobjdump -sass "$obj" 2>/dev/null | grep -oE "ATOMS\.[A-Z0-9.]+" | sort | uniq -c
+  # Batched throughput per split: "FROM:FIXED" pairs (65: no claims).
+  for round in $(seq 1 "${LILY_GPU_CLAIMS_ROUNDS:-1}"); do
+    for pair in ${LILY_GPU_CLAIMS_SPLITS:-65:0 17:75 17:90}; do
+      echo "== batched decode throughput, 35b-a3b, claims from ${pair%%:*}, ${pair##*:} % fixed (round $round)"
+      LILY_CUDA_MOE_TILE_CLAIMS_FROM=${pair%%:*} LILY_CUDA_MOE_TILE_CLAIMS_FIXED=${pair##*:} LILY_GPU_BIG_MODEL="$M" \
+        LILY_GPU_BATCHED_ONLY=1 \
+        timeout 300 "$BUILD/tests/test_cuda_e2e" --gtest_filter='CudaE2e.PrintsBatchedDecodeThroughput' 2>&1 |
+        grep -E "timing\]|FAILED" | grep -v realdims | grep -v "decode off" | tee "$OUT/claims-throughput-${pair/:/-}-$round.log"
+    done
+  done
 fi
 if has rows-norm; then
   echo "== test_batched_decode: the fused rows norm's bit tests; the batched end-to-end tests with it on"

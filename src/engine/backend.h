@@ -272,6 +272,11 @@ struct CudaOptions {
   /// 65: never, the default (on an H200 +1.1 % at 32 rows, −2.0 % at 48, −0.4 % at 64). A speed
   /// setting: which block computes a tile never changes a bit (docs/cuda.md, "Batched steps").
   int moe_tile_claims_from = kRowsGemvNever;
+  /// LILY_CUDA_MOE_TILE_CLAIMS_FIXED 0 … 100: with tile claims (moe_tile_claims_from), the per
+  /// cent of the routed gate/up tiles split over the blocks in equal contiguous shares first
+  /// (their activation columns shared in L1), only the rest claimed. 0 by default: every routed
+  /// tile claimed. A speed setting (docs/cuda.md, "Batched steps").
+  int moe_tile_claims_fixed = 0;
   /// LILY_CUDA_ROWS_GEMV_NORM 1|0: in the batched decode's steps of 2 … 8 rows each layer's
   /// input add + RMSNorm is formed by the in-projection's blocks while they stage the rows
   /// (launch_add_rmsnorm_gemv_rows: one launch fewer a layer, the same bits) instead of by a
@@ -458,6 +463,7 @@ inline std::span<const Field> fields() {
       {"moe-tile-balance", "LILY_CUDA_MOE_TILE_BALANCE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_tile_balance = parse_int(l, v, 0, CudaOptions::kMaxMoeTileBalance); }},
       {"rows-gemv-norm", "LILY_CUDA_ROWS_GEMV_NORM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_norm = parse_choice(l, v, "1", "0"); }},
       {"moe-tile-claims-from", "LILY_CUDA_MOE_TILE_CLAIMS_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_tile_claims_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
+      {"moe-tile-claims-fixed", "LILY_CUDA_MOE_TILE_CLAIMS_FIXED", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_tile_claims_fixed = parse_int(l, v, 0, 100); }},
       {"rows-gemv-from", "LILY_CUDA_ROWS_GEMV_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
       {"rows-gemv-ksplit-from", "LILY_CUDA_ROWS_GEMV_KSPLIT_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_ksplit_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
       {"rows-gemv-split", "LILY_CUDA_ROWS_GEMV_SPLIT", [](CudaOptions& o, const std::string& l, const std::string& v) {
@@ -524,6 +530,7 @@ inline std::string CudaOptions::describe() const {
          " fused-moe=" + (fused_moe ? "1" : "0") + " moe-out-proj=" + (moe_out_proj ? "1" : "0") +
          " moe-next-norm=" + (moe_next_norm ? "1" : "0") + " moe-tile-balance=" + std::to_string(moe_tile_balance) +
          " moe-tile-claims-from=" + std::to_string(moe_tile_claims_from) +
+         " moe-tile-claims-fixed=" + std::to_string(moe_tile_claims_fixed) +
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
          " max-batch=" + std::to_string(max_batch) + " decode-rows=" + std::to_string(decode_rows) +
          " rows-gemv-from=" + std::to_string(rows_gemv_from) + " rows-gemv-split=" + rows_gemv_split +

@@ -1296,12 +1296,18 @@ TEST_F(CudaE2e, PrintsBatchedDecodeThroughput) {
     std::printf("[batched decode timing] profiled: %.1f tok/s\n", decode_tok_s(*gpu, B, 3, /*profile=*/true));
     return;
   }
+  // LILY_GPU_BATCHED_ONLY=1 (with LILY_GPU_BIG_MODEL): only the big model with the batched decode
+  // on (the sweeps of a switch, which never reaches the one-sequence path).
+  const char* big = std::getenv("LILY_GPU_BIG_MODEL");
+  const char* only_env = std::getenv("LILY_GPU_BATCHED_ONLY");
+  const bool batched_only = big && *big && only_env && std::string(only_env) == "1";
   TempDir dir;
   std::vector<std::pair<std::string, std::shared_ptr<const ModelWeights>>> models;
-  models.emplace_back("realdims", synth("realdims", dir.path()));
-  if (const char* big = std::getenv("LILY_GPU_BIG_MODEL"); big && *big) models.emplace_back("35b-a3b", load_model(big));
+  if (!batched_only) models.emplace_back("realdims", synth("realdims", dir.path()));
+  if (big && *big) models.emplace_back("35b-a3b", load_model(big));
   for (auto& [name, w] : models) {
     for (const bool batched : {false, true}) {
+      if (batched_only && !batched) continue;
       CudaOptions o = batched_options(cuda::kMaxDecodeRows);
       o.batched_decode = batched;
       auto gpu = make_cuda_backend(w, o);

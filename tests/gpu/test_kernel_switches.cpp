@@ -120,6 +120,22 @@ TEST(KernelSwitches, MoeTileClaimsFromReachesItsSetting) {
   for (int bad : {0, CudaOptions::kRowsGemvNever + 1}) EXPECT_THROW(cuda::set_moe_tile_claims_from_rows(bad), Error) << bad;
 }
 
+TEST(KernelSwitches, MoeTileClaimsFixedReachesItsSetting) {
+  CudaOptions o;
+  o.moe_tile_claims_fixed = 80;
+  cuda::apply_kernel_switches(o);
+  EXPECT_EQ(cuda::moe_tile_claims_fixed_percent(), 80);
+  for (int bad : {-1, 101}) {
+    o.pdl = false;
+    o.moe_tile_claims_fixed = bad;
+    EXPECT_THROW(cuda::apply_kernel_switches(o), Error) << bad;
+    EXPECT_TRUE(cuda::pdl_enabled()) << "nothing set before the throw";
+    EXPECT_THROW(cuda::set_moe_tile_claims_fixed_percent(bad), Error) << bad;
+  }
+  cuda::apply_kernel_switches(CudaOptions{});
+  EXPECT_EQ(cuda::moe_tile_claims_fixed_percent(), 0);
+}
+
 TEST(KernelSwitches, RowsGemvSplitReachesItsSetting) {
   cuda::apply_kernel_switches(CudaOptions{});
   EXPECT_EQ(cuda::rows_gemv_split(), cuda::RowsGemvSplit::tiles);

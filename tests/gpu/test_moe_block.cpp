@@ -674,45 +674,58 @@ TEST(CudaMoeBlock, RowsKernelRouteOnceKeepsTheBits) {
 }
 
 // The rows kernel's quads claiming their routed gate/up tiles as they go (MoeDecodeArgs::
-// tile_claims, from cuda::moe_tile_claims_from_rows rows on) against the blocks' fixed shares
-// (by count below kMoeTileBalanceFromRows rows, else by cost): the same outputs for 2-, 8-, 33-
-// and 64-row chains of 4 layers, every layer a different claim order.
+// tile_claims, from cuda::moe_tile_claims_from_rows rows on), all of them or the tail after the
+// blocks' equal fixed shares (cuda::moe_tile_claims_fixed_percent), against the blocks' fixed
+// shares alone (by count below kMoeTileBalanceFromRows rows, else by cost): the same outputs for
+// 2-, 8-, 33- and 64-row chains of 4 layers, every layer a different claim order. The act is
+// poisoned before every run, so a tile no quad computes shows as NaN.
 TEST(CudaMoeBlock, RowsKernelTileClaimsKeepTheBits) {
   const PdlSetting keep;
   keep.set(true);
   const ScopedSwitch<int> claims(cuda::moe_tile_claims_from_rows, cuda::set_moe_tile_claims_from_rows);
+  const ScopedSwitch<int> fixed(cuda::moe_tile_claims_fixed_percent, cuda::set_moe_tile_claims_fixed_percent);
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  int blocks = 0, dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev));
+  struct Split {
+    int from, percent;  ///< claims from `from` rows, `percent` of the routed tiles in fixed shares first
+  };
+  const Split never{cuda::kMaxMoeRows + 1, 0};
   for (int rows : {2, 8, 33, 64}) {
     std::mt19937_64 rng(78);
     MoeBlockChain chain(256, 8, 2048, 512, 4, rng, rows);
     chain.rows_kernel = true;
     std::vector<uint32_t> want;
-    for (int from : {cuda::kMaxMoeRows + 1, 1, cuda::kMaxMoeRows + 1, 1}) {  // fixed, claimed, again
-      claims.set(from);
+    for (const Split split : {never, Split{1, 0}, never, Split{1, 75}, Split{1, 100}, Split{1, 0}}) {
+      claims.set(split.from);
+      fixed.set(split.percent);
+      const std::string what = std::to_string(rows) + " rows, claims from " + std::to_string(split.from) + ", " +
+                               std::to_string(split.percent) + " % fixed";
+      chain.m.act.fill_bytes(0xFF);
       chain.reset();
       chain.enqueue(stream);
       const std::vector<float> got = chain.result();
-      for (float v : got) ASSERT_FALSE(std::isnan(v)) << rows << " rows, claims from " << from;
+      for (float v : got) ASSERT_FALSE(std::isnan(v)) << what;
       if (want.empty()) want = bits_of(got);
-      else EXPECT_EQ(bits_of(got), want) << rows << " rows, claims from " << from;
+      else EXPECT_EQ(bits_of(got), want) << what;
+      if (split.from > rows) continue;
+      // Every routed tile once: the last layer's counter ends past the claimed tail (the routed
+      // tiles beyond the blocks' equal fixed shares), by less than one claim per quad of the grid.
+      std::vector<uint32_t> counters(size_t(chain.blocks) * 4);
+      CUDA_CHECK(cudaMemcpy(counters.data(), chain.barriers.data(), counters.size() * 4, cudaMemcpyDeviceToHost));
+      const std::vector<int32_t> ids = download_i32(chain.m.ids, int64_t(rows) * 9);  // the last layer's routing
+      std::vector<int> routed(256, 0);
+      for (int r = 0; r < rows; ++r)
+        for (int slot = 0; slot < 8; ++slot) ++routed.at(size_t(ids[size_t(r) * 9 + slot]));
+      int64_t routed_tiles = 0;
+      for (int n : routed) routed_tiles += (n + 7) / 8 * (512 / 8);
+      const int64_t tail = routed_tiles - routed_tiles * split.percent / 100 / blocks * blocks;
+      const int64_t claimed = counters[size_t(chain.blocks - 1) * 4 + 3];
+      EXPECT_GE(claimed, tail) << what << ": the last layer's claims";
+      EXPECT_LT(claimed, tail + int64_t(blocks) * 4 * 2 + 1) << what << ": the last layer's claims";
     }
-    // Every routed tile claimed once: each layer's counter ends past the routed tiles, by less
-    // than one claim per quad of the grid.
-    int blocks = 0, dev = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev));
-    std::vector<uint32_t> counters(size_t(chain.blocks) * 4);
-    CUDA_CHECK(cudaMemcpy(counters.data(), chain.barriers.data(), counters.size() * 4, cudaMemcpyDeviceToHost));
-    const std::vector<int32_t> ids = download_i32(chain.m.ids, int64_t(rows) * 9);  // the last layer's routing
-    std::vector<int> routed(256, 0);
-    for (int r = 0; r < rows; ++r)
-      for (int slot = 0; slot < 8; ++slot) ++routed.at(size_t(ids[size_t(r) * 9 + slot]));
-    int64_t routed_tiles = 0;
-    for (int n : routed) routed_tiles += (n + 7) / 8 * (512 / 8);
-    const int64_t claimed = counters[size_t(chain.blocks - 1) * 4 + 3];
-    EXPECT_GE(claimed, routed_tiles) << rows << " rows: the last layer's claims";
-    EXPECT_LT(claimed, routed_tiles + int64_t(blocks) * 4 * 2 + 1) << rows << " rows: the last layer's claims";
   }
   CUDA_CHECK(cudaStreamDestroy(stream));
 }
@@ -796,14 +809,18 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
       });
     }
   }
-  {  // the routed tiles claimed by the quads as they go (moe_tile_claims_from_rows) or fixed shares
+  {  // the routed tiles claimed by the quads as they go (moe_tile_claims_from_rows), all of them or
+     // after fixed shares (moe_tile_claims_fixed_percent), or fixed shares alone
     const ScopedSwitch<int> claims(cuda::moe_tile_claims_from_rows, cuda::set_moe_tile_claims_from_rows);
+    const ScopedSwitch<int> fixed(cuda::moe_tile_claims_fixed_percent, cuda::set_moe_tile_claims_fixed_percent);
     for (int rows : {8, 16, 32, 48, 64}) {
       MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
       rchain.rows_kernel = true;
-      compare(rchain, 2, [&](int i) {
-        claims.set(i == 0 ? cuda::kMaxMoeRows + 1 : 1);
-        return std::string(i == 0 ? "fixed shares" : "tiles claimed");
+      const int percents[] = {-1, 0, 50, 75, 90};  // -1: fixed shares alone
+      compare(rchain, static_cast<int>(std::size(percents)), [&](int i) {
+        claims.set(percents[i] < 0 ? cuda::kMaxMoeRows + 1 : 1);
+        fixed.set(std::max(percents[i], 0));
+        return percents[i] < 0 ? std::string("fixed shares") : "tiles claimed after " + std::to_string(percents[i]) + " % fixed";
       });
     }
   }
@@ -869,11 +886,13 @@ TEST(CudaTiming, PrintsMoeOutProjectionTimes) {
 // every block of the last layer of the 40-layer graph chain (whose routing stays in the chain's
 // ids buffer), relative to the first block's entry; per phase the earliest, median and latest
 // block (printed, never asserted).
-void print_moe_phases(int rows, bool claims = false) {
+void print_moe_phases(int rows, bool claims = false, int fixed_percent = 0) {
   const PdlSetting keep;
   keep.set(true);
   const ScopedSwitch<int> claim_switch(cuda::moe_tile_claims_from_rows, cuda::set_moe_tile_claims_from_rows);
   claim_switch.set(claims ? 1 : cuda::kMaxMoeRows + 1);
+  const ScopedSwitch<int> fixed_switch(cuda::moe_tile_claims_fixed_percent, cuda::set_moe_tile_claims_fixed_percent);
+  fixed_switch.set(fixed_percent);
   std::mt19937_64 rng(74);
   MoeBlockChain chain(256, 8, 2048, 512, 40, rng, rows);
   int blocks = 0, dev = 0;  // the kernel runs one block per SM
@@ -896,14 +915,20 @@ void print_moe_phases(int rows, bool claims = false) {
   for (int b = 0; b < blocks; ++b) t0 = std::min(t0, at(b, 0));
   // The rows kernel norms and computes the router logits in one phase (stamps 2 and 3), and
   // stamp 10 follows its act group sums.
-  static const char* kPhase[cuda::kMoeTracePoints] = {"entry", "PDL wait", "norm", "router", "barrier 1", "routing",
-                                                     "requests", "gate/up", "SwiGLU", "barrier 2", "act staged", "down"};
-  for (int p = 0; p < cuda::kMoeTracePoints; ++p) {
+  // Stamps 12 and 13 detail the rows kernel's routing (kMoeTraceRouted, kMoeTraceIds); a
+  // point that no block stamped (0) is left out.
+  static const char* kPhase[cuda::kMoeTracePoints] = {"entry",   "PDL wait", "norm",       "router", "barrier 1",
+                                                     "routing", "requests", "gate/up",    "SwiGLU", "barrier 2",
+                                                     "act staged", "down", "rows routed", "ids read"};
+  const std::string how = claims ? " (tiles claimed after " + std::to_string(fixed_percent) + " % fixed)" : "";
+  for (int p : {0, 1, 2, 3, 4, cuda::kMoeTraceRouted, cuda::kMoeTraceIds, 5, 6, 7, 8, 9, 10, 11}) {
     std::vector<double> us;
-    for (int b = 0; b < blocks; ++b) us.push_back((at(b, p) - t0) / 1000.0);
+    for (int b = 0; b < blocks; ++b)
+      if (at(b, p) != 0) us.push_back((at(b, p) - t0) / 1000.0);
+    if (us.empty()) continue;
     std::sort(us.begin(), us.end());
-    std::printf("[timing] moe block %d rows%s, phase %-10s  first %6.2f  median %6.2f  last %6.2f us\n", rows,
-                claims ? " (tiles claimed)" : "", kPhase[p], us.front(), us[us.size() / 2], us.back());
+    std::printf("[timing] moe block %d rows%s, phase %-11s  first %6.2f  median %6.2f  last %6.2f us\n", rows,
+                how.c_str(), kPhase[p], us.front(), us[us.size() / 2], us.back());
   }
   // The gate/up phase's slowest blocks (from its requests to its last tile): the tail. The rows
   // kernel also says what each block worked on (kMoeTraceWork): its SM, its gate/up tiles (the
@@ -994,6 +1019,8 @@ TEST(CudaTiming, PrintsMoeBlockPhases) {
   print_moe_phases(64);
   print_moe_phases(32, true);
   print_moe_phases(64, true);
+  print_moe_phases(32, true, 75);
+  print_moe_phases(64, true, 75);
 }
 
 }  // namespace

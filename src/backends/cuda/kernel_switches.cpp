@@ -65,6 +65,9 @@ void apply_kernel_switches(const CudaOptions& options) {
   check_rows_threshold(options.rows_gemv_from, "rows_gemv_from", "LILY_CUDA_ROWS_GEMV_FROM");
   check_rows_threshold(options.rows_gemv_ksplit_from, "rows_gemv_ksplit_from", "LILY_CUDA_ROWS_GEMV_KSPLIT_FROM");
   check_rows_threshold(options.moe_tile_claims_from, "moe_tile_claims_from", "LILY_CUDA_MOE_TILE_CLAIMS_FROM");
+  if (options.moe_tile_claims_fixed < 0 || options.moe_tile_claims_fixed > 100)
+    throw ::lily::Error("CudaOptions::moe_tile_claims_fixed (LILY_CUDA_MOE_TILE_CLAIMS_FIXED) must be 0 … 100 (per cent), got " +
+                        std::to_string(options.moe_tile_claims_fixed));
   set_pdl_enabled(options.pdl);
   set_stream_gemv_enabled(options.stream_gemv);
   set_stream_gemv_tile_counter_enabled(options.gemv_tile_counter);
@@ -81,6 +84,7 @@ void apply_kernel_switches(const CudaOptions& options) {
   set_rows_gemv_staging_min_rows(options.rows_gemv_from);
   set_moe_tile_balance(options.moe_tile_balance);
   set_moe_tile_claims_from_rows(options.moe_tile_claims_from);
+  set_moe_tile_claims_fixed_percent(options.moe_tile_claims_fixed);
   set_rows_gemv_split(split);
   set_rows_gemv_ksplit_from(options.rows_gemv_ksplit_from);
 }

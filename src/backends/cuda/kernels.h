@@ -369,6 +369,14 @@ int moe_tile_claims_from_rows();
 /// Sets moe_tile_claims_from_rows() for the rest of the process. Throws lily::Error for n < 1 or
 /// n > kMaxMoeRows + 1.
 void set_moe_tile_claims_from_rows(int n);
+/// With tile claims (moe_tile_claims_from_rows): the per cent (0 … 100) of the routed gate/up
+/// tiles that the blocks split in equal contiguous shares before claiming the rest, so that most
+/// tiles keep their neighbours' activation columns in L1 and only the tail is balanced by claims.
+/// 0 (the default): every routed tile is claimed. A speed setting only (a tile's bits never
+/// depend on its block). Process-wide (CudaOptions::moe_tile_claims_fixed).
+int moe_tile_claims_fixed_percent();
+/// Sets moe_tile_claims_fixed_percent(). Throws lily::Error outside 0 … 100.
+void set_moe_tile_claims_fixed_percent(int percent);
 
 /// Blocks per SM the streaming GEMV (quant_gemv.cu) is compiled for in its staged and direct
 /// modes with one column block (the decode projections and the LM head): its register budget,
@@ -544,8 +552,15 @@ struct MoeDecodeArgs {
   uint64_t* trace = nullptr;
 };
 
-/// Phase stamps per block of MoeDecodeArgs::trace.
-inline constexpr int kMoeTracePoints = 12;
+/// Phase stamps per block of MoeDecodeArgs::trace: the twelve above, then the rows kernel's
+/// routing in detail (kMoeTraceRouted, kMoeTraceIds; 0 where the kernel has no such point).
+inline constexpr int kMoeTracePoints = 14;
+/// The rows kernel routing each row once: its rows routed, before the grid barrier that
+/// publishes them.
+inline constexpr int kMoeTraceRouted = 12;
+/// The rows kernel: the step's ids and weights in shared memory (routed in the block, or read
+/// after that barrier), before the distinct experts are listed.
+inline constexpr int kMoeTraceIds = 13;
 /// The trace slot after the stamps: the rows kernel's SM and gate/up work (moe_trace_work).
 inline constexpr int kMoeTraceWork = kMoeTracePoints;
 /// uint64 slots per block of MoeDecodeArgs::trace.

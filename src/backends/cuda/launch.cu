@@ -39,6 +39,8 @@ std::atomic<int> g_moe_tile_balance{8};
 std::atomic<int> g_moe_route_once_from_rows{kMoeRouteOnceFromDefault};
 /// Rows from which the MoE rows kernel's quads claim their routed gate/up tiles (moe_tile_claims_from_rows).
 std::atomic<int> g_moe_tile_claims_from_rows{kMoeTileClaimsFromDefault};
+/// The fixed share of the routed tiles under claims (moe_tile_claims_fixed_percent).
+std::atomic<int> g_moe_tile_claims_fixed_percent{0};
 /// The streaming GEMV's stage budget (stream_gemv_smem_per_sm, stream_gemv_blocks_per_sm).
 std::atomic<int64_t> g_stream_smem_per_sm{kStreamSmemPerSm};
 std::atomic<int> g_stream_blocks_per_sm{kStreamBlocksPerSm};
@@ -136,6 +138,13 @@ void set_moe_tile_claims_from_rows(int n) {
     throw ::lily::Error("CudaOptions::moe_tile_claims_from (LILY_CUDA_MOE_TILE_CLAIMS_FROM) must be 1 … " +
                         std::to_string(kMaxMoeRows + 1) + ", got " + std::to_string(n));
   g_moe_tile_claims_from_rows.store(n, std::memory_order_relaxed);
+}
+int moe_tile_claims_fixed_percent() { return g_moe_tile_claims_fixed_percent.load(std::memory_order_relaxed); }
+void set_moe_tile_claims_fixed_percent(int percent) {
+  if (percent < 0 || percent > 100)
+    throw ::lily::Error("CudaOptions::moe_tile_claims_fixed (LILY_CUDA_MOE_TILE_CLAIMS_FIXED) must be 0 … 100 (per cent), got " +
+                        std::to_string(percent));
+  g_moe_tile_claims_fixed_percent.store(percent, std::memory_order_relaxed);
 }
 
 int64_t stream_gemv_smem_per_sm() { return g_stream_smem_per_sm.load(std::memory_order_relaxed); }

@@ -126,6 +126,10 @@ struct MoeLayout {
   /// The routed gate/up tiles claimed by the quads as they go (moe_tile_claims_from_rows, on
   /// MoeDecodeArgs::tile_claims) instead of split over the blocks before phase 3.
   bool claims = false;
+  /// With claims: the per cent of the routed tiles split over the blocks in equal contiguous
+  /// shares first (neighbouring tiles, their columns shared in L1), the rest claimed
+  /// (moe_tile_claims_fixed_percent); 0: every routed tile claimed.
+  int claims_fixed = 0;
   int64_t bars = 0, sel_ids = 0, sel_w = 0, list = 0, rows_of = 0, pair_start = 0, item_start = 0, item_expert = 0,
           item_span = 0, pair_d = 0, pairs_of = 0, word_prefix = 0;
   int64_t gu_ring = 0, asum = 0, late_ring = 0, dn_ring = 0, xsums = 0, gu_part = 0, dn_part = 0;
@@ -450,7 +454,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   // The first claim of each quad whose first QS tiles reach the routed ones, its round trip under
   // the routing (kept in a register until the column blocks are listed; the counter was zeroed
   // before the launch).
-  const bool first_claim = l.claims && wq == 0 && lane == 0 && quad_shared < QS;
+  const bool first_claim = l.claims && l.claims_fixed == 0 && wq == 0 && lane == 0 && quad_shared < QS;
   const int first_claimed = first_claim ? static_cast<int>(atomicAdd(a.tile_claims, kClaimTiles)) : 0;
   // The normed rows' group sums, and the logits of kRouteRowsPerPass rows at a time into shared
   // memory, each pass in one round trip (the row staging is free until the gate/up partials use
@@ -466,6 +470,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
       if (E <= kWarp * kRouteKeysSmall) route_token_keys<kRouteKeysSmall>(logits, E, k, a.ids + r * n_sel, a.weights + r * n_sel);
       else route_token_keys<kRouteKeysLarge>(logits, E, k, a.ids + r * n_sel, a.weights + r * n_sel);
     }
+    trace_point(a, kMoeTraceRouted);
     grid_sync(a.barriers + 2, G);
     for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
       sel_ids[i] = __ldcg(a.ids + i);
@@ -488,6 +493,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     }
     __syncthreads();  // the pass's logits are read before the next pass overwrites them
   }
+  trace_point(a, kMoeTraceIds);
   // The distinct experts: 0 the shared one, then the routed ones in ascending id (a bitmap and
   // its prefix counts); rows_of[d] the rows routed to d.
   for (int i = threadIdx.x; i < m * k; i += blockDim.x) {
@@ -512,7 +518,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     const int d = s == k ? 0 : 1 + word_prefix[e / 32] + __popc(used[e / 32] & ((1u << (e % 32)) - 1u));
     list[d] = s == k ? E : e;  // rows that share an expert write the same value
     pair_d[i] = static_cast<int16_t>(d);
-    atomicOr(&rows_of[d], RowMask{1} << r);
+    // Every row takes the shared expert (d = 0): its mask is set once below, not by m atomics on
+    // one word.
+    if (s != k) atomicOr(&rows_of[d], RowMask{1} << r);
+    else if (r == 0) rows_of[0] = m == kMaxMoeRows ? ~RowMask{0} : (RowMask{1} << m) - 1;
     if (b == 0 && !l.route_once) {
       a.ids[i] = e;
       a.weights[i] = sel_w[i];
@@ -575,18 +584,34 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     chunk0 = routed_first_s;
     routed_end = routed_end_s;
   }
-  const int my_gu = l.claims ? -1 : my_shared + static_cast<int>(routed_end - chunk0);  // -1: claimed as it goes
+  // With claims and a fixed share (MoeLayout::claims_fixed): block b first takes routed tiles
+  // [b·F, (b + 1)·F) (F the same for every block), and the claims count from G·F.
+  int64_t claim_offset = 0;
+  if (l.claims) {
+    const int64_t fixed = n_routed * l.claims_fixed / 100 / G;
+    chunk0 = b * fixed;
+    routed_end = chunk0 + fixed;
+    claim_offset = fixed * G;
+  }
+  const int my_gu = my_shared + static_cast<int>(routed_end - chunk0);
+  // The quad's tiles of the block's fixed share (q, q + 4, … < my_gu); with claims, its claimed
+  // tiles follow them.
+  const int quad_fixed = my_gu > quad ? (my_gu - 1 - quad) / kQuads + 1 : 0;
+  if (l.claims && l.claims_fixed > 0) {  // the first claim, once the fixed share is known
+    if (wq == 0 && lane == 0 && quad_fixed < QS) claim_s[quad] = static_cast<int>(atomicAdd(a.tile_claims, kClaimTiles));
+    __syncthreads();
+  }
   // The quad's n-th gate/up tile (-1: none), asked for once per n in ascending order by every
-  // warp of the quad; with claims, at n = quad_shared + c·kClaimTiles after claim c was written to
+  // warp of the quad; with claims, at n = quad_fixed + c·kClaimTiles after claim c was written to
   // claim_s[quad] by the quad's lane 0 (needs_claim) and a quad barrier.
   int claim_base = 0;
-  auto needs_claim = [&](int n) { return l.claims && n >= quad_shared && (n - quad_shared) % kClaimTiles == 0; };
+  auto needs_claim = [&](int n) { return l.claims && n >= quad_fixed && (n - quad_fixed) % kClaimTiles == 0; };
   auto quad_tile = [&](int n) {
-    if (!l.claims) return quad + kQuads * n < my_gu ? tile_of(quad + kQuads * n) : -1;
-    if (n < quad_shared) return tile_of(quad + kQuads * n);
-    const int u = n - quad_shared;
+    if (n < quad_fixed) return tile_of(quad + kQuads * n);
+    if (!l.claims) return -1;
+    const int u = n - quad_fixed;
     if (u % kClaimTiles == 0) claim_base = *reinterpret_cast<volatile int*>(claim_s + quad);
-    const int64_t r = int64_t{claim_base} + u % kClaimTiles;
+    const int64_t r = claim_offset + claim_base + u % kClaimTiles;
     return r < n_routed ? shared_tiles + static_cast<int>(r) : -1;
   };
   const int dn_items = my_rt * n_items;  // (row tile, column block), flattened
@@ -810,6 +835,7 @@ MoePlan<MoeLayout> moe_plan(const MoeDecodeArgs& a, int max_blocks) {
   p.layout.balance = a.rows >= kMoeTileBalanceFromRows ? moe_tile_balance() : 0;
   p.layout.route_once = a.rows >= moe_route_once_from_rows();
   p.layout.claims = a.tile_claims != nullptr && a.rows >= moe_tile_claims_from_rows();
+  p.layout.claims_fixed = p.layout.claims ? moe_tile_claims_fixed_percent() : 0;
   return finish_plan(p, kLabel, a, moe_rows_kernel<8>, moe_rows_kernel<4>);
 }
 
