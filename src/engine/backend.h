@@ -280,7 +280,8 @@ struct CudaOptions {
   /// LILY_CUDA_ROWS_GEMV_NORM 1|0: in the batched decode's steps of 2 … 8 rows each layer's
   /// input add + RMSNorm is formed by the in-projection's blocks while they stage the rows
   /// (launch_add_rmsnorm_gemv_rows: one launch fewer a layer, the same bits) instead of by a
-  /// launch of its own. Off by default until a GPU has timed it (docs/cuda.md, "Batched steps").
+  /// launch of its own. Off: on an H100 the same bits but 4–9 % slower at 2–8 rows (docs/cuda.md,
+  /// "Batched steps").
   bool rows_gemv_norm = false;
   /// LILY_CUDA_GEMM_KERNEL wgmma-mixed|wgmma-narrow|wgmma|grouped|all|0:
   /// the 4-bit grouped and dense GEMMs of the tensor-core prefill run on Hopper warpgroup MMAs

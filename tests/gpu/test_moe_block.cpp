@@ -886,9 +886,11 @@ TEST(CudaTiming, PrintsMoeOutProjectionTimes) {
 // every block of the last layer of the 40-layer graph chain (whose routing stays in the chain's
 // ids buffer), relative to the first block's entry; per phase the earliest, median and latest
 // block (printed, never asserted).
-void print_moe_phases(int rows, bool claims = false, int fixed_percent = 0) {
+void print_moe_phases(int rows, bool claims = false, int fixed_percent = 0, bool route_in_every_block = false) {
   const PdlSetting keep;
   keep.set(true);
+  const ScopedSwitch<int> once_switch(cuda::moe_route_once_from_rows, cuda::set_moe_route_once_from_rows);
+  if (route_in_every_block) once_switch.set(cuda::kMaxMoeRows + 1);
   const ScopedSwitch<int> claim_switch(cuda::moe_tile_claims_from_rows, cuda::set_moe_tile_claims_from_rows);
   claim_switch.set(claims ? 1 : cuda::kMaxMoeRows + 1);
   const ScopedSwitch<int> fixed_switch(cuda::moe_tile_claims_fixed_percent, cuda::set_moe_tile_claims_fixed_percent);
@@ -920,7 +922,8 @@ void print_moe_phases(int rows, bool claims = false, int fixed_percent = 0) {
   static const char* kPhase[cuda::kMoeTracePoints] = {"entry",   "PDL wait", "norm",       "router", "barrier 1",
                                                      "routing", "requests", "gate/up",    "SwiGLU", "barrier 2",
                                                      "act staged", "down", "rows routed", "ids read"};
-  const std::string how = claims ? " (tiles claimed after " + std::to_string(fixed_percent) + " % fixed)" : "";
+  const std::string how = std::string(claims ? " (tiles claimed after " + std::to_string(fixed_percent) + " % fixed)" : "") +
+                          (route_in_every_block ? " (every block routes)" : "");
   for (int p : {0, 1, 2, 3, 4, cuda::kMoeTraceRouted, cuda::kMoeTraceIds, 5, 6, 7, 8, 9, 10, 11}) {
     std::vector<double> us;
     for (int b = 0; b < blocks; ++b)
@@ -1021,6 +1024,8 @@ TEST(CudaTiming, PrintsMoeBlockPhases) {
   print_moe_phases(64, true);
   print_moe_phases(32, true, 75);
   print_moe_phases(64, true, 75);
+  print_moe_phases(8, false, 0, true);
+  print_moe_phases(32, false, 0, true);
 }
 
 }  // namespace
