@@ -268,15 +268,17 @@ struct CudaOptions {
   int moe_tile_balance = 8;
   /// LILY_CUDA_MOE_TILE_CLAIMS_FROM 1 … 65: the rows from which the batched decode's MoE rows
   /// kernel lets its quads claim the routed gate/up tiles two at a time as they go (so no block
-  /// waits long at its grid barrier for one whose share took longer) instead of fixed shares;
-  /// 65: never, the default (on an H200 +1.1 % at 32 rows, −2.0 % at 48, −0.4 % at 64). A speed
-  /// setting: which block computes a tile never changes a bit (docs/cuda.md, "Batched steps").
-  int moe_tile_claims_from = kRowsGemvNever;
+  /// waits long at its grid barrier for one whose share took longer), after the fixed shares of
+  /// moe_tile_claims_fixed; 65: never. 17 by default (with 75 % fixed, on an H100 +4.6 % at 32
+  /// rows, +1.2 % at 48, +1.5 % at 64). A speed setting: which block computes a tile never
+  /// changes a bit (docs/cuda.md, "Batched steps").
+  int moe_tile_claims_from = 17;
   /// LILY_CUDA_MOE_TILE_CLAIMS_FIXED 0 … 100: with tile claims (moe_tile_claims_from), the per
   /// cent of the routed gate/up tiles split over the blocks in equal contiguous shares first
-  /// (their activation columns shared in L1), only the rest claimed. 0 by default: every routed
-  /// tile claimed. A speed setting (docs/cuda.md, "Batched steps").
-  int moe_tile_claims_fixed = 0;
+  /// (their activation columns shared in L1), only the rest claimed; 0: every routed tile
+  /// claimed. 75 by default (the best of 0, 50, 60, 75, 80 and 90 on an H100). A speed setting
+  /// (docs/cuda.md, "Batched steps").
+  int moe_tile_claims_fixed = 75;
   /// LILY_CUDA_ROWS_GEMV_NORM 1|0: in the batched decode's steps of 2 … 8 rows each layer's
   /// input add + RMSNorm is formed by the in-projection's blocks while they stage the rows
   /// (launch_add_rmsnorm_gemv_rows: one launch fewer a layer, the same bits) instead of by a

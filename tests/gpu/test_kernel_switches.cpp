@@ -116,7 +116,7 @@ TEST(KernelSwitches, RowsGemvKsplitFromReachesItsSetting) {
 
 TEST(KernelSwitches, MoeTileClaimsFromReachesItsSetting) {
   check_rows_threshold(&CudaOptions::moe_tile_claims_from, cuda::moe_tile_claims_from_rows,
-                       cuda::kMoeTileClaimsFromDefault, 17);
+                       cuda::kMoeTileClaimsFromDefault, 33);
   for (int bad : {0, CudaOptions::kRowsGemvNever + 1}) EXPECT_THROW(cuda::set_moe_tile_claims_from_rows(bad), Error) << bad;
 }
 
@@ -133,7 +133,7 @@ TEST(KernelSwitches, MoeTileClaimsFixedReachesItsSetting) {
     EXPECT_THROW(cuda::set_moe_tile_claims_fixed_percent(bad), Error) << bad;
   }
   cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_EQ(cuda::moe_tile_claims_fixed_percent(), 0);
+  EXPECT_EQ(cuda::moe_tile_claims_fixed_percent(), cuda::kMoeTileClaimsFixedDefault);
 }
 
 TEST(KernelSwitches, RowsGemvSplitReachesItsSetting) {

@@ -16,6 +16,7 @@ static_assert(CudaOptions::kRowsGemvNever == kMaxDecodeRows + 1, "LILY_CUDA_ROWS
 static_assert(CudaOptions{}.rows_gemv_from == kRowsGemvFromDefault, "one default for the rows mode's threshold");
 static_assert(CudaOptions{}.rows_gemv_ksplit_from == kRowsGemvKsplitFromDefault, "one default for the k-split's threshold");
 static_assert(CudaOptions{}.moe_tile_claims_from == kMoeTileClaimsFromDefault, "one default for the MoE tile claims' threshold");
+static_assert(CudaOptions{}.moe_tile_claims_fixed == kMoeTileClaimsFixedDefault, "one default for the MoE tile claims' fixed share");
 static_assert(CudaOptions::kRowsGemvNever == kMaxMoeRows + 1, "LILY_CUDA_MOE_TILE_CLAIMS_FROM's never: more rows than a MoE launch takes");
 static_assert(CudaOptions{}.gemv_blocks_per_sm == kStreamBlocksPerSm, "one default for the streaming GEMV's blocks per SM");
 static_assert(CudaOptions::kMaxGemvBlocksPerSm == kStreamBlocksPerSm, "LILY_CUDA_GEMV_BLOCKS_PER_SM's limit: the kernel's register budget");

@@ -98,11 +98,16 @@ inline constexpr int kMaxMoeRows = 64;
 /// at 64 (docs/performance/2026-12-07-split-and-route-once.md).
 inline constexpr int kMoeRouteOnceFromDefault = 8;
 /// The rows from which the MoE rows kernel's quads claim their routed gate/up tiles as they go
-/// (moe_tile_claims_from_rows): never (kMaxMoeRows + 1). On an H200, claims from 17 rows gave
-/// +1.1 % batched throughput at 32 rows (split by count) but −2.0 % at 48 and −0.4 % at 64 (split
-/// by cost), where a quad's claimed tiles lose the neighbouring column blocks that a fixed share
-/// keeps in L1 (docs/performance/2026-12-07-h200-tile-claims.md).
-inline constexpr int kMoeTileClaimsFromDefault = kMaxMoeRows + 1;
+/// (moe_tile_claims_from_rows), after the blocks' fixed shares of kMoeTileClaimsFixedDefault per
+/// cent: on an H100, +4.6 % batched throughput at 32 rows, +1.2 % at 48, +1.5 % at 64, and the
+/// same at 16 rows with claims from 9 (docs/performance/2026-12-07-rows-norm-and-claims-fixed.md).
+/// Claiming every tile had lost at 48 and 64 rows on an H200: a quad's claimed tiles miss the
+/// neighbouring column blocks that a fixed share keeps in L1
+/// (docs/performance/2026-12-07-h200-tile-claims.md).
+inline constexpr int kMoeTileClaimsFromDefault = 17;
+/// The per cent of the routed gate/up tiles split in fixed shares before the claims
+/// (moe_tile_claims_fixed_percent): 75 beat 0, 50, 60, 80 and 90 at 32, 48 and 64 rows on an H100.
+inline constexpr int kMoeTileClaimsFixedDefault = 75;
 
 /// The batched decode's GEMV: x bf16 [m, cols] row-major → y [m, rows] (exactly one of y_bf16 /
 /// y_f32 non-null), 1 ≤ m ≤ kMaxDecodeRows. Batch-invariant: the kernel and every summation
@@ -372,8 +377,8 @@ void set_moe_tile_claims_from_rows(int n);
 /// With tile claims (moe_tile_claims_from_rows): the per cent (0 … 100) of the routed gate/up
 /// tiles that the blocks split in equal contiguous shares before claiming the rest, so that most
 /// tiles keep their neighbours' activation columns in L1 and only the tail is balanced by claims.
-/// 0 (the default): every routed tile is claimed. A speed setting only (a tile's bits never
-/// depend on its block). Process-wide (CudaOptions::moe_tile_claims_fixed).
+/// 0: every routed tile is claimed; by default kMoeTileClaimsFixedDefault. A speed setting only (a
+/// tile's bits never depend on its block). Process-wide (CudaOptions::moe_tile_claims_fixed).
 int moe_tile_claims_fixed_percent();
 /// Sets moe_tile_claims_fixed_percent(). Throws lily::Error outside 0 … 100.
 void set_moe_tile_claims_fixed_percent(int percent);

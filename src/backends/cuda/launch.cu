@@ -40,7 +40,7 @@ std::atomic<int> g_moe_route_once_from_rows{kMoeRouteOnceFromDefault};
 /// Rows from which the MoE rows kernel's quads claim their routed gate/up tiles (moe_tile_claims_from_rows).
 std::atomic<int> g_moe_tile_claims_from_rows{kMoeTileClaimsFromDefault};
 /// The fixed share of the routed tiles under claims (moe_tile_claims_fixed_percent).
-std::atomic<int> g_moe_tile_claims_fixed_percent{0};
+std::atomic<int> g_moe_tile_claims_fixed_percent{kMoeTileClaimsFixedDefault};
 /// The streaming GEMV's stage budget (stream_gemv_smem_per_sm, stream_gemv_blocks_per_sm).
 std::atomic<int64_t> g_stream_smem_per_sm{kStreamSmemPerSm};
 std::atomic<int> g_stream_blocks_per_sm{kStreamBlocksPerSm};

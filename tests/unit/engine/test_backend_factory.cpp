@@ -120,8 +120,8 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_FALSE(o.moe_out_proj);
   EXPECT_FALSE(o.moe_next_norm);
   EXPECT_EQ(o.moe_tile_balance, 8);
-  EXPECT_EQ(o.moe_tile_claims_from, 65);
-  EXPECT_EQ(o.moe_tile_claims_fixed, 0);
+  EXPECT_EQ(o.moe_tile_claims_from, 17);
+  EXPECT_EQ(o.moe_tile_claims_fixed, 75);
   EXPECT_FALSE(o.rows_gemv_norm);
   EXPECT_TRUE(o.batched_decode);
   EXPECT_EQ(o.prefill_chunk, 4096);
@@ -131,7 +131,7 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_EQ(o.rows_gemv_split, "tiles");
   EXPECT_EQ(o.rows_gemv_ksplit_from, 9);
   EXPECT_TRUE(o.prefill_rows);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 gemv-tile-counter=1 gemv-blocks-per-sm=4 gemv-smem-kib=112 gemv-late-requests=none flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 moe-out-proj=0 moe-next-norm=0 moe-tile-balance=8 moe-tile-claims-from=65 moe-tile-claims-fixed=0 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64 rows-gemv-from=2 rows-gemv-split=tiles rows-gemv-ksplit-from=9 rows-gemv-norm=0 prefill-rows=1 persistent-decode=0");
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 gemv-tile-counter=1 gemv-blocks-per-sm=4 gemv-smem-kib=112 gemv-late-requests=none flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 moe-out-proj=0 moe-next-norm=0 moe-tile-balance=8 moe-tile-claims-from=17 moe-tile-claims-fixed=75 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64 rows-gemv-from=2 rows-gemv-split=tiles rows-gemv-ksplit-from=9 rows-gemv-norm=0 prefill-rows=1 persistent-decode=0");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {
