@@ -259,7 +259,8 @@ struct CudaOptions {
   /// (docs/cuda.md, "The next norm inside the MoE block").
   bool moe_next_norm = false;
   /// LILY_CUDA_MOE_TILE_BALANCE 0 … 1024: how the batched decode's MoE rows kernel splits its
-  /// routed gate/up tiles over its blocks in launches of more than 32 rows: w = 0, equal tile
+  /// routed gate/up tiles over its blocks in launches of more than 32 rows that take no tile
+  /// claims (moe_tile_claims_from; by default every launch of 17 rows or more does): w = 0, equal tile
   /// counts; w > 0, equal cost, a tile costing w + its live columns (the rows routed to its
   /// column block). A speed setting: which block computes a tile never changes a bit
   /// (docs/cuda.md, "Batched steps"). 8 by default: on an H100, 64 sequences decoding in one

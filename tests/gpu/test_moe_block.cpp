@@ -612,6 +612,9 @@ TEST(CudaMoeBlock, RowsKernelTileBalanceKeepsTheBits) {
   const PdlSetting keep;
   keep.set(true);
   const ScopedSwitch<int> balance(cuda::moe_tile_balance, cuda::set_moe_tile_balance);
+  // The cost split is the one without tile claims (claims take their own fixed shares).
+  const ScopedSwitch<int> claims(cuda::moe_tile_claims_from_rows, cuda::set_moe_tile_claims_from_rows);
+  claims.set(cuda::kMaxMoeRows + 1);
   cudaStream_t stream = nullptr;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   static_assert(cuda::kMoeTileBalanceFromRows <= 33, "every chain below splits by cost");
@@ -826,8 +829,10 @@ TEST(CudaTiming, PrintsMoeBlockTimes) {
   }
   // The routed tiles split by cost (moe_tile_balance w: a tile costs w + its live columns; 0:
   // equal tile counts), the same chain for every w; launches of fewer than
-  // kMoeTileBalanceFromRows rows split by count.
+  // kMoeTileBalanceFromRows rows split by count. Without tile claims, which take their own shares.
   const ScopedSwitch<int> balance(cuda::moe_tile_balance, cuda::set_moe_tile_balance);
+  const ScopedSwitch<int> no_claims(cuda::moe_tile_claims_from_rows, cuda::set_moe_tile_claims_from_rows);
+  no_claims.set(cuda::kMaxMoeRows + 1);
   const int weights[] = {0, 8, 16};
   for (int rows : {48, 64}) {
     MoeBlockChain rchain(256, 8, 2048, 512, kLayers, rng, rows);
