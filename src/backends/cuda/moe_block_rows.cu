@@ -459,16 +459,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
   // The normed rows' group sums, and the logits of kRouteRowsPerPass rows at a time into shared
   // memory, each pass in one round trip (the row staging is free until the gate/up partials use
   // it, and the layout makes it large enough); warp w routes the pass's rows w, w + 16, ….
-  // (Their first kXsumsInFlight per thread are loaded here and stored once the routing is done,
-  // so that their round trip overlaps the routing's instead of coming before it.)
-  constexpr int kXsumsInFlight = 4;
-  float xsum_early[kXsumsInFlight];
-#pragma unroll
-  for (int q = 0; q < kXsumsInFlight; ++q) {
-    const int i = threadIdx.x + q * kBlockThreads;
-    xsum_early[q] = i < m * l.groups_h ? __ldcg(a.normed_sums + i) : 0.0f;
-  }
-  for (int i = threadIdx.x + kXsumsInFlight * kBlockThreads; i < m * l.groups_h; i += kBlockThreads)
+  for (int i = threadIdx.x; i < m * l.groups_h; i += blockDim.x)
     xsums[(i / l.groups_h) * xsum_pitch(l.groups_h) + i % l.groups_h] = __ldcg(a.normed_sums + i);
   if (l.route_once) {
     // Each row routed once, by warp j of block r mod G for row r = b + j·G, straight from the
@@ -503,11 +494,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) moe_rows_kernel(MoeDecodeArg
     __syncthreads();  // the pass's logits are read before the next pass overwrites them
   }
   trace_point(a, kMoeTraceIds);
-#pragma unroll
-  for (int q = 0; q < kXsumsInFlight; ++q) {
-    const int i = threadIdx.x + q * kBlockThreads;
-    if (i < m * l.groups_h) xsums[(i / l.groups_h) * xsum_pitch(l.groups_h) + i % l.groups_h] = xsum_early[q];
-  }
   // The distinct experts: 0 the shared one, then the routed ones in ascending id (a bitmap and
   // its prefix counts); rows_of[d] the rows routed to d.
   for (int i = threadIdx.x; i < m * k; i += blockDim.x) {

@@ -71,14 +71,6 @@ __device__ __forceinline__ uint32_t route_key(float v) {
   return ((u & 0x80000000u) ? ~u : (u | 0x80000000u)) + 1u;  // −inf → 0x00800000, +inf → 0xFF800001
 }
 
-/// The logit of a route_key ≥ 2 (a number): its inverse, except that −0 comes back as +0 (they
-/// compare equal, and expf(±0 − l) and expf(l − ±0) are the same for every l). Key 1 (NaN)
-/// comes back as a NaN, which an arithmetic result turns into the canonical NaN either way.
-__device__ __forceinline__ float route_key_logit(uint32_t key) {
-  const uint32_t w = key - 1u;
-  return __uint_as_float((w & 0x80000000u) ? (w & 0x7FFFFFFFu) : ~w);
-}
-
 /// The same routing as route_token_warp (bit-identical ids and weights, NaN and ties included),
 /// in about k rounds of two warp-reduce instructions instead of k rounds of five shuffle pairs:
 /// lane l holds the keys of experts e = l + 32c (c < N, E ≤ 32·N); each round every lane offers
@@ -93,17 +85,13 @@ __device__ __forceinline__ void route_token_keys(const float* logits, int E, int
                                                  float* __restrict__ weights) {
   const int lane = threadIdx.x % kWarp;
   auto load = [logits](int e) { return kShared ? logits[e] : __ldcg(logits + e); };
-  // Every logit is loaded once, the shared gate's with the others: a pick's logit is its key's
-  // (route_key_logit of the warp's maximum), not a second round trip after the rounds.
-  const float gate_logit = lane == 0 ? load(E) : 0.0f;
   uint32_t key[N];
 #pragma unroll
   for (int c = 0; c < N; ++c) {
     const int e = lane + kWarp * c;
     key[c] = e < E ? route_key(load(e)) : 0u;
   }
-  int mine = 0;             // lane s keeps the id of pick s
-  float mine_logit = 0.0f;  // and its logit
+  int mine = 0;  // lane s keeps the id of pick s
   for (int s = 0; s < k; ++s) {
     uint32_t best = 0u;
     int best_c = 0;
@@ -115,14 +103,11 @@ __device__ __forceinline__ void route_token_keys(const float* logits, int E, int
 #pragma unroll
     for (int c = 0; c < N; ++c)
       if (static_cast<uint32_t>(lane + kWarp * c) == id) key[c] = 0u;
-    if (lane == s) {
-      mine = static_cast<int>(id);
-      mine_logit = route_key_logit(top);
-    }
+    if (lane == s) mine = static_cast<int>(id);
   }
   // Weights exactly as route_token_warp: expf(l_s − l_0), summed in pick order.
-  const float l0 = __shfl_sync(0xffffffffu, mine_logit, 0);
-  const float ex = lane < k ? expf(mine_logit - l0) : 0.0f;
+  const float l0 = load(__shfl_sync(0xffffffffu, mine, 0));
+  const float ex = lane < k ? expf(load(mine) - l0) : 0.0f;
   float denom = 0.0f;
   for (int s = 0; s < k; ++s) denom += __shfl_sync(0xffffffffu, ex, s);
   if (lane < k) {
@@ -131,7 +116,7 @@ __device__ __forceinline__ void route_token_keys(const float* logits, int E, int
   }
   if (lane == 0) {
     ids[k] = E;
-    weights[k] = 1.0f / (1.0f + expf(-gate_logit));
+    weights[k] = 1.0f / (1.0f + expf(-load(E)));
   }
 }
 
