@@ -34,6 +34,11 @@
 #   LILY_GPU_STEPS=claims   the MoE rows kernel's tile claims after fixed shares
 #                           (LILY_CUDA_MOE_TILE_CLAIMS_FIXED): bit tests, chain timings, phases,
 #                           then the throughput per LILY_GPU_CLAIMS_SPLITS ("FROM:FIXED" pairs)
+#   LILY_GPU_STEPS=gdn-rows the batched GDN step: its bit tests (every rows-per-cluster setting),
+#                           the one-sequence GDN tests, the persistent kernel against the decode
+#                           graph (its GDN task has the step's arithmetic), and the timing table
+#                           (CudaTiming.PrintsGdnRowsTimes: 1 … 64 rows, 1 / 2 / 4 rows a cluster,
+#                           beside a copy of the same bytes)
 #   LILY_GPU_STEPS=rows-norm  the input norms inside the in-projections (LILY_CUDA_ROWS_GEMV_NORM):
 #                           the GEMV bit tests (CudaBatchedDecode.RowsNorm*), the batched end-to-end
 #                           tests with it on, then the 35b-a3b throughput with it 0 and 1
@@ -241,6 +246,17 @@ if has claims; then
         grep -E "timing\]|FAILED" | grep -v realdims | grep -v "decode off" | tee "$OUT/claims-throughput-${pair/:/-}-$round.log"
     done
   done
+fi
+if has gdn-rows; then
+  echo "== test_batched_decode: the GDN step's bit tests and timings; test_gdn; the persistent kernel against the graph"
+  timeout 300 "$BUILD/tests/test_batched_decode" --gtest_filter='CudaBatchedDecode.Gdn*:CudaTiming.PrintsGdnRowsTimes' \
+    >"$OUT/gdn-rows.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|Which is|timing\]" "$OUT/gdn-rows.log" | head -40
+  timeout 300 "$BUILD/tests/test_gdn" >"$OUT/gdn-tests.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|decode step" "$OUT/gdn-tests.log" | head -20
+  timeout 300 "$BUILD/tests/test_cuda_e2e" --gtest_filter='CudaE2e.PersistentDecodeMatchesTheDecodeGraph:CudaE2e.BatchedDecode*' \
+    >"$OUT/gdn-e2e.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|bit-identical" "$OUT/gdn-e2e.log" | head -20
 fi
 if has rows-norm; then
   echo "== test_batched_decode: the fused rows norm's bit tests; the batched end-to-end tests with it on"

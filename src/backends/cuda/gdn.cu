@@ -218,14 +218,33 @@ __device__ __forceinline__ void gdn_decode_head(int Hk, int Hv, float eps, const
   const int col = blockIdx.y * kSliceCols + m;  // value column in the head
   const int key_dim = Hk * kDk;
 
-  // q (threads 0..127) and k (threads 128..255) of key head kh, L2-normalised in fp32.
+  // Every input of the step is requested here at once, before the first barrier, so that the
+  // step pays one round trip to L2 rather than one per phase (q/k, then v, then z): this
+  // thread's element of q or k, its column's v, the gate inputs (thread 0) and its column's z
+  // and norm weight (warp 0, which stores the output).
   const int base = (tid < kDk ? 0 : key_dim) + kh * kDk;
-  const float x = to_f32(conv_out[base + tid % kDk]);
+  const bf16 x_in = conv_out[base + tid % kDk];
+  const bf16 v_in = conv_out[2 * key_dim + j * kDv + col];
+  bf16 a_in{}, b_in{}, z_in{};
+  float a_log = 0.0f, dt = 0.0f, gain = 0.0f;
+  if (tid == 0) {
+    a_in = a[j];
+    b_in = b[j];
+    a_log = A_log[j];
+    dt = dt_bias[j];
+  }
+  if (tid < kWarp) {
+    z_in = z[j * kDv + col];
+    gain = norm_w[col];
+  }
+
+  // q (threads 0..127) and k (threads 128..255) of key head kh, L2-normalised in fp32.
+  const float x = to_f32(x_in);
   const float sq = warp_sum(x * x);
   if (tid % kWarp == 0) scratch[tid / kWarp] = sq;
   if (tid == 0) {
-    gates[0] = expf(log_decay(to_f32(a[j]), A_log[j], dt_bias[j]));
-    gates[1] = beta_gate(to_f32(b[j]));
+    gates[0] = expf(log_decay(to_f32(a_in), a_log, dt));
+    gates[1] = beta_gate(to_f32(b_in));
   }
   __syncthreads();
   {
@@ -255,8 +274,7 @@ __device__ __forceinline__ void gdn_decode_head(int Hk, int Hv, float eps, const
   pred = 0.0f;
 #pragma unroll
   for (int p = 0; p < kDecodeParts; ++p) pred += part_s[p][m];
-  const float v = to_f32(conv_out[2 * key_dim + j * kDv + col]);
-  const float delta = (v - pred) * beta;
+  const float delta = (to_f32(v_in) - pred) * beta;
   __syncthreads();  // everyone has read part_s
 
   // Rank-1 update and output with the updated state.
@@ -287,7 +305,7 @@ __device__ __forceinline__ void gdn_decode_head(int Hk, int Hv, float eps, const
   cluster.sync();  // no CTA leaves while another still reads its slice_sq
   if (tid < kWarp) {
     const float rr = gated_norm_r(head_sq, kDv, eps);
-    const float y = gated_norm_y(o, rr, norm_w[col], to_f32(z[j * kDv + col]));
+    const float y = gated_norm_y(o, rr, gain, to_f32(z_in));
     out[j * kDv + col] = to_bf16(y);
   }
 }
@@ -309,26 +327,66 @@ __launch_bounds__(DecodeGeom<D>::kThreads) gdn_decode_kernel(int Hk, int Hv, flo
   gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out, z, a, b, state, out, raw);
 }
 
-/// Batched decode: grid (Hv, D/32, row), the same clusters; row r is gdn_decode_kernel over its
-/// own buffers: conv_out + r·C, z/a/b + r·zab_stride, the state states[r], out + r·Hv·Dv. Each
-/// cluster works on one row only, so a row's arithmetic is that of the sequence alone.
+/// Requests this CTA's state slice S_j[·][32y … 32y + 32) of `state` (fp32 [Hv, D, D]; j =
+/// blockIdx.x, y = blockIdx.y) into `slice` ([D][32] floats, shared memory) as one cp.async
+/// group: 16-byte copies through L2 (the state's last writer is another launch), four rows of
+/// 128 bytes per warp instruction.
 template <int D>
+__device__ __forceinline__ void request_state_slice(const float* state, float* slice) {
+  using Geom = DecodeGeom<D>;
+  constexpr int kChunksPerRow = Geom::kSliceCols / 4;
+  const float* S = state + int64_t(blockIdx.x) * D * D + blockIdx.y * Geom::kSliceCols;
+#pragma unroll
+  for (int q = threadIdx.x; q < D * kChunksPerRow; q += Geom::kThreads) {
+    const int i = q / kChunksPerRow, c = q % kChunksPerRow;
+    cp_async16(slice + i * Geom::kSliceCols + 4 * c, S + i * D + 4 * c, 16);
+  }
+  cp_async_commit();
+}
+
+/// Batched decode: grid (Hv, D/32, ⌈rows / per_cluster⌉), the same clusters; cluster z takes
+/// rows z·per_cluster … (at most per_cluster, fewer in the last), one after the other, each
+/// gdn_decode_kernel over its own buffers: conv_out + r·C, z/a/b + r·zab_stride, the state
+/// states[r], out + r·Hv·Dv. A row's arithmetic is that of the sequence alone whatever the
+/// cluster's other rows. With per_cluster > 1 the next row's state slice is copied into shared
+/// memory (request_state_slice) while the current row's step runs, so that a cluster keeps its
+/// loads in flight while it computes: the launch streams the states with fewer, longer-lived
+/// CTAs.
+/// kChained: the instance for per_cluster > 1, held to 64 registers (four CTAs an SM; unbounded
+/// the loop takes 79); per_cluster = 1 runs the instance without the loop's registers.
+template <int D, bool kChained>
 __global__ void __cluster_dims__(1, DecodeGeom<D>::kSlices, 1)
-__launch_bounds__(DecodeGeom<D>::kThreads) gdn_decode_rows_kernel(int Hk, int Hv, float eps,
+__launch_bounds__(DecodeGeom<D>::kThreads, kChained ? 4 : 5) gdn_decode_rows_kernel(int Hk, int Hv, float eps,
                   const float* __restrict__ A_log, const float* __restrict__ dt_bias,
                   const float* __restrict__ norm_w, const bf16* __restrict__ conv_out,
                   const bf16* __restrict__ z, const bf16* __restrict__ a, const bf16* __restrict__ b,
-                  int64_t zab_stride, float* const* __restrict__ states, bf16* __restrict__ out) {
+                  int64_t zab_stride, float* const* __restrict__ states, bf16* __restrict__ out, int rows,
+                  int per_cluster) {
+  using Geom = DecodeGeom<D>;
+  extern __shared__ __align__(16) float next_slice[];  // [D][32] when per_cluster > 1
   // states[] (written by the step's copy-in) and the state itself are read before the wait, as
   // in gdn_decode_kernel: neither has the immediate predecessor as its last writer.
-  const int64_t r = blockIdx.z;
-  float* state = states[r];
-  float raw[DecodeGeom<D>::kRowsPerPart];
-  load_state_slice<D>(state, raw);
-  pdl_prologue();
+  const int r0 = blockIdx.z * per_cluster, n = kChained ? min(per_cluster, rows - r0) : 1;
   const int C = 2 * Hk * D + Hv * D;
-  gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out + r * C, z + r * zab_stride,
-                     a + r * zab_stride, b + r * zab_stride, state, out + r * Hv * D, raw);
+  float raw[Geom::kRowsPerPart];
+  load_state_slice<D>(states[r0], raw);
+  if (kChained && n > 1) request_state_slice<D>(states[r0 + 1], next_slice);
+  pdl_prologue();
+  const int part = threadIdx.x / Geom::kSliceCols, m = threadIdx.x % Geom::kSliceCols;
+#pragma unroll 1
+  for (int i = 0; i < n; ++i) {
+    const int64_t r = r0 + i;
+    gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out + r * C, z + r * zab_stride,
+                       a + r * zab_stride, b + r * zab_stride, states[r], out + r * Hv * D, raw);
+    if (kChained && i + 1 < n) {  // row i + 1's slice, requested a step ago, into registers; then row i + 2's
+      cp_async_wait<0>();
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < Geom::kRowsPerPart; ++k) raw[k] = next_slice[(part * Geom::kRowsPerPart + k) * Geom::kSliceCols + m];
+      __syncthreads();
+      if (i + 2 < n) request_state_slice<D>(states[r + 2], next_slice);
+    }
+  }
 }
 
 // ---- chunked prefill (UT/WY form) -------------------------------------------------------------
@@ -1367,9 +1425,12 @@ void launch_decode_rows(const GdnDims& dims, const GdnParams& params, int rows, 
                         const bf16* z, const bf16* a, const bf16* b, int64_t zab_stride, float* const* states,
                         bf16* out, cudaStream_t stream) {
   using Geom = DecodeGeom<D>;
-  launch_pdl(gdn_decode_rows_kernel<D>, dim3(dims.n_value_heads, Geom::kSlices, rows), dim3(Geom::kThreads), 0,
-             stream, dims.n_key_heads, dims.n_value_heads, dims.norm_eps, params.A_log, params.dt_bias,
-             params.norm_w, conv_out, z, a, b, zab_stride, states, out);
+  const int per_cluster = std::min(gdn_decode_rows_per_cluster(), rows);
+  const unsigned clusters = static_cast<unsigned>(ceil_div(rows, per_cluster));
+  const size_t smem = per_cluster > 1 ? size_t{D} * Geom::kSliceCols * sizeof(float) : 0;
+  launch_pdl(per_cluster > 1 ? gdn_decode_rows_kernel<D, true> : gdn_decode_rows_kernel<D, false>,
+             dim3(dims.n_value_heads, Geom::kSlices, clusters), dim3(Geom::kThreads), smem, stream, dims.n_key_heads, dims.n_value_heads, dims.norm_eps, params.A_log, params.dt_bias,
+             params.norm_w, conv_out, z, a, b, zab_stride, states, out, rows, per_cluster);
 }
 
 /// Launches the prefill gated norm for head dim D: vector accesses when z (its rows and the
