@@ -38,9 +38,7 @@
 #                           the one-sequence GDN tests, the persistent kernel against the decode
 #                           graph (its GDN task has the step's arithmetic), and the timing table
 #                           (CudaTiming.PrintsGdnRowsTimes: 1 … 64 rows, 1 / 2 / 4 rows a cluster,
-#                           beside a copy of the same bytes), then the 35b-a3b throughput once per
-#                           setting of LILY_GPU_GDN_CHAINS (default "1 2 4"; LILY_GPU_GDN_ROUNDS
-#                           times each, alternating; default 1)
+#                           beside a copy of the same bytes)
 #   LILY_GPU_STEPS=rows-norm  the input norms inside the in-projections (LILY_CUDA_ROWS_GEMV_NORM):
 #                           the GEMV bit tests (CudaBatchedDecode.RowsNorm*), the batched end-to-end
 #                           tests with it on, then the 35b-a3b throughput with it 0 and 1
@@ -105,7 +103,7 @@ targets=()
 # The steps that run lily or the 35b-a3b synth (made below when missing).
 needs_big_model() {
   local s
-  for s in streams big throughput balance split ksplit rows rows-norm claims gdn-rows prof prof-gemv prof-source persistent prof-persistent trace stalls ab; do
+  for s in streams big throughput balance split ksplit rows rows-norm claims prof prof-gemv prof-source persistent prof-persistent trace stalls ab; do
     has "$s" && return 0
   done
   return 1
@@ -259,9 +257,6 @@ if has gdn-rows; then
   timeout 300 "$BUILD/tests/test_cuda_e2e" --gtest_filter='CudaE2e.PersistentDecodeMatchesTheDecodeGraph:CudaE2e.BatchedDecode*' \
     >"$OUT/gdn-e2e.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|bit-identical" "$OUT/gdn-e2e.log" | head -20
-  # The 35b-a3b batched throughput per rows-per-cluster setting (batched decode on only).
-  (export LILY_GPU_BATCHED_ONLY=1; throughput_sweep LILY_CUDA_GDN_ROWS_PER_CLUSTER "${LILY_GPU_GDN_CHAINS:-1 2 4}" \
-    "${LILY_GPU_GDN_ROUNDS:-1}" gdn-chain)
 fi
 if has rows-norm; then
   echo "== test_batched_decode: the fused rows norm's bit tests; the batched end-to-end tests with it on"

@@ -280,11 +280,6 @@ struct CudaOptions {
   /// claimed. 75 by default (the best of 0, 50, 60, 75, 80 and 90 on an H100). A speed setting
   /// (docs/cuda.md, "Batched steps").
   int moe_tile_claims_fixed = 75;
-  /// LILY_CUDA_GDN_ROWS_PER_CLUSTER 1 … 64: rows each cluster of the batched decode's GDN step
-  /// takes one after the other, the next row's state copied in while the current one computes
-  /// (fewer, longer-lived CTAs streaming the 2 MiB states); 1: a cluster per row. A speed setting
-  /// (a row's bits never depend on it; docs/cuda.md, "Batched steps").
-  int gdn_rows_per_cluster = 1;
   /// LILY_CUDA_ROWS_GEMV_NORM 1|0: in the batched decode's steps of 2 … 8 rows each layer's
   /// input add + RMSNorm is formed by the in-projection's blocks while they stage the rows
   /// (launch_add_rmsnorm_gemv_rows: one launch fewer a layer, the same bits) instead of by a
@@ -470,7 +465,6 @@ inline std::span<const Field> fields() {
       {"max-batch", "LILY_CUDA_MAX_BATCH", [](CudaOptions& o, const std::string& l, const std::string& v) { o.max_batch = parse_int(l, v, 1, CudaOptions::kMaxBatch); }},
       {"decode-rows", "LILY_CUDA_DECODE_ROWS", [](CudaOptions& o, const std::string& l, const std::string& v) { o.decode_rows = parse_int(l, v, 1, CudaOptions::kMaxDecodeRows); }},
       {"moe-tile-balance", "LILY_CUDA_MOE_TILE_BALANCE", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_tile_balance = parse_int(l, v, 0, CudaOptions::kMaxMoeTileBalance); }},
-      {"gdn-rows-per-cluster", "LILY_CUDA_GDN_ROWS_PER_CLUSTER", [](CudaOptions& o, const std::string& l, const std::string& v) { o.gdn_rows_per_cluster = parse_int(l, v, 1, CudaOptions::kMaxDecodeRows); }},
       {"rows-gemv-norm", "LILY_CUDA_ROWS_GEMV_NORM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.rows_gemv_norm = parse_choice(l, v, "1", "0"); }},
       {"moe-tile-claims-from", "LILY_CUDA_MOE_TILE_CLAIMS_FROM", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_tile_claims_from = parse_int(l, v, 1, CudaOptions::kRowsGemvNever); }},
       {"moe-tile-claims-fixed", "LILY_CUDA_MOE_TILE_CLAIMS_FIXED", [](CudaOptions& o, const std::string& l, const std::string& v) { o.moe_tile_claims_fixed = parse_int(l, v, 0, 100); }},
@@ -541,7 +535,6 @@ inline std::string CudaOptions::describe() const {
          " moe-next-norm=" + (moe_next_norm ? "1" : "0") + " moe-tile-balance=" + std::to_string(moe_tile_balance) +
          " moe-tile-claims-from=" + std::to_string(moe_tile_claims_from) +
          " moe-tile-claims-fixed=" + std::to_string(moe_tile_claims_fixed) +
-         " gdn-rows-per-cluster=" + std::to_string(gdn_rows_per_cluster) +
          " batched-decode=" + (batched_decode ? "1" : "0") + " chunk=" + std::to_string(prefill_chunk) +
          " max-batch=" + std::to_string(max_batch) + " decode-rows=" + std::to_string(decode_rows) +
          " rows-gemv-from=" + std::to_string(rows_gemv_from) + " rows-gemv-split=" + rows_gemv_split +

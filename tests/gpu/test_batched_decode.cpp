@@ -420,6 +420,11 @@ TEST(CudaBatchedDecode, GdnRowsAreBitIdenticalToEachSequenceAlone) {
   }
 }
 
+TEST(CudaBatchedDecode, GdnRowsPerClusterRefusesOutOfRange) {
+  EXPECT_THROW(cuda::set_gdn_decode_rows_per_cluster(0), lily::Error);
+  EXPECT_THROW(cuda::set_gdn_decode_rows_per_cluster(cuda::kMaxDecodeRows + 1), lily::Error);
+}
+
 /// The batched GDN step (35B-A3B shape: 32 value heads of 128 × 128 fp32 states, 2 MiB a row,
 /// read and written) at 1 … 64 rows for each rows-per-cluster setting, beside a device copy of the
 /// same bytes: µs per launch (events, after a warm-up) and GB/s of state read + written. The

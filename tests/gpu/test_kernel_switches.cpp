@@ -136,22 +136,6 @@ TEST(KernelSwitches, MoeTileClaimsFixedReachesItsSetting) {
   EXPECT_EQ(cuda::moe_tile_claims_fixed_percent(), cuda::kMoeTileClaimsFixedDefault);
 }
 
-TEST(KernelSwitches, GdnRowsPerClusterReachesItsSetting) {
-  CudaOptions o;
-  o.gdn_rows_per_cluster = 4;
-  cuda::apply_kernel_switches(o);
-  EXPECT_EQ(cuda::gdn_decode_rows_per_cluster(), 4);
-  for (int bad : {0, cuda::kMaxDecodeRows + 1}) {
-    o.pdl = false;
-    o.gdn_rows_per_cluster = bad;
-    EXPECT_THROW(cuda::apply_kernel_switches(o), Error) << bad;
-    EXPECT_TRUE(cuda::pdl_enabled()) << "nothing set before the throw";
-    EXPECT_THROW(cuda::set_gdn_decode_rows_per_cluster(bad), Error) << bad;
-  }
-  cuda::apply_kernel_switches(CudaOptions{});
-  EXPECT_EQ(cuda::gdn_decode_rows_per_cluster(), cuda::kGdnDecodeRowsPerClusterDefault);
-}
-
 TEST(KernelSwitches, RowsGemvSplitReachesItsSetting) {
   cuda::apply_kernel_switches(CudaOptions{});
   EXPECT_EQ(cuda::rows_gemv_split(), cuda::RowsGemvSplit::tiles);

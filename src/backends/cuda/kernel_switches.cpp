@@ -17,7 +17,6 @@ static_assert(CudaOptions{}.rows_gemv_from == kRowsGemvFromDefault, "one default
 static_assert(CudaOptions{}.rows_gemv_ksplit_from == kRowsGemvKsplitFromDefault, "one default for the k-split's threshold");
 static_assert(CudaOptions{}.moe_tile_claims_from == kMoeTileClaimsFromDefault, "one default for the MoE tile claims' threshold");
 static_assert(CudaOptions{}.moe_tile_claims_fixed == kMoeTileClaimsFixedDefault, "one default for the MoE tile claims' fixed share");
-static_assert(CudaOptions{}.gdn_rows_per_cluster == kGdnDecodeRowsPerClusterDefault, "one default for the GDN step's rows per cluster");
 static_assert(CudaOptions::kRowsGemvNever == kMaxMoeRows + 1, "LILY_CUDA_MOE_TILE_CLAIMS_FROM's never: more rows than a MoE launch takes");
 static_assert(CudaOptions{}.gemv_blocks_per_sm == kStreamBlocksPerSm, "one default for the streaming GEMV's blocks per SM");
 static_assert(CudaOptions::kMaxGemvBlocksPerSm == kStreamBlocksPerSm, "LILY_CUDA_GEMV_BLOCKS_PER_SM's limit: the kernel's register budget");
@@ -70,9 +69,6 @@ void apply_kernel_switches(const CudaOptions& options) {
   if (options.moe_tile_claims_fixed < 0 || options.moe_tile_claims_fixed > 100)
     throw ::lily::Error("CudaOptions::moe_tile_claims_fixed (LILY_CUDA_MOE_TILE_CLAIMS_FIXED) must be 0 … 100 (per cent), got " +
                         std::to_string(options.moe_tile_claims_fixed));
-  if (options.gdn_rows_per_cluster < 1 || options.gdn_rows_per_cluster > kMaxDecodeRows)
-    throw ::lily::Error("CudaOptions::gdn_rows_per_cluster (LILY_CUDA_GDN_ROWS_PER_CLUSTER) must be 1 … " +
-                        std::to_string(kMaxDecodeRows) + ", got " + std::to_string(options.gdn_rows_per_cluster));
   set_pdl_enabled(options.pdl);
   set_stream_gemv_enabled(options.stream_gemv);
   set_stream_gemv_tile_counter_enabled(options.gemv_tile_counter);
@@ -90,7 +86,6 @@ void apply_kernel_switches(const CudaOptions& options) {
   set_moe_tile_balance(options.moe_tile_balance);
   set_moe_tile_claims_from_rows(options.moe_tile_claims_from);
   set_moe_tile_claims_fixed_percent(options.moe_tile_claims_fixed);
-  set_gdn_decode_rows_per_cluster(options.gdn_rows_per_cluster);
   set_rows_gemv_split(split);
   set_rows_gemv_ksplit_from(options.rows_gemv_ksplit_from);
 }

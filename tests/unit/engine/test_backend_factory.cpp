@@ -122,7 +122,6 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_EQ(o.moe_tile_balance, 8);
   EXPECT_EQ(o.moe_tile_claims_from, 17);
   EXPECT_EQ(o.moe_tile_claims_fixed, 75);
-  EXPECT_EQ(o.gdn_rows_per_cluster, 1);
   EXPECT_FALSE(o.rows_gemv_norm);
   EXPECT_TRUE(o.batched_decode);
   EXPECT_EQ(o.prefill_chunk, 4096);
@@ -132,7 +131,7 @@ TEST(CudaOptions, DefaultsAreTheVerifiedPaths) {
   EXPECT_EQ(o.rows_gemv_split, "tiles");
   EXPECT_EQ(o.rows_gemv_ksplit_from, 9);
   EXPECT_TRUE(o.prefill_rows);
-  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 gemv-tile-counter=1 gemv-blocks-per-sm=4 gemv-smem-kib=112 gemv-late-requests=none flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 moe-out-proj=0 moe-next-norm=0 moe-tile-balance=8 moe-tile-claims-from=17 moe-tile-claims-fixed=75 gdn-rows-per-cluster=1 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64 rows-gemv-from=2 rows-gemv-split=tiles rows-gemv-ksplit-from=9 rows-gemv-norm=0 prefill-rows=1 persistent-decode=0");
+  EXPECT_EQ(o.describe(), "fuse=1 pdl=1 stream-gemv=1 gemv-tile-counter=1 gemv-blocks-per-sm=4 gemv-smem-kib=112 gemv-late-requests=none flash-prefill=1 device-sampler=1 gemv-row-tiles=1 gdn-chunk-parallel=1 gdn-local-mma=1 gdn-state-mma=1 prefill=batched gemm=tensor-core gemm-kernel=wgmma-mixed fused-moe=1 moe-out-proj=0 moe-next-norm=0 moe-tile-balance=8 moe-tile-claims-from=17 moe-tile-claims-fixed=75 batched-decode=1 chunk=4096 max-batch=64 decode-rows=64 rows-gemv-from=2 rows-gemv-split=tiles rows-gemv-ksplit-from=9 rows-gemv-norm=0 prefill-rows=1 persistent-decode=0");
 }
 
 TEST(CudaOptions, ReadsEveryVariable) {
@@ -147,12 +146,12 @@ TEST(CudaOptions, ReadsEveryVariable) {
       aa("LILY_CUDA_GEMV_LATE_REQUESTS", "staged"), ab("LILY_CUDA_MOE_NEXT_NORM", "1"),
       ac("LILY_CUDA_MOE_TILE_BALANCE", "12"), ad("LILY_CUDA_ROWS_GEMV_SPLIT", "0"),
       ae("LILY_CUDA_ROWS_GEMV_KSPLIT_FROM", "33"), af("LILY_CUDA_MOE_TILE_CLAIMS_FROM", "40"),
-      ag("LILY_CUDA_ROWS_GEMV_NORM", "1"), ah("LILY_CUDA_MOE_TILE_CLAIMS_FIXED", "75"), ai("LILY_CUDA_GDN_ROWS_PER_CLUSTER", "4");
+      ag("LILY_CUDA_ROWS_GEMV_NORM", "1"), ah("LILY_CUDA_MOE_TILE_CLAIMS_FIXED", "75");
   const CudaOptions o = CudaOptions::from_env();
   EXPECT_FALSE(o.gdn_local_mma);
   EXPECT_FALSE(o.gdn_state_mma);
   EXPECT_EQ(o.gemm_kernel, "0");
-  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 gemv-tile-counter=0 gemv-blocks-per-sm=2 gemv-smem-kib=224 gemv-late-requests=staged flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv gemm-kernel=0 fused-moe=0 moe-out-proj=1 moe-next-norm=1 moe-tile-balance=12 moe-tile-claims-from=40 moe-tile-claims-fixed=75 gdn-rows-per-cluster=4 batched-decode=0 chunk=256 max-batch=16 decode-rows=64 rows-gemv-from=9 rows-gemv-split=0 rows-gemv-ksplit-from=33 rows-gemv-norm=1 prefill-rows=1 persistent-decode=debug");
+  EXPECT_EQ(o.describe(), "fuse=0 pdl=0 stream-gemv=0 gemv-tile-counter=0 gemv-blocks-per-sm=2 gemv-smem-kib=224 gemv-late-requests=staged flash-prefill=0 device-sampler=0 gemv-row-tiles=0 gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv gemm-kernel=0 fused-moe=0 moe-out-proj=1 moe-next-norm=1 moe-tile-balance=12 moe-tile-claims-from=40 moe-tile-claims-fixed=75 batched-decode=0 chunk=256 max-batch=16 decode-rows=64 rows-gemv-from=9 rows-gemv-split=0 rows-gemv-ksplit-from=33 rows-gemv-norm=1 prefill-rows=1 persistent-decode=debug");
 }
 
 /// The kernel-layer switches (the GDN passes' tensor cores, the GEMM kernel): each one alone,
@@ -237,13 +236,13 @@ TEST(CudaOptions, SetTakesEveryDescribedField) {
   CudaOptions changed;
   for (const char* a : {"fuse=0", "pdl=0", "stream-gemv=0", "gemv-tile-counter=0", "gemv-blocks-per-sm=3", "gemv-smem-kib=160", "gemv-late-requests=all", "flash-prefill=0", "device-sampler=0", "gemv-row-tiles=0",
                         "gdn-chunk-parallel=0", "gdn-local-mma=0", "gdn-state-mma=0", "prefill=per-token", "gemm=gemv",
-                        "gemm-kernel=grouped", "fused-moe=0", "moe-out-proj=1", "moe-next-norm=1", "moe-tile-balance=7", "moe-tile-claims-from=3", "moe-tile-claims-fixed=60", "gdn-rows-per-cluster=2", "batched-decode=0", "chunk=512", "max-batch=7",
+                        "gemm-kernel=grouped", "fused-moe=0", "moe-out-proj=1", "moe-next-norm=1", "moe-tile-balance=7", "moe-tile-claims-from=3", "moe-tile-claims-fixed=60", "batched-decode=0", "chunk=512", "max-batch=7",
                         "decode-rows=48", "rows-gemv-from=9", "rows-gemv-split=all", "rows-gemv-ksplit-from=17", "rows-gemv-norm=1", "prefill-rows=1", "persistent-decode=1"})
     changed.set(a);
   EXPECT_EQ(changed.describe(), "fuse=0 pdl=0 stream-gemv=0 gemv-tile-counter=0 gemv-blocks-per-sm=3 gemv-smem-kib=160 "
                                 "gemv-late-requests=all flash-prefill=0 device-sampler=0 gemv-row-tiles=0 "
                                 "gdn-chunk-parallel=0 gdn-local-mma=0 gdn-state-mma=0 prefill=per-token gemm=gemv "
-                                "gemm-kernel=grouped fused-moe=0 moe-out-proj=1 moe-next-norm=1 moe-tile-balance=7 moe-tile-claims-from=3 moe-tile-claims-fixed=60 gdn-rows-per-cluster=2 batched-decode=0 chunk=512 max-batch=7 "
+                                "gemm-kernel=grouped fused-moe=0 moe-out-proj=1 moe-next-norm=1 moe-tile-balance=7 moe-tile-claims-from=3 moe-tile-claims-fixed=60 batched-decode=0 chunk=512 max-batch=7 "
                                 "decode-rows=48 rows-gemv-from=9 rows-gemv-split=all rows-gemv-ksplit-from=17 rows-gemv-norm=1 prefill-rows=1 persistent-decode=1");
   // describe()'s own words, given back one by one, rebuild the same options.
   CudaOptions rebuilt;
@@ -272,7 +271,6 @@ TEST(CudaOptions, SetRefusesWhatItDoesNotKnowAndChangesNothing) {
                      {"moe-tile-balance=1025", "moe-tile-balance", "moe-tile-balance must be an integer in 0…1024, got '1025'"},
                      {"moe-tile-claims-from=0", "moe-tile-claims-from", "moe-tile-claims-from must be an integer in 1…65, got '0'"},
                      {"moe-tile-claims-fixed=101", "moe-tile-claims-fixed", "moe-tile-claims-fixed must be an integer in 0…100, got '101'"},
-                     {"gdn-rows-per-cluster=65", "gdn-rows-per-cluster", "gdn-rows-per-cluster must be an integer in 1…64, got '65'"},
                      {"gemv-smem-kib=228", "gemv-smem-kib", "gemv-smem-kib must be an integer in 16…227, got '228'"},
                      {"gemv-late-requests=some", "gemv-late-requests", "gemv-late-requests must be 'none', 'staged' or 'all', got 'some'"},
                      {"gemm-kernel=dense", "gemm-kernel", "gemm-kernel must be 'grouped', 'all', '0', 'wgmma'"},
