@@ -34,11 +34,11 @@
 #   LILY_GPU_STEPS=claims   the MoE rows kernel's tile claims after fixed shares
 #                           (LILY_CUDA_MOE_TILE_CLAIMS_FIXED): bit tests, chain timings, phases,
 #                           then the throughput per LILY_GPU_CLAIMS_SPLITS ("FROM:FIXED" pairs)
-#   LILY_GPU_STEPS=gdn-rows the batched GDN step: its bit tests (every rows-per-cluster setting),
-#                           the one-sequence GDN tests, the persistent kernel against the decode
-#                           graph (its GDN task has the step's arithmetic), and the timing table
-#                           (CudaTiming.PrintsGdnRowsTimes: 1 … 64 rows, 1 / 2 / 4 rows a cluster,
-#                           beside a copy of the same bytes)
+#   LILY_GPU_STEPS=gdn-rows the batched GDN step: its bit tests, the one-sequence GDN tests, the
+#                           persistent kernel against the decode graph (its GDN task has the
+#                           step's arithmetic), the batched end-to-end tests, and the timing table
+#                           (CudaTiming.PrintsGdnRowsTimes: 1 … 64 rows beside a copy of the same
+#                           bytes)
 #   LILY_GPU_STEPS=rows-norm  the input norms inside the in-projections (LILY_CUDA_ROWS_GEMV_NORM):
 #                           the GEMV bit tests (CudaBatchedDecode.RowsNorm*), the batched end-to-end
 #                           tests with it on, then the 35b-a3b throughput with it 0 and 1

@@ -405,29 +405,16 @@ TEST(CudaBatchedDecode, GdnRowsAreBitIdenticalToEachSequenceAlone) {
   const cuda::GdnDims real;  // 35B-A3B: Hk 16, Hv 32, D 128
   const cuda::GdnDims realdims = gdn_dims(2, 4, 128);
   const cuda::GdnDims demo = demo_gdn_dims();
-  // Every rows-per-cluster setting: a cluster per row, and chains of 2, 3 and 4 rows (the last
-  // chain of a launch shorter when the rows do not divide).
-  const ScopedSwitch per_cluster(cuda::gdn_decode_rows_per_cluster, cuda::set_gdn_decode_rows_per_cluster);
-  for (int chain : {1, 2, 3, 4}) {
-    SCOPED_TRACE("rows per cluster " + std::to_string(chain));
-    per_cluster.set(chain);
-    check_gdn_rows(real, cuda::kMaxDecodeRows, 100 + cuda::kMaxDecodeRows);
-    for (int rows : {1, 3, 8}) {
-      check_gdn_rows(real, rows, 100 + rows);
-      check_gdn_rows(realdims, rows, 200 + rows);
-      check_gdn_rows(demo, rows, 300 + rows);
-    }
+  check_gdn_rows(real, cuda::kMaxDecodeRows, 100 + cuda::kMaxDecodeRows);
+  for (int rows : {1, 3, 8}) {
+    check_gdn_rows(real, rows, 100 + rows);
+    check_gdn_rows(realdims, rows, 200 + rows);
+    check_gdn_rows(demo, rows, 300 + rows);
   }
 }
 
-TEST(CudaBatchedDecode, GdnRowsPerClusterRefusesOutOfRange) {
-  EXPECT_THROW(cuda::set_gdn_decode_rows_per_cluster(0), lily::Error);
-  EXPECT_THROW(cuda::set_gdn_decode_rows_per_cluster(cuda::kMaxDecodeRows + 1), lily::Error);
-}
-
 /// The batched GDN step (35B-A3B shape: 32 value heads of 128 × 128 fp32 states, 2 MiB a row,
-/// read and written) at 1 … 64 rows for each rows-per-cluster setting, beside a device copy of the
-/// same bytes: µs per launch (events, after a warm-up) and GB/s of state read + written. The
+/// read and written) at 1 … 64 rows, beside a device copy of the same bytes: µs per launch (events, after a warm-up) and GB/s of state read + written. The
 /// launches rotate over three disjoint sets of states (384 MiB in all), so that the states come
 /// from HBM as in a decode step, where a layer's weights pass through L2 between two uses of a
 /// state. Printed, never asserted.
@@ -453,7 +440,6 @@ TEST(CudaTiming, PrintsGdnRowsTimes) {
   DeviceBuffer proj = upload_bf16(normal(int64_t(M) * R, rng, 0.0f, 1.0f));
   DeviceBuffer conv = upload_bf16(normal(int64_t(M) * C, rng, 0.0f, 1.0f)), out(size_t(M) * Vd * 2);
   const bf16* pr = proj.as<bf16>();
-  const ScopedSwitch per_cluster(cuda::gdn_decode_rows_per_cluster, cuda::set_gdn_decode_rows_per_cluster);
   for (int rows : {1, 2, 4, 8, 16, 32, 48, 64}) {
     const double bytes = 2.0 * rows * state_bytes;
     int k = 0;
@@ -463,14 +449,11 @@ TEST(CudaTiming, PrintsGdnRowsTimes) {
     });
     std::printf("[timing] gdn decode rows %2d  copy of the states %8.2f us (%5.0f GB/s)", rows, copy_us,
                 bytes / copy_us / 1e3);
-    for (int chain : {1, 2, 4}) {
-      per_cluster.set(chain);
-      const double us = time_us([&] {
-        cuda::gdn_decode_rows(d, p, rows, conv.as<bf16>(), pr + C, pr + C + Vd, pr + C + Vd + Hv, R,
-                              sets[k++ % kSets].as<float* const>(), out.as<bf16>(), nullptr);
-      });
-      std::printf("  %d a cluster %8.2f us (%5.0f GB/s)", chain, us, bytes / us / 1e3);
-    }
+    const double us = time_us([&] {
+      cuda::gdn_decode_rows(d, p, rows, conv.as<bf16>(), pr + C, pr + C + Vd, pr + C + Vd + Hv, R,
+                            sets[k++ % kSets].as<float* const>(), out.as<bf16>(), nullptr);
+    });
+    std::printf("  gdn_decode_rows %8.2f us (%5.0f GB/s)", us, bytes / us / 1e3);
     std::printf("\n");
   }
 }

@@ -191,21 +191,60 @@ __device__ __forceinline__ void load_state_slice(const float* state, float (&raw
   for (int r = 0; r < Geom::kRowsPerPart; ++r) raw[r] = __ldcg(S + (part * Geom::kRowsPerPart + r) * D + col);
 }
 
+/// Requests this CTA's state slice S_j[·][32y … 32y + 32) of `state` (fp32 [Hv, D, D]; j =
+/// blockIdx.x, y = blockIdx.y) into `slice` ([D][32] floats, shared memory) as one cp.async
+/// group: 16-byte copies through L2 (the state's last writer is another launch), four rows of
+/// 128 bytes per warp instruction. The caller waits for the group before reading the slice.
+template <int D>
+__device__ __forceinline__ void request_state_slice(const float* state, float* slice) {
+  using Geom = DecodeGeom<D>;
+  constexpr int kChunksPerRow = Geom::kSliceCols / 4;
+  const float* S = state + int64_t(blockIdx.x) * D * D + blockIdx.y * Geom::kSliceCols;
+#pragma unroll
+  for (int q = threadIdx.x; q < D * kChunksPerRow; q += Geom::kThreads) {
+    const int i = q / kChunksPerRow, c = q % kChunksPerRow;
+    cp_async16(slice + i * Geom::kSliceCols + 4 * c, S + i * D + 4 * c, 16);
+  }
+  cp_async_commit();
+}
+
+/// gdn_decode_head's view of this thread's part of the old state when it is in registers
+/// (load_state_slice): value r is S_j[16·part + r][col].
+template <int D>
+struct StateInRegisters {
+  const float (&raw)[DecodeGeom<D>::kRowsPerPart];
+  __device__ __forceinline__ void wait() const {}
+  __device__ __forceinline__ float operator()(int r) const { return raw[r]; }
+};
+
+/// The same view when the CTA's slice is in shared memory (request_state_slice, [D][32]):
+/// wait() completes this thread's copies (the head's next barrier publishes everyone's), and
+/// value r is read where it is needed, so that the 16 values hold no registers through the step.
+template <int D>
+struct StateInShared {
+  const float* slice;
+  __device__ __forceinline__ void wait() const { cp_async_wait<0>(); }
+  __device__ __forceinline__ float operator()(int r) const {
+    using Geom = DecodeGeom<D>;
+    const int part = threadIdx.x / Geom::kSliceCols, m = threadIdx.x % Geom::kSliceCols;
+    return slice[(part * Geom::kRowsPerPart + r) * Geom::kSliceCols + m];
+  }
+};
+
 /// A cluster of D/32 CTAs per value head j (compile-time cluster dims); CTA y owns value
 /// columns [32y, 32y+32). Each CTA: q̂/k̂ L2 norms and gates (redundantly), the delta-rule step
 /// on its D×32 slice of S_j (fp32, in place), bf16 output; the gated RMSNorm's Σo² is summed
 /// over the cluster through distributed shared memory. Thread (part, m): column m of the
 /// slice, key rows [16·part, +16).
 /// The body of gdn_decode_kernel, shared with the batched kernel (gdn_decode_rows_kernel): the
-/// caller has run pdl_prologue, passes one sequence's buffers and has loaded this thread's part
-/// of the state slice into `raw` (load_state_slice).
-template <int D>
+/// caller has run pdl_prologue, passes one sequence's buffers and the old state slice as
+/// `old_state` (StateInRegisters or StateInShared: the same arithmetic, so the same bits).
+template <int D, class OldState>
 __device__ __forceinline__ void gdn_decode_head(int Hk, int Hv, float eps, const float* __restrict__ A_log,
                   const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
                   const bf16* __restrict__ conv_out, const bf16* __restrict__ z,
                   const bf16* __restrict__ a, const bf16* __restrict__ b,
-                  float* __restrict__ state, bf16* __restrict__ out,
-                  const float (&raw)[DecodeGeom<D>::kRowsPerPart]) {
+                  float* __restrict__ state, bf16* __restrict__ out, const OldState& old_state) {
   using Geom = DecodeGeom<D>;
   constexpr int kDk = D, kDv = D, kSliceCols = Geom::kSliceCols, kDecodeSlices = Geom::kSlices;
   constexpr int kDecodeParts = Geom::kParts, kRowsPerPart = Geom::kRowsPerPart;
@@ -256,18 +295,18 @@ __device__ __forceinline__ void gdn_decode_head(int Hk, int Hv, float eps, const
     if (tid < kDk) q_s[tid] = x * r * rsqrtf(float(kDk));
     else k_s[tid - kDk] = x * r;
   }
+  old_state.wait();
   __syncthreads();
   const float alpha = gates[0], beta = gates[1];
 
-  // Decay and predict: pred[m] = Σ_i k̂_i·α·S[i][m].
+  // Decay and predict: pred[m] = Σ_i k̂_i·α·S[i][m]. (α·S[i][m] is formed again below where it
+  // is updated, the same product, so the old slice need not stay in registers.)
   float* S = state + int64_t(j) * kDk * kDv;
-  float s[kRowsPerPart];
   float pred = 0.0f;
 #pragma unroll
   for (int r = 0; r < kRowsPerPart; ++r) {
     const int i = part * kRowsPerPart + r;
-    s[r] = alpha * raw[r];
-    pred += k_s[i] * s[r];
+    pred += k_s[i] * (alpha * old_state(r));
   }
   part_s[part][m] = pred;
   __syncthreads();
@@ -282,9 +321,10 @@ __device__ __forceinline__ void gdn_decode_head(int Hk, int Hv, float eps, const
 #pragma unroll
   for (int r = 0; r < kRowsPerPart; ++r) {
     const int i = part * kRowsPerPart + r;
-    s[r] += k_s[i] * delta;
-    S[i * kDv + col] = s[r];
-    o += q_s[i] * s[r];
+    float s = alpha * old_state(r);
+    s += k_s[i] * delta;
+    S[i * kDv + col] = s;
+    o += q_s[i] * s;
   }
   part_s[part][m] = o;
   __syncthreads();
@@ -324,69 +364,37 @@ __launch_bounds__(DecodeGeom<D>::kThreads) gdn_decode_kernel(int Hk, int Hv, flo
   float raw[DecodeGeom<D>::kRowsPerPart];
   load_state_slice<D>(state, raw);
   pdl_prologue();
-  gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out, z, a, b, state, out, raw);
+  gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out, z, a, b, state, out, StateInRegisters<D>{raw});
 }
 
-/// Requests this CTA's state slice S_j[·][32y … 32y + 32) of `state` (fp32 [Hv, D, D]; j =
-/// blockIdx.x, y = blockIdx.y) into `slice` ([D][32] floats, shared memory) as one cp.async
-/// group: 16-byte copies through L2 (the state's last writer is another launch), four rows of
-/// 128 bytes per warp instruction.
+/// CTAs an SM the batched step is written for: the slice in shared memory (16 KiB at D = 128)
+/// instead of registers lets eight fit (32 registers a thread), so that an 8-row step (1,024
+/// CTAs) runs in one wave on 132 SMs and a 64-row step keeps 128 KiB of state loads in flight
+/// per SM.
+constexpr int kGdnRowsBlocksPerSm = 8;
+
+/// Batched decode: grid (Hv, D/32, row), the same clusters; row r is gdn_decode_kernel over its
+/// own buffers: conv_out + r·C, z/a/b + r·zab_stride, the state states[r], out + r·Hv·Dv. Each
+/// cluster works on one row only, so a row's arithmetic is that of the sequence alone. The CTA's
+/// old state slice goes to shared memory (request_state_slice, StateInShared) rather than into
+/// registers: the same values in the same arithmetic, more CTAs an SM.
 template <int D>
-__device__ __forceinline__ void request_state_slice(const float* state, float* slice) {
-  using Geom = DecodeGeom<D>;
-  constexpr int kChunksPerRow = Geom::kSliceCols / 4;
-  const float* S = state + int64_t(blockIdx.x) * D * D + blockIdx.y * Geom::kSliceCols;
-#pragma unroll
-  for (int q = threadIdx.x; q < D * kChunksPerRow; q += Geom::kThreads) {
-    const int i = q / kChunksPerRow, c = q % kChunksPerRow;
-    cp_async16(slice + i * Geom::kSliceCols + 4 * c, S + i * D + 4 * c, 16);
-  }
-  cp_async_commit();
-}
-
-/// Batched decode: grid (Hv, D/32, ⌈rows / per_cluster⌉), the same clusters; cluster z takes
-/// rows z·per_cluster … (at most per_cluster, fewer in the last), one after the other, each
-/// gdn_decode_kernel over its own buffers: conv_out + r·C, z/a/b + r·zab_stride, the state
-/// states[r], out + r·Hv·Dv. A row's arithmetic is that of the sequence alone whatever the
-/// cluster's other rows. With per_cluster > 1 the next row's state slice is copied into shared
-/// memory (request_state_slice) while the current row's step runs, so that a cluster keeps its
-/// loads in flight while it computes: the launch streams the states with fewer, longer-lived
-/// CTAs.
-/// kChained: the instance for per_cluster > 1, held to 64 registers (four CTAs an SM; unbounded
-/// the loop takes 79); per_cluster = 1 runs the instance without the loop's registers.
-template <int D, bool kChained>
 __global__ void __cluster_dims__(1, DecodeGeom<D>::kSlices, 1)
-__launch_bounds__(DecodeGeom<D>::kThreads, kChained ? 4 : 5) gdn_decode_rows_kernel(int Hk, int Hv, float eps,
+__launch_bounds__(DecodeGeom<D>::kThreads, kGdnRowsBlocksPerSm) gdn_decode_rows_kernel(int Hk, int Hv, float eps,
                   const float* __restrict__ A_log, const float* __restrict__ dt_bias,
                   const float* __restrict__ norm_w, const bf16* __restrict__ conv_out,
                   const bf16* __restrict__ z, const bf16* __restrict__ a, const bf16* __restrict__ b,
-                  int64_t zab_stride, float* const* __restrict__ states, bf16* __restrict__ out, int rows,
-                  int per_cluster) {
-  using Geom = DecodeGeom<D>;
-  extern __shared__ __align__(16) float next_slice[];  // [D][32] when per_cluster > 1
+                  int64_t zab_stride, float* const* __restrict__ states, bf16* __restrict__ out) {
+  __shared__ __align__(16) float slice[D * DecodeGeom<D>::kSliceCols];
   // states[] (written by the step's copy-in) and the state itself are read before the wait, as
   // in gdn_decode_kernel: neither has the immediate predecessor as its last writer.
-  const int r0 = blockIdx.z * per_cluster, n = kChained ? min(per_cluster, rows - r0) : 1;
-  const int C = 2 * Hk * D + Hv * D;
-  float raw[Geom::kRowsPerPart];
-  load_state_slice<D>(states[r0], raw);
-  if (kChained && n > 1) request_state_slice<D>(states[r0 + 1], next_slice);
+  const int64_t r = blockIdx.z;
+  float* state = states[r];
+  request_state_slice<D>(state, slice);
   pdl_prologue();
-  const int part = threadIdx.x / Geom::kSliceCols, m = threadIdx.x % Geom::kSliceCols;
-#pragma unroll 1
-  for (int i = 0; i < n; ++i) {
-    const int64_t r = r0 + i;
-    gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out + r * C, z + r * zab_stride,
-                       a + r * zab_stride, b + r * zab_stride, states[r], out + r * Hv * D, raw);
-    if (kChained && i + 1 < n) {  // row i + 1's slice, requested a step ago, into registers; then row i + 2's
-      cp_async_wait<0>();
-      __syncthreads();
-#pragma unroll
-      for (int k = 0; k < Geom::kRowsPerPart; ++k) raw[k] = next_slice[(part * Geom::kRowsPerPart + k) * Geom::kSliceCols + m];
-      __syncthreads();
-      if (i + 2 < n) request_state_slice<D>(states[r + 2], next_slice);
-    }
-  }
+  const int C = 2 * Hk * D + Hv * D;
+  gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out + r * C, z + r * zab_stride,
+                     a + r * zab_stride, b + r * zab_stride, state, out + r * Hv * D, StateInShared<D>{slice});
 }
 
 // ---- chunked prefill (UT/WY form) -------------------------------------------------------------
@@ -1425,12 +1433,9 @@ void launch_decode_rows(const GdnDims& dims, const GdnParams& params, int rows, 
                         const bf16* z, const bf16* a, const bf16* b, int64_t zab_stride, float* const* states,
                         bf16* out, cudaStream_t stream) {
   using Geom = DecodeGeom<D>;
-  const int per_cluster = std::min(gdn_decode_rows_per_cluster(), rows);
-  const unsigned clusters = static_cast<unsigned>(ceil_div(rows, per_cluster));
-  const size_t smem = per_cluster > 1 ? size_t{D} * Geom::kSliceCols * sizeof(float) : 0;
-  launch_pdl(per_cluster > 1 ? gdn_decode_rows_kernel<D, true> : gdn_decode_rows_kernel<D, false>,
-             dim3(dims.n_value_heads, Geom::kSlices, clusters), dim3(Geom::kThreads), smem, stream, dims.n_key_heads, dims.n_value_heads, dims.norm_eps, params.A_log, params.dt_bias,
-             params.norm_w, conv_out, z, a, b, zab_stride, states, out, rows, per_cluster);
+  launch_pdl(gdn_decode_rows_kernel<D>, dim3(dims.n_value_heads, Geom::kSlices, rows), dim3(Geom::kThreads), 0,
+             stream, dims.n_key_heads, dims.n_value_heads, dims.norm_eps, params.A_log, params.dt_bias,
+             params.norm_w, conv_out, z, a, b, zab_stride, states, out);
 }
 
 /// Launches the prefill gated norm for head dim D: vector accesses when z (its rows and the

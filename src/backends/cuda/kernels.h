@@ -279,16 +279,6 @@ bool gdn_chunk_parallel_enabled();
 /// Sets gdn_chunk_parallel_enabled() for the rest of the process (the backend; tests of both paths).
 void set_gdn_chunk_parallel_enabled(bool on);
 
-/// Rows each cluster of the batched GDN decode step takes one after the other, the next row's
-/// state slice loaded while it computes the current one (gdn_decode_rows_kernel); 1: a cluster
-/// per row. A speed setting only (a row's bits do not depend on it); by default
-/// kGdnDecodeRowsPerClusterDefault.
-int gdn_decode_rows_per_cluster();
-/// Sets gdn_decode_rows_per_cluster() for the rest of the process (tests and timings). Throws
-/// lily::Error outside 1 … kMaxDecodeRows.
-void set_gdn_decode_rows_per_cluster(int n);
-inline constexpr int kGdnDecodeRowsPerClusterDefault = 1;
-
 /// Whether the batched CUDA-core GEMV (m > 1: the prefill router, LILY_CUDA_GEMM=gemv) loads each
 /// weight group once per 8 token rows (quant_gemv_tiled_kernel, bit-identical outputs by
 /// construction) instead of once per row: CudaOptions::gemv_row_tiles (LILY_CUDA_GEMV_ROW_TILES);

@@ -25,8 +25,6 @@ std::atomic<bool> g_flash_prefill{true};
 std::atomic<bool> g_device_sampler{true};
 std::atomic<bool> g_gemv_row_tiles{true};
 std::atomic<bool> g_gdn_chunk_parallel{true};
-/// Rows per cluster of the batched GDN decode step (gdn_decode_rows_per_cluster).
-std::atomic<int> g_gdn_decode_rows_per_cluster{kGdnDecodeRowsPerClusterDefault};
 /// The batched GEMV's rows-mode threshold (rows_gemv_staging_min_rows, CudaOptions::rows_gemv_from).
 std::atomic<int> g_rows_gemv_staging_min_rows{kRowsGemvFromDefault};
 /// The batched GEMV's k-split threshold (rows_gemv_ksplit_from, CudaOptions::rows_gemv_ksplit_from).
@@ -170,13 +168,5 @@ void set_stream_gemv_late_requests(StreamLateRequests which) { g_stream_late_req
 
 bool gdn_chunk_parallel_enabled() { return g_gdn_chunk_parallel.load(std::memory_order_relaxed); }
 void set_gdn_chunk_parallel_enabled(bool on) { g_gdn_chunk_parallel.store(on, std::memory_order_relaxed); }
-
-int gdn_decode_rows_per_cluster() { return g_gdn_decode_rows_per_cluster.load(std::memory_order_relaxed); }
-void set_gdn_decode_rows_per_cluster(int n) {
-  if (n < 1 || n > kMaxDecodeRows)
-    throw ::lily::Error("set_gdn_decode_rows_per_cluster: " + std::to_string(n) + " (1 … " +
-                        std::to_string(kMaxDecodeRows) + ")");
-  g_gdn_decode_rows_per_cluster.store(n, std::memory_order_relaxed);
-}
 
 }  // namespace lily::cuda
