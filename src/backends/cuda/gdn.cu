@@ -191,60 +191,21 @@ __device__ __forceinline__ void load_state_slice(const float* state, float (&raw
   for (int r = 0; r < Geom::kRowsPerPart; ++r) raw[r] = __ldcg(S + (part * Geom::kRowsPerPart + r) * D + col);
 }
 
-/// Requests this CTA's state slice S_j[·][32y … 32y + 32) of `state` (fp32 [Hv, D, D]; j =
-/// blockIdx.x, y = blockIdx.y) into `slice` ([D][32] floats, shared memory) as one cp.async
-/// group: 16-byte copies through L2 (the state's last writer is another launch), four rows of
-/// 128 bytes per warp instruction. The caller waits for the group before reading the slice.
-template <int D>
-__device__ __forceinline__ void request_state_slice(const float* state, float* slice) {
-  using Geom = DecodeGeom<D>;
-  constexpr int kChunksPerRow = Geom::kSliceCols / 4;
-  const float* S = state + int64_t(blockIdx.x) * D * D + blockIdx.y * Geom::kSliceCols;
-#pragma unroll
-  for (int q = threadIdx.x; q < D * kChunksPerRow; q += Geom::kThreads) {
-    const int i = q / kChunksPerRow, c = q % kChunksPerRow;
-    cp_async16(slice + i * Geom::kSliceCols + 4 * c, S + i * D + 4 * c, 16);
-  }
-  cp_async_commit();
-}
-
-/// gdn_decode_head's view of this thread's part of the old state when it is in registers
-/// (load_state_slice): value r is S_j[16·part + r][col].
-template <int D>
-struct StateInRegisters {
-  const float (&raw)[DecodeGeom<D>::kRowsPerPart];
-  __device__ __forceinline__ void wait() const {}
-  __device__ __forceinline__ float operator()(int r) const { return raw[r]; }
-};
-
-/// The same view when the CTA's slice is in shared memory (request_state_slice, [D][32]):
-/// wait() completes this thread's copies (the head's next barrier publishes everyone's), and
-/// value r is read where it is needed, so that the 16 values hold no registers through the step.
-template <int D>
-struct StateInShared {
-  const float* slice;
-  __device__ __forceinline__ void wait() const { cp_async_wait<0>(); }
-  __device__ __forceinline__ float operator()(int r) const {
-    using Geom = DecodeGeom<D>;
-    const int part = threadIdx.x / Geom::kSliceCols, m = threadIdx.x % Geom::kSliceCols;
-    return slice[(part * Geom::kRowsPerPart + r) * Geom::kSliceCols + m];
-  }
-};
-
 /// A cluster of D/32 CTAs per value head j (compile-time cluster dims); CTA y owns value
 /// columns [32y, 32y+32). Each CTA: q̂/k̂ L2 norms and gates (redundantly), the delta-rule step
 /// on its D×32 slice of S_j (fp32, in place), bf16 output; the gated RMSNorm's Σo² is summed
 /// over the cluster through distributed shared memory. Thread (part, m): column m of the
 /// slice, key rows [16·part, +16).
 /// The body of gdn_decode_kernel, shared with the batched kernel (gdn_decode_rows_kernel): the
-/// caller has run pdl_prologue, passes one sequence's buffers and the old state slice as
-/// `old_state` (StateInRegisters or StateInShared: the same arithmetic, so the same bits).
-template <int D, class OldState>
+/// caller has run pdl_prologue, passes one sequence's buffers and has loaded this thread's part
+/// of the state slice into `raw` (load_state_slice).
+template <int D>
 __device__ __forceinline__ void gdn_decode_head(int Hk, int Hv, float eps, const float* __restrict__ A_log,
                   const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
                   const bf16* __restrict__ conv_out, const bf16* __restrict__ z,
                   const bf16* __restrict__ a, const bf16* __restrict__ b,
-                  float* __restrict__ state, bf16* __restrict__ out, const OldState& old_state) {
+                  float* __restrict__ state, bf16* __restrict__ out,
+                  const float (&raw)[DecodeGeom<D>::kRowsPerPart]) {
   using Geom = DecodeGeom<D>;
   constexpr int kDk = D, kDv = D, kSliceCols = Geom::kSliceCols, kDecodeSlices = Geom::kSlices;
   constexpr int kDecodeParts = Geom::kParts, kRowsPerPart = Geom::kRowsPerPart;
@@ -295,18 +256,18 @@ __device__ __forceinline__ void gdn_decode_head(int Hk, int Hv, float eps, const
     if (tid < kDk) q_s[tid] = x * r * rsqrtf(float(kDk));
     else k_s[tid - kDk] = x * r;
   }
-  old_state.wait();
   __syncthreads();
   const float alpha = gates[0], beta = gates[1];
 
-  // Decay and predict: pred[m] = Σ_i k̂_i·α·S[i][m]. (α·S[i][m] is formed again below where it
-  // is updated, the same product, so the old slice need not stay in registers.)
+  // Decay and predict: pred[m] = Σ_i k̂_i·α·S[i][m].
   float* S = state + int64_t(j) * kDk * kDv;
+  float s[kRowsPerPart];
   float pred = 0.0f;
 #pragma unroll
   for (int r = 0; r < kRowsPerPart; ++r) {
     const int i = part * kRowsPerPart + r;
-    pred += k_s[i] * (alpha * old_state(r));
+    s[r] = alpha * raw[r];
+    pred += k_s[i] * s[r];
   }
   part_s[part][m] = pred;
   __syncthreads();
@@ -321,10 +282,9 @@ __device__ __forceinline__ void gdn_decode_head(int Hk, int Hv, float eps, const
 #pragma unroll
   for (int r = 0; r < kRowsPerPart; ++r) {
     const int i = part * kRowsPerPart + r;
-    float s = alpha * old_state(r);
-    s += k_s[i] * delta;
-    S[i * kDv + col] = s;
-    o += q_s[i] * s;
+    s[r] += k_s[i] * delta;
+    S[i * kDv + col] = s[r];
+    o += q_s[i] * s[r];
   }
   part_s[part][m] = o;
   __syncthreads();
@@ -364,37 +324,30 @@ __launch_bounds__(DecodeGeom<D>::kThreads) gdn_decode_kernel(int Hk, int Hv, flo
   float raw[DecodeGeom<D>::kRowsPerPart];
   load_state_slice<D>(state, raw);
   pdl_prologue();
-  gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out, z, a, b, state, out, StateInRegisters<D>{raw});
+  gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out, z, a, b, state, out, raw);
 }
-
-/// CTAs an SM the batched step is written for: the slice in shared memory (16 KiB at D = 128)
-/// instead of registers lets eight fit (32 registers a thread), so that an 8-row step (1,024
-/// CTAs) runs in one wave on 132 SMs and a 64-row step keeps 128 KiB of state loads in flight
-/// per SM.
-constexpr int kGdnRowsBlocksPerSm = 8;
 
 /// Batched decode: grid (Hv, D/32, row), the same clusters; row r is gdn_decode_kernel over its
 /// own buffers: conv_out + r·C, z/a/b + r·zab_stride, the state states[r], out + r·Hv·Dv. Each
-/// cluster works on one row only, so a row's arithmetic is that of the sequence alone. The CTA's
-/// old state slice goes to shared memory (request_state_slice, StateInShared) rather than into
-/// registers: the same values in the same arithmetic, more CTAs an SM.
+/// cluster works on one row only, so a row's arithmetic is that of the sequence alone. Held to
+/// 48 registers, five CTAs an SM (unbounded the row offsets take it to 56, four).
 template <int D>
 __global__ void __cluster_dims__(1, DecodeGeom<D>::kSlices, 1)
-__launch_bounds__(DecodeGeom<D>::kThreads, kGdnRowsBlocksPerSm) gdn_decode_rows_kernel(int Hk, int Hv, float eps,
+__launch_bounds__(DecodeGeom<D>::kThreads, 5) gdn_decode_rows_kernel(int Hk, int Hv, float eps,
                   const float* __restrict__ A_log, const float* __restrict__ dt_bias,
                   const float* __restrict__ norm_w, const bf16* __restrict__ conv_out,
                   const bf16* __restrict__ z, const bf16* __restrict__ a, const bf16* __restrict__ b,
                   int64_t zab_stride, float* const* __restrict__ states, bf16* __restrict__ out) {
-  __shared__ __align__(16) float slice[D * DecodeGeom<D>::kSliceCols];
   // states[] (written by the step's copy-in) and the state itself are read before the wait, as
   // in gdn_decode_kernel: neither has the immediate predecessor as its last writer.
   const int64_t r = blockIdx.z;
   float* state = states[r];
-  request_state_slice<D>(state, slice);
+  float raw[DecodeGeom<D>::kRowsPerPart];
+  load_state_slice<D>(state, raw);
   pdl_prologue();
   const int C = 2 * Hk * D + Hv * D;
   gdn_decode_head<D>(Hk, Hv, eps, A_log, dt_bias, norm_w, conv_out + r * C, z + r * zab_stride,
-                     a + r * zab_stride, b + r * zab_stride, state, out + r * Hv * D, StateInShared<D>{slice});
+                     a + r * zab_stride, b + r * zab_stride, state, out + r * Hv * D, raw);
 }
 
 // ---- chunked prefill (UT/WY form) -------------------------------------------------------------
