@@ -414,10 +414,11 @@ TEST(CudaBatchedDecode, GdnRowsAreBitIdenticalToEachSequenceAlone) {
 }
 
 /// The batched GDN step (35B-A3B shape: 32 value heads of 128 × 128 fp32 states, 2 MiB a row,
-/// read and written) at 1 … 64 rows, beside a device copy of the same bytes: µs per launch (events, after a warm-up) and GB/s of state read + written. The
-/// launches rotate over three disjoint sets of states (384 MiB in all), so that the states come
-/// from HBM as in a decode step, where a layer's weights pass through L2 between two uses of a
-/// state. Printed, never asserted.
+/// read and written) at 1 … 64 rows, beside a device copy of the same bytes: µs per launch
+/// (events, after a warm-up) and GB/s of state read + written. The launches rotate over three
+/// disjoint sets of states (384 MiB in all), so that the states come from HBM as in a decode
+/// step, where a layer's weights pass through L2 between two uses of a state. Printed, never
+/// asserted.
 TEST(CudaTiming, PrintsGdnRowsTimes) {
   const cuda::GdnDims d;
   std::mt19937_64 rng(31);
@@ -453,8 +454,7 @@ TEST(CudaTiming, PrintsGdnRowsTimes) {
       cuda::gdn_decode_rows(d, p, rows, conv.as<bf16>(), pr + C, pr + C + Vd, pr + C + Vd + Hv, R,
                             sets[k++ % kSets].as<float* const>(), out.as<bf16>(), nullptr);
     });
-    std::printf("  gdn_decode_rows %8.2f us (%5.0f GB/s)", us, bytes / us / 1e3);
-    std::printf("\n");
+    std::printf("  gdn_decode_rows %8.2f us (%5.0f GB/s)\n", us, bytes / us / 1e3);
   }
 }
 
